@@ -1,0 +1,47 @@
+"""hccl: the pipelined broadcast between Ascend NPUs, through torch_npu.
+
+Same core as nccl with torch.npu streams and events. torch_npu is imported here, at module load,
+so the registry reports a clean "could not be loaded" error on machines without it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch_npu  # noqa: F401  (registers torch.npu and ProcessGroupHCCL)
+
+from ckpt_engine.backends.pipelined import PipelinedBroadcastEngine
+
+__all__ = ["HcclCheckpointEngine"]
+
+
+class HcclCheckpointEngine(PipelinedBroadcastEngine):
+    device_type = "npu"
+
+    def _resolve_device(self, device: str | int | torch.device | None) -> torch.device:
+        npu = torch.npu  # type: ignore[attr-defined]
+        dev = torch.device("npu", npu.current_device()) if device is None else torch.device(device)
+        if dev.type != "npu":
+            raise ValueError(f"the hccl backend moves NPU tensors; got device={device!r}")
+        npu.set_device(dev)
+        return dev
+
+    def _make_group(self, store: torch.distributed.Store, rank: int, world_size: int) -> Any:
+        pg_cls = torch_npu._C._distributed_c10d.ProcessGroupHCCL  # type: ignore[attr-defined]
+        opts = pg_cls.Options()
+        opts._timeout = datetime.timedelta(seconds=self.timeout_s)
+        return pg_cls(store, rank, world_size, opts)
+
+    def _new_stream(self) -> Any:
+        return torch.npu.Stream(device=self.device)  # type: ignore[attr-defined]
+
+    def _new_event(self) -> Any:
+        return torch.npu.Event()  # type: ignore[attr-defined]
+
+    def _current_stream(self) -> Any:
+        return torch.npu.current_stream(self.device)  # type: ignore[attr-defined]
+
+    def _stream_ctx(self, stream: Any) -> Any:
+        return torch.npu.stream(stream)  # type: ignore[attr-defined]

@@ -1,0 +1,359 @@
+"""The pipelined, bucketed broadcast core shared by gloo, nccl and hccl.
+
+Sender: bucket k is packed into rotating buffer k % num_buffers while earlier buckets are in
+flight. Receiver: bucket k+num_buffers is posted as soon as the loader has consumed bucket k, so
+the network and the loader's copies overlap. On accelerators ordering is kept with streams and
+events (never a device-wide synchronize); on CPU with asynchronous gloo work handles. A backend
+subclass only says how its device, streams and process group are made.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from ckpt_engine.checksum import CHECKSUM_BYTES, bucket_checksum
+from ckpt_engine.engine import CheckpointEngine, Rendezvous, SendStats, TransferError
+from ckpt_engine.manifest import BucketManifest, TensorMeta
+
+__all__ = ["PipelinedBroadcastEngine", "torch_dtype"]
+
+logger = logging.getLogger(__name__)
+
+_SLACK = 64  # room after a bucket's data for the 8-byte-aligned checksum
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"this torch build has no dtype {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _align8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+class PipelinedBroadcastEngine(CheckpointEngine):
+    """Rank 0 broadcasts every bucket to all other ranks of one process group."""
+
+    device_type = "cpu"
+
+    def __init__(
+        self,
+        *,
+        bucket_size_bytes: int,
+        num_buffers: int = 2,
+        timeout_s: float = 300.0,
+        verify: bool = False,
+        device: str | int | torch.device | None = None,
+    ) -> None:
+        super().__init__(bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, timeout_s=timeout_s, verify=verify)
+        self.device = self._resolve_device(device)
+        self._buffers: list[torch.Tensor] = []
+        self._group: Any = None
+        self._views: dict[str, list[list[torch.Tensor]]] = {}
+        self._broken = False
+
+    # --- what a backend file provides -------------------------------------------------------
+    def _resolve_device(self, device: str | int | torch.device | None) -> torch.device:
+        return torch.device("cpu")
+
+    def _make_group(self, store: torch.distributed.Store, rank: int, world_size: int) -> Any:
+        raise NotImplementedError
+
+    def _new_stream(self) -> Any:
+        return None
+
+    def _new_event(self) -> Any:
+        return None
+
+    def _current_stream(self) -> Any:
+        return None
+
+    def _stream_ctx(self, stream: Any) -> Any:
+        return nullcontext()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def prepare(self) -> dict[str, Any]:
+        if not self._buffers:
+            self._buffers = [
+                torch.empty(self.bucket_size_bytes + _SLACK, dtype=torch.uint8, device=self.device)
+                for _ in range(self.num_buffers)
+            ]
+            self._comm_stream = self._new_stream()
+            self._ready = [self._new_event() for _ in range(self.num_buffers)]
+            self._free = [self._new_event() for _ in range(self.num_buffers)]
+        return {
+            "device": str(self.device),
+            "buffer_bytes": sum(b.numel() for b in self._buffers),
+            "num_buffers": self.num_buffers,
+        }
+
+    def init_process_group(self, rendezvous: Rendezvous, rank: int) -> None:
+        if self._group is not None:
+            raise RuntimeError("init_process_group() was already called; call finalize() first to rejoin")
+        self.prepare()
+        store = rendezvous.connect_store(is_master=False)
+        self._group = self._make_group(store, rank, rendezvous.world_size)
+        self.rank, self.world_size = rank, rendezvous.world_size
+        self._broken = False
+        # A tiny broadcast creates the communicator now, so join errors surface at join time.
+        probe = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._wait_work(self._group.broadcast(probe, 0), "group warm-up")
+        logger.info("rank %d/%d joined weight-sync group %s", rank, rendezvous.world_size, rendezvous.token)
+
+    def finalize(self) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            try:
+                if self._broken and hasattr(group, "abort"):
+                    group.abort()
+                elif hasattr(group, "shutdown"):
+                    group.shutdown()
+            except Exception as exc:  # tearing down a broken group may itself fail
+                logger.warning("process group teardown: %s", exc)
+        self._buffers, self._views = [], {}
+
+    def abort(self) -> None:
+        """Break the group so peers blocked in a collective fail fast instead of timing out."""
+        self._broken = True
+        if self._group is not None and hasattr(self._group, "abort"):
+            try:
+                self._group.abort()
+            except Exception as exc:
+                logger.warning("process group abort: %s", exc)
+
+    # --- shared helpers ----------------------------------------------------------------------
+    def _require_group(self) -> None:
+        if self._group is None:
+            raise RuntimeError("call init_process_group() before sending or receiving")
+        if self._broken:
+            raise RuntimeError("the weight-sync group is broken by an earlier failure; finalize() and rejoin")
+
+    def _bucket_views(self, manifest: BucketManifest) -> list[list[torch.Tensor]]:
+        """Views of the rotating buffers, one per chunk; cached per manifest digest."""
+        views = self._views.get(manifest.digest)
+        if views is None:
+            if manifest.bucket_size_bytes > self.bucket_size_bytes:
+                raise ValueError(
+                    f"manifest buckets are {manifest.bucket_size_bytes} bytes, larger than this engine's "
+                    f"{self.bucket_size_bytes}-byte buffers"
+                )
+            views = []
+            for bucket in manifest.buckets:
+                buf = self._buffers[bucket.index % self.num_buffers]
+                views.append([self._entry_view(buf, e) for e in bucket.entries])
+            self._views = {manifest.digest: views}  # keep one plan's views: a new plan drops the old
+        return views
+
+    @staticmethod
+    def _entry_view(buf: torch.Tensor, e: TensorMeta) -> torch.Tensor:
+        raw = buf[e.bucket_offset : e.bucket_offset + e.chunk_size]
+        if e.is_whole:
+            return raw.view(torch_dtype(e.dtype)).view(e.shape)
+        return raw
+
+    def _message(self, slot: int, nbytes: int) -> torch.Tensor:
+        return self._buffers[slot][: _align8(nbytes) + (CHECKSUM_BYTES if self.verify else 0)]
+
+    def _wait_work(self, work: Any, what: str) -> None:
+        try:
+            if self.device.type == "cpu":
+                work.wait(_timedelta(self.timeout_s))
+            else:
+                work.wait()
+        except Exception as exc:
+            self._broken = True
+            raise TransferError(f"rank {self.rank}: {what} failed: {exc}") from exc
+
+    def _wait_event(self, event: Any, what: str) -> None:
+        """Host wait on one event with a deadline (accelerators only; no device-wide sync)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                self._broken = True
+                raise TransferError(f"rank {self.rank}: {what} did not finish within {self.timeout_s}s")
+            time.sleep(0.0002)
+
+    # --- sender ------------------------------------------------------------------------------
+    def send_weights(self, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]]) -> SendStats:
+        self._require_group()
+        if self.rank != 0:
+            raise RuntimeError(f"send_weights() runs on rank 0 only, this is rank {self.rank}")
+        t_start = time.perf_counter()
+        stats = SendStats(bytes=manifest.total_bytes, tensors=manifest.num_tensors, buckets=manifest.num_buckets)
+        views = self._bucket_views(manifest)
+        it = iter(weights)
+        works: list[Any] = [None] * self.num_buffers
+        current: torch.Tensor | None = None
+        flat: torch.Tensor | None = None
+        try:
+            for bucket, dsts in zip(manifest.buckets, views):
+                slot = bucket.index % self.num_buffers
+                self._sender_slot_free(slot, works)
+                srcs = []
+                for e in bucket.entries:
+                    if e.chunk_offset == 0:
+                        t0 = time.perf_counter()
+                        current = _next_weight(it, e)
+                        stats.export_s += time.perf_counter() - t0
+                        flat = None
+                    assert current is not None
+                    if e.is_whole:
+                        srcs.append(current)
+                    else:
+                        if flat is None:
+                            flat = _flat_bytes(current.to(torch_dtype(e.dtype)))
+                        srcs.append(flat[e.chunk_offset : e.chunk_offset + e.chunk_size])
+                t0 = time.perf_counter()
+                torch._foreach_copy_(dsts, srcs)
+                msg = self._message(slot, bucket.nbytes)
+                if self.verify:
+                    data = msg[: _align8(bucket.nbytes)]
+                    msg[data.numel() :].view(torch.int64).copy_(bucket_checksum(data))
+                self._tamper_hook(bucket.index, msg)
+                stats.pack_s += time.perf_counter() - t0
+                works[slot] = self._sender_broadcast(slot, msg)
+            if next(it, None) is not None:
+                raise ValueError("the weight source yielded more tensors than its metadata lists")
+            self._sender_drain(works)
+        except BaseException:
+            self.abort()
+            raise
+        stats.total_s = time.perf_counter() - t_start
+        stats.transfer_s = max(0.0, stats.total_s - stats.export_s - stats.pack_s)
+        return stats
+
+    def _tamper_hook(self, bucket_index: int, message: torch.Tensor) -> None:
+        """Called after packing, before sending; subclasses used by fault tests corrupt here."""
+
+    def _sender_slot_free(self, slot: int, works: list[Any]) -> None:
+        if self._comm_stream is None:
+            if works[slot] is not None:
+                self._wait_work(works[slot], f"broadcast from buffer {slot}")
+                works[slot] = None
+        else:
+            self._current_stream().wait_event(self._free[slot])
+
+    def _sender_broadcast(self, slot: int, msg: torch.Tensor) -> Any:
+        if self._comm_stream is None:
+            return self._group.broadcast(msg, 0)
+        self._ready[slot].record(self._current_stream())
+        with self._stream_ctx(self._comm_stream):
+            self._comm_stream.wait_event(self._ready[slot])
+            work = self._group.broadcast(msg, 0)
+            work.wait()
+            self._free[slot].record(self._comm_stream)
+        return work
+
+    def _sender_drain(self, works: list[Any]) -> None:
+        if self._comm_stream is None:
+            for i, work in enumerate(works):
+                if work is not None:
+                    self._wait_work(work, f"broadcast from buffer {i}")
+        else:
+            for i, ev in enumerate(self._free):
+                self._wait_event(ev, f"broadcast from buffer {i}")
+
+    # --- receiver ----------------------------------------------------------------------------
+    def receive_buckets(self, manifest: BucketManifest) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        self._require_group()
+        if self.rank == 0:
+            raise RuntimeError("receive_buckets() runs on receiver ranks, not on the sender (rank 0)")
+        views = self._bucket_views(manifest)
+        buckets = manifest.buckets
+        works: list[Any] = [None] * len(buckets)
+        nb = self.num_buffers
+        partial: dict[str, torch.Tensor] = {}
+        try:
+            for k in range(min(nb, len(buckets))):
+                works[k] = self._post_receive(buckets[k].index % nb, buckets[k].nbytes)
+            for k, bucket in enumerate(buckets):
+                slot = bucket.index % nb
+                self._finish_receive(slot, works[k], k)
+                works[k] = None
+                if self.verify:
+                    self._check_bucket(k, self._message(slot, bucket.nbytes), bucket.nbytes)
+                out: list[tuple[str, torch.Tensor]] = []
+                for e, view in zip(bucket.entries, views[k]):
+                    if e.is_whole:
+                        out.append((e.name, view))
+                        continue
+                    asm = partial.get(e.name)
+                    if asm is None:
+                        asm = partial[e.name] = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
+                    asm[e.chunk_offset : e.chunk_offset + e.chunk_size].copy_(view)
+                    if e.is_last_chunk:
+                        out.append((e.name, asm.view(torch_dtype(e.dtype)).view(e.shape)))
+                        del partial[e.name]
+                yield out
+                # The loader has issued its copies of bucket k: the slot may be refilled.
+                if self._comm_stream is not None:
+                    self._free[slot].record(self._current_stream())
+                if k + nb < len(buckets):
+                    nxt = buckets[k + nb]
+                    works[k + nb] = self._post_receive(nxt.index % nb, nxt.nbytes)
+        except BaseException:
+            self.abort()
+            raise
+        if self._comm_stream is not None:
+            done = self._new_event()
+            done.record(self._current_stream())
+            self._wait_event(done, "loading the last bucket")
+
+    def _post_receive(self, slot: int, nbytes: int) -> Any:
+        msg = self._message(slot, nbytes)
+        if self._comm_stream is None:
+            return self._group.broadcast(msg, 0)
+        with self._stream_ctx(self._comm_stream):
+            self._comm_stream.wait_event(self._free[slot])
+            work = self._group.broadcast(msg, 0)
+            work.wait()
+            self._ready[slot].record(self._comm_stream)
+        return work
+
+    def _finish_receive(self, slot: int, work: Any, k: int) -> None:
+        if self._comm_stream is None:
+            self._wait_work(work, f"bucket {k}")
+        else:
+            self._current_stream().wait_event(self._ready[slot])
+
+    def _check_bucket(self, k: int, msg: torch.Tensor, nbytes: int) -> None:
+        data = msg[: _align8(nbytes)]
+        expected = msg[data.numel() :].view(torch.int64).tolist()
+        actual = bucket_checksum(data).tolist()
+        if expected != actual:
+            self._broken = True
+            raise TransferError(f"rank {self.rank}: bucket {k} failed its checksum (sent {expected}, received {actual})")
+
+
+def _timedelta(seconds: float) -> Any:
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+def _next_weight(it: Iterator[tuple[str, torch.Tensor]], e: TensorMeta) -> torch.Tensor:
+    try:
+        name, tensor = next(it)
+    except StopIteration:
+        raise ValueError(f"the weight source ended before {e.name!r}, which its metadata lists") from None
+    if name != e.name:
+        raise ValueError(f"the weight source yielded {name!r} where its metadata put {e.name!r}")
+    if tuple(tensor.shape) != e.shape:
+        raise ValueError(f"{name}: the weight source yielded shape {tuple(tensor.shape)}, its metadata says {e.shape}")
+    return tensor
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)

@@ -1,0 +1,143 @@
+"""CheckpointEngineRegistry: name -> transport backend class, loaded lazily.
+
+Built-ins are registered by module path so `import ckpt_engine` never imports torch_npu, CUDA
+libraries or other optional packages; third-party backends come from the entry-point group
+`ckpt_engine.backends` or from the `register` decorator.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from ckpt_engine.engine import CheckpointEngine
+
+__all__ = ["CheckpointEngineRegistry", "BackendUnavailableError", "detect_device_type"]
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "ckpt_engine.backends"
+
+
+class BackendUnavailableError(ValueError):
+    """The backend name is unknown, or its module failed to import."""
+
+
+def detect_device_type() -> str:
+    """'npu' when torch_npu sees an Ascend device, 'cuda' when CUDA does, else 'cpu'."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("torch_npu") is not None:
+        try:
+            import torch_npu  # noqa: F401
+
+            if torch.npu.is_available():  # type: ignore[attr-defined]
+                return "npu"
+        except Exception as exc:  # a broken torch_npu must not hide CUDA or CPU
+            logger.warning("torch_npu is installed but failed to load: %s", exc)
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+AUTO_BY_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+
+
+class CheckpointEngineRegistry:
+    """Process-wide table of transport backends."""
+
+    _lazy: ClassVar[dict[str, str]] = {
+        "gloo": "ckpt_engine.backends.gloo:GlooCheckpointEngine",
+        "nccl": "ckpt_engine.backends.nccl:NcclCheckpointEngine",
+        "hccl": "ckpt_engine.backends.hccl:HcclCheckpointEngine",
+        "colocated": "ckpt_engine.backends.colocated:ColocatedCheckpointEngine",
+    }
+    _classes: ClassVar[dict[str, type[CheckpointEngine]]] = {}
+    _failed: ClassVar[dict[str, str]] = {}
+    _entry_points_loaded: ClassVar[bool] = False
+
+    @classmethod
+    def register(cls, name: str) -> Callable[[type[CheckpointEngine]], type[CheckpointEngine]]:
+        """Class decorator: `@CheckpointEngineRegistry.register("mybackend")`."""
+
+        def deco(engine_cls: type[CheckpointEngine]) -> type[CheckpointEngine]:
+            cls.add(name, engine_cls)
+            return engine_cls
+
+        return deco
+
+    @classmethod
+    def add(cls, name: str, engine_cls: type[CheckpointEngine] | str) -> None:
+        """Register a class, or a 'module:Class' path to import on first use."""
+        if not isinstance(name, str) or not name or name == "auto":
+            raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
+        current = cls._classes.get(name, cls._lazy.get(name))
+        if current is not None:
+            if current == engine_cls:
+                return
+            raise ValueError(f"backend {name!r} is already registered; registered: {', '.join(cls.names())}")
+        if isinstance(engine_cls, str):
+            cls._lazy[name] = engine_cls
+        else:
+            cls._classes[name] = engine_cls
+            cls._lazy.pop(name, None)
+        cls._failed.pop(name, None)
+
+    @classmethod
+    def _load_entry_points(cls) -> None:
+        if cls._entry_points_loaded:
+            return
+        cls._entry_points_loaded = True
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name not in cls._lazy and ep.name not in cls._classes:
+                cls._lazy[ep.name] = ep.value
+
+    @classmethod
+    def names(cls) -> list[str]:
+        cls._load_entry_points()
+        return sorted(set(cls._lazy) | set(cls._classes))
+
+    @classmethod
+    def resolve_name(cls, name: str, device_type: str | None = None) -> str:
+        if name != "auto":
+            return name
+        return AUTO_BY_DEVICE[device_type if device_type is not None else detect_device_type()]
+
+    @classmethod
+    def get(cls, name: str) -> type[CheckpointEngine]:
+        """The backend class for `name` ('auto' picks by device), importing it if needed."""
+        cls._load_entry_points()
+        name = cls.resolve_name(name)
+        if name in cls._classes:
+            return cls._classes[name]
+        target = cls._lazy.get(name)
+        if target is None:
+            raise BackendUnavailableError(cls._unknown_message(name))
+        module_name, _, attr = target.partition(":")
+        try:
+            engine_cls = getattr(importlib.import_module(module_name), attr)
+        except Exception as exc:
+            cls._failed[name] = f"{type(exc).__name__}: {exc}"
+            raise BackendUnavailableError(
+                f"backend {name!r} could not be loaded from {target}: {cls._failed[name]}. {cls._unknown_message(None)}"
+            ) from exc
+        cls._classes[name] = engine_cls
+        return engine_cls
+
+    @classmethod
+    def new(cls, name: str, **kwargs: Any) -> CheckpointEngine:
+        return cls.get(name)(**kwargs)
+
+    @classmethod
+    def _unknown_message(cls, name: str | None) -> str:
+        head = f"unknown backend {name!r}; " if name is not None else ""
+        msg = f"{head}known backends: auto, {', '.join(cls.names())}"
+        if cls._failed:
+            msg += "; failed to import: " + "; ".join(f"{k} ({v})" for k, v in sorted(cls._failed.items()))
+        return msg

@@ -1,0 +1,1 @@
+"""Rollout adapters: the controller handle and engine-side receiver for each inference engine."""

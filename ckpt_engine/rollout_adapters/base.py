@@ -1,0 +1,146 @@
+"""RolloutAdapter: the controller's handle on one rollout engine.
+
+The controller (trainer rank 0 or the daemon) calls these in the order of one sync:
+`join` once, then per sync `validate` -> `pause` -> `receive` (blocking while the sender streams)
+-> `finalize(version)` -> `resume`. The data never passes through these calls: the engine's own
+receiver ranks take it from the weight-sync group.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckpt_engine.engine import Rendezvous
+from ckpt_engine.manifest import BucketManifest, TensorSpec
+
+__all__ = ["ManifestRejectedError", "ReceiveReport", "RolloutAdapter", "check_manifest_against", "JoinOptions"]
+
+
+class ManifestRejectedError(ValueError):
+    """An engine refused the manifest; nothing was transferred and its weights are unchanged."""
+
+    def __init__(self, engine: str, problems: list[str]) -> None:
+        shown = "; ".join(problems[:10]) + (f"; ... ({len(problems)} problems)" if len(problems) > 10 else "")
+        super().__init__(f"engine {engine!r} rejected the manifest: {shown}")
+        self.engine, self.problems = engine, problems
+
+
+@dataclass(frozen=True)
+class JoinOptions:
+    """Settings both ends of the group must agree on, sent by the controller at join time."""
+
+    bucket_size_bytes: int
+    num_buffers: int
+    verify: bool
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bucket_size_bytes": self.bucket_size_bytes,
+            "num_buffers": self.num_buffers,
+            "verify": self.verify,
+            "engine_kwargs": dict(self.engine_kwargs),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any) -> JoinOptions:
+        if not isinstance(d, dict) or set(d) != {"bucket_size_bytes", "num_buffers", "verify", "engine_kwargs"}:
+            raise ValueError(f"join options must be a map of bucket_size_bytes, num_buffers, verify, engine_kwargs; got {d!r:.200}")
+        if not isinstance(d["bucket_size_bytes"], int) or d["bucket_size_bytes"] < 1:
+            raise ValueError(f"bucket_size_bytes must be a positive int, got {d['bucket_size_bytes']!r}")
+        if not isinstance(d["num_buffers"], int) or d["num_buffers"] < 2:
+            raise ValueError(f"num_buffers must be an int >= 2, got {d['num_buffers']!r}")
+        if not isinstance(d["verify"], bool) or not isinstance(d["engine_kwargs"], dict):
+            raise ValueError("verify must be a bool and engine_kwargs a map")
+        return cls(**d)
+
+
+@dataclass
+class ReceiveReport:
+    """What one engine reports after loading a sync's weights."""
+
+    tensors: int
+    bytes: int
+    receive_s: float
+    load_s: float
+    loaded: int
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ReceiveReport:
+        if not isinstance(d, dict):
+            raise ValueError("receive report must be a map")
+        try:
+            return cls(int(d["tensors"]), int(d["bytes"]), float(d["receive_s"]), float(d["load_s"]), int(d["loaded"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed receive report: {exc}") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tensors": self.tensors, "bytes": self.bytes, "receive_s": self.receive_s, "load_s": self.load_s, "loaded": self.loaded}
+
+
+def check_manifest_against(manifest: BucketManifest, expected: Mapping[str, TensorSpec], *, allow_missing: bool = True) -> list[str]:
+    """Problems with loading `manifest` into an engine that holds `expected` tensors ([] = fine)."""
+    problems = []
+    for spec in manifest.specs:
+        want = expected.get(spec.name)
+        if want is None:
+            problems.append(f"{spec.name}: the engine has no such tensor")
+        elif want.shape != spec.shape:
+            problems.append(f"{spec.name}: shape {list(spec.shape)} but the engine holds {list(want.shape)}")
+        elif want.dtype != spec.dtype:
+            problems.append(f"{spec.name}: dtype {spec.dtype} but the engine holds {want.dtype}")
+    if not allow_missing:
+        sent = {s.name for s in manifest.specs}
+        problems += [f"{n}: the engine needs this tensor and the manifest lacks it" for n in expected if n not in sent]
+    return problems
+
+
+class RolloutAdapter(ABC):
+    """Controller-side handle of one engine; calls block and are made from worker threads."""
+
+    name: str
+    world_size: int = 1
+
+    def expected_metadata(self) -> list[TensorSpec] | None:
+        """What the engine holds, if the adapter can say without asking (None = ask in validate)."""
+        return None
+
+    @abstractmethod
+    def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
+        """Join the weight-sync group as ranks [rank_offset, rank_offset + world_size); collective."""
+
+    @abstractmethod
+    def validate(self, manifest: BucketManifest, encoded: bytes) -> None:
+        """Raise ManifestRejectedError if the engine cannot load this manifest exactly."""
+
+    @abstractmethod
+    def pause(self, mode: str) -> None: ...
+
+    @abstractmethod
+    def receive(self, manifest: BucketManifest) -> ReceiveReport:
+        """Block until the engine has received and loaded every tensor of `manifest`."""
+
+    @abstractmethod
+    def finalize(self, version: int) -> None:
+        """Post-process loaded weights, flush caches and stamp `version`; the engine stays paused."""
+
+    @abstractmethod
+    def resume(self) -> None: ...
+
+    @abstractmethod
+    def health(self) -> dict[str, Any]:
+        """Raise if the engine is unreachable or dead; else a small status map."""
+
+    @abstractmethod
+    def leave(self) -> None:
+        """Leave the weight-sync group (the group must be rebuilt before the next sync)."""
+
+    def close(self) -> None:
+        """Release local resources (connections, processes the adapter started)."""
+
+
+def names_of(pairs: Iterable[tuple[str, Any]]) -> list[str]:
+    return [n for n, _ in pairs]

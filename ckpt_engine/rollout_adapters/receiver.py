@@ -1,0 +1,99 @@
+"""The engine-side half of a rollout adapter: join, validate, receive and load.
+
+Runs inside the engine's worker process (the reference receiver, vLLM's worker extension). It owns
+the receiving CheckpointEngine, caches decoded manifests by digest and drives a loader with each
+bucket's tensors as they land.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ckpt_engine.engine import CheckpointEngine, Rendezvous
+from ckpt_engine.manifest import BucketManifest, ManifestError, TensorSpec, decode_manifest
+from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.rollout_adapters.base import JoinOptions, ReceiveReport, check_manifest_against
+
+__all__ = ["BucketLoader", "WeightReceiver"]
+
+logger = logging.getLogger(__name__)
+
+BucketLoader = Callable[[list[tuple[str, torch.Tensor]]], int]
+"""Loads one bucket's (name, tensor) pairs; returns how many tensors it loaded."""
+
+
+class WeightReceiver:
+    """One receiving rank: `join` once, then `validate` and `receive` per sync."""
+
+    def __init__(self, device: str | torch.device | None = None) -> None:
+        self.device = device
+        self.engine: CheckpointEngine | None = None
+        self._manifests: dict[str, BucketManifest] = {}
+        self.buckets_received = 0
+
+    def join(self, rendezvous: dict[str, Any] | Rendezvous, rank: int, options: dict[str, Any] | JoinOptions) -> None:
+        rdzv = rendezvous if isinstance(rendezvous, Rendezvous) else Rendezvous.from_dict(rendezvous)
+        opts = options if isinstance(options, JoinOptions) else JoinOptions.from_dict(options)
+        if not isinstance(rank, int) or not 0 < rank < rdzv.world_size:
+            raise ValueError(f"receiver rank must be in [1, {rdzv.world_size}), got {rank!r}")
+        self.leave()
+        kwargs = dict(opts.engine_kwargs)
+        if self.device is not None:
+            kwargs.setdefault("device", self.device)
+        engine = CheckpointEngineRegistry.new(
+            rdzv.backend,
+            bucket_size_bytes=opts.bucket_size_bytes,
+            num_buffers=opts.num_buffers,
+            timeout_s=rdzv.timeout_s,
+            verify=opts.verify,
+            **kwargs,
+        )
+        engine.init_process_group(rdzv, rank)
+        self.engine = engine
+
+    def leave(self) -> None:
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.finalize()
+
+    def validate(self, encoded: bytes | None, digest: str, expected: Mapping[str, TensorSpec] | None) -> dict[str, Any]:
+        """Decode (or recall by digest) a manifest and check it against the engine's tensors."""
+        manifest = self._manifests.get(digest)
+        if manifest is None:
+            if encoded is None:
+                return {"accepted": False, "need_manifest": True, "problems": []}
+            try:
+                manifest = decode_manifest(encoded)
+            except ManifestError as exc:
+                return {"accepted": False, "need_manifest": False, "problems": [f"corrupt manifest: {exc}"]}
+            if manifest.digest != digest:
+                return {"accepted": False, "need_manifest": False, "problems": ["manifest digest differs from the announced one"]}
+        problems = check_manifest_against(manifest, expected) if expected is not None else []
+        if self.engine is not None and manifest.bucket_size_bytes > self.engine.bucket_size_bytes:
+            problems.append(f"manifest buckets of {manifest.bucket_size_bytes} bytes exceed this receiver's buffers")
+        if not problems:
+            self._manifests = {digest: manifest}
+        return {"accepted": not problems, "need_manifest": False, "problems": problems}
+
+    def receive(self, digest: str, loader: BucketLoader) -> ReceiveReport:
+        """Receive every bucket of an accepted manifest and hand each to `loader`."""
+        if self.engine is None:
+            raise RuntimeError("call join() before receive()")
+        manifest = self._manifests.get(digest)
+        if manifest is None:
+            raise RuntimeError(f"manifest {digest[:12]} was not validated on this receiver; call validate() first")
+        t0 = time.perf_counter()
+        load_s, loaded = 0.0, 0
+        for bucket in self.engine.receive_buckets(manifest):
+            if not bucket:  # only a middle chunk of a large tensor landed
+                continue
+            t1 = time.perf_counter()
+            loaded += loader(bucket)
+            load_s += time.perf_counter() - t1
+            self.buckets_received += 1
+        return ReceiveReport(manifest.num_tensors, manifest.total_bytes, time.perf_counter() - t0, load_s, loaded)
