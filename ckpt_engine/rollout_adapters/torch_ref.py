@@ -199,7 +199,8 @@ class TorchRefRollout(RolloutAdapter):
 
     def get_tensor(self, name: str) -> torch.Tensor:
         d = self._call("get_tensor", name=name)
-        return torch.frombuffer(bytearray(d["data"]), dtype=torch.uint8).view(getattr(torch, d["dtype"])).reshape(d["shape"])
+        raw = torch.tensor(list(d["data"]), dtype=torch.uint8) if not d["data"] else torch.frombuffer(bytearray(d["data"]), dtype=torch.uint8)
+        return raw.view(getattr(torch, d["dtype"])).reshape(d["shape"])
 
     def close(self) -> None:
         self.rpc.close()
