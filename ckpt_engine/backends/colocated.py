@@ -97,6 +97,9 @@ class ColocatedCheckpointEngine(PipelinedBroadcastEngine):
     def abort(self) -> None:
         self._broken = True
 
+    def _is_direct(self, bucket: Any) -> bool:
+        return False  # the receiver reads the shared buffer in place; nothing to skip
+
     # --- flags through the store instead of collectives --------------------------------------
     def _key(self, what: str, k: int) -> str:
         return f"s{self._seq}/{what}/{k}"
@@ -145,7 +148,7 @@ class ColocatedCheckpointEngine(PipelinedBroadcastEngine):
         yield from super().receive_buckets(manifest)
         self._release_pending()
 
-    def _post_receive(self, slot: int, nbytes: int) -> Any:
+    def _post_receive(self, slot: int, msg: torch.Tensor) -> Any:
         # Called once the loader is done with the previous bucket in this slot: release it.
         self._release_pending()
         return None

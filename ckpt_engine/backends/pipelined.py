@@ -19,7 +19,7 @@ import torch
 
 from ckpt_engine.checksum import CHECKSUM_BYTES, bucket_checksum
 from ckpt_engine.engine import CheckpointEngine, Rendezvous, SendStats, TransferError
-from ckpt_engine.manifest import BucketManifest, TensorMeta
+from ckpt_engine.manifest import Bucket, BucketManifest, TensorMeta
 
 __all__ = ["PipelinedBroadcastEngine", "torch_dtype"]
 
@@ -133,6 +133,12 @@ class PipelinedBroadcastEngine(CheckpointEngine):
             except Exception as exc:
                 logger.warning("process group abort: %s", exc)
 
+    @property
+    def group(self) -> Any:
+        """The underlying process group (for benchmarks measuring the raw link on the same group)."""
+        self._require_group()
+        return self._group
+
     # --- shared helpers ----------------------------------------------------------------------
     def _require_group(self) -> None:
         if self._group is None:
@@ -213,15 +219,18 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                         srcs.append(current)
                     else:
                         if flat is None:
-                            flat = _flat_bytes(current.to(torch_dtype(e.dtype)))
+                            flat = _flat_bytes(current.to(device=self.device, dtype=torch_dtype(e.dtype)))
                         srcs.append(flat[e.chunk_offset : e.chunk_offset + e.chunk_size])
                 t0 = time.perf_counter()
-                torch._foreach_copy_(dsts, srcs)
-                msg = self._message(slot, bucket.nbytes)
-                if self.verify:
-                    data = msg[: _align8(bucket.nbytes)]
-                    msg[data.numel() :].view(torch.int64).copy_(bucket_checksum(data))
-                self._tamper_hook(bucket.index, msg)
+                if self._is_direct(bucket):
+                    msg = srcs[0]  # a lone chunk of a large tensor travels from its own memory, unpacked
+                else:
+                    torch._foreach_copy_(dsts, srcs)
+                    msg = self._message(slot, bucket.nbytes)
+                    if self.verify:
+                        data = msg[: _align8(bucket.nbytes)]
+                        msg[data.numel() :].view(torch.int64).copy_(bucket_checksum(data))
+                    self._tamper_hook(bucket.index, msg)
                 stats.pack_s += time.perf_counter() - t0
                 works[slot] = self._sender_broadcast(slot, msg)
             if next(it, None) is not None:
@@ -233,6 +242,11 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         stats.total_s = time.perf_counter() - t_start
         stats.transfer_s = max(0.0, stats.total_s - stats.export_s - stats.pack_s)
         return stats
+
+    def _is_direct(self, bucket: Bucket) -> bool:
+        """A bucket holding one chunk of a tensor larger than a bucket moves between that
+        tensor's own memory on both sides: no pack copy, no reassembly copy."""
+        return len(bucket.entries) == 1 and not bucket.entries[0].is_whole and not self.verify
 
     def _tamper_hook(self, bucket_index: int, message: torch.Tensor) -> None:
         """Called after packing, before sending; subclasses used by fault tests corrupt here."""
@@ -275,13 +289,30 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         works: list[Any] = [None] * len(buckets)
         nb = self.num_buffers
         partial: dict[str, torch.Tensor] = {}
+
+        def assembly(e: TensorMeta) -> torch.Tensor:
+            asm = partial.get(e.name)
+            if asm is None:
+                asm = partial[e.name] = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
+            return asm
+
+        def post(k: int) -> Any:
+            bucket = buckets[k]
+            if self._is_direct(bucket):
+                e = bucket.entries[0]
+                target = assembly(e)[e.chunk_offset : e.chunk_offset + e.chunk_size]
+            else:
+                target = self._message(bucket.index % nb, bucket.nbytes)
+            return self._post_receive(bucket.index % nb, target)
+
         try:
             for k in range(min(nb, len(buckets))):
-                works[k] = self._post_receive(buckets[k].index % nb, buckets[k].nbytes)
+                works[k] = post(k)
             for k, bucket in enumerate(buckets):
                 slot = bucket.index % nb
                 self._finish_receive(slot, works[k], k)
                 works[k] = None
+                direct = self._is_direct(bucket)
                 if self.verify:
                     self._check_bucket(k, self._message(slot, bucket.nbytes), bucket.nbytes)
                 out: list[tuple[str, torch.Tensor]] = []
@@ -289,10 +320,9 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                     if e.is_whole:
                         out.append((e.name, view))
                         continue
-                    asm = partial.get(e.name)
-                    if asm is None:
-                        asm = partial[e.name] = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
-                    asm[e.chunk_offset : e.chunk_offset + e.chunk_size].copy_(view)
+                    asm = assembly(e)
+                    if not direct:
+                        asm[e.chunk_offset : e.chunk_offset + e.chunk_size].copy_(view)
                     if e.is_last_chunk:
                         out.append((e.name, asm.view(torch_dtype(e.dtype)).view(e.shape)))
                         del partial[e.name]
@@ -301,8 +331,7 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                 if self._comm_stream is not None:
                     self._free[slot].record(self._current_stream())
                 if k + nb < len(buckets):
-                    nxt = buckets[k + nb]
-                    works[k + nb] = self._post_receive(nxt.index % nb, nxt.nbytes)
+                    works[k + nb] = post(k + nb)
         except BaseException:
             self.abort()
             raise
@@ -311,8 +340,7 @@ class PipelinedBroadcastEngine(CheckpointEngine):
             done.record(self._current_stream())
             self._wait_event(done, "loading the last bucket")
 
-    def _post_receive(self, slot: int, nbytes: int) -> Any:
-        msg = self._message(slot, nbytes)
+    def _post_receive(self, slot: int, msg: torch.Tensor) -> Any:
         if self._comm_stream is None:
             return self._group.broadcast(msg, 0)
         with self._stream_ctx(self._comm_stream):

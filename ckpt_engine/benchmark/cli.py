@@ -1,0 +1,174 @@
+"""`ckpt-engine bench`: spawn a sender and N receivers, measure, check, print a table.
+
+The driver hosts the rendezvous store (free port from the OS), starts one process per rank, shows
+a progress bar while they run, then prints best and median seconds, GB/s and the ratios to the raw
+broadcast, and fails if any receiver's weights differ from the sender's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from ckpt_engine.benchmark.presets import PRESETS, checkpoint_specs, load_preset_config
+from ckpt_engine.registry import CheckpointEngineRegistry
+
+__all__ = ["main", "run_bench"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ckpt-engine bench", description=__doc__)
+    p.add_argument("--preset", default="tiny", help=f"{', '.join(PRESETS)} or a path to an HF config.json")
+    p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
+    p.add_argument("--backend", default="auto", help="auto, gloo, nccl, ...")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default: 1024 on CUDA, 64 on CPU, or the largest tensor if larger)")
+    p.add_argument("--buffers", type=int, default=2)
+    p.add_argument("--receivers", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--modes", default="raw,naive,ours", help="comma-separated subset of raw,naive,ours")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--json", default=None, help="write results as JSON to this file ('-' for stdout)")
+    return p
+
+
+def default_bucket_mb(args: argparse.Namespace, device: str) -> float:
+    """1 GiB on CUDA (64 MiB on CPU), grown to hold the largest tensor whole: a tensor split over
+    buckets needs a reassembly tensor on the receiver, which is extra memory beyond the buffers."""
+    base = 1024 if device == "cuda" else 64
+    specs = checkpoint_specs(load_preset_config(args.preset), dtype=args.dtype, num_layers=args.layers)
+    largest = max((s.nbytes for s in specs), default=0)
+    step = 256 if device == "cuda" else 16
+    return float(max(base, -(-largest // (step << 20)) * step))
+
+
+def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str, Any]:
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    backend = CheckpointEngineRegistry.resolve_name(args.backend, device)
+    CheckpointEngineRegistry.get(backend)  # fail early, with the list of backends
+    bucket_mb = args.bucket_mb if args.bucket_mb is not None else default_bucket_mb(args, device)
+    world = args.receivers + 1
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=args.timeout_s))
+    token = uuid.uuid4().hex
+    prefixed = torch.distributed.PrefixStore(f"{token}/", store)
+    common = [
+        "--world-size", str(world), "--host", "127.0.0.1", "--port", str(store.port), "--token", token,
+        "--backend", backend, "--device", device, "--preset", args.preset, "--dtype", args.dtype,
+        "--bucket-mb", str(bucket_mb), "--buffers", str(args.buffers), "--iters", str(args.iters),
+        "--modes", args.modes, "--timeout-s", str(args.timeout_s),
+    ]
+    if args.layers is not None:
+        common += ["--layers", str(args.layers)]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # like torchrun: ranks sharing a host must not oversubscribe it
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "ckpt_engine.benchmark.worker", "--rank", str(r), *common], env=env)
+        for r in range(world)
+    ]
+    steps = args.iters * len(args.modes.split(","))
+    deadline = time.monotonic() + args.timeout_s * (steps + 2)
+    try:
+        with tqdm(total=steps, desc=f"bench {args.preset} {backend}", disable=not show_progress, file=sys.stderr) as bar:
+            while any(p.poll() is None for p in procs):
+                if any(p.poll() not in (None, 0) for p in procs):
+                    bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+                    raise RuntimeError(f"bench rank(s) {bad} failed (exit codes {[procs[i].returncode for i in bad]})")
+                if time.monotonic() > deadline:
+                    raise TimeoutError("bench did not finish in time")
+                done = prefixed.add("progress", 0)
+                bar.update(done - bar.n)
+                time.sleep(0.2)
+            bar.update(steps - bar.n)
+        bad = [i for i, p in enumerate(procs) if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"bench rank(s) {bad} failed (exit codes {[procs[i].returncode for i in bad]})")
+        results = [json.loads(prefixed.get(f"result/{r}")) for r in range(world)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return summarize(results, args, backend, device, bucket_mb)
+
+
+def summarize(results: list[dict[str, Any]], args: argparse.Namespace, backend: str, device: str, bucket_mb: float) -> dict[str, Any]:
+    sender = results[0]
+    nbytes = sender["bytes"]
+    summary: dict[str, Any] = {
+        "preset": args.preset, "layers": args.layers, "backend": backend, "device": device, "receivers": args.receivers,
+        "dtype": args.dtype, "bucket_mb": bucket_mb, "buffers": args.buffers, "bytes": nbytes, "tensors": sender["tensors"],
+        "iters": args.iters, "modes": {},
+    }
+    if torch.cuda.is_available() and device == "cuda":
+        summary["gpu"] = torch.cuda.get_device_name(0)
+    for mode in ("raw", "naive", "ours"):
+        key = f"{mode}_s"
+        if key not in sender:
+            continue
+        times = [max(r[key][i] for r in results) for i in range(len(sender[key]))]  # slowest rank per iteration
+        best = min(times)
+        summary["modes"][mode] = {"best_s": best, "median_s": statistics.median(times), "gbps": nbytes / best / 1e9, "all_s": times}
+    raw = summary["modes"].get("raw")
+    for mode, m in summary["modes"].items():
+        m["ratio_to_raw"] = raw["best_s"] / m["best_s"] if raw else None
+    if "ours_s" in sender:
+        summary["buckets"] = sender["buckets"]
+        summary["extra_mem_bytes"] = {f"rank{r['rank']}": r["ours_extra_mem"] for r in results}
+        summary["buffer_bytes"] = sender["buffer_bytes"]
+    expected = sender["expected_checksum"]
+    problems = []
+    for r in results[1:]:
+        for mode in ("naive", "ours"):
+            if f"{mode}_checksum" in r and r[f"{mode}_checksum"] != expected:
+                problems.append(f"rank {r['rank']} {mode}: weights differ from the sender's")
+    summary["correct"] = not problems
+    summary["problems"] = problems
+    return summary
+
+
+def print_summary(summary: dict[str, Any], console: Console) -> None:
+    title = (
+        f"{summary['preset']}: {summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB {summary['dtype']}, "
+        f"{summary['backend']} on {summary.get('gpu', summary['device'])}, {summary['receivers']} receiver(s), "
+        f"bucket {summary['bucket_mb']:.0f} MiB x {summary['buffers']}"
+    )
+    table = Table(title=title)
+    for col in ("mode", "best s", "median s", "GB/s", "vs raw"):
+        table.add_column(col, justify="right" if col != "mode" else "left")
+    labels = {"raw": "raw broadcast (one buffer)", "naive": "naive per-tensor", "ours": "ckpt-engine sync"}
+    for mode, m in summary["modes"].items():
+        ratio = f"{m['ratio_to_raw']:.3f}" if m["ratio_to_raw"] is not None else "-"
+        table.add_row(labels[mode], f"{m['best_s']:.4f}", f"{m['median_s']:.4f}", f"{m['gbps']:.2f}", ratio)
+    console.print(table)
+    if "extra_mem_bytes" in summary:
+        mem = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in summary["extra_mem_bytes"].items())
+        console.print(f"extra device memory during sync: {mem} (buffers: {summary['buffer_bytes'] / 2**20:.0f} MiB per side)")
+    console.print("correctness: " + ("receivers' weights equal the sender's" if summary["correct"] else "; ".join(summary["problems"])))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.receivers < 1 or args.iters < 1 or args.buffers < 2:
+        raise SystemExit("bench: --receivers and --iters must be >= 1 and --buffers >= 2")
+    summary = run_bench(args, show_progress=args.json != "-")
+    if args.json == "-":
+        print(json.dumps(summary, indent=2))
+    else:
+        print_summary(summary, Console())
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=2)
+    return 0 if summary["correct"] else 1

@@ -1,0 +1,208 @@
+"""One rank of `ckpt-engine bench`: rank 0 sends, the others receive into destination tensors.
+
+Each rank measures, over the same process group and the same bytes: (a) a raw broadcast of one
+buffer, (b) a naive broadcast per tensor straight into its destination, (c) ckpt-engine's
+pipelined sync with the receiver copying every tensor into its destination, as an engine's loader
+would. Results (JSON) go to the rendezvous store for the driver to print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+
+from ckpt_engine.backends.pipelined import torch_dtype
+from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+from ckpt_engine.buckets import plan_buckets
+from ckpt_engine.checksum import bucket_checksum
+from ckpt_engine.engine import Rendezvous
+from ckpt_engine.registry import CheckpointEngineRegistry
+
+logger = logging.getLogger(__name__)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fill(t: torch.Tensor, seed: int) -> None:
+    """Cheap deterministic content that differs per tensor (not all zeros)."""
+    if t.numel() == 0:
+        return
+    if t.is_floating_point():
+        t.copy_(torch.linspace(-1.0, 1.0, t.numel(), device=t.device).view(t.shape) * (1 + seed % 7))
+    else:
+        t.copy_(torch.arange(t.numel(), device=t.device).view(t.shape) % 251 + seed % 3)
+
+
+def weights_checksum(tensors: list[torch.Tensor]) -> list[int]:
+    """Order-sensitive checksum of many tensors, computed where they live."""
+    total = torch.zeros(2, dtype=torch.int64)
+    for i, t in enumerate(tensors):
+        raw = t.reshape(-1).view(torch.uint8)
+        pad = (-raw.numel()) % 8
+        if pad:
+            raw = torch.cat([raw, raw.new_zeros(pad)])
+        c = bucket_checksum(raw).cpu()
+        total = total * 31 + c + i
+    return total.tolist()
+
+
+class BenchRank:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rank = args.rank
+        if args.device == "cuda":
+            ngpu = torch.cuda.device_count()
+            self.device = torch.device("cuda", self.rank % ngpu)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        config = load_preset_config(args.preset)
+        self.specs = checkpoint_specs(config, dtype=args.dtype, num_layers=args.layers)
+        self.rdzv = Rendezvous(args.host, args.port, args.token, args.world_size, args.backend, args.timeout_s)
+        self.store = self.rdzv.connect_store()
+        self.engine = CheckpointEngineRegistry.new(
+            args.backend,
+            bucket_size_bytes=int(args.bucket_mb * (1 << 20)) // 4096 * 4096,
+            num_buffers=args.buffers,
+            timeout_s=args.timeout_s,
+            device=self.device,
+        )
+        self.mem_before = self._mem()
+        self.tensors = [torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=self.device) for s in self.specs]
+        for i, t in enumerate(self.tensors):
+            if self.rank == 0:
+                _fill(t, i)
+            else:
+                t.zero_()
+        _sync(self.device)
+        self.mem_state = self._mem()
+        self.engine.init_process_group(self.rdzv, self.rank)
+        self.group = self.engine.group
+        self.manifest = plan_buckets(self.specs, self.engine.bucket_size_bytes)
+        self.total_bytes = sum(s.nbytes for s in self.specs)
+
+    def _mem(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
+    def _barrier(self) -> None:
+        flag = torch.ones(1, device=self.device)
+        self.group.allreduce([flag]).wait()
+        _sync(self.device)
+
+    def _timed(self, fn: Any) -> float:
+        self._barrier()
+        t0 = time.perf_counter()
+        fn()
+        _sync(self.device)
+        self._barrier()
+        return time.perf_counter() - t0
+
+    def _progress(self) -> None:
+        if self.rank == 0:
+            self.store.add("progress", 1)
+
+    def raw(self) -> list[float]:
+        buf = torch.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
+        times = []
+        for _ in range(self.args.iters):
+            times.append(self._timed(lambda: self.group.broadcast(buf, 0).wait()))
+            self._progress()
+        del buf
+        return times
+
+    def naive(self) -> list[float]:
+        def run() -> None:
+            work = None
+            for t in self.tensors:
+                work = self.group.broadcast(t, 0)
+                if self.device.type == "cpu":
+                    work.wait()
+            if work is not None:
+                work.wait()
+
+        times = []
+        for _ in range(self.args.iters):
+            self._zero_receivers()
+            times.append(self._timed(run))
+            self._progress()
+        return times
+
+    def _zero_receivers(self) -> None:
+        if self.rank != 0:
+            for t in self.tensors:
+                t.zero_()
+
+    def ours(self) -> tuple[list[float], int]:
+        names = [s.name for s in self.specs]
+        dst = dict(zip(names, self.tensors))
+
+        def send() -> None:
+            self.engine.send_weights(self.manifest, zip(names, self.tensors))
+
+        def receive() -> None:
+            for bucket in self.engine.receive_buckets(self.manifest):
+                if bucket:
+                    torch._foreach_copy_([dst[n] for n, _ in bucket], [t for _, t in bucket])
+
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        times = []
+        for _ in range(self.args.iters):
+            self._zero_receivers()
+            times.append(self._timed(send if self.rank == 0 else receive))
+            self._progress()
+        peak = torch.cuda.max_memory_allocated(self.device) - self.mem_state if self.device.type == "cuda" else 0
+        return times, peak
+
+    def run(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rank": self.rank, "device": str(self.device), "bytes": self.total_bytes, "tensors": len(self.specs)}
+        modes = self.args.modes.split(",")
+        if "raw" in modes:
+            out["raw_s"] = self.raw()
+        if "naive" in modes:
+            out["naive_s"] = self.naive()
+            out["naive_checksum"] = weights_checksum(self.tensors)
+        if "ours" in modes:
+            out["ours_s"], out["ours_extra_mem"] = self.ours()
+            out["ours_checksum"] = weights_checksum(self.tensors)
+            out["buffer_bytes"] = self.engine.num_buffers * self.engine.bucket_size_bytes
+            out["buckets"] = self.manifest.num_buckets
+        out["expected_checksum"] = weights_checksum(self.tensors) if self.rank == 0 else None
+        self.engine.finalize()
+        return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="one rank of ckpt-engine bench (started by the driver)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--token", required=True)
+    p.add_argument("--backend", required=True)
+    p.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    p.add_argument("--preset", required=True)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--bucket-mb", type=float, required=True)
+    p.add_argument("--buffers", type=int, default=2)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--modes", default="raw,naive,ours")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    rank = BenchRank(args)
+    result = rank.run()
+    rank.store.set(f"result/{args.rank}", json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

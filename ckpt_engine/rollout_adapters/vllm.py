@@ -1,0 +1,256 @@
+"""vLLM rollout adapters: an in-process `vllm.LLM` and an OpenAI `api_server` in dev mode.
+
+Both drive the worker extension in `ckpt_engine.rollout_adapters.vllm_worker` (start vLLM with
+`worker_extension_cls=WORKER_EXTENSION`). Control goes through `collective_rpc` (in-process) or the
+dev-mode HTTP routes (`VLLM_SERVER_DEV_MODE=1`: `/collective_rpc`, `/pause`, `/resume`,
+`/reset_prefix_cache`, `/update_weight_version`, `/weight_info`); weights go only through the
+weight-sync group, into ranks `rank_offset + worker rank`.
+
+One sync: validate (manifest checked against vLLM's own parameters after its stacking rules) ->
+pause the scheduler -> receive (layerwise reload, bucket by bucket) -> finalize (layerwise
+post-processing, prefix-cache reset, engine weight version stamped; vLLM then tags every
+request's output tokens with it) -> resume.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+from ckpt_engine.engine import Rendezvous
+from ckpt_engine.manifest import BucketManifest
+from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
+
+if TYPE_CHECKING:
+    import vllm
+
+__all__ = ["WORKER_EXTENSION", "VllmRollout", "VllmServerRollout"]
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm_worker.CkptEngineWorkerExtension"
+
+# ckpt-engine pause modes -> vLLM's (`keep` freezes requests in place, `abort` drops them).
+_PAUSE_MODES = {"keep": "keep", "abort": "abort"}
+
+
+class _VllmAdapterBase(RolloutAdapter):
+    """What both transports share: one control call per worker method, results from every worker."""
+
+    def __init__(self, name: str, timeout_s: float) -> None:
+        self.name = name
+        self.timeout_s = timeout_s
+        self.pids: list[int] = []
+        self._sent_digest: str | None = None
+        self.version: int | None = None
+        self.last_finalize: dict[str, Any] = {}
+
+    def _rpc(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def _encode_manifest(self, encoded: bytes) -> Any:
+        return encoded
+
+    def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
+        self._sent_digest = None
+        results = self._rpc("ckpt_join", rendezvous=rendezvous.to_dict(), rank_offset=rank_offset, options=options.to_dict())
+        self.pids = [int(r["pid"]) for r in results]
+
+    def validate(self, manifest: BucketManifest, encoded: bytes) -> None:
+        send = None if self._sent_digest == manifest.digest else self._encode_manifest(encoded)
+        replies = self._rpc("ckpt_validate", encoded=send, digest=manifest.digest)
+        if any(r.get("need_manifest") for r in replies):
+            replies = self._rpc("ckpt_validate", encoded=self._encode_manifest(encoded), digest=manifest.digest)
+        problems: list[str] = []
+        for rank, reply in enumerate(replies):
+            if not reply.get("accepted"):
+                problems += [p if len(replies) == 1 else f"worker {rank}: {p}" for p in reply.get("problems") or ["rejected"]]
+        if problems:
+            self._sent_digest = None
+            raise ManifestRejectedError(self.name, problems)
+        self._sent_digest = manifest.digest
+
+    def receive(self, manifest: BucketManifest) -> ReceiveReport:
+        replies = self._rpc("ckpt_receive", timeout_s=self.timeout_s * 2, digest=manifest.digest)
+        reports = [ReceiveReport.from_dict(r) for r in replies]
+        slowest = max(reports, key=lambda r: r.receive_s)
+        return ReceiveReport(slowest.tensors, slowest.bytes, slowest.receive_s, max(r.load_s for r in reports), min(r.loaded for r in reports))
+
+    def finalize(self, version: int) -> None:
+        t0 = time.perf_counter()
+        replies = self._rpc("ckpt_finalize", version=version)
+        t1 = time.perf_counter()
+        self._reset_prefix_cache()
+        self._set_engine_version(str(version))
+        self.version = version
+        self.last_finalize = {
+            "post_process_s": max(float(r["finalize_s"]) for r in replies),
+            "finalize_rpc_s": t1 - t0,
+            "cache_and_version_s": time.perf_counter() - t1,
+        }
+
+    def leave(self) -> None:
+        self._rpc("ckpt_leave")
+
+    def worker_health(self) -> list[dict[str, Any]]:
+        """Per-worker state from the extension (not usable while a receive is in flight)."""
+        return self._rpc("ckpt_health", timeout_s=min(self.timeout_s, 30.0))
+
+    def _check_pids(self) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise RuntimeError(f"engine {self.name!r}: worker process {pid} is gone") from None
+            except PermissionError:
+                pass
+            if _is_zombie(pid):
+                raise RuntimeError(f"engine {self.name!r}: worker process {pid} exited")
+
+    def _reset_prefix_cache(self) -> None:
+        raise NotImplementedError
+
+    def _set_engine_version(self, version: str) -> None:
+        raise NotImplementedError
+
+
+class VllmRollout(_VllmAdapterBase):
+    """Handle on an in-process `vllm.LLM` started with `worker_extension_cls=WORKER_EXTENSION`.
+
+    Call `sync` from a thread other than one generating with the same `LLM`: control calls go
+    through `llm.collective_rpc`, which queues behind a running `generate`.
+    """
+
+    def __init__(self, name: str, llm: vllm.LLM, *, timeout_s: float = 300.0) -> None:
+        super().__init__(name, timeout_s)
+        self.llm = llm
+        parallel = llm.llm_engine.vllm_config.parallel_config
+        self.world_size = int(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+
+    def _rpc(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        return list(self.llm.collective_rpc(method, timeout=timeout, kwargs=kwargs))
+
+    def _utility(self, method: str, *args: Any) -> Any:
+        core = self.llm.llm_engine.engine_core
+        if hasattr(core, "call_utility"):
+            return core.call_utility(method, *args)
+        return getattr(core.engine_core, method)(*args)  # in-process engine core
+
+    def pause(self, mode: str) -> None:
+        if mode == "none":
+            return
+        self._utility("pause_scheduler", _PAUSE_MODES[mode], False)
+
+    def resume(self) -> None:
+        self._utility("resume_scheduler")
+
+    def _reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def _set_engine_version(self, version: str) -> None:
+        self.llm.update_weight_version(version)
+
+    def weight_version(self) -> str:
+        return str(self.llm.get_weight_version())
+
+    def health(self) -> dict[str, Any]:
+        self._check_pids()
+        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
+        if resources is not None and getattr(resources, "engine_dead", False):
+            raise RuntimeError(f"engine {self.name!r}: vLLM engine core is dead")
+        return {"pids": self.pids, "version": self.version}
+
+
+class VllmServerRollout(_VllmAdapterBase):
+    """Handle on `python -m vllm.entrypoints.openai.api_server --worker-extension-cls ...` in dev mode."""
+
+    def __init__(
+        self,
+        name: str,
+        base_url: str,
+        *,
+        timeout_s: float = 300.0,
+        world_size: int | None = None,
+        session: Any = None,
+    ) -> None:
+        import requests
+
+        super().__init__(name, timeout_s)
+        self.base_url = base_url.rstrip("/")
+        self.http = session if session is not None else requests.Session()
+        self._probe = requests.Session()  # health checks must not share a connection with receive
+        if world_size is None:
+            world_size = int(self._get("/get_world_size", params={"include_dp": "false"})["world_size"])
+        self.world_size = world_size
+        # Worker pids are only meaningful to check on this host.
+        self._local = urlsplit(self.base_url).hostname in ("127.0.0.1", "localhost", "::1")
+
+    # --- HTTP --------------------------------------------------------------------------------
+    def _post(self, path: str, json: Any = None, params: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        resp = self.http.post(f"{self.base_url}{path}", json=json, params=params, timeout=timeout)
+        if resp.status_code != 200:
+            raise RuntimeError(f"engine {self.name!r}: POST {path} answered {resp.status_code}: {resp.text[:500]}")
+        return resp.json() if resp.content else None
+
+    def _get(self, path: str, params: dict[str, Any] | None = None, timeout_s: float | None = None, probe: bool = False) -> Any:
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        resp = (self._probe if probe else self.http).get(f"{self.base_url}{path}", params=params, timeout=timeout)
+        if resp.status_code != 200:
+            raise RuntimeError(f"engine {self.name!r}: GET {path} answered {resp.status_code}: {resp.text[:500]}")
+        return resp.json() if resp.content else None
+
+    def _rpc(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        body = {"method": method, "kwargs": kwargs, "timeout": timeout}
+        reply = self._post("/collective_rpc", json=body, timeout_s=timeout + 10.0)
+        results = reply.get("results") if isinstance(reply, dict) else None
+        if not isinstance(results, list):
+            raise RuntimeError(f"engine {self.name!r}: /collective_rpc {method} returned {reply!r:.200}")
+        return results
+
+    def _encode_manifest(self, encoded: bytes) -> Any:
+        return base64.b64encode(encoded).decode("ascii")  # the route carries JSON only
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def pause(self, mode: str) -> None:
+        if mode == "none":
+            return
+        self._post("/pause", params={"mode": _PAUSE_MODES[mode], "clear_cache": "false"})
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+    def _reset_prefix_cache(self) -> None:
+        reply = self._post("/reset_prefix_cache")
+        if isinstance(reply, dict) and reply.get("success") is False:
+            logger.warning("engine %s: prefix cache reset refused (blocks still held)", self.name)
+
+    def _set_engine_version(self, version: str) -> None:
+        self._post("/update_weight_version", json={"new_version": version})
+
+    def weight_version(self) -> str:
+        return str(self._get("/weight_info")["weight_version"])
+
+    def health(self) -> dict[str, Any]:
+        if self._local:
+            self._check_pids()
+        self._get("/health", timeout_s=min(self.timeout_s, 5.0), probe=True)
+        return {"pids": self.pids, "version": self.version}
+
+    def close(self) -> None:
+        self.http.close()
+        self._probe.close()
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
