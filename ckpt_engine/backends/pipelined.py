@@ -170,7 +170,8 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         return raw
 
     def _message(self, slot: int, nbytes: int) -> torch.Tensor:
-        return self._buffers[slot][: _align8(nbytes) + (CHECKSUM_BYTES if self.verify else 0)]
+        """What travels for a bucket: its bytes, plus (with verify) padding and the checksum."""
+        return self._buffers[slot][: _align8(nbytes) + CHECKSUM_BYTES if self.verify else nbytes]
 
     def _wait_work(self, work: Any, what: str) -> None:
         try:
@@ -224,6 +225,8 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                 t0 = time.perf_counter()
                 if self._is_direct(bucket):
                     msg = srcs[0]  # a lone chunk of a large tensor travels from its own memory, unpacked
+                elif self._sendable_in_place(bucket, srcs):
+                    msg = _flat_bytes(srcs[0])  # a lone whole tensor: no pack copy either
                 else:
                     torch._foreach_copy_(dsts, srcs)
                     msg = self._message(slot, bucket.nbytes)
@@ -247,6 +250,14 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         """A bucket holding one chunk of a tensor larger than a bucket moves between that
         tensor's own memory on both sides: no pack copy, no reassembly copy."""
         return len(bucket.entries) == 1 and not bucket.entries[0].is_whole and not self.verify
+
+    def _sendable_in_place(self, bucket: Bucket, srcs: list[torch.Tensor]) -> bool:
+        """The sender may broadcast a bucket's only tensor from the tensor itself when its memory
+        already has the wire layout; receivers see the same bytes either way."""
+        if len(srcs) != 1 or self.verify:
+            return False
+        src, e = srcs[0], bucket.entries[0]
+        return src.is_contiguous() and src.device == self.device and src.dtype == torch_dtype(e.dtype) and src.numel() > 0
 
     def _tamper_hook(self, bucket_index: int, message: torch.Tensor) -> None:
         """Called after packing, before sending; subclasses used by fault tests corrupt here."""

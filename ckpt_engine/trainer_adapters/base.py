@@ -51,7 +51,11 @@ class TrainEngine(ABC):
 
     @abstractmethod
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full, HF-named tensors in `metadata()` order; a collective walk on every trainer rank."""
+        """Full, HF-named tensors in `metadata()` order; a collective walk on every trainer rank.
+
+        A yielded tensor may alias a gather buffer that the walk reuses or frees: it is valid until
+        the next item is requested (the sync core packs it before asking for more); clone to keep.
+        """
 
     @abstractmethod
     def save_checkpoint(self, path: str) -> None:
@@ -59,6 +63,15 @@ class TrainEngine(ABC):
 
     @abstractmethod
     def load_checkpoint(self, path: str) -> None: ...
+
+    def export_hf(self, path: str, *, max_shard_bytes: int = 5 * 1024**3, hf_config: Any = None) -> list[str]:
+        """Write the exported weights as a HF safetensors checkpoint; every trainer rank calls it.
+
+        The sender rank writes the files (returned); the others only take part in the gathers.
+        """
+        from ckpt_engine.trainer_adapters.hf_export import save_hf_weights
+
+        return save_hf_weights(self, path, max_shard_bytes=max_shard_bytes, hf_config=hf_config)
 
 
 class TrainEngineRegistry:

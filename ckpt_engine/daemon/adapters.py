@@ -1,0 +1,116 @@
+"""Engine kinds: how the daemon turns a registration's engine descriptor into a RolloutAdapter.
+
+An engine registers by describing how to reach it, e.g. `{"kind": "torch_ref", "host": "10.0.0.5",
+"port": 41234}`. The kind names a factory `factory(name, params, timeout_s) -> RolloutAdapter`
+that validates its own params (they came over the wire) and connects lazily. Built-ins are
+registered by module path so importing the daemon never imports vLLM or SGLang; third parties
+register with `register_engine_kind` or the `ckpt_engine.engine_kinds` entry-point group.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
+from typing import Any
+
+from ckpt_engine.rollout_adapters.base import RolloutAdapter
+
+__all__ = ["EngineKindRegistry", "make_adapter", "register_engine_kind", "torch_ref_factory"]
+
+logger = logging.getLogger(__name__)
+
+AdapterFactory = Callable[[str, Mapping[str, Any], float], RolloutAdapter]
+
+
+class EngineKindRegistry:
+    """kind name -> adapter factory, imported on first use."""
+
+    _lazy: dict[str, str] = {"torch_ref": "ckpt_engine.daemon.adapters:torch_ref_factory"}
+    _loaded: dict[str, AdapterFactory] = {}
+    _failed: dict[str, str] = {}
+    _entry_points_done = False
+    _lock = threading.Lock()
+
+    @classmethod
+    def register(cls, kind: str, factory: AdapterFactory | str) -> None:
+        with cls._lock:
+            cls._load_entry_points()
+            known = cls._lazy.get(kind) or cls._loaded.get(kind)
+            if known is not None and known is not factory and known != factory:
+                raise ValueError(f"engine kind {kind!r} is already registered; registered: {', '.join(cls.names_locked())}")
+            if isinstance(factory, str):
+                cls._lazy[kind] = factory
+            else:
+                cls._loaded[kind] = factory
+
+    @classmethod
+    def names(cls) -> list[str]:
+        with cls._lock:
+            cls._load_entry_points()
+            return cls.names_locked()
+
+    @classmethod
+    def names_locked(cls) -> list[str]:
+        return sorted(set(cls._lazy) | set(cls._loaded))
+
+    @classmethod
+    def get(cls, kind: str) -> AdapterFactory:
+        with cls._lock:
+            cls._load_entry_points()
+            if kind in cls._loaded:
+                return cls._loaded[kind]
+            target = cls._lazy.get(kind)
+            if target is None:
+                failed = "".join(f"; {k} failed to import: {why}" for k, why in cls._failed.items())
+                raise ValueError(f"unknown engine kind {kind!r}; known: {', '.join(cls.names_locked())}{failed}")
+            module, _, attr = target.partition(":")
+            try:
+                factory = getattr(importlib.import_module(module), attr)
+            except (ImportError, AttributeError) as exc:
+                cls._failed[kind] = str(exc)
+                raise ValueError(f"engine kind {kind!r} could not be loaded ({target}): {exc}") from exc
+            cls._loaded[kind] = factory
+            return factory
+
+    @classmethod
+    def _load_entry_points(cls) -> None:
+        if cls._entry_points_done:
+            return
+        cls._entry_points_done = True
+        try:
+            for ep in entry_points(group="ckpt_engine.engine_kinds"):
+                cls._lazy.setdefault(ep.name, ep.value)
+        except Exception as exc:  # a broken third-party distribution must not break the daemon
+            logger.warning("could not read ckpt_engine.engine_kinds entry points: %s", exc)
+
+
+def register_engine_kind(kind: str, factory: AdapterFactory | str) -> None:
+    """Make `{"kind": kind, ...}` descriptors resolvable; `factory` may be "module:attr"."""
+    EngineKindRegistry.register(kind, factory)
+
+
+def make_adapter(name: str, descriptor: Mapping[str, Any], timeout_s: float) -> RolloutAdapter:
+    """Build the adapter for a validated descriptor (`kind` plus that kind's params)."""
+    params = {k: v for k, v in descriptor.items() if k != "kind"}
+    adapter = EngineKindRegistry.get(descriptor["kind"])(name, params, timeout_s)
+    if not isinstance(adapter, RolloutAdapter):
+        raise TypeError(f"engine kind {descriptor['kind']!r} produced {type(adapter).__name__}, not a RolloutAdapter")
+    return adapter
+
+
+def torch_ref_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> RolloutAdapter:
+    """A reference receiver reachable at `host`:`port` (the daemon does not own its process)."""
+    from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
+
+    unknown = sorted(set(params) - {"host", "port"})
+    if unknown:
+        raise ValueError(f"torch_ref engine descriptor: unknown key(s) {', '.join(unknown)}; allowed: kind, host, port")
+    host, port = params.get("host"), params.get("port")
+    if not isinstance(host, str) or not 0 < len(host) <= 255:
+        raise ValueError(f"torch_ref engine descriptor: host must be a non-empty string, got {host!r:.80}")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"torch_ref engine descriptor: port must be an int in [1, 65535], got {port!r:.80}")
+    return TorchRefRollout(name, host, port, None, timeout_s)

@@ -1,0 +1,567 @@
+"""WeightSyncDaemon: membership, versions, health and fault recovery around WeightSyncSession.
+
+Three ways to run it, one class:
+
+- **Embedded** (the main path): trainer rank 0 owns a `WeightSyncDaemon`; engines register with it
+  (in-process adapters, or descriptors over the control protocol after `serve()`), and
+  `sync(source)` moves the trainer's weights. Data must leave the trainer process, so the daemon
+  that drives the transfer lives there.
+- **Standalone** (`ckpt-engine serve`, `role="standalone"`): the job's membership authority. It
+  keeps engines (register / leave / heartbeat / health probes), the current version and the last
+  sync report, and answers `ckpt-engine status`; it holds no weights and never syncs itself.
+- **Trainer following a standalone daemon** (`upstream=DaemonClient(...)`): before each sync the
+  trainer's daemon mirrors the standalone daemon's member list (building adapters from the
+  descriptors), drives the sync locally, and reports the outcome back (`report_sync`), so the
+  standalone daemon's versions, drops and status stay current.
+
+Fault handling in `sync()`: an engine named by a failed sync (died, timed out, rejected the
+manifest) is dropped from the membership, the broken group is torn down, the group is rebuilt
+from the survivors and the same version is pushed again, up to `daemon.max_resync_attempts`
+times. The caller gets a `SyncOutcome` saying what happened; nothing waits past the configured
+timeouts. Engines that lack a complete version (new, returning or stale) stay paused and are
+listed by `pending()` until a sync covers them.
+
+Collective contract with a sharded trainer: every sync attempt walks the weight source exactly
+once on the sender (however the attempt ended), and after each walk the sender calls
+`walk_barrier(again)`; the other trainer ranks walk once per attempt and learn from that barrier
+whether another walk follows (see `ckpt_engine.trainer.loop.follow_sync`).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ckpt_engine.config import CheckpointEngineConfig
+from ckpt_engine.daemon.adapters import make_adapter
+from ckpt_engine.daemon.config import DaemonConfig
+from ckpt_engine.daemon.membership import EngineRecord, EngineState, Membership
+from ckpt_engine.daemon.protocol import ProtocolError, check_engine_descriptor, check_engine_name, check_outcome
+from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
+from ckpt_engine.sync import SyncError, WeightSyncSession
+from ckpt_engine.weights import WeightSource
+
+if TYPE_CHECKING:
+    from ckpt_engine.daemon.client import DaemonClient
+    from ckpt_engine.daemon.server import DaemonServer
+
+__all__ = ["SyncOutcome", "WeightSyncDaemon"]
+
+logger = logging.getLogger(__name__)
+
+WalkBarrier = Callable[[bool], None]
+"""Called on the sender after each walk of the source with `again`: whether another walk follows."""
+
+
+@dataclass
+class SyncOutcome:
+    """What one `WeightSyncDaemon.sync()` did, including any drops and automatic re-syncs."""
+
+    version: int
+    ok: bool = False
+    """True when every engine still a member at the end holds `version` completely."""
+    catch_up: bool = False
+    """The version was the current one again (new or returning engines caught up)."""
+    engines: dict[str, int | None] = field(default_factory=dict)
+    """Each member's last complete version at the end."""
+    states: dict[str, str] = field(default_factory=dict)
+    dropped: dict[str, str] = field(default_factory=dict)
+    """Engines removed from the group during this sync, with the reason (they died, timed out, rejected)."""
+    rejected: dict[str, list[str]] = field(default_factory=dict)
+    stale: list[str] = field(default_factory=list)
+    attempts: list[dict[str, Any]] = field(default_factory=list)
+    """One entry per failed attempt: stage and the engines it named."""
+    report: dict[str, Any] | None = None
+    """The successful attempt's SyncReport.to_dict()."""
+    error: str | None = None
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _OneWalkPerAttempt:
+    """Wraps a weight source so that each attempt walks `iter_weights()` exactly once.
+
+    WeightSyncSession may walk the source partly (a failed transfer), not at all (a failed join or
+    pause) or start a second walk to drain it; on a sharded trainer every walk is a collective, so
+    the sender must walk exactly as often as the other ranks. All `iter_weights()` calls within an
+    attempt continue one underlying walk, and `finish()` completes it.
+    """
+
+    is_sender = True
+
+    def __init__(self, source: WeightSource) -> None:
+        self.source = source
+        self._it: Iterator[tuple[str, torch.Tensor]] | None = None
+        self._done = True
+
+    def metadata(self) -> list[TensorSpec]:
+        return self.source.metadata()
+
+    def begin(self) -> None:
+        self._it, self._done = None, False
+
+    def _iterator(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._it is None:
+            self._it = iter(self.source.iter_weights())
+        return self._it
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in self._iterator():
+            yield item
+        self._done = True
+
+    def finish(self) -> None:
+        if not self._done:
+            for _ in self._iterator():
+                pass
+            self._done = True
+        self._it = None
+
+
+class WeightSyncDaemon:
+    """Membership, versions and fault recovery of one job's weight-sync group; see the module docstring."""
+
+    def __init__(
+        self,
+        config: CheckpointEngineConfig | None = None,
+        daemon_config: DaemonConfig | None = None,
+        *,
+        token: str | None = None,
+        role: str = "embedded",
+        upstream: DaemonClient | None = None,
+        rendezvous_host: str = "127.0.0.1",
+    ) -> None:
+        if role not in ("embedded", "standalone"):
+            raise ValueError(f"role must be 'embedded' or 'standalone', got {role!r}")
+        if role == "standalone" and upstream is not None:
+            raise ValueError("a standalone daemon is the membership authority; it cannot follow an upstream daemon")
+        self.config = config if config is not None else CheckpointEngineConfig()
+        self.daemon_config = daemon_config if daemon_config is not None else DaemonConfig()
+        self.token = token if token is not None else secrets.token_hex(16)
+        if not isinstance(self.token, str) or len(self.token) < 8:
+            raise ValueError("the job token must be a string of at least 8 characters")
+        self.role = role
+        self.upstream = upstream
+        self.rendezvous_host = rendezvous_host
+        self.membership = Membership()
+        self.version = 0
+        self.manifest: BucketManifest | None = None
+        self.last_outcome: dict[str, Any] | None = None
+        self.history: deque[dict[str, Any]] = deque(maxlen=32)
+        self.started_at = time.time()
+        self._state_lock = threading.Lock()
+        self._sync_lock = threading.Lock()
+        self._session: WeightSyncSession | None = None
+        self._session_key: tuple[tuple[str, int], ...] | None = None
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self.server: DaemonServer | None = None
+
+    # --- membership ---------------------------------------------------------------------------
+    def register(self, name: str, engine: Mapping[str, Any] | RolloutAdapter) -> dict[str, Any]:
+        """Add an engine (a descriptor to build an adapter from, or an in-process adapter).
+
+        The engine is probed, then paused: it holds no version from this job until a sync covers
+        it (the next one, or a catch-up the trainer starts when `pending()` is non-empty).
+        """
+        check_engine_name(name)
+        if self.upstream is not None:
+            if isinstance(engine, RolloutAdapter):
+                raise ValueError("a trainer following a standalone daemon registers engines by descriptor")
+            return self.upstream.register(name, dict(engine))
+        if isinstance(engine, RolloutAdapter):
+            adapter, descriptor, owned = engine, {"kind": "in_process", "class": type(engine).__name__}, False
+            if engine.name != name:
+                raise ValueError(f"adapter is named {engine.name!r} but registers as {name!r}")
+        else:
+            descriptor = check_engine_descriptor(dict(engine))
+            adapter, owned = make_adapter(name, descriptor, self.config.timeout_s), True
+        try:
+            health = adapter.health()
+            adapter.pause(self._hold_mode())
+        except Exception as exc:
+            if owned:
+                _close_quietly(adapter)
+            raise ValueError(f"engine {name!r} ({_describe(descriptor)}) is unreachable: {exc}") from None
+        record = EngineRecord(name=name, engine=descriptor, adapter=adapter, owned=owned, health=health)
+        old = self.membership.add(record)
+        if old is not None and old.owned and old.adapter is not None and old.adapter is not adapter:
+            _close_in_background(old.adapter)
+        logger.info("engine %s registered (%s); paused until it holds a version", name, _describe(descriptor))
+        return record.to_dict()
+
+    def leave(self, name: str) -> bool:
+        """Remove an engine between syncs (it asked to go); the group is rebuilt without it."""
+        check_engine_name(name)
+        if self.upstream is not None:
+            return bool(self.upstream.leave(name)["left"])
+        rec = self.membership.get(name)
+        return rec is not None and self._drop(rec, "left")
+
+    def heartbeat(self, name: str) -> dict[str, Any]:
+        check_engine_name(name)
+        rec = self.membership.touch(name)
+        if rec is None:
+            raise ValueError(f"engine {name!r} is not registered (dropped or never joined); register it again")
+        return {"version": self.version, "state": rec.state}
+
+    def pending(self) -> list[str]:
+        """Engines that do not hold the current version completely (new, returning, stale)."""
+        if self.upstream is not None:
+            self._pull_upstream()
+        return [r.name for r in self.membership.records() if r.state != EngineState.SERVING or r.version != self.version]
+
+    def members(self) -> dict[str, Any]:
+        return {"epoch": self.membership.epoch, "version": self.version, "engines": self.membership.snapshot()}
+
+    def status(self) -> dict[str, Any]:
+        manifest = self.manifest
+        return {
+            "role": self.role,
+            "address": self.address,
+            "version": self.version,
+            "epoch": self.membership.epoch,
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "engines": self.membership.snapshot(),
+            "departed": {k: dict(v) for k, v in self.membership.departed.items()},
+            "manifest": None if manifest is None else {
+                "digest": manifest.digest,
+                "tensors": manifest.num_tensors,
+                "buckets": manifest.num_buckets,
+                "bytes": manifest.total_bytes,
+                "bucket_size_bytes": manifest.bucket_size_bytes,
+            },
+            "last_sync": self.last_outcome,
+            "history": list(self.history),
+        }
+
+    @property
+    def address(self) -> str | None:
+        return f"{self.server.host}:{self.server.port}" if self.server is not None else None
+
+    def _hold_mode(self) -> str:
+        return "abort" if self.config.pause_mode == "abort" else "keep"
+
+    def _drop(self, rec: EngineRecord, reason: str) -> bool:
+        removed = self.membership.remove(rec.name, reason, adapter=rec.adapter)
+        if removed is None:
+            return False
+        logger.warning("engine %s dropped from the weight-sync group: %s", rec.name, reason)
+        if removed.owned and removed.adapter is not None:
+            _close_in_background(removed.adapter)
+        return True
+
+    # --- health -------------------------------------------------------------------------------
+    def start_monitor(self) -> None:
+        """Probe every engine each `health_interval_s`; drop those silent past `heartbeat_timeout_s`."""
+        if self._monitor is not None:
+            return
+        self._monitor = threading.Thread(target=self._monitor_loop, name="ckpt-daemon-monitor", daemon=True)
+        self._monitor.start()
+
+    def _monitor_loop(self) -> None:
+        while not self._stop.wait(self.daemon_config.health_interval_s):
+            try:
+                self.check_health()
+            except Exception:
+                logger.exception("health monitor pass failed")
+
+    def check_health(self) -> None:
+        """One monitor pass: a health answer counts as a heartbeat."""
+        for rec in self.membership.records():
+            if rec.adapter is None:
+                continue
+            try:
+                self.membership.touch(rec.name, rec.adapter.health())
+            except Exception as exc:
+                self.membership.set_health_error(rec.name, f"{type(exc).__name__}: {exc}"[:300])
+        timeout = self.daemon_config.heartbeat_timeout_s
+        if timeout > 0:
+            for rec in self.membership.silent_for(timeout):
+                self._drop(rec, f"no heartbeat or health answer for {timeout:g}s")
+
+    # --- syncing ------------------------------------------------------------------------------
+    def sync(self, source: WeightSource, *, version: int | None = None, walk_barrier: WalkBarrier | None = None) -> SyncOutcome:
+        """Move `source`'s weights into every member as `version` (default: current + 1).
+
+        `version` equal to the current version is a catch-up: only valid while `source` still
+        holds exactly that version (e.g. the trainer has not stepped since the last sync).
+        Returns the outcome; raises ManifestRejectedError only when every engine rejected the
+        manifest (the trainer's weights do not fit the engines: nothing moved anywhere).
+        """
+        if self.role == "standalone":
+            raise RuntimeError(
+                "a standalone daemon holds no weights; the trainer drives syncs with "
+                "WeightSyncDaemon(upstream=DaemonClient(address, token)).sync(source)"
+            )
+        with self._sync_lock:
+            self._pull_upstream()
+            if version is None:
+                target = self.version + 1
+            elif isinstance(version, bool) or not isinstance(version, int) or version < max(self.version, 1):
+                raise ValueError(f"version must be an int >= the current version {max(self.version, 1)}, got {version!r}")
+            else:
+                target = version
+            outcome = SyncOutcome(version=target, catch_up=target == self.version)
+            walker = _OneWalkPerAttempt(source)
+            t0 = time.perf_counter()
+            deadline = time.monotonic() + self._sync_deadline_s()
+            attempt = 0
+            try:
+                while True:
+                    walker.begin()
+                    again = False
+                    try:
+                        members = self.membership.records()
+                        if not members:
+                            outcome.error = "no engines are registered"
+                        else:
+                            again = self._attempt(walker, members, target, outcome, attempt)
+                    finally:
+                        walker.finish()
+                        if again and attempt >= self.daemon_config.max_resync_attempts:
+                            outcome.error = f"gave up after {attempt + 1} attempts (daemon.max_resync_attempts={self.daemon_config.max_resync_attempts})"
+                            again = False
+                        elif again and time.monotonic() > deadline:
+                            outcome.error = "gave up re-syncing: the sync deadline passed"
+                            again = False
+                        if walk_barrier is not None:
+                            walk_barrier(again)
+                    if not again:
+                        break
+                    attempt += 1
+            finally:
+                outcome.seconds = time.perf_counter() - t0
+                self._finish(outcome)
+            return outcome
+
+    def catch_up(self, source: WeightSource, *, walk_barrier: WalkBarrier | None = None) -> SyncOutcome | None:
+        """Push the current version again when an engine waits for it (see `sync` for the caveat)."""
+        if not self.pending() or self.version == 0:
+            return None
+        return self.sync(source, version=self.version, walk_barrier=walk_barrier)
+
+    def _sync_deadline_s(self) -> float:
+        # One attempt: join + validate + pause + transfer (+ grace) + finalize + resume, each bounded.
+        return (self.daemon_config.max_resync_attempts + 1) * 6 * self.config.timeout_s
+
+    def _attempt(self, walker: _OneWalkPerAttempt, members: list[EngineRecord], target: int, outcome: SyncOutcome, attempt: int) -> bool:
+        """One try with the current members; returns whether to try again (engines were dropped)."""
+        try:
+            session = self._session_for(members)
+            report = session.sync(walker, version=target)
+        except ManifestRejectedError as exc:
+            names = {n.strip() for n in exc.engine.split(",")}
+            rejecting = [r for r in members if r.name in names]
+            outcome.attempts.append({"attempt": attempt, "stage": "validate", "failed": {r.name: "rejected the manifest" for r in rejecting}})
+            for r in rejecting:
+                outcome.rejected[r.name] = [str(p) for p in exc.problems[:20]]
+                outcome.dropped[r.name] = f"rejected the manifest: {'; '.join(exc.problems[:3])}"
+            if not rejecting or len(rejecting) == len(members):
+                outcome.error = str(exc)
+                raise
+            for r in rejecting:
+                self._drop(r, outcome.dropped[r.name])
+            return True  # nothing moved; the others still hold their version
+        except SyncError as exc:
+            stage, failed = exc.stage, dict(exc.failed)
+            _release(exc)
+            outcome.attempts.append({"attempt": attempt, "stage": stage, "failed": failed})
+            by_name = {r.name: r for r in members}
+            lost = [by_name[n] for n in failed if n in by_name]
+            survivors = [r for r in members if r.name not in failed]
+            if stage not in ("join", "validate"):
+                self.membership.mark(survivors, EngineState.STALE)
+            for r in lost:
+                why = f"failed during {stage}: {failed[r.name]}"
+                outcome.dropped[r.name] = why
+                self._drop(r, why)
+            if not lost:
+                outcome.error = f"sync failed during {stage} on the sender side: {failed}"
+                return False
+            if not survivors:
+                outcome.error = "every engine failed"
+                return False
+            logger.warning("sync v%d: dropped %s during %s; re-syncing %d survivor(s)", target, ", ".join(r.name for r in lost), stage, len(survivors))
+            return True
+        self.membership.mark(members, EngineState.SERVING, target)
+        with self._state_lock:
+            self.version = target
+            self.manifest = session._manifest  # the plan WeightSyncSession cached for this sync
+        outcome.ok = True
+        outcome.report = report.to_dict()
+        return False
+
+    def _session_for(self, members: list[EngineRecord]) -> WeightSyncSession:
+        """The session for exactly these members; a changed membership rebuilds the group."""
+        key = tuple((r.name, id(r.adapter)) for r in members)
+        if self._session is not None and key == self._session_key:
+            return self._session
+        self._close_session(keep=set(key))
+        gc.collect()  # a broken group's sockets close only when it is freed; survivors then stop waiting
+        adapters = [r.adapter for r in members if r.adapter is not None]
+        self._session = WeightSyncSession(adapters, self.config, host=self.rendezvous_host)
+        self._session_key = key
+        logger.info("weight-sync group rebuilt for %d engine(s): %s", len(adapters), ", ".join(r.name for r in members))
+        return self._session
+
+    def _close_session(self, keep: set[tuple[str, int]] | None = None) -> None:
+        session, self._session, self._session_key = self._session, None, None
+        if session is None:
+            return
+        # Only engines still members are asked to leave: a dead one would make close() wait on it.
+        session.rollouts = [r for r in session.rollouts if keep is None or (r.name, id(r)) in keep]
+        try:
+            session.close()
+        except Exception as exc:
+            logger.warning("closing the previous weight-sync session: %s", exc)
+
+    def _finish(self, outcome: SyncOutcome) -> None:
+        records = self.membership.records()
+        outcome.engines = {r.name: r.version for r in records}
+        outcome.states = {r.name: r.state for r in records}
+        outcome.stale = sorted(r.name for r in records if r.state == EngineState.STALE)
+        data = outcome.to_dict()
+        with self._state_lock:
+            self.last_outcome = data
+            self.history.append(_summary(data))
+        if outcome.ok:
+            logger.info("sync v%d reached %d engine(s) in %.3fs", outcome.version, len(records), outcome.seconds)
+        else:
+            logger.warning("sync v%d incomplete: %s (dropped: %s)", outcome.version, outcome.error, outcome.dropped or "none")
+        if self.upstream is not None:
+            try:
+                self.upstream.report_sync(data)
+            except Exception as exc:
+                logger.warning("could not report sync v%d to the daemon: %s", outcome.version, exc)
+
+    # --- following a standalone daemon --------------------------------------------------------
+    def _pull_upstream(self) -> None:
+        """Mirror the standalone daemon's members: adapters for new ones, remove departed ones."""
+        if self.upstream is None:
+            return
+        snap = self.upstream.members()
+        with self._state_lock:
+            self.version = max(self.version, int(snap["version"]))
+        remote = {e["name"]: e for e in snap["engines"]}
+        for rec in self.membership.records():
+            if rec.name not in remote or remote[rec.name]["engine"] != rec.engine:
+                self._drop(rec, "left (per the daemon)")
+        for name, e in remote.items():
+            rec = self.membership.get(name)
+            if rec is None:
+                try:
+                    adapter = make_adapter(name, e["engine"], self.config.timeout_s)
+                except ValueError as exc:
+                    logger.warning("skipping engine %s: %s", name, exc)
+                    continue
+                rec = EngineRecord(name=name, engine=dict(e["engine"]), adapter=adapter, owned=True)
+                self.membership.add(rec)
+            rec.state, rec.version = e["state"], e["version"]
+
+    def record_sync(self, outcome: dict[str, Any]) -> dict[str, Any]:
+        """Standalone side of `report_sync`: take a trainer's outcome as the job's state."""
+        check_outcome(outcome)
+        with self._state_lock:
+            if outcome["version"] < self.version:
+                raise ProtocolError(f"outcome.version {outcome['version']} is older than the current version {self.version}")
+            if outcome["ok"]:
+                self.version = outcome["version"]
+        for name, why in outcome["dropped"].items():
+            rec = self.membership.get(name)
+            if rec is not None:
+                self._drop(rec, why)
+        for name, state in outcome["states"].items():
+            rec = self.membership.get(name)
+            if rec is not None:
+                self.membership.mark([rec], state, outcome["engines"].get(name))
+        with self._state_lock:
+            self.last_outcome = outcome
+            self.history.append(_summary(outcome))
+        return {"version": self.version}
+
+    # --- serving ------------------------------------------------------------------------------
+    def serve(self, host: str | None = None, port: int | None = None) -> DaemonServer:
+        """Start the control server (register / status / ... from other processes)."""
+        from ckpt_engine.daemon.server import DaemonServer
+
+        if self.server is None:
+            self.server = DaemonServer(
+                self,
+                host if host is not None else self.daemon_config.host,
+                port if port is not None else self.daemon_config.port,
+            ).start()
+        return self.server
+
+    def close(self) -> None:
+        """Stop serving and monitoring, leave the group, close the adapters the daemon built."""
+        self._stop.set()
+        if self.server is not None:
+            self.server.close()
+        with self._sync_lock:
+            self._close_session()
+        for rec in self.membership.records():
+            if rec.owned and rec.adapter is not None:
+                _close_quietly(rec.adapter)
+        if self._monitor is not None:
+            self._monitor.join(timeout=self.daemon_config.health_interval_s + 10)
+
+    def __enter__(self) -> WeightSyncDaemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _release(exc: BaseException) -> None:
+    """Drop the tracebacks of a failed sync: their frames hold the broken group's work handles."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ if e.__cause__ is not None else e.__context__
+
+
+def _summary(outcome: Mapping[str, Any]) -> dict[str, Any]:
+    report = outcome.get("report") or {}
+    return {
+        "version": outcome.get("version"),
+        "ok": outcome.get("ok"),
+        "catch_up": outcome.get("catch_up"),
+        "dropped": sorted(outcome.get("dropped") or {}),
+        "seconds": outcome.get("seconds"),
+        "bytes": report.get("bytes"),
+        "gbps": report.get("gbps"),
+        "at": time.time(),
+    }
+
+
+def _describe(descriptor: Mapping[str, Any]) -> str:
+    if "host" in descriptor and "port" in descriptor:
+        return f"{descriptor.get('kind')} at {descriptor['host']}:{descriptor['port']}"
+    return str(descriptor.get("kind"))
+
+
+def _close_quietly(adapter: RolloutAdapter) -> None:
+    try:
+        adapter.close()
+    except Exception as exc:
+        logger.debug("closing adapter %s: %s", getattr(adapter, "name", "?"), exc)
+
+
+def _close_in_background(adapter: RolloutAdapter) -> None:
+    """An adapter may still be inside a call on the failed engine; do not wait for it."""
+    threading.Thread(target=_close_quietly, args=(adapter,), name="ckpt-adapter-close", daemon=True).start()

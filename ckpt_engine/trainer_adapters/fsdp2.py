@@ -1,0 +1,433 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) training engine over a Hugging Face causal LM.
+
+Each decoder layer is one FSDP unit, the root (embeddings, final norm, LM head) another. Training
+is plain data parallelism over one explicit process group (or 1-D device mesh): every rank runs
+`forward_backward` on its own micro-batch, FSDP2 averages the gradients with a reduce-scatter.
+
+Export (`iter_weights`) gathers a whole FSDP unit with one all-gather (`unshard()`), yields its
+parameters under their Hugging Face checkpoint names, then reshards; the next unit's all-gather
+is issued before the current one is consumed, so gathering overlaps the consumer (the bucket
+packer). Collective contract: every rank of the group calls every public method in the same
+order; only rank 0 (`is_sender`) streams what `iter_weights` yields.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
+from ckpt_engine.trainer_adapters.hf_names import (
+    clean_name,
+    has_unhandled_fused_experts,
+    unfuse_expert_specs,
+    unfuse_experts,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["FSDP2Config", "FSDP2TrainEngine", "DEFAULT_KEEP_FP32"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KEEP_FP32: tuple[str, ...] = (r"(^|\.)mlp\.gate\.weight$",)
+"""MoE router gates: engines keep them in fp32 because top-k routing is sensitive to rounding."""
+
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class FSDP2Config:
+    """Optimizer, schedule, sharding and export settings of `FSDP2TrainEngine`."""
+
+    lr: float = 1e-5
+    """Peak learning rate of AdamW."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    """Clip the global grad norm to this value; None disables clipping (the norm is still returned)."""
+    warmup_steps: int = 0
+    """Linear warmup from lr/warmup_steps to lr over this many `lr_scheduler_step()` calls."""
+    total_steps: int | None = None
+    """When set, cosine decay from lr to `min_lr_ratio * lr` between warmup_steps and total_steps."""
+    min_lr_ratio: float = 0.0
+    wire_dtype: str | None = "bfloat16"
+    """dtype floating-point tensors travel in (None: their parameter dtype)."""
+    keep_fp32_patterns: tuple[str, ...] = DEFAULT_KEEP_FP32
+    """Regexes (re.search on the HF name) of tensors that travel as float32 whatever `wire_dtype` says."""
+    param_dtype: str | None = None
+    """FSDP2 mixed precision: dtype of the all-gathered params used in forward (None: master dtype)."""
+    reduce_dtype: str | None = None
+    """FSDP2 mixed precision: dtype of the gradient reduce-scatter (None: param_dtype)."""
+    reshard_after_forward: bool = True
+    prefetch_export: bool = True
+    """In `iter_weights`, issue unit k+1's all-gather before unit k is consumed."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"FSDP2Config.lr must be > 0, got {self.lr}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"FSDP2Config.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"FSDP2Config.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.total_steps is not None and self.total_steps <= self.warmup_steps:
+            raise ValueError(f"FSDP2Config.total_steps ({self.total_steps}) must exceed warmup_steps ({self.warmup_steps})")
+        for fname in ("wire_dtype", "param_dtype", "reduce_dtype"):
+            value = getattr(self, fname)
+            if value is not None and value not in _FLOAT_DTYPES:
+                raise ValueError(f"FSDP2Config.{fname} must be one of {_FLOAT_DTYPES} or None, got {value!r}")
+        for pat in self.keep_fp32_patterns:
+            try:
+                re.compile(pat)
+            except re.error as exc:
+                raise ValueError(f"FSDP2Config.keep_fp32_patterns: bad regex {pat!r}: {exc}") from None
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of `lr` after `step` scheduler steps (pure; shared by engine and references)."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.total_steps is None:
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class _Entry:
+    """One exported parameter or buffer: where it lives and what it becomes on the wire."""
+
+    unit: int  # index into FSDP2TrainEngine._units
+    module: nn.Module
+    attr: str
+    is_buffer: bool
+    name: str  # HF name before expert unfusing
+    shape: tuple[int, ...]
+    dtype: torch.dtype  # master dtype
+    specs: list[TensorSpec] = field(default_factory=list)  # what goes on the wire (1, or one per expert part)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The per-layer FSDP units of a HF causal LM: modules of its `_no_split_modules` classes."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in classes]
+    if not layers:
+        inner = getattr(model, "model", None)
+        layers = list(getattr(inner, "layers", []) or [])
+    if not layers:
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__}: it declares no _no_split_modules "
+            "and has no model.layers; FSDP2TrainEngine wraps Hugging Face causal LMs (Qwen2/Llama family)"
+        )
+    return layers
+
+
+class FSDP2TrainEngine(TrainEngine):
+    """Data-parallel FSDP2 training of a HF causal LM, and its weight source for the rollout.
+
+    `model` must be an unsharded `transformers` causal LM with identical initial weights on every
+    rank (same seed or loaded from the same checkpoint), already on `device`. Exactly one of
+    `process_group` and `mesh` says which ranks shard it; the default group is never assumed.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        config: FSDP2Config | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
+    ) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.config = config if config is not None else FSDP2Config()
+        if (process_group is None) == (mesh is None):
+            raise ValueError("FSDP2TrainEngine needs exactly one of process_group or mesh (the default group is never assumed)")
+        hf_config = getattr(model, "config", None)
+        if hf_config is None or not hasattr(hf_config, "model_type"):
+            raise ValueError(f"FSDP2TrainEngine wraps Hugging Face models (with .config.model_type), got {type(model).__name__}")
+        self.model_type: str = hf_config.model_type
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        device = next(model.parameters()).device
+        self.device = device
+        self._keep = [re.compile(p) for p in self.config.keep_fp32_patterns]
+        layers = decoder_layers(model)
+        self._entries = self._plan_export(model, layers)  # bad layouts fail here, before any collective
+
+        if mesh is None:
+            assert process_group is not None
+            mesh = DeviceMesh.from_group(process_group, device.type)
+        if mesh.ndim != 1:
+            raise ValueError(f"FSDP2TrainEngine shards over a 1-D mesh (plain FSDP), got a {mesh.ndim}-D mesh")
+        self.mesh = mesh
+        self.group: dist.ProcessGroup = mesh.get_group()
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.is_sender = self.rank == 0
+
+        mp = MixedPrecisionPolicy(
+            param_dtype=_torch_dtype(self.config.param_dtype) if self.config.param_dtype else None,
+            reduce_dtype=_torch_dtype(self.config.reduce_dtype) if self.config.reduce_dtype else None,
+        )
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=self.config.reshard_after_forward)
+        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=self.config.reshard_after_forward)
+        self.model = model
+        self._units: list[nn.Module] = [model, *layers]
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=self.config.lr, betas=self.config.betas, eps=self.config.eps, weight_decay=self.config.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.config.lr_factor)
+        self.global_step = 0
+        logger.info(
+            "FSDP2 engine: %s, %d units over %d ranks, %d exported tensors",
+            self.model_type, len(self._units), self.world_size, sum(len(e.specs) for e in self._entries),
+        )
+
+    # --- export plan ---------------------------------------------------------------------------
+    def wire_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        """The dtype `name` travels in: keep-fp32 policy first, then `wire_dtype` for floats."""
+        if not dtype.is_floating_point:
+            return dtype
+        if any(p.search(name) for p in self._keep):
+            return torch.float32
+        return _torch_dtype(self.config.wire_dtype) if self.config.wire_dtype else dtype
+
+    def _plan_export(self, model: nn.Module, layers: list[nn.Module]) -> list[_Entry]:
+        """Every tensor the rollout needs, in HF state-dict order, with its owning FSDP unit."""
+        unit_of = {id(m): i + 1 for i, m in enumerate(layers)}
+        entries: list[_Entry] = []
+        seen: set[int] = set()
+
+        def walk(module: nn.Module, prefix: str, unit: int) -> None:
+            unit = unit_of.get(id(module), unit)
+            for attr, p in module._parameters.items():
+                if p is None or id(p) in seen:
+                    continue  # tied weights: HF checkpoints hold the first name only
+                seen.add(id(p))
+                entries.append(_Entry(unit, module, attr, False, clean_name(prefix + attr), tuple(p.shape), p.dtype))
+            for attr, b in module._buffers.items():
+                if b is None or attr in module._non_persistent_buffers_set or id(b) in seen:
+                    continue
+                seen.add(id(b))
+                entries.append(_Entry(unit, module, attr, True, clean_name(prefix + attr), tuple(b.shape), b.dtype))
+            for child_name, child in module._modules.items():
+                if child is not None:
+                    walk(child, f"{prefix}{child_name}.", unit)
+
+        walk(model, "", 0)
+        if self.tie_word_embeddings:
+            entries = [e for e in entries if e.name != "lm_head.weight"]
+        unhandled = has_unhandled_fused_experts(self.model_type, [e.name for e in entries])
+        if unhandled:
+            raise ValueError(
+                f"cannot export fused MoE experts of model_type {self.model_type!r} (e.g. {unhandled[0]}): "
+                "add a FusedExpertRule for it in ckpt_engine/trainer_adapters/hf_names.py"
+            )
+        for e in entries:
+            parts = unfuse_expert_specs(self.model_type, e.name, e.shape)
+            pairs = parts if parts is not None else [(e.name, e.shape)]
+            e.specs = [TensorSpec(n, _dtype_name(self.wire_dtype(n, e.dtype)), s) for n, s in pairs]
+        names = [s.name for e in entries for s in e.specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{type(model).__name__}: exported names are not unique after removing wrapper prefixes")
+        return entries
+
+    def metadata(self) -> list[TensorSpec]:
+        """HF checkpoint name, wire dtype and global shape of every exported tensor (local, no gather)."""
+        return [s for e in self._entries for s in e.specs]
+
+    # --- export --------------------------------------------------------------------------------
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors under HF names, one unit all-gather at a time; every rank of the group walks it.
+
+        A yielded tensor may alias the unit's all-gather buffer: it is valid until the next item is
+        requested (clone it to keep it). Every rank must walk the same distance (normally to the end):
+        the walk issues collectives.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        units = self._units
+        order = list(dict.fromkeys(e.unit for e in self._entries if e.unit != 0))  # first-use order
+        root = units[0]
+        assert isinstance(root, FSDPModule)
+        pending: dict[int, Any] = {}
+        active: int | None = None
+        with torch.no_grad():
+            root.unshard()  # the root (embeddings, norm, head) stays gathered for the whole walk
+            try:
+                upcoming = iter(order)
+                first = next(upcoming, None)
+                if first is not None:
+                    pending[first] = units[first].unshard(async_op=True)
+                for e in self._entries:
+                    if e.unit != 0 and e.unit != active:
+                        if active is not None:
+                            units[active].reshard()
+                            active = None
+                        handle = pending.pop(e.unit, None)
+                        if handle is None:
+                            handle = units[e.unit].unshard(async_op=True)
+                        active = e.unit
+                        if self.config.prefetch_export:
+                            following = next(upcoming, None)
+                            if following is not None:
+                                pending[following] = units[following].unshard(async_op=True)
+                        else:
+                            next(upcoming, None)
+                        handle.wait()
+                    yield from self._emit(e)
+            finally:
+                # Every rank issued the same all-gathers: waiting on them here is safe even when the
+                # consumer stops early; resharding is local.
+                for u, handle in pending.items():
+                    handle.wait()
+                    units[u].reshard()
+                if active is not None:
+                    units[active].reshard()
+                root.reshard()
+
+    def _emit(self, e: _Entry) -> Iterator[tuple[str, torch.Tensor]]:
+        t = getattr(e.module, e.attr)
+        if isinstance(t, torch.distributed.tensor.DTensor):  # not gathered (should not happen after unshard)
+            t = t.full_tensor()
+        want = _torch_dtype(e.specs[0].dtype)
+        if t.is_floating_point() and t.element_size() < torch.empty((), dtype=want).element_size():
+            # Mixed precision gathered this param in a lower precision than the wire needs (e.g. a
+            # keep-fp32 router gate under param_dtype=bf16): gather the master shard instead.
+            t = self._master(e).full_tensor()
+        parts = unfuse_experts(self.model_type, e.name, t)
+        if parts is None:
+            yield e.specs[0].name, t if t.dtype == want else t.to(want)
+            return
+        for spec, (name, part) in zip(e.specs, parts):
+            yield name, part if part.dtype == _torch_dtype(spec.dtype) else part.to(_torch_dtype(spec.dtype))
+
+    def _master(self, e: _Entry) -> Any:
+        from torch.distributed.fsdp import FSDPModule
+
+        unit = self._units[e.unit]
+        assert isinstance(unit, FSDPModule)
+        state = unit._get_fsdp_state()
+        for group in state._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                if fp._module_info.module is e.module and fp._module_info.param_name == e.attr:
+                    return fp.sharded_param
+        raise RuntimeError(f"{e.name}: no FSDP parameter found for it")
+
+    # --- training ------------------------------------------------------------------------------
+    def forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
+        """Forward and backward on this rank's micro-batch; collective (FSDP2 gathers and reduces).
+
+        Returns this rank's loss and the mean over the group ('loss'). Gradients accumulate over
+        calls until `optimizer_step()`; FSDP2 averages them over ranks.
+        """
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        logits = self.model(**inputs, use_cache=False).logits
+        loss = loss_fn(logits, batch)
+        loss.backward()
+        local = loss.detach().float().reshape(1).clone()
+        total = local.clone()
+        dist.all_reduce(total, group=self.group)
+        return {"loss": total.item() / self.world_size, "local_loss": local.item()}
+
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradients: fp64 sums of squares of the local shards, all-reduced."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for p in self.model.parameters():
+            if p.grad is not None:
+                g = p.grad.to_local() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
+                if g.numel():
+                    sq += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+        dist.all_reduce(sq, group=self.group)
+        return math.sqrt(sq.item())
+
+    def optimizer_step(self) -> float:
+        """Clip (by the global norm), step AdamW, zero grads; returns the pre-clip global grad norm.
+
+        A non-finite norm skips the update (grads are dropped) on every rank alike.
+        """
+        norm = self.grad_norm()
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
+            for p in self.model.parameters()
+            if p.grad is not None
+        ]
+        if not math.isfinite(norm):
+            logger.warning("step %d: grad norm is %s, skipping the update", self.global_step, norm)
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm
+        if self.config.max_grad_norm is not None:
+            coef = self.config.max_grad_norm / (norm + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return norm
+
+    def lr_scheduler_step(self) -> None:
+        self.scheduler.step()
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def train_mode(self) -> None:
+        self.model.train()
+
+    def eval_mode(self) -> None:
+        self.model.eval()
+
+    # --- checkpoint ----------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        trainer = {
+            "global_step": torch.tensor(self.global_step, dtype=torch.int64),
+            "scheduler_step": torch.tensor(self.scheduler.last_epoch, dtype=torch.int64),
+        }
+        return {"model": model_sd, "optimizer": optim_sd, "trainer": trainer}
+
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded DCP checkpoint of model, optimizer, step and schedule; every rank calls it."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._state(), checkpoint_id=path, process_group=self.group)
+        logger.info("saved FSDP2 checkpoint at step %d to %s", self.global_step, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load what `save_checkpoint` wrote (any world size DCP can reshard to); every rank calls it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = self._state()
+        dcp.load(state, checkpoint_id=path, process_group=self.group)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.global_step = int(state["trainer"]["global_step"])
+        self.scheduler.last_epoch = int(state["trainer"]["scheduler_step"])
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * self.config.lr_factor(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        logger.info("loaded FSDP2 checkpoint from %s at step %d", path, self.global_step)

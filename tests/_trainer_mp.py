@@ -1,0 +1,95 @@
+"""Run a function on N real gloo ranks (spawned processes) and collect what each rank returns.
+
+The parent hosts the TCPStore on a port the OS picks and keeps it until the ranks exit, so no
+port is guessed. Ranks return `{"tensors": {name: tensor}, **json_values}`; results come back as
+safetensors + JSON files (no pickle between processes). Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(fn: Callable[..., dict[str, Any]], rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, kwargs: dict[str, Any]) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)  # same kernels/blocking in every process: bit-exact parity needs it
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        result = fn(rank, world_size, **kwargs) or {}
+        tensors = {k: v.detach().cpu().clone() for k, v in (result.pop("tensors", None) or {}).items()}
+        if tensors:
+            from safetensors.torch import save_file
+
+            save_file(tensors, os.path.join(out_dir, f"rank{rank}.safetensors"))
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def run_ranks(fn: Callable[..., dict[str, Any]], world_size: int = 2, timeout_s: float = 240.0, **kwargs: Any) -> list[dict[str, Any]]:
+    """Spawn `world_size` ranks running `fn(rank, world_size, **kwargs)`; returns their results."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, store.port, out_dir, timeout_s, kwargs), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+        finally:
+            hung = [r for r, p in enumerate(procs) if p.is_alive()]
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(10)
+        errors = []
+        for r in range(world_size):
+            err = os.path.join(out_dir, f"rank{r}.err")
+            if os.path.exists(err):
+                errors.append(f"rank {r}:\n{open(err).read()}")
+        if errors:
+            raise AssertionError("\n".join(errors))
+        if hung:
+            raise AssertionError(f"ranks {hung} did not finish within {timeout_s}s")
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise AssertionError(f"ranks exited with codes {bad}")
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+                res = json.load(f)
+            st = os.path.join(out_dir, f"rank{r}.safetensors")
+            if os.path.exists(st):
+                from safetensors.torch import load_file
+
+                res["tensors"] = load_file(st)
+            results.append(res)
+        return results
+
+
+def world_group() -> dist.ProcessGroup:
+    """The group the spawned ranks share (passed explicitly to the engines under test)."""
+    group = dist.group.WORLD
+    assert group is not None
+    return group

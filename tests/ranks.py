@@ -1,0 +1,61 @@
+"""Run one function per rank in real processes joined by a rendezvous store, and collect results.
+
+Results travel back as JSON strings through the store (no pickle); the harness fails a test with
+each rank's error text if any rank raised, and kills stragglers after the timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing as mp
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ckpt_engine.engine import Rendezvous
+
+
+def _entry(fn: Callable[..., Any], rank: int, rdzv: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    r = Rendezvous.from_dict(rdzv)
+    store = r.connect_store()
+    try:
+        torch.set_num_threads(1)
+        result = {"ok": True, "value": fn(rank, r, **kwargs)}
+    except BaseException as exc:  # report every failure to the parent
+        result = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+    store.set(f"result/{rank}", json.dumps(result))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, backend: str = "gloo", timeout_s: float = 60.0, **kwargs: Any) -> list[Any]:
+    """Start `world_size` processes running fn(rank, rendezvous, **kwargs); return their values."""
+    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    rdzv = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, world_size, backend, timeout_s)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(fn, r, rdzv.to_dict(), kwargs)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s * 2
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    store = rdzv.connect_store()
+    out, errors = [], []
+    for r in range(world_size):
+        if not store.check([f"result/{r}"]):
+            errors.append(f"rank {r} reported nothing (exit code {procs[r].exitcode})")
+            continue
+        res = json.loads(store.get(f"result/{r}"))
+        if res["ok"]:
+            out.append(res["value"])
+        else:
+            errors.append(f"rank {r} failed: {res['error']}\n{res['trace']}")
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return out

@@ -1,0 +1,63 @@
+"""A deterministic mixed-dtype state dict and a rank function that sends or receives it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ckpt_engine.buckets import plan_buckets
+from ckpt_engine.engine import Rendezvous
+from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.weights import StateDictSource
+
+
+def mixed_state(seed: int = 0, num_small: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {
+        "fp32": torch.randn(33, 17, generator=g),
+        "bf16": torch.randn(1000, generator=g).bfloat16(),
+        "fp16": torch.randn(7, 9, generator=g).half(),
+        "int64": torch.randint(-(2**40), 2**40, (129,), generator=g),
+        "bool": torch.rand(77, generator=g) > 0.5,
+        "empty": torch.zeros(0, 5),
+        "scalar": torch.tensor(3.25 + seed),
+        "noncontig": torch.randn(40, 30, generator=g).t(),
+        "big": torch.randn(70_000, generator=g),  # larger than the bucket: split into chunks
+        "int8": torch.randint(-128, 127, (31,), generator=g, dtype=torch.int8),
+    }
+    if hasattr(torch, "float8_e4m3fn"):
+        sd["fp8"] = (torch.randn(64, generator=g) * 4).to(torch.float8_e4m3fn)
+    for i in range(num_small):
+        sd[f"small.{i}"] = torch.randn(3, generator=g)
+    return sd
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8).cpu(), b.contiguous().reshape(-1).view(torch.uint8).cpu()
+    )
+
+
+def roundtrip_rank(
+    rank: int, rdzv: Rendezvous, *, device: str = "cpu", bucket_size: int = 64 * 1024, verify: bool = False,
+    num_small: int = 0, syncs: int = 2,
+) -> dict[str, Any]:
+    """Rank 0 sends `syncs` different versions; receivers check every tensor bit for bit each time."""
+    # "cuda" spreads ranks over GPUs; "cpu" or an explicit "cuda:N" puts every rank there.
+    dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else device)
+    engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=bucket_size, verify=verify, timeout_s=rdzv.timeout_s, device=dev)
+    engine.init_process_group(rdzv, rank)
+    bad: list[str] = []
+    for version in range(syncs):
+        sd = {k: v.to(dev) for k, v in mixed_state(version, num_small).items()}
+        manifest = plan_buckets(StateDictSource(sd).metadata(), bucket_size)
+        if rank == 0:
+            engine.send_weights(manifest, sd.items())
+        else:
+            got = {}
+            for name, t in engine.receive_weights(manifest):
+                got[name] = t.clone()
+            bad += [f"v{version} {n}" for n in sd if n not in got or not same_bits(got[n], sd[n])]
+    engine.finalize()
+    return {"bad": bad, "tensors": len(sd)}

