@@ -21,12 +21,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(fn: Callable[..., dict[str, Any]], rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, kwargs: dict[str, Any]) -> None:
+def _entry(
+    fn: Callable[..., dict[str, Any]], rank: int, world_size: int, port: int, out_dir: str, timeout_s: float, backend: str, kwargs: dict[str, Any]
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)  # same kernels/blocking in every process: bit-exact parity needs it
     try:
         store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
         result = fn(rank, world_size, **kwargs) or {}
         tensors = {k: v.detach().cpu().clone() for k, v in (result.pop("tensors", None) or {}).items()}
         if tensors:
@@ -42,13 +46,17 @@ def _entry(fn: Callable[..., dict[str, Any]], rank: int, world_size: int, port: 
         raise
 
 
-def run_ranks(fn: Callable[..., dict[str, Any]], world_size: int = 2, timeout_s: float = 240.0, **kwargs: Any) -> list[dict[str, Any]]:
-    """Spawn `world_size` ranks running `fn(rank, world_size, **kwargs)`; returns their results."""
+def run_ranks(
+    fn: Callable[..., dict[str, Any]], world_size: int = 2, timeout_s: float = 240.0, backend: str = "gloo", **kwargs: Any
+) -> list[dict[str, Any]]:
+    """Spawn `world_size` ranks running `fn(rank, world_size, **kwargs)`; returns their results.
+
+    backend "nccl" puts rank r on cuda:r (GPU tests)."""
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world_size, store.port, out_dir, timeout_s, kwargs), daemon=True)
+            ctx.Process(target=_entry, args=(fn, r, world_size, store.port, out_dir, timeout_s, backend, kwargs), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

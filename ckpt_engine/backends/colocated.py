@@ -79,6 +79,8 @@ class ColocatedCheckpointEngine(PipelinedBroadcastEngine):
                 if "path" in desc:
                     self._buffers.append(torch.from_file(desc["path"], shared=True, size=size, dtype=torch.uint8))
                 else:
+                    torch.cuda.init()  # opening an IPC handle needs this process's CUDA context
+                    torch.cuda.set_device(self.device)
                     storage = torch.UntypedStorage._new_shared_cuda(*desc["cuda_ipc"])
                     self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage))
         self._group = store
@@ -129,7 +131,7 @@ class ColocatedCheckpointEngine(PipelinedBroadcastEngine):
             self._wait_key(self._key("free", works[slot]), f"release of bucket {works[slot]}")
             works[slot] = None
 
-    def _sender_broadcast(self, slot: int, msg: torch.Tensor) -> Any:
+    def _sender_broadcast(self, slot: int, msg: torch.Tensor, lane: int) -> Any:
         self._device_sync_point()
         k = self._sent
         self._sent += 1
@@ -148,7 +150,7 @@ class ColocatedCheckpointEngine(PipelinedBroadcastEngine):
         yield from super().receive_buckets(manifest)
         self._release_pending()
 
-    def _post_receive(self, slot: int, msg: torch.Tensor) -> Any:
+    def _post_receive(self, slot: int, msg: torch.Tensor, lane: int) -> Any:
         # Called once the loader is done with the previous bucket in this slot: release it.
         self._release_pending()
         return None

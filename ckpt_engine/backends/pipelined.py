@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.checksum import CHECKSUM_BYTES, bucket_checksum
+from ckpt_engine.copies import batched_copy_
 from ckpt_engine.engine import CheckpointEngine, Rendezvous, SendStats, TransferError
 from ckpt_engine.manifest import Bucket, BucketManifest, TensorMeta
 
@@ -47,6 +48,9 @@ class PipelinedBroadcastEngine(CheckpointEngine):
     """Rank 0 broadcasts every bucket to all other ranks of one process group."""
 
     device_type = "cpu"
+    default_num_lanes = 1
+    """Buckets alternate over this many process groups (each with its own stream), so one bucket's
+    collective starts while the previous one drains; both sides must use the same number."""
 
     def __init__(
         self,
@@ -56,11 +60,18 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         timeout_s: float = 300.0,
         verify: bool = False,
         device: str | int | torch.device | None = None,
+        num_lanes: int | None = None,
     ) -> None:
         super().__init__(bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, timeout_s=timeout_s, verify=verify)
         self.device = self._resolve_device(device)
+        lanes = num_lanes if num_lanes is not None else self.default_num_lanes
+        if not isinstance(lanes, int) or lanes < 1:
+            raise ValueError(f"num_lanes must be an int >= 1, got {num_lanes!r}")
+        self.num_lanes = lanes
         self._buffers: list[torch.Tensor] = []
-        self._group: Any = None
+        self._group: Any = None  # lane 0's group
+        self._lane_groups: list[Any] = []
+        self._lane_streams: list[Any] = []
         self._views: dict[str, list[list[torch.Tensor]]] = {}
         self._broken = False
 
@@ -90,7 +101,8 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                 torch.empty(self.bucket_size_bytes + _SLACK, dtype=torch.uint8, device=self.device)
                 for _ in range(self.num_buffers)
             ]
-            self._comm_stream = self._new_stream()
+            self._lane_streams = [self._new_stream() for _ in range(self.num_lanes)]
+            self._comm_stream = self._lane_streams[0]
             self._ready = [self._new_event() for _ in range(self.num_buffers)]
             self._free = [self._new_event() for _ in range(self.num_buffers)]
         return {
@@ -104,17 +116,22 @@ class PipelinedBroadcastEngine(CheckpointEngine):
             raise RuntimeError("init_process_group() was already called; call finalize() first to rejoin")
         self.prepare()
         store = rendezvous.connect_store(is_master=False)
-        self._group = self._make_group(store, rank, rendezvous.world_size)
         self.rank, self.world_size = rank, rendezvous.world_size
+        self._lane_groups = [
+            self._make_group(torch.distributed.PrefixStore(f"lane{i}/", store), rank, rendezvous.world_size)
+            for i in range(self.num_lanes)
+        ]
+        self._group = self._lane_groups[0]
         self._broken = False
-        # A tiny broadcast creates the communicator now, so join errors surface at join time.
-        probe = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self._wait_work(self._group.broadcast(probe, 0), "group warm-up")
+        # A tiny broadcast creates each communicator now, so join errors surface at join time.
+        for i, group in enumerate(self._lane_groups):
+            probe = torch.zeros(1, dtype=torch.int64, device=self.device)
+            self._wait_work(group.broadcast(probe, 0), f"warm-up of lane {i}")
         logger.info("rank %d/%d joined weight-sync group %s", rank, rendezvous.world_size, rendezvous.token)
 
     def finalize(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
+        groups, self._lane_groups, self._group = self._lane_groups, [], None
+        for group in groups:
             try:
                 if self._broken and hasattr(group, "abort"):
                     group.abort()
@@ -127,11 +144,12 @@ class PipelinedBroadcastEngine(CheckpointEngine):
     def abort(self) -> None:
         """Break the group so peers blocked in a collective fail fast instead of timing out."""
         self._broken = True
-        if self._group is not None and hasattr(self._group, "abort"):
-            try:
-                self._group.abort()
-            except Exception as exc:
-                logger.warning("process group abort: %s", exc)
+        for group in self._lane_groups:
+            if hasattr(group, "abort"):
+                try:
+                    group.abort()
+                except Exception as exc:
+                    logger.warning("process group abort: %s", exc)
 
     @property
     def group(self) -> Any:
@@ -228,14 +246,14 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                 elif self._sendable_in_place(bucket, srcs):
                     msg = _flat_bytes(srcs[0])  # a lone whole tensor: no pack copy either
                 else:
-                    torch._foreach_copy_(dsts, srcs)
+                    batched_copy_(dsts, srcs)
                     msg = self._message(slot, bucket.nbytes)
                     if self.verify:
                         data = msg[: _align8(bucket.nbytes)]
                         msg[data.numel() :].view(torch.int64).copy_(bucket_checksum(data))
                     self._tamper_hook(bucket.index, msg)
                 stats.pack_s += time.perf_counter() - t0
-                works[slot] = self._sender_broadcast(slot, msg)
+                works[slot] = self._sender_broadcast(slot, msg, bucket.index % self.num_lanes)
             if next(it, None) is not None:
                 raise ValueError("the weight source yielded more tensors than its metadata lists")
             self._sender_drain(works)
@@ -270,15 +288,17 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         else:
             self._current_stream().wait_event(self._free[slot])
 
-    def _sender_broadcast(self, slot: int, msg: torch.Tensor) -> Any:
+    def _sender_broadcast(self, slot: int, msg: torch.Tensor, lane: int) -> Any:
+        group = self._lane_groups[lane]
         if self._comm_stream is None:
-            return self._group.broadcast(msg, 0)
+            return group.broadcast(msg, 0)
+        stream = self._lane_streams[lane]
         self._ready[slot].record(self._current_stream())
-        with self._stream_ctx(self._comm_stream):
-            self._comm_stream.wait_event(self._ready[slot])
-            work = self._group.broadcast(msg, 0)
+        with self._stream_ctx(stream):
+            stream.wait_event(self._ready[slot])
+            work = group.broadcast(msg, 0)
             work.wait()
-            self._free[slot].record(self._comm_stream)
+            self._free[slot].record(stream)
         return work
 
     def _sender_drain(self, works: list[Any]) -> None:
@@ -314,7 +334,7 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                 target = assembly(e)[e.chunk_offset : e.chunk_offset + e.chunk_size]
             else:
                 target = self._message(bucket.index % nb, bucket.nbytes)
-            return self._post_receive(bucket.index % nb, target)
+            return self._post_receive(bucket.index % nb, target, bucket.index % self.num_lanes)
 
         try:
             for k in range(min(nb, len(buckets))):
@@ -351,14 +371,16 @@ class PipelinedBroadcastEngine(CheckpointEngine):
             done.record(self._current_stream())
             self._wait_event(done, "loading the last bucket")
 
-    def _post_receive(self, slot: int, msg: torch.Tensor) -> Any:
+    def _post_receive(self, slot: int, msg: torch.Tensor, lane: int) -> Any:
+        group = self._lane_groups[lane]
         if self._comm_stream is None:
-            return self._group.broadcast(msg, 0)
-        with self._stream_ctx(self._comm_stream):
-            self._comm_stream.wait_event(self._free[slot])
-            work = self._group.broadcast(msg, 0)
+            return group.broadcast(msg, 0)
+        stream = self._lane_streams[lane]
+        with self._stream_ctx(stream):
+            stream.wait_event(self._free[slot])
+            work = group.broadcast(msg, 0)
             work.wait()
-            self._ready[slot].record(self._comm_stream)
+            self._ready[slot].record(stream)
         return work
 
     def _finish_receive(self, slot: int, work: Any, k: int) -> None:

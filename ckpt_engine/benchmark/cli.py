@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default: 1024 on CUDA, 64 on CPU, or the largest tensor if larger)")
     p.add_argument("--buffers", type=int, default=2)
+    p.add_argument("--lanes", type=int, default=None, help="process groups the buckets alternate over (default: the backend's)")
     p.add_argument("--receivers", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--iters", type=int, default=3)
@@ -73,6 +74,8 @@ def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str,
     ]
     if args.layers is not None:
         common += ["--layers", str(args.layers)]
+    if args.lanes is not None:
+        common += ["--lanes", str(args.lanes)]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # like torchrun: ranks sharing a host must not oversubscribe it
     procs = [
@@ -109,7 +112,7 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, backend: 
     nbytes = sender["bytes"]
     summary: dict[str, Any] = {
         "preset": args.preset, "layers": args.layers, "backend": backend, "device": device, "receivers": args.receivers,
-        "dtype": args.dtype, "bucket_mb": bucket_mb, "buffers": args.buffers, "bytes": nbytes, "tensors": sender["tensors"],
+        "dtype": args.dtype, "bucket_mb": bucket_mb, "buffers": args.buffers, "lanes": args.lanes, "bytes": nbytes, "tensors": sender["tensors"],
         "iters": args.iters, "modes": {},
     }
     if torch.cuda.is_available() and device == "cuda":

@@ -20,6 +20,7 @@ from ckpt_engine.backends.pipelined import torch_dtype
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.buckets import plan_buckets
 from ckpt_engine.checksum import bucket_checksum
+from ckpt_engine.copies import batched_copy_
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.registry import CheckpointEngineRegistry
 
@@ -74,6 +75,7 @@ class BenchRank:
             num_buffers=args.buffers,
             timeout_s=args.timeout_s,
             device=self.device,
+            num_lanes=args.lanes,
         )
         self.mem_before = self._mem()
         self.tensors = [torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=self.device) for s in self.specs]
@@ -150,7 +152,7 @@ class BenchRank:
         def receive() -> None:
             for bucket in self.engine.receive_buckets(self.manifest):
                 if bucket:
-                    torch._foreach_copy_([dst[n] for n, _ in bucket], [t for _, t in bucket])
+                    batched_copy_([dst[n] for n, _ in bucket], [t for _, t in bucket])
 
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -194,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--bucket-mb", type=float, required=True)
     p.add_argument("--buffers", type=int, default=2)
+    p.add_argument("--lanes", type=int, default=None)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--modes", default="raw,naive,ours")
     p.add_argument("--timeout-s", type=float, default=600.0)

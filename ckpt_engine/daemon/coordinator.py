@@ -359,6 +359,10 @@ class WeightSyncDaemon:
 
     def _attempt(self, walker: _OneWalkPerAttempt, members: list[EngineRecord], target: int, outcome: SyncOutcome, attempt: int) -> bool:
         """One try with the current members; returns whether to try again (engines were dropped)."""
+        members = self._prune_unreachable(members, outcome, attempt)
+        if not members:
+            outcome.error = "no registered engine is reachable"
+            return False
         try:
             session = self._session_for(members)
             report = session.sync(walker, version=target)
@@ -368,11 +372,11 @@ class WeightSyncDaemon:
             outcome.attempts.append({"attempt": attempt, "stage": "validate", "failed": {r.name: "rejected the manifest" for r in rejecting}})
             for r in rejecting:
                 outcome.rejected[r.name] = [str(p) for p in exc.problems[:20]]
-                outcome.dropped[r.name] = f"rejected the manifest: {'; '.join(exc.problems[:3])}"
             if not rejecting or len(rejecting) == len(members):
                 outcome.error = str(exc)
                 raise
             for r in rejecting:
+                outcome.dropped[r.name] = f"engine {r.name!r} rejected the manifest: {'; '.join(exc.problems[:3])}"
                 self._drop(r, outcome.dropped[r.name])
             return True  # nothing moved; the others still hold their version
         except SyncError as exc:
@@ -385,7 +389,7 @@ class WeightSyncDaemon:
             if stage not in ("join", "validate"):
                 self.membership.mark(survivors, EngineState.STALE)
             for r in lost:
-                why = f"failed during {stage}: {failed[r.name]}"
+                why = f"engine {r.name!r} failed during {stage}: {failed[r.name]}"
                 outcome.dropped[r.name] = why
                 self._drop(r, why)
             if not lost:
@@ -403,6 +407,42 @@ class WeightSyncDaemon:
         outcome.ok = True
         outcome.report = report.to_dict()
         return False
+
+    def _prune_unreachable(self, members: list[EngineRecord], outcome: SyncOutcome, attempt: int) -> list[EngineRecord]:
+        """Before (re)building a group, drop members that do not answer a health probe.
+
+        A dead member would make every other rank wait for it at the rendezvous until the
+        timeout; a probe answers (or is refused) within seconds.
+        """
+        key = tuple((r.name, id(r.adapter)) for r in members)
+        if self._session is not None and key == self._session_key:
+            return members  # the group stands; a dead member fails the next stage fast
+        errors: dict[str, str] = {}
+
+        def probe(rec: EngineRecord) -> None:
+            try:
+                assert rec.adapter is not None
+                self.membership.touch(rec.name, rec.adapter.health())
+            except Exception as exc:
+                errors[rec.name] = f"{type(exc).__name__}: {exc}"[:300]
+
+        threads = [threading.Thread(target=probe, args=(r,), daemon=True) for r in members]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + min(self.config.timeout_s, 10.0)
+        for t, r in zip(threads, members):
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                errors.setdefault(r.name, "no answer to a health probe")
+        if not errors:
+            return members
+        outcome.attempts.append({"attempt": attempt, "stage": "probe", "failed": dict(errors)})
+        for r in members:
+            if r.name in errors:
+                why = f"engine {r.name!r} was unreachable before the sync: {errors[r.name]}"
+                outcome.dropped[r.name] = why
+                self._drop(r, why)
+        return [r for r in members if r.name not in errors]
 
     def _session_for(self, members: list[EngineRecord]) -> WeightSyncSession:
         """The session for exactly these members; a changed membership rebuilds the group."""

@@ -21,6 +21,7 @@ from typing import Any
 import msgpack
 import torch
 
+from ckpt_engine.copies import batched_copy_
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
@@ -82,7 +83,7 @@ class TorchRefWorker:
     def load_bucket(self, pairs: list[tuple[str, torch.Tensor]]) -> int:
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
-        torch._foreach_copy_([self.tensors[n] for n, _ in pairs], [t for _, t in pairs])
+        batched_copy_([self.tensors[n] for n, _ in pairs], [t for _, t in pairs])
         return len(pairs)
 
     # --- RPC handlers (plain msgpack types in and out) ----------------------------------------

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -26,6 +25,7 @@ from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
+from ckpt_engine.trainer_adapters.common import DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, check_float_dtype
 from ckpt_engine.trainer_adapters.hf_names import (
     clean_name,
     has_unhandled_fused_experts,
@@ -40,32 +40,10 @@ __all__ = ["FSDP2Config", "FSDP2TrainEngine", "DEFAULT_KEEP_FP32"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_KEEP_FP32: tuple[str, ...] = (r"(^|\.)mlp\.gate\.weight$",)
-"""MoE router gates: engines keep them in fp32 because top-k routing is sensitive to rounding."""
-
-_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-
-
 @dataclass(kw_only=True)
-class FSDP2Config:
-    """Optimizer, schedule, sharding and export settings of `FSDP2TrainEngine`."""
+class FSDP2Config(TrainConfig):
+    """Optimizer, schedule and export settings (`TrainConfig`) plus FSDP2 sharding settings."""
 
-    lr: float = 1e-5
-    """Peak learning rate of AdamW."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    max_grad_norm: float | None = 1.0
-    """Clip the global grad norm to this value; None disables clipping (the norm is still returned)."""
-    warmup_steps: int = 0
-    """Linear warmup from lr/warmup_steps to lr over this many `lr_scheduler_step()` calls."""
-    total_steps: int | None = None
-    """When set, cosine decay from lr to `min_lr_ratio * lr` between warmup_steps and total_steps."""
-    min_lr_ratio: float = 0.0
-    wire_dtype: str | None = "bfloat16"
-    """dtype floating-point tensors travel in (None: their parameter dtype)."""
-    keep_fp32_patterns: tuple[str, ...] = DEFAULT_KEEP_FP32
-    """Regexes (re.search on the HF name) of tensors that travel as float32 whatever `wire_dtype` says."""
     param_dtype: str | None = None
     """FSDP2 mixed precision: dtype of the all-gathered params used in forward (None: master dtype)."""
     reduce_dtype: str | None = None
@@ -75,32 +53,9 @@ class FSDP2Config:
     """In `iter_weights`, issue unit k+1's all-gather before unit k is consumed."""
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"FSDP2Config.lr must be > 0, got {self.lr}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise ValueError(f"FSDP2Config.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"FSDP2Config.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.total_steps is not None and self.total_steps <= self.warmup_steps:
-            raise ValueError(f"FSDP2Config.total_steps ({self.total_steps}) must exceed warmup_steps ({self.warmup_steps})")
-        for fname in ("wire_dtype", "param_dtype", "reduce_dtype"):
-            value = getattr(self, fname)
-            if value is not None and value not in _FLOAT_DTYPES:
-                raise ValueError(f"FSDP2Config.{fname} must be one of {_FLOAT_DTYPES} or None, got {value!r}")
-        for pat in self.keep_fp32_patterns:
-            try:
-                re.compile(pat)
-            except re.error as exc:
-                raise ValueError(f"FSDP2Config.keep_fp32_patterns: bad regex {pat!r}: {exc}") from None
-
-    def lr_factor(self, step: int) -> float:
-        """Multiplier of `lr` after `step` scheduler steps (pure; shared by engine and references)."""
-        if self.warmup_steps and step < self.warmup_steps:
-            return (step + 1) / self.warmup_steps
-        if self.total_steps is None:
-            return 1.0
-        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
-        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        super().__post_init__()
+        for fname in ("param_dtype", "reduce_dtype"):
+            check_float_dtype(f"{type(self).__name__}.{fname}", getattr(self, fname))
 
 
 @dataclass
@@ -155,7 +110,10 @@ class FSDP2TrainEngine(TrainEngine):
         config: FSDP2Config | None = None,
         process_group: dist.ProcessGroup | None = None,
         mesh: DeviceMesh | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
+        """`device`: where the sharded model lives (default: the model's device). A model built on
+        the meta device is sharded as is; call `materialize()` before training or exporting."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -167,9 +125,11 @@ class FSDP2TrainEngine(TrainEngine):
             raise ValueError(f"FSDP2TrainEngine wraps Hugging Face models (with .config.model_type), got {type(model).__name__}")
         self.model_type: str = hf_config.model_type
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        device = next(model.parameters()).device
+        device = torch.device(device) if device is not None else next(model.parameters()).device
+        if device.type == "meta":
+            raise ValueError("FSDP2TrainEngine(device=...) must name a real device when the model is on the meta device")
         self.device = device
-        self._keep = [re.compile(p) for p in self.config.keep_fp32_patterns]
+        self._wire = WirePolicy(self.config.wire_dtype, self.config.keep_fp32_patterns)
         layers = decoder_layers(model)
         self._entries = self._plan_export(model, layers)  # bad layouts fail here, before any collective
 
@@ -204,14 +164,28 @@ class FSDP2TrainEngine(TrainEngine):
             self.model_type, len(self._units), self.world_size, sum(len(e.specs) for e in self._entries),
         )
 
+    def materialize(self, init: Any = None) -> None:
+        """Allocate a meta-device model's shards on `device` and initialize them (local, no collective).
+
+        `init(name, local_shard)` fills each parameter's local shard in place (default: normal(0, 0.02),
+        norms 1); buffers are recomputed by the modules' own `reset_parameters`/rotary init only if
+        they define one, so use this for shapes-only work (benchmarks) or load a checkpoint after it.
+        """
+        self.model.to_empty(device=self.device)
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                local = p.to_local() if isinstance(p, torch.distributed.tensor.DTensor) else p
+                if init is not None:
+                    init(name, local)
+                elif "norm" in name:
+                    local.fill_(1.0)
+                else:
+                    local.normal_(0.0, 0.02)
+
     # --- export plan ---------------------------------------------------------------------------
     def wire_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
         """The dtype `name` travels in: keep-fp32 policy first, then `wire_dtype` for floats."""
-        if not dtype.is_floating_point:
-            return dtype
-        if any(p.search(name) for p in self._keep):
-            return torch.float32
-        return _torch_dtype(self.config.wire_dtype) if self.config.wire_dtype else dtype
+        return self._wire.dtype_for(name, dtype)
 
     def _plan_export(self, model: nn.Module, layers: list[nn.Module]) -> list[_Entry]:
         """Every tensor the rollout needs, in HF state-dict order, with its owning FSDP unit."""

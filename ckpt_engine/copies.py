@@ -1,0 +1,20 @@
+"""Batched tensor copies for packing and loading buckets.
+
+One `torch._foreach_copy_` launch per bucket: thousands of small tensors cost a few kernel
+launches, not thousands of Python-level copies. (Routing large tensors through per-tensor
+`copy_` was measured on 2xH200 and made the MoE sync slower: 0.785 vs 0.943 of raw.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["batched_copy_"]
+
+
+def batched_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """dsts[i].copy_(srcs[i]) for every i in one batched launch (casting where dtypes differ)."""
+    if dsts:
+        torch._foreach_copy_(list(dsts), list(srcs))

@@ -1,0 +1,99 @@
+"""DaemonClient: the control protocol from the other side (engines, trainers, `ckpt-engine status`)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Any
+
+from ckpt_engine.wire import RpcClient, WireError
+
+__all__ = ["DaemonClient", "HeartbeatSender", "parse_address"]
+
+logger = logging.getLogger(__name__)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"daemon address must look like host:port, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+class DaemonClient:
+    """One connection to a daemon; every call carries the job token and has a timeout.
+
+    Calls are idempotent (register replaces by name, report_sync is keyed by version), so a call
+    that fails on a connection the daemon closed (idle timeout, restart) is retried once.
+    """
+
+    def __init__(self, address: str | tuple[str, int], token: str, timeout_s: float = 30.0) -> None:
+        self.host, self.port = parse_address(address) if isinstance(address, str) else address
+        self.token = token
+        self.timeout_s = timeout_s
+        self._rpc = RpcClient(self.host, self.port, timeout_s)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def call(self, method: str, **params: Any) -> Any:
+        try:
+            return self._rpc.call(method, token=self.token, **params)
+        except WireError as exc:
+            if isinstance(exc.__cause__, socket.timeout):
+                raise
+            logger.debug("retrying %s after a connection error: %s", method, exc)
+            return self._rpc.call(method, token=self.token, **params)
+
+    def hello(self) -> dict[str, Any]:
+        return self.call("hello")
+
+    def register(self, name: str, engine: dict[str, Any]) -> dict[str, Any]:
+        return self.call("register", name=name, engine=engine)
+
+    def leave(self, name: str) -> dict[str, Any]:
+        return self.call("leave", name=name)
+
+    def heartbeat(self, name: str) -> dict[str, Any]:
+        return self.call("heartbeat", name=name)
+
+    def members(self) -> dict[str, Any]:
+        return self.call("members")
+
+    def status(self) -> dict[str, Any]:
+        return self.call("status")
+
+    def report_sync(self, outcome: dict[str, Any]) -> dict[str, Any]:
+        return self.call("report_sync", outcome=outcome)
+
+    def shutdown(self) -> dict[str, Any]:
+        return self.call("shutdown")
+
+    def close(self) -> None:
+        self._rpc.close()
+
+
+class HeartbeatSender:
+    """Background heartbeats for one engine (for launchers of engines that cannot send their own)."""
+
+    def __init__(self, client: DaemonClient, name: str, interval_s: float) -> None:
+        self.client, self.name, self.interval_s = client, name, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"ckpt-heartbeat-{name}", daemon=True)
+
+    def start(self) -> HeartbeatSender:
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.client.heartbeat(self.name)
+            except Exception as exc:
+                logger.warning("heartbeat for %s failed: %s", self.name, exc)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + self.client.timeout_s)

@@ -1,0 +1,98 @@
+"""Settings and small policies every trainer adapter shares: optimizer, LR schedule, wire dtypes."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["DEFAULT_KEEP_FP32", "TrainConfig", "WirePolicy", "check_float_dtype", "torch_dtype"]
+
+DEFAULT_KEEP_FP32: tuple[str, ...] = (r"(^|\.)mlp\.gate\.weight$",)
+"""MoE router gates: engines keep them in fp32 because top-k routing is sensitive to rounding."""
+
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_float_dtype(field_name: str, value: str | None) -> None:
+    if value is not None and value not in FLOAT_DTYPES:
+        raise ValueError(f"{field_name} must be one of {FLOAT_DTYPES} or None, got {value!r}")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """AdamW, grad clipping, LR schedule and export dtypes: the part every backend shares."""
+
+    lr: float = 1e-5
+    """Peak learning rate of AdamW."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+    """Clip the global grad norm to this value; None disables clipping (the norm is still returned)."""
+    warmup_steps: int = 0
+    """Linear warmup from lr/warmup_steps to lr over this many `lr_scheduler_step()` calls."""
+    total_steps: int | None = None
+    """When set, cosine decay from lr to `min_lr_ratio * lr` between warmup_steps and total_steps."""
+    min_lr_ratio: float = 0.0
+    wire_dtype: str | None = "bfloat16"
+    """dtype floating-point tensors travel in (None: their parameter dtype)."""
+    keep_fp32_patterns: tuple[str, ...] = DEFAULT_KEEP_FP32
+    """Regexes (re.search on the HF name) of tensors that travel as float32 whatever `wire_dtype` says."""
+
+    def __post_init__(self) -> None:
+        cls = type(self).__name__
+        if not self.lr > 0:
+            raise ValueError(f"{cls}.lr must be > 0, got {self.lr}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ValueError(f"{cls}.max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"{cls}.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.total_steps is not None and self.total_steps <= self.warmup_steps:
+            raise ValueError(f"{cls}.total_steps ({self.total_steps}) must exceed warmup_steps ({self.warmup_steps})")
+        check_float_dtype(f"{cls}.wire_dtype", self.wire_dtype)
+        for pat in self.keep_fp32_patterns:
+            try:
+                re.compile(pat)
+            except re.error as exc:
+                raise ValueError(f"{cls}.keep_fp32_patterns: bad regex {pat!r}: {exc}") from None
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of `lr` after `step` scheduler steps (pure; shared by engines and references)."""
+        if self.warmup_steps and step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.total_steps is None:
+            return 1.0
+        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class WirePolicy:
+    """Per-name wire dtype: keep-fp32 names first, then `wire_dtype` for floating tensors."""
+
+    def __init__(self, wire_dtype: str | None, keep_fp32_patterns: tuple[str, ...]) -> None:
+        self.wire = torch_dtype(wire_dtype) if wire_dtype else None
+        self.keep = [re.compile(p) for p in keep_fp32_patterns]
+
+    def dtype_for(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        if not dtype.is_floating_point:
+            return dtype
+        if any(p.search(name) for p in self.keep):
+            return torch.float32
+        return self.wire if self.wire is not None else dtype
+
+
+def hf_model_from_config(hf_config: object, dtype: torch.dtype, **kwargs: object) -> torch.nn.Module:
+    """`AutoModelForCausalLM.from_config` across transformers 4.x (`torch_dtype=`) and 5.x (`dtype=`)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **kwargs)
+    except TypeError:
+        return AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype, **kwargs)

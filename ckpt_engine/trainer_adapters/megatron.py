@@ -1,0 +1,785 @@
+"""Megatron-core `GPTModel` training engine (TP/PP/EP) exporting Hugging Face checkpoint weights.
+
+The model is built from a Hugging Face config (`transformers` config object, or any object with
+the same attributes) through the family table in `hf_names.py`; `load_hf_weights` fills it from
+HF tensors (the reverse conversion), which makes parity with the HF model testable.
+
+Export walks every pipeline stage in order. On the owning stage each parameter is gathered over
+its tensor-parallel group along its `partition_dim` (layout-aware for `linear_fc1` = [gate; up]
+per shard), experts over the expert-parallel group, then converted to HF names and layouts
+(`linear_qkv` per query group -> q/k/v). With `export_mode="gather_to_first"` the stage then
+broadcasts it over its pipeline group, so global rank 0 (`is_sender`) yields every tensor; with
+`"per_stage"` each stage's first TP/DP/EP rank is a sender of its own stage (multi-sender).
+
+Collective contract: every rank of the model-parallel world calls every public method, in the
+same order. Groups come from `pg_collection` (megatron's `ProcessGroupCollection`) or, when it is
+None, from `megatron.core.parallel_state` (initialized by the caller, as Megatron users do).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
+from ckpt_engine.trainer_adapters.common import TrainConfig, WirePolicy, check_float_dtype, torch_dtype
+from ckpt_engine.trainer_adapters.hf_names import (
+    MegatronFamily,
+    megatron_family,
+    merge_gate_up,
+    merge_qkv,
+    split_gate_up,
+    split_qkv,
+)
+
+__all__ = ["MegatronConfig", "MegatronTrainEngine", "MegatronExporter", "build_gpt_model", "transformer_config_from_hf"]
+
+logger = logging.getLogger(__name__)
+
+EXPORT_MODES = ("gather_to_first", "per_stage")
+
+
+@dataclass(kw_only=True)
+class MegatronConfig(TrainConfig):
+    """Parallel layout, model build and export settings, plus the shared `TrainConfig`."""
+
+    params_dtype: str = "float32"
+    """dtype of the parameters Megatron holds (fp32 master training on CPU/tests; bf16 for speed)."""
+    make_vocab_size_divisible_by: int = 128
+    """Vocab padding as in Megatron-LM: rows padded to a multiple of this times TP; trimmed on export."""
+    transformer_impl: str = "local"
+    """"local" (pure megatron-core, runs anywhere) or "transformer_engine" (TE layer spec, CUDA)."""
+    use_cpu_initialization: bool = True
+    export_mode: str = "gather_to_first"
+    micro_batch_size: int | None = None
+    """Sequences per micro-batch in `forward_backward` (None: the whole rank batch at once)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_float_dtype("MegatronConfig.params_dtype", self.params_dtype)
+        if self.transformer_impl not in ("local", "transformer_engine"):
+            raise ValueError(f"MegatronConfig.transformer_impl must be 'local' or 'transformer_engine', got {self.transformer_impl!r}")
+        if self.export_mode not in EXPORT_MODES:
+            raise ValueError(f"MegatronConfig.export_mode must be one of {EXPORT_MODES}, got {self.export_mode!r}")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"MegatronConfig.make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
+
+
+# --- model construction ---------------------------------------------------------------------------
+
+
+def _hf(hf_config: Any, name: str, default: Any = None) -> Any:
+    value = getattr(hf_config, name, default)
+    return default if value is None else value
+
+
+def head_dim_of(hf_config: Any) -> int:
+    return int(_hf(hf_config, "head_dim", hf_config.hidden_size // hf_config.num_attention_heads))
+
+
+def check_exportable(hf_config: Any) -> MegatronFamily:
+    """The family table for `hf_config`, or ValueError for layouts the exporter cannot convert."""
+    family = megatron_family(str(getattr(hf_config, "model_type", None)))
+    heads, groups = hf_config.num_attention_heads, _hf(hf_config, "num_key_value_heads", hf_config.num_attention_heads)
+    if heads % groups:
+        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({groups})")
+    if _hf(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"only SwiGLU MLPs (hidden_act='silu') convert to linear_fc1, got {hf_config.hidden_act!r}")
+    if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention has no megatron-core GPTModel equivalent here")
+    return family
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def transformer_config_from_hf(hf_config: Any, cfg: MegatronConfig, tp: int, pp: int, ep: int) -> Any:
+    """megatron-core TransformerConfig equivalent to a Qwen2/Llama/Qwen3 HF config."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    family = check_exportable(hf_config)
+    dtype = torch_dtype(cfg.params_dtype)
+    moe = bool(family.expert)
+    kw: dict[str, Any] = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=_hf(hf_config, "num_key_value_heads", hf_config.num_attention_heads),
+        kv_channels=head_dim_of(hf_config),
+        ffn_hidden_size=_hf(hf_config, "moe_intermediate_size", hf_config.intermediate_size) if moe else hf_config.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=_hf(hf_config, "rms_norm_eps", 1e-6),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(_hf(hf_config, "attention_bias", hf_config.model_type == "qwen2")),
+        qk_layernorm="self_attention.q_layernorm.weight" in family.layer,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=_hf(hf_config, "initializer_range", 0.02),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=cfg.use_cpu_initialization,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+    )
+    if moe:
+        kw.update(
+            num_moe_experts=hf_config.num_experts,
+            moe_router_topk=hf_config.num_experts_per_tok,
+            moe_router_pre_softmax=True,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+        )
+    return TransformerConfig(**kw)
+
+
+def _rope_theta(hf_config: Any) -> float:
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", _hf(hf_config, "rope_theta", 10000.0)))
+
+
+def build_gpt_model(hf_config: Any, cfg: MegatronConfig, pg_collection: Any = None) -> nn.Module:
+    """One GPTModel chunk for this rank's pipeline stage (virtual pipelining is not used)."""
+    from megatron.core.models.gpt import GPTModel
+
+    groups = _Groups.from_megatron(pg_collection)
+    tconf = transformer_config_from_hf(hf_config, cfg, groups.tp_size, groups.pp_size, groups.ep_size)
+    family = check_exportable(hf_config)
+    num_experts = hf_config.num_experts if family.expert else None
+    if cfg.transformer_impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=tconf.qk_layernorm)
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        spec = get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=tconf.qk_layernorm, normalization="RMSNorm")
+    kw: dict[str, Any] = dict(
+        config=tconf,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(hf_config.vocab_size, cfg.make_vocab_size_divisible_by, groups.tp_size),
+        max_sequence_length=_hf(hf_config, "max_position_embeddings", 4096),
+        pre_process=groups.pp_rank == 0,
+        post_process=groups.pp_rank == groups.pp_size - 1,
+        share_embeddings_and_output_weights=bool(_hf(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=int(_rope_theta(hf_config)),
+    )
+    if pg_collection is not None:
+        kw["pg_collection"] = pg_collection
+    return GPTModel(**kw)
+
+
+# --- process groups -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Groups:
+    tp: Any
+    pp: Any
+    dp: Any
+    ep: Any
+    etp: Any
+    mp: Any  # tensor x pipeline (grad-norm reduction)
+
+    @classmethod
+    def from_megatron(cls, pg_collection: Any = None) -> _Groups:
+        if pg_collection is not None:
+            g = pg_collection
+            return cls(g.tp, g.pp, getattr(g, "dp", None), getattr(g, "ep", None), getattr(g, "expt_tp", None), getattr(g, "mp", None))
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError("call megatron.core.parallel_state.initialize_model_parallel() first, or pass pg_collection")
+        return cls(
+            ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
+            ps.get_data_parallel_group(), ps.get_expert_model_parallel_group(),
+            ps.get_expert_tensor_parallel_group(), ps.get_model_parallel_group(),
+        )
+
+    @staticmethod
+    def _size(g: Any) -> int:
+        return 1 if g is None else dist.get_world_size(g)
+
+    @staticmethod
+    def _rank(g: Any) -> int:
+        return 0 if g is None else dist.get_rank(g)
+
+    tp_size = property(lambda self: self._size(self.tp))
+    tp_rank = property(lambda self: self._rank(self.tp))
+    pp_size = property(lambda self: self._size(self.pp))
+    pp_rank = property(lambda self: self._rank(self.pp))
+    dp_rank = property(lambda self: self._rank(self.dp))
+    ep_size = property(lambda self: self._size(self.ep))
+    ep_rank = property(lambda self: self._rank(self.ep))
+    etp_size = property(lambda self: self._size(self.etp))
+    etp_rank = property(lambda self: self._rank(self.etp))
+
+
+# --- conversion plan ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Item:
+    """One Megatron parameter of this stage and the HF tensors it becomes.
+
+    The parameter is looked up on its owning module at export time (`param`), because wrappers
+    such as Megatron-FSDP swap module parameters between raw and distributed forms.
+    """
+
+    owner: nn.Module
+    attr: str
+    kind: str  # copy | qkv | gate_up | vocab
+    hf_names: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    partition_dim: int | None  # TP split dim, None when replicated
+    expert: bool = False
+    local_expert: int = 0
+    specs: list[TensorSpec] = field(default_factory=list)
+
+    @property
+    def param(self) -> torch.Tensor:
+        return getattr(self.owner, self.attr)
+
+
+def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, attr = name.rpartition(".")
+    return (root.get_submodule(path) if path else root), attr
+
+
+class MegatronExporter:
+    """Megatron <-> HF conversion for one rank's model chunk: metadata, gather, load.
+
+    Pure bookkeeping plus the collectives of the walk; `MegatronTrainEngine` and
+    `MegatronFSDPTrainEngine` share it (the FSDP variant supplies full, un-sharded-by-FSDP params).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        hf_config: Any,
+        cfg: TrainConfig,
+        groups: _Groups,
+        local_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """`local_tensor(param)` gives this TP rank's full shard of a parameter (default: its data;
+        Megatron-FSDP passes a gather over the data-parallel shards)."""
+        self.family = check_exportable(hf_config)
+        self.hf_config = hf_config
+        self.groups = groups
+        self.model = model
+        self.tied = bool(_hf(hf_config, "tie_word_embeddings", False))
+        self.vocab = hf_config.vocab_size
+        self.heads = hf_config.num_attention_heads
+        self.query_groups = _hf(hf_config, "num_key_value_heads", self.heads)
+        self.head_dim = head_dim_of(hf_config)
+        self.num_experts = int(_hf(hf_config, "num_experts", 0))
+        self.wire = WirePolicy(cfg.wire_dtype, cfg.keep_fp32_patterns)
+        self.local_tensor = local_tensor if local_tensor is not None else (lambda p: p.data)
+        self.items = self._plan(model)
+
+    # --- naming ------------------------------------------------------------------------------
+    def _convert_rule(self, suffix: str, table: dict[str, Any], hf_prefix: str) -> tuple[str, tuple[str, ...]]:
+        rule = table.get(suffix)
+        if rule is None:
+            raise ValueError(
+                f"no HF name for Megatron parameter suffix {suffix!r} in the {'/'.join(self.family.model_types)} "
+                "table (ckpt_engine/trainer_adapters/hf_names.py): the layout cannot be exported"
+            )
+        if isinstance(rule, str):
+            return "copy", (hf_prefix + rule,)
+        kind, outs = rule
+        return kind, tuple(hf_prefix + o for o in outs)
+
+    def _plan(self, model: nn.Module) -> list[_Item]:
+        items: list[_Item] = []
+        module = getattr(model, "module", model)  # unwrap DDP/Float16Module-style wrappers
+        while hasattr(module, "module") and not hasattr(module, "decoder"):
+            module = module.module
+        layer_params: set[int] = set()
+        decoder = getattr(module, "decoder", None)
+        layers = list(getattr(decoder, "layers", [])) if decoder is not None else []
+        by_id: dict[int, tuple[str, str, int]] = {}
+        for layer in layers:
+            global_idx = layer.layer_number - 1
+            for name, p in layer.named_parameters():
+                by_id[id(p)] = ("layer", name, global_idx)
+                layer_params.add(id(p))
+        for name, p in module.named_parameters():
+            owner, attr = _owner(module, name)
+            if id(p) in layer_params:
+                _, suffix, layer_idx = by_id[id(p)]
+                items.append(self._layer_item(p, owner, attr, suffix, layer_idx))
+                continue
+            if name == "output_layer.weight" and self.tied:
+                continue  # tied: HF checkpoints carry embed_tokens only
+            hf = self.family.globals_.get(name)
+            if hf is None:
+                raise ValueError(f"no HF name for Megatron parameter {name!r} (ckpt_engine/trainer_adapters/hf_names.py)")
+            kind = "vocab" if name in ("embedding.word_embeddings.weight", "output_layer.weight") else "copy"
+            shape = (self.vocab, p.shape[1]) if kind == "vocab" else self._full_shape(p)
+            items.append(_Item(owner, attr, kind, (hf,), (shape,), _partition_dim(p)))
+        for it in items:
+            it.specs = [
+                TensorSpec(n, str(self.wire.dtype_for(n, it.param.dtype)).removeprefix("torch."), s)
+                for n, s in zip(it.hf_names, it.hf_shapes)
+            ]
+        return items
+
+    def _full_shape(self, p: torch.Tensor, expert: bool = False) -> tuple[int, ...]:
+        shape = list(p.shape)
+        dim = _partition_dim(p)
+        if dim is not None:
+            shape[dim] *= self.groups.etp_size if expert else self.groups.tp_size
+        return tuple(shape)
+
+    def _layer_item(self, p: torch.Tensor, owner: nn.Module, attr: str, suffix: str, layer_idx: int) -> _Item:
+        hf_prefix = f"{self.family.hf_layer_prefix}{layer_idx}."
+        marker = "mlp.experts.local_experts."
+        if suffix.startswith(marker):
+            local_str, _, rest = suffix[len(marker) :].partition(".")
+            kind, names = self._convert_rule(rest, self.family.expert, hf_prefix + "mlp.experts.{e}.")
+            full = self._full_shape(p, expert=True)
+            shapes = _split_shapes(kind, full, self)
+            return _Item(owner, attr, kind, names, shapes, _partition_dim(p), expert=True, local_expert=int(local_str))
+        if ".experts." in suffix:
+            raise ValueError(f"expert layout {suffix!r} cannot be exported: use the SequentialMLP (moe_grouped_gemm=False)")
+        kind, names = self._convert_rule(suffix, self.family.layer, hf_prefix)
+        full = self._full_shape(p)
+        return _Item(owner, attr, kind, names, _split_shapes(kind, full, self), _partition_dim(p))
+
+    # --- metadata ----------------------------------------------------------------------------
+    def local_specs(self) -> list[TensorSpec]:
+        """This stage's HF specs, in export order (experts expanded over every EP rank)."""
+        out: list[TensorSpec] = []
+        for group in self._export_groups():
+            for item, e in group:
+                out.extend(self._expert_specs(item, e) if item.expert else item.specs)
+        return out
+
+    def _expert_specs(self, item: _Item, e: int) -> list[TensorSpec]:
+        return [TensorSpec(s.name.replace("{e}", str(e)), s.dtype, s.shape) for s in item.specs]
+
+    def _export_groups(self) -> list[list[tuple[_Item, int]]]:
+        """Items in export order; an expert item appears once per global expert it carries."""
+        ep = self.groups.ep_size
+        order: list[list[tuple[_Item, int]]] = []
+        pending_experts: list[_Item] = []
+
+        def flush() -> None:
+            if not pending_experts:
+                return
+            num_local = max(i.local_expert for i in pending_experts) + 1
+            rows = []
+            for r in range(ep):
+                for it in pending_experts:
+                    rows.append((it, r * num_local + it.local_expert))
+            rows.sort(key=lambda x: x[1])  # stable: keeps fc1 before fc2 per expert
+            order.append(rows)
+            pending_experts.clear()
+
+        for it in self.items:
+            if it.expert:
+                if pending_experts and it.hf_names[0].split(".mlp.")[0] != pending_experts[0].hf_names[0].split(".mlp.")[0]:
+                    flush()
+                pending_experts.append(it)
+            else:
+                flush()
+                order.append([(it, -1)])
+        flush()
+        return order
+
+    def stage_specs(self) -> list[list[TensorSpec]]:
+        """Every stage's specs, known on every rank without gathering tensors (one tiny collective).
+
+        Stages differ only in which layers they hold: each stage's spec list is rebuilt from this
+        rank's plan by the stage's layer range, so only the per-stage layer counts are exchanged.
+        """
+        pp = self.groups.pp_size
+        mine = self.local_specs()
+        if pp == 1:
+            return [mine]
+        lp = self.family.hf_layer_prefix
+        counts = torch.zeros(pp, dtype=torch.int64)
+        layers = sorted({int(s.name[len(lp):].split(".")[0]) for s in mine if s.name.startswith(lp)})
+        counts[self.groups.pp_rank] = len(layers)
+        dist.all_reduce(counts, group=self.groups.pp)
+        template = [s for s in mine if s.name.startswith(f"{lp}{layers[0]}.")] if layers else []
+        if not template:
+            raise ValueError("every pipeline stage must hold at least one decoder layer to be exported")
+        head, tail = self._global_specs()
+        stages: list[list[TensorSpec]] = []
+        start = 0
+        for stage in range(pp):
+            specs = list(head) if stage == 0 else []
+            for layer in range(start, start + int(counts[stage])):
+                specs += [TensorSpec(s.name.replace(f"{lp}{layers[0]}.", f"{lp}{layer}.", 1), s.dtype, s.shape) for s in template]
+            start += int(counts[stage])
+            if stage == pp - 1:
+                specs += tail
+            stages.append(specs)
+        if stages[self.groups.pp_rank] != mine:
+            raise ValueError("pipeline stages are not homogeneous; this exporter needs identical decoder layers")
+        return stages
+
+    def _global_specs(self) -> tuple[list[TensorSpec], list[TensorSpec]]:
+        h = self.hf_config.hidden_size
+        emb = TensorSpec("model.embed_tokens.weight", self._dt("model.embed_tokens.weight"), (self.vocab, h))
+        tail = [TensorSpec("model.norm.weight", self._dt("model.norm.weight"), (h,))]
+        if not self.tied:
+            tail.append(TensorSpec("lm_head.weight", self._dt("lm_head.weight"), (self.vocab, h)))
+        return [emb], tail
+
+    def _dt(self, name: str) -> str:
+        dtype = next(iter(self.items)).param.dtype
+        return str(self.wire.dtype_for(name, dtype)).removeprefix("torch.")
+
+    # --- gather + convert --------------------------------------------------------------------
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This stage's HF tensors; collectives over TP (and EP/expert-TP) groups of this stage."""
+        with torch.no_grad():
+            for group in self._export_groups():
+                if group[0][0].expert:
+                    yield from self._emit_experts(group)
+                else:
+                    item = group[0][0]
+                    yield from self._convert(item, self._gather_tp(item, self.local_tensor(item.param), self.groups.tp), item.specs)
+
+    def _gather_tp(self, item: _Item, local: torch.Tensor, group: Any) -> torch.Tensor | list[torch.Tensor]:
+        size = 1 if group is None else dist.get_world_size(group)
+        if item.partition_dim is None or size == 1:
+            return local
+        shards = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(shards, local.contiguous(), group=group)
+        if item.kind == "gate_up":
+            return shards  # each shard is [gate_part; up_part]: regrouped in _convert
+        return torch.cat(shards, dim=item.partition_dim)
+
+    def _convert(self, item: _Item, full: torch.Tensor | list[torch.Tensor], specs: list[TensorSpec]) -> Iterator[tuple[str, torch.Tensor]]:
+        if item.kind == "gate_up":
+            shards = full if isinstance(full, list) else [full]
+            halves = [split_gate_up(s) for s in shards]
+            parts: tuple[torch.Tensor, ...] = (torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves]))
+        else:
+            assert isinstance(full, torch.Tensor)
+            if item.kind == "qkv":
+                parts = split_qkv(full, self.heads, self.query_groups, self.head_dim)
+            elif item.kind == "vocab":
+                parts = (full[: self.vocab],)
+            else:
+                parts = (full,)
+        for spec, t in zip(specs, parts):
+            dt = torch_dtype(spec.dtype)
+            yield spec.name, (t if t.dtype == dt else t.to(dt)).contiguous()
+
+    def _emit_experts(self, group: list[tuple[_Item, int]]) -> Iterator[tuple[str, torch.Tensor]]:
+        ep = self.groups.ep_size
+        gathered: dict[tuple[int, int], torch.Tensor | list[torch.Tensor]] = {}
+        items = list(dict.fromkeys(it for it, _ in group))
+        for it in items:
+            full = self._gather_tp(it, self.local_tensor(it.param), self.groups.etp)
+            if ep == 1:
+                gathered[(id(it), 0)] = full
+                continue
+            flat = full if isinstance(full, torch.Tensor) else torch.stack(full)
+            outs = [torch.empty_like(flat) for _ in range(ep)]
+            dist.all_gather(outs, flat.contiguous(), group=self.groups.ep)
+            for r, o in enumerate(outs):
+                gathered[(id(it), r)] = o if isinstance(full, torch.Tensor) else list(o.unbind(0))
+        num_local = max(it.local_expert for it in items) + 1
+        for it, e in group:
+            yield from self._convert(it, gathered[(id(it), e // num_local)], self._expert_specs(it, e))
+
+    # --- HF -> Megatron ---------------------------------------------------------------------------
+    def load_hf(self, hf: dict[str, torch.Tensor]) -> None:
+        """Fill this rank's shards from full HF tensors (every rank holds `hf`; no collectives)."""
+        tp, tp_rank = self.groups.tp_size, self.groups.tp_rank
+        etp, etp_rank = self.groups.etp_size, self.groups.etp_rank
+        num_local = max((it.local_expert for it in self.items if it.expert), default=0) + 1
+        with torch.no_grad():
+            for it in self.items:
+                names = it.hf_names
+                size, rank = (etp, etp_rank) if it.expert else (tp, tp_rank)
+                if it.expert:
+                    e = self.groups.ep_rank * num_local + it.local_expert
+                    names = tuple(n.replace("{e}", str(e)) for n in names)
+                missing = [n for n in names if n not in hf]
+                if missing:
+                    raise ValueError(f"HF weights lack {missing[0]!r} needed for this Megatron model")
+                src = [hf[n] for n in names]
+                if it.kind == "gate_up":
+                    if it.partition_dim is not None and size > 1:
+                        full = merge_gate_up(src[0].chunk(size)[rank], src[1].chunk(size)[rank])
+                    else:
+                        full = merge_gate_up(*src)
+                    _copy_into(it.param, full)
+                    continue
+                if it.kind == "qkv":
+                    full = merge_qkv(*src, self.heads, self.query_groups, self.head_dim)
+                elif it.kind == "vocab":
+                    padded = it.param.shape[0] * (size if it.partition_dim is not None else 1)
+                    full = torch.zeros((padded, *src[0].shape[1:]), dtype=src[0].dtype)
+                    full[: src[0].shape[0]] = src[0]
+                else:
+                    full = src[0]
+                if it.partition_dim is not None and size > 1:
+                    full = full.chunk(size, dim=it.partition_dim)[rank]
+                _copy_into(it.param, full)
+            if self.tied:
+                out = getattr(_core(self.model), "output_layer", None)
+                if out is not None and getattr(out, "weight", None) is not None and not _core(self.model).pre_process:
+                    out.weight.data.copy_(_vocab_shard(hf["model.embed_tokens.weight"], out.weight, tp, tp_rank))
+
+
+def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    param.data.copy_(full.to(device=param.device, dtype=param.dtype))
+
+
+def _core(model: nn.Module) -> nn.Module:
+    m = model
+    while hasattr(m, "module") and not hasattr(m, "decoder"):
+        m = m.module
+    return m
+
+
+def _vocab_shard(full: torch.Tensor, like: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    padded = torch.zeros((like.shape[0] * tp, *full.shape[1:]), dtype=full.dtype)
+    padded[: full.shape[0]] = full
+    return padded.chunk(tp)[tp_rank]
+
+
+def _partition_dim(p: torch.Tensor) -> int | None:
+    if getattr(p, "tensor_model_parallel", False):
+        return int(getattr(p, "partition_dim", 0))
+    return None
+
+
+def _split_shapes(kind: str, full: tuple[int, ...], ex: MegatronExporter) -> tuple[tuple[int, ...], ...]:
+    rest = full[1:]
+    if kind == "qkv":
+        return ((ex.heads * ex.head_dim, *rest), (ex.query_groups * ex.head_dim, *rest), (ex.query_groups * ex.head_dim, *rest))
+    if kind == "gate_up":
+        return ((full[0] // 2, *rest), (full[0] // 2, *rest))
+    return (full,)
+
+
+# --- the engine -----------------------------------------------------------------------------------
+
+
+class MegatronTrainEngine(TrainEngine):
+    """Megatron-core GPT training (TP/PP/EP, DP over replicas) with HF-named export.
+
+    `hf_config` is the HF config of the model family; `model` an already built GPTModel chunk
+    (default: built here with `build_gpt_model`). Initial weights: Megatron's own init, or
+    `load_hf_weights(state_dict)` afterwards.
+    """
+
+    def __init__(self, hf_config: Any, *, config: MegatronConfig | None = None, model: nn.Module | None = None, pg_collection: Any = None) -> None:
+        self.config = config if config is not None else MegatronConfig()
+        check_exportable(hf_config)  # ValueError before any model is built
+        self.hf_config = hf_config
+        self.groups = _Groups.from_megatron(pg_collection)
+        self.pg_collection = pg_collection
+        if model is None:
+            model = build_gpt_model(hf_config, self.config, pg_collection)
+            if torch.cuda.is_available():
+                model = model.cuda()  # before the optimizer sees the params
+        self.model = model
+        self.exporter = MegatronExporter(self.model, hf_config, self.config, self.groups)
+        self._stages = self.exporter.stage_specs()
+        g = self.groups
+        first_of_stage = g.tp_rank == 0 and g.dp_rank == 0 and g.ep_rank == 0
+        if self.config.export_mode == "per_stage":
+            self.is_sender = first_of_stage
+        else:
+            self.is_sender = first_of_stage and g.pp_rank == 0
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=self.config.lr, betas=self.config.betas, eps=self.config.eps, weight_decay=self.config.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.config.lr_factor)
+        self.global_step = 0
+        for p in self.model.parameters():
+            p.main_grad = None  # megatron layers read .main_grad only under gradient_accumulation_fusion
+
+    # --- weights -----------------------------------------------------------------------------
+    def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Initialize from full HF tensors (HF -> Megatron); every rank passes the same dict."""
+        self.exporter.load_hf(state_dict)
+
+    def metadata(self) -> list[TensorSpec]:
+        """Every stage's specs ("gather_to_first") or this stage's ("per_stage"); no tensor gathers."""
+        if self.config.export_mode == "per_stage":
+            return list(self._stages[self.groups.pp_rank])
+        return [s for stage in self._stages for s in stage]
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF tensors; every rank walks it. TP/EP gathers on the owning stage, then a PP broadcast."""
+        g = self.groups
+        if self.config.export_mode == "per_stage" or g.pp_size == 1:
+            yield from self.exporter.iter_local()
+            return
+        pp_ranks = dist.get_process_group_ranks(g.pp)
+        for stage, specs in enumerate(self._stages):
+            local = self.exporter.iter_local() if stage == g.pp_rank else None
+            for spec in specs:
+                if local is not None:
+                    name, t = next(local)
+                    assert name == spec.name, (name, spec.name)
+                    t = t.contiguous()
+                else:
+                    t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self._device())
+                dist.broadcast(t, src=pp_ranks[stage], group=g.pp)
+                yield spec.name, t
+            if local is not None and next(local, None) is not None:
+                raise RuntimeError(f"stage {stage} produced more tensors than its metadata lists")
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # --- training ----------------------------------------------------------------------------
+    def forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
+        """Megatron's pipeline schedule over micro-batches of this rank's batch; every rank calls it.
+
+        `loss_fn` sees full-vocabulary logits [batch, seq, vocab] (gathered over TP, padding
+        trimmed) on the last stage. Returns the mean micro-batch loss, broadcast to all stages.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        ids = batch["input_ids"]
+        mbs = self.config.micro_batch_size or ids.shape[0]
+        if ids.shape[0] % mbs:
+            raise ValueError(f"batch of {ids.shape[0]} sequences is not a multiple of micro_batch_size={mbs}")
+        micro = [{k: v[i : i + mbs] for k, v in batch.items()} for i in range(0, ids.shape[0], mbs)]
+        seq = ids.shape[1]
+        position_ids = torch.arange(seq, device=ids.device).unsqueeze(0).expand(mbs, -1)
+        vocab = self.hf_config.vocab_size
+        n = len(micro)
+
+        def step(data_iter: Iterator[dict[str, torch.Tensor]], model: nn.Module) -> tuple[torch.Tensor, Any]:
+            mb = next(data_iter)
+            out = model(mb["input_ids"], position_ids, None)
+
+            def loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
+                loss = loss_fn(logits, mb)
+                return loss / n, {"loss": loss.detach()}
+
+            return out, loss_func
+
+        fb = get_forward_backward_func()
+        kw: dict[str, Any] = dict(
+            forward_step_func=step, data_iterator=iter(micro), model=[self.model], num_microbatches=n,
+            seq_length=seq, micro_batch_size=mbs, forward_only=False,
+        )
+        if self.pg_collection is not None:
+            kw["pg_collection"] = self.pg_collection
+        results = fb(**kw)
+        loss = torch.zeros(1, dtype=torch.float32, device=self._device())
+        if results:
+            loss[0] = sum(float(r["loss"]) for r in results) / len(results)
+        if self.groups.pp_size > 1:  # last stage knows the loss; share it
+            dist.broadcast(loss, src=dist.get_process_group_ranks(self.groups.pp)[-1], group=self.groups.pp)
+        self._allreduce_dp_grads()
+        return {"loss": float(loss[0])}
+
+    def _allreduce_dp_grads(self) -> None:
+        g = self.groups
+        if g.dp is None or dist.get_world_size(g.dp) == 1:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        for t in grads:  # plain DP average (Megatron's DDP bucketed reducer is out of scope here)
+            dist.all_reduce(t, group=g.dp)
+            t.div_(dist.get_world_size(g.dp))
+
+    def grad_norm(self) -> float:
+        """Global grad norm: TP-duplicated params counted once, summed over the model-parallel group."""
+        sq = torch.zeros((), dtype=torch.float64, device=self._device())
+        tp_rank = self.groups.tp_rank
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            if _partition_dim(p) is None and tp_rank != 0:
+                continue
+            sq += torch.linalg.vector_norm(p.grad, dtype=torch.float64).square()
+        if self.groups.mp is not None:
+            dist.all_reduce(sq, group=self.groups.mp)
+        return math.sqrt(float(sq))
+
+    def optimizer_step(self) -> float:
+        norm = self.grad_norm()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not math.isfinite(norm):
+            logger.warning("step %d: grad norm is %s, skipping the update", self.global_step, norm)
+            self.optimizer.zero_grad(set_to_none=True)
+            return norm
+        if self.config.max_grad_norm is not None:
+            coef = self.config.max_grad_norm / (norm + 1e-6)
+            if coef < 1.0:
+                torch._foreach_mul_(grads, coef)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        return norm
+
+    def lr_scheduler_step(self) -> None:
+        self.scheduler.step()
+
+    def train_mode(self) -> None:
+        self.model.train()
+
+    def eval_mode(self) -> None:
+        self.model.eval()
+
+    # --- checkpoint --------------------------------------------------------------------------
+    def save_checkpoint(self, path: str) -> None:
+        """Per-rank DCP-style checkpoint of this rank's shards (same layout required to load)."""
+        import torch.distributed.checkpoint as dcp
+
+        if self.groups.dp_rank == 0:  # DP replicas hold the same shards: one writes, the others wait
+            dcp.save(self._state(), checkpoint_id=self._ckpt_dir(path), no_dist=True)
+        if self.groups.dp is not None:
+            dist.barrier(group=self.groups.dp)
+
+    def load_checkpoint(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        state = self._state()
+        dcp.load(state, checkpoint_id=self._ckpt_dir(path), no_dist=True)
+        self.model.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.global_step = int(state["trainer"]["global_step"])
+        self.scheduler.last_epoch = self.global_step
+
+    def _ckpt_dir(self, path: str) -> str:
+        g = self.groups
+        return f"{path}/mp_rank_{g.tp_rank:02d}_{g.pp_rank:03d}_{g.ep_rank:03d}"
+
+    def _state(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}  # drop TE _extra_state
+        return {"model": model_sd, "optimizer": optim_sd, "trainer": {"global_step": torch.tensor(self.global_step)}}

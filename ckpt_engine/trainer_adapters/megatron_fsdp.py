@@ -1,0 +1,252 @@
+"""Megatron-FSDP training engine: megatron-core GPTModel sharded by Megatron's own FSDP.
+
+Uses megatron-core's adapter (`megatron.core.distributed.fsdp.mcore_fsdp_adapter`
+`FullyShardedDataParallel`, backed by the bundled or stand-alone `megatron_fsdp` package) with the
+sharding strategies `no_shard | optim | optim_grads | optim_grads_params`, and Megatron's
+distributed optimizer. Export shares the Megatron naming tables and TP/PP/EP walk
+(`MegatronExporter`); what differs is how a rank gets its TP-local full parameter:
+
+1. before export, every model chunk finishes its parameter all-gather pipeline
+   (`synchronize_param_gather`) and, for strategies that keep compute weights unsharded, refreshes
+   them from the updated main params (`start_param_sync(force_sync=True)`). Every chunk, not only
+   the first: returning after the first chunk leaves later chunks with stale or half-gathered
+   weights (a known bug in a peer implementation);
+2. a parameter that is a DTensor sharded over the data-parallel mesh is gathered with
+   `gather_uneven_dtensor_to_full_tensor`, which handles uneven shards, including a rank that holds
+   0 rows of a small tensor.
+
+Needs CUDA (megatron-fsdp allocates its buffers on the current CUDA device). The import of this
+module never fails: constructing the engine without CUDA or without megatron-fsdp raises a
+RuntimeError that says which is missing. Collective contract as in `megatron.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ckpt_engine.trainer_adapters.megatron import (
+    MegatronConfig,
+    MegatronExporter,
+    MegatronTrainEngine,
+    _Groups,
+    build_gpt_model,
+    check_exportable,
+)
+
+__all__ = ["MegatronFSDPConfig", "MegatronFSDPTrainEngine", "SHARDING_STRATEGIES", "megatron_fsdp_available"]
+
+logger = logging.getLogger(__name__)
+
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+try:  # import guard: CPU CI imports this module without CUDA (and often without megatron-fsdp)
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import HAVE_MEGATRON_FSDP as _HAVE_FSDP
+
+    _IMPORT_ERROR: str | None = None if _HAVE_FSDP else "megatron-core was installed without megatron_fsdp"
+except Exception as exc:  # ImportError, or a version clash between megatron-core and megatron-fsdp
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+def megatron_fsdp_available() -> tuple[bool, str]:
+    """(usable here, why not): megatron-fsdp importable and CUDA present."""
+    if _IMPORT_ERROR is not None:
+        return False, f"megatron-fsdp cannot be imported ({_IMPORT_ERROR}); install megatron-core>=0.16 with its fsdp extra"
+    if not torch.cuda.is_available():
+        return False, "Megatron-FSDP needs CUDA GPUs (its parameter and gradient buffers live on the current CUDA device)"
+    return True, ""
+
+
+@dataclass(kw_only=True)
+class MegatronFSDPConfig(MegatronConfig):
+    """`MegatronConfig` plus the Megatron-FSDP sharding settings."""
+
+    sharding_strategy: str = "optim_grads_params"
+    """What FSDP shards over the data-parallel group: no_shard | optim | optim_grads | optim_grads_params."""
+    overlap_param_gather: bool = True
+    overlap_grad_reduce: bool = True
+    use_cpu_initialization: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sharding_strategy not in SHARDING_STRATEGIES:
+            raise ValueError(
+                f"MegatronFSDPConfig.sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {self.sharding_strategy!r}"
+            )
+
+
+def _local_full(p: torch.Tensor) -> torch.Tensor:
+    """This TP rank's full parameter: gather FSDP's (possibly uneven, possibly empty) DP shards."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(p, DTensor):
+        return p.data
+    if all(isinstance(pl, Replicate) for pl in p.placements):
+        return p.to_local()
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_uneven_dtensor_to_full_tensor
+
+    return gather_uneven_dtensor_to_full_tensor(p).to_local()
+
+
+class MegatronFSDPTrainEngine(MegatronTrainEngine):
+    """Megatron-core GPT under Megatron-FSDP (+ TP/PP), Megatron's distributed optimizer, HF export."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        *,
+        config: MegatronFSDPConfig | None = None,
+        model_chunks: list[nn.Module] | None = None,
+        pg_collection: Any = None,
+        initial_hf_weights: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        """`initial_hf_weights` (full HF tensors, same on every rank) are loaded into the raw model
+        before Megatron-FSDP shards it: loading into sharded params would need FSDP's chunk offsets."""
+        self.config = config if config is not None else MegatronFSDPConfig()
+        if not isinstance(self.config, MegatronFSDPConfig):
+            raise ValueError(f"MegatronFSDPTrainEngine takes a MegatronFSDPConfig, got {type(self.config).__name__}")
+        check_exportable(hf_config)  # bad input: ValueError before anything is built
+        ok, why = megatron_fsdp_available()
+        if not ok:
+            raise RuntimeError(why)
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = self.config
+        self.hf_config = hf_config
+        self.pg_collection = pg_collection
+        self.groups = _Groups.from_megatron(pg_collection)
+        if model_chunks is None:
+            model_chunks = [build_gpt_model(hf_config, cfg, pg_collection).cuda()]
+        ddp_config = DistributedDataParallelConfig(
+            use_megatron_fsdp=True,
+            data_parallel_sharding_strategy=cfg.sharding_strategy,
+            use_distributed_optimizer=True,
+            overlap_param_gather=cfg.overlap_param_gather,
+            overlap_grad_reduce=cfg.overlap_grad_reduce,
+            grad_reduce_in_fp32=True,
+        )
+        if initial_hf_weights is not None:
+            for chunk in model_chunks:
+                MegatronExporter(chunk, hf_config, cfg, self.groups).load_hf(initial_hf_weights)
+        self.chunks: list[nn.Module] = []
+        for chunk in model_chunks:
+            wrapped = FullyShardedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk, pg_collection=pg_collection)
+            self.chunks.append(wrapped)
+        tconf = model_chunks[0].config
+        tconf.finalize_model_grads_func = finalize_model_grads
+        tconf.no_sync_func = self.chunks[0].no_sync if len(self.chunks) == 1 else [c.no_sync for c in self.chunks]
+        self.model = self.chunks[0]
+        dtype = getattr(torch, cfg.params_dtype)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
+                adam_eps=cfg.eps, clip_grad=cfg.max_grad_norm if cfg.max_grad_norm is not None else 0.0,
+                bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, use_distributed_optimizer=True,
+            ),
+            self.chunks,
+        )
+        self.exporters = [MegatronExporter(c, hf_config, cfg, self.groups, local_tensor=_local_full) for c in self.chunks]
+        self.exporter = self.exporters[0]
+        if len(self.chunks) > 1:
+            raise ValueError("virtual pipeline chunks are not exported yet: pass one model chunk per rank")
+        self._stages = self.exporter.stage_specs()
+        g = self.groups
+        first_of_stage = g.tp_rank == 0 and g.dp_rank == 0 and g.ep_rank == 0
+        self.is_sender = first_of_stage if cfg.export_mode == "per_stage" else first_of_stage and g.pp_rank == 0
+        self.global_step = 0
+        self._sched_step = 0
+        self._apply_lr()
+        logger.info("Megatron-FSDP engine: strategy %s, %d chunk(s)", cfg.sharding_strategy, len(self.chunks))
+
+    def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        raise RuntimeError("Megatron-FSDP shards the model at construction: pass initial_hf_weights= to MegatronFSDPTrainEngine")
+
+    # --- export ------------------------------------------------------------------------------
+    def sync_params_for_export(self) -> None:
+        """Finish every chunk's parameter gather pipeline (all chunks: collective on every rank)."""
+        for chunk in self.chunks:
+            inner = chunk.module  # MegatronFSDP
+            inner.synchronize_param_gather()
+            if self.config.sharding_strategy != "optim_grads_params":
+                inner.start_param_sync(force_sync=True)  # compute weights <- updated main params
+                inner.synchronize_param_gather()
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.sync_params_for_export()
+        yield from super().iter_weights()
+
+    # --- training ----------------------------------------------------------------------------
+    def forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: Any) -> dict[str, float]:
+        if self._fresh_step:  # first micro-batch since the last step: clear the grad buffers
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+        self._fresh_step = False
+        return super().forward_backward(batch, loss_fn)
+
+    _fresh_step = True
+
+    def _allreduce_dp_grads(self) -> None:
+        """Gradients are reduced by Megatron-FSDP itself (finalize_model_grads in the schedule)."""
+
+    def optimizer_step(self) -> float:
+        """Megatron's distributed optimizer step (clips by `max_grad_norm`); returns the grad norm."""
+        success, grad_norm, _ = self.optimizer.step()
+        self._fresh_step = True
+        if not success:
+            logger.warning("step %d: optimizer skipped the update (non-finite grads)", self.global_step)
+            return float("nan") if grad_norm is None else float(grad_norm)
+        self.global_step += 1
+        return float(grad_norm) if grad_norm is not None else math.nan
+
+    def lr_scheduler_step(self) -> None:
+        self._sched_step += 1
+        self._apply_lr()
+
+    def _apply_lr(self) -> None:
+        lr = self.config.lr * self.config.lr_factor(self._sched_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def train_mode(self) -> None:
+        for c in self.chunks:
+            c.train()
+
+    def eval_mode(self) -> None:
+        for c in self.chunks:
+            c.eval()
+
+    # --- checkpoint --------------------------------------------------------------------------
+    def save_checkpoint(self, path: str) -> None:
+        """DCP checkpoint of the FSDP-sharded model and optimizer; every rank calls it."""
+        import torch.distributed.checkpoint as dcp
+
+        self.sync_params_for_export()
+        dcp.save(self._fsdp_state(), checkpoint_id=path)
+
+    def load_checkpoint(self, path: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.sync_params_for_export()
+        state = self._fsdp_state()
+        dcp.load(state, checkpoint_id=path)
+        for i, c in enumerate(self.chunks):
+            c.load_state_dict(state[f"model{i}"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.global_step = int(state["trainer"]["global_step"])
+        self._sched_step = int(state["trainer"]["scheduler_step"])
+        self._apply_lr()
+
+    def _fsdp_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = {f"model{i}": c.state_dict() for i, c in enumerate(self.chunks)}
+        state["optimizer"] = self.optimizer.state_dict()
+        state["trainer"] = {"global_step": torch.tensor(self.global_step), "scheduler_step": torch.tensor(self._sched_step)}
+        return state

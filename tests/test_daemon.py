@@ -1,0 +1,232 @@
+"""WeightSyncDaemon with real receiver processes over gloo: versions, membership, faults.
+
+Every receiver is a real `python -m ckpt_engine.rollout_adapters.torch_ref` process reached over
+TCP; engines register by descriptor through the daemon's control server, as remote engines do.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_engine.config import CheckpointEngineConfig
+from ckpt_engine.daemon import DaemonClient, DaemonConfig, EngineState, WeightSyncDaemon
+from ckpt_engine.rollout_adapters.base import ManifestRejectedError
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.weights import StateDictSource
+
+pytestmark = pytest.mark.timeout(180)
+
+NUM_TENSORS = 8
+TIMEOUT_S = 20.0
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(64, 1024, generator=g) for i in range(NUM_TENSORS)}  # 256 KiB each
+
+
+@pytest.fixture(scope="module")
+def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("daemon") / "spec.msgpack"
+    write_spec_file(path, StateDictSource(weights(0)).metadata())
+    return str(path)
+
+
+class Receivers:
+    """Spawned reference receivers, killed and closed at teardown whatever happened."""
+
+    def __init__(self, spec_file: str) -> None:
+        self.spec_file = spec_file
+        self.all: list[TorchRefRollout] = []
+
+    def spawn(self, name: str, load_delay_s: float = 0.0) -> TorchRefRollout:
+        r = TorchRefRollout.spawn(name, spec_file=self.spec_file, load_delay_s=load_delay_s, timeout_s=TIMEOUT_S)
+        self.all.append(r)
+        return r
+
+    def close(self) -> None:
+        for r in self.all:
+            r.close()
+
+
+@pytest.fixture
+def receivers(spec_file: str) -> Iterator[Receivers]:
+    rs = Receivers(spec_file)
+    yield rs
+    rs.close()
+
+
+def config() -> CheckpointEngineConfig:
+    return CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=TIMEOUT_S)
+
+
+@pytest.fixture
+def daemon(receivers: Receivers) -> Iterator[WeightSyncDaemon]:  # closes before the receivers
+    d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, health_interval_s=0.5))
+    d.serve()
+    yield d
+    d.close()
+
+
+def descriptor(r: TorchRefRollout) -> dict[str, object]:
+    return {"kind": "torch_ref", "host": r.rpc.host, "port": r.rpc.port}
+
+
+def assert_holds(r: TorchRefRollout, sd: dict[str, torch.Tensor], version: int) -> None:
+    h = r.health()
+    assert (h["version"], h["paused"], h["stale"]) == (version, False, False), h
+    for name in (next(iter(sd)), list(sd)[-1]):
+        assert torch.equal(r.get_tensor(name), sd[name]), name
+
+
+def test_versions_increase_and_membership(daemon: WeightSyncDaemon, receivers: Receivers) -> None:
+    client = DaemonClient(daemon.address, daemon.token, timeout_s=10)
+    r0, r1 = receivers.spawn("r0"), receivers.spawn("r1")
+    for r in (r0, r1):
+        rec = client.register(r.name, descriptor(r))
+        assert rec["state"] == EngineState.PENDING
+        assert r.health()["paused"], "a new engine must not serve before it holds a version"
+    assert sorted(daemon.pending()) == ["r0", "r1"]
+
+    sds = [weights(s) for s in (1, 2)]
+    for v, sd in enumerate(sds, start=1):
+        outcome = daemon.sync(StateDictSource(sd))
+        assert outcome.ok and outcome.version == v and not outcome.dropped, outcome
+        assert outcome.engines == {"r0": v, "r1": v}
+        for r in (r0, r1):
+            assert_holds(r, sd, v)
+    assert daemon.pending() == []
+    with pytest.raises(ValueError, match="version must be an int >= the current version 2"):
+        daemon.sync(StateDictSource(sds[1]), version=1)
+
+    # A new engine joins between syncs: it stays paused until a catch-up of the current version.
+    r2 = receivers.spawn("r2")
+    client.register("r2", descriptor(r2))
+    assert daemon.pending() == ["r2"] and r2.health()["paused"]
+    outcome = daemon.catch_up(StateDictSource(sds[1]))
+    assert outcome is not None and outcome.ok and outcome.catch_up and outcome.version == 2
+    for r in (r0, r1, r2):
+        assert_holds(r, sds[1], 2)
+    assert daemon.catch_up(StateDictSource(sds[1])) is None  # nothing pending
+
+    # An engine leaves between syncs: the group is rebuilt without it and it keeps its version.
+    assert client.leave("r0") == {"left": True}
+    sd3 = weights(3)
+    outcome = daemon.sync(StateDictSource(sd3))
+    assert outcome.ok and outcome.version == 3 and set(outcome.engines) == {"r1", "r2"}
+    assert_holds(r1, sd3, 3)
+    assert r0.health()["version"] == 2
+    status = client.status()
+    assert status["version"] == 3 and status["departed"]["r0"]["reason"] == "left"
+    assert status["last_sync"]["ok"] and status["manifest"]["tensors"] == NUM_TENSORS
+    client.close()
+
+
+def test_killed_engine_is_dropped_survivors_resynced_and_it_rejoins(daemon: WeightSyncDaemon, receivers: Receivers) -> None:
+    rs = [receivers.spawn(f"r{i}", load_delay_s=0.25) for i in range(3)]
+    for r in rs:
+        daemon.register(r.name, descriptor(r))
+    sd1, sd2 = weights(11), weights(12)
+    assert daemon.sync(StateDictSource(sd1)).ok
+
+    victim = rs[1]
+    base = victim.health()["buckets_received"]
+    killed = threading.Event()
+
+    def kill_mid_sync() -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while time.monotonic() < deadline:
+            if victim.health()["buckets_received"] >= base + 1:
+                victim.process.kill()
+                killed.set()
+                return
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=kill_mid_sync, daemon=True)
+    killer.start()
+    t0 = time.monotonic()
+    outcome = daemon.sync(StateDictSource(sd2))
+    elapsed = time.monotonic() - t0
+    print(f"sync with a kill: {elapsed:.2f}s, attempts {outcome.attempts}, report seconds {outcome.report and outcome.report['seconds']}")
+    killer.join(5)
+    assert killed.is_set(), "the receiver was not killed mid-sync"
+    # The sync names the dead engine, then re-syncs the survivors to the same version on its own.
+    assert set(outcome.dropped) == {"r1"}, outcome.dropped
+    assert "failed during transfer" in outcome.dropped["r1"] and "'r1'" in outcome.dropped["r1"], outcome.dropped
+    assert outcome.attempts and outcome.attempts[0]["stage"] == "transfer" and "r1" in outcome.attempts[0]["failed"]
+    assert outcome.ok and outcome.version == 2 and outcome.engines == {"r0": 2, "r2": 2} and outcome.stale == []
+    assert elapsed < TIMEOUT_S, f"recovery took {elapsed:.1f}s; it must not wait out the collective timeout"
+    for r in (rs[0], rs[2]):
+        assert_holds(r, sd2, 2)
+
+    # Restarted under the same name, it re-joins paused and catches up to the current version.
+    back = receivers.spawn("r1", load_delay_s=0.0)
+    daemon.register("r1", descriptor(back))
+    assert daemon.pending() == ["r1"] and back.health()["paused"]
+    outcome = daemon.catch_up(StateDictSource(sd2))
+    assert outcome is not None and outcome.ok and outcome.version == 2 and outcome.catch_up
+    for r in (rs[0], back, rs[2]):
+        assert_holds(r, sd2, 2)
+    sd3 = weights(13)
+    assert daemon.sync(StateDictSource(sd3)).engines == {"r0": 3, "r2": 3, "r1": 3}
+    assert_holds(back, sd3, 3)
+
+
+def test_dead_engine_between_syncs_is_dropped_quickly(daemon: WeightSyncDaemon, receivers: Receivers) -> None:
+    rs = [receivers.spawn(f"r{i}") for i in range(2)]
+    for r in rs:
+        daemon.register(r.name, descriptor(r))
+    assert daemon.sync(StateDictSource(weights(21))).ok
+    rs[0].process.kill()
+    rs[0].process.wait(10)
+    t0 = time.monotonic()
+    outcome = daemon.sync(StateDictSource(weights(22)))
+    assert time.monotonic() - t0 < 10
+    assert outcome.ok and set(outcome.dropped) == {"r0"} and outcome.engines == {"r1": 2}
+
+
+def test_heartbeat_timeout_drops_silent_engine(receivers: Receivers) -> None:
+    d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=1.0, health_interval_s=0.2))
+    try:
+        r = receivers.spawn("r0")
+        d.register("r0", descriptor(r))
+        d.start_monitor()
+        time.sleep(1.5)
+        assert d.membership.names() == ["r0"], "a healthy engine answers probes and stays"
+        r.process.kill()
+        deadline = time.monotonic() + 5
+        while d.membership.names() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert d.membership.names() == []
+        assert "no heartbeat" in d.membership.departed["r0"]["reason"]
+        with pytest.raises(ValueError, match="not registered"):
+            d.heartbeat("r0")
+    finally:
+        d.close()
+
+
+def test_rejecting_engine_is_dropped_and_others_sync(daemon: WeightSyncDaemon, receivers: Receivers, tmp_path: Path) -> None:
+    other_spec = tmp_path / "other.msgpack"
+    write_spec_file(other_spec, StateDictSource({"something.else": torch.zeros(3)}).metadata())
+    good = receivers.spawn("good")
+    bad = TorchRefRollout.spawn("bad", spec_file=str(other_spec), timeout_s=TIMEOUT_S)
+    receivers.all.append(bad)
+    daemon.register("good", descriptor(good))
+    daemon.register("bad", descriptor(bad))
+    sd = weights(31)
+    outcome = daemon.sync(StateDictSource(sd))
+    assert outcome.ok and outcome.engines == {"good": 1} and "bad" in outcome.rejected
+    assert "layer0.weight: the engine has no such tensor" in outcome.rejected["bad"][0]
+    assert_holds(good, sd, 1)
+    assert bad.health()["version"] is None
+    # When every engine rejects, the trainer's weights do not fit: that is an error.
+    daemon.register("bad", descriptor(bad))
+    daemon.leave("good")
+    with pytest.raises(ManifestRejectedError, match="bad"):
+        daemon.sync(StateDictSource(sd))

@@ -1,0 +1,167 @@
+"""MegatronTrainEngine on real megatron-core over 2 gloo ranks: HF -> Megatron -> HF export parity.
+
+Model construction and export need no CUDA (use_cpu_initialization, local layer spec), so the
+export runs here: TP=2 and PP=2 layouts, each bit-exact against the HF model whose weights were
+loaded. Megatron's forward pass calls torch.cuda.current_device() and the CUDA RNG tracker, so
+training parity runs on the GPU machine (`-m gpu`). PP>1 with tied embeddings also needs CUDA
+(megatron-core moves the shared embedding with `.cuda()` to all-reduce it between stages).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._trainer_mp import run_ranks
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
+pytestmark = pytest.mark.timeout(300)
+
+
+def hf_config(kind: str = "qwen2", tie: bool = False, vocab: int = 100):  # noqa: ANN201
+    import transformers
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if kind == "qwen3":
+        return transformers.Qwen3Config(head_dim=16, **common)
+    return transformers.LlamaConfig(**common)
+
+
+def _export_worker(rank: int, world_size: int, tp: int, pp: int, kind: str, tie: bool) -> dict:
+    from megatron.core import parallel_state as ps
+    from ckpt_engine.trainer_adapters.common import hf_model_from_config
+
+    from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    cfg = hf_config(kind, tie)
+    torch.manual_seed(0)
+    hf = hf_model_from_config(cfg, torch.float32)
+    with torch.no_grad():  # make norms non-trivial so a swapped norm would show
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.1)
+    sd = {k: v.clone() for k, v in hf.state_dict().items()}
+    engine = MegatronTrainEngine(cfg, config=MegatronConfig(wire_dtype=None))
+    engine.load_hf_weights(sd)
+    specs = engine.metadata()
+    exported = {n: t.clone() for n, t in engine.iter_weights()}
+    out = {"specs": [[s.name, s.dtype, list(s.shape)] for s in specs], "is_sender": engine.is_sender,
+           "names": list(exported)}
+    if rank == 0:
+        expected = {k: v for k, v in sd.items() if not (tie and k == "lm_head.weight")}
+        out["expected"] = list(expected)
+        out["tensors"] = {**{f"exp/{k}": v for k, v in exported.items()}, **{f"hf/{k}": v for k, v in expected.items()}}
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "kind", "tie"),
+    [(2, 1, "qwen2", False), (1, 2, "qwen2", False), (2, 1, "qwen3", True), (2, 1, "llama", False)],
+    ids=["tp2-qwen2", "pp2-qwen2", "tp2-qwen3-tied", "tp2-llama"],
+)
+def test_megatron_export_is_bit_exact_hf(tp: int, pp: int, kind: str, tie: bool):
+    r0, r1 = run_ranks(_export_worker, tp=tp, pp=pp, kind=kind, tie=tie)
+    assert r0["specs"] == r1["specs"]
+    assert r0["is_sender"] and not r1["is_sender"]
+    names = [s[0] for s in r0["specs"]]
+    assert sorted(names) == sorted(r0["expected"])
+    assert r0["names"] == r1["names"] == names
+    t = r0["tensors"]
+    for name, dtype, shape in r0["specs"]:
+        got, want = t[f"exp/{name}"], t[f"hf/{name}"]
+        assert list(got.shape) == shape == list(want.shape), name
+        assert dtype == "float32" and torch.equal(got, want), name
+
+
+def test_megatron_family_without_table_is_a_clear_error():
+    from transformers import GPT2Config
+
+    from ckpt_engine.trainer_adapters.hf_names import megatron_family
+    from ckpt_engine.trainer_adapters.megatron import MegatronTrainEngine
+
+    with pytest.raises(ValueError, match=r"no Megatron naming table for model_type 'gpt2'; tables exist for: llama, mistral"):
+        megatron_family("gpt2")
+    with pytest.raises(ValueError, match="no Megatron naming table for model_type 'gpt2'"):
+        MegatronTrainEngine(GPT2Config())  # fails before any process group or model is touched
+    cfg = hf_config()
+    cfg.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="only SwiGLU MLPs"):
+        MegatronTrainEngine(cfg)
+
+
+def test_qkv_and_gate_up_layouts_round_trip():
+    from ckpt_engine.trainer_adapters.hf_names import merge_gate_up, merge_qkv, split_gate_up, split_qkv
+
+    q, k, v = torch.randn(8 * 4, 6), torch.randn(2 * 4, 6), torch.randn(2 * 4, 6)
+    fused = merge_qkv(q, k, v, num_heads=8, num_query_groups=2, head_dim=4)
+    # group 0 = q heads 0..3, k head 0, v head 0
+    assert torch.equal(fused[:16], q[:16]) and torch.equal(fused[16:20], k[:4]) and torch.equal(fused[20:24], v[:4])
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, 8, 2, 4), (q, k, v)))
+    g, u = torch.randn(5, 3), torch.randn(5, 3)
+    assert all(torch.equal(a, b) for a, b in zip(split_gate_up(merge_gate_up(g, u)), (g, u)))
+
+
+# --- GPU: forward/backward parity with the HF model ----------------------------------------------
+
+
+def _train_worker(rank: int, world_size: int, tp: int, pp: int) -> dict:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from ckpt_engine.trainer_adapters.common import hf_model_from_config
+
+    from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    model_parallel_cuda_manual_seed(123)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    cfg = hf_config("qwen2")
+    torch.manual_seed(0)
+    hf = hf_model_from_config(cfg, torch.float32, attn_implementation="eager").cuda()
+    sd = {k: v.clone() for k, v in hf.state_dict().items()}
+    mcfg = MegatronConfig(wire_dtype=None, lr=1e-3, max_grad_norm=None, use_cpu_initialization=True)
+    engine = MegatronTrainEngine(cfg, config=mcfg)  # built with use_cpu_initialization, moved to this GPU
+    engine.load_hf_weights(sd)
+    ref_opt = torch.optim.AdamW(hf.parameters(), lr=mcfg.lr, betas=mcfg.betas, eps=mcfg.eps, weight_decay=0.0)
+    g = torch.Generator().manual_seed(5)
+    losses, ref_losses = [], []
+    for _ in range(3):
+        ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=g).cuda()
+        losses.append(engine.forward_backward({"input_ids": ids}, _lm_loss)["loss"])
+        engine.optimizer_step()
+        engine.lr_scheduler_step()
+        loss = _lm_loss(hf(input_ids=ids).logits, {"input_ids": ids})
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    exported = {n: t.detach().cpu().clone() for n, t in engine.iter_weights()}
+    res = {"losses": losses, "ref_losses": ref_losses}
+    if rank == 0:
+        res["tensors"] = {**{f"exp/{k}": v for k, v in exported.items()},
+                          **{f"hf/{k}": v.detach().cpu() for k, v in hf.state_dict().items()}}
+    ps.destroy_model_parallel()
+    return res
+
+
+def _lm_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    ids = batch["input_ids"]
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def test_megatron_training_matches_hf_on_2_gpus(tp: int, pp: int):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    r0, r1 = run_ranks(_train_worker, backend="nccl", tp=tp, pp=pp)
+    assert r0["losses"] == pytest.approx(r0["ref_losses"], rel=1e-4, abs=1e-4)
+    assert r0["losses"] == pytest.approx(r1["losses"])
+    t = r0["tensors"]
+    for key in [k for k in t if k.startswith("exp/")]:
+        torch.testing.assert_close(t[key], t["hf/" + key[4:]], rtol=1e-4, atol=1e-5, msg=key)
