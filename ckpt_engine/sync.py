@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
@@ -197,8 +197,29 @@ class WeightSyncSession:
             self._plan_key = key
         return self._manifest
 
+    @property
+    def manifest(self) -> BucketManifest | None:
+        """The plan of the last sync (None before the first)."""
+        return self._manifest
+
     def sync(self, source: WeightSource, *, version: int | None = None) -> SyncReport:
-        """Move one version of `source`'s weights into every engine; see the module docstring."""
+        """Move one version of `source`'s weights into every engine; see the module docstring.
+
+        `source.iter_weights()` is walked exactly once whatever happens (the other trainer ranks
+        walk it too, and its gathers are collectives): on any failure the rest of the walk is
+        drained before the error propagates.
+        """
+        weights = iter(source.iter_weights())
+        try:
+            return self._sync(source, weights, version)
+        finally:
+            try:
+                for _ in weights:
+                    pass
+            except Exception as exc:  # the original error, if any, is the one to report
+                logger.warning("draining the weight source after a failed sync: %s", exc)
+
+    def _sync(self, source: WeightSource, weights: Iterator[tuple[str, torch.Tensor]], version: int | None) -> SyncReport:
         new_version = version if version is not None else self.version + 1
         t0 = time.perf_counter()
         seconds: dict[str, float] = {}
@@ -217,7 +238,6 @@ class WeightSyncSession:
 
         self._fan_out("validate", validate)
         if rejected:
-            _drain(source)  # other trainer ranks are walking iter_weights() too
             if len(rejected) == 1:
                 raise rejected[0]
             raise ManifestRejectedError(", ".join(e.engine for e in rejected), [p for e in rejected for p in e.problems])
@@ -230,9 +250,9 @@ class WeightSyncSession:
         t = time.perf_counter()
         receives = {r.name: self._pool.submit(r.receive, manifest) for r in self.rollouts}
         try:
-            stats = engine.send_weights(manifest, source.iter_weights())
+            stats = engine.send_weights(manifest, weights)
         except Exception as exc:
-            _drain(source)
+            engine.finalize()  # closing the sender's group wakes receivers blocked on it
             failed = self._receive_failures(receives, grace_s=min(5.0, self.config.timeout_s))
             if not failed:
                 failed["sender"] = f"{type(exc).__name__}: {exc}"

@@ -69,8 +69,11 @@ def recv_frame(sock: socket.socket) -> Any:
 class RpcServer:
     """Serves `handlers[method](**params)` to any number of clients, one thread per connection."""
 
-    def __init__(self, handlers: dict[str, Callable[..., Any]], host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, handlers: dict[str, Callable[..., Any]], host: str = "127.0.0.1", port: int = 0, idle_timeout_s: float = 3600.0
+    ) -> None:
         self.handlers = handlers
+        self.idle_timeout_s = idle_timeout_s
         self._sock = socket.create_server((host, port))
         self.host, self.port = self._sock.getsockname()[:2]
         self._stop = threading.Event()
@@ -96,6 +99,7 @@ class RpcServer:
             threading.Thread(target=self._serve, args=(conn,), name="ckpt-rpc-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(self.idle_timeout_s)  # a silent or half-sent client cannot pin this thread forever
         with conn:
             while not self._stop.is_set():
                 try:
@@ -144,7 +148,9 @@ class RpcClient:
 
     def call(self, method: str, timeout_s: float | None = None, **params: Any) -> Any:
         timeout = timeout_s if timeout_s is not None else self.timeout_s
-        with self._lock:
+        if not self._lock.acquire(timeout=timeout):
+            raise WireError(f"{method}: {self.host}:{self.port} is busy with another call for more than {timeout}s")
+        try:
             try:
                 sock = self._connect(timeout)
                 sock.settimeout(timeout)
@@ -156,6 +162,8 @@ class RpcClient:
                 if isinstance(exc, socket.timeout):
                     raise WireError(f"{method}: no reply from {self.host}:{self.port} within {timeout}s") from exc
                 raise WireError(f"{method}: {self.host}:{self.port}: {exc}") from exc
+        finally:
+            self._lock.release()
         if not isinstance(reply, dict) or reply.get("id") != req_id or not isinstance(reply.get("ok"), bool):
             raise WireError(f"{method}: malformed reply from {self.host}:{self.port}")
         if not reply["ok"]:

@@ -258,6 +258,7 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                 raise ValueError("the weight source yielded more tensors than its metadata lists")
             self._sender_drain(works)
         except BaseException:
+            works.clear()  # pending work handles keep the group (and its sockets) alive
             self.abort()
             raise
         stats.total_s = time.perf_counter() - t_start
@@ -364,6 +365,7 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                 if k + nb < len(buckets):
                     works[k + nb] = post(k + nb)
         except BaseException:
+            works.clear()  # pending work handles keep the group (and its sockets) alive
             self.abort()
             raise
         if self._comm_stream is not None:
@@ -413,6 +415,10 @@ def _next_weight(it: Iterator[tuple[str, torch.Tensor]], e: TensorMeta) -> torch
         raise ValueError(f"the weight source yielded {name!r} where its metadata put {e.name!r}")
     if tuple(tensor.shape) != e.shape:
         raise ValueError(f"{name}: the weight source yielded shape {tuple(tensor.shape)}, its metadata says {e.shape}")
+    wire = torch_dtype(e.dtype)
+    if tensor.dtype != wire and not (tensor.is_floating_point() and wire.is_floating_point):
+        # Casting between float formats is the wire-dtype policy; anything else is a bug upstream.
+        raise ValueError(f"{name}: the weight source yielded {dtype_name(tensor.dtype)}, its metadata says {e.dtype}")
     return tensor
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from ckpt_engine.config import CheckpointEngineConfig, ConfigError, apply_overrides, config_from_mapping, load_mapping
 from ckpt_engine.daemon.config import DaemonConfig
+from ckpt_engine.trainer.ray_job import RayConfig
 
 __all__ = ["JobConfig", "RolloutConfig", "TrainerConfig", "load_job_config"]
 
@@ -95,9 +96,10 @@ class JobConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     checkpoint_engine: CheckpointEngineConfig = field(default_factory=CheckpointEngineConfig)
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
 
-SECTIONS = {"trainer": TrainerConfig, "rollout": RolloutConfig, "checkpoint_engine": CheckpointEngineConfig, "daemon": DaemonConfig}
+SECTIONS = {"trainer": TrainerConfig, "rollout": RolloutConfig, "checkpoint_engine": CheckpointEngineConfig, "daemon": DaemonConfig, "ray": RayConfig}
 
 
 def load_job_config(

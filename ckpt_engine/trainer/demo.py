@@ -27,6 +27,10 @@ logger = logging.getLogger(__name__)
 
 def run_job(job: Any, *, echo: bool = True) -> dict[str, Any]:
     """Run one job with reference engines; returns the summary as a plain dict."""
+    if job.ray.enabled:  # the same job with trainer rank 0 and the engines as Ray actors
+        from ckpt_engine.trainer.ray_job import run_ray_job
+
+        return run_ray_job(job, echo=echo)
     import ckpt_engine.trainer  # noqa: F401  (registers the `tiny` TrainEngine)
     from ckpt_engine.daemon import WeightSyncDaemon
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
