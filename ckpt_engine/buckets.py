@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ckpt_engine.manifest import Bucket, BucketManifest, ManifestError, TensorMeta, TensorSpec, make_manifest
+from ckpt_engine.manifest import Bucket, BucketManifest, ManifestError, TensorMeta, TensorSpec, dtype_itemsize, make_manifest
 
 __all__ = ["DEFAULT_ALIGNMENT", "plan_buckets"]
 
@@ -54,7 +54,7 @@ def plan_buckets(
             raise ManifestError(f"{spec.name}: tensor appears twice in the weight metadata")
         names.add(spec.name)
         nbytes = spec.nbytes
-        start = _align_up(offset, alignment)
+        start = _align_up(offset, max(alignment, dtype_itemsize(spec.dtype)))
         if nbytes <= bucket_size_bytes:
             if start + nbytes > bucket_size_bytes:
                 close()

@@ -238,9 +238,7 @@ class WeightSyncSession:
 
         self._fan_out("validate", validate)
         if rejected:
-            if len(rejected) == 1:
-                raise rejected[0]
-            raise ManifestRejectedError(", ".join(e.engine for e in rejected), [p for e in rejected for p in e.problems])
+            raise ManifestRejectedError.combine(sorted(rejected, key=lambda e: e.engine))
         seconds["validate"] = time.perf_counter() - t
 
         t = time.perf_counter()

@@ -41,14 +41,17 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def roundtrip_rank(
     rank: int, rdzv: Rendezvous, *, device: str = "cpu", bucket_size: int = 64 * 1024, verify: bool = False,
-    num_small: int = 0, syncs: int = 2,
+    num_small: int = 0, syncs: int = 2, engine_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Rank 0 sends `syncs` different versions; receivers check every tensor bit for bit each time."""
     # "cuda" spreads ranks over GPUs; "cpu" or an explicit "cuda:N" puts every rank there.
     dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else device)
-    engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=bucket_size, verify=verify, timeout_s=rdzv.timeout_s, device=dev)
+    engine = CheckpointEngineRegistry.new(
+        rdzv.backend, bucket_size_bytes=bucket_size, verify=verify, timeout_s=rdzv.timeout_s, device=dev, **(engine_kwargs or {})
+    )
     engine.init_process_group(rdzv, rank)
     bad: list[str] = []
+    buffers = None
     for version in range(syncs):
         sd = {k: v.to(dev) for k, v in mixed_state(version, num_small).items()}
         manifest = plan_buckets(StateDictSource(sd).metadata(), bucket_size)
@@ -59,5 +62,10 @@ def roundtrip_rank(
             for name, t in engine.receive_weights(manifest):
                 got[name] = t.clone()
             bad += [f"v{version} {n}" for n in sd if n not in got or not same_bits(got[n], sd[n])]
+        # Each sync reuses the buffers allocated at join time.
+        ptrs = [b.data_ptr() for b in engine._buffers]
+        if buffers is not None and ptrs != buffers:
+            bad.append(f"v{version}: buffers were reallocated")
+        buffers = ptrs
     engine.finalize()
     return {"bad": bad, "tensors": len(sd)}

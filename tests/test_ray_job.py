@@ -73,6 +73,9 @@ def test_fully_async_job_on_ray_actors(ray_cluster: Any) -> None:
     assert 0 <= result["staleness_max"] <= job.trainer.max_staleness
     assert result["samples_used"] == 16 * job.trainer.batch_size
     assert all(s["ok"] for s in result["syncs"]) and sum(s["bytes"] for s in result["syncs"]) > 0
+    # The engines' outputs changed with the weights they received.
+    for name, before in result["greedy_before"].items():
+        assert before is not None and result["greedy_after"][name] not in (None, before)
     # Trainer and engines each ran in their own Ray worker process, and the engines hold the
     # final version complete (not paused, not stale).
     pids = {result["trainer"]["pid"], *(h["pid"] for h in result["engines"].values())}

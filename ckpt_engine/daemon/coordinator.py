@@ -367,7 +367,7 @@ class WeightSyncDaemon:
             session = self._session_for(members)
             report = session.sync(walker, version=target)
         except ManifestRejectedError as exc:
-            names = {n.strip() for n in exc.engine.split(",")}
+            names = set(exc.engines)
             rejecting = [r for r in members if r.name in names]
             outcome.attempts.append({"attempt": attempt, "stage": "validate", "failed": {r.name: "rejected the manifest" for r in rejecting}})
             for r in rejecting:

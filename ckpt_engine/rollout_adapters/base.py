@@ -22,10 +22,20 @@ __all__ = ["ManifestRejectedError", "ReceiveReport", "RolloutAdapter", "check_ma
 class ManifestRejectedError(ValueError):
     """An engine refused the manifest; nothing was transferred and its weights are unchanged."""
 
-    def __init__(self, engine: str, problems: list[str]) -> None:
+    def __init__(self, engine: str, problems: list[str], engines: list[str] | None = None) -> None:
         shown = "; ".join(problems[:10]) + (f"; ... ({len(problems)} problems)" if len(problems) > 10 else "")
-        super().__init__(f"engine {engine!r} rejected the manifest: {shown}")
+        self.engines = engines if engines is not None else [engine]
+        who = f"engine {engine!r}" if len(self.engines) == 1 else "engines " + ", ".join(map(repr, self.engines))
+        super().__init__(f"{who} rejected the manifest: {shown}")
         self.engine, self.problems = engine, problems
+
+    @classmethod
+    def combine(cls, errors: list[ManifestRejectedError]) -> ManifestRejectedError:
+        """One error for several engines' rejections; each problem is prefixed by its engine."""
+        if len(errors) == 1:
+            return errors[0]
+        problems = [f"{e.engine}: {p}" for e in errors for p in e.problems]
+        return cls(errors[0].engine, problems, engines=[e.engine for e in errors])
 
 
 @dataclass(frozen=True)

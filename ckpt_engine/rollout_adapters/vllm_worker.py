@@ -41,14 +41,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def vllm_checkpoint_specs(model: torch.nn.Module) -> tuple[dict[str, TensorSpec], list[list[str]], set[str]]:
+def vllm_checkpoint_specs(model: torch.nn.Module) -> tuple[dict[str, TensorSpec], list[list[str]], dict[str, str]]:
     """Checkpoint-format (HF) names and global shapes of every tensor `model.load_weights` takes.
 
     Applies vLLM's stacking rules (`packed_modules_mapping`: q/k/v -> qkv_proj, gate/up ->
-    gate_up_proj), undoes tensor-parallel sharding and vocab padding, and accepts `lm_head.weight`
-    as an optional duplicate when embeddings are tied. Returns (specs, groups, optional): each group
-    lists the checkpoint names that fill one vLLM parameter; a manifest must send all or none of a
-    group, or layerwise reload would process a half-filled parameter.
+    gate_up_proj), undoes tensor-parallel sharding and vocab padding. With tied embeddings
+    `lm_head.weight` is accepted but optional. Returns (specs, groups, tied): each group lists the
+    checkpoint names that fill one vLLM parameter (a manifest must send all or none of a group, or
+    layerwise reload would process a half-filled parameter); `tied` maps `lm_head.weight` to the
+    embedding it shares, because layerwise reload must see the tied head loaded too.
     """
     from vllm.model_executor.layers.linear import LinearBase, QKVParallelLinear
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -56,7 +57,7 @@ def vllm_checkpoint_specs(model: torch.nn.Module) -> tuple[dict[str, TensorSpec]
     packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
     specs: dict[str, TensorSpec] = {}
     groups: list[list[str]] = []
-    optional: set[str] = set()
+    tied: dict[str, str] = {}
     seen: set[int] = set()
     embed_name: str | None = None
     for mod_name, module in model.named_modules():
@@ -96,11 +97,10 @@ def vllm_checkpoint_specs(model: torch.nn.Module) -> tuple[dict[str, TensorSpec]
                 groups.append([full])
     lm_head = getattr(model, "lm_head", None)
     if embed_name is not None and lm_head is not None and "lm_head.weight" not in specs:
-        # Tied embeddings: vLLM's loader skips lm_head.weight; trainers often send it anyway.
         e = specs[embed_name]
         specs["lm_head.weight"] = TensorSpec("lm_head.weight", e.dtype, e.shape)
-        optional.add("lm_head.weight")
-    return specs, groups, optional
+        tied["lm_head.weight"] = embed_name
+    return specs, groups, tied
 
 
 class CkptEngineWorkerExtension:
@@ -150,7 +150,7 @@ class CkptEngineWorkerExtension:
         specs, _, _ = self._ckpt_specs()
         return [[s.name, s.dtype, list(s.shape)] for s in specs.values()]
 
-    def _ckpt_specs(self) -> tuple[dict[str, TensorSpec], list[list[str]], set[str]]:
+    def _ckpt_specs(self) -> tuple[dict[str, TensorSpec], list[list[str]], dict[str, str]]:
         state = self._ckpt_state()
         if state["specs"] is None:
             state["specs"] = vllm_checkpoint_specs(self._ckpt_model())
@@ -161,7 +161,7 @@ class CkptEngineWorkerExtension:
         state = self._ckpt_state()
         if isinstance(encoded, str):
             encoded = base64.b64decode(encoded)
-        specs, groups, optional = self._ckpt_specs()
+        specs, groups, _ = self._ckpt_specs()
         receiver: WeightReceiver = state["receiver"]
         reply = receiver.validate(encoded, digest, specs)
         if not reply["accepted"]:
@@ -188,14 +188,19 @@ class CkptEngineWorkerExtension:
         state = self._ckpt_state()
         model = self._ckpt_model()
         self._ckpt_close_reload()
-        _, _, optional = self._ckpt_specs()
+        _, _, tied = self._ckpt_specs()
+        accepted = state["receiver"]._manifests.get(digest)
+        sent = {s.name for s in accepted.specs} if accepted is not None else set()
+        # A tied head the trainer did not send is loaded from its embedding, or layerwise reload
+        # would put the old head back.
+        alias = {emb: head for head, emb in tied.items() if head not in sent and emb in sent}
         detached = [0]
 
         def load(pairs: list[tuple[str, torch.Tensor]]) -> int:
-            loadable = [(n, t) for n, t in pairs if n not in optional]
+            loadable = pairs + [(alias[n], t) for n, t in pairs if n in alias]
             with set_current_vllm_config(self.vllm_config):  # type: ignore[attr-defined]
                 model.load_weights(loadable)
-            detached[0] += _detach_pending(model, pairs)
+            detached[0] += _detach_pending(model, loadable)
             return len(pairs)
 
         state["stale"] = True

@@ -39,7 +39,7 @@ from ckpt_engine.config import ConfigError
 
 if TYPE_CHECKING:
     from ckpt_engine.trainer.config import JobConfig
-    from ckpt_engine.trainer.loop import SyncRecord
+    from ckpt_engine.trainer.loop import FullyAsyncTrainer, SyncRecord
 
 __all__ = ["RayConfig", "RolloutEngineActor", "TrainerRankActor", "placement_bundles", "run_ray_job"]
 
@@ -172,6 +172,7 @@ class TrainerRankActor:
             kwargs.setdefault("lr", job.trainer.lr)
             kwargs.setdefault("seed", job.trainer.seed)
         self.engine = TrainEngineRegistry.new(job.trainer.backend, **kwargs)
+        self._trainer: FullyAsyncTrainer | None = None
 
     def specs(self) -> list[list[Any]]:
         """The weights every engine must hold, as [name, dtype, shape] (no tensors gathered)."""
@@ -179,6 +180,8 @@ class TrainerRankActor:
 
     def run(self, engines: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """Register `engines` (name -> descriptor) with an embedded daemon and train; returns the summary."""
+        import torch
+
         from ckpt_engine.daemon import WeightSyncDaemon
         from ckpt_engine.trainer.loop import FullyAsyncTrainer
         from ckpt_engine.trainer.rollout import TorchRefPolicyGenerator
@@ -194,8 +197,13 @@ class TrainerRankActor:
                 generators.append(
                     TorchRefPolicyGenerator(name, descriptor["host"], descriptor["port"], timeout_s=job.checkpoint_engine.timeout_s, seed=job.trainer.seed + i)
                 )
-            trainer = FullyAsyncTrainer(job, self.engine, daemon, generators, on_sync=self._on_sync)
-            summary = trainer.run()
+            self._trainer = FullyAsyncTrainer(job, self.engine, daemon, generators, on_sync=self._on_sync)
+            self._trainer.sync(0, "initial")
+            prompts = torch.arange(job.rollout.vocab_size)
+            before = _greedy(generators, prompts)
+            summary = self._trainer.run(initial_sync=False)
+            after = _greedy(generators, prompts)
+            answer = self._trainer.task.answer(prompts)
         finally:
             for g in generators:
                 g.close()
@@ -203,6 +211,10 @@ class TrainerRankActor:
         return {
             **{k: v for k, v in vars(summary).items() if k != "syncs"},
             "syncs": [vars(s) for s in summary.syncs],
+            "greedy_before": before,
+            "greedy_after": after,
+            "accuracy_before": _accuracy(before, answer),
+            "accuracy_after": _accuracy(after, answer),
             "max_staleness": job.trainer.max_staleness,
             "trainer": {"node_ip": self.host, "pid": os.getpid()},
         }
@@ -212,10 +224,23 @@ class TrainerRankActor:
             print(line, flush=True)
 
     def _on_sync(self, rec: SyncRecord) -> None:
+        last = self._trainer.steps[-1] if self._trainer is not None and self._trainer.steps else None
         self._say(
             f"sync v{rec.version:<3} step {rec.step:<4} {rec.reason:<9} {rec.bytes / 1e3:8.1f} kB "
-            f"{rec.seconds:7.3f} s {rec.gbps:7.4f} GB/s" + (f"  dropped {rec.dropped}" if rec.dropped else "")
+            f"{rec.seconds:7.3f} s {rec.gbps:7.4f} GB/s  staleness max {last.staleness_max if last else 0} "
+            f"mean {last.staleness_mean if last else 0.0:.2f}  reward {last.reward if last else 0.0:.2f}"
+            + (f"  dropped {rec.dropped}" if rec.dropped else "")
         )
+
+
+def _greedy(generators: list[Any], prompts: Any) -> dict[str, list[int] | None]:
+    """Each engine's greedy answers from the weights it serves (None while it serves none)."""
+    answers = {g.name: g.greedy(prompts) for g in generators}
+    return {name: None if a is None else a.tolist() for name, a in answers.items()}
+
+
+def _accuracy(answers: dict[str, list[int] | None], truth: Any) -> dict[str, float | None]:
+    return {n: None if a is None else float((truth.new_tensor(a) == truth).float().mean()) for n, a in answers.items()}
 
 
 # --- launcher ------------------------------------------------------------------------------------
@@ -278,10 +303,10 @@ def run_ray_job(job: JobConfig, *, echo: bool = True) -> dict[str, Any]:
         result["seconds"] = time.monotonic() - t0
         if echo:
             print(
-                f"summary: {result['steps']} steps, versions {result['versions'][:1] or ['-']}..{result['final_version']}, "
+                f"summary: {result['steps']} steps, versions {result['versions'][0] if result['versions'] else '-'}..{result['final_version']}, "
                 f"engines {result['engine_versions']}, staleness max {result['staleness_max']} (bound {job.trainer.max_staleness}) "
                 f"mean {result['staleness_mean']:.2f}, reward {result['reward_first']:.2f} -> {result['reward_last']:.2f}, "
-                f"{result['seconds']:.1f} s on Ray"
+                f"greedy accuracy {result['accuracy_before']} -> {result['accuracy_after']}, {result['seconds']:.1f} s on Ray"
             )
         return result
     finally:

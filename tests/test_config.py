@@ -1,0 +1,55 @@
+"""CheckpointEngineConfig: YAML, dicts, dotted overrides, and errors that name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ckpt_engine.config import CheckpointEngineConfig, ConfigError, apply_overrides, load_config
+
+
+def test_defaults_and_auto_bucket() -> None:
+    cfg = load_config()
+    assert cfg.backend == "auto" and cfg.num_buffers == 2 and cfg.bucket_size_mb is None and cfg.bucket_size_bytes is None
+
+
+def test_yaml_file_and_dotted_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "job.yaml"
+    path.write_text("checkpoint_engine:\n  backend: gloo\n  bucket_size_mb: 8\n  engine_kwargs:\n    gloo: {}\nother: 1\n")
+    cfg = load_config(path, ["checkpoint_engine.num_buffers=3", "checkpoint_engine.verify=true"])
+    assert (cfg.backend, cfg.bucket_size_bytes, cfg.num_buffers, cfg.verify) == ("gloo", 8 << 20, 3, True)
+    assert load_config({"checkpoint_engine": {"timeout_s": 5}}).timeout_s == 5
+
+
+@pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("checkpoint_engine.backend=carrier_pigeon", r"checkpoint_engine\.backend='carrier_pigeon'.*allowed: auto, colocated, gloo, hccl, nccl"),
+        ("checkpoint_engine.num_buffers=1", r"checkpoint_engine\.num_buffers must be >= 2"),
+        ("checkpoint_engine.num_buffers=two", r"checkpoint_engine\.num_buffers must be int"),
+        ("checkpoint_engine.bucket_size_mb=-4", r"checkpoint_engine\.bucket_size_mb must be in"),
+        ("checkpoint_engine.timeout_s=0", r"checkpoint_engine\.timeout_s must be > 0"),
+        ("checkpoint_engine.verify=maybe", r"checkpoint_engine\.verify must be bool"),
+        ("checkpoint_engine.pause_mode=sleep", r"checkpoint_engine\.pause_mode must be one of keep, abort, none"),
+        ("checkpoint_engine.engine_kwargs=3", r"checkpoint_engine\.engine_kwargs must map"),
+        ("checkpoint_engine.bucket_sz=3", r"unknown key\(s\) under checkpoint_engine: bucket_sz; allowed: .*bucket_size_mb"),
+    ],
+)
+def test_bad_values_name_the_field(override: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load_config({}, [override])
+
+
+def test_malformed_override_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="must look like section.field=value"):
+        apply_overrides({}, ["checkpoint_engine.backend"])
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        apply_overrides({"a": 1}, ["a.b=2"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_keyword_only() -> None:
+    with pytest.raises(TypeError):
+        CheckpointEngineConfig("gloo")  # type: ignore[misc]

@@ -1,0 +1,97 @@
+"""Manifest encoding: exact round trip, and every malformed or hostile input refused cleanly."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckpt_engine.buckets import plan_buckets
+from ckpt_engine.manifest import ManifestError, TensorSpec, decode_manifest, encode_manifest
+
+
+def _manifest():
+    specs = [TensorSpec("a", "float32", (10, 3)), TensorSpec("c", "bool", ()), TensorSpec("b", "bfloat16", (5000,))]
+    return plan_buckets(specs, 4096)
+
+
+def _raw(manifest):
+    return msgpack.unpackb(encode_manifest(manifest), raw=False)
+
+
+def _encode(raw):
+    return msgpack.packb(raw, use_bin_type=True)
+
+
+def test_round_trip_is_exact() -> None:
+    m = _manifest()
+    assert decode_manifest(encode_manifest(m)) == m
+
+
+def test_truncated_input_is_refused() -> None:
+    data = encode_manifest(_manifest())
+    for cut in (0, 1, len(data) // 2, len(data) - 1):
+        with pytest.raises(ManifestError):
+            decode_manifest(data[:cut])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_random_bytes_only_raise_manifest_error(data: bytes) -> None:
+    with pytest.raises(ManifestError):
+        decode_manifest(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.text(max_size=8), lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4), max_leaves=20))
+def test_random_msgpack_documents_only_raise_manifest_error(doc) -> None:
+    with pytest.raises(ManifestError):
+        decode_manifest(_encode(doc))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda r: r["buckets"][0][0].__setitem__(1, "float128"), "unknown dtype 'float128'"),
+        (lambda r: r["buckets"][0][0].__setitem__(5, 4080), "lies outside bucket"),
+        (lambda r: r["buckets"][0][0].__setitem__(5, 2), "not aligned for float32"),
+        (lambda r: r["buckets"][0][0].__setitem__(4, -1), "chunk_size must be a non-negative int"),
+        (lambda r: r["buckets"][0][0].__setitem__(2, [10, True]), "shape dims must be non-negative ints"),
+        (lambda r: r["buckets"][0][1].__setitem__(5, 8), "overlap"),
+        (lambda r: r["buckets"][0].append(list(r["buckets"][0][0])), "appears twice"),
+        (lambda r: r.__setitem__("format", 99), "unsupported manifest format"),
+        (lambda r: r.__setitem__("evil", 1), "manifest keys must be"),
+        (lambda r: r.__setitem__("bucket_size", "big"), "bucket_size must be an int"),
+        (lambda r: r["buckets"].append([]), "is empty"),
+        (lambda r: r["buckets"].pop(), "ends before the tensor.s last chunk"),
+    ],
+)
+def test_inconsistent_manifests_are_refused(mutate, match: str) -> None:
+    raw = _raw(_manifest())
+    mutate(raw)
+    with pytest.raises(ManifestError, match=match):
+        decode_manifest(_encode(raw))
+
+
+def test_tampered_content_fails_the_digest() -> None:
+    raw = _raw(_manifest())
+    raw["buckets"][0][0][0] = "renamed"
+    with pytest.raises(ManifestError, match="digest does not match"):
+        decode_manifest(_encode(raw))
+
+
+def test_oversized_and_extension_input_refused() -> None:
+    with pytest.raises(ManifestError, match="more than the limit"):
+        decode_manifest(b"\x00" * (256 * 1024 * 1024 + 1))
+    with pytest.raises(ManifestError, match="not valid msgpack"):
+        decode_manifest(msgpack.packb(msgpack.ExtType(1, b"x")))
+
+
+def test_tensor_spec_validation() -> None:
+    with pytest.raises(ManifestError, match="unknown dtype"):
+        TensorSpec("x", "float7", (1,))
+    with pytest.raises(ManifestError, match="non-empty str"):
+        TensorSpec("", "float32", (1,))
+    with pytest.raises(ManifestError, match="non-negative ints"):
+        TensorSpec("x", "float32", (-1,))

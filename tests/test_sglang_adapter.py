@@ -1,0 +1,130 @@
+"""SGLang HTTP adapter against `tests/sglang_standin.py` (SGLang's RL weight-update API, CPU/gloo).
+
+Contract test: the stand-in follows SGLang 0.5.x request schemas and receive semantics; SGLang itself
+cannot be installed on these machines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_engine import CheckpointEngineConfig
+from ckpt_engine.rollout_adapters.base import ManifestRejectedError
+from ckpt_engine.weights import StateDictSource
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("requests")
+
+STANDIN = Path(__file__).with_name("sglang_standin.py")
+CONFIG_JSON = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "initializer_range": 0.2, "torch_dtype": "float32",
+}
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("qwen2-sglang")
+    (d / "config.json").write_text(json.dumps(CONFIG_JSON))
+    return d
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir: Path) -> Iterator[list[object]]:
+    from ckpt_engine.rollout_adapters.sglang import SglangClient
+
+    procs, clients = [], []
+    try:
+        for i in range(2):
+            proc = subprocess.Popen([sys.executable, str(STANDIN), "--model-path", str(model_dir)], stdout=subprocess.PIPE, text=True)
+            procs.append(proc)
+            ready, _, _ = select.select([proc.stdout], [], [], 120)
+            assert ready, "stand-in did not start"
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            port = int(line.strip().split("=")[1])
+            clients.append(SglangClient(f"sglang-{i}", f"http://127.0.0.1:{port}", timeout_s=60.0))
+        yield clients
+    finally:
+        for c in clients:
+            c.close()  # type: ignore[attr-defined]
+        for proc in procs:
+            proc.terminate()
+            proc.wait(10)
+
+
+def trainer(model_dir: Path, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.AutoConfig.from_pretrained(model_dir)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def greedy(model: torch.nn.Module, n: int = 8) -> list[int]:
+    ids, out = torch.tensor([PROMPT]), []
+    for _ in range(n):
+        nxt = int(model(ids).logits[0, -1].argmax())
+        out.append(nxt)
+        ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+def generate(client: object) -> tuple[list[int], str]:
+    r = client._call("POST", "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0}})  # type: ignore[attr-defined]
+    return r["output_ids"], r["meta_info"]["weight_version"]
+
+
+@pytest.mark.parametrize("flattened", [True, False], ids=["flattened_bucket", "per_tensor"])
+def test_sync_matches_trainer_and_changes_on_second_sync(servers: list[object], model_dir: Path, flattened: bool) -> None:
+    from ckpt_engine.rollout_adapters.sglang import SglangWeightSync
+
+    sync = SglangWeightSync(servers, CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.05, timeout_s=60.0), flattened=flattened)  # type: ignore[arg-type]
+    try:
+        t1 = trainer(model_dir, seed=1)
+        report = sync.sync(StateDictSource(t1), version=5)
+        assert report.version == 5 and report.buckets > 1
+        want1 = greedy(t1)
+        for c in servers:
+            assert generate(c) == (want1, "5")
+            assert c.get_weight_version() == "5"  # type: ignore[attr-defined]
+        t2 = trainer(model_dir, seed=2)
+        sync.sync(StateDictSource(t2), version=6)
+        want2 = greedy(t2)
+        assert want2 != want1
+        for c in servers:
+            assert generate(c) == (want2, "6")
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize(
+    "name,shape",
+    [("model.layers.0.self_attn.nonexistent.weight", (4, 4)), ("model.layers.1.mlp.down_proj.weight", (64, 127))],
+    ids=["unknown-name", "wrong-shape"],
+)
+def test_bad_manifest_rejected_before_bytes_move(servers: list[object], model_dir: Path, name: str, shape: tuple[int, ...]) -> None:
+    from ckpt_engine.rollout_adapters.sglang import SglangWeightSync
+
+    before = [generate(c) for c in servers]
+    weights = {n: t.detach() for n, t in trainer(model_dir, seed=3).state_dict().items()}
+    weights[name] = torch.zeros(shape)
+    sync = SglangWeightSync(servers, CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.05, timeout_s=60.0))  # type: ignore[arg-type]
+    try:
+        with pytest.raises(ManifestRejectedError, match=name.replace(".", r"\.")):
+            sync.sync(StateDictSource(weights))
+        assert sync._group is None  # no group was even formed: nothing moved
+    finally:
+        sync.close()
+    assert [generate(c) for c in servers] == before
