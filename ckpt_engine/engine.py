@@ -125,8 +125,15 @@ class CheckpointEngine(ABC):
         """Join the weight-sync group; collective over all `rendezvous.world_size` members."""
 
     @abstractmethod
-    def send_weights(self, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]]) -> SendStats:
-        """Sender only: stream `weights` (in manifest order) to every receiver."""
+    def send_weights(
+        self, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool = False
+    ) -> SendStats:
+        """Sender only: stream `weights` (in manifest order) to every receiver.
+
+        A yielded tensor may be read only until the next one is requested (a sharded trainer frees
+        its gathered parameters), unless `stable` says every yielded tensor stays valid and
+        unchanged until this call returns, which lets the engine skip copies.
+        """
 
     @abstractmethod
     def receive_buckets(self, manifest: BucketManifest) -> Iterator[list[tuple[str, torch.Tensor]]]:

@@ -248,7 +248,7 @@ class WeightSyncSession:
         t = time.perf_counter()
         receives = {r.name: self._pool.submit(r.receive, manifest) for r in self.rollouts}
         try:
-            stats = engine.send_weights(manifest, weights)
+            stats = engine.send_weights(manifest, weights, stable=bool(getattr(source, "stable_tensors", False)))
         except Exception as exc:
             engine.finalize()  # closing the sender's group wakes receivers blocked on it
             failed = self._receive_failures(receives, grace_s=min(5.0, self.config.timeout_s))

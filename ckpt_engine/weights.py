@@ -20,6 +20,9 @@ __all__ = ["StateDictSource", "WeightSource", "spec_of"]
 
 @runtime_checkable
 class WeightSource(Protocol):
+    """Optional attributes: `is_sender` (default True) and `stable_tensors` (default False: a
+    yielded tensor is valid only until the next one is requested)."""
+
     def metadata(self) -> list[TensorSpec]: ...
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
@@ -37,6 +40,7 @@ class StateDictSource:
     """
 
     is_sender = True
+    stable_tensors = True  # the mapping keeps every tensor alive for the whole sync
 
     def __init__(
         self,

@@ -121,10 +121,11 @@ class ColocatedCheckpointEngine(PipelinedBroadcastEngine):
             ev.record(torch.cuda.current_stream(self.device))
             self._wait_event(ev, "local copies")
 
-    def send_weights(self, manifest: Any, weights: Any) -> Any:
+    def send_weights(self, manifest: Any, weights: Any, *, stable: bool = False) -> Any:
         self._seq += 1
         self._sent = 0
-        return super().send_weights(manifest, weights)
+        # The receiver reads the shared buffers: every bucket must be packed into them.
+        return super().send_weights(manifest, weights, stable=False)
 
     def _sender_slot_free(self, slot: int, works: list[Any]) -> None:
         if works[slot] is not None:

@@ -211,7 +211,11 @@ class PipelinedBroadcastEngine(CheckpointEngine):
             time.sleep(0.0002)
 
     # --- sender ------------------------------------------------------------------------------
-    def send_weights(self, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]]) -> SendStats:
+    def send_weights(
+        self, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool = False
+    ) -> SendStats:
+        """See CheckpointEngine.send_weights. With `stable`, a bucket holding a single tensor (or a
+        single chunk of one) travels straight from the tensor's memory instead of being packed."""
         self._require_group()
         if self.rank != 0:
             raise RuntimeError(f"send_weights() runs on rank 0 only, this is rank {self.rank}")
@@ -226,8 +230,9 @@ class PipelinedBroadcastEngine(CheckpointEngine):
             for bucket, dsts in zip(manifest.buckets, views):
                 slot = bucket.index % self.num_buffers
                 self._sender_slot_free(slot, works)
-                srcs = []
-                for e in bucket.entries:
+                srcs: list[torch.Tensor] = []
+                copied = False  # without `stable`, each tensor is packed before the next is requested
+                for e, dst in zip(bucket.entries, dsts):
                     if e.chunk_offset == 0:
                         t0 = time.perf_counter()
                         current = _next_weight(it, e)
@@ -235,18 +240,26 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                         flat = None
                     assert current is not None
                     if e.is_whole:
-                        srcs.append(current)
+                        src = current
                     else:
                         if flat is None:
                             flat = _flat_bytes(current.to(device=self.device, dtype=torch_dtype(e.dtype)))
-                        srcs.append(flat[e.chunk_offset : e.chunk_offset + e.chunk_size])
+                        src = flat[e.chunk_offset : e.chunk_offset + e.chunk_size]
+                    if stable:
+                        srcs.append(src)
+                    else:
+                        t0 = time.perf_counter()
+                        dst.copy_(src)
+                        stats.pack_s += time.perf_counter() - t0
+                        copied = True
                 t0 = time.perf_counter()
-                if self._is_direct(bucket):
+                if stable and self._is_direct(bucket):
                     msg = srcs[0]  # a lone chunk of a large tensor travels from its own memory, unpacked
-                elif self._sendable_in_place(bucket, srcs):
+                elif stable and self._sendable_in_place(bucket, srcs):
                     msg = _flat_bytes(srcs[0])  # a lone whole tensor: no pack copy either
                 else:
-                    batched_copy_(dsts, srcs)
+                    if not copied:
+                        batched_copy_(dsts, srcs)  # one launch for the whole bucket
                     msg = self._message(slot, bucket.nbytes)
                     if self.verify:
                         data = msg[: _align8(bucket.nbytes)]
@@ -266,8 +279,9 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         return stats
 
     def _is_direct(self, bucket: Bucket) -> bool:
-        """A bucket holding one chunk of a tensor larger than a bucket moves between that
-        tensor's own memory on both sides: no pack copy, no reassembly copy."""
+        """A bucket holding one chunk of a tensor larger than a bucket lands straight in the
+        receiver's reassembly tensor (no copy out of a buffer); a sender with stable sources also
+        sends it from the tensor's own memory. Either side may pack instead: the bytes match."""
         return len(bucket.entries) == 1 and not bucket.entries[0].is_whole and not self.verify
 
     def _sendable_in_place(self, bucket: Bucket, srcs: list[torch.Tensor]) -> bool:

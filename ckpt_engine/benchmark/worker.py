@@ -147,7 +147,7 @@ class BenchRank:
         dst = dict(zip(names, self.tensors))
 
         def send() -> None:
-            self.engine.send_weights(self.manifest, zip(names, self.tensors))
+            self.engine.send_weights(self.manifest, zip(names, self.tensors), stable=True)
 
         def receive() -> None:
             for bucket in self.engine.receive_buckets(self.manifest):
