@@ -1,7 +1,7 @@
 """End-to-end sync benchmark: an FSDP2 trainer on 2 GPUs streaming into rollout receivers.
 
 Topology (one process per box): trainer ranks 0 and 1 on GPU0 and GPU1 (their own NCCL group),
-receiver i on GPU (2 + i) mod #GPUs. On a 4-GPU machine the receivers sit on GPU2 and GPU3; on a
+receiver i on GPU 2+i. On a 4-GPU machine the receivers sit on GPU2 and GPU3; on a
 2-GPU machine the one receiver shares GPU1 with trainer rank 1 (a different communicator: one NCCL
 communicator never holds two ranks of one GPU). The weight-sync group is trainer rank 0 + receivers.
 
@@ -186,7 +186,11 @@ def _receiver_main(index: int, args: argparse.Namespace, ports: dict[str, int], 
     from ckpt_engine.registry import CheckpointEngineRegistry
 
     if args.backend == "nccl":
-        device = torch.device("cuda", (2 + index) % torch.cuda.device_count())
+        count = torch.cuda.device_count()
+        # GPU2, GPU3, ... when there are enough; otherwise share the GPUs after the sender's
+        # (on 2 GPUs: GPU1, beside trainer rank 1, in a different communicator).
+        gpu = 2 + index if count >= 2 + args.receivers else 1 + index % (count - 1)
+        device = torch.device("cuda", gpu)
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

@@ -3,8 +3,10 @@
 Model construction and export need no CUDA (use_cpu_initialization, local layer spec), so the
 export runs here: TP=2 and PP=2 layouts, each bit-exact against the HF model whose weights were
 loaded. Megatron's forward pass calls torch.cuda.current_device() and the CUDA RNG tracker, so
-training parity runs on the GPU machine (`-m gpu`). PP>1 with tied embeddings also needs CUDA
-(megatron-core moves the shared embedding with `.cuda()` to all-reduce it between stages).
+training parity runs on the GPU machine (`-m gpu`); its weight comparison after AdamW is not
+bit-exact (`_assert_adam_trained_close` says why and what it checks). PP>1 with tied embeddings
+also needs CUDA (megatron-core moves the shared embedding with `.cuda()` to all-reduce it between
+stages).
 """
 
 from __future__ import annotations
@@ -144,7 +146,8 @@ def _train_worker(rank: int, world_size: int, tp: int, pp: int) -> dict:
     res = {"losses": losses, "ref_losses": ref_losses}
     if rank == 0:
         res["tensors"] = {**{f"exp/{k}": v for k, v in exported.items()},
-                          **{f"hf/{k}": v.detach().cpu() for k, v in hf.state_dict().items()}}
+                          **{f"hf/{k}": v.detach().cpu() for k, v in hf.state_dict().items()},
+                          **{f"init/{k}": v.detach().cpu() for k, v in sd.items()}}
     ps.destroy_model_parallel()
     return res
 
@@ -163,5 +166,38 @@ def test_megatron_training_matches_hf_on_2_gpus(tp: int, pp: int):
     assert r0["losses"] == pytest.approx(r0["ref_losses"], rel=1e-4, abs=1e-4)
     assert r0["losses"] == pytest.approx(r1["losses"])
     t = r0["tensors"]
-    for key in [k for k in t if k.startswith("exp/")]:
-        torch.testing.assert_close(t[key], t["hf/" + key[4:]], rtol=1e-4, atol=1e-5, msg=key)
+    names = [k[4:] for k in t if k.startswith("exp/")]
+    assert sorted(names) == sorted(k[3:] for k in t if k.startswith("hf/"))
+    for name in names:
+        _assert_adam_trained_close(t[f"exp/{name}"], t[f"hf/{name}"], t[f"init/{name}"], name, lr=1e-3, steps=3)
+
+
+def _assert_adam_trained_close(got: torch.Tensor, want: torch.Tensor, init: torch.Tensor, name: str, lr: float, steps: int) -> None:
+    """Weights after `steps` AdamW steps in Megatron vs the HF reference.
+
+    Not bit-exact, and not elementwise-close everywhere, by construction: Megatron's GEMMs (TP
+    split, [s, b, h] layout, fused qkv/fc1) round differently from HF's, so gradients agree to
+    fp32 rounding only; Adam then divides each element's step by that element's own gradient
+    RMS. An element whose gradient is at the rounding level of its summands (cancellation; on
+    this model layers.0 v_proj.weight has gradients of 4e-8 next to a median of 1e-2) gets an
+    O(lr) step whose size depends on the rounding. Measured on CPU with the HF model alone (fp32
+    vs fp64-rounded gradients, same AdamW, 12 seeds): 0 or 1 such element per model (seed 0:
+    layers.0 v_proj.weight, |diff| 2.5e-5, the element that failed on 2xH200; seed 4:
+    layers.1 down_proj.weight), never two in a tensor, and every other element within
+    rtol 1e-4 / atol 1e-5. Hence: (1) every element but at most 0.1% of a tensor (at least 1)
+    within that tight tolerance; (2) those few bounded by what two AdamW runs can differ by at all
+    (each step moves an element by at most ~lr for these betas); (3) the whole update
+    (trained - initial) matches to 1% in norm (measured <= 3e-4), which a wrong layout, head,
+    shard or update rule of any part of the tensor breaks by O(1).
+    """
+    assert got.shape == want.shape and got.dtype == want.dtype, name
+    diff = (got - want).abs()
+    outside = diff > 1e-5 + 1e-4 * want.abs()
+    allowed = max(1, got.numel() // 1000)
+    detail = f"{name}: {int(outside.sum())}/{got.numel()} elements outside rtol 1e-4/atol 1e-5, max |diff| {float(diff.max()):.3g}"
+    assert int(outside.sum()) <= allowed, detail
+    assert float(diff.max()) <= 2 * steps * lr * 1.01, detail
+    upd_ref, upd_got = want - init, got - init
+    assert float((upd_got - upd_ref).norm()) <= 1e-2 * float(upd_ref.norm()) + 1e-7, (
+        f"{detail}; update differs: |d upd| {float((upd_got - upd_ref).norm()):.3g} vs |upd| {float(upd_ref.norm()):.3g}"
+    )

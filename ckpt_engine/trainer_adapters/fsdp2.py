@@ -303,7 +303,12 @@ class FSDP2TrainEngine(TrainEngine):
         unit = self._units[e.unit]
         assert isinstance(unit, FSDPModule)
         state = unit._get_fsdp_state()
-        for group in state._fsdp_param_groups:
+        # torch >= 2.13 keeps a list of param groups per state; torch 2.11 a single optional one.
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            single = getattr(state, "_fsdp_param_group", None)
+            groups = [single] if single is not None else []
+        for group in groups:
             for fp in group.fsdp_params:
                 if fp._module_info.module is e.module and fp._module_info.param_name == e.attr:
                     return fp.sharded_param

@@ -7,8 +7,10 @@ distributed optimizer. Export shares the Megatron naming tables and TP/PP/EP wal
 (`MegatronExporter`); what differs is how a rank gets its TP-local full parameter:
 
 1. before export, every model chunk finishes its parameter all-gather pipeline
-   (`synchronize_param_gather`) and, for strategies that keep compute weights unsharded, refreshes
-   them from the updated main params (`start_param_sync(force_sync=True)`). Every chunk, not only
+   (`synchronize_param_gather`) and, for `optim` / `optim_grads` (unsharded compute weights in a
+   model-weight buffer), refreshes them from the updated main params
+   (`start_param_sync(force_sync=True)`); `no_shard` has no such buffer (its module parameters are
+   updated in place) and `optim_grads_params` gathers on use. Every chunk, not only
    the first: returning after the first chunk leaves later chunks with stale or half-gathered
    weights (a known bug in a peer implementation);
 2. a parameter that is a DTensor sharded over the data-parallel mesh is gathered with
@@ -94,6 +96,14 @@ def _local_full(p: torch.Tensor) -> torch.Tensor:
     return gather_uneven_dtensor_to_full_tensor(p).to_local()
 
 
+def _has_model_weight_buffer(inner: Any) -> bool:
+    """Whether any parameter group of a MegatronFSDP module has a model-weight buffer to gather into."""
+    groups = getattr(getattr(inner, "param_and_grad_buffer", None), "parameter_groups", None)
+    if groups is None:  # another megatron-fsdp layout: let start_param_sync decide
+        return True
+    return any(getattr(g, "model_weight_buffer", None) is not None for g in groups)
+
+
 class MegatronFSDPTrainEngine(MegatronTrainEngine):
     """Megatron-core GPT under Megatron-FSDP (+ TP/PP), Megatron's distributed optimizer, HF export."""
 
@@ -172,11 +182,21 @@ class MegatronFSDPTrainEngine(MegatronTrainEngine):
 
     # --- export ------------------------------------------------------------------------------
     def sync_params_for_export(self) -> None:
-        """Finish every chunk's parameter gather pipeline (all chunks: collective on every rank)."""
+        """Finish every chunk's parameter gather pipeline (all chunks: collective on every rank).
+
+        `optim` / `optim_grads` keep unsharded compute weights in a model-weight buffer that is
+        refreshed from the (sharded) updated main weights by an all-gather: forced here.
+        `no_shard` has no model-weight buffer at all (megatron_fsdp param_and_grad_buffer builds
+        one only for strategies != "no_shard"): after `synchronize_param_gather` the module holds
+        the optimizer's unsharded weights (main-weight buffer, or the raw parameters), which the
+        step updates in place (then `copy_main_weights_to_model_weights`), so there is nothing to
+        gather, and `start_param_sync(force_sync=True)` would call `async_bucket_gather` on a
+        None buffer (megatron-core 0.16.1 checks the buffer only after that call).
+        """
         for chunk in self.chunks:
             inner = chunk.module  # MegatronFSDP
             inner.synchronize_param_gather()
-            if self.config.sharding_strategy != "optim_grads_params":
+            if self.config.sharding_strategy in ("optim", "optim_grads") and _has_model_weight_buffer(inner):
                 inner.start_param_sync(force_sync=True)  # compute weights <- updated main params
                 inner.synchronize_param_gather()
 
