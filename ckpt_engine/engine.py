@@ -140,7 +140,9 @@ class CheckpointEngine(ABC):
         """Receiver only: yield the complete tensors of each bucket as it lands.
 
         The tensors are views of a rotating buffer, valid until the next item is requested; a
-        loader copies them into its parameters (on the current stream) before asking for more.
+        loader copies them into its parameters (on the current stream) before asking for more. A
+        loader that keeps a reference past that point (vLLM's layerwise reload holds tensors of a
+        layer until the layer is complete) must clone it, or it will read the next bucket's bytes.
         """
 
     def receive_weights(self, manifest: BucketManifest) -> Iterator[tuple[str, torch.Tensor]]:

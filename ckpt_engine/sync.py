@@ -8,6 +8,7 @@ engines.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as cf
 import logging
 import threading
@@ -48,6 +49,10 @@ class SyncError(RuntimeError):
 
 @dataclass
 class SyncReport:
+    """One sync's figures. `seconds["transfer"]` runs from the first bucket sent to the last
+    receiver done loading (streaming and loading overlap); `export`/`pack` are the sender's host
+    time inside it, `load_max` the slowest engine's loader time."""
+
     version: int
     bytes: int
     tensors: int
@@ -324,6 +329,7 @@ class WeightSyncSession:
             self._engine.finalize()
             self._engine = None
         self._ready = False
+        self._store = None
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -340,6 +346,18 @@ def _td(seconds: float) -> Any:
 
 _sessions: dict[tuple[int, ...], WeightSyncSession] = {}
 _sessions_lock = threading.Lock()
+
+
+def close_sessions() -> None:
+    """Close every session `sync_rollout_weights` created (engines leave their groups)."""
+    with _sessions_lock:
+        sessions = list(_sessions.values())
+        _sessions.clear()
+    for session in sessions:
+        session.close()
+
+
+atexit.register(close_sessions)
 
 
 def sync_rollout_weights(
@@ -363,7 +381,7 @@ def sync_rollout_weights(
     if isinstance(rollouts, WeightSyncSession):
         session = rollouts
     else:
-        key = tuple(id(r) for r in rollouts)
+        key = tuple(id(r) for r in rollouts)  # ids stay valid: the cached session holds the adapters
         with _sessions_lock:
             session = _sessions.get(key)
             if session is None or (config is not None and session.config != config):

@@ -18,7 +18,7 @@ from typing import Any
 
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 
-__all__ = ["EngineKindRegistry", "make_adapter", "register_engine_kind", "torch_ref_factory"]
+__all__ = ["EngineKindRegistry", "make_adapter", "register_engine_kind", "torch_ref_factory", "vllm_factory"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +28,10 @@ AdapterFactory = Callable[[str, Mapping[str, Any], float], RolloutAdapter]
 class EngineKindRegistry:
     """kind name -> adapter factory, imported on first use."""
 
-    _lazy: dict[str, str] = {"torch_ref": "ckpt_engine.daemon.adapters:torch_ref_factory"}
+    _lazy: dict[str, str] = {
+        "torch_ref": "ckpt_engine.daemon.adapters:torch_ref_factory",
+        "vllm": "ckpt_engine.daemon.adapters:vllm_factory",
+    }
     _loaded: dict[str, AdapterFactory] = {}
     _failed: dict[str, str] = {}
     _entry_points_done = False
@@ -114,3 +117,26 @@ def torch_ref_factory(name: str, params: Mapping[str, Any], timeout_s: float) ->
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"torch_ref engine descriptor: port must be an int in [1, 65535], got {port!r:.80}")
     return TorchRefRollout(name, host, port, None, timeout_s)
+
+
+def vllm_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> RolloutAdapter:
+    """A vLLM `api_server` in dev mode with our worker extension, at `url` (http://host:port).
+
+    `world_size` (optional) spares the adapter a round trip to ask the server for it.
+    """
+    from urllib.parse import urlsplit
+
+    from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+
+    unknown = sorted(set(params) - {"url", "world_size"})
+    if unknown:
+        raise ValueError(f"vllm engine descriptor: unknown key(s) {', '.join(unknown)}; allowed: kind, url, world_size")
+    url, world_size = params.get("url"), params.get("world_size")
+    if not isinstance(url, str) or not 0 < len(url) <= 2048:
+        raise ValueError(f"vllm engine descriptor: url must be a non-empty string, got {url!r:.80}")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or parts.query:
+        raise ValueError(f"vllm engine descriptor: url must look like http://host:port, got {url!r:.80}")
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or not 0 < world_size <= 4096):
+        raise ValueError(f"vllm engine descriptor: world_size must be an int in [1, 4096], got {world_size!r:.80}")
+    return VllmServerRollout(name, url, timeout_s=timeout_s, world_size=world_size)

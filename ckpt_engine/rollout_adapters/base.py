@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
@@ -77,18 +77,25 @@ class ReceiveReport:
     receive_s: float
     load_s: float
     loaded: int
+    extra: dict[str, float] = field(default_factory=dict)
+    """Engine-specific numbers (e.g. bytes a loader had to detach from the buffers)."""
+
+    _KEYS: ClassVar[tuple[str, ...]] = ("tensors", "bytes", "receive_s", "load_s", "loaded")
 
     @classmethod
     def from_dict(cls, d: Any) -> ReceiveReport:
         if not isinstance(d, dict):
             raise ValueError("receive report must be a map")
         try:
-            return cls(int(d["tensors"]), int(d["bytes"]), float(d["receive_s"]), float(d["load_s"]), int(d["loaded"]))
+            extra = {str(k): float(v) for k, v in d.items() if k not in cls._KEYS}
+            return cls(int(d["tensors"]), int(d["bytes"]), float(d["receive_s"]), float(d["load_s"]), int(d["loaded"]), extra)
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed receive report: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tensors": self.tensors, "bytes": self.bytes, "receive_s": self.receive_s, "load_s": self.load_s, "loaded": self.loaded}
+        out: dict[str, Any] = dict(self.extra)
+        out.update(tensors=self.tensors, bytes=self.bytes, receive_s=self.receive_s, load_s=self.load_s, loaded=self.loaded)
+        return out
 
 
 def check_manifest_against(manifest: BucketManifest, expected: Mapping[str, TensorSpec], *, allow_missing: bool = True) -> list[str]:

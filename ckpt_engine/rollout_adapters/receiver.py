@@ -61,8 +61,18 @@ class WeightReceiver:
         if engine is not None:
             engine.finalize()
 
-    def validate(self, encoded: bytes | None, digest: str, expected: Mapping[str, TensorSpec] | None) -> dict[str, Any]:
-        """Decode (or recall by digest) a manifest and check it against the engine's tensors."""
+    def validate(
+        self,
+        encoded: bytes | None,
+        digest: str,
+        expected: Mapping[str, TensorSpec] | None,
+        extra_check: Callable[[BucketManifest], list[str]] | None = None,
+    ) -> dict[str, Any]:
+        """Decode (or recall by digest) a manifest and check it against the engine's tensors.
+
+        `extra_check` adds engine-specific rules (e.g. vLLM's stacked parameters must be sent
+        whole); a manifest is accepted only when neither finds a problem.
+        """
         manifest = self._manifests.get(digest)
         if manifest is None:
             if encoded is None:
@@ -74,11 +84,17 @@ class WeightReceiver:
             if manifest.digest != digest:
                 return {"accepted": False, "need_manifest": False, "problems": ["manifest digest differs from the announced one"]}
         problems = check_manifest_against(manifest, expected) if expected is not None else []
+        if not problems and extra_check is not None:
+            problems = extra_check(manifest)
         if self.engine is not None and manifest.bucket_size_bytes > self.engine.bucket_size_bytes:
             problems.append(f"manifest buckets of {manifest.bucket_size_bytes} bytes exceed this receiver's buffers")
         if not problems:
             self._manifests = {digest: manifest}
         return {"accepted": not problems, "need_manifest": False, "problems": problems}
+
+    def accepted_manifest(self, digest: str) -> BucketManifest | None:
+        """The manifest accepted under `digest` by the last validate(), if any."""
+        return self._manifests.get(digest)
 
     def receive(self, digest: str, loader: BucketLoader) -> ReceiveReport:
         """Receive every bucket of an accepted manifest and hand each to `loader`."""

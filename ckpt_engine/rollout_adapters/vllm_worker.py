@@ -163,21 +163,18 @@ class CkptEngineWorkerExtension:
             encoded = base64.b64decode(encoded)
         specs, groups, _ = self._ckpt_specs()
         receiver: WeightReceiver = state["receiver"]
-        reply = receiver.validate(encoded, digest, specs)
-        if not reply["accepted"]:
-            return reply
-        manifest = receiver._manifests[digest]
-        sent = {s.name for s in manifest.specs}
-        problems = []
-        for group in groups:
-            present = [n for n in group if n in sent]
-            if present and len(present) != len(group):
-                missing = [n for n in group if n not in sent]
-                problems.append(f"{', '.join(missing)}: vLLM stacks these with {', '.join(present)}; send all of them or none")
-        if problems:
-            receiver._manifests.pop(digest, None)
-            return {"accepted": False, "need_manifest": False, "problems": problems}
-        return reply
+
+        def stacked_whole(manifest: Any) -> list[str]:
+            sent = {s.name for s in manifest.specs}
+            problems = []
+            for group in groups:
+                present = [n for n in group if n in sent]
+                if present and len(present) != len(group):
+                    missing = [n for n in group if n not in sent]
+                    problems.append(f"{', '.join(missing)}: vLLM stacks these with {', '.join(present)}; send all of them or none")
+            return problems
+
+        return receiver.validate(encoded, digest, specs, extra_check=stacked_whole)
 
     # --- receive and load --------------------------------------------------------------------
     def ckpt_receive(self, digest: str) -> dict[str, Any]:
@@ -189,7 +186,7 @@ class CkptEngineWorkerExtension:
         model = self._ckpt_model()
         self._ckpt_close_reload()
         _, _, tied = self._ckpt_specs()
-        accepted = state["receiver"]._manifests.get(digest)
+        accepted = state["receiver"].accepted_manifest(digest)
         sent = {s.name for s in accepted.specs} if accepted is not None else set()
         # A tied head the trainer did not send is loaded from its embedding, or layerwise reload
         # would put the old head back.

@@ -49,11 +49,19 @@ class TrainerConfig:
     batch_timeout_s: float = 120.0
     """Give up (with an error naming the cause) when a batch of fresh samples does not arrive in time."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments for the TrainEngine constructor."""
+    """Extra keyword arguments for the TrainEngine constructor (fsdp2: FSDP2Config fields)."""
+    num_processes: int | None = None
+    """Trainer ranks (data parallel, one process each; rank 0 hosts the daemon). None: 2 for
+    fsdp2, 1 otherwise."""
+    job_timeout_s: float = 900.0
+    """Bound on a multi-process job as a whole (engine start included); the launcher then kills it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
             raise ConfigError(f"trainer.backend must be a registered TrainEngine name, got {self.backend!r}")
+        if self.num_processes is not None:
+            _positive_int("trainer", "num_processes", self.num_processes)
+        _positive_number("trainer", "job_timeout_s", self.job_timeout_s)
         for name in ("steps", "batch_size", "sync_every"):
             _positive_int("trainer", name, getattr(self, name))
         _positive_int("trainer", "max_staleness", self.max_staleness, low=0)
@@ -63,13 +71,18 @@ class TrainerConfig:
         if not isinstance(self.engine_kwargs, dict):
             raise ConfigError("trainer.engine_kwargs must be a map")
 
+    @property
+    def world_size(self) -> int:
+        return self.num_processes if self.num_processes is not None else (2 if self.backend == "fsdp2" else 1)
+
 
 @dataclass(kw_only=True)
 class RolloutConfig:
     """The generation side: engines and the workers that keep them busy."""
 
     engine: str = "torch_ref"
-    """Engine kind (see `ckpt_engine.daemon.adapters`); torch_ref runs the reference receiver."""
+    """Engine kind (see `ckpt_engine.daemon.adapters`): torch_ref runs the reference receiver, vllm
+    a real vLLM `api_server` per engine."""
     num_engines: int = 2
     """Rollout engines (one worker thread each)."""
     samples_per_request: int = 16
@@ -80,8 +93,19 @@ class RolloutConfig:
     """Reference engine only: sleep per received bucket (emulates a slow loader)."""
     vocab_size: int = 16
     """Size of the synthetic task's token space (prompt and answer)."""
+    model: dict[str, Any] = field(default_factory=dict)
+    """vllm: overrides of the tiny Qwen2 config.json the job writes locally (hidden_size, ...)."""
+    engine_args: list[str] = field(default_factory=list)
+    """vllm: extra `api_server` command-line arguments for every engine."""
+    start_timeout_s: float = 240.0
+    """vllm: bound on an engine's start-up (until /health answers)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.model, dict):
+            raise ConfigError("rollout.model must be a map of Qwen2 config fields")
+        if not isinstance(self.engine_args, list) or not all(isinstance(a, str) for a in self.engine_args):
+            raise ConfigError("rollout.engine_args must be a list of strings")
+        _positive_number("rollout", "start_timeout_s", self.start_timeout_s)
         if not isinstance(self.engine, str) or not self.engine:
             raise ConfigError(f"rollout.engine must be an engine kind name, got {self.engine!r}")
         for name in ("num_engines", "samples_per_request", "queue_size"):

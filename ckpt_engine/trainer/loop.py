@@ -19,18 +19,18 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from ckpt_engine.daemon.coordinator import SyncOutcome, WeightSyncDaemon
+from ckpt_engine.daemon.coordinator import SyncOutcome, WalkBarrier, WeightSyncDaemon
 from ckpt_engine.trainer.config import JobConfig
 from ckpt_engine.trainer.rollout import Generator, RolloutWorker, SampleChunk
-from ckpt_engine.trainer.task import ModularTask, pg_loss
+from ckpt_engine.trainer.task import ModularTask
 from ckpt_engine.trainer_adapters.base import TrainEngine
 from ckpt_engine.weights import WeightSource
 
-__all__ = ["FullyAsyncTrainer", "StepRecord", "SyncRecord", "TorchDistWalkBarrier", "follow_sync"]
+__all__ = ["FullyAsyncTrainer", "StepRecord", "SyncRecord", "TorchDistWalkBarrier", "TrainerPeers", "follow_sync"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ class SyncRecord:
     gbps: float
     dropped: dict[str, str]
     reason: str
+    stages: dict[str, float] = field(default_factory=dict)
+    """The sync's per-stage seconds (validate, pause, transfer, finalize, resume, total, ...)."""
 
 
 @dataclass
@@ -84,12 +86,18 @@ class FullyAsyncTrainer:
         generators: list[Generator],
         *,
         on_sync: Callable[[SyncRecord], None] | None = None,
+        task: ModularTask | None = None,
+        peers: TrainerPeers | None = None,
     ) -> None:
+        """`task` poses prompts, scores answers and builds the engine's batch and loss (default: the
+        tiny policy's ModularTask). `peers` is set when other trainer ranks follow this one: they
+        are told before every step and every sync, so the loop stays the same on any backend."""
         self.job = job
         self.engine = engine
         self.daemon = daemon
         self.generators = generators
-        self.task = ModularTask(job.rollout.vocab_size)
+        self.task = task if task is not None else ModularTask(job.rollout.vocab_size)
+        self.peers = peers
         self.queue: queue.Queue[SampleChunk] = queue.Queue(maxsize=max(1, job.rollout.queue_size // job.rollout.samples_per_request))
         self.workers: list[RolloutWorker] = []
         self.steps: list[StepRecord] = []
@@ -101,15 +109,17 @@ class FullyAsyncTrainer:
     # --- syncing ------------------------------------------------------------------------------
     def sync(self, step: int, reason: str) -> SyncOutcome:
         source: WeightSource = self.engine
+        barrier = self.peers.announce_sync() if self.peers is not None else None
         if self._stepped_since_sync or self.daemon.version == 0:
-            outcome = self.daemon.sync(source)
+            outcome = self.daemon.sync(source, walk_barrier=barrier)
         else:  # weights unchanged since the last push: re-send the same version to the newcomers
-            outcome = self.daemon.sync(source, version=self.daemon.version)
+            outcome = self.daemon.sync(source, version=self.daemon.version, walk_barrier=barrier)
         self._stepped_since_sync = not outcome.ok and self._stepped_since_sync
         report = outcome.report or {}
         rec = SyncRecord(
             step=step, version=outcome.version, ok=outcome.ok, catch_up=outcome.catch_up, bytes=int(report.get("bytes", 0)),
             seconds=outcome.seconds, gbps=float(report.get("gbps", 0.0)), dropped=dict(outcome.dropped), reason=reason,
+            stages={k: float(v) for k, v in (report.get("seconds") or {}).items()},
         )
         self.syncs.append(rec)
         if self.on_sync is not None:
@@ -178,7 +188,7 @@ class FullyAsyncTrainer:
                 used += len(versions)
                 dropped_total += dropped
                 self.engine.train_mode()
-                metrics = self.engine.forward_backward(batch, pg_loss)
+                metrics = self.engine.forward_backward(self.task.to_batch(batch), self.task.loss_fn)
                 self.engine.optimizer_step()
                 self._stepped_since_sync = True
                 self.steps.append(StepRecord(step, metrics["loss"], float(batch["rewards"].mean()), max(staleness), statistics.fmean(staleness), dropped))
@@ -205,6 +215,14 @@ class FullyAsyncTrainer:
             samples_dropped_stale=dropped_total,
             syncs=list(self.syncs),
         )
+
+
+class TrainerPeers(Protocol):
+    """Rank 0's line to the other trainer ranks (see `ckpt_engine.trainer.ranks`)."""
+
+    def announce_sync(self) -> WalkBarrier:
+        """Tell the other ranks a sync starts (they walk `iter_weights()`); returns the walk barrier."""
+        ...
 
 
 class TorchDistWalkBarrier:

@@ -33,6 +33,13 @@ class ModularTask:
     def reward(self, prompts: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         return (actions == self.answer(prompts)).float()
 
+    def to_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Samples (prompts, actions, rewards) -> what the TrainEngine consumes; the tiny policy takes them as is."""
+        return batch
+
+    def loss_fn(self, logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return pg_loss(logits, batch)
+
 
 class TinyPolicy(torch.nn.Module):
     def __init__(self, vocab_size: int) -> None:
