@@ -14,6 +14,7 @@ from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession, sy
 from ckpt_engine.backends.gloo import GlooCheckpointEngine
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.sync import close_sessions
 from ckpt_engine.weights import StateDictSource
 from roundtrip import mixed_state, same_bits
 
@@ -31,6 +32,7 @@ def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 def engines(spec_file: str) -> Iterator[list[TorchRefRollout]]:
     rs = [TorchRefRollout.spawn(f"ref{i}", spec_file=spec_file, timeout_s=60) for i in range(2)]
     yield rs
+    close_sessions()  # sessions cached by sync_rollout_weights leave their groups first
     for r in rs:
         r.close()
 
