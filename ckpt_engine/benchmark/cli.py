@@ -166,7 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.receivers < 1 or args.iters < 1 or args.buffers < 2:
         raise SystemExit("bench: --receivers and --iters must be >= 1 and --buffers >= 2")
-    summary = run_bench(args, show_progress=args.json != "-")
+    try:
+        summary = run_bench(args, show_progress=args.json != "-")
+    except ValueError as exc:  # bad preset, backend or device: say what, no traceback
+        print(f"ckpt-engine bench: error: {exc}", file=sys.stderr)
+        return 2
     if args.json == "-":
         print(json.dumps(summary, indent=2))
     else:
