@@ -22,7 +22,8 @@ import torch
 
 from ckpt_engine.buckets import auto_bucket_size_bytes, plan_buckets
 from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.engine import CheckpointEngine, Rendezvous, TransferError
+from ckpt_engine.engine import CheckpointEngine, Rendezvous
+from ckpt_engine.fanout import collect_failures
 from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
@@ -160,16 +161,7 @@ class WeightSyncSession:
         return engine
 
     def _collect_failures(self, futures: dict[str, cf.Future[Any]], stage: str) -> dict[str, str]:
-        failed: dict[str, str] = {}
-        deadline = time.monotonic() + self.config.timeout_s
-        for name, fut in futures.items():
-            try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except cf.TimeoutError:
-                failed[name] = f"no answer to {stage} within {self.config.timeout_s}s"
-            except Exception as exc:
-                failed[name] = f"{type(exc).__name__}: {exc}"
-        return failed
+        return collect_failures(futures, stage, self.config.timeout_s)
 
     def _fan_out(self, stage: str, fn: Callable[[RolloutAdapter], T]) -> dict[str, T]:
         futures = {r.name: self._pool.submit(fn, r) for r in self.rollouts}

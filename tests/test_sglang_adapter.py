@@ -7,11 +7,9 @@ cannot be installed on these machines.
 from __future__ import annotations
 
 import json
-import os
 import select
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 

@@ -117,7 +117,6 @@ class BenchRank:
         for _ in range(self.args.iters):
             times.append(self._timed(lambda: self.group.broadcast(buf, 0).wait()))
             self._progress()
-        del buf
         return times
 
     def naive(self) -> list[float]:

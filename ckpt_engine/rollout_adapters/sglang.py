@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.config import CheckpointEngineConfig
+from ckpt_engine.fanout import collect_failures
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.sync import SyncError, SyncReport
@@ -220,16 +221,7 @@ class SglangWeightSync:
             raise SyncError("join", failed, sorted(self.stale))
 
     def _wait_all(self, futures: dict[str, cf.Future[Any]], stage: str) -> dict[str, str]:
-        failed: dict[str, str] = {}
-        deadline = time.monotonic() + self.config.timeout_s
-        for name, fut in futures.items():
-            try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except cf.TimeoutError:
-                failed[name] = f"no answer to {stage} within {self.config.timeout_s}s"
-            except Exception as exc:
-                failed[name] = f"{type(exc).__name__}: {exc}"
-        return failed
+        return collect_failures(futures, stage, self.config.timeout_s)
 
     def _fan_out(self, stage: str, fn: Any) -> None:
         failed = self._wait_all({s.name: self._pool.submit(fn, s) for s in self.servers}, stage)

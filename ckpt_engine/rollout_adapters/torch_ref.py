@@ -23,7 +23,7 @@ import torch
 
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.engine import Rendezvous
-from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
+from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.weights import spec_of

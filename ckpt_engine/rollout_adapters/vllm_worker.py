@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.rollout_adapters.base import check_manifest_against
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 
 if TYPE_CHECKING:

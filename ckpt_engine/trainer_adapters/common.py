@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -14,6 +15,9 @@ DEFAULT_KEEP_FP32: tuple[str, ...] = (r"(^|\.)mlp\.gate\.weight$",)
 """MoE router gates: engines keep them in fp32 because top-k routing is sensitive to rounding."""
 
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+
+logger = logging.getLogger(__name__)
 
 
 def check_float_dtype(field_name: str, value: str | None) -> None:
@@ -96,3 +100,24 @@ def hf_model_from_config(hf_config: object, dtype: torch.dtype, **kwargs: object
         return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **kwargs)
     except TypeError:
         return AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype, **kwargs)
+
+
+def clip_and_step(
+    optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], norm: float, max_grad_norm: float | None, step: int
+) -> bool:
+    """Scale `grads` to `max_grad_norm` (given their global `norm`), step and zero the optimizer.
+
+    A non-finite norm skips the update (the grads are dropped) and returns False, so one bad batch
+    cannot poison the weights every rollout engine will receive.
+    """
+    if not math.isfinite(norm):
+        logger.warning("step %d: grad norm is %s, skipping the update", step, norm)
+        optimizer.zero_grad(set_to_none=True)
+        return False
+    if max_grad_norm is not None:
+        coef = max_grad_norm / (norm + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return True

@@ -25,7 +25,7 @@ from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, check_float_dtype
+from ckpt_engine.trainer_adapters.common import DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, check_float_dtype, clip_and_step
 from ckpt_engine.trainer_adapters.hf_names import (
     clean_name,
     has_unhandled_fused_experts,
@@ -352,17 +352,8 @@ class FSDP2TrainEngine(TrainEngine):
             for p in self.model.parameters()
             if p.grad is not None
         ]
-        if not math.isfinite(norm):
-            logger.warning("step %d: grad norm is %s, skipping the update", self.global_step, norm)
-            self.optimizer.zero_grad(set_to_none=True)
-            return norm
-        if self.config.max_grad_norm is not None:
-            coef = self.config.max_grad_norm / (norm + 1e-6)
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
+        if clip_and_step(self.optimizer, grads, norm, self.config.max_grad_norm, self.global_step):
+            self.global_step += 1
         return norm
 
     def lr_scheduler_step(self) -> None:

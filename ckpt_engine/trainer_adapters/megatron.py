@@ -31,7 +31,7 @@ from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import TrainConfig, check_float_dtype, torch_dtype
+from ckpt_engine.trainer_adapters.common import TrainConfig, check_float_dtype, clip_and_step, torch_dtype
 from ckpt_engine.trainer_adapters.megatron_export import (  # re-exported: the public names stay importable from here
     MegatronExporter,
     _hf,
@@ -368,17 +368,8 @@ class MegatronTrainEngine(TrainEngine):
     def optimizer_step(self) -> float:
         norm = self.grad_norm()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not math.isfinite(norm):
-            logger.warning("step %d: grad norm is %s, skipping the update", self.global_step, norm)
-            self.optimizer.zero_grad(set_to_none=True)
-            return norm
-        if self.config.max_grad_norm is not None:
-            coef = self.config.max_grad_norm / (norm + 1e-6)
-            if coef < 1.0:
-                torch._foreach_mul_(grads, coef)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
+        if clip_and_step(self.optimizer, grads, norm, self.config.max_grad_norm, self.global_step):
+            self.global_step += 1
         return norm
 
     def lr_scheduler_step(self) -> None:
