@@ -228,6 +228,7 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         works: list[Any] = [None] * self.num_buffers
         current: torch.Tensor | None = None
         flat: torch.Tensor | None = None
+        flat_is_source = False  # `flat` aliases the caller's tensor (no conversion temporary)
         try:
             for bucket, dsts in zip(manifest.buckets, views):
                 slot = bucket.index % self.num_buffers
@@ -245,7 +246,9 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                         src = current
                     else:
                         if flat is None:
-                            flat = _flat_bytes(current.to(device=self.device, dtype=torch_dtype(e.dtype)))
+                            converted = current.to(device=self.device, dtype=torch_dtype(e.dtype)).contiguous()
+                            flat_is_source = converted.data_ptr() == current.data_ptr()
+                            flat = _flat_bytes(converted)
                         src = flat[e.chunk_offset : e.chunk_offset + e.chunk_size]
                     if stable:
                         srcs.append(src)
@@ -255,8 +258,11 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                         stats.pack_s += time.perf_counter() - t0
                         copied = True
                 t0 = time.perf_counter()
-                if stable and self._is_direct(bucket):
-                    msg = srcs[0]  # a lone chunk of a large tensor travels from its own memory, unpacked
+                if stable and flat_is_source and self._is_direct(bucket):
+                    # A lone chunk of a large tensor travels from the caller's memory, unpacked. Never
+                    # from a conversion temporary: on CUDA the allocator could hand its memory to
+                    # the next allocation while the collective still reads it.
+                    msg = srcs[0]
                 elif stable and self._sendable_in_place(bucket, srcs):
                     msg = _flat_bytes(srcs[0])  # a lone whole tensor: no pack copy either
                 else:
