@@ -24,7 +24,7 @@ import torch
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
-from ckpt_engine.sync import SyncError, sync_rollout_weights
+from ckpt_engine.sync import SyncError, close_sessions, sync_rollout_weights
 from ckpt_engine.weights import StateDictSource
 
 pytest.importorskip("vllm")
@@ -106,6 +106,7 @@ def llm(model_dir: Path) -> Iterator[object]:
         worker_extension_cls=WORKER_EXTENSION, **ENGINE_ARGS,
     )
     yield engine
+    close_sessions()  # the sessions sync_rollout_weights cached leave the group before the engine stops
     engine.llm_engine.engine_core.shutdown()
 
 

@@ -64,6 +64,9 @@ class MegatronConfig(TrainConfig):
     export_mode: str = "gather_to_first"
     micro_batch_size: int | None = None
     """Sequences per micro-batch in `forward_backward` (None: the whole rank batch at once)."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """MoE token dispatcher: "alltoall" (megatron's default for EP; its constructor creates a CUDA
+    stream, so it needs CUDA even to build the model) or "allgather" (builds without CUDA)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -74,6 +77,10 @@ class MegatronConfig(TrainConfig):
             raise ValueError(f"MegatronConfig.export_mode must be one of {EXPORT_MODES}, got {self.export_mode!r}")
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"MegatronConfig.make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
+        if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+            raise ValueError(
+                f"MegatronConfig.moe_token_dispatcher_type must be 'alltoall' or 'allgather', got {self.moe_token_dispatcher_type!r}"
+            )
 
 
 # --- model construction ---------------------------------------------------------------------------
@@ -128,8 +135,11 @@ def transformer_config_from_hf(hf_config: Any, cfg: MegatronConfig, tp: int, pp:
         kw.update(
             num_moe_experts=hf_config.num_experts,
             moe_router_topk=hf_config.num_experts_per_tok,
-            moe_router_pre_softmax=True,
-            moe_token_dispatcher_type="alltoall",
+            # HF norm_topk_prob=True (Qwen3-MoE): softmax over all experts, top-k, renormalize ==
+            # softmax over the top-k logits, which is megatron's pre_softmax=False; without the
+            # renormalization (Qwen2-MoE default) it is softmax first, then top-k (pre_softmax=True).
+            moe_router_pre_softmax=not bool(_hf(hf_config, "norm_topk_prob", False)),
+            moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
             moe_grouped_gemm=False,
         )
     return TransformerConfig(**kw)
@@ -399,7 +409,10 @@ class MegatronTrainEngine(TrainEngine):
         self.model.load_state_dict(state["model"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.global_step = int(state["trainer"]["global_step"])
-        self.scheduler.last_epoch = self.global_step
+        # the schedule's own position: it differs from global_step once a non-finite step was skipped
+        self.scheduler.last_epoch = int(state["trainer"]["scheduler_step"])
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * self.config.lr_factor(self.scheduler.last_epoch)
 
     def _ckpt_dir(self, path: str) -> str:
         g = self.groups
@@ -410,4 +423,7 @@ class MegatronTrainEngine(TrainEngine):
 
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         model_sd = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}  # drop TE _extra_state
-        return {"model": model_sd, "optimizer": optim_sd, "trainer": {"global_step": torch.tensor(self.global_step)}}
+        return {"model": model_sd, "optimizer": optim_sd, "trainer": {
+            "global_step": torch.tensor(self.global_step, dtype=torch.int64),
+            "scheduler_step": torch.tensor(self.scheduler.last_epoch, dtype=torch.int64),
+        }}

@@ -73,6 +73,11 @@ def check_exportable(hf_config: Any) -> MegatronFamily:
         raise ValueError(f"only SwiGLU MLPs (hidden_act='silu') convert to linear_fc1, got {hf_config.hidden_act!r}")
     if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", False):
         raise ValueError("sliding-window attention has no megatron-core GPTModel equivalent here")
+    if family.expert and (_hf(hf_config, "decoder_sparse_step", 1) != 1 or list(_hf(hf_config, "mlp_only_layers", []))):
+        raise ValueError(
+            "MoE models with dense decoder layers (mlp_only_layers / decoder_sparse_step != 1) cannot be built: "
+            "every Megatron layer here is an MoE layer"
+        )
     return family
 
 
@@ -81,7 +86,7 @@ def check_exportable(hf_config: Any) -> MegatronFamily:
 # --- conversion plan ------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)  # identity hash: items key dicts/sets in the expert walk
 class _Item:
     """One Megatron parameter of this stage and the HF tensors it becomes.
 
