@@ -15,6 +15,16 @@ __all__ = ["batched_copy_"]
 
 
 def batched_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-    """dsts[i].copy_(srcs[i]) for every i in one batched launch (casting where dtypes differ)."""
-    if dsts:
-        torch._foreach_copy_(list(dsts), list(srcs))
+    """dsts[i].copy_(srcs[i]) for every i in one batched launch (casting where dtypes differ).
+
+    Pairs that are already the same tensor (a receiver reassembled it in its destination) are skipped.
+    """
+    keep_d: list[torch.Tensor] = []
+    keep_s: list[torch.Tensor] = []
+    for d, s in zip(dsts, srcs):
+        if d.data_ptr() == s.data_ptr() and d.numel() and d.dtype == s.dtype and d.shape == s.shape and d.stride() == s.stride():
+            continue
+        keep_d.append(d)
+        keep_s.append(s)
+    if keep_d:
+        torch._foreach_copy_(keep_d, keep_s)

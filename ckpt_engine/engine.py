@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,8 +136,14 @@ class CheckpointEngine(ABC):
         """
 
     @abstractmethod
-    def receive_buckets(self, manifest: BucketManifest) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def receive_buckets(
+        self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Receiver only: yield the complete tensors of each bucket as it lands.
+
+        `destinations` (optional) maps names to the loader's own tensors: a tensor split over
+        several buckets whose destination has the wire layout is reassembled right there, and the
+        destination itself is yielded (copying it onto itself is skipped by `batched_copy_`).
 
         The tensors are views of a rotating buffer, valid until the next item is requested; a
         loader copies them into its parameters (on the current stream) before asking for more. A
@@ -145,9 +151,11 @@ class CheckpointEngine(ABC):
         layer until the layer is complete) must clone it, or it will read the next bucket's bytes.
         """
 
-    def receive_weights(self, manifest: BucketManifest) -> Iterator[tuple[str, torch.Tensor]]:
+    def receive_weights(
+        self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Receiver only: the same tensors one by one, for loaders that take (name, tensor) pairs."""
-        for bucket in self.receive_buckets(manifest):
+        for bucket in self.receive_buckets(manifest, destinations):
             yield from bucket
 
     @abstractmethod

@@ -41,7 +41,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def roundtrip_rank(
     rank: int, rdzv: Rendezvous, *, device: str = "cpu", bucket_size: int = 64 * 1024, verify: bool = False,
-    num_small: int = 0, syncs: int = 2, engine_kwargs: dict[str, Any] | None = None,
+    num_small: int = 0, syncs: int = 2, engine_kwargs: dict[str, Any] | None = None, destinations: bool = False,
 ) -> dict[str, Any]:
     """Rank 0 sends `syncs` different versions; receivers check every tensor bit for bit each time."""
     # "cuda" spreads ranks over GPUs; "cpu" or an explicit "cuda:N" puts every rank there.
@@ -59,7 +59,10 @@ def roundtrip_rank(
             engine.send_weights(manifest, sd.items())
         else:
             got = {}
-            for name, t in engine.receive_weights(manifest):
+            dst = {n: torch.zeros_like(t, memory_format=torch.contiguous_format) for n, t in sd.items()} if destinations else None
+            for name, t in engine.receive_weights(manifest, dst):
+                if dst is not None and name == "big" and t.data_ptr() != dst[name].data_ptr():
+                    bad.append(f"v{version} big was not reassembled in its destination")
                 got[name] = t.clone()
             bad += [f"v{version} {n}" for n in sd if n not in got or not same_bits(got[n], sd[n])]
         # Each sync reuses the buffers allocated at join time.

@@ -24,7 +24,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 pytestmark = pytest.mark.timeout(300)
 
 
-def moe_config():  # noqa: ANN201
+def moe_config():
     import transformers
 
     return transformers.Qwen3MoeConfig(
@@ -52,7 +52,10 @@ def _ep_export_worker(rank: int, world_size: int, tp: int, ep: int, etp: int, wi
     from megatron.core import parallel_state as ps
 
     from ckpt_engine.trainer_adapters.common import hf_model_from_config
-    from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
+    from ckpt_engine.trainer_adapters.megatron import (
+        MegatronConfig,
+        MegatronTrainEngine,
+    )
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
     cfg = moe_config()
@@ -115,7 +118,10 @@ def test_megatron_router_config_matches_hf_routing(norm_topk_prob: bool):
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-    from ckpt_engine.trainer_adapters.megatron import MegatronConfig, transformer_config_from_hf
+    from ckpt_engine.trainer_adapters.megatron import (
+        MegatronConfig,
+        transformer_config_from_hf,
+    )
 
     cfg = moe_config()
     cfg.norm_topk_prob = norm_topk_prob
@@ -138,7 +144,7 @@ def test_megatron_router_config_matches_hf_routing(norm_topk_prob: bool):
 # --- checkpoint save -> load -> continue (TP=2) -------------------------------------------------
 
 
-def _fake_grads(engine, step: int, rank: int) -> None:  # noqa: ANN001
+def _fake_grads(engine, step: int, rank: int) -> None:
     """Deterministic per-(step, rank, parameter) gradients: CPU stand-in for forward_backward,
     whose megatron-core forward needs CUDA (see test_trainer_megatron.py)."""
     for i, (_, p) in enumerate(engine.model.named_parameters()):
@@ -146,7 +152,7 @@ def _fake_grads(engine, step: int, rank: int) -> None:  # noqa: ANN001
         p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
 
 
-def _optim_tensors(engine) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def _optim_tensors(engine) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in engine.model.named_parameters()}
     out = {}
     for p, st in engine.optimizer.state.items():
@@ -158,7 +164,10 @@ def _optim_tensors(engine) -> dict[str, torch.Tensor]:  # noqa: ANN001
 def _ckpt_worker(rank: int, world_size: int, path: str) -> dict:
     from megatron.core import parallel_state as ps
 
-    from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
+    from ckpt_engine.trainer_adapters.megatron import (
+        MegatronConfig,
+        MegatronTrainEngine,
+    )
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     from tests.test_trainer_megatron import hf_config
@@ -217,7 +226,10 @@ def test_megatron_checkpoint_save_load_continue_tp2(tmp_path):
 
 
 def test_megatron_moe_with_dense_layers_is_a_clear_error():
-    from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
+    from ckpt_engine.trainer_adapters.megatron import (
+        MegatronConfig,
+        MegatronTrainEngine,
+    )
 
     with pytest.raises(ValueError, match="moe_token_dispatcher_type"):
         MegatronConfig(moe_token_dispatcher_type="flex")

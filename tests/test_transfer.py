@@ -17,6 +17,11 @@ def test_gloo_mixed_dtypes_two_receivers_two_syncs(verify: bool) -> None:
     assert results[1]["tensors"] == results[0]["tensors"] > 2000
 
 
+def test_chunked_tensors_reassemble_in_the_loaders_destination() -> None:
+    results = run_ranks(roundtrip_rank, 2, backend="gloo", num_small=10, destinations=True)
+    assert results[1]["bad"] == []
+
+
 def test_gloo_three_buffers_and_two_lanes() -> None:
     results = run_ranks(roundtrip_rank, 2, backend="gloo", num_small=50, engine_kwargs={"num_buffers": 3, "num_lanes": 2})
     assert results[1]["bad"] == []

@@ -144,11 +144,11 @@ class ColocatedCheckpointEngine(PipelinedBroadcastEngine):
             if k is not None:
                 self._wait_key(self._key("free", k), f"release of bucket {k}")
 
-    def receive_buckets(self, manifest: Any) -> Any:
+    def receive_buckets(self, manifest: Any, destinations: Any = None) -> Any:
         self._seq += 1
         self._received = 0
         self._released = 0
-        yield from super().receive_buckets(manifest)
+        yield from super().receive_buckets(manifest, destinations)
         self._release_pending()
 
     def _post_receive(self, slot: int, msg: torch.Tensor, lane: int) -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -334,7 +334,9 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                 self._wait_event(ev, f"broadcast from buffer {i}")
 
     # --- receiver ----------------------------------------------------------------------------
-    def receive_buckets(self, manifest: BucketManifest) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    def receive_buckets(
+        self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         self._require_group()
         if self.rank == 0:
             raise RuntimeError("receive_buckets() runs on receiver ranks, not on the sender (rank 0)")
@@ -346,8 +348,13 @@ class PipelinedBroadcastEngine(CheckpointEngine):
             self._assembly, self._assembly_digest = {}, manifest.digest
 
         def assembly(e: TensorMeta) -> torch.Tensor:
-            # Kept across syncs of one plan: a fresh host allocation of a large tensor costs a
-            # page fault per 4 KiB on every sync (the CUDA caching allocator would reuse it anyway).
+            # A chunked tensor is reassembled in its destination when the loader offers one with
+            # the wire layout (no extra memory, no final copy); otherwise in a reassembly tensor
+            # kept across syncs of one plan (a fresh host allocation of a large tensor costs a
+            # page fault per 4 KiB on every sync; the CUDA caching allocator would reuse it anyway).
+            dest = destinations.get(e.name) if destinations is not None else None
+            if dest is not None and _has_wire_layout(dest, e, self.device):
+                return _flat_bytes(dest)
             asm = self._assembly.get(e.name)
             if asm is None:
                 asm = self._assembly[e.name] = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
@@ -444,6 +451,10 @@ def _next_weight(it: Iterator[tuple[str, torch.Tensor]], e: TensorMeta) -> torch
         # Casting between float formats is the wire-dtype policy; anything else is a bug upstream.
         raise ValueError(f"{name}: the weight source yielded {dtype_name(tensor.dtype)}, its metadata says {e.dtype}")
     return tensor
+
+
+def _has_wire_layout(t: torch.Tensor, e: TensorMeta, device: torch.device) -> bool:
+    return t.is_contiguous() and t.device == device and t.dtype == torch_dtype(e.dtype) and tuple(t.shape) == e.shape
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--buffers", type=int, default=2)
     p.add_argument("--lanes", type=int, default=None, help="process groups the buckets alternate over (default: the backend's)")
     p.add_argument("--receivers", type=int, default=1)
+    p.add_argument(
+        "--in-place", action="store_true",
+        help="receivers offer their tensors as destinations: tensors split over buckets are reassembled in place",
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--modes", default="raw,naive,ours", help="comma-separated subset of raw,naive,ours")
@@ -76,6 +80,8 @@ def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str,
         common += ["--layers", str(args.layers)]
     if args.lanes is not None:
         common += ["--lanes", str(args.lanes)]
+    if args.in_place:
+        common.append("--in-place")
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # like torchrun: ranks sharing a host must not oversubscribe it
     procs = [
@@ -112,7 +118,7 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, backend: 
     nbytes = sender["bytes"]
     summary: dict[str, Any] = {
         "preset": args.preset, "layers": args.layers, "backend": backend, "device": device, "receivers": args.receivers,
-        "dtype": args.dtype, "bucket_mb": bucket_mb, "buffers": args.buffers, "lanes": args.lanes, "bytes": nbytes, "tensors": sender["tensors"],
+        "dtype": args.dtype, "bucket_mb": bucket_mb, "buffers": args.buffers, "lanes": args.lanes, "in_place": args.in_place, "bytes": nbytes, "tensors": sender["tensors"],
         "iters": args.iters, "modes": {},
     }
     if torch.cuda.is_available() and device == "cuda":

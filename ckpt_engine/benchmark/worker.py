@@ -149,7 +149,7 @@ class BenchRank:
             self.engine.send_weights(self.manifest, zip(names, self.tensors), stable=True)
 
         def receive() -> None:
-            for bucket in self.engine.receive_buckets(self.manifest):
+            for bucket in self.engine.receive_buckets(self.manifest, dst if self.args.in_place else None):
                 if bucket:
                     batched_copy_([dst[n] for n, _ in bucket], [t for _, t in bucket])
 
@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--bucket-mb", type=float, required=True)
     p.add_argument("--buffers", type=int, default=2)
     p.add_argument("--lanes", type=int, default=None)
+    p.add_argument("--in-place", action="store_true")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--modes", default="raw,naive,ours")
     p.add_argument("--timeout-s", type=float, default=600.0)

@@ -96,8 +96,13 @@ class WeightReceiver:
         """The manifest accepted under `digest` by the last validate(), if any."""
         return self._manifests.get(digest)
 
-    def receive(self, digest: str, loader: BucketLoader) -> ReceiveReport:
-        """Receive every bucket of an accepted manifest and hand each to `loader`."""
+    def receive(
+        self, digest: str, loader: BucketLoader, destinations: Mapping[str, torch.Tensor] | None = None
+    ) -> ReceiveReport:
+        """Receive every bucket of an accepted manifest and hand each to `loader`.
+
+        `destinations`, when the engine's tensors have the wire layout, lets tensors split over
+        several buckets land in place (see CheckpointEngine.receive_buckets)."""
         if self.engine is None:
             raise RuntimeError("call join() before receive()")
         manifest = self._manifests.get(digest)
@@ -105,7 +110,7 @@ class WeightReceiver:
             raise RuntimeError(f"manifest {digest[:12]} was not validated on this receiver; call validate() first")
         t0 = time.perf_counter()
         load_s, loaded = 0.0, 0
-        for bucket in self.engine.receive_buckets(manifest):
+        for bucket in self.engine.receive_buckets(manifest, destinations):
             if not bucket:  # only a middle chunk of a large tensor landed
                 continue
             t1 = time.perf_counter()

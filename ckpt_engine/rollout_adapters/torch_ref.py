@@ -106,7 +106,7 @@ class TorchRefWorker:
 
     def receive(self, digest: str) -> dict[str, Any]:
         self.stale = True  # until finalize: a failure mid-stream leaves a half-new state
-        return self.receiver.receive(digest, self.load_bucket).to_dict()
+        return self.receiver.receive(digest, self.load_bucket, self.tensors).to_dict()
 
     def finalize(self, version: int) -> None:
         self.version, self.stale = version, False
