@@ -289,15 +289,7 @@ class WeightSyncSession:
         return report
 
     def _receive_failures(self, receives: dict[str, cf.Future[ReceiveReport]], grace_s: float) -> dict[str, str]:
-        deadline = time.monotonic() + grace_s
-        failed: dict[str, str] = {}
-        for name, fut in receives.items():
-            try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except cf.TimeoutError:
-                failed[name] = f"did not finish receiving within {grace_s:.0f}s"
-            except Exception as exc:
-                failed[name] = f"{type(exc).__name__}: {exc}"
+        failed = collect_failures(receives, "receive", grace_s)
         if not failed:
             return failed
         # A receiver that merely timed out behind a dead peer is not the cause; keep the dead ones.
