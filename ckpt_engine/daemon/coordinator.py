@@ -35,18 +35,17 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
 
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon.adapters import make_adapter
 from ckpt_engine.daemon.config import DaemonConfig
 from ckpt_engine.daemon.membership import EngineRecord, EngineState, Membership
+from ckpt_engine.daemon.outcome import SyncOutcome, WalkBarrier, OneWalkPerAttempt
 from ckpt_engine.daemon.protocol import ProtocolError, check_engine_descriptor, check_engine_name, check_outcome
-from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
 from ckpt_engine.sync import SyncError, WeightSyncSession
 from ckpt_engine.weights import WeightSource
@@ -58,77 +57,6 @@ if TYPE_CHECKING:
 __all__ = ["SyncOutcome", "WeightSyncDaemon"]
 
 logger = logging.getLogger(__name__)
-
-WalkBarrier = Callable[[bool], None]
-"""Called on the sender after each walk of the source with `again`: whether another walk follows."""
-
-
-@dataclass
-class SyncOutcome:
-    """What one `WeightSyncDaemon.sync()` did, including any drops and automatic re-syncs."""
-
-    version: int
-    ok: bool = False
-    """True when every engine still a member at the end holds `version` completely."""
-    catch_up: bool = False
-    """The version was the current one again (new or returning engines caught up)."""
-    engines: dict[str, int | None] = field(default_factory=dict)
-    """Each member's last complete version at the end."""
-    states: dict[str, str] = field(default_factory=dict)
-    dropped: dict[str, str] = field(default_factory=dict)
-    """Engines removed from the group during this sync, with the reason (they died, timed out, rejected)."""
-    rejected: dict[str, list[str]] = field(default_factory=dict)
-    stale: list[str] = field(default_factory=list)
-    attempts: list[dict[str, Any]] = field(default_factory=list)
-    """One entry per failed attempt: stage and the engines it named."""
-    report: dict[str, Any] | None = None
-    """The successful attempt's SyncReport.to_dict()."""
-    error: str | None = None
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class _OneWalkPerAttempt:
-    """Wraps a weight source so that each attempt walks `iter_weights()` exactly once.
-
-    WeightSyncSession may walk the source partly (a failed transfer), not at all (a failed join or
-    pause) or start a second walk to drain it; on a sharded trainer every walk is a collective, so
-    the sender must walk exactly as often as the other ranks. All `iter_weights()` calls within an
-    attempt continue one underlying walk, and `finish()` completes it.
-    """
-
-    is_sender = True
-
-    def __init__(self, source: WeightSource) -> None:
-        self.source = source
-        self._it: Iterator[tuple[str, torch.Tensor]] | None = None
-        self._done = True
-
-    def metadata(self) -> list[TensorSpec]:
-        return self.source.metadata()
-
-    def begin(self) -> None:
-        self._it, self._done = None, False
-
-    def _iterator(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._it is None:
-            self._it = iter(self.source.iter_weights())
-        return self._it
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for item in self._iterator():
-            yield item
-        self._done = True
-
-    def finish(self) -> None:
-        if not self._done:
-            for _ in self._iterator():
-                pass
-            self._done = True
-        self._it = None
-
 
 class WeightSyncDaemon:
     """Membership, versions and fault recovery of one job's weight-sync group; see the module docstring."""
@@ -315,7 +243,7 @@ class WeightSyncDaemon:
             else:
                 target = version
             outcome = SyncOutcome(version=target, catch_up=target == self.version)
-            walker = _OneWalkPerAttempt(source)
+            walker = OneWalkPerAttempt(source)
             t0 = time.perf_counter()
             deadline = time.monotonic() + self._sync_deadline_s()
             attempt = 0
@@ -357,7 +285,7 @@ class WeightSyncDaemon:
         # One attempt: join + validate + pause + transfer (+ grace) + finalize + resume, each bounded.
         return (self.daemon_config.max_resync_attempts + 1) * 6 * self.config.timeout_s
 
-    def _attempt(self, walker: _OneWalkPerAttempt, members: list[EngineRecord], target: int, outcome: SyncOutcome, attempt: int) -> bool:
+    def _attempt(self, walker: OneWalkPerAttempt, members: list[EngineRecord], target: int, outcome: SyncOutcome, attempt: int) -> bool:
         """One try with the current members; returns whether to try again (engines were dropped)."""
         members = self._prune_unreachable(members, outcome, attempt)
         if not members:
