@@ -101,3 +101,9 @@ def world_group() -> dist.ProcessGroup:
     group = dist.group.WORLD
     assert group is not None
     return group
+
+
+def lm_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Next-token cross-entropy, the loss the Megatron and Megatron-FSDP GPU tests train with."""
+    ids = batch["input_ids"]
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))

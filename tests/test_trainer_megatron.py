@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._trainer_mp import run_ranks
+from tests._trainer_mp import lm_loss as _lm_loss, run_ranks
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 pytestmark = pytest.mark.timeout(300)
@@ -150,11 +150,6 @@ def _train_worker(rank: int, world_size: int, tp: int, pp: int) -> dict:
                           **{f"init/{k}": v.detach().cpu() for k, v in sd.items()}}
     ps.destroy_model_parallel()
     return res
-
-
-def _lm_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    ids = batch["input_ids"]
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
 
 @pytest.mark.gpu

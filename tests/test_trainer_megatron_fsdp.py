@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._trainer_mp import run_ranks
+from tests._trainer_mp import lm_loss as _lm_loss, run_ranks
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -78,11 +78,6 @@ def _fsdp_worker(rank: int, world_size: int, strategy: str, tp: int) -> dict:
                           **{f"hf/{k}": v.cpu() for k, v in sd.items()}}
     ps.destroy_model_parallel()
     return res
-
-
-def _lm_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    ids = batch["input_ids"]
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
 
 
 @pytest.mark.gpu
