@@ -21,7 +21,11 @@ def _align_up(x: int, alignment: int) -> int:
 
 
 def plan_buckets(
-    specs: Sequence[TensorSpec], bucket_size_bytes: int, alignment: int = DEFAULT_ALIGNMENT
+    specs: Sequence[TensorSpec],
+    bucket_size_bytes: int,
+    alignment: int = DEFAULT_ALIGNMENT,
+    *,
+    solo_bytes: int | None = None,
 ) -> BucketManifest:
     """Pack `specs` into buckets of at most `bucket_size_bytes`.
 
@@ -29,6 +33,11 @@ def plan_buckets(
     own dtype. A tensor that does not fit the rest of the current bucket opens a new one; a tensor
     larger than a whole bucket fills consecutive buckets chunk by chunk, and the next tensor
     continues after its last chunk.
+
+    `solo_bytes`: a tensor of at least this size gets a bucket of its own. A lone tensor needs no
+    packing (a stable sender broadcasts it from its own memory) and no unpacking (a receiver that
+    offers its destination receives straight into it), which is what a CPU transport needs: there,
+    every copy costs core time the socket copies also need, while a few more messages cost little.
     """
     if alignment < 1 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
@@ -36,6 +45,8 @@ def plan_buckets(
         raise ValueError(
             f"bucket_size_bytes must be a positive multiple of the alignment {alignment}, got {bucket_size_bytes}"
         )
+    if solo_bytes is not None and (not isinstance(solo_bytes, int) or solo_bytes < 1):
+        raise ValueError(f"solo_bytes must be a positive int or None, got {solo_bytes!r}")
     names: set[str] = set()
     buckets: list[Bucket] = []
     current: list[TensorMeta] = []
@@ -56,11 +67,14 @@ def plan_buckets(
         nbytes = spec.nbytes
         start = _align_up(offset, max(alignment, dtype_itemsize(spec.dtype)))
         if nbytes <= bucket_size_bytes:
-            if start + nbytes > bucket_size_bytes:
+            solo = solo_bytes is not None and nbytes >= solo_bytes
+            if start + nbytes > bucket_size_bytes or (solo and current):
                 close()
                 start = 0
             current.append(TensorMeta(spec.name, spec.dtype, spec.shape, 0, nbytes, start))
             offset = start + nbytes
+            if solo:
+                close()
             continue
         # Larger than a bucket: start on a fresh bucket and fill whole buckets.
         close()
@@ -70,8 +84,8 @@ def plan_buckets(
             current.append(TensorMeta(spec.name, spec.dtype, spec.shape, done, size, 0))
             done += size
             offset = size
-            if done < nbytes:
-                close()
+            if done < nbytes or solo_bytes is not None:
+                close()  # with solo_bytes, the last chunk travels alone too
     close()
     return make_manifest(tuple(buckets), bucket_size_bytes, alignment)
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.manifest import BucketManifest
+from ckpt_engine.buckets import plan_buckets
+from ckpt_engine.manifest import BucketManifest, TensorSpec
 
 __all__ = ["CheckpointEngine", "Rendezvous", "SendStats", "TransferError", "Topology"]
 
@@ -102,6 +103,12 @@ class CheckpointEngine(ABC):
         self.verify = verify
         self.rank: int | None = None
         self.world_size: int | None = None
+        self.solo_bytes: int | None = None
+        """Tensors of at least this size travel in a bucket of their own (see `plan_buckets`)."""
+
+    def plan(self, specs: Sequence[TensorSpec]) -> BucketManifest:
+        """The sender's bucket plan for this engine's buffers and transport."""
+        return plan_buckets(specs, self.bucket_size_bytes, solo_bytes=self.solo_bytes)
 
     @classmethod
     def build_topology(cls, num_senders: int, receiver_world_sizes: Sequence[int]) -> Topology:
@@ -142,8 +149,10 @@ class CheckpointEngine(ABC):
         """Receiver only: yield the complete tensors of each bucket as it lands.
 
         `destinations` (optional) maps names to the loader's own tensors: a tensor split over
-        several buckets whose destination has the wire layout is reassembled right there, and the
-        destination itself is yielded (copying it onto itself is skipped by `batched_copy_`).
+        several buckets, or alone in its bucket, whose destination has the wire layout is received
+        right there, and the destination itself is yielded (copying it onto itself is skipped by
+        `batched_copy_`). A failed sync then leaves those destinations half-new, as any failed
+        load does: the caller keeps the engine paused until a sync succeeds.
 
         The tensors are views of a rotating buffer, valid until the next item is requested; a
         loader copies them into its parameters (on the current stream) before asking for more. A

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ckpt_engine.buckets import auto_bucket_size_bytes, plan_buckets
+from ckpt_engine.buckets import auto_bucket_size_bytes
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.engine import CheckpointEngine, Rendezvous
 from ckpt_engine.fanout import collect_failures
@@ -186,10 +186,10 @@ class WeightSyncSession:
             self._engine = None
 
     # --- one sync -----------------------------------------------------------------------------
-    def plan(self, specs: list[TensorSpec], bucket_size: int) -> BucketManifest:
-        key = (bucket_size, tuple(specs))
+    def plan(self, specs: list[TensorSpec], engine: CheckpointEngine) -> BucketManifest:
+        key = (engine.bucket_size_bytes, engine.solo_bytes, tuple(specs))
         if key != self._plan_key or self._manifest is None:
-            self._manifest = plan_buckets(specs, bucket_size)
+            self._manifest = engine.plan(specs)
             self._encoded = encode_manifest(self._manifest)
             self._plan_key = key
         return self._manifest
@@ -221,7 +221,7 @@ class WeightSyncSession:
         t0 = time.perf_counter()
         seconds: dict[str, float] = {}
         engine = self._ensure_group()
-        manifest = self.plan(list(source.metadata()), engine.bucket_size_bytes)
+        manifest = self.plan(list(source.metadata()), engine)
         seconds["plan"] = time.perf_counter() - t0
 
         t = time.perf_counter()

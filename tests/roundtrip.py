@@ -6,7 +6,6 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.buckets import plan_buckets
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.weights import StateDictSource
@@ -42,8 +41,12 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def roundtrip_rank(
     rank: int, rdzv: Rendezvous, *, device: str = "cpu", bucket_size: int = 64 * 1024, verify: bool = False,
     num_small: int = 0, syncs: int = 2, engine_kwargs: dict[str, Any] | None = None, destinations: bool = False,
+    stable: bool = False,
 ) -> dict[str, Any]:
-    """Rank 0 sends `syncs` different versions; receivers check every tensor bit for bit each time."""
+    """Rank 0 sends `syncs` different versions; receivers check every tensor bit for bit each time.
+
+    With `destinations`, every tensor that travels alone in its bucket(s) must land in its
+    destination itself (no copy out of a buffer)."""
     # "cuda" spreads ranks over GPUs; "cpu" or an explicit "cuda:N" puts every rank there.
     dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else device)
     engine = CheckpointEngineRegistry.new(
@@ -52,17 +55,22 @@ def roundtrip_rank(
     engine.init_process_group(rdzv, rank)
     bad: list[str] = []
     buffers = None
+    landed_grouped = 0
     for version in range(syncs):
         sd = {k: v.to(dev) for k, v in mixed_state(version, num_small).items()}
-        manifest = plan_buckets(StateDictSource(sd).metadata(), bucket_size)
+        manifest = engine.plan(StateDictSource(sd).metadata())
+        alone = {b.entries[0].name for b in manifest.buckets if len(b.entries) == 1 and b.nbytes}
+        grouped = [b for b in manifest.buckets if engine._is_grouped(b)]
+        in_groups = {e.name for b in grouped for e in b.entries if e.is_whole and e.chunk_size}
         if rank == 0:
-            engine.send_weights(manifest, sd.items())
+            engine.send_weights(manifest, sd.items(), stable=stable)
         else:
             got = {}
             dst = {n: torch.zeros_like(t, memory_format=torch.contiguous_format) for n, t in sd.items()} if destinations else None
             for name, t in engine.receive_weights(manifest, dst):
-                if dst is not None and name == "big" and t.data_ptr() != dst[name].data_ptr():
-                    bad.append(f"v{version} big was not reassembled in its destination")
+                if dst is not None and name in alone | in_groups and not verify and t.data_ptr() != dst[name].data_ptr():
+                    bad.append(f"v{version} {name} travelled alone or grouped but did not land in its destination")
+                landed_grouped += dst is not None and name in in_groups and t.data_ptr() == dst[name].data_ptr()
                 got[name] = t.clone()
             bad += [f"v{version} {n}" for n in sd if n not in got or not same_bits(got[n], sd[n])]
         # Each sync reuses the buffers allocated at join time.
@@ -71,4 +79,4 @@ def roundtrip_rank(
             bad.append(f"v{version}: buffers were reallocated")
         buffers = ptrs
     engine.finalize()
-    return {"bad": bad, "tensors": len(sd)}
+    return {"bad": bad, "tensors": len(sd), "alone": sorted(alone), "grouped": len(grouped), "landed_grouped": landed_grouped}

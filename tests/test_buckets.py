@@ -20,11 +20,13 @@ def spec_lists(draw):
 
 
 @settings(max_examples=300, deadline=None)
-@given(spec_lists(), st.sampled_from([256, 512, 1024, 4096]), st.sampled_from([1, 8, 256]))
-def test_every_byte_exactly_once(specs, bucket_size, alignment) -> None:
+@given(
+    spec_lists(), st.sampled_from([256, 512, 1024, 4096]), st.sampled_from([1, 8, 256]), st.sampled_from([None, 1, 64, 300])
+)
+def test_every_byte_exactly_once(specs, bucket_size, alignment, solo) -> None:
     if bucket_size < alignment:
         return
-    m = plan_buckets(specs, bucket_size, alignment)
+    m = plan_buckets(specs, bucket_size, alignment, solo_bytes=solo)
     covered: dict[str, list[tuple[int, int]]] = {}
     for b in m.buckets:
         spans = sorted((e.bucket_offset, e.bucket_offset + e.chunk_size) for e in b.entries)
@@ -40,7 +42,25 @@ def test_every_byte_exactly_once(specs, bucket_size, alignment) -> None:
         assert ranges[0][0] == 0 and ranges[-1][1] == s.nbytes
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), "gap or overlap inside a tensor"
     assert m.total_bytes == sum(s.nbytes for s in specs)
-    assert plan_buckets(specs, bucket_size, alignment).digest == m.digest  # stable
+    assert plan_buckets(specs, bucket_size, alignment, solo_bytes=solo).digest == m.digest  # stable
+    if solo is not None:
+        for b in m.buckets:
+            if any(e.nbytes >= solo or not e.is_whole for e in b.entries):
+                assert len(b.entries) == 1, "a tensor of at least solo_bytes, or a chunk, shares its bucket"
+
+
+def test_solo_tensors_get_their_own_bucket_and_small_ones_still_pack() -> None:
+    specs = [TensorSpec("a", "float32", (4,)), TensorSpec("big", "float32", (100,)), TensorSpec("b", "float32", (4,)),
+             TensorSpec("c", "float32", (4,)), TensorSpec("huge", "float32", (300,))]
+    m = plan_buckets(specs, 1024, 16, solo_bytes=400)
+    assert [[e.name for e in b.entries] for b in m.buckets] == [["a"], ["big"], ["b", "c"], ["huge"], ["huge"]]
+    m = plan_buckets([*specs, TensorSpec("d", "float32", (4,))], 1024, 16, solo_bytes=400)
+    assert [[e.name for e in b.entries] for b in m.buckets][-2:] == [["huge"], ["d"]]  # the last chunk is alone too
+    assert [[e.name for e in b.entries] for b in plan_buckets(specs, 1024, 16).buckets] == [
+        ["a", "big", "b", "c"], ["huge"], ["huge"]
+    ]
+    with pytest.raises(ValueError, match="solo_bytes"):
+        plan_buckets(specs, 1024, solo_bytes=0)
 
 
 def test_large_tensor_is_chunked_and_next_tensor_follows() -> None:

@@ -22,6 +22,28 @@ def test_chunked_tensors_reassemble_in_the_loaders_destination() -> None:
     assert results[1]["bad"] == []
 
 
+def test_lone_tensors_travel_from_the_source_into_the_destination() -> None:
+    """solo_bytes gives larger tensors a bucket each: a stable sender broadcasts them from their own
+    memory and the receiver takes them straight into its destinations; the rest still packs."""
+    results = run_ranks(
+        roundtrip_rank, 2, backend="gloo", num_small=50, destinations=True, stable=True, engine_kwargs={"solo_bytes": 1024}
+    )
+    assert results[1]["bad"] == []
+    assert {"fp32", "bf16", "big", "int64"} <= set(results[1]["alone"])
+
+
+@pytest.mark.parametrize("stable", [False, True])
+def test_grouped_buckets_travel_per_tensor_into_destinations(stable: bool) -> None:
+    """group_max_tensors sends buckets of a few tensors as one message per tensor (coalesced on NCCL,
+    in order on gloo): every rank must split the same buckets alike and the bytes must match."""
+    results = run_ranks(
+        roundtrip_rank, 3, backend="gloo", num_small=50, destinations=True, stable=stable,
+        engine_kwargs={"group_max_tensors": 8},
+    )
+    assert [r["bad"] for r in results[1:]] == [[], []]
+    assert results[1]["grouped"] > 0 and results[1]["landed_grouped"] > 0
+
+
 def test_gloo_three_buffers_and_two_lanes() -> None:
     results = run_ranks(roundtrip_rank, 2, backend="gloo", num_small=50, engine_kwargs={"num_buffers": 3, "num_lanes": 2})
     assert results[1]["bad"] == []

@@ -102,6 +102,12 @@ class ColocatedCheckpointEngine(PipelinedBroadcastEngine):
     def _is_direct(self, bucket: Any) -> bool:
         return False  # the receiver reads the shared buffer in place; nothing to skip
 
+    def _is_direct_whole(self, bucket: Any) -> bool:
+        return False
+
+    def _is_grouped(self, bucket: Any) -> bool:
+        return False
+
     # --- flags through the store instead of collectives --------------------------------------
     def _key(self, what: str, k: int) -> str:
         return f"s{self._seq}/{what}/{k}"

@@ -48,6 +48,12 @@ class PipelinedBroadcastEngine(CheckpointEngine):
     """Rank 0 broadcasts every bucket to all other ranks of one process group."""
 
     device_type = "cpu"
+    default_solo_bytes = 0
+    """Tensors of at least this size get a bucket of their own (0: never); see `plan_buckets`."""
+    default_group_max_tensors = 0
+    """A bucket of at most this many tensors travels as one coalesced group of per-tensor
+    broadcasts (0: never): no packing on a stable sender, no unpacking on a receiver that offers
+    destinations. Both sides derive the choice from the manifest, so they must agree on it."""
     default_num_lanes = 1
     """Buckets alternate over this many process groups (each with its own stream), so one bucket's
     collective starts while the previous one drains; both sides must use the same number."""
@@ -61,8 +67,18 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         verify: bool = False,
         device: str | int | torch.device | None = None,
         num_lanes: int | None = None,
+        solo_bytes: int | None = None,
+        group_max_tensors: int | None = None,
     ) -> None:
         super().__init__(bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, timeout_s=timeout_s, verify=verify)
+        solo = solo_bytes if solo_bytes is not None else self.default_solo_bytes
+        if not isinstance(solo, int) or isinstance(solo, bool) or solo < 0:
+            raise ValueError(f"solo_bytes must be an int >= 0 (0: never), got {solo_bytes!r}")
+        self.solo_bytes = solo or None
+        group = group_max_tensors if group_max_tensors is not None else self.default_group_max_tensors
+        if not isinstance(group, int) or isinstance(group, bool) or group < 0:
+            raise ValueError(f"group_max_tensors must be an int >= 0 (0: never), got {group_max_tensors!r}")
+        self.group_max_tensors = group
         self.device = self._resolve_device(device)
         lanes = num_lanes if num_lanes is not None else self.default_num_lanes
         if not isinstance(lanes, int) or lanes < 1:
@@ -210,7 +226,7 @@ class PipelinedBroadcastEngine(CheckpointEngine):
             if time.monotonic() > deadline:
                 self._broken = True
                 raise TransferError(f"rank {self.rank}: {what} did not finish within {self.timeout_s}s")
-            time.sleep(0.0002)
+            time.sleep(2e-5)  # the sync's end is detected within ~0.1 ms; the thread stays idle
 
     # --- sender ------------------------------------------------------------------------------
     def send_weights(
@@ -234,6 +250,7 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                 slot = bucket.index % self.num_buffers
                 self._sender_slot_free(slot, works)
                 srcs: list[torch.Tensor] = []
+                borrowed: list[bool] = []  # src is the caller's memory in the wire layout
                 copied = False  # without `stable`, each tensor is packed before the next is requested
                 for e, dst in zip(bucket.entries, dsts):
                     if e.chunk_offset == 0:
@@ -244,12 +261,16 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                     assert current is not None
                     if e.is_whole:
                         src = current
+                        borrowed.append(stable and _has_wire_layout(src, e, self.device))
                     else:
                         if flat is None:
                             converted = current.to(device=self.device, dtype=torch_dtype(e.dtype)).contiguous()
                             flat_is_source = converted.data_ptr() == current.data_ptr()
                             flat = _flat_bytes(converted)
                         src = flat[e.chunk_offset : e.chunk_offset + e.chunk_size]
+                        # Never a conversion temporary: on CUDA the allocator could hand its memory
+                        # to the next allocation while the collective still reads it.
+                        borrowed.append(stable and flat_is_source)
                     if stable:
                         srcs.append(src)
                     else:
@@ -258,11 +279,30 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                         stats.pack_s += time.perf_counter() - t0
                         copied = True
                 t0 = time.perf_counter()
-                if stable and flat_is_source and self._is_direct(bucket):
-                    # A lone chunk of a large tensor travels from the caller's memory, unpacked. Never
-                    # from a conversion temporary: on CUDA the allocator could hand its memory to
-                    # the next allocation while the collective still reads it.
-                    msg = srcs[0]
+                lane = bucket.index % self.num_lanes
+                if self._is_grouped(bucket):
+                    # One message per tensor, coalesced: borrowed tensors travel from the caller's
+                    # memory, the others are copied into their place in the buffer first.
+                    msgs: list[torch.Tensor] = []
+                    pend_d: list[torch.Tensor] = []
+                    pend_s: list[torch.Tensor] = []
+                    for i, (e, dst) in enumerate(zip(bucket.entries, dsts)):
+                        if e.chunk_size == 0:
+                            continue
+                        if stable and borrowed[i]:
+                            msgs.append(_flat_bytes(srcs[i]))
+                            continue
+                        if stable:
+                            pend_d.append(dst)
+                            pend_s.append(srcs[i])
+                        msgs.append(_flat_bytes(dst))
+                    if pend_d:
+                        batched_copy_(pend_d, pend_s)
+                    stats.pack_s += time.perf_counter() - t0
+                    works[slot] = self._sender_broadcast_group(slot, msgs, lane)
+                    continue
+                if stable and borrowed[0] and self._is_direct(bucket):
+                    msg = srcs[0]  # a lone chunk of a large tensor travels from the caller's memory
                 elif stable and self._sendable_in_place(bucket, srcs):
                     msg = _flat_bytes(srcs[0])  # a lone whole tensor: no pack copy either
                 else:
@@ -274,7 +314,7 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                         msg[data.numel() :].view(torch.int64).copy_(bucket_checksum(data))
                     self._tamper_hook(bucket.index, msg)
                 stats.pack_s += time.perf_counter() - t0
-                works[slot] = self._sender_broadcast(slot, msg, bucket.index % self.num_lanes)
+                works[slot] = self._sender_broadcast(slot, msg, lane)
             if next(it, None) is not None:
                 raise ValueError("the weight source yielded more tensors than its metadata lists")
             self._sender_drain(works)
@@ -291,6 +331,16 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         receiver's reassembly tensor (no copy out of a buffer); a sender with stable sources also
         sends it from the tensor's own memory. Either side may pack instead: the bytes match."""
         return len(bucket.entries) == 1 and not bucket.entries[0].is_whole and not self.verify
+
+    def _is_direct_whole(self, bucket: Bucket) -> bool:
+        """A bucket holding one whole tensor may land straight in the loader's destination."""
+        return len(bucket.entries) == 1 and bucket.entries[0].is_whole and bucket.nbytes > 0 and not self.verify
+
+    def _is_grouped(self, bucket: Bucket) -> bool:
+        """Whether a bucket travels as a coalesced group of per-tensor messages (a pure function of
+        the manifest and the shared engine options, so every rank decides alike)."""
+        n = len(bucket.entries)
+        return 1 < n <= self.group_max_tensors and bucket.nbytes > 0 and not self.verify
 
     def _sendable_in_place(self, bucket: Bucket, srcs: list[torch.Tensor]) -> bool:
         """The sender may broadcast a bucket's only tensor from the tensor itself when its memory
@@ -321,6 +371,19 @@ class PipelinedBroadcastEngine(CheckpointEngine):
             stream.wait_event(self._ready[slot])
             work = group.broadcast(msg, 0)
             work.wait()
+            self._free[slot].record(stream)
+        return work
+
+    def _sender_broadcast_group(self, slot: int, msgs: list[torch.Tensor], lane: int) -> Any:
+        """Like `_sender_broadcast`, for one coalesced group of messages."""
+        group = self._lane_groups[lane]
+        if self._comm_stream is None:
+            return _WorkList([group.broadcast(m, 0) for m in msgs])  # gloo cannot coalesce; same order
+        stream = self._lane_streams[lane]
+        self._ready[slot].record(self._current_stream())
+        with self._stream_ctx(stream):
+            stream.wait_event(self._ready[slot])
+            work = _coalesced_broadcast(group, msgs)
             self._free[slot].record(stream)
         return work
 
@@ -360,14 +423,42 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                 asm = self._assembly[e.name] = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
             return asm
 
+        # Per bucket, entries received outside the buffer: index -> the loader's destination, or
+        # None for a chunk received straight into its reassembly tensor.
+        landed: dict[int, dict[int, torch.Tensor | None]] = {}
+
+        def destination(e: TensorMeta) -> torch.Tensor | None:
+            dest = destinations.get(e.name) if destinations is not None else None
+            return dest if dest is not None and _has_wire_layout(dest, e, self.device) else None
+
         def post(k: int) -> Any:
             bucket = buckets[k]
+            slot, lane = bucket.index % nb, bucket.index % self.num_lanes
+            e = bucket.entries[0] if bucket.entries else None
             if self._is_direct(bucket):
-                e = bucket.entries[0]
-                target = assembly(e)[e.chunk_offset : e.chunk_offset + e.chunk_size]
-            else:
-                target = self._message(bucket.index % nb, bucket.nbytes)
-            return self._post_receive(bucket.index % nb, target, bucket.index % self.num_lanes)
+                assert e is not None
+                landed[k] = {0: None}
+                return self._post_receive(slot, assembly(e)[e.chunk_offset : e.chunk_offset + e.chunk_size], lane)
+            if e is not None and self._is_direct_whole(bucket) and (dest := destination(e)) is not None:
+                landed[k] = {0: dest}  # alone in its bucket: lands in the loader's own tensor
+                return self._post_receive(slot, _flat_bytes(dest), lane)
+            if self._is_grouped(bucket):
+                land: dict[int, torch.Tensor | None] = {}
+                targets: list[torch.Tensor] = []
+                for i, (e, view) in enumerate(zip(bucket.entries, views[k])):
+                    if e.chunk_size == 0:
+                        continue
+                    if not e.is_whole:
+                        land[i] = None
+                        targets.append(assembly(e)[e.chunk_offset : e.chunk_offset + e.chunk_size])
+                    elif (dest := destination(e)) is not None:
+                        land[i] = dest
+                        targets.append(_flat_bytes(dest))
+                    else:
+                        targets.append(_flat_bytes(view))
+                landed[k] = land
+                return self._post_receive_group(slot, targets, lane)
+            return self._post_receive(slot, self._message(slot, bucket.nbytes), lane)
 
         try:
             for k in range(min(nb, len(buckets))):
@@ -376,16 +467,16 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                 slot = bucket.index % nb
                 self._finish_receive(slot, works[k], k)
                 works[k] = None
-                direct = self._is_direct(bucket)
+                land = landed.pop(k, {})
                 if self.verify:
                     self._check_bucket(k, self._message(slot, bucket.nbytes), bucket.nbytes)
                 out: list[tuple[str, torch.Tensor]] = []
-                for e, view in zip(bucket.entries, views[k]):
+                for i, (e, view) in enumerate(zip(bucket.entries, views[k])):
                     if e.is_whole:
-                        out.append((e.name, view))
+                        out.append((e.name, land.get(i) if land.get(i) is not None else view))
                         continue
                     asm = assembly(e)
-                    if not direct:
+                    if i not in land:
                         asm[e.chunk_offset : e.chunk_offset + e.chunk_size].copy_(view)
                     if e.is_last_chunk:
                         out.append((e.name, asm.view(torch_dtype(e.dtype)).view(e.shape)))
@@ -416,6 +507,17 @@ class PipelinedBroadcastEngine(CheckpointEngine):
             self._ready[slot].record(stream)
         return work
 
+    def _post_receive_group(self, slot: int, targets: list[torch.Tensor], lane: int) -> Any:
+        group = self._lane_groups[lane]
+        if self._comm_stream is None:
+            return _WorkList([group.broadcast(t, 0) for t in targets])
+        stream = self._lane_streams[lane]
+        with self._stream_ctx(stream):
+            stream.wait_event(self._free[slot])
+            work = _coalesced_broadcast(group, targets)
+            self._ready[slot].record(stream)
+        return work
+
     def _finish_receive(self, slot: int, work: Any, k: int) -> None:
         if self._comm_stream is None:
             self._wait_work(work, f"bucket {k}")
@@ -429,6 +531,35 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         if expected != actual:
             self._broken = True
             raise TransferError(f"rank {self.rank}: bucket {k} failed its checksum (sent {expected}, received {actual})")
+
+
+class _WorkList:
+    """Several pending works waited on as one, within one deadline."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        for work in self.works:
+            if deadline is None:
+                work.wait()
+            else:
+                work.wait(_timedelta(max(0.001, deadline - time.monotonic())))
+        return True
+
+
+def _coalesced_broadcast(group: Any, msgs: list[torch.Tensor]) -> Any:
+    """Broadcasts from rank 0 of every message as one NCCL group (one launch); the current stream
+    waits for it. Ranks must pass the same number of messages with the same sizes."""
+    group._start_coalescing()
+    try:
+        for m in msgs:
+            group.broadcast(m, 0)
+    finally:
+        work = group._end_coalescing()
+    work.wait()
+    return work
 
 
 def _timedelta(seconds: float) -> Any:

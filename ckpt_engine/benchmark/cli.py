@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import statistics
@@ -26,7 +27,9 @@ from tqdm import tqdm
 from ckpt_engine.benchmark.presets import PRESETS, checkpoint_specs, load_preset_config
 from ckpt_engine.registry import CheckpointEngineRegistry
 
-__all__ = ["main", "run_bench"]
+__all__ = ["MODES", "main", "run_bench"]
+
+MODES = ("raw", "bucketed", "naive", "ours")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,9 +46,18 @@ def _parser() -> argparse.ArgumentParser:
         "--in-place", action="store_true",
         help="receivers offer their tensors as destinations: tensors split over buckets are reassembled in place",
     )
+    p.add_argument(
+        "--solo-mb", type=float, default=None,
+        help="tensors of at least this many MiB travel in a bucket of their own (default: the backend's; 0: never)",
+    )
+    p.add_argument(
+        "--engine-kwargs", default=None, metavar="JSON",
+        help='extra backend options as a JSON object, e.g. \'{"high_priority": false}\' for nccl',
+    )
+    p.add_argument("--profile", default=None, metavar="DIR", help="after timing, trace one more sync with torch.profiler (a Chrome trace per rank in DIR)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--modes", default="raw,naive,ours", help="comma-separated subset of raw,naive,ours")
+    p.add_argument("--modes", default="raw,naive,ours", help="comma-separated subset of raw,bucketed,naive,ours (bucketed: raw in bucket-sized messages)")
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--json", default=None, help="write results as JSON to this file ('-' for stdout)")
     return p
@@ -61,10 +73,37 @@ def default_bucket_mb(args: argparse.Namespace, device: str) -> float:
     return float(max(base, -(-largest // (step << 20)) * step))
 
 
+def parse_engine_kwargs(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--engine-kwargs is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--engine-kwargs must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _init_keywords(cls: type) -> set[str]:
+    """Keyword names a backend's constructor accepts, following `**kwargs` up to its parents."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        names |= {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            break
+    return names
+
+
 def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str, Any]:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     backend = CheckpointEngineRegistry.resolve_name(args.backend, device)
-    CheckpointEngineRegistry.get(backend)  # fail early, with the list of backends
+    engine_cls = CheckpointEngineRegistry.get(backend)  # fail early, with the list of backends
+    if args.engine_kwargs is not None:
+        unknown = sorted(set(parse_engine_kwargs(args.engine_kwargs)) - _init_keywords(engine_cls))
+        if unknown:
+            raise ValueError(f"--engine-kwargs: {backend} takes no option(s) {', '.join(unknown)}")
     bucket_mb = args.bucket_mb if args.bucket_mb is not None else default_bucket_mb(args, device)
     world = args.receivers + 1
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=args.timeout_s))
@@ -82,6 +121,12 @@ def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str,
         common += ["--lanes", str(args.lanes)]
     if args.in_place:
         common.append("--in-place")
+    if args.solo_mb is not None:
+        common += ["--solo-mb", str(args.solo_mb)]
+    if args.profile:
+        common += ["--profile", os.path.abspath(args.profile)]
+    if args.engine_kwargs is not None:
+        common += ["--engine-kwargs", json.dumps(parse_engine_kwargs(args.engine_kwargs))]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # like torchrun: ranks sharing a host must not oversubscribe it
     procs = [
@@ -118,12 +163,13 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, backend: 
     nbytes = sender["bytes"]
     summary: dict[str, Any] = {
         "preset": args.preset, "layers": args.layers, "backend": backend, "device": device, "receivers": args.receivers,
-        "dtype": args.dtype, "bucket_mb": bucket_mb, "buffers": args.buffers, "lanes": args.lanes, "in_place": args.in_place, "bytes": nbytes, "tensors": sender["tensors"],
+        "dtype": args.dtype, "bucket_mb": bucket_mb, "buffers": args.buffers, "lanes": args.lanes, "in_place": args.in_place, "solo_mb": args.solo_mb,
+        "engine_kwargs": parse_engine_kwargs(args.engine_kwargs) if args.engine_kwargs else {}, "bytes": nbytes, "tensors": sender["tensors"],
         "iters": args.iters, "modes": {},
     }
     if torch.cuda.is_available() and device == "cuda":
         summary["gpu"] = torch.cuda.get_device_name(0)
-    for mode in ("raw", "naive", "ours"):
+    for mode in MODES:
         key = f"{mode}_s"
         if key not in sender:
             continue
@@ -135,6 +181,7 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, backend: 
         m["ratio_to_raw"] = raw["best_s"] / m["best_s"] if raw else None
     if "ours_s" in sender:
         summary["buckets"] = sender["buckets"]
+        summary["solo_bytes"] = sender["solo_bytes"]
         summary["extra_mem_bytes"] = {f"rank{r['rank']}": r["ours_extra_mem"] for r in results}
         summary["buffer_bytes"] = sender["buffer_bytes"]
     expected = sender["expected_checksum"]
@@ -157,7 +204,10 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
     table = Table(title=title)
     for col in ("mode", "best s", "median s", "GB/s", "vs raw"):
         table.add_column(col, justify="right" if col != "mode" else "left")
-    labels = {"raw": "raw broadcast (one buffer)", "naive": "naive per-tensor", "ours": "ckpt-engine sync"}
+    labels = {
+        "raw": "raw broadcast (one buffer)", "bucketed": "raw in bucket-sized messages",
+        "naive": "naive per-tensor", "ours": "ckpt-engine sync",
+    }
     for mode, m in summary["modes"].items():
         ratio = f"{m['ratio_to_raw']:.3f}" if m["ratio_to_raw"] is not None else "-"
         table.add_row(labels[mode], f"{m['best_s']:.4f}", f"{m['median_s']:.4f}", f"{m['gbps']:.2f}", ratio)
@@ -172,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.receivers < 1 or args.iters < 1 or args.buffers < 2:
         raise SystemExit("bench: --receivers and --iters must be >= 1 and --buffers >= 2")
+    unknown = sorted(set(args.modes.split(",")) - set(MODES))
+    if unknown:
+        raise SystemExit(f"bench: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     try:
         summary = run_bench(args, show_progress=args.json != "-")
     except ValueError as exc:  # bad preset, backend or device: say what, no traceback

@@ -1,7 +1,8 @@
 """One rank of `ckpt-engine bench`: rank 0 sends, the others receive into destination tensors.
 
 Each rank measures, over the same process group and the same bytes: (a) a raw broadcast of one
-buffer, (b) a naive broadcast per tensor straight into its destination, (c) ckpt-engine's
+buffer (and, on request, the same bytes in bucket-sized messages), (b) a naive broadcast per tensor
+straight into its destination, (c) ckpt-engine's
 pipelined sync with the receiver copying every tensor into its destination, as an engine's loader
 would. Results (JSON) go to the rendezvous store for the driver to print.
 """
@@ -18,7 +19,6 @@ import torch
 
 from ckpt_engine.backends.pipelined import torch_dtype
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
-from ckpt_engine.buckets import plan_buckets
 from ckpt_engine.checksum import bucket_checksum
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.engine import Rendezvous
@@ -76,6 +76,8 @@ class BenchRank:
             timeout_s=args.timeout_s,
             device=self.device,
             num_lanes=args.lanes,
+            solo_bytes=None if args.solo_mb is None else int(args.solo_mb * (1 << 20)),
+            **json.loads(args.engine_kwargs),
         )
         self.mem_before = self._mem()
         self.tensors = [torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=self.device) for s in self.specs]
@@ -88,7 +90,7 @@ class BenchRank:
         self.mem_state = self._mem()
         self.engine.init_process_group(self.rdzv, self.rank)
         self.group = self.engine.group
-        self.manifest = plan_buckets(self.specs, self.engine.bucket_size_bytes)
+        self.manifest = self.engine.plan(self.specs)
         self.total_bytes = sum(s.nbytes for s in self.specs)
 
     def _mem(self) -> int:
@@ -116,6 +118,23 @@ class BenchRank:
         times = []
         for _ in range(self.args.iters):
             times.append(self._timed(lambda: self.group.broadcast(buf, 0).wait()))
+            self._progress()
+        return times
+
+    def bucketed(self) -> list[float]:
+        """The raw broadcast cut into bucket-sized messages, back to back: the best any bucketed
+        transfer over this link can do, before packing and loading."""
+        buf = torch.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
+        pieces = list(buf.split(self.engine.bucket_size_bytes))
+
+        def run() -> None:
+            works = [self.group.broadcast(p, 0) for p in pieces]
+            for w in works:
+                w.wait()
+
+        times = []
+        for _ in range(self.args.iters):
+            times.append(self._timed(run))
             self._progress()
         return times
 
@@ -161,13 +180,31 @@ class BenchRank:
             times.append(self._timed(send if self.rank == 0 else receive))
             self._progress()
         peak = torch.cuda.max_memory_allocated(self.device) - self.mem_state if self.device.type == "cuda" else 0
+        if self.args.profile:
+            self._profile(send if self.rank == 0 else receive)
         return times, peak
+
+    def _profile(self, fn: Any) -> None:
+        """One more sync under torch.profiler: a Chrome trace per rank shows where the link idles."""
+        from pathlib import Path
+
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._zero_receivers()
+        with profile(activities=activities) as prof:
+            self._timed(fn)
+        out = Path(self.args.profile)
+        out.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(out / f"rank{self.rank}.json"))
 
     def run(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rank": self.rank, "device": str(self.device), "bytes": self.total_bytes, "tensors": len(self.specs)}
         modes = self.args.modes.split(",")
         if "raw" in modes:
             out["raw_s"] = self.raw()
+        if "bucketed" in modes:
+            out["bucketed_s"] = self.bucketed()
         if "naive" in modes:
             out["naive_s"] = self.naive()
             out["naive_checksum"] = weights_checksum(self.tensors)
@@ -176,6 +213,7 @@ class BenchRank:
             out["ours_checksum"] = weights_checksum(self.tensors)
             out["buffer_bytes"] = self.engine.num_buffers * self.engine.bucket_size_bytes
             out["buckets"] = self.manifest.num_buckets
+            out["solo_bytes"] = self.engine.solo_bytes
         out["expected_checksum"] = weights_checksum(self.tensors) if self.rank == 0 else None
         self.engine.finalize()
         return out
@@ -197,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--buffers", type=int, default=2)
     p.add_argument("--lanes", type=int, default=None)
     p.add_argument("--in-place", action="store_true")
+    p.add_argument("--solo-mb", type=float, default=None)
+    p.add_argument("--engine-kwargs", default="{}")
+    p.add_argument("--profile", default=None)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--modes", default="raw,naive,ours")
     p.add_argument("--timeout-s", type=float, default=600.0)
