@@ -230,12 +230,13 @@ def _receiver_main(index: int, args: argparse.Namespace, ports: dict[str, int], 
         _cuda_sync(device)
         _sync_group_barrier(engine.group, device)
         load_times.append(load)
+    extra_mem = _mem(device) - base  # before the checksums, whose private copies are the bench's own
     checksum = torch.zeros(2, dtype=torch.int64)
     for i, s in enumerate(specs):
         checksum = _checksum_update(checksum, i, dst[s.name])
     result = {
         "role": f"receiver{index}", "device": str(device), "load_host_s": load_times[1:], "checksum": checksum.tolist(),
-        "extra_mem_sync": _mem(device) - base, "dst_bytes": base,
+        "extra_mem_sync": extra_mem, "dst_bytes": base,
     }
     engine.finalize()
     with open(os.path.join(out_dir, f"receiver{index}.json"), "w") as f:

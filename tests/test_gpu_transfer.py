@@ -19,27 +19,23 @@ def test_nccl_roundtrip_bit_exact(verify: bool) -> None:
     assert results[1]["bad"] == []
 
 
-def test_nccl_lone_tensors_land_in_their_destinations() -> None:
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    results = run_ranks(
-        roundtrip_rank, 2, backend="nccl", device="cuda", num_small=50, destinations=True, stable=True,
-        engine_kwargs={"solo_bytes": 1024},
-    )
-    assert results[1]["bad"] == []
-
-
-@pytest.mark.parametrize("stable", [False, True])
-def test_nccl_grouped_buckets_bit_exact(stable: bool) -> None:
-    """Every bucket of up to 10,000 tensors as one coalesced NCCL group, into destinations."""
+@pytest.mark.parametrize(
+    ("engine_kwargs", "stable"),
+    [({"solo_bytes": 1024}, True), ({"group_max_tensors": 10_000}, False), ({"group_max_tensors": 10_000}, True)],
+    ids=["solo-stable", "grouped", "grouped-stable"],
+)
+def test_nccl_tensors_land_in_their_destinations(engine_kwargs: dict, stable: bool) -> None:
+    """Lone tensors, and every bucket of up to 10,000 tensors as one coalesced NCCL group, received
+    straight into the loader's destinations, bit for bit."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     results = run_ranks(
         roundtrip_rank, 2, backend="nccl", device="cuda", num_small=300, destinations=True, stable=stable,
-        engine_kwargs={"group_max_tensors": 10_000},
+        engine_kwargs=engine_kwargs,
     )
     assert results[1]["bad"] == []
-    assert results[1]["grouped"] > 0 and results[1]["landed_grouped"] > 0
+    if "group_max_tensors" in engine_kwargs:
+        assert results[1]["grouped"] > 0 and results[1]["landed_grouped"] > 0
 
 
 def test_colocated_cuda_ipc_bit_exact() -> None:

@@ -25,10 +25,10 @@ class NcclCheckpointEngine(PipelinedBroadcastEngine):
     default_group_max_tensors = 64
 
     def __init__(self, *, high_priority: bool = True, **kwargs: Any) -> None:
-        """`high_priority`: NCCL's streams (and ours) get the device's highest stream priority,
-        so the block scheduler starts the next bucket's collective before the remaining blocks of
-        a pack or load copy that became ready at the same moment (those copies would otherwise
-        delay every bucket boundary by up to a copy's length)."""
+        """`high_priority`: NCCL's streams (and ours) get the device's highest stream priority, so
+        the block scheduler starts a bucket's collective ahead of pending blocks of other kernels:
+        in fully-async RL the trainer keeps computing while it syncs. (In the stand-alone bench,
+        where only our own copies compete, it made no measurable difference: bench/RESULTS.md.)"""
         if not isinstance(high_priority, bool):
             raise ValueError(f"high_priority must be true or false, got {high_priority!r}")
         self.high_priority = high_priority

@@ -445,13 +445,13 @@ class PipelinedBroadcastEngine(CheckpointEngine):
             if self._is_grouped(bucket):
                 land: dict[int, torch.Tensor | None] = {}
                 targets: list[torch.Tensor] = []
-                for i, (e, view) in enumerate(zip(bucket.entries, views[k])):
-                    if e.chunk_size == 0:
+                for i, (m, view) in enumerate(zip(bucket.entries, views[k])):
+                    if m.chunk_size == 0:
                         continue
-                    if not e.is_whole:
+                    if not m.is_whole:
                         land[i] = None
-                        targets.append(assembly(e)[e.chunk_offset : e.chunk_offset + e.chunk_size])
-                    elif (dest := destination(e)) is not None:
+                        targets.append(assembly(m)[m.chunk_offset : m.chunk_offset + m.chunk_size])
+                    elif (dest := destination(m)) is not None:
                         land[i] = dest
                         targets.append(_flat_bytes(dest))
                     else:
