@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ckpt_engine.processes import run_processes
+
 logger = logging.getLogger("fsdp2_export_bench")
 
 TINY = {
@@ -148,14 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         out_path = os.path.join(tmp, "result.json")
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_rank_main, args=(r, args.world_size, store.port, args, out_path)) for r in range(args.world_size)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + args.timeout_s
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
+        run_processes(procs, args.timeout_s)
         codes = [proc.exitcode for proc in procs]
         if any(c != 0 for c in codes) or not os.path.exists(out_path):
             logger.error("benchmark ranks failed: exit codes %s", codes)

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ckpt_engine.processes import run_processes
+
 RAW_MESSAGE_BYTES = 4 << 30
 
 
@@ -44,6 +46,15 @@ def _checksum_update(total: torch.Tensor, i: int, t: torch.Tensor) -> torch.Tens
     # size, and the trainer's gathered parameters must stay resizable (FSDP frees them).
     raw = torch.cat([raw, raw.new_zeros((-raw.numel()) % 8)])
     return total * 31 + bucket_checksum(raw).cpu() + i
+
+
+def _raw_broadcast(group: Any, buf: torch.Tensor, total: int) -> None:
+    """`total` bytes from rank 0 in messages of `buf`'s size (sender and receivers call it alike)."""
+    left = total
+    while left > 0:
+        n = min(left, buf.numel())
+        group.broadcast(buf[:n], 0).wait()
+        left -= n
 
 
 def _mem(device: torch.device) -> int:
@@ -130,11 +141,7 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], to
         for _ in range(args.repeats + 1):
             _sync_group_barrier(sender.group, device)
             t0 = time.perf_counter()
-            left = total
-            while left > 0:
-                n = min(left, buf.numel())
-                sender.group.broadcast(buf[:n], 0).wait()
-                left -= n
+            _raw_broadcast(sender.group, buf, total)
             _cuda_sync(device)
             _sync_group_barrier(sender.group, device)
             raw_times.append(time.perf_counter() - t0)
@@ -208,11 +215,7 @@ def _receiver_main(index: int, args: argparse.Namespace, ports: dict[str, int], 
     buf = torch.empty(min(total, RAW_MESSAGE_BYTES), dtype=torch.uint8, device=device)
     for _ in range(args.repeats + 1):
         _sync_group_barrier(engine.group, device)
-        left = total
-        while left > 0:
-            n = min(left, buf.numel())
-            engine.group.broadcast(buf[:n], 0).wait()
-            left -= n
+        _raw_broadcast(engine.group, buf, total)
         _cuda_sync(device)
         _sync_group_barrier(engine.group, device)
     del buf
@@ -274,14 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = mp.get_context("spawn")
         procs = [ctx.Process(target=_trainer_main, args=(r, args, ports, token, tmp)) for r in range(2)]
         procs += [ctx.Process(target=_receiver_main, args=(i, args, ports, token, tmp)) for i in range(args.receivers)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + args.timeout_s
-        for proc in procs:
-            proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
+        run_processes(procs, args.timeout_s)
         if any(proc.exitcode != 0 for proc in procs):
             print(f"ranks failed: exit codes {[proc.exitcode for proc in procs]}", file=sys.stderr)
             return 1

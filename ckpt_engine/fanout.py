@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["collect_failures"]
+__all__ = ["collect_failures", "mark_stale_and_probe"]
 
 
 def collect_failures(futures: dict[str, cf.Future[Any]], stage: str, timeout_s: float) -> dict[str, str]:
@@ -21,3 +22,15 @@ def collect_failures(futures: dict[str, cf.Future[Any]], stage: str, timeout_s: 
         except Exception as exc:
             failed[name] = f"{type(exc).__name__}: {exc}"
     return failed
+
+
+def mark_stale_and_probe(members: Iterable[Any], failed: dict[str, str], stale: set[str]) -> None:
+    """After a failed stage: every member is stale until a complete sync; members not already named
+    in `failed` get a health probe, and the unreachable ones are added to `failed` by name."""
+    for m in members:
+        stale.add(m.name)
+        if m.name not in failed:
+            try:
+                m.health()
+            except Exception as exc:
+                failed[m.name] = f"unreachable after the failure: {exc}"

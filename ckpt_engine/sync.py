@@ -23,7 +23,7 @@ import torch
 from ckpt_engine.buckets import auto_bucket_size_bytes
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.engine import CheckpointEngine, Rendezvous
-from ckpt_engine.fanout import collect_failures
+from ckpt_engine.fanout import collect_failures, mark_stale_and_probe
 from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
@@ -174,13 +174,7 @@ class WeightSyncSession:
     def _break(self, failed: dict[str, str]) -> None:
         """Mark the group for rebuild and every engine stale; find the dead ones by name."""
         self._ready = False
-        for r in self.rollouts:
-            self.stale.add(r.name)
-            if r.name not in failed:
-                try:
-                    r.health()
-                except Exception as exc:
-                    failed[r.name] = f"unreachable after the failure: {exc}"
+        mark_stale_and_probe(self.rollouts, failed, self.stale)
         if self._engine is not None:
             self._engine.finalize()
             self._engine = None

@@ -11,7 +11,6 @@ import datetime
 import json
 import os
 import tempfile
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ckpt_engine.processes import run_processes
 
 
 def _entry(
@@ -59,18 +60,7 @@ def run_ranks(
             ctx.Process(target=_entry, args=(fn, r, world_size, store.port, out_dir, timeout_s, backend, kwargs), daemon=True)
             for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        try:
-            for p in procs:
-                p.join(max(0.0, deadline - time.monotonic()))
-        finally:
-            hung = [r for r, p in enumerate(procs) if p.is_alive()]
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(10)
+        hung = run_processes(procs, timeout_s)
         errors = []
         for r in range(world_size):
             err = os.path.join(out_dir, f"rank{r}.err")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import json
 import multiprocessing as mp
-import time
 import traceback
 import uuid
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.engine import Rendezvous
+from ckpt_engine.processes import run_processes
 
 
 def _entry(fn: Callable[..., Any], rank: int, rdzv: dict[str, Any], kwargs: dict[str, Any]) -> None:
@@ -37,14 +37,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, backend: str = "gloo", ti
     rdzv = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, world_size, backend, timeout_s)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_entry, args=(fn, r, rdzv.to_dict(), kwargs)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout_s * 2
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    run_processes(procs, timeout_s * 2)
     store = rdzv.connect_store()
     out, errors = [], []
     for r in range(world_size):

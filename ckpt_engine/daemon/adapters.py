@@ -104,13 +104,17 @@ def make_adapter(name: str, descriptor: Mapping[str, Any], timeout_s: float) -> 
     return adapter
 
 
+def _check_keys(kind: str, params: Mapping[str, Any], allowed: tuple[str, ...]) -> None:
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        raise ValueError(f"{kind} engine descriptor: unknown key(s) {', '.join(unknown)}; allowed: kind, {', '.join(allowed)}")
+
+
 def torch_ref_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> RolloutAdapter:
     """A reference receiver reachable at `host`:`port` (the daemon does not own its process)."""
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 
-    unknown = sorted(set(params) - {"host", "port"})
-    if unknown:
-        raise ValueError(f"torch_ref engine descriptor: unknown key(s) {', '.join(unknown)}; allowed: kind, host, port")
+    _check_keys("torch_ref", params, ("host", "port"))
     host, port = params.get("host"), params.get("port")
     if not isinstance(host, str) or not 0 < len(host) <= 255:
         raise ValueError(f"torch_ref engine descriptor: host must be a non-empty string, got {host!r:.80}")
@@ -128,9 +132,7 @@ def vllm_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> Roll
 
     from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
 
-    unknown = sorted(set(params) - {"url", "world_size"})
-    if unknown:
-        raise ValueError(f"vllm engine descriptor: unknown key(s) {', '.join(unknown)}; allowed: kind, url, world_size")
+    _check_keys("vllm", params, ("url", "world_size"))
     url, world_size = params.get("url"), params.get("world_size")
     if not isinstance(url, str) or not 0 < len(url) <= 2048:
         raise ValueError(f"vllm engine descriptor: url must be a non-empty string, got {url!r:.80}")

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.fanout import collect_failures
+from ckpt_engine.fanout import collect_failures, mark_stale_and_probe
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.sync import SyncError, SyncReport
@@ -230,13 +230,7 @@ class SglangWeightSync:
             raise SyncError(stage, failed, sorted(self.stale))
 
     def _break(self, failed: dict[str, str]) -> None:
-        for s in self.servers:
-            self.stale.add(s.name)
-            if s.name not in failed:
-                try:
-                    s.health()
-                except Exception as exc:
-                    failed[s.name] = f"unreachable after the failure: {exc}"
+        mark_stale_and_probe(self.servers, failed, self.stale)
         if self._group is not None and hasattr(self._group, "abort"):
             try:
                 self._group.abort()
