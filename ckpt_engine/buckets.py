@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ckpt_engine.manifest import Bucket, BucketManifest, ManifestError, TensorMeta, TensorSpec, dtype_itemsize, make_manifest
+from ckpt_engine.ownership import OwnerMap, Shard, check_shards
 
 __all__ = ["DEFAULT_ALIGNMENT", "plan_buckets"]
 
@@ -26,6 +27,8 @@ def plan_buckets(
     alignment: int = DEFAULT_ALIGNMENT,
     *,
     solo_bytes: int | None = None,
+    num_senders: int = 1,
+    owners: OwnerMap | None = None,
 ) -> BucketManifest:
     """Pack `specs` into buckets of at most `bucket_size_bytes`.
 
@@ -38,6 +41,12 @@ def plan_buckets(
     packing (a stable sender broadcasts it from its own memory) and no unpacking (a receiver that
     offers its destination receives straight into it), which is what a CPU transport needs: there,
     every copy costs core time the socket copies also need, while a few more messages cost little.
+
+    `num_senders` / `owners`: with several senders each packs the pieces it owns (`owners[name]`,
+    byte ranges of the tensor; a tensor nobody claims is replicated: one of at least a bucket is
+    cut evenly over all senders, a smaller one goes whole to the sender with the fewest bytes so
+    far, so replicated tensors balance the load) into buckets of its own; the senders'
+    buckets are interleaved round-robin, which is the order receivers consume them in.
     """
     if alignment < 1 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")
@@ -47,31 +56,69 @@ def plan_buckets(
         )
     if solo_bytes is not None and (not isinstance(solo_bytes, int) or solo_bytes < 1):
         raise ValueError(f"solo_bytes must be a positive int or None, got {solo_bytes!r}")
+    if not isinstance(num_senders, int) or num_senders < 1:
+        raise ValueError(f"num_senders must be an int >= 1, got {num_senders!r}")
     names: set[str] = set()
-    buckets: list[Bucket] = []
-    current: list[TensorMeta] = []
-    offset = 0
-
-    def close() -> None:
-        nonlocal current, offset
-        if current:
-            buckets.append(Bucket(len(buckets), tuple(current)))
-        current, offset = [], 0
-
+    pieces: list[list[tuple[TensorSpec, int, int]]] = [[] for _ in range(num_senders)]
+    load = [0] * num_senders
     for spec in specs:
         if not isinstance(spec, TensorSpec):
             raise TypeError(f"plan_buckets takes TensorSpec items, got {type(spec).__name__}")
         if spec.name in names:
             raise ManifestError(f"{spec.name}: tensor appears twice in the weight metadata")
         names.add(spec.name)
-        nbytes = spec.nbytes
+        shards = owners.get(spec.name) if owners is not None else None
+        if spec.nbytes == 0:
+            shards = [Shard(min(range(num_senders), key=lambda s: (load[s], s)), 0, 0)]
+        elif shards is None and num_senders > 1 and spec.nbytes >= bucket_size_bytes:
+            shards = _even_split(spec, num_senders)  # replicated and large: every sender sends a part
+        elif shards is None:
+            sender = min(range(num_senders), key=lambda s: (load[s], s))
+            shards = [Shard(sender, 0, spec.nbytes)]
+        else:
+            shards = check_shards(spec, shards, num_senders)
+        for sh in shards:
+            pieces[sh.sender].append((spec, sh.start, sh.stop))
+            load[sh.sender] += sh.nbytes
+    per_sender = [_pack(p, bucket_size_bytes, alignment, solo_bytes) for p in pieces]
+    buckets: list[Bucket] = []
+    for ordinal in range(max((len(b) for b in per_sender), default=0)):
+        for sender, own in enumerate(per_sender):
+            if ordinal < len(own):
+                buckets.append(Bucket(len(buckets), tuple(own[ordinal]), sender))
+    return make_manifest(tuple(buckets), bucket_size_bytes, alignment, num_senders)
+
+
+def _even_split(spec: TensorSpec, num_senders: int) -> list[Shard]:
+    """A replicated tensor cut into `num_senders` nearly equal byte ranges on element bounds."""
+    item = dtype_itemsize(spec.dtype)
+    per = -(-spec.numel // num_senders) * item
+    return [Shard(s, s * per, min(spec.nbytes, (s + 1) * per)) for s in range(num_senders) if s * per < spec.nbytes]
+
+
+def _pack(
+    pieces: Sequence[tuple[TensorSpec, int, int]], bucket_size_bytes: int, alignment: int, solo_bytes: int | None
+) -> list[list[TensorMeta]]:
+    """One sender's pieces (tensor, byte range) -> its buckets' entries, in order."""
+    buckets: list[list[TensorMeta]] = []
+    current: list[TensorMeta] = []
+    offset = 0
+
+    def close() -> None:
+        nonlocal current, offset
+        if current:
+            buckets.append(current)
+        current, offset = [], 0
+
+    for spec, lo, hi in pieces:
+        nbytes = hi - lo
         start = _align_up(offset, max(alignment, dtype_itemsize(spec.dtype)))
         if nbytes <= bucket_size_bytes:
             solo = solo_bytes is not None and nbytes >= solo_bytes
             if start + nbytes > bucket_size_bytes or (solo and current):
                 close()
                 start = 0
-            current.append(TensorMeta(spec.name, spec.dtype, spec.shape, 0, nbytes, start))
+            current.append(TensorMeta(spec.name, spec.dtype, spec.shape, lo, nbytes, start))
             offset = start + nbytes
             if solo:
                 close()
@@ -81,13 +128,13 @@ def plan_buckets(
         done = 0
         while done < nbytes:
             size = min(bucket_size_bytes, nbytes - done)
-            current.append(TensorMeta(spec.name, spec.dtype, spec.shape, done, size, 0))
+            current.append(TensorMeta(spec.name, spec.dtype, spec.shape, lo + done, size, 0))
             done += size
             offset = size
             if done < nbytes or solo_bytes is not None:
                 close()  # with solo_bytes, the last chunk travels alone too
     close()
-    return make_manifest(tuple(buckets), bucket_size_bytes, alignment)
+    return buckets
 
 
 MiB = 1 << 20

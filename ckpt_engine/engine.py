@@ -17,7 +17,9 @@ from typing import Any
 import torch
 
 from ckpt_engine.buckets import plan_buckets
+from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.ownership import OwnerMap
 
 __all__ = ["CheckpointEngine", "Rendezvous", "SendStats", "TransferError", "Topology"]
 
@@ -38,14 +40,23 @@ class Rendezvous:
     world_size: int
     backend: str
     timeout_s: float
+    num_senders: int = 1
+    """Ranks [0, num_senders) send; every other rank receives from each of them."""
+
+    _KEYS = ("host", "port", "token", "world_size", "backend", "timeout_s")
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("host", "port", "token", "world_size", "backend", "timeout_s")}
+        d = {k: getattr(self, k) for k in self._KEYS}
+        if self.num_senders != 1:
+            d["num_senders"] = self.num_senders
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Rendezvous:
-        if not isinstance(d, dict) or set(d) != {"host", "port", "token", "world_size", "backend", "timeout_s"}:
-            raise ValueError(f"rendezvous must be a map with host, port, token, world_size, backend, timeout_s; got {d!r:.200}")
+        if not isinstance(d, dict) or not set(cls._KEYS) <= set(d) or not set(d) <= {*cls._KEYS, "num_senders"}:
+            raise ValueError(
+                f"rendezvous must be a map with host, port, token, world_size, backend, timeout_s (and num_senders); got {d!r:.200}"
+            )
         checks = (
             ("host", str), ("port", int), ("token", str), ("world_size", int), ("backend", str), ("timeout_s", (int, float)),
         )
@@ -54,6 +65,9 @@ class Rendezvous:
                 raise ValueError(f"rendezvous.{key} has the wrong type: {d[key]!r}")
         if not 0 < d["port"] < 65536 or d["world_size"] < 2 or d["timeout_s"] <= 0 or not d["token"]:
             raise ValueError(f"rendezvous values out of range: {d!r}")
+        senders = d.get("num_senders", 1)
+        if not isinstance(senders, int) or isinstance(senders, bool) or not 1 <= senders < d["world_size"]:
+            raise ValueError(f"rendezvous.num_senders must be an int in [1, world_size), got {senders!r}")
         return cls(**d)
 
     def connect_store(self, is_master: bool = False) -> torch.distributed.Store:
@@ -94,6 +108,9 @@ class SendStats:
 class CheckpointEngine(ABC):
     """One side (sender or receiver) of the weight-sync group."""
 
+    supports_many_senders = False
+    """Whether ranks [0, num_senders) may each stream the pieces they own (see `plan`)."""
+
     def __init__(self, *, bucket_size_bytes: int, num_buffers: int = 2, timeout_s: float = 300.0, verify: bool = False) -> None:
         if num_buffers < 2:
             raise ValueError(f"num_buffers must be >= 2, got {num_buffers}")
@@ -106,14 +123,17 @@ class CheckpointEngine(ABC):
         self.solo_bytes: int | None = None
         """Tensors of at least this size travel in a bucket of their own (see `plan_buckets`)."""
 
-    def plan(self, specs: Sequence[TensorSpec]) -> BucketManifest:
-        """The sender's bucket plan for this engine's buffers and transport."""
-        return plan_buckets(specs, self.bucket_size_bytes, solo_bytes=self.solo_bytes)
+    def plan(self, specs: Sequence[TensorSpec], *, num_senders: int = 1, owners: OwnerMap | None = None) -> BucketManifest:
+        """The bucket plan for this engine's buffers and transport (a pure function: every sender
+        computes the same one from the same metadata and ownership)."""
+        return plan_buckets(specs, self.bucket_size_bytes, solo_bytes=self.solo_bytes, num_senders=num_senders, owners=owners)
 
     @classmethod
     def build_topology(cls, num_senders: int, receiver_world_sizes: Sequence[int]) -> Topology:
         """Pure rank assignment: senders take ranks [0, num_senders), receivers follow in order."""
-        if num_senders != 1:
+        if not isinstance(num_senders, int) or isinstance(num_senders, bool) or num_senders < 1:
+            raise ValueError(f"num_senders must be an int >= 1, got {num_senders!r}")
+        if num_senders > 1 and not cls.supports_many_senders:
             raise ValueError(f"{cls.__name__} supports exactly one sender, got {num_senders}")
         offsets, rank = [], num_senders
         for size in receiver_world_sizes:
@@ -133,20 +153,40 @@ class CheckpointEngine(ABC):
 
     @abstractmethod
     def send_weights(
-        self, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool = False
+        self,
+        manifest: BucketManifest,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        *,
+        stable: bool = False,
+        delta: DeltaRequest | None = None,
     ) -> SendStats:
-        """Sender only: stream `weights` (in manifest order) to every receiver.
+        """Sender only: stream `weights` to every receiver.
+
+        `weights` yields, in the order of this sender's buckets, one tensor per piece it owns: the
+        full tensor with one sender, else this rank's local piece (its shard: the bytes the
+        manifest gives it, in the tensor's layout, e.g. a dim-0 row block).
 
         A yielded tensor may be read only until the next one is requested (a sharded trainer frees
         its gathered parameters), unless `stable` says every yielded tensor stays valid and
         unchanged until this call returns, which lets the engine skip copies.
+
+        `delta`: keep (and use) base copies of what was sent, so later syncs send only changed
+        words (see `ckpt_engine.delta`); every rank of the group must pass the same request.
         """
 
     @abstractmethod
     def receive_buckets(
-        self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None = None
+        self,
+        manifest: BucketManifest,
+        destinations: Mapping[str, torch.Tensor] | None = None,
+        *,
+        delta: DeltaRequest | None = None,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Receiver only: yield the complete tensors of each bucket as it lands.
+
+        With `delta`, the receiver first takes every bucket (patches applied to its base copy,
+        each checked against the sender's checksum) and yields only once all are verified, so a
+        corrupt patch leaves the engine's own weights untouched.
 
         `destinations` (optional) maps names to the loader's own tensors: a tensor split over
         several buckets, or alone in its bucket, whose destination has the wire layout is received
@@ -161,11 +201,19 @@ class CheckpointEngine(ABC):
         """
 
     def receive_weights(
-        self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None = None
+        self,
+        manifest: BucketManifest,
+        destinations: Mapping[str, torch.Tensor] | None = None,
+        *,
+        delta: DeltaRequest | None = None,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Receiver only: the same tensors one by one, for loaders that take (name, tensor) pairs."""
-        for bucket in self.receive_buckets(manifest, destinations):
+        for bucket in self.receive_buckets(manifest, destinations, delta=delta):
             yield from bucket
+
+    def delta_base_id(self, manifest: BucketManifest) -> int | None:
+        """The sync id whose bytes this rank's delta bases hold for `manifest` (None: no valid base)."""
+        return None
 
     @abstractmethod
     def finalize(self) -> None:

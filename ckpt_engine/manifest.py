@@ -26,13 +26,18 @@ __all__ = [
     "dtype_itemsize",
 ]
 
-MANIFEST_FORMAT = 1
-MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+MANIFEST_FORMAT = 2
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_NAME_LEN = 1024
 MAX_NDIM = 16
 MAX_TENSOR_BYTES = 1 << 46
 MAX_BUCKET_BYTES = 1 << 40
-MAX_ENTRIES = 10_000_000
+MAX_ENTRIES = 2_000_000
+"""Chunks in one manifest, all buckets together (DeepSeek-V3 / Kimi-K2 shapes need ~10^5)."""
+MAX_SENDERS = 1 << 16
+_MIN_ENTRY_BYTES = 12
+"""The smallest encoded entry ([name, dtype, [], 0, 0, 0] with 1-char strings): an entry count
+the remaining bytes cannot hold is refused before anything is built."""
 
 # Wire dtype names and their sizes. Names are torch's (`str(torch.float32)` minus the prefix), so
 # the manifest can be read without importing torch.
@@ -125,10 +130,11 @@ class TensorMeta:
 
 @dataclass(frozen=True)
 class Bucket:
-    """The chunks that travel together in one broadcast."""
+    """The chunks that travel together in one broadcast, all from one sender."""
 
     index: int
     entries: tuple[TensorMeta, ...]
+    sender: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -138,10 +144,18 @@ class Bucket:
 
 @dataclass(frozen=True)
 class BucketManifest:
+    """Every bucket of one sync plan, in the order receivers consume them.
+
+    With several senders each bucket names its sender; a tensor's chunks may come from several
+    senders (each owns a byte range, e.g. an FSDP dim-0 shard), and receivers finish a tensor when
+    every chunk has landed. Receivers never learn more about how the trainer was sharded.
+    """
+
     bucket_size_bytes: int
     alignment: int
     buckets: tuple[Bucket, ...]
     digest: str
+    num_senders: int = 1
 
     @property
     def num_buckets(self) -> int:
@@ -149,17 +163,19 @@ class BucketManifest:
 
     @property
     def specs(self) -> list[TensorSpec]:
-        """Tensors in send order, one per tensor (not per chunk)."""
-        return [
-            TensorSpec(e.name, e.dtype, e.shape)
-            for b in self.buckets
-            for e in b.entries
-            if e.chunk_offset == 0
-        ]
+        """Tensors in order of their first chunk, one per tensor (not per chunk)."""
+        seen: set[str] = set()
+        out = []
+        for b in self.buckets:
+            for e in b.entries:
+                if e.name not in seen:
+                    seen.add(e.name)
+                    out.append(TensorSpec(e.name, e.dtype, e.shape))
+        return out
 
     @property
     def num_tensors(self) -> int:
-        return sum(1 for b in self.buckets for e in b.entries if e.chunk_offset == 0)
+        return len({e.name for b in self.buckets for e in b.entries})
 
     @property
     def total_bytes(self) -> int:
@@ -168,6 +184,16 @@ class BucketManifest:
     @property
     def wire_bytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
+
+    def sender_buckets(self, sender: int) -> list[Bucket]:
+        """The buckets one sender streams, in its order."""
+        return [b for b in self.buckets if b.sender == sender]
+
+    def bytes_per_sender(self) -> list[int]:
+        out = [0] * self.num_senders
+        for b in self.buckets:
+            out[b.sender] += sum(e.chunk_size for e in b.entries)
+        return out
 
 
 def _check_name(name: Any) -> None:
@@ -187,120 +213,188 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _content(buckets: tuple[Bucket, ...], bucket_size: int, alignment: int) -> dict[str, Any]:
+def _content(buckets: tuple[Bucket, ...], bucket_size: int, alignment: int, num_senders: int) -> dict[str, Any]:
     return {
         "format": MANIFEST_FORMAT,
         "bucket_size": bucket_size,
         "alignment": alignment,
+        "num_senders": num_senders,
         "buckets": [
-            [[e.name, e.dtype, list(e.shape), e.chunk_offset, e.chunk_size, e.bucket_offset] for e in b.entries]
+            [b.sender, [[e.name, e.dtype, list(e.shape), e.chunk_offset, e.chunk_size, e.bucket_offset] for e in b.entries]]
             for b in buckets
         ],
     }
 
 
-def compute_digest(buckets: tuple[Bucket, ...], bucket_size: int, alignment: int) -> str:
-    packed = msgpack.packb(_content(buckets, bucket_size, alignment), use_bin_type=True)
+_KEYS = ("format", "bucket_size", "alignment", "num_senders", "buckets", "digest")
+
+
+def compute_digest(buckets: tuple[Bucket, ...], bucket_size: int, alignment: int, num_senders: int = 1) -> str:
+    packed = msgpack.packb(_content(buckets, bucket_size, alignment, num_senders), use_bin_type=True)
     return hashlib.sha256(packed).hexdigest()
 
 
-def make_manifest(buckets: tuple[Bucket, ...], bucket_size: int, alignment: int) -> BucketManifest:
+def make_manifest(buckets: tuple[Bucket, ...], bucket_size: int, alignment: int, num_senders: int = 1) -> BucketManifest:
     """Build and validate a manifest (the planner's only way to make one)."""
-    manifest = BucketManifest(bucket_size, alignment, buckets, compute_digest(buckets, bucket_size, alignment))
+    digest = compute_digest(buckets, bucket_size, alignment, num_senders)
+    manifest = BucketManifest(bucket_size, alignment, buckets, digest, num_senders)
     validate_manifest(manifest)
     return manifest
 
 
 def encode_manifest(manifest: BucketManifest) -> bytes:
-    content = _content(manifest.buckets, manifest.bucket_size_bytes, manifest.alignment)
+    content = _content(manifest.buckets, manifest.bucket_size_bytes, manifest.alignment, manifest.num_senders)
     content["digest"] = manifest.digest
     return msgpack.packb(content, use_bin_type=True)
+
+
+class _Reader:
+    """Streaming msgpack reads with a budget: nothing is built before its size is checked."""
+
+    def __init__(self, data: bytes) -> None:
+        self.size = len(data)
+        self.unpacker = msgpack.Unpacker(
+            raw=False, strict_map_key=True, max_buffer_size=max(1, len(data)), max_bin_len=0,
+            max_str_len=MAX_NAME_LEN * 4, max_array_len=MAX_ENTRIES, max_map_len=len(_KEYS), max_ext_len=0,
+        )
+        self.unpacker.feed(data)
+
+    def array(self, what: str, limit: int) -> int:
+        n = self.unpacker.read_array_header()
+        if n > limit:
+            raise ManifestError(f"{what} has {n} items, more than the limit {limit}")
+        return n
+
+    def value(self) -> Any:
+        return self.unpacker.unpack()
+
+    def left(self) -> int:
+        return self.size - self.unpacker.tell()
 
 
 def decode_manifest(data: bytes) -> BucketManifest:
     """Decode and validate a manifest received from another process.
 
-    Raises ManifestError on anything truncated, oversized, mistyped or inconsistent.
+    Reads as a stream with a budget on the total number of entries (and on what the remaining
+    bytes can hold), so a hostile manifest is refused after reading little of it, without
+    building millions of objects first. Raises ManifestError on anything truncated, oversized,
+    mistyped or inconsistent.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ManifestError(f"manifest must be bytes, got {type(data).__name__}")
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"manifest is {len(data)} bytes, more than the limit {MAX_MANIFEST_BYTES}")
     try:
-        raw = msgpack.unpackb(
-            bytes(data),
-            raw=False,
-            strict_map_key=True,
-            max_bin_len=0,
-            max_str_len=MAX_NAME_LEN * 4,
-            max_array_len=MAX_ENTRIES,
-            max_map_len=16,
-            max_ext_len=0,
-        )
+        return _decode(_Reader(bytes(data)))
+    except ManifestError:
+        raise
     except Exception as exc:  # msgpack raises several unrelated types on bad input
-        raise ManifestError(f"manifest is not valid msgpack: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ManifestError(f"manifest must be a map, got {type(raw).__name__}")
-    expected = {"format", "bucket_size", "alignment", "buckets", "digest"}
-    if set(raw) != expected:
-        raise ManifestError(f"manifest keys must be {sorted(expected)}, got {sorted(map(str, raw))}")
-    if raw["format"] != MANIFEST_FORMAT:
-        raise ManifestError(f"unsupported manifest format {raw['format']!r} (this side reads {MANIFEST_FORMAT})")
-    bucket_size, alignment, digest = raw["bucket_size"], raw["alignment"], raw["digest"]
-    if not _is_int(bucket_size) or not 1 <= bucket_size <= MAX_BUCKET_BYTES:
-        raise ManifestError(f"bucket_size must be an int in [1, {MAX_BUCKET_BYTES}], got {bucket_size!r}")
-    if not _is_int(alignment) or alignment < 1 or alignment & (alignment - 1):
-        raise ManifestError(f"alignment must be a power of two, got {alignment!r}")
-    if not isinstance(digest, str) or len(digest) != 64:
+        raise ManifestError(f"manifest is not valid msgpack: {type(exc).__name__}: {exc}") from None
+
+
+def _decode(r: _Reader) -> BucketManifest:
+    try:
+        n = r.unpacker.read_map_header()
+    except Exception:
+        raise ManifestError("manifest must be a map") from None
+    if n != len(_KEYS):
+        raise ManifestError(f"manifest keys must be {list(_KEYS)}, got a map of {n} keys")
+    head: dict[str, Any] = {}
+    for want in _KEYS:
+        key = r.value()
+        if key != want:
+            raise ManifestError(f"manifest keys must be {list(_KEYS)} in this order, got {key!r:.40} where {want!r} belongs")
+        if key == "buckets":
+            head[key] = _decode_buckets(r, head)
+        else:
+            head[key] = r.value()
+            _check_head(key, head[key])
+    if r.left() != 0:
+        raise ManifestError(f"{r.left()} bytes follow the manifest")
+    bucket_size, alignment, num_senders, digest = head["bucket_size"], head["alignment"], head["num_senders"], head["digest"]
+    manifest = BucketManifest(bucket_size, alignment, head["buckets"], digest, num_senders)
+    validate_manifest(manifest)
+    if compute_digest(manifest.buckets, bucket_size, alignment, num_senders) != digest:
+        raise ManifestError("manifest digest does not match its content (corrupt or tampered)")
+    return manifest
+
+
+def _check_head(key: str, value: Any) -> None:
+    if key == "format" and value != MANIFEST_FORMAT:
+        raise ManifestError(f"unsupported manifest format {value!r:.40} (this side reads {MANIFEST_FORMAT})")
+    if key == "bucket_size" and (not _is_int(value) or not 1 <= value <= MAX_BUCKET_BYTES):
+        raise ManifestError(f"bucket_size must be an int in [1, {MAX_BUCKET_BYTES}], got {value!r:.40}")
+    if key == "alignment" and (not _is_int(value) or value < 1 or value & (value - 1)):
+        raise ManifestError(f"alignment must be a power of two, got {value!r:.40}")
+    if key == "num_senders" and (not _is_int(value) or not 1 <= value <= MAX_SENDERS):
+        raise ManifestError(f"num_senders must be an int in [1, {MAX_SENDERS}], got {value!r:.40}")
+    if key == "digest" and (not isinstance(value, str) or len(value) != 64):
         raise ManifestError("digest must be a 64-char sha256 hex string")
-    if not isinstance(raw["buckets"], list):
-        raise ManifestError("buckets must be a list")
+
+
+def _decode_buckets(r: _Reader, head: dict[str, Any]) -> tuple[Bucket, ...]:
+    budget = min(MAX_ENTRIES, r.left() // _MIN_ENTRY_BYTES)
+    num_buckets = r.array("buckets", budget)
     buckets = []
-    for bi, entries in enumerate(raw["buckets"]):
-        if not isinstance(entries, list):
-            raise ManifestError(f"bucket {bi} must be a list of entries")
+    for bi in range(num_buckets):
+        if r.array(f"bucket {bi}", 2) != 2:
+            raise ManifestError(f"bucket {bi} must be [sender, entries]")
+        sender = r.value()
+        if not _is_int(sender) or not 0 <= sender < head["num_senders"]:
+            raise ManifestError(f"bucket {bi}: sender must be an int in [0, {head['num_senders']}), got {sender!r:.40}")
+        budget = min(budget, r.left() // _MIN_ENTRY_BYTES)
+        n = r.array(f"bucket {bi}'s entries (all buckets together)", budget)
+        budget -= n
         metas = []
-        for entry in entries:
-            if not isinstance(entry, list) or len(entry) != 6:
+        for _ in range(n):
+            if r.array(f"bucket {bi}: entry", 6) != 6:
                 raise ManifestError(f"bucket {bi}: entry must be [name, dtype, shape, chunk_offset, chunk_size, bucket_offset]")
-            name, dtype, shape, c_off, c_size, b_off = entry
+            name = r.value()
             _check_name(name)
+            dtype = r.value()
             if not isinstance(dtype, str):
                 raise ManifestError(f"{name}: dtype must be a string")
             dtype_itemsize(dtype)
-            if not isinstance(shape, list):
-                raise ManifestError(f"{name}: shape must be a list")
-            shape_t = tuple(shape)
-            _check_shape(name, shape_t)
-            for field, value in (("chunk_offset", c_off), ("chunk_size", c_size), ("bucket_offset", b_off)):
+            ndim = r.array(f"{name}: shape", MAX_NDIM)
+            shape = tuple(r.value() for _ in range(ndim))
+            _check_shape(name, shape)
+            offsets = (r.value(), r.value(), r.value())
+            for field, value in zip(("chunk_offset", "chunk_size", "bucket_offset"), offsets):
                 if not _is_int(value) or value < 0:
-                    raise ManifestError(f"{name}: {field} must be a non-negative int, got {value!r}")
-            metas.append(TensorMeta(name, dtype, shape_t, c_off, c_size, b_off))
-        buckets.append(Bucket(bi, tuple(metas)))
-    manifest = BucketManifest(bucket_size, alignment, tuple(buckets), digest)
-    validate_manifest(manifest)
-    if compute_digest(manifest.buckets, bucket_size, alignment) != digest:
-        raise ManifestError("manifest digest does not match its content (corrupt or tampered)")
-    return manifest
+                    raise ManifestError(f"{name}: {field} must be a non-negative int, got {value!r:.40}")
+            metas.append(TensorMeta(name, dtype, shape, *offsets))
+        buckets.append(Bucket(bi, tuple(metas), sender))
+    return tuple(buckets)
 
 
 def validate_manifest(manifest: BucketManifest) -> None:
     """Check the invariants every receiver relies on before writing a byte.
 
-    Every chunk lies inside its bucket, chunks in a bucket do not overlap, every tensor's chunks
-    are consecutive in send order and cover its bytes exactly once, and names are unique.
+    Every chunk lies inside its bucket, chunks in a bucket do not overlap, each tensor's chunks
+    cover its bytes exactly once, and each sender's chunks of one tensor form one contiguous byte
+    range sent in order (the piece that sender owns). With one sender this means what it always
+    meant: a tensor's chunks follow each other in send order.
     """
     size = manifest.bucket_size_bytes
-    seen: set[str] = set()
-    open_tensor: TensorMeta | None = None  # a tensor whose chunks continue into the next entry
+    if not 1 <= manifest.num_senders <= MAX_SENDERS:
+        raise ManifestError(f"num_senders must be in [1, {MAX_SENDERS}], got {manifest.num_senders}")
+    tensors: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    covered: dict[str, list[tuple[int, int]]] = {}
+    open_piece: dict[int, TensorMeta] = {}  # per sender: a piece whose chunks continue
+    done_pieces: set[tuple[int, str]] = set()
     for bucket in manifest.buckets:
         if not bucket.entries:
             raise ManifestError(f"bucket {bucket.index} is empty")
+        if not 0 <= bucket.sender < manifest.num_senders:
+            raise ManifestError(f"bucket {bucket.index}: sender {bucket.sender} is not in [0, {manifest.num_senders})")
         spans: list[tuple[int, int, str]] = []
         for e in bucket.entries:
             nbytes = math.prod(e.shape) * dtype_itemsize(e.dtype)
             if nbytes > MAX_TENSOR_BYTES:
                 raise ManifestError(f"{e.name}: {nbytes} bytes is more than the limit {MAX_TENSOR_BYTES}")
+            known = tensors.setdefault(e.name, (e.dtype, e.shape, nbytes))
+            if known[:2] != (e.dtype, e.shape):
+                raise ManifestError(f"{e.name}: chunks disagree on dtype/shape ({known[0]} {known[1]} vs {e.dtype} {e.shape})")
             if e.chunk_offset == 0 and e.chunk_size == nbytes and e.bucket_offset % DTYPE_ITEMSIZE[e.dtype]:
                 raise ManifestError(f"{e.name}: bucket_offset {e.bucket_offset} is not aligned for {e.dtype}")
             if e.bucket_offset + e.chunk_size > size:
@@ -310,24 +404,34 @@ def validate_manifest(manifest: BucketManifest) -> None:
                 )
             if e.chunk_offset + e.chunk_size > nbytes:
                 raise ManifestError(f"{e.name}: chunk ends at {e.chunk_offset + e.chunk_size}, past the tensor's {nbytes} bytes")
-            if open_tensor is not None:
-                if (e.name, e.dtype, e.shape) != (open_tensor.name, open_tensor.dtype, open_tensor.shape) or (
-                    e.chunk_offset != open_tensor.chunk_offset + open_tensor.chunk_size
-                ):
-                    raise ManifestError(f"{open_tensor.name}: chunks do not cover the tensor contiguously")
-            else:
-                if e.chunk_offset != 0:
-                    raise ManifestError(f"{e.name}: first chunk must start at offset 0, got {e.chunk_offset}")
-                if e.name in seen:
-                    raise ManifestError(f"{e.name}: tensor appears twice in the manifest")
-                seen.add(e.name)
             if e.chunk_size == 0 and nbytes != 0:
                 raise ManifestError(f"{e.name}: zero-size chunk of a non-empty tensor")
-            open_tensor = None if e.chunk_offset + e.chunk_size == nbytes else e
+            prev = open_piece.pop(bucket.sender, None)
+            if prev is not None and prev.name == e.name and e.chunk_offset == prev.chunk_offset + prev.chunk_size:
+                pass  # the sender's piece continues
+            else:
+                if prev is not None and prev.name == e.name:
+                    raise ManifestError(f"{e.name}: a sender's chunks must cover one contiguous range in order")
+                if (bucket.sender, e.name) in done_pieces:
+                    raise ManifestError(f"{e.name}: tensor appears twice from sender {bucket.sender}")
+                done_pieces.add((bucket.sender, e.name))
+            open_piece[bucket.sender] = e
+            covered.setdefault(e.name, []).append((e.chunk_offset, e.chunk_offset + e.chunk_size))
             spans.append((e.bucket_offset, e.bucket_offset + e.chunk_size, e.name))
         spans.sort()
         for (s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
             if s1 < e0:
                 raise ManifestError(f"bucket {bucket.index}: {n0} and {n1} overlap at [{s1}, {e0})")
-    if open_tensor is not None:
-        raise ManifestError(f"{open_tensor.name}: manifest ends before the tensor's last chunk")
+    for name, ranges in covered.items():
+        nbytes = tensors[name][2]
+        ranges.sort()
+        end = 0
+        for start, stop in ranges:
+            if start != end:
+                what = "overlap" if start < end else "a gap"
+                if ranges[0][0] == 0 and len({s for s, _ in ranges}) != len(ranges):
+                    raise ManifestError(f"{name}: tensor appears twice in the manifest")
+                raise ManifestError(f"{name}: chunks do not cover the tensor exactly once ({what} at byte {min(start, end)})")
+            end = stop
+        if end != nbytes:
+            raise ManifestError(f"{name}: manifest ends before the tensor's last chunk (covered {end} of {nbytes} bytes)")

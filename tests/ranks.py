@@ -31,10 +31,13 @@ def _entry(fn: Callable[..., Any], rank: int, rdzv: dict[str, Any], kwargs: dict
     store.set(f"result/{rank}", json.dumps(result))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, backend: str = "gloo", timeout_s: float = 60.0, **kwargs: Any) -> list[Any]:
-    """Start `world_size` processes running fn(rank, rendezvous, **kwargs); return their values."""
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, backend: str = "gloo", timeout_s: float = 60.0, num_senders: int = 1, **kwargs: Any
+) -> list[Any]:
+    """Start `world_size` processes running fn(rank, rendezvous, **kwargs); return their values.
+    Ranks [0, num_senders) are the weight-sync group's senders."""
     master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
-    rdzv = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, world_size, backend, timeout_s)
+    rdzv = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, world_size, backend, timeout_s, num_senders)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_entry, args=(fn, r, rdzv.to_dict(), kwargs)) for r in range(world_size)]
     run_processes(procs, timeout_s * 2)

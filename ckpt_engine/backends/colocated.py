@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 class ColocatedCheckpointEngine(PipelinedBroadcastEngine):
     """Shared-buffer hand-off between one sender (rank 0) and one receiver (rank 1)."""
 
+    supports_many_senders = False
+
     def _resolve_device(self, device: str | int | torch.device | None) -> torch.device:
         dev = torch.device("cpu") if device is None else torch.device(device)
         if dev.type == "cuda" and dev.index is None:
@@ -127,7 +129,9 @@ class ColocatedCheckpointEngine(PipelinedBroadcastEngine):
             ev.record(torch.cuda.current_stream(self.device))
             self._wait_event(ev, "local copies")
 
-    def send_weights(self, manifest: Any, weights: Any, *, stable: bool = False) -> Any:
+    def send_weights(self, manifest: Any, weights: Any, *, stable: bool = False, delta: Any = None) -> Any:
+        if delta is not None:
+            raise ValueError("the colocated backend hands buffers over in place; delta sync does not apply (use delta=off)")
         self._seq += 1
         self._sent = 0
         # The receiver reads the shared buffers: every bucket must be packed into them.
@@ -150,7 +154,9 @@ class ColocatedCheckpointEngine(PipelinedBroadcastEngine):
             if k is not None:
                 self._wait_key(self._key("free", k), f"release of bucket {k}")
 
-    def receive_buckets(self, manifest: Any, destinations: Any = None) -> Any:
+    def receive_buckets(self, manifest: Any, destinations: Any = None, *, delta: Any = None) -> Any:
+        if delta is not None:
+            raise ValueError("the colocated backend hands buffers over in place; delta sync does not apply (use delta=off)")
         self._seq += 1
         self._received = 0
         self._released = 0

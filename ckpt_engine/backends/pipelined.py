@@ -5,48 +5,43 @@ flight. Receiver: bucket k+num_buffers is posted as soon as the loader has consu
 the network and the loader's copies overlap. On accelerators ordering is kept with streams and
 events (never a device-wide synchronize); on CPU with asynchronous gloo work handles. A backend
 subclass only says how its device, streams and process group are made.
+
+Several senders: ranks [0, S) each own a process group with every receiver (per lane), stream
+their own buckets through their own buffers concurrently, and receivers hold `num_buffers`
+buffers per sender. The send loop lives in `pipelined_send.py`, the receive loop in
+`pipelined_receive.py`, delta framing in `pipelined_delta.py`; this file holds the lifecycle and
+what they share.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 
-from ckpt_engine.checksum import CHECKSUM_BYTES, bucket_checksum
-from ckpt_engine.copies import batched_copy_
-from ckpt_engine.engine import CheckpointEngine, Rendezvous, SendStats, TransferError
+from ckpt_engine.backends.pipelined_delta import DeltaTransferMixin
+from ckpt_engine.backends.pipelined_receive import ReceiveLoopMixin
+from ckpt_engine.backends.pipelined_send import SendLoopMixin
+from ckpt_engine.backends.schedule import Schedule
+from ckpt_engine.backends.wire_views import SLACK, align8, torch_dtype
+from ckpt_engine.checksum import CHECKSUM_BYTES
+from ckpt_engine.engine import CheckpointEngine, Rendezvous, TransferError
 from ckpt_engine.manifest import Bucket, BucketManifest, TensorMeta
 
 __all__ = ["PipelinedBroadcastEngine", "torch_dtype"]
 
 logger = logging.getLogger(__name__)
 
-_SLACK = 64  # room after a bucket's data for the 8-byte-aligned checksum
+_SLACK = SLACK  # kept for backends that size shared buffers alike (colocated)
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"this torch build has no dtype {name!r}")
-    return dtype
+class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMixin, CheckpointEngine):
+    """Senders broadcast their buckets to every receiver over one process group each."""
 
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _align8(n: int) -> int:
-    return (n + 7) // 8 * 8
-
-
-class PipelinedBroadcastEngine(CheckpointEngine):
-    """Rank 0 broadcasts every bucket to all other ranks of one process group."""
-
+    supports_many_senders = True
     device_type = "cpu"
     default_solo_bytes = 0
     """Tensors of at least this size get a bucket of their own (0: never); see `plan_buckets`."""
@@ -84,14 +79,20 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         if not isinstance(lanes, int) or lanes < 1:
             raise ValueError(f"num_lanes must be an int >= 1, got {num_lanes!r}")
         self.num_lanes = lanes
+        self.num_senders = 1
         self._buffers: list[torch.Tensor] = []
-        self._group: Any = None  # lane 0's group
-        self._lane_groups: list[Any] = []
-        self._lane_streams: list[Any] = []
+        self._group: Any = None  # lane 0's group of this rank's first sender
+        self._groups: dict[int, Any] = {}  # gid = sender * num_lanes + lane
+        self._streams: dict[int, Any] = {}
+        self._comm_stream: Any = None
+        self._ready: list[Any] = []
+        self._free: list[Any] = []
         self._views: dict[str, list[list[torch.Tensor]]] = {}
+        self._schedules: dict[str, Schedule] = {}
         self._assembly: dict[str, torch.Tensor] = {}  # reassembly tensors of chunked tensors
         self._assembly_digest: str | None = None
         self._broken = False
+        self._init_delta()
 
     # --- what a backend file provides -------------------------------------------------------
     def _resolve_device(self, device: str | int | torch.device | None) -> torch.device:
@@ -115,41 +116,60 @@ class PipelinedBroadcastEngine(CheckpointEngine):
     # --- lifecycle ---------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         if not self._buffers:
-            self._buffers = [
-                torch.empty(self.bucket_size_bytes + _SLACK, dtype=torch.uint8, device=self.device)
-                for _ in range(self.num_buffers)
-            ]
-            self._lane_streams = [self._new_stream() for _ in range(self.num_lanes)]
-            self._comm_stream = self._lane_streams[0]
-            self._ready = [self._new_event() for _ in range(self.num_buffers)]
-            self._free = [self._new_event() for _ in range(self.num_buffers)]
+            self._alloc_buffers(self.num_buffers)
         return {
             "device": str(self.device),
             "buffer_bytes": sum(b.numel() for b in self._buffers),
-            "num_buffers": self.num_buffers,
+            "num_buffers": len(self._buffers),
         }
 
+    def _alloc_buffers(self, count: int) -> None:
+        while len(self._buffers) < count:
+            self._buffers.append(torch.empty(self.bucket_size_bytes + SLACK, dtype=torch.uint8, device=self.device))
+            self._ready.append(self._new_event())
+            self._free.append(self._new_event())
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank is not None and self.rank < self.num_senders
+
     def init_process_group(self, rendezvous: Rendezvous, rank: int) -> None:
+        """Join the weight-sync group. Sender s builds its own groups (one per lane) with every
+        receiver; receivers build every sender's groups, in sender order, so nobody waits on a
+        group whose members are still busy building another."""
         if self._group is not None:
             raise RuntimeError("init_process_group() was already called; call finalize() first to rejoin")
-        self.prepare()
-        store = rendezvous.connect_store(is_master=False)
+        senders = rendezvous.num_senders
+        if not 1 <= senders < rendezvous.world_size:
+            raise ValueError(f"num_senders must be in [1, world_size), got {senders}")
+        self.num_senders = senders
         self.rank, self.world_size = rank, rendezvous.world_size
-        self._lane_groups = [
-            self._make_group(torch.distributed.PrefixStore(f"lane{i}/", store), rank, rendezvous.world_size)
-            for i in range(self.num_lanes)
-        ]
-        self._group = self._lane_groups[0]
+        self.prepare()
+        if not self.is_sender:
+            self._alloc_buffers(self.num_buffers * senders)  # one set of rotating buffers per sender
+        store = rendezvous.connect_store(is_master=False)
+        group_size = rendezvous.world_size - senders + 1
+        own = [rank] if self.is_sender else list(range(senders))
+        self._groups, self._streams = {}, {}
+        for sender in own:
+            group_rank = 0 if self.is_sender else rank - senders + 1
+            for lane in range(self.num_lanes):
+                prefix = f"lane{lane}/" if sender == 0 else f"sender{sender}/lane{lane}/"
+                gid = sender * self.num_lanes + lane
+                self._groups[gid] = self._make_group(torch.distributed.PrefixStore(prefix, store), group_rank, group_size)
+                self._streams[gid] = self._new_stream()
+        self._group = self._groups[min(self._groups)]
+        self._comm_stream = self._streams[min(self._streams)]
         self._broken = False
         # A tiny broadcast creates each communicator now, so join errors surface at join time.
-        for i, group in enumerate(self._lane_groups):
+        for gid, group in sorted(self._groups.items()):
             probe = torch.zeros(1, dtype=torch.int64, device=self.device)
-            self._wait_work(group.broadcast(probe, 0), f"warm-up of lane {i}")
-        logger.info("rank %d/%d joined weight-sync group %s", rank, rendezvous.world_size, rendezvous.token)
+            self._wait_work(group.broadcast(probe, 0), f"warm-up of group {gid}")
+        logger.info("rank %d/%d joined weight-sync group %s (%d senders)", rank, rendezvous.world_size, rendezvous.token, senders)
 
     def finalize(self) -> None:
-        groups, self._lane_groups, self._group = self._lane_groups, [], None
-        for group in groups:
+        groups, self._groups, self._group = self._groups, {}, None
+        for group in groups.values():
             try:
                 if self._broken and hasattr(group, "abort"):
                     group.abort()
@@ -157,12 +177,15 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                     group.shutdown()
             except Exception as exc:  # tearing down a broken group may itself fail
                 logger.warning("process group teardown: %s", exc)
-        self._buffers, self._views, self._assembly, self._assembly_digest = [], {}, {}, None
+        self._buffers, self._ready, self._free = [], [], []
+        self._views, self._schedules, self._assembly, self._assembly_digest = {}, {}, {}, None
+        self._reset_delta()
 
     def abort(self) -> None:
         """Break the group so peers blocked in a collective fail fast instead of timing out."""
         self._broken = True
-        for group in self._lane_groups:
+        self._invalidate_delta()
+        for group in self._groups.values():
             if hasattr(group, "abort"):
                 try:
                     group.abort()
@@ -182,6 +205,17 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         if self._broken:
             raise RuntimeError("the weight-sync group is broken by an earlier failure; finalize() and rejoin")
 
+    def _schedule(self, manifest: BucketManifest) -> Schedule:
+        sched = self._schedules.get(manifest.digest)
+        if sched is None:
+            if manifest.num_senders != self.num_senders:
+                raise ValueError(
+                    f"the manifest plans {manifest.num_senders} senders but this group has {self.num_senders}"
+                )
+            sched = Schedule(manifest, self.num_buffers, self.num_lanes)
+            self._schedules = {manifest.digest: sched}
+        return sched
+
     def _bucket_views(self, manifest: BucketManifest) -> list[list[torch.Tensor]]:
         """Views of the rotating buffers, one per chunk; cached per manifest digest."""
         views = self._views.get(manifest.digest)
@@ -191,10 +225,12 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                     f"manifest buckets are {manifest.bucket_size_bytes} bytes, larger than this engine's "
                     f"{self.bucket_size_bytes}-byte buffers"
                 )
+            sched = self._schedule(manifest)
             views = []
-            for bucket in manifest.buckets:
-                buf = self._buffers[bucket.index % self.num_buffers]
-                views.append([self._entry_view(buf, e) for e in bucket.entries])
+            for step in sched.steps:
+                slot = step.sender_slot if self.is_sender else step.slot
+                buf = self._buffers[slot] if slot < len(self._buffers) else None
+                views.append([self._entry_view(buf, e) for e in step.bucket.entries] if buf is not None else [])
             self._views = {manifest.digest: views}  # keep one plan's views: a new plan drops the old
         return views
 
@@ -207,7 +243,7 @@ class PipelinedBroadcastEngine(CheckpointEngine):
 
     def _message(self, slot: int, nbytes: int) -> torch.Tensor:
         """What travels for a bucket: its bytes, plus (with verify) padding and the checksum."""
-        return self._buffers[slot][: _align8(nbytes) + CHECKSUM_BYTES if self.verify else nbytes]
+        return self._buffers[slot][: align8(nbytes) + CHECKSUM_BYTES if self.verify else nbytes]
 
     def _wait_work(self, work: Any, what: str) -> None:
         try:
@@ -228,104 +264,6 @@ class PipelinedBroadcastEngine(CheckpointEngine):
                 raise TransferError(f"rank {self.rank}: {what} did not finish within {self.timeout_s}s")
             time.sleep(2e-5)  # the sync's end is detected within ~0.1 ms; the thread stays idle
 
-    # --- sender ------------------------------------------------------------------------------
-    def send_weights(
-        self, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool = False
-    ) -> SendStats:
-        """See CheckpointEngine.send_weights. With `stable`, a bucket holding a single tensor (or a
-        single chunk of one) travels straight from the tensor's memory instead of being packed."""
-        self._require_group()
-        if self.rank != 0:
-            raise RuntimeError(f"send_weights() runs on rank 0 only, this is rank {self.rank}")
-        t_start = time.perf_counter()
-        stats = SendStats(bytes=manifest.total_bytes, tensors=manifest.num_tensors, buckets=manifest.num_buckets)
-        views = self._bucket_views(manifest)
-        it = iter(weights)
-        works: list[Any] = [None] * self.num_buffers
-        current: torch.Tensor | None = None
-        flat: torch.Tensor | None = None
-        flat_is_source = False  # `flat` aliases the caller's tensor (no conversion temporary)
-        try:
-            for bucket, dsts in zip(manifest.buckets, views):
-                slot = bucket.index % self.num_buffers
-                self._sender_slot_free(slot, works)
-                srcs: list[torch.Tensor] = []
-                borrowed: list[bool] = []  # src is the caller's memory in the wire layout
-                copied = False  # without `stable`, each tensor is packed before the next is requested
-                for e, dst in zip(bucket.entries, dsts):
-                    if e.chunk_offset == 0:
-                        t0 = time.perf_counter()
-                        current = _next_weight(it, e)
-                        stats.export_s += time.perf_counter() - t0
-                        flat = None
-                    assert current is not None
-                    if e.is_whole:
-                        src = current
-                        borrowed.append(stable and _has_wire_layout(src, e, self.device))
-                    else:
-                        if flat is None:
-                            converted = current.to(device=self.device, dtype=torch_dtype(e.dtype)).contiguous()
-                            flat_is_source = converted.data_ptr() == current.data_ptr()
-                            flat = _flat_bytes(converted)
-                        src = flat[e.chunk_offset : e.chunk_offset + e.chunk_size]
-                        # Never a conversion temporary: on CUDA the allocator could hand its memory
-                        # to the next allocation while the collective still reads it.
-                        borrowed.append(stable and flat_is_source)
-                    if stable:
-                        srcs.append(src)
-                    else:
-                        t0 = time.perf_counter()
-                        dst.copy_(src)
-                        stats.pack_s += time.perf_counter() - t0
-                        copied = True
-                t0 = time.perf_counter()
-                lane = bucket.index % self.num_lanes
-                if self._is_grouped(bucket):
-                    # One message per tensor, coalesced: borrowed tensors travel from the caller's
-                    # memory, the others are copied into their place in the buffer first.
-                    msgs: list[torch.Tensor] = []
-                    pend_d: list[torch.Tensor] = []
-                    pend_s: list[torch.Tensor] = []
-                    for i, (e, dst) in enumerate(zip(bucket.entries, dsts)):
-                        if e.chunk_size == 0:
-                            continue
-                        if stable and borrowed[i]:
-                            msgs.append(_flat_bytes(srcs[i]))
-                            continue
-                        if stable:
-                            pend_d.append(dst)
-                            pend_s.append(srcs[i])
-                        msgs.append(_flat_bytes(dst))
-                    if pend_d:
-                        batched_copy_(pend_d, pend_s)
-                    stats.pack_s += time.perf_counter() - t0
-                    works[slot] = self._sender_broadcast_group(slot, msgs, lane)
-                    continue
-                if stable and borrowed[0] and self._is_direct(bucket):
-                    msg = srcs[0]  # a lone chunk of a large tensor travels from the caller's memory
-                elif stable and self._sendable_in_place(bucket, srcs):
-                    msg = _flat_bytes(srcs[0])  # a lone whole tensor: no pack copy either
-                else:
-                    if not copied:
-                        batched_copy_(dsts, srcs)  # one launch for the whole bucket
-                    msg = self._message(slot, bucket.nbytes)
-                    if self.verify:
-                        data = msg[: _align8(bucket.nbytes)]
-                        msg[data.numel() :].view(torch.int64).copy_(bucket_checksum(data))
-                    self._tamper_hook(bucket.index, msg)
-                stats.pack_s += time.perf_counter() - t0
-                works[slot] = self._sender_broadcast(slot, msg, lane)
-            if next(it, None) is not None:
-                raise ValueError("the weight source yielded more tensors than its metadata lists")
-            self._sender_drain(works)
-        except BaseException:
-            works.clear()  # pending work handles keep the group (and its sockets) alive
-            self.abort()
-            raise
-        stats.total_s = time.perf_counter() - t_start
-        stats.transfer_s = max(0.0, stats.total_s - stats.export_s - stats.pack_s)
-        return stats
-
     def _is_direct(self, bucket: Bucket) -> bool:
         """A bucket holding one chunk of a tensor larger than a bucket lands straight in the
         receiver's reassembly tensor (no copy out of a buffer); a sender with stable sources also
@@ -342,251 +280,28 @@ class PipelinedBroadcastEngine(CheckpointEngine):
         n = len(bucket.entries)
         return 1 < n <= self.group_max_tensors and bucket.nbytes > 0 and not self.verify
 
-    def _sendable_in_place(self, bucket: Bucket, srcs: list[torch.Tensor]) -> bool:
-        """The sender may broadcast a bucket's only tensor from the tensor itself when its memory
-        already has the wire layout; receivers see the same bytes either way."""
-        if len(srcs) != 1 or self.verify:
-            return False
-        src, e = srcs[0], bucket.entries[0]
-        return src.is_contiguous() and src.device == self.device and src.dtype == torch_dtype(e.dtype) and src.numel() > 0
-
-    def _tamper_hook(self, bucket_index: int, message: torch.Tensor) -> None:
-        """Called after packing, before sending; subclasses used by fault tests corrupt here."""
-
-    def _sender_slot_free(self, slot: int, works: list[Any]) -> None:
-        if self._comm_stream is None:
-            if works[slot] is not None:
-                self._wait_work(works[slot], f"broadcast from buffer {slot}")
-                works[slot] = None
-        else:
-            self._current_stream().wait_event(self._free[slot])
-
-    def _sender_broadcast(self, slot: int, msg: torch.Tensor, lane: int) -> Any:
-        group = self._lane_groups[lane]
+    def _broadcast_on(self, gid: int, slot: int | None, msg: torch.Tensor) -> Any:
+        """One broadcast from the group's sender (group rank 0), ordered after the current stream's
+        work and, on receivers, after the slot's previous loader copies."""
+        group = self._groups[gid]
         if self._comm_stream is None:
             return group.broadcast(msg, 0)
-        stream = self._lane_streams[lane]
-        self._ready[slot].record(self._current_stream())
+        stream = self._streams[gid]
+        if slot is not None and self.is_sender:
+            self._ready[slot].record(self._current_stream())
         with self._stream_ctx(stream):
-            stream.wait_event(self._ready[slot])
-            work = group.broadcast(msg, 0)
-            work.wait()
-            self._free[slot].record(stream)
-        return work
-
-    def _sender_broadcast_group(self, slot: int, msgs: list[torch.Tensor], lane: int) -> Any:
-        """Like `_sender_broadcast`, for one coalesced group of messages."""
-        group = self._lane_groups[lane]
-        if self._comm_stream is None:
-            return _WorkList([group.broadcast(m, 0) for m in msgs])  # gloo cannot coalesce; same order
-        stream = self._lane_streams[lane]
-        self._ready[slot].record(self._current_stream())
-        with self._stream_ctx(stream):
-            stream.wait_event(self._ready[slot])
-            work = _coalesced_broadcast(group, msgs)
-            self._free[slot].record(stream)
-        return work
-
-    def _sender_drain(self, works: list[Any]) -> None:
-        if self._comm_stream is None:
-            for i, work in enumerate(works):
-                if work is not None:
-                    self._wait_work(work, f"broadcast from buffer {i}")
-        else:
-            for i, ev in enumerate(self._free):
-                self._wait_event(ev, f"broadcast from buffer {i}")
-
-    # --- receiver ----------------------------------------------------------------------------
-    def receive_buckets(
-        self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None = None
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        self._require_group()
-        if self.rank == 0:
-            raise RuntimeError("receive_buckets() runs on receiver ranks, not on the sender (rank 0)")
-        views = self._bucket_views(manifest)
-        buckets = manifest.buckets
-        works: list[Any] = [None] * len(buckets)
-        nb = self.num_buffers
-        if self._assembly_digest != manifest.digest:
-            self._assembly, self._assembly_digest = {}, manifest.digest
-
-        def assembly(e: TensorMeta) -> torch.Tensor:
-            # A chunked tensor is reassembled in its destination when the loader offers one with
-            # the wire layout (no extra memory, no final copy); otherwise in a reassembly tensor
-            # kept across syncs of one plan (a fresh host allocation of a large tensor costs a
-            # page fault per 4 KiB on every sync; the CUDA caching allocator would reuse it anyway).
-            dest = destinations.get(e.name) if destinations is not None else None
-            if dest is not None and _has_wire_layout(dest, e, self.device):
-                return _flat_bytes(dest)
-            asm = self._assembly.get(e.name)
-            if asm is None:
-                asm = self._assembly[e.name] = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
-            return asm
-
-        # Per bucket, entries received outside the buffer: index -> the loader's destination, or
-        # None for a chunk received straight into its reassembly tensor.
-        landed: dict[int, dict[int, torch.Tensor | None]] = {}
-
-        def destination(e: TensorMeta) -> torch.Tensor | None:
-            dest = destinations.get(e.name) if destinations is not None else None
-            return dest if dest is not None and _has_wire_layout(dest, e, self.device) else None
-
-        def post(k: int) -> Any:
-            bucket = buckets[k]
-            slot, lane = bucket.index % nb, bucket.index % self.num_lanes
-            e = bucket.entries[0] if bucket.entries else None
-            if self._is_direct(bucket):
-                assert e is not None
-                landed[k] = {0: None}
-                return self._post_receive(slot, assembly(e)[e.chunk_offset : e.chunk_offset + e.chunk_size], lane)
-            if e is not None and self._is_direct_whole(bucket) and (dest := destination(e)) is not None:
-                landed[k] = {0: dest}  # alone in its bucket: lands in the loader's own tensor
-                return self._post_receive(slot, _flat_bytes(dest), lane)
-            if self._is_grouped(bucket):
-                land: dict[int, torch.Tensor | None] = {}
-                targets: list[torch.Tensor] = []
-                for i, (m, view) in enumerate(zip(bucket.entries, views[k])):
-                    if m.chunk_size == 0:
-                        continue
-                    if not m.is_whole:
-                        land[i] = None
-                        targets.append(assembly(m)[m.chunk_offset : m.chunk_offset + m.chunk_size])
-                    elif (dest := destination(m)) is not None:
-                        land[i] = dest
-                        targets.append(_flat_bytes(dest))
-                    else:
-                        targets.append(_flat_bytes(view))
-                landed[k] = land
-                return self._post_receive_group(slot, targets, lane)
-            return self._post_receive(slot, self._message(slot, bucket.nbytes), lane)
-
-        try:
-            for k in range(min(nb, len(buckets))):
-                works[k] = post(k)
-            for k, bucket in enumerate(buckets):
-                slot = bucket.index % nb
-                self._finish_receive(slot, works[k], k)
-                works[k] = None
-                land = landed.pop(k, {})
-                if self.verify:
-                    self._check_bucket(k, self._message(slot, bucket.nbytes), bucket.nbytes)
-                out: list[tuple[str, torch.Tensor]] = []
-                for i, (e, view) in enumerate(zip(bucket.entries, views[k])):
-                    if e.is_whole:
-                        out.append((e.name, land.get(i) if land.get(i) is not None else view))
-                        continue
-                    asm = assembly(e)
-                    if i not in land:
-                        asm[e.chunk_offset : e.chunk_offset + e.chunk_size].copy_(view)
-                    if e.is_last_chunk:
-                        out.append((e.name, asm.view(torch_dtype(e.dtype)).view(e.shape)))
-                yield out
-                # The loader has issued its copies of bucket k: the slot may be refilled.
-                if self._comm_stream is not None:
-                    self._free[slot].record(self._current_stream())
-                if k + nb < len(buckets):
-                    works[k + nb] = post(k + nb)
-        except BaseException:
-            works.clear()  # pending work handles keep the group (and its sockets) alive
-            self.abort()
-            raise
-        if self._comm_stream is not None:
-            done = self._new_event()
-            done.record(self._current_stream())
-            self._wait_event(done, "loading the last bucket")
-
-    def _post_receive(self, slot: int, msg: torch.Tensor, lane: int) -> Any:
-        group = self._lane_groups[lane]
-        if self._comm_stream is None:
-            return group.broadcast(msg, 0)
-        stream = self._lane_streams[lane]
-        with self._stream_ctx(stream):
-            stream.wait_event(self._free[slot])
-            work = group.broadcast(msg, 0)
-            work.wait()
-            self._ready[slot].record(stream)
-        return work
-
-    def _post_receive_group(self, slot: int, targets: list[torch.Tensor], lane: int) -> Any:
-        group = self._lane_groups[lane]
-        if self._comm_stream is None:
-            return _WorkList([group.broadcast(t, 0) for t in targets])
-        stream = self._lane_streams[lane]
-        with self._stream_ctx(stream):
-            stream.wait_event(self._free[slot])
-            work = _coalesced_broadcast(group, targets)
-            self._ready[slot].record(stream)
-        return work
-
-    def _finish_receive(self, slot: int, work: Any, k: int) -> None:
-        if self._comm_stream is None:
-            self._wait_work(work, f"bucket {k}")
-        else:
-            self._current_stream().wait_event(self._ready[slot])
-
-    def _check_bucket(self, k: int, msg: torch.Tensor, nbytes: int) -> None:
-        data = msg[: _align8(nbytes)]
-        expected = msg[data.numel() :].view(torch.int64).tolist()
-        actual = bucket_checksum(data).tolist()
-        if expected != actual:
-            self._broken = True
-            raise TransferError(f"rank {self.rank}: bucket {k} failed its checksum (sent {expected}, received {actual})")
-
-
-class _WorkList:
-    """Several pending works waited on as one, within one deadline."""
-
-    def __init__(self, works: list[Any]) -> None:
-        self.works = works
-
-    def wait(self, timeout: Any = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
-        for work in self.works:
-            if deadline is None:
-                work.wait()
+            if slot is not None:
+                stream.wait_event(self._ready[slot] if self.is_sender else self._free[slot])
             else:
-                work.wait(_timedelta(max(0.001, deadline - time.monotonic())))
-        return True
-
-
-def _coalesced_broadcast(group: Any, msgs: list[torch.Tensor]) -> Any:
-    """Broadcasts from rank 0 of every message as one NCCL group (one launch); the current stream
-    waits for it. Ranks must pass the same number of messages with the same sizes."""
-    group._start_coalescing()
-    try:
-        for m in msgs:
-            group.broadcast(m, 0)
-    finally:
-        work = group._end_coalescing()
-    work.wait()
-    return work
+                stream.wait_stream(self._current_stream())
+            work = group.broadcast(msg, 0)
+            work.wait()
+            if slot is not None:
+                (self._free[slot] if self.is_sender else self._ready[slot]).record(stream)
+        return work
 
 
 def _timedelta(seconds: float) -> Any:
     import datetime
 
     return datetime.timedelta(seconds=seconds)
-
-
-def _next_weight(it: Iterator[tuple[str, torch.Tensor]], e: TensorMeta) -> torch.Tensor:
-    try:
-        name, tensor = next(it)
-    except StopIteration:
-        raise ValueError(f"the weight source ended before {e.name!r}, which its metadata lists") from None
-    if name != e.name:
-        raise ValueError(f"the weight source yielded {name!r} where its metadata put {e.name!r}")
-    if tuple(tensor.shape) != e.shape:
-        raise ValueError(f"{name}: the weight source yielded shape {tuple(tensor.shape)}, its metadata says {e.shape}")
-    wire = torch_dtype(e.dtype)
-    if tensor.dtype != wire and not (tensor.is_floating_point() and wire.is_floating_point):
-        # Casting between float formats is the wire-dtype policy; anything else is a bug upstream.
-        raise ValueError(f"{name}: the weight source yielded {dtype_name(tensor.dtype)}, its metadata says {e.dtype}")
-    return tensor
-
-
-def _has_wire_layout(t: torch.Tensor, e: TensorMeta, device: torch.device) -> bool:
-    return t.is_contiguous() and t.device == device and t.dtype == torch_dtype(e.dtype) and tuple(t.shape) == e.shape
-
-
-def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().reshape(-1).view(torch.uint8)

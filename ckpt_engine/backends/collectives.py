@@ -1,0 +1,44 @@
+"""Small collective helpers the pipelined loops share: waiting on several works, coalescing."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import torch
+
+__all__ = ["WorkList", "coalesced_broadcast", "timedelta"]
+
+
+def timedelta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+class WorkList:
+    """Several pending works waited on as one, within one deadline."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        for work in self.works:
+            if deadline is None:
+                work.wait()
+            else:
+                work.wait(timedelta(max(0.001, deadline - time.monotonic())))
+        return True
+
+
+def coalesced_broadcast(group: Any, msgs: list[torch.Tensor]) -> Any:
+    """Broadcasts from group rank 0 of every message as one NCCL group (one launch); the current
+    stream waits for it. Ranks must pass the same number of messages with the same sizes."""
+    group._start_coalescing()
+    try:
+        for m in msgs:
+            group.broadcast(m, 0)
+    finally:
+        work = group._end_coalescing()
+    work.wait()
+    return work

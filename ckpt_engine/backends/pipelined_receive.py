@@ -1,0 +1,161 @@
+"""The receiver's loop of the pipelined broadcast (dense buckets).
+
+Buckets are consumed in manifest order; each sender's next bucket is posted into the buffer a
+consumed bucket frees, so every sender's stream stays `num_buffers` deep. A tensor is yielded
+when its last byte has landed, whichever senders its chunks came from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ckpt_engine.backends.collectives import WorkList, coalesced_broadcast
+from ckpt_engine.backends.wire_views import align8, flat_bytes, has_wire_layout, torch_dtype
+from ckpt_engine.checksum import bucket_checksum
+from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.engine import TransferError
+from ckpt_engine.manifest import BucketManifest, TensorMeta
+
+__all__ = ["ReceiveLoopMixin"]
+
+
+class ReceiveLoopMixin:
+    """Mixed into PipelinedBroadcastEngine; uses its buffers, groups, streams and events."""
+
+    def receive_buckets(
+        self,
+        manifest: BucketManifest,
+        destinations: Mapping[str, torch.Tensor] | None = None,
+        *,
+        delta: DeltaRequest | None = None,
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        self._require_group()
+        if self.is_sender:
+            raise RuntimeError(f"receive_buckets() runs on receiver ranks, not on a sender (rank {self.rank})")
+        if delta is not None:
+            yield from self._receive_delta(manifest, destinations, delta)
+            return
+        self._invalidate_delta()
+        sched = self._schedule(manifest)
+        views = self._bucket_views(manifest)
+        steps = sched.steps
+        works: list[Any] = [None] * len(steps)
+        if self._assembly_digest != manifest.digest:
+            self._assembly, self._assembly_digest = {}, manifest.digest
+        remaining = dict(sched.tensor_bytes)
+        # Per bucket, entries received outside the buffer: index -> the loader's destination, or
+        # None for a chunk received straight into its reassembly tensor.
+        landed: dict[int, dict[int, torch.Tensor | None]] = {}
+
+        def destination(e: TensorMeta) -> torch.Tensor | None:
+            dest = destinations.get(e.name) if destinations is not None else None
+            return dest if dest is not None and has_wire_layout(dest, e, self.device) else None
+
+        def post(k: int) -> Any:
+            step = steps[k]
+            bucket, slot, gid = step.bucket, step.slot, step.gid
+            e = bucket.entries[0] if bucket.entries else None
+            if self._is_direct(bucket):
+                assert e is not None
+                landed[k] = {0: None}
+                return self._post_receive(slot, self._assembly_of(e, destinations)[e.chunk_offset : e.chunk_offset + e.chunk_size], gid)
+            if e is not None and self._is_direct_whole(bucket) and (dest := destination(e)) is not None:
+                landed[k] = {0: dest}  # alone in its bucket: lands in the loader's own tensor
+                return self._post_receive(slot, flat_bytes(dest), gid)
+            if self._is_grouped(bucket):
+                land: dict[int, torch.Tensor | None] = {}
+                targets: list[torch.Tensor] = []
+                for i, (m, view) in enumerate(zip(bucket.entries, views[k])):
+                    if m.chunk_size == 0:
+                        continue
+                    if not m.is_whole:
+                        land[i] = None
+                        targets.append(self._assembly_of(m, destinations)[m.chunk_offset : m.chunk_offset + m.chunk_size])
+                    elif (dest := destination(m)) is not None:
+                        land[i] = dest
+                        targets.append(flat_bytes(dest))
+                    else:
+                        targets.append(flat_bytes(view))
+                landed[k] = land
+                return self._post_receive_group(slot, targets, gid)
+            return self._post_receive(slot, self._message(slot, bucket.nbytes), gid)
+
+        try:
+            for k in sched.first_posts:
+                works[k] = post(k)
+            for k, step in enumerate(steps):
+                bucket, slot = step.bucket, step.slot
+                self._finish_receive(slot, works[k], k)
+                works[k] = None
+                land = landed.pop(k, {})
+                if self.verify:
+                    self._check_bucket(k, self._message(slot, bucket.nbytes), bucket.nbytes)
+                out: list[tuple[str, torch.Tensor]] = []
+                for i, (e, view) in enumerate(zip(bucket.entries, views[k])):
+                    if e.is_whole:
+                        out.append((e.name, land.get(i) if land.get(i) is not None else view))
+                        continue
+                    asm = self._assembly_of(e, destinations)
+                    if i not in land:
+                        asm[e.chunk_offset : e.chunk_offset + e.chunk_size].copy_(view)
+                    remaining[e.name] -= e.chunk_size
+                    if remaining[e.name] == 0:
+                        out.append((e.name, asm.view(torch_dtype(e.dtype)).view(e.shape)))
+                yield out
+                # The loader has issued its copies of bucket k: the slot may be refilled.
+                if self._comm_stream is not None:
+                    self._free[slot].record(self._current_stream())
+                if step.refill is not None:
+                    works[step.refill] = post(step.refill)
+        except BaseException:
+            works.clear()  # pending work handles keep the group (and its sockets) alive
+            self.abort()
+            raise
+        if self._comm_stream is not None:
+            done = self._new_event()
+            done.record(self._current_stream())
+            self._wait_event(done, "loading the last bucket")
+
+    def _assembly_of(self, e: TensorMeta, destinations: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
+        """Where a chunked tensor is reassembled: in its destination when the loader offers one
+        with the wire layout (no extra memory, no final copy); otherwise in a reassembly tensor
+        kept across syncs of one plan (a fresh host allocation of a large tensor costs a page fault
+        per 4 KiB on every sync; the CUDA caching allocator would reuse it anyway)."""
+        dest = destinations.get(e.name) if destinations is not None else None
+        if dest is not None and has_wire_layout(dest, e, self.device):
+            return flat_bytes(dest)
+        asm = self._assembly.get(e.name)
+        if asm is None:
+            asm = self._assembly[e.name] = torch.empty(e.nbytes, dtype=torch.uint8, device=self.device)
+        return asm
+
+    def _post_receive(self, slot: int, msg: torch.Tensor, gid: int) -> Any:
+        return self._broadcast_on(gid, slot, msg)
+
+    def _post_receive_group(self, slot: int, targets: list[torch.Tensor], gid: int) -> Any:
+        group = self._groups[gid]
+        if self._comm_stream is None:
+            return WorkList([group.broadcast(t, 0) for t in targets])
+        stream = self._streams[gid]
+        with self._stream_ctx(stream):
+            stream.wait_event(self._free[slot])
+            work = coalesced_broadcast(group, targets)
+            self._ready[slot].record(stream)
+        return work
+
+    def _finish_receive(self, slot: int, work: Any, k: int) -> None:
+        if self._comm_stream is None:
+            self._wait_work(work, f"bucket {k}")
+        else:
+            self._current_stream().wait_event(self._ready[slot])
+
+    def _check_bucket(self, k: int, msg: torch.Tensor, nbytes: int) -> None:
+        data = msg[: align8(nbytes)]
+        expected = msg[data.numel() :].view(torch.int64).tolist()
+        actual = bucket_checksum(data).tolist()
+        if expected != actual:
+            self._broken = True
+            raise TransferError(f"rank {self.rank}: bucket {k} failed its checksum (sent {expected}, received {actual})")

@@ -1,0 +1,65 @@
+"""Tensors in their wire layout: dtype names, byte views, and the checks the loops share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ckpt_engine.manifest import TensorMeta
+
+__all__ = ["SLACK", "align8", "dtype_name", "flat_bytes", "has_wire_layout", "next_weight", "torch_dtype"]
+
+SLACK = 64  # room after a bucket's data for the 8-byte-aligned checksum
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"this torch build has no dtype {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def align8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def has_wire_layout(t: torch.Tensor, e: TensorMeta, device: torch.device) -> bool:
+    return t.is_contiguous() and t.device == device and t.dtype == torch_dtype(e.dtype) and tuple(t.shape) == e.shape
+
+
+def next_weight(it: Iterator[tuple[str, torch.Tensor]], e: TensorMeta, piece_bytes: int | None = None) -> torch.Tensor:
+    """The source's next tensor, checked against the manifest entry that expects it.
+
+    `piece_bytes`: the sender sends only this many bytes of the tensor; the yielded tensor holds
+    exactly those (its shard, any shape) or is the whole tensor (a replicated one, which the
+    sender slices). Without it the full shape is required."""
+    try:
+        name, tensor = next(it)
+    except StopIteration:
+        raise ValueError(f"the weight source ended before {e.name!r}, which its metadata lists") from None
+    if name != e.name:
+        raise ValueError(f"the weight source yielded {name!r} where its metadata put {e.name!r}")
+    wire = torch_dtype(e.dtype)
+    if piece_bytes is None:
+        if tuple(tensor.shape) != e.shape:
+            raise ValueError(f"{name}: the weight source yielded shape {tuple(tensor.shape)}, its metadata says {e.shape}")
+    elif tensor.numel() * wire.itemsize != piece_bytes and tuple(tensor.shape) != e.shape:
+        raise ValueError(
+            f"{name}: this sender owns {piece_bytes} bytes of it, the weight source yielded {tensor.numel()} elements of {e.dtype}"
+        )
+    if tensor.dtype != wire and not (tensor.is_floating_point() and wire.is_floating_point):
+        # Casting between float formats is the wire-dtype policy; anything else is a bug upstream.
+        raise ValueError(
+            f"{name}: the weight source yielded {dtype_name(tensor.dtype)}, its metadata says {e.dtype} "
+            f"(set the wire dtype in the source, e.g. StateDictSource(..., dtype=torch.{e.dtype}))"
+        )
+    return tensor

@@ -1,0 +1,114 @@
+"""Rank functions for multi-sender and delta transfers: shards of a deterministic model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ckpt_engine.engine import Rendezvous
+from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.ownership import row_shards
+from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.weights import spec_of
+from roundtrip import mixed_state, same_bits
+
+
+def even_rows(rows: int, senders: int) -> list[int]:
+    """FSDP2's dim-0 split: ceil-sized shards, the last ones short or empty."""
+    per = -(-rows // senders) if rows else 0
+    out = []
+    for s in range(senders):
+        out.append(max(0, min(per, rows - s * per)))
+    return out
+
+
+def model_state(version: int, *, lr: float = 0.0, base_seed: int = 0) -> dict[str, torch.Tensor]:
+    """Version 0: a mixed-dtype state; later versions: a real AdamW step of the float tensors
+    (bf16 wire), so consecutive versions differ the way RL training makes them differ."""
+    sd = mixed_state(base_seed, num_small=40)
+    sd["wide"] = torch.randn(37, 300, generator=torch.Generator().manual_seed(5)) * 0.02  # rows split unevenly
+    sd["router"] = torch.randn(3, 300, generator=torch.Generator().manual_seed(6))
+    sd["nan_zero"] = torch.tensor([float("nan"), -0.0, 0.0, float("inf"), 1.0] * 20)
+    if version and lr:
+        params = {k: v.clone().float().requires_grad_(True) for k, v in sd.items() if v.is_floating_point() and v.numel() and v.dim()}
+        opt = torch.optim.AdamW(params.values(), lr=lr, weight_decay=0.0)
+        g = torch.Generator().manual_seed(100)
+        for _ in range(version):
+            for p in params.values():
+                p.grad = torch.randn(p.shape, generator=g) * 1e-3
+            opt.step()
+        for k, p in params.items():
+            sd[k] = p.detach().to(sd[k].dtype)
+    return sd
+
+
+def wire(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """bf16 wire for float tensors except the router (kept fp32), as trainers export."""
+    return {k: (v.bfloat16() if v.is_floating_point() and k != "router" and v.dtype == torch.float32 else v).contiguous() for k, v in sd.items()}
+
+
+def shard_rank(
+    rank: int, rdzv: Rendezvous, *, bucket_size: int = 16 * 1024, versions: int = 3, lr: float = 0.0,
+    delta: str = "off", corrupt: int | None = None, engine_kwargs: dict[str, Any] | None = None, full_every: int = 0,
+) -> dict[str, Any]:
+    """Senders each send their dim-0 row block of every tensor of >= 2 dims (the rest whole, balanced
+    by the planner); receivers check every tensor bit for bit after each version. With `delta`,
+    version 0 seeds the bases and later versions travel as patches (`full_every`: a dense seed every
+    that many syncs). `corrupt`: the sync (version) whose first patch the first sender corrupts."""
+    senders = rdzv.num_senders
+    engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=bucket_size, timeout_s=rdzv.timeout_s, **(engine_kwargs or {}))
+    if corrupt is not None and rank == 0:
+        state = {"armed": False}
+
+        def tamper(index: int, msg: torch.Tensor) -> None:
+            if state["armed"] and msg.numel() > 40:
+                msg[40] ^= 0x10
+                state["armed"] = False
+
+        engine._tamper_hook = tamper  # type: ignore[method-assign]
+    engine.init_process_group(rdzv, rank)
+    out: dict[str, Any] = {"bad": [], "errors": [], "stats": []}
+    base_id = None
+    for version in range(versions):
+        sd = wire(model_state(version, lr=lr))
+        specs = [spec_of(n, t) for n, t in sd.items()]
+        owners = {s.name: row_shards(s, even_rows(s.shape[0], senders)) for s in specs if len(s.shape) >= 2}
+        manifest = engine.plan(specs, num_senders=senders, owners=owners)
+        request = None
+        if delta != "off":
+            patches = base_id is not None and not (full_every and version % full_every == 0)
+            request = DeltaRequest(patches, base_id if patches else None, 1000 + version)
+        if corrupt is not None and rank == 0:
+            state["armed"] = version == corrupt
+        try:
+            if rank < senders:
+                own = []
+                for b in manifest.sender_buckets(rank):
+                    for e in b.entries:
+                        if own and own[-1][0] == e.name:
+                            continue
+                        full = sd[e.name].reshape(-1).view(torch.uint8)
+                        start = next(x.chunk_offset for bb in manifest.sender_buckets(rank) for x in bb.entries if x.name == e.name)
+                        size = sum(x.chunk_size for bb in manifest.sender_buckets(rank) for x in bb.entries if x.name == e.name)
+                        sharded = e.name in owners
+                        piece = full[start : start + size].view(sd[e.name].dtype) if sharded and size != e.nbytes else sd[e.name]
+                        own.append((e.name, piece))
+                stats = engine.send_weights(manifest, own, delta=request)
+                out["stats"].append(dict(stats.extra, bytes=stats.bytes))
+            else:
+                got = {n: t.clone() for n, t in engine.receive_weights(manifest, delta=request)}
+                out["bad"] += [f"v{version} {n}" for n in sd if n not in got or not same_bits(got[n], sd[n])]
+                out["stats"].append(dict(getattr(engine, "last_delta_stats", {})))
+            base_id = request.new_id if request is not None else None
+        except Exception as exc:
+            out["errors"].append(f"v{version}: {type(exc).__name__}: {exc}")
+            engine.finalize()
+            if version + 1 < versions:
+                raise RuntimeError(f"a failed sync needs a new group; this helper stops here: {out['errors']}") from exc
+            break
+        out["base_bytes"] = engine.delta_base_bytes
+    engine.finalize()
+    out["tensors"] = len(sd)
+    return out
