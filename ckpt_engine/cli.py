@@ -13,6 +13,7 @@ COMMANDS = {
     "serve": ("ckpt_engine.daemon.cli", "serve_main", "run the weight-sync daemon"),
     "status": ("ckpt_engine.daemon.cli", "status_main", "show a daemon's engines, versions and last sync"),
     "demo": ("ckpt_engine.trainer.demo", "main", "run a short fully-async RL job on CPU"),
+    "plan": ("ckpt_engine.plan.cli", "main", "predict a sync's time on a given cluster (stages, bottleneck)"),
 }
 
 
@@ -24,7 +25,13 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(lines))
         return 0 if args and args[0] in ("-h", "--help") else 2
     module, func, _ = COMMANDS[args[0]]
-    return int(getattr(importlib.import_module(module), func)(args[1:]) or 0)
+    from ckpt_engine.config import ConfigError
+
+    try:
+        return int(getattr(importlib.import_module(module), func)(args[1:]) or 0)
+    except ConfigError as exc:  # bad input that a subcommand did not catch: one line, no traceback
+        print(f"ckpt-engine {args[0]}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ Hydra users pass them on the command line.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,11 +24,16 @@ __all__ = [
     "PAUSE_MODES",
     "apply_overrides",
     "config_from_mapping",
+    "init_keywords",
     "load_config",
     "load_mapping",
 ]
 
 PAUSE_MODES = ("keep", "abort", "none")
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""Longest wait a config may ask for (a week): longer ones overflow the timers that enforce it."""
+_SET_BY_THE_SESSION = ("bucket_size_bytes", "num_buffers", "timeout_s", "verify")
+"""Backend constructor arguments that come from the config's own fields, not from engine_kwargs."""
 
 
 class ConfigError(ValueError):
@@ -70,9 +77,8 @@ class CheckpointEngineConfig:
         _check_type("checkpoint_engine.num_buffers", self.num_buffers, int)
         if self.num_buffers < 2:
             raise ConfigError(f"checkpoint_engine.num_buffers must be >= 2 (one packs while one sends), got {self.num_buffers}")
-        _check_number("checkpoint_engine.timeout_s", self.timeout_s)
-        if not self.timeout_s > 0:
-            raise ConfigError(f"checkpoint_engine.timeout_s must be > 0, got {self.timeout_s}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # NaN fails too
+            raise ConfigError(f"checkpoint_engine.timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {self.timeout_s!r}")
         _check_type("checkpoint_engine.verify", self.verify, bool)
         if self.pause_mode not in PAUSE_MODES:
             raise ConfigError(f"checkpoint_engine.pause_mode must be one of {', '.join(PAUSE_MODES)}, got {self.pause_mode!r}")
@@ -80,6 +86,33 @@ class CheckpointEngineConfig:
             isinstance(k, str) and isinstance(v, dict) for k, v in self.engine_kwargs.items()
         ):
             raise ConfigError("checkpoint_engine.engine_kwargs must map backend names to dicts of keyword arguments")
+        for name, kwargs in self.engine_kwargs.items():
+            _check_engine_kwargs(name, kwargs, known)
+
+    def check_memory(self, device: str | None = None) -> None:
+        """Refuse a bucket size whose buffers cannot fit in `device`'s free memory (before any engine joins).
+
+        `device` defaults to the backend's: CUDA for nccl, host memory otherwise.
+        A sync allocates `num_buffers` buckets on the sender and on every receiver; finding out at
+        the join costs a timeout and a misleading error far from the setting."""
+        if self.bucket_size_bytes is None:
+            return  # sized from free memory at the first sync
+        if device is None:
+            from ckpt_engine.registry import CheckpointEngineRegistry
+
+            try:
+                device = "cuda" if CheckpointEngineRegistry.resolve_name(self.backend) == "nccl" else "cpu"
+            except Exception:  # no device to detect: nothing to check against
+                return
+        need = self.bucket_size_bytes * self.num_buffers
+        free = _free_bytes(device)
+        if free is not None and need > free:
+            most = max(0.0, free / self.num_buffers / (1 << 20))
+            raise ConfigError(
+                f"checkpoint_engine.bucket_size_mb={self.bucket_size_mb}: {self.num_buffers} buffers need {need / (1 << 30):.2f} GiB "
+                f"but {device} has {free / (1 << 30):.2f} GiB free; allowed: at most {most:.0f} MiB with num_buffers={self.num_buffers}, "
+                "or leave it unset to size buckets from free memory"
+            )
 
     @property
     def bucket_size_bytes(self) -> int | None:
@@ -97,8 +130,61 @@ def _check_type(name: str, value: Any, typ: type) -> None:
 
 
 def _check_number(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {type(value).__name__} {value!r}")
+
+
+def init_keywords(cls: type) -> set[str] | None:
+    """Keyword names a backend's constructor accepts, following `**kwargs` to its parents (None: any)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass is object:
+            return None  # **kwargs all the way up: the backend takes anything
+        if "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        names |= {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"}
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            return names
+    return names
+
+
+def _check_engine_kwargs(backend: str, kwargs: dict[str, Any], known: list[str]) -> None:
+    """Unknown options are refused now, not at the first sync (where they fail after engines paused)."""
+    from ckpt_engine.registry import CheckpointEngineRegistry
+
+    where = f"checkpoint_engine.engine_kwargs.{backend}"
+    if backend not in known:
+        raise ConfigError(f"{where}: {backend!r} is not a backend; allowed: {', '.join(known)}")
+    try:
+        cls = CheckpointEngineRegistry.get(backend)
+    except Exception:  # not importable here (e.g. hccl without torch_npu): checked where it runs
+        return
+    allowed = init_keywords(cls)
+    if allowed is None:
+        return
+    allowed -= set(_SET_BY_THE_SESSION)
+    unknown = sorted(set(kwargs) - allowed)
+    if unknown:
+        raise ConfigError(f"{where}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+
+
+def _free_bytes(device: str) -> int | None:
+    """Free memory of `device` ("cpu", "cuda", "cuda:1"), or None when it cannot be told."""
+    try:
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                return None
+            return int(torch.cuda.mem_get_info(torch.device(device))[0])
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, RuntimeError):
+        return None
+    return None
 
 
 def load_mapping(source: str | os.PathLike[str] | Mapping[str, Any] | None) -> dict[str, Any]:
@@ -110,10 +196,22 @@ def load_mapping(source: str | os.PathLike[str] | Mapping[str, Any] | None) -> d
     path = Path(source)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_yaml_problem(exc)}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     return data
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: what YAML found and where (its own message spans several lines)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else str(problem)
 
 
 def _deep_copy(m: Mapping[str, Any]) -> dict[str, Any]:
@@ -133,7 +231,10 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
             if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
             node = child
-        node[parts[-1]] = yaml.safe_load(text) if text else ""
+        try:
+            node[parts[-1]] = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {item!r}: the value is not a YAML scalar, list or map: {_yaml_problem(exc)}") from None
     return data
 
 
@@ -142,11 +243,14 @@ T = TypeVar("T")
 
 def config_from_mapping(cls: type[T], data: Mapping[str, Any] | None, section: str) -> T:
     """Build dataclass `cls` from `data[section]`, rejecting unknown keys by name."""
-    values = dict(data.get(section) or {}) if data else {}
-    if not isinstance(values, dict):
-        raise ConfigError(f"{section} must be a mapping, got {type(values).__name__}")
+    raw = data.get(section) if data else None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{section} must be a mapping of its fields (e.g. {section}.<field>=value), got {type(raw).__name__} {raw!r:.60}")
+    values = dict(raw)
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(values) - fields)
+    unknown = sorted(str(k) for k in set(values) - fields)
     if unknown:
         raise ConfigError(f"unknown key(s) under {section}: {', '.join(unknown)}; allowed: {', '.join(sorted(fields))}")
     try:

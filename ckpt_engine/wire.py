@@ -3,31 +3,40 @@
 Used between the sync controller and out-of-process receivers (and the daemon). Requests are
 `{"id": int, "method": str, "params": map}`; replies `{"id": int, "ok": bool, "result"|"error": ...}`.
 Frames are size-checked before they are read and decoded without extension types: a garbled or
-hostile peer gets an error reply or a closed socket, never code execution.
+hostile peer gets an error reply or a closed socket, never code execution. The server side is
+`ckpt_engine.control_server` (token, connection caps, deadlines); this module holds the framing
+and the client.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import select
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import msgpack
 
-__all__ = ["RpcClient", "RpcError", "RpcServer", "WireError", "recv_frame", "send_frame"]
+__all__ = ["MAX_FRAME_BYTES", "RpcClient", "RpcError", "WireError", "recv_frame", "send_frame"]
 
 logger = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 512 * 1024 * 1024
+"""Largest reply a client accepts (a reference receiver's `get_tensor` may carry a large tensor)."""
 _HEADER = struct.Struct("!I")
 
 
 class WireError(ConnectionError):
-    """The peer closed, timed out, or sent a frame that is not a valid message."""
+    """The peer closed, timed out, or sent a frame that is not a valid message (`garbled`)."""
+
+    def __init__(self, message: str, *, garbled: bool = False, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.garbled, self.timed_out = garbled, timed_out
 
 
 class RpcError(RuntimeError):
@@ -45,10 +54,20 @@ def send_frame(sock: socket.socket, obj: Any) -> None:
     sock.sendall(_HEADER.pack(len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
     chunks, got = [], 0
     while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WireError("frame not complete before its deadline", timed_out=True)
+            sock.settimeout(left)
+        try:
+            chunk = sock.recv(min(n - got, 1 << 20))
+        except socket.timeout:
+            if deadline is None:
+                raise
+            raise WireError("frame not complete before its deadline", timed_out=True) from None
         if not chunk:
             raise WireError("peer closed the connection")
         chunks.append(chunk)
@@ -56,92 +75,51 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def recv_frame(sock: socket.socket) -> Any:
-    (n,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if n > MAX_FRAME_BYTES:
-        raise WireError(f"peer announced a {n}-byte frame, over the {MAX_FRAME_BYTES}-byte limit")
+def recv_frame(
+    sock: socket.socket,
+    *,
+    max_bytes: int = MAX_FRAME_BYTES,
+    first_byte_by: float | None = None,
+    frame_timeout_s: float | None = None,
+    frame_by: float | None = None,
+    on_first_byte: Callable[[], None] | None = None,
+) -> Any:
+    """One message. Deadlines are `time.monotonic()` values: the first byte must arrive by
+    `first_byte_by`; the whole frame by `frame_by` and within `frame_timeout_s` of its first byte
+    (whichever is earlier). Without them the socket's own timeout bounds each read."""
+    first = _recv_exact(sock, 1, first_byte_by)
+    if on_first_byte is not None:
+        on_first_byte()
+    deadline = frame_by
+    if frame_timeout_s is not None:
+        by = time.monotonic() + frame_timeout_s
+        deadline = by if deadline is None else min(deadline, by)
+    (n,) = _HEADER.unpack(first + _recv_exact(sock, _HEADER.size - 1, deadline))
+    if n > max_bytes:
+        raise WireError(f"peer announced a {n}-byte frame, over the {max_bytes}-byte limit", garbled=True)
+    body = _recv_exact(sock, n, deadline)
     try:
-        return msgpack.unpackb(_recv_exact(sock, n), raw=False, strict_map_key=True, max_ext_len=0)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
-        raise WireError(f"garbled message: {exc}") from None
-
-
-class RpcServer:
-    """Serves `handlers[method](**params)` to any number of clients, one thread per connection."""
-
-    def __init__(
-        self, handlers: dict[str, Callable[..., Any]], host: str = "127.0.0.1", port: int = 0, idle_timeout_s: float = 3600.0
-    ) -> None:
-        self.handlers = handlers
-        self.idle_timeout_s = idle_timeout_s
-        self._sock = socket.create_server((host, port))
-        self.host, self.port = self._sock.getsockname()[:2]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name="ckpt-rpc-accept", daemon=True)
-
-    def start(self) -> RpcServer:
-        self._thread.start()
-        return self
-
-    def close(self) -> None:
-        self._stop.set()
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), name="ckpt-rpc-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(self.idle_timeout_s)  # a silent or half-sent client cannot pin this thread forever
-        with conn:
-            while not self._stop.is_set():
-                try:
-                    req = recv_frame(conn)
-                except (WireError, OSError):
-                    return
-                reply = self._dispatch(req)
-                try:
-                    send_frame(conn, reply)
-                except (WireError, OSError):
-                    return
-
-    def _dispatch(self, req: Any) -> dict[str, Any]:
-        if (
-            not isinstance(req, dict)
-            or set(req) != {"id", "method", "params"}
-            or not isinstance(req["id"], int)
-            or not isinstance(req["method"], str)
-            or not isinstance(req["params"], dict)
-        ):
-            return {"id": -1, "ok": False, "error": {"type": "ProtocolError", "message": "request must be {id, method, params}"}}
-        handler = self.handlers.get(req["method"])
-        if handler is None:
-            msg = f"unknown method {req['method']!r}; known: {', '.join(sorted(self.handlers))}"
-            return {"id": req["id"], "ok": False, "error": {"type": "ProtocolError", "message": msg}}
-        try:
-            return {"id": req["id"], "ok": True, "result": handler(**req["params"])}
-        except Exception as exc:
-            logger.debug("rpc %s failed", req["method"], exc_info=True)
-            return {"id": req["id"], "ok": False, "error": {"type": type(exc).__name__, "message": str(exc)}}
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several types for garbage; none may escape
+        raise WireError(f"garbled message: {type(exc).__name__}: {exc}", garbled=True) from None
 
 
 class RpcClient:
-    """One connection, one call at a time (a lock serializes callers); every call has a timeout."""
+    """One connection, one call at a time (a lock serializes callers); every call has a timeout.
 
-    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+    With `token`, every request carries it as `params.token` (control ports refuse requests
+    without the job token)."""
+
+    def __init__(self, host: str, port: int, timeout_s: float, token: str | None = None) -> None:
         self.host, self.port, self.timeout_s = host, port, timeout_s
+        self.token = token
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._sock: socket.socket | None = None
 
     def _connect(self, timeout_s: float) -> socket.socket:
+        if self._sock is not None and _closed_by_peer(self._sock):
+            self.close_locked()  # the server cut an idle connection; start a fresh one
         if self._sock is None:
             self._sock = socket.create_connection((self.host, self.port), timeout=timeout_s)
         return self._sock
@@ -155,12 +133,15 @@ class RpcClient:
                 sock = self._connect(timeout)
                 sock.settimeout(timeout)
                 req_id = next(self._ids)
+                if self.token is not None:
+                    params.setdefault("token", self.token)
                 send_frame(sock, {"id": req_id, "method": method, "params": params})
-                reply = recv_frame(sock)
+                deadline = time.monotonic() + timeout
+                reply = recv_frame(sock, first_byte_by=deadline, frame_by=deadline)
             except (OSError, WireError) as exc:
                 self.close_locked()
-                if isinstance(exc, socket.timeout):
-                    raise WireError(f"{method}: no reply from {self.host}:{self.port} within {timeout}s") from exc
+                if isinstance(exc, socket.timeout) or getattr(exc, "timed_out", False):
+                    raise WireError(f"{method}: no reply from {self.host}:{self.port} within {timeout}s", timed_out=True) from exc
                 raise WireError(f"{method}: {self.host}:{self.port}: {exc}") from exc
         finally:
             self._lock.release()
@@ -181,3 +162,12 @@ class RpcClient:
     def close(self) -> None:
         with self._lock:
             self.close_locked()
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """True when the peer has closed (or reset) an idle connection: a zero-wait peek sees EOF."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True

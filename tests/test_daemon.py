@@ -24,6 +24,8 @@ pytestmark = pytest.mark.timeout(180)
 
 NUM_TENSORS = 8
 TIMEOUT_S = 20.0
+JOB_TOKEN = "test-daemon-job-token"
+"""Engines demand their job's token; the daemons of these tests hold it too."""
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -46,7 +48,7 @@ class Receivers:
         self.all: list[TorchRefRollout] = []
 
     def spawn(self, name: str, load_delay_s: float = 0.0) -> TorchRefRollout:
-        r = TorchRefRollout.spawn(name, spec_file=self.spec_file, load_delay_s=load_delay_s, timeout_s=TIMEOUT_S)
+        r = TorchRefRollout.spawn(name, spec_file=self.spec_file, load_delay_s=load_delay_s, timeout_s=TIMEOUT_S, token=JOB_TOKEN)
         self.all.append(r)
         return r
 
@@ -68,7 +70,7 @@ def config() -> CheckpointEngineConfig:
 
 @pytest.fixture
 def daemon(receivers: Receivers) -> Iterator[WeightSyncDaemon]:  # closes before the receivers
-    d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, health_interval_s=0.5))
+    d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, health_interval_s=0.5), token=JOB_TOKEN)
     d.serve()
     yield d
     d.close()
@@ -102,7 +104,7 @@ def test_versions_increase_and_membership(daemon: WeightSyncDaemon, receivers: R
         for r in (r0, r1):
             assert_holds(r, sd, v)
     assert daemon.pending() == []
-    with pytest.raises(ValueError, match="version must be an int >= the current version 2"):
+    with pytest.raises(ValueError, match="at least the current version 2"):
         daemon.sync(StateDictSource(sds[1]), version=1)
 
     # A new engine joins between syncs: it stays paused until a catch-up of the current version.
@@ -192,7 +194,7 @@ def test_dead_engine_between_syncs_is_dropped_quickly(daemon: WeightSyncDaemon, 
 
 
 def test_heartbeat_timeout_drops_silent_engine(receivers: Receivers) -> None:
-    d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=1.0, health_interval_s=0.2))
+    d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=1.0, health_interval_s=0.2), token=JOB_TOKEN)
     try:
         r = receivers.spawn("r0")
         d.register("r0", descriptor(r))
@@ -215,7 +217,7 @@ def test_rejecting_engine_is_dropped_and_others_sync(daemon: WeightSyncDaemon, r
     other_spec = tmp_path / "other.msgpack"
     write_spec_file(other_spec, StateDictSource({"something.else": torch.zeros(3)}).metadata())
     good = receivers.spawn("good")
-    bad = TorchRefRollout.spawn("bad", spec_file=str(other_spec), timeout_s=TIMEOUT_S)
+    bad = TorchRefRollout.spawn("bad", spec_file=str(other_spec), timeout_s=TIMEOUT_S, token=JOB_TOKEN)
     receivers.all.append(bad)
     daemon.register("good", descriptor(good))
     daemon.register("bad", descriptor(bad))

@@ -31,6 +31,7 @@ from ckpt_engine.wire import RpcError, WireError
 pytestmark = pytest.mark.timeout(180)
 
 TIMEOUT_S = 20.0
+JOB_TOKEN = "test-protocol-job-token"
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -53,8 +54,8 @@ def spawned(spec_file: str) -> Iterator[list[TorchRefRollout]]:
         r.close()
 
 
-def spawn(spawned: list[TorchRefRollout], spec_file: str, name: str) -> TorchRefRollout:
-    r = TorchRefRollout.spawn(name, spec_file=spec_file, timeout_s=TIMEOUT_S)
+def spawn(spawned: list[TorchRefRollout], spec_file: str, name: str, token: str = JOB_TOKEN) -> TorchRefRollout:
+    r = TorchRefRollout.spawn(name, spec_file=spec_file, timeout_s=TIMEOUT_S, token=token)
     spawned.append(r)
     return r
 
@@ -69,7 +70,7 @@ def config() -> CheckpointEngineConfig:
 
 @pytest.fixture
 def daemon() -> Iterator[WeightSyncDaemon]:
-    d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, idle_timeout_s=1.0, max_frame_bytes=64 * 1024))
+    d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, idle_timeout_s=1.0, handshake_timeout_s=1.0, max_frame_bytes=64 * 1024))
     d.serve()
     yield d
     d.close()
@@ -189,8 +190,8 @@ def test_two_daemons_on_one_host_do_not_cross(spawned: list[TorchRefRollout], sp
         cross = DaemonClient(b.address, a.token, 10)  # job A's token sent to job B's daemon
         with pytest.raises(RpcError, match="wrong job token"):
             cross.register("a0", {"kind": "torch_ref", "host": "127.0.0.1", "port": 1})
-        ra = [spawn(spawned, spec_file, f"e{i}") for i in range(2)]  # same engine names in both jobs
-        rb = [spawn(spawned, spec_file, f"e{i}") for i in range(2)]
+        ra = [spawn(spawned, spec_file, f"e{i}", a.token) for i in range(2)]  # same engine names in both jobs
+        rb = [spawn(spawned, spec_file, f"e{i}", b.token) for i in range(2)]
         for r in ra:
             ca.register(r.name, descriptor(r))
         for r in rb:
@@ -222,7 +223,7 @@ def start_serve(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], str
     cfg = tmp_path / "job.yaml"
     cfg.write_text("checkpoint_engine:\n  backend: gloo\n  bucket_size_mb: 0.25\n  timeout_s: 20\ndaemon:\n  health_interval_s: 0.5\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(cfg), *extra],
+        [sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(cfg), "--token", JOB_TOKEN, *extra],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
     assert proc.stdout is not None

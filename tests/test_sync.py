@@ -11,7 +11,7 @@ import torch
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession, sync_rollout_weights
 from ckpt_engine.backends.gloo import GlooCheckpointEngine
-from ckpt_engine.rollout_adapters.base import ManifestRejectedError
+from ckpt_engine import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sync import close_sessions
 from ckpt_engine.weights import StateDictSource
@@ -72,7 +72,8 @@ def test_two_syncs_land_bit_exact_and_reuse_the_group(session: WeightSyncSession
     [
         (lambda sd: sd.__setitem__("not_in_engine", torch.zeros(2)), r"engines 'ref0', 'ref1' rejected the manifest: ref0: not_in_engine: the engine has no such tensor"),
         (lambda sd: sd.__setitem__("fp32", torch.zeros(33, 18)), r"fp32: shape \[33, 18\] but the engine holds \[33, 17\]"),
-        (lambda sd: sd.__setitem__("int64", torch.zeros(129, dtype=torch.int32)), r"int64: dtype int32 but the engine holds int64"),
+        (lambda sd: sd.__setitem__("int64", torch.zeros(129, dtype=torch.int32)), r"int64: dtype int32 but the engine holds int64; cast it to int64"),
+        (lambda sd: sd.__setitem__("fp32", sd["fp32"].double()), r"fp32: dtype float64 but the engine holds float32; send it as float32: StateDictSource\(\.\.\., dtype=torch\.float32\)"),
     ],
 )
 def test_rejected_manifest_moves_nothing(session: WeightSyncSession, engines: list[TorchRefRollout], change, match: str) -> None:
@@ -178,7 +179,7 @@ def test_receiver_killed_mid_sync_is_named_within_the_timeout(spec_file: str) ->
         assert "slow1" in errors[0].failed and "died" in errors[0].failed["slow1"]
         assert elapsed < timeout_s * 2.5
         h = slow[0].health()
-        assert h["version"] == 1 and h["stale"] is True  # the survivor never serves a half-new state
+        assert h["version"] is None and h["stale"] is True  # the survivor holds no complete version, never serves a half-new state
     finally:
         session.close()
         for r in slow:

@@ -8,12 +8,15 @@ import struct
 import msgpack
 import pytest
 
-from ckpt_engine.wire import RpcClient, RpcError, RpcServer, WireError, recv_frame, send_frame
+from ckpt_engine.control_server import ControlLimits, RpcServer
+from ckpt_engine.wire import RpcClient, RpcError, WireError, recv_frame, send_frame
+
+TOKEN = "wire-test-token"
 
 
 @pytest.fixture()
 def server():
-    srv = RpcServer({"add": lambda a, b: a + b, "boom": lambda: 1 / 0}, idle_timeout_s=5).start()
+    srv = RpcServer({"add": lambda a, b: a + b, "boom": lambda: 1 / 0}, token=TOKEN, limits=ControlLimits(idle_timeout_s=5)).start()
     yield srv
     srv.close()
 
@@ -25,7 +28,7 @@ def _raw(server: RpcServer, payload: bytes) -> socket.socket:
 
 
 def test_calls_and_remote_errors(server: RpcServer) -> None:
-    client = RpcClient(server.host, server.port, timeout_s=5)
+    client = RpcClient(server.host, server.port, timeout_s=5, token=TOKEN)
     assert client.call("add", a=2, b=3) == 5
     with pytest.raises(RpcError, match="boom: ZeroDivisionError"):
         client.call("boom")
@@ -41,16 +44,17 @@ def test_hostile_frames_are_refused_and_server_keeps_serving(server: RpcServer) 
     with _raw(server, b"") as sock:
         send_frame(sock, [1, 2, 3])
         assert recv_frame(sock)["error"]["type"] == "ProtocolError"
-    # Garbled msgpack, an extension type, an oversized header: the connection is closed.
+    # Garbled msgpack, an extension type, an oversized header: an error reply, then the connection is closed.
     for payload in (
         struct.pack("!I", 4) + b"\xc1\xc1\xc1\xc1",
         struct.pack("!I", 4) + msgpack.packb(msgpack.ExtType(5, b"xy")),
         struct.pack("!I", 0xFFFFFFFF),
     ):
         with _raw(server, payload) as sock:
+            assert recv_frame(sock)["error"]["type"] == "ProtocolError"
             with pytest.raises((WireError, OSError)):
                 recv_frame(sock)
-    client = RpcClient(server.host, server.port, timeout_s=5)
+    client = RpcClient(server.host, server.port, timeout_s=5, token=TOKEN)
     assert client.call("add", a=1, b=1) == 2
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import inspect
 import json
 import os
 import statistics
@@ -25,6 +24,8 @@ from rich.table import Table
 from tqdm import tqdm
 
 from ckpt_engine.benchmark.presets import PRESETS, checkpoint_specs, load_preset_config
+from ckpt_engine.cli_args import OneLineParser, above_zero, at_least, seconds
+from ckpt_engine.config import init_keywords
 from ckpt_engine.registry import CheckpointEngineRegistry
 
 __all__ = ["MODES", "main", "run_bench"]
@@ -33,21 +34,21 @@ MODES = ("raw", "bucketed", "naive", "ours")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ckpt-engine bench", description=__doc__)
+    p = OneLineParser(prog="ckpt-engine bench", description=__doc__)
     p.add_argument("--preset", default="tiny", help=f"{', '.join(PRESETS)} or a path to an HF config.json")
-    p.add_argument("--layers", type=int, default=None, help="override the number of decoder layers")
+    p.add_argument("--layers", type=at_least(1), default=None, help="override the number of decoder layers (>= 1)")
     p.add_argument("--backend", default="auto", help="auto, gloo, nccl, ...")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--bucket-mb", type=float, default=None, help="bucket size in MiB (default: 1024 on CUDA, 64 on CPU, or the largest tensor if larger)")
-    p.add_argument("--buffers", type=int, default=2)
-    p.add_argument("--lanes", type=int, default=None, help="process groups the buckets alternate over (default: the backend's)")
-    p.add_argument("--receivers", type=int, default=1)
+    p.add_argument("--bucket-mb", type=above_zero, default=None, help="bucket size in MiB (default: 1024 on CUDA, 64 on CPU, or the largest tensor if larger)")
+    p.add_argument("--buffers", type=at_least(2), default=2, help="rotating buffers per side (>= 2)")
+    p.add_argument("--lanes", type=at_least(1), default=None, help="process groups the buckets alternate over (>= 1; default: the backend's)")
+    p.add_argument("--receivers", type=at_least(1), default=1)
     p.add_argument(
         "--in-place", action="store_true",
         help="receivers offer their tensors as destinations: tensors split over buckets are reassembled in place",
     )
     p.add_argument(
-        "--solo-mb", type=float, default=None,
+        "--solo-mb", type=at_least(0, float), default=None,
         help="tensors of at least this many MiB travel in a bucket of their own (default: the backend's; 0: never)",
     )
     p.add_argument(
@@ -56,9 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--profile", default=None, metavar="DIR", help="after timing, trace one more sync with torch.profiler (a Chrome trace per rank in DIR)")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=at_least(1), default=3)
     p.add_argument("--modes", default="raw,naive,ours", help="comma-separated subset of raw,bucketed,naive,ours (bucketed: raw in bucket-sized messages)")
-    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--timeout-s", type=seconds, default=600.0, help="bound on every wait, in (0, 604800] seconds")
     p.add_argument("--json", default=None, help="write results as JSON to this file ('-' for stdout)")
     return p
 
@@ -83,25 +84,13 @@ def parse_engine_kwargs(text: str) -> dict[str, Any]:
     return value
 
 
-def _init_keywords(cls: type) -> set[str]:
-    """Keyword names a backend's constructor accepts, following `**kwargs` up to its parents."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if "__init__" not in vars(klass):
-            continue
-        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
-        names |= {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"}
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            break
-    return names
-
-
 def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str, Any]:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     backend = CheckpointEngineRegistry.resolve_name(args.backend, device)
     engine_cls = CheckpointEngineRegistry.get(backend)  # fail early, with the list of backends
     if args.engine_kwargs is not None:
-        unknown = sorted(set(parse_engine_kwargs(args.engine_kwargs)) - _init_keywords(engine_cls))
+        allowed = init_keywords(engine_cls)
+        unknown = sorted(set(parse_engine_kwargs(args.engine_kwargs)) - allowed) if allowed is not None else []
         if unknown:
             raise ValueError(f"--engine-kwargs: {backend} takes no option(s) {', '.join(unknown)}")
     bucket_mb = args.bucket_mb if args.bucket_mb is not None else default_bucket_mb(args, device)
@@ -219,12 +208,11 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.receivers < 1 or args.iters < 1 or args.buffers < 2:
-        raise SystemExit("bench: --receivers and --iters must be >= 1 and --buffers >= 2")
+    parser = _parser()
+    args = parser.parse_args(argv)
     unknown = sorted(set(args.modes.split(",")) - set(MODES))
     if unknown:
-        raise SystemExit(f"bench: unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+        parser.error(f"argument --modes: unknown mode(s) {', '.join(unknown)}; allowed: {', '.join(MODES)}")
     try:
         summary = run_bench(args, show_progress=args.json != "-")
     except ValueError as exc:  # bad preset, backend or device: say what, no traceback

@@ -10,6 +10,7 @@ register with `register_engine_kind` or the `ckpt_engine.engine_kinds` entry-poi
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 import threading
 from collections.abc import Callable, Mapping
@@ -18,11 +19,14 @@ from typing import Any
 
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 
-__all__ = ["EngineKindRegistry", "make_adapter", "register_engine_kind", "torch_ref_factory", "vllm_factory"]
+__all__ = [
+    "EngineKindRegistry", "close_in_background", "close_quietly", "make_adapter", "register_engine_kind", "torch_ref_factory", "vllm_factory",
+]
 
 logger = logging.getLogger(__name__)
 
-AdapterFactory = Callable[[str, Mapping[str, Any], float], RolloutAdapter]
+AdapterFactory = Callable[..., RolloutAdapter]
+"""factory(name, params, timeout_s[, token=job token]) -> adapter; `token` is passed when accepted."""
 
 
 class EngineKindRegistry:
@@ -95,10 +99,18 @@ def register_engine_kind(kind: str, factory: AdapterFactory | str) -> None:
     EngineKindRegistry.register(kind, factory)
 
 
-def make_adapter(name: str, descriptor: Mapping[str, Any], timeout_s: float) -> RolloutAdapter:
-    """Build the adapter for a validated descriptor (`kind` plus that kind's params)."""
+def make_adapter(name: str, descriptor: Mapping[str, Any], timeout_s: float, *, token: str | None = None) -> RolloutAdapter:
+    """Build the adapter for a validated descriptor (`kind` plus that kind's params).
+
+    `token` is the job token: engines whose control port demands it (torch_ref) get it; it never
+    travels in the descriptor, which status shows."""
     params = {k: v for k, v in descriptor.items() if k != "kind"}
-    adapter = EngineKindRegistry.get(descriptor["kind"])(name, params, timeout_s)
+    factory = EngineKindRegistry.get(descriptor["kind"])
+    try:
+        takes_token = "token" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        takes_token = False
+    adapter = factory(name, params, timeout_s, token=token) if takes_token else factory(name, params, timeout_s)
     if not isinstance(adapter, RolloutAdapter):
         raise TypeError(f"engine kind {descriptor['kind']!r} produced {type(adapter).__name__}, not a RolloutAdapter")
     return adapter
@@ -110,8 +122,8 @@ def _check_keys(kind: str, params: Mapping[str, Any], allowed: tuple[str, ...]) 
         raise ValueError(f"{kind} engine descriptor: unknown key(s) {', '.join(unknown)}; allowed: kind, {', '.join(allowed)}")
 
 
-def torch_ref_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> RolloutAdapter:
-    """A reference receiver reachable at `host`:`port` (the daemon does not own its process)."""
+def torch_ref_factory(name: str, params: Mapping[str, Any], timeout_s: float, token: str | None = None) -> RolloutAdapter:
+    """A reference receiver reachable at `host`:`port`, started with this job's token (the daemon does not own its process)."""
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 
     _check_keys("torch_ref", params, ("host", "port"))
@@ -120,7 +132,7 @@ def torch_ref_factory(name: str, params: Mapping[str, Any], timeout_s: float) ->
         raise ValueError(f"torch_ref engine descriptor: host must be a non-empty string, got {host!r:.80}")
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
         raise ValueError(f"torch_ref engine descriptor: port must be an int in [1, 65535], got {port!r:.80}")
-    return TorchRefRollout(name, host, port, None, timeout_s)
+    return TorchRefRollout(name, host, port, None, timeout_s, token=token)
 
 
 def vllm_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> RolloutAdapter:
@@ -142,3 +154,26 @@ def vllm_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> Roll
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or not 0 < world_size <= 4096):
         raise ValueError(f"vllm engine descriptor: world_size must be an int in [1, 4096], got {world_size!r:.80}")
     return VllmServerRollout(name, url, timeout_s=timeout_s, world_size=world_size)
+
+
+def close_quietly(adapter: RolloutAdapter) -> None:
+    try:
+        adapter.close()
+    except Exception as exc:
+        logger.debug("closing adapter %s: %s", getattr(adapter, "name", "?"), exc)
+
+
+def close_in_background(adapter: RolloutAdapter, *, close: bool, release: bool) -> None:
+    """Release the engine (ownership) and/or close the adapter without waiting: the adapter may
+    still be inside a call on a failed engine."""
+
+    def run() -> None:
+        if release and hasattr(adapter, "release"):
+            try:
+                adapter.release()  # type: ignore[attr-defined]
+            except Exception as exc:
+                logger.debug("releasing engine %s: %s", getattr(adapter, "name", "?"), exc)
+        if close:
+            close_quietly(adapter)
+
+    threading.Thread(target=run, name="ckpt-adapter-close", daemon=True).start()

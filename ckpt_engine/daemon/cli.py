@@ -10,7 +10,6 @@ token comes from `--token`, else `$CKPT_ENGINE_TOKEN`, else a fresh random one.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -19,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from ckpt_engine.cli_args import OneLineParser, port_number, seconds
 
 __all__ = ["READY_PREFIX", "serve_main", "status_main"]
 
@@ -32,10 +33,10 @@ def serve_main(argv: list[str] | None = None) -> int:
     from ckpt_engine.daemon.config import DaemonConfig
     from ckpt_engine.daemon.coordinator import WeightSyncDaemon
 
-    p = argparse.ArgumentParser(prog="ckpt-engine serve", description="run the weight-sync daemon (membership, versions, status)")
+    p = OneLineParser(prog="ckpt-engine serve", description="run the weight-sync daemon (membership, versions, status)")
     p.add_argument("--config", help="job YAML (sections checkpoint_engine, daemon, ...)")
     p.add_argument("--host", help="bind address (overrides daemon.host)")
-    p.add_argument("--port", type=int, help="control port, 0 = free port from the OS (overrides daemon.port)")
+    p.add_argument("--port", type=port_number, help="control port in [0, 65535], 0 = free port from the OS (overrides daemon.port)")
     p.add_argument("--token", help="per-job token every request must carry (default: $CKPT_ENGINE_TOKEN or random)")
     p.add_argument("--token-file", help="also write the token to this file (mode 0600)")
     p.add_argument("--log-level", default=os.environ.get("CKPT_ENGINE_LOG", "INFO"))
@@ -53,9 +54,13 @@ def serve_main(argv: list[str] | None = None) -> int:
     try:
         daemon = WeightSyncDaemon(ce, dc, token=token, role="standalone")
     except ValueError as exc:
-        print(f"ckpt-engine serve: {exc}", file=sys.stderr)
+        print(f"ckpt-engine serve: {'--token: ' if 'token' in str(exc) else ''}{exc}", file=sys.stderr)
         return 2
-    server = daemon.serve(args.host, args.port)
+    try:
+        server = daemon.serve(args.host, args.port)
+    except ValueError as exc:  # the address is taken or cannot be bound
+        print(f"ckpt-engine serve: --host/--port (daemon.host/daemon.port): {exc}; pick another port, or 0 for a free one", file=sys.stderr)
+        return 2
     daemon.start_monitor()
     if args.token_file:
         path = Path(args.token_file)
@@ -81,10 +86,10 @@ def status_main(argv: list[str] | None = None) -> int:
     from ckpt_engine.daemon.client import DaemonClient
     from ckpt_engine.wire import RpcError, WireError
 
-    p = argparse.ArgumentParser(prog="ckpt-engine status", description="show a daemon's engines, versions, last sync and health")
+    p = OneLineParser(prog="ckpt-engine status", description="show a daemon's engines, versions, last sync and health")
     p.add_argument("--address", required=True, help="host:port the daemon printed")
     p.add_argument("--token", default=os.environ.get("CKPT_ENGINE_TOKEN"), help="the job token (default: $CKPT_ENGINE_TOKEN)")
-    p.add_argument("--timeout-s", type=float, default=10.0)
+    p.add_argument("--timeout-s", type=seconds, default=10.0, help="bound on the request, in (0, 604800] seconds")
     p.add_argument("--json", action="store_true", help="print the raw status map as JSON")
     args = p.parse_args(argv)
     if not args.token:
@@ -92,6 +97,10 @@ def status_main(argv: list[str] | None = None) -> int:
         return 2
     try:
         client = DaemonClient(args.address, args.token, timeout_s=args.timeout_s)
+    except ValueError as exc:
+        print(f"ckpt-engine status: --address: {exc}", file=sys.stderr)
+        return 2
+    try:
         status = client.status()
         client.close()
     except (ValueError, WireError, RpcError) as exc:
@@ -137,9 +146,9 @@ def render_status(status: dict[str, Any]) -> None:
         if "error" in health:
             health_text = f"[red]{health['error']}[/red]"
         else:
-            health_text = ", ".join(f"{k}={v}" for k, v in health.items() if k in ("version", "paused", "stale", "buckets_received"))
+            health_text = ", ".join(f"{k}={v}" for k, v in health.items() if k in ("version", "paused", "stale", "receiving", "buckets_received"))
         state = e.get("state")
-        colour = {"serving": "green", "pending": "yellow", "stale": "red"}.get(str(state), "white")
+        colour = {"serving": "green", "pending": "yellow", "paused": "yellow", "stale": "red"}.get(str(state), "white")
         engines.add_row(str(e.get("name")), where, f"[{colour}]{state}[/{colour}]", str(e.get("version")), f"{e.get('last_seen_s', 0):.1f} s ago", health_text)
     console.print(engines)
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import socket
 import threading
+import time
 from typing import Any
 
-from ckpt_engine.wire import RpcClient, WireError
+from ckpt_engine.wire import RpcClient, RpcError, WireError
 
 __all__ = ["DaemonClient", "HeartbeatSender", "parse_address"]
 
@@ -25,7 +25,8 @@ class DaemonClient:
     """One connection to a daemon; every call carries the job token and has a timeout.
 
     Calls are idempotent (register replaces by name, report_sync is keyed by version), so a call
-    that fails on a connection the daemon closed (idle timeout, restart) is retried once.
+    that fails on a connection the daemon closed (idle timeout, restart, a newcomer took the
+    slot of this idle connection) is retried once.
     """
 
     def __init__(self, address: str | tuple[str, int], token: str, timeout_s: float = 30.0) -> None:
@@ -39,10 +40,21 @@ class DaemonClient:
         return f"{self.host}:{self.port}"
 
     def call(self, method: str, **params: Any) -> Any:
+        """One request; waits (up to `timeout_s`) while every connection slot is mid-request."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                return self._call_once(method, **params)
+            except RpcError as exc:
+                if exc.remote_type != "ConnectionLimit" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def _call_once(self, method: str, **params: Any) -> Any:
         try:
             return self._rpc.call(method, token=self.token, **params)
         except WireError as exc:
-            if isinstance(exc.__cause__, socket.timeout):
+            if exc.timed_out:  # the daemon is slow, not gone: a retry would only double the wait
                 raise
             logger.debug("retrying %s after a connection error: %s", method, exc)
             return self._rpc.call(method, token=self.token, **params)

@@ -7,9 +7,11 @@ daemon with dotted overrides such as `daemon.heartbeat_timeout_s=10`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ckpt_engine.config import ConfigError
+from ckpt_engine.control_server import ControlLimits
 
 __all__ = ["DaemonConfig"]
 
@@ -30,10 +32,19 @@ class DaemonConfig:
     """After a sync loses engines, re-sync the survivors to the same version up to this many times."""
     catch_up: bool = True
     """The trainer syncs right away (instead of at the next `sync_every`) when an engine waits for weights."""
+    engine_lease_s: float = 60.0
+    """An engine this daemon claimed stays its own while the daemon was heard from within this
+    (every health probe and control call renews it); released at once on leave or close."""
     max_connections: int = 64
-    """Concurrent control connections; more are refused so a flood cannot exhaust threads."""
+    """Authenticated control connections; at the cap the longest-idle one is closed for a newcomer."""
+    max_unauthenticated: int = 64
+    """Connections that have not yet shown the token; at the cap the oldest is cut for a newcomer."""
+    handshake_timeout_s: float = 5.0
+    """A new control connection must deliver a request with the job token within this, or is cut."""
+    frame_timeout_s: float = 30.0
+    """A request whose first byte arrived must be complete within this (trickled bytes do not reset it)."""
     idle_timeout_s: float = 300.0
-    """A control connection silent this long (or stuck mid-frame) is closed."""
+    """An authenticated control connection silent this long between requests is closed."""
     max_frame_bytes: int = 4 * 1024 * 1024
     """Largest control message accepted; control messages are small, so a big header is hostile."""
 
@@ -42,15 +53,27 @@ class DaemonConfig:
             raise ConfigError(f"daemon.host must be a non-empty string, got {self.host!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ConfigError(f"daemon.port must be an int in [0, 65535] (0 = free port from the OS), got {self.port!r}")
-        for name in ("heartbeat_timeout_s", "health_interval_s", "idle_timeout_s"):
+        for name in ("heartbeat_timeout_s", "health_interval_s", "idle_timeout_s", "engine_lease_s", "handshake_timeout_s", "frame_timeout_s"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"daemon.{name} must be a number >= 0, got {value!r}")
-        if not self.health_interval_s > 0 or not self.idle_timeout_s > 0:
-            raise ConfigError("daemon.health_interval_s and daemon.idle_timeout_s must be > 0")
-        for name, low in (("max_resync_attempts", 0), ("max_connections", 1), ("max_frame_bytes", 1024)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"daemon.{name} must be a finite number of seconds >= 0, got {value!r}")
+        for name in ("health_interval_s", "idle_timeout_s", "engine_lease_s", "handshake_timeout_s", "frame_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"daemon.{name} must be > 0, got {getattr(self, name)!r}")
+        for name, low in (("max_resync_attempts", 0), ("max_connections", 1), ("max_unauthenticated", 1), ("max_frame_bytes", 1024)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"daemon.{name} must be an int >= {low}, got {value!r}")
         if not isinstance(self.catch_up, bool):
             raise ConfigError(f"daemon.catch_up must be a bool, got {self.catch_up!r}")
+
+    def limits(self) -> ControlLimits:
+        """The control server's limits."""
+        return ControlLimits(
+            max_connections=self.max_connections,
+            max_unauthenticated=self.max_unauthenticated,
+            handshake_timeout_s=self.handshake_timeout_s,
+            frame_timeout_s=self.frame_timeout_s,
+            idle_timeout_s=self.idle_timeout_s,
+            max_frame_bytes=self.max_frame_bytes,
+        )

@@ -17,9 +17,13 @@ Three ways to run it, one class:
 Fault handling in `sync()`: an engine named by a failed sync (died, timed out, rejected the
 manifest) is dropped from the membership, the broken group is torn down, the group is rebuilt
 from the survivors and the same version is pushed again, up to `daemon.max_resync_attempts`
-times. The caller gets a `SyncOutcome` saying what happened; nothing waits past the configured
+times. A weight source that raises is the source's fault: the outcome names the source and its
+exception, no engine is dropped, and engines that received part of the version stay paused and
+stale. The caller gets a `SyncOutcome` saying what happened; nothing waits past the configured
 timeouts. Engines that lack a complete version (new, returning or stale) stay paused and are
-listed by `pending()` until a sync covers them.
+listed by `pending()` until a sync covers them. Between syncs the health monitor takes each
+engine's own report of its state (paused, stale, complete version), so status stays truthful
+after a trainer died mid-sync. Engines belong to one group at a time (`daemon.ownership`).
 
 Collective contract with a sharded trainer: every sync attempt walks the weight source exactly
 once on the sender (however the attempt ended), and after each walk the sender calls
@@ -29,7 +33,6 @@ whether another walk follows (see `ckpt_engine.trainer.loop.follow_sync`).
 
 from __future__ import annotations
 
-import gc
 import logging
 import secrets
 import threading
@@ -38,21 +41,23 @@ from collections import deque
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-
 from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.daemon.adapters import make_adapter
+from ckpt_engine.daemon.adapters import close_in_background, close_quietly, make_adapter
 from ckpt_engine.daemon.config import DaemonConfig
-from ckpt_engine.daemon.membership import EngineRecord, EngineState, Membership
-from ckpt_engine.daemon.outcome import SyncOutcome, WalkBarrier, OneWalkPerAttempt
-from ckpt_engine.daemon.protocol import ProtocolError, check_engine_descriptor, check_engine_name, check_outcome
+from ckpt_engine.daemon.group import GroupKeeper, probe_members
+from ckpt_engine.daemon.membership import EngineRecord, EngineState, Membership, state_from_health
+from ckpt_engine.daemon.outcome import MOVED_DATA, OneWalkPerAttempt, SyncOutcome, WalkBarrier, blame_source, drop_tracebacks, summarize
+from ckpt_engine.daemon.ownership import adopt, claim_engine, describe, refusal, release_engine
+from ckpt_engine.daemon.protocol import PROTOCOL_VERSION, ProtocolError, check_engine_descriptor, check_engine_name, check_outcome
+from ckpt_engine.daemon.server import DaemonServer
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
-from ckpt_engine.sync import SyncError, WeightSyncSession
+from ckpt_engine.sync import SyncError
+from ckpt_engine.versions import check_version
 from ckpt_engine.weights import WeightSource
 
 if TYPE_CHECKING:
     from ckpt_engine.daemon.client import DaemonClient
-    from ckpt_engine.daemon.server import DaemonServer
 
 __all__ = ["SyncOutcome", "WeightSyncDaemon"]
 
@@ -77,12 +82,16 @@ class WeightSyncDaemon:
             raise ValueError("a standalone daemon is the membership authority; it cannot follow an upstream daemon")
         self.config = config if config is not None else CheckpointEngineConfig()
         self.daemon_config = daemon_config if daemon_config is not None else DaemonConfig()
+        if role == "embedded":
+            self.config.check_memory()  # the sender's buffers live here: refuse what cannot fit, before any join
         self.token = token if token is not None else secrets.token_hex(16)
         if not isinstance(self.token, str) or len(self.token) < 8:
             raise ValueError("the job token must be a string of at least 8 characters")
         self.role = role
         self.upstream = upstream
         self.rendezvous_host = rendezvous_host
+        self.group = secrets.token_hex(8)
+        """This job's weight-sync group id; a follower takes its standalone daemon's (see ownership)."""
         self.membership = Membership()
         self.version = 0
         self.manifest: BucketManifest | None = None
@@ -91,8 +100,9 @@ class WeightSyncDaemon:
         self.started_at = time.time()
         self._state_lock = threading.Lock()
         self._sync_lock = threading.Lock()
-        self._session: WeightSyncSession | None = None
-        self._session_key: tuple[tuple[str, int], ...] | None = None
+        self._generation = 0
+        """Bumped by every recorded sync; a health probe older than the last one is not applied."""
+        self._groups = GroupKeeper(self.config, rendezvous_host)
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self.server: DaemonServer | None = None
@@ -115,19 +125,24 @@ class WeightSyncDaemon:
                 raise ValueError(f"adapter is named {engine.name!r} but registers as {name!r}")
         else:
             descriptor = check_engine_descriptor(dict(engine))
-            adapter, owned = make_adapter(name, descriptor, self.config.timeout_s), True
+            adapter, owned = make_adapter(name, descriptor, self.config.timeout_s, token=self.token), True
+        old = self.membership.get(name)
         try:
             health = adapter.health()
+            claim_engine(adapter, self.group, self.daemon_config.engine_lease_s)
             adapter.pause(self._hold_mode())
         except Exception as exc:
             if owned:
-                _close_quietly(adapter)
-            raise ValueError(f"engine {name!r} ({_describe(descriptor)}) is unreachable: {exc}") from None
+                close_quietly(adapter)
+            raise ValueError(refusal(name, describe(descriptor), exc)) from None
         record = EngineRecord(name=name, engine=descriptor, adapter=adapter, owned=owned, health=health)
+        found = state_from_health(health)
+        if found is not None:  # a returning engine may still hold a complete version: paused, not serving
+            record.state, record.version = (EngineState.PAUSED, found[1]) if found[1] is not None else (found[0], None)
         old = self.membership.add(record)
-        if old is not None and old.owned and old.adapter is not None and old.adapter is not adapter:
-            _close_in_background(old.adapter)
-        logger.info("engine %s registered (%s); paused until it holds a version", name, _describe(descriptor))
+        if old is not None and old.adapter is not None and old.adapter is not adapter:
+            close_in_background(old.adapter, close=old.owned, release=False)
+        logger.info("engine %s registered (%s); paused until it holds a version", name, describe(descriptor))
         return record.to_dict()
 
     def leave(self, name: str) -> bool:
@@ -151,13 +166,17 @@ class WeightSyncDaemon:
             self._pull_upstream()
         return [r.name for r in self.membership.records() if r.state != EngineState.SERVING or r.version != self.version]
 
+    def hello(self) -> dict[str, Any]:
+        return {"protocol": PROTOCOL_VERSION, "role": self.role, "version": self.version, "epoch": self.membership.epoch, "group": self.group}
+
     def members(self) -> dict[str, Any]:
-        return {"epoch": self.membership.epoch, "version": self.version, "engines": self.membership.snapshot()}
+        return {"epoch": self.membership.epoch, "version": self.version, "group": self.group, "engines": self.membership.snapshot()}
 
     def status(self) -> dict[str, Any]:
         manifest = self.manifest
         return {
             "role": self.role,
+            "group": self.group,
             "address": self.address,
             "version": self.version,
             "epoch": self.membership.epoch,
@@ -187,8 +206,8 @@ class WeightSyncDaemon:
         if removed is None:
             return False
         logger.warning("engine %s dropped from the weight-sync group: %s", rec.name, reason)
-        if removed.owned and removed.adapter is not None:
-            _close_in_background(removed.adapter)
+        if removed.adapter is not None:
+            close_in_background(removed.adapter, close=removed.owned, release=self.upstream is None)
         return True
 
     # --- health -------------------------------------------------------------------------------
@@ -207,14 +226,24 @@ class WeightSyncDaemon:
                 logger.exception("health monitor pass failed")
 
     def check_health(self) -> None:
-        """One monitor pass: a health answer counts as a heartbeat."""
+        """One monitor pass: a health answer counts as a heartbeat, and says the engine's state.
+
+        While no sync runs here, each engine's own report (paused, stale, complete version) is
+        taken as its state: after a trainer died mid-sync nobody reports an outcome, and the
+        engines are the only ones who know they are paused and stale."""
+        generation = self._generation
         for rec in self.membership.records():
             if rec.adapter is None:
                 continue
             try:
-                self.membership.touch(rec.name, rec.adapter.health())
+                health = rec.adapter.health()
             except Exception as exc:
                 self.membership.set_health_error(rec.name, f"{type(exc).__name__}: {exc}"[:300])
+                continue
+            self.membership.touch(rec.name, health)
+            found = state_from_health(health)
+            if found is not None and not self._sync_lock.locked() and generation == self._generation:
+                self.membership.set_state(rec, *found)
         timeout = self.daemon_config.heartbeat_timeout_s
         if timeout > 0:
             for rec in self.membership.silent_for(timeout):
@@ -236,12 +265,9 @@ class WeightSyncDaemon:
             )
         with self._sync_lock:
             self._pull_upstream()
-            if version is None:
-                target = self.version + 1
-            elif isinstance(version, bool) or not isinstance(version, int) or version < max(self.version, 1):
-                raise ValueError(f"version must be an int >= the current version {max(self.version, 1)}, got {version!r}")
-            else:
-                target = version
+            floor = max(self.version, 1)
+            target = self.version + 1 if version is None else check_version(version, f"version (at least the current version {floor})", at_least=floor)
+            check_version(target, "the next version")
             outcome = SyncOutcome(version=target, catch_up=target == self.version)
             walker = OneWalkPerAttempt(source)
             t0 = time.perf_counter()
@@ -292,9 +318,26 @@ class WeightSyncDaemon:
             outcome.error = "no registered engine is reachable"
             return False
         try:
-            session = self._session_for(members)
+            session = self._groups.session_for(members)
             report = session.sync(walker, version=target)
-        except ManifestRejectedError as exc:
+        except Exception as exc:
+            if walker.error is None:
+                return self._attempt_failed(exc, members, outcome, attempt)
+            blame_source(walker, exc, members, self.membership, outcome, attempt)
+            return False
+        self.membership.mark(members, EngineState.SERVING, target)
+        with self._state_lock:
+            self.version = target
+            self.manifest = self._groups.manifest
+        outcome.ok = True
+        outcome.report = report.to_dict()
+        return False
+
+    def _attempt_failed(self, exc: Exception, members: list[EngineRecord], outcome: SyncOutcome, attempt: int) -> bool:
+        """An engine (or the sender's side) failed; drop the named engines and say whether to retry."""
+        if not isinstance(exc, (ManifestRejectedError, SyncError)):
+            raise exc
+        if isinstance(exc, ManifestRejectedError):
             names = set(exc.engines)
             rejecting = [r for r in members if r.name in names]
             outcome.attempts.append({"attempt": attempt, "stage": "validate", "failed": {r.name: "rejected the manifest" for r in rejecting}})
@@ -302,20 +345,21 @@ class WeightSyncDaemon:
                 outcome.rejected[r.name] = [str(p) for p in exc.problems[:20]]
             if not rejecting or len(rejecting) == len(members):
                 outcome.error = str(exc)
-                raise
+                raise exc
             for r in rejecting:
                 outcome.dropped[r.name] = f"engine {r.name!r} rejected the manifest: {'; '.join(exc.problems[:3])}"
                 self._drop(r, outcome.dropped[r.name])
             return True  # nothing moved; the others still hold their version
-        except SyncError as exc:
+        else:
             stage, failed = exc.stage, dict(exc.failed)
-            _release(exc)
+            drop_tracebacks(exc)
             outcome.attempts.append({"attempt": attempt, "stage": stage, "failed": failed})
             by_name = {r.name: r for r in members}
             lost = [by_name[n] for n in failed if n in by_name]
             survivors = [r for r in members if r.name not in failed]
-            if stage not in ("join", "validate"):
-                self.membership.mark(survivors, EngineState.STALE)
+            if stage in MOVED_DATA:
+                for r in survivors:  # what they hold is unknown until the next complete sync
+                    self.membership.set_state(r, EngineState.STALE, None)
             for r in lost:
                 why = f"engine {r.name!r} failed during {stage}: {failed[r.name]}"
                 outcome.dropped[r.name] = why
@@ -326,42 +370,16 @@ class WeightSyncDaemon:
             if not survivors:
                 outcome.error = "every engine failed"
                 return False
-            logger.warning("sync v%d: dropped %s during %s; re-syncing %d survivor(s)", target, ", ".join(r.name for r in lost), stage, len(survivors))
+            logger.warning("sync v%d: dropped %s during %s; re-syncing %d survivor(s)", outcome.version, ", ".join(r.name for r in lost), stage, len(survivors))
             return True
-        self.membership.mark(members, EngineState.SERVING, target)
-        with self._state_lock:
-            self.version = target
-            self.manifest = session._manifest  # the plan WeightSyncSession cached for this sync
-        outcome.ok = True
-        outcome.report = report.to_dict()
-        return False
 
     def _prune_unreachable(self, members: list[EngineRecord], outcome: SyncOutcome, attempt: int) -> list[EngineRecord]:
-        """Before (re)building a group, drop members that do not answer a health probe.
-
-        A dead member would make every other rank wait for it at the rendezvous until the
-        timeout; a probe answers (or is refused) within seconds.
-        """
-        key = tuple((r.name, id(r.adapter)) for r in members)
-        if self._session is not None and key == self._session_key:
-            return members  # the group stands; a dead member fails the next stage fast
-        errors: dict[str, str] = {}
-
-        def probe(rec: EngineRecord) -> None:
-            try:
-                assert rec.adapter is not None
-                self.membership.touch(rec.name, rec.adapter.health())
-            except Exception as exc:
-                errors[rec.name] = f"{type(exc).__name__}: {exc}"[:300]
-
-        threads = [threading.Thread(target=probe, args=(r,), daemon=True) for r in members]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + min(self.config.timeout_s, 10.0)
-        for t, r in zip(threads, members):
-            t.join(max(0.0, deadline - time.monotonic()))
-            if t.is_alive():
-                errors.setdefault(r.name, "no answer to a health probe")
+        """Before (re)building a group, drop members that do not answer a health probe (see group.py)."""
+        if self._groups.stands_for(members):
+            if all(r.state == EngineState.SERVING for r in members):
+                return members  # the group stands; a dead member fails the next stage fast
+            self._groups.rebuild_next()
+        errors = probe_members(members, self.membership, min(self.config.timeout_s, 10.0))
         if not errors:
             return members
         outcome.attempts.append({"attempt": attempt, "stage": "probe", "failed": dict(errors)})
@@ -372,30 +390,6 @@ class WeightSyncDaemon:
                 self._drop(r, why)
         return [r for r in members if r.name not in errors]
 
-    def _session_for(self, members: list[EngineRecord]) -> WeightSyncSession:
-        """The session for exactly these members; a changed membership rebuilds the group."""
-        key = tuple((r.name, id(r.adapter)) for r in members)
-        if self._session is not None and key == self._session_key:
-            return self._session
-        self._close_session(keep=set(key))
-        gc.collect()  # a broken group's sockets close only when it is freed; survivors then stop waiting
-        adapters = [r.adapter for r in members if r.adapter is not None]
-        self._session = WeightSyncSession(adapters, self.config, host=self.rendezvous_host)
-        self._session_key = key
-        logger.info("weight-sync group rebuilt for %d engine(s): %s", len(adapters), ", ".join(r.name for r in members))
-        return self._session
-
-    def _close_session(self, keep: set[tuple[str, int]] | None = None) -> None:
-        session, self._session, self._session_key = self._session, None, None
-        if session is None:
-            return
-        # Only engines still members are asked to leave: a dead one would make close() wait on it.
-        session.rollouts = [r for r in session.rollouts if keep is None or (r.name, id(r)) in keep]
-        try:
-            session.close()
-        except Exception as exc:
-            logger.warning("closing the previous weight-sync session: %s", exc)
-
     def _finish(self, outcome: SyncOutcome) -> None:
         records = self.membership.records()
         outcome.engines = {r.name: r.version for r in records}
@@ -404,7 +398,8 @@ class WeightSyncDaemon:
         data = outcome.to_dict()
         with self._state_lock:
             self.last_outcome = data
-            self.history.append(_summary(data))
+            self.history.append(summarize(data))
+            self._generation += 1
         if outcome.ok:
             logger.info("sync v%d reached %d engine(s) in %.3fs", outcome.version, len(records), outcome.seconds)
         else:
@@ -422,7 +417,8 @@ class WeightSyncDaemon:
             return
         snap = self.upstream.members()
         with self._state_lock:
-            self.version = max(self.version, int(snap["version"]))
+            self.version = max(self.version, check_version(snap["version"], "the daemon's version"))
+            self.group = str(snap.get("group") or self.group)
         remote = {e["name"]: e for e in snap["engines"]}
         for rec in self.membership.records():
             if rec.name not in remote or remote[rec.name]["engine"] != rec.engine:
@@ -431,10 +427,11 @@ class WeightSyncDaemon:
             rec = self.membership.get(name)
             if rec is None:
                 try:
-                    adapter = make_adapter(name, e["engine"], self.config.timeout_s)
+                    adapter = make_adapter(name, e["engine"], self.config.timeout_s, token=self.upstream.token)
                 except ValueError as exc:
                     logger.warning("skipping engine %s: %s", name, exc)
                     continue
+                adopt(adapter, self.group)
                 rec = EngineRecord(name=name, engine=dict(e["engine"]), adapter=adapter, owned=True)
                 self.membership.add(rec)
             rec.state, rec.version = e["state"], e["version"]
@@ -444,9 +441,10 @@ class WeightSyncDaemon:
         check_outcome(outcome)
         with self._state_lock:
             if outcome["version"] < self.version:
-                raise ProtocolError(f"outcome.version {outcome['version']} is older than the current version {self.version}")
+                raise ProtocolError(f"outcome.version {outcome['version']} is older than the current version {self.version}; versions never go down")
             if outcome["ok"]:
                 self.version = outcome["version"]
+            self._generation += 1
         for name, why in outcome["dropped"].items():
             rec = self.membership.get(name)
             if rec is not None:
@@ -454,22 +452,22 @@ class WeightSyncDaemon:
         for name, state in outcome["states"].items():
             rec = self.membership.get(name)
             if rec is not None:
-                self.membership.mark([rec], state, outcome["engines"].get(name))
+                self.membership.set_state(rec, state, None if state == EngineState.STALE else outcome["engines"].get(name))
         with self._state_lock:
             self.last_outcome = outcome
-            self.history.append(_summary(outcome))
+            self.history.append(summarize(outcome))
         return {"version": self.version}
 
     # --- serving ------------------------------------------------------------------------------
     def serve(self, host: str | None = None, port: int | None = None) -> DaemonServer:
         """Start the control server (register / status / ... from other processes)."""
-        from ckpt_engine.daemon.server import DaemonServer
-
         if self.server is None:
             self.server = DaemonServer(
                 self,
-                host if host is not None else self.daemon_config.host,
-                port if port is not None else self.daemon_config.port,
+                token=self.token,
+                limits=self.daemon_config.limits(),
+                host=host if host is not None else self.daemon_config.host,
+                port=port if port is not None else self.daemon_config.port,
             ).start()
         return self.server
 
@@ -479,10 +477,12 @@ class WeightSyncDaemon:
         if self.server is not None:
             self.server.close()
         with self._sync_lock:
-            self._close_session()
+            self._groups.close()
         for rec in self.membership.records():
+            if rec.adapter is not None and self.upstream is None:
+                release_engine(rec.adapter)
             if rec.owned and rec.adapter is not None:
-                _close_quietly(rec.adapter)
+                close_quietly(rec.adapter)
         if self._monitor is not None:
             self._monitor.join(timeout=self.daemon_config.health_interval_s + 10)
 
@@ -491,45 +491,3 @@ class WeightSyncDaemon:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _release(exc: BaseException) -> None:
-    """Drop the tracebacks of a failed sync: their frames hold the broken group's work handles."""
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        e.__traceback__ = None
-        e = e.__cause__ if e.__cause__ is not None else e.__context__
-
-
-def _summary(outcome: Mapping[str, Any]) -> dict[str, Any]:
-    report = outcome.get("report") or {}
-    return {
-        "version": outcome.get("version"),
-        "ok": outcome.get("ok"),
-        "catch_up": outcome.get("catch_up"),
-        "dropped": sorted(outcome.get("dropped") or {}),
-        "seconds": outcome.get("seconds"),
-        "bytes": report.get("bytes"),
-        "gbps": report.get("gbps"),
-        "at": time.time(),
-    }
-
-
-def _describe(descriptor: Mapping[str, Any]) -> str:
-    if "host" in descriptor and "port" in descriptor:
-        return f"{descriptor.get('kind')} at {descriptor['host']}:{descriptor['port']}"
-    return str(descriptor.get("kind"))
-
-
-def _close_quietly(adapter: RolloutAdapter) -> None:
-    try:
-        adapter.close()
-    except Exception as exc:
-        logger.debug("closing adapter %s: %s", getattr(adapter, "name", "?"), exc)
-
-
-def _close_in_background(adapter: RolloutAdapter) -> None:
-    """An adapter may still be inside a call on the failed engine; do not wait for it."""
-    threading.Thread(target=_close_quietly, args=(adapter,), name="ckpt-adapter-close", daemon=True).start()

@@ -29,8 +29,27 @@ class EngineState:
     """Registered; holds no version from this job yet, so it is paused and must not serve."""
     SERVING = "serving"
     """Holds a complete version (`EngineRecord.version`) and serves it."""
+    PAUSED = "paused"
+    """Holds a complete version but is paused (a sync stopped before moving data, or died there)."""
     STALE = "stale"
-    """A sync failed part-way; paused with a half-loaded state until the next complete sync."""
+    """A sync failed part-way; paused with a half-loaded state (no complete version) until the next complete sync."""
+
+
+def state_from_health(health: Any) -> tuple[str, int | None] | None:
+    """(state, complete version) as the engine itself reports it, or None if its health does not say.
+
+    Engines report `version` only for weights they hold completely, so this is the truth after a
+    trainer died mid-sync and no outcome was ever reported."""
+    if not isinstance(health, dict) or not {"paused", "stale", "version"} <= set(health):
+        return None
+    version = health["version"]
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        return None
+    if health["stale"]:
+        return EngineState.STALE, None
+    if version is None:
+        return EngineState.PENDING, None
+    return (EngineState.PAUSED if health["paused"] else EngineState.SERVING), version
 
 
 @dataclass
@@ -133,6 +152,17 @@ class Membership:
                     rec.state = state
                     if version is not None:
                         rec.version = version
+
+    def set_state(self, rec: EngineRecord, state: str, version: int | None) -> bool:
+        """Set exactly this state and version (None included); False if `rec` is no longer a member."""
+        with self._lock:
+            if self._records.get(rec.name) is not rec:
+                return False
+            changed = (rec.state, rec.version) != (state, version)
+            rec.state, rec.version = state, version
+        if changed:
+            logger.info("engine %s is %s (version %s)", rec.name, state, version)
+        return True
 
     def snapshot(self) -> list[dict[str, Any]]:
         with self._lock:

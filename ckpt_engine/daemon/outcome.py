@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
+from ckpt_engine.daemon.membership import EngineRecord, EngineState, Membership
 from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.sync import SyncError
 from ckpt_engine.weights import WeightSource
 
-__all__ = ["OneWalkPerAttempt", "SyncOutcome", "WalkBarrier"]
+__all__ = ["MOVED_DATA", "OneWalkPerAttempt", "SyncOutcome", "WalkBarrier", "blame_source", "drop_tracebacks", "summarize"]
+
+logger = logging.getLogger(__name__)
+
+MOVED_DATA = ("pause", "transfer", "receive", "finalize", "resume")
+"""Stages of a failed sync after which engines may hold part of a version (or are at least paused)."""
 
 WalkBarrier = Callable[[bool], None]
 """Called on the sender after each walk of the source with `again`: whether another walk follows."""
@@ -51,6 +60,10 @@ class OneWalkPerAttempt:
     before that call (pruning, building the session), and on a sharded trainer every walk is a
     collective: the sender must walk exactly as often as the other ranks. All `iter_weights()` calls
     within an attempt continue one underlying walk, and `finish()` completes it.
+
+    It also tells a failing source from failing engines: an exception raised by the source itself
+    (`metadata()` or the walk) is kept in `error`, so the daemon blames the source, not the
+    receivers that merely saw the sender stop.
     """
 
     is_sender = True
@@ -59,26 +72,87 @@ class OneWalkPerAttempt:
         self.source = source
         self._it: Iterator[tuple[str, torch.Tensor]] | None = None
         self._done = True
+        self.error: BaseException | None = None
+        """The exception the source raised during the current attempt, if any."""
+        self.error_in_walk = False
+        """The source raised while being walked (engines were paused and may hold part of it)."""
 
     def metadata(self) -> list[TensorSpec]:
-        return self.source.metadata()
+        try:
+            return self.source.metadata()
+        except Exception as exc:
+            self.error = exc
+            raise
 
     def begin(self) -> None:
-        self._it, self._done = None, False
+        self._it, self._done, self.error, self.error_in_walk = None, False, None, False
 
-    def _iterator(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._it is None:
-            self._it = iter(self.source.iter_weights())
-        return self._it
+    def _next(self) -> tuple[str, torch.Tensor] | None:
+        try:
+            if self._it is None:
+                self._it = iter(self.source.iter_weights())
+            return next(self._it)
+        except StopIteration:
+            return None
+        except Exception as exc:
+            self.error, self.error_in_walk, self._done = exc, True, True  # a generator that raised is finished
+            raise
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for item in self._iterator():
+        while (item := self._next()) is not None:
             yield item
         self._done = True
 
     def finish(self) -> None:
         if not self._done:
-            for _ in self._iterator():
-                pass
+            try:
+                while self._next() is not None:
+                    pass
+            except Exception as exc:  # kept in self.error; the attempt's outcome names it
+                self.error = self.error if self.error is not None else exc
             self._done = True
         self._it = None
+
+
+def summarize(outcome: Mapping[str, Any]) -> dict[str, Any]:
+    """The history line of one outcome (status shows the last few)."""
+    report = outcome.get("report") or {}
+    return {
+        "version": outcome.get("version"),
+        "ok": outcome.get("ok"),
+        "catch_up": outcome.get("catch_up"),
+        "dropped": sorted(outcome.get("dropped") or {}),
+        "seconds": outcome.get("seconds"),
+        "bytes": report.get("bytes"),
+        "gbps": report.get("gbps"),
+        "at": time.time(),
+    }
+
+
+def drop_tracebacks(exc: BaseException) -> None:
+    """Drop the tracebacks of a failed sync: their frames hold the broken group's work handles."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        e.__traceback__ = None
+        e = e.__cause__ if e.__cause__ is not None else e.__context__
+
+
+def blame_source(
+    walker: OneWalkPerAttempt, exc: BaseException, members: list[EngineRecord], membership: Membership, outcome: SyncOutcome, attempt: int
+) -> None:
+    """The trainer's weight source raised: name it and its exception, drop no engine.
+
+    Engines that may have received part of the version are marked stale (no complete version)
+    and stay paused until the next complete sync."""
+    err = walker.error
+    drop_tracebacks(exc)
+    what = f"weight source {type(walker.source).__name__} raised {type(err).__name__}: {err}"
+    outcome.attempts.append({"attempt": attempt, "stage": "source", "failed": {"source": what[:2000]}})
+    moved = walker.error_in_walk or (isinstance(exc, SyncError) and exc.stage in MOVED_DATA)
+    if moved:
+        for rec in members:
+            membership.set_state(rec, EngineState.STALE, None)
+    outcome.error = f"{what}; no engine was dropped" + ("; engines stay paused and stale until the next complete sync" if moved else "")
+    logger.warning("sync v%d: %s", outcome.version, outcome.error)

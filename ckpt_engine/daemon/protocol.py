@@ -1,8 +1,8 @@
 """The daemon's control protocol: msgpack frames over TCP, one request -> one reply.
 
 Framing is `ckpt_engine.wire`'s: a 4-byte big-endian length, then a msgpack map (no extension
-types, no pickle). The daemon refuses frames over `daemon.max_frame_bytes` (4 MiB by default),
-closes connections idle for `daemon.idle_timeout_s` and serves at most `daemon.max_connections`.
+types, no pickle), served by `ckpt_engine.control_server` with the limits of the `daemon:` section
+(handshake deadline, per-frame deadline, frame size, connection caps; see that module).
 
 Request:  `{"id": int, "method": str, "params": {"token": str, ...}}`
 Reply:    `{"id": int, "ok": true, "result": ...}` or `{"id": int, "ok": false, "error": {"type", "message"}}`
@@ -14,11 +14,11 @@ unknown or mistyped param is refused with `ProtocolError` and the daemon keeps s
 
 | method        | params (besides token)                  | result                                              |
 |---------------|-----------------------------------------|-----------------------------------------------------|
-| `hello`       | -                                       | `{protocol, role, version, epoch}`                  |
+| `hello`       | -                                       | `{protocol, role, version, epoch, group}`           |
 | `register`    | `name: str`, `engine: map`              | engine record; the engine is paused until it holds a version |
 | `leave`       | `name: str`                             | `{left: bool}`                                      |
 | `heartbeat`   | `name: str`                             | `{version, state}` (engine's target version)       |
-| `members`     | -                                       | `{epoch, version, engines: [record, ...]}`          |
+| `members`     | -                                       | `{epoch, version, group, engines: [record, ...]}`   |
 | `status`      | -                                       | members + departed engines, manifest, last sync    |
 | `report_sync` | `outcome: map`                          | `{version}`; a trainer driving syncs for a standalone daemon |
 | `shutdown`    | -                                       | `{}`; the daemon stops serving                      |
@@ -26,8 +26,14 @@ unknown or mistyped param is refused with `ProtocolError` and the daemon keeps s
 `engine` describes how to reach the engine: `{"kind": <registered engine kind>, ...kind params}`,
 e.g. `{"kind": "torch_ref", "host": "127.0.0.1", "port": 40123}`. A record is
 `{name, engine, state, version, last_seen_s, health}` with state one of `pending` (registered,
-holds no version from this job yet; paused), `serving` (holds `version`), `stale` (a sync failed
-part-way; paused until the next complete sync).
+holds no version from this job yet; paused), `serving` (holds `version` completely and serves it),
+`paused` (holds `version` completely but is paused: a sync stopped before moving data) or `stale`
+(a sync failed part-way: paused, holds no complete version, `version` is nil). Versions are ints
+in [0, 2**63-1] and never go down.
+
+`group` names the weight-sync group (one per job's membership authority). An engine belongs to
+one group at a time: the daemon claims each engine it registers, and an engine claimed by another
+group refuses (see `ckpt_engine.daemon.ownership`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from ckpt_engine.control_server import AuthError, ProtocolError
+from ckpt_engine.versions import check_version
 
 __all__ = [
     "AuthError",
@@ -53,12 +62,6 @@ MAX_NAME_LEN = 128
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@/-]*$")
 
 
-class ProtocolError(ValueError):
-    """A control message does not follow the protocol; the message names the offending field."""
-
-
-class AuthError(PermissionError):
-    """A control message carries another job's token (or none)."""
 
 
 def check_engine_name(name: Any) -> str:
@@ -100,9 +103,10 @@ def _check_plain(value: Any, where: str, depth: int) -> None:
 def _version_or_none(value: Any, where: str) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ProtocolError(f"{where} must be an int >= 0 or nil, got {value!r:.40}")
-    return value
+    try:
+        return check_version(value, where)
+    except ValueError as exc:
+        raise ProtocolError(f"{exc} (or nil)") from None
 
 
 def check_outcome(outcome: Any) -> dict[str, Any]:
@@ -115,15 +119,17 @@ def check_outcome(outcome: Any) -> dict[str, Any]:
             raise ProtocolError(f"outcome lacks {key!r}")
         if not isinstance(outcome[key], typ) or (typ is int and isinstance(outcome[key], bool)):
             raise ProtocolError(f"outcome.{key} must be {typ.__name__}, got {outcome[key]!r:.80}")
-    if outcome["version"] < 0:
-        raise ProtocolError(f"outcome.version must be >= 0, got {outcome['version']}")
+    try:
+        check_version(outcome["version"], "outcome.version")
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
     for name, version in outcome["engines"].items():
         check_engine_name(name)
         _version_or_none(version, f"outcome.engines.{name}")
     for name, state in outcome["states"].items():
         check_engine_name(name)
-        if state not in ("pending", "serving", "stale"):
-            raise ProtocolError(f"outcome.states.{name} must be pending, serving or stale, got {state!r:.40}")
+        if state not in ("pending", "serving", "paused", "stale"):
+            raise ProtocolError(f"outcome.states.{name} must be pending, serving, paused or stale, got {state!r:.40}")
     for name, why in outcome["dropped"].items():
         check_engine_name(name)
         if not isinstance(why, str):

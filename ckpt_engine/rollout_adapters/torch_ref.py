@@ -1,8 +1,17 @@
 """Reference receiver: a plain torch state dict (or HF `transformers` model) in its own process.
 
 For tests, benchmarks and users without an inference engine. `TorchRefRollout.spawn(...)` starts
-`python -m ckpt_engine.rollout_adapters.torch_ref`, which serves the receiver over the msgpack RPC
-of `ckpt_engine.wire` and loads every bucket into its tensors with one batched copy.
+`python -m ckpt_engine.rollout_adapters.torch_ref`, which serves the receiver on a control port
+(`ckpt_engine.control_server`: the job token it was started with, the daemon's limits) and loads
+every bucket into its tensors with one batched copy.
+
+Two guards keep a half-written engine from serving:
+- `version` is the last version the engine holds *completely*: a transfer clears it until
+  `finalize`, and `finalize` is refused unless a transfer completed since the last one; `resume`
+  is refused while the engine is stale (only a complete sync resumes it).
+- An engine belongs to one weight-sync group at a time: `claim(owner, lease_s)` by a daemon makes
+  every state-changing call from anyone else fail until the owner releases it or stops renewing
+  the lease (any call from the owner, including health probes, renews it).
 """
 
 from __future__ import annotations
@@ -10,11 +19,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import secrets
 import select
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +37,19 @@ from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
+from ckpt_engine.control_server import ControlLimits, RpcServer
+from ckpt_engine.versions import check_version
 from ckpt_engine.weights import spec_of
-from ckpt_engine.wire import RpcClient, RpcServer
+from ckpt_engine.wire import RpcClient
 
 __all__ = ["TorchRefRollout", "TorchRefWorker", "load_spec_file", "write_spec_file"]
 
 logger = logging.getLogger(__name__)
 
 READY_PREFIX = "CKPT_ENGINE_READY port="
+TOKEN_ENV = "CKPT_ENGINE_TOKEN"
+"""The job token reaches a spawned receiver through its environment, never its command line."""
+DEFAULT_LEASE_S = 60.0
 
 
 def write_spec_file(path: str | os.PathLike[str], specs: list[TensorSpec]) -> None:
@@ -56,9 +72,19 @@ class TorchRefWorker:
         self.load_delay_s = load_delay_s
         self.receiver = WeightReceiver()
         self.version: int | None = None
+        """The version held completely; None before the first sync and while partially loaded."""
+        self.last_version: int | None = None
+        """The highest version ever finalized: versions never go down."""
         self.paused = False
         self.stale = False
+        self.receiving = False
+        self._received: str | None = None
+        """Digest of the transfer that completed since the last finalize (None: none did)."""
         self.expected = {n: spec_of(n, t) for n, t in tensors.items()}
+        self._own_lock = threading.Lock()
+        self.owner: str | None = None
+        self._lease_until = 0.0
+        self._lease_s = DEFAULT_LEASE_S
 
     @classmethod
     def from_spec_file(cls, path: str, **kw: Any) -> TorchRefWorker:
@@ -88,39 +114,101 @@ class TorchRefWorker:
 
     # --- RPC handlers (plain msgpack types in and out) ----------------------------------------
     def handlers(self) -> dict[str, Any]:
+        """RPC methods; those that change the engine's state carry the caller's `owner`."""
         return {
-            "join": lambda rendezvous, rank, options: self.receiver.join(rendezvous, rank, options),
-            "leave": self.receiver.leave,
-            "validate": lambda encoded, digest: self.receiver.validate(encoded, digest, self.expected),
-            "pause": self.pause,
-            "receive": self.receive,
-            "finalize": self.finalize,
-            "resume": self.resume,
+            "join": self._owned(lambda rendezvous, rank, options: self.receiver.join(rendezvous, rank, options)),
+            "leave": self._owned(self.receiver.leave),
+            "validate": self._owned(lambda encoded, digest: self.receiver.validate(encoded, digest, self.expected)),
+            "pause": self._owned(self.pause),
+            "receive": self._owned(self.receive),
+            "finalize": self._owned(self.finalize),
+            "resume": self._owned(self.resume),
+            "claim": self.claim,
+            "release": self.release,
             "health": self.health,
             "get_tensor": self.get_tensor,
             "specs": lambda: [[s.name, s.dtype, list(s.shape)] for s in self.expected.values()],
         }
 
+    # --- ownership ----------------------------------------------------------------------------
+    def claim(self, owner: str, lease_s: float) -> dict[str, Any]:
+        """Make `owner` (a weight-sync group) this engine's only controller for `lease_s`, renewed by its calls."""
+        if not isinstance(owner, str) or not 0 < len(owner) <= 128:
+            raise ValueError(f"owner must be a non-empty string of at most 128 characters, got {owner!r:.40}")
+        if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s <= 86400:
+            raise ValueError(f"lease_s must be a number in (0, 86400], got {lease_s!r:.40}")
+        with self._own_lock:
+            self._check_owner_locked(owner)
+            self.owner, self._lease_s = owner, float(lease_s)
+            self._lease_until = time.monotonic() + self._lease_s
+        return self.health()
+
+    def release(self, owner: str) -> bool:
+        with self._own_lock:
+            if self.owner is None or owner != self.owner:
+                return False
+            self.owner = None
+            return True
+
+    def _check_owner_locked(self, owner: str | None) -> None:
+        now = time.monotonic()
+        if self.owner is not None and now < self._lease_until and owner != self.owner:
+            who = "a caller that names no group" if owner is None else f"group {owner[:16]}"
+            raise PermissionError(
+                f"engine belongs to weight-sync group {self.owner[:16]} (another job or daemon); refusing {who}. "
+                f"It is released when that group lets it go (leave/close) or {self._lease_until - now:.0f}s after that group was last heard from"
+            )
+        if owner is not None:  # the owner's calls renew its lease; an unowned engine is claimed by its first caller
+            self.owner, self._lease_until = owner, now + self._lease_s
+
+    def _owned(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(owner: str | None = None, **params: Any) -> Any:
+            with self._own_lock:
+                self._check_owner_locked(owner)
+            return fn(**params)
+
+        return call
+
+    # --- engine state -------------------------------------------------------------------------
     def pause(self, mode: str) -> None:
         self.paused = mode != "none"
 
     def receive(self, digest: str) -> dict[str, Any]:
-        self.stale = True  # until finalize: a failure mid-stream leaves a half-new state
-        return self.receiver.receive(digest, self.load_bucket, self.tensors).to_dict()
+        # Until finalize the engine holds no complete version: a failure mid-stream leaves a mix.
+        self.stale, self.version, self._received, self.receiving = True, None, None, True
+        try:
+            report = self.receiver.receive(digest, self.load_bucket, self.tensors).to_dict()
+        finally:
+            self.receiving = False
+        self._received = digest
+        return report
 
     def finalize(self, version: int) -> None:
-        self.version, self.stale = version, False
+        check_version(version, "finalize version", at_least=self.last_version if self.last_version is not None else 0)
+        if self._received is None:
+            held = "a partially loaded state" if self.stale else f"version {self.version}"
+            raise RuntimeError(f"finalize({version}): no transfer completed since the last finalize (the engine holds {held}); run a complete sync")
+        self.version, self.last_version, self.stale, self._received = version, version, False, None
 
     def resume(self) -> None:
+        if self.stale:
+            raise RuntimeError("resume: the engine holds a partially loaded state (a sync failed part-way); only a complete sync resumes it")
         self.paused = False
 
-    def health(self) -> dict[str, Any]:
+    def health(self, owner: str | None = None) -> dict[str, Any]:
+        if owner is not None:
+            with self._own_lock:
+                if owner == self.owner:
+                    self._lease_until = time.monotonic() + self._lease_s
         return {
             "pid": os.getpid(),
             "version": self.version,
+            "last_version": self.last_version,  # what a new version must exceed (held_version)
             "paused": self.paused,
             "stale": self.stale,
+            "receiving": self.receiving,
             "buckets_received": self.receiver.buckets_received,
+            "owned": self.owner is not None and time.monotonic() < self._lease_until,
         }
 
     def get_tensor(self, name: str) -> dict[str, Any]:
@@ -133,13 +221,20 @@ class TorchRefRollout(RolloutAdapter):
 
     world_size = 1
 
-    def __init__(self, name: str, host: str, port: int, process: subprocess.Popen[str] | None, timeout_s: float) -> None:
+    def __init__(
+        self, name: str, host: str, port: int, process: subprocess.Popen[str] | None, timeout_s: float, *, token: str | None = None
+    ) -> None:
+        if not isinstance(token, str) or len(token) < 8:
+            raise ValueError(f"engine {name!r}: token must be the job token the receiver was started with (a string of at least 8 characters)")
         self.name = name
         self.process = process
         self.timeout_s = timeout_s
-        self.rpc = RpcClient(host, port, timeout_s)
-        self._probe = RpcClient(host, port, timeout_s)  # health checks must not queue behind receive()
+        self.token = token
+        self.rpc = RpcClient(host, port, timeout_s, token=token)
+        self._probe = RpcClient(host, port, timeout_s, token=token)  # health checks must not queue behind receive()
         self._sent_digest: str | None = None
+        self.owner: str | None = None
+        """The weight-sync group this handle acts for (set by `claim`); sent with every state change."""
 
     @classmethod
     def spawn(
@@ -151,18 +246,37 @@ class TorchRefRollout(RolloutAdapter):
         dtype: str = "float32",
         load_delay_s: float = 0.0,
         timeout_s: float = 120.0,
+        token: str | None = None,
     ) -> TorchRefRollout:
-        """Start a receiver process holding zeros of `spec_file`'s tensors or a fresh HF model."""
+        """Start a receiver process holding zeros of `spec_file`'s tensors or a fresh HF model.
+
+        `token` is the job token its control port will demand (a daemon that registers it must
+        hold the same one); by default a fresh random one known only to this handle."""
         if (spec_file is None) == (model_dir is None):
             raise ValueError("give exactly one of spec_file or model_dir")
+        token = token if token is not None else secrets.token_hex(16)
         cmd = [sys.executable, "-m", "ckpt_engine.rollout_adapters.torch_ref", "--load-delay-s", str(load_delay_s)]
         cmd += ["--spec-file", spec_file] if spec_file else ["--model-dir", str(model_dir), "--dtype", dtype]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, TOKEN_ENV: token})
         port = _read_ready_port(proc, name, timeout_s)
-        return cls(name, "127.0.0.1", port, proc, timeout_s)
+        return cls(name, "127.0.0.1", port, proc, timeout_s, token=token)
 
     def _call(self, method: str, timeout_s: float | None = None, **params: Any) -> Any:
+        if self.owner is not None:
+            params["owner"] = self.owner
         return self.rpc.call(method, timeout_s=timeout_s, **params)
+
+    def claim(self, owner: str, lease_s: float) -> dict[str, Any]:
+        """Take the engine for weight-sync group `owner`; refused while another group holds it."""
+        health = self.rpc.call("claim", owner=owner, lease_s=lease_s)
+        self.owner = owner
+        return health
+
+    def release(self) -> None:
+        """Let the engine go (another group may claim it); quick even if a call is still in flight."""
+        owner, self.owner = self.owner, None
+        if owner is not None:
+            self._probe.call("release", timeout_s=min(self.timeout_s, 5.0), owner=owner)
 
     def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
         self._sent_digest = None
@@ -193,7 +307,8 @@ class TorchRefRollout(RolloutAdapter):
     def health(self) -> dict[str, Any]:
         if self.process is not None and self.process.poll() is not None:
             raise RuntimeError(f"engine {self.name!r} process exited with code {self.process.returncode}")
-        return self._probe.call("health", timeout_s=min(self.timeout_s, 5.0))
+        params = {"owner": self.owner} if self.owner is not None else {}
+        return self._probe.call("health", timeout_s=min(self.timeout_s, 5.0), **params)
 
     def leave(self) -> None:
         self._call("leave")
@@ -240,11 +355,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--load-delay-s", type=float, default=0.0, help="sleep per bucket (emulates a slow loader)")
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("CKPT_ENGINE_LOG", "WARNING"))
+    token = os.environ.pop(TOKEN_ENV, "")
+    if len(token) < 8:
+        print(f"ckpt-engine reference receiver: set {TOKEN_ENV} to the job token (at least 8 characters)", file=sys.stderr)
+        sys.exit(2)
     if args.spec_file:
         worker = TorchRefWorker.from_spec_file(args.spec_file, load_delay_s=args.load_delay_s)
     else:
         worker = TorchRefWorker.from_hf_config(args.model_dir, args.dtype, load_delay_s=args.load_delay_s)
-    server = RpcServer(worker.handlers()).start()
+    server = RpcServer(worker.handlers(), token=token, limits=ControlLimits()).start()
     print(f"{READY_PREFIX}{server.port}", flush=True)
     # Exit when the parent goes away (stdin is not used; poll the parent pid).
     parent = os.getppid()

@@ -16,7 +16,6 @@ weights).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -69,10 +68,12 @@ def run_job(job: Any, *, echo: bool = True) -> dict[str, Any]:
             daemon.serve()
             say(f"daemon at {daemon.address} (ckpt-engine status --address {daemon.address} --token {daemon.token})")
             for i in range(job.rollout.num_engines):
-                r = TorchRefRollout.spawn(f"rollout{i}", spec_file=str(spec), load_delay_s=job.rollout.load_delay_s, timeout_s=job.checkpoint_engine.timeout_s)
+                r = TorchRefRollout.spawn(
+                    f"rollout{i}", spec_file=str(spec), load_delay_s=job.rollout.load_delay_s, timeout_s=job.checkpoint_engine.timeout_s, token=daemon.token
+                )
                 engines.append(r)
                 daemon.register(r.name, {"kind": "torch_ref", "host": r.rpc.host, "port": r.rpc.port})
-                generators.append(TorchRefPolicyGenerator(r.name, r.rpc.host, r.rpc.port, seed=job.trainer.seed + i))
+                generators.append(TorchRefPolicyGenerator(r.name, r.rpc.host, r.rpc.port, seed=job.trainer.seed + i, token=daemon.token))
             prompts = torch.arange(job.rollout.vocab_size)
 
             def on_sync(rec: SyncRecord) -> None:
@@ -203,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     from ckpt_engine.config import ConfigError, apply_overrides, load_mapping
     from ckpt_engine.trainer.config import load_job_config
 
-    p = argparse.ArgumentParser(prog="ckpt-engine demo", description="a short fully-async RL job on CPU (vLLM + FSDP2 on gloo by default)")
+    from ckpt_engine.cli_args import OneLineParser
+
+    p = OneLineParser(prog="ckpt-engine demo", description="a short fully-async RL job on CPU (vLLM + FSDP2 on gloo by default)")
     p.add_argument("--config", help="job YAML with sections trainer, rollout, checkpoint_engine, daemon, ray")
     p.add_argument("--json", metavar="PATH", help="also write the summary to PATH as JSON")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=20 rollout.engine=torch_ref trainer.backend=tiny")
@@ -216,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         # two engines, the tiny policy's learning rate.
         base = DEMO_DEFAULTS if engine == "vllm" else {"checkpoint_engine": DEMO_DEFAULTS["checkpoint_engine"]}
         job = load_job_config(_merged(base, user))
+        job.checkpoint_engine.check_memory()  # before any engine starts, not at its join
         result = run_job(job)
     except (ConfigError, ValueError) as exc:
         print(f"ckpt-engine demo: {exc}", file=sys.stderr)

@@ -59,9 +59,9 @@ class TorchRefPolicyGenerator:
     the read (not paused, not stale), so a read racing a sync is discarded, never mixed.
     """
 
-    def __init__(self, name: str, host: str, port: int, timeout_s: float = 10.0, seed: int = 0) -> None:
+    def __init__(self, name: str, host: str, port: int, timeout_s: float = 10.0, seed: int = 0, *, token: str) -> None:
         self.name = name
-        self._engine = TorchRefRollout(name, host, port, None, timeout_s)
+        self._engine = TorchRefRollout(name, host, port, None, timeout_s, token=token)  # the engine's job token
         self._weights: dict[str, torch.Tensor] | None = None
         self._version: int | None = None
         self._rng = torch.Generator().manual_seed(seed)

@@ -1,0 +1,67 @@
+"""One engine, one weight-sync group: the daemon's side of claiming and releasing engines.
+
+An engine serving two jobs (or two daemons of one job) would load a mix of both jobs' weights and
+report one job's version, so every engine belongs to one group at a time. Two guards:
+
+- **The job token.** An engine's control port demands the token it was started with, so another
+  job's daemon cannot even reach it; registration fails saying so.
+- **The claim.** A daemon that registers an engine claims it for its group (`group` in `hello`;
+  a trainer following a standalone daemon acts for the standalone daemon's group) with a lease of
+  `daemon.engine_lease_s`. Every call the owner makes, health probes included, renews the lease;
+  `leave`, a drop and `close()` release it at once. A second group's claim, and any state change
+  from it, is refused until then; if the owning daemon dies, the engine is free once the lease
+  lapses.
+
+Engine kinds whose adapters have no `claim` (vLLM, SGLang today) are guarded by the token only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ckpt_engine.rollout_adapters.base import RolloutAdapter
+from ckpt_engine.wire import RpcError
+
+__all__ = ["adopt", "claim_engine", "describe", "refusal", "release_engine"]
+
+logger = logging.getLogger(__name__)
+
+
+def claim_engine(adapter: RolloutAdapter, group: str, lease_s: float) -> None:
+    """Claim `adapter`'s engine for `group`; raises (RpcError PermissionError) when another group holds it."""
+    claim = getattr(adapter, "claim", None)
+    if claim is not None:
+        claim(group, lease_s)
+
+
+def adopt(adapter: RolloutAdapter, group: str) -> None:
+    """Act for `group` on an engine another daemon of the same group claimed (a following trainer)."""
+    if hasattr(adapter, "owner"):
+        adapter.owner = group  # type: ignore[attr-defined]
+
+
+def release_engine(adapter: RolloutAdapter) -> None:
+    release = getattr(adapter, "release", None)
+    if release is None:
+        return
+    try:
+        release()
+    except Exception as exc:
+        logger.debug("releasing engine %s: %s", getattr(adapter, "name", "?"), exc)
+
+
+def refusal(name: str, where: str, exc: BaseException) -> str:
+    """The message for a registration that failed: foreign token, foreign group, or unreachable."""
+    if isinstance(exc, RpcError) and exc.remote_type == "AuthError":
+        return (f"engine {name!r} ({where}) refused this job's token: it was started for another job "
+                "(an engine belongs to one weight-sync job; start it with this job's token)")
+    if isinstance(exc, RpcError) and exc.remote_type == "PermissionError":
+        return f"engine {name!r} ({where}) belongs to another weight-sync group: {exc.remote_message}"
+    return f"engine {name!r} ({where}) is unreachable: {exc}"
+
+
+def describe(descriptor: dict[str, Any]) -> str:
+    if "host" in descriptor and "port" in descriptor:
+        return f"{descriptor.get('kind')} at {descriptor['host']}:{descriptor['port']}"
+    return str(descriptor.get("kind"))

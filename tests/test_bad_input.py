@@ -1,0 +1,114 @@
+"""Bad input on the command line and in job YAML: one line naming the field or flag and what it
+accepts, a non-zero exit, never a traceback (issue 10, item 9).
+
+Runs `ckpt_engine.cli.main` in this process (an escaping exception fails the test just as a
+traceback would), plus one real `ckpt-engine serve` on a port that is already taken.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpt_engine.cli import main
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as exc:  # argparse's exit
+        rc = exc.code if isinstance(exc.code, int) else 1
+    err = capsys.readouterr().err
+    return rc, err
+
+
+@pytest.fixture(scope="module")
+def yaml_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("bad_yaml")
+    files = {
+        "syntax": "checkpoint_engine:\n  backend: [gloo\n",
+        "list_section": "checkpoint_engine: [1, 2]\n",
+        "tab": "checkpoint_engine:\n\tbackend: gloo\n",
+    }
+    out = {}
+    for name, text in files.items():
+        path = d / f"{name}.yaml"
+        path.write_text(text)
+        out[name] = str(path)
+    return out
+
+
+CASES = [
+    # (argv, words the one line must contain)
+    (["serve", "checkpoint_engine=5"], ["checkpoint_engine must be a mapping"]),
+    (["serve", "checkpoint_engine.engine_kwargs.gloo.bogus_opt=1"], ["engine_kwargs.gloo", "bogus_opt", "allowed: ", "solo_bytes"]),
+    (["serve", "checkpoint_engine.engine_kwargs.warp=1"], ["engine_kwargs must map backend names"]),
+    (["serve", "checkpoint_engine.engine_kwargs.warp.x=1"], ["engine_kwargs.warp", "not a backend", "allowed: "]),
+    (["serve", "checkpoint_engine.timeout_s=.inf"], ["checkpoint_engine.timeout_s", "(0, 604800]"]),
+    (["serve", "checkpoint_engine.timeout_s=.nan"], ["checkpoint_engine.timeout_s", "(0, 604800]"]),
+    (["serve", "daemon.handshake_timeout_s=.inf"], ["daemon.handshake_timeout_s", "finite"]),
+    (["serve", "daemon.port=70000"], ["daemon.port", "[0, 65535]"]),
+    (["serve", "checkpoint_engine.backend=[1"], ["override", "not a YAML"]),
+    (["serve", "--port", "70000"], ["--port", "[0, 65535]"]),
+    (["serve", "--port", "-1"], ["--port", "[0, 65535]"]),
+    (["serve", "--token", "short"], ["--token", "at least 8"]),
+    (["bench", "--bucket-mb", "-1"], ["--bucket-mb", "> 0"]),
+    (["bench", "--bucket-mb", "0"], ["--bucket-mb", "> 0"]),
+    (["bench", "--solo-mb", "-1"], ["--solo-mb", ">= 0"]),
+    (["bench", "--lanes", "0"], ["--lanes", ">= 1"]),
+    (["bench", "--timeout-s", "0"], ["--timeout-s", "(0, 604800]"]),
+    (["bench", "--layers", "-1"], ["--layers", ">= 1"]),
+    (["bench", "--buffers", "1"], ["--buffers", ">= 2"]),
+    (["bench", "--modes", "raw,warp"], ["--modes", "warp", "allowed: raw"]),
+    (["status", "--address", "127.0.0.1:9", "--token", "abcdefgh", "--timeout-s", "0"], ["--timeout-s", "(0, 604800]"]),
+    (["status", "--address", "nowhere", "--token", "abcdefgh"], ["--address", "host:port"]),
+    (["demo", "checkpoint_engine.bucket_size_mb=1048576"], ["checkpoint_engine.bucket_size_mb=1048576", "GiB free", "at most"]),
+    (["demo", "checkpoint_engine=5"], ["checkpoint_engine must be a mapping"]),
+    (["demo", "checkpoint_engine.timeout_s=.inf"], ["checkpoint_engine.timeout_s", "(0, 604800]"]),
+]
+
+
+@pytest.mark.parametrize("argv,words", CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_flags_and_overrides_get_one_line(argv: list[str], words: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = run(argv, capsys)
+    assert rc != 0, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+@pytest.mark.parametrize("which,words", [
+    ("syntax", ["not valid YAML", "line 3"]),
+    ("list_section", ["checkpoint_engine must be a mapping", "list"]),
+    ("tab", ["not valid YAML", "line 2"]),
+])
+def test_bad_yaml_files_get_one_line(which: str, words: list[str], yaml_files: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("serve", "demo"):
+        rc, err = run([command, "--config", yaml_files[which]], capsys)
+        lines = err.strip().splitlines()
+        assert rc != 0 and len(lines) == 1 and "Traceback" not in err, err
+        if "YAML" in words[0]:
+            assert yaml_files[which] in lines[0]
+        for w in words:
+            assert w in lines[0], (w, lines[0])
+
+
+def test_serve_on_a_taken_port_says_so(tmp_path: Path) -> None:
+    taken = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "ckpt_engine.cli", "serve", "--port", str(port)], capture_output=True, text=True, timeout=60,
+        )
+    finally:
+        taken.close()
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "--port" in lines[0] and str(port) in lines[0] and "in use" in lines[0]
