@@ -30,6 +30,8 @@ __all__ = [
 ]
 
 PAUSE_MODES = ("keep", "abort", "none")
+DELTA_MODES = ("off", "auto", "on")
+SENDER_MODES = ("rank0", "all", "per_stage")
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest wait a config may ask for (a week): longer ones overflow the timers that enforce it."""
 _SET_BY_THE_SESSION = ("bucket_size_bytes", "num_buffers", "timeout_s", "verify")
@@ -58,6 +60,21 @@ class CheckpointEngineConfig:
     """How engines pause around a load: `keep` in-flight requests, `abort` them, or `none`."""
     engine_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Extra keyword arguments per backend name, e.g. `{"nccl": {"device": 0}}`."""
+    delta: str = "off"
+    """Lossless delta syncs: `off`; `on` (each bucket travels as the words that changed since the
+    last sync when that is smaller, dense otherwise; every side keeps a base copy of what it sends
+    or receives, the model's wire bytes on each receiver and each sender's share on each sender);
+    `auto` (as `on` where the backend and every engine support it, and dense for a while after
+    patches did not pay, e.g. at a high learning rate)."""
+    full_sync_every: int = 0
+    """With delta: a dense seed every this many syncs (0: only when needed: first sync, new or
+    restarted engine, new plan, after a failure)."""
+    senders: str = "auto"
+    """Who streams the weights: `rank0` (trainer rank 0 sends full tensors, the others only walk
+    `iter_weights`), `all` (every trainer rank sends the shards it owns, no gather; the source must
+    be a `ShardedWeightSource`), `per_stage` (Megatron: each pipeline stage sends its layers;
+    sources declare it through the same ownership map), or `auto` (`all` when the source is
+    sharded over several ranks, else `rank0`)."""
 
     def __post_init__(self) -> None:
         _check_type("checkpoint_engine.backend", self.backend, str)
@@ -88,6 +105,13 @@ class CheckpointEngineConfig:
             raise ConfigError("checkpoint_engine.engine_kwargs must map backend names to dicts of keyword arguments")
         for name, kwargs in self.engine_kwargs.items():
             _check_engine_kwargs(name, kwargs, known)
+        if self.delta not in DELTA_MODES:
+            raise ConfigError(f"checkpoint_engine.delta must be one of {', '.join(DELTA_MODES)}, got {self.delta!r}")
+        _check_type("checkpoint_engine.full_sync_every", self.full_sync_every, int)
+        if self.full_sync_every < 0:
+            raise ConfigError(f"checkpoint_engine.full_sync_every must be >= 0 (0: only when needed), got {self.full_sync_every}")
+        if self.senders not in (*SENDER_MODES, "auto"):
+            raise ConfigError(f"checkpoint_engine.senders must be one of auto, {', '.join(SENDER_MODES)}, got {self.senders!r}")
 
     def check_memory(self, device: str | None = None) -> None:
         """Refuse a bucket size whose buffers cannot fit in `device`'s free memory (before any engine joins).

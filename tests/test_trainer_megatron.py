@@ -6,7 +6,7 @@ loaded. Megatron's forward pass calls torch.cuda.current_device() and the CUDA R
 training parity runs on the GPU machine (`-m gpu`); its weight comparison after AdamW is not
 bit-exact (`_assert_adam_trained_close` says why and what it checks). PP>1 with tied embeddings
 also needs CUDA (megatron-core moves the shared embedding with `.cuda()` to all-reduce it between
-stages).
+stages), and so does megatron-core's DistributedOptimizer (`MegatronConfig.optimizer`).
 """
 
 from __future__ import annotations
@@ -108,10 +108,19 @@ def test_qkv_and_gate_up_layouts_round_trip():
     assert all(torch.equal(a, b) for a, b in zip(split_gate_up(merge_gate_up(g, u)), (g, u)))
 
 
+def test_optimizer_is_selected_by_config():
+    from ckpt_engine.trainer_adapters.megatron import OPTIMIZERS, MegatronConfig
+
+    assert OPTIMIZERS == ("adamw", "megatron_distributed")
+    assert MegatronConfig(optimizer="megatron_distributed").optimizer == "megatron_distributed"
+    with pytest.raises(ValueError, match=r"MegatronConfig.optimizer must be one of adamw, megatron_distributed, got 'sgd'"):
+        MegatronConfig(optimizer="sgd")
+
+
 # --- GPU: forward/backward parity with the HF model ----------------------------------------------
 
 
-def _train_worker(rank: int, world_size: int, tp: int, pp: int) -> dict:
+def _train_worker(rank: int, world_size: int, tp: int, pp: int, tie: bool = False, optimizer: str = "adamw") -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from ckpt_engine.trainer_adapters.common import hf_model_from_config
@@ -122,11 +131,11 @@ def _train_worker(rank: int, world_size: int, tp: int, pp: int) -> dict:
     model_parallel_cuda_manual_seed(123)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    cfg = hf_config("qwen2")
+    cfg = hf_config("qwen2", tie=tie)
     torch.manual_seed(0)
     hf = hf_model_from_config(cfg, torch.float32, attn_implementation="eager").cuda()
     sd = {k: v.clone() for k, v in hf.state_dict().items()}
-    mcfg = MegatronConfig(wire_dtype=None, lr=1e-3, max_grad_norm=None, use_cpu_initialization=True)
+    mcfg = MegatronConfig(wire_dtype=None, lr=1e-3, max_grad_norm=None, use_cpu_initialization=True, optimizer=optimizer)
     engine = MegatronTrainEngine(cfg, config=mcfg)  # built with use_cpu_initialization, moved to this GPU
     engine.load_hf_weights(sd)
     ref_opt = torch.optim.AdamW(hf.parameters(), lr=mcfg.lr, betas=mcfg.betas, eps=mcfg.eps, weight_decay=0.0)
@@ -143,21 +152,41 @@ def _train_worker(rank: int, world_size: int, tp: int, pp: int) -> dict:
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
     exported = {n: t.detach().cpu().clone() for n, t in engine.iter_weights()}
-    res = {"losses": losses, "ref_losses": ref_losses}
+    hf_sd = {k: v for k, v in hf.state_dict().items() if not (tie and k == "lm_head.weight")}
+    res = {"losses": losses, "ref_losses": ref_losses,
+           "optimizers": [type(o).__name__ for o in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])]}
     if rank == 0:
         res["tensors"] = {**{f"exp/{k}": v for k, v in exported.items()},
-                          **{f"hf/{k}": v.detach().cpu() for k, v in hf.state_dict().items()},
+                          **{f"hf/{k}": v.detach().cpu() for k, v in hf_sd.items()},
                           **{f"init/{k}": v.detach().cpu() for k, v in sd.items()}}
+    from ckpt_engine.trainer_adapters.megatron_export import _core
+
+    shared = _core(engine.model).shared_embedding_or_output_weight() if tie else None
+    if shared is not None:  # stage 0: input embedding; last stage: output layer (PP > 1)
+        res.setdefault("tensors", {})["shared"] = shared.detach().cpu().clone()
     ps.destroy_model_parallel()
     return res
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_megatron_training_matches_hf_on_2_gpus(tp: int, pp: int):
+@pytest.mark.parametrize(
+    ("tp", "pp", "tie", "optimizer"),
+    [(2, 1, False, "adamw"), (1, 2, False, "adamw"), (1, 2, True, "adamw"), (1, 1, False, "megatron_distributed"),
+     (1, 2, True, "megatron_distributed")],
+    ids=["tp2", "pp2", "pp2-tied", "dp2-distopt", "pp2-tied-distopt"],
+)
+def test_megatron_training_matches_hf_on_2_gpus(tp: int, pp: int, tie: bool, optimizer: str):
+    """Parity with the HF model after 3 AdamW steps: TP, PP, PP with tied embeddings (the first
+    stage's input embedding and the last stage's output layer must stay bit-identical: their
+    grads are summed over the embedding group), and megatron-core's DDP + DistributedOptimizer
+    (dp2: its fp32 main weights sharded over 2 ranks)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    r0, r1 = run_ranks(_train_worker, backend="nccl", tp=tp, pp=pp)
+    r0, r1 = run_ranks(_train_worker, backend="nccl", tp=tp, pp=pp, tie=tie, optimizer=optimizer)
+    if optimizer == "megatron_distributed":
+        assert all("DistributedOptimizer" in n for n in r0["optimizers"]), r0["optimizers"]
+    if tie and pp > 1:
+        assert torch.equal(r0["tensors"]["shared"], r1["tensors"]["shared"]), "tied embedding copies diverged between stages"
     assert r0["losses"] == pytest.approx(r0["ref_losses"], rel=1e-4, abs=1e-4)
     assert r0["losses"] == pytest.approx(r1["losses"])
     t = r0["tensors"]

@@ -61,6 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="raw,naive,ours", help="comma-separated subset of raw,bucketed,naive,ours (bucketed: raw in bucket-sized messages)")
     p.add_argument("--timeout-s", type=seconds, default=600.0, help="bound on every wait, in (0, 604800] seconds")
     p.add_argument("--json", default=None, help="write results as JSON to this file ('-' for stdout)")
+    p.add_argument("--senders", type=at_least(1), default=1, help="sending ranks (>= 1); above 1 each sends its dim-0 row block of every matrix")
+    p.add_argument("--delta", action="store_true", help="real consecutive versions (AdamW on fp32 masters, cast to --dtype) sent as lossless patches")
+    p.add_argument("--lr", type=above_zero, default=1e-6, help="AdamW learning rate of the versions --delta generates")
+    p.add_argument("--versions", type=at_least(1), default=3, help="patch syncs after the dense seed with --delta")
     return p
 
 
@@ -213,15 +217,29 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.modes.split(",")) - set(MODES))
     if unknown:
         parser.error(f"argument --modes: unknown mode(s) {', '.join(unknown)}; allowed: {', '.join(MODES)}")
+    chain = args.delta or args.senders > 1
     try:
-        summary = run_bench(args, show_progress=args.json != "-")
+        if chain:
+            from ckpt_engine.benchmark.chain import run_chain_bench
+
+            device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+            backend = CheckpointEngineRegistry.resolve_name(args.backend, device)
+            bucket_mb = args.bucket_mb if args.bucket_mb is not None else default_bucket_mb(args, device)
+            summary = run_chain_bench(args, backend, device, bucket_mb)
+        else:
+            summary = run_bench(args, show_progress=args.json != "-")
     except ValueError as exc:  # bad preset, backend or device: say what, no traceback
         print(f"ckpt-engine bench: error: {exc}", file=sys.stderr)
         return 2
     if args.json == "-":
         print(json.dumps(summary, indent=2))
     else:
-        print_summary(summary, Console())
+        if chain:
+            from ckpt_engine.benchmark.chain import print_chain_summary
+
+            print_chain_summary(summary, Console())
+        else:
+            print_summary(summary, Console())
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(summary, f, indent=2)

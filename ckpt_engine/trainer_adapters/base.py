@@ -81,6 +81,7 @@ class TrainEngineRegistry:
         "fsdp2": "ckpt_engine.trainer_adapters.fsdp2:FSDP2TrainEngine",
         "megatron": "ckpt_engine.trainer_adapters.megatron:MegatronTrainEngine",
         "megatron_fsdp": "ckpt_engine.trainer_adapters.megatron_fsdp:MegatronFSDPTrainEngine",
+        "megatron_fsdp2": "ckpt_engine.trainer_adapters.megatron_fsdp2:MegatronFSDP2TrainEngine",
     }
 
     @classmethod

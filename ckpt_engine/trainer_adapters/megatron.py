@@ -34,11 +34,15 @@ from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
 from ckpt_engine.trainer_adapters.common import TrainConfig, check_float_dtype, clip_and_step, torch_dtype
 from ckpt_engine.trainer_adapters.megatron_export import (  # re-exported: the public names stay importable from here
     MegatronExporter,
+    _core,
     _hf,
     _partition_dim,
     check_exportable,
     head_dim_of,
+    walk_to_first_stage,
 )
+from ckpt_engine.trainer_adapters.megatron_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
+from ckpt_engine.trainer_adapters.megatron_groups import MegatronGroups
 
 __all__ = [
     "MegatronConfig", "MegatronTrainEngine", "MegatronExporter", "build_gpt_model", "check_exportable", "head_dim_of",
@@ -48,6 +52,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 EXPORT_MODES = ("gather_to_first", "per_stage")
+OPTIMIZERS = ("adamw", "megatron_distributed")
 
 
 @dataclass(kw_only=True)
@@ -67,6 +72,12 @@ class MegatronConfig(TrainConfig):
     moe_token_dispatcher_type: str = "alltoall"
     """MoE token dispatcher: "alltoall" (megatron's default for EP; its constructor creates a CUDA
     stream, so it needs CUDA even to build the model) or "allgather" (builds without CUDA)."""
+    optimizer: str = "adamw"
+    """"adamw": torch AdamW on this rank's shards, gradients averaged over DP here (runs on CPU);
+    "megatron_distributed": megatron-core's DistributedDataParallel (contiguous grad buffers,
+    reduce-scatter over DP) and DistributedOptimizer (fp32 main weights sharded over DP, clipping
+    by the global norm), as Megatron-LM trains. Megatron applies `weight_decay` to matrices only
+    (not to biases and norms), torch AdamW to every parameter."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -77,6 +88,8 @@ class MegatronConfig(TrainConfig):
             raise ValueError(f"MegatronConfig.export_mode must be one of {EXPORT_MODES}, got {self.export_mode!r}")
         if self.make_vocab_size_divisible_by < 1:
             raise ValueError(f"MegatronConfig.make_vocab_size_divisible_by must be >= 1, got {self.make_vocab_size_divisible_by}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"MegatronConfig.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.moe_token_dispatcher_type not in ("alltoall", "allgather"):
             raise ValueError(
                 f"MegatronConfig.moe_token_dispatcher_type must be 'alltoall' or 'allgather', got {self.moe_token_dispatcher_type!r}"
@@ -150,14 +163,27 @@ def _rope_theta(hf_config: Any) -> float:
     return float(params.get("rope_theta", _hf(hf_config, "rope_theta", 10000.0)))
 
 
+def megatron_moe_without_te_compat() -> None:
+    """megatron-core 0.16.1 without Transformer Engine: `moe_utils.RouterGatingLinearFunction`
+    tests the module global `te_general_gemm`, which only its (failed) TE import defines, so every
+    MoE forward raised NameError on 2xH200. Define it as None, the value its own check means as
+    "no TE" (it then uses torch.mm). A no-op once TE or a fixed megatron-core defines it."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def build_gpt_model(hf_config: Any, cfg: MegatronConfig, pg_collection: Any = None) -> nn.Module:
     """One GPTModel chunk for this rank's pipeline stage (virtual pipelining is not used)."""
     from megatron.core.models.gpt import GPTModel
 
-    groups = _Groups.from_megatron(pg_collection)
+    groups = MegatronGroups.from_megatron(pg_collection)
     tconf = transformer_config_from_hf(hf_config, cfg, groups.tp_size, groups.pp_size, groups.ep_size)
     family = check_exportable(hf_config)
     num_experts = hf_config.num_experts if family.expert else None
+    if num_experts:
+        megatron_moe_without_te_compat()
     if cfg.transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -182,52 +208,6 @@ def build_gpt_model(hf_config: Any, cfg: MegatronConfig, pg_collection: Any = No
     return GPTModel(**kw)
 
 
-# --- process groups -------------------------------------------------------------------------------
-
-
-@dataclass
-class _Groups:
-    tp: Any
-    pp: Any
-    dp: Any
-    ep: Any
-    etp: Any
-    mp: Any  # tensor x pipeline (grad-norm reduction)
-
-    @classmethod
-    def from_megatron(cls, pg_collection: Any = None) -> _Groups:
-        if pg_collection is not None:
-            g = pg_collection
-            return cls(g.tp, g.pp, getattr(g, "dp", None), getattr(g, "ep", None), getattr(g, "expt_tp", None), getattr(g, "mp", None))
-        from megatron.core import parallel_state as ps
-
-        if not ps.model_parallel_is_initialized():
-            raise RuntimeError("call megatron.core.parallel_state.initialize_model_parallel() first, or pass pg_collection")
-        return cls(
-            ps.get_tensor_model_parallel_group(), ps.get_pipeline_model_parallel_group(),
-            ps.get_data_parallel_group(), ps.get_expert_model_parallel_group(),
-            ps.get_expert_tensor_parallel_group(), ps.get_model_parallel_group(),
-        )
-
-    @staticmethod
-    def _size(g: Any) -> int:
-        return 1 if g is None else dist.get_world_size(g)
-
-    @staticmethod
-    def _rank(g: Any) -> int:
-        return 0 if g is None else dist.get_rank(g)
-
-    tp_size = property(lambda self: self._size(self.tp))
-    tp_rank = property(lambda self: self._rank(self.tp))
-    pp_size = property(lambda self: self._size(self.pp))
-    pp_rank = property(lambda self: self._rank(self.pp))
-    dp_rank = property(lambda self: self._rank(self.dp))
-    ep_size = property(lambda self: self._size(self.ep))
-    ep_rank = property(lambda self: self._rank(self.ep))
-    etp_size = property(lambda self: self._size(self.etp))
-    etp_rank = property(lambda self: self._rank(self.etp))
-
-
 # --- the engine -----------------------------------------------------------------------------------
 
 
@@ -243,12 +223,31 @@ class MegatronTrainEngine(TrainEngine):
         self.config = config if config is not None else MegatronConfig()
         check_exportable(hf_config)  # ValueError before any model is built
         self.hf_config = hf_config
-        self.groups = _Groups.from_megatron(pg_collection)
+        self.groups = MegatronGroups.from_megatron(pg_collection)
         self.pg_collection = pg_collection
         if model is None:
             model = build_gpt_model(hf_config, self.config, pg_collection)
             if torch.cuda.is_available():
                 model = model.cuda()  # before the optimizer sees the params
+        for p in model.parameters():
+            p.main_grad = None  # megatron layers read .main_grad only under gradient_accumulation_fusion
+        with torch.no_grad():  # vocab padding rows: zero, so that a rank's state does not depend on TP
+            for p, first in MegatronExporter(model, hf_config, self.config, self.groups).vocab_padding_rows():
+                p[first:].zero_()
+        self.global_step = 0
+        self._sched_step = 0
+        self._fresh_step = True
+        self.megatron_optimizer = self.config.optimizer == "megatron_distributed"
+        if self.megatron_optimizer:
+            model, self.optimizer = self._distributed_optimizer(model)
+            self.scheduler = None
+            self._apply_lr()
+        else:
+            self.optimizer = torch.optim.AdamW(
+                [p for p in model.parameters() if p.requires_grad],
+                lr=self.config.lr, betas=self.config.betas, eps=self.config.eps, weight_decay=self.config.weight_decay,
+            )
+            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.config.lr_factor)
         self.model = model
         self.exporter = MegatronExporter(self.model, hf_config, self.config, self.groups)
         self._stages = self.exporter.stage_specs()
@@ -258,14 +257,34 @@ class MegatronTrainEngine(TrainEngine):
             self.is_sender = first_of_stage
         else:
             self.is_sender = first_of_stage and g.pp_rank == 0
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=self.config.lr, betas=self.config.betas, eps=self.config.eps, weight_decay=self.config.weight_decay,
+
+    def _distributed_optimizer(self, model: nn.Module) -> tuple[nn.Module, Any]:
+        """Wrap `model` in megatron-core DDP and build its DistributedOptimizer over it (needs CUDA)."""
+        if not torch.cuda.is_available():
+            raise RuntimeError("MegatronConfig.optimizer='megatron_distributed' needs CUDA (megatron-core DDP keeps its grad buffers on the GPU)")
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        cfg = self.config
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.config.lr_factor)
-        self.global_step = 0
-        for p in self.model.parameters():
-            p.main_grad = None  # megatron layers read .main_grad only under gradient_accumulation_fusion
+        kw: dict[str, Any] = {"pg_collection": self.pg_collection} if self.pg_collection is not None else {}
+        ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model, **kw)
+        model.config.finalize_model_grads_func = finalize_model_grads  # DP reduce-scatter, tied-embedding all-reduce
+        model.config.no_sync_func = ddp.no_sync
+        dtype = torch_dtype(cfg.params_dtype)
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
+                adam_eps=cfg.eps, clip_grad=0.0, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+                params_dtype=dtype, use_distributed_optimizer=True,
+            ),
+            [ddp],
+            **kw,
+        )
+        return ddp, optimizer
 
     # --- weights -----------------------------------------------------------------------------
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -280,24 +299,10 @@ class MegatronTrainEngine(TrainEngine):
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF tensors; every rank walks it. TP/EP gathers on the owning stage, then a PP broadcast."""
-        g = self.groups
-        if self.config.export_mode == "per_stage" or g.pp_size == 1:
+        if self.config.export_mode == "per_stage":
             yield from self.exporter.iter_local()
             return
-        pp_ranks = dist.get_process_group_ranks(g.pp)
-        for stage, specs in enumerate(self._stages):
-            local = self.exporter.iter_local() if stage == g.pp_rank else None
-            for spec in specs:
-                if local is not None:
-                    name, t = next(local)
-                    assert name == spec.name, (name, spec.name)
-                    t = t.contiguous()
-                else:
-                    t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=self._device())
-                dist.broadcast(t, src=pp_ranks[stage], group=g.pp)
-                yield spec.name, t
-            if local is not None and next(local, None) is not None:
-                raise RuntimeError(f"stage {stage} produced more tensors than its metadata lists")
+        yield from walk_to_first_stage(self.exporter, self._stages, self.groups, self._device())
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -312,6 +317,10 @@ class MegatronTrainEngine(TrainEngine):
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+        if self.megatron_optimizer and self._fresh_step:  # first micro-batch since the last step
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        self._fresh_step = False
         ids = batch["input_ids"]
         mbs = self.config.micro_batch_size or ids.shape[0]
         if ids.shape[0] % mbs:
@@ -349,41 +358,119 @@ class MegatronTrainEngine(TrainEngine):
             loss[0] = sum(float(r["loss"]) for r in results) / len(results)
         if self.groups.pp_size > 1:  # last stage knows the loss; share it
             dist.broadcast(loss, src=dist.get_process_group_ranks(self.groups.pp)[-1], group=self.groups.pp)
-        self._allreduce_dp_grads()
+        self._finalize_grads()
         return {"loss": float(loss[0])}
 
-    def _allreduce_dp_grads(self) -> None:
-        g = self.groups
-        if g.dp is None or dist.get_world_size(g.dp) == 1:
+    def _finalize_grads(self) -> None:
+        """What megatron's `finalize_model_grads` does for a plain (unwrapped) model: tied embedding
+        grads summed over the first and last stage, then the DP average. With the distributed
+        optimizer the schedule already ran megatron's own."""
+        if self.megatron_optimizer:
             return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        for t in grads:  # plain DP average (Megatron's DDP bucketed reducer is out of scope here)
-            dist.all_reduce(t, group=g.dp)
-            t.div_(dist.get_world_size(g.dp))
+        self._allreduce_tied_embedding_grads()
+        self._allreduce_dp_grads()
+
+    def _allreduce_tied_embedding_grads(self) -> None:
+        """PP > 1 with tied embeddings: the first stage's input embedding and the last stage's
+        output layer are one HF tensor held twice; summing their grads over the embedding group
+        keeps the two copies equal after every step (each copy gets the full gradient)."""
+        core = _core(self.model)
+        g = self.groups
+        if g.pp_size == 1 or not getattr(core, "share_embeddings_and_output_weights", False):
+            return
+        if g.embd is None or dist.get_rank() not in dist.get_process_group_ranks(g.embd):
+            return
+        weight = core.shared_embedding_or_output_weight()
+        if weight is None:
+            return
+        if weight.grad is None:  # no gradient this step on this stage: contribute zeros
+            weight.grad = torch.zeros_like(weight)
+        dist.all_reduce(weight.grad, group=g.embd)
+
+    def _allreduce_dp_grads(self) -> None:
+        """Average gradients over data parallelism. Expert parameters under EP > 1 (megatron marks
+        them `allreduce=False`) hold different experts on each EP rank: they are summed over the
+        expert-DP group only, but still divided by the full DP size, because every EP rank's tokens
+        already reached them through the dispatcher (what megatron's DDP does)."""
+        g = self.groups
+        dp = 1 if g.dp is None else dist.get_world_size(g.dp)
+        if dp == 1:
+            return
+        edp = 1 if g.edp is None else dist.get_world_size(g.edp)
+        for p in self.model.parameters():  # plain all-reduces (Megatron's bucketed DDP: optimizer="megatron_distributed")
+            if p.grad is None:
+                continue
+            if getattr(p, "allreduce", True):
+                dist.all_reduce(p.grad, group=g.dp)
+            elif edp > 1:
+                dist.all_reduce(p.grad, group=g.edp)
+            p.grad.div_(dp)
 
     def grad_norm(self) -> float:
-        """Global grad norm: TP-duplicated params counted once, summed over the model-parallel group."""
-        sq = torch.zeros((), dtype=torch.float64, device=self._device())
-        tp_rank = self.groups.tp_rank
+        """Global grad norm: each distinct gradient element counted once.
+
+        Dense parameters: TP-duplicated ones (no partition_dim) counted on TP rank 0 only, summed
+        over the model-parallel (TP x PP) group. Expert parameters under EP differ per EP rank:
+        summed over the EP, expert-TP and PP groups instead."""
+        dense = torch.zeros((), dtype=torch.float64, device=self._device())
+        expert = torch.zeros((), dtype=torch.float64, device=self._device())
+        g = self.groups
         for p in self.model.parameters():
             if p.grad is None:
                 continue
-            if _partition_dim(p) is None and tp_rank != 0:
+            is_expert = not getattr(p, "allreduce", True)
+            if _partition_dim(p) is None and (g.etp_rank if is_expert else g.tp_rank) != 0:
                 continue
-            sq += torch.linalg.vector_norm(p.grad, dtype=torch.float64).square()
-        if self.groups.mp is not None:
-            dist.all_reduce(sq, group=self.groups.mp)
-        return math.sqrt(float(sq))
+            sq = torch.linalg.vector_norm(p.grad, dtype=torch.float64).square()
+            if is_expert:
+                expert += sq
+            else:
+                dense += sq
+        if g.mp is not None:
+            dist.all_reduce(dense, group=g.mp)
+        for group in (g.ep, g.etp, g.pp):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(expert, group=group)
+        return math.sqrt(float(dense + expert))
 
     def optimizer_step(self) -> float:
+        """Clip by the global grad norm, step, zero grads; returns the pre-clip norm.
+
+        A non-finite norm skips the update on every rank alike (both optimizers)."""
+        if self.megatron_optimizer:
+            return self._megatron_step()
         norm = self.grad_norm()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if clip_and_step(self.optimizer, grads, norm, self.config.max_grad_norm, self.global_step):
             self.global_step += 1
         return norm
 
+    def _megatron_step(self) -> float:
+        """megatron-core's step split open so that a non-finite norm skips the update (its fp32
+        path has no grad scaler, so `step()` would apply NaNs)."""
+        self._fresh_step = True
+        found_inf = self.optimizer.prepare_grads()
+        norm = float(self.optimizer.get_grad_norm()) if not found_inf else math.nan
+        if not math.isfinite(norm):
+            logger.warning("step %d: grad norm is %s, skipping the update", self.global_step, norm)
+            return norm
+        if self.config.max_grad_norm is not None:
+            self.optimizer.clip_grad_norm(self.config.max_grad_norm)
+        if self.optimizer.step_with_ready_grads():
+            self.global_step += 1
+        return norm
+
     def lr_scheduler_step(self) -> None:
-        self.scheduler.step()
+        self._sched_step += 1
+        if self.scheduler is not None:
+            self.scheduler.step()
+        else:
+            self._apply_lr()
+
+    def _apply_lr(self) -> None:
+        lr = self.config.lr * self.config.lr_factor(self._sched_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def train_mode(self) -> None:
         self.model.train()
@@ -393,37 +480,9 @@ class MegatronTrainEngine(TrainEngine):
 
     # --- checkpoint --------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:
-        """Per-rank DCP-style checkpoint of this rank's shards (same layout required to load)."""
-        import torch.distributed.checkpoint as dcp
-
-        if self.groups.dp_rank == 0:  # DP replicas hold the same shards: one writes, the others wait
-            dcp.save(self._state(), checkpoint_id=self._ckpt_dir(path), no_dist=True)
-        if self.groups.dp is not None:
-            dist.barrier(group=self.groups.dp)
+        """Layout-independent checkpoint (full HF-named weights and AdamW moments, `megatron_checkpoint.py`):
+        loads into any TP/PP/EP layout. Every rank calls it; one rank writes."""
+        save_megatron_checkpoint(self, path)
 
     def load_checkpoint(self, path: str) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        state = self._state()
-        dcp.load(state, checkpoint_id=self._ckpt_dir(path), no_dist=True)
-        self.model.load_state_dict(state["model"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.global_step = int(state["trainer"]["global_step"])
-        # the schedule's own position: it differs from global_step once a non-finite step was skipped
-        self.scheduler.last_epoch = int(state["trainer"]["scheduler_step"])
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * self.config.lr_factor(self.scheduler.last_epoch)
-
-    def _ckpt_dir(self, path: str) -> str:
-        g = self.groups
-        return f"{path}/mp_rank_{g.tp_rank:02d}_{g.pp_rank:03d}_{g.ep_rank:03d}"
-
-    def _state(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        model_sd = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}  # drop TE _extra_state
-        return {"model": model_sd, "optimizer": optim_sd, "trainer": {
-            "global_step": torch.tensor(self.global_step, dtype=torch.int64),
-            "scheduler_step": torch.tensor(self.scheduler.last_epoch, dtype=torch.int64),
-        }}
+        load_megatron_checkpoint(self, path)

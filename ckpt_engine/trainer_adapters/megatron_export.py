@@ -6,9 +6,9 @@ a pipeline stage (each parameter gathered over its tensor-parallel group along `
 layout-aware for `linear_fc1` = [gate; up] per shard, experts over the expert-parallel group,
 then `linear_qkv` per query group -> q/k/v), and the reverse load (`load_hf`).
 
-The engines (`megatron.py`, `megatron_fsdp.py`) own the process groups (`_Groups` there), the
-pipeline broadcast of the stages' tensors and training; this module only needs the groups'
-attributes. Collective contract: every rank of the model-parallel world calls `stage_specs` and
+The engines (`megatron.py`, `megatron_fsdp.py`) own the process groups (`MegatronGroups` from
+`megatron_groups.py`), the pipeline broadcast of the stages' tensors and training; this module
+only needs the groups' attributes. Collective contract: every rank of the model-parallel world calls `stage_specs` and
 `iter_local` in the same order.
 """
 
@@ -34,9 +34,9 @@ from ckpt_engine.trainer_adapters.hf_names import (
 )
 
 if TYPE_CHECKING:
-    from ckpt_engine.trainer_adapters.megatron import _Groups
+    from ckpt_engine.trainer_adapters.megatron_groups import MegatronGroups
 
-__all__ = ["MegatronExporter", "check_exportable", "collective_device", "head_dim_of"]
+__all__ = ["MegatronExporter", "check_exportable", "collective_device", "head_dim_of", "walk_to_first_stage"]
 
 
 def collective_device(group: Any) -> torch.device:
@@ -126,7 +126,7 @@ class MegatronExporter:
         model: nn.Module,
         hf_config: Any,
         cfg: TrainConfig,
-        groups: _Groups,
+        groups: MegatronGroups,
         local_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """`local_tensor(param)` gives this TP rank's full shard of a parameter (default: its data;
@@ -359,8 +359,12 @@ class MegatronExporter:
             yield from self._convert(it, gathered[(id(it), e // num_local)], self._expert_specs(it, e))
 
     # --- HF -> Megatron ---------------------------------------------------------------------------
-    def load_hf(self, hf: dict[str, torch.Tensor]) -> None:
-        """Fill this rank's shards from full HF tensors (every rank holds `hf`; no collectives)."""
+    def load_hf(self, hf: dict[str, torch.Tensor], target: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """Fill this rank's shards from full HF tensors (every rank holds `hf`; no collectives).
+
+        `target(param)` is the tensor to fill for a parameter (default: the parameter itself; a
+        checkpoint load passes the parameter's optimizer moment of the same layout)."""
+        dest = target if target is not None else (lambda p: p)
         tp, tp_rank = self.groups.tp_size, self.groups.tp_rank
         etp, etp_rank = self.groups.etp_size, self.groups.etp_rank
         num_local = max((it.local_expert for it in self.items if it.expert), default=0) + 1
@@ -380,7 +384,7 @@ class MegatronExporter:
                         full = merge_gate_up(src[0].chunk(size)[rank], src[1].chunk(size)[rank])
                     else:
                         full = merge_gate_up(*src)
-                    _copy_into(it.param, full)
+                    _copy_into(dest(it.param), full)
                     continue
                 if it.kind == "qkv":
                     full = merge_qkv(*src, self.heads, self.query_groups, self.head_dim)
@@ -392,11 +396,54 @@ class MegatronExporter:
                     full = src[0]
                 if it.partition_dim is not None and size > 1:
                     full = full.chunk(size, dim=it.partition_dim)[rank]
-                _copy_into(it.param, full)
+                _copy_into(dest(it.param), full)
             if self.tied:
                 out = getattr(_core(self.model), "output_layer", None)
                 if out is not None and getattr(out, "weight", None) is not None and not _core(self.model).pre_process:
-                    out.weight.data.copy_(_vocab_shard(hf["model.embed_tokens.weight"], out.weight, tp, tp_rank))
+                    dest(out.weight).data.copy_(_vocab_shard(hf["model.embed_tokens.weight"], out.weight, tp, tp_rank))
+
+    def vocab_padding_rows(self) -> list[tuple[torch.Tensor, int]]:
+        """(parameter, first padding row in its local shard) of every vocab-padded parameter here.
+
+        Rows past the HF vocabulary exist only to make the vocab divisible by TP; they never see a
+        token or a loss, and their number depends on the layout."""
+        tp, tp_rank = self.groups.tp_size, self.groups.tp_rank
+        params = [it.param for it in self.items if it.kind == "vocab"]
+        out = getattr(_core(self.model), "output_layer", None)
+        if self.tied and out is not None and getattr(out, "weight", None) is not None and all(out.weight is not p for p in params):
+            params.append(out.weight)
+        rows = []
+        for p in params:
+            local = p.shape[0]
+            offset = tp_rank * local if _partition_dim(p) == 0 and tp > 1 else 0
+            rows.append((p, max(0, min(local, self.vocab - offset))))
+        return rows
+
+
+def walk_to_first_stage(
+    exporter: MegatronExporter, stages: list[list[TensorSpec]], groups: MegatronGroups, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every stage's HF tensors on every rank: each stage's walk, broadcast over the pipeline group.
+
+    Collective on every rank of the model-parallel world, in `stages` order (`stage_specs()`).
+    """
+    if groups.pp_size == 1:
+        yield from exporter.iter_local()
+        return
+    pp_ranks = dist.get_process_group_ranks(groups.pp)
+    for stage, specs in enumerate(stages):
+        local = exporter.iter_local() if stage == groups.pp_rank else None
+        for spec in specs:
+            if local is not None:
+                name, t = next(local)
+                assert name == spec.name, (name, spec.name)
+                t = t.contiguous()
+            else:
+                t = torch.empty(spec.shape, dtype=torch_dtype(spec.dtype), device=device)
+            dist.broadcast(t, src=pp_ranks[stage], group=groups.pp)
+            yield spec.name, t
+        if local is not None and next(local, None) is not None:
+            raise RuntimeError(f"stage {stage} produced more tensors than its metadata lists")
 
 
 def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:

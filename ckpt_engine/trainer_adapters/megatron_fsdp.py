@@ -33,11 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ckpt_engine.trainer_adapters.megatron_groups import MegatronGroups
 from ckpt_engine.trainer_adapters.megatron import (
     MegatronConfig,
     MegatronExporter,
     MegatronTrainEngine,
-    _Groups,
     build_gpt_model,
     check_exportable,
 )
@@ -133,7 +133,7 @@ class MegatronFSDPTrainEngine(MegatronTrainEngine):
         cfg = self.config
         self.hf_config = hf_config
         self.pg_collection = pg_collection
-        self.groups = _Groups.from_megatron(pg_collection)
+        self.groups = MegatronGroups.from_megatron(pg_collection)
         if model_chunks is None:
             model_chunks = [build_gpt_model(hf_config, cfg, pg_collection).cuda()]
         ddp_config = DistributedDataParallelConfig(
@@ -174,6 +174,8 @@ class MegatronFSDPTrainEngine(MegatronTrainEngine):
         self.is_sender = first_of_stage if cfg.export_mode == "per_stage" else first_of_stage and g.pp_rank == 0
         self.global_step = 0
         self._sched_step = 0
+        self.megatron_optimizer = True  # gradients reduced by finalize_model_grads in the schedule
+        self.scheduler = None
         self._apply_lr()
         logger.info("Megatron-FSDP engine: strategy %s, %d chunk(s)", cfg.sharding_strategy, len(self.chunks))
 
@@ -214,9 +216,6 @@ class MegatronFSDPTrainEngine(MegatronTrainEngine):
 
     _fresh_step = True
 
-    def _allreduce_dp_grads(self) -> None:
-        """Gradients are reduced by Megatron-FSDP itself (finalize_model_grads in the schedule)."""
-
     def optimizer_step(self) -> float:
         """Megatron's distributed optimizer step (clips by `max_grad_norm`); returns the grad norm."""
         success, grad_norm, _ = self.optimizer.step()
@@ -226,15 +225,6 @@ class MegatronFSDPTrainEngine(MegatronTrainEngine):
             return float("nan") if grad_norm is None else float(grad_norm)
         self.global_step += 1
         return float(grad_norm) if grad_norm is not None else math.nan
-
-    def lr_scheduler_step(self) -> None:
-        self._sched_step += 1
-        self._apply_lr()
-
-    def _apply_lr(self) -> None:
-        lr = self.config.lr * self.config.lr_factor(self._sched_step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
 
     def train_mode(self) -> None:
         for c in self.chunks:

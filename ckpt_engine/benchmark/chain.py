@@ -1,0 +1,135 @@
+"""`ckpt-engine bench --delta` / `--senders N`: the driver for `chain_worker`.
+
+Starts the senders and receivers, collects their JSON, and reports in one table: the raw
+broadcast of all bytes from one sender, the same bytes split over every sender at once, the dense
+sync, the delta seed and each patch sync (wire bytes, changed fraction, encode / apply seconds),
+the ratios to raw, the base copies' memory, and whether every receiver ended bit-exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["print_chain_summary", "run_chain_bench"]
+
+
+def launch_ranks(module: str, world: int, common: list[str], timeout_s: float, store: Any) -> list[dict[str, Any]]:
+    """Run `python -m module --rank r ...` for every rank; their JSON results from the store."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # like torchrun: ranks sharing a host must not oversubscribe it
+    procs = [subprocess.Popen([sys.executable, "-m", module, "--rank", str(r), *common], env=env) for r in range(world)]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(p.poll() is None for p in procs):
+            bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                raise RuntimeError(f"bench rank(s) {bad} failed (exit codes {[procs[i].returncode for i in bad]})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"bench did not finish within {timeout_s:.0f}s")
+            time.sleep(0.2)
+        bad = [i for i, p in enumerate(procs) if p.returncode != 0]
+        if bad:
+            raise RuntimeError(f"bench rank(s) {bad} failed (exit codes {[procs[i].returncode for i in bad]})")
+        return [json.loads(store.get(f"result/{r}")) for r in range(world)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def run_chain_bench(args: argparse.Namespace, backend: str, device: str, bucket_mb: float) -> dict[str, Any]:
+    world = args.senders + args.receivers
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=args.timeout_s))
+    token = uuid.uuid4().hex
+    common = [
+        "--world-size", str(world), "--senders", str(args.senders), "--host", "127.0.0.1", "--port", str(store.port),
+        "--token", token, "--backend", backend, "--device", device, "--preset", args.preset, "--dtype", args.dtype,
+        "--bucket-mb", str(bucket_mb), "--buffers", str(args.buffers), "--iters", str(args.iters),
+        "--timeout-s", str(args.timeout_s), "--lr", str(args.lr), "--versions", str(args.versions),
+    ]
+    if args.layers is not None:
+        common += ["--layers", str(args.layers)]
+    if args.delta:
+        common.append("--delta")
+    if args.engine_kwargs is not None:
+        common += ["--engine-kwargs", args.engine_kwargs]
+    steps = 4 + args.iters * 3 + args.versions
+    results = launch_ranks("ckpt_engine.benchmark.chain_worker", world, common, args.timeout_s * steps, torch.distributed.PrefixStore(f"{token}/", store))
+    return summarize_chain(results, args, backend, device, bucket_mb)
+
+
+def _slowest(results: list[dict[str, Any]], key: str) -> list[float]:
+    return [max(r[key][i] for r in results) for i in range(len(results[0][key]))]
+
+
+def summarize_chain(results: list[dict[str, Any]], args: argparse.Namespace, backend: str, device: str, bucket_mb: float) -> dict[str, Any]:
+    nbytes = results[0]["bytes"]
+    s: dict[str, Any] = {
+        "preset": args.preset, "layers": args.layers, "backend": backend, "device": device, "senders": args.senders,
+        "receivers": args.receivers, "bucket_mb": bucket_mb, "bytes": nbytes, "delta": args.delta, "lr": args.lr, "modes": {},
+    }
+    if torch.cuda.is_available() and device == "cuda":
+        s["gpu"] = torch.cuda.get_device_name(0)
+    for mode in ("raw", "raw_split", "dense"):
+        if f"{mode}_s" in results[0]:
+            times = _slowest(results, f"{mode}_s")
+            s["modes"][mode] = {"best_s": min(times), "median_s": statistics.median(times), "all_s": times}
+    if args.delta:
+        s["modes"]["seed"] = {"best_s": max(r["seed_s"] for r in results)}
+        senders, receivers = results[: args.senders], results[args.senders :]
+        for i in range(args.versions):
+            sec = max(r["delta"][i]["seconds"] for r in results)
+            wire = sum(r["delta"][i]["wire_bytes"] for r in senders)
+            dense = sum(r["delta"][i]["dense_bytes"] for r in senders)
+            s["modes"][f"delta v{i + 2}"] = {
+                "best_s": sec, "wire_bytes": wire, "wire_fraction": wire / dense if dense else 0.0,
+                "changed_fraction": statistics.mean(r["delta"][i]["changed_fraction"] for r in senders),
+                "encode_s": max(r["delta"][i].get("encode_s", 0.0) for r in senders),
+                "apply_s": max(r["delta"][i].get("apply_s", 0.0) for r in receivers),
+            }
+        s["base_bytes"] = {f"rank{r['rank']}": r["base_bytes"] for r in results}
+    raw = s["modes"]["raw"]["best_s"]
+    for m in s["modes"].values():
+        m["gbps"] = nbytes / m["best_s"] / 1e9
+        m["ratio_to_raw"] = m["best_s"] / raw  # time relative to the raw broadcast: < 1 beats it
+    expected = results[0]["checksum"]
+    s["problems"] = [f"rank {r['rank']}: weights differ from the senders'" for r in results[args.senders :] if r["checksum"] != expected]
+    s["correct"] = not s["problems"]
+    return s
+
+
+def print_chain_summary(s: dict[str, Any], console: Console) -> None:
+    layers = "" if s["layers"] is None else f" ({s['layers']} layers)"
+    title = (
+        f"{s['preset']}{layers}: {s['bytes'] / 1e9:.3f} GB, {s['backend']} on "
+        f"{s.get('gpu', s['device'])}, {s['senders']} sender(s) -> {s['receivers']} receiver(s), bucket {s['bucket_mb']:.0f} MiB"
+        + (f", AdamW lr {s['lr']:g}" if s["delta"] else "")
+    )
+    table = Table(title=title)
+    for col in ("mode", "seconds", "GB/s (dense bytes)", "time / raw", "wire bytes", "changed", "encode s", "apply s"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    labels = {"raw": "raw broadcast, one sender", "raw_split": "raw, bytes split over senders", "dense": "ckpt-engine dense sync", "seed": "delta seed (dense)"}
+    for mode, m in s["modes"].items():
+        table.add_row(
+            labels.get(mode, mode), f"{m['best_s']:.4f}", f"{m['gbps']:.2f}", f"{m['ratio_to_raw']:.3f}",
+            f"{m['wire_bytes'] / 1e6:.1f} MB ({100 * m['wire_fraction']:.1f}%)" if "wire_bytes" in m else "-",
+            f"{100 * m['changed_fraction']:.2f}%" if "changed_fraction" in m else "-",
+            f"{m['encode_s']:.4f}" if "encode_s" in m else "-", f"{m['apply_s']:.4f}" if "apply_s" in m else "-",
+        )
+    console.print(table)
+    if "base_bytes" in s:
+        console.print("delta base copies: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in s["base_bytes"].items()))
+    console.print("correctness: " + ("every receiver equals the senders bit for bit" if s["correct"] else "; ".join(s["problems"])))

@@ -1,0 +1,206 @@
+"""One rank of `ckpt-engine bench --delta` / `--senders N`: real consecutive versions, many senders.
+
+Senders hold the preset's tensors as fp32 master weights stepped by torch's AdamW (noisy
+gradients, the learning rate given), cast to the wire dtype per version, as an RL trainer's
+bf16 export is; with `--senders N` each sends its dim-0 row block (replicated tensors are split
+by the planner). Receivers copy every tensor into their own destinations, as a loader would.
+Measured over the same groups in one run: raw broadcast of all bytes from one sender, the same
+bytes split over the senders at once (the multi-sender bound), the dense sync, and (with
+`--delta`) a seed plus patch syncs with their wire bytes, changed fraction and encode / apply
+seconds. Results (JSON) go to the rendezvous store for the driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+
+from ckpt_engine.backends.wire_views import torch_dtype
+from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+from ckpt_engine.benchmark.worker import weights_checksum
+from ckpt_engine.copies import batched_copy_
+from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.engine import Rendezvous
+from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.sharded_source import ShardedStateDictSource, iter_pieces
+
+logger = logging.getLogger(__name__)
+
+
+class ChainRank:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rank, self.world = args.rank, args.world_size
+        self.senders = args.senders
+        self.is_sender = self.rank < self.senders
+        if args.device == "cuda":
+            self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.specs = checkpoint_specs(load_preset_config(args.preset), dtype=args.dtype, num_layers=args.layers)
+        self.rdzv = Rendezvous(args.host, args.port, args.token, self.world, args.backend, args.timeout_s, self.senders)
+        self.store = self.rdzv.connect_store()
+        self._barriers = 0
+        self.engine = CheckpointEngineRegistry.new(
+            args.backend, bucket_size_bytes=int(args.bucket_mb * (1 << 20)) // 4096 * 4096, num_buffers=args.buffers,
+            timeout_s=args.timeout_s, device=self.device, **json.loads(args.engine_kwargs),
+        )
+        wire = torch_dtype(args.dtype)
+        self.names = [s.name for s in self.specs]
+        g = torch.Generator(device=self.device).manual_seed(1234)
+        self.tensors = [torch.empty(s.shape, dtype=wire, device=self.device) for s in self.specs]
+        self.masters: list[torch.Tensor] = []
+        self.opt: torch.optim.Optimizer | None = None
+        if self.is_sender:
+            for s, t in zip(self.specs, self.tensors):
+                m = torch.ones(s.shape, device=self.device) if len(s.shape) == 1 else torch.randn(s.shape, generator=g, device=self.device) * 0.02
+                self.masters.append(m)
+                t.copy_(m)
+            if args.delta:
+                self.opt = torch.optim.AdamW(self.masters, lr=args.lr, weight_decay=0.0, foreach=False)
+                for _ in range(args.warmup_steps):
+                    self._step(g)
+            self.source = ShardedStateDictSource(dict(zip(self.names, self.tensors)), self.rank, self.senders)
+        else:
+            for t in self.tensors:
+                t.zero_()
+        self.gen = g
+        self._sync()
+        self.engine.init_process_group(self.rdzv, self.rank)
+        # Every rank plans with the same pure function of the specs and the ownership.
+        self.manifest = self.engine.plan(self.specs, num_senders=self.senders, owners=self._owners())
+        self.total_bytes = sum(s.nbytes for s in self.specs)
+
+    def _owners(self) -> Any:
+        from ckpt_engine.ownership import row_shards
+        from ckpt_engine.sharded_source import even_rows
+
+        return {s.name: row_shards(s, even_rows(s.shape[0], self.senders)) for s in self.specs if len(s.shape) >= 2}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _barrier(self) -> None:
+        """Every rank of every group, through the store (no single group holds all senders)."""
+        self._sync()
+        self._barriers += 1
+        key = f"barrier/{self._barriers}"
+        self.store.add(key, 1)
+        deadline = time.monotonic() + self.args.timeout_s
+        while self.store.add(key, 0) < self.world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: barrier {self._barriers} timed out")
+            time.sleep(0.001)
+
+    def _timed(self, fn: Any) -> float:
+        self._barrier()
+        t0 = time.perf_counter()
+        fn()
+        self._sync()
+        self._barrier()
+        return time.perf_counter() - t0
+
+    def _step(self, g: torch.Generator) -> None:
+        assert self.opt is not None
+        for m in self.masters:
+            m.grad = torch.randn(m.shape, generator=g, device=self.device) * self.args.grad_scale
+        self.opt.step()
+        for m, t in zip(self.masters, self.tensors):
+            m.grad = None
+            t.copy_(m)
+
+    def raw(self) -> list[float]:
+        """All bytes from sender 0 in one broadcast (other senders wait)."""
+        buf = torch.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
+        group = self.engine._groups.get(0)
+
+        def run() -> None:
+            if group is not None:
+                self.engine._wait_work(group.broadcast(buf, 0), "raw broadcast")
+
+        return [self._timed(run) for _ in range(self.args.iters)]
+
+    def raw_split(self) -> list[float]:
+        """The same bytes split evenly over the senders, every sender broadcasting at once."""
+        share = -(-self.total_bytes // self.senders)
+        lanes = self.engine.num_lanes
+        gids = [self.rank * lanes] if self.is_sender else [s * lanes for s in range(self.senders)]
+        bufs = {gid: torch.empty(share, dtype=torch.uint8, device=self.device) for gid in gids}
+
+        def run() -> None:
+            works = [self.engine._groups[gid].broadcast(bufs[gid], 0) for gid in gids]
+            for w in works:
+                self.engine._wait_work(w, "split raw broadcast")
+
+        return [self._timed(run) for _ in range(self.args.iters)]
+
+    def sync_once(self, delta: DeltaRequest | None) -> None:
+        if self.is_sender:
+            self.last_stats = self.engine.send_weights(self.manifest, iter_pieces(self.source, self.manifest), stable=True, delta=delta)
+        else:
+            dst = dict(zip(self.names, self.tensors))
+            for bucket in self.engine.receive_buckets(self.manifest, delta=delta):
+                if bucket:
+                    batched_copy_([dst[n] for n, _ in bucket], [t for _, t in bucket])
+
+    def run(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rank": self.rank, "device": str(self.device), "bytes": self.total_bytes, "senders": self.senders}
+        out["raw_s"] = self.raw()
+        if self.senders > 1:
+            out["raw_split_s"] = self.raw_split()
+        out["dense_s"] = [self._timed(lambda: self.sync_once(None)) for _ in range(self.args.iters)]
+        if self.args.delta:
+            seed = DeltaRequest(False, None, 1)
+            out["seed_s"] = self._timed(lambda: self.sync_once(seed))
+            base, versions = 1, []
+            for v in range(2, 2 + self.args.versions):
+                if self.is_sender:
+                    self._step(self.gen)
+                request = DeltaRequest(True, base, v)
+                seconds = self._timed(lambda: self.sync_once(request))
+                stats = dict(self.last_stats.extra) if self.is_sender else dict(self.engine.last_delta_stats)
+                stats["seconds"] = seconds
+                versions.append(stats)
+                base = v
+            out["delta"] = versions
+            out["base_bytes"] = self.engine.delta_base_bytes
+        out["checksum"] = weights_checksum(self.tensors)
+        self.engine.finalize()
+        return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="one rank of ckpt-engine bench --delta/--senders (started by the driver)")
+    for flag, typ in (("--rank", int), ("--world-size", int), ("--port", int), ("--senders", int)):
+        p.add_argument(flag, type=typ, required=True)
+    for flag in ("--host", "--token", "--backend", "--preset"):
+        p.add_argument(flag, required=True)
+    p.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--bucket-mb", type=float, required=True)
+    p.add_argument("--buffers", type=int, default=2)
+    p.add_argument("--engine-kwargs", default="{}")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--delta", action="store_true")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--grad-scale", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--versions", type=int, default=3)
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    rank = ChainRank(args)
+    result = rank.run()
+    rank.store.set(f"result/{args.rank}", json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

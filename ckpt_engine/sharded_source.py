@@ -1,0 +1,100 @@
+"""Sharded weight sources: every trainer rank sends the bytes it owns, with no gather.
+
+A multi-sender source is a `WeightSource` that also knows, without communicating, which byte
+range of each tensor every sender holds (`owners`), and hands out its own piece of a tensor on
+request (`local_piece`). The weight-sync group then has one sender per trainer rank; the planner
+splits the work by ownership and the receivers reassemble full, HF-named tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.ownership import OwnerMap, row_shards
+
+__all__ = ["ShardedStateDictSource", "ShardedWeightSource", "iter_pieces"]
+
+
+@runtime_checkable
+class ShardedWeightSource(Protocol):
+    """What `sync_rollout_weights(..., senders="all")` needs from each trainer rank.
+
+    `sender_index` / `num_senders`: this rank's place among the senders (trainer rank order).
+    `owners()`: the same map on every rank (pure; no collective). Tensors it leaves out are
+    replicated on every rank; the planner assigns them. `local_piece(name)`: this rank's shard of
+    a tensor it owns (its bytes in the tensor's row-major layout, any shape, wire dtype or a float
+    dtype to cast from), or the whole tensor when it is replicated. Called in plan order, once per
+    piece; the tensor may be freed after the next call unless `stable_tensors` is true.
+    """
+
+    sender_index: int
+    num_senders: int
+
+    def metadata(self) -> list[TensorSpec]: ...
+
+    def owners(self) -> OwnerMap: ...
+
+    def local_piece(self, name: str) -> torch.Tensor: ...
+
+
+def iter_pieces(source: ShardedWeightSource, manifest: BucketManifest) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, piece) pairs this rank sends, in the order of its buckets."""
+    last = None
+    for bucket in manifest.sender_buckets(source.sender_index):
+        for e in bucket.entries:
+            if e.name != last:
+                last = e.name
+                yield e.name, source.local_piece(e.name)
+
+
+def even_rows(rows: int, num_senders: int) -> list[int]:
+    """torch's dim-0 split (FSDP2, `torch.chunk`): ceil-sized blocks, the last ones short or empty."""
+    per = -(-rows // num_senders) if rows else 0
+    return [max(0, min(per, rows - s * per)) for s in range(num_senders)]
+
+
+class ShardedStateDictSource:
+    """A full state dict held on every rank, sent as if dim-0 sharded: each rank sends its row
+    block of every tensor of 2+ dims (the rest is replicated). For `ckpt-engine bench --senders N`
+    and tests; a real sharded trainer implements the same protocol over its own shards."""
+
+    stable_tensors = True
+
+    def __init__(
+        self, weights: Mapping[str, torch.Tensor], sender_index: int, num_senders: int, dtype: torch.dtype | None = None,
+        keep_dtype: frozenset[str] = frozenset(),
+    ) -> None:
+        if not 0 <= sender_index < num_senders:
+            raise ValueError(f"sender_index must be in [0, {num_senders}), got {sender_index}")
+        self.weights = dict(weights)
+        self.sender_index, self.num_senders = sender_index, num_senders
+        self.dtype, self.keep_dtype = dtype, keep_dtype
+        self.is_sender = True
+
+    def _wire(self, name: str, t: torch.Tensor) -> torch.dtype:
+        return self.dtype if self.dtype is not None and t.is_floating_point() and name not in self.keep_dtype else t.dtype
+
+    def metadata(self) -> list[TensorSpec]:
+        return [TensorSpec(n, str(self._wire(n, t)).removeprefix("torch."), tuple(t.shape)) for n, t in self.weights.items()]
+
+    def owners(self) -> OwnerMap:
+        out = {}
+        for spec in self.metadata():
+            if len(spec.shape) >= 2:
+                out[spec.name] = row_shards(spec, even_rows(spec.shape[0], self.num_senders))
+        return out
+
+    def local_piece(self, name: str) -> torch.Tensor:
+        t = self.weights[name]
+        if t.dim() < 2:
+            return t
+        rows = even_rows(t.shape[0], self.num_senders)
+        start = sum(rows[: self.sender_index])
+        return t[start : start + rows[self.sender_index]]
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.weights.items()

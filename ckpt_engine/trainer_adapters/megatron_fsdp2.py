@@ -1,0 +1,479 @@
+"""Megatron-FSDP2 training engine: a Hugging Face causal LM sharded by Megatron's per-module `fully_shard`.
+
+Megatron-FSDP2 (`megatron_fsdp.experimental.fully_shard(module, mesh, placements,
+mixed_precision_policy)`, megatron-fsdp >= 0.6.1) shards each module's parameters into flat
+per-dtype buffers (`DBuffer`): main (optimizer) weights, model (compute) weights and main grads,
+laid out row-aligned with uneven per-rank ranges. It all-gathers a module on a dedicated stream
+before its forward/backward, prefetches the next module in static forward/backward order,
+reduce-scatters gradients asynchronously on a second stream, and (through
+`fully_shard_optimizer`) copies the updated main weights back into the model-weight buffers after
+`optimizer.step()`.
+
+Units: one per decoder layer, the root (embeddings, final norm, LM head) one more, sharded
+bottom-up as the API requires. Placements are plain FSDP over a 1-D mesh (parameters, gradients
+and optimizer state all `Flat`: the one layout megatron-fsdp 0.6.1 runs on a single mesh axis).
+
+Export (`iter_weights`): first every unit's pending all-gather is finished and its gathered
+buffer dropped (a prefetch left behind by an interrupted forward would otherwise be reused, and
+hold the weights of before the last step); then each unit is gathered with its own all-gather
+(one per parameter group: one per unit when all its parameters share a dtype) on Megatron-FSDP's
+all-gather stream, the next unit's gather issued before the current one is consumed, and its
+parameters yielded under their HF checkpoint names.
+
+The sharded parameters are DTensors whose local pieces are DBuffer ranges, not DTensor's own
+`Shard(0)` chunks: `full_tensor()` and DCP would misplace their rows. The engine therefore never
+calls them; checkpoints hold each rank's buffers (same world size to load).
+
+Needs CUDA (Megatron-FSDP2 schedules on CUDA streams). Importing this module never fails;
+construction without CUDA or without megatron-fsdp raises a RuntimeError naming what is missing.
+Collective contract: every rank of the mesh calls every public method in the same order; rank 0
+(`is_sender`) streams what `iter_weights` yields.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
+from ckpt_engine.trainer_adapters.common import TrainConfig, WirePolicy, check_float_dtype, clip_and_step, torch_dtype
+from ckpt_engine.trainer_adapters.fsdp2 import decoder_layers
+from ckpt_engine.trainer_adapters.hf_names import clean_name, has_unhandled_fused_experts, unfuse_expert_specs, unfuse_experts
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["MegatronFSDP2Config", "MegatronFSDP2TrainEngine", "megatron_fsdp2_available"]
+
+logger = logging.getLogger(__name__)
+
+try:  # import guard: CPU CI imports this module without CUDA and usually without megatron-fsdp
+    from megatron_fsdp.experimental import fully_shard as _probe  # noqa: F401
+
+    _IMPORT_ERROR: str | None = None
+except Exception as exc:  # ImportError, or a clash with an installed megatron-core
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+def megatron_fsdp2_available() -> tuple[bool, str]:
+    """(usable here, why not): `megatron_fsdp.experimental` importable and CUDA present."""
+    if _IMPORT_ERROR is not None:
+        return False, (
+            f"Megatron-FSDP2 cannot be imported ({_IMPORT_ERROR}); install megatron-fsdp>=0.6.1 "
+            "(its megatron_fsdp.experimental.fully_shard)"
+        )
+    if not torch.cuda.is_available():
+        return False, "Megatron-FSDP2 needs CUDA GPUs (it gathers and reduces on CUDA streams)"
+    return True, ""
+
+
+@dataclass(kw_only=True)
+class MegatronFSDP2Config(TrainConfig):
+    """Optimizer, schedule and export settings (`TrainConfig`) plus Megatron-FSDP2 precision."""
+
+    param_dtype: str | None = None
+    """Compute (model-weight) dtype: the model is cast to it before sharding (None: as given)."""
+    main_params_dtype: str | None = "float32"
+    """Optimizer (main) weights; None: the compute weights are the main weights."""
+    main_grads_dtype: str | None = None
+    """dtype the reduced gradients are kept in (None: the compute dtype)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for fname in ("param_dtype", "main_params_dtype", "main_grads_dtype"):
+            check_float_dtype(f"{type(self).__name__}.{fname}", getattr(self, fname))
+
+
+@dataclass
+class _Entry:
+    """One exported parameter: the unit that gathers it, where it lives, what goes on the wire."""
+
+    unit: int
+    module: nn.Module
+    attr: str
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    specs: list[TensorSpec]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class MegatronFSDP2TrainEngine(TrainEngine):
+    """Data-parallel Megatron-FSDP2 training of a HF causal LM, and its weight source for the rollout.
+
+    `model`: an unsharded `transformers` causal LM with identical weights on every rank, on this
+    rank's CUDA device. Exactly one of `process_group` and `mesh` (1-D) says which ranks shard it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        config: MegatronFSDP2Config | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        mesh: DeviceMesh | None = None,
+    ) -> None:
+        self.config = config if config is not None else MegatronFSDP2Config()
+        if not isinstance(self.config, MegatronFSDP2Config):
+            raise ValueError(f"MegatronFSDP2TrainEngine takes a MegatronFSDP2Config, got {type(self.config).__name__}")
+        if (process_group is None) == (mesh is None):
+            raise ValueError("MegatronFSDP2TrainEngine needs exactly one of process_group or mesh (the default group is never assumed)")
+        hf_config = getattr(model, "config", None)
+        if hf_config is None or not hasattr(hf_config, "model_type"):
+            raise ValueError(f"MegatronFSDP2TrainEngine wraps Hugging Face models (with .config.model_type), got {type(model).__name__}")
+        if getattr(hf_config, "tie_word_embeddings", False):
+            raise ValueError(
+                "MegatronFSDP2TrainEngine cannot shard tied embeddings: megatron-fsdp 0.6.1's experimental fully_shard "
+                "gives each name of a shared parameter its own shard (set tie_word_embeddings=False or use trainer.backend=fsdp2)"
+            )
+        ok, why = megatron_fsdp2_available()
+        if not ok:
+            raise RuntimeError(why)
+        from megatron_fsdp import MixedPrecisionPolicy
+        from megatron_fsdp.experimental import Flat, Placements, fully_shard, fully_shard_optimizer
+        from torch.distributed.device_mesh import DeviceMesh
+
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"MegatronFSDP2TrainEngine needs the model on this rank's CUDA device, got {device}")
+        self.device = device
+        self.model_type: str = hf_config.model_type
+        cfg = self.config
+        if cfg.param_dtype is not None:
+            model.to(torch_dtype(cfg.param_dtype))
+        self._wire = WirePolicy(cfg.wire_dtype, cfg.keep_fp32_patterns)
+        layers = decoder_layers(model)
+        self._entries = self._plan_export(model, layers)  # bad layouts fail here, before any collective
+
+        if mesh is None:
+            assert process_group is not None
+            mesh = DeviceMesh.from_group(process_group, "cuda")
+        if mesh.ndim != 1:
+            raise ValueError(f"MegatronFSDP2TrainEngine shards over a 1-D mesh (plain FSDP), got a {mesh.ndim}-D mesh")
+        self.mesh = mesh
+        self.group: dist.ProcessGroup = mesh.get_group()
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.is_sender = self.rank == 0
+
+        placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
+        policy = MixedPrecisionPolicy(
+            main_params_dtype=torch_dtype(cfg.main_params_dtype) if cfg.main_params_dtype else None,
+            main_grads_dtype=torch_dtype(cfg.main_grads_dtype) if cfg.main_grads_dtype else None,
+        )
+        for layer in layers:  # bottom-up: a parent's fully_shard skips parameters its children own
+            fully_shard(layer, mesh, placements, policy)
+        fully_shard(model, mesh, placements, policy)
+        model._lazy_init_context()  # share one context (streams, prefetch orders) now, so export may precede forward
+        self.model = model
+        self._units: list[Any] = [model, *layers]
+        self._locate_entries()
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+        )
+        fully_shard_optimizer(self.optimizer)  # grads cast around step; main -> model weights after it
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cfg.lr_factor)
+        self.global_step = 0
+        logger.info(
+            "Megatron-FSDP2 engine: %s, %d units over %d ranks, %d exported tensors",
+            self.model_type, len(self._units), self.world_size, sum(len(e.specs) for e in self._entries),
+        )
+
+    # --- export plan ---------------------------------------------------------------------------
+    def _plan_export(self, model: nn.Module, layers: list[nn.Module]) -> list[_Entry]:
+        """Every parameter the rollout needs, in HF state-dict order, with its owning unit."""
+        unit_of = {id(m): i + 1 for i, m in enumerate(layers)}
+        entries: list[_Entry] = []
+        persistent: list[str] = []
+
+        def walk(module: nn.Module, prefix: str, unit: int) -> None:
+            unit = unit_of.get(id(module), unit)
+            for attr, p in module._parameters.items():
+                if p is not None:
+                    name = clean_name(prefix + attr)
+                    entries.append(_Entry(unit, module, attr, name, tuple(p.shape), p.dtype, []))
+            persistent.extend(
+                prefix + a for a, b in module._buffers.items() if b is not None and a not in module._non_persistent_buffers_set
+            )
+            for child_name, child in module._modules.items():
+                if child is not None:
+                    walk(child, f"{prefix}{child_name}.", unit)
+
+        walk(model, "", 0)
+        if persistent:
+            raise ValueError(f"{type(model).__name__} has persistent buffers ({persistent[0]}, ...): Megatron-FSDP2 export covers parameters only")
+        unhandled = has_unhandled_fused_experts(self.model_type, [e.name for e in entries])
+        if unhandled:
+            raise ValueError(
+                f"cannot export fused MoE experts of model_type {self.model_type!r} (e.g. {unhandled[0]}): "
+                "add a FusedExpertRule for it in ckpt_engine/trainer_adapters/hf_names.py"
+            )
+        for e in entries:
+            parts = unfuse_expert_specs(self.model_type, e.name, e.shape)
+            pairs = parts if parts is not None else [(e.name, e.shape)]
+            e.specs = [TensorSpec(n, _dtype_name(self._wire.dtype_for(n, e.dtype)), s) for n, s in pairs]
+        names = [s.name for e in entries for s in e.specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{type(model).__name__}: exported names are not unique after removing wrapper prefixes")
+        return entries
+
+    def _locate_entries(self) -> None:
+        """Map every entry to (parameter group, index in it): where its main weight lives."""
+        where: dict[tuple[int, str], tuple[Any, int]] = {}
+        for unit in self._units:
+            for group in unit.parameter_groups:
+                for i, fqn in enumerate(group.parameter_names):
+                    owner_name, _, attr = fqn.rpartition(".")
+                    owner = unit.get_submodule(owner_name) if owner_name else unit
+                    where[(id(owner), attr)] = (group, i)
+        missing = [e.name for e in self._entries if (id(e.module), e.attr) not in where]
+        if missing:
+            raise RuntimeError(f"Megatron-FSDP2 did not take ownership of {missing[0]} (and {len(missing) - 1} more)")
+        self._where = [where[(id(e.module), e.attr)] for e in self._entries]
+
+    def metadata(self) -> list[TensorSpec]:
+        """HF checkpoint name, wire dtype and global shape of every exported tensor (local, no gather)."""
+        return [s for e in self._entries for s in e.specs]
+
+    def wire_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        return self._wire.dtype_for(name, dtype)
+
+    # --- export --------------------------------------------------------------------------------
+    def finish_pending_gathers(self) -> int:
+        """Finish every unit's outstanding all-gather and drop its gathered copy; returns how many.
+
+        A unit gathered by a prefetch that no forward consumed (an interrupted forward, a prefetch
+        past the last step) keeps its gathered buffer, and Megatron-FSDP2 reuses it on the next
+        gather request: after an optimizer step that copy is stale. Every unit is checked, not
+        only the first. Local (no collective): each rank waits on work it issued.
+        """
+        current = torch.cuda.current_stream(self.device)
+        stale = 0
+        for unit in self._units:
+            event = unit._unshard_event
+            if event is not None:
+                current.wait_event(event)
+                unit._reshard_parameter_groups()
+                stale += 1
+        if stale:
+            logger.info("finished %d pending Megatron-FSDP2 all-gathers before export", stale)
+        return stale
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors under HF names, one unit gather at a time; every rank of the mesh walks it.
+
+        A yielded tensor aliases the unit's gather buffer: valid until the next item is requested.
+        Every rank must walk the same distance (normally to the end): the walk issues collectives.
+        """
+        self.finish_pending_gathers()
+        units = self._units
+        context = units[0].context
+        current = torch.cuda.current_stream(self.device)
+        context.allgather_stream.wait_stream(current)  # gathers read what the optimizer just wrote
+        order = list(dict.fromkeys(e.unit for e in self._entries if e.unit != 0))
+        upcoming = iter(order)
+        gathered: list[int] = []
+        with torch.no_grad():
+            try:
+                units[0]._unshard_parameter_groups()  # the root stays gathered for the whole walk
+                gathered.append(0)
+                current.wait_event(units[0]._unshard_event)
+                first = next(upcoming, None)
+                if first is not None:
+                    units[first]._unshard_parameter_groups()
+                    gathered.append(first)
+                active: int | None = None
+                for i, e in enumerate(self._entries):
+                    if e.unit != 0 and e.unit != active:
+                        if active is not None:
+                            units[active]._reshard_parameter_groups()
+                            gathered.remove(active)
+                        active = e.unit
+                        if active not in gathered:  # a unit visited twice (not HF order): gather again
+                            units[active]._unshard_parameter_groups()
+                            gathered.append(active)
+                        following = next(upcoming, None)
+                        if following is not None:
+                            units[following]._unshard_parameter_groups()  # prefetch on the all-gather stream
+                            gathered.append(following)
+                        current.wait_event(units[active]._unshard_event)
+                    yield from self._emit(i, e)
+            finally:
+                # Every rank issued the same gathers; releasing is local and ordered after the consumer.
+                for u in gathered:
+                    units[u]._reshard_parameter_groups()
+
+    def _emit(self, i: int, e: _Entry) -> Iterator[tuple[str, torch.Tensor]]:
+        t = getattr(e.module, e.attr)
+        want = torch_dtype(e.specs[0].dtype)
+        if t.is_floating_point() and t.element_size() < torch.empty((), dtype=want).element_size():
+            t = self._main_full(i)  # e.g. a keep-fp32 router gate under bf16 compute: the main weight
+        parts = unfuse_experts(self.model_type, e.name, t)
+        if parts is None:
+            yield e.specs[0].name, t if t.dtype == want else t.to(want)
+            return
+        for spec, (name, part) in zip(e.specs, parts):
+            dt = torch_dtype(spec.dtype)
+            yield name, part if part.dtype == dt else part.to(dt)
+
+    def _main_full(self, i: int) -> torch.Tensor:
+        """Entry i's full main (optimizer) weight: its group's main buffer gathered (collective)."""
+        from megatron_fsdp.experimental import Replicate
+
+        group, index = self._where[i]
+        return group.main_weight.redistribute([Replicate()] * group.mesh.ndim).get_local_tensor(index)
+
+    def full_main_weights(self) -> dict[str, torch.Tensor]:
+        """Every exported parameter's full main weight under its HF name, one gather per group.
+
+        The reference the export is checked against (tests, debugging); a collective on every rank.
+        """
+        from megatron_fsdp.experimental import Replicate
+
+        full: dict[int, Any] = {}
+        out: dict[str, torch.Tensor] = {}
+        for e, (group, index) in zip(self._entries, self._where):
+            if id(group) not in full:
+                full[id(group)] = group.main_weight.redistribute([Replicate()] * group.mesh.ndim)
+            out[e.name] = full[id(group)].get_local_tensor(index)
+        return out
+
+    # --- training ------------------------------------------------------------------------------
+    def forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
+        """Forward and backward on this rank's micro-batch; collective (gathers, reduce-scatters).
+
+        Returns this rank's loss and the mean over the mesh ('loss'). Gradients accumulate over
+        calls until `optimizer_step()`; Megatron-FSDP2 averages them over ranks.
+        """
+        self.finish_pending_gathers()
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
+        # A tuple output: Megatron-FSDP2's root pre-backward is a module full-backward hook, which
+        # finds tensors at the top level of the output only (not inside a ModelOutput).
+        logits = self.model(**inputs, use_cache=False, return_dict=False)[0]
+        loss = loss_fn(logits, batch)
+        loss.backward()
+        local = loss.detach().float().reshape(1).clone()
+        total = local.clone()
+        dist.all_reduce(total, group=self.group)
+        return {"loss": total.item() / self.world_size, "local_loss": local.item()}
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        return [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
+
+    def grad_norm(self) -> float:
+        """Global L2 norm: every gradient element lives in exactly one rank's range; fp64, all-reduced."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for g in self._local_grads():
+            if g.numel():
+                sq += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+        dist.all_reduce(sq, group=self.group)
+        return math.sqrt(sq.item())
+
+    def optimizer_step(self) -> float:
+        """Clip (global norm), AdamW on the main weights, copy them into the compute weights, zero grads.
+
+        Returns the pre-clip global grad norm; a non-finite norm skips the update on every rank.
+        """
+        torch.cuda.current_stream(self.device).wait_stream(self._units[0].context.reduce_scatter_stream)
+        norm = self.grad_norm()
+        if clip_and_step(self.optimizer, self._local_grads(), norm, self.config.max_grad_norm, self.global_step):
+            self.global_step += 1
+        return norm
+
+    def lr_scheduler_step(self) -> None:
+        self.scheduler.step()
+
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def train_mode(self) -> None:
+        self.model.train()
+
+    def eval_mode(self) -> None:
+        self.model.eval()
+
+    # --- checkpoint ----------------------------------------------------------------------------
+    def _groups(self) -> list[Any]:
+        return [g for unit in self._units for g in unit.parameter_groups]
+
+    def _ckpt_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's main-weight buffers and AdamW moments, keyed by group / parameter index."""
+        out: dict[str, torch.Tensor] = {}
+        for gi, group in enumerate(self._groups()):
+            out[f"g{gi}.main"] = group.main_weight.local_buffer
+            for pi, p in enumerate(group.sharded_parameters):
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        out[f"g{gi}.p{pi}.{key}"] = value.to_local() if hasattr(value, "to_local") else value
+        return out
+
+    def save_checkpoint(self, path: str) -> None:
+        """Every rank writes its own shard file (safetensors): main weights, AdamW state, steps.
+
+        Same world size to load (the buffers' ranges depend on it). Every rank calls it.
+        """
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        tensors = {k: v.detach().contiguous() for k, v in self._ckpt_tensors().items()}
+        meta = {"world_size": str(self.world_size), "global_step": str(self.global_step), "scheduler_step": str(self.scheduler.last_epoch)}
+        save_file(tensors, os.path.join(path, f"megatron_fsdp2_rank{self.rank:05d}.safetensors"), metadata=meta)
+        dist.barrier(group=self.group)
+        logger.info("saved Megatron-FSDP2 checkpoint at step %d to %s", self.global_step, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load what `save_checkpoint` wrote with the same world size; every rank calls it."""
+        from safetensors import safe_open
+
+        file = os.path.join(path, f"megatron_fsdp2_rank{self.rank:05d}.safetensors")
+        if not os.path.exists(file):
+            raise ValueError(f"no Megatron-FSDP2 checkpoint for rank {self.rank} at {path}")
+        self.finish_pending_gathers()
+        with safe_open(file, framework="pt", device=str(self.device)) as f:
+            meta = f.metadata()
+            if int(meta["world_size"]) != self.world_size:
+                raise ValueError(f"checkpoint {path} was saved by {meta['world_size']} ranks, this mesh has {self.world_size}")
+            keys = set(f.keys())
+            with torch.no_grad():
+                for gi, group in enumerate(self._groups()):
+                    group.main_weight.local_buffer.copy_(f.get_tensor(f"g{gi}.main"))
+                    for pi, p in enumerate(group.sharded_parameters):
+                        state = self._fresh_adam_state(p) if p not in self.optimizer.state else self.optimizer.state[p]
+                        for key, value in state.items():
+                            k = f"g{gi}.p{pi}.{key}"
+                            if k not in keys:
+                                raise ValueError(f"checkpoint {path} lacks {k}")
+                            local = value.to_local() if hasattr(value, "to_local") else value
+                            local.copy_(f.get_tensor(k))
+                        self.optimizer.state[p] = state
+                    group.sync_model_weight_from_main_weight()
+        self.global_step = int(meta["global_step"])
+        self.scheduler.last_epoch = int(meta["scheduler_step"])
+        for pg in self.optimizer.param_groups:
+            pg["lr"] = pg["initial_lr"] * self.config.lr_factor(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        dist.barrier(group=self.group)
+        logger.info("loaded Megatron-FSDP2 checkpoint from %s at step %d", path, self.global_step)
+
+    @staticmethod
+    def _fresh_adam_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """AdamW's per-parameter state as torch creates it on the first step (non-capturable)."""
+        return {
+            "step": torch.tensor(0.0, dtype=torch.float32),
+            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+        }
