@@ -10,6 +10,7 @@ __all__ = [
     "CheckpointEngineConfig",
     "CheckpointEngineRegistry",
     "ConfigError",
+    "ManifestRejectedError",
     "SyncError",
     "SyncReport",
     "WeightSyncSession",
@@ -25,4 +26,8 @@ def __getattr__(name: str):  # lazy: importing the package must not import torch
         from ckpt_engine import sync
 
         return getattr(sync, name)
+    if name == "ManifestRejectedError":  # an engine refused the plan: nothing moved
+        from ckpt_engine.rollout_adapters.base import ManifestRejectedError
+
+        return ManifestRejectedError
     raise AttributeError(f"module 'ckpt_engine' has no attribute {name!r}")

@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["collect_failures", "mark_stale_and_probe"]
+__all__ = ["collect_failures", "mark_stale_and_probe", "wait_for_joins"]
 
 
 def collect_failures(futures: dict[str, cf.Future[Any]], stage: str, timeout_s: float) -> dict[str, str]:
@@ -34,3 +34,27 @@ def mark_stale_and_probe(members: Iterable[Any], failed: dict[str, str], stale: 
                 m.health()
             except Exception as exc:
                 failed[m.name] = f"unreachable after the failure: {exc}"
+
+
+def wait_for_joins(sender: cf.Future[Any], joins: dict[str, cf.Future[Any]], timeout_s: float) -> dict[str, str]:
+    """Wait for the sender's and every engine's group join; {} when all joined.
+
+    Returns as soon as anything fails: the engines whose join failed (by name), else the sender
+    (its own error), else, at the deadline, every member still waiting. A rendezvous waits for all
+    members, so one failed join would otherwise keep the others waiting until the timeout.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending: set[cf.Future[Any]] = {sender, *joins.values()}
+    names = {fut: name for name, fut in joins.items()}
+    while pending:
+        done, pending = cf.wait(pending, timeout=max(0.0, deadline - time.monotonic()), return_when=cf.FIRST_COMPLETED)
+        if not done:
+            break
+        failed = {names[f]: f"{type(f.exception()).__name__}: {f.exception()}" for f in done if f is not sender and f.exception()}
+        if failed:
+            return failed
+        if sender in done and sender.exception() is not None:
+            exc = sender.exception()
+            return {"sender": f"{type(exc).__name__}: {exc}"}
+    waiting = {names.get(f, "sender"): f"no answer to join within {timeout_s}s" for f in pending}
+    return dict(sorted(waiting.items()))

@@ -14,8 +14,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -23,62 +22,31 @@ import torch
 from ckpt_engine.buckets import auto_bucket_size_bytes
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.engine import CheckpointEngine, Rendezvous
-from ckpt_engine.fanout import collect_failures, mark_stale_and_probe
+from ckpt_engine.engine_claims import claims
+from ckpt_engine.fanout import collect_failures, mark_stale_and_probe, wait_for_joins
 from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
-from ckpt_engine.weights import WeightSource
+from ckpt_engine.sync_report import SOURCE, SyncError, SyncReport
+from ckpt_engine.versions import check_version
+from ckpt_engine.weights import WatchedWeights, WeightSource
 
-__all__ = ["SyncError", "SyncReport", "WeightSyncSession", "sync_rollout_weights"]
+__all__ = ["SOURCE", "SyncError", "SyncReport", "WeightSyncSession", "cached_session", "close_sessions", "sync_rollout_weights"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-
-class SyncError(RuntimeError):
-    """A sync failed after it started moving data; the named engines failed at `stage`.
-
-    Every surviving engine stays paused and stale until a later sync completes.
-    """
-
-    def __init__(self, stage: str, failed: dict[str, str], stale: list[str]) -> None:
-        detail = "; ".join(f"{name}: {why}" for name, why in failed.items())
-        super().__init__(f"weight sync failed during {stage}: {detail}; engines left paused and stale: {', '.join(stale) or 'none'}")
-        self.stage, self.failed, self.stale = stage, failed, stale
-
-
-@dataclass
-class SyncReport:
-    """One sync's figures. `seconds["transfer"]` runs from the first bucket sent to the last
-    receiver done loading (streaming and loading overlap); `export`/`pack` are the sender's host
-    time inside it, `load_max` the slowest engine's loader time."""
-
-    version: int
-    bytes: int
-    tensors: int
-    buckets: int
-    engines: int
-    seconds: dict[str, float] = field(default_factory=dict)
-    gbps: float = 0.0
-    raw_gbps: float | None = None
-    receivers: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    @property
-    def ratio_to_raw(self) -> float | None:
-        return self.gbps / self.raw_gbps if self.raw_gbps else None
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["ratio_to_raw"] = self.ratio_to_raw
-        return d
+_SETTLE_S = 2.0
+"""After a failed join, how long members on their way to the rendezvous get to reach it."""
 
 
 class WeightSyncSession:
     """The sender side of one weight-sync group, reused across syncs.
 
     Hosts the rendezvous store (free port from the OS, a fresh token per group) and rebuilds the
-    group only when the set of engines changes or an earlier sync broke it.
+    group only when the set of engines changes or an earlier sync broke it. Syncs on one session
+    run one at a time: a second caller waits its turn for at most `timeout_s`, then is refused.
     """
 
     def __init__(
@@ -108,7 +76,12 @@ class WeightSyncSession:
         self._encoded = b""
         self.version = 0
         self.stale: set[str] = set()
-        self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.rollouts)), thread_name_prefix="ckpt-sync")
+        self._lock = threading.Lock()
+        self._closed = False
+        self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.rollouts) + 1), thread_name_prefix="ckpt-sync")
+
+    def engine_keys(self) -> dict[str, Hashable]:
+        return {r.name: r.engine_key() for r in self.rollouts}
 
     # --- group --------------------------------------------------------------------------------
     def _new_engine(self, bucket_size: int) -> CheckpointEngine:
@@ -143,20 +116,21 @@ class WeightSyncSession:
         futures = {
             r.name: self._pool.submit(r.join, rdzv, off, options) for r, off in zip(self.rollouts, topo.receiver_offsets)
         }
-        try:
-            engine.init_process_group(rdzv, 0)
-        except Exception as exc:
-            failed = self._collect_failures(futures, "join")
-            failed.setdefault("sender", str(exc))
-            engine.finalize()
-            self._engine = None
-            raise SyncError("join", failed, sorted(self.stale)) from exc
-        failed = self._collect_failures(futures, "join")
+        # The sender joins in a thread of its own while the engines' joins are watched: the first
+        # engine that fails to join ends the set-up at once instead of after `timeout_s`.
+        sender = self._pool.submit(engine.init_process_group, rdzv, 0)
+        failed = wait_for_joins(sender, futures, self.config.timeout_s)
         if failed:
-            engine.finalize()
+            # Closing the store wakes every member waiting in the rendezvous (the sender's thread,
+            # the engines that did join) instead of leaving them there for timeout_s. A member
+            # still connecting would retry until timeout_s instead, so the store stays a moment.
+            cf.wait([*futures.values(), sender], timeout=min(_SETTLE_S, self.config.timeout_s))
+            self._store = None
+            sender.add_done_callback(lambda _: engine.finalize())
             self._engine = None
             raise SyncError("join", failed, sorted(self.stale))
         self._ready = True
+        claims.claim(self.engine_keys(), self)
         logger.info("weight-sync group %s ready: %d ranks over %s", rdzv.token[:8], topo.world_size, self.backend)
         return engine
 
@@ -171,10 +145,13 @@ class WeightSyncSession:
             raise SyncError(stage, failed, sorted(self.stale))
         return {name: f.result() for name, f in futures.items()}
 
-    def _break(self, failed: dict[str, str]) -> None:
+    def _break(self, failed: dict[str, str], probe: bool = True) -> None:
         """Mark the group for rebuild and every engine stale; find the dead ones by name."""
         self._ready = False
-        mark_stale_and_probe(self.rollouts, failed, self.stale)
+        if probe:
+            mark_stale_and_probe(self.rollouts, failed, self.stale)
+        else:
+            self.stale.update(r.name for r in self.rollouts)
         if self._engine is not None:
             self._engine.finalize()
             self._engine = None
@@ -196,26 +173,89 @@ class WeightSyncSession:
     def sync(self, source: WeightSource, *, version: int | None = None) -> SyncReport:
         """Move one version of `source`'s weights into every engine; see the module docstring.
 
+        `version` defaults to one past the newest version any engine reports it holds (or this
+        session's last one); an explicit version below what an engine holds is refused.
         `source.iter_weights()` is walked exactly once whatever happens (the other trainer ranks
         walk it too, and its gathers are collectives): on any failure the rest of the walk is
         drained before the error propagates.
         """
-        weights = iter(source.iter_weights())
-        try:
-            return self._sync(source, weights, version)
-        finally:
-            try:
-                for _ in weights:
-                    pass
-            except Exception as exc:  # the original error, if any, is the one to report
-                logger.warning("draining the weight source after a failed sync: %s", exc)
+        report = self._locked_sync(source, version, drain_if_closed=True)
+        assert report is not None
+        return report
 
-    def _sync(self, source: WeightSource, weights: Iterator[tuple[str, torch.Tensor]], version: int | None) -> SyncReport:
-        new_version = version if version is not None else self.version + 1
+    def _locked_sync(self, source: WeightSource, version: int | None, *, drain_if_closed: bool) -> SyncReport | None:
+        """One sync under the session lock; None (source untouched) if closed and not draining."""
+        if not self._lock.acquire(timeout=self.config.timeout_s):
+            _drain(source)
+            raise RuntimeError(
+                f"another sync on this session (engines {', '.join(r.name for r in self.rollouts)}) has run for more "
+                f"than timeout_s={self.config.timeout_s}s; syncs on one set of engines run one at a time"
+            )
+        try:
+            if self._closed:
+                if not drain_if_closed:
+                    return None
+                _drain(source)
+                raise RuntimeError("this WeightSyncSession is closed; make a new one")
+            weights = WatchedWeights(source.iter_weights())
+            try:
+                return self._sync(source, weights, version)
+            finally:
+                try:
+                    for _ in weights:
+                        pass
+                except Exception as exc:  # the original error, if any, is the one to report
+                    logger.warning("draining the weight source after a failed sync: %s", exc)
+        finally:
+            self._lock.release()
+
+    def _held_versions(self) -> dict[str, int | None]:
+        """What every engine reports it holds (asked each sync: another session may have synced it)."""
+        futures = {r.name: self._pool.submit(r.held_version) for r in self.rollouts}
+        failed = {n: f"version query: {why}" for n, why in self._collect_failures(futures, "a version query").items()}
+        if failed:  # part of validating: nothing was paused or sent
+            self._break(failed)
+            raise SyncError("validate", failed, sorted(self.stale))
+        return {name: f.result() for name, f in futures.items()}
+
+    def _next_version(self, requested: int | None) -> int:
+        held = self._held_versions()
+        newest = max([v for v in held.values() if v is not None] + [self.version])
+        if requested is None:
+            return check_version(newest + 1, "the next version")
+        check_version(requested, "version")
+        ahead = {n: v for n, v in held.items() if v is not None and v > requested}
+        if ahead:
+            raise ValueError(
+                f"version {requested} is older than what engines hold ({', '.join(f'{n}: v{v}' for n, v in ahead.items())}); "
+                f"versions only grow: pass version=None (next: {newest + 1}) or a version >= {newest}"
+            )
+        return requested
+
+    def _check_claims(self) -> None:
+        if not self._ready:
+            return  # (re)joining claims the engines for this session
+        lost = claims.taken_over(self.engine_keys(), self)
+        if lost:
+            raise RuntimeError(
+                f"this weight-sync session is outdated: engine(s) {', '.join(map(repr, lost))} joined another session's "
+                "group after this one's; nothing was paused or sent. Sync through the newer session (or close this one "
+                "and make a new one, which takes the engines back)"
+            )
+
+    def _sync(self, source: WeightSource, weights: WatchedWeights, version: int | None) -> SyncReport:
         t0 = time.perf_counter()
         seconds: dict[str, float] = {}
+        specs = list(source.metadata())
+        if not specs:
+            raise ValueError(
+                f"the weight source ({type(source).__name__}) lists no tensors: refusing to stamp an empty sync as a "
+                "new version (does a name filter drop every tensor?)"
+            )
+        self._check_claims()
+        new_version = self._next_version(version)
         engine = self._ensure_group()
-        manifest = self.plan(list(source.metadata()), engine)
+        manifest = self.plan(specs, engine)
         seconds["plan"] = time.perf_counter() - t0
 
         t = time.perf_counter()
@@ -242,11 +282,18 @@ class WeightSyncSession:
             stats = engine.send_weights(manifest, weights, stable=bool(getattr(source, "stable_tensors", False)))
         except Exception as exc:
             engine.finalize()  # closing the sender's group wakes receivers blocked on it
+            sender_error = f"{type(exc).__name__}: {exc}"
+            if weights.error is not None:
+                # The trainer's source failed, not an engine: the engines are healthy, paused and
+                # stale, and stay members; the next complete sync heals them.
+                collect_failures(receives, "receive", min(5.0, self.config.timeout_s))
+                self._break({}, probe=False)
+                raise SyncError("transfer", {SOURCE: sender_error}, sorted(self.stale)) from exc
             failed = self._receive_failures(receives, grace_s=min(5.0, self.config.timeout_s))
             if not failed:
-                failed["sender"] = f"{type(exc).__name__}: {exc}"
+                failed["sender"] = sender_error
             self._break(failed)
-            raise SyncError("transfer", failed, sorted(self.stale)) from exc
+            raise SyncError("transfer", failed, sorted(self.stale), sender_error=sender_error if "sender" not in failed else None) from exc
         failed = self._receive_failures(receives, grace_s=self.config.timeout_s)
         if failed:
             self._break(failed)
@@ -296,19 +343,34 @@ class WeightSyncSession:
         return dead if dead else failed
 
     def close(self) -> None:
-        """Leave the group on every engine (best effort) and free the sender's buffers."""
-        if self._ready:
-            for r in self.rollouts:
-                try:
-                    r.leave()
-                except Exception as exc:
-                    logger.warning("engine %s did not leave cleanly: %s", r.name, exc)
-        if self._engine is not None:
-            self._engine.finalize()
-            self._engine = None
-        self._ready = False
-        self._store = None
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Leave the group on every engine (best effort), free the sender's buffers and threads.
+
+        Waits (at most `timeout_s`) for a sync in flight on another thread to end first."""
+        locked = self._lock.acquire(timeout=self.config.timeout_s)
+        if not locked:
+            logger.warning("closing a weight-sync session while a sync is still in flight after %ss", self.config.timeout_s)
+        try:
+            if self._closed:
+                return
+            self._closed = True
+            # An engine another session has joined since is not asked to leave: it would leave that group.
+            lost = set(claims.taken_over(self.engine_keys(), self))
+            if self._ready:
+                for r in (r for r in self.rollouts if r.name not in lost):
+                    try:
+                        r.leave()
+                    except Exception as exc:
+                        logger.warning("engine %s did not leave cleanly: %s", r.name, exc)
+            if self._engine is not None:
+                self._engine.finalize()
+                self._engine = None
+            self._ready = False
+            self._store = None
+            claims.release(self)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        finally:
+            if locked:
+                self._lock.release()
 
 
 def _drain(source: WeightSource) -> None:
@@ -322,7 +384,7 @@ def _td(seconds: float) -> Any:
     return datetime.timedelta(seconds=seconds)
 
 
-_sessions: dict[tuple[int, ...], WeightSyncSession] = {}
+_sessions: dict[tuple[Hashable, ...], WeightSyncSession] = {}
 _sessions_lock = threading.Lock()
 
 
@@ -338,6 +400,33 @@ def close_sessions() -> None:
 atexit.register(close_sessions)
 
 
+def cached_session(rollouts: Sequence[RolloutAdapter], config: CheckpointEngineConfig | None) -> WeightSyncSession:
+    """The session `sync_rollout_weights` keeps for these engines.
+
+    Keyed by the engines themselves (`engine_key`), not the handle objects: a new handle for the
+    same engine, or a new config, closes the old session (its engines leave its group, its threads
+    end) before a new one is made, and so does any cached session sharing an engine with this
+    list. Versions carry on from what the engines hold.
+    """
+    key = tuple(r.engine_key() for r in rollouts)
+    with _sessions_lock:
+        session = _sessions.get(key)
+        same = (
+            session is not None
+            and not session._closed
+            and len(session.rollouts) == len(rollouts)
+            and all(a is b for a, b in zip(session.rollouts, rollouts))
+            and (config is None or session.config == config)
+        )
+        if session is not None and same:
+            return session
+        wanted = set(key)
+        for old_key in [k for k in _sessions if k == key or wanted.intersection(k)]:
+            _sessions.pop(old_key).close()
+        session = _sessions[key] = WeightSyncSession(rollouts, config)
+        return session
+
+
 def sync_rollout_weights(
     source: WeightSource,
     rollouts: Sequence[RolloutAdapter] | WeightSyncSession | None,
@@ -349,7 +438,8 @@ def sync_rollout_weights(
 
     Call it on every trainer rank: ranks whose source is not the sender (`source.is_sender` false)
     only walk `iter_weights()` (its gathers are collectives) and return None. On the sender,
-    `rollouts` is a list of engine adapters (a session is kept per list and reused) or a session.
+    `rollouts` is a list of engine adapters (a session is kept per set of engines and reused) or
+    a session. Concurrent calls for the same engines run one at a time.
     """
     if not getattr(source, "is_sender", True):
         _drain(source)
@@ -357,13 +447,9 @@ def sync_rollout_weights(
     if rollouts is None:
         raise ValueError("the sending trainer rank must pass the rollout engines (or a WeightSyncSession)")
     if isinstance(rollouts, WeightSyncSession):
-        session = rollouts
-    else:
-        key = tuple(id(r) for r in rollouts)  # ids stay valid: the cached session holds the adapters
-        with _sessions_lock:
-            session = _sessions.get(key)
-            if session is None or (config is not None and session.config != config):
-                if session is not None:
-                    session.close()
-                session = _sessions[key] = WeightSyncSession(rollouts, config)
-    return session.sync(source, version=version)
+        return rollouts.sync(source, version=version)
+    for _ in range(3):  # a concurrent call may replace the cached session between lookup and lock
+        report = cached_session(rollouts, config)._locked_sync(source, version, drain_if_closed=False)
+        if report is not None:
+            return report
+    return cached_session(rollouts, config).sync(source, version=version)

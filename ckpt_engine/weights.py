@@ -8,14 +8,14 @@ rank with `is_sender` true streams what it yields.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from ckpt_engine.manifest import TensorSpec
 
-__all__ = ["StateDictSource", "WeightSource", "spec_of"]
+__all__ = ["StateDictSource", "WatchedWeights", "WeightSource", "spec_of"]
 
 
 @runtime_checkable
@@ -64,3 +64,27 @@ class StateDictSource:
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.weights.items()
+
+
+class WatchedWeights:
+    """An iterator over a source's weights that remembers whether the source itself raised.
+
+    A failure mid-stream is then blamed on what caused it: the trainer's source (named as such,
+    with its exception) or the transfer and the engines.
+    """
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._it = iter(weights)
+        self.error: BaseException | None = None
+
+    def __iter__(self) -> WatchedWeights:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise
+        except BaseException as exc:
+            self.error = exc
+            raise

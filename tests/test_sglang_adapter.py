@@ -90,21 +90,45 @@ def test_sync_matches_trainer_and_changes_on_second_sync(servers: list[object], 
 
     sync = SglangWeightSync(servers, CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.05, timeout_s=60.0), flattened=flattened)  # type: ignore[arg-type]
     try:
+        held = max(int(v) if v.isdigit() else 0 for v in (c.get_weight_version() for c in servers))  # type: ignore[attr-defined]
         t1 = trainer(model_dir, seed=1)
-        report = sync.sync(StateDictSource(t1), version=5)
-        assert report.version == 5 and report.buckets > 1
+        report = sync.sync(StateDictSource(t1), version=held + 5)
+        v1 = str(held + 5)
+        assert report.version == held + 5 and report.buckets > 1
         want1 = greedy(t1)
         for c in servers:
-            assert generate(c) == (want1, "5")
-            assert c.get_weight_version() == "5"  # type: ignore[attr-defined]
+            assert generate(c) == (want1, v1)
+            assert c.get_weight_version() == v1  # type: ignore[attr-defined]
         t2 = trainer(model_dir, seed=2)
-        sync.sync(StateDictSource(t2), version=6)
+        assert sync.sync(StateDictSource(t2)).version == held + 6  # default: one past what the servers hold
         want2 = greedy(t2)
         assert want2 != want1
         for c in servers:
-            assert generate(c) == (want2, "6")
+            assert generate(c) == (want2, str(held + 6))
     finally:
         sync.close()
+
+
+def test_a_new_sync_object_carries_versions_on_and_refuses_empty_or_older(servers: list[object], model_dir: Path) -> None:
+    from ckpt_engine.rollout_adapters.sglang import SglangWeightSync
+
+    config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.05, timeout_s=60.0)
+    first = SglangWeightSync(servers, config)  # type: ignore[arg-type]
+    try:
+        v = first.sync(StateDictSource(trainer(model_dir, seed=4))).version
+    finally:
+        first.close()
+    second = SglangWeightSync(servers, config)  # type: ignore[arg-type]
+    try:
+        before = [generate(c) for c in servers]
+        with pytest.raises(ValueError, match=r"weight source \(StateDictSource\) lists no tensors"):
+            second.sync(StateDictSource({}))
+        with pytest.raises(ValueError, match=rf"version {v - 1} is older than what servers hold .*versions only grow"):
+            second.sync(StateDictSource(trainer(model_dir, seed=5)), version=v - 1)
+        assert [generate(c) for c in servers] == before and second._group is None  # nothing paused or moved
+        assert second.sync(StateDictSource(trainer(model_dir, seed=5))).version == v + 1
+    finally:
+        second.close()
 
 
 @pytest.mark.parametrize(

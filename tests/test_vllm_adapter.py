@@ -175,6 +175,53 @@ def test_llm_rejects_bad_manifest_before_moving_bytes(llm: object, model_dir: Pa
     assert llm_greedy(llm)[0] == tokens_before
 
 
+def test_llm_fresh_adapters_in_a_loop_carry_the_version_on(llm: object, model_dir: Path) -> None:
+    """A loop that builds a new VllmRollout per step: versions grow from what the engine holds,
+    and the session cached for the engine is replaced (closed), not duplicated."""
+    from ckpt_engine import sync as sync_module
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+
+    held = VllmRollout("probe", llm).held_version() or 0
+    threads = sum(1 for t in threading.enumerate() if t.name.startswith("ckpt-sync"))
+    seen = []
+    for seed in (31, 32, 33):
+        adapter = VllmRollout("vllm-inproc", llm, timeout_s=60.0)
+        report = sync_rollout_weights(source_of(trainer_model(model_dir, seed)), [adapter], config=CONFIG)
+        assert report is not None and adapter.weight_version() == str(report.version)
+        seen.append(report.version)
+    assert seen == [held + 1, held + 2, held + 3]
+    cached = [s for s in sync_module._sessions.values() if ("vllm", id(llm)) in s.engine_keys().values()]
+    assert len(cached) == 1
+    time.sleep(0.5)  # idle threads of the closed sessions exit
+    assert sum(1 for t in threading.enumerate() if t.name.startswith("ckpt-sync")) <= threads + 4
+    tokens, spans = llm_greedy(llm)
+    assert tokens == [hf_greedy(trainer_model(model_dir, 33), p) for p in PROMPTS] and set(spans) == {str(held + 3)}
+
+
+def test_llm_worker_method_missing_names_the_extension_to_start_vllm_with(llm: object) -> None:
+    """An engine started without the worker extension lacks every `ckpt_*` method; vLLM's own
+    answer for a missing worker method (asked here of a method the extension does not define)
+    becomes an error that says how to start vLLM, and a sync fails at its first call to it."""
+    from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmRollout
+
+    adapter = VllmRollout("vllm-inproc", llm, timeout_s=60.0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"engine 'vllm-inproc': vLLM was started without ckpt-engine's worker extension") as info:
+        adapter._rpc("ckpt_not_in_the_extension")
+    assert f"worker_extension_cls={WORKER_EXTENSION!r}" in str(info.value)
+    assert time.monotonic() - start < 10.0
+
+
+def test_server_at_an_unreachable_url_is_one_clear_error() -> None:
+    from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(ConnectionError, match=rf"engine 'gone': no vLLM server answers at {url} \(ConnectionError\).*fix the URL"):
+        VllmServerRollout("gone", url, timeout_s=5.0)
+    with pytest.raises(ValueError, match=r"engine 'typo': base_url must be http\(s\)://HOST:PORT, got '127.0.0.1:8000'"):
+        VllmServerRollout("typo", "127.0.0.1:8000")
+
+
 # --- api_server over HTTP -------------------------------------------------------------------------
 class VllmServer:
     def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:

@@ -9,14 +9,21 @@ receiver ranks take it from the weight-sync group.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 
-__all__ = ["ManifestRejectedError", "ReceiveReport", "RolloutAdapter", "check_manifest_against", "JoinOptions"]
+__all__ = [
+    "JoinOptions",
+    "ManifestRejectedError",
+    "ReceiveReport",
+    "RolloutAdapter",
+    "check_manifest_against",
+    "version_of",
+]
 
 
 class ManifestRejectedError(ValueError):
@@ -108,7 +115,7 @@ def check_manifest_against(manifest: BucketManifest, expected: Mapping[str, Tens
         elif want.shape != spec.shape:
             problems.append(f"{spec.name}: shape {list(spec.shape)} but the engine holds {list(want.shape)}")
         elif want.dtype != spec.dtype:
-            problems.append(f"{spec.name}: dtype {spec.dtype} but the engine holds {want.dtype}")
+            problems.append(f"{spec.name}: dtype {spec.dtype} but the engine holds {want.dtype}; {_dtype_fix(spec.dtype, want.dtype)}")
     if not allow_missing:
         sent = {s.name for s in manifest.specs}
         problems += [f"{n}: the engine needs this tensor and the manifest lacks it" for n in expected if n not in sent]
@@ -120,6 +127,24 @@ class RolloutAdapter(ABC):
 
     name: str
     world_size: int = 1
+
+    def engine_key(self) -> Hashable:
+        """What identifies the engine itself (not this handle): two handles on one engine share it.
+
+        Sessions use it to find each other's engines (one sync at a time per engine, one group per
+        engine); adapters that can name their engine (a URL, an `LLM` object) override it.
+        """
+        return (type(self).__qualname__, id(self))
+
+    def held_version(self) -> int | None:
+        """The version the engine reports it holds (None: never synced or cannot say).
+
+        New versions start one past it, so a fresh session or handle never reuses a label. An
+        engine whose last sync failed part-way may report no held `version` but its newest
+        finalized one as `last_version`; the larger counts."""
+        health = self.health()
+        known = [v for v in (version_of(health.get("version")), version_of(health.get("last_version"))) if v is not None]
+        return max(known, default=None)
 
     def expected_metadata(self) -> list[TensorSpec] | None:
         """What the engine holds, if the adapter can say without asking (None = ask in validate)."""
@@ -157,6 +182,27 @@ class RolloutAdapter(ABC):
 
     def close(self) -> None:
         """Release local resources (connections, processes the adapter started)."""
+
+
+_FLOATS = frozenset({"float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"})
+
+
+def _dtype_fix(sent: str, held: str) -> str:
+    """How the trainer sends `held` instead of `sent`."""
+    if sent in _FLOATS and held in _FLOATS:
+        return f"send it as {held}: StateDictSource(..., dtype=torch.{held}) casts floating-point tensors on the wire"
+    return f"cast it to {held} in the trainer's weights (StateDictSource's dtype= casts floating-point tensors only)"
+
+
+def version_of(value: Any) -> int | None:
+    """A reported version as an int (None when absent or not a non-negative int)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return None
 
 
 def names_of(pairs: Iterable[tuple[str, Any]]) -> list[str]:

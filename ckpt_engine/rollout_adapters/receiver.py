@@ -8,6 +8,7 @@ bucket's tensors as they land.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,7 +20,7 @@ from ckpt_engine.manifest import BucketManifest, ManifestError, TensorSpec, deco
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ReceiveReport, check_manifest_against
 
-__all__ = ["BucketLoader", "WeightReceiver"]
+__all__ = ["BucketLoader", "ReceiverBusyError", "WeightReceiver"]
 
 logger = logging.getLogger(__name__)
 
@@ -27,20 +28,55 @@ BucketLoader = Callable[[list[tuple[str, torch.Tensor]]], int]
 """Loads one bucket's (name, tensor) pairs; returns how many tensors it loaded."""
 
 
+class ReceiverBusyError(RuntimeError):
+    """A second controller asked for a join, validate or receive while one is in flight here."""
+
+
 class WeightReceiver:
-    """One receiving rank: `join` once, then `validate` and `receive` per sync."""
+    """One receiving rank: `join` once, then `validate` and `receive` per sync.
+
+    One operation at a time: while a join, validate or receive is in flight, another is refused
+    (ReceiverBusyError) instead of queued, because a second sync's join would tear the group out
+    from under the running receive and its buckets would interleave with the first sync's.
+    """
 
     def __init__(self, device: str | torch.device | None = None) -> None:
         self.device = device
         self.engine: CheckpointEngine | None = None
         self._manifests: dict[str, BucketManifest] = {}
         self.buckets_received = 0
+        self._busy = threading.Lock()
+        self._doing = ""
+        self._since = 0.0
+
+    def _enter(self, what: str) -> None:
+        if not self._busy.acquire(blocking=False):
+            raise ReceiverBusyError(
+                f"this receiver is busy with {self._doing} (for {time.monotonic() - self._since:.1f}s); "
+                f"{what} refused: another sync is in flight on this engine"
+            )
+        self._doing, self._since = what, time.monotonic()
+
+    def _exit(self) -> None:
+        self._doing = ""
+        self._busy.release()
+
+    @property
+    def busy(self) -> bool:
+        return self._busy.locked()
 
     def join(self, rendezvous: dict[str, Any] | Rendezvous, rank: int, options: dict[str, Any] | JoinOptions) -> None:
         rdzv = rendezvous if isinstance(rendezvous, Rendezvous) else Rendezvous.from_dict(rendezvous)
         opts = options if isinstance(options, JoinOptions) else JoinOptions.from_dict(options)
         if not isinstance(rank, int) or not 0 < rank < rdzv.world_size:
             raise ValueError(f"receiver rank must be in [1, {rdzv.world_size}), got {rank!r}")
+        self._enter(f"a join of group {rdzv.token[:8]}")
+        try:
+            self._join(rdzv, rank, opts)
+        finally:
+            self._exit()
+
+    def _join(self, rdzv: Rendezvous, rank: int, opts: JoinOptions) -> None:
         self.leave()
         kwargs = dict(opts.engine_kwargs)
         if self.device is not None:
@@ -73,6 +109,19 @@ class WeightReceiver:
         `extra_check` adds engine-specific rules (e.g. vLLM's stacked parameters must be sent
         whole); a manifest is accepted only when neither finds a problem.
         """
+        self._enter(f"a validate of manifest {str(digest)[:12]}")
+        try:
+            return self._validate(encoded, digest, expected, extra_check)
+        finally:
+            self._exit()
+
+    def _validate(
+        self,
+        encoded: bytes | None,
+        digest: str,
+        expected: Mapping[str, TensorSpec] | None,
+        extra_check: Callable[[BucketManifest], list[str]] | None,
+    ) -> dict[str, Any]:
         manifest = self._manifests.get(digest)
         if manifest is None:
             if encoded is None:
@@ -103,6 +152,20 @@ class WeightReceiver:
 
         `destinations`, when the engine's tensors have the wire layout, lets tensors split over
         several buckets land in place (see CheckpointEngine.receive_buckets)."""
+        self._enter(f"a receive of manifest {str(digest)[:12]}")
+        try:
+            return self._receive(digest, loader, destinations)
+        except Exception as exc:
+            # Each receiver talks to rank 0 only: the sender went away or gave up (it aborts the
+            # group on any failure, its own or another engine's).
+            logger.warning("receive of manifest %s from the sender (rank 0) failed: %s", str(digest)[:12], exc)
+            raise
+        finally:
+            self._exit()
+
+    def _receive(
+        self, digest: str, loader: BucketLoader, destinations: Mapping[str, torch.Tensor] | None
+    ) -> ReceiveReport:
         if self.engine is None:
             raise RuntimeError("call join() before receive()")
         manifest = self._manifests.get(digest)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import datetime
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -34,8 +35,9 @@ import torch
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.fanout import collect_failures, mark_stale_and_probe
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.rollout_adapters.base import ManifestRejectedError
+from ckpt_engine.rollout_adapters.base import ManifestRejectedError, version_of
 from ckpt_engine.sync import SyncError, SyncReport
+from ckpt_engine.versions import check_version
 from ckpt_engine.weights import WeightSource, spec_of
 
 __all__ = ["SglangClient", "SglangWeightSync", "custom_process_group", "hf_expected_specs", "plan_flat_buckets"]
@@ -182,6 +184,7 @@ class SglangWeightSync:
         self.group_name = ""
         self.version = 0
         self.stale: set[str] = set()
+        self._lock = threading.Lock()
         self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.servers)), thread_name_prefix="ckpt-sglang")
 
     # --- group ---------------------------------------------------------------------------------
@@ -261,10 +264,35 @@ class SglangWeightSync:
             raise ManifestRejectedError(", ".join(e.engine for e in rejected), [p for e in rejected for p in e.problems])
 
     def sync(self, source: WeightSource, *, version: int | None = None) -> SyncReport:
-        new_version = version if version is not None else self.version + 1
+        """One sync; a second caller waits its turn for at most timeout_s, then is refused.
+
+        `version` defaults to one past the newest version any server reports (or this object's
+        last one), so a new SglangWeightSync never reuses a label; an older one is refused."""
+        if not self._lock.acquire(timeout=self.config.timeout_s):
+            raise RuntimeError(f"another sync on these SGLang servers has run for more than timeout_s={self.config.timeout_s}s")
+        try:
+            return self._sync(source, version)
+        finally:
+            self._lock.release()
+
+    def _next_version(self, requested: int | None) -> int:
+        held = {s.name: version_of(s.get_weight_version()) for s in self.servers}
+        newest = max([v for v in held.values() if v is not None] + [self.version])
+        if requested is None:
+            return check_version(newest + 1, "the next version")
+        check_version(requested, "version")
+        ahead = {n: v for n, v in held.items() if v is not None and v > requested}
+        if ahead:
+            raise ValueError(f"version {requested} is older than what servers hold ({ahead}); versions only grow")
+        return requested
+
+    def _sync(self, source: WeightSource, version: int | None) -> SyncReport:
         t0 = time.perf_counter()
         seconds: dict[str, float] = {}
         specs = list(source.metadata())
+        if not specs:
+            raise ValueError(f"the weight source ({type(source).__name__}) lists no tensors: refusing to stamp an empty sync as a new version")
+        new_version = self._next_version(version)
         self.validate(specs)
         seconds["validate"] = time.perf_counter() - t0
         self._ensure_group()

@@ -18,12 +18,13 @@ import base64
 import logging
 import os
 import time
+from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
+from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 
 if TYPE_CHECKING:
     import vllm
@@ -51,6 +52,24 @@ class _VllmAdapterBase(RolloutAdapter):
 
     def _rpc(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         raise NotImplementedError
+
+    def _missing_extension(self, method: str, exc: Exception) -> Exception:
+        """A clearer error when vLLM says a `ckpt_*` worker method does not exist, else `exc`."""
+        text = str(exc)  # vLLM's wording differs by path: worker getattr, or run_method
+        if f"has no attribute '{method}'" not in text and f"Method {method!r} is not implemented" not in text:
+            return exc
+        return RuntimeError(
+            f"engine {self.name!r}: vLLM was started without ckpt-engine's worker extension (its workers have no "
+            f"{method!r}); start it with worker_extension_cls={WORKER_EXTENSION!r} (LLM(...) keyword, or "
+            f"--worker-extension-cls {WORKER_EXTENSION} for `vllm serve`)"
+        )
+
+    def held_version(self) -> int | None:
+        """The version the engine's workers hold (the extension keeps it across adapter objects)."""
+        versions = {version_of(h.get("version")) for h in self.worker_health()}
+        if len(versions) > 1:
+            logger.warning("engine %s: workers report different versions %s", self.name, sorted(map(str, versions)))
+        return max((v for v in versions if v is not None), default=None)
 
     def _encode_manifest(self, encoded: bytes) -> Any:
         return encoded
@@ -131,9 +150,18 @@ class VllmRollout(_VllmAdapterBase):
         parallel = llm.llm_engine.vllm_config.parallel_config
         self.world_size = int(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
 
+    def engine_key(self) -> Hashable:
+        return ("vllm", id(self.llm))
+
     def _rpc(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         timeout = timeout_s if timeout_s is not None else self.timeout_s
-        return list(self.llm.collective_rpc(method, timeout=timeout, kwargs=kwargs))
+        try:
+            return list(self.llm.collective_rpc(method, timeout=timeout, kwargs=kwargs))
+        except Exception as exc:
+            clear = self._missing_extension(method, exc)
+            if clear is exc:
+                raise
+            raise clear from exc
 
     def _utility(self, method: str, *args: Any) -> Any:
         core = self.llm.llm_engine.engine_core
@@ -181,11 +209,23 @@ class VllmServerRollout(_VllmAdapterBase):
         import requests
 
         super().__init__(name, timeout_s)
+        parts = urlsplit(base_url) if isinstance(base_url, str) else None
+        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"engine {name!r}: base_url must be http(s)://HOST:PORT, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.http = session if session is not None else requests.Session()
         self._probe = requests.Session()  # health checks must not share a connection with receive
         if world_size is None:
-            world_size = int(self._get("/get_world_size", params={"include_dp": "false"})["world_size"])
+            try:
+                reply = self._get("/get_world_size", params={"include_dp": "false"}, timeout_s=min(timeout_s, 10.0), probe=True)
+            except requests.RequestException as exc:
+                self.close()
+                raise ConnectionError(
+                    f"engine {name!r}: no vLLM server answers at {self.base_url} ({type(exc).__name__}); start "
+                    f"`vllm serve` there with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION}, "
+                    "or fix the URL"
+                ) from None
+            world_size = int(reply["world_size"])
         self.world_size = world_size
         # Worker pids are only meaningful to check on this host.
         self._local = urlsplit(self.base_url).hostname in ("127.0.0.1", "localhost", "::1")
@@ -205,10 +245,19 @@ class VllmServerRollout(_VllmAdapterBase):
             raise RuntimeError(f"engine {self.name!r}: GET {path} answered {resp.status_code}: {resp.text[:500]}")
         return resp.json() if resp.content else None
 
+    def engine_key(self) -> Hashable:
+        return ("vllm-http", self.base_url)
+
     def _rpc(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         body = {"method": method, "kwargs": kwargs, "timeout": timeout}
-        reply = self._post("/collective_rpc", json=body, timeout_s=timeout + 10.0)
+        try:
+            reply = self._post("/collective_rpc", json=body, timeout_s=timeout + 10.0)
+        except RuntimeError as exc:
+            clear = self._missing_extension(method, exc)
+            if clear is exc:
+                raise
+            raise clear from exc
         results = reply.get("results") if isinstance(reply, dict) else None
         if not isinstance(results, list):
             raise RuntimeError(f"engine {self.name!r}: /collective_rpc {method} returned {reply!r:.200}")

@@ -1,0 +1,32 @@
+"""A trainer in its own process, so a test can SIGKILL it mid-sync.
+
+Reads {"engines": [{name, host, port, token}], "seeds": [...], "timeout_s": s, "delay_s": s} as JSON on
+stdin, syncs one version per seed into those reference engines, prints "synced N" after each.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+
+from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
+from refengines import SlowSource
+
+
+def main() -> None:
+    job = json.loads(sys.stdin.readline())
+    takes_token = "token" in inspect.signature(TorchRefRollout.__init__).parameters
+    engines = [
+        TorchRefRollout(e["name"], e["host"], e["port"], None, job["timeout_s"], **({"token": e["token"]} if takes_token else {}))
+        for e in job["engines"]
+    ]
+    session = WeightSyncSession(engines, CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=job["timeout_s"]))
+    for seed in job["seeds"]:
+        report = session.sync(SlowSource(seed, job.get("delay_s", 0.0)))
+        print(f"synced {report.version}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

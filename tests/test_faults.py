@@ -1,0 +1,265 @@
+"""Faults mid-sync, each repeated: receiver SIGKILL, sender SIGKILL, receiver SIGSTOP past the
+timeout, and a weight source that raises.
+
+Every time: an error naming the culprit within `TIMEOUT_S + GRACE_S`; no engine serving (unpaused
+and not stale) unless it holds exactly one complete version, bit for bit; the next sync heals every
+survivor bit-exactly. Reference engines in their own processes, a real gloo group, small timeouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.sync import SyncReport
+from ckpt_engine.weights import StateDictSource
+from refengines import holds, second_handle, serving, source, spawn_with_timeout, state
+
+TIMEOUT_S = 3.0
+GRACE_S = 2 * TIMEOUT_S + 2.0
+"""After the fault, the sender's own wait (bounded by timeout_s) is followed by a wait for the
+receivers' answers and a health probe of each engine (each bounded by timeout_s)."""
+REPEAT = 3
+CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=TIMEOUT_S)
+LOAD_DELAY_S = 0.02  # per bucket: a sync streams for a while, so the fault lands mid-stream
+VICTIM_DELAY_S = 0.2  # per bucket for the engine that is killed or stopped: surely mid-stream
+
+
+@pytest.fixture(scope="module")
+def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("spec") / "spec.msgpack"
+    write_spec_file(path, source(0).metadata())
+    return str(path)
+
+
+def spawn(spec_file: str, name: str, load_delay_s: float = LOAD_DELAY_S) -> TorchRefRollout:
+    return spawn_with_timeout(spec_file, name, TIMEOUT_S, load_delay_s)
+
+
+@pytest.fixture(scope="module")
+def engine_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs") / "engines.log"
+
+
+@pytest.fixture(scope="module")
+def pair(spec_file: str, engine_log: Path) -> Iterator[list[TorchRefRollout]]:
+    """Two engines that survive every fault below; their stderr (logs) goes to `engine_log`."""
+    saved = os.dup(2)
+    with open(engine_log, "ab") as log:
+        os.dup2(log.fileno(), 2)  # the engine processes inherit it as their stderr
+        try:
+            rs = [spawn(spec_file, f"ref{i}") for i in range(2)]
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+    yield rs
+    for r in rs:
+        r.close()
+
+
+def check_states(engines: list[TorchRefRollout], by_version: dict[int, int]) -> None:
+    """No engine serves unless it holds exactly the complete version it reports."""
+    for e in engines:
+        h = e.health()
+        if serving(h):
+            assert h["version"] in by_version, (e.name, h)
+            assert holds(e, state(by_version[h["version"]])) == [], f"{e.name} serves a mix of versions"
+
+
+def assert_healed(engines: list[TorchRefRollout], seed: int) -> SyncReport:
+    """The next complete sync (a new session, as a restarted trainer would make) heals every engine."""
+    session = WeightSyncSession(engines, CFG)
+    try:
+        report = session.sync(source(seed))
+    finally:
+        session.close()
+    for e in engines:
+        h = e.health()
+        assert serving(h) and h["version"] == report.version, (e.name, h)
+        assert holds(e, state(seed)) == [], f"{e.name} is not bit-exact after the healing sync"
+    return report
+
+
+def sync_in_thread(session: WeightSyncSession, src: StateDictSource) -> tuple[threading.Thread, list[BaseException]]:
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            session.sync(src)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, errors
+
+
+def wait_streaming(engine: TorchRefRollout, before: int) -> None:
+    deadline = time.monotonic() + 20
+    while engine.health()["buckets_received"] < before + 2:
+        assert time.monotonic() < deadline, "the sync never started streaming"
+        time.sleep(0.005)
+
+
+def test_receiver_sigkill(spec_file: str, pair: list[TorchRefRollout]) -> None:
+    seed = 100
+    for _ in range(REPEAT):
+        victim = spawn(spec_file, "victim", VICTIM_DELAY_S)
+        try:
+            session = WeightSyncSession([*pair, victim], CFG)
+            base = session.sync(source(seed)).version
+            before = victim.health()["buckets_received"]
+            t, errors = sync_in_thread(session, source(seed + 1))
+            wait_streaming(victim, before)
+            victim.process.send_signal(signal.SIGKILL)
+            fault = time.monotonic()
+            t.join(TIMEOUT_S + GRACE_S + 10)
+            elapsed = time.monotonic() - fault
+            assert not t.is_alive(), "the sender hung"
+            assert len(errors) == 1 and isinstance(errors[0], SyncError), errors
+            assert set(errors[0].failed) == {"victim"} and "died" in errors[0].failed["victim"], errors[0]
+            assert elapsed < TIMEOUT_S + GRACE_S, f"error after {elapsed:.1f}s"
+            check_states(pair, {base: seed})
+            assert not any(serving(e.health()) for e in pair), "survivors hold a half-written version"
+            session.close()
+        finally:
+            victim.close()
+        seed += 2
+        assert assert_healed(pair, seed).version > base
+
+
+def test_receiver_sigstop_past_the_timeout(spec_file: str, pair: list[TorchRefRollout]) -> None:
+    seed = 200
+    victim = spawn(spec_file, "victim", VICTIM_DELAY_S)
+    engines = [*pair, victim]
+    try:
+        for _ in range(REPEAT):
+            session = WeightSyncSession(engines, CFG)
+            base = session.sync(source(seed)).version
+            before = victim.health()["buckets_received"]
+            t, errors = sync_in_thread(session, source(seed + 1))
+            wait_streaming(victim, before)
+            victim.process.send_signal(signal.SIGSTOP)
+            fault = time.monotonic()
+            try:
+                t.join(TIMEOUT_S + GRACE_S + 10)
+                elapsed = time.monotonic() - fault
+                assert not t.is_alive(), "the sender hung"
+                assert len(errors) == 1 and isinstance(errors[0], SyncError), errors
+                assert set(errors[0].failed) == {"victim"}, errors[0]
+                assert elapsed < TIMEOUT_S + GRACE_S, f"error after {elapsed:.1f}s"
+                check_states(pair, {base: seed})
+                assert not any(serving(e.health()) for e in pair)
+            finally:
+                victim.process.send_signal(signal.SIGCONT)
+            check_states(engines, {base: seed})  # the woken engine must not serve either
+            session.close()
+            seed += 2
+            # Woken up, its receive has timed out: the stopped engine heals with the others.
+            deadline = time.monotonic() + TIMEOUT_S + GRACE_S
+            while True:
+                try:
+                    assert_healed(engines, seed)
+                    break
+                except SyncError:
+                    assert time.monotonic() < deadline, "the woken engine never became usable again"
+                    time.sleep(0.2)
+    finally:
+        victim.close()
+
+
+def test_sender_sigkill(pair: list[TorchRefRollout], engine_log: Path) -> None:
+    seed = 300
+    tests_dir = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}
+    engines_json = [
+        {"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": getattr(e, "token", None)} for e in pair
+    ]
+    failures = engine_log.read_text().count("from the sender (rank 0) failed") if engine_log.exists() else 0
+    for _ in range(REPEAT):
+        base = assert_healed(pair, seed).version
+        before = pair[0].health()["buckets_received"]
+        trainer = subprocess.Popen(
+            [sys.executable, "-m", "_fault_sender"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            cwd=tests_dir, env=env,
+        )
+        try:
+            assert trainer.stdin is not None
+            trainer.stdin.write(json.dumps({"engines": engines_json, "seeds": [seed + 1], "timeout_s": TIMEOUT_S, "delay_s": 0.05}) + "\n")
+            trainer.stdin.flush()
+            wait_streaming(pair[0], before)
+            trainer.send_signal(signal.SIGKILL)
+            fault = time.monotonic()
+        finally:
+            trainer.kill()
+            trainer.wait(10)
+        # Each engine's receive fails, naming the sender, and frees the engine within the bound.
+        handles = [second_handle(e) for e in pair]
+        while any(h.health()["buckets_received"] == before for h in handles) or any(not h.health()["stale"] for h in handles):
+            assert time.monotonic() - fault < TIMEOUT_S + GRACE_S
+            time.sleep(0.01)
+        check_states(pair, {base: seed})
+        assert not any(serving(e.health()) for e in pair), "engines hold a half-written version"
+        healed = None
+        while healed is None:
+            try:
+                healed = assert_healed(pair, seed + 2)
+            except SyncError as exc:  # the engines' receives are still running out their timeout
+                assert time.monotonic() - fault < TIMEOUT_S + GRACE_S, f"engines still busy: {exc}"
+                time.sleep(0.2)
+        assert healed.version > base
+        for h in handles:
+            h.close()
+        log = engine_log.read_text()
+        assert log.count("from the sender (rank 0) failed") >= failures + len(pair), log[-2000:]
+        failures = log.count("from the sender (rank 0) failed")
+        seed += 4
+
+
+class _Failing(StateDictSource):
+    """A trainer whose weight export raises after a few tensors."""
+
+    def iter_weights(self):
+        for i, item in enumerate(super().iter_weights()):
+            if i == 12:
+                raise RuntimeError("export failed: parameter shard missing")
+            yield item
+
+
+def test_weight_source_raising(pair: list[TorchRefRollout]) -> None:
+    seed = 400
+    session = WeightSyncSession(pair, CFG)
+    try:
+        base = session.sync(source(seed)).version
+        for _ in range(REPEAT):
+            start = time.monotonic()
+            with pytest.raises(SyncError, match=r"weight source: RuntimeError: export failed: parameter shard missing") as info:
+                session.sync(_Failing(state(seed + 1)))
+            elapsed = time.monotonic() - start
+            assert set(info.value.failed) == {"weight source"}, "the engines did nothing wrong"
+            assert info.value.stage == "transfer" and info.value.stale == ["ref0", "ref1"]
+            assert elapsed < TIMEOUT_S + GRACE_S
+            for e in pair:  # alive, reachable, not serving the half-written state
+                h = e.health()
+                assert h["paused"] and h["stale"], h
+            check_states(pair, {base: seed})
+            seed += 2
+            report = session.sync(source(seed))  # the same session heals them
+            assert report.version > base
+            check_states(pair, {report.version: seed})
+            for e in pair:
+                assert serving(e.health()) and holds(e, state(seed)) == []
+            base = report.version
+    finally:
+        session.close()

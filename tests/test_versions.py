@@ -1,0 +1,131 @@
+"""Version labels only grow, sessions do not leak, and bad syncs are refused before any pause.
+
+Reference engines in their own processes over a real gloo group.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from ckpt_engine import CheckpointEngineConfig, WeightSyncSession, sync_rollout_weights
+from ckpt_engine import sync as sync_module
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.sync import close_sessions
+from ckpt_engine.weights import StateDictSource
+from refengines import holds, serving, source, state
+
+CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20)
+
+
+@pytest.fixture(scope="module")
+def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("spec") / "spec.msgpack"
+    write_spec_file(path, source(0).metadata())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def engines(spec_file: str) -> Iterator[list[TorchRefRollout]]:
+    rs = [TorchRefRollout.spawn(f"ref{i}", spec_file=spec_file, timeout_s=30) for i in range(2)]
+    yield rs
+    close_sessions()
+    for r in rs:
+        r.close()
+
+
+def versions(engines: list[TorchRefRollout]) -> list[int | None]:
+    return [e.health()["version"] for e in engines]
+
+
+def sync_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("ckpt-sync"))
+
+
+def test_a_new_session_or_config_carries_versions_on_and_leaks_nothing(engines: list[TorchRefRollout]) -> None:
+    first = WeightSyncSession(engines, CFG)
+    start = first.sync(source(1)).version
+    first.close()
+    # A new session (only timeout_s changed) continues from what the engines hold.
+    second = WeightSyncSession(engines, CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=21))
+    assert second.sync(source(2)).version == start + 1
+    second.close()
+    close_sessions()
+    threads = sync_threads()
+    seen = []
+    for i in range(4):  # a new config object every call, as a loop that rebuilds its config would
+        config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20 + i)
+        report = sync_rollout_weights(source(3 + i), engines, config=config)
+        assert report is not None
+        seen.append(report.version)
+    assert seen == [start + 2, start + 3, start + 4, start + 5]
+    assert versions(engines) == [start + 5] * 2 and holds(engines[0], state(6)) == []
+    assert len(sync_module._sessions) == 1, "replaced sessions must be closed and dropped"
+    time.sleep(0.5)  # idle pool threads of closed sessions exit on their own
+    assert sync_threads() <= threads + 2 * len(engines) + 1, "closed sessions left their threads running"
+
+
+def test_versions_below_what_engines_hold_are_refused_before_anything_is_paused(engines: list[TorchRefRollout]) -> None:
+    session = WeightSyncSession(engines, CFG)
+    try:
+        held = session.sync(source(8)).version
+        received = [e.health()["buckets_received"] for e in engines]
+        with pytest.raises(ValueError, match=rf"version {held - 1} is older than what engines hold .*ref0: v{held}.*versions only grow"):
+            session.sync(source(9), version=held - 1)
+        for bad in (-1, True, 2**64 - 1, "7"):
+            with pytest.raises(ValueError, match=r"version must be an int in \[0, 2\*\*63-1\]"):
+                session.sync(source(9), version=bad)
+        for e, n in zip(engines, received):
+            h = e.health()
+            assert serving(h) and h["version"] == held and h["buckets_received"] == n
+        assert session.sync(source(9), version=held + 10).version == held + 10  # a jump ahead is fine
+        assert session.sync(source(10)).version == held + 11
+    finally:
+        session.close()
+
+
+class _Filtered(StateDictSource):
+    """A trainer bug: a name filter that drops every tensor."""
+
+    def __init__(self) -> None:
+        super().__init__({})
+
+
+def test_an_empty_source_is_refused_before_anything_is_paused(engines: list[TorchRefRollout]) -> None:
+    session = WeightSyncSession(engines, CFG)
+    try:
+        held = session.sync(source(11)).version
+        received = [e.health()["buckets_received"] for e in engines]
+        with pytest.raises(ValueError, match=r"weight source \(_Filtered\) lists no tensors"):
+            session.sync(_Filtered())
+        for e, n in zip(engines, received):
+            h = e.health()
+            assert serving(h) and h["version"] == held and h["buckets_received"] == n
+        assert holds(engines[1], state(11)) == []
+    finally:
+        session.close()
+
+
+def test_an_outdated_session_is_refused_by_name_without_pausing(engines: list[TorchRefRollout]) -> None:
+    old = WeightSyncSession(engines, CFG)
+    new = WeightSyncSession(engines, CFG)
+    try:
+        old.sync(source(12))
+        held = new.sync(source(13)).version  # joins the engines into its own group: `old` is outdated
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"session is outdated: engine\(s\) 'ref0', 'ref1' joined another session"):
+            old.sync(source(14))
+        assert time.monotonic() - start < 5.0
+        for e in engines:
+            h = e.health()
+            assert serving(h) and h["version"] == held
+        assert holds(engines[0], state(13)) == []
+        old.close()  # must not make the engines leave the newer session's group
+        assert new.sync(source(15)).version == held + 1
+        assert holds(engines[1], state(15)) == []
+    finally:
+        old.close()
+        new.close()
