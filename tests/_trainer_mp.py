@@ -48,13 +48,25 @@ def _entry(
 
 
 def run_ranks(
-    fn: Callable[..., dict[str, Any]], world_size: int = 2, timeout_s: float = 240.0, backend: str = "gloo", **kwargs: Any
+    fn: Callable[..., dict[str, Any]],
+    world_size: int = 2,
+    timeout_s: float = 240.0,
+    backend: str = "gloo",
+    preload: tuple[str, ...] = (),
+    **kwargs: Any,
 ) -> list[dict[str, Any]]:
     """Spawn `world_size` ranks running `fn(rank, world_size, **kwargs)`; returns their results.
 
-    backend "nccl" puts rank r on cuda:r (GPU tests)."""
+    backend "nccl" puts rank r on cuda:r (GPU tests). `preload` (CPU only): modules one fork
+    server imports once for every rank, instead of each spawned rank importing torch and
+    transformers again (seconds of CPU per rank on a small shared box). Preloading takes effect
+    when this process starts its fork server, i.e. on the first such call."""
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
-    ctx = mp.get_context("spawn")
+    if preload and backend != "nccl":
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(preload))
+    else:
+        ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [
             ctx.Process(target=_entry, args=(fn, r, world_size, store.port, out_dir, timeout_s, backend, kwargs), daemon=True)

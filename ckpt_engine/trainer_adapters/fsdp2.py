@@ -9,6 +9,10 @@ parameters under their Hugging Face checkpoint names, then reshards; the next un
 is issued before the current one is consumed, so gathering overlaps the consumer (the bucket
 packer). Collective contract: every rank of the group calls every public method in the same
 order; only rank 0 (`is_sender`) streams what `iter_weights` yields.
+
+With many senders (`ckpt_engine.sharded_source.ShardedWeightSource`) every rank sends its own
+shards instead: `owners()` says which rows of each tensor each rank holds (from the DTensor
+sharding, no collective) and `local_piece(name)` hands out this rank's rows; nothing is gathered.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.ownership import OwnerMap, Shard, row_shards
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
 from ckpt_engine.trainer_adapters.common import DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, check_float_dtype, clip_and_step
 from ckpt_engine.trainer_adapters.hf_names import (
@@ -32,6 +37,7 @@ from ckpt_engine.trainer_adapters.hf_names import (
     unfuse_expert_specs,
     unfuse_experts,
 )
+from ckpt_engine.trainer_adapters.fsdp2_shards import dim0_rows, expert_part, fused_expert_shards, row_start
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -70,6 +76,7 @@ class _Entry:
     shape: tuple[int, ...]
     dtype: torch.dtype  # master dtype
     specs: list[TensorSpec] = field(default_factory=list)  # what goes on the wire (1, or one per expert part)
+    expert_outputs: int = 0  # fused experts: wire tensors per expert (0: not a fused expert)
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -143,6 +150,12 @@ class FSDP2TrainEngine(TrainEngine):
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.is_sender = self.rank == 0
+        self.sender_index = self.rank  # multi-sender sync: every trainer rank sends its shards
+        self.num_senders = self.world_size
+        self._pieces = {s.name: (e, i) for e in self._entries for i, s in enumerate(e.specs)}
+        self._owners: dict[str, list[Shard]] | None = None
+        self._rows: dict[int, list[int] | None] = {}  # id(entry) -> rows per rank (None: replicated)
+        self._fsdp_params: dict[tuple[int, str], Any] | None = None
 
         mp = MixedPrecisionPolicy(
             param_dtype=_torch_dtype(self.config.param_dtype) if self.config.param_dtype else None,
@@ -221,6 +234,7 @@ class FSDP2TrainEngine(TrainEngine):
         for e in entries:
             parts = unfuse_expert_specs(self.model_type, e.name, e.shape)
             pairs = parts if parts is not None else [(e.name, e.shape)]
+            e.expert_outputs = len(parts) // e.shape[0] if parts is not None and e.shape[0] else 0
             e.specs = [TensorSpec(n, _dtype_name(self.wire_dtype(n, e.dtype)), s) for n, s in pairs]
         names = [s.name for e in entries for s in e.specs]
         if len(set(names)) != len(names):
@@ -302,17 +316,97 @@ class FSDP2TrainEngine(TrainEngine):
 
         unit = self._units[e.unit]
         assert isinstance(unit, FSDPModule)
-        state = unit._get_fsdp_state()
-        # torch >= 2.13 keeps a list of param groups per state; torch 2.11 a single optional one.
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:
-            single = getattr(state, "_fsdp_param_group", None)
-            groups = [single] if single is not None else []
-        for group in groups:
+        for group in self._param_groups([unit]):
             for fp in group.fsdp_params:
                 if fp._module_info.module is e.module and fp._module_info.param_name == e.attr:
                     return fp.sharded_param
         raise RuntimeError(f"{e.name}: no FSDP parameter found for it")
+
+    @staticmethod
+    def _param_groups(units: list[nn.Module]) -> list[Any]:
+        groups: list[Any] = []
+        for unit in units:
+            state = unit._get_fsdp_state()  # type: ignore[operator]
+            # torch >= 2.13 keeps a list of param groups per state; torch 2.11 a single optional one.
+            found = getattr(state, "_fsdp_param_groups", None)
+            if found is None:
+                single = getattr(state, "_fsdp_param_group", None)
+                found = [single] if single is not None else []
+            groups.extend(found)
+        return groups
+
+    # --- multi-sender source: every rank sends its own shards ----------------------------------
+    @property
+    def stable_pieces(self) -> bool:
+        """Whether every `local_piece` is a view of the shard itself (no wire-dtype cast), valid
+        and unchanged for a whole sync: the transport may then send from it without a copy.
+        (Not `stable_tensors`: that flag describes `iter_weights`, whose tensors are not stable.)"""
+        return all(_torch_dtype(s.dtype) == e.dtype for e in self._entries for s in e.specs)
+
+    def owners(self) -> OwnerMap:
+        """Which byte range of every exported tensor each trainer rank holds; the same map on every
+        rank, computed locally (no collective). Dim-0 FSDP2 shards are row ranges (uneven splits
+        and ranks with no rows included); a fused expert's per-expert tensors are owned whole by
+        the rank holding that expert; buffers and unsharded parameters are left out (replicated:
+        the planner gives each to one rank). A tied embedding is one tensor, with one set of owners."""
+        if self._owners is None:
+            owners: dict[str, list[Shard]] = {}
+            for e in self._entries:
+                rows = self._rows_of(e)
+                if rows is None:
+                    continue
+                if e.expert_outputs:
+                    owners.update(fused_expert_shards(e.specs, rows, e.expert_outputs))
+                else:
+                    owners[e.specs[0].name] = row_shards(e.specs[0], rows)
+            self._owners = owners
+        return self._owners
+
+    def local_piece(self, name: str) -> torch.Tensor:
+        """This rank's part of `name` in its wire dtype: its rows of a sharded tensor (a view of the
+        local DTensor shard, or its cast), one of its own experts, or the whole replicated tensor.
+        Local only: no all-gather, no collective. Only ranks `owners()` (or the plan, for replicated
+        tensors) names may ask for a tensor."""
+        found = self._pieces.get(name)
+        if found is None:
+            raise ValueError(f"{name!r} is not a tensor this FSDP2 model exports (see metadata())")
+        e, index = found
+        spec = e.specs[index]
+        want = _torch_dtype(spec.dtype)
+        rows = self._rows_of(e)
+        if rows is None:
+            t = getattr(e.module, e.attr)
+            if isinstance(t, torch.distributed.tensor.DTensor):
+                t = t.to_local()  # replicated DTensor: every rank holds the whole tensor
+        else:
+            local = self._sharded(e).to_local()
+            if e.expert_outputs:
+                first, expert = row_start(rows, self.rank), index // e.expert_outputs
+                if not first <= expert < first + rows[self.rank]:
+                    raise ValueError(f"{name}: expert {expert} is not on rank {self.rank}")
+                t = expert_part(local, index, e.expert_outputs, first)
+            elif rows[self.rank] == 0:
+                raise ValueError(f"{name}: rank {self.rank} holds none of its rows")
+            else:
+                t = local
+        with torch.no_grad():
+            return t.detach() if t.dtype == want else t.detach().to(want)
+
+    def _rows_of(self, e: _Entry) -> list[int] | None:
+        key = id(e)
+        if key not in self._rows:
+            self._rows[key] = None if e.is_buffer else dim0_rows(e.name, self._sharded(e), self.rank, self.world_size)
+        return self._rows[key]
+
+    def _sharded(self, e: _Entry) -> Any:
+        """The parameter's sharded (master) form, whether or not the module is unsharded now."""
+        if self._fsdp_params is None:
+            self._fsdp_params = {}
+            for group in self._param_groups(self._units):
+                for fp in group.fsdp_params:
+                    self._fsdp_params[(id(fp._module_info.module), fp._module_info.param_name)] = fp
+        fp = self._fsdp_params.get((id(e.module), e.attr))
+        return fp.sharded_param if fp is not None else getattr(e.module, e.attr)
 
     # --- training ------------------------------------------------------------------------------
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:

@@ -1,0 +1,76 @@
+"""What each FSDP2 rank holds of every exported tensor, from the DTensor sharding alone.
+
+FSDP2 shards a parameter on dim 0 with `torch.chunk` semantics: every rank but the last ones holds
+ceil(rows / world) rows, the last ones fewer or none. A rank's rows [r0, r1) of a tensor are the
+byte range [r0 * row_bytes, r1 * row_bytes) of its flat wire image, so the ownership of every
+tensor follows from its global shape and the world size: no rank needs to ask another.
+
+transformers-5 fused experts ([num_experts, k * rows, cols], dim 0 = experts) become one
+checkpoint tensor per expert and output; each is owned whole by the rank holding that expert.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.ownership import Shard
+from ckpt_engine.sharded_source import even_rows
+
+__all__ = ["dim0_rows", "expert_part", "fused_expert_shards", "row_start"]
+
+
+def dim0_rows(name: str, param: torch.Tensor, rank: int, world_size: int) -> list[int] | None:
+    """Rows of dim 0 each rank of the FSDP mesh holds; None for a replicated tensor.
+
+    Checks this rank's local shard against the computed split, so a torch that shards differently
+    fails here, by name, instead of sending wrong bytes. Only plain dim-0 sharding maps to one
+    contiguous byte range per rank: any other placement (a `shard_placement_fn` choosing dim > 0,
+    strided shards) is a ValueError.
+    """
+    from torch.distributed.tensor import DTensor, Shard as ShardPlacement
+
+    if not isinstance(param, DTensor):
+        return None
+    placements = tuple(param.placements)
+    if all(p.is_replicate() for p in placements):
+        return None
+    if len(placements) != 1 or type(placements[0]) is not ShardPlacement or placements[0].dim != 0:
+        raise ValueError(
+            f"{name}: FSDP2 placement {placements} is not a plain dim-0 shard; multi-sender sync needs "
+            "every rank's part to be a row range (drop the shard_placement_fn for this parameter)"
+        )
+    if param.dim() == 0:
+        raise ValueError(f"{name}: a 0-dim parameter cannot be sharded on dim 0")
+    rows = even_rows(param.shape[0], world_size)
+    local = param.to_local()
+    if local.shape[0] != rows[rank] or tuple(local.shape[1:]) != tuple(param.shape[1:]):
+        raise RuntimeError(
+            f"{name}: this rank's FSDP2 shard has shape {tuple(local.shape)}, but torch.chunk of "
+            f"{tuple(param.shape)} over {world_size} ranks gives it {rows[rank]} rows"
+        )
+    return rows
+
+
+def row_start(rows: Sequence[int], rank: int) -> int:
+    """The first global row that `rank` holds."""
+    return sum(rows[:rank])
+
+
+def fused_expert_shards(specs: Sequence[TensorSpec], rows: Sequence[int], outputs: int) -> dict[str, list[Shard]]:
+    """Owners of the per-expert tensors of one fused expert parameter: `specs` lists them expert
+    by expert (`outputs` per expert), and expert e lives on the rank whose rows cover e."""
+    owner_of: list[int] = [rank for rank, n in enumerate(rows) for _ in range(n)]
+    if len(specs) != len(owner_of) * outputs:
+        raise ValueError(f"{len(specs)} per-expert tensors do not match {len(owner_of)} experts x {outputs} outputs")
+    return {s.name: [Shard(owner_of[i // outputs], 0, s.nbytes)] for i, s in enumerate(specs)}
+
+
+def expert_part(local: torch.Tensor, index: int, outputs: int, first_expert: int) -> torch.Tensor:
+    """Per-expert tensor `index` (in `fused_expert_shards` order) out of this rank's local experts:
+    a view of the shard (the same split `unfuse_experts` applies to the full tensor)."""
+    expert, part = divmod(index, outputs)
+    return local[expert - first_expert].chunk(outputs, dim=0)[part]
+
