@@ -1,0 +1,299 @@
+"""Fused Triton kernels for the delta codec on CUDA: compare+count+pack, compact, checksums.
+
+The codec owns the patch layout and falls back to plain torch ops when Triton or a GPU is missing;
+these kernels only move words. Two passes instead of one so that positions come out sorted
+without a cross-block scan: pass one reads both images once (compare, count, delta sum, packed
+bitmask), pass two reads the small bitmask and only the sectors of `new` that changed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BLOCK_WORDS", "COMPACT", "NUM_WARPS", "available", "checksum", "compact", "compare_pack", "delta_sum"]
+
+# Words per program, warps per program and the compact variant, read at each call
+# (bench/delta_codec_bench.py sweeps them; 2048 / 4 / "bits" was the fastest encode measured on an
+# H200). BLOCK_WORDS must divide 2**16 (one B factor of h per block) and be a multiple of 8.
+# COMPACT: "bits" unpacks the block's mask and scans one flag per word; "bytes" scans one popcount
+# per mask byte (8x shorter) and ranks bits inside their byte; not yet timed on a GPU.
+BLOCK_WORDS = 2048
+NUM_WARPS = 4
+COMPACT = "bits"
+COMPACT_VARIANTS = ("bits", "bytes")
+
+try:  # Triton is optional: CPU installs and GPUs without it use the torch path.
+    import triton
+    import triton.language as tl
+
+    _HAVE_TRITON = True
+except Exception as exc:  # pragma: no cover - depends on the install
+    logger.debug("triton unavailable (%s); the delta codec uses torch ops", exc)
+    _HAVE_TRITON = False
+
+
+def available(device: torch.device) -> bool:
+    """Whether the fused kernels can run on `device` (CUDA with Triton importable)."""
+    return _HAVE_TRITON and device.type == "cuda"
+
+
+if _HAVE_TRITON:
+    # h(i) = A(i mod 2**16) * B(i div 2**16): the same function as mixing.py (MIX_A, MIX_B).
+    @triton.jit
+    def _mix_a(j):
+        """int32 j in [0, 2**16) -> odd int32 A(j) < 2**31 (32-bit wrapping multiply)."""
+        x = (j + 1) * -1640531535  # 0x9E3779B1 as int32
+        return (x.to(tl.uint32, bitcast=True) >> 1).to(tl.int32, bitcast=True) | 1
+
+    @triton.jit
+    def _mix_b(k):
+        x = (k + 1) * -4658895280553007687
+        x = x ^ (x >> 31)
+        return x | 1
+
+    @triton.jit
+    def _weighted(v, a, SMALL: tl.constexpr):
+        """v * a as int64 for signed words v and int32 a: one widening multiply for words of <= 2
+        bytes (their differences fit int32), a 64-bit multiply otherwise."""
+        if SMALL:
+            return v.to(tl.int32).to(tl.int64) * a.to(tl.int64)
+        return v.to(tl.int64) * a.to(tl.int64)
+
+    @triton.jit
+    def _compare_pack_kernel(
+        base_ptr,
+        new_ptr,
+        n_words,
+        counts_ptr,
+        delta_ptr,
+        mask_ptr,
+        BLOCK: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_BITS: tl.constexpr,
+        SMALL: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        start = pid.to(tl.int64) * BLOCK
+        offs = start + tl.arange(0, BLOCK)
+        inb = offs < n_words
+        a = tl.load(base_ptr + offs, mask=inb, other=0)
+        b = tl.load(new_ptr + offs, mask=inb, other=0)
+        changed = a != b
+        tl.store(counts_ptr + pid, tl.sum(changed.to(tl.int32), axis=0).to(tl.int64))
+        j = (pid % (GROUP // BLOCK)) * BLOCK + tl.arange(0, BLOCK)
+        if SMALL:
+            diff = b.to(tl.int32) - a.to(tl.int32)
+        else:
+            diff = b.to(tl.int64) - a.to(tl.int64)
+        part = tl.sum(_weighted(diff, _mix_a(j), SMALL), axis=0)
+        tl.store(delta_ptr + pid, part * _mix_b(start >> GROUP_BITS))
+        bits = tl.reshape(changed.to(tl.int32), (BLOCK // 8, 8))
+        weights = 1 << tl.arange(0, 8)
+        packed = tl.sum(bits * weights[None, :], axis=1).to(tl.uint8)
+        tl.store(mask_ptr + pid.to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8), packed)
+
+    @triton.jit
+    def _compact_kernel(
+        mask_ptr,
+        n_mask_bytes,
+        counts_ptr,
+        offsets_ptr,
+        new_ptr,
+        val_ptr,
+        pos_ptr,
+        base_ptr,
+        BLOCK: tl.constexpr,
+        WRITE_POS: tl.constexpr,
+        WRITE_VALS: tl.constexpr,
+        UPDATE_BASE: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        cnt = tl.load(counts_ptr + pid)
+        if cnt > 0:
+            byte_offs = pid.to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+            mb = tl.load(mask_ptr + byte_offs, mask=byte_offs < n_mask_bytes, other=0).to(tl.int32)
+            bits = tl.reshape((mb[:, None] >> tl.arange(0, 8)[None, :]) & 1, (BLOCK,))
+            before = tl.cumsum(bits, axis=0) - bits
+            dest = tl.load(offsets_ptr + pid) + before.to(tl.int64)
+            offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            sel = bits != 0
+            if WRITE_POS:
+                tl.store(pos_ptr + dest, offs.to(pos_ptr.dtype.element_ty), mask=sel)
+            if WRITE_VALS or UPDATE_BASE:
+                v = tl.load(new_ptr + offs, mask=sel)
+                if WRITE_VALS:
+                    tl.store(val_ptr + dest, v, mask=sel)
+                if UPDATE_BASE:
+                    tl.store(base_ptr + offs, v, mask=sel)
+
+    @triton.jit
+    def _popc8(x):
+        """Set bits of each int32 holding a byte value."""
+        x = x - ((x >> 1) & 0x55)
+        x = (x & 0x33) + ((x >> 2) & 0x33)
+        return (x + (x >> 4)) & 0x0F
+
+    @triton.jit
+    def _compact_bytes_kernel(
+        mask_ptr,
+        n_mask_bytes,
+        counts_ptr,
+        offsets_ptr,
+        new_ptr,
+        val_ptr,
+        pos_ptr,
+        base_ptr,
+        BLOCK: tl.constexpr,
+        WRITE_POS: tl.constexpr,
+        WRITE_VALS: tl.constexpr,
+        UPDATE_BASE: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        cnt = tl.load(counts_ptr + pid)
+        if cnt > 0:
+            byte_offs = pid.to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+            mb = tl.load(mask_ptr + byte_offs, mask=byte_offs < n_mask_bytes, other=0).to(tl.int32)
+            pc = _popc8(mb)
+            before = tl.cumsum(pc, axis=0) - pc
+            bit = tl.arange(0, 8)
+            sel = ((mb[:, None] >> bit[None, :]) & 1) != 0
+            rank = _popc8(mb[:, None] & ((1 << bit[None, :]) - 1))
+            dest = tl.load(offsets_ptr + pid) + (before[:, None] + rank).to(tl.int64)
+            offs = byte_offs[:, None] * 8 + bit[None, :]
+            if WRITE_POS:
+                tl.store(pos_ptr + dest, offs.to(pos_ptr.dtype.element_ty), mask=sel)
+            if WRITE_VALS or UPDATE_BASE:
+                v = tl.load(new_ptr + offs, mask=sel)
+                if WRITE_VALS:
+                    tl.store(val_ptr + dest, v, mask=sel)
+                if UPDATE_BASE:
+                    tl.store(base_ptr + offs, v, mask=sel)
+
+    @triton.jit
+    def _checksum_kernel(
+        w_ptr, n_words, out_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr, SMALL: tl.constexpr
+    ):
+        pid = tl.program_id(0)
+        start = pid.to(tl.int64) * BLOCK
+        offs = start + tl.arange(0, BLOCK)
+        w = tl.load(w_ptr + offs, mask=offs < n_words, other=0)
+        j = (pid % (GROUP // BLOCK)) * BLOCK + tl.arange(0, BLOCK)
+        part = tl.sum(_weighted(w, _mix_a(j), SMALL), axis=0)
+        tl.store(out_ptr + pid, part * _mix_b(start >> GROUP_BITS))
+
+    @triton.jit
+    def _delta_sum_kernel(
+        pos_ptr, val_ptr, base_ptr, n, out_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr
+    ):
+        pid = tl.program_id(0)
+        idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = idx < n
+        p = tl.load(pos_ptr + idx, mask=m, other=0)
+        v = tl.load(val_ptr + idx, mask=m, other=0).to(tl.int64)
+        old = tl.load(base_ptr + p, mask=m, other=0).to(tl.int64)
+        a = _mix_a((p & (GROUP - 1)).to(tl.int32)).to(tl.int64)
+        tl.store(out_ptr + pid, tl.sum((v - old) * a * _mix_b(p >> GROUP_BITS), axis=0))
+
+
+def _num_blocks(n_words: int) -> int:
+    return (n_words + BLOCK_WORDS - 1) // BLOCK_WORDS
+
+
+def _check_block() -> None:
+    if GROUP_WORDS % BLOCK_WORDS or BLOCK_WORDS % 8:
+        raise ValueError(f"kernels.BLOCK_WORDS={BLOCK_WORDS} must divide {GROUP_WORDS} and be a multiple of 8")
+
+
+def compare_pack(base_w: torch.Tensor, new_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One pass over both word images: per-block changed counts (int64), per-block partial delta
+    sums (int64) and the packed change bitmask (LSB first, padded to whole blocks)."""
+    _check_block()
+    n = base_w.numel()
+    nb = _num_blocks(n)
+    counts = torch.empty(nb, dtype=torch.int64, device=base_w.device)
+    delta = torch.empty(nb, dtype=torch.int64, device=base_w.device)
+    mask = torch.empty(nb * (BLOCK_WORDS // 8), dtype=torch.uint8, device=base_w.device)
+    if nb:
+        _compare_pack_kernel[(nb,)](
+            base_w,
+            new_w,
+            n,
+            counts,
+            delta,
+            mask,
+            BLOCK=BLOCK_WORDS,
+            GROUP=GROUP_WORDS,
+            GROUP_BITS=GROUP_BITS,
+            SMALL=base_w.element_size() <= 2,
+            num_warps=NUM_WARPS,
+        )
+    return counts, delta, mask
+
+
+def compact(
+    mask: torch.Tensor,
+    n_mask_bytes: int,
+    counts: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    new_w: torch.Tensor | None = None,
+    values_out: torch.Tensor | None = None,
+    positions_out: torch.Tensor | None = None,
+    base_w: torch.Tensor | None = None,
+) -> None:
+    """Second pass: for every set bit of `mask` (blocks with a nonzero count only), write its word
+    index to `positions_out` and/or `new_w`'s word to `values_out` at `offsets[block]` + rank within
+    the block, and/or scatter it into `base_w`. `offsets` is the exclusive prefix sum of `counts`,
+    both per block of BLOCK_WORDS words."""
+    _check_block()
+    nb = counts.numel()
+    if not nb:
+        return
+    if COMPACT not in COMPACT_VARIANTS:
+        raise ValueError(f"kernels.COMPACT={COMPACT!r} must be one of {COMPACT_VARIANTS}")
+    dummy = mask
+    kernel = _compact_kernel if COMPACT == "bits" else _compact_bytes_kernel
+    kernel[(nb,)](
+        mask,
+        n_mask_bytes,
+        counts,
+        offsets,
+        new_w if new_w is not None else dummy,
+        values_out if values_out is not None else dummy,
+        positions_out if positions_out is not None else dummy,
+        base_w if base_w is not None else dummy,
+        BLOCK=BLOCK_WORDS,
+        WRITE_POS=positions_out is not None,
+        WRITE_VALS=values_out is not None,
+        UPDATE_BASE=base_w is not None,
+        num_warps=NUM_WARPS,
+    )
+
+
+def checksum(words: torch.Tensor) -> torch.Tensor:
+    """sum_i words[i] * h(i) in wrapping int64, as a 0-d tensor on the words' device."""
+    _check_block()
+    n = words.numel()
+    nb = _num_blocks(n)
+    partial = torch.zeros(max(nb, 1), dtype=torch.int64, device=words.device)
+    if nb:
+        _checksum_kernel[(nb,)](
+            words, n, partial, BLOCK=BLOCK_WORDS, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, SMALL=words.element_size() <= 2, num_warps=NUM_WARPS
+        )
+    return partial.sum()
+
+
+def delta_sum(positions: torch.Tensor, values: torch.Tensor, base_w: torch.Tensor) -> torch.Tensor:
+    """sum over k of h(positions[k]) * (values[k] - base_w[positions[k]]), a 0-d int64 tensor."""
+    n = positions.numel()
+    nb = (n + 4095) // 4096
+    partial = torch.zeros(max(nb, 1), dtype=torch.int64, device=positions.device)
+    if nb:
+        _delta_sum_kernel[(nb,)](positions, values, base_w, n, partial, BLOCK=4096, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=8)
+    return partial.sum()

@@ -1,0 +1,135 @@
+"""Patch format of the delta codec: header, section sizes and the checks shared by encode and decode.
+
+Layout (little-endian, every section 8-byte aligned from the patch start):
+  header (PATCH_HEADER_BYTES = 32): magic u32 | version u8 | kind u8 | word_bytes u8 | 0 u8 |
+      num_words i64 | num_changed i64 | delta_sum i64
+  index: kind 1 = bitmask, one bit per word, bit j of byte k is word 8k+j, zero-padded;
+         kind 2 / 3 = sorted word positions as int32 / int64, zero-padded to 8 bytes
+  values: num_changed words of `word_bytes` (their NEW bits), in position order
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from ckpt_engine.delta import kernels
+
+__all__ = [
+    "CHUNK_WORDS",
+    "FORMAT_VERSION",
+    "HEADER",
+    "KIND_IDS",
+    "MAGIC",
+    "PATCH_HEADER_BYTES",
+    "DecodedPatch",
+    "PatchError",
+    "align8",
+    "index_bytes",
+    "max_patch_bytes",
+    "patch_kind_sizes",
+    "resolve_impl",
+    "view_or_copy",
+    "word_dtype",
+    "words_of",
+]
+
+PATCH_HEADER_BYTES = 32
+FORMAT_VERSION = 1
+MAGIC = 0x50444B43  # b"CKDP" read as a little-endian u32
+HEADER = struct.Struct("<IBBBBqqq")
+KIND_IDS = {"bitmask": 1, "positions32": 2, "positions64": 3}
+CHUNK_WORDS = 1 << 22  # torch path: 4 Mi words a chunk keeps temporaries near 64 MiB at most
+_WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class PatchError(ValueError):
+    """A patch payload is malformed or hostile; the message says which field is wrong."""
+
+
+@dataclass(frozen=True)
+class DecodedPatch:
+    """A validated patch. `values` is a view into the payload: keep the payload until applied."""
+
+    positions: torch.Tensor  # int64 word indices, strictly increasing, in [0, num_words)
+    values: torch.Tensor  # word_dtype(word_bytes), one per position
+    delta_sum: int  # the sender's sum of h(i) * (new_i - old_i), as a signed int64
+    num_words: int
+    word_bytes: int
+    kind: str
+
+
+def word_dtype(word_bytes: int) -> torch.dtype:
+    """The signed integer dtype that views an image as words of `word_bytes` bytes."""
+    try:
+        return _WORD_DTYPES[word_bytes]
+    except (KeyError, TypeError):
+        raise ValueError(f"word_bytes must be one of 1, 2, 4, 8, got {word_bytes!r}") from None
+
+
+def max_patch_bytes(nbytes: int, word_bytes: int) -> int:
+    """Size of an `out` buffer that any useful patch fits in: a patch is only sent when smaller
+    than the dense bytes, so `nbytes` is enough."""
+    word_dtype(word_bytes)
+    if nbytes < 0 or nbytes % word_bytes:
+        raise ValueError(f"nbytes={nbytes} must be >= 0 and a multiple of word_bytes={word_bytes}")
+    return nbytes
+
+
+def align8(n: int) -> int:
+    """`n` rounded up to a multiple of 8: every patch section starts 8-byte aligned."""
+    return (n + 7) & ~7
+
+
+def words_of(t: torch.Tensor, word_bytes: int, name: str) -> torch.Tensor:
+    """A flat uint8 image viewed as signed words; ValueError naming `name` when it cannot be."""
+    dtype = word_dtype(word_bytes)
+    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 1-D uint8 tensor, got {t.dtype} of shape {tuple(t.shape)}")
+    if t.numel() % word_bytes:
+        raise ValueError(f"{name} has {t.numel()} bytes, not a multiple of word_bytes={word_bytes}")
+    try:
+        return t.view(dtype)
+    except RuntimeError as exc:
+        raise ValueError(f"{name} is not aligned to word_bytes={word_bytes}: {exc}") from None
+
+
+def view_or_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """View bytes as `dtype`; copy first when the slice is not aligned for it."""
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        return t.clone().view(dtype)
+
+
+def resolve_impl(device: torch.device, impl: str) -> str:
+    """Resolve `impl` ("auto", "host", "torch", "triton") for a device: auto picks the fused Triton
+    kernels on CUDA when importable, numpy views on CPU, plain torch ops elsewhere."""
+    if impl not in ("auto", "host", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'host', 'torch' or 'triton', got {impl!r}")
+    if impl == "triton" and not kernels.available(device):
+        raise ValueError(f"impl='triton' needs CUDA and Triton; device is {device}")
+    if impl == "host" and device.type != "cpu":
+        raise ValueError(f"impl='host' needs CPU tensors; device is {device}")
+    if impl == "auto":
+        return "triton" if kernels.available(device) else "host" if device.type == "cpu" else "torch"
+    return impl
+
+
+def patch_kind_sizes(num_words: int, word_bytes: int, num_changed: int) -> dict[str, int]:
+    """Patch size in bytes of each applicable encoding for `num_changed` of `num_words` words."""
+    values = num_changed * word_bytes
+    pos_kind, pos_bytes = ("positions32", 4) if num_words < 2**31 else ("positions64", 8)
+    return {
+        "bitmask": PATCH_HEADER_BYTES + align8((num_words + 7) // 8) + values,
+        pos_kind: PATCH_HEADER_BYTES + align8(num_changed * pos_bytes) + values,
+    }
+
+
+def index_bytes(kind: str, num_words: int, num_changed: int) -> int:
+    """Length of the index section (before its zero padding to 8 bytes)."""
+    if kind == "bitmask":
+        return (num_words + 7) // 8
+    return num_changed * (4 if kind == "positions32" else 8)

@@ -1,0 +1,153 @@
+"""Delta codec on CUDA: the Triton kernels and the torch path write the same bytes as the CPU path,
+round-trip bit-exactly, and stay within their host-sync budget. Run on the GPU machine: -m gpu."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from ckpt_engine.delta import codec, kernels
+from ckpt_engine.delta.codec import PatchError
+
+pytestmark = pytest.mark.gpu
+
+KINDS = [None, "bitmask", "positions32", "positions64"]
+
+
+def _impls() -> list[str]:
+    return ["triton", "torch"] if kernels.available(torch.device("cuda")) else ["torch"]
+
+
+def _images(word_bytes: int, num_words: int, frac: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 256, (num_words * word_bytes,), dtype=torch.uint8, generator=g)
+    new = base.clone()
+    words = new.view(codec.word_dtype(word_bytes))
+    changed = torch.rand(num_words, generator=g) < frac
+    words[changed] ^= torch.randint(1, 127, (int(changed.sum()),), generator=g).to(words.dtype)
+    return base, new
+
+
+def _cpu_patch(base: torch.Tensor, new: torch.Tensor, word_bytes: int, kind: str | None) -> bytes | None:
+    out = torch.empty(new.numel(), dtype=torch.uint8)
+    n = codec.encode(base, new, word_bytes, out, kind=kind, impl="host")
+    return None if n is None else bytes(out[:n].numpy())
+
+
+def _gpu_roundtrip(base: torch.Tensor, new: torch.Tensor, word_bytes: int, kind: str | None, impl: str) -> bytes | None:
+    b, nw = base.cuda(), new.cuda()
+    out = torch.empty(new.numel(), dtype=torch.uint8, device="cuda")
+    n = codec.encode(b, nw, word_bytes, out, kind=kind, impl=impl)
+    if n is None:
+        return None
+    patch = codec.decode(out[:n], new.numel(), word_bytes, impl=impl)
+    delta = codec.delta_checksum(b, patch, impl=impl)
+    assert int(delta) == patch.delta_sum
+    got = int(codec.checksum(b, word_bytes, impl=impl) + delta)
+    assert got == int(codec.checksum(new, word_bytes, impl="host"))
+    image = b.clone()
+    codec.apply(image, patch, impl=impl)
+    assert torch.equal(image.cpu(), new)
+    kept = b.clone()
+    assert codec.encode_into_base(kept, nw, word_bytes, torch.empty_like(out), kind=kind, impl=impl) == n
+    assert torch.equal(kept, nw)
+    return bytes(out[:n].cpu().numpy())
+
+
+@pytest.mark.parametrize("word_bytes", [1, 2, 4, 8])
+@pytest.mark.parametrize("frac", [0.0, 0.003, 0.3, 0.97])
+def test_gpu_patches_equal_cpu_patches_byte_for_byte(word_bytes: int, frac: float) -> None:
+    num_words = 3 * 65536 + 4099  # several h groups and Triton blocks, a partial last block and mask byte
+    base, new = _images(word_bytes, num_words, frac, seed=int(frac * 1000) + word_bytes)
+    for kind in KINDS:
+        want = _cpu_patch(base, new, word_bytes, kind)
+        for impl in _impls():
+            assert _gpu_roundtrip(base, new, word_bytes, kind, impl) == want, (kind, impl)
+
+
+@pytest.mark.parametrize("variant", ["bits", "bytes"])
+@pytest.mark.parametrize(("block_words", "num_warps"), [(1024, 2), (2048, 4), (8192, 8)])
+def test_gpu_kernel_settings_write_identical_patches(variant: str, block_words: int, num_warps: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block size, warp count and compact variant the bench sweeps writes the same bytes."""
+    if not kernels.available(torch.device("cuda")):
+        pytest.skip("needs Triton")
+    monkeypatch.setattr(kernels, "COMPACT", variant)
+    monkeypatch.setattr(kernels, "BLOCK_WORDS", block_words)
+    monkeypatch.setattr(kernels, "NUM_WARPS", num_warps)
+    for word_bytes, frac in [(2, 0.02), (2, 0.3), (1, 0.05), (8, 0.01)]:
+        base, new = _images(word_bytes, 2 * 65536 + 777, frac, seed=block_words + word_bytes)
+        for kind in ("bitmask", "positions32"):
+            assert _gpu_roundtrip(base, new, word_bytes, kind, "triton") == _cpu_patch(base, new, word_bytes, kind)
+
+
+def test_gpu_nan_and_signed_zero_bits_round_trip() -> None:
+    x = torch.randn(100_000).to(torch.bfloat16)
+    x[::50] = 0.0
+    x[1::50] = float("nan")
+    y = x.clone()
+    y[::100] = -0.0  # equal as floats, different bits
+    yb = y.view(torch.int16)
+    yb[1::100] ^= 1  # another NaN payload
+    base, new = x.view(torch.uint8), y.view(torch.uint8)
+    for impl in _impls():
+        assert _gpu_roundtrip(base, new, 2, None, impl) == _cpu_patch(base, new, 2, None)
+
+
+def test_gpu_checksum_and_encode_host_syncs() -> None:
+    """With the Triton kernels, checksum never waits for the device and encode waits once (the
+    changed count). (The torch fallback's sync count is printed by bench/delta_codec_bench.py.)"""
+    if not kernels.available(torch.device("cuda")):
+        pytest.skip("needs Triton")
+    base, new = _images(2, 1 << 20, 0.02, 7)
+    b, nw = base.cuda(), new.cuda()
+    out = torch.empty_like(b)
+    for impl in ["triton"]:
+        codec.encode(b, nw, 2, out, impl=impl)  # warm up (Triton compiles, caching allocator)
+        codec.checksum(b, 2, impl=impl)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                codec.checksum(b, 2, impl=impl)
+                after_checksum = len(_syncs(caught))
+                codec.encode(b, nw, 2, out, impl=impl)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert after_checksum == 0, (impl, _syncs(caught))
+        assert len(_syncs(caught)) == 1, (impl, _syncs(caught))
+
+
+def _syncs(caught: list) -> list[str]:
+    """The sync-debug warnings (not the one-time notice that the mode is a prototype)."""
+    return [str(w.message) for w in caught if str(w.message).startswith("called a synchronizing")]
+
+
+def test_gpu_flipped_bytes_are_rejected_or_caught() -> None:
+    base, new = _images(2, 50_000, 0.02, 11)
+    b, nw = base.cuda(), new.cuda()
+    announced = int(codec.checksum(nw, 2))
+    g = torch.Generator().manual_seed(5)
+    for impl in _impls():
+        for kind in ("bitmask", "positions32"):
+            out = torch.empty_like(b)
+            n = codec.encode(b, nw, 2, out, kind=kind, impl=impl)
+            assert n is not None
+            outcomes = {"rejected": 0, "caught": 0, "harmless": 0}
+            for at in torch.randint(0, n, (60,), generator=g).tolist():
+                payload = out[:n].clone()
+                payload[at] ^= 0x5A
+                try:
+                    patch = codec.decode(payload, b.numel(), 2, impl=impl)
+                except PatchError:
+                    outcomes["rejected"] += 1
+                    continue
+                got = int(codec.checksum(b, 2) + codec.delta_checksum(b, patch, impl=impl))
+                image = b.clone()
+                codec.apply(image, patch, impl=impl)
+                exact = torch.equal(image, nw)
+                assert exact == (got == announced), (impl, kind, at)
+                outcomes["harmless" if exact else "caught"] += 1
+            assert outcomes["rejected"] + outcomes["caught"] > 0
