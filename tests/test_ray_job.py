@@ -1,6 +1,6 @@
-"""The fully-async job on a local Ray cluster (CPU): trainer rank 0 and 2 rollout engines as actors.
+"""The Ray launcher: config and placement (no Ray needed), and the reference job on a local Ray cluster.
 
-The config tests need no Ray; the job test skips cleanly when Ray is not installed.
+The vLLM + FSDP2 job on a 2-node cluster is in tests/test_ray_cluster.py.
 """
 
 from __future__ import annotations
@@ -32,6 +32,49 @@ def test_ray_section_switch_and_bundles() -> None:
         load_job_config(None, ["ray.trainer_num_gpus=-1"])
     with pytest.raises(ConfigError, match="unknown key.*under ray: num_cpu"):
         load_job_config(None, ["ray.num_cpu=1"])
+
+
+def test_strict_spread_shares_one_trainer_bundle_and_pins_roles() -> None:
+    from ckpt_engine.trainer.ray_placement import trainer_bundle_index
+
+    base = ["ray.enabled=true", "trainer.backend=fsdp2", "trainer.num_processes=3", "rollout.num_engines=2", "ray.trainer_num_cpus=0.5"]
+    pinned = ['ray.trainer_resources={"trainer_node": 1}', 'ray.engine_resources={"engine_node": 0.5}']
+    job = load_job_config(None, [*base, *pinned, "ray.placement_strategy=STRICT_SPREAD"])
+    # No two bundles may share a node: the 3 ranks share one (the trainer's node), each engine has its own.
+    assert placement_bundles(job) == [{"CPU": 1.5, "trainer_node": 3.0}] + [{"CPU": 1.0, "engine_node": 0.5}] * 2
+    assert [trainer_bundle_index(job, r) for r in range(3)] == [0, 0, 0]
+    job = load_job_config(None, [*base, "ray.placement_strategy=SPREAD"])
+    assert placement_bundles(job) == [{"CPU": 0.5}] * 3 + [{"CPU": 1.0}] * 2
+    assert [trainer_bundle_index(job, r) for r in range(3)] == [0, 1, 2]
+    with pytest.raises(ConfigError, match="ray.engine_resources: 'CPU' is not a custom resource name"):
+        load_job_config(None, ['ray.engine_resources={"CPU": 1}'])
+    with pytest.raises(ConfigError, match=r"ray.trainer_resources.gpu_a must be a number > 0, got 0"):
+        load_job_config(None, ['ray.trainer_resources={"gpu_a": 0}'])
+    with pytest.raises(ConfigError, match="ray.engine_max_restarts must be an int >= 0, got -1"):
+        load_job_config(None, ["ray.engine_max_restarts=-1"])
+
+
+def test_ray_vllm_descriptor_is_validated() -> None:
+    from ckpt_engine.trainer.ray_engine_client import RayVllmEngineClient, ray_vllm_factory
+
+    adapter = ray_vllm_factory("e", {"host": "10.0.0.2", "port": 4000, "world_size": 2}, 5.0, token="t" * 16)
+    assert isinstance(adapter, RayVllmEngineClient) and adapter.world_size == 2 and adapter.engine_key() == ("ray_vllm", "10.0.0.2", 4000)
+    with pytest.raises(ValueError, match="unknown key.*url"):
+        ray_vllm_factory("e", {"host": "h", "port": 1, "url": "x"}, 5.0, token="t" * 16)
+    with pytest.raises(ValueError, match=r"port must be an int in \[1, 65535\], got 0"):
+        ray_vllm_factory("e", {"host": "h", "port": 0}, 5.0, token="t" * 16)
+    with pytest.raises(ValueError, match="no job token"):
+        ray_vllm_factory("e", {"host": "h", "port": 1}, 5.0)
+
+
+def test_vllm_job_on_ray_needs_fsdp2_and_a_big_enough_vocab() -> None:
+    pytest.importorskip("ray")
+    from ckpt_engine.trainer.ray_job import RayJob
+
+    with pytest.raises(ValueError, match="set trainer.backend=fsdp2"):
+        RayJob(load_job_config(None, ["rollout.engine=vllm", "trainer.backend=tiny"]))
+    with pytest.raises(ValueError, match="rollout.model.vocab_size=8 cannot hold the task's tokens"):
+        RayJob(load_job_config(None, ["rollout.engine=vllm", "trainer.backend=fsdp2", "rollout.model={vocab_size: 8}"]))
 
 
 @pytest.fixture(scope="module")

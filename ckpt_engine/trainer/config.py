@@ -15,7 +15,7 @@ from typing import Any
 
 from ckpt_engine.config import CheckpointEngineConfig, ConfigError, apply_overrides, config_from_mapping, load_mapping
 from ckpt_engine.daemon.config import DaemonConfig
-from ckpt_engine.trainer.ray_job import RayConfig
+from ckpt_engine.trainer.ray_config import RayConfig
 
 __all__ = ["JobConfig", "RolloutConfig", "TrainerConfig", "load_job_config"]
 

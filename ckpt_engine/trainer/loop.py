@@ -144,6 +144,10 @@ class FullyAsyncTrainer:
                 try:
                     chunk = self.queue.get(timeout=min(remaining, 1.0))
                 except queue.Empty:
+                    # Starved while an engine waits for weights (e.g. the only one was restarted):
+                    # catch it up now, or no sample would ever come.
+                    if self.job.daemon.catch_up and self.daemon.pending():
+                        self.sync(len(self.steps), "catch-up")
                     continue
             if self.daemon.version - chunk.version > cfg.max_staleness:
                 dropped += len(chunk.prompts)

@@ -1,320 +1,234 @@
-"""The fully-async job on Ray: trainer rank 0 and the rollout engines as Ray actors.
+"""The fully-async job on Ray: placement group, FSDP2 trainer ranks and vLLM engines as actors.
 
-Same trainer, same daemon, same engines as `ckpt_engine.trainer.demo.run_job`; only where the
-processes live changes. With `ray.enabled: true` in the job YAML (or the override
-`ray.enabled=true`) the launcher
+Same trainer loop, same daemon, same weight-sync group as the process launcher
+(`ckpt_engine.trainer.vllm_job`); only where the processes live changes. With `ray.enabled: true`
+(or the override `ray.enabled=true`) the controller (`RayJob`, in the `ckpt-engine demo` process)
 
-1. reserves one placement-group bundle per actor (`ray.trainer_num_cpus/gpus`,
-   `ray.engine_num_cpus/gpus`, strategy `ray.placement_strategy`), so a cluster of several
-   machines can host the job and Ray decides where each piece goes;
-2. starts `TrainerRankActor` (the TrainEngine, the embedded `WeightSyncDaemon`, the rollout
-   workers and the `FullyAsyncTrainer` loop) and asks it for the weights' metadata;
-3. starts `rollout.num_engines` `RolloutEngineActor`s, each holding a reference receiver
-   (`TorchRefWorker`) whose msgpack RPC server listens on the actor's node IP and a port the OS
-   picked; each answers with an engine descriptor `{"kind": "torch_ref", "host", "port"}`;
-4. hands the descriptors to the trainer actor, which registers them with its daemon exactly as a
-   remote engine would register over the daemon protocol, and runs the loop.
+1. reserves one placement group for the job (`ray_placement`): a bundle per trainer rank (shared
+   under STRICT_SPREAD) and one per engine, CPU/GPU/custom resources from the `ray:` section;
+2. starts `trainer.num_processes` `FsdpRankActor`s (`ray_workers`); rank 0 starts the daemon on
+   its node IP and picks the trainer group's port there; every rank joins the gloo group on it;
+3. starts `rollout.num_engines` `VllmEngineActor`s (`ray_engines`: in-process `vllm.LLM` with the
+   worker extension), each of which registers itself with the daemon by name and serves its
+   control and generation on an RPC port of its node IP;
+4. drives the worker group: rank 0 leads the fully-async loop, the other ranks follow; while they
+   run it watches the actors through Ray. An engine actor Ray reports dead is dropped by name
+   (`leave`); one Ray restarts (`ray.engine_max_restarts`) registers again and gets the current
+   version before it serves. A trainer rank that dies or fails ends the job at once with an error
+   naming the rank (its peers would only wait out their collective timeout).
 
-Ray carries only control: the job config, tensor specs, descriptors and the summary (small plain
-objects). Weights never touch Ray's object store: they go through the weight-sync process group
-the daemon's rendezvous (on the trainer actor's node IP, free port from the OS) creates, and
-control goes over the existing msgpack RPC, as without Ray.
+Ray carries only control (the job config, addresses, status maps and the summary); weights never
+touch Ray's object store. `rollout.engine=torch_ref` runs the reference engines instead
+(`ray_refjob`).
 
-Without `ray.enabled` the same job runs as plain processes on one machine (`run_job`); the
-training loop does not branch on the launcher.
-
-Multi-machine note: gloo picks its network interface from the host name; set
-`GLOO_SOCKET_IFNAME` (through the Ray runtime env) when that does not resolve to a routable one.
+Multi-machine note: gloo (trainer group and weight-sync group) picks its network interface from
+the host name; set `GLOO_SOCKET_IFNAME` (NCCL: `NCCL_SOCKET_IFNAME`) in the Ray runtime env when
+that does not resolve to a routable one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
+import secrets
+import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckpt_engine.config import ConfigError
+from ckpt_engine.trainer.ray_config import PLACEMENT_STRATEGIES, RayConfig
+from ckpt_engine.trainer.ray_placement import JobPlacement, import_ray, placement_bundles
 
 if TYPE_CHECKING:
     from ckpt_engine.trainer.config import JobConfig
-    from ckpt_engine.trainer.loop import FullyAsyncTrainer, SyncRecord
 
-__all__ = ["RayConfig", "RolloutEngineActor", "TrainerRankActor", "placement_bundles", "run_ray_job"]
+__all__ = ["PLACEMENT_STRATEGIES", "RayConfig", "RayJob", "placement_bundles", "run_ray_job"]
 
 logger = logging.getLogger(__name__)
 
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
-
-@dataclass(kw_only=True)
-class RayConfig:
-    """`ray:` section of the job YAML: whether and how the job's processes become Ray actors."""
-
-    enabled: bool = False
-    """Run trainer rank 0 and the rollout engines as Ray actors; false runs plain local processes."""
-    address: str | None = None
-    """`ray.init(address=...)` when this process has not connected yet: None starts a local cluster,
-    "auto" joins the cluster this machine belongs to, "ray://host:port" a remote one."""
-    trainer_num_cpus: float = 1.0
-    """CPUs reserved for the trainer rank actor (it also runs the rollout worker threads)."""
-    trainer_num_gpus: float = 0.0
-    """GPUs reserved for the trainer rank actor."""
-    engine_num_cpus: float = 1.0
-    """CPUs reserved for each rollout engine actor."""
-    engine_num_gpus: float = 0.0
-    """GPUs reserved for each rollout engine actor."""
-    placement_strategy: str = "PACK"
-    """Placement-group strategy over the bundles (PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)."""
-    start_timeout_s: float = 120.0
-    """Bound on reserving the placement group and on each actor's start-up call."""
-    job_timeout_s: float = 3600.0
-    """Bound on the whole training run inside the trainer actor."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.enabled, bool):
-            raise ConfigError(f"ray.enabled must be a bool, got {self.enabled!r}")
-        if self.address is not None and (not isinstance(self.address, str) or not self.address):
-            raise ConfigError(f"ray.address must be null or a non-empty string such as 'auto', got {self.address!r}")
-        for role in ("trainer", "engine"):
-            cpus, gpus = getattr(self, f"{role}_num_cpus"), getattr(self, f"{role}_num_gpus")
-            for name, value in ((f"{role}_num_cpus", cpus), (f"{role}_num_gpus", gpus)):
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                    raise ConfigError(f"ray.{name} must be a number >= 0, got {value!r}")
-            if cpus == 0 and gpus == 0:  # Ray refuses an empty placement-group bundle
-                raise ConfigError(f"ray.{role}_num_cpus and ray.{role}_num_gpus are both 0; reserve at least one of them")
-        if self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ConfigError(f"ray.placement_strategy must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}")
-        for name in ("start_timeout_s", "job_timeout_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(f"ray.{name} must be a number > 0, got {value!r}")
-
-
-def _bundle(num_cpus: float, num_gpus: float) -> dict[str, float]:
-    return {k: float(v) for k, v in (("CPU", num_cpus), ("GPU", num_gpus)) if v > 0}
-
-
-def placement_bundles(job: JobConfig) -> list[dict[str, float]]:
-    """Bundle 0 is the trainer rank, bundle 1 + i is rollout engine i (a pure function of the config)."""
-    cfg = job.ray
-    return [_bundle(cfg.trainer_num_cpus, cfg.trainer_num_gpus)] + [
-        _bundle(cfg.engine_num_cpus, cfg.engine_num_gpus) for _ in range(job.rollout.num_engines)
-    ]
-
-
-def _import_ray() -> Any:
-    try:
-        import ray
-    except ImportError as exc:
-        raise RuntimeError("ray.enabled=true needs Ray: pip install 'ckpt-engine[ray]'") from exc
-    return ray
-
-
-def _node_ip() -> str:
-    import ray
-
-    return str(ray.util.get_node_ip_address())
-
-
-# --- actors (plain classes; `ray.remote` wraps them at launch so importing this needs no Ray) ----
-class RolloutEngineActor:
-    """One rollout engine: a reference receiver serving its msgpack RPC from inside the actor.
-
-    The RPC server runs on its own threads, so the daemon's control calls and the weight-sync
-    group's collectives never wait on Ray's actor queue; the actor methods only report where the
-    engine is and how it is.
-    """
-
-    def __init__(self, name: str, specs: list[list[Any]], load_delay_s: float = 0.0) -> None:
-        import torch
-
-        from ckpt_engine.rollout_adapters.torch_ref import TorchRefWorker
-        from ckpt_engine.wire import RpcServer
-
-        self.name = name
-        self.host = _node_ip()
-        tensors = {str(n): torch.zeros(tuple(shape), dtype=getattr(torch, str(dtype))) for n, dtype, shape in specs}
-        self.worker = TorchRefWorker(tensors, load_delay_s=load_delay_s)
-        self.server = RpcServer(self.worker.handlers(), host=self.host, port=0).start()
-        logger.info("rollout engine %s serving at %s:%d (pid %d)", name, self.host, self.server.port, os.getpid())
-
-    def descriptor(self) -> dict[str, Any]:
-        """How the daemon reaches this engine: the `torch_ref` engine kind's descriptor."""
-        return {"kind": "torch_ref", "host": self.host, "port": int(self.server.port)}
-
-    def health(self) -> dict[str, Any]:
-        return {**self.worker.health(), "node_ip": self.host}
-
-    def stop(self) -> None:
-        self.server.close()
-
-
-class TrainerRankActor:
-    """Trainer rank 0: the TrainEngine, the embedded daemon and the fully-async loop.
-
-    The tiny trainer is single-rank; the daemon's rendezvous and control server bind this actor's
-    node IP so engines on other machines can join.
-    """
-
-    def __init__(self, job: JobConfig, echo: bool = False) -> None:
-        import ckpt_engine.trainer  # noqa: F401  (registers the `tiny` TrainEngine)
-        from ckpt_engine.trainer_adapters.base import TrainEngineRegistry
-
-        self.job = job
-        self.echo = echo
-        self.host = _node_ip()
-        kwargs = dict(job.trainer.engine_kwargs)
-        if job.trainer.backend == "tiny":
-            kwargs.setdefault("vocab_size", job.rollout.vocab_size)
-            kwargs.setdefault("lr", job.trainer.lr)
-            kwargs.setdefault("seed", job.trainer.seed)
-        self.engine = TrainEngineRegistry.new(job.trainer.backend, **kwargs)
-        self._trainer: FullyAsyncTrainer | None = None
-
-    def specs(self) -> list[list[Any]]:
-        """The weights every engine must hold, as [name, dtype, shape] (no tensors gathered)."""
-        return [[s.name, s.dtype, list(s.shape)] for s in self.engine.metadata()]
-
-    def run(self, engines: dict[str, dict[str, Any]]) -> dict[str, Any]:
-        """Register `engines` (name -> descriptor) with an embedded daemon and train; returns the summary."""
-        import torch
-
-        from ckpt_engine.daemon import WeightSyncDaemon
-        from ckpt_engine.trainer.loop import FullyAsyncTrainer
-        from ckpt_engine.trainer.rollout import TorchRefPolicyGenerator
-
-        job = self.job
-        daemon = WeightSyncDaemon(job.checkpoint_engine, job.daemon, rendezvous_host=self.host)
-        generators: list[TorchRefPolicyGenerator] = []
-        try:
-            daemon.serve(host=self.host if job.daemon.host in _LOOPBACK else job.daemon.host)
-            self._say(f"daemon at {daemon.address} (ckpt-engine status --address {daemon.address} --token {daemon.token})")
-            for i, (name, descriptor) in enumerate(engines.items()):
-                daemon.register(name, descriptor)
-                generators.append(
-                    TorchRefPolicyGenerator(name, descriptor["host"], descriptor["port"], timeout_s=job.checkpoint_engine.timeout_s, seed=job.trainer.seed + i)
-                )
-            self._trainer = FullyAsyncTrainer(job, self.engine, daemon, generators, on_sync=self._on_sync)
-            self._trainer.sync(0, "initial")
-            prompts = torch.arange(job.rollout.vocab_size)
-            before = _greedy(generators, prompts)
-            summary = self._trainer.run(initial_sync=False)
-            after = _greedy(generators, prompts)
-            answer = self._trainer.task.answer(prompts)
-        finally:
-            for g in generators:
-                g.close()
-            daemon.close()
-        return {
-            **{k: v for k, v in vars(summary).items() if k != "syncs"},
-            "syncs": [vars(s) for s in summary.syncs],
-            "greedy_before": before,
-            "greedy_after": after,
-            "accuracy_before": _accuracy(before, answer),
-            "accuracy_after": _accuracy(after, answer),
-            "max_staleness": job.trainer.max_staleness,
-            "trainer": {"node_ip": self.host, "pid": os.getpid()},
-        }
-
-    def _say(self, line: str) -> None:
-        if self.echo:
-            print(line, flush=True)
-
-    def _on_sync(self, rec: SyncRecord) -> None:
-        last = self._trainer.steps[-1] if self._trainer is not None and self._trainer.steps else None
-        self._say(
-            f"sync v{rec.version:<3} step {rec.step:<4} {rec.reason:<9} {rec.bytes / 1e3:8.1f} kB "
-            f"{rec.seconds:7.3f} s {rec.gbps:7.4f} GB/s  staleness max {last.staleness_max if last else 0} "
-            f"mean {last.staleness_mean if last else 0.0:.2f}  reward {last.reward if last else 0.0:.2f}"
-            + (f"  dropped {rec.dropped}" if rec.dropped else "")
-        )
-
-
-def _greedy(generators: list[Any], prompts: Any) -> dict[str, list[int] | None]:
-    """Each engine's greedy answers from the weights it serves (None while it serves none)."""
-    answers = {g.name: g.greedy(prompts) for g in generators}
-    return {name: None if a is None else a.tolist() for name, a in answers.items()}
-
-
-def _accuracy(answers: dict[str, list[int] | None], truth: Any) -> dict[str, float | None]:
-    return {n: None if a is None else float((truth.new_tensor(a) == truth).float().mean()) for n, a in answers.items()}
-
-
-# --- launcher ------------------------------------------------------------------------------------
 def run_ray_job(job: JobConfig, *, echo: bool = True) -> dict[str, Any]:
-    """Run one job with trainer rank 0 and the engines as Ray actors; returns the summary dict.
+    """Run one job on Ray; returns the summary dict.
 
     Connects to Ray (`ray.address`) unless this process already did, and then leaves the
-    connection as found. Every wait is bounded by `ray.start_timeout_s` / `ray.job_timeout_s`;
-    the actors and the placement group are released on every exit path.
-    """
-    if job.rollout.engine != "torch_ref":
-        raise ValueError(f"the Ray launcher hosts reference engines only; rollout.engine={job.rollout.engine!r} is not supported here yet")
-    ray = _import_ray()
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    cfg = job.ray
+    connection as found; actors and the placement group are released on every exit path."""
+    if job.rollout.engine not in ("torch_ref", "vllm"):
+        raise ValueError(f"the Ray launcher hosts rollout.engine torch_ref or vllm, got {job.rollout.engine!r}")
+    ray = import_ray()
     connected_here = not ray.is_initialized()
     if connected_here:
-        ray.init(address=cfg.address, include_dashboard=False, log_to_driver=echo)
-    bundles = placement_bundles(job)
-    pg = placement_group(bundles, strategy=cfg.placement_strategy)
-    actors: list[Any] = []
-    t0 = time.monotonic()
+        ray.init(address=job.ray.address, include_dashboard=False, log_to_driver=echo)
+    try:
+        if job.rollout.engine == "torch_ref":
+            from ckpt_engine.trainer.ray_refjob import run_ref_ray_job
 
-    def wait(refs: Any, stage: str, timeout_s: float) -> Any:
+            return run_ref_ray_job(job, echo=echo)
+        return RayJob(job, echo=echo).run()
+    finally:
+        if connected_here:
+            ray.shutdown()
+
+
+class RayJob:
+    """The controller of one vLLM + FSDP2 job on Ray (the caller has connected to Ray).
+
+    `engines` (name -> actor handle) and `ranks` are filled while `run()` starts them, and
+    `events` records what Ray reported about the engines (died, up with a new pid), so a caller
+    can watch or drill the job from another thread."""
+
+    def __init__(self, job: JobConfig, *, echo: bool = False) -> None:
+        from ckpt_engine.trainer.lm_task import TokenTask
+        from ckpt_engine.trainer.vllm_job import TINY_QWEN2
+
+        if job.trainer.backend != "fsdp2":
+            raise ValueError(f"the vLLM job on Ray trains with FSDP2; set trainer.backend=fsdp2 (got {job.trainer.backend!r})")
+        self.job, self.echo = job, echo
+        self.world_size = job.trainer.world_size
+        self.model_config = {**TINY_QWEN2, **job.rollout.model}
+        need = TokenTask(job.rollout.vocab_size).min_model_vocab()
+        if int(self.model_config["vocab_size"]) < need:
+            raise ValueError(f"rollout.model.vocab_size={self.model_config['vocab_size']} cannot hold the task's tokens; it needs >= {need}")
+        self.names = [f"vllm{i}" for i in range(job.rollout.num_engines)]
+        self.token = secrets.token_hex(16)  # the job token: the daemon's and every engine's control port
+        self.ranks: list[Any] = []
+        self.engines: dict[str, Any] = {}
+        self.events: list[dict[str, Any]] = []
+        self.daemon_address: str | None = None
+        self.engines_started = threading.Event()
+        self._ray = import_ray()
+        self._pids: dict[str, int | None] = {}
+        self._pings: dict[str, Any] = {}
+        self._ever_up: set[str] = set()
+
+    # --- start-up -------------------------------------------------------------------------------
+    def _wait(self, refs: Any, stage: str, timeout_s: float | None = None) -> Any:
+        ray = self._ray
+        timeout = self.job.ray.start_timeout_s if timeout_s is None else timeout_s
         try:
-            return ray.get(refs, timeout=timeout_s)
+            return ray.get(refs, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"ray job: {stage} did not finish within {timeout_s:.0f}s") from None
+            raise RuntimeError(f"ray job: {stage} did not finish within {timeout:.0f}s") from None
         except ray.exceptions.RayError as exc:
             raise RuntimeError(f"ray job: {stage} failed: {exc}") from exc
 
-    def on(index: int, cpus: float, gpus: float) -> dict[str, Any]:
-        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
-        return {"num_cpus": cpus, "num_gpus": gpus, "scheduling_strategy": strategy, "max_restarts": 0}
+    def _start(self, placement: JobPlacement) -> list[dict[str, Any]]:
+        from ckpt_engine.trainer.ray_engines import VllmEngineActor
+        from ckpt_engine.trainer.ray_workers import FsdpRankActor
 
-    try:
-        try:
-            ray.get(pg.ready(), timeout=cfg.start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RuntimeError(
-                f"ray job: placement group {bundles} ({cfg.placement_strategy}) not placed within {cfg.start_timeout_s:.0f}s; "
-                f"cluster has {ray.cluster_resources()}, free {ray.available_resources()}"
-            ) from None
-        trainer = ray.remote(TrainerRankActor).options(**on(0, cfg.trainer_num_cpus, cfg.trainer_num_gpus)).remote(job, echo)
-        actors.append(trainer)
-        specs = wait(trainer.specs.remote(), "trainer rank 0 start-up", cfg.start_timeout_s)
-        engine_cls = ray.remote(RolloutEngineActor)
-        names = [f"rollout{i}" for i in range(job.rollout.num_engines)]
-        engines = [
-            engine_cls.options(**on(1 + i, cfg.engine_num_cpus, cfg.engine_num_gpus)).remote(name, specs, job.rollout.load_delay_s)
-            for i, name in enumerate(names)
+        ray, job = self._ray, self.job
+        plain = dataclasses.asdict(job)
+        rank_cls = ray.remote(FsdpRankActor)
+        self.ranks = [
+            rank_cls.options(**placement.trainer_options(r), max_restarts=0).remote(plain, r, self.world_size, self.model_config)
+            for r in range(self.world_size)
         ]
-        actors += engines
-        descriptors = wait([e.descriptor.remote() for e in engines], "rollout engine start-up", cfg.start_timeout_s)
-        logger.info("ray job: engines %s", {n: f"{d['host']}:{d['port']}" for n, d in zip(names, descriptors)})
-        result = wait(trainer.run.remote(dict(zip(names, descriptors))), "training run", cfg.job_timeout_s)
-        result["engines"] = dict(zip(names, wait([e.health.remote() for e in engines], "engine health", cfg.start_timeout_s)))
-        result["seconds"] = time.monotonic() - t0
-        if echo:
-            print(
-                f"summary: {result['steps']} steps, versions {result['versions'][0] if result['versions'] else '-'}..{result['final_version']}, "
-                f"engines {result['engine_versions']}, staleness max {result['staleness_max']} (bound {job.trainer.max_staleness}) "
-                f"mean {result['staleness_mean']:.2f}, reward {result['reward_first']:.2f} -> {result['reward_last']:.2f}, "
-                f"greedy accuracy {result['accuracy_before']} -> {result['accuracy_after']}, {result['seconds']:.1f} s on Ray"
-            )
-        return result
-    finally:
-        for actor in actors:
+        self.daemon_address = self._wait(self.ranks[0].start_daemon.remote(self.token), "trainer rank 0 start-up (daemon)")
+        engine_cls = ray.remote(VllmEngineActor)
+        for i, name in enumerate(self.names):  # they start (tens of seconds) while the trainer group forms
+            self.engines[name] = engine_cls.options(
+                **placement.engine_options(i), max_restarts=job.ray.engine_max_restarts, max_concurrency=4
+            ).remote(name, self.model_config, token=self.token, daemon_address=self.daemon_address, timeout_s=job.checkpoint_engine.timeout_s)
+            self._pids[name] = None
+        self.engines_started.set()
+        host, port = self._wait(self.ranks[0].rendezvous.remote(), "trainer rendezvous")
+        return list(self._wait([r.setup.remote(host, port) for r in self.ranks], "trainer group set-up"))
+
+    # --- supervision ----------------------------------------------------------------------------
+    def _watch_engines(self) -> None:
+        """Ask Ray whether each engine actor lives; drop a dead one by name, note a new incarnation."""
+        ray = self._ray
+        for name, handle in self.engines.items():
+            ref = self._pings.get(name)
+            if ref is None:
+                self._pings[name] = handle.ping.remote()
+                continue
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                continue  # starting (or restarting): calls queue until __init__ returns
+            del self._pings[name]
             try:
-                ray.kill(actor, no_restart=True)
-            except Exception as exc:  # already gone; nothing left to release
-                logger.debug("ray job: kill failed: %s", exc)
-        remove_placement_group(pg)
-        if connected_here:
-            ray.shutdown()
+                pid = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                if self._pids.get(name) is not None:
+                    self._engine_died(name, exc)
+                elif name not in self._ever_up and isinstance(exc, ray.exceptions.ActorDiedError):
+                    raise RuntimeError(f"ray job: engine {name!r} failed to start (restarts exhausted): {exc}") from None
+                continue
+            self._note_up(name, pid)
+
+    def _note_up(self, name: str, pid: int) -> None:
+        if pid != self._pids.get(name):
+            self._pids[name] = pid
+            self._ever_up.add(name)
+            self.events.append({"event": "up", "engine": name, "pid": pid, "t": time.time()})
+            logger.info("ray job: engine %s is up (pid %d)", name, pid)
+
+    def _engine_died(self, name: str, exc: Exception) -> None:
+        pid, self._pids[name] = self._pids[name], None
+        reason = f"Ray reports actor {name!r} (pid {pid}) dead: {type(exc).__name__}"
+        self.events.append({"event": "died", "engine": name, "pid": pid, "t": time.time(), "reason": reason})
+        logger.warning("ray job: %s; dropping it from the daemon", reason)
+        threading.Thread(target=self._leave, args=(name, pid), name=f"leave-{name}", daemon=True).start()
+
+    def _leave(self, name: str, pid: int | None) -> None:
+        """`leave` waits for a running sync; the restarted incarnation (another pid) is kept."""
+        from ckpt_engine.daemon.client import DaemonClient
+
+        assert self.daemon_address is not None
+        client = DaemonClient(self.daemon_address, self.token, timeout_s=self.job.checkpoint_engine.timeout_s * 4)
+        try:
+            for rec in client.members()["engines"]:
+                if rec["name"] == name and (rec.get("health") or {}).get("pid") not in (None, pid):
+                    return
+            client.leave(name)
+        except Exception as exc:  # already dropped by the failed sync, or the job is ending
+            logger.info("ray job: leave(%s): %s", name, exc)
+
+    def _supervise(self, lead: Any, follows: list[Any]) -> dict[str, Any]:
+        ray, cfg = self._ray, self.job.ray
+        roles = {lead: 0, **{ref: r + 1 for r, ref in enumerate(follows)}}
+        pending = list(roles)
+        result: dict[str, Any] | None = None
+        deadline = time.monotonic() + cfg.job_timeout_s
+        while pending:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ray job: the training run did not finish within ray.job_timeout_s={cfg.job_timeout_s:.0f}s")
+            self._watch_engines()
+            done, pending = ray.wait(pending, num_returns=1, timeout=cfg.monitor_interval_s)
+            for ref in done:
+                rank = roles[ref]
+                try:
+                    value = ray.get(ref)
+                except ray.exceptions.RayActorError as exc:
+                    raise RuntimeError(f"ray job: trainer rank {rank} died ({type(exc).__name__}); the job is stopped: {exc}") from None
+                except ray.exceptions.RayTaskError as exc:
+                    raise RuntimeError(f"ray job: trainer rank {rank} failed: {exc.cause!r}") from None
+                if rank == 0:
+                    result = value
+        assert result is not None
+        return result
+
+    # --- the job --------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        ray = self._ray
+        t0 = time.monotonic()
+        placement = JobPlacement(self.job, self.world_size).reserve()
+        try:
+            trainer = self._start(placement)
+            setup_s = time.monotonic() - t0
+            lead = self.ranks[0].lead.remote(self.names, self.echo)
+            result = self._supervise(lead, [r.follow.remote() for r in self.ranks[1:]])
+            result["trainer"] = trainer
+            result["engines"] = dict(zip(self.names, self._wait([h.info.remote() for h in self.engines.values()], "engine info")))
+            for name, info in result["engines"].items():  # an incarnation that came up after the last poll
+                self._note_up(name, int(info["pid"]))
+            result["events"] = list(self.events)
+            result["startup_s"] = setup_s + float(result.get("engines_up_s", 0.0))
+            result["seconds"] = time.monotonic() - t0
+            return result
+        finally:
+            for actor in [*self.ranks, *self.engines.values()]:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception as exc:  # already gone
+                    logger.debug("ray job: kill failed: %s", exc)
+            placement.release()

