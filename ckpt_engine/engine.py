@@ -110,6 +110,8 @@ class CheckpointEngine(ABC):
 
     supports_many_senders = False
     """Whether ranks [0, num_senders) may each stream the pieces they own (see `plan`)."""
+    supports_delta = False
+    """Whether `send_weights` / `receive_buckets` take a `delta` request (base copies, patches)."""
 
     def __init__(self, *, bucket_size_bytes: int, num_buffers: int = 2, timeout_s: float = 300.0, verify: bool = False) -> None:
         if num_buffers < 2:

@@ -91,7 +91,7 @@ class SenderFollower:
             if manifest.digest != msg["digest"]:
                 return f"planned {manifest.digest[:12]} but trainer rank 0 planned {str(msg['digest'])[:12]} (ranks disagree on metadata or ownership)"
             delta = DeltaRequest.from_dict(msg["delta"]) if msg["delta"] is not None else None
-            engine.send_weights(manifest, iter_pieces(source, manifest), stable=bool(getattr(source, "stable_tensors", False)), delta=delta)
+            engine.send_weights(manifest, iter_pieces(source, manifest), stable=bool(getattr(source, "stable_pieces", getattr(source, "stable_tensors", False))), delta=delta)
             return None
         except Exception as exc:
             logger.warning("trainer rank %d: sending its pieces failed: %s", self.channel.rank, exc)

@@ -1,400 +1,55 @@
-"""sync_rollout_weights(): one sync, end to end, as DESIGN.md orders it.
+"""sync_rollout_weights(): the one library call, and the sessions it keeps per set of engines.
 
-metadata -> plan (cached) -> validate on every engine -> pause -> stream (sender here, receivers
-in the engines) -> finalize + version -> resume -> SyncReport. A `WeightSyncSession` keeps the
-weight-sync group, buffers and plan across syncs; `sync_rollout_weights` reuses one per set of
-engines.
+Every trainer rank calls it. The controller rank (trainer rank 0, or the only sender) drives a
+`WeightSyncSession` (see `sync_session.py`); with many senders the other ranks follow its
+announcements and send their own pieces; with one sender they only walk `iter_weights()`.
 """
 
 from __future__ import annotations
 
 import atexit
-import concurrent.futures as cf
-import logging
 import threading
-import time
-import uuid
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Hashable, Sequence
 
-import torch
-
-from ckpt_engine.buckets import auto_bucket_size_bytes
 from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.engine import CheckpointEngine, Rendezvous
-from ckpt_engine.engine_claims import claims
-from ckpt_engine.fanout import collect_failures, mark_stale_and_probe, wait_for_joins
-from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
-from ckpt_engine.registry import CheckpointEngineRegistry
-from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
+from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.sync_report import SOURCE, SyncError, SyncReport
-from ckpt_engine.versions import check_version
-from ckpt_engine.weights import WatchedWeights, WeightSource
+from ckpt_engine.sender_channel import SenderChannel
+from ckpt_engine.sender_follower import SenderFollower
+from ckpt_engine.sync_senders import wants_many_senders
+from ckpt_engine.sync_session import WeightSyncSession, _drain
+from ckpt_engine.weights import WeightSource
 
 __all__ = ["SOURCE", "SyncError", "SyncReport", "WeightSyncSession", "cached_session", "close_sessions", "sync_rollout_weights"]
-
-logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-_SETTLE_S = 2.0
-"""After a failed join, how long members on their way to the rendezvous get to reach it."""
-
-
-class WeightSyncSession:
-    """The sender side of one weight-sync group, reused across syncs.
-
-    Hosts the rendezvous store (free port from the OS, a fresh token per group) and rebuilds the
-    group only when the set of engines changes or an earlier sync broke it. Syncs on one session
-    run one at a time: a second caller waits its turn for at most `timeout_s`, then is refused.
-    """
-
-    def __init__(
-        self,
-        rollouts: Sequence[RolloutAdapter],
-        config: CheckpointEngineConfig | None = None,
-        *,
-        engine: CheckpointEngine | None = None,
-        host: str = "127.0.0.1",
-        device: str | torch.device | None = None,
-        raw_gbps: float | None = None,
-    ) -> None:
-        self.config = config if config is not None else CheckpointEngineConfig()
-        self.rollouts = list(rollouts)
-        names = [r.name for r in self.rollouts]
-        if len(set(names)) != len(names):
-            raise ValueError(f"engine names must be unique, got {names}")
-        self.host = host
-        self.backend = CheckpointEngineRegistry.resolve_name(self.config.backend)
-        self._engine = engine
-        self._device = device
-        self.raw_gbps = raw_gbps
-        self._store: Any = None
-        self._ready = False
-        self._plan_key: tuple[Any, ...] | None = None
-        self._manifest: BucketManifest | None = None
-        self._encoded = b""
-        self.version = 0
-        self.stale: set[str] = set()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.rollouts) + 1), thread_name_prefix="ckpt-sync")
-
-    def engine_keys(self) -> dict[str, Hashable]:
-        return {r.name: r.engine_key() for r in self.rollouts}
-
-    # --- group --------------------------------------------------------------------------------
-    def _new_engine(self, bucket_size: int) -> CheckpointEngine:
-        kwargs = self.config.kwargs_for(self.backend)
-        if self._device is not None:
-            kwargs.setdefault("device", self._device)
-        return CheckpointEngineRegistry.new(
-            self.backend, bucket_size_bytes=bucket_size, num_buffers=self.config.num_buffers,
-            timeout_s=self.config.timeout_s, verify=self.config.verify, **kwargs,
-        )
-
-    def _bucket_size(self) -> int:
-        if self.config.bucket_size_bytes is not None:
-            return self.config.bucket_size_bytes
-        device = str(self._device) if self._device is not None else ("cuda" if self.backend == "nccl" else "cpu")
-        return auto_bucket_size_bytes(device, self.config.num_buffers)
-
-    def _ensure_group(self) -> CheckpointEngine:
-        if self._ready and self._engine is not None:
-            return self._engine
-        if self._engine is None:
-            self._engine = self._new_engine(self._bucket_size())
-        engine = self._engine
-        topo = type(engine).build_topology(1, [r.world_size for r in self.rollouts])
-        if self._store is None:
-            self._store = torch.distributed.TCPStore(
-                self.host, 0, is_master=True, wait_for_workers=False,
-                timeout=_td(self.config.timeout_s),
-            )
-        rdzv = Rendezvous(self.host, self._store.port, uuid.uuid4().hex, topo.world_size, self.backend, self.config.timeout_s)
-        options = JoinOptions(engine.bucket_size_bytes, engine.num_buffers, engine.verify, self.config.kwargs_for(self.backend))
-        futures = {
-            r.name: self._pool.submit(r.join, rdzv, off, options) for r, off in zip(self.rollouts, topo.receiver_offsets)
-        }
-        # The sender joins in a thread of its own while the engines' joins are watched: the first
-        # engine that fails to join ends the set-up at once instead of after `timeout_s`.
-        sender = self._pool.submit(engine.init_process_group, rdzv, 0)
-        failed = wait_for_joins(sender, futures, self.config.timeout_s)
-        if failed:
-            # Closing the store wakes every member waiting in the rendezvous (the sender's thread,
-            # the engines that did join) instead of leaving them there for timeout_s. A member
-            # still connecting would retry until timeout_s instead, so the store stays a moment.
-            cf.wait([*futures.values(), sender], timeout=min(_SETTLE_S, self.config.timeout_s))
-            self._store = None
-            sender.add_done_callback(lambda _: engine.finalize())
-            self._engine = None
-            raise SyncError("join", failed, sorted(self.stale))
-        self._ready = True
-        claims.claim(self.engine_keys(), self)
-        logger.info("weight-sync group %s ready: %d ranks over %s", rdzv.token[:8], topo.world_size, self.backend)
-        return engine
-
-    def _collect_failures(self, futures: dict[str, cf.Future[Any]], stage: str) -> dict[str, str]:
-        return collect_failures(futures, stage, self.config.timeout_s)
-
-    def _fan_out(self, stage: str, fn: Callable[[RolloutAdapter], T]) -> dict[str, T]:
-        futures = {r.name: self._pool.submit(fn, r) for r in self.rollouts}
-        failed = self._collect_failures(futures, stage)
-        if failed:
-            self._break(failed)
-            raise SyncError(stage, failed, sorted(self.stale))
-        return {name: f.result() for name, f in futures.items()}
-
-    def _break(self, failed: dict[str, str], probe: bool = True) -> None:
-        """Mark the group for rebuild and every engine stale; find the dead ones by name."""
-        self._ready = False
-        if probe:
-            mark_stale_and_probe(self.rollouts, failed, self.stale)
-        else:
-            self.stale.update(r.name for r in self.rollouts)
-        if self._engine is not None:
-            self._engine.finalize()
-            self._engine = None
-
-    # --- one sync -----------------------------------------------------------------------------
-    def plan(self, specs: list[TensorSpec], engine: CheckpointEngine) -> BucketManifest:
-        key = (engine.bucket_size_bytes, engine.solo_bytes, tuple(specs))
-        if key != self._plan_key or self._manifest is None:
-            self._manifest = engine.plan(specs)
-            self._encoded = encode_manifest(self._manifest)
-            self._plan_key = key
-        return self._manifest
-
-    @property
-    def manifest(self) -> BucketManifest | None:
-        """The plan of the last sync (None before the first)."""
-        return self._manifest
-
-    def sync(self, source: WeightSource, *, version: int | None = None) -> SyncReport:
-        """Move one version of `source`'s weights into every engine; see the module docstring.
-
-        `version` defaults to one past the newest version any engine reports it holds (or this
-        session's last one); an explicit version below what an engine holds is refused.
-        `source.iter_weights()` is walked exactly once whatever happens (the other trainer ranks
-        walk it too, and its gathers are collectives): on any failure the rest of the walk is
-        drained before the error propagates.
-        """
-        report = self._locked_sync(source, version, drain_if_closed=True)
-        assert report is not None
-        return report
-
-    def _locked_sync(self, source: WeightSource, version: int | None, *, drain_if_closed: bool) -> SyncReport | None:
-        """One sync under the session lock; None (source untouched) if closed and not draining."""
-        if not self._lock.acquire(timeout=self.config.timeout_s):
-            _drain(source)
-            raise RuntimeError(
-                f"another sync on this session (engines {', '.join(r.name for r in self.rollouts)}) has run for more "
-                f"than timeout_s={self.config.timeout_s}s; syncs on one set of engines run one at a time"
-            )
-        try:
-            if self._closed:
-                if not drain_if_closed:
-                    return None
-                _drain(source)
-                raise RuntimeError("this WeightSyncSession is closed; make a new one")
-            weights = WatchedWeights(source.iter_weights())
-            try:
-                return self._sync(source, weights, version)
-            finally:
-                try:
-                    for _ in weights:
-                        pass
-                except Exception as exc:  # the original error, if any, is the one to report
-                    logger.warning("draining the weight source after a failed sync: %s", exc)
-        finally:
-            self._lock.release()
-
-    def _held_versions(self) -> dict[str, int | None]:
-        """What every engine reports it holds (asked each sync: another session may have synced it)."""
-        futures = {r.name: self._pool.submit(r.held_version) for r in self.rollouts}
-        failed = {n: f"version query: {why}" for n, why in self._collect_failures(futures, "a version query").items()}
-        if failed:  # part of validating: nothing was paused or sent
-            self._break(failed)
-            raise SyncError("validate", failed, sorted(self.stale))
-        return {name: f.result() for name, f in futures.items()}
-
-    def _next_version(self, requested: int | None) -> int:
-        held = self._held_versions()
-        newest = max([v for v in held.values() if v is not None] + [self.version])
-        if requested is None:
-            return check_version(newest + 1, "the next version")
-        check_version(requested, "version")
-        ahead = {n: v for n, v in held.items() if v is not None and v > requested}
-        if ahead:
-            raise ValueError(
-                f"version {requested} is older than what engines hold ({', '.join(f'{n}: v{v}' for n, v in ahead.items())}); "
-                f"versions only grow: pass version=None (next: {newest + 1}) or a version >= {newest}"
-            )
-        return requested
-
-    def _check_claims(self) -> None:
-        if not self._ready:
-            return  # (re)joining claims the engines for this session
-        lost = claims.taken_over(self.engine_keys(), self)
-        if lost:
-            raise RuntimeError(
-                f"this weight-sync session is outdated: engine(s) {', '.join(map(repr, lost))} joined another session's "
-                "group after this one's; nothing was paused or sent. Sync through the newer session (or close this one "
-                "and make a new one, which takes the engines back)"
-            )
-
-    def _sync(self, source: WeightSource, weights: WatchedWeights, version: int | None) -> SyncReport:
-        t0 = time.perf_counter()
-        seconds: dict[str, float] = {}
-        specs = list(source.metadata())
-        if not specs:
-            raise ValueError(
-                f"the weight source ({type(source).__name__}) lists no tensors: refusing to stamp an empty sync as a "
-                "new version (does a name filter drop every tensor?)"
-            )
-        self._check_claims()
-        new_version = self._next_version(version)
-        engine = self._ensure_group()
-        manifest = self.plan(specs, engine)
-        seconds["plan"] = time.perf_counter() - t0
-
-        t = time.perf_counter()
-        rejected: list[ManifestRejectedError] = []
-
-        def validate(r: RolloutAdapter) -> None:
-            try:
-                r.validate(manifest, self._encoded)
-            except ManifestRejectedError as exc:
-                rejected.append(exc)
-
-        self._fan_out("validate", validate)
-        if rejected:
-            raise ManifestRejectedError.combine(sorted(rejected, key=lambda e: e.engine))
-        seconds["validate"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        self._fan_out("pause", lambda r: r.pause(self.config.pause_mode))
-        seconds["pause"] = time.perf_counter() - t
-
-        t = time.perf_counter()
-        receives = {r.name: self._pool.submit(r.receive, manifest) for r in self.rollouts}
-        try:
-            stats = engine.send_weights(manifest, weights, stable=bool(getattr(source, "stable_tensors", False)))
-        except Exception as exc:
-            engine.finalize()  # closing the sender's group wakes receivers blocked on it
-            sender_error = f"{type(exc).__name__}: {exc}"
-            if weights.error is not None:
-                # The trainer's source failed, not an engine: the engines are healthy, paused and
-                # stale, and stay members; the next complete sync heals them.
-                collect_failures(receives, "receive", min(5.0, self.config.timeout_s))
-                self._break({}, probe=False)
-                raise SyncError("transfer", {SOURCE: sender_error}, sorted(self.stale)) from exc
-            failed = self._receive_failures(receives, grace_s=min(5.0, self.config.timeout_s))
-            if not failed:
-                failed["sender"] = sender_error
-            self._break(failed)
-            raise SyncError("transfer", failed, sorted(self.stale), sender_error=sender_error if "sender" not in failed else None) from exc
-        failed = self._receive_failures(receives, grace_s=self.config.timeout_s)
-        if failed:
-            self._break(failed)
-            raise SyncError("transfer", failed, sorted(self.stale))
-        reports = {name: f.result() for name, f in receives.items()}
-        seconds["transfer"] = time.perf_counter() - t
-        seconds.update(export=stats.export_s, pack=stats.pack_s, send=stats.total_s)
-        seconds["load_max"] = max((r.load_s for r in reports.values()), default=0.0)
-
-        t = time.perf_counter()
-        self._fan_out("finalize", lambda r: r.finalize(new_version))
-        seconds["finalize"] = time.perf_counter() - t
-        t = time.perf_counter()
-        self._fan_out("resume", lambda r: r.resume())
-        seconds["resume"] = time.perf_counter() - t
-        self.stale.clear()
-        self.version = new_version
-        seconds["total"] = time.perf_counter() - t0
-        report = SyncReport(
-            version=new_version,
-            bytes=manifest.total_bytes,
-            tensors=manifest.num_tensors,
-            buckets=manifest.num_buckets,
-            engines=len(self.rollouts),
-            seconds=seconds,
-            gbps=manifest.total_bytes / seconds["transfer"] / 1e9 if seconds["transfer"] > 0 else 0.0,
-            raw_gbps=self.raw_gbps,
-            receivers={n: r.to_dict() for n, r in reports.items()},
-        )
-        logger.info(
-            "sync v%d: %.3f GB, %d tensors, %d buckets in %.3fs (%.2f GB/s)",
-            new_version, report.bytes / 1e9, report.tensors, report.buckets, seconds["total"], report.gbps,
-        )
-        return report
-
-    def _receive_failures(self, receives: dict[str, cf.Future[ReceiveReport]], grace_s: float) -> dict[str, str]:
-        failed = collect_failures(receives, "receive", grace_s)
-        if not failed:
-            return failed
-        # A receiver that merely timed out behind a dead peer is not the cause; keep the dead ones.
-        dead = {}
-        for r in self.rollouts:
-            try:
-                r.health()
-            except Exception as exc:
-                dead[r.name] = f"died during the transfer ({exc})"
-        return dead if dead else failed
-
-    def close(self) -> None:
-        """Leave the group on every engine (best effort), free the sender's buffers and threads.
-
-        Waits (at most `timeout_s`) for a sync in flight on another thread to end first."""
-        locked = self._lock.acquire(timeout=self.config.timeout_s)
-        if not locked:
-            logger.warning("closing a weight-sync session while a sync is still in flight after %ss", self.config.timeout_s)
-        try:
-            if self._closed:
-                return
-            self._closed = True
-            # An engine another session has joined since is not asked to leave: it would leave that group.
-            lost = set(claims.taken_over(self.engine_keys(), self))
-            if self._ready:
-                for r in (r for r in self.rollouts if r.name not in lost):
-                    try:
-                        r.leave()
-                    except Exception as exc:
-                        logger.warning("engine %s did not leave cleanly: %s", r.name, exc)
-            if self._engine is not None:
-                self._engine.finalize()
-                self._engine = None
-            self._ready = False
-            self._store = None
-            claims.release(self)
-            self._pool.shutdown(wait=False, cancel_futures=True)
-        finally:
-            if locked:
-                self._lock.release()
-
-
-def _drain(source: WeightSource) -> None:
-    for _ in source.iter_weights():
-        pass
-
-
-def _td(seconds: float) -> Any:
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
-
 
 _sessions: dict[tuple[Hashable, ...], WeightSyncSession] = {}
 _sessions_lock = threading.Lock()
 
 
+_followers: dict[int, SenderFollower] = {}
+
+
+def _follower(source: WeightSource, config: CheckpointEngineConfig | None) -> SenderFollower:
+    """This process's follower for the trainer group the source belongs to (kept across syncs)."""
+    group = getattr(source, "process_group", None)
+    follower = _followers.get(id(group))
+    if follower is None:
+        timeout = config.timeout_s if config is not None else CheckpointEngineConfig().timeout_s
+        follower = _followers[id(group)] = SenderFollower(SenderChannel(group, timeout_s=timeout))
+    return follower
+
+
 def close_sessions() -> None:
-    """Close every session `sync_rollout_weights` created (engines leave their groups)."""
+    """Close every session `sync_rollout_weights` created (engines leave their groups), and
+    every follower's group on the other trainer ranks."""
     with _sessions_lock:
         sessions = list(_sessions.values())
         _sessions.clear()
     for session in sessions:
         session.close()
+    for follower in list(_followers.values()):
+        follower.close()
+    _followers.clear()
 
 
 atexit.register(close_sessions)
@@ -442,7 +97,11 @@ def sync_rollout_weights(
     a session. Concurrent calls for the same engines run one at a time.
     """
     if not getattr(source, "is_sender", True):
-        _drain(source)
+        mode = config.senders if config is not None else "auto"
+        if wants_many_senders(source, mode):
+            _follower(source, config).sync(source)  # type: ignore[arg-type]
+        else:
+            _drain(source)
         return None
     if rollouts is None:
         raise ValueError("the sending trainer rank must pass the rollout engines (or a WeightSyncSession)")

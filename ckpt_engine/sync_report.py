@@ -43,6 +43,17 @@ class SyncReport:
     gbps: float = 0.0
     raw_gbps: float | None = None
     receivers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    delta: str = "off"
+    """`off` (no base copies), `seed` (dense, (re)seeding the bases), or `patch` (patches allowed)."""
+    wire_bytes: int = 0
+    """Bytes the senders put on the wire (patches plus dense buckets); equals `dense_bytes` when nothing was patched."""
+    dense_bytes: int = 0
+    """What a dense sync of the same plan sends."""
+    changed_fraction: float = 1.0
+    """Words that changed since the base (1.0 for a dense sync)."""
+    senders: int = 1
+    base_bytes: int = 0
+    """Memory of this rank's delta base copies."""
 
     @property
     def ratio_to_raw(self) -> float | None:

@@ -58,7 +58,10 @@ def shard_rank(
     version 0 seeds the bases and later versions travel as patches (`full_every`: a dense seed every
     that many syncs). `corrupt`: the sync (version) whose first patch the first sender corrupts."""
     senders = rdzv.num_senders
-    engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=bucket_size, timeout_s=rdzv.timeout_s, **(engine_kwargs or {}))
+    dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if rdzv.backend == "nccl" else torch.device("cpu")
+    engine = CheckpointEngineRegistry.new(
+        rdzv.backend, bucket_size_bytes=bucket_size, timeout_s=rdzv.timeout_s, device=dev, **(engine_kwargs or {})
+    )
     if corrupt is not None and rank == 0:
         state = {"armed": False}
 
@@ -72,7 +75,7 @@ def shard_rank(
     out: dict[str, Any] = {"bad": [], "errors": [], "stats": []}
     base_id = None
     for version in range(versions):
-        sd = wire(model_state(version, lr=lr))
+        sd = {k: v.to(dev) for k, v in wire(model_state(version, lr=lr)).items()}
         specs = [spec_of(n, t) for n, t in sd.items()]
         owners = {s.name: row_shards(s, even_rows(s.shape[0], senders)) for s in specs if len(s.shape) >= 2}
         manifest = engine.plan(specs, num_senders=senders, owners=owners)

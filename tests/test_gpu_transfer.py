@@ -41,3 +41,18 @@ def test_nccl_tensors_land_in_their_destinations(engine_kwargs: dict, stable: bo
 def test_colocated_cuda_ipc_bit_exact() -> None:
     results = run_ranks(roundtrip_rank, 2, backend="colocated", device="cuda:0", timeout_s=30)
     assert results[1]["bad"] == []
+
+
+def test_nccl_delta_chain_and_corrupt_patch() -> None:
+    """Delta syncs over NCCL: a seed, then patches of real AdamW steps, bit-exact; then a chain
+    whose third sync carries a corrupted patch, caught by the checksum before any load."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from multisender import shard_rank
+
+    results = run_ranks(shard_rank, 2, backend="nccl", versions=5, lr=1e-5, delta="on")
+    assert results[1]["bad"] == [] and results[1]["errors"] == []
+    assert all(s["patch_buckets"] > 0 for s in results[1]["stats"][1:])
+    results = run_ranks(shard_rank, 2, backend="nccl", versions=3, lr=1e-5, delta="on", corrupt=2)
+    assert len(results[1]["errors"]) == 1 and "checksum mismatch" in results[1]["errors"][0] or "malformed" in results[1]["errors"][0]
+    assert results[1]["bad"] == []

@@ -28,6 +28,7 @@ class ColocatedCheckpointEngine(PipelinedBroadcastEngine):
     """Shared-buffer hand-off between one sender (rank 0) and one receiver (rank 1)."""
 
     supports_many_senders = False
+    supports_delta = False
 
     def _resolve_device(self, device: str | int | torch.device | None) -> torch.device:
         dev = torch.device("cpu") if device is None else torch.device(device)

@@ -42,6 +42,7 @@ class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMix
     """Senders broadcast their buckets to every receiver over one process group each."""
 
     supports_many_senders = True
+    supports_delta = True
     device_type = "cpu"
     default_solo_bytes = 0
     """Tensors of at least this size get a bucket of their own (0: never); see `plan_buckets`."""

@@ -27,6 +27,7 @@ import torch
 from ckpt_engine.backends.wire_views import torch_dtype
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta import codec
+from ckpt_engine.delta.layout import header_fields
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import SendStats, TransferError
 from ckpt_engine.manifest import BucketManifest
@@ -167,7 +168,7 @@ class DeltaTransferMixin:
             raise
         wire = sum(size for _k, size, _s in frames)
         stats.extra.update(
-            wire_bytes=float(wire + table.numel() * 8), dense_bytes=float(sum(s.bucket.nbytes for s in mine)),
+            wire_bytes=float(wire), table_bytes=float(table.numel() * 8), dense_bytes=float(sum(s.bucket.nbytes for s in mine)),
             patch_buckets=float(sum(1 for k, _n, _s in frames if k == PATCH)),
             changed_fraction=changed / total_words if total_words else 0.0,
             base_bytes=float(bases.nbytes),
@@ -184,16 +185,14 @@ class DeltaTransferMixin:
         Returns (patch bytes or None for dense, checksum of the result, changed words)."""
         if bases.sums.get(key) is None:
             bases.sums[key] = codec.checksum(image, word)
-        size = codec.encode(image, new, word, out)
+        size = codec.encode_into_base(image, new, word, out)  # the image becomes `new` either way
         if size is None:
-            image.copy_(new)
             bases.sums[key] = None
             return None, None, 0
-        patch = codec.decode(out[:size], image.numel(), word)
-        result = bases.sums[key] + patch.delta_sum
-        codec.apply(image, patch)
+        num_changed, delta_sum = header_fields(out[:size])
+        result = bases.sums[key] + delta_sum
         bases.sums[key] = result
-        return size, result, int(patch.positions.numel())
+        return size, result, num_changed
 
     def _frame_table(self, frames: list[tuple[int, int, torch.Tensor | None]]) -> torch.Tensor:
         """(kind, bytes, checksum) per bucket, one int64 row each, on the transport's device."""
@@ -227,7 +226,11 @@ class DeltaTransferMixin:
                 t = torch.empty((len(own), 3), dtype=torch.int64, device=self.device)
                 tables.append(t)
                 works.append(self._broadcast_on(sender * self.num_lanes, None, t))
-            self._drain_unslotted(works, "delta tables")
+            if self._comm_stream is None:
+                for sender, work in enumerate(works[:]):
+                    self._wait_work(work, f"the delta table from sender {sender}")
+            else:
+                self._drain_unslotted(works, "delta tables")
             works.clear()
             rows = [t.tolist() for t in tables]
             frames = []
@@ -241,7 +244,11 @@ class DeltaTransferMixin:
                 msg = image[:size] if kind == DENSE else torch.empty(size, dtype=torch.uint8, device=self.device)
                 payloads.append(msg)
                 works.append(self._broadcast_on(step.gid, None, msg))
-            self._drain_unslotted(works, "delta payloads")
+            if self._comm_stream is None:  # each wait names the sender a lost bucket came from
+                for step, work in zip(steps, works[:]):
+                    self._wait_work(work, f"bucket {step.bucket.index} from sender {step.bucket.sender}")
+            else:
+                self._drain_unslotted(works, "delta payloads")
             works.clear()
             t_apply = time.perf_counter()
             changed = 0

@@ -88,7 +88,7 @@ class ReceiveLoopMixin:
                 works[k] = post(k)
             for k, step in enumerate(steps):
                 bucket, slot = step.bucket, step.slot
-                self._finish_receive(slot, works[k], k)
+                self._finish_receive(slot, works[k], k if self.num_senders == 1 else f"{k} from sender {bucket.sender}")
                 works[k] = None
                 land = landed.pop(k, {})
                 if self.verify:
@@ -146,7 +146,7 @@ class ReceiveLoopMixin:
             self._ready[slot].record(stream)
         return work
 
-    def _finish_receive(self, slot: int, work: Any, k: int) -> None:
+    def _finish_receive(self, slot: int, work: Any, k: int | str) -> None:
         if self._comm_stream is None:
             self._wait_work(work, f"bucket {k}")
         else:

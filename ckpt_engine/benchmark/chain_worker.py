@@ -56,14 +56,17 @@ class ChainRank:
         g = torch.Generator(device=self.device).manual_seed(1234)
         self.tensors = [torch.empty(s.shape, dtype=wire, device=self.device) for s in self.specs]
         self.masters: list[torch.Tensor] = []
-        self.opt: torch.optim.Optimizer | None = None
+        self.opts: list[torch.optim.Optimizer] = []
         if self.is_sender:
             for s, t in zip(self.specs, self.tensors):
                 m = torch.ones(s.shape, device=self.device) if len(s.shape) == 1 else torch.randn(s.shape, generator=g, device=self.device) * 0.02
+                m.requires_grad_(True)
                 self.masters.append(m)
-                t.copy_(m)
+                t.copy_(m.detach())
             if args.delta:
-                self.opt = torch.optim.AdamW(self.masters, lr=args.lr, weight_decay=0.0, foreach=False)
+                # One AdamW per tensor, stepped tensor by tensor: its gradient exists only while it
+                # steps, so a 7B model's masters and moments fit one GPU beside the wire copy.
+                self.opts = [torch.optim.AdamW([m], lr=args.lr, weight_decay=0.0, foreach=False) for m in self.masters]
                 for _ in range(args.warmup_steps):
                     self._step(g)
             self.source = ShardedStateDictSource(dict(zip(self.names, self.tensors)), self.rank, self.senders)
@@ -108,13 +111,12 @@ class ChainRank:
         return time.perf_counter() - t0
 
     def _step(self, g: torch.Generator) -> None:
-        assert self.opt is not None
-        for m in self.masters:
+        """One AdamW step with noisy gradients, then the new wire (bf16) version."""
+        for m, t, opt in zip(self.masters, self.tensors, self.opts):
             m.grad = torch.randn(m.shape, generator=g, device=self.device) * self.args.grad_scale
-        self.opt.step()
-        for m, t in zip(self.masters, self.tensors):
+            opt.step()
             m.grad = None
-            t.copy_(m)
+            t.copy_(m.detach())
 
     def raw(self) -> list[float]:
         """All bytes from sender 0 in one broadcast (other senders wait)."""

@@ -133,3 +133,11 @@ def index_bytes(kind: str, num_words: int, num_changed: int) -> int:
     if kind == "bitmask":
         return (num_words + 7) // 8
     return num_changed * (4 if kind == "positions32" else 8)
+
+
+def header_fields(payload: torch.Tensor) -> tuple[int, int]:
+    """(num_changed, delta_sum) of a patch this side encoded (one 32-byte device-to-host copy):
+    a sender that already holds the patch needs no decode to learn the checksum change."""
+    raw = bytes(payload[:PATCH_HEADER_BYTES].cpu().numpy().tobytes())
+    fields = HEADER.unpack(raw)
+    return fields[6], fields[7]

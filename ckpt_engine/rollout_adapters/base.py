@@ -13,6 +13,7 @@ from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 
@@ -127,6 +128,10 @@ class RolloutAdapter(ABC):
 
     name: str
     world_size: int = 1
+    supports_delta: bool = False
+    """Whether `receive` takes a `delta` request (its receiver ranks keep base copies and apply patches)."""
+    supports_many_senders: bool = False
+    """Whether its receiver ranks take buckets from several senders (the generic receiver does)."""
 
     def engine_key(self) -> Hashable:
         """What identifies the engine itself (not this handle): two handles on one engine share it.
@@ -162,8 +167,10 @@ class RolloutAdapter(ABC):
     def pause(self, mode: str) -> None: ...
 
     @abstractmethod
-    def receive(self, manifest: BucketManifest) -> ReceiveReport:
-        """Block until the engine has received and loaded every tensor of `manifest`."""
+    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None) -> ReceiveReport:
+        """Block until the engine has received and loaded every tensor of `manifest`.
+
+        `delta` is passed only to adapters with `supports_delta`."""
 
     @abstractmethod
     def finalize(self, version: int) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import CheckpointEngine, Rendezvous
 from ckpt_engine.manifest import BucketManifest, ManifestError, TensorSpec, decode_manifest
 from ckpt_engine.registry import CheckpointEngineRegistry
@@ -146,15 +147,22 @@ class WeightReceiver:
         return self._manifests.get(digest)
 
     def receive(
-        self, digest: str, loader: BucketLoader, destinations: Mapping[str, torch.Tensor] | None = None
+        self,
+        digest: str,
+        loader: BucketLoader,
+        destinations: Mapping[str, torch.Tensor] | None = None,
+        delta: dict[str, Any] | DeltaRequest | None = None,
     ) -> ReceiveReport:
         """Receive every bucket of an accepted manifest and hand each to `loader`.
 
         `destinations`, when the engine's tensors have the wire layout, lets tensors split over
-        several buckets land in place (see CheckpointEngine.receive_buckets)."""
+        several buckets land in place (see CheckpointEngine.receive_buckets). `delta` (as sent by
+        the controller): take patches against this receiver's base copy; the loader then runs
+        only after every bucket has been checked."""
+        request = delta if isinstance(delta, DeltaRequest) or delta is None else DeltaRequest.from_dict(delta)
         self._enter(f"a receive of manifest {str(digest)[:12]}")
         try:
-            return self._receive(digest, loader, destinations)
+            return self._receive(digest, loader, destinations, request)
         except Exception as exc:
             # Each receiver talks to rank 0 only: the sender went away or gave up (it aborts the
             # group on any failure, its own or another engine's).
@@ -164,7 +172,7 @@ class WeightReceiver:
             self._exit()
 
     def _receive(
-        self, digest: str, loader: BucketLoader, destinations: Mapping[str, torch.Tensor] | None
+        self, digest: str, loader: BucketLoader, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest | None
     ) -> ReceiveReport:
         if self.engine is None:
             raise RuntimeError("call join() before receive()")
@@ -173,11 +181,15 @@ class WeightReceiver:
             raise RuntimeError(f"manifest {digest[:12]} was not validated on this receiver; call validate() first")
         t0 = time.perf_counter()
         load_s, loaded = 0.0, 0
-        for bucket in self.engine.receive_buckets(manifest, destinations):
+        buckets = self.engine.receive_buckets(manifest, destinations, delta=delta) if delta is not None else (
+            self.engine.receive_buckets(manifest, destinations)
+        )
+        for bucket in buckets:
             if not bucket:  # only a middle chunk of a large tensor landed
                 continue
             t1 = time.perf_counter()
             loaded += loader(bucket)
             load_s += time.perf_counter() - t1
             self.buckets_received += 1
-        return ReceiveReport(manifest.num_tensors, manifest.total_bytes, time.perf_counter() - t0, load_s, loaded)
+        extra = {f"delta_{k}": float(v) for k, v in getattr(self.engine, "last_delta_stats", {}).items()} if delta is not None else {}
+        return ReceiveReport(manifest.num_tensors, manifest.total_bytes, time.perf_counter() - t0, load_s, loaded, extra)

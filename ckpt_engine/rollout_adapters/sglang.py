@@ -36,7 +36,7 @@ from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.fanout import collect_failures, mark_stale_and_probe
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, version_of
-from ckpt_engine.sync import SyncError, SyncReport
+from ckpt_engine.sync_report import SyncError, SyncReport
 from ckpt_engine.versions import check_version
 from ckpt_engine.weights import WeightSource, spec_of
 

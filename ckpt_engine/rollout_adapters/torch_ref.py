@@ -33,6 +33,7 @@ import msgpack
 import torch
 
 from ckpt_engine.copies import batched_copy_
+from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
@@ -173,11 +174,13 @@ class TorchRefWorker:
     def pause(self, mode: str) -> None:
         self.paused = mode != "none"
 
-    def receive(self, digest: str) -> dict[str, Any]:
-        # Until finalize the engine holds no complete version: a failure mid-stream leaves a mix.
+    def receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        # Until finalize the engine holds no complete version: a failure mid-stream leaves a mix
+        # (with delta, the loader runs only after every patch checked out: a bad patch leaves the
+        # old weights, still marked stale because the sync did not complete).
         self.stale, self.version, self._received, self.receiving = True, None, None, True
         try:
-            report = self.receiver.receive(digest, self.load_bucket, self.tensors).to_dict()
+            report = self.receiver.receive(digest, self.load_bucket, self.tensors, delta=delta).to_dict()
         finally:
             self.receiving = False
         self._received = digest
@@ -220,6 +223,8 @@ class TorchRefRollout(RolloutAdapter):
     """Controller handle of one reference receiver process."""
 
     world_size = 1
+    supports_delta = True
+    supports_many_senders = True
 
     def __init__(
         self, name: str, host: str, port: int, process: subprocess.Popen[str] | None, timeout_s: float, *, token: str | None = None
@@ -295,8 +300,9 @@ class TorchRefRollout(RolloutAdapter):
     def pause(self, mode: str) -> None:
         self._call("pause", mode=mode)
 
-    def receive(self, manifest: BucketManifest) -> ReceiveReport:
-        return ReceiveReport.from_dict(self._call("receive", timeout_s=self.timeout_s * 2, digest=manifest.digest))
+    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None) -> ReceiveReport:
+        extra = {"delta": delta.to_dict()} if delta is not None else {}
+        return ReceiveReport.from_dict(self._call("receive", timeout_s=self.timeout_s * 2, digest=manifest.digest, **extra))
 
     def finalize(self, version: int) -> None:
         self._call("finalize", version=version)
