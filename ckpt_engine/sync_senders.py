@@ -38,6 +38,10 @@ class ManySendersMixin:
         if not wants_many_senders(source, mode):
             return 1
         if not sharded:
+            why = getattr(source, "sharded_refusal", None)
+            why = why() if callable(why) else why
+            if why:
+                raise ValueError(f"checkpoint_engine.senders={mode!r}: {why}")
             raise ValueError(
                 f"checkpoint_engine.senders={mode!r} needs a sharded weight source (a ShardedWeightSource over more "
                 f"than one rank, e.g. the FSDP2 trainer); {type(source).__name__} is not one. Use senders=rank0"

@@ -10,7 +10,9 @@ its tensor-parallel group along its `partition_dim` (layout-aware for `linear_fc
 per shard), experts over the expert-parallel group, then converted to HF names and layouts
 (`linear_qkv` per query group -> q/k/v). With `export_mode="gather_to_first"` the stage then
 broadcasts it over its pipeline group, so global rank 0 (`is_sender`) yields every tensor; with
-`"per_stage"` each stage's first TP/DP/EP rank is a sender of its own stage (multi-sender).
+`"per_stage"` each stage's first TP/DP/EP rank is a sender of its own stage. Independently of
+`export_mode`, with TP = 1 the engine is a `ShardedWeightSource` (multi-sender sync: one sender
+per (stage, EP rank), no cross-stage or EP gather; `megatron_shards.py`).
 
 Collective contract: every rank of the model-parallel world calls every public method, in the
 same order. Groups come from `pg_collection` (megatron's `ProcessGroupCollection`) or, when it is
@@ -43,6 +45,7 @@ from ckpt_engine.trainer_adapters.megatron_export import (  # re-exported: the p
 )
 from ckpt_engine.trainer_adapters.megatron_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
 from ckpt_engine.trainer_adapters.megatron_groups import MegatronGroups
+from ckpt_engine.trainer_adapters.megatron_shards import MegatronShardedSource
 
 __all__ = [
     "MegatronConfig", "MegatronTrainEngine", "MegatronExporter", "build_gpt_model", "check_exportable", "head_dim_of",
@@ -211,8 +214,9 @@ def build_gpt_model(hf_config: Any, cfg: MegatronConfig, pg_collection: Any = No
 # --- the engine -----------------------------------------------------------------------------------
 
 
-class MegatronTrainEngine(TrainEngine):
-    """Megatron-core GPT training (TP/PP/EP, DP over replicas) with HF-named export.
+class MegatronTrainEngine(MegatronShardedSource, TrainEngine):
+    """Megatron-core GPT training (TP/PP/EP, DP over replicas) with HF-named export; with TP = 1 also
+    a multi-sender source, one sender per (stage, EP rank) (`megatron_shards.py`).
 
     `hf_config` is the HF config of the model family; `model` an already built GPTModel chunk
     (default: built here with `build_gpt_model`). Initial weights: Megatron's own init, or
@@ -257,6 +261,7 @@ class MegatronTrainEngine(TrainEngine):
             self.is_sender = first_of_stage
         else:
             self.is_sender = first_of_stage and g.pp_rank == 0
+        self._init_senders()
 
     def _distributed_optimizer(self, model: nn.Module) -> tuple[nn.Module, Any]:
         """Wrap `model` in megatron-core DDP and build its DistributedOptimizer over it (needs CUDA)."""

@@ -56,6 +56,7 @@ class MegatronGroups:
     tp_rank = property(lambda self: self._rank(self.tp))
     pp_size = property(lambda self: self._size(self.pp))
     pp_rank = property(lambda self: self._rank(self.pp))
+    dp_size = property(lambda self: self._size(self.dp))
     dp_rank = property(lambda self: self._rank(self.dp))
     ep_size = property(lambda self: self._size(self.ep))
     ep_rank = property(lambda self: self._rank(self.ep))
