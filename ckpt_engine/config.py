@@ -105,6 +105,8 @@ class CheckpointEngineConfig:
             raise ConfigError("checkpoint_engine.engine_kwargs must map backend names to dicts of keyword arguments")
         for name, kwargs in self.engine_kwargs.items():
             _check_engine_kwargs(name, kwargs, known)
+        if isinstance(self.delta, bool):  # YAML 1.1 reads `delta: on` (and `delta=off`) as a bool
+            self.delta = "on" if self.delta else "off"
         if self.delta not in DELTA_MODES:
             raise ConfigError(f"checkpoint_engine.delta must be one of {', '.join(DELTA_MODES)}, got {self.delta!r}")
         _check_type("checkpoint_engine.full_sync_every", self.full_sync_every, int)

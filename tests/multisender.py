@@ -24,23 +24,38 @@ def even_rows(rows: int, senders: int) -> list[int]:
     return out
 
 
+_chains: dict[tuple[float, int], tuple[dict[str, torch.Tensor], Any, Any, list[dict[str, torch.Tensor]]]] = {}
+
+
 def model_state(version: int, *, lr: float = 0.0, base_seed: int = 0) -> dict[str, torch.Tensor]:
-    """Version 0: a mixed-dtype state; later versions: a real AdamW step of the float tensors
-    (bf16 wire), so consecutive versions differ the way RL training makes them differ."""
+    """Version 0: a mixed-dtype state; later versions: real AdamW steps of the float tensors
+    (bf16 wire), so consecutive versions differ the way RL training makes them differ. Versions
+    of one (lr, seed) chain are computed once per process, step by step."""
+    if not version or not lr:
+        return _base_state(base_seed)
+    key = (lr, base_seed)
+    if key not in _chains:
+        sd = _base_state(base_seed)
+        params = {k: v.clone().float().requires_grad_(True) for k, v in sd.items() if v.is_floating_point() and v.numel() and v.dim()}
+        opt = torch.optim.AdamW(params.values(), lr=lr, weight_decay=0.0)
+        _chains[key] = (sd, params, (opt, torch.Generator().manual_seed(100)), [sd])
+    sd, params, (opt, g), done = _chains[key]
+    while len(done) <= version:
+        for p in params.values():
+            p.grad = torch.randn(p.shape, generator=g) * 1e-3
+        opt.step()
+        nxt = dict(sd)
+        for k, p in params.items():
+            nxt[k] = p.detach().to(sd[k].dtype)
+        done.append(nxt)
+    return done[version]
+
+
+def _base_state(base_seed: int) -> dict[str, torch.Tensor]:
     sd = mixed_state(base_seed, num_small=40)
     sd["wide"] = torch.randn(37, 300, generator=torch.Generator().manual_seed(5)) * 0.02  # rows split unevenly
     sd["router"] = torch.randn(3, 300, generator=torch.Generator().manual_seed(6))
     sd["nan_zero"] = torch.tensor([float("nan"), -0.0, 0.0, float("inf"), 1.0] * 20)
-    if version and lr:
-        params = {k: v.clone().float().requires_grad_(True) for k, v in sd.items() if v.is_floating_point() and v.numel() and v.dim()}
-        opt = torch.optim.AdamW(params.values(), lr=lr, weight_decay=0.0)
-        g = torch.Generator().manual_seed(100)
-        for _ in range(version):
-            for p in params.values():
-                p.grad = torch.randn(p.shape, generator=g) * 1e-3
-            opt.step()
-        for k, p in params.items():
-            sd[k] = p.detach().to(sd[k].dtype)
     return sd
 
 

@@ -68,6 +68,53 @@ def test_token_task_loss_matches_the_engine_policy() -> None:
     assert logits.grad is not None and logits.grad[:, -1, : task.answer_base].abs().sum() == 0  # only answer tokens
 
 
+def _record(version: int, delta: str, wire: int, dense: int, senders: int = 2) -> object:
+    from ckpt_engine.trainer.loop import SyncRecord
+
+    stages = {"validate": 0.01, "pause": 0.01, "transfer": 0.5, "finalize": 0.01, "resume": 0.01}
+    return SyncRecord(
+        step=version - 1, version=version, ok=True, catch_up=False, bytes=dense, seconds=0.6, gbps=0.1, dropped={},
+        reason="interval", stages=stages, delta=delta, wire_bytes=wire, dense_bytes=dense, senders=senders,
+    )
+
+
+def test_sync_lines_and_summary_show_wire_next_to_dense_bytes() -> None:
+    """What the demo prints per sync and at the end: wire vs dense bytes, delta kind, senders."""
+    from types import SimpleNamespace
+
+    from ckpt_engine.trainer.config import load_job_config
+    from ckpt_engine.trainer.loop import TrainSummary
+    from ckpt_engine.trainer.summary import format_summary, format_sync, summarize
+
+    syncs = [_record(1, "seed", 58_000_000, 58_000_000), _record(2, "patch", 1_200_000, 58_000_000), _record(3, "off", 58_000_000, 58_000_000, 1)]
+    line = format_sync(syncs[1], None)
+    assert line.startswith("sync v2") and "patch 1.20 MB of 58.00 MB (2.1 %)" in line and "2 senders" in line
+    assert "dense 58.00 MB" in format_sync(syncs[2], None) and "1 sender " in format_sync(syncs[2], None)
+    job = load_job_config(None, ["checkpoint_engine.delta=on", "checkpoint_engine.senders=all"])
+    summary = TrainSummary(
+        steps=2, versions=[1, 2, 3], final_version=3, engine_versions={"e": 3}, staleness_max=0, staleness_mean=0.0,
+        reward_first=0.0, reward_last=1.0, samples_used=64, samples_dropped_stale=0, syncs=syncs,
+    )
+    result = summarize(job, summary, {"e": [1]}, {"e": [2]}, __import__("torch").tensor([2]))
+    assert (result["wire_bytes"], result["dense_bytes"]) == (117_200_000, 174_000_000)
+    assert result["delta_kinds"] == {"seed": 1, "patch": 1, "off": 1} and result["senders"] == 2
+    text = "\n".join(format_summary(SimpleNamespace(trainer=job.trainer), result))
+    assert "wire 117.20 MB of 174.00 MB dense (67.4 %) over 3 syncs; delta=on: 1 off, 1 patch, 1 seed; senders=all: 2 per sync" in text
+    assert "v2 patch 1.20 MB of 58.00 MB (2.1 %)" in text
+
+
+def test_delta_showcase_is_a_valid_job() -> None:
+    from ckpt_engine.config import apply_overrides
+    from ckpt_engine.trainer.config import load_job_config
+    from ckpt_engine.trainer.demo import DELTA_SHOWCASE, DEMO_DEFAULTS, _merged
+
+    job = load_job_config(_merged(DEMO_DEFAULTS, apply_overrides({}, list(DELTA_SHOWCASE))))
+    assert (job.checkpoint_engine.delta, job.trainer.lr, job.trainer.engine_kwargs) == ("on", 1e-6, {"wire_dtype": "bfloat16"})
+    assert job.rollout.engine_args == ["--dtype", "bfloat16"] and job.trainer.backend == "fsdp2"
+    default = load_job_config(_merged(DEMO_DEFAULTS, {}))
+    assert (default.checkpoint_engine.delta, default.checkpoint_engine.senders) == ("auto", "auto")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_default_command_summary(tmp_path: Path) -> None:
@@ -97,4 +144,9 @@ def test_demo_default_command_summary(tmp_path: Path) -> None:
     lines = proc.stdout.splitlines()
     assert sum(1 for ln in lines if ln.startswith("sync v")) == len(versions)
     assert any(ln.startswith("summary:") for ln in lines) and "GB/s" in proc.stdout and "overhead" in proc.stdout
+    # fp32 at a high learning rate: delta=auto sends (about) dense; every line says what went on the wire.
+    assert s["delta_mode"] == "auto" and s["wire_bytes"] >= 0.9 * s["dense_bytes"] > 0
+    assert s["delta_kinds"].get("patch", 0) <= 1
+    assert all(" sender" in ln and (" of " in ln or " dense " in ln) for ln in lines if ln.startswith("sync v"))
+    assert any(ln.strip().startswith("wire ") and "dense" in ln for ln in lines)
     assert wall < 240, f"the demo took {wall:.0f}s"

