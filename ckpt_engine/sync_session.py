@@ -308,12 +308,14 @@ class WeightSyncSession(ManySendersMixin):
             raise ManifestRejectedError.combine(sorted(rejected, key=lambda e: e.engine))
         seconds["validate"] = time.perf_counter() - t
 
+        # Delta or dense is decided before anything is paused (delta=on with an engine that takes no
+        # patches is refused here, with every engine still serving).
+        request = self._delta.request(manifest.digest, self._delta_unsupported(engine))
         t = time.perf_counter()
         self._fan_out("pause", lambda r: r.pause(self.config.pause_mode))
         seconds["pause"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        request = self._delta.request(manifest.digest, self._delta_unsupported(engine))
         if senders > 1:
             self._announce(send_message("send", manifest.digest, request))
             self._gather_owed = True
