@@ -18,6 +18,7 @@ from ckpt_engine.sender_channel import SenderChannel
 from ckpt_engine.sender_follower import SenderFollower
 from ckpt_engine.sync_senders import wants_many_senders
 from ckpt_engine.sync_session import WeightSyncSession, _drain
+from ckpt_engine.vllm_source import as_weight_source
 from ckpt_engine.weights import WeightSource
 
 __all__ = ["SOURCE", "SyncError", "SyncReport", "WeightSyncSession", "cached_session", "close_sessions", "sync_rollout_weights"]
@@ -96,6 +97,7 @@ def sync_rollout_weights(
     `rollouts` is a list of engine adapters (a session is kept per set of engines and reused) or
     a session. Concurrent calls for the same engines run one at a time.
     """
+    source = as_weight_source(source)  # a vLLM `WeightSource` works as well (vllm_source.py)
     if not getattr(source, "is_sender", True):
         mode = config.senders if config is not None else "auto"
         if wants_many_senders(source, mode):

@@ -33,6 +33,7 @@ from ckpt_engine.sharded_source import iter_pieces
 from ckpt_engine.sync_senders import ManySendersMixin
 from ckpt_engine.sync_report import SOURCE, SyncError, SyncReport
 from ckpt_engine.versions import check_version
+from ckpt_engine.vllm_source import as_weight_source
 from ckpt_engine.weights import WatchedWeights, WeightSource
 
 __all__ = ["SOURCE", "SyncError", "SyncReport", "WeightSyncSession"]
@@ -204,7 +205,7 @@ class WeightSyncSession(ManySendersMixin):
         walk it too, and its gathers are collectives): on any failure the rest of the walk is
         drained before the error propagates.
         """
-        report = self._locked_sync(source, version, drain_if_closed=True)
+        report = self._locked_sync(as_weight_source(source), version, drain_if_closed=True)
         assert report is not None
         return report
 

@@ -22,6 +22,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
+from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
@@ -41,6 +42,9 @@ _PAUSE_MODES = {"keep": "keep", "abort": "abort"}
 
 class _VllmAdapterBase(RolloutAdapter):
     """What both transports share: one control call per worker method, results from every worker."""
+
+    supports_delta = True  # the worker keeps a base copy, applies patches there, reloads full tensors
+    supports_many_senders = True
 
     def __init__(self, name: str, timeout_s: float) -> None:
         self.name = name
@@ -93,8 +97,9 @@ class _VllmAdapterBase(RolloutAdapter):
             raise ManifestRejectedError(self.name, problems)
         self._sent_digest = manifest.digest
 
-    def receive(self, manifest: BucketManifest) -> ReceiveReport:
-        replies = self._rpc("ckpt_receive", timeout_s=self.timeout_s * 2, digest=manifest.digest)
+    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None) -> ReceiveReport:
+        extra = {"delta": delta.to_dict()} if delta is not None else {}
+        replies = self._rpc("ckpt_receive", timeout_s=self.timeout_s * 2, digest=manifest.digest, **extra)
         reports = [ReceiveReport.from_dict(r) for r in replies]
         slowest = max(reports, key=lambda r: r.receive_s)
         return ReceiveReport(slowest.tensors, slowest.bytes, slowest.receive_s, max(r.load_s for r in reports), min(r.loaded for r in reports))

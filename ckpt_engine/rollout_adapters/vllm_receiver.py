@@ -170,9 +170,12 @@ class VllmReceiverCore:
         return self.receiver.validate(encoded, digest, self.specs()[0], extra_check=stacked_whole)
 
     # --- receive and load --------------------------------------------------------------------
-    def receive(self, digest: str) -> dict[str, Any]:
+    def receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
         """Receive every bucket of an accepted manifest and load it; layerwise reload stays open
-        until `finalize` (or is closed here if the receive fails, never leaving meta layers)."""
+        until `finalize` (or is closed here if the receive fails, never leaving meta layers).
+
+        `delta` (a controller's delta request): patches land in this worker's base copy, are
+        checked, and the full tensors then load through the same layerwise reload."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
@@ -199,7 +202,7 @@ class VllmReceiverCore:
         self.reload_open = True
         try:
             with torch.no_grad():
-                report = self.receiver.receive(digest, load)
+                report = self.receiver.receive(digest, load, delta=delta)
         except BaseException:
             self.close_reload()
             raise

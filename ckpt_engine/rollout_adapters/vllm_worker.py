@@ -59,9 +59,10 @@ class CkptEngineWorkerExtension:
         """Check a manifest against this worker's parameters; nothing moves. `encoded` may be base64."""
         return self._ckpt_core().validate(encoded, digest)
 
-    def ckpt_receive(self, digest: str) -> dict[str, Any]:
-        """Receive every bucket of an accepted manifest and load it (layerwise reload stays open)."""
-        return self._ckpt_core().receive(digest)
+    def ckpt_receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Receive every bucket of an accepted manifest and load it (layerwise reload stays open);
+        `delta`: the controller's delta request (patches against this worker's base copy)."""
+        return self._ckpt_core().receive(digest, delta)
 
     def ckpt_finalize(self, version: int) -> dict[str, Any]:
         """Post-process what was loaded (layerwise finalize), then stamp `version`."""
