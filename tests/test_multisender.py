@@ -12,12 +12,13 @@ from multisender import even_rows, shard_rank
 from ranks import run_ranks
 
 
-@pytest.mark.parametrize(("senders", "receivers"), [(2, 1), (3, 2)])
-def test_shards_from_every_sender_reassemble_bit_exact(senders: int, receivers: int) -> None:
+@pytest.mark.parametrize(("senders", "receivers", "verify"), [(2, 1, True), (3, 2, False)])
+def test_shards_from_every_sender_reassemble_bit_exact(senders: int, receivers: int, verify: bool) -> None:
     """Uneven dim-0 shards (37 rows over 2 or 3 senders; 3 rows over 3: one sender owns none),
     tensors larger than a bucket, replicated small tensors balanced over senders, bf16 wire with
-    an fp32 router; three versions over the same group and buffers."""
-    results = run_ranks(shard_rank, senders + receivers, num_senders=senders)
+    an fp32 router; three versions over the same group and buffers; with `verify`, every bucket's
+    checksum travels with it and is checked before loading."""
+    results = run_ranks(shard_rank, senders + receivers, num_senders=senders, engine_kwargs={"verify": verify})
     for r in results[senders:]:
         assert r["bad"] == [] and r["errors"] == []
     sent = [sum(s["bytes"] for s in r["stats"]) for r in results[:senders]]
