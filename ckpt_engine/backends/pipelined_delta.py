@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ckpt_engine.backends.piece_reader import PieceReader
 from ckpt_engine.backends.wire_views import torch_dtype
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta import codec
@@ -98,21 +99,13 @@ class DeltaTransferMixin:
     def _send_delta(
         self, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool, delta: DeltaRequest
     ) -> SendStats:
-        from ckpt_engine.backends.pipelined_send import _PieceReader
-
         t_start = time.perf_counter()
-        sched = self._schedule(manifest)
-        mine = [sched.steps[i] for i in sched.by_sender[self.rank]]
-        stats = SendStats(
-            bytes=sum(e.chunk_size for s in mine for e in s.bucket.entries),
-            tensors=len({e.name for s in mine for e in s.bucket.entries}),
-            buckets=len(mine),
-        )
+        sched, mine, stats = self._own_steps(manifest)
         it = iter(weights)
         works: list[Any] = []
         try:
             bases = self._bases_for(manifest, delta, [(s.ordinal, s.bucket.nbytes) for s in mine])
-            pieces = _PieceReader(it, sched, self.rank, self.device, stats)
+            pieces = PieceReader(it, sched, self.rank, self.device, stats)
             scratch, out = self._buffers[0], self._buffers[1]
             frames: list[tuple[int, int, torch.Tensor | None]] = []
             msgs: list[torch.Tensor] = []

@@ -8,24 +8,36 @@ stable and the bucket allows it (one lone tensor or chunk, or a coalesced group 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from ckpt_engine.backends.collectives import WorkList, coalesced_broadcast
-from ckpt_engine.backends.wire_views import align8, flat_bytes, has_wire_layout, next_weight, torch_dtype
+from ckpt_engine.backends.piece_reader import PieceReader
+from ckpt_engine.backends.wire_views import align8, flat_bytes, torch_dtype
 from ckpt_engine.checksum import bucket_checksum
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import SendStats
-from ckpt_engine.manifest import Bucket, BucketManifest, TensorMeta
+from ckpt_engine.manifest import Bucket, BucketManifest
 
 __all__ = ["SendLoopMixin"]
 
 
 class SendLoopMixin:
     """Mixed into PipelinedBroadcastEngine; uses its buffers, groups, streams and events."""
+
+    def _own_steps(self, manifest: BucketManifest) -> tuple[Any, list[Any], SendStats]:
+        """This sender's schedule, its own steps in order, and stats counting what it sends."""
+        sched = self._schedule(manifest)
+        mine = [sched.steps[i] for i in sched.by_sender[self.rank]]
+        stats = SendStats(
+            bytes=sum(e.chunk_size for s in mine for e in s.bucket.entries),
+            tensors=len({e.name for s in mine for e in s.bucket.entries}),
+            buckets=len(mine),
+        )
+        return sched, mine, stats
 
     def send_weights(
         self,
@@ -44,18 +56,12 @@ class SendLoopMixin:
             return self._send_delta(manifest, weights, stable=stable, delta=delta)
         self._invalidate_delta()  # a dense sync outside delta framing leaves the bases behind
         t_start = time.perf_counter()
-        sched = self._schedule(manifest)
-        mine = [sched.steps[i] for i in sched.by_sender[self.rank]]
-        stats = SendStats(
-            bytes=sum(e.chunk_size for s in mine for e in s.bucket.entries),
-            tensors=len({e.name for s in mine for e in s.bucket.entries}),
-            buckets=len(mine),
-        )
+        sched, mine, stats = self._own_steps(manifest)
         views = self._bucket_views(manifest)
         it = iter(weights)
         works: list[Any] = [None] * self.num_buffers
         try:
-            pieces = _PieceReader(it, sched, self.rank, self.device, stats)
+            pieces = PieceReader(it, sched, self.rank, self.device, stats)
             for step in mine:
                 bucket, slot = step.bucket, step.sender_slot
                 dsts = views[bucket.index]
@@ -163,41 +169,3 @@ class SendLoopMixin:
         else:
             for i, ev in enumerate(self._free[: self.num_buffers]):
                 self._wait_event(ev, f"broadcast from buffer {i}")
-
-
-class _PieceReader:
-    """Walks the weight source along one sender's entries: one yielded tensor per piece it owns
-    (the whole tensor, or its shard), and the bytes of each entry within it."""
-
-    def __init__(self, it: Iterator[tuple[str, torch.Tensor]], sched: Any, sender: int, device: torch.device, stats: SendStats) -> None:
-        self.it, self.sched, self.sender, self.device, self.stats = it, sched, sender, device, stats
-        self.current: torch.Tensor | None = None
-        self.flat: torch.Tensor | None = None
-        self.flat_is_source = False  # `flat` aliases the caller's tensor (no conversion temporary)
-        self.base = 0
-
-    def source(self, e: TensorMeta) -> tuple[torch.Tensor, bool]:
-        """(what entry `e` sends, whether that is the caller's own memory in the wire layout)."""
-        key = (self.sender, e.name)
-        start = self.sched.piece_start[key]
-        if e.chunk_offset == start:
-            piece = self.sched.piece_bytes[key]
-            t0 = time.perf_counter()
-            self.current = next_weight(self.it, e, None if piece == e.nbytes else piece)
-            self.stats.export_s += time.perf_counter() - t0
-            self.flat = None
-            # Byte 0 of what was yielded: the tensor's own for a whole (replicated) tensor, the
-            # piece's start for a shard.
-            self.base = 0 if tuple(self.current.shape) == e.shape else start
-        current = self.current
-        assert current is not None
-        if e.is_whole:
-            return current, has_wire_layout(current, e, self.device)
-        if self.flat is None:
-            converted = current.to(device=self.device, dtype=torch_dtype(e.dtype)).contiguous()
-            self.flat_is_source = converted.data_ptr() == current.data_ptr()
-            self.flat = flat_bytes(converted)
-        lo = e.chunk_offset - self.base
-        # Never a conversion temporary: on CUDA the allocator could hand its memory to the next
-        # allocation while the collective still reads it.
-        return self.flat[lo : lo + e.chunk_size], self.flat_is_source
