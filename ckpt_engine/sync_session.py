@@ -93,6 +93,8 @@ class WeightSyncSession(ManySendersMixin):
 
     # --- group --------------------------------------------------------------------------------
     def _new_engine(self, bucket_size: int) -> CheckpointEngine:
+        # A bucket the buffers cannot fit is refused here, before any engine is asked to join.
+        self.config.check_memory(str(self._device) if self._device is not None else None)
         kwargs = self.config.kwargs_for(self.backend)
         if self._device is not None:
             kwargs.setdefault("device", self._device)
