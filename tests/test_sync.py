@@ -184,3 +184,15 @@ def test_receiver_killed_mid_sync_is_named_within_the_timeout(spec_file: str) ->
         session.close()
         for r in slow:
             r.close()
+
+
+def test_bucket_larger_than_free_memory_is_refused_before_any_join(engines: list[TorchRefRollout]) -> None:
+    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=1048576, timeout_s=30)
+    session = WeightSyncSession(engines, cfg)
+    try:
+        with pytest.raises(ValueError, match=r"bucket_size_mb=1048576: 2 buffers need .* GiB but cpu has"):
+            session.sync(StateDictSource(mixed_state(0, num_small=300)))
+        assert session._engine is None  # nothing was allocated or joined
+        assert all(not e.health()["paused"] for e in engines)
+    finally:
+        session.close()
