@@ -38,7 +38,7 @@ class ReceiveLoopMixin:
         if delta is not None:
             yield from self._receive_delta(manifest, destinations, delta)
             return
-        self._invalidate_delta()
+        self._reset_delta()  # a sync outside delta framing: the bases are stale; free their memory
         sched = self._schedule(manifest)
         views = self._bucket_views(manifest)
         steps = sched.steps

@@ -54,7 +54,7 @@ class SendLoopMixin:
             raise RuntimeError(f"send_weights() runs on sender ranks [0, {self.num_senders}), this is rank {self.rank}")
         if delta is not None:
             return self._send_delta(manifest, weights, stable=stable, delta=delta)
-        self._invalidate_delta()  # a dense sync outside delta framing leaves the bases behind
+        self._reset_delta()  # a sync outside delta framing: the bases are stale; free their memory
         t_start = time.perf_counter()
         sched, mine, stats = self._own_steps(manifest)
         views = self._bucket_views(manifest)
