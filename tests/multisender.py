@@ -46,7 +46,7 @@ def model_state(version: int, *, lr: float = 0.0, base_seed: int = 0) -> dict[st
         opt.step()
         nxt = dict(sd)
         for k, p in params.items():
-            nxt[k] = p.detach().to(sd[k].dtype)
+            nxt[k] = p.detach().to(sd[k].dtype, copy=True)  # a snapshot: later steps must not change it
         done.append(nxt)
     return done[version]
 
