@@ -149,7 +149,6 @@ class DeltaTransferMixin:
                 raise ValueError("the weight source yielded more tensors than its metadata lists")
             table = self._frame_table(frames)
             works.append(self._broadcast_on(self.rank * self.num_lanes, None, table))
-            t0 = time.perf_counter()
             for step, msg in zip(mine, msgs):
                 self._tamper_hook(step.bucket.index, msg)
                 works.append(self._broadcast_on(step.gid, None, msg))
