@@ -146,7 +146,7 @@ def test_demo_default_command_summary(tmp_path: Path) -> None:
     assert any(ln.startswith("summary:") for ln in lines) and "GB/s" in proc.stdout and "overhead" in proc.stdout
     # fp32 at a high learning rate: delta=auto sends (about) dense; every line says what went on the wire.
     assert s["delta_mode"] == "auto" and s["wire_bytes"] >= 0.9 * s["dense_bytes"] > 0
-    assert s["delta_kinds"].get("patch", 0) <= 1
+    assert s["delta_kinds"].get("off", 0) > s["delta_kinds"].get("patch", 0)  # auto stopped encoding
     assert all(" sender" in ln and (" of " in ln or " dense " in ln) for ln in lines if ln.startswith("sync v"))
     assert any(ln.strip().startswith("wire ") and "dense" in ln for ln in lines)
     assert wall < 240, f"the demo took {wall:.0f}s"
