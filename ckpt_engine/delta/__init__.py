@@ -1,29 +1,5 @@
-"""Delta sync: patches that carry only the words that changed since the receiver's version."""
+"""Delta sync: patches that carry only the words that changed since the receiver's version.
 
-from ckpt_engine.delta.codec import (
-    PATCH_HEADER_BYTES,
-    DecodedPatch,
-    PatchError,
-    apply,
-    checksum,
-    decode,
-    delta_checksum,
-    encode,
-    encode_into_base,
-    max_patch_bytes,
-    word_dtype,
-)
-
-__all__ = [
-    "PATCH_HEADER_BYTES",
-    "DecodedPatch",
-    "PatchError",
-    "apply",
-    "checksum",
-    "decode",
-    "delta_checksum",
-    "encode",
-    "encode_into_base",
-    "max_patch_bytes",
-    "word_dtype",
-]
+The codec lives in `ckpt_engine.delta.codec`; nothing is imported here, so that importing the
+transfer core (which needs `delta.request`) does not load the codec's kernels (Triton) at start-up.
+"""
