@@ -89,25 +89,24 @@ def sweep(device: torch.device, base: torch.Tensor, new: torch.Tensor, repeats: 
     gb = base.numel() / 1e9
     rows = []
     kind = codec.decode(out[: codec.encode(base, new, 2, out, impl="torch")], base.numel(), 2, impl="torch").kind
-    settings = [(1024, 2, "bits"), (1024, 4, "bits"), (2048, 4, "bits"), (4096, 8, "bits")]
-    settings += [(2048, 4, "bytes"), (4096, 8, "bytes"), (8192, 8, "bytes")]
-    for block, warps, variant in settings:
-        kernels.BLOCK_WORDS, kernels.NUM_WARPS, kernels.COMPACT = block, warps, variant
+    settings = [(1024, 2), (1024, 4), (2048, 4), (4096, 8), (8192, 8)]
+    for block, warps in settings:
+        kernels.BLOCK_WORDS, kernels.NUM_WARPS = block, warps
         t_enc = _timer(device, lambda: codec.encode(base, new, 2, out, impl="triton"), repeats)
         t_pack, t_compact = _kernel_split(device, base, new, kind, repeats)
         t_sum = _timer(device, lambda: codec.checksum(base, 2, impl="triton"), repeats)
         rows.append(
-            {"op": "sweep", "block_words": block, "num_warps": warps, "compact": variant, "encode_s": t_enc}
+            {"op": "sweep", "block_words": block, "num_warps": warps, "encode_s": t_enc}
             | {"compare_pack_s": t_pack, "compact_s": t_compact, "checksum_s": t_sum}
         )
         print(
-            f"  sweep block {block:5d} warps {warps:2d} compact {variant:5s}: encode {gb / t_enc:7.1f} GB/s  compare+pack {gb / t_pack:7.1f} GB/s "
+            f"  sweep block {block:5d} warps {warps:2d}: encode {gb / t_enc:7.1f} GB/s  compare+pack {gb / t_pack:7.1f} GB/s "
             f"({t_pack * 1e3:.2f} ms)  compact {t_compact * 1e3:.2f} ms  checksum {gb / t_sum:7.1f} GB/s",
             flush=True,
         )
     best = min(rows, key=lambda r: r["encode_s"])
-    kernels.BLOCK_WORDS, kernels.NUM_WARPS, kernels.COMPACT = best["block_words"], best["num_warps"], best["compact"]
-    print(f"  using block {best['block_words']} warps {best['num_warps']} compact {best['compact']}")
+    kernels.BLOCK_WORDS, kernels.NUM_WARPS = best["block_words"], best["num_warps"]
+    print(f"  using block {best['block_words']} warps {best['num_warps']}")
     return rows
 
 
@@ -166,7 +165,7 @@ def _measure(
         row["encode_host_syncs"] = _host_syncs(lambda: codec.encode(base, new, 2, out, impl=impl))
     if impl == "triton":
         row["compare_pack_s"], row["compact_s"] = _kernel_split(device, base, new, patch.kind, repeats)
-        row["block_words"], row["num_warps"], row["compact"] = kernels.BLOCK_WORDS, kernels.NUM_WARPS, kernels.COMPACT
+        row["block_words"], row["num_warps"] = kernels.BLOCK_WORDS, kernels.NUM_WARPS
     figures = "  ".join(
         f"{k[:-2]} {gb / row[k]:8.2f} GB/s ({row[k] * 1e3:7.2f} ms)"
         for k in ("encode_s", "encode_into_base_s", "decode_s", "apply_s", "delta_checksum_s", "checksum_s")

@@ -67,13 +67,11 @@ def test_gpu_patches_equal_cpu_patches_byte_for_byte(word_bytes: int, frac: floa
             assert _gpu_roundtrip(base, new, word_bytes, kind, impl) == want, (kind, impl)
 
 
-@pytest.mark.parametrize("variant", ["bits", "bytes"])
 @pytest.mark.parametrize(("block_words", "num_warps"), [(1024, 2), (2048, 4), (8192, 8)])
-def test_gpu_kernel_settings_write_identical_patches(variant: str, block_words: int, num_warps: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every block size, warp count and compact variant the bench sweeps writes the same bytes."""
+def test_gpu_kernel_settings_write_identical_patches(block_words: int, num_warps: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every block size and warp count the bench sweeps writes the same bytes."""
     if not kernels.available(torch.device("cuda")):
         pytest.skip("needs Triton")
-    monkeypatch.setattr(kernels, "COMPACT", variant)
     monkeypatch.setattr(kernels, "BLOCK_WORDS", block_words)
     monkeypatch.setattr(kernels, "NUM_WARPS", num_warps)
     for word_bytes, frac in [(2, 0.02), (2, 0.3), (1, 0.05), (8, 0.01)]:
@@ -151,3 +149,41 @@ def test_gpu_flipped_bytes_are_rejected_or_caught() -> None:
                 assert exact == (got == announced), (impl, kind, at)
                 outcomes["harmless" if exact else "caught"] += 1
             assert outcomes["rejected"] + outcomes["caught"] > 0
+
+
+@pytest.mark.parametrize("word_bytes", [1, 2, 4, 8])
+@pytest.mark.parametrize("frac", [0.0, 0.004, 0.02, 0.2])
+def test_gpu_one_pass_bucket_diff_matches_the_cpu_diff(word_bytes: int, frac: float) -> None:
+    """direct.BucketDiff compiled on the GPU (one kernel per piece, blocks claiming room with an
+    atomic) writes the same changed words as the CPU path, in block order, and the same sums."""
+    from ckpt_engine.delta.direct import BucketDiff
+
+    if not kernels.available(torch.device("cuda")):
+        pytest.skip("needs Triton")
+    num_words = 3 * 65536 + 4099
+    base, new = _images(word_bytes, num_words, frac, seed=11 + word_bytes)
+    nbytes = num_words * word_bytes
+    cuts = [0, 1, 70001, 70001 + 2048 * 3, 150000, num_words]
+    results = []
+    for device in ("cpu", "cuda"):
+        work = base.to(device).clone()
+        fresh = new.to(device)
+        out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        diff = BucketDiff(out, nbytes, word_bytes)
+        assert diff._fused == (device == "cuda")
+        wdt = codec.word_dtype(word_bytes)
+        for lo, hi in zip(cuts, cuts[1:]):
+            diff.add(fresh.view(wdt)[lo:hi], work.view(wdt)[lo:hi], lo)
+        size, delta, count = diff.finish()
+        assert torch.equal(work.cpu(), new)
+        patch = None if size is None else codec.decode(out[:size].cpu(), nbytes, word_bytes)
+        if patch is not None:
+            order = patch.positions.argsort()
+            results.append((count, int(delta), patch.positions[order], patch.values[order]))
+        else:
+            results.append((count, None, None, None))
+    (c0, d0, p0, v0), (c1, d1, p1, v1) = results
+    assert c0 == c1 == int((base.view(codec.word_dtype(word_bytes)) != new.view(codec.word_dtype(word_bytes))).sum())
+    assert (p0 is None) == (p1 is None)
+    if p0 is not None:
+        assert d0 == d1 and torch.equal(p0, p1) and torch.equal(v0, v1)

@@ -2,13 +2,16 @@
 
 Every side keeps a base image of each bucket it sends or receives (the bucket's wire bytes at the
 last sync, in the engine's device memory: the whole model on a single sender and on each
-receiver, 1/S of it on each of S senders). One delta sync, per sender:
-1. encode: pack each bucket, compare it with its base image (`ckpt_engine.delta.codec`), keep the
-   patch when it is smaller than the bucket, and bring the base image up to date;
-2. a table (kind, bytes, checksum per bucket) goes to every receiver in one message;
-3. each bucket's payload follows from stable memory (the patch, or the base image itself).
+receiver, 1/S of it on each of S senders). One delta sync, per sender and bucket:
+1. encode: compare the bucket's source tensors with its base image in one pass each
+   (`ckpt_engine.delta.direct`, no pack) or, for a bucket that changed a lot last time, pack it and
+   let the codec pick a bitmask patch; keep the patch when it is smaller than the bucket; the base
+   image becomes the new bytes either way;
+2. the bucket's header (kind, bytes, checksum of the result) and payload (the patch, or the base
+   image itself) leave at once, so the next bucket is encoded while this one travels.
 Receivers check each patch against their own base (the sender's checksum of the result must equal
-theirs) before applying it, and hand tensors to the loader only after every bucket has passed, so
+theirs) as it arrives, apply patches only after every bucket has passed, and then hand tensors to
+the loader, so
 a corrupt or mismatched patch leaves the engine's own weights untouched. Dense frames need no
 check beyond the transport's (as a dense sync); their checksum is computed lazily, the first time
 a patch builds on them.
@@ -25,10 +28,11 @@ from typing import Any
 import torch
 
 from ckpt_engine.backends.piece_reader import PieceReader
-from ckpt_engine.backends.wire_views import torch_dtype
+from ckpt_engine.backends.wire_views import flat_bytes, torch_dtype
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta import codec
-from ckpt_engine.delta.layout import header_fields
+from ckpt_engine.delta.direct import BucketDiff
+from ckpt_engine.delta.layout import header_fields, word_dtype
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import SendStats, TransferError
 from ckpt_engine.manifest import BucketManifest
@@ -48,6 +52,8 @@ class _Bases:
     sync_id: int | None = None
     images: dict[int, torch.Tensor] = field(default_factory=dict)
     sums: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    busy: set[int] = field(default_factory=set)
+    """Sender buckets whose last patch changed more than 1 word in 32: encoded by the codec."""
 
     @property
     def nbytes(self) -> int:
@@ -99,70 +105,50 @@ class DeltaTransferMixin:
     def _send_delta(
         self, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool, delta: DeltaRequest
     ) -> SendStats:
+        """Encode and send bucket by bucket: each bucket's frame header (kind, bytes, checksum)
+        and payload leave as soon as it is encoded, so receivers check bucket k while this rank
+        encodes bucket k + 1."""
         t_start = time.perf_counter()
         sched, mine, stats = self._own_steps(manifest)
         it = iter(weights)
         works: list[Any] = []
+        keep: list[torch.Tensor] = []  # what the queued broadcasts read, alive until drained
         try:
             bases = self._bases_for(manifest, delta, [(s.ordinal, s.bucket.nbytes) for s in mine])
             pieces = PieceReader(it, sched, self.rank, self.device, stats)
-            scratch, out = self._buffers[0], self._buffers[1]
-            frames: list[tuple[int, int, torch.Tensor | None]] = []
-            msgs: list[torch.Tensor] = []
-            changed = total_words = 0
+            wire = changed = total_words = patches = 0
             for step in mine:
-                bucket, n = step.bucket, step.bucket.nbytes
-                image = bases.images[step.ordinal]
-                target = scratch if delta.patches else image
-                dsts = [self._entry_view(target, e) for e in bucket.entries]
-                srcs = []
-                for e, dst in zip(bucket.entries, dsts):
-                    src, _own = pieces.source(e)
-                    if stable:
-                        srcs.append(src)
-                    else:
-                        t0 = time.perf_counter()
-                        dst.copy_(src)  # before the next tensor is requested (a gather frees it)
-                        stats.pack_s += time.perf_counter() - t0
+                n, word = step.bucket.nbytes, step.word_bytes
+                total_words += n // word
                 t0 = time.perf_counter()
-                if srcs:
-                    batched_copy_(dsts, srcs)
-                stats.pack_s += time.perf_counter() - t0
-                total_words += n // step.word_bytes
                 if not delta.patches:
+                    self._pack_into(bases.images[step.ordinal], step, pieces, stable, stats)
                     bases.sums[step.ordinal] = None
-                    frames.append((DENSE, n, None))
-                    msgs.append(image[:n])
-                    continue
-                t0 = time.perf_counter()
-                size, result, num_changed = self._encode_bucket(bases, step.ordinal, image[:n], scratch[:n], out, step.word_bytes)
-                stats.extra["encode_s"] = stats.extra.get("encode_s", 0.0) + time.perf_counter() - t0
-                if size is None:
-                    frames.append((DENSE, n, None))
-                    msgs.append(image[:n])
-                    changed += n // step.word_bytes
+                    kind, size, result, msg, num_changed = DENSE, n, None, bases.images[step.ordinal][:n], n // word
                 else:
-                    frames.append((PATCH, size, result))
-                    msgs.append(out[:size].clone())
-                    changed += num_changed
+                    kind, size, result, msg, num_changed = self._encode_step(bases, step, pieces, stable, stats)
+                    stats.extra["encode_s"] = stats.extra.get("encode_s", 0.0) + time.perf_counter() - t0
+                wire += size
+                changed += num_changed
+                patches += kind == PATCH
+                header = self._frame_header(kind, size, result)
+                self._tamper_hook(step.bucket.index, msg)
+                keep += [header, msg]
+                works.append(self._broadcast_on(step.gid, None, header))
+                works.append(self._broadcast_on(step.gid, None, msg))
             if next(it, None) is not None:
                 raise ValueError("the weight source yielded more tensors than its metadata lists")
-            table = self._frame_table(frames)
-            works.append(self._broadcast_on(self.rank * self.num_lanes, None, table))
-            for step, msg in zip(mine, msgs):
-                self._tamper_hook(step.bucket.index, msg)
-                works.append(self._broadcast_on(step.gid, None, msg))
             self._drain_unslotted(works, "delta payloads")
             bases.sync_id = delta.new_id
         except BaseException:
             works.clear()
             self.abort()
             raise
-        wire = sum(size for _k, size, _s in frames)
+        finally:
+            keep.clear()
         stats.extra.update(
-            wire_bytes=float(wire), table_bytes=float(table.numel() * 8), dense_bytes=float(sum(s.bucket.nbytes for s in mine)),
-            patch_buckets=float(sum(1 for k, _n, _s in frames if k == PATCH)),
-            changed_fraction=changed / total_words if total_words else 0.0,
+            wire_bytes=float(wire), table_bytes=float(24 * len(mine)), dense_bytes=float(sum(s.bucket.nbytes for s in mine)),
+            patch_buckets=float(patches), changed_fraction=changed / total_words if total_words else 0.0,
             base_bytes=float(bases.nbytes),
         )
         stats.total_s = time.perf_counter() - t_start
@@ -170,28 +156,70 @@ class DeltaTransferMixin:
         self.last_delta_stats = dict(stats.extra)
         return stats
 
-    def _encode_bucket(
-        self, bases: _Bases, key: int, image: torch.Tensor, new: torch.Tensor, out: torch.Tensor, word: int
-    ) -> tuple[int | None, torch.Tensor | None, int]:
-        """Patch of `new` against `image` into `out`; the image becomes `new` either way.
-        Returns (patch bytes or None for dense, checksum of the result, changed words)."""
+    def _pack_into(self, target: torch.Tensor, step: Any, pieces: PieceReader, stable: bool, stats: SendStats) -> None:
+        """Copy the bucket's pieces into `target` (the base image, or the scratch buffer)."""
+        dsts, srcs = [], []
+        for e in step.bucket.entries:
+            dst = self._entry_view(target, e)
+            src, _own = pieces.source(e)
+            if stable:
+                dsts.append(dst)
+                srcs.append(src)
+            else:
+                t0 = time.perf_counter()
+                dst.copy_(src)  # before the next tensor is requested (a gather frees it)
+                stats.pack_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if srcs:
+            batched_copy_(dsts, srcs)
+        stats.pack_s += time.perf_counter() - t0
+
+    def _encode_step(
+        self, bases: _Bases, step: Any, pieces: PieceReader, stable: bool, stats: SendStats
+    ) -> tuple[int, int, torch.Tensor | None, torch.Tensor, int]:
+        """One bucket of a patch sync: (kind, bytes, checksum of the result, payload, changed words).
+        The base image becomes the new bytes either way. Buckets that changed little are diffed
+        straight from the source tensors (direct.BucketDiff, no pack); one that changed a lot last
+        time is packed and encoded by the codec, whose bitmask index is smaller there."""
+        key, n, word = step.ordinal, step.bucket.nbytes, step.word_bytes
+        image = bases.images[key][:n]
+        out = self._buffers[1]
         if bases.sums.get(key) is None:
             bases.sums[key] = codec.checksum(image, word)
-        size = codec.encode_into_base(image, new, word, out)  # the image becomes `new` either way
+        if key in bases.busy or n // word >= 2**31:
+            scratch = self._buffers[0][:n]
+            self._pack_into(scratch, step, pieces, stable, stats)
+            size = codec.encode_into_base(image, scratch, word, out)  # the image becomes `new` either way
+            num_changed, delta_sum = header_fields(out[:size]) if size is not None else (n // word, 0)
+            if size is None or num_changed * 32 < n // word:
+                bases.busy.discard(key)
+        else:
+            diff = BucketDiff(out, n, word)
+            dtype = word_dtype(word)
+            for e in step.bucket.entries:
+                src, own = pieces.source(e)
+                if e.is_whole and not own:
+                    region = self._entry_view(self._buffers[0], e)
+                    region.copy_(src)
+                    src = region
+                new = flat_bytes(src) if e.is_whole else src
+                base = image[e.bucket_offset : e.bucket_offset + e.chunk_size]
+                diff.add(new.view(dtype), base.view(dtype), e.bucket_offset // word)
+            size, delta_sum, num_changed = diff.finish()
+            if num_changed > diff.cap:
+                bases.busy.add(key)
         if size is None:
             bases.sums[key] = None
-            return None, None, 0
-        num_changed, delta_sum = header_fields(out[:size])
+            return DENSE, n, None, image, n // word
         result = bases.sums[key] + delta_sum
         bases.sums[key] = result
-        return size, result, num_changed
+        return PATCH, size, result, out[:size].clone(), num_changed
 
-    def _frame_table(self, frames: list[tuple[int, int, torch.Tensor | None]]) -> torch.Tensor:
-        """(kind, bytes, checksum) per bucket, one int64 row each, on the transport's device."""
-        head = torch.tensor([[k, n] for k, n, _s in frames], dtype=torch.int64).reshape(-1, 2)
-        zero = torch.zeros((), dtype=torch.int64, device=self.device)
-        sums = torch.stack([s if s is not None else zero for _k, _n, s in frames]) if frames else zero.reshape(0)
-        return torch.cat([head.to(self.device), sums.reshape(-1, 1).to(self.device)], dim=1).contiguous()
+    def _frame_header(self, kind: int, size: int, checksum: torch.Tensor | None) -> torch.Tensor:
+        """(kind, bytes, checksum) of one bucket, one int64 row on the transport's device."""
+        head = torch.tensor([kind, size], dtype=torch.int64).to(self.device)
+        tail = checksum.reshape(1) if checksum is not None else torch.zeros(1, dtype=torch.int64, device=self.device)
+        return torch.cat([head, tail.to(self.device)]).reshape(1, 3)
 
     def _drain_unslotted(self, works: list[Any], what: str) -> None:
         if self._comm_stream is None:
@@ -207,49 +235,53 @@ class DeltaTransferMixin:
     def _receive_delta(
         self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Per bucket: its header, then its payload; each patch is checked against this rank's own
+        base while the next bucket is in flight. Patches are applied, and tensors handed to the
+        loader, only after every bucket has passed; after a failed check the remaining frames are
+        still received (so senders finish), then the failure is raised."""
         sched = self._schedule(manifest)
         steps = sched.steps
         works: list[Any] = []
         t_start = time.perf_counter()
+        failure: TransferError | None = None
         try:
             bases = self._bases_for(manifest, delta, [(s.bucket.index, s.bucket.nbytes) for s in steps])
-            tables = []
-            for sender, own in enumerate(sched.by_sender):
-                t = torch.empty((len(own), 3), dtype=torch.int64, device=self.device)
-                tables.append(t)
-                works.append(self._broadcast_on(sender * self.num_lanes, None, t))
-            if self._comm_stream is None:
-                for sender, work in enumerate(works[:]):
-                    self._wait_work(work, f"the delta table from sender {sender}")
-            else:
-                self._drain_unslotted(works, "delta tables")
-            works.clear()
-            rows = [t.tolist() for t in tables]
-            frames = []
+            frames: list[tuple[int, int, int]] = []
+            patches: dict[int, codec.DecodedPatch] = {}
+            pending: tuple[Any, int, int, int, torch.Tensor, Any] | None = None
+            check_s = 0.0
             for step in steps:
-                kind, size, expect = rows[step.bucket.sender][step.ordinal]
+                header = torch.empty((1, 3), dtype=torch.int64, device=self.device)
+                where = f"bucket {step.bucket.index} from sender {step.bucket.sender}"
+                self._settle(step.gid, self._broadcast_on(step.gid, None, header), f"the frame header of {where}")
+                kind, size, expect = header[0].tolist()
                 self._check_frame(step, kind, size, delta)
                 frames.append((kind, size, expect))
-            payloads: list[torch.Tensor] = []
-            for step, (kind, size, _e) in zip(steps, frames):
                 image = bases.images[step.bucket.index]
                 msg = image[:size] if kind == DENSE else torch.empty(size, dtype=torch.uint8, device=self.device)
-                payloads.append(msg)
-                works.append(self._broadcast_on(step.gid, None, msg))
-            if self._comm_stream is None:  # each wait names the sender a lost bucket came from
-                for step, work in zip(steps, works[:]):
-                    self._wait_work(work, f"bucket {step.bucket.index} from sender {step.bucket.sender}")
-            else:
-                self._drain_unslotted(works, "delta payloads")
-            works.clear()
+                work = self._broadcast_on(step.gid, None, msg)
+                if pending is not None:
+                    t0 = time.perf_counter()
+                    failure = self._check_arrived(bases, patches, pending, failure)
+                    check_s += time.perf_counter() - t0
+                pending = (step, kind, size, expect, msg, work)
+            if pending is not None:
+                t0 = time.perf_counter()
+                failure = self._check_arrived(bases, patches, pending, failure)
+                check_s += time.perf_counter() - t0
+            if failure is not None:
+                raise failure
             t_apply = time.perf_counter()
             changed = 0
-            for step, (kind, size, expect), payload in zip(steps, frames, payloads):
+            for step, (kind, _size, expect) in zip(steps, frames):
                 k = step.bucket.index
                 if kind == DENSE:
                     bases.sums[k] = None
                     continue
-                changed += self._apply_patch(bases, step, payload, expect)
+                patch = patches.pop(k)
+                codec.apply(bases.images[k][: step.bucket.nbytes], patch)
+                bases.sums[k] = torch.tensor(expect, dtype=torch.int64, device=self.device)
+                changed += int(patch.positions.numel())
             apply_s = time.perf_counter() - t_apply
             bases.sync_id = delta.new_id
         except BaseException:
@@ -259,10 +291,34 @@ class DeltaTransferMixin:
         wire = sum(size for _k, size, _e in frames)
         self.last_delta_stats = {
             "wire_bytes": float(wire), "dense_bytes": float(sum(s.bucket.nbytes for s in steps)),
-            "patch_buckets": float(sum(1 for k, _s, _e in frames if k == PATCH)), "apply_s": apply_s,
-            "receive_s": time.perf_counter() - t_start, "changed_words": float(changed), "base_bytes": float(bases.nbytes),
+            "patch_buckets": float(sum(1 for k, _s, _e in frames if k == PATCH)), "apply_s": apply_s + check_s,
+            "check_s": check_s, "receive_s": time.perf_counter() - t_start, "changed_words": float(changed),
+            "base_bytes": float(bases.nbytes),
         }
         yield from self._yield_images(manifest, destinations, bases)
+
+    def _settle(self, gid: int, work: Any, what: str) -> None:
+        """Wait, with the timeout, for one broadcast on group `gid` (the host then reads its bytes)."""
+        if self._comm_stream is None:
+            self._wait_work(work, what)
+            return
+        ev = self._new_event()
+        ev.record(self._streams[gid])
+        self._wait_event(ev, what)
+
+    def _check_arrived(
+        self, bases: _Bases, patches: dict[int, Any], pending: tuple[Any, int, int, int, torch.Tensor, Any], failure: TransferError | None
+    ) -> TransferError | None:
+        """Wait for a bucket's payload; a patch is decoded and checked (unless an earlier one failed)."""
+        step, kind, size, expect, msg, work = pending
+        self._settle(step.gid, work, f"bucket {step.bucket.index} from sender {step.bucket.sender}")
+        if kind == DENSE or failure is not None:
+            return failure
+        try:
+            patches[step.bucket.index] = self._verify_patch(bases, step, msg, expect)
+        except TransferError as exc:
+            return exc
+        return None
 
     def _check_frame(self, step: Any, kind: int, size: int, delta: DeltaRequest) -> None:
         n = step.bucket.nbytes
@@ -276,8 +332,8 @@ class DeltaTransferMixin:
                 f"kind {kind} of {size} bytes (bucket of {n} bytes, patches {'allowed' if delta.patches else 'not allowed'})"
             )
 
-    def _apply_patch(self, bases: _Bases, step: Any, payload: torch.Tensor, expect: int) -> int:
-        """Check a patch against this rank's own base and apply it; returns the changed words."""
+    def _verify_patch(self, bases: _Bases, step: Any, payload: torch.Tensor, expect: int) -> Any:
+        """Decode a patch and check it against this rank's own base (not yet applied)."""
         k, word = step.bucket.index, step.word_bytes
         image = bases.images[k][: step.bucket.nbytes]
         where = f"rank {self.rank}: bucket {k} from sender {step.bucket.sender}"
@@ -295,9 +351,7 @@ class DeltaTransferMixin:
                 f"{where}: checksum mismatch after applying the patch (sender {expect}, here {got}): "
                 "the patch was corrupted or this rank's base differs; the engine keeps its old weights"
             )
-        codec.apply(image, patch)
-        bases.sums[k] = torch.tensor(expect, dtype=torch.int64, device=self.device)
-        return int(patch.positions.numel())
+        return patch
 
     def _yield_images(
         self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, bases: _Bases

@@ -7,6 +7,7 @@ a patch from the changed words alone, without re-reading the whole image.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ckpt_engine.delta import host, kernels
@@ -55,6 +56,9 @@ def delta_checksum(base: torch.Tensor, patch: DecodedPatch, *, impl: str = "auto
     with torch.profiler.record_function("ckpt_engine.delta.delta_checksum"):
         if how == "host":
             b, p, v = bw.numpy(), patch.positions.numpy(), patch.values.numpy()
+            if patch.kind == "scatter32":  # the host sum walks h groups in position order
+                order = np.argsort(p, kind="stable")
+                p, v = p[order], v[order]
             total = 0
             for s in range(0, p.size, CHUNK_WORDS):
                 q = p[s : s + CHUNK_WORDS]

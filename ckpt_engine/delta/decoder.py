@@ -120,20 +120,30 @@ def _bitmask_positions_host(index: np.ndarray, pad: np.ndarray, num_words: int, 
 
 
 def _checked_positions(index: torch.Tensor, pad: torch.Tensor, kind: str, num_words: int, how: str) -> torch.Tensor:
-    positions = view_or_copy(index, torch.int32 if kind == "positions32" else torch.int64).to(torch.int64)
+    """Positions in range; sorted kinds strictly increasing. A scatter32 patch is only range-checked
+    (its order is the encoder's block order; the checksum catches a corrupted position)."""
+    positions = view_or_copy(index, torch.int64 if kind == "positions64" else torch.int32).to(torch.int64)
     names = ["patch padding after the positions is not zero"]
     if positions.numel():
-        names += ["a position is negative", f"a position is >= num_words={num_words}", "positions are not strictly increasing"]
+        names += ["a position is negative", f"a position is >= num_words={num_words}"]
+        if kind != "scatter32":
+            names += ["positions are not strictly increasing"]
     if how == "host":
         p = positions.numpy()
         flags = [not pad.numpy().any()]
         if p.size:
-            flags += [p[0] >= 0, p[-1] < num_words, bool((p[1:] > p[:-1]).all())]
+            if kind == "scatter32":
+                flags += [p.min() >= 0, p.max() < num_words]
+            else:
+                flags += [p[0] >= 0, p[-1] < num_words, bool((p[1:] > p[:-1]).all())]
         _fail_first(flags, names)
         return positions
     checks = [pad.eq(0).all()]
     if positions.numel():
-        checks += [positions[0] >= 0, positions[-1] < num_words, (positions[1:] > positions[:-1]).all()]
+        if kind == "scatter32":
+            checks += [positions.min() >= 0, positions.max() < num_words]
+        else:
+            checks += [positions[0] >= 0, positions[-1] < num_words, (positions[1:] > positions[:-1]).all()]
     _fail_first(torch.stack(checks).tolist(), names)
     return positions
 
@@ -166,7 +176,7 @@ def decode(payload: torch.Tensor, nbytes: int, word_bytes: int, *, impl: str = "
             raise PatchError(f"patch is for {num_words} words, the image has {nbytes // word_bytes}")
         if not 0 <= num_changed <= num_words:
             raise PatchError(f"num_changed={num_changed} is outside [0, num_words={num_words}]")
-        if kind == "positions32" and num_words >= 2**31:
+        if kind in ("positions32", "scatter32") and num_words >= 2**31:
             raise PatchError(f"int32 positions cannot address {num_words} words")
         index_len = index_bytes(kind, num_words, num_changed)
         values_at = PATCH_HEADER_BYTES + align8(index_len)

@@ -13,17 +13,16 @@ import torch
 from ckpt_engine.delta import host, kernels
 from ckpt_engine.delta.layout import (
     CHUNK_WORDS,
-    HEADER,
     KIND_IDS,
-    MAGIC,
-    FORMAT_VERSION,
     PATCH_HEADER_BYTES,
     align8,
     index_bytes,
     patch_kind_sizes,
     resolve_impl,
+    store_delta_sum,
     word_dtype,
     words_of,
+    write_header,
 )
 from ckpt_engine.delta.mixing import mix
 
@@ -64,14 +63,6 @@ def _nonzero(mask: torch.Tensor, count: int) -> torch.Tensor:
     return mask.nonzero().reshape(-1)
 
 
-def _write_header(out: torch.Tensor, kind: str, word_bytes: int, num_words: int, num_changed: int) -> None:
-    """Header fields but delta_sum, written by fill kernels: a host-to-device copy would sync."""
-    head = HEADER.pack(MAGIC, FORMAT_VERSION, KIND_IDS[kind], word_bytes, 0, num_words, num_changed, 0)
-    fields = out[: PATCH_HEADER_BYTES - 8].view(torch.int64)
-    for i in range(3):
-        fields[i].fill_(int.from_bytes(head[8 * i : 8 * i + 8], "little", signed=True))
-
-
 def _sections(out: torch.Tensor, kind: str, num_words: int, num_changed: int, word_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(index section bytes, values view) of a patch laid out in `out`."""
     index_len = index_bytes(kind, num_words, num_changed)
@@ -104,8 +95,7 @@ def _encode(
 
 
 def _finish(out: torch.Tensor, n: int, delta: torch.Tensor) -> int:
-    """Store the device-side delta sum in the header (no host sync) and return the patch size."""
-    out[PATCH_HEADER_BYTES - 8 : PATCH_HEADER_BYTES].view(torch.int64).copy_(delta.reshape(1))
+    store_delta_sum(out, delta)
     return n
 
 
@@ -127,7 +117,7 @@ def _encode_torch(bw: torch.Tensor, nw: torch.Tensor, word_bytes: int, out: torc
         return None
     kind, n = plan
     _check_out(out, n)
-    _write_header(out, kind, word_bytes, num_words, num_changed)
+    write_header(out, kind, word_bytes, num_words, num_changed)
     index, values = _sections(out, kind, num_words, num_changed, word_bytes)
     positions = None if kind == "bitmask" else index.view(torch.int32 if kind == "positions32" else torch.int64)
     delta = torch.zeros((), dtype=torch.int64, device=bw.device)
@@ -170,7 +160,7 @@ def _encode_host(bw: torch.Tensor, nw: torch.Tensor, word_bytes: int, out: torch
         return None
     kind, n = plan
     _check_out(out, n)
-    _write_header(out, kind, word_bytes, num_words, num_changed)
+    write_header(out, kind, word_bytes, num_words, num_changed)
     index, values = _sections(out, kind, num_words, num_changed, word_bytes)
     index_np, values_np = index.numpy(), values.numpy()
     positions = None if kind == "bitmask" else index_np.view(np.int32 if kind == "positions32" else np.int64)
@@ -209,7 +199,7 @@ def _encode_triton(bw: torch.Tensor, nw: torch.Tensor, word_bytes: int, out: tor
     kind, n = plan
     _check_out(out, n)
     offsets -= counts
-    _write_header(out, kind, word_bytes, num_words, num_changed)
+    write_header(out, kind, word_bytes, num_words, num_changed)
     index, values = _sections(out, kind, num_words, num_changed, word_bytes)
     mask_bytes = (num_words + 7) // 8
     positions = None

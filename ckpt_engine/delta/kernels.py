@@ -16,17 +16,13 @@ from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BLOCK_WORDS", "COMPACT", "NUM_WARPS", "available", "checksum", "compact", "compare_pack", "delta_sum"]
+__all__ = ["BLOCK_WORDS", "NUM_WARPS", "available", "checksum", "compact", "compare_pack", "delta_sum", "diff_into", "pairs_sum"]
 
 # Words per program, warps per program and the compact variant, read at each call
 # (bench/delta_codec_bench.py sweeps them; 2048 / 4 / "bits" was the fastest encode measured on an
 # H200). BLOCK_WORDS must divide 2**16 (one B factor of h per block) and be a multiple of 8.
-# COMPACT: "bits" unpacks the block's mask and scans one flag per word; "bytes" scans one popcount
-# per mask byte (8x shorter) and ranks bits inside their byte; not yet timed on a GPU.
 BLOCK_WORDS = 2048
 NUM_WARPS = 4
-COMPACT = "bits"
-COMPACT_VARIANTS = ("bits", "bytes")
 
 try:  # Triton is optional: CPU installs and GPUs without it use the torch path.
     import triton
@@ -133,47 +129,51 @@ if _HAVE_TRITON:
                     tl.store(base_ptr + offs, v, mask=sel)
 
     @triton.jit
-    def _popc8(x):
-        """Set bits of each int32 holding a byte value."""
-        x = x - ((x >> 1) & 0x55)
-        x = (x & 0x33) + ((x >> 2) & 0x33)
-        return (x + (x >> 4)) & 0x0F
+    def _popc32(x):
+        """Set bits of each int32 (SWAR popcount on the unsigned bits)."""
+        x = x.to(tl.uint32, bitcast=True)
+        x = x - ((x >> 1) & 0x55555555)
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        return ((x * 0x01010101) >> 24).to(tl.int32)
 
     @triton.jit
-    def _compact_bytes_kernel(
-        mask_ptr,
-        n_mask_bytes,
-        counts_ptr,
-        offsets_ptr,
-        new_ptr,
-        val_ptr,
-        pos_ptr,
-        base_ptr,
-        BLOCK: tl.constexpr,
-        WRITE_POS: tl.constexpr,
-        WRITE_VALS: tl.constexpr,
-        UPDATE_BASE: tl.constexpr,
-    ):
+    def _diff_into_kernel(new_ptr, base_ptr, n_words, first, counter_ptr, pos_ptr, val_ptr, old_ptr, cap, ROWS: tl.constexpr):
+        """One pass over a piece, as a tile of ROWS rows of 32 words: compare, pack each row's
+        changes into one int32, rank every changed word by popcounts (a scan over ROWS row counts,
+        not over every word), claim the block's room with one atomic, write positions, new and old
+        words, and bring the base up to date."""
         pid = tl.program_id(0)
-        cnt = tl.load(counts_ptr + pid)
+        row = tl.arange(0, ROWS)
+        col = tl.arange(0, 32)
+        offs = pid.to(tl.int64) * (ROWS * 32) + row[:, None] * 32 + col[None, :]
+        inb = offs < n_words
+        a = tl.load(base_ptr + offs, mask=inb, other=0)
+        b = tl.load(new_ptr + offs, mask=inb, other=0)
+        changed = a != b
+        packed = tl.sum(tl.where(changed, 1 << col[None, :], 0), axis=1)  # distinct bits: sum == or
+        per_row = _popc32(packed)
+        cnt = tl.sum(per_row, axis=0)
         if cnt > 0:
-            byte_offs = pid.to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
-            mb = tl.load(mask_ptr + byte_offs, mask=byte_offs < n_mask_bytes, other=0).to(tl.int32)
-            pc = _popc8(mb)
-            before = tl.cumsum(pc, axis=0) - pc
-            bit = tl.arange(0, 8)
-            sel = ((mb[:, None] >> bit[None, :]) & 1) != 0
-            rank = _popc8(mb[:, None] & ((1 << bit[None, :]) - 1))
-            dest = tl.load(offsets_ptr + pid) + (before[:, None] + rank).to(tl.int64)
-            offs = byte_offs[:, None] * 8 + bit[None, :]
-            if WRITE_POS:
-                tl.store(pos_ptr + dest, offs.to(pos_ptr.dtype.element_ty), mask=sel)
-            if WRITE_VALS or UPDATE_BASE:
-                v = tl.load(new_ptr + offs, mask=sel)
-                if WRITE_VALS:
-                    tl.store(val_ptr + dest, v, mask=sel)
-                if UPDATE_BASE:
-                    tl.store(base_ptr + offs, v, mask=sel)
+            at = tl.atomic_add(counter_ptr, cnt)
+            row_start = tl.cumsum(per_row, axis=0) - per_row
+            dest = at + row_start[:, None] + _popc32(packed[:, None] & ((1 << col[None, :]) - 1))
+            keep = changed & (dest < cap)
+            tl.store(pos_ptr + dest, (first + offs).to(tl.int32), mask=keep)
+            tl.store(val_ptr + dest, b, mask=keep)
+            tl.store(old_ptr + dest, a, mask=keep)
+            tl.store(base_ptr + offs, b, mask=changed)
+
+    @triton.jit
+    def _pairs_sum_kernel(pos_ptr, val_ptr, old_ptr, n, out_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr):
+        pid = tl.program_id(0)
+        idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = idx < n
+        p = tl.load(pos_ptr + idx, mask=m, other=0).to(tl.int64)
+        v = tl.load(val_ptr + idx, mask=m, other=0).to(tl.int64)
+        old = tl.load(old_ptr + idx, mask=m, other=0).to(tl.int64)
+        a = _mix_a((p & (GROUP - 1)).to(tl.int32)).to(tl.int64)
+        tl.store(out_ptr + pid, tl.sum((v - old) * a * _mix_b(p >> GROUP_BITS), axis=0))
 
     @triton.jit
     def _checksum_kernel(
@@ -199,6 +199,44 @@ if _HAVE_TRITON:
         old = tl.load(base_ptr + p, mask=m, other=0).to(tl.int64)
         a = _mix_a((p & (GROUP - 1)).to(tl.int32)).to(tl.int64)
         tl.store(out_ptr + pid, tl.sum((v - old) * a * _mix_b(p >> GROUP_BITS), axis=0))
+
+
+DIFF_ROWS = 64  # rows of 32 words per program of the one-pass diff (bench/delta_kernel_probe.py)
+DIFF_NUM_WARPS = 4
+
+
+def diff_into(
+    new_w: torch.Tensor,
+    base_w: torch.Tensor,
+    first: int,
+    counter: torch.Tensor,
+    positions_out: torch.Tensor,
+    values_out: torch.Tensor,
+    old_out: torch.Tensor,
+) -> None:
+    """One pass over a piece of a bucket: for each word of `new_w` that differs from `base_w`,
+    claim a slot in `counter` (int32, shared by every piece of the bucket), write `first` + its
+    index to `positions_out`, its new word to `values_out` and its old word to `old_out` when the
+    slot is below their capacity, and copy it into `base_w`. Blocks claim slots in any order, so
+    positions are sorted within a block only; `counter` ends at the true count either way."""
+    n = new_w.numel()
+    words = DIFF_ROWS * 32
+    nb = (n + words - 1) // words
+    if nb:
+        _diff_into_kernel[(nb,)](
+            new_w, base_w, n, first, counter, positions_out, values_out, old_out, positions_out.numel(),
+            ROWS=DIFF_ROWS, num_warps=DIFF_NUM_WARPS,
+        )
+
+
+def pairs_sum(positions: torch.Tensor, values: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """sum over k of h(positions[k]) * (values[k] - old[k]), a 0-d int64 tensor."""
+    n = positions.numel()
+    nb = (n + 4095) // 4096
+    partial = torch.zeros(max(nb, 1), dtype=torch.int64, device=positions.device)
+    if nb:
+        _pairs_sum_kernel[(nb,)](positions, values, old, n, partial, BLOCK=4096, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=8)
+    return partial.sum()
 
 
 def _num_blocks(n_words: int) -> int:
@@ -255,11 +293,8 @@ def compact(
     nb = counts.numel()
     if not nb:
         return
-    if COMPACT not in COMPACT_VARIANTS:
-        raise ValueError(f"kernels.COMPACT={COMPACT!r} must be one of {COMPACT_VARIANTS}")
     dummy = mask
-    kernel = _compact_kernel if COMPACT == "bits" else _compact_bytes_kernel
-    kernel[(nb,)](
+    _compact_kernel[(nb,)](
         mask,
         n_mask_bytes,
         counts,

@@ -5,7 +5,9 @@ Layout (little-endian, every section 8-byte aligned from the patch start):
       num_words i64 | num_changed i64 | delta_sum i64
   index: kind 1 = bitmask, one bit per word, bit j of byte k is word 8k+j, zero-padded;
          kind 2 / 3 = sorted word positions as int32 / int64, zero-padded to 8 bytes
-  values: num_changed words of `word_bytes` (their NEW bits), in position order
+         kind 4 = distinct int32 word positions in any order (written block by block by the one-pass
+         GPU encoder, direct.py), zero-padded to 8 bytes
+  values: num_changed words of `word_bytes` (their NEW bits), in the order of the index
 """
 
 from __future__ import annotations
@@ -31,16 +33,18 @@ __all__ = [
     "max_patch_bytes",
     "patch_kind_sizes",
     "resolve_impl",
+    "store_delta_sum",
     "view_or_copy",
     "word_dtype",
     "words_of",
+    "write_header",
 ]
 
 PATCH_HEADER_BYTES = 32
 FORMAT_VERSION = 1
 MAGIC = 0x50444B43  # b"CKDP" read as a little-endian u32
 HEADER = struct.Struct("<IBBBBqqq")
-KIND_IDS = {"bitmask": 1, "positions32": 2, "positions64": 3}
+KIND_IDS = {"bitmask": 1, "positions32": 2, "positions64": 3, "scatter32": 4}
 CHUNK_WORDS = 1 << 22  # torch path: 4 Mi words a chunk keeps temporaries near 64 MiB at most
 _WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -132,7 +136,20 @@ def index_bytes(kind: str, num_words: int, num_changed: int) -> int:
     """Length of the index section (before its zero padding to 8 bytes)."""
     if kind == "bitmask":
         return (num_words + 7) // 8
-    return num_changed * (4 if kind == "positions32" else 8)
+    return num_changed * (8 if kind == "positions64" else 4)
+
+
+def write_header(out: torch.Tensor, kind: str, word_bytes: int, num_words: int, num_changed: int) -> None:
+    """Header fields but delta_sum, written by fill kernels: a host-to-device copy would sync."""
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, KIND_IDS[kind], word_bytes, 0, num_words, num_changed, 0)
+    fields = out[: PATCH_HEADER_BYTES - 8].view(torch.int64)
+    for i in range(3):
+        fields[i].fill_(int.from_bytes(head[8 * i : 8 * i + 8], "little", signed=True))
+
+
+def store_delta_sum(out: torch.Tensor, delta: torch.Tensor) -> None:
+    """Put the (device-side) delta sum in the header without a host sync."""
+    out[PATCH_HEADER_BYTES - 8 : PATCH_HEADER_BYTES].view(torch.int64).copy_(delta.reshape(1))
 
 
 def header_fields(payload: torch.Tensor) -> tuple[int, int]:

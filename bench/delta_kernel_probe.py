@@ -1,0 +1,126 @@
+"""Where the delta encode's time goes on one GPU: memory-bound references against the codec's kernels.
+
+Times, on one bucket of bf16 words with a chosen fraction changed at random positions:
+  copy        torch copy_ of the bucket (reads 1x, writes 1x: the HBM reference)
+  ne_sum      torch.ne(old, new).sum() (reads both images once)
+  codec       ckpt_engine.delta.codec.encode_into_base (the two-pass Triton path: compare + pack
+              bitmask + checksum, then compact), including its host sync
+  direct      ckpt_engine.delta.direct.BucketDiff over the bucket as one piece (one pass, the patch
+              written in block order), including its host sync; direct_pieces: the same bucket cut
+              into Qwen2.5-7B layer-sized pieces (one kernel each)
+and checks that `direct` writes the same positions, values, checksum change and base as the codec.
+
+    python bench/delta_kernel_probe.py --gib 1 --changed 0.02 0.13
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ckpt_engine.delta import codec, direct, kernels
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def probe(gib: float, changed: float, reps: int, sweep: bool) -> dict[str, float]:
+    n = int(gib * (1 << 30)) // 2
+    dev = torch.device("cuda")
+    old = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int16, device=dev)
+    new = old.clone()
+    pick = torch.rand(n, device=dev) < changed
+    new[pick] ^= 1
+    del pick
+    nbytes = n * 2
+    out = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    base = old.clone()
+    row: dict[str, float] = {"gib": gib, "changed": changed}
+    scratch = torch.empty_like(old)
+    row["copy_s"] = _time(lambda: scratch.copy_(new), reps)
+    row["ne_sum_s"] = _time(lambda: torch.ne(old, new).sum(), reps)
+
+    def run_codec() -> None:
+        base.copy_(old)
+        codec.encode_into_base(base.view(torch.uint8), new.view(torch.uint8), 2, out)
+
+    t_reset = _time(lambda: base.copy_(old), reps)
+    row["codec_s"] = _time(run_codec, reps) - t_reset
+    layer = [3584 * 3584, 3584, 512 * 3584, 512, 512 * 3584, 512, 3584 * 3584, 18944 * 3584, 18944 * 3584, 3584 * 18944, 3584]
+    cuts, at = [], 0
+    while at < n:
+        for w in layer:
+            if at >= n:
+                break
+            cuts.append((at, min(w, n - at)))
+            at += w
+
+    def run_direct(pieces: list[tuple[int, int]]) -> int | None:
+        base.copy_(old)
+        bd = direct.BucketDiff(out, nbytes, 2)
+        for first, w in pieces:
+            bd.add(new[first : first + w], base[first : first + w], first)
+        return bd.finish()[0]
+
+    if sweep:
+        settings = ((32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8))
+        for rows_, warps in settings:
+            kernels.DIFF_ROWS, kernels.DIFF_NUM_WARPS = rows_, warps
+            row[f"direct_{rows_}x32_{warps}_s"] = _time(lambda: run_direct([(0, n)]), reps) - t_reset
+        kernels.DIFF_ROWS, kernels.DIFF_NUM_WARPS = min(settings, key=lambda rw: row[f"direct_{rw[0]}x32_{rw[1]}_s"])
+        row["best_rows"], row["best_warps"] = kernels.DIFF_ROWS, kernels.DIFF_NUM_WARPS
+    row["direct_s"] = _time(lambda: run_direct([(0, n)]), reps) - t_reset
+    row["direct_pieces_s"] = _time(lambda: run_direct(cuts), reps) - t_reset
+    row["pieces"] = len(cuts)
+    size = run_direct(cuts)
+    ok_base = bool(torch.equal(base, new))
+    ref_base = old.clone()
+    ref_out = torch.empty_like(out)
+    ref_size = codec.encode_into_base(ref_base.view(torch.uint8), new.view(torch.uint8), 2, ref_out)
+    row["direct_bytes"] = float(size or -1)
+    row["codec_bytes"] = float(ref_size or -1)
+    if size is not None:
+        patch = codec.decode(out[:size], nbytes, 2)
+        applied = old.clone()
+        want = codec.checksum(new.view(torch.uint8), 2)
+        got = codec.checksum(old.view(torch.uint8), 2) + codec.delta_checksum(applied.view(torch.uint8), patch)
+        codec.apply(applied.view(torch.uint8), patch)
+        row["exact"] = float(ok_base and torch.equal(applied, new) and int(got) == int(want))
+    for k in ("copy", "ne_sum"):
+        row[k + "_TBps"] = nbytes * (2 if k == "copy" else 2) / row[k + "_s"] / 1e12
+    for k in ("codec", "direct", "direct_pieces"):
+        row[k + "_dense_TBps"] = nbytes / row[k + "_s"] / 1e12
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--changed", type=float, nargs="+", default=[0.02, 0.13])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--sweep", action="store_true", help="time the one-pass kernel's block sizes and warps")
+    args = ap.parse_args()
+    rows = [probe(args.gib, c, args.reps, args.sweep) for c in args.changed]
+    for r in rows:
+        print(json.dumps(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

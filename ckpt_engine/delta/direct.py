@@ -1,0 +1,146 @@
+"""Delta encode of a bucket straight from the tensors it holds: no pack into a staging buffer first.
+
+Packing a bucket and then comparing it with its base reads the new bytes twice and writes them
+once; here each piece of the bucket (a tensor, or a shard of one, already in the wire dtype) is
+compared with its region of the base image in one pass, which writes the changed words' bucket
+positions and new values and brings the base up to date. On CUDA that pass is one Triton kernel
+per piece whose blocks claim room in the patch with one atomic each, so the patch is a "scatter32"
+patch (layout.py: int32 positions in block order, each block sorted); on CPU it is numpy and the
+positions come out sorted. One host sync per bucket (the changed count) decides patch or dense;
+either way the base equals the new bytes afterwards, so a dense bucket is sent from the base.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ckpt_engine.delta import host, kernels
+from ckpt_engine.delta.layout import (
+    PATCH_HEADER_BYTES,
+    align8,
+    store_delta_sum,
+    word_dtype,
+    write_header,
+)
+from ckpt_engine.delta.mixing import mix
+
+__all__ = ["BucketDiff", "capacity"]
+
+
+def capacity(nbytes: int, word_bytes: int) -> int:
+    """Most changed words worth a scatter32 patch of an `nbytes` image: below 1 in 32 words (beyond
+    that a bitmask index is smaller than int32 positions: the codec's two-pass path) and small
+    enough that the patch is smaller than the image."""
+    num_words = nbytes // word_bytes
+    return max(0, min(num_words // 32, (nbytes - PATCH_HEADER_BYTES - 8) // (4 + 2 * word_bytes)))
+
+
+class BucketDiff:
+    """One bucket's patch, built piece by piece into `out` (>= the bucket's bytes, 8-aligned).
+
+    `add` each piece (its new words, its base words, its first word's index in the bucket), then
+    `finish` returns the patch size (None: the bucket goes dense), the patch's delta sum (0-d int64
+    on the device) and the changed count; a count above `cap` means "too many for a scatter patch".
+    Positions go to the front of `out` after the header, old and new values to its tail until the
+    count is known."""
+
+    def __init__(self, out: torch.Tensor, nbytes: int, word_bytes: int) -> None:
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < nbytes or out.storage_offset() % 8:
+            raise ValueError(f"out must be a 1-D uint8 tensor of >= {nbytes} bytes starting 8-byte aligned")
+        if nbytes % word_bytes or nbytes // word_bytes >= 2**31:
+            raise ValueError(f"a bucket of {nbytes} bytes cannot be diffed in words of {word_bytes} bytes with int32 positions")
+        self.out, self.nbytes, self.word_bytes = out, nbytes, word_bytes
+        self.num_words = nbytes // word_bytes
+        self.cap = capacity(nbytes, word_bytes)
+        self.device = out.device
+        self._fused = kernels.available(self.device)
+        wdt = word_dtype(word_bytes)
+        self._tail = nbytes - self.cap * word_bytes
+        if self.cap:
+            self._positions = out[PATCH_HEADER_BYTES : PATCH_HEADER_BYTES + 4 * self.cap].view(torch.int32)
+            self._values = out[self._tail : nbytes].view(wdt)
+            self._old = out[self._tail - self.cap * word_bytes : self._tail].view(wdt)
+        else:  # a bucket too small for any patch: count only
+            self._positions = torch.empty(0, dtype=torch.int32, device=self.device)
+            self._values = self._old = torch.empty(0, dtype=wdt, device=self.device)
+        if self._fused:
+            self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+        else:
+            self._count = 0
+            self._delta = 0
+            self._delta_t = torch.zeros((), dtype=torch.int64, device=self.device)
+
+    def add(self, new_words: torch.Tensor, base_words: torch.Tensor, first: int) -> None:
+        """Diff one piece: `new_words` and `base_words` are 1-D word views of equal length; the
+        base region becomes the new words."""
+        if new_words.numel() != base_words.numel() or new_words.dtype != base_words.dtype:
+            raise ValueError(f"piece at word {first}: new ({new_words.numel()} {new_words.dtype}) and base "
+                             f"({base_words.numel()} {base_words.dtype}) differ in length or word type")
+        if not 0 <= first <= self.num_words - new_words.numel():
+            raise ValueError(f"piece of {new_words.numel()} words at word {first} is outside the bucket's {self.num_words}")
+        if not new_words.numel():
+            return
+        if self._fused:
+            kernels.diff_into(new_words, base_words, first, self._counter, self._positions, self._values, self._old)
+        elif self.device.type == "cpu":
+            self._add_host(new_words.numpy(), base_words.numpy(), first)
+        else:
+            self._add_torch(new_words, base_words, first)
+
+    def _add_host(self, new: np.ndarray, base: np.ndarray, first: int) -> None:
+        local = np.flatnonzero(new != base)
+        c = local.size
+        if not c:
+            return
+        vals = new.take(local)
+        pos = local + first
+        at = self._count
+        if at + c <= self.cap:
+            self._positions.numpy()[at : at + c] = pos
+            self._values.numpy()[at : at + c] = vals
+        self._delta += host.weighted_diff_sum(pos, vals, base.take(local))
+        base[local] = vals
+        self._count += c
+
+    def _add_torch(self, new: torch.Tensor, base: torch.Tensor, first: int) -> None:
+        local = torch.ne(new, base).nonzero().reshape(-1)  # a host sync: the fallback path only
+        c = local.numel()
+        if not c:
+            return
+        vals = new.index_select(0, local)
+        pos = local + first
+        at = self._count
+        if at + c <= self.cap:
+            self._positions[at : at + c].copy_(pos)
+            self._values[at : at + c].copy_(vals)
+        self._delta_t += mix(pos).mul_(vals.to(torch.int64) - base.index_select(0, local).to(torch.int64)).sum()
+        base.index_copy_(0, local, vals)
+        self._count += c
+
+    def finish(self) -> tuple[int | None, torch.Tensor, int]:
+        """(patch bytes or None for dense, the patch's delta sum, changed words): one host sync."""
+        if self._fused:
+            count = int(self._counter.item())
+            if count > self.cap:
+                return None, torch.zeros((), dtype=torch.int64, device=self.device), count
+            delta = kernels.pairs_sum(self._positions[:count], self._values[:count], self._old[:count])
+        else:
+            count = self._count
+            delta = self._delta_t + torch.tensor(host.wrap64(self._delta), dtype=torch.int64).to(self.device)
+        if count > self.cap:
+            return None, delta, count
+        index_at = PATCH_HEADER_BYTES + 4 * count
+        values_at = PATCH_HEADER_BYTES + align8(4 * count)
+        size = values_at + count * self.word_bytes
+        if size >= self.nbytes:
+            return None, delta, count
+        write_header(self.out, "scatter32", self.word_bytes, self.num_words, count)
+        self.out[index_at:values_at].zero_()
+        src = self._values[:count].view(torch.uint8)
+        if count:
+            if values_at + count * self.word_bytes > self._tail:  # the move overlaps its source
+                src = src.clone()
+            self.out[values_at:size].copy_(src)
+        store_delta_sum(self.out, delta)
+        return size, delta, count
