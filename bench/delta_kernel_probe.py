@@ -70,18 +70,18 @@ def probe(gib: float, changed: float, reps: int, sweep: bool) -> dict[str, float
 
     def run_direct(pieces: list[tuple[int, int]]) -> int | None:
         base.copy_(old)
-        bd = direct.BucketDiff(out, nbytes, 2)
+        bd = direct.BucketDiff(out[: direct.out_bytes(nbytes, 2)], nbytes, 2)
         for first, w in pieces:
             bd.add(new[first : first + w], base[first : first + w], first)
         return bd.finish()[0]
 
     if sweep:
-        settings = ((32, 2), (32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8))
+        settings = [(32, 4), (64, 4), (128, 4), (128, 8), (256, 8), (256, 16), (512, 8), (512, 16)]
         for rows_, warps in settings:
             kernels.DIFF_ROWS, kernels.DIFF_NUM_WARPS = rows_, warps
             row[f"direct_{rows_}x32_{warps}_s"] = _time(lambda: run_direct([(0, n)]), reps) - t_reset
-        kernels.DIFF_ROWS, kernels.DIFF_NUM_WARPS = min(settings, key=lambda rw: row[f"direct_{rw[0]}x32_{rw[1]}_s"])
-        row["best_rows"], row["best_warps"] = kernels.DIFF_ROWS, kernels.DIFF_NUM_WARPS
+        kernels.DIFF_ROWS, kernels.DIFF_NUM_WARPS = min(settings, key=lambda s: row[f"direct_{s[0]}x32_{s[1]}_s"])
+        row["best"] = f"{kernels.DIFF_ROWS}x32 warps {kernels.DIFF_NUM_WARPS}"
     row["direct_s"] = _time(lambda: run_direct([(0, n)]), reps) - t_reset
     row["direct_pieces_s"] = _time(lambda: run_direct(cuts), reps) - t_reset
     row["pieces"] = len(cuts)

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckpt_engine.delta import codec
-from ckpt_engine.delta.direct import BucketDiff, capacity
+from ckpt_engine.delta.direct import BucketDiff, capacity, out_bytes
 from ckpt_engine.delta.layout import PATCH_HEADER_BYTES
 
 
@@ -35,8 +35,8 @@ def _diff(base: torch.Tensor, new: torch.Tensor, word_bytes: int, cuts: list[int
     patch size, changed count, out)."""
     work = base.clone()
     nbytes = base.numel() * word_bytes
-    out = torch.empty(nbytes + 8, dtype=torch.uint8)
-    diff = BucketDiff(out[:nbytes], nbytes, word_bytes)
+    out = torch.empty(out_bytes(nbytes, word_bytes), dtype=torch.uint8)
+    diff = BucketDiff(out, nbytes, word_bytes)
     edges = [0, *sorted(set(cuts)), base.numel()]
     for lo, hi in zip(edges, edges[1:]):
         diff.add(new[lo:hi], work[lo:hi], lo)
@@ -95,8 +95,10 @@ def test_scatter_positions_out_of_range_are_named() -> None:
 
 
 def test_pieces_outside_the_bucket_are_value_errors() -> None:
-    out = torch.empty(64, dtype=torch.uint8)
+    out = torch.empty(out_bytes(64, 2), dtype=torch.uint8)
     diff = BucketDiff(out, 64, 2)
+    with pytest.raises(ValueError, match="bytes starting 8-byte aligned"):
+        BucketDiff(out[:-8], 64, 2)
     with pytest.raises(ValueError, match="outside the bucket"):
         diff.add(torch.zeros(10, dtype=torch.int16), torch.zeros(10, dtype=torch.int16), 25)
     with pytest.raises(ValueError, match="differ in length"):
@@ -107,7 +109,7 @@ _INTERPRETED = textwrap.dedent(
     """
     import torch
     from ckpt_engine.delta import codec
-    from ckpt_engine.delta.direct import BucketDiff
+    from ckpt_engine.delta.direct import BucketDiff, out_bytes
     g = torch.Generator().manual_seed(7)
     for wb in (1, 2, 4, 8):
         dt = codec.word_dtype(wb)
@@ -117,7 +119,7 @@ _INTERPRETED = textwrap.dedent(
         new[torch.rand(n, generator=g) < 0.02] += 1
         for fused in (False, True):
             work = old.clone()
-            out = torch.empty(n * wb, dtype=torch.uint8)
+            out = torch.empty(out_bytes(n * wb, wb), dtype=torch.uint8)
             diff = BucketDiff(out, n * wb, wb)
             if fused:  # the Triton kernel, run by Triton's interpreter on CPU tensors
                 diff._fused, diff._counter = True, torch.zeros(1, dtype=torch.int32)

@@ -156,7 +156,7 @@ def test_gpu_flipped_bytes_are_rejected_or_caught() -> None:
 def test_gpu_one_pass_bucket_diff_matches_the_cpu_diff(word_bytes: int, frac: float) -> None:
     """direct.BucketDiff compiled on the GPU (one kernel per piece, blocks claiming room with an
     atomic) writes the same changed words as the CPU path, in block order, and the same sums."""
-    from ckpt_engine.delta.direct import BucketDiff
+    from ckpt_engine.delta.direct import BucketDiff, out_bytes
 
     if not kernels.available(torch.device("cuda")):
         pytest.skip("needs Triton")
@@ -168,7 +168,7 @@ def test_gpu_one_pass_bucket_diff_matches_the_cpu_diff(word_bytes: int, frac: fl
     for device in ("cpu", "cuda"):
         work = base.to(device).clone()
         fresh = new.to(device)
-        out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        out = torch.empty(out_bytes(nbytes, word_bytes), dtype=torch.uint8, device=device)
         diff = BucketDiff(out, nbytes, word_bytes)
         assert diff._fused == (device == "cuda")
         wdt = codec.word_dtype(word_bytes)

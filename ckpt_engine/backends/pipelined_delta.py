@@ -105,37 +105,58 @@ class DeltaTransferMixin:
     def _send_delta(
         self, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool, delta: DeltaRequest
     ) -> SendStats:
-        """Encode and send bucket by bucket: each bucket's frame header (kind, bytes, checksum)
-        and payload leave as soon as it is encoded, so receivers check bucket k while this rank
-        encodes bucket k + 1."""
+        """Encode and send bucket by bucket: a bucket's header (kind, bytes, checksum) and payload
+        leave as soon as it is encoded, so receivers check bucket k while this rank encodes k + 1.
+        The diff kernels of bucket k + 1 are queued before bucket k's changed count is read, so the
+        device never idles on that host round trip."""
         t_start = time.perf_counter()
         sched, mine, stats = self._own_steps(manifest)
         it = iter(weights)
         works: list[Any] = []
         keep: list[torch.Tensor] = []  # what the queued broadcasts read, alive until drained
+        tally = {"wire": 0, "changed": 0, "words": 0, "patches": 0}
+
+        def send(step: Any, frame: tuple[int, int, torch.Tensor | None, torch.Tensor, int]) -> None:
+            kind, size, result, msg, num_changed = frame
+            tally["wire"] += size
+            tally["changed"] += num_changed
+            tally["patches"] += kind == PATCH
+            header = self._frame_header(kind, size, result)
+            self._tamper_hook(step.bucket.index, msg)
+            keep.extend((header, msg))
+            works.append(self._broadcast_on(step.gid, None, header))
+            works.append(self._broadcast_on(step.gid, None, msg))
+
         try:
             bases = self._bases_for(manifest, delta, [(s.ordinal, s.bucket.nbytes) for s in mine])
             pieces = PieceReader(it, sched, self.rank, self.device, stats)
-            wire = changed = total_words = patches = 0
-            for step in mine:
+            pending: tuple[Any, BucketDiff, Any] | None = None
+            for i, step in enumerate(mine):
                 n, word = step.bucket.nbytes, step.word_bytes
-                total_words += n // word
+                tally["words"] += n // word
                 t0 = time.perf_counter()
-                if not delta.patches:
-                    self._pack_into(bases.images[step.ordinal], step, pieces, stable, stats)
-                    bases.sums[step.ordinal] = None
-                    kind, size, result, msg, num_changed = DENSE, n, None, bases.images[step.ordinal][:n], n // word
+                if delta.patches and step.ordinal not in bases.busy and n // word < 2**31:
+                    diff, event = self._start_diff(bases, step, pieces, i)
+                    if pending is not None:
+                        send(pending[0], self._finish_diff(bases, *pending))
+                    pending = (step, diff, event)
                 else:
-                    kind, size, result, msg, num_changed = self._encode_step(bases, step, pieces, stable, stats)
+                    if pending is not None:  # the codec and dense paths reuse its buffers
+                        send(pending[0], self._finish_diff(bases, *pending))
+                        pending = None
+                    if delta.patches:
+                        frame = self._encode_packed(bases, step, pieces, stable, stats)
+                    else:
+                        self._pack_into(bases.images[step.ordinal], step, pieces, stable, stats)
+                        bases.sums[step.ordinal] = None
+                        frame = (DENSE, n, None, bases.images[step.ordinal][:n], n // word)
+                    send(step, frame)
+                if delta.patches:
                     stats.extra["encode_s"] = stats.extra.get("encode_s", 0.0) + time.perf_counter() - t0
-                wire += size
-                changed += num_changed
-                patches += kind == PATCH
-                header = self._frame_header(kind, size, result)
-                self._tamper_hook(step.bucket.index, msg)
-                keep += [header, msg]
-                works.append(self._broadcast_on(step.gid, None, header))
-                works.append(self._broadcast_on(step.gid, None, msg))
+            if pending is not None:
+                t0 = time.perf_counter()
+                send(pending[0], self._finish_diff(bases, *pending))
+                stats.extra["encode_s"] = stats.extra.get("encode_s", 0.0) + time.perf_counter() - t0
             if next(it, None) is not None:
                 raise ValueError("the weight source yielded more tensors than its metadata lists")
             self._drain_unslotted(works, "delta payloads")
@@ -146,9 +167,10 @@ class DeltaTransferMixin:
             raise
         finally:
             keep.clear()
+        words = tally["words"]
         stats.extra.update(
-            wire_bytes=float(wire), table_bytes=float(24 * len(mine)), dense_bytes=float(sum(s.bucket.nbytes for s in mine)),
-            patch_buckets=float(patches), changed_fraction=changed / total_words if total_words else 0.0,
+            wire_bytes=float(tally["wire"]), table_bytes=float(24 * len(mine)), dense_bytes=float(sum(s.bucket.nbytes for s in mine)),
+            patch_buckets=float(tally["patches"]), changed_fraction=tally["changed"] / words if words else 0.0,
             base_bytes=float(bases.nbytes),
         )
         stats.total_s = time.perf_counter() - t_start
@@ -174,52 +196,76 @@ class DeltaTransferMixin:
             batched_copy_(dsts, srcs)
         stats.pack_s += time.perf_counter() - t0
 
-    def _encode_step(
-        self, bases: _Bases, step: Any, pieces: PieceReader, stable: bool, stats: SendStats
-    ) -> tuple[int, int, torch.Tensor | None, torch.Tensor, int]:
-        """One bucket of a patch sync: (kind, bytes, checksum of the result, payload, changed words).
-        The base image becomes the new bytes either way. Buckets that changed little are diffed
-        straight from the source tensors (direct.BucketDiff, no pack); one that changed a lot last
-        time is packed and encoded by the codec, whose bitmask index is smaller there."""
+    def _start_diff(self, bases: _Bases, step: Any, pieces: PieceReader, parity: int) -> tuple[BucketDiff, Any]:
+        """Queue the one-pass diff of a bucket's source tensors against its base image (no pack;
+        a piece not yet in the wire dtype is converted into the scratch buffer first). Two
+        buckets' patches are in flight at once, in the two halves of the second buffer."""
         key, n, word = step.ordinal, step.bucket.nbytes, step.word_bytes
         image = bases.images[key][:n]
-        out = self._buffers[1]
         if bases.sums.get(key) is None:
             bases.sums[key] = codec.checksum(image, word)
-        if key in bases.busy or n // word >= 2**31:
-            scratch = self._buffers[0][:n]
-            self._pack_into(scratch, step, pieces, stable, stats)
-            size = codec.encode_into_base(image, scratch, word, out)  # the image becomes `new` either way
-            num_changed, delta_sum = header_fields(out[:size]) if size is not None else (n // word, 0)
-            if size is None or num_changed * 32 < n // word:
-                bases.busy.discard(key)
-        else:
-            diff = BucketDiff(out, n, word)
-            dtype = word_dtype(word)
-            for e in step.bucket.entries:
-                src, own = pieces.source(e)
-                if e.is_whole and not own:
-                    region = self._entry_view(self._buffers[0], e)
-                    region.copy_(src)
-                    src = region
-                new = flat_bytes(src) if e.is_whole else src
-                base = image[e.bucket_offset : e.bucket_offset + e.chunk_size]
-                diff.add(new.view(dtype), base.view(dtype), e.bucket_offset // word)
-            size, delta_sum, num_changed = diff.finish()
-            if num_changed > diff.cap:
-                bases.busy.add(key)
+        half = self._buffers[1].numel() // 16 * 8
+        region = self._buffers[1][half * (parity % 2) :][:half]
+        diff = BucketDiff(region, n, word)
+        dtype = word_dtype(word)
+        for e in step.bucket.entries:
+            src, own = pieces.source(e)
+            if e.is_whole and not own:
+                converted = self._entry_view(self._buffers[0], e)
+                converted.copy_(src)
+                src = converted
+            new = flat_bytes(src) if e.is_whole else src
+            base = image[e.bucket_offset : e.bucket_offset + e.chunk_size]
+            diff.add(new.view(dtype), base.view(dtype), e.bucket_offset // word)
+        return diff, diff.seal()
+
+    def _finish_diff(self, bases: _Bases, step: Any, diff: BucketDiff, event: Any) -> tuple[int, int, torch.Tensor | None, torch.Tensor, int]:
+        """(kind, bytes, checksum of the result, payload, changed words) of a queued diff; a bucket
+        with more than 1 changed word in 32 goes dense and is encoded by the codec next time."""
+        key, n, word = step.ordinal, step.bucket.nbytes, step.word_bytes
+        if event is not None:
+            self._wait_event(event, f"the diff of bucket {step.bucket.index}")
+        size, delta_sum, num_changed = diff.finish()
+        if num_changed > diff.cap:
+            bases.busy.add(key)
+        return self._frame_of(bases, key, n, word, size, delta_sum, num_changed, diff.out)
+
+    def _encode_packed(
+        self, bases: _Bases, step: Any, pieces: PieceReader, stable: bool, stats: SendStats
+    ) -> tuple[int, int, torch.Tensor | None, torch.Tensor, int]:
+        """A bucket that changed a lot last time: pack it and let the codec choose (its bitmask
+        index is smaller than int32 positions there); back to the one-pass diff once it calms."""
+        key, n, word = step.ordinal, step.bucket.nbytes, step.word_bytes
+        image = bases.images[key][:n]
+        if bases.sums.get(key) is None:
+            bases.sums[key] = codec.checksum(image, word)
+        scratch, out = self._buffers[0][:n], self._buffers[1]
+        self._pack_into(scratch, step, pieces, stable, stats)
+        size = codec.encode_into_base(image, scratch, word, out)  # the image becomes `new` either way
+        num_changed, delta_sum = header_fields(out[:size]) if size is not None else (n // word, 0)
+        if size is None or num_changed * 32 < n // word:
+            bases.busy.discard(key)
+        return self._frame_of(bases, key, n, word, size, delta_sum, num_changed, out)
+
+    def _frame_of(
+        self, bases: _Bases, key: int, n: int, word: int, size: int | None, delta_sum: Any, num_changed: int, out: torch.Tensor
+    ) -> tuple[int, int, torch.Tensor | None, torch.Tensor, int]:
         if size is None:
             bases.sums[key] = None
-            return DENSE, n, None, image, n // word
+            return DENSE, n, None, bases.images[key][:n], n // word
         result = bases.sums[key] + delta_sum
         bases.sums[key] = result
         return PATCH, size, result, out[:size].clone(), num_changed
 
     def _frame_header(self, kind: int, size: int, checksum: torch.Tensor | None) -> torch.Tensor:
-        """(kind, bytes, checksum) of one bucket, one int64 row on the transport's device."""
-        head = torch.tensor([kind, size], dtype=torch.int64).to(self.device)
-        tail = checksum.reshape(1) if checksum is not None else torch.zeros(1, dtype=torch.int64, device=self.device)
-        return torch.cat([head, tail.to(self.device)]).reshape(1, 3)
+        """(kind, bytes, checksum) of one bucket, one int64 row on the transport's device, written
+        by fill kernels (a host-to-device copy would wait for the queued diff kernels)."""
+        header = torch.zeros((1, 3), dtype=torch.int64, device=self.device)
+        header[0, 0].fill_(kind)
+        header[0, 1].fill_(size)
+        if checksum is not None:
+            header[0, 2].copy_(checksum.reshape(()))
+        return header
 
     def _drain_unslotted(self, works: list[Any], what: str) -> None:
         if self._comm_stream is None:

@@ -23,6 +23,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ckpt_engine.benchmark.rank_exit import check_ranks
+
 __all__ = ["print_chain_summary", "run_chain_bench"]
 
 
@@ -34,15 +36,11 @@ def launch_ranks(module: str, world: int, common: list[str], timeout_s: float, s
     deadline = time.monotonic() + timeout_s
     try:
         while any(p.poll() is None for p in procs):
-            bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if bad:
-                raise RuntimeError(f"bench rank(s) {bad} failed (exit codes {[procs[i].returncode for i in bad]})")
+            check_ranks(procs)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"bench did not finish within {timeout_s:.0f}s")
             time.sleep(0.2)
-        bad = [i for i, p in enumerate(procs) if p.returncode != 0]
-        if bad:
-            raise RuntimeError(f"bench rank(s) {bad} failed (exit codes {[procs[i].returncode for i in bad]})")
+        check_ranks(procs)
         return [json.loads(store.get(f"result/{r}")) for r in range(world)]
     finally:
         for p in procs:
@@ -101,6 +99,8 @@ def summarize_chain(results: list[dict[str, Any]], args: argparse.Namespace, bac
                 "apply_s": max(r["delta"][i].get("apply_s", 0.0) for r in receivers),
             }
         s["base_bytes"] = {f"rank{r['rank']}": r["base_bytes"] for r in results}
+        s["versions_generate_s"] = max(r.get("generate_s", 0.0) for r in senders)
+        s["versions_kept"] = senders[0].get("versions_kept")
     raw = s["modes"]["raw"]["best_s"]
     for m in s["modes"].values():
         m["gbps"] = nbytes / m["best_s"] / 1e9
@@ -132,4 +132,5 @@ def print_chain_summary(s: dict[str, Any], console: Console) -> None:
     console.print(table)
     if "base_bytes" in s:
         console.print("delta base copies: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in s["base_bytes"].items()))
+        console.print(f"versions generated in {s['versions_generate_s']:.1f} s before the syncs (untimed), kept in {s['versions_kept']}")
     console.print("correctness: " + ("every receiver equals the senders bit for bit" if s["correct"] else "; ".join(s["problems"])))

@@ -1,9 +1,11 @@
 """One rank of `ckpt-engine bench --delta` / `--senders N`: real consecutive versions, many senders.
 
-Senders hold the preset's tensors as fp32 master weights stepped by torch's AdamW (noisy
-gradients, the learning rate given), cast to the wire dtype per version, as an RL trainer's
-bf16 export is; with `--senders N` each sends its dim-0 row block (replicated tensors are split
-by the planner). Receivers copy every tensor into their own destinations, as a loader would.
+Senders send versions of the preset's tensors as an RL trainer's bf16 export would: fp32 masters
+stepped by torch's AdamW (noisy gradients, the learning rate given), cast to the wire dtype per
+version. Every version is generated before the first sync, chunk by chunk (`versions.py`: bounded
+fp32 state, so 1-layer 7B shapes fit a small CPU host), and loaded into the sender's tensors
+between syncs, outside the timed part; with `--senders N` each sends its dim-0 row block
+(replicated tensors are split by the planner). Receivers copy every tensor into their own destinations, as a loader would.
 Measured over the same groups in one run: raw broadcast of all bytes from one sender, the same
 bytes split over the senders at once (the multi-sender bound), the dense sync, and (with
 `--delta`) a seed plus patch syncs with their wire bytes, changed fraction and encode / apply
@@ -22,6 +24,7 @@ import torch
 
 from ckpt_engine.backends.wire_views import torch_dtype
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+from ckpt_engine.benchmark.versions import AdamWChain, FileVersions, MemoryVersions, host_available_bytes
 from ckpt_engine.benchmark.worker import weights_checksum
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
@@ -53,32 +56,71 @@ class ChainRank:
         )
         wire = torch_dtype(args.dtype)
         self.names = [s.name for s in self.specs]
-        g = torch.Generator(device=self.device).manual_seed(1234)
         self.tensors = [torch.empty(s.shape, dtype=wire, device=self.device) for s in self.specs]
-        self.masters: list[torch.Tensor] = []
-        self.opts: list[torch.optim.Optimizer] = []
+        self.total_bytes = sum(s.nbytes for s in self.specs)
+        self.versions: MemoryVersions | FileVersions | None = None
+        self.generate_s = 0.0
         if self.is_sender:
-            for s, t in zip(self.specs, self.tensors):
-                m = torch.ones(s.shape, device=self.device) if len(s.shape) == 1 else torch.randn(s.shape, generator=g, device=self.device) * 0.02
-                m.requires_grad_(True)
-                self.masters.append(m)
-                t.copy_(m.detach())
-            if args.delta:
-                # One AdamW per tensor, stepped tensor by tensor: its gradient exists only while it
-                # steps, so a 7B model's masters and moments fit one GPU beside the wire copy.
-                self.opts = [torch.optim.AdamW([m], lr=args.lr, weight_decay=0.0, foreach=False) for m in self.masters]
-                for _ in range(args.warmup_steps):
-                    self._step(g)
+            self._generate_versions()
             self.source = ShardedStateDictSource(dict(zip(self.names, self.tensors)), self.rank, self.senders)
+            self.store.set(f"versions_ready/{self.rank}", "1")
         else:
             for t in self.tensors:
                 t.zero_()
-        self.gen = g
+        self._wait_for_versions()
         self._sync()
         self.engine.init_process_group(self.rdzv, self.rank)
         # Every rank plans with the same pure function of the specs and the ownership.
         self.manifest = self.engine.plan(self.specs, num_senders=self.senders, owners=self._owners())
-        self.total_bytes = sum(s.nbytes for s in self.specs)
+
+    def _generate_versions(self) -> None:
+        """Every version this run sends (1 without --delta), generated chunk by chunk before any
+        sync; kept in memory when they fit beside the sync's copies, else in temporary files."""
+        args = self.args
+        count = 1 + args.versions if args.delta else 1
+        chain = AdamWChain(
+            lr=args.lr, grad_scale=args.grad_scale, warmup_steps=args.warmup_steps if args.delta else 0,
+            chunk_bytes=int(args.chunk_mb * (1 << 20)),
+        )
+        need = count * self.total_bytes
+        room = self._room_for_versions()
+        t0 = time.perf_counter()
+        if count == 1:
+            self.versions = MemoryVersions(self.specs, 1, self.device, targets=[self.tensors])
+        elif room is not None and need <= room:
+            self.versions = MemoryVersions(self.specs, count, self.device)
+        else:
+            self.versions = FileVersions(self.specs, chain)
+        chain.generate(self.specs, count, self.device, self.versions.sink)
+        self.versions.load(1, self.tensors)
+        self._sync()
+        self.generate_s = time.perf_counter() - t0
+        logger.info(
+            "rank %s: %s versions (%.2f GB) generated in %.1fs, kept %s", self.rank, count, need / 1e9, self.generate_s,
+            "in memory" if isinstance(self.versions, MemoryVersions) else "in files",
+        )
+
+    def _room_for_versions(self) -> int | None:
+        """Bytes the versions may take on this rank's device: what is free now, less what the
+        sync will still allocate (base copies, buffers; on a host every rank's) and one chunk."""
+        args = self.args
+        per_rank = self.total_bytes * (2 if args.delta else 1) + args.buffers * int(args.bucket_mb * (1 << 20))
+        slack = int(args.chunk_mb * (1 << 20)) + (2 << 30)
+        if self.device.type == "cuda":
+            return torch.cuda.mem_get_info(self.device)[0] - per_rank - slack
+        free = host_available_bytes()
+        # Other senders on this host keep their own versions; receivers still allocate theirs.
+        return None if free is None else (free - self.world * (per_rank + self.total_bytes) - slack) // self.senders
+
+    def _wait_for_versions(self) -> None:
+        """Every rank waits until every sender has its versions (generation can take minutes on a
+        CPU); bounded by --timeout-s per version."""
+        deadline = time.monotonic() + self.args.timeout_s * (2 + self.args.versions)
+        for r in range(self.senders):
+            while not self.store.check([f"versions_ready/{r}"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {self.rank}: sender {r} did not generate its versions in time")
+                time.sleep(0.05)
 
     def _owners(self) -> Any:
         from ckpt_engine.ownership import row_shards
@@ -109,14 +151,6 @@ class ChainRank:
         self._sync()
         self._barrier()
         return time.perf_counter() - t0
-
-    def _step(self, g: torch.Generator) -> None:
-        """One AdamW step with noisy gradients, then the new wire (bf16) version."""
-        for m, t, opt in zip(self.masters, self.tensors, self.opts):
-            m.grad = torch.randn(m.shape, generator=g, device=self.device) * self.args.grad_scale
-            opt.step()
-            m.grad = None
-            t.copy_(m.detach())
 
     def raw(self) -> list[float]:
         """All bytes from sender 0 in one broadcast (other senders wait)."""
@@ -163,8 +197,9 @@ class ChainRank:
             out["seed_s"] = self._timed(lambda: self.sync_once(seed))
             base, versions = 1, []
             for v in range(2, 2 + self.args.versions):
-                if self.is_sender:
-                    self._step(self.gen)
+                if self.versions is not None:
+                    self.versions.load(v, self.tensors)
+                    self._sync()
                 request = DeltaRequest(True, base, v)
                 seconds = self._timed(lambda: self.sync_once(request))
                 stats = dict(self.last_stats.extra) if self.is_sender else dict(self.engine.last_delta_stats)
@@ -174,6 +209,10 @@ class ChainRank:
             out["delta"] = versions
             out["base_bytes"] = self.engine.delta_base_bytes
         out["checksum"] = weights_checksum(self.tensors)
+        out["generate_s"] = self.generate_s
+        if self.versions is not None:
+            out["versions_kept"] = "memory" if isinstance(self.versions, MemoryVersions) else "files"
+            self.versions.close()
         self.engine.finalize()
         return out
 
@@ -196,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--grad-scale", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--versions", type=int, default=3)
+    p.add_argument("--chunk-mb", type=float, default=1024.0, help="fp32 state (master, grad, moments) alive at once while generating")
     p.add_argument("--timeout-s", type=float, default=600.0)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)

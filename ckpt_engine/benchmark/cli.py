@@ -24,6 +24,7 @@ from rich.table import Table
 from tqdm import tqdm
 
 from ckpt_engine.benchmark.presets import PRESETS, checkpoint_specs, load_preset_config
+from ckpt_engine.benchmark.rank_exit import RankDied, check_ranks
 from ckpt_engine.cli_args import OneLineParser, above_zero, at_least, seconds
 from ckpt_engine.config import init_keywords
 from ckpt_engine.registry import CheckpointEngineRegistry
@@ -131,18 +132,14 @@ def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str,
     try:
         with tqdm(total=steps, desc=f"bench {args.preset} {backend}", disable=not show_progress, file=sys.stderr) as bar:
             while any(p.poll() is None for p in procs):
-                if any(p.poll() not in (None, 0) for p in procs):
-                    bad = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
-                    raise RuntimeError(f"bench rank(s) {bad} failed (exit codes {[procs[i].returncode for i in bad]})")
+                check_ranks(procs)
                 if time.monotonic() > deadline:
                     raise TimeoutError("bench did not finish in time")
                 done = prefixed.add("progress", 0)
                 bar.update(done - bar.n)
                 time.sleep(0.2)
             bar.update(steps - bar.n)
-        bad = [i for i, p in enumerate(procs) if p.returncode != 0]
-        if bad:
-            raise RuntimeError(f"bench rank(s) {bad} failed (exit codes {[procs[i].returncode for i in bad]})")
+        check_ranks(procs)
         results = [json.loads(prefixed.get(f"result/{r}")) for r in range(world)]
     finally:
         for p in procs:
@@ -231,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad preset, backend or device: say what, no traceback
         print(f"ckpt-engine bench: error: {exc}", file=sys.stderr)
         return 2
+    except RankDied as exc:  # e.g. the OOM killer: one line naming the rank, not its peers' tracebacks
+        print(f"ckpt-engine bench: error: {exc}", file=sys.stderr)
+        return 1
     if args.json == "-":
         print(json.dumps(summary, indent=2))
     else:

@@ -25,7 +25,7 @@ from ckpt_engine.delta.layout import (
 )
 from ckpt_engine.delta.mixing import mix
 
-__all__ = ["BucketDiff", "capacity"]
+__all__ = ["BucketDiff", "capacity", "out_bytes"]
 
 
 def capacity(nbytes: int, word_bytes: int) -> int:
@@ -36,18 +36,27 @@ def capacity(nbytes: int, word_bytes: int) -> int:
     return max(0, min(num_words // 32, (nbytes - PATCH_HEADER_BYTES - 8) // (4 + 2 * word_bytes)))
 
 
-class BucketDiff:
-    """One bucket's patch, built piece by piece into `out` (>= the bucket's bytes, 8-aligned).
+def out_bytes(nbytes: int, word_bytes: int) -> int:
+    """Bytes of the `out` buffer a BucketDiff of an `nbytes` bucket needs (an eighth of a bf16
+    bucket, plus a little): header, positions, then room for the old and the new values."""
+    cap = capacity(nbytes, word_bytes)
+    return PATCH_HEADER_BYTES + align8(4 * cap) + 8 + 2 * align8(cap * word_bytes)
 
-    `add` each piece (its new words, its base words, its first word's index in the bucket), then
-    `finish` returns the patch size (None: the bucket goes dense), the patch's delta sum (0-d int64
-    on the device) and the changed count; a count above `cap` means "too many for a scatter patch".
-    Positions go to the front of `out` after the header, old and new values to its tail until the
-    count is known."""
+
+class BucketDiff:
+    """One bucket's patch, built piece by piece into `out` (>= out_bytes(), 8-aligned).
+
+    `add` each piece (its new words, its base words, its first word's index in the bucket),
+    optionally `seal` (queue the count's copy to the host and return an event to wait on, so the
+    next bucket's kernels can be queued first), then `finish` returns the patch size (None: the
+    bucket goes dense), the patch's delta sum (0-d int64 on the device) and the changed count; a
+    count above `cap` means "too many for a scatter patch". Positions go to the front of `out`
+    after the header, old and new values behind them until the count is known."""
 
     def __init__(self, out: torch.Tensor, nbytes: int, word_bytes: int) -> None:
-        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < nbytes or out.storage_offset() % 8:
-            raise ValueError(f"out must be a 1-D uint8 tensor of >= {nbytes} bytes starting 8-byte aligned")
+        need = out_bytes(nbytes, word_bytes)
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < need or out.storage_offset() % 8:
+            raise ValueError(f"out must be a 1-D uint8 tensor of >= {need} bytes starting 8-byte aligned")
         if nbytes % word_bytes or nbytes // word_bytes >= 2**31:
             raise ValueError(f"a bucket of {nbytes} bytes cannot be diffed in words of {word_bytes} bytes with int32 positions")
         self.out, self.nbytes, self.word_bytes = out, nbytes, word_bytes
@@ -55,12 +64,14 @@ class BucketDiff:
         self.cap = capacity(nbytes, word_bytes)
         self.device = out.device
         self._fused = kernels.available(self.device)
+        self._pinned: torch.Tensor | None = None
         wdt = word_dtype(word_bytes)
-        self._tail = nbytes - self.cap * word_bytes
+        old_at = PATCH_HEADER_BYTES + align8(4 * self.cap) + 8
+        self._values_at = old_at + align8(self.cap * word_bytes)
         if self.cap:
             self._positions = out[PATCH_HEADER_BYTES : PATCH_HEADER_BYTES + 4 * self.cap].view(torch.int32)
-            self._values = out[self._tail : nbytes].view(wdt)
-            self._old = out[self._tail - self.cap * word_bytes : self._tail].view(wdt)
+            self._old = out[old_at : old_at + self.cap * word_bytes].view(wdt)
+            self._values = out[self._values_at : self._values_at + self.cap * word_bytes].view(wdt)
         else:  # a bucket too small for any patch: count only
             self._positions = torch.empty(0, dtype=torch.int32, device=self.device)
             self._values = self._old = torch.empty(0, dtype=wdt, device=self.device)
@@ -118,10 +129,22 @@ class BucketDiff:
         base.index_copy_(0, local, vals)
         self._count += c
 
+    def seal(self) -> torch.cuda.Event | None:
+        """Queue the changed count's copy to pinned host memory; the returned event (CUDA only)
+        completes when it has landed, so `finish` does not wait for work queued after this."""
+        if not self._fused:
+            return None
+        self._pinned = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        self._pinned.copy_(self._counter, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
     def finish(self) -> tuple[int | None, torch.Tensor, int]:
-        """(patch bytes or None for dense, the patch's delta sum, changed words): one host sync."""
+        """(patch bytes or None for dense, the patch's delta sum, changed words). After `seal` and
+        its event, no wait; otherwise one host sync."""
         if self._fused:
-            count = int(self._counter.item())
+            count = int(self._pinned.item()) if self._pinned is not None else int(self._counter.item())
             if count > self.cap:
                 return None, torch.zeros((), dtype=torch.int64, device=self.device), count
             delta = kernels.pairs_sum(self._positions[:count], self._values[:count], self._old[:count])
@@ -139,7 +162,7 @@ class BucketDiff:
         self.out[index_at:values_at].zero_()
         src = self._values[:count].view(torch.uint8)
         if count:
-            if values_at + count * self.word_bytes > self._tail:  # the move overlaps its source
+            if size > self._values_at:  # the move overlaps its source
                 src = src.clone()
             self.out[values_at:size].copy_(src)
         store_delta_sum(self.out, delta)

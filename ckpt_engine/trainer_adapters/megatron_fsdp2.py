@@ -24,10 +24,14 @@ The sharded parameters are DTensors whose local pieces are DBuffer ranges, not D
 `Shard(0)` chunks: `full_tensor()` and DCP would misplace their rows. The engine therefore never
 calls them; checkpoints hold each rank's buffers (same world size to load).
 
+With many senders (`ckpt_engine.sharded_source.ShardedWeightSource`, `megatron_fsdp2_shards.py`)
+every rank sends its own rows instead: `owners()` reads each rank's row ranges from the buffer
+layouts (no collective) and `local_piece(name)` hands out this rank's rows; nothing is gathered.
+
 Needs CUDA (Megatron-FSDP2 schedules on CUDA streams). Importing this module never fails;
 construction without CUDA or without megatron-fsdp raises a RuntimeError naming what is missing.
-Collective contract: every rank of the mesh calls every public method in the same order; rank 0
-(`is_sender`) streams what `iter_weights` yields.
+Collective contract: every rank of the mesh calls every public method in the same order; with one
+sender, rank 0 (`is_sender`) streams what `iter_weights` yields.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
 from ckpt_engine.trainer_adapters.common import TrainConfig, WirePolicy, check_float_dtype, clip_and_step, torch_dtype
 from ckpt_engine.trainer_adapters.fsdp2 import decoder_layers
 from ckpt_engine.trainer_adapters.hf_names import clean_name, has_unhandled_fused_experts, unfuse_expert_specs, unfuse_experts
+from ckpt_engine.trainer_adapters.megatron_fsdp2_shards import MegatronFSDP2ShardedSource
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -104,13 +109,14 @@ class _Entry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     specs: list[TensorSpec]
+    expert_outputs: int = 0  # fused experts: wire tensors per expert (0: not a fused expert)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-class MegatronFSDP2TrainEngine(TrainEngine):
+class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
     """Data-parallel Megatron-FSDP2 training of a HF causal LM, and its weight source for the rollout.
 
     `model`: an unsharded `transformers` causal LM with identical weights on every rank, on this
@@ -167,6 +173,7 @@ class MegatronFSDP2TrainEngine(TrainEngine):
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.is_sender = self.rank == 0
+        self.process_group = self.group  # the group many-sender syncs announce over
 
         placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
         policy = MixedPrecisionPolicy(
@@ -180,6 +187,7 @@ class MegatronFSDP2TrainEngine(TrainEngine):
         self.model = model
         self._units: list[Any] = [model, *layers]
         self._locate_entries()
+        self._init_senders()  # every rank sends its own rows (megatron_fsdp2_shards.py)
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -224,6 +232,7 @@ class MegatronFSDP2TrainEngine(TrainEngine):
         for e in entries:
             parts = unfuse_expert_specs(self.model_type, e.name, e.shape)
             pairs = parts if parts is not None else [(e.name, e.shape)]
+            e.expert_outputs = len(parts) // e.shape[0] if parts is not None and e.shape[0] else 0
             e.specs = [TensorSpec(n, _dtype_name(self._wire.dtype_for(n, e.dtype)), s) for n, s in pairs]
         names = [s.name for e in entries for s in e.specs]
         if len(set(names)) != len(names):
