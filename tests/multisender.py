@@ -67,11 +67,16 @@ def wire(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def shard_rank(
     rank: int, rdzv: Rendezvous, *, bucket_size: int = 16 * 1024, versions: int = 3, lr: float = 0.0,
     delta: str = "off", corrupt: int | None = None, engine_kwargs: dict[str, Any] | None = None, full_every: int = 0,
+    in_place: bool = False, touch: int | None = None,
 ) -> dict[str, Any]:
     """Senders each send their dim-0 row block of every tensor of >= 2 dims (the rest whole, balanced
     by the planner); receivers check every tensor bit for bit after each version. With `delta`,
     version 0 seeds the bases and later versions travel as patches (`full_every`: a dense seed every
-    that many syncs). `corrupt`: the sync (version) whose first patch the first sender corrupts."""
+    that many syncs). `corrupt`: the sync (version) whose first patch the first sender corrupts.
+    `in_place`: receivers offer their own tensors as destinations (the loader's tensors are then
+    the delta base); `touch`: before that sync, receivers change one word of their "wide" tensor
+    outside any sync. After a failed sync a receiver reports whether its tensors still hold the
+    previous version ("kept")."""
     senders = rdzv.num_senders
     dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if rdzv.backend == "nccl" else torch.device("cpu")
     engine = CheckpointEngineRegistry.new(
@@ -89,6 +94,7 @@ def shard_rank(
     engine.init_process_group(rdzv, rank)
     out: dict[str, Any] = {"bad": [], "errors": [], "stats": []}
     base_id = None
+    mine: dict[str, torch.Tensor] | None = None
     for version in range(versions):
         sd = {k: v.to(dev) for k, v in wire(model_state(version, lr=lr)).items()}
         specs = [spec_of(n, t) for n, t in sd.items()]
@@ -115,6 +121,16 @@ def shard_rank(
                         own.append((e.name, piece))
                 stats = engine.send_weights(manifest, own, delta=request)
                 out["stats"].append(dict(stats.extra, bytes=stats.bytes))
+            elif in_place:
+                if mine is None:
+                    mine = {n: torch.zeros_like(t) for n, t in sd.items()}
+                if touch is not None and version == touch:
+                    mine["wide"].view(torch.int16).reshape(-1)[7] += 1
+                for n, t in engine.receive_weights(manifest, mine, delta=request):
+                    if t.data_ptr() != mine[n].data_ptr() or not t.numel():
+                        mine[n].copy_(t)
+                out["bad"] += [f"v{version} {n}" for n in sd if not same_bits(mine[n], sd[n])]
+                out["stats"].append(dict(getattr(engine, "last_delta_stats", {})))
             else:
                 got = {n: t.clone() for n, t in engine.receive_weights(manifest, delta=request)}
                 out["bad"] += [f"v{version} {n}" for n in sd if n not in got or not same_bits(got[n], sd[n])]
@@ -122,6 +138,9 @@ def shard_rank(
             base_id = request.new_id if request is not None else None
         except Exception as exc:
             out["errors"].append(f"v{version}: {type(exc).__name__}: {exc}")
+            if mine is not None and version:
+                before = {k: v.to(dev) for k, v in wire(model_state(version - 1, lr=lr)).items()}
+                out["kept"] = [n for n in before if not same_bits(mine[n], before[n])]
             engine.finalize()
             if version + 1 < versions:
                 raise RuntimeError(f"a failed sync needs a new group; this helper stops here: {out['errors']}") from exc

@@ -34,3 +34,45 @@ def test_corrupt_patch_is_caught_and_the_old_weights_stay() -> None:
         assert len(r["errors"]) == 1 and "v2:" in r["errors"][0]
         assert "checksum mismatch" in r["errors"][0] or "malformed patch" in r["errors"][0]
         assert r["bad"] == []  # versions 0 and 1 arrived exact; version 2 was never loaded
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_calm_buckets_are_diffed_straight_from_the_source(in_place: bool) -> None:
+    """At an RL learning rate few words change: after the first patch (packed, codec-encoded, as
+    every bucket without history is) the senders diff those buckets in one pass from their source
+    tensors, and the chain stays bit-exact."""
+    results = run_ranks(shard_rank, 4, num_senders=2, versions=5, lr=1e-6, delta="on", in_place=in_place)
+    for r in results[:2]:
+        assert r["stats"][1]["direct_buckets"] == 0
+        assert all(s["direct_buckets"] > 0 for s in r["stats"][2:])
+    for r in results[2:]:
+        assert r["bad"] == [] and r["errors"] == []
+
+
+@pytest.mark.parametrize("senders", [1, 2])
+def test_patches_land_in_the_loaders_own_tensors(senders: int) -> None:
+    """Receivers that offer their own tensors (every entry in the wire layout) hold no base copy:
+    their tensors are the base, each patch is checked against the words where they live and
+    written there, and the chain stays bit-exact (a tensor larger than a bucket, sharded senders)."""
+    results = run_ranks(shard_rank, senders + 2, num_senders=senders, versions=5, lr=1e-5, delta="on", in_place=True)
+    for r in results[senders:]:
+        assert r["bad"] == [] and r["errors"] == []
+        assert all(s["in_place"] == 1.0 for s in r["stats"])
+        assert r["base_bytes"] == 0
+        assert all(p["patch_buckets"] > 0 for p in r["stats"][1:])
+
+
+def test_in_place_corrupt_patch_leaves_the_loaders_tensors_on_the_old_version() -> None:
+    results = run_ranks(shard_rank, 3, versions=3, lr=1e-5, delta="on", corrupt=2, in_place=True)
+    for r in results[1:]:
+        assert len(r["errors"]) == 1 and "v2:" in r["errors"][0]
+        assert "checksum mismatch" in r["errors"][0] or "malformed patch" in r["errors"][0] or "outside every tensor" in r["errors"][0]
+        assert r["bad"] == [] and r["kept"] == []  # version 1 exactly, nothing of version 2
+
+
+def test_a_tensor_changed_outside_a_sync_is_no_longer_a_base() -> None:
+    """A receiver whose own tensor was written between syncs refuses the next patch sync, naming
+    the tensor, instead of patching on top of weights the sender does not know."""
+    results = run_ranks(shard_rank, 3, versions=3, lr=1e-5, delta="on", in_place=True, touch=2)
+    for r in results[1:]:
+        assert len(r["errors"]) == 1 and "v2:" in r["errors"][0] and "'wide' changed since the last sync" in r["errors"][0]

@@ -56,3 +56,22 @@ def test_nccl_delta_chain_and_corrupt_patch() -> None:
     results = run_ranks(shard_rank, 2, backend="nccl", versions=3, lr=1e-5, delta="on", corrupt=2)
     assert len(results[1]["errors"]) == 1 and "checksum mismatch" in results[1]["errors"][0] or "malformed" in results[1]["errors"][0]
     assert results[1]["bad"] == []
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_nccl_delta_one_pass_diff_and_in_place_receivers(in_place: bool) -> None:
+    """At lr 1e-6 the senders' calm buckets go through the one-pass Triton diff (no pack) and,
+    with `in_place`, receivers check and patch their own tensors through the scattered-image
+    kernel: bit-exact over NCCL after every sync; then a corrupted patch leaves them on the old
+    version."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from multisender import shard_rank
+
+    results = run_ranks(shard_rank, 2, backend="nccl", versions=5, lr=1e-6, delta="on", in_place=in_place)
+    assert results[1]["bad"] == [] and results[1]["errors"] == []
+    assert all(s["direct_buckets"] > 0 for s in results[0]["stats"][2:])
+    assert all(s.get("in_place", 0.0) == float(in_place) for s in results[1]["stats"])
+    results = run_ranks(shard_rank, 2, backend="nccl", versions=4, lr=1e-6, delta="on", corrupt=3, in_place=in_place)
+    assert len(results[1]["errors"]) == 1 and "v3:" in results[1]["errors"][0]
+    assert results[1]["bad"] == [] and results[1].get("kept", []) == []

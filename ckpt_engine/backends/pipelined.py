@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.backends.pipelined_delta import DeltaTransferMixin
+from ckpt_engine.backends.pipelined_delta_receive import DeltaReceiveMixin
 from ckpt_engine.backends.pipelined_receive import ReceiveLoopMixin
 from ckpt_engine.backends.pipelined_send import SendLoopMixin
 from ckpt_engine.backends.schedule import Schedule
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 _SLACK = SLACK  # kept for backends that size shared buffers alike (colocated)
 
 
-class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMixin, CheckpointEngine):
+class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMixin, DeltaReceiveMixin, CheckpointEngine):
     """Senders broadcast their buckets to every receiver over one process group each."""
 
     supports_many_senders = True

@@ -1,34 +1,28 @@
-"""Delta framing for the pipelined broadcast: send each bucket dense or as a patch of its base.
+"""The sending side of a delta sync (receiving: pipelined_delta_receive.py; what each rank keeps
+between syncs: delta_bases.py).
 
-Every side keeps a base image of each bucket it sends or receives (the bucket's wire bytes at the
-last sync, in the engine's device memory: the whole model on a single sender and on each
-receiver, 1/S of it on each of S senders). One delta sync, per sender and bucket:
-1. encode: compare the bucket's source tensors with its base image in one pass each
-   (`ckpt_engine.delta.direct`, no pack) or, for a bucket that changed a lot last time, pack it and
-   let the codec pick a bitmask patch; keep the patch when it is smaller than the bucket; the base
-   image becomes the new bytes either way;
+A sender keeps a base image of each bucket it sends (the bucket's wire bytes at the last sync, in
+device memory: 1/S of the model on each of S senders). One patch sync, per bucket:
+1. encode: a bucket that changed little last time is compared with its base straight from the
+   source tensors, one pass per piece (`ckpt_engine.delta.direct`, no pack); any other is packed
+   and encoded by the codec, which picks a bitmask patch when many words change. A patch is kept
+   when smaller than the bucket; the base image becomes the new bytes either way;
 2. the bucket's header (kind, bytes, checksum of the result) and payload (the patch, or the base
    image itself) leave at once, so the next bucket is encoded while this one travels.
-Receivers check each patch against their own base (the sender's checksum of the result must equal
-theirs) as it arrives, apply patches only after every bucket has passed, and then hand tensors to
-the loader, so
-a corrupt or mismatched patch leaves the engine's own weights untouched. Dense frames need no
-check beyond the transport's (as a dense sync); their checksum is computed lazily, the first time
-a patch builds on them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
+from ckpt_engine.backends.delta_bases import DENSE, PATCH, Bases
 from ckpt_engine.backends.piece_reader import PieceReader
-from ckpt_engine.backends.wire_views import flat_bytes, torch_dtype
+from ckpt_engine.backends.wire_views import flat_bytes
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta import codec
 from ckpt_engine.delta.direct import BucketDiff
@@ -41,34 +35,18 @@ __all__ = ["DeltaTransferMixin"]
 
 logger = logging.getLogger(__name__)
 
-DENSE, PATCH = 0, 1
-
-
-@dataclass
-class _Bases:
-    """Base images of the buckets this rank sends (by ordinal) or receives (by manifest index)."""
-
-    digest: str | None = None
-    sync_id: int | None = None
-    images: dict[int, torch.Tensor] = field(default_factory=dict)
-    sums: dict[int, torch.Tensor | None] = field(default_factory=dict)
-    busy: set[int] = field(default_factory=set)
-    """Sender buckets whose last patch changed more than 1 word in 32: encoded by the codec."""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() for t in self.images.values())
-
-
 class DeltaTransferMixin:
-    """Mixed into PipelinedBroadcastEngine: `_send_delta` / `_receive_delta` and the bases."""
+    """Mixed into PipelinedBroadcastEngine: the bases and `_send_delta` (receiving is in
+    pipelined_delta_receive.py)."""
 
     def _init_delta(self) -> None:
-        self._bases = _Bases()
+        self._bases = Bases()
+        self._places_cache: Any = None
         self.last_delta_stats: dict[str, float] = {}
 
     def _reset_delta(self) -> None:
-        self._bases = _Bases()
+        self._bases = Bases()
+        self._places_cache = None
 
     def _invalidate_delta(self) -> None:
         """The bases no longer match what the other side holds (a failure, or a sync without them)."""
@@ -83,20 +61,25 @@ class DeltaTransferMixin:
         """Memory the base images take on this rank."""
         return self._bases.nbytes
 
-    def _bases_for(self, manifest: BucketManifest, delta: DeltaRequest, keys: list[tuple[int, int]]) -> _Bases:
-        """The base images for this sync: checked against the request, (re)allocated for a new plan."""
+    def _bases_for(self, manifest: BucketManifest, delta: DeltaRequest, keys: list[tuple[int, int]], inplace: bool = False) -> Bases:
+        """The bases for this sync: checked against the request, (re)allocated for a new plan (or
+        a receiver whose destinations start or stop holding the base: `inplace`)."""
         b = self._bases
         if delta.patches:
-            if b.digest != manifest.digest or b.sync_id != delta.base_id:
+            if b.digest != manifest.digest or b.sync_id != delta.base_id or b.inplace != inplace:
                 held = b.sync_id if b.digest == manifest.digest else None
+                where = "" if b.inplace == inplace else (
+                    " (held in the loader's tensors, which this sync does not offer)" if b.inplace else " (held in base copies, not the loader's tensors)"
+                )
                 raise TransferError(
                     f"rank {self.rank}: asked to patch against base {delta.base_id}, but this rank's bases hold "
-                    f"{held if held is not None else 'nothing valid'} for this plan; the sync must be dense"
+                    f"{held if held is not None else 'nothing valid'} for this plan{where}; the sync must be dense"
                 )
-        elif b.digest != manifest.digest:
-            self._bases = b = _Bases(digest=manifest.digest)
+        elif b.digest != manifest.digest or b.inplace != inplace:
+            self._bases = b = Bases(digest=manifest.digest, inplace=inplace)
             for key, nbytes in keys:
-                b.images[key] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+                if not inplace:
+                    b.images[key] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
                 b.sums[key] = None
         b.sync_id = None  # until this sync completes on this rank
         return b
@@ -114,7 +97,7 @@ class DeltaTransferMixin:
         it = iter(weights)
         works: list[Any] = []
         keep: list[torch.Tensor] = []  # what the queued broadcasts read, alive until drained
-        tally = {"wire": 0, "changed": 0, "words": 0, "patches": 0}
+        tally = {"wire": 0, "changed": 0, "words": 0, "patches": 0, "direct": 0}
 
         def send(step: Any, frame: tuple[int, int, torch.Tensor | None, torch.Tensor, int]) -> None:
             kind, size, result, msg, num_changed = frame
@@ -135,8 +118,9 @@ class DeltaTransferMixin:
                 n, word = step.bucket.nbytes, step.word_bytes
                 tally["words"] += n // word
                 t0 = time.perf_counter()
-                if delta.patches and step.ordinal not in bases.busy and n // word < 2**31:
+                if delta.patches and step.ordinal in bases.calm and n // word < 2**31:
                     diff, event = self._start_diff(bases, step, pieces, i)
+                    tally["direct"] += 1
                     if pending is not None:
                         send(pending[0], self._finish_diff(bases, *pending))
                     pending = (step, diff, event)
@@ -170,7 +154,7 @@ class DeltaTransferMixin:
         words = tally["words"]
         stats.extra.update(
             wire_bytes=float(tally["wire"]), table_bytes=float(24 * len(mine)), dense_bytes=float(sum(s.bucket.nbytes for s in mine)),
-            patch_buckets=float(tally["patches"]), changed_fraction=tally["changed"] / words if words else 0.0,
+            patch_buckets=float(tally["patches"]), direct_buckets=float(tally["direct"]), changed_fraction=tally["changed"] / words if words else 0.0,
             base_bytes=float(bases.nbytes),
         )
         stats.total_s = time.perf_counter() - t_start
@@ -196,7 +180,7 @@ class DeltaTransferMixin:
             batched_copy_(dsts, srcs)
         stats.pack_s += time.perf_counter() - t0
 
-    def _start_diff(self, bases: _Bases, step: Any, pieces: PieceReader, parity: int) -> tuple[BucketDiff, Any]:
+    def _start_diff(self, bases: Bases, step: Any, pieces: PieceReader, parity: int) -> tuple[BucketDiff, Any]:
         """Queue the one-pass diff of a bucket's source tensors against its base image (no pack;
         a piece not yet in the wire dtype is converted into the scratch buffer first). Two
         buckets' patches are in flight at once, in the two halves of the second buffer."""
@@ -219,7 +203,7 @@ class DeltaTransferMixin:
             diff.add(new.view(dtype), base.view(dtype), e.bucket_offset // word)
         return diff, diff.seal()
 
-    def _finish_diff(self, bases: _Bases, step: Any, diff: BucketDiff, event: Any) -> tuple[int, int, torch.Tensor | None, torch.Tensor, int]:
+    def _finish_diff(self, bases: Bases, step: Any, diff: BucketDiff, event: Any) -> tuple[int, int, torch.Tensor | None, torch.Tensor, int]:
         """(kind, bytes, checksum of the result, payload, changed words) of a queued diff; a bucket
         with more than 1 changed word in 32 goes dense and is encoded by the codec next time."""
         key, n, word = step.ordinal, step.bucket.nbytes, step.word_bytes
@@ -227,28 +211,31 @@ class DeltaTransferMixin:
             self._wait_event(event, f"the diff of bucket {step.bucket.index}")
         size, delta_sum, num_changed = diff.finish()
         if num_changed > diff.cap:
-            bases.busy.add(key)
+            bases.calm.discard(key)
         return self._frame_of(bases, key, n, word, size, delta_sum, num_changed, diff.out)
 
     def _encode_packed(
-        self, bases: _Bases, step: Any, pieces: PieceReader, stable: bool, stats: SendStats
+        self, bases: Bases, step: Any, pieces: PieceReader, stable: bool, stats: SendStats
     ) -> tuple[int, int, torch.Tensor | None, torch.Tensor, int]:
-        """A bucket that changed a lot last time: pack it and let the codec choose (its bitmask
-        index is smaller than int32 positions there); back to the one-pass diff once it calms."""
+        """A bucket that changed a lot last time (or has no history): pack it and let the codec
+        choose (its bitmask index is smaller than int32 positions when many words change); the
+        one-pass diff takes over once fewer than 1 word in 32 changes. Padding between entries is
+        zeroed, so it never differs from the base (in-place receivers hold no padding)."""
         key, n, word = step.ordinal, step.bucket.nbytes, step.word_bytes
         image = bases.images[key][:n]
         if bases.sums.get(key) is None:
             bases.sums[key] = codec.checksum(image, word)
         scratch, out = self._buffers[0][:n], self._buffers[1]
+        scratch.zero_()
         self._pack_into(scratch, step, pieces, stable, stats)
         size = codec.encode_into_base(image, scratch, word, out)  # the image becomes `new` either way
         num_changed, delta_sum = header_fields(out[:size]) if size is not None else (n // word, 0)
-        if size is None or num_changed * 32 < n // word:
-            bases.busy.discard(key)
+        if size is not None and num_changed * 32 < n // word:
+            bases.calm.add(key)
         return self._frame_of(bases, key, n, word, size, delta_sum, num_changed, out)
 
     def _frame_of(
-        self, bases: _Bases, key: int, n: int, word: int, size: int | None, delta_sum: Any, num_changed: int, out: torch.Tensor
+        self, bases: Bases, key: int, n: int, word: int, size: int | None, delta_sum: Any, num_changed: int, out: torch.Tensor
     ) -> tuple[int, int, torch.Tensor | None, torch.Tensor, int]:
         if size is None:
             bases.sums[key] = None
@@ -276,152 +263,3 @@ class DeltaTransferMixin:
             ev = self._new_event()
             ev.record(stream)
             self._wait_event(ev, f"{what} on group {gid}")
-
-    # --- receiver ----------------------------------------------------------------------------
-    def _receive_delta(
-        self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Per bucket: its header, then its payload; each patch is checked against this rank's own
-        base while the next bucket is in flight. Patches are applied, and tensors handed to the
-        loader, only after every bucket has passed; after a failed check the remaining frames are
-        still received (so senders finish), then the failure is raised."""
-        sched = self._schedule(manifest)
-        steps = sched.steps
-        works: list[Any] = []
-        t_start = time.perf_counter()
-        failure: TransferError | None = None
-        try:
-            bases = self._bases_for(manifest, delta, [(s.bucket.index, s.bucket.nbytes) for s in steps])
-            frames: list[tuple[int, int, int]] = []
-            patches: dict[int, codec.DecodedPatch] = {}
-            pending: tuple[Any, int, int, int, torch.Tensor, Any] | None = None
-            check_s = 0.0
-            for step in steps:
-                header = torch.empty((1, 3), dtype=torch.int64, device=self.device)
-                where = f"bucket {step.bucket.index} from sender {step.bucket.sender}"
-                self._settle(step.gid, self._broadcast_on(step.gid, None, header), f"the frame header of {where}")
-                kind, size, expect = header[0].tolist()
-                self._check_frame(step, kind, size, delta)
-                frames.append((kind, size, expect))
-                image = bases.images[step.bucket.index]
-                msg = image[:size] if kind == DENSE else torch.empty(size, dtype=torch.uint8, device=self.device)
-                work = self._broadcast_on(step.gid, None, msg)
-                if pending is not None:
-                    t0 = time.perf_counter()
-                    failure = self._check_arrived(bases, patches, pending, failure)
-                    check_s += time.perf_counter() - t0
-                pending = (step, kind, size, expect, msg, work)
-            if pending is not None:
-                t0 = time.perf_counter()
-                failure = self._check_arrived(bases, patches, pending, failure)
-                check_s += time.perf_counter() - t0
-            if failure is not None:
-                raise failure
-            t_apply = time.perf_counter()
-            changed = 0
-            for step, (kind, _size, expect) in zip(steps, frames):
-                k = step.bucket.index
-                if kind == DENSE:
-                    bases.sums[k] = None
-                    continue
-                patch = patches.pop(k)
-                codec.apply(bases.images[k][: step.bucket.nbytes], patch)
-                bases.sums[k] = torch.tensor(expect, dtype=torch.int64, device=self.device)
-                changed += int(patch.positions.numel())
-            apply_s = time.perf_counter() - t_apply
-            bases.sync_id = delta.new_id
-        except BaseException:
-            works.clear()
-            self.abort()
-            raise
-        wire = sum(size for _k, size, _e in frames)
-        self.last_delta_stats = {
-            "wire_bytes": float(wire), "dense_bytes": float(sum(s.bucket.nbytes for s in steps)),
-            "patch_buckets": float(sum(1 for k, _s, _e in frames if k == PATCH)), "apply_s": apply_s + check_s,
-            "check_s": check_s, "receive_s": time.perf_counter() - t_start, "changed_words": float(changed),
-            "base_bytes": float(bases.nbytes),
-        }
-        yield from self._yield_images(manifest, destinations, bases)
-
-    def _settle(self, gid: int, work: Any, what: str) -> None:
-        """Wait, with the timeout, for one broadcast on group `gid` (the host then reads its bytes)."""
-        if self._comm_stream is None:
-            self._wait_work(work, what)
-            return
-        ev = self._new_event()
-        ev.record(self._streams[gid])
-        self._wait_event(ev, what)
-
-    def _check_arrived(
-        self, bases: _Bases, patches: dict[int, Any], pending: tuple[Any, int, int, int, torch.Tensor, Any], failure: TransferError | None
-    ) -> TransferError | None:
-        """Wait for a bucket's payload; a patch is decoded and checked (unless an earlier one failed)."""
-        step, kind, size, expect, msg, work = pending
-        self._settle(step.gid, work, f"bucket {step.bucket.index} from sender {step.bucket.sender}")
-        if kind == DENSE or failure is not None:
-            return failure
-        try:
-            patches[step.bucket.index] = self._verify_patch(bases, step, msg, expect)
-        except TransferError as exc:
-            return exc
-        return None
-
-    def _check_frame(self, step: Any, kind: int, size: int, delta: DeltaRequest) -> None:
-        n = step.bucket.nbytes
-        ok = (kind == DENSE and size == n) or (
-            kind == PATCH and delta.patches and codec.PATCH_HEADER_BYTES <= size <= n
-        )
-        if not ok:
-            self._broken = True
-            raise TransferError(
-                f"rank {self.rank}: bucket {step.bucket.index} from sender {step.bucket.sender} announced "
-                f"kind {kind} of {size} bytes (bucket of {n} bytes, patches {'allowed' if delta.patches else 'not allowed'})"
-            )
-
-    def _verify_patch(self, bases: _Bases, step: Any, payload: torch.Tensor, expect: int) -> Any:
-        """Decode a patch and check it against this rank's own base (not yet applied)."""
-        k, word = step.bucket.index, step.word_bytes
-        image = bases.images[k][: step.bucket.nbytes]
-        where = f"rank {self.rank}: bucket {k} from sender {step.bucket.sender}"
-        try:
-            patch = codec.decode(payload, image.numel(), word)
-        except codec.PatchError as exc:
-            self._broken = True
-            raise TransferError(f"{where}: malformed patch: {exc}") from exc
-        if bases.sums.get(k) is None:
-            bases.sums[k] = codec.checksum(image, word)
-        got = int((bases.sums[k] + codec.delta_checksum(image, patch)).item())
-        if got != expect:
-            self._broken = True
-            raise TransferError(
-                f"{where}: checksum mismatch after applying the patch (sender {expect}, here {got}): "
-                "the patch was corrupted or this rank's base differs; the engine keeps its old weights"
-            )
-        return patch
-
-    def _yield_images(
-        self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, bases: _Bases
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The verified images, bucket by bucket, as the dense loop yields its buffers."""
-        sched = self._schedule(manifest)
-        remaining = dict(sched.tensor_bytes)
-        if self._assembly_digest != manifest.digest:
-            self._assembly, self._assembly_digest = {}, manifest.digest
-        for step in sched.steps:
-            image = bases.images[step.bucket.index]
-            out: list[tuple[str, torch.Tensor]] = []
-            for e in step.bucket.entries:
-                view = self._entry_view(image, e)
-                if e.is_whole:
-                    out.append((e.name, view))
-                    continue
-                asm = self._assembly_of(e, destinations)
-                asm[e.chunk_offset : e.chunk_offset + e.chunk_size].copy_(view)
-                remaining[e.name] -= e.chunk_size
-                if remaining[e.name] == 0:
-                    out.append((e.name, asm.view(torch_dtype(e.dtype)).view(e.shape)))
-            yield out
-        if self._comm_stream is not None:
-            done = self._new_event()
-            done.record(self._current_stream())
-            self._wait_event(done, "loading the last bucket")

@@ -62,6 +62,8 @@ def run_chain_bench(args: argparse.Namespace, backend: str, device: str, bucket_
         common += ["--layers", str(args.layers)]
     if args.delta:
         common.append("--delta")
+    if getattr(args, "in_place", False):
+        common.append("--in-place")
     if args.engine_kwargs is not None:
         common += ["--engine-kwargs", args.engine_kwargs]
     steps = 4 + args.iters * 3 + args.versions
@@ -78,6 +80,7 @@ def summarize_chain(results: list[dict[str, Any]], args: argparse.Namespace, bac
     s: dict[str, Any] = {
         "preset": args.preset, "layers": args.layers, "backend": backend, "device": device, "senders": args.senders,
         "receivers": args.receivers, "bucket_mb": bucket_mb, "bytes": nbytes, "delta": args.delta, "lr": args.lr, "modes": {},
+        "in_place": bool(getattr(args, "in_place", False)),
     }
     if torch.cuda.is_available() and device == "cuda":
         s["gpu"] = torch.cuda.get_device_name(0)

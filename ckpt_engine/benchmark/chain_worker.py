@@ -182,7 +182,7 @@ class ChainRank:
             self.last_stats = self.engine.send_weights(self.manifest, iter_pieces(self.source, self.manifest), stable=True, delta=delta)
         else:
             dst = dict(zip(self.names, self.tensors))
-            for bucket in self.engine.receive_buckets(self.manifest, delta=delta):
+            for bucket in self.engine.receive_buckets(self.manifest, dst if self.args.in_place else None, delta=delta):
                 if bucket:
                     batched_copy_([dst[n] for n, _ in bucket], [t for _, t in bucket])
 
@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--engine-kwargs", default="{}")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--delta", action="store_true")
+    p.add_argument("--in-place", action="store_true", help="receivers offer their tensors: patches land there (no base copy)")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--grad-scale", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=2)

@@ -1,0 +1,299 @@
+"""The receiving side of a delta sync: per bucket a header, then the payload (dense or a patch).
+
+Each patch is checked as it arrives (while the next bucket is in flight): the sender's checksum of
+the result must equal this rank's base checksum plus the patch's change, computed from this rank's
+own old words. Patches are applied, and tensors handed to the loader, only after every bucket has
+passed, so a corrupt or mismatched patch leaves the engine's weights as they were; after a failed
+check the remaining frames are still received (senders finish), then the failure is raised.
+
+Two places for the base. With `destinations` holding every entry in the wire layout, the loader's
+own tensors are the base (`ckpt_engine.delta.pieces.ScatteredImage`): old words are read and new
+ones written where they live, dense buckets are staged and copied in after the checks, and no
+bucket-sized copy exists at all (no base copy, no loader copy of the whole model). Otherwise each
+bucket has a base image in device memory, patched in place, whose views are handed to the loader.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ckpt_engine.backends.delta_bases import DENSE, PATCH, Bases
+from ckpt_engine.backends.wire_views import flat_bytes, has_wire_layout, torch_dtype
+from ckpt_engine.copies import batched_copy_
+from ckpt_engine.delta import codec
+from ckpt_engine.delta.layout import word_dtype
+from ckpt_engine.delta.pieces import ScatteredImage, pair_delta
+from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.engine import TransferError
+from ckpt_engine.manifest import BucketManifest
+
+__all__ = ["DeltaReceiveMixin"]
+
+
+class DeltaReceiveMixin:
+    """Mixed into PipelinedBroadcastEngine (with DeltaTransferMixin, which owns the bases)."""
+
+    def _receive_delta(
+        self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        sched = self._schedule(manifest)
+        steps = sched.steps
+        works: list[Any] = []
+        t_start = time.perf_counter()
+        places = self._places(manifest, destinations)
+        failure: TransferError | None = None
+        try:
+            bases = self._bases_for(manifest, delta, [(s.bucket.index, s.bucket.nbytes) for s in steps], inplace=places is not None)
+            if places is not None and delta.patches:
+                failure = self._stale_destination(bases, destinations)
+            frames: list[tuple[int, int, int]] = []
+            arrived: dict[int, Any] = {}  # checked patches, and dense frames staged for in-place receivers
+            pending: tuple[Any, int, int, int, torch.Tensor, Any] | None = None
+            check_s = 0.0
+            for step in steps:
+                header = torch.empty((1, 3), dtype=torch.int64, device=self.device)
+                where = f"bucket {step.bucket.index} from sender {step.bucket.sender}"
+                self._settle(step.gid, self._broadcast_on(step.gid, None, header), f"the frame header of {where}")
+                kind, size, expect = header[0].tolist()
+                self._check_frame(step, kind, size, delta)
+                frames.append((kind, size, expect))
+                if kind == DENSE and places is None:
+                    msg = bases.images[step.bucket.index][:size]
+                else:
+                    msg = torch.empty(size, dtype=torch.uint8, device=self.device)
+                work = self._broadcast_on(step.gid, None, msg)
+                if pending is not None:
+                    t0 = time.perf_counter()
+                    failure = self._check_arrived(bases, places, arrived, pending, failure, delta)
+                    check_s += time.perf_counter() - t0
+                pending = (step, kind, size, expect, msg, work)
+            if pending is not None:
+                t0 = time.perf_counter()
+                failure = self._check_arrived(bases, places, arrived, pending, failure, delta)
+                check_s += time.perf_counter() - t0
+            if failure is not None:
+                raise failure
+            t_apply = time.perf_counter()
+            changed = self._apply_all(bases, places, arrived, steps, frames)
+            apply_s = time.perf_counter() - t_apply
+            if places is not None:
+                bases.stamps = {name: _stamp(t) for name, t in destinations.items() if t.numel() and name in sched.tensor_bytes}
+            bases.sync_id = delta.new_id
+        except BaseException:
+            works.clear()
+            self.abort()
+            raise
+        wire = sum(size for _k, size, _e in frames)
+        self.last_delta_stats = {
+            "wire_bytes": float(wire), "dense_bytes": float(sum(s.bucket.nbytes for s in steps)),
+            "patch_buckets": float(sum(1 for k, _s, _e in frames if k == PATCH)), "apply_s": apply_s + check_s,
+            "check_s": check_s, "receive_s": time.perf_counter() - t_start, "changed_words": float(changed),
+            "base_bytes": float(bases.nbytes), "in_place": float(places is not None),
+        }
+        if places is not None:
+            yield from self._yield_destinations(manifest, destinations)
+        else:
+            yield from self._yield_images(manifest, destinations, bases)
+
+    def _places(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None) -> dict[int, ScatteredImage] | None:
+        """Per bucket, its words as they lie in the loader's tensors; None unless every entry of
+        the manifest has a destination in the wire layout on this device (cached per plan and
+        tensors)."""
+        if not destinations:
+            return None
+        sched = self._schedule(manifest)
+        key = (manifest.digest, tuple((n, t.data_ptr()) for n, t in destinations.items() if n in sched.tensor_bytes))
+        cached = getattr(self, "_places_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        places: dict[int, ScatteredImage] | None = {}
+        for step in sched.steps:
+            regions = []
+            word = step.word_bytes
+            for e in step.bucket.entries:
+                dest = destinations.get(e.name)
+                if dest is None or not has_wire_layout(dest, e, self.device):
+                    places = None
+                    break
+                if e.chunk_size:
+                    region = flat_bytes(dest)[e.chunk_offset : e.chunk_offset + e.chunk_size]
+                    regions.append((e.bucket_offset // word, region.view(word_dtype(word))))
+            if places is None:
+                break
+            if regions:
+                places[step.bucket.index] = ScatteredImage(regions, step.bucket.nbytes // word)
+        self._places_cache = (key, places)
+        return places
+
+    def _stale_destination(self, bases: Bases, destinations: Mapping[str, torch.Tensor]) -> TransferError | None:
+        """A destination written by anything but the last sync is no longer the base."""
+        for name, (ptr, version) in bases.stamps.items():
+            t = destinations.get(name)
+            if t is None or _stamp(t) != (ptr, version):
+                self._broken = True
+                return TransferError(
+                    f"rank {self.rank}: the loader's tensor {name!r} changed since the last sync (it is the base of "
+                    "this patch sync); the engine keeps its weights and the next sync must be dense"
+                )
+        return None
+
+    def _settle(self, gid: int, work: Any, what: str) -> None:
+        """Wait, with the timeout, for one broadcast on group `gid` (the host then reads its bytes)."""
+        if self._comm_stream is None:
+            self._wait_work(work, what)
+            return
+        ev = self._new_event()
+        ev.record(self._streams[gid])
+        self._wait_event(ev, what)
+
+    def _check_arrived(
+        self,
+        bases: Bases,
+        places: dict[int, ScatteredImage] | None,
+        arrived: dict[int, Any],
+        pending: tuple[Any, int, int, int, torch.Tensor, Any],
+        failure: TransferError | None,
+        delta: DeltaRequest,
+    ) -> TransferError | None:
+        """Wait for a bucket's payload; check a patch (unless an earlier one failed). An in-place
+        receiver stages a dense frame (with its checksum) until every patch has passed, or, in a
+        sync without patches, copies it in at once."""
+        step, kind, size, expect, msg, work = pending
+        k = step.bucket.index
+        self._settle(step.gid, work, f"bucket {k} from sender {step.bucket.sender}")
+        if failure is not None:
+            return failure
+        if kind == DENSE:
+            if places is not None:
+                bases.sums[k] = codec.checksum(msg, step.word_bytes)
+                if delta.patches:
+                    arrived[k] = msg
+                else:
+                    self._write_dense(step, msg, places)
+            return None
+        try:
+            arrived[k] = self._verify_patch(bases, places, step, msg, expect)
+        except TransferError as exc:
+            return exc
+        return None
+
+    def _write_dense(self, step: Any, frame: torch.Tensor, places: dict[int, ScatteredImage]) -> None:
+        image = places.get(step.bucket.index)
+        if image is None:
+            return
+        word = frame.view(word_dtype(step.word_bytes))
+        batched_copy_([view for _first, view in image.regions], [word[f : f + v.numel()] for f, v in image.regions])
+
+    def _check_frame(self, step: Any, kind: int, size: int, delta: DeltaRequest) -> None:
+        n = step.bucket.nbytes
+        ok = (kind == DENSE and size == n) or (
+            kind == PATCH and delta.patches and codec.PATCH_HEADER_BYTES <= size <= n
+        )
+        if not ok:
+            self._broken = True
+            raise TransferError(
+                f"rank {self.rank}: bucket {step.bucket.index} from sender {step.bucket.sender} announced "
+                f"kind {kind} of {size} bytes (bucket of {n} bytes, patches {'allowed' if delta.patches else 'not allowed'})"
+            )
+
+    def _verify_patch(self, bases: Bases, places: dict[int, ScatteredImage] | None, step: Any, payload: torch.Tensor, expect: int) -> Any:
+        """Decode a patch and check it against this rank's own base (nothing is written yet)."""
+        k, word = step.bucket.index, step.word_bytes
+        n = step.bucket.nbytes
+        where = f"rank {self.rank}: bucket {k} from sender {step.bucket.sender}"
+        try:
+            patch = codec.decode(payload, n, word)
+        except codec.PatchError as exc:
+            self._broken = True
+            raise TransferError(f"{where}: malformed patch: {exc}") from exc
+        if places is None:
+            image = bases.images[k][:n]
+            if bases.sums.get(k) is None:
+                bases.sums[k] = codec.checksum(image, word)
+            got, outside = int((bases.sums[k] + codec.delta_checksum(image, patch)).item()), 0
+        else:
+            if bases.sums.get(k) is None or k not in places:
+                raise TransferError(f"{where}: this rank holds no checksum of the bucket's base; the sync must be dense")
+            old, bad = places[k].gather(patch.positions)
+            got_t = bases.sums[k] + pair_delta(patch.positions, patch.values, old)
+            got, outside = torch.stack([got_t.reshape(()), bad.reshape(()).to(torch.int64)]).tolist()  # one host sync
+        if outside:
+            self._broken = True
+            raise TransferError(f"{where}: the patch writes {outside} words outside every tensor of the bucket; the engine keeps its old weights")
+        if got != expect:
+            self._broken = True
+            raise TransferError(
+                f"{where}: checksum mismatch after applying the patch (sender {expect}, here {got}): "
+                "the patch was corrupted or this rank's base differs; the engine keeps its old weights"
+            )
+        return patch
+
+    def _apply_all(
+        self, bases: Bases, places: dict[int, ScatteredImage] | None, arrived: dict[int, Any], steps: list[Any], frames: list[tuple[int, int, int]]
+    ) -> int:
+        """Every bucket passed: apply the patches and copy in staged dense frames; returns the
+        changed words."""
+        changed = 0
+        for step, (kind, _size, expect) in zip(steps, frames):
+            k = step.bucket.index
+            if kind == DENSE:
+                if places is None:
+                    bases.sums[k] = None  # computed the first time a patch builds on it
+                elif k in arrived:
+                    self._write_dense(step, arrived.pop(k), places)
+                continue
+            patch = arrived.pop(k)
+            if places is None:
+                codec.apply(bases.images[k][: step.bucket.nbytes], patch)
+            elif k in places:
+                places[k].scatter(patch.positions, patch.values)
+            bases.sums[k] = torch.tensor(expect, dtype=torch.int64, device=self.device)
+            changed += int(patch.positions.numel())
+        return changed
+
+    def _yield_destinations(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """In place: each tensor is complete already; it is yielded (itself, so a loader's copy is
+        skipped) with the bucket that carries its last bytes."""
+        sched = self._schedule(manifest)
+        for step in sched.steps:
+            out = [(e.name, destinations[e.name]) for e in step.bucket.entries if e.chunk_offset + e.chunk_size == e.nbytes]
+            yield out
+        if self._comm_stream is not None:
+            done = self._new_event()
+            done.record(self._current_stream())
+            self._wait_event(done, "applying the patches")
+
+    def _yield_images(
+        self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, bases: Bases
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The verified images, bucket by bucket, as the dense loop yields its buffers."""
+        sched = self._schedule(manifest)
+        remaining = dict(sched.tensor_bytes)
+        if self._assembly_digest != manifest.digest:
+            self._assembly, self._assembly_digest = {}, manifest.digest
+        for step in sched.steps:
+            image = bases.images[step.bucket.index]
+            out: list[tuple[str, torch.Tensor]] = []
+            for e in step.bucket.entries:
+                view = self._entry_view(image, e)
+                if e.is_whole:
+                    out.append((e.name, view))
+                    continue
+                asm = self._assembly_of(e, destinations)
+                asm[e.chunk_offset : e.chunk_offset + e.chunk_size].copy_(view)
+                remaining[e.name] -= e.chunk_size
+                if remaining[e.name] == 0:
+                    out.append((e.name, asm.view(torch_dtype(e.dtype)).view(e.shape)))
+            yield out
+        if self._comm_stream is not None:
+            done = self._new_event()
+            done.record(self._current_stream())
+            self._wait_event(done, "loading the last bucket")
+
+
+def _stamp(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t._version
