@@ -289,13 +289,14 @@ class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMix
         if self._comm_stream is None:
             return group.broadcast(msg, 0)
         stream = self._streams[gid]
+        producer = self._current_stream()  # read before the context makes `stream` the current one
         if slot is not None and self.is_sender:
-            self._ready[slot].record(self._current_stream())
+            self._ready[slot].record(producer)
         with self._stream_ctx(stream):
             if slot is not None:
                 stream.wait_event(self._ready[slot] if self.is_sender else self._free[slot])
             else:
-                stream.wait_stream(self._current_stream())
+                stream.wait_stream(producer)
             work = group.broadcast(msg, 0)
             work.wait()
             if slot is not None:
