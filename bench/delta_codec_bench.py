@@ -69,44 +69,78 @@ def _host_syncs(fn: Callable[[], object]) -> int:
 
 
 def _kernel_split(device: torch.device, base: torch.Tensor, new: torch.Tensor, kind: str, repeats: int) -> tuple[float, float]:
-    """Seconds of the Triton compare+count+pack pass and of the compact pass alone."""
+    """Seconds of the Triton compare+count+pack pass and of the compact pass alone (each with the
+    delta sum when kernels.DELTA_IN_COMPACT puts it there)."""
     bw, nw = base.view(torch.int16), new.view(torch.int16)
-    t_pack = _timer(device, lambda: kernels.compare_pack(bw, nw), repeats)
-    counts, _, mask = kernels.compare_pack(bw, nw)
+    late = kernels.DELTA_IN_COMPACT
+    t_pack = _timer(device, lambda: kernels.compare_pack(bw, nw, with_delta=not late), repeats)
+    counts, _, mask = kernels.compare_pack(bw, nw, with_delta=not late)
     offsets = torch.cumsum(counts, 0) - counts
     c = int(counts.sum())
     values = torch.empty(c, dtype=torch.int16, device=device)
     positions = torch.empty(c, dtype=torch.int32, device=device) if kind == "positions32" else None
     t_compact = _timer(
-        device, lambda: kernels.compact(mask, (bw.numel() + 7) // 8, counts, offsets, new_w=nw, values_out=values, positions_out=positions), repeats
+        device,
+        lambda: kernels.compact(
+            mask, (bw.numel() + 7) // 8, counts, offsets, new_w=nw, values_out=values, positions_out=positions, old_w=bw if late else None
+        ),
+        repeats,
     )
     return t_pack, t_compact
 
 
+# Settings the sweep tries: (words per block, warps, delta sum in the compact pass, set bits each
+# row peels per compact round).
+SWEEP = [
+    (1024, 2, True, 1),
+    (1024, 2, True, 2),
+    (1024, 2, False, 2),
+    (2048, 2, True, 2),
+    (2048, 4, True, 1),
+    (2048, 4, True, 2),
+    (2048, 4, False, 1),
+    (4096, 4, True, 1),
+    (4096, 4, True, 2),
+    (4096, 8, True, 2),
+    (8192, 8, True, 2),
+]
+
+
 def sweep(device: torch.device, base: torch.Tensor, new: torch.Tensor, repeats: int) -> list[dict]:
-    """Time Triton encode under a few (block words, warps) settings; keep the fastest."""
+    """Time Triton encode and encode_into_base under the SWEEP settings; keep the fastest
+    encode_into_base (the sender's call)."""
     out = torch.empty_like(base)
+    work = torch.empty_like(base)
     gb = base.numel() / 1e9
     rows = []
     kind = codec.decode(out[: codec.encode(base, new, 2, out, impl="torch")], base.numel(), 2, impl="torch").kind
-    settings = [(1024, 2), (1024, 4), (2048, 4), (4096, 8), (8192, 8)]
-    for block, warps in settings:
-        kernels.BLOCK_WORDS, kernels.NUM_WARPS = block, warps
-        t_enc = _timer(device, lambda: codec.encode(base, new, 2, out, impl="triton"), repeats)
-        t_pack, t_compact = _kernel_split(device, base, new, kind, repeats)
-        t_sum = _timer(device, lambda: codec.checksum(base, 2, impl="triton"), repeats)
+    for block, warps, late, walk in SWEEP:
+        kernels.BLOCK_WORDS, kernels.NUM_WARPS, kernels.DELTA_IN_COMPACT, kernels.WALK_BITS = block, warps, late, walk
+        try:  # one setting that fails to compile must not hide the others
+            t_enc = _timer(device, lambda: codec.encode(base, new, 2, out, impl="triton"), repeats)
+            t_into = _timer(
+                device, lambda: codec.encode_into_base(work, new, 2, out, impl="triton"), repeats, setup=lambda: work.copy_(base)
+            )
+            t_pack, t_compact = _kernel_split(device, base, new, kind, repeats)
+            t_sum = _timer(device, lambda: codec.checksum(base, 2, impl="triton"), repeats)
+        except Exception:
+            traceback.print_exc()
+            continue
         rows.append(
-            {"op": "sweep", "block_words": block, "num_warps": warps, "encode_s": t_enc}
-            | {"compare_pack_s": t_pack, "compact_s": t_compact, "checksum_s": t_sum}
+            {"op": "sweep", "block_words": block, "num_warps": warps, "delta_in_compact": late, "walk_bits": walk}
+            | {"encode_s": t_enc}
+            | {"encode_into_base_s": t_into, "compare_pack_s": t_pack, "compact_s": t_compact, "checksum_s": t_sum}
         )
         print(
-            f"  sweep block {block:5d} warps {warps:2d}: encode {gb / t_enc:7.1f} GB/s  compare+pack {gb / t_pack:7.1f} GB/s "
-            f"({t_pack * 1e3:.2f} ms)  compact {t_compact * 1e3:.2f} ms  checksum {gb / t_sum:7.1f} GB/s",
+            f"  sweep block {block:5d} warps {warps:2d} walk {walk} delta in {'compact' if late else 'pack   '}: encode {t_enc * 1e3:.3f} ms "
+            f"into_base {t_into * 1e3:.3f} ms  compare+pack {t_pack * 1e3:.3f} ms  compact {t_compact * 1e3:.3f} ms  "
+            f"checksum {gb / t_sum:7.1f} GB/s",
             flush=True,
         )
-    best = min(rows, key=lambda r: r["encode_s"])
+    best = min(rows, key=lambda r: r["encode_into_base_s"])
     kernels.BLOCK_WORDS, kernels.NUM_WARPS = best["block_words"], best["num_warps"]
-    print(f"  using block {best['block_words']} warps {best['num_warps']}")
+    kernels.DELTA_IN_COMPACT, kernels.WALK_BITS = best["delta_in_compact"], best["walk_bits"]
+    print(f"  using block {best['block_words']} warps {best['num_warps']} walk {best['walk_bits']} delta in compact {best['delta_in_compact']}")
     return rows
 
 
@@ -123,11 +157,11 @@ def run(device: torch.device, nbytes: int, fracs: list[float], impls: list[str],
             t_cp = _timer(device, lambda: work.copy_(new), repeats)
             print(f"{device.type} reference: torch.ne compare {gb / t_ne:8.1f} GB/s, device copy {gb / t_cp:8.1f} GB/s")
             rows.append({"device": device.type, "op": "reference", "ne_gbps": gb / t_ne, "copy_gbps": gb / t_cp})
-            if device.type == "cuda" and "triton" in impls and do_sweep:
-                try:
-                    rows += sweep(device, base, new, repeats)
-                except Exception:
-                    traceback.print_exc()
+        if device.type == "cuda" and "triton" in impls and do_sweep:  # per fraction: the best may differ
+            try:
+                rows += [r | {"changed": changed} for r in sweep(device, base, new, repeats)]
+            except Exception:
+                traceback.print_exc()
         for impl in impls:
             try:
                 rows.append(_measure(device, impl, base, new, out, work, changed, repeats))
@@ -165,7 +199,8 @@ def _measure(
         row["encode_host_syncs"] = _host_syncs(lambda: codec.encode(base, new, 2, out, impl=impl))
     if impl == "triton":
         row["compare_pack_s"], row["compact_s"] = _kernel_split(device, base, new, patch.kind, repeats)
-        row["block_words"], row["num_warps"] = kernels.BLOCK_WORDS, kernels.NUM_WARPS
+        row["block_words"], row["num_warps"], row["walk_bits"] = kernels.BLOCK_WORDS, kernels.NUM_WARPS, kernels.WALK_BITS
+        row["delta_in_compact"] = kernels.DELTA_IN_COMPACT
     figures = "  ".join(
         f"{k[:-2]} {gb / row[k]:8.2f} GB/s ({row[k] * 1e3:7.2f} ms)"
         for k in ("encode_s", "encode_into_base_s", "decode_s", "apply_s", "delta_checksum_s", "checksum_s")
@@ -189,7 +224,7 @@ def main() -> None:
     parser.add_argument("--impls", default=None, help="comma list of triton,torch,host (default: all that run here)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats, median reported (default 5 CUDA, 2 CPU)")
     parser.add_argument("--json", default=None, help="write the figures here")
-    parser.add_argument("--no-sweep", action="store_true", help="skip the Triton block/warps sweep")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the Triton block/warps/delta-pass sweep")
     args = parser.parse_args()
     device = torch.device(args.device)
     size_mib = args.size_mib if args.size_mib is not None else (1024 if device.type == "cuda" else 256)

@@ -67,14 +67,22 @@ def test_gpu_patches_equal_cpu_patches_byte_for_byte(word_bytes: int, frac: floa
             assert _gpu_roundtrip(base, new, word_bytes, kind, impl) == want, (kind, impl)
 
 
-@pytest.mark.parametrize(("block_words", "num_warps"), [(1024, 2), (2048, 4), (8192, 8)])
-def test_gpu_kernel_settings_write_identical_patches(block_words: int, num_warps: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every block size and warp count the bench sweeps writes the same bytes."""
+@pytest.mark.parametrize(
+    ("block_words", "num_warps", "delta_in_compact", "walk_bits"),
+    [(1024, 2, True, 2), (2048, 4, False, 1), (8192, 8, True, 1), (32768, 8, False, 2)],
+)
+def test_gpu_kernel_settings_write_identical_patches(
+    block_words: int, num_warps: int, delta_in_compact: bool, walk_bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every block size, warp count, delta-sum pass and walk width the bench sweeps writes the
+    same bytes."""
     if not kernels.available(torch.device("cuda")):
         pytest.skip("needs Triton")
     monkeypatch.setattr(kernels, "BLOCK_WORDS", block_words)
     monkeypatch.setattr(kernels, "NUM_WARPS", num_warps)
-    for word_bytes, frac in [(2, 0.02), (2, 0.3), (1, 0.05), (8, 0.01)]:
+    monkeypatch.setattr(kernels, "DELTA_IN_COMPACT", delta_in_compact)
+    monkeypatch.setattr(kernels, "WALK_BITS", walk_bits)
+    for word_bytes, frac in [(2, 0.02), (2, 0.3), (1, 0.05), (8, 0.01), (4, 0.9)]:
         base, new = _images(word_bytes, 2 * 65536 + 777, frac, seed=block_words + word_bytes)
         for kind in ("bitmask", "positions32"):
             assert _gpu_roundtrip(base, new, word_bytes, kind, "triton") == _cpu_patch(base, new, word_bytes, kind)
@@ -172,8 +180,11 @@ def test_gpu_one_pass_bucket_diff_matches_the_cpu_diff(word_bytes: int, frac: fl
         diff = BucketDiff(out, nbytes, word_bytes)
         assert diff._fused == (device == "cuda")
         wdt = codec.word_dtype(word_bytes)
-        for lo, hi in zip(cuts, cuts[1:]):
-            diff.add(fresh.view(wdt)[lo:hi], work.view(wdt)[lo:hi], lo)
+        if device == "cuda" and frac == 0.02:  # the one-launch table kernel, pieces in separate tensors
+            diff.add_pieces([fresh.view(wdt)[lo:hi].clone() for lo, hi in zip(cuts, cuts[1:])], cuts[:-1], work.view(wdt))
+        else:
+            for lo, hi in zip(cuts, cuts[1:]):
+                diff.add(fresh.view(wdt)[lo:hi], work.view(wdt)[lo:hi], lo)
         size, delta, count = diff.finish()
         assert torch.equal(work.cpu(), new)
         patch = None if size is None else codec.decode(out[:size].cpu(), nbytes, word_bytes)

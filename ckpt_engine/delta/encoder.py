@@ -190,7 +190,8 @@ def _encode_host(bw: torch.Tensor, nw: torch.Tensor, word_bytes: int, out: torch
 
 def _encode_triton(bw: torch.Tensor, nw: torch.Tensor, word_bytes: int, out: torch.Tensor, kind: str | None, update_base: bool) -> int | None:
     num_words = bw.numel()
-    counts, partial_delta, mask = kernels.compare_pack(bw, nw)
+    late_delta = kernels.DELTA_IN_COMPACT  # over the changed words in pass two, or every word in pass one
+    counts, partial_delta, mask = kernels.compare_pack(bw, nw, with_delta=not late_delta)
     offsets = torch.cumsum(counts, 0)
     num_changed = int(offsets[-1].item()) if offsets.numel() else 0  # the one host sync
     plan = _plan(num_words, word_bytes, num_changed, kind)
@@ -207,10 +208,18 @@ def _encode_triton(bw: torch.Tensor, nw: torch.Tensor, word_bytes: int, out: tor
         index.copy_(mask[:mask_bytes])
     else:
         positions = index.view(torch.int32 if kind == "positions32" else torch.int64)
-    kernels.compact(
-        mask, mask_bytes, counts, offsets, new_w=nw, values_out=values, positions_out=positions, base_w=bw if update_base else None
+    late = kernels.compact(
+        mask,
+        mask_bytes,
+        counts,
+        offsets,
+        new_w=nw,
+        values_out=values,
+        positions_out=positions,
+        base_w=bw if update_base else None,
+        old_w=bw if late_delta else None,
     )
-    return _finish(out, n, partial_delta.sum())
+    return _finish(out, n, (late if late_delta else partial_delta).sum())
 
 
 def encode(

@@ -2,8 +2,9 @@
 
 The codec owns the patch layout and falls back to plain torch ops when Triton or a GPU is missing;
 these kernels only move words. Two passes instead of one so that positions come out sorted
-without a cross-block scan: pass one reads both images once (compare, count, delta sum, packed
-bitmask), pass two reads the small bitmask and only the sectors of `new` that changed.
+without a cross-block scan: pass one reads both images once (compare, count, one int32 change
+mask per row of 32 words), pass two reads the small mask and only the sectors that changed: each
+row walks its own set bits, so its cost follows the changed words, not the image.
 """
 
 from __future__ import annotations
@@ -16,13 +17,18 @@ from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BLOCK_WORDS", "NUM_WARPS", "available", "checksum", "compact", "compare_pack", "delta_sum", "diff_into", "pairs_sum"]
+__all__ = ["BLOCK_WORDS", "DELTA_IN_COMPACT", "NUM_WARPS", "WALK_BITS", "available", "checksum", "compact", "compare_pack", "delta_sum", "diff_into", "pairs_sum"]
 
-# Words per program, warps per program and the compact variant, read at each call
-# (bench/delta_codec_bench.py sweeps them; 2048 / 4 / "bits" was the fastest encode measured on an
-# H200). BLOCK_WORDS must divide 2**16 (one B factor of h per block) and be a multiple of 8.
-BLOCK_WORDS = 2048
-NUM_WARPS = 4
+# Words per program (rows of 32), warps per program, where encode computes the delta sum (compact,
+# over the changed words only, or compare_pack, over every word) and the set bits each row peels
+# per compact round, read at each call; bench/delta_codec_bench.py sweeps them. 8192 / 8 / compact
+# / 2 was the fastest encode of the sweep on an H200 (1 GiB bf16: 1.06 ms at 2 %, 1.6 ms at 13 %
+# changed). BLOCK_WORDS must divide 2**16 (one B factor of h per block) and be a multiple of 32
+# (one int32 of the mask per row).
+BLOCK_WORDS = 8192
+NUM_WARPS = 8
+DELTA_IN_COMPACT = True
+WALK_BITS = 2  # set bits each row of a block peels per round of compact: 1 or 2
 
 try:  # Triton is optional: CPU installs and GPUs without it use the torch path.
     import triton
@@ -62,6 +68,15 @@ if _HAVE_TRITON:
         return v.to(tl.int64) * a.to(tl.int64)
 
     @triton.jit
+    def _popc32(x):
+        """Set bits of each int32 (SWAR popcount on the unsigned bits)."""
+        x = x.to(tl.uint32, bitcast=True)
+        x = x - ((x >> 1) & 0x55555555)
+        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+        x = (x + (x >> 4)) & 0x0F0F0F0F
+        return ((x * 0x01010101) >> 24).to(tl.int32)
+
+    @triton.jit
     def _compare_pack_kernel(
         base_ptr,
         new_ptr,
@@ -69,30 +84,44 @@ if _HAVE_TRITON:
         counts_ptr,
         delta_ptr,
         mask_ptr,
-        BLOCK: tl.constexpr,
+        ROWS: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_BITS: tl.constexpr,
         SMALL: tl.constexpr,
+        DELTA: tl.constexpr,
     ):
+        """Compare a block of ROWS x 32 words: one int32 change mask per row (bit j = word 32r+j,
+        so the int32s are the LSB-first byte mask on a little-endian GPU), the block's changed
+        count and, when DELTA, its partial delta sum over all its words."""
         pid = tl.program_id(0)
-        start = pid.to(tl.int64) * BLOCK
-        offs = start + tl.arange(0, BLOCK)
+        row = tl.arange(0, ROWS)
+        col = tl.arange(0, 32)
+        start = pid.to(tl.int64) * (ROWS * 32)
+        local = row[:, None] * 32 + col[None, :]
+        offs = start + local
         inb = offs < n_words
         a = tl.load(base_ptr + offs, mask=inb, other=0)
         b = tl.load(new_ptr + offs, mask=inb, other=0)
-        changed = a != b
-        tl.store(counts_ptr + pid, tl.sum(changed.to(tl.int32), axis=0).to(tl.int64))
-        j = (pid % (GROUP // BLOCK)) * BLOCK + tl.arange(0, BLOCK)
+        bits = tl.sum(tl.where(a != b, 1 << col[None, :], 0), axis=1)  # distinct bits: sum == or
+        tl.store(mask_ptr + pid.to(tl.int64) * ROWS + row, bits)
+        tl.store(counts_ptr + pid, tl.sum(_popc32(bits), axis=0).to(tl.int64))
+        if DELTA:
+            j = (pid % (GROUP // (ROWS * 32))) * (ROWS * 32) + local
+            if SMALL:
+                diff = b.to(tl.int32) - a.to(tl.int32)
+            else:
+                diff = b.to(tl.int64) - a.to(tl.int64)
+            part = tl.sum(tl.sum(_weighted(diff, _mix_a(j), SMALL), axis=1), axis=0)
+            tl.store(delta_ptr + pid, part * _mix_b(start >> GROUP_BITS))
+
+    @triton.jit
+    def _delta_term(v, o, p, GROUP: tl.constexpr, SMALL: tl.constexpr):
+        """h-weight A(p mod 2**16) * (v - o) as int64 (B is applied once per block)."""
         if SMALL:
-            diff = b.to(tl.int32) - a.to(tl.int32)
+            diff = v.to(tl.int32) - o.to(tl.int32)
         else:
-            diff = b.to(tl.int64) - a.to(tl.int64)
-        part = tl.sum(_weighted(diff, _mix_a(j), SMALL), axis=0)
-        tl.store(delta_ptr + pid, part * _mix_b(start >> GROUP_BITS))
-        bits = tl.reshape(changed.to(tl.int32), (BLOCK // 8, 8))
-        weights = 1 << tl.arange(0, 8)
-        packed = tl.sum(bits * weights[None, :], axis=1).to(tl.uint8)
-        tl.store(mask_ptr + pid.to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8), packed)
+            diff = v.to(tl.int64) - o.to(tl.int64)
+        return _weighted(diff, _mix_a((p & (GROUP - 1)).to(tl.int32)), SMALL)
 
     @triton.jit
     def _compact_kernel(
@@ -104,38 +133,74 @@ if _HAVE_TRITON:
         val_ptr,
         pos_ptr,
         base_ptr,
-        BLOCK: tl.constexpr,
+        old_ptr,
+        delta_ptr,
+        ROWS: tl.constexpr,
+        GROUP: tl.constexpr,
+        GROUP_BITS: tl.constexpr,
+        SMALL: tl.constexpr,
         WRITE_POS: tl.constexpr,
         WRITE_VALS: tl.constexpr,
         UPDATE_BASE: tl.constexpr,
+        DELTA: tl.constexpr,
+        WALK: tl.constexpr,
     ):
+        """Per block with changes: read each row's 32 mask bits (four bytes, any alignment),
+        rank rows by an exclusive scan of their popcounts, then every row walks its own set bits
+        in increasing order, WALK (1 or 2) bits a round, as many rounds as the busiest row needs:
+        positions stay sorted and unchanged words cost nothing. With DELTA, the block's partial delta sum over its changed
+        words (old words read from `old_ptr` before `base_ptr` is updated)."""
         pid = tl.program_id(0)
         cnt = tl.load(counts_ptr + pid)
         if cnt > 0:
-            byte_offs = pid.to(tl.int64) * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+            row = tl.arange(0, ROWS)
+            nib = tl.arange(0, 4)
+            byte_offs = pid.to(tl.int64) * (ROWS * 4) + row[:, None] * 4 + nib[None, :]
             mb = tl.load(mask_ptr + byte_offs, mask=byte_offs < n_mask_bytes, other=0).to(tl.int32)
-            bits = tl.reshape((mb[:, None] >> tl.arange(0, 8)[None, :]) & 1, (BLOCK,))
-            before = tl.cumsum(bits, axis=0) - bits
-            dest = tl.load(offsets_ptr + pid) + before.to(tl.int64)
-            offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            sel = bits != 0
-            if WRITE_POS:
-                tl.store(pos_ptr + dest, offs.to(pos_ptr.dtype.element_ty), mask=sel)
-            if WRITE_VALS or UPDATE_BASE:
-                v = tl.load(new_ptr + offs, mask=sel)
-                if WRITE_VALS:
-                    tl.store(val_ptr + dest, v, mask=sel)
-                if UPDATE_BASE:
-                    tl.store(base_ptr + offs, v, mask=sel)
-
-    @triton.jit
-    def _popc32(x):
-        """Set bits of each int32 (SWAR popcount on the unsigned bits)."""
-        x = x.to(tl.uint32, bitcast=True)
-        x = x - ((x >> 1) & 0x55555555)
-        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
-        x = (x + (x >> 4)) & 0x0F0F0F0F
-        return ((x * 0x01010101) >> 24).to(tl.int32)
+            bits = tl.sum(mb << (nib * 8)[None, :], axis=1)  # disjoint bytes: sum == or
+            per_row = _popc32(bits)
+            dest = tl.load(offsets_ptr + pid) + (tl.cumsum(per_row, axis=0) - per_row).to(tl.int64)
+            start = pid.to(tl.int64) * (ROWS * 32)
+            row_start = start + row * 32
+            acc = tl.zeros([ROWS], dtype=tl.int64)
+            for _ in range(0, (tl.max(per_row, axis=0) + WALK - 1) // WALK):
+                # WALK == 2 peels two bits a round: two independent loads in flight per row
+                low = bits & (0 - bits)
+                bits = bits & (bits - 1)
+                live = low != 0
+                p = row_start + _popc32(low - 1)
+                if WALK == 2:
+                    low2 = bits & (0 - bits)
+                    bits = bits & (bits - 1)
+                    live2 = low2 != 0
+                    p2 = row_start + _popc32(low2 - 1)
+                if WRITE_POS:
+                    tl.store(pos_ptr + dest, p.to(pos_ptr.dtype.element_ty), mask=live)
+                    if WALK == 2:
+                        tl.store(pos_ptr + dest + 1, p2.to(pos_ptr.dtype.element_ty), mask=live2)
+                if WRITE_VALS or UPDATE_BASE or DELTA:
+                    v = tl.load(new_ptr + p, mask=live, other=0)
+                    if WALK == 2:
+                        v2 = tl.load(new_ptr + p2, mask=live2, other=0)
+                    if DELTA:  # old words are read before any store to base_ptr
+                        o = tl.load(old_ptr + p, mask=live, other=0)
+                        acc += _delta_term(v, o, p, GROUP, SMALL)
+                        if WALK == 2:
+                            o2 = tl.load(old_ptr + p2, mask=live2, other=0)
+                            acc += _delta_term(v2, o2, p2, GROUP, SMALL)
+                    if WRITE_VALS:
+                        tl.store(val_ptr + dest, v, mask=live)
+                        if WALK == 2:
+                            tl.store(val_ptr + dest + 1, v2, mask=live2)
+                    if UPDATE_BASE:
+                        tl.store(base_ptr + p, v, mask=live)
+                        if WALK == 2:
+                            tl.store(base_ptr + p2, v2, mask=live2)
+                dest += live.to(tl.int64)
+                if WALK == 2:
+                    dest += live2.to(tl.int64)
+            if DELTA:
+                tl.store(delta_ptr + pid, tl.sum(acc, axis=0) * _mix_b(start >> GROUP_BITS))
 
     @triton.jit
     def _diff_sparse_kernel(new_ptr, base_ptr, n_words, first, counter_ptr, pos_ptr, val_ptr, old_ptr, cap, ROWS: tl.constexpr):
@@ -252,34 +317,38 @@ def _num_blocks(n_words: int) -> int:
 
 
 def _check_block() -> None:
-    if GROUP_WORDS % BLOCK_WORDS or BLOCK_WORDS % 8:
-        raise ValueError(f"kernels.BLOCK_WORDS={BLOCK_WORDS} must divide {GROUP_WORDS} and be a multiple of 8")
+    if GROUP_WORDS % BLOCK_WORDS or BLOCK_WORDS % 32:
+        raise ValueError(f"kernels.BLOCK_WORDS={BLOCK_WORDS} must divide {GROUP_WORDS} and be a multiple of 32")
+    if WALK_BITS not in (1, 2):
+        raise ValueError(f"kernels.WALK_BITS={WALK_BITS} must be 1 or 2")
 
 
-def compare_pack(base_w: torch.Tensor, new_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def compare_pack(base_w: torch.Tensor, new_w: torch.Tensor, *, with_delta: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """One pass over both word images: per-block changed counts (int64), per-block partial delta
-    sums (int64) and the packed change bitmask (LSB first, padded to whole blocks)."""
+    sums (int64; None unless `with_delta`) and the change bitmask (uint8, LSB first, padded to
+    whole blocks; written as one int32 per 32 words)."""
     _check_block()
     n = base_w.numel()
     nb = _num_blocks(n)
     counts = torch.empty(nb, dtype=torch.int64, device=base_w.device)
-    delta = torch.empty(nb, dtype=torch.int64, device=base_w.device)
-    mask = torch.empty(nb * (BLOCK_WORDS // 8), dtype=torch.uint8, device=base_w.device)
+    delta = torch.empty(nb, dtype=torch.int64, device=base_w.device) if with_delta else None
+    mask = torch.empty(nb * (BLOCK_WORDS // 32), dtype=torch.int32, device=base_w.device)
     if nb:
         _compare_pack_kernel[(nb,)](
             base_w,
             new_w,
             n,
             counts,
-            delta,
+            delta if delta is not None else counts,
             mask,
-            BLOCK=BLOCK_WORDS,
+            ROWS=BLOCK_WORDS // 32,
             GROUP=GROUP_WORDS,
             GROUP_BITS=GROUP_BITS,
             SMALL=base_w.element_size() <= 2,
+            DELTA=with_delta,
             num_warps=NUM_WARPS,
         )
-    return counts, delta, mask
+    return counts, delta, mask.view(torch.uint8)
 
 
 def compact(
@@ -292,16 +361,21 @@ def compact(
     values_out: torch.Tensor | None = None,
     positions_out: torch.Tensor | None = None,
     base_w: torch.Tensor | None = None,
-) -> None:
-    """Second pass: for every set bit of `mask` (blocks with a nonzero count only), write its word
-    index to `positions_out` and/or `new_w`'s word to `values_out` at `offsets[block]` + rank within
-    the block, and/or scatter it into `base_w`. `offsets` is the exclusive prefix sum of `counts`,
-    both per block of BLOCK_WORDS words."""
+    old_w: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Second pass: for every set bit of `mask` (uint8, LSB first; blocks with a nonzero count
+    only), write its word index to `positions_out` and/or `new_w`'s word to `values_out` at
+    `offsets[block]` + rank within the block, and/or scatter it into `base_w`. `offsets` is the
+    exclusive prefix sum of `counts`, both per block of BLOCK_WORDS words. With `old_w` (the words
+    before the change; may be `base_w`, read before it is written), returns the per-block partial
+    delta sums (int64) over the changed words; else None."""
     _check_block()
     nb = counts.numel()
+    delta = torch.zeros(nb, dtype=torch.int64, device=counts.device) if old_w is not None else None
     if not nb:
-        return
+        return delta
     dummy = mask
+    words = new_w if new_w is not None else base_w if base_w is not None else old_w
     _compact_kernel[(nb,)](
         mask,
         n_mask_bytes,
@@ -311,12 +385,20 @@ def compact(
         values_out if values_out is not None else dummy,
         positions_out if positions_out is not None else dummy,
         base_w if base_w is not None else dummy,
-        BLOCK=BLOCK_WORDS,
+        old_w if old_w is not None else dummy,
+        delta if delta is not None else counts,
+        ROWS=BLOCK_WORDS // 32,
+        GROUP=GROUP_WORDS,
+        GROUP_BITS=GROUP_BITS,
+        SMALL=words is not None and words.element_size() <= 2,
         WRITE_POS=positions_out is not None,
         WRITE_VALS=values_out is not None,
         UPDATE_BASE=base_w is not None,
+        DELTA=old_w is not None,
+        WALK=WALK_BITS,
         num_warps=NUM_WARPS,
     )
+    return delta
 
 
 def checksum(words: torch.Tensor) -> torch.Tensor:

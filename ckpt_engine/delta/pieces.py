@@ -36,26 +36,30 @@ except Exception:  # pragma: no cover - depends on the install
 if _HAVE_TRITON:
 
     @triton.jit
-    def _locate(p, starts_ptr, n_regions, STEPS: tl.constexpr):
-        """Index of the last region whose start is <= p (region 0 when p is before every start)."""
+    def _locate(p, starts_ptr, n_regions, steps):
+        """Index of the last region whose start is <= p (region 0 when p is before every start):
+        `steps` halvings of a power-of-two stride (a runtime count, so one compiled kernel serves
+        buckets of any number of regions)."""
         at = tl.zeros(p.shape, dtype=tl.int32)
-        for i in tl.static_range(STEPS):
-            cand = at + (1 << (STEPS - 1 - i))
+        stride = 1 << (steps - 1)
+        for _ in range(steps):
+            cand = at + stride
             s = tl.load(starts_ptr + cand, mask=cand < n_regions, other=9223372036854775807)
             at = tl.where(s <= p, cand, at)
+            stride = stride // 2
         return at
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "n_regions", "steps"])
     def _pieces_kernel(
-        pos_ptr, n, starts_ptr, ends_ptr, rel_ptr, n_regions, base_ptr, vals_ptr, bad_ptr,
-        BLOCK: tl.constexpr, STEPS: tl.constexpr, WRITE: tl.constexpr,
+        pos_ptr, n, starts_ptr, ends_ptr, rel_ptr, n_regions, steps, base_ptr, vals_ptr, bad_ptr,
+        BLOCK: tl.constexpr, WRITE: tl.constexpr,
     ):
         """WRITE: base[rel[r] + p] = vals[i]; else vals[i] = base[rel[r] + p] (0 outside regions).
         Positions outside every region are counted in `bad` and never touch memory."""
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = idx < n
         p = tl.load(pos_ptr + idx, mask=m, other=0).to(tl.int64)
-        r = _locate(p, starts_ptr, n_regions, STEPS)
+        r = _locate(p, starts_ptr, n_regions, steps)
         lo = tl.load(starts_ptr + r, mask=m, other=0)
         hi = tl.load(ends_ptr + r, mask=m, other=0)
         ok = m & (p >= lo) & (p < hi)
@@ -121,8 +125,8 @@ class ScatteredImage:
         if n:
             block = 1024
             _pieces_kernel[((n + block - 1) // block,)](
-                positions, n, self._starts_d, self._ends_d, self._rel_d, len(self.regions), self._anchor, values, bad,
-                BLOCK=block, STEPS=self._steps, WRITE=write, num_warps=4,
+                positions, n, self._starts_d, self._ends_d, self._rel_d, len(self.regions), self._steps, self._anchor, values, bad,
+                BLOCK=block, WRITE=write, num_warps=4,
             )
         return bad
 
