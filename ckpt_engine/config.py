@@ -74,7 +74,8 @@ class CheckpointEngineConfig:
     `iter_weights`), `all` (every trainer rank sends the shards it owns, no gather; the source must
     be a `ShardedWeightSource`), `per_stage` (Megatron: each pipeline stage sends its layers;
     sources declare it through the same ownership map), or `auto` (`all` when the source is
-    sharded over several ranks, else `rank0`)."""
+    sharded over several ranks, else `rank0`; Megatron-FSDP2 stays on `rank0` under `auto` until
+    its sharded path has run on GPUs: opt in with `all`)."""
 
     def __post_init__(self) -> None:
         _check_type("checkpoint_engine.backend", self.backend, str)

@@ -180,11 +180,8 @@ def test_gpu_one_pass_bucket_diff_matches_the_cpu_diff(word_bytes: int, frac: fl
         diff = BucketDiff(out, nbytes, word_bytes)
         assert diff._fused == (device == "cuda")
         wdt = codec.word_dtype(word_bytes)
-        if device == "cuda" and frac == 0.02:  # the one-launch table kernel, pieces in separate tensors
-            diff.add_pieces([fresh.view(wdt)[lo:hi].clone() for lo, hi in zip(cuts, cuts[1:])], cuts[:-1], work.view(wdt))
-        else:
-            for lo, hi in zip(cuts, cuts[1:]):
-                diff.add(fresh.view(wdt)[lo:hi], work.view(wdt)[lo:hi], lo)
+        for lo, hi in zip(cuts, cuts[1:]):
+            diff.add(fresh.view(wdt)[lo:hi], work.view(wdt)[lo:hi], lo)
         size, delta, count = diff.finish()
         assert torch.equal(work.cpu(), new)
         patch = None if size is None else codec.decode(out[:size].cpu(), nbytes, word_bytes)

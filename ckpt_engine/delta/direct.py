@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ckpt_engine.delta import direct_kernels, host, kernels
+from ckpt_engine.delta import host, kernels
 from ckpt_engine.delta.layout import (
     PATCH_HEADER_BYTES,
     align8,
@@ -98,21 +98,6 @@ class BucketDiff:
             self._add_host(new_words.numpy(), base_words.numpy(), first)
         else:
             self._add_torch(new_words, base_words, first)
-
-    def add_pieces(self, news: list[torch.Tensor], firsts: list[int], base_words: torch.Tensor) -> None:
-        """`add` every (new words, first word) piece against the bucket's whole base image
-        `base_words` (1-D words): on CUDA in one launch (direct_kernels.py), which reads the
-        pieces' tensors when it runs, so they must stay as they are until then."""
-        if base_words.numel() != self.num_words:
-            raise ValueError(f"base image of {base_words.numel()} words for a bucket of {self.num_words}")
-        for t, first in zip(news, firsts):
-            if t.dtype != base_words.dtype or not 0 <= first <= self.num_words - t.numel():
-                raise ValueError(f"piece of {t.numel()} {t.dtype} words at word {first} does not fit the bucket's {self.num_words} {base_words.dtype} words")
-        if self._fused:
-            direct_kernels.diff_pieces(news, firsts, base_words, self._counter, self._positions, self._values, self._old)
-            return
-        for t, first in zip(news, firsts):
-            self.add(t, base_words[first : first + t.numel()], first)
 
     def _add_host(self, new: np.ndarray, base: np.ndarray, first: int) -> None:
         local = np.flatnonzero(new != base)
