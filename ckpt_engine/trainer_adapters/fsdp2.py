@@ -37,7 +37,7 @@ from ckpt_engine.trainer_adapters.hf_names import (
     unfuse_expert_specs,
     unfuse_experts,
 )
-from ckpt_engine.trainer_adapters.fsdp2_shards import dim0_rows, expert_part, fused_expert_shards, row_start
+from ckpt_engine.trainer_adapters.fsdp2_shards import dim0_rows, fused_expert_shards, own_rows
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -379,16 +379,7 @@ class FSDP2TrainEngine(TrainEngine):
             if isinstance(t, torch.distributed.tensor.DTensor):
                 t = t.to_local()  # replicated DTensor: every rank holds the whole tensor
         else:
-            local = self._sharded(e).to_local()
-            if e.expert_outputs:
-                first, expert = row_start(rows, self.rank), index // e.expert_outputs
-                if not first <= expert < first + rows[self.rank]:
-                    raise ValueError(f"{name}: expert {expert} is not on rank {self.rank}")
-                t = expert_part(local, index, e.expert_outputs, first)
-            elif rows[self.rank] == 0:
-                raise ValueError(f"{name}: rank {self.rank} holds none of its rows")
-            else:
-                t = local
+            t = own_rows(name, self._sharded(e).to_local(), rows, self.rank, index, e.expert_outputs)
         with torch.no_grad():
             return t.detach() if t.dtype == want else t.detach().to(want)
 

@@ -19,7 +19,7 @@ from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.ownership import Shard
 from ckpt_engine.sharded_source import even_rows
 
-__all__ = ["dim0_rows", "expert_part", "fused_expert_shards", "row_start"]
+__all__ = ["dim0_rows", "expert_part", "fused_expert_shards", "own_rows", "row_start"]
 
 
 def dim0_rows(name: str, param: torch.Tensor, rank: int, world_size: int) -> list[int] | None:
@@ -74,3 +74,15 @@ def expert_part(local: torch.Tensor, index: int, outputs: int, first_expert: int
     expert, part = divmod(index, outputs)
     return local[expert - first_expert].chunk(outputs, dim=0)[part]
 
+
+def own_rows(name: str, local: torch.Tensor, rows: Sequence[int], rank: int, index: int, outputs: int) -> torch.Tensor:
+    """What this rank sends of a dim-0 sharded tensor: its local rows, or, for a fused expert
+    shard (`outputs` > 0), the expert `index` names; a ValueError when the rank holds none of it."""
+    if outputs:
+        first, expert = row_start(rows, rank), index // outputs
+        if not first <= expert < first + rows[rank]:
+            raise ValueError(f"{name}: expert {expert} is not on rank {rank}")
+        return expert_part(local, index, outputs, first)
+    if rows[rank] == 0:
+        raise ValueError(f"{name}: rank {rank} holds none of its rows")
+    return local

@@ -24,7 +24,7 @@ import torch
 
 from ckpt_engine.ownership import OwnerMap, Shard, row_shards
 from ckpt_engine.trainer_adapters.common import torch_dtype
-from ckpt_engine.trainer_adapters.fsdp2_shards import expert_part, fused_expert_shards, row_start
+from ckpt_engine.trainer_adapters.fsdp2_shards import expert_part, fused_expert_shards, own_rows
 
 __all__ = ["MegatronFSDP2ShardedSource", "dbuffer_rows", "flat_rows"]
 
@@ -142,15 +142,8 @@ class MegatronFSDP2ShardedSource:
         local = self._local_rows(i, rows)
         if rows is None:  # replicated: every rank holds all of it
             t = expert_part(local, k, e.expert_outputs, 0) if e.expert_outputs else local
-        elif e.expert_outputs:
-            first, expert = row_start(rows, self.rank), k // e.expert_outputs
-            if not first <= expert < first + rows[self.rank]:
-                raise ValueError(f"{name}: expert {expert} is not on rank {self.rank}")
-            t = expert_part(local, k, e.expert_outputs, first)
-        elif rows[self.rank] == 0:
-            raise ValueError(f"{name}: rank {self.rank} holds none of its rows")
         else:
-            t = local
+            t = own_rows(name, local, rows, self.rank, k, e.expert_outputs)
         with torch.no_grad():
             return t.detach() if t.dtype == want else t.detach().to(want)
 
