@@ -44,9 +44,9 @@ class DeltaReceiveMixin:
         steps = sched.steps
         works: list[Any] = []
         t_start = time.perf_counter()
-        places = self._places(manifest, destinations)
         failure: TransferError | None = None
         try:
+            places = self._places(manifest, destinations)
             bases = self._bases_for(manifest, delta, [(s.bucket.index, s.bucket.nbytes) for s in steps], inplace=places is not None)
             if places is not None and delta.patches:
                 failure = self._stale_destination(bases, destinations)
