@@ -130,35 +130,52 @@ class ScatteredImage:
             )
         return bad
 
-    def _groups(self, positions: torch.Tensor) -> tuple[list[tuple[int, torch.Tensor, torch.Tensor]], int]:
-        """(region, indices into positions, local word offsets) per touched region, and how many
-        positions fall outside every region."""
-        p = positions.to(torch.int64).cpu()
-        r = torch.searchsorted(self.starts, p, right=True) - 1
-        inside = (r >= 0) & (p < self.ends[r.clamp(min=0)])
-        bad = int((~inside).sum())
-        order = torch.argsort(r, stable=True)
-        counts = torch.bincount(r[inside], minlength=len(self.regions)).tolist()
-        order = order[inside[order]]
-        groups, at = [], 0
-        for k, c in enumerate(counts):
-            if c:
-                sel = order[at : at + c]
-                groups.append((k, sel.to(self.device), (p[sel] - self.regions[k][0]).to(self.device)))
-                at += c
-        return groups, bad
+    def _groups(self, positions: torch.Tensor) -> tuple[list[tuple[int, np.ndarray | slice, np.ndarray]], int]:
+        """(region, which positions, their word offsets in the region) per touched region, and how
+        many positions fall outside every region. Sorted positions (what the CPU encoders write)
+        are cut into runs by binary search, with no sort; others are sorted first."""
+        p = positions.detach().to(device="cpu", dtype=torch.int64).numpy()
+        order = None
+        if p.size > 1 and not bool((p[1:] >= p[:-1]).all()):
+            order = np.argsort(p, kind="stable")
+            p = p[order]
+        lo = np.searchsorted(p, self.starts.numpy(), side="left")
+        hi = np.searchsorted(p, self.ends.numpy(), side="left")
+        groups: list[tuple[int, np.ndarray | slice, np.ndarray]] = []
+        for k in np.flatnonzero(hi > lo).tolist():
+            a, b = int(lo[k]), int(hi[k])
+            groups.append((k, order[a:b] if order is not None else slice(a, b), p[a:b] - self.regions[k][0]))
+        return groups, int(p.size - int((hi - lo).sum()))
+
+    def _pairs(self, positions: torch.Tensor, values: torch.Tensor | None, write: bool) -> torch.Tensor:
+        """The CPU / torch path of gather (write False: fills `values`) and scatter; returns the
+        count of positions outside every region as a 1-element tensor."""
+        groups, bad = self._groups(positions)
+        on_cpu = self.device.type == "cpu"
+        vals = values.numpy() if on_cpu else values
+        for k, sel, local in groups:
+            region = self.regions[k][1]
+            if on_cpu:
+                if write:
+                    region.numpy()[local] = vals[sel]
+                else:
+                    vals[sel] = region.numpy()[local]
+                continue
+            idx = torch.as_tensor(local, device=self.device)
+            rows = torch.as_tensor(np.arange(positions.numel())[sel], device=self.device)
+            if write:
+                region.index_copy_(0, idx, values.index_select(0, rows))
+            else:
+                values[rows] = region.index_select(0, idx)
+        return torch.tensor([bad], dtype=torch.int32, device=self.device)
 
     def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the words at `positions`, 0 where outside every region; count of such positions as a
         1-element device tensor), without a host sync on CUDA."""
-        out = torch.empty(positions.numel(), dtype=self.dtype, device=self.device)
+        out = torch.zeros(positions.numel(), dtype=self.dtype, device=self.device)
         if self._fused:
             return out, self._run(positions, out, write=False)
-        out.zero_()
-        groups, bad = self._groups(positions)
-        for k, sel, local in groups:
-            out[sel] = self.regions[k][1].index_select(0, local)
-        return out, torch.tensor([bad], dtype=torch.int32, device=self.device)
+        return out, self._pairs(positions, out, write=False)
 
     def scatter(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Write `values` at `positions` (positions outside every region are skipped: a patch that
@@ -168,6 +185,4 @@ class ScatteredImage:
         if self._fused:
             self._run(positions, values, write=True)
             return
-        groups, _bad = self._groups(positions)
-        for k, sel, local in groups:
-            self.regions[k][1].index_copy_(0, local, values.index_select(0, sel))
+        self._pairs(positions, values.contiguous(), write=True)
