@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.ownership import OwnerMap, Shard, row_shards
+from ckpt_engine.ownership import OwnerMap, Shard
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
 from ckpt_engine.trainer_adapters.common import DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, check_float_dtype, clip_and_step
 from ckpt_engine.trainer_adapters.hf_names import (
@@ -37,7 +37,7 @@ from ckpt_engine.trainer_adapters.hf_names import (
     unfuse_expert_specs,
     unfuse_experts,
 )
-from ckpt_engine.trainer_adapters.fsdp2_shards import dim0_rows, fused_expert_shards, own_rows
+from ckpt_engine.trainer_adapters.fsdp2_shards import dim0_rows, own_rows, shard_owners
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -350,16 +350,7 @@ class FSDP2TrainEngine(TrainEngine):
         the rank holding that expert; buffers and unsharded parameters are left out (replicated:
         the planner gives each to one rank). A tied embedding is one tensor, with one set of owners."""
         if self._owners is None:
-            owners: dict[str, list[Shard]] = {}
-            for e in self._entries:
-                rows = self._rows_of(e)
-                if rows is None:
-                    continue
-                if e.expert_outputs:
-                    owners.update(fused_expert_shards(e.specs, rows, e.expert_outputs))
-                else:
-                    owners[e.specs[0].name] = row_shards(e.specs[0], rows)
-            self._owners = owners
+            self._owners = shard_owners((e.specs, e.expert_outputs, self._rows_of(e)) for e in self._entries)
         return self._owners
 
     def local_piece(self, name: str) -> torch.Tensor:

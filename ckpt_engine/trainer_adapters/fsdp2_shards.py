@@ -11,15 +11,15 @@ checkpoint tensor per expert and output; each is owned whole by the rank holding
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.ownership import Shard
+from ckpt_engine.ownership import Shard, row_shards
 from ckpt_engine.sharded_source import even_rows
 
-__all__ = ["dim0_rows", "expert_part", "fused_expert_shards", "own_rows", "row_start"]
+__all__ = ["dim0_rows", "expert_part", "fused_expert_shards", "own_rows", "row_start", "shard_owners"]
 
 
 def dim0_rows(name: str, param: torch.Tensor, rank: int, world_size: int) -> list[int] | None:
@@ -86,3 +86,18 @@ def own_rows(name: str, local: torch.Tensor, rows: Sequence[int], rank: int, ind
     if rows[rank] == 0:
         raise ValueError(f"{name}: rank {rank} holds none of its rows")
     return local
+
+
+def shard_owners(entries: Iterable[tuple[Sequence[TensorSpec], int, Sequence[int] | None]]) -> dict[str, list[Shard]]:
+    """The ownership map of a dim-0 sharded model from (specs, expert outputs, rows per rank) per
+    parameter: row ranges, or whole experts of a fused expert tensor; replicated parameters (rows
+    None) are left out, for the planner to give each to one rank."""
+    owners: dict[str, list[Shard]] = {}
+    for specs, expert_outputs, rows in entries:
+        if rows is None:
+            continue
+        if expert_outputs:
+            owners.update(fused_expert_shards(specs, rows, expert_outputs))
+        else:
+            owners[specs[0].name] = row_shards(specs[0], rows)
+    return owners

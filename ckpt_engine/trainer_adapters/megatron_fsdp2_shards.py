@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.ownership import OwnerMap, Shard, row_shards
+from ckpt_engine.ownership import OwnerMap, Shard
 from ckpt_engine.trainer_adapters.common import torch_dtype
-from ckpt_engine.trainer_adapters.fsdp2_shards import expert_part, fused_expert_shards, own_rows
+from ckpt_engine.trainer_adapters.fsdp2_shards import expert_part, own_rows, shard_owners
 
 __all__ = ["MegatronFSDP2ShardedSource", "dbuffer_rows", "flat_rows"]
 
@@ -116,16 +116,7 @@ class MegatronFSDP2ShardedSource:
         same map on every rank, from the buffer layouts alone; replicated tensors are left out
         (the planner gives each to one rank)."""
         if self._owners is None:
-            owners: dict[str, list[Shard]] = {}
-            for i, e in enumerate(self._entries):
-                rows = self._rows_of(i)
-                if rows is None:
-                    continue
-                if e.expert_outputs:
-                    owners.update(fused_expert_shards(e.specs, rows, e.expert_outputs))
-                else:
-                    owners[e.specs[0].name] = row_shards(e.specs[0], rows)
-            self._owners = owners
+            self._owners = shard_owners((e.specs, e.expert_outputs, self._rows_of(i)) for i, e in enumerate(self._entries))
         return self._owners
 
     def local_piece(self, name: str) -> torch.Tensor:
