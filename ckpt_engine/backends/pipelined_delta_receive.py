@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.backends.delta_bases import DENSE, PATCH, Bases
-from ckpt_engine.backends.wire_views import flat_bytes, has_wire_layout, torch_dtype
+from ckpt_engine.backends.wire_views import flat_bytes, has_wire_layout
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta import codec
 from ckpt_engine.delta.layout import word_dtype
@@ -283,11 +283,9 @@ class DeltaReceiveMixin:
                 if e.is_whole:
                     out.append((e.name, view))
                     continue
-                asm = self._assembly_of(e, destinations)
-                asm[e.chunk_offset : e.chunk_offset + e.chunk_size].copy_(view)
-                remaining[e.name] -= e.chunk_size
-                if remaining[e.name] == 0:
-                    out.append((e.name, asm.view(torch_dtype(e.dtype)).view(e.shape)))
+                done = self._chunk_landed(e, view, remaining, destinations)
+                if done is not None:
+                    out.append((e.name, done))
             yield out
         if self._comm_stream is not None:
             done = self._new_event()

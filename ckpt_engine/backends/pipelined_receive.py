@@ -98,12 +98,9 @@ class ReceiveLoopMixin:
                     if e.is_whole:
                         out.append((e.name, land.get(i) if land.get(i) is not None else view))
                         continue
-                    asm = self._assembly_of(e, destinations)
-                    if i not in land:
-                        asm[e.chunk_offset : e.chunk_offset + e.chunk_size].copy_(view)
-                    remaining[e.name] -= e.chunk_size
-                    if remaining[e.name] == 0:
-                        out.append((e.name, asm.view(torch_dtype(e.dtype)).view(e.shape)))
+                    done = self._chunk_landed(e, None if i in land else view, remaining, destinations)
+                    if done is not None:
+                        out.append((e.name, done))
                 yield out
                 # The loader has issued its copies of bucket k: the slot may be refilled.
                 if self._comm_stream is not None:
@@ -118,6 +115,18 @@ class ReceiveLoopMixin:
             done = self._new_event()
             done.record(self._current_stream())
             self._wait_event(done, "loading the last bucket")
+
+    def _chunk_landed(
+        self, e: TensorMeta, view: torch.Tensor | None, remaining: dict[str, int], destinations: Mapping[str, torch.Tensor] | None
+    ) -> torch.Tensor | None:
+        """A chunk of a tensor split over buckets has arrived (copied into its reassembly tensor
+        from `view`, or already received there when `view` is None): the whole tensor once its
+        last chunk is in, else None."""
+        asm = self._assembly_of(e, destinations)
+        if view is not None:
+            asm[e.chunk_offset : e.chunk_offset + e.chunk_size].copy_(view)
+        remaining[e.name] -= e.chunk_size
+        return asm.view(torch_dtype(e.dtype)).view(e.shape) if remaining[e.name] == 0 else None
 
     def _assembly_of(self, e: TensorMeta, destinations: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
         """Where a chunked tensor is reassembled: in its destination when the loader offers one
