@@ -30,6 +30,10 @@ class WorkList:
                 work.wait(timedelta(max(0.001, deadline - time.monotonic())))
         return True
 
+    def is_completed(self) -> bool:
+        """Whether every work has finished (successfully or not: `wait` then says which)."""
+        return all(work.is_completed() for work in self.works)
+
 
 def coalesced_broadcast(group: Any, msgs: list[torch.Tensor]) -> Any:
     """Broadcasts from group rank 0 of every message as one NCCL group (one launch); the current

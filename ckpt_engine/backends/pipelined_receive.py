@@ -1,8 +1,11 @@
 """The receiver's loop of the pipelined broadcast (dense buckets).
 
-Buckets are consumed in manifest order; each sender's next bucket is posted into the buffer a
-consumed bucket frees, so every sender's stream stays `num_buffers` deep. A tensor is yielded
-when its last byte has landed, whichever senders its chunks came from.
+Each sender's next bucket is posted into the buffer a consumed bucket frees, so every sender's
+stream stays `num_buffers` deep. On accelerators buckets are consumed in manifest order (events
+order the loader after each receive); on host work with several senders, whichever sender's next
+bucket has landed first is consumed first (`receive_order.py`), so a slow sender does not hold
+back the others' refills. A tensor is yielded when its last byte has landed, whichever senders
+its chunks came from.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import Any
 import torch
 
 from ckpt_engine.backends.collectives import WorkList, coalesced_broadcast
+from ckpt_engine.backends.receive_order import ReadyFirst
+from ckpt_engine.backends.schedule import Schedule
 from ckpt_engine.backends.wire_views import align8, flat_bytes, has_wire_layout, torch_dtype
 from ckpt_engine.checksum import bucket_checksum
 from ckpt_engine.delta.request import DeltaRequest
@@ -86,7 +91,8 @@ class ReceiveLoopMixin:
         try:
             for k in sched.first_posts:
                 works[k] = post(k)
-            for k, step in enumerate(steps):
+            for k in self._consume_order(sched, works):
+                step = steps[k]
                 bucket, slot = step.bucket, step.slot
                 self._finish_receive(slot, works[k], k if self.num_senders == 1 else f"{k} from sender {bucket.sender}")
                 works[k] = None
@@ -115,6 +121,31 @@ class ReceiveLoopMixin:
             done = self._new_event()
             done.record(self._current_stream())
             self._wait_event(done, "loading the last bucket")
+
+    def _consume_order(self, sched: Schedule, works: list[Any]) -> Iterator[int]:
+        """Manifest indices in the order the receive loop consumes them, drawn lazily (each after
+        the previous bucket's refill is posted). Manifest order with one sender or on
+        accelerators; otherwise the first landed head of any sender, within `timeout_s` each."""
+        if self._comm_stream is not None or sched.num_senders == 1:
+            yield from range(len(sched.steps))
+            return
+        heads = ReadyFirst(sched.by_sender)
+        while heads:
+            k = heads.next_ready(lambda i: self._step_ready(i, works[i]), self.timeout_s)
+            if k is None:
+                waiting = ", ".join(f"{i} from sender {sched.steps[i].bucket.sender}" for i in heads.heads())
+                k = heads.heads()[0]
+                self._broken = True
+                raise TransferError(
+                    f"rank {self.rank}: bucket {k} from sender {sched.steps[k].bucket.sender} failed: "
+                    f"no sender's next bucket ({waiting}) arrived within {self.timeout_s}s"
+                )
+            yield k
+
+    def _step_ready(self, k: int, work: Any) -> bool:
+        """Whether bucket k's receive has finished (host work only), so `_finish_receive` will not
+        block; a failed receive counts as finished and raises there."""
+        return work is not None and work.is_completed()
 
     def _chunk_landed(
         self, e: TensorMeta, view: torch.Tensor | None, remaining: dict[str, int], destinations: Mapping[str, torch.Tensor] | None

@@ -2,8 +2,9 @@
 
 A pure function of (manifest, num_buffers, num_lanes), computed once per plan and cached, so the
 send and receive loops never re-derive it per sync. Every sender streams its own buckets through
-its own rotating buffers; receivers hold `num_buffers` buffers per sender and consume buckets in
-manifest order (the planner interleaves senders round-robin).
+its own rotating buffers; receivers hold `num_buffers` buffers per sender and consume each
+sender's buckets in its order (the planner interleaves senders round-robin; on the host path a
+receiver takes whichever sender's next bucket lands first, see receive_order.py).
 """
 
 from __future__ import annotations
