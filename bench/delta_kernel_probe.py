@@ -7,7 +7,9 @@ Times, on one bucket of bf16 words with a chosen fraction changed at random posi
               bitmask + checksum, then compact), including its host sync
   direct      ckpt_engine.delta.direct.BucketDiff over the bucket as one piece (one pass, the patch
               written in block order), including its host sync; direct_pieces: the same bucket cut
-              into Qwen2.5-7B layer-sized pieces (one kernel each)
+              into Qwen2.5-7B layer-sized pieces (one kernel each); direct_table: those pieces in
+              one launch through a table (direct_kernels.py); moe_pieces / moe_table: the bucket cut
+              into Qwen3-30B-A3B expert-sized pieces (768 x 2048), a launch each / one launch
 and checks that `direct` writes the same positions, values, checksum change and base as the codec.
 
     python bench/delta_kernel_probe.py --gib 1 --changed 0.02 0.13
@@ -68,11 +70,19 @@ def probe(gib: float, changed: float, reps: int, sweep: bool) -> dict[str, float
             cuts.append((at, min(w, n - at)))
             at += w
 
-    def run_direct(pieces: list[tuple[int, int]]) -> int | None:
+    expert = 768 * 2048
+    moe = [(at, min(expert, n - at)) for at in range(0, n, expert)]
+
+    cache: dict[int, dict] = {}  # as the sender keeps per bucket: the device table, built once
+
+    def run_direct(pieces: list[tuple[int, int]], table: bool = False) -> int | None:
         base.copy_(old)
         bd = direct.BucketDiff(out[: direct.out_bytes(nbytes, 2)], nbytes, 2)
-        for first, w in pieces:
-            bd.add(new[first : first + w], base[first : first + w], first)
+        if table:
+            bd.add_pieces([(new[first:].data_ptr(), w, first) for first, w in pieces], base, cache.setdefault(id(pieces), {}))
+        else:
+            for first, w in pieces:
+                bd.add(new[first : first + w], base[first : first + w], first)
         return bd.finish()[0]
 
     if sweep:
@@ -84,8 +94,11 @@ def probe(gib: float, changed: float, reps: int, sweep: bool) -> dict[str, float
         row["best"] = f"{kernels.DIFF_ROWS}x32 warps {kernels.DIFF_NUM_WARPS}"
     row["direct_s"] = _time(lambda: run_direct([(0, n)]), reps) - t_reset
     row["direct_pieces_s"] = _time(lambda: run_direct(cuts), reps) - t_reset
-    row["pieces"] = len(cuts)
-    size = run_direct(cuts)
+    row["direct_table_s"] = _time(lambda: run_direct(cuts, table=True), reps) - t_reset
+    row["moe_pieces_s"] = _time(lambda: run_direct(moe), reps) - t_reset
+    row["moe_table_s"] = _time(lambda: run_direct(moe, table=True), reps) - t_reset
+    row["pieces"], row["moe_count"] = len(cuts), len(moe)
+    size = run_direct(cuts, table=True)
     ok_base = bool(torch.equal(base, new))
     ref_base = old.clone()
     ref_out = torch.empty_like(out)
@@ -101,7 +114,7 @@ def probe(gib: float, changed: float, reps: int, sweep: bool) -> dict[str, float
         row["exact"] = float(ok_base and torch.equal(applied, new) and int(got) == int(want))
     for k in ("copy", "ne_sum"):
         row[k + "_TBps"] = nbytes * (2 if k == "copy" else 2) / row[k + "_s"] / 1e12
-    for k in ("codec", "direct", "direct_pieces"):
+    for k in ("codec", "direct", "direct_pieces", "direct_table", "moe_pieces", "moe_table"):
         row[k + "_dense_TBps"] = nbytes / row[k + "_s"] / 1e12
     return row
 

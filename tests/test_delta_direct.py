@@ -126,6 +126,22 @@ _INTERPRETED = textwrap.dedent(
             diff.add(new[:70001], work[:70001], 0)
             diff.add(new[70001:], work[70001:], 70001)
             size, delta, count = diff.finish()
+            if fused:  # one launch through a table: aligned pieces (hinted) and odd ones together
+                work2 = old.clone()
+                out2 = torch.empty(out_bytes(n * wb, wb), dtype=torch.uint8)
+                diff2 = BucketDiff(out2, n * wb, wb)
+                diff2._fused, diff2._counter = True, torch.zeros(1, dtype=torch.int32)
+                cuts = [0, 64, 5000, 70001, 70002, 100000, n]
+                news = [new[a:b].clone() for a, b in zip(cuts, cuts[1:])]
+                rows = [(t.data_ptr(), t.numel(), a) for t, a in zip(news, cuts)]
+                cache = {}
+                diff2.add_pieces(rows, work2, cache)
+                assert cache["signature"][2] and cache["signature"][3]  # aligned and odd pieces both ran
+                size2, delta2, count2 = diff2.finish()
+                assert torch.equal(work2, new) and count2 == int((old != new).sum()) and size2 == size
+                assert int(delta2) == int(delta)
+                p2 = codec.decode(out2[:size2], n * wb, wb)
+                assert torch.equal(p2.positions.sort().values, codec.decode(out[:size], n * wb, wb).positions.sort().values)
             assert torch.equal(work, new) and count == int((old != new).sum())
             patch = codec.decode(out[:size], n * wb, wb)
             image = old.view(torch.uint8).clone()

@@ -184,6 +184,18 @@ def test_gpu_one_pass_bucket_diff_matches_the_cpu_diff(word_bytes: int, frac: fl
             diff.add(fresh.view(wdt)[lo:hi], work.view(wdt)[lo:hi], lo)
         size, delta, count = diff.finish()
         assert torch.equal(work.cpu(), new)
+        if device == "cuda":  # the same pieces in one launch through a table (odd cuts included)
+            work2 = base.to(device).clone()
+            out2 = torch.empty_like(out)
+            diff2 = BucketDiff(out2, nbytes, word_bytes)
+            news = [fresh.view(wdt)[lo:hi].clone() for lo, hi in zip(cuts, cuts[1:])]
+            diff2.add_pieces([(t.data_ptr(), t.numel(), lo) for t, lo in zip(news, cuts)], work2.view(wdt))
+            size2, delta2, count2 = diff2.finish()
+            assert torch.equal(work2.cpu(), new) and (size2, int(delta2), count2) == (size, int(delta), count)
+            if size is not None:
+                assert torch.equal(out2[:32].cpu(), out[:32].cpu())
+                got = codec.decode(out2[:size2].cpu(), nbytes, word_bytes).positions.sort().values
+                assert torch.equal(got, codec.decode(out[:size].cpu(), nbytes, word_bytes).positions.sort().values)
         patch = None if size is None else codec.decode(out[:size].cpu(), nbytes, word_bytes)
         if patch is not None:
             order = patch.positions.argsort()

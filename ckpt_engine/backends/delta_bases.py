@@ -9,6 +9,7 @@ its weights are the base, and patches are checked and applied where they live.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -33,6 +34,9 @@ class Bases:
     stamps: dict[str, tuple[int, int]] = field(default_factory=dict)
     """In-place receivers: (data_ptr, version counter) of each destination after the last sync;
     a tensor changed since then (by anything but a sync) is no longer the base."""
+    tables: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Senders: per bucket, the one-pass diff's device table of its pieces (direct_kernels.py),
+    reused while the source tensors stay where they are."""
 
     @property
     def nbytes(self) -> int:

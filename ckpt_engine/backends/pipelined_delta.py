@@ -119,7 +119,7 @@ class DeltaTransferMixin:
                 tally["words"] += n // word
                 t0 = time.perf_counter()
                 if delta.patches and step.ordinal in bases.calm and n // word < 2**31:
-                    diff, event = self._start_diff(bases, step, pieces, i)
+                    diff, event = self._start_diff(bases, step, pieces, i, stable)
                     tally["direct"] += 1
                     if pending is not None:
                         send(pending[0], self._finish_diff(bases, *pending))
@@ -180,13 +180,13 @@ class DeltaTransferMixin:
             batched_copy_(dsts, srcs)
         stats.pack_s += time.perf_counter() - t0
 
-    def _start_diff(self, bases: Bases, step: Any, pieces: PieceReader, parity: int) -> tuple[BucketDiff, Any]:
+    def _start_diff(self, bases: Bases, step: Any, pieces: PieceReader, parity: int, stable: bool) -> tuple[BucketDiff, Any]:
         """Queue the one-pass diff of a bucket's source tensors against its base image (no pack;
-        a piece not yet in the wire dtype is converted into the scratch buffer first), one launch
-        per piece, queued before the next piece is requested. (One launch for the whole bucket
-        through a table of pieces was measured slower on an H200: loads at a runtime offset are not
-        vectorized.) Two buckets' patches are in flight at once, in the two halves of the second
-        buffer."""
+        a piece not yet in the wire dtype is converted into the scratch buffer first): one launch
+        for the whole bucket when the sources stay valid until it runs (`stable`, or converted
+        into the scratch buffer), else one per piece, queued before the next piece is
+        requested (a gathered tensor is freed then). Two buckets' patches are in flight at once,
+        in the two halves of the second buffer."""
         key, n, word = step.ordinal, step.bucket.nbytes, step.word_bytes
         image = bases.images[key][:n]
         if bases.sums.get(key) is None:
@@ -195,15 +195,23 @@ class DeltaTransferMixin:
         region = self._buffers[1][half * (parity % 2) :][:half]
         diff = BucketDiff(region, n, word)
         dtype = word_dtype(word)
+        image_words = image.view(dtype)
+        rows: list[tuple[int, int, int]] = []
         for e in step.bucket.entries:
             src, own = pieces.source(e)
+            kept = stable and own  # a converted shard is a temporary, freed at the next tensor
             if e.is_whole and not own:
                 converted = self._entry_view(self._buffers[0], e)
                 converted.copy_(src)
-                src = converted
-            new = flat_bytes(src) if e.is_whole else src
-            base = image[e.bucket_offset : e.bucket_offset + e.chunk_size]
-            diff.add(new.view(dtype), base.view(dtype), e.bucket_offset // word)
+                src, kept = converted, True
+            first = e.bucket_offset // word
+            if kept and diff.fused:  # no views: the table needs only where the words are
+                rows.append((src.data_ptr(), e.chunk_size // word, first))
+            else:
+                new = (flat_bytes(src) if e.is_whole else src).view(dtype)
+                diff.add(new, image_words[first : first + new.numel()], first)
+        if rows:
+            diff.add_pieces(rows, image_words, bases.tables.setdefault(key, {}))
         return diff, diff.seal()
 
     def _finish_diff(self, bases: Bases, step: Any, diff: BucketDiff, event: Any) -> tuple[int, int, torch.Tensor | None, torch.Tensor, int]:

@@ -4,7 +4,8 @@ Packing a bucket and then comparing it with its base reads the new bytes twice a
 once; here each piece of the bucket (a tensor, or a shard of one, already in the wire dtype) is
 compared with its region of the base image in one pass, which writes the changed words' bucket
 positions and new values and brings the base up to date. On CUDA that pass is one Triton kernel
-per piece whose blocks claim room in the patch with one atomic each, so the patch is a "scatter32"
+for the bucket's pieces (direct_kernels.py; per piece for a source that does not stay valid until
+the launch) whose blocks claim room in the patch with one atomic each, so the patch is a "scatter32"
 patch (layout.py: int32 positions in block order, each block sorted); on CPU it is numpy and the
 positions come out sorted. One host sync per bucket (the changed count) decides patch or dense;
 either way the base equals the new bytes afterwards, so a dense bucket is sent from the base.
@@ -12,10 +13,12 @@ either way the base equals the new bytes afterwards, so a dense bucket is sent f
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
-from ckpt_engine.delta import host, kernels
+from ckpt_engine.delta import direct_kernels, host, kernels
 from ckpt_engine.delta.layout import (
     PATCH_HEADER_BYTES,
     align8,
@@ -46,8 +49,8 @@ def out_bytes(nbytes: int, word_bytes: int) -> int:
 class BucketDiff:
     """One bucket's patch, built piece by piece into `out` (>= out_bytes(), 8-aligned).
 
-    `add` each piece (its new words, its base words, its first word's index in the bucket),
-    optionally `seal` (queue the count's copy to the host and return an event to wait on, so the
+    `add` each piece (its new words, its base words, its first word's index in the bucket), or on
+    CUDA `add_pieces` all of them at once (one launch), optionally `seal` (queue the count's copy to the host and return an event to wait on, so the
     next bucket's kernels can be queued first), then `finish` returns the patch size (None: the
     bucket goes dense), the patch's delta sum (0-d int64 on the device) and the changed count; a
     count above `cap` means "too many for a scatter patch". Positions go to the front of `out`
@@ -98,6 +101,25 @@ class BucketDiff:
             self._add_host(new_words.numpy(), base_words.numpy(), first)
         else:
             self._add_torch(new_words, base_words, first)
+
+    @property
+    def fused(self) -> bool:
+        """Whether pieces go through the Triton kernels (then `add_pieces` takes raw rows)."""
+        return self._fused
+
+    def add_pieces(self, rows: list[direct_kernels.Row], base_words: torch.Tensor, cache: dict[str, Any] | None = None) -> None:
+        """Diff every piece of `rows` ((data pointer, length in words, first bucket word), the
+        words of this bucket's word type) against the bucket's whole base image `base_words` in
+        one launch (CUDA only: direct_kernels.py). The launch reads the pieces' memory when it
+        runs, so it must stay as it is until then. `cache`: kept by the caller per bucket."""
+        if not self._fused:
+            raise RuntimeError("add_pieces runs the Triton kernel; on this device add each piece with add()")
+        if base_words.numel() != self.num_words or base_words.element_size() != self.word_bytes:
+            raise ValueError(f"base image of {base_words.numel()} {base_words.dtype} words for a bucket of {self.num_words} words of {self.word_bytes} bytes")
+        for _ptr, n, first in rows:
+            if not 0 <= first <= self.num_words - n:
+                raise ValueError(f"piece of {n} words at word {first} is outside the bucket's {self.num_words}")
+        direct_kernels.diff_pieces(rows, base_words, self._counter, self._positions, self._values, self._old, cache)
 
     def _add_host(self, new: np.ndarray, base: np.ndarray, first: int) -> None:
         local = np.flatnonzero(new != base)
