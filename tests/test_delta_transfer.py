@@ -62,8 +62,12 @@ def test_patches_land_in_the_loaders_own_tensors(senders: int) -> None:
         assert all(p["patch_buckets"] > 0 for p in r["stats"][1:])
 
 
-def test_in_place_corrupt_patch_leaves_the_loaders_tensors_on_the_old_version() -> None:
-    results = run_ranks(shard_rank, 3, versions=3, lr=1e-5, delta="on", corrupt=2, in_place=True)
+@pytest.mark.parametrize("skip", [0, 3])
+def test_in_place_corrupt_patch_leaves_the_loaders_tensors_on_the_old_version(skip: int) -> None:
+    """In place, each patch is written as soon as its old words are read, so receivers overlap
+    the writes with the transfer; a later bad patch (`skip`: the sender corrupts its 4th) rolls
+    every written one back from those old words."""
+    results = run_ranks(shard_rank, 3, versions=3, lr=1e-5, delta="on", corrupt=2, in_place=True, corrupt_skip=skip)
     for r in results[1:]:
         assert len(r["errors"]) == 1 and "v2:" in r["errors"][0]
         assert "checksum mismatch" in r["errors"][0] or "malformed patch" in r["errors"][0] or "outside every tensor" in r["errors"][0]

@@ -2,19 +2,23 @@
 
 Each patch is checked as it arrives (while the next bucket is in flight): the sender's checksum of
 the result must equal this rank's base checksum plus the patch's change, computed from this rank's
-own old words. Patches are applied, and tensors handed to the loader, only after every bucket has
-passed, so a corrupt or mismatched patch leaves the engine's weights as they were; after a failed
-check the remaining frames are still received (senders finish), then the failure is raised.
+own old words. Tensors are handed to the loader only after every bucket has passed, so a corrupt or
+mismatched patch leaves the engine's weights as they were; after a failed check the remaining
+frames are still received (senders finish), then the failure is raised.
 
 Two places for the base. With `destinations` holding every entry in the wire layout, the loader's
-own tensors are the base (`ckpt_engine.delta.pieces.ScatteredImage`): old words are read and new
-ones written where they live, dense buckets are staged and copied in after the checks, and no
-bucket-sized copy exists at all (no base copy, no loader copy of the whole model). Otherwise each
-bucket has a base image in device memory, patched in place, whose views are handed to the loader.
+own tensors are the base (`ckpt_engine.delta.pieces.ScatteredImage`): a patch's old words are read
+where they live and its new ones written right after (so the writes overlap the transfer instead of
+trailing it), and the old words are kept until the sync ends: a later failure writes them back,
+latest bucket first, before it is raised. Dense buckets are staged and copied in after the checks;
+no bucket-sized copy exists at all (no base copy, no loader copy of the whole model). Otherwise
+each bucket has a base image in device memory, patched after every check has passed, whose views
+are handed to the loader.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -33,6 +37,8 @@ from ckpt_engine.manifest import BucketManifest
 
 __all__ = ["DeltaReceiveMixin"]
 
+logger = logging.getLogger(__name__)
+
 
 class DeltaReceiveMixin:
     """Mixed into PipelinedBroadcastEngine (with DeltaTransferMixin, which owns the bases)."""
@@ -45,6 +51,8 @@ class DeltaReceiveMixin:
         works: list[Any] = []
         t_start = time.perf_counter()
         failure: TransferError | None = None
+        places: dict[int, ScatteredImage] | None = None
+        undo: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # in place: (bucket, positions, old words) written
         try:
             places = self._places(manifest, destinations)
             bases = self._bases_for(manifest, delta, [(s.bucket.index, s.bucket.nbytes) for s in steps], inplace=places is not None)
@@ -68,12 +76,12 @@ class DeltaReceiveMixin:
                 work = self._broadcast_on(step.gid, None, msg)
                 if pending is not None:
                     t0 = time.perf_counter()
-                    failure = self._check_arrived(bases, places, arrived, pending, failure, delta)
+                    failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo)
                     check_s += time.perf_counter() - t0
                 pending = (step, kind, size, expect, msg, work)
             if pending is not None:
                 t0 = time.perf_counter()
-                failure = self._check_arrived(bases, places, arrived, pending, failure, delta)
+                failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo)
                 check_s += time.perf_counter() - t0
             if failure is not None:
                 raise failure
@@ -83,8 +91,10 @@ class DeltaReceiveMixin:
             if places is not None:
                 bases.stamps = {name: _stamp(t) for name, t in destinations.items() if t.numel() and name in sched.tensor_bytes}
             bases.sync_id = delta.new_id
+            undo.clear()
         except BaseException:
             works.clear()
+            self._roll_back(places, undo)
             self.abort()
             raise
         wire = sum(size for _k, size, _e in frames)
@@ -158,6 +168,7 @@ class DeltaReceiveMixin:
         pending: tuple[Any, int, int, int, torch.Tensor, Any],
         failure: TransferError | None,
         delta: DeltaRequest,
+        undo: list[tuple[int, torch.Tensor, torch.Tensor]],
     ) -> TransferError | None:
         """Wait for a bucket's payload; check a patch (unless an earlier one failed). An in-place
         receiver stages a dense frame (with its checksum) until every patch has passed, or, in a
@@ -176,7 +187,7 @@ class DeltaReceiveMixin:
                     self._write_dense(step, msg, places)
             return None
         try:
-            arrived[k] = self._verify_patch(bases, places, step, msg, expect)
+            arrived[k] = self._verify_patch(bases, places, step, msg, expect, undo)
         except TransferError as exc:
             return exc
         return None
@@ -200,8 +211,14 @@ class DeltaReceiveMixin:
                 f"kind {kind} of {size} bytes (bucket of {n} bytes, patches {'allowed' if delta.patches else 'not allowed'})"
             )
 
-    def _verify_patch(self, bases: Bases, places: dict[int, ScatteredImage] | None, step: Any, payload: torch.Tensor, expect: int) -> Any:
-        """Decode a patch and check it against this rank's own base (nothing is written yet)."""
+    def _verify_patch(
+        self, bases: Bases, places: dict[int, ScatteredImage] | None, step: Any, payload: torch.Tensor, expect: int,
+        undo: list[tuple[int, torch.Tensor, torch.Tensor]],
+    ) -> Any:
+        """Decode a patch and check it against this rank's own base. A base image is not written
+        yet; in place, the new words are written as soon as the old ones are read (a position
+        that appears twice in a corrupt patch still reads its old word twice: every read is
+        queued before the write), and the old words go to `undo`."""
         k, word = step.bucket.index, step.word_bytes
         n = step.bucket.nbytes
         where = f"rank {self.rank}: bucket {k} from sender {step.bucket.sender}"
@@ -219,6 +236,8 @@ class DeltaReceiveMixin:
             if bases.sums.get(k) is None or k not in places:
                 raise TransferError(f"{where}: this rank holds no checksum of the bucket's base; the sync must be dense")
             old, bad = places[k].gather(patch.positions)
+            places[k].scatter(patch.positions, patch.values)
+            undo.append((k, patch.positions, old))
             got_t = bases.sums[k] + pair_delta(patch.positions, patch.values, old)
             got, outside = torch.stack([got_t.reshape(()), bad.reshape(()).to(torch.int64)]).tolist()  # one host sync
         if outside:
@@ -235,8 +254,8 @@ class DeltaReceiveMixin:
     def _apply_all(
         self, bases: Bases, places: dict[int, ScatteredImage] | None, arrived: dict[int, Any], steps: list[Any], frames: list[tuple[int, int, int]]
     ) -> int:
-        """Every bucket passed: apply the patches and copy in staged dense frames; returns the
-        changed words."""
+        """Every bucket passed: apply the patches to base images (in place they are written
+        already) and copy in staged dense frames; returns the changed words."""
         changed = 0
         for step, (kind, _size, expect) in zip(steps, frames):
             k = step.bucket.index
@@ -249,11 +268,27 @@ class DeltaReceiveMixin:
             patch = arrived.pop(k)
             if places is None:
                 codec.apply(bases.images[k][: step.bucket.nbytes], patch)
-            elif k in places:
-                places[k].scatter(patch.positions, patch.values)
             bases.sums[k] = torch.tensor(expect, dtype=torch.int64, device=self.device)
             changed += int(patch.positions.numel())
         return changed
+
+    def _roll_back(self, places: dict[int, ScatteredImage] | None, undo: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """Write back the old words of every patch written in place this sync (latest first), and
+        wait until they are in: the engine's weights are then exactly the previous version."""
+        if not undo or places is None:
+            return
+        try:
+            for k, positions, old in reversed(undo):
+                places[k].scatter(positions, old)
+            if self._comm_stream is not None:
+                done = self._new_event()
+                done.record(self._current_stream())
+                self._wait_event(done, "writing back the previous version")
+        except Exception:
+            logger.critical("rank %s: writing the previous version back failed: the engine's weights are not to be trusted", self.rank)
+            raise
+        finally:
+            undo.clear()
 
     def _yield_destinations(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor]) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """In place: each tensor is complete already; it is yielded (itself, so a loader's copy is
