@@ -10,18 +10,7 @@ out=bench/results/h200x2_delta
 mkdir -p "$out"
 nvidia-smi -L
 python -m pytest -q -m gpu tests/test_gpu_transfer.py 2>&1 | tail -n 8
-bench() { name=$1; shift; echo "== $name: $*"; timeout 240 python -m ckpt_engine.cli bench "$@" --json "$out/$name.json" 2>&1 | grep -v "^$" | tail -n 3; python - "$out/$name.json" <<'PY'
-import json, sys
-try:
-    s = json.load(open(sys.argv[1]))
-except Exception as e:
-    print("no result:", e); sys.exit()
-for k, m in s["modes"].items():
-    extra = "".join(f" {f}={m[f]:.4g}" for f in ("wire_fraction", "changed_fraction", "encode_s", "apply_s") if f in m)
-    print(f"  {k:28s} {m['best_s']:.4f}s  time/raw {m.get('ratio_to_raw', 0):.3f}{extra}")
-print("  correct:", s.get("correct"), s.get("base_bytes", ""))
-PY
-}
+source bench/lib.sh
 bench 7b_dense --backend nccl --preset qwen2.5-7b --iters 5 --modes raw,ours --bucket-mb 1024
 bench 7b_delta_lr1e-6 --backend nccl --preset qwen2.5-7b --delta --lr 1e-6 --versions 3 --iters 3 --bucket-mb 1024
 bench 7b_delta_lr1e-5 --backend nccl --preset qwen2.5-7b --delta --lr 1e-5 --versions 3 --iters 3 --bucket-mb 1024

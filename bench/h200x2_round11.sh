@@ -11,18 +11,8 @@ mkdir -p "$out"
 nvidia-smi -L
 timeout 120 python bench/delta_kernel_probe.py --gib 1 --changed 0.02 0.005 --json "$out/probe.json" 2>&1 | tail -n 4
 timeout 150 python -m pytest -q -m gpu tests/test_gpu_delta_codec.py tests/test_gpu_transfer.py -k "delta or one_pass" 2>&1 | tail -n 6
-bench() { name=$1; shift; echo "== $name: $*"; timeout 200 python -m ckpt_engine.cli bench "$@" --json "$out/$name.json" 2>&1 | grep -v "^$" | tail -n 3; python - "$out/$name.json" <<'PY'
-import json, sys
-try:
-    s = json.load(open(sys.argv[1]))
-except Exception as e:
-    print("no result:", e); sys.exit()
-for k, m in s["modes"].items():
-    extra = "".join(f" {f}={m[f]:.4g}" for f in ("wire_fraction", "changed_fraction", "encode_s", "apply_s") if f in m)
-    print(f"  {k:28s} {m['best_s']:.4f}s  time/raw {m.get('ratio_to_raw', 0):.3f}{extra}")
-print("  correct:", s.get("correct"), s.get("base_bytes", ""))
-PY
-}
+source bench/lib.sh
+export BENCH_TIMEOUT=200
 bench 7b_delta_lr1e-6_inplace --backend nccl --preset qwen2.5-7b --delta --lr 1e-6 --versions 5 --iters 3 --bucket-mb 1024 --in-place
 bench 30b10l_delta_lr1e-6_inplace --backend nccl --preset qwen3-30b-a3b --layers 10 --delta --lr 1e-6 --versions 6 --iters 3 --bucket-mb 1024 --in-place
 bench 7b_delta_lr1e-5_inplace --backend nccl --preset qwen2.5-7b --delta --lr 1e-5 --versions 4 --iters 3 --bucket-mb 1024 --in-place

@@ -4,7 +4,7 @@ A bucket holds tens to thousands of tensors (a 30B MoE bucket: hundreds of exper
 Triton launch per piece costs more host time than the GPU spends comparing a small one. Here
 every program reads its piece from a map of tiles to pieces (one load: a binary search over the
 pieces was 2x slower on expert-sized pieces, its dependent loads in every program's way), then
-runs the same compare / row mask / bit walk as kernels._diff_sparse_kernel. A piece is reached
+runs the same tile as kernels._diff_sparse_kernel (kernels._diff_rows). A piece is reached
 as an offset in words from the bucket's base image (one pointer for every tensor, wherever it
 lives). The table and the map only change when the pieces move, so a caller that diffs the same
 tensors every sync keeps them on the device (`cache`).
@@ -39,7 +39,7 @@ except Exception:  # pragma: no cover - depends on the install
     _HAVE_TRITON = False
 
 if _HAVE_TRITON:
-    _popc32 = kernels._popc32
+    _diff_rows = kernels._diff_rows
 
     @triton.jit(do_not_specialize=["cap"])
     def _diff_pieces_kernel(
@@ -56,33 +56,7 @@ if _HAVE_TRITON:
             first = tl.multiple_of(first, ALIGN)
             length = tl.multiple_of(length, ALIGN)
             rel = tl.multiple_of(rel, ALIGN)
-        row = tl.arange(0, ROWS)
-        col = tl.arange(0, 32)
-        row_start = (pid - tile0) * (ROWS * 32) + row * 32
-        offs = row_start[:, None] + col[None, :]
-        inb = offs < length
-        old_base = base_ptr + first
-        new_base = base_ptr + rel
-        a = tl.load(old_base + offs, mask=inb, other=0)
-        b = tl.load(new_base + offs, mask=inb, other=0)
-        bits = tl.sum(tl.where(a != b, 1 << col[None, :], 0), axis=1)  # distinct bits: sum == or
-        per_row = _popc32(bits)
-        cnt = tl.sum(per_row, axis=0)
-        if cnt > 0:
-            dest = tl.atomic_add(counter_ptr, cnt) + tl.cumsum(per_row, axis=0) - per_row
-            for _ in range(0, tl.max(per_row, axis=0)):
-                live = bits != 0
-                low = bits & (0 - bits)
-                p = row_start + _popc32(low - 1)
-                v = tl.load(new_base + p, mask=live)
-                o = tl.load(old_base + p, mask=live)
-                keep = live & (dest < cap)
-                tl.store(pos_ptr + dest, (first + p).to(tl.int32), mask=keep)
-                tl.store(val_ptr + dest, v, mask=keep)
-                tl.store(old_ptr + dest, o, mask=keep)
-                tl.store(old_base + p, v, mask=live)
-                dest += live.to(tl.int32)
-                bits = bits & (bits - 1)
+        _diff_rows(base_ptr + rel, base_ptr + first, pid - tile0, length, first, counter_ptr, pos_ptr, val_ptr, old_ptr, cap, ROWS)
 
 
 Row = tuple[int, int, int]  # (data pointer, length in words, first bucket word) of one piece

@@ -203,19 +203,19 @@ if _HAVE_TRITON:
                 tl.store(delta_ptr + pid, tl.sum(acc, axis=0) * _mix_b(start >> GROUP_BITS))
 
     @triton.jit
-    def _diff_sparse_kernel(new_ptr, base_ptr, n_words, first, counter_ptr, pos_ptr, val_ptr, old_ptr, cap, ROWS: tl.constexpr):
-        """The one-pass diff with a sparse second phase: the dense phase only compares and packs
-        each row of 32 words into a bit mask; then every row walks its own set bits (as many
-        rounds as the busiest row of the block has changes) to write positions and values, so
-        unchanged words cost a compare and nothing more."""
-        pid = tl.program_id(0)
+    def _diff_rows(new_base, old_base, tile, n_words, first, counter_ptr, pos_ptr, val_ptr, old_ptr, cap, ROWS: tl.constexpr):
+        """One tile (ROWS rows of 32 words) of a piece: `new_base` / `old_base` point at the
+        piece's first new / base word, `first` is its first word's index in the bucket. The dense
+        phase only compares and packs each row's changes into a bit mask; then every row walks its
+        own set bits (as many rounds as the busiest row of the tile has changes) to write
+        positions, new and old values, so unchanged words cost a compare and nothing more."""
         row = tl.arange(0, ROWS)
         col = tl.arange(0, 32)
-        row_start = pid.to(tl.int64) * (ROWS * 32) + row * 32
+        row_start = tile * (ROWS * 32) + row * 32
         offs = row_start[:, None] + col[None, :]
         inb = offs < n_words
-        a = tl.load(base_ptr + offs, mask=inb, other=0)
-        b = tl.load(new_ptr + offs, mask=inb, other=0)
+        a = tl.load(old_base + offs, mask=inb, other=0)
+        b = tl.load(new_base + offs, mask=inb, other=0)
         bits = tl.sum(tl.where(a != b, 1 << col[None, :], 0), axis=1)  # distinct bits: sum == or
         per_row = _popc32(bits)
         cnt = tl.sum(per_row, axis=0)
@@ -225,15 +225,20 @@ if _HAVE_TRITON:
                 live = bits != 0
                 low = bits & (0 - bits)
                 p = row_start + _popc32(low - 1)
-                v = tl.load(new_ptr + p, mask=live)
-                o = tl.load(base_ptr + p, mask=live)
+                v = tl.load(new_base + p, mask=live)
+                o = tl.load(old_base + p, mask=live)
                 keep = live & (dest < cap)
                 tl.store(pos_ptr + dest, (first + p).to(tl.int32), mask=keep)
                 tl.store(val_ptr + dest, v, mask=keep)
                 tl.store(old_ptr + dest, o, mask=keep)
-                tl.store(base_ptr + p, v, mask=live)
+                tl.store(old_base + p, v, mask=live)
                 dest += live.to(tl.int32)
                 bits = bits & (bits - 1)
+
+    @triton.jit
+    def _diff_sparse_kernel(new_ptr, base_ptr, n_words, first, counter_ptr, pos_ptr, val_ptr, old_ptr, cap, ROWS: tl.constexpr):
+        """The one-pass diff of one piece, a tile per program (see _diff_rows)."""
+        _diff_rows(new_ptr, base_ptr, tl.program_id(0).to(tl.int64), n_words, first, counter_ptr, pos_ptr, val_ptr, old_ptr, cap, ROWS)
 
     @triton.jit
     def _pairs_sum_kernel(pos_ptr, val_ptr, old_ptr, n, out_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr):
