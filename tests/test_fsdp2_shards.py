@@ -88,7 +88,9 @@ class GatherCounter:
         from torch.distributed.tensor.debug import CommDebugMode
 
         for name in self.ENTRY_POINTS:
-            original = getattr(dist.distributed_c10d, name)
+            original = getattr(dist.distributed_c10d, name, None)
+            if original is None:  # not in every torch release (e.g. all_gather_single)
+                continue
             wrapped = self._wrap(original)
             for module in (dist, dist.distributed_c10d):
                 if getattr(module, name, None) is original:

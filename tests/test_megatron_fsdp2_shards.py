@@ -198,7 +198,7 @@ def _trainer_phase(rank: int, group: dist.ProcessGroup, rdzv: Any, phase: str) -
     engine = _engine(rank, group, phase)
     versions = PHASES[phase][1]
     assert isinstance(engine, ShardedWeightSource) and (engine.sender_index, engine.num_senders) == (rank, TRAINERS)
-    assert engine.process_group is group and wants_many_senders(engine, "all") and not wants_many_senders(engine, "auto")
+    assert engine.process_group is group and wants_many_senders(engine, "all") and wants_many_senders(engine, "auto")
     sync = CheckpointEngineRegistry.new("gloo", bucket_size_bytes=BUCKET, timeout_s=120)
     with GatherCounter(group) as planning:  # ownership, the plan and every piece: all local
         owners = engine.owners()

@@ -88,10 +88,6 @@ class MegatronFSDP2ShardedSource:
     (`sender_index` = its rank in the mesh).
     """
 
-    auto_many_senders = False
-    """`senders: auto` keeps the gather path for now: this sharded path passed its CPU checks (real
-    DBuffers over gloo) but its GPU tests have not run yet; `senders: all` opts in."""
-
     _entries: list[Any]  # megatron_fsdp2._Entry (not imported: imports point down)
     _where: list[tuple[Any, int]]
     rank: int
