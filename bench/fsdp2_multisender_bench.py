@@ -2,9 +2,14 @@
 
 Topology (one process per rank): FSDP2 trainer ranks 0..N-1 on GPU0..GPU(N-1) (their own
 group), receiver i on GPU N+i when the machine has them, else beside trainer ranks 1.. (as in
-fsdp2_sync_bench.py; then multi mode needs a transport that hands a sender's shard to a receiver
-on its own GPU, and raw_multi is skipped), or where --receiver-gpus says; `--device cpu` runs the
-same on gloo CPU processes. One run measures, median of --repeats after a warm-up:
+fsdp2_sync_bench.py), or where --receiver-gpus says; `--device cpu` runs the same on gloo CPU
+processes. A receiver beside a trainer rank (the "shrunk" topology, e.g. 2 GPUs, one receiver on
+GPU1) needs `--backend nccl_handoff` for multi mode: that rank hands its shard over through CUDA
+IPC while the others broadcast over NCCL (raw_multi is skipped: NCCL cannot join two ranks of one
+GPU); the summary's "shrunk" block then sets the sync against raw_single, the NCCL broadcast of
+the same bytes from GPU0 measured in the same run. On CPU the same placement is emulated with
+logical GPU numbers (the engine's `local_senders` override). One run measures, median of
+--repeats after a warm-up:
   raw_single : broadcast of the model's bytes from trainer rank 0 to every receiver
   raw_multi  : every trainer rank broadcasts its share of those bytes at once, each on its own group
   single     : rank 0 sends `iter_weights()` (unit all-gathers; the other ranks walk it too)
@@ -18,6 +23,7 @@ equal what the trainer exported (checksums).
 
     python bench/fsdp2_multisender_bench.py --preset qwen2.5-7b --trainers 2 --receivers 1 --json out.json
     python bench/fsdp2_multisender_bench.py --device cpu --preset tiny --repeats 2      # smoke test
+    python bench/fsdp2_multisender_bench.py --trainers 2 --receivers 1 --receiver-gpus 1 --backend nccl_handoff
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from ckpt_engine.processes import run_processes
 from fsdp2_sync_bench import RAW_MESSAGE_BYTES, _checksum_update
 
 MODES = ("single", "multi")
+SHRUNK_TARGET = 1.05
 
 
 def _cuda_sync(device: torch.device) -> None:
@@ -74,12 +81,12 @@ class _Ranks:
         store = dist.TCPStore("127.0.0.1", ports["world"], is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=self.n + self.r, timeout=timeout)
         receivers = list(range(self.n, self.n + self.r))
-        self.trainer_group = dist.new_group(list(range(self.n)), backend=args.backend, timeout=timeout)
+        self.trainer_group = dist.new_group(list(range(self.n)), backend=args.dist_backend, timeout=timeout)
         # NCCL cannot hold two ranks of one GPU in a communicator: a trainer on a receiver's GPU gets no raw group.
         shared = {_device_of(q, args) for q in receivers}
-        self.raw_ok = [args.backend != "nccl" or _device_of(s, args) not in shared for s in range(self.n)]
+        self.raw_ok = [args.dist_backend != "nccl" or _device_of(s, args) not in shared for s in range(self.n)]
         self.raw = [
-            dist.new_group([s, *receivers], backend=args.backend, timeout=timeout) if ok else None for s, ok in enumerate(self.raw_ok)
+            dist.new_group([s, *receivers], backend=args.dist_backend, timeout=timeout) if ok else None for s, ok in enumerate(self.raw_ok)
         ]
         self._raw_bufs: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -160,10 +167,16 @@ def _memory(engine: Any, joined: bool, device: torch.device, state: int) -> dict
     return {"extra_mem": extra, "buffer_bytes": buffers, "base_bytes": engine.delta_base_bytes}
 
 
-def _sync_engine(args: argparse.Namespace, device: torch.device) -> Any:
+def _sync_engine(args: argparse.Namespace, device: torch.device, mode: str) -> Any:
     from ckpt_engine.registry import CheckpointEngineRegistry
 
-    return CheckpointEngineRegistry.new(args.backend, bucket_size_bytes=args.bucket_mb << 20, timeout_s=args.timeout_s, device=device)
+    kwargs: dict[str, Any] = {}
+    if args.backend == "nccl_handoff" and args.device == "cpu":
+        # CPU processes all share the host: emulate the GPU placement (trainers beside a receiver
+        # hand over in memory, the others use gloo). On CUDA the engine finds them by device UUID.
+        senders = range(args.trainers if mode == "multi" else 1)
+        kwargs["local_senders"] = [s for s in senders if args.trainer_gpus[s] in args.receiver_gpus]
+    return CheckpointEngineRegistry.new(args.backend, bucket_size_bytes=args.bucket_mb << 20, timeout_s=args.timeout_s, device=device, **kwargs)
 
 
 def _delta(args: argparse.Namespace, mode: str, i: int) -> Any:
@@ -204,7 +217,7 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], ou
     engine = FSDP2TrainEngine(model, config=FSDP2Config(wire_dtype=args.dtype), process_group=ranks.trainer_group, device=device)
     engine.materialize()
     specs = engine.metadata()
-    sync = {m: _sync_engine(args, device) for m in MODES}
+    sync = {m: _sync_engine(args, device, m) for m in MODES}
     manifests = {
         "single": sync["single"].plan(specs),
         "multi": sync["multi"].plan(specs, num_senders=args.trainers, owners=engine.owners()),
@@ -254,6 +267,7 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], ou
         ranks.barrier()
     if rank == 0:
         result.update(bytes=total, tensors=manifests["single"].num_tensors, bytes_per_sender=shares,
+                      local_senders=list(getattr(sync["multi"], "local_senders", [])),
                       gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       digests_agree=all(store.get(f"digest/{r}").decode() == manifests["multi"].digest for r in range(args.trainers)))
     for engine_ in sync.values():
@@ -278,7 +292,7 @@ def _receiver_main(rank: int, args: argparse.Namespace, ports: dict[str, int], o
     specs = [TensorSpec(n, d, tuple(s)) for n, d, s in msgpack.unpackb(store.get("specs"), raw=False)]
     manifests = {m: decode_manifest(store.get(f"manifest/{m}")) for m in MODES}
     dst = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=device) for s in specs}
-    sync = {m: _sync_engine(args, device) for m in MODES}
+    sync = {m: _sync_engine(args, device, m) for m in MODES}
     sync["single"].init_process_group(rdzv["single"], 1 + index)
     sync["multi"].init_process_group(rdzv["multi"], args.trainers + index)
     result: dict[str, Any] = {"role": f"receiver{index}", "device": str(device)}
@@ -319,6 +333,7 @@ def _summary(args: argparse.Namespace, parts: dict[str, dict[str, Any]]) -> dict
     t0, med = parts["trainer0"], statistics.median
     out: dict[str, Any] = {
         "preset": args.preset, "backend": args.backend, "device": t0["gpu"], "trainers": args.trainers, "receivers": args.receivers,
+        "local_senders": t0["local_senders"],
         "delta": args.delta, "delta_change": args.delta_change if args.delta else None, "bytes": t0["bytes"],
         "tensors": t0["tensors"], "bytes_per_sender": t0["bytes_per_sender"], "bucket_mb": args.bucket_mb,
         "raw_single_s": med(t0["raw_single_s"]), "raw_multi_s": med(t0["raw_multi_s"]) if "raw_multi_s" in t0 else None,
@@ -341,6 +356,12 @@ def _summary(args: argparse.Namespace, parts: dict[str, dict[str, Any]]) -> dict
         out["single_over_multi"] = out["single_s"] / out["multi_s"]
     if "multi" in args.modes:
         out["multi_all_gathers"] = {k: v["multi_all_gathers"] for k, v in parts.items() if k.startswith("trainer")}
+    if "multi" in args.modes and out["local_senders"]:
+        # The shrunk topology's goal: every rank sends its own shard (some through the hand-off),
+        # within 1.05x of one NCCL broadcast of all the bytes from trainer rank 0, same run.
+        ratio = out["multi_over_raw_single"]
+        out["shrunk"] = {"local_senders": out["local_senders"], "raw_broadcast_from_rank0_s": out["raw_single_s"],
+                         "sync_s": out["multi_s"], "ratio": ratio, "target": SHRUNK_TARGET, "met": ratio <= SHRUNK_TARGET}
     return out
 
 
@@ -350,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainers", type=int, default=2, help="FSDP2 ranks, each one sender in multi mode")
     p.add_argument("--receivers", type=int, default=1)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="cpu: gloo processes (smoke test)")
+    p.add_argument("--backend", default=None, help="weight-sync backend: nccl (gloo on cpu, the default) or nccl_handoff")
     p.add_argument("--trainer-gpus", default=None, help="comma list, default 0..N-1")
     p.add_argument("--receiver-gpus", default=None, help="comma list, default N..N+R-1 (wrapping onto the trainers' GPUs when short)")
     p.add_argument("--modes", default="single,multi", help="comma list of single, multi")
@@ -365,25 +387,37 @@ def main(argv: list[str] | None = None) -> int:
     gpus = torch.cuda.device_count()
     if args.device == "auto":
         args.device = "cuda" if gpus >= 2 else "cpu"
-    args.backend = "nccl" if args.device == "cuda" else "gloo"
+    args.dist_backend = "nccl" if args.device == "cuda" else "gloo"
+    args.backend = args.backend if args.backend is not None else args.dist_backend
+    if args.backend not in (args.dist_backend, "nccl_handoff"):
+        p.error(f"--backend must be {args.dist_backend} or nccl_handoff on {args.device}, got {args.backend!r}")
     args.modes = tuple(m for m in args.modes.split(",") if m)
     if not args.modes or any(m not in MODES for m in args.modes):
         p.error(f"--modes must list some of {', '.join(MODES)}, got {','.join(args.modes)!r}")
     if args.trainers < 1 or args.receivers < 1 or not 0 < args.delta_change <= 1:
         p.error("--trainers and --receivers must be >= 1 and --delta-change in (0, 1]")
-    if args.device == "cuda":
-        if gpus < 2:
-            p.error(f"--device cuda needs at least 2 GPUs, found {gpus}")
-        args.trainer_gpus = [int(g) for g in args.trainer_gpus.split(",")] if args.trainer_gpus else list(range(args.trainers))
-        # Receivers on GPUs of their own when there are enough; else beside trainer ranks 1.. (never
-        # beside rank 0, the single-mode sender: one NCCL communicator never holds two ranks of a GPU).
-        fits = gpus >= args.trainers + args.receivers
-        default = [args.trainers + i if fits else 1 + i % (gpus - 1) for i in range(args.receivers)]
-        args.receiver_gpus = [int(g) for g in args.receiver_gpus.split(",")] if args.receiver_gpus else default
-        if len(args.trainer_gpus) != args.trainers or max(args.trainer_gpus + args.receiver_gpus) >= gpus:
-            p.error(f"need {args.trainers} trainer GPUs and receiver GPUs below {gpus}")
-        if args.trainer_gpus[0] in args.receiver_gpus:
-            p.error(f"a receiver on GPU {args.trainer_gpus[0]} would share it with trainer rank 0, the single-mode sender")
+    # GPU numbers; on CPU they are logical (they say which trainers sit beside a receiver).
+    gpus_here = gpus if args.device == "cuda" else args.trainers + args.receivers
+    if args.device == "cuda" and gpus < 2:
+        p.error(f"--device cuda needs at least 2 GPUs, found {gpus}")
+    args.trainer_gpus = [int(g) for g in args.trainer_gpus.split(",")] if args.trainer_gpus else list(range(args.trainers))
+    # Receivers on GPUs of their own when there are enough; else beside trainer ranks 1.. (never
+    # beside rank 0, the single-mode sender: one NCCL communicator never holds two ranks of a GPU).
+    fits = gpus_here >= args.trainers + args.receivers
+    default = [args.trainers + i if fits else 1 + i % (gpus_here - 1) for i in range(args.receivers)]
+    args.receiver_gpus = [int(g) for g in args.receiver_gpus.split(",")] if args.receiver_gpus else default
+    if len(args.trainer_gpus) != args.trainers or (args.device == "cuda" and max(args.trainer_gpus + args.receiver_gpus) >= gpus):
+        p.error(f"need {args.trainers} trainer GPUs and receiver GPUs below {gpus}")
+    if args.trainer_gpus[0] in args.receiver_gpus:
+        p.error(f"a receiver on GPU {args.trainer_gpus[0]} would share it with trainer rank 0, the single-mode sender")
+    beside = sorted({s for s, g in enumerate(args.trainer_gpus) if g in args.receiver_gpus})
+    if beside and "multi" in args.modes:
+        if args.backend != "nccl_handoff" and args.device == "cuda":
+            p.error(f"trainer ranks {beside} share a GPU with a receiver: multi mode needs --backend nccl_handoff")
+        if args.backend == "nccl_handoff" and args.delta:
+            p.error("nccl_handoff does not do delta syncs while a trainer rank hands over in memory; drop --delta")
+        if args.backend == "nccl_handoff" and args.receivers != 1:
+            p.error(f"nccl_handoff hands the shards of trainer ranks {beside} to exactly one receiver; got --receivers {args.receivers}")
     from ckpt_engine.benchmark.presets import load_preset_config
 
     config = load_preset_config(args.preset)

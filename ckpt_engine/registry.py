@@ -57,6 +57,7 @@ class CheckpointEngineRegistry:
         "nccl": "ckpt_engine.backends.nccl:NcclCheckpointEngine",
         "hccl": "ckpt_engine.backends.hccl:HcclCheckpointEngine",
         "colocated": "ckpt_engine.backends.colocated:ColocatedCheckpointEngine",
+        "nccl_handoff": "ckpt_engine.backends.handoff:HandoffCheckpointEngine",
     }
     _classes: ClassVar[dict[str, type[CheckpointEngine]]] = {}
     _failed: ClassVar[dict[str, str]] = {}

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
-import tempfile
 from typing import Any
 
 import msgpack
 import torch
 
 from ckpt_engine.backends.pipelined import PipelinedBroadcastEngine, _SLACK
+from ckpt_engine.backends.shared_buffers import map_buffers, share_buffers, unlink_files, validate_descriptors
 from ckpt_engine.engine import Rendezvous, TransferError
 
 __all__ = ["ColocatedCheckpointEngine"]
@@ -60,44 +59,20 @@ class ColocatedCheckpointEngine(PipelinedBroadcastEngine):
         self.rank, self.world_size = rank, 2
         size = self.bucket_size_bytes + _SLACK
         if rank == 0:
-            descs = []
-            for _ in range(self.num_buffers):
-                if self.device.type == "cpu":
-                    fd, path = tempfile.mkstemp(prefix="ckpt-engine-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-                    os.close(fd)
-                    self._shm_paths.append(path)
-                    self._buffers.append(torch.from_file(path, shared=True, size=size, dtype=torch.uint8))
-                    descs.append({"path": path})
-                else:
-                    buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-                    self._buffers.append(buf)
-                    descs.append({"cuda_ipc": list(buf.untyped_storage()._share_cuda_())})
+            self._buffers, descs, self._shm_paths = share_buffers(self.device, self.num_buffers, size)
             store.set("colocated/buffers", msgpack.packb({"size": size, "buffers": descs}, use_bin_type=True))
         else:
             store.wait(["colocated/buffers"], datetime.timedelta(seconds=self.timeout_s))
             info = msgpack.unpackb(store.get("colocated/buffers"), raw=False)
-            if not isinstance(info, dict) or info.get("size") != size or len(info.get("buffers", [])) != self.num_buffers:
-                raise ValueError("colocated sender and receiver disagree on bucket size or number of buffers")
-            for desc in info["buffers"]:
-                if "path" in desc:
-                    self._buffers.append(torch.from_file(desc["path"], shared=True, size=size, dtype=torch.uint8))
-                else:
-                    torch.cuda.init()  # opening an IPC handle needs this process's CUDA context
-                    torch.cuda.set_device(self.device)
-                    storage = torch.UntypedStorage._new_shared_cuda(*desc["cuda_ipc"])
-                    self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage))
+            descs = validate_descriptors(info, self.num_buffers, size, "the colocated sender")
+            self._buffers = map_buffers(self.device, descs, size)
         self._group = store
         logger.info("colocated rank %d mapped %d shared buffers of %d bytes", rank, self.num_buffers, size)
 
     def finalize(self) -> None:
         self._group = None
         self._buffers, self._views = [], {}
-        for path in getattr(self, "_shm_paths", []):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        self._shm_paths = []
+        unlink_files(getattr(self, "_shm_paths", []))
 
     def abort(self) -> None:
         self._broken = True
