@@ -69,13 +69,16 @@ class CheckpointEngineConfig:
     full_sync_every: int = 0
     """With delta: a dense seed every this many syncs (0: only when needed: first sync, new or
     restarted engine, new plan, after a failure)."""
+    delta_base: str = "device"
+    """With delta: where each sender keeps the base of what it sends: `device` memory (fastest), or
+    pinned `host` memory (no device memory but one bucket-sized staging buffer; each bucket's base
+    crosses the host link twice per sync). Passed to the backend as its `delta_base` option."""
     senders: str = "auto"
     """Who streams the weights: `rank0` (trainer rank 0 sends full tensors, the others only walk
     `iter_weights`), `all` (every trainer rank sends the shards it owns, no gather; the source must
     be a `ShardedWeightSource`), `per_stage` (Megatron: each pipeline stage sends its layers;
     sources declare it through the same ownership map), or `auto` (`all` when the source is
-    sharded over several ranks, else `rank0`; Megatron-FSDP2 stays on `rank0` under `auto` until
-    its sharded path has run on GPUs: opt in with `all`)."""
+    sharded over several ranks, else `rank0`)."""
 
     def __post_init__(self) -> None:
         _check_type("checkpoint_engine.backend", self.backend, str)
@@ -113,6 +116,8 @@ class CheckpointEngineConfig:
         _check_type("checkpoint_engine.full_sync_every", self.full_sync_every, int)
         if self.full_sync_every < 0:
             raise ConfigError(f"checkpoint_engine.full_sync_every must be >= 0 (0: only when needed), got {self.full_sync_every}")
+        if self.delta_base not in ("device", "host"):
+            raise ConfigError(f"checkpoint_engine.delta_base must be 'device' or 'host', got {self.delta_base!r}")
         if self.senders not in (*SENDER_MODES, "auto"):
             raise ConfigError(f"checkpoint_engine.senders must be one of auto, {', '.join(SENDER_MODES)}, got {self.senders!r}")
 
@@ -148,7 +153,10 @@ class CheckpointEngineConfig:
         return max(4096, int(self.bucket_size_mb * (1 << 20)) // 4096 * 4096)
 
     def kwargs_for(self, backend: str) -> dict[str, Any]:
-        return dict(self.engine_kwargs.get(backend, {}))
+        kwargs = dict(self.engine_kwargs.get(backend, {}))
+        if self.delta_base != "device":
+            kwargs.setdefault("delta_base", self.delta_base)
+        return kwargs
 
 
 def _check_type(name: str, value: Any, typ: type) -> None:
@@ -194,6 +202,8 @@ def _check_engine_kwargs(backend: str, kwargs: dict[str, Any], known: list[str])
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ConfigError(f"{where}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
+    if "delta_base" in kwargs and kwargs["delta_base"] not in ("device", "host"):
+        raise ConfigError(f"{where}.delta_base must be one of device, host, got {kwargs['delta_base']!r}")
 
 
 def _free_bytes(device: str) -> int | None:

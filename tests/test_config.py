@@ -36,6 +36,8 @@ def test_yaml_file_and_dotted_overrides(tmp_path: Path) -> None:
         ("checkpoint_engine.pause_mode=sleep", r"checkpoint_engine\.pause_mode must be one of keep, abort, none"),
         ("checkpoint_engine.engine_kwargs=3", r"checkpoint_engine\.engine_kwargs must map"),
         ("checkpoint_engine.bucket_sz=3", r"unknown key\(s\) under checkpoint_engine: bucket_sz; allowed: .*bucket_size_mb"),
+        ("checkpoint_engine.delta_base=disk", r"checkpoint_engine\.delta_base must be 'device' or 'host', got 'disk'"),
+        ("checkpoint_engine.engine_kwargs.gloo.delta_base=disk", r"delta_base must be one of device, host, got 'disk'"),
     ],
 )
 def test_bad_values_name_the_field(override: str, match: str) -> None:
@@ -55,3 +57,12 @@ def test_malformed_override_and_missing_file(tmp_path: Path) -> None:
 def test_keyword_only() -> None:
     with pytest.raises(TypeError):
         CheckpointEngineConfig("gloo")  # type: ignore[misc]
+
+
+def test_delta_base_reaches_the_backend_options() -> None:
+    """`delta_base: host` is passed to the backend (every rank's engine options), unless the
+    backend's own engine_kwargs already say where."""
+    cfg = load_config({"checkpoint_engine": {"delta_base": "host", "engine_kwargs": {"nccl": {"delta_base": "device"}}}}, [])
+    assert cfg.kwargs_for("gloo") == {"delta_base": "host"}
+    assert cfg.kwargs_for("nccl") == {"delta_base": "device"}
+    assert load_config({}, []).kwargs_for("gloo") == {}

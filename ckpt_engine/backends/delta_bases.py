@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["DENSE", "PATCH", "Bases"]
+__all__ = ["DELTA_BASES", "DENSE", "PATCH", "Bases"]
 
 DENSE, PATCH = 0, 1
+DELTA_BASES = ("device", "host")  # where a sender keeps its bases (engine option `delta_base`)
 
 
 @dataclass

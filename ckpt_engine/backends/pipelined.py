@@ -66,6 +66,7 @@ class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMix
         num_lanes: int | None = None,
         solo_bytes: int | None = None,
         group_max_tensors: int | None = None,
+        delta_base: str = "device",
     ) -> None:
         super().__init__(bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, timeout_s=timeout_s, verify=verify)
         solo = solo_bytes if solo_bytes is not None else self.default_solo_bytes
@@ -94,7 +95,7 @@ class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMix
         self._assembly: dict[str, torch.Tensor] = {}  # reassembly tensors of chunked tensors
         self._assembly_digest: str | None = None
         self._broken = False
-        self._init_delta()
+        self._init_delta(delta_base)
 
     # --- what a backend file provides -------------------------------------------------------
     def _resolve_device(self, device: str | int | torch.device | None) -> torch.device:

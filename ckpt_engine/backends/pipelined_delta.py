@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.backends.delta_bases import DENSE, PATCH, Bases
+from ckpt_engine.backends.delta_bases import DELTA_BASES, DENSE, PATCH, Bases
 from ckpt_engine.backends.piece_reader import PieceReader
 from ckpt_engine.backends.wire_views import flat_bytes
 from ckpt_engine.copies import batched_copy_
@@ -39,14 +39,24 @@ class DeltaTransferMixin:
     """Mixed into PipelinedBroadcastEngine: the bases and `_send_delta` (receiving is in
     pipelined_delta_receive.py)."""
 
-    def _init_delta(self) -> None:
+    def _init_delta(self, delta_base: str = "device") -> None:
+        if delta_base not in DELTA_BASES:
+            raise ValueError(f"delta_base must be one of {', '.join(DELTA_BASES)}, got {delta_base!r}")
+        self.delta_base = delta_base
+        """Where a sender keeps the base of what it sends: `device` memory (fastest: the one-pass
+        diff reads it in place), or pinned `host` memory (no device memory but one bucket-sized
+        staging buffer; each bucket's base crosses the host link twice per sync, so a sync is
+        bound by that link: for trainers short of device memory on a slow network). Receivers
+        keep theirs on the device (or none, in place) either way."""
         self._bases = Bases()
         self._places_cache: Any = None
+        self._stage: torch.Tensor | None = None
         self.last_delta_stats: dict[str, float] = {}
 
     def _reset_delta(self) -> None:
         self._bases = Bases()
         self._places_cache = None
+        self._stage = None
 
     def _invalidate_delta(self) -> None:
         """The bases no longer match what the other side holds (a failure, or a sync without them)."""
@@ -77,12 +87,19 @@ class DeltaTransferMixin:
                 )
         elif b.digest != manifest.digest or b.inplace != inplace:
             self._bases = b = Bases(digest=manifest.digest, inplace=inplace)
+            on_host = self._host_bases()
             for key, nbytes in keys:
                 if not inplace:
-                    b.images[key] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+                    image = torch.zeros(nbytes, dtype=torch.uint8, device="cpu" if on_host else self.device)
+                    b.images[key] = image.pin_memory() if on_host and self.device.type != "cpu" else image
                 b.sums[key] = None
         b.sync_id = None  # until this sync completes on this rank
         return b
+
+    def _host_bases(self) -> bool:
+        """Whether this rank's (sender) bases are kept apart from the transport's device: in pinned
+        host memory (on a CPU transport the same logic runs with host tensors throughout)."""
+        return self.delta_base == "host" and bool(getattr(self, "is_sender", False))
 
     # --- sender ------------------------------------------------------------------------------
     def _send_delta(
@@ -118,7 +135,7 @@ class DeltaTransferMixin:
                 n, word = step.bucket.nbytes, step.word_bytes
                 tally["words"] += n // word
                 t0 = time.perf_counter()
-                if delta.patches and step.ordinal in bases.calm and n // word < 2**31:
+                if delta.patches and step.ordinal in bases.calm and n // word < 2**31 and not self._host_bases():
                     diff, event = self._start_diff(bases, step, pieces, i, stable)
                     tally["direct"] += 1
                     if pending is not None:
@@ -130,6 +147,12 @@ class DeltaTransferMixin:
                         pending = None
                     if delta.patches:
                         frame = self._encode_packed(bases, step, pieces, stable, stats)
+                    elif self._host_bases():  # packed on the device, kept on the host
+                        stage = self._stage_of(n)
+                        self._pack_into(stage, step, pieces, stable, stats)
+                        bases.images[step.ordinal][:n].copy_(stage, non_blocking=True)
+                        bases.sums[step.ordinal] = None
+                        frame = (DENSE, n, None, stage.clone(), n // word)  # the stage is reused next bucket
                     else:
                         self._pack_into(bases.images[step.ordinal], step, pieces, stable, stats)
                         bases.sums[step.ordinal] = None
@@ -155,7 +178,7 @@ class DeltaTransferMixin:
         stats.extra.update(
             wire_bytes=float(tally["wire"]), table_bytes=float(24 * len(mine)), dense_bytes=float(sum(s.bucket.nbytes for s in mine)),
             patch_buckets=float(tally["patches"]), direct_buckets=float(tally["direct"]), changed_fraction=tally["changed"] / words if words else 0.0,
-            base_bytes=float(bases.nbytes),
+            base_bytes=float(bases.nbytes), base_on_host=float(self._host_bases() or self.device.type == "cpu"),
         )
         stats.total_s = time.perf_counter() - t_start
         stats.transfer_s = max(0.0, stats.total_s - stats.export_s - stats.pack_s - stats.extra.get("encode_s", 0.0))
@@ -233,17 +256,32 @@ class DeltaTransferMixin:
         one-pass diff takes over once fewer than 1 word in 32 changes. Padding between entries is
         zeroed, so it never differs from the base (in-place receivers hold no padding)."""
         key, n, word = step.ordinal, step.bucket.nbytes, step.word_bytes
-        image = bases.images[key][:n]
+        kept = bases.images[key][:n]
+        image = kept
+        if self._host_bases():  # the base crosses to the device and back
+            image = self._stage_of(n)
+            image.copy_(kept, non_blocking=True)
         if bases.sums.get(key) is None:
             bases.sums[key] = codec.checksum(image, word)
         scratch, out = self._buffers[0][:n], self._buffers[1]
         scratch.zero_()
         self._pack_into(scratch, step, pieces, stable, stats)
         size = codec.encode_into_base(image, scratch, word, out)  # the image becomes `new` either way
+        if image is not kept:
+            kept.copy_(image, non_blocking=True)
         num_changed, delta_sum = header_fields(out[:size]) if size is not None else (n // word, 0)
         if size is not None and num_changed * 32 < n // word:
             bases.calm.add(key)
-        return self._frame_of(bases, key, n, word, size, delta_sum, num_changed, out)
+        frame = self._frame_of(bases, key, n, word, size, delta_sum, num_changed, out)
+        if frame[0] == DENSE and image is not kept:
+            frame = (DENSE, n, None, image.clone(), frame[4])  # sent from the device; the stage is reused
+        return frame
+
+    def _stage_of(self, n: int) -> torch.Tensor:
+        """The device buffer a host-kept base is staged in (one bucket, allocated once)."""
+        if self._stage is None or self._stage.numel() < n:
+            self._stage = torch.empty(self.bucket_size_bytes, dtype=torch.uint8, device=self.device)
+        return self._stage[:n]
 
     def _frame_of(
         self, bases: Bases, key: int, n: int, word: int, size: int | None, delta_sum: Any, num_changed: int, out: torch.Tensor
