@@ -28,9 +28,9 @@ def test_chain_of_patches_is_bit_exact(senders: int) -> None:
 def test_senders_keeping_their_bases_on_the_host_stay_bit_exact() -> None:
     """`delta_base="host"`: the sender stages each bucket's base on the transport's device and
     keeps it apart (pinned host memory on CUDA), so every bucket goes through the codec path;
-    receivers end bit-exact over a chain, patches are still sent, the sender reports where its
-    base lives."""
-    results = run_ranks(shard_rank, 3, num_senders=1, versions=4, lr=1e-5, delta="on", engine_kwargs={"delta_base": "host"})
+    in-place receivers (which hold no padding: a patch touching it would be refused) end
+    bit-exact over a chain, patches are still sent, the sender reports where its base lives."""
+    results = run_ranks(shard_rank, 3, num_senders=1, versions=4, lr=1e-5, delta="on", in_place=True, engine_kwargs={"delta_base": "host"})
     sender, receivers = results[0], results[1:]
     for r in receivers:
         assert r["bad"] == [] and r["errors"] == []

@@ -87,11 +87,13 @@ class DeltaTransferMixin:
                 )
         elif b.digest != manifest.digest or b.inplace != inplace:
             self._bases = b = Bases(digest=manifest.digest, inplace=inplace)
-            on_host = self._host_bases()
+            pinned = self._host_bases() and self.device.type != "cpu"
             for key, nbytes in keys:
-                if not inplace:
-                    image = torch.zeros(nbytes, dtype=torch.uint8, device="cpu" if on_host else self.device)
-                    b.images[key] = image.pin_memory() if on_host and self.device.type != "cpu" else image
+                if not inplace:  # allocated pinned at once (pinning a pageable copy costs seconds per 10 GB)
+                    b.images[key] = (
+                        torch.zeros(nbytes, dtype=torch.uint8, device=self.device) if not pinned
+                        else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # a seed writes every byte
+                    )
                 b.sums[key] = None
         b.sync_id = None  # until this sync completes on this rank
         return b
@@ -149,6 +151,7 @@ class DeltaTransferMixin:
                         frame = self._encode_packed(bases, step, pieces, stable, stats)
                     elif self._host_bases():  # packed on the device, kept on the host
                         stage = self._stage_of(n)
+                        stage.zero_()  # padding stays zero, as in a device base (in-place receivers hold none)
                         self._pack_into(stage, step, pieces, stable, stats)
                         bases.images[step.ordinal][:n].copy_(stage, non_blocking=True)
                         bases.sums[step.ordinal] = None
