@@ -66,6 +66,8 @@ def run_chain_bench(args: argparse.Namespace, backend: str, device: str, bucket_
         common.append("--in-place")
     if args.engine_kwargs is not None:
         common += ["--engine-kwargs", args.engine_kwargs]
+    if getattr(args, "profile", None):
+        common += ["--profile", os.path.abspath(args.profile)]
     steps = 4 + args.iters * 3 + args.versions
     results = launch_ranks("ckpt_engine.benchmark.chain_worker", world, common, args.timeout_s * steps, torch.distributed.PrefixStore(f"{token}/", store))
     return summarize_chain(results, args, backend, device, bucket_mb)

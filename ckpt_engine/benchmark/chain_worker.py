@@ -24,6 +24,7 @@ import torch
 
 from ckpt_engine.backends.wire_views import torch_dtype
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+from ckpt_engine.benchmark.tracing import traced
 from ckpt_engine.benchmark.versions import AdamWChain, FileVersions, MemoryVersions, host_available_bytes
 from ckpt_engine.benchmark.worker import weights_checksum
 from ckpt_engine.copies import batched_copy_
@@ -201,7 +202,10 @@ class ChainRank:
                     self.versions.load(v, self.tensors)
                     self._sync()
                 request = DeltaRequest(True, base, v)
-                seconds = self._timed(lambda: self.sync_once(request))
+                if self.args.profile and v == 1 + self.args.versions:  # the last patch sync, traced
+                    seconds = traced(lambda: self._timed(lambda: self.sync_once(request)), self.device, self.args.profile, self.rank)
+                else:
+                    seconds = self._timed(lambda: self.sync_once(request))
                 stats = dict(self.last_stats.extra) if self.is_sender else dict(self.engine.last_delta_stats)
                 stats["seconds"] = seconds
                 versions.append(stats)
@@ -238,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--versions", type=int, default=3)
     p.add_argument("--chunk-mb", type=float, default=1024.0, help="fp32 state (master, grad, moments) alive at once while generating")
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--profile", default=None, help="trace the last patch sync with torch.profiler into this directory")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     rank = ChainRank(args)

@@ -19,6 +19,7 @@ import torch
 
 from ckpt_engine.backends.pipelined import torch_dtype
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+from ckpt_engine.benchmark.tracing import traced
 from ckpt_engine.checksum import bucket_checksum
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.engine import Rendezvous
@@ -186,17 +187,8 @@ class BenchRank:
 
     def _profile(self, fn: Any) -> None:
         """One more sync under torch.profiler: a Chrome trace per rank shows where the link idles."""
-        from pathlib import Path
-
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self._zero_receivers()
-        with profile(activities=activities) as prof:
-            self._timed(fn)
-        out = Path(self.args.profile)
-        out.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(out / f"rank{self.rank}.json"))
+        traced(lambda: self._timed(fn), self.device, self.args.profile, self.rank)
 
     def run(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rank": self.rank, "device": str(self.device), "bytes": self.total_bytes, "tensors": len(self.specs)}
