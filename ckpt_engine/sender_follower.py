@@ -3,22 +3,25 @@
 Trainer rank 0 (the controller) talks to the engines and announces each sync over the trainer's
 process group (`SenderChannel`): first whether to (re)join a weight-sync group and with which
 options, then whether to send, which plan (by digest: every rank plans locally from the same
-metadata and ownership, a pure function) and which delta request. Every sending rank reports
-its outcome in one all-gather, so all ranks learn of a failure together.
+metadata and ownership, a pure function) and which delta request. Every rank reports its
+outcome in one all-gather, so all ranks learn of a failure together. A rank whose source does
+not send (`sends` false: a Megatron TP helper) joins no group but walks its sender's TP gathers.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import CheckpointEngine, Rendezvous
+from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sender_channel import SenderChannel
 from ckpt_engine.sharded_source import ShardedWeightSource, iter_pieces
 
-__all__ = ["SenderFollower", "SendFailed", "join_message", "send_message"]
+__all__ = ["SenderFollower", "SendFailed", "finish_walk", "join_message", "send_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +44,34 @@ def _expect(msg: dict[str, Any], kind: str, keys: set[str]) -> dict[str, Any]:
     return msg
 
 
+def finish_walk(source: Any, pieces: Iterator[Any]) -> None:
+    """After a failed send: walk the rest of a sender's pieces when producing them is collective
+    with its TP helpers (`collective_pieces`), so none is left waiting in a gather."""
+    if not getattr(source, "collective_pieces", False):
+        return
+    try:
+        for _ in pieces:
+            pass
+    except Exception as exc:  # the send's own error is the one to report
+        logger.warning("finishing the pieces' walk after a failed send: %s", exc)
+
+
 class SenderFollower:
-    """One per trainer process of rank > 0; kept across syncs (the group is reused)."""
+    """One per trainer process of rank > 0; kept across syncs (the group is reused).
+
+    A TP helper (`source.sends` false: same `sender_index` as its sender) never joins the group:
+    it keeps an engine of the announced options only to plan alike, checks the digest, walks the
+    sender's pieces in step (`assist_piece`) and reports in the same rounds as every other rank.
+    Sources with TP helpers (`collective_pieces`) add a ready round before anything streams: one
+    rank that cannot take part (its join, plan or digest) stops every rank, by name, before a
+    sender or a helper waits in a gather and before the receivers wait for a sender."""
 
     def __init__(self, channel: SenderChannel) -> None:
         self.channel = channel
         self.engine: CheckpointEngine | None = None
+        self.joined = False
 
-    def _join(self, msg: dict[str, Any], sender_index: int) -> None:
+    def _join(self, msg: dict[str, Any], sender_index: int, sends: bool) -> None:
         if msg["rdzv"] is None:
             return
         self.close()
@@ -60,45 +83,82 @@ class SenderFollower:
             rdzv.backend, bucket_size_bytes=opts["bucket_size_bytes"], num_buffers=opts["num_buffers"],
             timeout_s=rdzv.timeout_s, verify=opts["verify"], **opts["engine_kwargs"],
         )
-        engine.init_process_group(rdzv, sender_index)
-        self.engine = engine
+        if sends:
+            engine.init_process_group(rdzv, sender_index)
+        self.engine, self.joined = engine, sends
 
     def sync(self, source: ShardedWeightSource) -> None:
         """Collective with trainer rank 0's sync: follow its two announcements, send, report."""
+        sends = bool(getattr(source, "sends", True))
         join = _expect(self.channel.receive(), "join", {"kind", "rdzv", "options"})
         error: str | None = None
         try:
-            self._join(join, source.sender_index)
+            self._join(join, source.sender_index, sends)
         except Exception as exc:
             error = f"join failed: {type(exc).__name__}: {exc}"
             logger.warning("trainer rank %d: %s", self.channel.rank, error)
         msg = _expect(self.channel.receive(), "send", {"kind", "action", "digest", "delta"})
         if msg["action"] != "send":
             return
+        manifest = None
         if error is None:
-            error = self._send(source, msg)
+            manifest, error = self._plan(source, msg)
+        if getattr(source, "collective_pieces", False):  # TP helpers: every rank ready, or none walks
+            if any(e is not None for e in self.channel.gather_status(error)):
+                manifest = None
+        if manifest is not None:
+            error = self._send(source, manifest, msg) if sends else self._assist(source, manifest)
         errors = self.channel.gather_status(error)
         failed = {i: e for i, e in enumerate(errors) if e is not None}
         if failed:
             raise SendFailed("; ".join(f"trainer rank {i}: {e}" for i, e in sorted(failed.items())))
 
-    def _send(self, source: ShardedWeightSource, msg: dict[str, Any]) -> str | None:
+    def _plan(self, source: ShardedWeightSource, msg: dict[str, Any]) -> tuple[BucketManifest | None, str | None]:
+        """This rank's plan of the sync, or why it has none (no engine, a failure, or a digest
+        trainer rank 0 did not plan)."""
         engine = self.engine
         if engine is None:
-            return "this rank is not in a weight-sync group (its join failed)"
+            return None, "this rank is not in a weight-sync group (its join failed)"
         try:
             manifest = engine.plan(list(source.metadata()), num_senders=source.num_senders, owners=source.owners())
-            if manifest.digest != msg["digest"]:
-                return f"planned {manifest.digest[:12]} but trainer rank 0 planned {str(msg['digest'])[:12]} (ranks disagree on metadata or ownership)"
+        except Exception as exc:
+            logger.warning("trainer rank %d: sending its pieces failed: %s", self.channel.rank, exc)
+            self.close()
+            return None, f"{type(exc).__name__}: {exc}"
+        if manifest.digest != msg["digest"]:
+            return None, f"planned {manifest.digest[:12]} but trainer rank 0 planned {str(msg['digest'])[:12]} (ranks disagree on metadata or ownership)"
+        return manifest, None
+
+    def _send(self, source: ShardedWeightSource, manifest: BucketManifest, msg: dict[str, Any]) -> str | None:
+        engine = self.engine
+        assert engine is not None
+        pieces = iter_pieces(source, manifest)
+        try:
             delta = DeltaRequest.from_dict(msg["delta"]) if msg["delta"] is not None else None
-            engine.send_weights(manifest, iter_pieces(source, manifest), stable=bool(getattr(source, "stable_pieces", getattr(source, "stable_tensors", False))), delta=delta)
+            engine.send_weights(manifest, pieces, stable=bool(getattr(source, "stable_pieces", getattr(source, "stable_tensors", False))), delta=delta)
             return None
         except Exception as exc:
             logger.warning("trainer rank %d: sending its pieces failed: %s", self.channel.rank, exc)
             self.close()
+            finish_walk(source, pieces)
             return f"{type(exc).__name__}: {exc}"
 
+    def _assist(self, source: ShardedWeightSource, manifest: BucketManifest) -> str | None:
+        """A TP helper's part of the send: its sender's gathers, in the order its pieces walk."""
+        assist = getattr(source, "assist_piece", source.local_piece)
+        try:
+            last = None
+            for bucket in manifest.sender_buckets(source.sender_index):
+                for entry in bucket.entries:
+                    if entry.name != last:
+                        last = entry.name
+                        assist(entry.name)
+            return None
+        except Exception as exc:
+            logger.warning("trainer rank %d: walking sender %d's pieces failed: %s", self.channel.rank, source.sender_index, exc)
+            return f"walking sender {source.sender_index}'s pieces as its TP helper failed: {type(exc).__name__}: {exc}"
+
     def close(self) -> None:
-        engine, self.engine = self.engine, None
+        engine, self.engine, self.joined = self.engine, None, False
         if engine is not None:
             engine.finalize()

@@ -16,7 +16,7 @@ from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sender_channel import SenderChannel
 from ckpt_engine.sender_follower import join_message, send_message
 from ckpt_engine.sharded_source import ShardedWeightSource
-from ckpt_engine.sync_report import SyncReport
+from ckpt_engine.sync_report import SyncError, SyncReport
 from ckpt_engine.weights import WeightSource
 
 __all__ = ["ManySendersMixin", "wants_many_senders"]
@@ -97,3 +97,18 @@ class ManySendersMixin:
             return {"trainer ranks": f"the report round after the send failed (a sending rank died or hung?): {exc}"}
         return {f"trainer rank {i}": e for i, e in enumerate(statuses) if e is not None and i != 0}
 
+    def _senders_ready(self, source: Any) -> None:
+        """With TP helpers (`collective_pieces`), one round before anything streams: a trainer rank
+        that cannot take part (its join, plan or digest) fails the sync here, by name, before a
+        sender or a helper waits in a TP gather and the receivers wait for a sender."""
+        if not getattr(source, "collective_pieces", False):
+            return
+        try:
+            statuses = self._channel.gather_status(None)  # type: ignore[union-attr]
+        except Exception as exc:
+            failed = {"trainer ranks": f"the ready round before the send failed: {exc}"}
+        else:
+            failed = {f"trainer rank {i}": e for i, e in enumerate(statuses) if e is not None}
+        if failed:
+            self._break({}, probe=False)  # type: ignore[attr-defined]  # the engines only validated and paused: stale, not dead
+            raise SyncError("transfer", failed, sorted(self.stale))  # type: ignore[attr-defined]

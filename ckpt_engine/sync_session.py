@@ -28,7 +28,7 @@ from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
 from ckpt_engine.sender_channel import SenderChannel
-from ckpt_engine.sender_follower import join_message, send_message
+from ckpt_engine.sender_follower import finish_walk, join_message, send_message
 from ckpt_engine.sharded_source import iter_pieces
 from ckpt_engine.sync_senders import ManySendersMixin
 from ckpt_engine.sync_report import SOURCE, SyncError, SyncReport
@@ -293,8 +293,10 @@ class WeightSyncSession(ManySendersMixin):
         new_version = self._next_version(version)
         engine = self._ensure_group(senders)
         manifest = self.plan(specs, engine, source)
+        pieces = None
         if weights is None:  # many senders: this rank's own pieces, no gather
-            weights = WatchedWeights(iter_pieces(source, manifest))  # type: ignore[arg-type]
+            pieces = iter_pieces(source, manifest)  # type: ignore[arg-type]
+            weights = WatchedWeights(pieces)
         seconds["plan"] = time.perf_counter() - t0
 
         t = time.perf_counter()
@@ -322,12 +324,15 @@ class WeightSyncSession(ManySendersMixin):
         if senders > 1:
             self._announce(send_message("send", manifest.digest, request))
             self._gather_owed = True
+            self._senders_ready(source)  # with TP helpers: every trainer rank ready, before anything streams
         extra: dict[str, Any] = {"delta": request} if request is not None else {}
         receives = {r.name: self._pool.submit(r.receive, manifest, **extra) for r in self.rollouts}
         try:
             stats = engine.send_weights(manifest, weights, stable=_stable(source, senders), **extra)
         except Exception as exc:
             engine.finalize()  # closing the sender's group wakes receivers blocked on it
+            if pieces is not None:
+                finish_walk(source, pieces)  # TP helpers wait in its gathers
             sender_error = f"{type(exc).__name__}: {exc}"
             followers = self._followers_failed(sender_error) if senders > 1 else {}
             if weights.error is not None:

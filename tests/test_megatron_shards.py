@@ -1,18 +1,15 @@
 """Megatron as a multi-sender weight source: each pipeline stage / expert-parallel rank sends its own.
 
-One spawn of 2 real megatron-core trainer processes (gloo, CPU) runs four phases of a tiny
-Qwen3-MoE in turn: PP=2 (two stage senders), EP=2 (two expert senders), TP=2 (refused), PP=2 again. For
-PP=2 and EP=2 both trainer ranks send their own tensors into one receiver (a thread of this test
-process, in a weight-sync group of 2 senders + 1 receiver); the receiver's tensors are compared bit
-for bit with what the single-sender `iter_weights()` export (PP broadcast / EP all-gather) yields
-on trainer rank 0 in the same run. bf16 wire with the fp32 router kept. Last, PP=2 syncs through
-`sync_rollout_weights(senders="per_stage")` into a reference engine process (rank 0 controls,
-rank 1 follows), which must end up holding the same export.
-
-A counter (tests/test_fsdp2_shards.py's) runs around ownership, planning and producing every
-piece: no collective at all, on any group; around the sends: no all-gather; and around
-`iter_weights()`: it does see the export's collectives, so it would see them in the pieces too.
+One spawn of 2 real megatron-core trainer processes (gloo, CPU) runs a tiny Qwen3-MoE as PP=2 (two
+stage senders), EP=2 (two expert senders), TP=2 with expert TP 2 (refused), then PP=2 through
+`sync_rollout_weights(senders="per_stage")` into a reference engine process. (TP=2 x PP=2, with TP
+helpers: tests/test_megatron_tp_senders.py.) Every receiver (a thread of this process in a group of
+2 senders + 1 receiver, or the reference engine) must hold, bit for bit, what the single-sender
+`iter_weights()` export yields on trainer rank 0 (bf16 wire, fp32 router). A counter
+(tests/test_fsdp2_shards.py's) shows producing the pieces and sending issue no collective, and
+that it does see `iter_weights()`'s PP broadcasts / EP all-gathers.
 """
+
 
 from __future__ import annotations
 
@@ -105,8 +102,9 @@ def _sharded_run(rank: int, layout: str, rdzv: Any, cfg: Any, sd: dict[str, torc
     return out
 
 
-def _refused_tp(cfg: Any, sd: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """TP=2: no multi-sender (one sender, the single-sender path), and a clear error if asked."""
+def _refused_expert_tp(cfg: Any, sd: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """TP=2 with Megatron's default expert TP (= TP): no multi-sender (one sender, the
+    single-sender path), and a clear error if asked."""
     from megatron.core import parallel_state as ps
 
     from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
@@ -162,7 +160,7 @@ def _worker(rank: int, world_size: int, rdzvs: dict[str, dict[str, Any]], engine
         part = _sharded_run(rank, layout, Rendezvous.from_dict(rdzvs[layout]), cfg, sd)
         result["tensors"].update(part.pop("tensors", {}))
         result[layout] = part
-    result["tp2"] = _refused_tp(cfg, sd)
+    result["etp2"] = _refused_expert_tp(cfg, sd)
     result["sync"] = _synced_through_the_session(rank, cfg, sd, engine_info)
     result["tensors"].update(result["sync"].pop("tensors", {}))
     return result
@@ -283,15 +281,15 @@ def test_senders_own_their_stage_and_their_experts(runs: Any) -> None:
     assert abs(sent[0] - sent[1]) < 0.1 * max(sent), sent
 
 
-def test_bad_requests_and_tensor_parallel_are_refused_by_name(runs: Any) -> None:
+def test_bad_requests_and_expert_tensor_parallel_are_refused_by_name(runs: Any) -> None:
     ranks, _ = runs
     for r in range(2):
         foreign, unknown = ranks[r]["ep2"]["bad_requests"]
         assert f"not by this rank (sender {r}: stage 0, EP rank {r})" in foreign, foreign
         assert unknown == "'nope' is not a tensor this Megatron model exports"
-        tp = ranks[r]["tp2"]
-        assert tp["num_senders"] == 1  # senders=auto keeps the single-sender path
-        assert len(tp["errors"]) == 2 and all("supports tensor parallelism 1 only (got TP=2" in e for e in tp["errors"]), tp
+        etp = ranks[r]["etp2"]
+        assert etp["num_senders"] == 1  # senders=auto keeps the single-sender path
+        assert len(etp["errors"]) == 2 and all("supports expert tensor parallelism 1 only (got expert TP=2" in e for e in etp["errors"]), etp
 
 
 def test_pp2_syncs_per_stage_through_sync_rollout_weights(runs: Any) -> None:

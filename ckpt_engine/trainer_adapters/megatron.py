@@ -11,8 +11,9 @@ per shard), experts over the expert-parallel group, then converted to HF names a
 (`linear_qkv` per query group -> q/k/v). With `export_mode="gather_to_first"` the stage then
 broadcasts it over its pipeline group, so global rank 0 (`is_sender`) yields every tensor; with
 `"per_stage"` each stage's first TP/DP/EP rank is a sender of its own stage. Independently of
-`export_mode`, with TP = 1 the engine is a `ShardedWeightSource` (multi-sender sync: one sender
-per (stage, EP rank), no cross-stage or EP gather; `megatron_shards.py`).
+`export_mode`, the engine is a `ShardedWeightSource` (multi-sender sync: one sender per (stage,
+EP rank), no cross-stage or EP gather; with TP > 1 the other TP ranks help with the stage's TP
+gathers; `megatron_shards.py`).
 
 Collective contract: every rank of the model-parallel world calls every public method, in the
 same order. Groups come from `pg_collection` (megatron's `ProcessGroupCollection`) or, when it is
@@ -215,8 +216,8 @@ def build_gpt_model(hf_config: Any, cfg: MegatronConfig, pg_collection: Any = No
 
 
 class MegatronTrainEngine(MegatronShardedSource, TrainEngine):
-    """Megatron-core GPT training (TP/PP/EP, DP over replicas) with HF-named export; with TP = 1 also
-    a multi-sender source, one sender per (stage, EP rank) (`megatron_shards.py`).
+    """Megatron-core GPT training (TP/PP/EP, DP over replicas) with HF-named export; also a
+    multi-sender source, one sender per (stage, EP rank) (`megatron_shards.py`).
 
     `hf_config` is the HF config of the model family; `model` an already built GPTModel chunk
     (default: built here with `build_gpt_model`). Initial weights: Megatron's own init, or

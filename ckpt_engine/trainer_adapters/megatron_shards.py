@@ -9,10 +9,18 @@ norms, router, embeddings on the first stage, final norm and head on the last), 
 rank of the stage holds alike. Ownership follows from the stage spec lists (`stage_specs`, known
 on every rank since construction) and the group sizes: no collective.
 
-Supported layout: TP = expert-TP = 1 and no data-parallel replica besides the EP ranks (every
-rank of the model world is then a sender). With TP > 1 the within-stage gather is a collective
-that the TP ranks that do not send would have to walk in step with their sender, and the sync's
-follower path makes every trainer rank a sender: such layouts report `num_senders = 1` (the
+With TP > 1 the TP shards are gathered within the stage, as the single-sender export does: TP
+rank 0 of each (stage, EP rank) sends (`sends`), the other TP ranks are its TP helpers (same
+`sender_index`, `sends = False`, not in the weight-sync group). A helper walks its sender's piece
+sequence in step (`assist_piece`: the same TP all-gathers, no conversion). Since producing a
+piece is then collective (`collective_pieces`), the sync layer adds a ready round before anything
+streams (a rank that cannot take part stops every rank, by name) and a sender whose send fails
+part-way finishes its walk, so its helpers are not left in a gather.
+
+Supported layouts: no data-parallel replica besides the EP ranks (every rank of the model world
+is then a sender or a TP helper of one); with TP > 1 also EP = 1 (with expert TP 1 Megatron's EP
+groups cut across the TP groups), and expert TP = 1 whenever the model has experts (experts
+split over expert TP are not gathered here). Other layouts report `num_senders = 1` (the
 single-sender `iter_weights()` path stays as it is) and `owners()` / `local_piece()` raise a
 ValueError that says why (`sharded_refusal`).
 """
@@ -42,22 +50,28 @@ def expert_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def sharded_refusal(groups: MegatronGroups, export_mode: str) -> str | None:
+def sharded_refusal(groups: MegatronGroups, export_mode: str, num_experts: int = 0) -> str | None:
     """Why this layout cannot send per stage / per EP rank, or None when it can."""
     if export_mode != "gather_to_first":
         return (
             f"export_mode={export_mode!r} lists one stage's metadata only; multi-sender sync needs "
             "export_mode='gather_to_first'"
         )
-    if groups.tp_size > 1 or groups.etp_size > 1:
+    if num_experts and groups.etp_size > 1:
         return (
-            f"Megatron multi-sender sync supports tensor parallelism 1 only (got TP={groups.tp_size}, expert TP="
-            f"{groups.etp_size}): the within-stage TP gather would need the non-sending TP ranks; use senders=rank0"
+            f"Megatron multi-sender sync supports expert tensor parallelism 1 only (got expert TP={groups.etp_size}): "
+            "experts split over expert TP are not gathered per sender; use senders=rank0"
+        )
+    if groups.tp_size > 1 and groups.ep_size > 1:
+        return (
+            f"Megatron multi-sender sync supports TP > 1 with expert parallelism 1 only (got TP={groups.tp_size}, EP="
+            f"{groups.ep_size}): a TP group's ranks then hold different experts (expert TP 1) or split them "
+            "(expert TP > 1); use senders=rank0"
         )
     if groups.dp_size != groups.ep_size:
         return (
-            f"Megatron multi-sender sync needs every rank to be a sender, but data parallelism {groups.dp_size} over "
-            f"expert parallelism {groups.ep_size} leaves replicas that do not send; use senders=rank0"
+            f"Megatron multi-sender sync needs every rank to be a sender or a TP helper of one, but data parallelism "
+            f"{groups.dp_size} over expert parallelism {groups.ep_size} leaves replicas that do not send; use senders=rank0"
         )
     return None
 
@@ -92,10 +106,12 @@ class MegatronShardedSource:
     """The `ShardedWeightSource` side of `MegatronTrainEngine` (mixed into it).
 
     The engine sets `exporter`, `groups`, `_stages` and `config` and calls `_init_senders()`.
-    Pieces are this rank's own HF tensors converted locally (qkv split, [gate; up] split, vocab
-    padding trimmed, wire dtype): no collective of any kind is issued to produce them. Each call
-    converts from the live parameter (q, k and v each split the fused QKV again): no cached
-    part can outlive an optimizer step, even after a sync that failed half-way.
+    Pieces are this sender's own HF tensors: with TP > 1 gathered over the stage's TP group (its
+    TP helpers walk the same gathers, `assist_piece`), then converted locally (qkv split,
+    [gate; up] split, vocab padding trimmed, wire dtype); no collective crosses a stage or an EP
+    group. Each call gathers and converts from the live parameter (q, k and v each gather and
+    split the fused QKV again): no cached part can outlive an optimizer step, even after a sync
+    that failed half-way.
     """
 
     exporter: MegatronExporter
@@ -106,12 +122,15 @@ class MegatronShardedSource:
 
     def _init_senders(self) -> None:
         g = self.groups
-        self.sharded_refusal = sharded_refusal(g, self.config.export_mode)
+        self.sharded_refusal = sharded_refusal(g, self.config.export_mode, self.exporter.num_experts)
         if self.sharded_refusal is None:
             self.sender_index = g.pp_rank * g.ep_size + g.ep_rank
             self.num_senders = g.pp_size * g.ep_size
+            self.sends = g.tp_rank == 0  # the other TP ranks are this sender's TP helpers
+            self.collective_pieces = g.tp_size > 1  # pieces are TP gathers: a sender's walk must run to its end
         else:
             self.sender_index, self.num_senders = 0, 1
+            self.sends, self.collective_pieces = True, False
         self._owners: dict[str, list[Shard]] | None = None
         self._pieces: dict[str, tuple[_Item, int]] | None = None
 
@@ -141,8 +160,11 @@ class MegatronShardedSource:
             self._pieces = pieces
         return self._pieces
 
-    def local_piece(self, name: str) -> torch.Tensor:
-        """This sender's tensor `name`, whole and HF-converted; ValueError for one it does not own."""
+    def _gathered(self, name: str) -> tuple[_Item, int, torch.Tensor | list[torch.Tensor]]:
+        """`name`'s Megatron item, its global expert (-1: dense) and the item's TP-gathered tensor.
+
+        The checks come first and are the same on every TP rank of the sender (same stage, same
+        plan), so a request they refuse is refused by all of them before any gather."""
         owners = self.owners()
         if name not in owners:
             raise ValueError(f"{name!r} is not a tensor this Megatron model exports")
@@ -155,8 +177,20 @@ class MegatronShardedSource:
             )
         item, e = self._local_items()[name]
         ex = self.exporter
+        with torch.no_grad():  # TP size 1 (and expert TP 1 for experts): the local tensor, no collective
+            return item, e, ex._gather_tp(item, ex.local_tensor(item.param), self.groups.etp if item.expert else self.groups.tp)
+
+    def local_piece(self, name: str) -> torch.Tensor:
+        """This sender's tensor `name`, whole and HF-converted; ValueError for one it does not own.
+        With TP > 1 a collective on the TP group: its helpers call `assist_piece(name)` in step."""
+        item, e, full = self._gathered(name)
+        ex = self.exporter
         with torch.no_grad():  # converted afresh on every call: nothing is cached past a step
-            for out, t in ex._convert(item, ex.local_tensor(item.param), ex._expert_specs(item, e) if e >= 0 else item.specs):
+            for out, t in ex._convert(item, full, ex._expert_specs(item, e) if e >= 0 else item.specs):
                 if out == name:
                     return t
         raise AssertionError(f"{name}: its Megatron item did not produce it")  # _local_items maps names to their items
+
+    def assist_piece(self, name: str) -> None:
+        """A TP helper's part of its sender's `local_piece(name)`: the same TP gather, nothing kept."""
+        self._gathered(name)
