@@ -4,7 +4,8 @@
 # bases, in-place write-back), the shrunk FSDP2 topology through nccl_handoff, and the
 # Megatron-FSDP2 sharded-sender tests (wheels in .whl); part b = delta syncs end to end on the
 # final code and many senders over gloo on the host's cores; part c = the tile-map kernel probe, a
-# traced 7B patch sync (Chrome traces per rank) and many senders into in-place CPU receivers.
+# traced 7B patch sync (Chrome traces per rank) and many senders into in-place CPU receivers;
+# part d = patch syncs with 2 and 4 GiB buckets, and the 30B shrunk topology.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 out=bench/results/h200x2_round11
@@ -27,6 +28,13 @@ elif [ "$part" = c ]; then
   for s in 1 2; do  # receivers that offer their tensors (no copy-out on the receiving cores)
     BENCH_TIMEOUT=90 bench cpu_gloo_senders${s}_inplace --backend gloo --device cpu --preset qwen2.5-7b --layers 2 --senders $s --receivers 2 --iters 3 --bucket-mb 256 --in-place
   done
+elif [ "$part" = d ]; then  # larger buckets for patch syncs (fewer per-bucket host round trips); the 30B shrunk topology
+  for mb in 2048 4096; do
+    BENCH_TIMEOUT=100 bench 7b_delta_lr1e-6_inplace_bucket$mb --backend nccl --preset qwen2.5-7b --delta --lr 1e-6 --versions 3 --iters 1 --bucket-mb $mb --in-place
+  done
+  echo "== fsdp2 shrunk 30b: trainers GPU0+GPU1, receiver GPU1, nccl_handoff"
+  timeout 150 python bench/fsdp2_multisender_bench.py --preset qwen3-30b-a3b --trainers 2 --receivers 1 --receiver-gpus 1 \
+    --backend nccl_handoff --modes multi --repeats 2 --json "$out/fsdp2_shrunk_30b.json" 2>&1 | grep -A8 '"shrunk"'
 else
   export BENCH_TIMEOUT=150
   bench 7b_delta_lr1e-6_inplace_final --backend nccl --preset qwen2.5-7b --delta --lr 1e-6 --versions 4 --iters 3 --bucket-mb 1024 --in-place
