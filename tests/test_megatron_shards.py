@@ -186,37 +186,49 @@ def _receive(rdzvs: dict[str, Any], got: dict[str, torch.Tensor], errors: list[s
         errors.append(f"receiver: {type(exc).__name__}: {exc}")
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
-    from ckpt_engine.engine import Rendezvous
+def _run_into_reference(
+    tmp_path_factory: pytest.TempPathFactory, worker: Any, world: int, receive: dict[str, Any], name: str, timeout_s: float, **kwargs: Any
+) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """Spawn `world` trainer processes running `worker` (with `kwargs`) while a receiver thread of
+    this process takes the groups of `receive` (rendezvous by name) and a reference engine process (named `name`) waits for
+    `sync_rollout_weights`; returns the ranks' results and every tensor received (the reference
+    engine's under "ref/")."""
     from ckpt_engine.manifest import TensorSpec
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
     from ckpt_engine.trainer_adapters.common import WirePolicy
     from ckpt_engine.trainer_adapters.megatron import MegatronConfig
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
-    rdzvs = {layout: Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, 3, "gloo", 60.0, 2) for layout in LAYOUTS}
     got: dict[str, torch.Tensor] = {}
     errors: list[str] = []
-    receiver = threading.Thread(target=_receive, args=(rdzvs, got, errors), daemon=True)
+    receiver = threading.Thread(target=_receive, args=(receive, got, errors), daemon=True)
     receiver.start()
-    cfg, sd = _trained_state()
+    _cfg, sd = _trained_state()
     policy = WirePolicy("bfloat16", MegatronConfig().keep_fp32_patterns)  # the specs the trainer will announce
     spec = tmp_path_factory.mktemp("spec") / "spec.msgpack"
-    specs = [TensorSpec(n, str(policy.dtype_for(n, t.dtype)).removeprefix("torch."), tuple(t.shape)) for n, t in sd.items()]
-    write_spec_file(spec, specs)
-    ref = TorchRefRollout.spawn("megatron-ref", spec_file=str(spec), timeout_s=60)
+    write_spec_file(spec, [TensorSpec(n, str(policy.dtype_for(n, t.dtype)).removeprefix("torch."), tuple(t.shape)) for n, t in sd.items()])
+    ref = TorchRefRollout.spawn(name, spec_file=str(spec), timeout_s=60)
     info = {"name": ref.name, "host": ref.rpc.host, "port": ref.rpc.port, "token": ref.token}
     preload = ("megatron.core", "transformers.models.qwen3_moe.modeling_qwen3_moe", "ckpt_engine.trainer_adapters.megatron")
     try:
-        rdzv_dicts = {k: v.to_dict() for k, v in rdzvs.items()}
-        results = run_ranks(_worker, 2, timeout_s=180, preload=preload, rdzvs=rdzv_dicts, engine_info=info)
+        results = run_ranks(worker, world, timeout_s=timeout_s, preload=preload, engine_info=info, **kwargs)
         receiver.join(timeout=60)
         assert not receiver.is_alive(), "the receiver did not finish within 60 s of the senders"
         assert not errors, errors
         got.update({f"ref/{n}": ref.get_tensor(n) for n in sd})
     finally:
         ref.close()
+    return results, got
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    from ckpt_engine.engine import Rendezvous
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+    rdzvs = {layout: Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, 3, "gloo", 60.0, 2) for layout in LAYOUTS}
+    results, got = _run_into_reference(
+        tmp_path_factory, _worker, 2, rdzvs, "megatron-ref", 180, rdzvs={k: v.to_dict() for k, v in rdzvs.items()}
+    )
     del store
     return results, got
 

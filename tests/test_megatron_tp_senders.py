@@ -12,7 +12,6 @@ a counter shows the pieces and the send issue no collective beyond the TP group'
 from __future__ import annotations
 
 import datetime
-import threading
 import time
 import uuid
 from typing import Any
@@ -21,12 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._trainer_mp import run_ranks
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 pytestmark = pytest.mark.timeout(240)
 
-from test_megatron_shards import BUCKET, _bits, _receive, _trained_state  # noqa: E402  (after the skip)
+from test_megatron_shards import BUCKET, _bits, _run_into_reference, _trained_state  # noqa: E402  (after the skip)
 
 
 # --- TP=2 x PP=2: TP rank 0 of each stage sends, the other TP rank helps with the gathers ----------
@@ -151,32 +149,10 @@ def _tp_worker(rank: int, world_size: int, rdzv: dict[str, Any], engine_info: di
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
     from ckpt_engine.engine import Rendezvous
-    from ckpt_engine.manifest import TensorSpec
-    from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-    from ckpt_engine.trainer_adapters.common import WirePolicy
-    from ckpt_engine.trainer_adapters.megatron import MegatronConfig
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
     rdzv = Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, 3, "gloo", 60.0, 2)  # 2 senders + the receiver
-    got: dict[str, torch.Tensor] = {}
-    errors: list[str] = []
-    receiver = threading.Thread(target=_receive, args=({"tp2pp2": rdzv}, got, errors), daemon=True)
-    receiver.start()
-    cfg, sd = _trained_state()
-    policy = WirePolicy("bfloat16", MegatronConfig().keep_fp32_patterns)
-    spec = tmp_path_factory.mktemp("spec") / "spec.msgpack"
-    write_spec_file(spec, [TensorSpec(n, str(policy.dtype_for(n, t.dtype)).removeprefix("torch."), tuple(t.shape)) for n, t in sd.items()])
-    ref = TorchRefRollout.spawn("megatron-tp-ref", spec_file=str(spec), timeout_s=60)
-    info = {"name": ref.name, "host": ref.rpc.host, "port": ref.rpc.port, "token": ref.token}
-    preload = ("megatron.core", "transformers.models.qwen3_moe.modeling_qwen3_moe", "ckpt_engine.trainer_adapters.megatron")
-    try:
-        results = run_ranks(_tp_worker, TP_RANKS, timeout_s=200, preload=preload, rdzv=rdzv.to_dict(), engine_info=info)
-        receiver.join(timeout=60)
-        assert not receiver.is_alive(), "the receiver did not finish within 60 s of the senders"
-        assert not errors, errors
-        got.update({f"ref/{n}": ref.get_tensor(n) for n in sd})
-    finally:
-        ref.close()
+    results, got = _run_into_reference(tmp_path_factory, _tp_worker, TP_RANKS, {"tp2pp2": rdzv}, "megatron-tp-ref", 200, rdzv=rdzv.to_dict())
     del store
     return results, got
 
