@@ -42,13 +42,22 @@ class ShardedWeightSource(Protocol):
 
 
 def iter_pieces(source: ShardedWeightSource, manifest: BucketManifest) -> Iterator[tuple[str, torch.Tensor]]:
-    """The (name, piece) pairs this rank sends, in the order of its buckets."""
-    last = None
-    for bucket in manifest.sender_buckets(source.sender_index):
-        for e in bucket.entries:
-            if e.name != last:
-                last = e.name
-                yield e.name, source.local_piece(e.name)
+    """The (name, piece) pairs this rank sends, in the order of its buckets. A source with
+    `begin_pieces()` / `end_pieces()` hooks hears when the walk starts and ends (it may keep what
+    it made for one walk, e.g. casts, and must drop it before the next)."""
+    begin, end = getattr(source, "begin_pieces", None), getattr(source, "end_pieces", None)
+    if callable(begin):
+        begin()
+    try:
+        last = None
+        for bucket in manifest.sender_buckets(source.sender_index):
+            for e in bucket.entries:
+                if e.name != last:
+                    last = e.name
+                    yield e.name, source.local_piece(e.name)
+    finally:
+        if callable(end):
+            end()
 
 
 def even_rows(rows: int, num_senders: int) -> list[int]:

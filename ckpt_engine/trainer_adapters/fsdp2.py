@@ -156,6 +156,9 @@ class FSDP2TrainEngine(TrainEngine):
         self._owners: dict[str, list[Shard]] | None = None
         self._rows: dict[int, list[int] | None] = {}  # id(entry) -> rows per rank (None: replicated)
         self._fsdp_params: dict[tuple[int, str], Any] | None = None
+        self._sync_cache: dict[tuple[int, Any], torch.Tensor] = {}  # this walk's local tensors and casts
+        self._walking = False  # between begin_pieces and end_pieces: the cache is used
+        self._few_casts: bool | None = None
 
         mp = MixedPrecisionPolicy(
             param_dtype=_torch_dtype(self.config.param_dtype) if self.config.param_dtype else None,
@@ -338,10 +341,59 @@ class FSDP2TrainEngine(TrainEngine):
     # --- multi-sender source: every rank sends its own shards ----------------------------------
     @property
     def stable_pieces(self) -> bool:
-        """Whether every `local_piece` is a view of the shard itself (no wire-dtype cast), valid
-        and unchanged for a whole sync: the transport may then send from it without a copy.
+        """Whether every `local_piece` stays valid and unchanged for a whole sync: the transport
+        may then send from it without a copy, and pack a bucket's pieces in one batched copy. A
+        view of the shard is; a piece cast to its wire dtype is too when few bytes need a cast
+        (e.g. a bf16 model whose router is kept fp32): those casts are made once per sync and
+        kept until the next one begins. A model whose every tensor needs a cast (fp32 masters
+        with a bf16 wire) is not stable: keeping its casts would hold a second copy of the shard.
         (Not `stable_tensors`: that flag describes `iter_weights`, whose tensors are not stable.)"""
-        return all(_torch_dtype(s.dtype) == e.dtype for e in self._entries for s in e.specs)
+        return self._cast_few()
+
+    def begin_pieces(self) -> None:
+        """A sync's walk of its pieces starts (called by `iter_pieces`): forget the last one's
+        local tensors and casts, and keep this one's."""
+        self._sync_cache.clear()
+        self._walking = True
+
+    def end_pieces(self) -> None:
+        """The walk is over: its casts stay alive (the transport may still read them) until the
+        next walk begins, but a `local_piece` outside a walk never sees them (it may come after an
+        optimizer step)."""
+        self._walking = False
+
+    def _cast_few(self) -> bool:
+        """Whether the bytes this rank casts per sync are few: at most 1/32 of its shards' wire
+        bytes (keeping them between syncs then costs little memory)."""
+        if self._few_casts is None:
+            cast = total = 0
+            for e in self._entries:
+                local = self._local_of(e, cache=False)
+                for s in e.specs:
+                    nbytes = local.numel() // max(1, len(e.specs)) * _torch_dtype(s.dtype).itemsize
+                    total += nbytes
+                    cast += nbytes if _torch_dtype(s.dtype) != local.dtype else 0
+            self._few_casts = cast * 32 <= total
+        return self._few_casts
+
+    def _local_of(self, e: _Entry, cache: bool = True) -> torch.Tensor:
+        """The rank's local tensor of an entry (its shard, or the whole replicated tensor), looked
+        up once per sync: `DTensor.to_local` is an autograd call, and a fused expert tensor serves
+        every expert."""
+        key = (id(e), None)
+        cache = cache and self._walking
+        found = self._sync_cache.get(key) if cache else None
+        if found is None:
+            if self._rows_of(e) is None:
+                found = getattr(e.module, e.attr)
+                if isinstance(found, torch.distributed.tensor.DTensor):
+                    found = found.to_local()  # replicated DTensor: every rank holds the whole tensor
+            else:
+                found = self._sharded(e).to_local()
+            found = found.detach()
+            if cache:
+                self._sync_cache[key] = found
+        return found
 
     def owners(self) -> OwnerMap:
         """Which byte range of every exported tensor each trainer rank holds; the same map on every
@@ -365,14 +417,17 @@ class FSDP2TrainEngine(TrainEngine):
         spec = e.specs[index]
         want = _torch_dtype(spec.dtype)
         rows = self._rows_of(e)
-        if rows is None:
-            t = getattr(e.module, e.attr)
-            if isinstance(t, torch.distributed.tensor.DTensor):
-                t = t.to_local()  # replicated DTensor: every rank holds the whole tensor
-        else:
-            t = own_rows(name, self._sharded(e).to_local(), rows, self.rank, index, e.expert_outputs)
+        t = self._local_of(e)
         with torch.no_grad():
-            return t.detach() if t.dtype == want else t.detach().to(want)
+            if t.dtype != want and self._walking and self._cast_few():  # cast the whole local tensor once per walk
+                key = (id(e), want)
+                cast = self._sync_cache.get(key)
+                if cast is None:
+                    cast = self._sync_cache[key] = t.to(want)
+                t = cast
+            if rows is not None:
+                t = own_rows(name, t, rows, self.rank, index, e.expert_outputs)
+            return t if t.dtype == want else t.to(want)
 
     def _rows_of(self, e: _Entry) -> list[int] | None:
         key = id(e)
