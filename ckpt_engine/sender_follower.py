@@ -19,7 +19,7 @@ from ckpt_engine.engine import CheckpointEngine, Rendezvous
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sender_channel import SenderChannel
-from ckpt_engine.sharded_source import ShardedWeightSource, iter_pieces
+from ckpt_engine.sharded_source import ShardedWeightSource, iter_pieces, piece_names
 
 __all__ = ["SenderFollower", "SendFailed", "finish_walk", "join_message", "send_message"]
 
@@ -147,12 +147,8 @@ class SenderFollower:
         """A TP helper's part of the send: its sender's gathers, in the order its pieces walk."""
         assist = getattr(source, "assist_piece", source.local_piece)
         try:
-            last = None
-            for bucket in manifest.sender_buckets(source.sender_index):
-                for entry in bucket.entries:
-                    if entry.name != last:
-                        last = entry.name
-                        assist(entry.name)
+            for name in piece_names(manifest, source.sender_index):
+                assist(name)
             return None
         except Exception as exc:
             logger.warning("trainer rank %d: walking sender %d's pieces failed: %s", self.channel.rank, source.sender_index, exc)

@@ -16,7 +16,7 @@ import torch
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.ownership import OwnerMap, row_shards
 
-__all__ = ["ShardedStateDictSource", "ShardedWeightSource", "iter_pieces"]
+__all__ = ["ShardedStateDictSource", "ShardedWeightSource", "iter_pieces", "piece_names"]
 
 
 @runtime_checkable
@@ -41,6 +41,17 @@ class ShardedWeightSource(Protocol):
     def local_piece(self, name: str) -> torch.Tensor: ...
 
 
+def piece_names(manifest: BucketManifest, sender: int) -> Iterator[str]:
+    """The tensors sender `sender` sends, once each, in the order of its buckets (a tensor split
+    over buckets is one piece)."""
+    last = None
+    for bucket in manifest.sender_buckets(sender):
+        for e in bucket.entries:
+            if e.name != last:
+                last = e.name
+                yield e.name
+
+
 def iter_pieces(source: ShardedWeightSource, manifest: BucketManifest) -> Iterator[tuple[str, torch.Tensor]]:
     """The (name, piece) pairs this rank sends, in the order of its buckets. A source with
     `begin_pieces()` / `end_pieces()` hooks hears when the walk starts and ends (it may keep what
@@ -49,12 +60,8 @@ def iter_pieces(source: ShardedWeightSource, manifest: BucketManifest) -> Iterat
     if callable(begin):
         begin()
     try:
-        last = None
-        for bucket in manifest.sender_buckets(source.sender_index):
-            for e in bucket.entries:
-                if e.name != last:
-                    last = e.name
-                    yield e.name, source.local_piece(e.name)
+        for name in piece_names(manifest, source.sender_index):
+            yield name, source.local_piece(name)
     finally:
         if callable(end):
             end()
