@@ -98,13 +98,6 @@ class ColocatedCheckpointEngine(PipelinedBroadcastEngine):
             raise TransferError(f"rank {self.rank}: {what} did not arrive within {self.timeout_s}s: {exc}") from exc
         self._store.delete_key(key)
 
-    def _device_sync_point(self) -> None:
-        """Host waits until this rank's work so far on the current stream is done (one event)."""
-        if self.device.type == "cuda":
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            self._wait_event(ev, "local copies")
-
     def send_weights(self, manifest: Any, weights: Any, *, stable: bool = False, delta: Any = None) -> Any:
         if delta is not None:
             raise ValueError("the colocated backend hands buffers over in place; delta sync does not apply (use delta=off)")

@@ -145,20 +145,11 @@ class HandoffCheckpointEngine(PipelinedBroadcastEngine):
                 self._buffers += map_buffers(self.device, descs, size)
                 self._ready += [self._new_event() for _ in range(nb)]
                 self._free += [self._new_event() for _ in range(nb)]
+        # The pipelined core's groups, less the local senders'.
         own = ([] if rank in self._local else [rank]) if self.is_sender else [s for s in range(senders) if s not in self._local]
-        self._groups, self._streams = {}, {}
-        for sender in own:  # the same groups as the pipelined core builds, less the local senders'
-            for lane in range(self.num_lanes):
-                prefix = f"lane{lane}/" if sender == 0 else f"sender{sender}/lane{lane}/"
-                gid = sender * self.num_lanes + lane
-                group_rank = 0 if self.is_sender else rank - senders + 1
-                self._groups[gid] = self._make_group(torch.distributed.PrefixStore(prefix, store), group_rank, world - senders + 1)
-                self._streams[gid] = self._new_stream()
-        self._broken = False
-        for gid, group in sorted(self._groups.items()):
-            self._wait_work(group.broadcast(torch.zeros(1, dtype=torch.int64, device=self.device), 0), f"warm-up of group {gid}")
-        self._group = self._groups[min(self._groups)] if self._groups else store
-        self._comm_stream = self._streams[min(self._streams)] if self._streams else None
+        self._join_groups(store, own)
+        if self._group is None:  # a local sender: the store is its only link
+            self._group = store
         logger.info("rank %d/%d joined %s group %s; senders %s hand over in memory", rank, world, NAME, rendezvous.token[:8], sorted(self._local))
 
     def finalize(self) -> None:
@@ -201,13 +192,6 @@ class HandoffCheckpointEngine(PipelinedBroadcastEngine):
         if value != b"1":
             self._broken = True
             raise TransferError(f"rank {self.rank}: {what} failed: {peer} aborted the sync")
-
-    def _device_sync_point(self) -> None:
-        """The host waits until this rank's work so far on the current stream is done (one event)."""
-        if self.device.type == "cuda":
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            self._wait_event(ev, "local copies")
 
     # --- which buckets skip the buffer (never a local sender's: the receiver reads its buffer) --
     def _is_direct(self, bucket: Bucket) -> bool:

@@ -151,24 +151,37 @@ class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMix
         if not self.is_sender:
             self._alloc_buffers(self.num_buffers * senders)  # one set of rotating buffers per sender
         store = rendezvous.connect_store(is_master=False)
-        group_size = rendezvous.world_size - senders + 1
-        own = [rank] if self.is_sender else list(range(senders))
+        self._join_groups(store, [rank] if self.is_sender else list(range(senders)))
+        logger.info("rank %d/%d joined weight-sync group %s (%d senders)", rank, rendezvous.world_size, rendezvous.token, senders)
+
+    def _join_groups(self, store: torch.distributed.Store, own: list[int]) -> None:
+        """Build the process groups (one per lane) of senders `own` with every receiver, and
+        their streams; `_group` / `_comm_stream` are the first of them (None without any). A tiny
+        broadcast creates each communicator now, so join errors surface at join time."""
+        senders = self.num_senders
+        assert self.rank is not None and self.world_size is not None
+        group_rank = 0 if self.is_sender else self.rank - senders + 1
         self._groups, self._streams = {}, {}
         for sender in own:
-            group_rank = 0 if self.is_sender else rank - senders + 1
             for lane in range(self.num_lanes):
                 prefix = f"lane{lane}/" if sender == 0 else f"sender{sender}/lane{lane}/"
                 gid = sender * self.num_lanes + lane
-                self._groups[gid] = self._make_group(torch.distributed.PrefixStore(prefix, store), group_rank, group_size)
+                self._groups[gid] = self._make_group(torch.distributed.PrefixStore(prefix, store), group_rank, self.world_size - senders + 1)
                 self._streams[gid] = self._new_stream()
-        self._group = self._groups[min(self._groups)]
-        self._comm_stream = self._streams[min(self._streams)]
+        self._group = self._groups[min(self._groups)] if self._groups else None
+        self._comm_stream = self._streams[min(self._streams)] if self._streams else None
         self._broken = False
-        # A tiny broadcast creates each communicator now, so join errors surface at join time.
         for gid, group in sorted(self._groups.items()):
             probe = torch.zeros(1, dtype=torch.int64, device=self.device)
             self._wait_work(group.broadcast(probe, 0), f"warm-up of group {gid}")
-        logger.info("rank %d/%d joined weight-sync group %s (%d senders)", rank, rendezvous.world_size, rendezvous.token, senders)
+
+    def _device_sync_point(self) -> None:
+        """The host waits until this rank's work so far on the current stream is done (one event;
+        a no-op on a CPU device): before handing a buffer over to, or back from, another process."""
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self._wait_event(ev, "local copies")
 
     def finalize(self) -> None:
         groups, self._groups, self._group = self._groups, {}, None
