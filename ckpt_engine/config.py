@@ -32,6 +32,7 @@ __all__ = [
 PAUSE_MODES = ("keep", "abort", "none")
 DELTA_MODES = ("off", "auto", "on")
 SENDER_MODES = ("rank0", "all", "per_stage")
+DELTA_BASES = ("device", "host")  # the backends check their own `delta_base` option alike (backends/delta_bases.py)
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest wait a config may ask for (a week): longer ones overflow the timers that enforce it."""
 _SET_BY_THE_SESSION = ("bucket_size_bytes", "num_buffers", "timeout_s", "verify")
@@ -116,7 +117,7 @@ class CheckpointEngineConfig:
         _check_type("checkpoint_engine.full_sync_every", self.full_sync_every, int)
         if self.full_sync_every < 0:
             raise ConfigError(f"checkpoint_engine.full_sync_every must be >= 0 (0: only when needed), got {self.full_sync_every}")
-        if self.delta_base not in ("device", "host"):
+        if self.delta_base not in DELTA_BASES:
             raise ConfigError(f"checkpoint_engine.delta_base must be 'device' or 'host', got {self.delta_base!r}")
         if self.senders not in (*SENDER_MODES, "auto"):
             raise ConfigError(f"checkpoint_engine.senders must be one of auto, {', '.join(SENDER_MODES)}, got {self.senders!r}")
@@ -202,7 +203,7 @@ def _check_engine_kwargs(backend: str, kwargs: dict[str, Any], known: list[str])
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ConfigError(f"{where}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
-    if "delta_base" in kwargs and kwargs["delta_base"] not in ("device", "host"):
+    if "delta_base" in kwargs and kwargs["delta_base"] not in DELTA_BASES:
         raise ConfigError(f"{where}.delta_base must be one of device, host, got {kwargs['delta_base']!r}")
 
 

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 def wants_many_senders(source: Any, mode: str) -> bool:
     """Whether `source` sends from every trainer rank under config `senders` = `mode`."""
     sharded = isinstance(source, ShardedWeightSource) and int(getattr(source, "num_senders", 1)) > 1
-    return mode in ("all", "per_stage") or (mode == "auto" and sharded and getattr(source, "auto_many_senders", True))
+    return mode in ("all", "per_stage") or (mode == "auto" and sharded)
 
 
 class ManySendersMixin:
