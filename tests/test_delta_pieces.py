@@ -128,3 +128,175 @@ def test_the_triton_kernel_run_by_the_interpreter_addresses_the_right_tensor() -
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "interpreted ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def _reference_swap(regions: list[tuple[int, torch.Tensor]], pos: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(old words, 0 outside every region; count outside; wrapped sum of h(p) * (new - old)) from
+    the regions as they are, before any write: the independent reference for swap_in."""
+    p = pos.long()
+    old = torch.zeros(p.numel(), dtype=vals.dtype)
+    inside = torch.zeros(p.numel(), dtype=torch.bool)
+    for f, t in regions:
+        m = (p >= f) & (p < f + t.numel())
+        old[m] = t[p[m] - f]
+        inside |= m
+    return old, int((~inside).sum()), int((mix(p) * (vals.long() - old.long())).sum())
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 200), min_size=1, max_size=6),
+    gap=st.integers(0, 4),
+    dtype=st.sampled_from([torch.int8, torch.int16, torch.int32, torch.int64]),
+    seed=st.integers(0, 2**20),
+    data=st.data(),
+)
+def test_swap_in_is_gather_then_scatter_then_pair_delta(sizes: list[int], gap: int, dtype: torch.dtype, seed: int, data: st.DataObject) -> None:
+    """Old words are the ones before any write (repeated positions included), positions in padding
+    or past the bucket are counted and untouched, and the change is pair_delta's."""
+    regions, ref, num_words = _layout(sizes, [gap] * len(sizes), dtype, seed)
+    twin = [(f, t.clone()) for f, t in regions]
+    pos_list = data.draw(st.lists(st.integers(-3, num_words + 3), min_size=0, max_size=60))
+    pos = torch.tensor(pos_list, dtype=data.draw(st.sampled_from([torch.int32, torch.int64])))
+    vals = torch.randint(-100, 100, (pos.numel(),), dtype=torch.int64, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    want_old, want_bad, want_delta = _reference_swap(regions, pos, vals)
+
+    old, bad, delta = ScatteredImage(regions, num_words).swap_in(pos, vals)
+    assert torch.equal(old, want_old) and int(bad) == want_bad and int(delta) == want_delta
+    assert delta.dim() == 0 and delta.dtype == torch.int64
+
+    image = ScatteredImage(twin, num_words)
+    g_old, g_bad = image.gather(pos)
+    image.scatter(pos, vals)
+    assert torch.equal(old, g_old) and int(bad) == int(g_bad) and int(delta) == int(pair_delta(pos, vals, g_old))
+    for (_f, a), (_g, b) in zip(regions, twin):
+        assert torch.equal(a, b)
+    once = [i for i, q in enumerate(pos_list) if pos_list.count(q) == 1 and 0 <= q < num_words]
+    for i in once:  # a word written once holds its new value (a repeated one: either, as on CUDA)
+        q = pos_list[i]
+        for f, t in regions:
+            if f <= q < f + t.numel():
+                assert t[q - f] == vals[i]
+
+
+def test_swap_in_refuses_values_that_do_not_match() -> None:
+    image = ScatteredImage([(0, torch.zeros(4, dtype=torch.int16))], 4)
+    with pytest.raises(ValueError, match="values of torch.int32"):
+        image.swap_in(torch.tensor([0, 1]), torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="3 values"):
+        image.swap_in(torch.tensor([0, 1]), torch.zeros(3, dtype=torch.int16))
+
+
+def _scatter32_payload(positions: list[int], values: list[int], num_words: int, pad: int = 0) -> torch.Tensor:
+    """A scatter32 patch of 4-byte words, written field by field (layout.py's format)."""
+    from ckpt_engine.delta.layout import FORMAT_VERSION, HEADER, KIND_IDS, MAGIC, align8
+
+    n = len(positions)
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, KIND_IDS["scatter32"], 4, 0, num_words, n, 0)
+    index = torch.tensor(positions, dtype=torch.int32).view(torch.uint8)
+    padding = torch.full((align8(4 * n) - 4 * n,), pad, dtype=torch.uint8)
+    vals = torch.tensor(values, dtype=torch.int32).view(torch.uint8)
+    return torch.cat([torch.frombuffer(bytearray(head), dtype=torch.uint8), index, padding, vals])
+
+
+def test_decode_without_the_range_check_leaves_out_of_range_positions_to_the_regions() -> None:
+    """check_range=False skips only the range pass of a scatter32 patch: its positions come back
+    as the payload's int32 words, and swap_in counts the ones outside the bucket."""
+    from ckpt_engine.delta.decoder import decode
+    from ckpt_engine.delta.layout import PatchError
+
+    num_words = 12
+    payload = _scatter32_payload([3, num_words + 5, -2], [7, 8, 9], num_words)
+    with pytest.raises(PatchError, match="a position is negative"):
+        decode(payload, 4 * num_words, 4)
+    patch = decode(payload, 4 * num_words, 4, check_range=False)
+    assert patch.positions.dtype == torch.int32 and patch.positions.tolist() == [3, num_words + 5, -2]
+    assert patch.values.tolist() == [7, 8, 9]
+    in_range = decode(_scatter32_payload([3, 0, 11], [7, 8, 9], num_words), 4 * num_words, 4)
+    unchecked = decode(_scatter32_payload([3, 0, 11], [7, 8, 9], num_words), 4 * num_words, 4, check_range=False)
+    assert torch.equal(in_range.positions, unchecked.positions.long()) and torch.equal(in_range.values, unchecked.values)
+
+    region = torch.arange(num_words, dtype=torch.int32)
+    old, bad, _delta = ScatteredImage([(0, region)], num_words).swap_in(patch.positions, patch.values)
+    assert int(bad) == 2 and old.tolist() == [3, 0, 0] and region.tolist() == [0, 1, 2, 7] + list(range(4, num_words))
+    with pytest.raises(PatchError, match="padding after the positions is not zero"):
+        decode(_scatter32_payload([3, 4, 5], [7, 8, 9], num_words, pad=1), 4 * num_words, 4)
+    # without the range pass the padding is left to the caller: a device count it must see at 0
+    assert int(decode(_scatter32_payload([3, 4, 5], [7, 8, 9], num_words, pad=1), 4 * num_words, 4, check_range=False).unchecked) > 0
+    assert int(decode(_scatter32_payload([3, 4, 5], [7, 8, 9], num_words), 4 * num_words, 4, check_range=False).unchecked) == 0
+    assert in_range.unchecked is None
+
+
+_INTERPRETED_SWAP = textwrap.dedent(
+    """
+    import math, torch
+    from ckpt_engine.delta import pieces
+    from ckpt_engine.delta.pieces import ScatteredImage
+    pieces.BLOCK = 16  # many blocks: most in one region (the per-block lookup), some across two
+    g = torch.Generator().manual_seed(5)
+
+    def fused(img, ts, firsts):
+        img._fused = True  # the CUDA path, run by Triton's interpreter on CPU tensors
+        img._anchor = min(ts, key=lambda t: t.data_ptr())
+        img._starts_d, img._ends_d = img.starts, img.ends
+        img._rel_d = torch.tensor([(t.data_ptr() - img._anchor.data_ptr()) // t.element_size() - f for f, t in zip(firsts, ts)])
+        img._steps = max(1, math.ceil(math.log2(len(ts))) + 1)
+        return img
+
+    for dt, lookup in ((torch.int16, True), (torch.int32, True), (torch.int32, False), (torch.int64, True)):
+        pieces.BLOCK_LOOKUP = lookup  # False: every lane searches (the kernels' other branch)
+        sizes, firsts, at, ts = (40, 3, 100, 1, 70), [], 0, []
+        for n in sizes:
+            at += 3  # padding before every region
+            firsts.append(at)
+            ts.append(torch.randint(-50, 50, (n,), dtype=torch.int64, generator=g).to(dt))
+            at += n
+        num_words = at + 4
+        twin = [t.clone() for t in ts]
+        gpu = fused(ScatteredImage(list(zip(firsts, ts)), num_words), ts, firsts)
+        cpu = ScatteredImage(list(zip(firsts, twin)), num_words)
+        r2 = list(range(firsts[2], firsts[2] + 100))
+        pos = (
+            r2[:32]                                            # two blocks inside region 2
+            + list(range(firsts[0] + 30, firsts[1] + 3))       # region 0, its 3 padding words, region 1
+            + [firsts[4] + 5] * 3 + [firsts[4] + 6] * 13       # repeated positions in one block
+            + [0, 1, firsts[3] - 1, at, num_words + 7, -4]     # padding, past the regions, out of range: 9 outside
+            + r2[60:76][::-1]                                   # one region, descending
+        )
+        pos_t = torch.tensor(pos, dtype=torch.int32)
+        vals = torch.randint(-50, 50, (len(pos),), dtype=torch.int64, generator=g).to(dt)
+        before = {q: int(t[q - f]) for f, t in zip(firsts, ts) for q in pos if f <= q < f + t.numel()}
+        old, bad, delta = gpu.swap_in(pos_t, vals)
+        c_old, c_bad, c_delta = cpu.swap_in(pos_t, vals)
+        assert torch.equal(old, c_old) and int(bad) == int(c_bad) == 9 and int(delta) == int(c_delta), dt
+        assert all(int(old[i]) == before[q] for i, q in enumerate(pos) if q in before), "an old word was read after a write"
+        single = [i for i, q in enumerate(pos) if pos.count(q) == 1]
+        for f, t, u in zip(firsts, ts, twin):
+            for i in single:
+                if f <= pos[i] < f + t.numel():
+                    assert int(t[pos[i] - f]) == int(u[pos[i] - f]) == int(vals[i]), dt
+        for f, t in zip(firsts, ts):  # a repeated word holds one of its new values
+            for q in set(q for q in pos if pos.count(q) > 1 and f <= q < f + t.numel()):
+                assert int(t[q - f]) in [int(vals[i]) for i, p in enumerate(pos) if p == q], dt
+        # the plain gather/scatter kernel with the same per-block lookup
+        g_old, g_bad = gpu.gather(pos_t)
+        c_old, c_bad = cpu.gather(pos_t)
+        assert torch.equal(g_old, c_old) and int(g_bad) == int(c_bad) == 9, dt
+        back = torch.tensor(sorted(set(pos)), dtype=torch.int64)
+        w = torch.randint(-50, 50, (back.numel(),), dtype=torch.int64, generator=g).to(dt)
+        gpu.scatter(back, w)
+        cpu.scatter(back, w)
+        for t, u in zip(ts, twin):
+            assert torch.equal(t, u), dt
+    print("swap interpreted ok")
+    """
+)
+
+
+def test_swap_in_run_by_the_interpreter_matches_the_cpu_path() -> None:
+    """The two swap_in kernels (read + checksum change, then write) and the per-block region
+    lookup, executed by Triton's CPU interpreter, against the numpy path on a twin image."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_SWAP], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and "swap interpreted ok" in proc.stdout, proc.stderr[-3000:]

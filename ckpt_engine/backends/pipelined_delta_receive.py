@@ -30,7 +30,7 @@ from ckpt_engine.backends.wire_views import flat_bytes, has_wire_layout
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta import codec
 from ckpt_engine.delta.layout import word_dtype
-from ckpt_engine.delta.pieces import ScatteredImage, pair_delta
+from ckpt_engine.delta.pieces import ScatteredImage
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import TransferError
 from ckpt_engine.manifest import BucketManifest
@@ -53,6 +53,7 @@ class DeltaReceiveMixin:
         failure: TransferError | None = None
         places: dict[int, ScatteredImage] | None = None
         undo: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # in place: (bucket, positions, old words) written
+        checks: list[_Check] = []  # in place: each patch's check, read back once at the end
         try:
             places = self._places(manifest, destinations)
             bases = self._bases_for(manifest, delta, [(s.bucket.index, s.bucket.nbytes) for s in steps], inplace=places is not None)
@@ -66,7 +67,7 @@ class DeltaReceiveMixin:
                 header = torch.empty((1, 3), dtype=torch.int64, device=self.device)
                 where = f"bucket {step.bucket.index} from sender {step.bucket.sender}"
                 self._settle(step.gid, self._broadcast_on(step.gid, None, header), f"the frame header of {where}")
-                kind, size, expect = header[0].tolist()
+                kind, size, expect = self._host_list(header[0], step.gid)
                 self._check_frame(step, kind, size, delta)
                 frames.append((kind, size, expect))
                 if kind == DENSE and places is None:
@@ -76,12 +77,13 @@ class DeltaReceiveMixin:
                 work = self._broadcast_on(step.gid, None, msg)
                 if pending is not None:
                     t0 = time.perf_counter()
-                    failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo)
+                    failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo, checks)
                     check_s += time.perf_counter() - t0
                 pending = (step, kind, size, expect, msg, work)
             if pending is not None:
                 t0 = time.perf_counter()
-                failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo)
+                failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo, checks)
+                failure = self._settle_checks(checks) or failure  # the earlier buckets' failure, if any
                 check_s += time.perf_counter() - t0
             if failure is not None:
                 raise failure
@@ -169,6 +171,7 @@ class DeltaReceiveMixin:
         failure: TransferError | None,
         delta: DeltaRequest,
         undo: list[tuple[int, torch.Tensor, torch.Tensor]],
+        checks: list[_Check],
     ) -> TransferError | None:
         """Wait for a bucket's payload; check a patch (unless an earlier one failed). An in-place
         receiver stages a dense frame (with its checksum) until every patch has passed, or, in a
@@ -187,7 +190,7 @@ class DeltaReceiveMixin:
                     self._write_dense(step, msg, places)
             return None
         try:
-            arrived[k] = self._verify_patch(bases, places, step, msg, expect, undo)
+            arrived[k] = self._verify_patch(bases, places, step, msg, expect, undo, checks)
         except TransferError as exc:
             return exc
         return None
@@ -213,43 +216,79 @@ class DeltaReceiveMixin:
 
     def _verify_patch(
         self, bases: Bases, places: dict[int, ScatteredImage] | None, step: Any, payload: torch.Tensor, expect: int,
-        undo: list[tuple[int, torch.Tensor, torch.Tensor]],
+        undo: list[tuple[int, torch.Tensor, torch.Tensor]], checks: list[_Check],
     ) -> Any:
         """Decode a patch and check it against this rank's own base. A base image is not written
         yet; in place, the new words are written as soon as the old ones are read (a position
         that appears twice in a corrupt patch still reads its old word twice: every read is
-        queued before the write), and the old words go to `undo`."""
+        queued before the write), the old words go to `undo`, and the check goes to `checks`:
+        it is read back with every other bucket's at the end of the receive loop (_settle_checks),
+        so the host never waits here for the kernels that apply the patch."""
         k, word = step.bucket.index, step.word_bytes
         n = step.bucket.nbytes
         where = f"rank {self.rank}: bucket {k} from sender {step.bucket.sender}"
         try:
-            patch = codec.decode(payload, n, word)
+            if places is None:
+                patch = codec.decode(payload, n, word)
+            else:  # swap_in counts positions outside the bucket's tensors (those < 0 or past the bucket among them)
+                head = self._host_bytes(payload[: codec.PATCH_HEADER_BYTES], step.gid)
+                patch = codec.decode(payload, n, word, check_range=False, head=head)
         except codec.PatchError as exc:
             self._broken = True
             raise TransferError(f"{where}: malformed patch: {exc}") from exc
-        if places is None:
-            image = bases.images[k][:n]
-            if bases.sums.get(k) is None:
-                bases.sums[k] = codec.checksum(image, word)
-            got, outside = int((bases.sums[k] + codec.delta_checksum(image, patch)).item()), 0
-        else:
+        if places is not None:
             if bases.sums.get(k) is None or k not in places:
                 raise TransferError(f"{where}: this rank holds no checksum of the bucket's base; the sync must be dense")
-            old, bad = places[k].gather(patch.positions)
-            places[k].scatter(patch.positions, patch.values)
+            old, bad, change = places[k].swap_in(patch.positions, patch.values)  # reads all, then writes
             undo.append((k, patch.positions, old))
-            got_t = bases.sums[k] + pair_delta(patch.positions, patch.values, old)
-            got, outside = torch.stack([got_t.reshape(()), bad.reshape(()).to(torch.int64)]).tolist()  # one host sync
-        if outside:
-            self._broken = True
-            raise TransferError(f"{where}: the patch writes {outside} words outside every tensor of the bucket; the engine keeps its old weights")
+            checks.append((where, expect, bases.sums[k] + change, bad, patch.unchecked))
+            return patch
+        image = bases.images[k][:n]
+        if bases.sums.get(k) is None:
+            bases.sums[k] = codec.checksum(image, word)
+        got = int((bases.sums[k] + codec.delta_checksum(image, patch)).item())
         if got != expect:
             self._broken = True
-            raise TransferError(
-                f"{where}: checksum mismatch after applying the patch (sender {expect}, here {got}): "
-                "the patch was corrupted or this rank's base differs; the engine keeps its old weights"
-            )
+            raise TransferError(_mismatch(where, expect, got))
         return patch
+
+    def _settle_checks(self, checks: list[_Check]) -> TransferError | None:
+        """Read back every deferred in-place check at once (one host sync); the first failure in
+        bucket order, or None."""
+        if not checks:
+            return None
+        zero = torch.zeros((), dtype=torch.int64, device=self.device)
+        rows = torch.stack([
+            torch.stack([got.reshape(()), bad.reshape(()).to(torch.int64), (pad if pad is not None else zero).reshape(()).to(torch.int64)])
+            for _w, _e, got, bad, pad in checks
+        ]).tolist()
+        done = list(checks)
+        checks.clear()
+        for (where, expect, _g, _b, _p), (got, outside, pad) in zip(done, rows):
+            if pad:
+                self._broken = True
+                return TransferError(f"{where}: malformed patch: patch padding after the positions is not zero")
+            if outside:
+                self._broken = True
+                return TransferError(f"{where}: the patch writes {outside} words outside every tensor of the bucket; the engine keeps its old weights")
+            if got != expect:
+                self._broken = True
+                return TransferError(_mismatch(where, expect, got))
+        return None
+
+    def _host_list(self, t: torch.Tensor, gid: int) -> list[Any]:
+        """`t` on the host, copied on group `gid`'s stream (whose broadcast wrote it): the copy
+        does not wait for the patch kernels queued on the compute stream."""
+        if self._comm_stream is None:
+            return t.tolist()
+        with self._stream_ctx(self._streams[gid]):
+            return t.tolist()
+
+    def _host_bytes(self, t: torch.Tensor, gid: int) -> bytes:
+        if self._comm_stream is None:
+            return t.cpu().numpy().tobytes()
+        with self._stream_ctx(self._streams[gid]):
+            return t.cpu().numpy().tobytes()
 
     def _apply_all(
         self, bases: Bases, places: dict[int, ScatteredImage] | None, arrived: dict[int, Any], steps: list[Any], frames: list[tuple[int, int, int]]
@@ -330,3 +369,15 @@ class DeltaReceiveMixin:
 
 def _stamp(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t._version
+
+
+_Check = tuple[str, int, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+"""An in-place patch's deferred check: (where, the sender's checksum, this rank's checksum after
+the patch, positions outside every tensor, nonzero padding bytes), device values read at the end."""
+
+
+def _mismatch(where: str, expect: int, got: int) -> str:
+    return (
+        f"{where}: checksum mismatch after applying the patch (sender {expect}, here {got}): "
+        "the patch was corrupted or this rank's base differs; the engine keeps its old weights"
+    )

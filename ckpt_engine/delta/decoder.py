@@ -119,9 +119,14 @@ def _bitmask_positions_host(index: np.ndarray, pad: np.ndarray, num_words: int, 
     return torch.from_numpy(positions)
 
 
-def _checked_positions(index: torch.Tensor, pad: torch.Tensor, kind: str, num_words: int, how: str) -> torch.Tensor:
+def _checked_positions(index: torch.Tensor, pad: torch.Tensor, kind: str, num_words: int, how: str, check_range: bool = True) -> torch.Tensor:
     """Positions in range; sorted kinds strictly increasing. A scatter32 patch is only range-checked
-    (its order is the encoder's block order; the checksum catches a corrupted position)."""
+    (its order is the encoder's block order; the checksum catches a corrupted position), and with
+    `check_range` False not even that: its positions stay the payload's int32 words (no copy), and
+    the caller counts those outside its regions (ScatteredImage.swap_in) instead of a min/max pass
+    and a host sync here."""
+    if kind == "scatter32" and not check_range:  # the pad is checked by the caller (DecodedPatch.unchecked)
+        return view_or_copy(index, torch.int32)
     positions = view_or_copy(index, torch.int64 if kind == "positions64" else torch.int32).to(torch.int64)
     names = ["patch padding after the positions is not zero"]
     if positions.numel():
@@ -148,11 +153,21 @@ def _checked_positions(index: torch.Tensor, pad: torch.Tensor, kind: str, num_wo
     return positions
 
 
-def decode(payload: torch.Tensor, nbytes: int, word_bytes: int, *, impl: str = "auto") -> DecodedPatch:
+def decode(
+    payload: torch.Tensor, nbytes: int, word_bytes: int, *, impl: str = "auto", check_range: bool = True, head: bytes | None = None
+) -> DecodedPatch:
     """Validate a patch for an image of `nbytes` bytes in words of `word_bytes` and return its
     positions and values. Anything malformed raises PatchError before any allocation sized by an
     unchecked field: every count must agree with the payload's exact length. Two host syncs at
-    most (the header, then every check at once)."""
+    most (the header, then every check at once).
+
+    `check_range=False` is for a caller that counts the positions outside its own regions anyway
+    (an in-place receiver: regions end at or before num_words, so a position < 0 or >= num_words
+    is outside every one): a scatter32 patch's positions are then not range-checked here and come
+    back as int32 (a view of the payload when aligned), and the zero padding after them is left
+    to the caller too (`unchecked`, a device count that must be 0): no host sync here for it.
+    `head`: the payload's first PATCH_HEADER_BYTES bytes, when the caller has read them already
+    (on a stream of its choice); they are checked like any other."""
     wdt = word_dtype(word_bytes)
     max_patch_bytes(nbytes, word_bytes)
     if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
@@ -161,7 +176,10 @@ def decode(payload: torch.Tensor, nbytes: int, word_bytes: int, *, impl: str = "
         raise PatchError(f"payload has {payload.numel()} bytes, shorter than the {PATCH_HEADER_BYTES}-byte header")
     how = resolve_impl(payload.device, impl)
     with torch.profiler.record_function("ckpt_engine.delta.decode"):
-        head = payload[:PATCH_HEADER_BYTES].cpu().numpy().tobytes()
+        if head is None:
+            head = payload[:PATCH_HEADER_BYTES].cpu().numpy().tobytes()
+        elif len(head) != PATCH_HEADER_BYTES:
+            raise PatchError(f"the caller's header copy has {len(head)} bytes, not {PATCH_HEADER_BYTES}")
         magic, version, kind_id, wb, reserved, num_words, num_changed, delta_sum = HEADER.unpack(head)
         if magic != MAGIC:
             raise PatchError(f"bad magic 0x{magic:08x}: not a ckpt-engine delta patch")
@@ -191,9 +209,12 @@ def decode(payload: torch.Tensor, nbytes: int, word_bytes: int, *, impl: str = "
         if kind == "bitmask":
             positions = _bitmask_positions(index, pad, num_words, num_changed, how)
         else:
-            positions = _checked_positions(index, pad, kind, num_words, how)
+            positions = _checked_positions(index, pad, kind, num_words, how, check_range)
         values = view_or_copy(payload[values_at:expected], wdt)
-        return DecodedPatch(positions, values, delta_sum, num_words, word_bytes, kind)
+        unchecked = None
+        if kind == "scatter32" and not check_range:
+            unchecked = pad.ne(0).sum() if pad.numel() else torch.zeros((), dtype=torch.int64, device=payload.device)
+        return DecodedPatch(positions, values, delta_sum, num_words, word_bytes, kind, unchecked)
 
 
 def base_words(base: torch.Tensor, patch: DecodedPatch) -> torch.Tensor:

@@ -57,12 +57,15 @@ class PatchError(ValueError):
 class DecodedPatch:
     """A validated patch. `values` is a view into the payload: keep the payload until applied."""
 
-    positions: torch.Tensor  # int64 word indices, strictly increasing, in [0, num_words)
+    positions: torch.Tensor  # word indices in [0, num_words): int64, strictly increasing (scatter32: distinct, int32)
     values: torch.Tensor  # word_dtype(word_bytes), one per position
     delta_sum: int  # the sender's sum of h(i) * (new_i - old_i), as a signed int64
     num_words: int
     word_bytes: int
     kind: str
+    unchecked: torch.Tensor | None = None
+    """decode(check_range=False): a 0-d device count that must be 0 (nonzero padding bytes), left
+    for the caller to confirm with its own checks instead of a host sync in decode."""
 
 
 def word_dtype(word_bytes: int) -> torch.dtype:
@@ -140,8 +143,13 @@ def index_bytes(kind: str, num_words: int, num_changed: int) -> int:
 
 
 def write_header(out: torch.Tensor, kind: str, word_bytes: int, num_words: int, num_changed: int) -> None:
-    """Header fields but delta_sum, written by fill kernels: a host-to-device copy would sync."""
+    """Header fields but delta_sum, without a host sync: on CUDA one copy from pinned memory
+    (pageable memory would sync), elsewhere fill kernels."""
     head = HEADER.pack(MAGIC, FORMAT_VERSION, KIND_IDS[kind], word_bytes, 0, num_words, num_changed, 0)
+    if out.is_cuda:
+        src = torch.frombuffer(bytearray(head[: PATCH_HEADER_BYTES - 8]), dtype=torch.uint8).pin_memory()
+        out[: PATCH_HEADER_BYTES - 8].copy_(src, non_blocking=True)  # the host allocator keeps `src` until it ran
+        return
     fields = out[: PATCH_HEADER_BYTES - 8].view(torch.int64)
     for i in range(3):
         fields[i].fill_(int.from_bytes(head[8 * i : 8 * i + 8], "little", signed=True))

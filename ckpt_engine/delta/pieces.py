@@ -4,10 +4,12 @@ no loader copy of the whole model afterwards.
 
 Each region maps a run of the bucket's words onto a 1-D word view of one tensor (or of the part
 of it this bucket carries). Words of the bucket outside every region (alignment padding) belong to
-no tensor: a patch that touches one is refused. On CUDA one Triton kernel per bucket finds each
-position's region by binary search over the region starts and reads or writes the word through one
-base pointer (every region's offset from it is precomputed); elsewhere numpy and torch ops group
-the positions by region.
+no tensor: a patch that touches one is refused. On CUDA a Triton kernel finds the positions'
+regions and reads or writes the words through one base pointer (every region's offset from it is
+precomputed), by a binary search over the region starts per position (BLOCK_LOOKUP: one search per
+block of positions that lies in one region, measured no faster).
+A patch is applied by two kernels (swap_in): the first reads every old word and sums the patch's
+checksum change, the second writes. Elsewhere numpy and torch ops group the positions by region.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 import torch
 
 from ckpt_engine.delta import kernels, host
-from ckpt_engine.delta.mixing import mix
+from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, mix
 
 __all__ = ["ScatteredImage", "pair_delta"]
 
@@ -33,7 +35,15 @@ try:  # Triton is optional: CPU installs and GPUs without it use the torch path.
 except Exception:  # pragma: no cover - depends on the install
     _HAVE_TRITON = False
 
+# Positions per program and warps of the gather / scatter / swap kernels, and whether a block of
+# positions in one region skips the per-word search (bench/delta_apply_probe.py times them all).
+BLOCK = 1024
+NUM_WARPS = 4
+BLOCK_LOOKUP = False  # on an H200 (bench/delta_apply_probe.py) it was no faster: 0.53 vs 0.45 ms per GiB at 2 %
+
 if _HAVE_TRITON:
+    _mix_a = kernels._mix_a
+    _mix_b = kernels._mix_b
 
     @triton.jit
     def _locate(p, starts_ptr, n_regions, steps):
@@ -49,25 +59,68 @@ if _HAVE_TRITON:
             stride = stride // 2
         return at
 
+    @triton.jit
+    def _addresses(p, m, starts_ptr, ends_ptr, rel_ptr, n_regions, steps, BLOCK_LOOKUP: tl.constexpr):
+        """(word offset from the base pointer, inside a region) for a block's positions `p` (valid
+        lanes `m`). When the block's smallest and largest valid positions lie in one region, every
+        valid lane is in it (regions are contiguous runs of words): one scalar search for the
+        block instead of one per word, and no per-lane table reads. Otherwise (or without
+        BLOCK_LOOKUP) each lane searches."""
+        one = False
+        r0 = 0
+        if BLOCK_LOOKUP:
+            lo_p = tl.min(tl.where(m, p, 9223372036854775807), axis=0)
+            hi_p = tl.max(tl.where(m, p, -9223372036854775807), axis=0)
+            r0 = _locate(lo_p, starts_ptr, n_regions, steps)
+            one = (lo_p >= tl.load(starts_ptr + r0)) & (hi_p < tl.load(ends_ptr + r0))
+        if one:
+            ok = m
+            addr = p + tl.load(rel_ptr + r0)
+        else:
+            r = _locate(p, starts_ptr, n_regions, steps)
+            lo = tl.load(starts_ptr + r, mask=m, other=0)
+            hi = tl.load(ends_ptr + r, mask=m, other=0)
+            ok = m & (p >= lo) & (p < hi)
+            addr = tl.load(rel_ptr + r, mask=ok, other=0) + p
+        return addr, ok
+
     @triton.jit(do_not_specialize=["n", "n_regions", "steps"])
     def _pieces_kernel(
         pos_ptr, n, starts_ptr, ends_ptr, rel_ptr, n_regions, steps, base_ptr, vals_ptr, bad_ptr,
-        BLOCK: tl.constexpr, WRITE: tl.constexpr,
+        BLOCK: tl.constexpr, WRITE: tl.constexpr, BLOCK_LOOKUP: tl.constexpr,
     ):
         """WRITE: base[rel[r] + p] = vals[i]; else vals[i] = base[rel[r] + p] (0 outside regions).
         Positions outside every region are counted in `bad` and never touch memory."""
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = idx < n
         p = tl.load(pos_ptr + idx, mask=m, other=0).to(tl.int64)
-        r = _locate(p, starts_ptr, n_regions, steps)
-        lo = tl.load(starts_ptr + r, mask=m, other=0)
-        hi = tl.load(ends_ptr + r, mask=m, other=0)
-        ok = m & (p >= lo) & (p < hi)
-        addr = tl.load(rel_ptr + r, mask=ok, other=0) + p
+        addr, ok = _addresses(p, m, starts_ptr, ends_ptr, rel_ptr, n_regions, steps, BLOCK_LOOKUP)
         if WRITE:
             tl.store(base_ptr + addr, tl.load(vals_ptr + idx, mask=ok), mask=ok)
         else:
             tl.store(vals_ptr + idx, tl.load(base_ptr + addr, mask=ok, other=0), mask=m)
+        nbad = tl.sum((m & ~ok).to(tl.int32), axis=0)
+        if nbad > 0:
+            tl.atomic_add(bad_ptr, nbad)
+
+    @triton.jit(do_not_specialize=["n", "n_regions", "steps"])
+    def _swap_read_kernel(
+        pos_ptr, n, starts_ptr, ends_ptr, rel_ptr, n_regions, steps, base_ptr, vals_ptr, old_ptr, bad_ptr, part_ptr,
+        BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr, BLOCK_LOOKUP: tl.constexpr,
+    ):
+        """The read half of swap_in: old[i] = base[rel[r] + p] (0 outside every region, counted
+        in `bad`), and this block's partial sum of h(p) * (vals[i] - old[i]) in wrapping int64,
+        the same terms as kernels._pairs_sum_kernel (so the total is pair_delta's, bit for bit)."""
+        pid = tl.program_id(0)
+        idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = idx < n
+        p = tl.load(pos_ptr + idx, mask=m, other=0).to(tl.int64)
+        addr, ok = _addresses(p, m, starts_ptr, ends_ptr, rel_ptr, n_regions, steps, BLOCK_LOOKUP)
+        o = tl.load(base_ptr + addr, mask=ok, other=0)
+        tl.store(old_ptr + idx, o, mask=m)
+        v = tl.load(vals_ptr + idx, mask=m, other=0).to(tl.int64)
+        a = _mix_a((p & (GROUP - 1)).to(tl.int32)).to(tl.int64)
+        tl.store(part_ptr + pid, tl.sum((v - o.to(tl.int64)) * a * _mix_b(p >> GROUP_BITS), axis=0))
         nbad = tl.sum((m & ~ok).to(tl.int32), axis=0)
         if nbad > 0:
             tl.atomic_add(bad_ptr, nbad)
@@ -119,15 +172,17 @@ class ScatteredImage:
             self._rel_d = torch.tensor(rel, dtype=torch.int64).to(self.device)
             self._steps = max(1, math.ceil(math.log2(len(regions))) + 1)
 
-    def _run(self, positions: torch.Tensor, values: torch.Tensor, write: bool) -> torch.Tensor:
-        bad = torch.zeros(1, dtype=torch.int32, device=self.device)
+    def _launch(self, positions: torch.Tensor, values: torch.Tensor, write: bool, bad: torch.Tensor) -> None:
         n = positions.numel()
         if n:
-            block = 1024
-            _pieces_kernel[((n + block - 1) // block,)](
+            _pieces_kernel[(triton.cdiv(n, BLOCK),)](
                 positions, n, self._starts_d, self._ends_d, self._rel_d, len(self.regions), self._steps, self._anchor, values, bad,
-                BLOCK=block, WRITE=write, num_warps=4,
+                BLOCK=BLOCK, WRITE=write, BLOCK_LOOKUP=BLOCK_LOOKUP, num_warps=NUM_WARPS,
             )
+
+    def _run(self, positions: torch.Tensor, values: torch.Tensor, write: bool) -> torch.Tensor:
+        bad = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._launch(positions, values, write, bad)
         return bad
 
     def _groups(self, positions: torch.Tensor) -> tuple[list[tuple[int, np.ndarray | slice, np.ndarray]], int]:
@@ -147,10 +202,14 @@ class ScatteredImage:
             groups.append((k, order[a:b] if order is not None else slice(a, b), p[a:b] - self.regions[k][0]))
         return groups, int(p.size - int((hi - lo).sum()))
 
-    def _pairs(self, positions: torch.Tensor, values: torch.Tensor | None, write: bool) -> torch.Tensor:
+    def _pairs(
+        self, positions: torch.Tensor, values: torch.Tensor | None, write: bool,
+        groups: tuple[list[tuple[int, np.ndarray | slice, np.ndarray]], int] | None = None,
+    ) -> torch.Tensor:
         """The CPU / torch path of gather (write False: fills `values`) and scatter; returns the
-        count of positions outside every region as a 1-element tensor."""
-        groups, bad = self._groups(positions)
+        count of positions outside every region as a 1-element tensor. `groups`: _groups(positions),
+        when the caller has it already."""
+        groups, bad = groups if groups is not None else self._groups(positions)
         on_cpu = self.device.type == "cpu"
         vals = values.numpy() if on_cpu else values
         for k, sel, local in groups:
@@ -180,9 +239,43 @@ class ScatteredImage:
     def scatter(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Write `values` at `positions` (positions outside every region are skipped: a patch that
         has them was refused by its check)."""
-        if values.numel() != positions.numel() or values.dtype != self.dtype:
-            raise ValueError(f"{values.numel()} values of {values.dtype} for {positions.numel()} positions of {self.dtype} words")
+        self._check_values(positions, values)
         if self._fused:
             self._run(positions, values, write=True)
             return
         self._pairs(positions, values.contiguous(), write=True)
+
+    def swap_in(self, positions: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write `values` at `positions` and return (the old words, 0 where outside every region;
+        count of such positions as a 1-element int32 tensor; pair_delta(positions, values, old) as
+        a 0-d int64 tensor), without a host sync on CUDA. Positions outside every region (any
+        position < 0 or >= num_words among them) are skipped: the caller refuses the patch. Every
+        old word is read before any new word is written, so a position repeated by a corrupt
+        patch still yields its old word each time: on CUDA all reads are in the first kernel (which
+        also sums the change, so no kernel reads the pairs again) and all writes in the second,
+        queued right after it on the same stream."""
+        self._check_values(positions, values)
+        if not self._fused:
+            old = torch.zeros(positions.numel(), dtype=self.dtype, device=self.device)
+            values = values.contiguous()
+            groups = self._groups(positions)
+            bad = self._pairs(positions, old, write=False, groups=groups)
+            self._pairs(positions, values, write=True, groups=groups)
+            return old, bad, pair_delta(positions, values, old)
+        positions, values = positions.contiguous(), values.contiguous()
+        n = positions.numel()
+        nb = triton.cdiv(n, BLOCK)
+        old = torch.empty(n, dtype=self.dtype, device=self.device)
+        bad = torch.zeros(1, dtype=torch.int32, device=self.device)
+        partial = torch.empty(nb, dtype=torch.int64, device=self.device) if n else torch.zeros(1, dtype=torch.int64, device=self.device)
+        if n:
+            _swap_read_kernel[(nb,)](
+                positions, n, self._starts_d, self._ends_d, self._rel_d, len(self.regions), self._steps, self._anchor, values, old, bad,
+                partial, BLOCK=BLOCK, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, BLOCK_LOOKUP=BLOCK_LOOKUP, num_warps=NUM_WARPS,
+            )
+            self._launch(positions, values, True, bad.new_empty(1))  # scratch: the read counted these already
+        return old, bad, partial.sum()
+
+    def _check_values(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        if values.numel() != positions.numel() or values.dtype != self.dtype:
+            raise ValueError(f"{values.numel()} values of {values.dtype} for {positions.numel()} positions of {self.dtype} words")
