@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from functools import cached_property
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,11 +116,11 @@ class TensorMeta:
     chunk_size: int
     bucket_offset: int
 
-    @property
+    @cached_property  # the send loops ask per entry and per sync (a frozen dataclass keeps it in __dict__)
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
-    @property
+    @cached_property
     def is_whole(self) -> bool:
         return self.chunk_offset == 0 and self.chunk_size == self.nbytes
 

@@ -90,6 +90,7 @@ class ShardedStateDictSource:
         self.sender_index, self.num_senders = sender_index, num_senders
         self.dtype, self.keep_dtype = dtype, keep_dtype
         self.is_sender = True
+        self._pieces: dict[str, torch.Tensor] = {}  # the same view every sync: the sender skips re-checking it
 
     def _wire(self, name: str, t: torch.Tensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.is_floating_point() and name not in self.keep_dtype else t.dtype
@@ -105,12 +106,15 @@ class ShardedStateDictSource:
         return out
 
     def local_piece(self, name: str) -> torch.Tensor:
-        t = self.weights[name]
-        if t.dim() < 2:
-            return t
-        rows = even_rows(t.shape[0], self.num_senders)
-        start = sum(rows[: self.sender_index])
-        return t[start : start + rows[self.sender_index]]
+        piece = self._pieces.get(name)
+        if piece is None:
+            t = self.weights[name]
+            if t.dim() >= 2 and self.num_senders > 1:
+                rows = even_rows(t.shape[0], self.num_senders)
+                start = sum(rows[: self.sender_index])
+                t = t[start : start + rows[self.sender_index]]
+            piece = self._pieces[name] = t
+        return piece
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.weights.items()

@@ -161,7 +161,8 @@ def test_gpu_flipped_bytes_are_rejected_or_caught() -> None:
 
 @pytest.mark.parametrize("word_bytes", [1, 2, 4, 8])
 @pytest.mark.parametrize("frac", [0.0, 0.004, 0.02, 0.2])
-def test_gpu_one_pass_bucket_diff_matches_the_cpu_diff(word_bytes: int, frac: float) -> None:
+@pytest.mark.parametrize("below", [1 / 32, 1 / 4])
+def test_gpu_one_pass_bucket_diff_matches_the_cpu_diff(word_bytes: int, frac: float, below: float) -> None:
     """direct.BucketDiff compiled on the GPU (one kernel per piece, blocks claiming room with an
     atomic) writes the same changed words as the CPU path, in block order, and the same sums."""
     from ckpt_engine.delta.direct import BucketDiff, out_bytes
@@ -176,8 +177,8 @@ def test_gpu_one_pass_bucket_diff_matches_the_cpu_diff(word_bytes: int, frac: fl
     for device in ("cpu", "cuda"):
         work = base.to(device).clone()
         fresh = new.to(device)
-        out = torch.empty(out_bytes(nbytes, word_bytes), dtype=torch.uint8, device=device)
-        diff = BucketDiff(out, nbytes, word_bytes)
+        out = torch.empty(out_bytes(nbytes, word_bytes, below), dtype=torch.uint8, device=device)
+        diff = BucketDiff(out, nbytes, word_bytes, below)
         assert diff._fused == (device == "cuda")
         wdt = codec.word_dtype(word_bytes)
         for lo, hi in zip(cuts, cuts[1:]):
@@ -187,7 +188,7 @@ def test_gpu_one_pass_bucket_diff_matches_the_cpu_diff(word_bytes: int, frac: fl
         if device == "cuda":  # the same pieces in one launch through a table (odd cuts included)
             work2 = base.to(device).clone()
             out2 = torch.empty_like(out)
-            diff2 = BucketDiff(out2, nbytes, word_bytes)
+            diff2 = BucketDiff(out2, nbytes, word_bytes, below)
             news = [fresh.view(wdt)[lo:hi].clone() for lo, hi in zip(cuts, cuts[1:])]
             diff2.add_pieces([(t.data_ptr(), t.numel(), lo) for t, lo in zip(news, cuts)], work2.view(wdt))
             size2, delta2, count2 = diff2.finish()

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.backends.pipelined_delta import DeltaTransferMixin
+from ckpt_engine.backends.piece_reader import Known
 from ckpt_engine.backends.pipelined_delta_receive import DeltaReceiveMixin
 from ckpt_engine.backends.pipelined_receive import ReceiveLoopMixin
 from ckpt_engine.backends.pipelined_send import SendLoopMixin
@@ -67,6 +68,7 @@ class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMix
         solo_bytes: int | None = None,
         group_max_tensors: int | None = None,
         delta_base: str = "device",
+        delta_scatter_below: float | None = None,
     ) -> None:
         super().__init__(bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, timeout_s=timeout_s, verify=verify)
         solo = solo_bytes if solo_bytes is not None else self.default_solo_bytes
@@ -95,7 +97,8 @@ class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMix
         self._assembly: dict[str, torch.Tensor] = {}  # reassembly tensors of chunked tensors
         self._assembly_digest: str | None = None
         self._broken = False
-        self._init_delta(delta_base)
+        self._known: tuple[str, Known] | None = None  # (plan digest, what its sources yielded last)
+        self._init_delta(delta_base, delta_scatter_below)
 
     # --- what a backend file provides -------------------------------------------------------
     def _resolve_device(self, device: str | int | torch.device | None) -> torch.device:
@@ -295,6 +298,15 @@ class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMix
         the manifest and the shared engine options, so every rank decides alike)."""
         n = len(bucket.entries)
         return 1 < n <= self.group_max_tensors and bucket.nbytes > 0 and not self.verify
+
+    def _known_sources(self, manifest: BucketManifest, stable: bool) -> Known | None:
+        """What this sender's source yielded at its last sync of this plan (PieceReader skips
+        re-checking the same tensors); None for a source whose tensors do not stay valid."""
+        if not stable:
+            return None
+        if self._known is None or self._known[0] != manifest.digest:
+            self._known = (manifest.digest, {})
+        return self._known[1]
 
     def _broadcast_on(self, gid: int, slot: int | None, msg: torch.Tensor) -> Any:
         """One broadcast from the group's sender (group rank 0), ordered after the current stream's

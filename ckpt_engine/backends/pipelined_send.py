@@ -61,7 +61,7 @@ class SendLoopMixin:
         it = iter(weights)
         works: list[Any] = [None] * self.num_buffers
         try:
-            pieces = PieceReader(it, sched, self.rank, self.device, stats)
+            pieces = PieceReader(it, sched, self.rank, self.device, stats, self._known_sources(manifest, stable))
             for step in mine:
                 bucket, slot = step.bucket, step.sender_slot
                 dsts = views[bucket.index]

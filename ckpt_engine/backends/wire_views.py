@@ -8,7 +8,7 @@ import torch
 
 from ckpt_engine.manifest import TensorMeta
 
-__all__ = ["SLACK", "align8", "dtype_name", "flat_bytes", "has_wire_layout", "next_weight", "torch_dtype"]
+__all__ = ["SLACK", "align8", "checked_weight", "dtype_name", "flat_bytes", "has_wire_layout", "next_weight", "torch_dtype"]
 
 SLACK = 64  # room after a bucket's data for the 8-byte-aligned checksum
 
@@ -46,6 +46,12 @@ def next_weight(it: Iterator[tuple[str, torch.Tensor]], e: TensorMeta, piece_byt
         name, tensor = next(it)
     except StopIteration:
         raise ValueError(f"the weight source ended before {e.name!r}, which its metadata lists") from None
+    return checked_weight(name, tensor, e, piece_bytes)
+
+
+def checked_weight(name: str, tensor: torch.Tensor, e: TensorMeta, piece_bytes: int | None = None) -> torch.Tensor:
+    """`tensor`, yielded as `name` where the manifest expects entry `e` (see next_weight), or a
+    ValueError naming what does not match."""
     if name != e.name:
         raise ValueError(f"the weight source yielded {name!r} where its metadata put {e.name!r}")
     wire = torch_dtype(e.dtype)

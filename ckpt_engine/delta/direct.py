@@ -28,58 +28,67 @@ from ckpt_engine.delta.layout import (
 )
 from ckpt_engine.delta.mixing import mix
 
-__all__ = ["BucketDiff", "capacity", "out_bytes"]
+__all__ = ["SCATTER_BELOW", "BucketDiff", "capacity", "out_bytes"]
+
+SCATTER_BELOW = 1 / 32
+"""Default most changed words, as a fraction of the bucket's, that a scatter32 patch may carry:
+below 1 in 32 its int32 positions are smaller than a bitmask index. A sender on a fast link may
+allow more (engine option `delta_scatter_below`): one pass straight from the source tensors costs
+less than a pack plus the codec's two passes, which is worth more than the bigger index where the
+link is fast."""
 
 
-def capacity(nbytes: int, word_bytes: int) -> int:
-    """Most changed words worth a scatter32 patch of an `nbytes` image: below 1 in 32 words (beyond
-    that a bitmask index is smaller than int32 positions: the codec's two-pass path) and small
-    enough that the patch is smaller than the image."""
+def capacity(nbytes: int, word_bytes: int, scatter_below: float = SCATTER_BELOW) -> int:
+    """Most changed words a scatter32 patch of an `nbytes` image may carry: `scatter_below` of its
+    words, and few enough that the patch is smaller than the image."""
+    if not 0 < scatter_below <= 1:
+        raise ValueError(f"scatter_below must be in (0, 1], got {scatter_below!r}")
     num_words = nbytes // word_bytes
-    return max(0, min(num_words // 32, (nbytes - PATCH_HEADER_BYTES - 8) // (4 + 2 * word_bytes)))
+    return max(0, min(int(num_words * scatter_below), (nbytes - PATCH_HEADER_BYTES - 8) // (4 + word_bytes)))
 
 
-def out_bytes(nbytes: int, word_bytes: int) -> int:
-    """Bytes of the `out` buffer a BucketDiff of an `nbytes` bucket needs (an eighth of a bf16
-    bucket, plus a little): header, positions, then room for the old and the new values."""
-    cap = capacity(nbytes, word_bytes)
-    return PATCH_HEADER_BYTES + align8(4 * cap) + 8 + 2 * align8(cap * word_bytes)
+def out_bytes(nbytes: int, word_bytes: int, scatter_below: float = SCATTER_BELOW) -> int:
+    """Bytes of the `out` buffer a BucketDiff of an `nbytes` bucket needs (a sixteenth of a bf16
+    bucket at the default, plus a little): header, positions, then room for the new values."""
+    cap = capacity(nbytes, word_bytes, scatter_below)
+    return PATCH_HEADER_BYTES + align8(4 * cap) + 8 + align8(cap * word_bytes)
 
 
 class BucketDiff:
     """One bucket's patch, built piece by piece into `out` (>= out_bytes(), 8-aligned).
 
     `add` each piece (its new words, its base words, its first word's index in the bucket), or on
-    CUDA `add_pieces` all of them at once (one launch), optionally `seal` (queue the count's copy to the host and return an event to wait on, so the
-    next bucket's kernels can be queued first), then `finish` returns the patch size (None: the
-    bucket goes dense), the patch's delta sum (0-d int64 on the device) and the changed count; a
-    count above `cap` means "too many for a scatter patch". Positions go to the front of `out`
-    after the header, old and new values behind them until the count is known."""
+    CUDA `add_pieces` all of them at once (one launch), optionally `seal` (queue the count's copy
+    to the host and return an event to wait on, so the next bucket's kernels can be queued first),
+    then `finish` returns the patch size (None: the bucket goes dense), the patch's delta sum (0-d
+    int64 on the device) and the changed count; a count above `cap` means "too many for a scatter
+    patch". Positions go to the front of `out` after the header, new values behind them until the
+    count is known."""
 
-    def __init__(self, out: torch.Tensor, nbytes: int, word_bytes: int) -> None:
-        need = out_bytes(nbytes, word_bytes)
+    def __init__(self, out: torch.Tensor, nbytes: int, word_bytes: int, scatter_below: float = SCATTER_BELOW) -> None:
+        need = out_bytes(nbytes, word_bytes, scatter_below)
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < need or out.storage_offset() % 8:
             raise ValueError(f"out must be a 1-D uint8 tensor of >= {need} bytes starting 8-byte aligned")
         if nbytes % word_bytes or nbytes // word_bytes >= 2**31:
             raise ValueError(f"a bucket of {nbytes} bytes cannot be diffed in words of {word_bytes} bytes with int32 positions")
         self.out, self.nbytes, self.word_bytes = out, nbytes, word_bytes
         self.num_words = nbytes // word_bytes
-        self.cap = capacity(nbytes, word_bytes)
+        self.cap = capacity(nbytes, word_bytes, scatter_below)
         self.device = out.device
         self._fused = kernels.available(self.device)
         self._pinned: torch.Tensor | None = None
         wdt = word_dtype(word_bytes)
-        old_at = PATCH_HEADER_BYTES + align8(4 * self.cap) + 8
-        self._values_at = old_at + align8(self.cap * word_bytes)
+        self._values_at = PATCH_HEADER_BYTES + align8(4 * self.cap) + 8
         if self.cap:
             self._positions = out[PATCH_HEADER_BYTES : PATCH_HEADER_BYTES + 4 * self.cap].view(torch.int32)
-            self._old = out[old_at : old_at + self.cap * word_bytes].view(wdt)
             self._values = out[self._values_at : self._values_at + self.cap * word_bytes].view(wdt)
         else:  # a bucket too small for any patch: count only
             self._positions = torch.empty(0, dtype=torch.int32, device=self.device)
-            self._values = self._old = torch.empty(0, dtype=wdt, device=self.device)
-        if self._fused:
-            self._counter = torch.zeros(1, dtype=torch.int32, device=self.device)
+            self._values = torch.empty(0, dtype=wdt, device=self.device)
+        if self._fused:  # the count (int32, low half of word 0) and the delta sum (word 1): one fill
+            self._state = torch.zeros(2, dtype=torch.int64, device=self.device)
+            self._counter = self._state.view(torch.int32)[:1]
+            self._delta_t = self._state[1]
         else:
             self._count = 0
             self._delta = 0
@@ -96,7 +105,7 @@ class BucketDiff:
         if not new_words.numel():
             return
         if self._fused:
-            kernels.diff_into(new_words, base_words, first, self._counter, self._positions, self._values, self._old)
+            kernels.diff_into(new_words, base_words, first, self._counter, self._delta_t, self._positions, self._values)
         elif self.device.type == "cpu":
             self._add_host(new_words.numpy(), base_words.numpy(), first)
         else:
@@ -119,7 +128,7 @@ class BucketDiff:
         for _ptr, n, first in rows:
             if not 0 <= first <= self.num_words - n:
                 raise ValueError(f"piece of {n} words at word {first} is outside the bucket's {self.num_words}")
-        direct_kernels.diff_pieces(rows, base_words, self._counter, self._positions, self._values, self._old, cache)
+        direct_kernels.diff_pieces(rows, base_words, self._counter, self._delta_t, self._positions, self._values, cache)
 
     def _add_host(self, new: np.ndarray, base: np.ndarray, first: int) -> None:
         local = np.flatnonzero(new != base)
@@ -167,9 +176,7 @@ class BucketDiff:
         its event, no wait; otherwise one host sync."""
         if self._fused:
             count = int(self._pinned.item()) if self._pinned is not None else int(self._counter.item())
-            if count > self.cap:
-                return None, torch.zeros((), dtype=torch.int64, device=self.device), count
-            delta = kernels.pairs_sum(self._positions[:count], self._values[:count], self._old[:count])
+            delta = self._delta_t
         else:
             count = self._count
             delta = self._delta_t + torch.tensor(host.wrap64(self._delta), dtype=torch.int64).to(self.device)

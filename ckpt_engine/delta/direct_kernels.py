@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ckpt_engine.delta import kernels
+from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS
 
 __all__ = ["TABLE_COLUMNS", "Row", "diff_pieces"]
 
@@ -43,8 +44,8 @@ if _HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["cap"])
     def _diff_pieces_kernel(
-        table_ptr, tile_piece_ptr, base_ptr, counter_ptr, pos_ptr, val_ptr, old_ptr, cap,
-        ROWS: tl.constexpr, ALIGN: tl.constexpr,
+        table_ptr, tile_piece_ptr, base_ptr, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap,
+        ROWS: tl.constexpr, ALIGN: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr,
     ):
         pid = tl.program_id(0).to(tl.int64)
         j = tl.load(tile_piece_ptr + pid).to(tl.int64)
@@ -56,7 +57,7 @@ if _HAVE_TRITON:
             first = tl.multiple_of(first, ALIGN)
             length = tl.multiple_of(length, ALIGN)
             rel = tl.multiple_of(rel, ALIGN)
-        _diff_rows(base_ptr + rel, base_ptr + first, pid - tile0, length, first, counter_ptr, pos_ptr, val_ptr, old_ptr, cap, ROWS)
+        _diff_rows(base_ptr + rel, base_ptr + first, pid - tile0, length, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS, GROUP, GROUP_BITS)
 
 
 Row = tuple[int, int, int]  # (data pointer, length in words, first bucket word) of one piece
@@ -90,9 +91,9 @@ def diff_pieces(
     rows: list[Row],
     base_w: torch.Tensor,
     counter: torch.Tensor,
+    delta: torch.Tensor,
     positions_out: torch.Tensor,
     values_out: torch.Tensor,
-    old_out: torch.Tensor,
     cache: dict[str, Any] | None = None,
 ) -> None:
     """kernels.diff_into for every piece of `rows` at once, against the bucket's base image
@@ -103,28 +104,27 @@ def diff_pieces(
     size = base_w.element_size()
     if base_w.data_ptr() % _ALIGN_BYTES:
         raise ValueError(f"the base image must start {_ALIGN_BYTES}-byte aligned")
-    align = _ALIGN_BYTES // size
     origin = base_w.data_ptr()
-    split: dict[int, list[Row]] = {align: [], 1: []}
-    for ptr, n, first in rows:
-        if not n:
-            continue
-        gap = ptr - origin
-        if gap % size:
-            raise ValueError(f"piece at word {first} is not aligned to its {size}-byte words")
-        a = align if (gap // size) % align == 0 and first % align == 0 and n % align == 0 else 1
-        split[a].append((ptr, n, first))
-    signature = (origin, kernels.DIFF_ROWS, split[align], split[1])
-    if cache is not None and cache.get("signature") == signature:
-        launches = cache["launches"]
+    if cache is not None and cache.get("rows") == rows and cache.get("origin") == (origin, kernels.DIFF_ROWS):
+        launches = cache["launches"]  # the same pieces where they were: no per-piece work at all
     else:
+        align = _ALIGN_BYTES // size
+        split: dict[int, list[Row]] = {align: [], 1: []}
+        for ptr, n, first in rows:
+            if not n:
+                continue
+            gap = ptr - origin
+            if gap % size:
+                raise ValueError(f"piece at word {first} is not aligned to its {size}-byte words")
+            a = align if (gap // size) % align == 0 and first % align == 0 and n % align == 0 else 1
+            split[a].append((ptr, n, first))
         launches = {a: _tables(r, base_w, a) for a, r in split.items()}
         if cache is not None:
-            cache["signature"], cache["launches"] = signature, launches
+            cache["rows"], cache["origin"], cache["launches"] = list(rows), (origin, kernels.DIFF_ROWS), launches
     for a, made in launches.items():
         if made is not None:
             table, tile_piece, tiles = made
             _diff_pieces_kernel[(tiles,)](
-                table, tile_piece, base_w, counter, positions_out, values_out, old_out, positions_out.numel(),
-                ROWS=kernels.DIFF_ROWS, ALIGN=a, num_warps=kernels.DIFF_NUM_WARPS,
+                table, tile_piece, base_w, counter, delta, positions_out, values_out, positions_out.numel(),
+                ROWS=kernels.DIFF_ROWS, ALIGN=a, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=kernels.DIFF_NUM_WARPS,
             )

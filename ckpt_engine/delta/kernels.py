@@ -203,12 +203,15 @@ if _HAVE_TRITON:
                 tl.store(delta_ptr + pid, tl.sum(acc, axis=0) * _mix_b(start >> GROUP_BITS))
 
     @triton.jit
-    def _diff_rows(new_base, old_base, tile, n_words, first, counter_ptr, pos_ptr, val_ptr, old_ptr, cap, ROWS: tl.constexpr):
+    def _diff_rows(new_base, old_base, tile, n_words, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS: tl.constexpr,
+                   GROUP: tl.constexpr, GROUP_BITS: tl.constexpr):
         """One tile (ROWS rows of 32 words) of a piece: `new_base` / `old_base` point at the
         piece's first new / base word, `first` is its first word's index in the bucket. The dense
         phase only compares and packs each row's changes into a bit mask; then every row walks its
         own set bits (as many rounds as the busiest row of the tile has changes) to write
-        positions, new and old values, so unchanged words cost a compare and nothing more."""
+        positions and new values and to add h(position) * (new - old) into the bucket's delta sum
+        (one atomic per tile: wrapping int64 addition is order-free), so unchanged words cost a
+        compare and nothing more, and no old word is written out."""
         row = tl.arange(0, ROWS)
         col = tl.arange(0, 32)
         row_start = tile * (ROWS * 32) + row * 32
@@ -221,24 +224,44 @@ if _HAVE_TRITON:
         cnt = tl.sum(per_row, axis=0)
         if cnt > 0:
             dest = tl.atomic_add(counter_ptr, cnt) + tl.cumsum(per_row, axis=0) - per_row
+            # h(q) = A(q mod GROUP) * B(q div GROUP): a tile is shorter than a group, so it spans
+            # groups g0 and g0 + 1 at most; each lane adds (new - old) * A to its group's sum and
+            # B is applied twice per tile, not once per changed word
+            g0 = (first + tile * (ROWS * 32)) >> GROUP_BITS
+            acc0 = tl.zeros([ROWS], dtype=tl.int64)
+            acc1 = tl.zeros([ROWS], dtype=tl.int64)
             for _ in range(0, tl.max(per_row, axis=0)):
                 live = bits != 0
-                low = bits & (0 - bits)
-                p = row_start + _popc32(low - 1)
-                v = tl.load(new_base + p, mask=live)
-                o = tl.load(old_base + p, mask=live)
+                p = row_start + _popc32((bits & (0 - bits)) - 1)
+                bits = bits & (bits - 1)
+                v = tl.load(new_base + p, mask=live, other=0)
+                o = tl.load(old_base + p, mask=live, other=0)
+                q = first + p
+                t = tl.where(live, _change_a(v, o, q, GROUP), 0)
+                upper = (q >> GROUP_BITS) != g0
+                acc0 += tl.where(upper, 0, t)
+                acc1 += tl.where(upper, t, 0)
                 keep = live & (dest < cap)
-                tl.store(pos_ptr + dest, (first + p).to(tl.int32), mask=keep)
+                tl.store(pos_ptr + dest, q.to(tl.int32), mask=keep)
                 tl.store(val_ptr + dest, v, mask=keep)
-                tl.store(old_ptr + dest, o, mask=keep)
                 tl.store(old_base + p, v, mask=live)
                 dest += live.to(tl.int32)
-                bits = bits & (bits - 1)
+            s0 = tl.sum(acc0, axis=0)
+            s1 = tl.sum(acc1, axis=0)
+            tl.atomic_add(delta_ptr, s0 * _mix_b(g0) + s1 * _mix_b(g0 + 1))
 
     @triton.jit
-    def _diff_sparse_kernel(new_ptr, base_ptr, n_words, first, counter_ptr, pos_ptr, val_ptr, old_ptr, cap, ROWS: tl.constexpr):
+    def _change_a(v, o, q, GROUP: tl.constexpr):
+        """(v - o) * A(q mod GROUP) in wrapping int64: a changed word's term of the delta sum
+        before its group's factor B."""
+        return (v.to(tl.int64) - o.to(tl.int64)) * _mix_a((q & (GROUP - 1)).to(tl.int32)).to(tl.int64)
+
+    @triton.jit
+    def _diff_sparse_kernel(new_ptr, base_ptr, n_words, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS: tl.constexpr,
+                            GROUP: tl.constexpr, GROUP_BITS: tl.constexpr):
         """The one-pass diff of one piece, a tile per program (see _diff_rows)."""
-        _diff_rows(new_ptr, base_ptr, tl.program_id(0).to(tl.int64), n_words, first, counter_ptr, pos_ptr, val_ptr, old_ptr, cap, ROWS)
+        _diff_rows(new_ptr, base_ptr, tl.program_id(0).to(tl.int64), n_words, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS,
+                   GROUP, GROUP_BITS)
 
     @triton.jit
     def _pairs_sum_kernel(pos_ptr, val_ptr, old_ptr, n, out_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr):
@@ -288,22 +311,23 @@ def diff_into(
     base_w: torch.Tensor,
     first: int,
     counter: torch.Tensor,
+    delta: torch.Tensor,
     positions_out: torch.Tensor,
     values_out: torch.Tensor,
-    old_out: torch.Tensor,
 ) -> None:
     """One pass over a piece of a bucket: for each word of `new_w` that differs from `base_w`,
     claim a slot in `counter` (int32, shared by every piece of the bucket), write `first` + its
-    index to `positions_out`, its new word to `values_out` and its old word to `old_out` when the
-    slot is below their capacity, and copy it into `base_w`. Blocks claim slots in any order, so
-    positions are sorted within a block only; `counter` ends at the true count either way."""
+    index to `positions_out` and its new word to `values_out` when the slot is below their
+    capacity, add h(first + index) * (new - old) to `delta` (one int64, shared likewise) and copy
+    the word into `base_w`. Blocks claim slots in any order, so positions are sorted within a
+    block only; `counter` and `delta` end at the true count and sum either way."""
     n = new_w.numel()
     words = DIFF_ROWS * 32
     nb = (n + words - 1) // words
     if nb:
         _diff_sparse_kernel[(nb,)](
-            new_w, base_w, n, first, counter, positions_out, values_out, old_out, positions_out.numel(),
-            ROWS=DIFF_ROWS, num_warps=DIFF_NUM_WARPS,
+            new_w, base_w, n, first, counter, delta, positions_out, values_out, positions_out.numel(),
+            ROWS=DIFF_ROWS, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=DIFF_NUM_WARPS,
         )
 
 
