@@ -9,8 +9,9 @@ frames are still received (senders finish), then the failure is raised.
 Two places for the base. With `destinations` holding every entry in the wire layout, the loader's
 own tensors are the base (`ckpt_engine.delta.pieces.ScatteredImage`): a patch's old words are read
 where they live and its new ones written right after (so the writes overlap the transfer instead of
-trailing it), and the old words are kept until the sync ends: a later failure writes them back,
-latest bucket first, before it is raised. Dense buckets are staged and copied in after the checks;
+trailing it), its check is read back with every other bucket's after the last one (the host does
+not wait for a patch's kernels between buckets), and the old words are kept until the sync ends: a
+failure writes them back, latest bucket first, before it is raised. Dense buckets are staged and copied in after the checks;
 no bucket-sized copy exists at all (no base copy, no loader copy of the whole model). Otherwise
 each bucket has a base image in device memory, patched after every check has passed, whose views
 are handed to the loader.
