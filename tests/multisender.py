@@ -67,13 +67,14 @@ def wire(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def shard_rank(
     rank: int, rdzv: Rendezvous, *, bucket_size: int = 16 * 1024, versions: int = 3, lr: float = 0.0,
     delta: str = "off", corrupt: int | None = None, engine_kwargs: dict[str, Any] | None = None, full_every: int = 0,
-    in_place: bool = False, touch: int | None = None, corrupt_skip: int = 0,
+    in_place: bool = False, touch: int | None = None, corrupt_skip: int = 0, corrupt_count: int = 1,
 ) -> dict[str, Any]:
     """Senders each send their dim-0 row block of every tensor of >= 2 dims (the rest whole, balanced
     by the planner); receivers check every tensor bit for bit after each version. With `delta`,
     version 0 seeds the bases and later versions travel as patches (`full_every`: a dense seed every
     that many syncs). `corrupt`: the sync (version) in which the first sender corrupts a patch
-    (its first, or the one after `corrupt_skip` others: receivers have then applied earlier ones).
+    (its first, or the one after `corrupt_skip` others: receivers have then applied earlier ones),
+    and `corrupt_count` patches from there (their bucket indices in the sender's "tampered").
     `in_place`: receivers offer their own tensors as destinations (the loader's tensors are then
     the delta base); `touch`: before that sync, receivers change one word of their "wide" tensor
     outside any sync. After a failed sync a receiver reports whether its tensors still hold the
@@ -83,8 +84,9 @@ def shard_rank(
     engine = CheckpointEngineRegistry.new(
         rdzv.backend, bucket_size_bytes=bucket_size, timeout_s=rdzv.timeout_s, device=dev, **(engine_kwargs or {})
     )
+    tampered: list[int] = []
     if corrupt is not None and rank == 0:
-        state = {"armed": False, "skip": corrupt_skip}
+        state = {"armed": False, "skip": corrupt_skip, "left": corrupt_count}
 
         def tamper(index: int, msg: torch.Tensor) -> None:
             if state["armed"] and msg.numel() > 40:  # a payload, not a frame header
@@ -92,11 +94,13 @@ def shard_rank(
                     state["skip"] -= 1
                     return
                 msg[40] ^= 0x10
-                state["armed"] = False
+                tampered.append(index)
+                state["left"] -= 1
+                state["armed"] = state["left"] > 0
 
         engine._tamper_hook = tamper  # type: ignore[method-assign]
     engine.init_process_group(rdzv, rank)
-    out: dict[str, Any] = {"bad": [], "errors": [], "stats": []}
+    out: dict[str, Any] = {"bad": [], "errors": [], "stats": [], "tampered": tampered}
     base_id = None
     mine: dict[str, torch.Tensor] | None = None
     for version in range(versions):

@@ -114,6 +114,18 @@ def test_in_place_corrupt_patch_leaves_the_loaders_tensors_on_the_old_version(sk
         assert r["bad"] == [] and r["kept"] == []  # version 1 exactly, nothing of version 2
 
 
+def test_in_place_receivers_name_the_first_bad_bucket_of_a_sync() -> None:
+    """In place, every bucket's check is read back once after the last bucket: with two corrupt
+    patches in one sync the error still names the earlier bucket, and every written patch of that
+    sync is rolled back."""
+    results = run_ranks(shard_rank, 3, versions=3, lr=1e-5, delta="on", corrupt=2, in_place=True, corrupt_skip=1, corrupt_count=2)
+    tampered = results[0]["tampered"]
+    assert len(tampered) == 2
+    for r in results[1:]:
+        assert len(r["errors"]) == 1 and f"bucket {min(tampered)} from sender" in r["errors"][0], (tampered, r["errors"])
+        assert r["bad"] == [] and r["kept"] == []
+
+
 def test_a_tensor_changed_outside_a_sync_is_no_longer_a_base() -> None:
     """A receiver whose own tensor was written between syncs refuses the next patch sync, naming
     the tensor, instead of patching on top of weights the sender does not know."""
