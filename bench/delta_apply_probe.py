@@ -6,13 +6,11 @@ a scatter32-like patch: a fraction of the tensors' words, positions sorted withi
 words (the sender's tiles) with the runs in shuffled order, random new values. Times (CUDA events,
 warm-up, median of --reps) of:
   old        ScatteredImage.gather + scatter + pair_delta on int64 positions (the receiver before
-             swap_in; the kernels as they are now, per-block region lookup included)
+             swap_in)
   old_range  what decode added to it for scatter32: int32 -> int64 copy, min/max range check and
              its host sync
-  old_word   `old` with the per-block lookup off (every position's region searched, as before)
   swap       ScatteredImage.swap_in on the int32 positions (decode(check_range=False) leaves them)
-  swap_word  `swap` with the per-block lookup off
-`vs before` is (old_word + old_range) / swap: the receiver before this change against now. It
+`vs before` is (old + old_range) / swap: the receiver before swap_in against now. It
 also checks once that swap_in's old words, outside count, checksum change and written tensors
 equal the old path's.
 
@@ -124,11 +122,8 @@ def probe(gib: float, changed: float, num_regions: int, reps: int, seed: int) ->
         _old, bad, change = image.swap_in(pos32, vals)
         torch.stack([change.reshape(()), bad.reshape(()).to(torch.int64)]).tolist()
 
-    for lookup, tag in ((True, ""), (False, "_word")):
-        pieces.BLOCK_LOOKUP = lookup
-        row[f"old{tag}_s"] = _timed(old_path, reps)
-        row[f"swap{tag}_s"] = _timed(swap, reps)
-    pieces.BLOCK_LOOKUP = True
+    row["old_s"] = _timed(old_path, reps)
+    row["swap_s"] = _timed(swap, reps)
     row["old_range_s"] = _timed(old_range, reps)
     return row
 
@@ -155,14 +150,14 @@ def main() -> None:
                 row.update(block=float(block), warps=float(warps))
                 rows.append(row)
                 torch.cuda.empty_cache()
-    head = f"{'changed':>7} {'block':>5} {'warps':>5} {'old ms':>8} {'+range':>7} {'old/word':>9} {'swap ms':>8} {'swap/word':>9} {'vs before':>9} match"
+    head = f"{'changed':>7} {'block':>5} {'warps':>5} {'old ms':>8} {'+range':>7} {'swap ms':>8} {'vs before':>9} match"
     print(f"{torch.cuda.get_device_name()}: {args.gib} GiB bucket of int32 words in {args.regions} tensors, median of {args.reps}")
     print(head)
     for r in rows:
-        speedup = (r["old_word_s"] + r["old_range_s"]) / r["swap_s"]
+        speedup = (r["old_s"] + r["old_range_s"]) / r["swap_s"]
         print(
             f"{r['changed']:>7.2%} {int(r['block']):>5} {int(r['warps']):>5} {r['old_s'] * 1e3:>8.3f} {r['old_range_s'] * 1e3:>7.3f} "
-            f"{r['old_word_s'] * 1e3:>9.3f} {r['swap_s'] * 1e3:>8.3f} {r['swap_word_s'] * 1e3:>9.3f} {speedup:>8.2f}x {bool(r['match'])}"
+            f"{r['swap_s'] * 1e3:>8.3f} {speedup:>8.2f}x {bool(r['match'])}"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["batched_copy_"]
+__all__ = ["batched_copy_", "put_int64s_"]
 
 
 def batched_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
@@ -28,3 +28,17 @@ def batched_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) ->
         keep_s.append(s)
     if keep_d:
         torch._foreach_copy_(keep_d, keep_s)
+
+
+def put_int64s_(dst: torch.Tensor, values: Sequence[int]) -> None:
+    """dst[i] = values[i] for a 1-D int64 tensor, without a host sync: on CUDA one copy from
+    pinned memory (a copy from pageable memory would wait for the work queued before it),
+    elsewhere one fill kernel per value."""
+    if dst.dtype != torch.int64 or dst.dim() != 1 or dst.numel() != len(values):
+        raise ValueError(f"need a 1-D int64 tensor of {len(values)} values, got {dst.dtype} of shape {tuple(dst.shape)}")
+    if dst.is_cuda:
+        src = torch.tensor(list(values), dtype=torch.int64).pin_memory()
+        dst.copy_(src, non_blocking=True)  # the host allocator keeps `src` until the copy has run
+        return
+    for i, v in enumerate(values):
+        dst[i].fill_(v)

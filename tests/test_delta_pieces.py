@@ -232,7 +232,7 @@ _INTERPRETED_SWAP = textwrap.dedent(
     import math, torch
     from ckpt_engine.delta import pieces
     from ckpt_engine.delta.pieces import ScatteredImage
-    pieces.BLOCK = 16  # many blocks: most in one region (the per-block lookup), some across two
+    pieces.BLOCK = 16  # many blocks: most in one region, some across two
     g = torch.Generator().manual_seed(5)
 
     def fused(img, ts, firsts):
@@ -243,8 +243,7 @@ _INTERPRETED_SWAP = textwrap.dedent(
         img._steps = max(1, math.ceil(math.log2(len(ts))) + 1)
         return img
 
-    for dt, lookup in ((torch.int16, True), (torch.int32, True), (torch.int32, False), (torch.int64, True)):
-        pieces.BLOCK_LOOKUP = lookup  # False: every lane searches (the kernels' other branch)
+    for dt in (torch.int16, torch.int32, torch.int64):
         sizes, firsts, at, ts = (40, 3, 100, 1, 70), [], 0, []
         for n in sizes:
             at += 3  # padding before every region
@@ -278,7 +277,7 @@ _INTERPRETED_SWAP = textwrap.dedent(
         for f, t in zip(firsts, ts):  # a repeated word holds one of its new values
             for q in set(q for q in pos if pos.count(q) > 1 and f <= q < f + t.numel()):
                 assert int(t[q - f]) in [int(vals[i]) for i, p in enumerate(pos) if p == q], dt
-        # the plain gather/scatter kernel with the same per-block lookup
+        # the plain gather/scatter kernel
         g_old, g_bad = gpu.gather(pos_t)
         c_old, c_bad = cpu.gather(pos_t)
         assert torch.equal(g_old, c_old) and int(g_bad) == int(c_bad) == 9, dt
@@ -294,8 +293,8 @@ _INTERPRETED_SWAP = textwrap.dedent(
 
 
 def test_swap_in_run_by_the_interpreter_matches_the_cpu_path() -> None:
-    """The two swap_in kernels (read + checksum change, then write) and the per-block region
-    lookup, executed by Triton's CPU interpreter, against the numpy path on a twin image."""
+    """The two swap_in kernels (read + checksum change, then write), executed by Triton's CPU
+    interpreter, against the numpy path on a twin image."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", _INTERPRETED_SWAP], env=env, capture_output=True, text=True, timeout=600)

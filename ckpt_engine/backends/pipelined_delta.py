@@ -23,7 +23,7 @@ import torch
 from ckpt_engine.backends.delta_bases import DELTA_BASES, DENSE, PATCH, Bases
 from ckpt_engine.backends.piece_reader import PieceReader
 from ckpt_engine.backends.wire_views import flat_bytes
-from ckpt_engine.copies import batched_copy_
+from ckpt_engine.copies import batched_copy_, put_int64s_
 from ckpt_engine.delta import codec
 from ckpt_engine.delta.direct import SCATTER_BELOW, BucketDiff, capacity
 from ckpt_engine.delta.layout import header_fields, word_dtype
@@ -289,7 +289,7 @@ class DeltaTransferMixin:
             if host is not None:
                 host["host_wait_s"] += time.perf_counter() - t0
         size, delta_sum, num_changed = diff.finish()
-        if num_changed > diff.cap * self._margins(n, word)[1]:  # near the limit: the codec next time (it never overflows)
+        if num_changed > diff.cap * self._margins(diff.scatter_below)[1]:  # near the limit: the codec next time (it never overflows)
             bases.calm.discard(key)
         return self._frame_of(bases, key, n, word, size, delta_sum, num_changed, diff.out)
 
@@ -316,7 +316,8 @@ class DeltaTransferMixin:
         if image is not kept:
             kept.copy_(image, non_blocking=True)
         num_changed, delta_sum = header_fields(out[:size]) if size is not None else (n // word, 0)
-        if size is not None and num_changed <= capacity(n, word, self._scatter_below(n, word)) * self._margins(n, word)[0]:
+        below = self._scatter_below(n, word)
+        if size is not None and num_changed <= capacity(n, word, below) * self._margins(below)[0]:
             bases.calm.add(key)
         frame = self._frame_of(bases, key, n, word, size, delta_sum, num_changed, out)
         if frame[0] == DENSE and image is not kept:
@@ -330,9 +331,10 @@ class DeltaTransferMixin:
         fit = max(0, half - 64) // (4 + word) / max(1, n // word)
         return max(min(self.delta_scatter_below, fit), 1e-9)
 
-    def _margins(self, n: int, word: int) -> tuple[float, float]:
-        """(join, leave) fractions of a scatter patch's capacity (see _JOIN_AT)."""
-        return (_JOIN_AT, _LEAVE_AT) if self._scatter_below(n, word) > SCATTER_BELOW else (1.0, 1.0)
+    @staticmethod
+    def _margins(below: float) -> tuple[float, float]:
+        """(join, leave) fractions of a scatter patch's capacity under limit `below` (see _JOIN_AT)."""
+        return (_JOIN_AT, _LEAVE_AT) if below > SCATTER_BELOW else (1.0, 1.0)
 
     def _stage_of(self, n: int) -> torch.Tensor:
         """The device buffer a host-kept base is staged in (one bucket, allocated once)."""
@@ -352,14 +354,9 @@ class DeltaTransferMixin:
 
     def _frame_header(self, kind: int, size: int, checksum: torch.Tensor | None) -> torch.Tensor:
         """(kind, bytes, checksum) of one bucket, one int64 row on the transport's device, written
-        without a host sync: on CUDA from pinned memory, elsewhere by fill kernels (a copy from
-        pageable memory would wait for the queued diff kernels)."""
-        if self.device.type == "cuda":
-            header = torch.tensor([[kind, size, 0]], dtype=torch.int64).pin_memory().to(self.device, non_blocking=True)
-        else:
-            header = torch.zeros((1, 3), dtype=torch.int64, device=self.device)
-            header[0, 0].fill_(kind)
-            header[0, 1].fill_(size)
+        without a host sync (which would wait for the queued diff kernels)."""
+        header = torch.empty((1, 3), dtype=torch.int64, device=self.device)
+        put_int64s_(header[0], [kind, size, 0])
         if checksum is not None:
             header[0, 2].copy_(checksum.reshape(()))
         return header

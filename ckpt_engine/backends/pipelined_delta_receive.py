@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -68,7 +69,8 @@ class DeltaReceiveMixin:
                 header = torch.empty((1, 3), dtype=torch.int64, device=self.device)
                 where = f"bucket {step.bucket.index} from sender {step.bucket.sender}"
                 self._settle(step.gid, self._broadcast_on(step.gid, None, header), f"the frame header of {where}")
-                kind, size, expect = self._host_list(header[0], step.gid)
+                with self._reading_stream(step.gid):
+                    kind, size, expect = header[0].tolist()
                 self._check_frame(step, kind, size, delta)
                 frames.append((kind, size, expect))
                 if kind == DENSE and places is None:
@@ -232,7 +234,8 @@ class DeltaReceiveMixin:
             if places is None:
                 patch = codec.decode(payload, n, word)
             else:  # swap_in counts positions outside the bucket's tensors (those < 0 or past the bucket among them)
-                head = self._host_bytes(payload[: codec.PATCH_HEADER_BYTES], step.gid)
+                with self._reading_stream(step.gid):
+                    head = payload[: codec.PATCH_HEADER_BYTES].cpu().numpy().tobytes()
                 patch = codec.decode(payload, n, word, check_range=False, head=head)
         except codec.PatchError as exc:
             self._broken = True
@@ -277,19 +280,10 @@ class DeltaReceiveMixin:
                 return TransferError(_mismatch(where, expect, got))
         return None
 
-    def _host_list(self, t: torch.Tensor, gid: int) -> list[Any]:
-        """`t` on the host, copied on group `gid`'s stream (whose broadcast wrote it): the copy
-        does not wait for the patch kernels queued on the compute stream."""
-        if self._comm_stream is None:
-            return t.tolist()
-        with self._stream_ctx(self._streams[gid]):
-            return t.tolist()
-
-    def _host_bytes(self, t: torch.Tensor, gid: int) -> bytes:
-        if self._comm_stream is None:
-            return t.cpu().numpy().tobytes()
-        with self._stream_ctx(self._streams[gid]):
-            return t.cpu().numpy().tobytes()
+    def _reading_stream(self, gid: int) -> Any:
+        """Where a header is copied to the host: group `gid`'s stream (whose broadcast wrote it), so
+        the copy does not wait for the patch kernels queued on the compute stream."""
+        return nullcontext() if self._comm_stream is None else self._stream_ctx(self._streams[gid])
 
     def _apply_all(
         self, bases: Bases, places: dict[int, ScatteredImage] | None, arrived: dict[int, Any], steps: list[Any], frames: list[tuple[int, int, int]]

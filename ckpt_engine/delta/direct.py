@@ -73,6 +73,7 @@ class BucketDiff:
             raise ValueError(f"a bucket of {nbytes} bytes cannot be diffed in words of {word_bytes} bytes with int32 positions")
         self.out, self.nbytes, self.word_bytes = out, nbytes, word_bytes
         self.num_words = nbytes // word_bytes
+        self.scatter_below = scatter_below
         self.cap = capacity(nbytes, word_bytes, scatter_below)
         self.device = out.device
         self._fused = kernels.available(self.device)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ckpt_engine.copies import put_int64s_
 from ckpt_engine.delta import kernels
 
 __all__ = [
@@ -143,16 +144,10 @@ def index_bytes(kind: str, num_words: int, num_changed: int) -> int:
 
 
 def write_header(out: torch.Tensor, kind: str, word_bytes: int, num_words: int, num_changed: int) -> None:
-    """Header fields but delta_sum, without a host sync: on CUDA one copy from pinned memory
-    (pageable memory would sync), elsewhere fill kernels."""
+    """Header fields but delta_sum, without a host sync (copies.put_int64s_)."""
     head = HEADER.pack(MAGIC, FORMAT_VERSION, KIND_IDS[kind], word_bytes, 0, num_words, num_changed, 0)
-    if out.is_cuda:
-        src = torch.frombuffer(bytearray(head[: PATCH_HEADER_BYTES - 8]), dtype=torch.uint8).pin_memory()
-        out[: PATCH_HEADER_BYTES - 8].copy_(src, non_blocking=True)  # the host allocator keeps `src` until it ran
-        return
-    fields = out[: PATCH_HEADER_BYTES - 8].view(torch.int64)
-    for i in range(3):
-        fields[i].fill_(int.from_bytes(head[8 * i : 8 * i + 8], "little", signed=True))
+    fields = [int.from_bytes(head[8 * i : 8 * i + 8], "little", signed=True) for i in range(3)]
+    put_int64s_(out[: PATCH_HEADER_BYTES - 8].view(torch.int64), fields)
 
 
 def store_delta_sum(out: torch.Tensor, delta: torch.Tensor) -> None:

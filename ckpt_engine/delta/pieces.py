@@ -6,8 +6,8 @@ Each region maps a run of the bucket's words onto a 1-D word view of one tensor 
 of it this bucket carries). Words of the bucket outside every region (alignment padding) belong to
 no tensor: a patch that touches one is refused. On CUDA a Triton kernel finds the positions'
 regions and reads or writes the words through one base pointer (every region's offset from it is
-precomputed), by a binary search over the region starts per position (BLOCK_LOOKUP: one search per
-block of positions that lies in one region, measured no faster).
+precomputed), by a binary search over the region starts per position (one search per block of
+positions that lies in one region was tried: no faster on an H200).
 A patch is applied by two kernels (swap_in): the first reads every old word and sums the patch's
 checksum change, the second writes. Elsewhere numpy and torch ops group the positions by region.
 """
@@ -35,11 +35,9 @@ try:  # Triton is optional: CPU installs and GPUs without it use the torch path.
 except Exception:  # pragma: no cover - depends on the install
     _HAVE_TRITON = False
 
-# Positions per program and warps of the gather / scatter / swap kernels, and whether a block of
-# positions in one region skips the per-word search (bench/delta_apply_probe.py times them all).
+# Positions per program and warps of the gather / scatter / swap kernels (bench/delta_apply_probe.py).
 BLOCK = 1024
 NUM_WARPS = 4
-BLOCK_LOOKUP = False  # on an H200 (bench/delta_apply_probe.py) it was no faster: 0.53 vs 0.45 ms per GiB at 2 %
 
 if _HAVE_TRITON:
     _mix_a = kernels._mix_a
@@ -60,41 +58,27 @@ if _HAVE_TRITON:
         return at
 
     @triton.jit
-    def _addresses(p, m, starts_ptr, ends_ptr, rel_ptr, n_regions, steps, BLOCK_LOOKUP: tl.constexpr):
+    def _addresses(p, m, starts_ptr, ends_ptr, rel_ptr, n_regions, steps):
         """(word offset from the base pointer, inside a region) for a block's positions `p` (valid
-        lanes `m`). When the block's smallest and largest valid positions lie in one region, every
-        valid lane is in it (regions are contiguous runs of words): one scalar search for the
-        block instead of one per word, and no per-lane table reads. Otherwise (or without
-        BLOCK_LOOKUP) each lane searches."""
-        one = False
-        r0 = 0
-        if BLOCK_LOOKUP:
-            lo_p = tl.min(tl.where(m, p, 9223372036854775807), axis=0)
-            hi_p = tl.max(tl.where(m, p, -9223372036854775807), axis=0)
-            r0 = _locate(lo_p, starts_ptr, n_regions, steps)
-            one = (lo_p >= tl.load(starts_ptr + r0)) & (hi_p < tl.load(ends_ptr + r0))
-        if one:
-            ok = m
-            addr = p + tl.load(rel_ptr + r0)
-        else:
-            r = _locate(p, starts_ptr, n_regions, steps)
-            lo = tl.load(starts_ptr + r, mask=m, other=0)
-            hi = tl.load(ends_ptr + r, mask=m, other=0)
-            ok = m & (p >= lo) & (p < hi)
-            addr = tl.load(rel_ptr + r, mask=ok, other=0) + p
+        lanes `m`): each lane searches the region starts."""
+        r = _locate(p, starts_ptr, n_regions, steps)
+        lo = tl.load(starts_ptr + r, mask=m, other=0)
+        hi = tl.load(ends_ptr + r, mask=m, other=0)
+        ok = m & (p >= lo) & (p < hi)
+        addr = tl.load(rel_ptr + r, mask=ok, other=0) + p
         return addr, ok
 
     @triton.jit(do_not_specialize=["n", "n_regions", "steps"])
     def _pieces_kernel(
         pos_ptr, n, starts_ptr, ends_ptr, rel_ptr, n_regions, steps, base_ptr, vals_ptr, bad_ptr,
-        BLOCK: tl.constexpr, WRITE: tl.constexpr, BLOCK_LOOKUP: tl.constexpr,
+        BLOCK: tl.constexpr, WRITE: tl.constexpr,
     ):
         """WRITE: base[rel[r] + p] = vals[i]; else vals[i] = base[rel[r] + p] (0 outside regions).
         Positions outside every region are counted in `bad` and never touch memory."""
         idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = idx < n
         p = tl.load(pos_ptr + idx, mask=m, other=0).to(tl.int64)
-        addr, ok = _addresses(p, m, starts_ptr, ends_ptr, rel_ptr, n_regions, steps, BLOCK_LOOKUP)
+        addr, ok = _addresses(p, m, starts_ptr, ends_ptr, rel_ptr, n_regions, steps)
         if WRITE:
             tl.store(base_ptr + addr, tl.load(vals_ptr + idx, mask=ok), mask=ok)
         else:
@@ -106,7 +90,7 @@ if _HAVE_TRITON:
     @triton.jit(do_not_specialize=["n", "n_regions", "steps"])
     def _swap_read_kernel(
         pos_ptr, n, starts_ptr, ends_ptr, rel_ptr, n_regions, steps, base_ptr, vals_ptr, old_ptr, bad_ptr, part_ptr,
-        BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr, BLOCK_LOOKUP: tl.constexpr,
+        BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr,
     ):
         """The read half of swap_in: old[i] = base[rel[r] + p] (0 outside every region, counted
         in `bad`), and this block's partial sum of h(p) * (vals[i] - old[i]) in wrapping int64,
@@ -115,7 +99,7 @@ if _HAVE_TRITON:
         idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         m = idx < n
         p = tl.load(pos_ptr + idx, mask=m, other=0).to(tl.int64)
-        addr, ok = _addresses(p, m, starts_ptr, ends_ptr, rel_ptr, n_regions, steps, BLOCK_LOOKUP)
+        addr, ok = _addresses(p, m, starts_ptr, ends_ptr, rel_ptr, n_regions, steps)
         o = tl.load(base_ptr + addr, mask=ok, other=0)
         tl.store(old_ptr + idx, o, mask=m)
         v = tl.load(vals_ptr + idx, mask=m, other=0).to(tl.int64)
@@ -177,7 +161,7 @@ class ScatteredImage:
         if n:
             _pieces_kernel[(triton.cdiv(n, BLOCK),)](
                 positions, n, self._starts_d, self._ends_d, self._rel_d, len(self.regions), self._steps, self._anchor, values, bad,
-                BLOCK=BLOCK, WRITE=write, BLOCK_LOOKUP=BLOCK_LOOKUP, num_warps=NUM_WARPS,
+                BLOCK=BLOCK, WRITE=write, num_warps=NUM_WARPS,
             )
 
     def _run(self, positions: torch.Tensor, values: torch.Tensor, write: bool) -> torch.Tensor:
@@ -271,7 +255,7 @@ class ScatteredImage:
         if n:
             _swap_read_kernel[(nb,)](
                 positions, n, self._starts_d, self._ends_d, self._rel_d, len(self.regions), self._steps, self._anchor, values, old, bad,
-                partial, BLOCK=BLOCK, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, BLOCK_LOOKUP=BLOCK_LOOKUP, num_warps=NUM_WARPS,
+                partial, BLOCK=BLOCK, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=NUM_WARPS,
             )
             self._launch(positions, values, True, bad.new_empty(1))  # scratch: the read counted these already
         return old, bad, partial.sum()
