@@ -24,11 +24,14 @@ equal what the trainer exported (checksums).
     python bench/fsdp2_multisender_bench.py --preset qwen2.5-7b --trainers 2 --receivers 1 --json out.json
     python bench/fsdp2_multisender_bench.py --device cpu --preset tiny --repeats 2      # smoke test
     python bench/fsdp2_multisender_bench.py --trainers 2 --receivers 1 --receiver-gpus 1 --backend nccl_handoff
+    ... --profile DIR    # also one more untimed multi sync per rank under cProfile: DIR/<role>.prof
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import datetime
 import json
 import os
@@ -37,6 +40,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -129,6 +133,24 @@ def _device_of(rank: int, args: argparse.Namespace) -> torch.device:
     if rank < args.trainers:
         return torch.device("cuda", args.trainer_gpus[rank])
     return torch.device("cuda", args.receiver_gpus[(rank - args.trainers) % len(args.receiver_gpus)])
+
+
+@contextlib.contextmanager
+def _profiled(args: argparse.Namespace, role: str) -> Iterator[None]:
+    """cProfile of the block into `<--profile>/<role>.prof` when --profile is set (one more untimed
+    multi sync, outside CommDebugMode, whose dispatch hook would inflate every tensor op): where
+    each rank's host time goes."""
+    if not args.profile:
+        yield
+        return
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        os.makedirs(args.profile, exist_ok=True)
+        prof.dump_stats(os.path.join(args.profile, f"{role}.prof"))
 
 
 def _timed(ranks: _Ranks, repeats: int, step: Any, before: Any = None) -> list[float]:
@@ -265,11 +287,16 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], ou
             send("multi", args.repeats + 1)
         result["multi_all_gathers"] = sum(n for op, n in comm.get_comm_counts().items() if "gather" in str(op))
         ranks.barrier()
+        if args.profile:
+            with _profiled(args, f"trainer{rank}"):
+                send("multi", args.repeats + 2)
+            ranks.barrier()
     if rank == 0:
         result.update(bytes=total, tensors=manifests["single"].num_tensors, bytes_per_sender=shares,
                       local_senders=list(getattr(sync["multi"], "local_senders", [])),
                       gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                       digests_agree=all(store.get(f"digest/{r}").decode() == manifests["multi"].digest for r in range(args.trainers)))
+    result["plan_builds"] = sync["multi"].send_plan_builds  # copy plans recorded over every multi sync (1: replayed after the first)
     for engine_ in sync.values():
         engine_.finalize()
     with open(os.path.join(out_dir, f"trainer{rank}.json"), "w") as f:
@@ -317,6 +344,11 @@ def _receiver_main(rank: int, args: argparse.Namespace, ports: dict[str, int], o
         ranks.barrier()
         receive("multi", args.repeats + 1)
         ranks.barrier()
+        if args.profile:
+            with _profiled(args, f"receiver{index}"):
+                receive("multi", args.repeats + 2)
+            ranks.barrier()
+    result["plan_builds"] = sync["multi"].receive_plan_builds
     for engine in sync.values():
         engine.finalize()
     with open(os.path.join(out_dir, f"receiver{index}.json"), "w") as f:
@@ -356,6 +388,7 @@ def _summary(args: argparse.Namespace, parts: dict[str, dict[str, Any]]) -> dict
         out["single_over_multi"] = out["single_s"] / out["multi_s"]
     if "multi" in args.modes:
         out["multi_all_gathers"] = {k: v["multi_all_gathers"] for k, v in parts.items() if k.startswith("trainer")}
+        out["multi_plan_builds"] = {k: v["plan_builds"] for k, v in parts.items()}
     if "multi" in args.modes and out["local_senders"]:
         # The shrunk topology's goal: every rank sends its own shard (some through the hand-off),
         # within 1.05x of one NCCL broadcast of all the bytes from trainer rank 0, same run.
@@ -383,6 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--timeout-s", type=float, default=600.0)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", default=None, help="folder: cProfile of one more untimed multi sync per rank (<role>.prof)")
     args = p.parse_args(argv)
     gpus = torch.cuda.device_count()
     if args.device == "auto":

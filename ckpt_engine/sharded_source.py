@@ -16,7 +16,7 @@ import torch
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.ownership import OwnerMap, row_shards
 
-__all__ = ["ShardedStateDictSource", "ShardedWeightSource", "iter_pieces", "piece_names"]
+__all__ = ["PieceWalk", "ShardedStateDictSource", "ShardedWeightSource", "iter_pieces", "piece_names"]
 
 
 @runtime_checkable
@@ -28,7 +28,8 @@ class ShardedWeightSource(Protocol):
     replicated on every rank; the planner assigns them. `local_piece(name)`: this rank's shard of
     a tensor it owns (its bytes in the tensor's row-major layout, any shape, wire dtype or a float
     dtype to cast from), or the whole tensor when it is replicated. Called in plan order, once per
-    piece; the tensor may be freed after the next call unless `stable_tensors` is true.
+    piece; the tensor may be freed after the next call unless `stable_tensors` is true. Optional:
+    `piece_anchors()`, inside a walk, the tensors every piece is a view of (see `PieceWalk`).
     """
 
     sender_index: int
@@ -52,19 +53,63 @@ def piece_names(manifest: BucketManifest, sender: int) -> Iterator[str]:
                 yield e.name
 
 
-def iter_pieces(source: ShardedWeightSource, manifest: BucketManifest) -> Iterator[tuple[str, torch.Tensor]]:
-    """The (name, piece) pairs this rank sends, in the order of its buckets. A source with
-    `begin_pieces()` / `end_pieces()` hooks hears when the walk starts and ends (it may keep what
-    it made for one walk, e.g. casts, and must drop it before the next)."""
-    begin, end = getattr(source, "begin_pieces", None), getattr(source, "end_pieces", None)
-    if callable(begin):
-        begin()
-    try:
-        for name in piece_names(manifest, source.sender_index):
-            yield name, source.local_piece(name)
-    finally:
-        if callable(end):
-            end()
+def iter_pieces(source: ShardedWeightSource, manifest: BucketManifest) -> PieceWalk:
+    """The (name, piece) pairs this rank sends, in the order of its buckets, as a `PieceWalk`. A
+    source with `begin_pieces()` / `end_pieces()` hooks hears when the walk starts and ends (it may
+    keep what it made for one walk, e.g. casts, and must drop it before the next)."""
+    return PieceWalk(source, manifest)
+
+
+class PieceWalk:
+    """One walk of a source's pieces: iterating it yields (name, piece) pairs (one generator per
+    walk, so a caller that resumes iterating after a failure continues the same walk).
+
+    A source with `piece_anchors()` also lets a transport skip the walk: `anchors()` starts it
+    without producing a single piece and returns the tensors every piece is a view of, so a
+    transport that recorded its copies from these pieces at an earlier sync may replay them while
+    the anchors stay where they were (`backends/copy_plan.py`); `close()` ends it."""
+
+    def __init__(self, source: ShardedWeightSource, manifest: BucketManifest) -> None:
+        self.source, self.manifest = source, manifest
+        self._gen: Iterator[tuple[str, torch.Tensor]] | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._gen is None:
+            self._gen = self._walk()
+        return self._gen
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(iter(self))
+
+    def _walk(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._hook("begin_pieces")
+        try:
+            for name in piece_names(self.manifest, self.source.sender_index):
+                yield name, self.source.local_piece(name)
+        finally:
+            self._hook("end_pieces")
+
+    def _hook(self, name: str) -> None:
+        fn = getattr(self.source, name, None)
+        if callable(fn):
+            fn()
+
+    def anchors(self) -> list[torch.Tensor] | None:
+        """Start a walk that produces no piece (call `close()` after the transfer) and return the
+        source's anchors; None when the source cannot name them."""
+        get = getattr(self.source, "piece_anchors", None)
+        if not callable(get):
+            return None
+        self._hook("begin_pieces")
+        try:
+            return list(get())
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """End a walk `anchors()` started."""
+        self._hook("end_pieces")
 
 
 def even_rows(rows: int, num_senders: int) -> list[int]:
@@ -115,6 +160,10 @@ class ShardedStateDictSource:
                 t = t[start : start + rows[self.sender_index]]
             piece = self._pieces[name] = t
         return piece
+
+    def piece_anchors(self) -> list[torch.Tensor]:
+        """The tensors every piece is a view of (see `PieceWalk.anchors`)."""
+        return list(self.weights.values())
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.weights.items()

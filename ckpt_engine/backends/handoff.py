@@ -219,8 +219,10 @@ class HandoffCheckpointEngine(PipelinedBroadcastEngine):
             if self.rank in self._local:
                 self._count[self.rank] = 0
                 self._own_index = self._schedule(manifest).by_sender[self.rank]
-                stable = False  # the receiver reads this sender's buffers: every bucket is packed there
         return super().send_weights(manifest, weights, stable=stable, delta=delta)
+
+    def _may_borrow(self) -> bool:
+        return self.rank not in self._local  # the receiver reads this sender's buffers: every bucket is packed there
 
     def _sender_slot_free(self, slot: int, works: list[Any]) -> None:
         if self.rank not in self._local:

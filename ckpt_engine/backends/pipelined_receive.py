@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.backends.collectives import WorkList, coalesced_broadcast
+from ckpt_engine.backends.copy_plan import BucketReceive, ReceivePlan, coalesce, optional_layout
 from ckpt_engine.backends.receive_order import ReadyFirst
 from ckpt_engine.backends.schedule import Schedule
 from ckpt_engine.backends.wire_views import align8, flat_bytes, has_wire_layout, torch_dtype
@@ -29,6 +30,11 @@ __all__ = ["ReceiveLoopMixin"]
 
 class ReceiveLoopMixin:
     """Mixed into PipelinedBroadcastEngine; uses its buffers, groups, streams and events."""
+
+    _recv_plan: ReceivePlan | None = None
+    _chunked: tuple[str, list[TensorMeta]] | None = None
+    receive_plan_builds = 0
+    """How many receive plans this engine has made (tests check reuse and rebuilds)."""
 
     def receive_buckets(
         self,
@@ -50,7 +56,8 @@ class ReceiveLoopMixin:
         works: list[Any] = [None] * len(steps)
         if self._assembly_digest != manifest.digest:
             self._assembly, self._assembly_digest = {}, manifest.digest
-        remaining = dict(sched.tensor_bytes)
+        plan = self._receive_plan_for(manifest, views, destinations)
+        remaining = dict(plan.chunk_bytes)
         # Per bucket, entries received outside the buffer: index -> the loader's destination, or
         # None for a chunk received straight into its reassembly tensor.
         landed: dict[int, dict[int, torch.Tensor | None]] = {}
@@ -86,7 +93,10 @@ class ReceiveLoopMixin:
                         targets.append(flat_bytes(view))
                 landed[k] = land
                 return self._post_receive_group(slot, targets, gid)
-            return self._post_receive(slot, self._message(slot, bucket.nbytes), gid)
+            nbytes = plan.nbytes.get(k)
+            if nbytes is None:
+                nbytes = plan.nbytes[k] = bucket.nbytes  # a property summing every entry: once per plan
+            return self._post_receive(slot, self._message(slot, nbytes), gid)
 
         try:
             for k in sched.first_posts:
@@ -98,15 +108,18 @@ class ReceiveLoopMixin:
                 works[k] = None
                 land = landed.pop(k, {})
                 if self.verify:
-                    self._check_bucket(k, self._message(slot, bucket.nbytes), bucket.nbytes)
-                out: list[tuple[str, torch.Tensor]] = []
-                for i, (e, view) in enumerate(zip(bucket.entries, views[k])):
-                    if e.is_whole:
-                        out.append((e.name, land.get(i) if land.get(i) is not None else view))
-                        continue
-                    done = self._chunk_landed(e, None if i in land else view, remaining, destinations)
-                    if done is not None:
-                        out.append((e.name, done))
+                    self._check_bucket(k, self._message(slot, plan.nbytes[k]), plan.nbytes[k])
+                if land:
+                    out: list[tuple[str, torch.Tensor]] = []
+                    for i, (e, view) in enumerate(zip(bucket.entries, views[k])):
+                        if e.is_whole:
+                            out.append((e.name, land.get(i) if land.get(i) is not None else view))
+                            continue
+                        done = self._chunk_landed(e, None if i in land else view, remaining, destinations)
+                        if done is not None:
+                            out.append((e.name, done))
+                else:  # read from the buffer: the plan's copies, no Python per tensor
+                    out = self._replay_bucket(plan, k, bucket, views[k], remaining, destinations)
                 yield out
                 # The loader has issued its copies of bucket k: the slot may be refilled.
                 if self._comm_stream is not None:
@@ -121,6 +134,65 @@ class ReceiveLoopMixin:
             done = self._new_event()
             done.record(self._current_stream())
             self._wait_event(done, "loading the last bucket")
+
+    def _receive_plan_for(
+        self, manifest: BucketManifest, views: list[list[torch.Tensor]], destinations: Mapping[str, torch.Tensor] | None
+    ) -> ReceivePlan:
+        """This sync's receive plan: the last one while it matches (see `ReceivePlan.matches`; the
+        destinations checked are those of chunked tensors, the only ones a packed bucket's plan
+        writes to), else a new one whose buckets fill in as they are consumed."""
+        chunked = self._chunked_entries(manifest)
+        anchors: list[torch.Tensor | None] = []
+        for e in chunked:
+            dest = destinations.get(e.name) if destinations is not None else None
+            anchors.append(dest if dest is not None and has_wire_layout(dest, e, self.device) else None)
+        plan = self._recv_plan
+        if plan is None or not plan.matches(manifest.digest, views, self._assembly, anchors):
+            plan = self._recv_plan = ReceivePlan(manifest.digest, views, self._assembly, anchors, optional_layout(anchors))
+            plan.chunk_bytes = {e.name: e.nbytes for e in chunked}
+            self.receive_plan_builds += 1
+        return plan
+
+    def _chunked_entries(self, manifest: BucketManifest) -> list[TensorMeta]:
+        """One entry per tensor that travels in chunks (split over buckets or senders), once per plan."""
+        if self._chunked is None or self._chunked[0] != manifest.digest:
+            seen: dict[str, TensorMeta] = {}
+            for b in manifest.buckets:
+                for e in b.entries:
+                    if not e.is_whole:
+                        seen.setdefault(e.name, e)
+            self._chunked = (manifest.digest, list(seen.values()))
+        return self._chunked[1]
+
+    def _replay_bucket(
+        self, plan: ReceivePlan, k: int, bucket: Any, views: list[torch.Tensor], remaining: dict[str, int],
+        destinations: Mapping[str, torch.Tensor] | None,
+    ) -> list[tuple[str, torch.Tensor]]:
+        """Bucket k, read from its buffer: its whole tensors, and every tensor whose last chunk it
+        brings (chunks copied into their reassembly tensors in one batched copy)."""
+        rb = plan.buckets.get(k)
+        if rb is None:
+            whole: list[tuple[str, torch.Tensor]] = []
+            dsts: list[torch.Tensor] = []
+            srcs: list[torch.Tensor] = []
+            chunks: list[tuple[str, int, torch.Tensor]] = []
+            for e, view in zip(bucket.entries, views):
+                if e.is_whole:
+                    whole.append((e.name, view))
+                    continue
+                asm = self._assembly_of(e, destinations)
+                dsts.append(asm[e.chunk_offset : e.chunk_offset + e.chunk_size])
+                srcs.append(view)
+                chunks.append((e.name, e.chunk_size, asm.view(torch_dtype(e.dtype)).view(e.shape)))
+            rb = plan.buckets[k] = BucketReceive(whole, *coalesce(dsts, srcs), chunks)
+        if rb.chunk_dsts:
+            torch._foreach_copy_(rb.chunk_dsts, rb.chunk_srcs)
+        out = list(rb.whole)
+        for name, size, full in rb.chunks:
+            remaining[name] -= size
+            if remaining[name] == 0:
+                out.append((name, full))
+        return out
 
     def _consume_order(self, sched: Schedule, works: list[Any]) -> Iterator[int]:
         """Manifest indices in the order the receive loop consumes them, drawn lazily (each after

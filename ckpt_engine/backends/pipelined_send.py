@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.backends.collectives import WorkList, coalesced_broadcast
+from ckpt_engine.backends.copy_plan import BucketSend, SendPlan, anchors_of, coalesce, layout_of
 from ckpt_engine.backends.piece_reader import PieceReader
 from ckpt_engine.backends.wire_views import align8, flat_bytes, torch_dtype
 from ckpt_engine.checksum import bucket_checksum
@@ -25,19 +26,36 @@ from ckpt_engine.manifest import Bucket, BucketManifest
 __all__ = ["SendLoopMixin"]
 
 
+class _Once(BucketSend):
+    """A bucket's send decided for this sync only (its pieces were temporaries, or were packed
+    one by one): never recorded for replay."""
+
+
+def _as_lists(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return list(dsts), list(srcs)
+
+
 class SendLoopMixin:
     """Mixed into PipelinedBroadcastEngine; uses its buffers, groups, streams and events."""
 
+    _send_plan: SendPlan | None = None
+    _own_counts: tuple[str, int | None, int, int] | None = None  # (digest, rank, bytes, tensors)
+    send_plan_builds = 0
+    """How many send plans this engine has recorded (tests check that a plan is reused, and rebuilt
+    when a source's tensors moved)."""
+
     def _own_steps(self, manifest: BucketManifest) -> tuple[Any, list[Any], SendStats]:
-        """This sender's schedule, its own steps in order, and stats counting what it sends."""
+        """This sender's schedule, its own steps in order, and stats counting what it sends (the
+        counts are worked out once per plan: a MoE sender owns ~10,000 entries)."""
         sched = self._schedule(manifest)
         mine = [sched.steps[i] for i in sched.by_sender[self.rank]]
-        stats = SendStats(
-            bytes=sum(e.chunk_size for s in mine for e in s.bucket.entries),
-            tensors=len({e.name for s in mine for e in s.bucket.entries}),
-            buckets=len(mine),
-        )
-        return sched, mine, stats
+        counts = self._own_counts
+        if counts is None or counts[:2] != (manifest.digest, self.rank):
+            counts = self._own_counts = (
+                manifest.digest, self.rank,
+                sum(e.chunk_size for s in mine for e in s.bucket.entries), len({e.name for s in mine for e in s.bucket.entries}),
+            )
+        return sched, mine, SendStats(bytes=counts[2], tensors=counts[3], buckets=len(mine))
 
     def send_weights(
         self,
@@ -48,7 +66,11 @@ class SendLoopMixin:
         delta: DeltaRequest | None = None,
     ) -> SendStats:
         """See CheckpointEngine.send_weights. With `stable`, a bucket holding a single tensor (or a
-        single chunk of one) travels straight from the tensor's memory instead of being packed."""
+        single chunk of one) travels straight from the tensor's memory instead of being packed.
+
+        With `stable` weights that name their anchors (`sharded_source.PieceWalk`), the copies of
+        every bucket are recorded at the first sync of a plan and replayed while the anchors stay
+        where they were (`copy_plan.py`): no piece is then produced or looked up one by one."""
         self._require_group()
         if not self.is_sender:
             raise RuntimeError(f"send_weights() runs on sender ranks [0, {self.num_senders}), this is rank {self.rank}")
@@ -58,73 +80,142 @@ class SendLoopMixin:
         t_start = time.perf_counter()
         sched, mine, stats = self._own_steps(manifest)
         views = self._bucket_views(manifest)
-        it = iter(weights)
+        anchors = anchors_of(weights) if stable else None
+        stats.export_s += time.perf_counter() - t_start
+        plan = self._send_plan
+        if anchors is None or plan is None or not plan.matches(manifest.digest, views, anchors):
+            plan = None
+        if anchors is not None and plan is None:
+            self._send_plan = None  # stale: drop its references before walking anew
+            weights.close()  # type: ignore[attr-defined]
+        recorded: dict[int, BucketSend] | None = {} if anchors is not None and plan is None else None
+        it = iter(weights) if plan is None else iter(())
         works: list[Any] = [None] * self.num_buffers
         try:
-            pieces = PieceReader(it, sched, self.rank, self.device, stats, self._known_sources(manifest, stable))
+            pieces = PieceReader(it, sched, self.rank, self.device, stats, self._known_sources(manifest, stable)) if plan is None else None
             for step in mine:
                 bucket, slot = step.bucket, step.sender_slot
-                dsts = views[bucket.index]
                 self._sender_slot_free(slot, works)
-                srcs: list[torch.Tensor] = []
-                borrowed: list[bool] = []  # src is the caller's memory in the wire layout
-                copied = False  # without `stable`, each tensor is packed before the next is requested
-                for e, dst in zip(bucket.entries, dsts):
-                    src, own = pieces.source(e)
-                    borrowed.append(stable and own)
-                    if stable:
-                        srcs.append(src)
-                    else:
-                        t0 = time.perf_counter()
-                        dst.copy_(src)
-                        stats.pack_s += time.perf_counter() - t0
-                        copied = True
-                t0 = time.perf_counter()
-                if self._is_grouped(bucket):
-                    # One message per tensor, coalesced: borrowed tensors travel from the caller's
-                    # memory, the others are copied into their place in the buffer first.
-                    msgs: list[torch.Tensor] = []
-                    pend_d: list[torch.Tensor] = []
-                    pend_s: list[torch.Tensor] = []
-                    for i, (e, dst) in enumerate(zip(bucket.entries, dsts)):
-                        if e.chunk_size == 0:
-                            continue
-                        if stable and borrowed[i]:
-                            msgs.append(flat_bytes(srcs[i]))
-                            continue
-                        if stable:
-                            pend_d.append(dst)
-                            pend_s.append(srcs[i])
-                        msgs.append(flat_bytes(dst))
-                    if pend_d:
-                        batched_copy_(pend_d, pend_s)
-                    stats.pack_s += time.perf_counter() - t0
-                    works[slot] = self._sender_broadcast_group(slot, msgs, step.gid)
-                    continue
-                if stable and borrowed[0] and self._is_direct(bucket):
-                    msg = srcs[0]  # a lone chunk of a large tensor travels from the caller's memory
-                elif stable and self._sendable_in_place(bucket, srcs):
-                    msg = flat_bytes(srcs[0])  # a lone whole tensor: no pack copy either
+                if plan is not None:
+                    action = plan.buckets[bucket.index]
                 else:
-                    if not copied:
-                        batched_copy_(dsts, srcs)  # one launch for the whole bucket
-                    msg = self._message(slot, bucket.nbytes)
-                    if self.verify:
-                        data = msg[: align8(bucket.nbytes)]
-                        msg[data.numel() :].view(torch.int64).copy_(bucket_checksum(data))
-                    self._tamper_hook(bucket.index, msg)
-                stats.pack_s += time.perf_counter() - t0
-                works[slot] = self._sender_broadcast(slot, msg, step.gid)
-            if next(it, None) is not None:
+                    assert pieces is not None
+                    action = self._resolve_bucket(bucket, views[bucket.index], pieces, stable, stats, recorded is not None)
+                    if recorded is not None:
+                        if isinstance(action, _Once):
+                            recorded = None  # a piece was a temporary of this walk: nothing to replay
+                        else:
+                            recorded[bucket.index] = action
+                works[slot] = self._send_bucket(step, slot, action, stats)
+            if plan is None and next(it, None) is not None:
                 raise ValueError("the weight source yielded more tensors than its metadata lists")
             self._sender_drain(works)
         except BaseException:
             works.clear()  # pending work handles keep the group (and its sockets) alive
             self.abort()
             raise
+        finally:
+            if plan is not None:
+                weights.close()  # type: ignore[attr-defined]
+        if recorded is not None:
+            self._record_send_plan(manifest, views, weights, recorded)
         stats.total_s = time.perf_counter() - t_start
         stats.transfer_s = max(0.0, stats.total_s - stats.export_s - stats.pack_s)
         return stats
+
+    def _record_send_plan(self, manifest: BucketManifest, views: Any, weights: Any, recorded: dict[int, BucketSend]) -> None:
+        """Keep this sync's copies for replay, keyed by where the source's anchors are now (read in a
+        fresh walk: the one just done has ended, and its casts were kept in place)."""
+        anchors = anchors_of(weights)
+        if anchors is None:
+            return
+        try:
+            self._send_plan = SendPlan(manifest.digest, views, anchors, layout_of(anchors), recorded)
+            self.send_plan_builds += 1
+        finally:
+            weights.close()
+
+    def _resolve_bucket(
+        self, bucket: Bucket, dsts: list[torch.Tensor], pieces: PieceReader, stable: bool, stats: SendStats, record: bool
+    ) -> BucketSend:
+        """Take a bucket's pieces from the source and decide how it travels. Without `stable`, each
+        piece is packed before the next is asked for (the result is then only good for this sync).
+        A `_Once` when the decision holds for this sync only (not `record`ing, or a piece is a
+        temporary of this walk); only a recorded decision pays for coalescing its copies."""
+        srcs: list[torch.Tensor] = []
+        borrowed: list[bool] = []  # src is the caller's memory in the wire layout
+        replayable = stable and record
+        pair = coalesce if record else _as_lists
+        for e, dst in zip(bucket.entries, dsts):
+            src, own = pieces.source(e)
+            borrowed.append(stable and own and self._may_borrow())
+            replayable = replayable and (own or e.is_whole)  # a chunk that is not `own` is a conversion temporary
+            if stable:
+                srcs.append(src)
+            else:
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                stats.pack_s += time.perf_counter() - t0
+        if not stable:
+            return self._finish_unstable(bucket, dsts)
+        if self._is_grouped(bucket):
+            # One message per tensor, coalesced: borrowed tensors travel from the caller's memory,
+            # the others are copied into their place in the buffer first.
+            msgs: list[torch.Tensor] = []
+            pend_d: list[torch.Tensor] = []
+            pend_s: list[torch.Tensor] = []
+            for i, (e, dst) in enumerate(zip(bucket.entries, dsts)):
+                if e.chunk_size == 0:
+                    continue
+                if borrowed[i]:
+                    msgs.append(flat_bytes(srcs[i]))
+                    continue
+                pend_d.append(dst)
+                pend_s.append(srcs[i])
+                msgs.append(flat_bytes(dst))
+            action = BucketSend("grouped", *pair(pend_d, pend_s), msgs=msgs)
+        elif borrowed and borrowed[0] and self._is_direct(bucket):
+            action = BucketSend("message", msgs=[srcs[0]])  # a lone chunk of a large tensor, from the caller's memory
+        elif self._may_borrow() and self._sendable_in_place(bucket, srcs):
+            action = BucketSend("message", msgs=[flat_bytes(srcs[0])])  # a lone whole tensor: no pack copy either
+        else:
+            action = BucketSend("packed", *pair(dsts, srcs))
+        return action if replayable else _Once(action.kind, action.dsts, action.srcs, action.msgs)
+
+    def _finish_unstable(self, bucket: Bucket, dsts: list[torch.Tensor]) -> BucketSend:
+        """A bucket whose pieces were packed one by one: only its messages are left to decide."""
+        if self._is_grouped(bucket):
+            return _Once("grouped", msgs=[flat_bytes(d) for e, d in zip(bucket.entries, dsts) if e.chunk_size])
+        return _Once("packed")
+
+    def _send_bucket(self, step: Any, slot: int, action: BucketSend, stats: SendStats) -> Any:
+        """Pack (one batched copy) and broadcast one bucket as `action` says."""
+        bucket = step.bucket
+        t0 = time.perf_counter()
+        if isinstance(action, _Once):
+            batched_copy_(action.dsts, action.srcs)  # one launch for the whole bucket
+        elif action.dsts:
+            torch._foreach_copy_(action.dsts, action.srcs)  # recorded: pairs already merged and filtered
+        if action.kind == "grouped":
+            stats.pack_s += time.perf_counter() - t0
+            return self._sender_broadcast_group(slot, action.msgs, step.gid)
+        if action.kind == "message":
+            msg = action.msgs[0]
+        else:
+            if action.nbytes < 0:
+                action.nbytes = bucket.nbytes  # a property summing every entry: once per plan
+            msg = self._message(slot, action.nbytes)
+            if self.verify:
+                data = msg[: align8(action.nbytes)]
+                msg[data.numel() :].view(torch.int64).copy_(bucket_checksum(data))
+            self._tamper_hook(bucket.index, msg)
+        stats.pack_s += time.perf_counter() - t0
+        return self._sender_broadcast(slot, msg, step.gid)
+
+    def _may_borrow(self) -> bool:
+        """Whether this sender may broadcast straight from its source's memory (a sender whose
+        buffers a receiver reads in place may not: every bucket must be in those buffers)."""
+        return True
 
     def _sendable_in_place(self, bucket: Bucket, srcs: list[torch.Tensor]) -> bool:
         """The sender may broadcast a bucket's only tensor from the tensor itself when its memory

@@ -47,9 +47,35 @@ class FSDP2ShardedSource:
 
     def begin_pieces(self) -> None:
         """A sync's walk of its pieces starts (called by `iter_pieces`): forget the last one's
-        local tensors and casts, and keep this one's."""
+        local tensors, and bring its casts up to date in place (same memory every sync, so a
+        transport's copy plan that reads them stays valid; a cast whose local tensor changed
+        shape or dtype is dropped and made anew when asked for)."""
+        casts = {k: v for k, v in self._sync_cache.items() if k[1] is not None}
         self._sync_cache.clear()
         self._walking = True
+        if not casts:
+            return
+        by_id = {id(e): e for e in self._entries}
+        with torch.no_grad():
+            for (eid, want), cast in casts.items():
+                e = by_id.get(eid)
+                local = self._local_of(e) if e is not None else None
+                if local is not None and local.shape == cast.shape and cast.dtype == want:
+                    cast.copy_(local)
+                    self._sync_cache[(eid, want)] = cast
+
+    def piece_anchors(self) -> list[torch.Tensor]:
+        """Inside a walk: the tensors every `local_piece` of this walk is a view of (each entry's
+        local tensor, then the kept casts), for `PieceWalk.anchors`."""
+        if not self._walking:
+            raise RuntimeError("piece_anchors() is only valid inside a walk: call begin_pieces() first")
+        out = []
+        for e in self._entries:  # read every sync: ~1 us per parameter, no autograd call
+            t = self._sharded(e) if self._rows_of(e) is not None else getattr(e.module, e.attr)
+            # A DTensor's local tensor object itself (what `to_local()` views); a plain tensor as is.
+            out.append(t._local_tensor if isinstance(t, torch.distributed.tensor.DTensor) else t)
+        out += [t for k, t in self._sync_cache.items() if k[1] is not None]
+        return out
 
     def end_pieces(self) -> None:
         """The walk is over: its casts stay alive (the transport may still read them) until the
