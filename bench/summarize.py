@@ -17,7 +17,7 @@ def main(path: str) -> None:
         print("no result:", e)
         return
     for k, m in s["modes"].items():
-        extra = "".join(f" {f}={m[f]:.4g}" for f in ("wire_fraction", "changed_fraction", "encode_s", "apply_s") if f in m)
+        extra = "".join(f" {f}={m[f]:.4g}" for f in ("wire_fraction", "changed_fraction", "encode_s", "apply_s", "cast_s", "plain_cast_s") if f in m)
         print(f"  {k:28s} {m['best_s']:.4f}s  time/raw {m.get('ratio_to_raw', 0):.3f}{extra}")
     print("  correct:", s.get("correct"), s.get("base_bytes", ""))
 

@@ -13,10 +13,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["DELTA_BASES", "DENSE", "PATCH", "Bases"]
+__all__ = ["DELTA_BASES", "DENSE", "FRAME_WORDS", "PATCH", "Bases"]
 
 DENSE, PATCH = 0, 1
-DELTA_BASES = ("device", "host")  # where a sender keeps its bases (engine option `delta_base`)
+FRAME_WORDS = 7  # a bucket's frame header: kind, bytes, checksum of the result, a patch's 32-byte header
+DELTA_BASES = ("device", "host", "cast")  # where a sender keeps its bases (engine option `delta_base`; cast: none)
 
 
 @dataclass

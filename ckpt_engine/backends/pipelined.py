@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ckpt_engine.backends.pipelined_cast_send import CastSendMixin
 from ckpt_engine.backends.pipelined_delta import DeltaTransferMixin
 from ckpt_engine.backends.piece_reader import Known
 from ckpt_engine.backends.pipelined_delta_receive import DeltaReceiveMixin
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 _SLACK = SLACK  # kept for backends that size shared buffers alike (colocated)
 
 
-class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMixin, DeltaReceiveMixin, CheckpointEngine):
+class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMixin, CastSendMixin, DeltaReceiveMixin, CheckpointEngine):
     """Senders broadcast their buckets to every receiver over one process group each."""
 
     supports_many_senders = True
@@ -198,6 +199,7 @@ class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMix
                 logger.warning("process group teardown: %s", exc)
         self._buffers, self._ready, self._free = [], [], []
         self._views, self._schedules, self._assembly, self._assembly_digest = {}, {}, {}, None
+        self._send_plan = self._recv_plan = None  # copy plans hold buffer views: let the buffers go
         self._reset_delta()
 
     def abort(self) -> None:
@@ -264,6 +266,18 @@ class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMix
         """What travels for a bucket: its bytes, plus (with verify) padding and the checksum."""
         return self._buffers[slot][: align8(nbytes) + CHECKSUM_BYTES if self.verify else nbytes]
 
+    def _fresh(self, gid: int, size: int, dtype: torch.dtype = torch.uint8, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A receive buffer from group `gid`'s stream's memory pool (its earlier users were on that
+        stream, so it may be written there at once), also recorded for the compute stream, which
+        reads it after it lands (the allocator then waits for those reads before reusing it)."""
+        if self._comm_stream is None:
+            return torch.empty(shape if shape is not None else (size,), dtype=dtype, device=self.device)
+        compute = self._current_stream()
+        with self._stream_ctx(self._streams[gid]):
+            t = torch.empty(shape if shape is not None else (size,), dtype=dtype, device=self.device)
+        t.record_stream(compute)
+        return t
+
     def _wait_work(self, work: Any, what: str) -> None:
         try:
             if self.device.type == "cpu":
@@ -308,9 +322,12 @@ class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMix
             self._known = (manifest.digest, {})
         return self._known[1]
 
-    def _broadcast_on(self, gid: int, slot: int | None, msg: torch.Tensor) -> Any:
+    def _broadcast_on(self, gid: int, slot: int | None, msg: torch.Tensor, *, after_producer: bool = True) -> Any:
         """One broadcast from the group's sender (group rank 0), ordered after the current stream's
-        work and, on receivers, after the slot's previous loader copies."""
+        work and, on receivers, after the slot's previous loader copies. `after_producer=False`:
+        a receiver's message allocated on the group's own stream (`_fresh`), which no other
+        stream has touched, lands without waiting for the compute stream (the patches being
+        applied there)."""
         group = self._groups[gid]
         if self._comm_stream is None:
             return group.broadcast(msg, 0)
@@ -321,7 +338,7 @@ class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMix
         with self._stream_ctx(stream):
             if slot is not None:
                 stream.wait_event(self._ready[slot] if self.is_sender else self._free[slot])
-            else:
+            elif after_producer:
                 stream.wait_stream(producer)
             work = group.broadcast(msg, 0)
             work.wait()

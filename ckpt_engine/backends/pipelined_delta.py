@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.backends.delta_bases import DELTA_BASES, DENSE, PATCH, Bases
+from ckpt_engine.backends.delta_bases import DELTA_BASES, DENSE, FRAME_WORDS, PATCH, Bases
 from ckpt_engine.backends.piece_reader import PieceReader
 from ckpt_engine.backends.wire_views import flat_bytes
 from ckpt_engine.copies import batched_copy_, put_int64s_
 from ckpt_engine.delta import codec
 from ckpt_engine.delta.direct import SCATTER_BELOW, BucketDiff, capacity
-from ckpt_engine.delta.layout import header_fields, word_dtype
+from ckpt_engine.delta.layout import PATCH_HEADER_BYTES, header_fields, word_dtype
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import SendStats, TransferError
 from ckpt_engine.manifest import BucketManifest
@@ -60,8 +60,11 @@ class DeltaTransferMixin:
         """Where a sender keeps the base of what it sends: `device` memory (fastest: the one-pass
         diff reads it in place), or pinned `host` memory (no device memory but one bucket-sized
         staging buffer; each bucket's base crosses the host link twice per sync, so a sync is
-        bound by that link: for trainers short of device memory on a slow network). Receivers
-        keep theirs on the device (or none, in place) either way."""
+        bound by that link: for trainers short of device memory on a slow network), or nowhere
+        (`cast`: the trainer writes its bf16 weights through `cast_recorder()`, which records
+        each bucket's patch as it casts; pipelined_cast_send.py). Receivers keep theirs on the
+        device (or none, in place) either way."""
+        self._scatter_below_given = delta_scatter_below is not None
         self.delta_scatter_below = float(delta_scatter_below) if delta_scatter_below is not None else (
             FAST_LINK_SCATTER_BELOW if self.device.type == "cuda" else SCATTER_BELOW
         )
@@ -70,20 +73,26 @@ class DeltaTransferMixin:
         index: smaller on the wire, but a pack, two passes and more host work per bucket). Default:
         1/4 on CUDA transports (NVLink, InfiniBand: the encode costs more than the extra wire
         bytes; 7B at lr 1e-5 on 2xH200: 0.91x a raw broadcast against 1.35x with 1/32), 1/32
-        elsewhere (the smaller patch)."""
+        elsewhere (the smaller patch). A cast recorder's patch areas hold this fraction of their
+        buckets' words, 1/4 unless given (a bitmask patch is not recorded)."""
         self._bases = Bases()
         self._places_cache: Any = None
         self._stage: torch.Tensor | None = None
+        self._recorder: Any = None  # (plan digest, CastRecorder) with delta_base="cast"
         self.last_delta_stats: dict[str, float] = {}
 
     def _reset_delta(self) -> None:
         self._bases = Bases()
         self._places_cache = None
         self._stage = None
+        if self._recorder is not None:
+            self._recorder[1].forget()
 
     def _invalidate_delta(self) -> None:
         """The bases no longer match what the other side holds (a failure, or a sync without them)."""
         self._bases.sync_id = None
+        if self._recorder is not None:
+            self._recorder[1].forget()
 
     def delta_base_id(self, manifest: BucketManifest) -> int | None:
         b = self._bases
@@ -91,8 +100,8 @@ class DeltaTransferMixin:
 
     @property
     def delta_base_bytes(self) -> int:
-        """Memory the base images take on this rank."""
-        return self._bases.nbytes
+        """Memory the base images (or a cast recorder's patch areas) take on this rank."""
+        return self._bases.nbytes + (self._recorder[1].nbytes if self._recorder is not None else 0)
 
     def _bases_for(self, manifest: BucketManifest, delta: DeltaRequest, keys: list[tuple[int, int]], inplace: bool = False) -> Bases:
         """The bases for this sync: checked against the request, (re)allocated for a new plan (or
@@ -112,7 +121,7 @@ class DeltaTransferMixin:
             self._bases = b = Bases(digest=manifest.digest, inplace=inplace)
             pinned = self._host_bases() and self.device.type != "cpu"
             for key, nbytes in keys:
-                if not inplace:  # allocated pinned at once (pinning a pageable copy costs seconds per 10 GB)
+                if not inplace and not (self.delta_base == "cast" and getattr(self, "is_sender", False)):  # a cast sender keeps none  # allocated pinned at once (pinning a pageable copy costs seconds per 10 GB)
                     b.images[key] = (
                         torch.zeros(nbytes, dtype=torch.uint8, device=self.device) if not pinned
                         else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # a seed writes every byte
@@ -134,6 +143,8 @@ class DeltaTransferMixin:
         leave as soon as it is encoded, so receivers check bucket k while this rank encodes k + 1.
         The diff kernels of bucket k + 1 are queued before bucket k's changed count is read, so the
         device never idles on that host round trip."""
+        if self.delta_base == "cast":
+            return self._send_cast(manifest, weights, stable=stable, delta=delta)
         t_start = time.perf_counter()
         sched, mine, stats = self._own_steps(manifest)
         it = iter(weights)
@@ -149,7 +160,7 @@ class DeltaTransferMixin:
             tally["wire"] += size
             tally["changed"] += num_changed
             tally["patches"] += kind == PATCH
-            header = self._frame_header(kind, size, result)
+            header = self._frame_header(kind, size, result, msg)
             self._tamper_hook(step.bucket.index, msg)
             keep.extend((header, msg))
             works.append(self._broadcast_on(step.gid, None, header))
@@ -352,13 +363,17 @@ class DeltaTransferMixin:
         bases.sums[key] = result
         return PATCH, size, result, out[:size].clone(), num_changed
 
-    def _frame_header(self, kind: int, size: int, checksum: torch.Tensor | None) -> torch.Tensor:
-        """(kind, bytes, checksum) of one bucket, one int64 row on the transport's device, written
-        without a host sync (which would wait for the queued diff kernels)."""
-        header = torch.empty((1, 3), dtype=torch.int64, device=self.device)
-        put_int64s_(header[0], [kind, size, 0])
+    def _frame_header(self, kind: int, size: int, checksum: torch.Tensor | None, payload: torch.Tensor | None = None) -> torch.Tensor:
+        """(kind, bytes, checksum, the patch's own 32-byte header) of one bucket, one int64 row
+        (FRAME_WORDS) on the transport's device, written without a host sync (which would wait
+        for the queued diff kernels). The patch header rides along so that a receiver decodes the
+        patch without reading its payload back: it never waits on the host for a payload."""
+        header = torch.empty((1, FRAME_WORDS), dtype=torch.int64, device=self.device)
+        put_int64s_(header[0], [kind, size] + [0] * (FRAME_WORDS - 2))
         if checksum is not None:
             header[0, 2].copy_(checksum.reshape(()))
+        if kind == PATCH and payload is not None:
+            header[0, 3:].copy_(payload[: PATCH_HEADER_BYTES].view(torch.int64))
         return header
 
     def _drain_unslotted(self, works: list[Any], what: str) -> None:

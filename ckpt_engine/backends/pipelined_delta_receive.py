@@ -20,6 +20,7 @@ are handed to the loader.
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from contextlib import nullcontext
 from collections.abc import Iterator, Mapping
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.backends.delta_bases import DENSE, PATCH, Bases
+from ckpt_engine.backends.delta_bases import DENSE, FRAME_WORDS, PATCH, Bases
 from ckpt_engine.backends.wire_views import flat_bytes, has_wire_layout
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta import codec
@@ -63,29 +64,38 @@ class DeltaReceiveMixin:
                 failure = self._stale_destination(bases, destinations)
             frames: list[tuple[int, int, int]] = []
             arrived: dict[int, Any] = {}  # checked patches, and dense frames staged for in-place receivers
-            pending: tuple[Any, int, int, int, torch.Tensor, Any] | None = None
+            pending: _Pending | None = None
             check_s = 0.0
             for step in steps:
-                header = torch.empty((1, 3), dtype=torch.int64, device=self.device)
+                header = self._fresh(step.gid, FRAME_WORDS, torch.int64, (1, FRAME_WORDS))
                 where = f"bucket {step.bucket.index} from sender {step.bucket.sender}"
-                self._settle(step.gid, self._broadcast_on(step.gid, None, header), f"the frame header of {where}")
+                self._settle(step.gid, self._broadcast_on(step.gid, None, header, after_producer=False), f"the frame header of {where}")
                 with self._reading_stream(step.gid):
-                    kind, size, expect = header[0].tolist()
+                    row = header[0].tolist()
+                kind, size, expect = row[:3]
+                head = struct.pack(f"<{FRAME_WORDS - 3}q", *row[3:])  # the patch's own header, sent ahead of it
                 self._check_frame(step, kind, size, delta)
                 frames.append((kind, size, expect))
-                if kind == DENSE and places is None:
+                if kind == DENSE and places is None:  # into the base image: after the compute stream's use of it
                     msg = bases.images[step.bucket.index][:size]
-                else:
-                    msg = torch.empty(size, dtype=torch.uint8, device=self.device)
-                work = self._broadcast_on(step.gid, None, msg)
+                    work = self._broadcast_on(step.gid, None, msg)
+                else:  # lands while earlier patches are applied on the compute stream
+                    msg = self._fresh(step.gid, size)
+                    work = self._broadcast_on(step.gid, None, msg, after_producer=False)
+                landed = None
+                if places is not None and self._comm_stream is not None:  # the compute stream waits for it, not the host
+                    landed = self._new_event()
+                    landed.record(self._streams[step.gid])
                 if pending is not None:
                     t0 = time.perf_counter()
                     failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo, checks)
                     check_s += time.perf_counter() - t0
-                pending = (step, kind, size, expect, msg, work)
+                pending = (step, kind, size, expect, msg, work, landed, head)
             if pending is not None:
                 t0 = time.perf_counter()
                 failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo, checks)
+                for gid in {s.gid for s in steps}:  # every payload landed, within the timeout, before any read back
+                    self._settle(gid, None, f"the last payloads on group {gid}")
                 failure = self._settle_checks(checks) or failure  # the earlier buckets' failure, if any
                 check_s += time.perf_counter() - t0
             if failure is not None:
@@ -157,9 +167,11 @@ class DeltaReceiveMixin:
         return None
 
     def _settle(self, gid: int, work: Any, what: str) -> None:
-        """Wait, with the timeout, for one broadcast on group `gid` (the host then reads its bytes)."""
+        """Wait, with the timeout, for one broadcast on group `gid` (the host then reads its bytes);
+        on an accelerator, for everything queued on that group's stream."""
         if self._comm_stream is None:
-            self._wait_work(work, what)
+            if work is not None:
+                self._wait_work(work, what)
             return
         ev = self._new_event()
         ev.record(self._streams[gid])
@@ -170,18 +182,22 @@ class DeltaReceiveMixin:
         bases: Bases,
         places: dict[int, ScatteredImage] | None,
         arrived: dict[int, Any],
-        pending: tuple[Any, int, int, int, torch.Tensor, Any],
+        pending: _Pending,
         failure: TransferError | None,
         delta: DeltaRequest,
         undo: list[tuple[int, torch.Tensor, torch.Tensor]],
         checks: list[_Check],
     ) -> TransferError | None:
-        """Wait for a bucket's payload; check a patch (unless an earlier one failed). An in-place
-        receiver stages a dense frame (with its checksum) until every patch has passed, or, in a
-        sync without patches, copies it in at once."""
-        step, kind, size, expect, msg, work = pending
+        """Wait for a bucket's payload (in place on an accelerator: the compute stream waits, the
+        host goes on); check a patch (unless an earlier one failed). An in-place receiver stages
+        a dense frame (with its checksum) until every patch has passed, or, in a sync without
+        patches, copies it in at once."""
+        step, kind, size, expect, msg, work, landed, head = pending
         k = step.bucket.index
-        self._settle(step.gid, work, f"bucket {k} from sender {step.bucket.sender}")
+        if landed is not None:
+            self._current_stream().wait_event(landed)
+        else:
+            self._settle(step.gid, work, f"bucket {k} from sender {step.bucket.sender}")
         if failure is not None:
             return failure
         if kind == DENSE:
@@ -193,7 +209,7 @@ class DeltaReceiveMixin:
                     self._write_dense(step, msg, places)
             return None
         try:
-            arrived[k] = self._verify_patch(bases, places, step, msg, expect, undo, checks)
+            arrived[k] = self._verify_patch(bases, places, step, msg, expect, undo, checks, head)
         except TransferError as exc:
             return exc
         return None
@@ -219,7 +235,7 @@ class DeltaReceiveMixin:
 
     def _verify_patch(
         self, bases: Bases, places: dict[int, ScatteredImage] | None, step: Any, payload: torch.Tensor, expect: int,
-        undo: list[tuple[int, torch.Tensor, torch.Tensor]], checks: list[_Check],
+        undo: list[tuple[int, torch.Tensor, torch.Tensor]], checks: list[_Check], head: bytes,
     ) -> Any:
         """Decode a patch and check it against this rank's own base. A base image is not written
         yet; in place, the new words are written as soon as the old ones are read (a position
@@ -234,8 +250,6 @@ class DeltaReceiveMixin:
             if places is None:
                 patch = codec.decode(payload, n, word)
             else:  # swap_in counts positions outside the bucket's tensors (those < 0 or past the bucket among them)
-                with self._reading_stream(step.gid):
-                    head = payload[: codec.PATCH_HEADER_BYTES].cpu().numpy().tobytes()
                 patch = codec.decode(payload, n, word, check_range=False, head=head)
         except codec.PatchError as exc:
             self._broken = True
@@ -376,3 +390,9 @@ def _mismatch(where: str, expect: int, got: int) -> str:
         f"{where}: checksum mismatch after applying the patch (sender {expect}, here {got}): "
         "the patch was corrupted or this rank's base differs; the engine keeps its old weights"
     )
+
+
+_Pending = tuple[Any, int, int, int, torch.Tensor, Any, Any, bytes]
+"""A bucket whose payload is on its way: (step, kind, bytes, the sender's checksum, the payload,
+its broadcast's work, the event after it on its group's stream (in place on an accelerator, else
+None), the patch's header as its frame announced it)."""

@@ -112,6 +112,12 @@ class BucketDiff:
         else:
             self._add_torch(new_words, base_words, first)
 
+    def targets(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(count, delta sum, positions, values) a fused kernel writes (cast_kernels.py; CUDA only)."""
+        if not self._fused:
+            raise RuntimeError("targets() are the Triton kernels' outputs; on this device add each piece with add()")
+        return self._counter, self._delta_t, self._positions, self._values
+
     @property
     def fused(self) -> bool:
         """Whether pieces go through the Triton kernels (then `add_pieces` takes raw rows)."""
@@ -164,7 +170,7 @@ class BucketDiff:
     def seal(self) -> torch.cuda.Event | None:
         """Queue the changed count's copy to pinned host memory; the returned event (CUDA only)
         completes when it has landed, so `finish` does not wait for work queued after this."""
-        if not self._fused:
+        if not self._fused or self.device.type != "cuda":
             return None
         self._pinned = torch.empty(1, dtype=torch.int32, pin_memory=True)
         self._pinned.copy_(self._counter, non_blocking=True)

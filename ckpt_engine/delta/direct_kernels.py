@@ -57,7 +57,7 @@ if _HAVE_TRITON:
             first = tl.multiple_of(first, ALIGN)
             length = tl.multiple_of(length, ALIGN)
             rel = tl.multiple_of(rel, ALIGN)
-        _diff_rows(base_ptr + rel, base_ptr + first, pid - tile0, length, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS, GROUP, GROUP_BITS)
+        _diff_rows(base_ptr + rel, base_ptr + first, pid - tile0, length, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS, GROUP, GROUP_BITS, False)
 
 
 Row = tuple[int, int, int]  # (data pointer, length in words, first bucket word) of one piece

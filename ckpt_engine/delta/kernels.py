@@ -203,8 +203,22 @@ if _HAVE_TRITON:
                 tl.store(delta_ptr + pid, tl.sum(acc, axis=0) * _mix_b(start >> GROUP_BITS))
 
     @triton.jit
+    def _new_words(ptr, offs, mask, CAST: tl.constexpr):
+        """The new words at `offs`: loaded as they are, or (CAST) fp32 bits rounded to bf16 bits
+        as a CUDA cast rounds them (nearest, ties to even, no flush of subnormals; a NaN becomes
+        the canonical 0x7FFF), in integer steps that Triton's CPU interpreter runs alike."""
+        if CAST:
+            x = tl.load(ptr + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
+            r = (x + (((x >> 16) & 1) + 0x7FFF)) >> 16
+            r = tl.where((x & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, r)
+            words = r.to(tl.uint16).to(tl.int16, bitcast=True)
+        else:
+            words = tl.load(ptr + offs, mask=mask, other=0)
+        return words  # one return: the compiler types every return alike, taken branch or not
+
+    @triton.jit
     def _diff_rows(new_base, old_base, tile, n_words, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS: tl.constexpr,
-                   GROUP: tl.constexpr, GROUP_BITS: tl.constexpr):
+                   GROUP: tl.constexpr, GROUP_BITS: tl.constexpr, CAST: tl.constexpr = False):
         """One tile (ROWS rows of 32 words) of a piece: `new_base` / `old_base` point at the
         piece's first new / base word, `first` is its first word's index in the bucket. The dense
         phase only compares and packs each row's changes into a bit mask; then every row walks its
@@ -218,7 +232,7 @@ if _HAVE_TRITON:
         offs = row_start[:, None] + col[None, :]
         inb = offs < n_words
         a = tl.load(old_base + offs, mask=inb, other=0)
-        b = tl.load(new_base + offs, mask=inb, other=0)
+        b = _new_words(new_base, offs, inb, CAST)
         bits = tl.sum(tl.where(a != b, 1 << col[None, :], 0), axis=1)  # distinct bits: sum == or
         per_row = _popc32(bits)
         cnt = tl.sum(per_row, axis=0)
@@ -234,7 +248,7 @@ if _HAVE_TRITON:
                 live = bits != 0
                 p = row_start + _popc32((bits & (0 - bits)) - 1)
                 bits = bits & (bits - 1)
-                v = tl.load(new_base + p, mask=live, other=0)
+                v = _new_words(new_base, p, live, CAST)
                 o = tl.load(old_base + p, mask=live, other=0)
                 q = first + p
                 t = tl.where(live, _change_a(v, o, q, GROUP), 0)
@@ -261,7 +275,7 @@ if _HAVE_TRITON:
                             GROUP: tl.constexpr, GROUP_BITS: tl.constexpr):
         """The one-pass diff of one piece, a tile per program (see _diff_rows)."""
         _diff_rows(new_ptr, base_ptr, tl.program_id(0).to(tl.int64), n_words, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS,
-                   GROUP, GROUP_BITS)
+                   GROUP, GROUP_BITS, False)
 
     @triton.jit
     def _pairs_sum_kernel(pos_ptr, val_ptr, old_ptr, n, out_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr):
