@@ -15,6 +15,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.ownership import row_shards
 from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.sharded_source import ShardedStateDictSource, iter_pieces
 from ckpt_engine.weights import spec_of
 from multisender import even_rows
 from roundtrip import same_bits
@@ -59,15 +60,43 @@ class _Chain:
         return {**{k: v.to(torch.bfloat16) for k, v in self.masters.items()}, **{k: v.clone() for k, v in self.kept.items()}}
 
 
+def _spans(manifest: Any, rank: int) -> dict[str, list[int]]:
+    """Per tensor, the byte range [lo, hi) this sender sends."""
+    spans: dict[str, list[int]] = {}
+    for b in manifest.sender_buckets(rank):
+        for e in b.entries:
+            lo_hi = spans.setdefault(e.name, [e.chunk_offset, e.chunk_offset])
+            lo_hi[1] = e.chunk_offset + e.chunk_size
+    return spans
+
+
+def _pieces_and_pairs(manifest: Any, rank: int, owners: dict, weights: dict[str, torch.Tensor], chain: _Chain) -> tuple[list, dict]:
+    """What this sender's source yields ((name, piece) in order) and the recorder's (master, weight)
+    pairs for the bf16 ones."""
+    pieces, pairs = [], {}
+    for name, (lo, hi) in _spans(manifest, rank).items():
+        t = weights[name]
+        whole = name not in owners or (lo, hi) == (0, t.numel() * t.element_size())
+        piece = t if whole else t.reshape(-1)[lo // t.element_size() : hi // t.element_size()]
+        pieces.append((name, piece))
+        if name in chain.masters:
+            m = chain.masters[name]
+            pairs[name] = (m if whole else m.reshape(-1)[lo // 2 : hi // 2], piece)
+    return pieces, pairs
+
+
 def cast_rank(
     rank: int, rdzv: Rendezvous, *, versions: int = 5, lr: float = 1e-5, bucket_size: int = 16 * 1024, in_place: bool = False,
     double_cast: int | None = None, touch: int | None = None, corrupt: int | None = None, bind: bool = True,
-    engine_kwargs: dict[str, Any] | None = None,
+    idle: int | None = None, walk: bool = False, move: int | None = None, engine_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Version 0 is a dense seed; each later version is one optimizer step (two at `double_cast`)
-    cast through the recorder, then a patch sync. `touch`: after that version's cast the sender
+    """Version 0 is a dense seed; each later version is one optimizer step (two at `double_cast`,
+    none at `idle`) cast through the recorder, then a patch sync. `touch`: after that version's cast the sender
     changes one word of TOUCHED with a torch op (the receivers expect it too). `corrupt`: the
-    sender flips a byte of a patch in that sync. `bind=False`: the sender never binds a recorder."""
+    sender flips a byte of a patch in that sync. `bind=False`: the sender never binds a recorder.
+    `walk`: the sender's source is a ShardedStateDictSource walk, which names its anchors (the
+    sender may then skip the walk at later syncs); `move`: before that version the sender moves
+    its TOUCHED weight to new memory (and binds again), so no walk may be replayed."""
     senders = rdzv.num_senders
     dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}") if rdzv.backend == "nccl" else torch.device("cpu")
     engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=bucket_size, timeout_s=rdzv.timeout_s, device=dev,
@@ -90,20 +119,8 @@ def cast_rank(
     pieces: list[tuple[str, torch.Tensor]] = []
     rec = None
     if rank < senders:
-        spans: dict[str, list[int]] = {}
-        for b in manifest.sender_buckets(rank):
-            for e in b.entries:
-                lo_hi = spans.setdefault(e.name, [e.chunk_offset, e.chunk_offset])
-                lo_hi[1] = e.chunk_offset + e.chunk_size
-        pairs = {}
-        for name, (lo, hi) in spans.items():
-            t = weights[name]
-            whole = name not in owners or (lo, hi) == (0, t.numel() * t.element_size())
-            piece = t if whole else t.reshape(-1)[lo // t.element_size() : hi // t.element_size()]
-            pieces.append((name, piece))
-            if name in chain.masters:
-                m = chain.masters[name]
-                pairs[name] = (m if whole else m.reshape(-1)[lo // 2 : hi // 2], piece)
+        spans = _spans(manifest, rank)
+        pieces, pairs = _pieces_and_pairs(manifest, rank, owners, weights, chain)
         rec = engine.cast_recorder(manifest)
         if bind:
             rec.bind(pairs)
@@ -111,7 +128,7 @@ def cast_rank(
     base_id = None
     for version in range(versions):
         if version:
-            for _ in range(2 if version == double_cast else 1):
+            for _ in range(2 if version == double_cast else 0 if version == idle else 1):
                 chain.step()
                 if rank < senders:
                     if bind:
@@ -128,9 +145,14 @@ def cast_rank(
                 weights[TOUCHED].view(torch.int16).reshape(-1)[3] += 1
         request = DeltaRequest(base_id is not None, base_id, 100 + version)
         armed["on"] = version == corrupt
+        if rank < senders and version == move:
+            weights[TOUCHED] = weights[TOUCHED].clone()  # the trainer reallocated a weight
+            pieces, pairs = _pieces_and_pairs(manifest, rank, owners, weights, chain)
+            rec.bind(pairs)
         try:
             if rank < senders:
-                stats = engine.send_weights(manifest, pieces, stable=True, delta=request)
+                source = iter_pieces(ShardedStateDictSource(weights, rank, senders), manifest) if walk else pieces
+                stats = engine.send_weights(manifest, source, stable=True, delta=request)
                 out["stats"].append(dict(stats.extra))
                 for n, piece in pieces:  # this sender's own bytes of each tensor are the trainer's cast
                     lo, hi = spans[n]

@@ -48,6 +48,29 @@ def test_two_casts_between_syncs_send_those_buckets_dense() -> None:
     assert stats[1]["recorded_buckets"] > 0 and stats[3]["recorded_buckets"] > 0
 
 
+def test_a_sync_without_a_step_sends_empty_patches() -> None:
+    """Two syncs with no optimizer step between them: the second sends every recorded bucket as an
+    empty patch (a header and nothing else), and the receivers stay exact."""
+    results = run_ranks(cast_rank, 2, versions=4, lr=1e-5, idle=3, in_place=True)
+    _receivers_exact(results[1:])
+    stats = results[0]["stats"]
+    assert stats[3]["recorded_buckets"] == results[0]["bound_buckets"] > 0
+    assert stats[3]["changed_fraction"] < 0.05 and stats[3]["wire_bytes"] < 0.2 * stats[3]["dense_bytes"]  # only the router bucket is dense
+
+
+@pytest.mark.parametrize("senders", [1, 2])
+def test_a_source_that_names_its_anchors_is_walked_once(senders: int) -> None:
+    """A sharded source names the tensors its pieces are views of: after the seed the sender
+    replays its sources per bucket without walking them; a weight moved to new memory (and bound
+    again) makes it walk anew, that sync goes dense, and the next replays again; all exact."""
+    results = run_ranks(cast_rank, senders + 1, num_senders=senders, versions=5, lr=1e-5, walk=True, move=3, in_place=True)
+    _receivers_exact(results)
+    for s in results[:senders]:
+        st = s["stats"]
+        assert [x["walk_skipped"] for x in st] == [0.0, 1.0, 1.0, 0.0, 1.0]
+        assert st[2]["recorded_buckets"] > 0 and st[3]["recorded_buckets"] == 0 and st[4]["recorded_buckets"] > 0
+
+
 def test_a_weight_written_outside_the_recorder_is_sent_dense() -> None:
     """A bf16 weight changed by a torch op after the cast (torch's version counter moves): its
     bucket's recorded patch would miss that word, so that bucket goes dense and the receivers get

@@ -199,7 +199,7 @@ class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMix
                 logger.warning("process group teardown: %s", exc)
         self._buffers, self._ready, self._free = [], [], []
         self._views, self._schedules, self._assembly, self._assembly_digest = {}, {}, {}, None
-        self._send_plan = self._recv_plan = None  # copy plans hold buffer views: let the buffers go
+        self._send_plan = self._recv_plan = self._cast_walk = None  # they hold buffer views and the trainer's tensors
         self._reset_delta()
 
     def abort(self) -> None:

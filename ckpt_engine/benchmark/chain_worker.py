@@ -87,18 +87,25 @@ class ChainRank:
         """fp32 masters for the cast recorder, bound before the seed. Each version's masters are
         its bf16 words widened (untimed): the AdamW chain's fp32 low bits are not kept, which
         changes neither which words a cast changes nor the bytes the cast reads."""
-        if self.senders != 1 or not isinstance(self.versions, MemoryVersions):
-            raise ValueError("delta_base='cast' in the bench takes one sender and versions that fit in memory")
+        if self.senders != 1:
+            raise ValueError("delta_base='cast' in the bench takes one sender")
         self.masters = [t.float() for t in self.tensors]
+        self.staging: list[torch.Tensor] = []  # a version read back from files
         self.recorder = self.engine.cast_recorder(self.manifest)
         self.recorder.bind({n: (m, t) for n, m, t in zip(self.names, self.masters, self.tensors) if t.dtype == torch.bfloat16})
 
     def _cast_version(self, version: int) -> dict[str, float]:
         """The trainer's step output for `version`: new masters (untimed), then a plain cast of
-        them (timed, into the stored version, which it leaves as it was) and the recording cast
-        into the sender's weights (timed)."""
-        assert isinstance(self.versions, MemoryVersions)
-        stored = self.versions.versions[version - 1]
+        them (timed, into the stored or staged version, which it leaves as it was) and the
+        recording cast into the sender's weights (timed)."""
+        if isinstance(self.versions, MemoryVersions):
+            stored = self.versions.versions[version - 1]
+        else:
+            assert self.versions is not None
+            if not self.staging:
+                self.staging = [torch.empty_like(t) for t in self.tensors]
+            self.versions.load(version, self.staging)
+            stored = self.staging
         torch._foreach_copy_(self.masters, stored)
         self._sync()
         t0 = time.perf_counter()

@@ -94,6 +94,8 @@ class CastRecorder:
             self._states[b.key] = _State(b, out)
         self._tensors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stamps: dict[str, int] = {}
+        self.binding = 0
+        """How many times `bind` has run (a sender that skips its walk checks it is the same)."""
 
     @property
     def nbytes(self) -> int:
@@ -102,7 +104,7 @@ class CastRecorder:
 
     @property
     def names(self) -> set[str]:
-        """The bf16 tensors this sender's recordable buckets hold: what `bind` wants."""
+        """The bf16 tensors this sender sends (whole or in part): what `bind` wants."""
         return {sl.name for s in self._states.values() for sl in s.bucket.slices if sl.dtype == _WIRE}
 
     def bind(self, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -118,9 +120,10 @@ class CastRecorder:
         missing = sorted(want - set(pairs))
         if missing:
             raise ValueError(f"cast recorder: {len(missing)} bf16 tensor(s) this sender sends are not bound, e.g. {missing[:3]}")
-        for name, (master, wire) in pairs.items():
-            if not isinstance(master, torch.Tensor) or not isinstance(wire, torch.Tensor):
+        for name, pair in pairs.items():
+            if not isinstance(pair, tuple) or len(pair) != 2 or not all(isinstance(t, torch.Tensor) for t in pair):
                 raise ValueError(f"cast recorder: {name!r} must be bound to a (master, weight) pair of tensors")
+            master, wire = pair
             if master.dtype != torch.float32 or wire.dtype != torch.bfloat16:
                 raise ValueError(f"cast recorder: {name!r} pairs a {master.dtype} master with a {wire.dtype} weight; it casts float32 to bfloat16")
             if master.shape != wire.shape or not master.is_contiguous() or not wire.is_contiguous():
@@ -128,8 +131,15 @@ class CastRecorder:
             if master.device != self.device or wire.device != self.device:
                 raise ValueError(f"cast recorder: {name!r} lives on {master.device}/{wire.device}, the engine on {self.device}")
         self._tensors = dict(pairs)
-        for st in self._states.values():
-            self._bind_bucket(st)
+        self.binding += 1
+        try:
+            for st in self._states.values():
+                self._bind_bucket(st)
+        except BaseException:  # nothing half-bound: cast_() refuses until a good bind
+            self._tensors = {}
+            for st in self._states.values():
+                st.bound, st.base_id, st.diff = False, None, None
+            raise
         self._stamps = {n: w._version for n, (_m, w) in self._tensors.items()}
 
     def _bind_bucket(self, st: _State) -> None:
@@ -193,14 +203,17 @@ class CastRecorder:
         return st is not None and st.bound and list(pointers) == st.pointers
 
     def take(self, key: int, base_id: int | None) -> BucketDiff | None:
-        """The recorded patch of bucket `key` against sync `base_id`, if it is one: exactly one
-        cast since that sync, and nothing else wrote the bucket's weights."""
+        """The recorded patch of bucket `key` against sync `base_id`, if it is one: at most one
+        cast since that sync (none: an empty patch), and nothing else wrote the bucket's weights."""
         st = self._states.get(key)
-        if st is None or not st.bound or st.diff is None:
+        if st is None or not st.bound:
             return None
         self._check_stamps(st)
-        if base_id is None or st.base_id != base_id or st.casts != 1:
+        if base_id is None or st.base_id != base_id or st.casts > 1:
             return None
+        if st.casts == 0:  # synced again without a step: nothing changed
+            assert st.out is not None
+            return BucketDiff(st.out, st.bucket.nbytes, 2, self.scatter_below)
         return st.diff
 
     def synced(self, sync_id: int, keys: set[int]) -> None:
