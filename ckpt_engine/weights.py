@@ -74,8 +74,27 @@ class WatchedWeights:
     """
 
     def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._weights = weights
         self._it = iter(weights)
         self.error: BaseException | None = None
+
+    def anchors(self) -> list[torch.Tensor] | None:
+        """The wrapped walk's anchors (`sharded_source.PieceWalk.anchors`), so a transport may
+        replay its copy plan; None when it names none."""
+        get = getattr(self._weights, "anchors", None)
+        if not callable(get):
+            return None
+        try:
+            return get()
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def close(self) -> None:
+        """End a walk `anchors()` started."""
+        close = getattr(self._weights, "close", None)
+        if callable(close):
+            close()
 
     def __iter__(self) -> WatchedWeights:
         return self

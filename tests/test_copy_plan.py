@@ -20,6 +20,7 @@ import torch
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sharded_source import ShardedStateDictSource, iter_pieces
+from ckpt_engine.weights import WatchedWeights
 from ranks import run_ranks
 from roundtrip import same_bits
 
@@ -39,7 +40,7 @@ def _state(version: int, moved: bool) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _plan_rank(rank: int, rdzv: Rendezvous, *, local_senders: list[int] | None, move_destination: bool) -> dict[str, Any]:
+def _plan_rank(rank: int, rdzv: Rendezvous, *, local_senders: list[int] | None, move_destination: bool, watched: bool = False) -> dict[str, Any]:
     kwargs: dict[str, Any] = {} if local_senders is None else {"local_senders": local_senders}
     engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=16 * 1024, timeout_s=rdzv.timeout_s, **kwargs)
     engine.init_process_group(rdzv, rank)
@@ -62,7 +63,8 @@ def _plan_rank(rank: int, rdzv: Rendezvous, *, local_senders: list[int] | None, 
         manifest = engine.plan(specs, num_senders=SENDERS, owners=owners)
         if rank < SENDERS:
             assert source is not None
-            engine.send_weights(manifest, iter_pieces(source, manifest), stable=True)
+            walk = iter_pieces(source, manifest)
+            engine.send_weights(manifest, WatchedWeights(walk) if watched else walk, stable=True)
             out["builds"].append(engine.send_plan_builds)
             continue
         if dst is None or (move_destination and sync == 2):
@@ -79,10 +81,14 @@ def _plan_rank(rank: int, rdzv: Rendezvous, *, local_senders: list[int] | None, 
     return out
 
 
-@pytest.mark.parametrize("local_senders", [None, [1]], ids=["broadcast", "handoff"])
-def test_moved_source_tensors_rebuild_the_send_plan(local_senders: list[int] | None) -> None:
+@pytest.mark.parametrize("local_senders,watched", [(None, False), ([1], False), (None, True)], ids=["broadcast", "handoff", "watched"])
+def test_moved_source_tensors_rebuild_the_send_plan(local_senders: list[int] | None, watched: bool) -> None:
+    """`watched`: the walk wrapped as `sync_rollout_weights` wraps a many-sender rank's pieces
+    (WatchedWeights), which passes the walk's anchors through."""
     backend = "gloo" if local_senders is None else "nccl_handoff"
-    results = run_ranks(_plan_rank, SENDERS + 1, backend=backend, num_senders=SENDERS, local_senders=local_senders, move_destination=False)
+    results = run_ranks(
+        _plan_rank, SENDERS + 1, backend=backend, num_senders=SENDERS, local_senders=local_senders, move_destination=False, watched=watched
+    )
     receiver = results[SENDERS]
     assert receiver["bad"] == []
     for sender in results[:SENDERS]:
