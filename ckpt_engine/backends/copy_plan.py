@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BucketReceive", "BucketSend", "ReceivePlan", "SendPlan", "anchors_of", "coalesce", "layout_of", "optional_layout"]
+__all__ = ["BucketReceive", "BucketSend", "ReceivePlan", "SendPlan", "anchors_of", "anchors_unmoved", "coalesce", "layout_of", "optional_layout"]
 
 
 def layout_of(tensors: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:
@@ -111,12 +111,16 @@ class SendPlan:
     def matches(self, digest: str, views: Any, anchors: Sequence[torch.Tensor]) -> bool:
         """Whether this plan may be replayed for `anchors` (what the source holds now) into the
         buffers behind `views`."""
-        if digest != self.digest or views is not self.views or len(anchors) != len(self.anchors):
-            return False
-        if layout_of(self.anchors) != self.layout:  # the plan's own tensors moved (storage swapped or resized)
-            return False
-        same = all(a is b for a, b in zip(anchors, self.anchors))
-        return same or layout_of(anchors) == self.layout
+        return digest == self.digest and views is self.views and anchors_unmoved(self.anchors, self.layout, anchors)
+
+
+def anchors_unmoved(held: Sequence[torch.Tensor], layout: tuple[Hashable, ...], anchors: Sequence[torch.Tensor]) -> bool:
+    """Whether a plan built over `held` (then laid out as `layout`) may be replayed for `anchors`,
+    what the source holds now: neither the plan's own tensors (storage swapped or resized) nor the
+    source's moved."""
+    if len(anchors) != len(held) or layout_of(held) != layout:
+        return False
+    return all(a is b for a, b in zip(anchors, held)) or layout_of(anchors) == layout
 
 
 def anchors_of(weights: Any) -> list[torch.Tensor] | None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.backends.copy_plan import anchors_of, layout_of
+from ckpt_engine.backends.copy_plan import anchors_of, anchors_unmoved, layout_of
 from ckpt_engine.backends.delta_bases import DENSE, PATCH
 from ckpt_engine.backends.piece_reader import PieceReader
 from ckpt_engine.backends.pipelined_delta import FAST_LINK_SCATTER_BELOW
@@ -51,9 +51,7 @@ class _CastWalk:
     """The recorder's binding they were checked against (a new `bind` walks anew)."""
 
     def matches(self, digest: str, anchors: list[torch.Tensor], binding: int) -> bool:
-        if digest != self.digest or binding != self.binding or len(anchors) != len(self.anchors) or layout_of(self.anchors) != self.layout:
-            return False
-        return all(a is b for a, b in zip(anchors, self.anchors)) or layout_of(anchors) == self.layout
+        return digest == self.digest and binding == self.binding and anchors_unmoved(self.anchors, self.layout, anchors)
 
 
 class CastSendMixin:

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from ckpt_engine.delta import kernels
+from ckpt_engine.delta.direct_kernels import tile_table
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS
 
 __all__ = ["CastRow", "CastTables", "cast_pieces", "cast_tables"]
 
-_COLUMNS = 5  # first tile, first bucket word, length in words, master offset, bf16 offset (in their words)
+# table rows (direct_kernels.tile_table): first tile, first bucket word, length in words, master offset, bf16 offset
 _ALIGN_WORDS = 8  # one 16-byte vector load of bf16 words; of fp32 masters, two
 
 try:  # Triton is optional: CPU installs and GPUs without it never call this module.
@@ -79,22 +79,11 @@ def cast_tables(rows: list[CastRow], src_origin: torch.Tensor, dst_origin: torch
             raise ValueError(f"piece at bucket word {first} is not aligned to its words")
         s, d = (sp - so) // 4, (dp - do) // 2
         aligned = all(x % _ALIGN_WORDS == 0 for x in (s, d, first, n)) and sp % 16 == 0 and dp % 16 == 0
-        split[_ALIGN_WORDS if aligned else 1].append((s, d, n, first))
+        split[_ALIGN_WORDS if aligned else 1].append((first, n, s, d))
     out: CastTables = []
-    words = kernels.DIFF_ROWS * 32
     for align, pieces in split.items():
-        if not pieces:
-            continue
-        table = np.empty((len(pieces), _COLUMNS), dtype=np.int64)
-        counts = np.empty(len(pieces), dtype=np.int64)
-        tile = 0
-        for i, (s, d, n, first) in enumerate(pieces):
-            counts[i] = -(-n // words)
-            table[i] = (tile, first, n, s, d)
-            tile += int(counts[i])
-        tile_piece = np.repeat(np.arange(len(pieces), dtype=np.int32), counts)
-        dev = dst_origin.device
-        out.append((torch.from_numpy(table).to(dev), torch.from_numpy(tile_piece).to(dev), tile, align))
+        if pieces:
+            out.append((*tile_table(pieces, dst_origin.device), align))
     return out
 
 

@@ -26,7 +26,7 @@ import torch
 from ckpt_engine.delta import kernels
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS
 
-__all__ = ["TABLE_COLUMNS", "Row", "diff_pieces"]
+__all__ = ["TABLE_COLUMNS", "Row", "diff_pieces", "tile_table"]
 
 TABLE_COLUMNS = 4  # first tile, first bucket word, length in words, offset from the base image in words
 _ALIGN_BYTES = 16  # one vector load
@@ -63,28 +63,34 @@ if _HAVE_TRITON:
 Row = tuple[int, int, int]  # (data pointer, length in words, first bucket word) of one piece
 
 
-def _tables(rows: list[Row], base_w: torch.Tensor, align: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+def tile_table(pieces: list[tuple[int, ...]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """For pieces (first bucket word, length in words, *where its words are), the device table of
+    rows [first tile, first word, length, *where] and the map of tiles (DIFF_ROWS x 32 words) to
+    pieces that a one-launch kernel reads, and the number of tiles."""
+    words = kernels.DIFF_ROWS * 32
+    table = np.empty((len(pieces), 1 + len(pieces[0])), dtype=np.int64)
+    counts = np.empty(len(pieces), dtype=np.int64)
+    tile = 0
+    for i, (first, n, *where) in enumerate(pieces):
+        counts[i] = -(-n // words)
+        table[i] = (tile, first, n, *where)
+        tile += int(counts[i])
+    tile_piece = np.repeat(np.arange(len(pieces), dtype=np.int32), counts)
+
+    def to_dev(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+    return to_dev(table), to_dev(tile_piece), tile
+
+
+def _tables(rows: list[Row], base_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """(table of [first tile, first word, length, offset from the base], map of tiles to pieces,
     tiles) of the pieces in `rows`, on the base image's device."""
     if not rows:
         return None
     size, origin = base_w.element_size(), base_w.data_ptr()
-    words = kernels.DIFF_ROWS * 32
-    table = np.empty((len(rows), TABLE_COLUMNS), dtype=np.int64)
-    counts = np.empty(len(rows), dtype=np.int64)
-    tile = 0
-    for i, (ptr, n, first) in enumerate(rows):
-        counts[i] = -(-n // words)
-        table[i] = (tile, first, n, (ptr - origin) // size)
-        tile += int(counts[i])
-    tile_piece = np.repeat(np.arange(len(rows), dtype=np.int32), counts)
-    dev = base_w.device
-
-    def to_dev(a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        return t.pin_memory().to(dev, non_blocking=True) if base_w.is_cuda else t
-
-    return to_dev(table), to_dev(tile_piece), tile
+    return tile_table([(first, n, (ptr - origin) // size) for ptr, n, first in rows], base_w.device)
 
 
 def diff_pieces(
@@ -118,7 +124,7 @@ def diff_pieces(
                 raise ValueError(f"piece at word {first} is not aligned to its {size}-byte words")
             a = align if (gap // size) % align == 0 and first % align == 0 and n % align == 0 else 1
             split[a].append((ptr, n, first))
-        launches = {a: _tables(r, base_w, a) for a, r in split.items()}
+        launches = {a: _tables(r, base_w) for a, r in split.items()}
         if cache is not None:
             cache["rows"], cache["origin"], cache["launches"] = list(rows), (origin, kernels.DIFF_ROWS), launches
     for a, made in launches.items():
