@@ -26,6 +26,7 @@ import hmac
 import itertools
 import logging
 import math
+import select
 import socket
 import threading
 import time
@@ -173,7 +174,7 @@ class ControlServer:
             if self._pending.pop(cid, None) is None:
                 return False  # cut as the oldest stranger meanwhile
             if len(self._authed) >= self.limits.max_connections:
-                idle = [k for k, c in self._authed.items() if not c.busy]
+                idle = [k for k, c in self._authed.items() if not c.busy and not _has_bytes_waiting(c.sock)]
                 if not idle:
                     return False
                 victim = self._authed.pop(min(idle, key=lambda k: self._authed[k].last_active))
@@ -207,12 +208,13 @@ class ControlServer:
                     except OSError:
                         return
                     reply = self._dispatch(cid, conn, req)
-                    conn.busy, conn.last_active = False, time.monotonic()
                     if not reply["ok"]:
                         self.refused += 1
                     conn.sock.settimeout(lim.frame_timeout_s)
                     at_cap = not reply["ok"] and reply["error"]["type"] == "ConnectionLimit"
-                    if not _try_send(conn.sock, reply) or at_cap:
+                    sent = _try_send(conn.sock, reply)
+                    conn.busy, conn.last_active = False, time.monotonic()  # only now may a newcomer close it
+                    if not sent or at_cap:
                         return
         finally:
             with self._lock:
@@ -245,6 +247,14 @@ class ControlServer:
 
 def _mark_busy(conn: _Conn) -> None:
     conn.busy = True
+
+
+def _has_bytes_waiting(sock: socket.socket) -> bool:
+    """A request already on its way counts as busy: closing that connection would drop it."""
+    try:
+        return bool(select.select([sock], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False
 
 
 def _error(rid: int, typ: str, message: str) -> dict[str, Any]:

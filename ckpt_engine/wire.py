@@ -32,11 +32,12 @@ _HEADER = struct.Struct("!I")
 
 
 class WireError(ConnectionError):
-    """The peer closed, timed out, or sent a frame that is not a valid message (`garbled`)."""
+    """The peer closed, timed out, sent a frame that is not a valid message (`garbled`), or could
+    not be reached at all (`unreachable`: nothing listens, so a retry cannot help)."""
 
-    def __init__(self, message: str, *, garbled: bool = False, timed_out: bool = False) -> None:
+    def __init__(self, message: str, *, garbled: bool = False, timed_out: bool = False, unreachable: bool = False) -> None:
         super().__init__(message)
-        self.garbled, self.timed_out = garbled, timed_out
+        self.garbled, self.timed_out, self.unreachable = garbled, timed_out, unreachable
 
 
 class RpcError(RuntimeError):
@@ -131,6 +132,10 @@ class RpcClient:
         try:
             try:
                 sock = self._connect(timeout)
+            except OSError as exc:
+                timed_out = isinstance(exc, socket.timeout)
+                raise WireError(f"{method}: cannot connect to {self.host}:{self.port}: {exc}", timed_out=timed_out, unreachable=not timed_out) from exc
+            try:
                 sock.settimeout(timeout)
                 req_id = next(self._ids)
                 if self.token is not None:

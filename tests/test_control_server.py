@@ -129,6 +129,27 @@ def test_a_job_with_more_clients_than_the_cap_keeps_working(daemon: WeightSyncDa
             c.close()
 
 
+def test_a_client_sends_again_after_a_cut_but_not_to_a_daemon_that_is_gone(daemon: WeightSyncDaemon) -> None:
+    """A connection the daemon closed between calls costs nothing; a daemon that is gone is named
+    at once, not after the call's whole timeout (nothing listens, so retrying cannot help)."""
+    assert daemon.server is not None
+    client = DaemonClient(daemon.address, TOKEN, timeout_s=20)
+    try:
+        assert client.status()["role"] == "standalone"
+        with daemon.server._lock:  # the daemon closes this client's idle connection, as a newcomer at the cap would
+            conns = list(daemon.server._authed.values())
+        for c in conns:
+            c.cut()
+        assert client.status()["role"] == "standalone"
+        daemon.close()
+        t0 = time.monotonic()
+        with pytest.raises(WireError) as info:
+            client.status()
+        assert info.value.unreachable and time.monotonic() - t0 < 5, info.value
+    finally:
+        client.close()
+
+
 def test_the_reference_receivers_port_demands_the_job_token(tmp_path) -> None:
     sd = {"w": torch.arange(1024, dtype=torch.float32)}
     spec = tmp_path / "spec.msgpack"

@@ -26,7 +26,7 @@ class DaemonClient:
 
     Calls are idempotent (register replaces by name, report_sync is keyed by version), so a call
     that fails on a connection the daemon closed (idle timeout, restart, a newcomer took the
-    slot of this idle connection) is retried once.
+    slot of this idle connection) is sent again until `timeout_s` runs out.
     """
 
     def __init__(self, address: str | tuple[str, int], token: str, timeout_s: float = 30.0) -> None:
@@ -40,24 +40,25 @@ class DaemonClient:
         return f"{self.host}:{self.port}"
 
     def call(self, method: str, **params: Any) -> Any:
-        """One request; waits (up to `timeout_s`) while every connection slot is mid-request."""
+        """One request within `timeout_s`: waits while every connection slot is mid-request, and
+        sends again when the daemon closed the connection under the request (a newcomer took the
+        slot of a connection that looked idle, an idle timeout, a restart)."""
         deadline = time.monotonic() + self.timeout_s
+        pause = 0.01
         while True:
             try:
-                return self._call_once(method, **params)
+                return self._rpc.call(method, token=self.token, **params)
             except RpcError as exc:
                 if exc.remote_type != "ConnectionLimit" or time.monotonic() > deadline:
                     raise
-                time.sleep(0.05)
-
-    def _call_once(self, method: str, **params: Any) -> Any:
-        try:
-            return self._rpc.call(method, token=self.token, **params)
-        except WireError as exc:
-            if exc.timed_out:  # the daemon is slow, not gone: a retry would only double the wait
-                raise
-            logger.debug("retrying %s after a connection error: %s", method, exc)
-            return self._rpc.call(method, token=self.token, **params)
+            except WireError as exc:
+                # Timed out: the daemon is slow, not gone, and a retry would only double the wait.
+                # Unreachable: nothing listens. Garbled: not a daemon speaking this protocol.
+                if exc.timed_out or exc.unreachable or exc.garbled or time.monotonic() > deadline:
+                    raise
+                logger.debug("retrying %s after a connection error: %s", method, exc)
+            time.sleep(pause)
+            pause = min(2 * pause, 0.2)
 
     def hello(self) -> dict[str, Any]:
         return self.call("hello")
