@@ -157,6 +157,8 @@ def test_swap_in_is_gather_then_scatter_then_pair_delta(sizes: list[int], gap: i
     regions, ref, num_words = _layout(sizes, [gap] * len(sizes), dtype, seed)
     twin = [(f, t.clone()) for f, t in regions]
     pos_list = data.draw(st.lists(st.integers(-3, num_words + 3), min_size=0, max_size=60))
+    if data.draw(st.booleans()):  # sorted, repeats allowed: the CPU's compiled pass (host_kernels)
+        pos_list.sort()
     pos = torch.tensor(pos_list, dtype=data.draw(st.sampled_from([torch.int32, torch.int64])))
     vals = torch.randint(-100, 100, (pos.numel(),), dtype=torch.int64, generator=torch.Generator().manual_seed(seed)).to(dtype)
     want_old, want_bad, want_delta = _reference_swap(regions, pos, vals)
@@ -177,6 +179,52 @@ def test_swap_in_is_gather_then_scatter_then_pair_delta(sizes: list[int], gap: i
         for f, t in regions:
             if f <= q < f + t.numel():
                 assert t[q - f] == vals[i]
+
+
+def test_sorted_positions_take_the_compiled_pass_and_agree_with_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI has numba: a sorted patch on a CPU runs the one compiled pass (not vacuously the numpy
+    path), over many regions, gaps, repeats and positions outside, with the numpy path's result."""
+    from ckpt_engine.delta import host_kernels
+
+    assert host_kernels.available(), "numba is a dependency of ckpt-engine: scripts/setup.sh installs it"
+    regions, _ref, num_words = _layout([50, 0, 300, 7, 1000], [3, 0, 2, 5, 1], torch.int16, 7)
+    twin = [(f, t.clone()) for f, t in regions]
+    g = torch.Generator().manual_seed(3)
+    pos = torch.randint(-5, num_words + 5, (900,), generator=g).sort().values
+    vals = torch.randint(-30000, 30000, (900,), generator=g).to(torch.int16)
+    calls = []
+    real = host_kernels.swap_in_sorted
+    monkeypatch.setattr(host_kernels, "swap_in_sorted", lambda *a: calls.append(1) or real(*a))
+    got = ScatteredImage(regions, num_words).swap_in(pos, vals)
+    assert calls == [1]
+    monkeypatch.setattr(host_kernels, "available", lambda: False)
+    want = ScatteredImage(twin, num_words).swap_in(pos, vals)
+    assert calls == [1] and torch.equal(got[0], want[0]) and int(got[1]) == int(want[1]) > 0 and int(got[2]) == int(want[2])
+    for (_f, a), (_g, b) in zip(regions, twin):
+        assert torch.equal(a, b)
+
+
+def test_positions32_without_the_range_check_stay_int32_and_are_still_checked() -> None:
+    """On a CPU a positions32 patch for an in-place receiver keeps its int32 words (no widened
+    copy) and every check of a sorted kind still names what is wrong."""
+    from ckpt_engine.delta.decoder import decode
+    from ckpt_engine.delta.layout import FORMAT_VERSION, HEADER, KIND_IDS, MAGIC, PatchError, align8
+
+    def payload(positions: list[int], num_words: int, pad: int = 0) -> torch.Tensor:
+        n = len(positions)
+        head = HEADER.pack(MAGIC, FORMAT_VERSION, KIND_IDS["positions32"], 2, 0, num_words, n, 0)
+        padding = torch.full((align8(4 * n) - 4 * n,), pad, dtype=torch.uint8)
+        vals = torch.arange(n, dtype=torch.int16).view(torch.uint8)
+        return torch.cat([torch.frombuffer(bytearray(head), dtype=torch.uint8), torch.tensor(positions, dtype=torch.int32).view(torch.uint8), padding, vals])
+
+    patch = decode(payload([1, 4, 9], 10), 20, 2, check_range=False)
+    assert patch.positions.dtype == torch.int32 and patch.positions.tolist() == [1, 4, 9]
+    assert decode(payload([1, 4, 9], 10), 20, 2).positions.dtype == torch.int64
+    for bad, match in (([-1, 4, 9], "negative"), ([1, 4, 10], ">= num_words"), ([1, 4, 4], "strictly increasing"), ([4, 1, 9], "strictly increasing")):
+        with pytest.raises(PatchError, match=match):
+            decode(payload(bad, 10), 20, 2, check_range=False)
+    with pytest.raises(PatchError, match="padding"):
+        decode(payload([1, 4, 9], 10, pad=1), 20, 2, check_range=False)
 
 
 def test_swap_in_refuses_values_that_do_not_match() -> None:

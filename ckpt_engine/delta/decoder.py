@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ckpt_engine.delta import kernels
+from ckpt_engine.delta import host_kernels, kernels
 from ckpt_engine.delta.layout import (
     CHUNK_WORDS,
     FORMAT_VERSION,
@@ -127,6 +127,8 @@ def _checked_positions(index: torch.Tensor, pad: torch.Tensor, kind: str, num_wo
     and a host sync here."""
     if kind == "scatter32" and not check_range:  # the pad is checked by the caller (DecodedPatch.unchecked)
         return view_or_copy(index, torch.int32)
+    if kind == "positions32" and not check_range and how == "host" and host_kernels.available():
+        return _sorted_int32_host(index, pad, num_words)
     positions = view_or_copy(index, torch.int64 if kind == "positions64" else torch.int32).to(torch.int64)
     names = ["patch padding after the positions is not zero"]
     if positions.numel():
@@ -153,6 +155,20 @@ def _checked_positions(index: torch.Tensor, pad: torch.Tensor, kind: str, num_wo
     return positions
 
 
+def _sorted_int32_host(index: torch.Tensor, pad: torch.Tensor, num_words: int) -> torch.Tensor:
+    """positions32 checked in one compiled pass and left as int32 (a view of the payload when
+    aligned): for a caller that takes int32 positions (ScatteredImage.swap_in), no widened copy."""
+    positions = view_or_copy(index, torch.int32)
+    p = positions.numpy()
+    names = ["patch padding after the positions is not zero"]
+    flags = [not pad.numpy().any()]
+    if p.size:
+        names += ["a position is negative", f"a position is >= num_words={num_words}", "positions are not strictly increasing"]
+        flags += [p[0] >= 0, p[-1] < num_words, host_kernels.ordered(p, strict=True)]
+    _fail_first(flags, names)
+    return positions
+
+
 def decode(
     payload: torch.Tensor, nbytes: int, word_bytes: int, *, impl: str = "auto", check_range: bool = True, head: bytes | None = None
 ) -> DecodedPatch:
@@ -166,6 +182,7 @@ def decode(
     is outside every one): a scatter32 patch's positions are then not range-checked here and come
     back as int32 (a view of the payload when aligned), and the zero padding after them is left
     to the caller too (`unchecked`, a device count that must be 0): no host sync here for it.
+    A positions32 patch on a CPU with numba is checked as always but its positions stay int32.
     `head`: the payload's first PATCH_HEADER_BYTES bytes, when the caller has read them already
     (on a stream of its choice); they are checked like any other."""
     wdt = word_dtype(word_bytes)

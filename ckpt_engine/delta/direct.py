@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt_engine.delta import direct_kernels, host, kernels
+from ckpt_engine.delta import direct_kernels, host, host_kernels, kernels
 from ckpt_engine.delta.layout import (
     PATCH_HEADER_BYTES,
     align8,
@@ -26,7 +26,7 @@ from ckpt_engine.delta.layout import (
     word_dtype,
     write_header,
 )
-from ckpt_engine.delta.mixing import mix
+from ckpt_engine.delta.mixing import mix, table_a
 
 __all__ = ["SCATTER_BELOW", "BucketDiff", "capacity", "out_bytes"]
 
@@ -137,7 +137,24 @@ class BucketDiff:
                 raise ValueError(f"piece of {n} words at word {first} is outside the bucket's {self.num_words}")
         direct_kernels.diff_pieces(rows, base_words, self._counter, self._delta_t, self._positions, self._values, cache)
 
-    def _add_host(self, new: np.ndarray, base: np.ndarray, first: int) -> None:
+    def add_cast(self, master: torch.Tensor, base_words: torch.Tensor, first: int) -> None:
+        """Diff one piece whose new words are `master` (1-D float32) cast to bfloat16, writing
+        them into `base_words` (int16): on a CPU with numba one pass that rounds as CUDA does,
+        with no cast temporary; elsewhere torch's cast, then `add`."""
+        if self.device.type == "cpu" and not self._fused and host_kernels.available() and master.numel() == base_words.numel():
+            if not 0 <= first <= self.num_words - master.numel():
+                raise ValueError(f"piece of {master.numel()} words at word {first} is outside the bucket's {self.num_words}")
+            self._add_host(master.view(torch.int32).numpy(), base_words.numpy(), first, cast=True)
+            return
+        self.add(master.to(torch.bfloat16).view(torch.int16), base_words, first)
+
+    def _add_host(self, new: np.ndarray, base: np.ndarray, first: int, cast: bool = False) -> None:
+        if host_kernels.available():
+            self._count, total = host_kernels.diff_into(
+                new, base, first, self._positions.numpy(), self._values.numpy(), self._count, self.cap, table_a(self.device).numpy(), cast=cast
+            )
+            self._delta += total
+            return
         local = np.flatnonzero(new != base)
         c = local.size
         if not c:

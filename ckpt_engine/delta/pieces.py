@@ -9,7 +9,8 @@ regions and reads or writes the words through one base pointer (every region's o
 precomputed), by a binary search over the region starts per position (one search per block of
 positions that lies in one region was tried: no faster on an H200).
 A patch is applied by two kernels (swap_in): the first reads every old word and sums the patch's
-checksum change, the second writes. Elsewhere numpy and torch ops group the positions by region.
+checksum change, the second writes. On a CPU one compiled pass does both for sorted positions
+(host_kernels.py); elsewhere numpy and torch ops group the positions by region.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import math
 import numpy as np
 import torch
 
-from ckpt_engine.delta import kernels, host
-from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, mix
+from ckpt_engine.delta import host, host_kernels, kernels
+from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, mix, table_a
 
 __all__ = ["ScatteredImage", "pair_delta"]
 
@@ -146,6 +147,7 @@ class ScatteredImage:
         self.starts = torch.tensor([f for f, _ in regions], dtype=torch.int64)
         self.ends = torch.tensor([f + v.numel() for f, v in regions], dtype=torch.int64)
         self._fused = kernels.available(self.device)
+        self._host_regions: object | None = None  # the regions as host_kernels takes them, built at first use
         if self._fused:
             anchor = min(regions, key=lambda r: r[1].data_ptr())[1]
             size = anchor.element_size()
@@ -242,6 +244,9 @@ class ScatteredImage:
         if not self._fused:
             old = torch.zeros(positions.numel(), dtype=self.dtype, device=self.device)
             values = values.contiguous()
+            done = self._swap_in_compiled(positions, values, old)
+            if done is not None:
+                return done
             groups = self._groups(positions)
             bad = self._pairs(positions, old, write=False, groups=groups)
             self._pairs(positions, values, write=True, groups=groups)
@@ -259,6 +264,21 @@ class ScatteredImage:
             )
             self._launch(positions, values, True, bad.new_empty(1))  # scratch: the read counted these already
         return old, bad, partial.sum()
+
+    def _swap_in_compiled(self, positions: torch.Tensor, values: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """swap_in on a CPU in one compiled pass (host_kernels), for sorted positions (every
+        sorted patch kind; repeats allowed); None where it does not apply."""
+        if self.device.type != "cpu" or not host_kernels.available() or positions.device.type != "cpu":
+            return None
+        p = positions.contiguous().numpy()
+        if p.dtype not in (np.int32, np.int64) or not host_kernels.ordered(p, strict=False):
+            return None
+        if self._host_regions is None:
+            self._host_regions = host_kernels.regions_list([v.numpy() for _f, v in self.regions])
+        bad, total = host_kernels.swap_in_sorted(
+            p, values.numpy(), old.numpy(), self.starts.numpy(), self.ends.numpy(), self._host_regions, table_a(self.device).numpy()
+        )
+        return old, torch.tensor([bad], dtype=torch.int32), torch.tensor(total, dtype=torch.int64)
 
     def _check_values(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         if values.numel() != positions.numel() or values.dtype != self.dtype:

@@ -3,9 +3,10 @@
 A trainer with fp32 masters and a bf16 copy of its weights rewrites that copy after every
 optimizer step. A `CastRecorder` does that write for it (`cast_()`), bucket by bucket of the
 sender's plan: each master word is rounded, compared with the bf16 word it replaces, and only
-changed words are written and recorded in the bucket's patch (cast_kernels.py on CUDA; numpy
-through BucketDiff on a CPU). The next sync sends those patches as they are: it reads neither
-the model nor a base copy, and the bf16 weights before the cast were the base.
+changed words are written and recorded in the bucket's patch (cast_kernels.py on CUDA; on a CPU
+BucketDiff.add_cast: one compiled pass with numba, else torch's cast and numpy). The next sync
+sends those patches as they are: it reads neither the model nor a base copy, and the bf16 weights
+before the cast were the base.
 
 A recorded patch is only valid against the version the bucket held at the last sync, so each
 bucket tracks (base id, casts since): a bucket cast more than once since its last sync, written
@@ -180,7 +181,7 @@ class CastRecorder:
                 cast_kernels.cast_pieces(st.tables, *st.origins, diff.targets())
             else:
                 for master, words, first in st.host_rows:
-                    diff.add(master.to(torch.bfloat16).view(torch.int16), words, first)
+                    diff.add_cast(master, words, first)
             diff.seal()
             st.diff = diff
             st.casts += 1

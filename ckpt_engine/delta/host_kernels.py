@@ -1,0 +1,173 @@
+"""Compiled CPU loops of the delta codec (numba), for what numpy can only do in many passes.
+
+Why: a CPU receiver applying a patch in place did it in ~10 numpy passes over the patch (widen
+the positions, group them by tensor, gather the old words, scatter the new ones, then sort, take,
+subtract, multiply and reduce for the checksum change): 0.35 s per GiB bucket at 2 % changed words
+on one core, more than the whole bucket's broadcast. One compiled loop over the sorted positions
+reads each old word, sums its checksum term and writes the new word, in one pass over memory.
+
+Same semantics as the numpy path in pieces.py (the tests compare them): every old word is read
+before its position is written, so a position a corrupt patch repeats yields its old word each
+time; positions outside every region are counted and skipped. Without numba (or for unsorted
+positions, which only a scatter32 patch or a corrupt one has) the numpy path runs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, MIX_B
+
+__all__ = ["available", "diff_into", "ordered", "regions_list", "swap_in_sorted"]
+
+logger = logging.getLogger(__name__)
+
+try:
+    import numba
+    from numba.typed import List as _TypedList
+except Exception as exc:  # noqa: BLE001 - any import failure means the numpy path
+    numba = None
+    _TypedList = None
+    logger.debug("numba unavailable (%s); the CPU delta path uses numpy", exc)
+
+
+def available() -> bool:
+    return numba is not None
+
+
+if numba is not None:
+
+    @numba.njit(cache=True, nogil=True)
+    def _ordered(p, strict):  # type: ignore[no-untyped-def]
+        for i in range(1, p.size):
+            if p[i] < p[i - 1] or (strict and p[i] == p[i - 1]):
+                return False
+        return True
+
+    @numba.njit(cache=True, nogil=True)
+    def _b(group):  # type: ignore[no-untyped-def]
+        b = (group + 1) * np.int64(MIX_B)
+        b ^= b >> 31
+        return b | 1
+
+    @numba.njit(cache=True, nogil=True)
+    def _h(p, table_a):  # type: ignore[no-untyped-def]
+        return table_a[p & (GROUP_WORDS - 1)] * _b(p >> GROUP_BITS)
+
+    @numba.njit(cache=True, nogil=True)
+    def _swap_sorted(pos, vals, old, starts, ends, regions, table_a):  # type: ignore[no-untyped-def]
+        bad = 0
+        total = np.int64(0)
+        i, n = 0, pos.size
+        for k in range(starts.size):  # positions are sorted: each region takes one run of them
+            lo, hi = starts[k], ends[k]
+            while i < n and pos[i] < lo:  # in a gap before this region
+                old[i] = 0
+                bad += 1
+                total += _h(np.int64(pos[i]), table_a) * np.int64(vals[i])
+                i += 1
+            if i == n:
+                break
+            if pos[i] >= hi:
+                continue
+            region = regions[k]
+            prev = np.int64(-1)
+            group = np.int64(-1)
+            b = np.int64(0)
+            part = np.int64(0)  # the sum of A(p) * (new - old) over this group's positions
+            while i < n and pos[i] < hi:
+                p = np.int64(pos[i])
+                if p == prev:  # repeated (a corrupt patch): the word read before it was written
+                    o = old[i - 1]
+                else:
+                    o = region[p - lo]
+                old[i] = o
+                region[p - lo] = vals[i]
+                prev = p
+                if (p >> GROUP_BITS) != group:  # B(group) once per group of 2**16 words
+                    total += part * b
+                    part = np.int64(0)
+                    group = p >> GROUP_BITS
+                    b = _b(group)
+                part += (np.int64(vals[i]) - np.int64(o)) * table_a[p & (GROUP_WORDS - 1)]
+                i += 1
+            total += part * b
+        while i < n:  # past the last region
+            old[i] = 0
+            bad += 1
+            total += _h(np.int64(pos[i]), table_a) * np.int64(vals[i])
+            i += 1
+        return bad, total
+
+
+    @numba.njit(cache=True, nogil=True)
+    def _bf16(bits):  # type: ignore[no-untyped-def]
+        """fp32 bits -> bf16 bits rounded to nearest even; a NaN as CUDA's canonical 0x7FFF."""
+        u = np.int64(bits) & 0xFFFFFFFF
+        if (u & 0x7FFFFFFF) > 0x7F800000:
+            return np.int16(0x7FFF)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return np.int16(r - 0x10000 if r >= 0x8000 else r)
+
+    @numba.njit(cache=True, nogil=True)
+    def _diff(new, base, first, positions, values, count, cap, cast, table_a):  # type: ignore[no-untyped-def]
+        total = np.int64(0)
+        group = np.int64(-1)
+        b = np.int64(0)
+        part = np.int64(0)
+        for i in range(base.size):
+            w = _bf16(new[i]) if cast else new[i]
+            o = base[i]
+            if w == o:
+                continue
+            p = np.int64(first + i)
+            if count < cap:
+                positions[count] = p
+                values[count] = w
+            count += 1
+            base[i] = w
+            if (p >> GROUP_BITS) != group:
+                total += part * b
+                part = np.int64(0)
+                group = p >> GROUP_BITS
+                b = _b(group)
+            part += (np.int64(w) - np.int64(o)) * table_a[p & (GROUP_WORDS - 1)]
+        return count, total + part * b
+
+
+def ordered(positions: np.ndarray, strict: bool) -> bool:
+    """True when every position is larger than (strict) or at least the one before: one pass,
+    no temporaries."""
+    return bool(_ordered(positions, strict))
+
+
+def regions_list(views: list[np.ndarray]) -> object:
+    """The regions in the typed list the compiled loop takes (built once per image)."""
+    out = _TypedList()
+    for v in views:
+        out.append(v)
+    return out
+
+
+def swap_in_sorted(
+    positions: np.ndarray, values: np.ndarray, old: np.ndarray, starts: np.ndarray, ends: np.ndarray, regions: object, table_a: np.ndarray
+) -> tuple[int, int]:
+    """Write `values` at non-decreasing `positions` of the regions [starts[k], ends[k]) (sorted,
+    disjoint), fill `old` with the words they held (0 outside every region) and return (positions
+    outside every region, sum of h(p) * (new - old) in wrapping int64, those outside included
+    with old 0, as pair_delta sums them)."""
+    bad, total = _swap_sorted(positions, values, old, starts, ends, regions, table_a)
+    return int(bad), int(total)
+
+
+def diff_into(
+    new: np.ndarray, base: np.ndarray, first: int, positions: np.ndarray, values: np.ndarray, count: int, cap: int, table_a: np.ndarray,
+    *, cast: bool = False,
+) -> tuple[int, int]:
+    """One pass over a piece: where `new` (with `cast`: fp32 bits, rounded to bf16 as CUDA does)
+    differs from `base`, record (first + i, new word) at `count` while below `cap`, write it into
+    `base` and add its checksum term. Returns (the new count, the sum of the terms, wrapping)."""
+    count, total = _diff(new, base, first, positions, values, count, cap, cast, table_a)
+    return int(count), int(total)
