@@ -181,16 +181,24 @@ def test_swap_in_is_gather_then_scatter_then_pair_delta(sizes: list[int], gap: i
                 assert t[q - f] == vals[i]
 
 
-def test_sorted_positions_take_the_compiled_pass_and_agree_with_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("split", [False, True])
+def test_sorted_positions_take_the_compiled_pass_and_agree_with_numpy(monkeypatch: pytest.MonkeyPatch, split: bool) -> None:
     """CI has numba: a sorted patch on a CPU runs the one compiled pass (not vacuously the numpy
-    path), over many regions, gaps, repeats and positions outside, with the numpy path's result."""
+    path), over many regions, gaps, repeats and positions outside, with the numpy path's result;
+    `split`: cut into one run per thread, a repeated position right at the cut."""
     from ckpt_engine.delta import host_kernels
+
+    if split:
+        monkeypatch.setattr(host_kernels, "SPLIT_POSITIONS", 100)
+        monkeypatch.setattr(host_kernels.numba, "get_num_threads", lambda: 2)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
 
     assert host_kernels.available(), "numba is a dependency of ckpt-engine: scripts/setup.sh installs it"
     regions, _ref, num_words = _layout([50, 0, 300, 7, 1000], [3, 0, 2, 5, 1], torch.int16, 7)
     twin = [(f, t.clone()) for f, t in regions]
     g = torch.Generator().manual_seed(3)
     pos = torch.randint(-5, num_words + 5, (900,), generator=g).sort().values
+    pos[451] = pos[450] = pos[449]  # the even cut of a split falls inside a repeat
     vals = torch.randint(-30000, 30000, (900,), generator=g).to(torch.int16)
     calls = []
     real = host_kernels.swap_in_sorted

@@ -77,6 +77,7 @@ class DeltaTransferMixin:
         buckets' words, 1/4 unless given (a bitmask patch is not recorded)."""
         self._bases = Bases()
         self._places_cache: Any = None
+        self._patch_buffers: tuple[str, dict[int, torch.Tensor]] | None = None  # a CPU receiver's, per bucket
         self._stage: torch.Tensor | None = None
         self._recorder: Any = None  # (plan digest, CastRecorder) with delta_base="cast"
         self.last_delta_stats: dict[str, float] = {}
@@ -84,6 +85,7 @@ class DeltaTransferMixin:
     def _reset_delta(self) -> None:
         self._bases = Bases()
         self._places_cache = None
+        self._patch_buffers = None
         self._stage = None
         if self._recorder is not None:
             self._recorder[1].forget()

@@ -17,10 +17,11 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import torch
 
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, MIX_B
 
-__all__ = ["available", "diff_into", "ordered", "regions_list", "swap_in_sorted"]
+__all__ = ["SPLIT_POSITIONS", "available", "diff_into", "ordered", "regions_list", "swap_in_sorted"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +32,10 @@ except Exception as exc:  # noqa: BLE001 - any import failure means the numpy pa
     numba = None
     _TypedList = None
     logger.debug("numba unavailable (%s); the CPU delta path uses numpy", exc)
+
+
+SPLIT_POSITIONS = 1 << 20
+"""A patch with at least this many positions per thread is applied by several threads."""
 
 
 def available() -> bool:
@@ -57,50 +62,63 @@ if numba is not None:
         return table_a[p & (GROUP_WORDS - 1)] * _b(p >> GROUP_BITS)
 
     @numba.njit(cache=True, nogil=True)
-    def _swap_sorted(pos, vals, old, starts, ends, regions, table_a):  # type: ignore[no-untyped-def]
+    def _swap_range(pos, vals, old, starts, ends, regions, table_a, first, last):  # type: ignore[no-untyped-def]
+        """The swap over positions [first, last): sorted, so each region takes one run of them."""
         bad = 0
         total = np.int64(0)
-        i, n = 0, pos.size
-        for k in range(starts.size):  # positions are sorted: each region takes one run of them
+        i = first
+        k = np.searchsorted(ends, pos[first], side="right") if first < last else starts.size
+        while k < starts.size and i < last:
             lo, hi = starts[k], ends[k]
-            while i < n and pos[i] < lo:  # in a gap before this region
+            while i < last and pos[i] < lo:  # in a gap before this region
                 old[i] = 0
                 bad += 1
                 total += _h(np.int64(pos[i]), table_a) * np.int64(vals[i])
                 i += 1
-            if i == n:
-                break
-            if pos[i] >= hi:
-                continue
-            region = regions[k]
-            prev = np.int64(-1)
-            group = np.int64(-1)
-            b = np.int64(0)
-            part = np.int64(0)  # the sum of A(p) * (new - old) over this group's positions
-            while i < n and pos[i] < hi:
-                p = np.int64(pos[i])
-                if p == prev:  # repeated (a corrupt patch): the word read before it was written
-                    o = old[i - 1]
-                else:
-                    o = region[p - lo]
-                old[i] = o
-                region[p - lo] = vals[i]
-                prev = p
-                if (p >> GROUP_BITS) != group:  # B(group) once per group of 2**16 words
-                    total += part * b
-                    part = np.int64(0)
-                    group = p >> GROUP_BITS
-                    b = _b(group)
-                part += (np.int64(vals[i]) - np.int64(o)) * table_a[p & (GROUP_WORDS - 1)]
-                i += 1
-            total += part * b
-        while i < n:  # past the last region
+            if i < last and pos[i] < hi:
+                region = regions[k]
+                prev = np.int64(-1)
+                group = np.int64(-1)
+                b = np.int64(0)
+                part = np.int64(0)  # the sum of A(p) * (new - old) over this group's positions
+                while i < last and pos[i] < hi:
+                    p = np.int64(pos[i])
+                    if p == prev:  # repeated (a corrupt patch): the word read before it was written
+                        o = old[i - 1]
+                    else:
+                        o = region[p - lo]
+                    old[i] = o
+                    region[p - lo] = vals[i]
+                    prev = p
+                    if (p >> GROUP_BITS) != group:  # B(group) once per group of 2**16 words
+                        total += part * b
+                        part = np.int64(0)
+                        group = p >> GROUP_BITS
+                        b = _b(group)
+                    part += (np.int64(vals[i]) - np.int64(o)) * table_a[p & (GROUP_WORDS - 1)]
+                    i += 1
+                total += part * b
+            k += 1
+        while i < last:  # past the last region
             old[i] = 0
             bad += 1
             total += _h(np.int64(pos[i]), table_a) * np.int64(vals[i])
             i += 1
         return bad, total
 
+    @numba.njit(cache=True, parallel=True)
+    def _swap_split(pos, vals, old, starts, ends, regions, table_a, cuts):  # type: ignore[no-untyped-def]
+        parts = cuts.size - 1
+        bads = np.zeros(parts, np.int64)
+        totals = np.zeros(parts, np.int64)
+        for t in numba.prange(parts):
+            bads[t], totals[t] = _swap_range(pos, vals, old, starts, ends, regions, table_a, cuts[t], cuts[t + 1])
+        bad = 0
+        total = np.int64(0)
+        for t in range(parts):
+            bad += bads[t]
+            total += totals[t]
+        return bad, total
 
     @numba.njit(cache=True, nogil=True)
     def _bf16(bits):  # type: ignore[no-untyped-def]
@@ -157,8 +175,21 @@ def swap_in_sorted(
     """Write `values` at non-decreasing `positions` of the regions [starts[k], ends[k]) (sorted,
     disjoint), fill `old` with the words they held (0 outside every region) and return (positions
     outside every region, sum of h(p) * (new - old) in wrapping int64, those outside included
-    with old 0, as pair_delta sums them)."""
-    bad, total = _swap_sorted(positions, values, old, starts, ends, regions, table_a)
+    with old 0, as pair_delta sums them). A large patch is cut into one run of positions per
+    thread (never between two equal positions, so each word is read and written by one thread)."""
+    n = positions.size
+    parts = min(numba.get_num_threads(), torch.get_num_threads(), n // SPLIT_POSITIONS)  # torch's threads: what the rank may use
+    if parts < 2:
+        bad, total = _swap_range(positions, values, old, starts, ends, regions, table_a, 0, n)
+        return int(bad), int(total)
+    cuts = [0]
+    for t in range(1, parts):
+        c = max(cuts[-1], t * n // parts)
+        while 0 < c < n and positions[c] == positions[c - 1]:
+            c += 1
+        cuts.append(c)
+    cuts.append(n)
+    bad, total = _swap_split(positions, values, old, starts, ends, regions, table_a, np.asarray(cuts, dtype=np.int64))
     return int(bad), int(total)
 
 

@@ -242,11 +242,11 @@ class ScatteredImage:
         queued right after it on the same stream."""
         self._check_values(positions, values)
         if not self._fused:
-            old = torch.zeros(positions.numel(), dtype=self.dtype, device=self.device)
             values = values.contiguous()
-            done = self._swap_in_compiled(positions, values, old)
+            done = self._swap_in_compiled(positions, values)
             if done is not None:
                 return done
+            old = torch.zeros(positions.numel(), dtype=self.dtype, device=self.device)
             groups = self._groups(positions)
             bad = self._pairs(positions, old, write=False, groups=groups)
             self._pairs(positions, values, write=True, groups=groups)
@@ -265,7 +265,7 @@ class ScatteredImage:
             self._launch(positions, values, True, bad.new_empty(1))  # scratch: the read counted these already
         return old, bad, partial.sum()
 
-    def _swap_in_compiled(self, positions: torch.Tensor, values: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def _swap_in_compiled(self, positions: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """swap_in on a CPU in one compiled pass (host_kernels), for sorted positions (every
         sorted patch kind; repeats allowed); None where it does not apply."""
         if self.device.type != "cpu" or not host_kernels.available() or positions.device.type != "cpu":
@@ -275,6 +275,7 @@ class ScatteredImage:
             return None
         if self._host_regions is None:
             self._host_regions = host_kernels.regions_list([v.numpy() for _f, v in self.regions])
+        old = torch.empty(positions.numel(), dtype=self.dtype)  # the pass writes every entry
         bad, total = host_kernels.swap_in_sorted(
             p, values.numpy(), old.numpy(), self.starts.numpy(), self.ends.numpy(), self._host_regions, table_a(self.device).numpy()
         )
