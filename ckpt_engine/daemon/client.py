@@ -47,7 +47,8 @@ class DaemonClient:
         pause = 0.01
         while True:
             try:
-                return self._rpc.call(method, token=self.token, **params)
+                left = max(0.05, deadline - time.monotonic())  # every try within the one timeout
+                return self._rpc.call(method, timeout_s=left, token=self.token, **params)
             except RpcError as exc:
                 if exc.remote_type != "ConnectionLimit" or time.monotonic() > deadline:
                     raise
