@@ -216,14 +216,10 @@ def test_positions32_without_the_range_check_stay_int32_and_are_still_checked() 
     """On a CPU a positions32 patch for an in-place receiver keeps its int32 words (no widened
     copy) and every check of a sorted kind still names what is wrong."""
     from ckpt_engine.delta.decoder import decode
-    from ckpt_engine.delta.layout import FORMAT_VERSION, HEADER, KIND_IDS, MAGIC, PatchError, align8
+    from ckpt_engine.delta.layout import PatchError
 
     def payload(positions: list[int], num_words: int, pad: int = 0) -> torch.Tensor:
-        n = len(positions)
-        head = HEADER.pack(MAGIC, FORMAT_VERSION, KIND_IDS["positions32"], 2, 0, num_words, n, 0)
-        padding = torch.full((align8(4 * n) - 4 * n,), pad, dtype=torch.uint8)
-        vals = torch.arange(n, dtype=torch.int16).view(torch.uint8)
-        return torch.cat([torch.frombuffer(bytearray(head), dtype=torch.uint8), torch.tensor(positions, dtype=torch.int32).view(torch.uint8), padding, vals])
+        return _payload(positions, list(range(len(positions))), num_words, pad, kind="positions32", word=torch.int16)
 
     patch = decode(payload([1, 4, 9], 10), 20, 2, check_range=False)
     assert patch.positions.dtype == torch.int32 and patch.positions.tolist() == [1, 4, 9]
@@ -243,15 +239,16 @@ def test_swap_in_refuses_values_that_do_not_match() -> None:
         image.swap_in(torch.tensor([0, 1]), torch.zeros(3, dtype=torch.int16))
 
 
-def _scatter32_payload(positions: list[int], values: list[int], num_words: int, pad: int = 0) -> torch.Tensor:
-    """A scatter32 patch of 4-byte words, written field by field (layout.py's format)."""
+def _payload(positions: list[int], values: list[int], num_words: int, pad: int = 0, kind: str = "scatter32", word: torch.dtype = torch.int32) -> torch.Tensor:
+    """A patch of int32 positions (scatter32 or positions32) and `word` values, written field by
+    field (layout.py's format)."""
     from ckpt_engine.delta.layout import FORMAT_VERSION, HEADER, KIND_IDS, MAGIC, align8
 
     n = len(positions)
-    head = HEADER.pack(MAGIC, FORMAT_VERSION, KIND_IDS["scatter32"], 4, 0, num_words, n, 0)
+    head = HEADER.pack(MAGIC, FORMAT_VERSION, KIND_IDS[kind], torch.tensor([], dtype=word).element_size(), 0, num_words, n, 0)
     index = torch.tensor(positions, dtype=torch.int32).view(torch.uint8)
     padding = torch.full((align8(4 * n) - 4 * n,), pad, dtype=torch.uint8)
-    vals = torch.tensor(values, dtype=torch.int32).view(torch.uint8)
+    vals = torch.tensor(values, dtype=word).view(torch.uint8)
     return torch.cat([torch.frombuffer(bytearray(head), dtype=torch.uint8), index, padding, vals])
 
 
@@ -262,24 +259,24 @@ def test_decode_without_the_range_check_leaves_out_of_range_positions_to_the_reg
     from ckpt_engine.delta.layout import PatchError
 
     num_words = 12
-    payload = _scatter32_payload([3, num_words + 5, -2], [7, 8, 9], num_words)
+    payload = _payload([3, num_words + 5, -2], [7, 8, 9], num_words)
     with pytest.raises(PatchError, match="a position is negative"):
         decode(payload, 4 * num_words, 4)
     patch = decode(payload, 4 * num_words, 4, check_range=False)
     assert patch.positions.dtype == torch.int32 and patch.positions.tolist() == [3, num_words + 5, -2]
     assert patch.values.tolist() == [7, 8, 9]
-    in_range = decode(_scatter32_payload([3, 0, 11], [7, 8, 9], num_words), 4 * num_words, 4)
-    unchecked = decode(_scatter32_payload([3, 0, 11], [7, 8, 9], num_words), 4 * num_words, 4, check_range=False)
+    in_range = decode(_payload([3, 0, 11], [7, 8, 9], num_words), 4 * num_words, 4)
+    unchecked = decode(_payload([3, 0, 11], [7, 8, 9], num_words), 4 * num_words, 4, check_range=False)
     assert torch.equal(in_range.positions, unchecked.positions.long()) and torch.equal(in_range.values, unchecked.values)
 
     region = torch.arange(num_words, dtype=torch.int32)
     old, bad, _delta = ScatteredImage([(0, region)], num_words).swap_in(patch.positions, patch.values)
     assert int(bad) == 2 and old.tolist() == [3, 0, 0] and region.tolist() == [0, 1, 2, 7] + list(range(4, num_words))
     with pytest.raises(PatchError, match="padding after the positions is not zero"):
-        decode(_scatter32_payload([3, 4, 5], [7, 8, 9], num_words, pad=1), 4 * num_words, 4)
+        decode(_payload([3, 4, 5], [7, 8, 9], num_words, pad=1), 4 * num_words, 4)
     # without the range pass the padding is left to the caller: a device count it must see at 0
-    assert int(decode(_scatter32_payload([3, 4, 5], [7, 8, 9], num_words, pad=1), 4 * num_words, 4, check_range=False).unchecked) > 0
-    assert int(decode(_scatter32_payload([3, 4, 5], [7, 8, 9], num_words), 4 * num_words, 4, check_range=False).unchecked) == 0
+    assert int(decode(_payload([3, 4, 5], [7, 8, 9], num_words, pad=1), 4 * num_words, 4, check_range=False).unchecked) > 0
+    assert int(decode(_payload([3, 4, 5], [7, 8, 9], num_words), 4 * num_words, 4, check_range=False).unchecked) == 0
     assert in_range.unchecked is None
 
 

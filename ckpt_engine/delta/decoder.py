@@ -127,9 +127,9 @@ def _checked_positions(index: torch.Tensor, pad: torch.Tensor, kind: str, num_wo
     and a host sync here."""
     if kind == "scatter32" and not check_range:  # the pad is checked by the caller (DecodedPatch.unchecked)
         return view_or_copy(index, torch.int32)
-    if kind == "positions32" and not check_range and how == "host" and host_kernels.available():
-        return _sorted_int32_host(index, pad, num_words)
-    positions = view_or_copy(index, torch.int64 if kind == "positions64" else torch.int32).to(torch.int64)
+    narrow = view_or_copy(index, torch.int64 if kind == "positions64" else torch.int32)
+    keep32 = kind == "positions32" and not check_range and how == "host" and host_kernels.available()
+    positions = narrow if keep32 else narrow.to(torch.int64)  # int32 for a caller that takes them (no widened copy)
     names = ["patch padding after the positions is not zero"]
     if positions.numel():
         names += ["a position is negative", f"a position is >= num_words={num_words}"]
@@ -142,7 +142,8 @@ def _checked_positions(index: torch.Tensor, pad: torch.Tensor, kind: str, num_wo
             if kind == "scatter32":
                 flags += [p.min() >= 0, p.max() < num_words]
             else:
-                flags += [p[0] >= 0, p[-1] < num_words, bool((p[1:] > p[:-1]).all())]
+                increasing = host_kernels.ordered(p, strict=True) if host_kernels.available() else bool((p[1:] > p[:-1]).all())
+                flags += [p[0] >= 0, p[-1] < num_words, increasing]
         _fail_first(flags, names)
         return positions
     checks = [pad.eq(0).all()]
@@ -152,20 +153,6 @@ def _checked_positions(index: torch.Tensor, pad: torch.Tensor, kind: str, num_wo
         else:
             checks += [positions[0] >= 0, positions[-1] < num_words, (positions[1:] > positions[:-1]).all()]
     _fail_first(torch.stack(checks).tolist(), names)
-    return positions
-
-
-def _sorted_int32_host(index: torch.Tensor, pad: torch.Tensor, num_words: int) -> torch.Tensor:
-    """positions32 checked in one compiled pass and left as int32 (a view of the payload when
-    aligned): for a caller that takes int32 positions (ScatteredImage.swap_in), no widened copy."""
-    positions = view_or_copy(index, torch.int32)
-    p = positions.numpy()
-    names = ["patch padding after the positions is not zero"]
-    flags = [not pad.numpy().any()]
-    if p.size:
-        names += ["a position is negative", f"a position is >= num_words={num_words}", "positions are not strictly increasing"]
-        flags += [p[0] >= 0, p[-1] < num_words, host_kernels.ordered(p, strict=True)]
-    _fail_first(flags, names)
     return positions
 
 

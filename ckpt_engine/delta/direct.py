@@ -98,11 +98,9 @@ class BucketDiff:
     def add(self, new_words: torch.Tensor, base_words: torch.Tensor, first: int) -> None:
         """Diff one piece: `new_words` and `base_words` are 1-D word views of equal length; the
         base region becomes the new words."""
-        if new_words.numel() != base_words.numel() or new_words.dtype != base_words.dtype:
-            raise ValueError(f"piece at word {first}: new ({new_words.numel()} {new_words.dtype}) and base "
-                             f"({base_words.numel()} {base_words.dtype}) differ in length or word type")
-        if not 0 <= first <= self.num_words - new_words.numel():
-            raise ValueError(f"piece of {new_words.numel()} words at word {first} is outside the bucket's {self.num_words}")
+        if new_words.dtype != base_words.dtype:
+            raise ValueError(f"piece at word {first}: new ({new_words.dtype}) and base ({base_words.dtype}) words differ in type")
+        self._check_piece(new_words, base_words, first)
         if not new_words.numel():
             return
         if self._fused:
@@ -111,6 +109,12 @@ class BucketDiff:
             self._add_host(new_words.numpy(), base_words.numpy(), first)
         else:
             self._add_torch(new_words, base_words, first)
+
+    def _check_piece(self, new: torch.Tensor, base: torch.Tensor, first: int) -> None:
+        if new.numel() != base.numel():
+            raise ValueError(f"piece at word {first}: new ({new.numel()} words) and base ({base.numel()} words) differ in length")
+        if not 0 <= first <= self.num_words - new.numel():
+            raise ValueError(f"piece of {new.numel()} words at word {first} is outside the bucket's {self.num_words}")
 
     def targets(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(count, delta sum, positions, values) a fused kernel writes (cast_kernels.py; CUDA only)."""
@@ -141,9 +145,8 @@ class BucketDiff:
         """Diff one piece whose new words are `master` (1-D float32) cast to bfloat16, writing
         them into `base_words` (int16): on a CPU with numba one pass that rounds as CUDA does,
         with no cast temporary; elsewhere torch's cast, then `add`."""
-        if self.device.type == "cpu" and not self._fused and host_kernels.available() and master.numel() == base_words.numel():
-            if not 0 <= first <= self.num_words - master.numel():
-                raise ValueError(f"piece of {master.numel()} words at word {first} is outside the bucket's {self.num_words}")
+        if self.device.type == "cpu" and not self._fused and host_kernels.available():
+            self._check_piece(master, base_words, first)
             self._add_host(master.view(torch.int32).numpy(), base_words.numpy(), first, cast=True)
             return
         self.add(master.to(torch.bfloat16).view(torch.int16), base_words, first)
