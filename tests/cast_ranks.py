@@ -87,10 +87,10 @@ def _pieces_and_pairs(manifest: Any, rank: int, owners: dict, weights: dict[str,
 
 def cast_rank(
     rank: int, rdzv: Rendezvous, *, versions: int = 5, lr: float = 1e-5, bucket_size: int = 16 * 1024, in_place: bool = False,
-    double_cast: int | None = None, touch: int | None = None, corrupt: int | None = None, bind: bool = True,
+    double_cast: int | None = None, steps_then: int = 2, touch: int | None = None, corrupt: int | None = None, bind: bool = True,
     idle: int | None = None, walk: bool = False, move: int | None = None, engine_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Version 0 is a dense seed; each later version is one optimizer step (two at `double_cast`,
+    """Version 0 is a dense seed; each later version is one optimizer step (`steps_then` at `double_cast`,
     none at `idle`) cast through the recorder, then a patch sync. `touch`: after that version's cast the sender
     changes one word of TOUCHED with a torch op (the receivers expect it too). `corrupt`: the
     sender flips a byte of a patch in that sync. `bind=False`: the sender never binds a recorder.
@@ -128,7 +128,7 @@ def cast_rank(
     base_id = None
     for version in range(versions):
         if version:
-            for _ in range(2 if version == double_cast else 0 if version == idle else 1):
+            for _ in range(steps_then if version == double_cast else 0 if version == idle else 1):
                 chain.step()
                 if rank < senders:
                     if bind:

@@ -38,14 +38,29 @@ def test_recorded_patches_keep_every_receiver_bit_exact(senders: int, in_place: 
         assert 0 < s["base_bytes"] < seed["dense_bytes"]
 
 
-def test_two_casts_between_syncs_send_those_buckets_dense() -> None:
-    """Two optimizer steps (two casts) before one sync: the recorded patch covers only the last
-    step, so every bucket goes dense, and the receivers still end exact; the next sync patches."""
-    results = run_ranks(cast_rank, 3, versions=4, lr=1e-5, double_cast=2, in_place=True)
+@pytest.mark.parametrize("steps", [2, 3])
+def test_several_casts_between_syncs_send_one_merged_patch(steps: int) -> None:
+    """Two or three optimizer steps (casts) before one sync, at lr 1e-6 (a trainer that syncs
+    every k steps): each cast records on top of the last, so that sync still sends patches, each
+    word once, and the receivers end exact; the syncs before and after patch as usual."""
+    results = run_ranks(cast_rank, 3, versions=4, lr=1e-6, double_cast=2, steps_then=steps, in_place=True)
     _receivers_exact(results[1:])
     stats = results[0]["stats"]
-    assert stats[2]["recorded_buckets"] == 0 and stats[2]["wire_bytes"] == stats[2]["dense_bytes"]
-    assert stats[1]["recorded_buckets"] > 0 and stats[3]["recorded_buckets"] > 0
+    bound = results[0]["bound_buckets"]
+    assert all(stats[v]["recorded_buckets"] == bound > 0 for v in (1, 2, 3))
+    assert stats[1]["changed_fraction"] < stats[2]["changed_fraction"]  # more steps, more words
+    assert stats[2]["wire_bytes"] < 0.5 * stats[2]["dense_bytes"]
+
+
+def test_changes_past_the_patch_area_send_that_bucket_dense() -> None:
+    """Four steps at lr 1e-5 before one sync change more words than the patch areas hold (a
+    quarter of each bucket's words): those buckets go dense, the receivers stay exact, and the
+    next sync (one step) patches again."""
+    results = run_ranks(cast_rank, 3, versions=4, lr=1e-5, double_cast=2, steps_then=4, in_place=True)
+    _receivers_exact(results[1:])
+    stats = results[0]["stats"]
+    assert stats[2]["recorded_buckets"] < results[0]["bound_buckets"]
+    assert stats[3]["recorded_buckets"] > 0
 
 
 def test_a_sync_without_a_step_sends_empty_patches() -> None:

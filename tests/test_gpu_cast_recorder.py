@@ -49,12 +49,15 @@ def test_the_recording_cast_writes_what_torch_casts_and_records_every_changed_wo
 @pytest.mark.parametrize("in_place", [False, True])
 def test_nccl_recorded_patches_are_bit_exact(in_place: bool) -> None:
     """Two GPUs over NCCL: real AdamW steps cast through the recorder, recorded patches sent, the
-    receiver exact after each; two casts between syncs and a weight written outside the recorder
-    go dense and stay exact."""
+    receiver exact after each; two casts between syncs record one merged patch, a weight written
+    outside the recorder goes dense, and both stay exact."""
     results = run_ranks(cast_rank, 2, backend="nccl", versions=5, lr=1e-5, in_place=in_place)
     assert all(r["bad"] == [] and r["errors"] == [] for r in results), [(r["bad"], r["errors"]) for r in results]
     assert all(p["recorded_buckets"] > 0 for p in results[0]["stats"][1:])
     results = run_ranks(cast_rank, 2, backend="nccl", versions=5, lr=1e-5, in_place=in_place, double_cast=2, touch=3)
     assert all(r["bad"] == [] and r["errors"] == [] for r in results), [(r["bad"], r["errors"]) for r in results]
     stats = results[0]["stats"]
-    assert stats[2]["recorded_buckets"] == 0 and 0 < stats[3]["recorded_buckets"] < stats[4]["recorded_buckets"]
+    assert 0 < stats[3]["recorded_buckets"] < stats[4]["recorded_buckets"]
+    results = run_ranks(cast_rank, 2, backend="nccl", versions=4, lr=1e-6, in_place=in_place, double_cast=2, steps_then=3)
+    assert all(r["bad"] == [] and r["errors"] == [] for r in results), [(r["bad"], r["errors"]) for r in results]
+    assert all(s["recorded_buckets"] == results[0]["bound_buckets"] > 0 for s in results[0]["stats"][1:])  # three casts, one patch

@@ -3,9 +3,10 @@
 With `delta_base="cast"` a sender keeps no base image: its trainer writes its bf16 weights through
 `engine.cast_recorder(manifest)` (delta/recorder.py), which records each bucket's patch while it
 casts. A sync then only frames and sends those patches; a bucket without a valid recording (first
-sync, two casts since the last sync, weights written elsewhere, a patch that would not be smaller)
-is packed and sent dense from the source, and its checksum is taken from the packed bytes. The
-receivers cannot tell the difference: frames, checksums and patches are those of pipelined_delta.py.
+sync, more changes since the last sync than its patch area holds, weights written elsewhere, a
+patch that would not be smaller) is packed and sent dense from the source, and its checksum is
+taken from the packed bytes. The receivers cannot tell the difference: frames, checksums and
+patches are those of pipelined_delta.py.
 """
 
 from __future__ import annotations

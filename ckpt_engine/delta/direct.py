@@ -28,7 +28,7 @@ from ckpt_engine.delta.layout import (
 )
 from ckpt_engine.delta.mixing import mix, table_a
 
-__all__ = ["SCATTER_BELOW", "BucketDiff", "capacity", "out_bytes"]
+__all__ = ["SCATTER_BELOW", "BucketDiff", "capacity", "last_of_each", "last_of_each_host", "out_bytes"]
 
 SCATTER_BELOW = 1 / 32
 """Default most changed words, as a fraction of the bucket's, that a scatter32 patch may carry:
@@ -52,6 +52,33 @@ def out_bytes(nbytes: int, word_bytes: int, scatter_below: float = SCATTER_BELOW
     bucket at the default, plus a little): header, positions, then room for the new values."""
     cap = capacity(nbytes, word_bytes, scatter_below)
     return PATCH_HEADER_BYTES + align8(4 * cap) + 8 + align8(cap * word_bytes)
+
+
+def last_of_each(positions: torch.Tensor, values: torch.Tensor) -> int:
+    """Rewrite the front of `positions` / `values` (equal length, any order) as each distinct
+    position once, ascending, with the value that came last for it; returns how many. torch ops
+    (an accelerator's sort; one host sync for the count)."""
+    ps, order = torch.sort(positions, stable=True)
+    vs = values.index_select(0, order)
+    keep = torch.ones(ps.numel(), dtype=torch.bool, device=ps.device)
+    torch.ne(ps[1:], ps[:-1], out=keep[:-1])
+    ps, vs = ps[keep], vs[keep]
+    n = ps.numel()
+    positions[:n].copy_(ps)
+    values[:n].copy_(vs)
+    return n
+
+
+def last_of_each_host(positions: np.ndarray, values: np.ndarray) -> int:
+    """last_of_each on host arrays: numpy's stable sort of int32 is a merge of sorted runs, one
+    pass for the few runs a CPU diff appends."""
+    order = np.argsort(positions, kind="stable")
+    ps, vs = positions[order], values[order]
+    keep = np.ones(ps.size, dtype=bool)
+    np.not_equal(ps[1:], ps[:-1], out=keep[:-1])
+    ps, vs = ps[keep], vs[keep]
+    positions[: ps.size], values[: vs.size] = ps, vs
+    return int(ps.size)
 
 
 class BucketDiff:
@@ -186,6 +213,27 @@ class BucketDiff:
         self._delta_t += mix(pos).mul_(vals.to(torch.int64) - base.index_select(0, local).to(torch.int64)).sum()
         base.index_copy_(0, local, vals)
         self._count += c
+
+    def merge_repeats(self) -> None:
+        """Keep each recorded position once, with its last value, positions ascending.
+
+        Why: pieces diffed into this patch a second time (a trainer that casts twice before one
+        sync) record again every word that changed again, and a patch names each word once. The
+        delta sum needs nothing: one word's terms telescope, (v1 - o) + (v2 - v1) = v2 - o. A
+        patch past its capacity has lost positions and goes dense as it is. One host sync (the
+        count) on an accelerator; on a CPU numpy's stable sort merges the sorted runs in one pass."""
+        count = int(self._counter.item()) if self._fused else self._count
+        self._pinned = None  # a count sealed before the merge is stale
+        if count < 2 or count > self.cap:
+            return
+        if self.device.type == "cpu":
+            n = last_of_each_host(self._positions.numpy()[:count], self._values.numpy()[:count])
+        else:
+            n = last_of_each(self._positions[:count], self._values[:count])
+        if self._fused:
+            self._counter.fill_(n)
+        else:
+            self._count = n
 
     def seal(self) -> torch.cuda.Event | None:
         """Queue the changed count's copy to pinned host memory; the returned event (CUDA only)

@@ -9,9 +9,12 @@ sends those patches as they are: it reads neither the model nor a base copy, and
 before the cast were the base.
 
 A recorded patch is only valid against the version the bucket held at the last sync, so each
-bucket tracks (base id, casts since): a bucket cast more than once since its last sync, written
-by anything but the recorder (torch's version counter), never sent since binding, or sent from
-other tensors than the ones bound, travels dense next time (always correct, just not small).
+bucket tracks (base id, casts since). Several casts between two syncs (a trainer that syncs every
+k steps) record into one patch: each cast appends the words it changed and the repeats are merged
+(last value kept), so the patch carries every word changed since the sync, once. A bucket written
+by anything but the recorder (torch's version counter), never sent since binding, sent from other
+tensors than the ones bound, or whose changes since the sync outgrow its patch area travels dense
+next time (always correct, just not small).
 Memory: each recordable bucket holds a patch area of (4 + 2) bytes per word it may carry
 (`scatter_below` of its words: 3/4 of the bucket's bytes at 1/4), and no base image.
 """
@@ -176,12 +179,16 @@ class CastRecorder:
                 continue
             self._check_stamps(st)
             assert st.out is not None
-            diff = BucketDiff(st.out, st.bucket.nbytes, 2, self.scatter_below)
+            again = st.diff is not None and st.base_id is not None  # a second step before the sync: record on top
+            diff = st.diff if again else BucketDiff(st.out, st.bucket.nbytes, 2, self.scatter_below)
+            assert diff is not None
             if st.tables is not None and st.origins is not None:
                 cast_kernels.cast_pieces(st.tables, *st.origins, diff.targets())
             else:
                 for master, words, first in st.host_rows:
                     diff.add_cast(master, words, first)
+            if again:
+                diff.merge_repeats()
             diff.seal()
             st.diff = diff
             st.casts += 1
@@ -204,13 +211,14 @@ class CastRecorder:
         return st is not None and st.bound and list(pointers) == st.pointers
 
     def take(self, key: int, base_id: int | None) -> BucketDiff | None:
-        """The recorded patch of bucket `key` against sync `base_id`, if it is one: at most one
-        cast since that sync (none: an empty patch), and nothing else wrote the bucket's weights."""
+        """The recorded patch of bucket `key` against sync `base_id`, if it is one: every cast
+        since that sync recorded into it (none: an empty patch), and nothing else wrote the
+        bucket's weights."""
         st = self._states.get(key)
         if st is None or not st.bound:
             return None
         self._check_stamps(st)
-        if base_id is None or st.base_id != base_id or st.casts > 1:
+        if base_id is None or st.base_id != base_id:
             return None
         if st.casts == 0:  # synced again without a step: nothing changed
             assert st.out is not None
