@@ -74,8 +74,9 @@ class CheckpointEngineConfig:
     """With delta: where each sender keeps the base of what it sends: `device` memory (fastest), or
     pinned `host` memory (no device memory but one bucket-sized staging buffer; each bucket's base
     crosses the host link twice per sync), or none (`cast`: the trainer casts its fp32 masters to
-    bf16 through the engine's `cast_recorder()`, which records the patches; without it every sync
-    is dense). Passed to the backend as its `delta_base` option."""
+    bf16 through the engine's `cast_recorder()`, which records the patches: the FSDP2 adapter does
+    it itself when every rank sends its shards; without a recorder every sync is dense). Passed to
+    the backend as its `delta_base` option."""
     senders: str = "auto"
     """Who streams the weights: `rank0` (trainer rank 0 sends full tensors, the others only walk
     `iter_weights`), `all` (every trainer rank sends the shards it owns, no gather; the source must

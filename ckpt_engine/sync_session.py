@@ -25,6 +25,7 @@ from ckpt_engine.engine import CheckpointEngine, Rendezvous
 from ckpt_engine.engine_claims import claims
 from ckpt_engine.fanout import collect_failures, mark_stale_and_probe, wait_for_joins
 from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
+from ckpt_engine.recorded_casts import offer_cast_recorder
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
 from ckpt_engine.sender_channel import SenderChannel
@@ -316,6 +317,8 @@ class WeightSyncSession(ManySendersMixin):
         # Delta or dense is decided before anything is paused (delta=on with an engine that takes no
         # patches is refused here, with every engine still serving).
         request = self._delta.request(manifest.digest, self._delta_unsupported(engine))
+        if request is not None:  # a source that records its own casts binds before anything pauses
+            offer_cast_recorder(engine, manifest, source, walks_pieces=pieces is not None)
         t = time.perf_counter()
         self._fan_out("pause", lambda r: r.pause(self.config.pause_mode))
         seconds["pause"] = time.perf_counter() - t

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.ownership import OwnerMap, Shard
+from ckpt_engine.trainer_adapters.cast_shadows import CastShadows
 from ckpt_engine.trainer_adapters.fsdp2_shards import dim0_rows, own_rows, shard_owners
 
 __all__ = ["FSDP2ShardedSource"]
@@ -31,6 +32,7 @@ class FSDP2ShardedSource:
     _few_casts: bool | None
     _units: list[Any]
     _param_groups: Any  # the engine's static lookup of FSDP2 parameter groups per unit
+    _cast_shadows: CastShadows
     rank: int
     world_size: int
 
@@ -42,8 +44,26 @@ class FSDP2ShardedSource:
         (e.g. a bf16 model whose router is kept fp32): those casts are made once per sync and
         kept until the next one begins. A model whose every tensor needs a cast (fp32 masters
         with a bf16 wire) is not stable: keeping its casts would hold a second copy of the shard.
-        (Not `stable_tensors`: that flag describes `iter_weights`, whose tensors are not stable.)"""
-        return self._cast_few()
+        (Not `stable_tensors`: that flag describes `iter_weights`, whose tensors are not stable.)
+        Pieces written through a cast recorder (`record_casts`) are kept bf16 copies: stable."""
+        return self._cast_shadows.active or self._cast_few()
+
+    def record_casts(self, recorder: Any) -> None:
+        """`delta_base: cast` (offered by the sync before each delta walk): keep a bf16 copy of
+        every piece this rank sends, written by `recorder.cast_()` after each optimizer step, which
+        records each bucket's changed words; the sync sends those patches. Costs half the bytes of
+        this rank's fp32 pieces, plus the recorder's patch areas, and no base copy."""
+        self._cast_shadows.bind(recorder, self._master_piece)
+
+    def _master_piece(self, name: str) -> torch.Tensor:
+        """This rank's part of `name` in its master dtype: a view of the local shard (no cast)."""
+        found = self._pieces.get(name)
+        if found is None:
+            raise ValueError(f"{name!r} is not a tensor this FSDP2 model exports (see metadata())")
+        e, index = found
+        rows = self._rows_of(e)
+        t = self._local_of(e, cache=False)
+        return own_rows(name, t, rows, self.rank, index, e.expert_outputs) if rows is not None else t
 
     def begin_pieces(self) -> None:
         """A sync's walk of its pieces starts (called by `iter_pieces`): forget the last one's
@@ -75,7 +95,7 @@ class FSDP2ShardedSource:
             # A DTensor's local tensor object itself (what `to_local()` views); a plain tensor as is.
             out.append(t._local_tensor if isinstance(t, torch.distributed.tensor.DTensor) else t)
         out += [t for k, t in self._sync_cache.items() if k[1] is not None]
-        return out
+        return out + self._cast_shadows.tensors()
 
     def end_pieces(self) -> None:
         """The walk is over: its casts stay alive (the transport may still read them) until the
@@ -134,6 +154,9 @@ class FSDP2ShardedSource:
         found = self._pieces.get(name)
         if found is None:
             raise ValueError(f"{name!r} is not a tensor this FSDP2 model exports (see metadata())")
+        shadow = self._cast_shadows.piece(name)
+        if shadow is not None:
+            return shadow
         e, index = found
         spec = e.specs[index]
         want = getattr(torch, spec.dtype)
