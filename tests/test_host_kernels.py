@@ -76,3 +76,48 @@ def test_a_bucket_diff_on_the_cpu_agrees_with_the_numpy_path(monkeypatch: pytest
         outs.append((size, int(delta), count, out[:size].clone()))
     assert outs[0][0] is not None and outs[0][2] > 0
     assert outs[0][:3] == outs[1][:3] and torch.equal(outs[0][3], outs[1][3])
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), a=st.integers(0, 300), b=st.integers(0, 300), span=st.integers(1, 400), shuffle=st.booleans())
+def test_merge_last_merges_two_sorted_runs_keeping_the_later_value(seed: int, a: int, b: int, span: int, shuffle: bool) -> None:
+    """Two strictly ascending runs (a patch, then a cast's new words) merge into one, each word
+    once with the later run's value, as a dict of the last value per position says; anything
+    that is not two ascending runs is refused (-1) and left as it was."""
+    rng = np.random.default_rng(seed)
+    runs = [np.sort(rng.choice(span, min(k, span), replace=False)).astype(np.int32) for k in (a, b)]
+    pos = np.concatenate(runs)
+    if shuffle and pos.size > 2:
+        rng.shuffle(pos)
+    vals = rng.integers(-(2**15), 2**15, pos.size).astype(np.int16)
+    want = dict(zip(pos.tolist(), vals.tolist()))
+    p, v = pos.copy(), vals.copy()
+    n = host_kernels.merge_last(p, v)
+    descents = int((np.diff(pos.astype(np.int64)) <= 0).sum())
+    if descents > 1:
+        assert n == -1 and np.array_equal(p, pos) and np.array_equal(v, vals)
+        return
+    keys = sorted(want)
+    assert n == len(keys)
+    assert p[:n].tolist() == keys and v[:n].tolist() == [want[k] for k in keys]
+
+
+def test_merge_repeats_after_each_of_three_diffs_keeps_each_word_once_with_its_last_value() -> None:
+    """BucketDiff.merge_repeats on a CPU (the compiled merge of the patch and the new run) after
+    each of three diffs into one patch, some words changed again."""
+    n = 1 << 16  # the patch area holds the 3 x 200 changes
+    diff = BucketDiff(torch.empty(out_bytes(2 * n, 2), dtype=torch.uint8), 2 * n, 2)
+    base = torch.zeros(n, dtype=torch.int16)
+    rng = np.random.default_rng(1)
+    want: dict[int, int] = {}
+    for _ in range(3):
+        new = base.clone()
+        hit = torch.from_numpy(rng.choice(n, 200, replace=False))
+        new[hit] = torch.from_numpy(rng.integers(1, 2**15, 200).astype(np.int16))
+        diff.add(new, base, 0)  # writes new into base
+        want.update({int(i): int(new[i]) for i in (new != 0).nonzero().reshape(-1)})
+        diff.merge_repeats()
+    count = diff._count
+    assert count <= diff.cap
+    assert diff._positions[:count].tolist() == sorted(want)
+    assert diff._values[:count].tolist() == [want[k] for k in sorted(want)]

@@ -221,13 +221,17 @@ class BucketDiff:
         sync) record again every word that changed again, and a patch names each word once. The
         delta sum needs nothing: one word's terms telescope, (v1 - o) + (v2 - v1) = v2 - o. A
         patch past its capacity has lost positions and goes dense as it is. One host sync (the
-        count) on an accelerator; on a CPU numpy's stable sort merges the sorted runs in one pass."""
+        count) on an accelerator; on a CPU one compiled merge of the two sorted runs (numba), else
+        numpy's stable sort."""
         count = int(self._counter.item()) if self._fused else self._count
         self._pinned = None  # a count sealed before the merge is stale
         if count < 2 or count > self.cap:
             return
         if self.device.type == "cpu":
-            n = last_of_each_host(self._positions.numpy()[:count], self._values.numpy()[:count])
+            pos, vals = self._positions.numpy()[:count], self._values.numpy()[:count]
+            n = host_kernels.merge_last(pos, vals) if host_kernels.available() else -1  # two sorted runs: one pass
+            if n < 0:
+                n = last_of_each_host(pos, vals)
         else:
             n = last_of_each(self._positions[:count], self._values[:count])
         if self._fused:

@@ -21,7 +21,7 @@ import torch
 
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, MIX_B
 
-__all__ = ["SPLIT_POSITIONS", "available", "diff_into", "ordered", "regions_list", "swap_in_sorted"]
+__all__ = ["SPLIT_POSITIONS", "available", "diff_into", "merge_last", "ordered", "regions_list", "swap_in_sorted"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +153,47 @@ if numba is not None:
                 b = _b(group)
             part += (np.int64(w) - np.int64(o)) * table_a[p & (GROUP_WORDS - 1)]
         return count, total + part * b
+
+    @numba.njit(cache=True, nogil=True)
+    def _first_descent(pos):  # type: ignore[no-untyped-def]
+        for i in range(1, pos.size):
+            if pos[i] <= pos[i - 1]:
+                return i
+        return pos.size
+
+    @numba.njit(cache=True, nogil=True)
+    def _merge_last(pos, vals, split, run_pos, run_vals):  # type: ignore[no-untyped-def]
+        """Merge run_* (a copy of pos[split:]) into pos[:split] from the back; see merge_last."""
+        n = pos.size
+        i, j, w = split - 1, run_pos.size - 1, n - 1
+        while j >= 0:  # w > i always: every step moves w and at least one of i, j down
+            if i >= 0 and pos[i] > run_pos[j]:
+                pos[w], vals[w] = pos[i], vals[i]
+                i -= 1
+            else:
+                if i >= 0 and pos[i] == run_pos[j]:
+                    i -= 1  # the earlier value of a word written again: dropped
+                pos[w], vals[w] = run_pos[j], run_vals[j]
+                j -= 1
+            w -= 1
+        k = i + 1  # pos[:k] is in place; the merged tail sits at [w + 1, n): close the gap
+        for t in range(w + 1, n):
+            pos[k], vals[k] = pos[t], vals[t]
+            k += 1
+        return k
+
+
+def merge_last(positions: np.ndarray, values: np.ndarray) -> int:
+    """Where (position, value) pairs are at most two strictly ascending runs (a patch after two
+    casts; the first run is the merged patch of the casts before), merge them in place, keeping
+    the second run's value where both name a word, and return the merged length; -1 (nothing
+    changed) for anything else. One pass from the back; only the second run is copied."""
+    split = int(_first_descent(positions))
+    if split == positions.size:
+        return split
+    if _first_descent(positions[split:]) != positions.size - split:
+        return -1
+    return int(_merge_last(positions, values, split, positions[split:].copy(), values[split:].copy()))
 
 
 def ordered(positions: np.ndarray, strict: bool) -> bool:
