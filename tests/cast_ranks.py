@@ -183,3 +183,45 @@ def cast_rank(
     out["bound_buckets"] = len(rec.bound_keys()) if rec is not None else 0
     engine.finalize()
     return out
+
+
+def fsdp2_shadows_rank(rank: int, world_size: int, device: str) -> dict:
+    """One FSDP2 rank (a world of one) whose shadows are bound to a recorder of every bf16 tensor
+    it exports; two optimizer steps at lr 1e-6 cast through it (on CUDA Triton's kernel and the
+    torch merge, on a CPU numba's pass and merge). Returns what the caller checks."""
+    from ckpt_engine.delta import codec
+    from ckpt_engine.delta.recorder import CastBucket, CastRecorder, CastSlice
+    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2TrainEngine
+    from tests._trainer_mp import world_group
+    from tests.test_trainer_fsdp2 import build_model, engine_config, lm_loss
+
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    engine = FSDP2TrainEngine(build_model().to(dev), config=engine_config(wire_dtype="bfloat16", lr=1e-6), process_group=world_group(), device=dev)
+    slices, at = [], 0
+    for spec in engine.metadata():
+        if spec.dtype == "bfloat16":
+            nbytes = 2 * int(torch.Size(spec.shape).numel())
+            slices.append(CastSlice(spec.name, tuple(spec.shape), "bfloat16", 0, 0, nbytes, at))
+            at += nbytes
+    rec = CastRecorder([CastBucket(0, at, 2, tuple(slices))], dev, 0.25)
+    engine.record_casts(rec)
+    names = [s.name for s in slices]
+    assert all(engine.local_piece(n) is engine._cast_shadows.piece(n) for n in names)
+    rec.synced(1, {0})
+    before = torch.cat([engine.local_piece(n).reshape(-1).view(torch.int16) for n in names]).clone()
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        ids = torch.randint(0, 128, (2, 16), generator=g).to(dev)
+        engine.forward_backward({"input_ids": ids}, lm_loss)
+        engine.optimizer_step()
+    after = torch.cat([engine.local_piece(n).reshape(-1).view(torch.int16) for n in names])
+    masters = torch.cat([engine._master_piece(n).reshape(-1).to(torch.bfloat16).view(torch.int16) for n in names])
+    size, delta, count = rec.take(0, 1).finish()
+    out = {"cast_exact": bool(torch.equal(after, masters)), "changed": int((before != after).sum()), "count": count, "words": before.numel()}
+    if size is not None:
+        patch = codec.decode(rec._states[0].out[:size], at, 2)
+        image = before.clone()
+        image[patch.positions.long()] = patch.values.view(torch.int16)
+        out["patch_exact"] = bool(torch.equal(image, after))
+        out["sum_exact"] = bool(torch.equal(codec.checksum(before.view(torch.uint8), 2) + delta, codec.checksum(after.view(torch.uint8), 2)))
+    return out

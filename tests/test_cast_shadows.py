@@ -84,3 +84,17 @@ def test_masters_that_cannot_be_recorded_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"piece of 'a' is not contiguous"):
         shadows.bind(_recorder(), masters.__getitem__)
     assert not shadows.active and shadows.piece("a") is None
+
+
+def test_fsdp2_shadows_record_two_steps_into_one_patch() -> None:
+    """The FSDP2 adapter on one gloo rank: its pieces are the shadows, each step's cast writes
+    what torch's cast of the fp32 shard gives, and the patch after two steps turns the bf16
+    weights of the sync into those of now, checksum included (the GPU twin is in
+    test_gpu_cast_recorder.py)."""
+    from cast_ranks import fsdp2_shadows_rank
+    from tests._trainer_mp import run_ranks
+
+    (r,) = run_ranks(fsdp2_shadows_rank, 1, device="cpu")
+    assert r["cast_exact"], r
+    assert 0 < r["changed"] <= r["count"] < r["words"] // 4, r  # a word may move and move back: in the patch, at its old value
+    assert r.get("patch_exact") and r.get("sum_exact"), r
