@@ -204,7 +204,7 @@ def fsdp2_shadows_rank(rank: int, world_size: int, device: str) -> dict:
             slices.append(CastSlice(spec.name, tuple(spec.shape), "bfloat16", 0, 0, nbytes, at))
             at += nbytes
     rec = CastRecorder([CastBucket(0, at, 2, tuple(slices))], dev, 0.25)
-    engine.record_casts(rec)
+    assert engine.record_casts(lambda: rec, pieces=True) and not engine.record_casts(lambda: rec, pieces=False)
     names = [s.name for s in slices]
     assert all(engine.local_piece(n) is engine._cast_shadows.piece(n) for n in names)
     rec.synced(1, {0})

@@ -13,7 +13,7 @@ from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
 from ckpt_engine.backends.gloo import GlooCheckpointEngine
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sync import close_sessions
-from ckpt_engine.weights import StateDictSource
+from ckpt_engine.weights import StateDictSource, spec_of
 from multisender import model_state, wire
 from refengines import holds
 
@@ -121,5 +121,69 @@ def test_auto_falls_back_to_plain_dense_when_patches_do_not_pay(engines: list[To
             assert all(holds(e, sd) == [] for e in engines)
         assert kinds[:2] == ["seed", "patch"] and kinds[2:] == ["off", "off"]
         assert wire_fraction[1] > 0.5 and wire_fraction[2:] == [1.0, 1.0]
+    finally:
+        session.close()
+
+
+class _CastingTrainer:
+    """A custom one-rank trainer synced through the library call: fp32 masters stepped by AdamW,
+    bf16 weights written through the engine's cast recorder once the sync offered it
+    (`record_casts`), by a plain cast before; other dtypes sent as they are."""
+
+    is_sender = True
+    stable_tensors = True
+
+    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
+        self.weights = {n: t.clone() for n, t in sd.items()}
+        self.masters = {n: t.float() for n, t in self.weights.items() if t.dtype == torch.bfloat16}
+        self.opt = torch.optim.AdamW(list(self.masters.values()), lr=1e-6)
+        self.recorder = None
+        self.offers = 0
+
+    def metadata(self) -> list:
+        return [spec_of(n, t) for n, t in self.weights.items()]
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.weights.items()
+
+    def record_casts(self, recorder_of, *, pieces: bool) -> bool:  # noqa: ANN001 - the hook recorded_casts.py documents
+        self.offers += 1
+        rec = recorder_of()
+        if rec is not self.recorder:
+            rec.bind({n: (self.masters[n], self.weights[n]) for n in rec.names})
+            self.recorder = rec
+        return not pieces
+
+    def step(self, g: torch.Generator) -> None:
+        for m in self.masters.values():
+            m.grad = torch.randn(m.shape, generator=g) * 0.01
+        self.opt.step()
+        if self.recorder is not None:
+            self.recorder.cast_()
+        else:
+            for n, m in self.masters.items():
+                self.weights[n].copy_(m)
+
+
+def test_a_custom_trainer_records_its_casts_through_the_library_call(engines: list[TorchRefRollout]) -> None:
+    """`delta_base: cast` through `WeightSyncSession.sync`: the session offers its engine's
+    recorder before each delta walk, the trainer binds its (master, weight) pairs once and casts
+    through it after each step (twice between two of the syncs); after the seed every sync sends
+    the recorded patches and every engine equals the trainer's weights bit for bit."""
+    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, delta="on", delta_base="cast")
+    trainer = _CastingTrainer(version(0))
+    session = WeightSyncSession(engines, cfg)
+    g = torch.Generator().manual_seed(0)
+    try:
+        kinds = []
+        for v in range(4):
+            for _ in range(2 if v == 2 else 1 if v else 0):
+                trainer.step(g)
+            report = session.sync(trainer)
+            kinds.append(report.delta)
+            assert all(holds(e, trainer.weights) == [] for e in engines)
+            if report.delta == "patch":
+                assert report.wire_bytes < 0.6 * report.dense_bytes
+        assert kinds == ["seed", "patch", "patch", "patch"] and trainer.offers == 4
     finally:
         session.close()

@@ -48,12 +48,16 @@ class FSDP2ShardedSource:
         Pieces written through a cast recorder (`record_casts`) are kept bf16 copies: stable."""
         return self._cast_shadows.active or self._cast_few()
 
-    def record_casts(self, recorder: Any) -> None:
-        """`delta_base: cast` (offered by the sync before each delta walk): keep a bf16 copy of
-        every piece this rank sends, written by `recorder.cast_()` after each optimizer step, which
-        records each bucket's changed words; the sync sends those patches. Costs half the bytes of
-        this rank's fp32 pieces, plus the recorder's patch areas, and no base copy."""
-        self._cast_shadows.bind(recorder, self._master_piece)
+    def record_casts(self, recorder_of: Any, *, pieces: bool) -> bool:
+        """`delta_base: cast` (offered by the sync before each delta walk, `recorded_casts.py`):
+        keep a bf16 copy of every piece this rank sends, written by the recorder's `cast_()` after
+        each optimizer step, which records each bucket's changed words; the sync sends those
+        patches. Costs half the bytes of this rank's fp32 pieces, plus the recorder's patch areas,
+        and no base copy. Declined for a walk of `iter_weights()` (gathered on one rank)."""
+        if not pieces:
+            return False
+        self._cast_shadows.bind(recorder_of(), self._master_piece)
+        return True
 
     def _master_piece(self, name: str) -> torch.Tensor:
         """This rank's part of `name` in its master dtype: a view of the local shard (no cast)."""
