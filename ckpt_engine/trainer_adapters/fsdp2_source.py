@@ -45,8 +45,13 @@ class FSDP2ShardedSource:
         kept until the next one begins. A model whose every tensor needs a cast (fp32 masters
         with a bf16 wire) is not stable: keeping its casts would hold a second copy of the shard.
         (Not `stable_tensors`: that flag describes `iter_weights`, whose tensors are not stable.)
-        Pieces written through a cast recorder (`record_casts`) are kept bf16 copies: stable."""
-        return self._cast_shadows.active or self._cast_few()
+        Pieces written through a cast recorder (`record_casts`) are kept bf16 copies (every bf16
+        piece this rank sends is one): stable, when no other piece needs a cast."""
+        if self._cast_shadows.active and not any(
+            getattr(torch, s.dtype) not in (e.dtype, torch.bfloat16) for e in self._entries for s in e.specs
+        ):
+            return True
+        return self._cast_few()
 
     def record_casts(self, recorder_of: Any, *, pieces: bool) -> bool:
         """`delta_base: cast` (offered by the sync before each delta walk, `recorded_casts.py`):
