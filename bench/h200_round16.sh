@@ -5,7 +5,8 @@
 # part a = the merge probe (1 GiB buckets; a 4 GiB bucket is refused by name: int32 positions)
 # and the single-GPU tests of the recording cast, the delta codec and the colocated transfer;
 # part b = the probe over 4 casts (cast 2 includes the sort's first allocations) and the recording
-# tests after the FSDP2 adapter's shadows were added.
+# tests after the FSDP2 adapter's shadows were added; part c = what recording costs the FSDP2
+# adapter's optimizer step (bench/fsdp2_cast_step_bench.py) and the recording tests again.
 set -u
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 out=bench/results/h200_round16
@@ -22,6 +23,14 @@ if [ "$part" = a ]; then
   probe 1 0.05 3
   timeout 300 python -m pytest -q -m gpu tests/test_gpu_cast_recorder.py tests/test_gpu_delta_codec.py tests/test_gpu_transfer.py \
     -k "not nccl" -p no:cacheprovider --tb=short 2>&1 | grep -v "^$" | tail -n 25
+elif [ "$part" = c ]; then
+  for spec in "qwen2.5-7b 8 1e-6" "qwen2.5-7b 8 1e-5" "qwen3-30b-a3b 4 1e-6"; do
+    set -- $spec
+    echo "== fsdp2 cast step: $1, $2 layers, lr $3"
+    timeout 200 python bench/fsdp2_cast_step_bench.py --preset "$1" --layers "$2" --lr "$3" --repeats 3 \
+      --json "$out/fsdp2_cast_step_${1}_${2}l_lr$3.json" 2>&1 | tail -n 8
+  done
+  timeout 200 python -m pytest -q -m gpu tests/test_gpu_cast_recorder.py -k "not nccl" -p no:cacheprovider --tb=short 2>&1 | grep -v "^$" | tail -n 25
 else
   probe 1 0.02 4
   probe 1 0.05 4
