@@ -13,6 +13,15 @@ from ranks import run_ranks
 pytestmark = pytest.mark.gpu
 
 
+def _one_bucket(sizes: list[int], dev: torch.device) -> CastRecorder:
+    """A recorder of one bucket holding bf16 tensors t0, t1, ... of `sizes` words, in order."""
+    slices, at = [], 0
+    for i, k in enumerate(sizes):
+        slices.append(CastSlice(f"t{i}", (k,), "bfloat16", 0, 0, 2 * k, 2 * at))
+        at += k
+    return CastRecorder([CastBucket(0, 2 * at, 2, tuple(slices))], dev, 0.25)
+
+
 def test_the_recording_cast_writes_what_torch_casts_and_records_every_changed_word() -> None:
     """Compiled on the GPU: the recorder's bf16 words equal torch's CUDA cast bit for bit (NaN,
     -0.0, inf, overflow, subnormals), and its patch holds exactly the changed words, with the
@@ -21,11 +30,7 @@ def test_the_recording_cast_writes_what_torch_casts_and_records_every_changed_wo
     g = torch.Generator(device=dev).manual_seed(5)
     sizes = [3 * 65536 + 17, 8192, 5, 4096 * 3]
     n = sum(sizes)
-    slices, at = [], 0
-    for i, k in enumerate(sizes):
-        slices.append(CastSlice(f"t{i}", (k,), "bfloat16", 0, 0, 2 * k, 2 * at))
-        at += k
-    rec = CastRecorder([CastBucket(0, 2 * n, 2, tuple(slices))], dev, 0.25)
+    rec = _one_bucket(sizes, dev)
     masters = [torch.randn(k, generator=g, device=dev) * 0.02 for k in sizes]
     masters[2][:] = torch.tensor([float("nan"), -0.0, float("inf"), 3.4e38, 1e-40], device=dev)
     wires = [m.to(torch.bfloat16) for m in masters]
@@ -55,11 +60,7 @@ def test_three_compiled_casts_between_syncs_merge_into_one_patch_of_last_values(
     g = torch.Generator(device=dev).manual_seed(7)
     sizes = [2 * 65536 + 3, 4096, 11]
     n = sum(sizes)
-    slices, at = [], 0
-    for i, k in enumerate(sizes):
-        slices.append(CastSlice(f"t{i}", (k,), "bfloat16", 0, 0, 2 * k, 2 * at))
-        at += k
-    rec = CastRecorder([CastBucket(0, 2 * n, 2, tuple(slices))], dev, 0.25)
+    rec = _one_bucket(sizes, dev)
     masters = [torch.randn(k, generator=g, device=dev) * 0.02 for k in sizes]
     wires = [m.to(torch.bfloat16) for m in masters]
     rec.bind({f"t{i}": (m, w) for i, (m, w) in enumerate(zip(masters, wires))})
