@@ -6,7 +6,9 @@ Two real gloo ranks hold an FSDP2 model. Rank 0 runs what the demo's rank 0 runs
 follows rank 0's announcements through `sync_rollout_weights(engine, None)`). A sync with no
 engine registered ends on both ranks; then every sync reports two senders, the chain is a seed
 then patches, and at the end both engines hold the gathered model bit for bit. With
-`senders=rank0` the same loop gathers on rank 0 alone.
+`senders=rank0` the same loop gathers on rank 0 alone; with `delta_base=cast` every rank's patches
+are the ones its own optimizer steps recorded. A last sync after rank 0's masters were edited
+outside a step must carry the edit.
 """
 
 from __future__ import annotations
