@@ -32,7 +32,6 @@ class CastShadows:
     def __init__(self) -> None:
         self._recorder: Any = None
         self._binding = -1
-        self._where: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._shadows: dict[str, torch.Tensor] = {}
         self._masters: dict[str, torch.Tensor] = {}
         self._stamps: dict[str, int] = {}  # each master's version counter when the shadows were last cast
@@ -56,8 +55,7 @@ class CastShadows:
         refused by name (the recorder casts float32 to bfloat16 word by word)."""
         names = sorted(recorder.names)
         masters = {n: master_of(n) for n in names}
-        where = {n: (m.data_ptr(), tuple(m.shape)) for n, m in masters.items()}
-        if recorder is self._recorder and recorder.binding == self._binding and where == self._where:
+        if recorder is self._recorder and recorder.binding == self._binding and _same_places(masters, self._masters):
             if any(m._version != self._stamps.get(n) for n, m in masters.items()):
                 logger.info("cast recorder: masters written since the last cast; casting them before the sync")
                 self.cast_()
@@ -83,7 +81,7 @@ class CastShadows:
                 shadows[name] = s
         self._recorder = None
         recorder.bind({n: (masters[n], shadows[n]) for n in names})
-        self._recorder, self._binding, self._where, self._shadows = recorder, recorder.binding, where, shadows
+        self._recorder, self._binding, self._shadows = recorder, recorder.binding, shadows
         self._masters, self._stamps = masters, {n: m._version for n, m in masters.items()}
         logger.info("cast recorder bound: %d pieces, %.1f MiB of bf16 shadows", len(shadows), self.nbytes / 2**20)
         return True
@@ -101,3 +99,10 @@ class CastShadows:
         if self._recorder is not None:
             self._recorder.cast_()
             self._stamps = {n: m._version for n, m in self._masters.items()}
+
+
+def _same_places(now: dict[str, torch.Tensor], bound: dict[str, torch.Tensor]) -> bool:
+    """Whether every master is where (and of the shape) it was when bound."""
+    return now.keys() == bound.keys() and all(
+        t.data_ptr() == bound[n].data_ptr() and t.shape == bound[n].shape for n, t in now.items()
+    )

@@ -161,6 +161,7 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         self._sync_cache: dict[tuple[int, Any], torch.Tensor] = {}  # this walk's local tensors and casts
         self._walking = False  # between begin_pieces and end_pieces: the cache is used
         self._few_casts: bool | None = None
+        self._other_casts: bool | None = None
         self._cast_shadows = CastShadows()  # bf16 pieces written through a cast recorder (delta_base: cast)
 
         mp = MixedPrecisionPolicy(

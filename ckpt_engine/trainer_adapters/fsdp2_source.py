@@ -30,6 +30,7 @@ class FSDP2ShardedSource:
     _sync_cache: dict[tuple[int, Any], torch.Tensor]
     _walking: bool
     _few_casts: bool | None
+    _other_casts: bool | None
     _units: list[Any]
     _param_groups: Any  # the engine's static lookup of FSDP2 parameter groups per unit
     _cast_shadows: CastShadows
@@ -47,9 +48,7 @@ class FSDP2ShardedSource:
         (Not `stable_tensors`: that flag describes `iter_weights`, whose tensors are not stable.)
         Pieces written through a cast recorder (`record_casts`) are kept bf16 copies (every bf16
         piece this rank sends is one): stable, when no other piece needs a cast."""
-        if self._cast_shadows.active and not any(
-            getattr(torch, s.dtype) not in (e.dtype, torch.bfloat16) for e in self._entries for s in e.specs
-        ):
+        if self._cast_shadows.active and not self._casts_besides_bf16():
             return True
         return self._cast_few()
 
@@ -71,7 +70,7 @@ class FSDP2ShardedSource:
             raise ValueError(f"{name!r} is not a tensor this FSDP2 model exports (see metadata())")
         e, index = found
         rows = self._rows_of(e)
-        t = self._local_of(e, cache=False)
+        t = self._local_tensor(e).detach()  # asked for every piece at every delta sync: no autograd call
         return own_rows(name, t, rows, self.rank, index, e.expert_outputs) if rows is not None else t
 
     def begin_pieces(self) -> None:
@@ -98,19 +97,28 @@ class FSDP2ShardedSource:
         local tensor, then the kept casts), for `PieceWalk.anchors`."""
         if not self._walking:
             raise RuntimeError("piece_anchors() is only valid inside a walk: call begin_pieces() first")
-        out = []
-        for e in self._entries:  # read every sync: ~1 us per parameter, no autograd call
-            t = self._sharded(e) if self._rows_of(e) is not None else getattr(e.module, e.attr)
-            # A DTensor's local tensor object itself (what `to_local()` views); a plain tensor as is.
-            out.append(t._local_tensor if isinstance(t, torch.distributed.tensor.DTensor) else t)
+        out = [self._local_tensor(e) for e in self._entries]  # read every sync: ~1 us per parameter
         out += [t for k, t in self._sync_cache.items() if k[1] is not None]
         return out + self._cast_shadows.tensors()
+
+    def _local_tensor(self, e: Any) -> torch.Tensor:
+        """An entry's local tensor object itself (what a DTensor's `to_local()` views; a plain
+        tensor as is), read without an autograd call."""
+        t = self._sharded(e) if self._rows_of(e) is not None else getattr(e.module, e.attr)
+        return t._local_tensor if isinstance(t, torch.distributed.tensor.DTensor) else t
 
     def end_pieces(self) -> None:
         """The walk is over: its casts stay alive (the transport may still read them) until the
         next walk begins, but a `local_piece` outside a walk never sees them (it may come after an
         optimizer step)."""
         self._walking = False
+
+    def _casts_besides_bf16(self) -> bool:
+        """Whether some piece is cast to a wire dtype other than bf16 (looked up once: the export
+        plan does not change)."""
+        if self._other_casts is None:
+            self._other_casts = any(getattr(torch, s.dtype) not in (e.dtype, torch.bfloat16) for e in self._entries for s in e.specs)
+        return self._other_casts
 
     def _cast_few(self) -> bool:
         """Whether the bytes this rank casts per sync are few: at most 1/32 of its shards' wire
