@@ -31,7 +31,7 @@ def main() -> None:
 
     from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
     from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmRollout
-    from ckpt_engine.weights import StateDictSource
+    from ckpt_engine.sources.base import StateDictSource
 
     cfg = {
         "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": args.vocab, "hidden_size": args.hidden,

@@ -4,7 +4,7 @@ Public API only; heavy and optional modules (vLLM, SGLang, Megatron, torch_npu) 
 """
 
 from ckpt_engine.config import CheckpointEngineConfig, ConfigError, load_config
-from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
 
 __all__ = [
     "CheckpointEngineConfig",
@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str):  # lazy: importing the package must not import torch.distributed users
     if name in ("sync_rollout_weights", "SyncReport", "SyncError", "WeightSyncSession"):
-        from ckpt_engine import sync
+        from ckpt_engine.sync import api as sync
 
         return getattr(sync, name)
     if name == "ManifestRejectedError":  # an engine refused the plan: nothing moved

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.engine import Rendezvous
-from ckpt_engine.ownership import row_shards
-from ckpt_engine.registry import CheckpointEngineRegistry
-from ckpt_engine.sharded_source import ShardedStateDictSource, iter_pieces
-from ckpt_engine.weights import spec_of
+from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.planning.ownership import row_shards
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.sources.sharded import ShardedStateDictSource, iter_pieces
+from ckpt_engine.sources.base import spec_of
 from multisender import even_rows
 from roundtrip import same_bits
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
-from ckpt_engine.weights import StateDictSource
+from ckpt_engine.sources.base import StateDictSource
 from roundtrip import mixed_state, same_bits
 
 NUM_SMALL = 20

@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.engine import Rendezvous
-from ckpt_engine.registry import CheckpointEngineRegistry
-from ckpt_engine.weights import StateDictSource
+from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.sources.base import StateDictSource
 
 
 def mixed_state(seed: int = 0, num_small: int = 0) -> dict[str, torch.Tensor]:

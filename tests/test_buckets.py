@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_engine.buckets import plan_buckets
+from ckpt_engine.planning.buckets import plan_buckets
 from ckpt_engine.manifest import DTYPE_ITEMSIZE, ManifestError, TensorSpec
 
 dtypes = st.sampled_from(sorted(DTYPE_ITEMSIZE))

@@ -13,7 +13,7 @@ import pytest
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession, sync_rollout_weights
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-from ckpt_engine.sync import SyncReport, close_sessions
+from ckpt_engine.sync.api import SyncReport, close_sessions
 from refengines import SlowSource, holds, second_handle, serving, source, state
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20)

@@ -17,12 +17,12 @@ import msgpack
 import pytest
 import torch
 
-from ckpt_engine.control_server import ControlLimits, ControlServer, RpcServer
+from ckpt_engine.control.server import ControlLimits, ControlServer, RpcServer
 from ckpt_engine.daemon import DaemonClient, DaemonConfig, WeightSyncDaemon
 from ckpt_engine.daemon.server import DaemonServer
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-from ckpt_engine.weights import StateDictSource
-from ckpt_engine.wire import RpcClient, RpcError, WireError, recv_frame
+from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.control.wire import RpcClient, RpcError, WireError, recv_frame
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -18,7 +18,7 @@ from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon import DaemonClient, DaemonConfig, EngineState, WeightSyncDaemon
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-from ckpt_engine.weights import StateDictSource
+from ckpt_engine.sources.base import StateDictSource
 
 pytestmark = pytest.mark.timeout(180)
 

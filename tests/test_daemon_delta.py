@@ -23,7 +23,7 @@ from ckpt_engine.daemon import DaemonConfig, WeightSyncDaemon
 from ckpt_engine.daemon.outcome import wire_text
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.trainer.config import load_job_config
-from ckpt_engine.weights import StateDictSource
+from ckpt_engine.sources.base import StateDictSource
 from multisender import model_state, wire
 from refengines import holds
 

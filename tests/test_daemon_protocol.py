@@ -25,8 +25,8 @@ from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon import DaemonClient, DaemonConfig, WeightSyncDaemon
 from ckpt_engine.daemon.cli import READY_PREFIX
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-from ckpt_engine.weights import StateDictSource
-from ckpt_engine.wire import RpcError, WireError
+from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.control.wire import RpcError, WireError
 
 pytestmark = pytest.mark.timeout(180)
 

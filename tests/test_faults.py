@@ -22,8 +22,8 @@ import pytest
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-from ckpt_engine.sync import SyncReport
-from ckpt_engine.weights import StateDictSource
+from ckpt_engine.sync.api import SyncReport
+from ckpt_engine.sources.base import StateDictSource
 from refengines import holds, second_handle, serving, source, spawn_with_timeout, state
 
 TIMEOUT_S = 3.0

@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.engine import Rendezvous
+from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.ownership import row_shards
-from ckpt_engine.registry import CheckpointEngineRegistry
-from ckpt_engine.weights import spec_of
+from ckpt_engine.planning.ownership import row_shards
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.sources.base import spec_of
 from multisender import even_rows, model_state, wire
 from ranks import run_ranks
 from roundtrip import same_bits
@@ -144,7 +144,7 @@ def test_local_and_remote_senders_are_bit_exact(local_senders: list[int] | None,
 
 
 def test_bad_options_are_refused_by_name() -> None:
-    from ckpt_engine.backends.gloo import GlooCheckpointEngine
+    from ckpt_engine.transports.gloo import GlooCheckpointEngine
 
     engine = CheckpointEngineRegistry.new("nccl_handoff", bucket_size_bytes=4096, device="cpu")
     assert isinstance(engine, GlooCheckpointEngine) and engine.local_senders == []  # CPU: gloo for remote senders

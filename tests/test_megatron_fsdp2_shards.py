@@ -191,9 +191,9 @@ def _trainer_phase(rank: int, group: dist.ProcessGroup, rdzv: Any, phase: str) -
     from test_fsdp2_shards import GatherCounter
 
     from ckpt_engine.manifest import encode_manifest
-    from ckpt_engine.registry import CheckpointEngineRegistry
-    from ckpt_engine.sharded_source import ShardedWeightSource, iter_pieces
-    from ckpt_engine.sync_senders import wants_many_senders
+    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
+    from ckpt_engine.sync.many_senders import wants_many_senders
 
     engine = _engine(rank, group, phase)
     versions = PHASES[phase][1]
@@ -235,7 +235,7 @@ def _trainer_phase(rank: int, group: dist.ProcessGroup, rdzv: Any, phase: str) -
 
 def _receiver_phase(rdzv: Any, phase: str) -> dict[str, Any]:
     from ckpt_engine.manifest import decode_manifest
-    from ckpt_engine.registry import CheckpointEngineRegistry
+    from ckpt_engine.transports.registry import CheckpointEngineRegistry
 
     store = rdzv.connect_store()
     store.wait(["manifest"], datetime.timedelta(seconds=rdzv.timeout_s))
@@ -250,7 +250,7 @@ def _receiver_phase(rdzv: Any, phase: str) -> dict[str, Any]:
 
 
 def _gpu_worker(rank: int, world_size: int, rdzvs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from ckpt_engine.engine import Rendezvous
+    from ckpt_engine.transports.base import Rendezvous
 
     if rank < TRAINERS:
         torch.cuda.set_device(rank)
@@ -269,7 +269,7 @@ def _gpu_worker(rank: int, world_size: int, rdzvs: dict[str, dict[str, Any]]) ->
 def gpu_runs() -> list[dict[str, Any]]:
     if not torch.cuda.is_available() or torch.cuda.device_count() < TRAINERS:
         pytest.skip(f"needs {TRAINERS} GPUs")
-    from ckpt_engine.engine import Rendezvous
+    from ckpt_engine.transports.base import Rendezvous
     from ckpt_engine.trainer_adapters.megatron_fsdp2 import megatron_fsdp2_available
 
     ok, why = megatron_fsdp2_available()
@@ -349,7 +349,7 @@ def _full_path_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
     from ckpt_engine import CheckpointEngineConfig, sync_rollout_weights
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-    from ckpt_engine.sync import close_sessions
+    from ckpt_engine.sync.api import close_sessions
     from tests._trainer_mp import world_group
 
     engine = _engine(rank, world_group(), "bf16")

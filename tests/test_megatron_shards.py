@@ -64,8 +64,8 @@ def _sharded_run(rank: int, layout: str, rdzv: Any, cfg: Any, sd: dict[str, torc
     from megatron.core import parallel_state as ps
 
     from ckpt_engine.manifest import encode_manifest
-    from ckpt_engine.registry import CheckpointEngineRegistry
-    from ckpt_engine.sharded_source import ShardedWeightSource, iter_pieces
+    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
     from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
     from tests.test_fsdp2_shards import GatherCounter
 
@@ -128,7 +128,7 @@ def _synced_through_the_session(rank: int, cfg: Any, sd: dict[str, torch.Tensor]
 
     from ckpt_engine import CheckpointEngineConfig, sync_rollout_weights
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
-    from ckpt_engine.sync import close_sessions
+    from ckpt_engine.sync.api import close_sessions
     from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
 
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
@@ -152,7 +152,7 @@ def _synced_through_the_session(rank: int, cfg: Any, sd: dict[str, torch.Tensor]
 
 
 def _worker(rank: int, world_size: int, rdzvs: dict[str, dict[str, Any]], engine_info: dict[str, Any]) -> dict[str, Any]:
-    from ckpt_engine.engine import Rendezvous
+    from ckpt_engine.transports.base import Rendezvous
 
     cfg, sd = _trained_state()
     result: dict[str, Any] = {"tensors": {}}
@@ -169,7 +169,7 @@ def _worker(rank: int, world_size: int, rdzvs: dict[str, dict[str, Any]], engine
 def _receive(rdzvs: dict[str, Any], got: dict[str, torch.Tensor], errors: list[str]) -> None:
     """The receiver (weight-sync rank 2): one sync per layout, from both senders."""
     from ckpt_engine.manifest import decode_manifest
-    from ckpt_engine.registry import CheckpointEngineRegistry
+    from ckpt_engine.transports.registry import CheckpointEngineRegistry
 
     try:
         for layout, rdzv in rdzvs.items():
@@ -222,7 +222,7 @@ def _run_into_reference(
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
-    from ckpt_engine.engine import Rendezvous
+    from ckpt_engine.transports.base import Rendezvous
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
     rdzvs = {layout: Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, 3, "gloo", 60.0, 2) for layout in LAYOUTS}

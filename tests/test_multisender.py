@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from ckpt_engine.buckets import plan_buckets
+from ckpt_engine.planning.buckets import plan_buckets
 from ckpt_engine.manifest import ManifestError, TensorSpec, decode_manifest, encode_manifest
-from ckpt_engine.ownership import Shard, row_shards
+from ckpt_engine.planning.ownership import Shard, row_shards
 from multisender import even_rows, shard_rank
 from ranks import run_ranks
 

@@ -8,11 +8,11 @@ import gc
 import pytest
 import torch
 
-from ckpt_engine.backends import piece_reader
-from ckpt_engine.backends.piece_reader import PieceReader
-from ckpt_engine.backends.schedule import Schedule
-from ckpt_engine.buckets import plan_buckets
-from ckpt_engine.engine import SendStats
+from ckpt_engine.transports import piece_reader
+from ckpt_engine.transports.piece_reader import PieceReader
+from ckpt_engine.transports.schedule import Schedule
+from ckpt_engine.planning.buckets import plan_buckets
+from ckpt_engine.transports.base import SendStats
 from ckpt_engine.manifest import TensorSpec
 
 _SHAPES = {"a.weight": (8, 4), "b.bias": (4,), "c.weight": (4, 4)}

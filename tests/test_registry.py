@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_engine.backends.gloo import GlooCheckpointEngine
-from ckpt_engine.registry import BackendUnavailableError, CheckpointEngineRegistry
+from ckpt_engine.transports.gloo import GlooCheckpointEngine
+from ckpt_engine.transports.registry import BackendUnavailableError, CheckpointEngineRegistry
 
 
 def test_import_is_lazy() -> None:
-    code = "import sys, ckpt_engine; bad = [m for m in ('vllm', 'torch_npu', 'sglang', 'megatron', 'ckpt_engine.backends.nccl', 'transformers') if m in sys.modules]; print(bad)"
+    code = "import sys, ckpt_engine; bad = [m for m in ('vllm', 'torch_npu', 'sglang', 'megatron', 'ckpt_engine.transports.nccl', 'transformers') if m in sys.modules]; print(bad)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.strip() == "[]"
 
@@ -73,17 +73,17 @@ def test_register_decorator_and_duplicates() -> None:
 
 
 def test_entry_point_backends(tmp_path: Path) -> None:
-    """A third-party package declaring `ckpt_engine.backends` is found without being imported first."""
+    """A third-party package declaring `ckpt_engine.transports` is found without being imported first."""
     pkg = tmp_path / "thirdparty_backend.py"
-    pkg.write_text("from ckpt_engine.backends.gloo import GlooCheckpointEngine\nclass Mine(GlooCheckpointEngine):\n    pass\n")
+    pkg.write_text("from ckpt_engine.transports.gloo import GlooCheckpointEngine\nclass Mine(GlooCheckpointEngine):\n    pass\n")
     dist = tmp_path / "thirdparty_backend-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-backend\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[ckpt_engine.backends]\nmine = thirdparty_backend:Mine\n")
+    (dist / "entry_points.txt").write_text("[ckpt_engine.transports]\nmine = thirdparty_backend:Mine\n")
     code = textwrap.dedent(
         f"""
         import sys; sys.path.insert(0, {str(tmp_path)!r})
-        from ckpt_engine.registry import CheckpointEngineRegistry as R
+        from ckpt_engine.transports.registry import CheckpointEngineRegistry as R
         assert 'mine' in R.names(), R.names()
         assert 'thirdparty_backend' not in sys.modules
         print(R.get('mine').__name__)

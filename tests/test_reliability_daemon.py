@@ -25,8 +25,8 @@ from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon import DaemonClient, DaemonConfig, EngineState, WeightSyncDaemon
 from ckpt_engine.daemon.cli import READY_PREFIX
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-from ckpt_engine.weights import StateDictSource
-from ckpt_engine.wire import RpcError
+from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.control.wire import RpcError
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -181,7 +181,7 @@ TRAINER = """
 import sys, torch
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon import DaemonClient, WeightSyncDaemon
-from ckpt_engine.weights import StateDictSource
+from ckpt_engine.sources.base import StateDictSource
 g = torch.Generator().manual_seed(7)
 sd = {f"layer{i}.weight": torch.randn(64, 1024, generator=g) for i in range(%d)}
 d = WeightSyncDaemon(CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=%g), upstream=DaemonClient(sys.argv[1], sys.argv[2], 10))

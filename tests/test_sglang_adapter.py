@@ -18,7 +18,7 @@ import torch
 
 from ckpt_engine import CheckpointEngineConfig
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
-from ckpt_engine.weights import StateDictSource
+from ckpt_engine.sources.base import StateDictSource
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("requests")

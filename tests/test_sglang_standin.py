@@ -77,7 +77,7 @@ def test_prefix_cache_serves_old_weights_until_flushed(servers: list[object], mo
     """A sync that never flushed would keep serving the old prompt KV: the flush is what makes it exact."""
     from ckpt_engine import CheckpointEngineConfig
     from ckpt_engine.rollout_adapters.sglang import SglangWeightSync, plan_flat_buckets
-    from ckpt_engine.weights import StateDictSource
+    from ckpt_engine.sources.base import StateDictSource
 
     client = servers[1]
     sync = SglangWeightSync([client], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.05, timeout_s=60.0))  # type: ignore[list-item]
@@ -101,7 +101,7 @@ def test_sync_during_a_request_flushes_and_keeps_or_ends_it(servers: list[object
     """`keep` must let SGLang flush (retract, not in_place), or the sync would fail after the weights landed."""
     from ckpt_engine import CheckpointEngineConfig
     from ckpt_engine.rollout_adapters.sglang import SglangWeightSync
-    from ckpt_engine.weights import StateDictSource
+    from ckpt_engine.sources.base import StateDictSource
 
     client = servers[1]
     config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.05, timeout_s=60.0, pause_mode=mode)

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession, sync_rollout_weights
-from ckpt_engine.backends.gloo import GlooCheckpointEngine
+from ckpt_engine.transports.gloo import GlooCheckpointEngine
 from ckpt_engine import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-from ckpt_engine.sync import close_sessions
-from ckpt_engine.weights import StateDictSource
+from ckpt_engine.sync.api import close_sessions
+from ckpt_engine.sources.base import StateDictSource
 from roundtrip import mixed_state, same_bits
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30)

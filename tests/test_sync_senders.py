@@ -16,7 +16,7 @@ import pytest
 from _sender_trainer import trainer_main
 from ckpt_engine.processes import run_processes
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-from ckpt_engine.weights import StateDictSource
+from ckpt_engine.sources.base import StateDictSource
 from multisender import model_state, wire
 from refengines import holds
 

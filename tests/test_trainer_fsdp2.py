@@ -221,7 +221,7 @@ def test_fsdp2_moe_checkpoint_names_bf16_wire_keep_fp32_router_tied():
 def _sync_worker(rank: int, world_size: int, model_dir: str) -> dict:
     from ckpt_engine.config import CheckpointEngineConfig
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
-    from ckpt_engine.sync import sync_rollout_weights
+    from ckpt_engine.sync.api import sync_rollout_weights
     from ckpt_engine.trainer_adapters.fsdp2 import FSDP2TrainEngine
 
     model = build_model(tie=True)
@@ -241,7 +241,7 @@ def _sync_worker(rank: int, world_size: int, model_dir: str) -> dict:
         return out
     finally:
         if rollouts:
-            from ckpt_engine.sync import _sessions
+            from ckpt_engine.sync.api import _sessions
 
             for s in list(_sessions.values()):
                 s.close()

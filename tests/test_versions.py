@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession, sync_rollout_weights
-from ckpt_engine import sync as sync_module
+from ckpt_engine.sync import api as sync_module
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-from ckpt_engine.sync import close_sessions
-from ckpt_engine.weights import StateDictSource
+from ckpt_engine.sync.api import close_sessions
+from ckpt_engine.sources.base import StateDictSource
 from refengines import holds, serving, source, state
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20)

@@ -24,8 +24,8 @@ import torch
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
-from ckpt_engine.sync import SyncError, close_sessions, sync_rollout_weights
-from ckpt_engine.weights import StateDictSource
+from ckpt_engine.sync.api import SyncError, close_sessions, sync_rollout_weights
+from ckpt_engine.sources.base import StateDictSource
 
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
@@ -208,7 +208,7 @@ def test_llm_rejects_bad_manifest_before_moving_bytes(llm: object, model_dir: Pa
 def test_llm_fresh_adapters_in_a_loop_carry_the_version_on(llm: object, model_dir: Path) -> None:
     """A loop that builds a new VllmRollout per step: versions grow from what the engine holds,
     and the session cached for the engine is replaced (closed), not duplicated."""
-    from ckpt_engine import sync as sync_module
+    from ckpt_engine.sync import api as sync_module
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
 
     held = VllmRollout("probe", llm).held_version() or 0

@@ -21,8 +21,8 @@ import torch
 
 from ckpt_engine import CheckpointEngineConfig
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
-from ckpt_engine.sync_report import SyncError
-from ckpt_engine.vllm_source import VllmWeightSourceAdapter, as_weight_source, is_vllm_weight_source
+from ckpt_engine.sync.report import SyncError
+from ckpt_engine.sources.vllm import VllmWeightSourceAdapter, as_weight_source, is_vllm_weight_source
 
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
@@ -318,7 +318,7 @@ def test_non_sender_rank_walks_the_source_once_and_sends_nothing(model_dir: Path
 def test_sync_rollout_weights_takes_a_vllm_weight_source(model_dir: Path) -> None:  # noqa: F811
     """A trainer's vLLM `ModuleSource` streams through ckpt-engine's own sync into a real receiver process."""
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
-    from ckpt_engine.sync import WeightSyncSession
+    from ckpt_engine.sync.api import WeightSyncSession
 
     model = trainer_model(model_dir, seed=70)
     ref = TorchRefRollout.spawn("ref", model_dir=str(model_dir), timeout_s=60)

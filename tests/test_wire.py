@@ -8,8 +8,8 @@ import struct
 import msgpack
 import pytest
 
-from ckpt_engine.control_server import ControlLimits, RpcServer
-from ckpt_engine.wire import RpcClient, RpcError, WireError, recv_frame, send_frame
+from ckpt_engine.control.server import ControlLimits, RpcServer
+from ckpt_engine.control.wire import RpcClient, RpcError, WireError, recv_frame, send_frame
 
 TOKEN = "wire-test-token"
 

@@ -23,16 +23,16 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.backends.wire_views import torch_dtype
+from ckpt_engine.transports.wire_views import torch_dtype
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.benchmark.tracing import traced
 from ckpt_engine.benchmark.versions import AdamWChain, FileVersions, MemoryVersions, host_available_bytes
 from ckpt_engine.benchmark.worker import weights_checksum
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.engine import Rendezvous
-from ckpt_engine.registry import CheckpointEngineRegistry
-from ckpt_engine.sharded_source import ShardedStateDictSource, iter_pieces
+from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.sources.sharded import ShardedStateDictSource, iter_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -168,8 +168,8 @@ class ChainRank:
                 time.sleep(0.05)
 
     def _owners(self) -> Any:
-        from ckpt_engine.ownership import row_shards
-        from ckpt_engine.sharded_source import even_rows
+        from ckpt_engine.planning.ownership import row_shards
+        from ckpt_engine.sources.sharded import even_rows
 
         return {s.name: row_shards(s, even_rows(s.shape[0], self.senders)) for s in self.specs if len(s.shape) >= 2}
 

@@ -27,7 +27,7 @@ from ckpt_engine.benchmark.presets import PRESETS, checkpoint_specs, load_preset
 from ckpt_engine.benchmark.rank_exit import RankDied, check_ranks
 from ckpt_engine.cli_args import OneLineParser, above_zero, at_least, seconds
 from ckpt_engine.config import init_keywords
-from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
 
 __all__ = ["MODES", "main", "run_bench"]
 

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.backends.pipelined import torch_dtype
+from ckpt_engine.transports.pipelined import torch_dtype
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.benchmark.tracing import traced
 from ckpt_engine.checksum import bucket_checksum
 from ckpt_engine.copies import batched_copy_
-from ckpt_engine.engine import Rendezvous
-from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
 
 logger = logging.getLogger(__name__)
 

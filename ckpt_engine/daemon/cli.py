@@ -84,7 +84,7 @@ def serve_main(argv: list[str] | None = None) -> int:
 
 def status_main(argv: list[str] | None = None) -> int:
     from ckpt_engine.daemon.client import DaemonClient
-    from ckpt_engine.wire import RpcError, WireError
+    from ckpt_engine.control.wire import RpcError, WireError
 
     p = OneLineParser(prog="ckpt-engine status", description="show a daemon's engines, versions, last sync and health")
     p.add_argument("--address", required=True, help="host:port the daemon printed")

@@ -7,7 +7,7 @@ import threading
 import time
 from typing import Any
 
-from ckpt_engine.wire import RpcClient, RpcError, WireError
+from ckpt_engine.control.wire import RpcClient, RpcError, WireError
 
 __all__ = ["DaemonClient", "HeartbeatSender", "parse_address"]
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from ckpt_engine.config import ConfigError
-from ckpt_engine.control_server import ControlLimits
+from ckpt_engine.control.server import ControlLimits
 
 __all__ = ["DaemonConfig"]
 

@@ -51,9 +51,9 @@ from ckpt_engine.daemon.protocol import PROTOCOL_VERSION, ProtocolError, check_e
 from ckpt_engine.daemon.server import DaemonServer
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
-from ckpt_engine.sync import SyncError
+from ckpt_engine.sync.api import SyncError
 from ckpt_engine.versions import check_version
-from ckpt_engine.weights import WeightSource
+from ckpt_engine.sources.base import WeightSource
 
 if TYPE_CHECKING:
     from ckpt_engine.daemon.client import DaemonClient

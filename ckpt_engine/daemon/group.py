@@ -16,7 +16,7 @@ import time
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon.membership import EngineRecord, Membership
 from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.sync import WeightSyncSession
+from ckpt_engine.sync.api import WeightSyncSession
 
 __all__ = ["GroupKeeper", "probe_members"]
 

@@ -12,8 +12,8 @@ import torch
 
 from ckpt_engine.daemon.membership import EngineRecord, EngineState, Membership
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.sync import SyncError
-from ckpt_engine.weights import WeightSource
+from ckpt_engine.sync.api import SyncError
+from ckpt_engine.sources.base import WeightSource
 
 __all__ = ["MOVED_DATA", "OneWalkPerAttempt", "SyncOutcome", "WalkBarrier", "blame_source", "drop_tracebacks", "size_text", "summarize", "wire_text"]
 

@@ -21,7 +21,7 @@ import logging
 from typing import Any
 
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
-from ckpt_engine.wire import RpcError
+from ckpt_engine.control.wire import RpcError
 
 __all__ = ["adopt", "claim_engine", "describe", "refusal", "release_engine"]
 

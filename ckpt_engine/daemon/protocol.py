@@ -1,7 +1,7 @@
 """The daemon's control protocol: msgpack frames over TCP, one request -> one reply.
 
-Framing is `ckpt_engine.wire`'s: a 4-byte big-endian length, then a msgpack map (no extension
-types, no pickle), served by `ckpt_engine.control_server` with the limits of the `daemon:` section
+Framing is `ckpt_engine.control.wire`'s: a 4-byte big-endian length, then a msgpack map (no extension
+types, no pickle), served by `ckpt_engine.control.server` with the limits of the `daemon:` section
 (handshake deadline, per-frame deadline, frame size, connection caps; see that module).
 
 Request:  `{"id": int, "method": str, "params": {"token": str, ...}}`
@@ -43,7 +43,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckpt_engine.control_server import AuthError, ProtocolError
+from ckpt_engine.control.server import AuthError, ProtocolError
 from ckpt_engine.versions import check_version
 
 __all__ = [

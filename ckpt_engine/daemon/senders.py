@@ -19,13 +19,13 @@ import torch
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon.outcome import OneWalkPerAttempt
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.ownership import OwnerMap
-from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.planning.ownership import OwnerMap
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
-from ckpt_engine.sender_channel import SenderChannel
-from ckpt_engine.sender_follower import join_message, send_message
-from ckpt_engine.sharded_source import ShardedWeightSource
-from ckpt_engine.weights import WeightSource
+from ckpt_engine.sync.sender_channel import SenderChannel
+from ckpt_engine.sync.sender_follower import join_message, send_message
+from ckpt_engine.sources.sharded import ShardedWeightSource
+from ckpt_engine.sources.base import WeightSource
 
 __all__ = ["ShardedWalk", "sends_from_every_rank"]
 

@@ -1,7 +1,7 @@
 """The daemon's control server: the methods of `ckpt_engine.daemon.protocol` on a ControlServer.
 
 The connection handling (token, handshake and frame deadlines, connection caps, frame limit) is
-`ckpt_engine.control_server`'s, shared with every other control port; this module only checks
+`ckpt_engine.control.server`'s, shared with every other control port; this module only checks
 each request's params against the protocol's table and routes it. It knows the daemon through
 the small `DaemonMethods` protocol, so the coordinator imports it and not the other way round.
 """
@@ -12,7 +12,7 @@ import logging
 import threading
 from typing import Any, Protocol
 
-from ckpt_engine.control_server import ControlLimits, ControlServer
+from ckpt_engine.control.server import ControlLimits, ControlServer
 from ckpt_engine.daemon.protocol import check_params
 
 __all__ = ["DaemonMethods", "DaemonServer"]

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.engine import CheckpointEngine, Rendezvous
+from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
 from ckpt_engine.manifest import BucketManifest, ManifestError, TensorSpec, decode_manifest
-from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ReceiveReport, check_manifest_against
 
 __all__ = ["BucketLoader", "ReceiverBusyError", "WeightReceiver"]

@@ -33,12 +33,12 @@ from typing import Any
 import torch
 
 from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.fanout import collect_failures, mark_stale_and_probe
+from ckpt_engine.sync.fanout import collect_failures, mark_stale_and_probe
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, version_of
-from ckpt_engine.sync_report import SyncError, SyncReport
+from ckpt_engine.sync.report import SyncError, SyncReport
 from ckpt_engine.versions import check_version
-from ckpt_engine.weights import WeightSource, spec_of
+from ckpt_engine.sources.base import WeightSource, spec_of
 
 __all__ = ["SglangClient", "SglangWeightSync", "custom_process_group", "hf_expected_specs", "plan_flat_buckets"]
 

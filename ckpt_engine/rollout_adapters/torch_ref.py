@@ -2,7 +2,7 @@
 
 For tests, benchmarks and users without an inference engine. `TorchRefRollout.spawn(...)` starts
 `python -m ckpt_engine.rollout_adapters.torch_ref`, which serves the receiver on a control port
-(`ckpt_engine.control_server`: the job token it was started with, the daemon's limits) and loads
+(`ckpt_engine.control.server`: the job token it was started with, the daemon's limits) and loads
 every bucket into its tensors with one batched copy.
 
 Two guards keep a half-written engine from serving:
@@ -34,14 +34,14 @@ import torch
 
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.engine import Rendezvous
+from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
-from ckpt_engine.control_server import ControlLimits, RpcServer
+from ckpt_engine.control.server import ControlLimits, RpcServer
 from ckpt_engine.versions import check_version
-from ckpt_engine.weights import spec_of
-from ckpt_engine.wire import RpcClient
+from ckpt_engine.sources.base import spec_of
+from ckpt_engine.control.wire import RpcClient
 
 __all__ = ["TorchRefRollout", "TorchRefWorker", "load_spec_file", "write_spec_file"]
 

@@ -31,17 +31,17 @@ from vllm.distributed.weight_transfer.base import (
     WeightSource,
 )
 
-from ckpt_engine.buckets import auto_bucket_size_bytes
+from ckpt_engine.planning.buckets import auto_bucket_size_bytes
 from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.engine import CheckpointEngine, Rendezvous
+from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
 from ckpt_engine.manifest import BucketManifest, encode_manifest
-from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError
 from ckpt_engine.rollout_adapters.vllm_clients import EngineControl
 from ckpt_engine.rollout_adapters.vllm_plugin import BACKEND_NAME, register
 from ckpt_engine.rollout_adapters.vllm_transfer_engine import NEED_MANIFEST
-from ckpt_engine.sync_report import SOURCE, SyncError, SyncReport
-from ckpt_engine.vllm_source import VllmWeightSourceAdapter
+from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport
+from ckpt_engine.sources.vllm import VllmWeightSourceAdapter
 
 __all__ = ["CkptEngineTrainerInitInfo", "CkptEngineTrainerWeightTransferEngine"]
 

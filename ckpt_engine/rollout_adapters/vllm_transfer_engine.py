@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from ckpt_engine.engine import Rendezvous
+from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.rollout_adapters.base import JoinOptions
 from ckpt_engine.rollout_adapters.vllm_receiver import VllmReceiverCore
 

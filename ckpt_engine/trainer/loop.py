@@ -26,13 +26,13 @@ import torch
 
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon.coordinator import SyncOutcome, WalkBarrier, WeightSyncDaemon
-from ckpt_engine.sender_follower import SendFailed
-from ckpt_engine.sync import sync_rollout_weights
+from ckpt_engine.sync.sender_follower import SendFailed
+from ckpt_engine.sync.api import sync_rollout_weights
 from ckpt_engine.trainer.config import JobConfig
 from ckpt_engine.trainer.rollout import Generator, RolloutWorker, SampleChunk
 from ckpt_engine.trainer.task import ModularTask
 from ckpt_engine.trainer_adapters.base import TrainEngine
-from ckpt_engine.weights import WeightSource
+from ckpt_engine.sources.base import WeightSource
 
 __all__ = ["FullyAsyncTrainer", "StepRecord", "SyncRecord", "TorchDistWalkBarrier", "TrainerPeers", "follow_sync"]
 

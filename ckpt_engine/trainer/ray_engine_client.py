@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.engine import Rendezvous
+from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.trainer.lm_task import TokenTask
 from ckpt_engine.trainer.rollout import Generation
 from ckpt_engine.trainer.vllm_rollout import parse_choice_version
-from ckpt_engine.wire import RpcClient
+from ckpt_engine.control.wire import RpcClient
 
 __all__ = ["ENGINE_KIND", "RayVllmEngineClient", "RayVllmGenerator", "ray_vllm_factory", "register_ray_vllm_kind"]
 

@@ -50,7 +50,7 @@ class VllmEngineActor:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core inside this process (see module doc)
         from vllm import LLM
 
-        from ckpt_engine.control_server import RpcServer
+        from ckpt_engine.control.server import RpcServer
         from ckpt_engine.daemon.client import DaemonClient
         from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmRollout
 
@@ -118,7 +118,7 @@ class VllmEngineActor:
         return call
 
     def _join(self, rendezvous: dict[str, Any], rank_offset: int, options: dict[str, Any]) -> None:
-        from ckpt_engine.engine import Rendezvous
+        from ckpt_engine.transports.base import Rendezvous
         from ckpt_engine.rollout_adapters.base import JoinOptions
 
         self._locked(self.rollout.join)(rendezvous=Rendezvous.from_dict(rendezvous), rank_offset=int(rank_offset), options=JoinOptions.from_dict(options))

@@ -47,7 +47,7 @@ class RolloutEngineActor:
     def __init__(self, name: str, specs: list[list[Any]], load_delay_s: float = 0.0, *, token: str) -> None:
         import torch
 
-        from ckpt_engine.control_server import RpcServer
+        from ckpt_engine.control.server import RpcServer
         from ckpt_engine.rollout_adapters.torch_ref import TorchRefWorker
 
         self.name = name

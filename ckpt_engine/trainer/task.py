@@ -15,7 +15,7 @@ import torch
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.weights import spec_of
+from ckpt_engine.sources.base import spec_of
 
 __all__ = ["ModularTask", "TinyPolicy", "TinyTrainEngine", "pg_loss"]
 

@@ -10,7 +10,7 @@ is issued before the current one is consumed, so gathering overlaps the consumer
 packer). Collective contract: every rank of the group calls every public method in the same
 order; only rank 0 (`is_sender`) streams what `iter_weights` yields.
 
-With many senders (`ckpt_engine.sharded_source.ShardedWeightSource`) every rank sends its own
+With many senders (`ckpt_engine.sources.sharded.ShardedWeightSource`) every rank sends its own
 shards instead: `owners()` says which rows of each tensor each rank holds (from the DTensor
 sharding, no collective) and `local_piece(name)` hands out this rank's rows; nothing is gathered
 (`fsdp2_source.py`).
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.ownership import Shard
+from ckpt_engine.planning.ownership import Shard
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
 from ckpt_engine.trainer_adapters.cast_shadows import CastShadows
 from ckpt_engine.trainer_adapters.common import DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, check_float_dtype, clip_and_step

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.ownership import Shard, row_shards
-from ckpt_engine.sharded_source import even_rows
+from ckpt_engine.planning.ownership import Shard, row_shards
+from ckpt_engine.sources.sharded import even_rows
 
 __all__ = ["dim0_rows", "expert_part", "fused_expert_shards", "own_rows", "row_start", "shard_owners"]
 

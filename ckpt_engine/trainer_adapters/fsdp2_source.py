@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.ownership import OwnerMap, Shard
+from ckpt_engine.planning.ownership import OwnerMap, Shard
 from ckpt_engine.trainer_adapters.cast_shadows import CastShadows
 from ckpt_engine.trainer_adapters.fsdp2_shards import dim0_rows, own_rows, shard_owners
 

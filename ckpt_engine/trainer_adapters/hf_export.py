@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.weights import WeightSource
+from ckpt_engine.sources.base import WeightSource
 
 __all__ = ["plan_shards", "save_hf_weights"]
 

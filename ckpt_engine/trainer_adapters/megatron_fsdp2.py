@@ -24,7 +24,7 @@ The sharded parameters are DTensors whose local pieces are DBuffer ranges, not D
 `Shard(0)` chunks: `full_tensor()` and DCP would misplace their rows. The engine therefore never
 calls them; checkpoints hold each rank's buffers (same world size to load).
 
-With many senders (`ckpt_engine.sharded_source.ShardedWeightSource`, `megatron_fsdp2_shards.py`)
+With many senders (`ckpt_engine.sources.sharded.ShardedWeightSource`, `megatron_fsdp2_shards.py`)
 every rank sends its own rows instead: `owners()` reads each rank's row ranges from the buffer
 layouts (no collective) and `local_piece(name)` hands out this rank's rows; nothing is gathered.
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.ownership import OwnerMap, Shard
+from ckpt_engine.planning.ownership import OwnerMap, Shard
 from ckpt_engine.trainer_adapters.common import torch_dtype
 from ckpt_engine.trainer_adapters.fsdp2_shards import expert_part, own_rows, shard_owners
 

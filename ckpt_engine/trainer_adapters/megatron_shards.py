@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.ownership import OwnerMap, Shard
+from ckpt_engine.planning.ownership import OwnerMap, Shard
 
 if TYPE_CHECKING:
     from ckpt_engine.trainer_adapters.megatron_export import MegatronExporter, _Item

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.engine import CheckpointEngine, Rendezvous
+from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.recorded_casts import offer_cast_recorder
-from ckpt_engine.registry import CheckpointEngineRegistry
-from ckpt_engine.sender_channel import SenderChannel
-from ckpt_engine.sharded_source import ShardedWeightSource, iter_pieces, piece_names
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.sync.sender_channel import SenderChannel
+from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces, piece_names
 
 __all__ = ["SenderFollower", "SendFailed", "finish_walk", "join_message", "send_message"]
 

@@ -13,13 +13,13 @@ from collections.abc import Hashable, Sequence
 
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
-from ckpt_engine.sync_report import SOURCE, SyncError, SyncReport
-from ckpt_engine.sender_channel import SenderChannel
-from ckpt_engine.sender_follower import SenderFollower
-from ckpt_engine.sync_senders import wants_many_senders
-from ckpt_engine.sync_session import WeightSyncSession, _drain
-from ckpt_engine.vllm_source import as_weight_source
-from ckpt_engine.weights import WeightSource
+from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport
+from ckpt_engine.sync.sender_channel import SenderChannel
+from ckpt_engine.sync.sender_follower import SenderFollower
+from ckpt_engine.sync.many_senders import wants_many_senders
+from ckpt_engine.sync.session import WeightSyncSession, _drain
+from ckpt_engine.sources.vllm import as_weight_source
+from ckpt_engine.sources.base import WeightSource
 
 __all__ = ["SOURCE", "SyncError", "SyncReport", "WeightSyncSession", "cached_session", "close_sessions", "sync_rollout_weights"]
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch_npu  # noqa: F401  (registers torch.npu and ProcessGroupHCCL)
 
-from ckpt_engine.backends.pipelined import PipelinedBroadcastEngine
+from ckpt_engine.transports.pipelined import PipelinedBroadcastEngine
 
 __all__ = ["HcclCheckpointEngine"]
 

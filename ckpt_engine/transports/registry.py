@@ -2,7 +2,7 @@
 
 Built-ins are registered by module path so `import ckpt_engine` never imports torch_npu, CUDA
 libraries or other optional packages; third-party backends come from the entry-point group
-`ckpt_engine.backends` or from the `register` decorator.
+`ckpt_engine.transports` or from the `register` decorator.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from ckpt_engine.engine import CheckpointEngine
+    from ckpt_engine.transports.base import CheckpointEngine
 
 __all__ = ["CheckpointEngineRegistry", "BackendUnavailableError", "detect_device_type"]
 
 logger = logging.getLogger(__name__)
 
-ENTRY_POINT_GROUP = "ckpt_engine.backends"
+ENTRY_POINT_GROUP = "ckpt_engine.transports"
 
 
 class BackendUnavailableError(ValueError):
@@ -53,11 +53,11 @@ class CheckpointEngineRegistry:
     """Process-wide table of transport backends."""
 
     _lazy: ClassVar[dict[str, str]] = {
-        "gloo": "ckpt_engine.backends.gloo:GlooCheckpointEngine",
-        "nccl": "ckpt_engine.backends.nccl:NcclCheckpointEngine",
-        "hccl": "ckpt_engine.backends.hccl:HcclCheckpointEngine",
-        "colocated": "ckpt_engine.backends.colocated:ColocatedCheckpointEngine",
-        "nccl_handoff": "ckpt_engine.backends.handoff:HandoffCheckpointEngine",
+        "gloo": "ckpt_engine.transports.gloo:GlooCheckpointEngine",
+        "nccl": "ckpt_engine.transports.nccl:NcclCheckpointEngine",
+        "hccl": "ckpt_engine.transports.hccl:HcclCheckpointEngine",
+        "colocated": "ckpt_engine.transports.colocated:ColocatedCheckpointEngine",
+        "nccl_handoff": "ckpt_engine.transports.handoff:HandoffCheckpointEngine",
     }
     _classes: ClassVar[dict[str, type[CheckpointEngine]]] = {}
     _failed: ClassVar[dict[str, str]] = {}

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ckpt_engine.manifest import BucketManifest, TensorSpec
-from ckpt_engine.ownership import OwnerMap, row_shards
+from ckpt_engine.planning.ownership import OwnerMap, row_shards
 
 __all__ = ["PieceWalk", "ShardedStateDictSource", "ShardedWeightSource", "iter_pieces", "piece_names"]
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.weights import WeightSource
+from ckpt_engine.sources.base import WeightSource
 
 __all__ = ["VllmWeightSourceAdapter", "as_weight_source", "is_vllm_weight_source"]
 

@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.backends.collectives import WorkList, coalesced_broadcast
-from ckpt_engine.backends.copy_plan import BucketReceive, ReceivePlan, coalesce, optional_layout
-from ckpt_engine.backends.receive_order import ReadyFirst
-from ckpt_engine.backends.schedule import Schedule
-from ckpt_engine.backends.wire_views import align8, flat_bytes, has_wire_layout, torch_dtype
+from ckpt_engine.transports.collectives import WorkList, coalesced_broadcast
+from ckpt_engine.transports.copy_plan import BucketReceive, ReceivePlan, coalesce, optional_layout
+from ckpt_engine.transports.receive_order import ReadyFirst
+from ckpt_engine.transports.schedule import Schedule
+from ckpt_engine.transports.wire_views import align8, flat_bytes, has_wire_layout, torch_dtype
 from ckpt_engine.checksum import bucket_checksum
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.engine import TransferError
+from ckpt_engine.transports.base import TransferError
 from ckpt_engine.manifest import BucketManifest, TensorMeta
 
 __all__ = ["ReceiveLoopMixin"]

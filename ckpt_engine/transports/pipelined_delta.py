@@ -20,15 +20,15 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.backends.delta_bases import DELTA_BASES, DENSE, FRAME_WORDS, PATCH, Bases
-from ckpt_engine.backends.piece_reader import PieceReader
-from ckpt_engine.backends.wire_views import flat_bytes
+from ckpt_engine.transports.delta_bases import DELTA_BASES, DENSE, FRAME_WORDS, PATCH, Bases
+from ckpt_engine.transports.piece_reader import PieceReader
+from ckpt_engine.transports.wire_views import flat_bytes
 from ckpt_engine.copies import batched_copy_, put_int64s_
 from ckpt_engine.delta import codec
 from ckpt_engine.delta.direct import SCATTER_BELOW, BucketDiff, capacity
 from ckpt_engine.delta.layout import PATCH_HEADER_BYTES, header_fields, word_dtype
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.engine import SendStats, TransferError
+from ckpt_engine.transports.base import SendStats, TransferError
 from ckpt_engine.manifest import BucketManifest
 
 __all__ = ["FAST_LINK_SCATTER_BELOW", "DeltaTransferMixin"]

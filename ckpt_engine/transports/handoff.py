@@ -22,14 +22,14 @@ from typing import Any
 import msgpack
 import torch
 
-from ckpt_engine.backends.gloo import GlooCheckpointEngine
-from ckpt_engine.backends.handoff_plan import agree_on_local_senders, wait_keys
-from ckpt_engine.backends.nccl import NcclCheckpointEngine
-from ckpt_engine.backends.pipelined import PipelinedBroadcastEngine
-from ckpt_engine.backends.shared_buffers import device_identity, map_buffers, share_buffers, unlink_files, validate_descriptors
-from ckpt_engine.backends.wire_views import SLACK
+from ckpt_engine.transports.gloo import GlooCheckpointEngine
+from ckpt_engine.transports.handoff_plan import agree_on_local_senders, wait_keys
+from ckpt_engine.transports.nccl import NcclCheckpointEngine
+from ckpt_engine.transports.pipelined import PipelinedBroadcastEngine
+from ckpt_engine.transports.shared_buffers import device_identity, map_buffers, share_buffers, unlink_files, validate_descriptors
+from ckpt_engine.transports.wire_views import SLACK
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.engine import Rendezvous, SendStats, TransferError
+from ckpt_engine.transports.base import Rendezvous, SendStats, TransferError
 from ckpt_engine.manifest import Bucket, BucketManifest
 
 __all__ = ["HandoffCheckpointEngine"]

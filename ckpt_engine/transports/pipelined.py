@@ -22,16 +22,16 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.backends.pipelined_cast_send import CastSendMixin
-from ckpt_engine.backends.pipelined_delta import DeltaTransferMixin
-from ckpt_engine.backends.piece_reader import Known
-from ckpt_engine.backends.pipelined_delta_receive import DeltaReceiveMixin
-from ckpt_engine.backends.pipelined_receive import ReceiveLoopMixin
-from ckpt_engine.backends.pipelined_send import SendLoopMixin
-from ckpt_engine.backends.schedule import Schedule
-from ckpt_engine.backends.wire_views import SLACK, align8, torch_dtype
+from ckpt_engine.transports.pipelined_cast_send import CastSendMixin
+from ckpt_engine.transports.pipelined_delta import DeltaTransferMixin
+from ckpt_engine.transports.piece_reader import Known
+from ckpt_engine.transports.pipelined_delta_receive import DeltaReceiveMixin
+from ckpt_engine.transports.pipelined_receive import ReceiveLoopMixin
+from ckpt_engine.transports.pipelined_send import SendLoopMixin
+from ckpt_engine.transports.schedule import Schedule
+from ckpt_engine.transports.wire_views import SLACK, align8, torch_dtype
 from ckpt_engine.checksum import CHECKSUM_BYTES
-from ckpt_engine.engine import CheckpointEngine, Rendezvous, TransferError
+from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, TransferError
 from ckpt_engine.manifest import Bucket, BucketManifest, TensorMeta
 
 __all__ = ["PipelinedBroadcastEngine", "torch_dtype"]

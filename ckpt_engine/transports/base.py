@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.buckets import plan_buckets
+from ckpt_engine.planning.buckets import plan_buckets
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest, TensorSpec
-from ckpt_engine.ownership import OwnerMap
+from ckpt_engine.planning.ownership import OwnerMap
 
 __all__ = ["CheckpointEngine", "Rendezvous", "SendStats", "TransferError", "Topology"]
 

@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.backends.collectives import WorkList, coalesced_broadcast
-from ckpt_engine.backends.copy_plan import BucketSend, SendPlan, anchors_of, coalesce, layout_of
-from ckpt_engine.backends.piece_reader import PieceReader
-from ckpt_engine.backends.wire_views import align8, flat_bytes, torch_dtype
+from ckpt_engine.transports.collectives import WorkList, coalesced_broadcast
+from ckpt_engine.transports.copy_plan import BucketSend, SendPlan, anchors_of, coalesce, layout_of
+from ckpt_engine.transports.piece_reader import PieceReader
+from ckpt_engine.transports.wire_views import align8, flat_bytes, torch_dtype
 from ckpt_engine.checksum import bucket_checksum
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.engine import SendStats
+from ckpt_engine.transports.base import SendStats
 from ckpt_engine.manifest import Bucket, BucketManifest
 
 __all__ = ["SendLoopMixin"]

@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.backends.copy_plan import anchors_of, anchors_unmoved, layout_of
-from ckpt_engine.backends.delta_bases import DENSE, PATCH
-from ckpt_engine.backends.piece_reader import PieceReader
-from ckpt_engine.backends.pipelined_delta import FAST_LINK_SCATTER_BELOW
+from ckpt_engine.transports.copy_plan import anchors_of, anchors_unmoved, layout_of
+from ckpt_engine.transports.delta_bases import DENSE, PATCH
+from ckpt_engine.transports.piece_reader import PieceReader
+from ckpt_engine.transports.pipelined_delta import FAST_LINK_SCATTER_BELOW
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta import codec
 from ckpt_engine.delta.recorder import CastBucket, CastRecorder, CastSlice
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.engine import SendStats
+from ckpt_engine.transports.base import SendStats
 from ckpt_engine.manifest import BucketManifest
 
 __all__ = ["CastSendMixin"]

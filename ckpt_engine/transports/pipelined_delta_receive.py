@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.backends.delta_bases import DENSE, FRAME_WORDS, PATCH, Bases
-from ckpt_engine.backends.wire_views import flat_bytes, has_wire_layout
+from ckpt_engine.transports.delta_bases import DENSE, FRAME_WORDS, PATCH, Bases
+from ckpt_engine.transports.wire_views import flat_bytes, has_wire_layout
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta import codec
 from ckpt_engine.delta.layout import word_dtype
 from ckpt_engine.delta.pieces import ScatteredImage
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.engine import TransferError
+from ckpt_engine.transports.base import TransferError
 from ckpt_engine.manifest import BucketManifest
 
 __all__ = ["DeltaReceiveMixin"]

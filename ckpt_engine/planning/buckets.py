@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ckpt_engine.manifest import Bucket, BucketManifest, ManifestError, TensorMeta, TensorSpec, dtype_itemsize, make_manifest
-from ckpt_engine.ownership import OwnerMap, Shard, check_shards
+from ckpt_engine.planning.ownership import OwnerMap, Shard, check_shards
 
 __all__ = ["DEFAULT_ALIGNMENT", "plan_buckets"]
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ckpt_engine.engine import CheckpointEngine
-from ckpt_engine.registry import CheckpointEngineRegistry
-from ckpt_engine.sender_channel import SenderChannel
-from ckpt_engine.sender_follower import join_message, send_message
-from ckpt_engine.sharded_source import ShardedWeightSource
-from ckpt_engine.sync_report import SyncError, SyncReport
-from ckpt_engine.weights import WeightSource
+from ckpt_engine.transports.base import CheckpointEngine
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.sync.sender_channel import SenderChannel
+from ckpt_engine.sync.sender_follower import join_message, send_message
+from ckpt_engine.sources.sharded import ShardedWeightSource
+from ckpt_engine.sync.report import SyncError, SyncReport
+from ckpt_engine.sources.base import WeightSource
 
 __all__ = ["ManySendersMixin", "wants_many_senders"]
 

@@ -4,7 +4,7 @@ Used between the sync controller and out-of-process receivers (and the daemon). 
 `{"id": int, "method": str, "params": map}`; replies `{"id": int, "ok": bool, "result"|"error": ...}`.
 Frames are size-checked before they are read and decoded without extension types: a garbled or
 hostile peer gets an error reply or a closed socket, never code execution. The server side is
-`ckpt_engine.control_server` (token, connection caps, deadlines); this module holds the framing
+`ckpt_engine.control.server` (token, connection caps, deadlines); this module holds the framing
 and the client.
 """
 

@@ -17,7 +17,7 @@ A control port is reachable by any local process, so it is written for a hostile
   not reset by trickled bytes. Between frames an authenticated connection may idle for
   `idle_timeout_s`.
 
-Frames are `ckpt_engine.wire`'s (4-byte length + msgpack, no extension types, never pickle).
+Frames are `ckpt_engine.control.wire`'s (4-byte length + msgpack, no extension types, never pickle).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ckpt_engine.wire import WireError, recv_frame, send_frame
+from ckpt_engine.control.wire import WireError, recv_frame, send_frame
 
 __all__ = ["AuthError", "ControlLimits", "ControlServer", "Handler", "ProtocolError", "RpcServer", "handler_table"]
 

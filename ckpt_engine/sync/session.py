@@ -18,24 +18,24 @@ from typing import Any, TypeVar
 
 import torch
 
-from ckpt_engine.buckets import auto_bucket_size_bytes
+from ckpt_engine.planning.buckets import auto_bucket_size_bytes
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.delta.policy import DeltaPolicy
-from ckpt_engine.engine import CheckpointEngine, Rendezvous
-from ckpt_engine.engine_claims import claims
-from ckpt_engine.fanout import collect_failures, mark_stale_and_probe, wait_for_joins
+from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
+from ckpt_engine.sync.claims import claims
+from ckpt_engine.sync.fanout import collect_failures, mark_stale_and_probe, wait_for_joins
 from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
 from ckpt_engine.recorded_casts import offer_cast_recorder
-from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
-from ckpt_engine.sender_channel import SenderChannel
-from ckpt_engine.sender_follower import finish_walk, join_message, send_message
-from ckpt_engine.sharded_source import iter_pieces
-from ckpt_engine.sync_senders import ManySendersMixin
-from ckpt_engine.sync_report import SOURCE, SyncError, SyncReport
+from ckpt_engine.sync.sender_channel import SenderChannel
+from ckpt_engine.sync.sender_follower import finish_walk, join_message, send_message
+from ckpt_engine.sources.sharded import iter_pieces
+from ckpt_engine.sync.many_senders import ManySendersMixin
+from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport
 from ckpt_engine.versions import check_version
-from ckpt_engine.vllm_source import as_weight_source
-from ckpt_engine.weights import WatchedWeights, WeightSource
+from ckpt_engine.sources.vllm import as_weight_source
+from ckpt_engine.sources.base import WatchedWeights, WeightSource
 
 __all__ = ["SOURCE", "SyncError", "SyncReport", "WeightSyncSession"]
 

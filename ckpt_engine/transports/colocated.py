@@ -14,9 +14,9 @@ from typing import Any
 import msgpack
 import torch
 
-from ckpt_engine.backends.pipelined import PipelinedBroadcastEngine, _SLACK
-from ckpt_engine.backends.shared_buffers import map_buffers, share_buffers, unlink_files, validate_descriptors
-from ckpt_engine.engine import Rendezvous, TransferError
+from ckpt_engine.transports.pipelined import PipelinedBroadcastEngine, _SLACK
+from ckpt_engine.transports.shared_buffers import map_buffers, share_buffers, unlink_files, validate_descriptors
+from ckpt_engine.transports.base import Rendezvous, TransferError
 
 __all__ = ["ColocatedCheckpointEngine"]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.backends.pipelined import PipelinedBroadcastEngine
+from ckpt_engine.transports.pipelined import PipelinedBroadcastEngine
 
 __all__ = ["GlooCheckpointEngine"]
 

@@ -1,0 +1,1 @@
+"""The token-checked, deadline-bounded control plane: msgpack frames and the RPC server."""

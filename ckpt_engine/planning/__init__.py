@@ -1,0 +1,1 @@
+"""Pure planning: buckets of the wire image, and which sender owns which bytes."""

@@ -1,0 +1,1 @@
+"""Weight sources: what a trainer hands to a sync (metadata first, tensors lazily)."""
