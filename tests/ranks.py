@@ -31,6 +31,16 @@ def _entry(fn: Callable[..., Any], rank: int, rdzv: dict[str, Any], kwargs: dict
     store.set(f"result/{rank}", json.dumps(result))
 
 
+def _context(backend: str) -> mp.context.BaseContext:
+    """CPU ranks fork from one server that imported torch once (a spawned rank imports torch
+    again: seconds of CPU each on a 2-core box); CUDA ranks are spawned."""
+    if backend in ("nccl", "hccl", "nccl_handoff", "colocated"):
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "ckpt_engine.manifest", "ranks"])
+    return ctx
+
+
 def run_ranks(
     fn: Callable[..., Any], world_size: int, backend: str = "gloo", timeout_s: float = 60.0, num_senders: int = 1, **kwargs: Any
 ) -> list[Any]:
@@ -38,7 +48,7 @@ def run_ranks(
     Ranks [0, num_senders) are the weight-sync group's senders."""
     master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
     rdzv = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, world_size, backend, timeout_s, num_senders)
-    ctx = mp.get_context("spawn")
+    ctx = _context(backend)
     procs = [ctx.Process(target=_entry, args=(fn, r, rdzv.to_dict(), kwargs)) for r in range(world_size)]
     run_processes(procs, timeout_s * 2)
     store = rdzv.connect_store()

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The device runs, on a machine with CUDA (one GPU for part `one`, two for part `two` and `bench`):
+#   one   - every one-GPU test, the delta diff kernel probe, the colocated sync beside a D2D copy
+#   two   - every GPU test (those needing 2 GPUs included; Megatron wheels from .whl/ if carried)
+#   bench - dense and delta syncs of Qwen2.5-7B and Qwen3-30B-A3B shapes over NCCL beside the raw
+#           broadcast, and the FSDP2 shrunk topology (2 trainer ranks, receiver beside rank 1)
+# JSON lands in $OUT (or bench/out/); each step is bounded so one call fits the device's limit.
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+out=${OUT:-bench/out}
+mkdir -p "$out"
+part=${1:-one}
+nvidia-smi -L
+if ls .whl/*/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD
+fi
+bench() {  # bench NAME ARGS...: one `ckpt-engine bench` into $out/NAME.json, its summary lines printed
+  name=$1; shift; echo "== $name: $*"
+  timeout "${BENCH_TIMEOUT:-150}" python -m ckpt_engine.cli bench "$@" --json "$out/$name.json" 2>&1 | grep -v "^$" | tail -n 6
+}
+case "$part" in
+one)
+  timeout 240 python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests 2>&1 | tail -n 25
+  timeout 90 python bench/delta_kernel_probe.py --gib 1 --changed 0.02 --json "$out/delta_kernel_probe.json" 2>&1 | tail -n 6
+  bench colocated_7b --backend colocated --device cuda --preset qwen2.5-7b --modes raw,ours --iters 5
+  ;;
+two)
+  timeout 420 python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests 2>&1 | tail -n 30
+  ;;
+bench)
+  bench dense_7b --backend nccl --preset qwen2.5-7b --modes raw,ours --iters 5
+  bench dense_30b24l --backend nccl --preset qwen3-30b-a3b --layers 24 --modes raw,ours --iters 3
+  bench delta_7b_lr1e-6 --backend nccl --preset qwen2.5-7b --delta --lr 1e-6 --versions 4 --iters 1 --in-place
+  bench delta_7b_lr1e-5 --backend nccl --preset qwen2.5-7b --delta --lr 1e-5 --versions 4 --iters 1 --in-place
+  bench delta_30b10l_lr1e-6 --backend nccl --preset qwen3-30b-a3b --layers 10 --delta --lr 1e-6 --versions 4 --iters 1 --in-place
+  bench delta_30b10l_lr1e-5 --backend nccl --preset qwen3-30b-a3b --layers 10 --delta --lr 1e-5 --versions 4 --iters 1 --in-place
+  for preset in qwen2.5-7b qwen3-30b-a3b; do
+    echo "== fsdp2 shrunk $preset (trainers cuda:0,1; receiver on cuda:1; nccl_handoff)"
+    timeout 150 python bench/fsdp2_multisender_bench.py --preset $preset --trainers 2 --receivers 1 --receiver-gpus 1 \
+      --backend nccl_handoff --modes multi --repeats 3 --json "$out/fsdp2_shrunk_$preset.json" 2>&1 | grep -v "^$" | tail -n 6
+  done
+  ;;
+esac
