@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ckpt_engine.plan.advise import advise
+from ckpt_engine.plan.advise import STATUS, advise
 from ckpt_engine.plan.cost import predict
 from ckpt_engine.plan.params import load_calibration
 from ckpt_engine.plan.scenario import Scenario
@@ -15,7 +15,8 @@ CAL = load_calibration()
 def test_nic_bound_single_sender_is_told_to_use_all_senders() -> None:
     sc = Scenario(model="qwen3-235b-a22b", trainer="64xH20:tp=4,pp=4,ep=4", rollout="8x8xH20", nic_gbps=400)
     hints = advise(sc, CAL, top=10)
-    assert hints[0].flag == "--strategy all-senders" and hints[0].status == "being added this round"
+    assert hints[0].flag == "--strategy all-senders" and hints[0].status == STATUS["all-senders"]
+    assert "senders=all" in hints[0].status
     base = predict(sc.setup(), CAL).total_s
     assert [h.total_s for h in hints] == sorted(h.total_s for h in hints)
     assert all(h.total_s < base * 0.98 for h in hints)

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from ckpt_engine.plan.advise import STATUS
 from ckpt_engine.plan.cost import predict
 from ckpt_engine.plan.params import load_calibration
 from ckpt_engine.plan.scenario import Scenario
 
 BASE = Scenario(model="kimi-k2", trainer="256xH800", rollout="8x32xH800", nic_gbps=400, bucket_mb=1024, loader="vllm")
-TODAY = {"single": "exists", "all-senders": "being added this round"}
 
 ROWS = [
     ("dense, single sender, vLLM load_weights", {}),
@@ -31,16 +31,13 @@ ROWS = [
 
 
 def _today(sc: Scenario) -> str:
-    parts = [f"{sc.strategy}: {TODAY[sc.strategy]}"]
-    if sc.delta is not None:
-        parts.append("delta: being added this round")
-    if sc.fused_experts:
-        parts.append("fused experts: not yet (adapters send per-expert names)")
-    if sc.dtype == "fp8":
-        parts.append("FP8 wire: not yet")
-    if sc.receive == "shard":
-        parts.append("shard receive: not yet (every engine GPU receives every byte)")
-    return "; ".join(parts)
+    """What ckpt-engine runs of this row's settings (the planner's advice says the same)."""
+    keys = [sc.strategy]
+    keys += ["delta"] if sc.delta is not None else []
+    keys += ["fused_experts"] if sc.fused_experts else []
+    keys += ["fp8"] if sc.dtype == "fp8" else []
+    keys += ["receive_shard"] if sc.receive == "shard" else []
+    return "; ".join(f"{k.replace('_', ' ')}: {STATUS[k]}" for k in keys)
 
 
 def main() -> None:

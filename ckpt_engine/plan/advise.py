@@ -1,7 +1,8 @@
 """Which one setting would make this sync faster: try each single change, rank by the gain.
 
-Each candidate is a flag the user can pass; the planner predicts the changed set-up and keeps
-the ones that help. Candidates that ckpt-engine cannot run yet say so.
+Each candidate is a flag the user can pass to the planner; the planner predicts the changed
+set-up and keeps the ones that help. Each one says whether ckpt-engine runs it and, when it does,
+which `checkpoint_engine` setting turns it on, so the advice maps onto a config.
 """
 
 from __future__ import annotations
@@ -13,10 +14,19 @@ from ckpt_engine.plan.cost import predict
 from ckpt_engine.plan.params import Calibration
 from ckpt_engine.plan.scenario import Scenario
 
-__all__ = ["Advice", "advise"]
+__all__ = ["STATUS", "Advice", "advise"]
 
-_NOT_YET = "not in ckpt-engine yet"
-_THIS_ROUND = "being added this round"
+STATUS: dict[str, str] = {
+    "single": "runs today: checkpoint_engine.senders=rank0",
+    "all-senders": "runs today: checkpoint_engine.senders=all (FSDP2, Megatron-FSDP2 and Megatron sources)",
+    "delta": "runs today: checkpoint_engine.delta=on (or auto)",
+    "bucket_mb": "runs today: checkpoint_engine.bucket_size_mb",
+    "buffers": "runs today: checkpoint_engine.num_buffers",
+    "fused_experts": "not in ckpt-engine yet (sources send one tensor per expert)",
+    "receive_shard": "not in ckpt-engine yet (every engine GPU receives every byte)",
+    "fp8": "not in ckpt-engine yet (no FP8 wire)",
+}
+"""What ckpt-engine does with each planner setting; `bench/plan/kimi_k2_goal.py` prints the same."""
 
 
 @dataclass(frozen=True)
@@ -30,23 +40,23 @@ class Advice:
 
 
 def _candidates(sc: Scenario) -> list[tuple[str, dict[str, Any], str]]:
-    """(flag, scenario changes, whether ckpt-engine runs it today) for each single change."""
+    """(flag, scenario changes, what ckpt-engine runs of it) for each single change."""
     out: list[tuple[str, dict[str, Any], str]] = []
     if sc.strategy == "single":
-        out.append(("--strategy all-senders", {"strategy": "all-senders"}, _THIS_ROUND))
+        out.append(("--strategy all-senders", {"strategy": "all-senders"}, STATUS["all-senders"]))
     for mb in (sc.bucket_mb / 4, sc.bucket_mb * 4):
         if mb >= 1:
-            out.append((f"--bucket-mb {mb:g}", {"bucket_mb": mb}, "exists"))
+            out.append((f"--bucket-mb {mb:g}", {"bucket_mb": mb}, STATUS["bucket_mb"]))
     if sc.buffers < 3:
-        out.append(("--buffers 3", {"buffers": 3}, "exists"))
+        out.append(("--buffers 3", {"buffers": 3}, STATUS["buffers"]))
     if sc.delta is None:
-        out.append(("--delta 0.02", {"delta": 0.02}, _THIS_ROUND))
+        out.append(("--delta 0.02", {"delta": 0.02}, STATUS["delta"]))
     if not sc.fused_experts:
-        out.append(("--fused-experts", {"fused_experts": True}, _NOT_YET))
+        out.append(("--fused-experts", {"fused_experts": True}, STATUS["fused_experts"]))
     if sc.receive == "full":
-        out.append(("--receive shard", {"receive": "shard"}, _NOT_YET))
+        out.append(("--receive shard", {"receive": "shard"}, STATUS["receive_shard"]))
     if sc.dtype != "fp8":
-        out.append(("--dtype fp8", {"dtype": "fp8"}, _NOT_YET))
+        out.append(("--dtype fp8", {"dtype": "fp8"}, STATUS["fp8"]))
     return out
 
 
