@@ -1,4 +1,5 @@
-"""Shared fixtures: free ports from the OS, and a runner for real multiprocess groups."""
+"""Shared fixtures and tiers: free ports from the OS, a runner for real multiprocess groups, the
+`fast` tier (a minute or two on a 2-core box) and GPU tests skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -9,8 +10,38 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# The fast tier (`pytest -m fast`): manifest, planning, config, codec, control frames, the
+# registry, transports over real gloo groups and one sync end to end. A file maps to None (every
+# test in it) or to the names of the tests it contributes (parametrized cases included).
+FAST_TIER: dict[str, frozenset[str] | None] = {
+    "test_manifest.py": None,
+    "test_buckets.py": None,
+    "test_config.py": None,
+    "test_delta_codec.py": None,
+    "test_wire.py": None,
+    "test_registry.py": None,
+    "test_bad_input.py": None,
+    "test_transfer.py": frozenset({"test_gloo_mixed_dtypes_two_receivers_two_syncs", "test_gloo_three_buffers_and_two_lanes"}),
+    "test_delta_transfer.py": frozenset({"test_chain_of_patches_is_bit_exact", "test_corrupt_patch_is_caught_and_the_old_weights_stay"}),
+    "test_sync.py": frozenset({"test_two_syncs_land_bit_exact_and_reuse_the_group", "test_rejected_manifest_moves_nothing"}),
+}
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    seen: dict[str, set[str]] = {}
+    for item in items:
+        file = os.path.basename(str(item.path))
+        if file not in FAST_TIER:
+            continue
+        name = getattr(item, "originalname", item.name)
+        seen.setdefault(file, set()).add(name)
+        names = FAST_TIER[file]
+        if names is None or name in names:
+            item.add_marker(pytest.mark.fast)
+    for file, names in FAST_TIER.items():  # a renamed or deleted test must not drop out silently
+        missing = sorted((names or frozenset()) - seen.get(file, set())) if file in seen else []
+        if missing and not config.getoption("-k"):
+            raise pytest.UsageError(f"tests/conftest.py FAST_TIER names tests that {file} no longer has: {missing}")
     import torch
 
     if torch.cuda.is_available() and torch.cuda.device_count() >= 1:
