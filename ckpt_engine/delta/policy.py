@@ -7,9 +7,13 @@ next sync a dense seed.
 
 `auto` also sends dense whenever patches cost more than a dense sync would, from what the last
 syncs cost on this transport (`SyncCosts`): a patch sync can be slower than dense where the link
-is faster than the codec (NVLink at a high learning rate) or the codec slower than the link (a
-CPU box). It then sends plain dense syncs (no bases kept) for a back-off that doubles each time
-a new probe of patches still costs more, and probes again: a seed, then patches.
+is faster than the codec (NVLink at a high learning rate, a CPU box with large buckets). It first
+measures a plain dense sync (the first sync of a group carries one-time costs and is not kept),
+then seeds and patches; once three patch syncs were measured (the first ones compile kernels),
+it compares the cheapest recent of each. Where patches cost more it sends plain dense syncs (no
+bases kept) for a back-off that doubles each time a new probe still costs more, then probes
+again: a seed, then one patch sync. A patch sync whose wire reached the dense bytes cost more
+whatever the clock said (a dense sync's work plus the encode).
 """
 
 from __future__ import annotations
@@ -27,16 +31,17 @@ __all__ = ["DELTA_MODES", "DeltaPolicy", "SyncCosts", "patches_pay"]
 logger = logging.getLogger(__name__)
 
 DENSE_SAMPLES = 3
-"""Dense syncs (plain or seeds) whose cost is kept per transport."""
-PATCH_SAMPLES = 2
-"""Patch syncs whose cost is kept per transport: the cheaper of the last two is what patching
-costs, so one slow sync (a kernel compiled at first use, a stall) does not stop patching alone."""
+"""Plain dense syncs whose cost is kept per transport (a seed also writes bases: not kept)."""
+PATCH_SAMPLES = 3
+"""Patch syncs whose cost is kept per transport: the cheapest of the last three is what patching
+costs, so slow first syncs (the receivers', then the sender's kernels compiled at first use) or
+one stall do not stop patching alone."""
 
 
 def patches_pay(dense_s_per_byte: list[float], patch_s_per_byte: list[float]) -> bool | None:
     """Whether patch syncs cost less than dense ones, from recent seconds per dense byte of each:
     the cheapest of the recent samples on both sides (what each costs undisturbed). None until
-    both were measured and two patch syncs were (the first may carry one-time costs)."""
+    dense was measured and PATCH_SAMPLES patch syncs were (the first ones carry one-time costs)."""
     if not dense_s_per_byte or len(patch_s_per_byte) < PATCH_SAMPLES:
         return None
     return min(patch_s_per_byte) <= min(dense_s_per_byte)
@@ -50,9 +55,13 @@ class SyncCosts:
     dense: deque[float] = field(default_factory=lambda: deque(maxlen=DENSE_SAMPLES))
     patch: deque[float] = field(default_factory=lambda: deque(maxlen=PATCH_SAMPLES))
 
-    def record(self, patches: bool, seconds: float, dense_bytes: int) -> None:
-        if dense_bytes > 0 and seconds > 0:
-            (self.patch if patches else self.dense).append(seconds / dense_bytes)
+    def record(self, request: DeltaRequest | None, seconds: float, dense_bytes: int) -> None:
+        if dense_bytes <= 0 or seconds <= 0:
+            return
+        if request is None:
+            self.dense.append(seconds / dense_bytes)
+        elif request.patches:
+            self.patch.append(seconds / dense_bytes)
 
     def verdict(self) -> bool | None:
         """patches_pay over the kept samples."""
@@ -102,8 +111,10 @@ class DeltaPolicy:
         new_id = secrets.randbits(62) + 1
         seed_due = self.full_sync_every and self._since_seed + 1 >= self.full_sync_every
         costs = self.costs.get(transport)
-        unmeasured = self.mode == "auto" and costs is not None and costs.patch and not costs.dense  # a seed measures dense
-        if self._base_id is not None and self._digest == digest and not seed_due and not unmeasured:
+        if self.mode == "auto" and (costs is None or not costs.dense):  # measure a plain dense sync first
+            self._base_id = None
+            return None
+        if self._base_id is not None and self._digest == digest and not seed_due:
             return DeltaRequest(True, self._base_id, new_id)
         return DeltaRequest(False, None, new_id)
 
@@ -113,7 +124,7 @@ class DeltaPolicy:
         """The sync of `request` completed on every member (their bases now hold `new_id`) in
         `seconds` of transfer, `dense_bytes` being the plan's bytes and `wire_bytes` what went."""
         if self._warm:
-            self.costs.setdefault(transport, SyncCosts()).record(request is not None and request.patches, seconds, dense_bytes)
+            self.costs.setdefault(transport, SyncCosts()).record(request, seconds, dense_bytes)
         self._warm = True
         if request is None:
             self._base_id = None
