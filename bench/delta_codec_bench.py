@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from ckpt_engine.delta import codec, kernels
+from ckpt_engine.delta import accel, codec, kernels
 
 
 def _timer(device: torch.device, fn: Callable[[], object], repeats: int, setup: Callable[[], None] | None = None) -> float:
@@ -231,7 +231,7 @@ def main() -> None:
     if args.impls is not None:
         impls = args.impls.split(",")
     elif device.type == "cuda":
-        impls = ["triton", "torch"] if kernels.available(device) else ["torch"]
+        impls = ["triton", "torch"] if accel.triton_on(device) else ["torch"]
     else:
         impls = ["host", "torch"]
     repeats = args.repeats if args.repeats is not None else (5 if device.type == "cuda" else 2)

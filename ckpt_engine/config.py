@@ -32,7 +32,9 @@ __all__ = [
 PAUSE_MODES = ("keep", "abort", "none")
 DELTA_MODES = ("off", "auto", "on")
 SENDER_MODES = ("rank0", "all", "per_stage")
-DELTA_BASES = ("device", "host", "cast")  # the backends check their own `delta_base` option alike (backends/delta_bases.py)
+DELTA_BASES = ("device", "host")  # the backends check their own `delta_base` option alike (transports/delta_bases.py)
+_RETIRED_DELTA_BASES = ("cast",)
+"""Refused by name: `cast` (patches recorded by the trainer's own cast) measured no faster than `device`."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest wait a config may ask for (a week): longer ones overflow the timers that enforce it."""
 _SET_BY_THE_SESSION = ("bucket_size_bytes", "num_buffers", "timeout_s", "verify")
@@ -73,10 +75,7 @@ class CheckpointEngineConfig:
     delta_base: str = "device"
     """With delta: where each sender keeps the base of what it sends: `device` memory (fastest), or
     pinned `host` memory (no device memory but one bucket-sized staging buffer; each bucket's base
-    crosses the host link twice per sync), or none (`cast`: the trainer casts its fp32 masters to
-    bf16 through the engine's `cast_recorder()`, which records the patches: the FSDP2 adapter does
-    it itself when every rank sends its shards; without a recorder every sync is dense). Passed to
-    the backend as its `delta_base` option."""
+    crosses the host link twice per sync). Passed to the backend as its `delta_base` option."""
     senders: str = "auto"
     """Who streams the weights: `rank0` (trainer rank 0 sends full tensors, the others only walk
     `iter_weights`), `all` (every trainer rank sends the shards it owns, no gather; the source must
@@ -120,8 +119,7 @@ class CheckpointEngineConfig:
         _check_type("checkpoint_engine.full_sync_every", self.full_sync_every, int)
         if self.full_sync_every < 0:
             raise ConfigError(f"checkpoint_engine.full_sync_every must be >= 0 (0: only when needed), got {self.full_sync_every}")
-        if self.delta_base not in DELTA_BASES:
-            raise ConfigError(f"checkpoint_engine.delta_base must be one of {', '.join(DELTA_BASES)}, got {self.delta_base!r}")
+        _check_delta_base("checkpoint_engine.delta_base", self.delta_base)
         if self.senders not in (*SENDER_MODES, "auto"):
             raise ConfigError(f"checkpoint_engine.senders must be one of auto, {', '.join(SENDER_MODES)}, got {self.senders!r}")
 
@@ -173,6 +171,13 @@ def _check_number(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be a finite number, got {type(value).__name__} {value!r}")
 
 
+def _check_delta_base(name: str, value: Any) -> None:
+    if value in _RETIRED_DELTA_BASES:
+        raise ConfigError(f"{name}={value!r} was retired (it measured no faster than device bases); use {name}=device")
+    if value not in DELTA_BASES:
+        raise ConfigError(f"{name} must be one of {', '.join(DELTA_BASES)}, got {value!r}")
+
+
 def init_keywords(cls: type) -> set[str] | None:
     """Keyword names a backend's constructor accepts, following `**kwargs` to its parents (None: any)."""
     names: set[str] = set()
@@ -206,8 +211,8 @@ def _check_engine_kwargs(backend: str, kwargs: dict[str, Any], known: list[str])
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ConfigError(f"{where}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
-    if "delta_base" in kwargs and kwargs["delta_base"] not in DELTA_BASES:
-        raise ConfigError(f"{where}.delta_base must be one of {', '.join(DELTA_BASES)}, got {kwargs['delta_base']!r}")
+    if "delta_base" in kwargs:
+        _check_delta_base(f"{where}.delta_base", kwargs["delta_base"])
 
 
 def _free_bytes(device: str) -> int | None:

@@ -36,8 +36,10 @@ def test_yaml_file_and_dotted_overrides(tmp_path: Path) -> None:
         ("checkpoint_engine.pause_mode=sleep", r"checkpoint_engine\.pause_mode must be one of keep, abort, none"),
         ("checkpoint_engine.engine_kwargs=3", r"checkpoint_engine\.engine_kwargs must map"),
         ("checkpoint_engine.bucket_sz=3", r"unknown key\(s\) under checkpoint_engine: bucket_sz; allowed: .*bucket_size_mb"),
-        ("checkpoint_engine.delta_base=disk", r"checkpoint_engine\.delta_base must be one of device, host, cast, got 'disk'"),
-        ("checkpoint_engine.engine_kwargs.gloo.delta_base=disk", r"delta_base must be one of device, host, cast, got 'disk'"),
+        ("checkpoint_engine.delta_base=disk", r"checkpoint_engine\.delta_base must be one of device, host, got 'disk'"),
+        ("checkpoint_engine.engine_kwargs.gloo.delta_base=disk", r"delta_base must be one of device, host, got 'disk'"),
+        ("checkpoint_engine.delta_base=cast", r"checkpoint_engine\.delta_base='cast' was retired .*; use checkpoint_engine\.delta_base=device"),
+        ("checkpoint_engine.engine_kwargs.gloo.delta_base=cast", r"checkpoint_engine\.engine_kwargs\.gloo\.delta_base='cast' was retired"),
     ],
 )
 def test_bad_values_name_the_field(override: str, match: str) -> None:

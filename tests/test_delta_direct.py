@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ckpt_engine.delta import codec
-from ckpt_engine.delta.direct import BucketDiff, capacity, last_of_each, last_of_each_host, out_bytes
+from ckpt_engine.delta.direct import BucketDiff, capacity, out_bytes
 from ckpt_engine.delta.layout import PATCH_HEADER_BYTES
 
 
@@ -76,71 +76,6 @@ def test_pieces_make_the_patch_of_the_whole_bucket(word_bytes: int, num_words: i
     image = raw_base.clone()
     codec.apply(image, patch)
     assert torch.equal(image, raw_new)
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    num_words=st.integers(0, 3000),
-    frac=st.sampled_from([0.0, 0.005, 0.01, 0.02]),
-    seed=st.integers(0, 2**31),
-    data=st.data(),
-)
-def test_two_diffs_into_one_patch_merge_into_the_patch_from_the_first_base(num_words: int, frac: float, seed: int, data: st.DataObject) -> None:
-    """A base diffed twice into one BucketDiff (two casts before one sync), some words changed
-    both times and some changed back: after merge_repeats the patch names each word once, in
-    order, and takes the first base to the last image, checksum included; or the bucket is dense
-    when the two steps' changes together pass the capacity."""
-    base, mid = _images(2, num_words, frac, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    last = mid.clone()
-    again = torch.rand(num_words, generator=g) < 2 * frac
-    last[again] += 1
-    back = torch.rand(num_words, generator=g) < frac
-    last[back] = base[back]  # changed in the first step, back to the base in the second
-    cuts = data.draw(st.lists(st.integers(0, num_words), max_size=4))
-    edges = [0, *sorted(set(cuts)), num_words]
-    nbytes = 2 * num_words
-    work = base.clone()
-    out = torch.empty(out_bytes(nbytes, 2), dtype=torch.uint8)
-    diff = BucketDiff(out, nbytes, 2)
-    for image in (mid, last):
-        for lo, hi in zip(edges, edges[1:]):
-            diff.add(image[lo:hi], work[lo:hi], lo)
-    diff.merge_repeats()
-    size, delta, count = diff.finish()
-    assert torch.equal(work, last)
-    touched = ((base != mid) | (mid != last)).nonzero().reshape(-1)
-    first_step, second_step = int((base != mid).sum()), int((mid != last).sum())
-    if first_step + second_step > capacity(nbytes, 2) or PATCH_HEADER_BYTES + (4 * touched.numel() + 7) // 8 * 8 + 2 * touched.numel() >= nbytes:
-        assert size is None
-        return
-    assert size is not None and count == touched.numel()
-    patch = codec.decode(out[:size], nbytes, 2)
-    assert torch.equal(patch.positions.long(), touched)  # once each, ascending
-    raw_base = base.view(torch.uint8)
-    assert int(codec.checksum(raw_base, 2) + delta) == int(codec.checksum(last.view(torch.uint8), 2))
-    image = raw_base.clone()
-    codec.apply(image, patch)
-    assert torch.equal(image, last.view(torch.uint8))
-
-
-@settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31), n=st.integers(0, 400), span=st.integers(1, 300))
-def test_last_of_each_keeps_every_position_once_with_its_last_value(seed: int, n: int, span: int) -> None:
-    """The accelerator's merge (torch ops, run here on CPU tensors) and the host's agree with a
-    plain dict of the last value per position."""
-    g = torch.Generator().manual_seed(seed)
-    pos = torch.randint(0, span, (n,), dtype=torch.int32, generator=g)
-    vals = torch.randint(-(2**15), 2**15, (n,), dtype=torch.int64, generator=g).to(torch.int16)
-    want = dict(zip(pos.tolist(), vals.tolist()))
-    keys = sorted(want)
-    p1, v1 = pos.clone(), vals.clone()
-    m1 = last_of_each(p1, v1)
-    p2, v2 = pos.numpy().copy(), vals.numpy().copy()
-    m2 = last_of_each_host(p2, v2)
-    assert m1 == m2 == len(keys)
-    assert p1[:m1].tolist() == keys == p2[:m2].tolist()
-    assert v1[:m1].tolist() == [want[k] for k in keys] == v2[:m2].tolist()
 
 
 def test_a_bucket_that_changed_a_lot_goes_dense_with_its_base_current() -> None:
@@ -220,30 +155,6 @@ _INTERPRETED = textwrap.dedent(
             assert int(old_sum + delta.reshape(())) == int(got)
             if fused:
                 assert int(old_sum + delta2.reshape(())) == int(got)
-    # two kernel passes into one patch (two casts before one sync), then merged: the patch from
-    # the first base, each word once
-    n = 65536 + 4321
-    old = torch.randint(-100, 100, (n,), dtype=torch.int64, generator=g).to(torch.int16)
-    mid = old.clone()
-    mid[torch.rand(n, generator=g) < 0.01] += 1
-    last = mid.clone()
-    last[torch.rand(n, generator=g) < 0.01] += 1
-    work = old.clone()
-    out = torch.empty(out_bytes(2 * n, 2), dtype=torch.uint8)
-    diff = BucketDiff(out, 2 * n, 2)
-    diff._fused, diff._counter = True, torch.zeros(1, dtype=torch.int32)
-    for image in (mid, last):
-        diff.add(image[:3000], work[:3000], 0)
-        diff.add(image[3000:], work[3000:], 3000)
-    diff.merge_repeats()
-    size, delta, count = diff.finish()
-    touched = ((old != mid) | (mid != last)).nonzero().reshape(-1)
-    patch = codec.decode(out[:size], 2 * n, 2)
-    assert torch.equal(work, last) and count == touched.numel() and torch.equal(patch.positions.long(), touched)
-    image = old.view(torch.uint8).clone()
-    codec.apply(image, patch)
-    assert torch.equal(image, last.view(torch.uint8))
-    assert int(codec.checksum(old.view(torch.uint8), 2) + delta.reshape(())) == int(codec.checksum(last.view(torch.uint8), 2))
     print("interpreted ok")
     """
 )

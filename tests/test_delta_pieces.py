@@ -186,14 +186,14 @@ def test_sorted_positions_take_the_compiled_pass_and_agree_with_numpy(monkeypatc
     """CI has numba: a sorted patch on a CPU runs the one compiled pass (not vacuously the numpy
     path), over many regions, gaps, repeats and positions outside, with the numpy path's result;
     `split`: cut into one run per thread, a repeated position right at the cut."""
-    from ckpt_engine.delta import host_kernels
+    from ckpt_engine.delta import accel, host_kernels
 
     if split:
         monkeypatch.setattr(host_kernels, "SPLIT_POSITIONS", 100)
         monkeypatch.setattr(host_kernels.numba, "get_num_threads", lambda: 2)
         monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
 
-    assert host_kernels.available(), "numba is a dependency of ckpt-engine: scripts/setup.sh installs it"
+    assert accel.numba_on(), "numba is a dependency of ckpt-engine: scripts/setup.sh installs it"
     regions, _ref, num_words = _layout([50, 0, 300, 7, 1000], [3, 0, 2, 5, 1], torch.int16, 7)
     twin = [(f, t.clone()) for f, t in regions]
     g = torch.Generator().manual_seed(3)
@@ -205,7 +205,7 @@ def test_sorted_positions_take_the_compiled_pass_and_agree_with_numpy(monkeypatc
     monkeypatch.setattr(host_kernels, "swap_in_sorted", lambda *a: calls.append(1) or real(*a))
     got = ScatteredImage(regions, num_words).swap_in(pos, vals)
     assert calls == [1]
-    monkeypatch.setattr(host_kernels, "available", lambda: False)
+    monkeypatch.setattr(accel, "numba_on", lambda: False)
     want = ScatteredImage(twin, num_words).swap_in(pos, vals)
     assert calls == [1] and torch.equal(got[0], want[0]) and int(got[1]) == int(want[1]) > 0 and int(got[2]) == int(want[2])
     for (_f, a), (_g, b) in zip(regions, twin):
@@ -282,18 +282,14 @@ def test_decode_without_the_range_check_leaves_out_of_range_positions_to_the_reg
 
 _INTERPRETED_SWAP = textwrap.dedent(
     """
-    import math, torch
-    from ckpt_engine.delta import pieces
+    import torch
+    from ckpt_engine.delta import scatter_kernels
     from ckpt_engine.delta.pieces import ScatteredImage
-    pieces.BLOCK = 16  # many blocks: most in one region, some across two
+    scatter_kernels.BLOCK = 16  # many blocks: most in one region, some across two
     g = torch.Generator().manual_seed(5)
 
     def fused(img, ts, firsts):
-        img._fused = True  # the CUDA path, run by Triton's interpreter on CPU tensors
-        img._anchor = min(ts, key=lambda t: t.data_ptr())
-        img._starts_d, img._ends_d = img.starts, img.ends
-        img._rel_d = torch.tensor([(t.data_ptr() - img._anchor.data_ptr()) // t.element_size() - f for f, t in zip(firsts, ts)])
-        img._steps = max(1, math.ceil(math.log2(len(ts))) + 1)
+        img._table = scatter_kernels.RegionTable.of(img.regions)  # the CUDA path, run by Triton's interpreter on CPU tensors
         return img
 
     for dt in (torch.int16, torch.int32, torch.int64):

@@ -1,10 +1,9 @@
 """FSDP2 as a multi-sender weight source: every trainer rank sends its own shards, nothing is gathered.
 
-One spawn of 4 real processes runs three weight-sync groups in turn: 3 FSDP2 trainer ranks + 1
-receiver, then 2 trainer ranks + the same receiver (the third process sits that one out), then 2
-trainer ranks whose patches their own casts record (`delta_base="cast"`). Each group syncs a tiny
-Qwen2-MoE three times over the same buffers: dense, a delta seed, and, after an AdamW step at lr
-1e-5 (1e-6 for the recorded casts), a delta patch. The receiver's tensors are compared bit for bit with what
+One spawn of 4 real processes runs two weight-sync groups in turn: 3 FSDP2 trainer ranks + 1
+receiver, then 2 trainer ranks + the same receiver (the third process sits that one out). Each
+group syncs a tiny Qwen2-MoE three times over the same buffers: dense, a delta seed, and, after an
+AdamW step at lr 1e-5, a delta patch. The receiver's tensors are compared bit for bit with what
 `iter_weights()` (the gathering single-sender path) yields on trainer rank 0 in the same run.
 
 Shapes are chosen so FSDP2 splits rows unevenly (vocab 100 and shared-expert 40 rows over 3
@@ -32,7 +31,6 @@ pytestmark = pytest.mark.timeout(240)
 WORLD = 4  # processes: ranks 0-2 train, rank 3 receives
 RECEIVER = WORLD - 1
 GROUPS = (3, 2)  # trainer ranks of the two weight-sync groups, in run order
-CAST = 2  # then a third group of 2 trainer ranks whose patches their casts record (delta_base cast)
 BUCKET = 4096  # bytes: embeddings and shards span several buckets
 GATE = "model.layers.0.mlp.shared_expert_gate.weight"  # 1 row: one owner, the other ranks hold none
 
@@ -145,25 +143,22 @@ def _bad_requests(engine: Any, rank: int, senders: int, group: dist.ProcessGroup
         dim0_rows("cols", by_columns, rank, senders)
 
 
-def _trainer(rank: int, senders: int, group: dist.ProcessGroup, rdzv: Any, tie: bool, bf16: bool, cast: bool = False) -> dict[str, Any]:
+def _trainer(rank: int, senders: int, group: dist.ProcessGroup, rdzv: Any, tie: bool, bf16: bool) -> dict[str, Any]:
     """`bf16`: the model's parameters are bf16 (the router is still kept fp32 on the wire): few
     bytes need a cast, so the pieces are stable (views, and casts kept for the sync); else fp32
-    masters, every piece a cast temporary. `cast`: fp32 masters at lr 1e-6, the engine records
-    the casts (`delta_base="cast"`), offered to the adapter before each delta send as the sync
-    path does: the pieces are the adapter's bf16 shadows."""
+    masters, every piece a cast temporary."""
     from torch.distributed.tensor import DTensor
 
     from ckpt_engine.manifest import encode_manifest
-    from ckpt_engine.recorded_casts import offer_cast_recorder
     from ckpt_engine.transports.registry import CheckpointEngineRegistry
     from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
     from ckpt_engine.trainer_adapters.fsdp2 import FSDP2Config, FSDP2TrainEngine
 
     model = tiny_moe(tie).to(torch.bfloat16) if bf16 else tiny_moe(tie)
-    engine = FSDP2TrainEngine(model, config=FSDP2Config(lr=1e-6 if cast else 1e-5, wire_dtype="bfloat16"), process_group=group)
+    engine = FSDP2TrainEngine(model, config=FSDP2Config(lr=1e-5, wire_dtype="bfloat16"), process_group=group)
     assert isinstance(engine, ShardedWeightSource) and (engine.sender_index, engine.num_senders) == (rank, senders)
     _bad_requests(engine, rank, senders, group)
-    sync = CheckpointEngineRegistry.new("gloo", bucket_size_bytes=BUCKET, timeout_s=60, **({"delta_base": "cast"} if cast else {}))
+    sync = CheckpointEngineRegistry.new("gloo", bucket_size_bytes=BUCKET, timeout_s=60)
     with GatherCounter(group) as planning:  # ownership, the plan and every piece: all local
         owners = engine.owners()
         manifest = sync.plan(engine.metadata(), num_senders=senders, owners=owners)
@@ -186,8 +181,6 @@ def _trainer(rank: int, senders: int, group: dist.ProcessGroup, rdzv: Any, tie: 
                     local.view(-1)[::2].mul_(1.5)
         with GatherCounter(group) as gathering:
             expected = {n: t.clone() for n, t in engine.iter_weights()}  # the single-sender path gathers
-        if cast and request is not None:
-            assert offer_cast_recorder(sync, manifest, engine, walks_pieces=True)
         with GatherCounter(group) as sending:
             stats = sync.send_weights(manifest, iter_pieces(engine, manifest), stable=engine.stable_pieces, delta=request)
         out["counts"][f"iter_weights v{version}"] = gathering.summary()
@@ -206,7 +199,6 @@ def _trainer(rank: int, senders: int, group: dist.ProcessGroup, rdzv: Any, tie: 
     out["specs"] = {s.name: [s.dtype, list(s.shape)] for s in engine.metadata()}
     out["replicated"] = [s.name for s in engine.metadata() if s.name not in owners]
     out["stable_pieces"] = engine.stable_pieces
-    out["shadow_bytes"] = engine._cast_shadows.nbytes
     sync.finalize()
     return out
 
@@ -230,16 +222,15 @@ def _receiver(rank: int, rdzv: Any) -> dict[str, Any]:
 def _worker(rank: int, world_size: int, rdzvs: list[dict[str, Any]]) -> dict[str, Any]:
     from ckpt_engine.transports.base import Rendezvous
 
-    groups = [dist.new_group(list(range(n))) for n in (*GROUPS, CAST)]  # collective over every process
+    groups = [dist.new_group(list(range(n))) for n in GROUPS]  # collective over every process
     result: dict[str, Any] = {}
-    for i, (n, group, d) in enumerate(zip((*GROUPS, CAST), groups, rdzvs)):
+    for n, group, d in zip(GROUPS, groups, rdzvs):
         rdzv = Rendezvous.from_dict(d)
-        cast = i == len(GROUPS)
-        key = f"c{n}" if cast else f"n{n}"
+        key = f"n{n}"
         if rank == RECEIVER:
             part = _receiver(n, rdzv)
         elif rank < n:
-            part = _trainer(rank, n, group, rdzv, tie=n == 3, bf16=n == 3, cast=cast)
+            part = _trainer(rank, n, group, rdzv, tie=n == 3, bf16=n == 3)
         else:
             continue
         result["tensors"] = {**result.get("tensors", {}), **{f"{key}/{k}": v for k, v in part.pop("tensors").items()}}
@@ -252,7 +243,7 @@ def runs() -> list[dict[str, Any]]:
     from ckpt_engine.transports.base import Rendezvous
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
-    rdzvs = [Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, n + 1, "gloo", 60.0, n).to_dict() for n in (*GROUPS, CAST)]
+    rdzvs = [Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, n + 1, "gloo", 60.0, n).to_dict() for n in GROUPS]
     preload = ("torch.distributed.fsdp", "transformers.models.qwen2_moe.modeling_qwen2_moe", "ckpt_engine.trainer_adapters.fsdp2")
     results = run_ranks(_worker, WORLD, timeout_s=180, preload=preload, rdzvs=rdzvs)
     del store
@@ -329,24 +320,4 @@ def test_ownership_follows_fsdp2_rows(runs: list[dict[str, Any]], senders: int) 
     patched = [runs[r][f"n{senders}"]["stats"][2] for r in range(senders)]
     assert all(s["patch_buckets"] > 0 for s in patched), patched
     assert sum(s["wire_bytes"] for s in patched) < part["total_bytes"]
-
-
-def test_recorded_casts_from_every_rank_are_bit_exact(runs: list[dict[str, Any]]) -> None:
-    """`delta_base: cast` on the same MoE (fused experts, an fp32 router, a replicated buffer):
-    every rank sends its bf16 shadows, the step after the seed travels as the patches its casts
-    recorded (buckets holding the fp32 router go dense), no rank keeps a base image, and the
-    receiver equals the gathered model bit for bit each time."""
-    key, got, want = f"c{CAST}", runs[RECEIVER]["tensors"], runs[0]["tensors"]
-    specs = runs[0][key]["specs"]
-    for name in specs:
-        for version, source in ((0, 0), (1, 0), (2, 2)):
-            assert torch.equal(_bits(got[f"{key}/v{version}/{name}"]), _bits(want[f"{key}/v{source}/{name}"])), f"v{version} {name}"
-    assert any(not torch.equal(want[f"{key}/v0/{n}"], want[f"{key}/v2/{n}"]) for n in specs)
-    parts = [runs[r][key] for r in range(CAST)]
-    # no base image: the engine holds only the recorder's patch areas (3/4 of its recordable
-    # buckets' bytes), the adapter its bf16 shadows; the pieces are stable
-    assert all(0 < p["base_bytes"] < p["bucket_bytes"] and p["shadow_bytes"] > 0 and p["stable_pieces"] for p in parts), parts
-    patched = [p["stats"][2] for p in parts]
-    assert all(s["recorded_buckets"] > 0 for s in patched), patched
-    assert sum(s["wire_bytes"] for s in patched) < 0.5 * sum(s["dense_bytes"] for s in patched), patched
 

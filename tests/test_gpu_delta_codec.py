@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from ckpt_engine.delta import codec, kernels
+from ckpt_engine.delta import accel, codec, kernels
 from ckpt_engine.delta.codec import PatchError
 
 pytestmark = pytest.mark.gpu
@@ -17,7 +17,7 @@ KINDS = [None, "bitmask", "positions32", "positions64"]
 
 
 def _impls() -> list[str]:
-    return ["triton", "torch"] if kernels.available(torch.device("cuda")) else ["torch"]
+    return ["triton", "torch"] if accel.triton_on(torch.device("cuda")) else ["torch"]
 
 
 def _images(word_bytes: int, num_words: int, frac: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +76,7 @@ def test_gpu_kernel_settings_write_identical_patches(
 ) -> None:
     """Every block size, warp count, delta-sum pass and walk width the bench sweeps writes the
     same bytes."""
-    if not kernels.available(torch.device("cuda")):
+    if not accel.triton_on(torch.device("cuda")):
         pytest.skip("needs Triton")
     monkeypatch.setattr(kernels, "BLOCK_WORDS", block_words)
     monkeypatch.setattr(kernels, "NUM_WARPS", num_warps)
@@ -104,7 +104,7 @@ def test_gpu_nan_and_signed_zero_bits_round_trip() -> None:
 def test_gpu_checksum_and_encode_host_syncs() -> None:
     """With the Triton kernels, checksum never waits for the device and encode waits once (the
     changed count). (The torch fallback's sync count is printed by bench/delta_codec_bench.py.)"""
-    if not kernels.available(torch.device("cuda")):
+    if not accel.triton_on(torch.device("cuda")):
         pytest.skip("needs Triton")
     base, new = _images(2, 1 << 20, 0.02, 7)
     b, nw = base.cuda(), new.cuda()
@@ -167,7 +167,7 @@ def test_gpu_one_pass_bucket_diff_matches_the_cpu_diff(word_bytes: int, frac: fl
     atomic) writes the same changed words as the CPU path, in block order, and the same sums."""
     from ckpt_engine.delta.direct import BucketDiff, out_bytes
 
-    if not kernels.available(torch.device("cuda")):
+    if not accel.triton_on(torch.device("cuda")):
         pytest.skip("needs Triton")
     num_words = 3 * 65536 + 4099
     base, new = _images(word_bytes, num_words, frac, seed=11 + word_bytes)

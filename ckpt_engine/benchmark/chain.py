@@ -103,7 +103,7 @@ def summarize_chain(results: list[dict[str, Any]], args: argparse.Namespace, bac
                 "encode_s": max(r["delta"][i].get("encode_s", 0.0) for r in senders),
                 "apply_s": max(r["delta"][i].get("apply_s", 0.0) for r in receivers),
             }
-            for key in ("host_walk_s", "host_wait_s", "host_finish_s", "host_send_s", "cast_s", "plain_cast_s"):  # sender host time, casts
+            for key in ("host_walk_s", "host_wait_s", "host_finish_s", "host_send_s"):  # sender host time
                 if key in senders[0]["delta"][i]:
                     s["modes"][f"delta v{i + 2}"][key] = max(r["delta"][i][key] for r in senders)
         s["base_bytes"] = {f"rank{r['rank']}": r["base_bytes"] for r in results}
@@ -138,10 +138,6 @@ def print_chain_summary(s: dict[str, Any], console: Console) -> None:
             f"{m['encode_s']:.4f}" if "encode_s" in m else "-", f"{m['apply_s']:.4f}" if "apply_s" in m else "-",
         )
     console.print(table)
-    casts = [m for m in s["modes"].values() if "cast_s" in m]
-    if casts:
-        console.print("trainer's cast per version (before the sync, untimed there): recording "
-                      + ", ".join(f"{m['cast_s']:.4f}" for m in casts) + " s against plain " + ", ".join(f"{m['plain_cast_s']:.4f}" for m in casts) + " s")
     if "base_bytes" in s:
         console.print("delta base copies: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in s["base_bytes"].items()))
         console.print(f"versions generated in {s['versions_generate_s']:.1f} s before the syncs (untimed), kept in {s['versions_kept']}")

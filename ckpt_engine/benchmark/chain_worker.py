@@ -2,8 +2,7 @@
 
 Senders send versions of the preset's tensors as an RL trainer's bf16 export would: fp32 masters
 stepped by torch's AdamW (noisy gradients, the learning rate given), cast to the wire dtype per
-version (with `--engine-kwargs '{"delta_base": "cast"}'` through the engine's cast recorder, which
-records the patches as it casts; the recording and a plain cast are both timed). Every version is generated before the first sync, chunk by chunk (`versions.py`: bounded
+version. Every version is generated before the first sync, chunk by chunk (`versions.py`: bounded
 fp32 state, so 1-layer 7B shapes fit a small CPU host), and loaded into the sender's tensors
 between syncs, outside the timed part; with `--senders N` each sends its dim-0 row block
 (replicated tensors are split by the planner). Receivers copy every tensor into their own destinations, as a loader would.
@@ -74,47 +73,6 @@ class ChainRank:
         self.engine.init_process_group(self.rdzv, self.rank)
         # Every rank plans with the same pure function of the specs and the ownership.
         self.manifest = self.engine.plan(self.specs, num_senders=self.senders, owners=self._owners())
-        self.masters: list[torch.Tensor] = []
-        self.recorder: Any = None
-        if self.is_sender and args.delta and self._casts():
-            self._bind_recorder()
-
-    def _casts(self) -> bool:
-        """Whether the sender's trainer writes its bf16 weights through a cast recorder."""
-        return json.loads(self.args.engine_kwargs).get("delta_base") == "cast"
-
-    def _bind_recorder(self) -> None:
-        """fp32 masters for the cast recorder, bound before the seed. Each version's masters are
-        its bf16 words widened (untimed): the AdamW chain's fp32 low bits are not kept, which
-        changes neither which words a cast changes nor the bytes the cast reads."""
-        if self.senders != 1:
-            raise ValueError("delta_base='cast' in the bench takes one sender")
-        self.masters = [t.float() for t in self.tensors]
-        self.staging: list[torch.Tensor] = []  # a version read back from files
-        self.recorder = self.engine.cast_recorder(self.manifest)
-        self.recorder.bind({n: (m, t) for n, m, t in zip(self.names, self.masters, self.tensors) if t.dtype == torch.bfloat16})
-
-    def _cast_version(self, version: int) -> dict[str, float]:
-        """The trainer's step output for `version`: new masters (untimed), then a plain cast of
-        them (timed, into the stored or staged version, which it leaves as it was) and the
-        recording cast into the sender's weights (timed)."""
-        if isinstance(self.versions, MemoryVersions):
-            stored = self.versions.versions[version - 1]
-        else:
-            assert self.versions is not None
-            if not self.staging:
-                self.staging = [torch.empty_like(t) for t in self.tensors]
-            self.versions.load(version, self.staging)
-            stored = self.staging
-        torch._foreach_copy_(self.masters, stored)
-        self._sync()
-        t0 = time.perf_counter()
-        torch._foreach_copy_(stored, self.masters)
-        self._sync()
-        t1 = time.perf_counter()
-        self.recorder.cast_()
-        self._sync()
-        return {"plain_cast_s": t1 - t0, "cast_s": time.perf_counter() - t1}
 
     def _generate_versions(self) -> None:
         """Every version this run sends (1 without --delta), generated chunk by chunk before any
@@ -148,8 +106,6 @@ class ChainRank:
         sync will still allocate (base copies, buffers; on a host every rank's) and one chunk."""
         args = self.args
         per_rank = self.total_bytes * (2 if args.delta else 1) + args.buffers * int(args.bucket_mb * (1 << 20))
-        if args.delta and self._casts():  # fp32 masters, and patch areas instead of base copies
-            per_rank += self.total_bytes * 2 - self.total_bytes // 4
         slack = int(args.chunk_mb * (1 << 20)) + (2 << 30)
         if self.device.type == "cuda":
             return torch.cuda.mem_get_info(self.device)[0] - per_rank - slack
@@ -242,10 +198,7 @@ class ChainRank:
             out["seed_s"] = self._timed(lambda: self.sync_once(seed))
             base, versions = 1, []
             for v in range(2, 2 + self.args.versions):
-                casts: dict[str, float] = {}
-                if self.recorder is not None:
-                    casts = self._cast_version(v)
-                elif self.versions is not None:
+                if self.versions is not None:
                     self.versions.load(v, self.tensors)
                     self._sync()
                 request = DeltaRequest(True, base, v)
@@ -255,7 +208,6 @@ class ChainRank:
                     seconds = self._timed(lambda: self.sync_once(request))
                 stats = dict(self.last_stats.extra) if self.is_sender else dict(self.engine.last_delta_stats)
                 stats["seconds"] = seconds
-                stats.update(casts)
                 versions.append(stats)
                 base = v
             out["delta"] = versions

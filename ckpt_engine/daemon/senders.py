@@ -86,11 +86,6 @@ class ShardedWalk(OneWalkPerAttempt):
             self.error = exc
             raise
 
-    @property
-    def record_casts(self) -> Any:
-        """The trainer's own hook for `delta_base: cast` (None: it records no casts)."""
-        return getattr(self.source, "record_casts", None)
-
     def local_piece(self, name: str) -> torch.Tensor:
         try:
             return self.source.local_piece(name)  # type: ignore[no-any-return]

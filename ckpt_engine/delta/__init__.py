@@ -1,5 +1,5 @@
 """Delta sync: patches that carry only the words that changed since the receiver's version.
 
-The codec lives in `ckpt_engine.delta.codec`; nothing is imported here, so that importing the
-transfer core (which needs `delta.request`) does not load the codec's kernels (Triton) at start-up.
+The codec's public surface is `ckpt_engine.delta.codec`; nothing is imported here. The compiled
+kernels (Triton on CUDA, numba on a CPU) load only when a patch is first processed (accel.py).
 """

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ckpt_engine.delta import host, kernels
+from ckpt_engine.delta import host
 from ckpt_engine.delta.decoder import base_words
 from ckpt_engine.delta.layout import CHUNK_WORDS, DecodedPatch, resolve_impl, words_of
 from ckpt_engine.delta.mixing import GROUP_WORDS, mix, mix_b, table_a
@@ -27,6 +27,8 @@ def checksum(data: torch.Tensor, word_bytes: int, *, impl: str = "auto") -> torc
     how = resolve_impl(data.device, impl)
     with torch.profiler.record_function("ckpt_engine.delta.checksum"):
         if how == "triton":
+            from ckpt_engine.delta import kernels
+
             return kernels.checksum(words)
         if how == "host":
             return torch.tensor(host.checksum(words.numpy()), dtype=torch.int64)
@@ -65,6 +67,8 @@ def delta_checksum(base: torch.Tensor, patch: DecodedPatch, *, impl: str = "auto
                 total += host.weighted_diff_sum(q, v[s : s + CHUNK_WORDS], b.take(q))
             return torch.tensor(host.wrap64(total), dtype=torch.int64)
         if how == "triton":
+            from ckpt_engine.delta import kernels
+
             return kernels.delta_sum(patch.positions, patch.values, bw)
         total_t = torch.zeros((), dtype=torch.int64, device=base.device)
         for s in range(0, patch.positions.numel(), CHUNK_WORDS):

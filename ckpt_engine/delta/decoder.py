@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ckpt_engine.delta import host_kernels, kernels
+from ckpt_engine.delta import accel
 from ckpt_engine.delta.layout import (
     CHUNK_WORDS,
     FORMAT_VERSION,
@@ -30,6 +30,15 @@ from ckpt_engine.delta.layout import (
 )
 
 __all__ = ["apply", "base_words", "decode"]
+
+
+def _increasing(p: np.ndarray) -> bool:
+    """Whether host positions strictly increase: one compiled pass, else numpy's compare."""
+    if accel.numba_on():
+        from ckpt_engine.delta import host_kernels
+
+        return host_kernels.ordered(p, strict=True)
+    return bool((p[1:] > p[:-1]).all())
 
 
 def _unpack_bits(packed: torch.Tensor) -> torch.Tensor:
@@ -79,6 +88,8 @@ def _bitmask_positions(index: torch.Tensor, pad: torch.Tensor, num_words: int, n
         checks.append(index[-1:].bitwise_right_shift(tail_bits).eq(0).all())
         names.append(f"bitmask has bits set past word {num_words}")
     device = index.device
+    if how == "triton":
+        from ckpt_engine.delta import kernels
     group_bytes = (kernels.BLOCK_WORDS if how == "triton" else CHUNK_WORDS) // 8
     counts = _group_counts(index, group_bytes)
     checks.append(counts.sum() == num_changed)
@@ -128,7 +139,7 @@ def _checked_positions(index: torch.Tensor, pad: torch.Tensor, kind: str, num_wo
     if kind == "scatter32" and not check_range:  # the pad is checked by the caller (DecodedPatch.unchecked)
         return view_or_copy(index, torch.int32)
     narrow = view_or_copy(index, torch.int64 if kind == "positions64" else torch.int32)
-    keep32 = kind == "positions32" and not check_range and how == "host" and host_kernels.available()
+    keep32 = kind == "positions32" and not check_range and how == "host" and accel.numba_on()
     positions = narrow if keep32 else narrow.to(torch.int64)  # int32 for a caller that takes them (no widened copy)
     names = ["patch padding after the positions is not zero"]
     if positions.numel():
@@ -142,7 +153,7 @@ def _checked_positions(index: torch.Tensor, pad: torch.Tensor, kind: str, num_wo
             if kind == "scatter32":
                 flags += [p.min() >= 0, p.max() < num_words]
             else:
-                increasing = host_kernels.ordered(p, strict=True) if host_kernels.available() else bool((p[1:] > p[:-1]).all())
+                increasing = _increasing(p)
                 flags += [p[0] >= 0, p[-1] < num_words, increasing]
         _fail_first(flags, names)
         return positions

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckpt_engine.delta import direct_kernels, host, host_kernels, kernels
+from ckpt_engine.delta import accel, host
 from ckpt_engine.delta.layout import (
     PATCH_HEADER_BYTES,
     align8,
@@ -28,7 +28,7 @@ from ckpt_engine.delta.layout import (
 )
 from ckpt_engine.delta.mixing import mix, table_a
 
-__all__ = ["SCATTER_BELOW", "BucketDiff", "capacity", "last_of_each", "last_of_each_host", "out_bytes"]
+__all__ = ["SCATTER_BELOW", "BucketDiff", "capacity", "out_bytes"]
 
 SCATTER_BELOW = 1 / 32
 """Default most changed words, as a fraction of the bucket's, that a scatter32 patch may carry:
@@ -54,33 +54,6 @@ def out_bytes(nbytes: int, word_bytes: int, scatter_below: float = SCATTER_BELOW
     return PATCH_HEADER_BYTES + align8(4 * cap) + 8 + align8(cap * word_bytes)
 
 
-def last_of_each(positions: torch.Tensor, values: torch.Tensor) -> int:
-    """Rewrite the front of `positions` / `values` (equal length, any order) as each distinct
-    position once, ascending, with the value that came last for it; returns how many. torch ops
-    (an accelerator's sort; one host sync for the count)."""
-    ps, order = torch.sort(positions, stable=True)
-    vs = values.index_select(0, order)
-    keep = torch.ones(ps.numel(), dtype=torch.bool, device=ps.device)
-    torch.ne(ps[1:], ps[:-1], out=keep[:-1])
-    ps, vs = ps[keep], vs[keep]
-    n = ps.numel()
-    positions[:n].copy_(ps)
-    values[:n].copy_(vs)
-    return n
-
-
-def last_of_each_host(positions: np.ndarray, values: np.ndarray) -> int:
-    """last_of_each on host arrays: numpy's stable sort of int32 is a merge of sorted runs, one
-    pass for the few runs a CPU diff appends."""
-    order = np.argsort(positions, kind="stable")
-    ps, vs = positions[order], values[order]
-    keep = np.ones(ps.size, dtype=bool)
-    np.not_equal(ps[1:], ps[:-1], out=keep[:-1])
-    ps, vs = ps[keep], vs[keep]
-    positions[: ps.size], values[: vs.size] = ps, vs
-    return int(ps.size)
-
-
 class BucketDiff:
     """One bucket's patch, built piece by piece into `out` (>= out_bytes(), 8-aligned).
 
@@ -103,7 +76,7 @@ class BucketDiff:
         self.scatter_below = scatter_below
         self.cap = capacity(nbytes, word_bytes, scatter_below)
         self.device = out.device
-        self._fused = kernels.available(self.device)
+        self._fused = accel.triton_on(self.device)
         self._pinned: torch.Tensor | None = None
         wdt = word_dtype(word_bytes)
         self._values_at = PATCH_HEADER_BYTES + align8(4 * self.cap) + 8
@@ -131,6 +104,8 @@ class BucketDiff:
         if not new_words.numel():
             return
         if self._fused:
+            from ckpt_engine.delta import kernels
+
             kernels.diff_into(new_words, base_words, first, self._counter, self._delta_t, self._positions, self._values)
         elif self.device.type == "cpu":
             self._add_host(new_words.numpy(), base_words.numpy(), first)
@@ -143,18 +118,12 @@ class BucketDiff:
         if not 0 <= first <= self.num_words - new.numel():
             raise ValueError(f"piece of {new.numel()} words at word {first} is outside the bucket's {self.num_words}")
 
-    def targets(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(count, delta sum, positions, values) a fused kernel writes (cast_kernels.py; CUDA only)."""
-        if not self._fused:
-            raise RuntimeError("targets() are the Triton kernels' outputs; on this device add each piece with add()")
-        return self._counter, self._delta_t, self._positions, self._values
-
     @property
     def fused(self) -> bool:
         """Whether pieces go through the Triton kernels (then `add_pieces` takes raw rows)."""
         return self._fused
 
-    def add_pieces(self, rows: list[direct_kernels.Row], base_words: torch.Tensor, cache: dict[str, Any] | None = None) -> None:
+    def add_pieces(self, rows: list[tuple[int, int, int]], base_words: torch.Tensor, cache: dict[str, Any] | None = None) -> None:
         """Diff every piece of `rows` ((data pointer, length in words, first bucket word), the
         words of this bucket's word type) against the bucket's whole base image `base_words` in
         one launch (CUDA only: direct_kernels.py). The launch reads the pieces' memory when it
@@ -166,22 +135,16 @@ class BucketDiff:
         for _ptr, n, first in rows:
             if not 0 <= first <= self.num_words - n:
                 raise ValueError(f"piece of {n} words at word {first} is outside the bucket's {self.num_words}")
+        from ckpt_engine.delta import direct_kernels
+
         direct_kernels.diff_pieces(rows, base_words, self._counter, self._delta_t, self._positions, self._values, cache)
 
-    def add_cast(self, master: torch.Tensor, base_words: torch.Tensor, first: int) -> None:
-        """Diff one piece whose new words are `master` (1-D float32) cast to bfloat16, writing
-        them into `base_words` (int16): on a CPU with numba one pass that rounds as CUDA does,
-        with no cast temporary; elsewhere torch's cast, then `add`."""
-        if self.device.type == "cpu" and not self._fused and host_kernels.available():
-            self._check_piece(master, base_words, first)
-            self._add_host(master.view(torch.int32).numpy(), base_words.numpy(), first, cast=True)
-            return
-        self.add(master.to(torch.bfloat16).view(torch.int16), base_words, first)
+    def _add_host(self, new: np.ndarray, base: np.ndarray, first: int) -> None:
+        if accel.numba_on():
+            from ckpt_engine.delta import host_kernels
 
-    def _add_host(self, new: np.ndarray, base: np.ndarray, first: int, cast: bool = False) -> None:
-        if host_kernels.available():
             self._count, total = host_kernels.diff_into(
-                new, base, first, self._positions.numpy(), self._values.numpy(), self._count, self.cap, table_a(self.device).numpy(), cast=cast
+                new, base, first, self._positions.numpy(), self._values.numpy(), self._count, self.cap, table_a(self.device).numpy()
             )
             self._delta += total
             return
@@ -213,31 +176,6 @@ class BucketDiff:
         self._delta_t += mix(pos).mul_(vals.to(torch.int64) - base.index_select(0, local).to(torch.int64)).sum()
         base.index_copy_(0, local, vals)
         self._count += c
-
-    def merge_repeats(self) -> None:
-        """Keep each recorded position once, with its last value, positions ascending.
-
-        Why: pieces diffed into this patch a second time (a trainer that casts twice before one
-        sync) record again every word that changed again, and a patch names each word once. The
-        delta sum needs nothing: one word's terms telescope, (v1 - o) + (v2 - v1) = v2 - o. A
-        patch past its capacity has lost positions and goes dense as it is. One host sync (the
-        count) on an accelerator; on a CPU one compiled merge of the two sorted runs (numba), else
-        numpy's stable sort."""
-        count = int(self._counter.item()) if self._fused else self._count
-        self._pinned = None  # a count sealed before the merge is stale
-        if count < 2 or count > self.cap:
-            return
-        if self.device.type == "cpu":
-            pos, vals = self._positions.numpy()[:count], self._values.numpy()[:count]
-            n = host_kernels.merge_last(pos, vals) if host_kernels.available() else -1  # two sorted runs: one pass
-            if n < 0:
-                n = last_of_each_host(pos, vals)
-        else:
-            n = last_of_each(self._positions[:count], self._values[:count])
-        if self._fused:
-            self._counter.fill_(n)
-        else:
-            self._count = n
 
     def seal(self) -> torch.cuda.Event | None:
         """Queue the changed count's copy to pinned host memory; the returned event (CUDA only)

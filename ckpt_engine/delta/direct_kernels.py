@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from ckpt_engine.delta import kernels
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS
@@ -31,33 +33,25 @@ __all__ = ["TABLE_COLUMNS", "Row", "diff_pieces", "tile_table"]
 TABLE_COLUMNS = 4  # first tile, first bucket word, length in words, offset from the base image in words
 _ALIGN_BYTES = 16  # one vector load
 
-try:  # Triton is optional: CPU installs and GPUs without it never call this module.
-    import triton
-    import triton.language as tl
+_diff_rows = kernels._diff_rows
 
-    _HAVE_TRITON = True
-except Exception:  # pragma: no cover - depends on the install
-    _HAVE_TRITON = False
 
-if _HAVE_TRITON:
-    _diff_rows = kernels._diff_rows
-
-    @triton.jit(do_not_specialize=["cap"])
-    def _diff_pieces_kernel(
-        table_ptr, tile_piece_ptr, base_ptr, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap,
-        ROWS: tl.constexpr, ALIGN: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr,
-    ):
-        pid = tl.program_id(0).to(tl.int64)
-        j = tl.load(tile_piece_ptr + pid).to(tl.int64)
-        tile0 = tl.load(table_ptr + j * 4)
-        first = tl.load(table_ptr + j * 4 + 1)
-        length = tl.load(table_ptr + j * 4 + 2)
-        rel = tl.load(table_ptr + j * 4 + 3)
-        if ALIGN > 1:  # the host put only pieces aligned to whole vectors in this table
-            first = tl.multiple_of(first, ALIGN)
-            length = tl.multiple_of(length, ALIGN)
-            rel = tl.multiple_of(rel, ALIGN)
-        _diff_rows(base_ptr + rel, base_ptr + first, pid - tile0, length, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS, GROUP, GROUP_BITS, False)
+@triton.jit(do_not_specialize=["cap"])
+def _diff_pieces_kernel(
+    table_ptr, tile_piece_ptr, base_ptr, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap,
+    ROWS: tl.constexpr, ALIGN: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    j = tl.load(tile_piece_ptr + pid).to(tl.int64)
+    tile0 = tl.load(table_ptr + j * 4)
+    first = tl.load(table_ptr + j * 4 + 1)
+    length = tl.load(table_ptr + j * 4 + 2)
+    rel = tl.load(table_ptr + j * 4 + 3)
+    if ALIGN > 1:  # the host put only pieces aligned to whole vectors in this table
+        first = tl.multiple_of(first, ALIGN)
+        length = tl.multiple_of(length, ALIGN)
+        rel = tl.multiple_of(rel, ALIGN)
+    _diff_rows(base_ptr + rel, base_ptr + first, pid - tile0, length, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS, GROUP, GROUP_BITS)
 
 
 Row = tuple[int, int, int]  # (data pointer, length in words, first bucket word) of one piece

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ckpt_engine.delta import host, kernels
+from ckpt_engine.delta import host
 from ckpt_engine.delta.layout import (
     CHUNK_WORDS,
     KIND_IDS,
@@ -189,6 +189,8 @@ def _encode_host(bw: torch.Tensor, nw: torch.Tensor, word_bytes: int, out: torch
 
 
 def _encode_triton(bw: torch.Tensor, nw: torch.Tensor, word_bytes: int, out: torch.Tensor, kind: str | None, update_base: bool) -> int | None:
+    from ckpt_engine.delta import kernels
+
     num_words = bw.numel()
     late_delta = kernels.DELTA_IN_COMPACT  # over the changed words in pass two, or every word in pass one
     counts, partial_delta, mask = kernels.compare_pack(bw, nw, with_delta=not late_delta)

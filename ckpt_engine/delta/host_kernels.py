@@ -9,191 +9,130 @@ reads each old word, sums its checksum term and writes the new word, in one pass
 Same semantics as the numpy path in pieces.py (the tests compare them): every old word is read
 before its position is written, so a position a corrupt patch repeats yields its old word each
 time; positions outside every region are counted and skipped. Without numba (or for unsorted
-positions, which only a scatter32 patch or a corrupt one has) the numpy path runs.
+positions, which only a scatter32 patch or a corrupt one has) the numpy path runs. Imported only
+through accel.numba_on() (the first CPU patch), never at import time.
 """
 
 from __future__ import annotations
 
-import logging
-
+import numba
 import numpy as np
 import torch
+from numba.typed import List as _TypedList
 
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, MIX_B
 
-__all__ = ["SPLIT_POSITIONS", "available", "diff_into", "merge_last", "ordered", "regions_list", "swap_in_sorted"]
-
-logger = logging.getLogger(__name__)
-
-try:
-    import numba
-    from numba.typed import List as _TypedList
-except Exception as exc:  # noqa: BLE001 - any import failure means the numpy path
-    numba = None
-    _TypedList = None
-    logger.debug("numba unavailable (%s); the CPU delta path uses numpy", exc)
-
+__all__ = ["SPLIT_POSITIONS", "diff_into", "ordered", "regions_list", "swap_in_sorted"]
 
 SPLIT_POSITIONS = 1 << 20
 """A patch with at least this many positions per thread is applied by several threads."""
 
 
-def available() -> bool:
-    return numba is not None
+@numba.njit(cache=True, nogil=True)
+def _ordered(p, strict):  # type: ignore[no-untyped-def]
+    for i in range(1, p.size):
+        if p[i] < p[i - 1] or (strict and p[i] == p[i - 1]):
+            return False
+    return True
 
 
-if numba is not None:
+@numba.njit(cache=True, nogil=True)
+def _b(group):  # type: ignore[no-untyped-def]
+    b = (group + 1) * np.int64(MIX_B)
+    b ^= b >> 31
+    return b | 1
 
-    @numba.njit(cache=True, nogil=True)
-    def _ordered(p, strict):  # type: ignore[no-untyped-def]
-        for i in range(1, p.size):
-            if p[i] < p[i - 1] or (strict and p[i] == p[i - 1]):
-                return False
-        return True
 
-    @numba.njit(cache=True, nogil=True)
-    def _b(group):  # type: ignore[no-untyped-def]
-        b = (group + 1) * np.int64(MIX_B)
-        b ^= b >> 31
-        return b | 1
+@numba.njit(cache=True, nogil=True)
+def _h(p, table_a):  # type: ignore[no-untyped-def]
+    return table_a[p & (GROUP_WORDS - 1)] * _b(p >> GROUP_BITS)
 
-    @numba.njit(cache=True, nogil=True)
-    def _h(p, table_a):  # type: ignore[no-untyped-def]
-        return table_a[p & (GROUP_WORDS - 1)] * _b(p >> GROUP_BITS)
 
-    @numba.njit(cache=True, nogil=True)
-    def _swap_range(pos, vals, old, starts, ends, regions, table_a, first, last):  # type: ignore[no-untyped-def]
-        """The swap over positions [first, last): sorted, so each region takes one run of them."""
-        bad = 0
-        total = np.int64(0)
-        i = first
-        k = np.searchsorted(ends, pos[first], side="right") if first < last else starts.size
-        while k < starts.size and i < last:
-            lo, hi = starts[k], ends[k]
-            while i < last and pos[i] < lo:  # in a gap before this region
-                old[i] = 0
-                bad += 1
-                total += _h(np.int64(pos[i]), table_a) * np.int64(vals[i])
-                i += 1
-            if i < last and pos[i] < hi:
-                region = regions[k]
-                prev = np.int64(-1)
-                group = np.int64(-1)
-                b = np.int64(0)
-                part = np.int64(0)  # the sum of A(p) * (new - old) over this group's positions
-                while i < last and pos[i] < hi:
-                    p = np.int64(pos[i])
-                    if p == prev:  # repeated (a corrupt patch): the word read before it was written
-                        o = old[i - 1]
-                    else:
-                        o = region[p - lo]
-                    old[i] = o
-                    region[p - lo] = vals[i]
-                    prev = p
-                    if (p >> GROUP_BITS) != group:  # B(group) once per group of 2**16 words
-                        total += part * b
-                        part = np.int64(0)
-                        group = p >> GROUP_BITS
-                        b = _b(group)
-                    part += (np.int64(vals[i]) - np.int64(o)) * table_a[p & (GROUP_WORDS - 1)]
-                    i += 1
-                total += part * b
-            k += 1
-        while i < last:  # past the last region
+@numba.njit(cache=True, nogil=True)
+def _swap_range(pos, vals, old, starts, ends, regions, table_a, first, last):  # type: ignore[no-untyped-def]
+    """The swap over positions [first, last): sorted, so each region takes one run of them."""
+    bad = 0
+    total = np.int64(0)
+    i = first
+    k = np.searchsorted(ends, pos[first], side="right") if first < last else starts.size
+    while k < starts.size and i < last:
+        lo, hi = starts[k], ends[k]
+        while i < last and pos[i] < lo:  # in a gap before this region
             old[i] = 0
             bad += 1
             total += _h(np.int64(pos[i]), table_a) * np.int64(vals[i])
             i += 1
-        return bad, total
-
-    @numba.njit(cache=True, parallel=True)
-    def _swap_split(pos, vals, old, starts, ends, regions, table_a, cuts):  # type: ignore[no-untyped-def]
-        parts = cuts.size - 1
-        bads = np.zeros(parts, np.int64)
-        totals = np.zeros(parts, np.int64)
-        for t in numba.prange(parts):
-            bads[t], totals[t] = _swap_range(pos, vals, old, starts, ends, regions, table_a, cuts[t], cuts[t + 1])
-        bad = 0
-        total = np.int64(0)
-        for t in range(parts):
-            bad += bads[t]
-            total += totals[t]
-        return bad, total
-
-    @numba.njit(cache=True, nogil=True)
-    def _bf16(bits):  # type: ignore[no-untyped-def]
-        """fp32 bits -> bf16 bits rounded to nearest even; a NaN as CUDA's canonical 0x7FFF."""
-        u = np.int64(bits) & 0xFFFFFFFF
-        if (u & 0x7FFFFFFF) > 0x7F800000:
-            return np.int16(0x7FFF)
-        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        return np.int16(r - 0x10000 if r >= 0x8000 else r)
-
-    @numba.njit(cache=True, nogil=True)
-    def _diff(new, base, first, positions, values, count, cap, cast, table_a):  # type: ignore[no-untyped-def]
-        total = np.int64(0)
-        group = np.int64(-1)
-        b = np.int64(0)
-        part = np.int64(0)
-        for i in range(base.size):
-            w = _bf16(new[i]) if cast else new[i]
-            o = base[i]
-            if w == o:
-                continue
-            p = np.int64(first + i)
-            if count < cap:
-                positions[count] = p
-                values[count] = w
-            count += 1
-            base[i] = w
-            if (p >> GROUP_BITS) != group:
-                total += part * b
-                part = np.int64(0)
-                group = p >> GROUP_BITS
-                b = _b(group)
-            part += (np.int64(w) - np.int64(o)) * table_a[p & (GROUP_WORDS - 1)]
-        return count, total + part * b
-
-    @numba.njit(cache=True, nogil=True)
-    def _first_descent(pos):  # type: ignore[no-untyped-def]
-        for i in range(1, pos.size):
-            if pos[i] <= pos[i - 1]:
-                return i
-        return pos.size
-
-    @numba.njit(cache=True, nogil=True)
-    def _merge_last(pos, vals, split, run_pos, run_vals):  # type: ignore[no-untyped-def]
-        """Merge run_* (a copy of pos[split:]) into pos[:split] from the back; see merge_last."""
-        n = pos.size
-        i, j, w = split - 1, run_pos.size - 1, n - 1
-        while j >= 0:  # w > i always: every step moves w and at least one of i, j down
-            if i >= 0 and pos[i] > run_pos[j]:
-                pos[w], vals[w] = pos[i], vals[i]
-                i -= 1
-            else:
-                if i >= 0 and pos[i] == run_pos[j]:
-                    i -= 1  # the earlier value of a word written again: dropped
-                pos[w], vals[w] = run_pos[j], run_vals[j]
-                j -= 1
-            w -= 1
-        k = i + 1  # pos[:k] is in place; the merged tail sits at [w + 1, n): close the gap
-        for t in range(w + 1, n):
-            pos[k], vals[k] = pos[t], vals[t]
-            k += 1
-        return k
+        if i < last and pos[i] < hi:
+            region = regions[k]
+            prev = np.int64(-1)
+            group = np.int64(-1)
+            b = np.int64(0)
+            part = np.int64(0)  # the sum of A(p) * (new - old) over this group's positions
+            while i < last and pos[i] < hi:
+                p = np.int64(pos[i])
+                if p == prev:  # repeated (a corrupt patch): the word read before it was written
+                    o = old[i - 1]
+                else:
+                    o = region[p - lo]
+                old[i] = o
+                region[p - lo] = vals[i]
+                prev = p
+                if (p >> GROUP_BITS) != group:  # B(group) once per group of 2**16 words
+                    total += part * b
+                    part = np.int64(0)
+                    group = p >> GROUP_BITS
+                    b = _b(group)
+                part += (np.int64(vals[i]) - np.int64(o)) * table_a[p & (GROUP_WORDS - 1)]
+                i += 1
+            total += part * b
+        k += 1
+    while i < last:  # past the last region
+        old[i] = 0
+        bad += 1
+        total += _h(np.int64(pos[i]), table_a) * np.int64(vals[i])
+        i += 1
+    return bad, total
 
 
-def merge_last(positions: np.ndarray, values: np.ndarray) -> int:
-    """Where (position, value) pairs are at most two strictly ascending runs (a patch after two
-    casts; the first run is the merged patch of the casts before), merge them in place, keeping
-    the second run's value where both name a word, and return the merged length; -1 (nothing
-    changed) for anything else. One pass from the back; only the second run is copied."""
-    split = int(_first_descent(positions))
-    if split == positions.size:
-        return split
-    if _first_descent(positions[split:]) != positions.size - split:
-        return -1
-    return int(_merge_last(positions, values, split, positions[split:].copy(), values[split:].copy()))
+@numba.njit(cache=True, parallel=True)
+def _swap_split(pos, vals, old, starts, ends, regions, table_a, cuts):  # type: ignore[no-untyped-def]
+    parts = cuts.size - 1
+    bads = np.zeros(parts, np.int64)
+    totals = np.zeros(parts, np.int64)
+    for t in numba.prange(parts):
+        bads[t], totals[t] = _swap_range(pos, vals, old, starts, ends, regions, table_a, cuts[t], cuts[t + 1])
+    bad = 0
+    total = np.int64(0)
+    for t in range(parts):
+        bad += bads[t]
+        total += totals[t]
+    return bad, total
+
+
+@numba.njit(cache=True, nogil=True)
+def _diff(new, base, first, positions, values, count, cap, table_a):  # type: ignore[no-untyped-def]
+    total = np.int64(0)
+    group = np.int64(-1)
+    b = np.int64(0)
+    part = np.int64(0)
+    for i in range(base.size):
+        w = new[i]
+        o = base[i]
+        if w == o:
+            continue
+        p = np.int64(first + i)
+        if count < cap:
+            positions[count] = p
+            values[count] = w
+        count += 1
+        base[i] = w
+        if (p >> GROUP_BITS) != group:
+            total += part * b
+            part = np.int64(0)
+            group = p >> GROUP_BITS
+            b = _b(group)
+        part += (np.int64(w) - np.int64(o)) * table_a[p & (GROUP_WORDS - 1)]
+    return count, total + part * b
 
 
 def ordered(positions: np.ndarray, strict: bool) -> bool:
@@ -235,11 +174,9 @@ def swap_in_sorted(
 
 
 def diff_into(
-    new: np.ndarray, base: np.ndarray, first: int, positions: np.ndarray, values: np.ndarray, count: int, cap: int, table_a: np.ndarray,
-    *, cast: bool = False,
+    new: np.ndarray, base: np.ndarray, first: int, positions: np.ndarray, values: np.ndarray, count: int, cap: int, table_a: np.ndarray
 ) -> tuple[int, int]:
-    """One pass over a piece: where `new` (with `cast`: fp32 bits, rounded to bf16 as CUDA does)
-    differs from `base`, record (first + i, new word) at `count` while below `cap`, write it into
+    """One pass over a piece: where `new` differs from `base`, record (first + i, new word) at `count` while below `cap`, write it into
     `base` and add its checksum term. Returns (the new count, the sum of the terms, wrapping)."""
-    count, total = _diff(new, base, first, positions, values, count, cap, cast, table_a)
+    count, total = _diff(new, base, first, positions, values, count, cap, table_a)
     return int(count), int(total)

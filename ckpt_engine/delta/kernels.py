@@ -1,7 +1,8 @@
 """Fused Triton kernels for the delta codec on CUDA: compare+count+pack, compact, checksums.
 
 The codec owns the patch layout and falls back to plain torch ops when Triton or a GPU is missing;
-these kernels only move words. Two passes instead of one so that positions come out sorted
+these kernels only move words. Imported only where a CUDA tensor is processed (accel.py), so a
+CPU install never loads Triton. Two passes instead of one so that positions come out sorted
 without a cross-block scan: pass one reads both images once (compare, count, one int32 change
 mask per row of 32 words), pass two reads the small mask and only the sectors that changed: each
 row walks its own set bits, so its cost follows the changed words, not the image.
@@ -9,15 +10,13 @@ row walks its own set bits, so its cost follows the changed words, not the image
 
 from __future__ import annotations
 
-import logging
-
 import torch
+import triton
+import triton.language as tl
 
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["BLOCK_WORDS", "DELTA_IN_COMPACT", "NUM_WARPS", "WALK_BITS", "available", "checksum", "compact", "compare_pack", "delta_sum", "diff_into", "pairs_sum"]
+__all__ = ["BLOCK_WORDS", "DELTA_IN_COMPACT", "NUM_WARPS", "WALK_BITS", "checksum", "compact", "compare_pack", "delta_sum", "diff_into", "pairs_sum"]
 
 # Words per program (rows of 32), warps per program, where encode computes the delta sum (compact,
 # over the changed words only, or compare_pack, over every word) and the set bits each row peels
@@ -30,288 +29,271 @@ NUM_WARPS = 8
 DELTA_IN_COMPACT = True
 WALK_BITS = 2  # set bits each row of a block peels per round of compact: 1 or 2
 
-try:  # Triton is optional: CPU installs and GPUs without it use the torch path.
-    import triton
-    import triton.language as tl
 
-    _HAVE_TRITON = True
-except Exception as exc:  # pragma: no cover - depends on the install
-    logger.debug("triton unavailable (%s); the delta codec uses torch ops", exc)
-    _HAVE_TRITON = False
-
-
-def available(device: torch.device) -> bool:
-    """Whether the fused kernels can run on `device` (CUDA with Triton importable)."""
-    return _HAVE_TRITON and device.type == "cuda"
+# h(i) = A(i mod 2**16) * B(i div 2**16): the same function as mixing.py (MIX_A, MIX_B).
+@triton.jit
+def _mix_a(j):
+    """int32 j in [0, 2**16) -> odd int32 A(j) < 2**31 (32-bit wrapping multiply)."""
+    x = (j + 1) * -1640531535  # 0x9E3779B1 as int32
+    return (x.to(tl.uint32, bitcast=True) >> 1).to(tl.int32, bitcast=True) | 1
 
 
-if _HAVE_TRITON:
-    # h(i) = A(i mod 2**16) * B(i div 2**16): the same function as mixing.py (MIX_A, MIX_B).
-    @triton.jit
-    def _mix_a(j):
-        """int32 j in [0, 2**16) -> odd int32 A(j) < 2**31 (32-bit wrapping multiply)."""
-        x = (j + 1) * -1640531535  # 0x9E3779B1 as int32
-        return (x.to(tl.uint32, bitcast=True) >> 1).to(tl.int32, bitcast=True) | 1
+@triton.jit
+def _mix_b(k):
+    x = (k + 1) * -4658895280553007687
+    x = x ^ (x >> 31)
+    return x | 1
 
-    @triton.jit
-    def _mix_b(k):
-        x = (k + 1) * -4658895280553007687
-        x = x ^ (x >> 31)
-        return x | 1
 
-    @triton.jit
-    def _weighted(v, a, SMALL: tl.constexpr):
-        """v * a as int64 for signed words v and int32 a: one widening multiply for words of <= 2
-        bytes (their differences fit int32), a 64-bit multiply otherwise."""
+@triton.jit
+def _weighted(v, a, SMALL: tl.constexpr):
+    """v * a as int64 for signed words v and int32 a: one widening multiply for words of <= 2
+    bytes (their differences fit int32), a 64-bit multiply otherwise."""
+    if SMALL:
+        return v.to(tl.int32).to(tl.int64) * a.to(tl.int64)
+    return v.to(tl.int64) * a.to(tl.int64)
+
+
+@triton.jit
+def _popc32(x):
+    """Set bits of each int32 (SWAR popcount on the unsigned bits)."""
+    x = x.to(tl.uint32, bitcast=True)
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _compare_pack_kernel(
+    base_ptr,
+    new_ptr,
+    n_words,
+    counts_ptr,
+    delta_ptr,
+    mask_ptr,
+    ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_BITS: tl.constexpr,
+    SMALL: tl.constexpr,
+    DELTA: tl.constexpr,
+):
+    """Compare a block of ROWS x 32 words: one int32 change mask per row (bit j = word 32r+j,
+    so the int32s are the LSB-first byte mask on a little-endian GPU), the block's changed
+    count and, when DELTA, its partial delta sum over all its words."""
+    pid = tl.program_id(0)
+    row = tl.arange(0, ROWS)
+    col = tl.arange(0, 32)
+    start = pid.to(tl.int64) * (ROWS * 32)
+    local = row[:, None] * 32 + col[None, :]
+    offs = start + local
+    inb = offs < n_words
+    a = tl.load(base_ptr + offs, mask=inb, other=0)
+    b = tl.load(new_ptr + offs, mask=inb, other=0)
+    bits = tl.sum(tl.where(a != b, 1 << col[None, :], 0), axis=1)  # distinct bits: sum == or
+    tl.store(mask_ptr + pid.to(tl.int64) * ROWS + row, bits)
+    tl.store(counts_ptr + pid, tl.sum(_popc32(bits), axis=0).to(tl.int64))
+    if DELTA:
+        j = (pid % (GROUP // (ROWS * 32))) * (ROWS * 32) + local
         if SMALL:
-            return v.to(tl.int32).to(tl.int64) * a.to(tl.int64)
-        return v.to(tl.int64) * a.to(tl.int64)
-
-    @triton.jit
-    def _popc32(x):
-        """Set bits of each int32 (SWAR popcount on the unsigned bits)."""
-        x = x.to(tl.uint32, bitcast=True)
-        x = x - ((x >> 1) & 0x55555555)
-        x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
-        x = (x + (x >> 4)) & 0x0F0F0F0F
-        return ((x * 0x01010101) >> 24).to(tl.int32)
-
-    @triton.jit
-    def _compare_pack_kernel(
-        base_ptr,
-        new_ptr,
-        n_words,
-        counts_ptr,
-        delta_ptr,
-        mask_ptr,
-        ROWS: tl.constexpr,
-        GROUP: tl.constexpr,
-        GROUP_BITS: tl.constexpr,
-        SMALL: tl.constexpr,
-        DELTA: tl.constexpr,
-    ):
-        """Compare a block of ROWS x 32 words: one int32 change mask per row (bit j = word 32r+j,
-        so the int32s are the LSB-first byte mask on a little-endian GPU), the block's changed
-        count and, when DELTA, its partial delta sum over all its words."""
-        pid = tl.program_id(0)
-        row = tl.arange(0, ROWS)
-        col = tl.arange(0, 32)
-        start = pid.to(tl.int64) * (ROWS * 32)
-        local = row[:, None] * 32 + col[None, :]
-        offs = start + local
-        inb = offs < n_words
-        a = tl.load(base_ptr + offs, mask=inb, other=0)
-        b = tl.load(new_ptr + offs, mask=inb, other=0)
-        bits = tl.sum(tl.where(a != b, 1 << col[None, :], 0), axis=1)  # distinct bits: sum == or
-        tl.store(mask_ptr + pid.to(tl.int64) * ROWS + row, bits)
-        tl.store(counts_ptr + pid, tl.sum(_popc32(bits), axis=0).to(tl.int64))
-        if DELTA:
-            j = (pid % (GROUP // (ROWS * 32))) * (ROWS * 32) + local
-            if SMALL:
-                diff = b.to(tl.int32) - a.to(tl.int32)
-            else:
-                diff = b.to(tl.int64) - a.to(tl.int64)
-            part = tl.sum(tl.sum(_weighted(diff, _mix_a(j), SMALL), axis=1), axis=0)
-            tl.store(delta_ptr + pid, part * _mix_b(start >> GROUP_BITS))
-
-    @triton.jit
-    def _delta_term(v, o, p, GROUP: tl.constexpr, SMALL: tl.constexpr):
-        """h-weight A(p mod 2**16) * (v - o) as int64 (B is applied once per block)."""
-        if SMALL:
-            diff = v.to(tl.int32) - o.to(tl.int32)
+            diff = b.to(tl.int32) - a.to(tl.int32)
         else:
-            diff = v.to(tl.int64) - o.to(tl.int64)
-        return _weighted(diff, _mix_a((p & (GROUP - 1)).to(tl.int32)), SMALL)
+            diff = b.to(tl.int64) - a.to(tl.int64)
+        part = tl.sum(tl.sum(_weighted(diff, _mix_a(j), SMALL), axis=1), axis=0)
+        tl.store(delta_ptr + pid, part * _mix_b(start >> GROUP_BITS))
 
-    @triton.jit
-    def _compact_kernel(
-        mask_ptr,
-        n_mask_bytes,
-        counts_ptr,
-        offsets_ptr,
-        new_ptr,
-        val_ptr,
-        pos_ptr,
-        base_ptr,
-        old_ptr,
-        delta_ptr,
-        ROWS: tl.constexpr,
-        GROUP: tl.constexpr,
-        GROUP_BITS: tl.constexpr,
-        SMALL: tl.constexpr,
-        WRITE_POS: tl.constexpr,
-        WRITE_VALS: tl.constexpr,
-        UPDATE_BASE: tl.constexpr,
-        DELTA: tl.constexpr,
-        WALK: tl.constexpr,
-    ):
-        """Per block with changes: read each row's 32 mask bits (four bytes, any alignment),
-        rank rows by an exclusive scan of their popcounts, then every row walks its own set bits
-        in increasing order, WALK (1 or 2) bits a round, as many rounds as the busiest row needs:
-        positions stay sorted and unchanged words cost nothing. With DELTA, the block's partial delta sum over its changed
-        words (old words read from `old_ptr` before `base_ptr` is updated)."""
-        pid = tl.program_id(0)
-        cnt = tl.load(counts_ptr + pid)
-        if cnt > 0:
-            row = tl.arange(0, ROWS)
-            nib = tl.arange(0, 4)
-            byte_offs = pid.to(tl.int64) * (ROWS * 4) + row[:, None] * 4 + nib[None, :]
-            mb = tl.load(mask_ptr + byte_offs, mask=byte_offs < n_mask_bytes, other=0).to(tl.int32)
-            bits = tl.sum(mb << (nib * 8)[None, :], axis=1)  # disjoint bytes: sum == or
-            per_row = _popc32(bits)
-            dest = tl.load(offsets_ptr + pid) + (tl.cumsum(per_row, axis=0) - per_row).to(tl.int64)
-            start = pid.to(tl.int64) * (ROWS * 32)
-            row_start = start + row * 32
-            acc = tl.zeros([ROWS], dtype=tl.int64)
-            for _ in range(0, (tl.max(per_row, axis=0) + WALK - 1) // WALK):
-                # WALK == 2 peels two bits a round: two independent loads in flight per row
-                low = bits & (0 - bits)
-                bits = bits & (bits - 1)
-                live = low != 0
-                p = row_start + _popc32(low - 1)
-                if WALK == 2:
-                    low2 = bits & (0 - bits)
-                    bits = bits & (bits - 1)
-                    live2 = low2 != 0
-                    p2 = row_start + _popc32(low2 - 1)
-                if WRITE_POS:
-                    tl.store(pos_ptr + dest, p.to(pos_ptr.dtype.element_ty), mask=live)
-                    if WALK == 2:
-                        tl.store(pos_ptr + dest + 1, p2.to(pos_ptr.dtype.element_ty), mask=live2)
-                if WRITE_VALS or UPDATE_BASE or DELTA:
-                    v = tl.load(new_ptr + p, mask=live, other=0)
-                    if WALK == 2:
-                        v2 = tl.load(new_ptr + p2, mask=live2, other=0)
-                    if DELTA:  # old words are read before any store to base_ptr
-                        o = tl.load(old_ptr + p, mask=live, other=0)
-                        acc += _delta_term(v, o, p, GROUP, SMALL)
-                        if WALK == 2:
-                            o2 = tl.load(old_ptr + p2, mask=live2, other=0)
-                            acc += _delta_term(v2, o2, p2, GROUP, SMALL)
-                    if WRITE_VALS:
-                        tl.store(val_ptr + dest, v, mask=live)
-                        if WALK == 2:
-                            tl.store(val_ptr + dest + 1, v2, mask=live2)
-                    if UPDATE_BASE:
-                        tl.store(base_ptr + p, v, mask=live)
-                        if WALK == 2:
-                            tl.store(base_ptr + p2, v2, mask=live2)
-                dest += live.to(tl.int64)
-                if WALK == 2:
-                    dest += live2.to(tl.int64)
-            if DELTA:
-                tl.store(delta_ptr + pid, tl.sum(acc, axis=0) * _mix_b(start >> GROUP_BITS))
 
-    @triton.jit
-    def _new_words(ptr, offs, mask, CAST: tl.constexpr):
-        """The new words at `offs`: loaded as they are, or (CAST) fp32 bits rounded to bf16 bits
-        as a CUDA cast rounds them (nearest, ties to even, no flush of subnormals; a NaN becomes
-        the canonical 0x7FFF), in integer steps that Triton's CPU interpreter runs alike."""
-        if CAST:
-            x = tl.load(ptr + offs, mask=mask, other=0).to(tl.uint32, bitcast=True)
-            r = (x + (((x >> 16) & 1) + 0x7FFF)) >> 16
-            r = tl.where((x & 0x7FFFFFFF) > 0x7F800000, 0x7FFF, r)
-            words = r.to(tl.uint16).to(tl.int16, bitcast=True)
-        else:
-            words = tl.load(ptr + offs, mask=mask, other=0)
-        return words  # one return: the compiler types every return alike, taken branch or not
+@triton.jit
+def _delta_term(v, o, p, GROUP: tl.constexpr, SMALL: tl.constexpr):
+    """h-weight A(p mod 2**16) * (v - o) as int64 (B is applied once per block)."""
+    if SMALL:
+        diff = v.to(tl.int32) - o.to(tl.int32)
+    else:
+        diff = v.to(tl.int64) - o.to(tl.int64)
+    return _weighted(diff, _mix_a((p & (GROUP - 1)).to(tl.int32)), SMALL)
 
-    @triton.jit
-    def _diff_rows(new_base, old_base, tile, n_words, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS: tl.constexpr,
-                   GROUP: tl.constexpr, GROUP_BITS: tl.constexpr, CAST: tl.constexpr = False):
-        """One tile (ROWS rows of 32 words) of a piece: `new_base` / `old_base` point at the
-        piece's first new / base word, `first` is its first word's index in the bucket. The dense
-        phase only compares and packs each row's changes into a bit mask; then every row walks its
-        own set bits (as many rounds as the busiest row of the tile has changes) to write
-        positions and new values and to add h(position) * (new - old) into the bucket's delta sum
-        (one atomic per tile: wrapping int64 addition is order-free), so unchanged words cost a
-        compare and nothing more, and no old word is written out."""
+
+@triton.jit
+def _compact_kernel(
+    mask_ptr,
+    n_mask_bytes,
+    counts_ptr,
+    offsets_ptr,
+    new_ptr,
+    val_ptr,
+    pos_ptr,
+    base_ptr,
+    old_ptr,
+    delta_ptr,
+    ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_BITS: tl.constexpr,
+    SMALL: tl.constexpr,
+    WRITE_POS: tl.constexpr,
+    WRITE_VALS: tl.constexpr,
+    UPDATE_BASE: tl.constexpr,
+    DELTA: tl.constexpr,
+    WALK: tl.constexpr,
+):
+    """Per block with changes: read each row's 32 mask bits (four bytes, any alignment),
+    rank rows by an exclusive scan of their popcounts, then every row walks its own set bits
+    in increasing order, WALK (1 or 2) bits a round, as many rounds as the busiest row needs:
+    positions stay sorted and unchanged words cost nothing. With DELTA, the block's partial delta sum over its changed
+    words (old words read from `old_ptr` before `base_ptr` is updated)."""
+    pid = tl.program_id(0)
+    cnt = tl.load(counts_ptr + pid)
+    if cnt > 0:
         row = tl.arange(0, ROWS)
-        col = tl.arange(0, 32)
-        row_start = tile * (ROWS * 32) + row * 32
-        offs = row_start[:, None] + col[None, :]
-        inb = offs < n_words
-        a = tl.load(old_base + offs, mask=inb, other=0)
-        b = _new_words(new_base, offs, inb, CAST)
-        bits = tl.sum(tl.where(a != b, 1 << col[None, :], 0), axis=1)  # distinct bits: sum == or
+        nib = tl.arange(0, 4)
+        byte_offs = pid.to(tl.int64) * (ROWS * 4) + row[:, None] * 4 + nib[None, :]
+        mb = tl.load(mask_ptr + byte_offs, mask=byte_offs < n_mask_bytes, other=0).to(tl.int32)
+        bits = tl.sum(mb << (nib * 8)[None, :], axis=1)  # disjoint bytes: sum == or
         per_row = _popc32(bits)
-        cnt = tl.sum(per_row, axis=0)
-        if cnt > 0:
-            dest = tl.atomic_add(counter_ptr, cnt) + tl.cumsum(per_row, axis=0) - per_row
-            # h(q) = A(q mod GROUP) * B(q div GROUP): a tile is shorter than a group, so it spans
-            # groups g0 and g0 + 1 at most; each lane adds (new - old) * A to its group's sum and
-            # B is applied twice per tile, not once per changed word
-            g0 = (first + tile * (ROWS * 32)) >> GROUP_BITS
-            acc0 = tl.zeros([ROWS], dtype=tl.int64)
-            acc1 = tl.zeros([ROWS], dtype=tl.int64)
-            for _ in range(0, tl.max(per_row, axis=0)):
-                live = bits != 0
-                p = row_start + _popc32((bits & (0 - bits)) - 1)
+        dest = tl.load(offsets_ptr + pid) + (tl.cumsum(per_row, axis=0) - per_row).to(tl.int64)
+        start = pid.to(tl.int64) * (ROWS * 32)
+        row_start = start + row * 32
+        acc = tl.zeros([ROWS], dtype=tl.int64)
+        for _ in range(0, (tl.max(per_row, axis=0) + WALK - 1) // WALK):
+            # WALK == 2 peels two bits a round: two independent loads in flight per row
+            low = bits & (0 - bits)
+            bits = bits & (bits - 1)
+            live = low != 0
+            p = row_start + _popc32(low - 1)
+            if WALK == 2:
+                low2 = bits & (0 - bits)
                 bits = bits & (bits - 1)
-                v = _new_words(new_base, p, live, CAST)
-                o = tl.load(old_base + p, mask=live, other=0)
-                q = first + p
-                t = tl.where(live, _change_a(v, o, q, GROUP), 0)
-                upper = (q >> GROUP_BITS) != g0
-                acc0 += tl.where(upper, 0, t)
-                acc1 += tl.where(upper, t, 0)
-                keep = live & (dest < cap)
-                tl.store(pos_ptr + dest, q.to(tl.int32), mask=keep)
-                tl.store(val_ptr + dest, v, mask=keep)
-                tl.store(old_base + p, v, mask=live)
-                dest += live.to(tl.int32)
-            s0 = tl.sum(acc0, axis=0)
-            s1 = tl.sum(acc1, axis=0)
-            tl.atomic_add(delta_ptr, s0 * _mix_b(g0) + s1 * _mix_b(g0 + 1))
+                live2 = low2 != 0
+                p2 = row_start + _popc32(low2 - 1)
+            if WRITE_POS:
+                tl.store(pos_ptr + dest, p.to(pos_ptr.dtype.element_ty), mask=live)
+                if WALK == 2:
+                    tl.store(pos_ptr + dest + 1, p2.to(pos_ptr.dtype.element_ty), mask=live2)
+            if WRITE_VALS or UPDATE_BASE or DELTA:
+                v = tl.load(new_ptr + p, mask=live, other=0)
+                if WALK == 2:
+                    v2 = tl.load(new_ptr + p2, mask=live2, other=0)
+                if DELTA:  # old words are read before any store to base_ptr
+                    o = tl.load(old_ptr + p, mask=live, other=0)
+                    acc += _delta_term(v, o, p, GROUP, SMALL)
+                    if WALK == 2:
+                        o2 = tl.load(old_ptr + p2, mask=live2, other=0)
+                        acc += _delta_term(v2, o2, p2, GROUP, SMALL)
+                if WRITE_VALS:
+                    tl.store(val_ptr + dest, v, mask=live)
+                    if WALK == 2:
+                        tl.store(val_ptr + dest + 1, v2, mask=live2)
+                if UPDATE_BASE:
+                    tl.store(base_ptr + p, v, mask=live)
+                    if WALK == 2:
+                        tl.store(base_ptr + p2, v2, mask=live2)
+            dest += live.to(tl.int64)
+            if WALK == 2:
+                dest += live2.to(tl.int64)
+        if DELTA:
+            tl.store(delta_ptr + pid, tl.sum(acc, axis=0) * _mix_b(start >> GROUP_BITS))
 
-    @triton.jit
-    def _change_a(v, o, q, GROUP: tl.constexpr):
-        """(v - o) * A(q mod GROUP) in wrapping int64: a changed word's term of the delta sum
-        before its group's factor B."""
-        return (v.to(tl.int64) - o.to(tl.int64)) * _mix_a((q & (GROUP - 1)).to(tl.int32)).to(tl.int64)
 
-    @triton.jit
-    def _diff_sparse_kernel(new_ptr, base_ptr, n_words, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS: tl.constexpr,
-                            GROUP: tl.constexpr, GROUP_BITS: tl.constexpr):
-        """The one-pass diff of one piece, a tile per program (see _diff_rows)."""
-        _diff_rows(new_ptr, base_ptr, tl.program_id(0).to(tl.int64), n_words, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS,
-                   GROUP, GROUP_BITS, False)
+@triton.jit
+def _diff_rows(new_base, old_base, tile, n_words, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS: tl.constexpr,
+               GROUP: tl.constexpr, GROUP_BITS: tl.constexpr):
+    """One tile (ROWS rows of 32 words) of a piece: `new_base` / `old_base` point at the
+    piece's first new / base word, `first` is its first word's index in the bucket. The dense
+    phase only compares and packs each row's changes into a bit mask; then every row walks its
+    own set bits (as many rounds as the busiest row of the tile has changes) to write
+    positions and new values and to add h(position) * (new - old) into the bucket's delta sum
+    (one atomic per tile: wrapping int64 addition is order-free), so unchanged words cost a
+    compare and nothing more, and no old word is written out."""
+    row = tl.arange(0, ROWS)
+    col = tl.arange(0, 32)
+    row_start = tile * (ROWS * 32) + row * 32
+    offs = row_start[:, None] + col[None, :]
+    inb = offs < n_words
+    a = tl.load(old_base + offs, mask=inb, other=0)
+    b = tl.load(new_base + offs, mask=inb, other=0)
+    bits = tl.sum(tl.where(a != b, 1 << col[None, :], 0), axis=1)  # distinct bits: sum == or
+    per_row = _popc32(bits)
+    cnt = tl.sum(per_row, axis=0)
+    if cnt > 0:
+        dest = tl.atomic_add(counter_ptr, cnt) + tl.cumsum(per_row, axis=0) - per_row
+        # h(q) = A(q mod GROUP) * B(q div GROUP): a tile is shorter than a group, so it spans
+        # groups g0 and g0 + 1 at most; each lane adds (new - old) * A to its group's sum and
+        # B is applied twice per tile, not once per changed word
+        g0 = (first + tile * (ROWS * 32)) >> GROUP_BITS
+        acc0 = tl.zeros([ROWS], dtype=tl.int64)
+        acc1 = tl.zeros([ROWS], dtype=tl.int64)
+        for _ in range(0, tl.max(per_row, axis=0)):
+            live = bits != 0
+            p = row_start + _popc32((bits & (0 - bits)) - 1)
+            bits = bits & (bits - 1)
+            v = tl.load(new_base + p, mask=live, other=0)
+            o = tl.load(old_base + p, mask=live, other=0)
+            q = first + p
+            t = tl.where(live, _change_a(v, o, q, GROUP), 0)
+            upper = (q >> GROUP_BITS) != g0
+            acc0 += tl.where(upper, 0, t)
+            acc1 += tl.where(upper, t, 0)
+            keep = live & (dest < cap)
+            tl.store(pos_ptr + dest, q.to(tl.int32), mask=keep)
+            tl.store(val_ptr + dest, v, mask=keep)
+            tl.store(old_base + p, v, mask=live)
+            dest += live.to(tl.int32)
+        s0 = tl.sum(acc0, axis=0)
+        s1 = tl.sum(acc1, axis=0)
+        tl.atomic_add(delta_ptr, s0 * _mix_b(g0) + s1 * _mix_b(g0 + 1))
 
-    @triton.jit
-    def _pairs_sum_kernel(pos_ptr, val_ptr, old_ptr, n, out_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr):
-        pid = tl.program_id(0)
-        idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = idx < n
-        p = tl.load(pos_ptr + idx, mask=m, other=0).to(tl.int64)
-        v = tl.load(val_ptr + idx, mask=m, other=0).to(tl.int64)
-        old = tl.load(old_ptr + idx, mask=m, other=0).to(tl.int64)
-        a = _mix_a((p & (GROUP - 1)).to(tl.int32)).to(tl.int64)
-        tl.store(out_ptr + pid, tl.sum((v - old) * a * _mix_b(p >> GROUP_BITS), axis=0))
 
-    @triton.jit
-    def _checksum_kernel(
-        w_ptr, n_words, out_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr, SMALL: tl.constexpr
-    ):
-        pid = tl.program_id(0)
-        start = pid.to(tl.int64) * BLOCK
-        offs = start + tl.arange(0, BLOCK)
-        w = tl.load(w_ptr + offs, mask=offs < n_words, other=0)
-        j = (pid % (GROUP // BLOCK)) * BLOCK + tl.arange(0, BLOCK)
-        part = tl.sum(_weighted(w, _mix_a(j), SMALL), axis=0)
-        tl.store(out_ptr + pid, part * _mix_b(start >> GROUP_BITS))
+@triton.jit
+def _change_a(v, o, q, GROUP: tl.constexpr):
+    """(v - o) * A(q mod GROUP) in wrapping int64: a changed word's term of the delta sum
+    before its group's factor B."""
+    return (v.to(tl.int64) - o.to(tl.int64)) * _mix_a((q & (GROUP - 1)).to(tl.int32)).to(tl.int64)
 
-    @triton.jit
-    def _delta_sum_kernel(
-        pos_ptr, val_ptr, base_ptr, n, out_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr
-    ):
-        pid = tl.program_id(0)
-        idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = idx < n
-        p = tl.load(pos_ptr + idx, mask=m, other=0)
-        v = tl.load(val_ptr + idx, mask=m, other=0).to(tl.int64)
-        old = tl.load(base_ptr + p, mask=m, other=0).to(tl.int64)
-        a = _mix_a((p & (GROUP - 1)).to(tl.int32)).to(tl.int64)
-        tl.store(out_ptr + pid, tl.sum((v - old) * a * _mix_b(p >> GROUP_BITS), axis=0))
+
+@triton.jit
+def _diff_sparse_kernel(new_ptr, base_ptr, n_words, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS: tl.constexpr,
+                        GROUP: tl.constexpr, GROUP_BITS: tl.constexpr):
+    """The one-pass diff of one piece, a tile per program (see _diff_rows)."""
+    _diff_rows(new_ptr, base_ptr, tl.program_id(0).to(tl.int64), n_words, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS,
+               GROUP, GROUP_BITS)
+
+
+@triton.jit
+def _pairs_sum_kernel(pos_ptr, val_ptr, old_ptr, n, out_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr):
+    pid = tl.program_id(0)
+    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = idx < n
+    p = tl.load(pos_ptr + idx, mask=m, other=0).to(tl.int64)
+    v = tl.load(val_ptr + idx, mask=m, other=0).to(tl.int64)
+    old = tl.load(old_ptr + idx, mask=m, other=0).to(tl.int64)
+    a = _mix_a((p & (GROUP - 1)).to(tl.int32)).to(tl.int64)
+    tl.store(out_ptr + pid, tl.sum((v - old) * a * _mix_b(p >> GROUP_BITS), axis=0))
+
+
+@triton.jit
+def _checksum_kernel(
+    w_ptr, n_words, out_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr, SMALL: tl.constexpr
+):
+    pid = tl.program_id(0)
+    start = pid.to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    w = tl.load(w_ptr + offs, mask=offs < n_words, other=0)
+    j = (pid % (GROUP // BLOCK)) * BLOCK + tl.arange(0, BLOCK)
+    part = tl.sum(_weighted(w, _mix_a(j), SMALL), axis=0)
+    tl.store(out_ptr + pid, part * _mix_b(start >> GROUP_BITS))
+
+
+@triton.jit
+def _delta_sum_kernel(
+    pos_ptr, val_ptr, base_ptr, n, out_ptr, BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr
+):
+    pid = tl.program_id(0)
+    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = idx < n
+    p = tl.load(pos_ptr + idx, mask=m, other=0)
+    v = tl.load(val_ptr + idx, mask=m, other=0).to(tl.int64)
+    old = tl.load(base_ptr + p, mask=m, other=0).to(tl.int64)
+    a = _mix_a((p & (GROUP - 1)).to(tl.int32)).to(tl.int64)
+    tl.store(out_ptr + pid, tl.sum((v - old) * a * _mix_b(p >> GROUP_BITS), axis=0))
 
 
 # Rows of 32 words per program and warps of the one-pass diff: 256 x 32 words on 8 warps was the

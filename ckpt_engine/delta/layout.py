@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ckpt_engine.copies import put_int64s_
-from ckpt_engine.delta import kernels
+from ckpt_engine.delta import accel
 
 __all__ = [
     "CHUNK_WORDS",
@@ -117,12 +117,12 @@ def resolve_impl(device: torch.device, impl: str) -> str:
     kernels on CUDA when importable, numpy views on CPU, plain torch ops elsewhere."""
     if impl not in ("auto", "host", "torch", "triton"):
         raise ValueError(f"impl must be 'auto', 'host', 'torch' or 'triton', got {impl!r}")
-    if impl == "triton" and not kernels.available(device):
+    if impl == "triton" and not accel.triton_on(device):
         raise ValueError(f"impl='triton' needs CUDA and Triton; device is {device}")
     if impl == "host" and device.type != "cpu":
         raise ValueError(f"impl='host' needs CPU tensors; device is {device}")
     if impl == "auto":
-        return "triton" if kernels.available(device) else "host" if device.type == "cpu" else "torch"
+        return "triton" if accel.triton_on(device) else "host" if device.type == "cpu" else "torch"
     return impl
 
 

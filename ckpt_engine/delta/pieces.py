@@ -6,8 +6,8 @@ Each region maps a run of the bucket's words onto a 1-D word view of one tensor 
 of it this bucket carries). Words of the bucket outside every region (alignment padding) belong to
 no tensor: a patch that touches one is refused. On CUDA a Triton kernel finds the positions'
 regions and reads or writes the words through one base pointer (every region's offset from it is
-precomputed), by a binary search over the region starts per position (one search per block of
-positions that lies in one region was tried: no faster on an H200).
+precomputed), by a binary search over the region starts per position (scatter_kernels.py; one
+search per block of positions that lies in one region was tried: no faster on an H200).
 A patch is applied by two kernels (swap_in): the first reads every old word and sums the patch's
 checksum change, the second writes. On a CPU one compiled pass does both for sorted positions
 (host_kernels.py); elsewhere numpy and torch ops group the positions by region.
@@ -16,105 +16,27 @@ checksum change, the second writes. On a CPU one compiled pass does both for sor
 from __future__ import annotations
 
 import logging
-import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ckpt_engine.delta import host, host_kernels, kernels
-from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, mix, table_a
+from ckpt_engine.delta import accel, host
+from ckpt_engine.delta.mixing import mix, table_a
+
+if TYPE_CHECKING:
+    from ckpt_engine.delta.scatter_kernels import RegionTable
 
 __all__ = ["ScatteredImage", "pair_delta"]
 
 logger = logging.getLogger(__name__)
 
-try:  # Triton is optional: CPU installs and GPUs without it use the torch path.
-    import triton
-    import triton.language as tl
-
-    _HAVE_TRITON = True
-except Exception:  # pragma: no cover - depends on the install
-    _HAVE_TRITON = False
-
-# Positions per program and warps of the gather / scatter / swap kernels (bench/delta_apply_probe.py).
-BLOCK = 1024
-NUM_WARPS = 4
-
-if _HAVE_TRITON:
-    _mix_a = kernels._mix_a
-    _mix_b = kernels._mix_b
-
-    @triton.jit
-    def _locate(p, starts_ptr, n_regions, steps):
-        """Index of the last region whose start is <= p (region 0 when p is before every start):
-        `steps` halvings of a power-of-two stride (a runtime count, so one compiled kernel serves
-        buckets of any number of regions)."""
-        at = tl.zeros(p.shape, dtype=tl.int32)
-        stride = 1 << (steps - 1)
-        for _ in range(steps):
-            cand = at + stride
-            s = tl.load(starts_ptr + cand, mask=cand < n_regions, other=9223372036854775807)
-            at = tl.where(s <= p, cand, at)
-            stride = stride // 2
-        return at
-
-    @triton.jit
-    def _addresses(p, m, starts_ptr, ends_ptr, rel_ptr, n_regions, steps):
-        """(word offset from the base pointer, inside a region) for a block's positions `p` (valid
-        lanes `m`): each lane searches the region starts."""
-        r = _locate(p, starts_ptr, n_regions, steps)
-        lo = tl.load(starts_ptr + r, mask=m, other=0)
-        hi = tl.load(ends_ptr + r, mask=m, other=0)
-        ok = m & (p >= lo) & (p < hi)
-        addr = tl.load(rel_ptr + r, mask=ok, other=0) + p
-        return addr, ok
-
-    @triton.jit(do_not_specialize=["n", "n_regions", "steps"])
-    def _pieces_kernel(
-        pos_ptr, n, starts_ptr, ends_ptr, rel_ptr, n_regions, steps, base_ptr, vals_ptr, bad_ptr,
-        BLOCK: tl.constexpr, WRITE: tl.constexpr,
-    ):
-        """WRITE: base[rel[r] + p] = vals[i]; else vals[i] = base[rel[r] + p] (0 outside regions).
-        Positions outside every region are counted in `bad` and never touch memory."""
-        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = idx < n
-        p = tl.load(pos_ptr + idx, mask=m, other=0).to(tl.int64)
-        addr, ok = _addresses(p, m, starts_ptr, ends_ptr, rel_ptr, n_regions, steps)
-        if WRITE:
-            tl.store(base_ptr + addr, tl.load(vals_ptr + idx, mask=ok), mask=ok)
-        else:
-            tl.store(vals_ptr + idx, tl.load(base_ptr + addr, mask=ok, other=0), mask=m)
-        nbad = tl.sum((m & ~ok).to(tl.int32), axis=0)
-        if nbad > 0:
-            tl.atomic_add(bad_ptr, nbad)
-
-    @triton.jit(do_not_specialize=["n", "n_regions", "steps"])
-    def _swap_read_kernel(
-        pos_ptr, n, starts_ptr, ends_ptr, rel_ptr, n_regions, steps, base_ptr, vals_ptr, old_ptr, bad_ptr, part_ptr,
-        BLOCK: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr,
-    ):
-        """The read half of swap_in: old[i] = base[rel[r] + p] (0 outside every region, counted
-        in `bad`), and this block's partial sum of h(p) * (vals[i] - old[i]) in wrapping int64,
-        the same terms as kernels._pairs_sum_kernel (so the total is pair_delta's, bit for bit)."""
-        pid = tl.program_id(0)
-        idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        m = idx < n
-        p = tl.load(pos_ptr + idx, mask=m, other=0).to(tl.int64)
-        addr, ok = _addresses(p, m, starts_ptr, ends_ptr, rel_ptr, n_regions, steps)
-        o = tl.load(base_ptr + addr, mask=ok, other=0)
-        tl.store(old_ptr + idx, o, mask=m)
-        v = tl.load(vals_ptr + idx, mask=m, other=0).to(tl.int64)
-        a = _mix_a((p & (GROUP - 1)).to(tl.int32)).to(tl.int64)
-        tl.store(part_ptr + pid, tl.sum((v - o.to(tl.int64)) * a * _mix_b(p >> GROUP_BITS), axis=0))
-        nbad = tl.sum((m & ~ok).to(tl.int32), axis=0)
-        if nbad > 0:
-            tl.atomic_add(bad_ptr, nbad)
-
-
 def pair_delta(positions: torch.Tensor, values: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """sum over k of h(positions[k]) * (values[k] - old[k]) in wrapping int64 (0-d, on the
     positions' device): a patch's checksum change, from the old words read where they live."""
-    if kernels.available(positions.device):
+    if accel.triton_on(positions.device):
+        from ckpt_engine.delta import kernels
+
         return kernels.pairs_sum(positions, values, old)
     if positions.device.type == "cpu":
         p = positions.numpy().astype(np.int64, copy=False)
@@ -146,29 +68,17 @@ class ScatteredImage:
         self.regions = regions
         self.starts = torch.tensor([f for f, _ in regions], dtype=torch.int64)
         self.ends = torch.tensor([f + v.numel() for f, v in regions], dtype=torch.int64)
-        self._fused = kernels.available(self.device)
         self._host_regions: object | None = None  # the regions as host_kernels takes them, built at first use
-        if self._fused:
-            anchor = min(regions, key=lambda r: r[1].data_ptr())[1]
-            size = anchor.element_size()
-            rel = [(v.data_ptr() - anchor.data_ptr()) // size - f for f, v in regions]
-            self._anchor = anchor
-            self._starts_d = self.starts.to(self.device)
-            self._ends_d = self.ends.to(self.device)
-            self._rel_d = torch.tensor(rel, dtype=torch.int64).to(self.device)
-            self._steps = max(1, math.ceil(math.log2(len(regions))) + 1)
+        self._table: RegionTable | None = None  # the Triton kernels' view of the regions (CUDA)
+        if accel.triton_on(self.device):
+            from ckpt_engine.delta.scatter_kernels import RegionTable
 
-    def _launch(self, positions: torch.Tensor, values: torch.Tensor, write: bool, bad: torch.Tensor) -> None:
-        n = positions.numel()
-        if n:
-            _pieces_kernel[(triton.cdiv(n, BLOCK),)](
-                positions, n, self._starts_d, self._ends_d, self._rel_d, len(self.regions), self._steps, self._anchor, values, bad,
-                BLOCK=BLOCK, WRITE=write, num_warps=NUM_WARPS,
-            )
+            self._table = RegionTable.of(regions)
 
     def _run(self, positions: torch.Tensor, values: torch.Tensor, write: bool) -> torch.Tensor:
+        assert self._table is not None
         bad = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self._launch(positions, values, write, bad)
+        self._table.move(positions, values, write, bad)
         return bad
 
     def _groups(self, positions: torch.Tensor) -> tuple[list[tuple[int, np.ndarray | slice, np.ndarray]], int]:
@@ -218,7 +128,7 @@ class ScatteredImage:
         """(the words at `positions`, 0 where outside every region; count of such positions as a
         1-element device tensor), without a host sync on CUDA."""
         out = torch.zeros(positions.numel(), dtype=self.dtype, device=self.device)
-        if self._fused:
+        if self._table is not None:
             return out, self._run(positions, out, write=False)
         return out, self._pairs(positions, out, write=False)
 
@@ -226,7 +136,7 @@ class ScatteredImage:
         """Write `values` at `positions` (positions outside every region are skipped: a patch that
         has them was refused by its check)."""
         self._check_values(positions, values)
-        if self._fused:
+        if self._table is not None:
             self._run(positions, values, write=True)
             return
         self._pairs(positions, values.contiguous(), write=True)
@@ -241,35 +151,25 @@ class ScatteredImage:
         also sums the change, so no kernel reads the pairs again) and all writes in the second,
         queued right after it on the same stream."""
         self._check_values(positions, values)
-        if not self._fused:
-            values = values.contiguous()
-            done = self._swap_in_compiled(positions, values)
-            if done is not None:
-                return done
-            old = torch.zeros(positions.numel(), dtype=self.dtype, device=self.device)
-            groups = self._groups(positions)
-            bad = self._pairs(positions, old, write=False, groups=groups)
-            self._pairs(positions, values, write=True, groups=groups)
-            return old, bad, pair_delta(positions, values, old)
-        positions, values = positions.contiguous(), values.contiguous()
-        n = positions.numel()
-        nb = triton.cdiv(n, BLOCK)
-        old = torch.empty(n, dtype=self.dtype, device=self.device)
-        bad = torch.zeros(1, dtype=torch.int32, device=self.device)
-        partial = torch.empty(nb, dtype=torch.int64, device=self.device) if n else torch.zeros(1, dtype=torch.int64, device=self.device)
-        if n:
-            _swap_read_kernel[(nb,)](
-                positions, n, self._starts_d, self._ends_d, self._rel_d, len(self.regions), self._steps, self._anchor, values, old, bad,
-                partial, BLOCK=BLOCK, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=NUM_WARPS,
-            )
-            self._launch(positions, values, True, bad.new_empty(1))  # scratch: the read counted these already
-        return old, bad, partial.sum()
+        if self._table is not None:
+            return self._table.swap_in(positions, values)
+        values = values.contiguous()
+        done = self._swap_in_compiled(positions, values)
+        if done is not None:
+            return done
+        old = torch.zeros(positions.numel(), dtype=self.dtype, device=self.device)
+        groups = self._groups(positions)
+        bad = self._pairs(positions, old, write=False, groups=groups)
+        self._pairs(positions, values, write=True, groups=groups)
+        return old, bad, pair_delta(positions, values, old)
 
     def _swap_in_compiled(self, positions: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """swap_in on a CPU in one compiled pass (host_kernels), for sorted positions (every
         sorted patch kind; repeats allowed); None where it does not apply."""
-        if self.device.type != "cpu" or not host_kernels.available() or positions.device.type != "cpu":
+        if self.device.type != "cpu" or positions.device.type != "cpu" or not accel.numba_on():
             return None
+        from ckpt_engine.delta import host_kernels
+
         p = positions.contiguous().numpy()
         if p.dtype not in (np.int32, np.int64) or not host_kernels.ordered(p, strict=False):
             return None

@@ -17,7 +17,6 @@ from typing import Any
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
 from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.recorded_casts import offer_cast_recorder
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from ckpt_engine.sync.sender_channel import SenderChannel
 from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces, piece_names
@@ -136,8 +135,6 @@ class SenderFollower:
         pieces = iter_pieces(source, manifest)
         try:
             delta = DeltaRequest.from_dict(msg["delta"]) if msg["delta"] is not None else None
-            if delta is not None:
-                offer_cast_recorder(engine, manifest, source, walks_pieces=True)
             engine.send_weights(manifest, pieces, stable=bool(getattr(source, "stable_pieces", getattr(source, "stable_tensors", False))), delta=delta)
             return None
         except Exception as exc:

@@ -25,7 +25,6 @@ from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
 from ckpt_engine.sync.claims import claims
 from ckpt_engine.sync.fanout import collect_failures, mark_stale_and_probe, wait_for_joins
 from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
-from ckpt_engine.recorded_casts import offer_cast_recorder
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
 from ckpt_engine.sync.sender_channel import SenderChannel
@@ -316,9 +315,7 @@ class WeightSyncSession(ManySendersMixin):
 
         # Delta or dense is decided before anything is paused (delta=on with an engine that takes no
         # patches is refused here, with every engine still serving).
-        request = self._delta.request(manifest.digest, self._delta_unsupported(engine))
-        if request is not None:  # a source that records its own casts binds before anything pauses
-            offer_cast_recorder(engine, manifest, source, walks_pieces=pieces is not None)
+        request = self._delta.request(manifest.digest, self._delta_unsupported(engine), self.backend)
         t = time.perf_counter()
         self._fan_out("pause", lambda r: r.pause(self.config.pause_mode))
         seconds["pause"] = time.perf_counter() - t
@@ -377,7 +374,9 @@ class WeightSyncSession(ManySendersMixin):
         seconds["resume"] = time.perf_counter() - t
         self.stale.clear()
         self.version = new_version
-        self._delta.completed(manifest.digest, request, wire, dense)
+        self._delta.completed(
+            manifest.digest, request, transport=self.backend, seconds=seconds["transfer"], wire_bytes=wire, dense_bytes=manifest.total_bytes
+        )
         seconds["total"] = time.perf_counter() - t0
         report = SyncReport(
             version=new_version,

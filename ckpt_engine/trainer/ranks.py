@@ -35,7 +35,7 @@ __all__ = ["DataParallelLeader", "follow_leader", "local_rows"]
 logger = logging.getLogger(__name__)
 
 STOP, STEP, SYNC = 0, 1, 2
-SHARDED_API = frozenset({"sender_index", "num_senders", "owners", "local_piece", "stable_pieces", "record_casts"})
+SHARDED_API = frozenset({"sender_index", "num_senders", "owners", "local_piece", "stable_pieces"})
 BATCH_KEYS = ("input_ids", "actions", "advantages")
 
 

@@ -31,7 +31,6 @@ from torch import nn
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.ownership import Shard
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.cast_shadows import CastShadows
 from ckpt_engine.trainer_adapters.common import DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, check_float_dtype, clip_and_step
 from ckpt_engine.trainer_adapters.hf_names import (
     clean_name,
@@ -161,8 +160,6 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         self._sync_cache: dict[tuple[int, Any], torch.Tensor] = {}  # this walk's local tensors and casts
         self._walking = False  # between begin_pieces and end_pieces: the cache is used
         self._few_casts: bool | None = None
-        self._other_casts: bool | None = None
-        self._cast_shadows = CastShadows()  # bf16 pieces written through a cast recorder (delta_base: cast)
 
         mp = MixedPrecisionPolicy(
             param_dtype=_torch_dtype(self.config.param_dtype) if self.config.param_dtype else None,
@@ -382,7 +379,6 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         ]
         if clip_and_step(self.optimizer, grads, norm, self.config.max_grad_norm, self.global_step):
             self.global_step += 1
-            self._cast_shadows.cast_()  # with a cast recorder: the bf16 pieces, and what changed in them
         return norm
 
     def lr_scheduler_step(self) -> None:

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 from ckpt_engine.planning.ownership import OwnerMap, Shard
-from ckpt_engine.trainer_adapters.cast_shadows import CastShadows
 from ckpt_engine.trainer_adapters.fsdp2_shards import dim0_rows, own_rows, shard_owners
 
 __all__ = ["FSDP2ShardedSource"]
@@ -30,10 +29,8 @@ class FSDP2ShardedSource:
     _sync_cache: dict[tuple[int, Any], torch.Tensor]
     _walking: bool
     _few_casts: bool | None
-    _other_casts: bool | None
     _units: list[Any]
     _param_groups: Any  # the engine's static lookup of FSDP2 parameter groups per unit
-    _cast_shadows: CastShadows
     rank: int
     world_size: int
 
@@ -45,33 +42,8 @@ class FSDP2ShardedSource:
         (e.g. a bf16 model whose router is kept fp32): those casts are made once per sync and
         kept until the next one begins. A model whose every tensor needs a cast (fp32 masters
         with a bf16 wire) is not stable: keeping its casts would hold a second copy of the shard.
-        (Not `stable_tensors`: that flag describes `iter_weights`, whose tensors are not stable.)
-        Pieces written through a cast recorder (`record_casts`) are kept bf16 copies (every bf16
-        piece this rank sends is one): stable, when no other piece needs a cast."""
-        if self._cast_shadows.active and not self._casts_besides_bf16():
-            return True
+        (Not `stable_tensors`: that flag describes `iter_weights`, whose tensors are not stable.)"""
         return self._cast_few()
-
-    def record_casts(self, recorder_of: Any, *, pieces: bool) -> bool:
-        """`delta_base: cast` (offered by the sync before each delta walk, `recorded_casts.py`):
-        keep a bf16 copy of every piece this rank sends, written by the recorder's `cast_()` after
-        each optimizer step, which records each bucket's changed words; the sync sends those
-        patches. Costs half the bytes of this rank's fp32 pieces, plus the recorder's patch areas,
-        and no base copy. Declined for a walk of `iter_weights()` (gathered on one rank)."""
-        if not pieces:
-            return False
-        self._cast_shadows.bind(recorder_of(), self._master_piece)
-        return True
-
-    def _master_piece(self, name: str) -> torch.Tensor:
-        """This rank's part of `name` in its master dtype: a view of the local shard (no cast)."""
-        found = self._pieces.get(name)
-        if found is None:
-            raise ValueError(f"{name!r} is not a tensor this FSDP2 model exports (see metadata())")
-        e, index = found
-        rows = self._rows_of(e)
-        t = self._local_tensor(e).detach()  # asked for every piece at every delta sync: no autograd call
-        return own_rows(name, t, rows, self.rank, index, e.expert_outputs) if rows is not None else t
 
     def begin_pieces(self) -> None:
         """A sync's walk of its pieces starts (called by `iter_pieces`): forget the last one's
@@ -99,7 +71,7 @@ class FSDP2ShardedSource:
             raise RuntimeError("piece_anchors() is only valid inside a walk: call begin_pieces() first")
         out = [self._local_tensor(e) for e in self._entries]  # read every sync: ~1 us per parameter
         out += [t for k, t in self._sync_cache.items() if k[1] is not None]
-        return out + self._cast_shadows.tensors()
+        return out
 
     def _local_tensor(self, e: Any) -> torch.Tensor:
         """An entry's local tensor object itself (what a DTensor's `to_local()` views; a plain
@@ -112,13 +84,6 @@ class FSDP2ShardedSource:
         next walk begins, but a `local_piece` outside a walk never sees them (it may come after an
         optimizer step)."""
         self._walking = False
-
-    def _casts_besides_bf16(self) -> bool:
-        """Whether some piece is cast to a wire dtype other than bf16 (looked up once: the export
-        plan does not change)."""
-        if self._other_casts is None:
-            self._other_casts = any(getattr(torch, s.dtype) not in (e.dtype, torch.bfloat16) for e in self._entries for s in e.specs)
-        return self._other_casts
 
     def _cast_few(self) -> bool:
         """Whether the bytes this rank casts per sync are few: at most 1/32 of its shards' wire
@@ -171,9 +136,6 @@ class FSDP2ShardedSource:
         found = self._pieces.get(name)
         if found is None:
             raise ValueError(f"{name!r} is not a tensor this FSDP2 model exports (see metadata())")
-        shadow = self._cast_shadows.piece(name)
-        if shadow is not None:
-            return shadow
         e, index = found
         spec = e.specs[index]
         want = getattr(torch, spec.dtype)

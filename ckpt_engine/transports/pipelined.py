@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.transports.pipelined_cast_send import CastSendMixin
 from ckpt_engine.transports.pipelined_delta import DeltaTransferMixin
 from ckpt_engine.transports.piece_reader import Known
 from ckpt_engine.transports.pipelined_delta_receive import DeltaReceiveMixin
@@ -41,7 +40,7 @@ logger = logging.getLogger(__name__)
 _SLACK = SLACK  # kept for backends that size shared buffers alike (colocated)
 
 
-class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMixin, CastSendMixin, DeltaReceiveMixin, CheckpointEngine):
+class PipelinedBroadcastEngine(SendLoopMixin, ReceiveLoopMixin, DeltaTransferMixin, DeltaReceiveMixin, CheckpointEngine):
     """Senders broadcast their buckets to every receiver over one process group each."""
 
     supports_many_senders = True
