@@ -14,7 +14,7 @@ from ckpt_engine.transports.gloo import GlooCheckpointEngine
 from ckpt_engine import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sync.api import close_sessions
-from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.sources.base import StateDictSource, WeightSource
 from roundtrip import mixed_state, same_bits
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30)
@@ -103,7 +103,7 @@ def test_sync_rollout_weights_reuses_a_session_per_engine_list(engines: list[Tor
     assert_holds(engines[1], sd, ["bf16", "bool"])
 
 
-class _WalkCounter:
+class _WalkCounter(WeightSource):
     """A weight source that counts how often it is walked (a sharded trainer's gathers)."""
 
     is_sender = False

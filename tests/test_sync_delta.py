@@ -13,7 +13,7 @@ from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
 from ckpt_engine.transports.gloo import GlooCheckpointEngine
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sync.api import close_sessions
-from ckpt_engine.sources.base import StateDictSource, spec_of
+from ckpt_engine.sources.base import StateDictSource, WeightSource, spec_of
 from multisender import model_state, wire
 from refengines import holds
 
@@ -125,7 +125,7 @@ def test_auto_falls_back_to_plain_dense_when_patches_do_not_pay(engines: list[To
         session.close()
 
 
-class _CastingTrainer:
+class _CastingTrainer(WeightSource):
     """A custom one-rank trainer synced through the library call: fp32 masters stepped by AdamW,
     bf16 weights written through the engine's cast recorder once the sync offered it
     (`record_casts`), by a plain cast before; other dtypes sent as they are."""

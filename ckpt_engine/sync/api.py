@@ -32,7 +32,7 @@ _followers: dict[int, SenderFollower] = {}
 
 def _follower(source: WeightSource, config: CheckpointEngineConfig | None) -> SenderFollower:
     """This process's follower for the trainer group the source belongs to (kept across syncs)."""
-    group = getattr(source, "process_group", None)
+    group = source.process_group
     follower = _followers.get(id(group))
     if follower is None:
         timeout = config.timeout_s if config is not None else CheckpointEngineConfig().timeout_s
@@ -98,10 +98,10 @@ def sync_rollout_weights(
     a session. Concurrent calls for the same engines run one at a time.
     """
     source = as_weight_source(source)  # a vLLM `WeightSource` works as well (vllm_source.py)
-    if not getattr(source, "is_sender", True):
+    if not source.is_sender:
         mode = config.senders if config is not None else "auto"
         if wants_many_senders(source, mode):
-            _follower(source, config).sync(source)  # type: ignore[arg-type]
+            _follower(source, config).sync(source)  # type: ignore[arg-type]  # wants_many_senders: sharded
         else:
             _drain(source)
         return None

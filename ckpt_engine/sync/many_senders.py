@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 def wants_many_senders(source: Any, mode: str) -> bool:
     """Whether `source` sends from every trainer rank under config `senders` = `mode`."""
-    sharded = isinstance(source, ShardedWeightSource) and int(getattr(source, "num_senders", 1)) > 1
+    sharded = isinstance(source, ShardedWeightSource) and source.sharded
     return mode in ("all", "per_stage") or (mode == "auto" and sharded)
 
 
@@ -34,12 +34,10 @@ class ManySendersMixin:
     def _senders_for(self, source: WeightSource) -> int:
         """How many trainer ranks send this sync (config `senders`; see CheckpointEngineConfig)."""
         mode = self.config.senders
-        sharded = isinstance(source, ShardedWeightSource) and int(getattr(source, "num_senders", 1)) > 1
         if not wants_many_senders(source, mode):
             return 1
-        if not sharded:
-            why = getattr(source, "sharded_refusal", None)
-            why = why() if callable(why) else why
+        if not isinstance(source, ShardedWeightSource) or not source.sharded:
+            why = source.sharded_refusal() if isinstance(source, ShardedWeightSource) else None
             if why:
                 raise ValueError(f"checkpoint_engine.senders={mode!r}: {why}")
             raise ValueError(
@@ -54,7 +52,7 @@ class ManySendersMixin:
         if single:
             raise ValueError(f"engine(s) {', '.join(single)} take weights from one sender only; use senders=rank0")
         if self._channel is None:
-            self._channel = SenderChannel(getattr(source, "process_group", None), timeout_s=self.config.timeout_s)
+            self._channel = SenderChannel(source.process_group, timeout_s=self.config.timeout_s)
         return int(source.num_senders)
 
     def _engine_class(self) -> type[CheckpointEngine]:
@@ -97,11 +95,11 @@ class ManySendersMixin:
             return {"trainer ranks": f"the report round after the send failed (a sending rank died or hung?): {exc}"}
         return {f"trainer rank {i}": e for i, e in enumerate(statuses) if e is not None and i != 0}
 
-    def _senders_ready(self, source: Any) -> None:
+    def _senders_ready(self, source: ShardedWeightSource) -> None:
         """With TP helpers (`collective_pieces`), one round before anything streams: a trainer rank
         that cannot take part (its join, plan or digest) fails the sync here, by name, before a
         sender or a helper waits in a TP gather and the receivers wait for a sender."""
-        if not getattr(source, "collective_pieces", False):
+        if not source.collective_pieces:
             return
         try:
             statuses = self._channel.gather_status(None)  # type: ignore[union-attr]

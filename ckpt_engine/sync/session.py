@@ -30,7 +30,7 @@ from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
 from ckpt_engine.sync.sender_channel import SenderChannel
 from ckpt_engine.sync.sender_follower import finish_walk, join_message, send_message
-from ckpt_engine.sources.sharded import iter_pieces
+from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
 from ckpt_engine.sync.many_senders import ManySendersMixin
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport
 from ckpt_engine.versions import check_version
@@ -467,9 +467,9 @@ def _owner_key(owners: Any) -> Any:
     return tuple(sorted((name, tuple((sh.sender, sh.start, sh.stop) for sh in shards)) for name, shards in owners.items()))
 
 
-def _stable(source: Any, senders: int) -> bool:
+def _stable(source: WeightSource, senders: int) -> bool:
     """Whether what the sender yields stays valid for the whole sync (lets it skip copies). With many
     senders a source may say so of its pieces alone (`stable_pieces`) and not of `iter_weights()`."""
-    if senders > 1:
-        return bool(getattr(source, "stable_pieces", getattr(source, "stable_tensors", False)))
-    return bool(getattr(source, "stable_tensors", False))
+    if senders > 1 and isinstance(source, ShardedWeightSource):
+        return source.stable_pieces
+    return source.stable_tensors
