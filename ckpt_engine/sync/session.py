@@ -9,29 +9,30 @@ group, buffers, plan and delta bases across syncs.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
 from ckpt_engine.planning.buckets import auto_bucket_size_bytes
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.delta.policy import DeltaPolicy
-from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
+from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
 from ckpt_engine.sync.claims import claims
 from ckpt_engine.sync.fanout import collect_failures, mark_stale_and_probe, wait_for_joins
 from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
 from ckpt_engine.recorded_casts import offer_cast_recorder
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
-from ckpt_engine.sync.sender_channel import SenderChannel
 from ckpt_engine.sync.sender_follower import finish_walk, join_message, send_message
-from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
-from ckpt_engine.sync.many_senders import ManySendersMixin
+from ckpt_engine.sources.sharded import PieceWalk, ShardedWeightSource, iter_pieces
+from ckpt_engine.sync.many_senders import ManySenders
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport
 from ckpt_engine.versions import check_version
 from ckpt_engine.sources.vllm import as_weight_source
@@ -47,7 +48,7 @@ _SETTLE_S = 2.0
 """After a failed join, how long members on their way to the rendezvous get to reach it."""
 
 
-class WeightSyncSession(ManySendersMixin):
+class WeightSyncSession:
     """The sender side of one weight-sync group, reused across syncs.
 
     Hosts the rendezvous store (free port from the OS, a fresh token per group) and rebuilds the
@@ -71,7 +72,7 @@ class WeightSyncSession(ManySendersMixin):
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
         self.host = host
-        self.backend = CheckpointEngineRegistry.resolve_name(self.config.backend)
+        self.backend = _backend_for(self.config, self.rollouts)
         self._engine = engine
         self._device = device
         self.raw_gbps = raw_gbps
@@ -86,11 +87,44 @@ class WeightSyncSession(ManySendersMixin):
         self._closed = False
         self._delta = DeltaPolicy(self.config.delta, self.config.full_sync_every)
         self.num_senders = 1
-        self._channel: SenderChannel | None = None
+        self._senders = ManySenders(self.config, self.backend, self.rollouts)
         self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.rollouts) + 1), thread_name_prefix="ckpt-sync")
 
     def engine_keys(self) -> dict[str, Hashable]:
         return {r.name: r.engine_key() for r in self.rollouts}
+
+    @contextlib.contextmanager
+    def _locked(self, what: str) -> Iterator[None]:
+        """The session lock for `what` (not a sync), refused when closed or after `timeout_s`."""
+        if not self._lock.acquire(timeout=self.config.timeout_s):
+            raise RuntimeError(f"{what}: a sync on this session has run for more than timeout_s={self.config.timeout_s}s")
+        try:
+            if self._closed:
+                raise RuntimeError("this WeightSyncSession is closed; make a new one")
+            yield
+        finally:
+            self._lock.release()
+
+    def join(self) -> None:
+        """Build the weight-sync group now (the first sync would): an engine that cannot join
+        fails here, by name."""
+        with self._locked("join"):
+            self._ensure_group(self.num_senders)
+
+    def rebind(self, rollouts: Sequence[RolloutAdapter]) -> None:
+        """Drive new handles on the same engines (same names and `engine_key`s, in order): the
+        group, plan, version and delta bases stay, since the engines stay members."""
+        rollouts = list(rollouts)
+        same = len(rollouts) == len(self.rollouts) and all(
+            new.name == old.name and new.engine_key() == old.engine_key() for new, old in zip(rollouts, self.rollouts)
+        )
+        if not same:
+            raise ValueError("rebind() takes new handles on the same engines, in the same order")
+        with self._locked("rebind"):
+            for new, old in zip(rollouts, self.rollouts):
+                if new is not old:
+                    new.take_over(old)
+            self.rollouts[:] = rollouts
 
     # --- group --------------------------------------------------------------------------------
     def _new_engine(self, bucket_size: int) -> CheckpointEngine:
@@ -120,7 +154,7 @@ class WeightSyncSession(ManySendersMixin):
                 self._engine = None
         if self._ready and self._engine is not None:
             if num_senders > 1:
-                self._announce(join_message(None, {}))
+                self._senders.announce(join_message(None, {}))
             return self._engine
         self._delta.forget()  # members join with empty bases
         self.num_senders = num_senders
@@ -138,7 +172,7 @@ class WeightSyncSession(ManySendersMixin):
         )
         options = JoinOptions(engine.bucket_size_bytes, engine.num_buffers, engine.verify, self.config.kwargs_for(self.backend))
         if num_senders > 1:
-            self._announce(join_message(rdzv, options.to_dict()))
+            self._senders.announce(join_message(rdzv, options.to_dict()))
         futures = {
             r.name: self._pool.submit(r.join, rdzv, off, options) for r, off in zip(self.rollouts, topo.receiver_offsets)
         }
@@ -226,9 +260,9 @@ class WeightSyncSession(ManySendersMixin):
                     return None
                 _drain(source)
                 raise RuntimeError("this WeightSyncSession is closed; make a new one")
-            senders = self._senders_for(source)
+            senders = self._senders.count(source)
             if senders > 1:
-                return self._sharded_sync(source, senders, version)
+                return self._senders.run(lambda: self._sync(source, None, version, senders))
             weights = WatchedWeights(source.iter_weights())
             try:
                 return self._sync(source, weights, version)
@@ -282,8 +316,32 @@ class WeightSyncSession(ManySendersMixin):
             )
 
     def _sync(self, source: WeightSource, weights: WatchedWeights | None, version: int | None, senders: int = 1) -> SyncReport:
+        """One sync in its steps: prepare (metadata, version, group, plan) -> validate -> delta or
+        dense -> pause -> stream -> finalize -> resume -> report. `weights` is None with many
+        senders: this rank then sends its own pieces, no gather."""
         t0 = time.perf_counter()
         seconds: dict[str, float] = {}
+        new_version, engine, manifest = self._prepare(source, version, senders)
+        pieces = None
+        if weights is None:  # many senders: this rank's own pieces, no gather
+            pieces = iter_pieces(source, manifest)  # type: ignore[arg-type]  # count(): sharded
+            weights = WatchedWeights(pieces)
+        seconds["plan"] = time.perf_counter() - t0
+        self._validate(manifest, seconds)
+        # Delta or dense is decided before anything is paused (delta=on with an engine that takes no
+        # patches is refused here, with every engine still serving).
+        request = self._delta.request(manifest.digest, self._delta_unsupported(engine))
+        if request is not None:  # a source that records its own casts binds before anything pauses
+            offer_cast_recorder(engine, manifest, source, walks_pieces=pieces is not None)
+        self._step("pause", seconds, lambda r: r.pause(self.config.pause_mode))
+        stats, reports = self._stream(source, engine, manifest, weights, pieces, request, senders, seconds)
+        self._step("finalize", seconds, lambda r: r.finalize(new_version))
+        self._step("resume", seconds, lambda r: r.resume())
+        return self._report(new_version, manifest, request, stats, reports, senders, seconds, t0)
+
+    def _prepare(self, source: WeightSource, version: int | None, senders: int) -> tuple[int, CheckpointEngine, BucketManifest]:
+        """Metadata, the claim on the engines, the next version, the group and the plan: nothing
+        is paused or sent yet."""
         specs = list(source.metadata())
         if not specs:
             raise ValueError(
@@ -293,13 +351,10 @@ class WeightSyncSession(ManySendersMixin):
         self._check_claims()
         new_version = self._next_version(version)
         engine = self._ensure_group(senders)
-        manifest = self.plan(specs, engine, source)
-        pieces = None
-        if weights is None:  # many senders: this rank's own pieces, no gather
-            pieces = iter_pieces(source, manifest)  # type: ignore[arg-type]
-            weights = WatchedWeights(pieces)
-        seconds["plan"] = time.perf_counter() - t0
+        return new_version, engine, self.plan(specs, engine, source)
 
+    def _validate(self, manifest: BucketManifest, seconds: dict[str, float]) -> None:
+        """Every engine checks the manifest; the rejections of all of them raise as one error."""
         t = time.perf_counter()
         rejected: list[ManifestRejectedError] = []
 
@@ -314,43 +369,32 @@ class WeightSyncSession(ManySendersMixin):
             raise ManifestRejectedError.combine(sorted(rejected, key=lambda e: e.engine))
         seconds["validate"] = time.perf_counter() - t
 
-        # Delta or dense is decided before anything is paused (delta=on with an engine that takes no
-        # patches is refused here, with every engine still serving).
-        request = self._delta.request(manifest.digest, self._delta_unsupported(engine))
-        if request is not None:  # a source that records its own casts binds before anything pauses
-            offer_cast_recorder(engine, manifest, source, walks_pieces=pieces is not None)
+    def _step(self, stage: str, seconds: dict[str, float], fn: Callable[[RolloutAdapter], Any]) -> None:
+        """One engine-wide step (pause, finalize, resume), timed; a failure breaks the group."""
         t = time.perf_counter()
-        self._fan_out("pause", lambda r: r.pause(self.config.pause_mode))
-        seconds["pause"] = time.perf_counter() - t
+        self._fan_out(stage, fn)
+        seconds[stage] = time.perf_counter() - t
 
+    def _stream(
+        self, source: WeightSource, engine: CheckpointEngine, manifest: BucketManifest, weights: WatchedWeights,
+        pieces: PieceWalk | None, request: DeltaRequest | None, senders: int, seconds: dict[str, float],
+    ) -> tuple[SendStats, dict[str, ReceiveReport]]:
+        """The senders stream while every engine receives; any failure names its culprits (the
+        source, engines, the sender or other trainer ranks) and leaves the engines stale."""
         t = time.perf_counter()
         if senders > 1:
-            self._announce(send_message("send", manifest.digest, request))
-            self._gather_owed = True
-            self._senders_ready(source)  # with TP helpers: every trainer rank ready, before anything streams
+            self._senders.start_send(send_message("send", manifest.digest, request))
+            failed = self._senders.not_ready(source)  # type: ignore[arg-type]  # with TP helpers: every rank ready first
+            if failed:
+                self._break({}, probe=False)  # the engines only validated and paused: stale, not dead
+                raise SyncError("transfer", failed, sorted(self.stale))
         extra: dict[str, Any] = {"delta": request} if request is not None else {}
         receives = {r.name: self._pool.submit(r.receive, manifest, **extra) for r in self.rollouts}
         try:
             stats = engine.send_weights(manifest, weights, stable=_stable(source, senders), **extra)
         except Exception as exc:
-            engine.finalize()  # closing the sender's group wakes receivers blocked on it
-            if pieces is not None:
-                finish_walk(source, pieces)  # TP helpers wait in its gathers
-            sender_error = f"{type(exc).__name__}: {exc}"
-            followers = self._followers_failed(sender_error) if senders > 1 else {}
-            if weights.error is not None:
-                # The trainer's source failed, not an engine: the engines are healthy, paused and
-                # stale, and stay members; the next complete sync heals them.
-                collect_failures(receives, "receive", min(5.0, self.config.timeout_s))
-                self._break({}, probe=False)
-                raise SyncError("transfer", {SOURCE: sender_error}, sorted(self.stale)) from exc
-            failed = self._receive_failures(receives, grace_s=min(5.0, self.config.timeout_s))
-            failed.update(followers)
-            if not failed:
-                failed["sender"] = sender_error
-            self._break(failed)
-            raise SyncError("transfer", failed, sorted(self.stale), sender_error=sender_error if "sender" not in failed else None) from exc
-        followers = self._followers_failed(None) if senders > 1 else {}
+            self._send_failed(exc, source, engine, weights, pieces, receives, senders)
+        followers = self._senders.failed(None) if senders > 1 else {}
         failed = self._receive_failures(receives, grace_s=self.config.timeout_s) if not followers else {}
         failed.update(followers)
         if failed:
@@ -361,6 +405,37 @@ class WeightSyncSession(ManySendersMixin):
             raise SyncError("transfer", failed, sorted(self.stale))
         reports = {name: f.result() for name, f in receives.items()}
         seconds["transfer"] = time.perf_counter() - t
+        return stats, reports
+
+    def _send_failed(
+        self, exc: Exception, source: WeightSource, engine: CheckpointEngine, weights: WatchedWeights,
+        pieces: PieceWalk | None, receives: dict[str, cf.Future[ReceiveReport]], senders: int,
+    ) -> NoReturn:
+        """The send raised: blame the source when it raised itself, else the engines that failed
+        or died, else the sender; every engine is left stale."""
+        engine.finalize()  # closing the sender's group wakes receivers blocked on it
+        if pieces is not None:
+            finish_walk(source, pieces)  # type: ignore[arg-type]  # TP helpers wait in its gathers
+        sender_error = f"{type(exc).__name__}: {exc}"
+        followers = self._senders.failed(sender_error) if senders > 1 else {}
+        if weights.error is not None:
+            # The trainer's source failed, not an engine: the engines are healthy, paused and
+            # stale, and stay members; the next complete sync heals them.
+            collect_failures(receives, "receive", min(5.0, self.config.timeout_s))
+            self._break({}, probe=False)
+            raise SyncError("transfer", {SOURCE: sender_error}, sorted(self.stale)) from exc
+        failed = self._receive_failures(receives, grace_s=min(5.0, self.config.timeout_s))
+        failed.update(followers)
+        if not failed:
+            failed["sender"] = sender_error
+        self._break(failed)
+        raise SyncError("transfer", failed, sorted(self.stale), sender_error=sender_error if "sender" not in failed else None) from exc
+
+    def _report(
+        self, new_version: int, manifest: BucketManifest, request: DeltaRequest | None, stats: SendStats,
+        reports: dict[str, ReceiveReport], senders: int, seconds: dict[str, float], t0: float,
+    ) -> SyncReport:
+        """The sync completed: the engines are fresh, the version and the delta chain move on."""
         seconds.update(export=stats.export_s, pack=stats.pack_s, send=stats.total_s)
         if "encode_s" in stats.extra:
             seconds["encode"] = stats.extra["encode_s"]
@@ -368,13 +443,6 @@ class WeightSyncSession(ManySendersMixin):
         wire = int(stats.extra.get("wire_bytes", manifest.wire_bytes)) if request is not None else manifest.total_bytes
         dense = int(stats.extra.get("dense_bytes", manifest.wire_bytes)) if request is not None else manifest.total_bytes
         seconds["load_max"] = max((r.load_s for r in reports.values()), default=0.0)
-
-        t = time.perf_counter()
-        self._fan_out("finalize", lambda r: r.finalize(new_version))
-        seconds["finalize"] = time.perf_counter() - t
-        t = time.perf_counter()
-        self._fan_out("resume", lambda r: r.resume())
-        seconds["resume"] = time.perf_counter() - t
         self.stale.clear()
         self.version = new_version
         self._delta.completed(manifest.digest, request, wire, dense)
@@ -445,6 +513,24 @@ class WeightSyncSession(ManySendersMixin):
         finally:
             if locked:
                 self._lock.release()
+
+
+def _backend_for(config: CheckpointEngineConfig, rollouts: Sequence[RolloutAdapter]) -> str:
+    """`checkpoint_engine.backend`, or the wire the engines declare they read (`transport`)."""
+    wires = {r.transport for r in rollouts}
+    if wires == {None}:
+        return CheckpointEngineRegistry.resolve_name(config.backend)
+    if len(wires) > 1:
+        kinds = ", ".join(f"{r.name}: {r.transport or 'any'}" for r in rollouts)
+        raise ValueError(f"these engines read different wires ({kinds}); sync each kind through a session of its own")
+    wire = next(iter(wires))
+    assert wire is not None
+    if config.backend not in ("auto", wire):
+        raise ValueError(
+            f"engine(s) {', '.join(r.name for r in rollouts)} read only the {wire!r} wire, not "
+            f"checkpoint_engine.backend={config.backend!r}; leave backend at 'auto' (or set {wire!r})"
+        )
+    return wire
 
 
 def _drain(source: WeightSource) -> None:
