@@ -38,7 +38,10 @@ class VllmWeightSourceAdapter(WeightSource):
     refused: vLLM's many-holder layouts need a backend that pulls from every holder.
     """
 
-    def __init__(self, source: Any, *, is_sender: bool = True, stable_tensors: bool = False) -> None:
+    def __init__(
+        self, source: Any, *, is_sender: bool = True, stable_tensors: bool = False, dtype: torch.dtype | None = None,
+        keep_dtype: frozenset[str] | set[str] = frozenset(),
+    ) -> None:
         if not is_vllm_weight_source(source):
             raise ValueError(f"expected a vLLM WeightSource ({_VLLM_BASE}.WeightSource), got {type(source).__name__}")
         held = source.held_names()
@@ -51,13 +54,17 @@ class VllmWeightSourceAdapter(WeightSource):
         self.is_sender = is_sender
         self.stable_tensors = stable_tensors
         """True only when every yielded tensor stays valid until the sync ends (e.g. plain parameters)."""
+        self.dtype = dtype
+        """Floating-point tensors travel (and load) as this dtype, as `StateDictSource`'s `dtype`."""
+        self.keep_dtype = frozenset(keep_dtype)
 
     def metadata(self) -> list[TensorSpec]:
         specs = []
         for meta in self.source.metadata():
             if not isinstance(meta.dtype, torch.dtype):
                 raise ValueError(f"{meta.name}: metadata dtype must be a torch.dtype, got {meta.dtype!r}")
-            specs.append(TensorSpec(meta.name, str(meta.dtype).removeprefix("torch."), tuple(int(d) for d in meta.shape)))
+            wire = self.dtype if self.dtype is not None and meta.dtype.is_floating_point and meta.name not in self.keep_dtype else meta.dtype
+            specs.append(TensorSpec(meta.name, str(wire).removeprefix("torch."), tuple(int(d) for d in meta.shape)))
         return specs
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

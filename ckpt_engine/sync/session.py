@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import datetime
 import logging
 import threading
 import time
@@ -24,8 +25,9 @@ from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.delta.policy import DeltaPolicy
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
+from ckpt_engine.sync.backend import backend_for
 from ckpt_engine.sync.claims import claims
-from ckpt_engine.sync.fanout import collect_failures, mark_stale_and_probe, wait_for_joins
+from ckpt_engine.sync.fanout import collect_failures, mark_stale_and_probe, receive_failures, wait_for_joins
 from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
 from ckpt_engine.recorded_casts import offer_cast_recorder
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
@@ -33,8 +35,8 @@ from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError
 from ckpt_engine.sync.sender_follower import finish_walk, join_message, send_message
 from ckpt_engine.sources.sharded import PieceWalk, ShardedWeightSource, iter_pieces
 from ckpt_engine.sync.many_senders import ManySenders
-from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport
-from ckpt_engine.versions import check_version
+from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
+from ckpt_engine.versions import next_version
 from ckpt_engine.sources.vllm import as_weight_source
 from ckpt_engine.sources.base import WatchedWeights, WeightSource
 
@@ -72,7 +74,7 @@ class WeightSyncSession:
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
         self.host = host
-        self.backend = _backend_for(self.config, self.rollouts)
+        self.backend = backend_for(self.config, self.rollouts)
         self._engine = engine
         self._device = device
         self.raw_gbps = raw_gbps
@@ -165,7 +167,7 @@ class WeightSyncSession:
         if self._store is None:
             self._store = torch.distributed.TCPStore(
                 self.host, 0, is_master=True, wait_for_workers=False,
-                timeout=_td(self.config.timeout_s),
+                timeout=datetime.timedelta(seconds=self.config.timeout_s),
             )
         rdzv = Rendezvous(
             self.host, self._store.port, uuid.uuid4().hex, topo.world_size, self.backend, self.config.timeout_s, num_senders
@@ -290,20 +292,6 @@ class WeightSyncSession:
             raise SyncError("validate", failed, sorted(self.stale))
         return {name: f.result() for name, f in futures.items()}
 
-    def _next_version(self, requested: int | None) -> int:
-        held = self._held_versions()
-        newest = max([v for v in held.values() if v is not None] + [self.version])
-        if requested is None:
-            return check_version(newest + 1, "the next version")
-        check_version(requested, "version")
-        ahead = {n: v for n, v in held.items() if v is not None and v > requested}
-        if ahead:
-            raise ValueError(
-                f"version {requested} is older than what engines hold ({', '.join(f'{n}: v{v}' for n, v in ahead.items())}); "
-                f"versions only grow: pass version=None (next: {newest + 1}) or a version >= {newest}"
-            )
-        return requested
-
     def _check_claims(self) -> None:
         if not self._ready:
             return  # (re)joining claims the engines for this session
@@ -349,7 +337,7 @@ class WeightSyncSession:
                 "new version (does a name filter drop every tensor?)"
             )
         self._check_claims()
-        new_version = self._next_version(version)
+        new_version = next_version(self._held_versions(), self.version, version)
         engine = self._ensure_group(senders)
         return new_version, engine, self.plan(specs, engine, source)
 
@@ -395,7 +383,7 @@ class WeightSyncSession:
         except Exception as exc:
             self._send_failed(exc, source, engine, weights, pieces, receives, senders)
         followers = self._senders.failed(None) if senders > 1 else {}
-        failed = self._receive_failures(receives, grace_s=self.config.timeout_s) if not followers else {}
+        failed = receive_failures(self.rollouts, receives, grace_s=self.config.timeout_s) if not followers else {}
         failed.update(followers)
         if failed:
             if followers:
@@ -424,7 +412,7 @@ class WeightSyncSession:
             collect_failures(receives, "receive", min(5.0, self.config.timeout_s))
             self._break({}, probe=False)
             raise SyncError("transfer", {SOURCE: sender_error}, sorted(self.stale)) from exc
-        failed = self._receive_failures(receives, grace_s=min(5.0, self.config.timeout_s))
+        failed = receive_failures(self.rollouts, receives, grace_s=min(5.0, self.config.timeout_s))
         failed.update(followers)
         if not failed:
             failed["sender"] = sender_error
@@ -436,53 +424,17 @@ class WeightSyncSession:
         reports: dict[str, ReceiveReport], senders: int, seconds: dict[str, float], t0: float,
     ) -> SyncReport:
         """The sync completed: the engines are fresh, the version and the delta chain move on."""
-        seconds.update(export=stats.export_s, pack=stats.pack_s, send=stats.total_s)
-        if "encode_s" in stats.extra:
-            seconds["encode"] = stats.extra["encode_s"]
-        seconds["apply_max"] = max((r.extra.get("delta_apply_s", 0.0) for r in reports.values()), default=0.0)
-        wire = int(stats.extra.get("wire_bytes", manifest.wire_bytes)) if request is not None else manifest.total_bytes
-        dense = int(stats.extra.get("dense_bytes", manifest.wire_bytes)) if request is not None else manifest.total_bytes
-        seconds["load_max"] = max((r.load_s for r in reports.values()), default=0.0)
+        report = make_report(new_version, manifest, request, stats, reports, len(self.rollouts), senders, seconds, self.raw_gbps)
         self.stale.clear()
         self.version = new_version
-        self._delta.completed(manifest.digest, request, wire, dense)
+        self._delta.completed(manifest.digest, request, report.wire_bytes, report.dense_bytes)
         seconds["total"] = time.perf_counter() - t0
-        report = SyncReport(
-            version=new_version,
-            bytes=manifest.total_bytes,
-            tensors=manifest.num_tensors,
-            buckets=manifest.num_buckets,
-            engines=len(self.rollouts),
-            seconds=seconds,
-            gbps=manifest.total_bytes / seconds["transfer"] / 1e9 if seconds["transfer"] > 0 else 0.0,
-            raw_gbps=self.raw_gbps,
-            receivers={n: r.to_dict() for n, r in reports.items()},
-            delta="off" if request is None else ("patch" if request.patches else "seed"),
-            wire_bytes=wire,
-            dense_bytes=dense,
-            changed_fraction=float(stats.extra.get("changed_fraction", 1.0)) if request is not None and request.patches else 1.0,
-            senders=senders,
-            base_bytes=int(stats.extra.get("base_bytes", 0)),
-        )
         logger.info(
             "sync v%d: %.3f GB (%.3f GB on the wire, %s), %d tensors, %d buckets, %d sender(s) in %.3fs (%.2f GB/s)",
-            new_version, report.bytes / 1e9, wire / 1e9, report.delta, report.tensors, report.buckets, senders,
+            new_version, report.bytes / 1e9, report.wire_bytes / 1e9, report.delta, report.tensors, report.buckets, senders,
             seconds["total"], report.gbps,
         )
         return report
-
-    def _receive_failures(self, receives: dict[str, cf.Future[ReceiveReport]], grace_s: float) -> dict[str, str]:
-        failed = collect_failures(receives, "receive", grace_s)
-        if not failed:
-            return failed
-        # A receiver that merely timed out behind a dead peer is not the cause; keep the dead ones.
-        dead = {}
-        for r in self.rollouts:
-            try:
-                r.health()
-            except Exception as exc:
-                dead[r.name] = f"died during the transfer ({exc})"
-        return dead if dead else failed
 
     def close(self) -> None:
         """Leave the group on every engine (best effort), free the sender's buffers and threads.
@@ -515,34 +467,9 @@ class WeightSyncSession:
                 self._lock.release()
 
 
-def _backend_for(config: CheckpointEngineConfig, rollouts: Sequence[RolloutAdapter]) -> str:
-    """`checkpoint_engine.backend`, or the wire the engines declare they read (`transport`)."""
-    wires = {r.transport for r in rollouts}
-    if wires == {None}:
-        return CheckpointEngineRegistry.resolve_name(config.backend)
-    if len(wires) > 1:
-        kinds = ", ".join(f"{r.name}: {r.transport or 'any'}" for r in rollouts)
-        raise ValueError(f"these engines read different wires ({kinds}); sync each kind through a session of its own")
-    wire = next(iter(wires))
-    assert wire is not None
-    if config.backend not in ("auto", wire):
-        raise ValueError(
-            f"engine(s) {', '.join(r.name for r in rollouts)} read only the {wire!r} wire, not "
-            f"checkpoint_engine.backend={config.backend!r}; leave backend at 'auto' (or set {wire!r})"
-        )
-    return wire
-
-
 def _drain(source: WeightSource) -> None:
     for _ in source.iter_weights():
         pass
-
-
-def _td(seconds: float) -> Any:
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
-
 
 
 
