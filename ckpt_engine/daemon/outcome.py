@@ -53,7 +53,7 @@ class SyncOutcome:
         return asdict(self)
 
 
-class OneWalkPerAttempt:
+class OneWalkPerAttempt(WeightSource):
     """Wraps a weight source so that each attempt walks `iter_weights()` exactly once.
 
     WeightSyncSession walks the source exactly once per `sync()` call, but an attempt can fail
@@ -65,8 +65,6 @@ class OneWalkPerAttempt:
     (`metadata()` or the walk) is kept in `error`, so the daemon blames the source, not the
     receivers that merely saw the sender stop.
     """
-
-    is_sender = True
 
     def __init__(self, source: WeightSource) -> None:
         self.source = source

@@ -39,7 +39,7 @@ def sends_from_every_rank(config: CheckpointEngineConfig, source: WeightSource, 
     rank 0 sends after a gather."""
     if config.senders == "rank0":
         return False
-    if not isinstance(source, ShardedWeightSource) or int(getattr(source, "num_senders", 1)) <= 1:
+    if not isinstance(source, ShardedWeightSource) or not source.sharded:
         return False
     if config.senders != "auto":
         return True
@@ -47,7 +47,7 @@ def sends_from_every_rank(config: CheckpointEngineConfig, source: WeightSource, 
     return bool(backend.supports_many_senders) and all(e.supports_many_senders for e in engines)
 
 
-class ShardedWalk(OneWalkPerAttempt):
+class ShardedWalk(OneWalkPerAttempt, ShardedWeightSource):
     """OneWalkPerAttempt for a sync where every trainer rank sends its own pieces.
 
     The session never walks `iter_weights()` then (it asks for `local_piece`s), so this guard never
@@ -58,18 +58,24 @@ class ShardedWalk(OneWalkPerAttempt):
     the other ranks finish the attempt with rank 0.
     """
 
-    def __init__(self, source: Any, timeout_s: float) -> None:
+    source: ShardedWeightSource
+
+    def __init__(self, source: ShardedWeightSource, timeout_s: float) -> None:
         super().__init__(source)
-        self.sender_index: int = source.sender_index
-        self.num_senders: int = source.num_senders
-        self.process_group = getattr(source, "process_group", None)
+        self.sender_index = source.sender_index
+        self.num_senders = source.num_senders
+        self.process_group = source.process_group
+        self.collective_pieces = source.collective_pieces
         self.timeout_s = timeout_s
         self._started = False
         self._channel: SenderChannel | None = None
 
     @property
     def stable_pieces(self) -> bool:
-        return bool(getattr(self.source, "stable_pieces", getattr(self.source, "stable_tensors", False)))
+        return self.source.stable_pieces
+
+    def sharded_refusal(self) -> str | None:
+        return self.source.sharded_refusal()
 
     def begin(self) -> None:
         super().begin()
@@ -81,14 +87,14 @@ class ShardedWalk(OneWalkPerAttempt):
 
     def owners(self) -> OwnerMap:
         try:
-            return self.source.owners()  # type: ignore[no-any-return]
+            return self.source.owners()
         except Exception as exc:
             self.error = exc
             raise
 
     def local_piece(self, name: str) -> torch.Tensor:
         try:
-            return self.source.local_piece(name)  # type: ignore[no-any-return]
+            return self.source.local_piece(name)
         except Exception as exc:
             self.error, self.error_in_walk = exc, True
             raise

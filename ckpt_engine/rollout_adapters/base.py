@@ -132,6 +132,9 @@ class RolloutAdapter(ABC):
     """Whether `receive` takes a `delta` request (its receiver ranks keep base copies and apply patches)."""
     supports_many_senders: bool = False
     """Whether its receiver ranks take buckets from several senders (the generic receiver does)."""
+    transport: ClassVar[str | None] = None
+    """The only transport (registry name) whose wire this engine reads, e.g. SGLang's own; None:
+    any of ckpt-engine's (the session then takes `checkpoint_engine.backend`)."""
 
     def engine_key(self) -> Hashable:
         """What identifies the engine itself (not this handle): two handles on one engine share it.
@@ -140,6 +143,12 @@ class RolloutAdapter(ABC):
         engine); adapters that can name their engine (a URL, an `LLM` object) override it.
         """
         return (type(self).__qualname__, id(self))
+
+    def take_over(self, previous: RolloutAdapter) -> None:
+        """Become the handle a session drives instead of `previous`, an earlier handle on the same
+        engine (same `engine_key`): take whatever of its state the engine's group membership needs
+        (the engine stays in the group, so the session keeps its group, plan and delta bases).
+        Default: nothing to take."""
 
     def held_version(self) -> int | None:
         """The version the engine reports it holds (None: never synced or cannot say).

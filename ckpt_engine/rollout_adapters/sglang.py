@@ -1,19 +1,16 @@
-"""SGLang rollout engines through SGLang's own HTTP API for RL weight updates.
+"""SGLang rollout engines through SGLang's own HTTP API for RL weight updates, as `RolloutAdapter`s.
 
-SGLang receives weights only in its own format: the trainer is rank 0 of a plain torch.distributed
-group that the servers join through `/init_weights_update_group`, and every
-`/update_weights_from_distributed` request (names, dtypes, shapes) is matched by one broadcast
-from rank 0. With `load_format="flattened_bucket"` one broadcast carries a whole bucket: the
-tensors' bytes concatenated without padding, as SGLang's `FlattenedTensorBucket` lays them out.
-Our pipelined bucket wire (aligned offsets, chunked tensors, checksums) is not something SGLang
-can read, so `SglangWeightSync` drives the transfer itself in SGLang's format: whole tensors
-grouped into buckets of `bucket_size_bytes` (a larger tensor travels alone), bucket k+1 packed
-while the servers load bucket k. It reports the same `SyncReport` as `WeightSyncSession`.
+An `SglangRollout` syncs through the same `WeightSyncSession` / `sync_rollout_weights()` as every
+other engine. SGLang reads only its own wire, so the adapter declares it (`transport = "sglang"`,
+`sglang_wire.py`): the session's group is the one the servers join through
+`/init_weights_update_group`, and for every bucket of the plan the adapter posts one
+`/update_weights_from_distributed` (names, dtypes, shapes; `load_format="flattened_bucket"` unless
+the transport option `flattened` is false) that the sender's broadcasts then fill.
 
 SGLang has no route that checks names and shapes before data moves (a bad name fails inside
-`load_weights`, after the bytes arrived, leaving the model half-updated), so the manifest is
-checked here first against the served model's parameters: taken from `expected_specs`, or built
-on the meta device from the HF config of `/get_model_info`'s `model_path`.
+`load_weights`, after the bytes arrived, leaving the model half-updated), so `validate` checks the
+manifest first against the served model's parameters: taken from `expected_specs`, or built on the
+meta device from the HF config of `/get_model_info`'s `model_path`.
 
 Contract-tested against `tests/sglang_standin.py` (SGLang 0.5.x request schemas), not run against
 SGLang itself on these machines.
@@ -21,28 +18,27 @@ SGLang itself on these machines.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import datetime
 import logging
-import threading
 import time
-import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import Any, ClassVar
 
 import torch
 
-from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.sync.fanout import collect_failures, mark_stale_and_probe
-from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.rollout_adapters.base import ManifestRejectedError, version_of
-from ckpt_engine.sync.report import SyncError, SyncReport
-from ckpt_engine.versions import check_version
-from ckpt_engine.sources.base import WeightSource, spec_of
+from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
+from ckpt_engine.sources.base import spec_of
+from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
 
-__all__ = ["SglangClient", "SglangWeightSync", "custom_process_group", "hf_expected_specs", "plan_flat_buckets"]
+__all__ = ["SGLANG_TRANSPORT", "SglangClient", "SglangRollout", "custom_process_group", "group_name_of", "hf_expected_specs"]
 
 logger = logging.getLogger(__name__)
+
+SGLANG_TRANSPORT = "sglang"
+"""The transport name of SGLang's wire (`sglang_wire.SglangWireEngine`), registered on import."""
 
 # ckpt-engine pause modes -> SGLang's /pause_generation modes.
 # `keep` is SGLang's `retract`: requests stay queued and their KV is recomputed under the new weights
@@ -55,9 +51,9 @@ def custom_process_group(
 ) -> Any:
     """A process group outside the default group: TCPStore at host:port, keys under `group_name`.
 
-    Rank 0 (the trainer) hosts the store (pass it in as `store`). Both the sender here and the
-    stand-in server build the group this way; SGLang's own `init_custom_process_group` meets at
-    the same `tcp://host:port`.
+    Pass the store when this rank must not create it (the sender connects to the session's).
+    Both the sender (`sglang_wire.py`) and the stand-in server build the group this way; SGLang's
+    own `init_custom_process_group` meets at the same `tcp://host:port`.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
@@ -68,20 +64,9 @@ def custom_process_group(
     return store, torch.distributed.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
 
-def plan_flat_buckets(specs: Sequence[TensorSpec], bucket_size_bytes: int) -> list[list[TensorSpec]]:
-    """Whole tensors in order, grouped up to `bucket_size_bytes`; a larger tensor goes alone."""
-    buckets: list[list[TensorSpec]] = []
-    current: list[TensorSpec] = []
-    size = 0
-    for spec in specs:
-        if current and size + spec.nbytes > bucket_size_bytes:
-            buckets.append(current)
-            current, size = [], 0
-        current.append(spec)
-        size += spec.nbytes
-    if current:
-        buckets.append(current)
-    return buckets
+def group_name_of(rendezvous: Rendezvous) -> str:
+    """The SGLang group name of a weight-sync group (both ends derive it from the token)."""
+    return f"ckpt_engine_{rendezvous.token[:12]}"
 
 
 def hf_expected_specs(model_path: str) -> dict[str, TensorSpec]:
@@ -161,239 +146,97 @@ class SglangClient:
         self._probe.close()
 
 
-class SglangWeightSync:
-    """The trainer side for SGLang servers: owns the group (rank 0) and drives every sync."""
+class SglangRollout(RolloutAdapter):
+    """One SGLang server (all its TP ranks) as an engine of a weight-sync session.
 
-    def __init__(
-        self,
-        servers: Sequence[SglangClient],
-        config: CheckpointEngineConfig | None = None,
-        *,
-        host: str = "127.0.0.1",
-        expected_specs: Sequence[TensorSpec] | None = None,
-        flattened: bool = True,
-    ) -> None:
-        self.config = config if config is not None else CheckpointEngineConfig(backend="gloo")
-        self.servers = list(servers)
-        self.host = host
-        self.flattened = flattened
-        self.bucket_size_bytes = self.config.bucket_size_bytes if self.config.bucket_size_bytes is not None else 256 << 20
-        self._expected: dict[str, dict[str, TensorSpec]] = {}
-        if expected_specs is not None:
-            self._expected = {s.name: {t.name: t for t in expected_specs} for s in self.servers}
-        self._group: Any = None
-        self._store: Any = None
-        self.group_name = ""
-        self.version = 0
-        self.stale: set[str] = set()
-        self._lock = threading.Lock()
-        self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.servers)), thread_name_prefix="ckpt-sglang")
+    Uses SGLang's wire (`transport`): leave `checkpoint_engine.backend` at `auto` (or `sglang`);
+    `engine_kwargs={"sglang": {"flattened": False}}` sends one broadcast per tensor. The client is
+    the caller's: `close()` leaves it open.
+    """
 
-    # --- group ---------------------------------------------------------------------------------
-    def _ensure_group(self) -> None:
-        if self._group is not None:
+    transport: ClassVar[str | None] = SGLANG_TRANSPORT
+
+    def __init__(self, client: SglangClient, *, expected_specs: Sequence[TensorSpec] | None = None) -> None:
+        self.client = client
+        self.name = client.name
+        self.world_size = client.world_size
+        self._expected = {s.name: s for s in expected_specs} if expected_specs is not None else None
+        self._group_name: str | None = None
+        self._flattened = True
+        self._paused = False
+
+    def engine_key(self) -> Hashable:
+        return ("sglang", self.client.base_url)
+
+    def take_over(self, previous: RolloutAdapter) -> None:
+        """A new handle on the same server: the group it joined, its wire and whether it paused."""
+        if isinstance(previous, SglangRollout):
+            self._group_name, self._flattened, self._paused = previous._group_name, previous._flattened, previous._paused
+
+    def held_version(self) -> int | None:
+        return version_of(self.client.get_weight_version())
+
+    def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
+        flattened = options.engine_kwargs.get("flattened", True)
+        if not isinstance(flattened, bool):
+            raise ValueError(f"engine_kwargs.sglang.flattened must be a bool, got {flattened!r}")
+        name = group_name_of(rendezvous)
+        self.client.init_weights_update_group(rendezvous.host, rendezvous.port, rank_offset, rendezvous.world_size, name, "gloo")
+        self._group_name, self._flattened = name, flattened
+
+    def validate(self, manifest: BucketManifest, encoded: bytes) -> None:
+        """Names and shapes against the served model's parameters, before any byte moves."""
+        if self._expected is None:
+            self._expected = hf_expected_specs(str(self.client.get_model_info()["model_path"]))
+        problems = []
+        for spec in manifest.specs:
+            want = self._expected.get(spec.name)
+            if want is None:
+                problems.append(f"{spec.name}: the engine has no such tensor")
+            elif want.shape != spec.shape:
+                problems.append(f"{spec.name}: shape {list(spec.shape)} but the engine holds {list(want.shape)}")
+        if problems:
+            raise ManifestRejectedError(self.name, problems)
+
+    def pause(self, mode: str) -> None:
+        if mode == "none":
             return
-        world = 1 + sum(s.world_size for s in self.servers)
-        if self._store is None:  # port 0: a free port from the OS; the servers join at host:port
-            self._store = torch.distributed.TCPStore(
-                self.host, 0, world, is_master=True, wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=self.config.timeout_s),
-            )
-        port = self._store.port
-        self.group_name = f"ckpt_engine_{uuid.uuid4().hex[:12]}"
-        offsets, rank = [], 1
-        for s in self.servers:
-            offsets.append(rank)
-            rank += s.world_size
-        backend = "gloo"
-        futures = {
-            s.name: self._pool.submit(s.init_weights_update_group, self.host, port, off, world, self.group_name, backend)
-            for s, off in zip(self.servers, offsets)
-        }
-        try:
-            _, self._group = custom_process_group(
-                self.host, port, 0, world, self.group_name, backend, self.config.timeout_s, store=self._store
-            )
-            probe_t = torch.zeros(1)
-            self._group.broadcast(probe_t, 0).wait(datetime.timedelta(seconds=self.config.timeout_s))
-        except Exception as exc:
-            failed = self._wait_all(futures, "join")
-            self._group = None
-            raise SyncError("join", failed or {"sender": str(exc)}, sorted(self.stale)) from exc
-        failed = self._wait_all(futures, "join")
-        if failed:
-            self._group = None
-            raise SyncError("join", failed, sorted(self.stale))
+        self.client.pause_generation(_PAUSE_MODES[mode])
+        self._paused = True
 
-    def _wait_all(self, futures: dict[str, cf.Future[Any]], stage: str) -> dict[str, str]:
-        return collect_failures(futures, stage, self.config.timeout_s)
-
-    def _fan_out(self, stage: str, fn: Any) -> None:
-        failed = self._wait_all({s.name: self._pool.submit(fn, s) for s in self.servers}, stage)
-        if failed:
-            self._break(failed)
-            raise SyncError(stage, failed, sorted(self.stale))
-
-    def _break(self, failed: dict[str, str]) -> None:
-        mark_stale_and_probe(self.servers, failed, self.stale)
-        if self._group is not None and hasattr(self._group, "abort"):
-            try:
-                self._group.abort()
-            except Exception as exc:
-                logger.warning("abort of the SGLang weight group failed: %s", exc)
-        self._group = None
-
-    # --- one sync ----------------------------------------------------------------------------
-    def validate(self, specs: Sequence[TensorSpec]) -> None:
-        """Reject before any byte moves: names/shapes against each server's model."""
-        rejected = []
-        for s in self.servers:
-            expected = self._expected.get(s.name)
-            if expected is None:
-                expected = self._expected[s.name] = hf_expected_specs(str(s.get_model_info()["model_path"]))
-            problems = []
-            for spec in specs:
-                want = expected.get(spec.name)
-                if want is None:
-                    problems.append(f"{spec.name}: the engine has no such tensor")
-                elif want.shape != spec.shape:
-                    problems.append(f"{spec.name}: shape {list(spec.shape)} but the engine holds {list(want.shape)}")
-            if problems:
-                rejected.append(ManifestRejectedError(s.name, problems))
-        if len(rejected) == 1:
-            raise rejected[0]
-        if rejected:
-            raise ManifestRejectedError(", ".join(e.engine for e in rejected), [p for e in rejected for p in e.problems])
-
-    def sync(self, source: WeightSource, *, version: int | None = None) -> SyncReport:
-        """One sync; a second caller waits its turn for at most timeout_s, then is refused.
-
-        `version` defaults to one past the newest version any server reports (or this object's
-        last one), so a new SglangWeightSync never reuses a label; an older one is refused."""
-        if not self._lock.acquire(timeout=self.config.timeout_s):
-            raise RuntimeError(f"another sync on these SGLang servers has run for more than timeout_s={self.config.timeout_s}s")
-        try:
-            return self._sync(source, version)
-        finally:
-            self._lock.release()
-
-    def _next_version(self, requested: int | None) -> int:
-        held = {s.name: version_of(s.get_weight_version()) for s in self.servers}
-        newest = max([v for v in held.values() if v is not None] + [self.version])
-        if requested is None:
-            return check_version(newest + 1, "the next version")
-        check_version(requested, "version")
-        ahead = {n: v for n, v in held.items() if v is not None and v > requested}
-        if ahead:
-            raise ValueError(f"version {requested} is older than what servers hold ({ahead}); versions only grow")
-        return requested
-
-    def _sync(self, source: WeightSource, version: int | None) -> SyncReport:
+    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None) -> ReceiveReport:
+        """One `/update_weights_from_distributed` per bucket, each answered once the server loaded
+        what the sender's broadcasts carried."""
+        if self._group_name is None:
+            raise RuntimeError(f"engine {self.name!r} is in no weight-sync group; join first")
         t0 = time.perf_counter()
-        seconds: dict[str, float] = {}
-        specs = list(source.metadata())
-        if not specs:
-            raise ValueError(f"the weight source ({type(source).__name__}) lists no tensors: refusing to stamp an empty sync as a new version")
-        new_version = self._next_version(version)
-        self.validate(specs)
-        seconds["validate"] = time.perf_counter() - t0
-        self._ensure_group()
-        t = time.perf_counter()
-        if self.config.pause_mode != "none":
-            mode = _PAUSE_MODES[self.config.pause_mode]
-            self._fan_out("pause", lambda s: s.pause_generation(mode))
-        seconds["pause"] = time.perf_counter() - t
+        nbytes = 0
+        for bucket in manifest.buckets:
+            specs = [TensorSpec(e.name, e.dtype, e.shape) for e in bucket.entries]
+            self.client.update_weights_from_distributed(specs, self._group_name, flattened=self._flattened)
+            nbytes += sum(s.nbytes for s in specs)
+        seconds = time.perf_counter() - t0
+        n = manifest.num_tensors
+        return ReceiveReport(n, nbytes, seconds, seconds, n, {"flattened": float(self._flattened)})
 
-        t = time.perf_counter()
-        buckets = plan_flat_buckets(specs, self.bucket_size_bytes)
-        stats = self._stream(buckets, source, seconds)
-        seconds["transfer"] = time.perf_counter() - t
+    def finalize(self, version: int) -> None:
+        """Flush SGLang's prefix cache (its KV was computed under the old weights), stamp `version`."""
+        self.client.flush_cache()
+        self.client.update_weight_version(str(version))
 
-        t = time.perf_counter()
-        version_str = str(new_version)
+    def resume(self) -> None:
+        if self._paused:
+            self.client.continue_generation()
+            self._paused = False
 
-        def finalize(s: SglangClient) -> None:
-            s.flush_cache()
-            s.update_weight_version(version_str)
+    def health(self) -> dict[str, Any]:
+        self.client.health()
+        return {}
 
-        self._fan_out("finalize", finalize)
-        seconds["finalize"] = time.perf_counter() - t
-        t = time.perf_counter()
-        if self.config.pause_mode != "none":
-            self._fan_out("resume", lambda s: s.continue_generation())
-        seconds["resume"] = time.perf_counter() - t
-        self.stale.clear()
-        self.version = new_version
-        seconds["total"] = time.perf_counter() - t0
-        total = sum(s.nbytes for s in specs)
-        return SyncReport(
-            version=new_version, bytes=total, tensors=len(specs), buckets=len(buckets), engines=len(self.servers),
-            seconds=seconds, gbps=total / seconds["transfer"] / 1e9 if seconds["transfer"] > 0 else 0.0,
-            receivers={"format": {"load_format": "flattened_bucket" if self.flattened else "per_tensor", **stats}},
-        )
+    def leave(self) -> None:
+        name, self._group_name = self._group_name, None
+        if name is not None:
+            self.client.destroy_weights_update_group(name)
 
-    def _stream(self, buckets: list[list[TensorSpec]], source: WeightSource, seconds: dict[str, float]) -> dict[str, Any]:
-        """Per bucket: post the update to every server, broadcast its bytes, collect the replies."""
-        it = iter(source.iter_weights())
-        pending: dict[str, cf.Future[Any]] = {}
-        pack_s = 0.0
-        broadcasts = 0
-        try:
-            for bucket in buckets:
-                t = time.perf_counter()
-                tensors = []
-                for spec in bucket:
-                    name, tensor = next(it)
-                    if name != spec.name:
-                        raise ValueError(f"the weight source yielded {name!r} where its metadata put {spec.name!r}")
-                    tensors.append(tensor.detach().to(torch.device("cpu"), getattr(torch, spec.dtype)).contiguous())
-                if self.flattened:
-                    payloads = [torch.cat([x.reshape(-1).view(torch.uint8) for x in tensors])]
-                else:
-                    payloads = tensors
-                pack_s += time.perf_counter() - t
-                # The previous bucket's loads must finish before SGLang takes the next request.
-                self._collect(pending, "transfer")
-                pending = {
-                    s.name: self._pool.submit(s.update_weights_from_distributed, bucket, self.group_name, flattened=self.flattened)
-                    for s in self.servers
-                }
-                for payload in payloads:
-                    work = self._group.broadcast(payload, 0)
-                    work.wait(datetime.timedelta(seconds=self.config.timeout_s))
-                    broadcasts += 1
-            self._collect(pending, "transfer")
-        except SyncError:
-            raise
-        except Exception as exc:
-            failed = self._wait_all(pending, "transfer") if pending else {}
-            dead = {}
-            for s in self.servers:
-                try:
-                    s.health()
-                except Exception as h_exc:
-                    dead[s.name] = f"died during the transfer ({h_exc})"
-            failed = dead or failed or {"sender": f"{type(exc).__name__}: {exc}"}
-            self._break(failed)
-            raise SyncError("transfer", failed, sorted(self.stale)) from exc
-        seconds["pack"] = pack_s
-        return {"broadcasts": broadcasts}
 
-    def _collect(self, pending: dict[str, cf.Future[Any]], stage: str) -> None:
-        if not pending:
-            return
-        failed = self._wait_all(pending, stage)
-        if failed:
-            self._break(failed)
-            raise SyncError(stage, failed, sorted(self.stale))
-
-    def close(self) -> None:
-        """Destroy the group on every server (best effort) and release ours."""
-        if self._group is not None:
-            for s in self.servers:
-                try:
-                    s.destroy_weights_update_group(self.group_name)
-                except Exception as exc:
-                    logger.warning("engine %s did not destroy the weight group: %s", s.name, exc)
-            self._group = None
-        self._pool.shutdown(wait=False, cancel_futures=True)
+CheckpointEngineRegistry.add(SGLANG_TRANSPORT, "ckpt_engine.rollout_adapters.sglang_wire:SglangWireEngine")

@@ -68,6 +68,11 @@ class _VllmAdapterBase(RolloutAdapter):
             f"--worker-extension-cls {WORKER_EXTENSION} for `vllm serve`)"
         )
 
+    def take_over(self, previous: RolloutAdapter) -> None:
+        """A new handle on the same engine: the workers' pids and the manifest they hold."""
+        if isinstance(previous, _VllmAdapterBase):
+            self.pids, self._sent_digest, self.version = list(previous.pids), previous._sent_digest, previous.version
+
     def held_version(self) -> int | None:
         """The version the engine's workers hold (the extension keeps it across adapter objects)."""
         versions = {version_of(h.get("version")) for h in self.worker_health()}

@@ -14,7 +14,7 @@ BACKEND_NAME = "ckpt_engine"
 """The name in `--weight-transfer-config '{"backend": "ckpt_engine"}'` and in both vLLM factories."""
 
 _WORKER = ("ckpt_engine.rollout_adapters.vllm_transfer_engine", "CkptEngineWeightTransferEngine")
-_TRAINER = ("ckpt_engine.rollout_adapters.vllm_trainer_engine", "CkptEngineTrainerWeightTransferEngine")
+_TRAINER = ("ckpt_engine.sync.vllm_trainer_engine", "CkptEngineTrainerWeightTransferEngine")
 
 
 def register() -> None:

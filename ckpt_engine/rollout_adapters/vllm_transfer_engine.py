@@ -5,12 +5,14 @@ drives it from its own routes (`/init_weight_transfer_engine`, `/start_weight_up
 `/update_weights`, `/finish_weight_update`) or `LLM` methods. The plugin in `vllm_plugin.py`
 registers this class under the name `ckpt_engine` in every vLLM process.
 
-One weight update, as the trainer side (`vllm_trainer_engine.py`) drives it:
+One weight update, as the trainer side drives it (`rollout_adapters/vllm_native.py`, under a
+`WeightSyncSession`; `sync/vllm_trainer_engine.py` for vLLM's trainer API):
   start_weight_update
   update_weights({"phase": "validate", "digest", "manifest"})  raises ValueError naming every bad
       tensor; nothing has moved and the model is untouched (vLLM then closes the update)
-  update_weights({"phase": "receive", "digest", "version"})    blocks while the trainer streams
-      the buckets through the weight-sync group; loads them through layerwise reload
+  update_weights({"phase": "receive", "digest", "delta"})      blocks while the trainer streams
+      the buckets (or patches against the workers' base copies) through the weight-sync group;
+      loads them through layerwise reload
   finish_weight_update                                          layerwise post-processing
 The weights never travel in these calls; only the manifest (msgpack, base64) and small scalars do.
 """
@@ -28,6 +30,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.rollout_adapters.base import JoinOptions
 from ckpt_engine.rollout_adapters.vllm_receiver import VllmReceiverCore
@@ -36,13 +39,15 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
-__all__ = ["CkptEngineInitInfo", "CkptEngineUpdateInfo", "CkptEngineWeightTransferEngine", "NEED_MANIFEST"]
+__all__ = ["CkptEngineInitInfo", "CkptEngineUpdateInfo", "CkptEngineWeightTransferEngine", "NEED_MANIFEST", "REJECTED"]
 
 logger = logging.getLogger(__name__)
 
 PHASES = ("validate", "receive")
 NEED_MANIFEST = "need_manifest"
 """Appears in the validate error when the worker has no manifest under the announced digest."""
+REJECTED = "ckpt_engine rejected the manifest: "
+"""Starts the validate error that lists the manifest's problems ("; "-separated)."""
 
 
 @dataclass
@@ -74,6 +79,8 @@ class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
     """Validate only: base64 of the msgpack manifest; None when the worker already holds `digest`."""
     version: str | None = None
     """Receive only: the version the trainer stamps on this update (reported by the worker)."""
+    delta: dict[str, Any] | None = None
+    """Receive only: the controller's delta request (`DeltaRequest.to_dict()`); None: dense."""
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -84,6 +91,10 @@ class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError("manifest must be a base64 string, sent only with phase 'validate'")
         if self.version is not None and not isinstance(self.version, str):
             raise ValueError(f"version must be a string, got {self.version!r}")
+        if self.delta is not None:
+            if self.phase != "receive":
+                raise ValueError("delta is sent only with phase 'receive'")
+            DeltaRequest.from_dict(self.delta)  # raises ValueError naming the bad field
 
 
 class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, CkptEngineUpdateInfo]):
@@ -135,7 +146,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
             if verdict.get("need_manifest"):
                 raise ValueError(f"ckpt_engine: {NEED_MANIFEST}: no manifest cached under digest {update_info.digest[:12]}; send it")
             if not verdict["accepted"]:
-                raise ValueError("ckpt_engine rejected the manifest: " + "; ".join(verdict["problems"]))
+                raise ValueError(REJECTED + "; ".join(verdict["problems"]))
             self._validated = update_info.digest
             return
         if self._validated != update_info.digest:
@@ -143,7 +154,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
                 f"ckpt_engine: manifest {update_info.digest[:12]} was not validated in this weight update; "
                 "call update_weights with phase 'validate' first"
             )
-        self.core.receive(update_info.digest)
+        self.core.receive(update_info.digest, delta=update_info.delta)
         self._version = update_info.version
 
     def finish_weight_update(self) -> None:

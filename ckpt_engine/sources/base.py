@@ -4,42 +4,62 @@ A source knows the name, wire dtype and global shape of every tensor up front (`
 gathering), and yields the full tensors lazily in that order (`iter_weights()`). On a sharded
 trainer producing a tensor is a collective, so every trainer rank walks `iter_weights()`; only the
 rank with `is_sender` true streams what it yields.
+
+`WeightSource` declares every attribute the library reads, with its default (the model: vLLM's
+`weight_transfer/base.py:WeightSource`); a subclass overrides what differs. Sources that send
+from every trainer rank extend `ShardedWeightSource` (`sharded.py`).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from ckpt_engine.manifest import TensorSpec
 
-__all__ = ["StateDictSource", "WatchedWeights", "WeightSource", "spec_of"]
+__all__ = ["StateDictSource", "WatchedWeights", "WeightSource", "WeightWalk", "spec_of"]
 
 
-@runtime_checkable
-class WeightSource(Protocol):
-    """Optional attributes: `is_sender` (default True) and `stable_tensors` (default False: a
-    yielded tensor is valid only until the next one is requested)."""
+class WeightSource(ABC):
+    """A trainer's weights, as one sync reads them (every trainer rank holds one).
 
-    def metadata(self) -> list[TensorSpec]: ...
+    Collective contract: every trainer rank calls `iter_weights()` once per sync and walks it to
+    its end (its gathers may be collectives); only the rank whose `is_sender` is true streams.
+    """
 
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+    is_sender: bool = True
+    """Whether this rank streams what `iter_weights()` yields (the others only walk it)."""
+    stable_tensors: bool = False
+    """Whether every yielded tensor stays valid and unchanged until the sync ends (e.g. a plain
+    state dict): the transport may then send from it without a copy. False: a yielded tensor is
+    valid only until the next one is requested."""
+    process_group: Any = None
+    """The trainer's process group over which a sync with many senders is announced (None: the
+    default group)."""
+
+    @abstractmethod
+    def metadata(self) -> list[TensorSpec]:
+        """Name, wire dtype and global shape of every tensor, in `iter_weights()` order; no gather."""
+
+    @abstractmethod
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, full tensor) in `metadata()` order; a fresh walk on every call."""
 
 
 def spec_of(name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> TensorSpec:
     return TensorSpec(name, str(dtype if dtype is not None else tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
 
 
-class StateDictSource:
+class StateDictSource(WeightSource):
     """A plain name -> tensor mapping (or an nn.Module's state dict) as a weight source.
 
     `dtype` casts floating-point tensors on the wire (e.g. fp32 master weights sent as bf16);
     `keep_dtype` names tensors that must keep their own dtype (e.g. MoE router gates).
     """
 
-    is_sender = True
     stable_tensors = True  # the mapping keeps every tensor alive for the whole sync
 
     def __init__(
@@ -66,38 +86,48 @@ class StateDictSource:
         yield from self.weights.items()
 
 
-class WatchedWeights:
-    """An iterator over a source's weights that remembers whether the source itself raised.
+class WeightWalk(Iterator[tuple[str, torch.Tensor]]):
+    """One walk of a source's weights as a sender consumes it: (name, tensor) pairs, plus what a
+    transport may ask of the walk besides them.
+
+    `anchors()`: the tensors every yielded tensor is a view of, so a transport that recorded its
+    copies at an earlier sync may replay them without walking (`transports/copy_plan.py`); None
+    (the default) when the walk cannot name them. After a walk `anchors()` started, `close()`
+    ends it."""
+
+    def anchors(self) -> list[torch.Tensor] | None:
+        return None
+
+    def close(self) -> None:
+        """End a walk `anchors()` started (nothing by default)."""
+
+
+class WatchedWeights(WeightWalk):
+    """A walk over a source's weights that remembers whether the source itself raised.
 
     A failure mid-stream is then blamed on what caused it: the trainer's source (named as such,
-    with its exception) or the transfer and the engines.
+    with its exception) or the transfer and the engines. It wraps a plain iterator (a source's
+    `iter_weights()`) or a `WeightWalk` (a sharded source's `PieceWalk`), whose anchors it passes on.
     """
 
     def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self._weights = weights
+        self._walk = weights if isinstance(weights, WeightWalk) else None
         self._it = iter(weights)
         self.error: BaseException | None = None
 
     def anchors(self) -> list[torch.Tensor] | None:
-        """The wrapped walk's anchors (`sharded_source.PieceWalk.anchors`), so a transport may
-        replay its copy plan; None when it names none."""
-        get = getattr(self._weights, "anchors", None)
-        if not callable(get):
+        """The wrapped walk's anchors (see `WeightWalk`); None for a plain iterator."""
+        if self._walk is None:
             return None
         try:
-            return get()
+            return self._walk.anchors()
         except BaseException as exc:
             self.error = exc
             raise
 
     def close(self) -> None:
-        """End a walk `anchors()` started."""
-        close = getattr(self._weights, "close", None)
-        if callable(close):
-            close()
-
-    def __iter__(self) -> WatchedWeights:
-        return self
+        if self._walk is not None:
+            self._walk.close()
 
     def __next__(self) -> tuple[str, torch.Tensor]:
         try:

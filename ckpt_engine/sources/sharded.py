@@ -8,38 +8,79 @@ splits the work by ownership and the receivers reassemble full, HF-named tensors
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Iterator, Mapping
-from typing import Protocol, runtime_checkable
 
 import torch
 
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.ownership import OwnerMap, row_shards
+from ckpt_engine.sources.base import WeightSource, WeightWalk
 
 __all__ = ["PieceWalk", "ShardedStateDictSource", "ShardedWeightSource", "iter_pieces", "piece_names"]
 
 
-@runtime_checkable
-class ShardedWeightSource(Protocol):
-    """What `sync_rollout_weights(..., senders="all")` needs from each trainer rank.
+class ShardedWeightSource(WeightSource):
+    """A weight source that sends from every trainer rank (`sync_rollout_weights(..., senders="all")`).
 
-    `sender_index` / `num_senders`: this rank's place among the senders (trainer rank order).
+    `sender_index` / `num_senders`: this rank's place among the senders (trainer rank order); a
+    source over one rank (`num_senders` 1, the default) syncs as a plain `WeightSource`.
     `owners()`: the same map on every rank (pure; no collective). Tensors it leaves out are
     replicated on every rank; the planner assigns them. `local_piece(name)`: this rank's shard of
     a tensor it owns (its bytes in the tensor's row-major layout, any shape, wire dtype or a float
     dtype to cast from), or the whole tensor when it is replicated. Called in plan order, once per
-    piece; the tensor may be freed after the next call unless `stable_tensors` is true. Optional:
-    `piece_anchors()`, inside a walk, the tensors every piece is a view of (see `PieceWalk`).
+    piece; the tensor may be freed after the next call unless `stable_pieces` is true.
     """
 
-    sender_index: int
-    num_senders: int
+    sender_index: int = 0
+    num_senders: int = 1
+    sends: bool = True
+    """False on a TP helper: a rank with its sender's `sender_index` that joins no group and only
+    walks its sender's gathers in step (`assist_piece`)."""
+    collective_pieces: bool = False
+    """Whether producing a piece is a collective with this sender's TP helpers: a sender's walk
+    then runs to its end even after a failed send, and a ready round precedes every stream."""
 
-    def metadata(self) -> list[TensorSpec]: ...
+    @property
+    def stable_pieces(self) -> bool:
+        """Whether every `local_piece` stays valid and unchanged for a whole sync (the transport
+        may send from it without a copy). Defaults to `stable_tensors`; a source whose pieces
+        are views while its `iter_weights()` gathers says so here."""
+        return self.stable_tensors
 
-    def owners(self) -> OwnerMap: ...
+    @property
+    def sharded(self) -> bool:
+        """Whether this source really sends from several ranks (`num_senders` > 1)."""
+        return self.num_senders > 1
 
-    def local_piece(self, name: str) -> torch.Tensor: ...
+    def sharded_refusal(self) -> str | None:
+        """Why this source cannot send from every rank in its layout (None: it can). Named in the
+        error when a sync asks for many senders and `num_senders` is 1."""
+        return None
+
+    @abstractmethod
+    def owners(self) -> OwnerMap:
+        """Which byte range of every sharded tensor each sender holds; the same on every rank."""
+
+    @abstractmethod
+    def local_piece(self, name: str) -> torch.Tensor:
+        """This rank's piece of `name` (see the class docstring)."""
+
+    def assist_piece(self, name: str) -> None:
+        """A TP helper's part of its sender's `local_piece(name)` (by default: the same call)."""
+        self.local_piece(name)
+
+    def piece_anchors(self) -> list[torch.Tensor] | None:
+        """Inside a walk, the tensors every piece is a view of (see `PieceWalk.anchors`); None
+        (the default) when the source cannot name them."""
+        return None
+
+    def begin_pieces(self) -> None:
+        """A walk of this rank's pieces starts (the source may keep what it makes for one walk,
+        e.g. casts, and must drop it before the next)."""
+
+    def end_pieces(self) -> None:
+        """The walk `begin_pieces` started ended (after its last piece, or a failure)."""
 
 
 def piece_names(manifest: BucketManifest, sender: int) -> Iterator[str]:
@@ -54,20 +95,19 @@ def piece_names(manifest: BucketManifest, sender: int) -> Iterator[str]:
 
 
 def iter_pieces(source: ShardedWeightSource, manifest: BucketManifest) -> PieceWalk:
-    """The (name, piece) pairs this rank sends, in the order of its buckets, as a `PieceWalk`. A
-    source with `begin_pieces()` / `end_pieces()` hooks hears when the walk starts and ends (it may
-    keep what it made for one walk, e.g. casts, and must drop it before the next)."""
+    """The (name, piece) pairs this rank sends, in the order of its buckets, as a `PieceWalk`; the
+    source's `begin_pieces()` / `end_pieces()` hear when the walk starts and ends."""
     return PieceWalk(source, manifest)
 
 
-class PieceWalk:
+class PieceWalk(WeightWalk):
     """One walk of a source's pieces: iterating it yields (name, piece) pairs (one generator per
     walk, so a caller that resumes iterating after a failure continues the same walk).
 
-    A source with `piece_anchors()` also lets a transport skip the walk: `anchors()` starts it
-    without producing a single piece and returns the tensors every piece is a view of, so a
-    transport that recorded its copies from these pieces at an earlier sync may replay them while
-    the anchors stay where they were (`backends/copy_plan.py`); `close()` ends it."""
+    A source whose `piece_anchors()` names them also lets a transport skip the walk: `anchors()`
+    starts it without producing a single piece and returns the tensors every piece is a view of,
+    so a transport that recorded its copies from these pieces at an earlier sync may replay them
+    while the anchors stay where they were (`transports/copy_plan.py`); `close()` ends it."""
 
     def __init__(self, source: ShardedWeightSource, manifest: BucketManifest) -> None:
         self.source, self.manifest = source, manifest
@@ -82,34 +122,30 @@ class PieceWalk:
         return next(iter(self))
 
     def _walk(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self._hook("begin_pieces")
+        self.source.begin_pieces()
         try:
             for name in piece_names(self.manifest, self.source.sender_index):
                 yield name, self.source.local_piece(name)
         finally:
-            self._hook("end_pieces")
-
-    def _hook(self, name: str) -> None:
-        fn = getattr(self.source, name, None)
-        if callable(fn):
-            fn()
+            self.source.end_pieces()
 
     def anchors(self) -> list[torch.Tensor] | None:
         """Start a walk that produces no piece (call `close()` after the transfer) and return the
-        source's anchors; None when the source cannot name them."""
-        get = getattr(self.source, "piece_anchors", None)
-        if not callable(get):
-            return None
-        self._hook("begin_pieces")
+        source's anchors; None (and no walk started) when the source cannot name them."""
+        self.source.begin_pieces()
         try:
-            return list(get())
+            anchors = self.source.piece_anchors()
         except BaseException:
             self.close()
             raise
+        if anchors is None:
+            self.close()
+            return None
+        return list(anchors)
 
     def close(self) -> None:
         """End a walk `anchors()` started."""
-        self._hook("end_pieces")
+        self.source.end_pieces()
 
 
 def even_rows(rows: int, num_senders: int) -> list[int]:
@@ -118,7 +154,7 @@ def even_rows(rows: int, num_senders: int) -> list[int]:
     return [max(0, min(per, rows - s * per)) for s in range(num_senders)]
 
 
-class ShardedStateDictSource:
+class ShardedStateDictSource(ShardedWeightSource):
     """A full state dict held on every rank, sent as if dim-0 sharded: each rank sends its row
     block of every tensor of 2+ dims (the rest is replicated). For `ckpt-engine bench --senders N`
     and tests; a real sharded trainer implements the same protocol over its own shards."""
@@ -134,7 +170,6 @@ class ShardedStateDictSource:
         self.weights = dict(weights)
         self.sender_index, self.num_senders = sender_index, num_senders
         self.dtype, self.keep_dtype = dtype, keep_dtype
-        self.is_sender = True
         self._pieces: dict[str, torch.Tensor] = {}  # the same view every sync: the sender skips re-checking it
 
     def _wire(self, name: str, t: torch.Tensor) -> torch.dtype:

@@ -3,11 +3,13 @@ weight-transfer API hands the same object to `sync_rollout_weights()`.
 
 vLLM's source declares `metadata()` as `ParamMeta(name, torch.dtype, shape)` and yields pairs from
 `iter(source)`, a fresh pass each round; ckpt-engine's declares `TensorSpec`s and yields from
-`iter_weights()`. Nothing here imports vLLM: a vLLM source is recognised by its shape.
+`iter_weights()`. Nothing here imports vLLM: an object can only be a vLLM `WeightSource` when
+vLLM's `weight_transfer/base.py` is already imported, so it is looked up there.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,16 +21,16 @@ from ckpt_engine.sources.base import WeightSource
 __all__ = ["VllmWeightSourceAdapter", "as_weight_source", "is_vllm_weight_source"]
 
 
+_VLLM_BASE = "vllm.distributed.weight_transfer.base"
+
+
 def is_vllm_weight_source(source: Any) -> bool:
-    """True for an object with vLLM's `WeightSource` shape (`metadata()` + `__iter__`, no `iter_weights`)."""
-    return (
-        not hasattr(source, "iter_weights")
-        and callable(getattr(source, "metadata", None))
-        and callable(getattr(type(source), "__iter__", None))
-    )
+    """True for an instance of vLLM's `WeightSource` (its declared ABC)."""
+    base = sys.modules.get(_VLLM_BASE)
+    return base is not None and isinstance(source, base.WeightSource)
 
 
-class VllmWeightSourceAdapter:
+class VllmWeightSourceAdapter(WeightSource):
     """Wraps a vLLM `WeightSource`. Every trainer rank wraps its own source and walks it (the
     gathers behind it are collectives); `is_sender` says which rank streams.
 
@@ -36,10 +38,13 @@ class VllmWeightSourceAdapter:
     refused: vLLM's many-holder layouts need a backend that pulls from every holder.
     """
 
-    def __init__(self, source: Any, *, is_sender: bool = True, stable_tensors: bool = False) -> None:
+    def __init__(
+        self, source: Any, *, is_sender: bool = True, stable_tensors: bool = False, dtype: torch.dtype | None = None,
+        keep_dtype: frozenset[str] | set[str] = frozenset(),
+    ) -> None:
         if not is_vllm_weight_source(source):
-            raise ValueError(f"expected a vLLM WeightSource (metadata() and __iter__), got {type(source).__name__}")
-        held = source.held_names() if callable(getattr(source, "held_names", None)) else None
+            raise ValueError(f"expected a vLLM WeightSource ({_VLLM_BASE}.WeightSource), got {type(source).__name__}")
+        held = source.held_names()
         if held is not None:
             raise ValueError(
                 f"{type(source).__name__}.held_names() splits the model over ranks; ckpt-engine sends from "
@@ -49,13 +54,17 @@ class VllmWeightSourceAdapter:
         self.is_sender = is_sender
         self.stable_tensors = stable_tensors
         """True only when every yielded tensor stays valid until the sync ends (e.g. plain parameters)."""
+        self.dtype = dtype
+        """Floating-point tensors travel (and load) as this dtype, as `StateDictSource`'s `dtype`."""
+        self.keep_dtype = frozenset(keep_dtype)
 
     def metadata(self) -> list[TensorSpec]:
         specs = []
         for meta in self.source.metadata():
             if not isinstance(meta.dtype, torch.dtype):
                 raise ValueError(f"{meta.name}: metadata dtype must be a torch.dtype, got {meta.dtype!r}")
-            specs.append(TensorSpec(meta.name, str(meta.dtype).removeprefix("torch."), tuple(int(d) for d in meta.shape)))
+            wire = self.dtype if self.dtype is not None and meta.dtype.is_floating_point and meta.name not in self.keep_dtype else meta.dtype
+            specs.append(TensorSpec(meta.name, str(wire).removeprefix("torch."), tuple(int(d) for d in meta.shape)))
         return specs
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -67,6 +76,11 @@ class VllmWeightSourceAdapter:
 
 def as_weight_source(source: Any, *, is_sender: bool | None = None) -> WeightSource:
     """`source` itself if it is already a ckpt-engine source, else a vLLM source wrapped."""
+    if isinstance(source, WeightSource):
+        return source
     if is_vllm_weight_source(source):
         return VllmWeightSourceAdapter(source, is_sender=is_sender if is_sender is not None else True)
-    return source
+    raise TypeError(
+        f"expected a weight source, got {type(source).__name__}: subclass ckpt_engine.sources.base.WeightSource "
+        "(metadata() and iter_weights()), wrap a state dict in StateDictSource, or pass a vLLM WeightSource"
+    )

@@ -32,7 +32,7 @@ _followers: dict[int, SenderFollower] = {}
 
 def _follower(source: WeightSource, config: CheckpointEngineConfig | None) -> SenderFollower:
     """This process's follower for the trainer group the source belongs to (kept across syncs)."""
-    group = getattr(source, "process_group", None)
+    group = source.process_group
     follower = _followers.get(id(group))
     if follower is None:
         timeout = config.timeout_s if config is not None else CheckpointEngineConfig().timeout_s
@@ -59,8 +59,9 @@ atexit.register(close_sessions)
 def cached_session(rollouts: Sequence[RolloutAdapter], config: CheckpointEngineConfig | None) -> WeightSyncSession:
     """The session `sync_rollout_weights` keeps for these engines.
 
-    Keyed by the engines themselves (`engine_key`), not the handle objects: a new handle for the
-    same engine, or a new config, closes the old session (its engines leave its group, its threads
+    Keyed by the engines themselves (`engine_key`), never by the handle objects: new handles on
+    the same engines (same names) take over the session (`rebind`), so its group, plan and delta
+    bases carry on. A new config closes the old session (its engines leave its group, its threads
     end) before a new one is made, and so does any cached session sharing an engine with this
     list. Versions carry on from what the engines hold.
     """
@@ -70,12 +71,19 @@ def cached_session(rollouts: Sequence[RolloutAdapter], config: CheckpointEngineC
         same = (
             session is not None
             and not session._closed
-            and len(session.rollouts) == len(rollouts)
-            and all(a is b for a, b in zip(session.rollouts, rollouts))
+            and [r.name for r in session.rollouts] == [r.name for r in rollouts]
             and (config is None or session.config == config)
         )
         if session is not None and same:
-            return session
+            if any(a is not b for a, b in zip(session.rollouts, rollouts)):
+                try:
+                    session.rebind(rollouts)
+                except RuntimeError:  # closed or busy meanwhile: a new session below
+                    pass
+                else:
+                    return session
+            else:
+                return session
         wanted = set(key)
         for old_key in [k for k in _sessions if k == key or wanted.intersection(k)]:
             _sessions.pop(old_key).close()
@@ -98,10 +106,10 @@ def sync_rollout_weights(
     a session. Concurrent calls for the same engines run one at a time.
     """
     source = as_weight_source(source)  # a vLLM `WeightSource` works as well (vllm_source.py)
-    if not getattr(source, "is_sender", True):
+    if not source.is_sender:
         mode = config.senders if config is not None else "auto"
         if wants_many_senders(source, mode):
-            _follower(source, config).sync(source)  # type: ignore[arg-type]
+            _follower(source, config).sync(source)  # type: ignore[arg-type]  # wants_many_senders: sharded
         else:
             _drain(source)
         return None

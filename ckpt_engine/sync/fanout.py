@@ -7,7 +7,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["collect_failures", "mark_stale_and_probe", "wait_for_joins"]
+__all__ = ["collect_failures", "mark_stale_and_probe", "receive_failures", "wait_for_joins"]
 
 
 def collect_failures(futures: dict[str, cf.Future[Any]], stage: str, timeout_s: float) -> dict[str, str]:
@@ -22,6 +22,21 @@ def collect_failures(futures: dict[str, cf.Future[Any]], stage: str, timeout_s: 
         except Exception as exc:
             failed[name] = f"{type(exc).__name__}: {exc}"
     return failed
+
+
+def receive_failures(members: Iterable[Any], receives: dict[str, cf.Future[Any]], grace_s: float) -> dict[str, str]:
+    """{engine: reason} after a transfer: the receives that failed, or, when some member is dead,
+    only the dead ones (a receiver that merely timed out behind a dead peer is not the cause)."""
+    failed = collect_failures(receives, "receive", grace_s)
+    if not failed:
+        return failed
+    dead = {}
+    for m in members:
+        try:
+            m.health()
+        except Exception as exc:
+            dead[m.name] = f"died during the transfer ({exc})"
+    return dead if dead else failed
 
 
 def mark_stale_and_probe(members: Iterable[Any], failed: dict[str, str], stale: set[str]) -> None:

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["SOURCE", "SyncError", "SyncReport"]
+if TYPE_CHECKING:
+    from ckpt_engine.delta.request import DeltaRequest
+    from ckpt_engine.manifest import BucketManifest
+    from ckpt_engine.rollout_adapters.base import ReceiveReport
+    from ckpt_engine.transports.base import SendStats
+
+__all__ = ["SOURCE", "SyncError", "SyncReport", "make_report"]
 
 
 class SyncError(RuntimeError):
@@ -63,3 +70,35 @@ class SyncReport:
         d = asdict(self)
         d["ratio_to_raw"] = self.ratio_to_raw
         return d
+
+
+def make_report(
+    version: int, manifest: BucketManifest, request: DeltaRequest | None, stats: SendStats,
+    receivers: Mapping[str, ReceiveReport], engines: int, senders: int, seconds: dict[str, float], raw_gbps: float | None,
+) -> SyncReport:
+    """A completed sync's report from the plan, the sender's stats and every engine's receive
+    report; fills the sender's and receivers' entries of `seconds`."""
+    seconds.update(export=stats.export_s, pack=stats.pack_s, send=stats.total_s)
+    if "encode_s" in stats.extra:
+        seconds["encode"] = stats.extra["encode_s"]
+    seconds["apply_max"] = max((r.extra.get("delta_apply_s", 0.0) for r in receivers.values()), default=0.0)
+    wire = int(stats.extra.get("wire_bytes", manifest.wire_bytes)) if request is not None else manifest.total_bytes
+    dense = int(stats.extra.get("dense_bytes", manifest.wire_bytes)) if request is not None else manifest.total_bytes
+    seconds["load_max"] = max((r.load_s for r in receivers.values()), default=0.0)
+    return SyncReport(
+        version=version,
+        bytes=manifest.total_bytes,
+        tensors=manifest.num_tensors,
+        buckets=manifest.num_buckets,
+        engines=engines,
+        seconds=seconds,
+        gbps=manifest.total_bytes / seconds["transfer"] / 1e9 if seconds["transfer"] > 0 else 0.0,
+        raw_gbps=raw_gbps,
+        receivers={n: r.to_dict() for n, r in receivers.items()},
+        delta="off" if request is None else ("patch" if request.patches else "seed"),
+        wire_bytes=wire,
+        dense_bytes=dense,
+        changed_fraction=float(stats.extra.get("changed_fraction", 1.0)) if request is not None and request.patches else 1.0,
+        senders=senders,
+        base_bytes=int(stats.extra.get("base_bytes", 0)),
+    )

@@ -44,10 +44,10 @@ def _expect(msg: dict[str, Any], kind: str, keys: set[str]) -> dict[str, Any]:
     return msg
 
 
-def finish_walk(source: Any, pieces: Iterator[Any]) -> None:
+def finish_walk(source: ShardedWeightSource, pieces: Iterator[Any]) -> None:
     """After a failed send: walk the rest of a sender's pieces when producing them is collective
     with its TP helpers (`collective_pieces`), so none is left waiting in a gather."""
-    if not getattr(source, "collective_pieces", False):
+    if not source.collective_pieces:
         return
     try:
         for _ in pieces:
@@ -89,7 +89,7 @@ class SenderFollower:
 
     def sync(self, source: ShardedWeightSource) -> None:
         """Collective with trainer rank 0's sync: follow its two announcements, send, report."""
-        sends = bool(getattr(source, "sends", True))
+        sends = source.sends
         join = _expect(self.channel.receive(), "join", {"kind", "rdzv", "options"})
         error: str | None = None
         try:
@@ -103,7 +103,7 @@ class SenderFollower:
         manifest = None
         if error is None:
             manifest, error = self._plan(source, msg)
-        if getattr(source, "collective_pieces", False):  # TP helpers: every rank ready, or none walks
+        if source.collective_pieces:  # TP helpers: every rank ready, or none walks
             if any(e is not None for e in self.channel.gather_status(error)):
                 manifest = None
         if manifest is not None:
@@ -135,7 +135,7 @@ class SenderFollower:
         pieces = iter_pieces(source, manifest)
         try:
             delta = DeltaRequest.from_dict(msg["delta"]) if msg["delta"] is not None else None
-            engine.send_weights(manifest, pieces, stable=bool(getattr(source, "stable_pieces", getattr(source, "stable_tensors", False))), delta=delta)
+            engine.send_weights(manifest, pieces, stable=source.stable_pieces, delta=delta)
             return None
         except Exception as exc:
             logger.warning("trainer rank %d: sending its pieces failed: %s", self.channel.rank, exc)
@@ -145,10 +145,9 @@ class SenderFollower:
 
     def _assist(self, source: ShardedWeightSource, manifest: BucketManifest) -> str | None:
         """A TP helper's part of the send: its sender's gathers, in the order its pieces walk."""
-        assist = getattr(source, "assist_piece", source.local_piece)
         try:
             for name in piece_names(manifest, source.sender_index):
-                assist(name)
+                source.assist_piece(name)
             return None
         except Exception as exc:
             logger.warning("trainer rank %d: walking sender %d's pieces failed: %s", self.channel.rank, source.sender_index, exc)

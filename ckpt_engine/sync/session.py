@@ -9,30 +9,33 @@ group, buffers, plan and delta bases across syncs.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
+import datetime
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
 from ckpt_engine.planning.buckets import auto_bucket_size_bytes
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.delta.policy import DeltaPolicy
-from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
+from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
+from ckpt_engine.sync.backend import backend_for
 from ckpt_engine.sync.claims import claims
-from ckpt_engine.sync.fanout import collect_failures, mark_stale_and_probe, wait_for_joins
+from ckpt_engine.sync.fanout import collect_failures, mark_stale_and_probe, receive_failures, wait_for_joins
 from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
-from ckpt_engine.sync.sender_channel import SenderChannel
 from ckpt_engine.sync.sender_follower import finish_walk, join_message, send_message
-from ckpt_engine.sources.sharded import iter_pieces
-from ckpt_engine.sync.many_senders import ManySendersMixin
-from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport
-from ckpt_engine.versions import check_version
+from ckpt_engine.sources.sharded import PieceWalk, ShardedWeightSource, iter_pieces
+from ckpt_engine.sync.many_senders import ManySenders
+from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
+from ckpt_engine.versions import next_version
 from ckpt_engine.sources.vllm import as_weight_source
 from ckpt_engine.sources.base import WatchedWeights, WeightSource
 
@@ -46,7 +49,7 @@ _SETTLE_S = 2.0
 """After a failed join, how long members on their way to the rendezvous get to reach it."""
 
 
-class WeightSyncSession(ManySendersMixin):
+class WeightSyncSession:
     """The sender side of one weight-sync group, reused across syncs.
 
     Hosts the rendezvous store (free port from the OS, a fresh token per group) and rebuilds the
@@ -70,7 +73,7 @@ class WeightSyncSession(ManySendersMixin):
         if len(set(names)) != len(names):
             raise ValueError(f"engine names must be unique, got {names}")
         self.host = host
-        self.backend = CheckpointEngineRegistry.resolve_name(self.config.backend)
+        self.backend = backend_for(self.config, self.rollouts)
         self._engine = engine
         self._device = device
         self.raw_gbps = raw_gbps
@@ -85,11 +88,44 @@ class WeightSyncSession(ManySendersMixin):
         self._closed = False
         self._delta = DeltaPolicy(self.config.delta, self.config.full_sync_every)
         self.num_senders = 1
-        self._channel: SenderChannel | None = None
+        self._senders = ManySenders(self.config, self.backend, self.rollouts)
         self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.rollouts) + 1), thread_name_prefix="ckpt-sync")
 
     def engine_keys(self) -> dict[str, Hashable]:
         return {r.name: r.engine_key() for r in self.rollouts}
+
+    @contextlib.contextmanager
+    def _locked(self, what: str) -> Iterator[None]:
+        """The session lock for `what` (not a sync), refused when closed or after `timeout_s`."""
+        if not self._lock.acquire(timeout=self.config.timeout_s):
+            raise RuntimeError(f"{what}: a sync on this session has run for more than timeout_s={self.config.timeout_s}s")
+        try:
+            if self._closed:
+                raise RuntimeError("this WeightSyncSession is closed; make a new one")
+            yield
+        finally:
+            self._lock.release()
+
+    def join(self) -> None:
+        """Build the weight-sync group now (the first sync would): an engine that cannot join
+        fails here, by name."""
+        with self._locked("join"):
+            self._ensure_group(self.num_senders)
+
+    def rebind(self, rollouts: Sequence[RolloutAdapter]) -> None:
+        """Drive new handles on the same engines (same names and `engine_key`s, in order): the
+        group, plan, version and delta bases stay, since the engines stay members."""
+        rollouts = list(rollouts)
+        same = len(rollouts) == len(self.rollouts) and all(
+            new.name == old.name and new.engine_key() == old.engine_key() for new, old in zip(rollouts, self.rollouts)
+        )
+        if not same:
+            raise ValueError("rebind() takes new handles on the same engines, in the same order")
+        with self._locked("rebind"):
+            for new, old in zip(rollouts, self.rollouts):
+                if new is not old:
+                    new.take_over(old)
+            self.rollouts[:] = rollouts
 
     # --- group --------------------------------------------------------------------------------
     def _new_engine(self, bucket_size: int) -> CheckpointEngine:
@@ -119,7 +155,7 @@ class WeightSyncSession(ManySendersMixin):
                 self._engine = None
         if self._ready and self._engine is not None:
             if num_senders > 1:
-                self._announce(join_message(None, {}))
+                self._senders.announce(join_message(None, {}))
             return self._engine
         self._delta.forget()  # members join with empty bases
         self.num_senders = num_senders
@@ -130,14 +166,14 @@ class WeightSyncSession(ManySendersMixin):
         if self._store is None:
             self._store = torch.distributed.TCPStore(
                 self.host, 0, is_master=True, wait_for_workers=False,
-                timeout=_td(self.config.timeout_s),
+                timeout=datetime.timedelta(seconds=self.config.timeout_s),
             )
         rdzv = Rendezvous(
             self.host, self._store.port, uuid.uuid4().hex, topo.world_size, self.backend, self.config.timeout_s, num_senders
         )
         options = JoinOptions(engine.bucket_size_bytes, engine.num_buffers, engine.verify, self.config.kwargs_for(self.backend))
         if num_senders > 1:
-            self._announce(join_message(rdzv, options.to_dict()))
+            self._senders.announce(join_message(rdzv, options.to_dict()))
         futures = {
             r.name: self._pool.submit(r.join, rdzv, off, options) for r, off in zip(self.rollouts, topo.receiver_offsets)
         }
@@ -225,9 +261,9 @@ class WeightSyncSession(ManySendersMixin):
                     return None
                 _drain(source)
                 raise RuntimeError("this WeightSyncSession is closed; make a new one")
-            senders = self._senders_for(source)
+            senders = self._senders.count(source)
             if senders > 1:
-                return self._sharded_sync(source, senders, version)
+                return self._senders.run(lambda: self._sync(source, None, version, senders))
             weights = WatchedWeights(source.iter_weights())
             try:
                 return self._sync(source, weights, version)
@@ -255,20 +291,6 @@ class WeightSyncSession(ManySendersMixin):
             raise SyncError("validate", failed, sorted(self.stale))
         return {name: f.result() for name, f in futures.items()}
 
-    def _next_version(self, requested: int | None) -> int:
-        held = self._held_versions()
-        newest = max([v for v in held.values() if v is not None] + [self.version])
-        if requested is None:
-            return check_version(newest + 1, "the next version")
-        check_version(requested, "version")
-        ahead = {n: v for n, v in held.items() if v is not None and v > requested}
-        if ahead:
-            raise ValueError(
-                f"version {requested} is older than what engines hold ({', '.join(f'{n}: v{v}' for n, v in ahead.items())}); "
-                f"versions only grow: pass version=None (next: {newest + 1}) or a version >= {newest}"
-            )
-        return requested
-
     def _check_claims(self) -> None:
         if not self._ready:
             return  # (re)joining claims the engines for this session
@@ -281,8 +303,32 @@ class WeightSyncSession(ManySendersMixin):
             )
 
     def _sync(self, source: WeightSource, weights: WatchedWeights | None, version: int | None, senders: int = 1) -> SyncReport:
+        """One sync in its steps: prepare (metadata, version, group, plan) -> validate -> delta or
+        dense -> pause -> stream -> finalize -> resume -> report. `weights` is None with many
+        senders: this rank then sends its own pieces, no gather."""
         t0 = time.perf_counter()
         seconds: dict[str, float] = {}
+        new_version, engine, manifest = self._prepare(source, version, senders)
+        pieces = None
+        if weights is None:  # many senders: this rank's own pieces, no gather
+            pieces = iter_pieces(source, manifest)  # type: ignore[arg-type]  # count(): sharded
+            weights = WatchedWeights(pieces)
+        seconds["plan"] = time.perf_counter() - t0
+        self._validate(manifest, seconds)
+        # Delta or dense is decided before anything is paused (delta=on with an engine that takes no
+        # patches is refused here, with every engine still serving).
+        request = self._delta.request(manifest.digest, self._delta_unsupported(engine), self.backend)
+        if request is not None:  # a source that records its own casts binds before anything pauses
+            offer_cast_recorder(engine, manifest, source, walks_pieces=pieces is not None)
+        self._step("pause", seconds, lambda r: r.pause(self.config.pause_mode))
+        stats, reports = self._stream(source, engine, manifest, weights, pieces, request, senders, seconds)
+        self._step("finalize", seconds, lambda r: r.finalize(new_version))
+        self._step("resume", seconds, lambda r: r.resume())
+        return self._report(new_version, manifest, request, stats, reports, senders, seconds, t0)
+
+    def _prepare(self, source: WeightSource, version: int | None, senders: int) -> tuple[int, CheckpointEngine, BucketManifest]:
+        """Metadata, the claim on the engines, the next version, the group and the plan: nothing
+        is paused or sent yet."""
         specs = list(source.metadata())
         if not specs:
             raise ValueError(
@@ -290,15 +336,12 @@ class WeightSyncSession(ManySendersMixin):
                 "new version (does a name filter drop every tensor?)"
             )
         self._check_claims()
-        new_version = self._next_version(version)
+        new_version = next_version(self._held_versions(), self.version, version)
         engine = self._ensure_group(senders)
-        manifest = self.plan(specs, engine, source)
-        pieces = None
-        if weights is None:  # many senders: this rank's own pieces, no gather
-            pieces = iter_pieces(source, manifest)  # type: ignore[arg-type]
-            weights = WatchedWeights(pieces)
-        seconds["plan"] = time.perf_counter() - t0
+        return new_version, engine, self.plan(specs, engine, source)
 
+    def _validate(self, manifest: BucketManifest, seconds: dict[str, float]) -> None:
+        """Every engine checks the manifest; the rejections of all of them raise as one error."""
         t = time.perf_counter()
         rejected: list[ManifestRejectedError] = []
 
@@ -313,42 +356,33 @@ class WeightSyncSession(ManySendersMixin):
             raise ManifestRejectedError.combine(sorted(rejected, key=lambda e: e.engine))
         seconds["validate"] = time.perf_counter() - t
 
-        # Delta or dense is decided before anything is paused (delta=on with an engine that takes no
-        # patches is refused here, with every engine still serving).
-        request = self._delta.request(manifest.digest, self._delta_unsupported(engine), self.backend)
+    def _step(self, stage: str, seconds: dict[str, float], fn: Callable[[RolloutAdapter], Any]) -> None:
+        """One engine-wide step (pause, finalize, resume), timed; a failure breaks the group."""
         t = time.perf_counter()
-        self._fan_out("pause", lambda r: r.pause(self.config.pause_mode))
-        seconds["pause"] = time.perf_counter() - t
+        self._fan_out(stage, fn)
+        seconds[stage] = time.perf_counter() - t
 
+    def _stream(
+        self, source: WeightSource, engine: CheckpointEngine, manifest: BucketManifest, weights: WatchedWeights,
+        pieces: PieceWalk | None, request: DeltaRequest | None, senders: int, seconds: dict[str, float],
+    ) -> tuple[SendStats, dict[str, ReceiveReport]]:
+        """The senders stream while every engine receives; any failure names its culprits (the
+        source, engines, the sender or other trainer ranks) and leaves the engines stale."""
         t = time.perf_counter()
         if senders > 1:
-            self._announce(send_message("send", manifest.digest, request))
-            self._gather_owed = True
-            self._senders_ready(source)  # with TP helpers: every trainer rank ready, before anything streams
+            self._senders.start_send(send_message("send", manifest.digest, request))
+            failed = self._senders.not_ready(source)  # type: ignore[arg-type]  # with TP helpers: every rank ready first
+            if failed:
+                self._break({}, probe=False)  # the engines only validated and paused: stale, not dead
+                raise SyncError("transfer", failed, sorted(self.stale))
         extra: dict[str, Any] = {"delta": request} if request is not None else {}
         receives = {r.name: self._pool.submit(r.receive, manifest, **extra) for r in self.rollouts}
         try:
             stats = engine.send_weights(manifest, weights, stable=_stable(source, senders), **extra)
         except Exception as exc:
-            engine.finalize()  # closing the sender's group wakes receivers blocked on it
-            if pieces is not None:
-                finish_walk(source, pieces)  # TP helpers wait in its gathers
-            sender_error = f"{type(exc).__name__}: {exc}"
-            followers = self._followers_failed(sender_error) if senders > 1 else {}
-            if weights.error is not None:
-                # The trainer's source failed, not an engine: the engines are healthy, paused and
-                # stale, and stay members; the next complete sync heals them.
-                collect_failures(receives, "receive", min(5.0, self.config.timeout_s))
-                self._break({}, probe=False)
-                raise SyncError("transfer", {SOURCE: sender_error}, sorted(self.stale)) from exc
-            failed = self._receive_failures(receives, grace_s=min(5.0, self.config.timeout_s))
-            failed.update(followers)
-            if not failed:
-                failed["sender"] = sender_error
-            self._break(failed)
-            raise SyncError("transfer", failed, sorted(self.stale), sender_error=sender_error if "sender" not in failed else None) from exc
-        followers = self._followers_failed(None) if senders > 1 else {}
-        failed = self._receive_failures(receives, grace_s=self.config.timeout_s) if not followers else {}
+            self._send_failed(exc, source, engine, weights, pieces, receives, senders)
+        followers = self._senders.failed(None) if senders > 1 else {}
+        failed = receive_failures(self.rollouts, receives, grace_s=self.config.timeout_s) if not followers else {}
         failed.update(followers)
         if failed:
             if followers:
@@ -358,62 +392,51 @@ class WeightSyncSession(ManySendersMixin):
             raise SyncError("transfer", failed, sorted(self.stale))
         reports = {name: f.result() for name, f in receives.items()}
         seconds["transfer"] = time.perf_counter() - t
-        seconds.update(export=stats.export_s, pack=stats.pack_s, send=stats.total_s)
-        if "encode_s" in stats.extra:
-            seconds["encode"] = stats.extra["encode_s"]
-        seconds["apply_max"] = max((r.extra.get("delta_apply_s", 0.0) for r in reports.values()), default=0.0)
-        wire = int(stats.extra.get("wire_bytes", manifest.wire_bytes)) if request is not None else manifest.total_bytes
-        dense = int(stats.extra.get("dense_bytes", manifest.wire_bytes)) if request is not None else manifest.total_bytes
-        seconds["load_max"] = max((r.load_s for r in reports.values()), default=0.0)
+        return stats, reports
 
-        t = time.perf_counter()
-        self._fan_out("finalize", lambda r: r.finalize(new_version))
-        seconds["finalize"] = time.perf_counter() - t
-        t = time.perf_counter()
-        self._fan_out("resume", lambda r: r.resume())
-        seconds["resume"] = time.perf_counter() - t
+    def _send_failed(
+        self, exc: Exception, source: WeightSource, engine: CheckpointEngine, weights: WatchedWeights,
+        pieces: PieceWalk | None, receives: dict[str, cf.Future[ReceiveReport]], senders: int,
+    ) -> NoReturn:
+        """The send raised: blame the source when it raised itself, else the engines that failed
+        or died, else the sender; every engine is left stale."""
+        engine.finalize()  # closing the sender's group wakes receivers blocked on it
+        if pieces is not None:
+            finish_walk(source, pieces)  # type: ignore[arg-type]  # TP helpers wait in its gathers
+        sender_error = f"{type(exc).__name__}: {exc}"
+        followers = self._senders.failed(sender_error) if senders > 1 else {}
+        if weights.error is not None:
+            # The trainer's source failed, not an engine: the engines are healthy, paused and
+            # stale, and stay members; the next complete sync heals them.
+            collect_failures(receives, "receive", min(5.0, self.config.timeout_s))
+            self._break({}, probe=False)
+            raise SyncError("transfer", {SOURCE: sender_error}, sorted(self.stale)) from exc
+        failed = receive_failures(self.rollouts, receives, grace_s=min(5.0, self.config.timeout_s))
+        failed.update(followers)
+        if not failed:
+            failed["sender"] = sender_error
+        self._break(failed)
+        raise SyncError("transfer", failed, sorted(self.stale), sender_error=sender_error if "sender" not in failed else None) from exc
+
+    def _report(
+        self, new_version: int, manifest: BucketManifest, request: DeltaRequest | None, stats: SendStats,
+        reports: dict[str, ReceiveReport], senders: int, seconds: dict[str, float], t0: float,
+    ) -> SyncReport:
+        """The sync completed: the engines are fresh, the version and the delta chain move on."""
+        report = make_report(new_version, manifest, request, stats, reports, len(self.rollouts), senders, seconds, self.raw_gbps)
         self.stale.clear()
         self.version = new_version
         self._delta.completed(
-            manifest.digest, request, transport=self.backend, seconds=seconds["transfer"], wire_bytes=wire, dense_bytes=manifest.total_bytes
+            manifest.digest, request, transport=self.backend, seconds=seconds["transfer"],
+            wire_bytes=report.wire_bytes, dense_bytes=manifest.total_bytes,
         )
         seconds["total"] = time.perf_counter() - t0
-        report = SyncReport(
-            version=new_version,
-            bytes=manifest.total_bytes,
-            tensors=manifest.num_tensors,
-            buckets=manifest.num_buckets,
-            engines=len(self.rollouts),
-            seconds=seconds,
-            gbps=manifest.total_bytes / seconds["transfer"] / 1e9 if seconds["transfer"] > 0 else 0.0,
-            raw_gbps=self.raw_gbps,
-            receivers={n: r.to_dict() for n, r in reports.items()},
-            delta="off" if request is None else ("patch" if request.patches else "seed"),
-            wire_bytes=wire,
-            dense_bytes=dense,
-            changed_fraction=float(stats.extra.get("changed_fraction", 1.0)) if request is not None and request.patches else 1.0,
-            senders=senders,
-            base_bytes=int(stats.extra.get("base_bytes", 0)),
-        )
         logger.info(
             "sync v%d: %.3f GB (%.3f GB on the wire, %s), %d tensors, %d buckets, %d sender(s) in %.3fs (%.2f GB/s)",
-            new_version, report.bytes / 1e9, wire / 1e9, report.delta, report.tensors, report.buckets, senders,
+            new_version, report.bytes / 1e9, report.wire_bytes / 1e9, report.delta, report.tensors, report.buckets, senders,
             seconds["total"], report.gbps,
         )
         return report
-
-    def _receive_failures(self, receives: dict[str, cf.Future[ReceiveReport]], grace_s: float) -> dict[str, str]:
-        failed = collect_failures(receives, "receive", grace_s)
-        if not failed:
-            return failed
-        # A receiver that merely timed out behind a dead peer is not the cause; keep the dead ones.
-        dead = {}
-        for r in self.rollouts:
-            try:
-                r.health()
-            except Exception as exc:
-                dead[r.name] = f"died during the transfer ({exc})"
-        return dead if dead else failed
 
     def close(self) -> None:
         """Leave the group on every engine (best effort), free the sender's buffers and threads.
@@ -451,13 +474,6 @@ def _drain(source: WeightSource) -> None:
         pass
 
 
-def _td(seconds: float) -> Any:
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
-
-
-
 
 def _owner_key(owners: Any) -> Any:
     """A hashable summary of an ownership map, to tell when the plan must be made again."""
@@ -466,9 +482,9 @@ def _owner_key(owners: Any) -> Any:
     return tuple(sorted((name, tuple((sh.sender, sh.start, sh.stop) for sh in shards)) for name, shards in owners.items()))
 
 
-def _stable(source: Any, senders: int) -> bool:
+def _stable(source: WeightSource, senders: int) -> bool:
     """Whether what the sender yields stays valid for the whole sync (lets it skip copies). With many
     senders a source may say so of its pieces alone (`stable_pieces`) and not of `iter_weights()`."""
-    if senders > 1:
-        return bool(getattr(source, "stable_pieces", getattr(source, "stable_tensors", False)))
-    return bool(getattr(source, "stable_tensors", False))
+    if senders > 1 and isinstance(source, ShardedWeightSource):
+        return source.stable_pieces
+    return source.stable_tensors

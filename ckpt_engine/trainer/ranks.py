@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.planning.ownership import OwnerMap
+from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.trainer.lm_task import TokenTask
 from ckpt_engine.trainer.loop import TorchDistWalkBarrier, follow_sync
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
@@ -35,7 +37,6 @@ __all__ = ["DataParallelLeader", "follow_leader", "local_rows"]
 logger = logging.getLogger(__name__)
 
 STOP, STEP, SYNC = 0, 1, 2
-SHARDED_API = frozenset({"sender_index", "num_senders", "owners", "local_piece", "stable_pieces"})
 BATCH_KEYS = ("input_ids", "actions", "advantages")
 
 
@@ -50,10 +51,12 @@ def _broadcast_header(group: dist.ProcessGroup, command: int, rows: int = 0, col
     dist.broadcast(torch.tensor([command, rows, cols], dtype=torch.int64), 0, group=group)
 
 
-class DataParallelLeader(TrainEngine):
+class DataParallelLeader(TrainEngine, ShardedWeightSource):
     """Rank 0's view of a data-parallel TrainEngine: every call is announced to the followers first.
 
     Wraps the rank-local engine; the loop drives it like any TrainEngine and passes it as `peers`.
+    As a source it is the wrapped engine's: sharded (a sync may send from every rank) when that
+    engine is a `ShardedWeightSource`, else a one-sender source (`num_senders` 1).
     """
 
     def __init__(self, engine: TrainEngine, group: dist.ProcessGroup) -> None:
@@ -90,11 +93,44 @@ class DataParallelLeader(TrainEngine):
         return TorchDistWalkBarrier(self.group, 0)
 
     # --- multi-sender source: the wrapped engine's own shards (when it has them) ---------------
+    def _shards(self) -> ShardedWeightSource | None:
+        return self.engine if isinstance(self.engine, ShardedWeightSource) else None
+
+    @property
+    def sender_index(self) -> int:  # type: ignore[override]
+        shards = self._shards()
+        return shards.sender_index if shards is not None else 0
+
+    @property
+    def num_senders(self) -> int:  # type: ignore[override]
+        shards = self._shards()
+        return shards.num_senders if shards is not None else 1
+
+    @property
+    def stable_pieces(self) -> bool:
+        shards = self._shards()
+        return shards.stable_pieces if shards is not None else self.stable_tensors
+
+    def sharded_refusal(self) -> str | None:
+        shards = self._shards()
+        return shards.sharded_refusal() if shards is not None else None
+
+    def owners(self) -> OwnerMap:
+        shards = self._shards()
+        if shards is None:
+            raise ValueError(f"{type(self.engine).__name__} is not sharded: it has no owners")
+        return shards.owners()
+
+    def local_piece(self, name: str) -> torch.Tensor:
+        shards = self._shards()
+        if shards is None:
+            raise ValueError(f"{type(self.engine).__name__} is not sharded: it has no pieces")
+        return shards.local_piece(name)
+
     def __getattr__(self, name: str) -> Any:
-        """`sender_index`, `num_senders`, `owners`, `local_piece`, `stable_pieces` of a sharded
-        engine (`ShardedWeightSource`), so a sync may send from every rank; absent otherwise."""
+        """The wrapped engine's `record_casts` hook (`delta_base: cast`), when it has one."""
         engine = self.__dict__.get("engine")
-        if name in SHARDED_API and engine is not None:
+        if name == "record_casts" and engine is not None:
             return getattr(engine, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 

@@ -11,13 +11,14 @@ one rank whose yielded tensors are streamed to the rollout engines.
 from __future__ import annotations
 
 import importlib
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
 
 from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.sources.base import WeightSource
 
 __all__ = ["LossFn", "TrainEngine", "TrainEngineRegistry"]
 
@@ -25,8 +26,8 @@ LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 """loss_fn(logits, batch) -> scalar loss."""
 
 
-class TrainEngine(ABC):
-    is_sender: bool = True
+class TrainEngine(WeightSource):
+    """A trainer (FSDP2, Megatron, ...) that is also the weight source of its syncs."""
 
     @abstractmethod
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:

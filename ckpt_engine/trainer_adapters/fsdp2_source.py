@@ -1,4 +1,4 @@
-"""The `ShardedWeightSource` side of `FSDP2TrainEngine` (mixed into it): every rank sends its own shards.
+"""`FSDP2ShardedSource`: the `ShardedWeightSource` that `FSDP2TrainEngine` extends: every rank sends its own shards.
 
 The engine sets `_entries` (export plan: module, attribute, HF specs, expert outputs), `_pieces`
 (name -> entry and index), `_units`, `rank` and `world_size`, and the caches below; `owners()`
@@ -13,13 +13,14 @@ from typing import Any
 import torch
 
 from ckpt_engine.planning.ownership import OwnerMap, Shard
+from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.trainer_adapters.fsdp2_shards import dim0_rows, own_rows, shard_owners
 
 __all__ = ["FSDP2ShardedSource"]
 
 
-class FSDP2ShardedSource:
-    """Mixed into FSDP2TrainEngine (entries are its `_Entry`: not imported, imports point down)."""
+class FSDP2ShardedSource(ShardedWeightSource):
+    """The sharded source FSDP2TrainEngine extends (entries are its `_Entry`: not imported, imports point down)."""
 
     _entries: list[Any]
     _pieces: dict[str, tuple[Any, int]]

@@ -54,7 +54,7 @@ def save_hf_weights(
 
     specs = list(source.metadata())
     shards = plan_shards(specs, max_shard_bytes)
-    sender = bool(getattr(source, "is_sender", True))
+    sender = source.is_sender
     if sender:
         os.makedirs(path, exist_ok=True)
     n = len(shards)

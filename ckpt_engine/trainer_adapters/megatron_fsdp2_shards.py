@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.planning.ownership import OwnerMap, Shard
+from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.trainer_adapters.common import torch_dtype
 from ckpt_engine.trainer_adapters.fsdp2_shards import expert_part, own_rows, shard_owners
 
@@ -79,8 +80,8 @@ def dbuffer_rows(name: str, buffer: Any, index: int, world_size: int) -> list[in
     return flat_rows(name, layout.tensor_to_offset[index], tuple(layout.tensor_shapes[index]), layout.size, world_size)
 
 
-class MegatronFSDP2ShardedSource:
-    """The `ShardedWeightSource` side of `MegatronFSDP2TrainEngine` (mixed into it).
+class MegatronFSDP2ShardedSource(ShardedWeightSource):
+    """The `ShardedWeightSource` that `MegatronFSDP2TrainEngine` extends.
 
     The engine sets `_entries` (export plan), `_where` (each entry's parameter group and index
     in it), `rank` and `world_size`, then calls `_init_senders()`. `owners()` and

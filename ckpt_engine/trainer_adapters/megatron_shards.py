@@ -34,6 +34,7 @@ import torch
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.ownership import OwnerMap, Shard
+from ckpt_engine.sources.sharded import ShardedWeightSource
 
 if TYPE_CHECKING:
     from ckpt_engine.trainer_adapters.megatron_export import MegatronExporter, _Item
@@ -102,8 +103,8 @@ def stage_owners(stages: list[list[TensorSpec]], ep_size: int, num_experts: int)
     return out
 
 
-class MegatronShardedSource:
-    """The `ShardedWeightSource` side of `MegatronTrainEngine` (mixed into it).
+class MegatronShardedSource(ShardedWeightSource):
+    """The `ShardedWeightSource` that `MegatronTrainEngine` extends.
 
     The engine sets `exporter`, `groups`, `_stages` and `config` and calls `_init_senders()`.
     Pieces are this sender's own HF tensors: with TP > 1 gathered over the stage's TP group (its
@@ -122,8 +123,8 @@ class MegatronShardedSource:
 
     def _init_senders(self) -> None:
         g = self.groups
-        self.sharded_refusal = sharded_refusal(g, self.config.export_mode, self.exporter.num_experts)
-        if self.sharded_refusal is None:
+        self._refusal = sharded_refusal(g, self.config.export_mode, self.exporter.num_experts)
+        if self._refusal is None:
             self.sender_index = g.pp_rank * g.ep_size + g.ep_rank
             self.num_senders = g.pp_size * g.ep_size
             self.sends = g.tp_rank == 0  # the other TP ranks are this sender's TP helpers
@@ -134,9 +135,13 @@ class MegatronShardedSource:
         self._owners: dict[str, list[Shard]] | None = None
         self._pieces: dict[str, tuple[_Item, int]] | None = None
 
+    def sharded_refusal(self) -> str | None:
+        """Why this layout cannot send from every rank (e.g. TP with EP), or None."""
+        return self._refusal
+
     def _check_layout(self) -> None:
-        if self.sharded_refusal is not None:
-            raise ValueError(self.sharded_refusal)
+        if self._refusal is not None:
+            raise ValueError(self._refusal)
 
     def owners(self) -> OwnerMap:
         """Every tensor's one owner (whole tensors); the same on every rank, no collective."""
