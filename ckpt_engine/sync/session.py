@@ -318,8 +318,6 @@ class WeightSyncSession:
         # Delta or dense is decided before anything is paused (delta=on with an engine that takes no
         # patches is refused here, with every engine still serving).
         request = self._delta.request(manifest.digest, self._delta_unsupported(engine), self.backend)
-        if request is not None:  # a source that records its own casts binds before anything pauses
-            offer_cast_recorder(engine, manifest, source, walks_pieces=pieces is not None)
         self._step("pause", seconds, lambda r: r.pause(self.config.pause_mode))
         stats, reports = self._stream(source, engine, manifest, weights, pieces, request, senders, seconds)
         self._step("finalize", seconds, lambda r: r.finalize(new_version))

@@ -127,13 +127,6 @@ class DataParallelLeader(TrainEngine, ShardedWeightSource):
             raise ValueError(f"{type(self.engine).__name__} is not sharded: it has no pieces")
         return shards.local_piece(name)
 
-    def __getattr__(self, name: str) -> Any:
-        """The wrapped engine's `record_casts` hook (`delta_base: cast`), when it has one."""
-        engine = self.__dict__.get("engine")
-        if name == "record_casts" and engine is not None:
-            return getattr(engine, name)
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
-
     @property
     def process_group(self) -> dist.ProcessGroup:
         """The trainer's group: rank 0 announces a many-senders sync to the followers over it."""
