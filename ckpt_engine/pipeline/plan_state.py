@@ -9,8 +9,6 @@ bases and checksums, a CPU receiver's kept patch buffers and an in-place receive
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
-
 import torch
 
 from ckpt_engine.delta.pieces import ScatteredImage
@@ -90,9 +88,3 @@ class PlanState:
         self.bases = Bases()
         self.patch_buffers = {}
         self.places = None
-
-    def release_sources(self) -> None:
-        """Drop what holds buffer views and the trainer's tensors (the group is being left)."""
-        self.send_plan = self.recv_plan = None
-        self.views = None
-
