@@ -60,7 +60,7 @@ def roundtrip_rank(
         sd = {k: v.to(dev) for k, v in mixed_state(version, num_small).items()}
         manifest = engine.plan(StateDictSource(sd).metadata())
         alone = {b.entries[0].name for b in manifest.buckets if len(b.entries) == 1 and b.nbytes}
-        grouped = [b for b in manifest.buckets if engine._is_grouped(b)]
+        grouped = [b for b in manifest.buckets if engine.options.is_grouped(b, engine.transport)]
         in_groups = {e.name for b in grouped for e in b.entries if e.is_whole and e.chunk_size}
         if rank == 0:
             engine.send_weights(manifest, sd.items(), stable=stable)
@@ -74,7 +74,7 @@ def roundtrip_rank(
                 got[name] = t.clone()
             bad += [f"v{version} {n}" for n in sd if n not in got or not same_bits(got[n], sd[n])]
         # Each sync reuses the buffers allocated at join time.
-        ptrs = [b.data_ptr() for b in engine._buffers]
+        ptrs = [b.data_ptr() for b in engine.transport.buffers]
         if buffers is not None and ptrs != buffers:
             bad.append(f"v{version}: buffers were reallocated")
         buffers = ptrs

@@ -109,7 +109,7 @@ def test_replaced_destinations_rebuild_the_receive_plan() -> None:
 def test_coalesced_copies_write_what_the_pairs_write(kinds: list[str], seed: int) -> None:
     """`coalesce` merges only pairs back to back on both sides and drops pairs already in place:
     one batched copy of its result leaves every destination equal to its source."""
-    from ckpt_engine.transports.copy_plan import coalesce
+    from ckpt_engine.pipeline.copy_plan import coalesce
 
     g = torch.Generator().manual_seed(seed)
     src_store = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g)

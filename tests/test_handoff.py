@@ -66,7 +66,7 @@ def _handoff_rank(
     except ValueError as exc:
         return {"join_error": str(exc)}
     senders = rdzv.num_senders
-    out: dict[str, Any] = {"local": engine.local_senders, "gids": sorted(engine._groups), "bad": [], "errors": [], "delta_refused": [], "how": how}
+    out: dict[str, Any] = {"local": engine.local_senders, "gids": sorted(engine.transport.groups), "bad": [], "errors": [], "delta_refused": [], "how": how}
     for version in range(versions):
         full = {k: v.to(dev) for k, v in wire(model_state(version, lr=1e-3)).items()}
         specs = [spec_of(n, t) for n, t in full.items()]
@@ -144,10 +144,10 @@ def test_local_and_remote_senders_are_bit_exact(local_senders: list[int] | None,
 
 
 def test_bad_options_are_refused_by_name() -> None:
-    from ckpt_engine.transports.gloo import GlooCheckpointEngine
+    from ckpt_engine.transports.gloo import GlooTransport
 
     engine = CheckpointEngineRegistry.new("nccl_handoff", bucket_size_bytes=4096, device="cpu")
-    assert isinstance(engine, GlooCheckpointEngine) and engine.local_senders == []  # CPU: gloo for remote senders
+    assert isinstance(engine.transport.remote, GlooTransport) and engine.local_senders == []  # CPU: gloo for remote senders
     for bad in ([-1], [1, 1], "1", [True]):
         with pytest.raises(ValueError, match="local_senders must be a list of distinct sender ranks"):
             CheckpointEngineRegistry.new("nccl_handoff", bucket_size_bytes=4096, device="cpu", local_senders=bad)

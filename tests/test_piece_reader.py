@@ -8,9 +8,9 @@ import gc
 import pytest
 import torch
 
-from ckpt_engine.transports import piece_reader
-from ckpt_engine.transports.piece_reader import PieceReader
-from ckpt_engine.transports.schedule import Schedule
+from ckpt_engine.pipeline import piece_reader
+from ckpt_engine.pipeline.piece_reader import PieceReader
+from ckpt_engine.pipeline.schedule import Schedule
 from ckpt_engine.planning.buckets import plan_buckets
 from ckpt_engine.transports.base import SendStats
 from ckpt_engine.manifest import TensorSpec

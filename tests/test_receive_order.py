@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.transports.receive_order import ReadyFirst
+from ckpt_engine.pipeline.receive_order import ReadyFirst
 from ckpt_engine.transports.base import Rendezvous, TransferError
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.transports.registry import CheckpointEngineRegistry

@@ -73,13 +73,13 @@ def test_register_decorator_and_duplicates() -> None:
 
 
 def test_entry_point_backends(tmp_path: Path) -> None:
-    """A third-party package declaring `ckpt_engine.transports` is found without being imported first."""
+    """A third-party package declaring `ckpt_engine.backends` is found without being imported first."""
     pkg = tmp_path / "thirdparty_backend.py"
     pkg.write_text("from ckpt_engine.transports.gloo import GlooCheckpointEngine\nclass Mine(GlooCheckpointEngine):\n    pass\n")
     dist = tmp_path / "thirdparty_backend-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-backend\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[ckpt_engine.transports]\nmine = thirdparty_backend:Mine\n")
+    (dist / "entry_points.txt").write_text("[ckpt_engine.backends]\nmine = thirdparty_backend:Mine\n")
     code = textwrap.dedent(
         f"""
         import sys; sys.path.insert(0, {str(tmp_path)!r})

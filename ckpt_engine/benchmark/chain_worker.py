@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.transports.wire_views import torch_dtype
+from ckpt_engine.pipeline.wire_views import torch_dtype
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.benchmark.tracing import traced
 from ckpt_engine.benchmark.versions import AdamWChain, FileVersions, MemoryVersions, host_available_bytes
@@ -156,11 +156,11 @@ class ChainRank:
     def raw(self) -> list[float]:
         """All bytes from sender 0 in one broadcast (other senders wait)."""
         buf = torch.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
-        group = self.engine._groups.get(0)
+        group = self.engine.transport.groups.get(0)
 
         def run() -> None:
             if group is not None:
-                self.engine._wait_work(group.broadcast(buf, 0), "raw broadcast")
+                self.engine.transport.wait_work(group.broadcast(buf, 0), "raw broadcast")
 
         return [self._timed(run) for _ in range(self.args.iters)]
 
@@ -172,9 +172,9 @@ class ChainRank:
         bufs = {gid: torch.empty(share, dtype=torch.uint8, device=self.device) for gid in gids}
 
         def run() -> None:
-            works = [self.engine._groups[gid].broadcast(bufs[gid], 0) for gid in gids]
+            works = [self.engine.transport.groups[gid].broadcast(bufs[gid], 0) for gid in gids]
             for w in works:
-                self.engine._wait_work(w, "split raw broadcast")
+                self.engine.transport.wait_work(w, "split raw broadcast")
 
         return [self._timed(run) for _ in range(self.args.iters)]
 

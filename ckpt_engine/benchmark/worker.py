@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.transports.pipelined import torch_dtype
+from ckpt_engine.pipeline.wire_views import torch_dtype
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.benchmark.tracing import traced
 from ckpt_engine.checksum import bucket_checksum
@@ -91,6 +91,7 @@ class BenchRank:
         self.mem_state = self._mem()
         self.engine.init_process_group(self.rdzv, self.rank)
         self.group = self.engine.group
+        self._barriers = 0
         self.manifest = self.engine.plan(self.specs)
         self.total_bytes = sum(s.nbytes for s in self.specs)
 
@@ -98,9 +99,22 @@ class BenchRank:
         return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
 
     def _barrier(self) -> None:
-        flag = torch.ones(1, device=self.device)
-        self.group.allreduce([flag]).wait()
+        """Every rank reaches this point: an all-reduce on the engine's process group, or, where the
+        transport has none (colocated: its link is the rendezvous store), a counter in the store."""
+        if not isinstance(self.group, torch.distributed.Store):
+            flag = torch.ones(1, device=self.device)
+            self.group.allreduce([flag]).wait()
+            _sync(self.device)
+            return
         _sync(self.device)
+        self._barriers += 1
+        key = f"bench/barrier/{self._barriers}"
+        self.store.add(key, 1)
+        deadline = time.monotonic() + self.args.timeout_s
+        while self.store.add(key, 0) < self.args.world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank}: bench barrier {self._barriers} not reached by every rank within {self.args.timeout_s}s")
+            time.sleep(5e-5)
 
     def _timed(self, fn: Any) -> float:
         self._barrier()

@@ -191,5 +191,5 @@ class WeightReceiver:
             loaded += loader(bucket)
             load_s += time.perf_counter() - t1
             self.buckets_received += 1
-        extra = {f"delta_{k}": float(v) for k, v in getattr(self.engine, "last_delta_stats", {}).items()} if delta is not None else {}
+        extra = {f"delta_{k}": float(v) for k, v in self.engine.last_delta_stats.items()} if delta is not None else {}
         return ReceiveReport(manifest.num_tensors, manifest.total_bytes, time.perf_counter() - t0, load_s, loaded, extra)

@@ -1,1 +1,1 @@
-"""Transport backends, one file each; `pipelined.py` holds the broadcast core they share."""
+"""Transports: the Transport interface (`transport.py`), one file per transport, the registry."""

@@ -217,6 +217,19 @@ class CheckpointEngine(ABC):
         """The sync id whose bytes this rank's delta bases hold for `manifest` (None: no valid base)."""
         return None
 
+    @property
+    def delta_base_bytes(self) -> int:
+        """Memory this rank's delta bases take."""
+        return 0
+
+    @property
+    def last_delta_stats(self) -> dict[str, float]:
+        """What this rank measured in its last delta sync (wire bytes, patch buckets, seconds)."""
+        return {}
+
+    def abort(self) -> None:
+        """Break the group so peers blocked in a collective fail fast instead of timing out."""
+
     @abstractmethod
     def finalize(self) -> None:
         """Release buffers and leave the group. Safe to call twice."""

@@ -1,4 +1,4 @@
-"""Small collective helpers the pipelined loops share: waiting on several works, coalescing."""
+"""Small collective helpers the transports share: waiting on several works, coalescing."""
 
 from __future__ import annotations
 
@@ -8,11 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WorkList", "coalesced_broadcast", "timedelta"]
-
-
-def timedelta(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
+__all__ = ["WorkList", "coalesced_broadcast"]
 
 
 class WorkList:
@@ -27,7 +23,7 @@ class WorkList:
             if deadline is None:
                 work.wait()
             else:
-                work.wait(timedelta(max(0.001, deadline - time.monotonic())))
+                work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
         return True
 
     def is_completed(self) -> bool:

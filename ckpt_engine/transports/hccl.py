@@ -1,26 +1,30 @@
 """hccl: the pipelined broadcast between Ascend NPUs, through torch_npu.
 
-Same core as nccl with torch.npu streams and events. torch_npu is imported here, at module load,
-so the registry reports a clean "could not be loaded" error on machines without it.
+Same streams-and-events transport as nccl with torch.npu streams and events. torch_npu is imported
+here, at module load, so the registry reports a clean "could not be loaded" error on machines
+without it.
 """
 
 from __future__ import annotations
 
 import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch_npu  # noqa: F401  (registers torch.npu and ProcessGroupHCCL)
 
-from ckpt_engine.transports.pipelined import PipelinedBroadcastEngine
+from ckpt_engine.pipeline.engine import PipelinedEngine
+from ckpt_engine.transports.nccl import StreamTransport
+from ckpt_engine.transports.transport import Transport
 
-__all__ = ["HcclCheckpointEngine"]
+__all__ = ["HcclCheckpointEngine", "HcclTransport"]
 
 
-class HcclCheckpointEngine(PipelinedBroadcastEngine):
-    device_type = "npu"
+class HcclTransport(StreamTransport):
+    name = "hccl"
 
-    def _resolve_device(self, device: str | int | torch.device | None) -> torch.device:
+    @classmethod
+    def resolve_device(cls, device: str | int | torch.device | None) -> torch.device:
         npu = torch.npu  # type: ignore[attr-defined]
         dev = torch.device("npu", npu.current_device()) if device is None else torch.device(device)
         if dev.type != "npu":
@@ -28,20 +32,26 @@ class HcclCheckpointEngine(PipelinedBroadcastEngine):
         npu.set_device(dev)
         return dev
 
-    def _make_group(self, store: torch.distributed.Store, rank: int, world_size: int) -> Any:
+    def make_group(self, store: torch.distributed.Store, rank: int, world_size: int) -> Any:
         pg_cls = torch_npu._C._distributed_c10d.ProcessGroupHCCL  # type: ignore[attr-defined]
         opts = pg_cls.Options()
         opts._timeout = datetime.timedelta(seconds=self.timeout_s)
         return pg_cls(store, rank, world_size, opts)
 
-    def _new_stream(self) -> Any:
+    def new_stream(self) -> Any:
         return torch.npu.Stream(device=self.device)  # type: ignore[attr-defined]
 
-    def _new_event(self) -> Any:
+    def new_event(self) -> Any:
         return torch.npu.Event()  # type: ignore[attr-defined]
 
-    def _current_stream(self) -> Any:
+    def current_stream(self) -> Any:
         return torch.npu.current_stream(self.device)  # type: ignore[attr-defined]
 
-    def _stream_ctx(self, stream: Any) -> Any:
+    def stream_ctx(self, stream: Any) -> Any:
         return torch.npu.stream(stream)  # type: ignore[attr-defined]
+
+
+class HcclCheckpointEngine(PipelinedEngine):
+    """The pipeline over HCCL."""
+
+    transport_cls: ClassVar[type[Transport]] = HcclTransport

@@ -2,7 +2,7 @@
 
 Built-ins are registered by module path so `import ckpt_engine` never imports torch_npu, CUDA
 libraries or other optional packages; third-party backends come from the entry-point group
-`ckpt_engine.transports` or from the `register` decorator.
+`ckpt_engine.backends` or from the `register` decorator.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ __all__ = ["CheckpointEngineRegistry", "BackendUnavailableError", "detect_device
 
 logger = logging.getLogger(__name__)
 
-ENTRY_POINT_GROUP = "ckpt_engine.transports"
+ENTRY_POINT_GROUP = "ckpt_engine.backends"  # the published group name (third-party packages declare it)
 
 
 class BackendUnavailableError(ValueError):

@@ -6,11 +6,10 @@ from collections.abc import Iterator
 
 import torch
 
+from ckpt_engine.checksum import CHECKSUM_BYTES
 from ckpt_engine.manifest import TensorMeta
 
-__all__ = ["SLACK", "align8", "checked_weight", "dtype_name", "flat_bytes", "has_wire_layout", "next_weight", "torch_dtype"]
-
-SLACK = 64  # room after a bucket's data for the 8-byte-aligned checksum
+__all__ = ["align8", "checked_weight", "dtype_name", "entry_view", "flat_bytes", "has_wire_layout", "message", "next_weight", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -30,6 +29,20 @@ def align8(n: int) -> int:
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def entry_view(buf: torch.Tensor, e: TensorMeta) -> torch.Tensor:
+    """Entry `e`'s bytes in a bucket image `buf`: typed and shaped for a whole tensor, raw for a chunk."""
+    raw = buf[e.bucket_offset : e.bucket_offset + e.chunk_size]
+    if e.is_whole:
+        return raw.view(torch_dtype(e.dtype)).view(e.shape)
+    return raw
+
+
+def message(buf: torch.Tensor, nbytes: int, verify: bool) -> torch.Tensor:
+    """What travels for a packed bucket in slot memory `buf`: its bytes, plus (with verify) padding
+    and the checksum."""
+    return buf[: align8(nbytes) + CHECKSUM_BYTES if verify else nbytes]
 
 
 def has_wire_layout(t: torch.Tensor, e: TensorMeta, device: torch.device) -> bool:

@@ -1,20 +1,24 @@
-"""The receiving side of a delta sync: per bucket a header, then the payload (dense or a patch).
+"""The receiving side of a delta sync: per bucket a frame header, then the payload (dense or a patch).
 
-Each patch is checked as it arrives (while the next bucket is in flight): the sender's checksum of
-the result must equal this rank's base checksum plus the patch's change, computed from this rank's
-own old words. Tensors are handed to the loader only after every bucket has passed, so a corrupt or
-mismatched patch leaves the engine's weights as they were; after a failed check the remaining
-frames are still received (senders finish), then the failure is raised.
+Each frame's sizes are checked against the bucket before its payload is posted: a header that
+announces a kind or a size the bucket cannot have (a lying or corrupt sender) fails the sync, but
+its payload (as long as the header says, which is what the sender posts: see delta_send.py) is
+still taken into scratch memory, within a slot's size, so the collective stays in step and no rank
+tears it down. Each patch is checked as it arrives (while the next bucket is in flight): the
+sender's checksum of the result must equal this rank's base checksum plus the patch's change,
+computed from this rank's own old words. Tensors are handed to the loader only after every bucket
+has passed, so a corrupt or mismatched frame leaves the engine's weights as they were; after a
+failed check the remaining frames are still received (senders finish), then the failure is raised.
 
 Two places for the base. With `destinations` holding every entry in the wire layout, the loader's
 own tensors are the base (`ckpt_engine.delta.pieces.ScatteredImage`): a patch's old words are read
 where they live and its new ones written right after (so the writes overlap the transfer instead of
 trailing it), its check is read back with every other bucket's after the last one (the host does
 not wait for a patch's kernels between buckets), and the old words are kept until the sync ends: a
-failure writes them back, latest bucket first, before it is raised. Dense buckets are staged and copied in after the checks;
-no bucket-sized copy exists at all (no base copy, no loader copy of the whole model). Otherwise
-each bucket has a base image in device memory, patched after every check has passed, whose views
-are handed to the loader.
+failure writes them back, latest bucket first, before it is raised. Dense buckets are staged and
+copied in after the checks; no bucket-sized copy exists at all (no base copy, no loader copy of the
+whole model). Otherwise each bucket has a base image in device memory, patched after every check
+has passed, whose views are handed to the loader.
 """
 
 from __future__ import annotations
@@ -22,34 +26,47 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from contextlib import nullcontext
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ckpt_engine.transports.delta_bases import DENSE, FRAME_WORDS, PATCH, Bases
-from ckpt_engine.transports.wire_views import flat_bytes, has_wire_layout
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta import codec
 from ckpt_engine.delta.layout import word_dtype
 from ckpt_engine.delta.pieces import ScatteredImage
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.transports.base import TransferError
 from ckpt_engine.manifest import BucketManifest
+from ckpt_engine.pipeline.assembly import chunk_landed
+from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, Bases, bases_for
+from ckpt_engine.pipeline.options import PipelineOptions
+from ckpt_engine.pipeline.plan_state import PlanState
+from ckpt_engine.pipeline.schedule import Step
+from ckpt_engine.pipeline.wire_views import entry_view, flat_bytes, has_wire_layout
+from ckpt_engine.transports.base import TransferError
+from ckpt_engine.transports.transport import SLACK, Transport
 
-__all__ = ["DeltaReceiveMixin"]
+__all__ = ["DeltaReceiver"]
 
 logger = logging.getLogger(__name__)
 
+_DROPPED = -1
+"""The kind of a refused frame whose payload is taken and dropped."""
 
-class DeltaReceiveMixin:
-    """Mixed into PipelinedBroadcastEngine (with DeltaTransferMixin, which owns the bases)."""
 
-    def _receive_delta(
-        self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest
+class DeltaReceiver:
+    """Takes a delta sync's frames, checks them all, then hands the result to the loader."""
+
+    def __init__(self, transport: Transport, options: PipelineOptions) -> None:
+        self.t = transport
+        self.opts = options
+        self.last_stats: dict[str, float] = {}
+
+    def receive(
+        self, state: PlanState, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        sched = self._schedule(manifest)
+        t = self.t
+        sched = state.schedule
         steps = sched.steps
         works: list[Any] = []
         t_start = time.perf_counter()
@@ -58,47 +75,55 @@ class DeltaReceiveMixin:
         undo: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # in place: (bucket, positions, old words) written
         checks: list[_Check] = []  # in place: each patch's check, read back once at the end
         try:
-            places = self._places(manifest, destinations)
-            bases = self._bases_for(manifest, delta, [(s.bucket.index, s.bucket.nbytes) for s in steps], inplace=places is not None)
+            places = self._places(state, destinations)
+            keys = [(s.bucket.index, s.bucket.nbytes) for s in steps]
+            bases = state.bases = bases_for(
+                state.bases, manifest, delta, keys, inplace=places is not None, rank=t.rank, device=t.device, pinned=False
+            )
             if places is not None and delta.patches:
+                assert destinations is not None
                 failure = self._stale_destination(bases, destinations)
             frames: list[tuple[int, int, int]] = []
             arrived: dict[int, Any] = {}  # checked patches, and dense frames staged for in-place receivers
             pending: _Pending | None = None
             check_s = 0.0
             for step in steps:
-                header = self._fresh(step.gid, FRAME_WORDS, torch.int64, (1, FRAME_WORDS))
+                header = t.fresh(step.gid, FRAME_WORDS, torch.int64, (1, FRAME_WORDS))
                 where = f"bucket {step.bucket.index} from sender {step.bucket.sender}"
-                self._settle(step.gid, self._broadcast_on(step.gid, None, header, after_producer=False), f"the frame header of {where}")
-                with self._reading_stream(step.gid):
+                t.settle(step.gid, t.post(step.gid, None, header, after_producer=False), f"the frame header of {where}")
+                with t.reading(step.gid):
                     row = header[0].tolist()
                 kind, size, expect = row[:3]
                 head = struct.pack(f"<{FRAME_WORDS - 3}q", *row[3:])  # the patch's own header, sent ahead of it
-                self._check_frame(step, kind, size, delta)
-                frames.append((kind, size, expect))
-                if kind == DENSE and places is None:  # into the base image: after the compute stream's use of it
+                bad = self._check_frame(step, kind, size, delta)
+                if bad is not None:  # take its payload (what the sender posts) and drop it
+                    kind = _DROPPED
+                    msg = t.fresh(step.gid, size)
+                    work = t.post(step.gid, None, msg, after_producer=False)
+                elif kind == DENSE and places is None:  # into the base image: after the compute stream's use of it
                     msg = bases.images[step.bucket.index][:size]
-                    work = self._broadcast_on(step.gid, None, msg)
-                elif kind == PATCH and self._comm_stream is None:
-                    msg = self._patch_buffer(manifest, step.bucket.index, size, step.bucket.nbytes)
-                    work = self._broadcast_on(step.gid, None, msg, after_producer=False)
+                    work = t.post(step.gid, None, msg)
+                elif kind == PATCH and not t.uses_streams:
+                    msg = self._patch_buffer(state, step.bucket.index, size, step.bucket.nbytes)
+                    work = t.post(step.gid, None, msg, after_producer=False)
                 else:  # lands while earlier patches are applied on the compute stream
-                    msg = self._fresh(step.gid, size)
-                    work = self._broadcast_on(step.gid, None, msg, after_producer=False)
+                    msg = t.fresh(step.gid, size)
+                    work = t.post(step.gid, None, msg, after_producer=False)
+                works.append(work)
+                frames.append((kind, size, expect))
                 landed = None
-                if places is not None and self._comm_stream is not None:  # the compute stream waits for it, not the host
-                    landed = self._new_event()
-                    landed.record(self._streams[step.gid])
+                if places is not None and t.uses_streams:  # the compute stream waits for it, not the host
+                    landed = t.landed_event(step.gid)
                 if pending is not None:
                     t0 = time.perf_counter()
                     failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo, checks)
                     check_s += time.perf_counter() - t0
-                pending = (step, kind, size, expect, msg, work, landed, head)
+                pending = (step, kind, size, expect, msg, work, landed, head, bad)
             if pending is not None:
                 t0 = time.perf_counter()
                 failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo, checks)
                 for gid in {s.gid for s in steps}:  # every payload landed, within the timeout, before any read back
-                    self._settle(gid, None, f"the last payloads on group {gid}")
+                    t.settle(gid, None, f"the last payloads on group {gid}")
                 failure = self._settle_checks(checks) or failure  # the earlier buckets' failure, if any
                 check_s += time.perf_counter() - t0
             if failure is not None:
@@ -107,27 +132,47 @@ class DeltaReceiveMixin:
             changed = self._apply_all(bases, places, arrived, steps, frames)
             apply_s = time.perf_counter() - t_apply
             if places is not None:
-                bases.stamps = {name: _stamp(t) for name, t in destinations.items() if t.numel() and name in sched.tensor_bytes}
+                assert destinations is not None
+                bases.stamps = {name: _stamp(x) for name, x in destinations.items() if x.numel() and name in sched.tensor_bytes}
             bases.sync_id = delta.new_id
             undo.clear()
         except BaseException:
             works.clear()
             self._roll_back(places, undo)
-            self.abort()
+            t.abort()
+            state.bases.sync_id = None
             raise
         wire = sum(size for _k, size, _e in frames)
-        self.last_delta_stats = {
+        self.last_stats = {
             "wire_bytes": float(wire), "dense_bytes": float(sum(s.bucket.nbytes for s in steps)),
             "patch_buckets": float(sum(1 for k, _s, _e in frames if k == PATCH)), "apply_s": apply_s + check_s,
             "check_s": check_s, "receive_s": time.perf_counter() - t_start, "changed_words": float(changed),
             "base_bytes": float(bases.nbytes), "in_place": float(places is not None),
         }
         if places is not None:
-            yield from self._yield_destinations(manifest, destinations)
+            assert destinations is not None
+            yield from self._yield_destinations(state, destinations)
         else:
-            yield from self._yield_images(manifest, destinations, bases)
+            yield from self._yield_images(state, destinations, bases)
 
-    def _patch_buffer(self, manifest: BucketManifest, index: int, size: int, bucket_bytes: int) -> torch.Tensor:
+    def _check_frame(self, step: Step, kind: int, size: int, delta: DeltaRequest) -> TransferError | None:
+        """A frame whose header announces what this bucket cannot be: a TransferError (its payload
+        is still taken); a size this rank cannot even post is raised at once (the group aborts)."""
+        n = step.bucket.nbytes
+        ok = (kind == DENSE and size == n) or (kind == PATCH and delta.patches and codec.PATCH_HEADER_BYTES <= size <= n)
+        if ok:
+            return None
+        self.t.broken = True
+        error = TransferError(
+            f"rank {self.t.rank}: bucket {step.bucket.index} from sender {step.bucket.sender} announced "
+            f"kind {kind} of {size} bytes (bucket of {n} bytes, patches {'allowed' if delta.patches else 'not allowed'}); "
+            "the engine keeps its old weights"
+        )
+        if not 0 <= size <= max(n, self.opts.bucket_size_bytes) + SLACK:
+            raise error
+        return error
+
+    def _patch_buffer(self, state: PlanState, index: int, size: int, bucket_bytes: int) -> torch.Tensor:
         """Host memory for bucket `index`'s patch, kept from sync to sync: a fresh allocation of
         tens of MB comes as new pages from the OS, and touching them first cost more than receiving
         the patch (1-layer 7B on the CPU box: ~100 ms of a 0.5 s sync for one 65 MB patch). Kept
@@ -135,32 +180,29 @@ class DeltaReceiveMixin:
         (~6 % at lr 1e-6); nothing reads it after the sync that received into it has ended."""
         if size > bucket_bytes // 4:
             return torch.empty(size, dtype=torch.uint8)
-        if self._patch_buffers is None or self._patch_buffers[0] != manifest.digest:
-            self._patch_buffers = (manifest.digest, {})
-        kept = self._patch_buffers[1]
+        kept = state.patch_buffers
         buf = kept.get(index)
         if buf is None or buf.numel() < size:
             buf = kept[index] = torch.empty(min(bucket_bytes // 4, size + size // 4), dtype=torch.uint8)
         return buf[:size]
 
-    def _places(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None) -> dict[int, ScatteredImage] | None:
+    def _places(self, state: PlanState, destinations: Mapping[str, torch.Tensor] | None) -> dict[int, ScatteredImage] | None:
         """Per bucket, its words as they lie in the loader's tensors; None unless every entry of
         the manifest has a destination in the wire layout on this device (cached per plan and
         tensors)."""
         if not destinations:
             return None
-        sched = self._schedule(manifest)
-        key = (manifest.digest, tuple((n, t.data_ptr()) for n, t in destinations.items() if n in sched.tensor_bytes))
-        cached = getattr(self, "_places_cache", None)
-        if cached is not None and cached[0] == key:
-            return cached[1]
+        sched = state.schedule
+        key = tuple((n, x.data_ptr()) for n, x in destinations.items() if n in sched.tensor_bytes)
+        if state.places is not None and state.places[0] == key:
+            return state.places[1]
         places: dict[int, ScatteredImage] | None = {}
         for step in sched.steps:
             regions = []
             word = step.word_bytes
             for e in step.bucket.entries:
                 dest = destinations.get(e.name)
-                if dest is None or not has_wire_layout(dest, e, self.device):
+                if dest is None or not has_wire_layout(dest, e, self.t.device):
                     places = None
                     break
                 if e.chunk_size:
@@ -170,31 +212,47 @@ class DeltaReceiveMixin:
                 break
             if regions:
                 places[step.bucket.index] = ScatteredImage(regions, step.bucket.nbytes // word)
-        self._places_cache = (key, places)
+        state.places = (key, places)
         return places
+
+    def _yield_destinations(self, state: PlanState, destinations: Mapping[str, torch.Tensor]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """In place: each tensor is complete already; it is yielded (itself, so a loader's copy is
+        skipped) with the bucket that carries its last bytes."""
+        for step in state.schedule.steps:
+            yield [(e.name, destinations[e.name]) for e in step.bucket.entries if e.chunk_offset + e.chunk_size == e.nbytes]
+        self.t.wait_compute("applying the patches")
+
+    def _yield_images(
+        self, state: PlanState, destinations: Mapping[str, torch.Tensor] | None, bases: Bases
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The verified images, bucket by bucket, as the dense loop yields its buffers."""
+        sched = state.schedule
+        remaining = dict(sched.tensor_bytes)
+        for step in sched.steps:
+            image = bases.images[step.bucket.index]
+            out: list[tuple[str, torch.Tensor]] = []
+            for e in step.bucket.entries:
+                view = entry_view(image, e)
+                if e.is_whole:
+                    out.append((e.name, view))
+                    continue
+                done = chunk_landed(state, e, view, remaining, destinations, self.t.device)
+                if done is not None:
+                    out.append((e.name, done))
+            yield out
+        self.t.wait_compute("loading the last bucket")
 
     def _stale_destination(self, bases: Bases, destinations: Mapping[str, torch.Tensor]) -> TransferError | None:
         """A destination written by anything but the last sync is no longer the base."""
         for name, (ptr, version) in bases.stamps.items():
             t = destinations.get(name)
             if t is None or _stamp(t) != (ptr, version):
-                self._broken = True
+                self.t.broken = True
                 return TransferError(
-                    f"rank {self.rank}: the loader's tensor {name!r} changed since the last sync (it is the base of "
+                    f"rank {self.t.rank}: the loader's tensor {name!r} changed since the last sync (it is the base of "
                     "this patch sync); the engine keeps its weights and the next sync must be dense"
                 )
         return None
-
-    def _settle(self, gid: int, work: Any, what: str) -> None:
-        """Wait, with the timeout, for one broadcast on group `gid` (the host then reads its bytes);
-        on an accelerator, for everything queued on that group's stream."""
-        if self._comm_stream is None:
-            if work is not None:
-                self._wait_work(work, what)
-            return
-        ev = self._new_event()
-        ev.record(self._streams[gid])
-        self._wait_event(ev, what)
 
     def _check_arrived(
         self,
@@ -211,14 +269,16 @@ class DeltaReceiveMixin:
         host goes on); check a patch (unless an earlier one failed). An in-place receiver stages
         a dense frame (with its checksum) until every patch has passed, or, in a sync without
         patches, copies it in at once."""
-        step, kind, size, expect, msg, work, landed, head = pending
+        step, kind, size, expect, msg, work, landed, head, bad = pending
         k = step.bucket.index
         if landed is not None:
-            self._current_stream().wait_event(landed)
+            self.t.wait_landed(landed)
         else:
-            self._settle(step.gid, work, f"bucket {k} from sender {step.bucket.sender}")
+            self.t.settle(step.gid, work, f"bucket {k} from sender {step.bucket.sender}")
         if failure is not None:
             return failure
+        if bad is not None:
+            return bad
         if kind == DENSE:
             if places is not None:
                 bases.sums[k] = codec.checksum(msg, step.word_bytes)
@@ -240,18 +300,6 @@ class DeltaReceiveMixin:
         word = frame.view(word_dtype(step.word_bytes))
         batched_copy_([view for _first, view in image.regions], [word[f : f + v.numel()] for f, v in image.regions])
 
-    def _check_frame(self, step: Any, kind: int, size: int, delta: DeltaRequest) -> None:
-        n = step.bucket.nbytes
-        ok = (kind == DENSE and size == n) or (
-            kind == PATCH and delta.patches and codec.PATCH_HEADER_BYTES <= size <= n
-        )
-        if not ok:
-            self._broken = True
-            raise TransferError(
-                f"rank {self.rank}: bucket {step.bucket.index} from sender {step.bucket.sender} announced "
-                f"kind {kind} of {size} bytes (bucket of {n} bytes, patches {'allowed' if delta.patches else 'not allowed'})"
-            )
-
     def _verify_patch(
         self, bases: Bases, places: dict[int, ScatteredImage] | None, step: Any, payload: torch.Tensor, expect: int,
         undo: list[tuple[int, torch.Tensor, torch.Tensor]], checks: list[_Check], head: bytes,
@@ -264,14 +312,14 @@ class DeltaReceiveMixin:
         so the host never waits here for the kernels that apply the patch."""
         k, word = step.bucket.index, step.word_bytes
         n = step.bucket.nbytes
-        where = f"rank {self.rank}: bucket {k} from sender {step.bucket.sender}"
+        where = f"rank {self.t.rank}: bucket {k} from sender {step.bucket.sender}"
         try:
             if places is None:
                 patch = codec.decode(payload, n, word)
             else:  # swap_in counts positions outside the bucket's tensors (those < 0 or past the bucket among them)
                 patch = codec.decode(payload, n, word, check_range=False, head=head)
         except codec.PatchError as exc:
-            self._broken = True
+            self.t.broken = True
             raise TransferError(f"{where}: malformed patch: {exc}") from exc
         if places is not None:
             if bases.sums.get(k) is None or k not in places:
@@ -285,7 +333,7 @@ class DeltaReceiveMixin:
             bases.sums[k] = codec.checksum(image, word)
         got = int((bases.sums[k] + codec.delta_checksum(image, patch)).item())
         if got != expect:
-            self._broken = True
+            self.t.broken = True
             raise TransferError(_mismatch(where, expect, got))
         return patch
 
@@ -294,7 +342,7 @@ class DeltaReceiveMixin:
         bucket order, or None."""
         if not checks:
             return None
-        zero = torch.zeros((), dtype=torch.int64, device=self.device)
+        zero = torch.zeros((), dtype=torch.int64, device=self.t.device)
         rows = torch.stack([
             torch.stack([got.reshape(()), bad.reshape(()).to(torch.int64), (pad if pad is not None else zero).reshape(()).to(torch.int64)])
             for _w, _e, got, bad, pad in checks
@@ -303,20 +351,15 @@ class DeltaReceiveMixin:
         checks.clear()
         for (where, expect, _g, _b, _p), (got, outside, pad) in zip(done, rows):
             if pad:
-                self._broken = True
+                self.t.broken = True
                 return TransferError(f"{where}: malformed patch: patch padding after the positions is not zero")
             if outside:
-                self._broken = True
+                self.t.broken = True
                 return TransferError(f"{where}: the patch writes {outside} words outside every tensor of the bucket; the engine keeps its old weights")
             if got != expect:
-                self._broken = True
+                self.t.broken = True
                 return TransferError(_mismatch(where, expect, got))
         return None
-
-    def _reading_stream(self, gid: int) -> Any:
-        """Where a header is copied to the host: group `gid`'s stream (whose broadcast wrote it), so
-        the copy does not wait for the patch kernels queued on the compute stream."""
-        return nullcontext() if self._comm_stream is None else self._stream_ctx(self._streams[gid])
 
     def _apply_all(
         self, bases: Bases, places: dict[int, ScatteredImage] | None, arrived: dict[int, Any], steps: list[Any], frames: list[tuple[int, int, int]]
@@ -335,7 +378,7 @@ class DeltaReceiveMixin:
             patch = arrived.pop(k)
             if places is None:
                 codec.apply(bases.images[k][: step.bucket.nbytes], patch)
-            bases.sums[k] = torch.tensor(expect, dtype=torch.int64, device=self.device)
+            bases.sums[k] = torch.tensor(expect, dtype=torch.int64, device=self.t.device)
             changed += int(patch.positions.numel())
         return changed
 
@@ -347,52 +390,12 @@ class DeltaReceiveMixin:
         try:
             for k, positions, old in reversed(undo):
                 places[k].scatter(positions, old)
-            if self._comm_stream is not None:
-                done = self._new_event()
-                done.record(self._current_stream())
-                self._wait_event(done, "writing back the previous version")
+            self.t.wait_compute("writing back the previous version")
         except Exception:
-            logger.critical("rank %s: writing the previous version back failed: the engine's weights are not to be trusted", self.rank)
+            logger.critical("rank %s: writing the previous version back failed: the engine's weights are not to be trusted", self.t.rank)
             raise
         finally:
             undo.clear()
-
-    def _yield_destinations(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor]) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """In place: each tensor is complete already; it is yielded (itself, so a loader's copy is
-        skipped) with the bucket that carries its last bytes."""
-        sched = self._schedule(manifest)
-        for step in sched.steps:
-            out = [(e.name, destinations[e.name]) for e in step.bucket.entries if e.chunk_offset + e.chunk_size == e.nbytes]
-            yield out
-        if self._comm_stream is not None:
-            done = self._new_event()
-            done.record(self._current_stream())
-            self._wait_event(done, "applying the patches")
-
-    def _yield_images(
-        self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, bases: Bases
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """The verified images, bucket by bucket, as the dense loop yields its buffers."""
-        sched = self._schedule(manifest)
-        remaining = dict(sched.tensor_bytes)
-        if self._assembly_digest != manifest.digest:
-            self._assembly, self._assembly_digest = {}, manifest.digest
-        for step in sched.steps:
-            image = bases.images[step.bucket.index]
-            out: list[tuple[str, torch.Tensor]] = []
-            for e in step.bucket.entries:
-                view = self._entry_view(image, e)
-                if e.is_whole:
-                    out.append((e.name, view))
-                    continue
-                done = self._chunk_landed(e, view, remaining, destinations)
-                if done is not None:
-                    out.append((e.name, done))
-            yield out
-        if self._comm_stream is not None:
-            done = self._new_event()
-            done.record(self._current_stream())
-            self._wait_event(done, "loading the last bucket")
 
 
 def _stamp(t: torch.Tensor) -> tuple[int, int]:
@@ -411,7 +414,8 @@ def _mismatch(where: str, expect: int, got: int) -> str:
     )
 
 
-_Pending = tuple[Any, int, int, int, torch.Tensor, Any, Any, bytes]
+_Pending = tuple[Any, int, int, int, torch.Tensor, Any, Any, bytes, "TransferError | None"]
 """A bucket whose payload is on its way: (step, kind, bytes, the sender's checksum, the payload,
 its broadcast's work, the event after it on its group's stream (in place on an accelerator, else
-None), the patch's header as its frame announced it)."""
+None), the patch's header as its frame announced it, the frame's refusal: its payload is taken
+and dropped)."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.transports.wire_views import checked_weight, flat_bytes, has_wire_layout, next_weight, torch_dtype
+from ckpt_engine.pipeline.wire_views import checked_weight, flat_bytes, has_wire_layout, next_weight, torch_dtype
 from ckpt_engine.transports.base import SendStats
 from ckpt_engine.manifest import TensorMeta
 

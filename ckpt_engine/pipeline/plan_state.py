@@ -1,0 +1,90 @@
+"""Everything a rank keeps for as long as one plan (manifest digest) lives: one object, dropped
+whole when the plan changes (or the group is left).
+
+The schedule, the views of the slot buffers, the reassembly tensors of chunked tensors, the
+recorded copy plans of each side, what a sender's source yielded last, its counts, the delta
+bases and checksums, a CPU receiver's kept patch buffers and an in-place receiver's places.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+import torch
+
+from ckpt_engine.delta.pieces import ScatteredImage
+from ckpt_engine.manifest import BucketManifest, TensorMeta
+from ckpt_engine.pipeline.copy_plan import ReceivePlan, SendPlan
+from ckpt_engine.pipeline.delta_bases import Bases
+from ckpt_engine.pipeline.piece_reader import Known
+from ckpt_engine.pipeline.schedule import Schedule, Step
+from ckpt_engine.pipeline.wire_views import entry_view
+from ckpt_engine.transports.base import SendStats
+
+__all__ = ["PlanState"]
+
+
+class PlanState:
+    """One plan's state on one rank (sender or receiver)."""
+
+    def __init__(self, manifest: BucketManifest, num_buffers: int, num_lanes: int) -> None:
+        self.digest = manifest.digest
+        self.schedule = Schedule(manifest, num_buffers, num_lanes)
+        self.views: list[list[torch.Tensor]] | None = None
+        """Per bucket, views of its slot's buffer, one per entry."""
+        self.assembly: dict[str, torch.Tensor] = {}
+        """Receivers: reassembly tensors of chunked tensors (kept: a fresh host allocation of a
+        large tensor costs a page fault per 4 KiB every sync)."""
+        self.send_plan: SendPlan | None = None
+        self.recv_plan: ReceivePlan | None = None
+        self.known: Known = {}
+        """Senders with stable sources: what the source yielded for each whole entry last time."""
+        self.own_counts: tuple[int, int, int] | None = None  # (rank, bytes, tensors) a sender sends
+        self.chunked: list[TensorMeta] | None = None
+        self.bases = Bases()
+        """Delta bases (dropped, within the plan, by a sync outside delta framing)."""
+        self.patch_buffers: dict[int, torch.Tensor] = {}
+        self.places: tuple[Hashable, dict[int, ScatteredImage] | None] | None = None
+
+    def bucket_views(self, manifest: BucketManifest, buffers: list[torch.Tensor], buffer_bytes: int, is_sender: bool) -> list[list[torch.Tensor]]:
+        """Views of the rotating buffers, one per entry of each bucket."""
+        if self.views is None:
+            if manifest.bucket_size_bytes > buffer_bytes:
+                raise ValueError(
+                    f"manifest buckets are {manifest.bucket_size_bytes} bytes, larger than this engine's "
+                    f"{buffer_bytes}-byte buffers"
+                )
+            views = []
+            for step in self.schedule.steps:
+                slot = step.sender_slot if is_sender else step.slot
+                buf = buffers[slot] if slot < len(buffers) else None
+                views.append([entry_view(buf, e) for e in step.bucket.entries] if buf is not None else [])
+            self.views = views
+        return self.views
+
+    def own_steps(self, rank: int) -> tuple[list[Step], SendStats]:
+        """A sender's own steps in order, and stats counting what it sends (worked out once per
+        plan: a MoE sender owns ~10,000 entries)."""
+        sched = self.schedule
+        mine = [sched.steps[i] for i in sched.by_sender[rank]]
+        if self.own_counts is None or self.own_counts[0] != rank:
+            self.own_counts = (
+                rank, sum(e.chunk_size for s in mine for e in s.bucket.entries), len({e.name for s in mine for e in s.bucket.entries})
+            )
+        return mine, SendStats(bytes=self.own_counts[1], tensors=self.own_counts[2], buckets=len(mine))
+
+    def chunked_entries(self, manifest: BucketManifest) -> list[TensorMeta]:
+        """One entry per tensor that travels in chunks (split over buckets or senders)."""
+        if self.chunked is None:
+            seen: dict[str, TensorMeta] = {}
+            for b in manifest.buckets:
+                for e in b.entries:
+                    if not e.is_whole:
+                        seen.setdefault(e.name, e)
+            self.chunked = list(seen.values())
+        return self.chunked
+
+    def drop_delta(self) -> None:
+        """A sync outside delta framing: the bases are stale; free their memory."""
+        self.bases = Bases()
+        self.patch_buffers = {}
+        self.places = None

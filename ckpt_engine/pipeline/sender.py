@@ -1,0 +1,215 @@
+"""The sender of one sync: walk the source, pack or encode each own bucket, post it, drain.
+
+Each sender walks only its own buckets: it packs bucket k into rotating slot k % num_buffers while
+earlier ones are in flight, or sends straight from the caller's tensors where the source is stable
+and the bucket allows it (one lone tensor or chunk, or a coalesced group of a few tensors). With a
+stable source that names its anchors, the copies of every bucket are recorded at the first sync of
+a plan and replayed while the anchors stay where they were (`copy_plan.py`). A delta sync frames
+each bucket as a patch or dense (`delta_send.py`). How bytes move is the transport's business.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ckpt_engine.checksum import bucket_checksum
+from ckpt_engine.copies import batched_copy_
+from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.manifest import Bucket, BucketManifest
+from ckpt_engine.pipeline.copy_plan import BucketSend, SendPlan, anchors_of, coalesce, layout_of
+from ckpt_engine.pipeline.delta_send import DeltaSender
+from ckpt_engine.pipeline.fault_hooks import FaultHooks
+from ckpt_engine.pipeline.options import PipelineOptions
+from ckpt_engine.pipeline.piece_reader import PieceReader
+from ckpt_engine.pipeline.plan_state import PlanState
+from ckpt_engine.pipeline.schedule import Step
+from ckpt_engine.pipeline.wire_views import align8, flat_bytes, message, torch_dtype
+from ckpt_engine.transports.base import SendStats
+from ckpt_engine.transports.transport import Transport
+
+__all__ = ["Sender"]
+
+
+class _Once(BucketSend):
+    """A bucket's send decided for this sync only (its pieces were temporaries, or were packed
+    one by one): never recorded for replay."""
+
+
+def _as_lists(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return list(dsts), list(srcs)
+
+
+class Sender:
+    """A sender rank's side of every sync."""
+
+    def __init__(self, transport: Transport, options: PipelineOptions, hooks: FaultHooks, *, host_bases: bool, scatter_below: float) -> None:
+        self.t = transport
+        self.opts = options
+        self.hooks = hooks
+        self.delta = DeltaSender(transport, options, hooks, host_bases=host_bases, scatter_below=scatter_below)
+        self.send_plan_builds = 0
+        """How many send plans this sender has recorded."""
+
+    @property
+    def last_delta_stats(self) -> dict[str, float]:
+        return self.delta.last_stats
+
+    def drop_stage(self) -> None:
+        self.delta.stage = None
+
+    def send(
+        self, state: PlanState, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool, delta: DeltaRequest | None
+    ) -> SendStats:
+        """One sync of this sender's buckets (see CheckpointEngine.send_weights)."""
+        assert self.t.rank is not None
+        self.t.begin_send(state.schedule.by_sender[self.t.rank])
+        if delta is not None:
+            return self.delta.send(state, manifest, weights, stable=stable, delta=delta)
+        state.drop_delta()  # a sync outside delta framing: the bases are stale; free their memory
+        self.delta.stage = None
+        t_start = time.perf_counter()
+        mine, stats = state.own_steps(self.t.rank)
+        views = state.bucket_views(manifest, self.t.buffers, self.opts.bucket_size_bytes, True)
+        anchors = anchors_of(weights) if stable else None
+        stats.export_s += time.perf_counter() - t_start
+        plan = state.send_plan
+        if anchors is None or plan is None or not plan.matches(manifest.digest, views, anchors):
+            plan = None
+        if anchors is not None and plan is None:
+            state.send_plan = None  # stale: drop its references before walking anew
+            weights.close()  # type: ignore[attr-defined]
+        recorded: dict[int, BucketSend] | None = {} if anchors is not None and plan is None else None
+        it = iter(weights) if plan is None else iter(())
+        works: list[Any] = [None] * self.opts.num_buffers
+        try:
+            known = state.known if stable else None
+            pieces = PieceReader(it, state.schedule, self.t.rank, self.t.device, stats, known) if plan is None else None
+            for step in mine:
+                bucket, slot = step.bucket, step.sender_slot
+                self.t.wait_slot(slot, works)
+                if plan is not None:
+                    action = plan.buckets[bucket.index]
+                else:
+                    assert pieces is not None
+                    action = self._resolve_bucket(bucket, views[bucket.index], pieces, stable, stats, recorded is not None)
+                    if recorded is not None:
+                        if isinstance(action, _Once):
+                            recorded = None  # a piece was a temporary of this walk: nothing to replay
+                        else:
+                            recorded[bucket.index] = action
+                works[slot] = self._send_bucket(step, slot, action, stats)
+            if plan is None and next(it, None) is not None:
+                raise ValueError("the weight source yielded more tensors than its metadata lists")
+            self.t.drain_slots(works)
+        except BaseException:
+            works.clear()  # pending work handles keep the group (and its sockets) alive
+            self.t.abort()
+            state.bases.sync_id = None
+            raise
+        finally:
+            if plan is not None:
+                weights.close()  # type: ignore[attr-defined]
+        if recorded is not None:
+            self._record_send_plan(state, manifest, views, weights, recorded)
+        stats.total_s = time.perf_counter() - t_start
+        stats.transfer_s = max(0.0, stats.total_s - stats.export_s - stats.pack_s)
+        return stats
+
+    def _record_send_plan(self, state: PlanState, manifest: BucketManifest, views: Any, weights: Any, recorded: dict[int, BucketSend]) -> None:
+        """Keep this sync's copies for replay, keyed by where the source's anchors are now (read in a
+        fresh walk: the one just done has ended)."""
+        anchors = anchors_of(weights)
+        if anchors is None:
+            return
+        try:
+            state.send_plan = SendPlan(manifest.digest, views, anchors, layout_of(anchors), recorded)
+            self.send_plan_builds += 1
+        finally:
+            weights.close()
+
+    def _resolve_bucket(
+        self, bucket: Bucket, dsts: list[torch.Tensor], pieces: PieceReader, stable: bool, stats: SendStats, record: bool
+    ) -> BucketSend:
+        """Take a bucket's pieces from the source and decide how it travels. Without `stable`, each
+        piece is packed before the next is asked for (the result is then only good for this sync).
+        A `_Once` when the decision holds for this sync only (not `record`ing, or a piece is a
+        temporary of this walk); only a recorded decision pays for coalescing its copies."""
+        srcs: list[torch.Tensor] = []
+        borrowed: list[bool] = []  # src is the caller's memory in the wire layout
+        replayable = stable and record
+        pair = coalesce if record else _as_lists
+        may_borrow = not self.t.reads_in_place(bucket.sender)
+        for e, dst in zip(bucket.entries, dsts):
+            src, own = pieces.source(e)
+            borrowed.append(stable and own and may_borrow)
+            replayable = replayable and (own or e.is_whole)  # a chunk that is not `own` is a conversion temporary
+            if stable:
+                srcs.append(src)
+            else:
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                stats.pack_s += time.perf_counter() - t0
+        grouped = self.opts.is_grouped(bucket, self.t)
+        if not stable:
+            if grouped:
+                return _Once("grouped", msgs=[flat_bytes(d) for e, d in zip(bucket.entries, dsts) if e.chunk_size])
+            return _Once("packed")
+        if grouped:
+            # One message per tensor, coalesced: borrowed tensors travel from the caller's memory,
+            # the others are copied into their place in the buffer first.
+            msgs: list[torch.Tensor] = []
+            pend_d: list[torch.Tensor] = []
+            pend_s: list[torch.Tensor] = []
+            for i, (e, dst) in enumerate(zip(bucket.entries, dsts)):
+                if e.chunk_size == 0:
+                    continue
+                if borrowed[i]:
+                    msgs.append(flat_bytes(srcs[i]))
+                    continue
+                pend_d.append(dst)
+                pend_s.append(srcs[i])
+                msgs.append(flat_bytes(dst))
+            action = BucketSend("grouped", *pair(pend_d, pend_s), msgs=msgs)
+        elif borrowed and borrowed[0] and self.opts.is_direct(bucket, self.t):
+            action = BucketSend("message", msgs=[srcs[0]])  # a lone chunk of a large tensor, from the caller's memory
+        elif may_borrow and self._sendable_in_place(bucket, srcs):
+            action = BucketSend("message", msgs=[flat_bytes(srcs[0])])  # a lone whole tensor: no pack copy either
+        else:
+            action = BucketSend("packed", *pair(dsts, srcs))
+        return action if replayable else _Once(action.kind, action.dsts, action.srcs, action.msgs)
+
+    def _send_bucket(self, step: Step, slot: int, action: BucketSend, stats: SendStats) -> Any:
+        """Pack (one batched copy) and post one bucket as `action` says."""
+        bucket = step.bucket
+        t0 = time.perf_counter()
+        if isinstance(action, _Once):
+            batched_copy_(action.dsts, action.srcs)  # one launch for the whole bucket
+        elif action.dsts:
+            torch._foreach_copy_(action.dsts, action.srcs)  # recorded: pairs already merged and filtered
+        if action.kind == "grouped":
+            stats.pack_s += time.perf_counter() - t0
+            return self.t.post_group(step.gid, slot, action.msgs)
+        if action.kind == "message":
+            msg = action.msgs[0]
+        else:
+            if action.nbytes < 0:
+                action.nbytes = bucket.nbytes  # a property summing every entry: once per plan
+            msg = message(self.t.buffers[slot], action.nbytes, self.opts.verify)
+            if self.opts.verify:
+                data = msg[: align8(action.nbytes)]
+                msg[data.numel() :].view(torch.int64).copy_(bucket_checksum(data))
+            self.hooks._tamper_hook(bucket.index, msg)
+        stats.pack_s += time.perf_counter() - t0
+        return self.t.post(step.gid, slot, msg)
+
+    def _sendable_in_place(self, bucket: Bucket, srcs: list[torch.Tensor]) -> bool:
+        """The sender may broadcast a bucket's only tensor from the tensor itself when its memory
+        already has the wire layout; receivers see the same bytes either way."""
+        if len(srcs) != 1 or self.opts.verify:
+            return False
+        src, e = srcs[0], bucket.entries[0]
+        return src.is_contiguous() and src.device == self.t.device and src.dtype == torch_dtype(e.dtype) and src.numel() > 0

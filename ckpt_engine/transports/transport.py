@@ -1,0 +1,239 @@
+"""Transport: how one bucket's bytes move between rotating slots of a weight-sync group.
+
+A transport owns the group's links and slot memory: it builds the process groups per (sender,
+lane) at join (or maps a peer's buffers), posts one broadcast of a message from a slot (sender) or
+into one (receiver), or a coalesced group of messages, and waits for them within `timeout_s`.
+Ordering between the loader's copies and the transfer is the transport's business too: host work
+handles on gloo, streams and events on nccl/hccl, flags through the rendezvous store for buffers
+shared in memory (colocated, hand-off). The pipeline (`ckpt_engine.pipeline`) decides what travels;
+it never touches a stream, an event or a process group itself.
+
+Collective contract: every rank of the group calls `join` once; per sync the senders post their
+own buckets in their order, the receivers post every sender's buckets in each sender's order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar
+
+import torch
+
+from ckpt_engine.transports.base import Rendezvous, TransferError
+
+__all__ = ["SLACK", "Transport"]
+
+logger = logging.getLogger(__name__)
+
+SLACK = 64
+"""Room after a bucket's data in each slot, for the 8-byte-aligned checksum."""
+
+
+class Transport(ABC):
+    """One rank's end of the weight-sync group's links."""
+
+    name: ClassVar[str] = "transport"
+    supports_many_senders: ClassVar[bool] = True
+    supports_delta: ClassVar[bool] = True
+    """Whether unslotted messages (`post` with slot None: delta frames) may travel here."""
+    default_solo_bytes: ClassVar[int] = 0
+    """Tensors of at least this size get a bucket of their own (0: never); see `plan_buckets`."""
+    default_group_max_tensors: ClassVar[int] = 0
+    """A bucket of at most this many tensors travels as one coalesced group of per-tensor messages
+    (0: never). Both sides derive the choice from the manifest, so they must agree on it."""
+    default_num_lanes: ClassVar[int] = 1
+    """Buckets alternate over this many process groups (each with its own stream)."""
+    stable_sources: ClassVar[bool] = True
+    """Whether a sender may rely on stable sources (record copy plans, send from their memory)."""
+
+    def __init__(self, *, device: str | int | torch.device | None, bucket_size_bytes: int, num_buffers: int, num_lanes: int, timeout_s: float) -> None:
+        self.device = self.resolve_device(device)
+        self.bucket_size_bytes = bucket_size_bytes
+        self.num_buffers = num_buffers
+        self.num_lanes = num_lanes
+        self.timeout_s = timeout_s
+        self.rank: int | None = None
+        self.world_size: int | None = None
+        self.num_senders = 1
+        self.buffers: list[torch.Tensor] = []
+        """Slot memory: a sender's `num_buffers` slots, a receiver's `num_buffers` per sender."""
+        self.broken = False
+        """Set by any failure: the group must be finalized and rejoined."""
+
+    # --- device ----------------------------------------------------------------------------------
+    @classmethod
+    def resolve_device(cls, device: str | int | torch.device | None) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def uses_streams(self) -> bool:
+        """Whether device work is ordered by streams and events (else by host work handles)."""
+        return False
+
+    def new_event(self) -> Any:
+        return None
+
+    def current_stream(self) -> Any:
+        return None
+
+    def device_sync_point(self) -> None:
+        """The host waits until this rank's work so far on the current stream is done (one event;
+        a no-op on a CPU device): before handing a buffer over to, or back from, another process."""
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self.wait_event(ev, "local copies")
+
+    def wait_event(self, event: Any, what: str) -> None:
+        """Host wait on one event with a deadline (accelerators only; no device-wide sync)."""
+        deadline = time.monotonic() + self.timeout_s
+        while not event.query():
+            if time.monotonic() > deadline:
+                self.broken = True
+                raise TransferError(f"rank {self.rank}: {what} did not finish within {self.timeout_s}s")
+            time.sleep(2e-5)  # the sync's end is detected within ~0.1 ms; the thread stays idle
+
+    # --- membership ------------------------------------------------------------------------------
+    @property
+    def is_sender(self) -> bool:
+        return self.rank is not None and self.rank < self.num_senders
+
+    @property
+    def joined(self) -> bool:
+        return self.group is not None
+
+    def alloc_buffers(self, count: int) -> None:
+        while len(self.buffers) < count:
+            self.buffers.append(torch.empty(self.bucket_size_bytes + SLACK, dtype=torch.uint8, device=self.device))
+            self.on_new_slot()
+
+    def add_slots(self, buffers: list[torch.Tensor]) -> None:
+        """Slots whose memory was made elsewhere (mapped from a peer, or shared with one)."""
+        for buf in buffers:
+            self.buffers.append(buf)
+            self.on_new_slot()
+
+    def clear_slots(self) -> None:
+        self.buffers = []
+
+    def on_new_slot(self) -> None:
+        """A slot was added to `buffers` (streamed transports give it its events)."""
+
+    def describe(self) -> dict[str, Any]:
+        """For reports: the device and the slot memory this rank allocated."""
+        return {"device": str(self.device), "buffer_bytes": sum(b.numel() for b in self.buffers), "num_buffers": len(self.buffers)}
+
+    def prepare(self) -> dict[str, Any]:
+        if not self.buffers:
+            self.alloc_buffers(self.num_buffers)
+        return self.describe()
+
+    @abstractmethod
+    def join(self, rendezvous: Rendezvous, rank: int) -> None:
+        """Join the weight-sync group (collective over every member); allocates the slots."""
+
+    @property
+    @abstractmethod
+    def group(self) -> Any:
+        """The first link of this rank (its lane-0 process group, or the store), None before join."""
+
+    @property
+    def groups(self) -> dict[int, Any]:
+        """Process groups by gid = sender * num_lanes + lane (empty where none exist)."""
+        return {}
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Break the links so peers blocked in a collective fail fast."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Leave the group and drop the slots. Safe to call twice."""
+
+    def refuse_delta(self) -> str | None:
+        """Why this transport, as joined, cannot carry a delta sync (None: it can)."""
+        return None if self.supports_delta else f"the {self.name} backend does not do delta syncs (use delta=off)"
+
+    def reads_in_place(self, sender: int) -> bool:
+        """Whether receivers read `sender`'s slots in place: every bucket of it must be packed
+        into its slot (no message from a source's memory, no direct or grouped receive)."""
+        return False
+
+    # --- one sync --------------------------------------------------------------------------------
+    def begin_send(self, own_index: list[int]) -> None:
+        """A sender starts a sync; `own_index`: the manifest index of each of its buckets."""
+
+    def begin_receive(self) -> None:
+        """A receiver starts a sync."""
+
+    def end_receive(self) -> None:
+        """A receiver's loader has issued its copies of the last bucket."""
+
+    # --- slotted messages ------------------------------------------------------------------------
+    @abstractmethod
+    def wait_slot(self, slot: int, works: list[Any]) -> None:
+        """Sender: before packing into `slot`, wait until its previous broadcast has left."""
+
+    @abstractmethod
+    def post(self, gid: int, slot: int | None, msg: torch.Tensor, *, after_producer: bool = True) -> Any:
+        """One broadcast on group `gid` from its sender: out of slot `slot` (sender) or into it
+        (receiver), ordered after the current stream's work and, on receivers, after the slot's
+        previous loader copies. `slot` None: an unslotted message (a delta frame);
+        `after_producer=False`: a receiver's message allocated with `fresh`, which lands without
+        waiting for the compute stream."""
+
+    @abstractmethod
+    def post_group(self, gid: int, slot: int, msgs: list[torch.Tensor]) -> Any:
+        """Like `post`, for one coalesced group of messages (same sizes and order on every rank)."""
+
+    def landed(self, work: Any) -> bool:
+        """Whether a receive has finished (host work), so `finish` will not block; a failed
+        receive counts as finished and raises there."""
+        return work is not None and work.is_completed()
+
+    @abstractmethod
+    def finish(self, k: int, sender: int, slot: int, work: Any, label: str) -> None:
+        """Receiver: bucket `k` (manifest index, from `sender`) has landed in `slot` before the
+        loader reads it (the host waits on host work, the compute stream on an accelerator)."""
+
+    @abstractmethod
+    def release(self, slot: int) -> None:
+        """Receiver: the loader has issued its copies out of `slot`; it may be refilled."""
+
+    @abstractmethod
+    def drain_slots(self, works: list[Any]) -> None:
+        """Sender: every slotted broadcast has left (within the timeout)."""
+
+    # --- unslotted messages (delta frames) -------------------------------------------------------
+    def fresh(self, gid: int, size: int, dtype: torch.dtype = torch.uint8, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A receive buffer the group's broadcast may write at once."""
+        return torch.empty(shape if shape is not None else (size,), dtype=dtype, device=self.device)
+
+    @abstractmethod
+    def settle(self, gid: int, work: Any, what: str) -> None:
+        """Wait, with the timeout, for one broadcast on group `gid` (the host then reads its
+        bytes); on an accelerator, for everything queued on that group's stream."""
+
+    @abstractmethod
+    def drain(self, works: list[Any], what: str) -> None:
+        """Every unslotted broadcast has left (within the timeout)."""
+
+    def landed_event(self, gid: int) -> Any:
+        """An event after the work queued on group `gid` (None where the host waits instead)."""
+        return None
+
+    def wait_landed(self, event: Any) -> None:
+        """The compute stream waits for `landed_event`'s event."""
+
+    @contextmanager
+    def reading(self, gid: int) -> Iterator[None]:
+        """Where a received header is copied to the host: the group's own stream."""
+        yield
+
+    def wait_compute(self, what: str) -> None:
+        """The host waits for the work queued on the current stream so far (the loader's copies,
+        the patches): no-op on host work."""

@@ -1,0 +1,82 @@
+"""A sender whose delta frame header lies about its payload's size (issue 26, item 5): reference
+engines in their own processes get a SyncError naming the sender and the bucket, none of them
+dies (gloo used to abort every receiver process on the mismatched broadcast), each keeps its old
+weights bit for bit, and the next sync heals. Each lie is told three times in a row."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
+from ckpt_engine.pipeline.delta_bases import DENSE, PATCH
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.sync.api import close_sessions
+from ckpt_engine.transports.gloo import GlooCheckpointEngine
+from multisender import model_state, wire
+from refengines import holds
+
+CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, delta="on")
+
+
+def version(v: int, lr: float = 1e-5) -> dict[str, torch.Tensor]:
+    return wire(model_state(v, lr=lr))
+
+
+class _Lying(GlooCheckpointEngine):
+    """Once armed, announces the first frame of kind `kind` `by` bytes off its real size."""
+
+    kind = PATCH
+    by = 0  # 1: armed
+    _by = 0  # bytes off
+    lied: list[int] = []
+
+    def _tamper_size_hook(self, bucket_index: int, kind: int, size: int) -> int:
+        if self.by and kind == self.kind:
+            type(self).lied.append(bucket_index)
+            type(self).by = 0
+            return size + self._by
+        return size
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[TorchRefRollout]]:
+    path = tmp_path_factory.mktemp("spec") / "spec.msgpack"
+    write_spec_file(path, StateDictSource(version(0)).metadata())
+    rs = [TorchRefRollout.spawn(f"frames{i}", spec_file=str(path), timeout_s=60) for i in range(2)]
+    yield rs
+    close_sessions()
+    for r in rs:
+        r.close()
+
+
+@pytest.mark.parametrize(("kind", "by"), [(PATCH, -8), (PATCH, 8), (DENSE, -8), (DENSE, 8)])
+def test_a_frame_that_misstates_its_payload_fails_the_sync_and_the_next_heals(engines: list[TorchRefRollout], kind: int, by: int) -> None:
+    v = 100 * (kind + 1) + (50 if by > 0 else 0)
+    for _ in range(3):  # a failed sync rebuilds the group (with a plain engine): one session per lie
+        session = WeightSyncSession(engines, CFG, engine=_Lying(bucket_size_bytes=CFG.bucket_size_bytes, timeout_s=CFG.timeout_s, solo_bytes=0))
+        try:
+            held = version(v)
+            assert session.sync(StateDictSource(held)).delta == "seed"
+            _Lying.kind, _Lying.by, _Lying._by, _Lying.lied = kind, 1, by, []
+            try:  # a patch sync; at lr 0.1 nearly every word changes and every bucket goes dense
+                report = session.sync(StateDictSource(version(v + 1, lr=1e-5 if kind == PATCH else 1e-1)))
+            except SyncError as exc:
+                error = exc
+            else:
+                pytest.fail(f"the sync succeeded: {report.delta}, frames misstated in buckets {_Lying.lied}")
+            assert len(_Lying.lied) == 1
+            assert f"bucket {_Lying.lied[0]} from sender 0" in str(error)
+            assert error.stage == "transfer"
+            for e in engines:
+                assert holds(e, held) == []  # alive, and still the old version, bit for bit
+            held = version(v + 2)
+            report = session.sync(StateDictSource(held))
+            assert report.delta == "seed"  # nobody may assume a base after a failure
+            assert all(holds(e, held) == [] for e in engines)
+            v += 3
+        finally:
+            session.close()
