@@ -33,7 +33,7 @@ from ckpt_engine.sync.sender_follower import finish_walk, join_message, send_mes
 from ckpt_engine.sources.sharded import iter_pieces
 from ckpt_engine.sync.many_senders import ManySendersMixin
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport
-from ckpt_engine.versions import check_version
+from ckpt_engine.versions import next_version
 from ckpt_engine.sources.vllm import as_weight_source
 from ckpt_engine.sources.base import WatchedWeights, WeightSource
 
@@ -257,18 +257,7 @@ class WeightSyncSession(ManySendersMixin):
         return {name: f.result() for name, f in futures.items()}
 
     def _next_version(self, requested: int | None) -> int:
-        held = self._held_versions()
-        newest = max([v for v in held.values() if v is not None] + [self.version])
-        if requested is None:
-            return check_version(newest + 1, "the next version")
-        check_version(requested, "version")
-        ahead = {n: v for n, v in held.items() if v is not None and v > requested}
-        if ahead:
-            raise ValueError(
-                f"version {requested} is older than what engines hold ({', '.join(f'{n}: v{v}' for n, v in ahead.items())}); "
-                f"versions only grow: pass version=None (next: {newest + 1}) or a version >= {newest}"
-            )
-        return requested
+        return next_version(self._held_versions(), self.version, requested)  # refused before anything pauses
 
     def _check_claims(self) -> None:
         if not self._ready:
