@@ -300,14 +300,19 @@ class ManifestBudget:
         )
 
     def buckets(self, bucket_size: int, num_senders: int) -> int:
-        return self.nbytes // max(bucket_size, MIN_BUCKET_BYTES) + num_senders * (self.tensors + 1)
+        honest = self.nbytes // max(bucket_size, MIN_BUCKET_BYTES) + num_senders * (self.tensors + 1)
+        return 2 * honest + _SLACK_ENTRIES
 
     def entries(self, bucket_size: int, num_senders: int) -> int:
-        return min(MAX_ENTRIES, num_senders * self.tensors + self.buckets(bucket_size, num_senders))
+        honest = num_senders * self.tensors + self.buckets(bucket_size, num_senders)
+        return min(MAX_ENTRIES, 2 * honest + _SLACK_ENTRIES)
 
     def max_bytes(self, bucket_size: int, num_senders: int) -> int:
-        entry = self.name_bytes + 5 + 32 + 1 + 9 * self.ndim + 3 * 9 + 1  # name, dtype, shape, three offsets
+        entry = max(self.name_bytes, 128) + 5 + 32 + 1 + 9 * max(self.ndim, 4) + 3 * 9 + 1  # name, dtype, shape, three offsets
         return 1024 + self.entries(bucket_size, num_senders) * entry + self.buckets(bucket_size, num_senders) * 16
+
+
+_SLACK_ENTRIES = 1024  # beyond twice an honest plan: another small model's manifest decodes, its mismatch is named
 
 
 def decode_manifest(data: bytes, budget: ManifestBudget | None = None) -> BucketManifest:

@@ -28,6 +28,7 @@ from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.control.wire import RpcError
 from ckpt_engine.daemon import DaemonClient, DaemonConfig, HeartbeatSender, WeightSyncDaemon
 from ckpt_engine.daemon.cli import READY_PREFIX
+from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.report import SyncError
@@ -388,3 +389,36 @@ def test_versions_continue_from_the_highest_sent_and_never_repeat(engines: Calla
         session.close()
         for r in rs:
             r.close()
+
+
+def test_a_failure_with_every_engine_alive_drops_nobody(engines: Callable[..., TorchRefRollout]) -> None:
+    """An engine taken into another group behind the daemon's back (as one restarted would have
+    left it) fails the daemon's next transfer while it reports what the daemon knows: every
+    engine the failure names answers a health probe, so nobody is dropped and the version is
+    pushed again with a fresh group."""
+    rs = [engines(f"r{i}") for i in range(3)]
+    d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)
+    try:
+        for r in rs:
+            d.register(r.name, descriptor(r))
+        assert d.sync(StateDictSource(weights(1))).ok
+        for attempt in range(REPEATS):
+            version = attempt + 1  # what every engine holds
+            victim = rs[attempt]
+            handle = TorchRefRollout(victim.name, victim.rpc.host, victim.rpc.port, None, TIMEOUT_S, token=TOKEN)
+            handle.owner = d.group
+            elsewhere = WeightSyncSession([handle], config())
+            with pytest.raises(ManifestRejectedError):  # it joined the other group, then refused its weights: still v{version}
+                elsewhere.sync(StateDictSource({"layer0.weight": torch.zeros(3)}))
+            elsewhere.close()
+            assert victim.health()["version"] == version
+            handle.close()
+            sd = weights(80 + attempt)
+            outcome = d.sync(StateDictSource(sd))
+            assert outcome.ok and outcome.version == version + 1 and not outcome.dropped, outcome
+            assert [a.get("kept") for a in outcome.attempts] == [["r0", "r1", "r2"]], outcome.attempts
+            assert sorted(d.membership.names()) == ["r0", "r1", "r2"]
+            for r in rs:
+                assert exact(r, sd, version + 1)
+    finally:
+        d.close()
