@@ -213,6 +213,46 @@ def _check_engine_kwargs(backend: str, kwargs: dict[str, Any], known: list[str])
         raise ConfigError(f"{where}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
     if "delta_base" in kwargs:
         _check_delta_base(f"{where}.delta_base", kwargs["delta_base"])
+    _check_option_values(where, backend, cls, kwargs)
+
+
+def _is_count(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+_OPTION_RULES: dict[str, tuple[Any, str]] = {
+    "solo_bytes": (lambda v: _is_count(v, 0), "an int >= 0 (0: never)"),
+    "group_max_tensors": (lambda v: _is_count(v, 0), "an int >= 0 (0: never)"),
+    "num_lanes": (lambda v: _is_count(v, 1), "an int >= 1"),
+    "delta_scatter_below": (
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 0.5, "a fraction in (0, 0.5]"
+    ),
+    "high_priority": (lambda v: isinstance(v, bool), "true or false"),
+    "local_senders": (
+        lambda v: isinstance(v, (list, tuple)) and all(_is_count(s, 0) for s in v) and len(set(v)) == len(v),
+        "a list of distinct sender ranks (ints >= 0)",
+    ),
+}
+"""The values the pipelined backends check in their constructors, which run only at the first
+sync (after engines were asked to join): checked here too, so a bad value is refused at load."""
+
+
+def _check_option_values(where: str, backend: str, cls: type, kwargs: dict[str, Any]) -> None:
+    for name, (ok, what) in _OPTION_RULES.items():
+        if kwargs.get(name) is not None and not ok(kwargs[name]):
+            raise ConfigError(f"{where}.{name} must be {what}, got {kwargs[name]!r}")
+    device = kwargs.get("device")
+    if device is None:
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"{where}.device must be a device such as 'cpu', 'cuda:0' or an index, got {device!r}") from None
+    kind = getattr(cls, "device_type", None)
+    if backend in ("gloo", "nccl", "hccl") and kind is not None and parsed.type != kind:
+        raise ConfigError(f"{where}.device: the {backend} backend moves {kind} tensors, got device={device!r}")
 
 
 def _free_bytes(device: str) -> int | None:
@@ -243,7 +283,7 @@ def load_mapping(source: str | os.PathLike[str] | Mapping[str, Any] | None) -> d
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {_yaml_problem(exc)}") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -251,6 +291,22 @@ def load_mapping(source: str | os.PathLike[str] | Mapping[str, Any] | None) -> d
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last one
+    silently: an edit that adds a setting again would quietly override the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {seen[key].line + 1})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:

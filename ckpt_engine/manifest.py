@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable
 from functools import cached_property
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ __all__ = [
     "DTYPE_ITEMSIZE",
     "BucketManifest",
     "Bucket",
+    "ManifestBudget",
     "ManifestError",
     "TensorMeta",
     "TensorSpec",
@@ -273,27 +275,84 @@ class _Reader:
         return self.size - self.unpacker.tell()
 
 
-def decode_manifest(data: bytes) -> BucketManifest:
+MIN_BUCKET_BYTES = 4096
+"""The smallest bucket a config makes (`bucket_size_bytes`): what a budget counts buckets by."""
+
+
+@dataclass(frozen=True)
+class ManifestBudget:
+    """What a receiver expects: a manifest shaped to fit the global limits would cost seconds and
+    hundreds of MB, so a receiver refuses more entries or bytes than an honest plan of its own
+    tensors could hold (each tensor from each sender, one split per bucket), from the header."""
+
+    tensors: int
+    nbytes: int
+    name_bytes: int
+    """The longest expected name, UTF-8 encoded."""
+    ndim: int
+
+    @classmethod
+    def expecting(cls, specs: Iterable[TensorSpec]) -> ManifestBudget:
+        specs = list(specs)
+        return cls(
+            len(specs), sum(s.nbytes for s in specs),
+            max((len(s.name.encode()) for s in specs), default=0), max((len(s.shape) for s in specs), default=0),
+        )
+
+    def buckets(self, bucket_size: int, num_senders: int) -> int:
+        honest = self.nbytes // max(bucket_size, MIN_BUCKET_BYTES) + num_senders * (self.tensors + 1)
+        return 2 * honest + _SLACK_ENTRIES
+
+    def entries(self, bucket_size: int, num_senders: int) -> int:
+        honest = num_senders * self.tensors + self.buckets(bucket_size, num_senders)
+        return min(MAX_ENTRIES, 2 * honest + _SLACK_ENTRIES)
+
+    def max_bytes(self, bucket_size: int, num_senders: int) -> int:
+        entry = max(self.name_bytes, 128) + 5 + 32 + 1 + 9 * max(self.ndim, 4) + 3 * 9 + 1  # name, dtype, shape, three offsets
+        return 1024 + self.entries(bucket_size, num_senders) * entry + self.buckets(bucket_size, num_senders) * 16
+
+
+_SLACK_ENTRIES = 1024  # beyond twice an honest plan: another small model's manifest decodes, its mismatch is named
+
+
+def decode_manifest(data: bytes, budget: ManifestBudget | None = None) -> BucketManifest:
     """Decode and validate a manifest received from another process.
 
     Reads as a stream with a budget on the total number of entries (and on what the remaining
     bytes can hold), so a hostile manifest is refused after reading little of it, without
-    building millions of objects first. Raises ManifestError on anything truncated, oversized,
-    mistyped or inconsistent.
+    building millions of objects first; with the receiver's `budget`, anything more than its own
+    tensors could need is refused after the header (milliseconds, a few kB). Raises
+    ManifestError on anything truncated, oversized, mistyped or inconsistent.
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ManifestError(f"manifest must be bytes, got {type(data).__name__}")
     if len(data) > MAX_MANIFEST_BYTES:
         raise ManifestError(f"manifest is {len(data)} bytes, more than the limit {MAX_MANIFEST_BYTES}")
     try:
-        return _decode(_Reader(bytes(data)))
+        if budget is not None:
+            _check_budget(data, budget)
+        return _decode(_Reader(bytes(data)), budget)
     except ManifestError:
         raise
     except Exception as exc:  # msgpack raises several unrelated types on bad input
         raise ManifestError(f"manifest is not valid msgpack: {type(exc).__name__}: {exc}") from None
 
 
-def _decode(r: _Reader) -> BucketManifest:
+def _check_budget(data: bytes | bytearray | memoryview, budget: ManifestBudget) -> None:
+    """Refuse, from the header alone, a manifest bigger than `budget` allows (a malformed header
+    is left to the full decode to name)."""
+    r = _Reader(bytes(data[:512]))
+    try:
+        r.unpacker.read_map_header()
+        head = {r.value(): r.value() for _ in _KEYS[:4]}
+        most = budget.max_bytes(int(head["bucket_size"]), int(head["num_senders"]))
+    except Exception:
+        return
+    if len(data) > most:
+        raise ManifestError(f"manifest is {len(data)} bytes, more than {most} that this receiver's {budget.tensors} tensors could need")
+
+
+def _decode(r: _Reader, budget: ManifestBudget | None = None) -> BucketManifest:
     try:
         n = r.unpacker.read_map_header()
     except Exception:
@@ -306,7 +365,7 @@ def _decode(r: _Reader) -> BucketManifest:
         if key != want:
             raise ManifestError(f"manifest keys must be {list(_KEYS)} in this order, got {key!r:.40} where {want!r} belongs")
         if key == "buckets":
-            head[key] = _decode_buckets(r, head)
+            head[key] = _decode_buckets(r, head, budget)
         else:
             head[key] = r.value()
             _check_head(key, head[key])
@@ -333,9 +392,12 @@ def _check_head(key: str, value: Any) -> None:
         raise ManifestError("digest must be a 64-char sha256 hex string")
 
 
-def _decode_buckets(r: _Reader, head: dict[str, Any]) -> tuple[Bucket, ...]:
-    budget = min(MAX_ENTRIES, r.left() // _MIN_ENTRY_BYTES)
-    num_buckets = r.array("buckets", budget)
+def _decode_buckets(r: _Reader, head: dict[str, Any], expected: ManifestBudget | None = None) -> tuple[Bucket, ...]:
+    budget = most = min(MAX_ENTRIES, r.left() // _MIN_ENTRY_BYTES)
+    if expected is not None:  # the receiver's own tensors bound the entries and the buckets
+        budget = min(budget, expected.entries(head["bucket_size"], head["num_senders"]))
+        most = min(budget, expected.buckets(head["bucket_size"], head["num_senders"]))
+    num_buckets = r.array("buckets", most)
     buckets = []
     for bi in range(num_buckets):
         if r.array(f"bucket {bi}", 2) != 2:

@@ -1,9 +1,10 @@
-"""Weight versions: the one rule every protocol edge checks them by.
+"""Weight versions: the rules every protocol edge checks them by.
 
 A version labels the weights an engine serves (vLLM stamps it on every output), so it must be a
-plain int that fits every consumer (msgpack, C int64, torch) and only ever grow. Checking it where
-it enters (a control request, a CLI flag, a `sync(version=...)` call) keeps a bad value from
-reaching the middle of a sync, where it would fail after engines were paused.
+plain int that fits every consumer (msgpack, C int64, torch), only ever grow and never label two
+different sets of weights. Checking it where it enters (a control request, a CLI flag, a
+`sync(version=...)` call) keeps a bad value from reaching the middle of a sync, where it would
+fail after engines were paused.
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MAX_VERSION", "check_version", "next_version"]
+__all__ = ["MAX_VERSION", "MAX_VERSION_STEP", "check_step", "check_version", "next_version"]
 
 MAX_VERSION = 2**63 - 1
 """Largest version: an int64, what msgpack, torch and C consumers all hold."""
+
+MAX_VERSION_STEP = 2**32
+"""How far past the version it knows a party may move a job by report (a trainer's outcome sent
+to `ckpt-engine serve`): a token holder cannot push the job to 2**63-1 and freeze every later sync."""
 
 
 def check_version(value: Any, what: str, *, at_least: int = 0) -> int:
@@ -24,11 +29,23 @@ def check_version(value: Any, what: str, *, at_least: int = 0) -> int:
     return value
 
 
-def next_version(held: Mapping[str, int | None], last: int, requested: int | None) -> int:
-    """The version a sync stamps: `requested`, or one past the newest any engine holds (`held`,
-    by engine name) or the caller last stamped (`last`); a requested one below what an engine
-    holds is refused (versions only grow)."""
-    newest = max([v for v in held.values() if v is not None] + [last])
+def check_step(value: int, current: int, what: str) -> int:
+    """`value` if it is at most MAX_VERSION_STEP past `current` (and leaves room to go on)."""
+    if value > current + MAX_VERSION_STEP or value >= MAX_VERSION:
+        raise ValueError(
+            f"{what} {value} jumps more than 2**32 past the current version {current} (or leaves no room for "
+            "another version); refused so that no report can freeze the job's versions"
+        )
+    return value
+
+
+def next_version(held: Mapping[str, int | None], sent: int, requested: int | None) -> int:
+    """The version of the next sync: one past the highest of what this trainer last `sent` and
+    what any engine `held` (name -> complete version, None: none); an explicit `requested` must
+    be new: below what an engine holds is refused, and so is equal to what an engine holds unless
+    this trainer sent that version itself (a catch-up of the same weights). Raises ValueError,
+    before anything is paused."""
+    newest = max([v for v in held.values() if v is not None] + [sent])
     if requested is None:
         return check_version(newest + 1, "the next version")
     check_version(requested, "version")
@@ -36,6 +53,12 @@ def next_version(held: Mapping[str, int | None], last: int, requested: int | Non
     if ahead:
         raise ValueError(
             f"version {requested} is older than what engines hold ({', '.join(f'{n}: v{v}' for n, v in ahead.items())}); "
-            f"versions only grow: pass version=None (next: {newest + 1}) or a version >= {newest}"
+            f"versions only grow: pass version=None (next: {newest + 1}) or a version > {newest}"
+        )
+    same = [n for n, v in held.items() if v == requested]
+    if same and requested != sent:
+        raise ValueError(
+            f"version {requested} is what engine(s) {', '.join(map(repr, same))} already hold: a version labels one set of "
+            f"weights, so a new sync needs a new one: pass version=None (next: {newest + 1}) or a version > {newest}"
         )
     return requested

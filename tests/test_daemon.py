@@ -93,7 +93,7 @@ def test_versions_increase_and_membership(daemon: WeightSyncDaemon, receivers: R
     for r in (r0, r1):
         rec = client.register(r.name, descriptor(r))
         assert rec["state"] == EngineState.PENDING
-        assert r.health()["paused"], "a new engine must not serve before it holds a version"
+        assert not r.health()["paused"], "registration pauses nothing until a sync starts (issue 26)"
     assert sorted(daemon.pending()) == ["r0", "r1"]
 
     sds = [weights(s) for s in (1, 2)]
@@ -107,10 +107,10 @@ def test_versions_increase_and_membership(daemon: WeightSyncDaemon, receivers: R
     with pytest.raises(ValueError, match="at least the current version 2"):
         daemon.sync(StateDictSource(sds[1]), version=1)
 
-    # A new engine joins between syncs: it stays paused until a catch-up of the current version.
+    # A new engine joins between syncs: it is pending (not paused) until a catch-up of the current version.
     r2 = receivers.spawn("r2")
     client.register("r2", descriptor(r2))
-    assert daemon.pending() == ["r2"] and r2.health()["paused"]
+    assert daemon.pending() == ["r2"] and not r2.health()["paused"]
     outcome = daemon.catch_up(StateDictSource(sds[1]))
     assert outcome is not None and outcome.ok and outcome.catch_up and outcome.version == 2
     for r in (r0, r1, r2):
@@ -167,10 +167,10 @@ def test_killed_engine_is_dropped_survivors_resynced_and_it_rejoins(daemon: Weig
     for r in (rs[0], rs[2]):
         assert_holds(r, sd2, 2)
 
-    # Restarted under the same name, it re-joins paused and catches up to the current version.
+    # Restarted under the same name, it re-joins pending (not paused) and catches up to the current version.
     back = receivers.spawn("r1", load_delay_s=0.0)
     daemon.register("r1", descriptor(back))
-    assert daemon.pending() == ["r1"] and back.health()["paused"]
+    assert daemon.pending() == ["r1"] and not back.health()["paused"]
     outcome = daemon.catch_up(StateDictSource(sd2))
     assert outcome is not None and outcome.ok and outcome.version == 2 and outcome.catch_up
     for r in (rs[0], back, rs[2]):

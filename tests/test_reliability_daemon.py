@@ -82,43 +82,47 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-# --- item 2: one engine, one weight-sync group -------------------------------------------------
-def test_an_engine_belongs_to_one_group(engines: Callable[..., TorchRefRollout]) -> None:
+# --- item 2: one engine, one weight-sync job (issue 26: a daemon of the same job takes over) ----
+def test_an_engine_belongs_to_one_job(engines: Callable[..., TorchRefRollout]) -> None:
     a = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)
-    b = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)  # same job token: a misconfiguration
+    b = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)  # the same job (a restarted daemon)
     other_job = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0))
     try:
+        assert a.group == b.group != other_job.group, "the claim names the job"
         e = engines("e")
         a.register("e", descriptor(e))
-        with pytest.raises(ValueError, match="'e' .* belongs to another weight-sync group"):
-            b.register("e", descriptor(e))
         with pytest.raises(ValueError, match="'e' .* refused this job's token: it was started for another job"):
             other_job.register("e", descriptor(e))
-        assert b.membership.names() == [] and other_job.membership.names() == []
-        # A stray controller holding the token cannot change the engine's state either.
+        assert other_job.membership.names() == []
+        # A controller naming another group (or none) cannot change the engine's state.
         stray = TorchRefRollout("e", e.rpc.host, e.rpc.port, None, TIMEOUT_S, token=TOKEN)
         with pytest.raises(RpcError, match="PermissionError: engine belongs to weight-sync group"):
             stray.resume()
+        with pytest.raises(RpcError, match="PermissionError: engine belongs to weight-sync group"):
+            stray.claim("another-group", 5.0)
         stray.close()
 
         sd1 = weights(1)
         assert a.sync(StateDictSource(sd1)).ok and holds(e, sd1, 1)
-        assert a.leave("e")  # released at once: the other group may take it now
+        assert a.leave("e")  # released at once
         wait_for("the leave released the engine", lambda: not e.health()["owned"], 5)
-        b.register("e", descriptor(e))
+        b.register("e", descriptor(e))  # the same job's daemon takes it at once, and carries on from v1
         sd2 = weights(2)
+        with pytest.raises(ValueError, match="version 1 is what 'e' already hold, and this daemon did not send it"):
+            b.sync(StateDictSource(sd2), version=1)
         assert b.sync(StateDictSource(sd2), version=2).ok and holds(e, sd2, 2)
     finally:
         for d in (a, b, other_job):
             d.close()
 
 
-def test_a_claim_lapses_when_its_daemon_goes_silent(engines: Callable[..., TorchRefRollout]) -> None:
-    dead = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, engine_lease_s=1.0), token=TOKEN)
+def test_a_foreign_claim_lapses_when_its_group_goes_silent(engines: Callable[..., TorchRefRollout]) -> None:
     live = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)
     try:
         e = engines("e")
-        dead.register("e", descriptor(e))  # then never heard from again (no monitor, no calls)
+        foreign = TorchRefRollout("e", e.rpc.host, e.rpc.port, None, TIMEOUT_S, token=TOKEN)
+        foreign.claim("another-group", 1.0)  # then never heard from again
+        foreign.close()
         with pytest.raises(ValueError, match="belongs to another weight-sync group"):
             live.register("e", descriptor(e))
         time.sleep(1.3)
@@ -127,7 +131,6 @@ def test_a_claim_lapses_when_its_daemon_goes_silent(engines: Callable[..., Torch
         assert live.sync(StateDictSource(sd)).ok and holds(e, sd, 1)
     finally:
         live.close()
-        dead.close()
 
 
 # --- item 3: a failing weight source is the source's fault -------------------------------------

@@ -90,12 +90,18 @@ class DaemonClient:
 
 
 class HeartbeatSender:
-    """Background heartbeats for one engine (for launchers of engines that cannot send their own)."""
+    """Background heartbeats for one engine (for launchers of engines that cannot send their own).
 
-    def __init__(self, client: DaemonClient, name: str, interval_s: float) -> None:
-        self.client, self.name, self.interval_s = client, name, interval_s
+    Given the engine's descriptor (`engine`), it also registers the engine again whenever the
+    daemon does not know it: a `ckpt-engine serve` restarted on the same address and token gets
+    its engines back within one `interval_s` of coming up, and drops are healed alike."""
+
+    def __init__(self, client: DaemonClient, name: str, interval_s: float, engine: dict[str, Any] | None = None) -> None:
+        self.client, self.name, self.interval_s, self.engine = client, name, interval_s, engine
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"ckpt-heartbeat-{name}", daemon=True)
+        self.registrations = 0
+        """How many times it registered the engine again."""
 
     def start(self) -> HeartbeatSender:
         self._thread.start()
@@ -105,8 +111,22 @@ class HeartbeatSender:
         while not self._stop.wait(self.interval_s):
             try:
                 self.client.heartbeat(self.name)
+            except RpcError as exc:
+                if self.engine is not None and exc.remote_type == "ValueError" and "is not registered" in exc.remote_message:
+                    self._register()
+                else:
+                    logger.warning("heartbeat for %s failed: %s", self.name, exc)
             except Exception as exc:
                 logger.warning("heartbeat for %s failed: %s", self.name, exc)
+
+    def _register(self) -> None:
+        assert self.engine is not None
+        try:
+            self.client.register(self.name, dict(self.engine))
+            self.registrations += 1
+            logger.info("engine %s registered again with the daemon at %s", self.name, self.client.address)
+        except Exception as exc:
+            logger.warning("registering %s again failed: %s", self.name, exc)
 
     def stop(self) -> None:
         self._stop.set()

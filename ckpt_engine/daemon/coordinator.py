@@ -12,16 +12,24 @@ Three ways to run it, one class:
   descriptors), drives the sync locally, and reports the outcome back (`report_sync`), so the
   standalone daemon's versions, drops and status stay current.
 
-Fault handling in `sync()`: an engine named by a failed sync (died, timed out, rejected the
-manifest) is dropped from the membership, the broken group is torn down, the group is rebuilt
-from the survivors and the same version is pushed again, up to `daemon.max_resync_attempts`
-times. A weight source that raises is the source's fault: the outcome names the source and its
-exception, no engine is dropped, and engines that received part of the version stay paused and
-stale. The caller gets a `SyncOutcome` saying what happened; nothing waits past the configured
-timeouts. Engines that lack a complete version (new, returning or stale) stay paused and are
-listed by `pending()` until a sync covers them. Between syncs the health monitor takes each
-engine's own report of its state (paused, stale, complete version), so status stays truthful
-after a trainer died mid-sync. Engines belong to one group at a time (`daemon.ownership`).
+Fault handling in `sync()`: an engine named by a failed sync that does not answer a health probe
+(died, hung) or rejected the manifest is dropped from the membership, the broken group is torn
+down, the group is rebuilt from the survivors and the same version is pushed again, up to
+`daemon.max_resync_attempts` times; when every named engine answers (one restarted), nobody is
+dropped and the version is pushed again once (`daemon.recovery`). A weight source that raises is
+the source's fault: the outcome names the source and its exception, no engine is dropped, and
+engines that received part of the version stay paused and stale. The caller gets a `SyncOutcome`
+saying what happened; nothing waits past the configured timeouts. Engines that lack the current
+version (new, returning or stale) are listed by `pending()` until a sync covers them. Between
+syncs the health monitor takes each engine's own report of its state, so status stays truthful
+after a trainer died mid-sync. Engines belong to one job's group at a time (`daemon.ownership`).
+
+Restarts (`daemon.versions`): registration pauses nothing; a daemon that starts fresh adopts the
+highest version its engines hold, so its next sync carries on from there; an engine restarted at
+its address is noticed before the next sync (a standing group is kept only while every member
+says what the daemon knows of it) and seeded; `close()` resumes every engine left paused that
+holds a complete version; a trainer following a restarted `ckpt-engine serve` keeps syncing the
+engines it knows until they register again.
 
 Collective contract with a sharded trainer: every attempt walks the source exactly once on the
 sender (or, when every rank sends, makes the two announcements the other ranks follow; see
@@ -40,19 +48,21 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckpt_engine.config import CheckpointEngineConfig
+from ckpt_engine.control.wire import RpcError, WireError
 from ckpt_engine.daemon.adapters import close_in_background, close_quietly, make_adapter
 from ckpt_engine.daemon.config import DaemonConfig
 from ckpt_engine.daemon.group import GroupKeeper, probe_members
 from ckpt_engine.daemon.membership import EngineRecord, EngineState, Membership, state_from_health
-from ckpt_engine.daemon.outcome import MOVED_DATA, OneWalkPerAttempt, SyncOutcome, WalkBarrier, blame_source, drop_tracebacks, summarize
-from ckpt_engine.daemon.ownership import adopt, claim_engine, describe, refusal, release_engine
+from ckpt_engine.daemon.outcome import OneWalkPerAttempt, SyncOutcome, WalkBarrier, blame_source, summarize
+from ckpt_engine.daemon.ownership import adopt, claim_engine, describe, job_group, refusal, release_engine
+from ckpt_engine.daemon.recovery import after_failed_attempt, changed_members, resume_held
 from ckpt_engine.daemon.senders import ShardedWalk, sends_from_every_rank
 from ckpt_engine.daemon.protocol import PROTOCOL_VERSION, ProtocolError, check_engine_descriptor, check_engine_name, check_outcome
 from ckpt_engine.daemon.server import DaemonServer
+from ckpt_engine.daemon.versions import JobVersions
 from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
-from ckpt_engine.sync.api import SyncError
-from ckpt_engine.versions import check_version
+from ckpt_engine.rollout_adapters.base import RolloutAdapter
+from ckpt_engine.versions import check_step, check_version
 from ckpt_engine.sources.base import WeightSource
 
 if TYPE_CHECKING:
@@ -89,10 +99,10 @@ class WeightSyncDaemon:
         self.role = role
         self.upstream = upstream
         self.rendezvous_host = rendezvous_host
-        self.group = secrets.token_hex(8)
-        """This job's weight-sync group id; a follower takes its standalone daemon's (see ownership)."""
+        self.group = job_group(self.token)
+        """This job's weight-sync group id, the same for every daemon of the job (see ownership)."""
         self.membership = Membership()
-        self.version = 0
+        self.versions = JobVersions()
         self.manifest: BucketManifest | None = None
         self.last_outcome: dict[str, Any] | None = None
         self.history: deque[dict[str, Any]] = deque(maxlen=32)
@@ -110,8 +120,10 @@ class WeightSyncDaemon:
     def register(self, name: str, engine: Mapping[str, Any] | RolloutAdapter) -> dict[str, Any]:
         """Add an engine (a descriptor to build an adapter from, or an in-process adapter).
 
-        The engine is probed, then paused: it holds no version from this job until a sync covers
-        it (the next one, or a catch-up the trainer starts when `pending()` is non-empty).
+        The engine is probed and claimed, and nothing is paused: it keeps serving what it holds
+        until a sync starts. A complete version it holds is adopted as the job's (a daemon that
+        starts fresh carries on from what its engines hold); one that holds none is pending until
+        a sync covers it (the next one, or a catch-up the trainer starts when `pending()` is non-empty).
         """
         check_engine_name(name)
         if self.upstream is not None:
@@ -129,19 +141,19 @@ class WeightSyncDaemon:
         try:
             health = adapter.health()
             claim_engine(adapter, self.group, self.daemon_config.engine_lease_s)
-            adapter.pause(self._hold_mode())
         except Exception as exc:
             if owned:
                 close_quietly(adapter)
             raise ValueError(refusal(name, describe(descriptor), exc)) from None
         record = EngineRecord(name=name, engine=descriptor, adapter=adapter, owned=owned, health=health)
         found = state_from_health(health)
-        if found is not None:  # a returning engine may still hold a complete version: paused, not serving
-            record.state, record.version = (EngineState.PAUSED, found[1]) if found[1] is not None else (found[0], None)
+        if found is not None:  # what it holds, as it says: a complete version is the job's too
+            record.state, record.version = found
+        self.versions.adopt_health(health, f"engine {name}")
         old = self.membership.add(record)
         if old is not None and old.adapter is not None and old.adapter is not adapter:
             close_in_background(old.adapter, close=old.owned, release=False)
-        logger.info("engine %s registered (%s); paused until it holds a version", name, describe(descriptor))
+        logger.info("engine %s registered (%s): %s, version %s", name, describe(descriptor), record.state, record.version)
         return record.to_dict()
 
     def leave(self, name: str) -> bool:
@@ -197,8 +209,10 @@ class WeightSyncDaemon:
     def address(self) -> str | None:
         return f"{self.server.host}:{self.server.port}" if self.server is not None else None
 
-    def _hold_mode(self) -> str:
-        return "abort" if self.config.pause_mode == "abort" else "keep"
+    @property
+    def version(self) -> int:
+        """The job's current version: the highest complete version its engines hold, as far as known."""
+        return self.versions.current
 
     def _drop(self, rec: EngineRecord, reason: str) -> bool:
         removed = self.membership.remove(rec.name, reason, adapter=rec.adapter)
@@ -243,6 +257,7 @@ class WeightSyncDaemon:
             found = state_from_health(health)
             if found is not None and not self._sync_lock.locked() and generation == self._generation:
                 self.membership.set_state(rec, *found)
+            self.versions.adopt_health(health, f"engine {rec.name}")
         timeout = self.daemon_config.heartbeat_timeout_s
         if timeout > 0:
             for rec in self.membership.silent_for(timeout):
@@ -256,8 +271,10 @@ class WeightSyncDaemon:
     def sync(
         self, source: WeightSource, *, version: int | None = None, walk_barrier: WalkBarrier | None = None, many_senders: bool | None = None
     ) -> SyncOutcome:
-        """Move `source`'s weights into every member as `version` (default: current + 1).
-        `many_senders`: the trainer's decision, told to its other ranks (None: `many_senders()`).
+        """Move `source`'s weights into every member as `version` (default: current + 1, where the
+        current version is the highest its engines hold). `many_senders`: the trainer's decision,
+        told to its other ranks (None: `many_senders()`). A version below the current one, or equal
+        to it when this daemon did not send it, is refused before anything pauses.
 
         `version` equal to the current version is a catch-up: only valid while `source` still
         holds exactly that version (e.g. the trainer has not stepped since the last sync).
@@ -271,10 +288,9 @@ class WeightSyncDaemon:
             )
         with self._sync_lock:
             self._pull_upstream()
-            floor = max(self.version, 1)
-            target = self.version + 1 if version is None else check_version(version, f"version (at least the current version {floor})", at_least=floor)
-            check_version(target, "the next version")
-            outcome = SyncOutcome(version=target, catch_up=target == self.version)
+            holders = [r.name for r in self.membership.records() if r.version == self.version]
+            target, repeat = self.versions.target(version, holders)
+            outcome = SyncOutcome(version=target, catch_up=repeat)
             many = self.many_senders(source) if many_senders is None else many_senders
             walker = ShardedWalk(source, self.config.timeout_s) if many else OneWalkPerAttempt(source)
             t0 = time.perf_counter()
@@ -303,6 +319,9 @@ class WeightSyncDaemon:
                     if not again:
                         break
                     attempt += 1
+            except BaseException as exc:
+                outcome.error = outcome.error or f"{type(exc).__name__}: {exc}"  # the log names what raised
+                raise
             finally:
                 outcome.seconds = time.perf_counter() - t0
                 self._finish(outcome)
@@ -312,7 +331,8 @@ class WeightSyncDaemon:
         """Push the current version again when an engine waits for it (see `sync` for the caveat)."""
         if not self.pending() or self.version == 0:
             return None
-        return self.sync(source, version=self.version, walk_barrier=walk_barrier)
+        same = self.versions.sent == self.version  # else another trainer sent it: a new version
+        return self.sync(source, version=self.version if same else None, walk_barrier=walk_barrier)
 
     def _sync_deadline_s(self) -> float:
         # One attempt: join + validate + pause + transfer (+ grace) + finalize + resume, each bounded.
@@ -325,66 +345,28 @@ class WeightSyncDaemon:
             outcome.error = "no registered engine is reachable"
             return False
         try:
-            session = self._groups.session_for(members)
+            session = self._groups.session_for(members, sent=self.versions.sent)
             report = session.sync(walker, version=target)
         except Exception as exc:
             if walker.error is None:
-                return self._attempt_failed(exc, members, outcome, attempt)
+                return after_failed_attempt(exc, members, outcome, attempt, self.membership, self._drop, min(self.config.timeout_s, 10.0))
             blame_source(walker, exc, members, self.membership, outcome, attempt)
             return False
         self.membership.mark(members, EngineState.SERVING, target)
+        self.versions.completed(target)
         with self._state_lock:
-            self.version = target
             self.manifest = self._groups.manifest
         outcome.ok = True
         outcome.report = report.to_dict()
         return False
 
-    def _attempt_failed(self, exc: Exception, members: list[EngineRecord], outcome: SyncOutcome, attempt: int) -> bool:
-        """An engine (or the sender's side) failed; drop the named engines and say whether to retry."""
-        if not isinstance(exc, (ManifestRejectedError, SyncError)):
-            raise exc
-        if isinstance(exc, ManifestRejectedError):
-            names = set(exc.engines)
-            rejecting = [r for r in members if r.name in names]
-            outcome.attempts.append({"attempt": attempt, "stage": "validate", "failed": {r.name: "rejected the manifest" for r in rejecting}})
-            for r in rejecting:
-                outcome.rejected[r.name] = [str(p) for p in exc.problems[:20]]
-            if not rejecting or len(rejecting) == len(members):
-                outcome.error = str(exc)
-                raise exc
-            for r in rejecting:
-                outcome.dropped[r.name] = f"engine {r.name!r} rejected the manifest: {'; '.join(exc.problems[:3])}"
-                self._drop(r, outcome.dropped[r.name])
-            return True  # nothing moved; the others still hold their version
-        else:
-            stage, failed = exc.stage, dict(exc.failed)
-            drop_tracebacks(exc)
-            outcome.attempts.append({"attempt": attempt, "stage": stage, "failed": failed})
-            by_name = {r.name: r for r in members}
-            lost = [by_name[n] for n in failed if n in by_name]
-            survivors = [r for r in members if r.name not in failed]
-            if stage in MOVED_DATA:
-                for r in survivors:  # what they hold is unknown until the next complete sync
-                    self.membership.set_state(r, EngineState.STALE, None)
-            for r in lost:
-                why = f"engine {r.name!r} failed during {stage}: {failed[r.name]}"
-                outcome.dropped[r.name] = why
-                self._drop(r, why)
-            if not lost:
-                outcome.error = f"sync failed during {stage} on the sender side: {failed}"
-                return False
-            if not survivors:
-                outcome.error = "every engine failed"
-                return False
-            logger.warning("sync v%d: dropped %s during %s; re-syncing %d survivor(s)", outcome.version, ", ".join(r.name for r in lost), stage, len(survivors))
-            return True
-
     def _prune_unreachable(self, members: list[EngineRecord], outcome: SyncOutcome, attempt: int) -> list[EngineRecord]:
-        """Before (re)building a group, drop members that do not answer a health probe (see group.py)."""
+        """Before (re)building a group, drop members that do not answer a health probe (see group.py).
+        A standing group is kept only while every member still says what the daemon knows of it:
+        an engine restarted at its address holds nothing and left the group, so it is rebuilt."""
         if self._groups.stands_for(members):
-            if all(r.state == EngineState.SERVING for r in members):
-                return members  # the group stands; a dead member fails the next stage fast
+            if all(r.state == EngineState.SERVING for r in members) and not changed_members(members, self.membership, min(self.config.timeout_s, 10.0)):
+                return members
             self._groups.rebuild_next()
         errors = probe_members(members, self.membership, min(self.config.timeout_s, 10.0))
         if not errors:
@@ -422,9 +404,13 @@ class WeightSyncDaemon:
         """Mirror the standalone daemon's members: adapters for new ones, remove departed ones."""
         if self.upstream is None:
             return
-        snap = self.upstream.members()
+        try:
+            snap = self.upstream.members()
+        except (OSError, WireError, RpcError) as exc:  # restarting: its engines re-register, the mirror follows
+            logger.warning("the daemon at %s did not answer (%s); syncing the engines it listed last", self.upstream.address, exc)
+            return
+        self.versions.adopt(check_version(snap["version"], "the daemon's version"), "the daemon")
         with self._state_lock:
-            self.version = max(self.version, check_version(snap["version"], "the daemon's version"))
             self.group = str(snap.get("group") or self.group)
         remote = {e["name"]: e for e in snap["engines"]}
         for rec in self.membership.records():
@@ -449,8 +435,12 @@ class WeightSyncDaemon:
         with self._state_lock:
             if outcome["version"] < self.version:
                 raise ProtocolError(f"outcome.version {outcome['version']} is older than the current version {self.version}; versions never go down")
+            try:
+                check_step(outcome["version"], self.version, "outcome.version")
+            except ValueError as exc:
+                raise ProtocolError(str(exc)) from None
             if outcome["ok"]:
-                self.version = outcome["version"]
+                self.versions.adopt(outcome["version"], "a trainer's report")
             self._generation += 1
         for name, why in outcome["dropped"].items():
             rec = self.membership.get(name)
@@ -479,12 +469,15 @@ class WeightSyncDaemon:
         return self.server
 
     def close(self) -> None:
-        """Stop serving and monitoring, leave the group, close the adapters the daemon built."""
+        """Stop serving and monitoring, leave the group, resume every engine left paused that
+        holds a complete version, close the adapters the daemon built."""
         self._stop.set()
         if self.server is not None:
             self.server.close()
         with self._sync_lock:
             self._groups.close()
+        if self.role != "standalone":
+            resume_held(self.membership.records())
         for rec in self.membership.records():
             if rec.adapter is not None and self.upstream is None:
                 release_engine(rec.adapter)

@@ -45,7 +45,9 @@ class GroupKeeper:
     def manifest(self) -> BucketManifest | None:
         return self._session.manifest if self._session is not None else None
 
-    def session_for(self, members: list[EngineRecord]) -> WeightSyncSession:
+    def session_for(self, members: list[EngineRecord], sent: int | None = None) -> WeightSyncSession:
+        """The session for exactly `members`; a new one carries on from `sent`, the last version
+        this daemon sent (so that a catch-up may repeat it, and no version goes back)."""
         key = _key(members)
         if self._session is not None and key == self._key:
             return self._session
@@ -53,6 +55,7 @@ class GroupKeeper:
         gc.collect()  # a broken group's sockets close only when it is freed; survivors then stop waiting
         adapters = [r.adapter for r in members if r.adapter is not None]
         self._session = WeightSyncSession(adapters, self.config, host=self.rendezvous_host)
+        self._session.version = sent or 0
         self._key = key
         logger.info("weight-sync group rebuilt for %d engine(s): %s", len(adapters), ", ".join(r.name for r in members))
         return self._session

@@ -1,31 +1,39 @@
-"""One engine, one weight-sync group: the daemon's side of claiming and releasing engines.
+"""One engine, one weight-sync job: the daemon's side of claiming and releasing engines.
 
-An engine serving two jobs (or two daemons of one job) would load a mix of both jobs' weights and
-report one job's version, so every engine belongs to one group at a time. Two guards:
+An engine serving two jobs would load a mix of both jobs' weights and report one job's version,
+so every engine belongs to one job's group at a time. Two guards:
 
 - **The job token.** An engine's control port demands the token it was started with, so another
   job's daemon cannot even reach it; registration fails saying so.
-- **The claim.** A daemon that registers an engine claims it for its group (`group` in `hello`;
-  a trainer following a standalone daemon acts for the standalone daemon's group) with a lease of
-  `daemon.engine_lease_s`. Every call the owner makes, health probes included, renews the lease;
-  `leave`, a drop and `close()` release it at once. A second group's claim, and any state change
-  from it, is refused until then; if the owning daemon dies, the engine is free once the lease
-  lapses.
+- **The claim.** A daemon that registers an engine claims it for its job's group (`group` in
+  `hello`: derived from the job token, so every daemon of one job, a restarted one included,
+  names the same group) with a lease of `daemon.engine_lease_s`. Every call the owner makes,
+  health probes included, renews the lease; `leave`, a drop and `close()` release it at once,
+  whoever of the job makes them. A different group's claim, and any state change from it, is
+  refused until then; if the owning job goes silent, the engine is free once the lease lapses.
+  A daemon that comes back (same token) takes its job's engines over at once.
 
 Engine kinds whose adapters have no `claim` (vLLM, SGLang today) are guarded by the token only.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.control.wire import RpcError
 
-__all__ = ["adopt", "claim_engine", "describe", "refusal", "release_engine"]
+__all__ = ["adopt", "claim_engine", "describe", "job_group", "refusal", "release_engine"]
 
 logger = logging.getLogger(__name__)
+
+
+def job_group(token: str) -> str:
+    """The weight-sync group id of the job holding `token` (the same for every daemon of the job;
+    one-way, so the id reveals nothing of the token)."""
+    return hashlib.sha256(b"ckpt-engine job group\0" + token.encode()).hexdigest()[:16]
 
 
 def claim_engine(adapter: RolloutAdapter, group: str, lease_s: float) -> None:

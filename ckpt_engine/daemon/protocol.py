@@ -15,7 +15,7 @@ unknown or mistyped param is refused with `ProtocolError` and the daemon keeps s
 | method        | params (besides token)                  | result                                              |
 |---------------|-----------------------------------------|-----------------------------------------------------|
 | `hello`       | -                                       | `{protocol, role, version, epoch, group}`           |
-| `register`    | `name: str`, `engine: map`              | engine record; the engine is paused until it holds a version |
+| `register`    | `name: str`, `engine: map`              | engine record; nothing is paused until a sync starts |
 | `leave`       | `name: str`                             | `{left: bool}`                                      |
 | `heartbeat`   | `name: str`                             | `{version, state}` (engine's target version)       |
 | `members`     | -                                       | `{epoch, version, group, engines: [record, ...]}`   |
@@ -26,14 +26,16 @@ unknown or mistyped param is refused with `ProtocolError` and the daemon keeps s
 `engine` describes how to reach the engine: `{"kind": <registered engine kind>, ...kind params}`,
 e.g. `{"kind": "torch_ref", "host": "127.0.0.1", "port": 40123}`. A record is
 `{name, engine, state, version, last_seen_s, health}` with state one of `pending` (registered,
-holds no version from this job yet; paused), `serving` (holds `version` completely and serves it),
+holds no complete version yet; not paused: it serves what it loaded until a sync covers it), `serving` (holds `version` completely and serves it),
 `paused` (holds `version` completely but is paused: a sync stopped before moving data) or `stale`
 (a sync failed part-way: paused, holds no complete version, `version` is nil). Versions are ints
-in [0, 2**63-1] and never go down.
+in [0, 2**63-1], never go down and never label two sets of weights; a daemon adopts the highest
+version its engines hold, and a reported outcome may not jump more than 2**32 past it.
 
-`group` names the weight-sync group (one per job's membership authority). An engine belongs to
-one group at a time: the daemon claims each engine it registers, and an engine claimed by another
-group refuses (see `ckpt_engine.daemon.ownership`).
+`group` names the job's weight-sync group (derived from the job token: the same for every daemon
+of the job, a restarted one included). An engine belongs to one group at a time: the daemon claims
+each engine it registers, and an engine claimed by another group refuses (see
+`ckpt_engine.daemon.ownership`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import torch
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
-from ckpt_engine.manifest import BucketManifest, ManifestError, TensorSpec, decode_manifest
+from ckpt_engine.manifest import BucketManifest, ManifestBudget, ManifestError, TensorSpec, decode_manifest
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ReceiveReport, check_manifest_against
 
@@ -128,7 +128,7 @@ class WeightReceiver:
             if encoded is None:
                 return {"accepted": False, "need_manifest": True, "problems": []}
             try:
-                manifest = decode_manifest(encoded)
+                manifest = decode_manifest(encoded, ManifestBudget.expecting(expected.values()) if expected is not None else None)
             except ManifestError as exc:
                 return {"accepted": False, "need_manifest": False, "problems": [f"corrupt manifest: {exc}"]}
             if manifest.digest != digest:
@@ -152,17 +152,19 @@ class WeightReceiver:
         loader: BucketLoader,
         destinations: Mapping[str, torch.Tensor] | None = None,
         delta: dict[str, Any] | DeltaRequest | None = None,
+        on_start: Callable[[], None] | None = None,
     ) -> ReceiveReport:
         """Receive every bucket of an accepted manifest and hand each to `loader`.
 
         `destinations`, when the engine's tensors have the wire layout, lets tensors split over
         several buckets land in place (see CheckpointEngine.receive_buckets). `delta` (as sent by
         the controller): take patches against this receiver's base copy; the loader then runs
-        only after every bucket has been checked."""
+        only after every bucket has been checked. `on_start` runs once the receive is admitted (not
+        busy, joined, manifest validated), before any byte lands: a refused receive changes nothing."""
         request = delta if isinstance(delta, DeltaRequest) or delta is None else DeltaRequest.from_dict(delta)
         self._enter(f"a receive of manifest {str(digest)[:12]}")
         try:
-            return self._receive(digest, loader, destinations, request)
+            return self._receive(digest, loader, destinations, request, on_start)
         except Exception as exc:
             # Each receiver talks to rank 0 only: the sender went away or gave up (it aborts the
             # group on any failure, its own or another engine's).
@@ -172,13 +174,20 @@ class WeightReceiver:
             self._exit()
 
     def _receive(
-        self, digest: str, loader: BucketLoader, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest | None
+        self,
+        digest: str,
+        loader: BucketLoader,
+        destinations: Mapping[str, torch.Tensor] | None,
+        delta: DeltaRequest | None,
+        on_start: Callable[[], None] | None = None,
     ) -> ReceiveReport:
         if self.engine is None:
             raise RuntimeError("call join() before receive()")
         manifest = self._manifests.get(digest)
         if manifest is None:
             raise RuntimeError(f"manifest {digest[:12]} was not validated on this receiver; call validate() first")
+        if on_start is not None:
+            on_start()
         t0 = time.perf_counter()
         load_s, loaded = 0.0, 0
         buckets = self.engine.receive_buckets(manifest, destinations, delta=delta) if delta is not None else (

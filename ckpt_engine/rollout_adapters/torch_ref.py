@@ -177,10 +177,13 @@ class TorchRefWorker:
     def receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
         # Until finalize the engine holds no complete version: a failure mid-stream leaves a mix
         # (with delta, the loader runs only after every patch checked out: a bad patch leaves the
-        # old weights, still marked stale because the sync did not complete).
-        self.stale, self.version, self._received, self.receiving = True, None, None, True
+        # old weights, still marked stale because the sync did not complete). A receive the
+        # receiver refuses (busy, not joined, manifest not validated) leaves the engine as it was.
+        def start() -> None:
+            self.stale, self.version, self._received, self.receiving = True, None, None, True
+
         try:
-            report = self.receiver.receive(digest, self.load_bucket, self.tensors, delta=delta).to_dict()
+            report = self.receiver.receive(digest, self.load_bucket, self.tensors, delta=delta, on_start=start).to_dict()
         finally:
             self.receiving = False
         self._received = digest
@@ -252,15 +255,17 @@ class TorchRefRollout(RolloutAdapter):
         load_delay_s: float = 0.0,
         timeout_s: float = 120.0,
         token: str | None = None,
+        port: int = 0,
     ) -> TorchRefRollout:
         """Start a receiver process holding zeros of `spec_file`'s tensors or a fresh HF model.
 
         `token` is the job token its control port will demand (a daemon that registers it must
-        hold the same one); by default a fresh random one known only to this handle."""
+        hold the same one); by default a fresh random one known only to this handle. `port`: its
+        control port (0: a free one; an engine restarted at its address passes the old one)."""
         if (spec_file is None) == (model_dir is None):
             raise ValueError("give exactly one of spec_file or model_dir")
         token = token if token is not None else secrets.token_hex(16)
-        cmd = [sys.executable, "-m", "ckpt_engine.rollout_adapters.torch_ref", "--load-delay-s", str(load_delay_s)]
+        cmd = [sys.executable, "-m", "ckpt_engine.rollout_adapters.torch_ref", "--load-delay-s", str(load_delay_s), "--port", str(port)]
         cmd += ["--spec-file", spec_file] if spec_file else ["--model-dir", str(model_dir), "--dtype", dtype]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, TOKEN_ENV: token})
         port = _read_ready_port(proc, name, timeout_s)
@@ -320,7 +325,7 @@ class TorchRefRollout(RolloutAdapter):
         self._call("leave")
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        d = self._call("get_tensor", name=name)
+        d = self.rpc.call("get_tensor", name=name)  # a read: no owner (the engine's get_tensor takes none)
         raw = torch.tensor(list(d["data"]), dtype=torch.uint8) if not d["data"] else torch.frombuffer(bytearray(d["data"]), dtype=torch.uint8)
         return raw.view(getattr(torch, d["dtype"])).reshape(d["shape"])
 
@@ -359,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model-dir")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--load-delay-s", type=float, default=0.0, help="sleep per bucket (emulates a slow loader)")
+    p.add_argument("--port", type=int, default=0, help="control port (0: a free one)")
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("CKPT_ENGINE_LOG", "WARNING"))
     token = os.environ.pop(TOKEN_ENV, "")
@@ -369,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         worker = TorchRefWorker.from_spec_file(args.spec_file, load_delay_s=args.load_delay_s)
     else:
         worker = TorchRefWorker.from_hf_config(args.model_dir, args.dtype, load_delay_s=args.load_delay_s)
-    server = RpcServer(worker.handlers(), token=token, limits=ControlLimits()).start()
+    server = RpcServer(worker.handlers(), token=token, limits=ControlLimits(), port=args.port).start()
     print(f"{READY_PREFIX}{server.port}", flush=True)
     # Exit when the parent goes away (stdin is not used; poll the parent pid).
     parent = os.getppid()

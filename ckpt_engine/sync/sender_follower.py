@@ -44,6 +44,18 @@ def _expect(msg: dict[str, Any], kind: str, keys: set[str]) -> dict[str, Any]:
     return msg
 
 
+def _announced(channel: SenderChannel, kind: str, keys: set[str]) -> dict[str, Any]:
+    """Trainer rank 0's next announcement; a failure to get it names rank 0 (it died or hung)."""
+    try:
+        msg = channel.receive()
+    except RuntimeError as exc:
+        raise SendFailed(
+            f"trainer rank {channel.rank}: trainer rank 0 (the controller) sent no {kind!r} announcement within "
+            f"{channel.timeout_s:g}s: it died or hung ({exc})"
+        ) from exc
+    return _expect(msg, kind, keys)
+
+
 def finish_walk(source: ShardedWeightSource, pieces: Iterator[Any]) -> None:
     """After a failed send: walk the rest of a sender's pieces when producing them is collective
     with its TP helpers (`collective_pieces`), so none is left waiting in a gather."""
@@ -90,14 +102,14 @@ class SenderFollower:
     def sync(self, source: ShardedWeightSource) -> None:
         """Collective with trainer rank 0's sync: follow its two announcements, send, report."""
         sends = source.sends
-        join = _expect(self.channel.receive(), "join", {"kind", "rdzv", "options"})
+        join = _announced(self.channel, "join", {"kind", "rdzv", "options"})
         error: str | None = None
         try:
             self._join(join, source.sender_index, sends)
         except Exception as exc:
             error = f"join failed: {type(exc).__name__}: {exc}"
             logger.warning("trainer rank %d: %s", self.channel.rank, error)
-        msg = _expect(self.channel.receive(), "send", {"kind", "action", "digest", "delta"})
+        msg = _announced(self.channel, "send", {"kind", "action", "digest", "delta"})
         if msg["action"] != "send":
             return
         manifest = None
@@ -108,7 +120,13 @@ class SenderFollower:
                 manifest = None
         if manifest is not None:
             error = self._send(source, manifest, msg) if sends else self._assist(source, manifest)
-        errors = self.channel.gather_status(error)
+        try:
+            errors = self.channel.gather_status(error)
+        except RuntimeError as exc:  # rank 0 gathers last: the report round fails when it (or a sender) died
+            raise SendFailed(
+                f"trainer rank {self.channel.rank}: the report round after the send failed: trainer rank 0 (the controller) "
+                f"or another sending rank died or hung ({exc}); this rank's send: {error or 'ok'}"
+            ) from exc
         failed = {i: e for i, e in enumerate(errors) if e is not None}
         if failed:
             raise SendFailed("; ".join(f"trainer rank {i}: {e}" for i, e in sorted(failed.items())))

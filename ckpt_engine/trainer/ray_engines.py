@@ -13,7 +13,7 @@ weight-sync sockets). One lock orders generation and weight control on the one `
 sync holds the engine paused, generation answers "not serving" at once instead of waiting.
 
 On start (first or after a Ray restart) the actor registers itself with the job's daemon by name;
-the daemon then holds it paused until a sync gives it the current version.
+it is pending (not paused: registration pauses nothing) until a sync gives it the current version.
 """
 
 from __future__ import annotations
