@@ -29,7 +29,6 @@ class ColocatedTransport(Transport):
     """Shared-buffer hand-off between one sender (rank 0) and one receiver (rank 1)."""
 
     name = "colocated"
-    supports_many_senders = False
     supports_delta = False
     stable_sources = False
     """The receiver reads the shared buffers: every bucket must be packed into them."""

@@ -37,7 +37,6 @@ class Transport(ABC):
     """One rank's end of the weight-sync group's links."""
 
     name: ClassVar[str] = "transport"
-    supports_many_senders: ClassVar[bool] = True
     supports_delta: ClassVar[bool] = True
     """Whether unslotted messages (`post` with slot None: delta frames) may travel here."""
     default_solo_bytes: ClassVar[int] = 0
@@ -101,10 +100,6 @@ class Transport(ABC):
     @property
     def is_sender(self) -> bool:
         return self.rank is not None and self.rank < self.num_senders
-
-    @property
-    def joined(self) -> bool:
-        return self.group is not None
 
     def alloc_buffers(self, count: int) -> None:
         while len(self.buffers) < count:
