@@ -1,6 +1,7 @@
 """Delta syncs through WeightSyncSession into reference engines in their own processes: the
 version chain (seed, patches, dense again when a base is not exact), corruption caught before
-any load, and `auto` falling back to plain dense syncs when patches do not pay."""
+any load, and `auto` going dense where patches cost more than dense syncs and patching where they
+pay (delta/policy.py decides from the syncs' own seconds)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
 from ckpt_engine.transports.gloo import GlooCheckpointEngine
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sync.api import close_sessions
-from ckpt_engine.sources.base import StateDictSource, spec_of
+from ckpt_engine.sources.base import StateDictSource
 from multisender import model_state, wire
 from refengines import holds
 

@@ -70,6 +70,9 @@ class SyncCosts:
 
 @dataclass
 class DeltaPolicy:
+    """One session's delta decisions (modes: config.DELTA_MODES): `request` before each sync,
+    `completed` / `failed` after it, `forget` when the group is rebuilt."""
+
     mode: str = "off"
     full_sync_every: int = 0
     """A dense seed every this many syncs (0: only when needed)."""
