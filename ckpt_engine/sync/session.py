@@ -375,7 +375,8 @@ class WeightSyncSession(ManySendersMixin):
         self.stale.clear()
         self.version = new_version
         self._delta.completed(
-            manifest.digest, request, transport=self.backend, seconds=seconds["transfer"], wire_bytes=wire, dense_bytes=manifest.total_bytes
+            manifest.digest, request, transport=self.backend, seconds=seconds["transfer"], plan_bytes=manifest.total_bytes,
+            wire_bytes=wire, dense_bytes=dense,
         )
         seconds["total"] = time.perf_counter() - t0
         report = SyncReport(
