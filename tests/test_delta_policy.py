@@ -33,7 +33,9 @@ def _run(policy: DeltaPolicy, costs: list[dict[str, float]], *, wire: float = 0.
             assert r.base_id == last_new, "a patch must name the bases of the last completed sync"
         k = _kind(r)
         kinds.append(k)
-        policy.completed("plan", r, transport=transport, seconds=c[k], wire_bytes=int((wire if k == "patch" else 1.0) * BYTES), dense_bytes=BYTES)
+        policy.completed(
+            "plan", r, transport=transport, seconds=c[k], plan_bytes=BYTES, wire_bytes=int((wire if k == "patch" else 1.0) * BYTES), dense_bytes=BYTES
+        )
         last_new = r.new_id if r is not None else None
     return kinds
 

@@ -70,6 +70,9 @@ class SyncCosts:
 
 @dataclass
 class DeltaPolicy:
+    """One session's delta decisions (modes: config.DELTA_MODES): `request` before each sync,
+    `completed` / `failed` after it, `forget` when the group is rebuilt."""
+
     mode: str = "off"
     full_sync_every: int = 0
     """A dense seed every this many syncs (0: only when needed)."""
@@ -119,12 +122,15 @@ class DeltaPolicy:
         return DeltaRequest(False, None, new_id)
 
     def completed(
-        self, digest: str, request: DeltaRequest | None, *, transport: str = "", seconds: float = 0.0, wire_bytes: int = 0, dense_bytes: int = 0
+        self, digest: str, request: DeltaRequest | None, *, transport: str = "", seconds: float = 0.0, plan_bytes: int = 0,
+        wire_bytes: int = 0, dense_bytes: int = 0,
     ) -> None:
         """The sync of `request` completed on every member (their bases now hold `new_id`) in
-        `seconds` of transfer, `dense_bytes` being the plan's bytes and `wire_bytes` what went."""
+        `seconds` of transfer; `plan_bytes`: the plan's bytes (costs are kept per plan byte);
+        `wire_bytes` / `dense_bytes`: what went against what dense would have sent (of the same
+        senders)."""
         if self._warm:
-            self.costs.setdefault(transport, SyncCosts()).record(request, seconds, dense_bytes)
+            self.costs.setdefault(transport, SyncCosts()).record(request, seconds, plan_bytes)
         self._warm = True
         if request is None:
             self._base_id = None
@@ -140,7 +146,7 @@ class DeltaPolicy:
         if pays:
             self._backoff = self.backoff_syncs
             return
-        dense = min(costs.dense) * dense_bytes if costs is not None and costs.dense else float("nan")
+        dense = min(costs.dense) * plan_bytes if costs is not None and costs.dense else float("nan")
         logger.info(
             "delta patches cost more than dense syncs over %s (%.3fs, dense about %.3fs; %.0f%% of the bytes on the wire): "
             "the next %d syncs go dense", transport or "this transport", seconds, dense, 100 * wire_bytes / max(dense_bytes, 1), self._backoff,

@@ -425,8 +425,8 @@ class WeightSyncSession:
         self.stale.clear()
         self.version = new_version
         self._delta.completed(
-            manifest.digest, request, transport=self.backend, seconds=seconds["transfer"],
-            wire_bytes=report.wire_bytes, dense_bytes=manifest.total_bytes,
+            manifest.digest, request, transport=self.backend, seconds=seconds["transfer"], plan_bytes=manifest.total_bytes,
+            wire_bytes=report.wire_bytes, dense_bytes=report.dense_bytes,
         )
         seconds["total"] = time.perf_counter() - t0
         logger.info(
