@@ -14,9 +14,12 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
+
+if TYPE_CHECKING:
+    from ckpt_engine.transports.base import CheckpointEngine
 
 __all__ = [
     "CheckpointEngineConfig",
@@ -237,7 +240,7 @@ _OPTION_RULES: dict[str, tuple[Any, str]] = {
 sync (after engines were asked to join): checked here too, so a bad value is refused at load."""
 
 
-def _check_option_values(where: str, backend: str, cls: type, kwargs: dict[str, Any]) -> None:
+def _check_option_values(where: str, backend: str, cls: type[CheckpointEngine], kwargs: dict[str, Any]) -> None:
     for name, (ok, what) in _OPTION_RULES.items():
         if kwargs.get(name) is not None and not ok(kwargs[name]):
             raise ConfigError(f"{where}.{name} must be {what}, got {kwargs[name]!r}")
@@ -250,7 +253,7 @@ def _check_option_values(where: str, backend: str, cls: type, kwargs: dict[str, 
         parsed = torch.device(device)
     except (RuntimeError, TypeError, ValueError):
         raise ConfigError(f"{where}.device must be a device such as 'cpu', 'cuda:0' or an index, got {device!r}") from None
-    kind = getattr(cls, "device_type", None)
+    kind = cls.device_type
     if backend in ("gloo", "nccl", "hccl") and kind is not None and parsed.type != kind:
         raise ConfigError(f"{where}.device: the {backend} backend moves {kind} tensors, got device={device!r}")
 

@@ -112,6 +112,9 @@ class CheckpointEngine(ABC):
     """Whether ranks [0, num_senders) may each stream the pieces they own (see `plan`)."""
     supports_delta = False
     """Whether `send_weights` / `receive_buckets` take a `delta` request (base copies, patches)."""
+    device_type: str | None = None
+    """The kind of device this backend's tensors live on ("cpu", "cuda", "npu"; None: any), so a
+    configured `device` of another kind is refused when the config is loaded."""
 
     def __init__(self, *, bucket_size_bytes: int, num_buffers: int = 2, timeout_s: float = 300.0, verify: bool = False) -> None:
         if num_buffers < 2:

@@ -79,3 +79,4 @@ class GlooCheckpointEngine(PipelinedEngine):
     """The pipeline over gloo."""
 
     transport_cls: ClassVar[type[Transport]] = GlooTransport
+    device_type = "cpu"

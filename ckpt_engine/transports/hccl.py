@@ -55,3 +55,4 @@ class HcclCheckpointEngine(PipelinedEngine):
     """The pipeline over HCCL."""
 
     transport_cls: ClassVar[type[Transport]] = HcclTransport
+    device_type = "npu"

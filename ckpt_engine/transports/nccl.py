@@ -208,3 +208,4 @@ class NcclCheckpointEngine(PipelinedEngine):
     """The pipeline over NCCL."""
 
     transport_cls: ClassVar[type[Transport]] = NcclTransport
+    device_type = "cuda"
