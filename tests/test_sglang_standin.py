@@ -106,8 +106,10 @@ def test_prefix_cache_serves_old_weights_until_flushed(servers: list[object], mo
     assert exact == greedy(t2) and stale != exact and fresh == greedy(t1)
 
 
-@pytest.mark.parametrize("mode,finish", [("keep", "length"), ("abort", "abort")])
-def test_sync_during_a_request_flushes_and_keeps_or_ends_it(servers: list[object], model_dir: Path, mode: str, finish: str) -> None:  # noqa: F811
+@pytest.mark.parametrize("mode,finish,version", [("keep", "length", 12), ("abort", "abort", 13)])
+def test_sync_during_a_request_flushes_and_keeps_or_ends_it(
+    servers: list[object], model_dir: Path, mode: str, finish: str, version: int  # noqa: F811
+) -> None:
     """`keep` must let SGLang flush (retract, not in_place), or the sync would fail after the weights landed."""
     from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
     from ckpt_engine.rollout_adapters.sglang import SglangRollout
@@ -120,9 +122,9 @@ def test_sync_during_a_request_flushes_and_keeps_or_ends_it(servers: list[object
     try:
         with cf.ThreadPoolExecutor(1) as pool:
             pending = _start_long_request(client, pool)
-            assert session.sync(StateDictSource(t), version=12).version == 12
+            assert session.sync(StateDictSource(t), version=version).version == version  # versions never repeat
             reply = pending.result(timeout=120)
     finally:
         session.close()
     assert reply["meta_info"]["finish_reason"]["type"] == finish
-    assert generate(client) == (greedy(t), "12")
+    assert generate(client) == (greedy(t), str(version))

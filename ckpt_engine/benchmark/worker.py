@@ -61,7 +61,7 @@ class BenchRank:
         self.args = args
         self.rank = args.rank
         if args.device == "cuda":
-            ngpu = torch.cuda.device_count()
+            ngpu = 1 if args.backend == "colocated" else torch.cuda.device_count()  # colocated: one GPU shared
             self.device = torch.device("cuda", self.rank % ngpu)
             torch.cuda.set_device(self.device)
         else:
