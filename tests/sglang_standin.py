@@ -28,6 +28,10 @@ Follows the request schemas and semantics of SGLang 0.5.x as documented in SGLan
   `/health`, and `/generate`
   {input_ids, sampling_params: {max_new_tokens, temperature}} -> {output_ids, meta_info}.
 
+Every POST body except `/generate`'s is first checked against SGLang's own request class for its
+route (`tests/sglang_schema.py` reads them from the installed SGLang wheel): a body SGLang would
+refuse answers 422, as SGLang's FastAPI server does, and so does a key SGLang would silently drop.
+
 Run: `python tests/sglang_standin.py --model-path DIR` prints `SGLANG_STANDIN_PORT=<port>`.
 """
 
@@ -47,7 +51,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 from ckpt_engine.rollout_adapters.sglang import custom_process_group  # noqa: E402
+from sglang_schema import SglangSchemaError, check_body  # noqa: E402
 
 logger = logging.getLogger("sglang_standin")
 
@@ -258,6 +264,12 @@ def make_handler(engine: StandinEngine) -> type[BaseHTTPRequestHandler]:
             if path == "/generate":
                 self._reply(200, engine.generate(body))
                 return
+            if path != "/flush_cache":  # SGLang's flush takes no body
+                try:
+                    check_body(path, body)
+                except SglangSchemaError as exc:
+                    self._reply(422, {"detail": str(exc)})
+                    return
             with engine.lock:
                 if path == "/init_weights_update_group":
                     r = engine.init_group(body)
