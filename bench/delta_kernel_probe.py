@@ -3,8 +3,8 @@
 Times, on one bucket of bf16 words with a chosen fraction changed at random positions:
   copy        torch copy_ of the bucket (reads 1x, writes 1x: the HBM reference)
   ne_sum      torch.ne(old, new).sum() (reads both images once)
-  codec       ckpt_engine.delta.codec.encode_into_base (the two-pass Triton path: compare + pack
-              bitmask + checksum, then compact), including its host sync
+  codec       ckpt_engine.delta.codec.encode_into_base (the sender's call for a packed bucket: the
+              same one-pass diff over one piece, sized to the whole bucket), including its host sync
   direct      ckpt_engine.delta.direct.BucketDiff over the bucket as one piece (one pass, the patch
               written in block order), including its host sync; direct_pieces: the same bucket cut
               into Qwen2.5-7B layer-sized pieces (one kernel each); direct_table: those pieces in

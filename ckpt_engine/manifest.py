@@ -126,10 +126,6 @@ class TensorMeta:
     def is_whole(self) -> bool:
         return self.chunk_offset == 0 and self.chunk_size == self.nbytes
 
-    @property
-    def is_last_chunk(self) -> bool:
-        return self.chunk_offset + self.chunk_size == self.nbytes
-
 
 @dataclass(frozen=True)
 class Bucket:

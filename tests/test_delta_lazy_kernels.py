@@ -41,8 +41,8 @@ def test_a_cpu_patch_loads_numba_and_never_triton() -> None:
         base = torch.zeros(4096, dtype=torch.uint8)
         new = base.clone()
         new[8] = 1
-        out = torch.empty(4096, dtype=torch.uint8)
-        n = codec.encode(base, new, 2, out, kind="positions32")
+        out = torch.empty(codec.max_patch_bytes(4096, 2), dtype=torch.uint8)
+        n = codec.encode(base, new, 2, out)
         patch = codec.decode(out[:n], 4096, 2, check_range=False)
         codec.apply(base, patch)
         assert torch.equal(base, new)
@@ -61,8 +61,8 @@ def test_the_numpy_switch_keeps_numba_out(monkeypatch: pytest.MonkeyPatch) -> No
         base = torch.zeros(4096, dtype=torch.uint8)
         new = base.clone()
         new[8] = 1
-        out = torch.empty(4096, dtype=torch.uint8)
-        n = codec.encode(base, new, 2, out, kind="positions32")
+        out = torch.empty(codec.max_patch_bytes(4096, 2), dtype=torch.uint8)
+        n = codec.encode(base, new, 2, out)
         codec.apply(base, codec.decode(out[:n], 4096, 2, check_range=False))
         assert torch.equal(base, new)
         print(accel.numba_on(), "numba" in sys.modules)

@@ -212,25 +212,6 @@ def test_sorted_positions_take_the_compiled_pass_and_agree_with_numpy(monkeypatc
         assert torch.equal(a, b)
 
 
-def test_positions32_without_the_range_check_stay_int32_and_are_still_checked() -> None:
-    """On a CPU a positions32 patch for an in-place receiver keeps its int32 words (no widened
-    copy) and every check of a sorted kind still names what is wrong."""
-    from ckpt_engine.delta.decoder import decode
-    from ckpt_engine.delta.layout import PatchError
-
-    def payload(positions: list[int], num_words: int, pad: int = 0) -> torch.Tensor:
-        return _payload(positions, list(range(len(positions))), num_words, pad, kind="positions32", word=torch.int16)
-
-    patch = decode(payload([1, 4, 9], 10), 20, 2, check_range=False)
-    assert patch.positions.dtype == torch.int32 and patch.positions.tolist() == [1, 4, 9]
-    assert decode(payload([1, 4, 9], 10), 20, 2).positions.dtype == torch.int64
-    for bad, match in (([-1, 4, 9], "negative"), ([1, 4, 10], ">= num_words"), ([1, 4, 4], "strictly increasing"), ([4, 1, 9], "strictly increasing")):
-        with pytest.raises(PatchError, match=match):
-            decode(payload(bad, 10), 20, 2, check_range=False)
-    with pytest.raises(PatchError, match="padding"):
-        decode(payload([1, 4, 9], 10, pad=1), 20, 2, check_range=False)
-
-
 def test_swap_in_refuses_values_that_do_not_match() -> None:
     image = ScatteredImage([(0, torch.zeros(4, dtype=torch.int16))], 4)
     with pytest.raises(ValueError, match="values of torch.int32"):
@@ -240,8 +221,7 @@ def test_swap_in_refuses_values_that_do_not_match() -> None:
 
 
 def _payload(positions: list[int], values: list[int], num_words: int, pad: int = 0, kind: str = "scatter32", word: torch.dtype = torch.int32) -> torch.Tensor:
-    """A patch of int32 positions (scatter32 or positions32) and `word` values, written field by
-    field (layout.py's format)."""
+    """A patch of int32 positions and `word` values, written field by field (layout.py's format)."""
     from ckpt_engine.delta.layout import FORMAT_VERSION, HEADER, KIND_IDS, MAGIC, align8
 
     n = len(positions)
@@ -253,7 +233,7 @@ def _payload(positions: list[int], values: list[int], num_words: int, pad: int =
 
 
 def test_decode_without_the_range_check_leaves_out_of_range_positions_to_the_regions() -> None:
-    """check_range=False skips only the range pass of a scatter32 patch: its positions come back
+    """check_range=False skips only the range pass of a patch: its positions come back
     as the payload's int32 words, and swap_in counts the ones outside the bucket."""
     from ckpt_engine.delta.decoder import decode
     from ckpt_engine.delta.layout import PatchError

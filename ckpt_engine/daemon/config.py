@@ -53,19 +53,21 @@ class DaemonConfig:
             raise ConfigError(f"daemon.host must be a non-empty string, got {self.host!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ConfigError(f"daemon.port must be an int in [0, 65535] (0 = free port from the OS), got {self.port!r}")
-        for name in ("heartbeat_timeout_s", "health_interval_s", "idle_timeout_s", "engine_lease_s", "handshake_timeout_s", "frame_timeout_s"):
+        for name in ("heartbeat_timeout_s", "health_interval_s", "engine_lease_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ConfigError(f"daemon.{name} must be a finite number of seconds >= 0, got {value!r}")
-        for name in ("health_interval_s", "idle_timeout_s", "engine_lease_s", "handshake_timeout_s", "frame_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"daemon.{name} must be > 0, got {getattr(self, name)!r}")
-        for name, low in (("max_resync_attempts", 0), ("max_connections", 1), ("max_unauthenticated", 1), ("max_frame_bytes", 1024)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"daemon.{name} must be an int >= {low}, got {value!r}")
+            if name != "heartbeat_timeout_s" and not value > 0:
+                raise ConfigError(f"daemon.{name} must be > 0, got {value!r}")
+        value = self.max_resync_attempts
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"daemon.max_resync_attempts must be an int >= 0, got {value!r}")
         if not isinstance(self.catch_up, bool):
             raise ConfigError(f"daemon.catch_up must be a bool, got {self.catch_up!r}")
+        try:  # the control server's limits check themselves (one rule for every control port)
+            self.limits()
+        except ValueError as exc:
+            raise ConfigError(f"daemon.{exc}") from None
 
     def limits(self) -> ControlLimits:
         """The control server's limits."""

@@ -8,23 +8,16 @@ additive deltas, travel, so nothing drifts over a chain of patches. Each patch c
 against the sender's checksum of the new image without re-reading the whole image.
 
 This module is the codec's public surface; the parts live beside it: the patch format
-(layout.py), encode (encoder.py), decode and apply (decoder.py), the checksums (checksums.py), h(i)
-(mixing.py), and the CPU (host.py) and CUDA (kernels.py) primitives.
+(layout.py), the one diff (direct.py), decode and apply (decoder.py), the checksums (checksums.py),
+h(i) (mixing.py), and the CPU (host.py, host_kernels.py) and CUDA (kernels.py) primitives.
 """
 
 from __future__ import annotations
 
 from ckpt_engine.delta.checksums import checksum, delta_checksum
 from ckpt_engine.delta.decoder import apply, decode
-from ckpt_engine.delta.encoder import encode, encode_into_base
-from ckpt_engine.delta.layout import (
-    PATCH_HEADER_BYTES,
-    DecodedPatch,
-    PatchError,
-    max_patch_bytes,
-    patch_kind_sizes,
-    word_dtype,
-)
+from ckpt_engine.delta.direct import encode, encode_into_base, max_patch_bytes
+from ckpt_engine.delta.layout import PATCH_HEADER_BYTES, DecodedPatch, PatchError, word_dtype
 
 __all__ = [
     "PATCH_HEADER_BYTES",
@@ -37,6 +30,5 @@ __all__ = [
     "encode",
     "encode_into_base",
     "max_patch_bytes",
-    "patch_kind_sizes",
     "word_dtype",
 ]

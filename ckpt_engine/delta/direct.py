@@ -1,4 +1,5 @@
-"""Delta encode of a bucket straight from the tensors it holds: no pack into a staging buffer first.
+"""Delta encode: the one diff of the codec, of a bucket straight from the tensors it holds or of a
+packed image (`encode_into_base`, one piece).
 
 Packing a bucket and then comparing it with its base reads the new bytes twice and writes them
 once; here each piece of the bucket (a tensor, or a shard of one, already in the wire dtype) is
@@ -24,11 +25,12 @@ from ckpt_engine.delta.layout import (
     align8,
     store_delta_sum,
     word_dtype,
+    words_of,
     write_header,
 )
 from ckpt_engine.delta.mixing import mix, table_a
 
-__all__ = ["SCATTER_BELOW", "BucketDiff", "capacity", "out_bytes"]
+__all__ = ["SCATTER_BELOW", "BucketDiff", "capacity", "encode", "encode_into_base", "max_patch_bytes", "out_bytes"]
 
 SCATTER_BELOW = 1 / 32
 """Default most changed words, as a fraction of the bucket's, that a scatter32 patch may carry:
@@ -52,6 +54,44 @@ def out_bytes(nbytes: int, word_bytes: int, scatter_below: float = SCATTER_BELOW
     bucket at the default, plus a little): header, positions, then room for the new values."""
     cap = capacity(nbytes, word_bytes, scatter_below)
     return PATCH_HEADER_BYTES + align8(4 * cap) + 8 + align8(cap * word_bytes)
+
+
+def max_patch_bytes(nbytes: int, word_bytes: int) -> int:
+    """Size of an `out` buffer that any patch of an `nbytes` image fits in (a patch is only kept
+    when smaller than the image, so a little more than `nbytes`)."""
+    word_dtype(word_bytes)
+    if nbytes < 0 or nbytes % word_bytes:
+        raise ValueError(f"nbytes={nbytes} must be >= 0 and a multiple of word_bytes={word_bytes}")
+    return out_bytes(nbytes, word_bytes, 1.0)
+
+
+def encode_into_base(base: torch.Tensor, new: torch.Tensor, word_bytes: int, out: torch.Tensor) -> int | None:
+    """Write the patch turning `base` into `new` into `out[:n]` and return n, or None when no patch
+    smaller than `new` fits `out` (send dense); `base` equals `new` afterwards either way (the
+    sender's base stays current). One pass over both images (BucketDiff over one piece); one host
+    sync (the changed count)."""
+    bw, nw = words_of(base, word_bytes, "base"), words_of(new, word_bytes, "new")
+    if base.numel() != new.numel() or base.device != new.device:
+        raise ValueError(f"base ({base.numel()} bytes on {base.device}) and new ({new.numel()} bytes on {new.device}) must match")
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.device != new.device or out.storage_offset() % 8:
+        raise ValueError(f"out must be a 1-D uint8 tensor on {new.device} starting 8-byte aligned")
+    num_words = nw.numel()
+    below = 1.0
+    if out.numel() < out_bytes(new.numel(), word_bytes, below):  # as many changed words as `out` can hold
+        below = max((out.numel() - PATCH_HEADER_BYTES - 24) // (4 + word_bytes) / max(num_words, 1), 1e-12)
+    if not num_words or num_words >= 2**31 or out.numel() < out_bytes(new.numel(), word_bytes, below):
+        base.copy_(new)
+        return None
+    with torch.profiler.record_function("ckpt_engine.delta.encode_into_base"):
+        diff = BucketDiff(out, new.numel(), word_bytes, below)
+        diff.add(nw, bw, 0)
+        size, _delta, _count = diff.finish()
+    return size
+
+
+def encode(base: torch.Tensor, new: torch.Tensor, word_bytes: int, out: torch.Tensor) -> int | None:
+    """`encode_into_base` that leaves `base` as it is (it diffs a copy)."""
+    return encode_into_base(base.clone(), new, word_bytes, out)
 
 
 class BucketDiff:

@@ -1,6 +1,6 @@
 """CPU primitives of the delta codec over zero-copy numpy views of CPU tensors.
 
-Why numpy: on CPU, numpy's compare, count_nonzero, flatnonzero and packbits run several times
+Why numpy: on CPU, numpy's compare, count_nonzero and flatnonzero run several times
 faster than the torch equivalents on the same memory (torch 2.13 CPU, 2 shared cores: `ne` 4x,
 counting 10x, the chunked position-weighted sum 10-40x), and the CPU gloo path ships patches from
 host memory. Same layout and same h(i) as the torch and Triton paths (mixing.py).
@@ -13,9 +13,8 @@ import torch
 
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, MIX_B, table_a
 
-__all__ = ["CHUNK_WORDS", "changed_in", "checksum", "chunk_counts", "weighted_diff_sum", "wrap64"]
+__all__ = ["checksum", "weighted_diff_sum", "wrap64"]
 
-CHUNK_WORDS = 1 << 20  # words per chunk: a 1 MiB mask buffer, positions of one chunk <= 8 MiB
 _ROWS = 8  # groups of 2**16 words multiplied at once by the checksum (a 4 MiB int64 buffer)
 
 
@@ -48,23 +47,6 @@ def _mix_b(k: np.ndarray) -> np.ndarray:
     y ^= y >> 31
     y |= 1
     return y
-
-
-def chunk_counts(base: np.ndarray, new: np.ndarray, mask: np.ndarray) -> list[int]:
-    """Changed words per CHUNK_WORDS chunk; `mask` is a bool scratch of CHUNK_WORDS."""
-    out = []
-    for s in range(0, base.size, CHUNK_WORDS):
-        m = mask[: min(CHUNK_WORDS, base.size - s)]
-        np.not_equal(base[s : s + CHUNK_WORDS], new[s : s + CHUNK_WORDS], out=m)
-        out.append(int(np.count_nonzero(m)))
-    return out
-
-
-def changed_in(base: np.ndarray, new: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Local int64 indices where the chunk differs; leaves the comparison in `mask[:len]`."""
-    m = mask[: base.size]
-    np.not_equal(base, new, out=m)
-    return np.flatnonzero(m)
 
 
 def checksum(words: np.ndarray) -> int:

@@ -9,7 +9,7 @@ reads each old word, sums its checksum term and writes the new word, in one pass
 Same semantics as the numpy path in pieces.py (the tests compare them): every old word is read
 before its position is written, so a position a corrupt patch repeats yields its old word each
 time; positions outside every region are counted and skipped. Without numba (or for unsorted
-positions, which only a scatter32 patch or a corrupt one has) the numpy path runs. Imported only
+positions, which a GPU sender's patch or a corrupt one has) the numpy path runs. Imported only
 through accel.numba_on() (the first CPU patch), never at import time.
 """
 
@@ -29,9 +29,9 @@ SPLIT_POSITIONS = 1 << 20
 
 
 @numba.njit(cache=True, nogil=True)
-def _ordered(p, strict):  # type: ignore[no-untyped-def]
+def _ordered(p):  # type: ignore[no-untyped-def]
     for i in range(1, p.size):
-        if p[i] < p[i - 1] or (strict and p[i] == p[i - 1]):
+        if p[i] < p[i - 1]:
             return False
     return True
 
@@ -135,10 +135,10 @@ def _diff(new, base, first, positions, values, count, cap, table_a):  # type: ig
     return count, total + part * b
 
 
-def ordered(positions: np.ndarray, strict: bool) -> bool:
-    """True when every position is larger than (strict) or at least the one before: one pass,
+def ordered(positions: np.ndarray) -> bool:
+    """True when every position is at least the one before: one pass,
     no temporaries."""
-    return bool(_ordered(positions, strict))
+    return bool(_ordered(positions))
 
 
 def regions_list(views: list[np.ndarray]) -> object:

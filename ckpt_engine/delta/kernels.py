@@ -1,11 +1,10 @@
-"""Fused Triton kernels for the delta codec on CUDA: compare+count+pack, compact, checksums.
+"""Triton kernels of the delta codec on CUDA: the one-pass diff, checksums, a patch's checksum change.
 
 The codec owns the patch layout and falls back to plain torch ops when Triton or a GPU is missing;
 these kernels only move words. Imported only where a CUDA tensor is processed (accel.py), so a
-CPU install never loads Triton. Two passes instead of one so that positions come out sorted
-without a cross-block scan: pass one reads both images once (compare, count, one int32 change
-mask per row of 32 words), pass two reads the small mask and only the sectors that changed: each
-row walks its own set bits, so its cost follows the changed words, not the image.
+CPU install never loads Triton. The diff reads both images once: each tile compares and packs one
+int32 change mask per row of 32 words, then every row walks its own set bits, so its cost beyond
+the compare follows the changed words, not the image.
 """
 
 from __future__ import annotations
@@ -16,18 +15,12 @@ import triton.language as tl
 
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS
 
-__all__ = ["BLOCK_WORDS", "DELTA_IN_COMPACT", "NUM_WARPS", "WALK_BITS", "checksum", "compact", "compare_pack", "delta_sum", "diff_into", "pairs_sum"]
+__all__ = ["BLOCK_WORDS", "NUM_WARPS", "checksum", "delta_sum", "diff_into", "pairs_sum"]
 
-# Words per program (rows of 32), warps per program, where encode computes the delta sum (compact,
-# over the changed words only, or compare_pack, over every word) and the set bits each row peels
-# per compact round, read at each call; bench/delta_codec_bench.py sweeps them. 8192 / 8 / compact
-# / 2 was the fastest encode of the sweep on an H200 (1 GiB bf16: 1.06 ms at 2 %, 1.6 ms at 13 %
-# changed). BLOCK_WORDS must divide 2**16 (one B factor of h per block) and be a multiple of 32
-# (one int32 of the mask per row).
+# Words per program and warps per program of the checksum (8192 / 8: the fastest of the last sweep
+# on an H200). BLOCK_WORDS must divide 2**16 (one B factor of h per block).
 BLOCK_WORDS = 8192
 NUM_WARPS = 8
-DELTA_IN_COMPACT = True
-WALK_BITS = 2  # set bits each row of a block peels per round of compact: 1 or 2
 
 
 # h(i) = A(i mod 2**16) * B(i div 2**16): the same function as mixing.py (MIX_A, MIX_B).
@@ -62,135 +55,6 @@ def _popc32(x):
     x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
     x = (x + (x >> 4)) & 0x0F0F0F0F
     return ((x * 0x01010101) >> 24).to(tl.int32)
-
-
-@triton.jit
-def _compare_pack_kernel(
-    base_ptr,
-    new_ptr,
-    n_words,
-    counts_ptr,
-    delta_ptr,
-    mask_ptr,
-    ROWS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_BITS: tl.constexpr,
-    SMALL: tl.constexpr,
-    DELTA: tl.constexpr,
-):
-    """Compare a block of ROWS x 32 words: one int32 change mask per row (bit j = word 32r+j,
-    so the int32s are the LSB-first byte mask on a little-endian GPU), the block's changed
-    count and, when DELTA, its partial delta sum over all its words."""
-    pid = tl.program_id(0)
-    row = tl.arange(0, ROWS)
-    col = tl.arange(0, 32)
-    start = pid.to(tl.int64) * (ROWS * 32)
-    local = row[:, None] * 32 + col[None, :]
-    offs = start + local
-    inb = offs < n_words
-    a = tl.load(base_ptr + offs, mask=inb, other=0)
-    b = tl.load(new_ptr + offs, mask=inb, other=0)
-    bits = tl.sum(tl.where(a != b, 1 << col[None, :], 0), axis=1)  # distinct bits: sum == or
-    tl.store(mask_ptr + pid.to(tl.int64) * ROWS + row, bits)
-    tl.store(counts_ptr + pid, tl.sum(_popc32(bits), axis=0).to(tl.int64))
-    if DELTA:
-        j = (pid % (GROUP // (ROWS * 32))) * (ROWS * 32) + local
-        if SMALL:
-            diff = b.to(tl.int32) - a.to(tl.int32)
-        else:
-            diff = b.to(tl.int64) - a.to(tl.int64)
-        part = tl.sum(tl.sum(_weighted(diff, _mix_a(j), SMALL), axis=1), axis=0)
-        tl.store(delta_ptr + pid, part * _mix_b(start >> GROUP_BITS))
-
-
-@triton.jit
-def _delta_term(v, o, p, GROUP: tl.constexpr, SMALL: tl.constexpr):
-    """h-weight A(p mod 2**16) * (v - o) as int64 (B is applied once per block)."""
-    if SMALL:
-        diff = v.to(tl.int32) - o.to(tl.int32)
-    else:
-        diff = v.to(tl.int64) - o.to(tl.int64)
-    return _weighted(diff, _mix_a((p & (GROUP - 1)).to(tl.int32)), SMALL)
-
-
-@triton.jit
-def _compact_kernel(
-    mask_ptr,
-    n_mask_bytes,
-    counts_ptr,
-    offsets_ptr,
-    new_ptr,
-    val_ptr,
-    pos_ptr,
-    base_ptr,
-    old_ptr,
-    delta_ptr,
-    ROWS: tl.constexpr,
-    GROUP: tl.constexpr,
-    GROUP_BITS: tl.constexpr,
-    SMALL: tl.constexpr,
-    WRITE_POS: tl.constexpr,
-    WRITE_VALS: tl.constexpr,
-    UPDATE_BASE: tl.constexpr,
-    DELTA: tl.constexpr,
-    WALK: tl.constexpr,
-):
-    """Per block with changes: read each row's 32 mask bits (four bytes, any alignment),
-    rank rows by an exclusive scan of their popcounts, then every row walks its own set bits
-    in increasing order, WALK (1 or 2) bits a round, as many rounds as the busiest row needs:
-    positions stay sorted and unchanged words cost nothing. With DELTA, the block's partial delta sum over its changed
-    words (old words read from `old_ptr` before `base_ptr` is updated)."""
-    pid = tl.program_id(0)
-    cnt = tl.load(counts_ptr + pid)
-    if cnt > 0:
-        row = tl.arange(0, ROWS)
-        nib = tl.arange(0, 4)
-        byte_offs = pid.to(tl.int64) * (ROWS * 4) + row[:, None] * 4 + nib[None, :]
-        mb = tl.load(mask_ptr + byte_offs, mask=byte_offs < n_mask_bytes, other=0).to(tl.int32)
-        bits = tl.sum(mb << (nib * 8)[None, :], axis=1)  # disjoint bytes: sum == or
-        per_row = _popc32(bits)
-        dest = tl.load(offsets_ptr + pid) + (tl.cumsum(per_row, axis=0) - per_row).to(tl.int64)
-        start = pid.to(tl.int64) * (ROWS * 32)
-        row_start = start + row * 32
-        acc = tl.zeros([ROWS], dtype=tl.int64)
-        for _ in range(0, (tl.max(per_row, axis=0) + WALK - 1) // WALK):
-            # WALK == 2 peels two bits a round: two independent loads in flight per row
-            low = bits & (0 - bits)
-            bits = bits & (bits - 1)
-            live = low != 0
-            p = row_start + _popc32(low - 1)
-            if WALK == 2:
-                low2 = bits & (0 - bits)
-                bits = bits & (bits - 1)
-                live2 = low2 != 0
-                p2 = row_start + _popc32(low2 - 1)
-            if WRITE_POS:
-                tl.store(pos_ptr + dest, p.to(pos_ptr.dtype.element_ty), mask=live)
-                if WALK == 2:
-                    tl.store(pos_ptr + dest + 1, p2.to(pos_ptr.dtype.element_ty), mask=live2)
-            if WRITE_VALS or UPDATE_BASE or DELTA:
-                v = tl.load(new_ptr + p, mask=live, other=0)
-                if WALK == 2:
-                    v2 = tl.load(new_ptr + p2, mask=live2, other=0)
-                if DELTA:  # old words are read before any store to base_ptr
-                    o = tl.load(old_ptr + p, mask=live, other=0)
-                    acc += _delta_term(v, o, p, GROUP, SMALL)
-                    if WALK == 2:
-                        o2 = tl.load(old_ptr + p2, mask=live2, other=0)
-                        acc += _delta_term(v2, o2, p2, GROUP, SMALL)
-                if WRITE_VALS:
-                    tl.store(val_ptr + dest, v, mask=live)
-                    if WALK == 2:
-                        tl.store(val_ptr + dest + 1, v2, mask=live2)
-                if UPDATE_BASE:
-                    tl.store(base_ptr + p, v, mask=live)
-                    if WALK == 2:
-                        tl.store(base_ptr + p2, v2, mask=live2)
-            dest += live.to(tl.int64)
-            if WALK == 2:
-                dest += live2.to(tl.int64)
-        if DELTA:
-            tl.store(delta_ptr + pid, tl.sum(acc, axis=0) * _mix_b(start >> GROUP_BITS))
 
 
 @triton.jit
@@ -337,100 +201,10 @@ def pairs_sum(positions: torch.Tensor, values: torch.Tensor, old: torch.Tensor) 
     return partial.sum()
 
 
-def _num_blocks(n_words: int) -> int:
-    return (n_words + BLOCK_WORDS - 1) // BLOCK_WORDS
-
-
-def _check_block() -> None:
-    if GROUP_WORDS % BLOCK_WORDS or BLOCK_WORDS % 32:
-        raise ValueError(f"kernels.BLOCK_WORDS={BLOCK_WORDS} must divide {GROUP_WORDS} and be a multiple of 32")
-    if WALK_BITS not in (1, 2):
-        raise ValueError(f"kernels.WALK_BITS={WALK_BITS} must be 1 or 2")
-
-
-def compare_pack(base_w: torch.Tensor, new_w: torch.Tensor, *, with_delta: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """One pass over both word images: per-block changed counts (int64), per-block partial delta
-    sums (int64; None unless `with_delta`) and the change bitmask (uint8, LSB first, padded to
-    whole blocks; written as one int32 per 32 words)."""
-    _check_block()
-    n = base_w.numel()
-    nb = _num_blocks(n)
-    counts = torch.empty(nb, dtype=torch.int64, device=base_w.device)
-    delta = torch.empty(nb, dtype=torch.int64, device=base_w.device) if with_delta else None
-    mask = torch.empty(nb * (BLOCK_WORDS // 32), dtype=torch.int32, device=base_w.device)
-    if nb:
-        _compare_pack_kernel[(nb,)](
-            base_w,
-            new_w,
-            n,
-            counts,
-            delta if delta is not None else counts,
-            mask,
-            ROWS=BLOCK_WORDS // 32,
-            GROUP=GROUP_WORDS,
-            GROUP_BITS=GROUP_BITS,
-            SMALL=base_w.element_size() <= 2,
-            DELTA=with_delta,
-            num_warps=NUM_WARPS,
-        )
-    return counts, delta, mask.view(torch.uint8)
-
-
-def compact(
-    mask: torch.Tensor,
-    n_mask_bytes: int,
-    counts: torch.Tensor,
-    offsets: torch.Tensor,
-    *,
-    new_w: torch.Tensor | None = None,
-    values_out: torch.Tensor | None = None,
-    positions_out: torch.Tensor | None = None,
-    base_w: torch.Tensor | None = None,
-    old_w: torch.Tensor | None = None,
-) -> torch.Tensor | None:
-    """Second pass: for every set bit of `mask` (uint8, LSB first; blocks with a nonzero count
-    only), write its word index to `positions_out` and/or `new_w`'s word to `values_out` at
-    `offsets[block]` + rank within the block, and/or scatter it into `base_w`. `offsets` is the
-    exclusive prefix sum of `counts`, both per block of BLOCK_WORDS words. With `old_w` (the words
-    before the change; may be `base_w`, read before it is written), returns the per-block partial
-    delta sums (int64) over the changed words; else None."""
-    _check_block()
-    nb = counts.numel()
-    delta = torch.zeros(nb, dtype=torch.int64, device=counts.device) if old_w is not None else None
-    if not nb:
-        return delta
-    dummy = mask
-    words = new_w if new_w is not None else base_w if base_w is not None else old_w
-    _compact_kernel[(nb,)](
-        mask,
-        n_mask_bytes,
-        counts,
-        offsets,
-        new_w if new_w is not None else dummy,
-        values_out if values_out is not None else dummy,
-        positions_out if positions_out is not None else dummy,
-        base_w if base_w is not None else dummy,
-        old_w if old_w is not None else dummy,
-        delta if delta is not None else counts,
-        ROWS=BLOCK_WORDS // 32,
-        GROUP=GROUP_WORDS,
-        GROUP_BITS=GROUP_BITS,
-        SMALL=words is not None and words.element_size() <= 2,
-        WRITE_POS=positions_out is not None,
-        WRITE_VALS=values_out is not None,
-        UPDATE_BASE=base_w is not None,
-        DELTA=old_w is not None,
-        WALK=WALK_BITS,
-        num_warps=NUM_WARPS,
-    )
-    return delta
-
-
 def checksum(words: torch.Tensor) -> torch.Tensor:
     """sum_i words[i] * h(i) in wrapping int64, as a 0-d tensor on the words' device."""
-    _check_block()
     n = words.numel()
-    nb = _num_blocks(n)
+    nb = (n + BLOCK_WORDS - 1) // BLOCK_WORDS
     partial = torch.zeros(max(nb, 1), dtype=torch.int64, device=words.device)
     if nb:
         _checksum_kernel[(nb,)](

@@ -3,11 +3,14 @@
 Layout (little-endian, every section 8-byte aligned from the patch start):
   header (PATCH_HEADER_BYTES = 32): magic u32 | version u8 | kind u8 | word_bytes u8 | 0 u8 |
       num_words i64 | num_changed i64 | delta_sum i64
-  index: kind 1 = bitmask, one bit per word, bit j of byte k is word 8k+j, zero-padded;
-         kind 2 / 3 = sorted word positions as int32 / int64, zero-padded to 8 bytes
-         kind 4 = distinct int32 word positions in any order (written block by block by the one-pass
-         GPU encoder, direct.py), zero-padded to 8 bytes
+  index: kind 4 ("scatter32") = distinct int32 word positions, zero-padded to 8 bytes: sorted from
+         a CPU encoder, in tile order from the GPU one (direct.py), so a reader never relies on order
   values: num_changed words of `word_bytes` (their NEW bits), in the order of the index
+
+One format: a bitmask index (kind 1) and sorted int32 / int64 positions (kinds 2, 3) were retired
+with the two-pass encoder that wrote them (a bitmask is smaller above 1 changed word in 32, but the
+one-pass diff that writes int32 positions is the faster encode, and a bucket that changes that much
+goes dense; buckets of 2**31 words or more always go dense).
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from ckpt_engine.copies import put_int64s_
 from ckpt_engine.delta import accel
 
 __all__ = [
-    "CHUNK_WORDS",
     "FORMAT_VERSION",
     "HEADER",
     "KIND_IDS",
@@ -30,9 +32,6 @@ __all__ = [
     "DecodedPatch",
     "PatchError",
     "align8",
-    "index_bytes",
-    "max_patch_bytes",
-    "patch_kind_sizes",
     "resolve_impl",
     "store_delta_sum",
     "view_or_copy",
@@ -45,7 +44,7 @@ PATCH_HEADER_BYTES = 32
 FORMAT_VERSION = 1
 MAGIC = 0x50444B43  # b"CKDP" read as a little-endian u32
 HEADER = struct.Struct("<IBBBBqqq")
-KIND_IDS = {"bitmask": 1, "positions32": 2, "positions64": 3, "scatter32": 4}
+KIND_IDS = {"scatter32": 4}
 CHUNK_WORDS = 1 << 22  # torch path: 4 Mi words a chunk keeps temporaries near 64 MiB at most
 _WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -58,7 +57,7 @@ class PatchError(ValueError):
 class DecodedPatch:
     """A validated patch. `values` is a view into the payload: keep the payload until applied."""
 
-    positions: torch.Tensor  # word indices in [0, num_words): int64, strictly increasing (scatter32: distinct, int32)
+    positions: torch.Tensor  # word indices in [0, num_words): int64 (int32 with decode(check_range=False))
     values: torch.Tensor  # word_dtype(word_bytes), one per position
     delta_sum: int  # the sender's sum of h(i) * (new_i - old_i), as a signed int64
     num_words: int
@@ -75,15 +74,6 @@ def word_dtype(word_bytes: int) -> torch.dtype:
         return _WORD_DTYPES[word_bytes]
     except (KeyError, TypeError):
         raise ValueError(f"word_bytes must be one of 1, 2, 4, 8, got {word_bytes!r}") from None
-
-
-def max_patch_bytes(nbytes: int, word_bytes: int) -> int:
-    """Size of an `out` buffer that any useful patch fits in: a patch is only sent when smaller
-    than the dense bytes, so `nbytes` is enough."""
-    word_dtype(word_bytes)
-    if nbytes < 0 or nbytes % word_bytes:
-        raise ValueError(f"nbytes={nbytes} must be >= 0 and a multiple of word_bytes={word_bytes}")
-    return nbytes
 
 
 def align8(n: int) -> int:
@@ -124,23 +114,6 @@ def resolve_impl(device: torch.device, impl: str) -> str:
     if impl == "auto":
         return "triton" if accel.triton_on(device) else "host" if device.type == "cpu" else "torch"
     return impl
-
-
-def patch_kind_sizes(num_words: int, word_bytes: int, num_changed: int) -> dict[str, int]:
-    """Patch size in bytes of each applicable encoding for `num_changed` of `num_words` words."""
-    values = num_changed * word_bytes
-    pos_kind, pos_bytes = ("positions32", 4) if num_words < 2**31 else ("positions64", 8)
-    return {
-        "bitmask": PATCH_HEADER_BYTES + align8((num_words + 7) // 8) + values,
-        pos_kind: PATCH_HEADER_BYTES + align8(num_changed * pos_bytes) + values,
-    }
-
-
-def index_bytes(kind: str, num_words: int, num_changed: int) -> int:
-    """Length of the index section (before its zero padding to 8 bytes)."""
-    if kind == "bitmask":
-        return (num_words + 7) // 8
-    return num_changed * (8 if kind == "positions64" else 4)
 
 
 def write_header(out: torch.Tensor, kind: str, word_bytes: int, num_words: int, num_changed: int) -> None:

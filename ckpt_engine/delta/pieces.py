@@ -164,14 +164,14 @@ class ScatteredImage:
         return old, bad, pair_delta(positions, values, old)
 
     def _swap_in_compiled(self, positions: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """swap_in on a CPU in one compiled pass (host_kernels), for sorted positions (every
-        sorted patch kind; repeats allowed); None where it does not apply."""
+        """swap_in on a CPU in one compiled pass (host_kernels), for sorted positions (what a CPU
+        sender writes; repeats allowed); None where it does not apply."""
         if self.device.type != "cpu" or positions.device.type != "cpu" or not accel.numba_on():
             return None
         from ckpt_engine.delta import host_kernels
 
         p = positions.contiguous().numpy()
-        if p.dtype not in (np.int32, np.int64) or not host_kernels.ordered(p, strict=False):
+        if p.dtype not in (np.int32, np.int64) or not host_kernels.ordered(p):
             return None
         if self._host_regions is None:
             self._host_regions = host_kernels.regions_list([v.numpy() for _f, v in self.regions])

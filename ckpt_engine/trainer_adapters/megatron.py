@@ -178,6 +178,29 @@ def megatron_moe_without_te_compat() -> None:
         moe_utils.te_general_gemm = None
 
 
+def single_sender(g: MegatronGroups, export_mode: str) -> bool:
+    """Whether this rank yields tensors to stream with one sender per export: the first TP/DP/EP
+    rank of every stage ("per_stage") or of the first stage only ("gather_to_first")."""
+    first_of_stage = g.tp_rank == 0 and g.dp_rank == 0 and g.ep_rank == 0
+    return first_of_stage and (export_mode == "per_stage" or g.pp_rank == 0)
+
+
+def megatron_adam(cfg: MegatronConfig, chunks: list[nn.Module], *, clip_grad: float, **kw: Any) -> Any:
+    """megatron-core's distributed Adam over DDP- or FSDP-wrapped `chunks` (needs CUDA)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    dtype = torch_dtype(cfg.params_dtype)
+    return get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
+            adam_eps=cfg.eps, clip_grad=clip_grad, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+            params_dtype=dtype, use_distributed_optimizer=True,
+        ),
+        chunks,
+        **kw,
+    )
+
+
 def build_gpt_model(hf_config: Any, cfg: MegatronConfig, pg_collection: Any = None) -> nn.Module:
     """One GPTModel chunk for this rank's pipeline stage (virtual pipelining is not used)."""
     from megatron.core.models.gpt import GPTModel
@@ -256,12 +279,7 @@ class MegatronTrainEngine(MegatronShardedSource, TrainEngine):
         self.model = model
         self.exporter = MegatronExporter(self.model, hf_config, self.config, self.groups)
         self._stages = self.exporter.stage_specs()
-        g = self.groups
-        first_of_stage = g.tp_rank == 0 and g.dp_rank == 0 and g.ep_rank == 0
-        if self.config.export_mode == "per_stage":
-            self.is_sender = first_of_stage
-        else:
-            self.is_sender = first_of_stage and g.pp_rank == 0
+        self.is_sender = single_sender(self.groups, self.config.export_mode)
         self._init_senders()
 
     def _distributed_optimizer(self, model: nn.Module) -> tuple[nn.Module, Any]:
@@ -270,9 +288,7 @@ class MegatronTrainEngine(MegatronShardedSource, TrainEngine):
             raise RuntimeError("MegatronConfig.optimizer='megatron_distributed' needs CUDA (megatron-core DDP keeps its grad buffers on the GPU)")
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        cfg = self.config
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
         )
@@ -280,17 +296,7 @@ class MegatronTrainEngine(MegatronShardedSource, TrainEngine):
         ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model, **kw)
         model.config.finalize_model_grads_func = finalize_model_grads  # DP reduce-scatter, tied-embedding all-reduce
         model.config.no_sync_func = ddp.no_sync
-        dtype = torch_dtype(cfg.params_dtype)
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
-                adam_eps=cfg.eps, clip_grad=0.0, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-                params_dtype=dtype, use_distributed_optimizer=True,
-            ),
-            [ddp],
-            **kw,
-        )
-        return ddp, optimizer
+        return ddp, megatron_adam(self.config, [ddp], clip_grad=0.0, **kw)
 
     # --- weights -----------------------------------------------------------------------------
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -40,6 +40,8 @@ from ckpt_engine.trainer_adapters.megatron import (
     MegatronTrainEngine,
     build_gpt_model,
     check_exportable,
+    megatron_adam,
+    single_sender,
 )
 
 __all__ = ["MegatronFSDPConfig", "MegatronFSDPTrainEngine", "SHARDING_STRATEGIES", "megatron_fsdp_available"]
@@ -128,7 +130,6 @@ class MegatronFSDPTrainEngine(MegatronTrainEngine):
         from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         cfg = self.config
         self.hf_config = hf_config
@@ -155,23 +156,13 @@ class MegatronFSDPTrainEngine(MegatronTrainEngine):
         tconf.finalize_model_grads_func = finalize_model_grads
         tconf.no_sync_func = self.chunks[0].no_sync if len(self.chunks) == 1 else [c.no_sync for c in self.chunks]
         self.model = self.chunks[0]
-        dtype = getattr(torch, cfg.params_dtype)
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam", lr=cfg.lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1],
-                adam_eps=cfg.eps, clip_grad=cfg.max_grad_norm if cfg.max_grad_norm is not None else 0.0,
-                bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, use_distributed_optimizer=True,
-            ),
-            self.chunks,
-        )
+        self.optimizer = megatron_adam(cfg, self.chunks, clip_grad=cfg.max_grad_norm if cfg.max_grad_norm is not None else 0.0)
         self.exporters = [MegatronExporter(c, hf_config, cfg, self.groups, local_tensor=_local_full) for c in self.chunks]
         self.exporter = self.exporters[0]
         if len(self.chunks) > 1:
             raise ValueError("virtual pipeline chunks are not exported yet: pass one model chunk per rank")
         self._stages = self.exporter.stage_specs()
-        g = self.groups
-        first_of_stage = g.tp_rank == 0 and g.dp_rank == 0 and g.ep_rank == 0
-        self.is_sender = first_of_stage if cfg.export_mode == "per_stage" else first_of_stage and g.pp_rank == 0
+        self.is_sender = single_sender(self.groups, cfg.export_mode)
         self.global_step = 0
         self._sched_step = 0
         self.megatron_optimizer = True  # gradients reduced by finalize_model_grads in the schedule
