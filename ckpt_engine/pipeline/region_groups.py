@@ -121,6 +121,7 @@ def send_regions(
     `shapes`: the global shapes."""
     total = SendStats()
     sender = groups.rank
+    changed = 0.0  # changed_fraction weighted by each set's dense bytes
     for s in sorted(sets, key=lambda s: s.index):
         manifest = manifests[s.index]
         by_vname = {p.spec.name: p for p in s.pieces}
@@ -143,6 +144,9 @@ def send_regions(
         for key, value in stats.extra.items():
             if isinstance(value, (int, float)) and isinstance(total.extra.get(key, 0), (int, float)):
                 total.extra[key] = total.extra.get(key, 0) + value
+        changed += float(stats.extra.get("changed_fraction", 1.0)) * float(stats.extra.get("dense_bytes", manifest.wire_bytes))
+    if "changed_fraction" in total.extra:
+        total.extra["changed_fraction"] = changed / max(1.0, float(total.extra.get("dense_bytes", 1.0)))
     return total
 
 
