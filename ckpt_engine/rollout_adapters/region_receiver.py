@@ -49,6 +49,10 @@ class RegionReceiver:
         self._accepted = {}
         self._drop_groups()
 
+    def left_plan(self) -> None:
+        """The plan changed: assignments made for the old one no longer hold."""
+        self._accepted = {}
+
     def _drop_groups(self) -> None:
         groups, self._groups = self._groups, None
         if groups is not None:
