@@ -132,6 +132,9 @@ class RolloutAdapter(ABC):
     """Whether `receive` takes a `delta` request (its receiver ranks keep base copies and apply patches)."""
     supports_many_senders: bool = False
     """Whether its receiver ranks take buckets from several senders (the generic receiver does)."""
+    weights: ClassVar[str] = "full"
+    """What a sync into this engine carries: `full` weights, or `adapters` (a LoRA adapter installed
+    as a new version beside the base; `checkpoint_engine.weights` must match)."""
     transport: ClassVar[str | None] = None
     """The only transport (registry name) whose wire this engine reads, e.g. SGLang's own; None:
     any of ckpt-engine's (the session then takes `checkpoint_engine.backend`)."""
