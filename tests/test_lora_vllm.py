@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,7 +91,10 @@ def greedy(llm: object, lora: object, prompts: list[list[int]] = PROMPTS, n: int
 
 
 class InFlight:
-    """A request under the current version, frozen mid-generation (scheduler paused) across a sync."""
+    """A request under the current version, frozen mid-generation (scheduler paused) across a sync.
+
+    A thread pulls its outputs (`LLMEngine.step` blocks while the scheduler is paused); the sync
+    runs from the test's thread meanwhile, as `VllmRollout` expects."""
 
     def __init__(self, llm: object, rollout: object) -> None:
         from vllm import SamplingParams
@@ -98,35 +102,36 @@ class InFlight:
 
         from ckpt_engine.rollout_adapters.vllm import VllmRollout
 
-        self.llm, self.rollout = llm, rollout
+        self.rollout = rollout
         self.engine = llm.llm_engine  # type: ignore[attr-defined]
-        self.lora = rollout.lora_request()  # type: ignore[attr-defined]
         params = SamplingParams(max_tokens=LONG_TOKENS, temperature=0.0, ignore_eos=True)
-        self.engine.add_request("in-flight", TokensPrompt(prompt_token_ids=PROMPTS[0]), params, lora_request=self.lora)
+        self.engine.add_request("in-flight", TokensPrompt(prompt_token_ids=PROMPTS[0]), params, lora_request=rollout.lora_request())  # type: ignore[attr-defined]
         self.tokens: list[int] = []
-        self.finished = False
-        deadline = time.monotonic() + TIMEOUT_S
-        while not self.tokens and time.monotonic() < deadline:
-            self._pull()
+        self.finished = threading.Event()
+        self.started = threading.Event()
+        self.puller = threading.Thread(target=self._pull, daemon=True)
+        self.puller.start()
+        assert self.started.wait(TIMEOUT_S), "the request produced no token"
         VllmRollout.pause(rollout, "keep")  # type: ignore[arg-type]  # freeze it where it is
-        self._pull()
-        assert self.tokens and not self.finished, "the request should be running when the sync starts"
+        time.sleep(0.5)  # the puller drains what was generated before the pause
+        assert not self.finished.is_set(), "the request should still be running when the sync starts"
 
     def _pull(self) -> None:
-        for out in self.engine.step():
-            self.tokens = list(out.outputs[0].token_ids)
-            self.finished = out.finished
+        while not self.finished.is_set():
+            for out in self.engine.step():
+                self.tokens = list(out.outputs[0].token_ids)
+                if self.tokens:
+                    self.started.set()
+                if out.finished:
+                    self.finished.set()
 
     def finish(self) -> list[int]:
         from ckpt_engine.rollout_adapters.vllm import VllmRollout
 
-        self._pull()
-        assert not self.finished, "the request should still be running after the sync"
+        assert not self.finished.is_set(), "the request should still be running after the sync"
         VllmRollout.resume(self.rollout)  # type: ignore[arg-type]
-        deadline = time.monotonic() + TIMEOUT_S
-        while not self.finished and time.monotonic() < deadline:
-            self._pull()
-        assert self.finished
+        assert self.finished.wait(TIMEOUT_S)
+        self.puller.join(TIMEOUT_S)
         return self.tokens
 
 
