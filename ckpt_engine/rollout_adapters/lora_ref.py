@@ -53,6 +53,8 @@ class LoraRefRollout(RolloutAdapter):
         self.core: LoraReceiverCore[int] = LoraReceiverCore(lambda: self.target, self._build, self._adapters.pop, max_adapter_versions)
         self._requests: dict[int, int] = {}
         self._lock = threading.Lock()
+        self.last_finalize: dict[str, Any] = {}
+        """The last switch: `install_s` (staged tensors -> the newest version)."""
 
     def engine_key(self) -> Hashable:
         return ("lora-ref", id(self))
@@ -111,7 +113,7 @@ class LoraRefRollout(RolloutAdapter):
 
     def finalize(self, version: int) -> None:
         with self._lock:
-            self.core.finalize(version)
+            self.last_finalize = self.core.finalize(version)
 
     def resume(self) -> None:
         """Nothing was paused."""
