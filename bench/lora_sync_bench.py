@@ -74,8 +74,9 @@ def raw_broadcast_s(nbytes: int, repeats: int) -> float:
     prefix = uuid.uuid4().hex
     groups: list = [None, None]
 
-    def make(rank: int) -> None:
-        groups[rank] = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(prefix, store), rank, 2, datetime.timedelta(seconds=60))
+    def make(rank: int) -> None:  # each rank its own store client, as in two processes
+        client = torch.distributed.TCPStore("127.0.0.1", store.port, is_master=False, wait_for_workers=False, timeout=datetime.timedelta(seconds=60))
+        groups[rank] = torch.distributed.ProcessGroupGloo(torch.distributed.PrefixStore(prefix, client), rank, 2, datetime.timedelta(seconds=60))
 
     threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
     [t.start() for t in threads]
@@ -84,7 +85,7 @@ def raw_broadcast_s(nbytes: int, repeats: int) -> float:
     times = []
     for _ in range(repeats + 1):
         t0 = time.perf_counter()
-        works = [groups[r].broadcast([bufs[r]], torch.distributed.BroadcastOptions()) for r in (1, 0)]
+        works = [groups[r].broadcast(bufs[r], 0) for r in (1, 0)]
         for w in works:
             w.wait()
         times.append(time.perf_counter() - t0)

@@ -98,9 +98,9 @@ class LoraSpec:
                 raise ValueError(f"LoRA {field} is not supported by adapter syncs (one rank and alpha per adapter)")
         if getattr(config, "use_dora", False):
             raise ValueError("DoRA adapters are not supported by adapter syncs (vLLM serves plain LoRA)")
-        targets = getattr(config, "target_modules")
+        targets = config.target_modules  # type: ignore[attr-defined]
         targets = (targets,) if isinstance(targets, str) else tuple(sorted(targets))
-        return cls(int(getattr(config, "r")), float(getattr(config, "lora_alpha")), targets, bool(getattr(config, "use_rslora", False)))
+        return cls(int(config.r), float(config.lora_alpha), targets, bool(config.use_rslora))  # type: ignore[attr-defined]
 
     def config_spec(self) -> TensorSpec:
         return TensorSpec(ADAPTER_CONFIG, "uint8", (self.encode().numel(),))

@@ -90,10 +90,12 @@ def test_versions_stay_while_requests_use_them_and_at_most_max_live() -> None:
     assert versions.room_problem() is None
     assert versions.install(2, "v2") == []  # version 1 still serves a request
     assert list(versions.live) == [1, 2]
+    versions.in_use = {1, 2}
     problem = versions.room_problem()
-    assert problem is not None and "requests still use version(s) [1]" in problem
-    assert versions.observe(set()) == [1]  # its last request ended
-    assert versions.install(3, "v3") == [2]
+    assert problem is not None and "requests still use version(s) [1, 2]" in problem
+    assert versions.observe({2}) == [1]  # its last request ended
+    assert versions.install(3, "v3") == []  # version 2 still in use
+    assert versions.observe(set()) == [2]
     with pytest.raises(ValueError, match="not newer"):
         versions.install(3, "again")
 
@@ -114,12 +116,15 @@ def test_adapter_syncs_are_bit_exact_and_versions_retire_after_their_last_reques
         session.sync(AdapterSource(tiny_peft(2)))
         assert ref.live_versions() == [running, running + 1]
         assert torch.equal(ref.adapter(running)[0][next(iter(held))], held[next(iter(held))])
-        with pytest.raises(ManifestRejectedError, match=rf"requests still use version\(s\) \[{running}\]"):
+        second = ref.begin_request()  # under the second version
+        with pytest.raises(ManifestRejectedError, match=rf"requests still use version\(s\) \[{running}, {second}\]"):
             session.sync(AdapterSource(tiny_peft(3)))
         ref.end_request(running)
-        assert ref.live_versions() == [running + 1]
+        assert ref.live_versions() == [second]
         session.sync(AdapterSource(tiny_peft(3)))
-        assert ref.live_versions() == [running + 2]
+        assert ref.live_versions() == [second, second + 1]  # the second version until its request ends
+        ref.end_request(second)
+        assert ref.live_versions() == [second + 1]
     finally:
         session.close()
 
@@ -153,5 +158,24 @@ def test_weights_mode_must_match_the_source_and_the_engines() -> None:
     try:
         with pytest.raises(ValueError, match=r"weights='full' but engine\(s\) 'ref' take adapter syncs"):
             session.sync(AdapterSource(tiny_peft(1)))
+    finally:
+        session.close()
+
+
+def test_delta_adapter_syncs_are_bit_exact() -> None:
+    ref = engine(max_versions=1)
+    session = WeightSyncSession([ref], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30.0, weights="adapters", delta="on"))
+    try:
+        model = tiny_peft(1)
+        for step in range(3):
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if ".lora_B." in n:
+                        p[step] += 1.0  # a few rows change: patches pay
+            report = session.sync(AdapterSource(model))
+            held, _ = ref.adapter()
+            sent = dict(AdapterSource(model).iter_weights())
+            assert all(torch.equal(held[n], sent[n]) for n in held) and len(held) == len(sent) - 1
+        assert report.delta != "dense" and report.wire_bytes < report.dense_bytes
     finally:
         session.close()

@@ -2,8 +2,8 @@
 
 New requests get the newest version; a request that started under version v keeps v until it
 ends. So a version stays while requests still use it, and goes after its last one: at most
-`max_versions` live at once (the newest plus the older ones still in use). A sync that would need
-one more is refused before a byte moves, naming the versions still in use.
+`max_versions` live at once (the newest plus the older ones still in use). A sync whose version,
+with the ones requests still use, would exceed that is refused before a byte moves, naming them.
 """
 
 from __future__ import annotations
@@ -38,12 +38,13 @@ class AdapterVersions(Generic[T]):
         return self.live.get(version)
 
     def room_problem(self) -> str | None:
-        """Why one more version cannot be installed now (None: it can)."""
-        busy = [v for v in self.live if v in self.in_use and v != self.newest]
-        if len(busy) + 2 > self.max_versions:  # the newest stays until the new one lands, busy ones until they end
+        """Why one more version cannot be installed now (None: it can): after it, the live versions
+        are the new one and every version a request still uses."""
+        busy = [v for v in self.live if v in self.in_use]
+        if len(busy) + 1 > self.max_versions:
             return (
                 f"the engine keeps at most max_adapter_versions={self.max_versions} adapter versions and requests still use "
-                f"version(s) {busy} besides the newest ({self.newest}); wait for them to finish or raise max_adapter_versions"
+                f"version(s) {busy}; wait for them to finish or raise max_adapter_versions"
             )
         return None
 
