@@ -35,6 +35,7 @@ __all__ = [
 PAUSE_MODES = ("keep", "abort", "none")
 DELTA_MODES = ("off", "auto", "on")
 SENDER_MODES = ("rank0", "all", "per_stage")
+WEIGHT_MODES = ("full", "adapters")
 DELTA_BASES = ("device", "host")  # the backends check their own `delta_base` option alike (transports/delta_bases.py)
 _RETIRED_DELTA_BASES = ("cast",)
 """Refused by name: `cast` (patches recorded by the trainer's own cast) measured no faster than `device`."""
@@ -85,6 +86,13 @@ class CheckpointEngineConfig:
     be a `ShardedWeightSource`), `per_stage` (Megatron: each pipeline stage sends its layers;
     sources declare it through the same ownership map), or `auto` (`all` when the source is
     sharded over several ranks, else `rank0`)."""
+    weights: str = "full"
+    """What a sync carries: `full` (every tensor the engines load) or `adapters` (only a LoRA
+    adapter, in PEFT's layout: `AdapterSource`, or `FSDP2Config(weights="adapters")`; the engines
+    hold several adapter versions, e.g. `VllmLoraRollout`). See docs/lora.md."""
+    max_adapter_versions: int = 2
+    """With `weights: adapters`: adapter versions an engine keeps live at once (the newest, plus
+    older ones until their last request ends)."""
 
     def __post_init__(self) -> None:
         _check_type("checkpoint_engine.backend", self.backend, str)
@@ -125,6 +133,11 @@ class CheckpointEngineConfig:
         _check_delta_base("checkpoint_engine.delta_base", self.delta_base)
         if self.senders not in (*SENDER_MODES, "auto"):
             raise ConfigError(f"checkpoint_engine.senders must be one of auto, {', '.join(SENDER_MODES)}, got {self.senders!r}")
+        if self.weights not in WEIGHT_MODES:
+            raise ConfigError(f"checkpoint_engine.weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
+        _check_type("checkpoint_engine.max_adapter_versions", self.max_adapter_versions, int)
+        if self.max_adapter_versions < 1:
+            raise ConfigError(f"checkpoint_engine.max_adapter_versions must be >= 1, got {self.max_adapter_versions}")
 
     def check_memory(self, device: str | None = None) -> None:
         """Refuse a bucket size whose buffers cannot fit in `device`'s free memory (before any engine joins).

@@ -137,6 +137,9 @@ class RolloutAdapter(ABC):
     """Whether its receiver ranks take region delivery (`validate_regions`, then `receive` hands
     their loader `(name, region, tensor)` items); a session uses region delivery only when every
     engine of its group does."""
+    weights: ClassVar[str] = "full"
+    """What a sync into this engine carries: `full` weights, or `adapters` (a LoRA adapter installed
+    as a new version beside the base; `checkpoint_engine.weights` must match)."""
     transport: ClassVar[str | None] = None
     """The only transport (registry name) whose wire this engine reads, e.g. SGLang's own; None:
     any of ckpt-engine's (the session then takes `checkpoint_engine.backend`)."""

@@ -70,3 +70,41 @@ class CkptEngineWorkerExtension:
 
     def ckpt_health(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self._ckpt_rank(), **self._ckpt_core().health()}
+
+    # --- adapter-only syncs (LoRA versions in vLLM's own LoRA manager: vllm_lora_worker.py) ---
+    def _ckpt_lora_core(self, max_versions: int | None = None) -> Any:
+        from ckpt_engine.rollout_adapters.vllm_lora_worker import VllmLoraCore
+
+        core = getattr(self, "_ckpt_lora", None)
+        if core is None:
+            core = self._ckpt_lora = VllmLoraCore(self, max_versions if max_versions is not None else 2)
+        elif max_versions is not None:
+            core.core.set_max_versions(max_versions)
+        return core.core
+
+    def ckpt_lora_join(self, rendezvous: dict[str, Any], rank_offset: int, options: dict[str, Any], max_versions: int) -> dict[str, Any]:
+        rank = int(rank_offset) + self._ckpt_rank()
+        self._ckpt_lora_core(int(max_versions)).join(rendezvous, rank, options)
+        return {"pid": os.getpid(), "rank": rank}
+
+    def ckpt_lora_leave(self) -> None:
+        self._ckpt_lora_core().leave()
+
+    def ckpt_lora_validate(self, encoded: bytes | str | None, digest: str) -> dict[str, Any]:
+        return self._ckpt_lora_core().validate(_unbase64(encoded), digest)
+
+    def ckpt_lora_receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._ckpt_lora_core().receive(digest, delta)
+
+    def ckpt_lora_finalize(self, version: int) -> dict[str, Any]:
+        return self._ckpt_lora_core().finalize(int(version))
+
+    def ckpt_lora_health(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "rank": self._ckpt_rank(), **self._ckpt_lora_core().health()}
+
+
+def _unbase64(encoded: bytes | str | None) -> bytes | None:
+    """A manifest as bytes (the HTTP route carries it as base64 text)."""
+    import base64
+
+    return base64.b64decode(encoded, validate=True) if isinstance(encoded, str) else encoded

@@ -36,6 +36,7 @@ from ckpt_engine.sources.sharded import PieceWalk, ShardedWeightSource, iter_pie
 from ckpt_engine.sync.many_senders import ManySenders
 from ckpt_engine.sync.regions import RegionDelivery
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
+from ckpt_engine.sync.weights_mode import check_weights_mode
 from ckpt_engine.versions import next_version
 from ckpt_engine.sources.vllm import as_weight_source
 from ckpt_engine.sources.base import WatchedWeights, WeightSource
@@ -339,6 +340,7 @@ class WeightSyncSession:
                 f"the weight source ({type(source).__name__}) lists no tensors: refusing to stamp an empty sync as a "
                 "new version (does a name filter drop every tensor?)"
             )
+        check_weights_mode(self.config.weights, specs, self.rollouts)
         self._check_claims()
         new_version = next_version(self._held_versions(), self.version, version)
         engine = self._ensure_group(senders)

@@ -39,6 +39,7 @@ from ckpt_engine.trainer_adapters.hf_names import (
     unfuse_experts,
 )
 from ckpt_engine.trainer_adapters.fsdp2_source import FSDP2ShardedSource
+from ckpt_engine.trainer_adapters.fsdp2_adapters import AdapterExport
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -58,9 +59,16 @@ class FSDP2Config(TrainConfig):
     reshard_after_forward: bool = True
     prefetch_export: bool = True
     """In `iter_weights`, issue unit k+1's all-gather before unit k is consumed."""
+    weights: str = "full"
+    """What a sync exports: "full" (every tensor the rollout needs) or "adapters" (only the PEFT
+    LoRA adapter `adapter` of a `peft.PeftModel`, in PEFT's saved layout: `lora_format.py`)."""
+    adapter: str = "default"
+    """The PEFT adapter a `weights="adapters"` sync exports."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.weights not in ("full", "adapters"):
+            raise ValueError(f"{type(self).__name__}.weights must be 'full' or 'adapters', got {self.weights!r}")
         for fname in ("param_dtype", "reduce_dtype"):
             check_float_dtype(f"{type(self).__name__}.{fname}", getattr(self, fname))
 
@@ -139,7 +147,10 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         self.device = device
         self._wire = WirePolicy(self.config.wire_dtype, self.config.keep_fp32_patterns)
         layers = decoder_layers(model)
+        self._adapters = AdapterExport(model, self.config.adapter) if self.config.weights == "adapters" else None
         self._entries = self._plan_export(model, layers)  # bad layouts fail here, before any collective
+        if self._adapters is not None:
+            self._entries = self._adapters.entries(self._entries, _Entry)
 
         if mesh is None:
             assert process_group is not None
@@ -259,6 +270,9 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         """
         from torch.distributed.fsdp import FSDPModule
 
+        if self._adapters is not None:  # a few small tensors: gathered one by one, the base stays sharded
+            yield from self._adapters.iter_weights(self._entries, self._master)
+            return
         units = self._units
         order = list(dict.fromkeys(e.unit for e in self._entries if e.unit != 0))  # first-use order
         root = units[0]

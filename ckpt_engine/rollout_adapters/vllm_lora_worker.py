@@ -1,0 +1,159 @@
+"""Adapter versions inside a vLLM worker, in vLLM's own LoRA manager, without a disk round trip.
+
+vLLM 0.32 loads a LoRA adapter only from a path (`WorkerLoRAManager._load_adapter` reads
+`adapter_config.json` and the safetensors file). Here the received tensors become a `LoRAModel`
+through vLLM's own `LoRAModel.from_lora_tensors` and `PEFTHelper` (validated against the engine's
+`LoRAConfig` like a loaded adapter), and go straight into the worker's LRU LoRA manager under the
+id `lora_int_id(version)`, activated at once. Requests name a version by that id (the controller
+hands out `LoRARequest`s with a `ckpt-engine://` path that nothing reads).
+
+Two hooks on the worker's `lora_manager` instance keep it consistent with `AdapterVersions`:
+- `_load_adapter` (vLLM calls it for an id its cache lost, e.g. after LRU eviction) builds a
+  ckpt-engine version from the tensors kept in memory; other paths load as before. An id of a
+  version already unloaded (a request that waited in the queue, never started, across two syncs)
+  gets the newest version: it starts now, and new requests get the newest.
+- `set_active_adapters` (every step, with the step's LoRA requests) tells which versions running
+  requests still use; an older version goes after its last request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ckpt_engine.lora_format import LoraSpec
+from ckpt_engine.rollout_adapters.lora_receiver import LoraReceiverCore, LoraTarget
+
+__all__ = ["LORA_PATH_PREFIX", "VllmLoraCore", "lora_base_shapes", "lora_int_id", "version_of_lora_id"]
+
+logger = logging.getLogger(__name__)
+
+LORA_PATH_PREFIX = "ckpt-engine://adapter/"
+"""`LoRARequest.lora_path` of a ckpt-engine version (vLLM requires a non-empty path; none is read)."""
+
+
+def lora_int_id(version: int) -> int:
+    """vLLM's LoRA id of an adapter version (ids must be > 0; versions start at 0)."""
+    return version + 1
+
+
+def version_of_lora_id(lora_id: int) -> int:
+    return lora_id - 1
+
+
+def lora_base_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """HF module path -> (out_features, in_features) of every module vLLM wrapped for LoRA, with
+    vLLM's stacking undone (`qkv_proj` -> q/k/v_proj, `gate_up_proj` -> gate/up_proj), global shapes."""
+    from vllm.lora.layers import BaseLayerWithLoRA
+    from vllm.model_executor.layers.linear import LinearBase, QKVParallelLinear
+
+    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+    shapes: dict[str, tuple[int, int]] = {}
+    for name, module in model.named_modules():
+        base = getattr(module, "base_layer", None) if isinstance(module, BaseLayerWithLoRA) else None
+        if not isinstance(base, LinearBase):
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        parent = name[: -len(leaf)]
+        if leaf in packed:
+            if isinstance(base, QKVParallelLinear):
+                rows = [base.total_num_heads * base.head_size, base.total_num_kv_heads * base.head_size, base.total_num_kv_heads * base.v_head_size]
+            else:
+                rows = list(base.output_sizes)  # type: ignore[attr-defined]
+            for sub, r in zip(packed[leaf], rows):
+                shapes[f"{parent}{sub}"] = (int(r), int(base.input_size))
+        else:
+            shapes[name] = (int(base.output_size), int(base.input_size))
+    return shapes
+
+
+class VllmLoraCore:
+    """One vLLM worker's adapter versions (every method runs in the worker, via collective_rpc)."""
+
+    def __init__(self, worker: Any, max_versions: int) -> None:
+        runner = worker.model_runner
+        manager = getattr(runner, "lora_manager", None)
+        if manager is None:
+            raise RuntimeError(
+                "adapter syncs need vLLM's LoRA support: start the engine with enable_lora=True "
+                "(and max_lora_rank >= the adapter's rank, max_loras >= max_adapter_versions)"
+            )
+        self.manager = manager
+        self.lora_config = manager.lora_config
+        self._model = runner.get_model
+        self._tensors: dict[int, tuple[dict[str, torch.Tensor], LoraSpec]] = {}
+        self._shapes: tuple[int, dict[str, tuple[int, int]]] | None = None
+        self.core: LoraReceiverCore[int] = LoraReceiverCore(self.target, self._install, self._unload, max_versions, torch.device("cpu"))
+        self._hook()
+
+    # --- the engine's LoRA config ------------------------------------------------------------
+    def target(self) -> LoraTarget:
+        model = self._model()
+        if self._shapes is None or self._shapes[0] != id(model):
+            self._shapes = (id(model), lora_base_shapes(model))
+        shapes = self._shapes[1]
+        wanted = self.lora_config.target_modules
+        targets = frozenset(wanted) if wanted else frozenset(m.rsplit(".", 1)[-1] for m in shapes)
+        return LoraTarget(int(self.lora_config.max_lora_rank), shapes, targets)
+
+    # --- install / unload --------------------------------------------------------------------
+    def _lora_model(self, lora_id: int, tensors: dict[str, torch.Tensor], spec: LoraSpec) -> Any:
+        """vLLM's own `LoRAModel` from in-memory tensors, checked like an adapter loaded from disk."""
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        helper = PEFTHelper.from_dict({**spec.peft_config(), "vllm_max_position_embeddings": self.manager.max_position_embeddings})
+        helper.validate_legal(self.lora_config)
+        adapters = self.manager._adapter_manager
+        mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
+        lora = LoRAModel.from_lora_tensors(
+            lora_id, tensors, helper, device="cpu", dtype=self.lora_config.lora_dtype, model_vocab_size=self.manager.vocab_size,
+            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+            skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None),
+        )
+        adapters._validate_modules_to_save(lora)
+        return lora
+
+    def _install(self, version: int, tensors: dict[str, torch.Tensor], spec: LoraSpec) -> int:
+        lora_id = lora_int_id(version)
+        lora = self._lora_model(lora_id, tensors, spec)
+        adapters = self.manager._adapter_manager
+        adapters.remove_adapter(lora_id)  # a stale one of the same id (never served: versions only grow)
+        if len(adapters) + 1 > adapters.capacity:
+            adapters.remove_oldest_adapter()  # its tensors stay here: `_load_adapter` rebuilds it if asked
+        adapters.add_adapter(lora)
+        adapters.activate_adapter(lora_id)
+        self._tensors[version] = (tensors, spec)
+        return lora_id
+
+    def _unload(self, version: int) -> None:
+        self._tensors.pop(version, None)
+        self.manager.remove_adapter(lora_int_id(version))
+
+    # --- hooks on vLLM's worker LoRA manager -------------------------------------------------
+    def _hook(self) -> None:
+        manager = self.manager
+        load_from_path = manager._load_adapter
+        set_active = manager.set_active_adapters
+
+        def load_adapter(request: Any) -> Any:
+            if not str(request.lora_path).startswith(LORA_PATH_PREFIX):
+                return load_from_path(request)
+            found = self._tensors.get(version_of_lora_id(request.lora_int_id))
+            if found is None:
+                newest = self.core.versions.newest
+                if newest is None:
+                    raise RuntimeError(f"LoRA {request.lora_name!r}: no ckpt-engine adapter version is installed")
+                logger.warning("LoRA %s: version unloaded before the request started; serving version %s", request.lora_name, newest)
+                found = self._tensors[newest]
+            return self._lora_model(request.lora_int_id, *found)
+
+        def set_active_adapters(requests: set[Any], mapping: Any) -> None:
+            active = {version_of_lora_id(r.lora_int_id) for r in requests if r and str(r.lora_path).startswith(LORA_PATH_PREFIX)}
+            self.core.observe(active)
+            set_active(requests, mapping)
+
+        manager._load_adapter = load_adapter
+        manager.set_active_adapters = set_active_adapters
