@@ -39,12 +39,12 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[TorchRefR
 
 def _run(
     engines: list[TorchRefRollout], tmp_path: Path, world: int, versions: int, kill: dict[str, int] | None = None,
-    delta_modes: list[str] | None = None,
+    delta_modes: list[str] | None = None, timeout_s: float = 8,
 ) -> list[Any]:
     info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in engines]
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=trainer_main, args=(r, world, port, info, str(tmp_path), versions, kill, delta_modes)) for r in range(world)]
+    procs = [ctx.Process(target=trainer_main, args=(r, world, port, info, str(tmp_path), versions, kill, delta_modes, timeout_s)) for r in range(world)]
     run_processes(procs, 150)
     out = []
     for r in range(world):
@@ -70,7 +70,7 @@ def test_reports_count_every_sender(engines: list[TorchRefRollout], tmp_path: Pa
     """Two sending processes: a dense sync, a delta seed and a patch sync each report the wire
     bytes of both senders (the sum of the per-sender shares, and what every engine received), and
     the dense ones the model's bytes, not sender 0's share."""
-    logs = _run(engines, tmp_path, world=2, versions=3, delta_modes=["off", "on", "on"])
+    logs = _run(engines, tmp_path, world=2, versions=3, delta_modes=["off", "on", "on"], timeout_s=60)
     lead = logs[0]
     assert [e["ok"] for e in lead] == [True] * 3, lead
     assert [e["delta"] for e in lead] == ["off", "seed", "patch"]
