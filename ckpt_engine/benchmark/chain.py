@@ -133,7 +133,7 @@ def print_chain_summary(s: dict[str, Any], console: Console) -> None:
         + (f", AdamW lr {s['lr']:g}" if s["delta"] else "")
     )
     table = Table(title=title)
-    for col in ("mode", "seconds", "GB/s (dense bytes)", "raw s / s", "wire bytes", "changed", "encode s", "apply s"):
+    for col in ("mode", "seconds", "GB/s (dense bytes)", "vs raw", "wire bytes", "changed", "encode s", "apply s"):
         table.add_column(col, justify="left" if col == "mode" else "right")
     labels = {"raw": "raw broadcast, one sender", "raw_split": "raw, bytes split over senders", "dense": "ckpt-engine dense sync", "seed": "delta seed (dense)"}
     for mode, m in s["modes"].items():
@@ -145,7 +145,7 @@ def print_chain_summary(s: dict[str, Any], console: Console) -> None:
         )
     console.print(table)
     console.print(f"raw: {s['raw_meaning']}")
-    console.print(f"raw s / s: {s['ratio_meaning']}")
+    console.print(f"vs raw: {s['ratio_meaning']}")
     if "base_bytes" in s:
         console.print("delta base copies: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in s["base_bytes"].items()))
         console.print(f"versions generated in {s['versions_generate_s']:.1f} s before the syncs (untimed), kept in {s['versions_kept']}")

@@ -185,7 +185,7 @@ def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str,
 
 
 def plan_memory(args: argparse.Namespace, backend: str, bucket_mb: float, modes: list[str], num_layers: int | None) -> MemoryPlan:
-    """The busiest rank's memory for this run's settings with `num_layers` (None: the full model)."""
+    """The busiest device's memory for this run's settings with `num_layers` (None: the full model)."""
     specs = checkpoint_specs(load_preset_config(args.preset), dtype=args.dtype, num_layers=num_layers)
     total = sum(s.nbytes for s in specs)
     bucket = int(bucket_mb * (1 << 20)) // 4096 * 4096
@@ -254,7 +254,7 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         f"bucket {summary['bucket_mb']:.0f} MiB x {summary['buffers']}"
     )
     table = Table(title=title)
-    for col in ("mode", "best s", "median s", "GB/s", "raw s / s", "extra MiB per rank"):
+    for col in ("mode", "best s", "median s", "GB/s", "vs raw", "extra MiB per rank"):
         table.add_column(col, justify="right" if col != "mode" else "left")
     colocated = summary.get("raw_meaning", "").startswith("one device-to-device copy")
     labels = {
@@ -268,7 +268,7 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
     console.print(table)
     if "raw_meaning" in summary:
         console.print(f"raw: {summary['raw_meaning']}")
-    console.print(f"raw s / s: {summary['ratio_meaning']}")
+    console.print(f"vs raw: {summary['ratio_meaning']}")
     if "extra_mem_bytes" in summary:
         mem = ", ".join(f"{k} {_mib(v)} MiB" for k, v in summary["extra_mem_bytes"].items())
         console.print(f"extra memory during sync (buffers included): {mem} (buffers: {summary['buffer_bytes'] / 2**20:.0f} MiB per side)")
@@ -277,8 +277,9 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
             continue
         p = summary[key]
         modes = ", ".join(f"{k[: -len('_extra')]} +{p[k] / 2**30:.2f}" for k in p if k.endswith("_extra"))
+        weights = f"{p['ranks_per_device']} x " if p["ranks_per_device"] > 1 else ""
         console.print(
-            f"memory per rank, {what} (planned): weights {p['weights'] / 2**30:.2f} GiB + buffers {p['buffers'] / 2**30:.2f} GiB "
+            f"memory per device, {what} (planned): weights {weights}{p['weights'] / 2**30:.2f} GiB + buffers {p['buffers'] / 2**30:.2f} GiB "
             f"+ the largest mode ({modes} GiB): peak {p['peak'] / 2**30:.2f} GiB"
         )
     console.print("correctness: " + ("receivers' weights equal the sender's" if summary["correct"] else "; ".join(summary["problems"])))

@@ -71,26 +71,31 @@ class PeakMeter:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Per-rank memory of a bench run from the shapes: the weights every rank holds, the engine's
-    buffers, and each mode's extra (modes run one after another; each frees its own)."""
+    """Memory per device of a bench run from the shapes: the weights of every rank on it (two when
+    colocated: sender and receiver share one device), the engine's buffers (colocated: shared by
+    both), and each mode's extra (modes run one after another; each frees its own)."""
 
     weights: int
     buffers: int
     modes: dict[str, int]
+    ranks_per_device: int = 1
 
     @property
     def peak(self) -> int:
-        return self.weights + self.buffers + max(self.modes.values(), default=0)
+        return self.ranks_per_device * self.weights + self.buffers + max(self.modes.values(), default=0)
 
     def to_dict(self) -> dict[str, int]:
-        return {"weights": self.weights, "buffers": self.buffers, **{f"{m}_extra": v for m, v in self.modes.items()}, "peak": self.peak}
+        return {
+            "weights": self.weights, "ranks_per_device": self.ranks_per_device, "buffers": self.buffers,
+            **{f"{m}_extra": v for m, v in self.modes.items()}, "peak": self.peak,
+        }
 
 
 def memory_plan(
     total_bytes: int, largest_tensor: int, bucket_bytes: int, num_buffers: int, raw_message: int, modes: list[str],
     *, colocated: bool = False, in_place: bool = False,
 ) -> MemoryPlan:
-    """The busiest rank's memory per mode, from the shapes alone.
+    """The busiest device's memory per mode, from the shapes alone.
 
     raw: `RAW_SLOTS` messages (colocated: one source and one destination message); bucketed:
     `RAW_SLOTS` buckets; naive: nothing (it broadcasts into the tensors); ours: the buffers, plus,
@@ -102,4 +107,4 @@ def memory_plan(
         "naive": 0,
         "ours": 0 if in_place else min(total_bytes, 2 * largest_tensor),
     }
-    return MemoryPlan(total_bytes, num_buffers * bucket_bytes, {m: extra[m] for m in modes if m in extra})
+    return MemoryPlan(total_bytes, num_buffers * bucket_bytes, {m: extra[m] for m in modes if m in extra}, 2 if colocated else 1)

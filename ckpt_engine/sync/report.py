@@ -32,8 +32,8 @@ class SyncError(RuntimeError):
 
 
 RATIO_MEANING = (
-    "ratio_to_raw = raw seconds / this sync's seconds for the same dense bytes (its GB/s over raw's): "
-    "higher is better, 1.0 = as fast as the raw broadcast, above 1 beats it (patches)"
+    "ratio_to_raw = raw's seconds / these seconds for the same dense bytes (this GB/s over raw's): "
+    "higher is better, 1.0 = as fast as raw, above 1 beats it (e.g. patches)"
 )
 """The one meaning of `ratio_to_raw`, in `SyncReport` and in every `ckpt-engine bench` JSON."""
 
