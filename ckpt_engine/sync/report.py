@@ -65,11 +65,11 @@ class SyncReport:
     """What a dense sync of the same plan sends, from every sender."""
     changed_fraction: float = 1.0
     """Words that changed since the base, over every sender's buckets (1.0 for a dense sync)."""
-    wire_bytes_per_sender: list[int] = field(default_factory=list)
-    """Each sender's share of `wire_bytes`, sender 0 first."""
     senders: int = 1
     base_bytes: int = 0
     """Memory of this rank's delta base copies."""
+    wire_bytes_per_sender: list[int] = field(default_factory=list)
+    """Each sender's share of `wire_bytes`, sender 0 first."""
 
     @property
     def ratio_to_raw(self) -> float | None:
