@@ -31,13 +31,16 @@ class _Dying(ShardedStateDictSource):
         return super().local_piece(name)
 
 
-def trainer_main(rank: int, world: int, port: int, engines: list[dict[str, Any]], out_dir: str, versions: int, kill: dict[str, int] | None) -> None:
+def trainer_main(
+    rank: int, world: int, port: int, engines: list[dict[str, Any]], out_dir: str, versions: int, kill: dict[str, int] | None,
+    delta_modes: list[str] | None = None, timeout_s: float = 8,
+) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=20)
     )
-    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=8, delta="on", senders="all")
-    handles = [TorchRefRollout(e["name"], e["host"], e["port"], None, 8, token=e["token"]) for e in engines] if rank == 0 else None
+    configs = {m: CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=timeout_s, delta=m, senders="all") for m in ("on", "off")}
+    handles = [TorchRefRollout(e["name"], e["host"], e["port"], None, timeout_s, token=e["token"]) for e in engines] if rank == 0 else None
     log: list[dict[str, Any]] = []
     for v in range(versions):
         sd = wire(model_state(v, lr=1e-5))
@@ -48,9 +51,11 @@ def trainer_main(rank: int, world: int, port: int, engines: list[dict[str, Any]]
         source.is_sender = rank == 0  # rank 0 controls; the others follow its announcements
         t0 = time.monotonic()
         try:
-            report = sync_rollout_weights(source, handles, config=cfg)
+            report = sync_rollout_weights(source, handles, config=configs[delta_modes[v] if delta_modes else "on"])
             log.append({"v": v, "ok": True, "delta": report.delta if report else None, "senders": report.senders if report else None,
-                        "wire": report.wire_bytes if report else None, "dense": report.dense_bytes if report else None})
+                        "wire": report.wire_bytes if report else None, "dense": report.dense_bytes if report else None,
+                        "bytes": report.bytes if report else None, "per_sender": report.wire_bytes_per_sender if report else None,
+                        "received": {n: r.get("delta_wire_bytes") for n, r in report.receivers.items()} if report else None})
         except Exception as exc:
             log.append({"v": v, "ok": False, "error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0})
             break

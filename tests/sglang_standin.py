@@ -33,6 +33,9 @@ route (`tests/sglang_schema.py` reads them from the installed SGLang wheel): a b
 refuse answers 422, as SGLang's FastAPI server does, and so does a key SGLang would silently drop.
 
 Run: `python tests/sglang_standin.py --model-path DIR` prints `SGLANG_STANDIN_PORT=<port>`.
+`--fail-after-updates N`: the scheduler dies at the (N+1)-th `/update_weights_from_distributed`
+before it joins the broadcast (500, then 503 to everything) while the process, and its end of the
+weight-update group, live on: a server that died mid-stream without closing its connections.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ class StandinEngine:
         self.updates = 0
         self.flushes = 0
         self.dead = False
+        self.fail_after: int | None = None
         # Scheduler state: requests in flight, pause, and the prefix cache (prompt -> its KV).
         self.cond = threading.Condition()
         self.step = threading.Lock()  # one forward pass or one weight load at a time, like SGLang's scheduler loop
@@ -131,6 +135,9 @@ class StandinEngine:
         if group_name not in self.groups:
             return {"success": False, "message": f"Group {group_name} not in {list(self.groups)}"}
         group = self.groups[group_name][1]
+        if self.fail_after is not None and self.updates >= self.fail_after:
+            self.dead = True
+            raise RuntimeError("the scheduler died (stand-in --fail-after-updates)")
         tensors = [torch.empty(s, dtype=getattr(torch, d)) for d, s in zip(dtypes, shapes)]
         if req.get("load_format") == "flattened_bucket":
             flat = torch.empty(sum(t.numel() * t.element_size() for t in tensors), dtype=torch.uint8)
@@ -309,8 +316,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", required=True)
     p.add_argument("--port", type=int, default=0)
+    p.add_argument("--fail-after-updates", type=int, default=None)
     args = p.parse_args()
     engine = StandinEngine(args.model_path)
+    engine.fail_after = args.fail_after_updates
     server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(engine))
     print(f"SGLANG_STANDIN_PORT={server.server_address[1]}", flush=True)
     server.serve_forever()

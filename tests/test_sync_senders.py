@@ -37,11 +37,14 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[TorchRefR
         r.close()
 
 
-def _run(engines: list[TorchRefRollout], tmp_path: Path, world: int, versions: int, kill: dict[str, int] | None = None) -> list[Any]:
+def _run(
+    engines: list[TorchRefRollout], tmp_path: Path, world: int, versions: int, kill: dict[str, int] | None = None,
+    delta_modes: list[str] | None = None, timeout_s: float = 8,
+) -> list[Any]:
     info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in engines]
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=trainer_main, args=(r, world, port, info, str(tmp_path), versions, kill)) for r in range(world)]
+    procs = [ctx.Process(target=trainer_main, args=(r, world, port, info, str(tmp_path), versions, kill, delta_modes, timeout_s)) for r in range(world)]
     run_processes(procs, 150)
     out = []
     for r in range(world):
@@ -61,6 +64,27 @@ def test_every_rank_sends_its_shards_with_delta(engines: list[TorchRefRollout], 
     last = wire(model_state(3, lr=1e-5))
     for e in engines:
         assert holds(e, last) == []
+
+
+def test_reports_count_every_sender(engines: list[TorchRefRollout], tmp_path: Path) -> None:
+    """Two sending processes: a dense sync, a delta seed and a patch sync each report the wire
+    bytes of both senders (the sum of the per-sender shares, and what every engine received), and
+    the dense ones the model's bytes, not sender 0's share."""
+    logs = _run(engines, tmp_path, world=2, versions=3, delta_modes=["off", "on", "on"], timeout_s=60)
+    lead = logs[0]
+    assert [e["ok"] for e in lead] == [True] * 3, lead
+    assert [e["delta"] for e in lead] == ["off", "seed", "patch"]
+    model = sum(t.nbytes for t in wire(model_state(0)).values())
+    dense, seed, patch = lead
+    for e in lead:
+        assert e["bytes"] == model
+        assert len(e["per_sender"]) == 2 and min(e["per_sender"]) > 0, e
+        assert e["wire"] == sum(e["per_sender"]), e
+    assert dense["wire"] == dense["dense"] == model
+    assert seed["wire"] == seed["dense"] >= model and seed["dense"] - model < 4096 * len(wire(model_state(0))), seed
+    assert patch["dense"] == seed["dense"] and patch["wire"] < patch["dense"], patch
+    for e in (seed, patch):
+        assert set(e["received"].values()) == {e["wire"]}, e  # every engine took in what the senders together put out
 
 
 def test_a_sender_killed_mid_sync_is_named_and_engines_keep_old_weights(engines: list[TorchRefRollout], tmp_path: Path) -> None:

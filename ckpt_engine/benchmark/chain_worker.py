@@ -24,6 +24,7 @@ import torch
 
 from ckpt_engine.pipeline.wire_views import torch_dtype
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+from ckpt_engine.benchmark.raw_link import broadcast_bytes, raw_message_bytes
 from ckpt_engine.benchmark.tracing import traced
 from ckpt_engine.benchmark.versions import AdamWChain, FileVersions, MemoryVersions, host_available_bytes
 from ckpt_engine.benchmark.worker import weights_checksum
@@ -154,28 +155,21 @@ class ChainRank:
         return time.perf_counter() - t0
 
     def raw(self) -> list[float]:
-        """All bytes from sender 0 in one broadcast (other senders wait)."""
-        buf = torch.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
+        """All bytes from sender 0 (other senders wait), as `ckpt-engine bench`'s raw: broadcasts
+        of at most 1 GiB from two rotating buffers, never one model-sized buffer."""
         group = self.engine.transport.groups.get(0)
-
-        def run() -> None:
-            if group is not None:
-                self.engine.transport.wait_work(group.broadcast(buf, 0), "raw broadcast")
-
+        message = raw_message_bytes(self.total_bytes, self.engine.bucket_size_bytes)
+        run = broadcast_bytes(group, self.total_bytes, message, self.device, self.args.timeout_s) if group is not None else (lambda: None)
         return [self._timed(run) for _ in range(self.args.iters)]
 
     def raw_split(self) -> list[float]:
-        """The same bytes split evenly over the senders, every sender broadcasting at once."""
+        """The same bytes split evenly over the senders, every sender broadcasting at once (each
+        share in raw's messages)."""
         share = -(-self.total_bytes // self.senders)
         lanes = self.engine.num_lanes
         gids = [self.rank * lanes] if self.is_sender else [s * lanes for s in range(self.senders)]
-        bufs = {gid: torch.empty(share, dtype=torch.uint8, device=self.device) for gid in gids}
-
-        def run() -> None:
-            works = [self.engine.transport.groups[gid].broadcast(bufs[gid], 0) for gid in gids]
-            for w in works:
-                self.engine.transport.wait_work(w, "split raw broadcast")
-
+        message = raw_message_bytes(share, self.engine.bucket_size_bytes)
+        run = broadcast_bytes([self.engine.transport.groups[gid] for gid in gids], share, message, self.device, self.args.timeout_s)
         return [self._timed(run) for _ in range(self.args.iters)]
 
     def sync_once(self, delta: DeltaRequest | None) -> None:

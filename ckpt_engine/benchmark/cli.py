@@ -1,8 +1,11 @@
 """`ckpt-engine bench`: spawn a sender and N receivers, measure, check, print a table.
 
 The driver hosts the rendezvous store (free port from the OS), starts one process per rank, shows
-a progress bar while they run, then prints best and median seconds, GB/s and the ratios to the raw
-broadcast, and fails if any receiver's weights differ from the sender's.
+a progress bar while they run, then prints best and median seconds, GB/s, each mode's speed
+relative to `raw` (`ratio_to_raw` = raw seconds / the mode's seconds: higher is better, 1.0 = the
+link's own speed; the JSON says so in `ratio_meaning` and what raw moved in `raw_meaning`), the
+memory every mode took and what the full model needs per rank, and fails if any receiver's
+weights differ from the sender's.
 """
 
 from __future__ import annotations
@@ -23,15 +26,22 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
+from ckpt_engine.benchmark.memory import MemoryPlan, memory_plan
 from ckpt_engine.benchmark.presets import PRESETS, checkpoint_specs, load_preset_config
 from ckpt_engine.benchmark.rank_exit import RankDied, check_ranks
+from ckpt_engine.benchmark.raw_link import raw_meaning, raw_message_bytes
 from ckpt_engine.cli_args import OneLineParser, above_zero, at_least, seconds
 from ckpt_engine.config import init_keywords
+from ckpt_engine.sync.report import RATIO_MEANING
+from ckpt_engine.transports.colocated import ColocatedCheckpointEngine
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
 
 __all__ = ["MODES", "main", "run_bench"]
 
 MODES = ("raw", "bucketed", "naive", "ours")
+COLOCATED_MODES = ("raw", "ours")
+"""Colocated processes share one device and no process group: raw is a device-to-device copy of
+the same bytes; bucketed and naive are broadcasts, which do not exist there."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,7 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, metavar="DIR", help="after timing, trace one more sync with torch.profiler (a Chrome trace per rank in DIR)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--iters", type=at_least(1), default=3)
-    p.add_argument("--modes", default="raw,naive,ours", help="comma-separated subset of raw,bucketed,naive,ours (bucketed: raw in bucket-sized messages)")
+    p.add_argument(
+        "--modes", default=None,
+        help="comma-separated subset of raw,bucketed,naive,ours (default raw,naive,ours; colocated: raw,ours). raw: the bytes "
+        "in broadcasts of <= 1 GiB from 2 rotating buffers (colocated: one device-to-device copy); bucketed: raw in bucket-sized messages",
+    )
     p.add_argument("--timeout-s", type=seconds, default=600.0, help="bound on every wait, in (0, 604800] seconds")
     p.add_argument("--json", default=None, help="write results as JSON to this file ('-' for stdout)")
     p.add_argument("--senders", type=at_least(1), default=1, help="sending ranks (>= 1); above 1 each sends its dim-0 row block of every matrix")
@@ -93,10 +107,32 @@ def parse_engine_kwargs(text: str) -> dict[str, Any]:
     return value
 
 
+def is_colocated(backend: str) -> bool:
+    return issubclass(CheckpointEngineRegistry.get(backend), ColocatedCheckpointEngine)
+
+
+def resolve_modes(args: argparse.Namespace, backend: str) -> str:
+    """The modes to run on `backend`; modes it cannot run are refused by name, before any rank starts."""
+    colocated = is_colocated(backend)
+    if args.modes is None:
+        return ",".join(COLOCATED_MODES if colocated else ("raw", "naive", "ours"))
+    if colocated:
+        refused = [m for m in args.modes.split(",") if m not in COLOCATED_MODES]
+        if refused:
+            raise ValueError(
+                f"--modes {','.join(refused)}: the colocated backend has no broadcast (sender and receiver share one device "
+                f"through shared buffers); its modes are {','.join(COLOCATED_MODES)} (raw: a device-to-device copy of the same bytes)"
+            )
+        if args.receivers != 1:
+            raise ValueError(f"--receivers {args.receivers}: the colocated backend pairs one sender with one receiver")
+    return args.modes
+
+
 def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str, Any]:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     backend = CheckpointEngineRegistry.resolve_name(args.backend, device)
     engine_cls = CheckpointEngineRegistry.get(backend)  # fail early, with the list of backends
+    args.modes = resolve_modes(args, backend)
     if args.engine_kwargs is not None:
         allowed = init_keywords(engine_cls)
         unknown = sorted(set(parse_engine_kwargs(args.engine_kwargs)) - allowed) if allowed is not None else []
@@ -152,14 +188,26 @@ def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str,
     return summarize(results, args, backend, device, bucket_mb)
 
 
+def plan_memory(args: argparse.Namespace, backend: str, bucket_mb: float, modes: list[str], num_layers: int | None) -> MemoryPlan:
+    """The busiest device's memory for this run's settings with `num_layers` (None: the full model)."""
+    specs = checkpoint_specs(load_preset_config(args.preset), dtype=args.dtype, num_layers=num_layers)
+    total = sum(s.nbytes for s in specs)
+    bucket = int(bucket_mb * (1 << 20)) // 4096 * 4096
+    return memory_plan(
+        total, max((s.nbytes for s in specs), default=0), bucket, args.buffers, raw_message_bytes(total, bucket), modes,
+        colocated=is_colocated(backend), in_place=args.in_place,
+    )
+
+
 def summarize(results: list[dict[str, Any]], args: argparse.Namespace, backend: str, device: str, bucket_mb: float) -> dict[str, Any]:
     sender = results[0]
     nbytes = sender["bytes"]
+    bucket = int(bucket_mb * (1 << 20)) // 4096 * 4096
     summary: dict[str, Any] = {
         "preset": args.preset, "layers": args.layers, "backend": backend, "device": device, "receivers": args.receivers,
         "dtype": args.dtype, "bucket_mb": bucket_mb, "buffers": args.buffers, "lanes": args.lanes, "in_place": args.in_place, "solo_mb": args.solo_mb,
         "engine_kwargs": parse_engine_kwargs(args.engine_kwargs) if args.engine_kwargs else {}, "bytes": nbytes, "tensors": sender["tensors"],
-        "iters": args.iters, "modes": {},
+        "iters": args.iters, "ratio_meaning": RATIO_MEANING, "modes": {},
     }
     if torch.cuda.is_available() and device == "cuda":
         summary["gpu"] = torch.cuda.get_device_name(0)
@@ -169,8 +217,15 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, backend: 
             continue
         times = [max(r[key][i] for r in results) for i in range(len(sender[key]))]  # slowest rank per iteration
         best = min(times)
-        summary["modes"][mode] = {"best_s": best, "median_s": statistics.median(times), "gbps": nbytes / best / 1e9, "all_s": times}
+        summary["modes"][mode] = {
+            "best_s": best, "median_s": statistics.median(times), "gbps": nbytes / best / 1e9, "all_s": times,
+            "extra_mem_bytes": {f"rank{r['rank']}": r["extra_mem"][mode] for r in results},
+        }
     raw = summary["modes"].get("raw")
+    if raw is not None:
+        message = raw_message_bytes(nbytes, bucket)
+        summary["raw_message_bytes"] = message
+        summary["raw_meaning"] = raw_meaning(message, nbytes, is_colocated(backend))
     for mode, m in summary["modes"].items():
         m["ratio_to_raw"] = raw["best_s"] / m["best_s"] if raw else None
     if "ours_s" in sender:
@@ -178,6 +233,9 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, backend: 
         summary["solo_bytes"] = sender["solo_bytes"]
         summary["extra_mem_bytes"] = {f"rank{r['rank']}": r["ours_extra_mem"] for r in results}
         summary["buffer_bytes"] = sender["buffer_bytes"]
+    modes = list(summary["modes"])
+    summary["memory_plan"] = plan_memory(args, backend, bucket_mb, modes, args.layers).to_dict()
+    summary["memory_plan_full"] = plan_memory(args, backend, bucket_mb, modes, None).to_dict()
     expected = sender["expected_checksum"]
     problems = []
     for r in results[1:]:
@@ -189,6 +247,10 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, backend: 
     return summary
 
 
+def _mib(v: int | None) -> str:
+    return "?" if v is None else f"{v / 2**20:,.0f}"
+
+
 def print_summary(summary: dict[str, Any], console: Console) -> None:
     title = (
         f"{summary['preset']}: {summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB {summary['dtype']}, "
@@ -196,26 +258,41 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
         f"bucket {summary['bucket_mb']:.0f} MiB x {summary['buffers']}"
     )
     table = Table(title=title)
-    for col in ("mode", "best s", "median s", "GB/s", "vs raw"):
+    for col in ("mode", "best s", "median s", "GB/s", "vs raw", "extra MiB per rank"):
         table.add_column(col, justify="right" if col != "mode" else "left")
+    colocated = summary.get("raw_meaning", "").startswith("one device-to-device copy")
     labels = {
-        "raw": "raw broadcast (one buffer)", "bucketed": "raw in bucket-sized messages",
+        "raw": "device-to-device copy" if colocated else "raw broadcast", "bucketed": "raw in bucket-sized messages",
         "naive": "naive per-tensor", "ours": "ckpt-engine sync",
     }
     for mode, m in summary["modes"].items():
         ratio = f"{m['ratio_to_raw']:.3f}" if m["ratio_to_raw"] is not None else "-"
-        table.add_row(labels[mode], f"{m['best_s']:.4f}", f"{m['median_s']:.4f}", f"{m['gbps']:.2f}", ratio)
+        mem = " / ".join(_mib(v) for v in m["extra_mem_bytes"].values())
+        table.add_row(labels[mode], f"{m['best_s']:.4f}", f"{m['median_s']:.4f}", f"{m['gbps']:.2f}", ratio, mem)
     console.print(table)
+    if "raw_meaning" in summary:
+        console.print(f"raw: {summary['raw_meaning']}")
+    console.print(f"vs raw: {summary['ratio_meaning']}")
     if "extra_mem_bytes" in summary:
-        mem = ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in summary["extra_mem_bytes"].items())
-        console.print(f"extra device memory during sync: {mem} (buffers: {summary['buffer_bytes'] / 2**20:.0f} MiB per side)")
+        mem = ", ".join(f"{k} {_mib(v)} MiB" for k, v in summary["extra_mem_bytes"].items())
+        console.print(f"extra memory during sync (buffers included): {mem} (buffers: {summary['buffer_bytes'] / 2**20:.0f} MiB per side)")
+    for key, what in (("memory_plan", "this run"), ("memory_plan_full", "the full model")):
+        if key == "memory_plan_full" and summary["layers"] is None:
+            continue
+        p = summary[key]
+        modes = ", ".join(f"{k[: -len('_extra')]} +{p[k] / 2**30:.2f}" for k in p if k.endswith("_extra"))
+        weights = f"{p['ranks_per_device']} x " if p["ranks_per_device"] > 1 else ""
+        console.print(
+            f"memory per device, {what} (planned): weights {weights}{p['weights'] / 2**30:.2f} GiB + buffers {p['buffers'] / 2**30:.2f} GiB "
+            f"+ the largest mode ({modes} GiB): peak {p['peak'] / 2**30:.2f} GiB"
+        )
     console.print("correctness: " + ("receivers' weights equal the sender's" if summary["correct"] else "; ".join(summary["problems"])))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.modes.split(",")) - set(MODES))
+    unknown = sorted(set(args.modes.split(",")) - set(MODES)) if args.modes is not None else []
     if unknown:
         parser.error(f"argument --modes: unknown mode(s) {', '.join(unknown)}; allowed: {', '.join(MODES)}")
     chain = (args.delta or args.senders > 1) and args.receiver_tp is None

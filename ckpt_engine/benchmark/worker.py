@@ -1,10 +1,12 @@
 """One rank of `ckpt-engine bench`: rank 0 sends, the others receive into destination tensors.
 
-Each rank measures, over the same process group and the same bytes: (a) a raw broadcast of one
-buffer (and, on request, the same bytes in bucket-sized messages), (b) a naive broadcast per tensor
-straight into its destination, (c) ckpt-engine's
-pipelined sync with the receiver copying every tensor into its destination, as an engine's loader
-would. Results (JSON) go to the rendezvous store for the driver to print.
+Each rank measures, over the same process group and the same bytes: (a) `raw`, the link's own
+speed: the bytes as back-to-back broadcasts of at most 1 GiB from two rotating buffers (never one
+model-sized buffer: `raw_link.py`), or on the colocated transport one device-to-device copy of the
+same bytes; (b) on request the same bytes in bucket-sized messages; (c) a naive broadcast per
+tensor straight into its destination; (d) ckpt-engine's pipelined sync with the receiver copying
+every tensor into its destination, as an engine's loader would. Every mode also reports the extra
+memory it took on this rank (`memory.py`). Results (JSON) go to the rendezvous store for the driver.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from typing import Any
 import torch
 
 from ckpt_engine.pipeline.wire_views import torch_dtype
+from ckpt_engine.benchmark.memory import PeakMeter, resident_bytes
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+from ckpt_engine.benchmark.raw_link import broadcast_bytes, copy_bytes, raw_message_bytes
 from ckpt_engine.benchmark.tracing import traced
 from ckpt_engine.checksum import bucket_checksum
 from ckpt_engine.copies import batched_copy_
@@ -80,7 +84,6 @@ class BenchRank:
             solo_bytes=None if args.solo_mb is None else int(args.solo_mb * (1 << 20)),
             **json.loads(args.engine_kwargs),
         )
-        self.mem_before = self._mem()
         self.tensors = [torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=self.device) for s in self.specs]
         for i, t in enumerate(self.tensors):
             if self.rank == 0:
@@ -88,7 +91,7 @@ class BenchRank:
             else:
                 t.zero_()
         _sync(self.device)
-        self.mem_state = self._mem()
+        self.mem_state = self._mem()  # the weights are in place; the engine's buffers come with the group
         self.engine.init_process_group(self.rdzv, self.rank)
         self.group = self.engine.group
         self._barriers = 0
@@ -96,7 +99,9 @@ class BenchRank:
         self.total_bytes = sum(s.nbytes for s in self.specs)
 
     def _mem(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return resident_bytes() or 0
 
     def _barrier(self) -> None:
         """Every rank reaches this point: an all-reduce on the engine's process group, or, where the
@@ -128,30 +133,32 @@ class BenchRank:
         if self.rank == 0:
             self.store.add("progress", 1)
 
-    def raw(self) -> list[float]:
-        buf = torch.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
+    @property
+    def colocated(self) -> bool:
+        """The transport has no process group (its link is the rendezvous store): no broadcast."""
+        return isinstance(self.group, torch.distributed.Store)
+
+    def _repeat(self, fn: Any) -> list[float]:
         times = []
         for _ in range(self.args.iters):
-            times.append(self._timed(lambda: self.group.broadcast(buf, 0).wait()))
+            times.append(self._timed(fn))
             self._progress()
         return times
+
+    def raw(self) -> list[float]:
+        """The same bytes at the link's own speed (`raw_link.py`); colocated: rank 0 copies them
+        device to device while the receiver waits (one copy, as one process on one device)."""
+        message = raw_message_bytes(self.total_bytes, self.engine.bucket_size_bytes)
+        if self.colocated:
+            fn = copy_bytes(self.total_bytes, message, self.device) if self.rank == 0 else (lambda: None)
+        else:
+            fn = broadcast_bytes(self.group, self.total_bytes, message, self.device, self.args.timeout_s)
+        return self._repeat(fn)
 
     def bucketed(self) -> list[float]:
         """The raw broadcast cut into bucket-sized messages, back to back: the best any bucketed
         transfer over this link can do, before packing and loading."""
-        buf = torch.empty(self.total_bytes, dtype=torch.uint8, device=self.device)
-        pieces = list(buf.split(self.engine.bucket_size_bytes))
-
-        def run() -> None:
-            works = [self.group.broadcast(p, 0) for p in pieces]
-            for w in works:
-                w.wait()
-
-        times = []
-        for _ in range(self.args.iters):
-            times.append(self._timed(run))
-            self._progress()
-        return times
+        return self._repeat(broadcast_bytes(self.group, self.total_bytes, self.engine.bucket_size_bytes, self.device, self.args.timeout_s))
 
     def naive(self) -> list[float]:
         def run() -> None:
@@ -175,7 +182,7 @@ class BenchRank:
             for t in self.tensors:
                 t.zero_()
 
-    def ours(self) -> tuple[list[float], int]:
+    def ours(self) -> list[float]:
         names = [s.name for s in self.specs]
         dst = dict(zip(names, self.tensors))
 
@@ -187,17 +194,14 @@ class BenchRank:
                 if bucket:
                     batched_copy_([dst[n] for n, _ in bucket], [t for _, t in bucket])
 
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
         times = []
         for _ in range(self.args.iters):
             self._zero_receivers()
             times.append(self._timed(send if self.rank == 0 else receive))
             self._progress()
-        peak = torch.cuda.max_memory_allocated(self.device) - self.mem_state if self.device.type == "cuda" else 0
         if self.args.profile:
             self._profile(send if self.rank == 0 else receive)
-        return times, peak
+        return times
 
     def _profile(self, fn: Any) -> None:
         """One more sync under torch.profiler: a Chrome trace per rank shows where the link idles."""
@@ -207,16 +211,19 @@ class BenchRank:
     def run(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rank": self.rank, "device": str(self.device), "bytes": self.total_bytes, "tensors": len(self.specs)}
         modes = self.args.modes.split(",")
-        if "raw" in modes:
-            out["raw_s"] = self.raw()
-        if "bucketed" in modes:
-            out["bucketed_s"] = self.bucketed()
-        if "naive" in modes:
-            out["naive_s"] = self.naive()
-            out["naive_checksum"] = weights_checksum(self.tensors)
-        if "ours" in modes:
-            out["ours_s"], out["ours_extra_mem"] = self.ours()
-            out["ours_checksum"] = weights_checksum(self.tensors)
+        runs = {"raw": self.raw, "bucketed": self.bucketed, "naive": self.naive, "ours": self.ours}
+        meter = PeakMeter(self.device)
+        out["held_mem"] = self._mem() - self.mem_state  # what joining the group allocated (the engine's buffers)
+        out["extra_mem"] = {}
+        for mode in (m for m in runs if m in modes):
+            meter.begin()
+            out[f"{mode}_s"] = runs[mode]()
+            out["extra_mem"][mode] = meter.extra()
+            if mode in ("naive", "ours"):
+                out[f"{mode}_checksum"] = weights_checksum(self.tensors)
+        if "ours_s" in out:
+            ours = out["extra_mem"]["ours"]
+            out["ours_extra_mem"] = None if ours is None else out["held_mem"] + ours  # buffers included, as before
             out["buffer_bytes"] = self.engine.num_buffers * self.engine.bucket_size_bytes
             out["buckets"] = self.manifest.num_buckets
             out["solo_bytes"] = self.engine.solo_bytes

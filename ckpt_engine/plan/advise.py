@@ -18,8 +18,14 @@ __all__ = ["STATUS", "Advice", "advise"]
 
 STATUS: dict[str, str] = {
     "single": "runs today: checkpoint_engine.senders=rank0",
-    "all-senders": "runs today: checkpoint_engine.senders=all (FSDP2, Megatron-FSDP2 and Megatron sources)",
-    "delta": "runs today: checkpoint_engine.delta=on (or auto)",
+    "all-senders": (
+        "runs today: checkpoint_engine.senders=all (or auto, the default, with a sharded source: FSDP2, Megatron-FSDP2, "
+        "Megatron); nccl, gloo, hccl and nccl_handoff; into vLLM and the reference receiver, not SGLang"
+    ),
+    "delta": (
+        "runs today: checkpoint_engine.delta=on, or auto (patches only while the last syncs on that transport show they "
+        "beat a dense sync); nccl, gloo, hccl; into vLLM and the reference receiver, not SGLang"
+    ),
     "bucket_mb": "runs today: checkpoint_engine.bucket_size_mb",
     "buffers": "runs today: checkpoint_engine.num_buffers",
     "fused_experts": "not in ckpt-engine yet (sources send one tensor per expert)",

@@ -1,8 +1,12 @@
 """Bytes a delta sync puts on the wire, given the fraction of elements that changed.
 
 A delta carries the changed values plus where they are: either their positions (int32 offsets,
-int64 past 2**31 elements) or a bitmask of one bit per element, whichever is smaller for the
-tensor. Positions win below 1/32 changed (int32): 4 bytes per change against 1/8 byte per element.
+int64 past 2**31 elements) or a bitmask of one bit per element, whichever is smaller. Positions
+win below 1/32 changed (int32): 4 bytes per change against 1/8 byte per element. ckpt-engine's
+codec (`delta/layout.py`) patches each bucket as one image of words of the dtype's size, with a
+32-byte header per bucket, and sends a bucket dense when its patch would not be smaller; this
+model picks the index once for the whole model and counts a header per tensor (an upper bound on
+headers, negligible beside the values either way).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ import torch
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.rollout_adapters import sglang_failures
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.sources.base import spec_of
 from ckpt_engine.transports.base import Rendezvous
@@ -213,7 +214,11 @@ class SglangRollout(RolloutAdapter):
         nbytes = 0
         for bucket in manifest.buckets:
             specs = [TensorSpec(e.name, e.dtype, e.shape) for e in bucket.entries]
-            self.client.update_weights_from_distributed(specs, self._group_name, flattened=self._flattened)
+            try:
+                self.client.update_weights_from_distributed(specs, self._group_name, flattened=self._flattened)
+            except Exception as exc:  # the sender, waiting in this bucket's broadcast, stops at once
+                sglang_failures.record(self._group_name, self.name, f"bucket {bucket.index}: {type(exc).__name__}: {exc}")
+                raise
             nbytes += sum(s.nbytes for s in specs)
         seconds = time.perf_counter() - t0
         n = manifest.num_tensors

@@ -9,12 +9,15 @@ tensor. Our pipelined bucket wire (aligned offsets, chunked tensors, checksums) 
 SGLang can read, so this transport plans whole tensors in buckets of `bucket_size_bytes` (a larger
 tensor travels alone) and packs bucket k+1 while the servers load bucket k. The `SglangRollout`
 adapters post the matching requests (`sglang.py`); the session drives both like any other sync.
+While a broadcast waits, the sender watches what the adapters saw fail (`sglang_failures.py`): a
+server that dies or fails mid-stream stops the sync at once, by name, not after `timeout_s`.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -24,6 +27,7 @@ import torch
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import Bucket, BucketManifest, TensorMeta, TensorSpec, dtype_itemsize, make_manifest
 from ckpt_engine.planning.ownership import OwnerMap
+from ckpt_engine.rollout_adapters import sglang_failures
 from ckpt_engine.rollout_adapters.sglang import custom_process_group, group_name_of
 from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
 
@@ -80,6 +84,7 @@ class SglangWireEngine(CheckpointEngine):
             raise ValueError(f"flattened must be a bool, got {flattened!r}")
         self.flattened = flattened
         self._group: Any = None
+        self._group_name = ""
 
     def prepare(self) -> dict[str, Any]:
         return {"device": "cpu", "bytes": 0}
@@ -103,7 +108,8 @@ class SglangWireEngine(CheckpointEngine):
             rendezvous.timeout_s, store=store,
         )
         group.broadcast(torch.zeros(1), 0).wait(timeout)
-        self._group = group
+        self._group, self._group_name = group, group_name_of(rendezvous)
+        sglang_failures.clear(self._group_name)
         self.rank, self.world_size = 0, rendezvous.world_size
 
     def send_weights(
@@ -117,7 +123,6 @@ class SglangWireEngine(CheckpointEngine):
         if delta is not None:
             raise ValueError("SGLang takes no patches")
         t0 = time.perf_counter()
-        timeout = datetime.timedelta(seconds=self.timeout_s)
         it = iter(weights)
         stats = SendStats()
         broadcasts = 0
@@ -132,7 +137,7 @@ class SglangWireEngine(CheckpointEngine):
             payloads = [torch.cat([x.reshape(-1).view(torch.uint8) for x in tensors])] if self.flattened else tensors
             stats.pack_s += time.perf_counter() - t
             for payload in payloads:
-                self._group.broadcast(payload, 0).wait(timeout)
+                self._wait(self._group.broadcast(payload, 0), bucket.index)
                 broadcasts += 1
             stats.buckets += 1
             stats.tensors += len(tensors)
@@ -142,6 +147,32 @@ class SglangWireEngine(CheckpointEngine):
         stats.extra["broadcasts"] = broadcasts
         return stats
 
+    def _wait(self, work: Any, bucket: int) -> None:
+        """Wait for one broadcast, at most `timeout_s`, and stop at once when an engine's request
+        for it failed (the engine will never take the bytes)."""
+        deadline = time.monotonic() + self.timeout_s
+        pause = 1e-4
+        while not work.is_completed():
+            failed = sglang_failures.failures(self._group_name)
+            if failed:
+                self._abandon()
+                detail = "; ".join(f"{name}: {why}" for name, why in sorted(failed.items()))
+                raise RuntimeError(f"SGLang engine(s) {', '.join(sorted(failed))} failed while bucket {bucket} streamed: {detail}")
+            if time.monotonic() > deadline:
+                self._abandon()
+                raise TimeoutError(f"the broadcast of bucket {bucket} to the SGLang servers did not finish within {self.timeout_s:g}s")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.005)
+        work.wait()  # the group's own error (a server's connection closed), if any
+
+    def _abandon(self) -> None:
+        """Leave a group whose broadcast is still pending: aborting it blocks until gloo's own
+        timeout ends that broadcast, so the abort runs on a daemon thread and the sync fails now."""
+        group, self._group = self._group, None
+        sglang_failures.clear(self._group_name)
+        if group is not None:
+            threading.Thread(target=_abort, args=(group,), name="sglang-wire-abort", daemon=True).start()
+
     def receive_buckets(
         self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None = None, *, delta: DeltaRequest | None = None,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -149,8 +180,13 @@ class SglangWireEngine(CheckpointEngine):
 
     def finalize(self) -> None:
         group, self._group = self._group, None
+        sglang_failures.clear(self._group_name)
         if group is not None:
-            try:
-                group.abort()
-            except Exception as exc:
-                logger.warning("abort of the SGLang weight group failed: %s", exc)
+            _abort(group)
+
+
+def _abort(group: Any) -> None:
+    try:
+        group.abort()
+    except Exception as exc:
+        logger.warning("abort of the SGLang weight group failed: %s", exc)

@@ -43,6 +43,8 @@ class ManySenders:
         self._channel: SenderChannel | None = None
         self._owed: set[str] = set()
         self._gather_owed = False
+        self.figures: list[dict[str, float]] = []
+        """The other sending ranks' figures of the last send (`send_figures`), for the report."""
 
     def count(self, source: WeightSource) -> int:
         """How many trainer ranks send this sync (config `senders`; see CheckpointEngineConfig);
@@ -107,10 +109,12 @@ class ManySenders:
     def failed(self, own_error: str | None) -> dict[str, str]:
         """The report round after a send: which trainer ranks failed (by rank), as `failed` entries."""
         self._gather_owed = False
+        self.figures = []
         try:
             statuses = self._channel.gather_status(own_error)  # type: ignore[union-attr]
         except Exception as exc:
             return {"trainer ranks": f"the report round after the send failed (a sending rank died or hung?): {exc}"}
+        self.figures = [f for f in self._channel.last_figures[1:] if f is not None]  # type: ignore[union-attr]
         return {f"trainer rank {i}": e for i, e in enumerate(statuses) if e is not None and i != 0}
 
     def not_ready(self, source: ShardedWeightSource) -> dict[str, str]:

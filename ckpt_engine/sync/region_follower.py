@@ -17,7 +17,7 @@ from ckpt_engine.pipeline.region_groups import RegionGroups, send_regions
 from ckpt_engine.planning.receive_sets import RegionLayout
 from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.sync.regions import plan_sets, sender_tensors
-from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
+from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
 
 __all__ = ["FollowerRegions"]
 
@@ -37,8 +37,9 @@ class FollowerRegions:
         self.close()
         self._rdzv, self._make, self._planner = rendezvous, make_engine, planner
 
-    def send(self, source: ShardedWeightSource, manifest: BucketManifest, msg: dict[str, Any]) -> str | None:
-        """This rank's part of the sync's region delivery; the error text, or None when it went well."""
+    def send(self, source: ShardedWeightSource, manifest: BucketManifest, msg: dict[str, Any]) -> tuple[str | None, SendStats | None]:
+        """This rank's part of the sync's region delivery: (the error text, or None when it went
+        well; its send's stats when it did)."""
         try:
             if self._rdzv is None or self._make is None or self._planner is None:
                 raise RuntimeError("this rank is not in a weight-sync group (its join failed)")
@@ -59,12 +60,12 @@ class FollowerRegions:
             groups.join()
             tensors = sender_tensors(source, layout.sets, manifests, stable=source.stable_pieces)
             delta = DeltaRequest.from_dict(msg["delta"]) if msg["delta"] is not None else None
-            send_regions(groups, layout.sets, manifests, tensors, {s.name: s.shape for s in specs}, owners=owners, delta=delta)
-            return None
+            stats = send_regions(groups, layout.sets, manifests, tensors, {s.name: s.shape for s in specs}, owners=owners, delta=delta)
+            return None, stats
         except Exception as exc:
             logger.warning("sending rank %d: region delivery failed: %s", source.sender_index, exc)
             self.close_groups()
-            return f"{type(exc).__name__}: {exc}"
+            return f"{type(exc).__name__}: {exc}", None
 
     def close_groups(self) -> None:
         groups, self._groups = self._groups, None

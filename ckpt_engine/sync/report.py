@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from ckpt_engine.rollout_adapters.base import ReceiveReport
     from ckpt_engine.transports.base import SendStats
 
-__all__ = ["SOURCE", "SyncError", "SyncReport", "make_report"]
+__all__ = ["RATIO_MEANING", "SOURCE", "SyncError", "SyncReport", "make_report"]
 
 
 class SyncError(RuntimeError):
@@ -30,6 +30,12 @@ class SyncError(RuntimeError):
         )
         self.stage, self.failed, self.stale, self.sender_error = stage, failed, stale, sender_error
 
+
+RATIO_MEANING = (
+    "ratio_to_raw = raw's seconds / these seconds for the same dense bytes (this GB/s over raw's): "
+    "higher is better, 1.0 = as fast as raw, above 1 beats it (e.g. patches)"
+)
+"""The one meaning of `ratio_to_raw`, in `SyncReport` and in every `ckpt-engine bench` JSON."""
 
 SOURCE = "weight source"
 """The key of `SyncError.failed` when the trainer's own weight source raised (no engine failed)."""
@@ -53,20 +59,24 @@ class SyncReport:
     delta: str = "off"
     """`off` (no base copies), `seed` (dense, (re)seeding the bases), or `patch` (patches allowed)."""
     wire_bytes: int = 0
-    """Bytes the senders put on the wire (patches plus dense buckets); equals `dense_bytes` when nothing was patched."""
+    """Bytes every sender together put on the wire (patches plus dense buckets); equals
+    `dense_bytes` when nothing was patched."""
     dense_bytes: int = 0
-    """What a dense sync of the same plan sends."""
+    """What a dense sync of the same plan sends, from every sender."""
     changed_fraction: float = 1.0
-    """Words that changed since the base (1.0 for a dense sync)."""
+    """Words that changed since the base, over every sender's buckets (1.0 for a dense sync)."""
     senders: int = 1
     base_bytes: int = 0
     """Memory of this rank's delta base copies."""
     received_bytes: dict[str, list[int]] = field(default_factory=dict)
     """Per engine, the bytes each of its ranks takes in a dense sync: `bytes` (the model) each,
     or with region delivery (issue 27) only what that rank holds."""
+    wire_bytes_per_sender: list[int] = field(default_factory=list)
+    """Each sender's share of `wire_bytes`, sender 0 first."""
 
     @property
     def ratio_to_raw(self) -> float | None:
+        """`RATIO_MEANING`: raw seconds / this sync's seconds (higher is better)."""
         return self.gbps / self.raw_gbps if self.raw_gbps else None
 
     def to_dict(self) -> dict[str, Any]:
@@ -78,16 +88,31 @@ class SyncReport:
 def make_report(
     version: int, manifest: BucketManifest, request: DeltaRequest | None, stats: SendStats,
     receivers: Mapping[str, ReceiveReport], engines: int, senders: int, seconds: dict[str, float], raw_gbps: float | None,
+    other_senders: Sequence[Mapping[str, float]] = (),
 ) -> SyncReport:
-    """A completed sync's report from the plan, the sender's stats and every engine's receive
-    report; fills the sender's and receivers' entries of `seconds`."""
+    """A completed sync's report from the plan, the sender's stats, the other senders' figures
+    (`sender_follower.send_figures`, gathered in the report round) and every engine's receive
+    report; fills the sender's and receivers' entries of `seconds`. Wire and dense bytes count
+    every sender."""
     seconds.update(export=stats.export_s, pack=stats.pack_s, send=stats.total_s)
     if "encode_s" in stats.extra:
         seconds["encode"] = stats.extra["encode_s"]
     seconds["apply_max"] = max((r.extra.get("delta_apply_s", 0.0) for r in receivers.values()), default=0.0)
-    wire = int(stats.extra.get("wire_bytes", manifest.wire_bytes)) if request is not None else manifest.total_bytes
-    dense = int(stats.extra.get("dense_bytes", manifest.wire_bytes)) if request is not None else manifest.total_bytes
     seconds["load_max"] = max((r.load_s for r in receivers.values()), default=0.0)
+    if request is None:  # dense: the plan's bytes, whoever sent them
+        wire = dense = manifest.total_bytes
+        per_sender = manifest.bytes_per_sender() if senders > 1 else [wire]
+        changed = 1.0
+    else:
+        own = {k: float(stats.extra[k]) for k in ("wire_bytes", "dense_bytes", "changed_fraction") if k in stats.extra}
+        own.setdefault("wire_bytes", float(manifest.wire_bytes if senders == 1 else sum(b.nbytes for b in manifest.sender_buckets(0))))
+        own.setdefault("dense_bytes", own["wire_bytes"])
+        shares = [own, *other_senders]
+        per_sender = [int(f.get("wire_bytes", 0.0)) for f in shares]
+        wire = sum(per_sender)
+        dense = int(sum(f.get("dense_bytes", 0.0) for f in shares))
+        weight = [f.get("dense_bytes", 0.0) for f in shares]
+        changed = sum(w * f.get("changed_fraction", 1.0) for w, f in zip(weight, shares)) / sum(weight) if sum(weight) else 1.0
     return SyncReport(
         version=version,
         bytes=manifest.total_bytes,
@@ -101,7 +126,8 @@ def make_report(
         delta="off" if request is None else ("patch" if request.patches else "seed"),
         wire_bytes=wire,
         dense_bytes=dense,
-        changed_fraction=float(stats.extra.get("changed_fraction", 1.0)) if request is not None and request.patches else 1.0,
+        changed_fraction=float(changed) if request is not None and request.patches else 1.0,
         senders=senders,
         base_bytes=int(stats.extra.get("base_bytes", 0)),
+        wire_bytes_per_sender=per_sender,
     )

@@ -32,6 +32,8 @@ class SenderChannel:
         self.world_size = torch.distributed.get_world_size(group)
         backend = str(torch.distributed.get_backend(group))
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.last_figures: list[dict[str, float] | None] = []
+        """Each rank's send figures from the last `gather_status` (None: it sent none)."""
 
     def _wait(self, work: Any, what: str) -> None:
         try:
@@ -73,16 +75,39 @@ class SenderChannel:
             raise ValueError("sender message must be a map")
         return msg
 
-    def gather_status(self, error: str | None) -> list[str | None]:
-        """Every rank: each rank's error (None: it succeeded), gathered everywhere."""
-        text = b"" if error is None else ("!" + error).encode()[: STATUS_BYTES - 1]
+    def gather_status(self, error: str | None, figures: dict[str, float] | None = None) -> list[str | None]:
+        """Every rank: each rank's error (None: it succeeded), gathered everywhere. A rank that
+        succeeded may add its send's `figures` (a few numbers: its wire bytes); everyone's land
+        in `last_figures` (None for a rank that sent none)."""
+        if error is not None:
+            text = ("!" + error).encode()[: STATUS_BYTES - 1]
+        elif figures:
+            text = b"=" + msgpack.packb({str(k): float(v) for k, v in figures.items()}, use_bin_type=True)
+            if len(text) > STATUS_BYTES - 1:
+                raise ValueError(f"send figures of {len(text)} bytes exceed the report round's {STATUS_BYTES - 1}")
+        else:
+            text = b""
         mine = torch.zeros(STATUS_BYTES, dtype=torch.uint8, device=self.device)
         if text:
             mine[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
         out = [torch.empty_like(mine) for _ in range(self.world_size)]
         self._wait(torch.distributed.all_gather(out, mine, group=self.group, async_op=True), "reporting the send")
         result: list[str | None] = []
+        self.last_figures = []
         for t in out:
-            raw = bytes(t.cpu().numpy()).rstrip(b"\0")
-            result.append(raw[1:].decode(errors="replace") if raw.startswith(b"!") else None)
+            raw = bytes(t.cpu().numpy())
+            result.append(raw.rstrip(b"\0")[1:].decode(errors="replace") if raw.startswith(b"!") else None)
+            self.last_figures.append(_figures(raw) if raw.startswith(b"=") else None)
         return result
+
+
+def _figures(raw: bytes) -> dict[str, float] | None:
+    """A rank's send figures from its status slot (one msgpack map after "=", then zero padding);
+    None when unreadable (the figures only inform the report)."""
+    unpacker = msgpack.Unpacker(raw=False, max_bin_len=0, max_ext_len=0)
+    unpacker.feed(raw[1:])
+    try:
+        value = next(unpacker)
+        return {str(k): float(v) for k, v in value.items()} if isinstance(value, dict) else None
+    except Exception:
+        return None

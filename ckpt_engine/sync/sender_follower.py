@@ -15,14 +15,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
+from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from ckpt_engine.sync.region_follower import FollowerRegions
 from ckpt_engine.sync.sender_channel import SenderChannel
 from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces, piece_names
 
-__all__ = ["SenderFollower", "SendFailed", "finish_walk", "join_message", "send_message"]
+__all__ = ["SEND_FIGURES", "SenderFollower", "SendFailed", "finish_walk", "join_message", "send_figures", "send_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,18 @@ def join_message(rendezvous: Rendezvous | None, options: dict[str, Any]) -> dict
 def send_message(action: str, digest: str = "", delta: DeltaRequest | None = None, regions: dict[str, Any] | None = None) -> dict[str, Any]:
     """`regions`: region delivery's layout and digest (`RegionDelivery.announcement`), or None."""
     return {"kind": "send", "action": action, "digest": digest, "delta": delta.to_dict() if delta is not None else None, "regions": regions}
+
+
+SEND_FIGURES = ("bytes", "wire_bytes", "dense_bytes", "changed_fraction")
+"""What each sending rank reports of its send, so the controller's report counts every sender."""
+
+
+def send_figures(stats: SendStats) -> dict[str, float]:
+    """A send's figures for the report round: its bytes and, for a delta sync, its wire and dense
+    bytes and changed fraction."""
+    figures = {"bytes": float(stats.bytes)}
+    figures.update({k: float(stats.extra[k]) for k in SEND_FIGURES[1:] if k in stats.extra})
+    return figures
 
 
 def _expect(msg: dict[str, Any], kind: str, keys: set[str]) -> dict[str, Any]:
@@ -85,6 +97,8 @@ class SenderFollower:
         self.engine: CheckpointEngine | None = None
         self.joined = False
         self._regions = FollowerRegions()
+        self.figures: dict[str, float] | None = None
+        """This rank's last send figures (`send_figures`), reported to trainer rank 0 in the report round."""
 
     def _join(self, msg: dict[str, Any], sender_index: int, sends: bool) -> None:
         if msg["rdzv"] is None:
@@ -125,13 +139,15 @@ class SenderFollower:
         if source.collective_pieces:  # TP helpers: every rank ready, or none walks
             if any(e is not None for e in self.channel.gather_status(error)):
                 manifest = None
+        self.figures = None
         if manifest is not None:
             if msg["regions"] is not None and sends:
-                error = self._regions.send(source, manifest, msg)
+                error, stats = self._regions.send(source, manifest, msg)
+                self.figures = send_figures(stats) if stats is not None else None
             else:
                 error = self._send(source, manifest, msg) if sends else self._assist(source, manifest)
         try:
-            errors = self.channel.gather_status(error)
+            errors = self.channel.gather_status(error, self.figures if error is None else None)
         except RuntimeError as exc:  # rank 0 gathers last: the report round fails when it (or a sender) died
             raise SendFailed(
                 f"trainer rank {self.channel.rank}: the report round after the send failed: trainer rank 0 (the controller) "
@@ -163,7 +179,8 @@ class SenderFollower:
         pieces = iter_pieces(source, manifest)
         try:
             delta = DeltaRequest.from_dict(msg["delta"]) if msg["delta"] is not None else None
-            engine.send_weights(manifest, pieces, stable=source.stable_pieces, delta=delta)
+            stats = engine.send_weights(manifest, pieces, stable=source.stable_pieces, delta=delta)
+            self.figures = send_figures(stats)
             return None
         except Exception as exc:
             logger.warning("trainer rank %d: sending its pieces failed: %s", self.channel.rank, exc)

@@ -432,7 +432,8 @@ class WeightSyncSession:
         reports: dict[str, ReceiveReport], senders: int, seconds: dict[str, float], t0: float,
     ) -> SyncReport:
         """The sync completed: the engines are fresh, the version and the delta chain move on."""
-        report = make_report(new_version, manifest, request, stats, reports, len(self.rollouts), senders, seconds, self.raw_gbps)
+        others = self._senders.figures if senders > 1 else []  # every other sender's share of the wire
+        report = make_report(new_version, manifest, request, stats, reports, len(self.rollouts), senders, seconds, self.raw_gbps, others)
         report.received_bytes = self._regions.received_bytes(self.rollouts, manifest.total_bytes)
         active = self._regions.active
         self.stale.clear()
