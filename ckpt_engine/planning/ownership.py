@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ckpt_engine.manifest import ManifestError, TensorSpec
 
-__all__ = ["OwnerMap", "Shard", "check_shards", "row_shards"]
+__all__ = ["OwnerMap", "Shard", "check_shards", "owner_key", "row_shards"]
 
 
 @dataclass(frozen=True)
@@ -64,3 +64,10 @@ def check_shards(spec: TensorSpec, shards: Sequence[Shard], num_senders: int) ->
     if len({s.sender for s in kept}) != len(kept):
         raise ManifestError(f"{spec.name}: a sender may own one contiguous range of a tensor, not several")
     return kept
+
+
+def owner_key(owners: OwnerMap | None) -> tuple[tuple[str, tuple[tuple[int, int, int], ...]], ...] | None:
+    """A hashable summary of an ownership map, to tell when a plan must be made again."""
+    if owners is None:
+        return None
+    return tuple(sorted((name, tuple((sh.sender, sh.start, sh.stop) for sh in shards)) for name, shards in owners.items()))

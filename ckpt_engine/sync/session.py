@@ -21,6 +21,7 @@ from typing import Any, NoReturn, TypeVar
 import torch
 
 from ckpt_engine.planning.buckets import auto_bucket_size_bytes
+from ckpt_engine.planning.ownership import owner_key
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.delta.policy import DeltaPolicy
 from ckpt_engine.delta.request import DeltaRequest
@@ -227,7 +228,7 @@ class WeightSyncSession:
     def plan(self, specs: list[TensorSpec], engine: CheckpointEngine, source: Any = None) -> BucketManifest:
         senders = self.num_senders
         owners = source.owners() if senders > 1 else None
-        key = (engine.bucket_size_bytes, engine.solo_bytes, tuple(specs), senders, _owner_key(owners))
+        key = (engine.bucket_size_bytes, engine.solo_bytes, tuple(specs), senders, owner_key(owners))
         if key != self._plan_key or self._manifest is None:
             self._manifest = engine.plan(specs, num_senders=senders, owners=owners)
             self._encoded = encode_manifest(self._manifest)
@@ -485,14 +486,6 @@ class WeightSyncSession:
 def _drain(source: WeightSource) -> None:
     for _ in source.iter_weights():
         pass
-
-
-
-def _owner_key(owners: Any) -> Any:
-    """A hashable summary of an ownership map, to tell when the plan must be made again."""
-    if owners is None:
-        return None
-    return tuple(sorted((name, tuple((sh.sender, sh.start, sh.stop) for sh in shards)) for name, shards in owners.items()))
 
 
 def _stable(source: WeightSource, senders: int) -> bool:
