@@ -25,7 +25,9 @@ from typing import Any
 import torch
 
 from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
+from ckpt_engine.rollout_adapters.region_assembler import RegionAssembler, held_bytes
 
 __all__ = ["VllmReceiverCore", "vllm_checkpoint_specs"]
 
@@ -120,6 +122,7 @@ class VllmReceiverCore:
         self.runner = runner
         self.receiver = WeightReceiver(device=torch.device(device) if device is not None else torch.device("cpu"))
         self._specs: tuple[int, Specs] | None = None
+        self._plan: tuple[int, ReceivePlan, dict[str, str]] | None = None
         self.version: Any = None
         self.reload_open = False
         self.stale = False
@@ -168,6 +171,51 @@ class VllmReceiverCore:
             return problems
 
         return self.receiver.validate(encoded, digest, self.specs()[0], extra_check=stacked_whole)
+
+    # --- receive plan ------------------------------------------------------------------------
+    def receive_plan(self) -> dict[str, Any]:
+        """This worker's receive plan, recorded once per model from vLLM's own loaders (a dry run;
+        never while a reload is open). Returns {"plan": wire form, "bytes", "model_bytes", "whole"}."""
+        from ckpt_engine.rollout_adapters.vllm_regions import record_receive_plan
+
+        if self.reload_open:
+            raise RuntimeError("cannot record a receive plan while a weight reload is open; finalize first")
+        model = self._model()
+        specs = self.specs()[0]
+        if self._plan is None or self._plan[0] != id(model):
+            plan, rec = record_receive_plan(model, specs, self.vllm_config)
+            self._plan = (id(model), plan, dict(rec.whole))
+        _, plan, whole = self._plan
+        model_bytes = held_bytes(ReceivePlan({n: None for n in specs}), specs)
+        return {"plan": plan.to_wire(), "bytes": held_bytes(plan, specs), "model_bytes": model_bytes, "whole": whole}
+
+    def land(self, items: Iterable[tuple[str, Region | None, torch.Tensor]], *, poison: bool = False) -> int:
+        """Load region items (no transport) through layerwise reload and finalize; the recorded plan
+        says which regions make each name. Returns the names loaded."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self._plan is None:
+            raise RuntimeError("call receive_plan() first")
+        model = self._model()
+        assembler = RegionAssembler(self._plan[1], self.specs()[0], self.receiver.device, poison=poison)
+        self.close_reload()
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+        self.reload_open = True
+        loaded = 0
+        try:
+            with torch.no_grad(), set_current_vllm_config(self.vllm_config):
+                for name, region, tensor in items:
+                    ready = assembler.add(name, region, tensor)
+                    if ready:
+                        model.load_weights(ready)
+                        loaded += len(ready)
+            if assembler.incomplete():
+                raise RuntimeError(f"regions missing for {assembler.incomplete()[:5]}")
+        finally:
+            self.close_reload()
+        return loaded
 
     # --- receive and load --------------------------------------------------------------------
     def receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:

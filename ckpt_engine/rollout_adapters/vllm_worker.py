@@ -55,6 +55,10 @@ class CkptEngineWorkerExtension:
     def ckpt_expected_specs(self) -> list[list[Any]]:
         return self._ckpt_core().expected_specs()
 
+    def ckpt_receive_plan(self) -> dict[str, Any]:
+        """This worker's receive plan recorded from vLLM's own loaders (see VllmReceiverCore.receive_plan)."""
+        return self._ckpt_core().receive_plan()
+
     def ckpt_validate(self, encoded: bytes | str | None, digest: str) -> dict[str, Any]:
         """Check a manifest against this worker's parameters; nothing moves. `encoded` may be base64."""
         return self._ckpt_core().validate(encoded, digest)
