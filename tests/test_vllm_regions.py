@@ -107,6 +107,7 @@ def test_tp2_plans_halve_the_bytes_and_regions_land_exactly(tmp_path: Path, kind
         before = llm_greedy(engine)
         plans = _plans(engine)
         assert len(plans) == 2
+        assert llm_greedy(engine) == before  # the dry run left the served weights as they were
         for rank, info in enumerate(plans):
             plan = ReceivePlan.from_wire(info["plan"])
             ratio = info["bytes"] / info["model_bytes"]

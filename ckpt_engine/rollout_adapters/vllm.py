@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest
+from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 
 if TYPE_CHECKING:
@@ -87,6 +88,18 @@ class _VllmAdapterBase(RolloutAdapter):
         self._sent_digest = None
         results = self._rpc("ckpt_join", rendezvous=rendezvous.to_dict(), rank_offset=rank_offset, options=options.to_dict())
         self.pids = [int(r["pid"]) for r in results]
+
+    def receive_plans(self) -> list[ReceivePlan | None]:
+        """Per worker rank, the regions it holds, recorded in each worker from vLLM's own loaders
+        (None: that worker could not record one and receives whole tensors)."""
+        plans: list[ReceivePlan | None] = []
+        for rank, reply in enumerate(self._rpc("ckpt_receive_plan")):
+            if reply.get("plan") is None:
+                logger.warning("engine %s worker %d: no receive plan (%s); it receives whole tensors", self.name, rank, reply.get("error"))
+                plans.append(None)
+            else:
+                plans.append(ReceivePlan.from_wire(reply["plan"]))
+        return plans
 
     def validate(self, manifest: BucketManifest, encoded: bytes) -> None:
         send = None if self._sent_digest == manifest.digest else self._encode_manifest(encoded)

@@ -59,7 +59,14 @@ def vllm_checkpoint_specs(model: torch.nn.Module) -> Specs:
     tied: dict[str, str] = {}
     seen: set[int] = set()
     embed_name: str | None = None
+    experts_cls = _routed_experts_class()
     for mod_name, module in model.named_modules():
+        if experts_cls is not None and isinstance(module, experts_cls):
+            group = _expert_specs(module, specs)
+            if group:
+                groups.append(group)
+                seen.update(id(p) for p in module.parameters(recurse=False))
+                continue
         for p_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
@@ -100,6 +107,37 @@ def vllm_checkpoint_specs(model: torch.nn.Module) -> Specs:
         specs["lm_head.weight"] = TensorSpec("lm_head.weight", e.dtype, e.shape)
         tied["lm_head.weight"] = embed_name
     return specs, groups, tied
+
+
+def _routed_experts_class() -> type | None:
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    except ImportError:  # a vLLM without it: fused experts are not recognised
+        return None
+    return RoutedExperts
+
+
+def _expert_specs(module: torch.nn.Module, specs: dict[str, TensorSpec]) -> list[str]:
+    """Per-expert checkpoint names and global shapes of one fused expert layer (`w13` / `w2`),
+    from the layer's own expert mapping; [] when its layout is not the plain one."""
+    weights = {"w1": "w13_weight", "w3": "w13_weight", "w2": "w2_weight"}
+    layer_name = getattr(module, "layer_name", "")
+    base = layer_name.rpartition(".")[0]
+    params = dict(module.named_parameters(recurse=False))
+    if not layer_name.endswith("experts") or not {"w13_weight", "w2_weight"} <= set(params):
+        return []
+    inter, hidden = int(module.moe_config.intermediate_size), int(module.hidden_size)  # type: ignore[union-attr]
+    names: list[str] = []
+    for _, weight_name, _, shard_id in module.get_expert_mapping():  # type: ignore[operator]
+        if shard_id not in weights or not weight_name.startswith("experts."):
+            return []
+        name = f"{base}.{weight_name}weight" if base else f"{weight_name}weight"
+        if name in specs:
+            continue  # a redundant (EPLB) copy of a logical expert
+        shape = (hidden, inter) if shard_id == "w2" else (inter, hidden)
+        specs[name] = TensorSpec(name, _dtype_name(params[weights[shard_id]].dtype), shape)
+        names.append(name)
+    return names
 
 
 class VllmReceiverCore:
@@ -175,7 +213,8 @@ class VllmReceiverCore:
     # --- receive plan ------------------------------------------------------------------------
     def receive_plan(self) -> dict[str, Any]:
         """This worker's receive plan, recorded once per model from vLLM's own loaders (a dry run;
-        never while a reload is open). Returns {"plan": wire form, "bytes", "model_bytes", "whole"}."""
+        never while a reload is open). Returns {"plan": wire form, "bytes", "model_bytes", "whole"};
+        {"plan": None, "error"} when the dry run failed (the worker then receives whole tensors)."""
         from ckpt_engine.rollout_adapters.vllm_regions import record_receive_plan
 
         if self.reload_open:
@@ -183,7 +222,11 @@ class VllmReceiverCore:
         model = self._model()
         specs = self.specs()[0]
         if self._plan is None or self._plan[0] != id(model):
-            plan, rec = record_receive_plan(model, specs, self.vllm_config)
+            try:
+                plan, rec = record_receive_plan(model, specs, self.vllm_config)
+            except Exception as exc:  # this worker keeps today's full receive
+                logger.warning("receive plan: recording failed (%s: %s); this worker receives whole tensors", type(exc).__name__, exc)
+                return {"plan": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
             self._plan = (id(model), plan, dict(rec.whole))
         _, plan, whole = self._plan
         model_bytes = held_bytes(ReceivePlan({n: None for n in specs}), specs)
