@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.planning.regions import ReceivePlan
 
 __all__ = [
     "JoinOptions",
@@ -132,6 +133,10 @@ class RolloutAdapter(ABC):
     """Whether `receive` takes a `delta` request (its receiver ranks keep base copies and apply patches)."""
     supports_many_senders: bool = False
     """Whether its receiver ranks take buckets from several senders (the generic receiver does)."""
+    takes_regions: bool = False
+    """Whether its receiver ranks take region delivery (`validate_regions`, then `receive` hands
+    their loader `(name, region, tensor)` items); a session uses region delivery only when every
+    engine of its group does."""
     transport: ClassVar[str | None] = None
     """The only transport (registry name) whose wire this engine reads, e.g. SGLang's own; None:
     any of ckpt-engine's (the session then takes `checkpoint_engine.backend`)."""
@@ -171,6 +176,16 @@ class RolloutAdapter(ABC):
     @abstractmethod
     def validate(self, manifest: BucketManifest, encoded: bytes) -> None:
         """Raise ManifestRejectedError if the engine cannot load this manifest exactly."""
+
+    def receive_plans(self) -> list[ReceivePlan | None]:
+        """What each engine rank holds (one per rank, in rank order), stated once per join: which
+        regions of which tensors (`planning.regions`); None = every tensor whole (the default)."""
+        return [None] * self.world_size
+
+    def validate_regions(self, manifest: BucketManifest, encoded: bytes, assignments: list[bytes]) -> None:
+        """`validate`, with each rank's region assignment (an encoded `planning.region_wire.RegionAssignment`):
+        what it receives, from which receiver sets. Engines with `takes_regions` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} takes no region delivery (takes_regions is False)")
 
     @abstractmethod
     def pause(self, mode: str) -> None: ...

@@ -18,10 +18,12 @@ import torch
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
 from ckpt_engine.manifest import BucketManifest, ManifestBudget, ManifestError, TensorSpec, decode_manifest
+from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ReceiveReport, check_manifest_against
+from ckpt_engine.rollout_adapters.region_receiver import RegionLoader, RegionReceiver
 
-__all__ = ["BucketLoader", "ReceiverBusyError", "WeightReceiver"]
+__all__ = ["BucketLoader", "ReceiverBusyError", "RegionLoader", "WeightReceiver"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,9 +43,11 @@ class WeightReceiver:
     from under the running receive and its buckets would interleave with the first sync's.
     """
 
-    def __init__(self, device: str | torch.device | None = None) -> None:
+    def __init__(self, device: str | torch.device | None = None, plan: ReceivePlan | None = None) -> None:
         self.device = device
         self.engine: CheckpointEngine | None = None
+        self.regions = RegionReceiver(plan)
+        """Region delivery: this rank's plan, its accepted assignments and its receiver-set groups."""
         self._manifests: dict[str, BucketManifest] = {}
         self.buckets_received = 0
         self._busy = threading.Lock()
@@ -82,18 +86,20 @@ class WeightReceiver:
         kwargs = dict(opts.engine_kwargs)
         if self.device is not None:
             kwargs.setdefault("device", self.device)
-        engine = CheckpointEngineRegistry.new(
-            rdzv.backend,
-            bucket_size_bytes=opts.bucket_size_bytes,
-            num_buffers=opts.num_buffers,
-            timeout_s=rdzv.timeout_s,
-            verify=opts.verify,
-            **kwargs,
-        )
+
+        def make() -> CheckpointEngine:
+            return CheckpointEngineRegistry.new(
+                rdzv.backend, bucket_size_bytes=opts.bucket_size_bytes, num_buffers=opts.num_buffers, timeout_s=rdzv.timeout_s,
+                verify=opts.verify, **kwargs,
+            )
+
+        engine = make()
         engine.init_process_group(rdzv, rank)
         self.engine = engine
+        self.regions.joined(rdzv, rank, make)
 
     def leave(self) -> None:
+        self.regions.left()
         engine, self.engine = self.engine, None
         if engine is not None:
             engine.finalize()
@@ -104,15 +110,23 @@ class WeightReceiver:
         digest: str,
         expected: Mapping[str, TensorSpec] | None,
         extra_check: Callable[[BucketManifest], list[str]] | None = None,
+        regions: bytes | None = None,
     ) -> dict[str, Any]:
         """Decode (or recall by digest) a manifest and check it against the engine's tensors.
 
         `extra_check` adds engine-specific rules (e.g. vLLM's stacked parameters must be sent
-        whole); a manifest is accepted only when neither finds a problem.
+        whole); a manifest is accepted only when neither finds a problem. `regions`: this rank's
+        region assignment for the manifest (region delivery), checked against `expected` too.
         """
         self._enter(f"a validate of manifest {str(digest)[:12]}")
         try:
-            return self._validate(encoded, digest, expected, extra_check)
+            reply = self._validate(encoded, digest, expected, extra_check)
+            if reply["accepted"] and regions is not None:
+                problems = self.regions.accept(regions, self._manifests[digest], expected)
+                if problems:
+                    self._manifests.pop(digest, None)
+                reply = {"accepted": not problems, "need_manifest": False, "problems": problems}
+            return reply
         finally:
             self._exit()
 
@@ -153,6 +167,7 @@ class WeightReceiver:
         destinations: Mapping[str, torch.Tensor] | None = None,
         delta: dict[str, Any] | DeltaRequest | None = None,
         on_start: Callable[[], None] | None = None,
+        region_loader: RegionLoader | None = None,
     ) -> ReceiveReport:
         """Receive every bucket of an accepted manifest and hand each to `loader`.
 
@@ -160,10 +175,21 @@ class WeightReceiver:
         several buckets land in place (see CheckpointEngine.receive_buckets). `delta` (as sent by
         the controller): take patches against this receiver's base copy; the loader then runs
         only after every bucket has been checked. `on_start` runs once the receive is admitted (not
-        busy, joined, manifest validated), before any byte lands: a refused receive changes nothing."""
+        busy, joined, manifest validated), before any byte lands: a refused receive changes nothing.
+        `region_loader`: where the manifest was accepted with a region assignment, it takes this
+        rank's `(name, region, tensor)` items instead of `loader`'s pairs."""
         request = delta if isinstance(delta, DeltaRequest) or delta is None else DeltaRequest.from_dict(delta)
         self._enter(f"a receive of manifest {str(digest)[:12]}")
         try:
+            if region_loader is not None and self.regions.has(digest):
+                if self.engine is None:
+                    raise RuntimeError("call join() before receive()")
+                if on_start is not None:
+                    on_start()
+                extra_stats: dict[str, float] = {}
+                report = self.regions.receive(digest, region_loader, destinations, request, extra_stats)
+                self.buckets_received += int(extra_stats.pop("buckets", 0))
+                return report
             return self._receive(digest, loader, destinations, request, on_start)
         except Exception as exc:
             # Each receiver talks to rank 0 only: the sender went away or gave up (it aborts the

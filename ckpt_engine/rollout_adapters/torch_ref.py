@@ -36,6 +36,9 @@ from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.planning.receive_sets import cut_region
+from ckpt_engine.planning.regions import ReceivePlan, Region
+from ckpt_engine.planning.tp_ep import tp_ep_plan
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.control.server import ControlLimits, RpcServer
@@ -65,13 +68,27 @@ def load_spec_file(path: str | os.PathLike[str]) -> list[TensorSpec]:
 
 
 class TorchRefWorker:
-    """The receiving process: its tensors, its receiver, its weight version."""
+    """The receiving process: its tensors, its receiver, its weight version.
 
-    def __init__(self, tensors: dict[str, torch.Tensor], model: torch.nn.Module | None = None, load_delay_s: float = 0.0) -> None:
+    As one rank of a TP / EP engine (`sharded`) it holds only its slices (`planning/tp_ep.py`):
+    its tensors have the slices' shapes, and it states that plan at join."""
+
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], model: torch.nn.Module | None = None, load_delay_s: float = 0.0,
+        plan: ReceivePlan | None = None, expected: dict[str, TensorSpec] | None = None,
+    ) -> None:
         self.tensors = tensors
         self.model = model
         self.load_delay_s = load_delay_s
-        self.receiver = WeightReceiver()
+        self.plan = plan
+        self.regions: dict[str, Region | None] = {}
+        """The one region of each held tensor (None: whole), as `plan` says."""
+        if plan is not None:
+            for name, rs in plan.holds.items():
+                if rs is not None and len(rs) != 1:
+                    raise ValueError(f"the reference receiver holds one region per tensor; {name!r} has {len(rs)}")
+                self.regions[name] = rs[0] if rs is not None else None
+        self.receiver = WeightReceiver(plan=plan)
         self.version: int | None = None
         """The version held completely; None before the first sync and while partially loaded."""
         self.last_version: int | None = None
@@ -81,22 +98,49 @@ class TorchRefWorker:
         self.receiving = False
         self._received: str | None = None
         """Digest of the transfer that completed since the last finalize (None: none did)."""
-        self.expected = {n: spec_of(n, t) for n, t in tensors.items()}
+        self.expected = expected if expected is not None else {n: spec_of(n, t) for n, t in tensors.items()}
         self._own_lock = threading.Lock()
         self.owner: str | None = None
         self._lease_until = 0.0
         self._lease_s = DEFAULT_LEASE_S
 
     @classmethod
-    def from_spec_file(cls, path: str, **kw: Any) -> TorchRefWorker:
+    def sharded(cls, specs: list[TensorSpec], layout: dict[str, int], **kw: Any) -> TorchRefWorker:
+        """A TP / EP rank of the model `specs` (global shapes): zeros of its slices. `layout`:
+        tp_size, tp_rank, ep_size, ep_rank, num_kv_heads (see `tp_ep_plan`)."""
+        plan = tp_ep_plan(specs, **layout)
+        if plan is None:
+            return cls({s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in specs}, **kw)
+        tensors = {}
+        for s in specs:
+            if s.name in plan.holds:
+                rs = plan.holds[s.name]
+                shape = cut_region(torch.empty(s.shape, device="meta"), rs[0] if rs is not None else None).shape
+                tensors[s.name] = torch.zeros(shape, dtype=getattr(torch, s.dtype))
+        return cls(tensors, plan=plan, expected={s.name: s for s in specs}, **kw)
+
+    @classmethod
+    def from_spec_file(cls, path: str, layout: dict[str, int] | None = None, **kw: Any) -> TorchRefWorker:
+        if layout:
+            return cls.sharded(load_spec_file(path), layout, **kw)
         tensors = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in load_spec_file(path)}
         return cls(tensors, **kw)
 
     @classmethod
-    def from_hf_config(cls, model_dir: str, dtype: str, **kw: Any) -> TorchRefWorker:
+    def from_hf_config(cls, model_dir: str, dtype: str, layout: dict[str, int] | None = None, **kw: Any) -> TorchRefWorker:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(model_dir)
+        if layout:
+            with torch.device("meta"):
+                meta = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+            specs, seen = [], set()
+            for name, t in meta.state_dict().items():  # tied weights once, under their first name
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    specs.append(spec_of(name, t))
+            kv = getattr(config, "num_key_value_heads", None)
+            return cls.sharded(specs, {"num_kv_heads": kv, **layout} if kv is not None else layout, **kw)
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
         tensors: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
@@ -108,10 +152,20 @@ class TorchRefWorker:
         return cls(tensors, model=model, **kw)
 
     def load_bucket(self, pairs: list[tuple[str, torch.Tensor]]) -> int:
+        """Whole tensors (a sync without region delivery): a sharded rank keeps its slices."""
         if self.load_delay_s:
             time.sleep(self.load_delay_s)
+        if self.plan is not None:
+            pairs = [(n, cut_region(t, self.regions[n])) for n, t in pairs if n in self.regions]
         batched_copy_([self.tensors[n] for n, _ in pairs], [t for _, t in pairs])
         return len(pairs)
+
+    def load_regions(self, items: list[tuple[str, Region | None, torch.Tensor]]) -> int:
+        """Region delivery: each item is one of this rank's regions, in the region's shape."""
+        if self.load_delay_s:
+            time.sleep(self.load_delay_s)
+        batched_copy_([self.tensors[n] for n, _, _ in items], [t for _, _, t in items])
+        return len(items)
 
     # --- RPC handlers (plain msgpack types in and out) ----------------------------------------
     def handlers(self) -> dict[str, Any]:
@@ -119,7 +173,10 @@ class TorchRefWorker:
         return {
             "join": self._owned(lambda rendezvous, rank, options: self.receiver.join(rendezvous, rank, options)),
             "leave": self._owned(self.receiver.leave),
-            "validate": self._owned(lambda encoded, digest: self.receiver.validate(encoded, digest, self.expected)),
+            "validate": self._owned(
+                lambda encoded, digest, regions=None: self.receiver.validate(encoded, digest, self.expected, regions=regions)
+            ),
+            "receive_plans": self._owned(lambda: [self.plan.to_wire() if self.plan is not None else None]),
             "pause": self._owned(self.pause),
             "receive": self._owned(self.receive),
             "finalize": self._owned(self.finalize),
@@ -183,7 +240,9 @@ class TorchRefWorker:
             self.stale, self.version, self._received, self.receiving = True, None, None, True
 
         try:
-            report = self.receiver.receive(digest, self.load_bucket, self.tensors, delta=delta, on_start=start).to_dict()
+            report = self.receiver.receive(
+                digest, self.load_bucket, self.tensors, delta=delta, on_start=start, region_loader=self.load_regions
+            ).to_dict()
         finally:
             self.receiving = False
         self._received = digest
@@ -228,6 +287,7 @@ class TorchRefRollout(RolloutAdapter):
     world_size = 1
     supports_delta = True
     supports_many_senders = True
+    takes_regions = True
 
     def __init__(
         self, name: str, host: str, port: int, process: subprocess.Popen[str] | None, timeout_s: float, *, token: str | None = None
@@ -241,6 +301,7 @@ class TorchRefRollout(RolloutAdapter):
         self.rpc = RpcClient(host, port, timeout_s, token=token)
         self._probe = RpcClient(host, port, timeout_s, token=token)  # health checks must not queue behind receive()
         self._sent_digest: str | None = None
+        self._plans: list[ReceivePlan | None] | None = None
         self.owner: str | None = None
         """The weight-sync group this handle acts for (set by `claim`); sent with every state change."""
 
@@ -256,17 +317,24 @@ class TorchRefRollout(RolloutAdapter):
         timeout_s: float = 120.0,
         token: str | None = None,
         port: int = 0,
+        layout: dict[str, int] | None = None,
     ) -> TorchRefRollout:
         """Start a receiver process holding zeros of `spec_file`'s tensors or a fresh HF model.
 
         `token` is the job token its control port will demand (a daemon that registers it must
         hold the same one); by default a fresh random one known only to this handle. `port`: its
-        control port (0: a free one; an engine restarted at its address passes the old one)."""
+        control port (0: a free one; an engine restarted at its address passes the old one).
+        `layout`: run as one rank of a TP / EP engine holding only its slices (tp_size, tp_rank,
+        ep_size, ep_rank, num_kv_heads; see `planning.tp_ep.tp_ep_plan`)."""
         if (spec_file is None) == (model_dir is None):
             raise ValueError("give exactly one of spec_file or model_dir")
         token = token if token is not None else secrets.token_hex(16)
         cmd = [sys.executable, "-m", "ckpt_engine.rollout_adapters.torch_ref", "--load-delay-s", str(load_delay_s), "--port", str(port)]
         cmd += ["--spec-file", spec_file] if spec_file else ["--model-dir", str(model_dir), "--dtype", dtype]
+        for key, value in (layout or {}).items():
+            if key not in _LAYOUT_KEYS or not isinstance(value, int):
+                raise ValueError(f"layout keys are {', '.join(_LAYOUT_KEYS)} with int values, got {key}={value!r}")
+            cmd += [f"--{key.replace('_', '-')}", str(value)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, TOKEN_ENV: token})
         port = _read_ready_port(proc, name, timeout_s)
         return cls(name, "127.0.0.1", port, proc, timeout_s, token=token)
@@ -290,14 +358,26 @@ class TorchRefRollout(RolloutAdapter):
 
     def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
         self._sent_digest = None
+        self._plans = None  # stated anew at every join
         self._call("join", rendezvous=rendezvous.to_dict(), rank=rank_offset, options=options.to_dict())
 
-    def validate(self, manifest: BucketManifest, encoded: bytes) -> None:
+    def receive_plans(self) -> list[ReceivePlan | None]:
+        if self._plans is None:
+            (raw,) = self._call("receive_plans")
+            self._plans = [ReceivePlan.from_wire(raw) if raw is not None else None]
+        return self._plans
+
+    def validate_regions(self, manifest: BucketManifest, encoded: bytes, assignments: list[bytes]) -> None:
+        (regions,) = assignments
+        self.validate(manifest, encoded, regions)
+
+    def validate(self, manifest: BucketManifest, encoded: bytes, regions: bytes | None = None) -> None:
         # Send only the digest when this engine already holds the manifest.
         send = None if self._sent_digest == manifest.digest else encoded
-        reply = self._call("validate", encoded=send, digest=manifest.digest)
+        extra = {"regions": regions} if regions is not None else {}
+        reply = self._call("validate", encoded=send, digest=manifest.digest, **extra)
         if reply.get("need_manifest"):
-            reply = self._call("validate", encoded=encoded, digest=manifest.digest)
+            reply = self._call("validate", encoded=encoded, digest=manifest.digest, **extra)
         if not reply.get("accepted"):
             raise ManifestRejectedError(self.name, list(reply.get("problems") or ["rejected"]))
         self._sent_digest = manifest.digest
@@ -341,6 +421,9 @@ class TorchRefRollout(RolloutAdapter):
                 self.process.wait(10)
 
 
+_LAYOUT_KEYS = ("tp_size", "tp_rank", "ep_size", "ep_rank", "num_kv_heads")
+
+
 def _read_ready_port(proc: subprocess.Popen[str], name: str, timeout_s: float) -> int:
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
@@ -365,16 +448,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--load-delay-s", type=float, default=0.0, help="sleep per bucket (emulates a slow loader)")
     p.add_argument("--port", type=int, default=0, help="control port (0: a free one)")
+    for key in _LAYOUT_KEYS:
+        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help="hold only this TP / EP rank's slices (see tp_ep_plan)")
     args = p.parse_args(argv)
     logging.basicConfig(level=os.environ.get("CKPT_ENGINE_LOG", "WARNING"))
     token = os.environ.pop(TOKEN_ENV, "")
     if len(token) < 8:
         print(f"ckpt-engine reference receiver: set {TOKEN_ENV} to the job token (at least 8 characters)", file=sys.stderr)
         sys.exit(2)
+    layout = {k: getattr(args, k) for k in _LAYOUT_KEYS if getattr(args, k) is not None}
     if args.spec_file:
-        worker = TorchRefWorker.from_spec_file(args.spec_file, load_delay_s=args.load_delay_s)
+        worker = TorchRefWorker.from_spec_file(args.spec_file, layout, load_delay_s=args.load_delay_s)
     else:
-        worker = TorchRefWorker.from_hf_config(args.model_dir, args.dtype, load_delay_s=args.load_delay_s)
+        worker = TorchRefWorker.from_hf_config(args.model_dir, args.dtype, layout, load_delay_s=args.load_delay_s)
     server = RpcServer(worker.handlers(), token=token, limits=ControlLimits(), port=args.port).start()
     print(f"{READY_PREFIX}{server.port}", flush=True)
     # Exit when the parent goes away (stdin is not used; poll the parent pid).

@@ -61,6 +61,9 @@ class SyncReport:
     senders: int = 1
     base_bytes: int = 0
     """Memory of this rank's delta base copies."""
+    received_bytes: dict[str, list[int]] = field(default_factory=dict)
+    """Per engine, the bytes each of its ranks takes in a dense sync: `bytes` (the model) each,
+    or with region delivery (issue 27) only what that rank holds."""
 
     @property
     def ratio_to_raw(self) -> float | None:

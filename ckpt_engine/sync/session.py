@@ -34,6 +34,7 @@ from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError
 from ckpt_engine.sync.sender_follower import finish_walk, join_message, send_message
 from ckpt_engine.sources.sharded import PieceWalk, ShardedWeightSource, iter_pieces
 from ckpt_engine.sync.many_senders import ManySenders
+from ckpt_engine.sync.regions import RegionDelivery
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
 from ckpt_engine.versions import next_version
 from ckpt_engine.sources.vllm import as_weight_source
@@ -89,6 +90,7 @@ class WeightSyncSession:
         self._delta = DeltaPolicy(self.config.delta, self.config.full_sync_every)
         self.num_senders = 1
         self._senders = ManySenders(self.config, self.backend, self.rollouts)
+        self._regions = RegionDelivery()  # issue 27: each engine rank receives only what it holds
         self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.rollouts) + 1), thread_name_prefix="ckpt-sync")
 
     def engine_keys(self) -> dict[str, Hashable]:
@@ -192,6 +194,7 @@ class WeightSyncSession:
             raise SyncError("join", failed, sorted(self.stale))
         self._ready = True
         claims.claim(self.engine_keys(), self)
+        self._regions.joined(self.rollouts, self._fan_out("join", lambda r: r.receive_plans()), rdzv)
         logger.info("weight-sync group %s ready: %d ranks over %s", rdzv.token[:8], topo.world_size, self.backend)
         return engine
 
@@ -214,6 +217,7 @@ class WeightSyncSession:
             mark_stale_and_probe(self.rollouts, failed, self.stale)
         else:
             self.stale.update(r.name for r in self.rollouts)
+        self._regions.drop_groups()
         if self._engine is not None:
             self._engine.finalize()
             self._engine = None
@@ -309,6 +313,7 @@ class WeightSyncSession:
         t0 = time.perf_counter()
         seconds: dict[str, float] = {}
         new_version, engine, manifest = self._prepare(source, version, senders)
+        regions = self._regions.prepare(self.rollouts, manifest, engine, senders)  # a bad plan is refused here
         pieces = None
         if weights is None:  # many senders: this rank's own pieces, no gather
             pieces = iter_pieces(source, manifest)  # type: ignore[arg-type]  # count(): sharded
@@ -317,7 +322,8 @@ class WeightSyncSession:
         self._validate(manifest, seconds)
         # Delta or dense is decided before anything is paused (delta=on with an engine that takes no
         # patches is refused here, with every engine still serving).
-        request = self._delta.request(manifest.digest, self._delta_unsupported(engine), self.backend)
+        digest = regions.digest if regions is not None else manifest.digest
+        request = self._delta.request(digest, self._delta_unsupported(engine), self.backend)
         self._step("pause", seconds, lambda r: r.pause(self.config.pause_mode))
         stats, reports = self._stream(source, engine, manifest, weights, pieces, request, senders, seconds)
         self._step("finalize", seconds, lambda r: r.finalize(new_version))
@@ -345,7 +351,7 @@ class WeightSyncSession:
 
         def validate(r: RolloutAdapter) -> None:
             try:
-                r.validate(manifest, self._encoded)
+                self._regions.validate(r, manifest, self._encoded)
             except ManifestRejectedError as exc:
                 rejected.append(exc)
 
@@ -376,7 +382,9 @@ class WeightSyncSession:
         extra: dict[str, Any] = {"delta": request} if request is not None else {}
         receives = {r.name: self._pool.submit(r.receive, manifest, **extra) for r in self.rollouts}
         try:
-            stats = engine.send_weights(manifest, weights, stable=_stable(source, senders), **extra)
+            stats = self._regions.send(  # the engine's own send_weights without region delivery
+                engine, manifest, weights, stable=_stable(source, senders), delta=request, make_engine=lambda: self._new_engine(engine.bucket_size_bytes)
+            )
         except Exception as exc:
             self._send_failed(exc, source, engine, weights, pieces, receives, senders)
         followers = self._senders.failed(None) if senders > 1 else {}
@@ -422,10 +430,12 @@ class WeightSyncSession:
     ) -> SyncReport:
         """The sync completed: the engines are fresh, the version and the delta chain move on."""
         report = make_report(new_version, manifest, request, stats, reports, len(self.rollouts), senders, seconds, self.raw_gbps)
+        report.received_bytes = self._regions.received_bytes(self.rollouts, manifest.total_bytes)
+        active = self._regions.active
         self.stale.clear()
         self.version = new_version
         self._delta.completed(
-            manifest.digest, request, transport=self.backend, seconds=seconds["transfer"], plan_bytes=manifest.total_bytes,
+            active.digest if active is not None else manifest.digest, request, transport=self.backend, seconds=seconds["transfer"], plan_bytes=manifest.total_bytes,
             wire_bytes=report.wire_bytes, dense_bytes=report.dense_bytes,
         )
         seconds["total"] = time.perf_counter() - t0
@@ -455,6 +465,7 @@ class WeightSyncSession:
                         r.leave()
                     except Exception as exc:
                         logger.warning("engine %s did not leave cleanly: %s", r.name, exc)
+            self._regions.drop_groups()
             if self._engine is not None:
                 self._engine.finalize()
                 self._engine = None

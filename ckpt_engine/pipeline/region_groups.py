@@ -1,0 +1,197 @@
+"""Region delivery over a weight-sync group: one pipelined engine per receiver set.
+
+Each receiver set of a `RegionLayout` (`planning/receive_sets.py`) gets a group of its own: the
+senders and the set's members, under the main group's rendezvous with the token suffixed by the
+layout digest and the set's index. Every rank joins its sets in index order at the first sync of a
+layout (before any byte moves, so a failure later closes sockets every blocked peer is reading)
+and keeps them while the layout stays. Sets travel one after another in index order on every
+rank: a sender streams each set's pieces through that set's engine, a plain pipelined sync of
+virtual tensors (buckets, delta patches and their checksums, many senders, as for whole tensors);
+a receiver takes the sets it belongs to and nothing else. With a delta request nothing reaches the
+loader until every set's patches have checked out, so a bad patch anywhere leaves the engine's
+weights as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.manifest import BucketManifest
+from ckpt_engine.pipeline.region_assembly import RegionAssembly, RegionItem
+from ckpt_engine.planning.ownership import OwnerMap
+from ckpt_engine.planning.receive_sets import Piece, ReceiverSet, cut_region
+from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats, TransferError
+
+__all__ = ["RegionGroups", "receive_regions", "send_regions"]
+
+logger = logging.getLogger(__name__)
+
+
+class RegionGroups:
+    """This rank's engines of one layout's receiver sets (a sender: every set; a receiver: its own)."""
+
+    def __init__(
+        self, rendezvous: Rendezvous, rank: int, digest: str, sets: Sequence[tuple[int, tuple[int, ...]]],
+        make_engine: Callable[[], CheckpointEngine],
+    ) -> None:
+        self.rdzv = rendezvous
+        self.rank = rank
+        self.digest = digest
+        self.sets = dict(sets)
+        self.make_engine = make_engine
+        self.engines: dict[int, CheckpointEngine] = {}
+        senders = rendezvous.num_senders
+        self.receiver = rank - senders if rank >= senders else None
+        self.mine = sorted(k for k, members in self.sets.items() if self.receiver is None or self.receiver in members)
+
+    def join(self) -> None:
+        """Join every set of this rank, in index order (collective over each set's members and the senders)."""
+        senders = self.rdzv.num_senders
+        for k in self.mine:
+            if k in self.engines:
+                continue
+            members = self.sets[k]
+            sub = dataclasses.replace(self.rdzv, token=f"{self.rdzv.token}/regions/{self.digest[:16]}/{k}", world_size=senders + len(members))
+            engine = self.make_engine()
+            try:
+                engine.init_process_group(sub, self.rank if self.receiver is None else senders + members.index(self.receiver))
+            except BaseException:
+                engine.finalize()
+                raise
+            self.engines[k] = engine
+        logger.debug("rank %d joined %d receiver set group(s) of layout %s", self.rank, len(self.mine), self.digest[:12])
+
+    def engine(self, k: int) -> CheckpointEngine:
+        engine = self.engines.get(k)
+        if engine is None:
+            raise RuntimeError(f"receiver set {k} of layout {self.digest[:12]} was not joined; call join() first")
+        return engine
+
+    def abort(self) -> None:
+        for engine in self.engines.values():
+            engine.abort()
+
+    def close(self) -> None:
+        engines, self.engines = self.engines, {}
+        for engine in engines.values():
+            try:
+                engine.finalize()
+            except Exception as exc:  # tearing down a broken group may itself fail
+                logger.warning("receiver set group teardown: %s", exc)
+
+
+def _local_piece(tensor: torch.Tensor, piece: Piece, rows: tuple[int, int] | None) -> torch.Tensor:
+    """This sender's part of `piece`: the piece of a whole tensor, or of its row block [r0, r1)."""
+    if rows is None:
+        return cut_region(tensor, piece.region)
+    r0, r1 = rows
+    region = piece.region
+    if region is None or region.dim != 0:
+        return cut_region(tensor, region)
+    lo, hi = max(r0, region.start), min(r1, region.start + region.length)
+    return tensor.narrow(0, lo - r0, hi - lo)
+
+
+def _rows(owners: OwnerMap | None, name: str, sender: int, tensor: torch.Tensor, shape: tuple[int, ...]) -> tuple[tuple[int, int] | None, torch.Tensor]:
+    """(this sender's row block of `name`, its tensor shaped as rows) or (None, the whole tensor)."""
+    shards = owners.get(name) if owners is not None else None
+    if shards is None:
+        return None, tensor
+    rows = shape[0] if shape else 1
+    row_bytes = sum(s.nbytes for s in shards) // rows
+    for sh in shards:
+        if sh.sender == sender:
+            r0, r1 = sh.start // row_bytes, sh.stop // row_bytes
+            return (r0, r1), tensor.reshape(r1 - r0, *shape[1:])
+    return (0, 0), tensor
+
+
+def send_regions(
+    groups: RegionGroups, sets: Sequence[ReceiverSet], manifests: Mapping[int, BucketManifest], tensors: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, tuple[int, ...]], *, owners: OwnerMap | None = None, stable: bool = True, delta: DeltaRequest | None = None,
+) -> SendStats:
+    """Sender: every set's pieces through its engine, in index order. `tensors`: this sender's
+    tensor of each name (the whole tensor, or with `owners` its dim-0 row block, any shape);
+    `shapes`: the global shapes."""
+    total = SendStats()
+    sender = groups.rank
+    changed = 0.0  # changed_fraction weighted by each set's dense bytes
+    for s in sorted(sets, key=lambda s: s.index):
+        manifest = manifests[s.index]
+        by_vname = {p.spec.name: p for p in s.pieces}
+
+        def walk(s: ReceiverSet = s, manifest: BucketManifest = manifest, by_vname: dict[str, Piece] = by_vname) -> Iterator[tuple[str, torch.Tensor]]:
+            last = None
+            for e in (e for b in manifest.sender_buckets(sender) for e in b.entries):
+                if e.name == last:
+                    continue  # the next chunk of the same piece
+                last = e.name
+                p = by_vname[e.name]
+                rows, local = _rows(owners, p.name, sender, tensors[p.name], shapes[p.name])
+                yield e.name, _local_piece(local, p, rows)
+
+        stats = groups.engine(s.index).send_weights(manifest, walk(), stable=stable, delta=delta) if delta is not None else (
+            groups.engine(s.index).send_weights(manifest, walk(), stable=stable)
+        )
+        for f in ("bytes", "tensors", "buckets", "export_s", "pack_s", "transfer_s", "total_s"):
+            setattr(total, f, getattr(total, f) + getattr(stats, f))
+        for key, value in stats.extra.items():
+            if isinstance(value, (int, float)) and isinstance(total.extra.get(key, 0), (int, float)):
+                total.extra[key] = total.extra.get(key, 0) + value
+        changed += float(stats.extra.get("changed_fraction", 1.0)) * float(stats.extra.get("dense_bytes", manifest.wire_bytes))
+    if "changed_fraction" in total.extra:
+        total.extra["changed_fraction"] = changed / max(1.0, float(total.extra.get("dense_bytes", 1.0)))
+    return total
+
+
+def receive_regions(
+    groups: RegionGroups, manifests: Mapping[int, BucketManifest], assembly: RegionAssembly,
+    destinations: Mapping[str, torch.Tensor] | None = None, delta: DeltaRequest | None = None,
+) -> Iterator[list[RegionItem]]:
+    """Receiver: the items of its regions, per bucket as they land (dense), or all at once after
+    every set's patches checked out (delta: the loader's tensors are not written before that)."""
+    landing = assembly.start(destinations if delta is None else None)
+    direct = assembly.destinations(destinations) if delta is None else None
+    held: list[RegionItem] = []
+    failure: TransferError | None = None
+    try:
+        for k in groups.mine:
+            engine, manifest = groups.engine(k), manifests[k]
+            buckets = engine.receive_buckets(manifest, direct, delta=delta) if delta is not None else engine.receive_buckets(manifest, direct)
+            try:
+                for bucket in buckets:
+                    out = [item for vname, t in bucket for item in landing.land(vname, t)]
+                    if delta is not None:
+                        held += out
+                    elif out:
+                        yield out
+            except TransferError as exc:
+                named = TransferError(f"receiver set {k} (ranks {list(groups.sets[k])}){_pieces_of(manifest, str(exc))}: {exc}")
+                if delta is None:
+                    raise named from exc
+                # Every frame of this set was taken (the senders finished it): take the other sets'
+                # too, so no sender waits, then fail with nothing loaded.
+                failure = failure if failure is not None else named
+    except BaseException:
+        groups.abort()  # peers blocked in another set's collective fail fast
+        raise
+    if failure is not None:
+        groups.abort()
+        raise failure
+    if held:
+        yield held
+
+
+def _pieces_of(manifest: BucketManifest, error: str) -> str:
+    """The regions of the bucket an error names ("bucket K"), for the message."""
+    m = re.search(r"bucket (\d+)", error)
+    if m is None or int(m.group(1)) >= len(manifest.buckets):
+        return ""
+    names = sorted({e.name for e in manifest.buckets[int(m.group(1))].entries})
+    return f", bucket {m.group(1)} holding {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")

@@ -1,0 +1,108 @@
+"""A tensor- and expert-parallel engine rank's receive plan, derived from HF names and shapes.
+
+What a Megatron-style TP rank of a Qwen2 / Qwen3 / Qwen3-MoE (Qwen2-MoE, Llama) decoder keeps:
+column-parallel matrices (q/k/v, gate/up, embed_tokens, lm_head and their biases) are cut along
+dim 0, row-parallel ones (o_proj, down_proj) along dim 1, their biases and every norm are held
+whole. Under GQA with more TP ranks than KV heads each KV head is held by tp / kv ranks (the
+slice repeats). With expert parallelism an expert's tensors are held whole by the one EP rank
+that owns it (experts cut into ep_size contiguous blocks) and not at all elsewhere; without it
+experts are TP-sliced like a dense MLP. Names the rules do not know are held whole.
+
+A pure function: the reference receiver states it directly; vLLM records its own (issue 27).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+
+from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.planning.regions import ReceivePlan, Region
+
+__all__ = ["tp_ep_plan"]
+
+logger = logging.getLogger(__name__)
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+_ROW = ("o_proj", "down_proj")
+_KV = ("k_proj", "v_proj")
+
+
+def _even(size: int, parts: int, rank: int) -> Region | None:
+    """Rank's block of `size` cut into `parts` (ceil-sized blocks, the last may be short or empty)."""
+    per = -(-size // parts)
+    start = min(size, rank * per)
+    length = min(size, start + per) - start
+    return Region(0, start, length) if length > 0 else None
+
+
+def _kv_region(rows: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> Region:
+    """K/V rows of this rank: its share of the KV heads, or (tp > heads) the one head it repeats."""
+    head_dim = rows // num_kv_heads
+    if tp_size >= num_kv_heads:
+        head = tp_rank * num_kv_heads // tp_size
+        return Region(0, head * head_dim, head_dim)
+    per = num_kv_heads // tp_size
+    return Region(0, tp_rank * per * head_dim, per * head_dim)
+
+
+def tp_ep_plan(
+    specs: Sequence[TensorSpec],
+    *,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    ep_size: int = 1,
+    ep_rank: int = 0,
+    num_kv_heads: int | None = None,
+    num_experts: int | None = None,
+) -> ReceivePlan | None:
+    """The regions TP rank `tp_rank` / EP rank `ep_rank` holds of `specs` (None: everything, whole).
+
+    `num_kv_heads`: needed when TP cuts K/V (GQA); `num_experts`: defaults to one past the highest
+    expert index in the names."""
+    for what, size, rank in (("tp", tp_size, tp_rank), ("ep", ep_size, ep_rank)):
+        if not isinstance(size, int) or size < 1 or not isinstance(rank, int) or not 0 <= rank < size:
+            raise ValueError(f"{what}_size must be an int >= 1 and {what}_rank in [0, {what}_size), got {size!r} / {rank!r}")
+    if tp_size == 1 and ep_size == 1:
+        return None
+    if num_experts is None:
+        found = [int(m.group(1)) for s in specs if (m := _EXPERT.search(s.name))]
+        num_experts = max(found) + 1 if found else 0
+    if ep_size > 1 and (num_experts < ep_size or num_experts % ep_size):
+        raise ValueError(f"ep_size={ep_size} must divide the number of experts ({num_experts})")
+    holds: dict[str, tuple[Region, ...] | None] = {}
+    unknown: list[str] = []
+    for spec in specs:
+        name, shape = spec.name, spec.shape
+        expert = _EXPERT.search(name)
+        if expert is not None and ep_size > 1:
+            if int(expert.group(1)) // (num_experts // ep_size) == ep_rank:
+                holds[name] = None
+            continue
+        if tp_size == 1 or not shape:
+            holds[name] = None
+            continue
+        parts = name.split(".")
+        module, leaf = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+        region: Region | None
+        if module in _KV and num_kv_heads is not None and num_kv_heads % tp_size and tp_size % num_kv_heads:
+            raise ValueError(f"{name}: tp_size={tp_size} and {num_kv_heads} KV heads do not divide one another")
+        if module in _KV and num_kv_heads is not None and leaf in ("weight", "bias"):
+            region = _kv_region(shape[0], num_kv_heads, tp_size, tp_rank)
+        elif module in _COLUMN and leaf in ("weight", "bias"):
+            region = _even(shape[0], tp_size, tp_rank)
+        elif module in _ROW and leaf == "weight" and len(shape) == 2:
+            r = _even(shape[1], tp_size, tp_rank)
+            region = Region(1, r.start, r.length) if r is not None else None
+        else:
+            if module not in _ROW and "norm" not in name and module not in ("gate", "shared_expert_gate"):
+                unknown.append(name)
+            holds[name] = None
+            continue
+        if region is not None:
+            holds[name] = (region,)
+    if unknown:
+        logger.info("tp_ep_plan: %d tensor(s) no rule slices are held whole (first: %s)", len(unknown), unknown[0])
+    return ReceivePlan(holds)

@@ -1,0 +1,177 @@
+"""The controller's side of region delivery (issue 27): each engine rank receives only what it holds.
+
+At join every engine states its ranks' receive plans (`RolloutAdapter.receive_plans`). Per sync,
+`RegionDelivery.prepare` checks them against the sync's tensors (a bad plan is refused by engine,
+rank and tensor before anything pauses), cuts the receiver sets (`planning/receive_sets.py`) and
+plans each set's buckets; all of it is cached while the plan, the plans and the bucket settings
+stay. `send` streams every set through its own group (`pipeline/region_groups.py`), joined once
+per layout and dropped with the weight-sync group. Region delivery is used when some rank states a
+plan, every engine takes regions (`takes_regions`) and one rank sends; otherwise every rank
+receives whole tensors, as before (logged once with the reason).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.manifest import BucketManifest
+from ckpt_engine.pipeline.region_groups import RegionGroups, send_regions
+from ckpt_engine.planning.receive_sets import RegionLayout
+from ckpt_engine.planning.region_wire import RegionAssignment
+from ckpt_engine.planning.regions import ReceivePlan, ReceivePlanError
+from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
+from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
+
+__all__ = ["RegionDelivery", "RegionSync"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RegionSync:
+    """One plan's region delivery: the layout, each set's manifest, each receiver rank's assignment."""
+
+    layout: RegionLayout
+    manifests: dict[int, BucketManifest]
+    digest: str
+    """Of the layout and the sets' manifests: the delta chain's plan identity."""
+    assignments: list[bytes]
+    """Encoded `RegionAssignment` per receiver rank (rank order)."""
+    received_bytes: list[int]
+    """Bytes each receiver rank takes in a dense sync."""
+
+
+class RegionDelivery:
+    """Held by a WeightSyncSession: the engines' plans, the cached layout and the sender's groups."""
+
+    def __init__(self) -> None:
+        self.plans: list[ReceivePlan | None] = []
+        self.owners: list[tuple[str, int]] = []
+        """(engine name, its rank) of each receiver rank."""
+        self.active: RegionSync | None = None
+        """This sync's region delivery (None: whole tensors to every rank)."""
+        self._key: tuple[object, ...] | None = None
+        self._cached: RegionSync | None = None
+        self._groups: RegionGroups | None = None
+        self._said: str | None = None
+        self.rdzv: Rendezvous | None = None
+
+    def joined(self, rollouts: Sequence[RolloutAdapter], plans: dict[str, list[ReceivePlan | None]], rendezvous: Rendezvous) -> None:
+        """The engines (re)joined group `rendezvous` and stated their plans (by engine name);
+        groups of an earlier weight-sync group are gone."""
+        self.drop_groups()
+        self.rdzv = rendezvous
+        self.plans, self.owners = [], []
+        for r in rollouts:
+            ranks = plans[r.name]
+            if len(ranks) != r.world_size:
+                raise ValueError(f"engine {r.name!r} stated {len(ranks)} receive plans for its {r.world_size} ranks")
+            self.plans += ranks
+            self.owners += [(r.name, i) for i in range(r.world_size)]
+
+    def prepare(self, rollouts: Sequence[RolloutAdapter], manifest: BucketManifest, engine: CheckpointEngine, senders: int) -> RegionSync | None:
+        """This sync's region delivery, or None; a plan that does not fit the tensors is refused
+        (ManifestRejectedError naming the engine, its rank and the tensor) before anything pauses."""
+        self.active = None
+        if all(p is None for p in self.plans):
+            return None
+        why = self._refusal(rollouts, senders)
+        if why is not None:
+            if why != self._said:
+                logger.warning("receive plans stated, but every rank receives whole tensors: %s", why)
+                self._said = why
+            return None
+        key = (manifest.digest, engine.bucket_size_bytes, engine.solo_bytes, tuple(map(_plan_key, self.plans)))
+        if key != self._key or self._cached is None:
+            self._cached, self._key = self._build(manifest, engine), key
+        self.active = self._cached
+        return self.active
+
+    def _refusal(self, rollouts: Sequence[RolloutAdapter], senders: int) -> str | None:
+        if senders > 1:
+            return "region delivery from several senders runs at the engine level only so far (the session sends from one rank)"
+        whole = [r.name for r in rollouts if not r.takes_regions]
+        return f"engine(s) {', '.join(whole)} take no region delivery" if whole else None
+
+    def _build(self, manifest: BucketManifest, engine: CheckpointEngine) -> RegionSync:
+        try:
+            layout = RegionLayout.build(manifest.specs, self.plans)
+        except ReceivePlanError as exc:
+            raise self._rejected(exc) from None
+        manifests = {s.index: engine.plan([p.spec for p in s.pieces]) for s in layout.sets}
+        digest = hashlib.sha256("/".join([layout.digest, *(m.digest for m in manifests.values())]).encode()).hexdigest()
+        assignments = [
+            RegionAssignment.of(digest, manifest.digest, r, layout.sets_of(r), manifests).to_wire() for r in range(len(self.plans))
+        ]
+        received = [layout.bytes_for(r) for r in range(len(self.plans))]
+        logger.info(
+            "region delivery: %d receiver set(s); per rank %s of %d bytes", len(layout.sets), received, manifest.total_bytes
+        )
+        return RegionSync(layout, manifests, digest, assignments, received)
+
+    def _rejected(self, exc: ReceivePlanError) -> ManifestRejectedError:
+        text = str(exc)
+        if text.startswith("receiver rank "):
+            head, _, rest = text.partition(": ")
+            rank = int(head.removeprefix("receiver rank "))
+            name, local = self.owners[rank]
+            return ManifestRejectedError(name, [f"rank {local}: {rest}"])
+        return ManifestRejectedError(self.owners[0][0] if self.owners else "?", [text], engines=sorted({n for n, _ in self.owners}))
+
+    def validate(self, rollout: RolloutAdapter, manifest: BucketManifest, encoded: bytes) -> None:
+        """The engine's validate, with its ranks' assignments when this sync delivers regions."""
+        if self.active is None:
+            rollout.validate(manifest, encoded)
+            return
+        mine = [a for a, (owner, _) in zip(self.active.assignments, self.owners) if owner == rollout.name]
+        rollout.validate_regions(manifest, encoded, mine)
+
+    def received_bytes(self, rollouts: Sequence[RolloutAdapter], model_bytes: int) -> dict[str, list[int]]:
+        """Bytes per engine rank of a dense sync (the model's bytes each without region delivery)."""
+        if self.active is None:
+            return {r.name: [model_bytes] * r.world_size for r in rollouts}
+        out: dict[str, list[int]] = {}
+        for nbytes, (name, _) in zip(self.active.received_bytes, self.owners):
+            out.setdefault(name, []).append(nbytes)
+        return out
+
+    def send(
+        self, engine: CheckpointEngine, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool,
+        delta: DeltaRequest | None, make_engine: Callable[[], CheckpointEngine],
+    ) -> SendStats:
+        """The one sender's side: walk the source once, then every set through its group (made
+        by `make_engine`); without region delivery, `engine.send_weights` as ever."""
+        sync, rendezvous = self.active, self.rdzv
+        if sync is None or rendezvous is None:
+            extra = {"delta": delta} if delta is not None else {}
+            return engine.send_weights(manifest, weights, stable=stable, **extra)
+        tensors = {name: (t if stable else t.clone()) for name, t in weights}
+        groups = self._groups
+        if groups is None or groups.digest != sync.digest or groups.rdzv != rendezvous:
+            self.drop_groups()
+            sets = [(s.index, s.members) for s in sync.layout.sets]
+            groups = self._groups = RegionGroups(rendezvous, 0, sync.digest, sets, make_engine)
+        try:
+            groups.join()
+            shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+            return send_regions(groups, sync.layout.sets, sync.manifests, tensors, shapes, delta=delta)
+        except BaseException:
+            self.drop_groups()  # closing the sender's sides wakes receivers blocked on them
+            raise
+
+    def drop_groups(self) -> None:
+        groups, self._groups = self._groups, None
+        if groups is not None:
+            groups.close()
+
+
+def _plan_key(plan: ReceivePlan | None) -> object:
+    if plan is None:
+        return None
+    return tuple(sorted((n, rs) for n, rs in plan.holds.items()))

@@ -1,0 +1,144 @@
+"""Region delivery through WeightSyncSession into reference engines in their own processes: TP=2
+ranks (and an EP=2 engine) hold exactly their slices bit for bit after a dense and two patch syncs,
+a whole-tensor engine beside them still gets every tensor, the report shows each rank's bytes, and
+bad plans are refused by engine, rank and tensor before any engine pauses."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine.planning.receive_sets import cut_region
+from ckpt_engine.planning.regions import ReceivePlan, Region
+from ckpt_engine.rollout_adapters.base import ManifestRejectedError
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.sources.base import StateDictSource
+from refengines import same_bits
+from regionranks import KV_HEADS, moe_specs, qwen2_specs, weights
+
+CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, delta="on")
+
+
+def _spawn(name: str, path: str, layout: dict[str, int] | None) -> TorchRefRollout:
+    return TorchRefRollout.spawn(name, spec_file=path, timeout_s=60, layout=layout)
+
+
+@pytest.fixture(scope="module")
+def qwen2_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("regions") / "qwen2.msgpack"
+    write_spec_file(path, qwen2_specs())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tp_engines(qwen2_file: str) -> Iterator[list[TorchRefRollout]]:
+    rs = [_spawn(f"tp{r}", qwen2_file, {"tp_size": 2, "tp_rank": r, "num_kv_heads": KV_HEADS}) for r in range(2)]
+    rs.append(_spawn("whole", qwen2_file, None))
+    yield rs
+    for r in rs:
+        r.close()
+
+
+def _wrong(engine: TorchRefRollout, w: dict[str, torch.Tensor], plan: ReceivePlan | None) -> list[str]:
+    """Names whose slice in `engine` differs from `w` ([] = bit-exact)."""
+    holds = plan.holds if plan is not None else dict.fromkeys(w)
+    bad = []
+    for name, regions in holds.items():
+        want = cut_region(w[name], regions[0] if regions is not None else None)
+        if not same_bits(engine.get_tensor(name), want.contiguous()):
+            bad.append(name)
+    return bad
+
+
+def test_tp_ranks_hold_their_slices_after_dense_and_patch_syncs(tp_engines: list[TorchRefRollout]) -> None:
+    specs = qwen2_specs()
+    model = sum(s.nbytes for s in specs)
+    session = WeightSyncSession(tp_engines, CFG)
+    try:
+        kinds = []
+        for v in range(3):
+            w = weights(specs, v)
+            report = session.sync(StateDictSource(w))
+            kinds.append(report.delta)
+            for e in tp_engines:
+                (plan,) = e.receive_plans()
+                assert _wrong(e, w, plan) == [], e.name
+        assert kinds == ["seed", "patch", "patch"]
+        got = report.received_bytes
+        assert got["whole"] == [model]
+        assert all(got[f"tp{r}"][0] <= 0.55 * model for r in range(2)), got
+        assert report.receivers["tp0"]["bytes"] == got["tp0"][0]
+        assert 0 < report.changed_fraction < 0.2
+        k = "model.layers.0.self_attn.k_proj.weight"
+        assert tuple(tp_engines[0].get_tensor(k).shape) == (16, 64) == tuple(tp_engines[1].get_tensor(k).shape)
+    finally:
+        session.close()
+
+
+class _Claims(TorchRefRollout):
+    """A reference engine whose adapter states a plan of the test's choosing."""
+
+    plan: ReceivePlan
+
+    def receive_plans(self) -> list[ReceivePlan | None]:
+        return [self.plan]
+
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def claimers(qwen2_file: str) -> Iterator[tuple[TorchRefRollout, _Claims]]:
+    good = _spawn("good", qwen2_file, {"tp_size": 2, "tp_rank": 0, "num_kv_heads": KV_HEADS})
+    bad = _Claims.spawn("bad", spec_file=qwen2_file, timeout_s=60)
+    yield good, bad
+    good.close()
+    bad.close()
+
+
+@pytest.mark.parametrize(
+    ("holds", "match"),
+    [
+        ({Q: (Region(0, 48, 32),)}, f"engine 'bad' rejected the manifest: rank 0: receive plan: region \\[48, 80\\) of '{Q}' lies outside"),
+        ({Q: (Region(0, 0, 32), Region(0, 16, 8))}, f"engine 'bad' rejected the manifest: rank 0: receive plan: regions of '{Q}' overlap"),
+        ({"model.layers.7.mlp.up_proj.weight": None}, "engine 'bad' .*'model.layers.7.mlp.up_proj.weight', which the model does not have"),
+    ],
+)
+def test_bad_plans_are_refused_by_name_before_any_engine_pauses(claimers: tuple[TorchRefRollout, _Claims], holds: dict, match: str) -> None:
+    good, bad = claimers
+    bad.plan = ReceivePlan(holds)
+    session = WeightSyncSession([good, bad], CFG)
+    try:
+        with pytest.raises(ManifestRejectedError, match=match):
+            session.sync(StateDictSource(weights(qwen2_specs(), 0)))
+        for e in (good, bad):
+            h = e.health()
+            assert not h["paused"] and h["version"] is None and h["buckets_received"] == 0
+    finally:
+        session.close()
+
+
+def test_ep_ranks_hold_their_experts_only(tmp_path: object) -> None:
+    specs = moe_specs()
+    path = f"{tmp_path}/moe.msgpack"
+    write_spec_file(path, specs)
+    engines = [_spawn(f"ep{r}", path, {"ep_size": 2, "ep_rank": r}) for r in range(2)]
+    session = WeightSyncSession(engines, CFG)
+    try:
+        for v in range(3):
+            w = weights(specs, v)
+            report = session.sync(StateDictSource(w))
+            for e in engines:
+                (plan,) = e.receive_plans()
+                assert plan is not None and _wrong(e, w, plan) == []
+        assert report.delta == "patch"
+        experts = sum(s.nbytes for s in specs if ".experts." in s.name)
+        model = sum(s.nbytes for s in specs)
+        assert report.received_bytes["ep0"] == [model - experts // 2]
+    finally:
+        session.close()
+        for e in engines:
+            e.close()
