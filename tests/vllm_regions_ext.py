@@ -19,7 +19,7 @@ EXTENSION = "vllm_regions_ext.RegionTestExtension"
 
 
 class RegionTestExtension(CkptEngineWorkerExtension):
-    def test_land_checkpoint(self, path: str, poison: bool) -> dict[str, Any]:
+    def test_land_checkpoint(self, path: str, poison: bool, whole: bool = False) -> dict[str, Any]:
         from safetensors.torch import load_file
 
         core = self._ckpt_core()
@@ -28,7 +28,7 @@ class RegionTestExtension(CkptEngineWorkerExtension):
         items = []
         for name, regions in plan.holds.items():
             t = weights[name]
-            if regions is None:
+            if regions is None or whole:
                 items.append((name, None, t))
             else:
                 items += [(name, r, t.narrow(r.dim, r.start, r.length).clone()) for r in regions]

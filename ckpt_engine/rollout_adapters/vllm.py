@@ -46,6 +46,7 @@ class _VllmAdapterBase(RolloutAdapter):
 
     supports_delta = True  # the worker keeps a base copy, applies patches there, reloads full tensors
     supports_many_senders = True
+    takes_regions = True  # each worker states the regions its loaders read (receive_plans)
 
     def __init__(self, name: str, timeout_s: float) -> None:
         self.name = name
@@ -102,10 +103,17 @@ class _VllmAdapterBase(RolloutAdapter):
         return plans
 
     def validate(self, manifest: BucketManifest, encoded: bytes) -> None:
+        self._validate(manifest, encoded, {})
+
+    def validate_regions(self, manifest: BucketManifest, encoded: bytes, assignments: list[bytes]) -> None:
+        """`validate`, each worker also checking its region assignment against its recorded plan."""
+        self._validate(manifest, encoded, {"regions": [self._encode_manifest(a) for a in assignments]})
+
+    def _validate(self, manifest: BucketManifest, encoded: bytes, extra: dict[str, Any]) -> None:
         send = None if self._sent_digest == manifest.digest else self._encode_manifest(encoded)
-        replies = self._rpc("ckpt_validate", encoded=send, digest=manifest.digest)
+        replies = self._rpc("ckpt_validate", encoded=send, digest=manifest.digest, **extra)
         if any(r.get("need_manifest") for r in replies):
-            replies = self._rpc("ckpt_validate", encoded=self._encode_manifest(encoded), digest=manifest.digest)
+            replies = self._rpc("ckpt_validate", encoded=self._encode_manifest(encoded), digest=manifest.digest, **extra)
         problems: list[str] = []
         for rank, reply in enumerate(replies):
             if not reply.get("accepted"):

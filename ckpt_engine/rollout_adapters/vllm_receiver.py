@@ -43,7 +43,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def vllm_checkpoint_specs(model: torch.nn.Module) -> Specs:
     """Checkpoint-format (HF) names and global shapes of every tensor `model.load_weights` takes.
 
-    Applies vLLM's stacking rules (`packed_modules_mapping`: q/k/v -> qkv_proj, gate/up ->
+    Fused expert layers (`w13` / `w2`) take one tensor per expert, named by the layer's own
+    expert mapping; all of a layer's experts form one group. Applies vLLM's stacking rules (`packed_modules_mapping`: q/k/v -> qkv_proj, gate/up ->
     gate_up_proj), undoes tensor-parallel sharding and vocab padding. With tied embeddings
     `lm_head.weight` is accepted but optional. Returns (specs, groups, tied): each group lists the
     checkpoint names that fill one vLLM parameter (a manifest must send all or none of a group, or
@@ -186,16 +187,16 @@ class VllmReceiverCore:
         specs, _, _ = self.specs()
         return [[s.name, s.dtype, list(s.shape)] for s in specs.values()]
 
-    def validate(self, encoded: bytes | str | None, digest: str) -> dict[str, Any]:
+    def validate(self, encoded: bytes | str | None, digest: str, regions: bytes | str | None = None) -> dict[str, Any]:
         """Check a manifest against this worker's parameters; nothing moves. `encoded` may be base64.
+        `regions`: this worker's region assignment (region delivery; may be base64).
 
         Returns `{"accepted", "need_manifest", "problems"}` (see WeightReceiver.validate).
         """
-        if isinstance(encoded, str):
-            try:
-                encoded = base64.b64decode(encoded, validate=True)
-            except binascii.Error as exc:
-                return {"accepted": False, "need_manifest": False, "problems": [f"corrupt manifest: not base64 ({exc})"]}
+        try:
+            encoded, regions = _unbase64(encoded), _unbase64(regions)
+        except binascii.Error as exc:
+            return {"accepted": False, "need_manifest": False, "problems": [f"corrupt manifest or region assignment: not base64 ({exc})"]}
         _, groups, _ = self.specs()
 
         def stacked_whole(manifest: BucketManifest) -> list[str]:
@@ -208,7 +209,7 @@ class VllmReceiverCore:
                     problems.append(f"{', '.join(missing)}: vLLM stacks these with {', '.join(present)}; send all of them or none")
             return problems
 
-        return self.receiver.validate(encoded, digest, self.specs()[0], extra_check=stacked_whole)
+        return self.receiver.validate(encoded, digest, self.specs()[0], extra_check=stacked_whole, regions=regions)
 
     # --- receive plan ------------------------------------------------------------------------
     def receive_plan(self) -> dict[str, Any]:
@@ -222,15 +223,24 @@ class VllmReceiverCore:
         model = self._model()
         specs = self.specs()[0]
         if self._plan is None or self._plan[0] != id(model):
+            # A tied head is the embedding's parameter: it is loaded from the embedding's regions
+            # (see `receive`), so a trainer may leave it out.
+            tied = self.specs()[2]
             try:
-                plan, rec = record_receive_plan(model, specs, self.vllm_config)
+                plan, rec = record_receive_plan(model, {n: s for n, s in specs.items() if n not in tied}, self.vllm_config)
             except Exception as exc:  # this worker keeps today's full receive
                 logger.warning("receive plan: recording failed (%s: %s); this worker receives whole tensors", type(exc).__name__, exc)
                 return {"plan": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
             self._plan = (id(model), plan, dict(rec.whole))
         _, plan, whole = self._plan
-        model_bytes = held_bytes(ReceivePlan({n: None for n in specs}), specs)
-        return {"plan": plan.to_wire(), "bytes": held_bytes(plan, specs), "model_bytes": model_bytes, "whole": whole}
+        needed = {n: s for n, s in specs.items() if n not in self.specs()[2]}
+        model_bytes = held_bytes(ReceivePlan({n: None for n in needed}), needed)
+        out = {"plan": plan.to_wire(), "bytes": held_bytes(plan, specs), "model_bytes": model_bytes, "whole": whole}
+        if len(plan.holds) == len(needed) and all(rs is None for rs in plan.holds.values()):
+            out["plan"] = None  # holds everything whole (no TP / EP): receive as without a plan
+            plan = None
+        self.receiver.regions.plan = plan
+        return out
 
     def land(self, items: Iterable[tuple[str, Region | None, torch.Tensor]], *, poison: bool = False) -> int:
         """Load region items (no transport) through layerwise reload and finalize; the recorded plan
@@ -241,7 +251,9 @@ class VllmReceiverCore:
         if self._plan is None:
             raise RuntimeError("call receive_plan() first")
         model = self._model()
-        assembler = RegionAssembler(self._plan[1], self.specs()[0], self.receiver.device, poison=poison)
+        plan = self._plan[1]
+        assembler = RegionAssembler(plan, self.specs()[0], self.receiver.device, poison=poison)
+        alias = {emb: head for head, emb in self.specs()[2].items() if emb in plan.holds}
         self.close_reload()
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
@@ -252,7 +264,7 @@ class VllmReceiverCore:
                 for name, region, tensor in items:
                     ready = assembler.add(name, region, tensor)
                     if ready:
-                        model.load_weights(ready)
+                        model.load_weights(ready + [(alias[n], t) for n, t in ready if n in alias])
                         loaded += len(ready)
             if assembler.incomplete():
                 raise RuntimeError(f"regions missing for {assembler.incomplete()[:5]}")
@@ -287,13 +299,30 @@ class VllmReceiverCore:
             detached[0] += _detach_pending(model, loadable)
             return len(pairs)
 
+        plan = self.receiver.regions.plan  # None: this worker receives whole tensors
+        assembler = RegionAssembler(plan, self.specs()[0], self.receiver.device) if plan is not None else None
+        if plan is not None:  # region delivery: a tied head comes only as its embedding
+            region_alias = {emb: head for head, emb in tied.items() if emb in plan.holds}
+
+        def load_regions(items: list[tuple[str, Region | None, torch.Tensor]]) -> int:
+            assert assembler is not None, "region items without a receive plan"
+            ready = [pair for item in items for pair in assembler.add(*item)]
+            if ready:
+                loadable = ready + [(region_alias[n], t) for n, t in ready if n in region_alias]
+                with set_current_vllm_config(self.vllm_config):
+                    model.load_weights(loadable)
+                detached[0] += _detach_pending(model, loadable)
+            return len(ready)
+
         self.stale = True
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
         self.reload_open = True
         try:
             with torch.no_grad():
-                report = self.receiver.receive(digest, load, delta=delta)
+                report = self.receiver.receive(digest, load, delta=delta, region_loader=load_regions if assembler is not None else None)
+            if assembler is not None and assembler.incomplete():
+                raise RuntimeError(f"region delivery ended with regions missing for {assembler.incomplete()[:5]}")
         except BaseException:
             self.close_reload()
             raise
@@ -333,6 +362,11 @@ class VllmReceiverCore:
             "buckets_received": self.receiver.buckets_received,
             "last_report": self.last_report,
         }
+
+
+def _unbase64(value: bytes | str | None) -> bytes | None:
+    """Bytes as sent in process, or base64 text as sent over HTTP (JSON carries no bytes)."""
+    return base64.b64decode(value, validate=True) if isinstance(value, str) else value
 
 
 def _detach_pending(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:

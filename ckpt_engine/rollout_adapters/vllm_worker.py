@@ -59,9 +59,11 @@ class CkptEngineWorkerExtension:
         """This worker's receive plan recorded from vLLM's own loaders (see VllmReceiverCore.receive_plan)."""
         return self._ckpt_core().receive_plan()
 
-    def ckpt_validate(self, encoded: bytes | str | None, digest: str) -> dict[str, Any]:
-        """Check a manifest against this worker's parameters; nothing moves. `encoded` may be base64."""
-        return self._ckpt_core().validate(encoded, digest)
+    def ckpt_validate(self, encoded: bytes | str | None, digest: str, regions: list[Any] | None = None) -> dict[str, Any]:
+        """Check a manifest against this worker's parameters; nothing moves. `encoded` may be base64.
+        `regions`: every worker's region assignment in rank order (region delivery); this one takes its own."""
+        mine = regions[self._ckpt_rank()] if regions is not None else None
+        return self._ckpt_core().validate(encoded, digest, mine)
 
     def ckpt_receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
         """Receive every bucket of an accepted manifest and load it (layerwise reload stays open);
