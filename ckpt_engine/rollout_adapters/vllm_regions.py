@@ -14,13 +14,15 @@ land through the same loader (see `region_assembler.py`), so the engine ends as 
 it. What cannot be bounded falls back to the whole tensor for that name, logged once: a loader that
 raises on a placeholder (it needs data: `.item()`, boolean masks), a read through a view that is not
 a box of the tensor, or a whole-tensor op before any slicing. Names the loader never touches
-(another EP rank's experts, a tied head vLLM skips) are absent: that rank does not need them.
+or reads nothing from (another EP rank's experts: looked at, then skipped) are absent. Not seen: a
+loader that installs the HF tensor itself as a parameter (`nn.Parameter(w)`) without any copy or
+`.data =` assignment; vLLM's loaders copy.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +33,7 @@ from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.region_footprint import Box, box_of_view, regions_of_boxes
 
-__all__ = ["PlanRecording", "record_receive_plan"]
+__all__ = ["PlanRecording", "record_receive_plan", "trace_loader"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +44,6 @@ class PlanRecording:
     specs: Mapping[str, TensorSpec]
     boxes: dict[str, list[Box]] = field(default_factory=dict)
     whole: dict[str, str] = field(default_factory=dict)
-    touched: set[str] = field(default_factory=set)
     computed: dict[str, str] = field(default_factory=dict)
     """Names read by an op other than a copy into a destination (arithmetic, a dtype conversion ...)."""
 
@@ -64,7 +65,8 @@ class PlanRecording:
         self.whole.setdefault(name, reason)
 
     def plan(self) -> ReceivePlan:
-        """Names read -> regions (None: whole); names never touched are left out."""
+        """Names read -> regions (None: whole); names never read are left out (a loader that looks at
+        a tensor and then skips it, as for another EP rank's expert, reads nothing)."""
         holds: dict[str, tuple[Region, ...] | None] = {}
         for name, spec in self.specs.items():
             if name in self.whole:
@@ -76,9 +78,6 @@ class PlanRecording:
                 if regions is None and name in self.computed:
                     self.whole[name] = f"{self.computed[name]} reads the whole tensor"
                 holds[name] = regions
-            elif name in self.touched:
-                self.whole[name] = "the loader used it without a recorded read"
-                holds[name] = None
         return ReceivePlan(holds)
 
 
@@ -105,8 +104,6 @@ class _RecordingMode(TorchFunctionMode):
         placeholders = [a for a in _walk((args, kwargs)) if isinstance(a, _Placeholder)]
         if not placeholders:
             return func(*args, **kwargs)
-        for p in placeholders:
-            p._ckpt_rec.touched.add(p._ckpt_name)
         if getattr(func, "__name__", "") in _SINK_NAMES:
             dest = args[0] if args else None
             for p in placeholders:
@@ -141,7 +138,9 @@ def _wrap(out: Any, placeholders: list[_Placeholder]) -> Any:
     """Keep aliases of a placeholder as placeholders (their geometry is followed); the rest plain."""
     if isinstance(out, (list, tuple)):
         wrapped = [_wrap(o, placeholders) for o in out]
-        return type(out)(wrapped) if isinstance(out, list) else tuple(wrapped)
+        if all(w is o for w, o in zip(wrapped, out)):
+            return out  # keeps torch.Size, named tuples and the like as they are
+        return wrapped if isinstance(out, list) else tuple(wrapped)
     if not isinstance(out, torch.Tensor) or isinstance(out, _Placeholder) or not out.is_meta:
         return out
     for p in placeholders:
@@ -191,8 +190,7 @@ def record_receive_plan(model: torch.nn.Module, specs: Mapping[str, TensorSpec],
                     if loader is not None and loader.__name__ == "online_process_loader":
                         saved.append((tensor, loader))
                         tensor.weight_loader = _get_original_loader(tensor)
-            with _RecordingMode():
-                _load_all(model, list(_placeholders(specs, rec)), rec)
+            trace_loader(model.load_weights, specs, rec)  # type: ignore[arg-type]
         finally:
             for tensor, loader in saved:
                 tensor.weight_loader = loader
@@ -212,8 +210,17 @@ def record_receive_plan(model: torch.nn.Module, specs: Mapping[str, TensorSpec],
     return plan, rec
 
 
-def _load_all(model: torch.nn.Module, items: list[tuple[str, torch.Tensor]], rec: PlanRecording) -> None:
-    """`load_weights` over every item; a loader that raises marks its name whole and the rest go on."""
+def trace_loader(load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any], specs: Mapping[str, TensorSpec], rec: PlanRecording | None = None) -> PlanRecording:
+    """Run `load` (a `load_weights`) over placeholders of `specs` under the recording mode and
+    return what it read; its destinations must accept writes that never happen (meta tensors)."""
+    rec = rec if rec is not None else PlanRecording(specs)
+    with _RecordingMode():
+        _load_all(load, list(_placeholders(specs, rec)), rec)
+    return rec
+
+
+def _load_all(load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any], items: list[tuple[str, torch.Tensor]], rec: PlanRecording) -> None:
+    """`load` over every item; a loader that raises marks its name whole and the rest go on."""
     pos = 0
     while pos < len(items):
         current = [pos]
@@ -225,7 +232,10 @@ def _load_all(model: torch.nn.Module, items: list[tuple[str, torch.Tensor]], rec
             current[0] = len(items)
 
         try:
-            model.load_weights(feed(pos))  # type: ignore[operator]
+            result = load(feed(pos))
+            if isinstance(result, Iterator):
+                for _ in result:  # a lazy loader loads as it is consumed
+                    pass
             return
         except Exception as exc:  # a loader that needs data (or refuses a name): whole tensor
             name = items[current[0]][0] if current[0] < len(items) else "?"
