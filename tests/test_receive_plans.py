@@ -114,3 +114,25 @@ def test_piece_owners_follow_the_senders_rows() -> None:
     mine = lay.sets[0].owners({Q: q}, {Q: row_shards(q, [40, 24])})
     assert mine is not None
     assert [(s.sender, s.start, s.stop) for s in mine[f"{Q}@0:32:32"]] == [(0, 0, 8 * 256), (1, 8 * 256, 32 * 256)]
+
+
+def test_assignment_wire_is_checked_against_the_engines_tensors() -> None:
+    from ckpt_engine.planning.buckets import plan_buckets
+    from ckpt_engine.planning.region_wire import RegionAssignment
+
+    specs = qwen2_specs()
+    by_name = {s.name: s for s in specs}
+    lay = RegionLayout.build(specs, [tp_ep_plan(specs, tp_size=2, tp_rank=r, num_kv_heads=1) for r in range(2)])
+    manifests = {s.index: plan_buckets([p.spec for p in s.pieces], 1 << 16) for s in lay.sets}
+    wire = RegionAssignment.of("d", "m", 1, lay.sets_of(1), manifests).to_wire()
+    back = RegionAssignment.from_wire(wire, by_name)
+    assert [s.index for s in back.sets] == [1, 2] and back.nbytes == lay.bytes_for(1)
+    with pytest.raises(ReceivePlanError, match="names tensor 'lm_head.weight', which this engine does not have"):
+        RegionAssignment.from_wire(wire, {n: s for n, s in by_name.items() if n != "lm_head.weight"})
+    small = dict(by_name, **{Q: TensorSpec(Q, "float32", (32, 64))})
+    with pytest.raises(ReceivePlanError, match=f"region .* of '{Q}' lies outside its shape"):
+        RegionAssignment.from_wire(wire, small)
+    other = RegionAssignment.of("d", "m", 1, [lay.sets[1]], {1: manifests[0]}).to_wire()
+    with pytest.raises(ReceivePlanError, match="does not carry exactly its pieces"):
+        RegionAssignment.from_wire(other, by_name)
+    assert RegionLayout.from_wire(lay.to_wire(), by_name).digest == lay.digest

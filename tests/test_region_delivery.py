@@ -47,7 +47,7 @@ def _rank(rank: int, rdzv: Rendezvous, kind: str, senders: int, receivers: int, 
     manifests = {s.index: planner.plan([p.spec for p in s.pieces], num_senders=senders, owners=s.owners(by_name, own)) for s in lay.sets}
     groups = RegionGroups(rdzv, rank, lay.digest, [(s.index, s.members) for s in lay.sets], make)
     groups.join()
-    out: dict[str, Any] = {"errors": [], "ok": []}
+    out: dict[str, Any] = {"errors": [], "ok": [], "slot_memories": len({e.transport.buffers[0].data_ptr() for e in engines})}
     receiver = rank - senders
     held = lay.held[receiver] if receiver >= 0 else {}
     tensors = {n: torch.zeros(cut_region(torch.empty(by_name[n].shape, device="meta"), rs[0]).shape) for n, rs in held.items()}
@@ -100,6 +100,8 @@ def _rank(rank: int, rdzv: Rendezvous, kind: str, senders: int, receivers: int, 
 @pytest.mark.parametrize("senders", [1, 2])
 def test_receivers_hold_their_slices_bit_for_bit(kind: str, senders: int) -> None:
     res = run_ranks(_rank, senders + 2, num_senders=senders, timeout_s=90, kind=kind, senders=senders, receivers=2, corrupt=False)
+    for r in res:
+        assert r["slot_memories"] == 1  # the sets share one set of slots per rank
     for r in res[:senders]:
         assert r["errors"] == []
     for r in res[senders:]:

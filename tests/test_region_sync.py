@@ -1,16 +1,23 @@
 """Region delivery through WeightSyncSession into reference engines in their own processes: TP=2
 ranks (and an EP=2 engine) hold exactly their slices bit for bit after a dense and two patch syncs,
 a whole-tensor engine beside them still gets every tensor, the report shows each rank's bytes, and
-bad plans are refused by engine, rank and tensor before any engine pauses."""
+two trainer ranks send their rows of each region, and bad plans are refused by engine, rank and
+tensor before any engine pauses."""
 
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
+import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from _region_trainer import region_trainer_main
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine.processes import run_processes
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
@@ -76,6 +83,27 @@ def test_tp_ranks_hold_their_slices_after_dense_and_patch_syncs(tp_engines: list
         assert tuple(tp_engines[0].get_tensor(k).shape) == (16, 64) == tuple(tp_engines[1].get_tensor(k).shape)
     finally:
         session.close()
+
+
+def test_two_trainer_ranks_send_their_rows_of_each_region(tp_engines: list[TorchRefRollout], tmp_path: Path) -> None:
+    info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in tp_engines]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=region_trainer_main, args=(r, 2, port, info, str(tmp_path), 3)) for r in range(2)]
+    run_processes(procs, 240)
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [e["ok"] for e in logs[1]] == [True] * 3, logs[1]
+    lead = logs[0]
+    assert [e["ok"] for e in lead] == [True] * 3, lead
+    assert [e["delta"] for e in lead] == ["seed", "patch", "patch"] and lead[0]["senders"] == 2
+    model = sum(s.nbytes for s in qwen2_specs())
+    assert lead[-1]["received"]["whole"] == [model] and lead[-1]["received"]["tp1"][0] <= 0.55 * model
+    w = weights(qwen2_specs(), 2)
+    for e in tp_engines:
+        (plan,) = e.receive_plans()
+        assert _wrong(e, w, plan) == [], e.name
 
 
 class _Claims(TorchRefRollout):

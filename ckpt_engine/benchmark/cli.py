@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--delta", action="store_true", help="real consecutive versions (AdamW on fp32 masters, cast to --dtype) sent as lossless patches")
     p.add_argument("--lr", type=above_zero, default=1e-6, help="AdamW learning rate of the versions --delta generates")
     p.add_argument("--versions", type=at_least(1), default=3, help="patch syncs after the dense seed with --delta")
+    p.add_argument(
+        "--receiver-tp", type=at_least(1), default=None,
+        help="receiver ranks are TP ranks of this size holding only their slices: region delivery against whole-tensor receive (benchmark/regions.py)",
+    )
     return p
 
 
@@ -214,9 +218,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.modes.split(",")) - set(MODES))
     if unknown:
         parser.error(f"argument --modes: unknown mode(s) {', '.join(unknown)}; allowed: {', '.join(MODES)}")
-    chain = args.delta or args.senders > 1
+    chain = (args.delta or args.senders > 1) and args.receiver_tp is None
     try:
-        if chain:
+        if args.receiver_tp is not None:
+            from ckpt_engine.benchmark.regions import print_region_summary, run_region_bench
+
+            device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+            backend = CheckpointEngineRegistry.resolve_name(args.backend, device)
+            bucket_mb = args.bucket_mb if args.bucket_mb is not None else default_bucket_mb(args, device)
+            summary = run_region_bench(args, backend, bucket_mb)
+        elif chain:
             from ckpt_engine.benchmark.chain import run_chain_bench
 
             device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -234,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json == "-":
         print(json.dumps(summary, indent=2))
     else:
-        if chain:
+        if args.receiver_tp is not None:
+            print_region_summary(summary, Console())
+        elif chain:
             from ckpt_engine.benchmark.chain import print_chain_summary
 
             print_chain_summary(summary, Console())

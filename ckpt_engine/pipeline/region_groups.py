@@ -26,7 +26,9 @@ from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.pipeline.region_assembly import RegionAssembly, RegionItem
 from ckpt_engine.planning.ownership import OwnerMap
 from ckpt_engine.planning.receive_sets import Piece, ReceiverSet, cut_region
+from ckpt_engine.pipeline.engine import PipelinedEngine
 from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats, TransferError
+from ckpt_engine.transports.process_groups import ProcessGroupTransport
 
 __all__ = ["RegionGroups", "receive_regions", "send_regions"]
 
@@ -46,6 +48,9 @@ class RegionGroups:
         self.sets = dict(sets)
         self.make_engine = make_engine
         self.engines: dict[int, CheckpointEngine] = {}
+        self._slots: list[torch.Tensor] = []
+        """Slot memory the sets share: they stream one after another, each drained (and on a
+        receiver its loader's copies waited for) before the next starts."""
         senders = rendezvous.num_senders
         self.receiver = rank - senders if rank >= senders else None
         self.mine = sorted(k for k, members in self.sets.items() if self.receiver is None or self.receiver in members)
@@ -59,11 +64,16 @@ class RegionGroups:
             members = self.sets[k]
             sub = dataclasses.replace(self.rdzv, token=f"{self.rdzv.token}/regions/{self.digest[:16]}/{k}", world_size=senders + len(members))
             engine = self.make_engine()
+            shares = isinstance(engine, PipelinedEngine) and isinstance(engine.transport, ProcessGroupTransport)
+            if shares and self._slots:
+                engine.transport.add_slots(self._slots)  # type: ignore[attr-defined]
             try:
                 engine.init_process_group(sub, self.rank if self.receiver is None else senders + members.index(self.receiver))
             except BaseException:
                 engine.finalize()
                 raise
+            if shares and not self._slots:
+                self._slots = list(engine.transport.buffers)  # type: ignore[attr-defined]
             self.engines[k] = engine
         logger.debug("rank %d joined %d receiver set group(s) of layout %s", self.rank, len(self.mine), self.digest[:12])
 
@@ -78,7 +88,7 @@ class RegionGroups:
             engine.abort()
 
     def close(self) -> None:
-        engines, self.engines = self.engines, {}
+        engines, self.engines, self._slots = self.engines, {}, []
         for engine in engines.values():
             try:
                 engine.finalize()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgpack
 import torch
@@ -127,9 +128,35 @@ class RegionLayout:
             raise ReceivePlanError(f"the receive plans make {len(by_set)} receiver sets (at most {MAX_RECEIVER_SETS})")
         order = sorted(by_set, key=lambda m: (len(m), m))
         sets = tuple(ReceiverSet(k, m, tuple(by_set[m])) for k, m in enumerate(order))
-        wire = [[list(s.members), [[p.spec.name, p.spec.dtype, list(p.spec.shape)] for p in s.pieces]] for s in sets]
-        digest = hashlib.sha256(msgpack.packb(wire, use_bin_type=True)).hexdigest()
-        return cls(sets, tuple(held), digest)
+        return cls(sets, tuple(held), _digest(sets))
+
+    def to_wire(self) -> list[Any]:
+        """The sets and their pieces as msgpack-ready lists (what another sender needs; not what
+        each receiver holds)."""
+        return [[list(s.members), [[p.name, p.region.to_wire() if p.region is not None else None] for p in s.pieces]] for s in self.sets]
+
+    @classmethod
+    def from_wire(cls, raw: Any, specs: Mapping[str, TensorSpec]) -> RegionLayout:
+        """A sender's copy of the layout (`held` empty), checked against the sync's tensors."""
+        if not isinstance(raw, list) or len(raw) > MAX_RECEIVER_SETS:
+            raise ReceivePlanError(f"region layout must be a list of at most {MAX_RECEIVER_SETS} sets")
+        sets = []
+        for k, item in enumerate(raw):
+            if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], list) or not isinstance(item[1], list):
+                raise ReceivePlanError("region layout: each set is [members, pieces]")
+            pieces = []
+            for piece in item[1]:
+                if not isinstance(piece, list) or len(piece) != 2 or piece[0] not in specs:
+                    raise ReceivePlanError(f"region layout: a piece must name a tensor of the sync, got {piece!r:.100}")
+                region = Region.from_wire(piece[0], piece[1]) if piece[1] is not None else None
+                spec = specs[piece[0]]
+                ReceivePlan({piece[0]: (region,) if region is not None else None}).check([spec])
+                shape = list(spec.shape)
+                if region is not None:
+                    shape[region.dim] = region.length
+                pieces.append(Piece(piece[0], region, TensorSpec(piece_name(piece[0], region), spec.dtype, tuple(shape))))
+            sets.append(ReceiverSet(k, tuple(item[0]), tuple(pieces)))
+        return cls(tuple(sets), (), _digest(tuple(sets)))
 
     def sets_of(self, receiver: int) -> list[ReceiverSet]:
         return [s for s in self.sets if receiver in s.members]
@@ -137,6 +164,11 @@ class RegionLayout:
     def bytes_for(self, receiver: int) -> int:
         """Bytes receiver `receiver` takes in one dense sync."""
         return sum(s.nbytes for s in self.sets_of(receiver))
+
+
+def _digest(sets: tuple[ReceiverSet, ...]) -> str:
+    wire = [[list(s.members), [[p.spec.name, p.spec.dtype, list(p.spec.shape)] for p in s.pieces]] for s in sets]
+    return hashlib.sha256(msgpack.packb(wire, use_bin_type=True)).hexdigest()
 
 
 def _cut(spec: TensorSpec, regions: dict[int, tuple[Region, ...] | None]) -> list[tuple[tuple[int, ...], Region | None]]:

@@ -54,6 +54,12 @@ class WeightReceiver:
         self._doing = ""
         self._since = 0.0
 
+    def set_plan(self, plan: ReceivePlan | None) -> None:
+        """State what this rank holds (e.g. recorded from the engine's loader after the model loaded);
+        an assignment accepted under an earlier plan is dropped (the next validate brings a new one)."""
+        self.regions.plan = plan
+        self.regions.left_plan()
+
     def _enter(self, what: str) -> None:
         if not self._busy.acquire(blocking=False):
             raise ReceiverBusyError(

@@ -39,6 +39,7 @@ class RegionReceiver:
         self._rank = 0
         self._make: Callable[[], CheckpointEngine] | None = None
         self._accepted: dict[str, tuple[RegionAssignment, RegionAssembly]] = {}
+        self._accepted_wire = b""
         self._groups: RegionGroups | None = None
 
     def joined(self, rendezvous: Rendezvous, rank: int, make_engine: Callable[[], CheckpointEngine]) -> None:
@@ -46,8 +47,12 @@ class RegionReceiver:
         self._rdzv, self._rank, self._make = rendezvous, rank, make_engine
 
     def left(self) -> None:
-        self._accepted = {}
+        self._accepted, self._accepted_wire = {}, b""
         self._drop_groups()
+
+    def left_plan(self) -> None:
+        """The plan changed: assignments made for the old one no longer hold."""
+        self._accepted, self._accepted_wire = {}, b""
 
     def _drop_groups(self) -> None:
         groups, self._groups = self._groups, None
@@ -62,6 +67,8 @@ class RegionReceiver:
 
     def accept(self, data: bytes, manifest: BucketManifest, expected: Mapping[str, TensorSpec] | None) -> list[str]:
         """Problems with this rank's assignment for `manifest` ([]: accepted and kept for its receive)."""
+        if data == self._accepted_wire and manifest.digest in self._accepted:
+            return []  # the same assignment as last sync: decoded and checked then
         specs = dict(expected) if expected is not None else {s.name: s for s in manifest.specs}
         try:
             a = RegionAssignment.from_wire(data, specs)
@@ -76,7 +83,7 @@ class RegionReceiver:
                 raise ReceivePlanError(f"region assignment sends {stray[0]!r}, which this rank does not hold ({len(stray)} such pieces)")
         except (ReceivePlanError, ManifestError) as exc:
             return [f"region assignment: {exc}"]
-        self._accepted = {manifest.digest: (a, asm)}
+        self._accepted, self._accepted_wire = {manifest.digest: (a, asm)}, data
         return []
 
     def has(self, digest: str) -> bool:

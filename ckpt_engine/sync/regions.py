@@ -6,8 +6,10 @@ rank and tensor before anything pauses), cuts the receiver sets (`planning/recei
 plans each set's buckets; all of it is cached while the plan, the plans and the bucket settings
 stay. `send` streams every set through its own group (`pipeline/region_groups.py`), joined once
 per layout and dropped with the weight-sync group. Region delivery is used when some rank states a
-plan, every engine takes regions (`takes_regions`) and one rank sends; otherwise every rank
-receives whole tensors, as before (logged once with the reason).
+plan and every engine takes regions (`takes_regions`); otherwise every rank receives whole
+tensors, as before (logged once with the reason). With many senders, trainer rank 0 announces the
+layout to the other senders (`announcement`); each plans the sets alike (`plan_sets`), checks the
+digest and sends its rows of every piece (`sender_tensors`).
 """
 
 from __future__ import annotations
@@ -17,18 +19,55 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import msgpack
 import torch
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.pipeline.region_groups import RegionGroups, send_regions
-from ckpt_engine.planning.receive_sets import RegionLayout
+from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.planning.ownership import OwnerMap
+from ckpt_engine.planning.receive_sets import ReceiverSet, RegionLayout
 from ckpt_engine.planning.region_wire import RegionAssignment
 from ckpt_engine.planning.regions import ReceivePlan, ReceivePlanError
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
+from ckpt_engine.sources.base import WeightSource
+from ckpt_engine.sources.sharded import ShardedWeightSource, piece_names
 from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
 
-__all__ = ["RegionDelivery", "RegionSync"]
+__all__ = ["RegionDelivery", "RegionSync", "plan_sets", "sender_tensors"]
+
+MAX_LAYOUT_BYTES = 900_000
+"""The layout travels to the other senders in one announcement (at most 1 MiB)."""
+
+
+def plan_sets(
+    layout: RegionLayout, engine: CheckpointEngine, specs: Sequence[TensorSpec], senders: int, owners: OwnerMap | None,
+) -> tuple[dict[int, BucketManifest], str]:
+    """Every set's bucket manifest and the digest of them all (with the layout's): a pure function,
+    so every sender plans alike."""
+    by_name = {s.name: s for s in specs}
+    manifests = {
+        s.index: engine.plan([p.spec for p in s.pieces], num_senders=senders, owners=s.owners(by_name, owners)) for s in layout.sets
+    }
+    digest = hashlib.sha256("/".join([layout.digest, *(m.digest for m in manifests.values())]).encode()).hexdigest()
+    return manifests, digest
+
+
+def sender_tensors(
+    source: ShardedWeightSource, sets: Sequence[ReceiverSet], manifests: dict[int, BucketManifest], *, stable: bool,
+) -> dict[str, torch.Tensor]:
+    """This sender's piece (`local_piece`) of every tensor some set has it send, in one walk."""
+    names: dict[str, None] = {}
+    for s in sets:
+        by_vname = {p.spec.name: p.name for p in s.pieces}
+        for vname in piece_names(manifests[s.index], source.sender_index):
+            names.setdefault(by_vname[vname])
+    source.begin_pieces()
+    try:
+        return {n: (t if stable else t.clone()) for n in names for t in (source.local_piece(n),)}
+    finally:
+        source.end_pieces()
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +84,8 @@ class RegionSync:
     """Encoded `RegionAssignment` per receiver rank (rank order)."""
     received_bytes: list[int]
     """Bytes each receiver rank takes in a dense sync."""
+    owners: OwnerMap | None = None
+    """The senders' shards of the whole tensors (many senders)."""
 
 
 class RegionDelivery:
@@ -75,37 +116,49 @@ class RegionDelivery:
             self.plans += ranks
             self.owners += [(r.name, i) for i in range(r.world_size)]
 
-    def prepare(self, rollouts: Sequence[RolloutAdapter], manifest: BucketManifest, engine: CheckpointEngine, senders: int) -> RegionSync | None:
+    def prepare(
+        self, rollouts: Sequence[RolloutAdapter], manifest: BucketManifest, engine: CheckpointEngine, senders: int, source: WeightSource,
+    ) -> RegionSync | None:
         """This sync's region delivery, or None; a plan that does not fit the tensors is refused
         (ManifestRejectedError naming the engine, its rank and the tensor) before anything pauses."""
         self.active = None
         if all(p is None for p in self.plans):
             return None
-        why = self._refusal(rollouts, senders)
+        owners = source.owners() if senders > 1 and isinstance(source, ShardedWeightSource) else None
+        why = self._refusal(rollouts, senders, source)
         if why is not None:
-            if why != self._said:
-                logger.warning("receive plans stated, but every rank receives whole tensors: %s", why)
-                self._said = why
-            return None
+            return self._whole(why)
         key = (manifest.digest, engine.bucket_size_bytes, engine.solo_bytes, tuple(map(_plan_key, self.plans)))
         if key != self._key or self._cached is None:
-            self._cached, self._key = self._build(manifest, engine), key
+            self._cached, self._key = self._build(manifest, engine, senders, owners), key
+        if senders > 1 and len(msgpack.packb(self._cached.layout.to_wire(), use_bin_type=True)) > MAX_LAYOUT_BYTES:
+            return self._whole(f"the layout is too large to announce to the other senders (more than {MAX_LAYOUT_BYTES} bytes)")
         self.active = self._cached
         return self.active
 
-    def _refusal(self, rollouts: Sequence[RolloutAdapter], senders: int) -> str | None:
-        if senders > 1:
-            return "region delivery from several senders runs at the engine level only so far (the session sends from one rank)"
+    def _whole(self, why: str) -> None:
+        if why != self._said:
+            logger.warning("receive plans stated, but every rank receives whole tensors: %s", why)
+            self._said = why
+
+    def _refusal(self, rollouts: Sequence[RolloutAdapter], senders: int, source: WeightSource) -> str | None:
+        if senders > 1 and isinstance(source, ShardedWeightSource) and source.collective_pieces:
+            return "the source's pieces are collective with TP helpers, which walk them in the whole-tensor plan's order"
         whole = [r.name for r in rollouts if not r.takes_regions]
         return f"engine(s) {', '.join(whole)} take no region delivery" if whole else None
 
-    def _build(self, manifest: BucketManifest, engine: CheckpointEngine) -> RegionSync:
+    def announcement(self) -> dict[str, object] | None:
+        """What the other senders need of this sync's region delivery (None: none)."""
+        if self.active is None:
+            return None
+        return {"layout": self.active.layout.to_wire(), "digest": self.active.digest}
+
+    def _build(self, manifest: BucketManifest, engine: CheckpointEngine, senders: int, owners: OwnerMap | None) -> RegionSync:
         try:
             layout = RegionLayout.build(manifest.specs, self.plans)
         except ReceivePlanError as exc:
             raise self._rejected(exc) from None
-        manifests = {s.index: engine.plan([p.spec for p in s.pieces]) for s in layout.sets}
-        digest = hashlib.sha256("/".join([layout.digest, *(m.digest for m in manifests.values())]).encode()).hexdigest()
+        manifests, digest = plan_sets(layout, engine, manifest.specs, senders, owners)
         assignments = [
             RegionAssignment.of(digest, manifest.digest, r, layout.sets_of(r), manifests).to_wire() for r in range(len(self.plans))
         ]
@@ -113,7 +166,7 @@ class RegionDelivery:
         logger.info(
             "region delivery: %d receiver set(s); per rank %s of %d bytes", len(layout.sets), received, manifest.total_bytes
         )
-        return RegionSync(layout, manifests, digest, assignments, received)
+        return RegionSync(layout, manifests, digest, assignments, received, owners)
 
     def _rejected(self, exc: ReceivePlanError) -> ManifestRejectedError:
         text = str(exc)
@@ -143,7 +196,7 @@ class RegionDelivery:
 
     def send(
         self, engine: CheckpointEngine, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool,
-        delta: DeltaRequest | None, make_engine: Callable[[], CheckpointEngine],
+        delta: DeltaRequest | None, make_engine: Callable[[], CheckpointEngine], source: WeightSource,
     ) -> SendStats:
         """The one sender's side: walk the source once, then every set through its group (made
         by `make_engine`); without region delivery, `engine.send_weights` as ever."""
@@ -151,7 +204,10 @@ class RegionDelivery:
         if sync is None or rendezvous is None:
             extra = {"delta": delta} if delta is not None else {}
             return engine.send_weights(manifest, weights, stable=stable, **extra)
-        tensors = {name: (t if stable else t.clone()) for name, t in weights}
+        if sync.owners is not None and isinstance(source, ShardedWeightSource):  # many senders: this rank's rows
+            tensors = sender_tensors(source, sync.layout.sets, sync.manifests, stable=stable)
+        else:
+            tensors = {name: (t if stable else t.clone()) for name, t in weights}
         groups = self._groups
         if groups is None or groups.digest != sync.digest or groups.rdzv != rendezvous:
             self.drop_groups()
@@ -159,8 +215,8 @@ class RegionDelivery:
             groups = self._groups = RegionGroups(rendezvous, 0, sync.digest, sets, make_engine)
         try:
             groups.join()
-            shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-            return send_regions(groups, sync.layout.sets, sync.manifests, tensors, shapes, delta=delta)
+            shapes = {s.name: s.shape for s in manifest.specs}
+            return send_regions(groups, sync.layout.sets, sync.manifests, tensors, shapes, owners=sync.owners, delta=delta)
         except BaseException:
             self.drop_groups()  # closing the sender's sides wakes receivers blocked on them
             raise

@@ -18,6 +18,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.sync.region_follower import FollowerRegions
 from ckpt_engine.sync.sender_channel import SenderChannel
 from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces, piece_names
 
@@ -34,8 +35,9 @@ def join_message(rendezvous: Rendezvous | None, options: dict[str, Any]) -> dict
     return {"kind": "join", "rdzv": rendezvous.to_dict() if rendezvous is not None else None, "options": options}
 
 
-def send_message(action: str, digest: str = "", delta: DeltaRequest | None = None) -> dict[str, Any]:
-    return {"kind": "send", "action": action, "digest": digest, "delta": delta.to_dict() if delta is not None else None}
+def send_message(action: str, digest: str = "", delta: DeltaRequest | None = None, regions: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`regions`: region delivery's layout and digest (`RegionDelivery.announcement`), or None."""
+    return {"kind": "send", "action": action, "digest": digest, "delta": delta.to_dict() if delta is not None else None, "regions": regions}
 
 
 def _expect(msg: dict[str, Any], kind: str, keys: set[str]) -> dict[str, Any]:
@@ -82,6 +84,7 @@ class SenderFollower:
         self.channel = channel
         self.engine: CheckpointEngine | None = None
         self.joined = False
+        self._regions = FollowerRegions()
 
     def _join(self, msg: dict[str, Any], sender_index: int, sends: bool) -> None:
         if msg["rdzv"] is None:
@@ -98,6 +101,10 @@ class SenderFollower:
         if sends:
             engine.init_process_group(rdzv, sender_index)
         self.engine, self.joined = engine, sends
+        self._regions.joined(rdzv, lambda: CheckpointEngineRegistry.new(
+            rdzv.backend, bucket_size_bytes=opts["bucket_size_bytes"], num_buffers=opts["num_buffers"],
+            timeout_s=rdzv.timeout_s, verify=opts["verify"], **opts["engine_kwargs"],
+        ), engine)
 
     def sync(self, source: ShardedWeightSource) -> None:
         """Collective with trainer rank 0's sync: follow its two announcements, send, report."""
@@ -109,7 +116,7 @@ class SenderFollower:
         except Exception as exc:
             error = f"join failed: {type(exc).__name__}: {exc}"
             logger.warning("trainer rank %d: %s", self.channel.rank, error)
-        msg = _announced(self.channel, "send", {"kind", "action", "digest", "delta"})
+        msg = _announced(self.channel, "send", {"kind", "action", "digest", "delta", "regions"})
         if msg["action"] != "send":
             return
         manifest = None
@@ -119,7 +126,10 @@ class SenderFollower:
             if any(e is not None for e in self.channel.gather_status(error)):
                 manifest = None
         if manifest is not None:
-            error = self._send(source, manifest, msg) if sends else self._assist(source, manifest)
+            if msg["regions"] is not None and sends:
+                error = self._regions.send(source, manifest, msg)
+            else:
+                error = self._send(source, manifest, msg) if sends else self._assist(source, manifest)
         try:
             errors = self.channel.gather_status(error)
         except RuntimeError as exc:  # rank 0 gathers last: the report round fails when it (or a sender) died
@@ -172,6 +182,7 @@ class SenderFollower:
             return f"walking sender {source.sender_index}'s pieces as its TP helper failed: {type(exc).__name__}: {exc}"
 
     def close(self) -> None:
+        self._regions.close()
         engine, self.engine, self.joined = self.engine, None, False
         if engine is not None:
             engine.finalize()

@@ -313,7 +313,7 @@ class WeightSyncSession:
         t0 = time.perf_counter()
         seconds: dict[str, float] = {}
         new_version, engine, manifest = self._prepare(source, version, senders)
-        regions = self._regions.prepare(self.rollouts, manifest, engine, senders)  # a bad plan is refused here
+        regions = self._regions.prepare(self.rollouts, manifest, engine, senders, source)  # a bad plan is refused here
         pieces = None
         if weights is None:  # many senders: this rank's own pieces, no gather
             pieces = iter_pieces(source, manifest)  # type: ignore[arg-type]  # count(): sharded
@@ -374,7 +374,7 @@ class WeightSyncSession:
         source, engines, the sender or other trainer ranks) and leaves the engines stale."""
         t = time.perf_counter()
         if senders > 1:
-            self._senders.start_send(send_message("send", manifest.digest, request))
+            self._senders.start_send(send_message("send", manifest.digest, request, self._regions.announcement()))
             failed = self._senders.not_ready(source)  # type: ignore[arg-type]  # with TP helpers: every rank ready first
             if failed:
                 self._break({}, probe=False)  # the engines only validated and paused: stale, not dead
@@ -383,7 +383,8 @@ class WeightSyncSession:
         receives = {r.name: self._pool.submit(r.receive, manifest, **extra) for r in self.rollouts}
         try:
             stats = self._regions.send(  # the engine's own send_weights without region delivery
-                engine, manifest, weights, stable=_stable(source, senders), delta=request, make_engine=lambda: self._new_engine(engine.bucket_size_bytes)
+                engine, manifest, weights, stable=_stable(source, senders), delta=request,
+                make_engine=lambda: self._new_engine(engine.bucket_size_bytes), source=source,
             )
         except Exception as exc:
             self._send_failed(exc, source, engine, weights, pieces, receives, senders)

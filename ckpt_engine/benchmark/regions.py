@@ -1,0 +1,218 @@
+"""`ckpt-engine bench --receiver-tp N`: region delivery against whole-tensor receive, in one run.
+
+Senders hold the model (with --senders above 1, each its dim-0 row block of every matrix); the
+receiver ranks are TP ranks (rank i holds TP rank i % N's slices, `planning/tp_ep.py`) and offer
+their slice tensors as destinations. Each iteration times, on the same processes and links:
+  full    : today's receive: every rank takes every tensor whole and keeps its slice
+  regions : region delivery: each rank takes only its regions, each shared region once per set
+Prints best/median seconds per mode, bytes into each receiver rank beside the model's, the
+speed-up, and whether every rank's slices equal the senders' weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+from ckpt_engine.benchmark.rank_exit import check_ranks
+from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.pipeline.region_assembly import RegionAssembly
+from ckpt_engine.pipeline.region_groups import RegionGroups, receive_regions, send_regions
+from ckpt_engine.pipeline.wire_views import torch_dtype
+from ckpt_engine.planning.ownership import row_shards
+from ckpt_engine.planning.receive_sets import RegionLayout, cut_region
+from ckpt_engine.planning.tp_ep import tp_ep_plan
+from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
+
+__all__ = ["print_region_summary", "run_region_bench"]
+
+MODES = ("full", "regions")
+
+
+def run_region_bench(args: argparse.Namespace, backend: str, bucket_mb: float) -> dict[str, Any]:
+    """Spawn the ranks, collect their timings, summarize."""
+    world = args.senders + args.receivers
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=args.timeout_s))
+    rdzv = Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, world, backend, args.timeout_s, args.senders)
+    prefixed = torch.distributed.PrefixStore(f"{rdzv.token}/", store)
+    cfg = {
+        "rdzv": rdzv.to_dict(), "preset": args.preset, "layers": args.layers, "dtype": args.dtype, "bucket_mb": bucket_mb,
+        "buffers": args.buffers, "iters": args.iters, "receiver_tp": args.receiver_tp, "receivers": args.receivers, "senders": args.senders,
+    }
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "ckpt_engine.benchmark.regions", str(r), json.dumps(cfg)], env=env) for r in range(world)
+    ]
+    deadline = time.monotonic() + args.timeout_s * (2 * args.iters + 4)
+    try:
+        while any(p.poll() is None for p in procs):
+            check_ranks(procs)
+            if time.monotonic() > deadline:
+                raise TimeoutError("region bench did not finish in time")
+            time.sleep(0.2)
+        check_ranks(procs)
+        results = [json.loads(prefixed.get(f"result/{r}")) for r in range(world)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return _summarize(results, cfg, backend)
+
+
+def _summarize(results: list[dict[str, Any]], cfg: dict[str, Any], backend: str) -> dict[str, Any]:
+    model = results[0]["model_bytes"]
+    summary: dict[str, Any] = {
+        "preset": cfg["preset"], "layers": cfg["layers"], "dtype": cfg["dtype"], "backend": backend, "senders": cfg["senders"],
+        "receivers": cfg["receivers"], "receiver_tp": cfg["receiver_tp"], "bucket_mb": cfg["bucket_mb"], "model_bytes": model,
+        "tensors": results[0]["tensors"], "modes": {},
+    }
+    for mode in MODES:
+        times = [max(r["seconds"][mode][i] for r in results) for i in range(cfg["iters"])]  # slowest rank per iteration
+        summary["modes"][mode] = {
+            "best_s": min(times), "median_s": statistics.median(times), "all_s": times,
+            "received_bytes": [r["received"][mode] for r in results[cfg["senders"] :]],
+        }
+    full, regions = summary["modes"]["full"], summary["modes"]["regions"]
+    summary["time_ratio"] = regions["median_s"] / full["median_s"]
+    summary["speedup"] = full["median_s"] / regions["median_s"]
+    summary["max_received_fraction"] = max(regions["received_bytes"]) / model
+    problems = [f"rank {r['rank']}: {p}" for r in results for p in r["problems"]]
+    summary["correct"], summary["problems"] = not problems, problems
+    return summary
+
+
+def print_region_summary(summary: dict[str, Any], console: Console) -> None:
+    title = (
+        f"{summary['preset']}: {summary['tensors']} tensors, {summary['model_bytes'] / 1e9:.3f} GB {summary['dtype']}, {summary['backend']}, "
+        f"{summary['senders']} sender(s) -> {summary['receivers']} receiver ranks as TP={summary['receiver_tp']}"
+    )
+    table = Table(title=title)
+    for col in ("mode", "best s", "median s", "bytes into each receiver rank", "x model"):
+        table.add_column(col, justify="right" if col != "mode" else "left")
+    for mode, m in summary["modes"].items():
+        most = max(m["received_bytes"])
+        table.add_row(mode, f"{m['best_s']:.4f}", f"{m['median_s']:.4f}", ", ".join(f"{b / 1e6:.1f} MB" for b in m["received_bytes"]), f"{most / summary['model_bytes']:.3f}")
+    console.print(table)
+    console.print(f"region delivery / full receive: {summary['time_ratio']:.3f} of the time ({summary['speedup']:.2f} x faster)")
+    console.print("correctness: " + ("every rank's slices equal the senders' weights" if summary["correct"] else "; ".join(summary["problems"])))
+
+
+# --- one rank ------------------------------------------------------------------------------------
+def _fill(spec: TensorSpec, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(spec.shape, generator=g).to(torch_dtype(spec.dtype))
+
+
+def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    rdzv = Rendezvous.from_dict(cfg["rdzv"])
+    store = rdzv.connect_store()
+    config = load_preset_config(cfg["preset"])
+    specs = checkpoint_specs(config, dtype=cfg["dtype"], num_layers=cfg["layers"])
+    by_name = {s.name: s for s in specs}
+    senders, tp = cfg["senders"], cfg["receiver_tp"]
+    kv = config.get("num_key_value_heads", config["num_attention_heads"])
+    plans = [tp_ep_plan(specs, tp_size=tp, tp_rank=r % tp, num_kv_heads=kv) for r in range(cfg["receivers"])]
+    layout = RegionLayout.build(specs, plans)
+    owners = None
+    if senders > 1:
+        owners = {}
+        for s in specs:
+            if s.shape and s.shape[0] >= senders:
+                owners[s.name] = row_shards(s, [s.shape[0] // senders + (i < s.shape[0] % senders) for i in range(senders)])
+    bucket = int(cfg["bucket_mb"] * (1 << 20)) // 4096 * 4096
+
+    def make() -> Any:
+        return CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=bucket, num_buffers=cfg["buffers"], timeout_s=rdzv.timeout_s)
+
+    engine = make()
+    engine.init_process_group(rdzv, rank)
+    manifest = engine.plan(specs, num_senders=senders, owners=owners)
+    groups = RegionGroups(rdzv, rank, layout.digest, [(s.index, s.members) for s in layout.sets], make)
+    groups.join()
+    manifests = {s.index: engine.plan([p.spec for p in s.pieces], num_senders=senders, owners=s.owners(by_name, owners)) for s in layout.sets}
+    full = {s.name: _fill(s, i) for i, s in enumerate(specs)}
+    receiver = rank - senders
+    out: dict[str, Any] = {"rank": rank, "model_bytes": manifest.total_bytes, "tensors": len(specs), "problems": []}
+    out["seconds"] = {m: [] for m in MODES}
+    if receiver < 0:
+        local = dict(full)
+        for name, shards in (owners or {}).items():
+            row = by_name[name].nbytes // by_name[name].shape[0]
+            local[name] = next(full[name][sh.start // row : sh.stop // row] for sh in shards if sh.sender == rank)
+        shapes = {s.name: s.shape for s in specs}
+
+        def walk() -> Any:
+            last = None
+            for e in (e for b in manifest.sender_buckets(rank) for e in b.entries):
+                if e.name != last:
+                    last = e.name
+                    yield e.name, local[e.name]
+
+        run = {"full": lambda: engine.send_weights(manifest, walk(), stable=True),
+               "regions": lambda: send_regions(groups, layout.sets, manifests, local, shapes, owners=owners)}
+        out["received"] = {m: 0 for m in MODES}
+    else:
+        held = layout.held[receiver]
+        tensors = {n: torch.zeros(cut_region(full[n], rs[0]).shape, dtype=full[n].dtype) for n, rs in held.items()}
+        asm = RegionAssembly(held, (p for s in layout.sets_of(receiver) for p in s.pieces), by_name)
+
+        def receive_full() -> None:
+            for b in engine.receive_buckets(manifest, None):
+                for name, t in b:
+                    tensors[name].copy_(cut_region(t, held[name][0]))  # the engine keeps its slice
+
+        def receive_regions_() -> None:
+            for items in receive_regions(groups, manifests, asm, tensors):
+                for name, _, t in items:
+                    if t.data_ptr() != tensors[name].data_ptr():
+                        tensors[name].copy_(t)
+
+        run = {"full": receive_full, "regions": receive_regions_}
+        out["received"] = {"full": manifest.total_bytes, "regions": layout.bytes_for(receiver)}
+    world = rdzv.world_size
+    for i in range(cfg["iters"] + 1):  # the first round warms up
+        for mode in MODES:
+            if receiver >= 0:
+                for t in tensors.values():
+                    t.zero_()
+            key = f"barrier/{i}/{mode}"
+            store.add(key, 1)
+            while store.add(key, 0) < world:
+                time.sleep(1e-4)
+            t0 = time.perf_counter()
+            run[mode]()
+            if i > 0:
+                out["seconds"][mode].append(time.perf_counter() - t0)
+            if receiver >= 0:
+                bad = [n for n, rs in held.items() if not torch.equal(tensors[n], cut_region(full[n], rs[0]))]
+                if bad:
+                    out["problems"].append(f"{mode}: {len(bad)} tensors differ (first {bad[0]})")
+    groups.close()
+    engine.finalize()
+    return out
+
+
+def main() -> None:
+    rank, cfg = int(sys.argv[1]), json.loads(sys.argv[2])
+    result = _rank(rank, cfg)
+    rdzv = Rendezvous.from_dict(cfg["rdzv"])
+    rdzv.connect_store().set(f"result/{rank}", json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
