@@ -239,7 +239,7 @@ class VllmReceiverCore:
         if len(plan.holds) == len(needed) and all(rs is None for rs in plan.holds.values()):
             out["plan"] = None  # holds everything whole (no TP / EP): receive as without a plan
             plan = None
-        self.receiver.regions.plan = plan
+        self.receiver.set_plan(plan)
         return out
 
     def land(self, items: Iterable[tuple[str, Region | None, torch.Tensor]], *, poison: bool = False) -> int:
