@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest
+from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class _VllmAdapterBase(RolloutAdapter):
 
     supports_delta = True  # the worker keeps a base copy, applies patches there, reloads full tensors
     supports_many_senders = True
+    takes_regions = True  # each worker states the regions its loaders read (receive_plans)
 
     def __init__(self, name: str, timeout_s: float) -> None:
         self.name = name
@@ -88,11 +90,30 @@ class _VllmAdapterBase(RolloutAdapter):
         results = self._rpc("ckpt_join", rendezvous=rendezvous.to_dict(), rank_offset=rank_offset, options=options.to_dict())
         self.pids = [int(r["pid"]) for r in results]
 
+    def receive_plans(self) -> list[ReceivePlan | None]:
+        """Per worker rank, the regions it holds, recorded in each worker from vLLM's own loaders
+        (None: that worker could not record one and receives whole tensors)."""
+        plans: list[ReceivePlan | None] = []
+        for rank, reply in enumerate(self._rpc("ckpt_receive_plan")):
+            if reply.get("plan") is None:
+                logger.warning("engine %s worker %d: no receive plan (%s); it receives whole tensors", self.name, rank, reply.get("error"))
+                plans.append(None)
+            else:
+                plans.append(ReceivePlan.from_wire(reply["plan"]))
+        return plans
+
     def validate(self, manifest: BucketManifest, encoded: bytes) -> None:
+        self._validate(manifest, encoded, {})
+
+    def validate_regions(self, manifest: BucketManifest, encoded: bytes, assignments: list[bytes]) -> None:
+        """`validate`, each worker also checking its region assignment against its recorded plan."""
+        self._validate(manifest, encoded, {"regions": [self._encode_manifest(a) for a in assignments]})
+
+    def _validate(self, manifest: BucketManifest, encoded: bytes, extra: dict[str, Any]) -> None:
         send = None if self._sent_digest == manifest.digest else self._encode_manifest(encoded)
-        replies = self._rpc("ckpt_validate", encoded=send, digest=manifest.digest)
+        replies = self._rpc("ckpt_validate", encoded=send, digest=manifest.digest, **extra)
         if any(r.get("need_manifest") for r in replies):
-            replies = self._rpc("ckpt_validate", encoded=self._encode_manifest(encoded), digest=manifest.digest)
+            replies = self._rpc("ckpt_validate", encoded=self._encode_manifest(encoded), digest=manifest.digest, **extra)
         problems: list[str] = []
         for rank, reply in enumerate(replies):
             if not reply.get("accepted"):

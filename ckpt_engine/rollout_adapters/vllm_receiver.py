@@ -25,7 +25,9 @@ from typing import Any
 import torch
 
 from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
+from ckpt_engine.rollout_adapters.region_assembler import RegionAssembler, held_bytes
 
 __all__ = ["VllmReceiverCore", "vllm_checkpoint_specs"]
 
@@ -41,7 +43,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def vllm_checkpoint_specs(model: torch.nn.Module) -> Specs:
     """Checkpoint-format (HF) names and global shapes of every tensor `model.load_weights` takes.
 
-    Applies vLLM's stacking rules (`packed_modules_mapping`: q/k/v -> qkv_proj, gate/up ->
+    Fused expert layers (`w13` / `w2`) take one tensor per expert, named by the layer's own
+    expert mapping; all of a layer's experts form one group. Applies vLLM's stacking rules (`packed_modules_mapping`: q/k/v -> qkv_proj, gate/up ->
     gate_up_proj), undoes tensor-parallel sharding and vocab padding. With tied embeddings
     `lm_head.weight` is accepted but optional. Returns (specs, groups, tied): each group lists the
     checkpoint names that fill one vLLM parameter (a manifest must send all or none of a group, or
@@ -57,7 +60,14 @@ def vllm_checkpoint_specs(model: torch.nn.Module) -> Specs:
     tied: dict[str, str] = {}
     seen: set[int] = set()
     embed_name: str | None = None
+    experts_cls = _routed_experts_class()
     for mod_name, module in model.named_modules():
+        if experts_cls is not None and isinstance(module, experts_cls):
+            group = _expert_specs(module, specs)
+            if group:
+                groups.append(group)
+                seen.update(id(p) for p in module.parameters(recurse=False))
+                continue
         for p_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
                 continue
@@ -100,6 +110,37 @@ def vllm_checkpoint_specs(model: torch.nn.Module) -> Specs:
     return specs, groups, tied
 
 
+def _routed_experts_class() -> type | None:
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    except ImportError:  # a vLLM without it: fused experts are not recognised
+        return None
+    return RoutedExperts
+
+
+def _expert_specs(module: torch.nn.Module, specs: dict[str, TensorSpec]) -> list[str]:
+    """Per-expert checkpoint names and global shapes of one fused expert layer (`w13` / `w2`),
+    from the layer's own expert mapping; [] when its layout is not the plain one."""
+    weights = {"w1": "w13_weight", "w3": "w13_weight", "w2": "w2_weight"}
+    layer_name = getattr(module, "layer_name", "")
+    base = layer_name.rpartition(".")[0]
+    params = dict(module.named_parameters(recurse=False))
+    if not layer_name.endswith("experts") or not {"w13_weight", "w2_weight"} <= set(params):
+        return []
+    inter, hidden = int(module.moe_config.intermediate_size), int(module.hidden_size)  # type: ignore[union-attr]
+    names: list[str] = []
+    for _, weight_name, _, shard_id in module.get_expert_mapping():  # type: ignore[operator]
+        if shard_id not in weights or not weight_name.startswith("experts."):
+            return []
+        name = f"{base}.{weight_name}weight" if base else f"{weight_name}weight"
+        if name in specs:
+            continue  # a redundant (EPLB) copy of a logical expert
+        shape = (hidden, inter) if shard_id == "w2" else (inter, hidden)
+        specs[name] = TensorSpec(name, _dtype_name(params[weights[shard_id]].dtype), shape)
+        names.append(name)
+    return names
+
+
 class VllmReceiverCore:
     """One vLLM worker's receiving state: group membership, accepted manifest, open reload, version.
 
@@ -120,6 +161,7 @@ class VllmReceiverCore:
         self.runner = runner
         self.receiver = WeightReceiver(device=torch.device(device) if device is not None else torch.device("cpu"))
         self._specs: tuple[int, Specs] | None = None
+        self._plan: tuple[int, ReceivePlan, dict[str, str]] | None = None
         self.version: Any = None
         self.reload_open = False
         self.stale = False
@@ -145,16 +187,16 @@ class VllmReceiverCore:
         specs, _, _ = self.specs()
         return [[s.name, s.dtype, list(s.shape)] for s in specs.values()]
 
-    def validate(self, encoded: bytes | str | None, digest: str) -> dict[str, Any]:
+    def validate(self, encoded: bytes | str | None, digest: str, regions: bytes | str | None = None) -> dict[str, Any]:
         """Check a manifest against this worker's parameters; nothing moves. `encoded` may be base64.
+        `regions`: this worker's region assignment (region delivery; may be base64).
 
         Returns `{"accepted", "need_manifest", "problems"}` (see WeightReceiver.validate).
         """
-        if isinstance(encoded, str):
-            try:
-                encoded = base64.b64decode(encoded, validate=True)
-            except binascii.Error as exc:
-                return {"accepted": False, "need_manifest": False, "problems": [f"corrupt manifest: not base64 ({exc})"]}
+        try:
+            encoded, regions = _unbase64(encoded), _unbase64(regions)
+        except binascii.Error as exc:
+            return {"accepted": False, "need_manifest": False, "problems": [f"corrupt manifest or region assignment: not base64 ({exc})"]}
         _, groups, _ = self.specs()
 
         def stacked_whole(manifest: BucketManifest) -> list[str]:
@@ -167,7 +209,68 @@ class VllmReceiverCore:
                     problems.append(f"{', '.join(missing)}: vLLM stacks these with {', '.join(present)}; send all of them or none")
             return problems
 
-        return self.receiver.validate(encoded, digest, self.specs()[0], extra_check=stacked_whole)
+        return self.receiver.validate(encoded, digest, self.specs()[0], extra_check=stacked_whole, regions=regions)
+
+    # --- receive plan ------------------------------------------------------------------------
+    def receive_plan(self) -> dict[str, Any]:
+        """This worker's receive plan, recorded once per model from vLLM's own loaders (a dry run;
+        never while a reload is open). Returns {"plan": wire form, "bytes", "model_bytes", "whole"};
+        {"plan": None, "error"} when the dry run failed (the worker then receives whole tensors)."""
+        from ckpt_engine.rollout_adapters.vllm_regions import record_receive_plan
+
+        if self.reload_open:
+            raise RuntimeError("cannot record a receive plan while a weight reload is open; finalize first")
+        model = self._model()
+        specs = self.specs()[0]
+        if self._plan is None or self._plan[0] != id(model):
+            # A tied head is the embedding's parameter: it is loaded from the embedding's regions
+            # (see `receive`), so a trainer may leave it out.
+            tied = self.specs()[2]
+            try:
+                plan, rec = record_receive_plan(model, {n: s for n, s in specs.items() if n not in tied}, self.vllm_config)
+            except Exception as exc:  # this worker keeps today's full receive
+                logger.warning("receive plan: recording failed (%s: %s); this worker receives whole tensors", type(exc).__name__, exc)
+                return {"plan": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
+            self._plan = (id(model), plan, dict(rec.whole))
+        _, plan, whole = self._plan
+        needed = {n: s for n, s in specs.items() if n not in self.specs()[2]}
+        model_bytes = held_bytes(ReceivePlan({n: None for n in needed}), needed)
+        out = {"plan": plan.to_wire(), "bytes": held_bytes(plan, specs), "model_bytes": model_bytes, "whole": whole}
+        if len(plan.holds) == len(needed) and all(rs is None for rs in plan.holds.values()):
+            out["plan"] = None  # holds everything whole (no TP / EP): receive as without a plan
+            plan = None
+        self.receiver.set_plan(plan)
+        return out
+
+    def land(self, items: Iterable[tuple[str, Region | None, torch.Tensor]], *, poison: bool = False) -> int:
+        """Load region items (no transport) through layerwise reload and finalize; the recorded plan
+        says which regions make each name. Returns the names loaded."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self._plan is None:
+            raise RuntimeError("call receive_plan() first")
+        model = self._model()
+        plan = self._plan[1]
+        assembler = RegionAssembler(plan, self.specs()[0], self.receiver.device, poison=poison)
+        alias = {emb: head for head, emb in self.specs()[2].items() if emb in plan.holds}
+        self.close_reload()
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+        self.reload_open = True
+        loaded = 0
+        try:
+            with torch.no_grad(), set_current_vllm_config(self.vllm_config):
+                for name, region, tensor in items:
+                    ready = assembler.add(name, region, tensor)
+                    if ready:
+                        model.load_weights(ready + [(alias[n], t) for n, t in ready if n in alias])
+                        loaded += len(ready)
+            if assembler.incomplete():
+                raise RuntimeError(f"regions missing for {assembler.incomplete()[:5]}")
+        finally:
+            self.close_reload()
+        return loaded
 
     # --- receive and load --------------------------------------------------------------------
     def receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -196,13 +299,30 @@ class VllmReceiverCore:
             detached[0] += _detach_pending(model, loadable)
             return len(pairs)
 
+        plan = self.receiver.regions.plan  # None: this worker receives whole tensors
+        assembler = RegionAssembler(plan, self.specs()[0], self.receiver.device) if plan is not None else None
+        if plan is not None:  # region delivery: a tied head comes only as its embedding
+            region_alias = {emb: head for head, emb in tied.items() if emb in plan.holds}
+
+        def load_regions(items: list[tuple[str, Region | None, torch.Tensor]]) -> int:
+            assert assembler is not None, "region items without a receive plan"
+            ready = [pair for item in items for pair in assembler.add(*item)]
+            if ready:
+                loadable = ready + [(region_alias[n], t) for n, t in ready if n in region_alias]
+                with set_current_vllm_config(self.vllm_config):
+                    model.load_weights(loadable)
+                detached[0] += _detach_pending(model, loadable)
+            return len(ready)
+
         self.stale = True
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
         self.reload_open = True
         try:
             with torch.no_grad():
-                report = self.receiver.receive(digest, load, delta=delta)
+                report = self.receiver.receive(digest, load, delta=delta, region_loader=load_regions if assembler is not None else None)
+            if assembler is not None and assembler.incomplete():
+                raise RuntimeError(f"region delivery ended with regions missing for {assembler.incomplete()[:5]}")
         except BaseException:
             self.close_reload()
             raise
@@ -242,6 +362,11 @@ class VllmReceiverCore:
             "buckets_received": self.receiver.buckets_received,
             "last_report": self.last_report,
         }
+
+
+def _unbase64(value: bytes | str | None) -> bytes | None:
+    """Bytes as sent in process, or base64 text as sent over HTTP (JSON carries no bytes)."""
+    return base64.b64decode(value, validate=True) if isinstance(value, str) else value
 
 
 def _detach_pending(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:

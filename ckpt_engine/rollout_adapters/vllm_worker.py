@@ -55,9 +55,17 @@ class CkptEngineWorkerExtension:
     def ckpt_expected_specs(self) -> list[list[Any]]:
         return self._ckpt_core().expected_specs()
 
-    def ckpt_validate(self, encoded: bytes | str | None, digest: str) -> dict[str, Any]:
-        """Check a manifest against this worker's parameters; nothing moves. `encoded` may be base64."""
-        return self._ckpt_core().validate(encoded, digest)
+    def ckpt_receive_plan(self) -> dict[str, Any]:
+        """This worker's receive plan recorded from vLLM's own loaders (see VllmReceiverCore.receive_plan)."""
+        return self._ckpt_core().receive_plan()
+
+    def ckpt_validate(self, encoded: bytes | str | None, digest: str, regions: list[Any] | None = None) -> dict[str, Any]:
+        """Check a manifest against this worker's parameters; nothing moves. `encoded` may be base64.
+        `regions`: every worker's region assignment in rank order (region delivery); this one takes its own."""
+        rank = self._ckpt_rank()
+        if regions is not None and not 0 <= rank < len(regions):
+            return {"accepted": False, "need_manifest": False, "problems": [f"region assignments for {len(regions)} workers, none for worker {rank}"]}
+        return self._ckpt_core().validate(encoded, digest, regions[rank] if regions is not None else None)
 
     def ckpt_receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
         """Receive every bucket of an accepted manifest and load it (layerwise reload stays open);

@@ -1,0 +1,243 @@
+"""Record a vLLM worker's receive plan from vLLM's own weight loaders (a dry run, nothing written).
+
+Every HF tensor is handed to `model.load_weights` as a placeholder: a meta tensor of its global
+shape whose views (narrow, chunk, select, t, view, slicing ... whatever aliases it) are followed by
+their geometry. Each op that reads a placeholder view's elements — the final `copy_` into a
+parameter, but also arithmetic, a dtype conversion, a copying reshape — records the box of the HF
+tensor that view covers; nothing reaches the parameters (the loader's copies are swallowed, and the
+parameters are vLLM's meta stand-ins of layerwise reload). The boxes of one tensor become its
+regions along the one dimension that moves the fewest elements.
+
+So fused QKV under GQA, gate_up, vocab shards and per-expert TP slices need no model-specific code.
+The recorded regions are exactly what the loader reads when the real tensor comes: the regions then
+land through the same loader (see `region_assembler.py`), so the engine ends as a full load leaves
+it. What cannot be bounded falls back to the whole tensor for that name, logged once: a loader that
+raises on a placeholder (it needs data: `.item()`, boolean masks), a read through a view that is not
+a box of the tensor, or a whole-tensor op before any slicing. Names the loader never touches
+or reads nothing from (another EP rank's experts: looked at, then skipped) are absent. Not seen: a
+loader that installs the HF tensor itself as a parameter (`nn.Parameter(w)`) without any copy or
+`.data =` assignment; vLLM's loaders copy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.planning.regions import ReceivePlan, Region
+from ckpt_engine.rollout_adapters.region_footprint import Box, box_of_view, regions_of_boxes
+
+__all__ = ["PlanRecording", "record_receive_plan", "trace_loader"]
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class PlanRecording:
+    """What one dry run saw: the reads per name, and why names fell back to whole tensors."""
+
+    specs: Mapping[str, TensorSpec]
+    boxes: dict[str, list[Box]] = field(default_factory=dict)
+    whole: dict[str, str] = field(default_factory=dict)
+    computed: dict[str, str] = field(default_factory=dict)
+    """Names read by an op other than a copy into a destination (arithmetic, a dtype conversion ...)."""
+
+    def read(self, name: str, view: torch.Tensor, root: torch.Tensor, op: str | None = None) -> None:
+        if name in self.whole:
+            return
+        if op is not None:
+            self.computed.setdefault(name, op)
+        if view.dtype != root.dtype:
+            self.whole[name] = f"read as {view.dtype}"
+            return
+        box = box_of_view(tuple(root.shape), tuple(view.shape), tuple(view.stride()), view.storage_offset())
+        if box is None:
+            self.whole[name] = f"view {list(view.shape)} stride {list(view.stride())} is not a box of the tensor"
+            return
+        self.boxes.setdefault(name, []).append(box)
+
+    def fall_back(self, name: str, reason: str) -> None:
+        self.whole.setdefault(name, reason)
+
+    def plan(self) -> ReceivePlan:
+        """Names read -> regions (None: whole); names never read are left out (a loader that looks at
+        a tensor and then skips it, as for another EP rank's expert, reads nothing)."""
+        holds: dict[str, tuple[Region, ...] | None] = {}
+        for name, spec in self.specs.items():
+            if name in self.whole:
+                holds[name] = None
+            elif name in self.boxes:
+                regions = regions_of_boxes(spec.shape, self.boxes[name])
+                if regions == ():
+                    continue  # only empty reads
+                if regions is None and name in self.computed:
+                    self.whole[name] = f"{self.computed[name]} reads the whole tensor"
+                holds[name] = regions
+        return ReceivePlan(holds)
+
+
+class _Placeholder(torch.Tensor):
+    """A meta tensor standing for one HF tensor; its aliases stay placeholders of the same name."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # the recording mode does the work
+    _ckpt_name: str
+    _ckpt_root: torch.Tensor
+    _ckpt_rec: PlanRecording
+
+
+# Calls that put their tensor arguments into a destination (`copy_`, `dest[i] = p`, `param.data = p`).
+_SINK_NAMES = frozenset({"copy_", "__setitem__", "__set__"})
+
+
+class _RecordingMode(TorchFunctionMode):
+    """Sees every torch call of the dry run (also `dest[i] = p` and `param.data = p`, which a tensor
+    subclass alone does not): follows aliases of placeholders, records what reads them, and
+    swallows every write of a placeholder into a destination."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs if kwargs is not None else {}
+        placeholders = [a for a in _walk((args, kwargs)) if isinstance(a, _Placeholder)]
+        if not placeholders:
+            return func(*args, **kwargs)
+        if getattr(func, "__name__", "") in _SINK_NAMES:
+            dest = args[0] if args else None
+            for p in placeholders:
+                if p is not dest:
+                    p._ckpt_rec.read(p._ckpt_name, p, p._ckpt_root)
+            if dest is not None and not isinstance(dest, _Placeholder):
+                return dest if func.__name__ == "copy_" else None  # nothing is written
+        out = func(*args, **kwargs)
+        tensors = [o for o in _walk(out) if isinstance(o, torch.Tensor)]
+        for p in placeholders:
+            if any(not (o.is_meta and torch._C._is_alias_of(o, p._ckpt_root)) for o in tensors):
+                p._ckpt_rec.read(p._ckpt_name, p, p._ckpt_root, _op_name(func))  # a new tensor made from its elements
+        return _wrap(out, placeholders)
+
+
+def _op_name(func: Any) -> str:
+    return getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+
+
+def _walk(value: Any) -> Iterator[Any]:
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _walk(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _walk(v)
+    else:
+        yield value
+
+
+def _wrap(out: Any, placeholders: list[_Placeholder]) -> Any:
+    """Keep aliases of a placeholder as placeholders (their geometry is followed); the rest plain."""
+    if isinstance(out, (list, tuple)):
+        wrapped = [_wrap(o, placeholders) for o in out]
+        if all(w is o for w, o in zip(wrapped, out)):
+            return out  # keeps torch.Size, named tuples and the like as they are
+        return wrapped if isinstance(out, list) else tuple(wrapped)
+    if not isinstance(out, torch.Tensor) or isinstance(out, _Placeholder) or not out.is_meta:
+        return out
+    for p in placeholders:
+        if torch._C._is_alias_of(out, p._ckpt_root):
+            return _placeholder_of(out, p._ckpt_name, p._ckpt_root, p._ckpt_rec)
+    return out
+
+
+def _placeholder_of(meta: torch.Tensor, name: str, root: torch.Tensor, rec: PlanRecording) -> _Placeholder:
+    p = meta.as_subclass(_Placeholder)
+    p._ckpt_name, p._ckpt_root, p._ckpt_rec = name, root, rec
+    return p
+
+
+def _placeholders(specs: Mapping[str, TensorSpec], rec: PlanRecording) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, spec in specs.items():
+        root = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype), device="meta")
+        yield name, _placeholder_of(root, name, root, rec)
+
+
+def record_receive_plan(model: torch.nn.Module, specs: Mapping[str, TensorSpec], vllm_config: Any) -> tuple[ReceivePlan, PlanRecording]:
+    """Dry-run `model.load_weights` over placeholders of `specs` (HF name -> spec) and return the
+    regions each name's loader reads, with the recording (fallback reasons).
+
+    Runs in a vLLM worker between syncs (never while a reload is open). The model's layers are put
+    on vLLM's meta stand-ins (`initialize_layerwise_reload`), their original loaders run against
+    placeholders, and the served tensors are put back untouched.
+    """
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        LAYERWISE_INFO,
+        _get_original_loader,
+        _place_kernel_tensors,
+    )
+    from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
+
+    rec = PlanRecording(specs)
+    saved: list[tuple[torch.Tensor, Any]] = []
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        initialize_layerwise_reload(model)
+        try:
+            # Call the original loaders: the layerwise wrappers would count copies and process layers.
+            for module in model.modules():
+                for tensor in get_layer_tensors(module).values():
+                    loader = getattr(tensor, "weight_loader", None)
+                    if loader is not None and loader.__name__ == "online_process_loader":
+                        saved.append((tensor, loader))
+                        tensor.weight_loader = _get_original_loader(tensor)
+            trace_loader(model.load_weights, specs, rec)  # type: ignore[arg-type]
+        finally:
+            for tensor, loader in saved:
+                tensor.weight_loader = loader
+            for layer in model.modules():
+                info = LAYERWISE_INFO.get(layer)
+                if info is not None and info.can_load():
+                    if info.kernel_tensors is not None:
+                        _place_kernel_tensors(layer, info)
+                    info.reset()
+            if hasattr(model, "_original_do_torchao_reload"):
+                model._do_torchao_reload = model._original_do_torchao_reload
+    plan = rec.plan()
+    if rec.whole:
+        shown = "; ".join(f"{n}: {why}" for n, why in list(rec.whole.items())[:8])
+        more = f" (and {len(rec.whole) - 8} more)" if len(rec.whole) > 8 else ""
+        logger.warning("receive plan: %d tensors fall back to whole tensors: %s%s", len(rec.whole), shown, more)
+    return plan, rec
+
+
+def trace_loader(load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any], specs: Mapping[str, TensorSpec], rec: PlanRecording | None = None) -> PlanRecording:
+    """Run `load` (a `load_weights`) over placeholders of `specs` under the recording mode and
+    return what it read; its destinations must accept writes that never happen (meta tensors)."""
+    rec = rec if rec is not None else PlanRecording(specs)
+    with _RecordingMode():
+        _load_all(load, list(_placeholders(specs, rec)), rec)
+    return rec
+
+
+def _load_all(load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any], items: list[tuple[str, torch.Tensor]], rec: PlanRecording) -> None:
+    """`load` over every item; a loader that raises marks its name whole and the rest go on."""
+    pos = 0
+    while pos < len(items):
+        current = [pos]
+
+        def feed(start: int) -> Iterator[tuple[str, torch.Tensor]]:
+            for i in range(start, len(items)):
+                current[0] = i
+                yield items[i]
+            current[0] = len(items)
+
+        try:
+            result = load(feed(pos))
+            if isinstance(result, Iterator):
+                for _ in result:  # a lazy loader loads as it is consumed
+                    pass
+            return
+        except Exception as exc:  # a loader that needs data (or refuses a name): whole tensor
+            name = items[current[0]][0] if current[0] < len(items) else "?"
+            rec.fall_back(name, f"the loader raised {type(exc).__name__}: {str(exc)[:120]}")
+            pos = current[0] + 1
