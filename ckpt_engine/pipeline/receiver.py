@@ -26,6 +26,7 @@ from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.receive_order import ReadyFirst
 from ckpt_engine.pipeline.schedule import Schedule
+from ckpt_engine.pipeline.shared_sources import SharedSources
 from ckpt_engine.pipeline.wire_views import align8, flat_bytes, has_wire_layout, message, torch_dtype
 from ckpt_engine.transports.base import TransferError
 from ckpt_engine.transports.transport import Transport
@@ -40,6 +41,9 @@ class Receiver:
         self.t = transport
         self.opts = options
         self.delta = DeltaReceiver(transport, options)
+        sharing = transport.source_sharing
+        self.shared = SharedSources(transport, sharing) if sharing is not None else None
+        """The one-copy path where this receiver maps a stable sender's own tensors."""
         self.receive_plan_builds = 0
         """How many receive plans this receiver has made (tests check reuse and rebuilds)."""
 
@@ -57,6 +61,9 @@ class Receiver:
         state.drop_delta()  # a sync outside delta framing: the bases are stale; free their memory
         t, opts, device = self.t, self.opts, self.t.device
         t.begin_receive()
+        if self.shared is not None and (offered := self.shared.take()) is not None:
+            yield from self.shared.receive(state, manifest, offered, destinations)
+            return
         sched = state.schedule
         views = state.bucket_views(manifest, t.buffers, opts.bucket_size_bytes, False)
         steps = sched.steps

@@ -27,6 +27,7 @@ from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.piece_reader import PieceReader
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
+from ckpt_engine.pipeline.shared_sources import SharedSources
 from ckpt_engine.pipeline.wire_views import align8, flat_bytes, message, torch_dtype
 from ckpt_engine.transports.base import SendStats
 from ckpt_engine.transports.transport import Transport
@@ -51,6 +52,9 @@ class Sender:
         self.opts = options
         self.hooks = hooks
         self.delta = DeltaSender(transport, options, hooks, host_bases=host_bases, scatter_below=scatter_below)
+        sharing = transport.source_sharing
+        self.shared = SharedSources(transport, sharing) if sharing is not None else None
+        """The one-copy path where the receiver maps a stable sender's own tensors."""
         self.send_plan_builds = 0
         """How many send plans this sender has recorded."""
 
@@ -67,10 +71,15 @@ class Sender:
         """One sync of this sender's buckets (see CheckpointEngine.send_weights)."""
         assert self.t.rank is not None
         self.t.begin_send(state.schedule.by_sender[self.t.rank])
+        shareable, stable = stable, stable and self.t.stable_sources
         if delta is not None:
             return self.delta.send(state, manifest, weights, stable=stable, delta=delta)
         state.drop_delta()  # a sync outside delta framing: the bases are stale; free their memory
         self.delta.stage = None
+        if self.shared is not None:
+            done, weights = self.shared.send(state, manifest, weights, shareable)
+            if done is not None:
+                return done
         t_start = time.perf_counter()
         mine, stats = state.own_steps(self.t.rank)
         views = state.bucket_views(manifest, self.t.buffers, self.opts.bucket_size_bytes, True)
