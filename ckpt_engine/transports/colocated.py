@@ -225,7 +225,8 @@ class ColocatedTransport(Transport, SourceSharing):
             self._store.set(f"colocated/sources/{self._generation}", msgpack.packb(info, use_bin_type=True))
             if old:
                 self._store.delete_key(f"colocated/sources/{old}")
-            self._offered, self._offered_layout = list(tensors), layout
+            # Read again: sharing a host storage by descriptor may have moved it (not one `share_memory_()` made).
+            self._offered, self._offered_layout = list(tensors), [(t.data_ptr(), t.shape, t.dtype) for t in tensors]
         self.device_sync_point()  # the source's writes are done before the receiver reads
         self._store.set(self._key("offer", 0), msgpack.packb({"generation": self._generation}))
 
