@@ -130,7 +130,7 @@ class PipelinedEngine(CheckpointEngine):
         self._require_group()
         if not self.is_sender:
             raise RuntimeError(f"send_weights() runs on sender ranks [0, {self.num_senders}), this is rank {self.rank}")
-        return self.sender.send(self._state_for(manifest), manifest, weights, stable=stable and self.transport.stable_sources, delta=delta)
+        return self.sender.send(self._state_for(manifest), manifest, weights, stable=stable, delta=delta)
 
     def receive_buckets(
         self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None = None, *, delta: DeltaRequest | None = None

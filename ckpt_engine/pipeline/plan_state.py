@@ -9,6 +9,8 @@ bases and checksums, a CPU receiver's kept patch buffers and an in-place receive
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
+
 import torch
 
 from ckpt_engine.delta.pieces import ScatteredImage
@@ -20,7 +22,16 @@ from ckpt_engine.pipeline.schedule import Schedule, Step
 from ckpt_engine.pipeline.wire_views import entry_view
 from ckpt_engine.transports.base import SendStats
 
-__all__ = ["PlanState"]
+__all__ = ["PlanState", "SharedPlan"]
+
+
+@dataclass
+class SharedPlan:
+    """A receiver of a sender's own tensors (`shared_sources.py`): per plan and offer, what each
+    bucket yields, over the mapped tensors."""
+
+    offered: list[torch.Tensor]
+    buckets: list[list[tuple[str, torch.Tensor]]]
 
 
 class PlanState:
@@ -38,6 +49,8 @@ class PlanState:
         self.recv_plan: ReceivePlan | None = None
         self.known: Known = {}
         """Senders with stable sources: what the source yielded for each whole entry last time."""
+        self.shared_plan: SharedPlan | None = None
+        """Receivers of a sender's own tensors: what each bucket yields."""
         self.own_counts: tuple[int, int, int] | None = None  # (rank, bytes, tensors) a sender sends
         self.chunked: list[TensorMeta] | None = None
         self.bases = Bases()

@@ -26,6 +26,7 @@ from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.receive_order import ReadyFirst
 from ckpt_engine.pipeline.schedule import Schedule
+from ckpt_engine.pipeline.shared_sources import SharedSources
 from ckpt_engine.pipeline.wire_views import align8, flat_bytes, has_wire_layout, message, torch_dtype
 from ckpt_engine.transports.base import TransferError
 from ckpt_engine.transports.transport import Transport
@@ -40,6 +41,9 @@ class Receiver:
         self.t = transport
         self.opts = options
         self.delta = DeltaReceiver(transport, options)
+        sharing = transport.source_sharing
+        self.shared = SharedSources(transport, sharing) if sharing is not None else None
+        """The one-copy path where this receiver maps a stable sender's own tensors."""
         self.receive_plan_builds = 0
         """How many receive plans this receiver has made (tests check reuse and rebuilds)."""
 
@@ -57,6 +61,9 @@ class Receiver:
         state.drop_delta()  # a sync outside delta framing: the bases are stale; free their memory
         t, opts, device = self.t, self.opts, self.t.device
         t.begin_receive()
+        if self.shared is not None and (offered := self.shared.take()) is not None:
+            yield from self.shared.receive(state, manifest, offered, destinations)
+            return
         sched = state.schedule
         views = state.bucket_views(manifest, t.buffers, opts.bucket_size_bytes, False)
         steps = sched.steps
@@ -103,9 +110,30 @@ class Receiver:
                 nbytes = plan.nbytes[k] = bucket.nbytes  # a property summing every entry: once per plan
             return t.post(gid, slot, message(t.buffers[slot], nbytes, opts.verify))
 
+        # Each sender's buckets are posted in its order: a bucket that uses its slot once the bucket
+        # `num_buffers` before it was consumed; on host work, one that lands outside the slots (in a
+        # destination or reassembly tensor) at once, however many are in flight, so the link never
+        # waits for this thread between small buckets.
+        ahead = not t.uses_streams
+        cursor = [0] * sched.num_senders  # per sender: its next bucket to post
+        consumed = [0] * sched.num_senders
+
+        def slotless(k: int) -> bool:
+            bucket = steps[k].bucket
+            if opts.is_direct(bucket, t):
+                return True
+            return opts.is_direct_whole(bucket, t) and destination(bucket.entries[0]) is not None
+
+        def post_more(s: int) -> None:
+            own, i = sched.by_sender[s], cursor[s]
+            while i < len(own) and (i < consumed[s] + opts.num_buffers or (ahead and slotless(own[i]))):
+                works[own[i]] = post(own[i])
+                i += 1
+            cursor[s] = i
+
         try:
-            for k in sched.first_posts:
-                works[k] = post(k)
+            for s in range(sched.num_senders):
+                post_more(s)
             for k in self._consume_order(sched, works):
                 step = steps[k]
                 bucket, slot = step.bucket, step.slot
@@ -129,8 +157,8 @@ class Receiver:
                 yield out
                 # The loader has issued its copies of bucket k: the slot may be refilled.
                 t.release(slot)
-                if step.refill is not None:
-                    works[step.refill] = post(step.refill)
+                consumed[bucket.sender] += 1
+                post_more(bucket.sender)
             t.end_receive()
         except BaseException:
             works.clear()  # pending work handles keep the group (and its sockets) alive

@@ -27,6 +27,7 @@ from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.piece_reader import PieceReader
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
+from ckpt_engine.pipeline.shared_sources import SharedSources
 from ckpt_engine.pipeline.wire_views import align8, flat_bytes, message, torch_dtype
 from ckpt_engine.transports.base import SendStats
 from ckpt_engine.transports.transport import Transport
@@ -51,6 +52,9 @@ class Sender:
         self.opts = options
         self.hooks = hooks
         self.delta = DeltaSender(transport, options, hooks, host_bases=host_bases, scatter_below=scatter_below)
+        sharing = transport.source_sharing
+        self.shared = SharedSources(transport, sharing) if sharing is not None else None
+        """The one-copy path where the receiver maps a stable sender's own tensors."""
         self.send_plan_builds = 0
         """How many send plans this sender has recorded."""
 
@@ -67,10 +71,15 @@ class Sender:
         """One sync of this sender's buckets (see CheckpointEngine.send_weights)."""
         assert self.t.rank is not None
         self.t.begin_send(state.schedule.by_sender[self.t.rank])
+        shareable, stable = stable, stable and self.t.stable_sources
         if delta is not None:
             return self.delta.send(state, manifest, weights, stable=stable, delta=delta)
         state.drop_delta()  # a sync outside delta framing: the bases are stale; free their memory
         self.delta.stage = None
+        if self.shared is not None:
+            done, weights = self.shared.send(state, manifest, weights, shareable)
+            if done is not None:
+                return done
         t_start = time.perf_counter()
         mine, stats = state.own_steps(self.t.rank)
         views = state.bucket_views(manifest, self.t.buffers, self.opts.bucket_size_bytes, True)
@@ -85,12 +94,19 @@ class Sender:
         recorded: dict[int, BucketSend] | None = {} if anchors is not None and plan is None else None
         it = iter(weights) if plan is None else iter(())
         works: list[Any] = [None] * self.opts.num_buffers
+        # Host work with a stable source: a bucket sent from the source's own memory needs no slot,
+        # so it is posted at once, however many are in flight; the link then never waits for this
+        # thread to be scheduled between small buckets (on a busy host that cost more than a tenth
+        # of the sync). Resolving a stable bucket only reads the source, so it may precede the wait.
+        ahead = stable and not self.t.uses_streams
+        loose: list[Any] = []  # broadcasts posted straight from the source's memory, without a slot
         try:
             known = state.known if stable else None
             pieces = PieceReader(it, state.schedule, self.t.rank, self.t.device, stats, known) if plan is None else None
             for step in mine:
                 bucket, slot = step.bucket, step.sender_slot
-                self.t.wait_slot(slot, works)
+                if not ahead:
+                    self.t.wait_slot(slot, works)
                 if plan is not None:
                     action = plan.buckets[bucket.index]
                 else:
@@ -101,12 +117,20 @@ class Sender:
                             recorded = None  # a piece was a temporary of this walk: nothing to replay
                         else:
                             recorded[bucket.index] = action
+                if ahead and action.kind == "message":
+                    loose.append(self._send_bucket(step, slot, action, stats))
+                    continue
+                if ahead:
+                    self.t.wait_slot(slot, works)
                 works[slot] = self._send_bucket(step, slot, action, stats)
             if plan is None and next(it, None) is not None:
                 raise ValueError("the weight source yielded more tensors than its metadata lists")
             self.t.drain_slots(works)
+            if loose:
+                self.t.drain(loose, "broadcast from the source's memory")
         except BaseException:
             works.clear()  # pending work handles keep the group (and its sockets) alive
+            loose.clear()
             self.t.abort()
             state.bases.sync_id = None
             raise

@@ -1,8 +1,11 @@
 """colocated: sender and receiver on one device (or one host), no collective at all.
 
-The sender's rotating buffers are shared with the one receiver: CUDA IPC handles on GPU, a
-file-backed shared mapping on CPU. Only "bucket k is ready" / "slot is free" flags travel, through
-the rendezvous store; the bytes never move, the receiver's loader reads them in place.
+A stable sender shares its own tensors once (CUDA IPC handles on GPU, shared-memory tensors on
+CPU: `shared_tensors.py`) and the receiver's loader copies straight out of them, one copy per
+byte; the handles travel again only when the tensors move. Otherwise the sender packs each bucket
+into rotating buffers shared the same way (a file-backed mapping on CPU), which the loader reads
+in place. Only flags travel through the rendezvous store: "this sync's tensors are offered" /
+"taken", or "bucket k is ready" / "slot is free".
 """
 
 from __future__ import annotations
@@ -18,15 +21,16 @@ import torch
 from ckpt_engine.pipeline.engine import PipelinedEngine
 from ckpt_engine.transports.base import Rendezvous, Topology, TransferError
 from ckpt_engine.transports.shared_buffers import map_buffers, share_buffers, unlink_files, validate_descriptors
-from ckpt_engine.transports.transport import SLACK, Transport
+from ckpt_engine.transports.shared_tensors import can_share, describe_tensors, map_tensors, probe_host_sharing
+from ckpt_engine.transports.transport import SLACK, SourceSharing, Transport
 
 __all__ = ["ColocatedCheckpointEngine", "ColocatedTransport"]
 
 logger = logging.getLogger(__name__)
 
 
-class ColocatedTransport(Transport):
-    """Shared-buffer hand-off between one sender (rank 0) and one receiver (rank 1)."""
+class ColocatedTransport(Transport, SourceSharing):
+    """Shared-tensor or shared-buffer hand-off between one sender (rank 0) and one receiver (rank 1)."""
 
     name = "colocated"
     supports_delta = False
@@ -41,6 +45,13 @@ class ColocatedTransport(Transport):
         self._sent = 0
         self._received = 0
         self._released = 0
+        self._can_map = False  # the receiver can map this sender's tensors (learnt at join)
+        self._probe: torch.Tensor | None = None
+        self._offered: list[torch.Tensor] = []  # held: their memory cannot go to another tensor
+        self._offered_layout: list[tuple[int, torch.Size, torch.dtype]] = []
+        self._generation = 0  # bumped whenever the offered tensors' handles change
+        self._mapped: list[torch.Tensor] = []
+        self._mapped_generation = 0
 
     @classmethod
     def resolve_device(cls, device: str | int | torch.device | None) -> torch.device:
@@ -71,21 +82,39 @@ class ColocatedTransport(Transport):
         self._seq = 0
         self.rank, self.world_size = rank, 2
         size = self.bucket_size_bytes + SLACK
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         if rank == 0:
             self.buffers, descs, self._shm_paths = share_buffers(self.device, self.num_buffers, size)
-            store.set("colocated/buffers", msgpack.packb({"size": size, "buffers": descs}, use_bin_type=True))
+            msg: dict[str, Any] = {"size": size, "buffers": descs}
+            if self.device.type == "cpu":
+                self._probe, msg["probe"] = probe_host_sharing()
+            store.set("colocated/buffers", msgpack.packb(msg, use_bin_type=True))
+            store.wait(["colocated/can_map"], timeout)
+            self._can_map = store.get("colocated/can_map") == b"1"
         else:
-            store.wait(["colocated/buffers"], datetime.timedelta(seconds=self.timeout_s))
+            store.wait(["colocated/buffers"], timeout)
             info = msgpack.unpackb(store.get("colocated/buffers"), raw=False)
+            probe = info.pop("probe", None) if isinstance(info, dict) else None
             descs = validate_descriptors(info, self.num_buffers, size, "the colocated sender")
             self.buffers = map_buffers(self.device, descs, size)
+            store.set("colocated/can_map", b"1" if probe is None or self._maps(probe) else b"0")
         self._store = store
         self.broken = False
         logger.info("colocated rank %d mapped %d shared buffers of %d bytes", rank, self.num_buffers, size)
 
+    def _maps(self, probe: Any) -> bool:
+        """Whether the sender's probe tensor maps here (host sharing through /proc works)."""
+        try:
+            return len(map_tensors(probe, self.device)) == 1
+        except (OSError, RuntimeError, ValueError) as exc:
+            logger.info("colocated: the sender's shared tensors cannot be mapped here (%s); every sync goes through the buffers", exc)
+            return False
+
     def close(self) -> None:
         self._store = None
         self.buffers = []
+        self._probe = None
+        self._offered, self._offered_layout, self._mapped = [], [], []
         unlink_files(self._shm_paths)
 
     def abort(self) -> None:
@@ -95,13 +124,14 @@ class ColocatedTransport(Transport):
     def _key(self, what: str, k: int) -> str:
         return f"s{self._seq}/{what}/{k}"
 
-    def _wait_key(self, key: str, what: str) -> None:
+    def _wait_key(self, key: str, what: str, *, delete: bool = True) -> None:
         try:
             self._store.wait([key], datetime.timedelta(seconds=self.timeout_s))
         except Exception as exc:
             self.broken = True
             raise TransferError(f"rank {self.rank}: {what} did not arrive within {self.timeout_s}s: {exc}") from exc
-        self._store.delete_key(key)
+        if delete:
+            self._store.delete_key(key)
 
     def begin_send(self, own_index: list[int]) -> None:
         self._seq += 1
@@ -111,6 +141,13 @@ class ColocatedTransport(Transport):
         self._seq += 1
         self._received = 0
         self._released = 0
+        self._can_map = False  # the receiver can map this sender's tensors (learnt at join)
+        self._probe: torch.Tensor | None = None
+        self._offered: list[torch.Tensor] = []  # held: their memory cannot go to another tensor
+        self._offered_layout: list[tuple[int, torch.Size, torch.dtype]] = []
+        self._generation = 0  # bumped whenever the offered tensors' handles change
+        self._mapped: list[torch.Tensor] = []
+        self._mapped_generation = 0
 
     def end_receive(self) -> None:
         self._release_pending()
@@ -161,6 +198,77 @@ class ColocatedTransport(Transport):
 
     def drain(self, works: list[Any], what: str) -> None:
         raise RuntimeError("the colocated transport carries slotted buckets only")
+
+    # --- the sender's own tensors, mapped by the receiver (SourceSharing) -------------------------
+    @property
+    def source_sharing(self) -> SourceSharing | None:
+        return self
+
+    @property
+    def offer_generation(self) -> int:
+        """How many times this sender's tensor handles have travelled (tests check they are reused)."""
+        return self._generation
+
+    def can_share(self, t: torch.Tensor) -> bool:
+        return self._can_map and can_share(t, self.device)
+
+    def offer(self, tensors: list[torch.Tensor] | None) -> None:
+        if tensors is None:
+            self._store.set(self._key("offer", 0), msgpack.packb({"generation": None}))
+            return
+        layout = [(t.data_ptr(), t.shape, t.dtype) for t in tensors]
+        if layout != self._offered_layout:
+            # Held until the next change: the receiver's mappings stay over live tensors.
+            old = self._generation
+            self._generation += 1
+            info = describe_tensors(tensors, self.device)
+            self._store.set(f"colocated/sources/{self._generation}", msgpack.packb(info, use_bin_type=True))
+            if old:
+                self._store.delete_key(f"colocated/sources/{old}")
+            # Read again: sharing a host storage by descriptor may have moved it (not one `share_memory_()` made).
+            self._offered, self._offered_layout = list(tensors), [(t.data_ptr(), t.shape, t.dtype) for t in tensors]
+        self.device_sync_point()  # the source's writes are done before the receiver reads
+        self._store.set(self._key("offer", 0), msgpack.packb({"generation": self._generation}))
+
+    def wait_taken(self) -> None:
+        key = self._key("taken", 0)
+        self._wait_key(key, "the receiver's copies from this sender's tensors", delete=False)
+        answer = self._store.get(key)
+        self._store.delete_key(key)
+        if answer != b"ok":
+            self.broken = True
+            raise TransferError(f"rank {self.rank}: the receiver failed while copying from this sender's tensors: {answer.decode(errors='replace')}")
+
+    def take(self) -> list[torch.Tensor] | None:
+        key = self._key("offer", 0)
+        self._wait_key(key, "the sender's offer", delete=False)
+        raw = self._store.get(key)
+        self._store.delete_key(key)
+        try:
+            offer = msgpack.unpackb(raw, raw=False)
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise TransferError(f"rank {self.rank}: undecodable offer from the colocated sender: {exc}") from exc
+        generation = offer.get("generation", 0) if isinstance(offer, dict) else 0
+        if generation is None:
+            return None
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
+            raise TransferError(f"rank {self.rank}: malformed offer from the colocated sender: {offer!r:.200}")
+        if generation != self._mapped_generation:
+            self._mapped = []  # drop the old mappings first
+            info = msgpack.unpackb(self._store.get(f"colocated/sources/{generation}"), raw=False)
+            self._mapped, self._mapped_generation = map_tensors(info, self.device), generation
+        return self._mapped
+
+    def taken(self, error: str | None = None) -> None:
+        failure = None
+        if error is None:
+            try:
+                self.device_sync_point()  # the loader's copies out of the sender's tensors are done
+            except TransferError as exc:
+                failure, error = exc, str(exc)
+        self._store.set(self._key("taken", 0), b"ok" if error is None else error.encode())
+        if failure is not None:
+            raise failure
 
 
 class ColocatedCheckpointEngine(PipelinedEngine):

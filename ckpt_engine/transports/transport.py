@@ -25,7 +25,7 @@ import torch
 
 from ckpt_engine.transports.base import Rendezvous, TransferError
 
-__all__ = ["SLACK", "Transport"]
+__all__ = ["SLACK", "SourceSharing", "Transport"]
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +153,12 @@ class Transport(ABC):
         """Why this transport, as joined, cannot carry a delta sync (None: it can)."""
         return None if self.supports_delta else f"the {self.name} backend does not do delta syncs (use delta=off)"
 
+    @property
+    def source_sharing(self) -> SourceSharing | None:
+        """This transport's way of letting the receiver copy straight out of a stable sender's own
+        tensors (None: every byte goes through the slots)."""
+        return None
+
     def reads_in_place(self, sender: int) -> bool:
         """Whether receivers read `sender`'s slots in place: every bucket of it must be packed
         into its slot (no message from a source's memory, no direct or grouped receive)."""
@@ -232,3 +238,33 @@ class Transport(ABC):
     def wait_compute(self, what: str) -> None:
         """The host waits for the work queued on the current stream so far (the loader's copies,
         the patches): no-op on host work."""
+
+
+class SourceSharing(ABC):
+    """A transport whose receiver maps a stable sender's own tensors and copies straight out of them
+    (one copy per byte, no slot): colocated processes on one device.
+
+    Per sync, right after `begin_send` / `begin_receive`: the sender calls `offer` (its tensors, or
+    None for a sync through the slots), then `wait_taken`; the receiver calls `take`, and after the
+    loader's copies `taken`. The sender keeps its tensors unchanged until `wait_taken` returns."""
+
+    @abstractmethod
+    def can_share(self, t: torch.Tensor) -> bool:
+        """Whether the receiver can map `t` where it lies (no copy, nothing moved on the sender)."""
+
+    @abstractmethod
+    def offer(self, tensors: list[torch.Tensor] | None) -> None:
+        """Sender: the tensors (manifest order, non-empty ones) this sync's bytes are copied from;
+        handles travel only when they differ from the last offer's. None: the slots carry this sync."""
+
+    @abstractmethod
+    def wait_taken(self) -> None:
+        """Sender: the receiver has copied every byte (within the timeout; its failure is raised here)."""
+
+    @abstractmethod
+    def take(self) -> list[torch.Tensor] | None:
+        """Receiver: the sender's offered tensors, mapped (None: this sync goes through the slots)."""
+
+    @abstractmethod
+    def taken(self, error: str | None = None) -> None:
+        """Receiver: the loader's copies are done (waited for here), or `error` ended the sync."""

@@ -1,0 +1,87 @@
+"""How fast one GPU copies a model's tensors into another set of the same shapes, by the ways a
+colocated receiver or its loader can copy (the one-copy colocated sync is one such copy plus flags):
+  flat        one copy_ of all the bytes as one buffer (the reference: "one D2D copy of the bytes")
+  per_tensor  one copy_ per tensor (a device memcpy each; what `shared_sources.py` does for tensors
+              of 1 MiB and up when the receiver passes destinations)
+  foreach     one torch._foreach_copy_ per bucket of ~1 GiB (what `copies.batched_copy_` does per
+              bucket: the bench's loader when the receiver passes no destinations)
+  foreach_all one torch._foreach_copy_ over every tensor
+
+    python bench/colocated_copy_probe.py --preset qwen2.5-7b [--layers N] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+from ckpt_engine.pipeline.wire_views import torch_dtype
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen2.5-7b")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--bucket-gib", type=float, default=1.0)
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args()
+    specs = checkpoint_specs(load_preset_config(args.preset), dtype=args.dtype, num_layers=args.layers)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    src = [torch.ones(s.shape, dtype=torch_dtype(s.dtype), device=dev) for s in specs]
+    dst = [torch.zeros_like(t) for t in src]
+    total = sum(t.numel() * t.element_size() for t in src)
+    flat_src = torch.ones(total, dtype=torch.uint8, device=dev)
+    flat_dst = torch.empty_like(flat_src)
+    limit = int(args.bucket_gib * (1 << 30))
+    buckets: list[list[int]] = [[]]
+    size = 0
+    for i, t in enumerate(src):
+        n = t.numel() * t.element_size()
+        if buckets[-1] and size + n > limit:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += n
+
+    def per_tensor() -> None:
+        for d, s in zip(dst, src):
+            d.copy_(s)
+
+    def foreach() -> None:
+        for b in buckets:
+            torch._foreach_copy_([dst[i] for i in b], [src[i] for i in b])
+
+    times = {
+        "flat": _time(lambda: flat_dst.copy_(flat_src), args.reps),
+        "per_tensor": _time(per_tensor, args.reps),
+        "foreach": _time(foreach, args.reps),
+        "foreach_all": _time(lambda: torch._foreach_copy_(dst, src), args.reps),
+    }
+    out = {
+        "preset": args.preset, "bytes": total, "tensors": len(src), "buckets": len(buckets), "device": torch.cuda.get_device_name(dev),
+        "seconds": times, "copy_rate_tb_s": {k: total / v / 1e12 for k, v in times.items()},
+        "vs_flat": {k: times["flat"] / v for k, v in times.items()},
+    }
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

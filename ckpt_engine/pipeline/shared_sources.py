@@ -1,0 +1,171 @@
+"""A sync whose receiver copies straight out of a stable sender's own tensors: one copy per byte.
+
+Where the transport lets a receiver map the sender's memory (`SourceSharing`: colocated processes
+on one device), a stable sender walks its source once per sync, checks every tensor against the
+manifest, and offers them all; handles travel only when the tensors moved. The receiver yields,
+bucket by bucket, views of the sender's tensors for the loader to copy from (or, for a destination
+in the wire layout, copies there itself and yields the destination), then says the copies are
+done; only then does the sender's `send_weights` return. A source that is not stable, or a tensor
+that cannot be mapped where it lies (a dtype the wire casts, non-contiguous, host memory not
+shared), sends the sync through the slots instead: the walked tensors first, then the rest.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+
+import torch
+
+from ckpt_engine.manifest import BucketManifest, TensorMeta
+from ckpt_engine.pipeline.plan_state import PlanState, SharedPlan
+from ckpt_engine.pipeline.wire_views import checked_weight, has_wire_layout, torch_dtype
+from ckpt_engine.transports.base import SendStats, TransferError
+from ckpt_engine.transports.transport import SourceSharing, Transport
+
+__all__ = ["SharedSources"]
+
+_COPY_ALONE_BYTES = 1 << 20
+"""Tensors from this size are copied one `copy_` each (a plain device memcpy); smaller ones in one
+batched copy per bucket."""
+
+
+def _firsts(manifest: BucketManifest) -> list[list[TensorMeta]]:
+    """Per bucket, the entries that start a tensor (a tensor in chunks is handled once, whole)."""
+    return [[e for e in b.entries if e.chunk_offset == 0] for b in manifest.buckets]
+
+
+class SharedSources:
+    """Both ends of the one-copy sync over a transport's `SourceSharing`."""
+
+    def __init__(self, transport: Transport, sharing: SourceSharing) -> None:
+        self.t = transport
+        self.sharing = sharing
+
+    # --- sender ----------------------------------------------------------------------------------
+    def send(
+        self, state: PlanState, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], stable: bool
+    ) -> tuple[SendStats | None, Iterable[tuple[str, torch.Tensor]]]:
+        """Offer this sync's tensors and wait until the receiver has copied them: (stats, ()).
+        Where they cannot be offered: (None, the weights for the slotted path), the receiver told."""
+        if not stable:
+            self.sharing.offer(None)
+            return None, weights
+        t_start = time.perf_counter()
+        assert self.t.rank is not None
+        _, stats = state.own_steps(self.t.rank)
+        it = iter(weights)
+        walked: list[tuple[str, torch.Tensor]] = []
+        offered: list[torch.Tensor] = []
+        known = state.known
+        for entries in _firsts(manifest):
+            for e in entries:
+                try:
+                    name, t = next(it)
+                except StopIteration:
+                    raise ValueError(f"the weight source ended before {e.name!r}, which its metadata lists") from None
+                walked.append((name, t))
+                hit = known.get(e.name)
+                if hit is not None and t is hit[0]() and name == e.name and t.data_ptr() == hit[1] and t.shape == e.shape:
+                    own = hit[2]
+                else:
+                    checked_weight(name, t, e)
+                    own = has_wire_layout(t, e, self.t.device) and (e.nbytes == 0 or self.sharing.can_share(t))
+                    known[e.name] = (weakref.ref(t), t.data_ptr(), own)
+                if not own:
+                    self.sharing.offer(None)
+                    return None, itertools.chain(walked, it)
+                if e.nbytes:
+                    offered.append(t)
+        if next(it, None) is not None:
+            raise ValueError("the weight source yielded more tensors than its metadata lists")
+        stats.export_s = time.perf_counter() - t_start
+        try:
+            self.sharing.offer(offered)
+            self.sharing.wait_taken()
+        except BaseException:
+            self.t.abort()
+            raise
+        stats.total_s = time.perf_counter() - t_start
+        stats.transfer_s = stats.total_s - stats.export_s
+        stats.extra["one_copy"] = True
+        return stats, ()
+
+    # --- receiver --------------------------------------------------------------------------------
+    def take(self) -> list[torch.Tensor] | None:
+        """This sync's offered tensors (None: the sync goes through the slots)."""
+        try:
+            return self.sharing.take()
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+
+    def receive(
+        self, state: PlanState, manifest: BucketManifest, offered: list[torch.Tensor], destinations: Mapping[str, torch.Tensor] | None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Yield every bucket's tensors out of the sender's memory; then tell the sender."""
+        try:
+            plan = state.shared_plan
+            if plan is None or plan.offered is not offered:
+                plan = state.shared_plan = self._plan(manifest, offered)
+            for bucket in plan.buckets:
+                yield self._copy_into(bucket, destinations) if destinations is not None else bucket
+        except BaseException as exc:
+            self._fail(exc)
+            raise
+        self.sharing.taken()
+
+    def _fail(self, exc: BaseException) -> None:
+        """Tell the sender (it stops waiting at once) and break the group, as a failed receive does."""
+        try:
+            self.sharing.taken(f"rank {self.t.rank}: {type(exc).__name__}: {exc}"[:2000])
+        except Exception:  # the store itself may be gone; the sender then times out
+            pass
+        self.t.abort()
+
+    def _plan(self, manifest: BucketManifest, offered: list[torch.Tensor]) -> SharedPlan:
+        """Check the mapped tensors against the manifest (once per plan and offer)."""
+        firsts = _firsts(manifest)
+        expected = sum(1 for entries in firsts for e in entries if e.nbytes)
+        if len(offered) != expected:
+            raise TransferError(f"rank {self.t.rank}: the sender offered {len(offered)} tensors, the manifest has {expected} with bytes")
+        src = iter(offered)
+        buckets: list[list[tuple[str, torch.Tensor]]] = []
+        for entries in firsts:
+            out = []
+            for e in entries:
+                dtype = torch_dtype(e.dtype)
+                if e.nbytes == 0:
+                    out.append((e.name, torch.empty(e.shape, dtype=dtype, device=self.t.device)))
+                    continue
+                t = next(src)
+                if t.dtype != dtype or tuple(t.shape) != e.shape or not t.is_contiguous():
+                    raise TransferError(
+                        f"rank {self.t.rank}: the sender offered {e.name} as {t.dtype} {tuple(t.shape)}, the manifest says {e.dtype} {e.shape}"
+                    )
+                out.append((e.name, t))
+            buckets.append(out)
+        return SharedPlan(offered, buckets)
+
+    def _copy_into(self, bucket: list[tuple[str, torch.Tensor]], destinations: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """Copy each tensor with a wire-layout destination there (the destination is yielded, and the
+        loader's copy onto itself is skipped); the others are yielded as the sender's views."""
+        out: list[tuple[str, torch.Tensor]] = []
+        small_d: list[torch.Tensor] = []
+        small_s: list[torch.Tensor] = []
+        for name, src in bucket:
+            dest = destinations.get(name)
+            if dest is None or not dest.is_contiguous() or dest.device != src.device or dest.dtype != src.dtype or dest.shape != src.shape:
+                out.append((name, src))
+                continue
+            if src.numel() * src.element_size() >= _COPY_ALONE_BYTES:
+                dest.copy_(src)
+            else:
+                small_d.append(dest)
+                small_s.append(src)
+            out.append((name, dest))
+        if small_d:
+            torch._foreach_copy_(small_d, small_s)
+        return out

@@ -1,0 +1,112 @@
+"""colocated: a stable sender's own tensors, mapped by the receiver, which copies straight out of
+them (one copy per byte); other senders go through the shared slots. Real processes, bit for bit."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from ranks import run_ranks
+from roundtrip import mixed_state, same_bits
+
+from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.transports.base import Rendezvous, TransferError
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
+
+# Per sync: (what the sender offers, whether the receiver passes destinations).
+# "shared": its own tensors, mapped; "moved": one tensor replaced (new handles); "unstable": the
+# slots; "unshared": a stable source whose tensors cannot be mapped (host memory not shared, or a
+# non-contiguous tensor on CUDA): the slots.
+STEPS = [("shared", False), ("shared", True), ("moved", True), ("unstable", False), ("unshared", True), ("shared", False)]
+
+
+def _state(version: int, device: torch.device) -> dict[str, torch.Tensor]:
+    sd = mixed_state(version, num_small=20)
+    sd["noncontig"] = sd["noncontig"].contiguous()
+    return {k: v.to(device) for k, v in sd.items()}
+
+
+def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu") -> dict[str, Any]:
+    dev = torch.device(device)
+    engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=64 * 1024, timeout_s=rdzv.timeout_s, device=dev)
+    engine.init_process_group(rdzv, rank)
+    bad: list[str] = []
+    one_copy: list[bool] = []
+    generations: list[int] = []
+    own = _state(0, dev)
+    if dev.type == "cpu":
+        for t in own.values():
+            t.share_memory_()
+    manifest = engine.plan(StateDictSource(own).metadata())
+    for version, (mode, with_dst) in enumerate(STEPS):
+        new = _state(version, dev)
+        if rank == 0:
+            if mode == "moved":
+                own["bf16"] = new["bf16"].clone()  # another tensor: its handle travels again
+                if dev.type == "cpu":
+                    own["bf16"].share_memory_()
+            for name, t in own.items():
+                if mode != "moved" or name != "bf16":
+                    t.copy_(new[name])  # the trainer's step writes in place
+            weights: Any = own.items()
+            if mode == "unshared":
+                weights = {n: (t.clone() if dev.type == "cpu" else t.t().contiguous().t()) if n == "fp32" else t for n, t in own.items()}.items()
+            stats = engine.send_weights(manifest, weights, stable=mode != "unstable")
+            one_copy.append(bool(stats.extra.get("one_copy", False)))
+            generations.append(engine.transport.offer_generation)
+        else:
+            dst = {n: torch.zeros_like(t) for n, t in new.items()} if with_dst else None
+            got = {}
+            for name, t in engine.receive_weights(manifest, dst):
+                if dst is not None and mode in ("shared", "moved") and t is not dst[name]:
+                    bad.append(f"v{version} {name}: copied out of the sender's tensor, but not into its destination")
+                got[name] = t.clone()
+            bad += [f"v{version} {n}" for n in new if n not in got or not same_bits(got[n], new[n])]
+    engine.finalize()
+    return {"bad": bad, "one_copy": one_copy, "generations": generations}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_stable_sender_shares_its_tensors_once_and_the_receiver_copies_them(device: str) -> None:
+    """Syncs of a stable sender go as one copy out of its own tensors, bit-exact with and without
+    destinations; handles travel again only when a tensor moved; a source that is not stable, or
+    whose tensors cannot be mapped, goes through the slots, and the one-copy path comes back."""
+    results = run_ranks(one_copy_rank, 2, backend="colocated", timeout_s=60, device=device)
+    assert results[1]["bad"] == []
+    assert results[0]["one_copy"] == [True, True, True, False, False, True]
+    assert results[0]["generations"] == [1, 1, 2, 2, 2, 2]
+
+
+def abandoning_rank(rank: int, rdzv: Rendezvous) -> dict[str, Any]:
+    engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=64 * 1024, timeout_s=rdzv.timeout_s)
+    engine.init_process_group(rdzv, rank)
+    own = _state(0, torch.device("cpu"))
+    for t in own.values():
+        t.share_memory_()
+    manifest = engine.plan(StateDictSource(own).metadata())
+    error, waited_s = "", 0.0
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            engine.send_weights(manifest, own.items(), stable=True)
+        except TransferError as exc:
+            error = str(exc)
+        waited_s = time.monotonic() - t0
+    else:
+        buckets = engine.receive_buckets(manifest)
+        next(buckets)
+        buckets.close()  # the loader gives up after the first bucket
+    engine.finalize()
+    return {"error": error, "waited_s": waited_s}
+
+
+def test_receiver_that_stops_fails_the_sender_at_once() -> None:
+    """A receiver that stops mid-sync tells the sender, which fails with its reason well before the
+    timeout instead of waiting for copies that will not come."""
+    results = run_ranks(abandoning_rank, 2, backend="colocated", timeout_s=600)
+    assert "the receiver failed while copying from this sender's tensors" in results[0]["error"]
+    assert "GeneratorExit" in results[0]["error"]
+    assert results[0]["waited_s"] < 300  # the timeout is 600 s
