@@ -31,13 +31,17 @@ class _Dying(ShardedStateDictSource):
         return super().local_piece(name)
 
 
-def trainer_main(rank: int, world: int, port: int, engines: list[dict[str, Any]], out_dir: str, versions: int, kill: dict[str, int] | None) -> None:
+def trainer_main(
+    rank: int, world: int, port: int, engines: list[dict[str, Any]], out_dir: str, versions: int, kill: dict[str, int] | None,
+    timeout_s: float = 8.0,
+) -> None:
+    """`timeout_s`: the sync's; a rank that outlives a dead peer waits it out."""
     torch.set_num_threads(1)
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=20)
     )
-    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=8, delta="on", senders="all")
-    handles = [TorchRefRollout(e["name"], e["host"], e["port"], None, 8, token=e["token"]) for e in engines] if rank == 0 else None
+    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=timeout_s, delta="on", senders="all")
+    handles = [TorchRefRollout(e["name"], e["host"], e["port"], None, timeout_s, token=e["token"]) for e in engines] if rank == 0 else None
     log: list[dict[str, Any]] = []
     for v in range(versions):
         sd = wire(model_state(v, lr=1e-5))

@@ -25,7 +25,7 @@ from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_f
 from ckpt_engine.trainer.config import load_job_config
 from ckpt_engine.sources.base import StateDictSource
 from multisender import model_state, wire
-from refengines import holds
+from refengines import holds, spawn_engine
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,7 +47,7 @@ def spec_file(tmp_path: pytest.TempPathFactory) -> str:
 @pytest.fixture
 def engines(spec_file: str) -> Iterator[list[TorchRefRollout]]:
     spawned: list[TorchRefRollout] = []
-    spawned += [TorchRefRollout.spawn(f"d{i}", spec_file=spec_file, timeout_s=TIMEOUT_S, token=TOKEN) for i in range(2)]
+    spawned += [spawn_engine(f"d{i}", spec_file=spec_file, timeout_s=TIMEOUT_S, token=TOKEN) for i in range(2)]
     yield spawned
     for r in spawned:
         r.close()
@@ -111,7 +111,7 @@ def test_daemon_delta_chain_is_bit_exact_and_status_shows_the_wire(engines: list
         assert (shown["delta"], shown["wire_bytes"], shown["dense_bytes"]) == (last["delta"], last["wire_bytes"], last["dense_bytes"])
 
         # A new member joins with no base: the group is rebuilt and the next sync seeds everyone.
-        engines.append(TorchRefRollout.spawn("d2", spec_file=spec_file, timeout_s=TIMEOUT_S, token=TOKEN))
+        engines.append(spawn_engine("d2", spec_file=spec_file, timeout_s=TIMEOUT_S, token=TOKEN))
         daemon.register("d2", descriptor(engines[-1]))
         for v, kind in ((4, "seed"), (5, "patch")):
             sd = version(v)
