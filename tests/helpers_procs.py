@@ -64,8 +64,11 @@ class _LinesTo:
                 pass
         return len(text)
 
+    encoding = "utf-8"
+
     def flush(self) -> None:
-        pass
+        if self.pending:
+            self.write("\n")
 
     def isatty(self) -> bool:
         return False
@@ -79,7 +82,10 @@ def _program(target: str, argv: list[str], env: dict[str, str], conn: multiproce
     os.environ.update(env)
     sys.stdout = _LinesTo(conn)  # type: ignore[assignment]
     module, func = target.split(":")
-    code = getattr(importlib.import_module(module), func)(argv)
+    try:
+        code = getattr(importlib.import_module(module), func)(argv)
+    finally:
+        sys.stdout.flush()
     sys.exit(int(code or 0))
 
 
@@ -103,6 +109,32 @@ class ForkedProgram:
         except EOFError:
             return None
         return None
+
+    def read_all(self, timeout_s: float = 60.0) -> list[str]:
+        """Every line the program prints until it ends (killed after `timeout_s`)."""
+        deadline, lines = time.monotonic() + timeout_s, []
+        try:
+            while time.monotonic() < deadline:
+                if self._lines.poll(min(0.2, max(0.0, deadline - time.monotonic()))):
+                    lines.append(self._lines.recv_bytes().decode())
+                elif self.process.poll() is not None:
+                    break
+        except EOFError:
+            pass
+        if self.process.poll() is None:
+            self.process.kill()
+        return lines
+
+
+def run_program(target: str, argv: list[str], name: str, *, env: dict[str, str] | None = None, timeout_s: float = 60.0) -> tuple[int, str, str]:
+    """Run `module:function(argv)` forked to the end: (exit code, stdout, stderr)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("r", suffix=".err") as err:
+        program = fork_program(target, argv, name, env=env, stderr_path=err.name)
+        lines = program.read_all(timeout_s)
+        code = program.process.wait(10)
+        return code, "".join(line + "\n" for line in lines), err.read()
 
 
 def fork_program(target: str, argv: list[str], name: str, *, env: dict[str, str] | None = None, stderr_path: str | None = None) -> ForkedProgram:
