@@ -98,12 +98,12 @@ def test_daemon_delta_chain_is_bit_exact_and_status_shows_the_wire(engines: list
 
         # What `ckpt-engine status` prints (rich tables) and returns as JSON (its `main`, forked).
         argv = ["status", "--address", str(daemon.address), "--token", TOKEN]
-        code, out, err = run_program("ckpt_engine.cli:main", argv, "status", env={"COLUMNS": "200"})
-        assert code == 0, err
+        code, out, err = run_program("ckpt_engine.cli:main", argv, "status", env={"COLUMNS": "200"}, timeout_s=120)
+        assert code == 0, (code, err, out)
         assert wire_text(last) in out, out
         assert "wire" in out and "seed" in out and "senders" in out
-        code, raw, err = run_program("ckpt_engine.cli:main", [*argv, "--json"], "status", env={"COLUMNS": "200"})
-        assert code == 0, err
+        code, raw, err = run_program("ckpt_engine.cli:main", [*argv, "--json"], "status", env={"COLUMNS": "200"}, timeout_s=120)
+        assert code == 0, (code, err, raw)
         shown = json.loads(raw)["last_sync"]["report"]
         assert (shown["delta"], shown["wire_bytes"], shown["dense_bytes"]) == (last["delta"], last["wire_bytes"], last["dense_bytes"])
 
