@@ -33,8 +33,9 @@ class _Dying(ShardedStateDictSource):
 
 def trainer_main(
     rank: int, world: int, port: int, engines: list[dict[str, Any]], out_dir: str, versions: int, kill: dict[str, int] | None,
-    delta_modes: list[str] | None = None, timeout_s: float = 8,
+    delta_modes: list[str] | None = None, timeout_s: float = 8.0,
 ) -> None:
+    """`timeout_s`: the sync's; a rank that outlives a dead peer waits it out."""
     torch.set_num_threads(1)
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=__import__("datetime").timedelta(seconds=20)

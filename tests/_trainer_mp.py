@@ -1,4 +1,4 @@
-"""Run a function on N real gloo ranks (spawned processes) and collect what each rank returns.
+"""Run a function on N real gloo ranks (real processes) and collect what each rank returns.
 
 The parent hosts the TCPStore on a port the OS picks and keeps it until the ranks exit, so no
 port is guessed. Ranks return `{"tensors": {name: tensor}, **json_values}`; results come back as
@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ckpt_engine.processes import run_processes
+from ranks import PRELOAD
 
 
 def _entry(
@@ -57,14 +58,15 @@ def run_ranks(
 ) -> list[dict[str, Any]]:
     """Spawn `world_size` ranks running `fn(rank, world_size, **kwargs)`; returns their results.
 
-    backend "nccl" puts rank r on cuda:r (GPU tests). `preload` (CPU only): modules one fork
-    server imports once for every rank, instead of each spawned rank importing torch and
-    transformers again (seconds of CPU per rank on a small shared box). Preloading takes effect
-    when this process starts its fork server, i.e. on the first such call."""
+    backend "nccl" puts rank r on cuda:r (GPU tests; spawned). CPU ranks fork from the test
+    session's one fork server (tests/ranks.py), instead of each spawned rank importing torch
+    again (seconds of CPU per rank on a small shared box). `preload`: more modules for that
+    server to import once; they take effect only if this call starts it (the first in the
+    process), else each rank imports them itself."""
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
-    if preload and backend != "nccl":
+    if backend != "nccl":
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(list(preload))
+        ctx.set_forkserver_preload([*PRELOAD, *preload])
     else:
         ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:

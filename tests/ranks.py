@@ -31,14 +31,27 @@ def _entry(fn: Callable[..., Any], rank: int, rdzv: dict[str, Any], kwargs: dict
     store.set(f"result/{rank}", json.dumps(result))
 
 
-def _context(backend: str) -> mp.context.BaseContext:
-    """CPU ranks fork from one server that imported torch once (a spawned rank imports torch
-    again: seconds of CPU each on a 2-core box); CUDA ranks are spawned."""
-    if backend in ("nccl", "hccl", "nccl_handoff", "colocated"):
-        return mp.get_context("spawn")
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "ckpt_engine.manifest", "ckpt_engine.rollout_adapters.torch_ref", "ranks", "refengines", "helpers_procs"]
+"""What the test session's one fork server imports before its first fork: every CPU rank and every
+reference engine the tests start forks from it (a spawned process imports torch again: seconds of
+CPU each on a 2-core box; `torch._dynamo` is what the first optimizer a rank builds imports, as
+long again). The server is process-wide, so the first caller's list wins: every caller starts
+with this one."""
+
+
+def forkserver_context() -> mp.context.BaseContext:
+    """The multiprocessing context whose processes fork from the preloaded server."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "ckpt_engine.manifest", "ranks"])
+    ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def _context(backend: str) -> mp.context.BaseContext:
+    """CPU ranks fork from the preloaded server (the device backends run on CPU too where no
+    accelerator is present); ranks of a device backend on an accelerator are spawned."""
+    if backend in ("nccl", "hccl", "nccl_handoff", "colocated") and torch.cuda.is_available():
+        return mp.get_context("spawn")
+    return forkserver_context()
 
 
 def run_ranks(

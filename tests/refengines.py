@@ -1,15 +1,19 @@
-"""Reference engines for the reliability tests: spawn, second handles, state checks."""
+"""Reference engines for the tests: started from the preloaded fork server, second handles,
+state checks."""
 
 from __future__ import annotations
 
 import inspect
+import secrets
 import time
 from collections.abc import Iterator
 
 import torch
 
+from ckpt_engine.rollout_adapters import torch_ref
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sources.base import StateDictSource
+from helpers_procs import fork_program
 from roundtrip import mixed_state, same_bits
 
 NUM_SMALL = 20
@@ -46,9 +50,9 @@ def second_handle(engine: TorchRefRollout, timeout_s: float | None = None, *, ow
     return TorchRefRollout(engine.name, engine.rpc.host, engine.rpc.port, process, timeout, **kwargs)
 
 
-def spawn_with_timeout(spec_file: str, name: str, timeout_s: float, load_delay_s: float = 0.0) -> TorchRefRollout:
+def spawn_with_timeout(spec_file: str, name: str, timeout_s: float, load_delay_s: float = 0.0, stderr_path: str | None = None) -> TorchRefRollout:
     """A reference engine whose control calls time out after `timeout_s` (its start may take longer)."""
-    started = TorchRefRollout.spawn(name, spec_file=spec_file, load_delay_s=load_delay_s, timeout_s=60)
+    started = spawn_engine(name, spec_file=spec_file, load_delay_s=load_delay_s, timeout_s=60, stderr_path=stderr_path)
     handle = second_handle(started, timeout_s, own_process=True)
     started.rpc.close()
     started._probe.close()
@@ -62,3 +66,24 @@ def holds(engine: TorchRefRollout, sd: dict[str, torch.Tensor]) -> list[str]:
 
 def serving(health: dict) -> bool:
     return not health["paused"] and not health["stale"]
+
+
+def spawn_engine(
+    name: str, *, spec_file: str | None = None, model_dir: str | None = None, dtype: str = "float32", load_delay_s: float = 0.0,
+    timeout_s: float = 120.0, token: str | None = None, port: int = 0, stderr_path: str | None = None,
+) -> TorchRefRollout:
+    """`TorchRefRollout.spawn` for tests: the reference receiver's own `main` with the same
+    arguments, in a process forked from the preloaded server (milliseconds) instead of a new
+    interpreter that imports torch again (seconds of CPU on a 2-core box). `stderr_path` takes
+    the engine's log. (tests/test_control_server.py keeps one engine started by `spawn` itself.)"""
+    if (spec_file is None) == (model_dir is None):
+        raise ValueError("give exactly one of spec_file or model_dir")
+    token = token if token is not None else secrets.token_hex(16)
+    argv = ["--load-delay-s", str(load_delay_s), "--port", str(port)]
+    argv += ["--spec-file", spec_file] if spec_file else ["--model-dir", str(model_dir), "--dtype", dtype]
+    program = fork_program("ckpt_engine.rollout_adapters.torch_ref:main", argv, f"engine-{name}", env={torch_ref.TOKEN_ENV: token}, stderr_path=stderr_path)
+    line = program.read_line(torch_ref.READY_PREFIX, timeout_s)
+    if line is None:
+        program.process.kill()
+        raise RuntimeError(f"reference receiver {name!r} did not start within {timeout_s}s (exit code {program.process.poll()})")
+    return TorchRefRollout(name, "127.0.0.1", int(line[len(torch_ref.READY_PREFIX):].strip()), program.process, timeout_s, token=token)

@@ -2,15 +2,12 @@
 accepts, a non-zero exit, never a traceback (issue 10, item 9).
 
 Runs `ckpt_engine.cli.main` in this process (an escaping exception fails the test just as a
-traceback would), plus one real `ckpt-engine serve` on a port that is already taken.
+traceback would). (`ckpt-engine serve` and `status` as commands: tests/test_daemon_protocol.py.)
 """
 
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -66,6 +63,7 @@ CASES = [
     (["bench", "--layers", "-1"], ["--layers", ">= 1"]),
     (["bench", "--buffers", "1"], ["--buffers", ">= 2"]),
     (["bench", "--modes", "raw,warp"], ["--modes", "warp", "allowed: raw"]),
+    (["bench", "--preset", "gpt-17"], ["unknown preset 'gpt-17'", "tiny"]),
     (["status", "--address", "127.0.0.1:9", "--token", "abcdefgh", "--timeout-s", "0"], ["--timeout-s", "(0, 604800]"]),
     (["status", "--address", "nowhere", "--token", "abcdefgh"], ["--address", "host:port"]),
     (["demo", "checkpoint_engine.bucket_size_mb=1048576"], ["checkpoint_engine.bucket_size_mb=1048576", "GiB free", "at most"]),
@@ -100,15 +98,13 @@ def test_bad_yaml_files_get_one_line(which: str, words: list[str], yaml_files: d
             assert w in lines[0], (w, lines[0])
 
 
-def test_serve_on_a_taken_port_says_so(tmp_path: Path) -> None:
+def test_serve_on_a_taken_port_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     taken = socket.create_server(("127.0.0.1", 0))
     try:
         port = taken.getsockname()[1]
-        out = subprocess.run(
-            [sys.executable, "-m", "ckpt_engine.cli", "serve", "--port", str(port)], capture_output=True, text=True, timeout=60,
-        )
+        rc, err = run(["serve", "--port", str(port)], capsys)
     finally:
         taken.close()
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert "--port" in lines[0] and str(port) in lines[0] and "in use" in lines[0]

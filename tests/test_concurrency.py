@@ -14,7 +14,7 @@ import pytest
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession, sync_rollout_weights
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sync.api import SyncReport, close_sessions
-from refengines import SlowSource, holds, second_handle, serving, source, state
+from refengines import SlowSource, holds, second_handle, serving, source, spawn_engine, state
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20)
 
@@ -29,7 +29,7 @@ def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def engines(spec_file: str) -> Iterator[list[TorchRefRollout]]:
     # A slow loader (10 ms a bucket) makes the two syncs overlap for sure.
-    rs = [TorchRefRollout.spawn(f"ref{i}", spec_file=spec_file, load_delay_s=0.01, timeout_s=30) for i in range(2)]
+    rs = [spawn_engine(f"ref{i}", spec_file=spec_file, load_delay_s=0.01, timeout_s=30) for i in range(2)]
     yield rs
     close_sessions()
     for r in rs:

@@ -14,80 +14,43 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon import DaemonClient, DaemonConfig, EngineState, WeightSyncDaemon
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
+from helpers_daemon import NUM_TENSORS, TIMEOUT_S, Engines, config, descriptor, holds, weights, write_spec
 
 pytestmark = pytest.mark.timeout(180)
 
-NUM_TENSORS = 8
-TIMEOUT_S = 20.0
 JOB_TOKEN = "test-daemon-job-token"
 """Engines demand their job's token; the daemons of these tests hold it too."""
 
 
-def weights(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}.weight": torch.randn(64, 1024, generator=g) for i in range(NUM_TENSORS)}  # 256 KiB each
-
-
 @pytest.fixture(scope="module")
 def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("daemon") / "spec.msgpack"
-    write_spec_file(path, StateDictSource(weights(0)).metadata())
-    return str(path)
-
-
-class Receivers:
-    """Spawned reference receivers, killed and closed at teardown whatever happened."""
-
-    def __init__(self, spec_file: str) -> None:
-        self.spec_file = spec_file
-        self.all: list[TorchRefRollout] = []
-
-    def spawn(self, name: str, load_delay_s: float = 0.0) -> TorchRefRollout:
-        r = TorchRefRollout.spawn(name, spec_file=self.spec_file, load_delay_s=load_delay_s, timeout_s=TIMEOUT_S, token=JOB_TOKEN)
-        self.all.append(r)
-        return r
-
-    def close(self) -> None:
-        for r in self.all:
-            r.close()
+    return write_spec(tmp_path_factory.mktemp("daemon") / "spec.msgpack")
 
 
 @pytest.fixture
-def receivers(spec_file: str) -> Iterator[Receivers]:
-    rs = Receivers(spec_file)
+def receivers(spec_file: str) -> Iterator[Engines]:
+    rs = Engines(spec_file, JOB_TOKEN)
     yield rs
     rs.close()
 
 
-def config() -> CheckpointEngineConfig:
-    return CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=TIMEOUT_S)
-
-
 @pytest.fixture
-def daemon(receivers: Receivers) -> Iterator[WeightSyncDaemon]:  # closes before the receivers
+def daemon(receivers: Engines) -> Iterator[WeightSyncDaemon]:  # closes before the receivers
     d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, health_interval_s=0.5), token=JOB_TOKEN)
     d.serve()
     yield d
     d.close()
 
 
-def descriptor(r: TorchRefRollout) -> dict[str, object]:
-    return {"kind": "torch_ref", "host": r.rpc.host, "port": r.rpc.port}
-
-
 def assert_holds(r: TorchRefRollout, sd: dict[str, torch.Tensor], version: int) -> None:
-    h = r.health()
-    assert (h["version"], h["paused"], h["stale"]) == (version, False, False), h
-    for name in (next(iter(sd)), list(sd)[-1]):
-        assert torch.equal(r.get_tensor(name), sd[name]), name
+    assert holds(r, sd, version), (r.name, r.health())
 
 
-def test_versions_increase_and_membership(daemon: WeightSyncDaemon, receivers: Receivers) -> None:
+def test_versions_increase_and_membership(daemon: WeightSyncDaemon, receivers: Engines) -> None:
     client = DaemonClient(daemon.address, daemon.token, timeout_s=10)
     r0, r1 = receivers.spawn("r0"), receivers.spawn("r1")
     for r in (r0, r1):
@@ -130,7 +93,7 @@ def test_versions_increase_and_membership(daemon: WeightSyncDaemon, receivers: R
     client.close()
 
 
-def test_killed_engine_is_dropped_survivors_resynced_and_it_rejoins(daemon: WeightSyncDaemon, receivers: Receivers) -> None:
+def test_killed_engine_is_dropped_survivors_resynced_and_it_rejoins(daemon: WeightSyncDaemon, receivers: Engines) -> None:
     rs = [receivers.spawn(f"r{i}", load_delay_s=0.25) for i in range(3)]
     for r in rs:
         daemon.register(r.name, descriptor(r))
@@ -180,7 +143,7 @@ def test_killed_engine_is_dropped_survivors_resynced_and_it_rejoins(daemon: Weig
     assert_holds(back, sd3, 3)
 
 
-def test_dead_engine_between_syncs_is_dropped_quickly(daemon: WeightSyncDaemon, receivers: Receivers) -> None:
+def test_dead_engine_between_syncs_is_dropped_quickly(daemon: WeightSyncDaemon, receivers: Engines) -> None:
     rs = [receivers.spawn(f"r{i}") for i in range(2)]
     for r in rs:
         daemon.register(r.name, descriptor(r))
@@ -193,7 +156,7 @@ def test_dead_engine_between_syncs_is_dropped_quickly(daemon: WeightSyncDaemon, 
     assert outcome.ok and set(outcome.dropped) == {"r0"} and outcome.engines == {"r1": 2}
 
 
-def test_heartbeat_timeout_drops_silent_engine(receivers: Receivers) -> None:
+def test_heartbeat_timeout_drops_silent_engine(receivers: Engines) -> None:
     d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=1.0, health_interval_s=0.2), token=JOB_TOKEN)
     try:
         r = receivers.spawn("r0")
@@ -213,12 +176,11 @@ def test_heartbeat_timeout_drops_silent_engine(receivers: Receivers) -> None:
         d.close()
 
 
-def test_rejecting_engine_is_dropped_and_others_sync(daemon: WeightSyncDaemon, receivers: Receivers, tmp_path: Path) -> None:
+def test_rejecting_engine_is_dropped_and_others_sync(daemon: WeightSyncDaemon, receivers: Engines, tmp_path: Path) -> None:
     other_spec = tmp_path / "other.msgpack"
     write_spec_file(other_spec, StateDictSource({"something.else": torch.zeros(3)}).metadata())
     good = receivers.spawn("good")
-    bad = TorchRefRollout.spawn("bad", spec_file=str(other_spec), timeout_s=TIMEOUT_S, token=JOB_TOKEN)
-    receivers.all.append(bad)
+    bad = receivers.spawn("bad", spec_file=str(other_spec))
     daemon.register("good", descriptor(good))
     daemon.register("bad", descriptor(bad))
     sd = weights(31)

@@ -11,9 +11,6 @@ kind.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -25,7 +22,8 @@ from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_f
 from ckpt_engine.trainer.config import load_job_config
 from ckpt_engine.sources.base import StateDictSource
 from multisender import model_state, wire
-from refengines import holds
+from helpers_procs import run_program
+from refengines import holds, spawn_engine
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,7 +45,7 @@ def spec_file(tmp_path: pytest.TempPathFactory) -> str:
 @pytest.fixture
 def engines(spec_file: str) -> Iterator[list[TorchRefRollout]]:
     spawned: list[TorchRefRollout] = []
-    spawned += [TorchRefRollout.spawn(f"d{i}", spec_file=spec_file, timeout_s=TIMEOUT_S, token=TOKEN) for i in range(2)]
+    spawned += [spawn_engine(f"d{i}", spec_file=spec_file, timeout_s=TIMEOUT_S, token=TOKEN) for i in range(2)]
     yield spawned
     for r in spawned:
         r.close()
@@ -98,20 +96,19 @@ def test_daemon_delta_chain_is_bit_exact_and_status_shows_the_wire(engines: list
         assert [(h["version"], h["delta"]) for h in status["history"]] == [(1, "seed"), (2, "patch"), (3, "patch"), (4, "patch")]
         assert all(h["wire_bytes"] > 0 and h["dense_bytes"] >= h["wire_bytes"] for h in status["history"])
 
-        # What `ckpt-engine status` prints (rich tables) and returns as JSON.
-        cmd = [sys.executable, "-m", "ckpt_engine.cli", "status", "--address", str(daemon.address), "--token", TOKEN]
-        env = {**os.environ, "COLUMNS": "200"}
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env)
-        assert out.returncode == 0, out.stderr
-        assert wire_text(last) in out.stdout, out.stdout
-        assert "wire" in out.stdout and "seed" in out.stdout and "senders" in out.stdout
-        raw = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=60, env=env)
-        assert raw.returncode == 0, raw.stderr
-        shown = json.loads(raw.stdout)["last_sync"]["report"]
+        # What `ckpt-engine status` prints (rich tables) and returns as JSON (its `main`, forked).
+        argv = ["status", "--address", str(daemon.address), "--token", TOKEN]
+        code, out, err = run_program("ckpt_engine.cli:main", argv, "status", env={"COLUMNS": "200"}, timeout_s=120)
+        assert code == 0, (code, err, out)
+        assert wire_text(last) in out, out
+        assert "wire" in out and "seed" in out and "senders" in out
+        code, raw, err = run_program("ckpt_engine.cli:main", [*argv, "--json"], "status", env={"COLUMNS": "200"}, timeout_s=120)
+        assert code == 0, (code, err, raw)
+        shown = json.loads(raw)["last_sync"]["report"]
         assert (shown["delta"], shown["wire_bytes"], shown["dense_bytes"]) == (last["delta"], last["wire_bytes"], last["dense_bytes"])
 
         # A new member joins with no base: the group is rebuilt and the next sync seeds everyone.
-        engines.append(TorchRefRollout.spawn("d2", spec_file=spec_file, timeout_s=TIMEOUT_S, token=TOKEN))
+        engines.append(spawn_engine("d2", spec_file=spec_file, timeout_s=TIMEOUT_S, token=TOKEN))
         daemon.register("d2", descriptor(engines[-1]))
         for v, kind in ((4, "seed"), (5, "patch")):
             sd = version(v)

@@ -7,7 +7,6 @@ daemon must still answer a well-formed request.
 from __future__ import annotations
 
 import os
-import select
 import socket
 import struct
 import subprocess
@@ -23,10 +22,11 @@ import torch
 
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon import DaemonClient, DaemonConfig, WeightSyncDaemon
-from ckpt_engine.daemon.cli import READY_PREFIX
-from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.rollout_adapters.torch_ref import write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.control.wire import RpcError, WireError
+from helpers_daemon import Engines, descriptor, start_serve
+from helpers_procs import fork_program
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,21 +47,10 @@ def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.fixture
-def spawned(spec_file: str) -> Iterator[list[TorchRefRollout]]:
-    procs: list[TorchRefRollout] = []
-    yield procs
-    for r in procs:
-        r.close()
-
-
-def spawn(spawned: list[TorchRefRollout], spec_file: str, name: str, token: str = JOB_TOKEN) -> TorchRefRollout:
-    r = TorchRefRollout.spawn(name, spec_file=spec_file, timeout_s=TIMEOUT_S, token=token)
-    spawned.append(r)
-    return r
-
-
-def descriptor(r: TorchRefRollout) -> dict[str, object]:
-    return {"kind": "torch_ref", "host": r.rpc.host, "port": r.rpc.port}
+def engines(spec_file: str) -> Iterator[Engines]:
+    made = Engines(spec_file, JOB_TOKEN)
+    yield made
+    made.close()
 
 
 def config() -> CheckpointEngineConfig:
@@ -181,7 +170,7 @@ def _closed_port() -> int:
     return port
 
 
-def test_two_daemons_on_one_host_do_not_cross(spawned: list[TorchRefRollout], spec_file: str) -> None:
+def test_two_daemons_on_one_host_do_not_cross(engines: Engines) -> None:
     a = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0))
     b = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0))
     try:
@@ -190,8 +179,8 @@ def test_two_daemons_on_one_host_do_not_cross(spawned: list[TorchRefRollout], sp
         cross = DaemonClient(b.address, a.token, 10)  # job A's token sent to job B's daemon
         with pytest.raises(RpcError, match="wrong job token"):
             cross.register("a0", {"kind": "torch_ref", "host": "127.0.0.1", "port": 1})
-        ra = [spawn(spawned, spec_file, f"e{i}", a.token) for i in range(2)]  # same engine names in both jobs
-        rb = [spawn(spawned, spec_file, f"e{i}", b.token) for i in range(2)]
+        ra = [engines.spawn(f"e{i}", token=a.token) for i in range(2)]  # same engine names in both jobs
+        rb = [engines.spawn(f"e{i}", token=b.token) for i in range(2)]
         for r in ra:
             ca.register(r.name, descriptor(r))
         for r in rb:
@@ -219,30 +208,17 @@ def test_two_daemons_on_one_host_do_not_cross(spawned: list[TorchRefRollout], sp
         b.close()
 
 
-def start_serve(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], str, str]:
-    cfg = tmp_path / "job.yaml"
-    cfg.write_text("checkpoint_engine:\n  backend: gloo\n  bucket_size_mb: 0.25\n  timeout_s: 20\ndaemon:\n  health_interval_s: 0.5\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(cfg), "--token", JOB_TOKEN, *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 60)
-    line = proc.stdout.readline() if ready else ""
-    if not line.startswith(READY_PREFIX):
-        proc.kill()
-        pytest.fail(f"ckpt-engine serve did not start: {line!r}")
-    fields = dict(part.split("=", 1) for part in line[len(READY_PREFIX):].split())
-    return proc, fields["address"], fields["token"]
-
-
-def test_serve_status_and_a_trainer_following_it(tmp_path: Path, spawned: list[TorchRefRollout], spec_file: str) -> None:
-    proc, address, token = start_serve(tmp_path, "daemon.heartbeat_timeout_s=0", "checkpoint_engine.verify=true")
+def test_serve_status_and_a_trainer_following_it(tmp_path: Path, engines: Engines) -> None:
+    """`ckpt-engine serve` and `ckpt-engine status` as a user runs them (the one `serve` of the
+    suite started as a command; the others fork the same `main`, tests/helpers_daemon.py)."""
+    yaml = "checkpoint_engine:\n  backend: gloo\n  bucket_size_mb: 0.25\n  timeout_s: 20\ndaemon:\n  health_interval_s: 0.5\n"
+    serve = start_serve(tmp_path, JOB_TOKEN, "daemon.heartbeat_timeout_s=0", "checkpoint_engine.verify=true", yaml=yaml, command=True)
+    proc, address, token = serve.process, serve.address, serve.token
     trainer: WeightSyncDaemon | None = None
     try:
         client = DaemonClient(address, token, timeout_s=10)
         assert client.hello()["role"] == "standalone"
-        r0, r1 = spawn(spawned, spec_file, "r0"), spawn(spawned, spec_file, "r1")
+        r0, r1 = engines.spawn("r0"), engines.spawn("r1")
         client.register("r0", descriptor(r0))
         client.register("r1", descriptor(r1))
         assert not r0.health()["paused"]  # registration pauses nothing until a sync starts (issue 26)
@@ -272,11 +248,9 @@ def test_serve_status_and_a_trainer_following_it(tmp_path: Path, spawned: list[T
         assert out.returncode == 0, out.stderr
         for text in ("r1", "serving", "departed", "r0", "last sync", "complete"):
             assert text in out.stdout, (text, out.stdout)
-        wrong = subprocess.run(
-            [sys.executable, "-m", "ckpt_engine.cli", "status", "--address", address, "--token", "0" * 32],
-            capture_output=True, text=True, timeout=60,
-        )
-        assert wrong.returncode == 1 and "wrong job token" in wrong.stderr
+        err = tmp_path / "status.err"  # the same `main`, forked: no second interpreter start
+        wrong = fork_program("ckpt_engine.cli:main", ["status", "--address", address, "--token", "0" * 32], "status", stderr_path=str(err))
+        assert wrong.process.wait(60) == 1 and "wrong job token" in err.read_text()
 
         client.shutdown()
         assert proc.wait(15) == 0

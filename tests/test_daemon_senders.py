@@ -5,9 +5,8 @@ Two real gloo ranks hold an FSDP2 model. Rank 0 runs what the demo's rank 0 runs
 `FullyAsyncTrainer.sync`; rank 1 runs `follow_leader` (it trains on its rows and, per sync,
 follows rank 0's announcements through `sync_rollout_weights(engine, None)`). A sync with no
 engine registered ends on both ranks; then every sync reports two senders, the chain is a seed
-then patches, and at the end both engines hold the gathered model bit for bit. With
-`senders=rank0` the same loop gathers on rank 0 alone. A last sync after rank 0's masters were
-edited outside a step must carry the edit.
+then patches, and at the end both engines hold the gathered model bit for bit. A last sync
+after rank 0's masters were edited outside a step must carry the edit.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import torch
 
 from tests._trainer_mp import run_ranks, world_group
 from tests.test_trainer_fsdp2 import build_model, collect, engine_config, tiny_config
+from refengines import spawn_engine
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,7 +37,7 @@ def _job(senders: str) -> Any:
     ])
 
 
-def _worker(rank: int, world_size: int, model_dir: str, senders: str) -> dict[str, Any]:
+def _worker(rank: int, world_size: int, engines: list[dict[str, Any]], senders: str) -> dict[str, Any]:
     from ckpt_engine.trainer.lm_task import TokenTask
     from ckpt_engine.trainer.ranks import follow_leader
     from ckpt_engine.trainer_adapters.fsdp2 import FSDP2TrainEngine
@@ -49,16 +49,16 @@ def _worker(rank: int, world_size: int, model_dir: str, senders: str) -> dict[st
         counts = follow_leader(engine, world_group(), task, job.checkpoint_engine)
         collect(engine)  # the gather at the end is a collective
         return {"counts": counts}
-    return _lead(job, engine, task, model_dir)
+    return _lead(job, engine, task, engines)
 
 
-def _lead(job: Any, engine: Any, task: Any, model_dir: str) -> dict[str, Any]:
+def _lead(job: Any, engine: Any, task: Any, handles: list[dict[str, Any]]) -> dict[str, Any]:
     from ckpt_engine.daemon import WeightSyncDaemon
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
     from ckpt_engine.trainer.loop import FullyAsyncTrainer
     from ckpt_engine.trainer.ranks import DataParallelLeader
 
-    engines = [TorchRefRollout.spawn(f"ref{i}", model_dir=model_dir, dtype="bfloat16", timeout_s=60, token=TOKEN) for i in range(2)]
+    engines = [TorchRefRollout(h["name"], h["host"], h["port"], None, 60, token=TOKEN) for h in handles]
     leader = DataParallelLeader(engine, world_group())
     daemon = WeightSyncDaemon(job.checkpoint_engine, job.daemon, token=TOKEN)
     try:
@@ -103,11 +103,17 @@ def _lead(job: Any, engine: Any, task: Any, model_dir: str) -> dict[str, Any]:
             r.close()
 
 
-@pytest.mark.parametrize("senders", ["all", "rank0"])
-def test_loop_syncs_through_the_daemon_from_every_rank(senders: str) -> None:
+def test_loop_syncs_through_the_daemon_from_every_rank() -> None:
+    senders = "all"  # (senders=rank0, the demo's path: tests/test_demo.py, tests/test_trainer_fsdp2.py)
     with tempfile.TemporaryDirectory() as d:
         tiny_config(tie=True).save_pretrained(d)
-        r0, r1 = run_ranks(_worker, model_dir=d, senders=senders, preload=PRELOAD)
+        engines = [spawn_engine(f"ref{i}", model_dir=d, dtype="bfloat16", timeout_s=60, token=TOKEN) for i in range(2)]
+        try:
+            handles = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port} for e in engines]
+            r0, r1 = run_ranks(_worker, engines=handles, senders=senders, preload=PRELOAD)
+        finally:
+            for e in engines:
+                e.close()
     assert r1["counts"] == {"steps": SYNCS - 1, "syncs": SYNCS + 2}
     assert r0["edited"]["delta"] == "patch" and r0["edited"]["wire"] < r0["edited"]["dense"], r0["edited"]
     records = r0["records"]

@@ -43,8 +43,8 @@ def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def spawn(spec_file: str, name: str, load_delay_s: float = LOAD_DELAY_S) -> TorchRefRollout:
-    return spawn_with_timeout(spec_file, name, TIMEOUT_S, load_delay_s)
+def spawn(spec_file: str, name: str, load_delay_s: float = LOAD_DELAY_S, stderr_path: str | None = None) -> TorchRefRollout:
+    return spawn_with_timeout(spec_file, name, TIMEOUT_S, load_delay_s, stderr_path)
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +55,7 @@ def engine_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def pair(spec_file: str, engine_log: Path) -> Iterator[list[TorchRefRollout]]:
     """Two engines that survive every fault below; their stderr (logs) goes to `engine_log`."""
-    saved = os.dup(2)
-    with open(engine_log, "ab") as log:
-        os.dup2(log.fileno(), 2)  # the engine processes inherit it as their stderr
-        try:
-            rs = [spawn(spec_file, f"ref{i}") for i in range(2)]
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
+    rs = [spawn(spec_file, f"ref{i}", stderr_path=str(engine_log)) for i in range(2)]
     yield rs
     for r in rs:
         r.close()

@@ -17,13 +17,14 @@ from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.api import close_sessions
 from ckpt_engine.transports.gloo import GlooCheckpointEngine
 from multisender import model_state, wire
-from refengines import holds
+from refengines import holds, spawn_engine
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, delta="on")
 
 
-def version(v: int, lr: float = 1e-5) -> dict[str, torch.Tensor]:
-    return wire(model_state(v, lr=lr))
+def version(v: int, lr: float = 1e-5, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Step `v` of the AdamW chain from base state `seed` (each case its own base: short chains)."""
+    return wire(model_state(v, lr=lr, base_seed=seed))
 
 
 class _Lying(GlooCheckpointEngine):
@@ -46,7 +47,7 @@ class _Lying(GlooCheckpointEngine):
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[TorchRefRollout]]:
     path = tmp_path_factory.mktemp("spec") / "spec.msgpack"
     write_spec_file(path, StateDictSource(version(0)).metadata())
-    rs = [TorchRefRollout.spawn(f"frames{i}", spec_file=str(path), timeout_s=60) for i in range(2)]
+    rs = [spawn_engine(f"frames{i}", spec_file=str(path), timeout_s=60) for i in range(2)]
     yield rs
     close_sessions()
     for r in rs:
@@ -55,15 +56,15 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[TorchRefR
 
 @pytest.mark.parametrize(("kind", "by"), [(PATCH, -8), (PATCH, 8), (DENSE, -8), (DENSE, 8)])
 def test_a_frame_that_misstates_its_payload_fails_the_sync_and_the_next_heals(engines: list[TorchRefRollout], kind: int, by: int) -> None:
-    v = 100 * (kind + 1) + (50 if by > 0 else 0)
+    seed, v = 1 + 2 * kind + (by > 0), 0
     for _ in range(3):  # a failed sync rebuilds the group (with a plain engine): one session per lie
         session = WeightSyncSession(engines, CFG, engine=_Lying(bucket_size_bytes=CFG.bucket_size_bytes, timeout_s=CFG.timeout_s, solo_bytes=0))
         try:
-            held = version(v)
+            held = version(v, seed=seed)
             assert session.sync(StateDictSource(held)).delta == "seed"
             _Lying.kind, _Lying.by, _Lying._by, _Lying.lied = kind, 1, by, []
             try:  # a patch sync; at lr 0.1 nearly every word changes and every bucket goes dense
-                report = session.sync(StateDictSource(version(v + 1, lr=1e-5 if kind == PATCH else 1e-1)))
+                report = session.sync(StateDictSource(version(v + 1, lr=1e-5 if kind == PATCH else 1e-1, seed=seed)))
             except SyncError as exc:
                 error = exc
             else:
@@ -73,7 +74,7 @@ def test_a_frame_that_misstates_its_payload_fails_the_sync_and_the_next_heals(en
             assert error.stage == "transfer"
             for e in engines:
                 assert holds(e, held) == []  # alive, and still the old version, bit for bit
-            held = version(v + 2)
+            held = version(v + 2, seed=seed)
             report = session.sync(StateDictSource(held))
             assert report.delta == "seed"  # nobody may assume a base after a failure
             assert all(holds(e, held) == [] for e in engines)

@@ -9,87 +9,46 @@ them, status said `serving` for paused stale engines, 2**64-1 was accepted as a 
 from __future__ import annotations
 
 import os
-import select
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.daemon import DaemonClient, DaemonConfig, EngineState, WeightSyncDaemon
-from ckpt_engine.daemon.cli import READY_PREFIX
-from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.control.wire import RpcError
+from ckpt_engine.daemon import DaemonClient, DaemonConfig, EngineState, WeightSyncDaemon
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
+from ckpt_engine.sources.base import StateDictSource
+from helpers_daemon import NUM_TENSORS, TIMEOUT_S, Engines, config, descriptor, holds, start_serve, wait_for, weights, write_spec
+from helpers_procs import fork_program
 
 pytestmark = pytest.mark.timeout(180)
 
-TIMEOUT_S = 20.0
 TOKEN = "reliability-job-token"
-NUM_TENSORS = 8
-
-
-def weights(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}.weight": torch.randn(64, 1024, generator=g) for i in range(NUM_TENSORS)}  # 256 KiB each
 
 
 @pytest.fixture(scope="module")
 def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("reliability") / "spec.msgpack"
-    write_spec_file(path, StateDictSource(weights(0)).metadata())
-    return str(path)
+    return write_spec(tmp_path_factory.mktemp("reliability") / "spec.msgpack")
 
 
 @pytest.fixture
-def engines(spec_file: str) -> Iterator[Callable[..., TorchRefRollout]]:
-    made: list[TorchRefRollout] = []
-
-    def spawn(name: str, token: str = TOKEN, load_delay_s: float = 0.0) -> TorchRefRollout:
-        r = TorchRefRollout.spawn(name, spec_file=spec_file, timeout_s=TIMEOUT_S, token=token, load_delay_s=load_delay_s)
-        made.append(r)
-        return r
-
-    yield spawn
-    for r in made:
-        r.close()
-
-
-def config() -> CheckpointEngineConfig:
-    return CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=TIMEOUT_S)
-
-
-def descriptor(r: TorchRefRollout) -> dict[str, Any]:
-    return {"kind": "torch_ref", "host": r.rpc.host, "port": r.rpc.port}
-
-
-def holds(r: TorchRefRollout, sd: dict[str, torch.Tensor], version: int) -> bool:
-    h = r.health()
-    return (h["version"], h["paused"], h["stale"]) == (version, False, False) and all(torch.equal(r.get_tensor(n), t) for n, t in sd.items())
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"not within {timeout_s}s: {what}")
-        time.sleep(0.1)
+def engines(spec_file: str) -> Iterator[Engines]:
+    made = Engines(spec_file, TOKEN)
+    yield made
+    made.close()
 
 
 # --- item 2: one engine, one weight-sync job (issue 26: a daemon of the same job takes over) ----
-def test_an_engine_belongs_to_one_job(engines: Callable[..., TorchRefRollout]) -> None:
+def test_an_engine_belongs_to_one_job(engines: Engines) -> None:
     a = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)
     b = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)  # the same job (a restarted daemon)
     other_job = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0))
     try:
         assert a.group == b.group != other_job.group, "the claim names the job"
-        e = engines("e")
+        e = engines.spawn("e")
         a.register("e", descriptor(e))
         with pytest.raises(ValueError, match="'e' .* refused this job's token: it was started for another job"):
             other_job.register("e", descriptor(e))
@@ -116,10 +75,10 @@ def test_an_engine_belongs_to_one_job(engines: Callable[..., TorchRefRollout]) -
             d.close()
 
 
-def test_a_foreign_claim_lapses_when_its_group_goes_silent(engines: Callable[..., TorchRefRollout]) -> None:
+def test_a_foreign_claim_lapses_when_its_group_goes_silent(engines: Engines) -> None:
     live = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)
     try:
-        e = engines("e")
+        e = engines.spawn("e")
         foreign = TorchRefRollout("e", e.rpc.host, e.rpc.port, None, TIMEOUT_S, token=TOKEN)
         foreign.claim("another-group", 1.0)  # then never heard from again
         foreign.close()
@@ -148,10 +107,10 @@ class BrokenSource(StateDictSource):
             yield item
 
 
-def test_a_failing_source_is_named_and_healthy_engines_stay(engines: Callable[..., TorchRefRollout]) -> None:
+def test_a_failing_source_is_named_and_healthy_engines_stay(engines: Engines) -> None:
     d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)
     try:
-        rs = [engines(f"r{i}") for i in range(2)]
+        rs = [engines.spawn(f"r{i}") for i in range(2)]
         for r in rs:
             d.register(r.name, descriptor(r))
         sd1 = weights(1)
@@ -180,40 +139,19 @@ def test_a_failing_source_is_named_and_healthy_engines_stay(engines: Callable[..
 
 
 # --- item 6: status after a trainer died mid-sync ----------------------------------------------
-TRAINER = """
-import sys, torch
-from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.daemon import DaemonClient, WeightSyncDaemon
-from ckpt_engine.sources.base import StateDictSource
-g = torch.Generator().manual_seed(7)
-sd = {f"layer{i}.weight": torch.randn(64, 1024, generator=g) for i in range(%d)}
-d = WeightSyncDaemon(CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=%g), upstream=DaemonClient(sys.argv[1], sys.argv[2], 10))
-d.sync(StateDictSource(sd))
-""" % (NUM_TENSORS, TIMEOUT_S)
+def trainer_main(argv: list[str]) -> None:
+    """A trainer process following `serve` (address, token): one sync of version 2's weights."""
+    d = WeightSyncDaemon(config(), upstream=DaemonClient(argv[0], argv[1], 10))
+    d.sync(StateDictSource(weights(7)))
 
 
-def start_serve(tmp_path: Path) -> tuple[subprocess.Popen[str], str]:
-    cfg = tmp_path / "job.yaml"
-    cfg.write_text("checkpoint_engine:\n  backend: gloo\n  bucket_size_mb: 0.25\n  timeout_s: 20\ndaemon:\n  health_interval_s: 0.3\n  heartbeat_timeout_s: 0\n")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(cfg), "--token", TOKEN],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 60)
-    line = proc.stdout.readline() if ready else ""
-    if not line.startswith(READY_PREFIX):
-        proc.kill()
-        pytest.fail(f"ckpt-engine serve did not start: {line!r}")
-    return proc, dict(part.split("=", 1) for part in line[len(READY_PREFIX):].split())["address"]
-
-
-def test_status_is_truthful_after_a_trainer_dies_mid_sync(tmp_path: Path, engines: Callable[..., TorchRefRollout]) -> None:
-    proc, address = start_serve(tmp_path)
+def test_status_is_truthful_after_a_trainer_dies_mid_sync(tmp_path: Path, engines: Engines) -> None:
+    serve = start_serve(tmp_path, TOKEN)
+    address = serve.address
     trainer: WeightSyncDaemon | None = None
     try:
         client = DaemonClient(address, TOKEN, timeout_s=10)
-        rs = [engines(f"r{i}", load_delay_s=0.3) for i in range(2)]
+        rs = [engines.spawn(f"r{i}", load_delay_s=0.3) for i in range(2)]
         for r in rs:
             client.register(r.name, descriptor(r))
         trainer = WeightSyncDaemon(config(), upstream=DaemonClient(address, TOKEN, timeout_s=10))
@@ -222,9 +160,7 @@ def test_status_is_truthful_after_a_trainer_dies_mid_sync(tmp_path: Path, engine
         wait_for("status says serving v1", lambda: {(e["state"], e["version"]) for e in client.status()["engines"]} == {("serving", 1)}, 5)
 
         # A trainer process starts v2 and is killed once the engines hold part of it.
-        script = tmp_path / "trainer.py"
-        script.write_text(TRAINER)
-        crashing = subprocess.Popen([sys.executable, str(script), address, TOKEN], stderr=subprocess.DEVNULL)
+        crashing = fork_program("test_reliability_daemon:trainer_main", [address, TOKEN], "trainer", stderr_path=os.devnull).process
         try:
             wait_for("the transfer reached the engines", lambda: all(r.health()["buckets_received"] > NUM_TENSORS for r in rs), 60)
         finally:
@@ -259,18 +195,17 @@ def test_status_is_truthful_after_a_trainer_dies_mid_sync(tmp_path: Path, engine
     finally:
         if trainer is not None:
             trainer.close()
-        proc.kill()
-        proc.wait(10)
+        serve.stop()
 
 
-# --- item 8: versions are checked where they enter ---------------------------------------------
-def test_versions_are_bounded_and_monotone_at_the_edges(engines: Callable[..., TorchRefRollout]) -> None:
+# --- item 8: versions are checked where they enter (and issue 26: no report freezes them) -------
+def test_versions_are_bounded_and_monotone_at_the_edges(engines: Engines) -> None:
     standalone = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN, role="standalone")
     standalone.serve()
     trainer: WeightSyncDaemon | None = None
     try:
         client = DaemonClient(standalone.address, TOKEN, timeout_s=10)
-        r = engines("r0")
+        r = engines.spawn("r0")
         client.register("r0", descriptor(r))
         huge = {"version": 2**64 - 1, "ok": True, "engines": {"r0": 2**64 - 1}, "states": {"r0": "serving"}, "dropped": {}, "stale": []}
         with pytest.raises(RpcError, match=r"outcome.version must be an int in \[0, 2\*\*63-1\]"):
@@ -286,15 +221,25 @@ def test_versions_are_bounded_and_monotone_at_the_edges(engines: Callable[..., T
         assert trainer.sync(StateDictSource(sd), version=5).ok and holds(r, sd, 5)
         with pytest.raises(RpcError, match="older than the current version 5"):
             client.report_sync({**huge, "version": 4, "engines": {"r0": 4}})
+        # A token holder cannot freeze the job's versions: no report jumps to 2**63-1 or more
+        # than 2**32 ahead (issue 26); the trainer's next sync carries on from 5.
+        for bad in (2**63 - 1, 5 + 2**32 + 1):
+            freeze = {**huge, "version": bad, "engines": {"r0": bad}}
+            with pytest.raises(RpcError, match=r"jumps more than 2\*\*32 past the current version"):
+                client.report_sync(freeze)
+        assert client.status()["version"] == 5
+        sd = weights(3)
+        outcome = trainer.sync(StateDictSource(sd))
+        assert outcome.ok and outcome.version == 6 and holds(r, sd, 6), outcome
 
         # The engine refuses versions outside the range, and versions below the one it holds.
         owner = TorchRefRollout("r0", r.rpc.host, r.rpc.port, None, TIMEOUT_S, token=TOKEN)
         owner.owner = client.hello()["group"]
         for bad in (2**63, -1, 4):
-            with pytest.raises(RpcError, match=r"finalize version must be an int in \[5, 2\*\*63-1\]"):
+            with pytest.raises(RpcError, match=r"finalize version must be an int in \[6, 2\*\*63-1\]"):
                 owner.finalize(bad)
         owner.close()
-        assert r.health()["version"] == 5
+        assert r.health()["version"] == 6
         client.close()
     finally:
         if trainer is not None:

@@ -10,11 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import select
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,76 +20,37 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.control.wire import RpcError
 from ckpt_engine.daemon import DaemonClient, DaemonConfig, HeartbeatSender, WeightSyncDaemon
-from ckpt_engine.daemon.cli import READY_PREFIX
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
-from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.report import SyncError
 from ckpt_engine.sync.session import WeightSyncSession
+from helpers_daemon import TIMEOUT_S, Engines, config, descriptor, free_port, start_serve, wait_for, weights, write_spec
+from helpers_daemon import holds as exact
+from helpers_procs import fork_program
 
 pytestmark = pytest.mark.timeout(300)
 
-TIMEOUT_S = 20.0
 TOKEN = "restarts-job-token"
-NUM_TENSORS = 8
 REPEATS = 3
-
-
-def weights(seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}.weight": torch.randn(64, 1024, generator=g) for i in range(NUM_TENSORS)}  # 256 KiB each
-
-
-def config() -> CheckpointEngineConfig:
-    return CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=TIMEOUT_S)
+SHORT_TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="module")
 def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("restarts") / "spec.msgpack"
-    write_spec_file(path, StateDictSource(weights(0)).metadata())
-    return str(path)
+    return write_spec(tmp_path_factory.mktemp("restarts") / "spec.msgpack")
 
 
 @pytest.fixture
 def engines(spec_file: str) -> Iterator[Callable[..., TorchRefRollout]]:
-    made: list[TorchRefRollout] = []
+    made = Engines(spec_file, TOKEN)
 
     def spawn(name: str, port: int = 0) -> TorchRefRollout:
-        r = TorchRefRollout.spawn(name, spec_file=spec_file, timeout_s=TIMEOUT_S, token=TOKEN, port=port)
-        made.append(r)
-        return r
+        return made.spawn(name, port=port)
 
     yield spawn
-    for r in made:
-        r.close()
-
-
-def descriptor(r: TorchRefRollout) -> dict[str, Any]:
-    return {"kind": "torch_ref", "host": r.rpc.host, "port": r.rpc.port}
-
-
-def exact(r: TorchRefRollout, sd: dict[str, torch.Tensor], version: int) -> bool:
-    h = r.health()
-    return (h["version"], h["paused"], h["stale"]) == (version, False, False) and all(torch.equal(r.get_tensor(n), t) for n, t in sd.items())
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> float:
-    t0 = time.monotonic()
-    while not check():
-        if time.monotonic() - t0 > timeout_s:
-            pytest.fail(f"not within {timeout_s}s: {what}")
-        time.sleep(0.05)
-    return time.monotonic() - t0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    made.close()
 
 
 class PauseWatch:
@@ -129,68 +86,36 @@ class PauseWatch:
         self._thread.join(5)
 
 
-def start_serve(tmp_path: Path, port: int = 0) -> tuple[subprocess.Popen[str], str]:
-    cfg = tmp_path / "job.yaml"
-    cfg.write_text("checkpoint_engine:\n  backend: gloo\n  bucket_size_mb: 0.25\n  timeout_s: 20\ndaemon:\n  health_interval_s: 0.3\n  heartbeat_timeout_s: 0\n")
-    log = open(tmp_path / "serve.log", "a")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpt_engine.cli", "serve", "--config", str(cfg), "--token", TOKEN, "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=log, text=True,
-    )
-    log.close()
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 60)
-    line = proc.stdout.readline() if ready else ""
-    if not line.startswith(READY_PREFIX):
-        proc.kill()
-        pytest.fail(f"ckpt-engine serve did not start: {line!r}")
-    return proc, dict(part.split("=", 1) for part in line[len(READY_PREFIX):].split())["address"]
-
-
 # --- a trainer killed after a version and restarted from its checkpoint ------------------------
-TRAINER = """
-import json, sys, time, torch
-from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.control.wire import RpcError
-from ckpt_engine.daemon import DaemonClient, DaemonConfig, WeightSyncDaemon
-from ckpt_engine.sources.base import StateDictSource
-mode, address, token, engines, seeds = sys.argv[1:6]
-def weights(seed):
-    g = torch.Generator().manual_seed(seed)
-    return {f"layer{i}.weight": torch.randn(64, 1024, generator=g) for i in range(%d)}
-cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=%g)
-if mode == "embedded":
-    d = WeightSyncDaemon(cfg, DaemonConfig(heartbeat_timeout_s=0), token=token)
-    for name, desc in json.loads(engines).items():
-        d.register(name, desc)
-else:
-    d = WeightSyncDaemon(cfg, upstream=DaemonClient(address, token, 10))
-for seed in map(int, seeds.split(",")):
-    o = d.sync(StateDictSource(weights(seed)))
-    print(json.dumps({"seed": seed, "version": o.version, "ok": o.ok, "seconds": o.seconds, "error": o.error}), flush=True)
-time.sleep(3600)
-""" % (NUM_TENSORS, TIMEOUT_S)
+def trainer_main(argv: list[str]) -> None:
+    """A trainer process: syncs one version per seed (embedded daemon or following `serve`),
+    prints one JSON line per sync, then waits to be killed."""
+    mode, address, token, engines, seeds = argv
+    if mode == "embedded":
+        d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=token)
+        for name, desc in json.loads(engines).items():
+            d.register(name, desc)
+    else:
+        d = WeightSyncDaemon(config(), upstream=DaemonClient(address, token, 10))
+    for seed in map(int, seeds.split(",")):
+        o = d.sync(StateDictSource(weights(seed)))
+        print(json.dumps({"seed": seed, "version": o.version, "ok": o.ok, "seconds": o.seconds, "error": o.error}), flush=True)
+    time.sleep(3600)
 
 
-def run_trainer(script: Path, log: Path, mode: str, address: str, rs: list[TorchRefRollout], seeds: list[int]) -> list[dict[str, Any]]:
+def run_trainer(log: Path, mode: str, address: str, rs: list[TorchRefRollout], seeds: list[int]) -> list[dict[str, Any]]:
     """Start a trainer process, read one line per sync, then SIGKILL it (its checkpoint is `seeds`)."""
     engines = json.dumps({r.name: descriptor(r) for r in rs})
-    with open(log, "a") as err:
-        proc = subprocess.Popen(
-            [sys.executable, str(script), mode, address, TOKEN, engines, ",".join(map(str, seeds))],
-            stdout=subprocess.PIPE, stderr=err, text=True,
-        )
-    assert proc.stdout is not None
+    program = fork_program("test_restarts:trainer_main", [mode, address, TOKEN, engines, ",".join(map(str, seeds))], "trainer", stderr_path=str(log))
     lines = []
     try:
         for _ in seeds:
-            ready, _, _ = select.select([proc.stdout], [], [], 90)
-            line = proc.stdout.readline() if ready else ""
-            assert line, f"the trainer printed nothing (exit code {proc.poll()}); stderr: {log.read_text()[-2000:]}"
+            line = program.read_line("", 90)
+            assert line, f"the trainer printed nothing (exit code {program.process.poll()}); stderr: {log.read_text()[-2000:] if log.exists() else ''}"
             lines.append(json.loads(line))
     finally:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        program.process.kill()
+        program.process.wait(10)
     return lines
 
 
@@ -199,20 +124,21 @@ def test_a_restarted_trainer_carries_on_from_what_engines_hold(tmp_path: Path, e
     rs = [engines(f"r{i}") for i in range(2)]
     serve, address = (None, "-")
     if mode == "following":
-        serve, address = start_serve(tmp_path)
+        serve = start_serve(tmp_path, TOKEN)
+        address = serve.address
         client = DaemonClient(address, TOKEN, timeout_s=10)
         for r in rs:
             client.register(r.name, descriptor(r))
         client.close()
-    script, log = tmp_path / "trainer.py", tmp_path / "trainer.log"
-    script.write_text(TRAINER)
+    log = tmp_path / "trainer.log"
+    log.touch()
     try:
-        first = run_trainer(script, log, mode, address, rs, [1, 2, 3])
+        first = run_trainer(log, mode, address, rs, [1, 2, 3])
         assert [(o["version"], o["ok"]) for o in first] == [(1, True), (2, True), (3, True)], first
         for attempt in range(REPEATS):  # killed after version 3 + attempt, restarted from its checkpoint
             version, seed = 4 + attempt, 10 + attempt
             with PauseWatch(rs) as watch:
-                (o,) = run_trainer(script, log, mode, address, rs, [seed])
+                (o,) = run_trainer(log, mode, address, rs, [seed])
             assert o["ok"] and o["version"] == version, o
             assert o["seconds"] < TIMEOUT_S, o
             assert watch.longest <= o["seconds"] + 0.5, f"an engine was paused {watch.longest:.2f}s around a {o['seconds']:.2f}s sync"
@@ -221,8 +147,7 @@ def test_a_restarted_trainer_carries_on_from_what_engines_hold(tmp_path: Path, e
         assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
     finally:
         if serve is not None:
-            serve.kill()
-            serve.wait(10)
+            serve.stop()
     if serve is not None:
         assert "Traceback" not in (tmp_path / "serve.log").read_text()
 
@@ -289,7 +214,8 @@ def test_a_fresh_daemon_adopts_refuses_old_versions_and_resumes_what_it_paused(e
 def test_a_restarted_serve_gets_its_engines_back(tmp_path: Path, engines: Callable[..., TorchRefRollout], caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     port = free_port()
-    serve, address = start_serve(tmp_path, port)
+    serve = start_serve(tmp_path, TOKEN, port=port)
+    address = serve.address
     rs = [engines(f"r{i}") for i in range(2)]
     beats = [HeartbeatSender(DaemonClient(address, TOKEN, timeout_s=2), r.name, 0.25, engine=descriptor(r)).start() for r in rs]
     trainer = WeightSyncDaemon(config(), upstream=DaemonClient(address, TOKEN, timeout_s=5))
@@ -299,14 +225,14 @@ def test_a_restarted_serve_gets_its_engines_back(tmp_path: Path, engines: Callab
         assert trainer.sync(StateDictSource(weights(1))).ok
         version = 1
         for attempt in range(REPEATS):
-            os.kill(serve.pid, signal.SIGKILL)
-            serve.wait(10)
+            os.kill(serve.process.pid, signal.SIGKILL)
+            serve.process.wait(10)
             if attempt == 0:  # the trainer syncs while the daemon is down: no traceback, the engines it knows
                 outcome = trainer.sync(StateDictSource(weights(30)))
                 assert outcome.ok, outcome
                 version += 1
-            serve, again = start_serve(tmp_path, port)
-            assert again == address
+            serve = start_serve(tmp_path, TOKEN, port=port)
+            assert serve.address == address
             took = wait_for("the engines registered again", lambda: len(client.members()["engines"]) == 2, 5)
             assert took < 5
             wait_for("the daemon adopted the engines' version", lambda: client.status()["version"] == version, 5)
@@ -323,8 +249,7 @@ def test_a_restarted_serve_gets_its_engines_back(tmp_path: Path, engines: Callab
             b.stop()
         trainer.close()
         client.close()
-        serve.kill()
-        serve.wait(10)
+        serve.stop()
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
     assert not [r for r in caplog.records if r.exc_info], "no traceback in the trainer's log"
 
@@ -395,9 +320,9 @@ def test_a_failure_with_every_engine_alive_drops_nobody(engines: Callable[..., T
     """An engine taken into another group behind the daemon's back (as one restarted would have
     left it) fails the daemon's next transfer while it reports what the daemon knows: every
     engine the failure names answers a health probe, so nobody is dropped and the version is
-    pushed again with a fresh group."""
+    pushed again with a fresh group. (A short timeout: the failed transfer's survivors wait it out.)"""
     rs = [engines(f"r{i}") for i in range(3)]
-    d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)
+    d = WeightSyncDaemon(config(SHORT_TIMEOUT_S), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)
     try:
         for r in rs:
             d.register(r.name, descriptor(r))

@@ -15,6 +15,7 @@ from ckpt_engine import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sync.api import cached_session, close_sessions
 from ckpt_engine.sources.base import StateDictSource, WeightSource
+from refengines import spawn_engine
 from roundtrip import mixed_state, same_bits
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30)
@@ -29,7 +30,7 @@ def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def engines(spec_file: str) -> Iterator[list[TorchRefRollout]]:
-    rs = [TorchRefRollout.spawn(f"ref{i}", spec_file=spec_file, timeout_s=60) for i in range(2)]
+    rs = [spawn_engine(f"ref{i}", spec_file=spec_file, timeout_s=60) for i in range(2)]
     yield rs
     close_sessions()  # sessions cached by sync_rollout_weights leave their groups first
     for r in rs:
@@ -170,7 +171,7 @@ class _CorruptingGloo(GlooCheckpointEngine):
 def test_checksum_mismatch_is_reported_as_such(spec_file: str) -> None:
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20, verify=True)
     engine = _CorruptingGloo(bucket_size_bytes=cfg.bucket_size_bytes, verify=True, timeout_s=20)
-    r = TorchRefRollout.spawn("victim", spec_file=spec_file)
+    r = spawn_engine("victim", spec_file=spec_file)
     session = WeightSyncSession([r], cfg, engine=engine)
     try:
         with pytest.raises(SyncError, match=r"victim: .*bucket 1 failed its checksum") as info:
@@ -185,7 +186,7 @@ def test_checksum_mismatch_is_reported_as_such(spec_file: str) -> None:
 def test_receiver_killed_mid_sync_is_named_within_the_timeout(spec_file: str) -> None:
     timeout_s = 10.0
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=timeout_s)
-    slow = [TorchRefRollout.spawn(f"slow{i}", spec_file=spec_file, load_delay_s=0.2) for i in range(2)]
+    slow = [spawn_engine(f"slow{i}", spec_file=spec_file, load_delay_s=0.2) for i in range(2)]
     session = WeightSyncSession(slow, cfg)
     errors: list[BaseException] = []
 

@@ -17,7 +17,7 @@ from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_f
 from ckpt_engine.sync.api import close_sessions
 from ckpt_engine.sources.base import StateDictSource
 from multisender import model_state, wire
-from refengines import holds
+from refengines import holds, spawn_engine
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, delta="on")
 
@@ -35,7 +35,7 @@ def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def engines(spec_file: str) -> Iterator[list[TorchRefRollout]]:
-    rs = [TorchRefRollout.spawn(f"delta{i}", spec_file=spec_file, timeout_s=60) for i in range(2)]
+    rs = [spawn_engine(f"delta{i}", spec_file=spec_file, timeout_s=60) for i in range(2)]
     yield rs
     close_sessions()
     for r in rs:
@@ -61,7 +61,7 @@ def test_chain_of_patches_then_dense_after_a_restart(engines: list[TorchRefRollo
                 assert 0 < report.changed_fraction < 0.5
         assert kinds == ["seed"] + ["patch"] * 5
         engines[1].close()
-        engines[1] = TorchRefRollout.spawn("delta1", spec_file=spec_file, timeout_s=60)
+        engines[1] = spawn_engine("delta1", spec_file=spec_file, timeout_s=60)
         fresh = WeightSyncSession(engines, CFG)
         try:
             sd = version(6)
@@ -135,7 +135,7 @@ def _auto_syncs(
     sent and their transfer seconds."""
     path = tmp.mktemp("auto") / "spec.msgpack"
     write_spec_file(path, StateDictSource(_sparse_version(0, words, changed)).metadata())
-    engines = [TorchRefRollout.spawn(f"auto{i}", spec_file=str(path), timeout_s=60) for i in range(2)]
+    engines = [spawn_engine(f"auto{i}", spec_file=str(path), timeout_s=60) for i in range(2)]
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=bucket_mb, timeout_s=60, delta="auto")
     engine = _SlowLink(bucket_size_bytes=cfg.bucket_size_bytes, timeout_s=60) if slow else None
     session = WeightSyncSession(engines, cfg, engine=engine)

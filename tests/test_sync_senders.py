@@ -5,7 +5,6 @@ named on every other rank within the timeout while the engines keep their old we
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,8 @@ from ckpt_engine.processes import run_processes
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from multisender import model_state, wire
-from refengines import holds
+from ranks import forkserver_context
+from refengines import holds, spawn_engine
 
 
 def _free_port() -> int:
@@ -31,7 +31,7 @@ def _free_port() -> int:
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[TorchRefRollout]]:
     spec = tmp_path_factory.mktemp("spec") / "spec.msgpack"
     write_spec_file(spec, StateDictSource(wire(model_state(0))).metadata())
-    rs = [TorchRefRollout.spawn(f"ms{i}", spec_file=str(spec), timeout_s=60) for i in range(2)]
+    rs = [spawn_engine(f"ms{i}", spec_file=str(spec), timeout_s=60) for i in range(2)]
     yield rs
     for r in rs:
         r.close()
@@ -42,7 +42,7 @@ def _run(
     delta_modes: list[str] | None = None, timeout_s: float = 8,
 ) -> list[Any]:
     info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in engines]
-    ctx = mp.get_context("spawn")
+    ctx = forkserver_context()
     port = _free_port()
     procs = [ctx.Process(target=trainer_main, args=(r, world, port, info, str(tmp_path), versions, kill, delta_modes, timeout_s)) for r in range(world)]
     run_processes(procs, 150)

@@ -218,7 +218,7 @@ def test_fsdp2_moe_checkpoint_names_bf16_wire_keep_fp32_router_tied():
 # --- sync into a reference rollout process ---------------------------------------------------------
 
 
-def _sync_worker(rank: int, world_size: int, model_dir: str) -> dict:
+def _sync_worker(rank: int, world_size: int, ref: dict) -> dict:
     from ckpt_engine.config import CheckpointEngineConfig
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
     from ckpt_engine.sync.api import sync_rollout_weights
@@ -229,7 +229,7 @@ def _sync_worker(rank: int, world_size: int, model_dir: str) -> dict:
     data = batches(world_size)
     train(engine, data, rank, range(2))
     expected = collect(engine)
-    rollouts = [TorchRefRollout.spawn("ref0", model_dir=model_dir, dtype="bfloat16", timeout_s=120)] if rank == 0 else None
+    rollouts = [TorchRefRollout("ref0", ref["host"], ref["port"], None, 120, token=ref["token"])] if rank == 0 else None
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.05, timeout_s=60, verify=True)
     try:
         report = sync_rollout_weights(engine, rollouts, version=7, config=cfg)
@@ -250,9 +250,15 @@ def _sync_worker(rank: int, world_size: int, model_dir: str) -> dict:
 
 
 def test_fsdp2_sync_into_torch_ref_rollout_bit_exact():
+    from refengines import spawn_engine
+
     with tempfile.TemporaryDirectory() as d:
         tiny_config(tie=True).save_pretrained(d)
-        r0, r1 = run_ranks(_sync_worker, model_dir=d)
+        ref = spawn_engine("ref0", model_dir=d, dtype="bfloat16", timeout_s=120)  # a receiver process of its own
+        try:
+            r0, r1 = run_ranks(_sync_worker, ref={"host": ref.rpc.host, "port": ref.rpc.port, "token": ref.token})
+        finally:
+            ref.close()
     assert r0["report"] == {"version": 7, "tensors": len([k for k in r0["tensors"] if k.startswith("exp/")])}
     assert r1["report"] is None
     t = r0["tensors"]

@@ -16,7 +16,7 @@ from ckpt_engine.sync import api as sync_module
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sync.api import close_sessions
 from ckpt_engine.sources.base import StateDictSource
-from refengines import holds, serving, source, state
+from refengines import holds, serving, source, spawn_engine, state
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20)
 
@@ -30,7 +30,7 @@ def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def engines(spec_file: str) -> Iterator[list[TorchRefRollout]]:
-    rs = [TorchRefRollout.spawn(f"ref{i}", spec_file=spec_file, timeout_s=30) for i in range(2)]
+    rs = [spawn_engine(f"ref{i}", spec_file=spec_file, timeout_s=30) for i in range(2)]
     yield rs
     close_sessions()
     for r in rs:

@@ -377,11 +377,11 @@ def test_non_sender_rank_walks_the_source_once_and_sends_nothing(model_dir: Path
 
 def test_sync_rollout_weights_takes_a_vllm_weight_source(model_dir: Path) -> None:  # noqa: F811
     """A trainer's vLLM `ModuleSource` streams through ckpt-engine's own sync into a real receiver process."""
-    from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
     from ckpt_engine.sync.api import WeightSyncSession
+    from refengines import spawn_engine
 
     model = trainer_model(model_dir, seed=70)
-    ref = TorchRefRollout.spawn("ref", model_dir=str(model_dir), timeout_s=60)
+    ref = spawn_engine("ref", model_dir=str(model_dir), timeout_s=60)
     session = WeightSyncSession([ref], CONFIG)
     try:
         report = session.sync(VllmWeightSourceAdapter(ModuleSource(model)), version=3)

@@ -1,0 +1,130 @@
+"""Shared by the daemon, reliability and restart tests: the job's weights, reference engines
+registered by descriptor, `ckpt-engine serve` in a process of its own, and waits with deadlines.
+
+Engines and `serve` are forked from the test session's preloaded server (tests/helpers_procs.py):
+the same `main` a command line runs, in a real process the tests kill and restart, without a new
+interpreter importing torch each time. tests/test_daemon_protocol.py starts `serve` as a command.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_engine.config import CheckpointEngineConfig
+from ckpt_engine.daemon.cli import READY_PREFIX
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.sources.base import StateDictSource
+from helpers_procs import ForkedProcess, fork_program
+from refengines import spawn_engine
+
+TIMEOUT_S = 20.0
+NUM_TENSORS = 8
+SERVE_YAML = "checkpoint_engine:\n  backend: gloo\n  bucket_size_mb: 0.25\n  timeout_s: 20\ndaemon:\n  health_interval_s: 0.3\n  heartbeat_timeout_s: 0\n"
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(64, 1024, generator=g) for i in range(NUM_TENSORS)}  # 256 KiB each
+
+
+def config(timeout_s: float = TIMEOUT_S) -> CheckpointEngineConfig:
+    return CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=timeout_s)
+
+
+def write_spec(path: Path) -> str:
+    """A spec file of `weights`' tensors (what every engine of these tests holds)."""
+    write_spec_file(path, StateDictSource(weights(0)).metadata())
+    return str(path)
+
+
+def descriptor(r: TorchRefRollout) -> dict[str, Any]:
+    return {"kind": "torch_ref", "host": r.rpc.host, "port": r.rpc.port}
+
+
+def holds(r: TorchRefRollout, sd: dict[str, torch.Tensor], version: int) -> bool:
+    """`r` serves `version` (unpaused, not stale) and holds `sd` bit for bit."""
+    h = r.health()
+    return (h["version"], h["paused"], h["stale"]) == (version, False, False) and all(torch.equal(r.get_tensor(n), t) for n, t in sd.items())
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> float:
+    """Seconds until `check()` held; fails the test after `timeout_s`."""
+    t0 = time.monotonic()
+    while not check():
+        if time.monotonic() - t0 > timeout_s:
+            pytest.fail(f"not within {timeout_s}s: {what}")
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Engines:
+    """Reference engines of one job (its token), closed at teardown whatever happened."""
+
+    def __init__(self, spec_file: str, token: str) -> None:
+        self.spec_file, self.token = spec_file, token
+        self.all: list[TorchRefRollout] = []
+
+    def spawn(self, name: str, *, token: str | None = None, port: int = 0, load_delay_s: float = 0.0, spec_file: str | None = None) -> TorchRefRollout:
+        r = spawn_engine(
+            name, spec_file=spec_file or self.spec_file, timeout_s=TIMEOUT_S, token=token or self.token, port=port, load_delay_s=load_delay_s
+        )
+        self.all.append(r)
+        return r
+
+    def close(self) -> None:
+        for r in self.all:
+            r.close()
+
+
+class Serve:
+    """A running `ckpt-engine serve`: its process and the address and token it printed."""
+
+    def __init__(self, process: subprocess.Popen[str] | ForkedProcess, ready: str) -> None:
+        fields = dict(part.split("=", 1) for part in ready[len(READY_PREFIX):].split())
+        self.process, self.address, self.token = process, fields["address"], fields["token"]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def start_serve(tmp_path: Path, token: str, *overrides: str, port: int = 0, yaml: str = SERVE_YAML, command: bool = False) -> Serve:
+    """`ckpt-engine serve` on `port` (0: a free one) with `yaml` as its config; its stderr goes to
+    tmp_path/serve.log. `command`: run it as `python -m ckpt_engine.cli serve`, as a user does."""
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(yaml)
+    argv = ["serve", "--config", str(cfg), "--token", token, "--port", str(port), *overrides]
+    log = tmp_path / "serve.log"
+    if not command:
+        program = fork_program("ckpt_engine.cli:main", argv, "serve", stderr_path=str(log))
+        line = program.read_line(READY_PREFIX, 60) or ""
+        if not line:
+            program.process.kill()
+            pytest.fail(f"ckpt-engine serve did not start: {log.read_text()[-2000:] if log.exists() else ''}")
+        return Serve(program.process, line)
+    with open(log, "a") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "ckpt_engine.cli", *argv], stdout=subprocess.PIPE, stderr=err, text=True)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    line = proc.stdout.readline() if ready else ""
+    if not line.startswith(READY_PREFIX):
+        proc.kill()
+        pytest.fail(f"ckpt-engine serve did not start: {line!r}")
+    return Serve(proc, line)
