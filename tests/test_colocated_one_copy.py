@@ -65,8 +65,9 @@ def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu") -> dict[s
                     bad.append(f"v{version} {name}: copied out of the sender's tensor, but not into its destination")
                 got[name] = t.clone()
             bad += [f"v{version} {n}" for n in new if n not in got or not same_bits(got[n], new[n])]
+    mappings = engine.transport.mappings
     engine.finalize()
-    return {"bad": bad, "one_copy": one_copy, "generations": generations}
+    return {"bad": bad, "one_copy": one_copy, "generations": generations, "mappings": mappings}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
@@ -78,6 +79,7 @@ def test_stable_sender_shares_its_tensors_once_and_the_receiver_copies_them(devi
     assert results[1]["bad"] == []
     assert results[0]["one_copy"] == [True, True, True, False, False, True]
     assert results[0]["generations"] == [1, 1, 2, 2, 2, 2]
+    assert results[1]["mappings"] == 2  # the receiver maps once per generation, not once per sync
 
 
 def abandoning_rank(rank: int, rdzv: Rendezvous) -> dict[str, Any]:

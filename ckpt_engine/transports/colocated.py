@@ -52,6 +52,8 @@ class ColocatedTransport(Transport, SourceSharing):
         self._generation = 0  # bumped whenever the offered tensors' handles change
         self._mapped: list[torch.Tensor] = []
         self._mapped_generation = 0
+        self.mappings = 0
+        """How many times this receiver mapped a sender's tensors (once per offer generation)."""
 
     @classmethod
     def resolve_device(cls, device: str | int | torch.device | None) -> torch.device:
@@ -115,6 +117,7 @@ class ColocatedTransport(Transport, SourceSharing):
         self.buffers = []
         self._probe = None
         self._offered, self._offered_layout, self._mapped = [], [], []
+        self._mapped_generation = 0  # a sender joined next counts its offers from 1 again
         unlink_files(self._shm_paths)
 
     def abort(self) -> None:
@@ -138,16 +141,11 @@ class ColocatedTransport(Transport, SourceSharing):
         self._sent = 0
 
     def begin_receive(self) -> None:
+        # The mapped sender tensors stay across syncs (mapping 339 tensors' handles costs more than
+        # copying their 15 GB); they go when the offer's generation changes or at close.
         self._seq += 1
         self._received = 0
         self._released = 0
-        self._can_map = False  # the receiver can map this sender's tensors (learnt at join)
-        self._probe: torch.Tensor | None = None
-        self._offered: list[torch.Tensor] = []  # held: their memory cannot go to another tensor
-        self._offered_layout: list[tuple[int, torch.Size, torch.dtype]] = []
-        self._generation = 0  # bumped whenever the offered tensors' handles change
-        self._mapped: list[torch.Tensor] = []
-        self._mapped_generation = 0
 
     def end_receive(self) -> None:
         self._release_pending()
@@ -257,6 +255,7 @@ class ColocatedTransport(Transport, SourceSharing):
             self._mapped = []  # drop the old mappings first
             info = msgpack.unpackb(self._store.get(f"colocated/sources/{generation}"), raw=False)
             self._mapped, self._mapped_generation = map_tensors(info, self.device), generation
+            self.mappings += 1
         return self._mapped
 
     def taken(self, error: str | None = None) -> None:
