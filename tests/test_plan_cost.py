@@ -74,16 +74,17 @@ def test_all_senders_approach_receiver_ingress_and_single_sender_is_nic_bound() 
     assert many.stages["transfer"] <= many.receiver_ingress_s * 1.01
 
 
-def test_delta_bytes_follow_the_formula_and_pick_the_smaller_index() -> None:
+def test_delta_bytes_follow_the_formula_and_go_dense_where_a_patch_would_not_be_smaller() -> None:
     dense, itemsize, tensors = 2_000_000_000, 2, 100
     d = delta_wire_bytes(dense, itemsize, 0.02, tensors)
     numel = dense // itemsize
     assert d.encoding == "positions"
     assert d.wire_bytes == round(numel * 0.02) * (itemsize + 4) + 16 * tensors
     assert d.ratio(dense) == pytest.approx(0.02 * (itemsize + 4) / itemsize, rel=1e-4)
-    # above 1/32 changed, a bitmask (1 bit per element) beats int32 positions
-    assert delta_wire_bytes(dense, itemsize, 0.05, tensors).encoding == "bitmask"
-    assert delta_wire_bytes(dense, itemsize, 1 / 32 - 1e-4, tensors).encoding == "positions"
+    # bf16 value + int32 position: 6 bytes per change, so from 1/3 changed the bucket goes dense
+    assert delta_wire_bytes(dense, itemsize, 1 / 3 - 1e-3, tensors).encoding == "positions"
+    dense_delta = delta_wire_bytes(dense, itemsize, 1 / 3 + 1e-3, tensors)
+    assert dense_delta.encoding == "dense" and dense_delta.wire_bytes == dense
     sizes = [delta_wire_bytes(dense, itemsize, f, tensors).wire_bytes for f in (0.0, 0.01, 0.03, 0.1, 0.5, 1.0)]
     assert sizes == sorted(sizes)
 

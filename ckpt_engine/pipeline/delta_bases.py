@@ -38,7 +38,7 @@ class Bases:
     calm: set[int] = field(default_factory=set)
     """Sender buckets whose last patch changed fewer than 1 word in 32: diffed in one pass from
     the source tensors. The others (and every bucket at first) are packed and encoded by the
-    codec, whose bitmask index is smaller when many words change."""
+    codec (the same diff over the packed image, dense where a patch would not be smaller)."""
     stamps: dict[str, tuple[int, int]] = field(default_factory=dict)
     """In-place receivers: (data_ptr, version counter) of each destination after the last sync;
     a tensor changed since then (by anything but a sync) is no longer the base."""
@@ -62,10 +62,10 @@ def check_delta_options(delta_base: str, scatter_below: float | None, device: to
 
     `delta_scatter_below`: most changed words (a fraction of a bucket's) for which a sender
     encodes the bucket in one pass to int32 positions; a busier bucket is packed and encoded by
-    the codec (a bitmask index: smaller on the wire, but a pack, two passes and more host work
-    per bucket). Default: 1/4 on CUDA transports (NVLink, InfiniBand: the encode costs more than
+    the codec (a pack first, then the same diff over the packed image). Default: 1/4 on CUDA transports (NVLink, InfiniBand: the encode costs more than
     the extra wire bytes; 7B at lr 1e-5 on 2xH200: 0.91x a raw broadcast against 1.35x with
-    1/32), 1/32 elsewhere (the smaller patch)."""
+    1/32), 1/32 elsewhere (chosen when the codec's bitmask index was the smaller patch; not re-measured since
+    the bitmask was retired)."""
     if delta_base == "cast":
         raise ValueError("delta_base 'cast' was retired (its recorded casts did not pay over device bases); use delta_base='device'")
     if delta_base not in DELTA_BASES:

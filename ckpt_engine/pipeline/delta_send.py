@@ -6,7 +6,7 @@ device memory: 1/S of the model on each of S senders, or pinned host memory with
 delta_base='host'). One patch sync, per bucket:
 1. encode: a bucket that changed little last time is compared with its base straight from the
    source tensors, one pass per piece (`ckpt_engine.delta.direct`, no pack); any other is packed
-   and encoded by the codec, which picks a bitmask patch when many words change. A patch is kept
+   and encoded by the codec (the same one-pass diff over the packed image). A patch is kept
    when smaller than the bucket; the base image becomes the new bytes either way;
 2. the bucket's frame (a header: kind, bytes, checksum of the result; then the payload: the patch,
    or the base image itself) leaves at once, so the next bucket is encoded while this one
@@ -46,9 +46,8 @@ logger = logging.getLogger(__name__)
 # Above the default limit, a bucket moves to the one-pass diff when its changed words last time
 # were at most _JOIN_AT of what a scatter patch may carry, and back to the codec above _LEAVE_AT: a
 # diff that overflows the patch sends the whole bucket, so the change rate may grow a little
-# before it would. At the default 1/32 the bitmask is as small as the patch there, and the margin
-# only sent more buckets through the codec (a CPU sender, 7B one layer at lr 1e-6: 5.9x raw with
-# it, 4.95x without, on a noisy 2-core box).
+# before it would (measured when the codec still wrote a bitmask index: a CPU sender, 7B one layer
+# at lr 1e-6, 5.9x raw with the margin, 4.95x without, on a noisy 2-core box).
 _JOIN_AT = 0.75
 _LEAVE_AT = 0.9
 
@@ -248,8 +247,8 @@ class DeltaSender:
 
     def _encode_packed(self, bases: Bases, step: Step, pieces: PieceReader, stable: bool, stats: SendStats) -> Frame:
         """A bucket that changed a lot last time (or has no history): pack it and let the codec
-        choose (its bitmask index is smaller than int32 positions when many words change); the
-        one-pass diff takes over once the changed words fit a scatter patch (`delta_scatter_below`).
+        diff the packed image (dense when its patch would not be smaller); the diff straight from
+        the source takes over once the changed words fit a scatter patch (`delta_scatter_below`).
         Padding between entries is zeroed, so it never differs from the base (in-place receivers
         hold no padding)."""
         key, n, word = step.ordinal, step.bucket.nbytes, step.word_bytes

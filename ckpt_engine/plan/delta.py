@@ -1,12 +1,11 @@
 """Bytes a delta sync puts on the wire, given the fraction of elements that changed.
 
-A delta carries the changed values plus where they are: either their positions (int32 offsets,
-int64 past 2**31 elements) or a bitmask of one bit per element, whichever is smaller. Positions
-win below 1/32 changed (int32): 4 bytes per change against 1/8 byte per element. ckpt-engine's
-codec (`delta/layout.py`) patches each bucket as one image of words of the dtype's size, with a
-32-byte header per bucket, and sends a bucket dense when its patch would not be smaller; this
-model picks the index once for the whole model and counts a header per tensor (an upper bound on
-headers, negligible beside the values either way).
+A patch carries the changed values plus their positions, int32 offsets (the codec's one patch
+kind, `delta/layout.py`): itemsize + 4 bytes per changed element. The codec patches each bucket as
+one image of words of the dtype's size, with a 32-byte header per bucket, and sends a bucket dense
+when its patch would not be smaller (bf16: from 1/3 of the words changed). This model applies that
+rule to the whole model at once and counts a header per tensor (an upper bound on headers,
+negligible beside the values either way).
 """
 
 from __future__ import annotations
@@ -32,16 +31,14 @@ class DeltaBytes:
 
 
 def delta_wire_bytes(dense_bytes: int, itemsize: int, fraction: float, num_tensors: int) -> DeltaBytes:
-    """``dense_bytes x fraction x (itemsize + index bytes) / itemsize`` plus per-tensor headers,
-    with the index as positions or a bitmask, whichever is smaller."""
+    """``dense_bytes x fraction x (itemsize + 4) / itemsize`` plus per-tensor headers, or the dense
+    bytes where that patch would not be smaller."""
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"--delta must be a changed fraction in [0, 1], got {fraction!r}")
     if itemsize < 1 or dense_bytes < 0 or num_tensors < 0:
         raise ValueError("delta_wire_bytes needs itemsize >= 1 and non-negative sizes")
-    numel = dense_bytes // itemsize
-    values = round(numel * fraction) * itemsize
-    pos_width = 4 if numel / max(num_tensors, 1) < 2**31 else 8
-    positions = round(numel * fraction) * pos_width
-    bitmask = -(-numel // 8)
-    index, encoding = (positions, "positions") if positions <= bitmask else (bitmask, "bitmask")
-    return DeltaBytes(values + index + HEADER_BYTES * num_tensors, values, index, encoding)
+    changed = round(dense_bytes // itemsize * fraction)
+    values, positions = changed * itemsize, changed * 4
+    if values + positions >= dense_bytes:
+        return DeltaBytes(dense_bytes, dense_bytes, 0, "dense")
+    return DeltaBytes(values + positions + HEADER_BYTES * num_tensors, values, positions, "positions")
