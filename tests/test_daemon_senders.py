@@ -44,7 +44,7 @@ def _worker(rank: int, world_size: int, engines: list[dict[str, Any]], senders: 
 
     job = _job(senders)
     task = TokenTask(job.rollout.vocab_size)
-    engine = FSDP2TrainEngine(build_model(tie=True), config=engine_config(wire_dtype="bfloat16", lr=1e-4), process_group=world_group())
+    engine = FSDP2TrainEngine(build_model(tie=True), config=engine_config(wire_dtype="bfloat16", lr=1e-5), process_group=world_group())  # RL-like: int32-position patches pay below ~1/3 changed bf16 words
     if rank != 0:
         counts = follow_leader(engine, world_group(), task, job.checkpoint_engine)
         collect(engine)  # the gather at the end is a collective
