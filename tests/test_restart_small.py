@@ -189,7 +189,7 @@ def test_rank_1_names_a_dead_rank_0(ms_engines: list[TorchRefRollout], tmp_path:
     info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in ms_engines]
     ctx = forkserver_context()
     kill = {"rank": 0, "version": 1, "piece": piece}
-    procs = [ctx.Process(target=trainer_main, args=(r, 2, port, info, str(tmp_path), 2, kill, 4.0)) for r in range(2)]
+    procs = [ctx.Process(target=trainer_main, args=(r, 2, port, info, str(tmp_path), 2, kill, None, 4.0)) for r in range(2)]
     run_processes(procs, 150)
     assert not (tmp_path / "rank0.json").exists()  # killed
     follower = json.loads((tmp_path / "rank1.json").read_text())
