@@ -110,30 +110,9 @@ class Receiver:
                 nbytes = plan.nbytes[k] = bucket.nbytes  # a property summing every entry: once per plan
             return t.post(gid, slot, message(t.buffers[slot], nbytes, opts.verify))
 
-        # Each sender's buckets are posted in its order: a bucket that uses its slot once the bucket
-        # `num_buffers` before it was consumed; on host work, one that lands outside the slots (in a
-        # destination or reassembly tensor) at once, however many are in flight, so the link never
-        # waits for this thread between small buckets.
-        ahead = not t.uses_streams
-        cursor = [0] * sched.num_senders  # per sender: its next bucket to post
-        consumed = [0] * sched.num_senders
-
-        def slotless(k: int) -> bool:
-            bucket = steps[k].bucket
-            if opts.is_direct(bucket, t):
-                return True
-            return opts.is_direct_whole(bucket, t) and destination(bucket.entries[0]) is not None
-
-        def post_more(s: int) -> None:
-            own, i = sched.by_sender[s], cursor[s]
-            while i < len(own) and (i < consumed[s] + opts.num_buffers or (ahead and slotless(own[i]))):
-                works[own[i]] = post(own[i])
-                i += 1
-            cursor[s] = i
-
         try:
-            for s in range(sched.num_senders):
-                post_more(s)
+            for k in sched.first_posts:
+                works[k] = post(k)
             for k in self._consume_order(sched, works):
                 step = steps[k]
                 bucket, slot = step.bucket, step.slot
@@ -157,8 +136,8 @@ class Receiver:
                 yield out
                 # The loader has issued its copies of bucket k: the slot may be refilled.
                 t.release(slot)
-                consumed[bucket.sender] += 1
-                post_more(bucket.sender)
+                if step.refill is not None:
+                    works[step.refill] = post(step.refill)
             t.end_receive()
         except BaseException:
             works.clear()  # pending work handles keep the group (and its sockets) alive

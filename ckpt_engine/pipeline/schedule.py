@@ -30,6 +30,8 @@ class Step:
     """The receivers' rotating buffer: sender * num_buffers + ordinal % num_buffers."""
     gid: int
     """Process group: sender * num_lanes + ordinal % num_lanes."""
+    refill: int | None
+    """The bucket (manifest index) that reuses this one's receive buffer, posted once it is consumed."""
     word_bytes: int
     """gcd of the itemsizes in the bucket: the unit a delta patch compares."""
 
@@ -49,13 +51,17 @@ class Schedule:
             ordinals[b.sender] += 1
         self.steps: list[Step] = []
         for b, o in partial:
+            own = by_sender[b.sender]
+            refill = own[o + num_buffers] if o + num_buffers < len(own) else None
             word = 8
             for e in b.entries:
                 word = math.gcd(word, DTYPE_ITEMSIZE[e.dtype])
             self.steps.append(
                 Step(b, o, o % num_buffers, b.sender * num_buffers + o % num_buffers,
-                     b.sender * num_lanes + o % num_lanes, word)
+                     b.sender * num_lanes + o % num_lanes, refill, word)
             )
+        self.first_posts = [i for own in by_sender for i in own[:num_buffers]]
+        self.first_posts.sort()
         self.by_sender = by_sender
         # Start byte of each (sender, tensor) piece: where the sender's local tensor begins.
         self.piece_start: dict[tuple[int, str], int] = {}

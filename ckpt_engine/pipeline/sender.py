@@ -94,19 +94,12 @@ class Sender:
         recorded: dict[int, BucketSend] | None = {} if anchors is not None and plan is None else None
         it = iter(weights) if plan is None else iter(())
         works: list[Any] = [None] * self.opts.num_buffers
-        # Host work with a stable source: a bucket sent from the source's own memory needs no slot,
-        # so it is posted at once, however many are in flight; the link then never waits for this
-        # thread to be scheduled between small buckets (on a busy host that cost more than a tenth
-        # of the sync). Resolving a stable bucket only reads the source, so it may precede the wait.
-        ahead = stable and not self.t.uses_streams
-        loose: list[Any] = []  # broadcasts posted straight from the source's memory, without a slot
         try:
             known = state.known if stable else None
             pieces = PieceReader(it, state.schedule, self.t.rank, self.t.device, stats, known) if plan is None else None
             for step in mine:
                 bucket, slot = step.bucket, step.sender_slot
-                if not ahead:
-                    self.t.wait_slot(slot, works)
+                self.t.wait_slot(slot, works)
                 if plan is not None:
                     action = plan.buckets[bucket.index]
                 else:
@@ -117,20 +110,12 @@ class Sender:
                             recorded = None  # a piece was a temporary of this walk: nothing to replay
                         else:
                             recorded[bucket.index] = action
-                if ahead and action.kind == "message":
-                    loose.append(self._send_bucket(step, slot, action, stats))
-                    continue
-                if ahead:
-                    self.t.wait_slot(slot, works)
                 works[slot] = self._send_bucket(step, slot, action, stats)
             if plan is None and next(it, None) is not None:
                 raise ValueError("the weight source yielded more tensors than its metadata lists")
             self.t.drain_slots(works)
-            if loose:
-                self.t.drain(loose, "broadcast from the source's memory")
         except BaseException:
             works.clear()  # pending work handles keep the group (and its sockets) alive
-            loose.clear()
             self.t.abort()
             state.bases.sync_id = None
             raise
