@@ -42,7 +42,8 @@ from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, Bases, b
 from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
-from ckpt_engine.pipeline.staging import StagedBuckets, StagedPatch, StagedPatches, StagedVersion
+from ckpt_engine.pipeline.staging import StagedBuckets, StagedPatch, StagedPatches, read_words
+from ckpt_engine.staged import StagedVersion
 from ckpt_engine.pipeline.wire_views import entry_view, flat_bytes, has_wire_layout
 from ckpt_engine.transports.base import TransferError
 from ckpt_engine.transports.transport import SLACK, Transport
@@ -93,12 +94,9 @@ class DeltaReceiver:
         assert places is not None and destinations is not None
         bases = state.bases
 
-        def stamp() -> None:
-            bases.stamps = {name: _stamp(x) for name, x in destinations.items() if x.numel() and name in state.schedule.tensor_bytes}
-
-        words = {s.bucket.index: s.word_bytes for s in state.schedule.steps}
+        live = {name: x for name, x in destinations.items() if x.numel() and name in state.schedule.tensor_bytes}
         return StagedPatches(
-            bases, places, staged, delta.new_id, words, lambda: self._yield_destinations(state, destinations), stamp, self.t.wait_compute
+            bases, places, staged, delta.new_id, live, lambda: self._yield_destinations(state, destinations), self.t.wait_compute
         )
 
     def _take(
@@ -325,8 +323,10 @@ class DeltaReceiver:
         if bad is not None:
             return bad
         if kind == DENSE:
-            if places is not None and staged:  # kept (the slot may be reused) with its checksum, for the swap
-                arrived[k] = StagedPatch(k, codec.checksum(msg, step.word_bytes), msg.clone())
+            if places is not None and staged:  # kept (the slot may be reused) with its checksum and the words it replaces
+                image = places.get(k)
+                old = read_words(image) if image is not None else msg[:0]
+                arrived[k] = StagedPatch(k, codec.checksum(msg, step.word_bytes), msg.clone(), old)
             elif places is not None:
                 bases.sums[k] = codec.checksum(msg, step.word_bytes)
                 if delta.patches:
@@ -374,7 +374,7 @@ class DeltaReceiver:
             if staged:  # read-only: the live words at the positions, kept patch for the swap
                 old, bad = places[k].gather(patch.positions)
                 checks.append((where, expect, bases.sums[k] + pair_delta(patch.positions, patch.values, old), bad, patch.unchecked))
-                return StagedPatch(k, expect, patch.values.clone(), patch.positions.clone())
+                return StagedPatch(k, expect, patch.values.clone(), old, patch.positions.clone())
             old, bad, change = places[k].swap_in(patch.positions, patch.values)  # reads all, then writes
             undo.append((k, patch.positions, old))
             checks.append((where, expect, bases.sums[k] + change, bad, patch.unchecked))

@@ -27,12 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from ckpt_engine.copies import batched_copy_
-from ckpt_engine.delta.layout import word_dtype
 from ckpt_engine.delta.pieces import ScatteredImage
 from ckpt_engine.pipeline.delta_bases import Bases
 from ckpt_engine.staged import Bucket, StagedVersion
 
-__all__ = ["StagedBuckets", "StagedCopy", "StagedPatch", "StagedPatches", "StagingCopy", "StagingError"]
+__all__ = ["read_words", "StagedBuckets", "StagedCopy", "StagedPatch", "StagedPatches", "StagingCopy", "StagingError"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +41,14 @@ class StagingError(RuntimeError):
 
 @dataclass
 class StagedPatch:
-    """One bucket's staged frame: a checked patch (positions, values), or a dense frame (values only)."""
+    """One bucket's staged frame: a checked patch (positions, values), or a dense frame (values
+    only), with the live words it replaces (read at the stream: the swap's undo)."""
 
     bucket: int
     expect: int | torch.Tensor
     """The sender's checksum of the bucket after this frame (a dense frame's: computed here, 0-d)."""
     values: torch.Tensor
+    old: torch.Tensor
     positions: torch.Tensor | None = None
 
 
@@ -57,75 +58,65 @@ class StagedPatches(StagedVersion):
     mode = "patches"
 
     def __init__(
-        self, bases: Bases, places: Mapping[int, ScatteredImage], frames: Sequence[StagedPatch], new_id: int, word_bytes: Mapping[int, int],
-        yield_live: Callable[[], Iterator[Bucket]], stamp: Callable[[], None], wait: Callable[[str], None],
+        self, bases: Bases, places: Mapping[int, ScatteredImage], frames: Sequence[StagedPatch], new_id: int,
+        live: Mapping[str, torch.Tensor], yield_live: Callable[[], Iterator[Bucket]], wait: Callable[[str], None],
     ) -> None:
         self._bases = bases
         self._places = places
         self._frames = list(frames)
         self._new_id = new_id
-        self._word_bytes = dict(word_bytes)
+        self._live = live
+        self._stamps = dict(bases.stamps)
         self._yield_live = yield_live
-        self._stamp = stamp
         self._wait = wait
         self._done = False
-        self.apply_s = 0.0
 
     @property
     def nbytes(self) -> int:
-        return sum(f.values.nbytes + (f.positions.nbytes if f.positions is not None else 0) for f in self._frames)
+        return sum(f.values.nbytes + f.old.nbytes + (f.positions.nbytes if f.positions is not None else 0) for f in self._frames)
 
     def apply(self) -> Iterator[Bucket]:
+        """Refused (nothing written) if a live tensor was written since the stream's checks (its
+        version counter moved); else every frame is written, and written back on any failure."""
         if self._done:
             raise RuntimeError("this staged version was applied or discarded already")
         self._done = True
-        t0 = time.perf_counter()
-        undo: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        dense: list[tuple[int, torch.Tensor]] = []
-        checks: list[tuple[StagedPatch, torch.Tensor, torch.Tensor]] = []
+        moved = [n for n, stamp in self._stamps.items() if n in self._live and _stamp(self._live[n]) != stamp]
+        if moved:
+            raise StagingError(
+                f"the live tensor {moved[0]!r} ({len(moved)} in all) changed since the stream checked the patches against it; "
+                "nothing was written and the next sync must be dense"
+            )
+        written: list[StagedPatch] = []
         try:
             for f in self._frames:
                 image = self._places.get(f.bucket)
-                if f.positions is None:
-                    if image is not None:  # kept old words of a dense frame: the bucket's words as they lie
-                        dense.append((f.bucket, _read(image)))
-                        _write(image, f.values.view(word_dtype(self._word_bytes[f.bucket])))
+                if image is None:
                     continue
-                assert image is not None
-                old, bad, change = image.swap_in(f.positions, f.values)
-                undo.append((f.bucket, f.positions, old))
-                checks.append((f, self._bases.sums[f.bucket] + change, bad))  # type: ignore[operator]
-            self._check(checks)
+                written.append(f)
+                if f.positions is None:
+                    _write(image, f.values)
+                else:
+                    image.scatter(f.positions, f.values)
         except BaseException:
-            self._roll_back(undo, dense)
+            self._roll_back(written)
             raise
         for f in self._frames:
             done = f.expect if isinstance(f.expect, torch.Tensor) else torch.tensor(f.expect, dtype=torch.int64, device=f.values.device)
             self._bases.sums[f.bucket] = done
         self._bases.sync_id = self._new_id
+        self._bases.stamps = {n: _stamp(self._live[n]) for n in self._stamps if n in self._live}
         self._frames.clear()
-        self._stamp()
-        self.apply_s = time.perf_counter() - t0
         yield from self._yield_live()
 
-    def _check(self, checks: list[tuple[StagedPatch, torch.Tensor, torch.Tensor]]) -> None:
-        """What the swap wrote must give the checksum the stream's check gave (one read back)."""
-        if not checks:
-            return
-        rows = torch.stack([torch.stack([got.reshape(()), bad.reshape(()).to(torch.int64)]) for _f, got, bad in checks]).tolist()
-        for (f, _g, _b), (got, outside) in zip(checks, rows):
-            if outside or got != f.expect:
-                raise StagingError(
-                    f"bucket {f.bucket}: the live weights changed between the stream and the swap (checksum {got}, the "
-                    f"sender's {f.expect}); the previous version was written back"
-                )
-
-    def _roll_back(self, undo: list[tuple[int, torch.Tensor, torch.Tensor]], dense: list[tuple[int, torch.Tensor]]) -> None:
+    def _roll_back(self, written: list[StagedPatch]) -> None:
         try:
-            for k, positions, old in reversed(undo):
-                self._places[k].scatter(positions, old)
-            for k, words in dense:
-                _write(self._places[k], words)
+            for f in reversed(written):
+                image = self._places[f.bucket]
+                if f.positions is None:
+                    _write(image, f.old)
+                else:
+                    image.scatter(f.positions, f.old)
             self._wait("writing back the previous version")
         except Exception:
             logger.critical("writing the previous version back after a failed swap failed: the engine's weights are not to be trusted")
@@ -216,7 +207,11 @@ class StagingCopy:
         self._key, self.tensors = (), {}
 
 
-def _read(image: ScatteredImage) -> torch.Tensor:
+def _stamp(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t._version
+
+
+def read_words(image: ScatteredImage) -> torch.Tensor:
     """The bucket's words as they lie in the image's regions (padding words 0)."""
     out = torch.zeros(image.num_words, dtype=image.dtype, device=image.device)
     for first, view in image.regions:
@@ -225,4 +220,5 @@ def _read(image: ScatteredImage) -> torch.Tensor:
 
 
 def _write(image: ScatteredImage, words: torch.Tensor) -> None:
+    words = words.view(image.dtype)
     batched_copy_([view for _f, view in image.regions], [words[f : f + v.numel()] for f, v in image.regions])
