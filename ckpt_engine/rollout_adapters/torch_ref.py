@@ -36,6 +36,7 @@ from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.planning.fused_experts import fuse_specs
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.planning.tp_ep import tp_ep_plan
@@ -107,7 +108,11 @@ class TorchRefWorker:
     @classmethod
     def sharded(cls, specs: list[TensorSpec], layout: dict[str, int], **kw: Any) -> TorchRefWorker:
         """A TP / EP rank of the model `specs` (global shapes): zeros of its slices. `layout`:
-        tp_size, tp_rank, ep_size, ep_rank, num_kv_heads (see `tp_ep_plan`)."""
+        tp_size, tp_rank, ep_size, ep_rank, num_kv_heads (see `tp_ep_plan`); fused_experts=1: it
+        holds each layer's experts stacked (`planning/fused_experts.py`), as vLLM's w13/w2 do."""
+        layout = dict(layout)
+        if layout.pop("fused_experts", 0):
+            specs = fuse_specs(specs)[0]
         plan = tp_ep_plan(specs, **layout)
         if plan is None:
             return cls({s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in specs}, **kw)
@@ -325,7 +330,7 @@ class TorchRefRollout(RolloutAdapter):
         hold the same one); by default a fresh random one known only to this handle. `port`: its
         control port (0: a free one; an engine restarted at its address passes the old one).
         `layout`: run as one rank of a TP / EP engine holding only its slices (tp_size, tp_rank,
-        ep_size, ep_rank, num_kv_heads; see `planning.tp_ep.tp_ep_plan`)."""
+        ep_size, ep_rank, num_kv_heads; see `planning.tp_ep.tp_ep_plan`; fused_experts=1 holds experts stacked)."""
         if (spec_file is None) == (model_dir is None):
             raise ValueError("give exactly one of spec_file or model_dir")
         token = token if token is not None else secrets.token_hex(16)
@@ -421,7 +426,7 @@ class TorchRefRollout(RolloutAdapter):
                 self.process.wait(10)
 
 
-_LAYOUT_KEYS = ("tp_size", "tp_rank", "ep_size", "ep_rank", "num_kv_heads")
+_LAYOUT_KEYS = ("tp_size", "tp_rank", "ep_size", "ep_rank", "num_kv_heads", "fused_experts")
 
 
 def _read_ready_port(proc: subprocess.Popen[str], name: str, timeout_s: float) -> int:
