@@ -39,7 +39,7 @@ __all__ = ["MAX_PARALLEL_SETS", "RegionGroups", "receive_regions", "send_regions
 
 logger = logging.getLogger(__name__)
 
-MAX_PARALLEL_SETS = 4
+MAX_PARALLEL_SETS = 8
 """Sets a sender streams at once: each takes its own slot memory on the sender."""
 
 
@@ -165,8 +165,11 @@ def send_regions(
     whole tensor, or with `owners` its dim-0 row block, any shape); `shapes`: the global shapes."""
     sender = groups.rank
     by_index = {s.index: s for s in sets}
+    cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
     def one(s: ReceiverSet) -> SendStats:
+        if cuda is not None:
+            torch.cuda.set_device(cuda)  # a wave's thread works on the caller's device
         manifest = manifests[s.index]
         by_vname = {p.spec.name: p for p in s.pieces}
 
