@@ -129,3 +129,18 @@ def test_setup_rejects_tiny_buckets() -> None:
     setup = Scenario().setup()
     with pytest.raises(ValueError, match="--bucket-mb must be >= 1"):
         SyncSetup(setup.model, setup.trainer, setup.rollout, setup.links, bucket_bytes=1000)
+
+
+def test_shard_receive_takes_one_shard_per_gpu_in_waves_of_parallel_sets() -> None:
+    cal = load_calibration()
+    base = Scenario(model="kimi-k2", trainer="256xH800", rollout="8x32xH800", nic_gbps=400, strategy="all-senders", fused_experts=True)
+    full = predict(base.setup(), cal)
+    shard = predict(replace(base, receive="shard").setup(), cal)
+    wide = predict(replace(base, receive="shard", parallel_sets=32).setup(), cal)
+    gpu_bytes = full.wire_bytes / 32
+    nic = 50e9 * cal.nic_eff
+    assert wide.receiver_ingress_s == pytest.approx(gpu_bytes / nic)  # every GPU at once: one shard's time
+    assert shard.receiver_ingress_s == pytest.approx(4 * gpu_bytes / nic)  # 8 sets side by side: 4 waves
+    assert wide.total_s < shard.total_s < full.total_s
+    single = predict(replace(base, strategy="single", receive="shard", parallel_sets=32).setup(), cal)
+    assert single.stages["transfer"] >= full.wire_bytes / nic  # one sender's egress bounds it whatever the receivers hold

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.plan.model_shapes import checkpoint_tensors, load_model_config, model_bytes
+from ckpt_engine.planning.fused_experts import fuse_specs
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -30,6 +32,12 @@ def test_dense_qwen2_matches_transformers_tensor_for_tensor() -> None:
     assert sum(t.nbytes for t in ours) == sum(2 * _numel(s) for s in real.values()) == 15_231_233_024
 
 
+def _stacked(tensors) -> dict[str, tuple[int, ...]]:
+    """The per-expert tensors as `planning/fused_experts.py` stacks them for the wire."""
+    fused, _ = fuse_specs([TensorSpec(t.name, t.dtype, t.shape) for t in tensors])
+    return {s.name: s.shape for s in fused}
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     out = 1
     for d in shape:
@@ -39,9 +47,10 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 def test_moe_qwen3_matches_fused_model_and_checkpoint_names() -> None:
     config = load_model_config("qwen3-30b-a3b")
-    real = _meta_state(config)  # transformers 5 fuses experts in memory
-    assert _shapes(checkpoint_tensors(config, fused_experts=True)) == real
+    real = _meta_state(config)  # transformers 5 fuses experts in memory (gate and up in one)
     per_expert = checkpoint_tensors(config)  # the wire: one tensor per expert
+    assert _shapes(checkpoint_tensors(config, fused_experts=True)) == _stacked(per_expert)  # what FusedExpertSource sends
+    assert sum(t.numel for t in checkpoint_tensors(config, fused_experts=True)) == sum(_numel(s) for s in real.values())
     assert len(per_expert) == 18_867
     assert sum(t.numel for t in per_expert) == sum(_numel(s) for s in real.values())
     assert "model.layers.47.mlp.experts.127.down_proj.weight" in {t.name for t in per_expert}
@@ -53,7 +62,11 @@ def test_mla_moe_rules_match_transformers_deepseek_v3(preset: str) -> None:
     config = load_model_config(preset)
     small = {**config, "num_hidden_layers": 3, "n_routed_experts": 4, "first_k_dense_replace": 1}
     real = _meta_state(small)
-    assert _shapes(checkpoint_tensors(small, fused_experts=True)) == real
+    apart = {n: s for n, s in _shapes(checkpoint_tensors(small)).items() if ".experts." not in n}
+    assert apart == {n: s for n, s in real.items() if ".experts." not in n}
+    fused = checkpoint_tensors(small, fused_experts=True)
+    assert _shapes(fused) == _stacked(checkpoint_tensors(small))
+    assert sum(t.numel for t in fused) == sum(_numel(s) for s in real.values())
 
 
 @pytest.mark.parametrize(

@@ -136,3 +136,15 @@ def test_assignment_wire_is_checked_against_the_engines_tensors() -> None:
     with pytest.raises(ReceivePlanError, match="does not carry exactly its pieces"):
         RegionAssignment.from_wire(other, by_name)
     assert RegionLayout.from_wire(lay.to_wire(), by_name).digest == lay.digest
+
+
+def test_sets_sharing_no_receiver_stream_side_by_side_and_each_receivers_sets_keep_index_order() -> None:
+    from ckpt_engine.pipeline.region_groups import waves
+
+    assert waves([(0, (0,)), (1, (1,)), (2, (0, 1))]) == [[0, 1], [2]]
+    assert waves([(k, (k,)) for k in range(6)], width=4) == [[0, 1, 2, 3], [4, 5]]
+    got = waves([(0, (0,)), (1, (0, 1)), (2, (2,)), (3, (1,)), (4, (0, 2))])
+    assert got == [[0, 2], [1], [3, 4]]
+    for receiver in range(3):  # one set per wave, in index order
+        order = [k for wave in got for k in wave if receiver in dict([(0, (0,)), (1, (0, 1)), (2, (2,)), (3, (1,)), (4, (0, 2))])[k]]
+        assert order == sorted(order)

@@ -24,3 +24,27 @@ def test_region_bench_tiny_json(senders: int) -> None:
     assert summary["modes"]["full"]["received_bytes"] == [model, model]
     assert all(b <= 0.55 * model for b in summary["modes"]["regions"]["received_bytes"])
     assert summary["speedup"] > 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--backend", "gloo", "--link-mb-s", "400", "--fused-experts"],  # emulated links (tiny has no experts: nothing to stack)
+        ["--backend", "nccl_handoff", "--device", "cpu"],  # one receiver per set, senders hand over in memory
+    ],
+)
+def test_region_bench_paced_links_and_handoff(extra: list[str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ckpt_engine.cli", "bench", "--preset", "tiny", "--iters", "1", "--bucket-mb", "4", "--receivers", "2",
+         "--receiver-tp", "2", "--senders", "2", "--json", "-", *extra],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout)
+    assert summary["correct"] is True
+    model = summary["model_bytes"]
+    assert all(b <= 0.55 * model for b in summary["modes"]["regions"]["received_bytes"])
+    if "--link-mb-s" in extra:
+        assert summary["link_mb_s"] == 400 and summary["modes"]["full"]["best_s"] >= model / 400e6  # the link bounds it
+    else:
+        assert summary["one_receiver_per_set"] is True and summary["backend"] == "nccl_handoff"

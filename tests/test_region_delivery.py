@@ -100,8 +100,10 @@ def _rank(rank: int, rdzv: Rendezvous, kind: str, senders: int, receivers: int, 
 @pytest.mark.parametrize("senders", [1, 2])
 def test_receivers_hold_their_slices_bit_for_bit(kind: str, senders: int) -> None:
     res = run_ranks(_rank, senders + 2, num_senders=senders, timeout_s=90, kind=kind, senders=senders, receivers=2, corrupt=False)
-    for r in res:
-        assert r["slot_memories"] == 1  # the sets share one set of slots per rank
+    for r in res[:senders]:
+        assert r["slot_memories"] == 2  # sets {0} and {1} stream side by side, each from its own slots; {0, 1} reuses one
+    for r in res[senders:]:
+        assert r["slot_memories"] == 1  # a receiver's sets share one set of slots
     for r in res[:senders]:
         assert r["errors"] == []
     for r in res[senders:]:

@@ -16,13 +16,15 @@ import pytest
 import torch
 
 from _region_trainer import region_trainer_main
-from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
 from ckpt_engine.processes import run_processes
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.transports.gloo import GlooCheckpointEngine
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from refengines import same_bits
 from regionranks import KV_HEADS, moe_specs, qwen2_specs, weights
 
@@ -172,3 +174,46 @@ def test_ep_ranks_hold_their_experts_only(tmp_path: object) -> None:
         session.close()
         for e in engines:
             e.close()
+
+
+class _Tampered(GlooCheckpointEngine):
+    """The sender's engines: flip one bit of the first patch frame sent once armed."""
+
+    armed = False
+
+    def _tamper_hook(self, bucket_index: int, message: torch.Tensor) -> None:
+        if type(self).armed and message.numel() > 64:
+            message[48] ^= 0x04
+            type(self).armed = False
+
+
+def test_corrupt_region_patch_through_the_session_is_named_and_the_engine_keeps_old_weights(
+    tp_engines: list[TorchRefRollout], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(CheckpointEngineRegistry._classes, "gloo", _Tampered)  # this process: the sender; engines run real gloo
+    specs = qwen2_specs()
+    session = WeightSyncSession(tp_engines, CFG)
+    try:
+        w0 = weights(specs, 4)
+        session.sync(StateDictSource(w0))
+        _Tampered.armed = True
+        with pytest.raises(SyncError) as info:
+            session.sync(StateDictSource(weights(specs, 5)))
+        assert info.value.stage == "transfer" and info.value.failed, str(info.value)
+        for name, why in info.value.failed.items():
+            assert "receiver set" in why and " holding " in why, why  # names the set and the bucket's regions
+            assert "checksum mismatch" in why or "malformed patch" in why, why
+            engine = next(e for e in tp_engines if e.name == name)
+            (plan,) = engine.receive_plans()
+            assert _wrong(engine, w0, plan) == [], name  # nothing loaded: the old weights, bit for bit
+        for e in tp_engines:
+            h = e.health()
+            assert h["stale"] and h["paused"], e.name
+        w6 = weights(specs, 6)
+        report = session.sync(StateDictSource(w6))
+        assert report.delta == "seed"  # no base is assumed after a failure
+        for e in tp_engines:
+            (plan,) = e.receive_plans()
+            assert _wrong(e, w6, plan) == [], e.name
+    finally:
+        session.close()

@@ -210,7 +210,8 @@ def test_tp2_plans_halve_the_bytes_and_regions_land_exactly(tmp_path: Path, kind
 
 def test_tp2_http_server_receives_regions(tmp_path: Path) -> None:
     """The same through vLLM's HTTP server (dev mode): plans at join, base64 assignments, a dense and
-    a delta sync; each worker receives half, greedy tokens equal HF."""
+    a delta sync; each worker receives half, greedy tokens equal HF. Then from two trainer ranks
+    (`senders=all`): a seed and a patch, each worker still receiving half, tokens equal HF."""
     import signal
     import subprocess
     import sys
@@ -269,6 +270,36 @@ def test_tp2_http_server_receives_regions(tmp_path: Path) -> None:
         finally:
             session.close()
             adapter.close()
+        # Two trainer ranks (their own processes, `senders=all`) send their rows of each region
+        # into the same server: a seed and a patch, each worker receiving about half.
+        import multiprocessing as mp
+
+        from safetensors.torch import save_file
+
+        from _vllm_region_trainer import vllm_region_trainer_main
+        from ckpt_engine.processes import run_processes
+
+        files = []
+        for step in range(2):
+            with torch.no_grad():
+                for t in trainer.state_dict().values():
+                    t.add_(torch.randn(t.shape, generator=g) * 0.2 * (torch.rand(t.shape, generator=g) < 0.03))
+            files.append(str(tmp_path / f"senders_v{step}.safetensors"))
+            save_file(checkpoint_weights(trainer, "qwen2"), files[-1])
+        ctx = mp.get_context("spawn")
+        trainer_port = _free_port()
+        procs = [ctx.Process(target=vllm_region_trainer_main, args=(r, 2, trainer_port, url, files, str(tmp_path))) for r in range(2)]
+        run_processes(procs, 600)
+        logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+        assert all(e["ok"] for e in logs[1]) and len(logs[1]) == 2, logs[1]
+        lead = logs[0]
+        assert [e["ok"] for e in lead] == [True, True], lead
+        assert [e["delta"] for e in lead] == ["seed", "patch"] and lead[0]["senders"] == 2, lead
+        full = sum(t.nbytes for t in checkpoint_weights(trainer, "qwen2").values())
+        got = lead[-1]["received"]["vllm-http-tp2"]
+        print(f"qwen2 HTTP TP=2 from 2 senders: worker bytes {got} of {full}")
+        assert len(got) == 2 and all(0.4 < b / full < 0.55 for b in got), got
+        assert server_greedy(server)[0] == [hf_greedy(trainer, p) for p in PROMPTS]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

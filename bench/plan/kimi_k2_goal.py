@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ckpt_engine.plan.advise import STATUS
-from ckpt_engine.plan.cost import predict
+from ckpt_engine.plan.cost import PARALLEL_SETS, predict
 from ckpt_engine.plan.params import load_calibration
 from ckpt_engine.plan.scenario import Scenario
 
@@ -22,10 +22,12 @@ ROWS = [
     ("dense, all senders, fused experts", {"strategy": "all-senders", "fused_experts": True}),
     ("dense, all senders, fused experts, FP8 wire", {"strategy": "all-senders", "fused_experts": True, "dtype": "fp8", "rollout": "16x16xH800"}),
     ("dense, all senders, fused experts, shard receive", {"strategy": "all-senders", "fused_experts": True, "receive": "shard"}),
+    ("dense, all senders, fused experts, shard receive, 32 sets side by side", {"strategy": "all-senders", "fused_experts": True, "receive": "shard", "parallel_sets": 32}),
     ("delta 2 %, single sender", {"delta": 0.02}),
     ("delta 2 %, all senders, vLLM load_weights", {"strategy": "all-senders", "delta": 0.02}),
     ("delta 2 %, all senders, fused experts", {"strategy": "all-senders", "delta": 0.02, "fused_experts": True}),
     ("delta 2 %, all senders, fused experts, shard receive", {"strategy": "all-senders", "delta": 0.02, "fused_experts": True, "receive": "shard"}),
+    ("delta 2 %, all senders, fused experts, shard receive, 32 sets side by side", {"strategy": "all-senders", "delta": 0.02, "fused_experts": True, "receive": "shard", "parallel_sets": 32}),
     ("delta 1 %, all senders, fused experts", {"strategy": "all-senders", "delta": 0.01, "fused_experts": True}),
 ]
 
@@ -37,6 +39,7 @@ def _today(sc: Scenario) -> str:
     keys += ["fused_experts"] if sc.fused_experts else []
     keys += ["fp8"] if sc.dtype == "fp8" else []
     keys += ["receive_shard"] if sc.receive == "shard" else []
+    keys += ["parallel_sets"] if sc.parallel_sets != PARALLEL_SETS else []
     return "; ".join(f"{k.replace('_', ' ')}: {STATUS[k]}" for k in keys)
 
 

@@ -84,6 +84,11 @@ def _parser() -> argparse.ArgumentParser:
         "--receiver-tp", type=at_least(1), default=None,
         help="receiver ranks are TP ranks of this size holding only their slices: region delivery against whole-tensor receive (benchmark/regions.py)",
     )
+    p.add_argument(
+        "--link-mb-s", type=above_zero, default=None,
+        help="with --receiver-tp over gloo: every rank's link paced to this many MB/s in and out (a network-bound emulation; benchmark/paced_link.py)",
+    )
+    p.add_argument("--fused-experts", action="store_true", help="with --receiver-tp: each layer's routed experts travel as one stacked tensor per projection")
     return p
 
 
@@ -295,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.modes.split(",")) - set(MODES)) if args.modes is not None else []
     if unknown:
         parser.error(f"argument --modes: unknown mode(s) {', '.join(unknown)}; allowed: {', '.join(MODES)}")
+    if args.receiver_tp is None and (args.link_mb_s is not None or args.fused_experts):
+        parser.error("--link-mb-s and --fused-experts go with --receiver-tp (the region bench)")
     chain = (args.delta or args.senders > 1) and args.receiver_tp is None
     try:
         if args.receiver_tp is not None:
@@ -303,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
             backend = CheckpointEngineRegistry.resolve_name(args.backend, device)
             bucket_mb = args.bucket_mb if args.bucket_mb is not None else default_bucket_mb(args, device)
-            summary = run_region_bench(args, backend, bucket_mb)
+            summary = run_region_bench(args, backend, device, bucket_mb)
         elif chain:
             from ckpt_engine.benchmark.chain import run_chain_bench
 

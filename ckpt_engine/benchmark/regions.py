@@ -7,6 +7,13 @@ their slice tensors as destinations. Each iteration times, on the same processes
   regions : region delivery: each rank takes only its regions, each shared region once per set
 Prints best/median seconds per mode, bytes into each receiver rank beside the model's, the
 speed-up, and whether every rank's slices equal the senders' weights.
+
+--link-mb-s R gives every rank an emulated link of R MB/s (`paced_link.py`): the network-bound
+case on a CPU box. --fused-experts sends each layer's experts stacked (`planning/fused_experts.py`).
+--backend nccl_handoff --device cuda runs on a GPU box with sender s and receiver r on GPU s and r
+(modulo the GPUs): NCCL cannot join a sender and a receiver of one GPU, so every receiver gets its
+own groups (one receiver per set, in both modes) and the sender beside it hands over through CUDA
+IPC; a piece several receivers hold travels to each.
 """
 
 from __future__ import annotations
@@ -26,12 +33,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ckpt_engine.benchmark import paced_link
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.benchmark.rank_exit import check_ranks
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.pipeline.region_assembly import RegionAssembly
 from ckpt_engine.pipeline.region_groups import RegionGroups, receive_regions, send_regions
 from ckpt_engine.pipeline.wire_views import torch_dtype
+from ckpt_engine.planning.fused_experts import fuse_specs
 from ckpt_engine.planning.ownership import row_shards
 from ckpt_engine.planning.receive_sets import RegionLayout, cut_region
 from ckpt_engine.planning.tp_ep import tp_ep_plan
@@ -43,7 +52,7 @@ __all__ = ["print_region_summary", "run_region_bench"]
 MODES = ("full", "regions")
 
 
-def run_region_bench(args: argparse.Namespace, backend: str, bucket_mb: float) -> dict[str, Any]:
+def run_region_bench(args: argparse.Namespace, backend: str, device: str, bucket_mb: float) -> dict[str, Any]:
     """Spawn the ranks, collect their timings, summarize."""
     world = args.senders + args.receivers
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=args.timeout_s))
@@ -52,7 +61,12 @@ def run_region_bench(args: argparse.Namespace, backend: str, bucket_mb: float) -
     cfg = {
         "rdzv": rdzv.to_dict(), "preset": args.preset, "layers": args.layers, "dtype": args.dtype, "bucket_mb": bucket_mb,
         "buffers": args.buffers, "iters": args.iters, "receiver_tp": args.receiver_tp, "receivers": args.receivers, "senders": args.senders,
+        "device": device, "link_mb_s": args.link_mb_s, "fused_experts": args.fused_experts,
     }
+    if args.link_mb_s is not None and backend != "gloo":
+        raise ValueError(f"--link-mb-s emulates links over gloo on CPU; got --backend {backend}")
+    if backend == "nccl_handoff" and args.delta:
+        raise ValueError("--delta: the nccl_handoff backend sends no patches")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     procs = [
         subprocess.Popen([sys.executable, "-m", "ckpt_engine.benchmark.regions", str(r), json.dumps(cfg)], env=env) for r in range(world)
@@ -78,7 +92,8 @@ def _summarize(results: list[dict[str, Any]], cfg: dict[str, Any], backend: str)
     summary: dict[str, Any] = {
         "preset": cfg["preset"], "layers": cfg["layers"], "dtype": cfg["dtype"], "backend": backend, "senders": cfg["senders"],
         "receivers": cfg["receivers"], "receiver_tp": cfg["receiver_tp"], "bucket_mb": cfg["bucket_mb"], "model_bytes": model,
-        "tensors": results[0]["tensors"], "modes": {},
+        "tensors": results[0]["tensors"], "device": cfg["device"], "link_mb_s": cfg["link_mb_s"], "fused_experts": cfg["fused_experts"],
+        "one_receiver_per_set": results[0]["one_receiver_per_set"], "modes": {},
     }
     for mode in MODES:
         times = [max(r["seconds"][mode][i] for r in results) for i in range(cfg["iters"])]  # slowest rank per iteration
@@ -99,6 +114,8 @@ def print_region_summary(summary: dict[str, Any], console: Console) -> None:
     title = (
         f"{summary['preset']}: {summary['tensors']} tensors, {summary['model_bytes'] / 1e9:.3f} GB {summary['dtype']}, {summary['backend']}, "
         f"{summary['senders']} sender(s) -> {summary['receivers']} receiver ranks as TP={summary['receiver_tp']}"
+        + (f", every rank's link {summary['link_mb_s']:g} MB/s" if summary["link_mb_s"] is not None else "")
+        + (", experts stacked" if summary["fused_experts"] else "")
     )
     table = Table(title=title)
     for col in ("mode", "best s", "median s", "bytes into each receiver rank", "x model"):
@@ -117,17 +134,36 @@ def _fill(spec: TensorSpec, seed: int) -> torch.Tensor:
     return torch.randn(spec.shape, generator=g).to(torch_dtype(spec.dtype))
 
 
+def _device(rank: int, senders: int, kind: str) -> torch.device:
+    """Sender s on GPU s, receiver r on GPU r (modulo the GPUs): a receiver beside a sender."""
+    if kind != "cuda":
+        return torch.device("cpu")
+    index = (rank if rank < senders else rank - senders) % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
 def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     rdzv = Rendezvous.from_dict(cfg["rdzv"])
     store = rdzv.connect_store()
+    backend = rdzv.backend
+    if cfg["link_mb_s"] is not None:
+        paced_link.install(cfg["link_mb_s"])
+        backend = paced_link.NAME
     config = load_preset_config(cfg["preset"])
     specs = checkpoint_specs(config, dtype=cfg["dtype"], num_layers=cfg["layers"])
+    if cfg["fused_experts"]:
+        specs = fuse_specs(specs)[0]
     by_name = {s.name: s for s in specs}
-    senders, tp = cfg["senders"], cfg["receiver_tp"]
+    senders, tp, receivers = cfg["senders"], cfg["receiver_tp"], cfg["receivers"]
+    device = _device(rank, senders, cfg["device"])
+    split = backend == "nccl_handoff"  # its groups take one receiver rank each
     kv = config.get("num_key_value_heads", config["num_attention_heads"])
-    plans = [tp_ep_plan(specs, tp_size=tp, tp_rank=r % tp, num_kv_heads=kv) for r in range(cfg["receivers"])]
-    layout = RegionLayout.build(specs, plans)
+    plans = [tp_ep_plan(specs, tp_size=tp, tp_rank=r % tp, num_kv_heads=kv) for r in range(receivers)]
+    layouts = {"regions": RegionLayout.build(specs, plans, one_receiver_per_set=split)}
+    if split:  # whole tensors to each receiver through its own groups
+        layouts["full"] = RegionLayout.build(specs, [None] * receivers, one_receiver_per_set=True)
     owners = None
     if senders > 1:
         owners = {}
@@ -137,17 +173,21 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     bucket = int(cfg["bucket_mb"] * (1 << 20)) // 4096 * 4096
 
     def make() -> Any:
-        return CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=bucket, num_buffers=cfg["buffers"], timeout_s=rdzv.timeout_s)
+        return CheckpointEngineRegistry.new(backend, bucket_size_bytes=bucket, num_buffers=cfg["buffers"], timeout_s=rdzv.timeout_s, device=device)
 
     engine = make()
-    engine.init_process_group(rdzv, rank)
+    if not split:
+        engine.init_process_group(rdzv, rank)
     manifest = engine.plan(specs, num_senders=senders, owners=owners)
-    groups = RegionGroups(rdzv, rank, layout.digest, [(s.index, s.members) for s in layout.sets], make)
-    groups.join()
-    manifests = {s.index: engine.plan([p.spec for p in s.pieces], num_senders=senders, owners=s.owners(by_name, owners)) for s in layout.sets}
-    full = {s.name: _fill(s, i) for i, s in enumerate(specs)}
+    groups, manifests = {}, {}
+    for mode, lay in layouts.items():
+        groups[mode] = RegionGroups(rdzv, rank, lay.digest, [(s.index, s.members) for s in lay.sets], make)
+        groups[mode].join()
+        manifests[mode] = {s.index: engine.plan([p.spec for p in s.pieces], num_senders=senders, owners=s.owners(by_name, owners)) for s in lay.sets}
+    layout = layouts["regions"]
+    full = {s.name: _fill(s, i).to(device) for i, s in enumerate(specs)}
     receiver = rank - senders
-    out: dict[str, Any] = {"rank": rank, "model_bytes": manifest.total_bytes, "tensors": len(specs), "problems": []}
+    out: dict[str, Any] = {"rank": rank, "model_bytes": manifest.total_bytes, "tensors": len(specs), "problems": [], "one_receiver_per_set": split}
     out["seconds"] = {m: [] for m in MODES}
     if receiver < 0:
         local = dict(full)
@@ -163,21 +203,32 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
                     last = e.name
                     yield e.name, local[e.name]
 
-        run = {"full": lambda: engine.send_weights(manifest, walk(), stable=True),
-               "regions": lambda: send_regions(groups, layout.sets, manifests, local, shapes, owners=owners)}
+        def send(mode: str) -> Any:
+            if mode == "full" and not split:
+                return engine.send_weights(manifest, walk(), stable=True)
+            return send_regions(groups[mode], layouts[mode].sets, manifests[mode], local, shapes, owners=owners)
+
+        run = {m: (lambda m=m: send(m)) for m in MODES}
         out["received"] = {m: 0 for m in MODES}
     else:
         held = layout.held[receiver]
-        tensors = {n: torch.zeros(cut_region(full[n], rs[0]).shape, dtype=full[n].dtype) for n, rs in held.items()}
-        asm = RegionAssembly(held, (p for s in layout.sets_of(receiver) for p in s.pieces), by_name)
+        tensors = {n: torch.zeros(cut_region(full[n], rs[0]).shape, dtype=full[n].dtype, device=device) for n, rs in held.items()}
+        assemblies = {m: RegionAssembly(lay.held[receiver], (p for s in lay.sets_of(receiver) for p in s.pieces), by_name) for m, lay in layouts.items()}
+
+        def keep_slices(pairs: Any) -> None:
+            for name, t in pairs:
+                tensors[name].copy_(cut_region(t, held[name][0]))  # the engine keeps its slice
 
         def receive_full() -> None:
-            for b in engine.receive_buckets(manifest, None):
-                for name, t in b:
-                    tensors[name].copy_(cut_region(t, held[name][0]))  # the engine keeps its slice
+            if not split:
+                for b in engine.receive_buckets(manifest, None):
+                    keep_slices(b)
+                return
+            for items in receive_regions(groups["full"], manifests["full"], assemblies["full"], None):
+                keep_slices((name, t) for name, _, t in items)
 
         def receive_regions_() -> None:
-            for items in receive_regions(groups, manifests, asm, tensors):
+            for items in receive_regions(groups["regions"], manifests["regions"], assemblies["regions"], tensors):
                 for name, _, t in items:
                     if t.data_ptr() != tensors[name].data_ptr():
                         tensors[name].copy_(t)
@@ -196,13 +247,16 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 time.sleep(1e-4)
             t0 = time.perf_counter()
             run[mode]()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # timing only, outside the library
             if i > 0:
                 out["seconds"][mode].append(time.perf_counter() - t0)
             if receiver >= 0:
                 bad = [n for n, rs in held.items() if not torch.equal(tensors[n], cut_region(full[n], rs[0]))]
                 if bad:
                     out["problems"].append(f"{mode}: {len(bad)} tensors differ (first {bad[0]})")
-    groups.close()
+    for g in groups.values():
+        g.close()
     engine.finalize()
     return out
 

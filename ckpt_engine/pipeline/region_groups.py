@@ -4,10 +4,13 @@ Each receiver set of a `RegionLayout` (`planning/receive_sets.py`) gets a group 
 senders and the set's members, under the main group's rendezvous with the token suffixed by the
 layout digest and the set's index. Every rank joins its sets in index order at the first sync of a
 layout (before any byte moves, so a failure later closes sockets every blocked peer is reading)
-and keeps them while the layout stays. Sets travel one after another in index order on every
-rank: a sender streams each set's pieces through that set's engine, a plain pipelined sync of
-virtual tensors (buckets, delta patches and their checksums, many senders, as for whole tensors);
-a receiver takes the sets it belongs to and nothing else. With a delta request nothing reaches the
+and keeps them while the layout stays. A sender streams each set's pieces through that set's
+engine, a plain pipelined sync of virtual tensors (buckets, delta patches and their checksums, many
+senders, as for whole tensors); a receiver takes the sets it belongs to, in index order, and
+nothing else. Sets that share no receiver stream side by side (`waves`: up to
+`MAX_PARALLEL_SETS` at once, each from its own slots on the sender), so where each receiver's
+ingress is the bound (TP ranks on their own NICs) every receiver's link stays busy; sets that
+share a receiver go one after another. With a delta request nothing reaches the
 loader until every set's patches have checked out, so a bad patch anywhere leaves the engine's
 weights as they were.
 """
@@ -17,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
@@ -30,9 +35,34 @@ from ckpt_engine.pipeline.engine import PipelinedEngine
 from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats, TransferError
 from ckpt_engine.transports.process_groups import ProcessGroupTransport
 
-__all__ = ["RegionGroups", "receive_regions", "send_regions"]
+__all__ = ["MAX_PARALLEL_SETS", "RegionGroups", "receive_regions", "send_regions", "waves"]
 
 logger = logging.getLogger(__name__)
+
+MAX_PARALLEL_SETS = 8
+"""Sets a sender streams at once: each takes its own slot memory on the sender."""
+
+
+def waves(sets: Sequence[tuple[int, tuple[int, ...]]], width: int = MAX_PARALLEL_SETS) -> list[list[int]]:
+    """The sets' streaming order: waves one after another, the sets of a wave side by side.
+
+    A set goes into the first wave after the last one holding any of its members (and with
+    room), so every receiver's sets stay in index order, one per wave: a receiver taking its
+    sets by index meets the senders wave by wave, whatever sets it does not see."""
+    if width < 1:
+        raise ValueError(f"width must be >= 1, got {width}")
+    last: dict[int, int] = {}
+    out: list[list[int]] = []
+    for k, members in sorted(sets):
+        w = 1 + max((last.get(m, -1) for m in members), default=-1)
+        while w < len(out) and len(out[w]) >= width:
+            w += 1
+        if w == len(out):
+            out.append([])
+        out[w].append(k)
+        for m in members:
+            last[m] = w
+    return out
 
 
 class RegionGroups:
@@ -48,12 +78,15 @@ class RegionGroups:
         self.sets = dict(sets)
         self.make_engine = make_engine
         self.engines: dict[int, CheckpointEngine] = {}
-        self._slots: list[torch.Tensor] = []
-        """Slot memory the sets share: they stream one after another, each drained (and on a
-        receiver its loader's copies waited for) before the next starts."""
+        self._slots: dict[int, list[torch.Tensor]] = {}
+        """Slot memory per pool, shared by the sets of a pool: a receiver's sets stream one after
+        another (one pool), a sender's sets of one wave side by side (pool = place in its wave),
+        each drained (and on a receiver its loader's copies waited for) before the next starts."""
         senders = rendezvous.num_senders
         self.receiver = rank - senders if rank >= senders else None
         self.mine = sorted(k for k, members in self.sets.items() if self.receiver is None or self.receiver in members)
+        self.waves = waves(list(self.sets.items())) if self.receiver is None else [[k] for k in self.mine]
+        self._pool = {k: i for wave in self.waves for i, k in enumerate(wave)}
 
     def join(self) -> None:
         """Join every set of this rank, in index order (collective over each set's members and the senders)."""
@@ -65,15 +98,16 @@ class RegionGroups:
             sub = dataclasses.replace(self.rdzv, token=f"{self.rdzv.token}/regions/{self.digest[:16]}/{k}", world_size=senders + len(members))
             engine = self.make_engine()
             shares = isinstance(engine, PipelinedEngine) and isinstance(engine.transport, ProcessGroupTransport)
-            if shares and self._slots:
-                engine.transport.add_slots(self._slots)  # type: ignore[attr-defined]
+            pool = self._pool.get(k, 0)
+            if shares and pool in self._slots:
+                engine.transport.add_slots(self._slots[pool])  # type: ignore[attr-defined]
             try:
                 engine.init_process_group(sub, self.rank if self.receiver is None else senders + members.index(self.receiver))
             except BaseException:
                 engine.finalize()
                 raise
-            if shares and not self._slots:
-                self._slots = list(engine.transport.buffers)  # type: ignore[attr-defined]
+            if shares and pool not in self._slots:
+                self._slots[pool] = list(engine.transport.buffers)  # type: ignore[attr-defined]
             self.engines[k] = engine
         logger.debug("rank %d joined %d receiver set group(s) of layout %s", self.rank, len(self.mine), self.digest[:12])
 
@@ -88,7 +122,7 @@ class RegionGroups:
             engine.abort()
 
     def close(self) -> None:
-        engines, self.engines, self._slots = self.engines, {}, []
+        engines, self.engines, self._slots = self.engines, {}, {}
         for engine in engines.values():
             try:
                 engine.finalize()
@@ -126,17 +160,20 @@ def send_regions(
     groups: RegionGroups, sets: Sequence[ReceiverSet], manifests: Mapping[int, BucketManifest], tensors: Mapping[str, torch.Tensor],
     shapes: Mapping[str, tuple[int, ...]], *, owners: OwnerMap | None = None, stable: bool = True, delta: DeltaRequest | None = None,
 ) -> SendStats:
-    """Sender: every set's pieces through its engine, in index order. `tensors`: this sender's
-    tensor of each name (the whole tensor, or with `owners` its dim-0 row block, any shape);
-    `shapes`: the global shapes."""
-    total = SendStats()
+    """Sender: every set's pieces through its engine, wave by wave (`RegionGroups.waves`; a
+    wave's sets side by side, one thread each). `tensors`: this sender's tensor of each name (the
+    whole tensor, or with `owners` its dim-0 row block, any shape); `shapes`: the global shapes."""
     sender = groups.rank
-    changed = 0.0  # changed_fraction weighted by each set's dense bytes
-    for s in sorted(sets, key=lambda s: s.index):
+    by_index = {s.index: s for s in sets}
+    cuda = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def one(s: ReceiverSet) -> SendStats:
+        if cuda is not None:
+            torch.cuda.set_device(cuda)  # a wave's thread works on the caller's device
         manifest = manifests[s.index]
         by_vname = {p.spec.name: p for p in s.pieces}
 
-        def walk(s: ReceiverSet = s, manifest: BucketManifest = manifest, by_vname: dict[str, Piece] = by_vname) -> Iterator[tuple[str, torch.Tensor]]:
+        def walk() -> Iterator[tuple[str, torch.Tensor]]:
             last = None
             for e in (e for b in manifest.sender_buckets(sender) for e in b.entries):
                 if e.name == last:
@@ -146,15 +183,34 @@ def send_regions(
                 rows, local = _rows(owners, p.name, sender, tensors[p.name], shapes[p.name])
                 yield e.name, _local_piece(local, p, rows)
 
-        stats = groups.engine(s.index).send_weights(manifest, walk(), stable=stable, delta=delta) if delta is not None else (
-            groups.engine(s.index).send_weights(manifest, walk(), stable=stable)
-        )
-        for f in ("bytes", "tensors", "buckets", "export_s", "pack_s", "transfer_s", "total_s"):
-            setattr(total, f, getattr(total, f) + getattr(stats, f))
-        for key, value in stats.extra.items():
-            if isinstance(value, (int, float)) and isinstance(total.extra.get(key, 0), (int, float)):
-                total.extra[key] = total.extra.get(key, 0) + value
-        changed += float(stats.extra.get("changed_fraction", 1.0)) * float(stats.extra.get("dense_bytes", manifest.wire_bytes))
+        engine = groups.engine(s.index)
+        return engine.send_weights(manifest, walk(), stable=stable, delta=delta) if delta is not None else engine.send_weights(manifest, walk(), stable=stable)
+
+    total = SendStats()
+    changed = 0.0  # changed_fraction weighted by each set's dense bytes
+    wall = 0.0
+    for wave in groups.waves:
+        mine = [by_index[k] for k in wave if k in by_index]
+        t0 = time.perf_counter()
+        if len(mine) <= 1:
+            results = [one(s) for s in mine]
+        else:
+            with ThreadPoolExecutor(len(mine), thread_name_prefix="region-set") as pool:
+                futures = [pool.submit(one, s) for s in mine]
+                errors = [f.exception() for f in futures]  # waits for every set of the wave
+                first = next((e for e in errors if e is not None), None)
+                if first is not None:
+                    raise first
+                results = [f.result() for f in futures]
+        wall += time.perf_counter() - t0
+        for s, stats in zip(mine, results):
+            for f in ("bytes", "tensors", "buckets", "export_s", "pack_s", "transfer_s"):
+                setattr(total, f, getattr(total, f) + getattr(stats, f))
+            for key, value in stats.extra.items():
+                if isinstance(value, (int, float)) and isinstance(total.extra.get(key, 0), (int, float)):
+                    total.extra[key] = total.extra.get(key, 0) + value
+            changed += float(stats.extra.get("changed_fraction", 1.0)) * float(stats.extra.get("dense_bytes", manifests[s.index].wire_bytes))
+    total.total_s = wall
     if "changed_fraction" in total.extra:
         total.extra["changed_fraction"] = changed / max(1.0, float(total.extra.get("dense_bytes", 1.0)))
     return total

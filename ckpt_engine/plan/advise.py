@@ -28,9 +28,16 @@ STATUS: dict[str, str] = {
     ),
     "bucket_mb": "runs today: checkpoint_engine.bucket_size_mb",
     "buffers": "runs today: checkpoint_engine.num_buffers",
-    "fused_experts": "not in ckpt-engine yet (sources send one tensor per expert)",
-    "receive_shard": "not in ckpt-engine yet (every engine GPU receives every byte)",
+    "fused_experts": (
+        "runs today: FusedExpertSource (one sender) into engines that hold experts stacked (the reference receiver with "
+        "fused_experts=1); vLLM and SGLang take per-expert names"
+    ),
+    "receive_shard": (
+        "runs today: engines state receive plans (vLLM records them from its loader, the reference receiver from its TP/EP "
+        "layout), up to 8 receiver sets side by side; SGLang receives whole tensors"
+    ),
     "fp8": "not in ckpt-engine yet (no FP8 wire)",
+    "parallel_sets": "not in ckpt-engine yet: it streams at most 8 receiver sets side by side (pipeline/region_groups.py MAX_PARALLEL_SETS)",
 }
 """What ckpt-engine does with each planner setting; `bench/plan/kimi_k2_goal.py` prints the same."""
 

@@ -1,7 +1,8 @@
 """Our own GPU measurements (``bench/results/**.json``) as rows the planner can predict.
 
-Three kinds of file are read: ``ckpt-engine bench`` runs (raw, bucketed, naive and ckpt-engine
-modes), ``bench/fsdp2_export_bench.py`` and ``bench/fsdp2_sync_bench.py``. Each measured figure
+Four kinds of file are read: ``ckpt-engine bench`` runs (raw, bucketed, naive and ckpt-engine
+modes), ``ckpt-engine bench --receiver-tp N --link-mb-s R`` runs (full and shard receive over an
+emulated link of R MB/s per rank), ``bench/fsdp2_export_bench.py`` and ``bench/fsdp2_sync_bench.py``. Each measured figure
 becomes a :class:`MeasuredRow` that knows how to predict itself under a :class:`Calibration`,
 so calibration (fit) and validation (compare) read the same rows the same way.
 """
@@ -152,6 +153,35 @@ def _fsdp2_sync_rows(path: Path, d: dict[str, Any]) -> list[MeasuredRow]:
     return rows
 
 
+def _region_rows(path: Path, d: dict[str, Any]) -> list[MeasuredRow]:
+    """`ckpt-engine bench --receiver-tp N --link-mb-s R`: each rank on its own emulated link of R
+    MB/s (exact pacing: link efficiency 1), one node per rank; full receive against shard receive.
+    Loopback runs without --link-mb-s measure the host's cores, not a link: skipped."""
+    rate = d.get("link_mb_s")
+    if rate is None:
+        return []
+    gbs = float(rate) / 1e3
+    spec = replace(GPUS["H100"], nic_gbps=gbs * 8)
+    links = Links(gbs, gbs, gbs, gpus_per_node=1)
+    senders, tp, receivers = int(d["senders"]), int(d["receiver_tp"]), int(d["receivers"])
+    model = replace(model_bytes("qwen2.5-7b"), name=str(d["preset"]), total_bytes=int(d["model_bytes"]), num_tensors=int(d["tensors"]))
+    rows = []
+    for mode, receive in (("full", "full"), ("regions", "shard")):
+        setup = SyncSetup(
+            model, TrainerLayout(senders, spec), RolloutLayout(max(1, receivers // tp), tp, spec), links,
+            strategy="all-senders" if senders > 1 else "single", bucket_bytes=int(float(d["bucket_mb"]) * 2**20),
+            loader="copy", export="none", receive=receive,
+        )
+
+        def pred(cal: Calibration, setup: SyncSetup = setup) -> float:
+            return predict(setup, replace(cal, nic_eff=1.0, nvlink_eff=1.0)).total_s
+
+        label = f"{d['preset']} {senders} sender(s) -> TP={tp} x {receivers // tp}, {rate:g} MB/s links, {receive} receive"
+        rows.append(MeasuredRow(label, path.as_posix(), "sync", float(d["modes"][mode]["median_s"]), pred, setup=setup,
+                                note=f"emulated links (CPU box); median of {len(d['modes'][mode]['all_s'])}", gpu="CPU"))
+    return rows
+
+
 def load_rows(paths: list[str]) -> list[MeasuredRow]:
     """Every GPU measurement in the given bench files/directories."""
     rows: list[MeasuredRow] = []
@@ -160,7 +190,9 @@ def load_rows(paths: list[str]) -> list[MeasuredRow]:
             d = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}: not JSON ({exc})") from exc
-        if "modes" in d and ("buckets" not in d or d.get("receivers", 1) != 1 or d.get("senders", 1) != 1):
+        if "receiver_tp" in d and "modes" in d:
+            rows += _region_rows(path, d)
+        elif "modes" in d and ("buckets" not in d or d.get("receivers", 1) != 1 or d.get("senders", 1) != 1):
             # Delta / many-sender / many-receiver runs: not the one-pair topology these rows model.
             logger.info("skipping %s: a topology or mode the validation rows do not model yet", path)
         elif "modes" in d:

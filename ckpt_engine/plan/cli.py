@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ckpt_engine.plan.advise import advise
 from ckpt_engine.plan.calibrate import calibrate, link_efficiency
-from ckpt_engine.plan.cost import EXPORTS, LOADERS, PIPELINED, RECEIVES, STRATEGIES, Prediction, predict
+from ckpt_engine.plan.cost import EXPORTS, LOADERS, PARALLEL_SETS, PIPELINED, RECEIVES, STRATEGIES, Prediction, predict
 from ckpt_engine.plan.model_shapes import MODEL_PRESETS
 from ckpt_engine.plan.params import Calibration, load_calibration
 from ckpt_engine.plan.published import fit_vllm_loader
@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--loader", default="vllm", choices=LOADERS, help="receiver: vllm (load_weights + pause + finalize), ref, copy, inplace")
     p.add_argument("--export", default="gather", choices=EXPORTS, help="how the sender gets whole tensors")
     p.add_argument("--receive", default="full", choices=RECEIVES, help="every engine GPU receives every byte (full) or only its shard")
-    p.add_argument("--fused-experts", action="store_true", help="send routed experts as 2 stacked tensors per layer (receiver must accept them)")
+    p.add_argument("--fused-experts", action="store_true", help="send routed experts stacked, one tensor per layer and projection (receivers that hold them so)")
+    p.add_argument("--parallel-sets", type=_positive(int), default=PARALLEL_SETS, help=f"--receive shard: receiver sets streamed side by side (ckpt-engine: {PARALLEL_SETS})")
     p.add_argument("--calibration", default=None, help="calibration JSON (default: the checked-in fit of bench/results/)")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     p.add_argument("--sweep", default=None, help="SETTING=V1,V2,...: predict each value, write JSON + PNG to --out-dir")
@@ -86,6 +87,7 @@ def _scenario(args: argparse.Namespace) -> Scenario:
         nvlink_gbs=args.nvlink_gbs, pcie_gbs=args.pcie_gbs, gpus_per_node=args.gpus_per_node, same_node=args.same_node,
         strategy=args.strategy, senders=args.senders, delta=args.delta, bucket_mb=args.bucket_mb, buffers=args.buffers,
         loader=args.loader, export=args.export, receive=args.receive, fused_experts=args.fused_experts,
+        parallel_sets=args.parallel_sets,
     )
 
 

@@ -9,6 +9,11 @@ Transfer follows NCCL's ring broadcast: ``bytes / rate + messages x (latency + r
 where the rate is the narrowest of the sender's egress, every receiver node's NIC ingress and the
 NVLink fan-out inside a node. Several senders split the bytes, but each receiver still has to
 take in every byte, so no number of senders beats receiver ingress.
+
+With ``receive="shard"`` (receive plans, issue 27) each engine GPU takes in only its 1/N of the
+bytes, over its own NIC. ckpt-engine streams the receiver sets of one wave side by side (sets that
+share no receiver, at most ``PARALLEL_SETS`` at once) and the waves one after another, so an
+engine of N GPUs takes ceil(N / PARALLEL_SETS) waves of one shard each.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ LOADERS = ("inplace", "copy", "ref", "vllm")
 EXPORTS = ("none", "gather", "host")
 RECEIVES = ("full", "shard")
 STAGES = ("export", "encode", "transfer", "load", "overhead", "finalize", "pause")
+PARALLEL_SETS = 8
+"""Receiver sets a sender streams side by side (`pipeline/region_groups.py` MAX_PARALLEL_SETS)."""
 PIPELINED = ("export", "encode", "transfer", "load")
 
 
@@ -59,6 +66,7 @@ class SyncSetup:
     num_buckets: int | None = None
     receive: str = "full"
     overlap_export: bool = True
+    parallel_sets: int = PARALLEL_SETS
 
     def __post_init__(self) -> None:
         if self.receive not in RECEIVES:
@@ -73,6 +81,8 @@ class SyncSetup:
             raise ValueError(f"--bucket-mb must be >= 1, got {self.bucket_bytes / 2**20:g}")
         if self.num_buffers < 1:
             raise ValueError(f"--buffers must be >= 1, got {self.num_buffers}")
+        if self.parallel_sets < 1:
+            raise ValueError(f"--parallel-sets must be >= 1, got {self.parallel_sets}")
         if self.senders is not None and not 1 <= self.senders <= self.trainer.num_shards:
             raise ValueError(f"--senders must be in [1, {self.trainer.num_shards}] (the trainer's distinct shards), got {self.senders}")
         if self.delta is not None and not 0.0 <= self.delta <= 1.0:
@@ -145,11 +155,13 @@ def _transfer(setup: SyncSetup, cal: Calibration, wire: float, senders: int, buc
     nv = links.nvlink_gbs * 1e9 * cal.nvlink_eff
     nic = links.nic_gbs * 1e9 * cal.nic_eff
     per_node = min(r.num_gpus, links.gpus_per_node)
-    if setup.receive == "shard":  # a GPU takes its shard; a node the shards of the GPUs it holds
+    if setup.receive == "shard":  # a GPU takes its shard over its own link, wave after wave
         gpu_bytes = wire / r.gpus_per_engine
-        node_bytes = wire * min(1.0, per_node / r.gpus_per_engine)
-    else:
-        gpu_bytes, node_bytes = wire, wire
+        waves = math.ceil(r.gpus_per_engine / setup.parallel_sets)
+        ingress_s = waves * gpu_bytes / (nv if links.same_node else nic)
+        bandwidth_s = max(wire / senders / (nv if links.same_node else nic), ingress_s)
+        return bandwidth_s + (buckets + waves) * cal.msg_latency_s, ingress_s
+    gpu_bytes, node_bytes = wire, wire
     if links.same_node:
         egress, node_ingress_s = nv, 0.0
         fill = (r.num_gpus - 1) * cal.ring_chunk_bytes / nv

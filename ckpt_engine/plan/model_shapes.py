@@ -159,13 +159,10 @@ def _is_moe_layer(c: dict[str, Any], i: int) -> bool:
 
 
 def _fused_experts(p: str, experts: int, inter: int, h: int, dtype: str, fp8: bool) -> list[TensorShape]:
-    """transformers 5's in-memory layout: one [E, 2I, H] gate_up and one [E, H, I] down per layer."""
-    out = [TensorShape(f"{p}.mlp.experts.gate_up_proj", (experts, 2 * inter, h), "float8_e4m3fn" if fp8 else dtype, True),
-           TensorShape(f"{p}.mlp.experts.down_proj", (experts, h, inter), "float8_e4m3fn" if fp8 else dtype, True)]
-    if fp8:
-        out += [TensorShape(f"{p}.mlp.experts.gate_up_proj_scale_inv", (experts, 2 * math.ceil(inter / FP8_BLOCK), math.ceil(h / FP8_BLOCK)), "float32", True),
-                TensorShape(f"{p}.mlp.experts.down_proj_scale_inv", (experts, math.ceil(h / FP8_BLOCK), math.ceil(inter / FP8_BLOCK)), "float32", True)]
-    return out
+    """What `FusedExpertSource` sends: each expert tensor stacked over the experts, one per layer
+    and projection ([E, I, H] gate and up, [E, H, I] down; FP8 scales alike)."""
+    one = _mlp(f"{p}.mlp.experts.0", inter, h, dtype, fp8, expert=True)
+    return [TensorShape(t.name.replace(".experts.0.", ".experts."), (experts, *t.shape), t.dtype, True) for t in one]
 
 
 def checkpoint_tensors(config: dict[str, Any], dtype: str | None = None, num_layers: int | None = None,
@@ -174,8 +171,8 @@ def checkpoint_tensors(config: dict[str, Any], dtype: str | None = None, num_lay
 
     ``dtype``: ``bfloat16`` (what trainers hold; default) or ``fp8`` (block-wise FP8 linear
     weights with float32 scales, the published DeepSeek-V3 / Kimi-K2 checkpoint format).
-    ``fused_experts``: routed experts as two stacked tensors per layer (same bytes, far fewer
-    tensors), for receivers that accept them.
+    ``fused_experts``: routed experts stacked, one tensor per layer and projection (same bytes,
+    far fewer tensors), as `FusedExpertSource` sends them to receivers that hold them so.
     """
     model_type = config.get("model_type", "")
     if model_type not in _QWEN_LIKE + _MLA_LIKE:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ckpt_engine.plan.cluster import Links, parse_rollout, parse_trainer
-from ckpt_engine.plan.cost import SyncSetup
+from ckpt_engine.plan.cost import PARALLEL_SETS, SyncSetup
 from ckpt_engine.plan.model_shapes import model_bytes
 
 __all__ = ["Scenario", "SWEEPABLE"]
@@ -49,6 +49,7 @@ class Scenario:
     receive: str = "full"
     overlap_export: bool = True
     fused_experts: bool = False
+    parallel_sets: int = PARALLEL_SETS
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Scenario:
@@ -88,4 +89,5 @@ class Scenario:
             senders=self.senders,
             receive=self.receive,
             overlap_export=self.overlap_export,
+            parallel_sets=self.parallel_sets,
         )

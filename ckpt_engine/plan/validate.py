@@ -59,7 +59,7 @@ def _fmt(s: float) -> str:
 
 def to_markdown(measured: list[ValidationRow], published: list[ValidationRow], command: str) -> str:
     """Two tables and a summary line each."""
-    lines = [f"<!-- written by `{command}`; do not edit by hand -->", "", "### Predicted vs measured (2xH200, bench/results/)", ""]
+    lines = [f"<!-- written by `{command}`; do not edit by hand -->", "", "### Predicted vs measured (bench/results/: 2xH200 GPU runs; CPU-box runs over emulated links)", ""]
     lines += ["| measurement | kind | file | measured s | predicted s | error | within 15 % | role | note |", "|---|---|---|---|---|---|---|---|---|"]
     for r in measured:
         ok = "yes" if abs(r.error) <= GOAL else "**no**"

@@ -99,8 +99,12 @@ class RegionLayout:
     digest: str
 
     @classmethod
-    def build(cls, specs: Sequence[TensorSpec], plans: Sequence[ReceivePlan | None]) -> RegionLayout:
-        """Check every plan against `specs` (refused by name: ReceivePlanError) and cut the pieces."""
+    def build(cls, specs: Sequence[TensorSpec], plans: Sequence[ReceivePlan | None], *, one_receiver_per_set: bool = False) -> RegionLayout:
+        """Check every plan against `specs` (refused by name: ReceivePlanError) and cut the pieces.
+
+        `one_receiver_per_set`: every set has one member, and a piece several receivers hold
+        travels to each apart (for a transport whose groups take one receiver rank: nccl_handoff
+        with senders on the receivers' GPUs)."""
         for i, plan in enumerate(plans):
             if plan is not None:
                 try:
@@ -123,7 +127,8 @@ class RegionLayout:
                 if region is not None:
                     shape[region.dim] = region.length
                 piece = Piece(spec.name, region, TensorSpec(piece_name(spec.name, region), spec.dtype, tuple(shape)))
-                by_set.setdefault(members, []).append(piece)
+                for group in ([(m,) for m in members] if one_receiver_per_set else [members]):
+                    by_set.setdefault(group, []).append(piece)
         if len(by_set) > MAX_RECEIVER_SETS:
             raise ReceivePlanError(f"the receive plans make {len(by_set)} receiver sets (at most {MAX_RECEIVER_SETS})")
         order = sorted(by_set, key=lambda m: (len(m), m))

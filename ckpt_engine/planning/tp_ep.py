@@ -6,7 +6,10 @@ dim 0, row-parallel ones (o_proj, down_proj) along dim 1, their biases and every
 whole. Under GQA with more TP ranks than KV heads each KV head is held by tp / kv ranks (the
 slice repeats). With expert parallelism an expert's tensors are held whole by the one EP rank
 that owns it (experts cut into ep_size contiguous blocks) and not at all elsewhere; without it
-experts are TP-sliced like a dense MLP. Names the rules do not know are held whole.
+experts are TP-sliced like a dense MLP. A layer's experts stacked into one tensor
+(`planning/fused_experts.py`: `...experts.gate_proj.weight`, [experts, rows, cols]) follow the
+same rules: an EP rank holds its experts' dim-0 range, a TP rank its rows (gate/up, dim 1) or
+columns (down, dim 2) of every expert. Names the rules do not know are held whole.
 
 A pure function: the reference receiver states it directly; vLLM records its own (issue 27).
 """
@@ -25,6 +28,7 @@ __all__ = ["tp_ep_plan"]
 logger = logging.getLogger(__name__)
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_STACKED = re.compile(r"\.experts\.[^.\d][^.]*\.weight$")
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
 _ROW = ("o_proj", "down_proj")
 _KV = ("k_proj", "v_proj")
@@ -69,6 +73,7 @@ def tp_ep_plan(
         return None
     if num_experts is None:
         found = [int(m.group(1)) for s in specs if (m := _EXPERT.search(s.name))]
+        found += [s.shape[0] - 1 for s in specs if _STACKED.search(s.name) and len(s.shape) == 3]
         num_experts = max(found) + 1 if found else 0
     if ep_size > 1 and (num_experts < ep_size or num_experts % ep_size):
         raise ValueError(f"ep_size={ep_size} must divide the number of experts ({num_experts})")
@@ -80,6 +85,11 @@ def tp_ep_plan(
         if expert is not None and ep_size > 1:
             if int(expert.group(1)) // (num_experts // ep_size) == ep_rank:
                 holds[name] = None
+            continue
+        if _STACKED.search(name) and len(shape) == 3:
+            stacked = _stacked_region(name, shape, tp_size, tp_rank, ep_size, ep_rank)
+            if stacked is not None:
+                holds[name] = stacked if stacked else None
             continue
         if tp_size == 1 or not shape:
             holds[name] = None
@@ -106,3 +116,20 @@ def tp_ep_plan(
     if unknown:
         logger.info("tp_ep_plan: %d tensor(s) no rule slices are held whole (first: %s)", len(unknown), unknown[0])
     return ReceivePlan(holds)
+
+
+def _stacked_region(
+    name: str, shape: tuple[int, ...], tp_size: int, tp_rank: int, ep_size: int, ep_rank: int,
+) -> tuple[Region, ...] | None:
+    """The regions of one stacked expert tensor ((): whole; None: not held)."""
+    if ep_size > 1:
+        per = shape[0] // ep_size
+        return (Region(0, ep_rank * per, per),)
+    if tp_size == 1:
+        return ()
+    module = name.split(".")[-2]
+    dim = 1 if module in _COLUMN else 2 if module in _ROW else None
+    if dim is None:
+        return ()
+    r = _even(shape[dim], tp_size, tp_rank)
+    return (Region(dim, r.start, r.length),) if r is not None else None

@@ -16,6 +16,7 @@ import torch
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan
+from ckpt_engine.planning.fused_experts import fuse_specs
 from ckpt_engine.planning.tp_ep import tp_ep_plan
 from ckpt_engine.sources.base import spec_of
 
@@ -46,7 +47,11 @@ class RefModel:
     @classmethod
     def sharded(cls, specs: list[TensorSpec], layout: dict[str, int]) -> RefModel:
         """A TP / EP rank of the model `specs` (global shapes): zeros of its slices. `layout`:
-        tp_size, tp_rank, ep_size, ep_rank, num_kv_heads (see `tp_ep_plan`)."""
+        tp_size, tp_rank, ep_size, ep_rank, num_kv_heads (see `tp_ep_plan`); fused_experts=1: it
+        holds each layer's experts stacked (`planning/fused_experts.py`), as vLLM's w13/w2 do."""
+        layout = dict(layout)
+        if layout.pop("fused_experts", 0):
+            specs = fuse_specs(specs)[0]
         plan = tp_ep_plan(specs, **layout)
         if plan is None:
             return cls({s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in specs})

@@ -310,7 +310,8 @@ class TorchRefRollout(RolloutAdapter):
         hold the same one); by default a fresh random one known only to this handle. `port`: its
         control port (0: a free one; an engine restarted at its address passes the old one).
         `layout`: run as one rank of a TP / EP engine holding only its slices (tp_size, tp_rank,
-        ep_size, ep_rank, num_kv_heads; see `planning.tp_ep.tp_ep_plan`). `staging_budget_bytes`:
+        ep_size, ep_rank, num_kv_heads; see `planning.tp_ep.tp_ep_plan`; fused_experts=1 holds
+        experts stacked). `staging_budget_bytes`:
         the most a dense staging copy may take (None: the free memory decides). `step_interval_s`:
         run engine steps (`ref_steps.py`) this far apart (None: no steps)."""
         if (spec_file is None) == (model_dir is None):
@@ -427,7 +428,7 @@ class TorchRefRollout(RolloutAdapter):
                 self.process.wait(10)
 
 
-_LAYOUT_KEYS = ("tp_size", "tp_rank", "ep_size", "ep_rank", "num_kv_heads")
+_LAYOUT_KEYS = ("tp_size", "tp_rank", "ep_size", "ep_rank", "num_kv_heads", "fused_experts")
 
 
 def _read_ready_port(proc: subprocess.Popen[str], name: str, timeout_s: float) -> int:
