@@ -6,6 +6,7 @@ import logging
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -90,6 +91,17 @@ class WirePolicy:
         if any(p.search(name) for p in self.keep):
             return torch.float32
         return self.wire if self.wire is not None else dtype
+
+
+def hf_config_of(model: torch.nn.Module, who: str) -> Any:
+    """`model`'s Hugging Face config (a `transformers.PretrainedConfig`): the export names every
+    tensor by its `model_type`. A `peft.PeftModel` forwards its base model's config."""
+    from transformers import PretrainedConfig
+
+    config = getattr(model, "config", None)
+    if not isinstance(config, PretrainedConfig):
+        raise ValueError(f"{who} wraps Hugging Face models (with .config.model_type), got {type(model).__name__}")
+    return config
 
 
 def hf_model_from_config(hf_config: object, dtype: torch.dtype, **kwargs: object) -> torch.nn.Module:

@@ -31,7 +31,7 @@ from torch import nn
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.ownership import Shard
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, check_float_dtype, clip_and_step
+from ckpt_engine.trainer_adapters.common import DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, check_float_dtype, clip_and_step, hf_config_of
 from ckpt_engine.trainer_adapters.hf_names import (
     clean_name,
     has_unhandled_fused_experts,
@@ -136,9 +136,7 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         self.config = config if config is not None else FSDP2Config()
         if (process_group is None) == (mesh is None):
             raise ValueError("FSDP2TrainEngine needs exactly one of process_group or mesh (the default group is never assumed)")
-        hf_config = getattr(model, "config", None)
-        if hf_config is None or not hasattr(hf_config, "model_type"):
-            raise ValueError(f"FSDP2TrainEngine wraps Hugging Face models (with .config.model_type), got {type(model).__name__}")
+        hf_config = hf_config_of(model, "FSDP2TrainEngine")
         self.model_type: str = hf_config.model_type
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         device = torch.device(device) if device is not None else next(model.parameters()).device

@@ -37,11 +37,11 @@ from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
 from ckpt_engine.trainer_adapters.common import TrainConfig, check_float_dtype, clip_and_step, torch_dtype
 from ckpt_engine.trainer_adapters.megatron_export import (  # re-exported: the public names stay importable from here
     MegatronExporter,
-    _core,
     _hf,
     _partition_dim,
     check_exportable,
     head_dim_of,
+    megatron_core_model,
     walk_to_first_stage,
 )
 from ckpt_engine.trainer_adapters.megatron_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
@@ -386,7 +386,7 @@ class MegatronTrainEngine(MegatronShardedSource, TrainEngine):
         """PP > 1 with tied embeddings: the first stage's input embedding and the last stage's
         output layer are one HF tensor held twice; summing their grads over the embedding group
         keeps the two copies equal after every step (each copy gets the full gradient)."""
-        core = _core(self.model)
+        core = megatron_core_model(self.model)
         g = self.groups
         if g.pp_size == 1 or not getattr(core, "share_embeddings_and_output_weights", False):
             return
