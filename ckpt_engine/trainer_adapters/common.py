@@ -114,6 +114,24 @@ def hf_model_from_config(hf_config: object, dtype: torch.dtype, **kwargs: object
         return AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype, **kwargs)
 
 
+def adamw_with_schedule(model: torch.nn.Module, config: TrainConfig) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over `model`'s trainable parameters and its `config.lr_factor` schedule: the plain
+    optimizer of the FSDP2, Megatron and Megatron-FSDP2 engines."""
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_factor)
+
+
+def resume_schedule(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, config: TrainConfig, step: int) -> None:
+    """Put a loaded checkpoint's schedule at `step`: every group's lr and what the scheduler reports."""
+    scheduler.last_epoch = step
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] * config.lr_factor(step)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
 def clip_and_step(
     optimizer: torch.optim.Optimizer, grads: list[torch.Tensor], norm: float, max_grad_norm: float | None, step: int
 ) -> bool:

@@ -34,7 +34,7 @@ from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import TrainConfig, check_float_dtype, clip_and_step, torch_dtype
+from ckpt_engine.trainer_adapters.common import TrainConfig, adamw_with_schedule, check_float_dtype, clip_and_step, torch_dtype
 from ckpt_engine.trainer_adapters.megatron_export import (  # re-exported: the public names stay importable from here
     MegatronExporter,
     _hf,
@@ -271,11 +271,7 @@ class MegatronTrainEngine(MegatronShardedSource, TrainEngine):
             self.scheduler = None
             self._apply_lr()
         else:
-            self.optimizer = torch.optim.AdamW(
-                [p for p in model.parameters() if p.requires_grad],
-                lr=self.config.lr, betas=self.config.betas, eps=self.config.eps, weight_decay=self.config.weight_decay,
-            )
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.config.lr_factor)
+            self.optimizer, self.scheduler = adamw_with_schedule(model, self.config)
         self.model = model
         self.exporter = MegatronExporter(self.model, hf_config, self.config, self.groups)
         self._stages = self.exporter.stage_specs()

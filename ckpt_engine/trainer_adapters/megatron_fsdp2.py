@@ -49,7 +49,7 @@ from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import TrainConfig, WirePolicy, check_float_dtype, clip_and_step, hf_config_of, torch_dtype
+from ckpt_engine.trainer_adapters.common import TrainConfig, WirePolicy, check_float_dtype, clip_and_step, hf_config_of, resume_schedule, torch_dtype
 from ckpt_engine.trainer_adapters.fsdp2 import decoder_layers
 from ckpt_engine.trainer_adapters.hf_names import clean_name, has_unhandled_fused_experts, unfuse_expert_specs, unfuse_experts
 from ckpt_engine.trainer_adapters.megatron_fsdp2_shards import MegatronFSDP2ShardedSource
@@ -190,7 +190,7 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
         )
-        fully_shard_optimizer(self.optimizer)  # grads cast around step; main -> model weights after it
+        fully_shard_optimizer(self.optimizer)  # grads cast around step; main -> model weights after it (before the schedule wraps step)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cfg.lr_factor)
         self.global_step = 0
         logger.info(
@@ -469,10 +469,7 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
                         self.optimizer.state[p] = state
                     group.sync_model_weight_from_main_weight()
         self.global_step = int(meta["global_step"])
-        self.scheduler.last_epoch = int(meta["scheduler_step"])
-        for pg in self.optimizer.param_groups:
-            pg["lr"] = pg["initial_lr"] * self.config.lr_factor(self.scheduler.last_epoch)
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        resume_schedule(self.optimizer, self.scheduler, self.config, int(meta["scheduler_step"]))
         dist.barrier(group=self.group)
         logger.info("loaded Megatron-FSDP2 checkpoint from %s at step %d", path, self.global_step)
 
