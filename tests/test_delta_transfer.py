@@ -50,9 +50,9 @@ def test_calm_buckets_are_diffed_straight_from_the_source(in_place: bool) -> Non
 
 
 def test_a_wider_scatter_limit_diffs_busy_buckets_in_one_pass() -> None:
-    """At lr 1e-5 many buckets change more than 1 word in 32: with the CPU default they are packed
-    first and then diffed; with `delta_scatter_below` 0.5 (what a fast link wants) they are diffed
-    in one pass from their source tensors, and the chain stays bit-exact."""
+    """At lr 1e-5 many buckets change more than 1 word in 32: with `delta_scatter_below` 1/32
+    they are packed first and then diffed; with the default (1/4) they are diffed in one pass
+    from their source tensors, and the chain stays bit-exact."""
     def run(kwargs: dict) -> int:
         results = run_ranks(shard_rank, 3, num_senders=1, versions=4, lr=1e-5, delta="on", in_place=True, engine_kwargs=kwargs)
         for r in results[1:]:
@@ -61,7 +61,7 @@ def test_a_wider_scatter_limit_diffs_busy_buckets_in_one_pass() -> None:
         sender = results[0]["stats"][2:]
         return sum(int(s["direct_buckets"]) for s in sender)
 
-    assert run({"delta_scatter_below": 0.5}) > run({})
+    assert run({}) > run({"delta_scatter_below": 1 / 32})
 
 
 @pytest.mark.parametrize("bad", [0, 0.75, True, "0.1", -0.1])

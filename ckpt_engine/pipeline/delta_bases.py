@@ -13,16 +13,15 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.delta.direct import SCATTER_BELOW
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.transports.base import TransferError
 
-__all__ = ["DENSE", "RETIRED_DELTA_BASES", "FRAME_WORDS", "PATCH", "Bases", "bases_for", "check_delta_options"]
+__all__ = ["DENSE", "FRAME_WORDS", "PATCH", "RETIRED_DELTA_BASES", "Bases", "bases_for", "check_delta_options"]
 
 DENSE, PATCH = 0, 1
 FRAME_WORDS = 7  # a bucket's frame header: kind, bytes, checksum of the result, a patch's 32-byte header
-FAST_LINK_SCATTER_BELOW = 1 / 4
+DEFAULT_SCATTER_BELOW = 1 / 4
 RETIRED_DELTA_BASES = {
     "cast": "its recorded casts did not pay over device bases",
     "host": "pinned host bases measured slower than device bases; the base lives in the transport's memory",
@@ -55,8 +54,8 @@ class Bases:
         return sum(t.numel() for t in self.images.values())
 
 
-def check_delta_options(delta_base: str, scatter_below: float | None, device: torch.device) -> tuple[str, float]:
-    """(delta_base, delta_scatter_below) checked, the latter defaulted for the device.
+def check_delta_options(delta_base: str, scatter_below: float | None) -> tuple[str, float]:
+    """(delta_base, delta_scatter_below) checked, the latter defaulted.
 
     `delta_base`: where a sender keeps the base of what it sends: `device` only, the transport's
     memory, where the one-pass diff reads it in place (`host`, pinned host memory, was retired:
@@ -65,10 +64,11 @@ def check_delta_options(delta_base: str, scatter_below: float | None, device: to
 
     `delta_scatter_below`: most changed words (a fraction of a bucket's) for which a sender
     encodes the bucket in one pass to int32 positions; a busier bucket is packed and encoded by
-    the codec (a pack first, then the same diff over the packed image). Default: 1/4 on CUDA transports (NVLink, InfiniBand: the encode costs more than
-    the extra wire bytes; 7B at lr 1e-5 on 2xH200: 0.91x a raw broadcast against 1.35x with
-    1/32), 1/32 elsewhere (chosen when the codec's bitmask index was the smaller patch; not re-measured since
-    the bitmask was retired)."""
+    the codec (a pack first, then the same diff over the packed image). Both write the same int32
+    positions, so the limit changes no wire byte, only whether a busy bucket is packed first.
+    Default 1/4 on every transport: 7B at lr 1e-5 on 2xH200 0.91x a raw broadcast against 1.35x
+    with 1/32 (when 1/32 chose the bitmask); tiny preset at lr 1e-5 on the 2-core CPU box, steady
+    patch syncs 0.23-1.41 s against 0.76-2.92 s with 1/32 (bench/RESULTS.md)."""
     if delta_base in RETIRED_DELTA_BASES:
         raise ValueError(f"delta_base {delta_base!r} was retired ({RETIRED_DELTA_BASES[delta_base]}); use delta_base='device'")
     if delta_base != "device":
@@ -77,7 +77,7 @@ def check_delta_options(delta_base: str, scatter_below: float | None, device: to
         isinstance(scatter_below, bool) or not isinstance(scatter_below, (int, float)) or not 0 < scatter_below <= 0.5
     ):
         raise ValueError(f"delta_scatter_below must be a fraction in (0, 0.5], got {scatter_below!r}")
-    below = float(scatter_below) if scatter_below is not None else (FAST_LINK_SCATTER_BELOW if device.type == "cuda" else SCATTER_BELOW)
+    below = float(scatter_below) if scatter_below is not None else DEFAULT_SCATTER_BELOW
     return delta_base, below
 
 
