@@ -69,3 +69,4 @@ def test_delta_base_device_is_accepted_and_reaches_no_backend_option() -> None:
     cfg = load_config({"checkpoint_engine": {"delta_base": "device", "engine_kwargs": {"nccl": {"delta_base": "device"}}}}, [])
     assert cfg.kwargs_for("gloo") == {}
     assert cfg.kwargs_for("nccl") == {"delta_base": "device"}
+    assert load_config({}, []).kwargs_for("gloo") == {}
