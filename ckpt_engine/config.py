@@ -38,9 +38,12 @@ DELTA_MODES = ("off", "auto", "on")
 STAGE_MODES = ("auto", "patches", "full", "off")
 SENDER_MODES = ("rank0", "all", "per_stage")
 WEIGHT_MODES = ("full", "adapters")
-DELTA_BASES = ("device", "host")  # the backends check their own `delta_base` option alike (transports/delta_bases.py)
-_RETIRED_DELTA_BASES = ("cast",)
-"""Refused by name: `cast` (patches recorded by the trainer's own cast) measured no faster than `device`."""
+DELTA_BASES = ("device",)  # the backends check their own `delta_base` option alike (pipeline/delta_bases.py)
+_RETIRED_DELTA_BASES = {
+    "cast": "patches recorded by the trainer's own cast measured no faster than device bases",
+    "host": "pinned host bases measured slower than device bases; the base lives in the transport's memory",
+}
+"""Refused by name, with why."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest wait a config may ask for (a week): longer ones overflow the timers that enforce it."""
 _SET_BY_THE_SESSION = ("bucket_size_bytes", "num_buffers", "timeout_s", "verify")
@@ -87,9 +90,8 @@ class CheckpointEngineConfig:
     """With delta: a dense seed every this many syncs (0: only when needed: first sync, new or
     restarted engine, new plan, after a failure)."""
     delta_base: str = "device"
-    """With delta: where each sender keeps the base of what it sends: `device` memory (fastest), or
-    pinned `host` memory (no device memory but one bucket-sized staging buffer; each bucket's base
-    crosses the host link twice per sync). Passed to the backend as its `delta_base` option."""
+    """With delta: where each sender keeps the base of what it sends: `device` (the transport's
+    memory) is the one placement; `host` and `cast` were retired (neither paid in a benchmark)."""
     senders: str = "auto"
     """Who streams the weights: `rank0` (trainer rank 0 sends full tensors, the others only walk
     `iter_weights`), `all` (every trainer rank sends the shards it owns, no gather; the source must
@@ -185,10 +187,7 @@ class CheckpointEngineConfig:
         return max(4096, int(self.bucket_size_mb * (1 << 20)) // 4096 * 4096)
 
     def kwargs_for(self, backend: str) -> dict[str, Any]:
-        kwargs = dict(self.engine_kwargs.get(backend, {}))
-        if self.delta_base != "device":
-            kwargs.setdefault("delta_base", self.delta_base)
-        return kwargs
+        return dict(self.engine_kwargs.get(backend, {}))
 
 
 def _check_type(name: str, value: Any, typ: type) -> None:
@@ -203,7 +202,7 @@ def _check_number(name: str, value: Any) -> None:
 
 def _check_delta_base(name: str, value: Any) -> None:
     if value in _RETIRED_DELTA_BASES:
-        raise ConfigError(f"{name}={value!r} was retired (it measured no faster than device bases); use {name}=device")
+        raise ConfigError(f"{name}={value!r} was retired ({_RETIRED_DELTA_BASES[value]}); use {name}=device")
     if value not in DELTA_BASES:
         raise ConfigError(f"{name} must be one of {', '.join(DELTA_BASES)}, got {value!r}")
 

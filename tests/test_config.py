@@ -37,8 +37,10 @@ def test_yaml_file_and_dotted_overrides(tmp_path: Path) -> None:
         ("checkpoint_engine.stage=later", r"checkpoint_engine\.stage must be one of auto, patches, full, off, got 'later'"),
         ("checkpoint_engine.engine_kwargs=3", r"checkpoint_engine\.engine_kwargs must map"),
         ("checkpoint_engine.bucket_sz=3", r"unknown key\(s\) under checkpoint_engine: bucket_sz; allowed: .*bucket_size_mb"),
-        ("checkpoint_engine.delta_base=disk", r"checkpoint_engine\.delta_base must be one of device, host, got 'disk'"),
-        ("checkpoint_engine.engine_kwargs.gloo.delta_base=disk", r"delta_base must be one of device, host, got 'disk'"),
+        ("checkpoint_engine.delta_base=disk", r"checkpoint_engine\.delta_base must be one of device, got 'disk'"),
+        ("checkpoint_engine.engine_kwargs.gloo.delta_base=disk", r"delta_base must be one of device, got 'disk'"),
+        ("checkpoint_engine.delta_base=host", r"checkpoint_engine\.delta_base='host' was retired \(pinned host bases measured slower .*; use checkpoint_engine\.delta_base=device"),
+        ("checkpoint_engine.engine_kwargs.gloo.delta_base=host", r"checkpoint_engine\.engine_kwargs\.gloo\.delta_base='host' was retired"),
         ("checkpoint_engine.delta_base=cast", r"checkpoint_engine\.delta_base='cast' was retired .*; use checkpoint_engine\.delta_base=device"),
         ("checkpoint_engine.engine_kwargs.gloo.delta_base=cast", r"checkpoint_engine\.engine_kwargs\.gloo\.delta_base='cast' was retired"),
     ],
@@ -62,11 +64,11 @@ def test_keyword_only() -> None:
         CheckpointEngineConfig("gloo")  # type: ignore[misc]
 
 
-def test_delta_base_reaches_the_backend_options() -> None:
-    """`delta_base: host` is passed to the backend (every rank's engine options), unless the
-    backend's own engine_kwargs already say where."""
-    cfg = load_config({"checkpoint_engine": {"delta_base": "host", "engine_kwargs": {"nccl": {"delta_base": "device"}}}}, [])
-    assert cfg.kwargs_for("gloo") == {"delta_base": "host"}
+def test_delta_base_device_is_accepted_and_reaches_no_backend_option() -> None:
+    """`delta_base: device` is the one placement left: accepted in both places, and the backend
+    options carry only what engine_kwargs say."""
+    cfg = load_config({"checkpoint_engine": {"delta_base": "device", "engine_kwargs": {"nccl": {"delta_base": "device"}}}}, [])
+    assert cfg.kwargs_for("gloo") == {}
     assert cfg.kwargs_for("nccl") == {"delta_base": "device"}
     assert load_config({}, []).kwargs_for("gloo") == {}
 

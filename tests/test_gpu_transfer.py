@@ -58,19 +58,6 @@ def test_nccl_delta_chain_and_corrupt_patch() -> None:
     assert results[1]["bad"] == []
 
 
-def test_nccl_delta_with_the_senders_bases_in_pinned_host_memory() -> None:
-    """delta_base=host over NCCL: the sender's bases are pinned host tensors staged through one
-    device buffer; a chain of patches stays bit-exact and the device holds no base."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    from multisender import shard_rank
-
-    results = run_ranks(shard_rank, 2, backend="nccl", versions=4, lr=1e-5, delta="on", engine_kwargs={"delta_base": "host"})
-    assert results[1]["bad"] == [] and results[1]["errors"] == []
-    assert all(s["patch_buckets"] > 0 for s in results[1]["stats"][1:])
-    assert all(s["base_on_host"] == 1.0 for s in results[0]["stats"]) and results[0]["base_bytes"] > 0
-
-
 @pytest.mark.parametrize("in_place", [False, True])
 def test_nccl_delta_one_pass_diff_and_in_place_receivers(in_place: bool) -> None:
     """At lr 1e-6 the senders' calm buckets go through the one-pass Triton diff (no pack) and,

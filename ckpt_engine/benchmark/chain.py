@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import subprocess
@@ -24,7 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ckpt_engine.benchmark.rank_exit import check_ranks
+from ckpt_engine.benchmark.rank_exit import collect_results
 from ckpt_engine.benchmark.raw_link import raw_meaning, raw_message_bytes
 from ckpt_engine.sync.report import RATIO_MEANING
 
@@ -36,19 +35,7 @@ def launch_ranks(module: str, world: int, common: list[str], timeout_s: float, s
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # like torchrun: ranks sharing a host must not oversubscribe it
     procs = [subprocess.Popen([sys.executable, "-m", module, "--rank", str(r), *common], env=env) for r in range(world)]
-    deadline = time.monotonic() + timeout_s
-    try:
-        while any(p.poll() is None for p in procs):
-            check_ranks(procs)
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"bench did not finish within {timeout_s:.0f}s")
-            time.sleep(0.2)
-        check_ranks(procs)
-        return [json.loads(store.get(f"result/{r}")) for r in range(world)]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    return collect_results(procs, store, time.monotonic() + timeout_s, f"bench (within {timeout_s:.0f}s)")
 
 
 def run_chain_bench(args: argparse.Namespace, backend: str, device: str, bucket_mb: float) -> dict[str, Any]:

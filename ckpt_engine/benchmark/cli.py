@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from ckpt_engine.benchmark.memory import MemoryPlan, memory_plan
 from ckpt_engine.benchmark.presets import PRESETS, checkpoint_specs, load_preset_config
-from ckpt_engine.benchmark.rank_exit import RankDied, check_ranks
+from ckpt_engine.benchmark.rank_exit import RankDied, collect_results
 from ckpt_engine.benchmark.raw_link import raw_meaning, raw_message_bytes
 from ckpt_engine.cli_args import OneLineParser, above_zero, at_least, seconds
 from ckpt_engine.config import init_keywords
@@ -174,22 +174,9 @@ def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str,
     ]
     steps = args.iters * len(args.modes.split(","))
     deadline = time.monotonic() + args.timeout_s * (steps + 2)
-    try:
-        with tqdm(total=steps, desc=f"bench {args.preset} {backend}", disable=not show_progress, file=sys.stderr) as bar:
-            while any(p.poll() is None for p in procs):
-                check_ranks(procs)
-                if time.monotonic() > deadline:
-                    raise TimeoutError("bench did not finish in time")
-                done = prefixed.add("progress", 0)
-                bar.update(done - bar.n)
-                time.sleep(0.2)
-            bar.update(steps - bar.n)
-        check_ranks(procs)
-        results = [json.loads(prefixed.get(f"result/{r}")) for r in range(world)]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    with tqdm(total=steps, desc=f"bench {args.preset} {backend}", disable=not show_progress, file=sys.stderr) as bar:
+        results = collect_results(procs, prefixed, deadline, "bench", on_tick=lambda: bar.update(prefixed.add("progress", 0) - bar.n))
+        bar.update(steps - bar.n)
     return summarize(results, args, backend, device, bucket_mb)
 
 

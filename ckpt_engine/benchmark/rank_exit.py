@@ -6,11 +6,14 @@ the line names the cause, not the echoes: a rank killed by a signal before one t
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
-__all__ = ["RankDied", "check_ranks", "describe_exit"]
+__all__ = ["RankDied", "check_ranks", "collect_results", "describe_exit"]
 
 
 class RankDied(RuntimeError):
@@ -34,3 +37,25 @@ def check_ranks(procs: Sequence[subprocess.Popen]) -> None:
     if failed:
         rank, code = min(failed, key=lambda rc: (rc[1] >= 0, rc[0]))
         raise RankDied(describe_exit(rank, code))
+
+
+def collect_results(
+    procs: Sequence[subprocess.Popen], store: Any, deadline: float, what: str, on_tick: Callable[[], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Wait for every rank process, failing at once on one that died (`check_ranks`) or at
+    `deadline` (monotonic), then read each rank's JSON `result/<rank>` from `store`; a rank
+    still running on the way out is killed."""
+    try:
+        while any(p.poll() is None for p in procs):
+            check_ranks(procs)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not finish in time")
+            if on_tick is not None:
+                on_tick()
+            time.sleep(0.2)
+        check_ranks(procs)
+        return [json.loads(store.get(f"result/{r}")) for r in range(len(procs))]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

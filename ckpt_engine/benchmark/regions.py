@@ -35,7 +35,7 @@ from rich.table import Table
 
 from ckpt_engine.benchmark import paced_link
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
-from ckpt_engine.benchmark.rank_exit import check_ranks
+from ckpt_engine.benchmark.rank_exit import collect_results
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.pipeline.region_assembly import RegionAssembly
 from ckpt_engine.pipeline.region_groups import RegionGroups, receive_regions, send_regions
@@ -71,19 +71,7 @@ def run_region_bench(args: argparse.Namespace, backend: str, device: str, bucket
     procs = [
         subprocess.Popen([sys.executable, "-m", "ckpt_engine.benchmark.regions", str(r), json.dumps(cfg)], env=env) for r in range(world)
     ]
-    deadline = time.monotonic() + args.timeout_s * (2 * args.iters + 4)
-    try:
-        while any(p.poll() is None for p in procs):
-            check_ranks(procs)
-            if time.monotonic() > deadline:
-                raise TimeoutError("region bench did not finish in time")
-            time.sleep(0.2)
-        check_ranks(procs)
-        results = [json.loads(prefixed.get(f"result/{r}")) for r in range(world)]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    results = collect_results(procs, prefixed, time.monotonic() + args.timeout_s * (2 * args.iters + 4), "region bench")
     return _summarize(results, cfg, backend)
 
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any
 
+from ckpt_engine.daemon.ownership import release_engine
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 
 __all__ = [
@@ -160,7 +161,7 @@ def close_quietly(adapter: RolloutAdapter) -> None:
     try:
         adapter.close()
     except Exception as exc:
-        logger.debug("closing adapter %s: %s", getattr(adapter, "name", "?"), exc)
+        logger.debug("closing adapter %s: %s", adapter.name, exc)
 
 
 def close_in_background(adapter: RolloutAdapter, *, close: bool, release: bool) -> None:
@@ -168,11 +169,8 @@ def close_in_background(adapter: RolloutAdapter, *, close: bool, release: bool) 
     still be inside a call on a failed engine."""
 
     def run() -> None:
-        if release and hasattr(adapter, "release"):
-            try:
-                adapter.release()  # type: ignore[attr-defined]
-            except Exception as exc:
-                logger.debug("releasing engine %s: %s", getattr(adapter, "name", "?"), exc)
+        if release:
+            release_engine(adapter)
         if close:
             close_quietly(adapter)
 

@@ -20,14 +20,27 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.control.wire import RpcError
 
-__all__ = ["adopt", "claim_engine", "describe", "job_group", "refusal", "release_engine"]
+__all__ = ["ClaimableEngine", "adopt", "claim_engine", "describe", "job_group", "refusal", "release_engine"]
 
 logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class ClaimableEngine(Protocol):
+    """What an adapter offers when its engine can be claimed by one group (the reference
+    receiver's `TorchRefRollout`); adapters without it are guarded by the job token only."""
+
+    owner: str | None
+    """The group this adapter acts for; its state-changing calls carry it."""
+
+    def claim(self, owner: str, lease_s: float) -> Any: ...
+
+    def release(self) -> None: ...
 
 
 def job_group(token: str) -> str:
@@ -38,25 +51,25 @@ def job_group(token: str) -> str:
 
 def claim_engine(adapter: RolloutAdapter, group: str, lease_s: float) -> None:
     """Claim `adapter`'s engine for `group`; raises (RpcError PermissionError) when another group holds it."""
-    claim = getattr(adapter, "claim", None)
-    if claim is not None:
-        claim(group, lease_s)
+    if isinstance(adapter, ClaimableEngine):
+        adapter.claim(group, lease_s)
 
 
 def adopt(adapter: RolloutAdapter, group: str) -> None:
     """Act for `group` on an engine another daemon of the same group claimed (a following trainer)."""
-    if hasattr(adapter, "owner"):
-        adapter.owner = group  # type: ignore[attr-defined]
+    if isinstance(adapter, ClaimableEngine):
+        adapter.owner = group
 
 
 def release_engine(adapter: RolloutAdapter) -> None:
-    release = getattr(adapter, "release", None)
-    if release is None:
+    """Release `adapter`'s claim, if it has one; a failure is logged, never raised (the engine's
+    lease lapses on its own)."""
+    if not isinstance(adapter, ClaimableEngine):
         return
     try:
-        release()
+        adapter.release()
     except Exception as exc:
-        logger.debug("releasing engine %s: %s", getattr(adapter, "name", "?"), exc)
+        logger.debug("releasing engine %s: %s", adapter.name, exc)
 
 
 def refusal(name: str, where: str, exc: BaseException) -> str:

@@ -33,11 +33,10 @@ from ckpt_engine.delta.mixing import mix, table_a
 __all__ = ["SCATTER_BELOW", "BucketDiff", "capacity", "encode", "encode_into_base", "max_patch_bytes", "out_bytes"]
 
 SCATTER_BELOW = 1 / 32
-"""Default most changed words, as a fraction of the bucket's, that a scatter32 patch may carry:
-below 1 in 32 its int32 positions are smaller than a bitmask index. A sender on a fast link may
-allow more (engine option `delta_scatter_below`): one pass straight from the source tensors costs
-less than a pack plus the codec's two passes, which is worth more than the bigger index where the
-link is fast."""
+"""Most changed words, as a fraction of the bucket's, that a BucketDiff made without a limit may
+carry (probes, tests). Senders take theirs from the engine option `delta_scatter_below` (1/4 by
+default, pipeline/delta_bases.py); above this one they move buckets between the one-pass diff and
+the codec with a margin (pipeline/delta_send.py)."""
 
 
 def capacity(nbytes: int, word_bytes: int, scatter_below: float = SCATTER_BELOW) -> int:

@@ -13,17 +13,20 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.delta.direct import SCATTER_BELOW
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.transports.base import TransferError
 
-__all__ = ["DELTA_BASES", "DENSE", "FRAME_WORDS", "PATCH", "Bases", "bases_for", "check_delta_options"]
+__all__ = ["DENSE", "FRAME_WORDS", "PATCH", "RETIRED_DELTA_BASES", "Bases", "bases_for", "check_delta_options"]
 
 DENSE, PATCH = 0, 1
 FRAME_WORDS = 7  # a bucket's frame header: kind, bytes, checksum of the result, a patch's 32-byte header
-DELTA_BASES = ("device", "host")  # where a sender keeps its bases (engine option `delta_base`)
-FAST_LINK_SCATTER_BELOW = 1 / 4
+DEFAULT_SCATTER_BELOW = 1 / 4
+RETIRED_DELTA_BASES = {
+    "cast": "its recorded casts did not pay over device bases",
+    "host": "pinned host bases measured slower than device bases; the base lives in the transport's memory",
+}
+"""Base placements refused by name, with why (the config refuses them alike: config.py)."""
 
 
 @dataclass
@@ -51,40 +54,40 @@ class Bases:
         return sum(t.numel() for t in self.images.values())
 
 
-def check_delta_options(delta_base: str, scatter_below: float | None, device: torch.device) -> tuple[str, float]:
-    """(delta_base, delta_scatter_below) checked, the latter defaulted for the device.
+def check_delta_options(delta_base: str, scatter_below: float | None) -> tuple[str, float]:
+    """(delta_base, delta_scatter_below) checked, the latter defaulted.
 
-    `delta_base`: where a sender keeps the base of what it sends: `device` memory (fastest: the
-    one-pass diff reads it in place), or pinned `host` memory (no device memory but one
-    bucket-sized staging buffer; each bucket's base crosses the host link twice per sync, so a
-    sync is bound by that link: for trainers short of device memory on a slow network).
-    Receivers keep theirs on the device (or none, in place) either way.
+    `delta_base`: where a sender keeps the base of what it sends: `device` only, the transport's
+    memory, where the one-pass diff reads it in place (`host`, pinned host memory, was retired:
+    it saved device memory but measured 1.4-6x slower patch syncs than device bases on the CPU
+    box, bench/RESULTS.md). Receivers keep theirs on the device, or none (in place).
 
     `delta_scatter_below`: most changed words (a fraction of a bucket's) for which a sender
     encodes the bucket in one pass to int32 positions; a busier bucket is packed and encoded by
-    the codec (a pack first, then the same diff over the packed image). Default: 1/4 on CUDA transports (NVLink, InfiniBand: the encode costs more than
-    the extra wire bytes; 7B at lr 1e-5 on 2xH200: 0.91x a raw broadcast against 1.35x with
-    1/32), 1/32 elsewhere (chosen when the codec's bitmask index was the smaller patch; not re-measured since
-    the bitmask was retired)."""
-    if delta_base == "cast":
-        raise ValueError("delta_base 'cast' was retired (its recorded casts did not pay over device bases); use delta_base='device'")
-    if delta_base not in DELTA_BASES:
-        raise ValueError(f"delta_base must be one of {', '.join(DELTA_BASES)}, got {delta_base!r}")
+    the codec (a pack first, then the same diff over the packed image). Both write the same int32
+    positions, so the limit changes no wire byte, only whether a busy bucket is packed first.
+    Default 1/4 on every transport: 7B at lr 1e-5 on 2xH200 0.91x a raw broadcast against 1.35x
+    with 1/32 (when 1/32 chose the bitmask); tiny preset at lr 1e-5 on the 2-core CPU box, steady
+    patch syncs 0.23-1.41 s against 0.76-2.92 s with 1/32 (bench/RESULTS.md)."""
+    if delta_base in RETIRED_DELTA_BASES:
+        raise ValueError(f"delta_base {delta_base!r} was retired ({RETIRED_DELTA_BASES[delta_base]}); use delta_base='device'")
+    if delta_base != "device":
+        raise ValueError(f"delta_base must be device, got {delta_base!r}")
     if scatter_below is not None and (
         isinstance(scatter_below, bool) or not isinstance(scatter_below, (int, float)) or not 0 < scatter_below <= 0.5
     ):
         raise ValueError(f"delta_scatter_below must be a fraction in (0, 0.5], got {scatter_below!r}")
-    below = float(scatter_below) if scatter_below is not None else (FAST_LINK_SCATTER_BELOW if device.type == "cuda" else SCATTER_BELOW)
+    below = float(scatter_below) if scatter_below is not None else DEFAULT_SCATTER_BELOW
     return delta_base, below
 
 
 def bases_for(
     current: Bases, manifest: BucketManifest, delta: DeltaRequest, keys: list[tuple[int, int]], *,
-    inplace: bool, rank: int | None, device: torch.device, pinned: bool,
+    inplace: bool, rank: int | None, device: torch.device,
 ) -> Bases:
     """The bases for this sync: `current` checked against the request, or new ones for a first
     (dense) sync of a plan, or a receiver whose destinations start or stop holding the base
-    (`inplace`). `pinned`: a sender's bases in pinned host memory (delta_base='host')."""
+    (`inplace`)."""
     b = current
     if delta.patches:
         if b.digest != manifest.digest or b.sync_id != delta.base_id or b.inplace != inplace:
@@ -99,11 +102,8 @@ def bases_for(
     elif b.digest != manifest.digest or b.inplace != inplace:
         b = Bases(digest=manifest.digest, inplace=inplace)
         for key, nbytes in keys:
-            if not inplace:  # allocated pinned at once (pinning a pageable copy costs seconds per 10 GB)
-                b.images[key] = (
-                    torch.zeros(nbytes, dtype=torch.uint8, device=device) if not pinned
-                    else torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # a seed writes every byte
-                )
+            if not inplace:
+                b.images[key] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
             b.sums[key] = None
     b.sync_id = None  # until this sync completes on this rank
     return b

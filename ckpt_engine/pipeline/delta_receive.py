@@ -119,7 +119,7 @@ class DeltaReceiver:
             places = self._places(state, destinations)
             keys = [(s.bucket.index, s.bucket.nbytes) for s in steps]
             bases = state.bases = bases_for(
-                state.bases, manifest, delta, keys, inplace=places is not None, rank=t.rank, device=t.device, pinned=False
+                state.bases, manifest, delta, keys, inplace=places is not None, rank=t.rank, device=t.device
             )
             if places is not None and delta.patches:
                 assert destinations is not None

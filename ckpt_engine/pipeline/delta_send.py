@@ -2,8 +2,7 @@
 syncs: delta_bases.py).
 
 A sender keeps a base image of each bucket it sends (the bucket's wire bytes at the last sync, in
-device memory: 1/S of the model on each of S senders, or pinned host memory with
-delta_base='host'). One patch sync, per bucket:
+device memory: 1/S of the model on each of S senders). One patch sync, per bucket:
 1. encode: a bucket that changed little last time is compared with its base straight from the
    source tensors, one pass per piece (`ckpt_engine.delta.direct`, no pack); any other is packed
    and encoded by the codec (the same one-pass diff over the packed image). A patch is kept
@@ -66,14 +65,11 @@ class Frame(NamedTuple):
 class DeltaSender:
     """Frames a sender's buckets as patches against its bases, or dense."""
 
-    def __init__(self, transport: Transport, options: PipelineOptions, hooks: FaultHooks, *, host_bases: bool, scatter_below: float) -> None:
+    def __init__(self, transport: Transport, options: PipelineOptions, hooks: FaultHooks, *, scatter_below: float) -> None:
         self.t = transport
         self.opts = options
         self.hooks = hooks
-        self.host_bases = host_bases
         self.scatter_below = scatter_below
-        self.stage: torch.Tensor | None = None
-        """The device buffer a host-kept base is staged in (one bucket, allocated once)."""
         self.last_stats: dict[str, float] = {}
 
     def send(
@@ -114,16 +110,15 @@ class DeltaSender:
             return frame
 
         try:
-            pinned = self.host_bases and self.t.device.type != "cpu"
             keys = [(s.ordinal, s.bucket.nbytes) for s in mine]
-            bases = state.bases = bases_for(state.bases, manifest, delta, keys, inplace=False, rank=self.t.rank, device=self.t.device, pinned=pinned)
+            bases = state.bases = bases_for(state.bases, manifest, delta, keys, inplace=False, rank=self.t.rank, device=self.t.device)
             pieces = PieceReader(it, sched, self.t.rank, self.t.device, stats, state.known if stable else None)
             pending: tuple[Step, BucketDiff, Any] | None = None
             for i, step in enumerate(mine):
                 n, word = step.bucket.nbytes, step.word_bytes
                 tally["words"] += n // word
                 t0 = time.perf_counter()
-                if delta.patches and step.ordinal in bases.calm and n // word < 2**31 and not self.host_bases:
+                if delta.patches and step.ordinal in bases.calm and n // word < 2**31:
                     diff, event = self._start_diff(bases, step, pieces, i, stable)
                     host["host_walk_s"] += time.perf_counter() - t0
                     tally["direct"] += 1
@@ -136,13 +131,6 @@ class DeltaSender:
                         pending = None
                     if delta.patches:
                         frame = self._encode_packed(bases, step, pieces, stable, stats)
-                    elif self.host_bases:  # packed on the device, kept on the host
-                        stage = self._stage_of(n)
-                        stage.zero_()  # padding stays zero, as in a device base (in-place receivers hold none)
-                        self._pack_into(stage, step, pieces, stable, stats)
-                        bases.images[step.ordinal][:n].copy_(stage, non_blocking=True)
-                        bases.sums[step.ordinal] = None
-                        frame = Frame(DENSE, n, None, stage.clone(), n // word)  # the stage is reused next bucket
                     else:
                         self._pack_into(bases.images[step.ordinal], step, pieces, stable, stats)
                         bases.sums[step.ordinal] = None
@@ -169,7 +157,7 @@ class DeltaSender:
         stats.extra.update(
             wire_bytes=float(tally["wire"]), table_bytes=float(24 * len(mine)), dense_bytes=float(sum(s.bucket.nbytes for s in mine)),
             patch_buckets=float(tally["patches"]), direct_buckets=float(tally["direct"]), changed_fraction=tally["changed"] / words if words else 0.0,
-            base_bytes=float(bases.nbytes), base_on_host=float(self.host_bases or self.t.device.type == "cpu"),
+            base_bytes=float(bases.nbytes),
         )
         if delta.patches:
             stats.extra.update(host)
@@ -252,27 +240,18 @@ class DeltaSender:
         Padding between entries is zeroed, so it never differs from the base (in-place receivers
         hold no padding)."""
         key, n, word = step.ordinal, step.bucket.nbytes, step.word_bytes
-        kept = bases.images[key][:n]
-        image = kept
-        if self.host_bases:  # the base crosses to the device and back
-            image = self._stage_of(n)
-            image.copy_(kept, non_blocking=True)
+        image = bases.images[key][:n]
         if bases.sums.get(key) is None:
             bases.sums[key] = codec.checksum(image, word)
         scratch, out = self.t.buffers[0][:n], self.t.buffers[1]
         scratch.zero_()
         self._pack_into(scratch, step, pieces, stable, stats)
         size = codec.encode_into_base(image, scratch, word, out)  # the image becomes `new` either way
-        if image is not kept:
-            kept.copy_(image, non_blocking=True)
         num_changed, delta_sum = header_fields(out[:size]) if size is not None else (n // word, 0)
         below = self._scatter_below(n, word)
         if size is not None and num_changed <= capacity(n, word, below) * _margins(below)[0]:
             bases.calm.add(key)
-        frame = _frame_of(bases, key, n, word, size, delta_sum, num_changed, out)
-        if frame.kind == DENSE and image is not kept:
-            frame = Frame(DENSE, n, None, image.clone(), frame.changed)  # sent from the device; the stage is reused
-        return frame
+        return _frame_of(bases, key, n, word, size, delta_sum, num_changed, out)
 
     def _scatter_below(self, n: int, word: int) -> float:
         """`delta_scatter_below`, lowered so that a bucket of `n` bytes fits half the second buffer
@@ -280,11 +259,6 @@ class DeltaSender:
         half = self.t.buffers[1].numel() // 16 * 8
         fit = max(0, half - 64) // (4 + word) / max(1, n // word)
         return max(min(self.scatter_below, fit), 1e-9)
-
-    def _stage_of(self, n: int) -> torch.Tensor:
-        if self.stage is None or self.stage.numel() < n:
-            self.stage = torch.empty(self.opts.bucket_size_bytes, dtype=torch.uint8, device=self.t.device)
-        return self.stage[:n]
 
     def _frame_header(self, kind: int, size: int, checksum: torch.Tensor | None, payload: torch.Tensor | None = None) -> torch.Tensor:
         """(kind, bytes, checksum, the patch's own 32-byte header) of one bucket, one int64 row

@@ -68,9 +68,9 @@ class PipelinedEngine(CheckpointEngine):
         self.num_lanes = lanes
         self.solo_bytes = (solo_bytes if solo_bytes is not None else self.transport.default_solo_bytes) or None
         self.group_max_tensors = group_max_tensors if group_max_tensors is not None else self.transport.default_group_max_tensors
-        self.delta_base, self.delta_scatter_below = check_delta_options(delta_base, delta_scatter_below, self.device)
+        self.delta_base, self.delta_scatter_below = check_delta_options(delta_base, delta_scatter_below)
         self.options = options = PipelineOptions(bucket_size_bytes, num_buffers, timeout_s, verify, self.group_max_tensors)
-        self.sender = Sender(self.transport, options, self, host_bases=self.delta_base == "host", scatter_below=self.delta_scatter_below)
+        self.sender = Sender(self.transport, options, self, scatter_below=self.delta_scatter_below)
         self.receiver = Receiver(self.transport, options)
         self._state: PlanState | None = None
 

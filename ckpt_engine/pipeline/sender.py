@@ -47,11 +47,11 @@ def _as_lists(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple[list[
 class Sender:
     """A sender rank's side of every sync."""
 
-    def __init__(self, transport: Transport, options: PipelineOptions, hooks: FaultHooks, *, host_bases: bool, scatter_below: float) -> None:
+    def __init__(self, transport: Transport, options: PipelineOptions, hooks: FaultHooks, *, scatter_below: float) -> None:
         self.t = transport
         self.opts = options
         self.hooks = hooks
-        self.delta = DeltaSender(transport, options, hooks, host_bases=host_bases, scatter_below=scatter_below)
+        self.delta = DeltaSender(transport, options, hooks, scatter_below=scatter_below)
         sharing = transport.source_sharing
         self.shared = SharedSources(transport, sharing) if sharing is not None else None
         """The one-copy path where the receiver maps a stable sender's own tensors."""

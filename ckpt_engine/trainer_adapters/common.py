@@ -6,6 +6,7 @@ import logging
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -92,6 +93,17 @@ class WirePolicy:
         return self.wire if self.wire is not None else dtype
 
 
+def hf_config_of(model: torch.nn.Module, who: str) -> Any:
+    """`model`'s Hugging Face config (a `transformers.PretrainedConfig`): the export names every
+    tensor by its `model_type`. A `peft.PeftModel` forwards its base model's config."""
+    from transformers import PretrainedConfig
+
+    config = getattr(model, "config", None)
+    if not isinstance(config, PretrainedConfig):
+        raise ValueError(f"{who} wraps Hugging Face models (with .config.model_type), got {type(model).__name__}")
+    return config
+
+
 def hf_model_from_config(hf_config: object, dtype: torch.dtype, **kwargs: object) -> torch.nn.Module:
     """`AutoModelForCausalLM.from_config` across transformers 4.x (`torch_dtype=`) and 5.x (`dtype=`)."""
     from transformers import AutoModelForCausalLM
@@ -100,6 +112,24 @@ def hf_model_from_config(hf_config: object, dtype: torch.dtype, **kwargs: object
         return AutoModelForCausalLM.from_config(hf_config, dtype=dtype, **kwargs)
     except TypeError:
         return AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype, **kwargs)
+
+
+def adamw_with_schedule(model: torch.nn.Module, config: TrainConfig) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over `model`'s trainable parameters and its `config.lr_factor` schedule: the plain
+    optimizer of the FSDP2, Megatron and Megatron-FSDP2 engines."""
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, config.lr_factor)
+
+
+def resume_schedule(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, config: TrainConfig, step: int) -> None:
+    """Put a loaded checkpoint's schedule at `step`: every group's lr and what the scheduler reports."""
+    scheduler.last_epoch = step
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] * config.lr_factor(step)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
 
 
 def clip_and_step(

@@ -31,7 +31,7 @@ from torch import nn
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.ownership import Shard
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, check_float_dtype, clip_and_step
+from ckpt_engine.trainer_adapters.common import DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, adamw_with_schedule, check_float_dtype, clip_and_step, hf_config_of, resume_schedule
 from ckpt_engine.trainer_adapters.hf_names import (
     clean_name,
     has_unhandled_fused_experts,
@@ -136,9 +136,7 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         self.config = config if config is not None else FSDP2Config()
         if (process_group is None) == (mesh is None):
             raise ValueError("FSDP2TrainEngine needs exactly one of process_group or mesh (the default group is never assumed)")
-        hf_config = getattr(model, "config", None)
-        if hf_config is None or not hasattr(hf_config, "model_type"):
-            raise ValueError(f"FSDP2TrainEngine wraps Hugging Face models (with .config.model_type), got {type(model).__name__}")
+        hf_config = hf_config_of(model, "FSDP2TrainEngine")
         self.model_type: str = hf_config.model_type
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -181,11 +179,7 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=self.config.reshard_after_forward)
         self.model = model
         self._units: list[nn.Module] = [model, *layers]
-        self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=self.config.lr, betas=self.config.betas, eps=self.config.eps, weight_decay=self.config.weight_decay,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.config.lr_factor)
+        self.optimizer, self.scheduler = adamw_with_schedule(model, self.config)
         self.global_step = 0
         logger.info(
             "FSDP2 engine: %s, %d units over %d ranks, %d exported tensors",
@@ -435,8 +429,5 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         dcp.load(state, checkpoint_id=path, process_group=self.group)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
         self.global_step = int(state["trainer"]["global_step"])
-        self.scheduler.last_epoch = int(state["trainer"]["scheduler_step"])
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * self.config.lr_factor(self.scheduler.last_epoch)
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        resume_schedule(self.optimizer, self.scheduler, self.config, int(state["trainer"]["scheduler_step"]))
         logger.info("loaded FSDP2 checkpoint from %s at step %d", path, self.global_step)

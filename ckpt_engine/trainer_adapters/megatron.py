@@ -34,14 +34,14 @@ from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import TrainConfig, check_float_dtype, clip_and_step, torch_dtype
+from ckpt_engine.trainer_adapters.common import TrainConfig, adamw_with_schedule, check_float_dtype, clip_and_step, torch_dtype
 from ckpt_engine.trainer_adapters.megatron_export import (  # re-exported: the public names stay importable from here
     MegatronExporter,
-    _core,
     _hf,
     _partition_dim,
     check_exportable,
     head_dim_of,
+    megatron_core_model,
     walk_to_first_stage,
 )
 from ckpt_engine.trainer_adapters.megatron_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
@@ -271,11 +271,7 @@ class MegatronTrainEngine(MegatronShardedSource, TrainEngine):
             self.scheduler = None
             self._apply_lr()
         else:
-            self.optimizer = torch.optim.AdamW(
-                [p for p in model.parameters() if p.requires_grad],
-                lr=self.config.lr, betas=self.config.betas, eps=self.config.eps, weight_decay=self.config.weight_decay,
-            )
-            self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.config.lr_factor)
+            self.optimizer, self.scheduler = adamw_with_schedule(model, self.config)
         self.model = model
         self.exporter = MegatronExporter(self.model, hf_config, self.config, self.groups)
         self._stages = self.exporter.stage_specs()
@@ -386,7 +382,7 @@ class MegatronTrainEngine(MegatronShardedSource, TrainEngine):
         """PP > 1 with tied embeddings: the first stage's input embedding and the last stage's
         output layer are one HF tensor held twice; summing their grads over the embedding group
         keeps the two copies equal after every step (each copy gets the full gradient)."""
-        core = _core(self.model)
+        core = megatron_core_model(self.model)
         g = self.groups
         if g.pp_size == 1 or not getattr(core, "share_embeddings_and_output_weights", False):
             return

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from ckpt_engine.trainer_adapters.hf_names import (
 if TYPE_CHECKING:
     from ckpt_engine.trainer_adapters.megatron_groups import MegatronGroups
 
-__all__ = ["MegatronExporter", "check_exportable", "collective_device", "head_dim_of", "walk_to_first_stage"]
+__all__ = ["MegatronExporter", "check_exportable", "collective_device", "head_dim_of", "megatron_core_model", "walk_to_first_stage"]
 
 
 def collective_device(group: Any) -> torch.device:
@@ -65,7 +65,11 @@ def head_dim_of(hf_config: Any) -> int:
 
 def check_exportable(hf_config: Any) -> MegatronFamily:
     """The family table for `hf_config`, or ValueError for layouts the exporter cannot convert."""
-    family = megatron_family(str(getattr(hf_config, "model_type", None)))
+    from transformers import PretrainedConfig
+
+    if not isinstance(hf_config, PretrainedConfig):
+        raise ValueError(f"the Megatron engines take the model's transformers PretrainedConfig as hf_config, got {type(hf_config).__name__}")
+    family = megatron_family(hf_config.model_type)
     heads, groups = hf_config.num_attention_heads, _hf(hf_config, "num_key_value_heads", hf_config.num_attention_heads)
     if heads % groups:
         raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({groups})")
@@ -160,12 +164,9 @@ class MegatronExporter:
 
     def _plan(self, model: nn.Module) -> list[_Item]:
         items: list[_Item] = []
-        module = getattr(model, "module", model)  # unwrap DDP/Float16Module-style wrappers
-        while hasattr(module, "module") and not hasattr(module, "decoder"):
-            module = module.module
+        module = megatron_core_model(model)
         layer_params: set[int] = set()
-        decoder = getattr(module, "decoder", None)
-        layers = list(getattr(decoder, "layers", [])) if decoder is not None else []
+        layers = list(module.decoder.layers)
         by_id: dict[int, tuple[str, str, int]] = {}
         for layer in layers:
             global_idx = layer.layer_number - 1
@@ -398,8 +399,9 @@ class MegatronExporter:
                     full = full.chunk(size, dim=it.partition_dim)[rank]
                 _copy_into(dest(it.param), full)
             if self.tied:
-                out = getattr(_core(self.model), "output_layer", None)
-                if out is not None and getattr(out, "weight", None) is not None and not _core(self.model).pre_process:
+                core = megatron_core_model(self.model)
+                out = getattr(core, "output_layer", None)
+                if out is not None and getattr(out, "weight", None) is not None and not core.pre_process:
                     dest(out.weight).data.copy_(_vocab_shard(hf["model.embed_tokens.weight"], out.weight, tp, tp_rank))
 
     def vocab_padding_rows(self) -> list[tuple[torch.Tensor, int]]:
@@ -409,7 +411,7 @@ class MegatronExporter:
         token or a loss, and their number depends on the layout."""
         tp, tp_rank = self.groups.tp_size, self.groups.tp_rank
         params = [it.param for it in self.items if it.kind == "vocab"]
-        out = getattr(_core(self.model), "output_layer", None)
+        out = getattr(megatron_core_model(self.model), "output_layer", None)
         if self.tied and out is not None and getattr(out, "weight", None) is not None and all(out.weight is not p for p in params):
             params.append(out.weight)
         rows = []
@@ -450,9 +452,25 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
     param.data.copy_(full.to(device=param.device, dtype=param.dtype))
 
 
-def _core(model: nn.Module) -> nn.Module:
+@runtime_checkable
+class _MegatronWrapper(Protocol):
+    """What Megatron's wrappers (DistributedDataParallel, Float16Module, the FSDP adapter and its
+    MegatronFSDP) share: the wrapped model, registered as submodule `module`."""
+
+    module: nn.Module
+
+
+def megatron_core_model(model: nn.Module) -> Any:
+    """The megatron-core `GPTModel` inside `model` and any of Megatron's wrappers around it."""
+    from megatron.core.models.gpt import GPTModel
+
     m = model
-    while hasattr(m, "module") and not hasattr(m, "decoder"):
+    while not isinstance(m, GPTModel):
+        if not isinstance(m, _MegatronWrapper):
+            raise ValueError(
+                f"expected a megatron-core GPTModel, bare or inside Megatron's wrappers (DistributedDataParallel, "
+                f"Float16Module, Megatron-FSDP), got {type(m).__name__}"
+            )
         m = m.module
     return m
 

@@ -49,7 +49,7 @@ from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import TrainConfig, WirePolicy, check_float_dtype, clip_and_step, torch_dtype
+from ckpt_engine.trainer_adapters.common import TrainConfig, WirePolicy, check_float_dtype, clip_and_step, hf_config_of, resume_schedule, torch_dtype
 from ckpt_engine.trainer_adapters.fsdp2 import decoder_layers
 from ckpt_engine.trainer_adapters.hf_names import clean_name, has_unhandled_fused_experts, unfuse_expert_specs, unfuse_experts
 from ckpt_engine.trainer_adapters.megatron_fsdp2_shards import MegatronFSDP2ShardedSource
@@ -136,9 +136,7 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
             raise ValueError(f"MegatronFSDP2TrainEngine takes a MegatronFSDP2Config, got {type(self.config).__name__}")
         if (process_group is None) == (mesh is None):
             raise ValueError("MegatronFSDP2TrainEngine needs exactly one of process_group or mesh (the default group is never assumed)")
-        hf_config = getattr(model, "config", None)
-        if hf_config is None or not hasattr(hf_config, "model_type"):
-            raise ValueError(f"MegatronFSDP2TrainEngine wraps Hugging Face models (with .config.model_type), got {type(model).__name__}")
+        hf_config = hf_config_of(model, "MegatronFSDP2TrainEngine")
         if getattr(hf_config, "tie_word_embeddings", False):
             raise ValueError(
                 "MegatronFSDP2TrainEngine cannot shard tied embeddings: megatron-fsdp 0.6.1's experimental fully_shard "
@@ -192,7 +190,7 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
         )
-        fully_shard_optimizer(self.optimizer)  # grads cast around step; main -> model weights after it
+        fully_shard_optimizer(self.optimizer)  # grads cast around step; main -> model weights after it (before the schedule wraps step)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, cfg.lr_factor)
         self.global_step = 0
         logger.info(
@@ -471,10 +469,7 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
                         self.optimizer.state[p] = state
                     group.sync_model_weight_from_main_weight()
         self.global_step = int(meta["global_step"])
-        self.scheduler.last_epoch = int(meta["scheduler_step"])
-        for pg in self.optimizer.param_groups:
-            pg["lr"] = pg["initial_lr"] * self.config.lr_factor(self.scheduler.last_epoch)
-        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        resume_schedule(self.optimizer, self.scheduler, self.config, int(meta["scheduler_step"]))
         dist.barrier(group=self.group)
         logger.info("loaded Megatron-FSDP2 checkpoint from %s at step %d", path, self.global_step)
 
