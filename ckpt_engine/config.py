@@ -25,6 +25,7 @@ __all__ = [
     "CheckpointEngineConfig",
     "ConfigError",
     "PAUSE_MODES",
+    "STAGE_MODES",
     "apply_overrides",
     "config_from_mapping",
     "init_keywords",
@@ -34,6 +35,7 @@ __all__ = [
 
 PAUSE_MODES = ("keep", "abort", "none")
 DELTA_MODES = ("off", "auto", "on")
+STAGE_MODES = ("auto", "patches", "full", "off")
 SENDER_MODES = ("rank0", "all", "per_stage")
 WEIGHT_MODES = ("full", "adapters")
 DELTA_BASES = ("device", "host")  # the backends check their own `delta_base` option alike (transports/delta_bases.py)
@@ -65,6 +67,14 @@ class CheckpointEngineConfig:
     """Send a checksum with every bucket and check it on every receiver before loading."""
     pause_mode: str = "keep"
     """How engines pause around a load: `keep` in-flight requests, `abort` them, or `none`."""
+    stage: str = "auto"
+    """Staged syncs (engines keep generating while the next version streams in, and pause only for
+    the swap): `patches` stages patch syncs (the decoded patches, checked against the live weights,
+    are applied at the swap) and pauses for dense ones as `off` does; `full` stages dense syncs too,
+    in a staging copy of every weight (an engine without room for one is refused before anything
+    pauses); `auto` stages patches, and a dense sync only when every engine reports room for the
+    copy, else pauses as today (said once per session); `off`: pause for the whole sync. Engines
+    that cannot stage (`RolloutAdapter.stages` False) make every sync of their session `off`."""
     engine_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Extra keyword arguments per backend name, e.g. `{"nccl": {"device": 0}}`."""
     delta: str = "off"
@@ -117,6 +127,10 @@ class CheckpointEngineConfig:
         _check_type("checkpoint_engine.verify", self.verify, bool)
         if self.pause_mode not in PAUSE_MODES:
             raise ConfigError(f"checkpoint_engine.pause_mode must be one of {', '.join(PAUSE_MODES)}, got {self.pause_mode!r}")
+        if self.stage is False:  # YAML 1.1 reads `stage: off` as a bool
+            self.stage = "off"
+        if self.stage not in STAGE_MODES:
+            raise ConfigError(f"checkpoint_engine.stage must be one of {', '.join(STAGE_MODES)}, got {self.stage!r}")
         if not isinstance(self.engine_kwargs, dict) or not all(
             isinstance(k, str) and isinstance(v, dict) for k, v in self.engine_kwargs.items()
         ):

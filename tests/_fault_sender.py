@@ -1,7 +1,7 @@
 """A trainer in its own process, so a test can SIGKILL it mid-sync.
 
-Reads {"engines": [{name, host, port, token}], "seeds": [...], "timeout_s": s, "delay_s": s} as JSON on
-stdin, syncs one version per seed into those reference engines, prints "synced N" after each.
+Reads {"engines": [{name, host, port, token}], "seeds": [...], "timeout_s": s, "delay_s": s} (and
+optionally "stage", default off, and "delta", default off) as JSON on stdin, syncs one version per seed into those reference engines, prints "synced N" after each.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ def main() -> None:
         TorchRefRollout(e["name"], e["host"], e["port"], None, job["timeout_s"], **({"token": e["token"]} if takes_token else {}))
         for e in job["engines"]
     ]
-    session = WeightSyncSession(engines, CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=job["timeout_s"]))
+    cfg = CheckpointEngineConfig(
+        backend="gloo", bucket_size_mb=0.0625, timeout_s=job["timeout_s"], stage=job.get("stage", "off"), delta=job.get("delta", "off")
+    )
+    session = WeightSyncSession(engines, cfg)
     for seed in job["seeds"]:
         report = session.sync(SlowSource(seed, job.get("delay_s", 0.0)))
         print(f"synced {report.version}", flush=True)

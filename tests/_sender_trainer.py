@@ -53,7 +53,7 @@ def trainer_main(
         t0 = time.monotonic()
         try:
             report = sync_rollout_weights(source, handles, config=configs[delta_modes[v] if delta_modes else "on"])
-            log.append({"v": v, "ok": True, "delta": report.delta if report else None, "senders": report.senders if report else None,
+            log.append({"v": v, "ok": True, "delta": report.delta if report else None, "staged": report.staged if report else None, "senders": report.senders if report else None,
                         "wire": report.wire_bytes if report else None, "dense": report.dense_bytes if report else None,
                         "bytes": report.bytes if report else None, "per_sender": report.wire_bytes_per_sender if report else None,
                         "received": {n: r.get("delta_wire_bytes") for n, r in report.receivers.items()} if report else None})

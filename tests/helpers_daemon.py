@@ -29,7 +29,7 @@ from refengines import spawn_engine
 
 TIMEOUT_S = 20.0
 NUM_TENSORS = 8
-SERVE_YAML = "checkpoint_engine:\n  backend: gloo\n  bucket_size_mb: 0.25\n  timeout_s: 20\ndaemon:\n  health_interval_s: 0.3\n  heartbeat_timeout_s: 0\n"
+SERVE_YAML = "checkpoint_engine:\n  backend: gloo\n  bucket_size_mb: 0.25\n  timeout_s: 20\n  stage: 'off'\ndaemon:\n  health_interval_s: 0.3\n  heartbeat_timeout_s: 0\n"
 
 
 def weights(seed: int) -> dict[str, torch.Tensor]:
@@ -38,7 +38,7 @@ def weights(seed: int) -> dict[str, torch.Tensor]:
 
 
 def config(timeout_s: float = TIMEOUT_S) -> CheckpointEngineConfig:
-    return CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=timeout_s)
+    return CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=timeout_s, stage="off")  # the daemon's recovery of paused, stale engines
 
 
 def write_spec(path: Path) -> str:

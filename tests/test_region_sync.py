@@ -65,15 +65,17 @@ def test_tp_ranks_hold_their_slices_after_dense_and_patch_syncs(tp_engines: list
     model = sum(s.nbytes for s in specs)
     session = WeightSyncSession(tp_engines, CFG)
     try:
-        kinds = []
+        kinds, staged = [], []
         for v in range(3):
             w = weights(specs, v)
             report = session.sync(StateDictSource(w))
             kinds.append(report.delta)
+            staged.append(report.staged)
             for e in tp_engines:
                 (plan,) = e.receive_plans()
                 assert _wrong(e, w, plan) == [], e.name
         assert kinds == ["seed", "patch", "patch"]
+        assert staged == ["full", "patches", "patches"]  # issue 28: regions staged, a full copy of each rank's slices, then patches
         got = report.received_bytes
         assert got["whole"] == [model]
         assert all(got[f"tp{r}"][0] <= 0.55 * model for r in range(2)), got

@@ -169,7 +169,7 @@ class _CorruptingGloo(GlooCheckpointEngine):
 
 
 def test_checksum_mismatch_is_reported_as_such(spec_file: str) -> None:
-    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20, verify=True)
+    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20, verify=True, stage="off")
     engine = _CorruptingGloo(bucket_size_bytes=cfg.bucket_size_bytes, verify=True, timeout_s=20)
     r = spawn_engine("victim", spec_file=spec_file)
     session = WeightSyncSession([r], cfg, engine=engine)
@@ -185,7 +185,7 @@ def test_checksum_mismatch_is_reported_as_such(spec_file: str) -> None:
 
 def test_receiver_killed_mid_sync_is_named_within_the_timeout(spec_file: str) -> None:
     timeout_s = 10.0
-    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=timeout_s)
+    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=timeout_s, stage="off")
     slow = [spawn_engine(f"slow{i}", spec_file=spec_file, load_delay_s=0.2) for i in range(2)]
     session = WeightSyncSession(slow, cfg)
     errors: list[BaseException] = []

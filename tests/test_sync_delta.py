@@ -5,6 +5,7 @@ pay (delta/policy.py decides from the syncs' own seconds)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 
@@ -86,12 +87,16 @@ class _Tampered(GlooCheckpointEngine):
             type(self).armed = False
 
 
-def test_corrupt_patch_leaves_old_weights_and_the_next_sync_heals(engines: list[TorchRefRollout]) -> None:
-    engine = _Tampered(bucket_size_bytes=CFG.bucket_size_bytes, timeout_s=CFG.timeout_s, solo_bytes=0)
-    session = WeightSyncSession(engines, CFG, engine=engine)
+@pytest.mark.parametrize("stage", ["off", "auto"])
+def test_corrupt_patch_leaves_old_weights_and_the_next_sync_heals(engines: list[TorchRefRollout], stage: str) -> None:
+    """Paused for the whole sync (`stage: off`), the engines stay paused and stale; staged (issue
+    28), they never paused and stay fresh: their live weights were never touched."""
+    cfg = dataclasses.replace(CFG, stage=stage)
+    engine = _Tampered(bucket_size_bytes=cfg.bucket_size_bytes, timeout_s=cfg.timeout_s, solo_bytes=0)
+    session = WeightSyncSession(engines, cfg, engine=engine)
     try:
         sd0, sd1 = version(10), version(11)
-        session.sync(StateDictSource(sd0))
+        held = session.sync(StateDictSource(sd0)).version
         _Tampered.armed = True
         with pytest.raises(SyncError, match="checksum mismatch|malformed patch") as info:
             session.sync(StateDictSource(sd1))
@@ -99,7 +104,11 @@ def test_corrupt_patch_leaves_old_weights_and_the_next_sync_heals(engines: list[
         for e in engines:
             assert holds(e, sd0) == []  # the loader never ran: still the old version, bit for bit
             h = e.health()
-            assert h["stale"] and h["paused"]
+            if stage == "off":
+                assert h["stale"] and h["paused"]
+            else:
+                assert (h["stale"], h["paused"], h["version"], h["staged"]) == (False, False, held, False), h
+                assert info.value.stale == []
         sd2 = version(12)
         report = session.sync(StateDictSource(sd2))
         assert report.delta == "seed"  # nobody may assume a base after a failure

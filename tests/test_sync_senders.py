@@ -58,6 +58,7 @@ def test_every_rank_sends_its_shards_with_delta(engines: list[TorchRefRollout], 
     lead = logs[0]
     assert [e["ok"] for e in lead] == [True] * 4, lead
     assert [e["delta"] for e in lead] == ["seed", "patch", "patch", "patch"]
+    assert [e["staged"] for e in lead] == ["full", "patches", "patches", "patches"]  # issue 28: staged by default
     assert all(e["senders"] == 2 for e in lead)
     assert all(e["wire"] < 0.6 * e["dense"] for e in lead[1:])
     assert [e["ok"] for e in logs[1]] == [True] * 4
@@ -90,7 +91,8 @@ def test_reports_count_every_sender(engines: list[TorchRefRollout], tmp_path: Pa
 def test_a_sender_killed_mid_sync_is_named_and_engines_keep_old_weights(engines: list[TorchRefRollout], tmp_path: Path) -> None:
     """Three senders; rank 1 SIGKILLs itself while producing its pieces of the third sync (a
     patch sync): rank 0 gets a SyncError naming sender 1 within the timeout plus grace, rank 2
-    an error too, and every engine still holds the second version bit for bit, stale."""
+    an error too, and every engine still holds the second version bit for bit. The patch sync
+    was staged (issue 28): the engines never paused and are not stale."""
     logs = _run(engines, tmp_path, world=3, versions=3, kill={"rank": 1, "version": 2, "piece": 3})
     lead, survivor = logs[0], logs[2]
     assert logs[1] is None or len(logs[1]) == 2  # killed before it could write its log
@@ -103,4 +105,4 @@ def test_a_sender_killed_mid_sync_is_named_and_engines_keep_old_weights(engines:
     for e in engines:
         assert holds(e, before) == []
         h = e.health()
-        assert h["stale"] and h["paused"]
+        assert not h["stale"] and not h["paused"] and not h["staged"] and h["version"] is not None, h

@@ -34,7 +34,7 @@ import torch
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta import codec
 from ckpt_engine.delta.layout import word_dtype
-from ckpt_engine.delta.pieces import ScatteredImage
+from ckpt_engine.delta.pieces import ScatteredImage, pair_delta
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.pipeline.assembly import chunk_landed
@@ -42,6 +42,8 @@ from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, Bases, b
 from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
+from ckpt_engine.pipeline.staging import StagedBuckets, StagedPatch, StagedPatches, read_words
+from ckpt_engine.staged import StagedVersion
 from ckpt_engine.pipeline.wire_views import entry_view, flat_bytes, has_wire_layout
 from ckpt_engine.transports.base import TransferError
 from ckpt_engine.transports.transport import SLACK, Transport
@@ -65,6 +67,45 @@ class DeltaReceiver:
     def receive(
         self, state: PlanState, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        places = self._take(state, manifest, destinations, delta, None)
+        if places is not None:
+            assert destinations is not None
+            yield from self._yield_destinations(state, destinations)
+        else:
+            yield from self._yield_images(state, destinations, state.bases)
+
+    def receive_staged(
+        self, state: PlanState, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest
+    ) -> StagedVersion:
+        """A patch sync taken and checked without writing `destinations` (the live weights); see
+        `pipeline/staging.py`. With base images the loader's buckets are kept as they are (views of
+        the verified images, unchanged until the next sync; chunked tensors reassemble aside)."""
+        if not delta.patches:
+            raise ValueError("a staged patch receive takes a patch sync (a delta request with patches); stage a seed as 'full'")
+        if self._places(state, destinations) is None:
+            buckets: list[list[object]] = list(self.receive(state, manifest, None, delta))
+
+            def forget() -> None:  # the images hold the discarded version: the next sync seeds them
+                state.bases.sync_id = None
+
+            return StagedBuckets(buckets, on_discard=forget)
+        staged: list[StagedPatch] = []
+        places = self._take(state, manifest, destinations, delta, staged)
+        assert places is not None and destinations is not None
+        bases = state.bases
+
+        live = {name: x for name, x in destinations.items() if x.numel() and name in state.schedule.tensor_bytes}
+        return StagedPatches(
+            bases, places, staged, delta.new_id, live, lambda: self._yield_destinations(state, destinations), self.t.wait_compute
+        )
+
+    def _take(
+        self, state: PlanState, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest,
+        staged: list[StagedPatch] | None,
+    ) -> dict[int, ScatteredImage] | None:
+        """Take every frame and check it; then (not `staged`) apply them. `staged`: in place,
+        check each patch without writing and keep it (and each dense frame) there instead.
+        Returns the in-place images (None: base images)."""
         t = self.t
         sched = state.schedule
         steps = sched.steps
@@ -116,12 +157,12 @@ class DeltaReceiver:
                     landed = t.landed_event(step.gid)
                 if pending is not None:
                     t0 = time.perf_counter()
-                    failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo, checks)
+                    failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo, checks, staged is not None)
                     check_s += time.perf_counter() - t0
                 pending = (step, kind, size, expect, msg, work, landed, head, bad)
             if pending is not None:
                 t0 = time.perf_counter()
-                failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo, checks)
+                failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo, checks, staged is not None)
                 for gid in {s.gid for s in steps}:  # every payload landed, within the timeout, before any read back
                     t.settle(gid, None, f"the last payloads on group {gid}")
                 failure = self._settle_checks(checks) or failure  # the earlier buckets' failure, if any
@@ -129,12 +170,17 @@ class DeltaReceiver:
             if failure is not None:
                 raise failure
             t_apply = time.perf_counter()
-            changed = self._apply_all(bases, places, arrived, steps, frames)
+            if staged is not None:
+                staged.extend(arrived[s.bucket.index] for s in steps if s.bucket.index in arrived)
+                changed = sum(int(f.positions.numel()) for f in staged if f.positions is not None)
+            else:
+                changed = self._apply_all(bases, places, arrived, steps, frames)
             apply_s = time.perf_counter() - t_apply
-            if places is not None:
+            if places is not None and staged is None:
                 assert destinations is not None
                 bases.stamps = {name: _stamp(x) for name, x in destinations.items() if x.numel() and name in sched.tensor_bytes}
-            bases.sync_id = delta.new_id
+            if staged is None:
+                bases.sync_id = delta.new_id
             undo.clear()
         except BaseException:
             works.clear()
@@ -149,11 +195,7 @@ class DeltaReceiver:
             "check_s": check_s, "receive_s": time.perf_counter() - t_start, "changed_words": float(changed),
             "base_bytes": float(bases.nbytes), "in_place": float(places is not None),
         }
-        if places is not None:
-            assert destinations is not None
-            yield from self._yield_destinations(state, destinations)
-        else:
-            yield from self._yield_images(state, destinations, bases)
+        return places
 
     def _check_frame(self, step: Step, kind: int, size: int, delta: DeltaRequest) -> TransferError | None:
         """A frame whose header announces what this bucket cannot be: a TransferError (its payload
@@ -264,6 +306,7 @@ class DeltaReceiver:
         delta: DeltaRequest,
         undo: list[tuple[int, torch.Tensor, torch.Tensor]],
         checks: list[_Check],
+        staged: bool = False,
     ) -> TransferError | None:
         """Wait for a bucket's payload (in place on an accelerator: the compute stream waits, the
         host goes on); check a patch (unless an earlier one failed). An in-place receiver stages
@@ -280,7 +323,11 @@ class DeltaReceiver:
         if bad is not None:
             return bad
         if kind == DENSE:
-            if places is not None:
+            if places is not None and staged:  # kept (the slot may be reused) with its checksum and the words it replaces
+                image = places.get(k)
+                old = read_words(image) if image is not None else msg[:0]
+                arrived[k] = StagedPatch(k, codec.checksum(msg, step.word_bytes), msg.clone(), old)
+            elif places is not None:
                 bases.sums[k] = codec.checksum(msg, step.word_bytes)
                 if delta.patches:
                     arrived[k] = msg
@@ -288,7 +335,7 @@ class DeltaReceiver:
                     self._write_dense(step, msg, places)
             return None
         try:
-            arrived[k] = self._verify_patch(bases, places, step, msg, expect, undo, checks, head)
+            arrived[k] = self._verify_patch(bases, places, step, msg, expect, undo, checks, head, staged)
         except TransferError as exc:
             return exc
         return None
@@ -302,7 +349,7 @@ class DeltaReceiver:
 
     def _verify_patch(
         self, bases: Bases, places: dict[int, ScatteredImage] | None, step: Any, payload: torch.Tensor, expect: int,
-        undo: list[tuple[int, torch.Tensor, torch.Tensor]], checks: list[_Check], head: bytes,
+        undo: list[tuple[int, torch.Tensor, torch.Tensor]], checks: list[_Check], head: bytes, staged: bool = False,
     ) -> Any:
         """Decode a patch and check it against this rank's own base. A base image is not written
         yet; in place, the new words are written as soon as the old ones are read (a position
@@ -324,6 +371,10 @@ class DeltaReceiver:
         if places is not None:
             if bases.sums.get(k) is None or k not in places:
                 raise TransferError(f"{where}: this rank holds no checksum of the bucket's base; the sync must be dense")
+            if staged:  # read-only: the live words at the positions, kept patch for the swap
+                old, bad = places[k].gather(patch.positions)
+                checks.append((where, expect, bases.sums[k] + pair_delta(patch.positions, patch.values, old), bad, patch.unchecked))
+                return StagedPatch(k, expect, patch.values.clone(), old, patch.positions.clone())
             old, bad, change = places[k].swap_in(patch.positions, patch.values)  # reads all, then writes
             undo.append((k, patch.positions, old))
             checks.append((where, expect, bases.sums[k] + change, bad, patch.unchecked))

@@ -20,6 +20,7 @@ from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.receiver import Receiver
 from ckpt_engine.pipeline.sender import Sender
+from ckpt_engine.staged import StagedVersion
 from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
 from ckpt_engine.transports.transport import Transport
 
@@ -32,6 +33,7 @@ class PipelinedEngine(CheckpointEngine):
     transport_cls: ClassVar[type[Transport]]
     supports_many_senders = True
     supports_delta = True
+    supports_staging = True
 
     def __init__(
         self,
@@ -141,6 +143,19 @@ class PipelinedEngine(CheckpointEngine):
         if self.is_sender:
             raise RuntimeError(f"receive_buckets() runs on receiver ranks, not on a sender (rank {self.rank})")
         yield from self.receiver.receive(self._state_for(manifest), manifest, destinations, delta)
+
+    def receive_staged(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, *, delta: DeltaRequest) -> StagedVersion:
+        """See CheckpointEngine.receive_staged; the sync itself is `DeltaReceiver.receive_staged`."""
+        self._refuse(delta)
+        self._require_group()
+        if self.is_sender:
+            raise RuntimeError(f"receive_staged() runs on receiver ranks, not on a sender (rank {self.rank})")
+        return self.receiver.receive_staged(self._state_for(manifest), manifest, destinations, delta)
+
+    def restamp_bases(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor]) -> None:
+        state = self._state
+        if state is not None and state.digest == manifest.digest and state.bases.inplace and state.bases.stamps:
+            state.bases.stamps = {n: (t.data_ptr(), t._version) for n, t in destinations.items() if n in state.bases.stamps}
 
     def delta_base_id(self, manifest: BucketManifest) -> int | None:
         state = self._state

@@ -28,6 +28,7 @@ from ckpt_engine.pipeline.receive_order import ReadyFirst
 from ckpt_engine.pipeline.schedule import Schedule
 from ckpt_engine.pipeline.shared_sources import SharedSources
 from ckpt_engine.pipeline.wire_views import align8, flat_bytes, has_wire_layout, message, torch_dtype
+from ckpt_engine.staged import StagedVersion
 from ckpt_engine.transports.base import TransferError
 from ckpt_engine.transports.transport import Transport
 
@@ -145,6 +146,12 @@ class Receiver:
             state.bases.sync_id = None
             raise
         t.wait_compute("loading the last bucket")
+
+    def receive_staged(
+        self, state: PlanState, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest
+    ) -> StagedVersion:
+        """A patch sync, staged (see CheckpointEngine.receive_staged)."""
+        return self.delta.receive_staged(state, manifest, destinations, delta)
 
     def _receive_plan_for(
         self, state: PlanState, manifest: BucketManifest, views: list[list[torch.Tensor]], destinations: Mapping[str, torch.Tensor] | None

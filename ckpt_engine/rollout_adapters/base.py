@@ -2,8 +2,10 @@
 
 The controller (trainer rank 0 or the daemon) calls these in the order of one sync:
 `join` once, then per sync `validate` -> `pause` -> `receive` (blocking while the sender streams)
--> `finalize(version)` -> `resume`. The data never passes through these calls: the engine's own
-receiver ranks take it from the weight-sync group.
+-> `finalize(version)` -> `resume`; or, staged (issue 28, engines with `stages`): `validate` ->
+`receive(stage=...)` while the engine keeps serving -> `swap(version, pause_mode)` (or `discard()`
+after a failed stream). The data never passes through these calls: the engine's own receiver ranks
+take it from the weight-sync group.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.regions import ReceivePlan
 
 __all__ = [
+    "STAGES",
     "JoinOptions",
     "ManifestRejectedError",
     "ReceiveReport",
@@ -26,6 +29,11 @@ __all__ = [
     "check_manifest_against",
     "version_of",
 ]
+
+
+STAGES = ("patches", "full")
+"""What `RolloutAdapter.receive(stage=...)` stages: the checked `patches` of a patch sync, or a `full`
+staging copy of every weight (a dense sync, or a delta seed)."""
 
 
 class ManifestRejectedError(ValueError):
@@ -140,6 +148,10 @@ class RolloutAdapter(ABC):
     weights: ClassVar[str] = "full"
     """What a sync into this engine carries: `full` weights, or `adapters` (a LoRA adapter installed
     as a new version beside the base; `checkpoint_engine.weights` must match)."""
+    stages: ClassVar[bool] = False
+    """Whether the engine can receive into a staging area while it serves (`receive(stage=...)`,
+    then `swap` between two engine steps, or `discard`); a session stages only when every engine
+    of its group does (`checkpoint_engine.stage`)."""
     transport: ClassVar[str | None] = None
     """The only transport (registry name) whose wire this engine reads, e.g. SGLang's own; None:
     any of ckpt-engine's (the session then takes `checkpoint_engine.backend`)."""
@@ -197,7 +209,30 @@ class RolloutAdapter(ABC):
     def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None) -> ReceiveReport:
         """Block until the engine has received and loaded every tensor of `manifest`.
 
-        `delta` is passed only to adapters with `supports_delta`."""
+        `delta` is passed only to adapters with `supports_delta`. Adapters with `stages` also take
+        a keyword `stage` (passed only when staging): `"patches"` (a patch sync: every patch is
+        checked against the live weights and kept, nothing live is written) or `"full"` (the sync
+        lands in a staging copy of every weight); the engine keeps serving its current version
+        until `swap`."""
+
+    def staging_room(self, nbytes: int) -> bool:
+        """Whether a dense staging copy of `nbytes` (a whole sync's bytes on one engine rank) fits
+        beside the engine's weights; asked before a dense sync with `stage: auto | full`.
+        Default: no room."""
+        return False
+
+    def swap(self, version: int, pause_mode: str) -> float:
+        """Between two engine steps: pause per `pause_mode`, apply the staged version (patches in
+        place, or copy / switch from the staging copy), run the engine's post-load step, stamp
+        `version`, resume. Returns the stall: seconds the engine produced no tokens. A failure
+        leaves the engine stale, as a failed `finalize` does. Engines with `stages` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not stage syncs (stages is False)")
+
+    def discard(self) -> None:
+        """Drop a staged version after a failed stream: the engine keeps serving its old version,
+        unpaused and not stale (its live weights were never touched). Engines with `stages`
+        implement it; calling it with nothing staged is a no-op."""
+        raise NotImplementedError(f"{type(self).__name__} does not stage syncs (stages is False)")
 
     @abstractmethod
     def finalize(self, version: int) -> None:

@@ -2,7 +2,9 @@
 
 Runs inside the engine's worker process (the reference receiver, vLLM's worker extension). It owns
 the receiving CheckpointEngine, caches decoded manifests by digest and drives a loader with each
-bucket's tensors as they land.
+bucket's tensors as they land. Staged (issue 28): `receive(stage=...)` keeps the checked version
+(`pipeline/staging.py`) without touching the live weights, `swap()` makes it live (the engine calls
+it between two of its steps) and `discard()` drops it.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ from typing import Any
 import torch
 
 from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.pipeline.staging import StagedBuckets, StagedCopy, StagingCopy
+from ckpt_engine.staged import StagedVersion
 from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
 from ckpt_engine.manifest import BucketManifest, ManifestBudget, ManifestError, TensorSpec, decode_manifest
 from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
-from ckpt_engine.rollout_adapters.base import JoinOptions, ReceiveReport, check_manifest_against
+from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ReceiveReport, check_manifest_against
 from ckpt_engine.rollout_adapters.region_receiver import RegionLoader, RegionReceiver
 
 __all__ = ["BucketLoader", "ReceiverBusyError", "RegionLoader", "WeightReceiver"]
@@ -50,7 +54,12 @@ class WeightReceiver:
         """Region delivery: this rank's plan, its accepted assignments and its receiver-set groups."""
         self._manifests: dict[str, BucketManifest] = {}
         self.buckets_received = 0
+        self.staging = StagingCopy()
+        """The staging copy of the live tensors for `stage="full"`, kept across syncs."""
+        self._staged: tuple[StagedVersion, BucketLoader | RegionLoader, str] | None = None
+        """The version received staged and not yet swapped in: (it, the loader its apply feeds, digest)."""
         self._busy = threading.Lock()
+        self._live: Mapping[str, torch.Tensor] = {}
         self._doing = ""
         self._since = 0.0
 
@@ -105,6 +114,7 @@ class WeightReceiver:
         self.regions.joined(rdzv, rank, make)
 
     def leave(self) -> None:
+        self.discard()
         self.regions.left()
         engine, self.engine = self.engine, None
         if engine is not None:
@@ -174,6 +184,7 @@ class WeightReceiver:
         delta: dict[str, Any] | DeltaRequest | None = None,
         on_start: Callable[[], None] | None = None,
         region_loader: RegionLoader | None = None,
+        stage: str | None = None,
     ) -> ReceiveReport:
         """Receive every bucket of an accepted manifest and hand each to `loader`.
 
@@ -183,10 +194,28 @@ class WeightReceiver:
         only after every bucket has been checked. `on_start` runs once the receive is admitted (not
         busy, joined, manifest validated), before any byte lands: a refused receive changes nothing.
         `region_loader`: where the manifest was accepted with a region assignment, it takes this
-        rank's `(name, region, tensor)` items instead of `loader`'s pairs."""
+        rank's `(name, region, tensor)` items instead of `loader`'s pairs.
+
+        `stage` (issue 28; None: load as the buckets land): `"patches"` (a patch sync: each patch is
+        checked against `destinations`, the live weights, without writing them) or `"full"` (the
+        sync lands in a staging copy: `destinations` and the loaders are then that copy's, from
+        `staging_for(live)`); nothing live is written and the loaders run at `swap()`."""
         request = delta if isinstance(delta, DeltaRequest) or delta is None else DeltaRequest.from_dict(delta)
+        if stage is not None and stage not in STAGES:
+            raise ValueError(f"stage must be one of {', '.join(STAGES)} or None, got {stage!r}")
+        if stage == "patches" and (request is None or not request.patches):
+            raise ValueError("stage='patches' takes a patch sync (a delta request with patches); stage a dense sync as 'full'")
+        if stage == "full" and (destinations is None or destinations is not self.staging.tensors):
+            raise ValueError("stage='full' receives into the staging copy: pass destinations=staging_for(live) and loaders into it")
         self._enter(f"a receive of manifest {str(digest)[:12]}")
         try:
+            if self._staged is not None:
+                raise RuntimeError(
+                    f"a staged version of manifest {self._staged[2][:12]} is waiting for swap() or discard(); "
+                    "a receive would overwrite what it holds"
+                )
+            if stage is not None:
+                return self._receive_staged(digest, loader, destinations, request, on_start, region_loader, stage)
             if region_loader is not None and self.regions.has(digest):
                 if self.engine is None:
                     raise RuntimeError("call join() before receive()")
@@ -234,3 +263,97 @@ class WeightReceiver:
             self.buckets_received += 1
         extra = {f"delta_{k}": float(v) for k, v in self.engine.last_delta_stats.items()} if delta is not None else {}
         return ReceiveReport(manifest.num_tensors, manifest.total_bytes, time.perf_counter() - t0, load_s, loaded, extra)
+
+    # --- staged syncs (issue 28) ----------------------------------------------------------------
+    def staging_for(self, live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The staging copy of `live` for a `stage="full"` receive (made at first use, kept across
+        syncs); `swap()` copies it into `live`."""
+        self._live = live
+        return self.staging.for_live(live)
+
+    @property
+    def staged(self) -> bool:
+        """Whether a staged version waits for `swap()` or `discard()`."""
+        return self._staged is not None
+
+    def _receive_staged(
+        self, digest: str, loader: BucketLoader, destinations: Mapping[str, torch.Tensor] | None, request: DeltaRequest | None,
+        on_start: Callable[[], None] | None, region_loader: RegionLoader | None, stage: str,
+    ) -> ReceiveReport:
+        if self.engine is None:
+            raise RuntimeError("call join() before receive()")
+        regions = region_loader is not None and self.regions.has(digest)
+        if stage == "full":  # lands in the staging copy as a receive lands in place
+            live = self._live
+            keys = list(self.staging.tensors)
+            report = self._receive_into(digest, loader, destinations, request, on_start, region_loader if regions else None)
+            manifest = self._manifests[digest]
+            engine = self.engine
+
+            def restamp() -> None:  # a delta seed's in-place base now lies in the live tensors
+                engine.restamp_bases(manifest, live)
+
+            staged: StagedVersion = StagedCopy([live[n] for n in keys], [self.staging.tensors[n] for n in keys], restamp)
+            self._staged = (staged, loader, digest)
+            return report
+        assert request is not None
+        held: list[list[object]] = []
+
+        def keep(batch: list[Any]) -> int:
+            held.append(batch)
+            return len(batch)
+
+        if regions:  # every set's patches checked before the loader's turn: its items are kept for the swap
+            report = self._receive_into(digest, keep, None, request, on_start, keep)
+            self._staged = (StagedBuckets(held), region_loader, digest)  # type: ignore[arg-type]
+            return report
+        manifest = self._manifests.get(digest)
+        if manifest is None:
+            raise RuntimeError(f"manifest {digest[:12]} was not validated on this receiver; call validate() first")
+        if on_start is not None:
+            on_start()
+        t0 = time.perf_counter()
+        version = self.engine.receive_staged(manifest, destinations, delta=request)
+        self._staged = (version, loader, digest)
+        extra = {f"delta_{k}": float(v) for k, v in self.engine.last_delta_stats.items()}
+        extra["staged_bytes"] = float(version.nbytes)
+        return ReceiveReport(manifest.num_tensors, manifest.total_bytes, time.perf_counter() - t0, 0.0, 0, extra)
+
+    def _receive_into(
+        self, digest: str, loader: BucketLoader, destinations: Mapping[str, torch.Tensor] | None, request: DeltaRequest | None,
+        on_start: Callable[[], None] | None, region_loader: RegionLoader | None,
+    ) -> ReceiveReport:
+        if region_loader is not None:
+            if on_start is not None:
+                on_start()
+            extra_stats: dict[str, float] = {}
+            report = self.regions.receive(digest, region_loader, destinations, request, extra_stats)
+            self.buckets_received += int(extra_stats.pop("buckets", 0))
+            return report
+        return self._receive(digest, loader, destinations, request, on_start)
+
+    def swap(self) -> float:
+        """Make the staged version live: apply it and run the loader kept from its receive over
+        what it yields. The engine calls this between two of its steps (no step may read the
+        weights meanwhile). Returns the seconds it took. Raises (the live weights then hold the
+        previous version, where the staged version could write it back) if nothing is staged."""
+        self._enter("a swap")
+        try:
+            if self._staged is None:
+                raise RuntimeError("swap(): nothing is staged; receive(stage=...) first")
+            staged, loader, _digest = self._staged
+            self._staged = None
+            t0 = time.perf_counter()
+            for bucket in staged.apply():
+                if bucket:
+                    loader(bucket)  # type: ignore[arg-type]
+            return time.perf_counter() - t0
+        finally:
+            self._exit()
+
+    def discard(self) -> None:
+        """Drop a staged version (a failed stream elsewhere): the live weights were never touched.
+        No-op when nothing is staged."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            staged[0].discard()

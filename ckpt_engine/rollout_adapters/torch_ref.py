@@ -9,9 +9,12 @@ Two guards keep a half-written engine from serving:
 - `version` is the last version the engine holds *completely*: a transfer clears it until
   `finalize`, and `finalize` is refused unless a transfer completed since the last one; `resume`
   is refused while the engine is stale (only a complete sync resumes it).
-- An engine belongs to one weight-sync group at a time: `claim(owner, lease_s)` by a daemon makes
-  every state-changing call from anyone else fail until the owner releases it or stops renewing
-  the lease (any call from the owner, including health probes, renews it).
+- An engine belongs to one weight-sync group at a time (`engine_lease.py`).
+
+Staged syncs (issue 28): it stages (`receive(stage=...)`, `swap`, `discard`), with room for a
+dense staging copy up to `--staging-budget-mb` (and the free memory), and, with
+`--step-interval-s`, runs "engine steps" (`ref_steps.py`) that read every weight under the step
+lock while the next version streams in; the swap takes that lock between two steps.
 """
 
 from __future__ import annotations
@@ -26,10 +29,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import msgpack
 import torch
 
 from ckpt_engine.copies import batched_copy_
@@ -38,9 +39,11 @@ from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
-from ckpt_engine.planning.tp_ep import tp_ep_plan
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
+from ckpt_engine.rollout_adapters.engine_lease import EngineLease
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
+from ckpt_engine.rollout_adapters.ref_models import RefModel, load_spec_file, write_spec_file
+from ckpt_engine.rollout_adapters.ref_steps import EngineSteps, staging_room
 from ckpt_engine.control.server import ControlLimits, RpcServer
 from ckpt_engine.versions import check_version
 from ckpt_engine.sources.base import spec_of
@@ -53,18 +56,6 @@ logger = logging.getLogger(__name__)
 READY_PREFIX = "CKPT_ENGINE_READY port="
 TOKEN_ENV = "CKPT_ENGINE_TOKEN"
 """The job token reaches a spawned receiver through its environment, never its command line."""
-DEFAULT_LEASE_S = 60.0
-
-
-def write_spec_file(path: str | os.PathLike[str], specs: list[TensorSpec]) -> None:
-    Path(path).write_bytes(msgpack.packb([[s.name, s.dtype, list(s.shape)] for s in specs], use_bin_type=True))
-
-
-def load_spec_file(path: str | os.PathLike[str]) -> list[TensorSpec]:
-    raw = msgpack.unpackb(Path(path).read_bytes(), raw=False, max_ext_len=0)
-    if not isinstance(raw, list):
-        raise ValueError(f"{path}: a spec file holds a list of [name, dtype, shape]")
-    return [TensorSpec(n, d, tuple(s)) for n, d, s in raw]
 
 
 class TorchRefWorker:
@@ -75,7 +66,8 @@ class TorchRefWorker:
 
     def __init__(
         self, tensors: dict[str, torch.Tensor], model: torch.nn.Module | None = None, load_delay_s: float = 0.0,
-        plan: ReceivePlan | None = None, expected: dict[str, TensorSpec] | None = None,
+        plan: ReceivePlan | None = None, expected: dict[str, TensorSpec] | None = None, staging_budget_bytes: int | None = None,
+        step_interval_s: float | None = None,
     ) -> None:
         self.tensors = tensors
         self.model = model
@@ -99,72 +91,37 @@ class TorchRefWorker:
         self._received: str | None = None
         """Digest of the transfer that completed since the last finalize (None: none did)."""
         self.expected = expected if expected is not None else {n: spec_of(n, t) for n, t in tensors.items()}
-        self._own_lock = threading.Lock()
-        self.owner: str | None = None
-        self._lease_until = 0.0
-        self._lease_s = DEFAULT_LEASE_S
+        self.lease = EngineLease()
+        self.staging_budget_bytes = staging_budget_bytes
+        """Cap on a dense staging copy (None: the free memory alone decides)."""
+        self.steps = EngineSteps(tensors, lambda: self.version, step_interval_s if step_interval_s is not None else 0.0)
+        if step_interval_s is not None:
+            self.steps.start()
 
     @classmethod
-    def sharded(cls, specs: list[TensorSpec], layout: dict[str, int], **kw: Any) -> TorchRefWorker:
-        """A TP / EP rank of the model `specs` (global shapes): zeros of its slices. `layout`:
-        tp_size, tp_rank, ep_size, ep_rank, num_kv_heads (see `tp_ep_plan`)."""
-        plan = tp_ep_plan(specs, **layout)
-        if plan is None:
-            return cls({s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in specs}, **kw)
-        tensors = {}
-        for s in specs:
-            if s.name in plan.holds:
-                rs = plan.holds[s.name]
-                shape = cut_region(torch.empty(s.shape, device="meta"), rs[0] if rs is not None else None).shape
-                tensors[s.name] = torch.zeros(shape, dtype=getattr(torch, s.dtype))
-        return cls(tensors, plan=plan, expected={s.name: s for s in specs}, **kw)
+    def of(cls, model: RefModel, **kw: Any) -> TorchRefWorker:
+        """A worker over `model`'s tensors (see `ref_models.py`)."""
+        return cls(model.tensors, model=model.module, plan=model.plan, expected=model.expected, **kw)
 
-    @classmethod
-    def from_spec_file(cls, path: str, layout: dict[str, int] | None = None, **kw: Any) -> TorchRefWorker:
-        if layout:
-            return cls.sharded(load_spec_file(path), layout, **kw)
-        tensors = {s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype)) for s in load_spec_file(path)}
-        return cls(tensors, **kw)
-
-    @classmethod
-    def from_hf_config(cls, model_dir: str, dtype: str, layout: dict[str, int] | None = None, **kw: Any) -> TorchRefWorker:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        config = AutoConfig.from_pretrained(model_dir)
-        if layout:
-            with torch.device("meta"):
-                meta = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-            specs, seen = [], set()
-            for name, t in meta.state_dict().items():  # tied weights once, under their first name
-                if id(t) not in seen:
-                    seen.add(id(t))
-                    specs.append(spec_of(name, t))
-            kv = getattr(config, "num_key_value_heads", None)
-            return cls.sharded(specs, {"num_kv_heads": kv, **layout} if kv is not None else layout, **kw)
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-        tensors: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for name, t in model.state_dict().items():  # tied weights appear once, under their first name
-            if t.data_ptr() in seen and t.numel():
-                continue
-            seen.add(t.data_ptr())
-            tensors[name] = t
-        return cls(tensors, model=model, **kw)
-
-    def load_bucket(self, pairs: list[tuple[str, torch.Tensor]]) -> int:
-        """Whole tensors (a sync without region delivery): a sharded rank keeps its slices."""
-        if self.load_delay_s:
+    def load_bucket(self, pairs: list[tuple[str, torch.Tensor]], into: dict[str, torch.Tensor] | None = None, delay: bool = True) -> int:
+        """Whole tensors (a sync without region delivery): a sharded rank keeps its slices.
+        `into`: the tensors to load (default: the live ones; a staging copy for `stage="full"`)."""
+        if self.load_delay_s and delay:
             time.sleep(self.load_delay_s)
         if self.plan is not None:
             pairs = [(n, cut_region(t, self.regions[n])) for n, t in pairs if n in self.regions]
-        batched_copy_([self.tensors[n] for n, _ in pairs], [t for _, t in pairs])
+        target = into if into is not None else self.tensors
+        batched_copy_([target[n] for n, _ in pairs], [t for _, t in pairs])
         return len(pairs)
 
-    def load_regions(self, items: list[tuple[str, Region | None, torch.Tensor]]) -> int:
+    def load_regions(
+        self, items: list[tuple[str, Region | None, torch.Tensor]], into: dict[str, torch.Tensor] | None = None, delay: bool = True,
+    ) -> int:
         """Region delivery: each item is one of this rank's regions, in the region's shape."""
-        if self.load_delay_s:
+        if self.load_delay_s and delay:
             time.sleep(self.load_delay_s)
-        batched_copy_([self.tensors[n] for n, _, _ in items], [t for _, _, t in items])
+        target = into if into is not None else self.tensors
+        batched_copy_([target[n] for n, _, _ in items], [t for _, _, t in items])
         return len(items)
 
     # --- RPC handlers (plain msgpack types in and out) ----------------------------------------
@@ -181,57 +138,35 @@ class TorchRefWorker:
             "receive": self._owned(self.receive),
             "finalize": self._owned(self.finalize),
             "resume": self._owned(self.resume),
+            "swap": self._owned(self.swap),
+            "discard": self._owned(self.receiver.discard),
+            "staging_room": self._owned(self.staging_room),
             "claim": self.claim,
-            "release": self.release,
+            "release": self.lease.release,
             "health": self.health,
             "get_tensor": self.get_tensor,
+            "steps": self.steps.since,
             "specs": lambda: [[s.name, s.dtype, list(s.shape)] for s in self.expected.values()],
         }
 
     # --- ownership ----------------------------------------------------------------------------
     def claim(self, owner: str, lease_s: float) -> dict[str, Any]:
         """Make `owner` (a weight-sync group) this engine's only controller for `lease_s`, renewed by its calls."""
-        if not isinstance(owner, str) or not 0 < len(owner) <= 128:
-            raise ValueError(f"owner must be a non-empty string of at most 128 characters, got {owner!r:.40}")
-        if isinstance(lease_s, bool) or not isinstance(lease_s, (int, float)) or not 0 < lease_s <= 86400:
-            raise ValueError(f"lease_s must be a number in (0, 86400], got {lease_s!r:.40}")
-        with self._own_lock:
-            self._check_owner_locked(owner)
-            self.owner, self._lease_s = owner, float(lease_s)
-            self._lease_until = time.monotonic() + self._lease_s
+        self.lease.claim(owner, lease_s)
         return self.health()
 
-    def release(self, owner: str) -> bool:
-        with self._own_lock:
-            if self.owner is None or owner != self.owner:
-                return False
-            self.owner = None
-            return True
-
-    def _check_owner_locked(self, owner: str | None) -> None:
-        now = time.monotonic()
-        if self.owner is not None and now < self._lease_until and owner != self.owner:
-            who = "a caller that names no group" if owner is None else f"group {owner[:16]}"
-            raise PermissionError(
-                f"engine belongs to weight-sync group {self.owner[:16]} (another job or daemon); refusing {who}. "
-                f"It is released when that group lets it go (leave/close) or {self._lease_until - now:.0f}s after that group was last heard from"
-            )
-        if owner is not None:  # the owner's calls renew its lease; an unowned engine is claimed by its first caller
-            self.owner, self._lease_until = owner, now + self._lease_s
-
     def _owned(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def call(owner: str | None = None, **params: Any) -> Any:
-            with self._own_lock:
-                self._check_owner_locked(owner)
-            return fn(**params)
-
-        return call
+        return self.lease.owned_call(fn)
 
     # --- engine state -------------------------------------------------------------------------
     def pause(self, mode: str) -> None:
         self.paused = mode != "none"
+        if self.paused:
+            self.steps.pause()
 
-    def receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+    def receive(self, digest: str, delta: dict[str, Any] | None = None, stage: str | None = None) -> dict[str, Any]:
+        if stage is not None:
+            return self._receive_staged(digest, delta, stage)
         # Until finalize the engine holds no complete version: a failure mid-stream leaves a mix
         # (with delta, the loader runs only after every patch checked out: a bad patch leaves the
         # old weights, still marked stale because the sync did not complete). A receive the
@@ -248,6 +183,53 @@ class TorchRefWorker:
         self._received = digest
         return report
 
+    def staging_room(self, nbytes: int) -> bool:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r:.40}")
+        device = next((t.device for t in self.tensors.values()), torch.device("cpu"))
+        return staging_room(nbytes, self.staging_budget_bytes, device)
+
+    def _receive_staged(self, digest: str, delta: dict[str, Any] | None, stage: str) -> dict[str, Any]:
+        """Into the staging area while the steps go on: the live weights, the version and the
+        stale flag stay as they are until the swap."""
+        into = self.receiver.staging_for(self.tensors) if stage == "full" else None
+        if into is not None:  # the loaders fill the staging copy as the buckets land
+            loader: Callable[..., int] = lambda pairs: self.load_bucket(pairs, into)  # noqa: E731
+            regions: Callable[..., int] = lambda items: self.load_regions(items, into)  # noqa: E731
+        else:  # the loaders run at the swap, onto the live weights (a tensor onto itself is skipped)
+            loader = lambda pairs: self.load_bucket(pairs, delay=False)  # noqa: E731
+            regions = lambda items: self.load_regions(items, delay=False)  # noqa: E731
+
+        def start() -> None:
+            self.receiving = True
+
+        try:
+            destinations = into if into is not None else self.tensors
+            report = self.receiver.receive(digest, loader, destinations, delta=delta, on_start=start, region_loader=regions, stage=stage)
+        finally:
+            self.receiving = False
+        return report.to_dict()
+
+    def swap(self, version: int, pause_mode: str) -> dict[str, float]:
+        """Between two engine steps: apply the staged version, stamp `version`; the stall is the
+        time no step could run. A failed swap leaves the engine paused and stale (as a failed
+        finalize does)."""
+        check_version(version, "swap version", at_least=self.last_version if self.last_version is not None else 0)
+        if not self.receiver.staged:
+            raise RuntimeError(f"swap({version}): no staged version (the engine holds version {self.version}); run a complete sync")
+        with self.steps.lock:  # pause_mode: the reference engine has no requests to keep or abort
+            t0 = time.monotonic()
+            try:
+                apply_s = self.receiver.swap()
+            except BaseException:
+                self.stale, self.version, self.paused = True, None, True
+                self.steps.pause_locked()
+                raise
+            self.version, self.last_version, self.stale, self._received, self.paused = version, version, False, None, False
+            self.steps.resume_locked()
+            stall = time.monotonic() - t0
+        return {"stall_s": stall, "apply_s": apply_s}
+
     def finalize(self, version: int) -> None:
         check_version(version, "finalize version", at_least=self.last_version if self.last_version is not None else 0)
         if self._received is None:
@@ -259,12 +241,10 @@ class TorchRefWorker:
         if self.stale:
             raise RuntimeError("resume: the engine holds a partially loaded state (a sync failed part-way); only a complete sync resumes it")
         self.paused = False
+        self.steps.resume()
 
     def health(self, owner: str | None = None) -> dict[str, Any]:
-        if owner is not None:
-            with self._own_lock:
-                if owner == self.owner:
-                    self._lease_until = time.monotonic() + self._lease_s
+        self.lease.renew(owner)
         return {
             "pid": os.getpid(),
             "version": self.version,
@@ -273,7 +253,9 @@ class TorchRefWorker:
             "stale": self.stale,
             "receiving": self.receiving,
             "buckets_received": self.receiver.buckets_received,
-            "owned": self.owner is not None and time.monotonic() < self._lease_until,
+            "owned": self.lease.owned,
+            "staged": self.receiver.staged,
+            "steps": self.steps.count,
         }
 
     def get_tensor(self, name: str) -> dict[str, Any]:
@@ -288,6 +270,7 @@ class TorchRefRollout(RolloutAdapter):
     supports_delta = True
     supports_many_senders = True
     takes_regions = True
+    stages = True
 
     def __init__(
         self, name: str, host: str, port: int, process: subprocess.Popen[str] | None, timeout_s: float, *, token: str | None = None
@@ -318,6 +301,8 @@ class TorchRefRollout(RolloutAdapter):
         token: str | None = None,
         port: int = 0,
         layout: dict[str, int] | None = None,
+        staging_budget_bytes: int | None = None,
+        step_interval_s: float | None = None,
     ) -> TorchRefRollout:
         """Start a receiver process holding zeros of `spec_file`'s tensors or a fresh HF model.
 
@@ -325,12 +310,18 @@ class TorchRefRollout(RolloutAdapter):
         hold the same one); by default a fresh random one known only to this handle. `port`: its
         control port (0: a free one; an engine restarted at its address passes the old one).
         `layout`: run as one rank of a TP / EP engine holding only its slices (tp_size, tp_rank,
-        ep_size, ep_rank, num_kv_heads; see `planning.tp_ep.tp_ep_plan`)."""
+        ep_size, ep_rank, num_kv_heads; see `planning.tp_ep.tp_ep_plan`). `staging_budget_bytes`:
+        the most a dense staging copy may take (None: the free memory decides). `step_interval_s`:
+        run engine steps (`ref_steps.py`) this far apart (None: no steps)."""
         if (spec_file is None) == (model_dir is None):
             raise ValueError("give exactly one of spec_file or model_dir")
         token = token if token is not None else secrets.token_hex(16)
         cmd = [sys.executable, "-m", "ckpt_engine.rollout_adapters.torch_ref", "--load-delay-s", str(load_delay_s), "--port", str(port)]
         cmd += ["--spec-file", spec_file] if spec_file else ["--model-dir", str(model_dir), "--dtype", dtype]
+        if staging_budget_bytes is not None:
+            cmd += ["--staging-budget-bytes", str(int(staging_budget_bytes))]
+        if step_interval_s is not None:
+            cmd += ["--step-interval-s", str(float(step_interval_s))]
         for key, value in (layout or {}).items():
             if key not in _LAYOUT_KEYS or not isinstance(value, int):
                 raise ValueError(f"layout keys are {', '.join(_LAYOUT_KEYS)} with int values, got {key}={value!r}")
@@ -385,9 +376,24 @@ class TorchRefRollout(RolloutAdapter):
     def pause(self, mode: str) -> None:
         self._call("pause", mode=mode)
 
-    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None) -> ReceiveReport:
-        extra = {"delta": delta.to_dict()} if delta is not None else {}
+    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None, *, stage: str | None = None) -> ReceiveReport:
+        extra: dict[str, Any] = {"delta": delta.to_dict()} if delta is not None else {}
+        if stage is not None:
+            extra["stage"] = stage
         return ReceiveReport.from_dict(self._call("receive", timeout_s=self.timeout_s * 2, digest=manifest.digest, **extra))
+
+    def staging_room(self, nbytes: int) -> bool:
+        return bool(self._call("staging_room", nbytes=int(nbytes)))
+
+    def swap(self, version: int, pause_mode: str) -> float:
+        return float(self._call("swap", version=version, pause_mode=pause_mode)["stall_s"])
+
+    def discard(self) -> None:
+        self._call("discard", timeout_s=min(self.timeout_s, 10.0))
+
+    def steps(self, since: int = 0) -> list[tuple[int, float, float, int | None, str]]:
+        """The engine's step records from step `since` on: (index, start, end, version, weights digest)."""
+        return [tuple(r) for r in self.rpc.call("steps", index=since)]  # type: ignore[misc]
 
     def finalize(self, version: int) -> None:
         self._call("finalize", version=version)
@@ -448,6 +454,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--load-delay-s", type=float, default=0.0, help="sleep per bucket (emulates a slow loader)")
     p.add_argument("--port", type=int, default=0, help="control port (0: a free one)")
+    p.add_argument("--staging-budget-bytes", type=int, default=None, help="cap on a dense staging copy (default: free memory)")
+    p.add_argument("--step-interval-s", type=float, default=None, help="run engine steps this far apart (default: none)")
     for key in _LAYOUT_KEYS:
         p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help="hold only this TP / EP rank's slices (see tp_ep_plan)")
     args = p.parse_args(argv)
@@ -457,10 +465,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"ckpt-engine reference receiver: set {TOKEN_ENV} to the job token (at least 8 characters)", file=sys.stderr)
         sys.exit(2)
     layout = {k: getattr(args, k) for k in _LAYOUT_KEYS if getattr(args, k) is not None}
+    kw = {"load_delay_s": args.load_delay_s, "staging_budget_bytes": args.staging_budget_bytes, "step_interval_s": args.step_interval_s}
     if args.spec_file:
-        worker = TorchRefWorker.from_spec_file(args.spec_file, layout, load_delay_s=args.load_delay_s)
+        worker = TorchRefWorker.of(RefModel.from_spec_file(args.spec_file, layout), **kw)
     else:
-        worker = TorchRefWorker.from_hf_config(args.model_dir, args.dtype, layout, load_delay_s=args.load_delay_s)
+        worker = TorchRefWorker.of(RefModel.from_hf_config(args.model_dir, args.dtype, layout), **kw)
     server = RpcServer(worker.handlers(), token=token, limits=ControlLimits(), port=args.port).start()
     print(f"{READY_PREFIX}{server.port}", flush=True)
     # Exit when the parent goes away (stdin is not used; poll the parent pid).

@@ -73,6 +73,12 @@ class SyncReport:
     or with region delivery (issue 27) only what that rank holds."""
     wire_bytes_per_sender: list[int] = field(default_factory=list)
     """Each sender's share of `wire_bytes`, sender 0 first."""
+    staged: str = "off"
+    """How the engines took this sync (issue 28): `off` (paused for the whole sync), `patches` or
+    `full` (streamed into a staging area while serving, paused only for the swap)."""
+    stall_s: float = 0.0
+    """The engines' largest stall: seconds an engine produced no tokens because of this sync (the
+    swap when staged; pause to resume otherwise), beside `seconds["transfer"]`."""
 
     @property
     def ratio_to_raw(self) -> float | None:

@@ -2,8 +2,11 @@
 
 metadata -> plan (cached) -> validate on every engine -> pause -> stream (the senders: this rank,
 and with many senders every trainer rank, announced over the trainer's process group; receivers
-in the engines) -> finalize + version -> resume -> SyncReport. A session keeps the weight-sync
-group, buffers, plan and delta bases across syncs.
+in the engines) -> finalize + version -> resume -> SyncReport. Staged (issue 28,
+`checkpoint_engine.stage`): validate -> stream into every engine's staging area while it serves
+-> swap on every engine (its only pause) -> SyncReport; a stream that fails leaves every engine
+serving its old version, unpaused and not stale. A session keeps the weight-sync group, buffers,
+plan and delta bases across syncs.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ckpt_engine.sources.sharded import PieceWalk, ShardedWeightSource, iter_pie
 from ckpt_engine.sync.many_senders import ManySenders
 from ckpt_engine.sync.regions import RegionDelivery
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
+from ckpt_engine.sync.staging import StagePolicy, discard_all
 from ckpt_engine.sync.weights_mode import check_weights_mode
 from ckpt_engine.versions import next_version
 from ckpt_engine.sources.vllm import as_weight_source
@@ -94,6 +98,9 @@ class WeightSyncSession:
         self._senders = ManySenders(self.config, self.backend, self.rollouts)
         self._regions = RegionDelivery()  # issue 27: each engine rank receives only what it holds
         self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.rollouts) + 1), thread_name_prefix="ckpt-sync")
+        self._staging: str | None = None
+        """This sync's stage (`patches` or `full`) while it streams; None: today's order."""
+        self._stages = StagePolicy(self.config.stage)
 
     def engine_keys(self) -> dict[str, Hashable]:
         return {r.name: r.engine_key() for r in self.rollouts}
@@ -212,10 +219,15 @@ class WeightSyncSession:
         return {name: f.result() for name, f in futures.items()}
 
     def _break(self, failed: dict[str, str], probe: bool = True) -> None:
-        """Mark the group for rebuild and every engine stale; find the dead ones by name."""
+        """Mark the group for rebuild and every engine stale; find the dead ones by name. A staged
+        stream that failed: every engine discards what it staged and stays fresh (its live weights
+        were never touched); only an engine that cannot discard (dead) is stale."""
         self._ready = False
         self._delta.failed()
-        if probe:
+        if self._staging is not None:
+            self._staging = None
+            self._discard_staged(failed)
+        elif probe:
             mark_stale_and_probe(self.rollouts, failed, self.stale)
         else:
             self.stale.update(r.name for r in self.rollouts)
@@ -223,6 +235,11 @@ class WeightSyncSession:
         if self._engine is not None:
             self._engine.finalize()
             self._engine = None
+
+    def _discard_staged(self, failed: dict[str, str]) -> None:
+        for name, why in discard_all(self._pool, self.rollouts, self.config.timeout_s).items():
+            self.stale.add(name)
+            failed.setdefault(name, why)
 
     # --- one sync -----------------------------------------------------------------------------
     def plan(self, specs: list[TensorSpec], engine: CheckpointEngine, source: Any = None) -> BucketManifest:
@@ -326,11 +343,28 @@ class WeightSyncSession:
         # patches is refused here, with every engine still serving).
         digest = regions.digest if regions is not None else manifest.digest
         request = self._delta.request(digest, self._delta_unsupported(engine), self.backend)
-        self._step("pause", seconds, lambda r: r.pause(self.config.pause_mode))
-        stats, reports = self._stream(source, engine, manifest, weights, pieces, request, senders, seconds)
-        self._step("finalize", seconds, lambda r: r.finalize(new_version))
-        self._step("resume", seconds, lambda r: r.resume())
-        return self._report(new_version, manifest, request, stats, reports, senders, seconds, t0)
+        stage = self._stages.choose(
+            self.rollouts, request, self._regions.received_bytes(self.rollouts, manifest.total_bytes),
+            lambda ask: self._fan_out("validate", ask),
+        )
+        if stage is not None:  # the engines serve while the version streams in; they pause only for the swap
+            self._staging = stage
+            stats, reports = self._stream(source, engine, manifest, weights, pieces, request, senders, seconds, stage)
+            self._staging = None
+            t = time.perf_counter()
+            stalls = self._fan_out("swap", lambda r: r.swap(new_version, self.config.pause_mode))
+            seconds["swap"] = time.perf_counter() - t
+            stall = max(stalls.values(), default=0.0)
+        else:
+            t = time.perf_counter()
+            self._step("pause", seconds, lambda r: r.pause(self.config.pause_mode))
+            stats, reports = self._stream(source, engine, manifest, weights, pieces, request, senders, seconds)
+            self._step("finalize", seconds, lambda r: r.finalize(new_version))
+            self._step("resume", seconds, lambda r: r.resume())
+            stall = time.perf_counter() - t if self.config.pause_mode != "none" else 0.0
+        report = self._report(new_version, manifest, request, stats, reports, senders, seconds, t0)
+        report.staged, report.stall_s = stage if stage is not None else "off", stall
+        return report
 
     def _prepare(self, source: WeightSource, version: int | None, senders: int) -> tuple[int, CheckpointEngine, BucketManifest]:
         """Metadata, the claim on the engines, the next version, the group and the plan: nothing
@@ -371,7 +405,7 @@ class WeightSyncSession:
 
     def _stream(
         self, source: WeightSource, engine: CheckpointEngine, manifest: BucketManifest, weights: WatchedWeights,
-        pieces: PieceWalk | None, request: DeltaRequest | None, senders: int, seconds: dict[str, float],
+        pieces: PieceWalk | None, request: DeltaRequest | None, senders: int, seconds: dict[str, float], stage: str | None = None,
     ) -> tuple[SendStats, dict[str, ReceiveReport]]:
         """The senders stream while every engine receives; any failure names its culprits (the
         source, engines, the sender or other trainer ranks) and leaves the engines stale."""
@@ -383,6 +417,8 @@ class WeightSyncSession:
                 self._break({}, probe=False)  # the engines only validated and paused: stale, not dead
                 raise SyncError("transfer", failed, sorted(self.stale))
         extra: dict[str, Any] = {"delta": request} if request is not None else {}
+        if stage is not None:
+            extra["stage"] = stage
         receives = {r.name: self._pool.submit(r.receive, manifest, **extra) for r in self.rollouts}
         try:
             stats = self._regions.send(  # the engine's own send_weights without region delivery

@@ -20,6 +20,7 @@ from ckpt_engine.planning.buckets import plan_buckets
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.ownership import OwnerMap
+from ckpt_engine.staged import StagedVersion
 
 __all__ = ["CheckpointEngine", "Rendezvous", "SendStats", "TransferError", "Topology"]
 
@@ -112,6 +113,8 @@ class CheckpointEngine(ABC):
     """Whether ranks [0, num_senders) may each stream the pieces they own (see `plan`)."""
     supports_delta = False
     """Whether `send_weights` / `receive_buckets` take a `delta` request (base copies, patches)."""
+    supports_staging = False
+    """Whether a receiver takes a patch sync staged (`receive_staged`, issue 28)."""
     device_type: str | None = None
     """The kind of device this backend's tensors live on ("cpu", "cuda", "npu"; None: any), so a
     configured `device` of another kind is refused when the config is loaded."""
@@ -215,6 +218,17 @@ class CheckpointEngine(ABC):
         """Receiver only: the same tensors one by one, for loaders that take (name, tensor) pairs."""
         for bucket in self.receive_buckets(manifest, destinations, delta=delta):
             yield from bucket
+
+    def receive_staged(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, *, delta: DeltaRequest) -> StagedVersion:
+        """Receiver only, a patch sync (issue 28): take and check every frame as `receive_buckets`
+        does, but write nothing of `destinations` (the live weights, the in-place base): the
+        checked version is returned, to be applied between two engine steps or discarded.
+        Backends with `supports_staging` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not stage patch syncs (supports_staging is False)")
+
+    def restamp_bases(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor]) -> None:
+        """Receiver only: the in-place delta base of `manifest` was received into other tensors (a
+        staging copy) and copied bit for bit into `destinations`; they are the base from now on."""
 
     def delta_base_id(self, manifest: BucketManifest) -> int | None:
         """The sync id whose bytes this rank's delta bases hold for `manifest` (None: no valid base)."""

@@ -1,0 +1,224 @@
+"""A staged version (issue 28): received and checked while the engine serves, made live at the swap.
+
+A staged sync never writes the engine's live weights while it streams. What it keeps until the
+swap is one object, `StagedVersion`, with `apply()` (write it in, between two engine steps) and
+`discard()` (a failed stream: drop it; the live weights were never touched):
+
+- `StagedPatches`: a patch sync into a receiver whose loader's tensors are the delta base (in
+  place). Each patch was checked at arrival against the live words without writing them (the
+  words at its positions are gathered, and the checksum change computed from them); the decoded
+  patches and the dense frames of the sync are kept. `apply` writes them all, keeps the old words
+  until the check of what it wrote passes (a mismatch, e.g. a live weight written by someone else
+  since the stream, writes the old words back and raises), then moves the delta base on.
+- `StagedBuckets`: what a receive with base images (or region delivery) would hand the loader, kept
+  as it is: views of the verified base images and reassembly tensors, which nothing writes until
+  the next sync. `apply` hands them to the loader.
+- `StagedCopy`: a dense sync (or a delta seed) landed in a staging copy of every live tensor
+  (kept across syncs); `apply` is one batched copy staging -> live.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ckpt_engine.copies import batched_copy_
+from ckpt_engine.delta.pieces import ScatteredImage
+from ckpt_engine.pipeline.delta_bases import Bases
+from ckpt_engine.staged import Bucket, StagedVersion
+
+__all__ = ["read_words", "StagedBuckets", "StagedCopy", "StagedPatch", "StagedPatches", "StagingCopy", "StagingError"]
+
+logger = logging.getLogger(__name__)
+
+class StagingError(RuntimeError):
+    """A staged version could not be made live; the engine's weights are the previous version."""
+
+
+@dataclass
+class StagedPatch:
+    """One bucket's staged frame: a checked patch (positions, values), or a dense frame (values
+    only), with the live words it replaces (read at the stream: the swap's undo)."""
+
+    bucket: int
+    expect: int | torch.Tensor
+    """The sender's checksum of the bucket after this frame (a dense frame's: computed here, 0-d)."""
+    values: torch.Tensor
+    old: torch.Tensor
+    positions: torch.Tensor | None = None
+
+
+class StagedPatches(StagedVersion):
+    """A patch sync checked against the live weights (the in-place delta base) and kept."""
+
+    mode = "patches"
+
+    def __init__(
+        self, bases: Bases, places: Mapping[int, ScatteredImage], frames: Sequence[StagedPatch], new_id: int,
+        live: Mapping[str, torch.Tensor], yield_live: Callable[[], Iterator[Bucket]], wait: Callable[[str], None],
+    ) -> None:
+        self._bases = bases
+        self._places = places
+        self._frames = list(frames)
+        self._new_id = new_id
+        self._live = live
+        self._stamps = dict(bases.stamps)
+        self._yield_live = yield_live
+        self._wait = wait
+        self._done = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.values.nbytes + f.old.nbytes + (f.positions.nbytes if f.positions is not None else 0) for f in self._frames)
+
+    def apply(self) -> Iterator[Bucket]:
+        """Refused (nothing written) if a live tensor was written since the stream's checks (its
+        version counter moved); else every frame is written, and written back on any failure."""
+        if self._done:
+            raise RuntimeError("this staged version was applied or discarded already")
+        self._done = True
+        moved = [n for n, stamp in self._stamps.items() if n in self._live and _stamp(self._live[n]) != stamp]
+        if moved:
+            raise StagingError(
+                f"the live tensor {moved[0]!r} ({len(moved)} in all) changed since the stream checked the patches against it; "
+                "nothing was written and the next sync must be dense"
+            )
+        written: list[StagedPatch] = []
+        try:
+            for f in self._frames:
+                image = self._places.get(f.bucket)
+                if image is None:
+                    continue
+                written.append(f)
+                if f.positions is None:
+                    _write(image, f.values)
+                else:
+                    image.scatter(f.positions, f.values)
+        except BaseException:
+            self._roll_back(written)
+            raise
+        for f in self._frames:
+            done = f.expect if isinstance(f.expect, torch.Tensor) else torch.tensor(f.expect, dtype=torch.int64, device=f.values.device)
+            self._bases.sums[f.bucket] = done
+        self._bases.sync_id = self._new_id
+        self._bases.stamps = {n: _stamp(self._live[n]) for n in self._stamps if n in self._live}
+        self._frames.clear()
+        yield from self._yield_live()
+
+    def _roll_back(self, written: list[StagedPatch]) -> None:
+        try:
+            for f in reversed(written):
+                image = self._places[f.bucket]
+                if f.positions is None:
+                    _write(image, f.old)
+                else:
+                    image.scatter(f.positions, f.old)
+            self._wait("writing back the previous version")
+        except Exception:
+            logger.critical("writing the previous version back after a failed swap failed: the engine's weights are not to be trusted")
+            raise
+
+    def discard(self) -> None:
+        self._done = True
+        self._frames.clear()
+
+
+class StagedBuckets(StagedVersion):
+    """The loader's buckets of a verified receive, held until the swap (views of base images and
+    reassembly tensors that nothing writes before the next sync)."""
+
+    mode = "patches"
+
+    def __init__(self, buckets: list[list[object]], on_discard: Callable[[], None] | None = None) -> None:
+        self._buckets: list[list[object]] | None = buckets
+        self._on_discard = on_discard
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # views of memory the receiver keeps anyway
+
+    def apply(self) -> Iterator[Bucket]:
+        if self._buckets is None:
+            raise RuntimeError("this staged version was applied or discarded already")
+        buckets, self._buckets = self._buckets, None
+        yield from buckets  # type: ignore[misc]
+
+    def discard(self) -> None:
+        self._buckets = None
+        if self._on_discard is not None:
+            self._on_discard()
+
+
+class StagedCopy(StagedVersion):
+    """A sync landed in a staging copy of every live tensor; the swap copies it in at once."""
+
+    mode = "full"
+
+    def __init__(self, live: Sequence[torch.Tensor], staging: Sequence[torch.Tensor], after: Callable[[], None] | None = None) -> None:
+        self._pairs: tuple[list[torch.Tensor], list[torch.Tensor]] | None = (list(live), list(staging))
+        self._after = after
+
+    @property
+    def nbytes(self) -> int:
+        return 0  # the staging copy is kept across syncs; see StagingCopy.nbytes
+
+    def apply(self) -> Iterator[Bucket]:
+        if self._pairs is None:
+            raise RuntimeError("this staged version was applied or discarded already")
+        (live, staging), self._pairs = self._pairs, None
+        batched_copy_(live, staging)
+        if self._after is not None:
+            self._after()
+        return iter(())
+
+    def discard(self) -> None:
+        self._pairs = None
+
+
+class StagingCopy:
+    """A staging copy of a set of live tensors, allocated once and kept across syncs (reallocated
+    when the live tensors change)."""
+
+    def __init__(self) -> None:
+        self._key: tuple[tuple[str, int, tuple[int, ...], torch.dtype], ...] = ()
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def nbytes_of(live: Mapping[str, torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in live.values())
+
+    @property
+    def nbytes(self) -> int:
+        return self.nbytes_of(self.tensors)
+
+    def for_live(self, live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        key = tuple((n, t.data_ptr(), tuple(t.shape), t.dtype) for n, t in live.items())
+        if key != self._key:
+            self.tensors = {}  # free the old copy before the new one is made
+            self.tensors = {n: torch.empty_like(t, memory_format=torch.contiguous_format) for n, t in live.items()}
+            self._key = key
+        return self.tensors
+
+    def drop(self) -> None:
+        self._key, self.tensors = (), {}
+
+
+def _stamp(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t._version
+
+
+def read_words(image: ScatteredImage) -> torch.Tensor:
+    """The bucket's words as they lie in the image's regions (padding words 0)."""
+    out = torch.zeros(image.num_words, dtype=image.dtype, device=image.device)
+    for first, view in image.regions:
+        out[first : first + view.numel()].copy_(view)
+    return out
+
+
+def _write(image: ScatteredImage, words: torch.Tensor) -> None:
+    words = words.view(image.dtype)
+    batched_copy_([view for _f, view in image.regions], [words[f : f + v.numel()] for f, v in image.regions])

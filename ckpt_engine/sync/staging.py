@@ -1,0 +1,73 @@
+"""Which syncs are staged (issue 28, `checkpoint_engine.stage`), and dropping what a failed one staged.
+
+A staged sync streams into every engine's staging area while the engines serve and pauses them
+only for the swap. `StagePolicy.choose` decides per sync, after validate and before anything pauses
+or moves: a patch sync stages its patches; a dense sync (or a delta seed) stages a full copy when
+`stage` is `full`, or `auto` and every engine reports room for it; otherwise the sync pauses as
+today, and the session says why once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.rollout_adapters.base import RolloutAdapter
+from ckpt_engine.sync.fanout import collect_failures
+
+__all__ = ["StagePolicy", "discard_all"]
+
+logger = logging.getLogger(__name__)
+
+FanOut = Callable[[Callable[[RolloutAdapter], bool]], dict[str, bool]]
+"""Asks every engine at once (the session's fan-out: a failure breaks the sync, nothing paused)."""
+
+
+class StagePolicy:
+    """`checkpoint_engine.stage` for one session; says once per session why a sync is not staged."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self._said: set[str] = set()
+
+    def _say_once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            logger.warning("%s", message)
+
+    def choose(
+        self, rollouts: Sequence[RolloutAdapter], request: DeltaRequest | None, rank_bytes: Mapping[str, list[int]], fan_out: FanOut,
+    ) -> str | None:
+        """`patches`, `full`, or None (pause for the whole sync). `rank_bytes`: per engine, what
+        each of its ranks takes in a dense sync (the staging copy it needs). `stage: full` with an
+        engine short of room raises ValueError (nothing was paused or sent)."""
+        if self.mode == "off":
+            return None
+        cannot = [r.name for r in rollouts if not r.stages]
+        if cannot:
+            self._say_once(f"checkpoint_engine.stage={self.mode}: engine(s) {', '.join(cannot)} cannot stage a sync; syncs pause for the whole transfer")
+            return None
+        if request is not None and request.patches:
+            return "patches"
+        if self.mode == "patches":
+            return None  # dense syncs pause as today
+        need = {n: max(b, default=0) for n, b in rank_bytes.items()}
+        room = fan_out(lambda r: bool(r.staging_room(need.get(r.name, 0))))
+        short = sorted(n for n, ok in room.items() if not ok)
+        if not short:
+            return "full"
+        what = f"engine(s) {', '.join(short)} report no room for a dense staging copy ({max(need.get(n, 0) for n in short) / 1e9:.3f} GB)"
+        if self.mode == "full":
+            raise ValueError(f"checkpoint_engine.stage=full: {what}; nothing was paused or sent. Use stage: auto (dense syncs then pause) or free memory")
+        self._say_once(f"checkpoint_engine.stage=auto: {what}; dense syncs pause for the whole transfer, patch syncs stay staged")
+        return None
+
+
+def discard_all(pool: cf.Executor, rollouts: Sequence[RolloutAdapter], timeout_s: float) -> dict[str, str]:
+    """Every engine drops what it staged (a failed staged stream); {engine: why} for those that
+    could not (dead or unreachable: they are stale)."""
+    futures = {r.name: pool.submit(r.discard) for r in rollouts}
+    failed = collect_failures(futures, "discard", min(10.0, timeout_s))
+    return {name: f"could not drop its staged version ({why})" for name, why in failed.items()}

@@ -1,0 +1,188 @@
+"""Staged syncs (issue 28) into reference engines that keep stepping: the next version streams into
+a staging area while every engine step reads the live weights; the engines pause only for the swap.
+
+Each engine step (`rollout_adapters/ref_steps.py`) records the version it served and a digest of
+every weight it read, so the tests prove that no step ever saw a mix of two versions, that steps
+went on while a version streamed in, and that a failed stream leaves the engine serving its old
+version bit for bit, unpaused and not stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
+from ckpt_engine.rollout_adapters.ref_steps import weights_digest
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.sources.base import StateDictSource
+from multisender import model_state, wire
+from refengines import holds, source, state
+
+CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, delta="on", stage="auto")
+STEP_S = 0.005
+
+
+def version(v: int, lr: float = 1e-5) -> dict[str, torch.Tensor]:
+    return wire(model_state(v, lr=lr))
+
+
+@pytest.fixture(scope="module")
+def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("staged") / "spec.msgpack"
+    write_spec_file(path, StateDictSource(version(0)).metadata())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def stepping(spec_file: str) -> Iterator[TorchRefRollout]:
+    engine = TorchRefRollout.spawn("stepping", spec_file=spec_file, timeout_s=60, step_interval_s=STEP_S)
+    yield engine
+    engine.close()
+
+
+def _check_steps(engine: TorchRefRollout, since: int, digests: dict[int | None, str]) -> list[tuple]:
+    """Every step from `since` on served exactly one known version, whole: its digest is that
+    version's (no step saw a mix). Returns the steps."""
+    steps = engine.steps(since)
+    for index, _start, _end, v, digest in steps:
+        assert v in digests, f"step {index} served version {v}, which was never synced"
+        assert digest == digests[v], f"step {index} read a mix of versions (it claimed v{v})"
+    return steps
+
+
+def test_staged_delta_and_dense_syncs_while_the_engine_steps(stepping: TorchRefRollout) -> None:
+    """A seed, five patch syncs, a seed again (full_sync_every): each lands staged (`full` for the
+    dense ones, `patches` for the others) while the engine steps; after each swap the engine holds
+    the trainer's weights bit for bit, steps ran during every stream, and the stall is reported."""
+    cfg = dataclasses.replace(CFG, full_sync_every=6)
+    session = WeightSyncSession([stepping], cfg)
+    digests: dict[int | None, str] = {stepping.held_version(): weights_digest({n: stepping.get_tensor(n) for n in version(0)})}
+    try:
+        staged, kinds = [], []
+        for v in range(7):
+            sd = version(v)
+            since = stepping.health()["steps"]
+            t0 = time.monotonic()
+            report = session.sync(StateDictSource(sd))
+            digests[report.version] = weights_digest(sd)
+            staged.append(report.staged)
+            kinds.append(report.delta)
+            assert holds(stepping, sd) == []
+            assert 0 < report.stall_s < report.seconds["transfer"] + report.seconds["swap"], report.seconds
+            steps = _check_steps(stepping, since, digests)
+            during = [s for s in steps if t0 <= s[1] and s[3] != report.version]
+            assert during, "no engine step ran while the version streamed in"
+        assert kinds == ["seed"] + ["patch"] * 5 + ["seed"]
+        assert staged == ["full"] + ["patches"] * 5 + ["full"]
+        time.sleep(10 * STEP_S)
+        last = _check_steps(stepping, 0, digests)[-1]
+        assert last[3] == report.version  # the engine serves the newest version
+    finally:
+        session.close()
+
+
+def test_no_room_for_a_staging_copy_pauses_dense_syncs_as_today_and_says_so_once(
+    spec_file: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine with no room for a dense staging copy: `auto` pauses for dense syncs (said once
+    per session), still stages patches, stays exact; `full` is refused before anything pauses."""
+    engine = TorchRefRollout.spawn("cramped", spec_file=spec_file, timeout_s=60, staging_budget_bytes=0, step_interval_s=STEP_S)
+    session = WeightSyncSession([engine], dataclasses.replace(CFG, full_sync_every=3))
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckpt_engine.sync.staging"):
+            staged = []
+            for v in range(4):
+                sd = version(20 + v)
+                report = session.sync(StateDictSource(sd))
+                staged.append((report.delta, report.staged))
+                assert holds(engine, sd) == []
+                assert report.stall_s > 0
+        assert staged == [("seed", "off"), ("patch", "patches"), ("patch", "patches"), ("seed", "off")]
+        said = [r.getMessage() for r in caplog.records if "no room for a dense staging copy" in r.getMessage()]
+        assert len(said) == 1 and "engine(s) cramped" in said[0] and "pause" in said[0], said
+        held = engine.held_version()
+        with pytest.raises(ValueError, match="checkpoint_engine.stage=full: engine\\(s\\) cramped report no room .*nothing was paused or sent"):
+            WeightSyncSession([engine], dataclasses.replace(CFG, delta="off", stage="full")).sync(StateDictSource(version(30)))
+        h = engine.health()
+        assert (h["paused"], h["stale"], h["version"]) == (False, False, held)
+        assert holds(engine, sd) == []
+    finally:
+        session.close()
+        engine.close()
+
+
+def _wait(what: str, cond, timeout_s: float) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchRefRollout]:
+    """A stepping engine of `refengines.state` tensors (what tests/_fault_sender.py sends)."""
+    path = tmp_path_factory.mktemp("mixed") / "spec.msgpack"
+    write_spec_file(path, source(0).metadata())
+    engine = TorchRefRollout.spawn("mixed", spec_file=str(path), timeout_s=60, step_interval_s=STEP_S)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("delta", ["off", "on"])
+def test_a_sender_killed_mid_stream_leaves_the_engine_serving_its_old_version(mixed: TorchRefRollout, delta: str) -> None:
+    """The trainer (its own process) is SIGKILLed while a staged sync streams (a dense one into the
+    staging copy, or a patch sync after a seed): the engine never paused (its steps went on), holds
+    the old version bit for bit, is not stale, and the next sync heals it."""
+    tests_dir = str(Path(__file__).parent)
+    seeds = [41, 42] if delta == "on" else [42]
+    if delta == "off":
+        session = WeightSyncSession([mixed], dataclasses.replace(CFG, delta="off"))
+        try:
+            session.sync(source(41))
+        finally:
+            session.close()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}
+    trainer = subprocess.Popen([sys.executable, "-m", "_fault_sender"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tests_dir, env=env)
+    try:
+        assert trainer.stdin is not None and trainer.stdout is not None
+        job = {"engines": [{"name": mixed.name, "host": mixed.rpc.host, "port": mixed.rpc.port, "token": mixed.token}],
+               "seeds": seeds, "timeout_s": 10, "delay_s": 0.05, "stage": "auto", "delta": delta}
+        trainer.stdin.write(json.dumps(job) + "\n")
+        trainer.stdin.flush()
+        if delta == "on":  # the seed completes; the patch sync is the one killed
+            assert trainer.stdout.readline().startswith("synced")
+        base = mixed.held_version()
+        before = mixed.health()
+        _wait("the stream reached the engine", lambda: mixed.health()["receiving"], 60)
+        time.sleep(0.3)
+        trainer.send_signal(signal.SIGKILL)
+    finally:
+        trainer.kill()
+        trainer.wait(10)
+    old = state(41)
+    _wait("the engine's receive ended", lambda: not mixed.health()["receiving"], 30)
+    h = mixed.health()
+    assert (h["paused"], h["stale"], h["version"], h["staged"]) == (False, False, base, False), h
+    assert holds(mixed, old) == []
+    steps = _check_steps(mixed, before["steps"], {base: weights_digest(old)})
+    assert len(steps) > 10, "the engine stopped stepping while the version streamed in"
+    session = WeightSyncSession([mixed], dataclasses.replace(CFG, delta=delta))
+    try:
+        sd = state(43)
+        report = session.sync(StateDictSource(sd))
+        assert report.version > base and report.delta in ("off", "seed") and report.staged == "full"
+        assert holds(mixed, sd) == []
+    finally:
+        session.close()
