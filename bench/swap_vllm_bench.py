@@ -15,8 +15,9 @@ against a window of the same length without a sync.
 
     PYTHONPATH=. python bench/swap_vllm_bench.py --syncs 5 --dense-syncs 2
 
-The staged order is driven through today's session by a handle whose pause/resume do nothing and
-whose finalize is the swap (until `checkpoint_engine.stage` drives it from the session).
+Both orders run in one session (`stage: off`), so the delta chain and the group carry across: on a
+staged sync the handle's pause and resume do nothing, its receive stages and its finalize swaps (the
+order `checkpoint_engine.stage` gives; the session would need one session per order).
 """
 
 from __future__ import annotations
@@ -166,7 +167,8 @@ def run(url: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, A
     try:
         time.sleep(3.0)
         for delta, n in (("on", args.syncs), ("off", args.dense_syncs)):
-            cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=4, timeout_s=120.0, delta=delta)
+            # stage: off: the session keeps today's order; the handle stages per sync itself.
+            cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=4, timeout_s=120.0, delta=delta, stage="off")
             session = WeightSyncSession([adapter], cfg)
             try:
                 adapter.staged = False

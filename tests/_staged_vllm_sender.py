@@ -1,5 +1,5 @@
-"""A trainer in its own process that streams one staged sync slowly into a vLLM server, so a test
-can SIGKILL it mid-stream. Arguments: URL MODEL_DIR DELAY_S (seconds per exported tensor)."""
+"""A trainer in its own process that streams one staged dense sync (`stage: full`) slowly into a vLLM
+server, so a test can SIGKILL it mid-stream. Arguments: URL MODEL_DIR DELAY_S (seconds per tensor)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import transformers
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.sources.base import StateDictSource
-from staged_vllm import StagedServerRollout
+from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
 
 
 class _Slow(StateDictSource):
@@ -30,8 +30,8 @@ def main() -> None:
     url, model_dir, delay_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
     torch.manual_seed(99)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
-    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20.0)
-    session = WeightSyncSession([StagedServerRollout("vllm-staged", url, timeout_s=60.0)], cfg)
+    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20.0, stage="full")
+    session = WeightSyncSession([VllmServerRollout("vllm-staged", url, timeout_s=60.0)], cfg)
     session.sync(_Slow({n: t.detach() for n, t in model.state_dict().items()}, delay_s))
     print("synced", flush=True)
 

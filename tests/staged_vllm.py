@@ -1,10 +1,5 @@
-"""Helpers for staged syncs into a real vLLM server: a staged handle, a stream of greedy requests, HF references.
-
-`StagedServerRollout` runs the staged order (receive into staging while the engine generates, then
-`swap` between two steps) under a session that drives today's order: its pause and resume do
-nothing and its finalize is the swap. (Once the session's own `checkpoint_engine.stage` order lands,
-the tests can take a plain `VllmServerRollout` with `stage` set instead.)
-"""
+"""Helpers for staged syncs into a real vLLM server: a handle that records its swaps, a stream of
+greedy requests, HF references."""
 
 from __future__ import annotations
 
@@ -17,9 +12,6 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.rollout_adapters.base import ReceiveReport
 from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
 
 # head_dim 32: vLLM's CPU attention has no kernel for head_dim 16.
@@ -38,29 +30,22 @@ def write_model_dir(path: Path) -> Path:
     return path
 
 
-class StagedServerRollout(VllmServerRollout):
-    """A `VllmServerRollout` whose syncs are staged under today's session order (see the module doc)."""
+class SwapRecorder(VllmServerRollout):
+    """A `VllmServerRollout` that records each swap's stall and when it returned; `swap_mode`, when
+    set, replaces the session's pause_mode (`recompute` is a vLLM-only mode, not a config value)."""
 
-    stage_kind = "full"
-    swap_mode = "keep"
+    swap_mode: str | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.stalls: list[float] = []
         self.swapped_at: list[tuple[int, float]] = []  # (version, monotonic time the swap returned)
 
-    def pause(self, mode: str) -> None:
-        """The engine keeps generating while the version streams in."""
-
-    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None, *, stage: str | None = None) -> ReceiveReport:
-        return super().receive(manifest, delta, stage=stage if stage is not None else self.stage_kind)
-
-    def finalize(self, version: int) -> None:
-        self.stalls.append(self.swap(version, self.swap_mode))
+    def swap(self, version: int, pause_mode: str) -> float:
+        stall = super().swap(version, self.swap_mode if self.swap_mode is not None else pause_mode)
+        self.stalls.append(stall)
         self.swapped_at.append((version, time.monotonic()))
-
-    def resume(self) -> None:
-        """Resumed by the swap itself."""
+        return stall
 
 
 @dataclass

@@ -30,7 +30,7 @@ from ckpt_engine.transports.gloo import GlooCheckpointEngine
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from staged_vllm import HfReference, Output, RequestStream, StagedServerRollout, generate, write_model_dir  # noqa: E402
+from staged_vllm import HfReference, Output, RequestStream, SwapRecorder, generate, write_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -108,34 +108,34 @@ def test_generation_continues_through_5_delta_and_2_dense_staged_syncs(server: t
     url, model_dir = server
     trainer = trainer_model(model_dir, seed=1)
     ref = HfReference(copy.deepcopy(trainer))
-    adapter = StagedServerRollout("vllm-staged", url, timeout_s=60.0)
+    adapter = SwapRecorder("vllm-staged", url, timeout_s=60.0)
     order = [adapter.weight_version()]
     stream = RequestStream(url, PROMPTS, NUM_TOKENS).start()
     g = torch.Generator().manual_seed(0)
-    kinds: list[str] = []
+    kinds: list[tuple[str, str]] = []
     try:
-        delta_cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, delta="on")
+        delta_cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, delta="on", stage="auto")
         session = WeightSyncSession([adapter], delta_cfg)
         try:
             for i in range(6):  # the seed, then 5 patch syncs
                 if i:
                     step(trainer, g)
-                kinds.append(_sync_and_check(session, adapter, trainer, ref, order, url).delta)
+                kinds.append(_sync_and_check(session, adapter, trainer, ref, order, url))
         finally:
             session.close()
-        dense_cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0)
+        dense_cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, stage="full")
         session = WeightSyncSession([adapter], dense_cfg)
         try:
             for mode in ("abort", "recompute"):  # dense syncs through the staging copy
                 step(trainer, g)
                 adapter.swap_mode = mode
-                kinds.append(_sync_and_check(session, adapter, trainer, ref, order, url).delta)
+                kinds.append(_sync_and_check(session, adapter, trainer, ref, order, url))
         finally:
             session.close()
         time.sleep(1.0)
     finally:
         outputs = stream.stop()
-    assert kinds == ["seed"] + ["patch"] * 5 + ["off", "off"], kinds
+    assert kinds == [("seed", "full")] + [("patch", "patches")] * 5 + [("off", "full")] * 2, kinds
     assert not stream.errors, stream.errors[:3]
     seen = [check_spans(out, order, ref) for out in outputs]
     assert seen.count("one version") >= 8
@@ -147,9 +147,10 @@ def test_generation_continues_through_5_delta_and_2_dense_staged_syncs(server: t
 
 
 def _sync_and_check(
-    session: WeightSyncSession, adapter: StagedServerRollout, trainer: torch.nn.Module, ref: HfReference, order: list[str], url: str
-) -> object:
+    session: WeightSyncSession, adapter: SwapRecorder, trainer: torch.nn.Module, ref: HfReference, order: list[str], url: str
+) -> tuple[str, str]:
     report = session.sync(source_of(trainer))
+    assert report.stall_s == adapter.stalls[-1]
     v = str(report.version)
     ref.record(v, trainer.state_dict())
     order.append(v)
@@ -160,7 +161,7 @@ def _sync_and_check(
     health = adapter.worker_health()
     assert [h["version"] for h in health] == [report.version] and not any(h["stale"] for h in health)
     assert all(h["staged"] is None for h in health)
-    return report
+    return report.delta, report.staged
 
 
 class _Tampered(GlooCheckpointEngine):
@@ -174,7 +175,7 @@ class _Tampered(GlooCheckpointEngine):
             type(self).armed = False
 
 
-def _assert_serves_old(url: str, adapter: StagedServerRollout, version: str, sums: dict[str, str], ref: HfReference) -> None:
+def _assert_serves_old(url: str, adapter: SwapRecorder, version: str, sums: dict[str, str], ref: HfReference) -> None:
     assert adapter.weight_version() == version
     assert checksums(url) == sums  # bit for bit
     health = adapter.worker_health()
@@ -188,8 +189,8 @@ def test_corrupt_patch_and_killed_sender_leave_the_old_version_serving(server: t
     trainer = trainer_model(model_dir, seed=5)
     ref = HfReference(copy.deepcopy(trainer))
     g = torch.Generator().manual_seed(1)
-    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=30.0, delta="on")
-    adapter = StagedServerRollout("vllm-staged", url, timeout_s=60.0)
+    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=30.0, delta="on", stage="auto")
+    adapter = SwapRecorder("vllm-staged", url, timeout_s=60.0)
     engine = _Tampered(bucket_size_bytes=cfg.bucket_size_bytes, timeout_s=cfg.timeout_s, solo_bytes=0)
     session = WeightSyncSession([adapter], cfg, engine=engine)
     stream = RequestStream(url, PROMPTS, NUM_TOKENS).start()
@@ -205,7 +206,7 @@ def test_corrupt_patch_and_killed_sender_leave_the_old_version_serving(server: t
             session.sync(source_of(trainer))
         _assert_serves_old(url, adapter, old, sums, ref)
         report = session.sync(source_of(trainer))  # heals: nobody may assume a base after a failure
-        assert report.delta == "seed" and adapter.weight_version() == str(report.version)
+        assert (report.delta, report.staged) == ("seed", "full") and adapter.weight_version() == str(report.version)
         ref.record(str(report.version), trainer.state_dict())
         healed = str(report.version)
         for out in fresh_greedy(url):
@@ -234,7 +235,7 @@ def test_corrupt_patch_and_killed_sender_leave_the_old_version_serving(server: t
             time.sleep(0.5)
         assert len(stream.outputs) > served  # it never stopped serving
         _assert_serves_old(url, adapter, healed, sums, ref)
-        session = WeightSyncSession([StagedServerRollout("vllm-staged", url, timeout_s=60.0)], cfg)
+        session = WeightSyncSession([SwapRecorder("vllm-staged", url, timeout_s=60.0)], cfg)
         try:
             step(trainer, g)
             report = session.sync(source_of(trainer))

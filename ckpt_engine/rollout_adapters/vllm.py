@@ -32,7 +32,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.planning.regions import ReceivePlan
-from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
+from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 
 if TYPE_CHECKING:
     import vllm
@@ -47,8 +47,6 @@ WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm_worker.CkptEngineWorkerExt
 # `recompute` freezes them, and the cache reset after the load preempts them: they re-prefill
 # their prompt and tokens under the new weights).
 _PAUSE_MODES = {"keep": "keep", "abort": "abort", "recompute": "keep"}
-STAGES = ("patches", "full")
-"""What a staged receive may be asked to hold (the workers stage either the same way)."""
 _POLL_S = (0.005, 0.05)
 """First and longest wait between two polls of a staged receive (each poll is one short call
 between two engine steps)."""
@@ -145,7 +143,9 @@ class _VllmAdapterBase(RolloutAdapter):
 
     def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None, *, stage: str | None = None) -> ReceiveReport:
         """Receive and load `manifest` (the engine paused), or with `stage` receive it into staging
-        on the workers' background threads while the engine keeps generating (then `swap`)."""
+        on the workers' background threads while the engine keeps generating (then `swap`). Both
+        stages land alike here: a delta sync in the workers' checked base images, a dense one in
+        their staging copy (`vllm_staging.py`)."""
         if stage is not None and stage not in STAGES:
             raise ValueError(f"engine {self.name!r}: stage must be one of {', '.join(STAGES)} or None, got {stage!r}")
         extra = {"delta": delta.to_dict()} if delta is not None else {}
