@@ -189,11 +189,14 @@ def run(url: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, A
                         "kind": report.delta, "order": "staged" if adapter.staged else "off", "changed": changed,
                         "sync_s": seconds, "transfer_s": report.seconds.get("transfer", 0.0), "stall_s": adapter.stall_s,
                         "tok_s_during": during, "tok_s_without": idle, "wire_mb": report.wire_bytes / 1e6,
+                        "load_s": adapter.last_finalize.get("swap_load_s", 0.0),  # off: the load ran during the stream
+                        "post_process_s": adapter.last_finalize.get("post_process_s", 0.0),
                     }
                     rows.append(row)
                     print(
                         f"{row['kind']:>5} {row['order']:>6}: changed {changed:6.2%}  sync {seconds * 1e3:7.1f} ms  "
                         f"transfer {row['transfer_s'] * 1e3:7.1f} ms  stall {row['stall_s'] * 1e3:7.1f} ms  "
+                        f"(worker load {row['load_s'] * 1e3:6.1f} + post-process {row['post_process_s'] * 1e3:6.1f} ms)  "
                         f"tok/s during {during:6.1f} vs without {idle:6.1f} ({during / max(idle, 1e-9):.2f}x)  wire {row['wire_mb']:.2f} MB",
                         flush=True,
                     )
@@ -212,10 +215,12 @@ def summarize(rows: list[dict[str, Any]], errors: int) -> None:
             sel = [r for r in rows if r["order"] == order and (r["kind"] == "off") == dense]
             if not sel:
                 continue
-            med = {k: statistics.median(r[k] for r in sel) for k in ("stall_s", "transfer_s", "sync_s", "tok_s_during", "tok_s_without")}
+            keys = ("stall_s", "transfer_s", "sync_s", "tok_s_during", "tok_s_without", "load_s", "post_process_s")
+            med = {k: statistics.median(r[k] for r in sel) for k in keys}
             print(
                 f"  {'dense' if dense else 'delta'} {order:>6} ({len(sel)} syncs): stall {med['stall_s'] * 1e3:7.1f} ms, "
                 f"transfer {med['transfer_s'] * 1e3:7.1f} ms (stall/transfer {med['stall_s'] / max(med['transfer_s'], 1e-9):.2f}), "
+                f"worker load {med['load_s'] * 1e3:6.1f} ms + post-process {med['post_process_s'] * 1e3:6.1f} ms, "
                 f"tok/s during/without {med['tok_s_during'] / max(med['tok_s_without'], 1e-9):.2f}"
             )
 

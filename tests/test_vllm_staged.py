@@ -251,3 +251,31 @@ def test_corrupt_patch_and_killed_sender_leave_the_old_version_serving(server: t
         outputs = stream.stop()
     assert not stream.errors, stream.errors[:3]
     assert len(outputs) > served
+
+
+def test_no_room_for_a_staging_copy(server: tuple[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    """A dense sync into a worker without room for a staging copy: `stage: full` is refused before
+    anything pauses or moves; `stage: auto` pauses as today (said once) and lands exactly."""
+    url, model_dir = server
+    trainer = trainer_model(model_dir, seed=7)
+    ref = HfReference(copy.deepcopy(trainer))
+    adapter = SwapRecorder("vllm-staged", url, timeout_s=60.0, staging_limit_bytes=1024)
+    held = adapter.weight_version()
+    session = WeightSyncSession([adapter], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, stage="full"))
+    try:
+        with pytest.raises(ValueError, match="no room for a dense staging copy"):
+            session.sync(source_of(trainer))
+        assert adapter.weight_version() == held
+    finally:
+        session.close()
+    session = WeightSyncSession([adapter], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, stage="auto"))
+    try:
+        with caplog.at_level("INFO"):
+            report = session.sync(source_of(trainer))
+        assert report.staged == "off" and not adapter.stalls
+        assert "staging limit of 1024 bytes" in caplog.text and "dense syncs pause" in caplog.text
+        ref.record(str(report.version), trainer.state_dict())
+        for out in fresh_greedy(url):
+            assert out.tokens == ref.greedy(str(report.version), out.prompt, NUM_TOKENS)
+    finally:
+        session.close()
