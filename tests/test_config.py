@@ -34,6 +34,7 @@ def test_yaml_file_and_dotted_overrides(tmp_path: Path) -> None:
         ("checkpoint_engine.engine_kwargs.gloo.bogus_opt=1", r"checkpoint_engine\.engine_kwargs\.gloo: unknown option\(s\) bogus_opt; allowed: "),
         ("checkpoint_engine.verify=maybe", r"checkpoint_engine\.verify must be bool"),
         ("checkpoint_engine.pause_mode=sleep", r"checkpoint_engine\.pause_mode must be one of keep, abort, none"),
+        ("checkpoint_engine.stage=later", r"checkpoint_engine\.stage must be one of auto, patches, full, off, got 'later'"),
         ("checkpoint_engine.engine_kwargs=3", r"checkpoint_engine\.engine_kwargs must map"),
         ("checkpoint_engine.bucket_sz=3", r"unknown key\(s\) under checkpoint_engine: bucket_sz; allowed: .*bucket_size_mb"),
         ("checkpoint_engine.delta_base=disk", r"checkpoint_engine\.delta_base must be one of device, host, got 'disk'"),
@@ -68,3 +69,11 @@ def test_delta_base_reaches_the_backend_options() -> None:
     assert cfg.kwargs_for("gloo") == {"delta_base": "host"}
     assert cfg.kwargs_for("nccl") == {"delta_base": "device"}
     assert load_config({}, []).kwargs_for("gloo") == {}
+
+
+def test_stage_defaults_to_auto_and_yaml_off_means_off(tmp_path: Path) -> None:
+    """Issue 28: syncs are staged by default; YAML 1.1 reads a bare `off` as False."""
+    assert CheckpointEngineConfig().stage == "auto"
+    path = tmp_path / "job.yaml"
+    path.write_text("checkpoint_engine:\n  stage: off\n")
+    assert load_config(path).stage == "off"

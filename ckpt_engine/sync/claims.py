@@ -40,6 +40,17 @@ class EngineClaims:
                     out.append(name)
         return out
 
+    def check_current(self, keys: Mapping[str, Hashable], owner: Any) -> None:
+        """Raise (nothing paused or sent) if another session has joined any of these engines
+        since `owner` did."""
+        lost = self.taken_over(keys, owner)
+        if lost:
+            raise RuntimeError(
+                f"this weight-sync session is outdated: engine(s) {', '.join(map(repr, lost))} joined another session's "
+                "group after this one's; nothing was paused or sent. Sync through the newer session (or close this one "
+                "and make a new one, which takes the engines back)"
+            )
+
     def release(self, owner: Any) -> None:
         with self._lock:
             for key in [k for k, ref in self._owners.items() if ref() is owner or ref() is None]:

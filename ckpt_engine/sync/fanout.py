@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["collect_failures", "mark_stale_and_probe", "receive_failures", "wait_for_joins"]
+__all__ = ["collect_failures", "held_versions", "leave_all", "mark_stale_and_probe", "receive_failures", "wait_for_joins"]
+
+logger = logging.getLogger(__name__)
 
 
 def collect_failures(futures: dict[str, cf.Future[Any]], stage: str, timeout_s: float) -> dict[str, str]:
@@ -73,3 +76,19 @@ def wait_for_joins(sender: cf.Future[Any], joins: dict[str, cf.Future[Any]], tim
             return {"sender": f"{type(exc).__name__}: {exc}"}
     waiting = {names.get(f, "sender"): f"no answer to join within {timeout_s}s" for f in pending}
     return dict(sorted(waiting.items()))
+
+
+def held_versions(pool: cf.Executor, members: Iterable[Any], timeout_s: float) -> tuple[dict[str, int | None], dict[str, str]]:
+    """What every engine reports it holds (`held_version`), and {engine: why} for those that did not say."""
+    futures = {m.name: pool.submit(m.held_version) for m in members}
+    failed = {n: f"version query: {why}" for n, why in collect_failures(futures, "a version query", timeout_s).items()}
+    return ({n: f.result() for n, f in futures.items()} if not failed else {}), failed
+
+
+def leave_all(members: Iterable[Any]) -> None:
+    """Every member leaves the group, best effort (a failure is logged)."""
+    for m in members:
+        try:
+            m.leave()
+        except Exception as exc:
+            logger.warning("engine %s did not leave cleanly: %s", m.name, exc)

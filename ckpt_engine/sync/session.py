@@ -2,11 +2,9 @@
 
 metadata -> plan (cached) -> validate on every engine -> pause -> stream (the senders: this rank,
 and with many senders every trainer rank, announced over the trainer's process group; receivers
-in the engines) -> finalize + version -> resume -> SyncReport. Staged (issue 28,
-`checkpoint_engine.stage`): validate -> stream into every engine's staging area while it serves
--> swap on every engine (its only pause) -> SyncReport; a stream that fails leaves every engine
-serving its old version, unpaused and not stale. A session keeps the weight-sync group, buffers,
-plan and delta bases across syncs.
+in the engines) -> finalize + version -> resume -> SyncReport; staged, the engines serve while it
+streams and pause only for a swap (`sync/staging.py`). A session keeps the weight-sync group,
+buffers, plan and delta bases across syncs.
 """
 
 from __future__ import annotations
@@ -31,7 +29,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
 from ckpt_engine.sync.backend import backend_for
 from ckpt_engine.sync.claims import claims
-from ckpt_engine.sync.fanout import collect_failures, mark_stale_and_probe, receive_failures, wait_for_joins
+from ckpt_engine.sync.fanout import collect_failures, held_versions, leave_all, mark_stale_and_probe, receive_failures, wait_for_joins
 from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
@@ -40,7 +38,8 @@ from ckpt_engine.sources.sharded import PieceWalk, ShardedWeightSource, iter_pie
 from ckpt_engine.sync.many_senders import ManySenders
 from ckpt_engine.sync.regions import RegionDelivery
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
-from ckpt_engine.sync.staging import StagePolicy, discard_all
+from ckpt_engine.sync.capabilities import delta_unsupported
+from ckpt_engine.sync.staging import StagePolicy, discard_all, run_order
 from ckpt_engine.sync.weights_mode import check_weights_mode
 from ckpt_engine.versions import next_version
 from ckpt_engine.sources.vllm import as_weight_source
@@ -98,8 +97,7 @@ class WeightSyncSession:
         self._senders = ManySenders(self.config, self.backend, self.rollouts)
         self._regions = RegionDelivery()  # issue 27: each engine rank receives only what it holds
         self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.rollouts) + 1), thread_name_prefix="ckpt-sync")
-        self._staging: str | None = None
-        """This sync's stage (`patches` or `full`) while it streams; None: today's order."""
+        self._staging: str | None = None  # this sync's stage while it streams (None: today's order)
         self._stages = StagePolicy(self.config.stage)
 
     def engine_keys(self) -> dict[str, Hashable]:
@@ -207,12 +205,9 @@ class WeightSyncSession:
         logger.info("weight-sync group %s ready: %d ranks over %s", rdzv.token[:8], topo.world_size, self.backend)
         return engine
 
-    def _collect_failures(self, futures: dict[str, cf.Future[Any]], stage: str) -> dict[str, str]:
-        return collect_failures(futures, stage, self.config.timeout_s)
-
     def _fan_out(self, stage: str, fn: Callable[[RolloutAdapter], T]) -> dict[str, T]:
         futures = {r.name: self._pool.submit(fn, r) for r in self.rollouts}
-        failed = self._collect_failures(futures, stage)
+        failed = collect_failures(futures, stage, self.config.timeout_s)
         if failed:
             self._break(failed)
             raise SyncError(stage, failed, sorted(self.stale))
@@ -226,7 +221,9 @@ class WeightSyncSession:
         self._delta.failed()
         if self._staging is not None:
             self._staging = None
-            self._discard_staged(failed)
+            for name, why in discard_all(self._pool, self.rollouts, self.config.timeout_s).items():
+                self.stale.add(name)
+                failed.setdefault(name, why)
         elif probe:
             mark_stale_and_probe(self.rollouts, failed, self.stale)
         else:
@@ -235,11 +232,6 @@ class WeightSyncSession:
         if self._engine is not None:
             self._engine.finalize()
             self._engine = None
-
-    def _discard_staged(self, failed: dict[str, str]) -> None:
-        for name, why in discard_all(self._pool, self.rollouts, self.config.timeout_s).items():
-            self.stale.add(name)
-            failed.setdefault(name, why)
 
     # --- one sync -----------------------------------------------------------------------------
     def plan(self, specs: list[TensorSpec], engine: CheckpointEngine, source: Any = None) -> BucketManifest:
@@ -299,31 +291,17 @@ class WeightSyncSession:
         finally:
             self._lock.release()
 
-    def _delta_unsupported(self, engine: CheckpointEngine) -> str | None:
-        if not type(engine).supports_delta:
-            return f"the {self.backend} backend does not send patches"
-        missing = [r.name for r in self.rollouts if not r.supports_delta]
-        return f"engine(s) {', '.join(missing)} do not take patches" if missing else None
-
     def _held_versions(self) -> dict[str, int | None]:
         """What every engine reports it holds (asked each sync: another session may have synced it)."""
-        futures = {r.name: self._pool.submit(r.held_version) for r in self.rollouts}
-        failed = {n: f"version query: {why}" for n, why in self._collect_failures(futures, "a version query").items()}
+        versions, failed = held_versions(self._pool, self.rollouts, self.config.timeout_s)
         if failed:  # part of validating: nothing was paused or sent
             self._break(failed)
             raise SyncError("validate", failed, sorted(self.stale))
-        return {name: f.result() for name, f in futures.items()}
+        return versions
 
     def _check_claims(self) -> None:
-        if not self._ready:
-            return  # (re)joining claims the engines for this session
-        lost = claims.taken_over(self.engine_keys(), self)
-        if lost:
-            raise RuntimeError(
-                f"this weight-sync session is outdated: engine(s) {', '.join(map(repr, lost))} joined another session's "
-                "group after this one's; nothing was paused or sent. Sync through the newer session (or close this one "
-                "and make a new one, which takes the engines back)"
-            )
+        if self._ready:  # (re)joining claims the engines for this session
+            claims.check_current(self.engine_keys(), self)
 
     def _sync(self, source: WeightSource, weights: WatchedWeights | None, version: int | None, senders: int = 1) -> SyncReport:
         """One sync in its steps: prepare (metadata, version, group, plan) -> validate -> delta or
@@ -342,26 +320,20 @@ class WeightSyncSession:
         # Delta or dense is decided before anything is paused (delta=on with an engine that takes no
         # patches is refused here, with every engine still serving).
         digest = regions.digest if regions is not None else manifest.digest
-        request = self._delta.request(digest, self._delta_unsupported(engine), self.backend)
+        request = self._delta.request(digest, delta_unsupported(engine, self.backend, self.rollouts), self.backend)
         stage = self._stages.choose(
             self.rollouts, request, self._regions.received_bytes(self.rollouts, manifest.total_bytes),
             lambda ask: self._fan_out("validate", ask),
         )
-        if stage is not None:  # the engines serve while the version streams in; they pause only for the swap
-            self._staging = stage
-            stats, reports = self._stream(source, engine, manifest, weights, pieces, request, senders, seconds, stage)
+        self._staging = stage  # while it streams: a failure then discards instead of leaving engines stale
+
+        def stream() -> tuple[SendStats, dict[str, ReceiveReport]]:
+            return self._stream(source, engine, manifest, weights, pieces, request, senders, seconds, stage)
+
+        try:
+            stats, reports, stall = run_order(stage, stream, self._step, new_version, self.config.pause_mode, seconds)
+        finally:
             self._staging = None
-            t = time.perf_counter()
-            stalls = self._fan_out("swap", lambda r: r.swap(new_version, self.config.pause_mode))
-            seconds["swap"] = time.perf_counter() - t
-            stall = max(stalls.values(), default=0.0)
-        else:
-            t = time.perf_counter()
-            self._step("pause", seconds, lambda r: r.pause(self.config.pause_mode))
-            stats, reports = self._stream(source, engine, manifest, weights, pieces, request, senders, seconds)
-            self._step("finalize", seconds, lambda r: r.finalize(new_version))
-            self._step("resume", seconds, lambda r: r.resume())
-            stall = time.perf_counter() - t if self.config.pause_mode != "none" else 0.0
         report = self._report(new_version, manifest, request, stats, reports, senders, seconds, t0)
         report.staged, report.stall_s = stage if stage is not None else "off", stall
         return report
@@ -397,11 +369,12 @@ class WeightSyncSession:
             raise ManifestRejectedError.combine(sorted(rejected, key=lambda e: e.engine))
         seconds["validate"] = time.perf_counter() - t
 
-    def _step(self, stage: str, seconds: dict[str, float], fn: Callable[[RolloutAdapter], Any]) -> None:
-        """One engine-wide step (pause, finalize, resume), timed; a failure breaks the group."""
+    def _step(self, stage: str, seconds: dict[str, float], fn: Callable[[RolloutAdapter], T]) -> dict[str, T]:
+        """One engine-wide step (pause, finalize, resume, swap), timed; a failure breaks the group."""
         t = time.perf_counter()
-        self._fan_out(stage, fn)
+        out = self._fan_out(stage, fn)
         seconds[stage] = time.perf_counter() - t
+        return out
 
     def _stream(
         self, source: WeightSource, engine: CheckpointEngine, manifest: BucketManifest, weights: WatchedWeights,
@@ -416,9 +389,7 @@ class WeightSyncSession:
             if failed:
                 self._break({}, probe=False)  # the engines only validated and paused: stale, not dead
                 raise SyncError("transfer", failed, sorted(self.stale))
-        extra: dict[str, Any] = {"delta": request} if request is not None else {}
-        if stage is not None:
-            extra["stage"] = stage
+        extra: dict[str, Any] = {k: v for k, v in (("delta", request), ("stage", stage)) if v is not None}  # only what is used
         receives = {r.name: self._pool.submit(r.receive, manifest, **extra) for r in self.rollouts}
         try:
             stats = self._regions.send(  # the engine's own send_weights without region delivery
@@ -501,11 +472,7 @@ class WeightSyncSession:
             # An engine another session has joined since is not asked to leave: it would leave that group.
             lost = set(claims.taken_over(self.engine_keys(), self))
             if self._ready:
-                for r in (r for r in self.rollouts if r.name not in lost):
-                    try:
-                        r.leave()
-                    except Exception as exc:
-                        logger.warning("engine %s did not leave cleanly: %s", r.name, exc)
+                leave_all([r for r in self.rollouts if r.name not in lost])
             self._regions.drop_groups()
             if self._engine is not None:
                 self._engine.finalize()

@@ -11,15 +11,21 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.sync.fanout import collect_failures
 
-__all__ = ["StagePolicy", "discard_all"]
+__all__ = ["StagePolicy", "discard_all", "run_order"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Step = Callable[[str, dict[str, float], Callable[[RolloutAdapter], Any]], dict[str, Any]]
+"""The session's timed engine-wide step (stage name, the sync's seconds, what each engine does)."""
 
 FanOut = Callable[[Callable[[RolloutAdapter], bool]], dict[str, bool]]
 """Asks every engine at once (the session's fan-out: a failure breaks the sync, nothing paused)."""
@@ -71,3 +77,22 @@ def discard_all(pool: cf.Executor, rollouts: Sequence[RolloutAdapter], timeout_s
     futures = {r.name: pool.submit(r.discard) for r in rollouts}
     failed = collect_failures(futures, "discard", min(10.0, timeout_s))
     return {name: f"could not drop its staged version ({why})" for name, why in failed.items()}
+
+
+def run_order(
+    stage: str | None, stream: Callable[[], T], step: Step, version: int, pause_mode: str, seconds: dict[str, float],
+) -> tuple[Any, Any, float]:
+    """The engines' side of one sync after validate: staged, stream (every engine serving) then
+    swap on every engine (its only pause); else today's pause -> stream -> finalize -> resume.
+    Returns what `stream` returned (the sender's stats, the engines' reports) and the stall: the
+    engines' largest swap, or pause to resume (0 with pause_mode none: the engines never stop)."""
+    if stage is not None:
+        stats, reports = stream()  # type: ignore[misc]
+        stalls = step("swap", seconds, lambda r: r.swap(version, pause_mode))
+        return stats, reports, max(stalls.values(), default=0.0)
+    t = time.perf_counter()
+    step("pause", seconds, lambda r: r.pause(pause_mode))
+    stats, reports = stream()  # type: ignore[misc]
+    step("finalize", seconds, lambda r: r.finalize(version))
+    step("resume", seconds, lambda r: r.resume())
+    return stats, reports, time.perf_counter() - t if pause_mode != "none" else 0.0

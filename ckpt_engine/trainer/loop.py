@@ -70,6 +70,10 @@ class SyncRecord:
     changed_fraction: float = 1.0
     senders: int = 1
     """Trainer ranks that sent their own pieces (1: rank 0 alone, after a gather)."""
+    staged: str = "off"
+    """How the engines took it (issue 28): `off` (paused for the whole sync), `patches` or `full`."""
+    stall_s: float = 0.0
+    """The engines' largest stall: seconds they produced no tokens because of this sync."""
 
 
 @dataclass
@@ -135,6 +139,7 @@ class FullyAsyncTrainer:
             stages={k: float(v) for k, v in (report.get("seconds") or {}).items()}, delta=str(report.get("delta", "off")),
             wire_bytes=int(report.get("wire_bytes", 0)), dense_bytes=int(report.get("dense_bytes", 0)),
             changed_fraction=float(report.get("changed_fraction", 1.0)), senders=int(report.get("senders", 1)),
+            staged=str(report.get("staged", "off")), stall_s=float(report.get("stall_s", 0.0)),
         )
         self.syncs.append(rec)
         if self.on_sync is not None:

@@ -19,7 +19,7 @@ __all__ = [
     "OVERHEAD_STAGES", "accuracy", "format_summary", "format_sync", "greedy_answers", "summarize", "sync_overhead",
 ]
 
-OVERHEAD_STAGES = ("validate", "pause", "finalize", "resume")
+OVERHEAD_STAGES = ("validate", "pause", "finalize", "resume", "swap")
 
 
 def sync_overhead(rec: Any) -> dict[str, float]:
@@ -54,6 +54,8 @@ def format_sync(rec: Any, last_step: Any) -> str:
         f"staleness max {last_step.staleness_max if last_step else 0} "
         f"mean {last_step.staleness_mean if last_step else 0.0:.2f}  reward {last_step.reward if last_step else 0.0:.2f}"
     )
+    if rec.ok and "transfer" in rec.stages:  # issue 28: what the engines lost, beside what the transfer took
+        line += f"  staged {rec.staged} stall {rec.stall_s * 1e3:.1f} ms / transfer {rec.stages['transfer'] * 1e3:.1f} ms"
     if ov:
         parts = " ".join(f"{k} {ov[k] * 1e3:.0f}" for k in (*OVERHEAD_STAGES, "other"))
         line += f"  overhead {ov['fraction']:.0%} ({parts} ms)"
