@@ -10,7 +10,9 @@ Where the staged version lives. With a delta request (patches, or the dense seed
 the receiver's base images hold the new version once every patch has passed its check, and they are
 not written again before the next receive: the staged version is their views, no copy. Otherwise
 (delta off, region delivery) each tensor is copied, as it lands, into a staging copy that is kept
-for the next staged sync (`StagingCopy`); `room` says whether one fits.
+for the next staged sync (`LoaderCopy`); `room` says whether one fits. This is why the worker does
+not use `WeightReceiver.receive(stage=...)`: its `full` stage copies live tensors in the wire
+layout, which a vLLM worker does not hold.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Sink", "StagedVersion", "Staging", "StagingCopy", "free_bytes"]
+__all__ = ["LoaderCopy", "Sink", "StagedReceive", "Staging", "free_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +49,11 @@ def free_bytes(device: torch.device) -> int:
     return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
-class StagingCopy:
-    """Per name, a tensor that holds the staged bytes of a sync that brings no stable views; kept
-    from sync to sync (a fresh allocation per sync would cost new pages every time)."""
+class LoaderCopy:
+    """Per name, a copy of what the loader would load, for a sync that brings no stable views; kept
+    from sync to sync (a fresh allocation per sync would cost new pages every time). Keyed by the
+    loader's names, not the live tensors: vLLM's live weights have no wire layout (stacked qkv,
+    repacked on CPU), so `pipeline/staging.py`'s staging copy of live tensors does not apply."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
@@ -81,13 +85,13 @@ class StagingCopy:
         self.tensors.clear()
 
 
-class StagedVersion:
+class StagedReceive:
     """One staged receive: runs `stream(sink)` on a thread; `pairs` is the version it staged.
 
     `keep_views`: the pairs the stream yields stay valid until the next receive (the receiver's
     base images), so they are kept as they are; else each is copied into `copy`."""
 
-    def __init__(self, digest: str, stream: Callable[[Sink], dict[str, Any]], copy: StagingCopy, keep_views: bool) -> None:
+    def __init__(self, digest: str, stream: Callable[[Sink], dict[str, Any]], copy: LoaderCopy, keep_views: bool) -> None:
         self.digest = digest
         self.pairs: list[tuple[str, torch.Tensor]] = []
         self.report: dict[str, Any] | None = None
@@ -98,7 +102,7 @@ class StagedVersion:
         self._thread = threading.Thread(target=self._run, name="ckpt-stage", daemon=True)
         self.started = time.perf_counter()
 
-    def start(self) -> StagedVersion:
+    def start(self) -> StagedReceive:
         self._thread.start()
         return self
 
@@ -146,8 +150,8 @@ class Staging:
     """A worker's staging: at most one staged version, and the staging copy kept across syncs."""
 
     def __init__(self) -> None:
-        self.copy = StagingCopy()
-        self.version: StagedVersion | None = None
+        self.copy = LoaderCopy()
+        self.version: StagedReceive | None = None
 
     @property
     def running(self) -> bool:
@@ -156,7 +160,7 @@ class Staging:
     def start(self, digest: str, stream: Callable[[Sink], dict[str, Any]], keep_views: bool) -> None:
         if self.running:
             raise RuntimeError("a staged receive is still streaming on this worker")
-        self.version = StagedVersion(digest, stream, self.copy, keep_views).start()
+        self.version = StagedReceive(digest, stream, self.copy, keep_views).start()
 
     def status(self) -> dict[str, Any]:
         if self.version is None:
