@@ -26,6 +26,7 @@ FAST_TIER: dict[str, frozenset[str] | None] = {
     "test_fused_experts.py": frozenset({"test_fuse_specs_stacks_each_layers_experts_in_place_of_the_last", "test_source_yields_stacks_in_metadata_order", "test_stacked_plans_cut_experts_for_ep_and_rows_or_columns_for_tp"}),
     "test_region_footprint.py": None,
     "test_loader_trace.py": None,
+    "test_vllm_staging.py": None,
     "test_transfer.py": frozenset({"test_gloo_mixed_dtypes_two_receivers_two_syncs", "test_gloo_three_buffers_and_two_lanes"}),
     "test_delta_transfer.py": frozenset({"test_chain_of_patches_is_bit_exact", "test_corrupt_patch_is_caught_and_the_old_weights_stay"}),
     "test_sync.py": frozenset({"test_two_syncs_land_bit_exact_and_reuse_the_group", "test_rejected_manifest_moves_nothing"}),

@@ -28,11 +28,14 @@ def test_local_rows_split_every_row_once() -> None:
             assert [i for p in parts for i in range(rows)[p]] == list(range(rows))
 
 
-def test_choice_version_only_from_one_stamped_version() -> None:
-    from ckpt_engine.trainer.vllm_rollout import parse_choice_version
+def test_choice_version_is_the_oldest_stamped_span() -> None:
+    from ckpt_engine.trainer.vllm_rollout import parse_choice_spans, parse_choice_version
 
     assert parse_choice_version({"weight_versions": [{"version": "7", "start": 0, "end": 1}]}) == 7
-    assert parse_choice_version({"weight_versions": [{"version": "7", "start": 0, "end": 1}, {"version": "8", "start": 1, "end": 2}]}) is None
+    straddled = {"weight_versions": [{"version": "7", "start": 0, "end": 3}, {"version": "8", "start": 3, "end": 5}]}
+    assert parse_choice_version(straddled) == 7  # a staged swap inside the request: staleness counts from 7
+    assert parse_choice_spans(straddled) == [(7, 0), (8, 3)]
+    assert parse_choice_version({"weight_versions": [{"version": "7", "start": 0, "end": 1}, {"version": "default", "start": 1, "end": 2}]}) is None
     assert parse_choice_version({"weight_versions": [{"version": "default", "start": 0, "end": 1}]}) is None
     assert parse_choice_version({"weight_versions": None}) is None
     assert parse_choice_version("junk") is None

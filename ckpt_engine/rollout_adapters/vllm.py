@@ -10,6 +10,12 @@ One sync: validate (manifest checked against vLLM's own parameters after its sta
 pause the scheduler -> receive (layerwise reload, bucket by bucket) -> finalize (layerwise
 post-processing, prefix-cache reset, engine weight version stamped; vLLM then tags every
 request's output tokens with it) -> resume.
+
+A staged sync (`receive(..., stage=...)` then `swap`): the workers receive on a background thread
+while the engine keeps generating (`vllm_staging.py`); the swap pauses the scheduler, loads the
+staged version through layerwise reload in one `collective_rpc` (vLLM runs it between two engine
+steps, on every worker), stamps the version and resumes. vLLM's `weight_versions` spans then show
+which tokens of a request came from which version.
 """
 
 from __future__ import annotations
@@ -19,14 +25,14 @@ import logging
 import os
 import time
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlsplit
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.planning.regions import ReceivePlan
-from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
+from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 
 if TYPE_CHECKING:
     import vllm
@@ -37,8 +43,13 @@ logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm_worker.CkptEngineWorkerExtension"
 
-# ckpt-engine pause modes -> vLLM's (`keep` freezes requests in place, `abort` drops them).
-_PAUSE_MODES = {"keep": "keep", "abort": "abort"}
+# ckpt-engine pause modes -> vLLM's (`keep` freezes requests in place, `abort` drops them;
+# `recompute` freezes them, and the cache reset after the load preempts them: they re-prefill
+# their prompt and tokens under the new weights).
+_PAUSE_MODES = {"keep": "keep", "abort": "abort", "recompute": "keep"}
+_POLL_S = (0.005, 0.05)
+"""First and longest wait between two polls of a staged receive (each poll is one short call
+between two engine steps)."""
 
 
 class _VllmAdapterBase(RolloutAdapter):
@@ -48,13 +59,20 @@ class _VllmAdapterBase(RolloutAdapter):
     supports_many_senders = True
     takes_regions = True  # each worker states the regions its loaders read (receive_plans)
 
-    def __init__(self, name: str, timeout_s: float) -> None:
+    stages: ClassVar[bool] = True
+    """Staged syncs: workers receive on a background thread while the engine steps; `swap` loads."""
+
+    def __init__(self, name: str, timeout_s: float, staging_limit_bytes: int | None = None) -> None:
+        if staging_limit_bytes is not None and (isinstance(staging_limit_bytes, bool) or not isinstance(staging_limit_bytes, int) or staging_limit_bytes < 0):
+            raise ValueError(f"engine {name!r}: staging_limit_bytes must be a non-negative int or None, got {staging_limit_bytes!r}")
         self.name = name
         self.timeout_s = timeout_s
+        self.staging_limit_bytes = staging_limit_bytes
         self.pids: list[int] = []
         self._sent_digest: str | None = None
         self.version: int | None = None
         self.last_finalize: dict[str, Any] = {}
+        self._pause_mode = "keep"
 
     def _rpc(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         raise NotImplementedError
@@ -123,18 +141,86 @@ class _VllmAdapterBase(RolloutAdapter):
             raise ManifestRejectedError(self.name, problems)
         self._sent_digest = manifest.digest
 
-    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None) -> ReceiveReport:
+    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None, *, stage: str | None = None) -> ReceiveReport:
+        """Receive and load `manifest` (the engine paused), or with `stage` receive it into staging
+        on the workers' background threads while the engine keeps generating (then `swap`). Both
+        stages land alike here: a delta sync in the workers' checked base images, a dense one in
+        their staging copy (`vllm_staging.py`)."""
+        if stage is not None and stage not in STAGES:
+            raise ValueError(f"engine {self.name!r}: stage must be one of {', '.join(STAGES)} or None, got {stage!r}")
         extra = {"delta": delta.to_dict()} if delta is not None else {}
-        replies = self._rpc("ckpt_receive", timeout_s=self.timeout_s * 2, digest=manifest.digest, **extra)
+        if stage is None:
+            replies = self._rpc("ckpt_receive", timeout_s=self.timeout_s * 2, digest=manifest.digest, **extra)
+        else:
+            self._rpc("ckpt_stage", digest=manifest.digest, **extra)
+            replies = [r["report"] for r in self._wait_staged()]
         reports = [ReceiveReport.from_dict(r) for r in replies]
         slowest = max(reports, key=lambda r: r.receive_s)
         return ReceiveReport(slowest.tensors, slowest.bytes, slowest.receive_s, max(r.load_s for r in reports), min(r.loaded for r in reports))
+
+    def _wait_staged(self) -> list[dict[str, Any]]:
+        """Poll every worker until its staged receive ended; raise naming the workers whose failed."""
+        deadline = time.monotonic() + self.timeout_s * 2
+        wait = _POLL_S[0]
+        while True:
+            replies = self._rpc("ckpt_stage_status", timeout_s=min(self.timeout_s, 30.0))
+            if all(r.get("done") for r in replies):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine {self.name!r}: staged receive still running after {self.timeout_s * 2:.0f}s")
+            time.sleep(wait)
+            wait = min(wait * 2, _POLL_S[1])
+        failed = [f"worker {rank}: {r['error']}" for rank, r in enumerate(replies) if r.get("error")]
+        if failed:
+            self.discard()  # a worker whose stream completed drops its half of the version
+            raise RuntimeError(
+                f"engine {self.name!r}: staged receive failed ({'; '.join(failed)}); it keeps serving its old weights"
+            )
+        return replies
+
+    def swap(self, version: int, pause_mode: str) -> float:
+        """Between two engine steps: pause (per `pause_mode`; `none` pauses as `keep`, so no step
+        is labelled with the wrong version), load the staged version on every worker, reset the
+        prefix cache, stamp `version`, resume. Returns the seconds the engine produced nothing.
+
+        A swap that fails part-way leaves the engine paused (its weights may be a mix: stale)."""
+        mode = pause_mode if pause_mode != "none" else "keep"
+        if mode not in _PAUSE_MODES:
+            raise ValueError(f"engine {self.name!r}: pause_mode must be one of {', '.join(_PAUSE_MODES)} or none, got {pause_mode!r}")
+        t0 = time.perf_counter()
+        self.pause(mode)
+        replies = self._rpc("ckpt_swap", version=version)
+        t1 = time.perf_counter()
+        self._reset_prefix_cache(running=mode == "recompute")
+        self._set_engine_version(str(version))
+        self.version = version
+        self.resume()
+        stall = time.perf_counter() - t0
+        self.last_finalize = {
+            "post_process_s": max(float(r["finalize_s"]) for r in replies),
+            "swap_load_s": max(float(r["load_s"]) for r in replies),
+            "swap_rpc_s": t1 - t0,
+            "stall_s": stall,
+        }
+        return stall
+
+    def discard(self) -> None:
+        """Drop a staged version on every worker; the live weights and version are untouched."""
+        self._rpc("ckpt_discard")
+
+    def staging_room(self, nbytes: int) -> bool:
+        """Whether every worker can hold a staging copy of `nbytes` (within `staging_limit_bytes`)."""
+        replies = self._rpc("ckpt_staging_room", nbytes=int(nbytes), limit_bytes=self.staging_limit_bytes)
+        short = [f"worker {rank}: {r['why']}" for rank, r in enumerate(replies) if not r.get("room")]
+        if short:
+            logger.info("engine %s: no room for a staging copy (%s)", self.name, "; ".join(short))
+        return not short
 
     def finalize(self, version: int) -> None:
         t0 = time.perf_counter()
         replies = self._rpc("ckpt_finalize", version=version)
         t1 = time.perf_counter()
-        self._reset_prefix_cache()
+        self._reset_prefix_cache(running=self._pause_mode == "recompute")
         self._set_engine_version(str(version))
         self.version = version
         self.last_finalize = {
@@ -161,7 +247,8 @@ class _VllmAdapterBase(RolloutAdapter):
             if _is_zombie(pid):
                 raise RuntimeError(f"engine {self.name!r}: worker process {pid} exited")
 
-    def _reset_prefix_cache(self) -> None:
+    def _reset_prefix_cache(self, running: bool = False) -> None:
+        """Drop the prefix cache; `running`: also preempt running requests (they re-prefill)."""
         raise NotImplementedError
 
     def _set_engine_version(self, version: str) -> None:
@@ -175,8 +262,8 @@ class VllmRollout(_VllmAdapterBase):
     through `llm.collective_rpc`, which queues behind a running `generate`.
     """
 
-    def __init__(self, name: str, llm: vllm.LLM, *, timeout_s: float = 300.0) -> None:
-        super().__init__(name, timeout_s)
+    def __init__(self, name: str, llm: vllm.LLM, *, timeout_s: float = 300.0, staging_limit_bytes: int | None = None) -> None:
+        super().__init__(name, timeout_s, staging_limit_bytes)
         self.llm = llm
         parallel = llm.llm_engine.vllm_config.parallel_config
         self.world_size = int(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
@@ -201,6 +288,7 @@ class VllmRollout(_VllmAdapterBase):
         return getattr(core.engine_core, method)(*args)  # in-process engine core
 
     def pause(self, mode: str) -> None:
+        self._pause_mode = mode
         if mode == "none":
             return
         self._utility("pause_scheduler", _PAUSE_MODES[mode], False)
@@ -208,8 +296,9 @@ class VllmRollout(_VllmAdapterBase):
     def resume(self) -> None:
         self._utility("resume_scheduler")
 
-    def _reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+    def _reset_prefix_cache(self, running: bool = False) -> None:
+        if not self.llm.reset_prefix_cache(running):
+            logger.warning("engine %s: prefix cache reset refused (blocks still held by in-flight requests)", self.name)
 
     def _set_engine_version(self, version: str) -> None:
         self.llm.update_weight_version(version)
@@ -236,10 +325,11 @@ class VllmServerRollout(_VllmAdapterBase):
         timeout_s: float = 300.0,
         world_size: int | None = None,
         session: Any = None,
+        staging_limit_bytes: int | None = None,
     ) -> None:
         import requests
 
-        super().__init__(name, timeout_s)
+        super().__init__(name, timeout_s, staging_limit_bytes)
         parts = urlsplit(base_url) if isinstance(base_url, str) else None
         if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"engine {name!r}: base_url must be http(s)://HOST:PORT, got {base_url!r}")
@@ -299,6 +389,7 @@ class VllmServerRollout(_VllmAdapterBase):
 
     # --- lifecycle ---------------------------------------------------------------------------
     def pause(self, mode: str) -> None:
+        self._pause_mode = mode
         if mode == "none":
             return
         self._post("/pause", params={"mode": _PAUSE_MODES[mode], "clear_cache": "false"})
@@ -306,8 +397,8 @@ class VllmServerRollout(_VllmAdapterBase):
     def resume(self) -> None:
         self._post("/resume")
 
-    def _reset_prefix_cache(self) -> None:
-        reply = self._post("/reset_prefix_cache")
+    def _reset_prefix_cache(self, running: bool = False) -> None:
+        reply = self._post("/reset_prefix_cache", params={"reset_running_requests": "true"} if running else None)
         if isinstance(reply, dict) and reply.get("success") is False:
             logger.warning("engine %s: prefix cache reset refused (blocks still held)", self.name)
 

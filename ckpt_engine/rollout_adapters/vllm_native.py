@@ -19,7 +19,7 @@ import base64
 import logging
 import time
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, ClassVar
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
@@ -43,6 +43,9 @@ class VllmNativeRollout(RolloutAdapter):
     engine cannot report its version (a session then counts from its own)."""
 
     supports_delta = True  # the workers keep base copies (VllmReceiverCore), as the worker extension does
+    stages: ClassVar[bool] = False
+    """No staged syncs here: vLLM's weight-transfer calls return nothing from the workers, so a
+    background receive cannot be polled (the worker extension's adapters stage)."""
 
     def __init__(self, client: Any, *, name: str = "vllm", num_workers: int = 1) -> None:
         self.client = client

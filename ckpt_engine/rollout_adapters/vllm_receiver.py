@@ -28,6 +28,7 @@ from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.region_assembler import RegionAssembler, held_bytes
+from ckpt_engine.rollout_adapters.vllm_staging import Sink, Staging
 
 __all__ = ["VllmReceiverCore", "vllm_checkpoint_specs"]
 
@@ -166,6 +167,7 @@ class VllmReceiverCore:
         self.reload_open = False
         self.stale = False
         self.last_report: dict[str, Any] | None = None
+        self.staging = Staging()
 
     # --- group -------------------------------------------------------------------------------
     def join(self, rendezvous: dict[str, Any], rank: int, options: dict[str, Any]) -> None:
@@ -175,6 +177,7 @@ class VllmReceiverCore:
     def leave(self) -> None:
         self.close_reload()
         self.receiver.leave()
+        self.staging.discard(drop_copy=True)
 
     # --- validate ----------------------------------------------------------------------------
     def specs(self) -> Specs:
@@ -272,7 +275,7 @@ class VllmReceiverCore:
             self.close_reload()
         return loaded
 
-    # --- receive and load --------------------------------------------------------------------
+    # --- receive and load ---------------------------------------------------------------------
     def receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
         """Receive every bucket of an accepted manifest and load it; layerwise reload stays open
         until `finalize` (or is closed here if the receive fails, never leaving meta layers).
@@ -282,54 +285,114 @@ class VllmReceiverCore:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._check_not_staging("receive")
+        self.staging.discard()
         model = self._model()
         self.close_reload()
-        _, _, tied = self.specs()
-        accepted = self.receiver.accepted_manifest(digest)
-        sent = {s.name for s in accepted.specs} if accepted is not None else set()
-        # A tied head the trainer did not send is loaded from its embedding, or layerwise reload
-        # would put the old head back.
-        alias = {emb: head for head, emb in tied.items() if head not in sent and emb in sent}
         detached = [0]
 
-        def load(pairs: list[tuple[str, torch.Tensor]]) -> int:
-            loadable = pairs + [(alias[n], t) for n, t in pairs if n in alias]
+        def load(loadable: list[tuple[str, torch.Tensor]]) -> None:
             with set_current_vllm_config(self.vllm_config):
                 model.load_weights(loadable)
             detached[0] += _detach_pending(model, loadable)
-            return len(pairs)
-
-        plan = self.receiver.regions.plan  # None: this worker receives whole tensors
-        assembler = RegionAssembler(plan, self.specs()[0], self.receiver.device) if plan is not None else None
-        if plan is not None:  # region delivery: a tied head comes only as its embedding
-            region_alias = {emb: head for head, emb in tied.items() if emb in plan.holds}
-
-        def load_regions(items: list[tuple[str, Region | None, torch.Tensor]]) -> int:
-            assert assembler is not None, "region items without a receive plan"
-            ready = [pair for item in items for pair in assembler.add(*item)]
-            if ready:
-                loadable = ready + [(region_alias[n], t) for n, t in ready if n in region_alias]
-                with set_current_vllm_config(self.vllm_config):
-                    model.load_weights(loadable)
-                detached[0] += _detach_pending(model, loadable)
-            return len(ready)
 
         self.stale = True
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
         self.reload_open = True
         try:
-            with torch.no_grad():
-                report = self.receiver.receive(digest, load, delta=delta, region_loader=load_regions if assembler is not None else None)
-            if assembler is not None and assembler.incomplete():
-                raise RuntimeError(f"region delivery ended with regions missing for {assembler.incomplete()[:5]}")
+            out = self._stream(digest, delta, load)
         except BaseException:
             self.close_reload()
             raise
-        out = report.to_dict()
         out["detached_bytes"] = detached[0]
         self.last_report = out
         return out
+
+    def _stream(self, digest: str, delta: dict[str, Any] | None, sink: Sink) -> dict[str, Any]:
+        """Take every bucket of an accepted manifest and hand `sink` its loadable pairs (a tied
+        head the trainer did not send rides along as its embedding's tensor). Returns the report."""
+        _, _, tied = self.specs()
+        accepted = self.receiver.accepted_manifest(digest)
+        sent = {s.name for s in accepted.specs} if accepted is not None else set()
+        # A tied head the trainer did not send is loaded from its embedding, or layerwise reload
+        # would put the old head back.
+        alias = {emb: head for head, emb in tied.items() if head not in sent and emb in sent}
+
+        def load(pairs: list[tuple[str, torch.Tensor]]) -> int:
+            sink(pairs + [(alias[n], t) for n, t in pairs if n in alias])
+            return len(pairs)
+
+        plan = self.receiver.regions.plan  # None: this worker receives whole tensors
+        assembler = RegionAssembler(plan, self.specs()[0], self.receiver.device) if plan is not None else None
+        # Region delivery: a tied head comes only as its embedding.
+        region_alias = {emb: head for head, emb in tied.items() if plan is not None and emb in plan.holds}
+
+        def load_regions(items: list[tuple[str, Region | None, torch.Tensor]]) -> int:
+            assert assembler is not None, "region items without a receive plan"
+            ready = [pair for item in items for pair in assembler.add(*item)]
+            if ready:
+                sink(ready + [(region_alias[n], t) for n, t in ready if n in region_alias])
+            return len(ready)
+
+        with torch.no_grad():
+            report = self.receiver.receive(digest, load, delta=delta, region_loader=load_regions if assembler is not None else None)
+        if assembler is not None and assembler.incomplete():
+            raise RuntimeError(f"region delivery ended with regions missing for {assembler.incomplete()[:5]}")
+        return report.to_dict()
+
+    # --- staged receive and swap (see vllm_staging.py) ------------------------------------------
+    def stage(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Start receiving an accepted manifest on a background thread, into staging; the live
+        weights, the version and the engine's steps are untouched. Returns at once."""
+        self._check_not_staging("staged receive")
+        if self.receiver.accepted_manifest(digest) is None:
+            raise RuntimeError(f"manifest {digest[:12]} was not validated on this worker; call validate() first")
+        self.staging.discard()
+        keep_views = delta is not None and not self.receiver.regions.has(digest)  # the base images hold it
+        self.staging.start(digest, lambda sink: self._stream(digest, delta, sink), keep_views)
+        return {"started": True}
+
+    def stage_status(self) -> dict[str, Any]:
+        """Whether the staged receive ended: {"done", "error", "report"} (report once done)."""
+        return self.staging.status()
+
+    def swap(self, version: Any) -> dict[str, Any]:
+        """Load the staged version into the live weights through layerwise reload and stamp
+        `version`. Runs between two engine steps (a `collective_rpc` call), on every rank at once."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        pairs = self.staging.take()  # raises unless a whole checked version is staged
+        model = self._model()
+        self.close_reload()
+        t0 = time.perf_counter()
+        self.stale = True  # until the last layer is loaded: a failure here leaves a mix
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+        self.reload_open = True
+        try:
+            with torch.no_grad(), set_current_vllm_config(self.vllm_config):
+                model.load_weights(pairs)
+        except BaseException:
+            self.close_reload()
+            raise
+        load_s = time.perf_counter() - t0
+        out = self.finalize(version)
+        out.update(swap_s=time.perf_counter() - t0, load_s=load_s)
+        return out
+
+    def discard(self) -> dict[str, Any]:
+        """Drop a staged version (after a failed stream elsewhere); the live weights are untouched."""
+        return {"discarded": self.staging.discard()}
+
+    def staging_room(self, nbytes: int, limit_bytes: int | None = None) -> dict[str, Any]:
+        fits, why = self.staging.room(int(nbytes), self.receiver.device if self.receiver.device is not None else torch.device("cpu"), limit_bytes)
+        return {"room": fits, "why": why}
+
+    def _check_not_staging(self, what: str) -> None:
+        if self.staging.running:
+            raise RuntimeError(f"{what} refused: a staged receive is still streaming on this worker")
 
     def close_reload(self) -> float:
         """Finish layerwise reload if one is open (vLLM's post-processing); returns its seconds."""
@@ -361,6 +424,7 @@ class VllmReceiverCore:
             "stale": self.stale,
             "buckets_received": self.receiver.buckets_received,
             "last_report": self.last_report,
+            "staged": self.staging.describe(),
         }
 
 

@@ -79,6 +79,26 @@ class CkptEngineWorkerExtension:
     def ckpt_health(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self._ckpt_rank(), **self._ckpt_core().health()}
 
+    # --- staged syncs: receive while the engine steps, swap between two steps (vllm_staging.py) ---
+    def ckpt_stage(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Start receiving an accepted manifest on a background thread of this worker; returns at once."""
+        return self._ckpt_core().stage(digest, delta)
+
+    def ckpt_stage_status(self) -> dict[str, Any]:
+        """Whether this worker's staged receive ended: {"done", "error", "report"}."""
+        return self._ckpt_core().stage_status()
+
+    def ckpt_swap(self, version: int) -> dict[str, Any]:
+        """Load the staged version into the live weights (between two engine steps) and stamp `version`."""
+        return self._ckpt_core().swap(int(version))
+
+    def ckpt_discard(self) -> dict[str, Any]:
+        return self._ckpt_core().discard()
+
+    def ckpt_staging_room(self, nbytes: int, limit_bytes: int | None = None) -> dict[str, Any]:
+        """Whether a staging copy of `nbytes` fits on this worker: {"room", "why"}."""
+        return self._ckpt_core().staging_room(int(nbytes), limit_bytes)
+
     # --- adapter-only syncs (LoRA versions in vLLM's own LoRA manager: vllm_lora_worker.py) ---
     def _ckpt_lora_core(self, max_versions: int | None = None) -> Any:
         from ckpt_engine.rollout_adapters.vllm_lora_worker import VllmLoraCore

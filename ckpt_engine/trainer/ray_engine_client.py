@@ -151,7 +151,7 @@ class RayVllmGenerator:
                 if len(c["token_ids"]) != 1:
                     raise RuntimeError(f"engine {self.name!r}: expected one answer token, got {c['token_ids']!r:.100}")
                 actions[i] = self.task.token_to_answer(c["token_ids"][0])
-                versions.add(parse_choice_version({"weight_versions": [{"version": s} for s in c["versions"]]}))
+                versions.add(parse_choice_version({"weight_versions": [{"version": s, "start": 0} for s in c["versions"]]}))
         if len(versions) != 1 or None in versions:
             self.discarded += 1
             return None

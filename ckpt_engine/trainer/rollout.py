@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 class Generation:
     actions: torch.Tensor
     version: int
+    """The oldest weight version that produced any of these actions (staleness counts from it)."""
+    spans: list[list[tuple[int, int]]] | None = None
+    """Per sample, (version, index of its first token) for each version that produced its tokens
+    (engines that swap between two steps can change version inside a request); None: all `version`."""
 
 
 class Generator(Protocol):

@@ -3,10 +3,11 @@
 The engine is the OpenAI `api_server` started the way vLLM users start it, with
 `--enable-scale-out` (for `/inference/v1/generate`, prompts and answers as token ids, no
 tokenizer) and `VLLM_SERVER_DEV_MODE=1` plus our worker extension (for the daemon's `vllm` engine
-kind, `VllmServerRollout`). Each sample's version is the one vLLM reports for the tokens it
-sampled (`weight_versions` spans, stamped by the adapter's finalize while the engine is still
-paused), not a guess made at submit time: a request that straddles a sync shows two spans and is
-discarded, so no sample is ever tagged with weights that did not produce it.
+kind, `VllmServerRollout`). Each sample's versions are the ones vLLM reports for the tokens it
+sampled (`weight_versions` spans, stamped by the adapter's finalize or swap while the engine is
+paused), not a guess made at submit time. A request that straddles a staged swap shows two spans
+(tokens before the swap from the old version, after it from the new one); its staleness counts from
+its oldest span, so no sample is ever counted fresher than the weights that produced it.
 """
 
 from __future__ import annotations
@@ -21,36 +22,43 @@ import torch
 from ckpt_engine.trainer.lm_task import TokenTask
 from ckpt_engine.trainer.rollout import Generation
 
-__all__ = ["VllmServerGenerator", "parse_choice_version"]
+__all__ = ["VllmServerGenerator", "parse_choice_spans", "parse_choice_version"]
 
 logger = logging.getLogger(__name__)
 
 GENERATE_ROUTE = "/inference/v1/generate"
 
 
-def parse_choice_version(choice: Any) -> int | None:
-    """The one complete ckpt-engine version that produced a choice's tokens, else None.
-
-    None when the tokens came from more than one version, or from weights no sync stamped
-    (vLLM's initial label "default", a missing or malformed field).
-    """
+def parse_choice_spans(choice: Any) -> list[tuple[int, int]] | None:
+    """(version, index of its first token) per span of a choice's tokens, in token order; None
+    when any span came from weights no sync stamped (vLLM's initial label "default") or the field
+    is missing or malformed."""
     spans = choice.get("weight_versions") if isinstance(choice, dict) else None
     if not isinstance(spans, list) or not spans:
         return None
-    labels = {s.get("version") if isinstance(s, dict) else None for s in spans}
-    if len(labels) != 1:
-        return None
-    label = labels.pop()
-    if not isinstance(label, str) or not label.isdigit():
-        return None
-    return int(label)
+    out: list[tuple[int, int]] = []
+    for s in spans:
+        label = s.get("version") if isinstance(s, dict) else None
+        start = s.get("start") if isinstance(s, dict) else None
+        if not isinstance(label, str) or not label.isdigit() or not isinstance(start, int):
+            return None
+        out.append((int(label), start))
+    return out
+
+
+def parse_choice_version(choice: Any) -> int | None:
+    """The oldest ckpt-engine version that produced any of a choice's tokens (its staleness counts
+    from it), else None (see `parse_choice_spans`)."""
+    spans = parse_choice_spans(choice)
+    return min(v for v, _ in spans) if spans else None
 
 
 class VllmServerGenerator:
     """Samples the task's answers from a vLLM server; one HTTP request per group of equal prompts.
 
     Requests for the distinct prompts of a call run concurrently (vLLM batches them); the call
-    returns a Generation only when every answer came from one and the same version.
+    returns a Generation tagged with the oldest version any answer token came from (each sample's
+    spans ride along), or None when some answer came from weights no sync stamped.
     """
 
     def __init__(self, name: str, base_url: str, task: TokenTask, *, timeout_s: float = 60.0, max_concurrency: int = 8) -> None:
@@ -66,7 +74,7 @@ class VllmServerGenerator:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix=f"gen-{name}")
         self.discarded = 0
-        """Requests whose answers did not come from one complete version (they straddled a sync)."""
+        """Calls with an answer from weights no sync stamped (the engine's initial weights)."""
 
     def _session(self) -> Any:
         s = getattr(self._local, "session", None)
@@ -97,7 +105,7 @@ class VllmServerGenerator:
             groups.setdefault(v, []).append(i)
         futures = {v: self._pool.submit(self._request, v, len(idx), temperature) for v, idx in groups.items()}
         actions = torch.empty(len(values), dtype=torch.long)
-        versions: set[int | None] = set()
+        spans: list[list[tuple[int, int]] | None] = [None] * len(values)
         for v, fut in futures.items():
             choices = fut.result(timeout=self.timeout_s + 5)
             for i, c in zip(groups[v], choices):
@@ -105,11 +113,12 @@ class VllmServerGenerator:
                 if len(tokens) != 1:
                     raise RuntimeError(f"engine {self.name!r}: expected one answer token, got {tokens!r:.100}")
                 actions[i] = self.task.token_to_answer(tokens[0])
-                versions.add(parse_choice_version(c))
-        if len(versions) != 1 or None in versions:
+                spans[i] = parse_choice_spans(c)
+        if any(s is None for s in spans):
             self.discarded += 1
             return None
-        return Generation(actions, versions.pop())  # type: ignore[arg-type]
+        known = [s for s in spans if s is not None]
+        return Generation(actions, min(v for s in known for v, _ in s), known)
 
     def generate(self, prompts: torch.Tensor) -> Generation | None:
         """Sampled answers (temperature 1) and the version that made all of them, or None."""

@@ -1,0 +1,197 @@
+"""A staged version in a vLLM worker: the next weights stream in on a background thread while the
+engine keeps stepping on its live weights; the swap loads them between two engine steps.
+
+Why a thread: vLLM runs `collective_rpc` calls in its engine loop between two steps, so a call that
+blocked for the whole stream would stop generation for as long as today's pause. The call that
+starts a staged receive returns at once; the controller then polls (one short call between steps
+each) until every rank holds the whole version, checked.
+
+Where the staged version lives. With a delta request (patches, or the dense seed of a delta chain)
+the receiver's base images hold the new version once every patch has passed its check, and they are
+not written again before the next receive: the staged version is their views, no copy. Otherwise
+(delta off, region delivery) each tensor is copied, as it lands, into a staging copy that is kept
+for the next staged sync (`LoaderCopy`); `room` says whether one fits. This is why the worker does
+not use `WeightReceiver.receive(stage=...)`: its `full` stage copies live tensors in the wire
+layout, which a vLLM worker does not hold.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["LoaderCopy", "Sink", "StagedReceive", "Staging", "free_bytes"]
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
+"""Takes one bucket's loadable (name, tensor) pairs."""
+
+
+def free_bytes(device: torch.device) -> int:
+    """Memory this worker could still allocate on `device` (CUDA: free device memory; host:
+    MemAvailable)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+class LoaderCopy:
+    """Per name, a copy of what the loader would load, for a sync that brings no stable views; kept
+    from sync to sync (a fresh allocation per sync would cost new pages every time). Keyed by the
+    loader's names, not the live tensors: vLLM's live weights have no wire layout (stacked qkv,
+    repacked on CPU), so `pipeline/staging.py`'s staging copy of live tensors does not apply."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def keep(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        held = self.tensors.get(name)
+        if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype or held.device != tensor.device:
+            held = self.tensors[name] = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        held.copy_(tensor)
+        return held
+
+    def room(self, nbytes: int, device: torch.device, limit_bytes: int | None) -> tuple[bool, str]:
+        """Whether a staging copy of `nbytes` fits: what is held already plus what is free (less a
+        10 % margin), within `limit_bytes` when one is set. Returns (fits, why in words)."""
+        held = self.nbytes
+        if limit_bytes is not None and nbytes > limit_bytes:
+            return False, f"a staging copy of {nbytes} bytes exceeds the engine's staging limit of {limit_bytes} bytes"
+        extra = max(0, nbytes - held)
+        free = free_bytes(device)
+        if extra > 0.9 * free:
+            return False, f"a staging copy needs {extra} more bytes on {device} and {free} are free"
+        return True, f"{held} bytes held, {free} free"
+
+    def drop(self) -> None:
+        self.tensors.clear()
+
+
+class StagedReceive:
+    """One staged receive: runs `stream(sink)` on a thread; `pairs` is the version it staged.
+
+    `keep_views`: the pairs the stream yields stay valid until the next receive (the receiver's
+    base images), so they are kept as they are; else each is copied into `copy`."""
+
+    def __init__(self, digest: str, stream: Callable[[Sink], dict[str, Any]], copy: LoaderCopy, keep_views: bool) -> None:
+        self.digest = digest
+        self.pairs: list[tuple[str, torch.Tensor]] = []
+        self.report: dict[str, Any] | None = None
+        self.error: str | None = None
+        self._copy = copy
+        self._keep_views = keep_views
+        self._stream = stream
+        self._thread = threading.Thread(target=self._run, name="ckpt-stage", daemon=True)
+        self.started = time.perf_counter()
+
+    def start(self) -> StagedReceive:
+        self._thread.start()
+        return self
+
+    def _sink(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        if self._keep_views:
+            self.pairs.extend(pairs)
+            return
+        kept: dict[int, torch.Tensor] = {}  # a tied head arrives as its embedding's own tensor
+        for name, tensor in pairs:
+            t = kept.get(id(tensor))
+            if t is None:
+                t = kept[id(tensor)] = self._copy.keep(name, tensor)
+            self.pairs.append((name, t))
+
+    def _run(self) -> None:
+        try:
+            with torch.no_grad():
+                report = self._stream(self._sink)
+            report["stage_s"] = time.perf_counter() - self.started
+            self.report = report
+        except BaseException as exc:  # the controller reads it in the next poll
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.pairs = []
+            logger.warning("staged receive of manifest %s failed: %s", self.digest[:12], self.error)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def ready(self) -> bool:
+        return not self.running and self.error is None and self.report is not None
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the stream to end (after a failure elsewhere it ends when the group aborts);
+        whether it did."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def status(self) -> dict[str, Any]:
+        return {"done": not self.running, "error": self.error, "report": self.report if not self.running else None}
+
+
+class Staging:
+    """A worker's staging: at most one staged version, and the staging copy kept across syncs."""
+
+    def __init__(self) -> None:
+        self.copy = LoaderCopy()
+        self.version: StagedReceive | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.version is not None and self.version.running
+
+    def start(self, digest: str, stream: Callable[[Sink], dict[str, Any]], keep_views: bool) -> None:
+        if self.running:
+            raise RuntimeError("a staged receive is still streaming on this worker")
+        self.version = StagedReceive(digest, stream, self.copy, keep_views).start()
+
+    def status(self) -> dict[str, Any]:
+        if self.version is None:
+            return {"done": True, "error": "no staged receive was started on this worker", "report": None}
+        return self.version.status()
+
+    def take(self) -> list[tuple[str, torch.Tensor]]:
+        """The staged pairs, handed over once; raises unless a whole, checked version is staged."""
+        v = self.version
+        if v is None or not v.ready:
+            why = "none was staged" if v is None else ("it is still streaming" if v.running else f"its receive failed ({v.error})")
+            raise RuntimeError(f"swap refused: no complete staged version on this worker ({why}); the live weights are unchanged")
+        self.version = None
+        return v.pairs
+
+    def discard(self, drop_copy: bool = False, timeout_s: float = 60.0) -> bool:
+        """Drop the staged version (waiting up to `timeout_s` for a failed stream to end); whether
+        there was one. `drop_copy` also frees the staging copy (on leaving the group)."""
+        v, had = self.version, self.version is not None
+        if v is not None and not v.join(timeout_s):
+            raise RuntimeError(f"the staged receive of manifest {v.digest[:12]} is still streaming after {timeout_s}s; cannot discard it")
+        self.version = None
+        if drop_copy:
+            self.copy.drop()
+        return had
+
+    def room(self, nbytes: int, device: torch.device, limit_bytes: int | None) -> tuple[bool, str]:
+        return self.copy.room(nbytes, device, limit_bytes)
+
+    def describe(self) -> dict[str, Any] | None:
+        v = self.version
+        if v is None:
+            return None
+        return {"digest": v.digest, "running": v.running, "ready": v.ready, "error": v.error}

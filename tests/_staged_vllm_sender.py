@@ -1,0 +1,40 @@
+"""A trainer in its own process that streams one staged dense sync (`stage: full`) slowly into a vLLM
+server, so a test can SIGKILL it mid-stream. Arguments: URL MODEL_DIR DELAY_S (seconds per tensor)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterator
+
+import torch
+import transformers
+
+from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+
+
+class _Slow(StateDictSource):
+    def __init__(self, weights: dict[str, torch.Tensor], delay_s: float) -> None:
+        super().__init__(weights)
+        self.delay_s = delay_s
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in super().iter_weights():
+            time.sleep(self.delay_s)
+            yield item
+
+
+def main() -> None:
+    url, model_dir, delay_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    torch.manual_seed(99)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20.0, stage="full")
+    session = WeightSyncSession([VllmServerRollout("vllm-staged", url, timeout_s=60.0)], cfg)
+    session.sync(_Slow({n: t.detach() for n, t in model.state_dict().items()}, delay_s))
+    print("synced", flush=True)
+
+
+if __name__ == "__main__":
+    main()

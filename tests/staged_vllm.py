@@ -1,0 +1,140 @@
+"""Helpers for staged syncs into a real vLLM server: a handle that records its swaps, a stream of
+greedy requests, HF references."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+
+# head_dim 32: vLLM's CPU attention has no kernel for head_dim 16.
+QWEN2_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 512, "hidden_size": 128,
+    "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    "torch_dtype": "float32", "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2,
+}
+GENERATE_ROUTE = "/inference/v1/generate"
+
+
+def write_model_dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(QWEN2_CONFIG))
+    return path
+
+
+class SwapRecorder(VllmServerRollout):
+    """A `VllmServerRollout` that records each swap's stall and when it returned; `swap_mode`, when
+    set, replaces the session's pause_mode (`recompute` is a vLLM-only mode, not a config value)."""
+
+    swap_mode: str | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stalls: list[float] = []
+        self.swapped_at: list[tuple[int, float]] = []  # (version, monotonic time the swap returned)
+
+    def swap(self, version: int, pause_mode: str) -> float:
+        stall = super().swap(version, self.swap_mode if self.swap_mode is not None else pause_mode)
+        self.stalls.append(stall)
+        self.swapped_at.append((version, time.monotonic()))
+        return stall
+
+
+@dataclass
+class Output:
+    prompt: list[int]
+    tokens: list[int]
+    spans: list[tuple[str, int, int]]
+    finish: str | None
+    submitted: float
+    done: float
+
+
+def generate(http: Any, url: str, prompt: list[int], max_tokens: int, timeout_s: float = 60.0) -> Output:
+    t0 = time.monotonic()
+    body = {"token_ids": prompt, "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
+    resp = http.post(f"{url}{GENERATE_ROUTE}", json=body, timeout=timeout_s)
+    resp.raise_for_status()
+    choice = resp.json()["choices"][0]
+    spans = [(str(s["version"]), int(s["start"]), int(s["end"])) for s in choice.get("weight_versions") or []]
+    return Output(prompt, list(choice.get("token_ids") or []), spans, choice.get("finish_reason"), t0, time.monotonic())
+
+
+@dataclass
+class RequestStream:
+    """`num_threads` threads sending greedy requests back to back until stopped."""
+
+    url: str
+    prompts: list[list[int]]
+    max_tokens: int
+    num_threads: int = 2
+    outputs: list[Output] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(self.num_threads)]
+
+    def start(self) -> RequestStream:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def _loop(self, index: int) -> None:
+        import requests
+
+        http = requests.Session()
+        k = index
+        while not self._stop.is_set():
+            try:
+                out = generate(http, self.url, self.prompts[k % len(self.prompts)], self.max_tokens)
+            except Exception as exc:
+                with self._lock:
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                self._stop.wait(0.1)
+                continue
+            with self._lock:
+                self.outputs.append(out)
+            k += self.num_threads
+        http.close()
+
+    def stop(self) -> list[Output]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(90)
+        return list(self.outputs)
+
+
+class HfReference:
+    """Greedy tokens of an HF model holding a given version's weights (memoized)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.weights: dict[str, dict[str, torch.Tensor]] = {}
+        self._memo: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+
+    def record(self, version: str, state: dict[str, torch.Tensor]) -> None:
+        self.weights[version] = {n: t.detach().clone() for n, t in state.items()}
+
+    @torch.no_grad()
+    def greedy(self, version: str, prompt: list[int], n: int) -> list[int]:
+        key = (version, tuple(prompt), n)
+        if key not in self._memo:
+            self.model.load_state_dict(self.weights[version])
+            ids = torch.tensor([prompt])
+            out: list[int] = []
+            for _ in range(n):
+                nxt = int(self.model(ids).logits[0, -1].argmax())
+                out.append(nxt)
+                ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+            self._memo[key] = out
+        return self._memo[key]
