@@ -4,12 +4,16 @@ vLLM 0.32 loads a LoRA adapter only from a path (`WorkerLoRAManager._load_adapte
 `adapter_config.json` and the safetensors file). Here the received tensors become a `LoRAModel`
 through vLLM's own `LoRAModel.from_lora_tensors` and `PEFTHelper` (validated against the engine's
 `LoRAConfig` like a loaded adapter), and go straight into the worker's LRU LoRA manager under the
-id `lora_int_id(version)`, activated at once. Requests name a version by that id (the controller
-hands out `LoRARequest`s with a `ckpt-engine://` path that nothing reads).
+id `lora_int_id(version)`, activated at once (`preload`; in-process `LLM`). Requests name a version
+by its `ckpt-engine://adapter/<engine>/v<version>` path, which nothing reads: the in-process
+controller hands out `LoRARequest`s with id `lora_int_id(version)`; vLLM's OpenAI server gives the
+ids itself when the controller registers a version by name (`/v1/load_lora_adapter`), and the
+worker builds that id's `LoRAModel` from the kept tensors (no preload then).
 
 Two hooks on the worker's `lora_manager` instance keep it consistent with `AdapterVersions`:
-- `_load_adapter` (vLLM calls it for an id its cache lost, e.g. after LRU eviction) builds a
-  ckpt-engine version from the tensors kept in memory; other paths load as before. An id of a
+- `_load_adapter` (vLLM calls it for an id it does not hold: the server's registration, or an id
+  its LRU cache evicted) builds the version its path names from the tensors kept in memory; other
+  paths load as before. An id of a
   version already unloaded (a request that waited in the queue, never started, across two syncs)
   gets the newest version: it starts now, and new requests get the newest.
 - `set_active_adapters` (every step, with the step's LoRA requests) tells which versions running
@@ -26,7 +30,7 @@ import torch
 from ckpt_engine.lora_format import LoraSpec
 from ckpt_engine.rollout_adapters.lora_receiver import LoraReceiverCore, LoraTarget
 
-__all__ = ["LORA_PATH_PREFIX", "VllmLoraCore", "lora_base_shapes", "lora_int_id", "version_of_lora_id"]
+__all__ = ["LORA_PATH_PREFIX", "VllmLoraCore", "lora_base_shapes", "lora_int_id", "lora_path", "version_of_lora_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +43,18 @@ def lora_int_id(version: int) -> int:
     return version + 1
 
 
-def version_of_lora_id(lora_id: int) -> int:
-    return lora_id - 1
+def lora_path(engine: str, version: int) -> str:
+    """`LoRARequest.lora_path` naming `version` of `engine`'s adapter (read by nobody; parsed by the worker)."""
+    return f"{LORA_PATH_PREFIX}{engine}/v{version}"
+
+
+def version_of_lora_path(path: object) -> int | None:
+    """The version a `lora_path()` names; None for any other path (an adapter loaded from disk)."""
+    text = str(path)
+    if not text.startswith(LORA_PATH_PREFIX):
+        return None
+    tail = text.rsplit("/v", 1)[-1]
+    return int(tail) if tail.isdigit() else None
 
 
 def lora_base_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
@@ -85,6 +99,11 @@ class VllmLoraCore:
         self._model = runner.get_model
         self._tensors: dict[int, tuple[dict[str, torch.Tensor], LoraSpec]] = {}
         self._shapes: tuple[int, dict[str, tuple[int, int]]] | None = None
+        self._ids: dict[int, set[int]] = {}
+        """Version -> the LoRA ids vLLM holds it under (ours with preload, the server's)."""
+        self.preload = True
+        """Install each version under `lora_int_id(version)` at finalize (in-process `LLM`); off
+        behind the OpenAI server, whose registration loads it under its own id."""
         self.core: LoraReceiverCore[int] = LoraReceiverCore(self.target, self._install, self._unload, max_versions, torch.device("cpu"))
         self._hook()
 
@@ -118,19 +137,23 @@ class VllmLoraCore:
 
     def _install(self, version: int, tensors: dict[str, torch.Tensor], spec: LoraSpec) -> int:
         lora_id = lora_int_id(version)
-        lora = self._lora_model(lora_id, tensors, spec)
+        lora = self._lora_model(lora_id, tensors, spec)  # checked here even when the server loads it later
+        self._tensors[version] = (tensors, spec)
+        if not self.preload:
+            return lora_id
         adapters = self.manager._adapter_manager
         adapters.remove_adapter(lora_id)  # a stale one of the same id (never served: versions only grow)
         if len(adapters) + 1 > adapters.capacity:
             adapters.remove_oldest_adapter()  # its tensors stay here: `_load_adapter` rebuilds it if asked
         adapters.add_adapter(lora)
         adapters.activate_adapter(lora_id)
-        self._tensors[version] = (tensors, spec)
+        self._ids.setdefault(version, set()).add(lora_id)
         return lora_id
 
     def _unload(self, version: int) -> None:
         self._tensors.pop(version, None)
-        self.manager.remove_adapter(lora_int_id(version))
+        for lora_id in self._ids.pop(version, set()):
+            self.manager.remove_adapter(lora_id)
 
     # --- hooks on vLLM's worker LoRA manager -------------------------------------------------
     def _hook(self) -> None:
@@ -139,19 +162,20 @@ class VllmLoraCore:
         set_active = manager.set_active_adapters
 
         def load_adapter(request: Any) -> Any:
-            if not str(request.lora_path).startswith(LORA_PATH_PREFIX):
+            version = version_of_lora_path(request.lora_path)
+            if version is None:
                 return load_from_path(request)
-            found = self._tensors.get(version_of_lora_id(request.lora_int_id))
-            if found is None:
+            if version not in self._tensors:
                 newest = self.core.versions.newest
                 if newest is None:
                     raise RuntimeError(f"LoRA {request.lora_name!r}: no ckpt-engine adapter version is installed")
                 logger.warning("LoRA %s: version unloaded before the request started; serving version %s", request.lora_name, newest)
-                found = self._tensors[newest]
-            return self._lora_model(request.lora_int_id, *found)
+                version = newest
+            self._ids.setdefault(version, set()).add(int(request.lora_int_id))
+            return self._lora_model(request.lora_int_id, *self._tensors[version])
 
         def set_active_adapters(requests: set[Any], mapping: Any) -> None:
-            active = {version_of_lora_id(r.lora_int_id) for r in requests if r and str(r.lora_path).startswith(LORA_PATH_PREFIX)}
+            active = {v for v in (version_of_lora_path(r.lora_path) for r in requests if r) if v is not None}
             self.core.observe(active)
             set_active(requests, mapping)
 

@@ -90,9 +90,15 @@ class CkptEngineWorkerExtension:
             core.core.set_max_versions(max_versions)
         return core.core
 
-    def ckpt_lora_join(self, rendezvous: dict[str, Any], rank_offset: int, options: dict[str, Any], max_versions: int) -> dict[str, Any]:
+    def ckpt_lora_join(
+        self, rendezvous: dict[str, Any], rank_offset: int, options: dict[str, Any], max_versions: int, preload: bool = True
+    ) -> dict[str, Any]:
+        """`preload`: install each version under its own LoRA id at finalize (False behind the OpenAI
+        server, whose `/v1/load_lora_adapter` loads it under the server's id)."""
         rank = int(rank_offset) + self._ckpt_rank()
-        self._ckpt_lora_core(int(max_versions)).join(rendezvous, rank, options)
+        core = self._ckpt_lora_core(int(max_versions))
+        self._ckpt_lora.preload = bool(preload)
+        core.join(rendezvous, rank, options)
         return {"pid": os.getpid(), "rank": rank}
 
     def ckpt_lora_leave(self) -> None:
