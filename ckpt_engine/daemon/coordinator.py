@@ -60,7 +60,7 @@ from ckpt_engine.daemon.senders import ShardedWalk, sends_from_every_rank
 from ckpt_engine.daemon.protocol import PROTOCOL_VERSION, ProtocolError, check_engine_descriptor, check_engine_name, check_outcome
 from ckpt_engine.daemon.server import DaemonServer
 from ckpt_engine.daemon.versions import JobVersions
-from ckpt_engine.daemon.weights import check_sync_weights, weights_refusal
+from ckpt_engine.daemon.weights import check_engine_weights, check_sync_weights
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.versions import check_step, check_version
@@ -138,10 +138,7 @@ class WeightSyncDaemon:
         else:
             descriptor = check_engine_descriptor(dict(engine))
             adapter, owned = make_adapter(name, descriptor, self.config.timeout_s, token=self.token), True
-        if adapter.weights != self.config.weights:  # before it is probed or claimed
-            if owned:
-                close_quietly(adapter)
-            raise ValueError(weights_refusal(name, describe(descriptor), adapter.weights, self.config.weights))
+        check_engine_weights(name, describe(descriptor), adapter, self.config.weights, owned)  # before it is probed or claimed
         old = self.membership.get(name)
         try:
             health = adapter.health()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ckpt_engine.daemon.adapters import close_quietly
 from ckpt_engine.sync.weights_mode import check_weights_mode
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
     from ckpt_engine.rollout_adapters.base import RolloutAdapter
     from ckpt_engine.sources.base import WeightSource
 
-__all__ = ["check_sync_weights", "weights_refusal"]
+__all__ = ["check_engine_weights", "check_sync_weights", "weights_refusal"]
 
 
 def weights_refusal(name: str, described: str, engine_weights: str, mode: str) -> str:
@@ -28,6 +29,15 @@ def weights_refusal(name: str, described: str, engine_weights: str, mode: str) -
         f"engine {name!r} ({described}) takes {takes} but this daemon syncs checkpoint_engine.weights={mode!r}; "
         f"register an engine of the other kind, or run the daemon with checkpoint_engine.weights={engine_weights!r}"
     )
+
+
+def check_engine_weights(name: str, described: str, adapter: RolloutAdapter, mode: str, owned: bool) -> None:
+    """Refuse (ValueError) an engine whose weights mode is not `mode`; closes the adapter if `owned`."""
+    if adapter.weights == mode:
+        return
+    if owned:
+        close_quietly(adapter)
+    raise ValueError(weights_refusal(name, described, adapter.weights, mode))
 
 
 def check_sync_weights(mode: str, source: WeightSource, rollouts: Sequence[RolloutAdapter], upstream: DaemonClient | None) -> None:
