@@ -85,7 +85,8 @@ class CkptEngineWorkerExtension:
 
         core = getattr(self, "_ckpt_lora", None)
         if core is None:
-            core = self._ckpt_lora = VllmLoraCore(self, max_versions if max_versions is not None else 2)
+            runner = self.model_runner  # type: ignore[attr-defined]
+            core = self._ckpt_lora = VllmLoraCore(runner.get_model, self.vllm_config, max_versions if max_versions is not None else 2)  # type: ignore[attr-defined]
         elif max_versions is not None:
             core.core.set_max_versions(max_versions)
         return core.core
