@@ -23,6 +23,12 @@ Follows the request schemas and semantics of SGLang 0.5.x as documented in SGLan
   under `retract`.
 - A prefix cache like SGLang's radix cache: the KV of a prompt is kept and reused by the next
   request with the same prompt, so a weight update without a flush keeps serving old-weight KV.
+- `/load_lora_adapter` {lora_name, lora_path, pinned}: reads the PEFT folder at `lora_path` (PEFT's
+  own loader; here merged into a copy of the model) and serves it to `/generate` requests whose
+  `lora_path` names it; a name already loaded answers 400 {"success": false, "error_message"}.
+  `/unload_lora_adapter` {lora_name}: new requests can no longer name it; answers once the requests
+  using it finished (SGLang's `LoRARegistry.wait_for_unload`). `/lora_adapters` (stand-in only): the
+  loaded names and their tensors' checksums, for the tests.
 - `/destroy_weights_update_group` {group_name}, `/update_weight_version` {new_version,
   abort_all_requests}, `/get_weight_version`, `/get_model_info`, `/get_load` (requests in flight),
   `/health`, and `/generate`
@@ -86,6 +92,8 @@ class StandinEngine:
         self.abort_epoch = 0
         self.retract_epoch = 0
         self.prefix_cache: dict[tuple[int, ...], Any] = {}
+        self.loras: dict[str, tuple[torch.nn.Module, dict[str, float]]] = {}  # name -> (merged model, tensor sums)
+        self.lora_users: dict[str, int] = {}
 
     def kv_held(self) -> bool:
         """Whether some request holds KV a flush would pull from under it."""
@@ -129,6 +137,31 @@ class StandinEngine:
         self.groups[req["group_name"]] = (store, group)
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
+    def load_lora(self, req: dict[str, Any]) -> dict[str, Any]:
+        import peft
+        from safetensors.torch import load_file
+
+        name, path = req["lora_name"], req["lora_path"]
+        if name in self.loras:
+            return {"success": False, "error_message": f"LoRA adapter {name!r} is already loaded"}
+        try:
+            model = peft.PeftModel.from_pretrained(copy.deepcopy(self.model), path).merge_and_unload().eval()
+            sums = {n: float(t.double().sum()) for n, t in load_file(os.path.join(path, "adapter_model.safetensors")).items()}
+        except Exception as exc:  # noqa: BLE001 - answered like SGLang does
+            return {"success": False, "error_message": f"Failed to load LoRA adapter {name!r} from {path!r}: {exc!r}"}
+        self.loras[name] = (model, sums)
+        return {"success": True, "loaded_adapters": {n: n for n in self.loras}}
+
+    def unload_lora(self, req: dict[str, Any]) -> dict[str, Any]:
+        name = req["lora_name"]
+        with self.cond:
+            if name not in self.loras:
+                return {"success": False, "error_message": f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.loras)}"}
+            self.loras.pop(name)  # new requests can no longer name it
+            while self.lora_users.get(name, 0) > 0:
+                self.cond.wait(0.05)
+        return {"success": True, "loaded_adapters": {n: n for n in self.loras}}
+
     def update(self, req: dict[str, Any]) -> dict[str, Any]:
         names, dtypes, shapes = req["names"], req["dtypes"], req["shapes"]
         group_name = req.get("group_name", "weight_update_group")
@@ -169,14 +202,22 @@ class StandinEngine:
     @torch.no_grad()
     def generate(self, req: dict[str, Any]) -> dict[str, Any]:
         prompt = tuple(int(t) for t in req["input_ids"])
+        lora = req.get("lora_path")
         with self.cond:
+            if lora is not None and lora not in self.loras:
+                raise KeyError(f"LoRA {lora!r} is not loaded")
+            model = self.loras[lora][0] if lora is not None else self.model
             self.inflight += 1
+            if lora is not None:
+                self.lora_users[lora] = self.lora_users.get(lora, 0) + 1
             epoch = self.abort_epoch
         try:
-            return self._generate(prompt, int(req.get("sampling_params", {}).get("max_new_tokens", 16)), epoch)
+            return self._generate(prompt, int(req.get("sampling_params", {}).get("max_new_tokens", 16)), epoch, model, lora)
         finally:
             with self.cond:
                 self.inflight -= 1
+                if lora is not None:
+                    self.lora_users[lora] -= 1
                 self.cond.notify_all()
 
     def _wait_runnable(self, epoch: int) -> bool:
@@ -186,12 +227,14 @@ class StandinEngine:
                 self.cond.wait(0.05)
             return self.abort_epoch == epoch
 
-    def _forward(self, ids: tuple[int, ...], past: Any) -> tuple[Any, torch.Tensor]:
+    def _forward(self, ids: tuple[int, ...], past: Any, model: torch.nn.Module | None = None) -> tuple[Any, torch.Tensor]:
         with self.step:
-            result = self.model(torch.tensor([ids]), past_key_values=past, use_cache=True)
+            result = (model if model is not None else self.model)(torch.tensor([ids]), past_key_values=past, use_cache=True)
         return result.past_key_values, result.logits[0, -1]
 
-    def _generate(self, prompt: tuple[int, ...], max_new_tokens: int, epoch: int) -> dict[str, Any]:
+    def _generate(
+        self, prompt: tuple[int, ...], max_new_tokens: int, epoch: int, model: torch.nn.Module | None = None, lora: str | None = None
+    ) -> dict[str, Any]:
         out: list[int] = []
         finish = "length"
         if not self._wait_runnable(epoch):
@@ -199,13 +242,15 @@ class StandinEngine:
         # Like SGLang's radix cache: the KV of the prompt (all but its last token, which is always
         # computed) is kept and reused by a later request with the same prompt.
         prefix, past = prompt[:-1], None
-        if prefix:
+        if prefix and lora is None:  # (SGLang keys its radix cache by adapter too; none kept here)
             cached = self.prefix_cache.get(prefix)
             if cached is None:
                 cached, _ = self._forward(prefix, None)
                 self.prefix_cache[prefix] = cached
             past = copy.deepcopy(cached)
-        past, logits = self._forward(prompt[-1:], past)
+        elif prefix:
+            past, _ = self._forward(prefix, None, model)
+        past, logits = self._forward(prompt[-1:], past, model)
         retracted = self.retract_epoch
         for _ in range(max_new_tokens):
             nxt = int(logits.argmax())
@@ -217,9 +262,9 @@ class StandinEngine:
                 break
             if self.retract_epoch != retracted:  # retracted: the KV was dropped, recompute it all
                 retracted = self.retract_epoch
-                past, logits = self._forward(prompt + tuple(out), None)
+                past, logits = self._forward(prompt + tuple(out), None, model)
             else:
-                past, logits = self._forward((nxt,), past)
+                past, logits = self._forward((nxt,), past, model)
         meta = {"weight_version": self.weight_version, "completion_tokens": len(out), "finish_reason": {"type": finish}}
         return {"output_ids": out, "meta_info": meta}
 
@@ -256,6 +301,8 @@ def make_handler(engine: StandinEngine) -> type[BaseHTTPRequestHandler]:
                 self._reply(200, {"weight_version": engine.weight_version})
             elif self.path == "/flush_cache":
                 self._flush()
+            elif self.path == "/lora_adapters":
+                self._reply(200, {n: sums for n, (_, sums) in engine.loras.items()})
             elif self.path == "/get_load":
                 with engine.cond:
                     self._reply(200, [{"dp_rank": 0, "num_reqs": engine.inflight, "num_waiting_reqs": 0, "num_tokens": 0}])
@@ -269,7 +316,10 @@ def make_handler(engine: StandinEngine) -> type[BaseHTTPRequestHandler]:
                 self._reply(503, "")
                 return
             if path == "/generate":
-                self._reply(200, engine.generate(body))
+                try:
+                    self._reply(200, engine.generate(body))
+                except KeyError as exc:
+                    self._reply(400, {"error": {"message": str(exc)}})
                 return
             if path != "/flush_cache":  # SGLang's flush takes no body
                 try:
@@ -277,6 +327,10 @@ def make_handler(engine: StandinEngine) -> type[BaseHTTPRequestHandler]:
                 except SglangSchemaError as exc:
                     self._reply(422, {"detail": str(exc)})
                     return
+            if path in ("/load_lora_adapter", "/unload_lora_adapter"):  # SGLang's LoRA updates are not scheduler-blocking
+                r = engine.load_lora(body) if path == "/load_lora_adapter" else engine.unload_lora(body)
+                self._reply(200 if r["success"] else 400, r)
+                return
             with engine.lock:
                 if path == "/init_weights_update_group":
                     r = engine.init_group(body)

@@ -22,6 +22,7 @@ from ckpt_engine.rollout_adapters.base import RolloutAdapter
 
 __all__ = [
     "EngineKindRegistry", "close_in_background", "close_quietly", "make_adapter", "register_engine_kind", "torch_ref_factory", "vllm_factory",
+    "vllm_lora_factory",
 ]
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class EngineKindRegistry:
     _lazy: dict[str, str] = {
         "torch_ref": "ckpt_engine.daemon.adapters:torch_ref_factory",
         "vllm": "ckpt_engine.daemon.adapters:vllm_factory",
+        "vllm_lora": "ckpt_engine.daemon.adapters:vllm_lora_factory",
     }
     _loaded: dict[str, AdapterFactory] = {}
     _failed: dict[str, str] = {}
@@ -141,20 +143,39 @@ def vllm_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> Roll
 
     `world_size` (optional) spares the adapter a round trip to ask the server for it.
     """
-    from urllib.parse import urlsplit
 
     from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
 
     _check_keys("vllm", params, ("url", "world_size"))
+    url, world_size = _vllm_params("vllm", params)
+    return VllmServerRollout(name, url, timeout_s=timeout_s, world_size=world_size)
+
+
+def vllm_lora_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> RolloutAdapter:
+    """A LoRA-enabled vLLM `api_server` (dev mode, worker extension) for adapter syncs, at `url`;
+    `max_adapter_versions` (optional, default 2) as in `VllmServerLoraRollout`."""
+    from ckpt_engine.rollout_adapters.vllm_lora_server import VllmServerLoraRollout
+
+    _check_keys("vllm_lora", params, ("url", "world_size", "max_adapter_versions"))
+    url, world_size = _vllm_params("vllm_lora", params)
+    versions = params.get("max_adapter_versions", 2)
+    if isinstance(versions, bool) or not isinstance(versions, int) or not 0 < versions <= 64:
+        raise ValueError(f"vllm_lora engine descriptor: max_adapter_versions must be an int in [1, 64], got {versions!r:.80}")
+    return VllmServerLoraRollout(name, url, timeout_s=timeout_s, world_size=world_size, max_adapter_versions=versions)
+
+
+def _vllm_params(kind: str, params: Mapping[str, Any]) -> tuple[str, int | None]:
+    from urllib.parse import urlsplit
+
     url, world_size = params.get("url"), params.get("world_size")
     if not isinstance(url, str) or not 0 < len(url) <= 2048:
-        raise ValueError(f"vllm engine descriptor: url must be a non-empty string, got {url!r:.80}")
+        raise ValueError(f"{kind} engine descriptor: url must be a non-empty string, got {url!r:.80}")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/") or parts.query:
-        raise ValueError(f"vllm engine descriptor: url must look like http://host:port, got {url!r:.80}")
+        raise ValueError(f"{kind} engine descriptor: url must look like http://host:port, got {url!r:.80}")
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int) or not 0 < world_size <= 4096):
-        raise ValueError(f"vllm engine descriptor: world_size must be an int in [1, 4096], got {world_size!r:.80}")
-    return VllmServerRollout(name, url, timeout_s=timeout_s, world_size=world_size)
+        raise ValueError(f"{kind} engine descriptor: world_size must be an int in [1, 4096], got {world_size!r:.80}")
+    return url, world_size
 
 
 def close_quietly(adapter: RolloutAdapter) -> None:

@@ -60,6 +60,7 @@ from ckpt_engine.daemon.senders import ShardedWalk, sends_from_every_rank
 from ckpt_engine.daemon.protocol import PROTOCOL_VERSION, ProtocolError, check_engine_descriptor, check_engine_name, check_outcome
 from ckpt_engine.daemon.server import DaemonServer
 from ckpt_engine.daemon.versions import JobVersions
+from ckpt_engine.daemon.weights import check_engine_weights, check_sync_weights
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.versions import check_step, check_version
@@ -137,6 +138,7 @@ class WeightSyncDaemon:
         else:
             descriptor = check_engine_descriptor(dict(engine))
             adapter, owned = make_adapter(name, descriptor, self.config.timeout_s, token=self.token), True
+        check_engine_weights(name, describe(descriptor), adapter, self.config.weights, owned)  # before it is probed or claimed
         old = self.membership.get(name)
         try:
             health = adapter.health()
@@ -178,7 +180,10 @@ class WeightSyncDaemon:
         return [r.name for r in self.membership.records() if r.state != EngineState.SERVING or r.version != self.version]
 
     def hello(self) -> dict[str, Any]:
-        return {"protocol": PROTOCOL_VERSION, "role": self.role, "version": self.version, "epoch": self.membership.epoch, "group": self.group}
+        return {
+            "protocol": PROTOCOL_VERSION, "role": self.role, "version": self.version, "epoch": self.membership.epoch, "group": self.group,
+            "weights": self.config.weights,
+        }
 
     def members(self) -> dict[str, Any]:
         return {"epoch": self.membership.epoch, "version": self.version, "group": self.group, "engines": self.membership.snapshot()}
@@ -288,6 +293,7 @@ class WeightSyncDaemon:
             )
         with self._sync_lock:
             self._pull_upstream()
+            check_sync_weights(self.config.weights, source, [r.adapter for r in self.membership.records() if r.adapter is not None], self.upstream)
             holders = [r.name for r in self.membership.records() if r.version == self.version]
             target, repeat = self.versions.target(version, holders)
             outcome = SyncOutcome(version=target, catch_up=repeat)

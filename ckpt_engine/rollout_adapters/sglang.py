@@ -104,7 +104,7 @@ class SglangClient:
         if resp.status_code != 200:
             raise RuntimeError(f"engine {self.name!r}: {path} answered {resp.status_code}: {str(data)[:500]}")
         if isinstance(data, dict) and data.get("success") is False:
-            raise RuntimeError(f"engine {self.name!r}: {path} failed: {data.get('message')}")
+            raise RuntimeError(f"engine {self.name!r}: {path} failed: {data.get('message', data.get('error_message'))}")
         return data
 
     def init_weights_update_group(self, host: str, port: int, rank_offset: int, world_size: int, group_name: str, backend: str) -> None:
@@ -135,6 +135,15 @@ class SglangClient:
 
     def get_weight_version(self) -> str:
         return str(self._call("GET", "/get_weight_version")["weight_version"])
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, *, pinned: bool = False) -> None:
+        """SGLang's `/load_lora_adapter` (`LoadLoRAAdapterReqInput`): a PEFT folder the server reads."""
+        self._call("POST", "/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path, "pinned": pinned})
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """SGLang's `/unload_lora_adapter`: new requests can no longer name it; SGLang frees it after
+        the requests that use it finished (it answers then)."""
+        self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name})
 
     def get_model_info(self) -> dict[str, Any]:
         return self._call("GET", "/get_model_info")

@@ -21,9 +21,9 @@ if TYPE_CHECKING:
     import vllm
     from vllm.lora.request import LoRARequest
 
-__all__ = ["VllmLoraRollout"]
+__all__ = ["LORA_METHODS", "VllmLoraRollout"]
 
-_METHODS = {
+LORA_METHODS = {
     "ckpt_validate": "ckpt_lora_validate",
     "ckpt_receive": "ckpt_lora_receive",
     "ckpt_finalize": "ckpt_lora_finalize",
@@ -48,7 +48,7 @@ class VllmLoraRollout(VllmRollout):
         self._request: LoRARequest | None = None
 
     def _rpc(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
-        return super()._rpc(_METHODS.get(method, method), timeout_s, **kwargs)
+        return super()._rpc(LORA_METHODS.get(method, method), timeout_s, **kwargs)
 
     def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
         self._sent_digest = None
@@ -69,11 +69,11 @@ class VllmLoraRollout(VllmRollout):
         `lora_request()` (new requests get it from then on)."""
         from vllm.lora.request import LoRARequest
 
-        from ckpt_engine.rollout_adapters.vllm_lora_worker import LORA_PATH_PREFIX, lora_int_id
+        from ckpt_engine.rollout_adapters.vllm_lora_worker import lora_int_id, lora_path
 
         t0 = time.perf_counter()
         replies = self._rpc("ckpt_finalize", version=version)
-        self._request = LoRARequest(f"{self.name}-v{version}", lora_int_id(version), f"{LORA_PATH_PREFIX}{self.name}/v{version}")
+        self._request = LoRARequest(f"{self.name}-v{version}", lora_int_id(version), lora_path(self.name, version))
         self.version = version
         self.last_finalize = {"install_s": max(float(r["install_s"]) for r in replies), "finalize_rpc_s": time.perf_counter() - t0}
 

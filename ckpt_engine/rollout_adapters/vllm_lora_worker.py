@@ -4,12 +4,18 @@ vLLM 0.32 loads a LoRA adapter only from a path (`WorkerLoRAManager._load_adapte
 `adapter_config.json` and the safetensors file). Here the received tensors become a `LoRAModel`
 through vLLM's own `LoRAModel.from_lora_tensors` and `PEFTHelper` (validated against the engine's
 `LoRAConfig` like a loaded adapter), and go straight into the worker's LRU LoRA manager under the
-id `lora_int_id(version)`, activated at once. Requests name a version by that id (the controller
-hands out `LoRARequest`s with a `ckpt-engine://` path that nothing reads).
+id `lora_int_id(version)`, activated at once (`preload`; in-process `LLM`). Requests name a version
+by its `ckpt-engine://adapter/<engine>/v<version>` path, which nothing reads: the in-process
+controller hands out `LoRARequest`s with id `lora_int_id(version)`; vLLM's OpenAI server gives the
+ids itself when the controller registers a version by name (`/v1/load_lora_adapter`), and the
+worker builds that id's `LoRAModel` from the kept tensors (no preload then).
 
-Two hooks on the worker's `lora_manager` instance keep it consistent with `AdapterVersions`:
-- `_load_adapter` (vLLM calls it for an id its cache lost, e.g. after LRU eviction) builds a
-  ckpt-engine version from the tensors kept in memory; other paths load as before. An id of a
+Two hooks on vLLM's `WorkerLoRAManager` (wrapped once per process, at class level: the native
+weight-transfer engine is handed only the model; managers of no `VllmLoraCore` run vLLM's own code)
+keep it consistent with `AdapterVersions`:
+- `_load_adapter` (vLLM calls it for an id it does not hold: the server's registration, or an id
+  its LRU cache evicted) builds the version its path names from the tensors kept in memory; other
+  paths load as before. An id of a
   version already unloaded (a request that waited in the queue, never started, across two syncs)
   gets the newest version: it starts now, and new requests get the newest.
 - `set_active_adapters` (every step, with the step's LoRA requests) tells which versions running
@@ -19,6 +25,7 @@ Two hooks on the worker's `lora_manager` instance keep it consistent with `Adapt
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +33,7 @@ import torch
 from ckpt_engine.lora_format import LoraSpec
 from ckpt_engine.rollout_adapters.lora_receiver import LoraReceiverCore, LoraTarget
 
-__all__ = ["LORA_PATH_PREFIX", "VllmLoraCore", "lora_base_shapes", "lora_int_id", "version_of_lora_id"]
+__all__ = ["LORA_PATH_PREFIX", "VllmLoraCore", "lora_base_shapes", "lora_int_id", "lora_path", "version_of_lora_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +46,18 @@ def lora_int_id(version: int) -> int:
     return version + 1
 
 
-def version_of_lora_id(lora_id: int) -> int:
-    return lora_id - 1
+def lora_path(engine: str, version: int) -> str:
+    """`LoRARequest.lora_path` naming `version` of `engine`'s adapter (read by nobody; parsed by the worker)."""
+    return f"{LORA_PATH_PREFIX}{engine}/v{version}"
+
+
+def version_of_lora_path(path: object) -> int | None:
+    """The version a `lora_path()` names; None for any other path (an adapter loaded from disk)."""
+    text = str(path)
+    if not text.startswith(LORA_PATH_PREFIX):
+        return None
+    tail = text.rsplit("/v", 1)[-1]
+    return int(tail) if tail.isdigit() else None
 
 
 def lora_base_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
@@ -70,23 +87,33 @@ def lora_base_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 
 class VllmLoraCore:
-    """One vLLM worker's adapter versions (every method runs in the worker, via collective_rpc)."""
+    """One vLLM worker's adapter versions (every method runs in the worker: via collective_rpc from
+    the worker extension, or from the native weight-transfer engine)."""
 
-    def __init__(self, worker: Any, max_versions: int) -> None:
-        runner = worker.model_runner
-        manager = getattr(runner, "lora_manager", None)
-        if manager is None:
+    def __init__(self, get_model: Callable[[], torch.nn.Module], vllm_config: Any, max_versions: int) -> None:
+        adapters = getattr(get_model(), "lora_manager", None)  # vLLM's LoRAModelManager sets it on the model
+        if adapters is None or vllm_config.lora_config is None:
             raise RuntimeError(
                 "adapter syncs need vLLM's LoRA support: start the engine with enable_lora=True "
                 "(and max_lora_rank >= the adapter's rank, max_loras >= max_adapter_versions)"
             )
-        self.manager = manager
-        self.lora_config = manager.lora_config
-        self._model = runner.get_model
+        self.adapters = adapters
+        """vLLM's `LRUCacheLoRAModelManager`: the LoRA models this worker holds, by id."""
+        self.lora_config = vllm_config.lora_config
+        self._vocab_size = int(vllm_config.model_config.get_vocab_size())
+        text = vllm_config.model_config.hf_config.get_text_config()
+        self._max_positions = getattr(text, "max_position_embeddings", None)
+        self._model = get_model
         self._tensors: dict[int, tuple[dict[str, torch.Tensor], LoraSpec]] = {}
         self._shapes: tuple[int, dict[str, tuple[int, int]]] | None = None
+        self._ids: dict[int, set[int]] = {}
+        """Version -> the LoRA ids vLLM holds it under (ours with preload, the server's)."""
+        self.preload = True
+        """Install each version under `lora_int_id(version)` at finalize (in-process `LLM`); off
+        behind the OpenAI server, whose registration loads it under its own id."""
         self.core: LoraReceiverCore[int] = LoraReceiverCore(self.target, self._install, self._unload, max_versions, torch.device("cpu"))
-        self._hook()
+        _install_hooks()
+        _CORES[id(adapters)] = self
 
     # --- the engine's LoRA config ------------------------------------------------------------
     def target(self) -> LoraTarget:
@@ -104,12 +131,16 @@ class VllmLoraCore:
         from vllm.lora.lora_model import LoRAModel
         from vllm.lora.peft_helper import PEFTHelper
 
-        helper = PEFTHelper.from_dict({**spec.peft_config(), "vllm_max_position_embeddings": self.manager.max_position_embeddings})
+        helper = PEFTHelper.from_dict({**spec.peft_config(), "vllm_max_position_embeddings": self._max_positions})
         helper.validate_legal(self.lora_config)
-        adapters = self.manager._adapter_manager
+        adapters = self.adapters
         mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
+        # Copies: vLLM merges the scaling into lora_B in place when it adds a model (`optimize`), and
+        # `from_lora_tensors` keeps CPU tensors of the LoRA dtype as they are; the kept tensors must
+        # stay as received, since a version is rebuilt from them (eviction, the server's id, vLLM
+        # dropping every LoRA model after a weight update).
         lora = LoRAModel.from_lora_tensors(
-            lora_id, tensors, helper, device="cpu", dtype=self.lora_config.lora_dtype, model_vocab_size=self.manager.vocab_size,
+            lora_id, {n: t.clone() for n, t in tensors.items()}, helper, device="cpu", dtype=self.lora_config.lora_dtype, model_vocab_size=self._vocab_size,
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None),
         )
@@ -118,42 +149,71 @@ class VllmLoraCore:
 
     def _install(self, version: int, tensors: dict[str, torch.Tensor], spec: LoraSpec) -> int:
         lora_id = lora_int_id(version)
-        lora = self._lora_model(lora_id, tensors, spec)
-        adapters = self.manager._adapter_manager
+        lora = self._lora_model(lora_id, tensors, spec)  # checked here even when the server loads it later
+        self._tensors[version] = (tensors, spec)
+        if not self.preload:
+            return lora_id
+        adapters = self.adapters
         adapters.remove_adapter(lora_id)  # a stale one of the same id (never served: versions only grow)
         if len(adapters) + 1 > adapters.capacity:
             adapters.remove_oldest_adapter()  # its tensors stay here: `_load_adapter` rebuilds it if asked
         adapters.add_adapter(lora)
         adapters.activate_adapter(lora_id)
-        self._tensors[version] = (tensors, spec)
+        self._ids.setdefault(version, set()).add(lora_id)
         return lora_id
 
     def _unload(self, version: int) -> None:
         self._tensors.pop(version, None)
-        self.manager.remove_adapter(lora_int_id(version))
+        for lora_id in self._ids.pop(version, set()):
+            self.adapters.remove_adapter(lora_id)
 
-    # --- hooks on vLLM's worker LoRA manager -------------------------------------------------
-    def _hook(self) -> None:
-        manager = self.manager
-        load_from_path = manager._load_adapter
-        set_active = manager.set_active_adapters
+    # --- what the hooks on vLLM's worker LoRA manager ask ------------------------------------
+    def load(self, request: Any, version: int) -> Any:
+        """The `LoRAModel` of `version` under the request's id (the newest when it was unloaded)."""
+        if version not in self._tensors:
+            newest = self.core.versions.newest
+            if newest is None:
+                raise RuntimeError(f"LoRA {request.lora_name!r}: no ckpt-engine adapter version is installed")
+            logger.warning("LoRA %s: version unloaded before the request started; serving version %s", request.lora_name, newest)
+            version = newest
+        self._ids.setdefault(version, set()).add(int(request.lora_int_id))
+        return self._lora_model(request.lora_int_id, *self._tensors[version])
 
-        def load_adapter(request: Any) -> Any:
-            if not str(request.lora_path).startswith(LORA_PATH_PREFIX):
-                return load_from_path(request)
-            found = self._tensors.get(version_of_lora_id(request.lora_int_id))
-            if found is None:
-                newest = self.core.versions.newest
-                if newest is None:
-                    raise RuntimeError(f"LoRA {request.lora_name!r}: no ckpt-engine adapter version is installed")
-                logger.warning("LoRA %s: version unloaded before the request started; serving version %s", request.lora_name, newest)
-                found = self._tensors[newest]
-            return self._lora_model(request.lora_int_id, *found)
+    def observe(self, requests: set[Any]) -> None:
+        """A step's LoRA requests: versions none of them uses (but the newest) go."""
+        self.core.observe({v for v in (version_of_lora_path(r.lora_path) for r in requests if r) if v is not None})
 
-        def set_active_adapters(requests: set[Any], mapping: Any) -> None:
-            active = {version_of_lora_id(r.lora_int_id) for r in requests if r and str(r.lora_path).startswith(LORA_PATH_PREFIX)}
-            self.core.observe(active)
-            set_active(requests, mapping)
 
-        manager._load_adapter = load_adapter
-        manager.set_active_adapters = set_active_adapters
+_CORES: dict[int, VllmLoraCore] = {}
+"""id(vLLM's LoRAModelManager) -> the core of that worker (one per worker process)."""
+
+
+def _install_hooks() -> None:
+    """Wrap `WorkerLoRAManager._load_adapter` and `set_active_adapters` once per process, so that a
+    worker manager whose model manager belongs to a `VllmLoraCore` builds ckpt-engine versions from
+    memory and reports each step's LoRA requests. At class level: vLLM hands the native
+    weight-transfer engine only the model, never the worker's LoRA manager; every other manager
+    (and every other path) runs vLLM's own code unchanged."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    if getattr(WorkerLoRAManager, "_ckpt_engine_hooked", False):
+        return
+    load_from_path = WorkerLoRAManager._load_adapter
+    set_active = WorkerLoRAManager.set_active_adapters
+
+    def _load_adapter(self: Any, request: Any) -> Any:
+        core = _CORES.get(id(self._adapter_manager))
+        version = version_of_lora_path(request.lora_path)
+        if core is None or version is None:
+            return load_from_path(self, request)
+        return core.load(request, version)
+
+    def set_active_adapters(self: Any, requests: set[Any], mapping: Any) -> None:
+        core = _CORES.get(id(getattr(self, "_adapter_manager", None)))
+        if core is not None:
+            core.observe(requests)
+        set_active(self, requests, mapping)
+
+    WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
+    WorkerLoRAManager.set_active_adapters = set_active_adapters  # type: ignore[method-assign]
+    WorkerLoRAManager._ckpt_engine_hooked = True  # type: ignore[attr-defined]

@@ -74,7 +74,7 @@ class VllmNativeRollout(RolloutAdapter):
         """`init_weight_transfer_engine` on every worker; an engine started without the
         weight-transfer config fails here at once, with the fix."""
         self._worker_digest = None
-        init = {"rendezvous": rendezvous.to_dict(), "rank_offset": rank_offset, "options": options.to_dict()}
+        init = {"rendezvous": rendezvous.to_dict(), "rank_offset": rank_offset, "options": options.to_dict(), **self._init_extra()}
         try:
             self.client.init_weight_transfer_engine(init)
         except Exception as exc:
@@ -85,6 +85,10 @@ class VllmNativeRollout(RolloutAdapter):
                 "--weight-transfer-config '{\"backend\": \"ckpt_engine\"}' (or LLM(..., weight_transfer_config="
                 "{\"backend\": \"ckpt_engine\"}))"
             ) from exc
+
+    def _init_extra(self) -> dict[str, Any]:
+        """More `CkptEngineInitInfo` fields (the adapter-sync subclass sets `weights`)."""
+        return {}
 
     def validate(self, manifest: BucketManifest, encoded: bytes) -> None:
         """Open an update and have every worker check the manifest; the manifest travels only when
@@ -144,7 +148,14 @@ class VllmNativeRollout(RolloutAdapter):
 
 def _problems(text: str) -> list[str]:
     """The worker's problem list out of an error that crossed vLLM's RPC (and maybe HTTP)."""
-    tail = text[text.index(REJECTED) + len(REJECTED) :]
-    for end in ('"', "'", "\n", "\\n"):
+    start = text.index(REJECTED)
+    tail = text[start + len(REJECTED) :]
+    for end in ("\n", "\\n"):
         tail = tail.split(end, 1)[0]
+    # The message ends at the last quote of the kind that opened it (repr(), vLLM's "error '...'",
+    # or an escaped one inside JSON): a problem may hold quotes of its own ("the engine's").
+    opener = text[start - 1] if start > 0 else ""
+    if opener in ("'", '"'):
+        closer = "\\" + opener if start > 1 and text[start - 2] == "\\" else opener
+        tail = tail.rsplit(closer, 1)[0] if closer in tail else tail
     return [p.strip() for p in tail.split("; ") if p.strip()]

@@ -14,11 +14,16 @@ One weight update, as the trainer side drives it (`rollout_adapters/vllm_native.
       the buckets (or patches against the workers' base copies) through the weight-sync group;
       loads them through layerwise reload
   finish_weight_update                                          layerwise post-processing
+With `weights: "adapters"` in the init info the workers take LoRA adapter versions instead
+(`vllm_lora_worker.py`): validate and receive stage the adapter, phase `install` (version) makes it
+the newest version, and finish_weight_update loads nothing (vLLM then drops every loaded LoRA model;
+the workers rebuild each version from memory when a request names it).
 The weights never travel in these calls; only the manifest (msgpack, base64) and small scalars do.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,13 +42,15 @@ from ckpt_engine.rollout_adapters.vllm_receiver import VllmReceiverCore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+    from ckpt_engine.rollout_adapters.vllm_lora_worker import VllmLoraCore
     from vllm.config.weight_transfer import WeightTransferConfig
 
 __all__ = ["CkptEngineInitInfo", "CkptEngineUpdateInfo", "CkptEngineWeightTransferEngine", "NEED_MANIFEST", "REJECTED"]
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("validate", "receive")
+PHASES = ("validate", "receive", "install")
 NEED_MANIFEST = "need_manifest"
 """Appears in the validate error when the worker has no manifest under the announced digest."""
 REJECTED = "ckpt_engine rejected the manifest: "
@@ -61,8 +68,13 @@ class CkptEngineInitInfo(WeightTransferInitInfo):
     rendezvous: dict[str, Any]
     rank_offset: int
     options: dict[str, Any]
+    weights: str = "full"
+    """`adapters`: the workers take LoRA adapter versions (the engine started with LoRA enabled)."""
+    max_adapter_versions: int = 2
 
     def __post_init__(self) -> None:
+        if self.weights not in ("full", "adapters"):
+            raise ValueError(f"weights must be 'full' or 'adapters', got {self.weights!r}")
         Rendezvous.from_dict(self.rendezvous)  # raises ValueError naming the bad field
         JoinOptions.from_dict(self.options)
         if not isinstance(self.rank_offset, int) or isinstance(self.rank_offset, bool) or self.rank_offset < 1:
@@ -91,6 +103,8 @@ class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError("manifest must be a base64 string, sent only with phase 'validate'")
         if self.version is not None and not isinstance(self.version, str):
             raise ValueError(f"version must be a string, got {self.version!r}")
+        if self.phase == "install" and (self.version is None or not self.version.isdigit()):
+            raise ValueError(f"phase 'install' needs the adapter's version as a decimal string, got {self.version!r}")
         if self.delta is not None:
             if self.phase != "receive":
                 raise ValueError("delta is sent only with phase 'receive'")
@@ -119,6 +133,8 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         self.core = VllmReceiverCore(lambda: self.model, vllm_config, device)
         self._validated: str | None = None
         self._version: str | None = None
+        self.lora: VllmLoraCore | None = None
+        """Adapter syncs (init info `weights: adapters`): the LoRA versions this worker holds."""
 
     def _worker_rank(self) -> int:
         """This worker's index across every data-parallel replica (as vLLM's NCCL backend counts)."""
@@ -128,6 +144,16 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
     def init_transfer_engine(self, init_info: CkptEngineInitInfo) -> None:
         """Join the weight-sync group; blocks until the sender and every worker have joined."""
         rank = init_info.rank_offset + self._worker_rank()
+        if init_info.weights == "adapters":
+            from ckpt_engine.rollout_adapters.vllm_lora_worker import VllmLoraCore
+
+            if self.lora is None:
+                self.lora = VllmLoraCore(lambda: self._default_model, self.vllm_config, init_info.max_adapter_versions)
+                self.lora.preload = False  # vLLM drops every LoRA model when an update finishes
+            self.lora.core.set_max_versions(init_info.max_adapter_versions)
+            self.lora.core.join(init_info.rendezvous, rank, init_info.options)
+            return
+        self.lora = None
         self.core.join(init_info.rendezvous, rank, init_info.options)
         logger.info("ckpt_engine: worker joined the weight-sync group as rank %s", rank)
 
@@ -141,6 +167,11 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: CkptEngineUpdateInfo) -> None:
+        if self.lora is not None:
+            self._receive_adapter(update_info)
+            return
+        if update_info.phase == "install":
+            raise RuntimeError("ckpt_engine: phase 'install' is for adapter syncs; join with weights='adapters'")
         if update_info.phase == "validate":
             verdict = self.core.validate(update_info.manifest, update_info.digest)
             if verdict.get("need_manifest"):
@@ -157,13 +188,40 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         self.core.receive(update_info.digest, delta=update_info.delta)
         self._version = update_info.version
 
+    def _receive_adapter(self, update_info: CkptEngineUpdateInfo) -> None:
+        """One phase of an adapter sync (validate, receive into staging, install as the newest version)."""
+        assert self.lora is not None
+        core = self.lora.core
+        if update_info.phase == "validate":
+            encoded = base64.b64decode(update_info.manifest, validate=True) if update_info.manifest is not None else None
+            verdict = core.validate(encoded, update_info.digest)
+            if verdict.get("need_manifest"):
+                raise ValueError(f"ckpt_engine: {NEED_MANIFEST}: no manifest cached under digest {update_info.digest[:12]}; send it")
+            if not verdict["accepted"]:
+                raise ValueError(REJECTED + "; ".join(verdict["problems"]))
+            self._validated = update_info.digest
+        elif self._validated != update_info.digest:
+            raise RuntimeError(
+                f"ckpt_engine: manifest {update_info.digest[:12]} was not validated in this weight update; "
+                "call update_weights with phase 'validate' first"
+            )
+        elif update_info.phase == "receive":
+            core.receive(update_info.digest, delta=update_info.delta)
+        else:
+            core.finalize(int(update_info.version))  # type: ignore[arg-type]  # checked in CkptEngineUpdateInfo
+
     def finish_weight_update(self) -> None:
-        """Layerwise post-processing; vLLM stamps the engine's weight version after this returns."""
-        self.core.finalize(self._version if self._version is not None else self.core.version)
+        """Layerwise post-processing; vLLM stamps the engine's weight version after this returns.
+        An adapter sync installed its version in phase `install`: nothing to load here."""
+        if self.lora is None:
+            self.core.finalize(self._version if self._version is not None else self.core.version)
         self._validated = None
 
     def health(self) -> dict[str, Any]:
-        return self.core.health()
+        return self.lora.core.health() if self.lora is not None else self.core.health()
 
     def shutdown(self) -> None:
-        self.core.leave()
+        if self.lora is not None:
+            self.lora.core.leave()
+        else:
+            self.core.leave()

@@ -105,14 +105,21 @@ class CkptEngineWorkerExtension:
 
         core = getattr(self, "_ckpt_lora", None)
         if core is None:
-            core = self._ckpt_lora = VllmLoraCore(self, max_versions if max_versions is not None else 2)
+            runner = self.model_runner  # type: ignore[attr-defined]
+            core = self._ckpt_lora = VllmLoraCore(runner.get_model, self.vllm_config, max_versions if max_versions is not None else 2)  # type: ignore[attr-defined]
         elif max_versions is not None:
             core.core.set_max_versions(max_versions)
         return core.core
 
-    def ckpt_lora_join(self, rendezvous: dict[str, Any], rank_offset: int, options: dict[str, Any], max_versions: int) -> dict[str, Any]:
+    def ckpt_lora_join(
+        self, rendezvous: dict[str, Any], rank_offset: int, options: dict[str, Any], max_versions: int, preload: bool = True
+    ) -> dict[str, Any]:
+        """`preload`: install each version under its own LoRA id at finalize (False behind the OpenAI
+        server, whose `/v1/load_lora_adapter` loads it under the server's id)."""
         rank = int(rank_offset) + self._ckpt_rank()
-        self._ckpt_lora_core(int(max_versions)).join(rendezvous, rank, options)
+        core = self._ckpt_lora_core(int(max_versions))
+        self._ckpt_lora.preload = bool(preload)
+        core.join(rendezvous, rank, options)
         return {"pid": os.getpid(), "rank": rank}
 
     def ckpt_lora_leave(self) -> None:

@@ -55,6 +55,9 @@ class TrainerConfig:
     fsdp2, 1 otherwise."""
     job_timeout_s: float = 900.0
     """Bound on a multi-process job as a whole (engine start included); the launcher then kills it."""
+    lora: dict[str, Any] = field(default_factory=dict)
+    """With `checkpoint_engine.weights: adapters`: the PEFT `LoraConfig` keywords of the trained
+    adapter (empty: rank 8 on q_proj / v_proj)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.backend, str) or not self.backend:
@@ -70,6 +73,8 @@ class TrainerConfig:
         _positive_number("trainer", "batch_timeout_s", self.batch_timeout_s)
         if not isinstance(self.engine_kwargs, dict):
             raise ConfigError("trainer.engine_kwargs must be a map")
+        if not isinstance(self.lora, dict):
+            raise ConfigError(f"trainer.lora must be a map of peft.LoraConfig keywords, got {self.lora!r}")
 
     @property
     def world_size(self) -> int:

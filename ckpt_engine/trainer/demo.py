@@ -22,6 +22,7 @@ a step changes a few percent of the bf16 words and the patches carry only those.
     ckpt-engine demo checkpoint_engine.senders=rank0     # rank 0 gathers and sends alone
     ckpt-engine demo rollout.engine=torch_ref trainer.backend=tiny   # reference engines, 1 process
     ckpt-engine demo --config job.yaml trainer.steps=20 --json summary.json
+    ckpt-engine demo checkpoint_engine.weights=adapters rollout.engine=torch_ref   # LoRA: adapter-only syncs
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ logger = logging.getLogger(__name__)
 
 def run_job(job: Any, *, echo: bool = True) -> dict[str, Any]:
     """Run one job (reference engines in this process, or the vLLM + FSDP2 job); returns the summary."""
+    if job.checkpoint_engine.weights == "adapters":  # a LoRA job: syncs carry only the adapter
+        from ckpt_engine.trainer.lora_demo import run_lora_job
+
+        return run_lora_job(job, echo=echo)
     if job.ray.enabled:  # the same job with trainer rank 0 and the engines as Ray actors
         from ckpt_engine.trainer.ray_job import run_ray_job
 
