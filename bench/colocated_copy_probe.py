@@ -20,19 +20,8 @@ import torch
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.pipeline.wire_views import torch_dtype
 
-
-def _time(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best
+# bench/ is the script's directory, on sys.path when run as `python bench/...`
+from cuda_timing import best_seconds
 
 
 def main() -> None:
@@ -70,10 +59,10 @@ def main() -> None:
             torch._foreach_copy_([dst[i] for i in b], [src[i] for i in b])
 
     times = {
-        "flat": _time(lambda: flat_dst.copy_(flat_src), args.reps),
-        "per_tensor": _time(per_tensor, args.reps),
-        "foreach": _time(foreach, args.reps),
-        "foreach_all": _time(lambda: torch._foreach_copy_(dst, src), args.reps),
+        "flat": best_seconds(lambda: flat_dst.copy_(flat_src), args.reps),
+        "per_tensor": best_seconds(per_tensor, args.reps),
+        "foreach": best_seconds(foreach, args.reps),
+        "foreach_all": best_seconds(lambda: torch._foreach_copy_(dst, src), args.reps),
     }
     out = {
         "preset": args.preset, "bytes": total, "tensors": len(src), "buckets": len(buckets), "device": torch.cuda.get_device_name(dev),

@@ -24,19 +24,8 @@ import torch
 
 from ckpt_engine.delta import codec, direct, kernels
 
-
-def _time(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return best
+# bench/ is the script's directory, on sys.path when run as `python bench/...`
+from cuda_timing import best_seconds
 
 
 def probe(gib: float, changed: float, reps: int, sweep: bool) -> dict[str, float]:
@@ -52,15 +41,15 @@ def probe(gib: float, changed: float, reps: int, sweep: bool) -> dict[str, float
     base = old.clone()
     row: dict[str, float] = {"gib": gib, "changed": changed}
     scratch = torch.empty_like(old)
-    row["copy_s"] = _time(lambda: scratch.copy_(new), reps)
-    row["ne_sum_s"] = _time(lambda: torch.ne(old, new).sum(), reps)
+    row["copy_s"] = best_seconds(lambda: scratch.copy_(new), reps)
+    row["ne_sum_s"] = best_seconds(lambda: torch.ne(old, new).sum(), reps)
 
     def run_codec() -> None:
         base.copy_(old)
         codec.encode_into_base(base.view(torch.uint8), new.view(torch.uint8), 2, out)
 
-    t_reset = _time(lambda: base.copy_(old), reps)
-    row["codec_s"] = _time(run_codec, reps) - t_reset
+    t_reset = best_seconds(lambda: base.copy_(old), reps)
+    row["codec_s"] = best_seconds(run_codec, reps) - t_reset
     layer = [3584 * 3584, 3584, 512 * 3584, 512, 512 * 3584, 512, 3584 * 3584, 18944 * 3584, 18944 * 3584, 3584 * 18944, 3584]
     cuts, at = [], 0
     while at < n:
@@ -90,14 +79,14 @@ def probe(gib: float, changed: float, reps: int, sweep: bool) -> dict[str, float
         settings = [(32, 4), (64, 4), (128, 4), (128, 8), (256, 8), (256, 16), (512, 8), (512, 16)]
         for rows_, warps in settings:
             kernels.DIFF_ROWS, kernels.DIFF_NUM_WARPS = rows_, warps
-            row[f"direct_{rows_}x32_{warps}_s"] = _time(lambda: run_direct([(0, n)]), reps) - t_reset
+            row[f"direct_{rows_}x32_{warps}_s"] = best_seconds(lambda: run_direct([(0, n)]), reps) - t_reset
         kernels.DIFF_ROWS, kernels.DIFF_NUM_WARPS = min(settings, key=lambda s: row[f"direct_{s[0]}x32_{s[1]}_s"])
         row["best"] = f"{kernels.DIFF_ROWS}x32 warps {kernels.DIFF_NUM_WARPS}"
-    row["direct_s"] = _time(lambda: run_direct([(0, n)]), reps) - t_reset
-    row["direct_pieces_s"] = _time(lambda: run_direct(cuts), reps) - t_reset
-    row["direct_table_s"] = _time(lambda: run_direct(cuts, table=True), reps) - t_reset
-    row["moe_pieces_s"] = _time(lambda: run_direct(moe), reps) - t_reset
-    row["moe_table_s"] = _time(lambda: run_direct(moe, table=True), reps) - t_reset
+    row["direct_s"] = best_seconds(lambda: run_direct([(0, n)]), reps) - t_reset
+    row["direct_pieces_s"] = best_seconds(lambda: run_direct(cuts), reps) - t_reset
+    row["direct_table_s"] = best_seconds(lambda: run_direct(cuts, table=True), reps) - t_reset
+    row["moe_pieces_s"] = best_seconds(lambda: run_direct(moe), reps) - t_reset
+    row["moe_table_s"] = best_seconds(lambda: run_direct(moe, table=True), reps) - t_reset
     row["pieces"], row["moe_count"] = len(cuts), len(moe)
     size = run_direct(cuts, table=True)
     ok_base = bool(torch.equal(base, new))

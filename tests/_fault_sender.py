@@ -1,7 +1,8 @@
 """A trainer in its own process, so a test can SIGKILL it mid-sync.
 
 Reads {"engines": [{name, host, port, token}], "seeds": [...], "timeout_s": s, "delay_s": s} (and
-optionally "stage", default off, and "delta", default off) as JSON on stdin, syncs one version per seed into those reference engines, prints "synced N" after each.
+optionally "stage", default off, and "delta", default off) as JSON from its first argument (else a
+line of stdin), syncs one version per seed into those reference engines, prints "synced N" after each.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from refengines import SlowSource
 
 
-def main() -> None:
-    job = json.loads(sys.stdin.readline())
+def main(argv: list[str] | None = None) -> None:
+    job = json.loads(argv[0] if argv else sys.stdin.readline())
     takes_token = "token" in inspect.signature(TorchRefRollout.__init__).parameters
     engines = [
         TorchRefRollout(e["name"], e["host"], e["port"], None, job["timeout_s"], **({"token": e["token"]} if takes_token else {}))

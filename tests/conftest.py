@@ -34,6 +34,17 @@ FAST_TIER: dict[str, frozenset[str] | None] = {
 }
 
 
+@pytest.fixture(scope="module")
+def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The reference model's spec file (refengines.source(0)), for the reference engines a module starts."""
+    from ckpt_engine.rollout_adapters.torch_ref import write_spec_file
+    from refengines import source
+
+    path = tmp_path_factory.mktemp("spec") / "spec.msgpack"
+    write_spec_file(path, source(0).metadata())
+    return str(path)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     seen: dict[str, set[str]] = {}
     for item in items:

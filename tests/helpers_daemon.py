@@ -9,7 +9,6 @@ interpreter importing torch each time. tests/test_daemon_protocol.py starts `ser
 from __future__ import annotations
 
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon.cli import READY_PREFIX
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
-from helpers_procs import ForkedProcess, fork_program
+from helpers_procs import ForkedProcess, fork_program, free_port
 from refengines import spawn_engine
 
 TIMEOUT_S = 20.0
@@ -65,12 +64,6 @@ def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> float:
             pytest.fail(f"not within {timeout_s}s: {what}")
         time.sleep(0.05)
     return time.monotonic() - t0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Engines:

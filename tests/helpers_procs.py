@@ -10,9 +10,17 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+
+
+def free_port() -> int:
+    """A port the OS says is free now (tests never hard-code one)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class ForkedProcess:

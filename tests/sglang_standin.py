@@ -366,12 +366,12 @@ def make_handler(engine: StandinEngine) -> type[BaseHTTPRequestHandler]:
     return Handler
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model-path", required=True)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--fail-after-updates", type=int, default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     engine = StandinEngine(args.model_path)
     engine.fail_after = args.fail_after_updates
     server = ThreadingHTTPServer(("127.0.0.1", args.port), make_handler(engine))

@@ -12,18 +12,11 @@ from collections.abc import Iterator
 import pytest
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession, sync_rollout_weights
-from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sync.api import SyncReport, close_sessions
 from refengines import SlowSource, holds, second_handle, serving, source, spawn_engine, state
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20)
-
-
-@pytest.fixture(scope="module")
-def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("spec") / "spec.msgpack"
-    write_spec_file(path, source(0).metadata())
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,8 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >> 63 else x
 
 
-def _images(word_bytes: int, num_words: int, frac: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def changed_images(word_bytes: int, num_words: int, frac: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(base, new) bytes of `num_words` words with a `frac` of them changed (seeded)."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randint(0, 256, (num_words * word_bytes,), dtype=torch.uint8, generator=g)
     new = base.clone()
@@ -73,14 +74,14 @@ def _roundtrip(base: torch.Tensor, new: torch.Tensor, word_bytes: int, impl: str
     impl=st.sampled_from(IMPLS),
 )
 def test_roundtrip_is_bit_exact(word_bytes: int, num_words: int, frac: float, seed: int, impl: str) -> None:
-    base, new = _images(word_bytes, num_words, frac, seed)
+    base, new = changed_images(word_bytes, num_words, frac, seed)
     _roundtrip(base, new, word_bytes, impl)
 
 
 @settings(max_examples=40, deadline=None)
 @given(word_bytes=st.sampled_from(WORD_BYTES), num_words=st.integers(1, 400), frac=st.sampled_from([0.05, 0.5, 1.0]), seed=st.integers(0, 2**31))
 def test_encode_into_base_updates_the_base_patch_or_dense(word_bytes: int, num_words: int, frac: float, seed: int) -> None:
-    base, new = _images(word_bytes, num_words, frac, seed)
+    base, new = changed_images(word_bytes, num_words, frac, seed)
     out = torch.zeros(codec.max_patch_bytes(new.numel(), word_bytes), dtype=torch.uint8)
     want = codec.encode(base, new, word_bytes, out.clone())
     kept = base.clone()
@@ -94,7 +95,7 @@ def test_chunked_paths_cross_chunk_and_group_boundaries(monkeypatch: pytest.Monk
     from ckpt_engine.delta import checksums
 
     monkeypatch.setattr(checksums, "CHUNK_WORDS", 4096)
-    base, new = _images(2, 140_003, 0.0, 1)
+    base, new = changed_images(2, 140_003, 0.0, 1)
     words = new.view(torch.int16)
     words[[0, 5, 4095, 4096, 65535, 65536, 70000, 140_002]] += 1
     words[100_000:101_000] -= 3
@@ -104,7 +105,7 @@ def test_chunked_paths_cross_chunk_and_group_boundaries(monkeypatch: pytest.Monk
 
 @pytest.mark.parametrize("word_bytes", WORD_BYTES)
 def test_checksum_matches_its_definition_and_leaves_data_alone(word_bytes: int) -> None:
-    base, _ = _images(word_bytes, 66_000, 0.0, 3)  # one full 2**16-word group and a partial one
+    base, _ = changed_images(word_bytes, 66_000, 0.0, 3)  # one full 2**16-word group and a partial one
     words = base.view(codec.word_dtype(word_bytes)).tolist()
     want = _signed(sum(w * _h(i) for i, w in enumerate(words)))
     kept = base.clone()
@@ -117,7 +118,7 @@ def test_checksum_matches_its_definition_and_leaves_data_alone(word_bytes: int) 
 @settings(max_examples=60, deadline=None)
 @given(word_bytes=st.sampled_from(WORD_BYTES), num_words=st.integers(1, 300), seed=st.integers(0, 2**31), data=st.data())
 def test_any_single_word_change_changes_the_checksum(word_bytes: int, num_words: int, seed: int, data: st.DataObject) -> None:
-    base, _ = _images(word_bytes, num_words, 0.0, seed)
+    base, _ = changed_images(word_bytes, num_words, 0.0, seed)
     new = base.clone()
     i = data.draw(st.integers(0, num_words - 1))
     new.view(codec.word_dtype(word_bytes))[i] ^= data.draw(st.integers(1, 127))
@@ -165,7 +166,7 @@ def test_nan_payloads_and_signed_zeros_round_trip(dtype: torch.dtype, impl: str)
 def test_a_flipped_byte_is_rejected_or_caught_by_the_checksum(
     word_bytes: int, num_words: int, frac: float, seed: int, impl: str, data: st.DataObject
 ) -> None:
-    base, new = _images(word_bytes, num_words, frac, seed)
+    base, new = changed_images(word_bytes, num_words, frac, seed)
     out = torch.empty(codec.max_patch_bytes(new.numel(), word_bytes), dtype=torch.uint8)
     n = codec.encode(base, new, word_bytes, out)
     if n is None:

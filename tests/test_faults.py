@@ -9,10 +9,7 @@ survivor bit-exactly. Reference engines in their own processes, a real gloo grou
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
-from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sync.api import SyncReport
 from ckpt_engine.sources.base import StateDictSource
+from helpers_procs import fork_program
 from refengines import holds, second_handle, serving, source, spawn_with_timeout, state
 
 TIMEOUT_S = 3.0
@@ -34,13 +32,6 @@ REPEAT = 3
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=TIMEOUT_S, stage="off")  # today's order: paused for the whole sync
 LOAD_DELAY_S = 0.02  # per bucket: a sync streams for a while, so the fault lands mid-stream
 VICTIM_DELAY_S = 0.2  # per bucket for the engine that is killed or stopped: surely mid-stream
-
-
-@pytest.fixture(scope="module")
-def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("spec") / "spec.msgpack"
-    write_spec_file(path, source(0).metadata())
-    return str(path)
 
 
 def spawn(spec_file: str, name: str, load_delay_s: float = LOAD_DELAY_S, stderr_path: str | None = None) -> TorchRefRollout:
@@ -174,8 +165,6 @@ def test_receiver_sigstop_past_the_timeout(spec_file: str, pair: list[TorchRefRo
 
 def test_sender_sigkill(pair: list[TorchRefRollout], engine_log: Path) -> None:
     seed = 300
-    tests_dir = str(Path(__file__).parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}
     engines_json = [
         {"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": getattr(e, "token", None)} for e in pair
     ]
@@ -183,14 +172,11 @@ def test_sender_sigkill(pair: list[TorchRefRollout], engine_log: Path) -> None:
     for _ in range(REPEAT):
         base = assert_healed(pair, seed).version
         before = pair[0].health()["buckets_received"]
-        trainer = subprocess.Popen(
-            [sys.executable, "-m", "_fault_sender"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            cwd=tests_dir, env=env,
-        )
+        # A real trainer process, forked from the preloaded server (tests/ranks.py) so it streams
+        # at once instead of importing torch first.
+        job = {"engines": engines_json, "seeds": [seed + 1], "timeout_s": TIMEOUT_S, "delay_s": 0.05}
+        trainer = fork_program("_fault_sender:main", [json.dumps(job)], "fault-sender").process
         try:
-            assert trainer.stdin is not None
-            trainer.stdin.write(json.dumps({"engines": engines_json, "seeds": [seed + 1], "timeout_s": TIMEOUT_S, "delay_s": 0.05}) + "\n")
-            trainer.stdin.flush()
             wait_streaming(pair[0], before)
             trainer.send_signal(signal.SIGKILL)
             fault = time.monotonic()

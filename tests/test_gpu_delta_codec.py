@@ -11,22 +11,13 @@ import torch
 
 from ckpt_engine.delta import accel, codec
 from ckpt_engine.delta.codec import PatchError
+from test_delta_codec import changed_images
 
 pytestmark = pytest.mark.gpu
 
 
 def _impls() -> list[str]:
     return ["triton", "torch"] if accel.triton_on(torch.device("cuda")) else ["torch"]
-
-
-def _images(word_bytes: int, num_words: int, frac: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randint(0, 256, (num_words * word_bytes,), dtype=torch.uint8, generator=g)
-    new = base.clone()
-    words = new.view(codec.word_dtype(word_bytes))
-    changed = torch.rand(num_words, generator=g) < frac
-    words[changed] ^= torch.randint(1, 127, (int(changed.sum()),), generator=g).to(words.dtype)
-    return base, new
 
 
 def _cpu_patch(base: torch.Tensor, new: torch.Tensor, word_bytes: int) -> int | None:
@@ -59,7 +50,7 @@ def _gpu_roundtrip(base: torch.Tensor, new: torch.Tensor, word_bytes: int, impl:
 @pytest.mark.parametrize("frac", [0.0, 0.003, 0.3, 0.97])
 def test_gpu_patches_match_cpu_patches(word_bytes: int, frac: float) -> None:
     num_words = 3 * 65536 + 4099  # several h groups and Triton tiles, a partial last tile
-    base, new = _images(word_bytes, num_words, frac, seed=int(frac * 1000) + word_bytes)
+    base, new = changed_images(word_bytes, num_words, frac, seed=int(frac * 1000) + word_bytes)
     want = _cpu_patch(base, new, word_bytes)
     for impl in _impls():
         assert _gpu_roundtrip(base, new, word_bytes, impl) == want, impl
@@ -83,7 +74,7 @@ def test_gpu_checksum_and_encode_host_syncs() -> None:
     changed count)."""
     if not accel.triton_on(torch.device("cuda")):
         pytest.skip("needs Triton")
-    base, new = _images(2, 1 << 20, 0.02, 7)
+    base, new = changed_images(2, 1 << 20, 0.02, 7)
     b, nw = base.cuda(), new.cuda()
     out = torch.empty(codec.max_patch_bytes(b.numel(), 2), dtype=torch.uint8, device="cuda")
     for impl in ["triton"]:
@@ -110,7 +101,7 @@ def _syncs(caught: list) -> list[str]:
 
 
 def test_gpu_flipped_bytes_are_rejected_or_caught() -> None:
-    base, new = _images(2, 50_000, 0.02, 11)
+    base, new = changed_images(2, 50_000, 0.02, 11)
     b, nw = base.cuda(), new.cuda()
     announced = int(codec.checksum(nw, 2))
     g = torch.Generator().manual_seed(5)
@@ -148,7 +139,7 @@ def test_gpu_one_pass_bucket_diff_matches_the_cpu_diff(word_bytes: int, frac: fl
     if not accel.triton_on(torch.device("cuda")):
         pytest.skip("needs Triton")
     num_words = 3 * 65536 + 4099
-    base, new = _images(word_bytes, num_words, frac, seed=11 + word_bytes)
+    base, new = changed_images(word_bytes, num_words, frac, seed=11 + word_bytes)
     nbytes = num_words * word_bytes
     cuts = [0, 1, 70001, 70001 + 2048 * 3, 150000, num_words]
     results = []

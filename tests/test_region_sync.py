@@ -7,8 +7,6 @@ tensor before any engine pauses."""
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +23,8 @@ from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_f
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.transports.gloo import GlooCheckpointEngine
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from helpers_procs import free_port
+from ranks import forkserver_context
 from refengines import same_bits
 from regionranks import KV_HEADS, moe_specs, qwen2_specs, weights
 
@@ -91,10 +91,8 @@ def test_tp_ranks_hold_their_slices_after_dense_and_patch_syncs(tp_engines: list
 
 def test_two_trainer_ranks_send_their_rows_of_each_region(tp_engines: list[TorchRefRollout], tmp_path: Path) -> None:
     info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in tp_engines]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    port = free_port()
+    ctx = forkserver_context()  # the ranks fork from the preloaded server (tests/ranks.py)
     procs = [ctx.Process(target=region_trainer_main, args=(r, 2, port, info, str(tmp_path), 3)) for r in range(2)]
     run_processes(procs, 240)
     logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]

@@ -7,11 +7,8 @@ cannot be installed on these machines.
 
 from __future__ import annotations
 
-import json
-import select
-import subprocess
-import sys
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -20,54 +17,30 @@ import torch
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession, sync_rollout_weights
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.sources.base import StateDictSource
+from helpers_sglang import standin, tiny_model, write_model_dir
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytest.importorskip("requests")
 
-STANDIN = Path(__file__).with_name("sglang_standin.py")
-CONFIG_JSON = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
-    "initializer_range": 0.2, "torch_dtype": "float32",
-}
 PROMPT = [5, 6, 7, 8]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("qwen2-sglang")
-    (d / "config.json").write_text(json.dumps(CONFIG_JSON))
-    return d
+    return write_model_dir(tmp_path_factory.mktemp("qwen2-sglang"))
 
 
 @pytest.fixture(scope="module")
 def servers(model_dir: Path) -> Iterator[list[object]]:
     from ckpt_engine.rollout_adapters.sglang import SglangClient
 
-    procs, clients = [], []
-    try:
+    with ExitStack() as stack:
+        clients = []
         for i in range(2):
-            proc = subprocess.Popen([sys.executable, str(STANDIN), "--model-path", str(model_dir)], stdout=subprocess.PIPE, text=True)
-            procs.append(proc)
-            ready, _, _ = select.select([proc.stdout], [], [], 120)
-            assert ready, "stand-in did not start"
-            line = proc.stdout.readline()  # type: ignore[union-attr]
-            port = int(line.strip().split("=")[1])
-            clients.append(SglangClient(f"sglang-{i}", f"http://127.0.0.1:{port}", timeout_s=60.0))
+            _, url = stack.enter_context(standin(model_dir))
+            clients.append(SglangClient(f"sglang-{i}", url, timeout_s=60.0))
+            stack.callback(clients[-1].close)
         yield clients
-    finally:
-        for c in clients:
-            c.close()  # type: ignore[attr-defined]
-        for proc in procs:
-            proc.terminate()
-            proc.wait(10)
-
-
-def trainer(model_dir: Path, seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    cfg = transformers.AutoConfig.from_pretrained(model_dir)
-    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
 
 
 @torch.no_grad()
@@ -104,7 +77,7 @@ def test_sync_matches_trainer_and_changes_on_second_sync(servers: list[object], 
     cfg = config(engine_kwargs={"sglang": {"flattened": flattened}})
     try:
         held = max(int(v) if v.isdigit() else 0 for v in (c.get_weight_version() for c in servers))  # type: ignore[attr-defined]
-        t1 = trainer(model_dir, seed=1)
+        t1 = tiny_model(model_dir, seed=1)
         report = sync_rollout_weights(StateDictSource(t1), engines_of(servers), version=held + 5, config=cfg)  # type: ignore[arg-type]
         v1 = str(held + 5)
         assert report is not None and report.version == held + 5 and report.buckets > 1
@@ -113,7 +86,7 @@ def test_sync_matches_trainer_and_changes_on_second_sync(servers: list[object], 
         for c in servers:
             assert generate(c) == (want1, v1)
             assert c.get_weight_version() == v1  # type: ignore[attr-defined]
-        t2 = trainer(model_dir, seed=2)
+        t2 = tiny_model(model_dir, seed=2)
         # New handles on the same servers: the cached session is found by engine, not by handle.
         report = sync_rollout_weights(StateDictSource(t2), engines_of(servers), config=cfg)  # type: ignore[arg-type]
         assert report is not None and report.version == held + 6  # default: one past what the servers hold
@@ -133,7 +106,7 @@ def test_sglang_reads_only_its_own_wire(servers: list[object]) -> None:
 def test_a_new_session_carries_versions_on_and_refuses_empty_or_older(servers: list[object], model_dir: Path) -> None:
     first = WeightSyncSession(engines_of(servers), config())  # type: ignore[arg-type]
     try:
-        v = first.sync(StateDictSource(trainer(model_dir, seed=4))).version
+        v = first.sync(StateDictSource(tiny_model(model_dir, seed=4))).version
     finally:
         first.close()
     second = WeightSyncSession(engines_of(servers), config())  # type: ignore[arg-type]
@@ -142,9 +115,9 @@ def test_a_new_session_carries_versions_on_and_refuses_empty_or_older(servers: l
         with pytest.raises(ValueError, match=r"weight source \(StateDictSource\) lists no tensors"):
             second.sync(StateDictSource({}))
         with pytest.raises(ValueError, match=rf"version {v - 1} is older than what engines hold .*versions only grow"):
-            second.sync(StateDictSource(trainer(model_dir, seed=5)), version=v - 1)
+            second.sync(StateDictSource(tiny_model(model_dir, seed=5)), version=v - 1)
         assert [generate(c) for c in servers] == before and second._engine is None  # nothing joined, paused or moved
-        assert second.sync(StateDictSource(trainer(model_dir, seed=5))).version == v + 1
+        assert second.sync(StateDictSource(tiny_model(model_dir, seed=5))).version == v + 1
     finally:
         second.close()
 
@@ -157,7 +130,7 @@ def test_a_new_session_carries_versions_on_and_refuses_empty_or_older(servers: l
 def test_bad_manifest_rejected_before_bytes_move(servers: list[object], model_dir: Path, name: str, shape: tuple[int, ...]) -> None:
     before = [generate(c) for c in servers]
     held = [c.get_weight_version() for c in servers]  # type: ignore[attr-defined]
-    weights = {n: t.detach() for n, t in trainer(model_dir, seed=3).state_dict().items()}
+    weights = {n: t.detach() for n, t in tiny_model(model_dir, seed=3).state_dict().items()}
     weights[name] = torch.zeros(shape)
     session = WeightSyncSession(engines_of(servers), config())  # type: ignore[arg-type]
     try:

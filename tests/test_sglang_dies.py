@@ -2,19 +2,14 @@
 leaving the sender waiting the whole `timeout_s` in a broadcast nobody will answer.
 
 Against `tests/sglang_standin.py` (SGLang 0.5.x's RL weight-update API, CPU/gloo) while the
-trainer streams its buckets: SIGKILLed (its connections close). A scheduler that dies with the
-process alive (`--fail-after-updates`) is not tested here: the sender notices at once, but the sync
-still waited `timeout_s` in about half the runs (an open defect, see docs/sglang.md).
+trainer streams its buckets: SIGKILLed (its connections close), or its scheduler dead with the
+process alive (`--fail-after-updates`: the request fails, the group's connection stays open).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,24 +21,19 @@ import torch
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.report import SyncError
+from helpers_procs import ForkedProcess
+from helpers_sglang import standin, tiny_model, write_model_dir
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 pytest.importorskip("requests")
 
-STANDIN = Path(__file__).with_name("sglang_standin.py")
-CONFIG_JSON = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 256, "hidden_size": 64,
-    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "max_position_embeddings": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True,
-    "initializer_range": 0.2, "torch_dtype": "float32",
-}
 TIMEOUT_S = 60.0
 NAME = "sglang-doomed"
 
 
 @dataclass
 class Server:
-    proc: subprocess.Popen[str]
+    proc: ForkedProcess
     client: object
     weights: dict[str, torch.Tensor]
 
@@ -51,28 +41,23 @@ class Server:
 def _start(model_dir: Path, *extra: str) -> Iterator[Server]:
     from ckpt_engine.rollout_adapters.sglang import SglangClient
 
-    (model_dir / "config.json").write_text(json.dumps(CONFIG_JSON))
-    proc = subprocess.Popen([sys.executable, str(STANDIN), "--model-path", str(model_dir), *extra], stdout=subprocess.PIPE, text=True)
-    client = None
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 120)
-        assert ready, "stand-in did not start"
-        port = int(proc.stdout.readline().strip().split("=")[1])  # type: ignore[union-attr]
-        client = SglangClient(NAME, f"http://127.0.0.1:{port}", timeout_s=TIMEOUT_S)
-        torch.manual_seed(1)
-        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
-        yield Server(proc, client, {n: t.detach() for n, t in model.state_dict().items()})
-    finally:
-        if client is not None:
+    with standin(write_model_dir(model_dir), *extra) as (proc, url):
+        client = SglangClient(NAME, url, timeout_s=TIMEOUT_S)
+        try:
+            weights = {n: t.detach() for n, t in tiny_model(model_dir, seed=1).state_dict().items()}
+            yield Server(proc, client, weights)
+        finally:
             client.close()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(10)
 
 
 @pytest.fixture()
 def server(tmp_path: Path) -> Iterator[Server]:
     yield from _start(tmp_path)
+
+
+@pytest.fixture()
+def failing_server(tmp_path: Path) -> Iterator[Server]:
+    yield from _start(tmp_path, "--fail-after-updates", "2")
 
 
 class _KillsServer(StateDictSource):
@@ -114,3 +99,13 @@ def _fails_at_once(server: Server, source: StateDictSource, flattened: bool) -> 
 def test_a_server_killed_mid_stream_fails_the_sync_at_once(server: Server, flattened: bool) -> None:
     _fails_at_once(server, _KillsServer(server.weights, server.proc.pid, at=len(server.weights) // 2), flattened)
     assert server.proc.wait(5) == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("flattened", [True, False], ids=["flattened_bucket", "per_tensor"])
+def test_a_server_whose_scheduler_dies_mid_stream_fails_the_sync_at_once(failing_server: Server, flattened: bool) -> None:
+    """The third bucket's request answers 500 and the server never joins its broadcast, while its
+    process keeps the group's connection open: the sync stops at once, naming the engine."""
+    error = _fails_at_once(failing_server, StateDictSource(failing_server.weights), flattened)
+    assert error.sender_error is not None, str(error)
+    assert f"SGLang engine(s) {NAME} failed while bucket 2 streamed" in error.sender_error and "scheduler died" in error.sender_error
+    assert failing_server.proc.poll() is None  # the process lives on: only its failed request told

@@ -17,7 +17,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("requests")
 
-from test_sglang_adapter import PROMPT, generate, greedy, model_dir, servers, trainer  # noqa: E402,F401  (fixtures)
+from helpers_sglang import tiny_model  # noqa: E402
+from test_sglang_adapter import PROMPT, generate, greedy, model_dir, servers  # noqa: E402,F401  (fixtures)
 
 NUM_LONG = 300
 LONG = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": NUM_LONG, "temperature": 0}}
@@ -89,14 +90,14 @@ def test_prefix_cache_serves_old_weights_until_flushed(servers: list[object], mo
     config = CheckpointEngineConfig(bucket_size_mb=0.05, timeout_s=60.0)
     session = WeightSyncSession([SglangRollout(client)], config)  # type: ignore[arg-type]
     try:
-        t1 = trainer(model_dir, seed=41)
+        t1 = tiny_model(model_dir, seed=41)
         session.sync(StateDictSource(t1), version=1)
         fresh = generate(client)[0]  # fills the prefix cache under t1's weights
     finally:
         session.close()
     unflushed = WeightSyncSession([NoFlush(client)], config)  # type: ignore[arg-type]
     try:
-        t2 = trainer(model_dir, seed=42)
+        t2 = tiny_model(model_dir, seed=42)
         unflushed.sync(StateDictSource(t2), version=2)
         stale = generate(client)[0]
         assert _flush_status(client) == 200
@@ -118,7 +119,7 @@ def test_sync_during_a_request_flushes_and_keeps_or_ends_it(
     client = servers[1]
     config = CheckpointEngineConfig(bucket_size_mb=0.05, timeout_s=60.0, pause_mode=mode)
     session = WeightSyncSession([SglangRollout(client)], config)  # type: ignore[list-item]
-    t = trainer(model_dir, seed=60)
+    t = tiny_model(model_dir, seed=60)
     try:
         with cf.ThreadPoolExecutor(1) as pool:
             pending = _start_long_request(client, pool)

@@ -5,7 +5,6 @@ named on every other rank within the timeout while the engines keep their old we
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,15 +15,10 @@ from _sender_trainer import trainer_main
 from ckpt_engine.processes import run_processes
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
+from helpers_procs import free_port
 from multisender import model_state, wire
 from ranks import forkserver_context
 from refengines import holds, spawn_engine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +37,7 @@ def _run(
 ) -> list[Any]:
     info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in engines]
     ctx = forkserver_context()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=trainer_main, args=(r, world, port, info, str(tmp_path), versions, kill, delta_modes, timeout_s)) for r in range(world)]
     run_processes(procs, 150)
     out = []

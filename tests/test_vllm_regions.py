@@ -27,6 +27,8 @@ from ckpt_engine.planning.regions import ReceivePlan
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
+from helpers_procs import free_port  # noqa: E402
+from helpers_vllm import ENGINE_ARGS, api_server  # noqa: E402
 from test_vllm_adapter import NUM_TOKENS, PROMPTS, hf_greedy  # noqa: E402
 from vllm_regions_ext import EXTENSION  # noqa: E402
 
@@ -48,7 +50,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "norm_topk_prob": True, "tie_word_embeddings": False,
     },
 }
-ENGINE_ARGS = {"max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.05}
 
 
 def checkpoint_weights(model: torch.nn.Module, model_type: str) -> dict[str, torch.Tensor]:
@@ -212,45 +213,15 @@ def test_tp2_http_server_receives_regions(tmp_path: Path) -> None:
     """The same through vLLM's HTTP server (dev mode): plans at join, base64 assignments, a dense and
     a delta sync; each worker receives half, greedy tokens equal HF. Then from two trainer ranks
     (`senders=all`): a seed and a patch, each worker still receiving half, tokens equal HF."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    import requests
-
     from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
     from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmServerRollout
     from ckpt_engine.sources.base import StateDictSource
-    from test_vllm_adapter import VllmServer, _free_port, server_greedy
+    from test_vllm_adapter import server_greedy
 
     model_dir, trainer = make_model(tmp_path, "qwen2", seed=9)
-    port = _free_port()
-    log = tmp_path / "server.log"
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
-        "--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
-        "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
-        "--gpu-memory-utilization", str(ENGINE_ARGS["gpu_memory_utilization"]), "--worker-extension-cls", WORKER_EXTENSION,
-        "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
-    ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 480
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM api_server did not come up (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
-        server = VllmServer(proc, url, log)
-        adapter = VllmServerRollout("vllm-http-tp2", url, timeout_s=120.0)
+    extra = ["--worker-extension-cls", WORKER_EXTENSION, "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
+    with api_server(model_dir, tmp_path / "server.log", extra, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as server:
+        adapter = VllmServerRollout("vllm-http-tp2", server.url, timeout_s=120.0)
         assert adapter.world_size == 2
         session = WeightSyncSession([adapter], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=120.0, delta="on"))
         g = torch.Generator().manual_seed(1)
@@ -287,8 +258,8 @@ def test_tp2_http_server_receives_regions(tmp_path: Path) -> None:
             files.append(str(tmp_path / f"senders_v{step}.safetensors"))
             save_file(checkpoint_weights(trainer, "qwen2"), files[-1])
         ctx = mp.get_context("spawn")
-        trainer_port = _free_port()
-        procs = [ctx.Process(target=vllm_region_trainer_main, args=(r, 2, trainer_port, url, files, str(tmp_path))) for r in range(2)]
+        trainer_port = free_port()
+        procs = [ctx.Process(target=vllm_region_trainer_main, args=(r, 2, trainer_port, server.url, files, str(tmp_path))) for r in range(2)]
         run_processes(procs, 600)
         logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
         assert all(e["ok"] for e in logs[1]) and len(logs[1]) == 2, logs[1]
@@ -300,11 +271,3 @@ def test_tp2_http_server_receives_regions(tmp_path: Path) -> None:
         print(f"qwen2 HTTP TP=2 from 2 senders: worker bytes {got} of {full}")
         assert len(got) == 2 and all(0.4 < b / full < 0.55 for b in got), got
         assert server_greedy(server)[0] == [hf_greedy(trainer, p) for p in PROMPTS]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)

@@ -166,12 +166,16 @@ class SglangWireEngine(CheckpointEngine):
         work.wait()  # the group's own error (a server's connection closed), if any
 
     def _abandon(self) -> None:
-        """Leave a group whose broadcast is still pending: aborting it blocks until gloo's own
-        timeout ends that broadcast, so the abort runs on a daemon thread and the sync fails now."""
-        group, self._group = self._group, None
+        """Leave a group whose broadcast is still pending, and fail the sync now.
+
+        Aborting the group, and destroying it (its destructor joins the gloo worker still inside
+        that broadcast), both block until gloo's own timeout ends the broadcast. So a daemon thread
+        takes the only reference and does both: were this thread to drop the last reference (the
+        abort ending first), the sync would wait out `timeout_s` after all."""
+        holder, self._group = [self._group], None
         sglang_failures.clear(self._group_name)
-        if group is not None:
-            threading.Thread(target=_abort, args=(group,), name="sglang-wire-abort", daemon=True).start()
+        if holder[0] is not None:
+            threading.Thread(target=_abort_and_drop, args=(holder,), name="sglang-wire-abort", daemon=True).start()
 
     def receive_buckets(
         self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None = None, *, delta: DeltaRequest | None = None,
@@ -183,6 +187,13 @@ class SglangWireEngine(CheckpointEngine):
         sglang_failures.clear(self._group_name)
         if group is not None:
             _abort(group)
+
+
+def _abort_and_drop(holder: list[Any]) -> None:
+    """Abort the group in `holder` and drop the last reference to it here, on this thread."""
+    group = holder.pop()
+    _abort(group)
+    del group  # ~ProcessGroupGloo: waits for the pending broadcast to time out, off the sync's thread
 
 
 def _abort(group: Any) -> None:

