@@ -11,7 +11,7 @@ they started with (their `LoRARequest` names it) and finish under it.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckpt_engine.rollout_adapters.base import JoinOptions
 from ckpt_engine.rollout_adapters.vllm import VllmRollout
@@ -36,6 +36,9 @@ class VllmLoraRollout(VllmRollout):
     """Handle on an `LLM(..., enable_lora=True, worker_extension_cls=WORKER_EXTENSION)` for adapter syncs."""
 
     weights = "adapters"
+    stages: ClassVar[bool] = False
+    """An adapter sync already installs only at finalize (the received tensors wait in the workers'
+    LoRA stage), so it takes today's order, not the weights' staging."""
 
     def __init__(self, name: str, llm: vllm.LLM, *, max_adapter_versions: int = 2, timeout_s: float = 300.0) -> None:
         super().__init__(name, llm, timeout_s=timeout_s)

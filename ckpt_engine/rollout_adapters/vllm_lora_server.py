@@ -12,7 +12,7 @@ a request keeps the LoRA id the server gave its name on arrival, so it finishes 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 from ckpt_engine.rollout_adapters.base import JoinOptions
 from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
@@ -27,6 +27,9 @@ class VllmServerLoraRollout(VllmServerRollout):
     """Handle on a LoRA-enabled dev-mode `api_server` for adapter syncs; versions are served by name."""
 
     weights = "adapters"
+    stages: ClassVar[bool] = False
+    """An adapter sync already installs only at finalize (the received tensors wait in the workers'
+    LoRA stage), so it takes today's order, not the weights' staging."""
 
     def __init__(
         self,
