@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -452,26 +452,22 @@ def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
     param.data.copy_(full.to(device=param.device, dtype=param.dtype))
 
 
-@runtime_checkable
-class _MegatronWrapper(Protocol):
-    """What Megatron's wrappers (DistributedDataParallel, Float16Module, the FSDP adapter and its
-    MegatronFSDP) share: the wrapped model, registered as submodule `module`."""
-
-    module: nn.Module
-
-
 def megatron_core_model(model: nn.Module) -> Any:
-    """The megatron-core `GPTModel` inside `model` and any of Megatron's wrappers around it."""
+    """The megatron-core `GPTModel` inside `model` and any of Megatron's wrappers around it
+    (DistributedDataParallel, Float16Module, the FSDP adapter and its MegatronFSDP all register
+    the wrapped model as their submodule `module`; read from nn.Module's registry, since a
+    runtime-checked Protocol looks attributes up statically and never sees submodules)."""
     from megatron.core.models.gpt import GPTModel
 
     m = model
     while not isinstance(m, GPTModel):
-        if not isinstance(m, _MegatronWrapper):
+        inner = m._modules.get("module") if isinstance(m, nn.Module) else None
+        if not isinstance(inner, nn.Module):
             raise ValueError(
                 f"expected a megatron-core GPTModel, bare or inside Megatron's wrappers (DistributedDataParallel, "
                 f"Float16Module, Megatron-FSDP), got {type(m).__name__}"
             )
-        m = m.module
+        m = inner
     return m
 
 
