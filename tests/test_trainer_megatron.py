@@ -159,9 +159,9 @@ def _train_worker(rank: int, world_size: int, tp: int, pp: int, tie: bool = Fals
         res["tensors"] = {**{f"exp/{k}": v for k, v in exported.items()},
                           **{f"hf/{k}": v.detach().cpu() for k, v in hf_sd.items()},
                           **{f"init/{k}": v.detach().cpu() for k, v in sd.items()}}
-    from ckpt_engine.trainer_adapters.megatron_export import _core
+    from ckpt_engine.trainer_adapters.megatron_export import megatron_core_model
 
-    shared = _core(engine.model).shared_embedding_or_output_weight() if tie else None
+    shared = megatron_core_model(engine.model).shared_embedding_or_output_weight() if tie else None
     if shared is not None:  # stage 0: input embedding; last stage: output layer (PP > 1)
         res.setdefault("tensors", {})["shared"] = shared.detach().cpu().clone()
     ps.destroy_model_parallel()
