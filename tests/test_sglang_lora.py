@@ -10,10 +10,6 @@ max is refused by name before a byte moves, and nothing is written.
 
 from __future__ import annotations
 
-import json
-import select
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -32,7 +28,8 @@ from ckpt_engine import CheckpointEngineConfig, WeightSyncSession  # noqa: E402
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError  # noqa: E402
 from ckpt_engine.sources.adapters import AdapterSource  # noqa: E402
 from sglang_schema import check_body  # noqa: E402
-from tests.test_sglang_adapter import CONFIG_JSON, PROMPT, STANDIN  # noqa: E402
+from helpers_sglang import standin, write_model_dir  # noqa: E402
+from test_sglang_adapter import PROMPT  # noqa: E402
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 TIMEOUT_S = 60.0
@@ -59,28 +56,19 @@ def test_lora_bodies_are_sglangs_own() -> None:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("qwen2-sglang-lora")
-    (d / "config.json").write_text(json.dumps(CONFIG_JSON))
-    return d
+    return write_model_dir(tmp_path_factory.mktemp("qwen2-sglang-lora"))
 
 
 @pytest.fixture(scope="module")
 def client(model_dir: Path) -> Iterator[object]:
     from ckpt_engine.rollout_adapters.sglang import SglangClient
 
-    proc = subprocess.Popen([sys.executable, str(STANDIN), "--model-path", str(model_dir)], stdout=subprocess.PIPE, text=True)
-    c = None
-    try:
-        ready, _, _ = select.select([proc.stdout], [], [], 120)
-        assert ready, "stand-in did not start"
-        port = int(proc.stdout.readline().strip().split("=")[1])  # type: ignore[union-attr]
-        c = SglangClient("sglang-lora", f"http://127.0.0.1:{port}", timeout_s=TIMEOUT_S)
-        yield c
-    finally:
-        if c is not None:
+    with standin(model_dir) as (_proc, url):
+        c = SglangClient("sglang-lora", url, timeout_s=TIMEOUT_S)
+        try:
+            yield c
+        finally:
             c.close()
-        proc.terminate()
-        proc.wait(10)
 
 
 def base_model(model_dir: Path) -> torch.nn.Module:
