@@ -8,9 +8,11 @@ the fix, before an engine is probed, paused or sent a byte.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from ckpt_engine.control.wire import WireError
 from ckpt_engine.daemon.adapters import close_quietly
 from ckpt_engine.sync.weights_mode import check_weights_mode
 
@@ -18,6 +20,8 @@ if TYPE_CHECKING:
     from ckpt_engine.daemon.client import DaemonClient
     from ckpt_engine.rollout_adapters.base import RolloutAdapter
     from ckpt_engine.sources.base import WeightSource
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["check_engine_weights", "check_sync_weights", "weights_refusal"]
 
@@ -42,8 +46,12 @@ def check_engine_weights(name: str, described: str, adapter: RolloutAdapter, mod
 
 def check_sync_weights(mode: str, source: WeightSource, rollouts: Sequence[RolloutAdapter], upstream: DaemonClient | None) -> None:
     """Raise ValueError when the standalone daemon, the source or an engine does not match `mode`."""
+    theirs = mode
     if upstream is not None:
-        theirs = upstream.hello().get("weights", "full")
+        try:
+            theirs = upstream.hello().get("weights", "full")
+        except WireError as exc:  # a daemon that is down: sync the engines this trainer knows, as without the check
+            logger.info("weights check skipped: the daemon at %s did not answer (%s)", upstream.address, exc)
         if theirs != mode:
             raise ValueError(
                 f"the daemon at {upstream.address} syncs checkpoint_engine.weights={theirs!r} but this trainer's config "

@@ -323,7 +323,7 @@ class WeightSyncSession:
         request = self._delta.request(digest, delta_unsupported(engine, self.backend, self.rollouts), self.backend)
         stage = self._stages.choose(
             self.rollouts, request, self._regions.received_bytes(self.rollouts, manifest.total_bytes),
-            lambda ask: self._fan_out("validate", ask),
+            lambda ask: self._fan_out("validate", ask), regions=regions is not None,
         )
         self._staging = stage  # while it streams: a failure then discards instead of leaving engines stale
 

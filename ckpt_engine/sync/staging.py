@@ -45,11 +45,18 @@ class StagePolicy:
 
     def choose(
         self, rollouts: Sequence[RolloutAdapter], request: DeltaRequest | None, rank_bytes: Mapping[str, list[int]], fan_out: FanOut,
+        *, regions: bool = False,
     ) -> str | None:
         """`patches`, `full`, or None (pause for the whole sync). `rank_bytes`: per engine, what
         each of its ranks takes in a dense sync (the staging copy it needs). `stage: full` with an
         engine short of room raises ValueError (nothing was paused or sent)."""
         if self.mode == "off":
+            return None
+        if regions:
+            # A failed staged receive over several receiver sets was seen to leave a rank's live
+            # slices part-new (test_region_sync's corrupt-patch case): until that is fixed, syncs
+            # with receive plans take today's order (paused, stale on failure).
+            self._say_once(f"checkpoint_engine.stage={self.mode}: syncs with receive plans are not staged yet; they pause for the whole transfer")
             return None
         cannot = [r.name for r in rollouts if not r.stages]
         if cannot:
