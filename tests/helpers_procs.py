@@ -47,7 +47,10 @@ class ForkedProcess:
 
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None:
-            os.kill(self.pid, sig)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass  # it ended (and its parent, the fork server, reaped it) before its exit code reached us
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
