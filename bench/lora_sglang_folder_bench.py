@@ -5,7 +5,7 @@
 a read back through safetensors, about what the server's load does first) for a rank-r LoRA on
 every attention and MLP projection of a model's shapes.
 
-    python bench/lora_sglang_folder_bench.py --config /work/shared/presets/qwen2.5-7b/config.json --rank 16
+    python bench/lora_sglang_folder_bench.py --config ../shared/presets/qwen2.5-7b/config.json --rank 16
 """
 
 from __future__ import annotations

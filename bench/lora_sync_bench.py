@@ -2,7 +2,7 @@
 shapes, over gloo, against a raw gloo broadcast of the same bytes, with the full-weight sync of the
 same model (a few layers: --full-layers) beside it.
 
-    python bench/lora_sync_bench.py --config /work/shared/presets/qwen2.5-7b/config.json --rank 16
+    python bench/lora_sync_bench.py --config ../shared/presets/qwen2.5-7b/config.json --rank 16
 
 Adapter sync: `WeightSyncSession` -> `LoraRefRollout` (its receiving rank in this process, one thread),
 timed end to end (validate, transfer, install); `switch` is the engine's install + activate of the

