@@ -219,12 +219,7 @@ class WeightReceiver:
             if region_loader is not None and self.regions.has(digest):
                 if self.engine is None:
                     raise RuntimeError("call join() before receive()")
-                if on_start is not None:
-                    on_start()
-                extra_stats: dict[str, float] = {}
-                report = self.regions.receive(digest, region_loader, destinations, request, extra_stats)
-                self.buckets_received += int(extra_stats.pop("buckets", 0))
-                return report
+                return self._receive_into(digest, loader, destinations, request, on_start, region_loader)
             return self._receive(digest, loader, destinations, request, on_start)
         except Exception as exc:
             # Each receiver talks to rank 0 only: the sender went away or gave up (it aborts the
