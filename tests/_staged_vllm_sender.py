@@ -28,6 +28,7 @@ class _Slow(StateDictSource):
 
 def main() -> None:
     url, model_dir, delay_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    torch.set_num_threads(1)  # the engine beside it owns the box's cores
     torch.manual_seed(99)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20.0, stage="full")
