@@ -12,9 +12,9 @@ import torch
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.planning.fused_experts import fuse_specs
+from ckpt_engine.planning.fused_experts import fuse_plan, fuse_specs
 from ckpt_engine.planning.receive_sets import cut_region
-from ckpt_engine.planning.regions import Region
+from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.planning.tp_ep import tp_ep_plan
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
@@ -65,6 +65,23 @@ def test_stacked_plans_cut_experts_for_ep_and_rows_or_columns_for_tp() -> None:
     assert ep1 is not None and ep1.holds[GATE] == (Region(0, EXPERTS // 2, EXPERTS // 2),) and ep1.holds[DOWN] == (Region(0, 2, 2),)
     tp1 = tp_ep_plan(fused, tp_size=2, tp_rank=1, num_kv_heads=2)
     assert tp1 is not None and tp1.holds[GATE] == (Region(1, INTER // 4, INTER // 4),) and tp1.holds[DOWN] == (Region(2, INTER // 4, INTER // 4),)
+
+
+@pytest.mark.parametrize("layout", [{"ep_size": 2, "ep_rank": 1}, {"tp_size": 2, "tp_rank": 1, "num_kv_heads": 2}, {"tp_size": 2, "tp_rank": 0, "num_kv_heads": 2}])
+def test_a_per_expert_plan_restated_for_stacks_is_the_stacked_plan(layout: dict[str, int]) -> None:
+    """What vLLM records (per-expert names) meets a stacked sync: `fuse_plan` gives the plan an
+    engine holding the stacks would state, so both ends cut the same pieces."""
+    specs = moe_specs()
+    fused, _ = fuse_specs(specs)
+    apart, together = tp_ep_plan(specs, **layout), tp_ep_plan(fused, **layout)
+    assert apart is not None and together is not None
+    assert fuse_plan(apart, fused) == together
+    assert fuse_plan(apart, specs) is apart  # no stacks in the sync: unchanged
+    # experts held in pieces that are neither alike nor whole: the whole stack (the loader narrows)
+    odd = dict(apart.holds)
+    first = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    odd[first] = (Region(0, 0, 1),)
+    assert fuse_plan(ReceivePlan(odd), fused).holds[GATE] is None
 
 
 def _wrong(engine: TorchRefRollout, w: dict[str, torch.Tensor]) -> list[str]:

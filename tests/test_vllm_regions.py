@@ -191,6 +191,32 @@ def test_tp2_plans_halve_the_bytes_and_regions_land_exactly(tmp_path: Path, kind
         finally:
             session.close()
 
+        if kind == "qwen3_moe":
+            # Experts stacked on the wire (`FusedExpertSource`: one tensor per layer and projection):
+            # each worker takes the same slice of every expert, now as one region of the stack, and
+            # loads it as its experts; a dense and a delta sync land exactly.
+            from ckpt_engine.sources.fused_experts import FusedExpertSource
+
+            session = WeightSyncSession([adapter], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=120.0, delta="on"))
+            try:
+                kinds = []
+                for step in range(2):
+                    with torch.no_grad():
+                        for t in trainer.state_dict().values():
+                            mask = torch.rand(t.shape, generator=g) < 0.03
+                            t.add_(torch.randn(t.shape, generator=g) * 0.2 * mask)
+                    expected = expected_tokens(engine, kind, trainer, tmp_path)
+                    source = FusedExpertSource(StateDictSource(checkpoint_weights(trainer, kind)))
+                    stacked = [s.name for s in source.metadata() if s.name.endswith("experts.gate_proj.weight")]
+                    assert len(stacked) == trainer.config.num_hidden_layers
+                    report = session.sync(source)
+                    kinds.append(report.delta)
+                    assert report.received_bytes[adapter.name] == [p["bytes"] for p in plans]
+                    assert llm_greedy(engine) == expected, ("stacked", step)
+                assert kinds == ["seed", "patch"]
+            finally:
+                session.close()
+
         if kind == "qwen2":
             # A loader the recorder cannot follow: the whole tensor goes through arithmetic first.
             target = "model.layers.0.mlp.down_proj"

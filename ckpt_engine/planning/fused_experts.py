@@ -22,10 +22,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.planning.regions import ReceivePlan, Region
 
-__all__ = ["FusedExperts", "FusedGroup", "fuse_specs", "fused_name"]
+__all__ = ["FusedExperts", "FusedGroup", "fuse_plan", "fuse_specs", "fused_name"]
 
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<index>\d+)\.(?P<leaf>.+)$")
+_STACK = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<leaf>\D.*)$")
 
 
 def fused_name(prefix: str, leaf: str) -> str:
@@ -87,3 +89,42 @@ def fuse_specs(specs: Sequence[TensorSpec]) -> tuple[list[TensorSpec], FusedExpe
         elif s.name in last:
             out.append(last[s.name].spec)
     return out, FusedExperts(groups, member_of)
+
+
+def fuse_plan(plan: ReceivePlan, specs: Sequence[TensorSpec]) -> ReceivePlan:
+    """`plan`, stated in per-expert names (what an engine that loads experts apart records, vLLM),
+    restated for the stacks among `specs` (a sync from `FusedExpertSource`); a plan without
+    per-expert names, or specs without stacks, come back as they are. Controller and receiver both
+    call it, so they cut the same pieces.
+
+    Per stack: no expert held -> absent; every expert whole -> whole; every expert the same
+    regions (tensor parallelism cuts each alike) -> those regions one dimension down; experts
+    either whole or absent (expert parallelism) -> their index ranges along dim 0; anything else
+    -> the whole stack (correct, more bytes: the engine's loader narrows each expert itself)."""
+    holds = dict(plan.holds)
+    changed = False
+    for spec in specs:
+        m = _STACK.match(spec.name)
+        if m is None or spec.name in holds or not spec.shape:
+            continue
+        members = [f"{m['prefix']}.{e}.{m['leaf']}" for e in range(spec.shape[0])]
+        if not any(n in holds for n in members):
+            continue
+        changed = True
+        entries = [holds.pop(n, ()) for n in members]  # () marks an expert the rank does not hold
+        if all(rs is None for rs in entries):
+            holds[spec.name] = None
+        elif entries[0] and all(rs == entries[0] for rs in entries):
+            holds[spec.name] = tuple(Region(r.dim + 1, r.start, r.length) for r in entries[0])
+        elif all(rs is None or rs == () for rs in entries):
+            ranges: list[Region] = []
+            for e, rs in enumerate(entries):
+                if rs is None:
+                    if ranges and ranges[-1].start + ranges[-1].length == e:
+                        ranges[-1] = Region(0, ranges[-1].start, ranges[-1].length + 1)
+                    else:
+                        ranges.append(Region(0, e, 1))
+            holds[spec.name] = tuple(ranges)
+        else:
+            holds[spec.name] = None
+    return ReceivePlan(holds) if changed else plan

@@ -22,6 +22,7 @@ import msgpack
 import torch
 
 from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.planning.fused_experts import fuse_plan
 from ckpt_engine.planning.ownership import OwnerMap, Shard
 from ckpt_engine.planning.regions import ReceivePlan, ReceivePlanError, Region
 
@@ -104,7 +105,9 @@ class RegionLayout:
 
         `one_receiver_per_set`: every set has one member, and a piece several receivers hold
         travels to each apart (for a transport whose groups take one receiver rank: nccl_handoff
-        with senders on the receivers' GPUs)."""
+        with senders on the receivers' GPUs). A plan in per-expert names meets stacked experts
+        through `fuse_plan`, as the receiver does."""
+        plans = [fuse_plan(p, specs) if p is not None else None for p in plans]
         for i, plan in enumerate(plans):
             if plan is not None:
                 try:

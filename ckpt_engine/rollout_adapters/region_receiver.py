@@ -18,6 +18,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest, ManifestError, TensorSpec
 from ckpt_engine.pipeline.region_assembly import RegionAssembly, RegionItem
 from ckpt_engine.pipeline.region_groups import RegionGroups, receive_regions
+from ckpt_engine.planning.fused_experts import fuse_plan
 from ckpt_engine.planning.region_wire import RegionAssignment
 from ckpt_engine.planning.regions import ReceivePlan, ReceivePlanError, Region
 from ckpt_engine.rollout_adapters.base import ReceiveReport
@@ -63,7 +64,8 @@ class RegionReceiver:
         names = {s.name for s in manifest.specs}
         if self.plan is None:
             return {n: (None,) for n in names}
-        return {n: (None,) if rs is None else rs for n, rs in self.plan.holds.items() if n in names}
+        plan = fuse_plan(self.plan, manifest.specs)  # a per-expert plan meets stacked experts
+        return {n: (None,) if rs is None else rs for n, rs in plan.holds.items() if n in names}
 
     def accept(self, data: bytes, manifest: BucketManifest, expected: Mapping[str, TensorSpec] | None) -> list[str]:
         """Problems with this rank's assignment for `manifest` ([]: accepted and kept for its receive)."""

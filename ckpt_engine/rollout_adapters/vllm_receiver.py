@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.planning.fused_experts import FusedExperts, fuse_plan, fuse_specs
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.region_assembler import RegionAssembler, held_bytes
@@ -162,6 +163,7 @@ class VllmReceiverCore:
         self.runner = runner
         self.receiver = WeightReceiver(device=torch.device(device) if device is not None else torch.device("cpu"))
         self._specs: tuple[int, Specs] | None = None
+        self._stacks: tuple[int, FusedExperts] | None = None
         self._plan: tuple[int, ReceivePlan, dict[str, str]] | None = None
         self.version: Any = None
         self.reload_open = False
@@ -186,6 +188,31 @@ class VllmReceiverCore:
             self._specs = (id(model), vllm_checkpoint_specs(model))
         return self._specs[1]
 
+    def stacks(self) -> FusedExperts:
+        """The stacked expert tensors a sync from `FusedExpertSource` may send in place of each
+        layer's per-expert tensors (`planning/fused_experts.py`); each loads as its experts."""
+        model = self._model()
+        if self._stacks is None or self._stacks[0] != id(model):
+            self._stacks = (id(model), fuse_specs(list(self.specs()[0].values()))[1])
+        return self._stacks[1]
+
+    def _accepts(self) -> dict[str, TensorSpec]:
+        """Every name a manifest may carry: the per-expert names and the stacks."""
+        return {**self.specs()[0], **{n: g.spec for n, g in self.stacks().groups.items()}}
+
+    def _unstack(self, pairs: list[tuple[str, torch.Tensor]], held: Any = None) -> list[tuple[str, torch.Tensor]]:
+        """A stack's experts as the loader takes them: expert e's tensor is the stack's row e (a
+        view). `held`: the per-expert names this rank's plan holds (None: every expert)."""
+        groups = self.stacks().groups
+        out: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in pairs:
+            g = groups.get(name)
+            if g is None:
+                out.append((name, tensor))
+            else:
+                out.extend((m, tensor[e]) for e, m in enumerate(g.members) if held is None or m in held)
+        return out
+
     def expected_specs(self) -> list[list[Any]]:
         specs, _, _ = self.specs()
         return [[s.name, s.dtype, list(s.shape)] for s in specs.values()]
@@ -201,10 +228,15 @@ class VllmReceiverCore:
         except binascii.Error as exc:
             return {"accepted": False, "need_manifest": False, "problems": [f"corrupt manifest or region assignment: not base64 ({exc})"]}
         _, groups, _ = self.specs()
+        stacks = self.stacks().groups
 
         def stacked_whole(manifest: BucketManifest) -> list[str]:
             sent = {s.name for s in manifest.specs}
-            problems = []
+            problems = [
+                f"{n}: sent both stacked and as expert {m!r}; send one or the other"
+                for n in sent & set(stacks) for m in stacks[n].members if m in sent
+            ]
+            sent |= {m for n in sent & set(stacks) for m in stacks[n].members}
             for group in groups:
                 present = [n for n in group if n in sent]
                 if present and len(present) != len(group):
@@ -212,7 +244,7 @@ class VllmReceiverCore:
                     problems.append(f"{', '.join(missing)}: vLLM stacks these with {', '.join(present)}; send all of them or none")
             return problems
 
-        return self.receiver.validate(encoded, digest, self.specs()[0], extra_check=stacked_whole, regions=regions)
+        return self.receiver.validate(encoded, digest, self._accepts(), extra_check=stacked_whole, regions=regions)
 
     # --- receive plan ------------------------------------------------------------------------
     def receive_plan(self) -> dict[str, Any]:
@@ -320,17 +352,20 @@ class VllmReceiverCore:
         alias = {emb: head for head, emb in tied.items() if head not in sent and emb in sent}
 
         def load(pairs: list[tuple[str, torch.Tensor]]) -> int:
+            pairs = self._unstack(pairs)
             sink(pairs + [(alias[n], t) for n, t in pairs if n in alias])
             return len(pairs)
 
         plan = self.receiver.regions.plan  # None: this worker receives whole tensors
-        assembler = RegionAssembler(plan, self.specs()[0], self.receiver.device) if plan is not None else None
+        assembler = None
+        if plan is not None and accepted is not None:
+            assembler = RegionAssembler(fuse_plan(plan, accepted.specs), self._accepts(), self.receiver.device)
         # Region delivery: a tied head comes only as its embedding.
         region_alias = {emb: head for head, emb in tied.items() if plan is not None and emb in plan.holds}
 
         def load_regions(items: list[tuple[str, Region | None, torch.Tensor]]) -> int:
             assert assembler is not None, "region items without a receive plan"
-            ready = [pair for item in items for pair in assembler.add(*item)]
+            ready = self._unstack([pair for item in items for pair in assembler.add(*item)], plan.holds if plan is not None else None)
             if ready:
                 sink(ready + [(region_alias[n], t) for n, t in ready if n in region_alias])
             return len(ready)
