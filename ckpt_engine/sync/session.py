@@ -328,7 +328,11 @@ class WeightSyncSession:
         self._staging = stage  # while it streams: a failure then discards instead of leaving engines stale
 
         def stream() -> tuple[SendStats, dict[str, ReceiveReport]]:
-            return self._stream(source, engine, manifest, weights, pieces, request, senders, seconds, stage)
+            out = self._stream(source, engine, manifest, weights, pieces, request, senders, seconds, stage)
+            # Every engine (every rank, every receiver set) streamed and checked its version: from
+            # here on a failure (a swap) leaves the engines stale, as a failed finalize does.
+            self._staging = None
+            return out
 
         try:
             stats, reports, stall = run_order(stage, stream, self._step, new_version, self.config.pause_mode, seconds)

@@ -52,16 +52,18 @@ class StagePolicy:
         engine short of room raises ValueError (nothing was paused or sent)."""
         if self.mode == "off":
             return None
-        if regions:
-            # A failed staged receive over several receiver sets was seen to leave a rank's live
-            # slices part-new (test_region_sync's corrupt-patch case): until that is fixed, syncs
-            # with receive plans take today's order (paused, stale on failure).
-            self._say_once(f"checkpoint_engine.stage={self.mode}: syncs with receive plans are not staged yet; they pause for the whole transfer")
-            return None
         cannot = [r.name for r in rollouts if not r.stages]
         if cannot:
             self._say_once(f"checkpoint_engine.stage={self.mode}: engine(s) {', '.join(cannot)} cannot stage a sync; syncs pause for the whole transfer")
             return None
+        if regions:  # a sync with receive plans: each engine says whether it stages one
+            cannot = [r.name for r in rollouts if not r.stages_regions]
+            if cannot:
+                self._say_once(
+                    f"checkpoint_engine.stage={self.mode}: engine(s) {', '.join(cannot)} cannot stage a sync with receive plans; "
+                    "such syncs pause for the whole transfer"
+                )
+                return None
         if request is not None and request.patches:
             return "patches"
         if self.mode == "patches":
