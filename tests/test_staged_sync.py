@@ -24,9 +24,11 @@ import pytest
 import torch
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
+from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.rollout_adapters.ref_steps import weights_digest
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.sync.staging import StagePolicy
 from multisender import model_state, wire
 from refengines import holds, source, state
 
@@ -186,3 +188,29 @@ def test_a_sender_killed_mid_stream_leaves_the_engine_serving_its_old_version(mi
         assert holds(mixed, sd) == []
     finally:
         session.close()
+
+
+def test_syncs_with_receive_plans_stage_only_where_every_engine_stages_plans(caplog: pytest.LogCaptureFixture) -> None:
+    """Staging a sync with receive plans is each engine's own capability (`stages_regions`), not a
+    global off: a group with an engine that cannot (vLLM today) pauses such syncs, said once per
+    session; the same group stages syncs without plans, and the reference receiver alone stages both."""
+
+    class NoPlanStaging(TorchRefRollout):
+        stages_regions = False  # as vLLM today: its worker's staging is keyed by loader names
+
+    ref = TorchRefRollout("ref", "127.0.0.1", 1, None, 1.0, token="t" * 16)  # never called: the policy reads capabilities
+    other = NoPlanStaging("other", "127.0.0.1", 1, None, 1.0, token="t" * 16)
+    patch = DeltaRequest(True, 1, 2)
+
+    def no_room_asked(ask: object) -> dict[str, bool]:
+        raise AssertionError("a patch sync asks no engine for room")
+
+    policy = StagePolicy("auto")
+    with caplog.at_level(logging.WARNING, logger="ckpt_engine.sync.staging"):
+        assert policy.choose([ref], patch, {}, no_room_asked, regions=True) == "patches"
+        for _ in range(2):
+            assert policy.choose([ref, other], patch, {}, no_room_asked, regions=True) is None
+        assert policy.choose([ref, other], patch, {}, no_room_asked) == "patches"
+    said = [r.getMessage() for r in caplog.records if "receive plans" in r.getMessage()]
+    assert said == ["checkpoint_engine.stage=auto: engine(s) other cannot stage a sync with receive plans; such syncs pause for the whole transfer"]
+    assert StagePolicy("off").choose([ref], patch, {}, no_room_asked, regions=True) is None

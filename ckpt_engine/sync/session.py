@@ -328,11 +328,7 @@ class WeightSyncSession:
         self._staging = stage  # while it streams: a failure then discards instead of leaving engines stale
 
         def stream() -> tuple[SendStats, dict[str, ReceiveReport]]:
-            out = self._stream(source, engine, manifest, weights, pieces, request, senders, seconds, stage)
-            # Every engine (every rank, every receiver set) streamed and checked its version: from
-            # here on a failure (a swap) leaves the engines stale, as a failed finalize does.
-            self._staging = None
-            return out
+            return self._stream(source, engine, manifest, weights, pieces, request, senders, seconds, stage)
 
         try:
             stats, reports, stall = run_order(stage, stream, self._step, new_version, self.config.pause_mode, seconds)
@@ -412,6 +408,7 @@ class WeightSyncSession:
             self._break(failed, probe=not followers)
             raise SyncError("transfer", failed, sorted(self.stale))
         reports = {name: f.result() for name, f in receives.items()}
+        self._staging = None  # every rank checked every set: a failure from here (a swap) is stale, as a finalize's
         seconds["transfer"] = time.perf_counter() - t
         return stats, reports
 
