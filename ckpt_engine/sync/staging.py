@@ -3,8 +3,9 @@
 A staged sync streams into every engine's staging area while the engines serve and pauses them
 only for the swap. `StagePolicy.choose` decides per sync, after validate and before anything pauses
 or moves: a patch sync stages its patches; a dense sync (or a delta seed) stages a full copy when
-`stage` is `full`, or `auto` and every engine reports room for it; otherwise the sync pauses as
-today, and the session says why once.
+`stage` is `full`, or `auto` and every engine reports room for it (a rank with a receive plan needs
+room for its slices only); otherwise the sync pauses as today, and the session says why once. A
+sync with receive plans stages only when every engine says it can (`stages_regions`).
 """
 
 from __future__ import annotations
