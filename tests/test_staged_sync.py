@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -214,3 +215,30 @@ def test_syncs_with_receive_plans_stage_only_where_every_engine_stages_plans(cap
     said = [r.getMessage() for r in caplog.records if "receive plans" in r.getMessage()]
     assert said == ["checkpoint_engine.stage=auto: engine(s) other cannot stage a sync with receive plans; such syncs pause for the whole transfer"]
     assert StagePolicy("off").choose([ref], patch, {}, no_room_asked, regions=True) is None
+
+
+class _SwapFails(TorchRefRollout):
+    """An engine handle whose swap fails (as a dead or refusing engine's would) before reaching the engine."""
+
+    def swap(self, version: int, pause_mode: str) -> float:
+        raise RuntimeError("swap refused")
+
+
+def test_a_failed_swap_after_a_complete_stream_leaves_the_engines_stale_as_a_failed_finalize(spec_file: str) -> None:
+    """Every engine streamed and checked its version; one swap fails: that is a failed finalize, not a
+    failed stream, so every engine is listed stale (none was told to discard) and the next sync heals."""
+    engines = [TorchRefRollout.spawn("swaps", spec_file=spec_file, timeout_s=60), _SwapFails.spawn("refuses", spec_file=spec_file, timeout_s=60)]
+    session = WeightSyncSession(engines, CFG)
+    try:
+        with pytest.raises(SyncError) as info:
+            session.sync(StateDictSource(version(50)))
+        assert info.value.stage == "swap" and set(info.value.failed) == {"refuses"}, str(info.value)
+        assert info.value.stale == ["refuses", "swaps"], str(info.value)
+        engines[1].swap = types.MethodType(TorchRefRollout.swap, engines[1])  # type: ignore[method-assign]
+        sd = version(51)
+        report = session.sync(StateDictSource(sd))
+        assert report.staged == "full" and all(holds(e, sd) == [] for e in engines)
+    finally:
+        session.close()
+        for e in engines:
+            e.close()
