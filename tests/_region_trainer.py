@@ -1,5 +1,6 @@
-"""A trainer rank for the region-delivery many-sender test: joins a gloo trainer group, syncs
-versions of the tiny Qwen2 through `sync_rollout_weights` with `senders=all`, writes a JSON log."""
+"""Trainers for the region-delivery tests: a rank of the many-sender test (joins a gloo trainer
+group, syncs versions of the tiny Qwen2 through `sync_rollout_weights` with `senders=all`, writes a
+JSON log), and `killed_sender_main` (`python -m _region_trainer`), which kills itself mid-stream."""
 
 from __future__ import annotations
 
