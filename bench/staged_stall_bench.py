@@ -7,9 +7,11 @@ under the step lock, `rollout_adapters/ref_steps.py`); the trainer (this process
 patch syncs where `--changed` of the elements change per version. Per mode it prints the median
 transfer seconds, the median stall (the engine's time without steps because of the sync: pause to
 resume, or the swap), stall / transfer, and the engine's steps per second during the syncs against
-its rate with no sync running.
+its rate with no sync running. `--receiver-tp N` runs N reference engines as the TP ranks of one
+model instead, each holding only its slices (receive plans, issue 27): the staged syncs then land
+per receiver set in each rank's staging area.
 
-    python bench/staged_stall_bench.py --preset tiny --syncs 5
+    python bench/staged_stall_bench.py --preset tiny --syncs 5 [--receiver-tp 2]
 """
 
 from __future__ import annotations
@@ -60,27 +62,41 @@ def main() -> None:
     p.add_argument("--changed", type=float, default=0.02)
     p.add_argument("--step-interval-s", type=float, default=0.002)
     p.add_argument("--bucket-mb", type=float, default=4.0)
+    p.add_argument("--receiver-tp", type=int, default=1, help="reference engines as the TP ranks of one model (receive plans)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    specs = checkpoint_specs(load_preset_config(args.preset), "bfloat16", num_layers=args.layers)
+    if args.receiver_tp < 1:
+        raise ValueError(f"--receiver-tp must be >= 1, got {args.receiver_tp}")
+    config = load_preset_config(args.preset)
+    specs = checkpoint_specs(config, "bfloat16", num_layers=args.layers)
+    kv = config.get("num_key_value_heads", config["num_attention_heads"])
+    tp = args.receiver_tp
     vs = versions(specs, args.syncs + 1, args.changed, torch.bfloat16)
     nbytes = sum(t.numel() * t.element_size() for t in vs[0].values())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         spec_file = str(Path(tmp) / "spec.msgpack")
         write_spec_file(spec_file, StateDictSource(vs[0]).metadata())
-        engine = TorchRefRollout.spawn("bench", spec_file=spec_file, timeout_s=120, step_interval_s=args.step_interval_s)
+        engines = [
+            TorchRefRollout.spawn(
+                f"bench{r}", spec_file=spec_file, timeout_s=120, step_interval_s=args.step_interval_s,
+                layout={"tp_size": tp, "tp_rank": r, "num_kv_heads": kv} if tp > 1 else None,
+            )
+            for r in range(tp)
+        ]
+        engine = engines[0]  # its steps are the ones counted
         try:
             time.sleep(1.0)
             t = time.monotonic()
             time.sleep(2.0)
             idle = steps_per_s(engine, t, time.monotonic())
-            print(f"{args.preset}: {len(specs)} tensors, {nbytes / 1e6:.1f} MB bf16; engine steps {idle:.0f}/s with no sync")
+            ranks = f", {tp} engines as TP ranks (receive plans)" if tp > 1 else ""
+            print(f"{args.preset}: {len(specs)} tensors, {nbytes / 1e6:.1f} MB bf16{ranks}; engine steps {idle:.0f}/s with no sync")
             for delta in ("off", "on"):
                 for stage in ("off", "auto"):
                     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=args.bucket_mb, timeout_s=120, delta=delta, stage=stage)
-                    session = WeightSyncSession([engine], cfg)
+                    session = WeightSyncSession(engines, cfg)
                     transfer, stall, staged, windows = [], [], [], []
                     try:
                         for i, sd in enumerate(vs if delta == "on" else vs[: args.syncs]):
@@ -100,7 +116,7 @@ def main() -> None:
                         "sync": "patch" if delta == "on" else "dense", "stage": stage, "staged": sorted(set(staged)),
                         "transfer_s": statistics.median(transfer), "stall_s": statistics.median(stall),
                         "stall_over_transfer": statistics.median(stall) / statistics.median(transfer),
-                        "steps_per_s_during": during, "steps_per_s_idle": idle, "syncs": len(transfer),
+                        "steps_per_s_during": during, "steps_per_s_idle": idle, "syncs": len(transfer), "receiver_tp": tp,
                     }
                     rows.append(row)
                     print(
@@ -109,7 +125,8 @@ def main() -> None:
                         f"steps/s during syncs {during:.0f} ({during / idle if idle else 0:.2f} x idle)"
                     )
         finally:
-            engine.close()
+            for e in engines:
+                e.close()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 

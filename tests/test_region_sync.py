@@ -2,11 +2,17 @@
 ranks (and an EP=2 engine) hold exactly their slices bit for bit after a dense and two patch syncs,
 a whole-tensor engine beside them still gets every tensor, the report shows each rank's bytes, and
 two trainer ranks send their rows of each region, and bad plans are refused by engine, rank and
-tensor before any engine pauses."""
+tensor before any engine pauses. The syncs are staged (issue 28): a corrupt region patch or a sender
+killed mid-stream leaves every rank its old slices bit for bit, unpaused and not stale."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,8 +37,8 @@ from regionranks import KV_HEADS, moe_specs, qwen2_specs, weights
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, delta="on")
 
 
-def _spawn(name: str, path: str, layout: dict[str, int] | None) -> TorchRefRollout:
-    return TorchRefRollout.spawn(name, spec_file=path, timeout_s=60, layout=layout)
+def _spawn(name: str, path: str, layout: dict[str, int] | None, staging_budget_bytes: int | None = None) -> TorchRefRollout:
+    return TorchRefRollout.spawn(name, spec_file=path, timeout_s=60, layout=layout, staging_budget_bytes=staging_budget_bytes)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +50,9 @@ def qwen2_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def tp_engines(qwen2_file: str) -> Iterator[list[TorchRefRollout]]:
-    rs = [_spawn(f"tp{r}", qwen2_file, {"tp_size": 2, "tp_rank": r, "num_kv_heads": KV_HEADS}) for r in range(2)]
+    # Room for 0.6 of the model: a TP rank's dense staging copy is only its slices (~half).
+    room = int(0.6 * sum(s.nbytes for s in qwen2_specs()))
+    rs = [_spawn(f"tp{r}", qwen2_file, {"tp_size": 2, "tp_rank": r, "num_kv_heads": KV_HEADS}, room) for r in range(2)]
     rs.append(_spawn("whole", qwen2_file, None))
     yield rs
     for r in rs:
@@ -77,7 +85,7 @@ def test_tp_ranks_hold_their_slices_after_dense_and_patch_syncs(tp_engines: list
                 (plan,) = e.receive_plans()
                 assert _wrong(e, w, plan) == [], e.name
         assert kinds == ["seed", "patch", "patch"]
-        assert staged == ["off", "off", "off"]  # syncs with receive plans are not staged yet (sync/staging.py)
+        assert staged == ["full", "patches", "patches"]  # issue 28: a full staging copy of each rank's slices, then patches
         got = report.received_bytes
         assert got["whole"] == [model]
         assert all(got[f"tp{r}"][0] <= 0.55 * model for r in range(2)), got
@@ -204,14 +212,62 @@ def test_corrupt_region_patch_through_the_session_is_named_and_the_engine_keeps_
             engine = next(e for e in tp_engines if e.name == name)
             (plan,) = engine.receive_plans()
             assert _wrong(engine, w0, plan) == [], name  # nothing loaded: the old weights, bit for bit
-        for e in tp_engines:
+        for e in tp_engines:  # staged: every engine dropped what it staged and serves the old version
             h = e.health()
-            assert h["stale"] and h["paused"], e.name
+            assert not h["stale"] and not h["paused"] and not h["staged"] and h["version"] is not None, (e.name, h)
+            (plan,) = e.receive_plans()
+            assert _wrong(e, w0, plan) == [], e.name
+        assert info.value.stale == [], str(info.value)
         w6 = weights(specs, 6)
         report = session.sync(StateDictSource(w6))
         assert report.delta == "seed"  # no base is assumed after a failure
         for e in tp_engines:
             (plan,) = e.receive_plans()
             assert _wrong(e, w6, plan) == [], e.name
+    finally:
+        session.close()
+
+
+def test_a_sender_killed_mid_stream_of_a_staged_region_sync_leaves_every_rank_its_old_slices(tp_engines: list[TorchRefRollout]) -> None:
+    """The trainer (its own process, `_region_trainer.killed_sender_main`) seeds, then SIGKILLs
+    itself in a patch sync after the first receiver set was delivered and checked and while the
+    second streams: no controller is left to discard, yet every rank keeps nothing staged, holds its
+    old slices bit for bit, never paused, is not stale; the next sync heals every rank."""
+    specs = qwen2_specs()
+    tests_dir = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")])}
+    info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in tp_engines]
+    trainer = subprocess.Popen([sys.executable, "-m", "_region_trainer"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=tests_dir, env=env)
+    try:
+        assert trainer.stdin is not None and trainer.stdout is not None
+        # Sets: {tp0, whole} and {tp1, whole} of 3 buckets each, then {tp0, tp1, whole}: it dies at set 1's second frame.
+        trainer.stdin.write(json.dumps({"engines": info, "versions": [7, 8], "die_at": 5, "timeout_s": 10}) + "\n")
+        trainer.stdin.flush()
+        line = trainer.stdout.readline()
+        assert line.split()[2:] == ["seed", "full"], line
+        bases = {e.name: e.held_version() for e in tp_engines}
+        assert trainer.wait(60) == -signal.SIGKILL
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait(10)
+    deadline = time.monotonic() + 60
+    while any(e.health()["receiving"] for e in tp_engines):
+        assert time.monotonic() < deadline, "an engine's receive did not end after its sender died"
+        time.sleep(0.05)
+    w7 = weights(specs, 7)
+    for e in tp_engines:
+        h = e.health()
+        assert (h["paused"], h["stale"], h["staged"], h["version"]) == (False, False, False, bases[e.name]), (e.name, h)
+        (plan,) = e.receive_plans()
+        assert _wrong(e, w7, plan) == [], e.name
+    session = WeightSyncSession(tp_engines, CFG)
+    try:
+        w9 = weights(specs, 9)
+        report = session.sync(StateDictSource(w9))
+        assert (report.delta, report.staged) == ("seed", "full")
+        for e in tp_engines:
+            (plan,) = e.receive_plans()
+            assert _wrong(e, w9, plan) == [], e.name
     finally:
         session.close()

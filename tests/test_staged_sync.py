@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,9 +25,11 @@ import pytest
 import torch
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
+from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.rollout_adapters.ref_steps import weights_digest
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.sync.staging import StagePolicy
 from multisender import model_state, wire
 from refengines import holds, source, state
 
@@ -186,3 +189,56 @@ def test_a_sender_killed_mid_stream_leaves_the_engine_serving_its_old_version(mi
         assert holds(mixed, sd) == []
     finally:
         session.close()
+
+
+def test_syncs_with_receive_plans_stage_only_where_every_engine_stages_plans(caplog: pytest.LogCaptureFixture) -> None:
+    """Staging a sync with receive plans is each engine's own capability (`stages_regions`), not a
+    global off: a group with an engine that cannot (vLLM today) pauses such syncs, said once per
+    session; the same group stages syncs without plans, and the reference receiver alone stages both."""
+
+    class NoPlanStaging(TorchRefRollout):
+        stages_regions = False  # as vLLM today: its worker's staging is keyed by loader names
+
+    ref = TorchRefRollout("ref", "127.0.0.1", 1, None, 1.0, token="t" * 16)  # never called: the policy reads capabilities
+    other = NoPlanStaging("other", "127.0.0.1", 1, None, 1.0, token="t" * 16)
+    patch = DeltaRequest(True, 1, 2)
+
+    def no_room_asked(ask: object) -> dict[str, bool]:
+        raise AssertionError("a patch sync asks no engine for room")
+
+    policy = StagePolicy("auto")
+    with caplog.at_level(logging.WARNING, logger="ckpt_engine.sync.staging"):
+        assert policy.choose([ref], patch, {}, no_room_asked, regions=True) == "patches"
+        for _ in range(2):
+            assert policy.choose([ref, other], patch, {}, no_room_asked, regions=True) is None
+        assert policy.choose([ref, other], patch, {}, no_room_asked) == "patches"
+    said = [r.getMessage() for r in caplog.records if "receive plans" in r.getMessage()]
+    assert said == ["checkpoint_engine.stage=auto: engine(s) other cannot stage a sync with receive plans; such syncs pause for the whole transfer"]
+    assert StagePolicy("off").choose([ref], patch, {}, no_room_asked, regions=True) is None
+
+
+class _SwapFails(TorchRefRollout):
+    """An engine handle whose swap fails (as a dead or refusing engine's would) before reaching the engine."""
+
+    def swap(self, version: int, pause_mode: str) -> float:
+        raise RuntimeError("swap refused")
+
+
+def test_a_failed_swap_after_a_complete_stream_leaves_the_engines_stale_as_a_failed_finalize(spec_file: str) -> None:
+    """Every engine streamed and checked its version; one swap fails: that is a failed finalize, not a
+    failed stream, so every engine is listed stale (none was told to discard) and the next sync heals."""
+    engines = [TorchRefRollout.spawn("swaps", spec_file=spec_file, timeout_s=60), _SwapFails.spawn("refuses", spec_file=spec_file, timeout_s=60)]
+    session = WeightSyncSession(engines, CFG)
+    try:
+        with pytest.raises(SyncError) as info:
+            session.sync(StateDictSource(version(50)))
+        assert info.value.stage == "swap" and set(info.value.failed) == {"refuses"}, str(info.value)
+        assert info.value.stale == ["refuses", "swaps"], str(info.value)
+        engines[1].swap = types.MethodType(TorchRefRollout.swap, engines[1])  # type: ignore[method-assign]
+        sd = version(51)
+        report = session.sync(StateDictSource(sd))
+        assert report.staged == "full" and all(holds(e, sd) == [] for e in engines)
+    finally:
+        session.close()
+        for e in engines:
+            e.close()

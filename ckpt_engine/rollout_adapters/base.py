@@ -152,6 +152,10 @@ class RolloutAdapter(ABC):
     """Whether the engine can receive into a staging area while it serves (`receive(stage=...)`,
     then `swap` between two engine steps, or `discard`); a session stages only when every engine
     of its group does (`checkpoint_engine.stage`)."""
+    stages_regions: ClassVar[bool] = False
+    """Whether, with `stages` and `takes_regions`, it also stages a sync with receive plans (every
+    region lands in staging on every receiver set; nothing live is written before `swap`); a
+    session pauses such syncs as today unless every engine of its group does."""
     transport: ClassVar[str | None] = None
     """The only transport (registry name) whose wire this engine reads, e.g. SGLang's own; None:
     any of ckpt-engine's (the session then takes `checkpoint_engine.backend`)."""

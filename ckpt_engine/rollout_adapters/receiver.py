@@ -58,6 +58,10 @@ class WeightReceiver:
         """The staging copy of the live tensors for `stage="full"`, kept across syncs."""
         self._staged: tuple[StagedVersion, BucketLoader | RegionLoader, str] | None = None
         """The version received staged and not yet swapped in: (it, the loader its apply feeds, digest)."""
+        self._discards = 0
+        """Bumped by every `discard()`: a staged receive still in flight then keeps nothing."""
+        self._keeping = threading.Lock()
+        """Orders a receive keeping its staged version against a `discard()` from another thread."""
         self._busy = threading.Lock()
         self._live: Mapping[str, torch.Tensor] = {}
         self._doing = ""
@@ -277,6 +281,7 @@ class WeightReceiver:
     ) -> ReceiveReport:
         if self.engine is None:
             raise RuntimeError("call join() before receive()")
+        discards = self._discards
         regions = region_loader is not None and self.regions.has(digest)
         if stage == "full":  # lands in the staging copy as a receive lands in place
             live = self._live
@@ -289,8 +294,7 @@ class WeightReceiver:
                 engine.restamp_bases(manifest, live)
 
             staged: StagedVersion = StagedCopy([live[n] for n in keys], [self.staging.tensors[n] for n in keys], restamp)
-            self._staged = (staged, loader, digest)
-            return report
+            return self._keep(staged, loader, digest, discards, report)
         assert request is not None
         held: list[list[object]] = []
 
@@ -300,8 +304,7 @@ class WeightReceiver:
 
         if regions:  # every set's patches checked before the loader's turn: its items are kept for the swap
             report = self._receive_into(digest, keep, None, request, on_start, keep)
-            self._staged = (StagedBuckets(held), region_loader, digest)  # type: ignore[arg-type]
-            return report
+            return self._keep(StagedBuckets(held), region_loader, digest, discards, report)  # type: ignore[arg-type]
         manifest = self._manifests.get(digest)
         if manifest is None:
             raise RuntimeError(f"manifest {digest[:12]} was not validated on this receiver; call validate() first")
@@ -309,10 +312,22 @@ class WeightReceiver:
             on_start()
         t0 = time.perf_counter()
         version = self.engine.receive_staged(manifest, destinations, delta=request)
-        self._staged = (version, loader, digest)
         extra = {f"delta_{k}": float(v) for k, v in self.engine.last_delta_stats.items()}
         extra["staged_bytes"] = float(version.nbytes)
-        return ReceiveReport(manifest.num_tensors, manifest.total_bytes, time.perf_counter() - t0, 0.0, 0, extra)
+        report = ReceiveReport(manifest.num_tensors, manifest.total_bytes, time.perf_counter() - t0, 0.0, 0, extra)
+        return self._keep(version, loader, digest, discards, report)
+
+    def _keep(
+        self, staged: StagedVersion, loader: BucketLoader | RegionLoader, digest: str, discards: int, report: ReceiveReport,
+    ) -> ReceiveReport:
+        """Keep a staged version for `swap()`, unless the controller discarded the sync while this
+        receive was in flight (the stream failed elsewhere): then it is dropped and the receive fails."""
+        with self._keeping:
+            if self._discards == discards:
+                self._staged = (staged, loader, digest)
+                return report
+        staged.discard()
+        raise RuntimeError(f"the staged receive of manifest {digest[:12]} was discarded while in flight (the sync failed elsewhere)")
 
     def _receive_into(
         self, digest: str, loader: BucketLoader, destinations: Mapping[str, torch.Tensor] | None, request: DeltaRequest | None,
@@ -348,7 +363,9 @@ class WeightReceiver:
 
     def discard(self) -> None:
         """Drop a staged version (a failed stream elsewhere): the live weights were never touched.
-        No-op when nothing is staged."""
-        staged, self._staged = self._staged, None
+        No-op when nothing is staged; a staged receive still in flight keeps nothing (it fails)."""
+        with self._keeping:
+            self._discards += 1
+            staged, self._staged = self._staged, None
         if staged is not None:
             staged[0].discard()

@@ -271,6 +271,7 @@ class TorchRefRollout(RolloutAdapter):
     supports_many_senders = True
     takes_regions = True
     stages = True
+    stages_regions = True
 
     def __init__(
         self, name: str, host: str, port: int, process: subprocess.Popen[str] | None, timeout_s: float, *, token: str | None = None
@@ -390,7 +391,10 @@ class TorchRefRollout(RolloutAdapter):
         return float(self._call("swap", version=version, pause_mode=pause_mode)["stall_s"])
 
     def discard(self) -> None:
-        self._call("discard", timeout_s=min(self.timeout_s, 10.0))
+        # On the probe's connection: a discard must not queue behind a receive still in flight
+        # (that receive then keeps nothing, `WeightReceiver.discard`).
+        params = {"owner": self.owner} if self.owner is not None else {}
+        self._probe.call("discard", timeout_s=min(self.timeout_s, 10.0), **params)
 
     def steps(self, since: int = 0) -> list[tuple[int, float, float, int | None, str]]:
         """The engine's step records from step `since` on: (index, start, end, version, weights digest)."""

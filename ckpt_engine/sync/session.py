@@ -408,6 +408,7 @@ class WeightSyncSession:
             self._break(failed, probe=not followers)
             raise SyncError("transfer", failed, sorted(self.stale))
         reports = {name: f.result() for name, f in receives.items()}
+        self._staging = None  # every rank checked every set: a failure from here (a swap) is stale, as a finalize's
         seconds["transfer"] = time.perf_counter() - t
         return stats, reports
 

@@ -3,8 +3,9 @@
 A staged sync streams into every engine's staging area while the engines serve and pauses them
 only for the swap. `StagePolicy.choose` decides per sync, after validate and before anything pauses
 or moves: a patch sync stages its patches; a dense sync (or a delta seed) stages a full copy when
-`stage` is `full`, or `auto` and every engine reports room for it; otherwise the sync pauses as
-today, and the session says why once.
+`stage` is `full`, or `auto` and every engine reports room for it (a rank with a receive plan needs
+room for its slices only); otherwise the sync pauses as today, and the session says why once. A
+sync with receive plans stages only when every engine says it can (`stages_regions`).
 """
 
 from __future__ import annotations
@@ -52,16 +53,18 @@ class StagePolicy:
         engine short of room raises ValueError (nothing was paused or sent)."""
         if self.mode == "off":
             return None
-        if regions:
-            # A failed staged receive over several receiver sets was seen to leave a rank's live
-            # slices part-new (test_region_sync's corrupt-patch case): until that is fixed, syncs
-            # with receive plans take today's order (paused, stale on failure).
-            self._say_once(f"checkpoint_engine.stage={self.mode}: syncs with receive plans are not staged yet; they pause for the whole transfer")
-            return None
         cannot = [r.name for r in rollouts if not r.stages]
         if cannot:
             self._say_once(f"checkpoint_engine.stage={self.mode}: engine(s) {', '.join(cannot)} cannot stage a sync; syncs pause for the whole transfer")
             return None
+        if regions:  # a sync with receive plans: each engine says whether it stages one
+            cannot = [r.name for r in rollouts if not r.stages_regions]
+            if cannot:
+                self._say_once(
+                    f"checkpoint_engine.stage={self.mode}: engine(s) {', '.join(cannot)} cannot stage a sync with receive plans; "
+                    "such syncs pause for the whole transfer"
+                )
+                return None
         if request is not None and request.patches:
             return "patches"
         if self.mode == "patches":
