@@ -9,7 +9,8 @@ order (paused for the whole sync, `stage off`), so both see the same syncs on th
     publishes bf16-rounded weights (fp32 on the wire, as the fp32 engine holds them), so a sync
     changes the few % of words whose bf16 rounding flips, as bf16 training at lr 1e-6 does;
   - dense syncs (`delta off`): staged through the workers' staging copy.
-Per sync it prints the engine's stall (staged: pause -> swap -> resume; off: pause -> resume), the
+Per sync it prints the engine's stall (staged: pause -> load beside reset + stamp -> resume, with the
+pause and the load/reset/stamp part apart; off: pause -> resume), the
 transfer seconds, and generated tokens/s during the sync (vLLM's `generation_tokens_total` counter)
 against a window of the same length without a sync.
 
@@ -191,12 +192,16 @@ def run(url: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, A
                         "tok_s_during": during, "tok_s_without": idle, "wire_mb": report.wire_bytes / 1e6,
                         "load_s": adapter.last_finalize.get("swap_load_s", 0.0),  # off: the load ran during the stream
                         "post_process_s": adapter.last_finalize.get("post_process_s", 0.0),
+                        # staged: the swap's pause, its load + reset + stamp, and the resume (the rest)
+                        "swap_pause_s": adapter.last_finalize.get("swap_pause_s", 0.0) if adapter.staged else 0.0,
+                        "swap_rpc_s": adapter.last_finalize.get("swap_rpc_s", 0.0) if adapter.staged else 0.0,
                     }
                     rows.append(row)
                     print(
                         f"{row['kind']:>5} {row['order']:>6}: changed {changed:6.2%}  sync {seconds * 1e3:7.1f} ms  "
                         f"transfer {row['transfer_s'] * 1e3:7.1f} ms  stall {row['stall_s'] * 1e3:7.1f} ms  "
-                        f"(worker load {row['load_s'] * 1e3:6.1f} + post-process {row['post_process_s'] * 1e3:6.1f} ms)  "
+                        f"(worker load {row['load_s'] * 1e3:6.1f} + post-process {row['post_process_s'] * 1e3:6.1f} ms; "
+                        f"pause {row['swap_pause_s'] * 1e3:5.1f} + load/reset/stamp {row['swap_rpc_s'] * 1e3:5.1f} ms)  "
                         f"tok/s during {during:6.1f} vs without {idle:6.1f} ({during / max(idle, 1e-9):.2f}x)  wire {row['wire_mb']:.2f} MB",
                         flush=True,
                     )
@@ -215,12 +220,13 @@ def summarize(rows: list[dict[str, Any]], errors: int) -> None:
             sel = [r for r in rows if r["order"] == order and (r["kind"] == "off") == dense]
             if not sel:
                 continue
-            keys = ("stall_s", "transfer_s", "sync_s", "tok_s_during", "tok_s_without", "load_s", "post_process_s")
-            med = {k: statistics.median(r[k] for r in sel) for k in keys}
+            keys = ("stall_s", "transfer_s", "sync_s", "tok_s_during", "tok_s_without", "load_s", "post_process_s", "swap_pause_s", "swap_rpc_s")
+            med = {k: statistics.median(r.get(k, 0.0) for r in sel) for k in keys}
             print(
                 f"  {'dense' if dense else 'delta'} {order:>6} ({len(sel)} syncs): stall {med['stall_s'] * 1e3:7.1f} ms, "
                 f"transfer {med['transfer_s'] * 1e3:7.1f} ms (stall/transfer {med['stall_s'] / max(med['transfer_s'], 1e-9):.2f}), "
                 f"worker load {med['load_s'] * 1e3:6.1f} ms + post-process {med['post_process_s'] * 1e3:6.1f} ms, "
+                f"swap pause {med['swap_pause_s'] * 1e3:5.1f} ms + load/reset/stamp {med['swap_rpc_s'] * 1e3:5.1f} ms, "
                 f"tok/s during/without {med['tok_s_during'] / max(med['tok_s_without'], 1e-9):.2f}"
             )
 

@@ -33,7 +33,7 @@ __all__ = [
     "load_mapping",
 ]
 
-PAUSE_MODES = ("keep", "abort", "none")
+PAUSE_MODES = ("keep", "abort", "none", "recompute")
 DELTA_MODES = ("off", "auto", "on")
 STAGE_MODES = ("auto", "patches", "full", "off")
 SENDER_MODES = ("rank0", "all", "per_stage")
@@ -69,7 +69,9 @@ class CheckpointEngineConfig:
     verify: bool = False
     """Send a checksum with every bucket and check it on every receiver before loading."""
     pause_mode: str = "keep"
-    """How engines pause around a load: `keep` in-flight requests, `abort` them, or `none`."""
+    """How engines pause around a load: `keep` in-flight requests (with their KV), `abort` them,
+    `recompute` (keep them, but they re-prefill their tokens so far under the new weights: vLLM
+    keep + its cache reset of running requests, SGLang `retract`), or `none`."""
     stage: str = "auto"
     """Staged syncs (engines keep generating while the next version streams in, and pause only for
     the swap): `patches` stages patch syncs (the decoded patches, checked against the live weights,

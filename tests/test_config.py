@@ -79,3 +79,9 @@ def test_stage_defaults_to_auto_and_yaml_off_means_off(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
     path.write_text("checkpoint_engine:\n  stage: off\n")
     assert load_config(path).stage == "off"
+
+
+def test_pause_mode_recompute_is_accepted() -> None:
+    """Issue 28: `recompute` (in-flight requests re-prefill under the new weights) is a config value."""
+    assert load_config({}, ["checkpoint_engine.pause_mode=recompute"]).pause_mode == "recompute"
+    assert CheckpointEngineConfig(pause_mode="recompute").pause_mode == "recompute"

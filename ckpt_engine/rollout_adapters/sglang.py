@@ -44,7 +44,7 @@ SGLANG_TRANSPORT = "sglang"
 # ckpt-engine pause modes -> SGLang's /pause_generation modes.
 # `keep` is SGLang's `retract`: requests stay queued and their KV is recomputed under the new weights
 # after /continue_generation. Under `in_place` they keep old-weight KV and SGLang refuses /flush_cache.
-_PAUSE_MODES = {"keep": "retract", "abort": "abort"}
+_PAUSE_MODES = {"keep": "retract", "abort": "abort", "recompute": "retract"}
 
 
 def custom_process_group(

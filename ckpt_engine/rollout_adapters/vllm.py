@@ -2,9 +2,9 @@
 
 Both drive the worker extension in `ckpt_engine.rollout_adapters.vllm_worker` (start vLLM with
 `worker_extension_cls=WORKER_EXTENSION`). Control goes through `collective_rpc` (in-process) or the
-dev-mode HTTP routes (`VLLM_SERVER_DEV_MODE=1`: `/collective_rpc`, `/pause`, `/resume`,
-`/reset_prefix_cache`, `/update_weight_version`, `/weight_info`); weights go only through the
-weight-sync group, into ranks `rank_offset + worker rank`.
+dev-mode HTTP routes (`VLLM_SERVER_DEV_MODE=1`: `/collective_rpc`, `/pause`, `/resume`, `/sleep`,
+`/wake_up`, `/reset_prefix_cache`, `/update_weight_version`, `/weight_info`); weights go only
+through the weight-sync group, into ranks `rank_offset + worker rank`.
 
 One sync: validate (manifest checked against vLLM's own parameters after its stacking rules) ->
 pause the scheduler -> receive (layerwise reload, bucket by bucket) -> finalize (layerwise
@@ -14,8 +14,8 @@ request's output tokens with it) -> resume.
 A staged sync (`receive(..., stage=...)` then `swap`): the workers receive on a background thread
 while the engine keeps generating (`vllm_staging.py`); the swap pauses the scheduler, loads the
 staged version through layerwise reload in one `collective_rpc` (vLLM runs it between two engine
-steps, on every worker), stamps the version and resumes. vLLM's `weight_versions` spans then show
-which tokens of a request came from which version.
+steps, on every worker) beside the cache reset and the version stamp, and resumes. vLLM's
+`weight_versions` spans then show which tokens of a request came from which version.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Hashable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlsplit
 
@@ -179,30 +180,71 @@ class _VllmAdapterBase(RolloutAdapter):
         return replies
 
     def swap(self, version: int, pause_mode: str) -> float:
-        """Between two engine steps: pause (per `pause_mode`; `none` pauses as `keep`, so no step
-        is labelled with the wrong version), load the staged version on every worker, reset the
-        prefix cache, stamp `version`, resume. Returns the seconds the engine produced nothing.
+        """Between two engine steps: pause (per `pause_mode`; `none` pauses as `keep`), load the
+        staged version on every worker, reset the prefix cache, stamp `version`, resume. Returns
+        the seconds the engine produced nothing. A swap that fails part-way leaves the engine
+        paused (its weights may be a mix: stale).
 
-        A swap that fails part-way leaves the engine paused (its weights may be a mix: stale)."""
+        Why `keep` pauses too: vLLM labels a step's tokens with the engine core's weight version,
+        and the load (`collective_rpc`) and the stamp (`set_weight_version`) are two engine-core
+        calls that no vLLM route joins; unpaused, a step between them is mislabelled
+        (docs/staged-syncs.md). Paused, they run side by side where `_side_calls` allows."""
         mode = pause_mode if pause_mode != "none" else "keep"
         if mode not in _PAUSE_MODES:
             raise ValueError(f"engine {self.name!r}: pause_mode must be one of {', '.join(_PAUSE_MODES)} or none, got {pause_mode!r}")
         t0 = time.perf_counter()
-        self.pause(mode)
-        replies = self._rpc("ckpt_swap", version=version)
+        self._pause_for_swap(mode)
+        t_paused = time.perf_counter()
+        replies = self._load_and_stamp(version, mode)
         t1 = time.perf_counter()
-        self._reset_prefix_cache(running=mode == "recompute")
-        self._set_engine_version(str(version))
         self.version = version
-        self.resume()
+        self._resume_after_swap()
         stall = time.perf_counter() - t0
         self.last_finalize = {
             "post_process_s": max(float(r["finalize_s"]) for r in replies),
             "swap_load_s": max(float(r["load_s"]) for r in replies),
-            "swap_rpc_s": t1 - t0,
+            "swap_pause_s": t_paused - t0,
+            "swap_rpc_s": t1 - t_paused,
             "stall_s": stall,
         }
         return stall
+
+    _side_calls: ClassVar[bool] = False
+    """Whether the cache reset and the version stamp may run on a second thread while the load's
+    `collective_rpc` runs (a handle whose control calls share no connection)."""
+
+    def _load_and_stamp(self, version: int, mode: str) -> list[Any]:
+        """With the engine paused: the load on every worker, the prefix-cache reset and the engine's
+        version stamp; side by side when `_side_calls`. If the load fails, the engine's stamp is
+        put back to the version its weights were stamped with (best effort; the engine stays paused)."""
+        def stamp() -> None:
+            self._reset_prefix_cache(running=mode == "recompute")
+            self._set_engine_version(str(version))
+
+        if not self._side_calls:
+            replies = self._rpc("ckpt_swap", version=version)
+            stamp()
+            return replies
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-swap-stamp") as side:
+            stamped = side.submit(stamp)
+            try:
+                replies = self._rpc("ckpt_swap", version=version)
+            except BaseException:
+                if stamped.exception(timeout=self.timeout_s) is None and self.version is not None:
+                    try:
+                        self._set_engine_version(str(self.version))
+                    except Exception as exc:  # the swap's own error is the one to raise
+                        logger.warning("engine %s: could not restore the weight version after a failed swap: %s", self.name, exc)
+                raise
+            stamped.result(timeout=self.timeout_s)
+        return replies
+
+    def _pause_for_swap(self, mode: str) -> None:
+        """Pause for a swap (`mode` keep/abort/recompute); a handle may use a quicker route than `pause`."""
+        self.pause(mode)
+
+    def _resume_after_swap(self) -> None:
+        self.resume()
 
     def discard(self) -> None:
         """Drop a staged version on every worker; the live weights and version are untouched."""
@@ -336,6 +378,7 @@ class VllmServerRollout(_VllmAdapterBase):
         self.base_url = base_url.rstrip("/")
         self.http = session if session is not None else requests.Session()
         self._probe = requests.Session()  # health checks must not share a connection with receive
+        self._side = requests.Session()  # the cache reset and version stamp beside the swap's load
         if world_size is None:
             try:
                 reply = self._get("/get_world_size", params={"include_dp": "false"}, timeout_s=min(timeout_s, 10.0), probe=True)
@@ -352,9 +395,12 @@ class VllmServerRollout(_VllmAdapterBase):
         self._local = urlsplit(self.base_url).hostname in ("127.0.0.1", "localhost", "::1")
 
     # --- HTTP --------------------------------------------------------------------------------
-    def _post(self, path: str, json: Any = None, params: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
+    def _post(
+        self, path: str, json: Any = None, params: dict[str, Any] | None = None, timeout_s: float | None = None, side: bool = False
+    ) -> Any:
+        """POST `path`; `side`: on the second connection (calls that run beside the swap's load)."""
         timeout = timeout_s if timeout_s is not None else self.timeout_s
-        resp = self.http.post(f"{self.base_url}{path}", json=json, params=params, timeout=timeout)
+        resp = (self._side if side else self.http).post(f"{self.base_url}{path}", json=json, params=params, timeout=timeout)
         if resp.status_code != 200:
             raise RuntimeError(f"engine {self.name!r}: POST {path} answered {resp.status_code}: {resp.text[:500]}")
         return resp.json() if resp.content else None
@@ -397,13 +443,28 @@ class VllmServerRollout(_VllmAdapterBase):
     def resume(self) -> None:
         self._post("/resume")
 
+    _side_calls: ClassVar[bool] = True  # the reset and the stamp go over `_side`, beside the load
+
+    def _pause_for_swap(self, mode: str) -> None:
+        """`/sleep?level=0` is the scheduler pause of `/pause` (same engine-core call, same modes,
+        no cache clearing) without the 20 ms `asyncio.sleep` that `/pause` adds only so earlier
+        outputs reach their callers first; tokens are stamped in the engine core when their step
+        ends, so the swap needs no such wait."""
+        self._pause_mode = mode
+        self._post("/sleep", params={"level": "0", "mode": _PAUSE_MODES[mode]})
+
+    def _resume_after_swap(self) -> None:
+        reply = self._post("/wake_up", params={"tags": "scheduling"})
+        if isinstance(reply, dict) and reply.get("status") != "awake":
+            raise RuntimeError(f"engine {self.name!r}: /wake_up?tags=scheduling after the swap left it {reply.get('status')!r}")
+
     def _reset_prefix_cache(self, running: bool = False) -> None:
-        reply = self._post("/reset_prefix_cache", params={"reset_running_requests": "true"} if running else None)
+        reply = self._post("/reset_prefix_cache", params={"reset_running_requests": "true"} if running else None, side=True)
         if isinstance(reply, dict) and reply.get("success") is False:
             logger.warning("engine %s: prefix cache reset refused (blocks still held)", self.name)
 
     def _set_engine_version(self, version: str) -> None:
-        self._post("/update_weight_version", json={"new_version": version})
+        self._post("/update_weight_version", json={"new_version": version}, side=True)
 
     def weight_version(self) -> str:
         return str(self._get("/weight_info")["weight_version"])
@@ -417,6 +478,7 @@ class VllmServerRollout(_VllmAdapterBase):
     def close(self) -> None:
         self.http.close()
         self._probe.close()
+        self._side.close()
 
 
 def _is_zombie(pid: int) -> bool:

@@ -19,8 +19,10 @@ if TYPE_CHECKING:
 
 __all__ = ["EngineControl", "HTTPWeightSyncClient", "LLMWeightSyncClient", "PAUSE_MODES"]
 
-# ckpt-engine pause modes -> vLLM's (`keep` freezes requests in place, `abort` drops them).
-PAUSE_MODES = {"keep": "keep", "abort": "abort"}
+# ckpt-engine pause modes -> vLLM's (`keep` freezes requests in place, `abort` drops them;
+# `recompute` freezes them, and `reset_prefix_cache(running=True)` after the load preempts them:
+# they re-prefill their prompt and tokens so far under the new weights).
+PAUSE_MODES = {"keep": "keep", "abort": "abort", "recompute": "keep"}
 
 
 @runtime_checkable
@@ -31,7 +33,9 @@ class EngineControl(Protocol):
 
     def resume(self) -> None: ...
 
-    def reset_prefix_cache(self) -> None: ...
+    def reset_prefix_cache(self, running: bool = False) -> None:
+        """Drop the prefix cache; `running`: also preempt running requests (they re-prefill)."""
+        ...
 
     def weight_version(self) -> str: ...
 
@@ -69,8 +73,8 @@ class HTTPWeightSyncClient(HTTPVLLMWeightSyncClient):
     def resume(self) -> None:
         self._request("POST", "resume")
 
-    def reset_prefix_cache(self) -> None:
-        self._request("POST", "reset_prefix_cache")
+    def reset_prefix_cache(self, running: bool = False) -> None:
+        self._request("POST", "reset_prefix_cache", params={"reset_running_requests": "true"} if running else None)
 
     def weight_version(self) -> str:
         return str(self._request("GET", "weight_info")["weight_version"])
@@ -125,8 +129,8 @@ class LLMWeightSyncClient:
     def resume(self) -> None:
         self._utility("resume_scheduler")
 
-    def reset_prefix_cache(self) -> None:
-        self.llm.reset_prefix_cache()
+    def reset_prefix_cache(self, running: bool = False) -> None:
+        self.llm.reset_prefix_cache(running)
 
     def weight_version(self) -> str:
         return str(self.llm.get_weight_version())

