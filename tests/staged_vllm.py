@@ -32,7 +32,7 @@ def write_model_dir(path: Path) -> Path:
 
 class SwapRecorder(VllmServerRollout):
     """A `VllmServerRollout` that records each swap's stall and when it returned; `swap_mode`, when
-    set, replaces the session's pause_mode (`recompute` is a vLLM-only mode, not a config value)."""
+    set, replaces the session's pause_mode (one session then swaps under several modes)."""
 
     swap_mode: str | None = None
 
