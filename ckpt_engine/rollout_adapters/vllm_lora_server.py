@@ -12,13 +12,16 @@ a request keeps the LoRA id the server gave its name on arrival, so it finishes 
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckpt_engine.rollout_adapters.base import JoinOptions
 from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
 from ckpt_engine.rollout_adapters.vllm_lora import LORA_METHODS
 from ckpt_engine.rollout_adapters.vllm_lora_names import ServerLoraNames
 from ckpt_engine.transports.base import Rendezvous
+
+if TYPE_CHECKING:
+    from ckpt_engine.planning.regions import ReceivePlan
 
 __all__ = ["VllmServerLoraRollout"]
 
@@ -30,6 +33,14 @@ class VllmServerLoraRollout(VllmServerRollout):
     stages: ClassVar[bool] = False
     """An adapter sync already installs only at finalize (the received tensors wait in the workers'
     LoRA stage), so it takes today's order, not the weights' staging."""
+
+    takes_regions: ClassVar[bool] = False
+    """Every worker receives the whole adapter (a few MB), never regions: vLLM's LoRA layers cut each
+    TP rank's slice themselves when the version is installed."""
+
+    def receive_plans(self) -> list[ReceivePlan | None]:
+        """None for every worker (whole tensors); no plan is recorded from the base model's loaders."""
+        return [None] * self.world_size
 
     def __init__(
         self,
