@@ -10,7 +10,6 @@ old version.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,18 +19,18 @@ import torch
 
 pytest.importorskip("vllm")
 pytest.importorskip("peft")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 from _lora_tp_ext import EXTENSION  # noqa: E402
 from helpers_vllm import ENGINE_ARGS  # noqa: E402
-from test_lora_vllm import NUM_TOKENS, PROMPTS, LONG_TOKENS, TIMEOUT_S, InFlight, greedy, merged_reference  # noqa: E402
-from test_vllm_adapter import QWEN2_CONFIG, hf_greedy  # noqa: E402
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession  # noqa: E402
 from ckpt_engine.lora_format import ADAPTER_CONFIG  # noqa: E402
 from ckpt_engine.sources.adapters import AdapterSource  # noqa: E402
 from ckpt_engine.sync.api import close_sessions  # noqa: E402
 from tests import _lora_trainer as trainer  # noqa: E402
+from tests.test_lora_vllm import LONG_TOKENS, NUM_TOKENS, PROMPTS, TIMEOUT_S, InFlight, greedy, merged_reference, model_dir  # noqa: E402,F401
+from tests.test_vllm_adapter import QWEN2_CONFIG, hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -41,17 +40,7 @@ PACKED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_pro
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("qwen2-lora-tp2")
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(**{k: v for k, v in QWEN2_CONFIG.items() if k not in ("architectures", "torch_dtype")})
-    config.architectures = ["Qwen2ForCausalLM"]
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[Any]:
+def llm(model_dir: Path) -> Iterator[Any]:  # noqa: F811
     from vllm import LLM
 
     with pytest.MonkeyPatch.context() as env:  # the workers read these when they start
@@ -94,7 +83,7 @@ def check_rank_slices(replies: list[dict[str, Any]], adapter: dict[str, torch.Te
     assert adapted == 3 * QWEN2_CONFIG["num_hidden_layers"]  # q_proj, v_proj, down_proj per layer
 
 
-def test_tp2_lora_syncs_match_hf_merged_on_every_rank_and_keep_running_requests_on_their_version(llm: Any, model_dir: Path) -> None:
+def test_tp2_lora_syncs_match_hf_merged_on_every_rank_and_keep_running_requests_on_their_version(llm: Any, model_dir: Path) -> None:  # noqa: F811
     from ckpt_engine.rollout_adapters.vllm_lora import VllmLoraRollout
     from ckpt_engine.rollout_adapters.vllm_lora_worker import lora_int_id
 
