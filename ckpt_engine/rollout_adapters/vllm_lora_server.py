@@ -31,16 +31,12 @@ class VllmServerLoraRollout(VllmServerRollout):
 
     weights = "adapters"
     stages: ClassVar[bool] = False
-    """An adapter sync already installs only at finalize (the received tensors wait in the workers'
-    LoRA stage), so it takes today's order, not the weights' staging."""
-
     takes_regions: ClassVar[bool] = False
-    """Every worker receives the whole adapter (a few MB), never regions: vLLM's LoRA layers cut each
-    TP rank's slice themselves when the version is installed."""
+    """Both as `VllmLoraRollout`'s: an adapter installs only at finalize (no staging), and every
+    worker receives the whole adapter (vLLM's LoRA layers cut each TP rank's slice)."""
 
     def receive_plans(self) -> list[ReceivePlan | None]:
-        """None for every worker (whole tensors); no plan is recorded from the base model's loaders."""
-        return [None] * self.world_size
+        return [None] * self.world_size  # whole tensors; nothing recorded from the base model's loaders
 
     def __init__(
         self,
