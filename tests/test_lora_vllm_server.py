@@ -10,13 +10,7 @@ rank mismatch is refused by name before anything moves.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,59 +22,30 @@ pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 requests = pytest.importorskip("requests")
 
+from helpers_vllm import api_server  # noqa: E402
+
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession  # noqa: E402
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError  # noqa: E402
 from ckpt_engine.sources.adapters import AdapterSource  # noqa: E402
 from tests import _lora_trainer as trainer  # noqa: E402
 from tests.test_lora_vllm import LONG_TOKENS, NUM_TOKENS, PROMPTS, merged_reference, model_dir  # noqa: E402,F401
-from tests.test_vllm_adapter import ENGINE_ARGS, WORKER_EXTENSION, hf_greedy  # noqa: E402
+from tests.test_vllm_adapter import WORKER_EXTENSION, hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 30.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:  # noqa: F811
-    port = _free_port()
-    log = tmp_path_factory.mktemp("vllm-lora-server") / "server.log"
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_ALLOW_RUNTIME_LORA_UPDATING="1")
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
-        "--host", "127.0.0.1", "--skip-tokenizer-init", "--enforce-eager", "--dtype", "float32",
-        "--max-model-len", str(ENGINE_ARGS["max_model_len"]), "--max-num-seqs", str(ENGINE_ARGS["max_num_seqs"]),
-        "--gpu-memory-utilization", str(ENGINE_ARGS["gpu_memory_utilization"]), "--worker-extension-cls", WORKER_EXTENSION,
+    # `--load-format auto` after the helper's `dummy` (argparse keeps the last): real base weights.
+    extra = [
+        "--load-format", "auto", "--worker-extension-cls", WORKER_EXTENSION,
         "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--max-cpu-loras", "3",
     ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    try:
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vLLM api_server did not come up (exit {proc.poll()}):\n{log.read_text()[-3000:]}")
-            try:
-                if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(1.0)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
+    log = tmp_path_factory.mktemp("vllm-lora-server") / "server.log"
+    with api_server(model_dir, log, extra, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}) as server:
+        yield server.url
 
 
 def completions(url: str, model: str, prompts: list[list[int]] = PROMPTS, n: int = NUM_TOKENS) -> list[list[int]]:

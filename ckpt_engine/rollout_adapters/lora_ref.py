@@ -10,18 +10,14 @@ and `end_request(version)`.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Hashable, Mapping
 from typing import Any
 
 import torch
 
-from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.lora_format import LoraSpec
-from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
+from ckpt_engine.rollout_adapters.lora_local import LocalLoraRollout
 from ckpt_engine.rollout_adapters.lora_receiver import LoraReceiverCore, LoraTarget
-from ckpt_engine.transports.base import Rendezvous
 
 __all__ = ["LoraRefRollout", "linear_shapes"]
 
@@ -31,12 +27,8 @@ def linear_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-class LoraRefRollout(RolloutAdapter):
+class LoraRefRollout(LocalLoraRollout[int]):
     """An in-process engine that holds adapter versions as tensor dicts."""
-
-    weights = "adapters"
-    supports_delta = True
-    supports_many_senders = True
 
     def __init__(
         self,
@@ -47,12 +39,10 @@ class LoraRefRollout(RolloutAdapter):
         targets: frozenset[str] | set[str] | None = None,
         max_adapter_versions: int = 2,
     ) -> None:
-        self.name = name
         self.target = LoraTarget(max_rank, dict(base_shapes), frozenset(targets) if targets is not None else None)
         self._adapters: dict[int, tuple[dict[str, torch.Tensor], LoraSpec]] = {}
-        self.core: LoraReceiverCore[int] = LoraReceiverCore(lambda: self.target, self._build, self._adapters.pop, max_adapter_versions)
+        super().__init__(name, LoraReceiverCore(lambda: self.target, self._build, self._adapters.pop, max_adapter_versions))
         self._requests: dict[int, int] = {}
-        self._lock = threading.Lock()
         self.last_finalize: dict[str, Any] = {}
         """The last switch: `install_s` (staged tensors -> the newest version)."""
 
@@ -95,31 +85,7 @@ class LoraRefRollout(RolloutAdapter):
                 del self._requests[version]
             self.core.observe(set(self._requests))
 
-    # --- RolloutAdapter ----------------------------------------------------------------------
-    def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
-        self.core.join(rendezvous.to_dict(), rank_offset, options.to_dict())
-
-    def validate(self, manifest: BucketManifest, encoded: bytes) -> None:
-        with self._lock:
-            reply = self.core.validate(encoded, manifest.digest)
-        if not reply["accepted"]:
-            raise ManifestRejectedError(self.name, reply["problems"] or ["rejected"])
-
-    def pause(self, mode: str) -> None:
-        """Nothing to pause: a sync never touches a version a request uses."""
-
-    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None) -> ReceiveReport:
-        return ReceiveReport.from_dict(self.core.receive(manifest.digest, delta.to_dict() if delta is not None else None))
-
+    # --- LocalLoraRollout -----------------------------------------------------------------------
     def finalize(self, version: int) -> None:
         with self._lock:
             self.last_finalize = self.core.finalize(version)
-
-    def resume(self) -> None:
-        """Nothing was paused."""
-
-    def health(self) -> dict[str, Any]:
-        return self.core.health()
-
-    def leave(self) -> None:
-        self.core.leave()

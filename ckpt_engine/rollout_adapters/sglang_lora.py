@@ -31,13 +31,11 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.lora_format import LoraSpec
-from ckpt_engine.manifest import BucketManifest, TensorSpec
-from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
+from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.rollout_adapters.lora_local import LocalLoraRollout
 from ckpt_engine.rollout_adapters.lora_receiver import LoraReceiverCore, LoraTarget
 from ckpt_engine.rollout_adapters.sglang import SglangClient, hf_expected_specs
-from ckpt_engine.transports.base import Rendezvous
 
 __all__ = ["SglangLoraRollout", "write_peft_folder"]
 
@@ -57,12 +55,8 @@ def write_peft_folder(folder: Path, tensors: dict[str, torch.Tensor], spec: Lora
     os.replace(partial, folder)
 
 
-class SglangLoraRollout(RolloutAdapter):
+class SglangLoraRollout(LocalLoraRollout[str]):
     """One LoRA-enabled SGLang server for adapter syncs; its receiving rank runs in this process."""
-
-    weights = "adapters"
-    supports_delta = True
-    supports_many_senders = True
 
     def __init__(
         self,
@@ -78,17 +72,16 @@ class SglangLoraRollout(RolloutAdapter):
         if isinstance(max_lora_rank, bool) or not isinstance(max_lora_rank, int) or max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be a positive int (the server's --max-lora-rank), got {max_lora_rank!r}")
         self.client = client
-        self.name = client.name
         self.adapter_dir = Path(adapter_dir)
         if not self.adapter_dir.is_dir():
-            raise ValueError(f"engine {self.name!r}: adapter_dir {str(self.adapter_dir)!r} is not a directory (the server must read it)")
+            raise ValueError(f"engine {client.name!r}: adapter_dir {str(self.adapter_dir)!r} is not a directory (the server must read it)")
         self.server_dir = server_dir if server_dir is not None else str(self.adapter_dir)
         self._max_rank = max_lora_rank
         self._targets = frozenset(lora_target_modules) if lora_target_modules is not None else None
         self._expected = list(expected_specs) if expected_specs is not None else None
         self._target: LoraTarget | None = None
         self._specs: dict[int, LoraSpec] = {}
-        self.core: LoraReceiverCore[str] = LoraReceiverCore(self.target, self._write, self._retired, max_adapter_versions)
+        super().__init__(client.name, LoraReceiverCore(self.target, self._write, self._retired, max_adapter_versions))
         self.loaded: list[int] = []
         """Versions SGLang holds, oldest first (this controller's loads)."""
         self.version: int | None = None
@@ -123,21 +116,7 @@ class SglangLoraRollout(RolloutAdapter):
     def _retired(self, version: int) -> None:
         """The core no longer counts `version` live; SGLang keeps it until `_make_room` unloads it."""
 
-    # --- RolloutAdapter ------------------------------------------------------------------------
-    def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
-        self.core.join(rendezvous.to_dict(), rank_offset, options.to_dict())
-
-    def validate(self, manifest: BucketManifest, encoded: bytes) -> None:
-        reply = self.core.validate(encoded, manifest.digest)
-        if not reply["accepted"]:
-            raise ManifestRejectedError(self.name, reply["problems"] or ["rejected"])
-
-    def pause(self, mode: str) -> None:
-        """Nothing to pause: a sync never touches a version a request uses."""
-
-    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None) -> ReceiveReport:
-        return ReceiveReport.from_dict(self.core.receive(manifest.digest, delta.to_dict() if delta is not None else None))
-
+    # --- LocalLoraRollout -------------------------------------------------------------------------
     def finalize(self, version: int) -> None:
         """Write the folder, unload the versions beyond `max_adapter_versions`, load the new one:
         requests naming it are served from then on."""
@@ -158,12 +137,6 @@ class SglangLoraRollout(RolloutAdapter):
             self.client.unload_lora_adapter(self.lora_name(old))
             shutil.rmtree(self.folder(old), ignore_errors=True)
 
-    def resume(self) -> None:
-        """Nothing was paused."""
-
     def health(self) -> dict[str, Any]:
         self.client.health()
         return {**self.core.health(), "loaded": list(self.loaded)}
-
-    def leave(self) -> None:
-        self.core.leave()

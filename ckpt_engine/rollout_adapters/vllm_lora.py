@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     import vllm
     from vllm.lora.request import LoRARequest
 
+    from ckpt_engine.planning.regions import ReceivePlan
+
 __all__ = ["LORA_METHODS", "VllmLoraRollout"]
 
 LORA_METHODS = {
@@ -39,6 +41,14 @@ class VllmLoraRollout(VllmRollout):
     stages: ClassVar[bool] = False
     """An adapter sync already installs only at finalize (the received tensors wait in the workers'
     LoRA stage), so it takes today's order, not the weights' staging."""
+
+    takes_regions: ClassVar[bool] = False
+    """Every worker receives the whole adapter (a few MB), never regions: vLLM's LoRA layers cut each
+    TP rank's slice themselves when the version is installed."""
+
+    def receive_plans(self) -> list[ReceivePlan | None]:
+        """None for every worker (whole tensors); no plan is recorded from the base model's loaders."""
+        return [None] * self.world_size
 
     def __init__(self, name: str, llm: vllm.LLM, *, max_adapter_versions: int = 2, timeout_s: float = 300.0) -> None:
         super().__init__(name, llm, timeout_s=timeout_s)

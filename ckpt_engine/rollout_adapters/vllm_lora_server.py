@@ -12,13 +12,16 @@ a request keeps the LoRA id the server gave its name on arrival, so it finishes 
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckpt_engine.rollout_adapters.base import JoinOptions
 from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
 from ckpt_engine.rollout_adapters.vllm_lora import LORA_METHODS
 from ckpt_engine.rollout_adapters.vllm_lora_names import ServerLoraNames
 from ckpt_engine.transports.base import Rendezvous
+
+if TYPE_CHECKING:
+    from ckpt_engine.planning.regions import ReceivePlan
 
 __all__ = ["VllmServerLoraRollout"]
 
@@ -28,8 +31,12 @@ class VllmServerLoraRollout(VllmServerRollout):
 
     weights = "adapters"
     stages: ClassVar[bool] = False
-    """An adapter sync already installs only at finalize (the received tensors wait in the workers'
-    LoRA stage), so it takes today's order, not the weights' staging."""
+    takes_regions: ClassVar[bool] = False
+    """Both as `VllmLoraRollout`'s: an adapter installs only at finalize (no staging), and every
+    worker receives the whole adapter (vLLM's LoRA layers cut each TP rank's slice)."""
+
+    def receive_plans(self) -> list[ReceivePlan | None]:
+        return [None] * self.world_size  # whole tensors; nothing recorded from the base model's loaders
 
     def __init__(
         self,

@@ -135,12 +135,12 @@ class VllmLoraCore:
         helper.validate_legal(self.lora_config)
         adapters = self.adapters
         mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
-        # Copies: vLLM merges the scaling into lora_B in place when it adds a model (`optimize`), and
-        # `from_lora_tensors` keeps CPU tensors of the LoRA dtype as they are; the kept tensors must
-        # stay as received, since a version is rebuilt from them (eviction, the server's id, vLLM
-        # dropping every LoRA model after a weight update).
+        # lora_B copied: vLLM merges the scaling into lora_B in place when it adds a model
+        # (`optimize`; nothing writes lora_A), and `from_lora_tensors` keeps CPU tensors of the LoRA
+        # dtype as they are; the kept tensors must stay as received, since a version is rebuilt from
+        # them (eviction, the server's id, vLLM dropping every LoRA model after a weight update).
         lora = LoRAModel.from_lora_tensors(
-            lora_id, {n: t.clone() for n, t in tensors.items()}, helper, device="cpu", dtype=self.lora_config.lora_dtype, model_vocab_size=self._vocab_size,
+            lora_id, {n: t.clone() if ".lora_B." in n else t for n, t in tensors.items()}, helper, device="cpu", dtype=self.lora_config.lora_dtype, model_vocab_size=self._vocab_size,
             weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
             skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None),
         )
