@@ -166,15 +166,17 @@ def _worker(rank: int, world_size: int, rdzvs: dict[str, dict[str, Any]], engine
     return result
 
 
-def _receive(rdzvs: dict[str, Any], got: dict[str, torch.Tensor], errors: list[str]) -> None:
-    """The receiver (weight-sync rank 2): one sync per layout, from both senders."""
+def _receive(rdzvs: dict[str, Any], got: dict[str, torch.Tensor], errors: list[str], wait_s: float) -> None:
+    """The receiver (weight-sync rank 2): one sync per layout, from both senders. It waits for each
+    manifest as long as the trainer ranks may run (`wait_s`): on a loaded 2-core box, starting
+    Megatron in four processes took longer than the group's own 60 s timeout."""
     from ckpt_engine.manifest import decode_manifest
     from ckpt_engine.transports.registry import CheckpointEngineRegistry
 
     try:
         for layout, rdzv in rdzvs.items():
             store = rdzv.connect_store()
-            store.wait([f"manifest/{layout}"], datetime.timedelta(seconds=rdzv.timeout_s))
+            store.wait([f"manifest/{layout}"], datetime.timedelta(seconds=wait_s))
             manifest = decode_manifest(store.get(f"manifest/{layout}"))
             sync = CheckpointEngineRegistry.new("gloo", bucket_size_bytes=BUCKET, timeout_s=60)
             sync.init_process_group(rdzv, rdzv.num_senders)
@@ -200,7 +202,7 @@ def _run_into_reference(
 
     got: dict[str, torch.Tensor] = {}
     errors: list[str] = []
-    receiver = threading.Thread(target=_receive, args=(receive, got, errors), daemon=True)
+    receiver = threading.Thread(target=_receive, args=(receive, got, errors, timeout_s), daemon=True)
     receiver.start()
     _cfg, sd = _trained_state()
     policy = WirePolicy("bfloat16", MegatronConfig().keep_fp32_patterns)  # the specs the trainer will announce
