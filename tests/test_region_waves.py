@@ -1,10 +1,15 @@
 """How many receiver sets a sender streams side by side: the width rule (a slot-memory budget over
 one set's slots), its config key, the waves at any width, and a region sync of 10 TP receivers
 (11 sets, 10 of them side by side) over real gloo groups, bit-exact with all sets at once and with
-one set at a time."""
+one set at a time; through the session, the budget reaches every sender."""
 
 from __future__ import annotations
 
+import datetime
+import json
+import logging
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,15 +17,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckpt_engine import sync_rollout_weights
 from ckpt_engine.config import CheckpointEngineConfig, ConfigError, load_config
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.pipeline.region_assembly import RegionAssembly
 from ckpt_engine.pipeline.region_groups import DEFAULT_PARALLEL_SETS, RegionGroups, parallel_sets, receive_regions, send_regions, waves
 from ckpt_engine.planning.receive_sets import cut_region
+from ckpt_engine.processes import run_processes
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.sources.sharded import ShardedStateDictSource
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.transports.gloo import GlooCheckpointEngine
-from ranks import run_ranks
-from regionranks import layout, qwen2_specs, weights
+from helpers_procs import free_port
+from ranks import forkserver_context, run_ranks
+from refengines import same_bits
+from regionranks import KV_HEADS, layout, qwen2_specs, weights
 
 BUCKET = 16 << 10
 RECEIVERS = 10
@@ -127,3 +138,67 @@ def test_more_than_eight_sets_side_by_side_are_bit_exact(sets_at_once: int) -> N
     for r in res[1:]:
         assert r["ok"] == [True, True]  # a dense and a delta sync, every slice bit for bit
         assert r["slot_memories"] == 1
+
+
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _trainer(rank: int, world: int, port: int, engines: list[dict[str, Any]], out_dir: str, budget_mb: float) -> None:
+    """A trainer rank of the session test: two versions of the tiny Qwen2 from both ranks (senders=all)."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=30)
+    )
+    said = _Said()
+    logging.getLogger("ckpt_engine.sync.regions").addHandler(said)
+    logging.getLogger("ckpt_engine.sync.regions").setLevel(logging.INFO)
+    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20, delta="on", senders="all", region_slot_memory_mb=budget_mb)
+    handles = [TorchRefRollout(e["name"], e["host"], e["port"], None, 20, token=e["token"]) for e in engines] if rank == 0 else None
+    log: list[dict[str, Any]] = []
+    for v in range(2):
+        source = ShardedStateDictSource(weights(qwen2_specs(), v), rank, world)
+        source.is_sender = rank == 0
+        try:
+            report = sync_rollout_weights(source, handles, config=cfg)
+            log.append({"ok": True, "delta": report.delta if report else None})
+        except Exception as exc:
+            log.append({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+            break
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"log": log, "said": [s for s in said.lines if "side by side" in s]}, f)
+
+
+def test_the_budget_reaches_every_sender_through_the_session(tmp_path: Path) -> None:
+    """Two trainer ranks into two TP=2 ranks (sets {0}, {1}, {0, 1}) with a budget below one set's
+    slots: rank 0 streams one set at a time and announces it; the other rank follows; bit-exact."""
+    spec = tmp_path / "qwen2.msgpack"
+    write_spec_file(spec, qwen2_specs())
+    layouts = [{"tp_size": 2, "tp_rank": r, "num_kv_heads": KV_HEADS} for r in range(2)]
+    engines = [TorchRefRollout.spawn(f"tp{r}", spec_file=str(spec), timeout_s=60, layout=lay) for r, lay in enumerate(layouts)]
+    try:
+        info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in engines]
+        ctx = forkserver_context()
+        port = free_port()
+        procs = [ctx.Process(target=_trainer, args=(r, 2, port, info, str(tmp_path), 0.0625)) for r in range(2)]
+        run_processes(procs, 240)
+        out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+        for r in range(2):
+            assert [e["ok"] for e in out[r]["log"]] == [True, True], out[r]
+        assert [e["delta"] for e in out[0]["log"]] == ["seed", "patch"]
+        assert out[0]["said"] == ["region delivery: 1 receiver set(s) side by side (of 3)"]
+        w = weights(qwen2_specs(), 1)
+        for e in engines:
+            (plan,) = e.receive_plans()
+            assert plan is not None
+            for name, regions in plan.holds.items():
+                want = cut_region(w[name], regions[0] if regions is not None else None).contiguous()
+                assert same_bits(e.get_tensor(name), want), (e.name, name)
+    finally:
+        for e in engines:
+            e.close()
