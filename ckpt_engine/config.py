@@ -64,6 +64,11 @@ class CheckpointEngineConfig:
     """Bucket size in MiB; unset sizes it from free device memory (see `resolve_bucket_size_bytes`)."""
     num_buffers: int = 2
     """Rotating bucket buffers per side (>= 2): bucket k+1 is packed while bucket k is in flight."""
+    region_slot_memory_mb: float | None = None
+    """Region delivery (receive plans): slot memory in MiB a sender may give receiver sets streamed
+    side by side; each set takes `num_buffers` x bucket, so max(1, budget // (num_buffers x
+    bucket)) sets stream at once (at most the layout's sets; below one set's slots: one at a time).
+    Unset: 8 sets side by side. Raise it where engines have more than 8 TP/EP ranks on their own NICs."""
     timeout_s: float = 300.0
     """Upper bound on every wait: rendezvous, collectives, control calls."""
     verify: bool = False
@@ -126,6 +131,13 @@ class CheckpointEngineConfig:
         _check_type("checkpoint_engine.num_buffers", self.num_buffers, int)
         if self.num_buffers < 2:
             raise ConfigError(f"checkpoint_engine.num_buffers must be >= 2 (one packs while one sends), got {self.num_buffers}")
+        if self.region_slot_memory_mb is not None:
+            _check_number("checkpoint_engine.region_slot_memory_mb", self.region_slot_memory_mb)
+            if not 0 < self.region_slot_memory_mb <= 1 << 30:
+                raise ConfigError(
+                    f"checkpoint_engine.region_slot_memory_mb must be in (0, 1073741824] MiB or unset (8 sets side by side), "
+                    f"got {self.region_slot_memory_mb}"
+                )
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # NaN fails too
             raise ConfigError(f"checkpoint_engine.timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {self.timeout_s!r}")
         _check_type("checkpoint_engine.verify", self.verify, bool)
@@ -187,6 +199,12 @@ class CheckpointEngineConfig:
         if self.bucket_size_mb is None:
             return None
         return max(4096, int(self.bucket_size_mb * (1 << 20)) // 4096 * 4096)
+
+    @property
+    def region_slot_memory_bytes(self) -> int | None:
+        if self.region_slot_memory_mb is None:
+            return None
+        return int(self.region_slot_memory_mb * (1 << 20))
 
     def kwargs_for(self, backend: str) -> dict[str, Any]:
         return dict(self.engine_kwargs.get(backend, {}))

@@ -28,3 +28,12 @@ def test_loader_bound_moe_sync_is_told_to_fuse_experts() -> None:
     assert predict(sc.setup(), CAL).bottleneck == "load"
     flags = [h.flag for h in advise(sc, CAL)]
     assert flags[0] == "--fused-experts"
+
+
+def test_shard_receive_into_wide_engines_is_told_the_slot_memory_for_all_sets() -> None:
+    sc = Scenario(model="kimi-k2", trainer="256xH800", rollout="8x32xH800", nic_gbps=400, strategy="all-senders", fused_experts=True, receive="shard")
+    hint = next(h for h in advise(sc, CAL, top=10) if h.flag.startswith("--parallel-sets"))
+    assert hint.flag == "--parallel-sets 32" and hint.speedup > 2
+    assert hint.status.startswith("runs today: checkpoint_engine.region_slot_memory_mb")
+    assert hint.status.endswith("here region_slot_memory_mb=65536")  # 32 sets x 2 buffers x 1 GiB
+    assert not any(h.flag.startswith("--parallel-sets") for h in advise(replace(sc, parallel_sets=32), CAL, top=10))

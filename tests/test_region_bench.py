@@ -14,12 +14,14 @@ import pytest
 def test_region_bench_tiny_json(senders: int) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "ckpt_engine.cli", "bench", "--preset", "tiny", "--backend", "gloo", "--iters", "1",
-         "--bucket-mb", "4", "--receivers", "2", "--receiver-tp", "2", "--senders", str(senders), "--json", "-"],
+         "--bucket-mb", "4", "--receivers", "2", "--receiver-tp", "2", "--senders", str(senders), "--json", "-",
+         *(["--region-slot-memory-mb", "8"] if senders == 1 else [])],  # 8 MiB: one set's 2 x 4 MiB slots
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout)
     assert summary["correct"] is True and summary["senders"] == senders and summary["receiver_tp"] == 2
+    assert summary["sets"] == 3 and summary["parallel_sets"] == (1 if senders == 1 else 3)  # unset: 8, at most the sets; 8 MiB: one set
     model = summary["model_bytes"]
     assert summary["modes"]["full"]["received_bytes"] == [model, model]
     assert all(b <= 0.55 * model for b in summary["modes"]["regions"]["received_bytes"])

@@ -89,6 +89,10 @@ def _parser() -> argparse.ArgumentParser:
         help="with --receiver-tp over gloo: every rank's link paced to this many MB/s in and out (a network-bound emulation; benchmark/paced_link.py)",
     )
     p.add_argument("--fused-experts", action="store_true", help="with --receiver-tp: each layer's routed experts travel as one stacked tensor per projection")
+    p.add_argument(
+        "--region-slot-memory-mb", type=above_zero, default=None,
+        help="with --receiver-tp: the senders' slot memory for receiver sets side by side (checkpoint_engine.region_slot_memory_mb; unset: 8 sets)",
+    )
     return p
 
 
@@ -287,8 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.modes.split(",")) - set(MODES)) if args.modes is not None else []
     if unknown:
         parser.error(f"argument --modes: unknown mode(s) {', '.join(unknown)}; allowed: {', '.join(MODES)}")
-    if args.receiver_tp is None and (args.link_mb_s is not None or args.fused_experts):
-        parser.error("--link-mb-s and --fused-experts go with --receiver-tp (the region bench)")
+    if args.receiver_tp is None and (args.link_mb_s is not None or args.fused_experts or args.region_slot_memory_mb is not None):
+        parser.error("--link-mb-s, --fused-experts and --region-slot-memory-mb go with --receiver-tp (the region bench)")
     chain = (args.delta or args.senders > 1) and args.receiver_tp is None
     try:
         if args.receiver_tp is not None:

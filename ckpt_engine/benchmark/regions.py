@@ -9,7 +9,8 @@ Prints best/median seconds per mode, bytes into each receiver rank beside the mo
 speed-up, and whether every rank's slices equal the senders' weights.
 
 --link-mb-s R gives every rank an emulated link of R MB/s (`paced_link.py`): the network-bound
-case on a CPU box. --fused-experts sends each layer's experts stacked (`planning/fused_experts.py`).
+case on a CPU box. --region-slot-memory-mb B lets the senders stream as many receiver sets side by side
+as B MiB of slots hold (`parallel_sets`; unset: 8). --fused-experts sends each layer's experts stacked (`planning/fused_experts.py`).
 --backend nccl_handoff --device cuda runs on a GPU box with sender s and receiver r on GPU s and r
 (modulo the GPUs): NCCL cannot join a sender and a receiver of one GPU, so every receiver gets its
 own groups (one receiver per set, in both modes) and the sender beside it hands over through CUDA
@@ -38,7 +39,7 @@ from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.benchmark.rank_exit import collect_results
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.pipeline.region_assembly import RegionAssembly
-from ckpt_engine.pipeline.region_groups import RegionGroups, receive_regions, send_regions
+from ckpt_engine.pipeline.region_groups import RegionGroups, parallel_sets, receive_regions, send_regions
 from ckpt_engine.pipeline.wire_views import torch_dtype
 from ckpt_engine.planning.fused_experts import fuse_specs
 from ckpt_engine.planning.ownership import row_shards
@@ -62,6 +63,7 @@ def run_region_bench(args: argparse.Namespace, backend: str, device: str, bucket
         "rdzv": rdzv.to_dict(), "preset": args.preset, "layers": args.layers, "dtype": args.dtype, "bucket_mb": bucket_mb,
         "buffers": args.buffers, "iters": args.iters, "receiver_tp": args.receiver_tp, "receivers": args.receivers, "senders": args.senders,
         "device": device, "link_mb_s": args.link_mb_s, "fused_experts": args.fused_experts,
+        "region_slot_memory_mb": args.region_slot_memory_mb,
     }
     if args.link_mb_s is not None and backend != "gloo":
         raise ValueError(f"--link-mb-s emulates links over gloo on CPU; got --backend {backend}")
@@ -82,6 +84,7 @@ def _summarize(results: list[dict[str, Any]], cfg: dict[str, Any], backend: str)
         "receivers": cfg["receivers"], "receiver_tp": cfg["receiver_tp"], "bucket_mb": cfg["bucket_mb"], "model_bytes": model,
         "tensors": results[0]["tensors"], "device": cfg["device"], "link_mb_s": cfg["link_mb_s"], "fused_experts": cfg["fused_experts"],
         "one_receiver_per_set": results[0]["one_receiver_per_set"], "modes": {},
+        "sets": results[0]["sets"], "parallel_sets": results[0]["parallel_sets"],
     }
     for mode in MODES:
         times = [max(r["seconds"][mode][i] for r in results) for i in range(cfg["iters"])]  # slowest rank per iteration
@@ -104,6 +107,7 @@ def print_region_summary(summary: dict[str, Any], console: Console) -> None:
         f"{summary['senders']} sender(s) -> {summary['receivers']} receiver ranks as TP={summary['receiver_tp']}"
         + (f", every rank's link {summary['link_mb_s']:g} MB/s" if summary["link_mb_s"] is not None else "")
         + (", experts stacked" if summary["fused_experts"] else "")
+        + f", {summary['parallel_sets']} of {summary['sets']} receiver sets side by side"
     )
     table = Table(title=title)
     for col in ("mode", "best s", "median s", "bytes into each receiver rank", "x model"):
@@ -168,14 +172,17 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         engine.init_process_group(rdzv, rank)
     manifest = engine.plan(specs, num_senders=senders, owners=owners)
     groups, manifests = {}, {}
+    budget = int(cfg["region_slot_memory_mb"] * (1 << 20)) if cfg["region_slot_memory_mb"] is not None else None
+    widths = {mode: parallel_sets(budget, cfg["buffers"], bucket, len(lay.sets)) for mode, lay in layouts.items()}
     for mode, lay in layouts.items():
-        groups[mode] = RegionGroups(rdzv, rank, lay.digest, [(s.index, s.members) for s in lay.sets], make)
+        groups[mode] = RegionGroups(rdzv, rank, lay.digest, [(s.index, s.members) for s in lay.sets], make, width=widths[mode])
         groups[mode].join()
         manifests[mode] = {s.index: engine.plan([p.spec for p in s.pieces], num_senders=senders, owners=s.owners(by_name, owners)) for s in lay.sets}
     layout = layouts["regions"]
     full = {s.name: _fill(s, i).to(device) for i, s in enumerate(specs)}
     receiver = rank - senders
     out: dict[str, Any] = {"rank": rank, "model_bytes": manifest.total_bytes, "tensors": len(specs), "problems": [], "one_receiver_per_set": split}
+    out["sets"], out["parallel_sets"] = len(layout.sets), widths["regions"]
     out["seconds"] = {m: [] for m in MODES}
     if receiver < 0:
         local = dict(full)

@@ -7,8 +7,9 @@ layout (before any byte moves, so a failure later closes sockets every blocked p
 and keeps them while the layout stays. A sender streams each set's pieces through that set's
 engine, a plain pipelined sync of virtual tensors (buckets, delta patches and their checksums, many
 senders, as for whole tensors); a receiver takes the sets it belongs to, in index order, and
-nothing else. Sets that share no receiver stream side by side (`waves`: up to
-`MAX_PARALLEL_SETS` at once, each from its own slots on the sender), so where each receiver's
+nothing else. Sets that share no receiver stream side by side (`waves`: up to `width` at once,
+each from its own slots on the sender; `parallel_sets` turns a memory budget into that width,
+`DEFAULT_PARALLEL_SETS` without one), so where each receiver's
 ingress is the bound (TP ranks on their own NICs) every receiver's link stays busy; sets that
 share a receiver go one after another. With a delta request nothing reaches the
 loader until every set's patches have checked out, so a bad patch anywhere leaves the engine's
@@ -35,15 +36,35 @@ from ckpt_engine.pipeline.engine import PipelinedEngine
 from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats, TransferError
 from ckpt_engine.transports.process_groups import ProcessGroupTransport
 
-__all__ = ["MAX_PARALLEL_SETS", "RegionGroups", "receive_regions", "send_regions", "waves"]
+__all__ = ["DEFAULT_PARALLEL_SETS", "RegionGroups", "parallel_sets", "receive_regions", "send_regions", "waves"]
 
 logger = logging.getLogger(__name__)
 
-MAX_PARALLEL_SETS = 8
-"""Sets a sender streams at once: each takes its own slot memory on the sender."""
+DEFAULT_PARALLEL_SETS = 8
+"""Sets a sender streams at once without a memory budget (`region_slot_memory_mb` unset): each
+takes its own slot memory on the sender."""
 
 
-def waves(sets: Sequence[tuple[int, tuple[int, ...]]], width: int = MAX_PARALLEL_SETS) -> list[list[int]]:
+def parallel_sets(budget_bytes: int | None, num_buffers: int, bucket_size_bytes: int, num_sets: int) -> int:
+    """The sets a sender streams side by side: as many as `budget_bytes` of slot memory holds
+    (each set takes `num_buffers` x `bucket_size_bytes`), at least 1 (a budget below one set's
+    slots streams one set at a time, what a sync without region delivery takes anyway) and at most
+    `num_sets`; None: `DEFAULT_PARALLEL_SETS`.
+
+    Every sender of a sync must use the same width (their waves must match, or two senders could
+    each wait in a set the other has not reached): trainer rank 0 computes it and announces it."""
+    if num_buffers < 1 or bucket_size_bytes < 1:
+        raise ValueError(f"num_buffers and bucket_size_bytes must be >= 1, got {num_buffers} and {bucket_size_bytes}")
+    if budget_bytes is None:
+        width = DEFAULT_PARALLEL_SETS
+    elif budget_bytes < 0:
+        raise ValueError(f"region slot memory budget must be >= 0 bytes, got {budget_bytes}")
+    else:
+        width = budget_bytes // (num_buffers * bucket_size_bytes)
+    return max(1, min(width, num_sets))
+
+
+def waves(sets: Sequence[tuple[int, tuple[int, ...]]], width: int = DEFAULT_PARALLEL_SETS) -> list[list[int]]:
     """The sets' streaming order: waves one after another, the sets of a wave side by side.
 
     A set goes into the first wave after the last one holding any of its members (and with
@@ -66,13 +87,18 @@ def waves(sets: Sequence[tuple[int, tuple[int, ...]]], width: int = MAX_PARALLEL
 
 
 class RegionGroups:
-    """This rank's engines of one layout's receiver sets (a sender: every set; a receiver: its own)."""
+    """This rank's engines of one layout's receiver sets (a sender: every set; a receiver: its own).
+
+    `width`: the sets a sender streams side by side (`parallel_sets`; the same on every sender).
+    A receiver needs none: it takes its sets one after another in index order, which is the order
+    of the waves holding them at any width."""
 
     def __init__(
         self, rendezvous: Rendezvous, rank: int, digest: str, sets: Sequence[tuple[int, tuple[int, ...]]],
-        make_engine: Callable[[], CheckpointEngine],
+        make_engine: Callable[[], CheckpointEngine], *, width: int = DEFAULT_PARALLEL_SETS,
     ) -> None:
         self.rdzv = rendezvous
+        self.width = width
         self.rank = rank
         self.digest = digest
         self.sets = dict(sets)
@@ -85,7 +111,7 @@ class RegionGroups:
         senders = rendezvous.num_senders
         self.receiver = rank - senders if rank >= senders else None
         self.mine = sorted(k for k, members in self.sets.items() if self.receiver is None or self.receiver in members)
-        self.waves = waves(list(self.sets.items())) if self.receiver is None else [[k] for k in self.mine]
+        self.waves = waves(list(self.sets.items()), width) if self.receiver is None else [[k] for k in self.mine]
         self._pool = {k: i for wave in self.waves for i, k in enumerate(wave)}
 
     def join(self) -> None:

@@ -34,10 +34,14 @@ STATUS: dict[str, str] = {
     ),
     "receive_shard": (
         "runs today: engines state receive plans (vLLM records them from its loader, the reference receiver from its TP/EP "
-        "layout), up to 8 receiver sets side by side; SGLang receives whole tensors"
+        "layout), 8 receiver sets side by side (more with checkpoint_engine.region_slot_memory_mb); SGLang receives whole "
+        "tensors"
     ),
     "fp8": "not in ckpt-engine yet (no FP8 wire)",
-    "parallel_sets": "not in ckpt-engine yet: it streams at most 8 receiver sets side by side (pipeline/region_groups.py MAX_PARALLEL_SETS)",
+    "parallel_sets": (
+        "runs today: checkpoint_engine.region_slot_memory_mb, the sender's slot memory for receiver sets side by side "
+        "(sets = budget // (num_buffers x bucket), at least 1; unset: 8)"
+    ),
 }
 """What ckpt-engine does with each planner setting; `bench/plan/kimi_k2_goal.py` prints the same."""
 
@@ -68,6 +72,10 @@ def _candidates(sc: Scenario) -> list[tuple[str, dict[str, Any], str]]:
         out.append(("--fused-experts", {"fused_experts": True}, STATUS["fused_experts"]))
     if sc.receive == "full":
         out.append(("--receive shard", {"receive": "shard"}, STATUS["receive_shard"]))
+    gpus = sc.setup().rollout.gpus_per_engine
+    if sc.receive == "shard" and gpus > sc.parallel_sets:
+        budget = gpus * sc.buffers * sc.bucket_mb
+        out.append((f"--parallel-sets {gpus}", {"parallel_sets": gpus}, f"{STATUS['parallel_sets']}; here region_slot_memory_mb={budget:g}"))
     if sc.dtype != "fp8":
         out.append(("--dtype fp8", {"dtype": "fp8"}, STATUS["fp8"]))
     return out

@@ -34,7 +34,8 @@ EXPORTS = ("none", "gather", "host")
 RECEIVES = ("full", "shard")
 STAGES = ("export", "encode", "transfer", "load", "overhead", "finalize", "pause")
 PARALLEL_SETS = 8
-"""Receiver sets a sender streams side by side (`pipeline/region_groups.py` MAX_PARALLEL_SETS)."""
+"""Receiver sets a sender streams side by side by default (`pipeline/region_groups.py`
+DEFAULT_PARALLEL_SETS); `checkpoint_engine.region_slot_memory_mb` sets more (`parallel_sets`)."""
 PIPELINED = ("export", "encode", "transfer", "load")
 
 

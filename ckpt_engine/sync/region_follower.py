@@ -2,7 +2,8 @@
 
 Trainer rank 0 announces the layout (the receiver sets and their pieces) with the send; this rank
 plans the sets' buckets alike (`plan_sets`, a pure function), refuses a digest rank 0 did not
-plan, joins the sets' groups (once per layout and weight-sync group) and streams its rows.
+plan, streams as many sets side by side as rank 0 announced (`width`: every sender's waves must
+match), joins the sets' groups (once per layout and weight-sync group) and streams its rows.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class FollowerRegions:
             announced = msg["regions"]
             if not isinstance(announced, dict) or not isinstance(announced.get("layout"), list):
                 raise ValueError(f"malformed region announcement from trainer rank 0: {announced!r:.200}")
+            width = announced.get("width")
+            if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+                raise ValueError(f"malformed region announcement from trainer rank 0: width must be an int >= 1, got {width!r:.40}")
             specs = manifest.specs
             layout = RegionLayout.from_wire(announced["layout"], {s.name: s for s in specs})
             owners = source.owners()
@@ -53,10 +57,10 @@ class FollowerRegions:
             if digest != announced.get("digest"):
                 raise ValueError(f"planned region sets {digest[:12]} but trainer rank 0 planned {str(announced.get('digest'))[:12]}")
             groups = self._groups
-            if groups is None or groups.digest != digest:
+            if groups is None or groups.digest != digest or groups.width != width:
                 self.close_groups()
                 sets = [(s.index, s.members) for s in layout.sets]
-                groups = self._groups = RegionGroups(self._rdzv, source.sender_index, digest, sets, self._make)
+                groups = self._groups = RegionGroups(self._rdzv, source.sender_index, digest, sets, self._make, width=width)
             groups.join()
             tensors = sender_tensors(source, layout.sets, manifests, stable=source.stable_pieces)
             delta = DeltaRequest.from_dict(msg["delta"]) if msg["delta"] is not None else None

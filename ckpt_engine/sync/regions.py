@@ -9,7 +9,9 @@ per layout and dropped with the weight-sync group. Region delivery is used when 
 plan and every engine takes regions (`takes_regions`); otherwise every rank receives whole
 tensors, as before (logged once with the reason). With many senders, trainer rank 0 announces the
 layout to the other senders (`announcement`); each plans the sets alike (`plan_sets`), checks the
-digest and sends its rows of every piece (`sender_tensors`).
+digest and sends its rows of every piece (`sender_tensors`). How many sets stream side by side
+(`parallel_sets`: the `region_slot_memory_mb` budget over one set's slots) is rank 0's to decide
+and travels in the announcement, so every sender's waves match.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import torch
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.pipeline.region_groups import RegionGroups, send_regions
+from ckpt_engine.pipeline.region_groups import DEFAULT_PARALLEL_SETS, RegionGroups, parallel_sets, send_regions
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.ownership import OwnerMap
 from ckpt_engine.planning.receive_sets import ReceiverSet, RegionLayout
@@ -91,7 +93,11 @@ class RegionSync:
 class RegionDelivery:
     """Held by a WeightSyncSession: the engines' plans, the cached layout and the sender's groups."""
 
-    def __init__(self) -> None:
+    def __init__(self, slot_memory_bytes: int | None = None) -> None:
+        self.slot_memory_bytes = slot_memory_bytes
+        """The senders' budget for receiver sets side by side (None: `DEFAULT_PARALLEL_SETS`)."""
+        self.width = DEFAULT_PARALLEL_SETS
+        """This sync's sets side by side (`parallel_sets`)."""
         self.plans: list[ReceivePlan | None] = []
         self.owners: list[tuple[str, int]] = []
         """(engine name, its rank) of each receiver rank."""
@@ -134,6 +140,10 @@ class RegionDelivery:
         if senders > 1 and len(msgpack.packb(self._cached.layout.to_wire(), use_bin_type=True)) > MAX_LAYOUT_BYTES:
             return self._whole(f"the layout is too large to announce to the other senders (more than {MAX_LAYOUT_BYTES} bytes)")
         self.active = self._cached
+        width = parallel_sets(self.slot_memory_bytes, engine.num_buffers, engine.bucket_size_bytes, len(self.active.layout.sets))
+        if width != self.width:
+            logger.info("region delivery: %d receiver set(s) side by side (of %d)", width, len(self.active.layout.sets))
+        self.width = width
         return self.active
 
     def _whole(self, why: str) -> None:
@@ -151,7 +161,7 @@ class RegionDelivery:
         """What the other senders need of this sync's region delivery (None: none)."""
         if self.active is None:
             return None
-        return {"layout": self.active.layout.to_wire(), "digest": self.active.digest}
+        return {"layout": self.active.layout.to_wire(), "digest": self.active.digest, "width": self.width}
 
     def _build(self, manifest: BucketManifest, engine: CheckpointEngine, senders: int, owners: OwnerMap | None) -> RegionSync:
         try:
@@ -209,10 +219,10 @@ class RegionDelivery:
         else:
             tensors = {name: (t if stable else t.clone()) for name, t in weights}
         groups = self._groups
-        if groups is None or groups.digest != sync.digest or groups.rdzv != rendezvous:
+        if groups is None or groups.digest != sync.digest or groups.rdzv != rendezvous or groups.width != self.width:
             self.drop_groups()
             sets = [(s.index, s.members) for s in sync.layout.sets]
-            groups = self._groups = RegionGroups(rendezvous, 0, sync.digest, sets, make_engine)
+            groups = self._groups = RegionGroups(rendezvous, 0, sync.digest, sets, make_engine, width=self.width)
         try:
             groups.join()
             shapes = {s.name: s.shape for s in manifest.specs}

@@ -95,7 +95,7 @@ class WeightSyncSession:
         self._delta = DeltaPolicy(self.config.delta, self.config.full_sync_every)
         self.num_senders = 1
         self._senders = ManySenders(self.config, self.backend, self.rollouts)
-        self._regions = RegionDelivery()  # issue 27: each engine rank receives only what it holds
+        self._regions = RegionDelivery(self.config.region_slot_memory_bytes)  # issue 27: each engine rank receives only what it holds
         self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.rollouts) + 1), thread_name_prefix="ckpt-sync")
         self._staging: str | None = None  # this sync's stage while it streams (None: today's order)
         self._stages = StagePolicy(self.config.stage)
