@@ -10,9 +10,7 @@ the room check asks for a rank's slice bytes only, and each worker's staging cop
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,7 +28,6 @@ from test_vllm_adapter import PROMPTS, hf_greedy  # noqa: E402
 from test_vllm_regions import checkpoint_weights, llm_greedy, make_model, start_tp2  # noqa: E402
 
 pytestmark = pytest.mark.slow
-logger = logging.getLogger(__name__)
 
 
 class _Tampered(GlooCheckpointEngine):
