@@ -62,6 +62,9 @@ class _VllmAdapterBase(RolloutAdapter):
 
     stages: ClassVar[bool] = True
     """Staged syncs: workers receive on a background thread while the engine steps; `swap` loads."""
+    stages_regions: ClassVar[bool] = True
+    """Syncs with receive plans stage too: each worker keeps its region items (only its slice
+    bytes, checked against its plan as they land) and the swap assembles and loads them."""
 
     def __init__(self, name: str, timeout_s: float, staging_limit_bytes: int | None = None) -> None:
         if staging_limit_bytes is not None and (isinstance(staging_limit_bytes, bool) or not isinstance(staging_limit_bytes, int) or staging_limit_bytes < 0):
@@ -251,7 +254,9 @@ class _VllmAdapterBase(RolloutAdapter):
         self._rpc("ckpt_discard")
 
     def staging_room(self, nbytes: int) -> bool:
-        """Whether every worker can hold a staging copy of `nbytes` (within `staging_limit_bytes`)."""
+        """Whether every worker can hold a staging copy of `nbytes` (within `staging_limit_bytes`).
+        With receive plans the session asks for the largest rank's slice bytes, which is what a
+        worker's staging copy then holds (its region items, `vllm_staging.py`)."""
         replies = self._rpc("ckpt_staging_room", nbytes=int(nbytes), limit_bytes=self.staging_limit_bytes)
         short = [f"worker {rank}: {r['why']}" for rank, r in enumerate(replies) if not r.get("room")]
         if short:

@@ -29,7 +29,8 @@ from ckpt_engine.planning.fused_experts import FusedExperts, fuse_plan, fuse_spe
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.region_assembler import RegionAssembler, held_bytes
-from ckpt_engine.rollout_adapters.vllm_staging import Sink, Staging
+from ckpt_engine.rollout_adapters.vllm_region_landing import RegionItem, RegionLanding
+from ckpt_engine.rollout_adapters.vllm_staging import Sink, StagedReceive, Staging
 
 __all__ = ["VllmReceiverCore", "vllm_checkpoint_specs"]
 
@@ -341,9 +342,10 @@ class VllmReceiverCore:
         self.last_report = out
         return out
 
-    def _stream(self, digest: str, delta: dict[str, Any] | None, sink: Sink) -> dict[str, Any]:
+    def _stream(self, digest: str, delta: dict[str, Any] | None, sink: Sink, staged: StagedReceive | None = None) -> dict[str, Any]:
         """Take every bucket of an accepted manifest and hand `sink` its loadable pairs (a tied
-        head the trainer did not send rides along as its embedding's tensor). Returns the report."""
+        head the trainer did not send rides along as its embedding's tensor). Returns the report.
+        `staged`: a staged receive, which keeps region items as they are (the swap lands them)."""
         _, _, tied = self.specs()
         accepted = self.receiver.accepted_manifest(digest)
         sent = {s.name for s in accepted.specs} if accepted is not None else set()
@@ -357,23 +359,26 @@ class VllmReceiverCore:
             return len(pairs)
 
         plan = self.receiver.regions.plan  # None: this worker receives whole tensors
-        assembler = None
+        landing: RegionLanding | None = None
+        region_loader: Callable[[list[RegionItem]], int] | None = None
         if plan is not None and accepted is not None:
-            assembler = RegionAssembler(fuse_plan(plan, accepted.specs), self._accepts(), self.receiver.device)
-        # Region delivery: a tied head comes only as its embedding.
-        region_alias = {emb: head for head, emb in tied.items() if plan is not None and emb in plan.holds}
+            # Region delivery: a tied head comes only as its embedding.
+            fused, specs = fuse_plan(plan, accepted.specs), self._accepts()
+            region_alias = {emb: head for head, emb in tied.items() if emb in plan.holds}
 
-        def load_regions(items: list[tuple[str, Region | None, torch.Tensor]]) -> int:
-            assert assembler is not None, "region items without a receive plan"
-            ready = self._unstack([pair for item in items for pair in assembler.add(*item)], plan.holds if plan is not None else None)
-            if ready:
-                sink(ready + [(region_alias[n], t) for n, t in ready if n in region_alias])
-            return len(ready)
+            def make(device: torch.device, into: Sink) -> RegionLanding:
+                return RegionLanding(plan, fused, specs, device, self._unstack, region_alias, into)
+
+            if staged is None:
+                landing = make(self.receiver.device, sink)
+                region_loader = landing.load
+            else:
+                landing, region_loader = staged.keep_regions(make)
 
         with torch.no_grad():
-            report = self.receiver.receive(digest, load, delta=delta, region_loader=load_regions if assembler is not None else None)
-        if assembler is not None and assembler.incomplete():
-            raise RuntimeError(f"region delivery ended with regions missing for {assembler.incomplete()[:5]}")
+            report = self.receiver.receive(digest, load, delta=delta, region_loader=region_loader)
+        if landing is not None and landing.incomplete():
+            raise RuntimeError(f"region delivery ended with regions missing for {landing.incomplete()[:5]}")
         return report.to_dict()
 
     # --- staged receive and swap (see vllm_staging.py) ------------------------------------------
@@ -384,8 +389,10 @@ class VllmReceiverCore:
         if self.receiver.accepted_manifest(digest) is None:
             raise RuntimeError(f"manifest {digest[:12]} was not validated on this worker; call validate() first")
         self.staging.discard()
-        keep_views = delta is not None and not self.receiver.regions.has(digest)  # the base images hold it
-        self.staging.start(digest, lambda sink: self._stream(digest, delta, sink), keep_views)
+        # With a delta request the base images (whole tensors or regions) hold the checked version
+        # until the next receive: keep their views. Else each tensor or region is copied as it lands.
+        keep_views = delta is not None
+        self.staging.start(digest, lambda staged: self._stream(digest, delta, staged.sink, staged), keep_views)
         return {"started": True}
 
     def stage_status(self) -> dict[str, Any]:
@@ -398,7 +405,7 @@ class VllmReceiverCore:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        pairs = self.staging.take()  # raises unless a whole checked version is staged
+        staged = self.staging.take()  # raises unless a whole checked version is staged
         model = self._model()
         self.close_reload()
         t0 = time.perf_counter()
@@ -408,7 +415,7 @@ class VllmReceiverCore:
         self.reload_open = True
         try:
             with torch.no_grad(), set_current_vllm_config(self.vllm_config):
-                model.load_weights(pairs)
+                staged.load(model.load_weights, self.receiver.device)
         except BaseException:
             self.close_reload()
             raise
@@ -460,6 +467,7 @@ class VllmReceiverCore:
             "buckets_received": self.receiver.buckets_received,
             "last_report": self.last_report,
             "staged": self.staging.describe(),
+            "staging_copy_bytes": self.staging.copy.nbytes,
         }
 
 

@@ -9,8 +9,14 @@ each) until every rank holds the whole version, checked.
 Where the staged version lives. With a delta request (patches, or the dense seed of a delta chain)
 the receiver's base images hold the new version once every patch has passed its check, and they are
 not written again before the next receive: the staged version is their views, no copy. Otherwise
-(delta off, region delivery) each tensor is copied, as it lands, into a staging copy that is kept
-for the next staged sync (`LoaderCopy`); `room` says whether one fits. This is why the worker does
+(delta off) each tensor is copied, as it lands, into a staging copy that is kept for the next
+staged sync (`LoaderCopy`); `room` says whether one fits.
+
+With a receive plan (TP/EP slices) the staged version is the rank's region items, kept as they
+landed (views of the checked base images, or copies of only the slice bytes, so the staging copy
+and `room` count what the rank receives, not the model); each item is checked against the plan as
+it lands, and the swap assembles them into what vLLM's loaders take (`vllm_region_landing.py`).
+This is why the worker does
 not use `WeightReceiver.receive(stage=...)`: its `full` stage copies live tensors in the wire
 layout, which a vLLM worker does not hold.
 """
@@ -21,10 +27,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import torch
+
+from ckpt_engine.rollout_adapters.vllm_region_landing import LandingFactory, RegionItem, RegionLanding
 
 __all__ = ["LoaderCopy", "Sink", "StagedReceive", "Staging", "free_bytes"]
 
@@ -52,17 +60,18 @@ def free_bytes(device: torch.device) -> int:
 class LoaderCopy:
     """Per name, a copy of what the loader would load, for a sync that brings no stable views; kept
     from sync to sync (a fresh allocation per sync would cost new pages every time). Keyed by the
-    loader's names, not the live tensors: vLLM's live weights have no wire layout (stacked qkv,
-    repacked on CPU), so `pipeline/staging.py`'s staging copy of live tensors does not apply."""
+    loader's names (or, with a receive plan, name and region), not the live tensors: vLLM's live
+    weights have no wire layout (stacked qkv, repacked on CPU), so `pipeline/staging.py`'s staging
+    copy of live tensors does not apply."""
 
     def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[Hashable, torch.Tensor] = {}
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def keep(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def keep(self, name: Hashable, tensor: torch.Tensor) -> torch.Tensor:
         held = self.tensors.get(name)
         if held is None or held.shape != tensor.shape or held.dtype != tensor.dtype or held.device != tensor.device:
             held = self.tensors[name] = torch.empty_like(tensor, memory_format=torch.contiguous_format)
@@ -81,19 +90,29 @@ class LoaderCopy:
             return False, f"a staging copy needs {extra} more bytes on {device} and {free} are free"
         return True, f"{held} bytes held, {free} free"
 
+    def retain(self, keys: Iterable[Hashable]) -> None:
+        """Free what the last staged sync did not use (a layout change: whole tensors <-> regions)."""
+        keep = set(keys)
+        for key in [k for k in self.tensors if k not in keep]:
+            del self.tensors[key]
+
     def drop(self) -> None:
         self.tensors.clear()
 
 
 class StagedReceive:
-    """One staged receive: runs `stream(sink)` on a thread; `pairs` is the version it staged.
+    """One staged receive: runs `stream(self)` on a thread, which hands its pairs to `sink` (or, with
+    a receive plan, its region items to the loader from `keep_regions`); `pairs` / `items` are the
+    version it staged.
 
-    `keep_views`: the pairs the stream yields stay valid until the next receive (the receiver's
-    base images), so they are kept as they are; else each is copied into `copy`."""
+    `keep_views`: what the stream yields stays valid until the next receive (the receiver's base
+    images), so it is kept as it is; else each tensor is copied into `copy`."""
 
-    def __init__(self, digest: str, stream: Callable[[Sink], dict[str, Any]], copy: LoaderCopy, keep_views: bool) -> None:
+    def __init__(self, digest: str, stream: Callable[[StagedReceive], dict[str, Any]], copy: LoaderCopy, keep_views: bool) -> None:
         self.digest = digest
         self.pairs: list[tuple[str, torch.Tensor]] = []
+        self.items: list[RegionItem] = []
+        self._landing: LandingFactory | None = None
         self.report: dict[str, Any] | None = None
         self.error: str | None = None
         self._copy = copy
@@ -106,7 +125,8 @@ class StagedReceive:
         self._thread.start()
         return self
 
-    def _sink(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+    def sink(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
+        """Keeps one bucket's loadable pairs (whole tensors)."""
         if self._keep_views:
             self.pairs.extend(pairs)
             return
@@ -117,15 +137,42 @@ class StagedReceive:
                 t = kept[id(tensor)] = self._copy.keep(name, tensor)
             self.pairs.append((name, t))
 
+    def keep_regions(self, landing: LandingFactory) -> tuple[RegionLanding, Callable[[list[RegionItem]], int]]:
+        """Region delivery: the loader that keeps this sync's items for the swap, and the landing that
+        checks them as they land (on `meta`: the real landing's checks, nothing allocated); its
+        `incomplete()` at the end says whether the rank got every region."""
+        self._landing = landing
+        check = landing(torch.device("meta"), lambda pairs: None)
+
+        def keep(items: list[RegionItem]) -> int:
+            check.load(items)  # raises for a region the plan does not hold, or of a wrong shape
+            for name, region, tensor in items:
+                self.items.append((name, region, tensor if self._keep_views else self._copy.keep((name, region), tensor)))
+            return len(items)
+
+        return check, keep
+
+    def load(self, load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any], device: torch.device) -> None:
+        """The swap's part: hand the staged version to vLLM's loader (region items assembled first)."""
+        if self._landing is None:
+            load_weights(self.pairs)
+            return
+        landing = self._landing(device, load_weights)
+        landing.load(self.items)
+        if landing.incomplete():  # checked as they landed; a swap never loads half a tensor
+            raise RuntimeError(f"staged regions missing for {landing.incomplete()[:5]}")
+
     def _run(self) -> None:
         try:
             with torch.no_grad():
-                report = self._stream(self._sink)
+                report = self._stream(self)
             report["stage_s"] = time.perf_counter() - self.started
+            if not self._keep_views:
+                self._copy.retain([(n, r) for n, r, _ in self.items] if self._landing is not None else [n for n, _ in self.pairs])
             self.report = report
         except BaseException as exc:  # the controller reads it in the next poll
             self.error = f"{type(exc).__name__}: {exc}"
-            self.pairs = []
+            self.pairs, self.items = [], []
             logger.warning("staged receive of manifest %s failed: %s", self.digest[:12], self.error)
 
     @property
@@ -157,7 +204,7 @@ class Staging:
     def running(self) -> bool:
         return self.version is not None and self.version.running
 
-    def start(self, digest: str, stream: Callable[[Sink], dict[str, Any]], keep_views: bool) -> None:
+    def start(self, digest: str, stream: Callable[[StagedReceive], dict[str, Any]], keep_views: bool) -> None:
         if self.running:
             raise RuntimeError("a staged receive is still streaming on this worker")
         self.version = StagedReceive(digest, stream, self.copy, keep_views).start()
@@ -167,14 +214,14 @@ class Staging:
             return {"done": True, "error": "no staged receive was started on this worker", "report": None}
         return self.version.status()
 
-    def take(self) -> list[tuple[str, torch.Tensor]]:
-        """The staged pairs, handed over once; raises unless a whole, checked version is staged."""
+    def take(self) -> StagedReceive:
+        """The staged version, handed over once; raises unless a whole, checked version is staged."""
         v = self.version
         if v is None or not v.ready:
             why = "none was staged" if v is None else ("it is still streaming" if v.running else f"its receive failed ({v.error})")
             raise RuntimeError(f"swap refused: no complete staged version on this worker ({why}); the live weights are unchanged")
         self.version = None
-        return v.pairs
+        return v
 
     def discard(self, drop_copy: bool = False, timeout_s: float = 60.0) -> bool:
         """Drop the staged version (waiting up to `timeout_s` for a failed stream to end); whether
