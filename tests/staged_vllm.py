@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,23 @@ def write_model_dir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(QWEN2_CONFIG))
     return path
+
+
+@contextmanager
+def served_model(path: Path) -> Iterator[tuple[str, Path]]:
+    """A vLLM `api_server` (dev mode) over the tiny Qwen2 written at `path`: (its URL, the model
+    dir). This process keeps one torch thread: the HF reference must not fight the engine for the
+    box's cores."""
+    from ckpt_engine.trainer.vllm_job import VllmServerProcess, wait_healthy
+
+    torch.set_num_threads(1)
+    d = write_model_dir(path)
+    proc = VllmServerProcess(d, d / "server.log", [])
+    try:
+        wait_healthy(proc.url, time.monotonic() + 240, str(proc.log))
+        yield proc.url, d
+    finally:
+        proc.stop()
 
 
 class SwapRecorder(VllmServerRollout):

@@ -27,11 +27,11 @@ from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
-from ckpt_engine.transports.gloo import GlooCheckpointEngine
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from helpers_procs import free_port
 from ranks import forkserver_context
 from refengines import same_bits
+from tamper import FlipOnce
 from regionranks import KV_HEADS, moe_specs, qwen2_specs, weights
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, delta="on")
@@ -182,15 +182,10 @@ def test_ep_ranks_hold_their_experts_only(tmp_path: object) -> None:
             e.close()
 
 
-class _Tampered(GlooCheckpointEngine):
+class _Tampered(FlipOnce):
     """The sender's engines: flip one bit of the first patch frame sent once armed."""
 
     armed = False
-
-    def _tamper_hook(self, bucket_index: int, message: torch.Tensor) -> None:
-        if type(self).armed and message.numel() > 64:
-            message[48] ^= 0x04
-            type(self).armed = False
 
 
 def test_corrupt_region_patch_through_the_session_is_named_and_the_engine_keeps_old_weights(

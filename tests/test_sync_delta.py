@@ -19,6 +19,7 @@ from ckpt_engine.sync.api import close_sessions
 from ckpt_engine.sources.base import StateDictSource
 from multisender import model_state, wire
 from refengines import holds, spawn_engine
+from tamper import FlipOnce
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, delta="on")
 
@@ -76,15 +77,11 @@ def test_chain_of_patches_then_dense_after_a_restart(engines: list[TorchRefRollo
         session.close()
 
 
-class _Tampered(GlooCheckpointEngine):
+class _Tampered(FlipOnce):
     """Flips one bit of the second patch it sends, once armed."""
 
     armed = False
-
-    def _tamper_hook(self, bucket_index: int, message: torch.Tensor) -> None:
-        if self.armed and message.numel() > 64 and bucket_index == 1:
-            message[48] ^= 0x04
-            type(self).armed = False
+    bucket = 1
 
 
 @pytest.mark.parametrize("stage", ["off", "auto"])

@@ -22,23 +22,18 @@ pytest.importorskip("transformers")
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import VllmRollout  # noqa: E402
 from ckpt_engine.sources.base import StateDictSource  # noqa: E402
-from ckpt_engine.transports.gloo import GlooCheckpointEngine  # noqa: E402
 from ckpt_engine.transports.registry import CheckpointEngineRegistry  # noqa: E402
 from test_vllm_adapter import PROMPTS, hf_greedy  # noqa: E402
+from tamper import FlipOnce  # noqa: E402
 from test_vllm_regions import checkpoint_weights, llm_greedy, make_model, start_tp2  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
-class _Tampered(GlooCheckpointEngine):
+class _Tampered(FlipOnce):
     """The sender's set engines (this process): flip one bit of the first patch frame sent once armed."""
 
     armed = False
-
-    def _tamper_hook(self, bucket_index: int, message: torch.Tensor) -> None:
-        if type(self).armed and message.numel() > 64:
-            message[48] ^= 0x04
-            type(self).armed = False
 
 
 @pytest.fixture(scope="module")

@@ -25,12 +25,12 @@ import torch
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.api import SyncError
-from ckpt_engine.transports.gloo import GlooCheckpointEngine
 
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from staged_vllm import HfReference, Output, RequestStream, SwapRecorder, generate, write_model_dir  # noqa: E402
+from staged_vllm import HfReference, Output, RequestStream, SwapRecorder, generate, served_model  # noqa: E402
+from tamper import FlipOnce  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -40,16 +40,8 @@ NUM_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    from ckpt_engine.trainer.vllm_job import VllmServerProcess, wait_healthy
-
-    torch.set_num_threads(1)  # the HF reference must not fight the engine for the box's cores
-    d = write_model_dir(tmp_path_factory.mktemp("qwen2-staged"))
-    proc = VllmServerProcess(d, d / "server.log", [])
-    try:
-        wait_healthy(proc.url, time.monotonic() + 240, str(proc.log))
-        yield proc.url, d
-    finally:
-        proc.stop()
+    with served_model(tmp_path_factory.mktemp("qwen2-staged")) as served:
+        yield served
 
 
 def trainer_model(model_dir: Path, seed: int) -> torch.nn.Module:
@@ -168,15 +160,11 @@ def _sync_and_check(
     return report.delta, report.staged
 
 
-class _Tampered(GlooCheckpointEngine):
+class _Tampered(FlipOnce):
     """Flips one bit of the second patch bucket it sends, once armed."""
 
     armed = False
-
-    def _tamper_hook(self, bucket_index: int, message: torch.Tensor) -> None:
-        if self.armed and message.numel() > 64 and bucket_index == 1:
-            message[48] ^= 0x04
-            type(self).armed = False
+    bucket = 1
 
 
 def _assert_serves_old(url: str, adapter: SwapRecorder, version: str, sums: dict[str, str], ref: HfReference) -> None:

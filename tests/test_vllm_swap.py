@@ -24,7 +24,7 @@ from ckpt_engine.sources.base import StateDictSource
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from staged_vllm import HfReference, RequestStream, write_model_dir  # noqa: E402
+from staged_vllm import HfReference, RequestStream, served_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -34,16 +34,8 @@ NUM_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    from ckpt_engine.trainer.vllm_job import VllmServerProcess, wait_healthy
-
-    torch.set_num_threads(1)  # the HF reference must not fight the engine for the box's cores
-    d = write_model_dir(tmp_path_factory.mktemp("qwen2-swap"))
-    proc = VllmServerProcess(d, d / "server.log", [])
-    try:
-        wait_healthy(proc.url, time.monotonic() + 240, str(proc.log))
-        yield proc.url, d
-    finally:
-        proc.stop()
+    with served_model(tmp_path_factory.mktemp("qwen2-swap")) as served:
+        yield served
 
 
 def _trainer(model_dir: Path) -> torch.nn.Module:
