@@ -1,5 +1,10 @@
 """A trainer in its own process that streams one staged dense sync (`stage: full`) slowly into a vLLM
-server, so a test can SIGKILL it mid-stream. Arguments: URL MODEL_DIR DELAY_S (seconds per tensor)."""
+server, so a test can SIGKILL it mid-stream. Arguments: URL MODEL_DIR DELAY_S (seconds per tensor).
+
+It prints `ready` once torch is imported and its model built, then waits for `go` on stdin: the test
+starts it before it loads the engine. torch's import pins the process to each CPU in turn (MKL
+counts cores with cpuid), and on the 2-core box a busy vLLM worker pinned to CPU 0 held that import
+for minutes."""
 
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ def main() -> None:
     torch.set_num_threads(1)  # the engine beside it owns the box's cores
     torch.manual_seed(99)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":  # EOF: the test ended without starting it
+        return
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20.0, stage="full")
     session = WeightSyncSession([VllmServerRollout("vllm-staged", url, timeout_s=60.0)], cfg)
     session.sync(_Slow({n: t.detach() for n, t in model.state_dict().items()}, delay_s))

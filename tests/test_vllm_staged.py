@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -176,8 +177,33 @@ def _assert_serves_old(url: str, adapter: SwapRecorder, version: str, sums: dict
         assert out.spans == [(version, 0, NUM_TOKENS)] and out.tokens == ref.greedy(version, out.prompt, NUM_TOKENS)
 
 
+def _start_sender(url: str, model_dir: Path) -> subprocess.Popen[str]:
+    """The killed-sender trainer, started before anything loads the engine and left waiting for
+    `go` (see _staged_vllm_sender.py: torch's import must not meet a busy engine on this box)."""
+    sender = subprocess.Popen(
+        [sys.executable, "-m", "_staged_vllm_sender", url, str(model_dir), "0.2"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).parent),
+        # One OpenMP thread: with two, torch's threads spin against the engine's for the same cores.
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])),
+    )
+    assert sender.stdout is not None
+    ready, _, _ = select.select([sender.stdout], [], [], 240)
+    assert ready and sender.stdout.readline().strip() == "ready", f"the sender did not start (exit code {sender.poll()})"
+    return sender
+
+
 def test_corrupt_patch_and_killed_sender_leave_the_old_version_serving(server: tuple[str, Path], tmp_path: Path) -> None:
     url, model_dir = server
+    sender = _start_sender(url, model_dir)
+    try:
+        _corrupt_patch_then_killed_sender(url, model_dir, sender)
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait(60)
+
+
+def _corrupt_patch_then_killed_sender(url: str, model_dir: Path, sender: subprocess.Popen[str]) -> None:
     trainer = trainer_model(model_dir, seed=5)
     ref = HfReference(copy.deepcopy(trainer))
     g = torch.Generator().manual_seed(1)
@@ -208,13 +234,9 @@ def test_corrupt_patch_and_killed_sender_leave_the_old_version_serving(server: t
 
     # A sender process killed mid-stream: the workers' staged receives fail, the engine serves on.
     sums = checksums(url)
-    sender = subprocess.Popen(
-        [sys.executable, "-m", "_staged_vllm_sender", url, str(model_dir), "0.2"],
-        stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).parent),
-        # One OpenMP thread: with two, torch's threads spin against the engine's for the same cores
-        # and the sender's model init alone took minutes on the 2-core box.
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])),
-    )
+    assert sender.stdin is not None
+    sender.stdin.write("go\n")
+    sender.stdin.flush()
     try:
         deadline = time.monotonic() + 240
         while not any((h["staged"] or {}).get("running") for h in adapter.worker_health()):
@@ -239,9 +261,6 @@ def test_corrupt_patch_and_killed_sender_leave_the_old_version_serving(server: t
         finally:
             session.close()
     finally:
-        if sender.poll() is None:
-            sender.kill()
-            sender.wait(60)
         outputs = stream.stop()
     assert not stream.errors, stream.errors[:3]
     assert len(outputs) > served
