@@ -54,10 +54,6 @@ class LoraSpec:
         if not self.target_modules or not all(isinstance(m, str) and m for m in self.target_modules):
             raise ValueError(f"LoRA target_modules must be non-empty module names, got {self.target_modules!r}")
 
-    @property
-    def scaling(self) -> float:
-        return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
-
     def peft_config(self) -> dict[str, object]:
         """The fields of PEFT's `adapter_config.json` an engine reads (vLLM's `PEFTHelper.from_dict`)."""
         return {

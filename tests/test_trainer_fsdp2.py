@@ -271,7 +271,7 @@ def test_fsdp2_sync_into_torch_ref_rollout_bit_exact():
 # --- checkpoint: save -> load -> continue == uninterrupted ----------------------------------------
 
 
-def _resume_worker(rank: int, world_size: int, ckpt_dir: str, hf_dir: str) -> dict:
+def _resume_worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     from ckpt_engine.trainer_adapters.fsdp2 import FSDP2TrainEngine
 
     data = batches(world_size)
@@ -279,7 +279,6 @@ def _resume_worker(rank: int, world_size: int, ckpt_dir: str, hf_dir: str) -> di
     a = FSDP2TrainEngine(build_model(), config=cfg, process_group=world_group())
     losses_a = train(a, data, rank, range(2))
     a.save_checkpoint(ckpt_dir)
-    files = a.export_hf(hf_dir, max_shard_bytes=64 * 1024, hf_config=a.model.config)
     losses_a += train(a, data, rank, range(2, 4))
     uninterrupted = collect(a)
 
@@ -288,21 +287,15 @@ def _resume_worker(rank: int, world_size: int, ckpt_dir: str, hf_dir: str) -> di
     assert b.global_step == 2
     losses_b = train(b, data, rank, range(2, 4))
     resumed = collect(b)
-    out = {"losses_a": losses_a, "losses_b": losses_b, "files": files, "lr": [a.lr, b.lr]}
+    out = {"losses_a": losses_a, "losses_b": losses_b, "lr": [a.lr, b.lr]}
     if rank == 0:
         out["tensors"] = {**{f"a/{k}": v for k, v in uninterrupted.items()}, **{f"b/{k}": v for k, v in resumed.items()}}
     return out
 
 
-def test_fsdp2_checkpoint_resume_equals_uninterrupted_and_hf_export():
-    from transformers import AutoModelForCausalLM
-
-    with tempfile.TemporaryDirectory() as ckpt, tempfile.TemporaryDirectory() as hf:
-        r0, r1 = run_ranks(_resume_worker, ckpt_dir=os.path.join(ckpt, "step2"), hf_dir=hf)
-        assert r1["files"] == [] and len(r0["files"]) > 1
-        assert os.path.exists(os.path.join(hf, "model.safetensors.index.json"))
-        loaded = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)  # the export loads back
-        assert loaded.config.hidden_size == 64
+def test_fsdp2_checkpoint_resume_equals_uninterrupted():
+    with tempfile.TemporaryDirectory() as ckpt:
+        r0, _ = run_ranks(_resume_worker, ckpt_dir=os.path.join(ckpt, "step2"))
     t = r0["tensors"]
     names = [k[2:] for k in t if k.startswith("a/")]
     for name in names:

@@ -8,7 +8,7 @@ daemon with dotted overrides such as `daemon.heartbeat_timeout_s=10`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ckpt_engine.config import ConfigError
 from ckpt_engine.control.server import ControlLimits
@@ -70,12 +70,5 @@ class DaemonConfig:
             raise ConfigError(f"daemon.{exc}") from None
 
     def limits(self) -> ControlLimits:
-        """The control server's limits."""
-        return ControlLimits(
-            max_connections=self.max_connections,
-            max_unauthenticated=self.max_unauthenticated,
-            handshake_timeout_s=self.handshake_timeout_s,
-            frame_timeout_s=self.frame_timeout_s,
-            idle_timeout_s=self.idle_timeout_s,
-            max_frame_bytes=self.max_frame_bytes,
-        )
+        """The control server's limits (their keys sit flat in `daemon:`, under the same names)."""
+        return ControlLimits(**{f.name: getattr(self, f.name) for f in fields(ControlLimits)})

@@ -62,7 +62,6 @@ class EngineRecord:
     """True when the daemon built the adapter from the descriptor (and so closes it)."""
     state: str = EngineState.PENDING
     version: int | None = None
-    registered_at: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.monotonic)
     health: dict[str, Any] | None = None
     health_error: str | None = None

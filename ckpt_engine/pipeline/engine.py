@@ -33,7 +33,6 @@ class PipelinedEngine(CheckpointEngine):
     transport_cls: ClassVar[type[Transport]]
     supports_many_senders = True
     supports_delta = True
-    supports_staging = True
 
     def __init__(
         self,
@@ -156,12 +155,6 @@ class PipelinedEngine(CheckpointEngine):
         state = self._state
         if state is not None and state.digest == manifest.digest and state.bases.inplace and state.bases.stamps:
             state.bases.stamps = {n: (t.data_ptr(), t._version) for n, t in destinations.items() if n in state.bases.stamps}
-
-    def delta_base_id(self, manifest: BucketManifest) -> int | None:
-        state = self._state
-        if state is None or state.bases.digest != manifest.digest:
-            return None
-        return state.bases.sync_id
 
     @property
     def delta_base_bytes(self) -> int:

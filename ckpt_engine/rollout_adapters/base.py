@@ -11,7 +11,7 @@ take it from the weight-sync group.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -115,7 +115,7 @@ class ReceiveReport:
         return out
 
 
-def check_manifest_against(manifest: BucketManifest, expected: Mapping[str, TensorSpec], *, allow_missing: bool = True) -> list[str]:
+def check_manifest_against(manifest: BucketManifest, expected: Mapping[str, TensorSpec]) -> list[str]:
     """Problems with loading `manifest` into an engine that holds `expected` tensors ([] = fine)."""
     problems = []
     for spec in manifest.specs:
@@ -126,9 +126,6 @@ def check_manifest_against(manifest: BucketManifest, expected: Mapping[str, Tens
             problems.append(f"{spec.name}: shape {list(spec.shape)} but the engine holds {list(want.shape)}")
         elif want.dtype != spec.dtype:
             problems.append(f"{spec.name}: dtype {spec.dtype} but the engine holds {want.dtype}; {_dtype_fix(spec.dtype, want.dtype)}")
-    if not allow_missing:
-        sent = {s.name for s in manifest.specs}
-        problems += [f"{n}: the engine needs this tensor and the manifest lacks it" for n in expected if n not in sent]
     return problems
 
 
@@ -183,10 +180,6 @@ class RolloutAdapter(ABC):
         health = self.health()
         known = [v for v in (version_of(health.get("version")), version_of(health.get("last_version"))) if v is not None]
         return max(known, default=None)
-
-    def expected_metadata(self) -> list[TensorSpec] | None:
-        """What the engine holds, if the adapter can say without asking (None = ask in validate)."""
-        return None
 
     @abstractmethod
     def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
@@ -276,7 +269,3 @@ def version_of(value: Any) -> int | None:
     if isinstance(value, str) and value.isdigit():
         return int(value)
     return None
-
-
-def names_of(pairs: Iterable[tuple[str, Any]]) -> list[str]:
-    return [n for n, _ in pairs]

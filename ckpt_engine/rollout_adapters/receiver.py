@@ -176,6 +176,15 @@ class WeightReceiver:
             self._manifests = {digest: manifest}
         return {"accepted": not problems, "need_manifest": False, "problems": problems}
 
+    def _validated(self, digest: str, on_start: Callable[[], None] | None) -> BucketManifest:
+        """The manifest a receive streams into (accepted by validate()); then `on_start`."""
+        manifest = self._manifests.get(digest)
+        if manifest is None:
+            raise RuntimeError(f"manifest {digest[:12]} was not validated on this receiver; call validate() first")
+        if on_start is not None:
+            on_start()
+        return manifest
+
     def accepted_manifest(self, digest: str) -> BucketManifest | None:
         """The manifest accepted under `digest` by the last validate(), if any."""
         return self._manifests.get(digest)
@@ -243,11 +252,7 @@ class WeightReceiver:
     ) -> ReceiveReport:
         if self.engine is None:
             raise RuntimeError("call join() before receive()")
-        manifest = self._manifests.get(digest)
-        if manifest is None:
-            raise RuntimeError(f"manifest {digest[:12]} was not validated on this receiver; call validate() first")
-        if on_start is not None:
-            on_start()
+        manifest = self._validated(digest, on_start)
         t0 = time.perf_counter()
         load_s, loaded = 0.0, 0
         buckets = self.engine.receive_buckets(manifest, destinations, delta=delta) if delta is not None else (
@@ -305,11 +310,7 @@ class WeightReceiver:
         if regions:  # every set's patches checked before the loader's turn: its items are kept for the swap
             report = self._receive_into(digest, keep, None, request, on_start, keep)
             return self._keep(StagedBuckets(held), region_loader, digest, discards, report)  # type: ignore[arg-type]
-        manifest = self._manifests.get(digest)
-        if manifest is None:
-            raise RuntimeError(f"manifest {digest[:12]} was not validated on this receiver; call validate() first")
-        if on_start is not None:
-            on_start()
+        manifest = self._validated(digest, on_start)
         t0 = time.perf_counter()
         version = self.engine.receive_staged(manifest, destinations, delta=request)
         extra = {f"delta_{k}": float(v) for k, v in self.engine.last_delta_stats.items()}

@@ -52,9 +52,6 @@ class CkptEngineWorkerExtension:
     def ckpt_leave(self) -> None:
         self._ckpt_core().leave()
 
-    def ckpt_expected_specs(self) -> list[list[Any]]:
-        return self._ckpt_core().expected_specs()
-
     def ckpt_receive_plan(self) -> dict[str, Any]:
         """This worker's receive plan recorded from vLLM's own loaders (see VllmReceiverCore.receive_plan)."""
         return self._ckpt_core().receive_plan()

@@ -65,15 +65,6 @@ class TrainEngine(WeightSource):
     @abstractmethod
     def load_checkpoint(self, path: str) -> None: ...
 
-    def export_hf(self, path: str, *, max_shard_bytes: int = 5 * 1024**3, hf_config: Any = None) -> list[str]:
-        """Write the exported weights as a HF safetensors checkpoint; every trainer rank calls it.
-
-        The sender rank writes the files (returned); the others only take part in the gathers.
-        """
-        from ckpt_engine.trainer_adapters.hf_export import save_hf_weights
-
-        return save_hf_weights(self, path, max_shard_bytes=max_shard_bytes, hf_config=hf_config)
-
 
 class TrainEngineRegistry:
     """`trainer.backend` -> TrainEngine class, imported on first use."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_KEEP_FP32", "TrainConfig", "WirePolicy", "check_float_dtype", "torch_dtype"]
+__all__ = ["DEFAULT_KEEP_FP32", "TrainConfig", "WirePolicy", "check_float_dtype", "dtype_name", "torch_dtype"]
 
 DEFAULT_KEEP_FP32: tuple[str, ...] = (r"(^|\.)mlp\.gate\.weight$",)
 """MoE router gates: engines keep them in fp32 because top-k routing is sensitive to rounding."""
@@ -28,6 +28,11 @@ def check_float_dtype(field_name: str, value: str | None) -> None:
 
 def torch_dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The manifest's name of `dtype` ("bfloat16"), the inverse of `torch_dtype`."""
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(kw_only=True)

@@ -31,7 +31,7 @@ from torch import nn
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.ownership import Shard
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, adamw_with_schedule, check_float_dtype, clip_and_step, hf_config_of, resume_schedule
+from ckpt_engine.trainer_adapters.common import DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, adamw_with_schedule, check_float_dtype, clip_and_step, dtype_name, hf_config_of, resume_schedule, torch_dtype
 from ckpt_engine.trainer_adapters.hf_names import (
     clean_name,
     has_unhandled_fused_experts,
@@ -86,14 +86,6 @@ class _Entry:
     dtype: torch.dtype  # master dtype
     specs: list[TensorSpec] = field(default_factory=list)  # what goes on the wire (1, or one per expert part)
     expert_outputs: int = 0  # fused experts: wire tensors per expert (0: not a fused expert)
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -171,8 +163,8 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         self._few_casts: bool | None = None
 
         mp = MixedPrecisionPolicy(
-            param_dtype=_torch_dtype(self.config.param_dtype) if self.config.param_dtype else None,
-            reduce_dtype=_torch_dtype(self.config.reduce_dtype) if self.config.reduce_dtype else None,
+            param_dtype=torch_dtype(self.config.param_dtype) if self.config.param_dtype else None,
+            reduce_dtype=torch_dtype(self.config.reduce_dtype) if self.config.reduce_dtype else None,
         )
         for layer in layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=self.config.reshard_after_forward)
@@ -244,7 +236,7 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
             parts = unfuse_expert_specs(self.model_type, e.name, e.shape)
             pairs = parts if parts is not None else [(e.name, e.shape)]
             e.expert_outputs = len(parts) // e.shape[0] if parts is not None and e.shape[0] else 0
-            e.specs = [TensorSpec(n, _dtype_name(self.wire_dtype(n, e.dtype)), s) for n, s in pairs]
+            e.specs = [TensorSpec(n, dtype_name(self.wire_dtype(n, e.dtype)), s) for n, s in pairs]
         names = [s.name for e in entries for s in e.specs]
         if len(set(names)) != len(names):
             raise ValueError(f"{type(model).__name__}: exported names are not unique after removing wrapper prefixes")
@@ -311,7 +303,7 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         t = getattr(e.module, e.attr)
         if isinstance(t, torch.distributed.tensor.DTensor):  # not gathered (should not happen after unshard)
             t = t.full_tensor()
-        want = _torch_dtype(e.specs[0].dtype)
+        want = torch_dtype(e.specs[0].dtype)
         if t.is_floating_point() and t.element_size() < torch.empty((), dtype=want).element_size():
             # Mixed precision gathered this param in a lower precision than the wire needs (e.g. a
             # keep-fp32 router gate under param_dtype=bf16): gather the master shard instead.
@@ -321,7 +313,7 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
             yield e.specs[0].name, t if t.dtype == want else t.to(want)
             return
         for spec, (name, part) in zip(e.specs, parts):
-            yield name, part if part.dtype == _torch_dtype(spec.dtype) else part.to(_torch_dtype(spec.dtype))
+            yield name, part if part.dtype == torch_dtype(spec.dtype) else part.to(torch_dtype(spec.dtype))
 
     def _master(self, e: _Entry) -> Any:
         from torch.distributed.fsdp import FSDPModule

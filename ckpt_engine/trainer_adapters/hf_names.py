@@ -152,7 +152,6 @@ class MegatronFamily:
     layer: dict[str, str | tuple[str, tuple[str, ...]]]
     expert: dict[str, str | tuple[str, tuple[str, ...]]] = field(default_factory=dict)
     hf_layer_prefix: str = "model.layers."
-    mg_layer_prefix: str = "decoder.layers."
 
 
 _DENSE_GLOBALS = {

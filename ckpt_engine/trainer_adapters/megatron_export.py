@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.trainer_adapters.common import TrainConfig, WirePolicy, torch_dtype
+from ckpt_engine.trainer_adapters.common import TrainConfig, WirePolicy, dtype_name, torch_dtype
 from ckpt_engine.trainer_adapters.hf_names import (
     MegatronFamily,
     megatron_family,
@@ -188,10 +188,7 @@ class MegatronExporter:
             shape = (self.vocab, p.shape[1]) if kind == "vocab" else self._full_shape(p)
             items.append(_Item(owner, attr, kind, (hf,), (shape,), _partition_dim(p)))
         for it in items:
-            it.specs = [
-                TensorSpec(n, str(self.wire.dtype_for(n, it.param.dtype)).removeprefix("torch."), s)
-                for n, s in zip(it.hf_names, it.hf_shapes)
-            ]
+            it.specs = [TensorSpec(n, dtype_name(self.wire.dtype_for(n, it.param.dtype)), s) for n, s in zip(it.hf_names, it.hf_shapes)]
         return items
 
     def _full_shape(self, p: torch.Tensor, expert: bool = False) -> tuple[int, ...]:
@@ -301,7 +298,7 @@ class MegatronExporter:
 
     def _dt(self, name: str) -> str:
         dtype = next(iter(self.items)).param.dtype
-        return str(self.wire.dtype_for(name, dtype)).removeprefix("torch.")
+        return dtype_name(self.wire.dtype_for(name, dtype))
 
     # --- gather + convert --------------------------------------------------------------------
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:

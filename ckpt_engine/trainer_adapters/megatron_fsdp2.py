@@ -49,7 +49,7 @@ from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import TrainConfig, WirePolicy, check_float_dtype, clip_and_step, hf_config_of, resume_schedule, torch_dtype
+from ckpt_engine.trainer_adapters.common import TrainConfig, WirePolicy, check_float_dtype, clip_and_step, dtype_name, hf_config_of, resume_schedule, torch_dtype
 from ckpt_engine.trainer_adapters.fsdp2 import decoder_layers
 from ckpt_engine.trainer_adapters.hf_names import clean_name, has_unhandled_fused_experts, unfuse_expert_specs, unfuse_experts
 from ckpt_engine.trainer_adapters.megatron_fsdp2_shards import MegatronFSDP2ShardedSource
@@ -110,10 +110,6 @@ class _Entry:
     dtype: torch.dtype
     specs: list[TensorSpec]
     expert_outputs: int = 0  # fused experts: wire tensors per expert (0: not a fused expert)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
@@ -231,7 +227,7 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
             parts = unfuse_expert_specs(self.model_type, e.name, e.shape)
             pairs = parts if parts is not None else [(e.name, e.shape)]
             e.expert_outputs = len(parts) // e.shape[0] if parts is not None and e.shape[0] else 0
-            e.specs = [TensorSpec(n, _dtype_name(self._wire.dtype_for(n, e.dtype)), s) for n, s in pairs]
+            e.specs = [TensorSpec(n, dtype_name(self._wire.dtype_for(n, e.dtype)), s) for n, s in pairs]
         names = [s.name for e in entries for s in e.specs]
         if len(set(names)) != len(names):
             raise ValueError(f"{type(model).__name__}: exported names are not unique after removing wrapper prefixes")

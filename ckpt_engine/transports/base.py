@@ -113,8 +113,6 @@ class CheckpointEngine(ABC):
     """Whether ranks [0, num_senders) may each stream the pieces they own (see `plan`)."""
     supports_delta = False
     """Whether `send_weights` / `receive_buckets` take a `delta` request (base copies, patches)."""
-    supports_staging = False
-    """Whether a receiver takes a patch sync staged (`receive_staged`, issue 28)."""
     device_type: str | None = None
     """The kind of device this backend's tensors live on ("cpu", "cuda", "npu"; None: any), so a
     configured `device` of another kind is refused when the config is loaded."""
@@ -223,16 +221,12 @@ class CheckpointEngine(ABC):
         """Receiver only, a patch sync (issue 28): take and check every frame as `receive_buckets`
         does, but write nothing of `destinations` (the live weights, the in-place base): the
         checked version is returned, to be applied between two engine steps or discarded.
-        Backends with `supports_staging` implement it."""
-        raise NotImplementedError(f"{type(self).__name__} does not stage patch syncs (supports_staging is False)")
+        Pipelined backends implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not stage patch syncs")
 
     def restamp_bases(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor]) -> None:
         """Receiver only: the in-place delta base of `manifest` was received into other tensors (a
         staging copy) and copied bit for bit into `destinations`; they are the base from now on."""
-
-    def delta_base_id(self, manifest: BucketManifest) -> int | None:
-        """The sync id whose bytes this rank's delta bases hold for `manifest` (None: no valid base)."""
-        return None
 
     @property
     def delta_base_bytes(self) -> int:
