@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.rollout_adapters.vllm_receiver import VllmReceiverCore, vllm_checkpoint_specs
+from ckpt_engine.rollout_adapters.vllm_receiver import VllmReceiverCore
+from ckpt_engine.rollout_adapters.vllm_specs import vllm_checkpoint_specs
 
 __all__ = ["CkptEngineWorkerExtension", "vllm_checkpoint_specs"]
 
