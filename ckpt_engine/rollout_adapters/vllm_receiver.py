@@ -33,7 +33,7 @@ from ckpt_engine.rollout_adapters.vllm_reload import LayerwiseReload, detach_pen
 from ckpt_engine.rollout_adapters.vllm_specs import VllmSpecs
 from ckpt_engine.rollout_adapters.vllm_staging import Sink, StagedReceive, Staging
 
-__all__ = ["VllmReceiverCore"]
+__all__ = ["VllmReceiverCore", "unbase64"]
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class VllmReceiverCore:
         Returns `{"accepted", "need_manifest", "problems"}` (see WeightReceiver.validate).
         """
         try:
-            encoded, regions = _unbase64(encoded), _unbase64(regions)
+            encoded, regions = unbase64(encoded), unbase64(regions)
         except binascii.Error as exc:
             return {"accepted": False, "need_manifest": False, "problems": [f"corrupt manifest or region assignment: not base64 ({exc})"]}
         specs = self.specs()
@@ -294,6 +294,6 @@ class VllmReceiverCore:
         }
 
 
-def _unbase64(value: bytes | str | None) -> bytes | None:
+def unbase64(value: bytes | str | None) -> bytes | None:
     """Bytes as sent in process, or base64 text as sent over HTTP (JSON carries no bytes)."""
     return base64.b64decode(value, validate=True) if isinstance(value, str) else value

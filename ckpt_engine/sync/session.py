@@ -52,8 +52,8 @@ T = TypeVar("T")
 class WeightSyncSession:
     """The sender side of one weight-sync group, reused across syncs.
 
-    Hosts the rendezvous store (free port from the OS, a fresh token per group) and rebuilds the
-    group only when the set of engines changes or an earlier sync broke it. Syncs on one session
+    Holds the weight-sync group (`SyncGroup`: the rendezvous store, the sender's engine, the plan),
+    rebuilt only when the set of engines changes or an earlier sync broke it. Syncs on one session
     run one at a time: a second caller waits its turn for at most `timeout_s`, then is refused.
     """
 
