@@ -143,7 +143,10 @@ class VllmSpecs:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> VllmSpecs:
-        specs, groups, tied = vllm_checkpoint_specs(model)
+        return cls.from_specs(*vllm_checkpoint_specs(model))
+
+    @classmethod
+    def from_specs(cls, specs: dict[str, TensorSpec], groups: list[list[str]], tied: dict[str, str]) -> VllmSpecs:
         stacks = fuse_specs(list(specs.values()))[1]
         return cls(specs, groups, tied, stacks, {**specs, **{n: g.spec for n, g in stacks.groups.items()}})
 
