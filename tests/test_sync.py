@@ -60,10 +60,10 @@ def test_two_syncs_land_bit_exact_and_reuse_the_group(session: WeightSyncSession
         assert_holds(e, sd0)
         h = e.health()
         assert (h["version"], h["paused"], h["stale"]) == (7, False, False)
-    group_engine = session._engine
+    group_engine = session._group.engine
     sd1 = mixed_state(1, num_small=300)
     report = session.sync(StateDictSource(sd1))
-    assert report.version == 8 and session._engine is group_engine  # same group, same buffers
+    assert report.version == 8 and session._group.engine is group_engine  # same group, same buffers
     for e in engines:
         assert_holds(e, sd1, ["fp32", "big", "fp8", "scalar", "small.299"])
         assert e.health()["version"] == 8
@@ -227,7 +227,7 @@ def test_bucket_larger_than_free_memory_is_refused_before_any_join(engines: list
     try:
         with pytest.raises(ValueError, match=r"bucket_size_mb=1048576: 2 buffers need .* GiB but cpu has"):
             session.sync(StateDictSource(mixed_state(0, num_small=300)))
-        assert session._engine is None  # nothing was allocated or joined
+        assert session._group.engine is None  # nothing was allocated or joined
         assert all(not e.health()["paused"] for e in engines)
     finally:
         session.close()

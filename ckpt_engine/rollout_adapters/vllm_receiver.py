@@ -5,9 +5,9 @@ weight-transfer backend (`vllm_transfer_engine.py`, for vLLM's `WeightTransferEn
 only in how vLLM calls them; joining the weight-sync group, checking a manifest against vLLM's own
 parameters, loading buckets through layerwise reload and finalizing all live here, once.
 
-Loading uses vLLM's layerwise reload (`initialize_layerwise_reload` -> `model.load_weights` per
-bucket -> `finalize_layerwise_reload`), which works after vLLM has post-processed (e.g. repacked on
-CPU) its weights. Each bucket's tensors are views of a rotating receive buffer; vLLM's weight
+Its parts: what the model takes (`vllm_specs.py`, one object per model), vLLM's layerwise reload
+(`vllm_reload.py`), the staged version (`vllm_staging.py`) and region landing
+(`vllm_region_landing.py`). Each bucket's tensors are views of a rotating receive buffer; vLLM's weight
 loaders copy them straight into the re-materialized layer. Only a tensor whose layer is still
 incomplete when its bucket ends is kept by vLLM for later, and only that tensor is cloned (once),
 because the buffer is refilled as soon as the loader returns.
@@ -24,124 +24,18 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.manifest import BucketManifest, TensorSpec
-from ckpt_engine.planning.fused_experts import FusedExperts, fuse_plan, fuse_specs
+from ckpt_engine.planning.fused_experts import fuse_plan
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.region_assembler import RegionAssembler, held_bytes
 from ckpt_engine.rollout_adapters.vllm_region_landing import RegionItem, RegionLanding
+from ckpt_engine.rollout_adapters.vllm_reload import LayerwiseReload, detach_pending
+from ckpt_engine.rollout_adapters.vllm_specs import VllmSpecs
 from ckpt_engine.rollout_adapters.vllm_staging import Sink, StagedReceive, Staging
 
-__all__ = ["VllmReceiverCore", "vllm_checkpoint_specs"]
+__all__ = ["VllmReceiverCore", "unbase64"]
 
 logger = logging.getLogger(__name__)
-
-Specs = tuple[dict[str, TensorSpec], list[list[str]], dict[str, str]]
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def vllm_checkpoint_specs(model: torch.nn.Module) -> Specs:
-    """Checkpoint-format (HF) names and global shapes of every tensor `model.load_weights` takes.
-
-    Fused expert layers (`w13` / `w2`) take one tensor per expert, named by the layer's own
-    expert mapping; all of a layer's experts form one group. Applies vLLM's stacking rules (`packed_modules_mapping`: q/k/v -> qkv_proj, gate/up ->
-    gate_up_proj), undoes tensor-parallel sharding and vocab padding. With tied embeddings
-    `lm_head.weight` is accepted but optional. Returns (specs, groups, tied): each group lists the
-    checkpoint names that fill one vLLM parameter (a manifest must send all or none of a group, or
-    layerwise reload would process a half-filled parameter); `tied` maps `lm_head.weight` to the
-    embedding it shares, because layerwise reload must see the tied head loaded too.
-    """
-    from vllm.model_executor.layers.linear import LinearBase, QKVParallelLinear
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-
-    packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
-    specs: dict[str, TensorSpec] = {}
-    groups: list[list[str]] = []
-    tied: dict[str, str] = {}
-    seen: set[int] = set()
-    embed_name: str | None = None
-    experts_cls = _routed_experts_class()
-    for mod_name, module in model.named_modules():
-        if experts_cls is not None and isinstance(module, experts_cls):
-            group = _expert_specs(module, specs)
-            if group:
-                groups.append(group)
-                seen.update(id(p) for p in module.parameters(recurse=False))
-                continue
-        for p_name, param in module.named_parameters(recurse=False):
-            if id(param) in seen:
-                continue
-            seen.add(id(param))
-            full = f"{mod_name}.{p_name}" if mod_name else p_name
-            dtype = _dtype_name(param.dtype)
-            if isinstance(module, VocabParallelEmbedding):
-                shape: tuple[int, ...] = (module.org_vocab_size, module.embedding_dim)
-                if embed_name is None:
-                    embed_name = full
-            elif isinstance(module, LinearBase) and p_name in ("weight", "bias"):
-                shape = (module.output_size, module.input_size) if p_name == "weight" else (module.output_size,)
-            else:
-                shape = tuple(param.shape)
-            leaf = mod_name.rsplit(".", 1)[-1]
-            parent = mod_name[: -len(leaf)]
-            if leaf in packed and isinstance(module, LinearBase) and p_name in ("weight", "bias"):
-                if isinstance(module, QKVParallelLinear):
-                    sizes = [
-                        module.total_num_heads * module.head_size,
-                        module.total_num_kv_heads * module.head_size,
-                        module.total_num_kv_heads * module.v_head_size,
-                    ]
-                else:
-                    sizes = list(module.output_sizes)
-                names = []
-                for sub, rows in zip(packed[leaf], sizes):
-                    name = f"{parent}{sub}.{p_name}"
-                    specs[name] = TensorSpec(name, dtype, (rows, *shape[1:]))
-                    names.append(name)
-                groups.append(names)
-            else:
-                specs[full] = TensorSpec(full, dtype, shape)
-                groups.append([full])
-    lm_head = getattr(model, "lm_head", None)
-    if embed_name is not None and lm_head is not None and "lm_head.weight" not in specs:
-        e = specs[embed_name]
-        specs["lm_head.weight"] = TensorSpec("lm_head.weight", e.dtype, e.shape)
-        tied["lm_head.weight"] = embed_name
-    return specs, groups, tied
-
-
-def _routed_experts_class() -> type | None:
-    try:
-        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
-    except ImportError:  # a vLLM without it: fused experts are not recognised
-        return None
-    return RoutedExperts
-
-
-def _expert_specs(module: torch.nn.Module, specs: dict[str, TensorSpec]) -> list[str]:
-    """Per-expert checkpoint names and global shapes of one fused expert layer (`w13` / `w2`),
-    from the layer's own expert mapping; [] when its layout is not the plain one."""
-    weights = {"w1": "w13_weight", "w3": "w13_weight", "w2": "w2_weight"}
-    layer_name = getattr(module, "layer_name", "")
-    base = layer_name.rpartition(".")[0]
-    params = dict(module.named_parameters(recurse=False))
-    if not layer_name.endswith("experts") or not {"w13_weight", "w2_weight"} <= set(params):
-        return []
-    inter, hidden = int(module.moe_config.intermediate_size), int(module.hidden_size)  # type: ignore[union-attr]
-    names: list[str] = []
-    for _, weight_name, _, shard_id in module.get_expert_mapping():  # type: ignore[operator]
-        if shard_id not in weights or not weight_name.startswith("experts."):
-            return []
-        name = f"{base}.{weight_name}weight" if base else f"{weight_name}weight"
-        if name in specs:
-            continue  # a redundant (EPLB) copy of a logical expert
-        shape = (hidden, inter) if shard_id == "w2" else (inter, hidden)
-        specs[name] = TensorSpec(name, _dtype_name(params[weights[shard_id]].dtype), shape)
-        names.append(name)
-    return names
 
 
 class VllmReceiverCore:
@@ -163,11 +57,10 @@ class VllmReceiverCore:
         self.vllm_config = vllm_config
         self.runner = runner
         self.receiver = WeightReceiver(device=torch.device(device) if device is not None else torch.device("cpu"))
-        self._specs: tuple[int, Specs] | None = None
-        self._stacks: tuple[int, FusedExperts] | None = None
+        self._specs: tuple[int, VllmSpecs] | None = None
         self._plan: tuple[int, ReceivePlan, dict[str, str]] | None = None
         self.version: Any = None
-        self.reload_open = False
+        self.reload = LayerwiseReload(model, vllm_config)
         self.stale = False
         self.last_report: dict[str, Any] | None = None
         self.staging = Staging()
@@ -178,45 +71,20 @@ class VllmReceiverCore:
         self.receiver.join(rendezvous, rank, options)
 
     def leave(self) -> None:
-        self.close_reload()
+        self.reload.close()
         self.receiver.leave()
         self.staging.discard(drop_copy=True)
 
     # --- validate ----------------------------------------------------------------------------
-    def specs(self) -> Specs:
+    def specs(self) -> VllmSpecs:
+        """What the current model takes, built once per model."""
         model = self._model()
         if self._specs is None or self._specs[0] != id(model):
-            self._specs = (id(model), vllm_checkpoint_specs(model))
+            self._specs = (id(model), VllmSpecs.of(model))
         return self._specs[1]
 
-    def stacks(self) -> FusedExperts:
-        """The stacked expert tensors a sync from `FusedExpertSource` may send in place of each
-        layer's per-expert tensors (`planning/fused_experts.py`); each loads as its experts."""
-        model = self._model()
-        if self._stacks is None or self._stacks[0] != id(model):
-            self._stacks = (id(model), fuse_specs(list(self.specs()[0].values()))[1])
-        return self._stacks[1]
-
-    def _accepts(self) -> dict[str, TensorSpec]:
-        """Every name a manifest may carry: the per-expert names and the stacks."""
-        return {**self.specs()[0], **{n: g.spec for n, g in self.stacks().groups.items()}}
-
-    def _unstack(self, pairs: list[tuple[str, torch.Tensor]], held: Any = None) -> list[tuple[str, torch.Tensor]]:
-        """A stack's experts as the loader takes them: expert e's tensor is the stack's row e (a
-        view). `held`: the per-expert names this rank's plan holds (None: every expert)."""
-        groups = self.stacks().groups
-        out: list[tuple[str, torch.Tensor]] = []
-        for name, tensor in pairs:
-            g = groups.get(name)
-            if g is None:
-                out.append((name, tensor))
-            else:
-                out.extend((m, tensor[e]) for e, m in enumerate(g.members) if held is None or m in held)
-        return out
-
     def expected_specs(self) -> list[list[Any]]:
-        specs, _, _ = self.specs()
-        return [[s.name, s.dtype, list(s.shape)] for s in specs.values()]
+        return self.specs().expected()
 
     def validate(self, encoded: bytes | str | None, digest: str, regions: bytes | str | None = None) -> dict[str, Any]:
         """Check a manifest against this worker's parameters; nothing moves. `encoded` may be base64.
@@ -225,27 +93,11 @@ class VllmReceiverCore:
         Returns `{"accepted", "need_manifest", "problems"}` (see WeightReceiver.validate).
         """
         try:
-            encoded, regions = _unbase64(encoded), _unbase64(regions)
+            encoded, regions = unbase64(encoded), unbase64(regions)
         except binascii.Error as exc:
             return {"accepted": False, "need_manifest": False, "problems": [f"corrupt manifest or region assignment: not base64 ({exc})"]}
-        _, groups, _ = self.specs()
-        stacks = self.stacks().groups
-
-        def stacked_whole(manifest: BucketManifest) -> list[str]:
-            sent = {s.name for s in manifest.specs}
-            problems = [
-                f"{n}: sent both stacked and as expert {m!r}; send one or the other"
-                for n in sent & set(stacks) for m in stacks[n].members if m in sent
-            ]
-            sent |= {m for n in sent & set(stacks) for m in stacks[n].members}
-            for group in groups:
-                present = [n for n in group if n in sent]
-                if present and len(present) != len(group):
-                    missing = [n for n in group if n not in sent]
-                    problems.append(f"{', '.join(missing)}: vLLM stacks these with {', '.join(present)}; send all of them or none")
-            return problems
-
-        return self.receiver.validate(encoded, digest, self._accepts(), extra_check=stacked_whole, regions=regions)
+        specs = self.specs()
+        return self.receiver.validate(encoded, digest, specs.accepts, extra_check=specs.stacked_whole, regions=regions)
 
     # --- receive plan ------------------------------------------------------------------------
     def receive_plan(self) -> dict[str, Any]:
@@ -254,24 +106,23 @@ class VllmReceiverCore:
         {"plan": None, "error"} when the dry run failed (the worker then receives whole tensors)."""
         from ckpt_engine.rollout_adapters.vllm_regions import record_receive_plan
 
-        if self.reload_open:
+        if self.reload.is_open:
             raise RuntimeError("cannot record a receive plan while a weight reload is open; finalize first")
         model = self._model()
-        specs = self.specs()[0]
+        specs = self.specs()
+        # A tied head is the embedding's parameter: it is loaded from the embedding's regions (see
+        # `receive`), so a trainer may leave it out.
+        needed = specs.needed
         if self._plan is None or self._plan[0] != id(model):
-            # A tied head is the embedding's parameter: it is loaded from the embedding's regions
-            # (see `receive`), so a trainer may leave it out.
-            tied = self.specs()[2]
             try:
-                plan, rec = record_receive_plan(model, {n: s for n, s in specs.items() if n not in tied}, self.vllm_config)
+                plan, rec = record_receive_plan(model, needed, self.vllm_config)
             except Exception as exc:  # this worker keeps today's full receive
                 logger.warning("receive plan: recording failed (%s: %s); this worker receives whole tensors", type(exc).__name__, exc)
                 return {"plan": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
             self._plan = (id(model), plan, dict(rec.whole))
         _, plan, whole = self._plan
-        needed = {n: s for n, s in specs.items() if n not in self.specs()[2]}
         model_bytes = held_bytes(ReceivePlan({n: None for n in needed}), needed)
-        out = {"plan": plan.to_wire(), "bytes": held_bytes(plan, specs), "model_bytes": model_bytes, "whole": whole}
+        out = {"plan": plan.to_wire(), "bytes": held_bytes(plan, specs.specs), "model_bytes": model_bytes, "whole": whole}
         if len(plan.holds) == len(needed) and all(rs is None for rs in plan.holds.values()):
             out["plan"] = None  # holds everything whole (no TP / EP): receive as without a plan
             plan = None
@@ -281,22 +132,16 @@ class VllmReceiverCore:
     def land(self, items: Iterable[tuple[str, Region | None, torch.Tensor]], *, poison: bool = False) -> int:
         """Load region items (no transport) through layerwise reload and finalize; the recorded plan
         says which regions make each name. Returns the names loaded."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         if self._plan is None:
             raise RuntimeError("call receive_plan() first")
-        model = self._model()
+        model, specs = self._model(), self.specs()
         plan = self._plan[1]
-        assembler = RegionAssembler(plan, self.specs()[0], self.receiver.device, poison=poison)
-        alias = {emb: head for head, emb in self.specs()[2].items() if emb in plan.holds}
-        self.close_reload()
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(model)
-        self.reload_open = True
+        assembler = RegionAssembler(plan, specs.specs, self.receiver.device, poison=poison)
+        alias = {emb: head for head, emb in specs.tied.items() if emb in plan.holds}
+        self.reload.open()
         loaded = 0
         try:
-            with torch.no_grad(), set_current_vllm_config(self.vllm_config):
+            with self.reload.loading():
                 for name, region, tensor in items:
                     ready = assembler.add(name, region, tensor)
                     if ready:
@@ -305,7 +150,7 @@ class VllmReceiverCore:
             if assembler.incomplete():
                 raise RuntimeError(f"regions missing for {assembler.incomplete()[:5]}")
         finally:
-            self.close_reload()
+            self.reload.close()
         return loaded
 
     # --- receive and load ---------------------------------------------------------------------
@@ -315,28 +160,23 @@ class VllmReceiverCore:
 
         `delta` (a controller's delta request): patches land in this worker's base copy, are
         checked, and the full tensors then load through the same layerwise reload."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         self._check_not_staging("receive")
         self.staging.discard()
         model = self._model()
-        self.close_reload()
         detached = [0]
 
         def load(loadable: list[tuple[str, torch.Tensor]]) -> None:
-            with set_current_vllm_config(self.vllm_config):
+            with self.reload.loading():
                 model.load_weights(loadable)
-            detached[0] += _detach_pending(model, loadable)
+            detached[0] += detach_pending(loadable)
 
+        self.reload.close()
         self.stale = True
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(model)
-        self.reload_open = True
+        self.reload.open()
         try:
             out = self._stream(digest, delta, load)
         except BaseException:
-            self.close_reload()
+            self.reload.close()
             raise
         out["detached_bytes"] = detached[0]
         self.last_report = out
@@ -346,7 +186,8 @@ class VllmReceiverCore:
         """Take every bucket of an accepted manifest and hand `sink` its loadable pairs (a tied
         head the trainer did not send rides along as its embedding's tensor). Returns the report.
         `staged`: a staged receive, which keeps region items as they are (the swap lands them)."""
-        _, _, tied = self.specs()
+        specs = self.specs()
+        tied = specs.tied
         accepted = self.receiver.accepted_manifest(digest)
         sent = {s.name for s in accepted.specs} if accepted is not None else set()
         # A tied head the trainer did not send is loaded from its embedding, or layerwise reload
@@ -354,7 +195,7 @@ class VllmReceiverCore:
         alias = {emb: head for head, emb in tied.items() if head not in sent and emb in sent}
 
         def load(pairs: list[tuple[str, torch.Tensor]]) -> int:
-            pairs = self._unstack(pairs)
+            pairs = specs.unstack(pairs)
             sink(pairs + [(alias[n], t) for n, t in pairs if n in alias])
             return len(pairs)
 
@@ -363,11 +204,11 @@ class VllmReceiverCore:
         region_loader: Callable[[list[RegionItem]], int] | None = None
         if plan is not None and accepted is not None:
             # Region delivery: a tied head comes only as its embedding.
-            fused, specs = fuse_plan(plan, accepted.specs), self._accepts()
+            fused = fuse_plan(plan, accepted.specs)
             region_alias = {emb: head for head, emb in tied.items() if emb in plan.holds}
 
             def make(device: torch.device, into: Sink) -> RegionLanding:
-                return RegionLanding(plan, fused, specs, device, self._unstack, region_alias, into)
+                return RegionLanding(plan, fused, specs.accepts, device, specs.unstack, region_alias, into)
 
             if staged is None:
                 landing = make(self.receiver.device, sink)
@@ -402,22 +243,17 @@ class VllmReceiverCore:
     def swap(self, version: Any) -> dict[str, Any]:
         """Load the staged version into the live weights through layerwise reload and stamp
         `version`. Runs between two engine steps (a `collective_rpc` call), on every rank at once."""
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         staged = self.staging.take()  # raises unless a whole checked version is staged
         model = self._model()
-        self.close_reload()
+        self.reload.close()
         t0 = time.perf_counter()
         self.stale = True  # until the last layer is loaded: a failure here leaves a mix
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(model)
-        self.reload_open = True
+        self.reload.open()
         try:
-            with torch.no_grad(), set_current_vllm_config(self.vllm_config):
+            with self.reload.loading():
                 staged.load(model.load_weights, self.receiver.device)
         except BaseException:
-            self.close_reload()
+            self.reload.close()
             raise
         load_s = time.perf_counter() - t0
         out = self.finalize(version)
@@ -436,22 +272,9 @@ class VllmReceiverCore:
         if self.staging.running:
             raise RuntimeError(f"{what} refused: a staged receive is still streaming on this worker")
 
-    def close_reload(self) -> float:
-        """Finish layerwise reload if one is open (vLLM's post-processing); returns its seconds."""
-        if not self.reload_open:
-            return 0.0
-        from vllm.config import set_current_vllm_config
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        t0 = time.perf_counter()
-        self.reload_open = False
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            finalize_layerwise_reload(self._model(), self.vllm_config.model_config)
-        return time.perf_counter() - t0
-
     def finalize(self, version: Any) -> dict[str, Any]:
         """Post-process what was loaded, reset the runner's weight-derived caches, stamp `version`."""
-        seconds = self.close_reload()
+        seconds = self.reload.close()
         if self.runner is not None:
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
                 fn = getattr(self.runner, reset, None)
@@ -471,29 +294,6 @@ class VllmReceiverCore:
         }
 
 
-def _unbase64(value: bytes | str | None) -> bytes | None:
+def unbase64(value: bytes | str | None) -> bytes | None:
     """Bytes as sent in process, or base64 text as sent over HTTP (JSON carries no bytes)."""
     return base64.b64decode(value, validate=True) if isinstance(value, str) else value
-
-
-def _detach_pending(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Clone the bucket tensors vLLM's layerwise reload still holds for incomplete layers.
-
-    Those references would otherwise read the next bucket's bytes once the buffer is refilled.
-    Returns the bytes cloned (zero when every layer completed inside its bucket).
-    """
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-
-    # Views of the rotating buffer share a storage larger than themselves; a reassembled chunked
-    # tensor owns its storage and stays valid, so it is not cloned.
-    ptrs = {t.untyped_storage().data_ptr() for _, t in pairs if t.untyped_storage().nbytes() != t.nbytes}
-    cloned = 0
-    for info in list(LAYERWISE_INFO.values()):
-        for _, bound in info.loaded_weights:
-            for key, value in bound.arguments.items():
-                if key == "param" or not isinstance(value, torch.Tensor):
-                    continue
-                if value.untyped_storage().data_ptr() in ptrs:
-                    bound.arguments[key] = value.clone()
-                    cloned += value.numel() * value.element_size()
-    return cloned

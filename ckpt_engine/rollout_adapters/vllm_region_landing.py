@@ -26,7 +26,7 @@ __all__ = ["LandingFactory", "RegionItem", "RegionLanding"]
 RegionItem = tuple[str, Region | None, torch.Tensor]
 Pairs = list[tuple[str, torch.Tensor]]
 Unstack = Callable[[Pairs, Any], Pairs]
-"""Stacks among the pairs -> their experts (`VllmReceiverCore._unstack`); its second argument the
+"""Stacks among the pairs -> their experts (`VllmSpecs.unstack`); its second argument the
 per-expert names the rank holds."""
 
 

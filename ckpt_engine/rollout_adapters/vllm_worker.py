@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.rollout_adapters.vllm_receiver import VllmReceiverCore, vllm_checkpoint_specs
+from ckpt_engine.rollout_adapters.vllm_receiver import VllmReceiverCore, unbase64
+from ckpt_engine.rollout_adapters.vllm_specs import vllm_checkpoint_specs
 
 __all__ = ["CkptEngineWorkerExtension", "vllm_checkpoint_specs"]
 
@@ -123,7 +124,7 @@ class CkptEngineWorkerExtension:
         self._ckpt_lora_core().leave()
 
     def ckpt_lora_validate(self, encoded: bytes | str | None, digest: str) -> dict[str, Any]:
-        return self._ckpt_lora_core().validate(_unbase64(encoded), digest)
+        return self._ckpt_lora_core().validate(unbase64(encoded), digest)
 
     def ckpt_lora_receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
         return self._ckpt_lora_core().receive(digest, delta)
@@ -133,10 +134,3 @@ class CkptEngineWorkerExtension:
 
     def ckpt_lora_health(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self._ckpt_rank(), **self._ckpt_lora_core().health()}
-
-
-def _unbase64(encoded: bytes | str | None) -> bytes | None:
-    """A manifest as bytes (the HTTP route carries it as base64 text)."""
-    import base64
-
-    return base64.b64decode(encoded, validate=True) if isinstance(encoded, str) else encoded

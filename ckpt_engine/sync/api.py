@@ -1,7 +1,7 @@
 """sync_rollout_weights(): the one library call, and the sessions it keeps per set of engines.
 
 Every trainer rank calls it. The controller rank (trainer rank 0, or the only sender) drives a
-`WeightSyncSession` (see `sync_session.py`); with many senders the other ranks follow its
+`WeightSyncSession` (see `session.py`); with many senders the other ranks follow its
 announcements and send their own pieces; with one sender they only walk `iter_weights()`.
 """
 

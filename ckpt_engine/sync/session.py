@@ -3,41 +3,38 @@
 metadata -> plan (cached) -> validate on every engine -> pause -> stream (the senders: this rank,
 and with many senders every trainer rank, announced over the trainer's process group; receivers
 in the engines) -> finalize + version -> resume -> SyncReport; staged, the engines serve while it
-streams and pause only for a swap (`sync/staging.py`). A session keeps the weight-sync group,
-buffers, plan and delta bases across syncs.
+streams and pause only for a swap (`sync/staging.py`). A session keeps the weight-sync group
+(`sync/group.py`), plan and delta bases across syncs; the stream step is `sync/stream.py`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import datetime
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
-from ckpt_engine.planning.buckets import auto_bucket_size_bytes
-from ckpt_engine.planning.ownership import owner_key
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.delta.policy import DeltaPolicy
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
+from ckpt_engine.transports.base import CheckpointEngine, SendStats
 from ckpt_engine.sync.backend import backend_for
 from ckpt_engine.sync.claims import claims
-from ckpt_engine.sync.fanout import collect_failures, held_versions, leave_all, mark_stale_and_probe, receive_failures, wait_for_joins
-from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
-from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
-from ckpt_engine.sync.sender_follower import finish_walk, join_message, send_message
-from ckpt_engine.sources.sharded import PieceWalk, ShardedWeightSource, iter_pieces
+from ckpt_engine.sync.fanout import collect_failures, held_versions, leave_all, mark_stale_and_probe
+from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.rollout_adapters.base import ManifestRejectedError, ReceiveReport, RolloutAdapter
+from ckpt_engine.sync.sender_follower import join_message
+from ckpt_engine.sources.sharded import iter_pieces
+from ckpt_engine.sync.group import SyncGroup
 from ckpt_engine.sync.many_senders import ManySenders
 from ckpt_engine.sync.regions import RegionDelivery
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
+from ckpt_engine.sync.stream import SyncStream
 from ckpt_engine.sync.capabilities import delta_unsupported
 from ckpt_engine.sync.staging import StagePolicy, discard_all, run_order
 from ckpt_engine.sync.weights_mode import check_weights_mode
@@ -51,15 +48,12 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_SETTLE_S = 2.0
-"""After a failed join, how long members on their way to the rendezvous get to reach it."""
-
 
 class WeightSyncSession:
     """The sender side of one weight-sync group, reused across syncs.
 
-    Hosts the rendezvous store (free port from the OS, a fresh token per group) and rebuilds the
-    group only when the set of engines changes or an earlier sync broke it. Syncs on one session
+    Holds the weight-sync group (`SyncGroup`: the rendezvous store, the sender's engine, the plan),
+    rebuilt only when the set of engines changes or an earlier sync broke it. Syncs on one session
     run one at a time: a second caller waits its turn for at most `timeout_s`, then is refused.
     """
 
@@ -80,25 +74,19 @@ class WeightSyncSession:
             raise ValueError(f"engine names must be unique, got {names}")
         self.host = host
         self.backend = backend_for(self.config, self.rollouts)
-        self._engine = engine
-        self._device = device
+        self._group = SyncGroup(self.config, self.backend, host, device, engine)
         self.raw_gbps = raw_gbps
-        self._store: Any = None
-        self._ready = False
-        self._plan_key: tuple[Any, ...] | None = None
-        self._manifest: BucketManifest | None = None
-        self._encoded = b""
         self.version = 0
         self.stale: set[str] = set()
         self._lock = threading.Lock()
         self._closed = False
         self._delta = DeltaPolicy(self.config.delta, self.config.full_sync_every)
-        self.num_senders = 1
         self._senders = ManySenders(self.config, self.backend, self.rollouts)
         self._regions = RegionDelivery(self.config.region_slot_memory_bytes)  # issue 27: each engine rank receives only what it holds
         self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.rollouts) + 1), thread_name_prefix="ckpt-sync")
         self._staging: str | None = None  # this sync's stage while it streams (None: today's order)
         self._stages = StagePolicy(self.config.stage)
+        self._stream = SyncStream(self.config, self._senders, self._regions, self._pool, self._break, self._group.new_engine)
 
     def engine_keys(self) -> dict[str, Hashable]:
         return {r.name: r.engine_key() for r in self.rollouts}
@@ -119,7 +107,7 @@ class WeightSyncSession:
         """Build the weight-sync group now (the first sync would): an engine that cannot join
         fails here, by name."""
         with self._locked("join"):
-            self._ensure_group(self.num_senders)
+            self._ensure_group(self._group.num_senders)
 
     def rebind(self, rollouts: Sequence[RolloutAdapter]) -> None:
         """Drive new handles on the same engines (same names and `engine_key`s, in order): the
@@ -137,87 +125,35 @@ class WeightSyncSession:
             self.rollouts[:] = rollouts
 
     # --- group --------------------------------------------------------------------------------
-    def _new_engine(self, bucket_size: int) -> CheckpointEngine:
-        # A bucket the buffers cannot fit is refused here, before any engine is asked to join.
-        self.config.check_memory(str(self._device) if self._device is not None else None)
-        kwargs = self.config.kwargs_for(self.backend)
-        if self._device is not None:
-            kwargs.setdefault("device", self._device)
-        return CheckpointEngineRegistry.new(
-            self.backend, bucket_size_bytes=bucket_size, num_buffers=self.config.num_buffers,
-            timeout_s=self.config.timeout_s, verify=self.config.verify, **kwargs,
-        )
-
-    def _bucket_size(self) -> int:
-        if self.config.bucket_size_bytes is not None:
-            return self.config.bucket_size_bytes
-        device = str(self._device) if self._device is not None else ("cuda" if self.backend == "nccl" else "cpu")
-        return auto_bucket_size_bytes(device, self.config.num_buffers)
-
     def _ensure_group(self, num_senders: int = 1) -> CheckpointEngine:
         """The group, (re)built when needed. With several senders, the other trainer ranks learn
         here (one announcement per sync) whether to join a new group."""
-        if num_senders != self.num_senders:
-            self._ready = False
-            if self._engine is not None:
-                self._engine.finalize()
-                self._engine = None
-        if self._ready and self._engine is not None:
+        engine = self._group.current(num_senders)
+        if engine is not None:
             if num_senders > 1:
                 self._senders.announce(join_message(None, {}))
-            return self._engine
+            return engine
         self._delta.forget()  # members join with empty bases
-        self.num_senders = num_senders
-        if self._engine is None:
-            self._engine = self._new_engine(self._bucket_size())
-        engine = self._engine
-        topo = type(engine).build_topology(num_senders, [r.world_size for r in self.rollouts])
-        if self._store is None:
-            self._store = torch.distributed.TCPStore(
-                self.host, 0, is_master=True, wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=self.config.timeout_s),
-            )
-        rdzv = Rendezvous(
-            self.host, self._store.port, uuid.uuid4().hex, topo.world_size, self.backend, self.config.timeout_s, num_senders
-        )
-        options = JoinOptions(engine.bucket_size_bytes, engine.num_buffers, engine.verify, self.config.kwargs_for(self.backend))
-        if num_senders > 1:
-            self._senders.announce(join_message(rdzv, options.to_dict()))
-        futures = {
-            r.name: self._pool.submit(r.join, rdzv, off, options) for r, off in zip(self.rollouts, topo.receiver_offsets)
-        }
-        # The sender joins in a thread of its own while the engines' joins are watched: the first
-        # engine that fails to join ends the set-up at once instead of after `timeout_s`.
-        sender = self._pool.submit(engine.init_process_group, rdzv, 0)
-        failed = wait_for_joins(sender, futures, self.config.timeout_s)
+        announce = (lambda rdzv, options: self._senders.announce(join_message(rdzv, options))) if num_senders > 1 else None
+        engine, rdzv, failed = self._group.build(num_senders, self.rollouts, self._pool, announce)
         if failed:
-            # Closing the store wakes every member waiting in the rendezvous (the sender's thread,
-            # the engines that did join) instead of leaving them there for timeout_s. A member
-            # still connecting would retry until timeout_s instead, so the store stays a moment.
-            cf.wait([*futures.values(), sender], timeout=min(_SETTLE_S, self.config.timeout_s))
-            self._store = None
-            sender.add_done_callback(lambda _: engine.finalize())
-            self._engine = None
             raise SyncError("join", failed, sorted(self.stale))
-        self._ready = True
         claims.claim(self.engine_keys(), self)
         self._regions.joined(self.rollouts, self._fan_out("join", lambda r: r.receive_plans()), rdzv)
-        logger.info("weight-sync group %s ready: %d ranks over %s", rdzv.token[:8], topo.world_size, self.backend)
         return engine
 
     def _fan_out(self, stage: str, fn: Callable[[RolloutAdapter], T]) -> dict[str, T]:
         futures = {r.name: self._pool.submit(fn, r) for r in self.rollouts}
         failed = collect_failures(futures, stage, self.config.timeout_s)
         if failed:
-            self._break(failed)
-            raise SyncError(stage, failed, sorted(self.stale))
+            raise SyncError(stage, failed, self._break(failed))
         return {name: f.result() for name, f in futures.items()}
 
-    def _break(self, failed: dict[str, str], probe: bool = True) -> None:
+    def _break(self, failed: dict[str, str], probe: bool = True) -> list[str]:
         """Mark the group for rebuild and every engine stale; find the dead ones by name. A staged
         stream that failed: every engine discards what it staged and stays fresh (its live weights
-        were never touched); only an engine that cannot discard (dead) is stale."""
-        self._ready = False
+        were never touched); only an engine that cannot discard (dead) is stale. Returns the stale."""
+        self._group.ready = False
         self._delta.failed()
         if self._staging is not None:
             self._staging = None
@@ -229,25 +165,17 @@ class WeightSyncSession:
         else:
             self.stale.update(r.name for r in self.rollouts)
         self._regions.drop_groups()
-        if self._engine is not None:
-            self._engine.finalize()
-            self._engine = None
+        self._group.drop()
+        return sorted(self.stale)
 
     # --- one sync -----------------------------------------------------------------------------
     def plan(self, specs: list[TensorSpec], engine: CheckpointEngine, source: Any = None) -> BucketManifest:
-        senders = self.num_senders
-        owners = source.owners() if senders > 1 else None
-        key = (engine.bucket_size_bytes, engine.solo_bytes, tuple(specs), senders, owner_key(owners))
-        if key != self._plan_key or self._manifest is None:
-            self._manifest = engine.plan(specs, num_senders=senders, owners=owners)
-            self._encoded = encode_manifest(self._manifest)
-            self._plan_key = key
-        return self._manifest
+        return self._group.plan(specs, engine, source.owners() if self._group.num_senders > 1 else None)
 
     @property
     def manifest(self) -> BucketManifest | None:
         """The plan of the last sync (None before the first)."""
-        return self._manifest
+        return self._group.manifest
 
     def sync(self, source: WeightSource, *, version: int | None = None) -> SyncReport:
         """Move one version of `source`'s weights into every engine; see the module docstring.
@@ -291,18 +219,6 @@ class WeightSyncSession:
         finally:
             self._lock.release()
 
-    def _held_versions(self) -> dict[str, int | None]:
-        """What every engine reports it holds (asked each sync: another session may have synced it)."""
-        versions, failed = held_versions(self._pool, self.rollouts, self.config.timeout_s)
-        if failed:  # part of validating: nothing was paused or sent
-            self._break(failed)
-            raise SyncError("validate", failed, sorted(self.stale))
-        return versions
-
-    def _check_claims(self) -> None:
-        if self._ready:  # (re)joining claims the engines for this session
-            claims.check_current(self.engine_keys(), self)
-
     def _sync(self, source: WeightSource, weights: WatchedWeights | None, version: int | None, senders: int = 1) -> SyncReport:
         """One sync in its steps: prepare (metadata, version, group, plan) -> validate -> delta or
         dense -> pause -> stream -> finalize -> resume -> report. `weights` is None with many
@@ -328,7 +244,11 @@ class WeightSyncSession:
         self._staging = stage  # while it streams: a failure then discards instead of leaving engines stale
 
         def stream() -> tuple[SendStats, dict[str, ReceiveReport]]:
-            return self._stream(source, engine, manifest, weights, pieces, request, senders, seconds, stage)
+            t = time.perf_counter()
+            out = self._stream.run(self.rollouts, source, engine, manifest, weights, pieces, request, senders, stage)  # type: ignore[arg-type]
+            self._staging = None  # every rank checked every set: a failure from here (a swap) is stale, as a finalize's
+            seconds["transfer"] = time.perf_counter() - t
+            return out
 
         try:
             stats, reports, stall = run_order(stage, stream, self._step, new_version, self.config.pause_mode, seconds)
@@ -348,8 +268,13 @@ class WeightSyncSession:
                 "new version (does a name filter drop every tensor?)"
             )
         check_weights_mode(self.config.weights, specs, self.rollouts)
-        self._check_claims()
-        new_version = next_version(self._held_versions(), self.version, version)
+        if self._group.ready:  # (re)joining claims the engines for this session
+            claims.check_current(self.engine_keys(), self)
+        # What every engine holds is asked each sync: another session may have synced it.
+        held, failed = held_versions(self._pool, self.rollouts, self.config.timeout_s)
+        if failed:  # part of validating: nothing was paused or sent
+            raise SyncError("validate", failed, self._break(failed))
+        new_version = next_version(held, self.version, version)
         engine = self._ensure_group(senders)
         return new_version, engine, self.plan(specs, engine, source)
 
@@ -360,7 +285,7 @@ class WeightSyncSession:
 
         def validate(r: RolloutAdapter) -> None:
             try:
-                self._regions.validate(r, manifest, self._encoded)
+                self._regions.validate(r, manifest, self._group.encoded)
             except ManifestRejectedError as exc:
                 rejected.append(exc)
 
@@ -375,66 +300,6 @@ class WeightSyncSession:
         out = self._fan_out(stage, fn)
         seconds[stage] = time.perf_counter() - t
         return out
-
-    def _stream(
-        self, source: WeightSource, engine: CheckpointEngine, manifest: BucketManifest, weights: WatchedWeights,
-        pieces: PieceWalk | None, request: DeltaRequest | None, senders: int, seconds: dict[str, float], stage: str | None = None,
-    ) -> tuple[SendStats, dict[str, ReceiveReport]]:
-        """The senders stream while every engine receives; any failure names its culprits (the
-        source, engines, the sender or other trainer ranks) and leaves the engines stale."""
-        t = time.perf_counter()
-        if senders > 1:
-            self._senders.start_send(send_message("send", manifest.digest, request, self._regions.announcement()))
-            failed = self._senders.not_ready(source)  # type: ignore[arg-type]  # with TP helpers: every rank ready first
-            if failed:
-                self._break({}, probe=False)  # the engines only validated and paused: stale, not dead
-                raise SyncError("transfer", failed, sorted(self.stale))
-        extra: dict[str, Any] = {k: v for k, v in (("delta", request), ("stage", stage)) if v is not None}  # only what is used
-        receives = {r.name: self._pool.submit(r.receive, manifest, **extra) for r in self.rollouts}
-        try:
-            stats = self._regions.send(  # the engine's own send_weights without region delivery
-                engine, manifest, weights, stable=_stable(source, senders), delta=request,
-                make_engine=lambda: self._new_engine(engine.bucket_size_bytes), source=source,
-            )
-        except Exception as exc:
-            self._send_failed(exc, source, engine, weights, pieces, receives, senders)
-        followers = self._senders.failed(None) if senders > 1 else {}
-        failed = receive_failures(self.rollouts, receives, grace_s=self.config.timeout_s) if not followers else {}
-        failed.update(followers)
-        if failed:
-            if followers:
-                engine.finalize()  # wake receivers still waiting on a dead sender's group
-                failed.update(collect_failures(receives, "receive", min(5.0, self.config.timeout_s)))
-            self._break(failed, probe=not followers)
-            raise SyncError("transfer", failed, sorted(self.stale))
-        reports = {name: f.result() for name, f in receives.items()}
-        self._staging = None  # every rank checked every set: a failure from here (a swap) is stale, as a finalize's
-        seconds["transfer"] = time.perf_counter() - t
-        return stats, reports
-
-    def _send_failed(
-        self, exc: Exception, source: WeightSource, engine: CheckpointEngine, weights: WatchedWeights,
-        pieces: PieceWalk | None, receives: dict[str, cf.Future[ReceiveReport]], senders: int,
-    ) -> NoReturn:
-        """The send raised: blame the source when it raised itself, else the engines that failed
-        or died, else the sender; every engine is left stale."""
-        engine.finalize()  # closing the sender's group wakes receivers blocked on it
-        if pieces is not None:
-            finish_walk(source, pieces)  # type: ignore[arg-type]  # TP helpers wait in its gathers
-        sender_error = f"{type(exc).__name__}: {exc}"
-        followers = self._senders.failed(sender_error) if senders > 1 else {}
-        if weights.error is not None:
-            # The trainer's source failed, not an engine: the engines are healthy, paused and
-            # stale, and stay members; the next complete sync heals them.
-            collect_failures(receives, "receive", min(5.0, self.config.timeout_s))
-            self._break({}, probe=False)
-            raise SyncError("transfer", {SOURCE: sender_error}, sorted(self.stale)) from exc
-        failed = receive_failures(self.rollouts, receives, grace_s=min(5.0, self.config.timeout_s))
-        failed.update(followers)
-        if not failed:
-            failed["sender"] = sender_error
-        self._break(failed)
-        raise SyncError("transfer", failed, sorted(self.stale), sender_error=sender_error if "sender" not in failed else None) from exc
 
     def _report(
         self, new_version: int, manifest: BucketManifest, request: DeltaRequest | None, stats: SendStats,
@@ -472,14 +337,10 @@ class WeightSyncSession:
             self._closed = True
             # An engine another session has joined since is not asked to leave: it would leave that group.
             lost = set(claims.taken_over(self.engine_keys(), self))
-            if self._ready:
+            if self._group.ready:
                 leave_all([r for r in self.rollouts if r.name not in lost])
             self._regions.drop_groups()
-            if self._engine is not None:
-                self._engine.finalize()
-                self._engine = None
-            self._ready = False
-            self._store = None
+            self._group.close()
             claims.release(self)
             self._pool.shutdown(wait=False, cancel_futures=True)
         finally:
@@ -491,10 +352,3 @@ def _drain(source: WeightSource) -> None:
     for _ in source.iter_weights():
         pass
 
-
-def _stable(source: WeightSource, senders: int) -> bool:
-    """Whether what the sender yields stays valid for the whole sync (lets it skip copies). With many
-    senders a source may say so of its pieces alone (`stable_pieces`) and not of `iter_weights()`."""
-    if senders > 1 and isinstance(source, ShardedWeightSource):
-        return source.stable_pieces
-    return source.stable_tensors

@@ -1,0 +1,133 @@
+"""The sender's end of a session's weight-sync group: the rendezvous store, the transport engine
+with its buffers, the join of every engine, and the plan it sends. Kept across syncs; rebuilt only
+when the number of senders changes or a failure dropped it."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import datetime
+import logging
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ckpt_engine.config import CheckpointEngineConfig
+from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
+from ckpt_engine.planning.buckets import auto_bucket_size_bytes
+from ckpt_engine.planning.ownership import OwnerMap, owner_key
+from ckpt_engine.rollout_adapters.base import JoinOptions, RolloutAdapter
+from ckpt_engine.sync.fanout import wait_for_joins
+from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
+from ckpt_engine.transports.registry import CheckpointEngineRegistry
+
+__all__ = ["SyncGroup"]
+
+logger = logging.getLogger(__name__)
+
+_SETTLE_S = 2.0
+"""After a failed join, how long members on their way to the rendezvous get to reach it."""
+
+
+class SyncGroup:
+    """Hosts the rendezvous store (free port from the OS, a fresh token per group) and holds the
+    sender's engine. `engine`: one the caller made (kept until the group is dropped)."""
+
+    def __init__(
+        self, config: CheckpointEngineConfig, backend: str, host: str, device: str | torch.device | None, engine: CheckpointEngine | None
+    ) -> None:
+        self.config, self.backend, self.host, self.device = config, backend, host, device
+        self.engine = engine
+        self.ready = False
+        self.num_senders = 1
+        self._store: Any = None
+        self._plan_key: tuple[Any, ...] | None = None
+        self.manifest: BucketManifest | None = None
+        self.encoded = b""
+
+    def new_engine(self, bucket_size: int) -> CheckpointEngine:
+        # A bucket the buffers cannot fit is refused here, before any engine is asked to join.
+        self.config.check_memory(str(self.device) if self.device is not None else None)
+        kwargs = self.config.kwargs_for(self.backend)
+        if self.device is not None:
+            kwargs.setdefault("device", self.device)
+        return CheckpointEngineRegistry.new(
+            self.backend, bucket_size_bytes=bucket_size, num_buffers=self.config.num_buffers,
+            timeout_s=self.config.timeout_s, verify=self.config.verify, **kwargs,
+        )
+
+    def _bucket_size(self) -> int:
+        if self.config.bucket_size_bytes is not None:
+            return self.config.bucket_size_bytes
+        device = str(self.device) if self.device is not None else ("cuda" if self.backend == "nccl" else "cpu")
+        return auto_bucket_size_bytes(device, self.config.num_buffers)
+
+    def current(self, num_senders: int) -> CheckpointEngine | None:
+        """The joined group's engine if it serves `num_senders` senders, else None (and a group
+        for another count is dropped)."""
+        if num_senders != self.num_senders:
+            self.drop()
+        return self.engine if self.ready and self.engine is not None else None
+
+    def build(
+        self, num_senders: int, rollouts: Sequence[RolloutAdapter], pool: cf.ThreadPoolExecutor,
+        announce: Callable[[Rendezvous, dict[str, Any]], None] | None = None,
+    ) -> tuple[CheckpointEngine, Rendezvous, dict[str, str]]:
+        """Join the sender and every engine into a new group (`announce`: tells the other trainer
+        ranks first). Returns the engine, the rendezvous and {engine: why} for engines that failed
+        to join (then the group is dropped)."""
+        self.num_senders = num_senders
+        if self.engine is None:
+            self.engine = self.new_engine(self._bucket_size())
+        engine = self.engine
+        topo = type(engine).build_topology(num_senders, [r.world_size for r in rollouts])
+        if self._store is None:
+            self._store = torch.distributed.TCPStore(
+                self.host, 0, is_master=True, wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=self.config.timeout_s),
+            )
+        rdzv = Rendezvous(
+            self.host, self._store.port, uuid.uuid4().hex, topo.world_size, self.backend, self.config.timeout_s, num_senders
+        )
+        options = JoinOptions(engine.bucket_size_bytes, engine.num_buffers, engine.verify, self.config.kwargs_for(self.backend))
+        if announce is not None:
+            announce(rdzv, options.to_dict())
+        futures = {r.name: pool.submit(r.join, rdzv, off, options) for r, off in zip(rollouts, topo.receiver_offsets)}
+        # The sender joins in a thread of its own while the engines' joins are watched: the first
+        # engine that fails to join ends the set-up at once instead of after `timeout_s`.
+        sender = pool.submit(engine.init_process_group, rdzv, 0)
+        failed = wait_for_joins(sender, futures, self.config.timeout_s)
+        if failed:
+            # Closing the store wakes every member waiting in the rendezvous (the sender's thread,
+            # the engines that did join) instead of leaving them there for timeout_s. A member
+            # still connecting would retry until timeout_s instead, so the store stays a moment.
+            cf.wait([*futures.values(), sender], timeout=min(_SETTLE_S, self.config.timeout_s))
+            self._store = None
+            sender.add_done_callback(lambda _: engine.finalize())
+            self.engine = None
+            return engine, rdzv, failed
+        self.ready = True
+        logger.info("weight-sync group %s ready: %d ranks over %s", rdzv.token[:8], topo.world_size, self.backend)
+        return engine, rdzv, failed
+
+    def plan(self, specs: list[TensorSpec], engine: CheckpointEngine, owners: OwnerMap | None) -> BucketManifest:
+        """The manifest for `specs` (and the many senders' `owners`), made again only when its inputs
+        change: a pure function of them, cached across syncs and group rebuilds."""
+        key = (engine.bucket_size_bytes, engine.solo_bytes, tuple(specs), self.num_senders, owner_key(owners))
+        if key != self._plan_key or self.manifest is None:
+            self.manifest = engine.plan(specs, num_senders=self.num_senders, owners=owners)
+            self.encoded = encode_manifest(self.manifest)
+            self._plan_key = key
+        return self.manifest
+
+    def drop(self) -> None:
+        """Mark the group for rebuild and free the sender's engine (its buffers and group)."""
+        self.ready = False
+        if self.engine is not None:
+            self.engine.finalize()
+            self.engine = None
+
+    def close(self) -> None:
+        self.drop()
+        self._store = None
