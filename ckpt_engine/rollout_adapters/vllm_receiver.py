@@ -83,9 +83,6 @@ class VllmReceiverCore:
             self._specs = (id(model), VllmSpecs.of(model))
         return self._specs[1]
 
-    def expected_specs(self) -> list[list[Any]]:
-        return self.specs().expected()
-
     def validate(self, encoded: bytes | str | None, digest: str, regions: bytes | str | None = None) -> dict[str, Any]:
         """Check a manifest against this worker's parameters; nothing moves. `encoded` may be base64.
         `regions`: this worker's region assignment (region delivery; may be base64).

@@ -155,10 +155,6 @@ class VllmSpecs:
         """The specs a trainer must send: a tied head is the embedding's parameter."""
         return {n: s for n, s in self.specs.items() if n not in self.tied}
 
-    def expected(self) -> list[list[Any]]:
-        """The specs as plain values (name, dtype, shape) for `collective_rpc` replies."""
-        return [[s.name, s.dtype, list(s.shape)] for s in self.specs.values()]
-
     def unstack(self, pairs: Iterable[tuple[str, torch.Tensor]], held: Any = None) -> Pairs:
         """A stack's experts as the loader takes them: expert e's tensor is the stack's row e (a
         view). `held`: the per-expert names this rank's plan holds (None: every expert)."""
