@@ -30,6 +30,7 @@ from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.region_assembler import RegionAssembler, held_bytes
 from ckpt_engine.rollout_adapters.vllm_region_landing import RegionItem, RegionLanding
+from ckpt_engine.rollout_adapters.vllm_shadow import ShadowPreparer
 from ckpt_engine.rollout_adapters.vllm_staging import Sink, StagedReceive, Staging
 
 __all__ = ["VllmReceiverCore", "vllm_checkpoint_specs"]
@@ -392,7 +393,8 @@ class VllmReceiverCore:
         # With a delta request the base images (whole tensors or regions) hold the checked version
         # until the next receive: keep their views. Else each tensor or region is copied as it lands.
         keep_views = delta is not None
-        self.staging.start(digest, lambda staged: self._stream(digest, delta, staged.sink, staged), keep_views)
+        prepare = ShadowPreparer(self._model, self.vllm_config, self.receiver.device, self.staging.shadow_room)
+        self.staging.start(digest, lambda staged: self._stream(digest, delta, staged.sink, staged), keep_views, prepare)
         return {"started": True}
 
     def stage_status(self) -> dict[str, Any]:
@@ -410,6 +412,9 @@ class VllmReceiverCore:
         self.close_reload()
         t0 = time.perf_counter()
         self.stale = True  # until the last layer is loaded: a failure here leaves a mix
+        if staged.shadow is not None:  # prepared off the step path: a copy (vllm_shadow.py)
+            load_s = staged.shadow.swap_in()
+            return {**self.finalize(version), "swap_s": time.perf_counter() - t0, "load_s": load_s, "shadow": True}
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
         self.reload_open = True
