@@ -393,8 +393,7 @@ class VllmReceiverCore:
         # With a delta request the base images (whole tensors or regions) hold the checked version
         # until the next receive: keep their views. Else each tensor or region is copied as it lands.
         keep_views = delta is not None
-        prepare = ShadowPreparer(self._model, self.vllm_config, self.receiver.device, self.staging.shadow_room)
-        self.staging.start(digest, lambda staged: self._stream(digest, delta, staged.sink, staged), keep_views, prepare)
+        self.staging.start(digest, lambda staged: self._stream(digest, delta, staged.sink, staged), keep_views, ShadowPreparer(self._model, self.vllm_config, self.receiver.device, self.staging.shadow_room))
         return {"started": True}
 
     def stage_status(self) -> dict[str, Any]:
@@ -412,9 +411,8 @@ class VllmReceiverCore:
         self.close_reload()
         t0 = time.perf_counter()
         self.stale = True  # until the last layer is loaded: a failure here leaves a mix
-        if staged.shadow is not None:  # prepared off the step path: a copy (vllm_shadow.py)
-            load_s = staged.shadow.swap_in()
-            return {**self.finalize(version), "swap_s": time.perf_counter() - t0, "load_s": load_s, "shadow": True}
+        if staged.shadow is not None:  # prepared off the step path: a copy (vllm_shadow.py); swap_in runs before finalize
+            return {"load_s": staged.shadow.swap_in(), "shadow": True, **self.finalize(version), "swap_s": time.perf_counter() - t0}
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
         self.reload_open = True
