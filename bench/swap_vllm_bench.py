@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -132,7 +133,14 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--json", type=str, default=None, help="write the rows here too")
+    p.add_argument(
+        "--swap", choices=("shadow", "reload"), default="shadow",
+        help="shadow: the workers prepare the staged version off the step path and the swap copies it "
+        "(rollout_adapters/vllm_shadow.py); reload: the swap reloads through vLLM's layerwise reload (before)",
+    )
     args = p.parse_args()
+    os.environ["CKPT_ENGINE_VLLM_SHADOW"] = "1" if args.swap == "shadow" else "0"  # the server's workers inherit it
+    print(f"staged swap: {args.swap}")
     torch.set_num_threads(1)  # the box's cores belong to the engine
 
     work = Path(tempfile.mkdtemp(prefix="swap-vllm-bench-"))

@@ -76,6 +76,7 @@ def test_tp2_region_syncs_stage_and_a_corrupt_region_patch_keeps_the_old_weights
             got = report.received_bytes[adapter.name]
             print(f"staged TP=2 sync {step} ({report.delta}, staged {report.staged}): worker bytes {got} of {full}, stall {report.stall_s * 1e3:.1f} ms")
             kinds.append((report.delta, report.staged))
+            assert adapter.last_finalize["swap_shadow"], adapter.last_finalize  # prepared off the step path (vllm_shadow.py)
             assert len(got) == 2 and all(0.4 < b / full < 0.6 for b in got), got
             assert llm_greedy(llm) == [hf_greedy(trainer, p) for p in PROMPTS], step
         assert kinds == [("seed", "full"), ("patch", "patches"), ("patch", "patches")]
@@ -110,6 +111,7 @@ def test_tp2_region_syncs_stage_and_a_corrupt_region_patch_keeps_the_old_weights
             copies = [h["staging_copy_bytes"] for h in adapter.worker_health()]
             print(f"staged dense TP=2 sync {step}: worker bytes {got}, staging copies {copies} of {full}, stall {report.stall_s * 1e3:.1f} ms")
             assert report.staged == "full" and copies == got, (report.staged, copies, got)
+            assert not adapter.last_finalize["swap_shadow"]  # copy + shadow exceed the staging limit: the swap reloads
             assert llm_greedy(llm) == [hf_greedy(trainer, p) for p in PROMPTS], step
     finally:
         session.close()

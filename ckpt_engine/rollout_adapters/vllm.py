@@ -206,6 +206,7 @@ class _VllmAdapterBase(RolloutAdapter):
         self.last_finalize = {
             "post_process_s": max(float(r["finalize_s"]) for r in replies),
             "swap_load_s": max(float(r["load_s"]) for r in replies),
+            "swap_shadow": all(bool(r.get("shadow", False)) for r in replies),  # every worker copied a prepared image
             "swap_pause_s": t_paused - t0,
             "swap_rpc_s": t1 - t_paused,
             "stall_s": stall,

@@ -30,6 +30,7 @@ from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.region_assembler import RegionAssembler, held_bytes
 from ckpt_engine.rollout_adapters.vllm_region_landing import RegionItem, RegionLanding
 from ckpt_engine.rollout_adapters.vllm_reload import LayerwiseReload, detach_pending
+from ckpt_engine.rollout_adapters.vllm_shadow import ShadowPreparer
 from ckpt_engine.rollout_adapters.vllm_specs import VllmSpecs
 from ckpt_engine.rollout_adapters.vllm_staging import Sink, StagedReceive, Staging
 
@@ -230,7 +231,7 @@ class VllmReceiverCore:
         # With a delta request the base images (whole tensors or regions) hold the checked version
         # until the next receive: keep their views. Else each tensor or region is copied as it lands.
         keep_views = delta is not None
-        self.staging.start(digest, lambda staged: self._stream(digest, delta, staged.sink, staged), keep_views)
+        self.staging.start(digest, lambda staged: self._stream(digest, delta, staged.sink, staged), keep_views, ShadowPreparer(self._model, self.vllm_config, self.receiver.device, self.staging.shadow_room))
         return {"started": True}
 
     def stage_status(self) -> dict[str, Any]:
@@ -245,6 +246,8 @@ class VllmReceiverCore:
         self.reload.close()
         t0 = time.perf_counter()
         self.stale = True  # until the last layer is loaded: a failure here leaves a mix
+        if staged.shadow is not None:  # prepared off the step path: a copy (vllm_shadow.py); swap_in runs before finalize
+            return {"load_s": staged.shadow.swap_in(), "shadow": True, **self.finalize(version), "swap_s": time.perf_counter() - t0}
         self.reload.open()
         try:
             with self.reload.loading():

@@ -33,13 +33,18 @@ from typing import Any
 import torch
 
 from ckpt_engine.rollout_adapters.vllm_region_landing import LandingFactory, RegionItem, RegionLanding
+from ckpt_engine.rollout_adapters.vllm_shadow import ShadowWeights
 
-__all__ = ["LoaderCopy", "Sink", "StagedReceive", "Staging", "free_bytes"]
+__all__ = ["LoaderCopy", "Prepare", "Sink", "StagedReceive", "Staging", "free_bytes"]
 
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
 """Takes one bucket's loadable (name, tensor) pairs."""
+
+Prepare = Callable[["StagedReceive"], ShadowWeights | None]
+"""Builds a checked staged version's post-processed image off the step path (`vllm_shadow.py`), or
+None where it cannot (the swap then reloads)."""
 
 
 def free_bytes(device: torch.device) -> int:
@@ -108,8 +113,13 @@ class StagedReceive:
     `keep_views`: what the stream yields stays valid until the next receive (the receiver's base
     images), so it is kept as it is; else each tensor is copied into `copy`."""
 
-    def __init__(self, digest: str, stream: Callable[[StagedReceive], dict[str, Any]], copy: LoaderCopy, keep_views: bool) -> None:
+    def __init__(
+        self, digest: str, stream: Callable[[StagedReceive], dict[str, Any]], copy: LoaderCopy, keep_views: bool,
+        prepare: Prepare | None = None,
+    ) -> None:
         self.digest = digest
+        self.shadow: ShadowWeights | None = None  # the post-processed image; None: the swap reloads
+        self._prepare = prepare
         self.pairs: list[tuple[str, torch.Tensor]] = []
         self.items: list[RegionItem] = []
         self._landing: LandingFactory | None = None
@@ -120,6 +130,12 @@ class StagedReceive:
         self._stream = stream
         self._thread = threading.Thread(target=self._run, name="ckpt-stage", daemon=True)
         self.started = time.perf_counter()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the staged tensors (a tied head counted once)."""
+        seen = {id(t): t for _, t in self.pairs} | {id(t): t for _, _, t in self.items}
+        return sum(t.numel() * t.element_size() for t in seen.values())
 
     def start(self) -> StagedReceive:
         self._thread.start()
@@ -169,10 +185,14 @@ class StagedReceive:
             report["stage_s"] = time.perf_counter() - self.started
             if not self._keep_views:
                 self._copy.retain([(n, r) for n, r, _ in self.items] if self._landing is not None else [n for n, _ in self.pairs])
+            if self._prepare is not None:  # only a whole, checked version is prepared
+                self.shadow = self._prepare(self)
+                if self.shadow is not None:
+                    report["shadow_s"] = self.shadow.build_s
             self.report = report
         except BaseException as exc:  # the controller reads it in the next poll
             self.error = f"{type(exc).__name__}: {exc}"
-            self.pairs, self.items = [], []
+            self.pairs, self.items, self.shadow = [], [], None
             logger.warning("staged receive of manifest %s failed: %s", self.digest[:12], self.error)
 
     @property
@@ -199,15 +219,18 @@ class Staging:
     def __init__(self) -> None:
         self.copy = LoaderCopy()
         self.version: StagedReceive | None = None
+        self.limit_bytes: int | None = None  # the engine's staging limit, as last asked in `room`
 
     @property
     def running(self) -> bool:
         return self.version is not None and self.version.running
 
-    def start(self, digest: str, stream: Callable[[StagedReceive], dict[str, Any]], keep_views: bool) -> None:
+    def start(
+        self, digest: str, stream: Callable[[StagedReceive], dict[str, Any]], keep_views: bool, prepare: Prepare | None = None,
+    ) -> None:
         if self.running:
             raise RuntimeError("a staged receive is still streaming on this worker")
-        self.version = StagedReceive(digest, stream, self.copy, keep_views).start()
+        self.version = StagedReceive(digest, stream, self.copy, keep_views, prepare).start()
 
     def status(self) -> dict[str, Any]:
         if self.version is None:
@@ -235,10 +258,23 @@ class Staging:
         return had
 
     def room(self, nbytes: int, device: torch.device, limit_bytes: int | None) -> tuple[bool, str]:
+        self.limit_bytes = limit_bytes
         return self.copy.room(nbytes, device, limit_bytes)
+
+    def shadow_room(self, nbytes: int, device: torch.device) -> tuple[bool, str]:
+        """Whether a post-processed image of about `nbytes` fits beside the staging copy: within the
+        engine's staging limit (the copy and the image together) and the free memory."""
+        held = self.copy.nbytes
+        if self.limit_bytes is not None and held + nbytes > self.limit_bytes:
+            return False, f"the staging copy ({held} bytes) and a prepared image ({nbytes} bytes) exceed the staging limit of {self.limit_bytes} bytes"
+        free = free_bytes(device)
+        if nbytes > 0.9 * free:
+            return False, f"a prepared image needs {nbytes} bytes on {device} and {free} are free"
+        return True, ""
 
     def describe(self) -> dict[str, Any] | None:
         v = self.version
         if v is None:
             return None
-        return {"digest": v.digest, "running": v.running, "ready": v.ready, "error": v.error}
+        return {"digest": v.digest, "running": v.running, "ready": v.ready, "error": v.error,
+                "shadow_bytes": v.shadow.nbytes if v.shadow is not None else 0}
