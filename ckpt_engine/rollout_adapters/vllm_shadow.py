@@ -209,8 +209,9 @@ class ShadowPreparer:
     """What a worker hands a staged receive (`vllm_staging.Prepare`): builds the post-processed image
     once the stream is checked, or returns None (said once) so that the swap reloads as before.
 
-    `room(nbytes, device)` says whether a shadow of `nbytes` (the whole model's tensors) fits (the
-    worker's `Staging.shadow_room`: counted with the staging copy, within the staging limit)."""
+    `room(nbytes, device)` says whether a shadow of `nbytes` (the model's tensors and the staged
+    bytes, post-processed) fits (the worker's `Staging.shadow_room`: counted with the staging copy,
+    within the staging limit)."""
 
     def __init__(
         self, model: Callable[[], torch.nn.Module], vllm_config: Any, device: torch.device,
@@ -225,10 +226,12 @@ class ShadowPreparer:
             warn_once("quant", "vLLM swap: a quantized model (%s) is not prepared off the step path; the swap reloads it", type(self._config.quant_config).__name__)
             return None
         model = self._model()
-        # The shadow clones every parameter and buffer (touched or not): that is what must fit, beside
-        # the staging copy. On a GPU whose free memory the KV cache took, it does not, and the swap
-        # reloads: the engine's own steps must never meet an allocation the shadow took.
-        fits, why = self._room(sum(t.nbytes for t in (*model.parameters(), *model.buffers())), self._device)
+        # The shadow clones every parameter and buffer (touched or not), and post-processing then makes
+        # kernel-format weights of about the staged bytes (on CPU packed outside the parameters): both
+        # must fit beside the staging copy. On a GPU whose free memory the KV cache took, they do not,
+        # and the swap reloads: the engine's own steps must never meet an allocation the shadow took.
+        tensors = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
+        fits, why = self._room(tensors + int(staged.nbytes), self._device)
         if not fits:
             warn_once("room", "vLLM swap: no room to prepare the staged weights off the step path (%s); the swap reloads them", why)
             return None
