@@ -116,7 +116,7 @@ def test_a_new_session_carries_versions_on_and_refuses_empty_or_older(servers: l
             second.sync(StateDictSource({}))
         with pytest.raises(ValueError, match=rf"version {v - 1} is older than what engines hold .*versions only grow"):
             second.sync(StateDictSource(tiny_model(model_dir, seed=5)), version=v - 1)
-        assert [generate(c) for c in servers] == before and second._engine is None  # nothing joined, paused or moved
+        assert [generate(c) for c in servers] == before and second._group.engine is None  # nothing joined, paused or moved
         assert second.sync(StateDictSource(tiny_model(model_dir, seed=5))).version == v + 1
     finally:
         second.close()
