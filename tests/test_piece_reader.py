@@ -67,3 +67,57 @@ def test_the_reader_keeps_no_yielded_tensor_alive(sched: Schedule) -> None:
     _walk(sched, [(n, torch.randn(s)) for n, s in _SHAPES.items()], known)
     gc.collect()
     assert all(ref() is None for ref, _ptr, _own in known.values())
+
+
+def _entries(sched: Schedule) -> list:
+    return [e for step in sched.steps for e in step.bucket.entries]
+
+
+def test_a_bucket_of_the_same_tensors_is_taken_whole_and_anything_else_walks(sched: Schedule) -> None:
+    """`same_as_last`: the very tensors recorded last time, at the same pointers and shapes, are
+    taken in one pass; on any difference nothing is taken and the usual walk (with its checks)
+    sees every tensor in order."""
+    tensors = {n: torch.randn(s) for n, s in _SHAPES.items()}
+    entries = _entries(sched)
+    seen = PieceReader.remember(list(tensors.values()))
+
+    def reader(weights: dict[str, torch.Tensor]) -> PieceReader:
+        return PieceReader(iter(list(weights.items()) + [("tail", torch.zeros(1))]), sched, 0, torch.device("cpu"), SendStats(), {})
+
+    r = reader(tensors)
+    assert r.same_as_last(entries, seen) and next(r.it)[0] == "tail"  # taken, and nothing more
+    assert not reader(tensors).same_as_last(entries, None) and not reader(tensors).same_as_last([], [])
+
+    def walks_in_order(weights: dict[str, torch.Tensor]) -> None:
+        r = reader(weights)
+        assert not r.same_as_last(entries, seen)
+        assert [r.source(e)[0] for e in entries] == list(weights.values())
+
+    walks_in_order({**tensors, "b.bias": torch.randn(4)})  # another object
+    moved = dict(tensors)
+    moved["c.weight"] = tensors["c.weight"]
+    moved["c.weight"].data = torch.randn(4, 4)  # the same object, its storage replaced
+    walks_in_order(moved)
+    tensors = {n: torch.randn(s) for n, s in _SHAPES.items()}
+    seen = PieceReader.remember(list(tensors.values()))
+    tensors["c.weight"].resize_(2, 8)  # the same object and pointer, another shape: refused by the walk
+    r = reader(tensors)
+    assert not r.same_as_last(entries, seen)
+    with pytest.raises(ValueError, match=r"c.weight: the weight source yielded shape \(2, 8\)"):
+        [r.source(e) for e in entries]
+    renamed = [("x.weight" if n == "a.weight" else n, t) for n, t in tensors.items()]
+    r = PieceReader(iter(renamed), sched, 0, torch.device("cpu"), SendStats(), {})
+    assert not r.same_as_last(entries, PieceReader.remember([t for _n, t in renamed]))
+
+
+def test_the_sender_keeps_the_longest_stretch_of_its_own_whole_tensors() -> None:
+    """A bucket's first and last entries are often pieces of split tensors: the stretch between
+    them, not the bucket, is what the next sync may take in one pass."""
+    from ckpt_engine.pipeline.delta_send import _longest_run
+
+    ts = [torch.zeros(1) for _ in range(7)]
+    owned = [(i, ts[i], (i, 1, i)) for i in (0, 1, 3, 4, 5, 6)]
+    run = _longest_run(owned)
+    assert run is not None and (run.lo, run.hi) == (3, 7) and run.rows == [(i, 1, i) for i in (3, 4, 5, 6)]
+    assert [ref() for ref, _ptr in run.seen] == ts[3:7]
+    assert _longest_run([(2, ts[2], (2, 1, 2))]) is None and _longest_run([]) is None

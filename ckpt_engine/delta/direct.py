@@ -22,6 +22,7 @@ import torch
 from ckpt_engine.delta import accel, host
 from ckpt_engine.delta.layout import (
     PATCH_HEADER_BYTES,
+    Row,
     align8,
     store_delta_sum,
     word_dtype,
@@ -162,7 +163,7 @@ class BucketDiff:
         """Whether pieces go through the Triton kernels (then `add_pieces` takes raw rows)."""
         return self._fused
 
-    def add_pieces(self, rows: list[tuple[int, int, int]], base_words: torch.Tensor, cache: dict[str, Any] | None = None) -> None:
+    def add_pieces(self, rows: list[Row], base_words: torch.Tensor, cache: dict[str, Any] | None = None) -> None:
         """Diff every piece of `rows` ((data pointer, length in words, first bucket word), the
         words of this bucket's word type) against the bucket's whole base image `base_words` in
         one launch (CUDA only: direct_kernels.py). The launch reads the pieces' memory when it
@@ -171,12 +172,15 @@ class BucketDiff:
             raise RuntimeError("add_pieces runs the Triton kernel; on this device add each piece with add()")
         if base_words.numel() != self.num_words or base_words.element_size() != self.word_bytes:
             raise ValueError(f"base image of {base_words.numel()} {base_words.dtype} words for a bucket of {self.num_words} words of {self.word_bytes} bytes")
-        for _ptr, n, first in rows:
-            if not 0 <= first <= self.num_words - n:
-                raise ValueError(f"piece of {n} words at word {first} is outside the bucket's {self.num_words}")
+        if cache is None or cache.get("rows_words") != self.num_words or cache.get("rows") != rows:  # checked when cached
+            for _ptr, n, first in rows:
+                if not 0 <= first <= self.num_words - n:
+                    raise ValueError(f"piece of {n} words at word {first} is outside the bucket's {self.num_words}")
         from ckpt_engine.delta import direct_kernels
 
         direct_kernels.diff_pieces(rows, base_words, self._counter, self._delta_t, self._positions, self._values, cache)
+        if cache is not None:
+            cache["rows_words"] = self.num_words
 
     def _add_host(self, new: np.ndarray, base: np.ndarray, first: int) -> None:
         if accel.numba_on():

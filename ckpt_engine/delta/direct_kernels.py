@@ -26,9 +26,10 @@ import triton
 import triton.language as tl
 
 from ckpt_engine.delta import kernels
+from ckpt_engine.delta.layout import Row
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS
 
-__all__ = ["TABLE_COLUMNS", "Row", "diff_pieces", "tile_table"]
+__all__ = ["TABLE_COLUMNS", "diff_pieces", "tile_table"]
 
 TABLE_COLUMNS = 4  # first tile, first bucket word, length in words, offset from the base image in words
 _ALIGN_BYTES = 16  # one vector load
@@ -52,9 +53,6 @@ def _diff_pieces_kernel(
         length = tl.multiple_of(length, ALIGN)
         rel = tl.multiple_of(rel, ALIGN)
     _diff_rows(base_ptr + rel, base_ptr + first, pid - tile0, length, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS, GROUP, GROUP_BITS)
-
-
-Row = tuple[int, int, int]  # (data pointer, length in words, first bucket word) of one piece
 
 
 def tile_table(pieces: list[tuple[int, ...]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -31,6 +31,7 @@ __all__ = [
     "PATCH_HEADER_BYTES",
     "DecodedPatch",
     "PatchError",
+    "Row",
     "align8",
     "resolve_impl",
     "store_delta_sum",
@@ -42,6 +43,8 @@ __all__ = [
 
 PATCH_HEADER_BYTES = 32
 FORMAT_VERSION = 1
+Row = tuple[int, int, int]
+"""(data pointer, length in words, first bucket word) of one piece a patch is diffed from."""
 MAGIC = 0x50444B43  # b"CKDP" read as a little-endian u32
 HEADER = struct.Struct("<IBBBBqqq")
 KIND_IDS = {"scatter32": 4}

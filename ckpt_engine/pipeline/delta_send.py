@@ -25,13 +25,13 @@ import torch
 from ckpt_engine.copies import batched_copy_, put_int64s_
 from ckpt_engine.delta import codec
 from ckpt_engine.delta.direct import SCATTER_BELOW, BucketDiff, capacity
-from ckpt_engine.delta.layout import PATCH_HEADER_BYTES, header_fields, word_dtype
+from ckpt_engine.delta.layout import PATCH_HEADER_BYTES, Row, header_fields, word_dtype
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.pipeline.fault_hooks import FaultHooks
 from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, Bases, bases_for
 from ckpt_engine.pipeline.options import PipelineOptions
-from ckpt_engine.pipeline.piece_reader import PieceReader
+from ckpt_engine.pipeline.piece_reader import PieceReader, Seen
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
 from ckpt_engine.pipeline.wire_views import entry_view, flat_bytes
@@ -201,8 +201,19 @@ class DeltaSender:
         diff = BucketDiff(region, n, word, self._scatter_below(n, word))
         dtype = word_dtype(word)
         image_words = image.view(dtype)
-        rows: list[tuple[int, int, int]] = []
-        for e in step.bucket.entries:
+        cache = bases.tables.setdefault(key, {})
+        entries = step.bucket.entries
+        run = cache.get("run") if stable and diff.fused else None
+        reused = False
+        rows: list[Row] = []
+        owned: list[tuple[int, torch.Tensor, Row]] = []  # (entry index, tensor, row) of the source's own whole tensors
+        i = 0
+        while i < len(entries):
+            if run is not None and i == run.lo and pieces.same_as_last(entries[run.lo : run.hi], run.seen):
+                rows.extend(run.rows)  # the very tensors of last time, where they were: no walk
+                i, reused = run.hi, True
+                continue
+            e = entries[i]
             src, own = pieces.source(e)
             kept = stable and own  # a converted shard is a temporary, freed at the next tensor
             if e.is_whole and not own:
@@ -212,11 +223,16 @@ class DeltaSender:
             first = e.bucket_offset // word
             if kept and diff.fused:  # no views: the table needs only where the words are
                 rows.append((src.data_ptr(), e.chunk_size // word, first))
+                if own and e.is_whole:
+                    owned.append((i, src, rows[-1]))
             else:
                 new = (flat_bytes(src) if e.is_whole else src).view(dtype)
                 diff.add(new, image_words[first : first + new.numel()], first)
+            i += 1
+        if not reused:
+            cache["run"] = _longest_run(owned) if stable and diff.fused else None
         if rows:
-            diff.add_pieces(rows, image_words, bases.tables.setdefault(key, {}))
+            diff.add_pieces(rows, image_words, cache)
         return diff, diff.seal()
 
     def _finish_diff(self, bases: Bases, step: Step, diff: BucketDiff, event: Any, host: dict[str, float] | None = None) -> Frame:
@@ -272,6 +288,34 @@ class DeltaSender:
         if kind == PATCH and payload is not None and payload.numel() >= PATCH_HEADER_BYTES:
             header[0, 3:].copy_(payload[:PATCH_HEADER_BYTES].view(torch.int64))
         return header
+
+
+class _Run(NamedTuple):
+    """The longest stretch of a bucket's entries that were the source's own whole tensors at the
+    last sync: entries[lo:hi], the tensors as `PieceReader.remember` keeps them, and their rows of
+    the one-launch diff. A 30B MoE bucket is hundreds of expert tensors, and walking them one by
+    one cost more host time than the bucket's diff kernel; a bucket's first and last entries are
+    often pieces of tensors split over two buckets, so the stretch, not the bucket, is kept."""
+
+    lo: int
+    hi: int
+    seen: Seen
+    rows: list[Row]
+
+
+def _longest_run(owned: list[tuple[int, torch.Tensor, Row]]) -> _Run | None:
+    """The longest stretch of consecutive entry indices in `owned` (None under two entries)."""
+    best: tuple[int, int] = (0, 0)
+    lo = 0
+    for k in range(1, len(owned) + 1):
+        if k == len(owned) or owned[k][0] != owned[k - 1][0] + 1:
+            if k - lo > best[1] - best[0]:
+                best = (lo, k)
+            lo = k
+    a, b = best
+    if b - a < 2:
+        return None
+    return _Run(owned[a][0], owned[b - 1][0] + 1, PieceReader.remember([t for _i, t, _r in owned[a:b]]), [r for _i, _t, r in owned[a:b]])
 
 
 def _margins(below: float) -> tuple[float, float]:

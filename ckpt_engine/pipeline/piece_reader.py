@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from itertools import chain, islice
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ __all__ = ["PieceReader"]
 
 
 Known = dict[str, tuple["weakref.ref[torch.Tensor]", int, bool]]
+Seen = list[tuple["weakref.ref[torch.Tensor]", int]]
 """Per whole entry, the tensor a source yielded for it at the last sync (weakly: a source of
 temporaries must not be kept alive), its data pointer and whether it was in the wire layout (kept
 by the engine per plan, for sources whose tensors stay valid)."""
@@ -71,6 +73,34 @@ class PieceReader:
         # Never a conversion temporary: on CUDA the allocator could hand its memory to the next
         # allocation while the collective still reads it.
         return self.flat[lo : lo + e.chunk_size], self.flat_is_source
+
+    def same_as_last(self, entries: Sequence[TensorMeta], seen: Seen | None) -> bool:
+        """Whether the source now yields, for these whole entries, the very tensors `seen` recorded
+        (`remember`) at the same pointers and shapes: then they are taken from the source and the
+        caller reuses what it derived from them last time. Otherwise nothing is taken and each
+        entry goes through `source` as usual. One pass with no per-entry bookkeeping: a 30B MoE
+        bucket holds hundreds of expert tensors, and the per-entry walk cost more host time than
+        the bucket's diff kernel."""
+        if seen is None or not entries or len(seen) != len(entries):
+            return False
+        t0 = time.perf_counter()
+        items = list(islice(self.it, len(entries)))
+        same = len(items) == len(entries) and all(
+            t is ref() and name == e.name and t.data_ptr() == ptr and t.shape == e.shape
+            for (name, t), e, (ref, ptr) in zip(items, entries, seen)
+        )
+        if not same:
+            self.it = chain(items, self.it)
+            return False
+        self.current, self.flat, self.base = items[-1][1], None, 0
+        self.stats.export_s += time.perf_counter() - t0
+        return True
+
+    @staticmethod
+    def remember(tensors: Sequence[torch.Tensor]) -> Seen:
+        """What `same_as_last` compares against: each tensor weakly (a source of temporaries must
+        not be kept alive) with its data pointer."""
+        return [(weakref.ref(t), t.data_ptr()) for t in tensors]
 
     def _whole(self, e: TensorMeta, known: Known) -> tuple[torch.Tensor, bool]:
         t0 = time.perf_counter()
