@@ -32,13 +32,14 @@ from __future__ import annotations
 import base64
 import logging
 import time
+from collections import deque
 from collections.abc import Hashable
 from typing import Any, ClassVar
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
-from ckpt_engine.rollout_adapters.vllm_clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient
+from ckpt_engine.rollout_adapters.vllm_clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient, SwapControl
 from ckpt_engine.rollout_adapters.vllm_transfer_engine import NEED_MANIFEST, NO_ROOM, REJECTED, STAGE_FAILED, STAGE_RUNNING
 from ckpt_engine.transports.base import Rendezvous
 
@@ -50,9 +51,10 @@ _NOT_CONFIGURED = "Weight transfer not configured"
 """What vLLM answers when the engine was started without a weight-transfer config."""
 _POLL_S = (0.005, 0.05)
 """Shortest and longest wait between two status polls of a staged receive."""
-_FIRST_POLL = 0.8
-"""The first poll waits this share of the last staged receive's time: each "not yet" answer is an
-error in vLLM's logs (its calls return nothing from the workers), so steady syncs ask once or twice."""
+_FIRST_POLL = 0.5
+"""The first poll waits this share of the quickest of the last few staged receives: each "not yet"
+answer is an error in vLLM's logs (its calls return nothing from the workers), so steady syncs ask a
+few times, and a slow outlier (the first, cold one) costs the next syncs at most half of it, halving."""
 _PAUSE_MODES = ("keep", "abort", "recompute")
 
 
@@ -87,7 +89,7 @@ class VllmNativeRollout(RolloutAdapter):
         self._paused = False
         self._recompute = False  # pause_mode recompute: running requests re-prefill after the load
         self.last_finalize: dict[str, Any] = {}
-        self._staged_s = 0.0  # how long the last staged receive took (when its status first said done)
+        self._staged_s: deque[float] = deque(maxlen=3)  # how long the last staged receives took (to the first "done")
 
     def engine_key(self) -> Hashable:
         """The engine behind the client: its URL, or the `LLM` object (else this handle)."""
@@ -211,11 +213,11 @@ class VllmNativeRollout(RolloutAdapter):
         t0 = time.monotonic()
         deadline = t0 + self.timeout_s * 2
         wait = _POLL_S[0]
-        time.sleep(min(_FIRST_POLL * self._staged_s, self.timeout_s))
+        time.sleep(min(_FIRST_POLL * min(self._staged_s, default=0.0), self.timeout_s))
         while True:
             try:
                 self._phase({"phase": "status", "digest": digest})
-                self._staged_s = time.monotonic() - t0
+                self._staged_s.append(time.monotonic() - t0)
                 return  # every worker: whole and checked (the update stays open for the swap)
             except Exception as exc:
                 text = str(exc)
@@ -255,15 +257,16 @@ class VllmNativeRollout(RolloutAdapter):
         if self.control is None:
             raise RuntimeError(f"engine {self.name!r}: a staged swap needs a client with EngineControl (pause, resume, cache reset)")
         digest = self._worker_digest if self._worker_digest is not None else ""
+        quick = self.client if isinstance(self.client, SwapControl) else None
         t0 = time.perf_counter()
-        self.control.pause(mode)
+        (quick.pause_for_swap if quick is not None else self.control.pause)(mode)
         t_paused = time.perf_counter()
         self._phase({"phase": "swap", "digest": digest, "version": str(version)})
         t_loaded = time.perf_counter()
         self._finish(str(version))  # vLLM stamps the version; the workers load nothing more
         self.control.reset_prefix_cache(running=mode == "recompute")
         t1 = time.perf_counter()
-        self.control.resume()
+        (quick.resume_after_swap if quick is not None else self.control.resume)()
         stall = time.perf_counter() - t0
         self.last_finalize = {"swap_pause_s": t_paused - t0, "swap_load_s": t_loaded - t_paused, "swap_rpc_s": t1 - t_paused, "stall_s": stall}
         return stall
