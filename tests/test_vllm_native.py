@@ -181,12 +181,13 @@ def test_llm_native_backend_shares_the_session_core(native_llm: object, model_di
         seeded = first.send_weights()
         held = int(client.weight_version())
         assert seeded is not None and seeded.delta == "seed" and seeded.version == held
+        assert seeded.staged == "full"  # stage auto (the default): the engine generated while it streamed
         stepped = trainer_model(model_dir, seed=50)
         with torch.no_grad():
             stepped.model.norm.weight.add_(0.5)  # one tensor changes
         source.use(stepped)
         patched = first.send_weights()
-        assert patched is not None and patched.delta == "patch" and patched.version == held + 1
+        assert patched is not None and patched.delta == "patch" and patched.version == held + 1 and patched.staged == "patches"
         assert 0 < patched.wire_bytes < patched.dense_bytes
         assert llm_greedy(native_llm)[0] == [hf_greedy(stepped, p) for p in PROMPTS]
     finally:
