@@ -7,7 +7,7 @@ receive (phase `receive` with `stage`), polls phase `status` and swaps through p
 two engine steps. A paced trainer source makes each stream last about a second, long enough to see
 whole requests served while it is in flight. After each swap, fresh greedy requests equal HF holding
 that version exactly; a corrupt patch leaves the old version serving bit for bit, not stale, with
-nothing staged; the next sync heals.
+nothing staged; the next sync heals. Without room for a dense staging copy, `auto` pauses as today.
 """
 
 from __future__ import annotations
@@ -182,6 +182,27 @@ def test_native_backend_stages_while_the_engine_generates(server: tuple[str, Pat
             sync(session)  # a dense sync through the workers' staging copy
         finally:
             session.close()
+
+        # No room for a dense staging copy (a 1 KiB staging limit): `full` is refused before anything
+        # pauses or moves; `auto` pauses as today (the "no room" answer closed vLLM's update, so the
+        # receive validates again) and lands exactly.
+        tight = Recorder(client, name="vllm-native", timeout_s=60.0, staging_limit_bytes=1024)
+        for mode in ("full", "auto"):
+            session = WeightSyncSession([tight], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, stage=mode))
+            try:
+                step(trainer, g)
+                if mode == "full":
+                    with pytest.raises(ValueError, match="no room for a dense staging copy"):
+                        session.sync(source_of(trainer))
+                    assert client.weight_version() == order[-1]
+                else:
+                    report = session.sync(source_of(trainer))
+                    assert report.staged == "off" and not tight.stalls
+                    ref.record(str(report.version), trainer.state_dict())
+                    order.append(str(report.version))
+                    assert_serves(url, client, str(report.version), ref)
+            finally:
+                session.close()
         time.sleep(0.5)
     finally:
         outputs = stream.stop()
