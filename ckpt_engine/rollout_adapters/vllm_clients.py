@@ -17,7 +17,7 @@ from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 if TYPE_CHECKING:
     import vllm
 
-__all__ = ["EngineControl", "HTTPWeightSyncClient", "LLMWeightSyncClient", "PAUSE_MODES"]
+__all__ = ["EngineControl", "HTTPWeightSyncClient", "LLMWeightSyncClient", "PAUSE_MODES", "SwapControl"]
 
 # ckpt-engine pause modes -> vLLM's (`keep` freezes requests in place, `abort` drops them;
 # `recompute` freezes them, and `reset_prefix_cache(running=True)` after the load preempts them:
@@ -38,6 +38,16 @@ class EngineControl(Protocol):
         ...
 
     def weight_version(self) -> str: ...
+
+
+@runtime_checkable
+class SwapControl(Protocol):
+    """Optional beside `EngineControl`: the pause and resume around a staged swap, by the quickest
+    route the client has (the scheduler pause alone; the swap needs nothing else paused)."""
+
+    def pause_for_swap(self, mode: str) -> None: ...
+
+    def resume_after_swap(self) -> None: ...
 
 
 def _vllm_pause_mode(mode: str) -> str:
@@ -72,6 +82,17 @@ class HTTPWeightSyncClient(HTTPVLLMWeightSyncClient):
 
     def resume(self) -> None:
         self._request("POST", "resume")
+
+    def pause_for_swap(self, mode: str) -> None:
+        """`/sleep?level=0` is `/pause`'s scheduler pause (same engine-core call and modes) without
+        the 20 ms `asyncio.sleep` `/pause` adds so earlier outputs reach their callers first; tokens
+        are labelled in the engine core when their step ends, so a swap needs no such wait."""
+        self._request("POST", "sleep", params={"level": "0", "mode": _vllm_pause_mode(mode)})
+
+    def resume_after_swap(self) -> None:
+        reply = self._request("POST", "wake_up", params={"tags": "scheduling"})
+        if isinstance(reply, dict) and reply.get("status") != "awake":
+            raise RuntimeError(f"vLLM at {self.base_url}: /wake_up?tags=scheduling after the swap left it {reply.get('status')!r}")
 
     def reset_prefix_cache(self, running: bool = False) -> None:
         self._request("POST", "reset_prefix_cache", params={"reset_running_requests": "true"} if running else None)
@@ -128,6 +149,12 @@ class LLMWeightSyncClient:
 
     def resume(self) -> None:
         self._utility("resume_scheduler")
+
+    def pause_for_swap(self, mode: str) -> None:
+        self.pause(mode)  # already the engine-core call alone
+
+    def resume_after_swap(self) -> None:
+        self.resume()
 
     def reset_prefix_cache(self, running: bool = False) -> None:
         self.llm.reset_prefix_cache(running)

@@ -11,6 +11,20 @@ One sync, as vLLM's calls see it:
   validate  start_weight_update + update_weights({"phase": "validate", ...})
   receive   update_weights({"phase": "receive", "digest", "version", "delta"})  (blocks while streaming)
   finalize  finish_weight_update(version) + reset_prefix_cache
+
+Staged (issue 28, `checkpoint_engine.stage`; needs `EngineControl`), the engine keeps generating
+while the version streams in, and pauses only for the swap:
+  validate  as above
+  receive   update_weights({"phase": "receive", ..., "stage"})  starts a background receive on each
+            worker and returns at once; then update_weights({"phase": "status"}) polled (each a short
+            call between two engine steps) until every worker holds the whole version, checked
+  swap      pause + update_weights({"phase": "swap", "version"}) (the staged version in, vLLM's
+            post-load step) + finish_weight_update(version) + reset_prefix_cache + resume
+  discard   update_weights({"phase": "discard"}) + finish_weight_update(): nothing staged, the old
+            weights serve on, unpaused and not stale
+vLLM returns nothing from its workers, so "not yet", "failed" and "no room" come back as errors
+(`vllm_transfer_engine.py`); vLLM closes its weight update after one, so this handle tracks whether
+an update is open and opens the next (re-validating by digest where a receive needs it).
 """
 
 from __future__ import annotations
@@ -18,14 +32,15 @@ from __future__ import annotations
 import base64
 import logging
 import time
+from collections import deque
 from collections.abc import Hashable
 from typing import Any, ClassVar
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
-from ckpt_engine.rollout_adapters.vllm_clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient
-from ckpt_engine.rollout_adapters.vllm_transfer_engine import NEED_MANIFEST, REJECTED
+from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
+from ckpt_engine.rollout_adapters.vllm_clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient, SwapControl
+from ckpt_engine.rollout_adapters.vllm_transfer_engine import NEED_MANIFEST, NO_ROOM, REJECTED, STAGE_FAILED, STAGE_RUNNING
 from ckpt_engine.transports.base import Rendezvous
 
 __all__ = ["VllmNativeRollout"]
@@ -34,6 +49,13 @@ logger = logging.getLogger(__name__)
 
 _NOT_CONFIGURED = "Weight transfer not configured"
 """What vLLM answers when the engine was started without a weight-transfer config."""
+_POLL_S = (0.005, 0.05)
+"""Shortest and longest wait between two status polls of a staged receive."""
+_FIRST_POLL = 0.5
+"""The first poll waits this share of the quickest of the last few staged receives: each "not yet"
+answer is an error in vLLM's logs (its calls return nothing from the workers), so steady syncs ask a
+few times, and a slow outlier (the first, cold one) costs the next syncs at most half of it, halving."""
+_PAUSE_MODES = ("keep", "abort", "recompute")
 
 
 class VllmNativeRollout(RolloutAdapter):
@@ -43,18 +65,31 @@ class VllmNativeRollout(RolloutAdapter):
     engine cannot report its version (a session then counts from its own)."""
 
     supports_delta = True  # the workers keep base copies (VllmReceiverCore), as the worker extension does
-    stages: ClassVar[bool] = False
-    """No staged syncs here: vLLM's weight-transfer calls return nothing from the workers, so a
-    background receive cannot be polled (the worker extension's adapters stage)."""
+    stages: ClassVar[bool] = True
+    """Staged syncs through the phases above (the workers' `vllm_staging.py`); a handle whose client
+    offers no `EngineControl` does not stage (it cannot pause for the swap nor reset the cache)."""
 
-    def __init__(self, client: Any, *, name: str = "vllm", num_workers: int = 1) -> None:
+    def __init__(
+        self, client: Any, *, name: str = "vllm", num_workers: int = 1, timeout_s: float = 300.0,
+        staging_limit_bytes: int | None = None,
+    ) -> None:
+        if staging_limit_bytes is not None and (isinstance(staging_limit_bytes, bool) or not isinstance(staging_limit_bytes, int) or staging_limit_bytes < 0):
+            raise ValueError(f"engine {name!r}: staging_limit_bytes must be a non-negative int or None, got {staging_limit_bytes!r}")
         self.client = client
         self.name = name
         self.world_size = num_workers
+        self.timeout_s = timeout_s
+        self.staging_limit_bytes = staging_limit_bytes
         self.control: EngineControl | None = client if isinstance(client, EngineControl) else None
+        if self.control is None:
+            self.stages = False  # type: ignore[misc]  # this handle cannot swap between steps
         self._worker_digest: str | None = None
+        self._encoded: bytes | None = None  # the manifest last validated (a re-validation may need it)
+        self._open = False  # a vLLM weight update is open (vLLM closes it when update_weights raises)
         self._paused = False
         self._recompute = False  # pause_mode recompute: running requests re-prefill after the load
+        self.last_finalize: dict[str, Any] = {}
+        self._staged_s: deque[float] = deque(maxlen=3)  # how long the last staged receives took (to the first "done")
 
     def engine_key(self) -> Hashable:
         """The engine behind the client: its URL, or the `LLM` object (else this handle)."""
@@ -96,11 +131,13 @@ class VllmNativeRollout(RolloutAdapter):
         the workers may not hold it yet (first sync, new plan, or a worker that asks for it)."""
         full = base64.b64encode(encoded).decode("ascii")
         send = None if self._worker_digest == manifest.digest else full
+        self._encoded = encoded
         for attempt in range(2):
-            self.client.start_weight_update()
+            self._start()
             try:
                 self.client.update_weights({"phase": "validate", "digest": manifest.digest, "manifest": send})
             except Exception as exc:  # vLLM closes the update when update_weights raises
+                self._open = False
                 text = str(exc)
                 if attempt == 0 and send is None and NEED_MANIFEST in text:
                     send = full
@@ -119,18 +156,130 @@ class VllmNativeRollout(RolloutAdapter):
         self._paused = True
         self._recompute = mode == "recompute"
 
-    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None) -> ReceiveReport:
+    # --- vLLM's weight update: open at most one, know when vLLM closed it ---------------------------
+    def _start(self) -> None:
+        """Open a vLLM weight update (closing one left open, e.g. validated for a sync that another
+        engine refused: nothing was loaded in it, so finishing it loads nothing)."""
+        if self._open:
+            self._finish()
+        self.client.start_weight_update()
+        self._open = True
+
+    def _phase(self, update: dict[str, Any]) -> None:
+        """One `update_weights` call in an open update (opened here if vLLM closed the last one)."""
+        if not self._open:
+            self._start()
+        try:
+            self.client.update_weights(update)
+        except BaseException:
+            self._open = False  # vLLM ends its weight update when update_weights raises
+            raise
+
+    def _finish(self, version: str | None = None) -> None:
+        self._open = False
+        self.client.finish_weight_update(version)
+
+    def _revalidate(self, manifest: BucketManifest) -> None:
+        """A receive must follow a validate in the same vLLM update: if vLLM closed that update (an
+        answer such as "no room" was an error), validate again (by digest: the workers hold it)."""
+        if not self._open:
+            if self._encoded is None:
+                raise RuntimeError(f"engine {self.name!r}: receive before validate; call validate() first")
+            self.validate(manifest, self._encoded)
+
+    # --- receive ------------------------------------------------------------------------------------
+    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None, *, stage: str | None = None) -> ReceiveReport:
+        """Receive and load `manifest` (the engine paused; blocks while it streams), or with `stage`
+        receive it into the workers' staging on their background threads while the engine keeps
+        generating, polling until every worker holds it whole and checked (then `swap`)."""
+        if stage is not None and (not self.stages or stage not in STAGES):
+            raise ValueError(f"engine {self.name!r}: stage must be one of {', '.join(STAGES)} or None (and the handle able to stage), got {stage!r}")
         t0 = time.perf_counter()
+        self._revalidate(manifest)
         update: dict[str, Any] = {"phase": "receive", "digest": manifest.digest}
         if delta is not None:
             update["delta"] = delta.to_dict()
-        self.client.update_weights(update)
+        if stage is None:
+            self._phase(update)
+        else:
+            self._phase({**update, "stage": stage})
+            self._wait_staged(manifest.digest)
         seconds = time.perf_counter() - t0
         return ReceiveReport(manifest.num_tensors, manifest.total_bytes, seconds, seconds, manifest.num_tensors)
 
+    def _wait_staged(self, digest: str) -> None:
+        """Poll the workers' status phase until the staged receive ended (bounded by 2 x timeout_s);
+        a failed one is discarded and raised, naming the engine."""
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s * 2
+        wait = _POLL_S[0]
+        time.sleep(min(_FIRST_POLL * min(self._staged_s, default=0.0), self.timeout_s))
+        while True:
+            try:
+                self._phase({"phase": "status", "digest": digest})
+                self._staged_s.append(time.monotonic() - t0)
+                return  # every worker: whole and checked (the update stays open for the swap)
+            except Exception as exc:
+                text = str(exc)
+                if STAGE_RUNNING not in text:
+                    failed = _after(text, STAGE_FAILED) if STAGE_FAILED in text else f"{type(exc).__name__}: {text[:500]}"
+                    self.discard()
+                    raise RuntimeError(f"engine {self.name!r}: staged receive failed ({failed}); it keeps serving its old weights") from exc
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine {self.name!r}: staged receive still running after {self.timeout_s * 2:.0f}s")
+            time.sleep(wait)
+            wait = min(wait * 2, _POLL_S[1])
+
+    # --- staged: room, swap, discard ----------------------------------------------------------------
+    def staging_room(self, nbytes: int) -> bool:
+        """Whether every worker can hold a dense staging copy of `nbytes` (within
+        `staging_limit_bytes`); a "no" closes vLLM's update (the receive then validates again)."""
+        if not self.stages:
+            return False
+        try:
+            self._phase({"phase": "room", "nbytes": int(nbytes), "limit_bytes": self.staging_limit_bytes})
+        except Exception as exc:
+            if NO_ROOM not in str(exc):
+                raise
+            logger.info("engine %s: no room for a staging copy (%s)", self.name, _after(str(exc), NO_ROOM))
+            return False
+        return True
+
+    def swap(self, version: int, pause_mode: str) -> float:
+        """Between two engine steps: pause (`none` pauses as `keep`: vLLM labels a step's tokens
+        with the version stamped by a second engine-core call, docs/staged-syncs.md), the swap phase
+        (staged version in, post-load step) and the stamp (finish_weight_update), the prefix-cache
+        reset, resume. Returns the seconds the engine produced nothing. A swap that fails leaves the
+        engine paused (its weights may be a mix: stale)."""
+        mode = pause_mode if pause_mode != "none" else "keep"
+        if mode not in _PAUSE_MODES:
+            raise ValueError(f"engine {self.name!r}: pause_mode must be one of {', '.join(_PAUSE_MODES)} or none, got {pause_mode!r}")
+        if self.control is None:
+            raise RuntimeError(f"engine {self.name!r}: a staged swap needs a client with EngineControl (pause, resume, cache reset)")
+        digest = self._worker_digest if self._worker_digest is not None else ""
+        quick = self.client if isinstance(self.client, SwapControl) else None
+        t0 = time.perf_counter()
+        (quick.pause_for_swap if quick is not None else self.control.pause)(mode)
+        t_paused = time.perf_counter()
+        self._phase({"phase": "swap", "digest": digest, "version": str(version)})
+        t_loaded = time.perf_counter()
+        self._finish(str(version))  # vLLM stamps the version; the workers load nothing more
+        self.control.reset_prefix_cache(running=mode == "recompute")
+        t1 = time.perf_counter()
+        (quick.resume_after_swap if quick is not None else self.control.resume)()
+        stall = time.perf_counter() - t0
+        self.last_finalize = {"swap_pause_s": t_paused - t0, "swap_load_s": t_loaded - t_paused, "swap_rpc_s": t1 - t_paused, "stall_s": stall}
+        return stall
+
+    def discard(self) -> None:
+        """Drop a staged version on every worker and close vLLM's update; the live weights, the
+        version and the engine's steps are untouched (a no-op with nothing staged)."""
+        self._phase({"phase": "discard"})
+        self._finish()
+
     def finalize(self, version: int) -> None:
         """Layerwise post-processing and the version (vLLM stamps it), then the prefix cache."""
-        self.client.finish_weight_update(str(version))
+        self._finish(str(version))
         if self.control is not None:
             self.control.reset_prefix_cache(running=self._recompute)
 
@@ -145,7 +294,17 @@ class VllmNativeRollout(RolloutAdapter):
 
     def leave(self) -> None:
         self._worker_digest = None
+        if self._open:  # vLLM refuses to shut the transfer engine down inside an update
+            self._finish()
         self.client.shutdown_weight_transfer_engine()
+
+
+def _after(text: str, marker: str) -> str:
+    """What a worker said after `marker`, out of an error that crossed vLLM's RPC (and maybe HTTP)."""
+    tail = text[text.index(marker) + len(marker) :]
+    for end in ("\n", "\\n"):
+        tail = tail.split(end, 1)[0]
+    return tail.strip().rstrip("'\"})]").strip()[:500]
 
 
 def _problems(text: str) -> list[str]:

@@ -14,7 +14,7 @@ controller registers each version by name there, `vllm_lora_names.py`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient
 from ckpt_engine.rollout_adapters.vllm_lora_names import ServerLoraNames
@@ -32,6 +32,8 @@ class VllmNativeLoraRollout(VllmNativeRollout):
     """One LoRA-enabled vLLM engine through vLLM's weight-transfer API, for adapter syncs."""
 
     weights = "adapters"
+    stages: ClassVar[bool] = False
+    """An adapter sync already lands beside the serving version (phase `install` makes it newest)."""
 
     def __init__(self, client: Any, *, name: str = "vllm", num_workers: int = 1, max_adapter_versions: int = 2) -> None:
         if isinstance(max_adapter_versions, bool) or not isinstance(max_adapter_versions, int) or max_adapter_versions < 1:
@@ -60,8 +62,8 @@ class VllmNativeLoraRollout(VllmNativeRollout):
     def finalize(self, version: int) -> None:
         """Every worker installs the staged adapter as `version`; then the update closes and (behind
         the OpenAI server) the version is registered by name. New requests get it from then on."""
-        self.client.update_weights({"phase": "install", "digest": self._worker_digest, "version": str(version)})
-        self.client.finish_weight_update(str(version))
+        self._phase({"phase": "install", "digest": self._worker_digest, "version": str(version)})
+        self._finish(str(version))
         if self.names is not None:
             self.names.register(version)
         self.version = version

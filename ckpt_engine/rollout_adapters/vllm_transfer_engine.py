@@ -14,6 +14,18 @@ One weight update, as the trainer side drives it (`rollout_adapters/vllm_native.
       the buckets (or patches against the workers' base copies) through the weight-sync group;
       loads them through layerwise reload
   finish_weight_update                                          layerwise post-processing
+A staged update (issue 28; `vllm_native.py` drives it) keeps the engine stepping while it streams:
+  update_weights({"phase": "receive", ..., "stage": "patches"|"full"})  starts the receive on a
+      background thread of each worker (`VllmReceiverCore.stage`, `vllm_staging.py`); returns at once
+  update_weights({"phase": "status", "digest"})  returns only once the staged version is whole and
+      checked; raises `STAGE_RUNNING` while it streams, `STAGE_FAILED` + why when it failed
+  update_weights({"phase": "swap", "digest", "version"})  between two steps: the staged version into
+      the live weights plus vLLM's post-load step; finish_weight_update then loads nothing
+  update_weights({"phase": "discard"})  drops what was staged; the live weights are untouched
+  update_weights({"phase": "room", "nbytes", "limit_bytes"})  raises `NO_ROOM` + why unless a
+      dense staging copy of `nbytes` fits
+vLLM's calls return nothing from the workers, so an answer other than "yes" is an error: vLLM closes
+its weight update after one, and the trainer side opens the next (`start_weight_update`).
 With `weights: "adapters"` in the init info the workers take LoRA adapter versions instead
 (`vllm_lora_worker.py`): validate and receive stage the adapter, phase `install` (version) makes it
 the newest version, and finish_weight_update loads nothing (vLLM then drops every loaded LoRA model;
@@ -37,7 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import Rendezvous
-from ckpt_engine.rollout_adapters.base import JoinOptions
+from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions
 from ckpt_engine.rollout_adapters.vllm_receiver import VllmReceiverCore
 
 if TYPE_CHECKING:
@@ -46,15 +58,26 @@ if TYPE_CHECKING:
     from ckpt_engine.rollout_adapters.vllm_lora_worker import VllmLoraCore
     from vllm.config.weight_transfer import WeightTransferConfig
 
-__all__ = ["CkptEngineInitInfo", "CkptEngineUpdateInfo", "CkptEngineWeightTransferEngine", "NEED_MANIFEST", "REJECTED"]
+__all__ = [
+    "CkptEngineInitInfo", "CkptEngineUpdateInfo", "CkptEngineWeightTransferEngine", "NEED_MANIFEST", "NO_ROOM", "REJECTED",
+    "STAGE_FAILED", "STAGE_RUNNING",
+]
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("validate", "receive", "install")
+PHASES = ("validate", "receive", "install", "status", "swap", "discard", "room")
+_NO_DIGEST = ("discard", "room")
+"""Phases that name no manifest."""
 NEED_MANIFEST = "need_manifest"
 """Appears in the validate error when the worker has no manifest under the announced digest."""
 REJECTED = "ckpt_engine rejected the manifest: "
 """Starts the validate error that lists the manifest's problems ("; "-separated)."""
+STAGE_RUNNING = "ckpt_engine: staged receive still streaming"
+"""The status phase's answer while a staged receive streams (not a failure: poll again)."""
+STAGE_FAILED = "ckpt_engine: staged receive failed: "
+"""Starts the status phase's answer when the staged receive failed (the why follows)."""
+NO_ROOM = "ckpt_engine: no room for a staging copy: "
+"""Starts the room phase's answer when a dense staging copy does not fit (the why follows)."""
 
 
 @dataclass
@@ -83,22 +106,39 @@ class CkptEngineInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
-    """One step of a weight update: `validate` a manifest, or `receive` the one validated."""
+    """One step of a weight update: `validate` a manifest, `receive` the one validated (or stage it),
+    and the staged phases `status`, `swap`, `discard`, `room` (module docstring)."""
 
     phase: str
-    digest: str
+    digest: str = ""
+    """The manifest's digest; every phase but discard and room names one."""
     manifest: str | None = None
     """Validate only: base64 of the msgpack manifest; None when the worker already holds `digest`."""
     version: str | None = None
-    """Receive only: the version the trainer stamps on this update (reported by the worker)."""
+    """Receive and swap: the version the trainer stamps on this update (reported by the worker)."""
     delta: dict[str, Any] | None = None
     """Receive only: the controller's delta request (`DeltaRequest.to_dict()`); None: dense."""
+    stage: str | None = None
+    """Receive only: `patches` or `full` stages the receive (returns at once); None: load it now."""
+    nbytes: int | None = None
+    """Room only: the bytes of the dense staging copy asked for."""
+    limit_bytes: int | None = None
+    """Room only: the engine's staging limit (None: free memory only)."""
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
             raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
-        if not isinstance(self.digest, str) or not self.digest:
+        if not isinstance(self.digest, str) or (not self.digest and self.phase not in _NO_DIGEST):
             raise ValueError(f"digest must be a non-empty string, got {self.digest!r}")
+        if self.stage is not None and (self.phase != "receive" or self.stage not in STAGES):
+            raise ValueError(f"stage must be one of {', '.join(STAGES)}, sent only with phase 'receive'; got {self.stage!r}")
+        if self.phase == "swap" and (self.version is None or not self.version.isdigit()):
+            raise ValueError(f"phase 'swap' needs the version it stamps as a decimal string, got {self.version!r}")
+        for key, value in (("nbytes", self.nbytes), ("limit_bytes", self.limit_bytes)):
+            if value is not None and (self.phase != "room" or isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{key} must be a non-negative int, sent only with phase 'room'; got {value!r}")
+        if self.phase == "room" and self.nbytes is None:
+            raise ValueError("phase 'room' needs nbytes")
         if self.manifest is not None and (self.phase != "validate" or not isinstance(self.manifest, str)):
             raise ValueError("manifest must be a base64 string, sent only with phase 'validate'")
         if self.version is not None and not isinstance(self.version, str):
@@ -133,6 +173,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         self.core = VllmReceiverCore(lambda: self.model, vllm_config, device)
         self._validated: str | None = None
         self._version: str | None = None
+        self._loaded = False  # this update loaded weights (phase receive unstaged): finish post-processes
         self.lora: VllmLoraCore | None = None
         """Adapter syncs (init info `weights: adapters`): the LoRA versions this worker holds."""
 
@@ -159,7 +200,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
 
     def start_weight_update(self) -> None:
         """Open an update; the model is untouched until a validated manifest is received."""
-        self._validated, self._version = None, None
+        self._validated, self._version, self._loaded = None, None, False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # No device-wide synchronize (the base class does one): the receiver orders its own copies,
@@ -168,6 +209,8 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
 
     def receive_weights(self, update_info: CkptEngineUpdateInfo) -> None:
         if self.lora is not None:
+            if update_info.phase not in ("validate", "receive", "install") or update_info.stage is not None:
+                raise RuntimeError(f"ckpt_engine: adapter syncs are not staged (phase {update_info.phase!r}, stage {update_info.stage!r})")
             self._receive_adapter(update_info)
             return
         if update_info.phase == "install":
@@ -180,13 +223,47 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
                 raise ValueError(REJECTED + "; ".join(verdict["problems"]))
             self._validated = update_info.digest
             return
+        if update_info.phase != "receive":
+            self._staged_phase(update_info)
+            return
         if self._validated != update_info.digest:
             raise RuntimeError(
                 f"ckpt_engine: manifest {update_info.digest[:12]} was not validated in this weight update; "
                 "call update_weights with phase 'validate' first"
             )
+        if update_info.stage is not None:  # the engine keeps stepping while the thread streams
+            self.core.stage(update_info.digest, delta=update_info.delta)
+            return
+        self._loaded = True  # layerwise reload is open from here: finish post-processes
         self.core.receive(update_info.digest, delta=update_info.delta)
         self._version = update_info.version
+
+    def _staged_phase(self, update_info: CkptEngineUpdateInfo) -> None:
+        """status, swap, discard or room: each a short call between two engine steps. vLLM returns
+        nothing from a worker, so every answer but "yes" is an error (see the module docstring)."""
+        if update_info.phase == "status":
+            status = self.core.stage_status()
+            if not status["done"]:
+                raise RuntimeError(STAGE_RUNNING)
+            if status["error"] is not None:
+                raise RuntimeError(STAGE_FAILED + str(status["error"]))
+            staged = self.core.staging.describe()
+            if staged is None or staged["digest"] != update_info.digest:
+                held = "nothing" if staged is None else f"manifest {staged['digest'][:12]}"
+                raise RuntimeError(f"{STAGE_FAILED}manifest {update_info.digest[:12]} is not what this worker staged ({held})")
+        elif update_info.phase == "swap":
+            staged = self.core.staging.describe()
+            if staged is not None and staged["digest"] != update_info.digest:
+                raise RuntimeError(f"ckpt_engine: swap of manifest {update_info.digest[:12]} refused: this worker staged {staged['digest'][:12]}")
+            self.core.swap(update_info.version)
+            self._version = update_info.version
+        elif update_info.phase == "discard":
+            self.core.discard()
+        else:  # room
+            assert update_info.nbytes is not None  # checked in CkptEngineUpdateInfo
+            room = self.core.staging_room(update_info.nbytes, update_info.limit_bytes)
+            if not room["room"]:
+                raise ValueError(NO_ROOM + str(room["why"]))
 
     def _receive_adapter(self, update_info: CkptEngineUpdateInfo) -> None:
         """One phase of an adapter sync (validate, receive into staging, install as the newest version)."""
@@ -212,10 +289,11 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
 
     def finish_weight_update(self) -> None:
         """Layerwise post-processing; vLLM stamps the engine's weight version after this returns.
-        An adapter sync installed its version in phase `install`: nothing to load here."""
-        if self.lora is None:
+        An adapter sync installed its version in phase `install`, and a staged one swapped in phase
+        `swap`: nothing to load here."""
+        if self.lora is None and self._loaded:  # a staged update loaded in its swap, or nothing
             self.core.finalize(self._version if self._version is not None else self.core.version)
-        self._validated = None
+        self._validated, self._loaded = None, False
 
     def health(self) -> dict[str, Any]:
         return self.lora.core.health() if self.lora is not None else self.core.health()

@@ -80,7 +80,10 @@ class CkptEngineTrainerWeightTransferEngine(TrainerWeightTransferEngine[CkptEngi
     post-processing, version stamped) -> prefix-cache reset -> resume. Pause and reset happen when
     `client` is an `EngineControl` (both clients in `vllm_clients.py` are); with a bare vLLM client
     the caller pauses around `send_weights` itself. A failed transfer leaves the engine paused and
-    stale; the group is rebuilt on the next call.
+    stale; the group is rebuilt on the next call. Staged (`config.stage`, default auto; needs an
+    `EngineControl` client): the engine generates while the version streams into its workers'
+    staging and pauses only for the swap; a failed transfer leaves it serving its old weights, not
+    stale (`vllm_native.py`).
     """
 
     init_info_cls = CkptEngineTrainerInitInfo
@@ -98,7 +101,7 @@ class CkptEngineTrainerWeightTransferEngine(TrainerWeightTransferEngine[CkptEngi
         self.config = self.info.config
         self.session: WeightSyncSession | None = None
         if self.is_sender:  # other ranks never reach the engine
-            engine = VllmNativeRollout(client, name=self.info.engine_name, num_workers=self.info.num_workers)
+            engine = VllmNativeRollout(client, name=self.info.engine_name, num_workers=self.info.num_workers, timeout_s=self.config.timeout_s)
             self.session = WeightSyncSession([engine], self.config, host=self.info.host)
 
     @classmethod
