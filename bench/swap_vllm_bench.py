@@ -132,6 +132,10 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument(
+        "--layers", type=int, default=None,
+        help="send only the first N decoder layers' tensors each sync (a sync that touches some layers; default: every tensor)",
+    )
     p.add_argument("--json", type=str, default=None, help="write the rows here too")
     p.add_argument(
         "--swap", choices=("shadow", "reload"), default="shadow",
@@ -163,8 +167,10 @@ def run(url: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, A
     master = {n: t.detach().clone() for n, t in hf.state_dict().items() if n != "lm_head.weight"}
     g = torch.Generator().manual_seed(1)
 
+    sent = [n for n in master if args.layers is None or any(n.startswith(f"model.layers.{i}.") for i in range(args.layers))]
+
     def publish() -> dict[str, torch.Tensor]:
-        return {n: t.bfloat16().float() for n, t in master.items()}
+        return {n: master[n].bfloat16().float() for n in sent}
 
     def adam_step() -> None:
         for t in master.values():
@@ -203,6 +209,9 @@ def run(url: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, A
                         # staged: the swap's pause, its load + reset + stamp, and the resume (the rest)
                         "swap_pause_s": adapter.last_finalize.get("swap_pause_s", 0.0) if adapter.staged else 0.0,
                         "swap_rpc_s": adapter.last_finalize.get("swap_rpc_s", 0.0) if adapter.staged else 0.0,
+                        # staged with a shadow: its build on the staging thread, and the bytes it held (largest worker)
+                        "shadow_build_s": adapter.last_finalize.get("shadow_build_s", 0.0) if adapter.staged else 0.0,
+                        "shadow_mb": max(adapter.last_finalize.get("swap_shadow_bytes") or [0]) / 1e6 if adapter.staged else 0.0,
                     }
                     rows.append(row)
                     print(
@@ -210,7 +219,8 @@ def run(url: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, A
                         f"transfer {row['transfer_s'] * 1e3:7.1f} ms  stall {row['stall_s'] * 1e3:7.1f} ms  "
                         f"(worker load {row['load_s'] * 1e3:6.1f} + post-process {row['post_process_s'] * 1e3:6.1f} ms; "
                         f"pause {row['swap_pause_s'] * 1e3:5.1f} + load/reset/stamp {row['swap_rpc_s'] * 1e3:5.1f} ms)  "
-                        f"tok/s during {during:6.1f} vs without {idle:6.1f} ({during / max(idle, 1e-9):.2f}x)  wire {row['wire_mb']:.2f} MB",
+                        f"tok/s during {during:6.1f} vs without {idle:6.1f} ({during / max(idle, 1e-9):.2f}x)  wire {row['wire_mb']:.2f} MB"
+                        f"  shadow {row['shadow_mb']:.2f} MB built in {row['shadow_build_s'] * 1e3:.1f} ms",
                         flush=True,
                     )
             finally:
@@ -228,7 +238,8 @@ def summarize(rows: list[dict[str, Any]], errors: int) -> None:
             sel = [r for r in rows if r["order"] == order and (r["kind"] == "off") == dense]
             if not sel:
                 continue
-            keys = ("stall_s", "transfer_s", "sync_s", "tok_s_during", "tok_s_without", "load_s", "post_process_s", "swap_pause_s", "swap_rpc_s")
+            keys = ("stall_s", "transfer_s", "sync_s", "tok_s_during", "tok_s_without", "load_s", "post_process_s", "swap_pause_s", "swap_rpc_s",
+                    "shadow_build_s", "shadow_mb")
             med = {k: statistics.median(r.get(k, 0.0) for r in sel) for k in keys}
             print(
                 f"  {'dense' if dense else 'delta'} {order:>6} ({len(sel)} syncs): stall {med['stall_s'] * 1e3:7.1f} ms, "
@@ -236,6 +247,7 @@ def summarize(rows: list[dict[str, Any]], errors: int) -> None:
                 f"worker load {med['load_s'] * 1e3:6.1f} ms + post-process {med['post_process_s'] * 1e3:6.1f} ms, "
                 f"swap pause {med['swap_pause_s'] * 1e3:5.1f} ms + load/reset/stamp {med['swap_rpc_s'] * 1e3:5.1f} ms, "
                 f"tok/s during/without {med['tok_s_during'] / max(med['tok_s_without'], 1e-9):.2f}"
+                + (f", shadow {med['shadow_mb']:.2f} MB built in {med['shadow_build_s'] * 1e3:.1f} ms" if order == "staged" else "")
             )
 
 

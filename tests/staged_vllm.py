@@ -89,12 +89,14 @@ def generate(http: Any, url: str, prompt: list[int], max_tokens: int, timeout_s:
 
 @dataclass
 class RequestStream:
-    """`num_threads` threads sending greedy requests back to back until stopped."""
+    """`num_threads` threads sending greedy requests until stopped, each `gap_s` after the last
+    returned (0: back to back; a gap paces the stream on the 2-core box)."""
 
     url: str
     prompts: list[list[int]]
     max_tokens: int
     num_threads: int = 2
+    gap_s: float = 0.0
     outputs: list[Output] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
@@ -124,6 +126,7 @@ class RequestStream:
             with self._lock:
                 self.outputs.append(out)
             k += self.num_threads
+            self._stop.wait(self.gap_s)
         http.close()
 
     def stop(self) -> list[Output]:

@@ -207,6 +207,9 @@ class _VllmAdapterBase(RolloutAdapter):
             "post_process_s": max(float(r["finalize_s"]) for r in replies),
             "swap_load_s": max(float(r["load_s"]) for r in replies),
             "swap_shadow": all(bool(r.get("shadow", False)) for r in replies),  # every worker copied a prepared image
+            "swap_shadow_layers": [int(r.get("shadow_layers", 0)) for r in replies],  # per worker: the layers it prepared
+            "swap_shadow_bytes": [int(r.get("shadow_bytes", 0)) for r in replies],  # per worker: their tensors' bytes
+            "shadow_build_s": max(float(r.get("shadow_build_s", 0.0)) for r in replies),  # on the staging thread, off the step path
             "swap_pause_s": t_paused - t0,
             "swap_rpc_s": t1 - t_paused,
             "stall_s": stall,

@@ -197,7 +197,10 @@ class VllmReceiverCore:
             sink(pairs + [(alias[n], t) for n, t in pairs if n in alias])
             return len(pairs)
 
-        plan = self.receiver.regions.plan  # None: this worker receives whole tensors
+        # Regions only for a sync whose assignment this worker accepted: with a plan recorded, a session
+        # may still send whole tensors (an engine beside it takes no regions, or the handle opts out),
+        # and a staged receive that kept regions would then swap in nothing.
+        plan = self.receiver.regions.plan if self.receiver.regions.has(digest) else None
         landing: RegionLanding | None = None
         region_loader: Callable[[list[RegionItem]], int] | None = None
         if plan is not None and accepted is not None:
@@ -247,7 +250,9 @@ class VllmReceiverCore:
         t0 = time.perf_counter()
         self.stale = True  # until the last layer is loaded: a failure here leaves a mix
         if staged.shadow is not None:  # prepared off the step path: a copy (vllm_shadow.py); swap_in runs before finalize
-            return {"load_s": staged.shadow.swap_in(), "shadow": True, **self.finalize(version), "swap_s": time.perf_counter() - t0}
+            shadow = {"shadow": True, "shadow_layers": staged.shadow.num_layers, "shadow_bytes": staged.shadow.nbytes,
+                      "shadow_build_s": staged.shadow.build_s}
+            return {"load_s": staged.shadow.swap_in(), **shadow, **self.finalize(version), "swap_s": time.perf_counter() - t0}
         self.reload.open()
         try:
             with self.reload.loading():

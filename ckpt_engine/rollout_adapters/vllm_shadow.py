@@ -6,16 +6,19 @@ linear weight into a oneDNN / sgl-kernel handle), all between two engine steps. 
 code runs on the staging thread, on a *shadow* of the model while the engine keeps stepping on the
 live one:
 
-- the shadow is a copy of the module tree that shares no tensor with the live model: every
-  parameter and buffer is a clone (its class and loader attributes kept), and vLLM's reload metadata
-  is copied per module, so nothing the shadow's load writes can reach a live tensor;
+- the shadow is a copy of the module tree that shares no tensor with the live model. Its tensors
+  start as storage-less placeholders (class and loader attributes kept; vLLM's reload metadata is
+  copied per module, so nothing the shadow's load writes can reach a live tensor): only tensors
+  vLLM loads in place (`bias`, never moved to meta) are cloned;
 - vLLM's layerwise reload (`initialize_layerwise_reload` -> `load_weights` ->
-  `finalize_layerwise_reload`) runs on the shadow unchanged: it materializes each touched layer,
-  loads it with the model's own loaders, post-processes it and copies the result into the shadow's
-  (kernel-format) tensors;
-- the layers it touched are recorded: `ShadowWeights` holds, per touched live layer, the shadow's
-  post-processed tensors and the attributes post-processing set (on CPU `cpu_linear`, the closure
-  that owns the packed weight).
+  `finalize_layerwise_reload`) runs on the shadow with no kernel tensors to copy back into: it
+  materializes each layer the staged version touches, loads it with the model's own loaders and
+  post-processes it, and the layer keeps what it made. Layers the staged version does not touch are
+  never materialized, and finalize skips them: the shadow's memory and build time follow the change
+  (a sync of some layers prepares only those), not the model;
+- `ShadowWeights` holds, per touched live layer, the post-processed tensors under the live layer's
+  kernel names (what vLLM's own reload would copy into them) and the attributes post-processing set
+  (on CPU `cpu_linear`, the closure that owns the packed weight).
 
 The swap (`ShadowWeights.swap_in`) then copies those tensors into the live ones in one pass and
 moves the attributes over. It copies rather than re-points tensors: on GPU, CUDA graphs captured the
@@ -67,25 +70,29 @@ class ShadowWeights:
     post-processed shadow holds. Built on the staging thread; `swap_in` runs between two steps."""
 
     def __init__(
-        self, layers: list[tuple[torch.nn.Module, torch.nn.Module]], before: dict[int, dict[str, Any]], build_s: float,
+        self, layers: list[tuple[torch.nn.Module, torch.nn.Module, dict[str, torch.Tensor]]], before: dict[int, dict[str, Any]],
+        build_s: float,
     ) -> None:
         self._layers = layers
         # What post-processing did to each shadow's own attributes (`before`: its __dict__ as built):
         # those set or replaced, and those deleted. Nothing else moves to the live layer.
         self._attrs: dict[int, tuple[dict[str, Any], list[str]]] = {}
-        for _, shadow in layers:
+        for _, shadow, _ in layers:
             was = before[id(shadow)]
             now = {k: v for k, v in shadow.__dict__.items() if k not in _MODULE_STATE}
             self._attrs[id(shadow)] = ({k: v for k, v in now.items() if was.get(k, _MISSING) is not v}, [k for k in was if k not in now])
         self.build_s = build_s
-        self.nbytes = sum(t.numel() * t.element_size() for _, s in layers for t in _tensors(s).values())
+        # What it holds: the touched layers and their tensors' bytes (on CPU a repacked linear weight is
+        # an empty tensor; its packed copy lives in the layer's handle and is not counted).
+        self.num_layers = len(layers)
+        self.nbytes = sum(t.numel() * t.element_size() for _, _, image in layers for t in image.values())
 
     def check(self) -> None:
         """Raises unless every shadow tensor can be copied into its live tensor (same shape, dtype,
         device): post-processing that changes a shape needs the live reload."""
-        for live, shadow in self._layers:
+        for live, _, image in self._layers:
             live_t = _tensors(live)
-            for name, t in _tensors(shadow).items():
+            for name, t in image.items():
                 lt = live_t.get(name)
                 if lt is None or lt.shape != t.shape or lt.dtype != t.dtype or lt.device != t.device:
                     got = None if lt is None else (tuple(lt.shape), lt.dtype)
@@ -96,9 +103,9 @@ class ShadowWeights:
         """Copy every post-processed tensor into its live tensor and move the attributes
         post-processing set; returns the seconds. Every rank calls it between two engine steps."""
         t0 = time.perf_counter()
-        for live, shadow in self._layers:
+        for live, shadow, image in self._layers:
             live_t = _tensors(live)
-            for name, t in _tensors(shadow).items():
+            for name, t in image.items():
                 live_t[name].copy_(t)
             set_attrs, deleted = self._attrs[id(shadow)]
             live.__dict__.update(_rebind(set_attrs, shadow, live))
@@ -139,6 +146,27 @@ def _clone(t: torch.Tensor, old: object, new: object) -> torch.Tensor:
     return c
 
 
+def _placeholder(t: torch.Tensor, old: object, new: object) -> torch.Tensor:
+    """A storage-less stand-in for a live tensor (its class and attributes kept): the shadow's
+    reload restores each layer from vLLM's metadata and materializes only the layers it loads."""
+    c = torch.empty_strided(tuple(t.size()), tuple(t.stride()), dtype=t.dtype, device="meta")
+    c.__class__ = t.__class__
+    c.__dict__ = _rebind(t.__dict__, old, new)
+    return c
+
+
+def _image(live: torch.nn.Module, shadow: torch.nn.Module, loaded: set[str]) -> dict[str, torch.Tensor]:
+    """The post-processed tensors of a touched shadow layer under the live layer's kernel names: what
+    vLLM's reload copies into them (`_copy_and_restore_kernel_tensors`: every parameter; a buffer the
+    layer still has, unless non-persistent and not loaded). A missing name raises: the swap reloads."""
+    out = {n: getattr(shadow, n) for n, p in live._parameters.items() if p is not None}
+    for n, b in live._buffers.items():
+        if b is None or n not in shadow._buffers or (n in live._non_persistent_buffers_set and n not in loaded):
+            continue
+        out[n] = shadow._buffers[n]
+    return out
+
+
 def _meta_copy(t: torch.Tensor, old: object) -> torch.Tensor:
     """A copy of vLLM's reload metadata tensor; `restore_layer_refs` rebinds loaders in place, so the
     shadow must not share the live layer's."""
@@ -152,9 +180,16 @@ def _meta_copy(t: torch.Tensor, old: object) -> torch.Tensor:
 
 def _shadow_tree(model: torch.nn.Module) -> tuple[torch.nn.Module, list[tuple[torch.nn.Module, torch.nn.Module]]]:
     """A copy of the module tree sharing no tensor with `model` (a module reached twice, e.g. a tied
-    head, is copied once); returns it and the (live, shadow) pairs."""
+    head, is copied once); returns it and the (live, shadow) pairs. Its tensors are placeholders,
+    except those vLLM's reload loads in place (`SKIP_TENSORS`, e.g. `bias`) and those of modules it
+    skips (`SKIP_MODULES`): those are clones."""
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import SKIP_MODULES, SKIP_TENSORS
     from vllm.model_executor.model_loader.reload.types import LayerReloadingInfo
+
+    def own(name: str, t: torch.Tensor, m: torch.nn.Module, s: torch.nn.Module) -> torch.Tensor:
+        in_place = name in SKIP_TENSORS or type(m).__name__ in SKIP_MODULES
+        return _clone(t, m, s) if in_place else _placeholder(t, m, s)
 
     memo: dict[int, torch.nn.Module] = {}
     pairs: list[tuple[torch.nn.Module, torch.nn.Module]] = []
@@ -168,8 +203,8 @@ def _shadow_tree(model: torch.nn.Module) -> tuple[torch.nn.Module, list[tuple[to
         s = m.__class__.__new__(m.__class__)
         memo[id(m)] = s
         s.__dict__ = _rebind(m.__dict__, m, s)
-        s._parameters = {n: None if p is None else _clone(p, m, s) for n, p in m._parameters.items()}
-        s._buffers = {n: None if b is None else _clone(b, m, s) for n, b in m._buffers.items()}
+        s._parameters = {n: None if p is None else own(n, p, m, s) for n, p in m._parameters.items()}
+        s._buffers = {n: None if b is None else own(n, b, m, s) for n, b in m._buffers.items()}
         s._non_persistent_buffers_set = set(m._non_persistent_buffers_set)
         s._modules = {n: None if c is None else dup(c) for n, c in m._modules.items()}
         params, buffers = info.restore_metadata
@@ -195,11 +230,22 @@ def build_shadow(model: torch.nn.Module, vllm_config: Any, load: Load, device: t
     before = {id(s): {k: v for k, v in s.__dict__.items() if k not in _MODULE_STATE} for _, s in pairs}
     with torch.no_grad(), set_current_vllm_config(vllm_config):
         initialize_layerwise_reload(shadow)
+        # No kernel tensors: a processed layer keeps the tensors it made (nothing to copy back into).
+        # Each layer's list of buffered loads is kept: vLLM resets the layer's state (a new list)
+        # once it processed it, so the list says afterwards what the layer loaded.
+        loads: dict[int, list[Any]] = {}
+        for _, s in pairs:
+            info = LAYERWISE_INFO[s]
+            info.kernel_tensors = None
+            loads[id(s)] = info.loaded_weights
         load(shadow.load_weights, device)
-        # A layer vLLM processed during the load has its reload state reset; one with loads pending
-        # is processed by finalize. The rest were not touched and keep the live values.
-        touched = [(m, s) for m, s in pairs if not LAYERWISE_INFO[s].can_load() or LAYERWISE_INFO[s].load_numel > 0]
+        for _, s in pairs:  # untouched: finalize would process it as a first load (garbage); skip it
+            info = LAYERWISE_INFO[s]
+            if info.can_load() and not loads[id(s)]:
+                info.reset()
+        # A layer with loads pending (attention, padding) is processed by finalize.
         finalize_layerwise_reload(shadow, vllm_config.model_config)
+        touched = [(m, s, _image(m, s, {n for n, _ in loads[id(s)]})) for m, s in pairs if loads[id(s)]]
     image = ShadowWeights(touched, before, time.perf_counter() - t0)
     image.check()
     return image
@@ -209,8 +255,8 @@ class ShadowPreparer:
     """What a worker hands a staged receive (`vllm_staging.Prepare`): builds the post-processed image
     once the stream is checked, or returns None (said once) so that the swap reloads as before.
 
-    `room(nbytes, device)` says whether a shadow of `nbytes` (the model's tensors and the staged
-    bytes, post-processed) fits (the worker's `Staging.shadow_room`: counted with the staging copy,
+    `room(nbytes, device)` says whether a shadow of `nbytes` (the touched layers materialized and
+    post-processed: twice the staged bytes) fits (the worker's `Staging.shadow_room`: counted with the staging copy,
     within the staging limit)."""
 
     def __init__(
@@ -226,12 +272,12 @@ class ShadowPreparer:
             warn_once("quant", "vLLM swap: a quantized model (%s) is not prepared off the step path; the swap reloads it", type(self._config.quant_config).__name__)
             return None
         model = self._model()
-        # The shadow clones every parameter and buffer (touched or not), and post-processing then makes
-        # kernel-format weights of about the staged bytes (on CPU packed outside the parameters): both
-        # must fit beside the staging copy. On a GPU whose free memory the KV cache took, they do not,
-        # and the swap reloads: the engine's own steps must never meet an allocation the shadow took.
-        tensors = sum(t.nbytes for t in (*model.parameters(), *model.buffers()))
-        fits, why = self._room(tensors + int(staged.nbytes), self._device)
+        # The shadow materializes the layers the staged version touches (about the staged bytes), and
+        # post-processing makes kernel-format weights of about as many again (on CPU packed outside
+        # the parameters): both must fit beside the staging copy. On a GPU whose free memory the KV
+        # cache took, they do not, and the swap reloads: the engine's own steps must never meet an
+        # allocation the shadow took.
+        fits, why = self._room(2 * int(staged.nbytes), self._device)
         if not fits:
             warn_once("room", "vLLM swap: no room to prepare the staged weights off the step path (%s); the swap reloads them", why)
             return None
