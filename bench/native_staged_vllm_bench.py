@@ -4,8 +4,10 @@ generation: the engine's stall per sync, and tokens/s, staged against today's pa
 The same measurement as `swap_vllm_bench.py` (whose stream, counters, trainer steps and summary it
 uses), but the server runs `--weight-transfer-config '{"backend": "ckpt_engine"}'` and the handle
 is `VllmNativeRollout`: every step is one of vLLM's own calls (`update_weights` phases `receive`
-with `stage`, `status`, `swap`; `finish_weight_update`). Per sync it alternates staged and today's
-order (paused for the whole sync) on the same engine and the same delta chain.
+with `stage`, `swap`; `finish_weight_update`; the workers report a staged receive's end through the
+rendezvous store). Per sync it alternates staged and today's order (paused for the whole sync) on the
+same engine and the same delta chain; at the end it counts the tracebacks in the server's log (vLLM
+logs every call that raised, in the worker, the engine core and the API server).
 
     PYTHONPATH=. python bench/native_staged_vllm_bench.py --syncs 4 --dense-syncs 2
 """
@@ -85,6 +87,8 @@ def main() -> None:
         rows = run(server.url, work, args)
     finally:
         server.stop()
+    text = (work / "server.log").read_text(errors="replace")
+    print(f"server log: {text.count('Traceback')} tracebacks, {text.count('still streaming')} 'still streaming' errors", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
