@@ -23,9 +23,9 @@ while the version streams in, and pauses only for the swap:
             post-load step) + finish_weight_update(version) + reset_prefix_cache + resume
   discard   update_weights({"phase": "discard"}) + finish_weight_update(): nothing staged, the old
             weights serve on, unpaused and not stale
-vLLM returns nothing from its workers, so "no room" comes back as an error (`vllm_transfer_engine.py`),
-and so does a staged receive's end only through the store, never as a "not yet" error in vLLM's
-logs; vLLM closes its weight update after an error, so this handle tracks whether
+vLLM returns nothing from its workers: "no room" comes back as an error (`vllm_transfer_engine.py`),
+a staged receive's end through the rendezvous store (so no "not yet" errors fill vLLM's logs). vLLM
+closes its weight update after an error, so this handle tracks whether
 an update is open and opens the next (re-validating by digest where a receive needs it).
 """
 
