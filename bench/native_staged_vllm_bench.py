@@ -4,8 +4,10 @@ generation: the engine's stall per sync, and tokens/s, staged against today's pa
 The same measurement as `swap_vllm_bench.py` (whose stream, counters, trainer steps and summary it
 uses), but the server runs `--weight-transfer-config '{"backend": "ckpt_engine"}'` and the handle
 is `VllmNativeRollout`: every step is one of vLLM's own calls (`update_weights` phases `receive`
-with `stage`, `status`, `swap`; `finish_weight_update`). Per sync it alternates staged and today's
-order (paused for the whole sync) on the same engine and the same delta chain.
+with `stage`, `swap`; `finish_weight_update`; the workers report a staged receive's end through the
+rendezvous store). Per sync it alternates staged and today's order (paused for the whole sync) on the
+same engine and the same delta chain; at the end it counts the tracebacks the server logged while
+syncing (vLLM logs every call that raised, in the worker, the engine core and the API server).
 
     PYTHONPATH=. python bench/native_staged_vllm_bench.py --syncs 4 --dense-syncs 2
 """
@@ -82,7 +84,13 @@ def main() -> None:
     server = VllmServerProcess(work, work / "server.log", ["--max-num-seqs", str(args.clients), "--weight-transfer-config", BACKEND])
     try:
         wait_healthy(server.url, time.monotonic() + 300, str(server.log))
+        log = work / "server.log"
+        start = log.stat().st_size  # vLLM's start-up warmup logs a traceback of its own (no tokenizer)
         rows = run(server.url, work, args)
+        with open(log, "rb") as f:
+            f.seek(start)
+            text = f.read().decode("utf-8", "replace")
+        print(f"server log while syncing: {text.count('Traceback')} tracebacks, {text.count('still streaming')} 'still streaming' errors", flush=True)
     finally:
         server.stop()
     if args.json:

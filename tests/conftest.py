@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # test in it) or to the names of the tests it contributes (parametrized cases included).
 FAST_TIER: dict[str, frozenset[str] | None] = {
     "test_manifest.py": None,
+    "test_stage_outcome.py": None,
     "test_buckets.py": None,
     "test_config.py": None,
     "test_delta_codec.py": None,

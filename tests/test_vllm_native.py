@@ -272,7 +272,7 @@ def test_split_vllm_source_is_refused_by_name(model_dir: Path) -> None:  # noqa:
 def test_update_and_init_info_reject_bad_fields() -> None:
     from ckpt_engine.rollout_adapters.vllm_transfer_engine import CkptEngineInitInfo, CkptEngineUpdateInfo
 
-    with pytest.raises(ValueError, match="phase must be one of validate, receive, install, status, swap, discard, room, got 'load'"):
+    with pytest.raises(ValueError, match="phase must be one of validate, receive, install, swap, discard, room, got 'load'"):
         CkptEngineUpdateInfo(phase="load", digest="ab")
     with pytest.raises(ValueError, match="digest must be a non-empty string"):
         CkptEngineUpdateInfo(phase="receive", digest="")

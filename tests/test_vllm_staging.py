@@ -145,3 +145,26 @@ def test_a_region_outside_the_plan_or_a_missing_one_fails_the_staged_receive() -
     assert staging.version is not None and staging.version.join(10)
     staged = staging.take()
     assert staged.items[0][2].shape == (2, 3)  # a view, kept as it landed
+
+
+def test_on_end_is_told_once_the_version_can_be_taken_or_why_it_failed() -> None:
+    """The native backend's workers report the end through `on_end` (then the controller swaps at
+    once): by the time it runs, the version must already be takeable, never "still streaming"."""
+    staging = Staging()
+    told: list[tuple[str | None, bool]] = []
+    done = threading.Event()
+
+    def on_end(error: str | None) -> None:
+        assert staging.version is not None
+        told.append((error, staging.version.ready))
+        done.set()
+
+    staging.start("a" * 16, _stream([[("w", torch.ones(2))]]), keep_views=False, on_end=on_end)
+    assert done.wait(10) and told == [(None, True)]
+    assert torch.equal(dict(staging.take().pairs)["w"], torch.ones(2))
+
+    done.clear()
+    staging.start("b" * 16, _stream([[("w", torch.ones(2))]], fail="checksum mismatch in bucket 0"), keep_views=False, on_end=on_end)
+    assert done.wait(10) and told[1] == ("RuntimeError: checksum mismatch in bucket 0", False)
+    with pytest.raises(RuntimeError, match=r"its receive failed \(RuntimeError: checksum mismatch in bucket 0\)"):
+        staging.take()

@@ -15,15 +15,17 @@ One sync, as vLLM's calls see it:
 Staged (issue 28, `checkpoint_engine.stage`; needs `EngineControl`), the engine keeps generating
 while the version streams in, and pauses only for the swap:
   validate  as above
-  receive   update_weights({"phase": "receive", ..., "stage"})  starts a background receive on each
-            worker and returns at once; then update_weights({"phase": "status"}) polled (each a short
-            call between two engine steps) until every worker holds the whole version, checked
+  receive   update_weights({"phase": "receive", ..., "stage", "ticket"})  starts a background receive
+            on each worker and returns at once; each worker then sets its outcome (`ok`, or `failed:
+            why`) under the ticket and its rank in the weight-sync group's rendezvous store, and
+            this handle waits for every rank's key there (`stage_outcome.py`; no call to vLLM)
   swap      pause + update_weights({"phase": "swap", "version"}) (the staged version in, vLLM's
             post-load step) + finish_weight_update(version) + reset_prefix_cache + resume
   discard   update_weights({"phase": "discard"}) + finish_weight_update(): nothing staged, the old
             weights serve on, unpaused and not stale
-vLLM returns nothing from its workers, so "not yet", "failed" and "no room" come back as errors
-(`vllm_transfer_engine.py`); vLLM closes its weight update after one, so this handle tracks whether
+vLLM returns nothing from its workers: "no room" comes back as an error (`vllm_transfer_engine.py`),
+a staged receive's end through the rendezvous store (so no "not yet" errors fill vLLM's logs). vLLM
+closes its weight update after an error, so this handle tracks whether
 an update is open and opens the next (re-validating by digest where a receive needs it).
 """
 
@@ -32,7 +34,6 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from collections import deque
 from collections.abc import Hashable
 from typing import Any, ClassVar
 
@@ -40,7 +41,8 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.rollout_adapters.vllm_clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient, SwapControl
-from ckpt_engine.rollout_adapters.vllm_transfer_engine import NEED_MANIFEST, NO_ROOM, REJECTED, STAGE_FAILED, STAGE_RUNNING
+from ckpt_engine.rollout_adapters.stage_outcome import new_ticket, wait_outcomes
+from ckpt_engine.rollout_adapters.vllm_transfer_engine import NEED_MANIFEST, NO_ROOM, REJECTED
 from ckpt_engine.transports.base import Rendezvous
 
 __all__ = ["VllmNativeRollout"]
@@ -49,12 +51,6 @@ logger = logging.getLogger(__name__)
 
 _NOT_CONFIGURED = "Weight transfer not configured"
 """What vLLM answers when the engine was started without a weight-transfer config."""
-_POLL_S = (0.005, 0.05)
-"""Shortest and longest wait between two status polls of a staged receive."""
-_FIRST_POLL = 0.5
-"""The first poll waits this share of the quickest of the last few staged receives: each "not yet"
-answer is an error in vLLM's logs (its calls return nothing from the workers), so steady syncs ask a
-few times, and a slow outlier (the first, cold one) costs the next syncs at most half of it, halving."""
 _PAUSE_MODES = ("keep", "abort", "recompute")
 
 
@@ -89,7 +85,9 @@ class VllmNativeRollout(RolloutAdapter):
         self._paused = False
         self._recompute = False  # pause_mode recompute: running requests re-prefill after the load
         self.last_finalize: dict[str, Any] = {}
-        self._staged_s: deque[float] = deque(maxlen=3)  # how long the last staged receives took (to the first "done")
+        self._rendezvous: Rendezvous | None = None  # kept at join: staged receives report their end in its store
+        self._ranks: list[int] = []  # the workers' ranks in the weight-sync group
+        self._store: Any = None  # this handle's client of the rendezvous store, opened at the first staged receive
 
     def engine_key(self) -> Hashable:
         """The engine behind the client: its URL, or the `LLM` object (else this handle)."""
@@ -110,6 +108,8 @@ class VllmNativeRollout(RolloutAdapter):
         """`init_weight_transfer_engine` on every worker; an engine started without the
         weight-transfer config fails here at once, with the fix."""
         self._worker_digest = None
+        self._rendezvous, self._store = rendezvous, None
+        self._ranks = list(range(rank_offset, rank_offset + self.world_size))
         init = {"rendezvous": rendezvous.to_dict(), "rank_offset": rank_offset, "options": options.to_dict(), **self._init_extra()}
         try:
             self.client.init_weight_transfer_engine(init)
@@ -191,7 +191,7 @@ class VllmNativeRollout(RolloutAdapter):
     def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None, *, stage: str | None = None) -> ReceiveReport:
         """Receive and load `manifest` (the engine paused; blocks while it streams), or with `stage`
         receive it into the workers' staging on their background threads while the engine keeps
-        generating, polling until every worker holds it whole and checked (then `swap`)."""
+        generating, waiting until every worker reported it whole and checked (then `swap`)."""
         if stage is not None and (not self.stages or stage not in STAGES):
             raise ValueError(f"engine {self.name!r}: stage must be one of {', '.join(STAGES)} or None (and the handle able to stage), got {stage!r}")
         t0 = time.perf_counter()
@@ -202,33 +202,34 @@ class VllmNativeRollout(RolloutAdapter):
         if stage is None:
             self._phase(update)
         else:
-            self._phase({**update, "stage": stage})
-            self._wait_staged(manifest.digest)
+            ticket = new_ticket()
+            self._phase({**update, "stage": stage, "ticket": ticket})
+            self._wait_staged(ticket)
         seconds = time.perf_counter() - t0
         return ReceiveReport(manifest.num_tensors, manifest.total_bytes, seconds, seconds, manifest.num_tensors)
 
-    def _wait_staged(self, digest: str) -> None:
-        """Poll the workers' status phase until the staged receive ended (bounded by 2 x timeout_s);
-        a failed one is discarded and raised, naming the engine."""
-        t0 = time.monotonic()
-        deadline = t0 + self.timeout_s * 2
-        wait = _POLL_S[0]
-        time.sleep(min(_FIRST_POLL * min(self._staged_s, default=0.0), self.timeout_s))
-        while True:
-            try:
-                self._phase({"phase": "status", "digest": digest})
-                self._staged_s.append(time.monotonic() - t0)
-                return  # every worker: whole and checked (the update stays open for the swap)
-            except Exception as exc:
-                text = str(exc)
-                if STAGE_RUNNING not in text:
-                    failed = _after(text, STAGE_FAILED) if STAGE_FAILED in text else f"{type(exc).__name__}: {text[:500]}"
-                    self.discard()
-                    raise RuntimeError(f"engine {self.name!r}: staged receive failed ({failed}); it keeps serving its old weights") from exc
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine {self.name!r}: staged receive still running after {self.timeout_s * 2:.0f}s")
-            time.sleep(wait)
-            wait = min(wait * 2, _POLL_S[1])
+    def _wait_staged(self, ticket: str) -> None:
+        """Wait (at most 2 x timeout_s) for every worker's outcome under `ticket` in the rendezvous
+        store; a failed receive is discarded and raised naming the engine and the worker's why, and a
+        worker that reported nothing in time (dead, hung) is raised naming its rank (the session then
+        discards: the engine keeps its old weights)."""
+        if self._rendezvous is None:
+            raise RuntimeError(f"engine {self.name!r}: a staged receive before join(); join the weight-sync group first")
+        if self._store is None:
+            self._store = self._rendezvous.connect_store(is_master=False)
+        timeout_s = self.timeout_s * 2
+        outcomes = wait_outcomes(self._store, ticket, self._ranks, timeout_s)
+        failed = outcomes.failed
+        if failed:
+            rank, why = next(iter(failed.items()))
+            logger.warning("engine %s: staged receive failed on worker rank(s) %s: %s", self.name, sorted(failed), why)
+            self.discard()
+            raise RuntimeError(f"engine {self.name!r}: staged receive failed (rank {rank}: {why[:500]}); it keeps serving its old weights")
+        if outcomes.missing:
+            raise TimeoutError(
+                f"engine {self.name!r}: staged receive: worker rank(s) {outcomes.missing} reported no outcome within "
+                f"{timeout_s:.0f}s ({outcomes.why_missing}); the worker died or hangs"
+            )
 
     # --- staged: room, swap, discard ----------------------------------------------------------------
     def staging_room(self, nbytes: int) -> bool:
@@ -293,7 +294,7 @@ class VllmNativeRollout(RolloutAdapter):
         return {"version": self.control.weight_version()} if self.control is not None else {}
 
     def leave(self) -> None:
-        self._worker_digest = None
+        self._worker_digest, self._rendezvous, self._store = None, None, None
         if self._open:  # vLLM refuses to shut the transfer engine down inside an update
             self._finish()
         self.client.shutdown_weight_transfer_engine()

@@ -32,7 +32,7 @@ from ckpt_engine.rollout_adapters.vllm_region_landing import RegionItem, RegionL
 from ckpt_engine.rollout_adapters.vllm_reload import LayerwiseReload, detach_pending
 from ckpt_engine.rollout_adapters.vllm_shadow import ShadowPreparer
 from ckpt_engine.rollout_adapters.vllm_specs import VllmSpecs
-from ckpt_engine.rollout_adapters.vllm_staging import Sink, StagedReceive, Staging
+from ckpt_engine.rollout_adapters.vllm_staging import OnEnd, Sink, StagedReceive, Staging
 
 __all__ = ["VllmReceiverCore", "unbase64"]
 
@@ -224,9 +224,10 @@ class VllmReceiverCore:
         return report.to_dict()
 
     # --- staged receive and swap (see vllm_staging.py) ------------------------------------------
-    def stage(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+    def stage(self, digest: str, delta: dict[str, Any] | None = None, on_end: OnEnd | None = None) -> dict[str, Any]:
         """Start receiving an accepted manifest on a background thread, into staging; the live
-        weights, the version and the engine's steps are untouched. Returns at once."""
+        weights, the version and the engine's steps are untouched. Returns at once; `on_end` is told
+        when the receive ended (None: whole and checked, else why it failed)."""
         self._check_not_staging("staged receive")
         if self.receiver.accepted_manifest(digest) is None:
             raise RuntimeError(f"manifest {digest[:12]} was not validated on this worker; call validate() first")
@@ -234,7 +235,7 @@ class VllmReceiverCore:
         # With a delta request the base images (whole tensors or regions) hold the checked version
         # until the next receive: keep their views. Else each tensor or region is copied as it lands.
         keep_views = delta is not None
-        self.staging.start(digest, lambda staged: self._stream(digest, delta, staged.sink, staged), keep_views, ShadowPreparer(self._model, self.vllm_config, self.receiver.device, self.staging.shadow_room))
+        self.staging.start(digest, lambda staged: self._stream(digest, delta, staged.sink, staged), keep_views, ShadowPreparer(self._model, self.vllm_config, self.receiver.device, self.staging.shadow_room), on_end)
         return {"started": True}
 
     def stage_status(self) -> dict[str, Any]:

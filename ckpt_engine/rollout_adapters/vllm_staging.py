@@ -4,7 +4,8 @@ engine keeps stepping on its live weights; the swap loads them between two engin
 Why a thread: vLLM runs `collective_rpc` calls in its engine loop between two steps, so a call that
 blocked for the whole stream would stop generation for as long as today's pause. The call that
 starts a staged receive returns at once; the controller then polls (one short call between steps
-each) until every rank holds the whole version, checked.
+each) until every rank holds the whole version, checked, or (the native backend, whose calls return
+nothing) each rank reports its end through the rendezvous store (`on_end`, `stage_outcome.py`).
 
 Where the staged version lives. With a delta request (patches, or the dense seed of a delta chain)
 the receiver's base images hold the new version once every patch has passed its check, and they are
@@ -35,12 +36,16 @@ import torch
 from ckpt_engine.rollout_adapters.vllm_region_landing import LandingFactory, RegionItem, RegionLanding
 from ckpt_engine.rollout_adapters.vllm_shadow import ShadowWeights
 
-__all__ = ["LoaderCopy", "Prepare", "Sink", "StagedReceive", "Staging", "free_bytes"]
+__all__ = ["LoaderCopy", "OnEnd", "Prepare", "Sink", "StagedReceive", "Staging", "free_bytes"]
 
 logger = logging.getLogger(__name__)
 
 Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
 """Takes one bucket's loadable (name, tensor) pairs."""
+
+OnEnd = Callable[[str | None], None]
+"""Told once a staged receive ended: None when the version is whole and checked, else why it failed
+(the native backend reports it through the rendezvous store, `stage_outcome.py`)."""
 
 Prepare = Callable[["StagedReceive"], ShadowWeights | None]
 """Builds a checked staged version's post-processed image off the step path (`vllm_shadow.py`), or
@@ -115,9 +120,11 @@ class StagedReceive:
 
     def __init__(
         self, digest: str, stream: Callable[[StagedReceive], dict[str, Any]], copy: LoaderCopy, keep_views: bool,
-        prepare: Prepare | None = None,
+        prepare: Prepare | None = None, on_end: OnEnd | None = None,
     ) -> None:
         self.digest = digest
+        self._on_end = on_end
+        self._ended = threading.Event()  # set before `on_end` runs: a swap it lets in finds the version ready
         self.shadow: ShadowWeights | None = None  # the post-processed image; None: the swap reloads
         self._prepare = prepare
         self.pairs: list[tuple[str, torch.Tensor]] = []
@@ -194,10 +201,16 @@ class StagedReceive:
             self.error = f"{type(exc).__name__}: {exc}"
             self.pairs, self.items, self.shadow = [], [], None
             logger.warning("staged receive of manifest %s failed: %s", self.digest[:12], self.error)
+        self._ended.set()
+        if self._on_end is not None:
+            try:
+                self._on_end(self.error)
+            except Exception:  # the controller then times out waiting, naming this rank
+                logger.exception("staged receive of manifest %s: reporting its end failed", self.digest[:12])
 
     @property
     def running(self) -> bool:
-        return self._thread.is_alive()
+        return not self._ended.is_set()
 
     @property
     def ready(self) -> bool:
@@ -206,8 +219,7 @@ class StagedReceive:
     def join(self, timeout_s: float) -> bool:
         """Wait for the stream to end (after a failure elsewhere it ends when the group aborts);
         whether it did."""
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        return self._ended.wait(timeout_s)
 
     def status(self) -> dict[str, Any]:
         return {"done": not self.running, "error": self.error, "report": self.report if not self.running else None}
@@ -227,10 +239,12 @@ class Staging:
 
     def start(
         self, digest: str, stream: Callable[[StagedReceive], dict[str, Any]], keep_views: bool, prepare: Prepare | None = None,
+        on_end: OnEnd | None = None,
     ) -> None:
         if self.running:
             raise RuntimeError("a staged receive is still streaming on this worker")
-        self.version = StagedReceive(digest, stream, self.copy, keep_views, prepare).start()
+        self.version = StagedReceive(digest, stream, self.copy, keep_views, prepare, on_end)
+        self.version.start()  # held before its thread runs: `on_end` may already find it takeable
 
     def status(self) -> dict[str, Any]:
         if self.version is None:

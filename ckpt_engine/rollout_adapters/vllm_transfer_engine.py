@@ -15,10 +15,11 @@ One weight update, as the trainer side drives it (`rollout_adapters/vllm_native.
       loads them through layerwise reload
   finish_weight_update                                          layerwise post-processing
 A staged update (issue 28; `vllm_native.py` drives it) keeps the engine stepping while it streams:
-  update_weights({"phase": "receive", ..., "stage": "patches"|"full"})  starts the receive on a
-      background thread of each worker (`VllmReceiverCore.stage`, `vllm_staging.py`); returns at once
-  update_weights({"phase": "status", "digest"})  returns only once the staged version is whole and
-      checked; raises `STAGE_RUNNING` while it streams, `STAGE_FAILED` + why when it failed
+  update_weights({"phase": "receive", ..., "stage": "patches"|"full", "ticket"})  starts the receive
+      on a background thread of each worker (`VllmReceiverCore.stage`, `vllm_staging.py`); returns at
+      once. When it ends, each worker sets its outcome (`ok` or `failed: why`) under the ticket and
+      its rank in the weight-sync group's rendezvous store (`stage_outcome.py`): no call has to ask,
+      so no "not yet" error fills vLLM's logs
   update_weights({"phase": "swap", "digest", "version"})  between two steps: the staged version into
       the live weights plus vLLM's post-load step; finish_weight_update then loads nothing
   update_weights({"phase": "discard"})  drops what was staged; the live weights are untouched
@@ -50,6 +51,7 @@ from vllm.distributed.weight_transfer.base import (
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions
+from ckpt_engine.rollout_adapters.stage_outcome import check_ticket, report_outcome
 from ckpt_engine.rollout_adapters.vllm_receiver import VllmReceiverCore
 
 if TYPE_CHECKING:
@@ -60,22 +62,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CkptEngineInitInfo", "CkptEngineUpdateInfo", "CkptEngineWeightTransferEngine", "NEED_MANIFEST", "NO_ROOM", "REJECTED",
-    "STAGE_FAILED", "STAGE_RUNNING",
 ]
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("validate", "receive", "install", "status", "swap", "discard", "room")
+PHASES = ("validate", "receive", "install", "swap", "discard", "room")
 _NO_DIGEST = ("discard", "room")
 """Phases that name no manifest."""
 NEED_MANIFEST = "need_manifest"
 """Appears in the validate error when the worker has no manifest under the announced digest."""
 REJECTED = "ckpt_engine rejected the manifest: "
 """Starts the validate error that lists the manifest's problems ("; "-separated)."""
-STAGE_RUNNING = "ckpt_engine: staged receive still streaming"
-"""The status phase's answer while a staged receive streams (not a failure: poll again)."""
-STAGE_FAILED = "ckpt_engine: staged receive failed: "
-"""Starts the status phase's answer when the staged receive failed (the why follows)."""
 NO_ROOM = "ckpt_engine: no room for a staging copy: "
 """Starts the room phase's answer when a dense staging copy does not fit (the why follows)."""
 
@@ -107,7 +104,7 @@ class CkptEngineInitInfo(WeightTransferInitInfo):
 @dataclass
 class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
     """One step of a weight update: `validate` a manifest, `receive` the one validated (or stage it),
-    and the staged phases `status`, `swap`, `discard`, `room` (module docstring)."""
+    and the staged phases `swap`, `discard`, `room` (module docstring)."""
 
     phase: str
     digest: str = ""
@@ -120,6 +117,8 @@ class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
     """Receive only: the controller's delta request (`DeltaRequest.to_dict()`); None: dense."""
     stage: str | None = None
     """Receive only: `patches` or `full` stages the receive (returns at once); None: load it now."""
+    ticket: str | None = None
+    """Staged receive only: names this sync's outcome keys in the rendezvous store (`stage_outcome.py`)."""
     nbytes: int | None = None
     """Room only: the bytes of the dense staging copy asked for."""
     limit_bytes: int | None = None
@@ -132,6 +131,10 @@ class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"digest must be a non-empty string, got {self.digest!r}")
         if self.stage is not None and (self.phase != "receive" or self.stage not in STAGES):
             raise ValueError(f"stage must be one of {', '.join(STAGES)}, sent only with phase 'receive'; got {self.stage!r}")
+        if (self.stage is None) != (self.ticket is None):
+            raise ValueError(f"a staged receive needs a ticket, and only a staged receive takes one; got stage {self.stage!r}, ticket {self.ticket!r:.80}")
+        if self.ticket is not None:
+            check_ticket(self.ticket)
         if self.phase == "swap" and (self.version is None or not self.version.isdigit()):
             raise ValueError(f"phase 'swap' needs the version it stamps as a decimal string, got {self.version!r}")
         for key, value in (("nbytes", self.nbytes), ("limit_bytes", self.limit_bytes)):
@@ -176,6 +179,9 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         self._loaded = False  # this update loaded weights (phase receive unstaged): finish post-processes
         self.lora: VllmLoraCore | None = None
         """Adapter syncs (init info `weights: adapters`): the LoRA versions this worker holds."""
+        self._rank: int | None = None  # this worker's rank in the weight-sync group
+        self._store: torch.distributed.Store | None = None
+        """A client of the group's rendezvous store: staged receives report their end there."""
 
     def _worker_rank(self) -> int:
         """This worker's index across every data-parallel replica (as vLLM's NCCL backend counts)."""
@@ -196,6 +202,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
             return
         self.lora = None
         self.core.join(init_info.rendezvous, rank, init_info.options)
+        self._rank, self._store = rank, Rendezvous.from_dict(init_info.rendezvous).connect_store(is_master=False)
         logger.info("ckpt_engine: worker joined the weight-sync group as rank %s", rank)
 
     def start_weight_update(self) -> None:
@@ -232,26 +239,19 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
                 "call update_weights with phase 'validate' first"
             )
         if update_info.stage is not None:  # the engine keeps stepping while the thread streams
-            self.core.stage(update_info.digest, delta=update_info.delta)
+            store, ticket, rank = self._store, update_info.ticket, self._rank
+            if store is None or rank is None or ticket is None:
+                raise RuntimeError("ckpt_engine: a staged receive before init_transfer_engine; join the weight-sync group first")
+            self.core.stage(update_info.digest, delta=update_info.delta, on_end=lambda error: report_outcome(store, ticket, rank, error))
             return
         self._loaded = True  # layerwise reload is open from here: finish post-processes
         self.core.receive(update_info.digest, delta=update_info.delta)
         self._version = update_info.version
 
     def _staged_phase(self, update_info: CkptEngineUpdateInfo) -> None:
-        """status, swap, discard or room: each a short call between two engine steps. vLLM returns
-        nothing from a worker, so every answer but "yes" is an error (see the module docstring)."""
-        if update_info.phase == "status":
-            status = self.core.stage_status()
-            if not status["done"]:
-                raise RuntimeError(STAGE_RUNNING)
-            if status["error"] is not None:
-                raise RuntimeError(STAGE_FAILED + str(status["error"]))
-            staged = self.core.staging.describe()
-            if staged is None or staged["digest"] != update_info.digest:
-                held = "nothing" if staged is None else f"manifest {staged['digest'][:12]}"
-                raise RuntimeError(f"{STAGE_FAILED}manifest {update_info.digest[:12]} is not what this worker staged ({held})")
-        elif update_info.phase == "swap":
+        """swap, discard or room: each a short call between two engine steps. vLLM returns nothing
+        from a worker, so every answer but "yes" is an error (see the module docstring)."""
+        if update_info.phase == "swap":
             staged = self.core.staging.describe()
             if staged is not None and staged["digest"] != update_info.digest:
                 raise RuntimeError(f"ckpt_engine: swap of manifest {update_info.digest[:12]} refused: this worker staged {staged['digest'][:12]}")
@@ -299,6 +299,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         return self.lora.core.health() if self.lora is not None else self.core.health()
 
     def shutdown(self) -> None:
+        self._store, self._rank = None, None
         if self.lora is not None:
             self.lora.core.leave()
         else:

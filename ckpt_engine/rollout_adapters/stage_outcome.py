@@ -1,0 +1,89 @@
+"""How the native vLLM backend's workers tell the trainer side that a staged receive ended.
+
+vLLM 0.32's `update_weights` returns nothing from the workers, so a worker cannot answer "still
+streaming" or "done" through it except by raising, and every raise leaves tracebacks in vLLM's worker,
+engine-core and API-server logs. Instead each worker sets one key in the weight-sync group's own
+rendezvous store (the TCPStore whose client `Rendezvous.connect_store` makes, every key under the
+group's token) when its staged version is whole and checked, or has failed: `ok` or
+`failed: <why>`, plain UTF-8 bytes. The key names the sync's ticket (the trainer side makes a new one
+per staged receive and sends it in the receive call) and the worker's rank in the group. The trainer
+side waits for every rank's key (bounded), reads and deletes them, and then swaps or discards.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import re
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["OK", "FAILED", "Outcomes", "check_ticket", "new_ticket", "outcome_key", "report_outcome", "wait_outcomes"]
+
+logger = logging.getLogger(__name__)
+
+OK = "ok"
+FAILED = "failed: "
+"""Starts a failed worker's outcome; its reason follows."""
+_TICKET = re.compile(r"[0-9A-Za-z_-]{1,64}")
+
+
+def new_ticket() -> str:
+    """A fresh ticket for one staged receive (keys of two syncs never meet)."""
+    return uuid.uuid4().hex
+
+
+def check_ticket(ticket: object) -> str:
+    """`ticket` when it can name a store key, else ValueError naming it."""
+    if not isinstance(ticket, str) or not _TICKET.fullmatch(ticket):
+        raise ValueError(f"ticket must be 1-64 characters of [0-9A-Za-z_-], got {ticket!r:.80}")
+    return ticket
+
+
+def outcome_key(ticket: str, rank: int) -> str:
+    return f"staged-outcome/{ticket}/{rank}"
+
+
+def report_outcome(store: torch.distributed.Store, ticket: str, rank: int, error: str | None) -> None:
+    """Worker side: rank `rank`'s staged receive under `ticket` ended (`error` None: whole and checked)."""
+    value = OK if error is None else FAILED + error
+    store.set(outcome_key(ticket, rank), value.encode("utf-8", "replace"))
+
+
+@dataclass
+class Outcomes:
+    """What each rank reported (`ok` or `failed: why`), and the ranks that reported nothing in time."""
+
+    reported: dict[int, str] = field(default_factory=dict)
+    missing: list[int] = field(default_factory=list)
+    why_missing: str = ""
+    """The store's own words when the wait ended without every key (a timeout, a lost store)."""
+
+    @property
+    def failed(self) -> dict[int, str]:
+        return {rank: value[len(FAILED):] if value.startswith(FAILED) else value for rank, value in self.reported.items() if value != OK}
+
+
+def wait_outcomes(store: torch.distributed.Store, ticket: str, ranks: list[int], timeout_s: float) -> Outcomes:
+    """Trainer side: wait up to `timeout_s` for every rank's outcome under `ticket`, then read and
+    delete the keys that arrived (a rank missing is named in `missing`, never waited on again)."""
+    keys = {rank: outcome_key(ticket, rank) for rank in ranks}
+    out = Outcomes()
+    try:
+        store.wait(list(keys.values()), datetime.timedelta(seconds=timeout_s))
+    except torch.distributed.DistError as exc:
+        out.why_missing = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+    for rank, key in keys.items():
+        try:
+            if out.why_missing and not store.check([key]):
+                out.missing.append(rank)
+                continue
+            out.reported[rank] = store.get(key).decode("utf-8", "replace")
+            store.delete_key(key)
+        except torch.distributed.DistError as exc:  # the store itself is gone: nothing more to read
+            logger.warning("staged outcome of rank %s under ticket %s unreadable: %s", rank, ticket, exc)
+            out.missing.append(rank)
+            out.why_missing = out.why_missing or str(exc).splitlines()[0][:300]
+    return out
