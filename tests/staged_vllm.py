@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+from ckpt_engine.sources.base import StateDictSource
 
 # head_dim 32: vLLM's CPU attention has no kernel for head_dim 16.
 QWEN2_CONFIG = {
@@ -24,6 +25,30 @@ QWEN2_CONFIG = {
     "torch_dtype": "float32", "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2,
 }
 GENERATE_ROUTE = "/inference/v1/generate"
+
+
+class PacedSource(StateDictSource):
+    """A trainer's weights, handed over one tensor every `pace_s` (a slow gather): a staged stream
+    then lasts long enough (about a second for the 26 tensors of QWEN2_CONFIG at 0.04 s) that a
+    serving engine finishes requests while it streams, whatever the box's speed."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], pace_s: float = 0.04) -> None:
+        super().__init__(weights)
+        self.pace_s = pace_s
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for pair in super().iter_weights():
+            time.sleep(self.pace_s)
+            yield pair
+
+
+def wait_for_outputs_beyond(stream: "RequestStream", served: int, timeout_s: float = 60.0) -> None:
+    """Until the stream has finished more than `served` requests: the engine still serves. Bounded,
+    not an instant check: a failure noticed quickly can leave no request time to finish."""
+    deadline = time.monotonic() + timeout_s
+    while len(stream.outputs) <= served:
+        assert time.monotonic() < deadline, f"the engine finished no request in {timeout_s:.0f} s after {served}: it stopped serving"
+        time.sleep(0.1)
 
 
 def write_model_dir(path: Path) -> Path:

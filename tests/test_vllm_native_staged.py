@@ -24,14 +24,13 @@ import torch
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.report import SyncError
 from helpers_vllm import api_server
 
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from staged_vllm import HfReference, Output, RequestStream, generate, write_model_dir  # noqa: E402
+from staged_vllm import HfReference, Output, PacedSource, RequestStream, generate, write_model_dir  # noqa: E402
 from tamper import FlipOnce  # noqa: E402
 
 from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient  # noqa: E402
@@ -76,15 +75,6 @@ class Recorder(VllmNativeRollout):
         return stall
 
 
-class PacedSource(StateDictSource):
-    """A trainer's weights, handed over one tensor every `PACE_S` (a slow gather)."""
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for pair in super().iter_weights():
-            time.sleep(PACE_S)
-            yield pair
-
-
 class _Tampered(FlipOnce):
     """Flips one bit of the second patch bucket it sends, once armed."""
 
@@ -99,7 +89,7 @@ def trainer_model(model_dir: Path, seed: int) -> torch.nn.Module:
 
 
 def source_of(model: torch.nn.Module) -> PacedSource:
-    return PacedSource({n: t.detach().clone() for n, t in model.state_dict().items()})
+    return PacedSource({n: t.detach().clone() for n, t in model.state_dict().items()}, PACE_S)
 
 
 def step(model: torch.nn.Module, g: torch.Generator, frac: float = 0.03) -> None:

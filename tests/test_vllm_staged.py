@@ -30,7 +30,7 @@ from ckpt_engine.sync.api import SyncError
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from staged_vllm import HfReference, Output, RequestStream, SwapRecorder, generate, served_model  # noqa: E402
+from staged_vllm import HfReference, Output, RequestStream, SwapRecorder, generate, served_model, wait_for_outputs_beyond  # noqa: E402
 from tamper import FlipOnce  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -249,7 +249,7 @@ def _corrupt_patch_then_killed_sender(url: str, model_dir: Path, sender: subproc
         while any((h["staged"] or {}).get("running") for h in adapter.worker_health()):
             assert time.monotonic() < deadline, "the staged receive never noticed the dead sender"
             time.sleep(0.5)
-        assert len(stream.outputs) > served  # it never stopped serving
+        wait_for_outputs_beyond(stream, served)  # it never stopped serving
         _assert_serves_old(url, adapter, healed, sums, ref)
         session = WeightSyncSession([SwapRecorder("vllm-staged", url, timeout_s=60.0)], cfg)
         try:
