@@ -22,10 +22,12 @@ __all__ = ["PieceReader"]
 
 
 Known = dict[str, tuple["weakref.ref[torch.Tensor]", int, bool]]
-Seen = list[tuple["weakref.ref[torch.Tensor]", int]]
 """Per whole entry, the tensor a source yielded for it at the last sync (weakly: a source of
 temporaries must not be kept alive), its data pointer and whether it was in the wire layout (kept
 by the engine per plan, for sources whose tensors stay valid)."""
+Seen = list[tuple["weakref.ref[torch.Tensor]", int]]
+"""A stretch of whole entries' tensors as the last sync yielded them (weakly) and their data
+pointers: what `PieceReader.same_as_last` compares a new walk against."""
 
 
 class PieceReader:
