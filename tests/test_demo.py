@@ -147,11 +147,12 @@ def test_demo_default_command_summary(tmp_path: Path) -> None:
     lines = proc.stdout.splitlines()
     assert sum(1 for ln in lines if ln.startswith("sync v")) == len(versions)
     assert any(ln.startswith("summary:") for ln in lines) and "GB/s" in proc.stdout and "overhead" in proc.stdout
-    # fp32 at a high learning rate: delta=auto stops encoding after the first patch syncs cost more
-    # than dense ones (how many it tries depends on the box's timings); a patch never carries more
-    # than the dense bytes; every line says what went on the wire.
+    # fp32 at a high learning rate: delta=auto stops encoding once patch syncs cost more than dense
+    # ones, and probes again after a back-off (how often it tries depends on the box's timings: CI
+    # runs saw 2 to 6 patch syncs of 8; the back-off rule itself is tested in test_delta_policy);
+    # a patch never carries more than the dense bytes; every line says what went on the wire.
     assert s["delta_mode"] == "auto" and 0 < s["wire_bytes"] <= s["dense_bytes"]
-    assert s["delta_kinds"].get("off", 0) > s["delta_kinds"].get("patch", 0)  # auto stopped encoding
+    assert s["delta_kinds"].get("off", 0) >= 1, s["delta_kinds"]  # auto stopped encoding
     assert all(" sender" in ln and (" of " in ln or " dense " in ln) for ln in lines if ln.startswith("sync v"))
     assert any(ln.strip().startswith("wire ") and "dense" in ln for ln in lines)
     print(f"demo wall time {wall:.0f}s")  # a newcomer's first run; a figure, not a bound
