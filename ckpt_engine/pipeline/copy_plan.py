@@ -24,8 +24,14 @@ __all__ = ["BucketReceive", "BucketSend", "ReceivePlan", "SendPlan", "anchors_of
 
 
 def layout_of(tensors: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:
-    """Where `tensors` live: (address, shape, strides, dtype, device) of each, in order."""
-    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors)
+    """Where `tensors` live: their addresses, shapes, strides, dtypes and devices, one tuple per
+    attribute in the tensors' order (a replayed plan checks this every sync: at a 30B MoE's
+    thousands of anchors, one pass per attribute took a quarter of the host time of a tuple per
+    tensor)."""
+    return (
+        tuple([t.data_ptr() for t in tensors]), tuple([t.shape for t in tensors]), tuple([t.stride() for t in tensors]),
+        tuple([t.dtype for t in tensors]), tuple([t.device for t in tensors]),
+    )
 
 
 def _bytes_view(t: torch.Tensor, nbytes: int) -> torch.Tensor:
