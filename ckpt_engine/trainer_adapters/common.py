@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["DEFAULT_KEEP_FP32", "TrainConfig", "WirePolicy", "check_float_dtype", "dtype_name", "torch_dtype"]
 
@@ -156,3 +157,23 @@ def clip_and_step(
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return True
+
+
+def mean_loss(loss: torch.Tensor, group: Any, world_size: int) -> dict[str, float]:
+    """This rank's loss ('local_loss') and its mean over the data-parallel `group` ('loss');
+    collective: every rank of `group` calls it once per micro-batch."""
+    local = loss.detach().float().reshape(1).clone()
+    total = local.clone()
+    dist.all_reduce(total, group=group)
+    return {"loss": total.item() / world_size, "local_loss": local.item()}
+
+
+def global_grad_norm(local_grads: list[torch.Tensor], group: Any, device: torch.device) -> float:
+    """Global L2 norm of gradients whose every element lives on exactly one rank of `group` (local
+    shards): fp64 sums of squares, all-reduced. Collective over `group`."""
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for g in local_grads:
+        if g.numel():
+            sq += torch.linalg.vector_norm(g, dtype=torch.float64).square()
+    dist.all_reduce(sq, group=group)
+    return math.sqrt(sq.item())

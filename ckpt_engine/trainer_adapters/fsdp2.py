@@ -19,9 +19,8 @@ sharding, no collective) and `local_piece(name)` hands out this rank's rows; not
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,13 +30,11 @@ from torch import nn
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.ownership import Shard
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, adamw_with_schedule, check_float_dtype, clip_and_step, dtype_name, hf_config_of, resume_schedule, torch_dtype
-from ckpt_engine.trainer_adapters.hf_names import (
-    clean_name,
-    has_unhandled_fused_experts,
-    unfuse_expert_specs,
-    unfuse_experts,
+from ckpt_engine.trainer_adapters.common import (
+    DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, adamw_with_schedule, check_float_dtype, clip_and_step, global_grad_norm, hf_config_of,
+    mean_loss, resume_schedule, torch_dtype,
 )
+from ckpt_engine.trainer_adapters.export_plan import ExportEntry, decoder_layers, emit_entry, plan_export
 from ckpt_engine.trainer_adapters.fsdp2_source import FSDP2ShardedSource
 from ckpt_engine.trainer_adapters.fsdp2_adapters import AdapterExport
 
@@ -71,36 +68,6 @@ class FSDP2Config(TrainConfig):
             raise ValueError(f"{type(self).__name__}.weights must be 'full' or 'adapters', got {self.weights!r}")
         for fname in ("param_dtype", "reduce_dtype"):
             check_float_dtype(f"{type(self).__name__}.{fname}", getattr(self, fname))
-
-
-@dataclass
-class _Entry:
-    """One exported parameter or buffer: where it lives and what it becomes on the wire."""
-
-    unit: int  # index into FSDP2TrainEngine._units
-    module: nn.Module
-    attr: str
-    is_buffer: bool
-    name: str  # HF name before expert unfusing
-    shape: tuple[int, ...]
-    dtype: torch.dtype  # master dtype
-    specs: list[TensorSpec] = field(default_factory=list)  # what goes on the wire (1, or one per expert part)
-    expert_outputs: int = 0  # fused experts: wire tensors per expert (0: not a fused expert)
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The per-layer FSDP units of a HF causal LM: modules of its `_no_split_modules` classes."""
-    classes = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in classes]
-    if not layers:
-        inner = getattr(model, "model", None)
-        layers = list(getattr(inner, "layers", []) or [])
-    if not layers:
-        raise ValueError(
-            f"cannot find the decoder layers of {type(model).__name__}: it declares no _no_split_modules "
-            "and has no model.layers; FSDP2TrainEngine wraps Hugging Face causal LMs (Qwen2/Llama family)"
-        )
-    return layers
 
 
 class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
@@ -138,9 +105,11 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         self._wire = WirePolicy(self.config.wire_dtype, self.config.keep_fp32_patterns)
         layers = decoder_layers(model)
         self._adapters = AdapterExport(model, self.config.adapter) if self.config.weights == "adapters" else None
-        self._entries = self._plan_export(model, layers)  # bad layouts fail here, before any collective
+        self._entries = plan_export(  # bad layouts fail here, before any collective
+            model, layers, model_type=self.model_type, wire=self._wire, buffers=True, tied_head=self.tie_word_embeddings, who="FSDP2",
+        )
         if self._adapters is not None:
-            self._entries = self._adapters.entries(self._entries, _Entry)
+            self._entries = self._adapters.entries(self._entries)
 
         if mesh is None:
             assert process_group is not None
@@ -201,47 +170,6 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         """The dtype `name` travels in: keep-fp32 policy first, then `wire_dtype` for floats."""
         return self._wire.dtype_for(name, dtype)
 
-    def _plan_export(self, model: nn.Module, layers: list[nn.Module]) -> list[_Entry]:
-        """Every tensor the rollout needs, in HF state-dict order, with its owning FSDP unit."""
-        unit_of = {id(m): i + 1 for i, m in enumerate(layers)}
-        entries: list[_Entry] = []
-        seen: set[int] = set()
-
-        def walk(module: nn.Module, prefix: str, unit: int) -> None:
-            unit = unit_of.get(id(module), unit)
-            for attr, p in module._parameters.items():
-                if p is None or id(p) in seen:
-                    continue  # tied weights: HF checkpoints hold the first name only
-                seen.add(id(p))
-                entries.append(_Entry(unit, module, attr, False, clean_name(prefix + attr), tuple(p.shape), p.dtype))
-            for attr, b in module._buffers.items():
-                if b is None or attr in module._non_persistent_buffers_set or id(b) in seen:
-                    continue
-                seen.add(id(b))
-                entries.append(_Entry(unit, module, attr, True, clean_name(prefix + attr), tuple(b.shape), b.dtype))
-            for child_name, child in module._modules.items():
-                if child is not None:
-                    walk(child, f"{prefix}{child_name}.", unit)
-
-        walk(model, "", 0)
-        if self.tie_word_embeddings:
-            entries = [e for e in entries if e.name != "lm_head.weight"]
-        unhandled = has_unhandled_fused_experts(self.model_type, [e.name for e in entries])
-        if unhandled:
-            raise ValueError(
-                f"cannot export fused MoE experts of model_type {self.model_type!r} (e.g. {unhandled[0]}): "
-                "add a FusedExpertRule for it in ckpt_engine/trainer_adapters/hf_names.py"
-            )
-        for e in entries:
-            parts = unfuse_expert_specs(self.model_type, e.name, e.shape)
-            pairs = parts if parts is not None else [(e.name, e.shape)]
-            e.expert_outputs = len(parts) // e.shape[0] if parts is not None and e.shape[0] else 0
-            e.specs = [TensorSpec(n, dtype_name(self.wire_dtype(n, e.dtype)), s) for n, s in pairs]
-        names = [s.name for e in entries for s in e.specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"{type(model).__name__}: exported names are not unique after removing wrapper prefixes")
-        return entries
-
     def metadata(self) -> list[TensorSpec]:
         """HF checkpoint name, wire dtype and global shape of every exported tensor (local, no gather)."""
         return [s for e in self._entries for s in e.specs]
@@ -299,7 +227,7 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
                     units[active].reshard()
                 root.reshard()
 
-    def _emit(self, e: _Entry) -> Iterator[tuple[str, torch.Tensor]]:
+    def _emit(self, e: ExportEntry) -> Iterator[tuple[str, torch.Tensor]]:
         t = getattr(e.module, e.attr)
         if isinstance(t, torch.distributed.tensor.DTensor):  # not gathered (should not happen after unshard)
             t = t.full_tensor()
@@ -308,14 +236,9 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
             # Mixed precision gathered this param in a lower precision than the wire needs (e.g. a
             # keep-fp32 router gate under param_dtype=bf16): gather the master shard instead.
             t = self._master(e).full_tensor()
-        parts = unfuse_experts(self.model_type, e.name, t)
-        if parts is None:
-            yield e.specs[0].name, t if t.dtype == want else t.to(want)
-            return
-        for spec, (name, part) in zip(e.specs, parts):
-            yield name, part if part.dtype == torch_dtype(spec.dtype) else part.to(torch_dtype(spec.dtype))
+        yield from emit_entry(self.model_type, e, t)
 
-    def _master(self, e: _Entry) -> Any:
+    def _master(self, e: ExportEntry) -> Any:
         from torch.distributed.fsdp import FSDPModule
 
         unit = self._units[e.unit]
@@ -350,21 +273,18 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         logits = self.model(**inputs, use_cache=False).logits
         loss = loss_fn(logits, batch)
         loss.backward()
-        local = loss.detach().float().reshape(1).clone()
-        total = local.clone()
-        dist.all_reduce(total, group=self.group)
-        return {"loss": total.item() / self.world_size, "local_loss": local.item()}
+        return mean_loss(loss, self.group, self.world_size)
 
     def grad_norm(self) -> float:
         """Global L2 norm of the gradients: fp64 sums of squares of the local shards, all-reduced."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                g = p.grad.to_local() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
-                if g.numel():
-                    sq += torch.linalg.vector_norm(g, dtype=torch.float64).square()
-        dist.all_reduce(sq, group=self.group)
-        return math.sqrt(sq.item())
+        return global_grad_norm(self._local_grads(), self.group, self.device)
+
+    def _local_grads(self) -> list[torch.Tensor]:
+        return [
+            p.grad.to_local() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
+            for p in self.model.parameters()
+            if p.grad is not None
+        ]
 
     def optimizer_step(self) -> float:
         """Clip (by the global norm), step AdamW, zero grads; returns the pre-clip global grad norm.
@@ -372,12 +292,7 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         A non-finite norm skips the update (grads are dropped) on every rank alike.
         """
         norm = self.grad_norm()
-        grads = [
-            p.grad.to_local() if isinstance(p.grad, torch.distributed.tensor.DTensor) else p.grad
-            for p in self.model.parameters()
-            if p.grad is not None
-        ]
-        if clip_and_step(self.optimizer, grads, norm, self.config.max_grad_norm, self.global_step):
+        if clip_and_step(self.optimizer, self._local_grads(), norm, self.config.max_grad_norm, self.global_step):
             self.global_step += 1
         return norm
 

@@ -18,6 +18,7 @@ from torch import nn
 from ckpt_engine.lora_format import ADAPTER_CONFIG, LoraSpec, peft_wire_name
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.sources.adapters import lora_spec_of
+from ckpt_engine.trainer_adapters.export_plan import ExportEntry
 
 __all__ = ["AdapterExport"]
 
@@ -38,7 +39,7 @@ class AdapterExport:
         self.spec: LoraSpec = lora_spec_of(model, adapter)
         self.holder = _ConfigHolder(self.spec.encode())
 
-    def entries(self, entries: list[Any], entry_cls: Callable[..., Any]) -> list[Any]:
+    def entries(self, entries: list[ExportEntry]) -> list[ExportEntry]:
         """Keep the adapter's LoRA entries (renamed to PEFT's saved names), then the config entry."""
         kept = []
         for e in entries:
@@ -54,10 +55,10 @@ class AdapterExport:
         if ranks != {self.spec.rank}:
             raise ValueError(f"adapter {self.adapter!r}: lora_A ranks {sorted(ranks)} differ from its config's r={self.spec.rank}")
         config = self.holder.config
-        kept.append(entry_cls(0, self.holder, "config", True, ADAPTER_CONFIG, tuple(config.shape), config.dtype, [self.spec.config_spec()]))
+        kept.append(ExportEntry(0, self.holder, "config", True, ADAPTER_CONFIG, tuple(config.shape), config.dtype, [self.spec.config_spec()]))
         return kept
 
-    def iter_weights(self, entries: list[Any], master: Callable[[Any], Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, entries: list[ExportEntry], master: Callable[[ExportEntry], Any]) -> Iterator[tuple[str, torch.Tensor]]:
         """Each LoRA tensor gathered on its own (collective: every rank walks it to its end)."""
         with torch.no_grad():
             for e in entries:

@@ -14,16 +14,17 @@ import torch
 
 from ckpt_engine.planning.ownership import OwnerMap, Shard
 from ckpt_engine.sources.sharded import ShardedWeightSource
+from ckpt_engine.trainer_adapters.export_plan import ExportEntry
 from ckpt_engine.trainer_adapters.fsdp2_shards import dim0_rows, own_rows, shard_owners
 
 __all__ = ["FSDP2ShardedSource"]
 
 
 class FSDP2ShardedSource(ShardedWeightSource):
-    """The sharded source FSDP2TrainEngine extends (entries are its `_Entry`: not imported, imports point down)."""
+    """The sharded source FSDP2TrainEngine extends."""
 
-    _entries: list[Any]
-    _pieces: dict[str, tuple[Any, int]]
+    _entries: list[ExportEntry]
+    _pieces: dict[str, tuple[ExportEntry, int]]
     _owners: dict[str, list[Shard]] | None
     _rows: dict[int, list[int] | None]
     _fsdp_params: dict[tuple[int, str], Any] | None
@@ -74,7 +75,7 @@ class FSDP2ShardedSource(ShardedWeightSource):
         out += [t for k, t in self._sync_cache.items() if k[1] is not None]
         return out
 
-    def _local_tensor(self, e: Any) -> torch.Tensor:
+    def _local_tensor(self, e: ExportEntry) -> torch.Tensor:
         """An entry's local tensor object itself (what a DTensor's `to_local()` views; a plain
         tensor as is), read without an autograd call."""
         t = self._sharded(e) if self._rows_of(e) is not None else getattr(e.module, e.attr)
@@ -100,7 +101,7 @@ class FSDP2ShardedSource(ShardedWeightSource):
             self._few_casts = cast * 32 <= total
         return self._few_casts
 
-    def _local_of(self, e: Any, cache: bool = True) -> torch.Tensor:
+    def _local_of(self, e: ExportEntry, cache: bool = True) -> torch.Tensor:
         """The rank's local tensor of an entry (its shard, or the whole replicated tensor), looked
         up once per sync: `DTensor.to_local` is an autograd call, and a fused expert tensor serves
         every expert."""
@@ -153,13 +154,13 @@ class FSDP2ShardedSource(ShardedWeightSource):
                 t = own_rows(name, t, rows, self.rank, index, e.expert_outputs)
             return t if t.dtype == want else t.to(want)
 
-    def _rows_of(self, e: Any) -> list[int] | None:
+    def _rows_of(self, e: ExportEntry) -> list[int] | None:
         key = id(e)
         if key not in self._rows:
             self._rows[key] = None if e.is_buffer else dim0_rows(e.name, self._sharded(e), self.rank, self.world_size)
         return self._rows[key]
 
-    def _sharded(self, e: Any) -> Any:
+    def _sharded(self, e: ExportEntry) -> Any:
         """The parameter's sharded (master) form, whether or not the module is unsharded now."""
         if self._fsdp_params is None:
             self._fsdp_params = {}

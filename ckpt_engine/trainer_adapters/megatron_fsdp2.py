@@ -37,7 +37,6 @@ sender, rank 0 (`is_sender`) streams what `iter_weights` yields.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,9 +48,10 @@ from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import TrainConfig, WirePolicy, check_float_dtype, clip_and_step, dtype_name, hf_config_of, resume_schedule, torch_dtype
-from ckpt_engine.trainer_adapters.fsdp2 import decoder_layers
-from ckpt_engine.trainer_adapters.hf_names import clean_name, has_unhandled_fused_experts, unfuse_expert_specs, unfuse_experts
+from ckpt_engine.trainer_adapters.common import (
+    TrainConfig, WirePolicy, check_float_dtype, clip_and_step, global_grad_norm, hf_config_of, mean_loss, resume_schedule, torch_dtype,
+)
+from ckpt_engine.trainer_adapters.export_plan import ExportEntry, decoder_layers, emit_entry, plan_export
 from ckpt_engine.trainer_adapters.megatron_fsdp2_shards import MegatronFSDP2ShardedSource
 
 if TYPE_CHECKING:
@@ -98,20 +98,6 @@ class MegatronFSDP2Config(TrainConfig):
             check_float_dtype(f"{type(self).__name__}.{fname}", getattr(self, fname))
 
 
-@dataclass
-class _Entry:
-    """One exported parameter: the unit that gathers it, where it lives, what goes on the wire."""
-
-    unit: int
-    module: nn.Module
-    attr: str
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    specs: list[TensorSpec]
-    expert_outputs: int = 0  # fused experts: wire tensors per expert (0: not a fused expert)
-
-
 class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
     """Data-parallel Megatron-FSDP2 training of a HF causal LM, and its weight source for the rollout.
 
@@ -155,7 +141,9 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
             model.to(torch_dtype(cfg.param_dtype))
         self._wire = WirePolicy(cfg.wire_dtype, cfg.keep_fp32_patterns)
         layers = decoder_layers(model)
-        self._entries = self._plan_export(model, layers)  # bad layouts fail here, before any collective
+        self._entries = plan_export(  # bad layouts fail here, before any collective
+            model, layers, model_type=self.model_type, wire=self._wire, buffers=False, tied_head=False, who="Megatron-FSDP2",
+        )
 
         if mesh is None:
             assert process_group is not None
@@ -195,44 +183,6 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
         )
 
     # --- export plan ---------------------------------------------------------------------------
-    def _plan_export(self, model: nn.Module, layers: list[nn.Module]) -> list[_Entry]:
-        """Every parameter the rollout needs, in HF state-dict order, with its owning unit."""
-        unit_of = {id(m): i + 1 for i, m in enumerate(layers)}
-        entries: list[_Entry] = []
-        persistent: list[str] = []
-
-        def walk(module: nn.Module, prefix: str, unit: int) -> None:
-            unit = unit_of.get(id(module), unit)
-            for attr, p in module._parameters.items():
-                if p is not None:
-                    name = clean_name(prefix + attr)
-                    entries.append(_Entry(unit, module, attr, name, tuple(p.shape), p.dtype, []))
-            persistent.extend(
-                prefix + a for a, b in module._buffers.items() if b is not None and a not in module._non_persistent_buffers_set
-            )
-            for child_name, child in module._modules.items():
-                if child is not None:
-                    walk(child, f"{prefix}{child_name}.", unit)
-
-        walk(model, "", 0)
-        if persistent:
-            raise ValueError(f"{type(model).__name__} has persistent buffers ({persistent[0]}, ...): Megatron-FSDP2 export covers parameters only")
-        unhandled = has_unhandled_fused_experts(self.model_type, [e.name for e in entries])
-        if unhandled:
-            raise ValueError(
-                f"cannot export fused MoE experts of model_type {self.model_type!r} (e.g. {unhandled[0]}): "
-                "add a FusedExpertRule for it in ckpt_engine/trainer_adapters/hf_names.py"
-            )
-        for e in entries:
-            parts = unfuse_expert_specs(self.model_type, e.name, e.shape)
-            pairs = parts if parts is not None else [(e.name, e.shape)]
-            e.expert_outputs = len(parts) // e.shape[0] if parts is not None and e.shape[0] else 0
-            e.specs = [TensorSpec(n, dtype_name(self._wire.dtype_for(n, e.dtype)), s) for n, s in pairs]
-        names = [s.name for e in entries for s in e.specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"{type(model).__name__}: exported names are not unique after removing wrapper prefixes")
-        return entries
-
     def _locate_entries(self) -> None:
         """Map every entry to (parameter group, index in it): where its main weight lives."""
         where: dict[tuple[int, str], tuple[Any, int]] = {}
@@ -319,18 +269,12 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
                 for u in gathered:
                     units[u]._reshard_parameter_groups()
 
-    def _emit(self, i: int, e: _Entry) -> Iterator[tuple[str, torch.Tensor]]:
+    def _emit(self, i: int, e: ExportEntry) -> Iterator[tuple[str, torch.Tensor]]:
         t = getattr(e.module, e.attr)
         want = torch_dtype(e.specs[0].dtype)
         if t.is_floating_point() and t.element_size() < torch.empty((), dtype=want).element_size():
             t = self._main_full(i)  # e.g. a keep-fp32 router gate under bf16 compute: the main weight
-        parts = unfuse_experts(self.model_type, e.name, t)
-        if parts is None:
-            yield e.specs[0].name, t if t.dtype == want else t.to(want)
-            return
-        for spec, (name, part) in zip(e.specs, parts):
-            dt = torch_dtype(spec.dtype)
-            yield name, part if part.dtype == dt else part.to(dt)
+        yield from emit_entry(self.model_type, e, t)
 
     def _main_full(self, i: int) -> torch.Tensor:
         """Entry i's full main (optimizer) weight: its group's main buffer gathered (collective)."""
@@ -368,22 +312,14 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
         logits = self.model(**inputs, use_cache=False, return_dict=False)[0]
         loss = loss_fn(logits, batch)
         loss.backward()
-        local = loss.detach().float().reshape(1).clone()
-        total = local.clone()
-        dist.all_reduce(total, group=self.group)
-        return {"loss": total.item() / self.world_size, "local_loss": local.item()}
+        return mean_loss(loss, self.group, self.world_size)
 
     def _local_grads(self) -> list[torch.Tensor]:
         return [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
 
     def grad_norm(self) -> float:
         """Global L2 norm: every gradient element lives in exactly one rank's range; fp64, all-reduced."""
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for g in self._local_grads():
-            if g.numel():
-                sq += torch.linalg.vector_norm(g, dtype=torch.float64).square()
-        dist.all_reduce(sq, group=self.group)
-        return math.sqrt(sq.item())
+        return global_grad_norm(self._local_grads(), self.group, self.device)
 
     def optimizer_step(self) -> float:
         """Clip (global norm), AdamW on the main weights, copy them into the compute weights, zero grads.

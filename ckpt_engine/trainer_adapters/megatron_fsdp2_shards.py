@@ -25,6 +25,7 @@ import torch
 from ckpt_engine.planning.ownership import OwnerMap, Shard
 from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.trainer_adapters.common import torch_dtype
+from ckpt_engine.trainer_adapters.export_plan import ExportEntry
 from ckpt_engine.trainer_adapters.fsdp2_shards import expert_part, own_rows, shard_owners
 
 __all__ = ["MegatronFSDP2ShardedSource", "dbuffer_rows", "flat_rows"]
@@ -89,7 +90,7 @@ class MegatronFSDP2ShardedSource(ShardedWeightSource):
     (`sender_index` = its rank in the mesh).
     """
 
-    _entries: list[Any]  # megatron_fsdp2._Entry (not imported: imports point down)
+    _entries: list[ExportEntry]
     _where: list[tuple[Any, int]]
     rank: int
     world_size: int
