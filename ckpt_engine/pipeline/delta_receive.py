@@ -128,6 +128,7 @@ class DeltaReceiver:
             arrived: dict[int, Any] = {}  # checked patches, and dense frames staged for in-place receivers
             pending: _Pending | None = None
             check_s = 0.0
+            setup_s = time.perf_counter() - t_start  # host time before the first frame (per-tensor checks)
             for step in steps:
                 header = t.fresh(step.gid, FRAME_WORDS, torch.int64, (1, FRAME_WORDS))
                 where = f"bucket {step.bucket.index} from sender {step.bucket.sender}"
@@ -193,7 +194,7 @@ class DeltaReceiver:
             "wire_bytes": float(wire), "dense_bytes": float(sum(s.bucket.nbytes for s in steps)),
             "patch_buckets": float(sum(1 for k, _s, _e in frames if k == PATCH)), "apply_s": apply_s + check_s,
             "check_s": check_s, "receive_s": time.perf_counter() - t_start, "changed_words": float(changed),
-            "base_bytes": float(bases.nbytes), "in_place": float(places is not None),
+            "base_bytes": float(bases.nbytes), "in_place": float(places is not None), "setup_s": setup_s,
         }
         return places
 

@@ -119,10 +119,12 @@ class DeltaSender:
 
         # A source that names its anchors is walked once per plan and then replayed while they
         # stay where they were (recorded_pieces.py); any other is walked every sync.
+        t_anchor = time.perf_counter()
         anchors = anchors_of(weights) if stable else None
         replay = state.delta_pieces
         if replay is not None and (anchors is None or not replay.matches(manifest.digest, anchors)):
             replay = state.delta_pieces = None
+        host["host_anchor_s"] = time.perf_counter() - t_anchor
         if anchors is not None and replay is None:
             weights.close()  # type: ignore[attr-defined]  # the walk anchors() started; walk anew
         recorder: PieceRecorder | None = None
