@@ -30,18 +30,13 @@ def batched_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) ->
         torch._foreach_copy_(keep_d, keep_s)
 
 
-def put_int64s_(dst: torch.Tensor, values: Sequence[int], staging: torch.Tensor | None = None) -> None:
+def put_int64s_(dst: torch.Tensor, values: Sequence[int]) -> None:
     """dst[i] = values[i] for a 1-D int64 tensor, without a host sync: on CUDA one copy from
     pinned memory (a copy from pageable memory would wait for the work queued before it),
-    elsewhere one fill kernel per value. `staging`: pinned int64 memory of the same length the
-    caller owns and rewrites only after this copy ran (else a fresh pinned tensor per call)."""
+    elsewhere one fill kernel per value."""
     if dst.dtype != torch.int64 or dst.dim() != 1 or dst.numel() != len(values):
         raise ValueError(f"need a 1-D int64 tensor of {len(values)} values, got {dst.dtype} of shape {tuple(dst.shape)}")
     if dst.is_cuda:
-        if staging is not None:
-            staging.numpy()[:] = values
-            dst.copy_(staging, non_blocking=True)
-            return
         src = torch.tensor(list(values), dtype=torch.int64).pin_memory()
         dst.copy_(src, non_blocking=True)  # the host allocator keeps `src` until the copy has run
         return

@@ -17,7 +17,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from ckpt_engine.sources.sharded import ShardedStateDictSource, iter_pieces
@@ -41,55 +40,37 @@ def _state(version: int, moved: bool) -> dict[str, torch.Tensor]:
     return sd
 
 
-class _CountingSource(ShardedStateDictSource):
-    """Counts the pieces a walk takes (a replayed delta walk takes none)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.pieces_taken = 0
-
-    def local_piece(self, name: str) -> torch.Tensor:
-        self.pieces_taken += 1
-        return super().local_piece(name)
-
-
-def _plan_rank(
-    rank: int, rdzv: Rendezvous, *, local_senders: list[int] | None, move_destination: bool, watched: bool = False, delta: bool = False
-) -> dict[str, Any]:
+def _plan_rank(rank: int, rdzv: Rendezvous, *, local_senders: list[int] | None, move_destination: bool, watched: bool = False) -> dict[str, Any]:
     kwargs: dict[str, Any] = {} if local_senders is None else {"local_senders": local_senders}
     engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=16 * 1024, timeout_s=rdzv.timeout_s, **kwargs)
     engine.init_process_group(rdzv, rank)
-    out: dict[str, Any] = {"bad": [], "builds": [], "replayed": [], "taken": []}
+    out: dict[str, Any] = {"bad": [], "builds": []}
     # Sync 0 records; sync 1 changes values in place (replayed); sync 2 moves every tensor (rebuilt);
-    # sync 3 replays the rebuilt plan. `delta`: sync 0 seeds, the others are patches.
+    # sync 3 replays the rebuilt plan.
     sd = _state(0, moved=False)
-    source = _CountingSource(sd, rank, SENDERS) if rank < SENDERS else None
+    source = ShardedStateDictSource(sd, rank, SENDERS) if rank < SENDERS else None
     dst: dict[str, torch.Tensor] | None = None
     for sync in range(4):
-        request = DeltaRequest(sync > 0, sync if sync else None, sync + 1) if delta else None
         if sync == 1:
             for t in sd.values():
                 t.mul_(-2)  # same memory, new values
         if sync == 2:
             sd = _state(2, moved=True)
             if rank < SENDERS:
-                source = _CountingSource(sd, rank, SENDERS)
+                source = ShardedStateDictSource(sd, rank, SENDERS)
         specs = ShardedStateDictSource(sd, 0, SENDERS).metadata()
         owners = ShardedStateDictSource(sd, 0, SENDERS).owners()
         manifest = engine.plan(specs, num_senders=SENDERS, owners=owners)
         if rank < SENDERS:
             assert source is not None
             walk = iter_pieces(source, manifest)
-            before = source.pieces_taken
-            engine.send_weights(manifest, WatchedWeights(walk) if watched else walk, stable=True, delta=request)
+            engine.send_weights(manifest, WatchedWeights(walk) if watched else walk, stable=True)
             out["builds"].append(engine.send_plan_builds)
-            out["replayed"].append(engine.last_delta_stats.get("replayed") if delta else None)
-            out["taken"].append(source.pieces_taken - before)
             continue
         if dst is None or (move_destination and sync == 2):
             dst = {k: torch.zeros_like(v) for k, v in sd.items()}  # the loader's own tensors, new memory
         got: dict[str, torch.Tensor] = {}
-        for name, t in engine.receive_weights(manifest, dst, delta=request):
+        for name, t in engine.receive_weights(manifest, dst):
             if sd[name].dim() >= 2 and t.data_ptr() != dst[name].data_ptr():  # rows from both senders: reassembled in place
                 out["bad"].append(f"sync {sync}: {name} was not reassembled in the loader's current destination")
             got[name] = t.clone()
@@ -113,22 +94,6 @@ def test_moved_source_tensors_rebuild_the_send_plan(local_senders: list[int] | N
     for sender in results[:SENDERS]:
         # Recorded at sync 0, replayed at 1 (values changed in place), rebuilt at 2 (moved), replayed at 3.
         assert sender["builds"] == [1, 1, 2, 2]
-
-
-@pytest.mark.parametrize("watched", [False, True], ids=["walk", "watched"])
-def test_delta_senders_replay_their_recorded_walk_until_the_sources_move(watched: bool) -> None:
-    """A delta sender whose source names its anchors walks it once per plan (recorded_pieces.py):
-    later patch syncs take no piece from the source at all while the anchors stay where they were,
-    a source moved to new memory is walked (and recorded) again, and every receiver stays bit-exact
-    through the seed, the in-place change, the move and the replay after it."""
-    results = run_ranks(
-        _plan_rank, SENDERS + 1, backend="gloo", num_senders=SENDERS, local_senders=None, move_destination=False, watched=watched, delta=True
-    )
-    assert results[SENDERS]["bad"] == []
-    for sender in results[:SENDERS]:
-        assert sender["replayed"] == [0.0, 1.0, 0.0, 1.0]
-        walked = sender["taken"][0]
-        assert walked > 0 and sender["taken"] == [walked, 0, walked, 0]
 
 
 def test_replaced_destinations_rebuild_the_receive_plan() -> None:

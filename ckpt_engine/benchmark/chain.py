@@ -96,7 +96,7 @@ def summarize_chain(results: list[dict[str, Any]], args: argparse.Namespace, bac
                 "encode_s": max(r["delta"][i].get("encode_s", 0.0) for r in senders),
                 "apply_s": max(r["delta"][i].get("apply_s", 0.0) for r in receivers),
             }
-            for key in ("host_anchor_s", "host_walk_s", "host_wait_s", "host_finish_s", "host_send_s"):  # sender host time
+            for key in ("host_walk_s", "host_wait_s", "host_finish_s", "host_send_s"):  # sender host time
                 if key in senders[0]["delta"][i]:
                     s["modes"][f"delta v{i + 2}"][key] = max(r["delta"][i][key] for r in senders)
             if "setup_s" in receivers[0]["delta"][i]:  # receiver host time before its first frame

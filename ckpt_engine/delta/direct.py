@@ -105,13 +105,7 @@ class BucketDiff:
     patch". Positions go to the front of `out` after the header, new values behind them until the
     count is known."""
 
-    def __init__(
-        self, out: torch.Tensor, nbytes: int, word_bytes: int, scatter_below: float = SCATTER_BELOW, *,
-        state: torch.Tensor | None = None, count_slot: torch.Tensor | None = None, staging: torch.Tensor | None = None,
-    ) -> None:
-        """`state` (2 int64 on the device), `count_slot` (1 pinned int32) and `staging` (3 pinned
-        int64): memory a caller that diffs bucket after bucket keeps, instead of allocating and
-        pinning it per bucket (each is used only until `finish`)."""
+    def __init__(self, out: torch.Tensor, nbytes: int, word_bytes: int, scatter_below: float = SCATTER_BELOW) -> None:
         need = out_bytes(nbytes, word_bytes, scatter_below)
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < need or out.storage_offset() % 8:
             raise ValueError(f"out must be a 1-D uint8 tensor of >= {need} bytes starting 8-byte aligned")
@@ -124,8 +118,6 @@ class BucketDiff:
         self.device = out.device
         self._fused = accel.triton_on(self.device)
         self._pinned: torch.Tensor | None = None
-        self._count_slot = count_slot
-        self._staging = staging
         wdt = word_dtype(word_bytes)
         self._values_at = PATCH_HEADER_BYTES + align8(4 * self.cap) + 8
         if self.cap:
@@ -135,7 +127,7 @@ class BucketDiff:
             self._positions = torch.empty(0, dtype=torch.int32, device=self.device)
             self._values = torch.empty(0, dtype=wdt, device=self.device)
         if self._fused:  # the count (int32, low half of word 0) and the delta sum (word 1): one fill
-            self._state = state.zero_() if state is not None else torch.zeros(2, dtype=torch.int64, device=self.device)
+            self._state = torch.zeros(2, dtype=torch.int64, device=self.device)
             self._counter = self._state.view(torch.int32)[:1]
             self._delta_t = self._state[1]
         else:
@@ -233,7 +225,7 @@ class BucketDiff:
         completes when it has landed, so `finish` does not wait for work queued after this."""
         if not self._fused or self.device.type != "cuda":
             return None
-        self._pinned = self._count_slot if self._count_slot is not None else torch.empty(1, dtype=torch.int32, pin_memory=True)
+        self._pinned = torch.empty(1, dtype=torch.int32, pin_memory=True)
         self._pinned.copy_(self._counter, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
@@ -255,7 +247,7 @@ class BucketDiff:
         size = values_at + count * self.word_bytes
         if size >= self.nbytes:
             return None, delta, count
-        write_header(self.out, "scatter32", self.word_bytes, self.num_words, count, self._staging)
+        write_header(self.out, "scatter32", self.word_bytes, self.num_words, count)
         self.out[index_at:values_at].zero_()
         src = self._values[:count].view(torch.uint8)
         if count:

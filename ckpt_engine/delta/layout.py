@@ -119,13 +119,11 @@ def resolve_impl(device: torch.device, impl: str) -> str:
     return impl
 
 
-def write_header(
-    out: torch.Tensor, kind: str, word_bytes: int, num_words: int, num_changed: int, staging: torch.Tensor | None = None
-) -> None:
-    """Header fields but delta_sum, without a host sync (copies.put_int64s_, through `staging`)."""
+def write_header(out: torch.Tensor, kind: str, word_bytes: int, num_words: int, num_changed: int) -> None:
+    """Header fields but delta_sum, without a host sync (copies.put_int64s_)."""
     head = HEADER.pack(MAGIC, FORMAT_VERSION, KIND_IDS[kind], word_bytes, 0, num_words, num_changed, 0)
     fields = [int.from_bytes(head[8 * i : 8 * i + 8], "little", signed=True) for i in range(3)]
-    put_int64s_(out[: PATCH_HEADER_BYTES - 8].view(torch.int64), fields, staging)
+    put_int64s_(out[: PATCH_HEADER_BYTES - 8].view(torch.int64), fields)
 
 
 def store_delta_sum(out: torch.Tensor, delta: torch.Tensor) -> None:

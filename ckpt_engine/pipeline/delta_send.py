@@ -22,20 +22,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ckpt_engine.copies import batched_copy_
+from ckpt_engine.copies import batched_copy_, put_int64s_
 from ckpt_engine.delta import codec
 from ckpt_engine.delta.direct import SCATTER_BELOW, BucketDiff, capacity
 from ckpt_engine.delta.layout import PATCH_HEADER_BYTES, Row, header_fields, word_dtype
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.pipeline.copy_plan import anchors_of
 from ckpt_engine.pipeline.fault_hooks import FaultHooks
-from ckpt_engine.pipeline.delta_bases import DENSE, PATCH, Bases, bases_for
+from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, Bases, bases_for
 from ckpt_engine.pipeline.options import PipelineOptions
-from ckpt_engine.pipeline.piece_reader import PieceReader, Pieces, Seen
+from ckpt_engine.pipeline.piece_reader import PieceReader, Seen
 from ckpt_engine.pipeline.plan_state import PlanState
-from ckpt_engine.pipeline.frame_slots import FrameSlots
-from ckpt_engine.pipeline.recorded_pieces import PieceRecorder
 from ckpt_engine.pipeline.schedule import Step
 from ckpt_engine.pipeline.wire_views import entry_view, flat_bytes
 from ckpt_engine.transports.base import SendStats
@@ -74,7 +71,6 @@ class DeltaSender:
         self.hooks = hooks
         self.scatter_below = scatter_below
         self.last_stats: dict[str, float] = {}
-        self._frames = FrameSlots(transport)
 
     def send(
         self, state: PlanState, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool, delta: DeltaRequest
@@ -93,52 +89,31 @@ class DeltaSender:
         tally = {"wire": 0, "changed": 0, "words": 0, "patches": 0, "direct": 0}
         host = {"host_walk_s": 0.0, "host_finish_s": 0.0, "host_wait_s": 0.0, "host_send_s": 0.0}  # where the host's time goes
 
-        def send(step: Step, frame: Frame, parity: int | None = None) -> None:
-            """Post a frame; `parity`: it lies in that slot (frame_slots.py), else it is a copy or
-            a base image."""
+        def send(step: Step, frame: Frame) -> None:
             t_send = time.perf_counter()
             tally["wire"] += frame.size
             tally["changed"] += frame.changed
             tally["patches"] += frame.kind == PATCH
             announced = self.hooks._tamper_size_hook(step.bucket.index, frame.kind, frame.size)
-            header = self._frames.header(parity, frame.kind, announced, frame.result, frame.payload)
+            header = self._frame_header(frame.kind, announced, frame.result, frame.payload)
             self.hooks._tamper_hook(step.bucket.index, frame.payload)
             payload = _exactly(frame.payload, announced)
             keep.extend((header, payload))
             works.append(self.t.post(step.gid, None, header))
             works.append(self.t.post(step.gid, None, payload))
-            self._frames.posted(parity, step.gid)
             host["host_send_s"] += time.perf_counter() - t_send
 
-        def finish_and_send(pending: tuple[Step, BucketDiff, Any, int]) -> None:
+        def finish(pending: tuple[Step, BucketDiff, Any]) -> Frame:
             t_finish = time.perf_counter()
-            step, diff, event, parity = pending
-            frame = self._finish_diff(bases, step, diff, event, parity, host)
+            frame = self._finish_diff(bases, *pending, host)
             host["host_finish_s"] += time.perf_counter() - t_finish
-            send(step, frame, parity if frame.kind == PATCH and self._frames.in_place else None)
+            return frame
 
-        # A source that names its anchors is walked once per plan and then replayed while they
-        # stay where they were (recorded_pieces.py); any other is walked every sync.
-        t_anchor = time.perf_counter()
-        anchors = anchors_of(weights) if stable else None
-        replay = state.delta_pieces
-        if replay is not None and (anchors is None or not replay.matches(manifest.digest, anchors)):
-            replay = state.delta_pieces = None
-        host["host_anchor_s"] = time.perf_counter() - t_anchor
-        if anchors is not None and replay is None:
-            weights.close()  # type: ignore[attr-defined]  # the walk anchors() started; walk anew
-        recorder: PieceRecorder | None = None
         try:
             keys = [(s.ordinal, s.bucket.nbytes) for s in mine]
             bases = state.bases = bases_for(state.bases, manifest, delta, keys, inplace=False, rank=self.t.rank, device=self.t.device)
-            pieces: Pieces
-            if replay is not None:
-                pieces, it = replay, iter(())
-            else:
-                pieces = PieceReader(it, sched, self.t.rank, self.t.device, stats, state.known if stable else None)
-                if anchors is not None:
-                    pieces = recorder = PieceRecorder(pieces)
-            pending: tuple[Step, BucketDiff, Any, int] | None = None
+            pieces = PieceReader(it, sched, self.t.rank, self.t.device, stats, state.known if stable else None)
+            pending: tuple[Step, BucketDiff, Any] | None = None
             for i, step in enumerate(mine):
                 n, word = step.bucket.nbytes, step.word_bytes
                 tally["words"] += n // word
@@ -148,11 +123,11 @@ class DeltaSender:
                     host["host_walk_s"] += time.perf_counter() - t0
                     tally["direct"] += 1
                     if pending is not None:
-                        finish_and_send(pending)
-                    pending = (step, diff, event, i)
+                        send(pending[0], finish(pending))
+                    pending = (step, diff, event)
                 else:
                     if pending is not None:  # the codec and dense paths reuse its buffers
-                        finish_and_send(pending)
+                        send(pending[0], finish(pending))
                         pending = None
                     if delta.patches:
                         frame = self._encode_packed(bases, step, pieces, stable, stats)
@@ -165,7 +140,7 @@ class DeltaSender:
                     stats.extra["encode_s"] = stats.extra.get("encode_s", 0.0) + time.perf_counter() - t0
             if pending is not None:
                 t0 = time.perf_counter()
-                finish_and_send(pending)
+                send(pending[0], finish(pending))
                 stats.extra["encode_s"] = stats.extra.get("encode_s", 0.0) + time.perf_counter() - t0
             if next(it, None) is not None:
                 raise ValueError("the weight source yielded more tensors than its metadata lists")
@@ -175,19 +150,14 @@ class DeltaSender:
             works.clear()
             self.t.abort()
             state.bases.sync_id = None
-            state.delta_pieces = None
             raise
         finally:
             keep.clear()
-            if replay is not None:
-                weights.close()  # type: ignore[attr-defined]
-        if recorder is not None:
-            self._record(state, manifest, weights, recorder)
         words = tally["words"]
         stats.extra.update(
             wire_bytes=float(tally["wire"]), table_bytes=float(24 * len(mine)), dense_bytes=float(sum(s.bucket.nbytes for s in mine)),
             patch_buckets=float(tally["patches"]), direct_buckets=float(tally["direct"]), changed_fraction=tally["changed"] / words if words else 0.0,
-            base_bytes=float(bases.nbytes), replayed=float(replay is not None),
+            base_bytes=float(bases.nbytes),
         )
         if delta.patches:
             stats.extra.update(host)
@@ -196,18 +166,7 @@ class DeltaSender:
         self.last_stats = dict(stats.extra)
         return stats
 
-    def _record(self, state: PlanState, manifest: BucketManifest, weights: Any, recorder: PieceRecorder) -> None:
-        """Keep this walk for replay, keyed by where the source's anchors are now (read in a fresh
-        walk: the one just done has ended)."""
-        anchors = anchors_of(weights)
-        if anchors is None:
-            return
-        try:
-            state.delta_pieces = recorder.recorded(manifest.digest, anchors)
-        finally:
-            weights.close()
-
-    def _pack_into(self, target: torch.Tensor, step: Step, pieces: Pieces, stable: bool, stats: SendStats) -> None:
+    def _pack_into(self, target: torch.Tensor, step: Step, pieces: PieceReader, stable: bool, stats: SendStats) -> None:
         """Copy the bucket's pieces into `target` (the base image, or the scratch buffer)."""
         dsts, srcs = [], []
         for e in step.bucket.entries:
@@ -225,7 +184,7 @@ class DeltaSender:
             batched_copy_(dsts, srcs)
         stats.pack_s += time.perf_counter() - t0
 
-    def _start_diff(self, bases: Bases, step: Step, pieces: Pieces, parity: int, stable: bool) -> tuple[BucketDiff, Any]:
+    def _start_diff(self, bases: Bases, step: Step, pieces: PieceReader, parity: int, stable: bool) -> tuple[BucketDiff, Any]:
         """Queue the one-pass diff of a bucket's source tensors against its base image (no pack;
         a piece not yet in the wire dtype is converted into the scratch buffer first): one launch
         for the whole bucket when the sources stay valid until it runs (`stable`, or converted
@@ -236,19 +195,16 @@ class DeltaSender:
         image = bases.images[key][:n]
         if bases.sums.get(key) is None:
             bases.sums[key] = codec.checksum(image, word)
-        diff = self._frames.diff(parity, n, word, self._scatter_below(n, word))
+        buffers = self.t.buffers
+        half = buffers[1].numel() // 16 * 8
+        region = buffers[1][half * (parity % 2) :][:half]
+        diff = BucketDiff(region, n, word, self._scatter_below(n, word))
         dtype = word_dtype(word)
         image_words = image.view(dtype)
         cache = bases.tables.setdefault(key, {})
-        recorded = pieces.recorded_rows(key) if diff.fused else None
-        if recorded is not None:
-            diff.add_pieces(recorded, image_words, cache)  # the recorded walk's rows: no walk at all
-            return diff, diff.seal()
-        buffers = self.t.buffers
         entries = step.bucket.entries
         run = cache.get("run") if stable and diff.fused else None
         reused = False
-        whole = True  # every entry diffed from its source's own memory (rows only)
         rows: list[Row] = []
         owned: list[tuple[int, torch.Tensor, Row]] = []  # (entry index, tensor, row) of the source's own whole tensors
         i = 0
@@ -263,7 +219,7 @@ class DeltaSender:
             if e.is_whole and not own:
                 converted = entry_view(buffers[0], e)
                 converted.copy_(src)
-                src, kept, whole = converted, True, False
+                src, kept = converted, True
             first = e.bucket_offset // word
             if kept and diff.fused:  # no views: the table needs only where the words are
                 rows.append((src.data_ptr(), e.chunk_size // word, first))
@@ -272,31 +228,28 @@ class DeltaSender:
             else:
                 new = (flat_bytes(src) if e.is_whole else src).view(dtype)
                 diff.add(new, image_words[first : first + new.numel()], first)
-                whole = False
             i += 1
         if not reused:
             cache["run"] = _longest_run(owned) if stable and diff.fused else None
         if rows:
             diff.add_pieces(rows, image_words, cache)
-        if whole and diff.fused:
-            pieces.keep_rows(key, rows)
         return diff, diff.seal()
 
-    def _finish_diff(self, bases: Bases, step: Step, diff: BucketDiff, event: Any, parity: int, host: dict[str, float]) -> Frame:
+    def _finish_diff(self, bases: Bases, step: Step, diff: BucketDiff, event: Any, host: dict[str, float] | None = None) -> Frame:
         """The frame of a queued diff; a bucket with more changed words than a scatter patch may
         carry goes dense and is encoded by the codec next time."""
         key, n, word = step.ordinal, step.bucket.nbytes, step.word_bytes
         if event is not None:
             t0 = time.perf_counter()
             self.t.wait_event(event, f"the diff of bucket {step.bucket.index}")
-            host["host_wait_s"] += time.perf_counter() - t0
-        self._frames.staging_free(parity)  # finish() writes the patch header through it
+            if host is not None:
+                host["host_wait_s"] += time.perf_counter() - t0
         size, delta_sum, num_changed = diff.finish()
         if num_changed > diff.cap * _margins(diff.scatter_below)[1]:  # near the limit: the codec next time (it never overflows)
             bases.calm.discard(key)
-        return _frame_of(bases, key, n, word, size, delta_sum, num_changed, diff.out, copy=not self._frames.in_place)
+        return _frame_of(bases, key, n, word, size, delta_sum, num_changed, diff.out)
 
-    def _encode_packed(self, bases: Bases, step: Step, pieces: Pieces, stable: bool, stats: SendStats) -> Frame:
+    def _encode_packed(self, bases: Bases, step: Step, pieces: PieceReader, stable: bool, stats: SendStats) -> Frame:
         """A bucket that changed a lot last time (or has no history): pack it and let the codec
         diff the packed image (dense when its patch would not be smaller); the diff straight from
         the source takes over once the changed words fit a scatter patch (`delta_scatter_below`).
@@ -307,7 +260,6 @@ class DeltaSender:
         if bases.sums.get(key) is None:
             bases.sums[key] = codec.checksum(image, word)
         scratch, out = self.t.buffers[0][:n], self.t.buffers[1]
-        self._frames.wait_free()
         scratch.zero_()
         self._pack_into(scratch, step, pieces, stable, stats)
         size = codec.encode_into_base(image, scratch, word, out)  # the image becomes `new` either way
@@ -315,7 +267,7 @@ class DeltaSender:
         below = self._scatter_below(n, word)
         if size is not None and num_changed <= capacity(n, word, below) * _margins(below)[0]:
             bases.calm.add(key)
-        return _frame_of(bases, key, n, word, size, delta_sum, num_changed, out, copy=True)
+        return _frame_of(bases, key, n, word, size, delta_sum, num_changed, out)
 
     def _scatter_below(self, n: int, word: int) -> float:
         """`delta_scatter_below`, lowered so that a bucket of `n` bytes fits half the second buffer
@@ -323,6 +275,19 @@ class DeltaSender:
         half = self.t.buffers[1].numel() // 16 * 8
         fit = max(0, half - 64) // (4 + word) / max(1, n // word)
         return max(min(self.scatter_below, fit), 1e-9)
+
+    def _frame_header(self, kind: int, size: int, checksum: torch.Tensor | None, payload: torch.Tensor | None = None) -> torch.Tensor:
+        """(kind, bytes, checksum, the patch's own 32-byte header) of one bucket, one int64 row
+        (FRAME_WORDS) on the transport's device, written without a host sync (which would wait
+        for the queued diff kernels). The patch header rides along so that a receiver decodes the
+        patch without reading its payload back: it never waits on the host for a payload."""
+        header = torch.empty((1, FRAME_WORDS), dtype=torch.int64, device=self.t.device)
+        put_int64s_(header[0], [kind, size] + [0] * (FRAME_WORDS - 2))
+        if checksum is not None:
+            header[0, 2].copy_(checksum.reshape(()))
+        if kind == PATCH and payload is not None and payload.numel() >= PATCH_HEADER_BYTES:
+            header[0, 3:].copy_(payload[:PATCH_HEADER_BYTES].view(torch.int64))
+        return header
 
 
 class _Run(NamedTuple):
@@ -358,17 +323,13 @@ def _margins(below: float) -> tuple[float, float]:
     return (_JOIN_AT, _LEAVE_AT) if below > SCATTER_BELOW else (1.0, 1.0)
 
 
-def _frame_of(
-    bases: Bases, key: int, n: int, word: int, size: int | None, delta_sum: Any, num_changed: int, out: torch.Tensor, *, copy: bool
-) -> Frame:
-    """A bucket's frame: dense from its base image, or the patch in `out` (a copy of it when
-    `copy`: `out` is written again before a host transport has sent it)."""
+def _frame_of(bases: Bases, key: int, n: int, word: int, size: int | None, delta_sum: Any, num_changed: int, out: torch.Tensor) -> Frame:
     if size is None:
         bases.sums[key] = None
         return Frame(DENSE, n, None, bases.images[key][:n], n // word)
     result = bases.sums[key] + delta_sum
     bases.sums[key] = result
-    return Frame(PATCH, size, result, out[:size].clone() if copy else out[:size], num_changed)
+    return Frame(PATCH, size, result, out[:size].clone(), num_changed)
 
 
 def _exactly(payload: torch.Tensor, size: int) -> torch.Tensor:

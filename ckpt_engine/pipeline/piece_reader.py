@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import time
 import weakref
-from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from itertools import chain, islice
 from typing import Any
 
 import torch
 
-from ckpt_engine.delta.layout import Row
 from ckpt_engine.pipeline.wire_views import checked_weight, flat_bytes, has_wire_layout, next_weight, torch_dtype
 from ckpt_engine.transports.base import SendStats
 from ckpt_engine.manifest import TensorMeta
 
-__all__ = ["PieceReader", "Pieces"]
+__all__ = ["PieceReader"]
 
 
 Known = dict[str, tuple["weakref.ref[torch.Tensor]", int, bool]]
@@ -32,29 +30,7 @@ Seen = list[tuple["weakref.ref[torch.Tensor]", int]]
 pointers: what `PieceReader.same_as_last` compares a new walk against."""
 
 
-class Pieces(ABC):
-    """Where a sender takes each entry's bytes from: a walk of the source (`PieceReader`), or what
-    an earlier walk found, replayed (`recorded_pieces.RecordedPieces`)."""
-
-    @abstractmethod
-    def source(self, e: TensorMeta) -> tuple[torch.Tensor, bool]:
-        """(what entry `e` sends, whether that is the caller's own memory in the wire layout)."""
-
-    @abstractmethod
-    def same_as_last(self, entries: Sequence[TensorMeta], seen: Seen | None) -> bool:
-        """Whether these whole entries are, at this sync, the very tensors `seen` recorded (then
-        they are taken and the caller reuses what it derived from them)."""
-
-    def recorded_rows(self, ordinal: int) -> list[Row] | None:
-        """A recorded walk's rows of bucket `ordinal`'s one-launch diff (None: walk the bucket)."""
-        return None
-
-    def keep_rows(self, ordinal: int, rows: list[Row]) -> None:
-        """Bucket `ordinal` was diffed from its sources' own memory alone, as `rows` (a walk
-        being recorded keeps them; any other ignores them)."""
-
-
-class PieceReader(Pieces):
+class PieceReader:
     """Walks the weight source along one sender's entries: one yielded tensor per piece it owns
     (the whole tensor, or its shard), and the bytes of each entry within it.
 

@@ -18,7 +18,6 @@ from ckpt_engine.manifest import BucketManifest, TensorMeta
 from ckpt_engine.pipeline.copy_plan import ReceivePlan, SendPlan
 from ckpt_engine.pipeline.delta_bases import Bases
 from ckpt_engine.pipeline.piece_reader import Known
-from ckpt_engine.pipeline.recorded_pieces import RecordedPieces
 from ckpt_engine.pipeline.schedule import Schedule, Step
 from ckpt_engine.pipeline.wire_views import entry_view
 from ckpt_engine.transports.base import SendStats
@@ -50,8 +49,6 @@ class PlanState:
         self.recv_plan: ReceivePlan | None = None
         self.known: Known = {}
         """Senders with stable sources: what the source yielded for each whole entry last time."""
-        self.delta_pieces: RecordedPieces | None = None
-        """Delta senders whose source names its anchors: the recorded walk (recorded_pieces.py)."""
         self.shared_plan: SharedPlan | None = None
         """Receivers of a sender's own tensors: what each bucket yields."""
         self.own_counts: tuple[int, int, int] | None = None  # (rank, bytes, tensors) a sender sends
@@ -104,4 +101,3 @@ class PlanState:
         self.bases = Bases()
         self.patch_buffers = {}
         self.places = None
-        self.delta_pieces = None
