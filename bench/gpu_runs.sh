@@ -23,10 +23,11 @@ case "$part" in
 one)
   timeout 240 python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests 2>&1 | tail -n 25
   timeout 90 python bench/delta_kernel_probe.py --gib 1 --changed 0.02 --json "$out/delta_kernel_probe.json" 2>&1 | tail -n 6
-  bench colocated_7b --backend colocated --device cuda --preset qwen2.5-7b --modes raw,ours --iters 5
+  bench colocated_7b --backend colocated --device cuda --preset qwen2.5-7b --modes raw,ours --iters 5 --in-place
+  bench colocated_7b_copy --backend colocated --device cuda --preset qwen2.5-7b --modes raw,ours --iters 5
   ;;
 two)
-  timeout 420 python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests 2>&1 | tail -n 30
+  timeout 540 python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests 2>&1 | tail -n 30
   ;;
 bench)
   bench dense_7b --backend nccl --preset qwen2.5-7b --modes raw,ours --iters 5
