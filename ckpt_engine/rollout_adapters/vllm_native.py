@@ -41,7 +41,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.rollout_adapters.vllm_clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient, SwapControl
-from ckpt_engine.rollout_adapters.stage_outcome import new_ticket, wait_outcomes
+from ckpt_engine.rollout_adapters.stage_outcome import clear_outcomes, new_ticket, wait_outcomes
 from ckpt_engine.rollout_adapters.vllm_transfer_engine import NEED_MANIFEST, NO_ROOM, REJECTED
 from ckpt_engine.transports.base import Rendezvous
 
@@ -88,6 +88,8 @@ class VllmNativeRollout(RolloutAdapter):
         self._rendezvous: Rendezvous | None = None  # kept at join: staged receives report their end in its store
         self._ranks: list[int] = []  # the workers' ranks in the weight-sync group
         self._store: Any = None  # this handle's client of the rendezvous store, opened at the first staged receive
+        self._ticket: str | None = None
+        """The last staged receive's ticket while its outcome keys may still land (this handle owns them)."""
 
     def engine_key(self) -> Hashable:
         """The engine behind the client: its URL, or the `LLM` object (else this handle)."""
@@ -108,7 +110,7 @@ class VllmNativeRollout(RolloutAdapter):
         """`init_weight_transfer_engine` on every worker; an engine started without the
         weight-transfer config fails here at once, with the fix."""
         self._worker_digest = None
-        self._rendezvous, self._store = rendezvous, None
+        self._rendezvous, self._store, self._ticket = rendezvous, None, None  # a new group: a new store prefix
         self._ranks = list(range(rank_offset, rank_offset + self.world_size))
         init = {"rendezvous": rendezvous.to_dict(), "rank_offset": rank_offset, "options": options.to_dict(), **self._init_extra()}
         try:
@@ -202,9 +204,11 @@ class VllmNativeRollout(RolloutAdapter):
         if stage is None:
             self._phase(update)
         else:
-            ticket = new_ticket()
-            self._phase({**update, "stage": stage, "ticket": ticket})
+            self._outcome_store()  # before any worker can report: a discard must be able to clear
+            ticket = self._ticket = new_ticket()
+            self._phase({**update, "stage": stage, "ticket": ticket})  # may start on some workers only: discard clears
             self._wait_staged(ticket)
+            self._ticket = None  # every worker reported, and its key is gone
         seconds = time.perf_counter() - t0
         return ReceiveReport(manifest.num_tensors, manifest.total_bytes, seconds, seconds, manifest.num_tensors)
 
@@ -213,12 +217,8 @@ class VllmNativeRollout(RolloutAdapter):
         store; a failed receive is discarded and raised naming the engine and the worker's why, and a
         worker that reported nothing in time (dead, hung) is raised naming its rank (the session then
         discards: the engine keeps its old weights)."""
-        if self._rendezvous is None:
-            raise RuntimeError(f"engine {self.name!r}: a staged receive before join(); join the weight-sync group first")
-        if self._store is None:
-            self._store = self._rendezvous.connect_store(is_master=False)
         timeout_s = self.timeout_s * 2
-        outcomes = wait_outcomes(self._store, ticket, self._ranks, timeout_s)
+        outcomes = wait_outcomes(self._outcome_store(), ticket, self._ranks, timeout_s)
         failed = outcomes.failed
         if failed:
             rank, why = next(iter(failed.items()))
@@ -230,6 +230,14 @@ class VllmNativeRollout(RolloutAdapter):
                 f"engine {self.name!r}: staged receive: worker rank(s) {outcomes.missing} reported no outcome within "
                 f"{timeout_s:.0f}s ({outcomes.why_missing}); the worker died or hangs"
             )
+
+    def _outcome_store(self) -> Any:
+        """This handle's client of the group's rendezvous store (opened once per group)."""
+        if self._rendezvous is None:
+            raise RuntimeError(f"engine {self.name!r}: a staged receive before join(); join the weight-sync group first")
+        if self._store is None:
+            self._store = self._rendezvous.connect_store(is_master=False)
+        return self._store
 
     # --- staged: room, swap, discard ----------------------------------------------------------------
     def staging_room(self, nbytes: int) -> bool:
@@ -275,8 +283,18 @@ class VllmNativeRollout(RolloutAdapter):
     def discard(self) -> None:
         """Drop a staged version on every worker and close vLLM's update; the live weights, the
         version and the engine's steps are untouched (a no-op with nothing staged)."""
-        self._phase({"phase": "discard"})
-        self._finish()
+        try:
+            self._phase({"phase": "discard"})
+            self._finish()
+        finally:
+            self._clear_outcomes()
+
+    def _clear_outcomes(self) -> None:
+        """Delete every worker's outcome key under the last staged receive's ticket. After a discard
+        no worker reports any more (its discard waits for its staged receive to report its end)."""
+        ticket, self._ticket = self._ticket, None
+        if ticket is not None and self._store is not None:
+            clear_outcomes(self._store, ticket, self._ranks)
 
     def finalize(self, version: int) -> None:
         """Layerwise post-processing and the version (vLLM stamps it), then the prefix cache."""
@@ -294,6 +312,7 @@ class VllmNativeRollout(RolloutAdapter):
         return {"version": self.control.weight_version()} if self.control is not None else {}
 
     def leave(self) -> None:
+        self._clear_outcomes()
         self._worker_digest, self._rendezvous, self._store = None, None, None
         if self._open:  # vLLM refuses to shut the transfer engine down inside an update
             self._finish()
