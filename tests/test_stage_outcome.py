@@ -147,3 +147,25 @@ def test_every_rank_key_is_gone_after_a_failed_wait(rendezvous: Rendezvous) -> N
     assert out.failed == {2: "TransferError: checksum mismatch in bucket 0"}
     assert num_keys(rendezvous) == before
     assert clear_outcomes(waiter, ticket, [1, 2]) == 0
+
+
+def test_a_stopped_wait_lets_go_of_the_store_before_the_store_closes(capfd: pytest.CaptureFixture[str]) -> None:
+    """The sync failed elsewhere: the discard stops the staged receive's wait, which lets go of the
+    store within a slice, so closing the store then finds no client waiting in it (torch prints
+    "recvValueWithTimeout failed ... Connection was likely closed" with a C++ stack for one that is)."""
+    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    rendezvous = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 4, "gloo", 30.0)
+    stop = threading.Event()
+    found: list[object] = []
+    waiter = threading.Thread(target=lambda: found.append(wait_outcomes(rendezvous.connect_store(), new_ticket(), [1, 2], 60.0, stop=stop)))
+    waiter.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    stop.set()
+    waiter.join(10.0)
+    assert not waiter.is_alive() and time.monotonic() - t0 < 5.0
+    (out,) = found
+    assert out.missing == [1, 2] and "stopped" in out.why_missing  # type: ignore[attr-defined]
+    del master
+    time.sleep(0.2)
+    assert "recvValueWithTimeout" not in capfd.readouterr().err

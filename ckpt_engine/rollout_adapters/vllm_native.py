@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import threading
 import time
 from collections.abc import Hashable
 from typing import Any, ClassVar
@@ -90,6 +91,8 @@ class VllmNativeRollout(RolloutAdapter):
         self._store: Any = None  # this handle's client of the rendezvous store, opened at the first staged receive
         self._ticket: str | None = None
         """The last staged receive's ticket while its outcome keys may still land (this handle owns them)."""
+        self._stop_wait = threading.Event()
+        """Set by a discard or a leave: a staged receive's wait lets go of the store (it must not outlive it)."""
 
     def engine_key(self) -> Hashable:
         """The engine behind the client: its URL, or the `LLM` object (else this handle)."""
@@ -206,6 +209,7 @@ class VllmNativeRollout(RolloutAdapter):
         else:
             self._outcome_store()  # before any worker can report: a discard must be able to clear
             ticket = self._ticket = new_ticket()
+            self._stop_wait.clear()
             self._phase({**update, "stage": stage, "ticket": ticket})  # may start on some workers only: discard clears
             self._wait_staged(ticket)
             self._ticket = None  # every worker reported, and its key is gone
@@ -218,13 +222,15 @@ class VllmNativeRollout(RolloutAdapter):
         worker that reported nothing in time (dead, hung) is raised naming its rank (the session then
         discards: the engine keeps its old weights)."""
         timeout_s = self.timeout_s * 2
-        outcomes = wait_outcomes(self._outcome_store(), ticket, self._ranks, timeout_s)
+        outcomes = wait_outcomes(self._outcome_store(), ticket, self._ranks, timeout_s, stop=self._stop_wait)
         failed = outcomes.failed
         if failed:
             rank, why = next(iter(failed.items()))
             logger.warning("engine %s: staged receive failed on worker rank(s) %s: %s", self.name, sorted(failed), why)
             self.discard()
             raise RuntimeError(f"engine {self.name!r}: staged receive failed (rank {rank}: {why[:500]}); it keeps serving its old weights")
+        if outcomes.missing and self._stop_wait.is_set():
+            raise RuntimeError(f"engine {self.name!r}: staged receive stopped before worker rank(s) {outcomes.missing} reported: {outcomes.why_missing}")
         if outcomes.missing:
             raise TimeoutError(
                 f"engine {self.name!r}: staged receive: worker rank(s) {outcomes.missing} reported no outcome within "
@@ -282,7 +288,9 @@ class VllmNativeRollout(RolloutAdapter):
 
     def discard(self) -> None:
         """Drop a staged version on every worker and close vLLM's update; the live weights, the
-        version and the engine's steps are untouched (a no-op with nothing staged)."""
+        version and the engine's steps are untouched (a no-op with nothing staged). A staged receive
+        still waiting for the workers' outcomes on another thread stops waiting."""
+        self._stop_wait.set()
         try:
             self._phase({"phase": "discard"})
             self._finish()
@@ -312,6 +320,7 @@ class VllmNativeRollout(RolloutAdapter):
         return {"version": self.control.weight_version()} if self.control is not None else {}
 
     def leave(self) -> None:
+        self._stop_wait.set()  # a wait in flight lets go of the store before the group's store goes away
         self._clear_outcomes()
         self._worker_digest, self._rendezvous, self._store = None, None, None
         if self._open:  # vLLM refuses to shut the transfer engine down inside an update
