@@ -17,7 +17,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ckpt_engine.rollout_adapters.stage_outcome import check_ticket, clear_outcomes, new_ticket, outcome_key, report_outcome, wait_outcomes
+from ckpt_engine.rollout_adapters.stage_outcome import (
+    Outcomes, check_ticket, clear_outcomes, new_ticket, outcome_key, report_outcome, stop_waiting, wait_outcomes,
+)
 from ckpt_engine.rollout_adapters.vllm_staging import StagedReceive, Staging
 from ckpt_engine.transports.base import Rendezvous
 
@@ -150,22 +152,29 @@ def test_every_rank_key_is_gone_after_a_failed_wait(rendezvous: Rendezvous) -> N
 
 
 def test_a_stopped_wait_lets_go_of_the_store_before_the_store_closes(capfd: pytest.CaptureFixture[str]) -> None:
-    """The sync failed elsewhere: the discard stops the staged receive's wait, which lets go of the
-    store within a slice, so closing the store then finds no client waiting in it (torch prints
-    "recvValueWithTimeout failed ... Connection was likely closed" with a C++ stack for one that is)."""
+    """The sync failed elsewhere: the discard stops the staged receive's wait (through a client of its
+    own), which returns at once, so closing the store then finds no client waiting in it (torch prints
+    "recvValueWithTimeout failed ... Connection was likely closed" with a C++ stack for one that is).
+    A rank that reported keeps its outcome; a report that lands after the stop is cleared with the rest."""
     master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
     rendezvous = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 4, "gloo", 30.0)
-    stop = threading.Event()
-    found: list[object] = []
-    waiter = threading.Thread(target=lambda: found.append(wait_outcomes(rendezvous.connect_store(), new_ticket(), [1, 2], 60.0, stop=stop)))
+    before = master.num_keys()
+    ticket = new_ticket()
+    report_outcome(rendezvous.connect_store(), ticket, 1, None)
+    found: list[Outcomes] = []
+    waiter = threading.Thread(target=lambda: found.append(wait_outcomes(rendezvous.connect_store(), ticket, [1, 2], 60.0)))
     waiter.start()
     time.sleep(0.3)
     t0 = time.monotonic()
-    stop.set()
+    stop_waiting(rendezvous.connect_store(), ticket, [1, 2])
     waiter.join(10.0)
     assert not waiter.is_alive() and time.monotonic() - t0 < 5.0
     (out,) = found
-    assert out.missing == [1, 2] and "stopped" in out.why_missing  # type: ignore[attr-defined]
+    assert out.reported == {1: "ok"} and out.missing == [2] and "stopped" in out.why_missing
+    report_outcome(rendezvous.connect_store(), ticket, 2, "RuntimeError: the group was aborted")  # late
+    assert clear_outcomes(rendezvous.connect_store(), ticket, [1, 2]) == 1
+    assert master.num_keys() == before
     del master
     time.sleep(0.2)
-    assert "recvValueWithTimeout" not in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "recvValueWithTimeout" not in err and "waitForInput" not in err, err[-2000:]

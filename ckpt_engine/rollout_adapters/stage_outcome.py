@@ -21,23 +21,24 @@ from __future__ import annotations
 import datetime
 import logging
 import re
-import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["OK", "FAILED", "Outcomes", "check_ticket", "clear_outcomes", "new_ticket", "outcome_key", "report_outcome", "wait_outcomes"]
+__all__ = [
+    "FAILED", "OK", "STOPPED", "Outcomes", "check_ticket", "clear_outcomes", "new_ticket", "outcome_key", "report_outcome", "stop_waiting",
+    "wait_outcomes",
+]
 
 logger = logging.getLogger(__name__)
 
 OK = "ok"
+STOPPED = "stopped"
+"""Written by the waiting side itself (`stop_waiting`) into a rank's key that had no outcome yet."""
 FAILED = "failed: "
 """Starts a failed worker's outcome; its reason follows."""
 _TICKET = re.compile(r"[0-9A-Za-z_-]{1,64}")
-WAIT_SLICE_S = 0.5
-"""The longest single store wait: how soon a stopped wait lets go of the store."""
 
 
 def new_ticket() -> str:
@@ -76,35 +77,20 @@ class Outcomes:
         return {rank: value[len(FAILED):] if value.startswith(FAILED) else value for rank, value in self.reported.items() if value != OK}
 
 
-def wait_outcomes(
-    store: torch.distributed.Store, ticket: str, ranks: list[int], timeout_s: float, stop: threading.Event | None = None,
-) -> Outcomes:
+def wait_outcomes(store: torch.distributed.Store, ticket: str, ranks: list[int], timeout_s: float) -> Outcomes:
     """Trainer side: wait up to `timeout_s` for every rank's outcome under `ticket`, read the keys
-    that arrived, then delete every rank's key (a rank missing is named in `missing`, never waited on
-    again; its key, should it land later, is the caller's to clear after a discard).
-
-    The wait runs in slices of at most `WAIT_SLICE_S` and ends early once `stop` is set (the sync
-    failed elsewhere and is being discarded, or the handle leaves): a wait must not outlive the store
-    it waits in, and a store closed under a waiting client makes torch print a warning with a C++ stack
-    ("recvValueWithTimeout failed ... Connection was likely closed")."""
+    that arrived, then delete every rank's key (a rank missing, or whose key `stop_waiting` wrote,
+    is named in `missing`, never waited on again; its key, should it land later, is the caller's to
+    clear after a discard)."""
     keys = {rank: outcome_key(ticket, rank) for rank in ranks}
     out = Outcomes()
-    deadline = time.monotonic() + timeout_s
     gone = False  # the store itself went away: touch it no more (each call would warn again)
     try:
-        while True:
-            if stop is not None and stop.is_set():
-                out.why_missing = "the wait was stopped (the sync is being discarded, or the engine leaves)"
-                break
-            left = deadline - time.monotonic()
-            try:
-                store.wait(list(keys.values()), datetime.timedelta(seconds=max(0.001, min(left, WAIT_SLICE_S))))
-                break
-            except torch.distributed.DistError as exc:
-                gone = isinstance(exc, torch.distributed.DistNetworkError)
-                if gone or left <= WAIT_SLICE_S:
-                    out.why_missing = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-                    break
+        try:
+            store.wait(list(keys.values()), datetime.timedelta(seconds=timeout_s))
+        except torch.distributed.DistError as exc:
+            gone = isinstance(exc, torch.distributed.DistNetworkError)
+            out.why_missing = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
         for rank, key in keys.items():
             if gone:
                 out.missing.append(rank)
@@ -113,16 +99,34 @@ def wait_outcomes(
                 if out.why_missing and not store.check([key]):
                     out.missing.append(rank)
                     continue
-                out.reported[rank] = store.get(key).decode("utf-8", "replace")
+                value = store.get(key).decode("utf-8", "replace")
             except torch.distributed.DistError as exc:  # the store itself is gone: nothing more to read
                 logger.warning("staged outcome of rank %s under ticket %s unreadable: %s", rank, ticket, exc)
                 gone = True
                 out.missing.append(rank)
                 out.why_missing = out.why_missing or str(exc).splitlines()[0][:300]
+                continue
+            if value == STOPPED:
+                out.missing.append(rank)
+                out.why_missing = out.why_missing or "the wait was stopped (the sync is being discarded, or the engine leaves)"
+            else:
+                out.reported[rank] = value
     finally:
         if not gone:
             clear_outcomes(store, ticket, ranks)
     return out
+
+
+def stop_waiting(store: torch.distributed.Store, ticket: str, ranks: list[int]) -> None:
+    """End a `wait_outcomes` in flight on another thread (the sync failed elsewhere, or the handle
+    leaves) before the store it waits in can go away: every rank's key not set yet gets `STOPPED`,
+    so the wait returns at once. A wait must not outlive its store: a store closed under a waiting
+    client makes torch print "recvValueWithTimeout failed ... Connection was likely closed" with a
+    C++ stack. `store` must be a client of its own (a client runs one call at a time, and the waiting
+    thread holds its own until the wait ends); a worker's report that lands later overwrites the mark,
+    and the caller clears both after the discard."""
+    for rank in ranks:
+        store.compare_set(outcome_key(ticket, rank), "", STOPPED)
 
 
 def clear_outcomes(store: torch.distributed.Store, ticket: str, ranks: list[int]) -> int:

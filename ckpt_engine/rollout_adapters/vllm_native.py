@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import threading
 import time
 from collections.abc import Hashable
 from typing import Any, ClassVar
@@ -42,7 +41,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.rollout_adapters.vllm_clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient, SwapControl
-from ckpt_engine.rollout_adapters.stage_outcome import clear_outcomes, new_ticket, wait_outcomes
+from ckpt_engine.rollout_adapters.stage_outcome import clear_outcomes, new_ticket, stop_waiting, wait_outcomes
 from ckpt_engine.rollout_adapters.vllm_transfer_engine import NEED_MANIFEST, NO_ROOM, REJECTED
 from ckpt_engine.transports.base import Rendezvous
 
@@ -53,6 +52,9 @@ logger = logging.getLogger(__name__)
 _NOT_CONFIGURED = "Weight transfer not configured"
 """What vLLM answers when the engine was started without a weight-transfer config."""
 _PAUSE_MODES = ("keep", "abort", "recompute")
+_UPDATE_ACTIVE = "while a weight update is already active"
+"""What vLLM answers `start_weight_update` while an update is open: one that a trainer which died
+mid-sync (its own handle, maybe its own process) never finished."""
 
 
 class VllmNativeRollout(RolloutAdapter):
@@ -91,8 +93,8 @@ class VllmNativeRollout(RolloutAdapter):
         self._store: Any = None  # this handle's client of the rendezvous store, opened at the first staged receive
         self._ticket: str | None = None
         """The last staged receive's ticket while its outcome keys may still land (this handle owns them)."""
-        self._stop_wait = threading.Event()
-        """Set by a discard or a leave: a staged receive's wait lets go of the store (it must not outlive it)."""
+        self._waiting = False  # a staged receive waits for the workers' outcomes (a discard or leave ends it)
+        self._stopped = False
 
     def engine_key(self) -> Hashable:
         """The engine behind the client: its URL, or the `LLM` object (else this handle)."""
@@ -167,7 +169,17 @@ class VllmNativeRollout(RolloutAdapter):
         engine refused: nothing was loaded in it, so finishing it loads nothing)."""
         if self._open:
             self._finish()
-        self.client.start_weight_update()
+        try:
+            self.client.start_weight_update()
+        except Exception as exc:
+            if _UPDATE_ACTIVE not in str(exc):
+                raise
+            # A trainer died mid-sync and left its update open; vLLM would refuse every update from
+            # now on. Nothing staged in it reached the live weights (the next receive drops it), and
+            # a half-loaded unstaged one left the engine stale for a dense sync: close it, open ours.
+            logger.warning("engine %s: closing a weight update that a trainer left open (it died mid-sync?)", self.name)
+            self.client.finish_weight_update(None)
+            self.client.start_weight_update()
         self._open = True
 
     def _phase(self, update: dict[str, Any]) -> None:
@@ -209,7 +221,7 @@ class VllmNativeRollout(RolloutAdapter):
         else:
             self._outcome_store()  # before any worker can report: a discard must be able to clear
             ticket = self._ticket = new_ticket()
-            self._stop_wait.clear()
+            self._stopped = False
             self._phase({**update, "stage": stage, "ticket": ticket})  # may start on some workers only: discard clears
             self._wait_staged(ticket)
             self._ticket = None  # every worker reported, and its key is gone
@@ -222,14 +234,19 @@ class VllmNativeRollout(RolloutAdapter):
         worker that reported nothing in time (dead, hung) is raised naming its rank (the session then
         discards: the engine keeps its old weights)."""
         timeout_s = self.timeout_s * 2
-        outcomes = wait_outcomes(self._outcome_store(), ticket, self._ranks, timeout_s, stop=self._stop_wait)
+        store = self._outcome_store()
+        self._waiting = True
+        try:
+            outcomes = wait_outcomes(store, ticket, self._ranks, timeout_s)
+        finally:
+            self._waiting = False
         failed = outcomes.failed
         if failed:
             rank, why = next(iter(failed.items()))
             logger.warning("engine %s: staged receive failed on worker rank(s) %s: %s", self.name, sorted(failed), why)
             self.discard()
             raise RuntimeError(f"engine {self.name!r}: staged receive failed (rank {rank}: {why[:500]}); it keeps serving its old weights")
-        if outcomes.missing and self._stop_wait.is_set():
+        if outcomes.missing and self._stopped:
             raise RuntimeError(f"engine {self.name!r}: staged receive stopped before worker rank(s) {outcomes.missing} reported: {outcomes.why_missing}")
         if outcomes.missing:
             raise TimeoutError(
@@ -290,12 +307,24 @@ class VllmNativeRollout(RolloutAdapter):
         """Drop a staged version on every worker and close vLLM's update; the live weights, the
         version and the engine's steps are untouched (a no-op with nothing staged). A staged receive
         still waiting for the workers' outcomes on another thread stops waiting."""
-        self._stop_wait.set()
+        self._stop_waiting()
         try:
             self._phase({"phase": "discard"})
             self._finish()
         finally:
             self._clear_outcomes()
+
+    def _stop_waiting(self) -> None:
+        """End a staged receive's wait in flight on another thread, through a store client of its own
+        (the waiting thread holds the handle's): a wait must not outlive the store it waits in."""
+        ticket, rendezvous = self._ticket, self._rendezvous
+        if not self._waiting or ticket is None or rendezvous is None:
+            return
+        self._stopped = True
+        try:
+            stop_waiting(rendezvous.connect_store(is_master=False), ticket, self._ranks)
+        except Exception as exc:  # the store is gone: so is the wait
+            logger.info("engine %s: could not stop the staged receive's wait: %s", self.name, exc)
 
     def _clear_outcomes(self) -> None:
         """Delete every worker's outcome key under the last staged receive's ticket. After a discard
@@ -320,7 +349,7 @@ class VllmNativeRollout(RolloutAdapter):
         return {"version": self.control.weight_version()} if self.control is not None else {}
 
     def leave(self) -> None:
-        self._stop_wait.set()  # a wait in flight lets go of the store before the group's store goes away
+        self._stop_waiting()  # a wait in flight lets go of the store before the group's store goes away
         self._clear_outcomes()
         self._worker_digest, self._rendezvous, self._store = None, None, None
         if self._open:  # vLLM refuses to shut the transfer engine down inside an update
