@@ -30,6 +30,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,34 +52,44 @@ MODEL = {
 }
 
 
-class SwitchedRollout(VllmServerRollout):
-    """Staged or today's order, per sync (`staged`); records the engine's stall either way."""
+def switched(base: type[Any]) -> type[Any]:
+    """The rollout handle `base` made to take staged or today's order per sync (`staged`), recording
+    the engine's stall either way. The session runs `stage: off` (one delta chain for both orders):
+    staged, the handle's pause and resume do nothing, its receive stages and its finalize swaps.
+    Shared by this bench (the worker extension) and `native_staged_vllm_bench.py` (vLLM's own API)."""
 
-    staged = True
+    class Switched(base):  # type: ignore[misc, valid-type]
+        staged = True
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.stall_s = 0.0
-        self._paused_at = 0.0
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.stall_s = 0.0
+            self._paused_at = 0.0
 
-    def pause(self, mode: str) -> None:
-        if not self.staged:
-            self._paused_at = time.perf_counter()
-            super().pause(mode)
+        def pause(self, mode: str) -> None:
+            if not self.staged:
+                self._paused_at = time.perf_counter()
+                super().pause(mode)
 
-    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None, *, stage: str | None = None) -> ReceiveReport:
-        return super().receive(manifest, delta, stage="patches" if self.staged else None)
+        def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None, *, stage: str | None = None) -> ReceiveReport:
+            return super().receive(manifest, delta, stage="patches" if self.staged else None)
 
-    def finalize(self, version: int) -> None:
-        if self.staged:
-            self.stall_s = self.swap(version, "keep")
-        else:
-            super().finalize(version)
+        def finalize(self, version: int) -> None:
+            if self.staged:
+                self.stall_s = self.swap(version, "keep")
+            else:
+                super().finalize(version)
 
-    def resume(self) -> None:
-        if not self.staged:
-            super().resume()
-            self.stall_s = time.perf_counter() - self._paused_at
+        def resume(self) -> None:
+            if not self.staged:
+                super().resume()
+                self.stall_s = time.perf_counter() - self._paused_at
+
+    Switched.__name__ = Switched.__qualname__ = f"Switched{base.__name__}"
+    return Switched
+
+
+SwitchedRollout = switched(VllmServerRollout)
 
 
 class Stream:
@@ -159,30 +170,73 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
-def run(url: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+def bf16_trainer(model_dir: Path, lr: float, layers: int | None = None) -> tuple[Callable[[], dict[str, torch.Tensor]], Callable[[], None]]:
+    """A trainer's fp32 master (seeded) as (publish, step): `step` takes an Adam-sized step (`lr` per
+    element), `publish` gives the bf16-rounded weights in fp32 (of the first `layers` decoder layers
+    only, when set)."""
     import transformers
 
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
     master = {n: t.detach().clone() for n, t in hf.state_dict().items() if n != "lm_head.weight"}
     g = torch.Generator().manual_seed(1)
-
-    sent = [n for n in master if args.layers is None or any(n.startswith(f"model.layers.{i}.") for i in range(args.layers))]
+    sent = [n for n in master if layers is None or any(n.startswith(f"model.layers.{i}.") for i in range(layers))]
 
     def publish() -> dict[str, torch.Tensor]:
         return {n: master[n].bfloat16().float() for n in sent}
 
-    def adam_step() -> None:
+    def step() -> None:
         for t in master.values():
-            t.add_(torch.randn(t.shape, generator=g).sign() * args.lr)
+            t.add_(torch.randn(t.shape, generator=g).sign() * lr)
 
+    return publish, step
+
+
+def run(url: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    publish, adam_step = bf16_trainer(model_dir, args.lr, args.layers)
     adapter = SwitchedRollout("vllm-bench", url, timeout_s=120.0)
+
+    def row_of(row: dict[str, Any]) -> dict[str, Any]:
+        fin, staged = adapter.last_finalize, adapter.staged
+        row.update({
+            "load_s": fin.get("swap_load_s", 0.0),  # off: the load ran during the stream
+            "post_process_s": fin.get("post_process_s", 0.0),
+            # staged: the swap's pause, its load + reset + stamp, and the resume (the rest)
+            "swap_pause_s": fin.get("swap_pause_s", 0.0) if staged else 0.0,
+            "swap_rpc_s": fin.get("swap_rpc_s", 0.0) if staged else 0.0,
+            # staged with a shadow: its build on the staging thread, and the bytes it held (largest worker)
+            "shadow_build_s": fin.get("shadow_build_s", 0.0) if staged else 0.0,
+            "shadow_mb": max(fin.get("swap_shadow_bytes") or [0]) / 1e6 if staged else 0.0,
+        })
+        print(
+            f"{row['kind']:>5} {row['order']:>6}: changed {row['changed']:6.2%}  sync {row['sync_s'] * 1e3:7.1f} ms  "
+            f"transfer {row['transfer_s'] * 1e3:7.1f} ms  stall {row['stall_s'] * 1e3:7.1f} ms  "
+            f"(worker load {row['load_s'] * 1e3:6.1f} + post-process {row['post_process_s'] * 1e3:6.1f} ms; "
+            f"pause {row['swap_pause_s'] * 1e3:5.1f} + load/reset/stamp {row['swap_rpc_s'] * 1e3:5.1f} ms)  "
+            f"tok/s during {row['tok_s_during']:6.1f} vs without {row['tok_s_without']:6.1f} "
+            f"({row['tok_s_during'] / max(row['tok_s_without'], 1e-9):.2f}x)  wire {row['wire_mb']:.2f} MB"
+            f"  shadow {row['shadow_mb']:.2f} MB built in {row['shadow_build_s'] * 1e3:.1f} ms",
+            flush=True,
+        )
+        return row
+
+    return alternate_orders(url, adapter, args, publish, adam_step, row_of)
+
+
+def alternate_orders(
+    url: str, adapter: Any, args: argparse.Namespace, publish: Callable[[], dict[str, torch.Tensor]], step: Callable[[], None],
+    row_of: Callable[[dict[str, Any]], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """The timing loop both vLLM staged benches share: under a stream of `args.clients` request
+    threads, per delta mode (on: `args.syncs`, off: `args.dense_syncs`) one session (`stage: off`: the
+    session keeps today's order; the `switched` handle stages per sync itself) that seeds, then
+    alternates staged and today's order per sync. Each sync's common figures go through `row_of`
+    (which adds the bench's own and prints the line); the summary follows. Returns the rows."""
     stream = Stream(url, args.clients, args.max_tokens)
     rows: list[dict[str, Any]] = []
     try:
         time.sleep(3.0)
         for delta, n in (("on", args.syncs), ("off", args.dense_syncs)):
-            # stage: off: the session keeps today's order; the handle stages per sync itself.
             cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=4, timeout_s=120.0, delta=delta, stage="off")
             session = WeightSyncSession([adapter], cfg)
             try:
@@ -190,7 +244,7 @@ def run(url: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, A
                 session.sync(StateDictSource(publish()))  # the seed (delta on) or a warm-up
                 prev = publish()
                 for i in range(2 * n):
-                    adam_step()
+                    step()
                     weights = publish()
                     changed = sum(int((weights[k] != prev[k]).sum()) for k in weights) / sum(t.numel() for t in weights.values())
                     prev = weights
@@ -200,29 +254,11 @@ def run(url: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, A
                     seconds = time.perf_counter() - t0
                     during = (generated_tokens(url) - n0) / seconds
                     idle = tokens_per_s(url, max(seconds, 1.0))
-                    row = {
+                    rows.append(row_of({
                         "kind": report.delta, "order": "staged" if adapter.staged else "off", "changed": changed,
                         "sync_s": seconds, "transfer_s": report.seconds.get("transfer", 0.0), "stall_s": adapter.stall_s,
                         "tok_s_during": during, "tok_s_without": idle, "wire_mb": report.wire_bytes / 1e6,
-                        "load_s": adapter.last_finalize.get("swap_load_s", 0.0),  # off: the load ran during the stream
-                        "post_process_s": adapter.last_finalize.get("post_process_s", 0.0),
-                        # staged: the swap's pause, its load + reset + stamp, and the resume (the rest)
-                        "swap_pause_s": adapter.last_finalize.get("swap_pause_s", 0.0) if adapter.staged else 0.0,
-                        "swap_rpc_s": adapter.last_finalize.get("swap_rpc_s", 0.0) if adapter.staged else 0.0,
-                        # staged with a shadow: its build on the staging thread, and the bytes it held (largest worker)
-                        "shadow_build_s": adapter.last_finalize.get("shadow_build_s", 0.0) if adapter.staged else 0.0,
-                        "shadow_mb": max(adapter.last_finalize.get("swap_shadow_bytes") or [0]) / 1e6 if adapter.staged else 0.0,
-                    }
-                    rows.append(row)
-                    print(
-                        f"{row['kind']:>5} {row['order']:>6}: changed {changed:6.2%}  sync {seconds * 1e3:7.1f} ms  "
-                        f"transfer {row['transfer_s'] * 1e3:7.1f} ms  stall {row['stall_s'] * 1e3:7.1f} ms  "
-                        f"(worker load {row['load_s'] * 1e3:6.1f} + post-process {row['post_process_s'] * 1e3:6.1f} ms; "
-                        f"pause {row['swap_pause_s'] * 1e3:5.1f} + load/reset/stamp {row['swap_rpc_s'] * 1e3:5.1f} ms)  "
-                        f"tok/s during {during:6.1f} vs without {idle:6.1f} ({during / max(idle, 1e-9):.2f}x)  wire {row['wire_mb']:.2f} MB"
-                        f"  shadow {row['shadow_mb']:.2f} MB built in {row['shadow_build_s'] * 1e3:.1f} ms",
-                        flush=True,
-                    )
+                    }))
             finally:
                 session.close()
     finally:

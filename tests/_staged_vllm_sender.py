@@ -1,5 +1,7 @@
 """A trainer in its own process that streams one staged dense sync (`stage: full`) slowly into a vLLM
-server, so a test can SIGKILL it mid-stream. Arguments: URL MODEL_DIR DELAY_S (seconds per tensor).
+server, so a test can SIGKILL it mid-stream. Arguments: URL MODEL_DIR DELAY_S (seconds per tensor)
+[native] (the server runs ckpt-engine as vLLM's weight-transfer backend: `VllmNativeRollout`). It
+prints `streaming` once its third tensor went out (the workers are then receiving).
 
 It prints `ready` once torch is imported and its model built, then waits for `go` on stdin: the test
 starts it before it loads the engine. torch's import pins the process to each CPU in turn (MKL
@@ -11,6 +13,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import transformers
@@ -26,9 +29,11 @@ class _Slow(StateDictSource):
         self.delay_s = delay_s
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for item in super().iter_weights():
+        for i, item in enumerate(super().iter_weights()):
             time.sleep(self.delay_s)
             yield item
+            if i == 2:
+                print("streaming", flush=True)
 
 
 def main() -> None:
@@ -40,7 +45,14 @@ def main() -> None:
     if sys.stdin.readline().strip() != "go":  # EOF: the test ended without starting it
         return
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20.0, stage="full")
-    session = WeightSyncSession([VllmServerRollout("vllm-staged", url, timeout_s=60.0)], cfg)
+    if sys.argv[4:] == ["native"]:
+        from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient
+        from ckpt_engine.rollout_adapters.vllm_native import VllmNativeRollout
+
+        rollout: Any = VllmNativeRollout(HTTPWeightSyncClient(url, timeout=60.0), name="vllm-native", timeout_s=60.0)
+    else:
+        rollout = VllmServerRollout("vllm-staged", url, timeout_s=60.0)
+    session = WeightSyncSession([rollout], cfg)
     session.sync(_Slow({n: t.detach() for n, t in model.state_dict().items()}, delay_s))
     print("synced", flush=True)
 

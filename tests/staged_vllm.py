@@ -1,12 +1,17 @@
 """Helpers for staged syncs into a real vLLM server: a handle that records its swaps, a stream of
-greedy requests, HF references."""
+greedy requests, HF references, and the steps that kill a sender mid-stage."""
 
 from __future__ import annotations
 
 import json
+import os
+import select
+import signal
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +54,48 @@ def wait_for_outputs_beyond(stream: "RequestStream", served: int, timeout_s: flo
     while len(stream.outputs) <= served:
         assert time.monotonic() < deadline, f"the engine finished no request in {timeout_s:.0f} s after {served}: it stopped serving"
         time.sleep(0.1)
+
+
+def start_waiting_sender(url: str, model_dir: Path, *extra: str, delay_s: float = 0.2) -> subprocess.Popen[str]:
+    """The killed-sender trainer (`_staged_vllm_sender.py`, `delay_s` per tensor, `extra` arguments),
+    started before anything loads the engine and left waiting for `go`: torch's import must not meet
+    a busy engine on this box."""
+    here = Path(__file__).parent
+    sender = subprocess.Popen(
+        [sys.executable, "-m", "_staged_vllm_sender", url, str(model_dir), str(delay_s), *extra],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(here),
+        # One OpenMP thread: with two, torch's threads spin against the engine's for the same cores.
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])),
+    )
+    assert sender.stdout is not None
+    ready, _, _ = select.select([sender.stdout], [], [], 240)
+    assert ready and sender.stdout.readline().strip() == "ready", f"the sender did not start (exit code {sender.poll()})"
+    return sender
+
+
+def kill_sender_mid_stage(
+    sender: subprocess.Popen[str], worker_health: Callable[[], list[dict[str, Any]]], stream: "RequestStream", noticed: str,
+) -> int:
+    """Start a waiting sender's staged sync (`go`, see _staged_vllm_sender.py), SIGKILL it once a
+    worker's staged receive runs, and wait (bounded) until no worker's staged receive runs any more
+    (`noticed`: the failure message otherwise) and the engine finished another request: it never
+    stopped serving. Returns how many requests the stream had finished at the kill."""
+    assert sender.stdin is not None
+    sender.stdin.write("go\n")
+    sender.stdin.flush()
+    deadline = time.monotonic() + 240
+    while not any((h["staged"] or {}).get("running") for h in worker_health()):
+        assert sender.poll() is None and time.monotonic() < deadline, "the sender never started streaming"
+        time.sleep(0.2)
+    served = len(stream.outputs)
+    sender.send_signal(signal.SIGKILL)
+    sender.wait(60)
+    deadline = time.monotonic() + 90
+    while any((h["staged"] or {}).get("running") for h in worker_health()):
+        assert time.monotonic() < deadline, noticed
+        time.sleep(0.5)
+    wait_for_outputs_beyond(stream, served)  # it never stopped serving
+    return served
 
 
 def write_model_dir(path: Path) -> Path:

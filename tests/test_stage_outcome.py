@@ -2,7 +2,9 @@
 the native vLLM backend's workers report the end of a staged receive there instead of raising
 "not yet" from vLLM's calls. Here each rank's client of a real store
 writes its own key, the waiting side reads every outcome, deletes the keys, and names the ranks that
-reported nothing within its timeout."""
+reported nothing within its timeout. A staged receive that started on some workers only, or a worker
+that reports after the wait ended, leaves no key once the workers discarded (real `Staging` objects,
+the workers' side of the native backend, report their end into the store)."""
 
 from __future__ import annotations
 
@@ -15,15 +17,27 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ckpt_engine.rollout_adapters.stage_outcome import check_ticket, new_ticket, outcome_key, report_outcome, wait_outcomes
+from ckpt_engine.rollout_adapters.stage_outcome import (
+    Outcomes, check_ticket, clear_outcomes, new_ticket, outcome_key, report_outcome, stop_waiting, wait_outcomes,
+)
+from ckpt_engine.rollout_adapters.vllm_staging import StagedReceive, Staging
 from ckpt_engine.transports.base import Rendezvous
+
+_MASTERS: dict[int, torch.distributed.TCPStore] = {}
 
 
 @pytest.fixture
 def rendezvous() -> Iterator[Rendezvous]:
     master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    _MASTERS[master.port] = master
     yield Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 4, "gloo", 30.0)
+    del _MASTERS[master.port]
     del master
+
+
+def num_keys(rendezvous: Rendezvous) -> int:
+    """Every key the group's store holds (all prefixes)."""
+    return _MASTERS[rendezvous.port].num_keys()
 
 
 def test_every_rank_reports_ok_or_why_and_the_keys_are_gone(rendezvous: Rendezvous) -> None:
@@ -65,3 +79,102 @@ def test_tickets_are_checked() -> None:
     for bad in ("", "a/b", "x" * 65, 7, None):
         with pytest.raises(ValueError, match="ticket must be 1-64 characters"):
             check_ticket(bad)
+
+
+class Worker:
+    """One native-backend worker's staging: a staged receive on its thread that streams until the
+    group aborts (`abort`), then reports its end into the store, a moment late (a report that lands
+    after the discard returned would be left behind)."""
+
+    def __init__(self, rendezvous: Rendezvous, rank: int, report_delay_s: float = 0.3) -> None:
+        self.store, self.rank, self.delay_s = rendezvous.connect_store(), rank, report_delay_s
+        self.staging = Staging()
+        self.aborted = threading.Event()
+
+    def stage(self, ticket: str) -> None:
+        def stream(staged: StagedReceive) -> dict[str, object]:
+            if not self.aborted.wait(30):
+                raise TimeoutError("nobody aborted the group")
+            raise RuntimeError("rank %d: bucket 1 failed: Connection closed by peer" % self.rank)
+
+        def on_end(error: str | None) -> None:
+            time.sleep(self.delay_s)
+            report_outcome(self.store, ticket, self.rank, error)
+
+        self.staging.start("d" * 12, stream, keep_views=True, on_end=on_end)
+
+    def discard(self) -> bool:
+        self.aborted.set()  # a failed sync aborts the group: the stream ends
+        return self.staging.discard(timeout_s=30.0)
+
+
+def test_a_receive_started_on_some_workers_only_leaves_no_key_after_the_discard(rendezvous: Rendezvous) -> None:
+    """Worker 1 started its staged receive, worker 2 refused the call (vLLM raised): nobody waits on
+    the ticket. The discard that follows returns only once worker 1 reported, and the waiting side
+    then deletes every rank's key: the store holds what it held before the sync."""
+    waiter = rendezvous.connect_store()
+    before = num_keys(rendezvous)
+    ticket = new_ticket()
+    started = Worker(rendezvous, 1)
+    started.stage(ticket)
+    assert started.discard() and not started.staging.running
+    assert waiter.check([outcome_key(ticket, 1)])  # its end was reported before the discard returned
+    assert clear_outcomes(waiter, ticket, [1, 2]) == 1
+    assert num_keys(rendezvous) == before
+
+
+def test_a_worker_that_reports_after_the_wait_leaves_no_key_after_the_discard(rendezvous: Rendezvous) -> None:
+    waiter = rendezvous.connect_store()
+    before = num_keys(rendezvous)
+    ticket = new_ticket()
+    late = Worker(rendezvous, 2, report_delay_s=0.0)
+    late.stage(ticket)
+    report_outcome(rendezvous.connect_store(), ticket, 1, None)
+    out = wait_outcomes(waiter, ticket, [1, 2], timeout_s=0.3)
+    assert out.reported == {1: "ok"} and out.missing == [2]
+    assert num_keys(rendezvous) == before  # what arrived was deleted with the wait
+    late.discard()  # rank 2's stream ends and reports now, after the wait gave up on it
+    assert waiter.check([outcome_key(ticket, 2)])
+    clear_outcomes(waiter, ticket, [1, 2])
+    assert num_keys(rendezvous) == before
+
+
+def test_every_rank_key_is_gone_after_a_failed_wait(rendezvous: Rendezvous) -> None:
+    waiter = rendezvous.connect_store()
+    before = num_keys(rendezvous)
+    ticket = new_ticket()
+    for rank, error in ((1, None), (2, "TransferError: checksum mismatch in bucket 0")):
+        report_outcome(rendezvous.connect_store(), ticket, rank, error)
+    out = wait_outcomes(waiter, ticket, [1, 2], timeout_s=5.0)
+    assert out.failed == {2: "TransferError: checksum mismatch in bucket 0"}
+    assert num_keys(rendezvous) == before
+    assert clear_outcomes(waiter, ticket, [1, 2]) == 0
+
+
+def test_a_stopped_wait_lets_go_of_the_store_before_the_store_closes(capfd: pytest.CaptureFixture[str]) -> None:
+    """The sync failed elsewhere: the discard stops the staged receive's wait (through a client of its
+    own), which returns at once, so closing the store then finds no client waiting in it (torch prints
+    "recvValueWithTimeout failed ... Connection was likely closed" with a C++ stack for one that is).
+    A rank that reported keeps its outcome; a report that lands after the stop is cleared with the rest."""
+    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    rendezvous = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 4, "gloo", 30.0)
+    before = master.num_keys()
+    ticket = new_ticket()
+    report_outcome(rendezvous.connect_store(), ticket, 1, None)
+    found: list[Outcomes] = []
+    waiter = threading.Thread(target=lambda: found.append(wait_outcomes(rendezvous.connect_store(), ticket, [1, 2], 60.0)))
+    waiter.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    stop_waiting(rendezvous.connect_store(), ticket, [1, 2])
+    waiter.join(10.0)
+    assert not waiter.is_alive() and time.monotonic() - t0 < 5.0
+    (out,) = found
+    assert out.reported == {1: "ok"} and out.missing == [2] and "stopped" in out.why_missing
+    report_outcome(rendezvous.connect_store(), ticket, 2, "RuntimeError: the group was aborted")  # late
+    assert clear_outcomes(rendezvous.connect_store(), ticket, [1, 2]) == 1
+    assert master.num_keys() == before
+    del master
+    time.sleep(0.2)
+    err = capfd.readouterr().err
+    assert "recvValueWithTimeout" not in err and "waitForInput" not in err, err[-2000:]

@@ -164,7 +164,7 @@ def test_llm_native_backend_syncs_match_hf(native_llm: object, model_dir: Path) 
 
 
 @pytest.mark.slow
-def test_llm_native_backend_shares_the_session_core(native_llm: object, model_dir: Path) -> None:  # noqa: F811
+def test_llm_native_backend_shares_the_session_core(native_llm: object, model_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:  # noqa: F811
     """Through vLLM's own API as through `sync_rollout_weights()`: delta syncs patch, a second
     trainer engine carries the engine's version on (never 1 again), and dtypes cast on the wire
     (a ckpt-engine `StateDictSource`, or the init info's `dtype` for a vLLM source)."""
@@ -215,6 +215,9 @@ def test_llm_native_backend_shares_the_session_core(native_llm: object, model_di
         assert report is not None and report.version == held + 3 and llm_greedy(native_llm)[0] == want
     finally:
         third.shutdown()
+    # Staged syncs, three sessions closed: no store client (here or in the engine's worker, which
+    # writes to this process's stderr) waited in a store that went away.
+    assert "recvValueWithTimeout" not in capfd.readouterr().err
 
 
 # --- api_server over HTTP -------------------------------------------------------------------------
@@ -242,6 +245,8 @@ def test_server_native_backend_syncs_match_hf(native_server: VllmServer, model_d
     finally:
         engine.shutdown()
         client.close()
+    # No store client waited in a store that went away (torch prints "recvValueWithTimeout failed").
+    assert "recvValueWithTimeout" not in native_server.log.read_text(errors="replace")
 
 
 # --- pieces that need no engine ---------------------------------------------------------------------

@@ -14,6 +14,8 @@ nothing staged; the next sync heals. Without room for a dense staging copy, `aut
 from __future__ import annotations
 
 import copy
+import select
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +32,9 @@ from helpers_vllm import api_server
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from staged_vllm import HfReference, Output, PacedSource, RequestStream, generate, write_model_dir  # noqa: E402
+from staged_vllm import (  # noqa: E402
+    HfReference, Output, PacedSource, RequestStream, generate, start_waiting_sender, wait_for_outputs_beyond, write_model_dir,
+)
 from tamper import FlipOnce  # noqa: E402
 
 from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient  # noqa: E402
@@ -208,6 +212,9 @@ def test_native_backend_stages_while_the_engine_generates(server: tuple[str, Pat
         client.close()
 
     assert kinds == [("seed", "full"), ("patch", "patches"), ("patch", "patches"), ("seed", "full"), ("off", "full")], kinds
+    # No store client waited in a store that went away (the sessions closed, one sync failed): torch
+    # prints "recvValueWithTimeout failed ... Connection was likely closed" with a C++ stack for one.
+    assert "recvValueWithTimeout" not in log.read_text(errors="replace")
     assert not stream.errors, stream.errors[:3]
     # The engine served whole requests while each version streamed in (from receive to swap).
     during = [sum(1 for o in outputs if a <= o.submitted and o.done <= b) for a, b in adapter.windows]
@@ -220,6 +227,58 @@ def test_native_backend_stages_while_the_engine_generates(server: tuple[str, Pat
         assert idx == sorted(idx), out
         if len(versions) == 1 and versions[0] in ref.weights:
             assert out.tokens == ref.greedy(versions[0], out.prompt, NUM_TOKENS), out
+
+
+def test_a_sender_killed_mid_stage_leaves_the_old_version_and_the_next_sync_heals(server: tuple[str, Path]) -> None:
+    """A trainer process (its own session, `VllmNativeRollout`) SIGKILLed while its staged dense sync
+    streams: its weight update stays open in vLLM and the workers' staged receives fail. The engine
+    never stops serving, holds the old version bit for bit (vLLM's checksums), and the next sync from
+    another trainer (a seed) lands and equals HF."""
+    url, model_dir = server
+    sender = start_waiting_sender(url, model_dir, "native")  # before the stream: its torch import must not meet a busy engine
+    client = HTTPWeightSyncClient(url, timeout=60.0)
+    trainer = trainer_model(model_dir, seed=21)
+    ref = HfReference(copy.deepcopy(trainer))
+    g = torch.Generator().manual_seed(7)
+    cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, delta="on", stage="auto")
+    stream = RequestStream(url, PROMPTS, NUM_TOKENS, num_threads=1).start()
+    try:
+        session = WeightSyncSession([VllmNativeRollout(client, name="vllm-native", timeout_s=60.0)], cfg)
+        try:
+            old = str(session.sync(source_of(trainer)).version)
+        finally:
+            session.close()
+        ref.record(old, trainer.state_dict())
+        sums = client.weight_checksums()
+
+        assert sender.stdin is not None and sender.stdout is not None
+        sender.stdin.write("go\n")
+        sender.stdin.flush()
+        ready, _, _ = select.select([sender.stdout], [], [], 240)
+        assert ready and sender.stdout.readline().strip() == "streaming", f"the sender never streamed (exit code {sender.poll()})"
+        served = len(stream.outputs)
+        sender.send_signal(signal.SIGKILL)
+        assert sender.wait(60) == -signal.SIGKILL
+        wait_for_outputs_beyond(stream, served)  # it never stopped serving
+        assert client.weight_checksums() == sums  # the partial stage never touched the live weights
+        assert_serves(url, client, old, ref)
+
+        session = WeightSyncSession([VllmNativeRollout(client, name="vllm-native", timeout_s=60.0)], cfg)
+        try:
+            step(trainer, g)
+            report = session.sync(source_of(trainer))
+            assert (report.delta, report.staged) == ("seed", "full"), (report.delta, report.staged)
+            ref.record(str(report.version), trainer.state_dict())
+            assert_serves(url, client, str(report.version), ref)
+        finally:
+            session.close()
+    finally:
+        stream.stop()
+        client.close()
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait(60)
+    assert not stream.errors, stream.errors[:3]
 
 
 def test_staged_update_info_is_checked_before_anything_moves() -> None:

@@ -32,7 +32,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from helpers_vllm import api_server  # noqa: E402
-from staged_vllm import HfReference, PacedSource, RequestStream, SwapRecorder, wait_for_outputs_beyond, write_model_dir  # noqa: E402
+from staged_vllm import HfReference, PacedSource, RequestStream, SwapRecorder, kill_sender_mid_stage, write_model_dir  # noqa: E402
 from test_vllm_staged import (  # noqa: E402
     NUM_TOKENS, PROMPTS, _start_sender, check_spans, checksums, fresh_greedy, source_of, step, trainer_model,
 )
@@ -187,21 +187,8 @@ def _killed_sender(url: str, model_dir: Path, sender: subprocess.Popen[str]) -> 
         assert sums
 
         # The sender's staged dense region sync (`stage: full`, 0.2 s per tensor), killed once a worker streams.
-        assert sender.stdin is not None
-        sender.stdin.write("go\n")
-        sender.stdin.flush()
-        deadline = time.monotonic() + 240
-        while not any((h["staged"] or {}).get("running") for h in adapter.worker_health()):
-            assert sender.poll() is None and time.monotonic() < deadline, "the sender never started streaming"
-            time.sleep(0.2)
-        served = len(stream.outputs)
-        sender.send_signal(signal.SIGKILL)
-        assert sender.wait(60) == -signal.SIGKILL
-        deadline = time.monotonic() + 90
-        while any((h["staged"] or {}).get("running") for h in adapter.worker_health()):
-            assert time.monotonic() < deadline, "a worker's staged receive never noticed the dead sender"
-            time.sleep(0.5)
-        wait_for_outputs_beyond(stream, served)  # it never stopped serving
+        kill_sender_mid_stage(sender, adapter.worker_health, stream, "a worker's staged receive never noticed the dead sender")
+        assert sender.returncode == -signal.SIGKILL
         assert adapter.weight_version() == old
         assert checksums(url) == sums  # both workers, bit for bit
         health = adapter.worker_health()

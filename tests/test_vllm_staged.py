@@ -11,11 +11,7 @@ version bit for bit, not stale; the next sync heals.
 from __future__ import annotations
 
 import copy
-import os
-import select
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +26,9 @@ from ckpt_engine.sync.api import SyncError
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from staged_vllm import HfReference, Output, RequestStream, SwapRecorder, generate, served_model, wait_for_outputs_beyond  # noqa: E402
+from staged_vllm import (  # noqa: E402
+    HfReference, Output, RequestStream, SwapRecorder, generate, kill_sender_mid_stage, served_model, start_waiting_sender,
+)
 from tamper import FlipOnce  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -178,18 +176,8 @@ def _assert_serves_old(url: str, adapter: SwapRecorder, version: str, sums: dict
 
 
 def _start_sender(url: str, model_dir: Path) -> subprocess.Popen[str]:
-    """The killed-sender trainer, started before anything loads the engine and left waiting for
-    `go` (see _staged_vllm_sender.py: torch's import must not meet a busy engine on this box)."""
-    sender = subprocess.Popen(
-        [sys.executable, "-m", "_staged_vllm_sender", url, str(model_dir), "0.2"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=str(Path(__file__).parent),
-        # One OpenMP thread: with two, torch's threads spin against the engine's for the same cores.
-        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])),
-    )
-    assert sender.stdout is not None
-    ready, _, _ = select.select([sender.stdout], [], [], 240)
-    assert ready and sender.stdout.readline().strip() == "ready", f"the sender did not start (exit code {sender.poll()})"
-    return sender
+    """The killed-sender trainer, started before anything loads the engine and left waiting for `go`."""
+    return start_waiting_sender(url, model_dir)
 
 
 def test_corrupt_patch_and_killed_sender_leave_the_old_version_serving(server: tuple[str, Path], tmp_path: Path) -> None:
@@ -234,22 +222,8 @@ def _corrupt_patch_then_killed_sender(url: str, model_dir: Path, sender: subproc
 
     # A sender process killed mid-stream: the workers' staged receives fail, the engine serves on.
     sums = checksums(url)
-    assert sender.stdin is not None
-    sender.stdin.write("go\n")
-    sender.stdin.flush()
     try:
-        deadline = time.monotonic() + 240
-        while not any((h["staged"] or {}).get("running") for h in adapter.worker_health()):
-            assert sender.poll() is None and time.monotonic() < deadline, "the sender never started streaming"
-            time.sleep(0.2)
-        served = len(stream.outputs)
-        sender.send_signal(signal.SIGKILL)
-        sender.wait(60)
-        deadline = time.monotonic() + 90
-        while any((h["staged"] or {}).get("running") for h in adapter.worker_health()):
-            assert time.monotonic() < deadline, "the staged receive never noticed the dead sender"
-            time.sleep(0.5)
-        wait_for_outputs_beyond(stream, served)  # it never stopped serving
+        served = kill_sender_mid_stage(sender, adapter.worker_health, stream, "the staged receive never noticed the dead sender")
         _assert_serves_old(url, adapter, healed, sums, ref)
         session = WeightSyncSession([SwapRecorder("vllm-staged", url, timeout_s=60.0)], cfg)
         try:

@@ -41,7 +41,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.rollout_adapters.vllm_clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient, SwapControl
-from ckpt_engine.rollout_adapters.stage_outcome import new_ticket, wait_outcomes
+from ckpt_engine.rollout_adapters.stage_outcome import clear_outcomes, new_ticket, stop_waiting, wait_outcomes
 from ckpt_engine.rollout_adapters.vllm_transfer_engine import NEED_MANIFEST, NO_ROOM, REJECTED
 from ckpt_engine.transports.base import Rendezvous
 
@@ -52,6 +52,9 @@ logger = logging.getLogger(__name__)
 _NOT_CONFIGURED = "Weight transfer not configured"
 """What vLLM answers when the engine was started without a weight-transfer config."""
 _PAUSE_MODES = ("keep", "abort", "recompute")
+_UPDATE_ACTIVE = "while a weight update is already active"
+"""What vLLM answers `start_weight_update` while an update is open: one that a trainer which died
+mid-sync (its own handle, maybe its own process) never finished."""
 
 
 class VllmNativeRollout(RolloutAdapter):
@@ -88,6 +91,10 @@ class VllmNativeRollout(RolloutAdapter):
         self._rendezvous: Rendezvous | None = None  # kept at join: staged receives report their end in its store
         self._ranks: list[int] = []  # the workers' ranks in the weight-sync group
         self._store: Any = None  # this handle's client of the rendezvous store, opened at the first staged receive
+        self._ticket: str | None = None
+        """The last staged receive's ticket while its outcome keys may still land (this handle owns them)."""
+        self._waiting = False  # a staged receive waits for the workers' outcomes (a discard or leave ends it)
+        self._stopped = False
 
     def engine_key(self) -> Hashable:
         """The engine behind the client: its URL, or the `LLM` object (else this handle)."""
@@ -108,7 +115,7 @@ class VllmNativeRollout(RolloutAdapter):
         """`init_weight_transfer_engine` on every worker; an engine started without the
         weight-transfer config fails here at once, with the fix."""
         self._worker_digest = None
-        self._rendezvous, self._store = rendezvous, None
+        self._rendezvous, self._store, self._ticket = rendezvous, None, None  # a new group: a new store prefix
         self._ranks = list(range(rank_offset, rank_offset + self.world_size))
         init = {"rendezvous": rendezvous.to_dict(), "rank_offset": rank_offset, "options": options.to_dict(), **self._init_extra()}
         try:
@@ -162,7 +169,17 @@ class VllmNativeRollout(RolloutAdapter):
         engine refused: nothing was loaded in it, so finishing it loads nothing)."""
         if self._open:
             self._finish()
-        self.client.start_weight_update()
+        try:
+            self.client.start_weight_update()
+        except Exception as exc:
+            if _UPDATE_ACTIVE not in str(exc):
+                raise
+            # A trainer died mid-sync and left its update open; vLLM would refuse every update from
+            # now on. Nothing staged in it reached the live weights (the next receive drops it), and
+            # a half-loaded unstaged one left the engine stale for a dense sync: close it, open ours.
+            logger.warning("engine %s: closing a weight update that a trainer left open (it died mid-sync?)", self.name)
+            self.client.finish_weight_update(None)
+            self.client.start_weight_update()
         self._open = True
 
     def _phase(self, update: dict[str, Any]) -> None:
@@ -202,9 +219,12 @@ class VllmNativeRollout(RolloutAdapter):
         if stage is None:
             self._phase(update)
         else:
-            ticket = new_ticket()
-            self._phase({**update, "stage": stage, "ticket": ticket})
+            self._outcome_store()  # before any worker can report: a discard must be able to clear
+            ticket = self._ticket = new_ticket()
+            self._stopped = False
+            self._phase({**update, "stage": stage, "ticket": ticket})  # may start on some workers only: discard clears
             self._wait_staged(ticket)
+            self._ticket = None  # every worker reported, and its key is gone
         seconds = time.perf_counter() - t0
         return ReceiveReport(manifest.num_tensors, manifest.total_bytes, seconds, seconds, manifest.num_tensors)
 
@@ -213,23 +233,34 @@ class VllmNativeRollout(RolloutAdapter):
         store; a failed receive is discarded and raised naming the engine and the worker's why, and a
         worker that reported nothing in time (dead, hung) is raised naming its rank (the session then
         discards: the engine keeps its old weights)."""
-        if self._rendezvous is None:
-            raise RuntimeError(f"engine {self.name!r}: a staged receive before join(); join the weight-sync group first")
-        if self._store is None:
-            self._store = self._rendezvous.connect_store(is_master=False)
         timeout_s = self.timeout_s * 2
-        outcomes = wait_outcomes(self._store, ticket, self._ranks, timeout_s)
+        store = self._outcome_store()
+        self._waiting = True
+        try:
+            outcomes = wait_outcomes(store, ticket, self._ranks, timeout_s)
+        finally:
+            self._waiting = False
         failed = outcomes.failed
         if failed:
             rank, why = next(iter(failed.items()))
             logger.warning("engine %s: staged receive failed on worker rank(s) %s: %s", self.name, sorted(failed), why)
             self.discard()
             raise RuntimeError(f"engine {self.name!r}: staged receive failed (rank {rank}: {why[:500]}); it keeps serving its old weights")
+        if outcomes.missing and self._stopped:
+            raise RuntimeError(f"engine {self.name!r}: staged receive stopped before worker rank(s) {outcomes.missing} reported: {outcomes.why_missing}")
         if outcomes.missing:
             raise TimeoutError(
                 f"engine {self.name!r}: staged receive: worker rank(s) {outcomes.missing} reported no outcome within "
                 f"{timeout_s:.0f}s ({outcomes.why_missing}); the worker died or hangs"
             )
+
+    def _outcome_store(self) -> Any:
+        """This handle's client of the group's rendezvous store (opened once per group)."""
+        if self._rendezvous is None:
+            raise RuntimeError(f"engine {self.name!r}: a staged receive before join(); join the weight-sync group first")
+        if self._store is None:
+            self._store = self._rendezvous.connect_store(is_master=False)
+        return self._store
 
     # --- staged: room, swap, discard ----------------------------------------------------------------
     def staging_room(self, nbytes: int) -> bool:
@@ -274,9 +305,33 @@ class VllmNativeRollout(RolloutAdapter):
 
     def discard(self) -> None:
         """Drop a staged version on every worker and close vLLM's update; the live weights, the
-        version and the engine's steps are untouched (a no-op with nothing staged)."""
-        self._phase({"phase": "discard"})
-        self._finish()
+        version and the engine's steps are untouched (a no-op with nothing staged). A staged receive
+        still waiting for the workers' outcomes on another thread stops waiting."""
+        self._stop_waiting()
+        try:
+            self._phase({"phase": "discard"})
+            self._finish()
+        finally:
+            self._clear_outcomes()
+
+    def _stop_waiting(self) -> None:
+        """End a staged receive's wait in flight on another thread, through a store client of its own
+        (the waiting thread holds the handle's): a wait must not outlive the store it waits in."""
+        ticket, rendezvous = self._ticket, self._rendezvous
+        if not self._waiting or ticket is None or rendezvous is None:
+            return
+        self._stopped = True
+        try:
+            stop_waiting(rendezvous.connect_store(is_master=False), ticket, self._ranks)
+        except Exception as exc:  # the store is gone: so is the wait
+            logger.info("engine %s: could not stop the staged receive's wait: %s", self.name, exc)
+
+    def _clear_outcomes(self) -> None:
+        """Delete every worker's outcome key under the last staged receive's ticket. After a discard
+        no worker reports any more (its discard waits for its staged receive to report its end)."""
+        ticket, self._ticket = self._ticket, None
+        if ticket is not None and self._store is not None:
+            clear_outcomes(self._store, ticket, self._ranks)
 
     def finalize(self, version: int) -> None:
         """Layerwise post-processing and the version (vLLM stamps it), then the prefix cache."""
@@ -294,6 +349,8 @@ class VllmNativeRollout(RolloutAdapter):
         return {"version": self.control.weight_version()} if self.control is not None else {}
 
     def leave(self) -> None:
+        self._stop_waiting()  # a wait in flight lets go of the store before the group's store goes away
+        self._clear_outcomes()
         self._worker_digest, self._rendezvous, self._store = None, None, None
         if self._open:  # vLLM refuses to shut the transfer engine down inside an update
             self._finish()

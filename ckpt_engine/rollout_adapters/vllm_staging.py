@@ -217,9 +217,11 @@ class StagedReceive:
         return not self.running and self.error is None and self.report is not None
 
     def join(self, timeout_s: float) -> bool:
-        """Wait for the stream to end (after a failure elsewhere it ends when the group aborts);
-        whether it did."""
-        return self._ended.wait(timeout_s)
+        """Wait for the stream to end and its end to be reported (`on_end`: a discard that returns
+        leaves no report still to land, so the waiting side can delete every outcome key after it;
+        after a failure elsewhere the stream ends when the group aborts); whether it did."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
     def status(self) -> dict[str, Any]:
         return {"done": not self.running, "error": self.error, "report": self.report if not self.running else None}
