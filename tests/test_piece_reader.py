@@ -62,11 +62,23 @@ def test_what_changed_since_the_last_sync_is_still_refused(sched: Schedule) -> N
         _walk(sched, list(tensors.items()), known)
 
 
+def test_a_square_tensor_turned_into_its_own_transpose_is_checked_again(sched: Schedule) -> None:
+    """Same object, pointer and shape, other strides: not the tensor checked last time. It is no
+    longer in the wire layout, so its bytes are taken through a contiguous copy (sending its
+    storage as it lies would send the old orientation)."""
+    tensors = {n: torch.randn(s) for n, s in _SHAPES.items()}
+    known: dict = {}
+    assert all(own for _t, own in _walk(sched, list(tensors.items()), known))
+    tensors["c.weight"].data = tensors["c.weight"].data.t()
+    again = dict(zip(_SHAPES, _walk(sched, list(tensors.items()), known)))
+    assert again["c.weight"][1] is False and again["a.weight"][1] is True
+
+
 def test_the_reader_keeps_no_yielded_tensor_alive(sched: Schedule) -> None:
     known: dict = {}
     _walk(sched, [(n, torch.randn(s)) for n, s in _SHAPES.items()], known)
     gc.collect()
-    assert all(ref() is None for ref, _ptr, _own in known.values())
+    assert all(ref() is None for ref, _ptr, _strides, _own in known.values())
 
 
 def _entries(sched: Schedule) -> list:
@@ -105,6 +117,10 @@ def test_a_bucket_of_the_same_tensors_is_taken_whole_and_anything_else_walks(sch
     assert not r.same_as_last(entries, seen)
     with pytest.raises(ValueError, match=r"c.weight: the weight source yielded shape \(2, 8\)"):
         [r.source(e) for e in entries]
+    tensors = {n: torch.randn(s) for n, s in _SHAPES.items()}
+    seen = PieceReader.remember(list(tensors.values()))
+    tensors["c.weight"].data = tensors["c.weight"].data.t()  # square: the same object, pointer and shape, other strides
+    walks_in_order(tensors)
     renamed = [("x.weight" if n == "a.weight" else n, t) for n, t in tensors.items()]
     r = PieceReader(iter(renamed), sched, 0, torch.device("cpu"), SendStats(), {})
     assert not r.same_as_last(entries, PieceReader.remember([t for _n, t in renamed]))
@@ -119,5 +135,5 @@ def test_the_sender_keeps_the_longest_stretch_of_its_own_whole_tensors() -> None
     owned = [(i, ts[i], (i, 1, i)) for i in (0, 1, 3, 4, 5, 6)]
     run = _longest_run(owned)
     assert run is not None and (run.lo, run.hi) == (3, 7) and run.rows == [(i, 1, i) for i in (3, 4, 5, 6)]
-    assert [ref() for ref, _ptr in run.seen] == ts[3:7]
+    assert [ref() for ref, _ptr, _strides in run.seen] == ts[3:7]
     assert _longest_run([(2, ts[2], (2, 1, 2))]) is None and _longest_run([]) is None

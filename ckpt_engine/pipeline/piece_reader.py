@@ -21,13 +21,14 @@ from ckpt_engine.manifest import TensorMeta
 __all__ = ["PieceReader"]
 
 
-Known = dict[str, tuple["weakref.ref[torch.Tensor]", int, bool]]
+Known = dict[str, tuple["weakref.ref[torch.Tensor]", int, tuple[int, ...], bool]]
 """Per whole entry, the tensor a source yielded for it at the last sync (weakly: a source of
-temporaries must not be kept alive), its data pointer and whether it was in the wire layout (kept
-by the engine per plan, for sources whose tensors stay valid)."""
-Seen = list[tuple["weakref.ref[torch.Tensor]", int]]
-"""A stretch of whole entries' tensors as the last sync yielded them (weakly) and their data
-pointers: what `PieceReader.same_as_last` compares a new walk against."""
+temporaries must not be kept alive), its data pointer, its strides (a square matrix whose `.data`
+became its own transpose keeps pointer and shape) and whether it was in the wire layout (kept by the
+engine per plan, for sources whose tensors stay valid)."""
+Seen = list[tuple["weakref.ref[torch.Tensor]", int, tuple[int, ...]]]
+"""A stretch of whole entries' tensors as the last sync yielded them (weakly), their data pointers
+and strides: what `PieceReader.same_as_last` compares a new walk against."""
 
 
 class PieceReader:
@@ -88,8 +89,8 @@ class PieceReader:
         t0 = time.perf_counter()
         items = list(islice(self.it, len(entries)))
         same = len(items) == len(entries) and all(
-            t is ref() and name == e.name and t.data_ptr() == ptr and t.shape == e.shape
-            for (name, t), e, (ref, ptr) in zip(items, entries, seen)
+            t is ref() and name == e.name and t.data_ptr() == ptr and t.shape == e.shape and t.stride() == strides
+            for (name, t), e, (ref, ptr, strides) in zip(items, entries, seen)
         )
         if not same:
             self.it = chain(items, self.it)
@@ -101,8 +102,8 @@ class PieceReader:
     @staticmethod
     def remember(tensors: Sequence[torch.Tensor]) -> Seen:
         """What `same_as_last` compares against: each tensor weakly (a source of temporaries must
-        not be kept alive) with its data pointer."""
-        return [(weakref.ref(t), t.data_ptr()) for t in tensors]
+        not be kept alive) with its data pointer and strides."""
+        return [(weakref.ref(t), t.data_ptr(), t.stride()) for t in tensors]
 
     def _whole(self, e: TensorMeta, known: Known) -> tuple[torch.Tensor, bool]:
         t0 = time.perf_counter()
@@ -111,12 +112,12 @@ class PieceReader:
         except StopIteration:
             raise ValueError(f"the weight source ended before {e.name!r}, which its metadata lists") from None
         hit = known.get(e.name)
-        if hit is not None and t is hit[0]() and name == e.name and t.data_ptr() == hit[1] and t.shape == e.shape:
-            own = hit[2]
+        if hit is not None and t is hit[0]() and name == e.name and t.data_ptr() == hit[1] and t.shape == e.shape and t.stride() == hit[2]:
+            own = hit[3]
         else:
             checked_weight(name, t, e)
             own = has_wire_layout(t, e, self.device)
-            known[e.name] = (weakref.ref(t), t.data_ptr(), own)
+            known[e.name] = (weakref.ref(t), t.data_ptr(), t.stride(), own)
         self.stats.export_s += time.perf_counter() - t0
         self.current, self.flat, self.base = t, None, 0
         return t, own

@@ -68,12 +68,12 @@ class SharedSources:
                     raise ValueError(f"the weight source ended before {e.name!r}, which its metadata lists") from None
                 walked.append((name, t))
                 hit = known.get(e.name)
-                if hit is not None and t is hit[0]() and name == e.name and t.data_ptr() == hit[1] and t.shape == e.shape:
-                    own = hit[2]
+                if hit is not None and t is hit[0]() and name == e.name and t.data_ptr() == hit[1] and t.shape == e.shape and t.stride() == hit[2]:
+                    own = hit[3]
                 else:
                     checked_weight(name, t, e)
                     own = has_wire_layout(t, e, self.t.device) and (e.nbytes == 0 or self.sharing.can_share(t))
-                    known[e.name] = (weakref.ref(t), t.data_ptr(), own)
+                    known[e.name] = (weakref.ref(t), t.data_ptr(), t.stride(), own)
                 if not own:
                     self.sharing.offer(None)
                     return None, itertools.chain(walked, it)
