@@ -11,14 +11,29 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from helpers_procs import free_port
 
-__all__ = ["VllmServer", "api_server", "api_server_command", "free_port"]
+__all__ = ["HasUrl", "ServerAt", "VllmServer", "api_server", "api_server_command", "free_port"]
 
 # A tiny engine: the same limits for the in-process `LLM` and the HTTP server.
 ENGINE_ARGS = {"max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.05}
+
+
+class HasUrl(Protocol):
+    """What a test that only talks HTTP to a server needs of it."""
+
+    url: str
+
+
+@dataclass(frozen=True)
+class ServerAt:
+    """A server this test did not start (a shared one, tests/conftest.py): only its URL."""
+
+    url: str
 
 
 class VllmServer:
