@@ -37,10 +37,10 @@ class ServerAt:
 
 
 class VllmServer:
-    """A running api_server: its process, base URL and log file."""
+    """A running api_server: its process, base URL, log file and the model dir it serves."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
-        self.proc, self.url, self.log = proc, url, log
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path, model_dir: Path) -> None:
+        self.proc, self.url, self.log, self.model_dir = proc, url, log, model_dir
 
 
 def api_server_command(model_dir: Path, port: int, extra: Sequence[str] = ()) -> list[str]:
@@ -78,7 +78,7 @@ def api_server(
             except requests.RequestException:
                 pass
             time.sleep(1.0)
-        yield VllmServer(proc, url, log)
+        yield VllmServer(proc, url, log, model_dir)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
