@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,8 @@ from ckpt_engine.sync.api import SyncError
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from staged_vllm import HfReference, Output, RequestStream, SwapRecorder, generate, served_model, wait_for_outputs_beyond  # noqa: E402
+from staged_vllm import HfReference, Output, RequestStream, SwapRecorder, generate, wait_for_outputs_beyond  # noqa: E402
+from shared_server import SharedServer  # noqa: E402
 from tamper import FlipOnce  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -40,9 +40,8 @@ NUM_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    with served_model(tmp_path_factory.mktemp("qwen2-staged")) as served:
-        yield served
+def server(staged_vllm_server: SharedServer[tuple[str, Path]]) -> tuple[str, Path]:
+    return staged_vllm_server.get()  # shared across modules (tests/conftest.py)
 
 
 def trainer_model(model_dir: Path, seed: int) -> torch.nn.Module:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,8 @@ from ckpt_engine.sources.base import StateDictSource
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from staged_vllm import HfReference, RequestStream, served_model  # noqa: E402
+from staged_vllm import HfReference, RequestStream  # noqa: E402
+from shared_server import SharedServer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -33,9 +33,8 @@ NUM_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    with served_model(tmp_path_factory.mktemp("qwen2-swap")) as served:
-        yield served
+def server(staged_vllm_server: SharedServer[tuple[str, Path]]) -> tuple[str, Path]:
+    return staged_vllm_server.get()  # shared across modules (tests/conftest.py)
 
 
 def _trainer(model_dir: Path) -> torch.nn.Module:
