@@ -23,13 +23,29 @@ from ckpt_engine.sources.base import StateDictSource
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from staged_vllm import HfReference, RequestStream  # noqa: E402
+from staged_vllm import HfReference, InFlight, RequestStream  # noqa: E402
 from shared_server import SharedServer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[5, 6, 7, 8], [100, 3, 250, 17, 42], [77, 12, 400, 2, 8, 19]]
 NUM_TOKENS = 24
+HELD_TOKENS = 48  # a held request's length: the server's max_model_len is 64
+
+
+class _HoldsARequest(VllmServerRollout):
+    """Before each swap, a long request the engine is already decoding (`InFlight`): every swap
+    then has a request in flight, on a warm engine or a slow box alike."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.held: list[InFlight] = []
+
+    def swap(self, version: int, pause_mode: str) -> float:
+        held = InFlight(self.base_url, PROMPTS[len(self.held) % len(PROMPTS)], HELD_TOKENS)
+        self.held.append(held)
+        held.wait_started()
+        return super().swap(version, pause_mode)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +82,7 @@ def test_recompute_from_the_config_reprefills_in_flight_requests_under_the_new_w
     url, model_dir = server
     trainer = _trainer(model_dir)
     ref = HfReference(copy.deepcopy(trainer))
-    adapter = VllmServerRollout("vllm-swap", url, timeout_s=60.0)
+    adapter = _HoldsARequest("vllm-swap", url, timeout_s=60.0)
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, delta="on", stage="auto", pause_mode="recompute")
     stream = RequestStream(url, PROMPTS, NUM_TOKENS).start()
     g = torch.Generator().manual_seed(0)
@@ -88,22 +104,24 @@ def test_recompute_from_the_config_reprefills_in_flight_requests_under_the_new_w
             session.close()
     finally:
         outputs = stream.stop()
+        held = [h.join() for h in adapter.held]
         adapter.close()
     assert staged == ["full"] + ["patches"] * 3, staged
     assert not stream.errors, stream.errors[:3]
     straddled = 0
-    for out in outputs:
+    for out in outputs + held:
         versions = [v for v, _, _ in out.spans]
         if out.finish == "abort" or any(v not in ref.weights for v in versions):
             continue  # before the seed's version was recorded
         (first, _, k) = out.spans[0]
-        assert out.tokens[:k] == ref.greedy(first, out.prompt, NUM_TOKENS)[:k], f"tokens of version {first} differ from HF: {out}"
+        assert out.tokens[:k] == ref.greedy(first, out.prompt, len(out.tokens))[:k], f"tokens of version {first} differ from HF: {out}"
         for version, start, end in out.spans[1:]:
             # recompute: re-prefilled under the new weights, so it continues as HF holding them does
             context = out.prompt + out.tokens[:start]
             assert out.tokens[start:end] == ref.greedy(version, context, end - start), f"not recomputed under {version}: {out}"
         straddled += len(out.spans) > 1
-    assert straddled >= 1, f"no request was in flight at any swap ({len(outputs)} outputs)"
+    print(f"{straddled} of {len(outputs) + len(held)} requests straddled a swap; held ones: {[len(h.spans) for h in held]} spans")
+    assert straddled >= 1, f"no request was in flight at any swap ({len(outputs)} outputs, held: {held})"
 
 
 def test_a_refused_load_puts_the_version_stamp_back(server: tuple[str, Path]) -> None:
