@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,13 @@ import torch
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.sync.report import SyncError
-from helpers_vllm import api_server
+from helpers_vllm import VllmServer
+from shared_server import SharedServer
 
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from staged_vllm import HfReference, Output, PacedSource, RequestStream, generate, write_model_dir  # noqa: E402
+from staged_vllm import HfReference, Output, PacedSource, RequestStream, generate  # noqa: E402
 from tamper import FlipOnce  # noqa: E402
 
 from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient  # noqa: E402
@@ -38,7 +38,6 @@ from ckpt_engine.rollout_adapters.vllm_native import VllmNativeRollout  # noqa: 
 
 pytestmark = pytest.mark.slow
 
-BACKEND = '{"backend": "ckpt_engine"}'
 PROMPTS = [[5, 6, 7, 8], [100, 3, 250, 17, 42], [77, 12, 400, 2, 8, 19]]
 NUM_TOKENS = 8
 PACE_S = 0.04
@@ -46,11 +45,12 @@ PACE_S = 0.04
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    d = write_model_dir(tmp_path_factory.mktemp("qwen2-native-staged"))
+def server(native_vllm_server: SharedServer[VllmServer]) -> tuple[str, Path]:
+    """The session's native-backend api_server (tests/conftest.py; shared with test_vllm_native.py):
+    (URL, model dir; the server's log is `model_dir / "server.log"`)."""
     torch.set_num_threads(1)  # the HF reference must not fight the engine for the box's cores
-    with api_server(d, d / "server.log", ["--enable-scale-out", "--weight-transfer-config", BACKEND]) as srv:
-        yield srv.url, d
+    engine = native_vllm_server.get()
+    return engine.url, engine.model_dir
 
 
 class Recorder(VllmNativeRollout):

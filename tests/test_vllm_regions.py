@@ -8,7 +8,8 @@ outside its regions would show), and vLLM's greedy tokens equal HF holding the s
 exact; for the MoE model, vLLM's own full load of them, see `expected_tokens`). Then through a
 session from a trainer-side sender: a dense and two delta syncs, each worker receiving about half.
 A loader doing arithmetic on the whole tensor falls back to the whole tensor for that name and
-stays exact.
+stays exact. (The same over vLLM's HTTP server: tests/test_vllm_region_staged_stream.py, which
+shares that TP=2 server.)
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ from ckpt_engine.planning.regions import ReceivePlan
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from helpers_procs import free_port  # noqa: E402
-from helpers_vllm import ENGINE_ARGS, VllmServer  # noqa: E402
+from helpers_vllm import ENGINE_ARGS  # noqa: E402
 from shared_server import SharedServer  # noqa: E402
 from test_vllm_adapter import NUM_TOKENS, PROMPTS, hf_greedy  # noqa: E402
 from vllm_regions_ext import EXTENSION  # noqa: E402
@@ -240,65 +240,3 @@ def test_tp2_plans_halve_the_bytes_and_regions_land_exactly(tmp_path: Path, kind
             tp2_qwen2_llm.discard()  # its down_proj loader was replaced: no later user may inherit it
         else:
             engine.llm_engine.engine_core.shutdown()
-
-
-def test_tp2_http_server_receives_regions(tmp_path: Path, tp2_vllm_server: SharedServer[VllmServer]) -> None:
-    """The same through vLLM's HTTP server (dev mode): plans at join, base64 assignments, a dense and
-    a delta sync; each worker receives half, greedy tokens equal HF. Then from two trainer ranks
-    (`senders=all`): a seed and a patch, each worker still receiving half, tokens equal HF."""
-    from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
-    from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
-    from ckpt_engine.sources.base import StateDictSource
-    from test_vllm_adapter import server_greedy
-
-    _, trainer = make_model(tmp_path, "qwen2", seed=9)
-    server = tp2_vllm_server.get()  # shared across modules (tests/conftest.py): dummy weights or the last user's
-    adapter = VllmServerRollout("vllm-http-tp2", server.url, timeout_s=120.0)
-    assert adapter.world_size == 2
-    session = WeightSyncSession([adapter], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=120.0, delta="on"))
-    g = torch.Generator().manual_seed(1)
-    try:
-        for step in range(2):
-            if step:
-                with torch.no_grad():
-                    for t in trainer.state_dict().values():
-                        t.add_(torch.randn(t.shape, generator=g) * 0.2 * (torch.rand(t.shape, generator=g) < 0.03))
-            weights = checkpoint_weights(trainer, "qwen2")
-            report = session.sync(StateDictSource(weights))
-            got = report.received_bytes[adapter.name]
-            print(f"qwen2 HTTP TP=2 sync {step} ({report.delta}): worker bytes {got} of {sum(t.nbytes for t in weights.values())}")
-            assert report.delta == ("seed" if step == 0 else "patch")
-            assert len(got) == 2 and all(0.4 < b / sum(t.nbytes for t in weights.values()) < 0.55 for b in got), got
-            assert server_greedy(server)[0] == [hf_greedy(trainer, p) for p in PROMPTS], step
-    finally:
-        session.close()
-        adapter.close()
-    # Two trainer ranks (their own processes, `senders=all`) send their rows of each region
-    # into the same server: a seed and a patch, each worker receiving about half.
-    from safetensors.torch import save_file
-
-    from _vllm_region_trainer import vllm_region_trainer_main
-    from ckpt_engine.processes import run_processes
-    from ranks import forkserver_context
-
-    files = []
-    for step in range(2):
-        with torch.no_grad():
-            for t in trainer.state_dict().values():
-                t.add_(torch.randn(t.shape, generator=g) * 0.2 * (torch.rand(t.shape, generator=g) < 0.03))
-        files.append(str(tmp_path / f"senders_v{step}.safetensors"))
-        save_file(checkpoint_weights(trainer, "qwen2"), files[-1])
-    ctx = forkserver_context()  # torch preloaded: no fresh import beside the engine
-    trainer_port = free_port()
-    procs = [ctx.Process(target=vllm_region_trainer_main, args=(r, 2, trainer_port, server.url, files, str(tmp_path))) for r in range(2)]
-    run_processes(procs, 600)
-    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert all(e["ok"] for e in logs[1]) and len(logs[1]) == 2, logs[1]
-    lead = logs[0]
-    assert [e["ok"] for e in lead] == [True, True], lead
-    assert [e["delta"] for e in lead] == ["seed", "patch"] and lead[0]["senders"] == 2, lead
-    full = sum(t.nbytes for t in checkpoint_weights(trainer, "qwen2").values())
-    got = lead[-1]["received"]["vllm-http-tp2"]
-    print(f"qwen2 HTTP TP=2 from 2 senders: worker bytes {got} of {full}")
-    assert len(got) == 2 and all(0.4 < b / full < 0.55 for b in got), got
-    assert server_greedy(server)[0] == [hf_greedy(trainer, p) for p in PROMPTS]

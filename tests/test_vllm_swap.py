@@ -5,6 +5,8 @@ version stamp, and resumes with `/wake_up?tags=scheduling`. Checked here: `pause
 from the config reaches the swap (requests in flight re-prefill under the new weights: their tokens
 after the swap equal HF holding the new version, continuing from the tokens so far), the engine is
 neither paused nor sleeping after a swap, and a refused load puts the engine's version stamp back.
+Every swap starts once a long streamed request has its first token (the engine is decoding it), so
+some request straddles a swap on a warm shared server as on a fresh one.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = [[5, 6, 7, 8], [100, 3, 250, 17, 42], [77, 12, 400, 2, 8, 19]]
 NUM_TOKENS = 24
-HELD_TOKENS = 48  # a held request's length: the server's max_model_len is 64
+HELD_TOKENS = 56  # a held request's length: the prompt and it fit the server's max_model_len of 64
 
 
 class _HoldsARequest(VllmServerRollout):
