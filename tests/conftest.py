@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+from shared_server import SharedServer  # noqa: E402
 
 # The fast tier (`pytest -m fast`): manifest, planning, config, codec, control frames, the
 # registry, transports over real gloo groups and one sync end to end. A file maps to None (every
@@ -48,7 +52,177 @@ def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
+_STARTED: dict[str, SharedServer] = {}
+"""The shared engines' fixtures this session set up, by fixture name."""
+_LAST_USER: dict[str, str] = {}
+"""Per shared-engine fixture, the last collected test that uses it: its engine stops after that
+test instead of at the end of the session (an idle engine holds memory, and its threads cores)."""
+
+
+def _answers_health(url: str) -> bool:
+    import requests
+
+    try:
+        return requests.get(f"{url}/health", timeout=5).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+@pytest.fixture(scope="session")
+def staged_vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer[tuple[str, Path]]]:
+    """One dev-mode vLLM api_server over the tiny Qwen2 of tests/staged_vllm.py (`served_model`:
+    worker extension, `--enable-scale-out`), shared by every module that syncs into it over HTTP:
+    `staged_vllm_server.get()` gives (URL, model dir), started again if a test killed it. Its users
+    leave it serving some version of some weights: each seeds its own and reads versions relative
+    to what the engine holds."""
+    from staged_vllm import served_model
+
+    shared = SharedServer("tiny-qwen2-http", lambda: served_model(tmp_path_factory.mktemp("qwen2-served")), lambda served: _answers_health(served[0]))
+    _STARTED["staged_vllm_server"] = shared
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
+def _engine_core_alive(llm: object) -> bool:
+    """vLLM's own flag for an in-process `LLM` whose engine core died (its monitor sets it)."""
+    return not llm.llm_engine.engine_core.resources.engine_dead  # type: ignore[attr-defined]
+
+
+@pytest.fixture(scope="session")
+def tp2_qwen2_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer[object]]:
+    """One in-process vLLM `LLM` with tensor_parallel_size=2 over the tiny Qwen2 of
+    tests/test_vllm_regions.py (`start_tp2`: dummy weights, the region test extension), shared by
+    the modules that sync regions into it: `tp2_qwen2_llm.get()` gives the `LLM`. Users seed their
+    own weights; one that changes a loader calls `discard()`."""
+    from contextlib import contextmanager
+
+    from test_vllm_regions import CONFIGS, start_tp2
+
+    @contextmanager
+    def started() -> Iterator[object]:
+        d = tmp_path_factory.mktemp("tp2-qwen2")
+        (d / "config.json").write_text(__import__("json").dumps(CONFIGS["qwen2"]))
+        llm = start_tp2(d)
+        try:
+            yield llm
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+
+    shared = SharedServer("tp2-qwen2-llm", started, _engine_core_alive)
+    _STARTED["tp2_qwen2_llm"] = shared
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
+@pytest.fixture(scope="session")
+def tp2_vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer[object]]:
+    """One dev-mode vLLM api_server with tensor_parallel_size=2 over the tiny Qwen2 of
+    tests/staged_vllm.py (dummy weights, the worker extension, `--enable-scale-out` for
+    token-in/token-out requests), shared by the modules that sync regions into it over HTTP:
+    `tp2_vllm_server.get()` gives a `helpers_vllm.VllmServer` (`.url`, `.model_dir`), started again
+    if a test killed it. Its users take the weights and version the last one left."""
+    from contextlib import contextmanager
+
+    from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION
+    from helpers_vllm import VllmServer, api_server
+    from staged_vllm import write_model_dir
+
+    @contextmanager
+    def started() -> Iterator[VllmServer]:
+        d = write_model_dir(tmp_path_factory.mktemp("tp2-qwen2-http"))
+        extra = ["--worker-extension-cls", WORKER_EXTENSION, "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", "--enable-scale-out"]
+        with api_server(d, d / "server.log", extra, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as server:
+            yield server
+
+    shared = SharedServer("tp2-qwen2-http", started, lambda server: _answers_health(server.url))
+    _STARTED["tp2_vllm_server"] = shared
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
+@pytest.fixture(scope="session")
+def native_vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer[object]]:
+    """One dev-mode vLLM api_server over the tiny Qwen2 of tests/staged_vllm.py started the way a
+    vLLM user starts the native backend (`--weight-transfer-config '{"backend": "ckpt_engine"}'`,
+    no worker extension; `--enable-scale-out` for token-in/token-out requests), shared by
+    `test_vllm_native.py`'s HTTP test and `test_vllm_native_staged.py`: `.get()` gives a
+    `helpers_vllm.VllmServer` (its log is `model_dir / "server.log"`). Users read versions relative
+    to what it holds."""
+    from contextlib import contextmanager
+
+    from helpers_vllm import VllmServer, api_server
+    from staged_vllm import write_model_dir
+
+    @contextmanager
+    def started() -> Iterator[VllmServer]:
+        d = write_model_dir(tmp_path_factory.mktemp("qwen2-native-http"))
+        extra = ["--enable-scale-out", "--weight-transfer-config", '{"backend": "ckpt_engine"}']
+        with api_server(d, d / "server.log", extra) as server:
+            yield server
+
+    shared = SharedServer("tiny-qwen2-native-http", started, lambda server: _answers_health(server.url))
+    _STARTED["native_vllm_server"] = shared
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    for name, nodeid in _LAST_USER.items():
+        if item.nodeid == nodeid and name in _STARTED:
+            _STARTED.pop(name).close()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "kills_shared_engine: kills an engine other modules share; runs after the last other user of that engine")
+
+
+SHARED_ENGINES = ("staged_vllm_server", "tp2_qwen2_llm", "tp2_vllm_server", "native_vllm_server")
+"""The session fixtures above: each one engine that several modules use in turn."""
+
+
+def _group_shared_engine_users(items: list[pytest.Item]) -> None:
+    """Reorder whole modules so the users of one shared engine run one after another: a module
+    that uses an engine first started by an earlier module moves right behind that module (the
+    engine then stops before the next engine starts: two idle vLLM engines would share the box's
+    cores and memory with every test between them). A `kills_shared_engine` test runs after the
+    last user of its engine (a later user would start it again: correct, only slower). Modules stay
+    whole (their module fixtures start once) and keep their order otherwise."""
+    module_index: dict[str, int] = {}
+    first_user: dict[str, str] = {}
+    follows: dict[str, str] = {}
+    for item in items:
+        module = str(item.path)
+        module_index.setdefault(module, len(module_index))
+        for name in SHARED_ENGINES:
+            if name in item.fixturenames:  # type: ignore[attr-defined]
+                anchor = first_user.setdefault(name, module)
+                if anchor != module and module not in first_user.values():
+                    follows.setdefault(module, anchor)
+    order = {item.nodeid: i for i, item in enumerate(items)}
+
+    def key(item: pytest.Item) -> tuple[int, int, int, int]:
+        module = str(item.path)
+        group = module_index[follows.get(module, module)]
+        kills = item.get_closest_marker("kills_shared_engine") is not None
+        return (group, kills, module_index[module], order[item.nodeid])
+
+    items.sort(key=key)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _group_shared_engine_users(items)
+    for item in items:
+        for name in SHARED_ENGINES:
+            if name in item.fixturenames:  # type: ignore[attr-defined]
+                _LAST_USER[name] = item.nodeid
     seen: dict[str, set[str]] = {}
     for item in items:
         file = os.path.basename(str(item.path))

@@ -11,21 +11,36 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from helpers_procs import free_port
 
-__all__ = ["VllmServer", "api_server", "api_server_command", "free_port"]
+__all__ = ["HasUrl", "ServerAt", "VllmServer", "api_server", "api_server_command", "free_port"]
 
 # A tiny engine: the same limits for the in-process `LLM` and the HTTP server.
 ENGINE_ARGS = {"max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.05}
 
 
-class VllmServer:
-    """A running api_server: its process, base URL and log file."""
+class HasUrl(Protocol):
+    """What a test that only talks HTTP to a server needs of it."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
-        self.proc, self.url, self.log = proc, url, log
+    url: str
+
+
+@dataclass(frozen=True)
+class ServerAt:
+    """A server this test did not start (a shared one, tests/conftest.py): only its URL."""
+
+    url: str
+
+
+class VllmServer:
+    """A running api_server: its process, base URL, log file and the model dir it serves."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, log: Path, model_dir: Path) -> None:
+        self.proc, self.url, self.log, self.model_dir = proc, url, log, model_dir
 
 
 def api_server_command(model_dir: Path, port: int, extra: Sequence[str] = ()) -> list[str]:
@@ -63,7 +78,7 @@ def api_server(
             except requests.RequestException:
                 pass
             time.sleep(1.0)
-        yield VllmServer(proc, url, log)
+        yield VllmServer(proc, url, log, model_dir)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)

@@ -71,19 +71,28 @@ def serving(health: dict) -> bool:
 def spawn_engine(
     name: str, *, spec_file: str | None = None, model_dir: str | None = None, dtype: str = "float32", load_delay_s: float = 0.0,
     timeout_s: float = 120.0, token: str | None = None, port: int = 0, stderr_path: str | None = None,
+    layout: dict[str, int] | None = None, staging_budget_bytes: int | None = None, step_interval_s: float | None = None,
+    handle: type[TorchRefRollout] = TorchRefRollout,
 ) -> TorchRefRollout:
     """`TorchRefRollout.spawn` for tests: the reference receiver's own `main` with the same
     arguments, in a process forked from the preloaded server (milliseconds) instead of a new
     interpreter that imports torch again (seconds of CPU on a 2-core box). `stderr_path` takes
-    the engine's log. (tests/test_control_server.py keeps one engine started by `spawn` itself.)"""
+    the engine's log; `handle`: the handle class to return (a test's subclass of TorchRefRollout).
+    (tests/test_control_server.py keeps one engine started by `spawn` itself.)"""
     if (spec_file is None) == (model_dir is None):
         raise ValueError("give exactly one of spec_file or model_dir")
     token = token if token is not None else secrets.token_hex(16)
     argv = ["--load-delay-s", str(load_delay_s), "--port", str(port)]
     argv += ["--spec-file", spec_file] if spec_file else ["--model-dir", str(model_dir), "--dtype", dtype]
+    if staging_budget_bytes is not None:
+        argv += ["--staging-budget-bytes", str(int(staging_budget_bytes))]
+    if step_interval_s is not None:
+        argv += ["--step-interval-s", str(float(step_interval_s))]
+    for key, value in (layout or {}).items():
+        argv += [f"--{key.replace('_', '-')}", str(int(value))]
     program = fork_program("ckpt_engine.rollout_adapters.torch_ref:main", argv, f"engine-{name}", env={torch_ref.TOKEN_ENV: token}, stderr_path=stderr_path)
     line = program.read_line(torch_ref.READY_PREFIX, timeout_s)
     if line is None:
         program.process.kill()
         raise RuntimeError(f"reference receiver {name!r} did not start within {timeout_s}s (exit code {program.process.poll()})")
-    return TorchRefRollout(name, "127.0.0.1", int(line[len(torch_ref.READY_PREFIX):].strip()), program.process, timeout_s, token=token)
+    return handle(name, "127.0.0.1", int(line[len(torch_ref.READY_PREFIX):].strip()), program.process, timeout_s, token=token)

@@ -159,6 +159,77 @@ def generate(http: Any, url: str, prompt: list[int], max_tokens: int, timeout_s:
     return Output(prompt, list(choice.get("token_ids") or []), spans, choice.get("finish_reason"), t0, time.monotonic())
 
 
+class InFlight:
+    """One greedy request streamed in a thread (`"stream": true`): `started` is set once its first
+    token arrived, so the engine is decoding it, `finished` once its last chunk came; `join()` gives
+    its Output (spans from the last chunk). A test that must see a request straddle a swap pauses
+    once one started and checks that it is still unfinished while the engine is paused, instead of
+    hoping a request stream has one in flight at that moment."""
+
+    def __init__(self, url: str, prompt: list[int], max_tokens: int, timeout_s: float = 120.0) -> None:
+        self.url, self.prompt, self.max_tokens, self.timeout_s = url, prompt, max_tokens, timeout_s
+        self.started = threading.Event()
+        self.finished = threading.Event()
+        self.tokens: list[int] = []
+        self.output: Output | None = None
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import requests
+
+        t0 = time.monotonic()
+        body = {"token_ids": self.prompt, "stream": True, "sampling_params": {"max_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True}}
+        tokens = self.tokens
+        spans: list[tuple[str, int, int]] = []
+        finish: str | None = None
+        try:
+            with requests.post(f"{self.url}{GENERATE_ROUTE}", json=body, stream=True, timeout=self.timeout_s) as resp:
+                resp.raise_for_status()
+                for line in resp.iter_lines():
+                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                        continue
+                    choice = json.loads(line[len(b"data: "):])["choices"][0]
+                    tokens += choice.get("token_ids") or []
+                    if tokens:
+                        self.started.set()
+                    finish = choice.get("finish_reason") or finish
+                    if choice.get("weight_versions"):
+                        spans = [(str(s["version"]), int(s["start"]), int(s["end"])) for s in choice["weight_versions"]]
+            self.output = Output(self.prompt, tokens, spans, finish, t0, time.monotonic())
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.started.set()  # a failed request must not leave a waiter blocked
+            self.finished.set()
+
+    def wait_started(self) -> None:
+        """Until the engine decodes it (bounded by the request's timeout)."""
+        assert self.started.wait(self.timeout_s), f"no token of the held request in {self.timeout_s:.0f} s"
+        assert self.error is None, f"the held request failed: {self.error}"
+
+    def unfinished_while_paused(self, settle_s: float = 0.5, timeout_s: float = 10.0) -> bool:
+        """With the engine paused: whether this request is still in it. Waits until no token has
+        come for `settle_s` (chunks the engine sent before the pause may still be on their way),
+        bounded by `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        seen = len(self.tokens)
+        quiet_since = time.monotonic()
+        while time.monotonic() < deadline and not self.finished.is_set():
+            time.sleep(0.05)
+            if len(self.tokens) != seen:
+                seen, quiet_since = len(self.tokens), time.monotonic()
+            elif time.monotonic() - quiet_since >= settle_s:
+                return True
+        return False
+
+    def join(self) -> Output:
+        self._thread.join(self.timeout_s)
+        assert self.output is not None, f"the held request did not finish: {self.error or 'still running'}"
+        return self.output
+
+
 @dataclass
 class RequestStream:
     """`num_threads` threads sending greedy requests until stopped, each `gap_s` after the last

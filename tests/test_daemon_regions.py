@@ -15,7 +15,7 @@ from ckpt_engine.planning.tp_ep import tp_ep_plan
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from helpers_daemon import descriptor
-from refengines import same_bits
+from refengines import same_bits, spawn_engine
 from regionranks import KV_HEADS, qwen2_specs, weights
 
 pytestmark = pytest.mark.timeout(240)
@@ -28,7 +28,7 @@ def test_daemon_delivers_each_tp_rank_only_its_slices(tmp_path: Path) -> None:
     path = str(tmp_path / "qwen2.msgpack")
     write_spec_file(path, specs)
     engines = [
-        TorchRefRollout.spawn(f"tp{r}", spec_file=path, timeout_s=60, token=JOB_TOKEN, layout={"tp_size": 2, "tp_rank": r, "num_kv_heads": KV_HEADS})
+        spawn_engine(f"tp{r}", spec_file=path, timeout_s=60, token=JOB_TOKEN, layout={"tp_size": 2, "tp_rank": r, "num_kv_heads": KV_HEADS})
         for r in range(2)
     ]
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, delta="on")

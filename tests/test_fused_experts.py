@@ -20,7 +20,7 @@ from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sources.fused_experts import FusedExpertSource
-from refengines import same_bits
+from refengines import same_bits, spawn_engine
 from regionranks import EXPERTS, HIDDEN, INTER, moe_specs, weights
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, delta="on")
@@ -99,7 +99,7 @@ def test_stacked_experts_reach_ep_and_tp_ranks_bit_exact_dense_and_patches(kind:
     write_spec_file(path, specs)
     layout = {"ep_size": 2} if kind == "ep" else {"tp_size": 2, "num_kv_heads": 2}
     engines = [
-        TorchRefRollout.spawn(f"{kind}{r}", spec_file=path, timeout_s=60, layout={**layout, f"{kind}_rank": r, "fused_experts": 1})
+        spawn_engine(f"{kind}{r}", spec_file=path, timeout_s=60, layout={**layout, f"{kind}_rank": r, "fused_experts": 1})
         for r in range(2)
     ]
     session = WeightSyncSession(engines, CFG)
@@ -127,7 +127,7 @@ def test_an_engine_holding_experts_apart_refuses_stacks_before_pausing(tmp_path:
     specs = moe_specs()
     path = str(tmp_path / "moe.msgpack")
     write_spec_file(path, specs)
-    engine = TorchRefRollout.spawn("apart", spec_file=path, timeout_s=60)
+    engine = spawn_engine("apart", spec_file=path, timeout_s=60)
     session = WeightSyncSession([engine], CFG)
     try:
         with pytest.raises(ManifestRejectedError, match="engine 'apart' rejected the manifest: .*experts.(gate|up|down)_proj.weight"):

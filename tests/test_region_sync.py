@@ -30,7 +30,7 @@ from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
 from helpers_procs import free_port
 from ranks import forkserver_context
-from refengines import same_bits
+from refengines import same_bits, spawn_engine
 from tamper import FlipOnce
 from regionranks import KV_HEADS, moe_specs, qwen2_specs, weights
 
@@ -38,7 +38,7 @@ CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30
 
 
 def _spawn(name: str, path: str, layout: dict[str, int] | None, staging_budget_bytes: int | None = None) -> TorchRefRollout:
-    return TorchRefRollout.spawn(name, spec_file=path, timeout_s=60, layout=layout, staging_budget_bytes=staging_budget_bytes)
+    return spawn_engine(name, spec_file=path, timeout_s=60, layout=layout, staging_budget_bytes=staging_budget_bytes)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.transports.gloo import GlooCheckpointEngine
 from helpers_procs import free_port
 from ranks import forkserver_context, run_ranks
-from refengines import same_bits
+from refengines import same_bits, spawn_engine
 from regionranks import KV_HEADS, layout, qwen2_specs, weights
 
 BUCKET = 16 << 10
@@ -180,7 +180,7 @@ def test_the_budget_reaches_every_sender_through_the_session(tmp_path: Path) -> 
     spec = tmp_path / "qwen2.msgpack"
     write_spec_file(spec, qwen2_specs())
     layouts = [{"tp_size": 2, "tp_rank": r, "num_kv_heads": KV_HEADS} for r in range(2)]
-    engines = [TorchRefRollout.spawn(f"tp{r}", spec_file=str(spec), timeout_s=60, layout=lay) for r, lay in enumerate(layouts)]
+    engines = [spawn_engine(f"tp{r}", spec_file=str(spec), timeout_s=60, layout=lay) for r, lay in enumerate(layouts)]
     try:
         info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in engines]
         ctx = forkserver_context()

@@ -31,7 +31,7 @@ from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_f
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.staging import StagePolicy
 from multisender import model_state, wire
-from refengines import holds, source, state
+from refengines import holds, source, spawn_engine, state
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, delta="on", stage="auto")
 STEP_S = 0.005
@@ -50,7 +50,7 @@ def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def stepping(spec_file: str) -> Iterator[TorchRefRollout]:
-    engine = TorchRefRollout.spawn("stepping", spec_file=spec_file, timeout_s=60, step_interval_s=STEP_S)
+    engine = spawn_engine("stepping", spec_file=spec_file, timeout_s=60, step_interval_s=STEP_S)
     yield engine
     engine.close()
 
@@ -101,7 +101,7 @@ def test_no_room_for_a_staging_copy_pauses_dense_syncs_as_today_and_says_so_once
 ) -> None:
     """An engine with no room for a dense staging copy: `auto` pauses for dense syncs (said once
     per session), still stages patches, stays exact; `full` is refused before anything pauses."""
-    engine = TorchRefRollout.spawn("cramped", spec_file=spec_file, timeout_s=60, staging_budget_bytes=0, step_interval_s=STEP_S)
+    engine = spawn_engine("cramped", spec_file=spec_file, timeout_s=60, staging_budget_bytes=0, step_interval_s=STEP_S)
     session = WeightSyncSession([engine], dataclasses.replace(CFG, full_sync_every=3))
     try:
         with caplog.at_level(logging.WARNING, logger="ckpt_engine.sync.staging"):
@@ -138,7 +138,7 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchRefRollout]
     """A stepping engine of `refengines.state` tensors (what tests/_fault_sender.py sends)."""
     path = tmp_path_factory.mktemp("mixed") / "spec.msgpack"
     write_spec_file(path, source(0).metadata())
-    engine = TorchRefRollout.spawn("mixed", spec_file=str(path), timeout_s=60, step_interval_s=STEP_S)
+    engine = spawn_engine("mixed", spec_file=str(path), timeout_s=60, step_interval_s=STEP_S)
     yield engine
     engine.close()
 
@@ -227,7 +227,7 @@ class _SwapFails(TorchRefRollout):
 def test_a_failed_swap_after_a_complete_stream_leaves_the_engines_stale_as_a_failed_finalize(spec_file: str) -> None:
     """Every engine streamed and checked its version; one swap fails: that is a failed finalize, not a
     failed stream, so every engine is listed stale (none was told to discard) and the next sync heals."""
-    engines = [TorchRefRollout.spawn("swaps", spec_file=spec_file, timeout_s=60), _SwapFails.spawn("refuses", spec_file=spec_file, timeout_s=60)]
+    engines = [spawn_engine("swaps", spec_file=spec_file, timeout_s=60), spawn_engine("refuses", spec_file=spec_file, timeout_s=60, handle=_SwapFails)]
     session = WeightSyncSession(engines, CFG)
     try:
         with pytest.raises(SyncError) as info:

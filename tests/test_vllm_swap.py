@@ -5,13 +5,14 @@ version stamp, and resumes with `/wake_up?tags=scheduling`. Checked here: `pause
 from the config reaches the swap (requests in flight re-prefill under the new weights: their tokens
 after the swap equal HF holding the new version, continuing from the tokens so far), the engine is
 neither paused nor sleeping after a swap, and a refused load puts the engine's version stamp back.
+Every swap starts once a long streamed request has its first token (the engine is decoding it), so
+some request straddles a swap on a warm shared server as on a fresh one.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,18 +25,43 @@ from ckpt_engine.sources.base import StateDictSource
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from staged_vllm import HfReference, RequestStream, served_model  # noqa: E402
+from staged_vllm import HfReference, InFlight, RequestStream  # noqa: E402
+from shared_server import SharedServer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[5, 6, 7, 8], [100, 3, 250, 17, 42], [77, 12, 400, 2, 8, 19]]
 NUM_TOKENS = 24
+HELD_TOKENS = 56  # a held request's length: the prompt and it fit the server's max_model_len of 64
+
+
+class _HoldsARequest(VllmServerRollout):
+    """Every swap pauses while a long request is in the engine: the swap's pause waits until a
+    streamed request has its first token (`InFlight`), then checks, paused, that the request is
+    still unfinished; if it finished first (a fast engine, a slow client), the engine resumes and
+    the next request is held (a few tries). Some request then straddles every swap, on a warm
+    engine or a loaded box alike."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.held: list[InFlight] = []
+        self.tries: list[int] = []
+
+    def _pause_for_swap(self, mode: str) -> None:
+        for attempt in range(1, 6):
+            held = InFlight(self.base_url, PROMPTS[len(self.held) % len(PROMPTS)], HELD_TOKENS)
+            self.held.append(held)
+            held.wait_started()
+            super()._pause_for_swap(mode)
+            if held.unfinished_while_paused() or attempt == 5:
+                self.tries.append(attempt)
+                return
+            self._resume_after_swap()
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
-    with served_model(tmp_path_factory.mktemp("qwen2-swap")) as served:
-        yield served
+def server(staged_vllm_server: SharedServer[tuple[str, Path]]) -> tuple[str, Path]:
+    return staged_vllm_server.get()  # shared across modules (tests/conftest.py)
 
 
 def _trainer(model_dir: Path) -> torch.nn.Module:
@@ -67,7 +93,7 @@ def test_recompute_from_the_config_reprefills_in_flight_requests_under_the_new_w
     url, model_dir = server
     trainer = _trainer(model_dir)
     ref = HfReference(copy.deepcopy(trainer))
-    adapter = VllmServerRollout("vllm-swap", url, timeout_s=60.0)
+    adapter = _HoldsARequest("vllm-swap", url, timeout_s=60.0)
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, delta="on", stage="auto", pause_mode="recompute")
     stream = RequestStream(url, PROMPTS, NUM_TOKENS).start()
     g = torch.Generator().manual_seed(0)
@@ -89,22 +115,24 @@ def test_recompute_from_the_config_reprefills_in_flight_requests_under_the_new_w
             session.close()
     finally:
         outputs = stream.stop()
+        held = [h.join() for h in adapter.held]
         adapter.close()
     assert staged == ["full"] + ["patches"] * 3, staged
     assert not stream.errors, stream.errors[:3]
     straddled = 0
-    for out in outputs:
+    for out in outputs + held:
         versions = [v for v, _, _ in out.spans]
         if out.finish == "abort" or any(v not in ref.weights for v in versions):
             continue  # before the seed's version was recorded
         (first, _, k) = out.spans[0]
-        assert out.tokens[:k] == ref.greedy(first, out.prompt, NUM_TOKENS)[:k], f"tokens of version {first} differ from HF: {out}"
+        assert out.tokens[:k] == ref.greedy(first, out.prompt, len(out.tokens))[:k], f"tokens of version {first} differ from HF: {out}"
         for version, start, end in out.spans[1:]:
             # recompute: re-prefilled under the new weights, so it continues as HF holding them does
             context = out.prompt + out.tokens[:start]
             assert out.tokens[start:end] == ref.greedy(version, context, end - start), f"not recomputed under {version}: {out}"
         straddled += len(out.spans) > 1
-    assert straddled >= 1, f"no request was in flight at any swap ({len(outputs)} outputs)"
+    print(f"{straddled} of {len(outputs) + len(held)} requests straddled a swap; held ones: {[len(h.spans) for h in held]} spans, tries per swap {adapter.tries}")
+    assert straddled >= 1, f"no request was in flight at any swap ({len(outputs)} outputs, held: {held})"
 
 
 def test_a_refused_load_puts_the_version_stamp_back(server: tuple[str, Path]) -> None:
