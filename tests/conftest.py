@@ -59,6 +59,16 @@ _LAST_USER: dict[str, str] = {}
 test instead of at the end of the session (an idle engine holds memory, and its threads cores)."""
 
 
+def _serve(key: str, shared: SharedServer) -> Iterator[SharedServer]:
+    """A session fixture's body: `shared` is known under `key` (the collection hook stops it after
+    its last user) and closed when the session ends."""
+    _STARTED[key] = shared
+    try:
+        yield shared
+    finally:
+        shared.close()
+
+
 def _answers_health(url: str) -> bool:
     import requests
 
@@ -77,12 +87,10 @@ def staged_vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sha
     to what the engine holds."""
     from staged_vllm import served_model
 
-    shared = SharedServer("tiny-qwen2-http", lambda: served_model(tmp_path_factory.mktemp("qwen2-served")), lambda served: _answers_health(served[0]))
-    _STARTED["staged_vllm_server"] = shared
-    try:
-        yield shared
-    finally:
-        shared.close()
+    shared = SharedServer(
+        "tiny-qwen2-http", lambda: served_model(tmp_path_factory.mktemp("qwen2-served")), lambda served: _answers_health(served[0])
+    )
+    yield from _serve("staged_vllm_server", shared)
 
 
 def _engine_core_alive(llm: object) -> bool:
@@ -110,12 +118,7 @@ def tp2_qwen2_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedSe
         finally:
             llm.llm_engine.engine_core.shutdown()
 
-    shared = SharedServer("tp2-qwen2-llm", started, _engine_core_alive)
-    _STARTED["tp2_qwen2_llm"] = shared
-    try:
-        yield shared
-    finally:
-        shared.close()
+    yield from _serve("tp2_qwen2_llm", SharedServer("tp2-qwen2-llm", started, _engine_core_alive))
 
 
 @pytest.fixture(scope="session")
@@ -138,12 +141,7 @@ def tp2_vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shared
         with api_server(d, d / "server.log", extra, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}) as server:
             yield server
 
-    shared = SharedServer("tp2-qwen2-http", started, lambda server: _answers_health(server.url))
-    _STARTED["tp2_vllm_server"] = shared
-    try:
-        yield shared
-    finally:
-        shared.close()
+    yield from _serve("tp2_vllm_server", SharedServer("tp2-qwen2-http", started, lambda server: _answers_health(server.url)))
 
 
 @pytest.fixture(scope="session")
@@ -166,12 +164,7 @@ def native_vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sha
         with api_server(d, d / "server.log", extra) as server:
             yield server
 
-    shared = SharedServer("tiny-qwen2-native-http", started, lambda server: _answers_health(server.url))
-    _STARTED["native_vllm_server"] = shared
-    try:
-        yield shared
-    finally:
-        shared.close()
+    yield from _serve("native_vllm_server", SharedServer("tiny-qwen2-native-http", started, lambda server: _answers_health(server.url)))
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
