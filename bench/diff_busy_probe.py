@@ -34,6 +34,7 @@ from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS
 @triton.jit
 def _busy_kernel(new_ptr, old_ptr, n_words, first, counter_ptr, delta_ptr, pos_ptr, val_ptr, cap, ROWS: tl.constexpr, SUB: tl.constexpr,
                  BUSY: tl.constexpr, GROUP: tl.constexpr, GROUP_BITS: tl.constexpr):
+    tl.static_assert(ROWS % SUB == 0)
     tile = tl.program_id(0).to(tl.int64)
     row = tl.arange(0, ROWS)
     col = tl.arange(0, 32)

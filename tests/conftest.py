@@ -186,8 +186,9 @@ def _group_shared_engine_users(items: list[pytest.Item]) -> None:
     that uses an engine first started by an earlier module moves right behind that module (the
     engine then stops before the next engine starts: two idle vLLM engines would share the box's
     cores and memory with every test between them). A `kills_shared_engine` test runs after the
-    last user of its engine (a later user would start it again: correct, only slower). Modules stay
-    whole (their module fixtures start once) and keep their order otherwise."""
+    last user of its engine (a later user would start it again: correct, only slower), so its module
+    is split and that module's fixtures may start a second time for it. Other modules stay whole
+    and keep their order."""
     module_index: dict[str, int] = {}
     first_user: dict[str, str] = {}
     follows: dict[str, str] = {}
@@ -210,12 +211,17 @@ def _group_shared_engine_users(items: list[pytest.Item]) -> None:
     items.sort(key=key)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _group_shared_engine_users(items)
-    for item in items:
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Each shared engine's last user among the tests that will run (after `-k`/`-m` deselected
+    theirs: the engine stops after it)."""
+    for item in session.items:
         for name in SHARED_ENGINES:
             if name in item.fixturenames:  # type: ignore[attr-defined]
                 _LAST_USER[name] = item.nodeid
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _group_shared_engine_users(items)
     seen: dict[str, set[str]] = {}
     for item in items:
         file = os.path.basename(str(item.path))

@@ -224,8 +224,12 @@ class InFlight:
                 return True
         return False
 
-    def join(self) -> Output:
+    def wait_ended(self) -> None:
+        """Until the request ended, well or not (bounded by `timeout_s`); `join` checks how."""
         self._thread.join(self.timeout_s)
+
+    def join(self) -> Output:
+        self.wait_ended()
         assert self.output is not None, f"the held request did not finish: {self.error or 'still running'}"
         return self.output
 

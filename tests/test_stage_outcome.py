@@ -178,3 +178,92 @@ def test_a_stopped_wait_lets_go_of_the_store_before_the_store_closes(capfd: pyte
     time.sleep(0.2)
     err = capfd.readouterr().err
     assert "recvValueWithTimeout" not in err and "waitForInput" not in err, err[-2000:]
+
+
+class _Workers:
+    """A stand-in for vLLM's weight-transfer calls as the native adapter makes them (the engine
+    behind them is not what these tests check: that is the adapter's handling of a staged receive
+    stopped from another thread). Its workers never report a staged receive's end; the receive call
+    itself takes `receive_s`. It records every phase and fails on calls that overlap: a client
+    serves one call at a time."""
+
+    def __init__(self, receive_s: float) -> None:
+        self.receive_s = receive_s
+        self.calls: list[str] = []
+        self.overlaps: list[str] = []
+        self._busy = threading.Lock()
+
+    def _call(self, name: str, seconds: float = 0.0) -> None:
+        if not self._busy.acquire(blocking=False):
+            self.overlaps.append(name)
+            return
+        try:
+            time.sleep(seconds)
+            self.calls.append(name)
+        finally:
+            self._busy.release()
+
+    def init_weight_transfer_engine(self, init: dict) -> None:
+        self._call("init")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call("shutdown")
+
+    def start_weight_update(self) -> None:
+        self._call("start")
+
+    def finish_weight_update(self, version: str | None = None) -> None:
+        self._call("finish")
+
+    def update_weights(self, update: dict) -> None:
+        self._call(update["phase"] + ("+stage" if "stage" in update else ""), self.receive_s if update["phase"] == "receive" else 0.0)
+
+    def pause(self, mode: str) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def reset_prefix_cache(self, running: bool = False) -> None: ...
+
+    def weight_version(self) -> str:
+        return "0"
+
+
+@pytest.mark.parametrize("receive_s,how", [(0.0, "discard"), (1.0, "discard"), (0.0, "leave")], ids=["waiting", "receive-call", "leave"])
+def test_a_native_staged_receive_is_stopped_by_a_discard_or_leave_from_another_thread(receive_s: float, how: str) -> None:
+    """The session discards (or the handle leaves) while a staged receive is in flight on another
+    thread: in its wait for the workers' outcomes, or still in its receive call. The receive ends at
+    once, raising that it was stopped (not after its 2 x timeout_s wait) and without a discard of its
+    own; the discard's calls never overlap the receive's on the client; no outcome key is left."""
+    from ckpt_engine.planning.buckets import plan_buckets
+    from ckpt_engine.manifest import TensorSpec
+    from ckpt_engine.rollout_adapters.base import JoinOptions
+    from ckpt_engine.rollout_adapters.vllm_native import VllmNativeRollout
+
+    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    rendezvous = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 3, "gloo", 30.0)
+    workers = _Workers(receive_s)
+    adapter = VllmNativeRollout(workers, num_workers=2, timeout_s=60.0)
+    adapter.join(rendezvous, 1, JoinOptions(bucket_size_bytes=1 << 20, num_buffers=2, verify=False))
+    manifest = plan_buckets([TensorSpec("w", "float32", (4, 4))], 1 << 20)
+    adapter.validate(manifest, b"{}")
+    before = master.num_keys()
+    raised: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            adapter.receive(manifest, stage="patches")
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    time.sleep(0.3)
+    (adapter.discard if how == "discard" else adapter.leave)()
+    thread.join(20.0)
+    assert not thread.is_alive(), "the stopped receive still waits"
+    assert len(raised) == 1 and "stopped" in str(raised[0]), raised
+    assert workers.overlaps == []
+    assert workers.calls.count("discard") == (1 if how == "discard" else 0)  # the stopper's, not the receive's
+    assert workers.calls[-1] == ("finish" if how == "discard" else "shutdown")
+    assert master.num_keys() == before
+    del master

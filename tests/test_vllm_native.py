@@ -237,6 +237,7 @@ def test_server_native_backend_syncs_match_hf(native_server: VllmServer, model_d
     from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient
 
     client = HTTPWeightSyncClient(native_server.url, timeout=60.0)
+    test_start = native_server.log.stat().st_size  # the shared server's log holds other users' output too
     source = Swappable(trainer_model(model_dir, seed=30))
     # A plain module's parameters stay put during a send: the transport sends from them directly.
     info = CkptEngineTrainerInitInfo(rank=0, num_workers=1, config=CONFIG, engine_name="vllm-http", stable_tensors=True)
@@ -250,7 +251,9 @@ def test_server_native_backend_syncs_match_hf(native_server: VllmServer, model_d
         engine.shutdown()
         client.close()
     # No store client waited in a store that went away (torch prints "recvValueWithTimeout failed").
-    assert "recvValueWithTimeout" not in native_server.log.read_text(errors="replace")
+    with open(native_server.log, "rb") as f:
+        f.seek(test_start)
+        assert b"recvValueWithTimeout" not in f.read()
 
 
 # --- pieces that need no engine ---------------------------------------------------------------------

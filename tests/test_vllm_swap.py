@@ -115,8 +115,10 @@ def test_recompute_from_the_config_reprefills_in_flight_requests_under_the_new_w
             session.close()
     finally:
         outputs = stream.stop()
-        held = [h.join() for h in adapter.held]
+        for h in adapter.held:  # let them end (bounded) before the client closes; checked below
+            h.wait_ended()
         adapter.close()
+    held = [h.join() for h in adapter.held]
     assert staged == ["full"] + ["patches"] * 3, staged
     assert not stream.errors, stream.errors[:3]
     straddled = 0

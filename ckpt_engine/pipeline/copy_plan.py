@@ -175,5 +175,6 @@ class ReceivePlan:
 
 
 def optional_layout(tensors: Sequence[torch.Tensor | None]) -> tuple[Hashable, ...]:
-    """`layout_of` where some entries may be None (no tensor there)."""
+    """Where `tensors` live, some entries None (no tensor there): (address, shape, strides, dtype,
+    device) of each, in order (a receiver's destinations: hundreds, not a sender's thousands of anchors)."""
     return tuple(None if t is None else (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_KEEP_FP32", "TrainConfig", "WirePolicy", "check_float_dtype", "dtype_name", "torch_dtype"]
+__all__ = ["DEFAULT_KEEP_FP32", "TrainConfig", "WirePolicy", "check_float_dtype", "dtype_name", "global_grad_norm", "mean_loss", "torch_dtype"]
 
 DEFAULT_KEEP_FP32: tuple[str, ...] = (r"(^|\.)mlp\.gate\.weight$",)
 """MoE router gates: engines keep them in fp32 because top-k routing is sensitive to rounding."""
