@@ -19,7 +19,7 @@ def spec_lists(draw):
     return [TensorSpec(f"t{i}", draw(dtypes), draw(shapes)) for i in range(n)]
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)  # hypothesis default; 300 took 9.4 s against 3.3 s on the 2-core box
 @given(
     spec_lists(), st.sampled_from([256, 512, 1024, 4096]), st.sampled_from([1, 8, 256]), st.sampled_from([None, 1, 64, 300])
 )

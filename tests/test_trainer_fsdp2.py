@@ -143,8 +143,8 @@ def _parity_worker(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_fsdp2_training_matches_unsharded_bit_for_bit():
-    r0, r1 = run_ranks(_parity_worker)
+def test_fsdp2_training_matches_unsharded_bit_for_bit(worker_runs: dict) -> None:
+    r0, r1 = _part(worker_runs, "parity")
     assert r0["is_sender"] and not r1["is_sender"]
     assert r0["names"] == r1["names"] == r0["ref_names"]  # HF checkpoint names, state-dict order
     assert not any("_fsdp" in n or "_orig_mod" in n or "_checkpoint_wrapped" in n for n in r0["names"])
@@ -198,8 +198,8 @@ def _moe_worker(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_fsdp2_moe_checkpoint_names_bf16_wire_keep_fp32_router_tied():
-    r0, r1 = run_ranks(_moe_worker)
+def test_fsdp2_moe_checkpoint_names_bf16_wire_keep_fp32_router_tied(worker_runs: dict) -> None:
+    r0, r1 = _part(worker_runs, "moe")
     assert r0["specs"] == r1["specs"]
     names = [s[0] for s in r0["specs"]]
     assert names == r0["expected_names"]
@@ -293,15 +293,49 @@ def _resume_worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     return out
 
 
-def test_fsdp2_checkpoint_resume_equals_uninterrupted():
-    with tempfile.TemporaryDirectory() as ckpt:
-        r0, _ = run_ranks(_resume_worker, ckpt_dir=os.path.join(ckpt, "step2"))
+def test_fsdp2_checkpoint_resume_equals_uninterrupted(worker_runs: dict) -> None:
+    r0, _ = _part(worker_runs, "resume")
     t = r0["tensors"]
     names = [k[2:] for k in t if k.startswith("a/")]
     for name in names:
         assert torch.equal(t[f"a/{name}"], t[f"b/{name}"]), name
     assert r0["losses_a"][2:] == r0["losses_b"]
     assert r0["lr"][0] == r0["lr"][1]
+
+
+# --- one pair of ranks for parity, MoE names and resume ---------------------------------------------
+
+
+def _parts_worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    """Parity, MoE names and resume in turn on one pair of ranks (each rank imports transformers
+    and builds its first optimizer once, not once per test); each part's tensors keep its prefix."""
+    out: dict = {"tensors": {}}
+    for part, fn, kwargs in (("parity", _parity_worker, {}), ("moe", _moe_worker, {}), ("resume", _resume_worker, {"ckpt_dir": ckpt_dir})):
+        res = fn(rank, world_size, **kwargs)
+        out["tensors"].update({f"{part}:{k}": v for k, v in res.pop("tensors", {}).items()})
+        out[part] = res
+    return out
+
+
+@pytest.fixture(scope="module")
+def worker_runs() -> dict:
+    """What both ranks returned from `_parts_worker` (the tests only read it)."""
+    with tempfile.TemporaryDirectory() as ckpt:
+        r0, r1 = run_ranks(_parts_worker, ckpt_dir=os.path.join(ckpt, "step2"))
+    return {"ranks": (r0, r1)}
+
+
+def _part(runs: dict, part: str) -> tuple[dict, dict]:
+    """One part's results per rank, its tensors under their own names again."""
+    parts = []
+    for r in runs["ranks"]:
+        res = dict(r[part])
+        prefix = f"{part}:"
+        tensors = {k[len(prefix):]: v for k, v in r.get("tensors", {}).items() if k.startswith(prefix)}
+        if tensors:
+            res["tensors"] = tensors
+        parts.append(res)
+    return parts[0], parts[1]
 
 
 # --- bad input -------------------------------------------------------------------------------------

@@ -85,33 +85,43 @@ def _ep_export_worker(rank: int, world_size: int, tp: int, ep: int, etp: int, wi
     return out
 
 
-@pytest.mark.parametrize(
-    ("tp", "ep", "etp", "wire"),
-    [(1, 2, 1, None), (2, 2, 1, "bfloat16"), (2, 1, 2, None)],
-    ids=["ep2-fp32", "tp2-ep2-bf16-wire", "tp2-etp2-fp32"],
-)
-def test_megatron_ep_export_is_bit_exact_hf(tp: int, ep: int, etp: int, wire: str | None):
+EP_CASES = {"ep2-fp32": (1, 2, 1, None), "tp2-ep2-bf16-wire": (2, 2, 1, "bfloat16"), "tp2-etp2-fp32": (2, 1, 2, None)}
+
+
+def _ep_export_cases_worker(rank: int, world_size: int) -> dict:
+    """Every layout in one pair of ranks: each rank imports megatron-core once, not once per case."""
+    out: dict = {"tensors": {}}
+    for case, (tp, ep, etp, wire) in EP_CASES.items():
+        res = _ep_export_worker(rank, world_size, tp=tp, ep=ep, etp=etp, wire=wire)
+        out["tensors"].update({f"{case}:{k}": v for k, v in res.pop("tensors", {}).items()})
+        out[case] = res
+    return out
+
+
+def test_megatron_ep_export_is_bit_exact_hf():
     """EP gathers (ep2), dense TP with EP experts (tp2-ep2: attention split over TP, each rank two
     whole experts), and expert TP (tp2-etp2: every expert's fc1 [gate; up] split over 2 ranks)."""
-    r0, r1 = run_ranks(_ep_export_worker, tp=tp, ep=ep, etp=etp, wire=wire)
-    assert r0["specs"] == r1["specs"]
-    assert r0["is_sender"] and not r1["is_sender"]
-    # each EP rank holds 4/ep of the experts per layer (fc1 + fc2 each), 2 layers
-    assert len(r0["local_expert_params"]) == len(r1["local_expert_params"]) == (4 // ep) * 2 * 2
-    names = [s[0] for s in r0["specs"]]
-    assert sorted(names) == sorted(r0["expected"])
-    assert r0["names"] == r1["names"] == names
-    for i in range(2):
-        for e in range(4):
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                assert f"model.layers.{i}.mlp.experts.{e}.{proj}.weight" in names
-    t = r0["tensors"]
-    for name, dtype, shape in r0["specs"]:
-        got, want = t[f"exp/{name}"], t[f"hf/{name}"]
-        assert list(got.shape) == shape == list(want.shape), name
-        want_dtype = "float32" if (wire is None or name.endswith("mlp.gate.weight")) else wire
-        assert dtype == want_dtype == str(got.dtype).removeprefix("torch."), name
-        assert torch.equal(got, want.to(got.dtype)), name
+    r0, r1 = run_ranks(_ep_export_cases_worker)
+    for case, (_, ep, _, wire) in EP_CASES.items():
+        a, b = r0[case], r1[case]
+        assert a["specs"] == b["specs"], case
+        assert a["is_sender"] and not b["is_sender"], case
+        # each EP rank holds 4/ep of the experts per layer (fc1 + fc2 each), 2 layers
+        assert len(a["local_expert_params"]) == len(b["local_expert_params"]) == (4 // ep) * 2 * 2, case
+        names = [s[0] for s in a["specs"]]
+        assert sorted(names) == sorted(a["expected"]), case
+        assert a["names"] == b["names"] == names, case
+        for i in range(2):
+            for e in range(4):
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    assert f"model.layers.{i}.mlp.experts.{e}.{proj}.weight" in names, case
+        t = r0["tensors"]
+        for name, dtype, shape in a["specs"]:
+            got, want = t[f"{case}:exp/{name}"], t[f"{case}:hf/{name}"]
+            assert list(got.shape) == shape == list(want.shape), f"{case}: {name}"
+            want_dtype = "float32" if (wire is None or name.endswith("mlp.gate.weight")) else wire
+            assert dtype == want_dtype == str(got.dtype).removeprefix("torch."), f"{case}: {name}"
+            assert torch.equal(got, want.to(got.dtype)), f"{case}: {name}"
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
