@@ -89,8 +89,13 @@ class ProcessGroupTransport(Transport):
         return TransferError(f"rank {self.rank}: {what} failed: {exc}")
 
     def abort(self) -> None:
+        """Abort the groups and drop them: a gloo group's abort leaves its connections open, so a
+        peer blocked in a collective with this rank waited for its whole timeout; a dropped group
+        closes them, and the peer fails at once ("Connection closed by peer"). The caller drops
+        its pending work handles first (they hold the group too)."""
         self.broken = True
-        for group in self._groups.values():
+        groups, self._groups, self._group = self._groups, {}, None
+        for group in groups.values():
             if hasattr(group, "abort"):
                 try:
                     group.abort()
