@@ -48,6 +48,18 @@ def _entry(
         raise
 
 
+def cases_in_one_run(rank: int, world_size: int, *, worker: Callable[..., dict[str, Any]], cases: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """`worker(rank, world_size, **kwargs)` for every case in turn, in one pair of ranks (each rank
+    imports megatron-core and transformers once, not once per case): each case's result under its
+    name, its tensors under "tensors" as "case:name"."""
+    out: dict[str, Any] = {"tensors": {}}
+    for case, kwargs in cases.items():
+        res = worker(rank, world_size, **kwargs)
+        out["tensors"].update({f"{case}:{k}": v for k, v in res.pop("tensors", {}).items()})
+        out[case] = res
+    return out
+
+
 def run_ranks(
     fn: Callable[..., dict[str, Any]],
     world_size: int = 2,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._trainer_mp import lm_loss as _lm_loss, run_ranks
+from tests._trainer_mp import cases_in_one_run, lm_loss as _lm_loss, run_ranks
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 pytestmark = pytest.mark.timeout(300)
@@ -64,19 +64,10 @@ def _export_worker(rank: int, world_size: int, tp: int, pp: int, kind: str, tie:
 EXPORT_CASES = {"tp2-qwen2": (2, 1, "qwen2", False), "pp2-qwen2": (1, 2, "qwen2", False), "tp2-qwen3-tied": (2, 1, "qwen3", True), "tp2-llama": (2, 1, "llama", False)}
 
 
-def _export_cases_worker(rank: int, world_size: int) -> dict:
-    """Every layout in one pair of ranks: each rank imports megatron-core once, not once per case."""
-    out: dict = {"tensors": {}}
-    for case, (tp, pp, kind, tie) in EXPORT_CASES.items():
-        res = _export_worker(rank, world_size, tp=tp, pp=pp, kind=kind, tie=tie)
-        out["tensors"].update({f"{case}:{k}": v for k, v in res.pop("tensors", {}).items()})
-        out[case] = res
-    return out
-
-
 def test_megatron_export_is_bit_exact_hf():
     """TP=2 and PP=2 (qwen2), tied embeddings (qwen3), llama naming: each export bit-exact with HF."""
-    r0, r1 = run_ranks(_export_cases_worker)
+    cases = {case: dict(tp=tp, pp=pp, kind=kind, tie=tie) for case, (tp, pp, kind, tie) in EXPORT_CASES.items()}
+    r0, r1 = run_ranks(cases_in_one_run, worker=_export_worker, cases=cases)
     for case in EXPORT_CASES:
         a, b = r0[case], r1[case]
         assert a["specs"] == b["specs"], case

@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests._trainer_mp import run_ranks
+from tests._trainer_mp import cases_in_one_run, run_ranks
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 pytestmark = pytest.mark.timeout(300)
@@ -88,20 +88,11 @@ def _ep_export_worker(rank: int, world_size: int, tp: int, ep: int, etp: int, wi
 EP_CASES = {"ep2-fp32": (1, 2, 1, None), "tp2-ep2-bf16-wire": (2, 2, 1, "bfloat16"), "tp2-etp2-fp32": (2, 1, 2, None)}
 
 
-def _ep_export_cases_worker(rank: int, world_size: int) -> dict:
-    """Every layout in one pair of ranks: each rank imports megatron-core once, not once per case."""
-    out: dict = {"tensors": {}}
-    for case, (tp, ep, etp, wire) in EP_CASES.items():
-        res = _ep_export_worker(rank, world_size, tp=tp, ep=ep, etp=etp, wire=wire)
-        out["tensors"].update({f"{case}:{k}": v for k, v in res.pop("tensors", {}).items()})
-        out[case] = res
-    return out
-
-
 def test_megatron_ep_export_is_bit_exact_hf():
     """EP gathers (ep2), dense TP with EP experts (tp2-ep2: attention split over TP, each rank two
     whole experts), and expert TP (tp2-etp2: every expert's fc1 [gate; up] split over 2 ranks)."""
-    r0, r1 = run_ranks(_ep_export_cases_worker)
+    cases = {case: dict(tp=tp, ep=ep, etp=etp, wire=wire) for case, (tp, ep, etp, wire) in EP_CASES.items()}
+    r0, r1 = run_ranks(cases_in_one_run, worker=_ep_export_worker, cases=cases)
     for case, (_, ep, _, wire) in EP_CASES.items():
         a, b = r0[case], r1[case]
         assert a["specs"] == b["specs"], case
