@@ -65,16 +65,16 @@ def _busy_kernel(new_ptr, old_ptr, n_words, first, counter_ptr, delta_ptr, pos_p
                 changed = x != y
                 rb = tl.sum(tl.where(changed, 1 << col[None, :], 0), axis=1)
                 pr = _popc32(rb)
-                dest = base + (tl.cumsum(pr, axis=0) - pr)[:, None] + _popc32(rb[:, None] & below[None, :])
-                q = first + o
-                keep = changed & (dest < cap)
-                tl.store(pos_ptr + dest, q.to(tl.int32), mask=keep)
-                tl.store(val_ptr + dest, y, mask=keep)
+                b_dest = base + (tl.cumsum(pr, axis=0) - pr)[:, None] + _popc32(rb[:, None] & below[None, :])
+                b_q = first + o
+                b_keep = changed & (b_dest < cap)
+                tl.store(pos_ptr + b_dest, b_q.to(tl.int32), mask=b_keep)
+                tl.store(val_ptr + b_dest, y, mask=b_keep)
                 tl.store(old_ptr + o, y, mask=changed)
-                t = tl.where(changed, _change_a(y, x, q, GROUP), 0)
-                upper = (q >> GROUP_BITS) != g0
-                s0 += tl.sum(tl.sum(tl.where(upper, 0, t), axis=1), axis=0)
-                s1 += tl.sum(tl.sum(tl.where(upper, t, 0), axis=1), axis=0)
+                b_t = tl.where(changed, _change_a(y, x, b_q, GROUP), 0)
+                b_upper = (b_q >> GROUP_BITS) != g0
+                s0 += tl.sum(tl.sum(tl.where(b_upper, 0, b_t), axis=1), axis=0)
+                s1 += tl.sum(tl.sum(tl.where(b_upper, b_t, 0), axis=1), axis=0)
                 base += tl.sum(pr, axis=0)
             tl.atomic_add(delta_ptr, s0 * _mix_b(g0) + s1 * _mix_b(g0 + 1))
         else:  # the library's row walk
