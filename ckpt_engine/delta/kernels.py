@@ -99,6 +99,11 @@ def _diff_rows(new_base, old_base, tile, n_words, first, counter_ptr, delta_ptr,
             keep = live & (dest < cap)
             tl.store(pos_ptr + dest, q.to(tl.int32), mask=keep)
             tl.store(val_ptr + dest, v, mask=keep)
+            # A row's lanes are copies in several threads (the 1-D layout is sliced from the 2-D
+            # tile): no copy may write the base word before every copy has read it, or a late copy
+            # reads the new word and adds 0 to the delta sum. Within one warp the copies move in
+            # step; where the layout puts them in two warps (64 rows, 4 warps) the sums differed.
+            tl.debug_barrier()
             tl.store(old_base + p, v, mask=live)
             dest += live.to(tl.int32)
         s0 = tl.sum(acc0, axis=0)
@@ -174,20 +179,25 @@ def diff_into(
     delta: torch.Tensor,
     positions_out: torch.Tensor,
     values_out: torch.Tensor,
+    *,
+    rows: int = DIFF_ROWS,
+    num_warps: int = DIFF_NUM_WARPS,
 ) -> None:
     """One pass over a piece of a bucket: for each word of `new_w` that differs from `base_w`,
     claim a slot in `counter` (int32, shared by every piece of the bucket), write `first` + its
     index to `positions_out` and its new word to `values_out` when the slot is below their
     capacity, add h(first + index) * (new - old) to `delta` (one int64, shared likewise) and copy
     the word into `base_w`. Blocks claim slots in any order, so positions are sorted within a
-    block only; `counter` and `delta` end at the true count and sum either way."""
+    block only; `counter` and `delta` end at the true count and sum either way. `rows` x 32 words per
+    program over `num_warps` warps: the defaults are the fastest measured; every tile shape writes the
+    same outputs."""
     n = new_w.numel()
-    words = DIFF_ROWS * 32
+    words = rows * 32
     nb = (n + words - 1) // words
     if nb:
         _diff_sparse_kernel[(nb,)](
             new_w, base_w, n, first, counter, delta, positions_out, values_out, positions_out.numel(),
-            ROWS=DIFF_ROWS, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=DIFF_NUM_WARPS,
+            ROWS=rows, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=num_warps,
         )
 
 
