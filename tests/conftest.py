@@ -209,9 +209,6 @@ def _group_shared_engine_users(items: list[pytest.Item]) -> None:
         return (group, kills, module_index[module], order[item.nodeid])
 
     items.sort(key=key)
-    for item in items:  # under `-n` (pytest-xdist, `--dist loadgroup`) a group runs whole on one worker, in this order
-        module = str(item.path)
-        item.add_marker(pytest.mark.xdist_group(os.path.basename(follows.get(module, module))))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
