@@ -74,11 +74,25 @@ def test_a_square_tensor_turned_into_its_own_transpose_is_checked_again(sched: S
     assert again["c.weight"][1] is False and again["a.weight"][1] is True
 
 
+def test_a_tensor_re_viewed_as_another_dtype_of_its_size_is_checked_again(sched: Schedule) -> None:
+    """Same object, pointer, shape and strides, another dtype (`.data` re-viewed as int32): the walk
+    checks it again and refuses it by name, and a bucket's one-pass take does not reuse it."""
+    tensors = {n: torch.randn(s) for n, s in _SHAPES.items()}
+    known: dict = {}
+    _walk(sched, list(tensors.items()), known)
+    seen = PieceReader.remember(list(tensors.values()))
+    tensors["c.weight"].data = tensors["c.weight"].data.view(torch.int32)
+    with pytest.raises(ValueError, match="c.weight: the weight source yielded int32"):
+        _walk(sched, list(tensors.items()), known)
+    r = PieceReader(iter(list(tensors.items())), sched, 0, torch.device("cpu"), SendStats(), {})
+    assert not r.same_as_last(_entries(sched), seen)
+
+
 def test_the_reader_keeps_no_yielded_tensor_alive(sched: Schedule) -> None:
     known: dict = {}
     _walk(sched, [(n, torch.randn(s)) for n, s in _SHAPES.items()], known)
     gc.collect()
-    assert all(ref() is None for ref, _ptr, _strides, _own in known.values())
+    assert all(st[0]() is None for st, _own in known.values())
 
 
 def _entries(sched: Schedule) -> list:
@@ -135,5 +149,5 @@ def test_the_sender_keeps_the_longest_stretch_of_its_own_whole_tensors() -> None
     owned = [(i, ts[i], (i, 1, i)) for i in (0, 1, 3, 4, 5, 6)]
     run = _longest_run(owned)
     assert run is not None and (run.lo, run.hi) == (3, 7) and run.rows == [(i, 1, i) for i in (3, 4, 5, 6)]
-    assert [ref() for ref, _ptr, _strides in run.seen] == ts[3:7]
+    assert [st[0]() for st in run.seen] == ts[3:7]
     assert _longest_run([(2, ts[2], (2, 1, 2))]) is None and _longest_run([]) is None

@@ -18,17 +18,30 @@ from ckpt_engine.pipeline.wire_views import checked_weight, flat_bytes, has_wire
 from ckpt_engine.transports.base import SendStats
 from ckpt_engine.manifest import TensorMeta
 
-__all__ = ["PieceReader"]
+__all__ = ["Known", "PieceReader", "Seen", "Stamp", "stamp", "unchanged"]
 
 
-Known = dict[str, tuple["weakref.ref[torch.Tensor]", int, tuple[int, ...], bool]]
-"""Per whole entry, the tensor a source yielded for it at the last sync (weakly: a source of
-temporaries must not be kept alive), its data pointer, its strides (a square matrix whose `.data`
-became its own transpose keeps pointer and shape) and whether it was in the wire layout (kept by the
-engine per plan, for sources whose tensors stay valid)."""
-Seen = list[tuple["weakref.ref[torch.Tensor]", int, tuple[int, ...]]]
-"""A stretch of whole entries' tensors as the last sync yielded them (weakly), their data pointers
-and strides: what `PieceReader.same_as_last` compares a new walk against."""
+Stamp = tuple["weakref.ref[torch.Tensor]", int, tuple[int, ...], torch.dtype]
+"""A yielded tensor as a sync saw it: the object (weakly: a source of temporaries must not be kept
+alive), its data pointer, its strides (a square matrix whose `.data` became its own transpose keeps
+pointer and shape) and its dtype (a re-view of the same bytes as another dtype of the same size keeps
+pointer, shape and strides)."""
+Known = dict[str, tuple[Stamp, bool]]
+"""Per whole entry, the stamp of the tensor a source yielded for it at the last sync and whether it
+was in the wire layout (kept by the engine per plan, for sources whose tensors stay valid)."""
+Seen = list[Stamp]
+"""A stretch of whole entries' tensors as the last sync yielded them: what `PieceReader.same_as_last`
+compares a new walk against."""
+
+
+def stamp(t: torch.Tensor) -> Stamp:
+    return (weakref.ref(t), t.data_ptr(), t.stride(), t.dtype)
+
+
+def unchanged(name: str, t: torch.Tensor, e: TensorMeta, s: Stamp) -> bool:
+    """Whether `t`, yielded as `name` for entry `e`, is the very tensor stamped `s` at the last sync,
+    where and as it was then: its checks against `e` held then and still hold."""
+    return t is s[0]() and name == e.name and t.data_ptr() == s[1] and t.shape == e.shape and t.stride() == s[2] and t.dtype is s[3]
 
 
 class PieceReader:
@@ -88,10 +101,7 @@ class PieceReader:
             return False
         t0 = time.perf_counter()
         items = list(islice(self.it, len(entries)))
-        same = len(items) == len(entries) and all(
-            t is ref() and name == e.name and t.data_ptr() == ptr and t.shape == e.shape and t.stride() == strides
-            for (name, t), e, (ref, ptr, strides) in zip(items, entries, seen)
-        )
+        same = len(items) == len(entries) and all(unchanged(name, t, e, s) for (name, t), e, s in zip(items, entries, seen))
         if not same:
             self.it = chain(items, self.it)
             return False
@@ -101,9 +111,8 @@ class PieceReader:
 
     @staticmethod
     def remember(tensors: Sequence[torch.Tensor]) -> Seen:
-        """What `same_as_last` compares against: each tensor weakly (a source of temporaries must
-        not be kept alive) with its data pointer and strides."""
-        return [(weakref.ref(t), t.data_ptr(), t.stride()) for t in tensors]
+        """What `same_as_last` compares against: each tensor's stamp."""
+        return [stamp(t) for t in tensors]
 
     def _whole(self, e: TensorMeta, known: Known) -> tuple[torch.Tensor, bool]:
         t0 = time.perf_counter()
@@ -112,12 +121,12 @@ class PieceReader:
         except StopIteration:
             raise ValueError(f"the weight source ended before {e.name!r}, which its metadata lists") from None
         hit = known.get(e.name)
-        if hit is not None and t is hit[0]() and name == e.name and t.data_ptr() == hit[1] and t.shape == e.shape and t.stride() == hit[2]:
-            own = hit[3]
+        if hit is not None and unchanged(name, t, e, hit[0]):
+            own = hit[1]
         else:
             checked_weight(name, t, e)
             own = has_wire_layout(t, e, self.device)
-            known[e.name] = (weakref.ref(t), t.data_ptr(), t.stride(), own)
+            known[e.name] = (stamp(t), own)
         self.stats.export_s += time.perf_counter() - t0
         self.current, self.flat, self.base = t, None, 0
         return t, own

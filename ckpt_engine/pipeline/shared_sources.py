@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import itertools
 import time
-import weakref
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
 from ckpt_engine.manifest import BucketManifest, TensorMeta
+from ckpt_engine.pipeline.piece_reader import stamp, unchanged
 from ckpt_engine.pipeline.plan_state import PlanState, SharedPlan
 from ckpt_engine.pipeline.wire_views import checked_weight, has_wire_layout, torch_dtype
 from ckpt_engine.transports.base import SendStats, TransferError
@@ -68,12 +68,12 @@ class SharedSources:
                     raise ValueError(f"the weight source ended before {e.name!r}, which its metadata lists") from None
                 walked.append((name, t))
                 hit = known.get(e.name)
-                if hit is not None and t is hit[0]() and name == e.name and t.data_ptr() == hit[1] and t.shape == e.shape and t.stride() == hit[2]:
-                    own = hit[3]
+                if hit is not None and unchanged(name, t, e, hit[0]):
+                    own = hit[1]
                 else:
                     checked_weight(name, t, e)
                     own = has_wire_layout(t, e, self.t.device) and (e.nbytes == 0 or self.sharing.can_share(t))
-                    known[e.name] = (weakref.ref(t), t.data_ptr(), t.stride(), own)
+                    known[e.name] = (stamp(t), own)
                 if not own:
                     self.sharing.offer(None)
                     return None, itertools.chain(walked, it)
