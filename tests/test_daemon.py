@@ -194,3 +194,33 @@ def test_rejecting_engine_is_dropped_and_others_sync(daemon: WeightSyncDaemon, r
     daemon.leave("good")
     with pytest.raises(ManifestRejectedError, match="bad"):
         daemon.sync(StateDictSource(sd))
+
+
+def test_a_retry_pushes_the_same_version_to_an_engine_the_failed_attempt_finalized(daemon: WeightSyncDaemon, receivers: Engines) -> None:
+    """A sync that fails after an engine finalized (its answer to the resume is lost: a timeout
+    under load) leaves that engine on the new version while the daemon retries it. The retry walks
+    the same weights, so it must take that engine again under the same version, not refuse the
+    version as one the engines already hold (the demo died of that on a loaded CI box)."""
+    rs = [receivers.spawn(f"r{i}") for i in range(2)]
+    for r in rs:
+        daemon.register(r.name, descriptor(r))
+    sd1, sd2 = weights(21), weights(22)
+    assert daemon.sync(StateDictSource(sd1)).ok
+    victim = next(rec.adapter for rec in daemon.membership.records() if rec.name == "r1")
+    real_resume = victim.resume
+    lost: list[int] = []
+
+    def resume_once_lost() -> None:
+        real_resume()  # the engine resumed, holding the new version
+        if not lost:
+            lost.append(victim.health()["version"])
+            raise TimeoutError("the engine's answer to resume was lost")
+
+    victim.resume = resume_once_lost  # type: ignore[method-assign]
+    outcome = daemon.sync(StateDictSource(sd2))
+    assert lost == [2], lost  # the failed attempt had finalized r1 on version 2
+    assert outcome.attempts and outcome.attempts[0]["stage"] == "resume" and "r1" in outcome.attempts[0]["failed"], outcome.attempts
+    assert outcome.ok and outcome.version == 2 and outcome.engines == {"r0": 2, "r1": 2} and not outcome.dropped, outcome
+    for r in rs:
+        assert_holds(r, sd2, 2)
+    assert daemon.sync(StateDictSource(weights(23))).engines == {"r0": 3, "r1": 3}

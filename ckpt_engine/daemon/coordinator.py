@@ -352,6 +352,8 @@ class WeightSyncDaemon:
             return False
         try:
             session = self._groups.session_for(members, sent=self.versions.sent)
+            if attempt:  # a retry walks the same weights again: an engine the failed attempt left on
+                session.version = max(session.version, target)  # `target` (it failed after finalizing) takes them again
             report = session.sync(walker, version=target)
         except Exception as exc:
             if walker.error is None:
