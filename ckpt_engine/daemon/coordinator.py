@@ -351,9 +351,8 @@ class WeightSyncDaemon:
             outcome.error = "no registered engine is reachable"
             return False
         try:
-            session = self._groups.session_for(members, sent=self.versions.sent)
-            if attempt:  # a retry walks the same weights again: an engine the failed attempt left on
-                session.version = max(session.version, target)  # `target` (it failed after finalizing) takes them again
+            # a retry walks the same weights: engines its failed attempt finalized take `target` again
+            session = self._groups.session_for(members, sent=max(self.versions.sent or 0, target) if attempt else self.versions.sent)
             report = session.sync(walker, version=target)
         except Exception as exc:
             if walker.error is None:

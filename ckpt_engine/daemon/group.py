@@ -46,10 +46,12 @@ class GroupKeeper:
         return self._session.manifest if self._session is not None else None
 
     def session_for(self, members: list[EngineRecord], sent: int | None = None) -> WeightSyncSession:
-        """The session for exactly `members`; a new one carries on from `sent`, the last version
-        this daemon sent (so that a catch-up may repeat it, and no version goes back)."""
+        """The session for exactly `members`, carrying on from `sent`: the last version this daemon
+        sent, or the one a failed attempt of the same sync may have finalized (so that a catch-up or
+        a retry may repeat it, and no version goes back)."""
         key = _key(members)
         if self._session is not None and key == self._key:
+            self._session.version = max(self._session.version, sent or 0)
             return self._session
         self.close(keep=set(key))
         gc.collect()  # a broken group's sockets close only when it is freed; survivors then stop waiting
