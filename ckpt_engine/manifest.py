@@ -135,7 +135,7 @@ class Bucket:
     entries: tuple[TensorMeta, ...]
     sender: int = 0
 
-    @property
+    @cached_property  # asked several times per bucket and sync on both sides (a MoE bucket holds hundreds of entries)
     def nbytes(self) -> int:
         """Bytes actually used (end of the last chunk); only these travel."""
         return max((e.bucket_offset + e.chunk_size for e in self.entries), default=0)
