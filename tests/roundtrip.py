@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from typing import Any
 
 import torch
@@ -41,17 +43,22 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def roundtrip_rank(
     rank: int, rdzv: Rendezvous, *, device: str = "cpu", bucket_size: int = 64 * 1024, verify: bool = False,
     num_small: int = 0, syncs: int = 2, engine_kwargs: dict[str, Any] | None = None, destinations: bool = False,
-    stable: bool = False,
+    stable: bool = False, engine_timeout_s: float | None = None, late: tuple[int, float] | None = None,
 ) -> dict[str, Any]:
     """Rank 0 sends `syncs` different versions; receivers check every tensor bit for bit each time.
+    `engine_timeout_s`: the engines' timeout (default: the rendezvous's); `late`: (rank, seconds)
+    that rank waits before it joins.
 
     With `destinations`, every tensor that travels alone in its bucket(s) must land in its
     destination itself (no copy out of a buffer)."""
     # "cuda" spreads ranks over GPUs; "cpu" or an explicit "cuda:N" puts every rank there.
     dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else device)
     engine = CheckpointEngineRegistry.new(
-        rdzv.backend, bucket_size_bytes=bucket_size, verify=verify, timeout_s=rdzv.timeout_s, device=dev, **(engine_kwargs or {})
+        rdzv.backend, bucket_size_bytes=bucket_size, verify=verify, timeout_s=engine_timeout_s or rdzv.timeout_s, device=dev,
+        **(engine_kwargs or {}),
     )
+    if late is not None and rank == late[0]:
+        time.sleep(late[1])
     engine.init_process_group(rdzv, rank)
     bad: list[str] = []
     buffers = None

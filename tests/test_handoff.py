@@ -46,7 +46,7 @@ def _pieces(manifest: BucketManifest, rank: int, full: dict[str, torch.Tensor]) 
 def _handoff_rank(
     rank: int, rdzv: Rendezvous, *, devices: list[str], versions: int = 2, verify: bool = False,
     local_senders: list[int] | None = None, try_delta: bool = False, die_after: int | None = None,
-    how: str = "exit", loader_fails_after: int | None = None, engine_timeout_s: float | None = None,
+    how: str = "exit", loader_fails_after: int | None = None, engine_timeout_s: float | None = None, late: tuple[int, float] | None = None,
 ) -> dict[str, Any]:
     """Senders send their row blocks of a mixed-dtype model for `versions` versions; the receiver
     checks every tensor bit for bit against the unsharded model. `try_delta`: with a local sender,
@@ -54,13 +54,16 @@ def _handoff_rank(
     `die_after`: sender 1's source fails when the engine asks for its next piece after that many:
     the process reports, then exits hard (`how="exit"`), or the source raises (`how="raise"`).
     `loader_fails_after`: the receiver's loader raises after taking that many tensors.
-    `engine_timeout_s`: the engines' timeout (default: the harness's)."""
+    `engine_timeout_s`: the engines' timeout (default: the harness's). `late`: (rank, seconds) that
+    rank waits before it joins."""
     dev = torch.device(devices[rank])
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     kwargs: dict[str, Any] = {"verify": verify} if local_senders is None else {"verify": verify, "local_senders": local_senders}
     engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=16 * 1024, device=dev,
         timeout_s=engine_timeout_s if engine_timeout_s is not None else rdzv.timeout_s, **kwargs)
+    if late is not None and rank == late[0]:
+        time.sleep(late[1])
     try:
         engine.init_process_group(rdzv, rank)
     except ValueError as exc:
@@ -167,6 +170,18 @@ def test_a_group_that_cannot_hand_over_is_refused_on_every_rank(senders: int, lo
     )
     for r in results:
         assert re.search(match, r["join_error"]), r
+
+
+def test_a_rank_that_starts_after_the_sync_timeout_still_joins() -> None:
+    """Joining waits for the other ranks within the rendezvous's timeout, as the process-group joins
+    do: the receiver starts 5 s after the senders, whose engines bound each wait of a sync by 3 s, and
+    the group forms and syncs (ranks started seconds apart on a loaded box had failed the join)."""
+    results = run_ranks(
+        _handoff_rank, 3, backend="nccl_handoff", num_senders=2, devices=["cpu"] * 3, versions=1, local_senders=[1],
+        engine_timeout_s=3, late=(2, 5.0), timeout_s=60,
+    )
+    assert [r["errors"] for r in results] == [[], [], []] and results[2]["bad"] == []
+    assert all(r["local"] == [1] for r in results)
 
 
 @pytest.mark.parametrize("how", ["exit", "raise"])

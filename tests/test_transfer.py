@@ -52,3 +52,10 @@ def test_gloo_three_buffers_and_two_lanes() -> None:
 def test_colocated_shared_memory_hand_off() -> None:
     results = run_ranks(roundtrip_rank, 2, backend="colocated", num_small=100)
     assert results[1]["bad"] == []
+
+
+def test_a_colocated_receiver_that_starts_after_the_sync_timeout_still_joins() -> None:
+    """The colocated join waits for its peer within the rendezvous's timeout, not the engines' (3 s
+    here): the receiver starts 5 s after the sender, and both join and sync."""
+    results = run_ranks(roundtrip_rank, 2, backend="colocated", num_small=10, syncs=1, engine_timeout_s=3, late=(1, 5.0), timeout_s=60)
+    assert results[1]["bad"] == []

@@ -110,6 +110,31 @@ class RayJob:
         except ray.exceptions.RayError as exc:
             raise RuntimeError(f"ray job: {stage} failed: {exc}") from exc
 
+    def _engine_info(self) -> dict[str, Any]:
+        """Each engine's `info()` at the job's end. Ray answers a call to an actor it is restarting,
+        or whose restart this process has not heard of yet, with "temporarily unavailable" (the call
+        may not have run): `info` only reads, so it is asked again, within `ray.start_timeout_s`."""
+        ray = self._ray
+        timeout = self.job.ray.start_timeout_s
+        deadline = time.monotonic() + timeout
+        info: dict[str, Any] = {}
+        while True:
+            for name, handle in self.engines.items():
+                if name in info:
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RuntimeError(f"ray job: engine {name!r} was still unavailable (restarting) {timeout:.0f}s after the run ended")
+                try:
+                    info[name] = self._wait(handle.info.remote(), f"engine {name!r} info", left)
+                except RuntimeError as exc:
+                    if not isinstance(exc.__cause__, ray.exceptions.ActorUnavailableError):
+                        raise
+                    logger.info("ray job: engine %s is restarting; asking for its info again", name)
+            if len(info) == len(self.engines):
+                return {name: info[name] for name in self.engines}
+            time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
     def _start(self, placement: JobPlacement) -> list[dict[str, Any]]:
         from ckpt_engine.trainer.ray_engines import VllmEngineActor
         from ckpt_engine.trainer.ray_workers import FsdpRankActor
@@ -218,7 +243,7 @@ class RayJob:
             lead = self.ranks[0].lead.remote(self.names, self.echo)
             result = self._supervise(lead, [r.follow.remote() for r in self.ranks[1:]])
             result["trainer"] = trainer
-            result["engines"] = dict(zip(self.names, self._wait([h.info.remote() for h in self.engines.values()], "engine info")))
+            result["engines"] = self._engine_info()
             for name, info in result["engines"].items():  # an incarnation that came up after the last poll
                 self._note_up(name, int(info["pid"]))
             result["events"] = list(self.events)

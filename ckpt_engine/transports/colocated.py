@@ -84,7 +84,7 @@ class ColocatedTransport(Transport, SourceSharing):
         self._seq = 0
         self.rank, self.world_size = rank, 2
         size = self.bucket_size_bytes + SLACK
-        timeout = datetime.timedelta(seconds=self.timeout_s)
+        timeout = datetime.timedelta(seconds=rendezvous.timeout_s)  # the peer may start seconds later: the join's bound, not a sync's
         if rank == 0:
             self.buffers, descs, self._shm_paths = share_buffers(self.device, self.num_buffers, size)
             msg: dict[str, Any] = {"size": size, "buffers": descs}

@@ -144,6 +144,8 @@ class HandoffTransport(Transport):
 
     # --- join ------------------------------------------------------------------------------------
     def join(self, rendezvous: Rendezvous, rank: int) -> None:
+        """Waits for the other ranks within the rendezvous's timeout, as the process-group joins do
+        (ranks start seconds apart); the engine's `timeout_s` bounds each sync."""
         if self.group is not None:
             raise RuntimeError("init_process_group() was already called; call finalize() first to rejoin")
         senders, world = rendezvous.num_senders, rendezvous.world_size
@@ -153,7 +155,7 @@ class HandoffTransport(Transport):
         self.rank = rank
         self._local = agree_on_local_senders(
             store, rank=rank, num_senders=senders, world_size=world, identity=device_identity(self.device),
-            override=self.local_senders_override, timeout_s=self.timeout_s, backend=NAME,
+            override=self.local_senders_override, timeout_s=rendezvous.timeout_s, backend=NAME,
         )
         self._seq = 0
         if not self._local:
@@ -175,7 +177,7 @@ class HandoffTransport(Transport):
                     self.remote.alloc_buffers(len(self.buffers) + nb)
                     continue
                 key = f"handoff/buffers/{s}"
-                wait_keys(store, [key], f"sender {s}'s shared buffers", self.timeout_s, rank)
+                wait_keys(store, [key], f"sender {s}'s shared buffers", rendezvous.timeout_s, rank)
                 try:
                     descs = validate_descriptors(msgpack.unpackb(store.get(key), raw=False), nb, size, f"sender {s}")
                 except (ValueError, msgpack.UnpackException) as exc:
