@@ -113,7 +113,9 @@ def served_model(path: Path) -> Iterator[tuple[str, Path]]:
 
     torch.set_num_threads(1)
     d = write_model_dir(path)
-    proc = VllmServerProcess(d, d / "server.log", [])
+    # 256 positions (the tiny model's), not the job's 64: a request held across a swap decodes 240
+    # tokens, long enough on a fast box for the swap's pause to land before it ends
+    proc = VllmServerProcess(d, d / "server.log", ["--max-model-len", "256"])
     try:
         wait_healthy(proc.url, time.monotonic() + 240, str(proc.log))
         yield proc.url, d

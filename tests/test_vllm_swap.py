@@ -32,7 +32,8 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = [[5, 6, 7, 8], [100, 3, 250, 17, 42], [77, 12, 400, 2, 8, 19]]
 NUM_TOKENS = 24
-HELD_TOKENS = 56  # a held request's length: the prompt and it fit the server's max_model_len of 64
+HELD_TOKENS = 240  # a held request's length: the prompt and it fit the server's max_model_len of 256 (tests/staged_vllm.py);
+# 56 tokens ended before the pause landed on a fast box (0.1 s a request)
 
 
 class _HoldsARequest(VllmServerRollout):
