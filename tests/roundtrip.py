@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-
 from typing import Any
 
 import torch
@@ -54,8 +53,8 @@ def roundtrip_rank(
     # "cuda" spreads ranks over GPUs; "cpu" or an explicit "cuda:N" puts every rank there.
     dev = torch.device(f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else device)
     engine = CheckpointEngineRegistry.new(
-        rdzv.backend, bucket_size_bytes=bucket_size, verify=verify, timeout_s=engine_timeout_s or rdzv.timeout_s, device=dev,
-        **(engine_kwargs or {}),
+        rdzv.backend, bucket_size_bytes=bucket_size, verify=verify, device=dev,
+        timeout_s=engine_timeout_s if engine_timeout_s is not None else rdzv.timeout_s, **(engine_kwargs or {}),
     )
     if late is not None and rank == late[0]:
         time.sleep(late[1])
