@@ -17,16 +17,37 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.transports.base import TransferError
 
-__all__ = ["DENSE", "FRAME_WORDS", "PATCH", "RETIRED_DELTA_BASES", "Bases", "bases_for", "check_delta_options"]
+__all__ = ["DENSE", "FRAME_WORDS", "PATCH", "RETIRED_DELTA_BASES", "SEAL_WORD", "Bases", "bases_for", "check_delta_options", "frame_seal"]
 
 DENSE, PATCH = 0, 1
-FRAME_WORDS = 7  # a bucket's frame header: kind, bytes, checksum of the result, a patch's 32-byte header
+FRAME_WORDS = 8  # a bucket's frame header: kind, bytes, checksum of the result, a patch's 32-byte header, the seal
+SEAL_WORD = 7
+"""Where the frame header keeps its seal (`frame_seal`)."""
 DEFAULT_SCATTER_BELOW = 1 / 4
 RETIRED_DELTA_BASES = {
     "cast": "its recorded casts did not pay over device bases",
     "host": "pinned host bases measured slower than device bases; the base lives in the transport's memory",
 }
 """Base placements refused by name, with why (the config refuses them alike: config.py)."""
+
+
+def frame_seal(kind: int, size: int, bucket_index: int, sync_id: int) -> int:
+    """The seal of a frame header: a 64-bit mix (splitmix64 rounds) of the two fields that size
+    the payload (kind, bytes), bound to the bucket and the sync. The sender writes it from the
+    very values it sizes the payload with; a receiver posts a payload only under a header whose
+    seal matches, so a header corrupted on its own (its size no longer what the sender posts)
+    is refused before anything is posted: gloo aborts a process whose receive size differs from
+    what arrives, so no size may come from an unchecked header."""
+    x = 0
+    for word in (kind, size, bucket_index, sync_id):
+        x = (x ^ (word & _MASK64)) + 0x9E3779B97F4A7C15 & _MASK64
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+        x ^= x >> 31
+    return x - (1 << 64) if x >= 1 << 63 else x  # as the int64 the header holds
+
+
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass

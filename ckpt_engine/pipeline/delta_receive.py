@@ -1,10 +1,14 @@
 """The receiving side of a delta sync: per bucket a frame header, then the payload (dense or a patch).
 
-Each frame's sizes are checked against the bucket before its payload is posted: a header that
-announces a kind or a size the bucket cannot have (a lying or corrupt sender) fails the sync, but
-its payload (as long as the header says, which is what the sender posts: see delta_send.py) is
-still taken into scratch memory, within a slot's size, so the collective stays in step and no rank
-tears it down. Each patch is checked as it arrives (while the next bucket is in flight): the
+No receive is posted with a size from an unchecked header. Each header carries a seal of its kind
+and size (`delta_bases.frame_seal`, made by the sender from the values it sized the payload with):
+a header whose seal does not match was corrupted on its own, what the sender posts is unknown, so
+nothing is posted and this rank drops its groups (every rank read the same header; the sender's
+broadcast fails at once), a SyncError naming the bucket and sender. A sealed header's sizes are
+then checked against the bucket: one that announces a kind or a size the bucket cannot have (a
+lying sender) fails the sync, but its payload (as long as the sealed header says, which is what
+the sender posts: see delta_send.py) is still taken into scratch memory, within a slot's size, so
+the collective stays in step and no rank tears it down. Each patch is checked as it arrives (while the next bucket is in flight): the
 sender's checksum of the result must equal this rank's base checksum plus the patch's change,
 computed from this rank's own old words. Tensors are handed to the loader only after every bucket
 has passed, so a corrupt or mismatched frame leaves the engine's weights as they were; after a
@@ -38,7 +42,7 @@ from ckpt_engine.delta.pieces import ScatteredImage, pair_delta
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.pipeline.assembly import chunk_landed
-from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, Bases, bases_for
+from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, SEAL_WORD, Bases, bases_for, frame_seal
 from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
@@ -136,7 +140,8 @@ class DeltaReceiver:
                 with t.reading(step.gid):
                     row = header[0].tolist()
                 kind, size, expect = row[:3]
-                head = struct.pack(f"<{FRAME_WORDS - 3}q", *row[3:])  # the patch's own header, sent ahead of it
+                head = struct.pack(f"<{SEAL_WORD - 3}q", *row[3:SEAL_WORD])  # the patch's own header, sent ahead of it
+                self._check_seal(step, kind, size, row[SEAL_WORD], delta)
                 bad = self._check_frame(step, kind, size, delta)
                 if bad is not None:  # take its payload (what the sender posts) and drop it
                     kind = _DROPPED
@@ -197,6 +202,20 @@ class DeltaReceiver:
             "base_bytes": float(bases.nbytes), "in_place": float(places is not None), "setup_s": setup_s,
         }
         return places
+
+    def _check_seal(self, step: Step, kind: int, size: int, seal: int, delta: DeltaRequest) -> None:
+        """A header whose seal does not match its kind and size was corrupted after the sender
+        made it: what the sender posts is unknown, so nothing is posted; the TransferError raised
+        here drops this rank's groups (`_take`), and the sender and every other rank (all read
+        the same header) fail their pending broadcasts at once instead of gloo aborting on a
+        receive of the wrong size."""
+        if seal == frame_seal(kind, size, step.bucket.index, delta.new_id):
+            return
+        self.t.broken = True
+        raise TransferError(
+            f"rank {self.t.rank}: bucket {step.bucket.index} from sender {step.bucket.sender}: the frame header is corrupt "
+            f"(kind {kind}, {size} bytes: its seal does not match); nothing of it was received, the engine keeps its old weights"
+        )
 
     def _check_frame(self, step: Step, kind: int, size: int, delta: DeltaRequest) -> TransferError | None:
         """A frame whose header announces what this bucket cannot be: a TransferError (its payload

@@ -7,10 +7,11 @@ device memory: 1/S of the model on each of S senders). One patch sync, per bucke
    source tensors, one pass per piece (`ckpt_engine.delta.direct`, no pack); any other is packed
    and encoded by the codec (the same one-pass diff over the packed image). A patch is kept
    when smaller than the bucket; the base image becomes the new bytes either way;
-2. the bucket's frame (a header: kind, bytes, checksum of the result; then the payload: the patch,
-   or the base image itself) leaves at once, so the next bucket is encoded while this one
-   travels. The payload posted is exactly as long as its header announces: receivers post what
-   the header says, so the two can never disagree on the wire.
+2. the bucket's frame (a header: kind, bytes, checksum of the result, a seal of kind and bytes;
+   then the payload: the patch, or the base image itself) leaves at once, so the next bucket is
+   encoded while this one travels. The payload posted is exactly as long as its header announces,
+   and the seal is made from those very values: receivers post what a sealed header says, and
+   refuse one whose seal does not match without posting anything (delta_receive.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ckpt_engine.delta.layout import PATCH_HEADER_BYTES, Row, header_fields, wor
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.pipeline.fault_hooks import FaultHooks
-from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, Bases, bases_for
+from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, SEAL_WORD, Bases, bases_for, frame_seal
 from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.piece_reader import PieceReader, Seen
 from ckpt_engine.pipeline.plan_state import PlanState
@@ -95,7 +96,9 @@ class DeltaSender:
             tally["changed"] += frame.changed
             tally["patches"] += frame.kind == PATCH
             announced = self.hooks._tamper_size_hook(step.bucket.index, frame.kind, frame.size)
-            header = self._frame_header(frame.kind, announced, frame.result, frame.payload)
+            seal = frame_seal(frame.kind, announced, step.bucket.index, delta.new_id)
+            header = self._frame_header(frame.kind, announced, seal, frame.result, frame.payload)
+            self.hooks._tamper_header_hook(step.bucket.index, header)
             self.hooks._tamper_hook(step.bucket.index, frame.payload)
             payload = _exactly(frame.payload, announced)
             keep.extend((header, payload))
@@ -276,17 +279,20 @@ class DeltaSender:
         fit = max(0, half - 64) // (4 + word) / max(1, n // word)
         return max(min(self.scatter_below, fit), 1e-9)
 
-    def _frame_header(self, kind: int, size: int, checksum: torch.Tensor | None, payload: torch.Tensor | None = None) -> torch.Tensor:
-        """(kind, bytes, checksum, the patch's own 32-byte header) of one bucket, one int64 row
-        (FRAME_WORDS) on the transport's device, written without a host sync (which would wait
-        for the queued diff kernels). The patch header rides along so that a receiver decodes the
-        patch without reading its payload back: it never waits on the host for a payload."""
+    def _frame_header(
+        self, kind: int, size: int, seal: int, checksum: torch.Tensor | None, payload: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(kind, bytes, checksum, the patch's own 32-byte header, the seal of kind and bytes:
+        `frame_seal`) of one bucket, one int64 row (FRAME_WORDS) on the transport's device,
+        written without a host sync (which would wait for the queued diff kernels). The patch
+        header rides along so that a receiver decodes the patch without reading its payload back:
+        it never waits on the host for a payload."""
         header = torch.empty((1, FRAME_WORDS), dtype=torch.int64, device=self.t.device)
-        put_int64s_(header[0], [kind, size] + [0] * (FRAME_WORDS - 2))
+        put_int64s_(header[0], [kind, size] + [0] * (SEAL_WORD - 2) + [seal])
         if checksum is not None:
             header[0, 2].copy_(checksum.reshape(()))
         if kind == PATCH and payload is not None and payload.numel() >= PATCH_HEADER_BYTES:
-            header[0, 3:].copy_(payload[:PATCH_HEADER_BYTES].view(torch.int64))
+            header[0, 3:SEAL_WORD].copy_(payload[:PATCH_HEADER_BYTES].view(torch.int64))
         return header
 
 

@@ -81,6 +81,9 @@ class PipelinedEngine(CheckpointEngine):
         """The payload size a delta frame header announces; fault tests make a sender lie here."""
         return size
 
+    def _tamper_header_hook(self, bucket_index: int, header: torch.Tensor) -> None:
+        """Called on a delta frame's sealed header before it is sent; fault tests corrupt it here."""
+
     # --- lifecycle -------------------------------------------------------------------------------
     def prepare(self) -> dict[str, Any]:
         return self.transport.prepare()
