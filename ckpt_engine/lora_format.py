@@ -197,3 +197,20 @@ def check_adapter(
             if wire_dtypes is not None and s.dtype not in wire_dtypes:
                 problems.append(f"{s.name}: dtype {s.dtype} but the engine takes LoRA weights as {sorted(wire_dtypes)}")
     return problems
+
+
+def largest_adapter(max_rank: int, base_shapes: Mapping[str, tuple[int, int]], targets: Iterable[str] | None = None) -> list[TensorSpec]:
+    """The specs of the largest adapter an engine's LoRA config admits (every allowed module at
+    `max_rank`, float32, and the biggest config): what a manifest's decode budget allows."""
+    allowed = set(targets) if targets is not None else None
+    specs = [TensorSpec(ADAPTER_CONFIG, "uint8", (MAX_CONFIG_BYTES,))]
+    for module, (out_f, in_f) in base_shapes.items():
+        if allowed is None or module.rsplit(".", 1)[-1] in allowed:
+            specs.append(TensorSpec(f"{PEFT_PREFIX}{module}.lora_A.weight", "float32", (max_rank, in_f)))
+            specs.append(TensorSpec(f"{PEFT_PREFIX}{module}.lora_B.weight", "float32", (out_f, max_rank)))
+    return specs
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names of floating-point adapter tensors holding NaN or infinity (an engine must not serve them)."""
+    return [n for n, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]

@@ -279,20 +279,21 @@ MIN_BUCKET_BYTES = 4096
 class ManifestBudget:
     """What a receiver expects: a manifest shaped to fit the global limits would cost seconds and
     hundreds of MB, so a receiver refuses more entries or bytes than an honest plan of its own
-    tensors could hold (each tensor from each sender, one split per bucket), from the header."""
+    tensors could hold (each tensor from each sender of its group, one split per bucket), from the header."""
 
     tensors: int
     nbytes: int
     name_bytes: int
     """The longest expected name, UTF-8 encoded."""
     ndim: int
+    senders: int = 1  # of the receiver's weight-sync group (1 before it joined one); a manifest naming more is refused
 
     @classmethod
-    def expecting(cls, specs: Iterable[TensorSpec]) -> ManifestBudget:
+    def expecting(cls, specs: Iterable[TensorSpec], *, senders: int = 1) -> ManifestBudget:
         specs = list(specs)
         return cls(
             len(specs), sum(s.nbytes for s in specs),
-            max((len(s.name.encode()) for s in specs), default=0), max((len(s.shape) for s in specs), default=0),
+            max((len(s.name.encode()) for s in specs), default=0), max((len(s.shape) for s in specs), default=0), senders,
         )
 
     def buckets(self, bucket_size: int, num_senders: int) -> int:
@@ -341,11 +342,15 @@ def _check_budget(data: bytes | bytearray | memoryview, budget: ManifestBudget) 
     try:
         r.unpacker.read_map_header()
         head = {r.value(): r.value() for _ in _KEYS[:4]}
-        most = budget.max_bytes(int(head["bucket_size"]), int(head["num_senders"]))
+        claimed, most = head["num_senders"], budget.max_bytes(int(head["bucket_size"]), budget.senders)
     except Exception:
         return
+    if _is_int(claimed) and claimed > budget.senders:  # the claim never sizes the budget
+        raise ManifestError(f"manifest names {claimed} senders; this receiver's weight-sync group has {budget.senders}")
     if len(data) > most:
         raise ManifestError(f"manifest is {len(data)} bytes, more than {most} that this receiver's {budget.tensors} tensors could need")
+
+
 
 
 def _decode(r: _Reader, budget: ManifestBudget | None = None) -> BucketManifest:
@@ -390,9 +395,9 @@ def _check_head(key: str, value: Any) -> None:
 
 def _decode_buckets(r: _Reader, head: dict[str, Any], expected: ManifestBudget | None = None) -> tuple[Bucket, ...]:
     budget = most = min(MAX_ENTRIES, r.left() // _MIN_ENTRY_BYTES)
-    if expected is not None:  # the receiver's own tensors bound the entries and the buckets
-        budget = min(budget, expected.entries(head["bucket_size"], head["num_senders"]))
-        most = min(budget, expected.buckets(head["bucket_size"], head["num_senders"]))
+    if expected is not None:  # the receiver's own tensors and group bound the entries and the buckets
+        budget = min(budget, expected.entries(head["bucket_size"], expected.senders))
+        most = min(budget, expected.buckets(head["bucket_size"], expected.senders))
     num_buckets = r.array("buckets", most)
     buckets = []
     for bi in range(num_buckets):

@@ -179,3 +179,42 @@ def test_delta_adapter_syncs_are_bit_exact() -> None:
         assert report.delta != "dense" and report.wire_bytes < report.dense_bytes
     finally:
         session.close()
+
+
+def test_a_nan_or_inf_adapter_is_refused_by_name_and_the_old_one_keeps_serving() -> None:
+    """Issue 45, item 5: a non-finite adapter was installed and served; now the sync fails naming
+    the tensor and the engine keeps serving its newest adapter, bit for bit."""
+    from ckpt_engine import SyncError
+
+    ref = engine()
+    session = WeightSyncSession([ref], CONFIG)
+    try:
+        session.sync(AdapterSource(tiny_peft(1)))
+        version, (held, _spec) = ref.version, ref.adapter()
+        kept = {n: t.clone() for n, t in held.items()}
+        for bad in (float("nan"), float("inf")):
+            model = tiny_peft(2)
+            name, param = next((n, p) for n, p in model.named_parameters() if ".lora_B." in n)
+            with torch.no_grad():
+                param[0, 0] = bad
+            with pytest.raises(SyncError, match=rf"{peft_wire_name(name)}.* hold NaN or infinite values"):
+                session.sync(AdapterSource(model))
+            assert ref.version == version
+            now, _ = ref.adapter()
+            assert set(now) == set(kept) and all(torch.equal(now[n], kept[n]) for n in kept)
+        session.sync(AdapterSource(tiny_peft(3)))  # the next sync heals
+        assert ref.version is not None and version is not None and ref.version > version
+    finally:
+        session.close()
+
+
+def test_a_lora_receiver_decodes_a_manifest_within_the_largest_adapter_its_config_admits() -> None:
+    """Issue 45, item 4: LoRA receivers decoded manifests with no budget at all."""
+    import msgpack
+
+    ref = engine()
+    entry = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", "float32", [8, 64], 0, 4, 0]
+    flood = msgpack.packb({"format": 2, "bucket_size": 4096, "alignment": 256, "num_senders": 1,
+                           "buckets": [[0, [entry] * 200_000]], "digest": "0" * 64}, use_bin_type=True)
+    reply = ref.core.validate(flood, "0" * 64)
+    assert not reply["accepted"] and "could need" in reply["problems"][0], reply

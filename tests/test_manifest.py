@@ -128,3 +128,25 @@ def test_hostile_entry_counts_are_refused_before_building_anything() -> None:
     tracemalloc.stop()
     assert peak < 64 * 1024 * 1024, f"refusing hostile manifests took {peak / 2**20:.0f} MiB"
     del elapsed  # the time is a benchmark figure (bench/RESULTS.md), not an assertion
+
+
+def _claiming(senders: int, entries: int) -> bytes:
+    """A well-formed manifest of `entries` tiny entries whose header names `senders` senders."""
+    entry = ["layer0.weight", "float32", [64, 256], 0, 4, 0]
+    return msgpack.packb({"format": 2, "bucket_size": 4096, "alignment": 256, "num_senders": senders,
+                          "buckets": [[0, [entry] * entries]], "digest": "0" * 64}, use_bin_type=True)
+
+
+def test_the_decode_budget_comes_from_the_receivers_group_never_the_manifests_claim() -> None:
+    """Issue 45: a hostile manifest naming 65536 senders sized its own budget (29-77 s and +312 MiB a
+    validate); the budget is the receiver's tensors and its group's senders, and a claim of more
+    senders than the group has is refused from the header."""
+    from ckpt_engine.manifest import ManifestBudget
+
+    specs = [TensorSpec(f"layer{i}.weight", "float32", (64, 256)) for i in range(4)]
+    with pytest.raises(ManifestError, match="names 65536 senders; this receiver's weight-sync group has 2"):
+        decode_manifest(_claiming(65536, 20_000), ManifestBudget.expecting(specs, senders=2))
+    budget = ManifestBudget.expecting(specs, senders=2)
+    assert budget.entries(4096, budget.senders) < 20_000 < ManifestBudget.expecting(specs, senders=65536).entries(4096, 65536)
+    with pytest.raises(ManifestError, match="more than the limit"):  # within the group's senders, the entries are bounded by them
+        decode_manifest(_claiming(2, 20_000), budget)

@@ -59,9 +59,10 @@ class RegionAssignment:
         return msgpack.packb({"digest": self.digest, "manifest": self.manifest_digest, "receiver": self.receiver, "sets": sets}, use_bin_type=True)
 
     @classmethod
-    def from_wire(cls, data: bytes, expected: Mapping[str, TensorSpec]) -> RegionAssignment:
+    def from_wire(cls, data: bytes, expected: Mapping[str, TensorSpec], *, senders: int = 1) -> RegionAssignment:
         """Decode and check against the engine's tensors (`expected`, global shapes): every piece
-        names a tensor it has and lies inside it, and every set's manifest carries exactly its pieces."""
+        names a tensor it has and lies inside it, and every set's manifest carries exactly its
+        pieces (each decoded within the budget of its pieces from `senders`, the group's)."""
         try:
             raw = msgpack.unpackb(data, raw=False, max_ext_len=0, max_array_len=MAX_ENTRIES, max_map_len=8)
         except Exception as exc:
@@ -85,7 +86,7 @@ class RegionAssignment:
             if not isinstance(pieces_raw, list) or not isinstance(encoded, bytes):
                 raise ReceivePlanError(f"region assignment: set {index} needs a manifest and a list of pieces")
             pieces = tuple(_piece(p, expected) for p in pieces_raw)
-            budget = ManifestBudget.expecting([p.spec for p in pieces])
+            budget = ManifestBudget.expecting([p.spec for p in pieces], senders=senders)
             manifest = decode_manifest(encoded, budget)
             specs = {s.name: s for s in manifest.specs}
             if specs != {p.spec.name: p.spec for p in pieces}:

@@ -19,7 +19,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ckpt_engine.lora_format import ADAPTER_CONFIG, LoraSpec, adapter_layout, check_adapter
+from ckpt_engine.lora_format import ADAPTER_CONFIG, LoraSpec, adapter_layout, check_adapter, check_finite, largest_adapter
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.adapter_versions import AdapterVersions
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
@@ -84,7 +84,8 @@ class LoraReceiverCore(Generic[T]):
 
     def validate(self, encoded: bytes | None, digest: str) -> dict[str, Any]:
         """Check a manifest against the engine's LoRA config; nothing moves."""
-        return self.receiver.validate(encoded, digest, None, extra_check=self.check)
+        t = self._target()  # the decode's budget: the largest adapter this config admits, never what the manifest claims
+        return self.receiver.validate(encoded, digest, None, extra_check=self.check, budget_specs=largest_adapter(t.max_rank, t.base_shapes, t.targets))
 
     def receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
         """Receive every tensor of an accepted manifest into staging (copies: the buffers rotate)."""
@@ -115,6 +116,9 @@ class LoraReceiverCore(Generic[T]):
         ranks = adapter_layout([spec_of(n, t) for n, t in staged.items()]).ranks
         if ranks != {spec.rank}:
             raise ValueError(f"adapter version {version}: lora_A ranks {sorted(ranks)} differ from {ADAPTER_CONFIG}'s r={spec.rank}")
+        bad = check_finite(staged)
+        if bad:  # never installed: the engine keeps serving its newest adapter
+            raise ValueError(f"adapter version {version}: {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} hold NaN or infinite values; not installed")
         adapter = self._build(version, staged, spec)
         for old in self.versions.install(version, adapter):
             self._unload(old)

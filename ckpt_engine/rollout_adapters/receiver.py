@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -53,6 +53,8 @@ class WeightReceiver:
         self.regions = RegionReceiver(plan)
         """Region delivery: this rank's plan, its accepted assignments and its receiver-set groups."""
         self._manifests: dict[str, BucketManifest] = {}
+        self.senders = 1
+        """The senders of the group joined last: what a manifest's decode budget allows (never its own claim)."""
         self.buckets_received = 0
         self.staging = StagingCopy()
         """The staging copy of the live tensors for `stage="full"`, kept across syncs."""
@@ -114,7 +116,7 @@ class WeightReceiver:
 
         engine = make()
         engine.init_process_group(rdzv, rank)
-        self.engine = engine
+        self.engine, self.senders = engine, rdzv.num_senders
         self.regions.joined(rdzv, rank, make)
 
     def leave(self) -> None:
@@ -131,16 +133,18 @@ class WeightReceiver:
         expected: Mapping[str, TensorSpec] | None,
         extra_check: Callable[[BucketManifest], list[str]] | None = None,
         regions: bytes | None = None,
+        budget_specs: Iterable[TensorSpec] | None = None,
     ) -> dict[str, Any]:
         """Decode (or recall by digest) a manifest and check it against the engine's tensors.
 
         `extra_check` adds engine-specific rules (e.g. vLLM's stacked parameters must be sent
         whole); a manifest is accepted only when neither finds a problem. `regions`: this rank's
         region assignment for the manifest (region delivery), checked against `expected` too.
+        `budget_specs`: without `expected`, the most a manifest may carry (its decode budget).
         """
         self._enter(f"a validate of manifest {str(digest)[:12]}")
         try:
-            reply = self._validate(encoded, digest, expected, extra_check)
+            reply = self._validate(encoded, digest, expected, extra_check, budget_specs)
             if reply["accepted"] and regions is not None:
                 problems = self.regions.accept(regions, self._manifests[digest], expected)
                 if problems:
@@ -156,13 +160,15 @@ class WeightReceiver:
         digest: str,
         expected: Mapping[str, TensorSpec] | None,
         extra_check: Callable[[BucketManifest], list[str]] | None,
+        budget_specs: Iterable[TensorSpec] | None = None,
     ) -> dict[str, Any]:
         manifest = self._manifests.get(digest)
         if manifest is None:
             if encoded is None:
                 return {"accepted": False, "need_manifest": True, "problems": []}
             try:
-                manifest = decode_manifest(encoded, ManifestBudget.expecting(expected.values()) if expected is not None else None)
+                most = expected.values() if expected is not None else budget_specs
+                manifest = decode_manifest(encoded, ManifestBudget.expecting(most, senders=self.senders) if most is not None else None)
             except ManifestError as exc:
                 return {"accepted": False, "need_manifest": False, "problems": [f"corrupt manifest: {exc}"]}
             if manifest.digest != digest:

@@ -73,7 +73,7 @@ class RegionReceiver:
             return []  # the same assignment as last sync: decoded and checked then
         specs = dict(expected) if expected is not None else {s.name: s for s in manifest.specs}
         try:
-            a = RegionAssignment.from_wire(data, specs)
+            a = RegionAssignment.from_wire(data, specs, senders=manifest.num_senders)  # the main manifest's, checked against the group
             if a.manifest_digest != manifest.digest:
                 raise ReceivePlanError("region assignment belongs to another manifest")
             if self._rdzv is not None and a.receiver != self._rank - self._rdzv.num_senders:
