@@ -195,3 +195,22 @@ def test_rank_1_names_a_dead_rank_0(ms_engines: list[TorchRefRollout], tmp_path:
     follower = json.loads((tmp_path / "rank1.json").read_text())
     assert [e["ok"] for e in follower] == [True, False], follower
     assert "trainer rank 0 (the controller)" in follower[1]["error"], follower[1]["error"]
+
+
+# --- issue 45, items 4-5: versions and owners from a caller that claims no group ----------------
+def test_an_unclaimed_caller_cannot_freeze_the_versions_or_claim_with_a_non_string_owner(tmp_path: Path) -> None:
+    path = tmp_path / "spec.msgpack"
+    write_spec_file(path, StateDictSource(weights(0)).metadata())
+    engine = spawn_engine("unclaimed", spec_file=str(path), timeout_s=TIMEOUT_S, token=TOKEN)
+    try:  # a version change from a caller that names no group moves at most 2**32 past what the engine held
+        for method in ("swap", "finalize"):
+            extra = {"pause_mode": "none"} if method == "swap" else {}
+            with pytest.raises(RpcError, match="jumps more than 2\\*\\*32 past the current version"):
+                engine.rpc.call(method, version=2**63 - 1, **extra)
+        for owner in (5, b"group", ["g"], ""):  # refused, and the engine is not claimed by it
+            with pytest.raises(RpcError, match="owner must be a non-empty string"):
+                engine.rpc.call("pause", owner=owner, mode="none")
+        engine.rpc.call("pause", mode="none")  # a caller naming no group still gets in: nobody owns it
+        assert not engine.health()["owned"]
+    finally:
+        engine.close()

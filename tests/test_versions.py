@@ -122,3 +122,23 @@ def test_an_outdated_session_is_refused_by_name_without_pausing(engines: list[To
     finally:
         old.close()
         new.close()
+
+
+def test_an_engines_report_cannot_freeze_the_jobs_versions() -> None:
+    """Issue 45, item 4: the daemon adopted any version an engine's health named short of 2**63-1
+    (2**63-2 left one more sync, then nothing). A fresh daemon adopts what outlived it, within
+    2**32; once it knows the job's version from a trusted party, an engine may be one past it."""
+    from ckpt_engine.daemon.versions import JobVersions
+
+    v = JobVersions()
+    v.adopt_health({"version": 2**62, "last_version": 2**62}, "engine hostile")
+    assert v.current == 0
+    v.adopt_health({"version": 5000, "last_version": 5000}, "engine a")  # outlived the last daemon
+    assert v.current == 5000
+    assert v.target(None, []) == (5001, False)
+    v.completed(5001)
+    v.adopt_health({"version": None, "last_version": 2**63 - 2}, "engine hostile")
+    v.adopt_health({"version": 5003}, "engine hostile")
+    assert v.current == 5001
+    v.adopt_health({"version": 5002}, "engine b")  # another daemon of the job synced it
+    assert v.current == 5002 and v.target(None, []) == (5003, False)

@@ -70,6 +70,8 @@ class EngineLease:
         """`fn` as an RPC handler that takes the caller's `owner` and refuses anyone but the owner."""
 
         def call(owner: str | None = None, **params: Any) -> Any:
+            if owner is not None and (not isinstance(owner, str) or not 0 < len(owner) <= 128):
+                raise ValueError(f"owner must be a non-empty string of at most 128 characters or nil, got {owner!r:.40}")
             with self._lock:
                 self._check_locked(owner)
             return fn(**params)

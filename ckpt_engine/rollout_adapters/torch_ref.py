@@ -45,7 +45,7 @@ from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.ref_models import RefModel, load_spec_file, write_spec_file
 from ckpt_engine.rollout_adapters.ref_steps import EngineSteps, staging_room
 from ckpt_engine.control.server import ControlLimits, RpcServer
-from ckpt_engine.versions import check_version
+from ckpt_engine.versions import check_step, check_version
 from ckpt_engine.sources.base import spec_of
 from ckpt_engine.control.wire import RpcClient
 
@@ -136,9 +136,9 @@ class TorchRefWorker:
             "receive_plans": self._owned(lambda: [self.plan.to_wire() if self.plan is not None else None]),
             "pause": self._owned(self.pause),
             "receive": self._owned(self.receive),
-            "finalize": self._owned(self.finalize),
+            "finalize": self._versioned(self.finalize),
             "resume": self._owned(self.resume),
-            "swap": self._owned(self.swap),
+            "swap": self._versioned(self.swap),
             "discard": self._owned(self.receiver.discard),
             "staging_room": self._owned(self.staging_room),
             "claim": self.claim,
@@ -157,6 +157,17 @@ class TorchRefWorker:
 
     def _owned(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return self.lease.owned_call(fn)
+
+    def _versioned(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A version change from a caller that claims no group (a library session, anyone with the token):
+        at most MAX_VERSION_STEP past what the engine held, never the last version (none freezes them)."""
+        step = lambda version, **params: fn(version=check_step(check_version(version, "version"), self.last_version or 0, "version"), **params)  # noqa: E731
+        owned, bounded = self.lease.owned_call(fn), self.lease.owned_call(step)
+
+        def call(owner: str | None = None, **params: Any) -> Any:
+            return (owned if owner is not None else bounded)(owner=owner, **params)
+
+        return call
 
     # --- engine state -------------------------------------------------------------------------
     def pause(self, mode: str) -> None:
