@@ -336,8 +336,7 @@ def decode_manifest(data: bytes, budget: ManifestBudget | None = None) -> Bucket
 
 
 def _check_budget(data: bytes | bytearray | memoryview, budget: ManifestBudget) -> None:
-    """Refuse, from the header alone, a manifest bigger than `budget` allows (a malformed header
-    is left to the full decode to name)."""
+    """Refuse, from the header alone, a manifest `budget` does not allow (a malformed header is left to the decode)."""
     r = _Reader(bytes(data[:512]))
     try:
         r.unpacker.read_map_header()
