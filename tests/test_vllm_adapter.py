@@ -3,17 +3,20 @@
 One tiny random Qwen2 (config.json only, dummy weights) per transport: the in-process `LLM` for this
 module, the HTTP server shared with other modules (`staged_vllm_server`, tests/conftest.py).
 A trainer-side `StateDictSource` with other weights syncs in; vLLM's greedy tokens must then equal
-those of an HF model holding the trainer's weights, token for token.
+those of an HF model holding the trainer's weights, token for token. A sync of some of the tensors
+leaves the others their bits, staged or not (issue 45).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,7 +24,7 @@ import torch
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.rollout_adapters.base import ManifestRejectedError
+from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
 from ckpt_engine.sync.api import SyncError, close_sessions, sync_rollout_weights
 from ckpt_engine.sources.base import StateDictSource
 from helpers_vllm import ENGINE_ARGS, HasUrl, ServerAt, free_port
@@ -88,6 +91,42 @@ def source_of(model: torch.nn.Module) -> StateDictSource:
 CONFIG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0)
 
 
+SUBSET = ("model.layers.1.mlp.down_proj.weight", "model.norm.weight")
+"""A sync of some of the engine's tensors (a name filter, frozen tensors left out): issue 45."""
+
+
+def subset_syncs_keep_the_rest(
+    adapter: RolloutAdapter, greedy: Callable[[], list[list[int]]], checksums: Callable[[], dict[str, str]], model_dir: Path, seed: int,
+) -> None:
+    """Under the defaults (`stage: auto`, staged) and with `stage: off` (parity): the engine holds
+    trainer A (a sync of every tensor), then a sync carries only SUBSET, from trainer B. Every
+    other weight keeps its bits and the engine generates as HF holding A with B's SUBSET. vLLM's
+    checksums change for the norm only: on CPU a linear layer's parameter is emptied once its
+    weight is packed for oneDNN, so the packed ones are checked through the greedy tokens."""
+    a, b = trainer_model(model_dir, seed), trainer_model(model_dir, seed + 1)
+    with torch.no_grad():
+        b.get_parameter("model.norm.weight").add_(torch.randn(QWEN2_CONFIG["hidden_size"]) * 0.05)  # HF inits norms to ones
+    mixed = copy.deepcopy(a)
+    with torch.no_grad():
+        for n in SUBSET:
+            mixed.get_parameter(n).copy_(b.get_parameter(n))
+    want = [hf_greedy(mixed, p) for p in PROMPTS]
+    assert want != [hf_greedy(a, p) for p in PROMPTS]
+    for stage in ("auto", "off"):
+        session = WeightSyncSession([adapter], dataclasses.replace(CONFIG, stage=stage))
+        try:
+            session.sync(source_of(a))
+            before = checksums()
+            report = session.sync(StateDictSource({n: b.get_parameter(n).detach() for n in SUBSET}))
+            assert report.staged == ("full" if stage == "auto" else "off") and report.tensors == len(SUBSET)
+            after = checksums()
+            assert after.keys() == before.keys()
+            assert [k.rpartition(":")[2] for k in before if before[k] != after[k]] == ["model.norm.weight"], stage
+            assert greedy() == want, stage
+        finally:
+            session.close()
+
+
 # --- in-process vllm.LLM ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm(model_dir: Path) -> Iterator[object]:
@@ -136,6 +175,14 @@ def test_llm_sync_matches_hf_and_changes_on_second_sync(llm: object, model_dir: 
     assert tokens2 == [hf_greedy(trainer2, p) for p in PROMPTS]
     assert tokens2 != tokens1
     assert adapter.weight_version() == "8" and set(spans) == {"8"}
+
+
+def test_llm_subset_syncs_leave_the_other_weights_their_bits(llm: object, model_dir: Path) -> None:
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+    from ckpt_engine.rollout_adapters.vllm_clients import LLMWeightSyncClient
+
+    adapter = VllmRollout("vllm-subset", llm, timeout_s=60.0)
+    subset_syncs_keep_the_rest(adapter, lambda: llm_greedy(llm)[0], LLMWeightSyncClient(llm).weight_checksums, model_dir, seed=41)
 
 
 def test_llm_delta_syncs_match_hf(llm: object, model_dir: Path) -> None:
@@ -318,6 +365,19 @@ def test_server_sync_matches_hf_and_changes_on_second_sync(vllm_server: ServerAt
         assert adapter.weight_version() == str(v + 1)
     finally:
         session.close()
+        adapter.close()
+
+
+def test_server_subset_syncs_leave_the_other_weights_their_bits(vllm_server: ServerAt, model_dir: Path) -> None:
+    from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+    from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient
+
+    adapter = VllmServerRollout("vllm-http-subset", vllm_server.url, timeout_s=60.0)
+    client = HTTPWeightSyncClient(vllm_server.url, timeout=60)
+    try:
+        subset_syncs_keep_the_rest(adapter, lambda: server_greedy(vllm_server)[0], client.weight_checksums, model_dir, seed=51)
+    finally:
+        client.close()
         adapter.close()
 
 

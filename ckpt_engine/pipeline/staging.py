@@ -13,15 +13,15 @@ swap is one object, `StagedVersion`, with `apply()` (write it in, between two en
 - `StagedBuckets`: what a receive with base images (or region delivery) would hand the loader, kept
   as it is: views of the verified base images and reassembly tensors, which nothing writes until
   the next sync. `apply` hands them to the loader.
-- `StagedCopy`: a dense sync (or a delta seed) landed in a staging copy of every live tensor
-  (kept across syncs); `apply` is one batched copy staging -> live.
+- `StagedCopy`: a dense sync (or a delta seed) landed in a staging copy of the live tensors the
+  sync carries (kept across syncs); `apply` is one batched copy staging -> live of those only.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -154,7 +154,7 @@ class StagedBuckets(StagedVersion):
 
 
 class StagedCopy(StagedVersion):
-    """A sync landed in a staging copy of every live tensor; the swap copies it in at once."""
+    """A sync landed in a staging copy of the live tensors it carries; the swap copies those in at once."""
 
     mode = "full"
 
@@ -180,11 +180,14 @@ class StagedCopy(StagedVersion):
 
 
 class StagingCopy:
-    """A staging copy of a set of live tensors, allocated once and kept across syncs (reallocated
-    when the live tensors change)."""
+    """A staging copy of the live tensors one sync carries (issue 45: only those; a tensor the sync
+    leaves out is not in the copy, so the swap leaves it as it is). Kept across syncs per name: a
+    name's buffer is reused while its live tensor keeps its storage, shape and dtype; a name the
+    sync does not carry is freed before anything new is made, so the copy holds what the sync
+    brings (what `staging_room` was asked for), not the model."""
 
     def __init__(self) -> None:
-        self._key: tuple[tuple[str, int, tuple[int, ...], torch.dtype], ...] = ()
+        self._keys: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
 
     @staticmethod
@@ -195,16 +198,21 @@ class StagingCopy:
     def nbytes(self) -> int:
         return self.nbytes_of(self.tensors)
 
-    def for_live(self, live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        key = tuple((n, t.data_ptr(), tuple(t.shape), t.dtype) for n, t in live.items())
-        if key != self._key:
-            self.tensors = {}  # free the old copy before the new one is made
-            self.tensors = {n: torch.empty_like(t, memory_format=torch.contiguous_format) for n, t in live.items()}
-            self._key = key
+    def for_live(self, live: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The copy of `live`'s tensors named in `names` (a name `live` lacks is skipped), in
+        `live`'s order; `tensors` is then exactly that dict."""
+        wanted = set(names)
+        keys = {n: (t.data_ptr(), tuple(t.shape), t.dtype) for n, t in live.items() if n in wanted}
+        if keys == self._keys:
+            return self.tensors
+        kept = {n: t for n, t in self.tensors.items() if self._keys.get(n) == keys.get(n)}
+        self.tensors = {}  # free what this sync does not carry before anything new is made
+        self.tensors = {n: kept[n] if n in kept else torch.empty_like(live[n], memory_format=torch.contiguous_format) for n in keys}
+        self._keys = keys
         return self.tensors
 
     def drop(self) -> None:
-        self._key, self.tensors = (), {}
+        self._keys, self.tensors = {}, {}
 
 
 def _stamp(t: torch.Tensor) -> tuple[int, int]:

@@ -57,7 +57,7 @@ class WeightReceiver:
         """The senders of the group joined last: what a manifest's decode budget allows (never its own claim)."""
         self.buckets_received = 0
         self.staging = StagingCopy()
-        """The staging copy of the live tensors for `stage="full"`, kept across syncs."""
+        """The staging copy, for `stage="full"`, of the live tensors a sync carries, kept across syncs."""
         self._staged: tuple[StagedVersion, BucketLoader | RegionLoader, str] | None = None
         """The version received staged and not yet swapped in: (it, the loader its apply feeds, digest)."""
         self._discards = 0
@@ -66,6 +66,8 @@ class WeightReceiver:
         """Orders a receive keeping its staged version against a `discard()` from another thread."""
         self._busy = threading.Lock()
         self._live: Mapping[str, torch.Tensor] = {}
+        self._staging_digest = ""
+        """The manifest the staging copy was last cut for (`staging_for`)."""
         self._doing = ""
         self._since = 0.0
 
@@ -217,15 +219,16 @@ class WeightReceiver:
 
         `stage` (issue 28; None: load as the buckets land): `"patches"` (a patch sync: each patch is
         checked against `destinations`, the live weights, without writing them) or `"full"` (the
-        sync lands in a staging copy: `destinations` and the loaders are then that copy's, from
-        `staging_for(live)`); nothing live is written and the loaders run at `swap()`."""
+        sync lands in a staging copy of the tensors it carries: `destinations` and the loaders are
+        then that copy's, from `staging_for(live, digest)`); nothing live is written and the loaders
+        run at `swap()`."""
         request = delta if isinstance(delta, DeltaRequest) or delta is None else DeltaRequest.from_dict(delta)
         if stage is not None and stage not in STAGES:
             raise ValueError(f"stage must be one of {', '.join(STAGES)} or None, got {stage!r}")
         if stage == "patches" and (request is None or not request.patches):
             raise ValueError("stage='patches' takes a patch sync (a delta request with patches); stage a dense sync as 'full'")
-        if stage == "full" and (destinations is None or destinations is not self.staging.tensors):
-            raise ValueError("stage='full' receives into the staging copy: pass destinations=staging_for(live) and loaders into it")
+        if stage == "full" and (destinations is None or destinations is not self.staging.tensors or self._staging_digest != digest):
+            raise ValueError("stage='full' receives into the staging copy: pass destinations=staging_for(live, digest) and loaders into it")
         self._enter(f"a receive of manifest {str(digest)[:12]}")
         try:
             if self._staged is not None:
@@ -275,11 +278,15 @@ class WeightReceiver:
         return ReceiveReport(manifest.num_tensors, manifest.total_bytes, time.perf_counter() - t0, load_s, loaded, extra)
 
     # --- staged syncs (issue 28) ----------------------------------------------------------------
-    def staging_for(self, live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The staging copy of `live` for a `stage="full"` receive (made at first use, kept across
-        syncs); `swap()` copies it into `live`."""
-        self._live = live
-        return self.staging.for_live(live)
+    def staging_for(self, live: Mapping[str, torch.Tensor], digest: str) -> dict[str, torch.Tensor]:
+        """The staging copy, for a `stage="full"` receive of manifest `digest` (accepted by
+        validate()), of the tensors of `live` that manifest carries (kept across syncs); `swap()`
+        copies exactly those into `live`: a tensor the sync leaves out keeps its bits (issue 45)."""
+        manifest = self._manifests.get(digest)
+        if manifest is None:
+            raise RuntimeError(f"manifest {str(digest)[:12]} was not validated on this receiver; call validate() first")
+        self._live, self._staging_digest = live, digest
+        return self.staging.for_live(live, (s.name for s in manifest.specs))
 
     @property
     def staged(self) -> bool:

@@ -203,7 +203,7 @@ class TorchRefWorker:
     def _receive_staged(self, digest: str, delta: dict[str, Any] | None, stage: str) -> dict[str, Any]:
         """Into the staging area while the steps go on: the live weights, the version and the
         stale flag stay as they are until the swap."""
-        into = self.receiver.staging_for(self.tensors) if stage == "full" else None
+        into = self.receiver.staging_for(self.tensors, digest) if stage == "full" else None
         if into is not None:  # the loaders fill the staging copy as the buckets land
             loader: Callable[..., int] = lambda pairs: self.load_bucket(pairs, into)  # noqa: E731
             regions: Callable[..., int] = lambda items: self.load_regions(items, into)  # noqa: E731
@@ -266,6 +266,7 @@ class TorchRefWorker:
             "buckets_received": self.receiver.buckets_received,
             "owned": self.lease.owned,
             "staged": self.receiver.staged,
+            "staging_copy_bytes": self.receiver.staging.nbytes,  # what the staging copy holds (the last staged dense sync's tensors)
             "steps": self.steps.count,
         }
 
