@@ -102,6 +102,30 @@ def test_a_full_receiver_beside_tp_ranks_assembles_whole_tensors() -> None:
     assert lay.bytes_for(2) == sum(s.nbytes for s in specs)
 
 
+def test_pieces_that_only_partly_cover_a_held_region_are_refused() -> None:
+    """Issue 45: a region counted as covered when any piece overlapped it. A rank that holds q_proj
+    whole but is sent the pieces of a plan saying rows [32, 64), or a region with a hole between
+    its pieces, is refused naming the tensor and the rows no piece fills; pieces that tile a
+    region exactly (two TP halves into one whole tensor) are accepted."""
+    specs = qwen2_specs()
+    by_name = {s.name: s for s in specs}
+    whole = {s.name: (None,) for s in specs}
+
+    def pieces(plan: ReceivePlan) -> list:  # type: ignore[type-arg]
+        lay = RegionLayout.build(specs, [plan])
+        return [p for s in lay.sets_of(0) for p in s.pieces]
+
+    claimed = ReceivePlan({**dict.fromkeys(whole), Q: (Region(0, 32, 32),)})
+    with pytest.raises(ReceivePlanError, match=rf"^{Q}: the pieces this receiver takes do not cover the whole tensor: rows \[0, 32\) of dim 0 \(1 gap"):
+        RegionAssembly(whole, pieces(claimed), by_name)
+    holed = ReceivePlan({**dict.fromkeys(whole), Q: (Region(0, 0, 16), Region(0, 48, 16))})
+    with pytest.raises(ReceivePlanError, match=rf"^{Q}: .* do not cover region \[0, 64\) of dim 0: rows \[16, 48\) of dim 0"):
+        RegionAssembly({**whole, Q: (Region(0, 0, 64),)}, pieces(holed), by_name)
+    halves = ReceivePlan({**dict.fromkeys(whole), Q: (Region(0, 0, 32), Region(0, 32, 32))})
+    asm = RegionAssembly(whole, pieces(halves), by_name)
+    assert asm.count[(Q, None)] == 2
+
+
 def test_piece_owners_follow_the_senders_rows() -> None:
     spec = TensorSpec(O, "float32", (64, 64))
     lay = RegionLayout.build([spec], [ReceivePlan({O: (Region(1, 0, 32),)}), ReceivePlan({O: (Region(1, 32, 32),)})])

@@ -1,8 +1,9 @@
 """Region delivery through WeightSyncSession into reference engines in their own processes: TP=2
 ranks (and an EP=2 engine) hold exactly their slices bit for bit after a dense and two patch syncs,
 a whole-tensor engine beside them still gets every tensor, the report shows each rank's bytes, and
-two trainer ranks send their rows of each region, and bad plans are refused by engine, rank and
-tensor before any engine pauses. The syncs are staged (issue 28): a corrupt region patch or a sender
+two trainer ranks send their rows of each region, and bad plans (one that covers only part of what
+the rank holds too, issue 45) or a wrong count of them are refused by engine, rank and tensor
+before any engine pauses. The syncs are staged (issue 28): a corrupt region patch or a sender
 killed mid-stream leaves every rank its old slices bit for bit, unpaused and not stale."""
 
 from __future__ import annotations
@@ -143,7 +144,15 @@ def claimers(qwen2_file: str) -> Iterator[tuple[TorchRefRollout, _Claims]]:
         ({Q: (Region(0, 48, 32),)}, f"engine 'bad' rejected the manifest: rank 0: receive plan: region \\[48, 80\\) of '{Q}' lies outside"),
         ({Q: (Region(0, 0, 32), Region(0, 16, 8))}, f"engine 'bad' rejected the manifest: rank 0: receive plan: regions of '{Q}' overlap"),
         ({"model.layers.7.mlp.up_proj.weight": None}, "engine 'bad' .*'model.layers.7.mlp.up_proj.weight', which the model does not have"),
+        # Issue 45: the handle says rows [32, 64) of q_proj, the worker holds it whole; a piece that
+        # only overlaps the whole tensor was accepted and q_proj ended half old, half new.
+        (
+            {**{s.name: None for s in qwen2_specs()}, Q: (Region(0, 32, 32),)},
+            f"engine 'bad' rejected the manifest: region assignment: {Q}: the pieces this receiver takes do not cover "
+            "the whole tensor: rows \\[0, 32\\) of dim 0 \\(1 gap\\(s\\)\\) would keep old or uninitialised values",
+        ),
     ],
+    ids=["outside", "overlap", "unknown", "partly-covered"],
 )
 def test_bad_plans_are_refused_by_name_before_any_engine_pauses(claimers: tuple[TorchRefRollout, _Claims], holds: dict, match: str) -> None:
     good, bad = claimers
@@ -157,6 +166,34 @@ def test_bad_plans_are_refused_by_name_before_any_engine_pauses(claimers: tuple[
             assert not h["paused"] and h["version"] is None and h["buckets_received"] == 0
     finally:
         session.close()
+
+
+class _Counts(TorchRefRollout):
+    """A reference engine whose adapter states two receive plans for its one rank."""
+
+    def receive_plans(self) -> list[ReceivePlan | None]:
+        return [None, None]
+
+
+def test_a_wrong_count_of_receive_plans_is_refused_by_engine_and_count_at_every_sync(
+    claimers: tuple[TorchRefRollout, _Claims], qwen2_file: str,
+) -> None:
+    """Issue 45: the sync after the join that found the wrong count failed with `not enough values
+    to unpack`; now every sync of the session names the engine and the count, nothing paused."""
+    good, _ = claimers
+    wrong = spawn_engine("wrong", spec_file=qwen2_file, timeout_s=60, handle=_Counts)
+    session = WeightSyncSession([good, wrong], CFG)
+    try:
+        before = {e.name: e.health() for e in (good, wrong)}
+        for _ in range(2):
+            with pytest.raises(ValueError, match=r"^engine 'wrong': receive_plans\(\) returned 2 plan\(s\) for its 1 rank\(s\)"):
+                session.sync(StateDictSource(weights(qwen2_specs(), 0)))
+        for e in (good, wrong):
+            h = e.health()
+            assert not h["paused"] and (h["version"], h["buckets_received"]) == (before[e.name]["version"], before[e.name]["buckets_received"])
+    finally:
+        session.close()
+        wrong.close()
 
 
 def test_ep_ranks_hold_their_experts_only(tmp_path: object) -> None:

@@ -1,7 +1,9 @@
 """A receiver's regions from the pieces it takes: what the engine's loader gets in region delivery.
 
 Each region a receiver holds is covered by one or more pieces (virtual tensors of its receiver
-sets). A piece that is exactly one of its regions is handed over as it landed; otherwise the
+sets), whole: an assignment whose pieces leave any row of a held region unfilled is refused when
+it is accepted (issue 45: a piece that only overlapped a region used to count as covering it, and
+the rows no piece filled were handed over uninitialised or as the old version). A piece that is exactly one of its regions is handed over as it landed; otherwise the
 pieces' overlaps are copied into a region-shaped tensor (the loader's own where it has that shape
 and the sync may write in place), handed over once its last piece is in. Items are
 `(name, region, tensor)`, region None for a whole tensor.
@@ -65,11 +67,37 @@ class RegionAssembly:
                     continue
                 self.parts.setdefault(p.spec.name, []).append(_Part((p.name, region), dim, lo - a, lo - c, hi - lo))
                 self.count[(p.name, region)] = self.count.get((p.name, region), 0) + 1
-        covered = set(self.direct.values()) | set(self.count)
+        self._check_covered(held)
+
+    def _check_covered(self, held: Mapping[str, tuple[Region | None, ...]]) -> None:
+        """Every region held is filled whole by the pieces (issue 45): a region a piece only
+        overlaps would hand the loader rows no piece wrote (uninitialised, or the old version's)."""
+        spans: dict[tuple[str, Region | None], list[tuple[int, int, int]]] = {}
+        for parts in self.parts.values():
+            for part in parts:
+                spans.setdefault(part.key, []).append((part.dim, part.dst_start, part.dst_start + part.length))
+        direct = set(self.direct.values())
         for name, regions in held.items():
             for region in regions:
-                if (name, region) not in covered:
-                    raise ReceivePlanError(f"{name}: region {region} is covered by no piece this receiver takes")
+                key = (name, region)
+                if key in direct:
+                    continue
+                if key not in spans:
+                    raise ReceivePlanError(f"{name}: {_words(region)} is covered by no piece this receiver takes")
+                dims = sorted({d for d, _, _ in spans[key]})
+                if len(dims) > 1:
+                    raise ReceivePlanError(f"{name}: the pieces this receiver takes of {_words(region)} cut dimensions {dims}")
+                dim = dims[0]
+                extent = region.length if region is not None else self.specs[name].shape[dim]
+                gaps = _gaps(sorted((lo, hi) for _, lo, hi in spans[key]), extent)
+                if gaps:
+                    start = region.start if region is not None and region.dim == dim else 0
+                    missing = ", ".join(f"[{start + lo}, {start + hi})" for lo, hi in gaps[:3])
+                    raise ReceivePlanError(
+                        f"{name}: the pieces this receiver takes do not cover {_words(region)}: rows {missing} of dim {dim} "
+                        f"({len(gaps)} gap(s)) would keep old or uninitialised values; the controller's receive plan "
+                        "for this rank does not match what it holds"
+                    )
 
     def nbytes(self, pieces: Iterable[Piece]) -> int:
         return sum(p.spec.nbytes for p in pieces if p.spec.name in self.direct or p.spec.name in self.parts)
@@ -95,6 +123,23 @@ class RegionAssembly:
         """One sync's landing: assembled regions go into the loader's tensor of that shape when
         `destinations` names one (pass None to keep the loader's tensors untouched), else into new ones."""
         return _Landing(self, destinations)
+
+
+def _words(region: Region | None) -> str:
+    return "the whole tensor" if region is None else f"region [{region.start}, {region.start + region.length}) of dim {region.dim}"
+
+
+def _gaps(spans: list[tuple[int, int]], extent: int) -> list[tuple[int, int]]:
+    """The parts of [0, extent) that no span (sorted) covers."""
+    gaps: list[tuple[int, int]] = []
+    reached = 0
+    for lo, hi in spans:
+        if lo > reached:
+            gaps.append((reached, lo))
+        reached = max(reached, hi)
+    if reached < extent:
+        gaps.append((reached, extent))
+    return gaps
 
 
 class _Landing:

@@ -107,6 +107,8 @@ class RegionDelivery:
         self._cached: RegionSync | None = None
         self._groups: RegionGroups | None = None
         self._said: str | None = None
+        self._wrong: str | None = None
+        """Why the plans stated at the last join are refused (a wrong count), until the next join."""
         self.rdzv: Rendezvous | None = None
 
     def joined(self, rollouts: Sequence[RolloutAdapter], plans: dict[str, list[ReceivePlan | None]], rendezvous: Rendezvous) -> None:
@@ -115,11 +117,16 @@ class RegionDelivery:
         self.drop_groups()
         self.rdzv = rendezvous
         self.plans, self.owners = [], []
+        wrong = [(r, plans[r.name]) for r in rollouts if not isinstance(plans[r.name], (list, tuple)) or len(plans[r.name]) != r.world_size]
+        if wrong:  # refused at this join and at every sync until the next one (issue 45)
+            self._wrong = "; ".join(
+                f"engine {r.name!r}: receive_plans() returned {_count(got)} for its {r.world_size} rank(s); it must return a list "
+                "of one plan (or None) per rank" for r, got in wrong
+            )
+            raise ValueError(self._wrong)
+        self._wrong = None
         for r in rollouts:
-            ranks = plans[r.name]
-            if len(ranks) != r.world_size:
-                raise ValueError(f"engine {r.name!r} stated {len(ranks)} receive plans for its {r.world_size} ranks")
-            self.plans += ranks
+            self.plans += list(plans[r.name])
             self.owners += [(r.name, i) for i in range(r.world_size)]
 
     def prepare(
@@ -128,6 +135,8 @@ class RegionDelivery:
         """This sync's region delivery, or None; a plan that does not fit the tensors is refused
         (ManifestRejectedError naming the engine, its rank and the tensor) before anything pauses."""
         self.active = None
+        if self._wrong is not None:
+            raise ValueError(f"{self._wrong} (stated at join; nothing was paused or sent)")
         if all(p is None for p in self.plans):
             return None
         owners = source.owners() if senders > 1 and isinstance(source, ShardedWeightSource) else None
@@ -235,6 +244,10 @@ class RegionDelivery:
         groups, self._groups = self._groups, None
         if groups is not None:
             groups.close()
+
+
+def _count(plans: object) -> str:
+    return f"{len(plans)} plan(s)" if isinstance(plans, (list, tuple)) else f"a {type(plans).__name__}, not a list"
 
 
 def _plan_key(plan: ReceivePlan | None) -> object:
