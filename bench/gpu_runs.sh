@@ -2,6 +2,8 @@
 # The device runs, on a machine with CUDA (one GPU for part `one`, two for part `two` and `bench`):
 #   one   - every one-GPU test, the delta diff kernel probe, the colocated sync beside a D2D copy
 #   two   - every GPU test (those needing 2 GPUs included; Megatron wheels from .whl/ if carried)
+#   vllm  - the real CUDA vLLM tests (tests/test_vllm_cuda.py; vLLM carried by bench/vllm_carry.sh),
+#           stacks of every Python process dumped by py-spy into $OUT/stacks.txt if a run hangs
 #   bench - dense and delta syncs of Qwen2.5-7B and Qwen3-30B-A3B shapes over NCCL beside the raw
 #           broadcast, and the FSDP2 shrunk topology (2 trainer ranks, receiver beside rank 1)
 # JSON lands in $OUT (or bench/out/); each step is bounded so one call fits the device's limit.
@@ -19,7 +21,22 @@ bench() {  # bench NAME ARGS...: one `ckpt-engine bench` into $out/NAME.json, it
   name=$1; shift; echo "== $name: $*"
   timeout "${BENCH_TIMEOUT:-150}" python -m ckpt_engine.cli bench "$@" --json "$out/$name.json" 2>&1 | grep -v "^$" | tail -n 6
 }
+watchdog() {  # watchdog SECONDS PID: dump every Python stack (py-spy, if carried) when PID outlives SECONDS
+  ( sleep "$1"; kill -0 "$2" 2>/dev/null || exit 0
+    for p in $(pgrep -f "python|VLLM"); do echo "=== pid $p: $(tr '\0' ' ' < /proc/$p/cmdline | head -c 200)"; py-spy dump --pid "$p" 2>&1 | head -n 80; done > "$out/stacks.txt" 2>&1 ) &
+}
 case "$part" in
+vllm)
+  python3 -c "import vllm" 2>/dev/null || bash bench/vllm_carry.sh install || exit 1
+  export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+  timeout "${VLLM_TEST_TIMEOUT:-420}" python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_vllm_cuda.py ${VLLM_TESTS:-} > "$out/vllm_tests.log" 2>&1 &
+  pid=$!; watchdog "${VLLM_HANG_S:-300}" $pid; wait $pid; echo "pytest exit $?"; tail -n 40 "$out/vllm_tests.log"
+  if [ -n "${VLLM_FP8:-}" ]; then
+    echo "== an FP8 engine (online quantization of bf16) starting"
+    timeout 170 python bench/vllm_fp8_start.py > "$out/fp8_start.log" 2>&1 &
+    pid=$!; out=$out/fp8 ; mkdir -p "$out"; watchdog 150 $pid; wait $pid; echo "fp8 start exit $?"; tail -n 15 "${out%/fp8}/fp8_start.log"
+  fi
+  ;;
 one)
   timeout 240 python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests 2>&1 | tail -n 25
   timeout 90 python bench/delta_kernel_probe.py --gib 1 --changed 0.02 --json "$out/delta_kernel_probe.json" 2>&1 | tail -n 6

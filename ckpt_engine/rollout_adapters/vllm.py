@@ -21,10 +21,11 @@ steps, on every worker) beside the cache reset and the version stamp, and resume
 from __future__ import annotations
 
 import base64
+import concurrent.futures as cf
 import logging
 import os
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlsplit
@@ -33,6 +34,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.planning.regions import ReceivePlan
+from ckpt_engine.rollout_adapters.vllm_compat import VllmFeatures, features_of
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 
 if TYPE_CHECKING:
@@ -316,16 +318,32 @@ class VllmRollout(_VllmAdapterBase):
     def __init__(self, name: str, llm: vllm.LLM, *, timeout_s: float = 300.0, staging_limit_bytes: int | None = None) -> None:
         super().__init__(name, timeout_s, staging_limit_bytes)
         self.llm = llm
+        self.features = features_of()
+        # Control calls run here so that each wait has a deadline (`_bounded`); a few threads, so
+        # a call stuck in a worker does not hold the next one.
+        self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"vllm-rpc-{name}")
         parallel = llm.llm_engine.vllm_config.parallel_config
         self.world_size = int(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
 
     def engine_key(self) -> Hashable:
         return ("vllm", id(self.llm))
 
+    def _bounded(self, what: str, timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(...)` waited on for at most `timeout_s` (+ a grace second): vLLM's engine-core client
+        waits on a utility call's answer with no deadline (0.26 ignores `collective_rpc`'s
+        timeout), so a worker stuck in a method would hold the trainer forever."""
+        future = self._calls.submit(fn, *args, **kwargs)
+        try:
+            return future.result(timeout=timeout_s + 1.0)
+        except cf.TimeoutError:
+            raise TimeoutError(f"engine {self.name!r}: {what} did not answer within {timeout_s:.0f}s") from None
+
     def _rpc(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         timeout = timeout_s if timeout_s is not None else self.timeout_s
         try:
-            return list(self.llm.collective_rpc(method, timeout=timeout, kwargs=kwargs))
+            return list(self._bounded(method, timeout, self.llm.collective_rpc, method, timeout=timeout, kwargs=kwargs))
+        except TimeoutError:
+            raise
         except Exception as exc:
             clear = self._missing_extension(method, exc)
             if clear is exc:
@@ -335,7 +353,7 @@ class VllmRollout(_VllmAdapterBase):
     def _utility(self, method: str, *args: Any) -> Any:
         core = self.llm.llm_engine.engine_core
         if hasattr(core, "call_utility"):
-            return core.call_utility(method, *args)
+            return self._bounded(method, self.timeout_s, core.call_utility, method, *args)
         return getattr(core.engine_core, method)(*args)  # in-process engine core
 
     def pause(self, mode: str) -> None:
@@ -352,9 +370,12 @@ class VllmRollout(_VllmAdapterBase):
             logger.warning("engine %s: prefix cache reset refused (blocks still held by in-flight requests)", self.name)
 
     def _set_engine_version(self, version: str) -> None:
-        self.llm.update_weight_version(version)
+        if self.features.engine_weight_versions:  # else only the workers hold it (vllm_compat.py)
+            self.llm.update_weight_version(version)
 
     def weight_version(self) -> str:
+        if not self.features.engine_weight_versions:
+            return str(self.held_version())
         return str(self.llm.get_weight_version())
 
     def health(self) -> dict[str, Any]:
@@ -400,8 +421,16 @@ class VllmServerRollout(_VllmAdapterBase):
                 ) from None
             world_size = int(reply["world_size"])
         self.world_size = world_size
+        self._features: VllmFeatures | None = None
         # Worker pids are only meaningful to check on this host.
         self._local = urlsplit(self.base_url).hostname in ("127.0.0.1", "localhost", "::1")
+
+    @property
+    def features(self) -> VllmFeatures:
+        """The server's vLLM release's features (asked once, at first use: `/version`)."""
+        if self._features is None:
+            self._features = features_of(str(self._get("/version", timeout_s=min(self.timeout_s, 10.0), probe=True)["version"]))
+        return self._features
 
     # --- HTTP --------------------------------------------------------------------------------
     def _post(
@@ -473,9 +502,12 @@ class VllmServerRollout(_VllmAdapterBase):
             logger.warning("engine %s: prefix cache reset refused (blocks still held)", self.name)
 
     def _set_engine_version(self, version: str) -> None:
-        self._post("/update_weight_version", json={"new_version": version}, side=True)
+        if self.features.engine_weight_versions:  # else only the workers hold it (vllm_compat.py)
+            self._post("/update_weight_version", json={"new_version": version}, side=True)
 
     def weight_version(self) -> str:
+        if not self.features.engine_weight_versions:
+            return str(self.held_version())
         return str(self._get("/weight_info")["weight_version"])
 
     def health(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ can use the native backend instead (`vllm_transfer_engine.py`); both drive the s
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -73,6 +74,17 @@ class CkptEngineWorkerExtension:
     def ckpt_finalize(self, version: int) -> dict[str, Any]:
         """Post-process what was loaded (layerwise finalize), then stamp `version`."""
         return self._ckpt_core().finalize(int(version))
+
+    def ckpt_param_digests(self) -> dict[str, str]:
+        """sha256 of the bytes of every parameter and buffer this worker's model holds, by vLLM's
+        own names and in its own layout (fused, sliced, quantized as installed): what two engines
+        that should hold the same weights compare, whatever loaded them."""
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        out = {}
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy()
+            out[name] = hashlib.sha256(data.tobytes()).hexdigest()
+        return out
 
     def ckpt_health(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self._ckpt_rank(), **self._ckpt_core().health()}

@@ -15,7 +15,7 @@ import torch
 
 from ckpt_engine.lora_format import ADAPTER_CONFIG, LoraSpec, peft_wire_name
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.sources.base import WeightSource, spec_of
+from ckpt_engine.sources.base import WeightSource, spec_of, tensors_device
 
 __all__ = ["AdapterSource", "lora_spec_of"]
 
@@ -54,6 +54,10 @@ class AdapterSource(WeightSource):
 
     def metadata(self) -> list[TensorSpec]:
         return [spec_of(n, t, self.dtype) for n, t in self.weights.items()] + [spec_of(ADAPTER_CONFIG, self._config)]
+
+    @property
+    def device(self) -> torch.device | None:
+        return tensors_device(self.weights.values())
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for n, t in self.weights.items():

@@ -20,7 +20,7 @@ import torch
 
 from ckpt_engine.manifest import TensorSpec
 
-__all__ = ["StateDictSource", "WatchedWeights", "WeightSource", "WeightWalk", "spec_of"]
+__all__ = ["StateDictSource", "WatchedWeights", "WeightSource", "WeightWalk", "spec_of", "tensors_device"]
 
 
 class WeightSource(ABC):
@@ -39,6 +39,14 @@ class WeightSource(ABC):
     process_group: Any = None
     """The trainer's process group over which a sync with many senders is announced (None: the
     default group)."""
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device the yielded tensors live on, known before the walk (None: not known). A
+        sender whose configuration names no device takes this one, never the process's current
+        CUDA device by accident (a trainer on cuda:1 with cuda:0 current would otherwise join
+        the group from the engine's GPU)."""
+        return None
 
     @abstractmethod
     def metadata(self) -> list[TensorSpec]:
@@ -84,6 +92,20 @@ class StateDictSource(WeightSource):
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.weights.items()
+
+    @property
+    def device(self) -> torch.device | None:
+        return tensors_device(self.weights.values())
+
+
+def tensors_device(tensors: Iterable[torch.Tensor]) -> torch.device | None:
+    """The one accelerator device that `tensors` live on (host tensors beside them are copied
+    anyway), the host when all are host tensors, None when they span several accelerators."""
+    devices = {t.device for t in tensors}
+    accelerators = {d for d in devices if d.type != "cpu"}
+    if len(accelerators) == 1:
+        return accelerators.pop()
+    return torch.device("cpu") if devices == {torch.device("cpu")} else None
 
 
 class WeightWalk(Iterator[tuple[str, torch.Tensor]]):

@@ -15,7 +15,7 @@ import torch
 
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.ownership import OwnerMap, row_shards
-from ckpt_engine.sources.base import WeightSource, WeightWalk
+from ckpt_engine.sources.base import WeightSource, WeightWalk, tensors_device
 
 __all__ = ["PieceWalk", "ShardedStateDictSource", "ShardedWeightSource", "iter_pieces", "piece_names"]
 
@@ -171,6 +171,10 @@ class ShardedStateDictSource(ShardedWeightSource):
         self.sender_index, self.num_senders = sender_index, num_senders
         self.dtype, self.keep_dtype = dtype, keep_dtype
         self._pieces: dict[str, torch.Tensor] = {}  # the same view every sync: the sender skips re-checking it
+
+    @property
+    def device(self) -> torch.device | None:
+        return tensors_device(self.weights.values())
 
     def _wire(self, name: str, t: torch.Tensor) -> torch.dtype:
         return self.dtype if self.dtype is not None and t.is_floating_point() and name not in self.keep_dtype else t.dtype

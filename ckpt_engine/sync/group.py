@@ -46,6 +46,33 @@ class SyncGroup:
         self.manifest: BucketManifest | None = None
         self.encoded = b""
 
+    def take_device(self, source_device: torch.device | None) -> None:
+        """Fix the sender's device from the weight source's (`WeightSource.device`) when neither
+        the session nor `engine_kwargs.<backend>.device` names one; refuse, before anything is
+        paused, a named device or a joined group on another accelerator than the source's tensors.
+        Host tensors (or a source that cannot tell) change nothing: the transport's default."""
+        if source_device is None or source_device.type == "cpu":
+            return
+        kind = CheckpointEngineRegistry.get(self.backend).device_type
+        if kind is not None and kind != source_device.type:
+            return  # gloo reads device tensors through the host
+        key = f"checkpoint_engine.engine_kwargs.{self.backend}.device"
+        named = self.device if self.device is not None else self.config.kwargs_for(self.backend).get("device")
+        if named is not None:
+            want = torch.device(named) if not isinstance(named, int) else torch.device(source_device.type, named)
+            if want.type == source_device.type and want.index is not None and want != source_device:
+                raise ValueError(
+                    f"the weight source's tensors are on {source_device} but the {self.backend} sender is set to {want} "
+                    f"({key} or the session's device): set it to {source_device} or leave it unset"
+                )
+        elif self.engine is not None and self.engine.device != source_device:
+            raise ValueError(
+                f"the weight source's tensors are on {source_device} but this session's {self.backend} group was joined "
+                f"from {self.engine.device}; use one session per trainer device (or set {key})"
+            )
+        else:
+            self.device = source_device
+
     def new_engine(self, bucket_size: int) -> CheckpointEngine:
         # A bucket the buffers cannot fit is refused here, before any engine is asked to join.
         self.config.check_memory(str(self.device) if self.device is not None else None)

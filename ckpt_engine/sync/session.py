@@ -275,6 +275,8 @@ class WeightSyncSession:
         if failed:  # part of validating: nothing was paused or sent
             raise SyncError("validate", failed, self._break(failed))
         new_version = next_version(held, self.version, version)
+        if senders == 1:  # with many senders each rank's transport takes its own device
+            self._group.take_device(source.device)
         engine = self._ensure_group(senders)
         return new_version, engine, self.plan(specs, engine, source)
 

@@ -116,6 +116,8 @@ class CheckpointEngine(ABC):
     device_type: str | None = None
     """The kind of device this backend's tensors live on ("cpu", "cuda", "npu"; None: any), so a
     configured `device` of another kind is refused when the config is loaded."""
+    device: torch.device | None = None
+    """The device this side's buffers live on (None: the backend has none of its own)."""
 
     def __init__(self, *, bucket_size_bytes: int, num_buffers: int = 2, timeout_s: float = 300.0, verify: bool = False) -> None:
         if num_buffers < 2:

@@ -157,6 +157,10 @@ class NcclTransport(StreamTransport):
     """CUDA process groups with (by default) high-priority streams."""
 
     name = "nccl"
+    # An NCCL shutdown finalizes the communicator with its peers: a vLLM worker leaving (inside a
+    # `collective_rpc` the trainer waits on) hung there until the trainer's own side closed, which
+    # only came after that leave. Nothing is in flight at a leave, so an abort loses nothing.
+    abort_on_close = True
     # A bucket of a few large tensors goes as one coalesced group of per-tensor broadcasts (no pack
     # or unpack copy; 0.99 of a raw broadcast on 2xH200 in bench/nccl_coalesced_probe.py); buckets
     # of many small tensors (MoE experts) are packed: per-message cost would dominate there.

@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 class ProcessGroupTransport(Transport):
     """A transport whose links are torch process groups with a `broadcast(tensor, root)`."""
 
+    abort_on_close: bool = False
+    """Whether `close` aborts the groups instead of shutting them down (a shutdown that waits for
+    the peers' would deadlock a receiver leaving while its sender waits for that leave)."""
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._groups: dict[int, Any] = {}  # gid = sender * num_lanes + lane
@@ -106,7 +110,7 @@ class ProcessGroupTransport(Transport):
         groups, self._groups, self._group = self._groups, {}, None
         for group in groups.values():
             try:
-                if self.broken and hasattr(group, "abort"):
+                if (self.broken or self.abort_on_close) and hasattr(group, "abort"):
                     group.abort()
                 elif hasattr(group, "shutdown"):
                     group.shutdown()

@@ -66,14 +66,20 @@ def map_buffers(device: torch.device, descs: list[dict[str, Any]], size: int) ->
     for desc in descs:
         if "path" in desc:
             if device.type != "cpu" or not isinstance(desc["path"], str):
-                raise ValueError(f"a shared host buffer cannot be mapped on {device}")
+                raise ValueError(
+                    f"the colocated sender's buffers are in host memory but this receiver is on {device}: both sides must "
+                    f"be on one device (the sender takes its weight source's device, or engine_kwargs.colocated.device)"
+                )
             if not os.path.isfile(desc["path"]):  # from_file would create an empty file instead
                 raise ValueError(f"shared buffer {desc['path']!r} is not on this host: is the sender really local?")
             out.append(torch.from_file(desc["path"], shared=True, size=size, dtype=torch.uint8))
             os.unlink(desc["path"])  # both sides hold the mapping now: a crash leaves nothing in /dev/shm
         else:
             if device.type != "cuda":
-                raise ValueError(f"a CUDA IPC buffer cannot be mapped on {device}")
+                raise ValueError(
+                    f"the colocated sender's buffers are on a CUDA device but this receiver is on {device}: both sides "
+                    f"must be on one device"
+                )
             torch.cuda.init()  # opening an IPC handle needs this process's CUDA context
             torch.cuda.set_device(device)
             storage = torch.UntypedStorage._new_shared_cuda(*desc["cuda_ipc"])
