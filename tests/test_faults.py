@@ -8,6 +8,7 @@ survivor bit-exactly. Reference engines in their own processes, a real gloo grou
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import signal
 import threading
@@ -16,10 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
-from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sync.api import SyncReport
+from ckpt_engine.sync.staging import discard_all, failure_deadline
 from ckpt_engine.sources.base import StateDictSource
 from helpers_procs import fork_program
 from refengines import holds, second_handle, serving, source, spawn_with_timeout, state
@@ -242,3 +245,88 @@ def test_weight_source_raising(pair: list[TorchRefRollout]) -> None:
             base = report.version
     finally:
         session.close()
+
+
+
+STAGED = CheckpointEngineConfig(backend="gloo", bucket_size_mb=1, timeout_s=TIMEOUT_S, stage="full")
+BIG_SEEDS = 8
+"""32 MB in 1 MB buckets: more than the sockets buffer once an engine stops, so the sender is
+still blocked on the frozen engine when it is stopped and waits its whole timeout, as on a real
+model (the small reference model fits in the socket buffers: its sender finishes at once)."""
+
+
+def _big(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer.{i}": torch.randn(1 << 20, generator=g) for i in range(BIG_SEEDS)}
+
+
+def test_staged_receiver_sigstop_ends_within_the_bound(tmp_path: Path) -> None:
+    """A frozen engine in a staged sync: the survivors drop what they staged and keep serving their
+    old version, the frozen one is named and stale, and the whole failure (the sender's wait, the
+    receivers' answers, the probe and then the discards) ends within the documented bound: the
+    discards wait only for what is left of it (issue 45: they waited min(10, timeout_s) of their
+    own after the rest, 4 x timeout_s in all)."""
+    spec = str(tmp_path / "big.msgpack")
+    write_spec_file(spec, StateDictSource(_big(0)).metadata())
+    engines = [spawn(spec, f"big{i}", 0.0) for i in range(2)] + [spawn(spec, "victim", 0.05)]
+    victim, seed = engines[-1], 500
+    try:
+        for _ in range(REPEAT):
+            session = WeightSyncSession(engines, STAGED)
+            base = session.sync(StateDictSource(_big(seed))).version
+            before = victim.health()["buckets_received"]
+            t, errors = sync_in_thread(session, StateDictSource(_big(seed + 1)))
+            wait_streaming(victim, before)
+            victim.process.send_signal(signal.SIGSTOP)
+            fault = time.monotonic()
+            try:
+                t.join(TIMEOUT_S + GRACE_S + 10)
+                elapsed = time.monotonic() - fault
+                assert not t.is_alive(), "the sender hung"
+                assert len(errors) == 1 and isinstance(errors[0], SyncError), errors
+                assert set(errors[0].failed) == {"victim"} and errors[0].stale == ["victim"], errors[0]
+                assert elapsed < TIMEOUT_S + GRACE_S, f"error after {elapsed:.1f}s"
+                for e in engines[:2]:  # the survivors dropped what they staged and serve their old version
+                    h = e.health()
+                    assert serving(h) and h["version"] == base and holds(e, _big(seed)) == [], (e.name, h)
+            finally:
+                victim.process.send_signal(signal.SIGCONT)
+            session.close()
+            seed += 2
+            deadline = time.monotonic() + TIMEOUT_S + GRACE_S
+            while True:  # woken, its receive times out: the stopped engine heals with the others
+                healing = WeightSyncSession(engines, STAGED)
+                try:
+                    healing.sync(StateDictSource(_big(seed)))
+                    break
+                except SyncError:
+                    assert time.monotonic() < deadline, "the woken engine never became usable again"
+                    time.sleep(0.2)
+                finally:
+                    healing.close()
+            assert all(holds(e, _big(seed)) == [] for e in engines)
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_the_discards_of_a_failed_staged_sync_wait_only_for_what_is_left_of_the_bound(spec_file: str, pair: list[TorchRefRollout]) -> None:
+    """The discard wait comes from the failure's remaining budget, not a timeout of its own: a
+    frozen engine (control calls time out after 30 s) is named within the budget left (plus the
+    floor a live engine gets), and a live engine still discards in time."""
+    frozen = spawn_with_timeout(spec_file, "frozen", 30.0)
+    pool = cf.ThreadPoolExecutor(4)
+    try:
+        frozen.process.send_signal(signal.SIGSTOP)
+        sent = time.monotonic() - 2 * TIMEOUT_S  # the receivers' answers and the probe took their timeouts
+        deadline = failure_deadline(TIMEOUT_S, sent)
+        assert deadline - sent < 3 * TIMEOUT_S + 2 - TIMEOUT_S, "the sender's own wait comes before `sent`"
+        start = time.monotonic()
+        failed = discard_all(pool, [pair[0], frozen], 30.0, deadline)
+        elapsed = time.monotonic() - start
+        assert set(failed) == {"frozen"} and "could not drop its staged version" in failed["frozen"], failed
+        assert elapsed < 5.0, f"the discards took {elapsed:.1f}s (a wait of their own: min(10, timeout_s) = 10 s)"
+    finally:
+        frozen.process.send_signal(signal.SIGCONT)
+        frozen.close()
+        pool.shutdown(wait=False)

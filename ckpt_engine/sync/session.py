@@ -149,15 +149,17 @@ class WeightSyncSession:
             raise SyncError(stage, failed, self._break(failed))
         return {name: f.result() for name, f in futures.items()}
 
-    def _break(self, failed: dict[str, str], probe: bool = True) -> list[str]:
+    def _break(self, failed: dict[str, str], probe: bool = True, deadline: float | None = None) -> list[str]:
         """Mark the group for rebuild and every engine stale; find the dead ones by name. A staged
         stream that failed: every engine discards what it staged and stays fresh (its live weights
-        were never touched); only an engine that cannot discard (dead) is stale. Returns the stale."""
+        were never touched); only an engine that cannot discard (dead) is stale; the discards are
+        waited for no later than `deadline` (the failed stream's, `staging.failure_deadline`).
+        Returns the stale."""
         self._group.ready = False
         self._delta.failed()
         if self._staging is not None:
             self._staging = None
-            for name, why in discard_all(self._pool, self.rollouts, self.config.timeout_s).items():
+            for name, why in discard_all(self._pool, self.rollouts, self.config.timeout_s, deadline).items():
                 self.stale.add(name)
                 failed.setdefault(name, why)
         elif probe:

@@ -20,7 +20,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.sync.fanout import collect_failures
 
-__all__ = ["StagePolicy", "discard_all", "run_order"]
+__all__ = ["StagePolicy", "discard_all", "failure_deadline", "run_order"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +81,31 @@ class StagePolicy:
         return None
 
 
-def discard_all(pool: cf.Executor, rollouts: Sequence[RolloutAdapter], timeout_s: float) -> dict[str, str]:
+DISCARD_FLOOR_S = 0.5
+"""The least a discard is waited for, even past the failure's budget: a live engine answers in
+milliseconds, and one not waited for at all would be left stale for nothing."""
+
+
+def failure_deadline(timeout_s: float, sent: float) -> float:
+    """When every wait of a failed stream must be over, from `sent` (the monotonic time the sender's
+    own wait ended). The documented bound (docs/guarantees.md, "Bounded failure") is 3 x timeout_s
+    + 2 s from the fault: the sender's wait (at most timeout_s, before `sent`), then the receivers'
+    answers and the probe of the engines (at most timeout_s each), and the discards of a staged sync
+    within what is left of it (`DISCARD_FLOOR_S` of the 2 s), keeping the rest for the work between
+    the waits."""
+    return sent + 2 * timeout_s + DISCARD_FLOOR_S
+
+
+def discard_all(pool: cf.Executor, rollouts: Sequence[RolloutAdapter], timeout_s: float, deadline: float | None = None) -> dict[str, str]:
     """Every engine drops what it staged (a failed staged stream); {engine: why} for those that
-    could not (dead or unreachable: they are stale)."""
+    could not (dead or unreachable: they are stale). With `deadline` (`failure_deadline`) the
+    discards are waited for only until then (at least `DISCARD_FLOOR_S`): the waits before them
+    (the receivers' answers, the probe) already took most of the failure's bound."""
+    wait_s = min(10.0, timeout_s)
+    if deadline is not None:
+        wait_s = min(wait_s, max(DISCARD_FLOOR_S, deadline - time.monotonic()))
     futures = {r.name: pool.submit(r.discard) for r in rollouts}
-    failed = collect_failures(futures, "discard", min(10.0, timeout_s))
+    failed = collect_failures(futures, "discard", round(wait_s, 3))
     return {name: f"could not drop its staged version ({why})" for name, why in failed.items()}
 
 

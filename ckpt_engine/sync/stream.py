@@ -4,6 +4,7 @@ blamed on its culprits (the weight source, engines, the sender, or other trainer
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -18,13 +19,15 @@ from ckpt_engine.sync.many_senders import ManySenders
 from ckpt_engine.sync.regions import RegionDelivery
 from ckpt_engine.sync.report import SOURCE, SyncError
 from ckpt_engine.sync.sender_follower import finish_walk, send_message
+from ckpt_engine.sync.staging import failure_deadline
 from ckpt_engine.transports.base import CheckpointEngine, SendStats
 
 __all__ = ["Break", "SyncStream"]
 
-Break = Callable[[dict[str, str], bool], list[str]]
-"""The session's reaction to a failed stream: (failed engines, probe the rest for dead ones) ->
-the engines now stale. It drops the group and leaves the engines stale (or discards staging)."""
+Break = Callable[[dict[str, str], bool, float | None], list[str]]
+"""The session's reaction to a failed stream: (failed engines, probe the rest for dead ones, the
+failure's deadline or None) -> the engines now stale. It drops the group and leaves the engines
+stale (or discards staging, waiting no later than the deadline: `staging.failure_deadline`)."""
 
 
 class SyncStream:
@@ -47,7 +50,7 @@ class SyncStream:
             failed = self._senders.not_ready(source)  # type: ignore[arg-type]  # with TP helpers: every rank ready first
             if failed:
                 # the engines only validated and paused: stale, not dead
-                raise SyncError("transfer", failed, self._broken({}, False))
+                raise SyncError("transfer", failed, self._broken({}, False, None))
         extra: dict[str, Any] = {k: v for k, v in (("delta", request), ("stage", stage)) if v is not None}  # only what is used
         receives = {r.name: self._pool.submit(r.receive, manifest, **extra) for r in rollouts}
         try:
@@ -56,7 +59,8 @@ class SyncStream:
                 make_engine=lambda: self._new_engine(engine.bucket_size_bytes), source=source,
             )
         except Exception as exc:
-            self._send_failed(exc, rollouts, source, engine, weights, pieces, receives, senders)
+            self._send_failed(exc, rollouts, source, engine, weights, pieces, receives, senders, time.monotonic())
+        deadline = failure_deadline(self.config.timeout_s, time.monotonic())
         followers = self._senders.failed(None) if senders > 1 else {}
         failed = receive_failures(rollouts, receives, grace_s=self.config.timeout_s) if not followers else {}
         failed.update(followers)
@@ -64,16 +68,18 @@ class SyncStream:
             if followers:
                 engine.finalize()  # wake receivers still waiting on a dead sender's group
                 failed.update(collect_failures(receives, "receive", min(5.0, self.config.timeout_s)))
-            stale = self._broken(failed, not followers)
+            stale = self._broken(failed, not followers, deadline)
             raise SyncError("transfer", failed, stale)
         return stats, {name: f.result() for name, f in receives.items()}
 
     def _send_failed(
         self, exc: Exception, rollouts: Sequence[RolloutAdapter], source: WeightSource, engine: CheckpointEngine,
         weights: WatchedWeights, pieces: PieceWalk | None, receives: dict[str, cf.Future[ReceiveReport]], senders: int,
+        sent: float,
     ) -> NoReturn:
-        """The send raised: blame the source when it raised itself, else the engines that failed
-        or died, else the sender; every engine is left stale."""
+        """The send raised (at monotonic time `sent`): blame the source when it raised itself, else
+        the engines that failed or died, else the sender; every engine is left stale."""
+        deadline = failure_deadline(self.config.timeout_s, sent)
         engine.finalize()  # closing the sender's group wakes receivers blocked on it
         if pieces is not None:
             finish_walk(source, pieces)  # type: ignore[arg-type]  # TP helpers wait in its gathers
@@ -83,12 +89,12 @@ class SyncStream:
             # The trainer's source failed, not an engine: the engines are healthy, paused and
             # stale, and stay members; the next complete sync heals them.
             collect_failures(receives, "receive", min(5.0, self.config.timeout_s))
-            raise SyncError("transfer", {SOURCE: sender_error}, self._broken({}, False)) from exc
+            raise SyncError("transfer", {SOURCE: sender_error}, self._broken({}, False, deadline)) from exc
         failed = receive_failures(rollouts, receives, grace_s=min(5.0, self.config.timeout_s))
         failed.update(followers)
         if not failed:
             failed["sender"] = sender_error
-        stale = self._broken(failed, True)
+        stale = self._broken(failed, True, deadline)
         raise SyncError("transfer", failed, stale, sender_error=sender_error if "sender" not in failed else None) from exc
 
 
