@@ -14,7 +14,7 @@ from ckpt_engine.delta.codec import PATCH_HEADER_BYTES, PatchError
 from ckpt_engine.delta.direct import capacity
 
 WORD_BYTES = [1, 2, 4, 8]
-IMPLS = ["host", "torch"]
+IMPLS = ["auto", "torch"]  # both plain torch ops on a CPU: auto must resolve to it
 MASK64 = (1 << 64) - 1
 
 

@@ -48,7 +48,7 @@ def _run(
 
 
 def test_every_rank_sends_its_shards_with_delta(engines: list[TorchRefRollout], tmp_path: Path) -> None:
-    logs = _run(engines, tmp_path, world=2, versions=4, timeout_s=30)  # first patches pay numba loads; a loaded box is slow
+    logs = _run(engines, tmp_path, world=2, versions=4, timeout_s=30)  # a loaded box is slow
     lead = logs[0]
     assert [e["ok"] for e in lead] == [True] * 4, lead
     assert [e["delta"] for e in lead] == ["seed", "patch", "patch", "patch"]

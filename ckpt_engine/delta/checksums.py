@@ -7,10 +7,8 @@ a patch from the changed words alone, without re-reading the whole image.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from ckpt_engine.delta import host
 from ckpt_engine.delta.decoder import base_words
 from ckpt_engine.delta.layout import CHUNK_WORDS, DecodedPatch, resolve_impl, words_of
 from ckpt_engine.delta.mixing import GROUP_WORDS, mix, mix_b, table_a
@@ -30,8 +28,6 @@ def checksum(data: torch.Tensor, word_bytes: int, *, impl: str = "auto") -> torc
             from ckpt_engine.delta import kernels
 
             return kernels.checksum(words)
-        if how == "host":
-            return torch.tensor(host.checksum(words.numpy()), dtype=torch.int64)
         return _checksum_torch(words)
 
 
@@ -56,16 +52,6 @@ def delta_checksum(base: torch.Tensor, patch: DecodedPatch, *, impl: str = "auto
     bw = base_words(base, patch)
     how = resolve_impl(base.device, impl)
     with torch.profiler.record_function("ckpt_engine.delta.delta_checksum"):
-        if how == "host":
-            b, p, v = bw.numpy(), patch.positions.numpy(), patch.values.numpy()
-            if p.size > 1 and not bool((p[1:] >= p[:-1]).all()):  # the host sum walks h groups in position order
-                order = np.argsort(p, kind="stable")
-                p, v = p[order], v[order]
-            total = 0
-            for s in range(0, p.size, CHUNK_WORDS):
-                q = p[s : s + CHUNK_WORDS]
-                total += host.weighted_diff_sum(q, v[s : s + CHUNK_WORDS], b.take(q))
-            return torch.tensor(host.wrap64(total), dtype=torch.int64)
         if how == "triton":
             from ckpt_engine.delta import kernels
 

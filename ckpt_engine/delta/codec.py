@@ -9,7 +9,7 @@ against the sender's checksum of the new image without re-reading the whole imag
 
 This module is the codec's public surface; the parts live beside it: the patch format
 (layout.py), the one diff (direct.py), decode and apply (decoder.py), the checksums (checksums.py),
-h(i) (mixing.py), and the CPU (host.py, host_kernels.py) and CUDA (kernels.py) primitives.
+h(i) (mixing.py), and the CUDA kernels (kernels.py; plain torch ops on every other device).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def _fail_first(flags: list[int], names: list[str]) -> None:
             raise PatchError(what)
 
 
-def _checked_positions(index: torch.Tensor, pad: torch.Tensor, num_words: int, how: str, check_range: bool) -> torch.Tensor:
+def _checked_positions(index: torch.Tensor, pad: torch.Tensor, num_words: int, check_range: bool) -> torch.Tensor:
     """Positions in range, as int64; with `check_range` False not even that: they stay the
     payload's int32 words (no copy), and the caller counts those outside its regions
     (ScatteredImage.swap_in) instead of a min/max pass and a host sync here."""
@@ -44,12 +44,8 @@ def _checked_positions(index: torch.Tensor, pad: torch.Tensor, num_words: int, h
     names = ["patch padding after the positions is not zero"]
     if positions.numel():
         names += ["a position is negative", f"a position is >= num_words={num_words}"]
-    if how == "host":
-        p = positions.numpy()
-        flags = [not pad.numpy().any()] + ([p.min() >= 0, p.max() < num_words] if p.size else [])
-    else:
-        checks = [pad.eq(0).all()] + ([positions.min() >= 0, positions.max() < num_words] if positions.numel() else [])
-        flags = torch.stack(checks).tolist()
+    checks = [pad.eq(0).all()] + ([positions.min() >= 0, positions.max() < num_words] if positions.numel() else [])
+    flags = torch.stack(checks).tolist()
     _fail_first(flags, names)
     return positions
 
@@ -76,7 +72,7 @@ def decode(
         raise PatchError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}")
     if payload.numel() < PATCH_HEADER_BYTES:
         raise PatchError(f"payload has {payload.numel()} bytes, shorter than the {PATCH_HEADER_BYTES}-byte header")
-    how = resolve_impl(payload.device, impl)
+    resolve_impl(payload.device, impl)  # checks `impl`: decode is torch ops on every device
     with torch.profiler.record_function("ckpt_engine.delta.decode"):
         if head is None:
             head = payload[:PATCH_HEADER_BYTES].cpu().numpy().tobytes()
@@ -108,7 +104,7 @@ def decode(
             )
         index = payload[PATCH_HEADER_BYTES : PATCH_HEADER_BYTES + index_len]
         pad = payload[PATCH_HEADER_BYTES + index_len : values_at]
-        positions = _checked_positions(index, pad, num_words, how, check_range)
+        positions = _checked_positions(index, pad, num_words, check_range)
         values = view_or_copy(payload[values_at:expected], wdt)
         unchecked = None
         if not check_range:
@@ -130,7 +126,5 @@ def apply(base: torch.Tensor, patch: DecodedPatch, *, impl: str = "auto") -> Non
     """base[positions] = values, in place (words, so any dtype's bits are written unchanged)."""
     bw = base_words(base, patch)
     with torch.profiler.record_function("ckpt_engine.delta.apply"):
-        if resolve_impl(base.device, impl) == "host":
-            bw.numpy()[patch.positions.numpy()] = patch.values.numpy()
-        else:
-            bw.index_copy_(0, patch.positions, patch.values)
+        resolve_impl(base.device, impl)  # checks `impl`; every device applies with one index_copy_
+        bw.index_copy_(0, patch.positions.to(torch.int64), patch.values)  # int32 from decode(check_range=False)

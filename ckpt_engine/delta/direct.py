@@ -7,19 +7,19 @@ compared with its region of the base image in one pass, which writes the changed
 positions and new values and brings the base up to date. On CUDA that pass is one Triton kernel
 for the bucket's pieces (direct_kernels.py; per piece for a source that does not stay valid until
 the launch) whose blocks claim room in the patch with one atomic each, so the patch is a "scatter32"
-patch (layout.py: int32 positions in block order, each block sorted); on CPU it is numpy and the
-positions come out sorted. One host sync per bucket (the changed count) decides patch or dense;
-either way the base equals the new bytes afterwards, so a dense bucket is sent from the base.
+patch (layout.py: int32 positions in block order, each block sorted); elsewhere (a CPU included)
+it is torch ops and the positions come out sorted. One host sync per bucket (the changed count)
+decides patch or dense; either way the base equals the new bytes afterwards, so a dense bucket is
+sent from the base.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
-from ckpt_engine.delta import accel, host
+from ckpt_engine.delta import accel
 from ckpt_engine.delta.layout import (
     PATCH_HEADER_BYTES,
     Row,
@@ -29,7 +29,7 @@ from ckpt_engine.delta.layout import (
     words_of,
     write_header,
 )
-from ckpt_engine.delta.mixing import mix, table_a
+from ckpt_engine.delta.mixing import mix
 
 __all__ = ["SCATTER_BELOW", "BucketDiff", "capacity", "encode", "encode_into_base", "max_patch_bytes", "out_bytes"]
 
@@ -132,7 +132,6 @@ class BucketDiff:
             self._delta_t = self._state[1]
         else:
             self._count = 0
-            self._delta = 0
             self._delta_t = torch.zeros((), dtype=torch.int64, device=self.device)
 
     def add(self, new_words: torch.Tensor, base_words: torch.Tensor, first: int) -> None:
@@ -147,8 +146,6 @@ class BucketDiff:
             from ckpt_engine.delta import kernels
 
             kernels.diff_into(new_words, base_words, first, self._counter, self._delta_t, self._positions, self._values)
-        elif self.device.type == "cpu":
-            self._add_host(new_words.numpy(), base_words.numpy(), first)
         else:
             self._add_torch(new_words, base_words, first)
 
@@ -182,31 +179,8 @@ class BucketDiff:
         if cache is not None:
             cache["rows_words"] = self.num_words
 
-    def _add_host(self, new: np.ndarray, base: np.ndarray, first: int) -> None:
-        if accel.numba_on():
-            from ckpt_engine.delta import host_kernels
-
-            self._count, total = host_kernels.diff_into(
-                new, base, first, self._positions.numpy(), self._values.numpy(), self._count, self.cap, table_a(self.device).numpy()
-            )
-            self._delta += total
-            return
-        local = np.flatnonzero(new != base)
-        c = local.size
-        if not c:
-            return
-        vals = new.take(local)
-        pos = local + first
-        at = self._count
-        if at + c <= self.cap:
-            self._positions.numpy()[at : at + c] = pos
-            self._values.numpy()[at : at + c] = vals
-        self._delta += host.weighted_diff_sum(pos, vals, base.take(local))
-        base[local] = vals
-        self._count += c
-
     def _add_torch(self, new: torch.Tensor, base: torch.Tensor, first: int) -> None:
-        local = torch.ne(new, base).nonzero().reshape(-1)  # a host sync: the fallback path only
+        local = torch.ne(new, base).nonzero().reshape(-1)  # a host sync off CUDA's fused kernel
         c = local.numel()
         if not c:
             return
@@ -238,8 +212,7 @@ class BucketDiff:
             count = int(self._pinned.item()) if self._pinned is not None else int(self._counter.item())
             delta = self._delta_t
         else:
-            count = self._count
-            delta = self._delta_t + torch.tensor(host.wrap64(self._delta), dtype=torch.int64).to(self.device)
+            count, delta = self._count, self._delta_t
         if count > self.cap:
             return None, delta, count
         index_at = PATCH_HEADER_BYTES + 4 * count

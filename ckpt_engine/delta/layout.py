@@ -106,16 +106,14 @@ def view_or_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def resolve_impl(device: torch.device, impl: str) -> str:
-    """Resolve `impl` ("auto", "host", "torch", "triton") for a device: auto picks the fused Triton
-    kernels on CUDA when importable, numpy views on CPU, plain torch ops elsewhere."""
-    if impl not in ("auto", "host", "torch", "triton"):
-        raise ValueError(f"impl must be 'auto', 'host', 'torch' or 'triton', got {impl!r}")
+    """Resolve `impl` ("auto", "torch", "triton") for a device: auto picks the fused Triton
+    kernels on CUDA when importable, plain torch ops elsewhere (a CPU included)."""
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     if impl == "triton" and not accel.triton_on(device):
         raise ValueError(f"impl='triton' needs CUDA and Triton; device is {device}")
-    if impl == "host" and device.type != "cpu":
-        raise ValueError(f"impl='host' needs CPU tensors; device is {device}")
     if impl == "auto":
-        return "triton" if accel.triton_on(device) else "host" if device.type == "cpu" else "torch"
+        return "triton" if accel.triton_on(device) else "torch"
     return impl
 
 

@@ -9,8 +9,8 @@ regions and reads or writes the words through one base pointer (every region's o
 precomputed), by a binary search over the region starts per position (scatter_kernels.py; one
 search per block of positions that lies in one region was tried: no faster on an H200).
 A patch is applied by two kernels (swap_in): the first reads every old word and sums the patch's
-checksum change, the second writes. On a CPU one compiled pass does both for sorted positions
-(host_kernels.py); elsewhere numpy and torch ops group the positions by region.
+checksum change, the second writes. Elsewhere (a CPU included) torch ops group the positions by
+region, read every old word, then write.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from ckpt_engine.delta import accel, host
-from ckpt_engine.delta.mixing import mix, table_a
+from ckpt_engine.delta import accel
+from ckpt_engine.delta.layout import CHUNK_WORDS
+from ckpt_engine.delta.mixing import mix
 
 if TYPE_CHECKING:
     from ckpt_engine.delta.scatter_kernels import RegionTable
@@ -31,6 +31,11 @@ __all__ = ["ScatteredImage", "pair_delta"]
 
 logger = logging.getLogger(__name__)
 
+_Groups = tuple[list[tuple[int, torch.Tensor | slice, torch.Tensor]], int]
+"""(region, which positions, their word offsets in the region) per touched region, and how many
+positions fall outside every region."""
+
+
 def pair_delta(positions: torch.Tensor, values: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """sum over k of h(positions[k]) * (values[k] - old[k]) in wrapping int64 (0-d, on the
     positions' device): a patch's checksum change, from the old words read where they live."""
@@ -38,13 +43,11 @@ def pair_delta(positions: torch.Tensor, values: torch.Tensor, old: torch.Tensor)
         from ckpt_engine.delta import kernels
 
         return kernels.pairs_sum(positions, values, old)
-    if positions.device.type == "cpu":
-        p = positions.numpy().astype(np.int64, copy=False)
-        order = np.argsort(p, kind="stable")
-        total = host.weighted_diff_sum(p[order], values.numpy()[order], old.numpy()[order])
-        return torch.tensor(host.wrap64(total), dtype=torch.int64)
-    p64 = positions.to(torch.int64)
-    return mix(p64).mul_(values.to(torch.int64) - old.to(torch.int64)).sum()
+    total = torch.zeros((), dtype=torch.int64, device=positions.device)
+    for s in range(0, positions.numel(), CHUNK_WORDS):  # temporaries of CHUNK_WORDS int64s at most
+        p64 = positions[s : s + CHUNK_WORDS].to(torch.int64)
+        total += mix(p64).mul_(values[s : s + CHUNK_WORDS].to(torch.int64) - old[s : s + CHUNK_WORDS].to(torch.int64)).sum()
+    return total
 
 
 class ScatteredImage:
@@ -68,7 +71,6 @@ class ScatteredImage:
         self.regions = regions
         self.starts = torch.tensor([f for f, _ in regions], dtype=torch.int64)
         self.ends = torch.tensor([f + v.numel() for f, v in regions], dtype=torch.int64)
-        self._host_regions: object | None = None  # the regions as host_kernels takes them, built at first use
         self._table: RegionTable | None = None  # the Triton kernels' view of the regions (CUDA)
         if accel.triton_on(self.device):
             from ckpt_engine.delta.scatter_kernels import RegionTable
@@ -81,47 +83,32 @@ class ScatteredImage:
         self._table.move(positions, values, write, bad)
         return bad
 
-    def _groups(self, positions: torch.Tensor) -> tuple[list[tuple[int, np.ndarray | slice, np.ndarray]], int]:
-        """(region, which positions, their word offsets in the region) per touched region, and how
-        many positions fall outside every region. Sorted positions (what the CPU encoders write)
-        are cut into runs by binary search, with no sort; others are sorted first."""
-        p = positions.detach().to(device="cpu", dtype=torch.int64).numpy()
+    def _groups(self, positions: torch.Tensor) -> _Groups:
+        """The positions cut into runs by region with a binary search: sorted positions (what a
+        CPU encoder writes) with no sort, others sorted first (stable)."""
+        p = positions.detach().to(device=self.device, dtype=torch.int64)
         order = None
-        if p.size > 1 and not bool((p[1:] >= p[:-1]).all()):
-            order = np.argsort(p, kind="stable")
-            p = p[order]
-        lo = np.searchsorted(p, self.starts.numpy(), side="left")
-        hi = np.searchsorted(p, self.ends.numpy(), side="left")
-        groups: list[tuple[int, np.ndarray | slice, np.ndarray]] = []
-        for k in np.flatnonzero(hi > lo).tolist():
-            a, b = int(lo[k]), int(hi[k])
-            groups.append((k, order[a:b] if order is not None else slice(a, b), p[a:b] - self.regions[k][0]))
-        return groups, int(p.size - int((hi - lo).sum()))
+        if p.numel() > 1 and not bool((p[1:] >= p[:-1]).all()):
+            p, order = torch.sort(p, stable=True)
+        lo = torch.searchsorted(p, self.starts.to(self.device), side="left")
+        hi = torch.searchsorted(p, self.ends.to(self.device), side="left")
+        groups: list[tuple[int, torch.Tensor | slice, torch.Tensor]] = []
+        for k, (a, b) in enumerate(zip(lo.tolist(), hi.tolist())):
+            if b > a:
+                groups.append((k, order[a:b] if order is not None else slice(a, b), p[a:b] - self.regions[k][0]))
+        return groups, int(p.numel() - int((hi - lo).sum()))
 
-    def _pairs(
-        self, positions: torch.Tensor, values: torch.Tensor | None, write: bool,
-        groups: tuple[list[tuple[int, np.ndarray | slice, np.ndarray]], int] | None = None,
-    ) -> torch.Tensor:
-        """The CPU / torch path of gather (write False: fills `values`) and scatter; returns the
-        count of positions outside every region as a 1-element tensor. `groups`: _groups(positions),
-        when the caller has it already."""
-        groups, bad = groups if groups is not None else self._groups(positions)
-        on_cpu = self.device.type == "cpu"
-        vals = values.numpy() if on_cpu else values
-        for k, sel, local in groups:
+    def _pairs(self, positions: torch.Tensor, values: torch.Tensor, write: bool, groups: _Groups | None = None) -> torch.Tensor:
+        """The torch path of gather (write False: fills `values`) and scatter; returns the count of
+        positions outside every region as a 1-element tensor. `groups`: _groups(positions), when
+        the caller has it already."""
+        runs, bad = groups if groups is not None else self._groups(positions)
+        for k, sel, local in runs:
             region = self.regions[k][1]
-            if on_cpu:
-                if write:
-                    region.numpy()[local] = vals[sel]
-                else:
-                    vals[sel] = region.numpy()[local]
-                continue
-            idx = torch.as_tensor(local, device=self.device)
-            rows = torch.as_tensor(np.arange(positions.numel())[sel], device=self.device)
             if write:
-                region.index_copy_(0, idx, values.index_select(0, rows))
+                region.index_copy_(0, local, values[sel])
             else:
-                values[rows] = region.index_select(0, idx)
+                values[sel] = region.index_select(0, local)
         return torch.tensor([bad], dtype=torch.int32, device=self.device)
 
     def gather(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,32 +141,11 @@ class ScatteredImage:
         if self._table is not None:
             return self._table.swap_in(positions, values)
         values = values.contiguous()
-        done = self._swap_in_compiled(positions, values)
-        if done is not None:
-            return done
         old = torch.zeros(positions.numel(), dtype=self.dtype, device=self.device)
         groups = self._groups(positions)
         bad = self._pairs(positions, old, write=False, groups=groups)
         self._pairs(positions, values, write=True, groups=groups)
         return old, bad, pair_delta(positions, values, old)
-
-    def _swap_in_compiled(self, positions: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """swap_in on a CPU in one compiled pass (host_kernels), for sorted positions (what a CPU
-        sender writes; repeats allowed); None where it does not apply."""
-        if self.device.type != "cpu" or positions.device.type != "cpu" or not accel.numba_on():
-            return None
-        from ckpt_engine.delta import host_kernels
-
-        p = positions.contiguous().numpy()
-        if p.dtype not in (np.int32, np.int64) or not host_kernels.ordered(p):
-            return None
-        if self._host_regions is None:
-            self._host_regions = host_kernels.regions_list([v.numpy() for _f, v in self.regions])
-        old = torch.empty(positions.numel(), dtype=self.dtype)  # the pass writes every entry
-        bad, total = host_kernels.swap_in_sorted(
-            p, values.numpy(), old.numpy(), self.starts.numpy(), self.ends.numpy(), self._host_regions, table_a(self.device).numpy()
-        )
-        return old, torch.tensor([bad], dtype=torch.int32), torch.tensor(total, dtype=torch.int64)
 
     def _check_values(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         if values.numel() != positions.numel() or values.dtype != self.dtype:
