@@ -38,12 +38,13 @@ DELTA_MODES = ("off", "auto", "on")
 STAGE_MODES = ("auto", "patches", "full", "off")
 SENDER_MODES = ("rank0", "all", "per_stage")
 WEIGHT_MODES = ("full", "adapters")
-DELTA_BASES = ("device",)  # the backends check their own `delta_base` option alike (pipeline/delta_bases.py)
-_RETIRED_DELTA_BASES = {
-    "cast": "patches recorded by the trainer's own cast measured no faster than device bases",
-    "host": "pinned host bases measured slower than device bases; the base lives in the transport's memory",
+_RETIRED_KEYS = {
+    "delta_base": (
+        "a sender's delta base always lives in the transport's memory (`device`, the one placement left: "
+        "`host` and `cast` measured slower, docs/delta.md); remove the key"
+    ),
 }
-"""Refused by name, with why."""
+"""Keys of `checkpoint_engine` (and of every backend's engine_kwargs) refused by name, with why."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest wait a config may ask for (a week): longer ones overflow the timers that enforce it."""
 _SET_BY_THE_SESSION = ("bucket_size_bytes", "num_buffers", "timeout_s", "verify")
@@ -96,9 +97,6 @@ class CheckpointEngineConfig:
     full_sync_every: int = 0
     """With delta: a dense seed every this many syncs (0: only when needed: first sync, new or
     restarted engine, new plan, after a failure)."""
-    delta_base: str = "device"
-    """With delta: where each sender keeps the base of what it sends: `device` (the transport's
-    memory) is the one placement; `host` and `cast` were retired (neither paid in a benchmark)."""
     senders: str = "auto"
     """Who streams the weights: `rank0` (trainer rank 0 sends full tensors, the others only walk
     `iter_weights`), `all` (every trainer rank sends the shards it owns, no gather; the source must
@@ -160,7 +158,6 @@ class CheckpointEngineConfig:
         _check_type("checkpoint_engine.full_sync_every", self.full_sync_every, int)
         if self.full_sync_every < 0:
             raise ConfigError(f"checkpoint_engine.full_sync_every must be >= 0 (0: only when needed), got {self.full_sync_every}")
-        _check_delta_base("checkpoint_engine.delta_base", self.delta_base)
         if self.senders not in (*SENDER_MODES, "auto"):
             raise ConfigError(f"checkpoint_engine.senders must be one of auto, {', '.join(SENDER_MODES)}, got {self.senders!r}")
         if self.weights not in WEIGHT_MODES:
@@ -220,11 +217,10 @@ def _check_number(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be a finite number, got {type(value).__name__} {value!r}")
 
 
-def _check_delta_base(name: str, value: Any) -> None:
-    if value in _RETIRED_DELTA_BASES:
-        raise ConfigError(f"{name}={value!r} was retired ({_RETIRED_DELTA_BASES[value]}); use {name}=device")
-    if value not in DELTA_BASES:
-        raise ConfigError(f"{name} must be one of {', '.join(DELTA_BASES)}, got {value!r}")
+def _refuse_retired(where: str, keys: Any) -> None:
+    retired = sorted(str(k) for k in keys if k in _RETIRED_KEYS)
+    if retired:
+        raise ConfigError(f"{where}.{retired[0]} was retired: {_RETIRED_KEYS[retired[0]]}")
 
 
 def init_keywords(cls: type) -> set[str] | None:
@@ -249,6 +245,7 @@ def _check_engine_kwargs(backend: str, kwargs: dict[str, Any], known: list[str])
     where = f"checkpoint_engine.engine_kwargs.{backend}"
     if backend not in known:
         raise ConfigError(f"{where}: {backend!r} is not a backend; allowed: {', '.join(known)}")
+    _refuse_retired(where, kwargs)
     try:
         cls = CheckpointEngineRegistry.get(backend)
     except Exception:  # not importable here (e.g. hccl without torch_npu): checked where it runs
@@ -260,8 +257,6 @@ def _check_engine_kwargs(backend: str, kwargs: dict[str, Any], known: list[str])
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
         raise ConfigError(f"{where}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
-    if "delta_base" in kwargs:
-        _check_delta_base(f"{where}.delta_base", kwargs["delta_base"])
     _check_option_values(where, backend, cls, kwargs)
 
 
@@ -400,6 +395,8 @@ def config_from_mapping(cls: type[T], data: Mapping[str, Any] | None, section: s
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{section} must be a mapping of its fields (e.g. {section}.<field>=value), got {type(raw).__name__} {raw!r:.60}")
     values = dict(raw)
+    if cls is CheckpointEngineConfig:
+        _refuse_retired(section, values)
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(str(k) for k in set(values) - fields)
     if unknown:

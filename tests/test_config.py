@@ -37,12 +37,9 @@ def test_yaml_file_and_dotted_overrides(tmp_path: Path) -> None:
         ("checkpoint_engine.stage=later", r"checkpoint_engine\.stage must be one of auto, patches, full, off, got 'later'"),
         ("checkpoint_engine.engine_kwargs=3", r"checkpoint_engine\.engine_kwargs must map"),
         ("checkpoint_engine.bucket_sz=3", r"unknown key\(s\) under checkpoint_engine: bucket_sz; allowed: .*bucket_size_mb"),
-        ("checkpoint_engine.delta_base=disk", r"checkpoint_engine\.delta_base must be one of device, got 'disk'"),
-        ("checkpoint_engine.engine_kwargs.gloo.delta_base=disk", r"delta_base must be one of device, got 'disk'"),
-        ("checkpoint_engine.delta_base=host", r"checkpoint_engine\.delta_base='host' was retired \(pinned host bases measured slower .*; use checkpoint_engine\.delta_base=device"),
-        ("checkpoint_engine.engine_kwargs.gloo.delta_base=host", r"checkpoint_engine\.engine_kwargs\.gloo\.delta_base='host' was retired"),
-        ("checkpoint_engine.delta_base=cast", r"checkpoint_engine\.delta_base='cast' was retired .*; use checkpoint_engine\.delta_base=device"),
-        ("checkpoint_engine.engine_kwargs.gloo.delta_base=cast", r"checkpoint_engine\.engine_kwargs\.gloo\.delta_base='cast' was retired"),
+        ("checkpoint_engine.delta_base=device", r"checkpoint_engine\.delta_base was retired: a sender's delta base always lives in the transport's memory .*; remove the key"),
+        ("checkpoint_engine.delta_base=host", r"checkpoint_engine\.delta_base was retired"),
+        ("checkpoint_engine.engine_kwargs.gloo.delta_base=device", r"checkpoint_engine\.engine_kwargs\.gloo\.delta_base was retired: .*; remove the key"),
     ],
 )
 def test_bad_values_name_the_field(override: str, match: str) -> None:
@@ -62,15 +59,6 @@ def test_malformed_override_and_missing_file(tmp_path: Path) -> None:
 def test_keyword_only() -> None:
     with pytest.raises(TypeError):
         CheckpointEngineConfig("gloo")  # type: ignore[misc]
-
-
-def test_delta_base_device_is_accepted_and_reaches_no_backend_option() -> None:
-    """`delta_base: device` is the one placement left: accepted in both places, and the backend
-    options carry only what engine_kwargs say."""
-    cfg = load_config({"checkpoint_engine": {"delta_base": "device", "engine_kwargs": {"nccl": {"delta_base": "device"}}}}, [])
-    assert cfg.kwargs_for("gloo") == {}
-    assert cfg.kwargs_for("nccl") == {"delta_base": "device"}
-    assert load_config({}, []).kwargs_for("gloo") == {}
 
 
 def test_stage_defaults_to_auto_and_yaml_off_means_off(tmp_path: Path) -> None:

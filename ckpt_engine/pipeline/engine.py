@@ -15,7 +15,7 @@ import torch
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.pipeline.delta_bases import check_delta_options
+from ckpt_engine.pipeline.delta_bases import check_scatter_below
 from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.receiver import Receiver
@@ -45,7 +45,6 @@ class PipelinedEngine(CheckpointEngine):
         num_lanes: int | None = None,
         solo_bytes: int | None = None,
         group_max_tensors: int | None = None,
-        delta_base: str = "device",
         delta_scatter_below: float | None = None,
         **transport_options: Any,
     ) -> None:
@@ -67,7 +66,7 @@ class PipelinedEngine(CheckpointEngine):
         self.num_lanes = lanes
         self.solo_bytes = (solo_bytes if solo_bytes is not None else self.transport.default_solo_bytes) or None
         self.group_max_tensors = group_max_tensors if group_max_tensors is not None else self.transport.default_group_max_tensors
-        self.delta_base, self.delta_scatter_below = check_delta_options(delta_base, delta_scatter_below)
+        self.delta_scatter_below = check_scatter_below(delta_scatter_below)
         self.options = options = PipelineOptions(bucket_size_bytes, num_buffers, timeout_s, verify, self.group_max_tensors)
         self.sender = Sender(self.transport, options, self, scatter_below=self.delta_scatter_below)
         self.receiver = Receiver(self.transport, options)

@@ -72,12 +72,11 @@ class SglangWireEngine(CheckpointEngine):
     """Rank 0 of an SGLang weight-update group (registered as the `sglang` transport); sender only.
 
     `flattened` picks the wire: one broadcast per bucket (SGLang's `flattened_bucket`) or one per
-    tensor; it travels to the adapters in the join options. `delta_base` is accepted and unused
-    (SGLang takes no patches)."""
+    tensor; it travels to the adapters in the join options."""
 
     def __init__(
         self, *, bucket_size_bytes: int, num_buffers: int = 2, timeout_s: float = 300.0, verify: bool = False,
-        flattened: bool = True, delta_base: str = "device",
+        flattened: bool = True,
     ) -> None:
         super().__init__(bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, timeout_s=timeout_s, verify=verify)
         if not isinstance(flattened, bool):
