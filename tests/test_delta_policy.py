@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_engine.delta.policy import DENSE_SAMPLES, PATCH_SAMPLES, DeltaPolicy, patches_pay
+from ckpt_engine.sync.delta_policy import DENSE_SAMPLES, PATCH_SAMPLES, DeltaPolicy, patches_pay
 from ckpt_engine.delta.request import DeltaRequest
 
 BYTES = 1 << 20

@@ -1,7 +1,7 @@
 """Delta syncs through WeightSyncSession into reference engines in their own processes: the
 version chain (seed, patches, dense again when a base is not exact), corruption caught before
 any load, and `auto` going dense where patches cost more than dense syncs and patching where they
-pay (delta/policy.py decides from the syncs' own seconds)."""
+pay (sync/delta_policy.py decides from the syncs' own seconds)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import torch
 
 from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.delta.policy import DeltaPolicy
+from ckpt_engine.sync.delta_policy import DeltaPolicy
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import CheckpointEngine, SendStats
 from ckpt_engine.sync.backend import backend_for
