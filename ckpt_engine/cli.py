@@ -15,6 +15,8 @@ COMMANDS = {
     "demo": ("ckpt_engine.trainer.demo", "main", "run a short fully-async RL job on CPU"),
     "plan": ("ckpt_engine.plan.cli", "main", "predict a sync's time on a given cluster (stages, bottleneck)"),
 }
+CLI_EXTRA = ("rich", "tqdm")
+"""What the `cli` extra installs: the bench's and the daemon status's tables and progress bar."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +33,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(getattr(importlib.import_module(module), func)(args[1:]) or 0)
     except ConfigError as exc:  # bad input that a subcommand did not catch: one line, no traceback
         print(f"ckpt-engine {args[0]}: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        missing = (exc.name or "").split(".")[0]
+        if missing not in CLI_EXTRA:
+            raise
+        print(f"ckpt-engine {args[0]} needs {missing}, which the `cli` extra installs: pip install 'ckpt-engine[cli]'", file=sys.stderr)
         return 2
 
 

@@ -35,6 +35,25 @@ def test_bench_tiny_gloo_table_and_json(tmp_path: Path) -> None:
     assert plan["naive_extra"] == 0 and plan["peak"] >= plan["weights"] + plan["buffers"]
 
 
+def test_bench_without_the_cli_extra_names_it_before_any_rank_starts() -> None:
+    """rich and tqdm are the `cli` extra, not dependencies: without them the bench says which
+    extra to install (exit 2) instead of a traceback, and starts no rank."""
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('rich', 'tqdm'):\n"
+        "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from ckpt_engine.cli import main\n"
+        "sys.exit(main(['bench', '--preset', 'tiny', '--backend', 'gloo']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "ckpt-engine bench needs rich, which the `cli` extra installs: pip install 'ckpt-engine[cli]'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_bench_raw_never_takes_a_model_sized_buffer() -> None:
     """qwen3-30b-a3b (61 GB of bf16 weights) planned for an 80 GB card: raw's extra memory is two
     1 GiB messages, not a second copy of the model."""

@@ -17,15 +17,16 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from ckpt_engine.benchmark.rank_exit import collect_results
 from ckpt_engine.benchmark.raw_link import raw_meaning, raw_message_bytes
 from ckpt_engine.sync.report import RATIO_MEANING
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["print_chain_summary", "run_chain_bench"]
 
@@ -115,6 +116,8 @@ def summarize_chain(results: list[dict[str, Any]], args: argparse.Namespace, bac
 
 
 def print_chain_summary(s: dict[str, Any], console: Console) -> None:
+    from rich.table import Table  # the `cli` extra
+
     layers = "" if s["layers"] is None else f" ({s['layers']} layers)"
     title = (
         f"{s['preset']}{layers}: {s['bytes'] / 1e9:.3f} GB, {s['backend']} on "

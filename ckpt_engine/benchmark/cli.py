@@ -19,12 +19,9 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
-from tqdm import tqdm
 
 from ckpt_engine.benchmark.memory import MemoryPlan, memory_plan
 from ckpt_engine.benchmark.presets import PRESETS, checkpoint_specs, load_preset_config
@@ -35,6 +32,9 @@ from ckpt_engine.config import init_keywords
 from ckpt_engine.sync.report import RATIO_MEANING
 from ckpt_engine.transports.colocated import ColocatedCheckpointEngine
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["MODES", "main", "run_bench"]
 
@@ -176,6 +176,8 @@ def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str,
         subprocess.Popen([sys.executable, "-m", "ckpt_engine.benchmark.worker", "--rank", str(r), *common], env=env)
         for r in range(world)
     ]
+    from tqdm import tqdm  # the `cli` extra, checked by main()
+
     steps = args.iters * len(args.modes.split(","))
     deadline = time.monotonic() + args.timeout_s * (steps + 2)
     with tqdm(total=steps, desc=f"bench {args.preset} {backend}", disable=not show_progress, file=sys.stderr) as bar:
@@ -248,6 +250,7 @@ def _mib(v: int | None) -> str:
 
 
 def print_summary(summary: dict[str, Any], console: Console) -> None:
+    from rich.table import Table
     title = (
         f"{summary['preset']}: {summary['tensors']} tensors, {summary['bytes'] / 1e9:.3f} GB {summary['dtype']}, "
         f"{summary['backend']} on {summary.get('gpu', summary['device'])}, {summary['receivers']} receiver(s), "
@@ -288,6 +291,8 @@ def print_summary(summary: dict[str, Any], console: Console) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    from rich.console import Console  # the `cli` extra (rich, tqdm): ckpt_engine/cli.py names it when missing
+    import tqdm  # noqa: F401  (imported here so a missing one fails before any rank starts)
     unknown = sorted(set(args.modes.split(",")) - set(MODES)) if args.modes is not None else []
     if unknown:
         parser.error(f"argument --modes: unknown mode(s) {', '.join(unknown)}; allowed: {', '.join(MODES)}")

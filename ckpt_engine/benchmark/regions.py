@@ -28,11 +28,9 @@ import subprocess
 import sys
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from ckpt_engine.benchmark import paced_link
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
@@ -47,6 +45,9 @@ from ckpt_engine.planning.receive_sets import RegionLayout, cut_region
 from ckpt_engine.planning.tp_ep import tp_ep_plan
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.transports.registry import CheckpointEngineRegistry
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["print_region_summary", "run_region_bench"]
 
@@ -102,6 +103,8 @@ def _summarize(results: list[dict[str, Any]], cfg: dict[str, Any], backend: str)
 
 
 def print_region_summary(summary: dict[str, Any], console: Console) -> None:
+    from rich.table import Table  # the `cli` extra
+
     title = (
         f"{summary['preset']}: {summary['tensors']} tensors, {summary['model_bytes'] / 1e9:.3f} GB {summary['dtype']}, {summary['backend']}, "
         f"{summary['senders']} sender(s) -> {summary['receivers']} receiver ranks as TP={summary['receiver_tp']}"
