@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MAX_VERSION", "MAX_VERSION_STEP", "check_step", "check_version", "next_version"]
+__all__ = ["MAX_VERSION", "MAX_VERSION_STEP", "VersionConflictError", "check_step", "check_version", "next_version"]
 
 MAX_VERSION = 2**63 - 1
 """Largest version: an int64, what msgpack, torch and C consumers all hold."""
@@ -20,6 +20,16 @@ MAX_VERSION = 2**63 - 1
 MAX_VERSION_STEP = 2**32
 """How far past the version it knows a party may move a job by report (a trainer's outcome sent
 to `ckpt-engine serve`): a token holder cannot push the job to 2**63-1 and freeze every later sync."""
+
+
+class VersionConflictError(ValueError):
+    """An explicit version that engines already hold or have passed: someone else (another trainer,
+    another session) moved them on. Raised before anything is paused; `ahead` maps each engine to
+    the version it holds."""
+
+    def __init__(self, message: str, ahead: Mapping[str, int]) -> None:
+        super().__init__(message)
+        self.ahead = dict(ahead)
 
 
 def check_version(value: Any, what: str, *, at_least: int = 0) -> int:
@@ -51,14 +61,16 @@ def next_version(held: Mapping[str, int | None], sent: int, requested: int | Non
     check_version(requested, "version")
     ahead = {n: v for n, v in held.items() if v is not None and v > requested}
     if ahead:
-        raise ValueError(
+        raise VersionConflictError(
             f"version {requested} is older than what engines hold ({', '.join(f'{n}: v{v}' for n, v in ahead.items())}); "
-            f"versions only grow: pass version=None (next: {newest + 1}) or a version > {newest}"
+            f"versions only grow: pass version=None (next: {newest + 1}) or a version > {newest}",
+            ahead,
         )
     same = [n for n, v in held.items() if v == requested]
     if same and requested != sent:
-        raise ValueError(
+        raise VersionConflictError(
             f"version {requested} is what engine(s) {', '.join(map(repr, same))} already hold: a version labels one set of "
-            f"weights, so a new sync needs a new one: pass version=None (next: {newest + 1}) or a version > {newest}"
+            f"weights, so a new sync needs a new one: pass version=None (next: {newest + 1}) or a version > {newest}",
+            {n: requested for n in same},
         )
     return requested

@@ -224,3 +224,43 @@ def test_a_retry_pushes_the_same_version_to_an_engine_the_failed_attempt_finaliz
     for r in rs:
         assert_holds(r, sd2, 2)
     assert daemon.sync(StateDictSource(weights(23))).engines == {"r0": 3, "r1": 3}
+
+
+def test_two_trainers_on_one_job_token_end_the_retry_with_an_error_saying_so(daemon: WeightSyncDaemon, receivers: Engines) -> None:
+    """A second trainer with the same job token syncs the engines between the first one's failed
+    attempt and its retry (the walk barrier runs between them): the engines then hold a newer
+    version than the retry's. The sync ends with an outcome naming what happened and what to do,
+    not a raw ValueError out of the version check (issue 45)."""
+    rs = [receivers.spawn(f"r{i}") for i in range(2)]
+    for r in rs:
+        daemon.register(r.name, descriptor(r))
+    assert daemon.sync(StateDictSource(weights(31))).ok
+    victim = next(rec.adapter for rec in daemon.membership.records() if rec.name == "r1")
+    real_resume = victim.resume
+    lost: list[bool] = []
+
+    def resume_once_lost() -> None:  # the first attempt fails after r1 resumed (a lost answer)
+        real_resume()
+        if not lost:
+            lost.append(True)
+            raise TimeoutError("the engine's answer to resume was lost")
+
+    victim.resume = resume_once_lost  # type: ignore[method-assign]
+    other = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, health_interval_s=0.5), token=JOB_TOKEN)
+    other_outcomes: list[bool] = []
+
+    def other_trainer_syncs(again: bool) -> None:
+        if again and not other_outcomes:
+            for r in rs:
+                other.register(r.name, descriptor(r))
+            other_outcomes.append(other.sync(StateDictSource(weights(99))).ok)
+
+    try:
+        outcome = daemon.sync(StateDictSource(weights(32)), walk_barrier=other_trainer_syncs)
+    finally:
+        other.close()
+    assert lost and other_outcomes == [True], (lost, other_outcomes)
+    assert not outcome.ok and outcome.error is not None, outcome
+    assert "another trainer" in outcome.error and "job token" in outcome.error and "v3" in outcome.error, outcome.error
+    for r in rs:  # what the other trainer pushed stays, untouched by the refused retry
+        assert_holds(r, weights(99), 3)

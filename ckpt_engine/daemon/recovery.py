@@ -17,6 +17,7 @@ from ckpt_engine.daemon.membership import EngineRecord, EngineState, Membership,
 from ckpt_engine.daemon.outcome import MOVED_DATA, SyncOutcome, drop_tracebacks
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.sync.api import SyncError
+from ckpt_engine.versions import VersionConflictError
 
 __all__ = ["after_failed_attempt", "changed_members", "resume_held"]
 
@@ -29,6 +30,8 @@ def after_failed_attempt(
     exc: Exception, members: list[EngineRecord], outcome: SyncOutcome, attempt: int, membership: Membership, drop: Drop, probe_s: float
 ) -> bool:
     """An engine (or the sender's side) failed; drop the dead and say whether to try again."""
+    if isinstance(exc, VersionConflictError):
+        return _moved_on(exc, outcome, attempt)
     if not isinstance(exc, (ManifestRejectedError, SyncError)):
         raise exc
     if isinstance(exc, ManifestRejectedError):
@@ -66,6 +69,22 @@ def after_failed_attempt(
         return False
     logger.warning("sync v%d: dropped %s during %s; re-syncing %d survivor(s)", outcome.version, ", ".join(r.name for r in lost), stage, len(survivors))
     return True
+
+
+def _moved_on(exc: VersionConflictError, outcome: SyncOutcome, attempt: int) -> bool:
+    """The engines hold a version this daemon did not issue, at or past this sync's: another
+    trainer drives them under the same job token (two daemons of one job). Nothing was paused;
+    the sync ends here, naming what happened and what to do, instead of a raw version refusal."""
+    held = ", ".join(f"{n}: v{v}" for n, v in sorted(exc.ahead.items()))
+    outcome.attempts.append({"attempt": attempt, "stage": "validate", "failed": {n: f"holds v{v}" for n, v in exc.ahead.items()}})
+    outcome.error = (
+        f"sync v{outcome.version} refused at attempt {attempt + 1}: the engines hold {held}, which this trainer's daemon "
+        "did not push: another trainer is syncing the same engines under the same job token. Run one trainer per job "
+        "token (each job its own token and engines), or let one trainer drive the syncs; nothing was paused and the "
+        "engines keep what they hold"
+    )
+    logger.warning("%s", outcome.error)
+    return False
 
 
 def changed_members(members: list[EngineRecord], membership: Membership, probe_s: float) -> list[str]:
