@@ -14,13 +14,15 @@ anchors alive, so their memory cannot be handed to another tensor behind its bac
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["BucketReceive", "BucketSend", "ReceivePlan", "SendPlan", "anchors_of", "anchors_unmoved", "coalesce", "layout_of", "optional_layout"]
+from ckpt_engine.sources.base import WeightWalk
+
+__all__ = ["BucketReceive", "BucketSend", "ReceivePlan", "SendPlan", "anchors_of", "anchors_unmoved", "close_walk", "coalesce", "layout_of", "optional_layout"]
 
 
 def layout_of(tensors: Sequence[torch.Tensor]) -> tuple[Hashable, ...]:
@@ -129,11 +131,16 @@ def anchors_unmoved(held: Sequence[torch.Tensor], layout: tuple[Hashable, ...], 
     return all(a is b for a, b in zip(anchors, held)) or layout_of(anchors) == layout
 
 
-def anchors_of(weights: Any) -> list[torch.Tensor] | None:
-    """A walk's anchors (see `sharded_source.PieceWalk.anchors`), or None when the weights cannot
+def anchors_of(weights: Iterable[tuple[str, torch.Tensor]]) -> list[torch.Tensor] | None:
+    """A walk's anchors (`WeightWalk.anchors`, sources/base.py), or None when the weights cannot
     name them (a plain iterator: every sync then walks it tensor by tensor)."""
-    get = getattr(weights, "anchors", None)
-    return get() if callable(get) else None
+    return weights.anchors() if isinstance(weights, WeightWalk) else None
+
+
+def close_walk(weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """End a walk that `anchors_of` started (`WeightWalk.close`); nothing for a plain iterator."""
+    if isinstance(weights, WeightWalk):
+        weights.close()
 
 
 @dataclass

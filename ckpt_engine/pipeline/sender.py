@@ -20,7 +20,7 @@ from ckpt_engine.checksum import bucket_checksum
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import Bucket, BucketManifest
-from ckpt_engine.pipeline.copy_plan import BucketSend, SendPlan, anchors_of, coalesce, layout_of
+from ckpt_engine.pipeline.copy_plan import BucketSend, SendPlan, anchors_of, close_walk, coalesce, layout_of
 from ckpt_engine.pipeline.delta_send import DeltaSender
 from ckpt_engine.pipeline.fault_hooks import FaultHooks
 from ckpt_engine.pipeline.options import PipelineOptions
@@ -90,7 +90,7 @@ class Sender:
             plan = None
         if anchors is not None and plan is None:
             state.send_plan = None  # stale: drop its references before walking anew
-            weights.close()  # type: ignore[attr-defined]
+            close_walk(weights)
         recorded: dict[int, BucketSend] | None = {} if anchors is not None and plan is None else None
         it = iter(weights) if plan is None else iter(())
         works: list[Any] = [None] * self.opts.num_buffers
@@ -121,14 +121,16 @@ class Sender:
             raise
         finally:
             if plan is not None:
-                weights.close()  # type: ignore[attr-defined]
+                close_walk(weights)
         if recorded is not None:
             self._record_send_plan(state, manifest, views, weights, recorded)
         stats.total_s = time.perf_counter() - t_start
         stats.transfer_s = max(0.0, stats.total_s - stats.export_s - stats.pack_s)
         return stats
 
-    def _record_send_plan(self, state: PlanState, manifest: BucketManifest, views: Any, weights: Any, recorded: dict[int, BucketSend]) -> None:
+    def _record_send_plan(
+        self, state: PlanState, manifest: BucketManifest, views: Any, weights: Iterable[tuple[str, torch.Tensor]], recorded: dict[int, BucketSend]
+    ) -> None:
         """Keep this sync's copies for replay, keyed by where the source's anchors are now (read in a
         fresh walk: the one just done has ended)."""
         anchors = anchors_of(weights)
@@ -138,7 +140,7 @@ class Sender:
             state.send_plan = SendPlan(manifest.digest, views, anchors, layout_of(anchors), recorded)
             self.send_plan_builds += 1
         finally:
-            weights.close()
+            close_walk(weights)
 
     def _resolve_bucket(
         self, bucket: Bucket, dsts: list[torch.Tensor], pieces: PieceReader, stable: bool, stats: SendStats, record: bool

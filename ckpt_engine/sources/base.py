@@ -113,7 +113,7 @@ class WeightWalk(Iterator[tuple[str, torch.Tensor]]):
     transport may ask of the walk besides them.
 
     `anchors()`: the tensors every yielded tensor is a view of, so a transport that recorded its
-    copies at an earlier sync may replay them without walking (`transports/copy_plan.py`); None
+    copies at an earlier sync may replay them without walking (`pipeline/copy_plan.py`); None
     (the default) when the walk cannot name them. After a walk `anchors()` started, `close()`
     ends it."""
 

@@ -107,7 +107,7 @@ class PieceWalk(WeightWalk):
     A source whose `piece_anchors()` names them also lets a transport skip the walk: `anchors()`
     starts it without producing a single piece and returns the tensors every piece is a view of,
     so a transport that recorded its copies from these pieces at an earlier sync may replay them
-    while the anchors stay where they were (`transports/copy_plan.py`); `close()` ends it."""
+    while the anchors stay where they were (`pipeline/copy_plan.py`); `close()` ends it."""
 
     def __init__(self, source: ShardedWeightSource, manifest: BucketManifest) -> None:
         self.source, self.manifest = source, manifest

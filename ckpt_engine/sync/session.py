@@ -1,4 +1,4 @@
-"""WeightSyncSession: one sync, end to end, as DESIGN.md orders it.
+"""WeightSyncSession: one sync, end to end, in this order:
 
 metadata -> plan (cached) -> validate on every engine -> pause -> stream (the senders: this rank,
 and with many senders every trainer rank, announced over the trainer's process group; receivers
