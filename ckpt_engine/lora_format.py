@@ -165,6 +165,8 @@ def check_adapter(
         problems.append(f"{ADAPTER_CONFIG}: the manifest lacks the adapter's config tensor")
     elif layout.config.dtype != "uint8" or len(layout.config.shape) != 1:
         problems.append(f"{ADAPTER_CONFIG}: must be a 1-D uint8 tensor, got {layout.config.dtype} {list(layout.config.shape)}")
+    elif not 1 <= layout.config.shape[0] <= MAX_CONFIG_BYTES:  # what `LoraSpec.decode` takes at finalize, checked before a byte moves
+        problems.append(f"{ADAPTER_CONFIG}: {layout.config.shape[0]} bytes; a PEFT config takes 1 to {MAX_CONFIG_BYTES} bytes")
     if not layout.modules:
         problems.append("the manifest holds no LoRA tensors")
     allowed = set(targets) if targets is not None else None
@@ -173,6 +175,8 @@ def check_adapter(
     if len(ranks) > 1:
         problems.append(f"lora_A ranks differ between modules ({sorted(ranks)}); an adapter sync carries one rank")
     for r in sorted(ranks):
+        if r < 1:
+            problems.append(f"LoRA rank {r} (from the lora_A shapes): an adapter has rank 1 to the engine's max_lora_rank {max_rank}")
         if r > max_rank:
             problems.append(f"LoRA rank {r} exceeds the engine's max_lora_rank {max_rank}")
     for module, (a, b) in sorted(layout.modules.items()):

@@ -8,7 +8,7 @@ import torch
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.config import ConfigError
-from ckpt_engine.lora_format import ADAPTER_CONFIG, LoraSpec, check_adapter, peft_wire_name
+from ckpt_engine.lora_format import ADAPTER_CONFIG, MAX_CONFIG_BYTES, LoraSpec, check_adapter, peft_wire_name
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.rollout_adapters.adapter_versions import AdapterVersions
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
@@ -218,3 +218,25 @@ def test_a_lora_receiver_decodes_a_manifest_within_the_largest_adapter_its_confi
                            "buckets": [[0, [entry] * 200_000]], "digest": "0" * 64}, use_bin_type=True)
     reply = ref.core.validate(flood, "0" * 64)
     assert not reply["accepted"] and "could need" in reply["problems"][0], reply
+
+
+@pytest.mark.parametrize("size", [0, MAX_CONFIG_BYTES + 1])
+def test_an_adapter_config_beyond_its_size_bound_is_refused_at_validate_before_anything_moves(size: int) -> None:
+    """Issue 45, item 5: the config tensor's size was checked only at finalize, after the transfer;
+    now validate refuses it by name (nothing moves, the engine keeps its adapter). Padded with
+    spaces the oversized config is still valid JSON: its size is the only problem."""
+    ref = engine()
+    session = WeightSyncSession([ref], CONFIG)
+    try:
+        session.sync(AdapterSource(tiny_peft(1)))
+        version, (held, _spec) = ref.version, ref.adapter()
+        received = ref.health()["buckets_received"]
+        tensors = dict(AdapterSource(tiny_peft(2)).iter_weights())
+        text = tensors[ADAPTER_CONFIG].numpy().tobytes()
+        padded = (text + b" " * size)[:size]
+        tensors[ADAPTER_CONFIG] = torch.frombuffer(bytearray(padded), dtype=torch.uint8) if size else torch.zeros(0, dtype=torch.uint8)
+        with pytest.raises(ManifestRejectedError, match=rf"{ADAPTER_CONFIG}: .*{size} bytes.* 1 to {MAX_CONFIG_BYTES}"):
+            session.sync(StateDictSource(tensors))
+        assert ref.health()["buckets_received"] == received and ref.version == version and ref.adapter()[0] is held
+    finally:
+        session.close()
