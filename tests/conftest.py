@@ -22,6 +22,7 @@ FAST_TIER: dict[str, frozenset[str] | None] = {
     "test_stage_outcome.py": None,
     "test_buckets.py": None,
     "test_config.py": None,
+    "test_lint.py": None,
     "test_delta_codec.py": None,
     "test_wire.py": None,
     "test_sglang_contract.py": None,

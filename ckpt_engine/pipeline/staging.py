@@ -20,7 +20,6 @@ swap is one object, `StagedVersion`, with `apply()` (write it in, between two en
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
