@@ -46,12 +46,15 @@ class SyncGroup:
         self.manifest: BucketManifest | None = None
         self.encoded = b""
 
-    def take_device(self, source_device: torch.device | None) -> None:
+    def take_device(self, source_device: torch.device | str | int | None) -> None:
         """Fix the sender's device from the weight source's (`WeightSource.device`) when neither
         the session nor `engine_kwargs.<backend>.device` names one; refuse, before anything is
         paused, a named device or a joined group on another accelerator than the source's tensors.
         Host tensors (or a source that cannot tell) change nothing: the transport's default."""
-        if source_device is None or source_device.type == "cpu":
+        if source_device is None:
+            return
+        source_device = torch.device(source_device)  # a source may hold a name ("cuda:1") or an index
+        if source_device.type == "cpu" or source_device.index is None:
             return
         kind = CheckpointEngineRegistry.get(self.backend).device_type
         if kind is not None and kind != source_device.type:
