@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.delta.warm import warm_up
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.pipeline.delta_bases import check_scatter_below
 from ckpt_engine.pipeline.options import PipelineOptions
@@ -96,9 +97,12 @@ class PipelinedEngine(CheckpointEngine):
         return self.transport.num_senders
 
     def init_process_group(self, rendezvous: Rendezvous, rank: int) -> None:
-        """Join the weight-sync group (see `Transport.join`)."""
+        """Join the weight-sync group (see `Transport.join`); a group that may carry patches loads
+        the delta kernels now, not inside the first patch sync's waits (`delta.warm`)."""
         self.transport.join(rendezvous, rank)
         self.rank, self.world_size = rank, rendezvous.world_size
+        if self.transport.refuse_delta() is None:
+            warm_up(self.device)
 
     @property
     def group(self) -> Any:

@@ -35,6 +35,7 @@ import torch
 
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.delta.warm import warmed
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
@@ -267,6 +268,7 @@ class TorchRefWorker:
             "owned": self.lease.owned,
             "staged": self.receiver.staged,
             "staging_copy_bytes": self.receiver.staging.nbytes,  # what the staging copy holds (the last staged dense sync's tensors)
+            "delta_warmed": sorted(warmed()),  # the devices whose delta kernels this process loaded (delta.warm)
             "steps": self.steps.count,
         }
 
