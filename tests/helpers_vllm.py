@@ -57,12 +57,13 @@ def api_server_command(model_dir: Path, port: int, extra: Sequence[str] = ()) ->
 @contextmanager
 def api_server(
     model_dir: Path, log: Path, extra: Sequence[str] = (), *, env: dict[str, str] | None = None, start_timeout_s: float = 480.0,
+    port: int | None = None,
 ) -> Iterator[VllmServer]:
     """A dev-mode api_server on a free port, up once `/health` answers 200 (at most
     `start_timeout_s`, its log in the error otherwise); its whole process group is stopped on exit."""
     import requests
 
-    port = free_port()
+    port = port if port is not None else free_port()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1", **(env or {}))
     with open(log, "wb") as out:
         proc = subprocess.Popen(api_server_command(model_dir, port, extra), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -69,6 +69,20 @@ def test_two_syncs_land_bit_exact_and_reuse_the_group(session: WeightSyncSession
         assert e.health()["version"] == 8
 
 
+def test_a_dtype_hint_is_given_once_however_many_tensors_need_it(session: WeightSyncSession, engines: list[TorchRefRollout]) -> None:
+    before = mixed_state(5, num_small=300)
+    session.sync(StateDictSource(before))
+    doubled = {n: t.double() if t.dtype == torch.float32 else t for n, t in before.items()}
+    wrong = sum(t.dtype == torch.float32 for t in before.values())
+    assert wrong >= 3
+    with pytest.raises(ManifestRejectedError) as info:
+        session.sync(StateDictSource(doubled))
+    text = str(info.value)
+    assert f"({wrong * len(engines)} problems)" in text  # every tensor named (the message shows the first few)
+    assert text.count("StateDictSource(..., dtype=torch.float32)") == 1, text  # the hint once, not once per tensor
+    assert "the same fix as above" in text
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [

@@ -381,6 +381,31 @@ def test_server_subset_syncs_leave_the_other_weights_their_bits(vllm_server: Ser
         adapter.close()
 
 
+def test_a_server_restarted_at_its_url_is_rejoined_and_seeded_before_anything_is_sent(model_dir: Path, tmp_path: Path) -> None:
+    """A `vllm serve` stopped after v3 of a delta chain and started again on the same port: the
+    next sync notices (its worker joined no group), rejoins it and seeds it, instead of failing
+    mid-stream and blaming a healthy engine; the versions carry on."""
+    from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+    from helpers_vllm import api_server
+
+    port, extra = free_port(), ["--worker-extension-cls", WORKER_EXTENSION]
+    config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, delta="on", stage="off")
+    with api_server(model_dir, tmp_path / "first.log", extra, port=port) as server:
+        adapter = VllmServerRollout("srv", server.url, timeout_s=60.0)
+        session = WeightSyncSession([adapter], config)
+        reports = [session.sync(source_of(trainer_model(model_dir, seed=s))) for s in (31, 32, 33)]
+        assert [r.version for r in reports] == [1, 2, 3] and reports[-1].delta == "patch"
+    try:
+        with api_server(model_dir, tmp_path / "second.log", extra, port=port) as server:  # the same URL
+            trainer = trainer_model(model_dir, seed=34)
+            report = session.sync(source_of(trainer))
+            assert report.version == 4 and report.delta == "seed"
+            assert server_greedy(server)[0] == [hf_greedy(trainer, p) for p in PROMPTS]
+            session.close()
+    finally:
+        adapter.close()
+
+
 class SlowSource(StateDictSource):
     """Yields each tensor after a pause, so the sync is still streaming when the worker is killed."""
 

@@ -24,6 +24,7 @@ __all__ = [
     "STAGES",
     "JoinOptions",
     "ManifestRejectedError",
+    "Membership",
     "ReceiveReport",
     "RolloutAdapter",
     "check_manifest_against",
@@ -118,6 +119,7 @@ class ReceiveReport:
 def check_manifest_against(manifest: BucketManifest, expected: Mapping[str, TensorSpec]) -> list[str]:
     """Problems with loading `manifest` into an engine that holds `expected` tensors ([] = fine)."""
     problems = []
+    hinted: set[tuple[str, str]] = set()  # one hint per (sent, held) pair, not one per tensor
     for spec in manifest.specs:
         want = expected.get(spec.name)
         if want is None:
@@ -125,8 +127,25 @@ def check_manifest_against(manifest: BucketManifest, expected: Mapping[str, Tens
         elif want.shape != spec.shape:
             problems.append(f"{spec.name}: shape {list(spec.shape)} but the engine holds {list(want.shape)}")
         elif want.dtype != spec.dtype:
-            problems.append(f"{spec.name}: dtype {spec.dtype} but the engine holds {want.dtype}; {_dtype_fix(spec.dtype, want.dtype)}")
+            pair = (spec.dtype, want.dtype)
+            fix = "the same fix as above" if pair in hinted else _dtype_fix(*pair)
+            hinted.add(pair)
+            problems.append(f"{spec.name}: dtype {spec.dtype} but the engine holds {want.dtype}; {fix}")
     return problems
+
+
+@dataclass(frozen=True)
+class Membership:
+    """An engine's answer before a sync: the version it holds (None: none or cannot say) and the
+    token of the weight-sync group each of its ranks joined (None in the list: a rank in no group;
+    `groups` None: the engine cannot say)."""
+
+    version: int | None
+    groups: list[str | None] | None
+
+    def left(self, token: str) -> bool:
+        """Whether a rank is not (or no longer) in the group `token`."""
+        return self.groups is not None and any(g != token for g in self.groups)
 
 
 class RolloutAdapter(ABC):
@@ -170,6 +189,13 @@ class RolloutAdapter(ABC):
         engine (same `engine_key`): take whatever of its state the engine's group membership needs
         (the engine stays in the group, so the session keeps its group, plan and delta bases).
         Default: nothing to take."""
+
+    def membership(self) -> Membership:
+        """What the engine holds and, per rank, which weight-sync group it is in, in one query
+        before each sync: a rank in no group or in another one than the session's restarted (or
+        was taken over), so the session rejoins and seeds it instead of streaming into a group it
+        left. Default: the held version, groups unknown (never checked)."""
+        return Membership(self.held_version(), None)
 
     def held_version(self) -> int | None:
         """The version the engine reports it holds (None: never synced or cannot say).

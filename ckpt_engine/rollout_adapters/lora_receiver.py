@@ -137,6 +137,7 @@ class LoraReceiverCore(Generic[T]):
             "version": self.versions.newest,
             "live": list(self.versions.live),
             "stale": self.stale,
+            "group": self.receiver.group,
             "buckets_received": self.receiver.buckets_received,
             "last_report": self.last_report,
         }

@@ -50,6 +50,9 @@ class WeightReceiver:
     def __init__(self, device: str | torch.device | None = None, plan: ReceivePlan | None = None) -> None:
         self.device = device
         self.engine: CheckpointEngine | None = None
+        self.group: str | None = None
+        """The token of the weight-sync group this receiver joined (None: none); a controller that
+        finds another one here knows the engine restarted or joined elsewhere, and rejoins it."""
         self.regions = RegionReceiver(plan)
         """Region delivery: this rank's plan, its accepted assignments and its receiver-set groups."""
         self._manifests: dict[str, BucketManifest] = {}
@@ -119,12 +122,14 @@ class WeightReceiver:
         engine = make()
         engine.init_process_group(rdzv, rank)
         self.engine, self.senders = engine, rdzv.num_senders
+        self.group = rdzv.token
         self.regions.joined(rdzv, rank, make)
 
     def leave(self) -> None:
         self.discard()
         self.regions.left()
         engine, self.engine = self.engine, None
+        self.group = None
         if engine is not None:
             engine.finalize()
 

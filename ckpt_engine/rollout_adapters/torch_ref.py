@@ -40,7 +40,7 @@ from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
-from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
+from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.rollout_adapters.engine_lease import EngineLease
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.ref_models import RefModel, load_spec_file, write_spec_file
@@ -270,6 +270,7 @@ class TorchRefWorker:
             "staging_copy_bytes": self.receiver.staging.nbytes,  # what the staging copy holds (the last staged dense sync's tensors)
             "delta_warmed": sorted(warmed()),  # the devices whose delta kernels this process loaded (delta.warm)
             "steps": self.steps.count,
+            "group": self.receiver.group,  # the weight-sync group joined (None after a restart)
         }
 
     def get_tensor(self, name: str) -> dict[str, Any]:
@@ -425,6 +426,12 @@ class TorchRefRollout(RolloutAdapter):
             raise RuntimeError(f"engine {self.name!r} process exited with code {self.process.returncode}")
         params = {"owner": self.owner} if self.owner is not None else {}
         return self._probe.call("health", timeout_s=min(self.timeout_s, 5.0), **params)
+
+    def membership(self) -> Membership:
+        health = self.health()
+        known = [v for v in (version_of(health.get("version")), version_of(health.get("last_version"))) if v is not None]
+        group = health.get("group")
+        return Membership(max(known, default=None), [group if isinstance(group, str) else None])
 
     def leave(self) -> None:
         self._call("leave")

@@ -35,7 +35,7 @@ from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.vllm_compat import VllmFeatures, features_of
-from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
+from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, version_of
 
 if TYPE_CHECKING:
     import vllm
@@ -105,6 +105,18 @@ class _VllmAdapterBase(RolloutAdapter):
         if len(versions) > 1:
             logger.warning("engine %s: workers report different versions %s", self.name, sorted(map(str, versions)))
         return max((v for v in versions if v is not None), default=None)
+
+    def membership(self) -> Membership:
+        """One `ckpt_health` of every worker: the newest version any holds, and the group each
+        joined; a worker whose pid is not the one that joined restarted (it is in no group)."""
+        replies = self.worker_health()
+        versions = {version_of(h.get("version")) for h in replies}
+        if len(versions) > 1:
+            logger.warning("engine %s: workers report different versions %s", self.name, sorted(map(str, versions)))
+        groups = [h.get("group") if isinstance(h.get("group"), str) else None for h in replies]
+        if self.pids and [h.get("pid") for h in replies] != self.pids:
+            groups = [None] * len(replies)
+        return Membership(max((v for v in versions if v is not None), default=None), groups)
 
     def _encode_manifest(self, encoded: bytes) -> Any:
         return encoded

@@ -293,6 +293,7 @@ class VllmReceiverCore:
         return {
             "version": self.version,
             "stale": self.stale,
+            "group": self.receiver.group,
             "buckets_received": self.receiver.buckets_received,
             "last_report": self.last_report,
             "staged": self.staging.describe(),

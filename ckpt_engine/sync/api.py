@@ -84,10 +84,18 @@ def cached_session(rollouts: Sequence[RolloutAdapter], config: CheckpointEngineC
                     return session
             else:
                 return session
-        wanted = set(key)
-        for old_key in [k for k in _sessions if k == key or wanted.intersection(k)]:
-            _sessions.pop(old_key).close()
+        # A session on any of these engines, or on an engine of the same name (an `LLM` replaced
+        # under the trainer, a server moved): closed, and the new one counts on from its version,
+        # so versions never go back even when the new engines hold none.
+        wanted, names = set(key), {r.name for r in rollouts}
+        older = [k for k, s in _sessions.items() if k == key or wanted.intersection(k) or names.intersection(r.name for r in s.rollouts)]
+        floor = 0
+        for old_key in older:
+            old = _sessions.pop(old_key)
+            floor = max(floor, old.version)
+            old.close()
         session = _sessions[key] = WeightSyncSession(rollouts, config)
+        session.version = floor
         return session
 
 

@@ -6,9 +6,12 @@ import concurrent.futures as cf
 import logging
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["collect_failures", "held_versions", "leave_all", "mark_stale_and_probe", "receive_failures", "wait_for_joins"]
+if TYPE_CHECKING:
+    from ckpt_engine.rollout_adapters.base import Membership
+
+__all__ = ["collect_failures", "memberships", "leave_all", "mark_stale_and_probe", "receive_failures", "wait_for_joins"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +81,10 @@ def wait_for_joins(sender: cf.Future[Any], joins: dict[str, cf.Future[Any]], tim
     return dict(sorted(waiting.items()))
 
 
-def held_versions(pool: cf.Executor, members: Iterable[Any], timeout_s: float) -> tuple[dict[str, int | None], dict[str, str]]:
-    """What every engine reports it holds (`held_version`), and {engine: why} for those that did not say."""
-    futures = {m.name: pool.submit(m.held_version) for m in members}
+def memberships(pool: cf.Executor, members: Iterable[Any], timeout_s: float) -> tuple[dict[str, Membership], dict[str, str]]:
+    """What every engine holds and which group its ranks are in (`membership`), and {engine: why}
+    for those that did not say."""
+    futures = {m.name: pool.submit(m.membership) for m in members}
     failed = {n: f"version query: {why}" for n, why in collect_failures(futures, "a version query", timeout_s).items()}
     return ({n: f.result() for n, f in futures.items()} if not failed else {}), failed
 

@@ -40,6 +40,8 @@ class SyncGroup:
         self.config, self.backend, self.host, self.device = config, backend, host, device
         self.engine = engine
         self.ready = False
+        self.token: str | None = None
+        """The joined group's rendezvous token (what each engine rank reports it joined)."""
         self.num_senders = 1
         self._store: Any = None
         self._plan_key: tuple[Any, ...] | None = None
@@ -137,7 +139,7 @@ class SyncGroup:
             sender.add_done_callback(lambda _: engine.finalize())
             self.engine = None
             return engine, rdzv, failed
-        self.ready = True
+        self.ready, self.token = True, rdzv.token
         logger.info("weight-sync group %s ready: %d ranks over %s", rdzv.token[:8], topo.world_size, self.backend)
         return engine, rdzv, failed
 
@@ -153,7 +155,7 @@ class SyncGroup:
 
     def drop(self) -> None:
         """Mark the group for rebuild and free the sender's engine (its buffers and group)."""
-        self.ready = False
+        self.ready, self.token = False, None
         if self.engine is not None:
             self.engine.finalize()
             self.engine = None

@@ -15,6 +15,10 @@ if TYPE_CHECKING:
 __all__ = ["RATIO_MEANING", "SOURCE", "SyncError", "SyncReport", "make_report"]
 
 
+BEFORE_PAUSE = frozenset({"join", "validate"})
+"""Stages that end before any engine is paused: a failure there leaves every engine serving."""
+
+
 class SyncError(RuntimeError):
     """A sync failed at `stage`; `failed` names the culprits: engines, "sender", or SOURCE.
 
@@ -25,9 +29,11 @@ class SyncError(RuntimeError):
     def __init__(self, stage: str, failed: dict[str, str], stale: list[str], *, sender_error: str | None = None) -> None:
         detail = "; ".join(f"{name}: {why}" for name, why in failed.items())
         also = f"; the sender saw: {sender_error}" if sender_error else ""
-        super().__init__(
-            f"weight sync failed during {stage}: {detail}{also}; engines left paused and stale: {', '.join(stale) or 'none'}"
-        )
+        if stage in BEFORE_PAUSE:
+            left = f"nothing was paused; engines to rejoin at the next sync: {', '.join(stale) or 'none'}"
+        else:
+            left = f"engines left paused and stale: {', '.join(stale) or 'none'}"
+        super().__init__(f"weight sync failed during {stage}: {detail}{also}; {left}")
         self.stage, self.failed, self.stale, self.sender_error = stage, failed, stale, sender_error
 
 

@@ -25,9 +25,9 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import CheckpointEngine, SendStats
 from ckpt_engine.sync.backend import backend_for
 from ckpt_engine.sync.claims import claims
-from ckpt_engine.sync.fanout import collect_failures, held_versions, leave_all, mark_stale_and_probe
+from ckpt_engine.sync.fanout import collect_failures, leave_all, mark_stale_and_probe, memberships
 from ckpt_engine.manifest import BucketManifest, TensorSpec
-from ckpt_engine.rollout_adapters.base import ManifestRejectedError, ReceiveReport, RolloutAdapter
+from ckpt_engine.rollout_adapters.base import ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter
 from ckpt_engine.sync.sender_follower import join_message
 from ckpt_engine.sources.sharded import iter_pieces
 from ckpt_engine.sync.group import SyncGroup
@@ -77,6 +77,7 @@ class WeightSyncSession:
         self._group = SyncGroup(self.config, self.backend, host, device, engine)
         self.raw_gbps = raw_gbps
         self.version = 0
+        self._completed: int | None = None  # the version this session's last completed sync stamped
         self.stale: set[str] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -272,15 +273,39 @@ class WeightSyncSession:
         check_weights_mode(self.config.weights, specs, self.rollouts)
         if self._group.ready:  # (re)joining claims the engines for this session
             claims.check_current(self.engine_keys(), self)
-        # What every engine holds is asked each sync: another session may have synced it.
-        held, failed = held_versions(self._pool, self.rollouts, self.config.timeout_s)
+        # What every engine holds, and whether it is still in this session's group, is asked each
+        # sync: another session may have synced it, or it restarted.
+        members, failed = memberships(self._pool, self.rollouts, self.config.timeout_s)
         if failed:  # part of validating: nothing was paused or sent
             raise SyncError("validate", failed, self._break(failed))
+        self._rejoin_if_left(members)
+        held = {n: m.version for n, m in members.items()}
+        if version is not None and version == self._completed:
+            raise ValueError(
+                f"version {version} was completed by this session already: a version labels one set of weights, so a new "
+                f"sync needs a new one (pass version=None: next {max([self.version, *(v for v in held.values() if v is not None)]) + 1})"
+            )
         new_version = next_version(held, self.version, version)
         if senders == 1:  # with many senders each rank's transport takes its own device
             self._group.take_device(source.device)
         engine = self._ensure_group(senders)
         return new_version, engine, self.plan(specs, engine, source)
+
+    def _rejoin_if_left(self, members: dict[str, Membership]) -> None:
+        """An engine with a rank in no group or another one than this session's (a server restarted at
+        its URL, a worker process replaced) would fail mid-stream and be blamed: the group is rebuilt
+        now, every engine rejoins, and the sync is a seed (new members hold no delta bases)."""
+        token = self._group.token
+        if not self._group.ready or token is None:
+            return
+        left = sorted(n for n, m in members.items() if m.left(token))
+        if left:
+            logger.warning(
+                "engine(s) %s left this session's weight-sync group (restarted?): every engine rejoins and this sync seeds them",
+                ", ".join(left),
+            )
+            self._regions.drop_groups()
+            self._group.drop()
 
     def _validate(self, manifest: BucketManifest, seconds: dict[str, float]) -> None:
         """Every engine checks the manifest; the rejections of all of them raise as one error."""
@@ -315,7 +340,7 @@ class WeightSyncSession:
         report.received_bytes = self._regions.received_bytes(self.rollouts, manifest.total_bytes)
         active = self._regions.active
         self.stale.clear()
-        self.version = new_version
+        self.version = self._completed = new_version
         self._delta.completed(
             active.digest if active is not None else manifest.digest, request, transport=self.backend, seconds=seconds["transfer"], plan_bytes=manifest.total_bytes,
             wire_bytes=report.wire_bytes, dense_bytes=report.dense_bytes,
