@@ -65,6 +65,26 @@ def _check_steps(engine: TorchRefRollout, since: int, digests: dict[int | None, 
     return steps
 
 
+class StepGatedSource(StateDictSource):
+    """Yields half its tensors, then waits (bounded) until the engine has taken another step, then
+    the rest: a step during the stream is certain however fast or loaded the box, unless the
+    engine stops stepping while a version streams in, which is what the test checks."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], engine: TorchRefRollout) -> None:
+        super().__init__(weights)
+        self.engine = engine
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        items = list(self.weights.items())
+        yield from items[: len(items) // 2]
+        mark, deadline = self.engine.health()["steps"], time.monotonic() + 60.0
+        while self.engine.health()["steps"] <= mark:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the engine took no step in 60 s while the version streamed in")
+            time.sleep(0.005)
+        yield from items[len(items) // 2 :]
+
+
 def test_staged_delta_and_dense_syncs_while_the_engine_steps(stepping: TorchRefRollout) -> None:
     """A seed, five patch syncs, a seed again (full_sync_every): each lands staged (`full` for the
     dense ones, `patches` for the others) while the engine steps; after each swap the engine holds
@@ -78,7 +98,7 @@ def test_staged_delta_and_dense_syncs_while_the_engine_steps(stepping: TorchRefR
             sd = version(v)
             since = stepping.health()["steps"]
             t0 = time.monotonic()
-            report = session.sync(StateDictSource(sd))
+            report = session.sync(StepGatedSource(sd, stepping))
             digests[report.version] = weights_digest(sd)
             staged.append(report.staged)
             kinds.append(report.delta)
