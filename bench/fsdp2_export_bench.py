@@ -4,7 +4,7 @@ Builds a HF causal LM from a `config.json` on the meta device, shards it with FS
 2 processes (spawned here; NCCL on GPUs, gloo on CPU; the rendezvous port comes from the OS),
 materializes the shards in bf16 and measures, on the same group:
 
-  (a) export: walking `engine.iter_weights()` (one all-gather per FSDP unit, next unit prefetched);
+  (a) export: walking `engine.source.iter_weights()` (one all-gather per FSDP unit, next unit prefetched);
   (b) per-param: `DTensor.full_tensor()` on every parameter (one all-gather each);
   (c) raw: `broadcast` from rank 0 of the same number of bytes, in 1 GiB messages.
 
@@ -65,9 +65,9 @@ def _timed(fn: Any, device: torch.device, group: dist.ProcessGroup, repeats: int
 def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, out_path: str) -> None:
     from transformers import AutoConfig
 
-    from ckpt_engine.trainer_adapters.common import hf_model_from_config
+    from ckpt_engine.trainer.engines.common import hf_model_from_config
 
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2Config, FSDP2TrainEngine
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config, FSDP2TrainEngine
 
     use_cuda = args.backend == "nccl"
     if use_cuda:
@@ -84,11 +84,11 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         model = hf_model_from_config(hf_config, dtype)
     engine = FSDP2TrainEngine(model, config=FSDP2Config(wire_dtype=args.dtype), process_group=group, device=device)
     engine.materialize()
-    specs = engine.metadata()
+    specs = engine.source.metadata()
     total_bytes = sum(s.nbytes for s in specs)
 
     def export() -> None:
-        for _name, _t in engine.iter_weights():
+        for _name, _t in engine.source.iter_weights():
             pass
 
     params = [p for p in engine.model.parameters()]

@@ -13,7 +13,7 @@ logical GPU numbers (the engine's `local_senders` override). One run measures, m
   raw_single : broadcast of the model's bytes from trainer rank 0 to every receiver
   raw_multi  : every trainer rank broadcasts its share of those bytes at once, each on its own group
   single     : rank 0 sends `iter_weights()` (unit all-gathers; the other ranks walk it too)
-  multi      : every rank sends `iter_pieces(engine, manifest)` (its local shards, no gather)
+  multi      : every rank sends `iter_pieces(engine.source, manifest)` (its local shards, no gather)
 Both syncs move the same bytes and end when every receiver has copied every tensor into its own
 destination. With --delta, every timed sync is a patch against the previous one, after each
 trainer rank changed --delta-change of its elements (untimed). Reports sync/raw ratios, the bytes
@@ -228,8 +228,8 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], ou
     from ckpt_engine.transports.base import Rendezvous
     from ckpt_engine.manifest import encode_manifest
     from ckpt_engine.sources.sharded import iter_pieces
-    from ckpt_engine.trainer_adapters.common import hf_model_from_config
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2Config, FSDP2TrainEngine
+    from ckpt_engine.trainer.engines.common import hf_model_from_config
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config, FSDP2TrainEngine
     from torch.distributed.tensor.debug import CommDebugMode
 
     ranks = _Ranks(rank, args, ports)
@@ -238,11 +238,11 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], ou
         model = hf_model_from_config(AutoConfig.from_pretrained(args.preset_dir), getattr(torch, args.dtype))
     engine = FSDP2TrainEngine(model, config=FSDP2Config(wire_dtype=args.dtype), process_group=ranks.trainer_group, device=device)
     engine.materialize()
-    specs = engine.metadata()
+    specs = engine.source.metadata()
     sync = {m: _sync_engine(args, device, m) for m in MODES}
     manifests = {
         "single": sync["single"].plan(specs),
-        "multi": sync["multi"].plan(specs, num_senders=args.trainers, owners=engine.owners()),
+        "multi": sync["multi"].plan(specs, num_senders=args.trainers, owners=engine.source.owners()),
     }
     rdzv = {m: Rendezvous.from_dict(ports[f"rdzv_{m}"]) for m in MODES}
     store = rdzv["multi"].connect_store()
@@ -255,7 +255,7 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], ou
         sync["single"].init_process_group(rdzv["single"], 0)
     sync["multi"].init_process_group(rdzv["multi"], rank)
     state = _reset_peak(device)
-    result: dict[str, Any] = {"role": f"trainer{rank}", "device": str(device), "state_bytes": state, "stable_pieces": engine.stable_pieces}
+    result: dict[str, Any] = {"role": f"trainer{rank}", "device": str(device), "state_bytes": state, "stable_pieces": engine.source.stable_pieces}
     total = manifests["single"].total_bytes
     shares = manifests["multi"].bytes_per_sender()
     result.update(_raw(ranks, args, total, shares))
@@ -263,11 +263,11 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], ou
     def send(mode: str, i: int) -> None:
         m = manifests[mode]
         if mode == "multi":
-            sync["multi"].send_weights(m, iter_pieces(engine, m), stable=engine.stable_pieces, delta=_delta(args, mode, i))
+            sync["multi"].send_weights(m, iter_pieces(engine.source, m), stable=engine.source.stable_pieces, delta=_delta(args, mode, i))
         elif rank == 0:
-            sync["single"].send_weights(m, engine.iter_weights(), delta=_delta(args, mode, i))
+            sync["single"].send_weights(m, engine.source.iter_weights(), delta=_delta(args, mode, i))
         else:
-            for _ in engine.iter_weights():  # a collective walk on every trainer rank
+            for _ in engine.source.iter_weights():  # a collective walk on every trainer rank
                 pass
 
     before = (lambda i: _perturb(engine, args.delta_change, i) if i > 0 else None) if args.delta else None
@@ -277,7 +277,7 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], ou
         for key, value in _memory(sync[mode], mode == "multi" or rank == 0, device, state).items():
             result[f"{mode}_{key}"] = value
         checksum = torch.zeros(2, dtype=torch.int64)
-        for k, (_, t) in enumerate(engine.iter_weights()):
+        for k, (_, t) in enumerate(engine.source.iter_weights()):
             if rank == 0:
                 checksum = _checksum_update(checksum, k, t.to(getattr(torch, specs[k].dtype)))
         result[f"{mode}_checksum"] = checksum.tolist()

@@ -88,8 +88,8 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], to
     from ckpt_engine.transports.base import Rendezvous
     from ckpt_engine.planning.buckets import plan_buckets
     from ckpt_engine.transports.registry import CheckpointEngineRegistry
-    from ckpt_engine.trainer_adapters.common import hf_model_from_config
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2Config, FSDP2TrainEngine
+    from ckpt_engine.trainer.engines.common import hf_model_from_config
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config, FSDP2TrainEngine
 
     gpu = args.backend == "nccl"
     device = torch.device("cuda", rank) if gpu else torch.device("cpu")
@@ -103,7 +103,7 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], to
         model = hf_model_from_config(hf_config, getattr(torch, args.dtype))
     engine = FSDP2TrainEngine(model, config=FSDP2Config(wire_dtype=args.dtype), process_group=dist.group.WORLD, device=device)
     engine.materialize()
-    specs = engine.metadata()
+    specs = engine.source.metadata()
     rdzv = Rendezvous("127.0.0.1", ports["sync"], token, 1 + args.receivers, args.backend, args.timeout_s)
     if rank == 0:  # receivers size their destinations from the trainer's own metadata
         rdzv.connect_store().set("specs", msgpack.packb([[s.name, s.dtype, list(s.shape)] for s in specs]))
@@ -116,7 +116,7 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], to
         _cuda_sync(device)
 
     def export() -> None:
-        for _ in engine.iter_weights():
+        for _ in engine.source.iter_weights():
             pass
 
     export_times = []
@@ -155,7 +155,7 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], to
             _sync_group_barrier(sender.group, device)
         t0 = time.perf_counter()
         if sender is not None:
-            stats.append(sender.send_weights(manifest, engine.iter_weights()))
+            stats.append(sender.send_weights(manifest, engine.source.iter_weights()))
             _sync_group_barrier(sender.group, device)  # every receiver has loaded
         else:
             export()
@@ -165,7 +165,7 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], to
     sync_times, stats = sync_times[1:], stats[1:]
     sync_peak = _mem(device) - mem_state
     checksum = torch.zeros(2, dtype=torch.int64)
-    for i, (_, t) in enumerate(engine.iter_weights()):
+    for i, (_, t) in enumerate(engine.source.iter_weights()):
         if rank == 0:
             checksum = _checksum_update(checksum, i, t.to(getattr(torch, specs[i].dtype)))
     result = {

@@ -6,7 +6,7 @@ each GPU in bf16, shards it with Megatron-FSDP2's per-module `fully_shard` (fp32
 same group (`--engine fsdp2`: the same model under FSDP2, fp32 master weights with bf16 compute,
 gathers and gradient reduction, for a side-by-side):
 
-  (a) export: walking `engine.iter_weights()` (one all-gather per unit, the next unit prefetched);
+  (a) export: walking `engine.source.iter_weights()` (one all-gather per unit, the next unit prefetched);
   (b) raw: `broadcast` from rank 0 of the same number of bytes, in 1 GiB messages;
   (c) with --train-steps N: the median time of a training step (forward/backward of one
       sequence of --seq tokens per rank, clip, AdamW, main -> compute weights).
@@ -58,7 +58,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     from transformers import AutoConfig
 
     from ckpt_engine.benchmark.presets import load_preset_config
-    from ckpt_engine.trainer_adapters.common import hf_model_from_config
+    from ckpt_engine.trainer.engines.common import hf_model_from_config
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -74,25 +74,25 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
     t0 = time.perf_counter()
     engine: Any
     if args.engine == "fsdp2":
-        from ckpt_engine.trainer_adapters.fsdp2 import FSDP2Config, FSDP2TrainEngine
+        from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config, FSDP2TrainEngine
 
         with torch.device(device):
             model = hf_model_from_config(hf_config, torch.float32)
         fcfg = FSDP2Config(wire_dtype="bfloat16", param_dtype="bfloat16", reduce_dtype="bfloat16", lr=1e-6)
         engine = FSDP2TrainEngine(model, config=fcfg, process_group=group)
     else:
-        from ckpt_engine.trainer_adapters.megatron_fsdp2 import MegatronFSDP2Config, MegatronFSDP2TrainEngine
+        from ckpt_engine.trainer.engines.megatron_fsdp2 import MegatronFSDP2Config, MegatronFSDP2TrainEngine
 
         with torch.device(device):
             model = hf_model_from_config(hf_config, torch.bfloat16)
         mcfg = MegatronFSDP2Config(wire_dtype="bfloat16", main_params_dtype="float32", lr=1e-6)
         engine = MegatronFSDP2TrainEngine(model, config=mcfg, process_group=group)
     build_s = time.perf_counter() - t0
-    specs = engine.metadata()
+    specs = engine.source.metadata()
     total_bytes = sum(s.nbytes for s in specs)
 
     def export() -> None:
-        for _name, _t in engine.iter_weights():
+        for _name, _t in engine.source.iter_weights():
             pass
 
     buf = torch.empty(min(total_bytes, MESSAGE_BYTES), dtype=torch.uint8, device=device)
@@ -110,7 +110,7 @@ def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace, 
         result[key] = statistics.median(times)
         result[key + "_all"] = times
     result.update(
-        bytes=total_bytes, tensors=len(specs), units=len(engine._units), world_size=world_size, dtype="bfloat16",
+        bytes=total_bytes, tensors=len(specs), units=len(engine.source.units), world_size=world_size, dtype="bfloat16",
         ratio_export_over_raw=result["export_s"] / result["raw_broadcast_s"],
         raw_gbps=total_bytes / result["raw_broadcast_s"] / 1e9, export_gbps=total_bytes / result["export_s"] / 1e9,
         device=torch.cuda.get_device_name(device), torch=torch.__version__, engine=args.engine,

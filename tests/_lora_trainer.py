@@ -44,7 +44,7 @@ def train_and_sync(
     """`syncs` rounds of: one training step, walk the adapter (every rank), sync it (every rank).
     Sync `fail_at` is expected to fail (its error is returned); with `die` this rank dies in it."""
     from ckpt_engine.sync.api import sync_rollout_weights
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2Config, FSDP2TrainEngine
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config, FSDP2TrainEngine
 
     group = dist.group.WORLD
     engine = FSDP2TrainEngine(
@@ -57,13 +57,13 @@ def train_and_sync(
         batch = {"input_ids": torch.randint(3, 500, (2, 16), generator=g)}
         engine.forward_backward(batch, lm_loss)
         engine.optimizer_step()
-        reference = {n: t.clone() for n, t in engine.iter_weights()}
+        reference = {n: t.clone() for n, t in engine.source.iter_weights()}
         if step == fail_at and die:
             # Dies once the sync has been announced, validated and the engines are receiving, before
             # this rank's pieces went out: a sender killed mid-sync.
-            engine.begin_pieces = lambda: os._exit(9)  # type: ignore[method-assign]
+            engine.source.begin_pieces = lambda: os._exit(9)  # type: ignore[method-assign]
         try:
-            sync_rollout_weights(engine, rollouts, config=config)
+            sync_rollout_weights(engine.source, rollouts, config=config)
         except Exception as exc:
             if step != fail_at:
                 raise

@@ -3,7 +3,7 @@
 Two real gloo ranks hold an FSDP2 model. Rank 0 runs what the demo's rank 0 runs: the daemon
 (reference engines in their own processes, `senders=all`, `delta=on`), `DataParallelLeader` and
 `FullyAsyncTrainer.sync`; rank 1 runs `follow_leader` (it trains on its rows and, per sync,
-follows rank 0's announcements through `sync_rollout_weights(engine, None)`). A sync with no
+follows rank 0's announcements through `sync_rollout_weights(engine.source, None)`). A sync with no
 engine registered ends on both ranks; then every sync reports two senders, the chain is a seed
 then patches, and at the end both engines hold the gathered model bit for bit. A last sync
 after rank 0's masters were edited outside a step must carry the edit.
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 
 TOKEN = "test-daemon-senders-token"
 SYNCS = 3
-PRELOAD = ("torch.distributed.fsdp", "transformers.models.qwen2.modeling_qwen2", "ckpt_engine.trainer_adapters.fsdp2", "ckpt_engine.daemon")
+PRELOAD = ("torch.distributed.fsdp", "transformers.models.qwen2.modeling_qwen2", "ckpt_engine.trainer.engines.fsdp2", "ckpt_engine.daemon")
 
 
 def _job(senders: str) -> Any:
@@ -40,7 +40,7 @@ def _job(senders: str) -> Any:
 def _worker(rank: int, world_size: int, engines: list[dict[str, Any]], senders: str) -> dict[str, Any]:
     from ckpt_engine.trainer.lm_task import TokenTask
     from ckpt_engine.trainer.ranks import follow_leader
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2TrainEngine
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2TrainEngine
 
     job = _job(senders)
     task = TokenTask(job.rollout.vocab_size)

@@ -1,4 +1,4 @@
-"""The export plan FSDP2 and Megatron-FSDP2 share (`trainer_adapters/export_plan.py`), on CPU.
+"""The export plan FSDP2 and Megatron-FSDP2 share (`sources/export_plan.py`), on CPU.
 
 Megatron-FSDP2 needs CUDA and megatron-fsdp, so its engine is tested on the device box only; its
 plan (parameters only, persistent buffers refused by name) is checked here, beside FSDP2's.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ckpt_engine.trainer_adapters.common import WirePolicy
-from ckpt_engine.trainer_adapters.export_plan import decoder_layers, emit_entry, plan_export
+from ckpt_engine.sources.wire import WirePolicy
+from ckpt_engine.sources.export_plan import decoder_layers, emit_entry, plan_export
 from tests.test_trainer_fsdp2 import build_model
 
 

@@ -48,22 +48,22 @@ def _change(engine: Any, sync: int) -> None:
 def _trainer(rank: int, rdzv: Any) -> dict[str, Any]:
     from ckpt_engine.transports.registry import CheckpointEngineRegistry
     from ckpt_engine.sources.sharded import iter_pieces
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2Config, FSDP2TrainEngine
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config, FSDP2TrainEngine
 
     group = dist.new_group(list(range(TRAINERS)))
     engine = FSDP2TrainEngine(tiny_moe(False).to(torch.bfloat16), config=FSDP2Config(wire_dtype="bfloat16"), process_group=group)
     sync = CheckpointEngineRegistry.new("nccl_handoff", bucket_size_bytes=8192, timeout_s=60, local_senders=[1])
-    manifest = sync.plan(engine.metadata(), num_senders=TRAINERS, owners=engine.owners())
+    manifest = sync.plan(engine.source.metadata(), num_senders=TRAINERS, owners=engine.source.owners())
     if rank == 0:
         from ckpt_engine.manifest import encode_manifest
 
         rdzv.connect_store().set("manifest", encode_manifest(manifest))
     sync.init_process_group(rdzv, rank)
-    out: dict[str, Any] = {"builds": [], "stable": engine.stable_pieces, "tensors": {}}
+    out: dict[str, Any] = {"builds": [], "stable": engine.source.stable_pieces, "tensors": {}}
     for i in range(SYNCS):
         _change(engine, i)
-        expected = {n: t.clone() for n, t in engine.iter_weights()}  # gathers: collective on both trainer ranks
-        sync.send_weights(manifest, iter_pieces(engine, manifest), stable=engine.stable_pieces)
+        expected = {n: t.clone() for n, t in engine.source.iter_weights()}  # gathers: collective on both trainer ranks
+        sync.send_weights(manifest, iter_pieces(engine.source, manifest), stable=engine.source.stable_pieces)
         out["builds"].append(sync.send_plan_builds)
         if rank == 0:
             out["tensors"].update({f"s{i}/{n}": t for n, t in expected.items()})
@@ -100,7 +100,7 @@ def test_fsdp2_senders_replay_their_plan_and_rebuild_it_when_shards_move() -> No
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
     rdzv = Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, TRAINERS + 1, "nccl_handoff", 60.0, TRAINERS).to_dict()
-    preload = ("torch.distributed.fsdp", "transformers.models.qwen2_moe.modeling_qwen2_moe", "ckpt_engine.trainer_adapters.fsdp2")
+    preload = ("torch.distributed.fsdp", "transformers.models.qwen2_moe.modeling_qwen2_moe", "ckpt_engine.trainer.engines.fsdp2")
     results = run_ranks(_worker, TRAINERS + 1, timeout_s=180, preload=preload, rdzv=rdzv)
     del store
     expected, got = results[0]["tensors"], results[TRAINERS]["tensors"]

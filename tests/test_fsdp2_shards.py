@@ -128,16 +128,16 @@ def _bad_requests(engine: Any, rank: int, senders: int, group: dist.ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from ckpt_engine.trainer_adapters.fsdp2_shards import dim0_rows
+    from ckpt_engine.sources.fsdp2_shards import dim0_rows
 
     with pytest.raises(ValueError, match="'nope' is not a tensor this FSDP2 model exports"):
-        engine.local_piece("nope")
+        engine.source.local_piece("nope")
     if rank > 0:
         with pytest.raises(ValueError, match=f"{GATE}: rank {rank} holds none of its rows"):
-            engine.local_piece(GATE)
+            engine.source.local_piece(GATE)
     foreign = 5 if rank == 0 else 0  # an expert another rank holds
     with pytest.raises(ValueError, match=rf"experts.{foreign}.down_proj.weight: expert {foreign} is not on rank {rank}"):
-        engine.local_piece(f"model.layers.0.mlp.experts.{foreign}.down_proj.weight")
+        engine.source.local_piece(f"model.layers.0.mlp.experts.{foreign}.down_proj.weight")
     by_columns = DTensor.from_local(torch.zeros(4, 2), DeviceMesh.from_group(group, "cpu"), [Shard(1)], run_check=False)
     with pytest.raises(ValueError, match=r"cols: FSDP2 placement .* is not a plain dim-0 shard"):
         dim0_rows("cols", by_columns, rank, senders)
@@ -152,17 +152,17 @@ def _trainer(rank: int, senders: int, group: dist.ProcessGroup, rdzv: Any, tie: 
     from ckpt_engine.manifest import encode_manifest
     from ckpt_engine.transports.registry import CheckpointEngineRegistry
     from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2Config, FSDP2TrainEngine
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config, FSDP2TrainEngine
 
     model = tiny_moe(tie).to(torch.bfloat16) if bf16 else tiny_moe(tie)
     engine = FSDP2TrainEngine(model, config=FSDP2Config(lr=1e-5, wire_dtype="bfloat16"), process_group=group)
-    assert isinstance(engine, ShardedWeightSource) and (engine.sender_index, engine.num_senders) == (rank, senders)
+    assert isinstance(engine.source, ShardedWeightSource) and (engine.source.sender_index, engine.source.num_senders) == (rank, senders)
     _bad_requests(engine, rank, senders, group)
     sync = CheckpointEngineRegistry.new("gloo", bucket_size_bytes=BUCKET, timeout_s=60)
     with GatherCounter(group) as planning:  # ownership, the plan and every piece: all local
-        owners = engine.owners()
-        manifest = sync.plan(engine.metadata(), num_senders=senders, owners=owners)
-        num_pieces = sum(1 for _ in iter_pieces(engine, manifest))
+        owners = engine.source.owners()
+        manifest = sync.plan(engine.source.metadata(), num_senders=senders, owners=owners)
+        num_pieces = sum(1 for _ in iter_pieces(engine.source, manifest))
     if rank == 0:
         rdzv.connect_store().set("manifest", encode_manifest(manifest))
     sync.init_process_group(rdzv, rank)
@@ -180,25 +180,25 @@ def _trainer(rank: int, senders: int, group: dist.ProcessGroup, rdzv: Any, tie: 
                     local = p.to_local() if isinstance(p, DTensor) else p
                     local.view(-1)[::8].mul_(1.5)
         with GatherCounter(group) as gathering:
-            expected = {n: t.clone() for n, t in engine.iter_weights()}  # the single-sender path gathers
+            expected = {n: t.clone() for n, t in engine.source.iter_weights()}  # the single-sender path gathers
         with GatherCounter(group) as sending:
-            stats = sync.send_weights(manifest, iter_pieces(engine, manifest), stable=engine.stable_pieces, delta=request)
+            stats = sync.send_weights(manifest, iter_pieces(engine.source, manifest), stable=engine.source.stable_pieces, delta=request)
         out["counts"][f"iter_weights v{version}"] = gathering.summary()
         out["counts"][f"send v{version}"] = sending.summary()
         out["stats"].append({"bytes": stats.bytes, **stats.extra})
         if rank == 0 and version != 1:  # v1 sends v0's bytes again
             out["tensors"].update({f"v{version}/{n}": t for n, t in expected.items()})
     with GatherCounter(group) as probe:  # the counter sees the functional path an adapter could misuse
-        engine._sharded(engine._entries[0]).full_tensor()
+        engine.source._sharded(engine.source._entries[0]).full_tensor()
     out["counts"]["full_tensor"] = probe.summary()
     out["base_bytes"] = sync.delta_base_bytes
     out["bytes_per_sender"] = manifest.bytes_per_sender()
     out["bucket_bytes"] = sum(b.nbytes for b in manifest.sender_buckets(rank))
     out["total_bytes"], out["wire_bytes"] = manifest.total_bytes, manifest.wire_bytes
     out["owners"] = {n: [[s.sender, s.start, s.stop] for s in shards] for n, shards in owners.items()}
-    out["specs"] = {s.name: [s.dtype, list(s.shape)] for s in engine.metadata()}
-    out["replicated"] = [s.name for s in engine.metadata() if s.name not in owners]
-    out["stable_pieces"] = engine.stable_pieces
+    out["specs"] = {s.name: [s.dtype, list(s.shape)] for s in engine.source.metadata()}
+    out["replicated"] = [s.name for s in engine.source.metadata() if s.name not in owners]
+    out["stable_pieces"] = engine.source.stable_pieces
     sync.finalize()
     return out
 
@@ -244,7 +244,7 @@ def runs() -> list[dict[str, Any]]:
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
     rdzvs = [Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, n + 1, "gloo", 60.0, n).to_dict() for n in GROUPS]
-    preload = ("torch.distributed.fsdp", "transformers.models.qwen2_moe.modeling_qwen2_moe", "ckpt_engine.trainer_adapters.fsdp2")
+    preload = ("torch.distributed.fsdp", "transformers.models.qwen2_moe.modeling_qwen2_moe", "ckpt_engine.trainer.engines.fsdp2")
     results = run_ranks(_worker, WORLD, timeout_s=180, preload=preload, rdzvs=rdzvs)
     del store
     return results

@@ -13,7 +13,7 @@ and after a training step, in fp32 and with a bf16 wire whose fp32-kept tensors 
 main weights; and no all-gather may be issued on any trainer rank while pieces are produced and
 sent (counted on the trainer's process group, and by the dispatcher, with the same counter that
 sees `iter_weights()` gather). Through `sync_rollout_weights(senders="all")` as well: rank 1
-follows rank 0's announcements over the trainer's NCCL group (`engine.process_group`) and a
+follows rank 0's announcements over the trainer's NCCL group (`engine.source.process_group`) and a
 reference engine in its own process ends bit-exact (that path adds the sync layer's own 512-byte
 status all-gather per sync on the trainer group, not counted there; no weight is gathered).
 """
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckpt_engine.trainer_adapters.megatron_fsdp2_shards import flat_rows
+from ckpt_engine.sources.megatron_fsdp2 import flat_rows
 from tests._trainer_mp import lm_loss, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -103,7 +103,7 @@ def _dbuffer_rank(rank: int, world_size: int) -> dict[str, Any]:
     from megatron_fsdp.experimental import DBuffer, Flat, Partial, Replicate
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ckpt_engine.trainer_adapters.megatron_fsdp2_shards import dbuffer_rows
+    from ckpt_engine.sources.megatron_fsdp2 import dbuffer_rows
 
     g = torch.Generator().manual_seed(3)
     full = [torch.randn(s, generator=g) for s in DBUF_SHAPES]
@@ -155,7 +155,7 @@ PHASES = {  # name -> (engine config, versions synced; a training step before ev
 def uneven_qwen2() -> torch.nn.Module:
     from transformers import Qwen2Config
 
-    from ckpt_engine.trainer_adapters.common import hf_model_from_config
+    from ckpt_engine.trainer.engines.common import hf_model_from_config
 
     config = Qwen2Config(
         vocab_size=100, hidden_size=48, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
@@ -172,7 +172,7 @@ def _train_step(engine: Any, rank: int, step: int) -> None:
 
 
 def _engine(rank: int, group: dist.ProcessGroup, phase: str) -> Any:
-    from ckpt_engine.trainer_adapters.megatron_fsdp2 import MegatronFSDP2Config, MegatronFSDP2TrainEngine
+    from ckpt_engine.trainer.engines.megatron_fsdp2 import MegatronFSDP2Config, MegatronFSDP2TrainEngine
 
     cfg = MegatronFSDP2Config(lr=1e-3, eps=1e-4, weight_decay=0.01, max_grad_norm=1.0, **PHASES[phase][0])
     return MegatronFSDP2TrainEngine(uneven_qwen2().to(torch.device("cuda", rank)), config=cfg, process_group=group)
@@ -181,10 +181,10 @@ def _engine(rank: int, group: dist.ProcessGroup, phase: str) -> Any:
 def _refusals(engine: Any, owners: Any) -> None:
     """Asking for a tensor the model does not export, or one this rank holds no row of, fails by name."""
     with pytest.raises(ValueError, match="'nope' is not a tensor this Megatron-FSDP2 model exports"):
-        engine.local_piece("nope")
+        engine.source.local_piece("nope")
     foreign = next(n for n, shards in owners.items() if [s.sender for s in shards] == [1 - engine.rank])
     with pytest.raises(ValueError, match=f"{foreign}: rank {engine.rank} holds none of its rows"):
-        engine.local_piece(foreign)
+        engine.source.local_piece(foreign)
 
 
 def _trainer_phase(rank: int, group: dist.ProcessGroup, rdzv: Any, phase: str) -> dict[str, Any]:
@@ -197,13 +197,13 @@ def _trainer_phase(rank: int, group: dist.ProcessGroup, rdzv: Any, phase: str) -
 
     engine = _engine(rank, group, phase)
     versions = PHASES[phase][1]
-    assert isinstance(engine, ShardedWeightSource) and (engine.sender_index, engine.num_senders) == (rank, TRAINERS)
-    assert engine.process_group is group and wants_many_senders(engine, "all") and wants_many_senders(engine, "auto")
+    assert isinstance(engine.source, ShardedWeightSource) and (engine.source.sender_index, engine.source.num_senders) == (rank, TRAINERS)
+    assert engine.source.process_group is group and wants_many_senders(engine.source, "all") and wants_many_senders(engine.source, "auto")
     sync = CheckpointEngineRegistry.new("gloo", bucket_size_bytes=BUCKET, timeout_s=120)
     with GatherCounter(group) as planning:  # ownership, the plan and every piece: all local
-        owners = engine.owners()
-        manifest = sync.plan(engine.metadata(), num_senders=TRAINERS, owners=owners)
-        num_pieces = sum(1 for _ in iter_pieces(engine, manifest))
+        owners = engine.source.owners()
+        manifest = sync.plan(engine.source.metadata(), num_senders=TRAINERS, owners=owners)
+        num_pieces = sum(1 for _ in iter_pieces(engine.source, manifest))
     _refusals(engine, owners)
     if rank == 0:
         rdzv.connect_store().set("manifest", encode_manifest(manifest))
@@ -214,10 +214,10 @@ def _trainer_phase(rank: int, group: dist.ProcessGroup, rdzv: Any, phase: str) -
         if version:
             _train_step(engine, rank, version)
         with GatherCounter(group) as gathering:
-            expected = {n: t.detach().clone() for n, t in engine.iter_weights()}  # the gathering single-sender path
+            expected = {n: t.detach().clone() for n, t in engine.source.iter_weights()}  # the gathering single-sender path
         torch.cuda.synchronize()
         with GatherCounter(group) as sending:
-            stats = sync.send_weights(manifest, iter_pieces(engine, manifest), stable=engine.stable_pieces)
+            stats = sync.send_weights(manifest, iter_pieces(engine.source, manifest), stable=engine.source.stable_pieces)
             torch.cuda.synchronize()
         out["counts"][f"iter_weights v{version}"] = gathering.summary()
         out["counts"][f"send v{version}"] = sending.summary()
@@ -226,10 +226,10 @@ def _trainer_phase(rank: int, group: dist.ProcessGroup, rdzv: Any, phase: str) -
             out["tensors"].update({f"{phase}/v{version}/{n}": t for n, t in expected.items()})
     sync.finalize()
     out["owners"] = {n: [[s.sender, s.start, s.stop] for s in shards] for n, shards in owners.items()}
-    out["specs"] = {s.name: [s.dtype, list(s.shape)] for s in engine.metadata()}
+    out["specs"] = {s.name: [s.dtype, list(s.shape)] for s in engine.source.metadata()}
     out["bytes_per_sender"] = manifest.bytes_per_sender()
     out["total_bytes"] = manifest.total_bytes
-    out["stable_pieces"] = engine.stable_pieces
+    out["stable_pieces"] = engine.source.stable_pieces
     return out
 
 
@@ -270,7 +270,7 @@ def gpu_runs() -> list[dict[str, Any]]:
     if not torch.cuda.is_available() or torch.cuda.device_count() < TRAINERS:
         pytest.skip(f"needs {TRAINERS} GPUs")
     from ckpt_engine.transports.base import Rendezvous
-    from ckpt_engine.trainer_adapters.megatron_fsdp2 import megatron_fsdp2_available
+    from ckpt_engine.trainer.engines.megatron_fsdp2 import megatron_fsdp2_available
 
     ok, why = megatron_fsdp2_available()
     if not ok:
@@ -356,7 +356,7 @@ def _full_path_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     handles = None
     if rank == 0:
         spec = os.path.join(tmp, "spec.msgpack")
-        write_spec_file(spec, engine.metadata())
+        write_spec_file(spec, engine.source.metadata())
         handles = [TorchRefRollout.spawn("mfsdp2-ref", spec_file=spec, timeout_s=120)]
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=120, senders="all")
     out: dict[str, Any] = {"senders": [], "differs": [], "checked": 0}
@@ -364,8 +364,8 @@ def _full_path_worker(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         for v in range(PHASES["bf16"][1]):
             if v:
                 _train_step(engine, rank, v)
-            expected = {n: t.detach().cpu().clone() for n, t in engine.iter_weights()}
-            report = sync_rollout_weights(engine, handles, config=cfg)
+            expected = {n: t.detach().cpu().clone() for n, t in engine.source.iter_weights()}
+            report = sync_rollout_weights(engine.source, handles, config=cfg)
             if handles is not None and report is not None:
                 out["senders"].append(report.senders)
                 out["checked"] += len(expected)
@@ -385,7 +385,7 @@ def test_sync_rollout_weights_sends_from_both_ranks_on_2_gpus() -> None:
 
     if torch.cuda.device_count() < TRAINERS:
         pytest.skip(f"needs {TRAINERS} GPUs")
-    from ckpt_engine.trainer_adapters.megatron_fsdp2 import megatron_fsdp2_available
+    from ckpt_engine.trainer.engines.megatron_fsdp2 import megatron_fsdp2_available
 
     ok, why = megatron_fsdp2_available()
     if not ok:

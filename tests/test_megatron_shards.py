@@ -32,7 +32,7 @@ BUCKET = 16 * 1024  # bytes: every sender fills several buckets
 
 
 def _trained_state() -> tuple[Any, dict[str, torch.Tensor]]:
-    from ckpt_engine.trainer_adapters.common import hf_model_from_config
+    from ckpt_engine.trainer.engines.common import hf_model_from_config
     from tests.test_trainer_megatron_ep import hf_checkpoint_state, moe_config
 
     cfg = moe_config()
@@ -50,10 +50,10 @@ def _trained_state() -> tuple[Any, dict[str, torch.Tensor]]:
 def _bad_requests(engine: Any) -> list[str]:
     """Asking for a tensor another sender owns, or one the model lacks, fails by name."""
     errors = []
-    foreign = next(n for n, shards in engine.owners().items() if shards[0].sender != engine.sender_index)
+    foreign = next(n for n, shards in engine.source.owners().items() if shards[0].sender != engine.source.sender_index)
     for name in (foreign, "nope"):
         try:
-            engine.local_piece(name)
+            engine.source.local_piece(name)
             errors.append(f"local_piece({name!r}) did not raise")
         except ValueError as exc:
             errors.append(str(exc))
@@ -66,7 +66,7 @@ def _sharded_run(rank: int, layout: str, rdzv: Any, cfg: Any, sd: dict[str, torc
     from ckpt_engine.manifest import encode_manifest
     from ckpt_engine.transports.registry import CheckpointEngineRegistry
     from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
-    from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
+    from ckpt_engine.trainer.engines.megatron import MegatronConfig, MegatronTrainEngine
     from tests.test_fsdp2_shards import GatherCounter
 
     pp, ep = LAYOUTS[layout]
@@ -74,26 +74,26 @@ def _sharded_run(rank: int, layout: str, rdzv: Any, cfg: Any, sd: dict[str, torc
     engine = MegatronTrainEngine(cfg, config=MegatronConfig(wire_dtype="bfloat16", moe_token_dispatcher_type="allgather"))
     engine.load_hf_weights(sd)
     group = engine.groups.pp if pp > 1 else engine.groups.ep  # the group a cross-stage / cross-EP export uses
-    out: dict[str, Any] = {"is_source": isinstance(engine, ShardedWeightSource)}
-    out["sender"] = [engine.sender_index, engine.num_senders, engine.groups.pp_rank, engine.groups.ep_rank]
+    out: dict[str, Any] = {"is_source": isinstance(engine.source, ShardedWeightSource)}
+    out["sender"] = [engine.source.sender_index, engine.source.num_senders, engine.groups.pp_rank, engine.groups.ep_rank]
     sync = CheckpointEngineRegistry.new("gloo", bucket_size_bytes=BUCKET, timeout_s=60)
     with GatherCounter(group) as planning:  # ownership, the plan and every piece: all local
-        owners = engine.owners()
-        manifest = sync.plan(engine.metadata(), num_senders=engine.num_senders, owners=owners)
-        produced = {n: t.clone() for n, t in iter_pieces(engine, manifest)}
+        owners = engine.source.owners()
+        manifest = sync.plan(engine.source.metadata(), num_senders=engine.source.num_senders, owners=owners)
+        produced = {n: t.clone() for n, t in iter_pieces(engine.source, manifest)}
     with GatherCounter(group) as gathering:  # the single-sender export of the same model
-        expected = {n: t.clone() for n, t in engine.iter_weights()}
+        expected = {n: t.clone() for n, t in engine.source.iter_weights()}
     out["bad_requests"] = _bad_requests(engine)
     if rank == 0:
         rdzv.connect_store().set(f"manifest/{layout}", encode_manifest(manifest))
-    sync.init_process_group(rdzv, engine.sender_index)
+    sync.init_process_group(rdzv, engine.source.sender_index)
     with GatherCounter(group) as sending:
-        stats = sync.send_weights(manifest, iter_pieces(engine, manifest), stable=engine.stable_pieces)
+        stats = sync.send_weights(manifest, iter_pieces(engine.source, manifest), stable=engine.source.stable_pieces)
     sync.finalize()
     out["counts"] = {"pieces": planning.summary(), "iter_weights": gathering.summary(), "send": sending.summary()}
     out["sent_bytes"], out["bytes_per_sender"] = stats.bytes, manifest.bytes_per_sender()
     out["owners"] = {n: [[s.sender, s.start, s.stop] for s in shards] for n, shards in owners.items()}
-    out["specs"] = {s.name: [s.dtype, list(s.shape)] for s in engine.metadata()}
+    out["specs"] = {s.name: [s.dtype, list(s.shape)] for s in engine.source.metadata()}
     out["produced"] = sorted(produced)
     out["pieces_match_export"] = [n for n, t in produced.items() if rank == 0 and not torch.equal(t, expected[n])]
     if rank == 0:
@@ -107,12 +107,12 @@ def _refused_expert_tp(cfg: Any, sd: dict[str, torch.Tensor]) -> dict[str, Any]:
     single-sender path), and a clear error if asked."""
     from megatron.core import parallel_state as ps
 
-    from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
+    from ckpt_engine.trainer.engines.megatron import MegatronConfig, MegatronTrainEngine
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     engine = MegatronTrainEngine(cfg, config=MegatronConfig(moe_token_dispatcher_type="allgather"))
-    out: dict[str, Any] = {"num_senders": engine.num_senders, "errors": []}
-    for call in (engine.owners, lambda: engine.local_piece("model.norm.weight")):
+    out: dict[str, Any] = {"num_senders": engine.source.num_senders, "errors": []}
+    for call in (engine.source.owners, lambda: engine.source.local_piece("model.norm.weight")):
         try:
             call()
         except ValueError as exc:
@@ -129,19 +129,19 @@ def _synced_through_the_session(rank: int, cfg: Any, sd: dict[str, torch.Tensor]
     from ckpt_engine import CheckpointEngineConfig, sync_rollout_weights
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
     from ckpt_engine.sync.api import close_sessions
-    from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
+    from ckpt_engine.trainer.engines.megatron import MegatronConfig, MegatronTrainEngine
 
     ps.initialize_model_parallel(pipeline_model_parallel_size=2)
     engine = MegatronTrainEngine(cfg, config=MegatronConfig(wire_dtype="bfloat16", moe_token_dispatcher_type="allgather"))
     engine.load_hf_weights(sd)
     handles = [TorchRefRollout(info["name"], info["host"], info["port"], None, 60, token=info["token"])] if rank == 0 else None
     config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=BUCKET / 2**20, timeout_s=60, senders="per_stage")
-    reports = [sync_rollout_weights(engine, handles, config=config)]
+    reports = [sync_rollout_weights(engine.source, handles, config=config)]
     with torch.no_grad():  # a stand-in for an optimizer step (megatron's forward needs CUDA): every parameter moves
         for i, p in enumerate(engine.model.parameters()):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + i)) * 0.01)
-    reports.append(sync_rollout_weights(engine, handles, config=config))  # the cached plan, the followers' group reused
-    exported = {f"sync/{n}": t.clone() for n, t in engine.iter_weights()}
+    reports.append(sync_rollout_weights(engine.source, handles, config=config))  # the cached plan, the followers' group reused
+    exported = {f"sync/{n}": t.clone() for n, t in engine.source.iter_weights()}
     summary = [None if r is None else {"senders": r.senders, "tensors": r.tensors, "version": r.version} for r in reports]
     out: dict[str, Any] = {"reports": summary}
     if rank == 0:
@@ -197,8 +197,8 @@ def _run_into_reference(
     engine's under "ref/")."""
     from ckpt_engine.manifest import TensorSpec
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-    from ckpt_engine.trainer_adapters.common import WirePolicy
-    from ckpt_engine.trainer_adapters.megatron import MegatronConfig
+    from ckpt_engine.sources.wire import WirePolicy
+    from ckpt_engine.trainer.engines.megatron import MegatronConfig
 
     got: dict[str, torch.Tensor] = {}
     errors: list[str] = []
@@ -210,7 +210,7 @@ def _run_into_reference(
     write_spec_file(spec, [TensorSpec(n, str(policy.dtype_for(n, t.dtype)).removeprefix("torch."), tuple(t.shape)) for n, t in sd.items()])
     ref = TorchRefRollout.spawn(name, spec_file=str(spec), timeout_s=60)
     info = {"name": ref.name, "host": ref.rpc.host, "port": ref.rpc.port, "token": ref.token}
-    preload = ("megatron.core", "transformers.models.qwen3_moe.modeling_qwen3_moe", "ckpt_engine.trainer_adapters.megatron")
+    preload = ("megatron.core", "transformers.models.qwen3_moe.modeling_qwen3_moe", "ckpt_engine.trainer.engines.megatron")
     try:
         results = run_ranks(worker, world, timeout_s=timeout_s, preload=preload, engine_info=info, **kwargs)
         receiver.join(timeout=60)

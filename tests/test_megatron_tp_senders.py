@@ -51,38 +51,38 @@ def _tp_engine_path(rank: int, engine: Any, rdzv: Any) -> dict[str, Any]:
 
     g = engine.groups
     sync = CheckpointEngineRegistry.new("gloo", bucket_size_bytes=BUCKET, timeout_s=60)
-    manifest = sync.plan(engine.metadata(), num_senders=engine.num_senders, owners=engine.owners())
-    walk = _helper_walk(manifest, engine.sender_index)
-    out: dict[str, Any] = {"sender": [engine.sender_index, engine.num_senders, engine.sends, g.pp_rank, g.tp_rank]}
+    manifest = sync.plan(engine.source.metadata(), num_senders=engine.source.num_senders, owners=engine.source.owners())
+    walk = _helper_walk(manifest, engine.source.sender_index)
+    out: dict[str, Any] = {"sender": [engine.source.sender_index, engine.source.num_senders, engine.source.sends, g.pp_rank, g.tp_rank]}
     with GatherCounter(g.tp) as pieces:
-        if engine.sends:
-            produced = {n: t.clone() for n, t in iter_pieces(engine, manifest)}
+        if engine.source.sends:
+            produced = {n: t.clone() for n, t in iter_pieces(engine.source, manifest)}
         else:
             for name in walk:
-                engine.assist_piece(name)
+                engine.source.assist_piece(name)
     with GatherCounter(g.tp) as exporting:
-        expected = {n: t.clone() for n, t in engine.iter_weights()}
+        expected = {n: t.clone() for n, t in engine.source.iter_weights()}
     if rank == 0:
         rdzv.connect_store().set("manifest/tp2pp2", encode_manifest(manifest))
         out["tensors"] = {f"tp2pp2/{n}": t for n, t in expected.items()}
         out["pieces_differ"] = [n for n, t in produced.items() if not torch.equal(_bits(t), _bits(expected[n]))]
     with GatherCounter(g.tp) as sending:
-        if engine.sends:
-            sync.init_process_group(rdzv, engine.sender_index)
-            sync.send_weights(manifest, iter_pieces(engine, manifest), stable=engine.stable_pieces)
+        if engine.source.sends:
+            sync.init_process_group(rdzv, engine.source.sender_index)
+            sync.send_weights(manifest, iter_pieces(engine.source, manifest), stable=engine.source.stable_pieces)
             sync.finalize()
         else:
             for name in walk:
-                engine.assist_piece(name)
-    if engine.sends:  # a send that dies after two pieces: finish_walk takes the sender through the rest
-        rest = iter_pieces(engine, manifest)
+                engine.source.assist_piece(name)
+    if engine.source.sends:  # a send that dies after two pieces: finish_walk takes the sender through the rest
+        rest = iter_pieces(engine.source, manifest)
         next(rest), next(rest)
-        finish_walk(engine, rest)
+        finish_walk(engine.source, rest)
     else:  # else its helper would wait in the third piece's gather until this run's timeout
         for name in walk:
-            engine.assist_piece(name)
+            engine.source.assist_piece(name)
     out["counts"] = {"pieces": pieces.summary(), "iter_weights": exporting.summary(), "send": sending.summary()}
-    out["walk"], out["specs"] = walk, {s.name: [s.dtype, list(s.shape)] for s in engine.metadata()}
+    out["walk"], out["specs"] = walk, {s.name: [s.dtype, list(s.shape)] for s in engine.source.metadata()}
     return out
 
 
@@ -95,27 +95,27 @@ def _tp_session_path(rank: int, engine: Any, info: dict[str, Any]) -> dict[str, 
 
     handles = [TorchRefRollout(info["name"], info["host"], info["port"], None, 60, token=info["token"])] if rank == 0 else None
     config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=BUCKET / 2**20, timeout_s=60, senders="all")
-    reports = [sync_rollout_weights(engine, handles, config=config)]
-    first = {n: t.clone() for n, t in engine.iter_weights()}
+    reports = [sync_rollout_weights(engine.source, handles, config=config)]
+    first = {n: t.clone() for n, t in engine.source.iter_weights()}
     out: dict[str, Any] = {"first_synced": [n for n, t in first.items() if rank == 0 and not torch.equal(_bits(handles[0].get_tensor(n)), _bits(t))]}
     with torch.no_grad():  # a stand-in for an optimizer step: every parameter moves
         for i, p in enumerate(engine.model.parameters()):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + i)) * 0.01)
     if rank == 1:  # a test-only hook on this rank's source: its plan's digest differs from rank 0's
-        listed = engine.metadata()
-        engine.metadata = lambda: list(reversed(listed))
+        listed = engine.source.metadata()
+        engine.source.metadata = lambda: list(reversed(listed))
     t0 = time.perf_counter()
     try:
-        sync_rollout_weights(engine, handles, config=config)
+        sync_rollout_weights(engine.source, handles, config=config)
         out["failure"] = None
     except Exception as exc:
         out["failure"] = f"{type(exc).__name__}: {exc}"
     out["failure_s"] = time.perf_counter() - t0
     if rank == 1:
-        del engine.metadata
-    reports.append(sync_rollout_weights(engine, handles, config=config))  # healed: a new group, every rank again
+        del engine.source.metadata
+    reports.append(sync_rollout_weights(engine.source, handles, config=config))  # healed: a new group, every rank again
     out["reports"] = [None if r is None else {"senders": r.senders, "tensors": r.tensors, "version": r.version} for r in reports]
-    moved = {f"moved/{n}": t.clone() for n, t in engine.iter_weights()}
+    moved = {f"moved/{n}": t.clone() for n, t in engine.source.iter_weights()}
     if rank == 0:
         out["tensors"] = moved
         out["moved"] = [n for n, t in first.items() if not torch.equal(t, moved[f"moved/{n}"])]
@@ -127,9 +127,9 @@ def _tp_worker(rank: int, world_size: int, rdzv: dict[str, Any], engine_info: di
     from megatron.core import parallel_state as ps
 
     from ckpt_engine.transports.base import Rendezvous
-    from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
-    from ckpt_engine.trainer_adapters.megatron_groups import MegatronGroups
-    from ckpt_engine.trainer_adapters.megatron_shards import sharded_refusal
+    from ckpt_engine.trainer.engines.megatron import MegatronConfig, MegatronTrainEngine
+    from ckpt_engine.sources.megatron_groups import MegatronGroups
+    from ckpt_engine.sources.megatron import sharded_refusal
 
     cfg, sd = _trained_state()
     result: dict[str, Any] = {}

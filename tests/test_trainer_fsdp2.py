@@ -58,7 +58,7 @@ def lm_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tenso
 
 
 def engine_config(**kw):  # noqa: ANN201
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2Config
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config
 
     base = dict(lr=3e-3, weight_decay=0.01, max_grad_norm=1.0, warmup_steps=1, total_steps=8, wire_dtype=None)
     base.update(kw)
@@ -66,7 +66,7 @@ def engine_config(**kw):  # noqa: ANN201
 
 
 def collect(engine) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    return {n: t.detach().clone() for n, t in engine.iter_weights()}
+    return {n: t.detach().clone() for n, t in engine.source.iter_weights()}
 
 
 def reference_step(model: torch.nn.Module, opt, sched, cfg, micro: list[torch.Tensor]) -> tuple[float, float]:  # noqa: ANN001
@@ -111,7 +111,7 @@ def train(engine, data: list[torch.Tensor], rank: int, steps: range) -> list[flo
 
 
 def _parity_worker(rank: int, world_size: int) -> dict:
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2TrainEngine
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2TrainEngine
 
     model = build_model()
     ref = copy.deepcopy(model)
@@ -126,7 +126,7 @@ def _parity_worker(rank: int, world_size: int) -> dict:
         norms.append(engine.optimizer_step())
         engine.lr_scheduler_step()
     exported = collect(engine)
-    out = {"losses": losses, "norms": norms, "names": [s.name for s in engine.metadata()], "is_sender": engine.is_sender,
+    out = {"losses": losses, "norms": norms, "names": [s.name for s in engine.source.metadata()], "is_sender": engine.source.is_sender,
            "lr": engine.lr}
     if rank == 0:
         ref_init = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -183,12 +183,12 @@ def _unfused_reference(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _moe_worker(rank: int, world_size: int) -> dict:
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2TrainEngine
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2TrainEngine
 
     model = build_model("qwen3_moe", tie=True)
     ref = copy.deepcopy(model)
     engine = FSDP2TrainEngine(model, config=engine_config(wire_dtype="bfloat16"), process_group=world_group())
-    specs = engine.metadata()
+    specs = engine.source.metadata()
     exported = collect(engine)
     out = {"specs": [[s.name, s.dtype, list(s.shape)] for s in specs]}
     if rank == 0:
@@ -222,7 +222,7 @@ def _sync_worker(rank: int, world_size: int, ref: dict) -> dict:
     from ckpt_engine.config import CheckpointEngineConfig
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
     from ckpt_engine.sync.api import sync_rollout_weights
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2TrainEngine
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2TrainEngine
 
     model = build_model(tie=True)
     engine = FSDP2TrainEngine(model, config=engine_config(wire_dtype="bfloat16"), process_group=world_group())
@@ -232,7 +232,7 @@ def _sync_worker(rank: int, world_size: int, ref: dict) -> dict:
     rollouts = [TorchRefRollout("ref0", ref["host"], ref["port"], None, 120, token=ref["token"])] if rank == 0 else None
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.05, timeout_s=60, verify=True)
     try:
-        report = sync_rollout_weights(engine, rollouts, version=7, config=cfg)
+        report = sync_rollout_weights(engine.source, rollouts, version=7, config=cfg)
         out: dict = {"report": None if report is None else {"version": report.version, "tensors": report.tensors}}
         if rank == 0:
             assert rollouts is not None
@@ -272,7 +272,7 @@ def test_fsdp2_sync_into_torch_ref_rollout_bit_exact():
 
 
 def _resume_worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2TrainEngine
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2TrainEngine
 
     data = batches(world_size)
     cfg = engine_config()
@@ -349,14 +349,14 @@ def _solo_group() -> torch.distributed.ProcessGroup:
 
 
 def test_unknown_backend_is_a_clear_error():
-    from ckpt_engine.trainer_adapters.base import TrainEngineRegistry
+    from ckpt_engine.trainer.engines.base import TrainEngineRegistry
 
     with pytest.raises(ValueError, match=r"unknown trainer backend 'fsdp3'; known: fsdp2, megatron, megatron_fsdp"):
         TrainEngineRegistry.get("fsdp3")
 
 
 def test_fused_experts_without_a_rule_fail_before_sharding():
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2TrainEngine
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2TrainEngine
 
     model = build_model("qwen3_moe")
     model.config.model_type = "my_new_moe"  # a family with no FusedExpertRule
@@ -366,7 +366,7 @@ def test_fused_experts_without_a_rule_fail_before_sharding():
 
 
 def test_engine_needs_an_explicit_group_and_a_hf_model():
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2Config, FSDP2TrainEngine
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config, FSDP2TrainEngine
 
     with pytest.raises(ValueError, match="exactly one of process_group or mesh"):
         FSDP2TrainEngine(build_model(), config=engine_config())

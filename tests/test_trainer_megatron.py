@@ -34,9 +34,9 @@ def hf_config(kind: str = "qwen2", tie: bool = False, vocab: int = 100):  # noqa
 
 def _export_worker(rank: int, world_size: int, tp: int, pp: int, kind: str, tie: bool) -> dict:
     from megatron.core import parallel_state as ps
-    from ckpt_engine.trainer_adapters.common import hf_model_from_config
+    from ckpt_engine.trainer.engines.common import hf_model_from_config
 
-    from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
+    from ckpt_engine.trainer.engines.megatron import MegatronConfig, MegatronTrainEngine
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     cfg = hf_config(kind, tie)
@@ -49,9 +49,9 @@ def _export_worker(rank: int, world_size: int, tp: int, pp: int, kind: str, tie:
     sd = {k: v.clone() for k, v in hf.state_dict().items()}
     engine = MegatronTrainEngine(cfg, config=MegatronConfig(wire_dtype=None))
     engine.load_hf_weights(sd)
-    specs = engine.metadata()
-    exported = {n: t.clone() for n, t in engine.iter_weights()}
-    out = {"specs": [[s.name, s.dtype, list(s.shape)] for s in specs], "is_sender": engine.is_sender,
+    specs = engine.source.metadata()
+    exported = {n: t.clone() for n, t in engine.source.iter_weights()}
+    out = {"specs": [[s.name, s.dtype, list(s.shape)] for s in specs], "is_sender": engine.source.is_sender,
            "names": list(exported)}
     if rank == 0:
         expected = {k: v for k, v in sd.items() if not (tie and k == "lm_head.weight")}
@@ -85,8 +85,8 @@ def test_megatron_export_is_bit_exact_hf():
 def test_megatron_family_without_table_is_a_clear_error():
     from transformers import GPT2Config
 
-    from ckpt_engine.trainer_adapters.hf_names import megatron_family
-    from ckpt_engine.trainer_adapters.megatron import MegatronTrainEngine
+    from ckpt_engine.sources.hf_names import megatron_family
+    from ckpt_engine.trainer.engines.megatron import MegatronTrainEngine
 
     with pytest.raises(ValueError, match=r"no Megatron naming table for model_type 'gpt2'; tables exist for: llama, mistral"):
         megatron_family("gpt2")
@@ -99,7 +99,7 @@ def test_megatron_family_without_table_is_a_clear_error():
 
 
 def test_qkv_and_gate_up_layouts_round_trip():
-    from ckpt_engine.trainer_adapters.hf_names import merge_gate_up, merge_qkv, split_gate_up, split_qkv
+    from ckpt_engine.sources.hf_names import merge_gate_up, merge_qkv, split_gate_up, split_qkv
 
     q, k, v = torch.randn(8 * 4, 6), torch.randn(2 * 4, 6), torch.randn(2 * 4, 6)
     fused = merge_qkv(q, k, v, num_heads=8, num_query_groups=2, head_dim=4)
@@ -111,7 +111,7 @@ def test_qkv_and_gate_up_layouts_round_trip():
 
 
 def test_optimizer_is_selected_by_config():
-    from ckpt_engine.trainer_adapters.megatron import OPTIMIZERS, MegatronConfig
+    from ckpt_engine.trainer.engines.megatron import OPTIMIZERS, MegatronConfig
 
     assert OPTIMIZERS == ("adamw", "megatron_distributed")
     assert MegatronConfig(optimizer="megatron_distributed").optimizer == "megatron_distributed"
@@ -125,9 +125,9 @@ def test_optimizer_is_selected_by_config():
 def _train_worker(rank: int, world_size: int, tp: int, pp: int, tie: bool = False, optimizer: str = "adamw") -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from ckpt_engine.trainer_adapters.common import hf_model_from_config
+    from ckpt_engine.trainer.engines.common import hf_model_from_config
 
-    from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
+    from ckpt_engine.trainer.engines.megatron import MegatronConfig, MegatronTrainEngine
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(123)
@@ -153,7 +153,7 @@ def _train_worker(rank: int, world_size: int, tp: int, pp: int, tie: bool = Fals
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
-    exported = {n: t.detach().cpu().clone() for n, t in engine.iter_weights()}
+    exported = {n: t.detach().cpu().clone() for n, t in engine.source.iter_weights()}
     hf_sd = {k: v for k, v in hf.state_dict().items() if not (tie and k == "lm_head.weight")}
     res = {"losses": losses, "ref_losses": ref_losses,
            "optimizers": [type(o).__name__ for o in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])]}
@@ -161,7 +161,7 @@ def _train_worker(rank: int, world_size: int, tp: int, pp: int, tie: bool = Fals
         res["tensors"] = {**{f"exp/{k}": v for k, v in exported.items()},
                           **{f"hf/{k}": v.detach().cpu() for k, v in hf_sd.items()},
                           **{f"init/{k}": v.detach().cpu() for k, v in sd.items()}}
-    from ckpt_engine.trainer_adapters.megatron_export import megatron_core_model
+    from ckpt_engine.sources.megatron_export import megatron_core_model
 
     shared = megatron_core_model(engine.model).shared_embedding_or_output_weight() if tie else None
     if shared is not None:  # stage 0: input embedding; last stage: output layer (PP > 1)

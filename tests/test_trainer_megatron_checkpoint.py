@@ -21,8 +21,8 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _hf_space(engine, key: str) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    from ckpt_engine.trainer_adapters.megatron_checkpoint import hf_space_exporter
-    from ckpt_engine.trainer_adapters.megatron_export import walk_to_first_stage
+    from ckpt_engine.trainer.engines.megatron_checkpoint import hf_space_exporter
+    from ckpt_engine.sources.megatron_export import walk_to_first_stage
 
     ex = hf_space_exporter(engine, key)
     device = next(engine.model.parameters()).device
@@ -32,18 +32,18 @@ def _hf_space(engine, key: str) -> dict[str, torch.Tensor]:  # noqa: ANN001
 def _hf_grads(engine, seed: int) -> None:  # noqa: ANN001
     """One gradient per HF tensor (same on every rank and layout), converted into this layout."""
     g = torch.Generator().manual_seed(seed)
-    names = [s.name for s in engine.metadata()]
-    shapes = {s.name: tuple(s.shape) for s in engine.metadata()}
+    names = [s.name for s in engine.source.metadata()]
+    shapes = {s.name: tuple(s.shape) for s in engine.source.metadata()}
     hf = {n: torch.randn(shapes[n], generator=g) for n in names}
     for p in engine.model.parameters():
         p.grad = torch.zeros_like(p)
-    engine.exporter.load_hf(hf, target=lambda p: p.grad)
+    engine.source.exporter.load_hf(hf, target=lambda p: p.grad)
 
 
 def _reshard_worker(rank: int, world_size: int, path: str) -> dict:
     from megatron.core import parallel_state as ps
 
-    from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
+    from ckpt_engine.trainer.engines.megatron import MegatronConfig, MegatronTrainEngine
     from tests.test_trainer_megatron import hf_config
 
     cfg = hf_config("qwen2")
@@ -99,7 +99,7 @@ def test_tp2_checkpoint_loads_into_tp1_and_continues(tmp_path):
 
 
 def test_load_rejects_what_is_not_a_checkpoint(tmp_path):
-    from ckpt_engine.trainer_adapters.megatron_checkpoint import load_megatron_checkpoint
+    from ckpt_engine.trainer.engines.megatron_checkpoint import load_megatron_checkpoint
 
     with pytest.raises(ValueError, match="not a ckpt_engine Megatron checkpoint: .*model.safetensors is missing"):
         load_megatron_checkpoint(object(), str(tmp_path))

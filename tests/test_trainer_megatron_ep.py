@@ -39,7 +39,7 @@ def moe_config():
 
 def hf_checkpoint_state(model: torch.nn.Module, model_type: str) -> dict[str, torch.Tensor]:
     """The HF model's weights in checkpoint form: fused experts split per expert (repo rules)."""
-    from ckpt_engine.trainer_adapters.hf_names import unfuse_experts
+    from ckpt_engine.sources.hf_names import unfuse_experts
 
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
@@ -54,8 +54,8 @@ def hf_checkpoint_state(model: torch.nn.Module, model_type: str) -> dict[str, to
 def _ep_export_worker(rank: int, world_size: int, tp: int, ep: int, etp: int, wire: str | None) -> dict:
     from megatron.core import parallel_state as ps
 
-    from ckpt_engine.trainer_adapters.common import hf_model_from_config
-    from ckpt_engine.trainer_adapters.megatron import (
+    from ckpt_engine.trainer.engines.common import hf_model_from_config
+    from ckpt_engine.trainer.engines.megatron import (
         MegatronConfig,
         MegatronTrainEngine,
     )
@@ -73,10 +73,10 @@ def _ep_export_worker(rank: int, world_size: int, tp: int, ep: int, etp: int, wi
     sd = hf_checkpoint_state(hf, cfg.model_type)
     engine = MegatronTrainEngine(cfg, config=MegatronConfig(wire_dtype=wire, moe_token_dispatcher_type="allgather"))
     engine.load_hf_weights(sd)
-    specs = engine.metadata()
-    exported = {n: t.clone() for n, t in engine.iter_weights()}
+    specs = engine.source.metadata()
+    exported = {n: t.clone() for n, t in engine.source.iter_weights()}
     local = sorted(n for n, _ in engine.model.named_parameters() if "local_experts" in n)
-    out = {"specs": [[s.name, s.dtype, list(s.shape)] for s in specs], "is_sender": engine.is_sender,
+    out = {"specs": [[s.name, s.dtype, list(s.shape)] for s in specs], "is_sender": engine.source.is_sender,
            "names": list(exported), "local_expert_params": local}
     if rank == 0:
         out["expected"] = list(sd)
@@ -122,7 +122,7 @@ def test_megatron_router_config_matches_hf_routing(norm_topk_prob: bool):
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
-    from ckpt_engine.trainer_adapters.megatron import (
+    from ckpt_engine.trainer.engines.megatron import (
         MegatronConfig,
         transformer_config_from_hf,
     )
@@ -150,7 +150,7 @@ def test_moe_router_gating_runs_without_transformer_engine():
     Engine (NameError in every MoE forward on the GPU box); building an MoE model defines it."""
     from megatron.core.transformer.moe import moe_utils
 
-    from ckpt_engine.trainer_adapters.megatron import megatron_moe_without_te_compat
+    from ckpt_engine.trainer.engines.megatron import megatron_moe_without_te_compat
 
     megatron_moe_without_te_compat()
     x = torch.randn(5, 8, requires_grad=True)
@@ -171,14 +171,14 @@ def test_moe_router_gating_runs_without_transformer_engine():
 def _fake_grads(engine, step: int, rank: int) -> None:
     """Deterministic per-(step, rank, parameter) gradients: CPU stand-in for forward_backward,
     whose megatron-core forward needs CUDA (see test_trainer_megatron.py)."""
-    from ckpt_engine.trainer_adapters.megatron_export import _partition_dim
+    from ckpt_engine.sources.megatron_export import _partition_dim
 
     for i, (_, p) in enumerate(engine.model.named_parameters()):
         # a TP-replicated parameter (norms) gets the same gradient on every TP rank, as in training
         shard = rank if _partition_dim(p) is not None else 0
         g = torch.Generator().manual_seed(1000 * step + 100 * shard + i)
         p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
-    for p, first in engine.exporter.vocab_padding_rows():  # as in training: padding rows see no loss
+    for p, first in engine.source.exporter.vocab_padding_rows():  # as in training: padding rows see no loss
         p.grad[first:] = 0
 
 
@@ -194,7 +194,7 @@ def _optim_tensors(engine) -> dict[str, torch.Tensor]:
 def _ckpt_worker(rank: int, world_size: int, path: str) -> dict:
     from megatron.core import parallel_state as ps
 
-    from ckpt_engine.trainer_adapters.megatron import (
+    from ckpt_engine.trainer.engines.megatron import (
         MegatronConfig,
         MegatronTrainEngine,
     )
@@ -214,7 +214,7 @@ def _ckpt_worker(rank: int, world_size: int, path: str) -> dict:
         a.lr_scheduler_step()
     params = {n: p.detach().clone() for n, p in a.model.named_parameters()}
     optim = _optim_tensors(a)
-    exported = {n: t.clone() for n, t in a.iter_weights()}
+    exported = {n: t.clone() for n, t in a.source.iter_weights()}
     a.save_checkpoint(path)
 
     torch.manual_seed(1)  # another init: loading must overwrite every parameter
@@ -229,7 +229,7 @@ def _ckpt_worker(rank: int, world_size: int, path: str) -> dict:
     res["global_step"] = [a.global_step, b.global_step]
     res["lr"] = [a.optimizer.param_groups[0]["lr"], b.optimizer.param_groups[0]["lr"]]
     res["sched"] = [a.scheduler.last_epoch, b.scheduler.last_epoch]
-    after = {n: t.clone() for n, t in b.iter_weights()}
+    after = {n: t.clone() for n, t in b.source.iter_weights()}
     res["export_equal"] = list(after) == list(exported) and all(torch.equal(after[n], exported[n]) for n in exported)
     # continue: the same next two steps on both engines give the same weights and LR
     for step in range(3, 5):
@@ -257,7 +257,7 @@ def test_megatron_checkpoint_save_load_continue_tp2(tmp_path):
 
 
 def test_megatron_moe_with_dense_layers_is_a_clear_error():
-    from ckpt_engine.trainer_adapters.megatron import (
+    from ckpt_engine.trainer.engines.megatron import (
         MegatronConfig,
         MegatronTrainEngine,
     )
@@ -279,8 +279,8 @@ def _ep_train_worker(rank: int, world_size: int) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from ckpt_engine.trainer_adapters.common import hf_model_from_config
-    from ckpt_engine.trainer_adapters.megatron import MegatronConfig, MegatronTrainEngine
+    from ckpt_engine.trainer.engines.common import hf_model_from_config
+    from ckpt_engine.trainer.engines.megatron import MegatronConfig, MegatronTrainEngine
     from tests._trainer_mp import lm_loss
 
     ps.initialize_model_parallel(expert_model_parallel_size=2)
@@ -310,7 +310,7 @@ def _ep_train_worker(rank: int, world_size: int) -> dict:
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(loss.item())
-    exported = {n: t.detach().cpu().clone() for n, t in engine.iter_weights()}
+    exported = {n: t.detach().cpu().clone() for n, t in engine.source.iter_weights()}
     res = {"losses": losses, "ref_losses": ref_losses}
     if rank == 0:
         res["tensors"] = {**{f"exp/{k}": v for k, v in exported.items()},

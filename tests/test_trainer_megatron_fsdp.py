@@ -23,8 +23,8 @@ def tiny_hf_config(vocab: int = 100):  # noqa: ANN201
 
 
 def test_registry_selects_megatron_fsdp_and_config_validates():
-    from ckpt_engine.trainer_adapters.base import TrainEngineRegistry
-    from ckpt_engine.trainer_adapters.megatron_fsdp import MegatronFSDPConfig, MegatronFSDPTrainEngine
+    from ckpt_engine.trainer.engines.base import TrainEngineRegistry
+    from ckpt_engine.trainer.engines.megatron_fsdp import MegatronFSDPConfig, MegatronFSDPTrainEngine
 
     assert TrainEngineRegistry.get("megatron_fsdp") is MegatronFSDPTrainEngine
     with pytest.raises(ValueError, match=r"sharding_strategy must be one of no_shard, optim, optim_grads, optim_grads_params, got 'zero3'"):
@@ -33,7 +33,7 @@ def test_registry_selects_megatron_fsdp_and_config_validates():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_refuses_cleanly_without_cuda():
-    from ckpt_engine.trainer_adapters.megatron_fsdp import MegatronFSDPTrainEngine
+    from ckpt_engine.trainer.engines.megatron_fsdp import MegatronFSDPTrainEngine
 
     with pytest.raises(RuntimeError, match=r"needs CUDA|cannot be imported"):
         MegatronFSDPTrainEngine(tiny_hf_config())
@@ -49,9 +49,9 @@ def test_refuses_cleanly_without_cuda():
 def _fsdp_worker(rank: int, world_size: int, strategy: str, tp: int) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from ckpt_engine.trainer_adapters.common import hf_model_from_config
+    from ckpt_engine.trainer.engines.common import hf_model_from_config
 
-    from ckpt_engine.trainer_adapters.megatron_fsdp import MegatronFSDPConfig, MegatronFSDPTrainEngine
+    from ckpt_engine.trainer.engines.megatron_fsdp import MegatronFSDPConfig, MegatronFSDPTrainEngine
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(123)
@@ -62,7 +62,7 @@ def _fsdp_worker(rank: int, world_size: int, strategy: str, tp: int) -> dict:
     engine = MegatronFSDPTrainEngine(
         cfg, config=MegatronFSDPConfig(sharding_strategy=strategy, wire_dtype=None, lr=1e-3), initial_hf_weights=sd
     )
-    exported0 = {n: t.detach().cpu().clone() for n, t in engine.iter_weights()}
+    exported0 = {n: t.detach().cpu().clone() for n, t in engine.source.iter_weights()}
     g = torch.Generator().manual_seed(5)
     losses = []
     for _ in range(3):
@@ -71,8 +71,8 @@ def _fsdp_worker(rank: int, world_size: int, strategy: str, tp: int) -> dict:
         engine.optimizer_step()
         engine.lr_scheduler_step()
         losses.append(out["loss"])
-    exported1 = {n: t.detach().cpu().clone() for n, t in engine.iter_weights()}
-    res = {"losses": losses, "names": list(exported1), "is_sender": engine.is_sender}
+    exported1 = {n: t.detach().cpu().clone() for n, t in engine.source.iter_weights()}
+    res = {"losses": losses, "names": list(exported1), "is_sender": engine.source.is_sender}
     if rank == 0:
         res["tensors"] = {**{f"e0/{k}": v for k, v in exported0.items()}, **{f"e1/{k}": v for k, v in exported1.items()},
                           **{f"hf/{k}": v.cpu() for k, v in sd.items()}}

@@ -44,14 +44,14 @@ def tiny_hf_config(tie: bool = False):  # noqa: ANN201 - transformers config
 
 
 def build_model(tie: bool = False, seed: int = 0) -> torch.nn.Module:
-    from ckpt_engine.trainer_adapters.common import hf_model_from_config
+    from ckpt_engine.trainer.engines.common import hf_model_from_config
 
     torch.manual_seed(seed)
     return hf_model_from_config(tiny_hf_config(tie), torch.float32)
 
 
 def engine_config(**kw):  # noqa: ANN201
-    from ckpt_engine.trainer_adapters.megatron_fsdp2 import MegatronFSDP2Config
+    from ckpt_engine.trainer.engines.megatron_fsdp2 import MegatronFSDP2Config
 
     base = dict(lr=1e-3, eps=1e-4, weight_decay=0.01, max_grad_norm=1.0, wire_dtype=None)
     base.update(kw)
@@ -62,8 +62,8 @@ def engine_config(**kw):  # noqa: ANN201
 
 
 def test_registry_selects_megatron_fsdp2_and_config_validates():
-    from ckpt_engine.trainer_adapters.base import TrainEngineRegistry
-    from ckpt_engine.trainer_adapters.megatron_fsdp2 import MegatronFSDP2Config, MegatronFSDP2TrainEngine
+    from ckpt_engine.trainer.engines.base import TrainEngineRegistry
+    from ckpt_engine.trainer.engines.megatron_fsdp2 import MegatronFSDP2Config, MegatronFSDP2TrainEngine
 
     assert TrainEngineRegistry.get("megatron_fsdp2") is MegatronFSDP2TrainEngine
     with pytest.raises(ValueError, match=r"MegatronFSDP2Config.main_params_dtype must be one of .* got 'fp8'"):
@@ -71,7 +71,7 @@ def test_registry_selects_megatron_fsdp2_and_config_validates():
 
 
 def test_bad_input_is_reported_before_anything_is_sharded():
-    from ckpt_engine.trainer_adapters.megatron_fsdp2 import MegatronFSDP2TrainEngine
+    from ckpt_engine.trainer.engines.megatron_fsdp2 import MegatronFSDP2TrainEngine
 
     with pytest.raises(ValueError, match="exactly one of process_group or mesh"):
         MegatronFSDP2TrainEngine(build_model())
@@ -84,7 +84,7 @@ def test_bad_input_is_reported_before_anything_is_sharded():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
 def test_refuses_cleanly_without_cuda_or_megatron_fsdp():
-    from ckpt_engine.trainer_adapters.megatron_fsdp2 import MegatronFSDP2TrainEngine, megatron_fsdp2_available
+    from ckpt_engine.trainer.engines.megatron_fsdp2 import MegatronFSDP2TrainEngine, megatron_fsdp2_available
 
     ok, why = megatron_fsdp2_available()
     assert not ok and ("needs CUDA" in why or "install megatron-fsdp>=0.6.1" in why)
@@ -101,7 +101,7 @@ def _batches(world_size: int, steps: int) -> list[torch.Tensor]:
 
 
 def _collect(engine) -> dict[str, torch.Tensor]:  # noqa: ANN001
-    return {n: t.detach().clone() for n, t in engine.iter_weights()}
+    return {n: t.detach().clone() for n, t in engine.source.iter_weights()}
 
 
 def _reference(model: torch.nn.Module, cfg, data: list[torch.Tensor], world_size: int) -> tuple[list[float], list[float]]:  # noqa: ANN001
@@ -151,7 +151,7 @@ def _count_gathers(fn):  # noqa: ANN001, ANN202
 def _fp32_worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     import copy
 
-    from ckpt_engine.trainer_adapters.megatron_fsdp2 import MegatronFSDP2TrainEngine
+    from ckpt_engine.trainer.engines.megatron_fsdp2 import MegatronFSDP2TrainEngine
 
     device = torch.device("cuda", rank)
     model = build_model().to(device)
@@ -159,7 +159,7 @@ def _fp32_worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cfg = engine_config()
     engine = MegatronFSDP2TrainEngine(model, config=cfg, process_group=world_group())
-    units = engine._units
+    units = engine.source.units
     out: dict = {"groups_per_unit": [len(u.parameter_groups) for u in units], "num_units": len(units)}
     e0 = _collect(engine)
     out["initial_exact"] = sorted(e0) == sorted(init) and all(torch.equal(e0[k], init[k]) for k in init)
@@ -171,8 +171,8 @@ def _fp32_worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
         norms.append(engine.optimizer_step())
         engine.lr_scheduler_step()
     e3, gathers = _count_gathers(lambda: _collect(engine))
-    main = engine.full_main_weights()
-    out.update(losses=losses, norms=norms, export_gathers=gathers, names=list(e3), is_sender=engine.is_sender)
+    main = engine.source.full_main_weights()
+    out.update(losses=losses, norms=norms, export_gathers=gathers, names=list(e3), is_sender=engine.source.is_sender)
     out["export_equals_main"] = all(torch.equal(e3[k], main[k]) for k in main) and sorted(e3) == sorted(main)
     if rank == 0:
         ref_losses, ref_norms = _reference(ref, cfg, [d.to(device) for d in data[:STEPS]], world_size)
@@ -203,7 +203,7 @@ def _fp32_worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     out["pending_after_interrupt"] = [u._unshard_event is not None for u in units]
     engine.optimizer_step()
     e4, gathers4 = _count_gathers(lambda: _collect(engine))
-    main4 = engine.full_main_weights()
+    main4 = engine.source.full_main_weights()
     out["export_gathers_after_interrupt"] = gathers4
     out["stale_free"] = all(torch.equal(e4[k], main4[k]) for k in main4)
     out["moved_by_step4"] = sum(not torch.equal(e4[k], e3[k]) for k in e3)
@@ -227,7 +227,7 @@ def _fp32_worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
 def test_megatron_fsdp2_matches_unsharded_and_exports_exactly_on_2_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from ckpt_engine.trainer_adapters.megatron_fsdp2 import megatron_fsdp2_available
+    from ckpt_engine.trainer.engines.megatron_fsdp2 import megatron_fsdp2_available
 
     ok, why = megatron_fsdp2_available()
     if not ok:
@@ -258,7 +258,7 @@ def test_megatron_fsdp2_matches_unsharded_and_exports_exactly_on_2_gpus():
 
 
 def _bf16_worker(rank: int, world_size: int) -> dict:
-    from ckpt_engine.trainer_adapters.megatron_fsdp2 import MegatronFSDP2TrainEngine
+    from ckpt_engine.trainer.engines.megatron_fsdp2 import MegatronFSDP2TrainEngine
 
     device = torch.device("cuda", rank)
     cfg = engine_config(param_dtype="bfloat16", main_params_dtype="float32", main_grads_dtype="float32", wire_dtype="bfloat16")
@@ -271,9 +271,9 @@ def _bf16_worker(rank: int, world_size: int) -> dict:
         losses.append(engine.forward_backward({"input_ids": ids}, lm_loss)["loss"])
         engine.optimizer_step()
     after, gathers = _count_gathers(lambda: _collect(engine))
-    main = engine.full_main_weights()
+    main = engine.source.full_main_weights()
     return {
-        "losses": losses, "gathers": gathers, "num_units": len(engine._units),
+        "losses": losses, "gathers": gathers, "num_units": len(engine.source.units),
         "dtypes": sorted({str(t.dtype) for t in after.values()}),
         "main_dtypes": sorted({str(t.dtype) for t in main.values()}),
         "export_is_main_in_bf16": all(torch.equal(after[k], main[k].to(torch.bfloat16)) for k in main),
@@ -287,7 +287,7 @@ def test_megatron_fsdp2_bf16_compute_exports_updated_main_weights_on_2_gpus():
     main weights rounded to bf16 (Megatron-FSDP2's copy after optimizer.step), and so is the export."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from ckpt_engine.trainer_adapters.megatron_fsdp2 import megatron_fsdp2_available
+    from ckpt_engine.trainer.engines.megatron_fsdp2 import megatron_fsdp2_available
 
     ok, why = megatron_fsdp2_available()
     if not ok:

@@ -55,7 +55,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 def checkpoint_weights(model: torch.nn.Module, model_type: str) -> dict[str, torch.Tensor]:
     """The model's weights under checkpoint names (one tensor per expert, a tied head included), fp32."""
-    from ckpt_engine.trainer_adapters.hf_names import unfuse_experts
+    from ckpt_engine.sources.hf_names import unfuse_experts
 
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():

@@ -4,6 +4,6 @@ Registers the `tiny` TrainEngine (ckpt_engine.trainer.task:TinyTrainEngine) so `
 selects it like any other backend.
 """
 
-from ckpt_engine.trainer_adapters.base import TrainEngineRegistry
+from ckpt_engine.trainer.engines.base import TrainEngineRegistry
 
 TrainEngineRegistry.register("tiny", "ckpt_engine.trainer.task:TinyTrainEngine")

@@ -64,7 +64,7 @@ def run_job(job: Any, *, echo: bool = True) -> dict[str, Any]:
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
     from ckpt_engine.trainer.loop import FullyAsyncTrainer, SyncRecord
     from ckpt_engine.trainer.rollout import TorchRefPolicyGenerator
-    from ckpt_engine.trainer_adapters.base import TrainEngineRegistry
+    from ckpt_engine.trainer.engines.base import TrainEngineRegistry
 
     if job.rollout.engine != "torch_ref":
         raise ValueError(f"rollout.engine must be torch_ref or vllm, got {job.rollout.engine!r}")
@@ -81,7 +81,7 @@ def run_job(job: Any, *, echo: bool = True) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="ckpt-demo-") as tmp:
         try:
             spec = Path(tmp) / "spec.msgpack"
-            write_spec_file(spec, engine.metadata())
+            write_spec_file(spec, engine.source.metadata())
             daemon.serve()
             say(f"daemon at {daemon.address} (ckpt-engine status --address {daemon.address} --token {daemon.token})")
             for i in range(job.rollout.num_engines):

@@ -31,7 +31,7 @@ from ckpt_engine.sync.api import sync_rollout_weights
 from ckpt_engine.trainer.config import JobConfig
 from ckpt_engine.trainer.rollout import Generator, RolloutWorker, SampleChunk
 from ckpt_engine.trainer.task import ModularTask
-from ckpt_engine.trainer_adapters.base import TrainEngine
+from ckpt_engine.trainer.engines.base import TrainEngine
 from ckpt_engine.sources.base import WeightSource
 
 __all__ = ["FullyAsyncTrainer", "StepRecord", "SyncRecord", "TorchDistWalkBarrier", "TrainerPeers", "follow_sync"]
@@ -124,7 +124,7 @@ class FullyAsyncTrainer:
 
     # --- syncing ------------------------------------------------------------------------------
     def sync(self, step: int, reason: str) -> SyncOutcome:
-        source: WeightSource = self.engine
+        source: WeightSource = self.engine.source
         many = self.daemon.many_senders(source)  # decided once, told to the other ranks, kept by the daemon
         barrier = self.peers.announce_sync(many) if self.peers is not None else None
         if self._stepped_since_sync or self.daemon.version == 0:

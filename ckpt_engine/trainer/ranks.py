@@ -18,18 +18,14 @@ collective bounded by the group's timeout (set when the group is created).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.planning.ownership import OwnerMap
-from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.trainer.lm_task import TokenTask
 from ckpt_engine.trainer.loop import TorchDistWalkBarrier, follow_sync
-from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
+from ckpt_engine.trainer.engines.base import LossFn, TrainEngine
 
 __all__ = ["DataParallelLeader", "follow_leader", "local_rows"]
 
@@ -50,21 +46,22 @@ def _broadcast_header(group: dist.ProcessGroup, command: int, rows: int = 0, col
     dist.broadcast(torch.tensor([command, rows, cols], dtype=torch.int64), 0, group=group)
 
 
-class DataParallelLeader(TrainEngine, ShardedWeightSource):
+class DataParallelLeader(TrainEngine):
     """Rank 0's view of a data-parallel TrainEngine: every call is announced to the followers first.
 
     Wraps the rank-local engine; the loop drives it like any TrainEngine and passes it as `peers`.
-    As a source it is the wrapped engine's: sharded (a sync may send from every rank) when that
-    engine is a `ShardedWeightSource`, else a one-sender source (`num_senders` 1).
+    Its `source` is the wrapped engine's (sharded, so a sync may send from every rank, when that
+    source is a `ShardedWeightSource`); its process group is the trainer group the followers
+    hear announcements on.
     """
 
     def __init__(self, engine: TrainEngine, group: dist.ProcessGroup) -> None:
         if dist.get_rank(group) != 0:
             raise ValueError("DataParallelLeader runs on rank 0 of the trainer group; the other ranks call follow_leader()")
         self.engine = engine
+        self.source = engine.source
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self.is_sender = engine.is_sender
         self.stopped = False
 
     # --- announced collectives -----------------------------------------------------------------
@@ -91,46 +88,6 @@ class DataParallelLeader(TrainEngine, ShardedWeightSource):
         _broadcast_header(self.group, SYNC, int(many_senders))
         return TorchDistWalkBarrier(self.group, 0)
 
-    # --- multi-sender source: the wrapped engine's own shards (when it has them) ---------------
-    def _shards(self) -> ShardedWeightSource | None:
-        return self.engine if isinstance(self.engine, ShardedWeightSource) else None
-
-    @property
-    def sender_index(self) -> int:  # type: ignore[override]
-        shards = self._shards()
-        return shards.sender_index if shards is not None else 0
-
-    @property
-    def num_senders(self) -> int:  # type: ignore[override]
-        shards = self._shards()
-        return shards.num_senders if shards is not None else 1
-
-    @property
-    def stable_pieces(self) -> bool:
-        shards = self._shards()
-        return shards.stable_pieces if shards is not None else self.stable_tensors
-
-    def sharded_refusal(self) -> str | None:
-        shards = self._shards()
-        return shards.sharded_refusal() if shards is not None else None
-
-    def owners(self) -> OwnerMap:
-        shards = self._shards()
-        if shards is None:
-            raise ValueError(f"{type(self.engine).__name__} is not sharded: it has no owners")
-        return shards.owners()
-
-    def local_piece(self, name: str) -> torch.Tensor:
-        shards = self._shards()
-        if shards is None:
-            raise ValueError(f"{type(self.engine).__name__} is not sharded: it has no pieces")
-        return shards.local_piece(name)
-
-    @property
-    def process_group(self) -> dist.ProcessGroup:
-        """The trainer's group: rank 0 announces a many-senders sync to the followers over it."""
-        return self.group
-
     def stop(self) -> None:
         """Release the followers (idempotent)."""
         if not self.stopped:
@@ -143,12 +100,6 @@ class DataParallelLeader(TrainEngine, ShardedWeightSource):
 
     def eval_mode(self) -> None:
         self.engine.eval_mode()
-
-    def metadata(self) -> list[TensorSpec]:
-        return self.engine.metadata()
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.engine.iter_weights()
 
     def save_checkpoint(self, path: str) -> None:
         raise NotImplementedError("checkpointing is not part of the leader/follower protocol yet")
@@ -184,7 +135,7 @@ def follow_leader(
             engine.optimizer_step()
             steps += 1
         elif command == SYNC:
-            follow_sync(engine, TorchDistWalkBarrier(group, 0), many_senders=bool(rows), config=config)
+            follow_sync(engine.source, TorchDistWalkBarrier(group, 0), many_senders=bool(rows), config=config)
             syncs += 1
         else:
             raise RuntimeError(f"rank {rank}: unknown command {command} from rank 0")

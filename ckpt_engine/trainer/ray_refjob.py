@@ -77,7 +77,7 @@ class TrainerRankActor:
 
     def __init__(self, job: JobConfig, echo: bool = False, *, token: str | None = None) -> None:
         import ckpt_engine.trainer  # noqa: F401  (registers the `tiny` TrainEngine)
-        from ckpt_engine.trainer_adapters.base import TrainEngineRegistry
+        from ckpt_engine.trainer.engines.base import TrainEngineRegistry
 
         self.job = job
         self.echo = echo
@@ -93,7 +93,7 @@ class TrainerRankActor:
 
     def specs(self) -> list[list[Any]]:
         """The weights every engine must hold, as [name, dtype, shape] (no tensors gathered)."""
-        return [[s.name, s.dtype, list(s.shape)] for s in self.engine.metadata()]
+        return [[s.name, s.dtype, list(s.shape)] for s in self.engine.source.metadata()]
 
     def run(self, engines: dict[str, dict[str, Any]]) -> dict[str, Any]:
         """Register `engines` (name -> descriptor) with an embedded daemon and train; returns the summary."""

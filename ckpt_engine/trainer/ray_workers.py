@@ -77,8 +77,8 @@ class FsdpRankActor:
         import torch.distributed as dist
         from transformers import Qwen2Config
 
-        from ckpt_engine.trainer_adapters.common import hf_model_from_config
-        from ckpt_engine.trainer_adapters.fsdp2 import FSDP2Config, FSDP2TrainEngine
+        from ckpt_engine.trainer.engines.common import hf_model_from_config
+        from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config, FSDP2TrainEngine
 
         timeout = datetime.timedelta(seconds=self.group_timeout_s())
         dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size, timeout=timeout)
@@ -172,7 +172,7 @@ class FsdpRankActor:
     def _walk_weights(self, leader: Any) -> dict[str, torch.Tensor]:
         """One more collective walk (the followers take it for a sync) that keeps full HF tensors."""
         barrier = leader.announce_sync()
-        weights = {n: t.detach().clone() for n, t in self.engine.iter_weights()}
+        weights = {n: t.detach().clone() for n, t in self.engine.source.iter_weights()}
         barrier(False)
         return weights
 
@@ -186,7 +186,7 @@ def _hf_greedy(model_config: dict[str, Any], weights: dict[str, torch.Tensor]) -
     """Greedy tokens of an HF model holding `weights` (the reference the engines must match)."""
     from transformers import Qwen2Config
 
-    from ckpt_engine.trainer_adapters.common import hf_model_from_config
+    from ckpt_engine.trainer.engines.common import hf_model_from_config
 
     model = hf_model_from_config(Qwen2Config(**model_config), torch.float32, attn_implementation="eager").eval()
     missing, unexpected = model.load_state_dict(weights, strict=False)

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.sources.base import spec_of
+from ckpt_engine.sources.base import WeightSource, spec_of
+from ckpt_engine.trainer.engines.base import LossFn, TrainEngine
 
-__all__ = ["ModularTask", "TinyPolicy", "TinyTrainEngine", "pg_loss"]
+__all__ = ["ModularTask", "ModuleSource", "TinyPolicy", "TinyTrainEngine", "pg_loss"]
 
 
 class ModularTask:
@@ -63,14 +63,26 @@ def pg_loss(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tenso
     return -(advantage * logp).mean()
 
 
+class ModuleSource(WeightSource):
+    """A one-process module's live state dict, read afresh on every walk."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def metadata(self) -> list[TensorSpec]:
+        return [spec_of(n, t) for n, t in self.model.state_dict().items()]
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from ((n, t.detach()) for n, t in self.model.state_dict().items())
+
+
 class TinyTrainEngine(TrainEngine):
     """A single-process TrainEngine over TinyPolicy; the reference for the loop's contract."""
-
-    is_sender = True
 
     def __init__(self, vocab_size: int, lr: float = 0.05, seed: int = 0) -> None:
         torch.manual_seed(seed)
         self.model = TinyPolicy(vocab_size)
+        self.source = ModuleSource(self.model)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.step = 0
 
@@ -91,12 +103,6 @@ class TinyTrainEngine(TrainEngine):
 
     def eval_mode(self) -> None:
         self.model.eval()
-
-    def metadata(self) -> list[TensorSpec]:
-        return [spec_of(n, t) for n, t in self.model.state_dict().items()]
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from ((n, t.detach()) for n, t in self.model.state_dict().items())
 
     def save_checkpoint(self, path: str) -> None:
         torch.save({"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step}, path)

@@ -188,8 +188,8 @@ def _rank_main(argv: list[str] | None = None) -> int:
 
     from ckpt_engine.trainer.config import load_job_config
     from ckpt_engine.trainer.lm_task import TokenTask
-    from ckpt_engine.trainer_adapters.common import hf_model_from_config
-    from ckpt_engine.trainer_adapters.fsdp2 import FSDP2Config, FSDP2TrainEngine
+    from ckpt_engine.trainer.engines.common import hf_model_from_config
+    from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config, FSDP2TrainEngine
 
     job_dir = Path(args.dir)
     job = load_job_config(json.loads((job_dir / "job.json").read_text()))

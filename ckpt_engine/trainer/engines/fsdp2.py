@@ -4,22 +4,15 @@ Each decoder layer is one FSDP unit, the root (embeddings, final norm, LM head) 
 is plain data parallelism over one explicit process group (or 1-D device mesh): every rank runs
 `forward_backward` on its own micro-batch, FSDP2 averages the gradients with a reduce-scatter.
 
-Export (`iter_weights`) gathers a whole FSDP unit with one all-gather (`unshard()`), yields its
-parameters under their Hugging Face checkpoint names, then reshards; the next unit's all-gather
-is issued before the current one is consumed, so gathering overlaps the consumer (the bucket
-packer). Collective contract: every rank of the group calls every public method in the same
-order; only rank 0 (`is_sender`) streams what `iter_weights` yields.
-
-With many senders (`ckpt_engine.sources.sharded.ShardedWeightSource`) every rank sends its own
-shards instead: `owners()` says which rows of each tensor each rank holds (from the DTensor
-sharding, no collective) and `local_piece(name)` hands out this rank's rows; nothing is gathered
-(`fsdp2_source.py`).
+The engine's weights, as a sync reads them, are `self.source`: an `FSDP2Source` built from the
+sharded model (`ckpt_engine.sources.fsdp2`), which gathers unit by unit for one sender or hands
+out each rank's own shards for many. Collective contract: every rank of the group calls every
+public method in the same order.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,21 +20,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.planning.ownership import Shard
-from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import (
-    DEFAULT_KEEP_FP32, TrainConfig, WirePolicy, adamw_with_schedule, check_float_dtype, clip_and_step, global_grad_norm, hf_config_of,
-    mean_loss, resume_schedule, torch_dtype,
+from ckpt_engine.sources.export_plan import decoder_layers
+from ckpt_engine.sources.fsdp2 import FSDP2Source, check_exportable
+from ckpt_engine.sources.wire import check_float_dtype, hf_config_of, torch_dtype
+from ckpt_engine.trainer.engines.base import LossFn, TrainEngine
+from ckpt_engine.trainer.engines.common import (
+    TrainConfig, adamw_with_schedule, clip_and_step, global_grad_norm, mean_loss, resume_schedule,
 )
-from ckpt_engine.trainer_adapters.export_plan import ExportEntry, decoder_layers, emit_entry, plan_export
-from ckpt_engine.trainer_adapters.fsdp2_source import FSDP2ShardedSource
-from ckpt_engine.trainer_adapters.fsdp2_adapters import AdapterExport
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["FSDP2Config", "FSDP2TrainEngine", "DEFAULT_KEEP_FP32"]
+__all__ = ["FSDP2Config", "FSDP2TrainEngine"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +60,8 @@ class FSDP2Config(TrainConfig):
             check_float_dtype(f"{type(self).__name__}.{fname}", getattr(self, fname))
 
 
-class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
-    """Data-parallel FSDP2 training of a HF causal LM, and its weight source for the rollout.
+class FSDP2TrainEngine(TrainEngine):
+    """Data-parallel FSDP2 training of a HF causal LM; `source` is its weights for the rollout.
 
     `model` must be an unsharded `transformers` causal LM with identical initial weights on every
     rank (same seed or loaded from the same checkpoint), already on `device`. Exactly one of
@@ -95,22 +85,13 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         self.config = config if config is not None else FSDP2Config()
         if (process_group is None) == (mesh is None):
             raise ValueError("FSDP2TrainEngine needs exactly one of process_group or mesh (the default group is never assumed)")
-        hf_config = hf_config_of(model, "FSDP2TrainEngine")
-        self.model_type: str = hf_config.model_type
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        hf_config_of(model, "FSDP2TrainEngine")
+        check_exportable(model, adapter=self.config.adapter if self.config.weights == "adapters" else None)  # before sharding
         device = torch.device(device) if device is not None else next(model.parameters()).device
         if device.type == "meta":
             raise ValueError("FSDP2TrainEngine(device=...) must name a real device when the model is on the meta device")
         self.device = device
-        self._wire = WirePolicy(self.config.wire_dtype, self.config.keep_fp32_patterns)
         layers = decoder_layers(model)
-        self._adapters = AdapterExport(model, self.config.adapter) if self.config.weights == "adapters" else None
-        self._entries = plan_export(  # bad layouts fail here, before any collective
-            model, layers, model_type=self.model_type, wire=self._wire, buffers=True, tied_head=self.tie_word_embeddings, who="FSDP2",
-        )
-        if self._adapters is not None:
-            self._entries = self._adapters.entries(self._entries)
-
         if mesh is None:
             assert process_group is not None
             mesh = DeviceMesh.from_group(process_group, device.type)
@@ -120,16 +101,6 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
         self.group: dist.ProcessGroup = mesh.get_group()
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.is_sender = self.rank == 0
-        self.sender_index = self.rank  # multi-sender sync: every trainer rank sends its shards
-        self.num_senders = self.world_size
-        self._pieces = {s.name: (e, i) for e in self._entries for i, s in enumerate(e.specs)}
-        self._owners: dict[str, list[Shard]] | None = None
-        self._rows: dict[int, list[int] | None] = {}  # id(entry) -> rows per rank (None: replicated)
-        self._fsdp_params: dict[tuple[int, str], Any] | None = None
-        self._sync_cache: dict[tuple[int, Any], torch.Tensor] = {}  # this walk's local tensors and casts
-        self._walking = False  # between begin_pieces and end_pieces: the cache is used
-        self._few_casts: bool | None = None
 
         mp = MixedPrecisionPolicy(
             param_dtype=torch_dtype(self.config.param_dtype) if self.config.param_dtype else None,
@@ -139,12 +110,15 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
             fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=self.config.reshard_after_forward)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=self.config.reshard_after_forward)
         self.model = model
-        self._units: list[nn.Module] = [model, *layers]
+        self.source = FSDP2Source(
+            model, process_group=self.group, dtype=self.config.wire_dtype, keep_fp32=self.config.keep_fp32_patterns,
+            adapter=self.config.adapter if self.config.weights == "adapters" else None, prefetch=self.config.prefetch_export,
+        )
         self.optimizer, self.scheduler = adamw_with_schedule(model, self.config)
         self.global_step = 0
         logger.info(
             "FSDP2 engine: %s, %d units over %d ranks, %d exported tensors",
-            self.model_type, len(self._units), self.world_size, sum(len(e.specs) for e in self._entries),
+            self.source.model_type, len(layers) + 1, self.world_size, len(self.source.metadata()),
         )
 
     def materialize(self, init: Any = None) -> None:
@@ -164,103 +138,6 @@ class FSDP2TrainEngine(FSDP2ShardedSource, TrainEngine):
                     local.fill_(1.0)
                 else:
                     local.normal_(0.0, 0.02)
-
-    # --- export plan ---------------------------------------------------------------------------
-    def wire_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
-        """The dtype `name` travels in: keep-fp32 policy first, then `wire_dtype` for floats."""
-        return self._wire.dtype_for(name, dtype)
-
-    def metadata(self) -> list[TensorSpec]:
-        """HF checkpoint name, wire dtype and global shape of every exported tensor (local, no gather)."""
-        return [s for e in self._entries for s in e.specs]
-
-    # --- export --------------------------------------------------------------------------------
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors under HF names, one unit all-gather at a time; every rank of the group walks it.
-
-        A yielded tensor may alias the unit's all-gather buffer: it is valid until the next item is
-        requested (clone it to keep it). Every rank must walk the same distance (normally to the end):
-        the walk issues collectives.
-        """
-        from torch.distributed.fsdp import FSDPModule
-
-        if self._adapters is not None:  # a few small tensors: gathered one by one, the base stays sharded
-            yield from self._adapters.iter_weights(self._entries, self._master)
-            return
-        units = self._units
-        order = list(dict.fromkeys(e.unit for e in self._entries if e.unit != 0))  # first-use order
-        root = units[0]
-        assert isinstance(root, FSDPModule)
-        pending: dict[int, Any] = {}
-        active: int | None = None
-        with torch.no_grad():
-            root.unshard()  # the root (embeddings, norm, head) stays gathered for the whole walk
-            try:
-                upcoming = iter(order)
-                first = next(upcoming, None)
-                if first is not None:
-                    pending[first] = units[first].unshard(async_op=True)
-                for e in self._entries:
-                    if e.unit != 0 and e.unit != active:
-                        if active is not None:
-                            units[active].reshard()
-                            active = None
-                        handle = pending.pop(e.unit, None)
-                        if handle is None:
-                            handle = units[e.unit].unshard(async_op=True)
-                        active = e.unit
-                        if self.config.prefetch_export:
-                            following = next(upcoming, None)
-                            if following is not None:
-                                pending[following] = units[following].unshard(async_op=True)
-                        else:
-                            next(upcoming, None)
-                        handle.wait()
-                    yield from self._emit(e)
-            finally:
-                # Every rank issued the same all-gathers: waiting on them here is safe even when the
-                # consumer stops early; resharding is local.
-                for u, handle in pending.items():
-                    handle.wait()
-                    units[u].reshard()
-                if active is not None:
-                    units[active].reshard()
-                root.reshard()
-
-    def _emit(self, e: ExportEntry) -> Iterator[tuple[str, torch.Tensor]]:
-        t = getattr(e.module, e.attr)
-        if isinstance(t, torch.distributed.tensor.DTensor):  # not gathered (should not happen after unshard)
-            t = t.full_tensor()
-        want = torch_dtype(e.specs[0].dtype)
-        if t.is_floating_point() and t.element_size() < torch.empty((), dtype=want).element_size():
-            # Mixed precision gathered this param in a lower precision than the wire needs (e.g. a
-            # keep-fp32 router gate under param_dtype=bf16): gather the master shard instead.
-            t = self._master(e).full_tensor()
-        yield from emit_entry(self.model_type, e, t)
-
-    def _master(self, e: ExportEntry) -> Any:
-        from torch.distributed.fsdp import FSDPModule
-
-        unit = self._units[e.unit]
-        assert isinstance(unit, FSDPModule)
-        for group in self._param_groups([unit]):
-            for fp in group.fsdp_params:
-                if fp._module_info.module is e.module and fp._module_info.param_name == e.attr:
-                    return fp.sharded_param
-        raise RuntimeError(f"{e.name}: no FSDP parameter found for it")
-
-    @staticmethod
-    def _param_groups(units: list[nn.Module]) -> list[Any]:
-        groups: list[Any] = []
-        for unit in units:
-            state = unit._get_fsdp_state()  # type: ignore[operator]
-            # torch >= 2.13 keeps a list of param groups per state; torch 2.11 a single optional one.
-            found = getattr(state, "_fsdp_param_groups", None)
-            if found is None:
-                single = getattr(state, "_fsdp_param_group", None)
-                found = [single] if single is not None else []
-            groups.extend(found)
-        return groups
 
     # --- training ------------------------------------------------------------------------------
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:

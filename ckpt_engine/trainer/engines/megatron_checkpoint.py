@@ -15,7 +15,6 @@ model-parallel world and of the data-parallel group calls `save`/`load`; one ran
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from functools import partial
@@ -24,7 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt_engine.trainer_adapters.megatron_export import MegatronExporter, walk_to_first_stage
+from ckpt_engine.sources.megatron_export import MegatronExporter, walk_to_first_stage
+from ckpt_engine.sources.wire import WirePolicy
 
 MegatronTrainEngine = Any  # the engine (megatron.py imports this module, so no import back)
 
@@ -44,9 +44,8 @@ def _moment(optimizer: torch.optim.Optimizer, key: str, p: torch.Tensor) -> torc
 
 def hf_space_exporter(engine: MegatronTrainEngine, key: str) -> MegatronExporter:
     """Full-precision exporter (no wire dtype) over the weights, or over one AdamW moment."""
-    full = dataclasses.replace(engine.config, wire_dtype=None, keep_fp32_patterns=())
     local = None if key == "model" else partial(_moment, engine.optimizer, key)
-    return MegatronExporter(engine.model, engine.hf_config, full, engine.groups, local_tensor=local)
+    return MegatronExporter(engine.model, engine.hf_config, WirePolicy(None, ()), engine.groups, local_tensor=local)
 
 
 def _check_supported(engine: MegatronTrainEngine) -> None:

@@ -1,4 +1,6 @@
-"""Settings and small policies every trainer adapter shares: optimizer, LR schedule, wire dtypes."""
+"""Settings and steps every training engine shares: optimizer, LR schedule, clipping, loss and grad norm.
+
+The wire dtypes a config names are the sources' (`ckpt_engine.sources.wire`)."""
 
 from __future__ import annotations
 
@@ -11,29 +13,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_KEEP_FP32", "TrainConfig", "WirePolicy", "check_float_dtype", "dtype_name", "global_grad_norm", "mean_loss", "torch_dtype"]
+from ckpt_engine.sources.wire import DEFAULT_KEEP_FP32, WirePolicy, check_float_dtype
 
-DEFAULT_KEEP_FP32: tuple[str, ...] = (r"(^|\.)mlp\.gate\.weight$",)
-"""MoE router gates: engines keep them in fp32 because top-k routing is sensitive to rounding."""
-
-FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-
+__all__ = [
+    "TrainConfig", "adamw_with_schedule", "clip_and_step", "global_grad_norm", "hf_model_from_config", "mean_loss", "resume_schedule",
+]
 
 logger = logging.getLogger(__name__)
-
-
-def check_float_dtype(field_name: str, value: str | None) -> None:
-    if value is not None and value not in FLOAT_DTYPES:
-        raise ValueError(f"{field_name} must be one of {FLOAT_DTYPES} or None, got {value!r}")
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The manifest's name of `dtype` ("bfloat16"), the inverse of `torch_dtype`."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(kw_only=True)
@@ -74,6 +60,10 @@ class TrainConfig:
             except re.error as exc:
                 raise ValueError(f"{cls}.keep_fp32_patterns: bad regex {pat!r}: {exc}") from None
 
+    def wire(self) -> WirePolicy:
+        """The wire dtypes these settings name, as the sources take them."""
+        return WirePolicy(self.wire_dtype, self.keep_fp32_patterns)
+
     def lr_factor(self, step: int) -> float:
         """Multiplier of `lr` after `step` scheduler steps (pure; shared by engines and references)."""
         if self.warmup_steps and step < self.warmup_steps:
@@ -82,32 +72,6 @@ class TrainConfig:
             return 1.0
         progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-class WirePolicy:
-    """Per-name wire dtype: keep-fp32 names first, then `wire_dtype` for floating tensors."""
-
-    def __init__(self, wire_dtype: str | None, keep_fp32_patterns: tuple[str, ...]) -> None:
-        self.wire = torch_dtype(wire_dtype) if wire_dtype else None
-        self.keep = [re.compile(p) for p in keep_fp32_patterns]
-
-    def dtype_for(self, name: str, dtype: torch.dtype) -> torch.dtype:
-        if not dtype.is_floating_point:
-            return dtype
-        if any(p.search(name) for p in self.keep):
-            return torch.float32
-        return self.wire if self.wire is not None else dtype
-
-
-def hf_config_of(model: torch.nn.Module, who: str) -> Any:
-    """`model`'s Hugging Face config (a `transformers.PretrainedConfig`): the export names every
-    tensor by its `model_type`. A `peft.PeftModel` forwards its base model's config."""
-    from transformers import PretrainedConfig
-
-    config = getattr(model, "config", None)
-    if not isinstance(config, PretrainedConfig):
-        raise ValueError(f"{who} wraps Hugging Face models (with .config.model_type), got {type(model).__name__}")
-    return config
 
 
 def hf_model_from_config(hf_config: object, dtype: torch.dtype, **kwargs: object) -> torch.nn.Module:

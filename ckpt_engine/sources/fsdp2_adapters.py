@@ -18,7 +18,7 @@ from torch import nn
 from ckpt_engine.lora_format import ADAPTER_CONFIG, LoraSpec, peft_wire_name
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.sources.adapters import lora_spec_of
-from ckpt_engine.trainer_adapters.export_plan import ExportEntry
+from ckpt_engine.sources.export_plan import ExportEntry
 
 __all__ = ["AdapterExport"]
 

@@ -12,33 +12,20 @@ reduce-scatters gradients asynchronously on a second stream, and (through
 Units: one per decoder layer, the root (embeddings, final norm, LM head) one more, sharded
 bottom-up as the API requires. Placements are plain FSDP over a 1-D mesh (parameters, gradients
 and optimizer state all `Flat`: the one layout megatron-fsdp 0.6.1 runs on a single mesh axis).
-
-Export (`iter_weights`): first every unit's pending all-gather is finished and its gathered
-buffer dropped (a prefetch left behind by an interrupted forward would otherwise be reused, and
-hold the weights of before the last step); then each unit is gathered with its own all-gather
-(one per parameter group: one per unit when all its parameters share a dtype) on Megatron-FSDP's
-all-gather stream, the next unit's gather issued before the current one is consumed, and its
-parameters yielded under their HF checkpoint names.
-
-The sharded parameters are DTensors whose local pieces are DBuffer ranges, not DTensor's own
-`Shard(0)` chunks: `full_tensor()` and DCP would misplace their rows. The engine therefore never
-calls them; checkpoints hold each rank's buffers (same world size to load).
-
-With many senders (`ckpt_engine.sources.sharded.ShardedWeightSource`, `megatron_fsdp2_shards.py`)
-every rank sends its own rows instead: `owners()` reads each rank's row ranges from the buffer
-layouts (no collective) and `local_piece(name)` hands out this rank's rows; nothing is gathered.
+The engine's weights, as a sync reads them, are `self.source`: a `MegatronFSDP2Source`
+(`ckpt_engine.sources.megatron_fsdp2`). The sharded parameters' local pieces are DBuffer ranges,
+not DTensor's `Shard(0)` chunks, so DCP would misplace their rows: checkpoints hold each rank's
+buffers (same world size to load).
 
 Needs CUDA (Megatron-FSDP2 schedules on CUDA streams). Importing this module never fails;
 construction without CUDA or without megatron-fsdp raises a RuntimeError naming what is missing.
-Collective contract: every rank of the mesh calls every public method in the same order; with one
-sender, rank 0 (`is_sender`) streams what `iter_weights` yields.
+Collective contract: every rank of the mesh calls every public method in the same order.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,13 +33,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import (
-    TrainConfig, WirePolicy, check_float_dtype, clip_and_step, global_grad_norm, hf_config_of, mean_loss, resume_schedule, torch_dtype,
-)
-from ckpt_engine.trainer_adapters.export_plan import ExportEntry, decoder_layers, emit_entry, plan_export
-from ckpt_engine.trainer_adapters.megatron_fsdp2_shards import MegatronFSDP2ShardedSource
+from ckpt_engine.sources.export_plan import decoder_layers
+from ckpt_engine.sources.megatron_fsdp2 import MegatronFSDP2Source
+from ckpt_engine.sources.wire import check_float_dtype, hf_config_of, torch_dtype
+from ckpt_engine.trainer.engines.base import LossFn, TrainEngine
+from ckpt_engine.trainer.engines.common import TrainConfig, clip_and_step, global_grad_norm, mean_loss, resume_schedule
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -98,8 +83,8 @@ class MegatronFSDP2Config(TrainConfig):
             check_float_dtype(f"{type(self).__name__}.{fname}", getattr(self, fname))
 
 
-class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
-    """Data-parallel Megatron-FSDP2 training of a HF causal LM, and its weight source for the rollout.
+class MegatronFSDP2TrainEngine(TrainEngine):
+    """Data-parallel Megatron-FSDP2 training of a HF causal LM; `source` is its weights for the rollout.
 
     `model`: an unsharded `transformers` causal LM with identical weights on every rank, on this
     rank's CUDA device. Exactly one of `process_group` and `mesh` (1-D) says which ranks shard it.
@@ -135,15 +120,10 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
         if device.type != "cuda":
             raise ValueError(f"MegatronFSDP2TrainEngine needs the model on this rank's CUDA device, got {device}")
         self.device = device
-        self.model_type: str = hf_config.model_type
         cfg = self.config
         if cfg.param_dtype is not None:
             model.to(torch_dtype(cfg.param_dtype))
-        self._wire = WirePolicy(cfg.wire_dtype, cfg.keep_fp32_patterns)
         layers = decoder_layers(model)
-        self._entries = plan_export(  # bad layouts fail here, before any collective
-            model, layers, model_type=self.model_type, wire=self._wire, buffers=False, tied_head=False, who="Megatron-FSDP2",
-        )
 
         if mesh is None:
             assert process_group is not None
@@ -154,8 +134,6 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
         self.group: dist.ProcessGroup = mesh.get_group()
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        self.is_sender = self.rank == 0
-        self.process_group = self.group  # the group many-sender syncs announce over
 
         placements = Placements(dp_axes=[0], parameter=[Flat()], gradient=[Flat()], optimizer=[Flat()])
         policy = MixedPrecisionPolicy(
@@ -167,9 +145,9 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
         fully_shard(model, mesh, placements, policy)
         model._lazy_init_context()  # share one context (streams, prefetch orders) now, so export may precede forward
         self.model = model
-        self._units: list[Any] = [model, *layers]
-        self._locate_entries()
-        self._init_senders()  # every rank sends its own rows (megatron_fsdp2_shards.py)
+        self.source = MegatronFSDP2Source(
+            model, process_group=self.group, units=[model, *layers], dtype=cfg.wire_dtype, keep_fp32=cfg.keep_fp32_patterns,
+        )
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],
             lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -179,124 +157,8 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
         self.global_step = 0
         logger.info(
             "Megatron-FSDP2 engine: %s, %d units over %d ranks, %d exported tensors",
-            self.model_type, len(self._units), self.world_size, sum(len(e.specs) for e in self._entries),
+            self.source.model_type, len(self.source.units), self.world_size, len(self.source.metadata()),
         )
-
-    # --- export plan ---------------------------------------------------------------------------
-    def _locate_entries(self) -> None:
-        """Map every entry to (parameter group, index in it): where its main weight lives."""
-        where: dict[tuple[int, str], tuple[Any, int]] = {}
-        for unit in self._units:
-            for group in unit.parameter_groups:
-                for i, fqn in enumerate(group.parameter_names):
-                    owner_name, _, attr = fqn.rpartition(".")
-                    owner = unit.get_submodule(owner_name) if owner_name else unit
-                    where[(id(owner), attr)] = (group, i)
-        missing = [e.name for e in self._entries if (id(e.module), e.attr) not in where]
-        if missing:
-            raise RuntimeError(f"Megatron-FSDP2 did not take ownership of {missing[0]} (and {len(missing) - 1} more)")
-        self._where = [where[(id(e.module), e.attr)] for e in self._entries]
-
-    def metadata(self) -> list[TensorSpec]:
-        """HF checkpoint name, wire dtype and global shape of every exported tensor (local, no gather)."""
-        return [s for e in self._entries for s in e.specs]
-
-    def wire_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
-        return self._wire.dtype_for(name, dtype)
-
-    # --- export --------------------------------------------------------------------------------
-    def finish_pending_gathers(self) -> int:
-        """Finish every unit's outstanding all-gather and drop its gathered copy; returns how many.
-
-        A unit gathered by a prefetch that no forward consumed (an interrupted forward, a prefetch
-        past the last step) keeps its gathered buffer, and Megatron-FSDP2 reuses it on the next
-        gather request: after an optimizer step that copy is stale. Every unit is checked, not
-        only the first. Local (no collective): each rank waits on work it issued.
-        """
-        current = torch.cuda.current_stream(self.device)
-        stale = 0
-        for unit in self._units:
-            event = unit._unshard_event
-            if event is not None:
-                current.wait_event(event)
-                unit._reshard_parameter_groups()
-                stale += 1
-        if stale:
-            logger.info("finished %d pending Megatron-FSDP2 all-gathers before export", stale)
-        return stale
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors under HF names, one unit gather at a time; every rank of the mesh walks it.
-
-        A yielded tensor aliases the unit's gather buffer: valid until the next item is requested.
-        Every rank must walk the same distance (normally to the end): the walk issues collectives.
-        """
-        self.finish_pending_gathers()
-        units = self._units
-        context = units[0].context
-        current = torch.cuda.current_stream(self.device)
-        context.allgather_stream.wait_stream(current)  # gathers read what the optimizer just wrote
-        order = list(dict.fromkeys(e.unit for e in self._entries if e.unit != 0))
-        upcoming = iter(order)
-        gathered: list[int] = []
-        with torch.no_grad():
-            try:
-                units[0]._unshard_parameter_groups()  # the root stays gathered for the whole walk
-                gathered.append(0)
-                current.wait_event(units[0]._unshard_event)
-                first = next(upcoming, None)
-                if first is not None:
-                    units[first]._unshard_parameter_groups()
-                    gathered.append(first)
-                active: int | None = None
-                for i, e in enumerate(self._entries):
-                    if e.unit != 0 and e.unit != active:
-                        if active is not None:
-                            units[active]._reshard_parameter_groups()
-                            gathered.remove(active)
-                        active = e.unit
-                        if active not in gathered:  # a unit visited twice (not HF order): gather again
-                            units[active]._unshard_parameter_groups()
-                            gathered.append(active)
-                        following = next(upcoming, None)
-                        if following is not None:
-                            units[following]._unshard_parameter_groups()  # prefetch on the all-gather stream
-                            gathered.append(following)
-                        current.wait_event(units[active]._unshard_event)
-                    yield from self._emit(i, e)
-            finally:
-                # Every rank issued the same gathers; releasing is local and ordered after the consumer.
-                for u in gathered:
-                    units[u]._reshard_parameter_groups()
-
-    def _emit(self, i: int, e: ExportEntry) -> Iterator[tuple[str, torch.Tensor]]:
-        t = getattr(e.module, e.attr)
-        want = torch_dtype(e.specs[0].dtype)
-        if t.is_floating_point() and t.element_size() < torch.empty((), dtype=want).element_size():
-            t = self._main_full(i)  # e.g. a keep-fp32 router gate under bf16 compute: the main weight
-        yield from emit_entry(self.model_type, e, t)
-
-    def _main_full(self, i: int) -> torch.Tensor:
-        """Entry i's full main (optimizer) weight: its group's main buffer gathered (collective)."""
-        from megatron_fsdp.experimental import Replicate
-
-        group, index = self._where[i]
-        return group.main_weight.redistribute([Replicate()] * group.mesh.ndim).get_local_tensor(index)
-
-    def full_main_weights(self) -> dict[str, torch.Tensor]:
-        """Every exported parameter's full main weight under its HF name, one gather per group.
-
-        The reference the export is checked against (tests, debugging); a collective on every rank.
-        """
-        from megatron_fsdp.experimental import Replicate
-
-        full: dict[int, Any] = {}
-        out: dict[str, torch.Tensor] = {}
-        for e, (group, index) in zip(self._entries, self._where):
-            if id(group) not in full:
-                full[id(group)] = group.main_weight.redistribute([Replicate()] * group.mesh.ndim)
-            out[e.name] = full[id(group)].get_local_tensor(index)
-        return out
 
     # --- training ------------------------------------------------------------------------------
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
@@ -305,7 +167,7 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
         Returns this rank's loss and the mean over the mesh ('loss'). Gradients accumulate over
         calls until `optimizer_step()`; Megatron-FSDP2 averages them over ranks.
         """
-        self.finish_pending_gathers()
+        self.source.finish_pending_gathers()
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
         # A tuple output: Megatron-FSDP2's root pre-backward is a module full-backward hook, which
         # finds tensors at the top level of the output only (not inside a ModelOutput).
@@ -326,7 +188,7 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
 
         Returns the pre-clip global grad norm; a non-finite norm skips the update on every rank.
         """
-        torch.cuda.current_stream(self.device).wait_stream(self._units[0].context.reduce_scatter_stream)
+        torch.cuda.current_stream(self.device).wait_stream(self.source.units[0].context.reduce_scatter_stream)
         norm = self.grad_norm()
         if clip_and_step(self.optimizer, self._local_grads(), norm, self.config.max_grad_norm, self.global_step):
             self.global_step += 1
@@ -347,7 +209,7 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
 
     # --- checkpoint ----------------------------------------------------------------------------
     def _groups(self) -> list[Any]:
-        return [g for unit in self._units for g in unit.parameter_groups]
+        return [g for unit in self.source.units for g in unit.parameter_groups]
 
     def _ckpt_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's main-weight buffers and AdamW moments, keyed by group / parameter index."""
@@ -381,7 +243,7 @@ class MegatronFSDP2TrainEngine(MegatronFSDP2ShardedSource, TrainEngine):
         file = os.path.join(path, f"megatron_fsdp2_rank{self.rank:05d}.safetensors")
         if not os.path.exists(file):
             raise ValueError(f"no Megatron-FSDP2 checkpoint for rank {self.rank} at {path}")
-        self.finish_pending_gathers()
+        self.source.finish_pending_gathers()
         with safe_open(file, framework="pt", device=str(self.device)) as f:
             meta = f.metadata()
             if int(meta["world_size"]) != self.world_size:

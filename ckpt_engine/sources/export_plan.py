@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.trainer_adapters.common import WirePolicy, dtype_name, torch_dtype
-from ckpt_engine.trainer_adapters.hf_names import clean_name, has_unhandled_fused_experts, unfuse_expert_specs, unfuse_experts
+from ckpt_engine.sources.hf_names import clean_name, has_unhandled_fused_experts, unfuse_expert_specs, unfuse_experts
+from ckpt_engine.sources.wire import WirePolicy, dtype_name, torch_dtype
 
 __all__ = ["ExportEntry", "decoder_layers", "emit_entry", "plan_export"]
 
@@ -93,7 +93,7 @@ def plan_export(
     if unhandled:
         raise ValueError(
             f"cannot export fused MoE experts of model_type {model_type!r} (e.g. {unhandled[0]}): "
-            "add a FusedExpertRule for it in ckpt_engine/trainer_adapters/hf_names.py"
+            "add a FusedExpertRule for it in ckpt_engine/sources/hf_names.py"
         )
     for e in entries:
         parts = unfuse_expert_specs(model_type, e.name, e.shape)

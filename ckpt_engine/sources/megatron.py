@@ -1,6 +1,17 @@
-"""Megatron as a multi-sender weight source: each (pipeline stage, expert-parallel rank) sends its own.
+"""`MegatronSource`: the weights of a megatron-core `GPTModel` (TP/PP/EP), under Hugging Face names.
 
-A Megatron rank already holds whole HF tensors of its stage once TP is gathered within the stage,
+Built from one rank's model chunk and the HF config of its family, with no training engine; the
+process groups come from `pg_collection` (megatron's `ProcessGroupCollection`) or, when it is
+None, from `megatron.core.parallel_state` (initialized by the caller, as Megatron users do). The
+conversion itself (naming plan, TP/EP gathers, HF -> Megatron load) is `megatron_export.py`.
+
+One sender (`iter_weights`): every stage walks its parameters in order, each gathered over its
+tensor-parallel group along its `partition_dim`, experts over the expert-parallel group, then
+converted to HF names and layouts. With `export_mode="gather_to_first"` the stage then
+broadcasts it over its pipeline group, so global rank 0 (`is_sender`) yields every tensor; with
+`"per_stage"` each stage's first TP/DP/EP rank is a sender of its own stage.
+
+Many senders: a Megatron rank already holds whole HF tensors of its stage once TP is gathered within the stage,
 and whole experts of its EP rank: nothing has to cross a stage or an EP group to be sent. So the
 senders are one rank per (PP stage, EP rank), numbered `pp_rank * ep_size + ep_rank` (global rank
 0 is sender 0, the sync's controller). Sender (s, r) owns, whole, every expert tensor of its own
@@ -23,24 +34,33 @@ groups cut across the TP groups), and expert TP = 1 whenever the model has exper
 split over expert TP are not gathered here). Other layouts report `num_senders = 1` (the
 single-sender `iter_weights()` path stays as it is) and `owners()` / `local_piece()` raise a
 ValueError that says why (`sharded_refusal`).
+
+Collective contract: every rank of the model-parallel world builds the source and walks
+`iter_weights()` to its end, in step.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.ownership import OwnerMap, Shard
+from ckpt_engine.sources.megatron_export import MegatronExporter, walk_to_first_stage
+from ckpt_engine.sources.megatron_groups import MegatronGroups
 from ckpt_engine.sources.sharded import ShardedWeightSource
+from ckpt_engine.sources.wire import DEFAULT_KEEP_FP32, WirePolicy
 
 if TYPE_CHECKING:
-    from ckpt_engine.trainer_adapters.megatron_export import MegatronExporter, _Item
-    from ckpt_engine.trainer_adapters.megatron_groups import MegatronGroups
+    from ckpt_engine.sources.megatron_export import _Item
 
-__all__ = ["MegatronShardedSource", "expert_index", "sharded_refusal", "stage_owners"]
+__all__ = ["EXPORT_MODES", "MegatronSource", "expert_index", "sharded_refusal", "single_sender", "stage_owners"]
+
+EXPORT_MODES = ("gather_to_first", "per_stage")
 
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
 
@@ -49,6 +69,13 @@ def expert_index(name: str) -> int | None:
     """The global expert an HF tensor belongs to (`...mlp.experts.<e>....`), None for dense ones."""
     m = _EXPERT.search(name)
     return int(m.group(1)) if m else None
+
+
+def single_sender(g: MegatronGroups, export_mode: str) -> bool:
+    """Whether this rank yields tensors to stream with one sender per export: the first TP/DP/EP
+    rank of every stage ("per_stage") or of the first stage only ("gather_to_first")."""
+    first_of_stage = g.tp_rank == 0 and g.dp_rank == 0 and g.ep_rank == 0
+    return first_of_stage and (export_mode == "per_stage" or g.pp_rank == 0)
 
 
 def sharded_refusal(groups: MegatronGroups, export_mode: str, num_experts: int = 0) -> str | None:
@@ -103,37 +130,72 @@ def stage_owners(stages: list[list[TensorSpec]], ep_size: int, num_experts: int)
     return out
 
 
-class MegatronShardedSource(ShardedWeightSource):
-    """The `ShardedWeightSource` that `MegatronTrainEngine` extends.
+class MegatronSource(ShardedWeightSource):
+    """The weights of one rank's megatron-core `GPTModel` chunk, under HF checkpoint names.
 
-    The engine sets `exporter`, `groups`, `_stages` and `config` and calls `_init_senders()`.
-    Pieces are this sender's own HF tensors: with TP > 1 gathered over the stage's TP group (its
-    TP helpers walk the same gathers, `assist_piece`), then converted locally (qkv split,
-    [gate; up] split, vocab padding trimmed, wire dtype); no collective crosses a stage or an EP
-    group. Each call gathers and converts from the live parameter (q, k and v each gather and
-    split the fused QKV again): no cached part can outlive an optimizer step, even after a sync
-    that failed half-way.
+    `hf_config`: the model family's `transformers` config. `dtype`: the wire dtype of
+    floating-point tensors (None: their parameter dtype); `keep_fp32`: regexes of names that
+    travel as float32 (MoE router gates by default). `export_mode`: "gather_to_first" (rank 0
+    yields every stage's tensors) or "per_stage". `local_tensor(param)`: this TP rank's full
+    shard of a parameter (default: its data; Megatron-FSDP gathers its data-parallel shards).
+    Building it is a collective over the pipeline group (the stages' specs are exchanged).
+
+    Pieces (many senders) are this sender's own HF tensors: with TP > 1 gathered over the stage's
+    TP group (its TP helpers walk the same gathers, `assist_piece`), then converted locally (qkv
+    split, [gate; up] split, vocab padding trimmed, wire dtype); no collective crosses a stage or
+    an EP group. Each call gathers and converts from the live parameter (q, k and v each gather
+    and split the fused QKV again): no cached part can outlive an optimizer step, even after a
+    sync that failed half-way.
     """
 
-    exporter: MegatronExporter
-    groups: MegatronGroups
-    _stages: list[list[TensorSpec]]
-    config: Any
     stable_pieces = False  # split/cast parts are temporaries
 
-    def _init_senders(self) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        hf_config: Any,
+        *,
+        pg_collection: Any = None,
+        dtype: torch.dtype | str | None = None,
+        keep_fp32: Sequence[str] = DEFAULT_KEEP_FP32,
+        export_mode: str = "gather_to_first",
+        local_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        if export_mode not in EXPORT_MODES:
+            raise ValueError(f"export_mode must be one of {EXPORT_MODES}, got {export_mode!r}")
+        self.model = model
+        self.hf_config = hf_config
+        self.export_mode = export_mode
+        self.groups = MegatronGroups.from_megatron(pg_collection)
+        self.exporter = MegatronExporter(model, hf_config, WirePolicy(dtype, keep_fp32), self.groups, local_tensor=local_tensor)
+        self._stages = self.exporter.stage_specs()
+        self.is_sender = single_sender(self.groups, export_mode)
         g = self.groups
-        self._refusal = sharded_refusal(g, self.config.export_mode, self.exporter.num_experts)
+        self._refusal = sharded_refusal(g, export_mode, self.exporter.num_experts)
         if self._refusal is None:
             self.sender_index = g.pp_rank * g.ep_size + g.ep_rank
             self.num_senders = g.pp_size * g.ep_size
             self.sends = g.tp_rank == 0  # the other TP ranks are this sender's TP helpers
             self.collective_pieces = g.tp_size > 1  # pieces are TP gathers: a sender's walk must run to its end
-        else:
-            self.sender_index, self.num_senders = 0, 1
-            self.sends, self.collective_pieces = True, False
         self._owners: dict[str, list[Shard]] | None = None
         self._pieces: dict[str, tuple[_Item, int]] | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def metadata(self) -> list[TensorSpec]:
+        """Every stage's specs ("gather_to_first") or this stage's ("per_stage"); no tensor gathers."""
+        if self.export_mode == "per_stage":
+            return list(self._stages[self.groups.pp_rank])
+        return [s for stage in self._stages for s in stage]
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF tensors; every rank walks it. TP/EP gathers on the owning stage, then a PP broadcast."""
+        if self.export_mode == "per_stage":
+            yield from self.exporter.iter_local()
+            return
+        yield from walk_to_first_stage(self.exporter, self._stages, self.groups, self.device)
 
     def sharded_refusal(self) -> str | None:
         """Why this layout cannot send from every rank (e.g. TP with EP), or None."""

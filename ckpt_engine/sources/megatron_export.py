@@ -6,9 +6,10 @@ a pipeline stage (each parameter gathered over its tensor-parallel group along `
 layout-aware for `linear_fc1` = [gate; up] per shard, experts over the expert-parallel group,
 then `linear_qkv` per query group -> q/k/v), and the reverse load (`load_hf`).
 
-The engines (`megatron.py`, `megatron_fsdp.py`) own the process groups (`MegatronGroups` from
-`megatron_groups.py`), the pipeline broadcast of the stages' tensors and training; this module
-only needs the groups' attributes. Collective contract: every rank of the model-parallel world calls `stage_specs` and
+The sources (`megatron.py`, `megatron_fsdp.py`) hold the process groups (`MegatronGroups` from
+`megatron_groups.py`) and the walk over stages; this module only needs the groups' attributes.
+The training engines (`ckpt_engine.trainer.engines`) also load HF weights and checkpoints through
+it. Collective contract: every rank of the model-parallel world calls `stage_specs` and
 `iter_local` in the same order.
 """
 
@@ -23,8 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.trainer_adapters.common import TrainConfig, WirePolicy, dtype_name, torch_dtype
-from ckpt_engine.trainer_adapters.hf_names import (
+from ckpt_engine.sources.hf_names import (
     MegatronFamily,
     megatron_family,
     merge_gate_up,
@@ -32,9 +32,10 @@ from ckpt_engine.trainer_adapters.hf_names import (
     split_gate_up,
     split_qkv,
 )
+from ckpt_engine.sources.wire import WirePolicy, dtype_name, torch_dtype
 
 if TYPE_CHECKING:
-    from ckpt_engine.trainer_adapters.megatron_groups import MegatronGroups
+    from ckpt_engine.sources.megatron_groups import MegatronGroups
 
 __all__ = ["MegatronExporter", "check_exportable", "collective_device", "head_dim_of", "megatron_core_model", "walk_to_first_stage"]
 
@@ -121,15 +122,15 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
 class MegatronExporter:
     """Megatron <-> HF conversion for one rank's model chunk: metadata, gather, load.
 
-    Pure bookkeeping plus the collectives of the walk; `MegatronTrainEngine` and
-    `MegatronFSDPTrainEngine` share it (the FSDP variant supplies full, un-sharded-by-FSDP params).
+    Pure bookkeeping plus the collectives of the walk; `MegatronSource` and `MegatronFSDPSource`
+    share it (the FSDP variant supplies full, un-sharded-by-FSDP params).
     """
 
     def __init__(
         self,
         model: nn.Module,
         hf_config: Any,
-        cfg: TrainConfig,
+        wire: WirePolicy,
         groups: MegatronGroups,
         local_tensor: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
@@ -145,7 +146,7 @@ class MegatronExporter:
         self.query_groups = _hf(hf_config, "num_key_value_heads", self.heads)
         self.head_dim = head_dim_of(hf_config)
         self.num_experts = int(_hf(hf_config, "num_experts", 0))
-        self.wire = WirePolicy(cfg.wire_dtype, cfg.keep_fp32_patterns)
+        self.wire = wire
         self.local_tensor = local_tensor if local_tensor is not None else (lambda p: p.data)
         self.items = self._plan(model)
 
@@ -155,7 +156,7 @@ class MegatronExporter:
         if rule is None:
             raise ValueError(
                 f"no HF name for Megatron parameter suffix {suffix!r} in the {'/'.join(self.family.model_types)} "
-                "table (ckpt_engine/trainer_adapters/hf_names.py): the layout cannot be exported"
+                "table (ckpt_engine/sources/hf_names.py): the layout cannot be exported"
             )
         if isinstance(rule, str):
             return "copy", (hf_prefix + rule,)
@@ -183,7 +184,7 @@ class MegatronExporter:
                 continue  # tied: HF checkpoints carry embed_tokens only
             hf = self.family.globals_.get(name)
             if hf is None:
-                raise ValueError(f"no HF name for Megatron parameter {name!r} (ckpt_engine/trainer_adapters/hf_names.py)")
+                raise ValueError(f"no HF name for Megatron parameter {name!r} (ckpt_engine/sources/hf_names.py)")
             kind = "vocab" if name in ("embedding.word_embeddings.weight", "output_layer.weight") else "copy"
             shape = (self.vocab, p.shape[1]) if kind == "vocab" else self._full_shape(p)
             items.append(_Item(owner, attr, kind, (hf,), (shape,), _partition_dim(p)))

@@ -1,19 +1,11 @@
-"""Megatron-core `GPTModel` training engine (TP/PP/EP) exporting Hugging Face checkpoint weights.
+"""Megatron-core `GPTModel` training engine (TP/PP/EP) whose weights sync as Hugging Face tensors.
 
 The model is built from a Hugging Face config (`transformers` config object, or any object with
-the same attributes) through the family table in `hf_names.py`; `load_hf_weights` fills it from
-HF tensors (the reverse conversion), which makes parity with the HF model testable. The
-conversion itself (naming plan, TP/EP gathers, HF -> Megatron load) is `megatron_export.py`.
-
-Export walks every pipeline stage in order. On the owning stage each parameter is gathered over
-its tensor-parallel group along its `partition_dim` (layout-aware for `linear_fc1` = [gate; up]
-per shard), experts over the expert-parallel group, then converted to HF names and layouts
-(`linear_qkv` per query group -> q/k/v). With `export_mode="gather_to_first"` the stage then
-broadcasts it over its pipeline group, so global rank 0 (`is_sender`) yields every tensor; with
-`"per_stage"` each stage's first TP/DP/EP rank is a sender of its own stage. Independently of
-`export_mode`, the engine is a `ShardedWeightSource` (multi-sender sync: one sender per (stage,
-EP rank), no cross-stage or EP gather; with TP > 1 the other TP ranks help with the stage's TP
-gathers; `megatron_shards.py`).
+the same attributes) through the family table in `ckpt_engine/sources/hf_names.py`;
+`load_hf_weights` fills it from HF tensors (the reverse conversion), which makes parity with the
+HF model testable. The engine's weights, as a sync reads them, are `self.source`: a
+`MegatronSource` built from the model (`ckpt_engine.sources.megatron`: the export walk over
+stages, and one sender per (stage, EP rank) for many senders).
 
 Collective contract: every rank of the model-parallel world calls every public method, in the
 same order. Groups come from `pg_collection` (megatron's `ProcessGroupCollection`) or, when it is
@@ -32,30 +24,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.trainer_adapters.base import LossFn, TrainEngine
-from ckpt_engine.trainer_adapters.common import TrainConfig, adamw_with_schedule, check_float_dtype, clip_and_step, torch_dtype
-from ckpt_engine.trainer_adapters.megatron_export import (  # re-exported: the public names stay importable from here
-    MegatronExporter,
-    _hf,
-    _partition_dim,
-    check_exportable,
-    head_dim_of,
-    megatron_core_model,
-    walk_to_first_stage,
-)
-from ckpt_engine.trainer_adapters.megatron_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
-from ckpt_engine.trainer_adapters.megatron_groups import MegatronGroups
-from ckpt_engine.trainer_adapters.megatron_shards import MegatronShardedSource
+from ckpt_engine.sources.megatron import EXPORT_MODES, MegatronSource
+from ckpt_engine.sources.megatron_export import MegatronExporter, _hf, _partition_dim, check_exportable, head_dim_of, megatron_core_model
+from ckpt_engine.sources.megatron_groups import MegatronGroups
+from ckpt_engine.sources.wire import WirePolicy, check_float_dtype, torch_dtype
+from ckpt_engine.trainer.engines.base import LossFn, TrainEngine
+from ckpt_engine.trainer.engines.common import TrainConfig, adamw_with_schedule, clip_and_step
+from ckpt_engine.trainer.engines.megatron_checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
 
-__all__ = [
-    "MegatronConfig", "MegatronTrainEngine", "MegatronExporter", "build_gpt_model", "check_exportable", "head_dim_of",
-    "transformer_config_from_hf",
-]
+__all__ = ["MegatronConfig", "MegatronTrainEngine", "build_gpt_model", "transformer_config_from_hf"]
 
 logger = logging.getLogger(__name__)
 
-EXPORT_MODES = ("gather_to_first", "per_stage")
 OPTIMIZERS = ("adamw", "megatron_distributed")
 
 
@@ -178,13 +158,6 @@ def megatron_moe_without_te_compat() -> None:
         moe_utils.te_general_gemm = None
 
 
-def single_sender(g: MegatronGroups, export_mode: str) -> bool:
-    """Whether this rank yields tensors to stream with one sender per export: the first TP/DP/EP
-    rank of every stage ("per_stage") or of the first stage only ("gather_to_first")."""
-    first_of_stage = g.tp_rank == 0 and g.dp_rank == 0 and g.ep_rank == 0
-    return first_of_stage and (export_mode == "per_stage" or g.pp_rank == 0)
-
-
 def megatron_adam(cfg: MegatronConfig, chunks: list[nn.Module], *, clip_grad: float, **kw: Any) -> Any:
     """megatron-core's distributed Adam over DDP- or FSDP-wrapped `chunks` (needs CUDA)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -238,9 +211,9 @@ def build_gpt_model(hf_config: Any, cfg: MegatronConfig, pg_collection: Any = No
 # --- the engine -----------------------------------------------------------------------------------
 
 
-class MegatronTrainEngine(MegatronShardedSource, TrainEngine):
-    """Megatron-core GPT training (TP/PP/EP, DP over replicas) with HF-named export; also a
-    multi-sender source, one sender per (stage, EP rank) (`megatron_shards.py`).
+class MegatronTrainEngine(TrainEngine):
+    """Megatron-core GPT training (TP/PP/EP, DP over replicas); `source` is its HF-named weights
+    for the rollout (a `MegatronSource`: one sender, or one per (stage, EP rank)).
 
     `hf_config` is the HF config of the model family; `model` an already built GPTModel chunk
     (default: built here with `build_gpt_model`). Initial weights: Megatron's own init, or
@@ -260,7 +233,7 @@ class MegatronTrainEngine(MegatronShardedSource, TrainEngine):
         for p in model.parameters():
             p.main_grad = None  # megatron layers read .main_grad only under gradient_accumulation_fusion
         with torch.no_grad():  # vocab padding rows: zero, so that a rank's state does not depend on TP
-            for p, first in MegatronExporter(model, hf_config, self.config, self.groups).vocab_padding_rows():
+            for p, first in MegatronExporter(model, hf_config, WirePolicy(None, ()), self.groups).vocab_padding_rows():
                 p[first:].zero_()
         self.global_step = 0
         self._sched_step = 0
@@ -273,10 +246,10 @@ class MegatronTrainEngine(MegatronShardedSource, TrainEngine):
         else:
             self.optimizer, self.scheduler = adamw_with_schedule(model, self.config)
         self.model = model
-        self.exporter = MegatronExporter(self.model, hf_config, self.config, self.groups)
-        self._stages = self.exporter.stage_specs()
-        self.is_sender = single_sender(self.groups, self.config.export_mode)
-        self._init_senders()
+        self.source = MegatronSource(
+            model, hf_config, pg_collection=pg_collection, dtype=self.config.wire_dtype, keep_fp32=self.config.keep_fp32_patterns,
+            export_mode=self.config.export_mode,
+        )
 
     def _distributed_optimizer(self, model: nn.Module) -> tuple[nn.Module, Any]:
         """Wrap `model` in megatron-core DDP and build its DistributedOptimizer over it (needs CUDA)."""
@@ -297,20 +270,7 @@ class MegatronTrainEngine(MegatronShardedSource, TrainEngine):
     # --- weights -----------------------------------------------------------------------------
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Initialize from full HF tensors (HF -> Megatron); every rank passes the same dict."""
-        self.exporter.load_hf(state_dict)
-
-    def metadata(self) -> list[TensorSpec]:
-        """Every stage's specs ("gather_to_first") or this stage's ("per_stage"); no tensor gathers."""
-        if self.config.export_mode == "per_stage":
-            return list(self._stages[self.groups.pp_rank])
-        return [s for stage in self._stages for s in stage]
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF tensors; every rank walks it. TP/EP gathers on the owning stage, then a PP broadcast."""
-        if self.config.export_mode == "per_stage":
-            yield from self.exporter.iter_local()
-            return
-        yield from walk_to_first_stage(self.exporter, self._stages, self.groups, self._device())
+        self.source.exporter.load_hf(state_dict)
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device

@@ -1,23 +1,21 @@
-"""TrainEngine: one interface over FSDP2, Megatron and Megatron-FSDP.
+"""TrainEngine: one interface over FSDP2, Megatron and Megatron-FSDP(2) for the demo trainer.
 
-Each adapter is both the training engine (forward/backward/step) and the weight source for
-`sync_rollout_weights()`. A training loop drives any backend without branching on it.
+A training engine steps its model (forward/backward, optimizer, checkpoints) and holds the weight
+source of its syncs (`source`, from `ckpt_engine.sources`): the loop passes `engine.source` to
+`sync_rollout_weights()` or the daemon. A training loop drives any backend without branching on it.
 
-Collective contract: every trainer rank calls every method in the same order; `iter_weights()`
-is a collective walk (gathers), so all ranks iterate it to the end; `is_sender` is true on the
-one rank whose yielded tensors are streamed to the rollout engines.
+Collective contract: every trainer rank calls every method in the same order.
 """
 
 from __future__ import annotations
 
 import importlib
-from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 
-from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.sources.base import WeightSource
 
 __all__ = ["LossFn", "TrainEngine", "TrainEngineRegistry"]
@@ -26,8 +24,12 @@ LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 """loss_fn(logits, batch) -> scalar loss."""
 
 
-class TrainEngine(WeightSource):
-    """A trainer (FSDP2, Megatron, ...) that is also the weight source of its syncs."""
+class TrainEngine(ABC):
+    """A trainer (FSDP2, Megatron, ...) and the weight source its syncs read."""
+
+    source: WeightSource
+    """The weights as a sync reads them: a `ckpt_engine.sources` object built from this engine's
+    sharded model (every trainer rank holds one; its `iter_weights()` is a collective walk)."""
 
     @abstractmethod
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
@@ -47,18 +49,6 @@ class TrainEngine(WeightSource):
     def eval_mode(self) -> None: ...
 
     @abstractmethod
-    def metadata(self) -> list[TensorSpec]:
-        """HF name, wire dtype and global shape of every tensor the rollout needs; no gathering."""
-
-    @abstractmethod
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full, HF-named tensors in `metadata()` order; a collective walk on every trainer rank.
-
-        A yielded tensor may alias a gather buffer that the walk reuses or frees: it is valid until
-        the next item is requested (the sync core packs it before asking for more); clone to keep.
-        """
-
-    @abstractmethod
     def save_checkpoint(self, path: str) -> None:
         """Save the sharded training state (model, optimizer, step) so a run can continue."""
 
@@ -70,10 +60,10 @@ class TrainEngineRegistry:
     """`trainer.backend` -> TrainEngine class, imported on first use."""
 
     _lazy: ClassVar[dict[str, str]] = {
-        "fsdp2": "ckpt_engine.trainer_adapters.fsdp2:FSDP2TrainEngine",
-        "megatron": "ckpt_engine.trainer_adapters.megatron:MegatronTrainEngine",
-        "megatron_fsdp": "ckpt_engine.trainer_adapters.megatron_fsdp:MegatronFSDPTrainEngine",
-        "megatron_fsdp2": "ckpt_engine.trainer_adapters.megatron_fsdp2:MegatronFSDP2TrainEngine",
+        "fsdp2": "ckpt_engine.trainer.engines.fsdp2:FSDP2TrainEngine",
+        "megatron": "ckpt_engine.trainer.engines.megatron:MegatronTrainEngine",
+        "megatron_fsdp": "ckpt_engine.trainer.engines.megatron_fsdp:MegatronFSDPTrainEngine",
+        "megatron_fsdp2": "ckpt_engine.trainer.engines.megatron_fsdp2:MegatronFSDP2TrainEngine",
     }
 
     @classmethod

@@ -3,19 +3,9 @@
 Uses megatron-core's adapter (`megatron.core.distributed.fsdp.mcore_fsdp_adapter`
 `FullyShardedDataParallel`, backed by the bundled or stand-alone `megatron_fsdp` package) with the
 sharding strategies `no_shard | optim | optim_grads | optim_grads_params`, and Megatron's
-distributed optimizer. Export shares the Megatron naming tables and TP/PP/EP walk
-(`MegatronExporter`); what differs is how a rank gets its TP-local full parameter:
-
-1. before export, every model chunk finishes its parameter all-gather pipeline
-   (`synchronize_param_gather`) and, for `optim` / `optim_grads` (unsharded compute weights in a
-   model-weight buffer), refreshes them from the updated main params
-   (`start_param_sync(force_sync=True)`); `no_shard` has no such buffer (its module parameters are
-   updated in place) and `optim_grads_params` gathers on use. Every chunk, not only
-   the first: returning after the first chunk leaves later chunks with stale or half-gathered
-   weights (a known bug in a peer implementation);
-2. a parameter that is a DTensor sharded over the data-parallel mesh is gathered with
-   `gather_uneven_dtensor_to_full_tensor`, which handles uneven shards, including a rank that holds
-   0 rows of a small tensor.
+distributed optimizer. Its weights, as a sync reads them, are `self.source`: a
+`MegatronFSDPSource` (`ckpt_engine.sources.megatron_fsdp`), which finishes every chunk's
+parameter gathers and gathers uneven DP shards before the Megatron export walk.
 
 Needs CUDA (megatron-fsdp allocates its buffers on the current CUDA device). The import of this
 module never fails: constructing the engine without CUDA or without megatron-fsdp raises a
@@ -26,46 +16,21 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ckpt_engine.trainer_adapters.megatron_groups import MegatronGroups
-from ckpt_engine.trainer_adapters.megatron import (
-    MegatronConfig,
-    MegatronExporter,
-    MegatronTrainEngine,
-    build_gpt_model,
-    check_exportable,
-    megatron_adam,
-    single_sender,
-)
+from ckpt_engine.sources.megatron_export import MegatronExporter, check_exportable
+from ckpt_engine.sources.megatron_fsdp import SHARDING_STRATEGIES, MegatronFSDPSource, megatron_fsdp_available
+from ckpt_engine.sources.megatron_groups import MegatronGroups
+from ckpt_engine.sources.wire import WirePolicy
+from ckpt_engine.trainer.engines.megatron import MegatronConfig, MegatronTrainEngine, build_gpt_model, megatron_adam
 
-__all__ = ["MegatronFSDPConfig", "MegatronFSDPTrainEngine", "SHARDING_STRATEGIES", "megatron_fsdp_available"]
+__all__ = ["MegatronFSDPConfig", "MegatronFSDPTrainEngine"]
 
 logger = logging.getLogger(__name__)
-
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-
-try:  # import guard: CPU CI imports this module without CUDA (and often without megatron-fsdp)
-    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import HAVE_MEGATRON_FSDP as _HAVE_FSDP
-
-    _IMPORT_ERROR: str | None = None if _HAVE_FSDP else "megatron-core was installed without megatron_fsdp"
-except Exception as exc:  # ImportError, or a version clash between megatron-core and megatron-fsdp
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
-
-
-def megatron_fsdp_available() -> tuple[bool, str]:
-    """(usable here, why not): megatron-fsdp importable and CUDA present."""
-    if _IMPORT_ERROR is not None:
-        return False, f"megatron-fsdp cannot be imported ({_IMPORT_ERROR}); install megatron-core>=0.16 with its fsdp extra"
-    if not torch.cuda.is_available():
-        return False, "Megatron-FSDP needs CUDA GPUs (its parameter and gradient buffers live on the current CUDA device)"
-    return True, ""
-
 
 @dataclass(kw_only=True)
 class MegatronFSDPConfig(MegatronConfig):
@@ -83,27 +48,6 @@ class MegatronFSDPConfig(MegatronConfig):
             raise ValueError(
                 f"MegatronFSDPConfig.sharding_strategy must be one of {', '.join(SHARDING_STRATEGIES)}, got {self.sharding_strategy!r}"
             )
-
-
-def _local_full(p: torch.Tensor) -> torch.Tensor:
-    """This TP rank's full parameter: gather FSDP's (possibly uneven, possibly empty) DP shards."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if not isinstance(p, DTensor):
-        return p.data
-    if all(isinstance(pl, Replicate) for pl in p.placements):
-        return p.to_local()
-    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_uneven_dtensor_to_full_tensor
-
-    return gather_uneven_dtensor_to_full_tensor(p).to_local()
-
-
-def _has_model_weight_buffer(inner: Any) -> bool:
-    """Whether any parameter group of a MegatronFSDP module has a model-weight buffer to gather into."""
-    groups = getattr(getattr(inner, "param_and_grad_buffer", None), "parameter_groups", None)
-    if groups is None:  # another megatron-fsdp layout: let start_param_sync decide
-        return True
-    return any(getattr(g, "model_weight_buffer", None) is not None for g in groups)
 
 
 class MegatronFSDPTrainEngine(MegatronTrainEngine):
@@ -147,7 +91,7 @@ class MegatronFSDPTrainEngine(MegatronTrainEngine):
         )
         if initial_hf_weights is not None:
             for chunk in model_chunks:
-                MegatronExporter(chunk, hf_config, cfg, self.groups).load_hf(initial_hf_weights)
+                MegatronExporter(chunk, hf_config, WirePolicy(None, ()), self.groups).load_hf(initial_hf_weights)
         self.chunks: list[nn.Module] = []
         for chunk in model_chunks:
             wrapped = FullyShardedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk, pg_collection=pg_collection)
@@ -157,12 +101,10 @@ class MegatronFSDPTrainEngine(MegatronTrainEngine):
         tconf.no_sync_func = self.chunks[0].no_sync if len(self.chunks) == 1 else [c.no_sync for c in self.chunks]
         self.model = self.chunks[0]
         self.optimizer = megatron_adam(cfg, self.chunks, clip_grad=cfg.max_grad_norm if cfg.max_grad_norm is not None else 0.0)
-        self.exporters = [MegatronExporter(c, hf_config, cfg, self.groups, local_tensor=_local_full) for c in self.chunks]
-        self.exporter = self.exporters[0]
-        if len(self.chunks) > 1:
-            raise ValueError("virtual pipeline chunks are not exported yet: pass one model chunk per rank")
-        self._stages = self.exporter.stage_specs()
-        self.is_sender = single_sender(self.groups, cfg.export_mode)
+        self.source: MegatronFSDPSource = MegatronFSDPSource(
+            self.chunks, hf_config, sharding_strategy=cfg.sharding_strategy, pg_collection=pg_collection, dtype=cfg.wire_dtype,
+            keep_fp32=cfg.keep_fp32_patterns, export_mode=cfg.export_mode,
+        )
         self.global_step = 0
         self._sched_step = 0
         self.megatron_optimizer = True  # gradients reduced by finalize_model_grads in the schedule
@@ -172,30 +114,6 @@ class MegatronFSDPTrainEngine(MegatronTrainEngine):
 
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         raise RuntimeError("Megatron-FSDP shards the model at construction: pass initial_hf_weights= to MegatronFSDPTrainEngine")
-
-    # --- export ------------------------------------------------------------------------------
-    def sync_params_for_export(self) -> None:
-        """Finish every chunk's parameter gather pipeline (all chunks: collective on every rank).
-
-        `optim` / `optim_grads` keep unsharded compute weights in a model-weight buffer that is
-        refreshed from the (sharded) updated main weights by an all-gather: forced here.
-        `no_shard` has no model-weight buffer at all (megatron_fsdp param_and_grad_buffer builds
-        one only for strategies != "no_shard"): after `synchronize_param_gather` the module holds
-        the optimizer's unsharded weights (main-weight buffer, or the raw parameters), which the
-        step updates in place (then `copy_main_weights_to_model_weights`), so there is nothing to
-        gather, and `start_param_sync(force_sync=True)` would call `async_bucket_gather` on a
-        None buffer (megatron-core 0.16.1 checks the buffer only after that call).
-        """
-        for chunk in self.chunks:
-            inner = chunk.module  # MegatronFSDP
-            inner.synchronize_param_gather()
-            if self.config.sharding_strategy in ("optim", "optim_grads") and _has_model_weight_buffer(inner):
-                inner.start_param_sync(force_sync=True)  # compute weights <- updated main params
-                inner.synchronize_param_gather()
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self.sync_params_for_export()
-        yield from super().iter_weights()
 
     # --- training ----------------------------------------------------------------------------
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: Any) -> dict[str, float]:
@@ -230,13 +148,13 @@ class MegatronFSDPTrainEngine(MegatronTrainEngine):
         """DCP checkpoint of the FSDP-sharded model and optimizer; every rank calls it."""
         import torch.distributed.checkpoint as dcp
 
-        self.sync_params_for_export()
+        self.source.sync_params_for_export()
         dcp.save(self._fsdp_state(), checkpoint_id=path)
 
     def load_checkpoint(self, path: str) -> None:
         import torch.distributed.checkpoint as dcp
 
-        self.sync_params_for_export()
+        self.source.sync_params_for_export()
         state = self._fsdp_state()
         dcp.load(state, checkpoint_id=path)
         for i, c in enumerate(self.chunks):
