@@ -34,7 +34,7 @@ from ckpt_engine.sources.export_plan import ExportEntry, emit_entry, plan_export
 from ckpt_engine.sources.fsdp2_adapters import AdapterExport
 from ckpt_engine.sources.fsdp2_shards import dim0_rows, own_rows, shard_owners
 from ckpt_engine.sources.sharded import ShardedWeightSource
-from ckpt_engine.sources.wire import DEFAULT_KEEP_FP32, WirePolicy, hf_config_of, torch_dtype
+from ckpt_engine.sources.wire import DEFAULT_KEEP_FP32, WirePolicy, hf_config_of, tied_embeddings, torch_dtype
 
 __all__ = ["FSDP2Source", "check_exportable", "fsdp2_units"]
 
@@ -69,7 +69,7 @@ def check_exportable(model: nn.Module, *, adapter: str | None = None) -> None:
     hf_config = hf_config_of(model, "FSDP2Source")
     entries = plan_export(
         model, [], model_type=hf_config.model_type, wire=WirePolicy(None, ()), buffers=True,
-        tied_head=bool(getattr(hf_config, "tie_word_embeddings", False)), who="FSDP2",
+        tied_head=tied_embeddings(hf_config), who="FSDP2",
     )
     if adapter is not None:
         AdapterExport(model, adapter).entries(entries)
@@ -114,7 +114,7 @@ class FSDP2Source(ShardedWeightSource):
         self.sender_index = self.rank  # many senders: every rank sends its own shards
         self.num_senders = self.world_size
         self.wire = WirePolicy(dtype, keep_fp32)
-        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        tied = tied_embeddings(hf_config)
         self._adapters = AdapterExport(model, adapter) if adapter is not None else None
         self._entries = plan_export(
             model, self._units[1:], model_type=self.model_type, wire=self.wire, buffers=True, tied_head=tied, who="FSDP2",

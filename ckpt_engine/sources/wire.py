@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_KEEP_FP32", "FLOAT_DTYPES", "WirePolicy", "check_float_dtype", "dtype_name", "hf_config_of", "torch_dtype"]
+__all__ = [
+    "DEFAULT_KEEP_FP32", "FLOAT_DTYPES", "WirePolicy", "check_float_dtype", "dtype_name", "hf_config_of", "tied_embeddings", "torch_dtype",
+]
 
 DEFAULT_KEEP_FP32: tuple[str, ...] = (r"(^|\.)mlp\.gate\.weight$",)
 """MoE router gates: engines keep them in fp32 because top-k routing is sensitive to rounding."""
@@ -74,3 +76,9 @@ def hf_config_of(model: torch.nn.Module, who: str) -> Any:
     if not isinstance(config, PretrainedConfig):
         raise ValueError(f"{who} wraps Hugging Face models (with .config.model_type), got {type(model).__name__}")
     return config
+
+
+def tied_embeddings(hf_config: Any) -> bool:
+    """Whether the model's LM head is its input embedding (HF checkpoints then hold the embedding
+    only); a config that does not say is untied."""
+    return bool(getattr(hf_config, "tie_word_embeddings", False))

@@ -35,7 +35,7 @@ from torch import nn
 
 from ckpt_engine.sources.export_plan import decoder_layers
 from ckpt_engine.sources.megatron_fsdp2 import MegatronFSDP2Source
-from ckpt_engine.sources.wire import check_float_dtype, hf_config_of, torch_dtype
+from ckpt_engine.sources.wire import check_float_dtype, hf_config_of, tied_embeddings, torch_dtype
 from ckpt_engine.trainer.engines.base import LossFn, TrainEngine
 from ckpt_engine.trainer.engines.common import TrainConfig, clip_and_step, global_grad_norm, mean_loss, resume_schedule
 
@@ -104,7 +104,7 @@ class MegatronFSDP2TrainEngine(TrainEngine):
         if (process_group is None) == (mesh is None):
             raise ValueError("MegatronFSDP2TrainEngine needs exactly one of process_group or mesh (the default group is never assumed)")
         hf_config = hf_config_of(model, "MegatronFSDP2TrainEngine")
-        if getattr(hf_config, "tie_word_embeddings", False):
+        if tied_embeddings(hf_config):
             raise ValueError(
                 "MegatronFSDP2TrainEngine cannot shard tied embeddings: megatron-fsdp 0.6.1's experimental fully_shard "
                 "gives each name of a shared parameter its own shard (set tie_word_embeddings=False or use trainer.backend=fsdp2)"
