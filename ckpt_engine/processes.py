@@ -6,11 +6,13 @@ collective) must not hang the caller, so every wait shares one deadline and stra
 
 from __future__ import annotations
 
+import select
+import subprocess
 import time
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 
-__all__ = ["run_processes"]
+__all__ = ["read_ready_line", "run_processes"]
 
 
 def run_processes(procs: Sequence[BaseProcess], timeout_s: float) -> list[int]:
@@ -31,3 +33,23 @@ def run_processes(procs: Sequence[BaseProcess], timeout_s: float) -> list[int]:
                 p.kill()
                 p.join(10)
     return hung
+
+
+def read_ready_line(proc: subprocess.Popen[str], prefix: str, what: str, timeout_s: float) -> str:
+    """What follows `prefix` on the first line of `proc`'s stdout that starts with it (a child
+    announcing it is ready); kills the child and raises naming `what` if none comes within
+    `timeout_s` or the child exits first."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+            if not line and proc.poll() is not None:
+                break
+        elif proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"{what} did not start within {timeout_s}s (exit code {proc.poll()})")

@@ -84,10 +84,12 @@ def _lead(job: Any, engine: Any, task: Any, handles: list[dict[str, Any]]) -> di
             rec = trainer.syncs[-1]
             records.append({"version": rec.version, "delta": rec.delta, "senders": rec.senders, "wire": rec.wire_bytes, "dense": rec.dense_bytes})
         # A write to rank 0's masters outside the optimizer step (a user's own edit): the next sync
-        # must carry it.
+        # must carry it, under a new version (one version labels one set of weights: the same
+        # version again is refused).
         with torch.no_grad():
             local = next(engine.model.parameters()).to_local()
             local.view(-1)[:5].add_(0.01)
+        trainer._stepped_since_sync = True  # what a user who changed the weights tells the loop
         outcome = trainer.sync(SYNCS, "edited")
         assert outcome.ok, outcome.error
         rec = trainer.syncs[-1]

@@ -23,7 +23,6 @@ import argparse
 import logging
 import os
 import secrets
-import select
 import subprocess
 import sys
 import threading
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ckpt_engine.processes import read_ready_line
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.delta.warm import warmed
@@ -344,7 +344,7 @@ class TorchRefRollout(RolloutAdapter):
                 raise ValueError(f"layout keys are {', '.join(_LAYOUT_KEYS)} with int values, got {key}={value!r}")
             cmd += [f"--{key.replace('_', '-')}", str(value)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, TOKEN_ENV: token})
-        port = _read_ready_port(proc, name, timeout_s)
+        port = int(read_ready_line(proc, READY_PREFIX, f"reference receiver {name!r}", timeout_s))
         return cls(name, "127.0.0.1", port, proc, timeout_s, token=token)
 
     def _call(self, method: str, timeout_s: float | None = None, **params: Any) -> Any:
@@ -454,23 +454,6 @@ class TorchRefRollout(RolloutAdapter):
 
 
 _LAYOUT_KEYS = ("tp_size", "tp_rank", "ep_size", "ep_rank", "num_kv_heads", "fused_experts")
-
-
-def _read_ready_port(proc: subprocess.Popen[str], name: str, timeout_s: float) -> int:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-        if ready:
-            line = proc.stdout.readline()
-            if line.startswith(READY_PREFIX):
-                return int(line[len(READY_PREFIX) :].strip())
-            if not line and proc.poll() is not None:
-                break
-        elif proc.poll() is not None:
-            break
-    proc.kill()
-    raise RuntimeError(f"reference receiver {name!r} did not start within {timeout_s}s (exit code {proc.poll()})")
 
 
 def main(argv: list[str] | None = None) -> None:

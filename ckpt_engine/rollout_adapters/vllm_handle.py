@@ -1,0 +1,315 @@
+"""What the two vLLM handles (`vllm.py`: an in-process `LLM`, a dev-mode HTTP server) share: one
+sync through the worker extension, whatever carries the control calls.
+
+One sync: validate (manifest checked against vLLM's own parameters after its stacking rules) ->
+pause the scheduler -> receive (layerwise reload, bucket by bucket) -> finalize (layerwise
+post-processing, prefix-cache reset, engine weight version stamped; vLLM then tags every
+request's output tokens with it) -> resume.
+
+A staged sync (`receive(..., stage=...)` then `swap`): the workers receive on a background thread
+while the engine keeps generating (`vllm_staging.py`); the swap pauses the scheduler, loads the
+staged version through layerwise reload in one `collective_rpc` (vLLM runs it between two engine
+steps, on every worker) beside the cache reset and the version stamp, and resumes. vLLM's
+`weight_versions` spans then show which tokens of a request came from which version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar
+
+from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.manifest import BucketManifest
+from ckpt_engine.planning.regions import ReceivePlan
+from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, version_of
+from ckpt_engine.transports.base import Rendezvous
+
+__all__ = ["PAUSE_MODES", "WORKER_EXTENSION", "VllmHandle"]
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm_worker.CkptEngineWorkerExtension"
+
+# ckpt-engine pause modes -> vLLM's (`keep` freezes requests in place, `abort` drops them;
+# `recompute` freezes them, and the cache reset after the load preempts them: they re-prefill
+# their prompt and tokens under the new weights).
+PAUSE_MODES = {"keep": "keep", "abort": "abort", "recompute": "keep"}
+_POLL_S = (0.005, 0.05)
+"""First and longest wait between two polls of a staged receive (each poll is one short call
+between two engine steps)."""
+
+
+class VllmHandle(RolloutAdapter):
+    """What both transports share: one control call per worker method, results from every worker."""
+
+    supports_delta = True  # the worker keeps a base copy, applies patches there, reloads full tensors
+    supports_many_senders = True
+    takes_regions = True  # each worker states the regions its loaders read (receive_plans)
+
+    stages: ClassVar[bool] = True
+    """Staged syncs: workers receive on a background thread while the engine steps; `swap` loads."""
+    stages_regions: ClassVar[bool] = True
+    """Syncs with receive plans stage too: each worker keeps its region items (only its slice
+    bytes, checked against its plan as they land) and the swap assembles and loads them."""
+
+    def __init__(self, name: str, timeout_s: float, staging_limit_bytes: int | None = None) -> None:
+        if staging_limit_bytes is not None and (isinstance(staging_limit_bytes, bool) or not isinstance(staging_limit_bytes, int) or staging_limit_bytes < 0):
+            raise ValueError(f"engine {name!r}: staging_limit_bytes must be a non-negative int or None, got {staging_limit_bytes!r}")
+        self.name = name
+        self.timeout_s = timeout_s
+        self.staging_limit_bytes = staging_limit_bytes
+        self.pids: list[int] = []
+        self._sent_digest: str | None = None
+        self.version: int | None = None
+        self.last_finalize: dict[str, Any] = {}
+        self._pause_mode = "keep"
+
+    def _rpc(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def _missing_extension(self, method: str, exc: Exception) -> Exception:
+        """A clearer error when vLLM says a `ckpt_*` worker method does not exist, else `exc`."""
+        text = str(exc)  # vLLM's wording differs by path: worker getattr, or run_method
+        if f"has no attribute '{method}'" not in text and f"Method {method!r} is not implemented" not in text:
+            return exc
+        return RuntimeError(
+            f"engine {self.name!r}: vLLM was started without ckpt-engine's worker extension (its workers have no "
+            f"{method!r}); start it with worker_extension_cls={WORKER_EXTENSION!r} (LLM(...) keyword, or "
+            f"--worker-extension-cls {WORKER_EXTENSION} for `vllm serve`)"
+        )
+
+    def take_over(self, previous: RolloutAdapter) -> None:
+        """A new handle on the same engine: the workers' pids and the manifest they hold."""
+        if isinstance(previous, VllmHandle):
+            self.pids, self._sent_digest, self.version = list(previous.pids), previous._sent_digest, previous.version
+
+    def held_version(self) -> int | None:
+        """The version the engine's workers hold (the extension keeps it across adapter objects)."""
+        versions = {version_of(h.get("version")) for h in self.worker_health()}
+        if len(versions) > 1:
+            logger.warning("engine %s: workers report different versions %s", self.name, sorted(map(str, versions)))
+        return max((v for v in versions if v is not None), default=None)
+
+    def membership(self) -> Membership:
+        """One `ckpt_health` of every worker: the newest version any holds, and the group each
+        joined; a worker whose pid is not the one that joined restarted (it is in no group)."""
+        replies = self.worker_health()
+        versions = {version_of(h.get("version")) for h in replies}
+        if len(versions) > 1:
+            logger.warning("engine %s: workers report different versions %s", self.name, sorted(map(str, versions)))
+        groups = [h.get("group") if isinstance(h.get("group"), str) else None for h in replies]
+        if self.pids and [h.get("pid") for h in replies] != self.pids:
+            groups = [None] * len(replies)
+        return Membership(max((v for v in versions if v is not None), default=None), groups)
+
+    def _encode_manifest(self, encoded: bytes) -> Any:
+        return encoded
+
+    def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
+        self._sent_digest = None
+        results = self._rpc("ckpt_join", rendezvous=rendezvous.to_dict(), rank_offset=rank_offset, options=options.to_dict())
+        self.pids = [int(r["pid"]) for r in results]
+
+    def receive_plans(self) -> list[ReceivePlan | None]:
+        """Per worker rank, the regions it holds, recorded in each worker from vLLM's own loaders
+        (None: that worker could not record one and receives whole tensors)."""
+        plans: list[ReceivePlan | None] = []
+        for rank, reply in enumerate(self._rpc("ckpt_receive_plan")):
+            if reply.get("plan") is None:
+                logger.warning("engine %s worker %d: no receive plan (%s); it receives whole tensors", self.name, rank, reply.get("error"))
+                plans.append(None)
+            else:
+                plans.append(ReceivePlan.from_wire(reply["plan"]))
+        return plans
+
+    def validate(self, manifest: BucketManifest, encoded: bytes) -> None:
+        self._validate(manifest, encoded, {})
+
+    def validate_regions(self, manifest: BucketManifest, encoded: bytes, assignments: list[bytes]) -> None:
+        """`validate`, each worker also checking its region assignment against its recorded plan."""
+        self._validate(manifest, encoded, {"regions": [self._encode_manifest(a) for a in assignments]})
+
+    def _validate(self, manifest: BucketManifest, encoded: bytes, extra: dict[str, Any]) -> None:
+        send = None if self._sent_digest == manifest.digest else self._encode_manifest(encoded)
+        replies = self._rpc("ckpt_validate", encoded=send, digest=manifest.digest, **extra)
+        if any(r.get("need_manifest") for r in replies):
+            replies = self._rpc("ckpt_validate", encoded=self._encode_manifest(encoded), digest=manifest.digest, **extra)
+        problems: list[str] = []
+        for rank, reply in enumerate(replies):
+            if not reply.get("accepted"):
+                problems += [p if len(replies) == 1 else f"worker {rank}: {p}" for p in reply.get("problems") or ["rejected"]]
+        if problems:
+            self._sent_digest = None
+            raise ManifestRejectedError(self.name, problems)
+        self._sent_digest = manifest.digest
+
+    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None, *, stage: str | None = None) -> ReceiveReport:
+        """Receive and load `manifest` (the engine paused), or with `stage` receive it into staging
+        on the workers' background threads while the engine keeps generating (then `swap`). Both
+        stages land alike here: a delta sync in the workers' checked base images, a dense one in
+        their staging copy (`vllm_staging.py`)."""
+        if stage is not None and stage not in STAGES:
+            raise ValueError(f"engine {self.name!r}: stage must be one of {', '.join(STAGES)} or None, got {stage!r}")
+        extra = {"delta": delta.to_dict()} if delta is not None else {}
+        if stage is None:
+            replies = self._rpc("ckpt_receive", timeout_s=self.timeout_s * 2, digest=manifest.digest, **extra)
+        else:
+            self._rpc("ckpt_stage", digest=manifest.digest, **extra)
+            replies = [r["report"] for r in self._wait_staged()]
+        reports = [ReceiveReport.from_dict(r) for r in replies]
+        slowest = max(reports, key=lambda r: r.receive_s)
+        return ReceiveReport(slowest.tensors, slowest.bytes, slowest.receive_s, max(r.load_s for r in reports), min(r.loaded for r in reports))
+
+    def _wait_staged(self) -> list[dict[str, Any]]:
+        """Poll every worker until its staged receive ended; raise naming the workers whose failed."""
+        deadline = time.monotonic() + self.timeout_s * 2
+        wait = _POLL_S[0]
+        while True:
+            replies = self._rpc("ckpt_stage_status", timeout_s=min(self.timeout_s, 30.0))
+            if all(r.get("done") for r in replies):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine {self.name!r}: staged receive still running after {self.timeout_s * 2:.0f}s")
+            time.sleep(wait)
+            wait = min(wait * 2, _POLL_S[1])
+        failed = [f"worker {rank}: {r['error']}" for rank, r in enumerate(replies) if r.get("error")]
+        if failed:
+            self.discard()  # a worker whose stream completed drops its half of the version
+            raise RuntimeError(
+                f"engine {self.name!r}: staged receive failed ({'; '.join(failed)}); it keeps serving its old weights"
+            )
+        return replies
+
+    def swap(self, version: int, pause_mode: str) -> float:
+        """Between two engine steps: pause (per `pause_mode`; `none` pauses as `keep`), load the
+        staged version on every worker, reset the prefix cache, stamp `version`, resume. Returns
+        the seconds the engine produced nothing. A swap that fails part-way leaves the engine
+        paused (its weights may be a mix: stale).
+
+        Why `keep` pauses too: vLLM labels a step's tokens with the engine core's weight version,
+        and the load (`collective_rpc`) and the stamp (`set_weight_version`) are two engine-core
+        calls that no vLLM route joins; unpaused, a step between them is mislabelled
+        (docs/staged-syncs.md). Paused, they run side by side where `_side_calls` allows."""
+        mode = pause_mode if pause_mode != "none" else "keep"
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"engine {self.name!r}: pause_mode must be one of {', '.join(PAUSE_MODES)} or none, got {pause_mode!r}")
+        t0 = time.perf_counter()
+        self._pause_for_swap(mode)
+        t_paused = time.perf_counter()
+        replies = self._load_and_stamp(version, mode)
+        t1 = time.perf_counter()
+        self.version = version
+        self._resume_after_swap()
+        stall = time.perf_counter() - t0
+        self.last_finalize = {
+            "post_process_s": max(float(r["finalize_s"]) for r in replies),
+            "swap_load_s": max(float(r["load_s"]) for r in replies),
+            "swap_shadow": all(bool(r.get("shadow", False)) for r in replies),  # every worker copied a prepared image
+            "swap_shadow_layers": [int(r.get("shadow_layers", 0)) for r in replies],  # per worker: the layers it prepared
+            "swap_shadow_bytes": [int(r.get("shadow_bytes", 0)) for r in replies],  # per worker: their tensors' bytes
+            "shadow_build_s": max(float(r.get("shadow_build_s", 0.0)) for r in replies),  # on the staging thread, off the step path
+            "swap_pause_s": t_paused - t0,
+            "swap_rpc_s": t1 - t_paused,
+            "stall_s": stall,
+        }
+        return stall
+
+    _side_calls: ClassVar[bool] = False
+    """Whether the cache reset and the version stamp may run on a second thread while the load's
+    `collective_rpc` runs (a handle whose control calls share no connection)."""
+
+    def _load_and_stamp(self, version: int, mode: str) -> list[Any]:
+        """With the engine paused: the load on every worker, the prefix-cache reset and the engine's
+        version stamp; side by side when `_side_calls`. If the load fails, the engine's stamp is
+        put back to the version its weights were stamped with (best effort; the engine stays paused)."""
+        def stamp() -> None:
+            self._reset_prefix_cache(running=mode == "recompute")
+            self._set_engine_version(str(version))
+
+        if not self._side_calls:
+            replies = self._rpc("ckpt_swap", version=version)
+            stamp()
+            return replies
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-swap-stamp") as side:
+            stamped = side.submit(stamp)
+            try:
+                replies = self._rpc("ckpt_swap", version=version)
+            except BaseException:
+                if stamped.exception(timeout=self.timeout_s) is None and self.version is not None:
+                    try:
+                        self._set_engine_version(str(self.version))
+                    except Exception as exc:  # the swap's own error is the one to raise
+                        logger.warning("engine %s: could not restore the weight version after a failed swap: %s", self.name, exc)
+                raise
+            stamped.result(timeout=self.timeout_s)
+        return replies
+
+    def _pause_for_swap(self, mode: str) -> None:
+        """Pause for a swap (`mode` keep/abort/recompute); a handle may use a quicker route than `pause`."""
+        self.pause(mode)
+
+    def _resume_after_swap(self) -> None:
+        self.resume()
+
+    def discard(self) -> None:
+        """Drop a staged version on every worker; the live weights and version are untouched."""
+        self._rpc("ckpt_discard")
+
+    def staging_room(self, nbytes: int) -> bool:
+        """Whether every worker can hold a staging copy of `nbytes` (within `staging_limit_bytes`).
+        With receive plans the session asks for the largest rank's slice bytes, which is what a
+        worker's staging copy then holds (its region items, `vllm_staging.py`)."""
+        replies = self._rpc("ckpt_staging_room", nbytes=int(nbytes), limit_bytes=self.staging_limit_bytes)
+        short = [f"worker {rank}: {r['why']}" for rank, r in enumerate(replies) if not r.get("room")]
+        if short:
+            logger.info("engine %s: no room for a staging copy (%s)", self.name, "; ".join(short))
+        return not short
+
+    def finalize(self, version: int) -> None:
+        t0 = time.perf_counter()
+        replies = self._rpc("ckpt_finalize", version=version)
+        t1 = time.perf_counter()
+        self._reset_prefix_cache(running=self._pause_mode == "recompute")
+        self._set_engine_version(str(version))
+        self.version = version
+        self.last_finalize = {
+            "post_process_s": max(float(r["finalize_s"]) for r in replies),
+            "finalize_rpc_s": t1 - t0,
+            "cache_and_version_s": time.perf_counter() - t1,
+        }
+
+    def leave(self) -> None:
+        self._rpc("ckpt_leave")
+
+    def worker_health(self) -> list[dict[str, Any]]:
+        """Per-worker state from the extension (not usable while a receive is in flight)."""
+        return self._rpc("ckpt_health", timeout_s=min(self.timeout_s, 30.0))
+
+    def _check_pids(self) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise RuntimeError(f"engine {self.name!r}: worker process {pid} is gone") from None
+            except PermissionError:
+                pass
+            if _is_zombie(pid):
+                raise RuntimeError(f"engine {self.name!r}: worker process {pid} exited")
+
+    def _reset_prefix_cache(self, running: bool = False) -> None:
+        """Drop the prefix cache; `running`: also preempt running requests (they re-prefill)."""
+        raise NotImplementedError
+
+    def _set_engine_version(self, version: str) -> None:
+        raise NotImplementedError
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return False
