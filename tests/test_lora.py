@@ -47,6 +47,19 @@ def engine(max_versions: int = 2, max_rank: int = 8) -> LoraRefRollout:
 CONFIG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30.0, weights="adapters")
 
 
+def test_an_adapter_engine_is_never_told_that_syncs_pause_for_the_transfer(caplog: pytest.LogCaptureFixture) -> None:
+    """Adapter syncs pause nothing (a version installs beside the one requests use): `stage: auto`
+    said "syncs pause for the whole transfer" to a LoRA engine."""
+    ref = engine()
+    session = WeightSyncSession([ref], CONFIG)
+    try:
+        with caplog.at_level("INFO"):
+            session.sync(AdapterSource(tiny_peft(1)))
+        assert not [r.message for r in caplog.records if "pause for the whole transfer" in r.message]
+    finally:
+        session.close()
+
+
 # --- the wire layout ------------------------------------------------------------------------------
 def test_spec_travels_as_peft_config_json_and_malformed_configs_are_refused() -> None:
     spec = LoraSpec(16, 32.0, ("q_proj", "v_proj"), use_rslora=True)

@@ -53,9 +53,12 @@ class StagePolicy:
         engine short of room raises ValueError (nothing was paused or sent)."""
         if self.mode == "off":
             return None
-        cannot = [r.name for r in rollouts if not r.stages]
+        cannot = [r for r in rollouts if not r.stages]
         if cannot:
-            self._say_once(f"checkpoint_engine.stage={self.mode}: engine(s) {', '.join(cannot)} cannot stage a sync; syncs pause for the whole transfer")
+            # An adapter engine pauses nothing (a version installs beside the one requests use): only others are told.
+            pausing = [r.name for r in cannot if r.weights != "adapters"]
+            if pausing:
+                self._say_once(f"checkpoint_engine.stage={self.mode}: engine(s) {', '.join(pausing)} cannot stage a sync; syncs pause for the whole transfer")
             return None
         if regions:  # a sync with receive plans: each engine says whether it stages one
             cannot = [r.name for r in rollouts if not r.stages_regions]
