@@ -70,7 +70,7 @@ def cached_session(rollouts: Sequence[RolloutAdapter], config: CheckpointEngineC
         session = _sessions.get(key)
         same = (
             session is not None
-            and not session._closed
+            and not session.closed
             and [r.name for r in session.rollouts] == [r.name for r in rollouts]
             and (config is None or session.config == config)
         )
@@ -125,8 +125,9 @@ def sync_rollout_weights(
         raise ValueError("the sending trainer rank must pass the rollout engines (or a WeightSyncSession)")
     if isinstance(rollouts, WeightSyncSession):
         return rollouts.sync(source, version=version)
-    for _ in range(3):  # a concurrent call may replace the cached session between lookup and lock
-        report = cached_session(rollouts, config)._locked_sync(source, version, drain_if_closed=False)
-        if report is not None:
-            return report
+    report = cached_session(rollouts, config)._locked_sync(source, version, drain_if_closed=False)
+    if report is not None:
+        return report
+    # A concurrent call with another config closed that session between the lookup and its lock:
+    # its replacement takes this sync (and a source it cannot take is drained, as on every failure).
     return cached_session(rollouts, config).sync(source, version=version)

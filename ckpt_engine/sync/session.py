@@ -89,6 +89,11 @@ class WeightSyncSession:
         self._stages = StagePolicy(self.config.stage)
         self._stream = SyncStream(self.config, self._senders, self._regions, self._pool, self._break, self._group.new_engine)
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` ran: the session's group is gone and every sync is refused."""
+        return self._closed
+
     def engine_keys(self) -> dict[str, Hashable]:
         return {r.name: r.engine_key() for r in self.rollouts}
 
