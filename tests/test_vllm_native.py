@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_engine import CheckpointEngineConfig
+from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.sync.report import SyncError
 from ckpt_engine.sources.vllm import VllmWeightSourceAdapter, as_weight_source, is_vllm_weight_source
@@ -226,6 +227,22 @@ def test_llm_native_backend_shares_the_session_core(native_llm: object, model_di
 
 
 # --- api_server over HTTP -------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_wrong_worker_count_fails_the_join_naming_both_counts(native_llm: object, model_dir: Path) -> None:  # noqa: F811
+    """A handle that counts 2 workers on a one-worker engine: the worker refuses the join at once,
+    naming both counts and the fix (the group waited for the missing rank until timeout_s)."""
+    from ckpt_engine.rollout_adapters.vllm_clients import LLMWeightSyncClient
+    from ckpt_engine.rollout_adapters.vllm_native import VllmNativeRollout
+
+    handle = VllmNativeRollout(LLMWeightSyncClient(native_llm), name="miscounted", num_workers=2, timeout_s=60.0)  # type: ignore[arg-type]
+    session = WeightSyncSession([handle], CheckpointEngineConfig(backend="gloo", timeout_s=60.0))
+    try:
+        with pytest.raises(SyncError, match=r"during join: miscounted: .*counts 2 workers but this engine has 1 .*num_workers=1"):
+            session.sync(StateDictSource({n: t.detach() for n, t in trainer_model(model_dir, seed=40).state_dict().items()}))
+    finally:
+        session.close()
+
+
 @pytest.fixture(scope="module")
 def native_server(native_vllm_server: SharedServer[VllmServer]) -> VllmServer:
     """The session's native-backend api_server (tests/conftest.py), shared with test_vllm_native_staged.py."""

@@ -124,7 +124,10 @@ class VllmNativeRollout(RolloutAdapter):
         self._worker_digest = None
         self._rendezvous, self._store, self._ticket = rendezvous, None, None  # a new group: a new store prefix
         self._ranks = list(range(rank_offset, rank_offset + self.world_size))
-        init = {"rendezvous": rendezvous.to_dict(), "rank_offset": rank_offset, "options": options.to_dict(), **self._init_extra()}
+        init = {
+            "rendezvous": rendezvous.to_dict(), "rank_offset": rank_offset, "options": options.to_dict(), "num_workers": self.world_size,
+            **self._init_extra(),
+        }
         try:
             self.client.init_weight_transfer_engine(init)
         except Exception as exc:

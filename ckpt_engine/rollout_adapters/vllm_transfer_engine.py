@@ -91,6 +91,9 @@ class CkptEngineInitInfo(WeightTransferInitInfo):
     weights: str = "full"
     """`adapters`: the workers take LoRA adapter versions (the engine started with LoRA enabled)."""
     max_adapter_versions: int = 2
+    num_workers: int | None = None
+    """How many workers the trainer's handle counts for this engine (None: not said); a worker of
+    an engine with another count refuses the join at once instead of leaving the group to time out."""
 
     def __post_init__(self) -> None:
         if self.weights not in ("full", "adapters"):
@@ -99,6 +102,8 @@ class CkptEngineInitInfo(WeightTransferInitInfo):
         JoinOptions.from_dict(self.options)
         if not isinstance(self.rank_offset, int) or isinstance(self.rank_offset, bool) or self.rank_offset < 1:
             raise ValueError(f"rank_offset must be an int >= 1 (rank 0 is the sender), got {self.rank_offset!r}")
+        if self.num_workers is not None and (not isinstance(self.num_workers, int) or isinstance(self.num_workers, bool) or self.num_workers < 1):
+            raise ValueError(f"num_workers must be an int >= 1 or None, got {self.num_workers!r}")
 
 
 @dataclass
@@ -190,6 +195,13 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
 
     def init_transfer_engine(self, init_info: CkptEngineInitInfo) -> None:
         """Join the weight-sync group; blocks until the sender and every worker have joined."""
+        pc = self.parallel_config
+        workers = int(pc.world_size) * int(pc.data_parallel_size)
+        if init_info.num_workers is not None and init_info.num_workers != workers:
+            raise ValueError(
+                f"the trainer's handle counts {init_info.num_workers} workers but this engine has {workers} "
+                f"(tensor x pipeline x data parallel): make it with num_workers={workers}"
+            )
         rank = init_info.rank_offset + self._worker_rank()
         if init_info.weights == "adapters":
             from ckpt_engine.rollout_adapters.vllm_lora_worker import VllmLoraCore
