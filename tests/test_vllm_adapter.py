@@ -272,6 +272,22 @@ def test_llm_fresh_adapters_in_a_loop_carry_the_version_and_the_delta_chain_on(l
     assert tokens == [hf_greedy(trainer_model(model_dir, 33), p) for p in PROMPTS] and set(spans) == {str(held + 3)}
 
 
+def test_the_engines_manifest_budget_takes_an_honest_plan_and_refuses_a_hostile_one(llm: object, model_dir: Path) -> None:
+    """What the Ray engine actor decodes with (it decoded with no budget): the workers' own budget,
+    from their model and group, never from what the manifest claims."""
+    from ckpt_engine.manifest import ManifestError, TensorSpec, decode_manifest, encode_manifest
+    from ckpt_engine.planning.buckets import plan_buckets
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+
+    budget = VllmRollout("budget", llm, timeout_s=60.0).manifest_budget()
+    honest = StateDictSource({n: t.detach() for n, t in trainer_model(model_dir, seed=3).state_dict().items()}).metadata()
+    encoded = encode_manifest(plan_buckets(honest, 1 << 16))
+    assert decode_manifest(encoded, budget).num_tensors == len(honest)
+    hostile = [TensorSpec(f"t{i}", "float32", (1,)) for i in range(50_000)]
+    with pytest.raises(ManifestError, match="more than"):
+        decode_manifest(encode_manifest(plan_buckets(hostile, 1 << 16)), budget)
+
+
 def test_native_backend_join_without_the_transfer_config_fails_at_once_with_the_fix(llm: object, model_dir: Path) -> None:
     """This engine runs the worker extension, not the native backend: vLLM refuses the join at
     once, and so does the trainer side (not after timeout_s), saying how to start vLLM."""

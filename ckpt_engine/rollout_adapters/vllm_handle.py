@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.manifest import BucketManifest
+from ckpt_engine.manifest import BucketManifest, ManifestBudget
 from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.transports.base import Rendezvous
@@ -112,6 +112,12 @@ class VllmHandle(RolloutAdapter):
         self._sent_digest = None
         results = self._rpc("ckpt_join", rendezvous=rendezvous.to_dict(), rank_offset=rank_offset, options=options.to_dict())
         self.pids = [int(r["pid"]) for r in results]
+
+    def manifest_budget(self) -> ManifestBudget:
+        """The most any of the engine's workers would decode (each worker's `ManifestBudget` from its
+        own model and group): a process that decodes manifests for the engine sizes its decode by it."""
+        replies = self._rpc("ckpt_manifest_budget")
+        return ManifestBudget(**{k: max(int(r[k]) for r in replies) for k in ("tensors", "nbytes", "name_bytes", "ndim", "senders")})
 
     def receive_plans(self) -> list[ReceivePlan | None]:
         """Per worker rank, the regions it holds, recorded in each worker from vLLM's own loaders

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ckpt_engine.manifest import ManifestBudget
 from ckpt_engine.planning.fused_experts import fuse_plan
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
@@ -98,6 +100,12 @@ class VllmReceiverCore:
         return self.receiver.validate(encoded, digest, specs.accepts, extra_check=specs.stacked_whole, regions=regions)
 
     # --- receive plan ------------------------------------------------------------------------
+    def manifest_budget(self) -> dict[str, int]:
+        """What an honest manifest for this worker's model can hold (`ManifestBudget`, as a map): a
+        process that decodes manifests on the engine's behalf (the Ray engine actor) sizes its own
+        decode by it."""
+        return dataclasses.asdict(ManifestBudget.expecting(self.specs().accepts.values(), senders=self.receiver.senders))
+
     def receive_plan(self) -> dict[str, Any]:
         """This worker's receive plan, recorded once per model from vLLM's own loaders (a dry run;
         never while a reload is open). Returns {"plan": wire form, "bytes", "model_bytes", "whole"};

@@ -54,6 +54,10 @@ class CkptEngineWorkerExtension:
     def ckpt_leave(self) -> None:
         self._ckpt_core().leave()
 
+    def ckpt_manifest_budget(self) -> dict[str, int]:
+        """What an honest manifest for this worker can hold (see VllmReceiverCore.manifest_budget)."""
+        return self._ckpt_core().manifest_budget()
+
     def ckpt_receive_plan(self) -> dict[str, Any]:
         """This worker's receive plan recorded from vLLM's own loaders (see VllmReceiverCore.receive_plan)."""
         return self._ckpt_core().receive_plan()

@@ -71,6 +71,7 @@ class VllmEngineActor:
         self._receiving = False
         self._delay_next_receive_s = 0.0
         self._manifests: dict[str, Any] = {}
+        self._budget: Any = None  # the engine's ManifestBudget, asked of its workers at join
         self.server = RpcServer(self._handlers(), token=token, host=self.host, port=0).start()
         self.descriptor = {"kind": "ray_vllm", "host": self.host, "port": int(self.server.port), "world_size": int(self.rollout.world_size)}
         DaemonClient(daemon_address, token, timeout_s=timeout_s).register(name, self.descriptor)
@@ -122,6 +123,7 @@ class VllmEngineActor:
         from ckpt_engine.rollout_adapters.base import JoinOptions
 
         self._locked(self.rollout.join)(rendezvous=Rendezvous.from_dict(rendezvous), rank_offset=int(rank_offset), options=JoinOptions.from_dict(options))
+        self._budget = self._locked(self.rollout.manifest_budget)()  # this engine's own, never the manifest's claim
 
     def _validate(self, digest: str, encoded: bytes | None = None) -> dict[str, Any]:
         from ckpt_engine.manifest import decode_manifest
@@ -130,7 +132,9 @@ class VllmEngineActor:
         if encoded is None and digest not in self._manifests:
             return {"need_manifest": True}
         if encoded is not None:
-            manifest = decode_manifest(encoded)
+            if self._budget is None:
+                return {"accepted": False, "problems": [f"engine {self.name!r}: validate before join (no manifest budget yet)"]}
+            manifest = decode_manifest(encoded, self._budget)
             if manifest.digest != digest:
                 raise ValueError(f"engine {self.name!r}: manifest digest {manifest.digest} does not match the announced {digest}")
             self._manifests = {digest: (manifest, encoded)}  # only the newest plan is kept
