@@ -28,6 +28,7 @@ __all__ = [
     "ReceiveReport",
     "RolloutAdapter",
     "check_manifest_against",
+    "held_in",
     "version_of",
 ]
 
@@ -203,9 +204,7 @@ class RolloutAdapter(ABC):
         New versions start one past it, so a fresh session or handle never reuses a label. An
         engine whose last sync failed part-way may report no held `version` but its newest
         finalized one as `last_version`; the larger counts."""
-        health = self.health()
-        known = [v for v in (version_of(health.get("version")), version_of(health.get("last_version"))) if v is not None]
-        return max(known, default=None)
+        return held_in(self.health())
 
     @abstractmethod
     def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
@@ -284,6 +283,13 @@ def _dtype_fix(sent: str, held: str) -> str:
     if sent in _FLOATS and held in _FLOATS:
         return f"send it as {held}: StateDictSource(..., dtype=torch.{held}) casts floating-point tensors on the wire"
     return f"cast it to {held} in the trainer's weights (StateDictSource's dtype= casts floating-point tensors only)"
+
+
+def held_in(health: Mapping[str, Any]) -> int | None:
+    """The version a health report says its engine holds: the larger of its `version` and
+    `last_version` (see `RolloutAdapter.held_version`); None when it names neither."""
+    known = [v for v in (version_of(health.get("version")), version_of(health.get("last_version"))) if v is not None]
+    return max(known, default=None)
 
 
 def version_of(value: Any) -> int | None:

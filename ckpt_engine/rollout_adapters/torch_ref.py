@@ -40,7 +40,7 @@ from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
-from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, version_of
+from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, held_in
 from ckpt_engine.rollout_adapters.engine_lease import EngineLease
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.ref_models import RefModel, load_spec_file, write_spec_file
@@ -429,9 +429,8 @@ class TorchRefRollout(RolloutAdapter):
 
     def membership(self) -> Membership:
         health = self.health()
-        known = [v for v in (version_of(health.get("version")), version_of(health.get("last_version"))) if v is not None]
         group = health.get("group")
-        return Membership(max(known, default=None), [group if isinstance(group, str) else None])
+        return Membership(held_in(health), [group if isinstance(group, str) else None])
 
     def leave(self) -> None:
         self._call("leave")

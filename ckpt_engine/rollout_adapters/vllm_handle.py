@@ -88,10 +88,7 @@ class VllmHandle(RolloutAdapter):
 
     def held_version(self) -> int | None:
         """The version the engine's workers hold (the extension keeps it across adapter objects)."""
-        versions = {version_of(h.get("version")) for h in self.worker_health()}
-        if len(versions) > 1:
-            logger.warning("engine %s: workers report different versions %s", self.name, sorted(map(str, versions)))
-        return max((v for v in versions if v is not None), default=None)
+        return self.membership().version
 
     def membership(self) -> Membership:
         """One `ckpt_health` of every worker: the newest version any holds, and the group each
