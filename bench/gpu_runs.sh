@@ -4,6 +4,8 @@
 #   two   - every GPU test (those needing 2 GPUs included; Megatron wheels from .whl/ if carried)
 #   vllm  - the real CUDA vLLM tests (tests/test_vllm_cuda.py; vLLM carried by bench/vllm_carry.sh),
 #           stacks of every Python process dumped by py-spy into $OUT/stacks.txt if a run hangs
+#   vllm-bench - a real CUDA vLLM engine (GPU 0) fed from GPU 1: raw NCCL, vLLM's own packed NCCL
+#           path and ours, Qwen2.5-7B and Qwen3-30B-A3B shapes (bench/vllm_sync_bench.py)
 #   bench - dense and delta syncs of Qwen2.5-7B and Qwen3-30B-A3B shapes over NCCL beside the raw
 #           broadcast, and the FSDP2 shrunk topology (2 trainer ranks, receiver beside rank 1)
 # JSON lands in $OUT (or bench/out/); each step is bounded so one call fits the device's limit.
@@ -36,6 +38,18 @@ vllm)
     timeout 170 python bench/vllm_fp8_start.py > "$out/fp8_start.log" 2>&1 &
     pid=$!; out=$out/fp8 ; mkdir -p "$out"; watchdog 150 $pid; wait $pid; echo "fp8 start exit $?"; tail -n 15 "${out%/fp8}/fp8_start.log"
   fi
+  ;;
+vllm-bench)
+  python3 -c "import vllm" 2>/dev/null || bash bench/vllm_carry.sh install || exit 1
+  export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0
+  IFS=';' read -ra specs <<< "${VLLM_BENCH:-qwen2.5-7b 0.3;qwen3-30b-a3b 0.55 --no-staged}"  # PRESET GPU_MEM [ARGS]; ...
+  for spec in "${specs[@]}"; do
+    set -- $spec; preset=$1; mem=$2; shift 2
+    echo "== vllm sync bench $preset $*"
+    timeout "${VLLM_BENCH_TIMEOUT:-280}" python bench/vllm_sync_bench.py --preset "$preset" --gpu-mem "$mem" "$@" \
+      --json "$out/vllm_bench_$preset.json" > "$out/vllm_bench_$preset.log" 2>&1 &
+    pid=$!; watchdog "${VLLM_HANG_S:-250}" $pid; wait $pid; echo "exit $?"; grep -E "^(raw|vllm_packed|ours|\{)" "$out/vllm_bench_$preset.log" | tail -n 6
+  done
   ;;
 one)
   timeout 240 python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests 2>&1 | tail -n 25

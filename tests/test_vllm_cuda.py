@@ -1,10 +1,16 @@
 """A real CUDA vLLM engine fed by a trainer on the GPUs (vLLM 0.26 carried by bench/vllm_carry.sh;
 run by `bench/gpu_runs.sh vllm`, never in CI).
 
-One engine (in process, GPU 0, dummy weights) takes every sync; a second engine that loaded the
+One engine (in process, GPU 0, dummy weights) takes most syncs; a second engine that loaded the
 reference weights from disk gives what the first must hold after each sync: every parameter and
 buffer equal by digest (`ckpt_param_digests`, vLLM's own fused / sliced layout), and greedy tokens
 equal. The trainer is an HF model in this process, on GPU 1 (nccl) or GPU 0 (colocated).
+
+`vllm serve` engines (GPUs chosen per test) start from the reference weights on disk, so their own
+digests before any sync are the reference: a sync away to other weights and back must restore
+every one of them on every rank. With 3 GPUs or more: a TP=2 server (each rank receives only its
+slice; a tiny Qwen3-MoE too, experts fused by vLLM) and two FSDP2 ranks sending their own shards;
+with 2: the FSDP2 ranks beside the server, one handing its shard over in memory (`nccl_handoff`).
 """
 
 from __future__ import annotations
@@ -208,3 +214,110 @@ def test_vllm_serve_over_nccl(model_dir: Path, tmp_path: Path) -> None:
             want = hashlib.sha256(trainer.state_dict()[n].detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
             assert got[n] == want, n
         close_sessions()
+
+
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 256,
+    "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2,
+    "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "norm_topk_prob": True,
+}
+
+
+def checkpoint_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors under checkpoint names (transformers fuses experts in memory; the
+    checkpoint and vLLM's loader have one tensor per expert)."""
+    from ckpt_engine.sources.hf_names import unfuse_experts
+
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        parts = unfuse_experts(model.config.model_type, name, t)
+        for n, p in parts if parts is not None else [(name, t)]:
+            out[n] = p.detach().contiguous()
+    return out
+
+
+def write_model(d: Path, config: dict[str, Any], seed: int) -> Path:
+    from safetensors.torch import save_file
+
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(config))
+    save_file({n: t.clone() for n, t in checkpoint_weights(hf_model(d, seed, "cpu")).items()}, str(d / "model.safetensors"))
+    return d
+
+
+def server_digests(url: str) -> list[dict[str, str]]:
+    import requests
+
+    return requests.post(f"{url}/collective_rpc", json={"method": "ckpt_param_digests"}, timeout=120).json()["results"]
+
+
+def serve(model_dir: Path, log: Path, gpus: str, *extra: str) -> Any:
+    """`vllm serve` (dev mode, the worker extension) of the reference weights on disk, bf16, on `gpus`."""
+    from helpers_vllm import api_server
+
+    args = ["--worker-extension-cls", WORKER_EXTENSION, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.15", *extra]
+    return api_server(model_dir, log, args, env={"CUDA_VISIBLE_DEVICES": gpus}, start_timeout_s=300.0)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])
+def test_tp2_server_each_rank_receives_its_slice(tmp_path: Path, kind: str) -> None:
+    """A TP=2 engine (GPUs 1-2) fed over NCCL from cuda:0: each worker states its receive plan at
+    join and takes only its slice (about half the model), and after a sync away and one back every
+    parameter on both ranks holds the reference bytes again (Qwen3-MoE: experts fused by vLLM)."""
+    if torch.cuda.device_count() < 3:
+        pytest.skip("needs 3 GPUs (a TP=2 engine beside the trainer's)")
+    from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+
+    model_dir = write_model(tmp_path / kind, QWEN3_MOE if kind == "qwen3_moe" else QWEN2, REFERENCE_SEED)
+    with serve(model_dir, tmp_path / "server.log", "1,2", "--tensor-parallel-size", "2") as server:
+        reference = server_digests(server.url)
+        assert len(reference) == 2
+        handle = VllmServerRollout(f"vllm-tp2-{kind}", server.url, timeout_s=60.0)
+        config = CheckpointEngineConfig(backend="nccl", timeout_s=60.0)
+        try:
+            away = sync_rollout_weights(StateDictSource(checkpoint_weights(hf_model(model_dir, 7, "cuda:0"))), [handle], config=config)
+            assert away is not None and [d != r for d, r in zip(server_digests(server.url), reference)] == [True, True]
+            back = sync_rollout_weights(StateDictSource(checkpoint_weights(hf_model(model_dir, REFERENCE_SEED, "cuda:0"))), [handle], config=config)
+            assert back is not None and back.version == away.version + 1
+            got = server_digests(server.url)
+            for rank in range(2):
+                assert [n for n in reference[rank] if got[rank][n] != reference[rank][n]] == [], rank
+            per_rank = back.received_bytes[handle.name]
+            print(f"{kind} TP=2 on CUDA: ranks receive {per_rank} of {back.bytes} bytes ({[round(b / back.bytes, 3) for b in per_rank]})")
+            assert len(per_rank) == 2 and all(0.4 < b / back.bytes < 0.6 for b in per_rank), per_rank
+        finally:
+            close_sessions()
+
+
+@pytest.mark.parametrize("backend", ["nccl", "nccl_handoff"])
+def test_fsdp2_ranks_send_their_own_shards_into_vllm(tmp_path: Path, backend: str) -> None:
+    """Two FSDP2 trainer ranks, each sending its own shards (`senders: all`), into a `vllm serve`
+    engine: over nccl from GPUs 1-2 into GPU 0, or with nccl_handoff from GPUs 0-1 into GPU 1 (the
+    rank beside the engine hands its shard over in memory). Away and back: the reference bytes."""
+    from ckpt_engine.processes import run_processes
+    from helpers_procs import free_port
+    from _vllm_cuda_trainer import trainer_rank
+
+    if backend == "nccl" and torch.cuda.device_count() < 3:
+        pytest.skip("needs 3 GPUs (two trainer ranks and the engine, one GPU each)")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    trainer_gpus, engine_gpu = ([1, 2], "0") if backend == "nccl" else ([0, 1], "1")
+    model_dir = write_model(tmp_path / "qwen2", QWEN2, REFERENCE_SEED)
+    with serve(model_dir, tmp_path / "server.log", engine_gpu) as server:
+        reference = server_digests(server.url)
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        args = (2, port, trainer_gpus, backend, server.url, str(model_dir), [7, REFERENCE_SEED], str(tmp_path))
+        procs = [ctx.Process(target=trainer_rank, args=(r, *args)) for r in range(2)]
+        assert run_processes(procs, 240) == []
+        logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+        assert logs[1] == [] and [e.get("error") for e in logs[0]] == [None, None], logs
+        assert [e["senders"] for e in logs[0]] == [2, 2], logs[0]
+        got = server_digests(server.url)[0]
+        assert [n for n in reference[0] if got[n] != reference[0][n]] == []
