@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.lora_sync_bench import adapter, module_shapes
 from ckpt_engine.lora_format import ADAPTER_CONFIG, LoraSpec
-from ckpt_engine.rollout_adapters.sglang_lora import write_peft_folder
+from ckpt_engine.rollout_adapters.sglang.lora import write_peft_folder
 
 
 def main() -> None:

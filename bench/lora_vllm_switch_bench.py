@@ -38,7 +38,7 @@ def main() -> None:
     from bench.lora_sync_bench import PROJECTIONS, adapter, module_shapes
     from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
     from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION
-    from ckpt_engine.rollout_adapters.vllm_lora import VllmLoraRollout
+    from ckpt_engine.rollout_adapters.vllm.lora import VllmLoraRollout
     from ckpt_engine.sources.base import StateDictSource
 
     cfg = json.load(open(args.config))

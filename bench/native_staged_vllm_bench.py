@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient
-from ckpt_engine.rollout_adapters.vllm_native import VllmNativeRollout
+from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
+from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
 from ckpt_engine.trainer.vllm_job import VllmServerProcess, wait_healthy
 from swap_vllm_bench import MODEL, alternate_orders, bf16_trainer, switched
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckpt_engine.rollout_adapters.vllm_worker import CkptEngineWorkerExtension
+from ckpt_engine.rollout_adapters.vllm.worker import CkptEngineWorkerExtension
 
 EXTENSION = "_lora_tp_ext.LoraTpTestExtension"
 

@@ -46,8 +46,8 @@ def main() -> None:
         return
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20.0, stage="full")
     if sys.argv[4:] == ["native"]:
-        from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient
-        from ckpt_engine.rollout_adapters.vllm_native import VllmNativeRollout
+        from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
+        from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
 
         rollout: Any = VllmNativeRollout(HTTPWeightSyncClient(url, timeout=60.0), name="vllm-native", timeout_s=60.0)
     else:

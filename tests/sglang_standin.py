@@ -61,7 +61,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
-from ckpt_engine.rollout_adapters.sglang import custom_process_group  # noqa: E402
+from ckpt_engine.rollout_adapters.sglang.rollout import custom_process_group  # noqa: E402
 from sglang_schema import SglangSchemaError, check_body  # noqa: E402
 
 logger = logging.getLogger("sglang_standin")

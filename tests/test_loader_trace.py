@@ -8,7 +8,7 @@ import torch
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.regions import Region
-from ckpt_engine.rollout_adapters.vllm_regions import trace_loader
+from ckpt_engine.rollout_adapters.vllm.regions import trace_loader
 
 
 def meta(*shape: int) -> torch.Tensor:

@@ -138,7 +138,7 @@ class InFlight:
 def test_fsdp2_lora_syncs_into_vllm_match_hf_merged_and_keep_running_requests_on_their_version(llm: object, model_dir: Path) -> None:
     import torch.distributed as dist
 
-    from ckpt_engine.rollout_adapters.vllm_lora import VllmLoraRollout
+    from ckpt_engine.rollout_adapters.vllm.lora import VllmLoraRollout
 
     rollout = VllmLoraRollout("vllm-lora", llm, max_adapter_versions=2, timeout_s=TIMEOUT_S)
     config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=TIMEOUT_S, weights="adapters")
@@ -191,7 +191,7 @@ def test_fsdp2_lora_syncs_into_vllm_match_hf_merged_and_keep_running_requests_on
     ],
 )
 def test_rank_or_target_mismatch_is_refused_by_name_and_the_old_version_serves(llm: object, model_dir: Path, lora: dict, problem: str) -> None:
-    from ckpt_engine.rollout_adapters.vllm_lora import VllmLoraRollout
+    from ckpt_engine.rollout_adapters.vllm.lora import VllmLoraRollout
 
     rollout = VllmLoraRollout("vllm-lora-check", llm, timeout_s=TIMEOUT_S)
     config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=TIMEOUT_S, weights="adapters")
@@ -218,7 +218,7 @@ def test_rank_or_target_mismatch_is_refused_by_name_and_the_old_version_serves(l
 
 
 def test_full_weights_into_a_lora_engine_are_refused_by_name(llm: object, model_dir: Path) -> None:
-    from ckpt_engine.rollout_adapters.vllm_lora import VllmLoraRollout
+    from ckpt_engine.rollout_adapters.vllm.lora import VllmLoraRollout
     from ckpt_engine.sources.base import StateDictSource
 
     rollout = VllmLoraRollout("vllm-lora-full", llm, timeout_s=TIMEOUT_S)

@@ -48,8 +48,8 @@ def native_lora_llm(model_dir: Path) -> Iterator[object]:  # noqa: F811
 
 
 def test_native_backend_adapter_versions_match_hf_and_the_old_one_survives_the_update(native_lora_llm: object, model_dir: Path) -> None:  # noqa: F811
-    from ckpt_engine.rollout_adapters.vllm_clients import LLMWeightSyncClient
-    from ckpt_engine.rollout_adapters.vllm_native_lora import VllmNativeLoraRollout
+    from ckpt_engine.rollout_adapters.vllm.clients import LLMWeightSyncClient
+    from ckpt_engine.rollout_adapters.vllm.native_lora import VllmNativeLoraRollout
 
     rollout = VllmNativeLoraRollout(LLMWeightSyncClient(native_lora_llm), name="native-lora", max_adapter_versions=2)  # type: ignore[arg-type]
     config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=TIMEOUT_S, weights="adapters")

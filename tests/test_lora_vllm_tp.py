@@ -84,8 +84,8 @@ def check_rank_slices(replies: list[dict[str, Any]], adapter: dict[str, torch.Te
 
 
 def test_tp2_lora_syncs_match_hf_merged_on_every_rank_and_keep_running_requests_on_their_version(llm: Any, model_dir: Path) -> None:  # noqa: F811
-    from ckpt_engine.rollout_adapters.vllm_lora import VllmLoraRollout
-    from ckpt_engine.rollout_adapters.vllm_lora_worker import lora_int_id
+    from ckpt_engine.rollout_adapters.vllm.lora import VllmLoraRollout
+    from ckpt_engine.rollout_adapters.vllm.lora_worker import lora_int_id
 
     rollout = VllmLoraRollout("vllm-lora-tp2", llm, max_adapter_versions=2, timeout_s=TIMEOUT_S)
     session = WeightSyncSession([rollout], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=TIMEOUT_S, weights="adapters"))

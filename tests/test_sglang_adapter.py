@@ -65,7 +65,7 @@ def engines_of(servers: list[object]) -> list[object]:
 
 
 def config(**kw: object) -> CheckpointEngineConfig:
-    import ckpt_engine.rollout_adapters.sglang  # noqa: F401  (registers the `sglang` transport named in engine_kwargs)
+    import ckpt_engine.rollout_adapters.sglang.rollout  # noqa: F401  (registers the `sglang` transport named in engine_kwargs)
 
     return CheckpointEngineConfig(bucket_size_mb=0.05, timeout_s=60.0, **kw)  # type: ignore[arg-type]
 

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("msgspec")  # a vLLM dependency: always there in CI; the GPU box has no vLLM
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.rollout_adapters.sglang import _PAUSE_MODES, SglangClient
+from ckpt_engine.rollout_adapters.sglang.rollout import _PAUSE_MODES, SglangClient
 from sglang_schema import SGLANG_VERSION, SglangSchemaError, check_body, request_class
 
 

@@ -77,7 +77,7 @@ class _KillsServer(StateDictSource):
 
 def _fails_at_once(server: Server, source: StateDictSource, flattened: bool) -> SyncError:
     """Sync `source` into the server; the SyncError, after checking it came fast and named the engine."""
-    import ckpt_engine.rollout_adapters.sglang  # noqa: F401  (registers the `sglang` transport)
+    import ckpt_engine.rollout_adapters.sglang.rollout  # noqa: F401  (registers the `sglang` transport)
     from ckpt_engine.rollout_adapters.sglang import SglangRollout
 
     config = CheckpointEngineConfig(bucket_size_mb=0.05, timeout_s=TIMEOUT_S, engine_kwargs={"sglang": {"flattened": flattened}})

@@ -105,7 +105,7 @@ def generate(client: Any, lora: str, n: int = 8) -> list[int]:
 
 
 def test_adapter_versions_load_from_peft_folders_and_unload_after_their_last_request(client: Any, model_dir: Path, tmp_path: Path) -> None:
-    from ckpt_engine.rollout_adapters.sglang_lora import SglangLoraRollout
+    from ckpt_engine.rollout_adapters.sglang.lora import SglangLoraRollout
 
     rollout = SglangLoraRollout(client, adapter_dir=tmp_path, max_lora_rank=8, lora_target_modules=LORA["target_modules"], max_adapter_versions=2)
     session = WeightSyncSession([rollout], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.05, timeout_s=TIMEOUT_S, weights="adapters"))

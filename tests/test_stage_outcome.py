@@ -17,10 +17,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ckpt_engine.rollout_adapters.stage_outcome import (
+from ckpt_engine.rollout_adapters.vllm.stage_outcome import (
     Outcomes, check_ticket, clear_outcomes, new_ticket, outcome_key, report_outcome, stop_waiting, wait_outcomes,
 )
-from ckpt_engine.rollout_adapters.vllm_staging import StagedReceive, Staging
+from ckpt_engine.rollout_adapters.vllm.staging import StagedReceive, Staging
 from ckpt_engine.transports.base import Rendezvous
 
 _MASTERS: dict[int, torch.distributed.TCPStore] = {}
@@ -237,7 +237,7 @@ def test_a_native_staged_receive_is_stopped_by_a_discard_or_leave_from_another_t
     from ckpt_engine.planning.buckets import plan_buckets
     from ckpt_engine.manifest import TensorSpec
     from ckpt_engine.rollout_adapters.base import JoinOptions
-    from ckpt_engine.rollout_adapters.vllm_native import VllmNativeRollout
+    from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
 
     master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
     rendezvous = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 3, "gloo", 30.0)

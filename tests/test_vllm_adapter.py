@@ -35,7 +35,7 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
 
-WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm_worker.CkptEngineWorkerExtension"
+WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm.worker.CkptEngineWorkerExtension"
 # head_dim 32: vLLM's CPU attention has no kernel for head_dim 16.
 QWEN2_CONFIG = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -179,7 +179,7 @@ def test_llm_sync_matches_hf_and_changes_on_second_sync(llm: object, model_dir: 
 
 def test_llm_subset_syncs_leave_the_other_weights_their_bits(llm: object, model_dir: Path) -> None:
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
-    from ckpt_engine.rollout_adapters.vllm_clients import LLMWeightSyncClient
+    from ckpt_engine.rollout_adapters.vllm.clients import LLMWeightSyncClient
 
     adapter = VllmRollout("vllm-subset", llm, timeout_s=60.0)
     subset_syncs_keep_the_rest(adapter, lambda: llm_greedy(llm)[0], LLMWeightSyncClient(llm).weight_checksums, model_dir, seed=41)
@@ -293,7 +293,7 @@ def test_native_backend_join_without_the_transfer_config_fails_at_once_with_the_
     once, and so does the trainer side (not after timeout_s), saying how to start vLLM."""
     from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory
 
-    from ckpt_engine.rollout_adapters.vllm_clients import LLMWeightSyncClient
+    from ckpt_engine.rollout_adapters.vllm.clients import LLMWeightSyncClient
     from ckpt_engine.sync.vllm_trainer_engine import CkptEngineTrainerInitInfo
 
     info = CkptEngineTrainerInitInfo(rank=0, num_workers=1, config=CONFIG, engine_name="no-config")
@@ -386,7 +386,7 @@ def test_server_sync_matches_hf_and_changes_on_second_sync(vllm_server: ServerAt
 
 def test_server_subset_syncs_leave_the_other_weights_their_bits(vllm_server: ServerAt, model_dir: Path) -> None:
     from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
-    from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient
+    from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
 
     adapter = VllmServerRollout("vllm-http-subset", vllm_server.url, timeout_s=60.0)
     client = HTTPWeightSyncClient(vllm_server.url, timeout=60)

@@ -142,7 +142,7 @@ def native_llm(model_dir: Path) -> Iterator[object]:  # noqa: F811
 
 @pytest.mark.slow
 def test_llm_native_backend_syncs_match_hf(native_llm: object, model_dir: Path) -> None:  # noqa: F811
-    from ckpt_engine.rollout_adapters.vllm_clients import LLMWeightSyncClient
+    from ckpt_engine.rollout_adapters.vllm.clients import LLMWeightSyncClient
 
     client = LLMWeightSyncClient(native_llm)  # type: ignore[arg-type]
     source = Swappable(trainer_model(model_dir, seed=30))
@@ -174,7 +174,7 @@ def test_llm_native_backend_shares_the_session_core(native_llm: object, model_di
     """Through vLLM's own API as through `sync_rollout_weights()`: delta syncs patch, a second
     trainer engine carries the engine's version on (never 1 again), and dtypes cast on the wire
     (a ckpt-engine `StateDictSource`, or the init info's `dtype` for a vLLM source)."""
-    from ckpt_engine.rollout_adapters.vllm_clients import LLMWeightSyncClient
+    from ckpt_engine.rollout_adapters.vllm.clients import LLMWeightSyncClient
     from ckpt_engine.sources.base import StateDictSource
 
     client = LLMWeightSyncClient(native_llm)  # type: ignore[arg-type]
@@ -231,8 +231,8 @@ def test_llm_native_backend_shares_the_session_core(native_llm: object, model_di
 def test_a_wrong_worker_count_fails_the_join_naming_both_counts(native_llm: object, model_dir: Path) -> None:  # noqa: F811
     """A handle that counts 2 workers on a one-worker engine: the worker refuses the join at once,
     naming both counts and the fix (the group waited for the missing rank until timeout_s)."""
-    from ckpt_engine.rollout_adapters.vllm_clients import LLMWeightSyncClient
-    from ckpt_engine.rollout_adapters.vllm_native import VllmNativeRollout
+    from ckpt_engine.rollout_adapters.vllm.clients import LLMWeightSyncClient
+    from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
 
     handle = VllmNativeRollout(LLMWeightSyncClient(native_llm), name="miscounted", num_workers=2, timeout_s=60.0)  # type: ignore[arg-type]
     session = WeightSyncSession([handle], CheckpointEngineConfig(backend="gloo", timeout_s=60.0))
@@ -251,7 +251,7 @@ def native_server(native_vllm_server: SharedServer[VllmServer]) -> VllmServer:
 
 @pytest.mark.slow
 def test_server_native_backend_syncs_match_hf(native_server: VllmServer, model_dir: Path) -> None:  # noqa: F811
-    from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient
+    from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
 
     client = HTTPWeightSyncClient(native_server.url, timeout=60.0)
     test_start = native_server.log.stat().st_size  # the shared server's log holds other users' output too
@@ -299,7 +299,7 @@ def test_split_vllm_source_is_refused_by_name(model_dir: Path) -> None:  # noqa:
 
 
 def test_update_and_init_info_reject_bad_fields() -> None:
-    from ckpt_engine.rollout_adapters.vllm_transfer_engine import CkptEngineInitInfo, CkptEngineUpdateInfo
+    from ckpt_engine.rollout_adapters.vllm.transfer_engine import CkptEngineInitInfo, CkptEngineUpdateInfo
 
     with pytest.raises(ValueError, match="phase must be one of validate, receive, install, swap, discard, room, got 'load'"):
         CkptEngineUpdateInfo(phase="load", digest="ab")
@@ -328,7 +328,7 @@ def test_plugin_registers_both_sides_once() -> None:
 
     from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    from ckpt_engine.rollout_adapters.vllm_plugin import register
+    from ckpt_engine.rollout_adapters.vllm.plugin import register
 
     (ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "ckpt_engine"]
     assert ep.load() is register

@@ -37,8 +37,8 @@ from staged_vllm import (  # noqa: E402
 )
 from tamper import FlipOnce  # noqa: E402
 
-from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient  # noqa: E402
-from ckpt_engine.rollout_adapters.vllm_native import VllmNativeRollout  # noqa: E402
+from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient  # noqa: E402
+from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -285,7 +285,7 @@ def test_a_sender_killed_mid_stage_leaves_the_old_version_and_the_next_sync_heal
 
 
 def test_staged_update_info_is_checked_before_anything_moves() -> None:
-    from ckpt_engine.rollout_adapters.vllm_transfer_engine import CkptEngineUpdateInfo
+    from ckpt_engine.rollout_adapters.vllm.transfer_engine import CkptEngineUpdateInfo
 
     with pytest.raises(ValueError, match="stage must be one of patches, full, sent only with phase 'receive'; got 'all'"):
         CkptEngineUpdateInfo(phase="receive", digest="ab", stage="all")

@@ -72,7 +72,7 @@ def test_tp2_region_syncs_stage_and_a_corrupt_region_patch_keeps_the_old_weights
             got = report.received_bytes[adapter.name]
             print(f"staged TP=2 sync {step} ({report.delta}, staged {report.staged}): worker bytes {got} of {full}, stall {report.stall_s * 1e3:.1f} ms")
             kinds.append((report.delta, report.staged))
-            assert adapter.last_finalize["swap_shadow"], adapter.last_finalize  # prepared off the step path (vllm_shadow.py)
+            assert adapter.last_finalize["swap_shadow"], adapter.last_finalize  # prepared off the step path (vllm/shadow.py)
             assert len(got) == 2 and all(0.4 < b / full < 0.6 for b in got), got
             assert llm_greedy(llm) == [hf_greedy(trainer, p) for p in PROMPTS], step
         assert kinds == [("seed", "full"), ("patch", "patches"), ("patch", "patches")]

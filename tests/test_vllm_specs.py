@@ -7,7 +7,7 @@ import torch
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.buckets import plan_buckets
 from ckpt_engine.planning.fused_experts import fuse_specs
-from ckpt_engine.rollout_adapters.vllm_specs import VllmSpecs
+from ckpt_engine.rollout_adapters.vllm.specs import VllmSpecs
 from regionranks import EXPERTS, moe_specs
 
 

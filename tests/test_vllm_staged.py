@@ -68,7 +68,7 @@ def fresh_greedy(url: str, prompts: list[list[int]] = PROMPTS[:2]) -> list[Outpu
 
 
 def checksums(url: str) -> dict[str, str]:
-    from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient
+    from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
 
     client = HTTPWeightSyncClient(url, timeout=60)
     try:

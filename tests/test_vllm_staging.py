@@ -12,8 +12,8 @@ import torch
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.regions import ReceivePlan, Region
-from ckpt_engine.rollout_adapters.vllm_region_landing import RegionItem, RegionLanding
-from ckpt_engine.rollout_adapters.vllm_staging import StagedReceive, Staging
+from ckpt_engine.rollout_adapters.vllm.region_landing import RegionItem, RegionLanding
+from ckpt_engine.rollout_adapters.vllm.staging import StagedReceive, Staging
 
 
 def _stream(buckets: list[list[tuple[str, torch.Tensor]]], gate: threading.Event | None = None, fail: str | None = None) -> Any:

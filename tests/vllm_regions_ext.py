@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.planning.regions import ReceivePlan
-from ckpt_engine.rollout_adapters.vllm_worker import CkptEngineWorkerExtension
+from ckpt_engine.rollout_adapters.vllm.worker import CkptEngineWorkerExtension
 
 EXTENSION = "vllm_regions_ext.RegionTestExtension"
 

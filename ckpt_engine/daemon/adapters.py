@@ -144,7 +144,7 @@ def vllm_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> Roll
     `world_size` (optional) spares the adapter a round trip to ask the server for it.
     """
 
-    from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+    from ckpt_engine.rollout_adapters.vllm.rollout import VllmServerRollout
 
     _check_keys("vllm", params, ("url", "world_size"))
     url, world_size = _vllm_params("vllm", params)
@@ -154,7 +154,7 @@ def vllm_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> Roll
 def vllm_lora_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> RolloutAdapter:
     """A LoRA-enabled vLLM `api_server` (dev mode, worker extension) for adapter syncs, at `url`;
     `max_adapter_versions` (optional, default 2) as in `VllmServerLoraRollout`."""
-    from ckpt_engine.rollout_adapters.vllm_lora_server import VllmServerLoraRollout
+    from ckpt_engine.rollout_adapters.vllm.lora_server import VllmServerLoraRollout
 
     _check_keys("vllm_lora", params, ("url", "world_size", "max_adapter_versions"))
     url, world_size = _vllm_params("vllm_lora", params)

@@ -25,8 +25,8 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
 
 from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.rollout_adapters.vllm_native import VllmNativeRollout
-from ckpt_engine.rollout_adapters.vllm_plugin import BACKEND_NAME, register
+from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
+from ckpt_engine.rollout_adapters.vllm.plugin import BACKEND_NAME, register
 from ckpt_engine.sources.base import WeightSource
 from ckpt_engine.sources.vllm import VllmWeightSourceAdapter
 from ckpt_engine.sync.report import SyncReport
@@ -78,12 +78,12 @@ class CkptEngineTrainerWeightTransferEngine(TrainerWeightTransferEngine[CkptEngi
     Order on the sender: validate the manifest (rejected -> ManifestRejectedError, nothing moved,
     engine still serving) -> pause -> stream while the workers load -> finish (layerwise
     post-processing, version stamped) -> prefix-cache reset -> resume. Pause and reset happen when
-    `client` is an `EngineControl` (both clients in `vllm_clients.py` are); with a bare vLLM client
+    `client` is an `EngineControl` (both clients in `vllm/clients.py` are); with a bare vLLM client
     the caller pauses around `send_weights` itself. A failed transfer leaves the engine paused and
     stale; the group is rebuilt on the next call. Staged (`config.stage`, default auto; needs an
     `EngineControl` client): the engine generates while the version streams into its workers'
     staging and pauses only for the swap; a failed transfer leaves it serving its old weights, not
-    stale (`vllm_native.py`).
+    stale (`vllm/native.py`).
     """
 
     init_info_cls = CkptEngineTrainerInitInfo

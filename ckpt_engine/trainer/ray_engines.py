@@ -52,7 +52,7 @@ class VllmEngineActor:
 
         from ckpt_engine.control.server import RpcServer
         from ckpt_engine.daemon.client import DaemonClient
-        from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmRollout
+        from ckpt_engine.rollout_adapters.vllm.rollout import WORKER_EXTENSION, VllmRollout
 
         self.name = name
         self.host = str(ray.util.get_node_ip_address())

@@ -42,7 +42,7 @@ __all__ = ["run_vllm_job", "write_model_dir"]
 
 logger = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm_worker.CkptEngineWorkerExtension"
+WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm.worker.CkptEngineWorkerExtension"
 ENGINE_ARGS = ["--max-model-len", "64", "--max-num-seqs", "32", "--gpu-memory-utilization", "0.05"]
 
 

@@ -1,13 +1,13 @@
 """The receiving core inside a vLLM worker, shared by both ways vLLM reaches ckpt-engine.
 
-The worker extension (`vllm_worker.py`, for any vLLM with `worker_extension_cls`) and the native
-weight-transfer backend (`vllm_transfer_engine.py`, for vLLM's `WeightTransferEngine` API) differ
+The worker extension (`vllm/worker.py`, for any vLLM with `worker_extension_cls`) and the native
+weight-transfer backend (`vllm/transfer_engine.py`, for vLLM's `WeightTransferEngine` API) differ
 only in how vLLM calls them; joining the weight-sync group, checking a manifest against vLLM's own
 parameters, loading buckets through layerwise reload and finalizing all live here, once.
 
-Its parts: what the model takes (`vllm_specs.py`, one object per model), vLLM's layerwise reload
-(`vllm_reload.py`), the staged version (`vllm_staging.py`) and region landing
-(`vllm_region_landing.py`). Each bucket's tensors are views of a rotating receive buffer; vLLM's weight
+Its parts: what the model takes (`vllm/specs.py`, one object per model), vLLM's layerwise reload
+(`vllm/reload.py`), the staged version (`vllm/staging.py`) and region landing
+(`vllm/region_landing.py`). Each bucket's tensors are views of a rotating receive buffer; vLLM's weight
 loaders copy them straight into the re-materialized layer. Only a tensor whose layer is still
 incomplete when its bucket ends is kept by vLLM for later, and only that tensor is cloned (once),
 because the buffer is refilled as soon as the loader returns.
@@ -30,11 +30,11 @@ from ckpt_engine.planning.fused_experts import fuse_plan
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.region_assembler import RegionAssembler, held_bytes
-from ckpt_engine.rollout_adapters.vllm_region_landing import RegionItem, RegionLanding
-from ckpt_engine.rollout_adapters.vllm_reload import LayerwiseReload, detach_pending
-from ckpt_engine.rollout_adapters.vllm_shadow import ShadowPreparer
-from ckpt_engine.rollout_adapters.vllm_specs import VllmSpecs
-from ckpt_engine.rollout_adapters.vllm_staging import OnEnd, Sink, StagedReceive, Staging
+from ckpt_engine.rollout_adapters.vllm.region_landing import RegionItem, RegionLanding
+from ckpt_engine.rollout_adapters.vllm.reload import LayerwiseReload, detach_pending
+from ckpt_engine.rollout_adapters.vllm.shadow import ShadowPreparer
+from ckpt_engine.rollout_adapters.vllm.specs import VllmSpecs
+from ckpt_engine.rollout_adapters.vllm.staging import OnEnd, Sink, StagedReceive, Staging
 
 __all__ = ["VllmReceiverCore", "unbase64"]
 
@@ -110,7 +110,7 @@ class VllmReceiverCore:
         """This worker's receive plan, recorded once per model from vLLM's own loaders (a dry run;
         never while a reload is open). Returns {"plan": wire form, "bytes", "model_bytes", "whole"};
         {"plan": None, "error"} when the dry run failed (the worker then receives whole tensors)."""
-        from ckpt_engine.rollout_adapters.vllm_regions import record_receive_plan
+        from ckpt_engine.rollout_adapters.vllm.regions import record_receive_plan
 
         if self.reload.is_open:
             raise RuntimeError("cannot record a receive plan while a weight reload is open; finalize first")
@@ -231,7 +231,7 @@ class VllmReceiverCore:
             raise RuntimeError(f"region delivery ended with regions missing for {landing.incomplete()[:5]}")
         return report.to_dict()
 
-    # --- staged receive and swap (see vllm_staging.py) ------------------------------------------
+    # --- staged receive and swap (see vllm/staging.py) ------------------------------------------
     def stage(self, digest: str, delta: dict[str, Any] | None = None, on_end: OnEnd | None = None) -> dict[str, Any]:
         """Start receiving an accepted manifest on a background thread, into staging; the live
         weights, the version and the engine's steps are untouched. Returns at once; `on_end` is told
@@ -258,7 +258,7 @@ class VllmReceiverCore:
         self.reload.close()
         t0 = time.perf_counter()
         self.stale = True  # until the last layer is loaded: a failure here leaves a mix
-        if staged.shadow is not None:  # prepared off the step path: a copy (vllm_shadow.py); swap_in runs before finalize
+        if staged.shadow is not None:  # prepared off the step path: a copy (vllm/shadow.py); swap_in runs before finalize
             shadow = {"shadow": True, "shadow_layers": staged.shadow.num_layers, "shadow_bytes": staged.shadow.nbytes,
                       "shadow_build_s": staged.shadow.build_s}
             return {"load_s": staged.shadow.swap_in(), **shadow, **self.finalize(version), "swap_s": time.perf_counter() - t0}

@@ -5,7 +5,7 @@ Why a thread: vLLM runs `collective_rpc` calls in its engine loop between two st
 blocked for the whole stream would stop generation for as long as today's pause. The call that
 starts a staged receive returns at once; the controller then polls (one short call between steps
 each) until every rank holds the whole version, checked, or (the native backend, whose calls return
-nothing) each rank reports its end through the rendezvous store (`on_end`, `stage_outcome.py`).
+nothing) each rank reports its end through the rendezvous store (`on_end`, `vllm/stage_outcome.py`).
 
 Where the staged version lives. With a delta request (patches, or the dense seed of a delta chain)
 the receiver's base images hold the new version once every patch has passed its check, and they are
@@ -16,7 +16,7 @@ staged sync (`LoaderCopy`); `room` says whether one fits.
 With a receive plan (TP/EP slices) the staged version is the rank's region items, kept as they
 landed (views of the checked base images, or copies of only the slice bytes, so the staging copy
 and `room` count what the rank receives, not the model); each item is checked against the plan as
-it lands, and the swap assembles them into what vLLM's loaders take (`vllm_region_landing.py`).
+it lands, and the swap assembles them into what vLLM's loaders take (`vllm/region_landing.py`).
 This is why the worker does
 not use `WeightReceiver.receive(stage=...)`: its `full` stage copies live tensors in the wire
 layout, which a vLLM worker does not hold.
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.rollout_adapters.vllm_region_landing import LandingFactory, RegionItem, RegionLanding
-from ckpt_engine.rollout_adapters.vllm_shadow import ShadowWeights
+from ckpt_engine.rollout_adapters.vllm.region_landing import LandingFactory, RegionItem, RegionLanding
+from ckpt_engine.rollout_adapters.vllm.shadow import ShadowWeights
 
 __all__ = ["LoaderCopy", "OnEnd", "Prepare", "Sink", "StagedReceive", "Staging", "free_bytes"]
 
@@ -45,10 +45,10 @@ Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
 
 OnEnd = Callable[[str | None], None]
 """Told once a staged receive ended: None when the version is whole and checked, else why it failed
-(the native backend reports it through the rendezvous store, `stage_outcome.py`)."""
+(the native backend reports it through the rendezvous store, `vllm/stage_outcome.py`)."""
 
 Prepare = Callable[["StagedReceive"], ShadowWeights | None]
-"""Builds a checked staged version's post-processed image off the step path (`vllm_shadow.py`), or
+"""Builds a checked staged version's post-processed image off the step path (`vllm/shadow.py`), or
 None where it cannot (the swap then reloads)."""
 
 

@@ -2,7 +2,7 @@
 
 The engine runs `--weight-transfer-config '{"backend": "ckpt_engine"}'` (no worker extension);
 this adapter drives it only through vLLM's weight-update calls (`VLLMWeightSyncClient`: its HTTP
-routes or `LLM` methods, `vllm_clients.py`) plus pause, resume, prefix-cache reset and the weight
+routes or `LLM` methods, `vllm/clients.py`) plus pause, resume, prefix-cache reset and the weight
 version when the client also offers them (`EngineControl`). A `WeightSyncSession` over it syncs
 the engine like any other: versions, delta, dtype casts and the report work the same. The trainer
 side of vLLM's own API (`sync/vllm_trainer_engine.py`) holds such a session.
@@ -18,12 +18,12 @@ while the version streams in, and pauses only for the swap:
   receive   update_weights({"phase": "receive", ..., "stage", "ticket"})  starts a background receive
             on each worker and returns at once; each worker then sets its outcome (`ok`, or `failed:
             why`) under the ticket and its rank in the weight-sync group's rendezvous store, and
-            this handle waits for every rank's key there (`stage_outcome.py`; no call to vLLM)
+            this handle waits for every rank's key there (`vllm/stage_outcome.py`; no call to vLLM)
   swap      pause + update_weights({"phase": "swap", "version"}) (the staged version in, vLLM's
             post-load step) + finish_weight_update(version) + reset_prefix_cache + resume
   discard   update_weights({"phase": "discard"}) + finish_weight_update(): nothing staged, the old
             weights serve on, unpaused and not stale
-vLLM returns nothing from its workers: "no room" comes back as an error (`vllm_transfer_engine.py`),
+vLLM returns nothing from its workers: "no room" comes back as an error (`vllm/transfer_engine.py`),
 a staged receive's end through the rendezvous store (so no "not yet" errors fill vLLM's logs). vLLM
 closes its weight update after an error, so this handle tracks whether
 an update is open and opens the next (re-validating by digest where a receive needs it).
@@ -41,9 +41,9 @@ from typing import Any, ClassVar
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
-from ckpt_engine.rollout_adapters.vllm_clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient, SwapControl
-from ckpt_engine.rollout_adapters.stage_outcome import Outcomes, clear_outcomes, new_ticket, stop_waiting, wait_outcomes
-from ckpt_engine.rollout_adapters.vllm_transfer_engine import NEED_MANIFEST, NO_ROOM, REJECTED
+from ckpt_engine.rollout_adapters.vllm.clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient, SwapControl
+from ckpt_engine.rollout_adapters.vllm.stage_outcome import Outcomes, clear_outcomes, new_ticket, stop_waiting, wait_outcomes
+from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, REJECTED, after, problems
 from ckpt_engine.transports.base import Rendezvous
 
 __all__ = ["VllmNativeRollout"]
@@ -69,7 +69,7 @@ class VllmNativeRollout(RolloutAdapter):
 
     supports_delta = True  # the workers keep base copies (VllmReceiverCore), as the worker extension does
     stages: ClassVar[bool] = True
-    """Staged syncs through the phases above (the workers' `vllm_staging.py`); a handle whose client
+    """Staged syncs through the phases above (the workers' `vllm/staging.py`); a handle whose client
     offers no `EngineControl` does not stage (it cannot pause for the swap nor reset the cache)."""
 
     def __init__(
@@ -161,7 +161,7 @@ class VllmNativeRollout(RolloutAdapter):
                     continue
                 self._worker_digest = None
                 if REJECTED in text:
-                    raise ManifestRejectedError(self.name, _problems(text)) from exc
+                    raise ManifestRejectedError(self.name, problems(text)) from exc
                 raise
             self._worker_digest = manifest.digest
             return
@@ -281,7 +281,7 @@ class VllmNativeRollout(RolloutAdapter):
         except Exception as exc:
             if NO_ROOM not in str(exc):
                 raise
-            logger.info("engine %s: no room for a staging copy (%s)", self.name, _after(str(exc), NO_ROOM))
+            logger.info("engine %s: no room for a staging copy (%s)", self.name, after(str(exc), NO_ROOM))
             return False
         return True
 
@@ -380,25 +380,3 @@ class VllmNativeRollout(RolloutAdapter):
             self._finish()
         self.client.shutdown_weight_transfer_engine()
 
-
-def _after(text: str, marker: str) -> str:
-    """What a worker said after `marker`, out of an error that crossed vLLM's RPC (and maybe HTTP)."""
-    tail = text[text.index(marker) + len(marker) :]
-    for end in ("\n", "\\n"):
-        tail = tail.split(end, 1)[0]
-    return tail.strip().rstrip("'\"})]").strip()[:500]
-
-
-def _problems(text: str) -> list[str]:
-    """The worker's problem list out of an error that crossed vLLM's RPC (and maybe HTTP)."""
-    start = text.index(REJECTED)
-    tail = text[start + len(REJECTED) :]
-    for end in ("\n", "\\n"):
-        tail = tail.split(end, 1)[0]
-    # The message ends at the last quote of the kind that opened it (repr(), vLLM's "error '...'",
-    # or an escaped one inside JSON): a problem may hold quotes of its own ("the engine's").
-    opener = text[start - 1] if start > 0 else ""
-    if opener in ("'", '"'):
-        closer = "\\" + opener if start > 1 and text[start - 2] == "\\" else opener
-        tail = tail.rsplit(closer, 1)[0] if closer in tail else tail
-    return [p.strip() for p in tail.split("; ") if p.strip()]

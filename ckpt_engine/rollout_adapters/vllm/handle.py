@@ -7,7 +7,7 @@ post-processing, prefix-cache reset, engine weight version stamped; vLLM then ta
 request's output tokens with it) -> resume.
 
 A staged sync (`receive(..., stage=...)` then `swap`): the workers receive on a background thread
-while the engine keeps generating (`vllm_staging.py`); the swap pauses the scheduler, loads the
+while the engine keeps generating (`vllm/staging.py`); the swap pauses the scheduler, loads the
 staged version through layerwise reload in one `collective_rpc` (vLLM runs it between two engine
 steps, on every worker) beside the cache reset and the version stamp, and resumes. vLLM's
 `weight_versions` spans then show which tokens of a request came from which version.
@@ -31,7 +31,7 @@ __all__ = ["PAUSE_MODES", "WORKER_EXTENSION", "VllmHandle"]
 
 logger = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm_worker.CkptEngineWorkerExtension"
+WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm.worker.CkptEngineWorkerExtension"
 
 # ckpt-engine pause modes -> vLLM's (`keep` freezes requests in place, `abort` drops them;
 # `recompute` freezes them, and the cache reset after the load preempts them: they re-prefill
@@ -153,7 +153,7 @@ class VllmHandle(RolloutAdapter):
         """Receive and load `manifest` (the engine paused), or with `stage` receive it into staging
         on the workers' background threads while the engine keeps generating (then `swap`). Both
         stages land alike here: a delta sync in the workers' checked base images, a dense one in
-        their staging copy (`vllm_staging.py`)."""
+        their staging copy (`vllm/staging.py`)."""
         if stage is not None and stage not in STAGES:
             raise ValueError(f"engine {self.name!r}: stage must be one of {', '.join(STAGES)} or None, got {stage!r}")
         extra = {"delta": delta.to_dict()} if delta is not None else {}
@@ -264,7 +264,7 @@ class VllmHandle(RolloutAdapter):
     def staging_room(self, nbytes: int) -> bool:
         """Whether every worker can hold a staging copy of `nbytes` (within `staging_limit_bytes`).
         With receive plans the session asks for the largest rank's slice bytes, which is what a
-        worker's staging copy then holds (its region items, `vllm_staging.py`)."""
+        worker's staging copy then holds (its region items, `vllm/staging.py`)."""
         replies = self._rpc("ckpt_staging_room", nbytes=int(nbytes), limit_bytes=self.staging_limit_bytes)
         short = [f"worker {rank}: {r['why']}" for rank, r in enumerate(replies) if not r.get("room")]
         if short:

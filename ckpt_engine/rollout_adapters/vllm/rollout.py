@@ -1,7 +1,7 @@
 """vLLM rollout adapters: an in-process `vllm.LLM` and an OpenAI `api_server` in dev mode.
 
-Both drive the worker extension in `ckpt_engine.rollout_adapters.vllm_worker` (start vLLM with
-`worker_extension_cls=WORKER_EXTENSION`) through `VllmHandle` (`vllm_handle.py`: one sync, the
+Both drive the worker extension in `ckpt_engine.rollout_adapters.vllm.worker` (start vLLM with
+`worker_extension_cls=WORKER_EXTENSION`) through `VllmHandle` (`vllm/handle.py`: one sync, the
 staged swap). Control goes through `collective_rpc` (in-process) or the dev-mode HTTP routes
 (`VLLM_SERVER_DEV_MODE=1`: `/collective_rpc`, `/pause`, `/resume`, `/sleep`, `/wake_up`,
 `/reset_prefix_cache`, `/update_weight_version`, `/weight_info`); weights go only through the
@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import urlsplit
 
-from ckpt_engine.rollout_adapters.vllm_compat import VllmFeatures, features_of
-from ckpt_engine.rollout_adapters.vllm_handle import PAUSE_MODES, WORKER_EXTENSION, VllmHandle
+from ckpt_engine.rollout_adapters.vllm.compat import VllmFeatures, features_of
+from ckpt_engine.rollout_adapters.vllm.handle import PAUSE_MODES, WORKER_EXTENSION, VllmHandle
 
 if TYPE_CHECKING:
     import vllm
@@ -91,7 +91,7 @@ class VllmRollout(VllmHandle):
             logger.warning("engine %s: prefix cache reset refused (blocks still held by in-flight requests)", self.name)
 
     def _set_engine_version(self, version: str) -> None:
-        if self.features.engine_weight_versions:  # else only the workers hold it (vllm_compat.py)
+        if self.features.engine_weight_versions:  # else only the workers hold it (vllm/compat.py)
             self.llm.update_weight_version(version)
 
     def weight_version(self) -> str:
@@ -223,7 +223,7 @@ class VllmServerRollout(VllmHandle):
             logger.warning("engine %s: prefix cache reset refused (blocks still held)", self.name)
 
     def _set_engine_version(self, version: str) -> None:
-        if self.features.engine_weight_versions:  # else only the workers hold it (vllm_compat.py)
+        if self.features.engine_weight_versions:  # else only the workers hold it (vllm/compat.py)
             self._post("/update_weight_version", json={"new_version": version}, side=True)
 
     def weight_version(self) -> str:

@@ -2,7 +2,7 @@
 
 An `SglangRollout` syncs through the same `WeightSyncSession` / `sync_rollout_weights()` as every
 other engine. SGLang reads only its own wire, so the adapter declares it (`transport = "sglang"`,
-`sglang_wire.py`): the session's group is the one the servers join through
+`sglang/wire.py`): the session's group is the one the servers join through
 `/init_weights_update_group`, and for every bucket of the plan the adapter posts one
 `/update_weights_from_distributed` (names, dtypes, shapes; `load_format="flattened_bucket"` unless
 the transport option `flattened` is false) that the sender's broadcasts then fill.
@@ -28,7 +28,7 @@ import torch
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest, TensorSpec
-from ckpt_engine.rollout_adapters import sglang_failures
+from ckpt_engine.rollout_adapters.sglang import failures
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.sources.base import spec_of
 from ckpt_engine.transports.base import Rendezvous
@@ -39,7 +39,7 @@ __all__ = ["SGLANG_TRANSPORT", "SglangClient", "SglangRollout", "custom_process_
 logger = logging.getLogger(__name__)
 
 SGLANG_TRANSPORT = "sglang"
-"""The transport name of SGLang's wire (`sglang_wire.SglangWireEngine`), registered on import."""
+"""The transport name of SGLang's wire (`sglang/wire.py` SglangWireEngine), registered on import."""
 
 # ckpt-engine pause modes -> SGLang's /pause_generation modes.
 # `keep` is SGLang's `retract`: requests stay queued and their KV is recomputed under the new weights
@@ -53,7 +53,7 @@ def custom_process_group(
     """A process group outside the default group: TCPStore at host:port, keys under `group_name`.
 
     Pass the store when this rank must not create it (the sender connects to the session's).
-    Both the sender (`sglang_wire.py`) and the stand-in server build the group this way; SGLang's
+    Both the sender (`sglang/wire.py`) and the stand-in server build the group this way; SGLang's
     own `init_custom_process_group` meets at the same `tcp://host:port`.
     """
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -226,7 +226,7 @@ class SglangRollout(RolloutAdapter):
             try:
                 self.client.update_weights_from_distributed(specs, self._group_name, flattened=self._flattened)
             except Exception as exc:  # the sender, waiting in this bucket's broadcast, stops at once
-                sglang_failures.record(self._group_name, self.name, f"bucket {bucket.index}: {type(exc).__name__}: {exc}")
+                failures.record(self._group_name, self.name, f"bucket {bucket.index}: {type(exc).__name__}: {exc}")
                 raise
             nbytes += sum(s.nbytes for s in specs)
         seconds = time.perf_counter() - t0
@@ -253,4 +253,4 @@ class SglangRollout(RolloutAdapter):
             self.client.destroy_weights_update_group(name)
 
 
-CheckpointEngineRegistry.add(SGLANG_TRANSPORT, "ckpt_engine.rollout_adapters.sglang_wire:SglangWireEngine")
+CheckpointEngineRegistry.add(SGLANG_TRANSPORT, "ckpt_engine.rollout_adapters.sglang.wire:SglangWireEngine")

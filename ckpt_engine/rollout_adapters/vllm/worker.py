@@ -1,14 +1,14 @@
 """vLLM worker extension: the engine-side half of the `collective_rpc` vLLM rollout adapter.
 
 Start vLLM with
-`worker_extension_cls="ckpt_engine.rollout_adapters.vllm_worker.CkptEngineWorkerExtension"`; vLLM
+`worker_extension_cls="ckpt_engine.rollout_adapters.vllm.worker.CkptEngineWorkerExtension"`; vLLM
 mixes this class into every worker, and the controller reaches its `ckpt_*` methods through
 `collective_rpc` (in-process `LLM`) or the dev-mode `/collective_rpc` route (`api_server`). Control
 arguments are plain msgpack/JSON values (the manifest travels as bytes, or base64 over HTTP); the
 weights travel only through the weight-sync group.
 
 This path works on any vLLM with `worker_extension_cls`. vLLM versions with the weight-transfer API
-can use the native backend instead (`vllm_transfer_engine.py`); both drive the same
+can use the native backend instead (`vllm/transfer_engine.py`); both drive the same
 `VllmReceiverCore`.
 """
 
@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.rollout_adapters.vllm_receiver import VllmReceiverCore, unbase64
-from ckpt_engine.rollout_adapters.vllm_specs import vllm_checkpoint_specs
+from ckpt_engine.rollout_adapters.vllm.receiver import VllmReceiverCore, unbase64
+from ckpt_engine.rollout_adapters.vllm.specs import vllm_checkpoint_specs
 
 __all__ = ["CkptEngineWorkerExtension", "vllm_checkpoint_specs"]
 
@@ -93,7 +93,7 @@ class CkptEngineWorkerExtension:
     def ckpt_health(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self._ckpt_rank(), **self._ckpt_core().health()}
 
-    # --- staged syncs: receive while the engine steps, swap between two steps (vllm_staging.py) ---
+    # --- staged syncs: receive while the engine steps, swap between two steps (vllm/staging.py) ---
     def ckpt_stage(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
         """Start receiving an accepted manifest on a background thread of this worker; returns at once."""
         return self._ckpt_core().stage(digest, delta)
@@ -113,9 +113,9 @@ class CkptEngineWorkerExtension:
         """Whether a staging copy of `nbytes` fits on this worker: {"room", "why"}."""
         return self._ckpt_core().staging_room(int(nbytes), limit_bytes)
 
-    # --- adapter-only syncs (LoRA versions in vLLM's own LoRA manager: vllm_lora_worker.py) ---
+    # --- adapter-only syncs (LoRA versions in vLLM's own LoRA manager: vllm/lora_worker.py) ---
     def _ckpt_lora_core(self, max_versions: int | None = None) -> Any:
-        from ckpt_engine.rollout_adapters.vllm_lora_worker import VllmLoraCore
+        from ckpt_engine.rollout_adapters.vllm.lora_worker import VllmLoraCore
 
         core = getattr(self, "_ckpt_lora", None)
         if core is None:

@@ -2,7 +2,7 @@
 
 vLLM (0.32+) creates one `WeightTransferEngine` per worker from `WeightTransferConfig.backend` and
 drives it from its own routes (`/init_weight_transfer_engine`, `/start_weight_update`,
-`/update_weights`, `/finish_weight_update`) or `LLM` methods. The plugin in `vllm_plugin.py`
+`/update_weights`, `/finish_weight_update`) or `LLM` methods. The plugin in `vllm/plugin.py`
 registers this class under the name `ckpt_engine` in every vLLM process.
 
 One weight update, as the trainer side drives it (`rollout_adapters/vllm_native.py`, under a
@@ -14,11 +14,11 @@ One weight update, as the trainer side drives it (`rollout_adapters/vllm_native.
       the buckets (or patches against the workers' base copies) through the weight-sync group;
       loads them through layerwise reload
   finish_weight_update                                          layerwise post-processing
-A staged update (issue 28; `vllm_native.py` drives it) keeps the engine stepping while it streams:
+A staged update (issue 28; `vllm/native.py` drives it) keeps the engine stepping while it streams:
   update_weights({"phase": "receive", ..., "stage": "patches"|"full", "ticket"})  starts the receive
-      on a background thread of each worker (`VllmReceiverCore.stage`, `vllm_staging.py`); returns at
+      on a background thread of each worker (`VllmReceiverCore.stage`, `vllm/staging.py`); returns at
       once. When it ends, each worker sets its outcome (`ok` or `failed: why`) under the ticket and
-      its rank in the weight-sync group's rendezvous store (`stage_outcome.py`): no call has to ask,
+      its rank in the weight-sync group's rendezvous store (`vllm/stage_outcome.py`): no call has to ask,
       so no "not yet" error fills vLLM's logs
   update_weights({"phase": "swap", "digest", "version"})  between two steps: the staged version into
       the live weights plus vLLM's post-load step; finish_weight_update then loads nothing
@@ -28,7 +28,7 @@ A staged update (issue 28; `vllm_native.py` drives it) keeps the engine stepping
 vLLM's calls return nothing from the workers, so an answer other than "yes" is an error: vLLM closes
 its weight update after one, and the trainer side opens the next (`start_weight_update`).
 With `weights: "adapters"` in the init info the workers take LoRA adapter versions instead
-(`vllm_lora_worker.py`): validate and receive stage the adapter, phase `install` (version) makes it
+(`vllm/lora_worker.py`): validate and receive stage the adapter, phase `install` (version) makes it
 the newest version, and finish_weight_update loads nothing (vLLM then drops every loaded LoRA model;
 the workers rebuild each version from memory when a request names it).
 The weights never travel in these calls; only the manifest (msgpack, base64) and small scalars do.
@@ -51,30 +51,22 @@ from vllm.distributed.weight_transfer.base import (
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions
-from ckpt_engine.rollout_adapters.stage_outcome import check_ticket, report_outcome
-from ckpt_engine.rollout_adapters.vllm_receiver import VllmReceiverCore
+from ckpt_engine.rollout_adapters.vllm.stage_outcome import check_ticket, report_outcome
+from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, PHASES, REJECTED
+from ckpt_engine.rollout_adapters.vllm.receiver import VllmReceiverCore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-    from ckpt_engine.rollout_adapters.vllm_lora_worker import VllmLoraCore
+    from ckpt_engine.rollout_adapters.vllm.lora_worker import VllmLoraCore
     from vllm.config.weight_transfer import WeightTransferConfig
 
-__all__ = [
-    "CkptEngineInitInfo", "CkptEngineUpdateInfo", "CkptEngineWeightTransferEngine", "NEED_MANIFEST", "NO_ROOM", "REJECTED",
-]
+__all__ = ["CkptEngineInitInfo", "CkptEngineUpdateInfo", "CkptEngineWeightTransferEngine"]
 
 logger = logging.getLogger(__name__)
 
-PHASES = ("validate", "receive", "install", "swap", "discard", "room")
 _NO_DIGEST = ("discard", "room")
 """Phases that name no manifest."""
-NEED_MANIFEST = "need_manifest"
-"""Appears in the validate error when the worker has no manifest under the announced digest."""
-REJECTED = "ckpt_engine rejected the manifest: "
-"""Starts the validate error that lists the manifest's problems ("; "-separated)."""
-NO_ROOM = "ckpt_engine: no room for a staging copy: "
-"""Starts the room phase's answer when a dense staging copy does not fit (the why follows)."""
 
 
 @dataclass
@@ -123,7 +115,7 @@ class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
     stage: str | None = None
     """Receive only: `patches` or `full` stages the receive (returns at once); None: load it now."""
     ticket: str | None = None
-    """Staged receive only: names this sync's outcome keys in the rendezvous store (`stage_outcome.py`)."""
+    """Staged receive only: names this sync's outcome keys in the rendezvous store (`vllm/stage_outcome.py`)."""
     nbytes: int | None = None
     """Room only: the bytes of the dense staging copy asked for."""
     limit_bytes: int | None = None
@@ -204,7 +196,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
             )
         rank = init_info.rank_offset + self._worker_rank()
         if init_info.weights == "adapters":
-            from ckpt_engine.rollout_adapters.vllm_lora_worker import VllmLoraCore
+            from ckpt_engine.rollout_adapters.vllm.lora_worker import VllmLoraCore
 
             if self.lora is None:
                 self.lora = VllmLoraCore(lambda: self._default_model, self.vllm_config, init_info.max_adapter_versions)

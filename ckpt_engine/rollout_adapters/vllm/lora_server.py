@@ -3,8 +3,8 @@
 Start the server as for `VllmServerRollout` (`VLLM_SERVER_DEV_MODE=1`, `--worker-extension-cls`)
 plus `--enable-lora --max-lora-rank R --max-loras N` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (the
 `/v1/load_lora_adapter` route). Each sync installs the adapter as a new version in every worker's
-memory (`vllm_lora_worker.py`, no disk), then registers it with the server under the name
-`<engine>-v<version>` (`vllm_lora_names.py`; the server's `add_lora` reaches every worker at once:
+memory (`vllm/lora_worker.py`, no disk), then registers it with the server under the name
+`<engine>-v<version>` (`vllm/lora_names.py`; the server's `add_lora` reaches every worker at once:
 the switch is atomic across ranks). Clients ask for it with `model=<that name>` (`model_name()`);
 a request keeps the LoRA id the server gave its name on arrival, so it finishes under its version.
 """
@@ -15,9 +15,9 @@ import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckpt_engine.rollout_adapters.base import JoinOptions
-from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
-from ckpt_engine.rollout_adapters.vllm_lora import LORA_METHODS
-from ckpt_engine.rollout_adapters.vllm_lora_names import ServerLoraNames
+from ckpt_engine.rollout_adapters.vllm.rollout import VllmServerRollout
+from ckpt_engine.rollout_adapters.vllm.lora import LORA_METHODS
+from ckpt_engine.rollout_adapters.vllm.lora_names import ServerLoraNames
 from ckpt_engine.transports.base import Rendezvous
 
 if TYPE_CHECKING:

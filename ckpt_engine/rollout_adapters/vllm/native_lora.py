@@ -7,18 +7,18 @@ worker extension). The workers join with `weights: adapters` (`CkptEngineInitInf
   finalize  update_weights({"phase": "install", "version"}) + finish_weight_update(version)
 Nothing is paused: a request keeps the version it started with. vLLM drops every loaded LoRA
 model when a weight update finishes; the workers rebuild a version from the tensors they hold
-when a request names it (`vllm_lora_worker.py`). Requests name the newest version with
+when a request names it (`vllm/lora_worker.py`). Requests name the newest version with
 `lora_request()` (an in-process `LLM`) or `model=model_name()` (vLLM's OpenAI server; the
-controller registers each version by name there, `vllm_lora_names.py`).
+controller registers each version by name there, `vllm/lora_names.py`).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from ckpt_engine.rollout_adapters.vllm_clients import HTTPWeightSyncClient
-from ckpt_engine.rollout_adapters.vllm_lora_names import ServerLoraNames
-from ckpt_engine.rollout_adapters.vllm_native import VllmNativeRollout
+from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
+from ckpt_engine.rollout_adapters.vllm.lora_names import ServerLoraNames
+from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.rollout_adapters.base import JoinOptions
 
@@ -72,7 +72,7 @@ class VllmNativeLoraRollout(VllmNativeRollout):
         """The `LoRARequest` of the newest version (an in-process `LLM`: `generate(..., lora_request=...)`)."""
         from vllm.lora.request import LoRARequest
 
-        from ckpt_engine.rollout_adapters.vllm_lora_worker import lora_int_id, lora_path
+        from ckpt_engine.rollout_adapters.vllm.lora_worker import lora_int_id, lora_path
 
         if self.version is None:
             raise RuntimeError(f"engine {self.name!r} holds no adapter version yet: sync one first")

@@ -35,7 +35,7 @@ from ckpt_engine.lora_format import LoraSpec
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.rollout_adapters.lora_local import LocalLoraRollout
 from ckpt_engine.rollout_adapters.lora_receiver import LoraReceiverCore, LoraTarget
-from ckpt_engine.rollout_adapters.sglang import SglangClient, hf_expected_specs
+from ckpt_engine.rollout_adapters.sglang.rollout import SglangClient, hf_expected_specs
 
 __all__ = ["SglangLoraRollout", "write_peft_folder"]
 

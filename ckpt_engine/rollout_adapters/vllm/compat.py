@@ -6,7 +6,7 @@ adapters get by without it:
 - engine-side weight versions (`LLM.update_weight_version` / `get_weight_version`, the HTTP routes
   `/update_weight_version` and `/weight_info`, `RequestOutput`'s weight versions): the version
   lives in the worker extension only (`ckpt_health` reports it) and the engine core is not stamped;
-- the trainer-side weight-transfer API as 0.32 shapes it (`vllm_transfer_engine.py` says what differs).
+- the trainer-side weight-transfer API as 0.32 shapes it (`vllm/transfer_engine.py` says what differs).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ __all__ = ["BACKEND_NAME", "register"]
 BACKEND_NAME = "ckpt_engine"
 """The name in `--weight-transfer-config '{"backend": "ckpt_engine"}'` and in both vLLM factories."""
 
-_WORKER = ("ckpt_engine.rollout_adapters.vllm_transfer_engine", "CkptEngineWeightTransferEngine")
+_WORKER = ("ckpt_engine.rollout_adapters.vllm.transfer_engine", "CkptEngineWeightTransferEngine")
 _TRAINER = ("ckpt_engine.sync.vllm_trainer_engine", "CkptEngineTrainerWeightTransferEngine")
 
 

@@ -4,7 +4,7 @@ vLLM's OpenAI front resolves `model=<name>` through its own registry, filled onl
 `/v1/load_lora_adapter` (mounted with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`). After every worker
 holds a version in memory, the controller registers it as `<engine>-v<version>` with the
 `ckpt-engine://` path that names it; the server's `add_lora` reaches every worker at once, each
-builds the model from the tensors it holds (`vllm_lora_worker.py`). A worker keeps at most
+builds the model from the tensors it holds (`vllm/lora_worker.py`). A worker keeps at most
 `max_adapter_versions`, so names older than the newest `max_adapter_versions` are unregistered.
 """
 
@@ -52,7 +52,7 @@ class ServerLoraNames:
 
     def register(self, version: int) -> str:
         """Serve `version` (every worker holds it) as `<engine>-v<version>`; drop names past `keep`."""
-        from ckpt_engine.rollout_adapters.vllm_lora_worker import lora_path
+        from ckpt_engine.rollout_adapters.vllm.lora_worker import lora_path
 
         name = self.name(version)
         body = {"lora_name": name, "lora_path": lora_path(self.engine, version), "load_inplace": False}

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
-
 if TYPE_CHECKING:
     import vllm
 
@@ -56,14 +54,31 @@ def _vllm_pause_mode(mode: str) -> str:
     return PAUSE_MODES[mode]
 
 
-class HTTPWeightSyncClient(HTTPVLLMWeightSyncClient):
-    """vLLM's HTTP client over `VLLM_SERVER_DEV_MODE=1` routes; errors carry the server's answer."""
+class HTTPWeightSyncClient:
+    """vLLM's weight-update routes and `VLLM_SERVER_DEV_MODE=1` routes over HTTP (the calls of vLLM's
+    `HTTPVLLMWeightSyncClient`, without importing vLLM); errors carry the server's answer."""
 
     def __init__(self, base_url: str, timeout: float = 300.0) -> None:
         import requests
 
-        super().__init__(base_url, timeout)
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
         self.http = requests.Session()
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._request("POST", "init_weight_transfer_engine", json={"init_info": init_info})
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._request("POST", "shutdown_weight_transfer_engine")
+
+    def start_weight_update(self) -> None:
+        self._request("POST", "start_weight_update")
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._request("POST", "update_weights", json={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._request("POST", "finish_weight_update", json={"weight_version": weight_version} if weight_version is not None else None)
 
     def _request(self, verb: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
         resp = self.http.request(verb, f"{self.base_url}/{path.lstrip('/')}", json=json, params=params, timeout=self.timeout)
@@ -73,9 +88,6 @@ class HTTPWeightSyncClient(HTTPVLLMWeightSyncClient):
             self.http.close()
             raise RuntimeError(f"vLLM at {self.base_url}: {verb} /{path.lstrip('/')} answered {resp.status_code}: {resp.text[:2000]}")
         return resp.json() if resp.content else None
-
-    def _post(self, path: str, json: dict[str, Any] | None = None) -> None:
-        self._request("POST", path, json=json)
 
     def pause(self, mode: str) -> None:
         self._request("POST", "pause", params={"mode": _vllm_pause_mode(mode), "clear_cache": "false"})

@@ -9,7 +9,7 @@ tensor. Our pipelined bucket wire (aligned offsets, chunked tensors, checksums) 
 SGLang can read, so this transport plans whole tensors in buckets of `bucket_size_bytes` (a larger
 tensor travels alone) and packs bucket k+1 while the servers load bucket k. The `SglangRollout`
 adapters post the matching requests (`sglang.py`); the session drives both like any other sync.
-While a broadcast waits, the sender watches what the adapters saw fail (`sglang_failures.py`): a
+While a broadcast waits, the sender watches what the adapters saw fail (`sglang/failures.py`): a
 server that dies or fails mid-stream stops the sync at once, by name, not after `timeout_s`.
 """
 
@@ -27,8 +27,8 @@ import torch
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import Bucket, BucketManifest, TensorMeta, TensorSpec, dtype_itemsize, make_manifest
 from ckpt_engine.planning.ownership import OwnerMap
-from ckpt_engine.rollout_adapters import sglang_failures
-from ckpt_engine.rollout_adapters.sglang import custom_process_group, group_name_of
+from ckpt_engine.rollout_adapters.sglang import failures
+from ckpt_engine.rollout_adapters.sglang.rollout import custom_process_group, group_name_of
 from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
 
 __all__ = ["SglangWireEngine", "plan_flat_buckets"]
@@ -108,7 +108,7 @@ class SglangWireEngine(CheckpointEngine):
         )
         group.broadcast(torch.zeros(1), 0).wait(timeout)
         self._group, self._group_name = group, group_name_of(rendezvous)
-        sglang_failures.clear(self._group_name)
+        failures.clear(self._group_name)
         self.rank, self.world_size = 0, rendezvous.world_size
 
     def send_weights(
@@ -152,7 +152,7 @@ class SglangWireEngine(CheckpointEngine):
         deadline = time.monotonic() + self.timeout_s
         pause = 1e-4
         while not work.is_completed():
-            failed = sglang_failures.failures(self._group_name)
+            failed = failures.failures(self._group_name)
             if failed:
                 self._abandon()
                 detail = "; ".join(f"{name}: {why}" for name, why in sorted(failed.items()))
@@ -172,7 +172,7 @@ class SglangWireEngine(CheckpointEngine):
         takes the only reference and does both: were this thread to drop the last reference (the
         abort ending first), the sync would wait out `timeout_s` after all."""
         holder, self._group = [self._group], None
-        sglang_failures.clear(self._group_name)
+        failures.clear(self._group_name)
         if holder[0] is not None:
             threading.Thread(target=_abort_and_drop, args=(holder,), name="sglang-wire-abort", daemon=True).start()
 
@@ -183,7 +183,7 @@ class SglangWireEngine(CheckpointEngine):
 
     def finalize(self) -> None:
         group, self._group = self._group, None
-        sglang_failures.clear(self._group_name)
+        failures.clear(self._group_name)
         if group is not None:
             _abort(group)
 

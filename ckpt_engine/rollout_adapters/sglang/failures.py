@@ -4,7 +4,7 @@ SGLang's servers take each bucket in two halves: the adapter's `/update_weights_
 request and the sender's broadcast. When a server dies or its scheduler fails mid-stream, the
 request fails at once (500, a reset connection) but the sender's broadcast has nobody to tell it:
 with the server's process still holding its end of the group it would wait `timeout_s`. The
-adapters record each failure here under the group's name; the sender (`sglang_wire.py`) checks
+adapters record each failure here under the group's name; the sender (`sglang/wire.py`) checks
 while it waits and stops the sync at once, naming the engine. Thread-safe: adapters receive on the
 session's pool threads while the sender streams on the caller's.
 """

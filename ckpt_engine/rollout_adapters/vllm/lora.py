@@ -3,7 +3,7 @@
 Start vLLM with `enable_lora=True`, `max_lora_rank` >= the adapter's rank, `max_loras` >=
 `max_adapter_versions` (so old and new versions batch together) and the worker extension. Each
 sync installs the adapter as a new version in every worker's LoRA manager (from memory:
-`vllm_lora_worker.py`); only once every worker holds it does `lora_request()` name it, so the
+`vllm/lora_worker.py`); only once every worker holds it does `lora_request()` name it, so the
 switch is atomic across the engine's ranks. Nothing is paused: running requests keep the version
 they started with (their `LoRARequest` names it) and finish under it.
 """
@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckpt_engine.rollout_adapters.base import JoinOptions
-from ckpt_engine.rollout_adapters.vllm import VllmRollout
+from ckpt_engine.rollout_adapters.vllm.rollout import VllmRollout
 from ckpt_engine.transports.base import Rendezvous
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ class VllmLoraRollout(VllmRollout):
         `lora_request()` (new requests get it from then on)."""
         from vllm.lora.request import LoRARequest
 
-        from ckpt_engine.rollout_adapters.vllm_lora_worker import lora_int_id, lora_path
+        from ckpt_engine.rollout_adapters.vllm.lora_worker import lora_int_id, lora_path
 
         t0 = time.perf_counter()
         replies = self._rpc("ckpt_finalize", version=version)
