@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import yaml
 
 if TYPE_CHECKING:
-    from ckpt_engine.transports.base import CheckpointEngine
+    from ckpt_engine.engine import CheckpointEngine
 
 __all__ = [
     "CheckpointEngineConfig",
@@ -38,6 +38,8 @@ DELTA_MODES = ("off", "auto", "on")
 STAGE_MODES = ("auto", "patches", "full", "off")
 SENDER_MODES = ("rank0", "all", "per_stage")
 WEIGHT_MODES = ("full", "adapters")
+WIRE_DTYPES = ("fp8",)
+"""`wire_dtype` values besides unset: `fp8` = block-FP8 (`ckpt_engine/sources/fp8.py`)."""
 _RETIRED_KEYS = {
     "delta_base": (
         "a sender's delta base always lives in the transport's memory (`device`, the one placement left: "
@@ -110,12 +112,18 @@ class CheckpointEngineConfig:
     max_adapter_versions: int = 2
     """With `weights: adapters`: adapter versions an engine keeps live at once (the newest, plus
     older ones until their last request ends)."""
+    wire_dtype: str | None = None
+    """What the weights travel as: unset, each tensor in the source's own dtype; `fp8`, block-FP8
+    (each linear weight quantized on the trainer's device into float8_e4m3fn with float32
+    `<name>_scale_inv` per 128 x 128 block, as FP8 checkpoints and vLLM's block-FP8 loader hold them;
+    norms, embeddings, the LM head, biases and routers as they are), for engines holding an FP8
+    model. See docs/fp8.md."""
 
     def __post_init__(self) -> None:
         _check_type("checkpoint_engine.backend", self.backend, str)
         if not self.backend:
             raise ConfigError("checkpoint_engine.backend must be 'auto' or a registered backend name, got ''")
-        from ckpt_engine.transports.registry import CheckpointEngineRegistry
+        from ckpt_engine.registry import CheckpointEngineRegistry
 
         known = CheckpointEngineRegistry.names()
         if self.backend != "auto" and self.backend not in known:
@@ -165,6 +173,11 @@ class CheckpointEngineConfig:
         _check_type("checkpoint_engine.max_adapter_versions", self.max_adapter_versions, int)
         if self.max_adapter_versions < 1:
             raise ConfigError(f"checkpoint_engine.max_adapter_versions must be >= 1, got {self.max_adapter_versions}")
+        if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
+            raise ConfigError(
+                f"checkpoint_engine.wire_dtype must be one of {', '.join(WIRE_DTYPES)} or unset (the source's own dtypes), got "
+                f"{self.wire_dtype!r} (casts such as bfloat16 are the source's: StateDictSource(dtype=...), the trainer's wire_dtype)"
+            )
 
     def check_memory(self, device: str | None = None) -> None:
         """Refuse a bucket size whose buffers cannot fit in `device`'s free memory (before any engine joins).
@@ -175,7 +188,7 @@ class CheckpointEngineConfig:
         if self.bucket_size_bytes is None:
             return  # sized from free memory at the first sync
         if device is None:
-            from ckpt_engine.transports.registry import CheckpointEngineRegistry
+            from ckpt_engine.registry import CheckpointEngineRegistry
 
             try:
                 device = "cuda" if CheckpointEngineRegistry.resolve_name(self.backend) == "nccl" else "cpu"
@@ -240,7 +253,7 @@ def init_keywords(cls: type) -> set[str] | None:
 
 def _check_engine_kwargs(backend: str, kwargs: dict[str, Any], known: list[str]) -> None:
     """Unknown options are refused now, not at the first sync (where they fail after engines paused)."""
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.registry import CheckpointEngineRegistry
 
     where = f"checkpoint_engine.engine_kwargs.{backend}"
     if backend not in known:

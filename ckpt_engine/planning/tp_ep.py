@@ -9,7 +9,8 @@ that owns it (experts cut into ep_size contiguous blocks) and not at all elsewhe
 experts are TP-sliced like a dense MLP. A layer's experts stacked into one tensor
 (`planning/fused_experts.py`: `...experts.gate_proj.weight`, [experts, rows, cols]) follow the
 same rules: an EP rank holds its experts' dim-0 range, a TP rank its rows (gate/up, dim 1) or
-columns (down, dim 2) of every expert. Names the rules do not know are held whole.
+columns (down, dim 2) of every expert. A block-FP8 weight's `_scale_inv` follows its weight's
+slice in whole 128 x 128 blocks (`fp8/regions.py`). Names the rules do not know are held whole.
 
 A pure function: the reference receiver states it directly; vLLM records its own (issue 27).
 """
@@ -20,6 +21,8 @@ import logging
 import re
 from collections.abc import Sequence
 
+from ckpt_engine.fp8.layout import weight_of
+from ckpt_engine.fp8.regions import fit_scales
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.regions import ReceivePlan, Region
 
@@ -113,6 +116,8 @@ def tp_ep_plan(
             continue
         if region is not None:
             holds[name] = (region,)
+    fit_scales(specs, holds)  # a block-FP8 weight's scales follow its slice, in whole blocks
+    unknown = [n for n in unknown if weight_of(n) is None]
     if unknown:
         logger.info("tp_ep_plan: %d tensor(s) no rule slices are held whole (first: %s)", len(unknown), unknown[0])
     return ReceivePlan(holds)

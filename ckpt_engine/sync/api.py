@@ -20,6 +20,7 @@ from ckpt_engine.sync.many_senders import wants_many_senders
 from ckpt_engine.sync.session import WeightSyncSession, _drain
 from ckpt_engine.sources.vllm import as_weight_source
 from ckpt_engine.sources.base import WeightSource
+from ckpt_engine.sources.fp8 import fp8_wire
 
 __all__ = ["SOURCE", "SyncError", "SyncReport", "WeightSyncSession", "cached_session", "close_sessions", "sync_rollout_weights"]
 
@@ -117,7 +118,8 @@ def sync_rollout_weights(
     if not source.is_sender:
         mode = config.senders if config is not None else "auto"
         if wants_many_senders(source, mode):
-            _follower(source, config).sync(source)  # type: ignore[arg-type]  # wants_many_senders: sharded
+            wire = fp8_wire(source, config.wire_dtype if config is not None else None)
+            _follower(source, config).sync(wire)  # type: ignore[arg-type]  # wants_many_senders: sharded
         else:
             _drain(source)
         return None

@@ -22,7 +22,7 @@ import torch
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.sync.delta_policy import DeltaPolicy
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.transports.base import CheckpointEngine, SendStats
+from ckpt_engine.engine import CheckpointEngine, SendStats
 from ckpt_engine.sync.backend import backend_for
 from ckpt_engine.sync.claims import claims
 from ckpt_engine.sync.fanout import collect_failures, leave_all, mark_stale_and_probe, memberships
@@ -41,6 +41,7 @@ from ckpt_engine.sync.weights_mode import check_weights_mode
 from ckpt_engine.versions import next_version
 from ckpt_engine.sources.vllm import as_weight_source
 from ckpt_engine.sources.base import WatchedWeights, WeightSource
+from ckpt_engine.sources.fp8 import fp8_wire
 
 __all__ = ["SOURCE", "SyncError", "SyncReport", "WeightSyncSession"]
 
@@ -212,6 +213,7 @@ class WeightSyncSession:
                     return None
                 _drain(source)
                 raise RuntimeError("this WeightSyncSession is closed; make a new one")
+            source = fp8_wire(source, self.config.wire_dtype)  # checkpoint_engine.wire_dtype: quantized while walked
             senders = self._senders.count(source)
             if senders > 1:
                 return self._senders.run(lambda: self._sync(source, None, version, senders))

@@ -1,0 +1,68 @@
+"""The block-FP8 quantize kernel: one weight to float8_e4m3fn plus its float32 inverse scales.
+
+The recipe is vLLM's own (`vllm.utils.deep_gemm.per_block_cast_to_fp8`, which its online
+block-FP8 quantization and DeepGEMM's tests use), op for op, so the bytes are the ones an engine
+quantizing the same bf16 weights holds:
+- the weight is zero-padded to whole 128 x 128 blocks (padding never raises a block's amax);
+- amax = max |w| of each block in float32, floored at 1e-4 (an all-zero block gets scale 1e-4/448);
+- sf = amax / 448 (e4m3's largest finite value): the stored `weight_scale_inv`;
+- q = (w * (1 / sf)).to(float8_e4m3fn): a multiply by the reciprocal, not a division (they
+  differ in the last bit for some values), rounded to nearest even by the cast.
+Why torch ops: on CUDA the same function runs through `torch.compile` (one fused kernel, the way
+vLLM compiles it); on a CPU it runs eagerly (inductor would take ~20 s to compile it there).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+
+from ckpt_engine.fp8.layout import BLOCK, FP8_DTYPE
+
+__all__ = ["AMAX_FLOOR", "FP8_MAX", "quantize_block_fp8", "quantize_eager"]
+
+logger = logging.getLogger(__name__)
+
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
+"""448.0: the largest finite float8_e4m3fn value, which each block's amax maps to."""
+AMAX_FLOOR = 1e-4
+"""vLLM's floor on a block's amax (`clamp(1e-4)`), so an all-zero block has a finite scale."""
+
+
+def quantize_eager(w: torch.Tensor, block_rows: int = BLOCK[0], block_cols: int = BLOCK[1]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale_inv) of `w` ([..., rows, cols], any float dtype), in plain torch ops (see module)."""
+    *lead, rows, cols = w.shape
+    br, bc = -(-rows // block_rows), -(-cols // block_cols)
+    prows, pcols = br * block_rows, bc * block_cols
+    if (prows, pcols) != (rows, cols):
+        padded = w.new_zeros((*lead, prows, pcols))
+        padded[..., :rows, :cols] = w
+    else:
+        padded = w
+    view = padded.reshape(-1, br, block_rows, bc, block_cols)
+    amax = view.abs().float().amax(dim=(2, 4), keepdim=True).clamp(AMAX_FLOOR)
+    sf = amax / FP8_MAX
+    q = (view * (1.0 / sf)).to(FP8_DTYPE)
+    q = q.view(*lead, prows, pcols)[..., :rows, :cols].contiguous()
+    return q, sf.view(*lead, br, bc)
+
+
+@functools.cache
+def _compiled() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The kernel through torch.compile (dynamic shapes: one compile serves every weight shape)."""
+    return torch.compile(quantize_eager, dynamic=True)
+
+
+def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize `w` ([out, in], or [experts, out, in]) into block-FP8 on its own device: (q in
+    float8_e4m3fn, same shape; scale_inv in float32, [..., ceil(out / block[0]), ceil(in / block[1])]).
+
+    On CUDA the compiled kernel (warm it at the join: `fp8.warm.warm_up`); elsewhere eager ops."""
+    if w.dim() < 2 or not w.is_floating_point():
+        raise ValueError(f"block-FP8 quantizes floating-point matrices ([out, in] or [experts, out, in]), got {w.dtype} {tuple(w.shape)}")
+    if w.is_cuda:
+        return _compiled()(w, block[0], block[1])
+    return quantize_eager(w, block[0], block[1])

@@ -1,0 +1,213 @@
+"""Block-FP8 on the wire (`checkpoint_engine.wire_dtype: fp8`): a layer around any weight source.
+
+`Fp8WireSource(source)` lists the source's tensors in the block-FP8 checkpoint layout
+(`fp8/layout.py`: each linear weight as float8_e4m3fn followed by its float32 `_scale_inv`;
+every other tensor as it is) and quantizes lazily while the sender walks: one weight at a time,
+on the device the source yields it on (the trainer's), never a staged copy of the model. The
+quantized tensors are temporaries of the walk (`stable_tensors` false), so the pipeline packs them.
+
+`ShardedFp8WireSource(source)` does the same for a source that sends from every trainer rank:
+each rank quantizes its own rows of a weight, which is exact only when its row range starts and
+ends on a 128-row block boundary (or the tensor's end); a shard that does not is refused by name
+while the sync is planned, before anything pauses.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from ckpt_engine.config import WIRE_DTYPES
+from ckpt_engine.fp8.layout import BLOCK, SCALE_NAME, fp8_specs, quantizes, scale_name, scale_shape, weight_of
+from ckpt_engine.fp8.quantize import quantize_block_fp8
+from ckpt_engine.manifest import DTYPE_ITEMSIZE, TensorSpec
+from ckpt_engine.planning.ownership import OwnerMap, Shard
+from ckpt_engine.sources.base import WeightSource
+from ckpt_engine.sources.sharded import ShardedWeightSource
+from ckpt_engine.sources.wire import torch_dtype
+
+__all__ = ["Fp8WireSource", "ShardedFp8WireSource", "fp8_wire"]
+
+logger = logging.getLogger(__name__)
+
+
+
+def _quantize(spec: TensorSpec, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a yielded tensor (or a row block of it) from its wire dtype: a source may yield a
+    float dtype to cast from (fp32 masters), and the quantized bytes must be those of the wire's."""
+    rows_shape = (-1, *spec.shape[1:])
+    w = t.reshape(rows_shape).to(torch_dtype(spec.dtype))
+    return quantize_block_fp8(w, BLOCK)
+
+
+class Fp8WireSource(WeightSource):
+    """A source's weights in the block-FP8 checkpoint layout (module docstring); one trainer rank
+    sends (as the wrapped source says). Every other attribute is the wrapped source's."""
+
+    stable_tensors = False
+
+    def __init__(self, source: WeightSource) -> None:
+        if isinstance(source, Fp8WireSource | ShardedFp8WireSource):
+            raise ValueError("the weight source is already on an FP8 wire")
+        self.source = source
+        self._specs = {s.name: s for s in source.metadata()}
+
+    @property
+    def is_sender(self) -> bool:  # type: ignore[override]
+        return self.source.is_sender
+
+    @property
+    def process_group(self) -> object:  # type: ignore[override]
+        return self.source.process_group
+
+    @property
+    def device(self) -> torch.device | None:  # type: ignore[override]
+        return self.source.device
+
+    def metadata(self) -> list[TensorSpec]:
+        return fp8_specs(list(self._specs.values()))
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.source.iter_weights():
+            spec = self._specs.get(name)
+            if spec is None or not quantizes(spec):
+                yield name, t
+                continue
+            q, s = _quantize(spec, t)
+            yield name, q.view(spec.shape)
+            yield scale_name(name), s
+
+
+class ShardedFp8WireSource(ShardedWeightSource):
+    """`Fp8WireSource` for a source that sends from every trainer rank: each rank quantizes the
+    rows it owns (see the module docstring for the block-boundary rule)."""
+
+    stable_tensors = False
+
+    def __init__(self, source: ShardedWeightSource) -> None:
+        self.source = source
+        self._specs = {s.name: s for s in source.metadata()}
+        self._made: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        """Quantized pieces of this walk, by weight name, until both halves were handed out."""
+
+    @property
+    def is_sender(self) -> bool:  # type: ignore[override]
+        return self.source.is_sender
+
+    @property
+    def process_group(self) -> object:  # type: ignore[override]
+        return self.source.process_group
+
+    @property
+    def device(self) -> torch.device | None:  # type: ignore[override]
+        return self.source.device
+
+    @property
+    def sender_index(self) -> int:  # type: ignore[override]
+        return self.source.sender_index
+
+    @property
+    def num_senders(self) -> int:  # type: ignore[override]
+        return self.source.num_senders
+
+    @property
+    def sends(self) -> bool:  # type: ignore[override]
+        return self.source.sends
+
+    @property
+    def collective_pieces(self) -> bool:  # type: ignore[override]
+        return self.source.collective_pieces
+
+    @property
+    def stable_pieces(self) -> bool:
+        return False
+
+    def sharded_refusal(self) -> str | None:
+        return self.source.sharded_refusal()
+
+    def metadata(self) -> list[TensorSpec]:
+        return fp8_specs(list(self._specs.values()))
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from Fp8WireSource(self.source).iter_weights()
+
+    def owners(self) -> OwnerMap:
+        """The wrapped source's shards in FP8 bytes, and the scale rows that go with them."""
+        out: dict[str, list[Shard]] = {}
+        for name, shards in self.source.owners().items():
+            spec = self._specs[name]
+            if not quantizes(spec):
+                out[name] = list(shards)
+                continue
+            out[name], out[scale_name(name)] = _fp8_shards(spec, shards)
+        return out
+
+    def local_piece(self, name: str) -> torch.Tensor:
+        weight = weight_of(name)
+        if weight is not None and weight in self._specs and quantizes(self._specs[weight]):
+            return self._half(weight, 1)
+        spec = self._specs.get(name)
+        if spec is not None and quantizes(spec):
+            return self._half(name, 0)
+        return self.source.local_piece(name)
+
+    def _half(self, weight: str, which: int) -> torch.Tensor:
+        made = self._made.get(weight)
+        if made is None:
+            made = self._made[weight] = _quantize(self._specs[weight], self.source.local_piece(weight))
+        return made[which]
+
+    def assist_piece(self, name: str) -> None:
+        weight = weight_of(name)
+        if weight is not None and weight in self._specs and quantizes(self._specs[weight]):
+            return  # the weight's own call assisted its sender's gather
+        self.source.assist_piece(name)
+
+    def begin_pieces(self) -> None:
+        self._made.clear()
+        self.source.begin_pieces()
+
+    def end_pieces(self) -> None:
+        self._made.clear()
+        self.source.end_pieces()
+
+
+def _fp8_shards(spec: TensorSpec, shards: list[Shard] | tuple[Shard, ...]) -> tuple[list[Shard], list[Shard]]:
+    """A weight's row shards in FP8 bytes, and the shards of its scales; refused by name unless every
+    shard's rows start and end on a block boundary (or the tensor's end)."""
+    row_bytes = spec.nbytes // spec.shape[0] if spec.shape[0] else 0
+    rows_all = spec.shape[0]
+    per_row = spec.numel // rows_all if rows_all else 0  # FP8 bytes of one dim-0 row
+    scale = scale_shape(spec.shape)
+    scale_row_bytes = (DTYPE_ITEMSIZE[SCALE_NAME] * scale[-1] * (scale[-2] if len(spec.shape) == 3 else 1))
+    block = 1 if len(spec.shape) == 3 else BLOCK[0]  # stacked experts: dim 0 counts experts, whole ones quantize alone
+    weights, scales = [], []
+    for sh in shards:
+        if sh.start % row_bytes or sh.stop % row_bytes:
+            raise ValueError(f"{spec.name}: sender {sh.sender}'s shard (bytes [{sh.start}, {sh.stop})) is not whole rows; block-FP8 needs whole rows")
+        r0, r1 = sh.start // row_bytes, sh.stop // row_bytes
+        if r0 % block or (r1 % block and r1 != rows_all):
+            raise ValueError(
+                f"{spec.name}: sender {sh.sender} holds rows [{r0}, {r1}), which do not fall on {BLOCK[0]}-row block boundaries, "
+                f"so it cannot quantize them alone (checkpoint_engine.wire_dtype=fp8 with senders=all needs shards in whole blocks: "
+                f"use senders=rank0, or a number of senders that cuts every weight into multiples of {BLOCK[0]} rows)"
+            )
+        weights.append(Shard(sh.sender, r0 * per_row, r1 * per_row))
+        scales.append(Shard(sh.sender, (r0 // block) * scale_row_bytes, -(-r1 // block) * scale_row_bytes))
+    return weights, scales
+
+
+def fp8_wire(source: WeightSource, wire_dtype: str | None) -> WeightSource:
+    """`source` on the wire `checkpoint_engine.wire_dtype` names: as it is (None), or block-FP8."""
+    if wire_dtype is None or isinstance(source, Fp8WireSource | ShardedFp8WireSource):
+        return source
+    if wire_dtype != "fp8":
+        raise ValueError(f"checkpoint_engine.wire_dtype must be one of {', '.join(WIRE_DTYPES)} or unset, got {wire_dtype!r}")
+    from ckpt_engine.fp8.warm import warm_up
+
+    warm_up(source.device)  # a CUDA sender compiles its kernel now, before anything pauses
+    if isinstance(source, ShardedWeightSource):
+        return ShardedFp8WireSource(source)
+    return Fp8WireSource(source)
