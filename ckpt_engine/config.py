@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import yaml
 
 if TYPE_CHECKING:
-    from ckpt_engine.engine import CheckpointEngine
+    from ckpt_engine.transports.base import CheckpointEngine
 
 __all__ = [
     "CheckpointEngineConfig",
@@ -123,7 +123,7 @@ class CheckpointEngineConfig:
         _check_type("checkpoint_engine.backend", self.backend, str)
         if not self.backend:
             raise ConfigError("checkpoint_engine.backend must be 'auto' or a registered backend name, got ''")
-        from ckpt_engine.registry import CheckpointEngineRegistry
+        from ckpt_engine.transports.registry import CheckpointEngineRegistry
 
         known = CheckpointEngineRegistry.names()
         if self.backend != "auto" and self.backend not in known:
@@ -188,7 +188,7 @@ class CheckpointEngineConfig:
         if self.bucket_size_bytes is None:
             return  # sized from free memory at the first sync
         if device is None:
-            from ckpt_engine.registry import CheckpointEngineRegistry
+            from ckpt_engine.transports.registry import CheckpointEngineRegistry
 
             try:
                 device = "cuda" if CheckpointEngineRegistry.resolve_name(self.backend) == "nccl" else "cpu"
@@ -253,7 +253,7 @@ def init_keywords(cls: type) -> set[str] | None:
 
 def _check_engine_kwargs(backend: str, kwargs: dict[str, Any], known: list[str]) -> None:
     """Unknown options are refused now, not at the first sync (where they fail after engines paused)."""
-    from ckpt_engine.registry import CheckpointEngineRegistry
+    from ckpt_engine.transports.registry import CheckpointEngineRegistry
 
     where = f"checkpoint_engine.engine_kwargs.{backend}"
     if backend not in known:
