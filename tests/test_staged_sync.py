@@ -212,12 +212,12 @@ def test_a_sender_killed_mid_stream_leaves_the_engine_serving_its_old_version(mi
 
 
 def test_syncs_with_receive_plans_stage_only_where_every_engine_stages_plans(caplog: pytest.LogCaptureFixture) -> None:
-    """Staging a sync with receive plans is each engine's own capability (`stages_regions`), not a
+    """Staging a sync with receive plans is each engine's own capability (`capabilities.stages_regions`), not a
     global off: a group with an engine that cannot (SGLang, vLLM's native backend) pauses such syncs, said once per
     session; the same group stages syncs without plans, and the reference receiver alone stages both."""
 
     class NoPlanStaging(TorchRefRollout):
-        stages_regions = False  # an engine that cannot stage plans
+        capabilities = dataclasses.replace(TorchRefRollout.capabilities, stages_regions=False)  # an engine that cannot stage plans
 
     ref = TorchRefRollout("ref", "127.0.0.1", 1, None, 1.0, token="t" * 16)  # never called: the policy reads capabilities
     other = NoPlanStaging("other", "127.0.0.1", 1, None, 1.0, token="t" * 16)

@@ -22,6 +22,7 @@ import json
 import re
 import signal
 import subprocess
+from dataclasses import replace
 import time
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def server(tp2_vllm_server: SharedServer[VllmServer]) -> tuple[str, Path]:
 class _WholeTensors(SwapRecorder):
     """The same server, every worker receiving whole tensors (its loaders cut its slices)."""
 
-    takes_regions = False
+    capabilities = replace(SwapRecorder.capabilities, regions=False, stages_regions=False)
 
 
 def _vllm_layers(weights: dict[str, torch.Tensor]) -> set[str]:
@@ -89,7 +90,7 @@ def test_generation_streams_on_through_a_dense_and_a_delta_staged_region_sync(se
     trainer = trainer_model(model_dir, seed=11)
     ref = HfReference(copy.deepcopy(trainer))
     adapter = SwapRecorder("vllm-tp2-stream", url, timeout_s=120.0)
-    assert adapter.world_size == 2 and adapter.stages_regions
+    assert adapter.world_size == 2 and adapter.capabilities.stages_regions
     order = [adapter.weight_version()]
     g = torch.Generator().manual_seed(4)
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=120.0, delta="on", stage="auto")

@@ -58,7 +58,7 @@ def test_tp2_region_syncs_stage_and_a_corrupt_region_patch_keeps_the_old_weights
     llm, trainer = engine
     monkeypatch.setitem(CheckpointEngineRegistry._classes, "gloo", _Tampered)  # the sender's engines; workers run real gloo
     adapter = VllmRollout("vllm-tp2-staged", llm, timeout_s=120.0)
-    assert adapter.stages_regions
+    assert adapter.capabilities.stages_regions
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, delta="on", stage="auto")
     session = WeightSyncSession([adapter], cfg)
     g = torch.Generator().manual_seed(3)

@@ -13,34 +13,22 @@ so every engine belongs to one job's group at a time. Two guards:
   refused until then; if the owning job goes silent, the engine is free once the lease lapses.
   A daemon that comes back (same token) takes its job's engines over at once.
 
-Engine kinds whose adapters have no `claim` (vLLM, SGLang today) are guarded by the token only.
+Engine kinds without `capabilities.claims` (vLLM, SGLang: no code of ours holds a lease in their
+servers' control paths) are guarded by the token only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.control.wire import RpcError
 
-__all__ = ["ClaimableEngine", "adopt", "claim_engine", "describe", "job_group", "refusal", "release_engine"]
+__all__ = ["adopt", "claim_engine", "describe", "job_group", "refusal", "release_engine"]
 
 logger = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class ClaimableEngine(Protocol):
-    """What an adapter offers when its engine can be claimed by one group (the reference
-    receiver's `TorchRefRollout`); adapters without it are guarded by the job token only."""
-
-    owner: str | None
-    """The group this adapter acts for; its state-changing calls carry it."""
-
-    def claim(self, owner: str, lease_s: float) -> Any: ...
-
-    def release(self) -> None: ...
 
 
 def job_group(token: str) -> str:
@@ -51,20 +39,20 @@ def job_group(token: str) -> str:
 
 def claim_engine(adapter: RolloutAdapter, group: str, lease_s: float) -> None:
     """Claim `adapter`'s engine for `group`; raises (RpcError PermissionError) when another group holds it."""
-    if isinstance(adapter, ClaimableEngine):
+    if adapter.capabilities.claims:
         adapter.claim(group, lease_s)
 
 
 def adopt(adapter: RolloutAdapter, group: str) -> None:
     """Act for `group` on an engine another daemon of the same group claimed (a following trainer)."""
-    if isinstance(adapter, ClaimableEngine):
+    if adapter.capabilities.claims:
         adapter.owner = group
 
 
 def release_engine(adapter: RolloutAdapter) -> None:
     """Release `adapter`'s claim, if it has one; a failure is logged, never raised (the engine's
     lease lapses on its own)."""
-    if not isinstance(adapter, ClaimableEngine):
+    if not adapter.capabilities.claims:
         return
     try:
         adapter.release()

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterator, Sequence
 
 import torch
+from ckpt_engine.rollout_adapters.capabilities import lacking
 
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon.outcome import OneWalkPerAttempt
@@ -43,7 +44,7 @@ def sends_from_every_rank(config: CheckpointEngineConfig, source: WeightSource, 
     if config.senders != "auto":
         return True
     backend = CheckpointEngineRegistry.get(CheckpointEngineRegistry.resolve_name(config.backend))
-    return bool(backend.supports_many_senders) and all(e.supports_many_senders for e in engines)
+    return bool(backend.supports_many_senders) and not lacking(engines, "many_senders")
 
 
 class ShardedWalk(OneWalkPerAttempt, ShardedWeightSource):

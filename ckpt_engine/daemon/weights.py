@@ -37,11 +37,11 @@ def weights_refusal(name: str, described: str, engine_weights: str, mode: str) -
 
 def check_engine_weights(name: str, described: str, adapter: RolloutAdapter, mode: str, owned: bool) -> None:
     """Refuse (ValueError) an engine whose weights mode is not `mode`; closes the adapter if `owned`."""
-    if adapter.weights == mode:
+    if adapter.capabilities.weights == mode:
         return
     if owned:
         close_quietly(adapter)
-    raise ValueError(weights_refusal(name, described, adapter.weights, mode))
+    raise ValueError(weights_refusal(name, described, adapter.capabilities.weights, mode))
 
 
 def check_sync_weights(mode: str, source: WeightSource, rollouts: Sequence[RolloutAdapter], upstream: DaemonClient | None) -> None:

@@ -2,7 +2,7 @@
 
 The controller (trainer rank 0 or the daemon) calls these in the order of one sync:
 `join` once, then per sync `validate` -> `pause` -> `receive` (blocking while the sender streams)
--> `finalize(version)` -> `resume`; or, staged (issue 28, engines with `stages`): `validate` ->
+-> `finalize(version)` -> `resume`; or, staged (issue 28, engines with `capabilities.stages`): `validate` ->
 `receive(stage=...)` while the engine keeps serving -> `swap(version, pause_mode)` (or `discard()`
 after a failed stream). The data never passes through these calls: the engine's own receiver ranks
 take it from the weight-sync group.
@@ -19,6 +19,7 @@ from ckpt_engine.fp8.checks import fp8_problems
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
+from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.planning.regions import ReceivePlan
 
 __all__ = [
@@ -157,28 +158,20 @@ class RolloutAdapter(ABC):
 
     name: str
     world_size: int = 1
-    supports_delta: bool = False
-    """Whether `receive` takes a `delta` request (its receiver ranks keep base copies and apply patches)."""
-    supports_many_senders: bool = False
-    """Whether its receiver ranks take buckets from several senders (the generic receiver does)."""
-    takes_regions: bool = False
-    """Whether its receiver ranks take region delivery (`validate_regions`, then `receive` hands
-    their loader `(name, region, tensor)` items); a session uses region delivery only when every
-    engine of its group does."""
-    weights: ClassVar[str] = "full"
-    """What a sync into this engine carries: `full` weights, or `adapters` (a LoRA adapter installed
-    as a new version beside the base; `checkpoint_engine.weights` must match)."""
-    stages: ClassVar[bool] = False
-    """Whether the engine can receive into a staging area while it serves (`receive(stage=...)`,
-    then `swap` between two engine steps, or `discard`); a session stages only when every engine
-    of its group does (`checkpoint_engine.stage`)."""
-    stages_regions: ClassVar[bool] = False
-    """Whether, with `stages` and `takes_regions`, it also stages a sync with receive plans (every
-    region lands in staging on every receiver set; nothing live is written before `swap`); a
-    session pauses such syncs as today unless every engine of its group does."""
-    transport: ClassVar[str | None] = None
-    """The only transport (registry name) whose wire this engine reads, e.g. SGLang's own; None:
-    any of ckpt-engine's (the session then takes `checkpoint_engine.backend`)."""
+    capabilities: EngineCapabilities = EngineCapabilities()
+    """What a sync into this engine may use (`capabilities.py`; each adapter declares its own)."""
+    owner: str | None = None
+    """With `capabilities.claims`: the weight-sync group this handle acts for (set by `claim`, or by
+    the daemon for a group that claimed the engine elsewhere); sent with every state change."""
+
+    def claim(self, owner: str, lease_s: float) -> Any:
+        """Make weight-sync group `owner` the engine's only controller for `lease_s`, renewed by its
+        calls; refused while another group holds it. Engines with `capabilities.claims` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be claimed (capabilities.claims is False)")
+
+    def release(self) -> None:
+        """Let go of this handle's claim at once (engines with `capabilities.claims`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be claimed (capabilities.claims is False)")
 
     def engine_key(self) -> Hashable:
         """What identifies the engine itself (not this handle): two handles on one engine share it.
@@ -224,8 +217,8 @@ class RolloutAdapter(ABC):
 
     def validate_regions(self, manifest: BucketManifest, encoded: bytes, assignments: list[bytes]) -> None:
         """`validate`, with each rank's region assignment (an encoded `planning.region_wire.RegionAssignment`):
-        what it receives, from which receiver sets. Engines with `takes_regions` implement it."""
-        raise NotImplementedError(f"{type(self).__name__} takes no region delivery (takes_regions is False)")
+        what it receives, from which receiver sets. Engines with `capabilities.regions` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} takes no region delivery (capabilities.regions is False)")
 
     @abstractmethod
     def pause(self, mode: str) -> None: ...
@@ -234,7 +227,7 @@ class RolloutAdapter(ABC):
     def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None) -> ReceiveReport:
         """Block until the engine has received and loaded every tensor of `manifest`.
 
-        `delta` is passed only to adapters with `supports_delta`. Adapters with `stages` also take
+        `delta` is passed only to adapters with `capabilities.delta`. Adapters with `capabilities.stages` also take
         a keyword `stage` (passed only when staging): `"patches"` (a patch sync: every patch is
         checked against the live weights and kept, nothing live is written) or `"full"` (the sync
         lands in a staging copy of every weight); the engine keeps serving its current version
@@ -251,13 +244,13 @@ class RolloutAdapter(ABC):
         place, or copy / switch from the staging copy), run the engine's post-load step, stamp
         `version`, resume. Returns the stall: seconds the engine produced no tokens. A failure
         leaves the engine stale, as a failed `finalize` does. Engines with `stages` implement it."""
-        raise NotImplementedError(f"{type(self).__name__} does not stage syncs (stages is False)")
+        raise NotImplementedError(f"{type(self).__name__} does not stage syncs (capabilities.stages is False)")
 
     def discard(self) -> None:
         """Drop a staged version after a failed stream: the engine keeps serving its old version,
         unpaused and not stale (its live weights were never touched). Engines with `stages`
         implement it; calling it with nothing staged is a no-op."""
-        raise NotImplementedError(f"{type(self).__name__} does not stage syncs (stages is False)")
+        raise NotImplementedError(f"{type(self).__name__} does not stage syncs (capabilities.stages is False)")
 
     @abstractmethod
     def finalize(self, version: int) -> None:

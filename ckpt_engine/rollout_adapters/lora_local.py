@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
+from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
 from ckpt_engine.rollout_adapters.lora_receiver import LoraReceiverCore
 from ckpt_engine.transports.base import Rendezvous
@@ -25,9 +26,7 @@ T = TypeVar("T")
 class LocalLoraRollout(RolloutAdapter, Generic[T]):
     """Join / validate / receive / leave through an in-process `LoraReceiverCore`; nothing to pause."""
 
-    weights = "adapters"
-    supports_delta = True
-    supports_many_senders = True
+    capabilities = EngineCapabilities(delta=True, many_senders=True, weights="adapters")
 
     def __init__(self, name: str, core: LoraReceiverCore[T]) -> None:
         self.name = name

@@ -40,6 +40,7 @@ from ckpt_engine.transports.base import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
+from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, held_in
 from ckpt_engine.rollout_adapters.engine_lease import EngineLease
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
@@ -282,11 +283,7 @@ class TorchRefRollout(RolloutAdapter):
     """Controller handle of one reference receiver process."""
 
     world_size = 1
-    supports_delta = True
-    supports_many_senders = True
-    takes_regions = True
-    stages = True
-    stages_regions = True
+    capabilities = EngineCapabilities(delta=True, many_senders=True, regions=True, stages=True, stages_regions=True, claims=True)
 
     def __init__(
         self, name: str, host: str, port: int, process: subprocess.Popen[str] | None, timeout_s: float, *, token: str | None = None

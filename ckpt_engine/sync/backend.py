@@ -13,13 +13,13 @@ __all__ = ["backend_for"]
 
 def backend_for(config: CheckpointEngineConfig, rollouts: Sequence[RolloutAdapter]) -> str:
     """`checkpoint_engine.backend` (`auto` resolved by device), unless the engines declare the one
-    wire they read (`RolloutAdapter.transport`, e.g. SGLang's): then that one, refused by name
+    wire they read (`capabilities.transport`, e.g. SGLang's): then that one, refused by name
     when the config names another or the engines disagree."""
-    wires = {r.transport for r in rollouts}
+    wires = {r.capabilities.transport for r in rollouts}
     if wires == {None}:
         return CheckpointEngineRegistry.resolve_name(config.backend)
     if len(wires) > 1:
-        kinds = ", ".join(f"{r.name}: {r.transport or 'any'}" for r in rollouts)
+        kinds = ", ".join(f"{r.name}: {r.capabilities.transport or 'any'}" for r in rollouts)
         raise ValueError(f"these engines read different wires ({kinds}); sync each kind through a session of its own")
     wire = next(iter(wires))
     assert wire is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from ckpt_engine.rollout_adapters.capabilities import lacking
 
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.transports.base import CheckpointEngine
@@ -14,5 +15,5 @@ def delta_unsupported(engine: CheckpointEngine, backend: str, rollouts: Sequence
     """Why this group cannot take patch syncs (the backend or engines by name), or None."""
     if not type(engine).supports_delta:
         return f"the {backend} backend does not send patches"
-    missing = [r.name for r in rollouts if not r.supports_delta]
+    missing = lacking(rollouts, "delta")
     return f"engine(s) {', '.join(missing)} do not take patches" if missing else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
+from ckpt_engine.rollout_adapters.capabilities import lacking
 
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
@@ -64,7 +65,7 @@ class ManySenders:
             raise ValueError(f"the controller must be sender 0, this source is sender {source.sender_index}")
         if not CheckpointEngineRegistry.get(self.backend).supports_many_senders:
             raise ValueError(f"the {self.backend} backend has one sender only; use senders=rank0")
-        single = [r.name for r in self.rollouts if not r.supports_many_senders]
+        single = lacking(self.rollouts, "many_senders")
         if single:
             raise ValueError(f"engine(s) {', '.join(single)} take weights from one sender only; use senders=rank0")
         if self._channel is None:

@@ -6,7 +6,7 @@ rank and tensor before anything pauses), cuts the receiver sets (`planning/recei
 plans each set's buckets; all of it is cached while the plan, the plans and the bucket settings
 stay. `send` streams every set through its own group (`pipeline/region_groups.py`), joined once
 per layout and dropped with the weight-sync group. Region delivery is used when some rank states a
-plan and every engine takes regions (`takes_regions`); otherwise every rank receives whole
+plan and every engine takes regions (`capabilities.regions`); otherwise every rank receives whole
 tensors, as before (logged once with the reason). With many senders, trainer rank 0 announces the
 layout to the other senders (`announcement`); each plans the sets alike (`plan_sets`), checks the
 digest and sends its rows of every piece (`sender_tensors`). How many sets stream side by side
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import msgpack
 import torch
+from ckpt_engine.rollout_adapters.capabilities import lacking
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
@@ -163,7 +164,7 @@ class RegionDelivery:
     def _refusal(self, rollouts: Sequence[RolloutAdapter], senders: int, source: WeightSource) -> str | None:
         if senders > 1 and isinstance(source, ShardedWeightSource) and source.collective_pieces:
             return "the source's pieces are collective with TP helpers, which walk them in the whole-tensor plan's order"
-        whole = [r.name for r in rollouts if not r.takes_regions]
+        whole = lacking(rollouts, "regions")
         return f"engine(s) {', '.join(whole)} take no region delivery" if whole else None
 
     def announcement(self) -> dict[str, object] | None:

@@ -5,7 +5,7 @@ only for the swap. `StagePolicy.choose` decides per sync, after validate and bef
 or moves: a patch sync stages its patches; a dense sync (or a delta seed) stages a full copy when
 `stage` is `full`, or `auto` and every engine reports room for it (a rank with a receive plan needs
 room for its slices only); otherwise the sync pauses as today, and the session says why once. A
-sync with receive plans stages only when every engine says it can (`stages_regions`).
+sync with receive plans stages only when every engine says it can (`capabilities.stages_regions`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
+from ckpt_engine.rollout_adapters.capabilities import lacking
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
@@ -53,15 +54,15 @@ class StagePolicy:
         engine short of room raises ValueError (nothing was paused or sent)."""
         if self.mode == "off":
             return None
-        cannot = [r for r in rollouts if not r.stages]
+        cannot = lacking(rollouts, "stages")
         if cannot:
             # An adapter engine pauses nothing (a version installs beside the one requests use): only others are told.
-            pausing = [r.name for r in cannot if r.weights != "adapters"]
+            pausing = [r.name for r in rollouts if r.name in cannot and r.capabilities.weights != "adapters"]
             if pausing:
                 self._say_once(f"checkpoint_engine.stage={self.mode}: engine(s) {', '.join(pausing)} cannot stage a sync; syncs pause for the whole transfer")
             return None
         if regions:  # a sync with receive plans: each engine says whether it stages one
-            cannot = [r.name for r in rollouts if not r.stages_regions]
+            cannot = lacking(rollouts, "stages_regions")
             if cannot:
                 self._say_once(
                     f"checkpoint_engine.stage={self.mode}: engine(s) {', '.join(cannot)} cannot stage a sync with receive plans; "

@@ -17,7 +17,7 @@ __all__ = ["check_weights_mode"]
 
 def check_weights_mode(mode: str, specs: Sequence[TensorSpec], rollouts: Sequence[RolloutAdapter]) -> None:
     """Raise ValueError when the source's tensors or an engine do not match `mode` (full | adapters)."""
-    other = [r.name for r in rollouts if r.weights != mode]
+    other = [r.name for r in rollouts if r.capabilities.weights != mode]
     if other:
         raise ValueError(
             f"checkpoint_engine.weights={mode!r} but engine(s) {', '.join(map(repr, other))} take "

@@ -22,13 +22,14 @@ import datetime
 import logging
 import time
 from collections.abc import Hashable, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.rollout_adapters.sglang import failures
+from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.sources.base import spec_of
 from ckpt_engine.transports.base import Rendezvous
@@ -164,7 +165,7 @@ class SglangRollout(RolloutAdapter):
     the caller's: `close()` leaves it open.
     """
 
-    transport: ClassVar[str | None] = SGLANG_TRANSPORT
+    capabilities = EngineCapabilities(transport=SGLANG_TRANSPORT)
 
     def __init__(self, client: SglangClient, *, expected_specs: Sequence[TensorSpec] | None = None) -> None:
         self.client = client

@@ -26,6 +26,7 @@ from ckpt_engine.manifest import BucketManifest, ManifestBudget
 from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 
 __all__ = ["PAUSE_MODES", "WORKER_EXTENSION", "VllmHandle"]
 
@@ -45,15 +46,12 @@ between two engine steps)."""
 class VllmHandle(RolloutAdapter):
     """What both transports share: one control call per worker method, results from every worker."""
 
-    supports_delta = True  # the worker keeps a base copy, applies patches there, reloads full tensors
-    supports_many_senders = True
-    takes_regions = True  # each worker states the regions its loaders read (receive_plans)
-
-    stages: ClassVar[bool] = True
-    """Staged syncs: workers receive on a background thread while the engine steps; `swap` loads."""
-    stages_regions: ClassVar[bool] = True
-    """Syncs with receive plans stage too: each worker keeps its region items (only its slice
-    bytes, checked against its plan as they land) and the swap assembles and loads them."""
+    capabilities = EngineCapabilities(delta=True, many_senders=True, regions=True, stages=True, stages_regions=True)
+    """Delta: each worker keeps a base copy, applies patches there, reloads full tensors. Regions:
+    each worker states the regions its loaders read (`receive_plans`). Staged: workers receive on a
+    background thread while the engine steps and `swap` loads; with receive plans each worker keeps
+    its region items (only its slice bytes, checked against its plan as they land) and the swap
+    assembles and loads them."""
 
     def __init__(self, name: str, timeout_s: float, staging_limit_bytes: int | None = None) -> None:
         if staging_limit_bytes is not None and (isinstance(staging_limit_bytes, bool) or not isinstance(staging_limit_bytes, int) or staging_limit_bytes < 0):

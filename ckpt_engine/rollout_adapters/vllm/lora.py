@@ -11,8 +11,9 @@ they started with (their `LoRARequest` names it) and finish under it.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
+from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.base import JoinOptions
 from ckpt_engine.rollout_adapters.vllm.rollout import VllmRollout
 from ckpt_engine.transports.base import Rendezvous
@@ -37,14 +38,10 @@ LORA_METHODS = {
 class VllmLoraRollout(VllmRollout):
     """Handle on an `LLM(..., enable_lora=True, worker_extension_cls=WORKER_EXTENSION)` for adapter syncs."""
 
-    weights = "adapters"
-    stages: ClassVar[bool] = False
-    """An adapter sync already installs only at finalize (the received tensors wait in the workers'
-    LoRA stage), so it takes today's order, not the weights' staging."""
-
-    takes_regions: ClassVar[bool] = False
-    """Every worker receives the whole adapter (a few MB), never regions: vLLM's LoRA layers cut each
-    TP rank's slice themselves when the version is installed."""
+    capabilities = EngineCapabilities(delta=True, many_senders=True, weights="adapters")
+    """No staging: an adapter sync already installs only at finalize (the received tensors wait in
+    the workers' LoRA stage). No regions: every worker receives the whole adapter (a few MB); vLLM's
+    LoRA layers cut each TP rank's slice themselves when the version is installed."""
 
     def receive_plans(self) -> list[ReceivePlan | None]:
         """None for every worker (whole tensors); no plan is recorded from the base model's loaders."""

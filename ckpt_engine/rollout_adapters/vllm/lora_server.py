@@ -12,11 +12,11 @@ a request keeps the LoRA id the server gave its name on arrival, so it finishes 
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from ckpt_engine.rollout_adapters.base import JoinOptions
 from ckpt_engine.rollout_adapters.vllm.rollout import VllmServerRollout
-from ckpt_engine.rollout_adapters.vllm.lora import LORA_METHODS
+from ckpt_engine.rollout_adapters.vllm.lora import LORA_METHODS, VllmLoraRollout
 from ckpt_engine.rollout_adapters.vllm.lora_names import ServerLoraNames
 from ckpt_engine.transports.base import Rendezvous
 
@@ -29,11 +29,9 @@ __all__ = ["VllmServerLoraRollout"]
 class VllmServerLoraRollout(VllmServerRollout):
     """Handle on a LoRA-enabled dev-mode `api_server` for adapter syncs; versions are served by name."""
 
-    weights = "adapters"
-    stages: ClassVar[bool] = False
-    takes_regions: ClassVar[bool] = False
-    """Both as `VllmLoraRollout`'s: an adapter installs only at finalize (no staging), and every
-    worker receives the whole adapter (vLLM's LoRA layers cut each TP rank's slice)."""
+    capabilities = VllmLoraRollout.capabilities
+    """As `VllmLoraRollout`'s: an adapter installs only at finalize (no staging), and every worker
+    receives the whole adapter (vLLM's LoRA layers cut each TP rank's slice)."""
 
     def receive_plans(self) -> list[ReceivePlan | None]:
         return [None] * self.world_size  # whole tensors; nothing recorded from the base model's loaders

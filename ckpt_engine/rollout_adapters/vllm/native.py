@@ -34,12 +34,14 @@ from __future__ import annotations
 import base64
 import logging
 import threading
+from dataclasses import replace
 import time
 from collections.abc import Hashable
-from typing import Any, ClassVar
+from typing import Any
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
+from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.rollout_adapters.vllm.clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient, SwapControl
 from ckpt_engine.rollout_adapters.vllm.stage_outcome import Outcomes, clear_outcomes, new_ticket, stop_waiting, wait_outcomes
@@ -67,10 +69,10 @@ class VllmNativeRollout(RolloutAdapter):
     Without `EngineControl` on the client the caller pauses and resets caches itself, and the
     engine cannot report its version (a session then counts from its own)."""
 
-    supports_delta = True  # the workers keep base copies (VllmReceiverCore), as the worker extension does
-    stages: ClassVar[bool] = True
-    """Staged syncs through the phases above (the workers' `vllm/staging.py`); a handle whose client
-    offers no `EngineControl` does not stage (it cannot pause for the swap nor reset the cache)."""
+    capabilities = EngineCapabilities(delta=True, stages=True)
+    """Delta: the workers keep base copies (VllmReceiverCore), as the worker extension does. Staged
+    syncs through the phases above (the workers' `vllm/staging.py`); a handle whose client offers no
+    `EngineControl` does not stage (it cannot pause for the swap nor reset the cache)."""
 
     def __init__(
         self, client: Any, *, name: str = "vllm", num_workers: int = 1, timeout_s: float = 300.0,
@@ -84,8 +86,8 @@ class VllmNativeRollout(RolloutAdapter):
         self.timeout_s = timeout_s
         self.staging_limit_bytes = staging_limit_bytes
         self.control: EngineControl | None = client if isinstance(client, EngineControl) else None
-        if self.control is None:
-            self.stages = False  # type: ignore[misc]  # this handle cannot swap between steps
+        if self.control is None:  # this handle cannot swap between steps
+            self.capabilities = replace(self.capabilities, stages=False)
         self._worker_digest: str | None = None
         self._encoded: bytes | None = None  # the manifest last validated (a re-validation may need it)
         self._open = False  # a vLLM weight update is open (vLLM closes it when update_weights raises)
@@ -219,7 +221,7 @@ class VllmNativeRollout(RolloutAdapter):
         """Receive and load `manifest` (the engine paused; blocks while it streams), or with `stage`
         receive it into the workers' staging on their background threads while the engine keeps
         generating, waiting until every worker reported it whole and checked (then `swap`)."""
-        if stage is not None and (not self.stages or stage not in STAGES):
+        if stage is not None and (not self.capabilities.stages or stage not in STAGES):
             raise ValueError(f"engine {self.name!r}: stage must be one of {', '.join(STAGES)} or None (and the handle able to stage), got {stage!r}")
         t0 = time.perf_counter()
         self._revalidate(manifest)
@@ -274,7 +276,7 @@ class VllmNativeRollout(RolloutAdapter):
     def staging_room(self, nbytes: int) -> bool:
         """Whether every worker can hold a dense staging copy of `nbytes` (within
         `staging_limit_bytes`); a "no" closes vLLM's update (the receive then validates again)."""
-        if not self.stages:
+        if not self.capabilities.stages:
             return False
         try:
             self._phase({"phase": "room", "nbytes": int(nbytes), "limit_bytes": self.staging_limit_bytes})

@@ -14,12 +14,13 @@ controller registers each version by name there, `vllm/lora_names.py`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
 from ckpt_engine.rollout_adapters.vllm.lora_names import ServerLoraNames
 from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
 from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.base import JoinOptions
 
 if TYPE_CHECKING:
@@ -31,9 +32,9 @@ __all__ = ["VllmNativeLoraRollout"]
 class VllmNativeLoraRollout(VllmNativeRollout):
     """One LoRA-enabled vLLM engine through vLLM's weight-transfer API, for adapter syncs."""
 
-    weights = "adapters"
-    stages: ClassVar[bool] = False
-    """An adapter sync already lands beside the serving version (phase `install` makes it newest)."""
+    capabilities = EngineCapabilities(delta=True, weights="adapters")
+    """No staging: an adapter sync already lands beside the serving version (phase `install` makes
+    it newest)."""
 
     def __init__(self, client: Any, *, name: str = "vllm", num_workers: int = 1, max_adapter_versions: int = 2) -> None:
         if isinstance(max_adapter_versions, bool) or not isinstance(max_adapter_versions, int) or max_adapter_versions < 1:
