@@ -31,8 +31,11 @@ case "$part" in
 vllm)
   python3 -c "import vllm" 2>/dev/null || bash bench/vllm_carry.sh install || exit 1
   export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-  timeout "${VLLM_TEST_TIMEOUT:-420}" python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests/test_vllm_cuda.py ${VLLM_TESTS:-} > "$out/vllm_tests.log" 2>&1 &
-  pid=$!; watchdog "${VLLM_HANG_S:-300}" $pid; wait $pid; echo "pytest exit $?"; tail -n 40 "$out/vllm_tests.log"
+  # each failure lands in $out/failures.txt as it happens (bench/pytest_eager.py), and -rA names every outcome
+  EAGER_REPORT=$out/failures.txt timeout "${VLLM_TEST_TIMEOUT:-420}" python -m pytest -v -rA -m gpu -p no:cacheprovider -p bench.pytest_eager \
+    --tb=short tests/test_vllm_cuda.py ${VLLM_TESTS:-} > "$out/vllm_tests.log" 2>&1 &
+  pid=$!; watchdog "${VLLM_HANG_S:-300}" $pid; wait $pid; echo "pytest exit $?"
+  grep -E "(PASSED|FAILED|ERROR|SKIPPED)" "$out/vllm_tests.log" | tail -n 30; [ -f "$out/failures.txt" ] && grep -E "^(E  |====)" "$out/failures.txt" | head -n 40
   if [ -n "${VLLM_FP8:-}" ]; then
     echo "== an FP8 engine (online quantization of bf16) starting"
     timeout 170 python bench/vllm_fp8_start.py > "$out/fp8_start.log" 2>&1 &

@@ -1,0 +1,36 @@
+"""Two processes, one GPU each (default cuda:1 -> cuda:0): one NCCL broadcast of 1 GiB and its
+check, through torch.distributed; says whether the host's NCCL link works at all before any
+engine is involved."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def rank_main(rank: int, devices: list[int], port: int) -> None:
+    torch.cuda.set_device(devices[rank])
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60), device_id=torch.device("cuda", devices[rank]))
+    x = torch.full((1 << 30,), 7 if rank == 0 else 0, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dist.broadcast(x, src=0)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t
+    ok = bool((x == 7).all())
+    print(f"rank {rank} on cuda:{devices[rank]}: ok={ok} 1 GiB in {dt * 1e3:.1f} ms ({(1 << 30) / dt / 1e9:.0f} GB/s)", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    devices = [int(d) for d in (sys.argv[1:] or ["1", "0"])]
+    port = 29000 + os.getpid() % 2000
+    mp.spawn(rank_main, args=(devices, port), nprocs=2, join=True)
