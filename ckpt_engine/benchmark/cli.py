@@ -68,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--profile", default=None, metavar="DIR", help="after timing, trace one more sync with torch.profiler (a Chrome trace per rank in DIR)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument(
+        "--wire-dtype", choices=("fp8",), default=None,
+        help="block-FP8 on the wire (checkpoint_engine.wire_dtype=fp8): the sender quantizes every linear weight inside the timed sync; "
+        "receivers hold the FP8 checkpoint layout (with --receiver-tp: the region bench, --link-mb-s)",
+    )
     p.add_argument("--iters", type=at_least(1), default=3)
     p.add_argument(
         "--modes", default=None,
@@ -299,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.receiver_tp is None and (args.link_mb_s is not None or args.fused_experts or args.region_slot_memory_mb is not None):
         parser.error("--link-mb-s, --fused-experts and --region-slot-memory-mb go with --receiver-tp (the region bench)")
     chain = (args.delta or args.senders > 1) and args.receiver_tp is None
+    if args.wire_dtype is not None and args.receiver_tp is None:
+        parser.error("--wire-dtype fp8 goes with --receiver-tp (the region bench, --link-mb-s); the dense and chain (--delta) benches do not take it yet")
     try:
         if args.receiver_tp is not None:
             from ckpt_engine.benchmark.regions import print_region_summary, run_region_bench

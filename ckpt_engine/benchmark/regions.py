@@ -35,6 +35,9 @@ import torch
 from ckpt_engine.benchmark import paced_link
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.benchmark.rank_exit import collect_results
+from ckpt_engine.fp8.layout import fp8_specs
+from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.sources.fp8 import Fp8WireSource
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.pipeline.region_assembly import RegionAssembly
 from ckpt_engine.pipeline.region_groups import RegionGroups, parallel_sets, receive_regions, send_regions
@@ -64,8 +67,10 @@ def run_region_bench(args: argparse.Namespace, backend: str, device: str, bucket
         "rdzv": rdzv.to_dict(), "preset": args.preset, "layers": args.layers, "dtype": args.dtype, "bucket_mb": bucket_mb,
         "buffers": args.buffers, "iters": args.iters, "receiver_tp": args.receiver_tp, "receivers": args.receivers, "senders": args.senders,
         "device": device, "link_mb_s": args.link_mb_s, "fused_experts": args.fused_experts,
-        "region_slot_memory_mb": args.region_slot_memory_mb,
+        "region_slot_memory_mb": args.region_slot_memory_mb, "wire_dtype": args.wire_dtype,
     }
+    if args.wire_dtype is not None and (args.senders > 1 or args.fused_experts):
+        raise ValueError("--wire-dtype fp8 in the region bench: one sender, experts one tensor each (the library's FP8 wire takes both)")
     if args.link_mb_s is not None and backend != "gloo":
         raise ValueError(f"--link-mb-s emulates links over gloo on CPU; got --backend {backend}")
     if backend == "nccl_handoff" and args.delta:
@@ -84,7 +89,7 @@ def _summarize(results: list[dict[str, Any]], cfg: dict[str, Any], backend: str)
         "preset": cfg["preset"], "layers": cfg["layers"], "dtype": cfg["dtype"], "backend": backend, "senders": cfg["senders"],
         "receivers": cfg["receivers"], "receiver_tp": cfg["receiver_tp"], "bucket_mb": cfg["bucket_mb"], "model_bytes": model,
         "tensors": results[0]["tensors"], "device": cfg["device"], "link_mb_s": cfg["link_mb_s"], "fused_experts": cfg["fused_experts"],
-        "one_receiver_per_set": results[0]["one_receiver_per_set"], "modes": {},
+        "one_receiver_per_set": results[0]["one_receiver_per_set"], "modes": {}, "wire_dtype": cfg.get("wire_dtype"),
         "sets": results[0]["sets"], "parallel_sets": results[0]["parallel_sets"],
     }
     for mode in MODES:
@@ -106,7 +111,7 @@ def print_region_summary(summary: dict[str, Any], console: Console) -> None:
     from rich.table import Table  # the `cli` extra
 
     title = (
-        f"{summary['preset']}: {summary['tensors']} tensors, {summary['model_bytes'] / 1e9:.3f} GB {summary['dtype']}, {summary['backend']}, "
+        f"{summary['preset']}: {summary['tensors']} tensors, {summary['model_bytes'] / 1e9:.3f} GB {summary.get('wire_dtype') or summary['dtype']}, {summary['backend']}, "
         f"{summary['senders']} sender(s) -> {summary['receivers']} receiver ranks as TP={summary['receiver_tp']}"
         + (f", every rank's link {summary['link_mb_s']:g} MB/s" if summary["link_mb_s"] is not None else "")
         + (", experts stacked" if summary["fused_experts"] else "")
@@ -129,6 +134,13 @@ def _fill(spec: TensorSpec, seed: int) -> torch.Tensor:
     return torch.randn(spec.shape, generator=g).to(torch_dtype(spec.dtype))
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bytes compared (torch.equal has no float8 kernel on a CPU)."""
+    if a.dtype == torch.float8_e4m3fn:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
+
+
 def _device(rank: int, senders: int, kind: str) -> torch.device:
     """Sender s on GPU s, receiver r on GPU r (modulo the GPUs): a receiver beside a sender."""
     if kind != "cuda":
@@ -147,7 +159,9 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         paced_link.install(cfg["link_mb_s"])
         backend = paced_link.NAME
     config = load_preset_config(cfg["preset"])
-    specs = checkpoint_specs(config, dtype=cfg["dtype"], num_layers=cfg["layers"])
+    base_specs = checkpoint_specs(config, dtype=cfg["dtype"], num_layers=cfg["layers"])
+    fp8 = cfg.get("wire_dtype") == "fp8"
+    specs = fp8_specs(base_specs) if fp8 else base_specs  # block-FP8: quantized by the sender inside every timed send
     if cfg["fused_experts"]:
         specs = fuse_specs(specs)[0]
     by_name = {s.name: s for s in specs}
@@ -182,19 +196,23 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         groups[mode].join()
         manifests[mode] = {s.index: engine.plan([p.spec for p in s.pieces], num_senders=senders, owners=s.owners(by_name, owners)) for s in lay.sets}
     layout = layouts["regions"]
-    full = {s.name: _fill(s, i).to(device) for i, s in enumerate(specs)}
+    high = {s.name: _fill(s, i).to(device) for i, s in enumerate(base_specs)}
+    full = dict(Fp8WireSource(StateDictSource(high)).iter_weights()) if fp8 else high  # what the receivers must end holding
     receiver = rank - senders
     out: dict[str, Any] = {"rank": rank, "model_bytes": manifest.total_bytes, "tensors": len(specs), "problems": [], "one_receiver_per_set": split}
     out["sets"], out["parallel_sets"] = len(layout.sets), widths["regions"]
     out["seconds"] = {m: [] for m in MODES}
     if receiver < 0:
-        local = dict(full)
+        local = dict(high if fp8 else full)
         for name, shards in (owners or {}).items():
             row = by_name[name].nbytes // by_name[name].shape[0]
             local[name] = next(full[name][sh.start // row : sh.stop // row] for sh in shards if sh.sender == rank)
         shapes = {s.name: s.shape for s in specs}
 
         def walk() -> Any:
+            if fp8:  # one sender: the plan's order is the metadata's; quantized one weight at a time
+                yield from Fp8WireSource(StateDictSource(local)).iter_weights()
+                return
             last = None
             for e in (e for b in manifest.sender_buckets(rank) for e in b.entries):
                 if e.name != last:
@@ -203,8 +221,9 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
         def send(mode: str) -> Any:
             if mode == "full" and not split:
-                return engine.send_weights(manifest, walk(), stable=True)
-            return send_regions(groups[mode], layouts[mode].sets, manifests[mode], local, shapes, owners=owners)
+                return engine.send_weights(manifest, walk(), stable=not fp8)
+            tensors = dict(walk()) if fp8 else local  # region delivery takes every tensor at once (as the library's does)
+            return send_regions(groups[mode], layouts[mode].sets, manifests[mode], tensors, shapes, owners=owners)
 
         run = {m: (lambda m=m: send(m)) for m in MODES}
         out["received"] = {m: 0 for m in MODES}
@@ -250,7 +269,7 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
             if i > 0:
                 out["seconds"][mode].append(time.perf_counter() - t0)
             if receiver >= 0:
-                bad = [n for n, rs in held.items() if not torch.equal(tensors[n], cut_region(full[n], rs[0]))]
+                bad = [n for n, rs in held.items() if not _same_bits(tensors[n], cut_region(full[n], rs[0]))]
                 if bad:
                     out["problems"].append(f"{mode}: {len(bad)} tensors differ (first {bad[0]})")
     for g in groups.values():

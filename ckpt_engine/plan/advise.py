@@ -37,7 +37,10 @@ STATUS: dict[str, str] = {
         "layout), 8 receiver sets side by side (more with checkpoint_engine.region_slot_memory_mb); SGLang receives whole "
         "tensors"
     ),
-    "fp8": "not in ckpt-engine yet (no FP8 wire)",
+    "fp8": (
+        "runs today: checkpoint_engine.wire_dtype=fp8 (block-FP8 quantized on the trainer's GPU, 128 x 128 blocks, float32 "
+        "scales) into engines holding an FP8 checkpoint's layout; tested on the reference receiver (docs/fp8.md)"
+    ),
     "parallel_sets": (
         "runs today: checkpoint_engine.region_slot_memory_mb, the sender's slot memory for receiver sets side by side "
         "(sets = budget // (num_buffers x bucket), at least 1; unset: 8)"

@@ -208,6 +208,8 @@ def predict(setup: SyncSetup, cal: Calibration) -> Prediction:
     export_s = _export_s(setup, cal, senders)
     encode_copy_s = per_sender / _copy_rate(setup, cal, trainer_side=True) if packed else 0.0
     encode_s = encode_copy_s + (m.num_tensors / senders * cal.packed_tensor_s if packed else 0.0)
+    if m.dtype == "fp8":  # the sender quantizes its bf16 weights on its GPU (an upper bound: all of them)
+        encode_s += 2 * dense / senders / (setup.trainer.gpu.hbm_gbs * 1e9 * cal.quantize_eff)
     if delta is not None:  # read new and old weights, write the delta
         encode_copy_s += (2 * dense / senders + per_sender) / (_copy_rate(setup, cal, trainer_side=True) * 2)
         encode_s = encode_copy_s + m.num_tensors / senders * cal.packed_tensor_s

