@@ -190,7 +190,7 @@ def _memory(engine: Any, joined: bool, device: torch.device, state: int) -> dict
 
 
 def _sync_engine(args: argparse.Namespace, device: torch.device, mode: str) -> Any:
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.registry import CheckpointEngineRegistry
 
     kwargs: dict[str, Any] = {}
     if args.backend == "nccl_handoff" and args.device == "cpu":
@@ -225,7 +225,7 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], ou
     import msgpack
     from transformers import AutoConfig
 
-    from ckpt_engine.transports.base import Rendezvous
+    from ckpt_engine.engine import Rendezvous
     from ckpt_engine.manifest import encode_manifest
     from ckpt_engine.sources.sharded import iter_pieces
     from ckpt_engine.trainer.engines.common import hf_model_from_config
@@ -308,7 +308,7 @@ def _receiver_main(rank: int, args: argparse.Namespace, ports: dict[str, int], o
     import msgpack
 
     from ckpt_engine.copies import batched_copy_
-    from ckpt_engine.transports.base import Rendezvous
+    from ckpt_engine.engine import Rendezvous
     from ckpt_engine.manifest import TensorSpec, decode_manifest
 
     ranks = _Ranks(rank, args, ports)

@@ -85,9 +85,9 @@ def _sync_group_barrier(group: Any, device: torch.device) -> None:
 def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], token: str, out_dir: str) -> None:
     from transformers import AutoConfig
 
-    from ckpt_engine.transports.base import Rendezvous
+    from ckpt_engine.engine import Rendezvous
     from ckpt_engine.planning.buckets import plan_buckets
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.registry import CheckpointEngineRegistry
     from ckpt_engine.trainer.engines.common import hf_model_from_config
     from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config, FSDP2TrainEngine
 
@@ -188,9 +188,9 @@ def _trainer_main(rank: int, args: argparse.Namespace, ports: dict[str, int], to
 def _receiver_main(index: int, args: argparse.Namespace, ports: dict[str, int], token: str, out_dir: str) -> None:
     from ckpt_engine.planning.buckets import plan_buckets
     from ckpt_engine.copies import batched_copy_
-    from ckpt_engine.transports.base import Rendezvous
+    from ckpt_engine.engine import Rendezvous
     from ckpt_engine.manifest import TensorSpec
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.registry import CheckpointEngineRegistry
 
     if args.backend == "nccl":
         count = torch.cuda.device_count()

@@ -4,7 +4,7 @@ Public API only; heavy and optional modules (vLLM, SGLang, Megatron, torch_npu) 
 """
 
 from ckpt_engine.config import CheckpointEngineConfig, ConfigError, load_config
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.registry import CheckpointEngineRegistry
 
 __all__ = [
     "CheckpointEngineConfig",

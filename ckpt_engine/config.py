@@ -8,18 +8,14 @@ Hydra users pass them on the command line.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import yaml
-
-if TYPE_CHECKING:
-    from ckpt_engine.transports.base import CheckpointEngine
 
 __all__ = [
     "CheckpointEngineConfig",
@@ -28,7 +24,6 @@ __all__ = [
     "STAGE_MODES",
     "apply_overrides",
     "config_from_mapping",
-    "init_keywords",
     "load_config",
     "load_mapping",
 ]
@@ -49,8 +44,6 @@ _RETIRED_KEYS = {
 """Keys of `checkpoint_engine` (and of every backend's engine_kwargs) refused by name, with why."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest wait a config may ask for (a week): longer ones overflow the timers that enforce it."""
-_SET_BY_THE_SESSION = ("bucket_size_bytes", "num_buffers", "timeout_s", "verify")
-"""Backend constructor arguments that come from the config's own fields, not from engine_kwargs."""
 
 
 class ConfigError(ValueError):
@@ -123,7 +116,7 @@ class CheckpointEngineConfig:
         _check_type("checkpoint_engine.backend", self.backend, str)
         if not self.backend:
             raise ConfigError("checkpoint_engine.backend must be 'auto' or a registered backend name, got ''")
-        from ckpt_engine.transports.registry import CheckpointEngineRegistry
+        from ckpt_engine.registry import CheckpointEngineRegistry
 
         known = CheckpointEngineRegistry.names()
         if self.backend != "auto" and self.backend not in known:
@@ -188,7 +181,7 @@ class CheckpointEngineConfig:
         if self.bucket_size_bytes is None:
             return  # sized from free memory at the first sync
         if device is None:
-            from ckpt_engine.transports.registry import CheckpointEngineRegistry
+            from ckpt_engine.registry import CheckpointEngineRegistry
 
             try:
                 device = "cuda" if CheckpointEngineRegistry.resolve_name(self.backend) == "nccl" else "cpu"
@@ -236,80 +229,22 @@ def _refuse_retired(where: str, keys: Any) -> None:
         raise ConfigError(f"{where}.{retired[0]} was retired: {_RETIRED_KEYS[retired[0]]}")
 
 
-def init_keywords(cls: type) -> set[str] | None:
-    """Keyword names a backend's constructor accepts, following `**kwargs` to its parents (None: any)."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if klass is object:
-            return None  # **kwargs all the way up: the backend takes anything
-        if "__init__" not in vars(klass):
-            continue
-        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
-        names |= {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name != "self"}
-        if not any(p.kind is p.VAR_KEYWORD for p in params):
-            return names
-    return names
-
-
 def _check_engine_kwargs(backend: str, kwargs: dict[str, Any], known: list[str]) -> None:
-    """Unknown options are refused now, not at the first sync (where they fail after engines paused)."""
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    """Unknown options and bad values are refused now, not at the first sync (where they fail after
+    engines paused): each transport's options are a typed dataclass that checks its values."""
+    from ckpt_engine.registry import BackendUnavailableError, CheckpointEngineRegistry
 
     where = f"checkpoint_engine.engine_kwargs.{backend}"
     if backend not in known:
         raise ConfigError(f"{where}: {backend!r} is not a backend; allowed: {', '.join(known)}")
     _refuse_retired(where, kwargs)
     try:
-        cls = CheckpointEngineRegistry.get(backend)
-    except Exception:  # not importable here (e.g. hccl without torch_npu): checked where it runs
+        CheckpointEngineRegistry.check_options(backend, kwargs)
+    except BackendUnavailableError:  # not importable here (e.g. hccl without torch_npu): checked where it runs
         return
-    allowed = init_keywords(cls)
-    if allowed is None:
-        return
-    allowed -= set(_SET_BY_THE_SESSION)
-    unknown = sorted(set(kwargs) - allowed)
-    if unknown:
-        raise ConfigError(f"{where}: unknown option(s) {', '.join(unknown)}; allowed: {', '.join(sorted(allowed))}")
-    _check_option_values(where, backend, cls, kwargs)
-
-
-def _is_count(value: Any, least: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= least
-
-
-_OPTION_RULES: dict[str, tuple[Any, str]] = {
-    "solo_bytes": (lambda v: _is_count(v, 0), "an int >= 0 (0: never)"),
-    "group_max_tensors": (lambda v: _is_count(v, 0), "an int >= 0 (0: never)"),
-    "num_lanes": (lambda v: _is_count(v, 1), "an int >= 1"),
-    "delta_scatter_below": (
-        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 0.5, "a fraction in (0, 0.5]"
-    ),
-    "high_priority": (lambda v: isinstance(v, bool), "true or false"),
-    "local_senders": (
-        lambda v: isinstance(v, (list, tuple)) and all(_is_count(s, 0) for s in v) and len(set(v)) == len(v),
-        "a list of distinct sender ranks (ints >= 0)",
-    ),
-}
-"""The values the pipelined backends check in their constructors, which run only at the first
-sync (after engines were asked to join): checked here too, so a bad value is refused at load."""
-
-
-def _check_option_values(where: str, backend: str, cls: type[CheckpointEngine], kwargs: dict[str, Any]) -> None:
-    for name, (ok, what) in _OPTION_RULES.items():
-        if kwargs.get(name) is not None and not ok(kwargs[name]):
-            raise ConfigError(f"{where}.{name} must be {what}, got {kwargs[name]!r}")
-    device = kwargs.get("device")
-    if device is None:
-        return
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ConfigError(f"{where}.device must be a device such as 'cpu', 'cuda:0' or an index, got {device!r}") from None
-    kind = cls.device_type
-    if backend in ("gloo", "nccl", "hccl") and kind is not None and parsed.type != kind:
-        raise ConfigError(f"{where}.device: the {backend} backend moves {kind} tensors, got device={device!r}")
+    except (TypeError, ValueError) as exc:
+        sep = ": " if str(exc).startswith("unknown option") else "."
+        raise ConfigError(f"{where}{sep}{exc}") from None
 
 
 def _free_bytes(device: str) -> int | None:

@@ -59,10 +59,10 @@ def killed_sender_main() -> None:
 
     from ckpt_engine import WeightSyncSession
     from ckpt_engine.sources.base import StateDictSource
-    from ckpt_engine.transports.gloo import GlooCheckpointEngine
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from tamper import GlooEngine
+    from ckpt_engine.registry import CheckpointEngineRegistry
 
-    class Dying(GlooCheckpointEngine):
+    class Dying(GlooEngine):
         def _tamper_hook(self, bucket_index: int, message: torch.Tensor) -> None:
             if _DiesMidStream.armed:
                 _DiesMidStream.frames += 1

@@ -6,10 +6,10 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.ownership import row_shards
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.sources.base import spec_of
 from roundtrip import mixed_state, same_bits

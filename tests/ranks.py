@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.engine import Rendezvous
 from ckpt_engine.processes import run_processes
 
 

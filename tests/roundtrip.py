@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.transports.base import Rendezvous
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.engine import Rendezvous
+from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sources.base import StateDictSource
 
 

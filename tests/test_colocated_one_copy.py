@@ -13,8 +13,8 @@ from ranks import run_ranks
 from roundtrip import mixed_state, same_bits
 
 from ckpt_engine.sources.base import StateDictSource
-from ckpt_engine.transports.base import Rendezvous, TransferError
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.engine import Rendezvous, TransferError
+from ckpt_engine.registry import CheckpointEngineRegistry
 
 # Per sync: (what the sender offers, whether the receiver passes destinations).
 # "shared": its own tensors, mapped; "moved": one tensor replaced (new handles); "unstable": the

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from ckpt_engine.transports.base import Rendezvous
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.engine import Rendezvous
+from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sources.sharded import ShardedStateDictSource, iter_pieces
 from ckpt_engine.sources.base import WatchedWeights
 from ranks import run_ranks

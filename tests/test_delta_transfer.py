@@ -66,10 +66,10 @@ def test_a_wider_scatter_limit_diffs_busy_buckets_in_one_pass() -> None:
 
 @pytest.mark.parametrize("bad", [0, 0.75, True, "0.1", -0.1])
 def test_the_scatter_limit_is_checked(bad: object) -> None:
-    from ckpt_engine.transports.gloo import GlooCheckpointEngine
+    from tamper import GlooEngine
 
     with pytest.raises(ValueError, match="delta_scatter_below"):
-        GlooCheckpointEngine(bucket_size_bytes=1 << 20, delta_scatter_below=bad)
+        GlooEngine(bucket_size_bytes=1 << 20, delta_scatter_below=bad)
 
 
 @pytest.mark.parametrize("senders", [1, 2])

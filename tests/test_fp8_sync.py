@@ -15,7 +15,7 @@ from ckpt_engine.fp8 import fp8_specs, quantize_block_fp8, quantizes
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
-from ckpt_engine.transports.gloo import GlooCheckpointEngine
+from tamper import GlooEngine
 from refengines import serving, spawn_engine
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=30, wire_dtype="fp8", verify=True)
@@ -103,7 +103,7 @@ def test_a_layout_the_engine_does_not_hold_is_refused_before_anything_pauses(eng
     assert same_bytes(engine.get_tensor("model.layers.0.mlp.down_proj.weight_scale_inv"), held)
 
 
-class _FlipAScale(GlooCheckpointEngine):
+class _FlipAScale(GlooEngine):
     """Flips one byte of the bucket holding the first scale tensor, after its checksum was computed."""
 
     target: int | None = None

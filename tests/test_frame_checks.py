@@ -18,7 +18,7 @@ from ckpt_engine.sync.report import SyncReport
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.api import close_sessions
-from ckpt_engine.transports.gloo import GlooCheckpointEngine
+from tamper import GlooEngine
 from multisender import model_state, wire
 from refengines import holds, spawn_engine
 
@@ -30,7 +30,7 @@ def version(v: int, lr: float = 1e-5, seed: int = 0) -> dict[str, torch.Tensor]:
     return wire(model_state(v, lr=lr, base_seed=seed))
 
 
-class _Lying(GlooCheckpointEngine):
+class _Lying(GlooEngine):
     """Once armed, announces the first frame of kind `kind` `by` bytes off its real size."""
 
     kind = PATCH
@@ -86,7 +86,7 @@ def test_a_frame_that_misstates_its_payload_fails_the_sync_and_the_next_heals(en
             session.close()
 
 
-class _Corrupting(GlooCheckpointEngine):
+class _Corrupting(GlooEngine):
     """Once armed, corrupts the size word of the first sealed frame header of kind `kind` by `by`
     bytes; the payload still leaves at its real size (a header corrupted on its own)."""
 

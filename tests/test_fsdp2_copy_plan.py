@@ -46,7 +46,7 @@ def _change(engine: Any, sync: int) -> None:
 
 
 def _trainer(rank: int, rdzv: Any) -> dict[str, Any]:
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.registry import CheckpointEngineRegistry
     from ckpt_engine.sources.sharded import iter_pieces
     from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config, FSDP2TrainEngine
 
@@ -73,7 +73,7 @@ def _trainer(rank: int, rdzv: Any) -> dict[str, Any]:
 
 def _receiver(rank: int, rdzv: Any) -> dict[str, Any]:
     from ckpt_engine.manifest import decode_manifest
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.registry import CheckpointEngineRegistry
 
     dist.new_group(list(range(TRAINERS)))  # new_group is collective over every process
     store = rdzv.connect_store()
@@ -89,14 +89,14 @@ def _receiver(rank: int, rdzv: Any) -> dict[str, Any]:
 
 
 def _worker(rank: int, world_size: int, rdzv: dict[str, Any]) -> dict[str, Any]:
-    from ckpt_engine.transports.base import Rendezvous
+    from ckpt_engine.engine import Rendezvous
 
     r = Rendezvous.from_dict(rdzv)
     return _trainer(rank, r) if rank < TRAINERS else _receiver(rank, r)
 
 
 def test_fsdp2_senders_replay_their_plan_and_rebuild_it_when_shards_move() -> None:
-    from ckpt_engine.transports.base import Rendezvous
+    from ckpt_engine.engine import Rendezvous
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
     rdzv = Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, TRAINERS + 1, "nccl_handoff", 60.0, TRAINERS).to_dict()

@@ -150,7 +150,7 @@ def _trainer(rank: int, senders: int, group: dist.ProcessGroup, rdzv: Any, tie: 
     from torch.distributed.tensor import DTensor
 
     from ckpt_engine.manifest import encode_manifest
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.registry import CheckpointEngineRegistry
     from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
     from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config, FSDP2TrainEngine
 
@@ -205,7 +205,7 @@ def _trainer(rank: int, senders: int, group: dist.ProcessGroup, rdzv: Any, tie: 
 
 def _receiver(rank: int, rdzv: Any) -> dict[str, Any]:
     from ckpt_engine.manifest import decode_manifest
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.registry import CheckpointEngineRegistry
 
     store = rdzv.connect_store()
     store.wait(["manifest"], datetime.timedelta(seconds=rdzv.timeout_s))
@@ -220,7 +220,7 @@ def _receiver(rank: int, rdzv: Any) -> dict[str, Any]:
 
 
 def _worker(rank: int, world_size: int, rdzvs: list[dict[str, Any]]) -> dict[str, Any]:
-    from ckpt_engine.transports.base import Rendezvous
+    from ckpt_engine.engine import Rendezvous
 
     groups = [dist.new_group(list(range(n))) for n in GROUPS]  # collective over every process
     result: dict[str, Any] = {}
@@ -240,7 +240,7 @@ def _worker(rank: int, world_size: int, rdzvs: list[dict[str, Any]]) -> dict[str
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
-    from ckpt_engine.transports.base import Rendezvous
+    from ckpt_engine.engine import Rendezvous
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
     rdzvs = [Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, n + 1, "gloo", 60.0, n).to_dict() for n in GROUPS]

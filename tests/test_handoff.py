@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.planning.ownership import row_shards
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sources.base import spec_of
 from multisender import even_rows, model_state, wire
 from ranks import run_ranks
@@ -69,13 +69,13 @@ def _handoff_rank(
     except ValueError as exc:
         return {"join_error": str(exc)}
     senders = rdzv.num_senders
-    out: dict[str, Any] = {"local": engine.local_senders, "gids": sorted(engine.transport.groups), "bad": [], "errors": [], "delta_refused": [], "how": how}
+    out: dict[str, Any] = {"local": engine.transport.local_senders, "gids": sorted(engine.transport.groups), "bad": [], "errors": [], "delta_refused": [], "how": how}
     for version in range(versions):
         full = {k: v.to(dev) for k, v in wire(model_state(version, lr=1e-3)).items()}
         specs = [spec_of(n, t) for n, t in full.items()]
         owners = {s.name: row_shards(s, even_rows(s.shape[0], senders)) for s in specs if len(s.shape) >= 2}
         manifest = engine.plan(specs, num_senders=senders, owners=owners)
-        if try_delta and version == 1 and engine.local_senders:
+        if try_delta and version == 1 and engine.transport.local_senders:
             try:
                 if rank < senders:
                     engine.send_weights(manifest, _pieces(manifest, rank, full), delta=DeltaRequest(False, None, 7))
@@ -150,7 +150,7 @@ def test_bad_options_are_refused_by_name() -> None:
     from ckpt_engine.transports.gloo import GlooTransport
 
     engine = CheckpointEngineRegistry.new("nccl_handoff", bucket_size_bytes=4096, device="cpu")
-    assert isinstance(engine.transport.remote, GlooTransport) and engine.local_senders == []  # CPU: gloo for remote senders
+    assert isinstance(engine.transport.remote, GlooTransport) and engine.transport.local_senders == []  # CPU: gloo for remote senders
     for bad in ([-1], [1, 1], "1", [True]):
         with pytest.raises(ValueError, match="local_senders must be a list of distinct sender ranks"):
             CheckpointEngineRegistry.new("nccl_handoff", bucket_size_bytes=4096, device="cpu", local_senders=bad)

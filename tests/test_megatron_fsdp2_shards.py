@@ -191,7 +191,7 @@ def _trainer_phase(rank: int, group: dist.ProcessGroup, rdzv: Any, phase: str) -
     from test_fsdp2_shards import GatherCounter
 
     from ckpt_engine.manifest import encode_manifest
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.registry import CheckpointEngineRegistry
     from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
     from ckpt_engine.sync.many_senders import wants_many_senders
 
@@ -235,7 +235,7 @@ def _trainer_phase(rank: int, group: dist.ProcessGroup, rdzv: Any, phase: str) -
 
 def _receiver_phase(rdzv: Any, phase: str) -> dict[str, Any]:
     from ckpt_engine.manifest import decode_manifest
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.registry import CheckpointEngineRegistry
 
     store = rdzv.connect_store()
     store.wait(["manifest"], datetime.timedelta(seconds=rdzv.timeout_s))
@@ -250,7 +250,7 @@ def _receiver_phase(rdzv: Any, phase: str) -> dict[str, Any]:
 
 
 def _gpu_worker(rank: int, world_size: int, rdzvs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    from ckpt_engine.transports.base import Rendezvous
+    from ckpt_engine.engine import Rendezvous
 
     if rank < TRAINERS:
         torch.cuda.set_device(rank)
@@ -269,7 +269,7 @@ def _gpu_worker(rank: int, world_size: int, rdzvs: dict[str, dict[str, Any]]) ->
 def gpu_runs() -> list[dict[str, Any]]:
     if not torch.cuda.is_available() or torch.cuda.device_count() < TRAINERS:
         pytest.skip(f"needs {TRAINERS} GPUs")
-    from ckpt_engine.transports.base import Rendezvous
+    from ckpt_engine.engine import Rendezvous
     from ckpt_engine.trainer.engines.megatron_fsdp2 import megatron_fsdp2_available
 
     ok, why = megatron_fsdp2_available()

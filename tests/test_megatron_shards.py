@@ -64,7 +64,7 @@ def _sharded_run(rank: int, layout: str, rdzv: Any, cfg: Any, sd: dict[str, torc
     from megatron.core import parallel_state as ps
 
     from ckpt_engine.manifest import encode_manifest
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.registry import CheckpointEngineRegistry
     from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
     from ckpt_engine.trainer.engines.megatron import MegatronConfig, MegatronTrainEngine
     from tests.test_fsdp2_shards import GatherCounter
@@ -152,7 +152,7 @@ def _synced_through_the_session(rank: int, cfg: Any, sd: dict[str, torch.Tensor]
 
 
 def _worker(rank: int, world_size: int, rdzvs: dict[str, dict[str, Any]], engine_info: dict[str, Any]) -> dict[str, Any]:
-    from ckpt_engine.transports.base import Rendezvous
+    from ckpt_engine.engine import Rendezvous
 
     cfg, sd = _trained_state()
     result: dict[str, Any] = {"tensors": {}}
@@ -171,7 +171,7 @@ def _receive(rdzvs: dict[str, Any], got: dict[str, torch.Tensor], errors: list[s
     manifest as long as the trainer ranks may run (`wait_s`): on a loaded 2-core box, starting
     Megatron in four processes took longer than the group's own 60 s timeout."""
     from ckpt_engine.manifest import decode_manifest
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.registry import CheckpointEngineRegistry
 
     try:
         for layout, rdzv in rdzvs.items():
@@ -224,7 +224,7 @@ def _run_into_reference(
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
-    from ckpt_engine.transports.base import Rendezvous
+    from ckpt_engine.engine import Rendezvous
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
     rdzvs = {layout: Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, 3, "gloo", 60.0, 2) for layout in LAYOUTS}

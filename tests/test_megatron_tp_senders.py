@@ -44,7 +44,7 @@ def _tp_engine_path(rank: int, engine: Any, rdzv: Any) -> dict[str, Any]:
     """Senders send their stage's TP-gathered tensors into the receiver thread; helpers walk the
     same gathers (`assist_piece`). Counters on the TP group around the pieces and the send."""
     from ckpt_engine.manifest import encode_manifest
-    from ckpt_engine.transports.registry import CheckpointEngineRegistry
+    from ckpt_engine.registry import CheckpointEngineRegistry
     from ckpt_engine.sync.sender_follower import finish_walk
     from ckpt_engine.sources.sharded import iter_pieces
     from tests.test_fsdp2_shards import GatherCounter
@@ -126,7 +126,7 @@ def _tp_session_path(rank: int, engine: Any, info: dict[str, Any]) -> dict[str, 
 def _tp_worker(rank: int, world_size: int, rdzv: dict[str, Any], engine_info: dict[str, Any]) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
-    from ckpt_engine.transports.base import Rendezvous
+    from ckpt_engine.engine import Rendezvous
     from ckpt_engine.trainer.engines.megatron import MegatronConfig, MegatronTrainEngine
     from ckpt_engine.sources.megatron_groups import MegatronGroups
     from ckpt_engine.sources.megatron import sharded_refusal
@@ -148,7 +148,7 @@ def _tp_worker(rank: int, world_size: int, rdzv: dict[str, Any], engine_info: di
 
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
-    from ckpt_engine.transports.base import Rendezvous
+    from ckpt_engine.engine import Rendezvous
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
     rdzv = Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, 3, "gloo", 60.0, 2)  # 2 senders + the receiver

@@ -12,7 +12,7 @@ from ckpt_engine.pipeline import piece_reader
 from ckpt_engine.pipeline.piece_reader import PieceReader
 from ckpt_engine.pipeline.schedule import Schedule
 from ckpt_engine.planning.buckets import plan_buckets
-from ckpt_engine.transports.base import SendStats
+from ckpt_engine.engine import SendStats
 from ckpt_engine.manifest import TensorSpec
 
 _SHAPES = {"a.weight": (8, 4), "b.bias": (4,), "c.weight": (4, 4)}

@@ -13,15 +13,15 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.pipeline.region_assembly import RegionAssembly
 from ckpt_engine.pipeline.region_groups import RegionGroups, receive_regions, send_regions
 from ckpt_engine.planning.receive_sets import cut_region
-from ckpt_engine.transports.base import Rendezvous, TransferError
-from ckpt_engine.transports.gloo import GlooCheckpointEngine
+from ckpt_engine.engine import Rendezvous, TransferError
+from tamper import GlooEngine
 from ranks import run_ranks
 from regionranks import layout, moe_specs, owners, qwen2_specs, weights
 
 BUCKET = 16 << 10  # small buckets: the larger pieces split over several
 
 
-class _Tampered(GlooCheckpointEngine):
+class _Tampered(GlooEngine):
     """Flips one bit of a patch frame of the third sync."""
 
     syncs = 0
@@ -36,14 +36,14 @@ def _rank(rank: int, rdzv: Rendezvous, kind: str, senders: int, receivers: int, 
     by_name = {s.name: s for s in specs}
     lay = layout(kind, specs, receivers)
     own = owners(specs, senders)
-    engines: list[GlooCheckpointEngine] = []
+    engines: list[GlooEngine] = []
 
-    def make() -> GlooCheckpointEngine:
-        cls = _Tampered if corrupt and rank == 0 else GlooCheckpointEngine
+    def make() -> GlooEngine:
+        cls = _Tampered if corrupt and rank == 0 else GlooEngine
         engines.append(cls(bucket_size_bytes=BUCKET, timeout_s=30, solo_bytes=0))
         return engines[-1]
 
-    planner = GlooCheckpointEngine(bucket_size_bytes=BUCKET, timeout_s=30, solo_bytes=0)
+    planner = GlooEngine(bucket_size_bytes=BUCKET, timeout_s=30, solo_bytes=0)
     manifests = {s.index: planner.plan([p.spec for p in s.pieces], num_senders=senders, owners=s.owners(by_name, own)) for s in lay.sets}
     groups = RegionGroups(rdzv, rank, lay.digest, [(s.index, s.members) for s in lay.sets], make)
     groups.join()

@@ -28,7 +28,7 @@ from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.registry import CheckpointEngineRegistry
 from helpers_procs import free_port
 from ranks import forkserver_context
 from refengines import same_bits, spawn_engine

@@ -26,8 +26,8 @@ from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.processes import run_processes
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.sharded import ShardedStateDictSource
-from ckpt_engine.transports.base import Rendezvous
-from ckpt_engine.transports.gloo import GlooCheckpointEngine
+from ckpt_engine.engine import Rendezvous
+from tamper import GlooEngine
 from helpers_procs import free_port
 from ranks import forkserver_context, run_ranks
 from refengines import same_bits, spawn_engine
@@ -95,13 +95,13 @@ def _rank(rank: int, rdzv: Rendezvous, budget: int) -> dict[str, Any]:
     specs = qwen2_specs(1)
     by_name = {s.name: s for s in specs}
     lay = layout("tp", specs, RECEIVERS)
-    engines: list[GlooCheckpointEngine] = []
+    engines: list[GlooEngine] = []
 
-    def make() -> GlooCheckpointEngine:
-        engines.append(GlooCheckpointEngine(bucket_size_bytes=BUCKET, num_buffers=2, timeout_s=60, solo_bytes=0))
+    def make() -> GlooEngine:
+        engines.append(GlooEngine(bucket_size_bytes=BUCKET, num_buffers=2, timeout_s=60, solo_bytes=0))
         return engines[-1]
 
-    planner = GlooCheckpointEngine(bucket_size_bytes=BUCKET, timeout_s=60, solo_bytes=0)
+    planner = GlooEngine(bucket_size_bytes=BUCKET, timeout_s=60, solo_bytes=0)
     manifests = {s.index: planner.plan([p.spec for p in s.pieces]) for s in lay.sets}
     width = parallel_sets(budget, 2, BUCKET, len(lay.sets))
     groups = RegionGroups(rdzv, rank, lay.digest, [(s.index, s.members) for s in lay.sets], make, width=width)

@@ -1,4 +1,5 @@
-"""CheckpointEngineRegistry: lazy built-ins, decorator, entry points, `auto`, clean refusals."""
+"""CheckpointEngineRegistry: lazy built-ins, decorator, entry points, `auto`, clean refusals; a name
+maps to a transport, which `new` runs under the pipelined engine (no engine class per transport)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_engine.transports.gloo import GlooCheckpointEngine
-from ckpt_engine.transports.registry import BackendUnavailableError, CheckpointEngineRegistry
+from ckpt_engine.pipeline.engine import PipelinedEngine
+from ckpt_engine.registry import BackendUnavailableError, CheckpointEngineRegistry
+from ckpt_engine.transports.gloo import GlooTransport
 
 
 def test_import_is_lazy() -> None:
@@ -24,9 +26,11 @@ def test_builtins_and_auto_on_cpu() -> None:
     assert CheckpointEngineRegistry.resolve_name("auto", "cpu") == "gloo"
     assert CheckpointEngineRegistry.resolve_name("auto", "cuda") == "nccl"
     assert CheckpointEngineRegistry.resolve_name("auto", "npu") == "hccl"
-    assert CheckpointEngineRegistry.get("gloo") is GlooCheckpointEngine
+    assert CheckpointEngineRegistry.get("gloo") is GlooTransport
     engine = CheckpointEngineRegistry.new("gloo", bucket_size_bytes=4096)
-    assert isinstance(engine, GlooCheckpointEngine) and engine.num_buffers == 2
+    assert isinstance(engine, PipelinedEngine) and isinstance(engine.transport, GlooTransport) and engine.num_buffers == 2
+    with pytest.raises(ValueError, match=r"unknown option\(s\) high_priority; allowed: .*delta_scatter_below.*device.*solo_bytes"):
+        CheckpointEngineRegistry.new("gloo", bucket_size_bytes=4096, high_priority=False)  # nccl's, not gloo's
 
 
 def test_unknown_name_lists_known_backends() -> None:
@@ -61,13 +65,13 @@ def test_nccl_refuses_without_cuda() -> None:
 
 def test_register_decorator_and_duplicates() -> None:
     @CheckpointEngineRegistry.register("test_gloo_copy")
-    class Copy(GlooCheckpointEngine):
+    class Copy(GlooTransport):
         pass
 
     assert CheckpointEngineRegistry.get("test_gloo_copy") is Copy
     CheckpointEngineRegistry.add("test_gloo_copy", Copy)  # same class again: fine
     with pytest.raises(ValueError, match="already registered"):
-        CheckpointEngineRegistry.add("test_gloo_copy", GlooCheckpointEngine)
+        CheckpointEngineRegistry.add("test_gloo_copy", GlooTransport)
     with pytest.raises(ValueError, match="other than 'auto'"):
         CheckpointEngineRegistry.add("auto", Copy)
 
@@ -75,7 +79,7 @@ def test_register_decorator_and_duplicates() -> None:
 def test_entry_point_backends(tmp_path: Path) -> None:
     """A third-party package declaring `ckpt_engine.backends` is found without being imported first."""
     pkg = tmp_path / "thirdparty_backend.py"
-    pkg.write_text("from ckpt_engine.transports.gloo import GlooCheckpointEngine\nclass Mine(GlooCheckpointEngine):\n    pass\n")
+    pkg.write_text("from ckpt_engine.transports.gloo import GlooTransport\nclass Mine(GlooTransport):\n    name = 'mine'\n")
     dist = tmp_path / "thirdparty_backend-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-backend\nVersion: 1.0\n")
@@ -83,12 +87,12 @@ def test_entry_point_backends(tmp_path: Path) -> None:
     code = textwrap.dedent(
         f"""
         import sys; sys.path.insert(0, {str(tmp_path)!r})
-        from ckpt_engine.transports.registry import CheckpointEngineRegistry as R
+        from ckpt_engine.registry import CheckpointEngineRegistry as R
         assert 'mine' in R.names(), R.names()
         assert 'thirdparty_backend' not in sys.modules
-        print(R.get('mine').__name__)
+        print(R.get('mine').__name__, R.new('mine', bucket_size_bytes=4096).name)
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "Mine"
+    assert out.stdout.strip() == "Mine mine"

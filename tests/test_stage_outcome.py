@@ -21,7 +21,7 @@ from ckpt_engine.rollout_adapters.vllm.stage_outcome import (
     Outcomes, check_ticket, clear_outcomes, new_ticket, outcome_key, report_outcome, stop_waiting, wait_outcomes,
 )
 from ckpt_engine.rollout_adapters.vllm.staging import StagedReceive, Staging
-from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.engine import Rendezvous
 
 _MASTERS: dict[int, torch.distributed.TCPStore] = {}
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession, sync_rollout_weights
-from ckpt_engine.transports.gloo import GlooCheckpointEngine
+from tamper import GlooEngine
 from ckpt_engine import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sync.api import cached_session, close_sessions
@@ -175,7 +175,7 @@ def test_non_sender_ranks_only_walk_the_source() -> None:
     assert src.walked == len(src.inner.weights)
 
 
-class _CorruptingGloo(GlooCheckpointEngine):
+class _CorruptingGloo(GlooEngine):
     """Flips one byte of bucket 1 after its checksum is computed (a link corrupting data)."""
 
     def _tamper_hook(self, bucket_index: int, message: torch.Tensor) -> None:

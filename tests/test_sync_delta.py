@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
-from ckpt_engine.transports.gloo import GlooCheckpointEngine
+from tamper import GlooEngine
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sync.api import close_sessions
 from ckpt_engine.sources.base import StateDictSource
@@ -124,7 +124,7 @@ def _sparse_version(v: int, words: int, changed: float) -> dict[str, torch.Tenso
     return {f"w{i}": t.view(torch.bfloat16).reshape(-1, 256).clone() for i, t in enumerate(w.chunk(16))}
 
 
-class _SlowLink(GlooCheckpointEngine):
+class _SlowLink(GlooEngine):
     """gloo over a link of LINK_BYTES_S: every message waits its bytes' time before it goes (a
     slow network, where sending fewer bytes pays for the codec)."""
 

@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import VllmRollout  # noqa: E402
 from ckpt_engine.sources.base import StateDictSource  # noqa: E402
-from ckpt_engine.transports.registry import CheckpointEngineRegistry  # noqa: E402
+from ckpt_engine.registry import CheckpointEngineRegistry  # noqa: E402
 from test_vllm_adapter import PROMPTS, hf_greedy  # noqa: E402
 from tamper import FlipOnce  # noqa: E402
 from test_vllm_regions import checkpoint_weights, llm_greedy, make_model  # noqa: E402

@@ -30,8 +30,8 @@ from ckpt_engine.benchmark.versions import AdamWChain, FileVersions, MemoryVersi
 from ckpt_engine.benchmark.worker import weights_checksum
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.transports.base import Rendezvous
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.engine import Rendezvous
+from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sources.sharded import ShardedStateDictSource, iter_pieces
 
 logger = logging.getLogger(__name__)

@@ -28,10 +28,9 @@ from ckpt_engine.benchmark.presets import PRESETS, checkpoint_specs, load_preset
 from ckpt_engine.benchmark.rank_exit import RankDied, collect_results
 from ckpt_engine.benchmark.raw_link import raw_meaning, raw_message_bytes
 from ckpt_engine.cli_args import OneLineParser, above_zero, at_least, seconds
-from ckpt_engine.config import init_keywords
+from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sync.report import RATIO_MEANING
-from ckpt_engine.transports.colocated import ColocatedCheckpointEngine
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.transports.colocated import ColocatedTransport
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -122,7 +121,7 @@ def parse_engine_kwargs(text: str) -> dict[str, Any]:
 
 
 def is_colocated(backend: str) -> bool:
-    return issubclass(CheckpointEngineRegistry.get(backend), ColocatedCheckpointEngine)
+    return issubclass(CheckpointEngineRegistry.get(backend), ColocatedTransport)
 
 
 def resolve_modes(args: argparse.Namespace, backend: str) -> str:
@@ -145,13 +144,13 @@ def resolve_modes(args: argparse.Namespace, backend: str) -> str:
 def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str, Any]:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     backend = CheckpointEngineRegistry.resolve_name(args.backend, device)
-    engine_cls = CheckpointEngineRegistry.get(backend)  # fail early, with the list of backends
+    CheckpointEngineRegistry.get(backend)  # fail early, with the list of backends
     args.modes = resolve_modes(args, backend)
     if args.engine_kwargs is not None:
-        allowed = init_keywords(engine_cls)
-        unknown = sorted(set(parse_engine_kwargs(args.engine_kwargs)) - allowed) if allowed is not None else []
-        if unknown:
-            raise ValueError(f"--engine-kwargs: {backend} takes no option(s) {', '.join(unknown)}")
+        try:
+            CheckpointEngineRegistry.check_options(backend, parse_engine_kwargs(args.engine_kwargs))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"--engine-kwargs: {backend}: {exc}") from None
     bucket_mb = args.bucket_mb if args.bucket_mb is not None else default_bucket_mb(args, device)
     world = args.receivers + 1
     store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=args.timeout_s))

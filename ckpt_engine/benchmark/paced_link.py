@@ -19,11 +19,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ckpt_engine.transports.gloo import GlooCheckpointEngine, GlooTransport
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
-from ckpt_engine.transports.transport import Transport
+from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.transports.gloo import GlooTransport
 
-__all__ = ["NAME", "LinkPacer", "PacedGlooEngine", "install"]
+__all__ = ["NAME", "LinkPacer", "PacedGlooTransport", "install"]
 
 NAME = "gloo_paced"
 
@@ -83,24 +82,18 @@ class PacedGlooTransport(GlooTransport):
             raise RuntimeError("call paced_link.install(rate) in this process before using the gloo_paced backend")
         return self.pacer.take(nbytes)
 
-    def post(self, gid: int, slot: int | None, msg: torch.Tensor, *, after_producer: bool = True) -> Any:
+    def broadcast(self, gid: int, msg: torch.Tensor) -> Any:
         until = self._pace(msg.numel() * msg.element_size())
-        return _PacedWork(super().post(gid, slot, msg, after_producer=after_producer), until)
+        return _PacedWork(super().broadcast(gid, msg), until)
 
     def post_group(self, gid: int, slot: int, msgs: list[torch.Tensor]) -> Any:
         until = self._pace(sum(m.numel() * m.element_size() for m in msgs))
         return _PacedWork(super().post_group(gid, slot, msgs), until)
 
 
-class PacedGlooEngine(GlooCheckpointEngine):
-    """The pipeline over paced gloo."""
-
-    transport_cls: ClassVar[type[Transport]] = PacedGlooTransport
-
-
 def install(rate_mb_s: float) -> LinkPacer:
     """Give this process a link of `rate_mb_s` MB/s (10^6 bytes) and register `gloo_paced`."""
     pacer = PacedGlooTransport.pacer = LinkPacer(rate_mb_s * 1e6)
     if NAME not in CheckpointEngineRegistry.names():
-        CheckpointEngineRegistry.add(NAME, PacedGlooEngine)
+        CheckpointEngineRegistry.add(NAME, PacedGlooTransport)
     return pacer

@@ -46,8 +46,8 @@ from ckpt_engine.planning.fused_experts import fuse_specs
 from ckpt_engine.planning.ownership import row_shards
 from ckpt_engine.planning.receive_sets import RegionLayout, cut_region
 from ckpt_engine.planning.tp_ep import tp_ep_plan
-from ckpt_engine.transports.base import Rendezvous
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.engine import Rendezvous
+from ckpt_engine.registry import CheckpointEngineRegistry
 
 if TYPE_CHECKING:
     from rich.console import Console

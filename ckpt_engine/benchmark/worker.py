@@ -26,8 +26,8 @@ from ckpt_engine.benchmark.raw_link import broadcast_bytes, copy_bytes, raw_mess
 from ckpt_engine.benchmark.tracing import traced
 from ckpt_engine.checksum import bucket_checksum
 from ckpt_engine.copies import batched_copy_
-from ckpt_engine.transports.base import Rendezvous
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.engine import Rendezvous
+from ckpt_engine.registry import CheckpointEngineRegistry
 
 logger = logging.getLogger(__name__)
 

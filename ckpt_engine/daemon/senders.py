@@ -14,13 +14,13 @@ import logging
 from collections.abc import Iterator, Sequence
 
 import torch
-from ckpt_engine.rollout_adapters.capabilities import lacking
 
+from ckpt_engine.rollout_adapters.capabilities import lacking
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon.outcome import OneWalkPerAttempt
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.ownership import OwnerMap
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.sync.sender_channel import SenderChannel
 from ckpt_engine.sync.sender_follower import join_message, send_message

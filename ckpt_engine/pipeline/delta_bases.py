@@ -15,15 +15,14 @@ import torch
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.transports.base import TransferError
+from ckpt_engine.engine import TransferError
 
-__all__ = ["DENSE", "FRAME_WORDS", "PATCH", "SEAL_WORD", "Bases", "bases_for", "check_scatter_below", "frame_seal"]
+__all__ = ["DENSE", "FRAME_WORDS", "PATCH", "SEAL_WORD", "Bases", "bases_for", "frame_seal"]
 
 DENSE, PATCH = 0, 1
 FRAME_WORDS = 8  # a bucket's frame header: kind, bytes, checksum of the result, a patch's 32-byte header, the seal
 SEAL_WORD = 7
 """Where the frame header keeps its seal (`frame_seal`)."""
-DEFAULT_SCATTER_BELOW = 1 / 4
 
 
 def frame_seal(kind: int, size: int, bucket_index: int, sync_id: int) -> int:
@@ -68,25 +67,6 @@ class Bases:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() for t in self.images.values())
-
-
-def check_scatter_below(scatter_below: float | None) -> float:
-    """`delta_scatter_below` checked and defaulted: most changed words (a fraction of a bucket's)
-    for which a sender encodes the bucket in one pass to int32 positions; a busier bucket is packed
-    and encoded by the codec (a pack first, then the same diff over the packed image). Both write
-    the same int32 positions, so the limit changes no wire byte, only whether a busy bucket is
-    packed first. Default 1/4 on every transport: 7B at lr 1e-5 on 2xH200 0.91x a raw broadcast
-    against 1.35x with 1/32 (when 1/32 chose the bitmask); tiny preset at lr 1e-5 on the 2-core CPU
-    box, steady patch syncs 0.23-1.41 s against 0.76-2.92 s with 1/32 (bench/RESULTS.md).
-
-    A sender keeps the base of what it sends in the transport's memory, where the one-pass diff
-    reads it in place (the `delta_base` option that named other placements was retired:
-    docs/delta.md); receivers keep theirs on the device, or none (in place)."""
-    if scatter_below is not None and (
-        isinstance(scatter_below, bool) or not isinstance(scatter_below, (int, float)) or not 0 < scatter_below <= 0.5
-    ):
-        raise ValueError(f"delta_scatter_below must be a fraction in (0, 0.5], got {scatter_below!r}")
-    return float(scatter_below) if scatter_below is not None else DEFAULT_SCATTER_BELOW
 
 
 def bases_for(

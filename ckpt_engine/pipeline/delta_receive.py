@@ -49,8 +49,8 @@ from ckpt_engine.pipeline.schedule import Step
 from ckpt_engine.pipeline.staging import StagedBuckets, StagedPatch, StagedPatches, read_words
 from ckpt_engine.staged import StagedVersion
 from ckpt_engine.pipeline.wire_views import entry_view, flat_bytes, has_wire_layout
-from ckpt_engine.transports.base import TransferError
-from ckpt_engine.transports.transport import SLACK, Transport
+from ckpt_engine.engine import TransferError
+from ckpt_engine.transports.transport import SLACK, Frames, Transport
 
 __all__ = ["DeltaReceiver"]
 
@@ -67,6 +67,13 @@ class DeltaReceiver:
         self.t = transport
         self.opts = options
         self.last_stats: dict[str, float] = {}
+
+    @property
+    def link(self) -> Frames:
+        """The transport's delta frames (the engine refused this sync if it carries none)."""
+        frames = self.t.frames
+        assert frames is not None
+        return frames
 
     def receive(
         self, state: PlanState, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest
@@ -110,7 +117,7 @@ class DeltaReceiver:
         """Take every frame and check it; then (not `staged`) apply them. `staged`: in place,
         check each patch without writing and keep it (and each dense frame) there instead.
         Returns the in-place images (None: base images)."""
-        t = self.t
+        t, link = self.t, self.link
         sched = state.schedule
         steps = sched.steps
         works: list[Any] = []
@@ -134,10 +141,10 @@ class DeltaReceiver:
             check_s = 0.0
             setup_s = time.perf_counter() - t_start  # host time before the first frame (per-tensor checks)
             for step in steps:
-                header = t.fresh(step.gid, FRAME_WORDS, torch.int64, (1, FRAME_WORDS))
+                header = link.fresh(step.gid, FRAME_WORDS, torch.int64, (1, FRAME_WORDS))
                 where = f"bucket {step.bucket.index} from sender {step.bucket.sender}"
-                t.settle(step.gid, t.post(step.gid, None, header, after_producer=False), f"the frame header of {where}")
-                with t.reading(step.gid):
+                link.settle(step.gid, link.post(step.gid, header, after_producer=False), f"the frame header of {where}")
+                with link.reading(step.gid):
                     row = header[0].tolist()
                 kind, size, expect = row[:3]
                 head = struct.pack(f"<{SEAL_WORD - 3}q", *row[3:SEAL_WORD])  # the patch's own header, sent ahead of it
@@ -145,22 +152,22 @@ class DeltaReceiver:
                 bad = self._check_frame(step, kind, size, delta)
                 if bad is not None:  # take its payload (what the sender posts) and drop it
                     kind = _DROPPED
-                    msg = t.fresh(step.gid, size)
-                    work = t.post(step.gid, None, msg, after_producer=False)
+                    msg = link.fresh(step.gid, size)
+                    work = link.post(step.gid, msg, after_producer=False)
                 elif kind == DENSE and places is None:  # into the base image: after the compute stream's use of it
                     msg = bases.images[step.bucket.index][:size]
-                    work = t.post(step.gid, None, msg)
+                    work = link.post(step.gid, msg)
                 elif kind == PATCH and not t.uses_streams:
                     msg = self._patch_buffer(state, step.bucket.index, size, step.bucket.nbytes)
-                    work = t.post(step.gid, None, msg, after_producer=False)
+                    work = link.post(step.gid, msg, after_producer=False)
                 else:  # lands while earlier patches are applied on the compute stream
-                    msg = t.fresh(step.gid, size)
-                    work = t.post(step.gid, None, msg, after_producer=False)
+                    msg = link.fresh(step.gid, size)
+                    work = link.post(step.gid, msg, after_producer=False)
                 works.append(work)
                 frames.append((kind, size, expect))
                 landed = None
                 if places is not None and t.uses_streams:  # the compute stream waits for it, not the host
-                    landed = t.landed_event(step.gid)
+                    landed = link.landed_event(step.gid)
                 if pending is not None:
                     t0 = time.perf_counter()
                     failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo, checks, staged is not None)
@@ -170,7 +177,7 @@ class DeltaReceiver:
                 t0 = time.perf_counter()
                 failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo, checks, staged is not None)
                 for gid in {s.gid for s in steps}:  # every payload landed, within the timeout, before any read back
-                    t.settle(gid, None, f"the last payloads on group {gid}")
+                    link.settle(gid, None, f"the last payloads on group {gid}")
                 failure = self._settle_checks(checks) or failure  # the earlier buckets' failure, if any
                 check_s += time.perf_counter() - t0
             if failure is not None:
@@ -335,9 +342,9 @@ class DeltaReceiver:
         step, kind, size, expect, msg, work, landed, head, bad = pending
         k = step.bucket.index
         if landed is not None:
-            self.t.wait_landed(landed)
+            self.link.wait_landed(landed)
         else:
-            self.t.settle(step.gid, work, f"bucket {k} from sender {step.bucket.sender}")
+            self.link.settle(step.gid, work, f"bucket {k} from sender {step.bucket.sender}")
         if failure is not None:
             return failure
         if bad is not None:

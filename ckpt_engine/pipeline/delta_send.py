@@ -36,8 +36,8 @@ from ckpt_engine.pipeline.piece_reader import PieceReader, Seen
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
 from ckpt_engine.pipeline.wire_views import entry_view, flat_bytes
-from ckpt_engine.transports.base import SendStats
-from ckpt_engine.transports.transport import Transport
+from ckpt_engine.engine import SendStats
+from ckpt_engine.transports.transport import Frames, Transport
 
 __all__ = ["DeltaSender", "Frame"]
 
@@ -73,6 +73,13 @@ class DeltaSender:
         self.scatter_below = scatter_below
         self.last_stats: dict[str, float] = {}
 
+    @property
+    def link(self) -> Frames:
+        """The transport's delta frames (the engine refused this sync if it carries none)."""
+        frames = self.t.frames
+        assert frames is not None
+        return frames
+
     def send(
         self, state: PlanState, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool, delta: DeltaRequest
     ) -> SendStats:
@@ -81,6 +88,7 @@ class DeltaSender:
         are queued before bucket k's changed count is read, so the device never idles on that
         host round trip."""
         assert self.t.rank is not None
+        link = self.link
         t_start = time.perf_counter()
         sched = state.schedule
         mine, stats = state.own_steps(self.t.rank)
@@ -102,8 +110,8 @@ class DeltaSender:
             self.hooks._tamper_hook(step.bucket.index, frame.payload)
             payload = _exactly(frame.payload, announced)
             keep.extend((header, payload))
-            works.append(self.t.post(step.gid, None, header))
-            works.append(self.t.post(step.gid, None, payload))
+            works.append(link.post(step.gid, header))
+            works.append(link.post(step.gid, payload))
             host["host_send_s"] += time.perf_counter() - t_send
 
         def finish(pending: tuple[Step, BucketDiff, Any]) -> Frame:
@@ -147,7 +155,7 @@ class DeltaSender:
                 stats.extra["encode_s"] = stats.extra.get("encode_s", 0.0) + time.perf_counter() - t0
             if next(it, None) is not None:
                 raise ValueError("the weight source yielded more tensors than its metadata lists")
-            self.t.drain(works, "delta payloads")
+            link.drain(works, "delta payloads")
             bases.sync_id = delta.new_id
         except BaseException:
             works.clear()

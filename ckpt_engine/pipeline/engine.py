@@ -1,73 +1,54 @@
 """PipelinedEngine: the CheckpointEngine every built-in backend is, composed of a transport (how
 bytes move between slots), a sender and a receiver (what moves, in which order, and its checks).
 
-Each backend file names its transport (`GlooCheckpointEngine` = this engine over `GlooTransport`).
-Per plan, everything a rank keeps lives in one `PlanState`, made for a manifest digest and dropped
+The registry builds it for a transport's name (`CheckpointEngineRegistry.new("gloo", ...)` is this
+engine over `GlooTransport`). Per plan, everything a rank keeps lives in one `PlanState`, made for a manifest digest and dropped
 whole when a sync brings another plan or the group is left.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.delta.warm import warm_up
+from ckpt_engine.engine import CheckpointEngine, Rendezvous, SendStats
 from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.pipeline.delta_bases import check_scatter_below
-from ckpt_engine.pipeline.options import PipelineOptions
+from ckpt_engine.pipeline.options import PipelineOptions, split_options
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.receiver import Receiver
 from ckpt_engine.pipeline.sender import Sender
 from ckpt_engine.staged import StagedVersion
-from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
 from ckpt_engine.transports.transport import Transport
 
 __all__ = ["PipelinedEngine"]
 
 
 class PipelinedEngine(CheckpointEngine):
-    """Senders stream their buckets to every receiver through `transport_cls`."""
-
-    transport_cls: ClassVar[type[Transport]]
-    supports_many_senders = True
-    supports_delta = True
+    """Senders stream their buckets to every receiver through a `transport_cls` transport."""
 
     def __init__(
-        self,
-        *,
-        bucket_size_bytes: int,
-        num_buffers: int = 2,
-        timeout_s: float = 300.0,
-        verify: bool = False,
-        device: str | int | torch.device | None = None,
-        num_lanes: int | None = None,
-        solo_bytes: int | None = None,
-        group_max_tensors: int | None = None,
-        delta_scatter_below: float | None = None,
-        **transport_options: Any,
+        self, transport_cls: type[Transport], *, bucket_size_bytes: int, num_buffers: int = 2, timeout_s: float = 300.0,
+        verify: bool = False, **options: Any,
     ) -> None:
-        """`transport_options`: what one transport takes besides the shared options (nccl:
-        `high_priority`; nccl_handoff: `local_senders`, `high_priority`)."""
+        """`options`: `EngineOptions` and the transport's own typed options (`transport_cls.Options`),
+        by name; see `pipeline.options.split_options`."""
         super().__init__(bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, timeout_s=timeout_s, verify=verify)
-        if solo_bytes is not None and (not isinstance(solo_bytes, int) or isinstance(solo_bytes, bool) or solo_bytes < 0):
-            raise ValueError(f"solo_bytes must be an int >= 0 (0: never), got {solo_bytes!r}")
-        if group_max_tensors is not None and (not isinstance(group_max_tensors, int) or isinstance(group_max_tensors, bool) or group_max_tensors < 0):
-            raise ValueError(f"group_max_tensors must be an int >= 0 (0: never), got {group_max_tensors!r}")
-        lanes = num_lanes if num_lanes is not None else self.transport_cls.default_num_lanes
-        if not isinstance(lanes, int) or lanes < 1:
-            raise ValueError(f"num_lanes must be an int >= 1, got {num_lanes!r}")
-        self.transport = self.transport_cls(
-            device=device, bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, num_lanes=lanes, timeout_s=timeout_s,
-            **transport_options,
+        opts, transport_opts = split_options(transport_cls, options)
+        self.name, self.device_type = transport_cls.name, transport_cls.device_type
+        self.supports_many_senders, self.max_ranks = transport_cls.supports_many_senders, transport_cls.max_ranks
+        lanes = opts.num_lanes if opts.num_lanes is not None else transport_cls.default_num_lanes
+        self.transport = transport_cls(
+            transport_opts, bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, num_lanes=lanes, timeout_s=timeout_s
         )
         self.device = self.transport.device
         self.num_lanes = lanes
-        self.solo_bytes = (solo_bytes if solo_bytes is not None else self.transport.default_solo_bytes) or None
-        self.group_max_tensors = group_max_tensors if group_max_tensors is not None else self.transport.default_group_max_tensors
-        self.delta_scatter_below = check_scatter_below(delta_scatter_below)
+        self.solo_bytes = (opts.solo_bytes if opts.solo_bytes is not None else self.transport.default_solo_bytes) or None
+        self.group_max_tensors = opts.group_max_tensors if opts.group_max_tensors is not None else self.transport.default_group_max_tensors
+        self.delta_scatter_below = float(opts.delta_scatter_below)
         self.options = options = PipelineOptions(bucket_size_bytes, num_buffers, timeout_s, verify, self.group_max_tensors)
         self.sender = Sender(self.transport, options, self, scatter_below=self.delta_scatter_below)
         self.receiver = Receiver(self.transport, options)
@@ -101,7 +82,7 @@ class PipelinedEngine(CheckpointEngine):
         the delta kernels now, not inside the first patch sync's waits (`delta.warm`)."""
         self.transport.join(rendezvous, rank)
         self.rank, self.world_size = rank, rendezvous.world_size
-        if self.transport.refuse_delta() is None:
+        if self.supports_delta:
             warm_up(self.device)
 
     @property
@@ -124,10 +105,14 @@ class PipelinedEngine(CheckpointEngine):
             state = self._state = PlanState(manifest, self.num_buffers, self.num_lanes)
         return state
 
+    @property
+    def supports_delta(self) -> bool:
+        """Whether the transport, as joined, carries delta frames."""
+        return self.transport.frames is not None
+
     def _refuse(self, delta: DeltaRequest | None) -> None:
-        why = self.transport.refuse_delta() if delta is not None else None
-        if why is not None:
-            raise ValueError(why)
+        if delta is not None and not self.supports_delta:
+            raise ValueError(f"the {self.name} backend does not do delta syncs as joined (use delta=off)")
 
     def send_weights(
         self, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool = False, delta: DeltaRequest | None = None

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.pipeline.wire_views import checked_weight, flat_bytes, has_wire_layout, next_weight, torch_dtype
-from ckpt_engine.transports.base import SendStats
+from ckpt_engine.engine import SendStats
 from ckpt_engine.manifest import TensorMeta
 
 __all__ = ["Known", "PieceReader", "Seen", "Stamp", "stamp", "unchanged"]

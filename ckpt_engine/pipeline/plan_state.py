@@ -20,7 +20,7 @@ from ckpt_engine.pipeline.delta_bases import Bases
 from ckpt_engine.pipeline.piece_reader import Known
 from ckpt_engine.pipeline.schedule import Schedule, Step
 from ckpt_engine.pipeline.wire_views import entry_view
-from ckpt_engine.transports.base import SendStats
+from ckpt_engine.engine import SendStats
 
 __all__ = ["PlanState", "SharedPlan"]
 

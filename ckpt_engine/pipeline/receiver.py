@@ -29,7 +29,7 @@ from ckpt_engine.pipeline.schedule import Schedule
 from ckpt_engine.pipeline.shared_sources import SharedSources
 from ckpt_engine.pipeline.wire_views import align8, flat_bytes, has_wire_layout, message, torch_dtype
 from ckpt_engine.staged import StagedVersion
-from ckpt_engine.transports.base import TransferError
+from ckpt_engine.engine import TransferError
 from ckpt_engine.transports.transport import Transport
 
 __all__ = ["Receiver"]

@@ -33,7 +33,7 @@ from ckpt_engine.pipeline.region_assembly import RegionAssembly, RegionItem
 from ckpt_engine.planning.ownership import OwnerMap
 from ckpt_engine.planning.receive_sets import Piece, ReceiverSet, cut_region
 from ckpt_engine.pipeline.engine import PipelinedEngine
-from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats, TransferError
+from ckpt_engine.engine import CheckpointEngine, Rendezvous, SendStats, TransferError
 from ckpt_engine.transports.process_groups import ProcessGroupTransport
 
 __all__ = ["DEFAULT_PARALLEL_SETS", "RegionGroups", "parallel_sets", "receive_regions", "send_regions", "waves"]

@@ -29,7 +29,7 @@ from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
 from ckpt_engine.pipeline.shared_sources import SharedSources
 from ckpt_engine.pipeline.wire_views import align8, flat_bytes, message, torch_dtype
-from ckpt_engine.transports.base import SendStats
+from ckpt_engine.engine import SendStats
 from ckpt_engine.transports.transport import Transport
 
 __all__ = ["Sender"]

@@ -22,7 +22,7 @@ from ckpt_engine.manifest import BucketManifest, TensorMeta
 from ckpt_engine.pipeline.piece_reader import stamp, unchanged
 from ckpt_engine.pipeline.plan_state import PlanState, SharedPlan
 from ckpt_engine.pipeline.wire_views import checked_weight, has_wire_layout, torch_dtype
-from ckpt_engine.transports.base import SendStats, TransferError
+from ckpt_engine.engine import SendStats, TransferError
 from ckpt_engine.transports.transport import SourceSharing, Transport
 
 __all__ = ["SharedSources"]

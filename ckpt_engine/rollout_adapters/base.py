@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from ckpt_engine.fp8.checks import fp8_problems
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.planning.regions import ReceivePlan

@@ -16,7 +16,7 @@ from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter
 from ckpt_engine.rollout_adapters.lora_receiver import LoraReceiverCore
-from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.engine import Rendezvous
 
 __all__ = ["LocalLoraRollout"]
 

@@ -20,10 +20,10 @@ import torch
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.pipeline.staging import StagedBuckets, StagedCopy, StagingCopy
 from ckpt_engine.staged import StagedVersion
-from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
+from ckpt_engine.engine import CheckpointEngine, Rendezvous
 from ckpt_engine.manifest import BucketManifest, ManifestBudget, ManifestError, TensorSpec, decode_manifest
 from ckpt_engine.planning.regions import ReceivePlan
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ReceiveReport, check_manifest_against
 from ckpt_engine.rollout_adapters.region_receiver import RegionLoader, RegionReceiver
 

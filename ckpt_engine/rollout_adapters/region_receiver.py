@@ -22,7 +22,7 @@ from ckpt_engine.planning.fused_experts import fuse_plan
 from ckpt_engine.planning.region_wire import RegionAssignment
 from ckpt_engine.planning.regions import ReceivePlan, ReceivePlanError, Region
 from ckpt_engine.rollout_adapters.base import ReceiveReport
-from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
+from ckpt_engine.engine import CheckpointEngine, Rendezvous
 
 __all__ = ["RegionLoader", "RegionReceiver"]
 

@@ -36,7 +36,7 @@ from ckpt_engine.processes import read_ready_line
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.delta.warm import warmed
-from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.registry import CheckpointEngineRegistry
 
 __all__ = ["backend_for"]
 

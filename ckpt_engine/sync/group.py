@@ -19,8 +19,8 @@ from ckpt_engine.planning.buckets import auto_bucket_size_bytes
 from ckpt_engine.planning.ownership import OwnerMap, owner_key
 from ckpt_engine.rollout_adapters.base import JoinOptions, RolloutAdapter
 from ckpt_engine.sync.fanout import wait_for_joins
-from ckpt_engine.transports.base import CheckpointEngine, Rendezvous
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.engine import CheckpointEngine, Rendezvous
+from ckpt_engine.registry import CheckpointEngineRegistry
 
 __all__ = ["SyncGroup"]
 
@@ -113,7 +113,7 @@ class SyncGroup:
         if self.engine is None:
             self.engine = self.new_engine(self._bucket_size())
         engine = self.engine
-        topo = type(engine).build_topology(num_senders, [r.world_size for r in rollouts])
+        topo = engine.build_topology(num_senders, [r.world_size for r in rollouts])
         if self._store is None:
             self._store = torch.distributed.TCPStore(
                 self.host, 0, is_master=True, wait_for_workers=False,

@@ -11,15 +11,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
-from ckpt_engine.rollout_adapters.capabilities import lacking
 
+from ckpt_engine.rollout_adapters.capabilities import lacking
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.sources.base import WeightSource
 from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.sync.sender_channel import SenderChannel
 from ckpt_engine.sync.sender_follower import join_message, send_message
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.registry import CheckpointEngineRegistry
 
 __all__ = ["ManySenders", "wants_many_senders"]
 

@@ -18,7 +18,7 @@ from ckpt_engine.pipeline.region_groups import RegionGroups, send_regions
 from ckpt_engine.planning.receive_sets import RegionLayout
 from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.sync.regions import plan_sets, sender_tensors
-from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
+from ckpt_engine.engine import CheckpointEngine, Rendezvous, SendStats
 
 __all__ = ["FollowerRegions"]
 

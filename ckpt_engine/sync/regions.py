@@ -36,7 +36,7 @@ from ckpt_engine.planning.regions import ReceivePlan, ReceivePlanError
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
 from ckpt_engine.sources.base import WeightSource
 from ckpt_engine.sources.sharded import ShardedWeightSource, piece_names
-from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
+from ckpt_engine.engine import CheckpointEngine, Rendezvous, SendStats
 
 __all__ = ["RegionDelivery", "RegionSync", "plan_sets", "sender_tensors"]
 

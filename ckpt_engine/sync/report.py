@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from ckpt_engine.delta.request import DeltaRequest
     from ckpt_engine.manifest import BucketManifest
     from ckpt_engine.rollout_adapters.base import ReceiveReport
-    from ckpt_engine.transports.base import SendStats
+    from ckpt_engine.engine import SendStats
 
 __all__ = ["RATIO_MEANING", "SOURCE", "SyncError", "SyncReport", "make_report"]
 

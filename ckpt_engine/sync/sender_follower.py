@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
+from ckpt_engine.engine import CheckpointEngine, Rendezvous, SendStats
 from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sync.region_follower import FollowerRegions
 from ckpt_engine.sync.sender_channel import SenderChannel
 from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces, piece_names

@@ -22,7 +22,7 @@ import torch
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.sync.delta_policy import DeltaPolicy
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.transports.base import CheckpointEngine, SendStats
+from ckpt_engine.engine import CheckpointEngine, SendStats
 from ckpt_engine.sync.backend import backend_for
 from ckpt_engine.sync.claims import claims
 from ckpt_engine.sync.fanout import collect_failures, leave_all, mark_stale_and_probe, memberships

@@ -20,7 +20,7 @@ from ckpt_engine.sync.regions import RegionDelivery
 from ckpt_engine.sync.report import SOURCE, SyncError
 from ckpt_engine.sync.sender_follower import finish_walk, send_message
 from ckpt_engine.sync.staging import failure_deadline
-from ckpt_engine.transports.base import CheckpointEngine, SendStats
+from ckpt_engine.engine import CheckpointEngine, SendStats
 
 __all__ = ["Break", "SyncStream"]
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.trainer.lm_task import TokenTask

@@ -119,7 +119,7 @@ class VllmEngineActor:
         return call
 
     def _join(self, rendezvous: dict[str, Any], rank_offset: int, options: dict[str, Any]) -> None:
-        from ckpt_engine.transports.base import Rendezvous
+        from ckpt_engine.engine import Rendezvous
         from ckpt_engine.rollout_adapters.base import JoinOptions
 
         self._locked(self.rollout.join)(rendezvous=Rendezvous.from_dict(rendezvous), rank_offset=int(rank_offset), options=JoinOptions.from_dict(options))

@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import msgpack
 import torch
 
-from ckpt_engine.pipeline.engine import PipelinedEngine
-from ckpt_engine.transports.base import Rendezvous, Topology, TransferError
+from ckpt_engine.engine import Rendezvous, TransferError
 from ckpt_engine.transports.shared_buffers import map_buffers, share_buffers, unlink_files, validate_descriptors
 from ckpt_engine.transports.shared_tensors import can_share, describe_tensors, map_tensors, probe_host_sharing
 from ckpt_engine.transports.transport import SLACK, SourceSharing, Transport
 
-__all__ = ["ColocatedCheckpointEngine", "ColocatedTransport"]
+__all__ = ["ColocatedTransport"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +31,15 @@ class ColocatedTransport(Transport, SourceSharing):
     """Shared-tensor or shared-buffer hand-off between one sender (rank 0) and one receiver (rank 1)."""
 
     name = "colocated"
-    supports_delta = False
+    supports_many_senders = False
+    max_ranks = 2
+    """One sender (rank 0) and one receiver rank; the receiver maps the sender's buffers (no delta
+    frames: `frames` is None)."""
     stable_sources = False
     """The receiver reads the shared buffers: every bucket must be packed into them."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._store: Any = None
         self._shm_paths: list[str] = []
         self._seq = 0  # syncs since join; namespaces the flags of one sync
@@ -68,9 +69,6 @@ class ColocatedTransport(Transport, SourceSharing):
     @property
     def group(self) -> Any:
         return self._store
-
-    def refuse_delta(self) -> str | None:
-        return "the colocated backend hands buffers over in place; delta sync does not apply (use delta=off)"
 
     def reads_in_place(self, sender: int) -> bool:
         return True
@@ -155,9 +153,7 @@ class ColocatedTransport(Transport, SourceSharing):
             self._wait_key(self._key("free", works[slot]), f"release of bucket {works[slot]}")
             works[slot] = None
 
-    def post(self, gid: int, slot: int | None, msg: torch.Tensor, *, after_producer: bool = True) -> Any:
-        if slot is None:
-            raise RuntimeError("the colocated transport carries slotted buckets only")
+    def post(self, gid: int, slot: int, msg: torch.Tensor) -> Any:
         if not self.is_sender:
             # Called once the loader is done with the previous bucket in this slot: release it.
             self._release_pending()
@@ -190,12 +186,6 @@ class ColocatedTransport(Transport, SourceSharing):
 
     def release(self, slot: int) -> None:
         pass
-
-    def settle(self, gid: int, work: Any, what: str) -> None:
-        raise RuntimeError("the colocated transport carries slotted buckets only")
-
-    def drain(self, works: list[Any], what: str) -> None:
-        raise RuntimeError("the colocated transport carries slotted buckets only")
 
     # --- the sender's own tensors, mapped by the receiver (SourceSharing) -------------------------
     @property
@@ -269,17 +259,3 @@ class ColocatedTransport(Transport, SourceSharing):
         if failure is not None:
             raise failure
 
-
-class ColocatedCheckpointEngine(PipelinedEngine):
-    """The pipeline over shared buffers: one sender, one receiver rank."""
-
-    transport_cls: ClassVar[type[Transport]] = ColocatedTransport
-    supports_many_senders = False
-    supports_delta = False
-
-    @classmethod
-    def build_topology(cls, num_senders: int, receiver_world_sizes: Sequence[int]) -> Topology:
-        topo = super().build_topology(num_senders, receiver_world_sizes)
-        if topo.world_size != 2:
-            raise ValueError(f"the colocated backend pairs one sender with one receiver rank, got {topo.world_size - 1} receiver ranks")
-        return topo

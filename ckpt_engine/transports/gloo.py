@@ -7,22 +7,22 @@ read (sender) or wrote (receiver) it has completed, each wait bounded by `timeou
 from __future__ import annotations
 
 import datetime
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from ckpt_engine.pipeline.engine import PipelinedEngine
 from ckpt_engine.transports.collectives import WorkList
 from ckpt_engine.transports.process_groups import ProcessGroupTransport
-from ckpt_engine.transports.transport import Transport
+from ckpt_engine.transports.transport import Frames
 
-__all__ = ["GlooCheckpointEngine", "GlooTransport"]
+__all__ = ["GlooFrames", "GlooTransport"]
 
 
 class GlooTransport(ProcessGroupTransport):
     """Host process groups; every wait is on a work handle, with the timeout."""
 
     name = "gloo"
+    device_type = "cpu"
     # On CPU every pack or unpack copy takes core time that the socket copies need too, while an
     # extra message costs little (bench/RESULTS.md): tensors of 1 MiB and up travel alone, from the
     # sender's memory into the receiver's destination when both allow it.
@@ -33,6 +33,14 @@ class GlooTransport(ProcessGroupTransport):
         if device is not None and torch.device(device).type != "cpu":
             raise ValueError(f"the gloo backend moves CPU tensors; got device={device!r} (use nccl or hccl)")
         return torch.device("cpu")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._frames = GlooFrames(self)
+
+    @property
+    def frames(self) -> Frames | None:
+        return self._frames
 
     def make_group(self, store: torch.distributed.Store, rank: int, world_size: int) -> Any:
         return torch.distributed.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=self.timeout_s))
@@ -48,7 +56,12 @@ class GlooTransport(ProcessGroupTransport):
             self.wait_work(works[slot], f"broadcast from buffer {slot}")
             works[slot] = None
 
-    def post(self, gid: int, slot: int | None, msg: torch.Tensor, *, after_producer: bool = True) -> Any:
+    def post(self, gid: int, slot: int, msg: torch.Tensor) -> Any:
+        return self.broadcast(gid, msg)
+
+    def broadcast(self, gid: int, msg: torch.Tensor) -> Any:
+        """One message from group `gid`'s sender, slotted or a delta frame: gloo reads and writes
+        host memory, so there is no ordering to add."""
         return self._groups[gid].broadcast(msg, 0)
 
     def post_group(self, gid: int, slot: int, msgs: list[torch.Tensor]) -> Any:
@@ -66,17 +79,23 @@ class GlooTransport(ProcessGroupTransport):
             if work is not None:
                 self.wait_work(work, f"broadcast from buffer {i}")
 
+
+class GlooFrames(Frames):
+    """Delta frames over gloo's groups: the host waits on each broadcast's work handle."""
+
+    def __init__(self, transport: GlooTransport) -> None:
+        self.t = transport
+
+    def post(self, gid: int, msg: torch.Tensor, *, after_producer: bool = True) -> Any:
+        return self.t.broadcast(gid, msg)
+
+    def fresh(self, gid: int, size: int, dtype: torch.dtype = torch.uint8, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        return torch.empty(shape if shape is not None else (size,), dtype=dtype)
+
     def settle(self, gid: int, work: Any, what: str) -> None:
         if work is not None:
-            self.wait_work(work, what)
+            self.t.wait_work(work, what)
 
     def drain(self, works: list[Any], what: str) -> None:
         for work in works:
-            self.wait_work(work, what)
-
-
-class GlooCheckpointEngine(PipelinedEngine):
-    """The pipeline over gloo."""
-
-    transport_cls: ClassVar[type[Transport]] = GlooTransport
-    device_type = "cpu"
+            self.t.wait_work(work, what)

@@ -15,28 +15,47 @@ from __future__ import annotations
 
 import datetime
 import logging
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import msgpack
 import torch
 
-from ckpt_engine.pipeline.engine import PipelinedEngine
-from ckpt_engine.transports.base import Rendezvous, TransferError
+from ckpt_engine.engine import Rendezvous, TransferError
 from ckpt_engine.transports.gloo import GlooTransport
 from ckpt_engine.transports.handoff_plan import agree_on_local_senders, wait_keys
-from ckpt_engine.transports.nccl import NcclTransport
+from ckpt_engine.transports.nccl import NcclOptions, NcclTransport
 from ckpt_engine.transports.process_groups import ProcessGroupTransport
 from ckpt_engine.transports.shared_buffers import device_identity, map_buffers, share_buffers, unlink_files, validate_descriptors
-from ckpt_engine.transports.transport import SLACK, Transport
+from ckpt_engine.transports.transport import SLACK, Frames, Transport, TransportOptions
 
-__all__ = ["HandoffCheckpointEngine", "HandoffTransport"]
+__all__ = ["HandoffOptions", "HandoffTransport"]
 
 logger = logging.getLogger(__name__)
 
 NAME = "nccl_handoff"
+
+
+@dataclass(frozen=True, kw_only=True)
+class HandoffOptions(NcclOptions):
+    """`high_priority`: the nccl transport's (CUDA only)."""
+
+    local_senders: list[int] | None = None
+    """An override for tests and benchmarks that emulate a placement: exactly these senders hand
+    over in memory, whatever their device identities say (they must still share memory with the
+    receiver: same host on CPU, same GPU on CUDA). The first receiver rank's value decides for
+    every rank. None: decided from the ranks' device identities at join."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        senders = self.local_senders
+        if senders is not None:
+            ok = isinstance(senders, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in senders)
+            if not ok or len(set(senders)) != len(senders):
+                raise ValueError(f"local_senders must be a list of distinct sender ranks (ints >= 0), got {senders!r}")
+        kind = torch.device(self.device).type if self.device is not None else None
+        if kind not in (None, "cuda", "cpu"):
+            raise ValueError(f"the {NAME} backend runs on cuda or cpu devices, got device={self.device!r}")
 
 
 @dataclass(frozen=True)
@@ -57,26 +76,16 @@ class HandoffTransport(Transport):
     receiver's device hands its slots over through shared memory and store flags."""
 
     name = NAME
+    Options = HandoffOptions
 
-    def __init__(self, *, device: str | int | torch.device | None, local_senders: Sequence[int] | None = None, high_priority: bool = True, **kwargs: Any) -> None:
-        """`local_senders`: an override for tests and benchmarks that emulate a placement: exactly
-        these senders hand over in memory, whatever their device identities say (they must still
-        share memory with the receiver: same host on CPU, same GPU on CUDA). The first receiver
-        rank's value decides for every rank. `high_priority`: see the nccl transport (CUDA only)."""
-        if local_senders is not None:
-            ok = isinstance(local_senders, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in local_senders)
-            if not ok or len(set(local_senders)) != len(local_senders):
-                raise ValueError(f"local_senders must be a list of distinct sender ranks (ints >= 0), got {local_senders!r}")
-        self.local_senders_override = None if local_senders is None else sorted(local_senders)
-        kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
-        if kind not in ("cuda", "cpu"):
-            raise ValueError(f"the {NAME} backend runs on cuda or cpu devices, got device={device!r}")
-        self.remote: ProcessGroupTransport = (
-            NcclTransport(device=device, high_priority=high_priority, **kwargs) if kind == "cuda" else GlooTransport(device=device, **kwargs)
-        )
-        self.default_solo_bytes = self.remote.default_solo_bytes  # type: ignore[misc]
-        self.default_group_max_tensors = self.remote.default_group_max_tensors  # type: ignore[misc]
-        super().__init__(device=self.remote.device, **kwargs)
+    def __init__(self, options: TransportOptions, **kwargs: Any) -> None:
+        opts = options if isinstance(options, HandoffOptions) else HandoffOptions(device=options.device)
+        self.local_senders_override = None if opts.local_senders is None else sorted(opts.local_senders)
+        cuda = torch.device(opts.device).type == "cuda" if opts.device is not None else torch.cuda.is_available()
+        self.remote: ProcessGroupTransport = NcclTransport(opts, **kwargs) if cuda else GlooTransport(opts, **kwargs)
+        self.default_solo_bytes = self.remote.default_solo_bytes
+        self.default_group_max_tensors = self.remote.default_group_max_tensors
+        super().__init__(TransportOptions(device=self.remote.device), **kwargs)
         self._local: frozenset[int] = frozenset()
         self._store: Any = None
         self._seq = 0  # dense syncs since join; namespaces the flags of one sync
@@ -134,10 +143,10 @@ class HandoffTransport(Transport):
     def groups(self) -> dict[int, Any]:
         return self.remote.groups
 
-    def refuse_delta(self) -> str | None:
-        if self._local:
-            return f"the {NAME} backend does not do delta syncs while senders {sorted(self._local)} hand over in memory; use delta=off"
-        return self.remote.refuse_delta()
+    @property
+    def frames(self) -> Frames | None:
+        """The remote transport's, while no sender hands over in memory."""
+        return None if self._local else self.remote.frames
 
     def reads_in_place(self, sender: int) -> bool:
         return sender in self._local
@@ -264,11 +273,11 @@ class HandoffTransport(Transport):
             if ordinal is not None:
                 self._take_flag(self._key(self.rank, "free", ordinal), f"release of bucket {self._own_index[ordinal]}", "the receiver")
 
-    def post(self, gid: int, slot: int | None, msg: torch.Tensor, *, after_producer: bool = True) -> Any:
+    def post(self, gid: int, slot: int, msg: torch.Tensor) -> Any:
         sender = self.rank if self.is_sender else gid // self.num_lanes
         if sender not in self._local:
-            return self.remote.post(gid, slot, msg, after_producer=after_producer)
-        assert slot is not None and self.rank is not None
+            return self.remote.post(gid, slot, msg)
+        assert self.rank is not None
         if self.is_sender:
             self.device_sync_point()  # the bucket is packed before the receiver may read it
             ordinal = self._count[self.rank]
@@ -309,43 +318,6 @@ class HandoffTransport(Transport):
             self._store.set(self._key(sender, "free", ordinal), b"1")
             self._released[sender] = ordinal + 1
 
-    # --- unslotted messages: the remote transport's (delta is refused with local senders) --------
-    def fresh(self, gid: int, size: int, dtype: torch.dtype = torch.uint8, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        return self.remote.fresh(gid, size, dtype, shape)
-
-    def settle(self, gid: int, work: Any, what: str) -> None:
-        self.remote.settle(gid, work, what)
-
-    def drain(self, works: list[Any], what: str) -> None:
-        self.remote.drain(works, what)
-
-    def landed_event(self, gid: int) -> Any:
-        return self.remote.landed_event(gid)
-
-    def wait_landed(self, event: Any) -> None:
-        self.remote.wait_landed(event)
-
-    @contextmanager
-    def reading(self, gid: int) -> Iterator[None]:
-        with self.remote.reading(gid):
-            yield
-
     def wait_compute(self, what: str) -> None:
         self.remote.wait_compute(what)
 
-
-class HandoffCheckpointEngine(PipelinedEngine):
-    """Remote senders broadcast over NCCL (gloo on CPU); a sender sharing the one receiver's device
-    hands its buffers over through shared memory. The device type comes from `device`."""
-
-    transport_cls: ClassVar[type[Transport]] = HandoffTransport
-    supports_delta = False
-    """No patches through this backend (a sync session with `delta: auto` stays dense here, and
-    `delta: on` is refused before any engine pauses); the engine itself refuses a delta request
-    while a sender hands over in memory."""
-
-    @property
-    def local_senders(self) -> list[int]:
-        """The senders that hand their buckets over in memory in this group (set at join)."""
-        assert isinstance(self.transport, HandoffTransport)
-        return self.transport.local_senders

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgpack
 
-from ckpt_engine.transports.base import TransferError
+from ckpt_engine.engine import TransferError
 
 __all__ = ["agree_on_local_senders", "wait_keys"]
 

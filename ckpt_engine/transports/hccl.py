@@ -8,20 +8,19 @@ without it.
 from __future__ import annotations
 
 import datetime
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch_npu  # noqa: F401  (registers torch.npu and ProcessGroupHCCL)
 
-from ckpt_engine.pipeline.engine import PipelinedEngine
 from ckpt_engine.transports.nccl import StreamTransport
-from ckpt_engine.transports.transport import Transport
 
-__all__ = ["HcclCheckpointEngine", "HcclTransport"]
+__all__ = ["HcclTransport"]
 
 
 class HcclTransport(StreamTransport):
     name = "hccl"
+    device_type = "npu"
 
     @classmethod
     def resolve_device(cls, device: str | int | torch.device | None) -> torch.device:
@@ -50,9 +49,3 @@ class HcclTransport(StreamTransport):
     def stream_ctx(self, stream: Any) -> Any:
         return torch.npu.stream(stream)  # type: ignore[attr-defined]
 
-
-class HcclCheckpointEngine(PipelinedEngine):
-    """The pipeline over HCCL."""
-
-    transport_cls: ClassVar[type[Transport]] = HcclTransport
-    device_type = "npu"

@@ -8,29 +8,47 @@ device except for the last bucket (and, in a delta sync, for frame headers).
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any, ClassVar
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ckpt_engine.pipeline.engine import PipelinedEngine
 from ckpt_engine.transports.collectives import coalesced_broadcast
 from ckpt_engine.transports.process_groups import ProcessGroupTransport
-from ckpt_engine.transports.transport import Transport
+from ckpt_engine.transports.transport import Frames, TransportOptions
 
-__all__ = ["NcclCheckpointEngine", "NcclTransport", "StreamTransport"]
+__all__ = ["NcclOptions", "NcclTransport", "StreamFrames", "StreamTransport"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class NcclOptions(TransportOptions):
+    high_priority: bool = True
+    """NCCL's streams (and ours) get the device's highest stream priority, so the block scheduler
+    starts a bucket's collective ahead of pending blocks of other kernels: in fully-async RL the
+    trainer keeps computing while it syncs. (In the stand-alone bench, where only our own copies
+    compete, it made no measurable difference: bench/RESULTS.md.)"""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.high_priority, bool):
+            raise ValueError(f"high_priority must be true or false, got {self.high_priority!r}")
 
 
 class StreamTransport(ProcessGroupTransport):
     """Device process groups whose work is ordered by streams and events (nccl, hccl): per slot a
     "ready" and a "free" event, per group a side stream."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._streams: dict[int, Any] = {}
         self._ready: list[Any] = []
         self._free: list[Any] = []
+        self._frames = StreamFrames(self)
+
+    @property
+    def frames(self) -> Frames | None:
+        return self._frames
 
     # --- what a device family provides -----------------------------------------------------------
     def new_stream(self) -> Any:
@@ -73,21 +91,15 @@ class StreamTransport(ProcessGroupTransport):
     def wait_slot(self, slot: int, works: list[Any]) -> None:
         self.current_stream().wait_event(self._free[slot])
 
-    def post(self, gid: int, slot: int | None, msg: torch.Tensor, *, after_producer: bool = True) -> Any:
-        group = self._groups[gid]
+    def post(self, gid: int, slot: int, msg: torch.Tensor) -> Any:
         stream = self._streams[gid]
-        producer = self.current_stream()  # read before the context makes `stream` the current one
-        if slot is not None and self.is_sender:
-            self._ready[slot].record(producer)
+        if self.is_sender:
+            self._ready[slot].record(self.current_stream())
         with self.stream_ctx(stream):
-            if slot is not None:
-                stream.wait_event(self._ready[slot] if self.is_sender else self._free[slot])
-            elif after_producer:
-                stream.wait_stream(producer)
-            work = group.broadcast(msg, 0)
+            stream.wait_event(self._ready[slot] if self.is_sender else self._free[slot])
+            work = self._groups[gid].broadcast(msg, 0)
             work.wait()
-            if slot is not None:
-                (self._free[slot] if self.is_sender else self._ready[slot]).record(stream)
+            (self._free[slot] if self.is_sender else self._ready[slot]).record(stream)
         return work
 
     def post_group(self, gid: int, slot: int, msgs: list[torch.Tensor]) -> Any:
@@ -110,41 +122,6 @@ class StreamTransport(ProcessGroupTransport):
         for i, ev in enumerate(self._free[: self.num_buffers]):
             self.wait_event(ev, f"broadcast from buffer {i}")
 
-    # --- unslotted messages ----------------------------------------------------------------------
-    def fresh(self, gid: int, size: int, dtype: torch.dtype = torch.uint8, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """A receive buffer from group `gid`'s stream's memory pool (its earlier users were on that
-        stream, so it may be written there at once), also recorded for the compute stream, which
-        reads it after it lands (the allocator then waits for those reads before reusing it)."""
-        compute = self.current_stream()
-        with self.stream_ctx(self._streams[gid]):
-            t = torch.empty(shape if shape is not None else (size,), dtype=dtype, device=self.device)
-        t.record_stream(compute)
-        return t
-
-    def settle(self, gid: int, work: Any, what: str) -> None:
-        ev = self.new_event()
-        ev.record(self._streams[gid])
-        self.wait_event(ev, what)
-
-    def drain(self, works: list[Any], what: str) -> None:
-        for gid, stream in self._streams.items():
-            ev = self.new_event()
-            ev.record(stream)
-            self.wait_event(ev, f"{what} on group {gid}")
-
-    def landed_event(self, gid: int) -> Any:
-        ev = self.new_event()
-        ev.record(self._streams[gid])
-        return ev
-
-    def wait_landed(self, event: Any) -> None:
-        self.current_stream().wait_event(event)
-
-    @contextmanager
-    def reading(self, gid: int) -> Iterator[None]:
-        with self.stream_ctx(self._streams[gid]):
-            yield
-
     def wait_compute(self, what: str) -> None:
         if not self._streams:  # a hand-off receiver of local senders only: nothing queued here
             return
@@ -153,10 +130,58 @@ class StreamTransport(ProcessGroupTransport):
         self.wait_event(done, what)
 
 
+class StreamFrames(Frames):
+    """Delta frames on a streamed transport's groups: each group's side stream carries its frames
+    in order; the host waits on an event where it reads a header."""
+
+    def __init__(self, transport: StreamTransport) -> None:
+        self.t = transport
+
+    def post(self, gid: int, msg: torch.Tensor, *, after_producer: bool = True) -> Any:
+        t, stream = self.t, self.t._streams[gid]
+        producer = t.current_stream()  # read before the context makes `stream` the current one
+        with t.stream_ctx(stream):
+            if after_producer:
+                stream.wait_stream(producer)
+            work = t.groups[gid].broadcast(msg, 0)
+            work.wait()
+        return work
+
+    def fresh(self, gid: int, size: int, dtype: torch.dtype = torch.uint8, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A receive buffer from group `gid`'s stream's memory pool (its earlier users were on that
+        stream, so it may be written there at once), also recorded for the compute stream, which
+        reads it after it lands (the allocator then waits for those reads before reusing it)."""
+        compute = self.t.current_stream()
+        with self.t.stream_ctx(self.t._streams[gid]):
+            out = torch.empty(shape if shape is not None else (size,), dtype=dtype, device=self.t.device)
+        out.record_stream(compute)
+        return out
+
+    def settle(self, gid: int, work: Any, what: str) -> None:
+        self.t.wait_event(self.landed_event(gid), what)
+
+    def drain(self, works: list[Any], what: str) -> None:
+        for gid in self.t._streams:
+            self.t.wait_event(self.landed_event(gid), f"{what} on group {gid}")
+
+    def landed_event(self, gid: int) -> Any:
+        ev = self.t.new_event()
+        ev.record(self.t._streams[gid])
+        return ev
+
+    def wait_landed(self, event: Any) -> None:
+        self.t.current_stream().wait_event(event)
+
+    def reading(self, gid: int) -> AbstractContextManager[None]:
+        return self.t.stream_ctx(self.t._streams[gid])
+
+
 class NcclTransport(StreamTransport):
     """CUDA process groups with (by default) high-priority streams."""
 
     name = "nccl"
+    Options = NcclOptions
+    device_type = "cuda"
     # An NCCL shutdown finalizes the communicator with its peers: a vLLM worker leaving (inside a
     # `collective_rpc` the trainer waits on) hung there until the trainer's own side closed, which
     # only came after that leave. Nothing is in flight at a leave, so an abort loses nothing.
@@ -166,15 +191,9 @@ class NcclTransport(StreamTransport):
     # of many small tensors (MoE experts) are packed: per-message cost would dominate there.
     default_group_max_tensors = 64
 
-    def __init__(self, *, high_priority: bool = True, **kwargs: Any) -> None:
-        """`high_priority`: NCCL's streams (and ours) get the device's highest stream priority, so
-        the block scheduler starts a bucket's collective ahead of pending blocks of other kernels:
-        in fully-async RL the trainer keeps computing while it syncs. (In the stand-alone bench,
-        where only our own copies compete, it made no measurable difference: bench/RESULTS.md.)"""
-        if not isinstance(high_priority, bool):
-            raise ValueError(f"high_priority must be true or false, got {high_priority!r}")
-        self.high_priority = high_priority
-        super().__init__(**kwargs)
+    def __init__(self, options: TransportOptions, **kwargs: Any) -> None:
+        self.high_priority = options.high_priority if isinstance(options, NcclOptions) else True
+        super().__init__(options, **kwargs)
 
     @classmethod
     def resolve_device(cls, device: str | int | torch.device | None) -> torch.device:
@@ -207,9 +226,3 @@ class NcclTransport(StreamTransport):
     def stream_ctx(self, stream: Any) -> Any:
         return torch.cuda.stream(stream)
 
-
-class NcclCheckpointEngine(PipelinedEngine):
-    """The pipeline over NCCL."""
-
-    transport_cls: ClassVar[type[Transport]] = NcclTransport
-    device_type = "cuda"

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.transports.base import Rendezvous, TransferError
+from ckpt_engine.engine import Rendezvous, TransferError
 from ckpt_engine.transports.transport import Transport
 
 __all__ = ["ProcessGroupTransport"]
@@ -29,8 +29,8 @@ class ProcessGroupTransport(Transport):
     """Whether `close` aborts the groups instead of shutting them down (a shutdown that waits for
     the peers' would deadlock a receiver leaving while its sender waits for that leave)."""
 
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._groups: dict[int, Any] = {}  # gid = sender * num_lanes + lane
         self._group: Any = None  # lane 0's group of this rank's first sender
 

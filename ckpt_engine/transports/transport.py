@@ -17,15 +17,15 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
-from ckpt_engine.transports.base import Rendezvous, TransferError
+from ckpt_engine.engine import Rendezvous, TransferError
 
-__all__ = ["SLACK", "SourceSharing", "Transport"]
+__all__ = ["SLACK", "Frames", "SourceSharing", "Transport", "TransportOptions"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,15 +33,38 @@ SLACK = 64
 """Room after a bucket's data in each slot, for the 8-byte-aligned checksum."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class TransportOptions:
+    """What a transport takes from `checkpoint_engine.engine_kwargs.<backend>` besides the
+    pipeline's options (`pipeline.options.EngineOptions`); a transport with options of its own
+    declares a subclass beside it (`NcclOptions`) as its `Options`."""
+
+    device: str | int | torch.device | None = None
+    """The device this side's slots live on (None: the transport's default)."""
+
+    def __post_init__(self) -> None:
+        if self.device is not None:
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError, ValueError):
+                raise ValueError(f"device must be a device such as 'cpu', 'cuda:0' or an index, got {self.device!r}") from None
+
+
 class Transport(ABC):
     """One rank's end of the weight-sync group's links."""
 
     name: ClassVar[str] = "transport"
-    supports_delta: ClassVar[bool] = True
-    """Whether unslotted messages (`post` with slot None: delta frames) may travel here."""
-    default_solo_bytes: ClassVar[int] = 0
+    Options: ClassVar[type[TransportOptions]] = TransportOptions
+    """This transport's typed options."""
+    device_type: ClassVar[str | None] = None
+    """The kind of device its slots live on ("cpu", "cuda", "npu"; None: any)."""
+    supports_many_senders: ClassVar[bool] = True
+    """Whether ranks [0, num_senders) may each stream the pieces they own."""
+    max_ranks: ClassVar[int | None] = None
+    """The most ranks one group may hold (None: any)."""
+    default_solo_bytes = 0
     """Tensors of at least this size get a bucket of their own (0: never); see `plan_buckets`."""
-    default_group_max_tensors: ClassVar[int] = 0
+    default_group_max_tensors = 0
     """A bucket of at most this many tensors travels as one coalesced group of per-tensor messages
     (0: never). Both sides derive the choice from the manifest, so they must agree on it."""
     default_num_lanes: ClassVar[int] = 1
@@ -49,8 +72,8 @@ class Transport(ABC):
     stable_sources: ClassVar[bool] = True
     """Whether a sender may rely on stable sources (record copy plans, send from their memory)."""
 
-    def __init__(self, *, device: str | int | torch.device | None, bucket_size_bytes: int, num_buffers: int, num_lanes: int, timeout_s: float) -> None:
-        self.device = self.resolve_device(device)
+    def __init__(self, options: TransportOptions, *, bucket_size_bytes: int, num_buffers: int, num_lanes: int, timeout_s: float) -> None:
+        self.device = self.resolve_device(options.device)
         self.bucket_size_bytes = bucket_size_bytes
         self.num_buffers = num_buffers
         self.num_lanes = num_lanes
@@ -149,9 +172,11 @@ class Transport(ABC):
     def close(self) -> None:
         """Leave the group and drop the slots. Safe to call twice."""
 
-    def refuse_delta(self) -> str | None:
-        """Why this transport, as joined, cannot carry a delta sync (None: it can)."""
-        return None if self.supports_delta else f"the {self.name} backend does not do delta syncs (use delta=off)"
+    @property
+    def frames(self) -> Frames | None:
+        """How this transport, as joined, carries delta frames: unslotted messages of any size
+        (None: it carries none, and a delta sync is refused)."""
+        return None
 
     @property
     def source_sharing(self) -> SourceSharing | None:
@@ -180,12 +205,10 @@ class Transport(ABC):
         """Sender: before packing into `slot`, wait until its previous broadcast has left."""
 
     @abstractmethod
-    def post(self, gid: int, slot: int | None, msg: torch.Tensor, *, after_producer: bool = True) -> Any:
+    def post(self, gid: int, slot: int, msg: torch.Tensor) -> Any:
         """One broadcast on group `gid` from its sender: out of slot `slot` (sender) or into it
         (receiver), ordered after the current stream's work and, on receivers, after the slot's
-        previous loader copies. `slot` None: an unslotted message (a delta frame);
-        `after_producer=False`: a receiver's message allocated with `fresh`, which lands without
-        waiting for the compute stream."""
+        previous loader copies."""
 
     @abstractmethod
     def post_group(self, gid: int, slot: int, msgs: list[torch.Tensor]) -> Any:
@@ -209,10 +232,28 @@ class Transport(ABC):
     def drain_slots(self, works: list[Any]) -> None:
         """Sender: every slotted broadcast has left (within the timeout)."""
 
-    # --- unslotted messages (delta frames) -------------------------------------------------------
+    def wait_compute(self, what: str) -> None:
+        """The host waits for the work queued on the current stream so far (the loader's copies,
+        the patches): no-op on host work."""
+
+
+class Frames(ABC):
+    """Delta frames: unslotted messages (a frame header, then its payload) on a transport's groups,
+    which a transport offers as `Transport.frames` where it can carry them.
+
+    Per delta sync, senders `post` their frames in bucket order; receivers allocate each with
+    `fresh`, `post` it, `settle` a header before reading it on the host (`reading`), and order the
+    compute stream after a payload with `landed_event` / `wait_landed`."""
+
+    @abstractmethod
+    def post(self, gid: int, msg: torch.Tensor, *, after_producer: bool = True) -> Any:
+        """One broadcast of `msg` on group `gid` from its sender, ordered after the current
+        stream's work; `after_producer=False`: a receiver's message allocated with `fresh`, which
+        lands without waiting for the compute stream."""
+
+    @abstractmethod
     def fresh(self, gid: int, size: int, dtype: torch.dtype = torch.uint8, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """A receive buffer the group's broadcast may write at once."""
-        return torch.empty(shape if shape is not None else (size,), dtype=dtype, device=self.device)
 
     @abstractmethod
     def settle(self, gid: int, work: Any, what: str) -> None:
@@ -221,7 +262,7 @@ class Transport(ABC):
 
     @abstractmethod
     def drain(self, works: list[Any], what: str) -> None:
-        """Every unslotted broadcast has left (within the timeout)."""
+        """Every frame posted has left (within the timeout)."""
 
     def landed_event(self, gid: int) -> Any:
         """An event after the work queued on group `gid` (None where the host waits instead)."""
@@ -230,14 +271,9 @@ class Transport(ABC):
     def wait_landed(self, event: Any) -> None:
         """The compute stream waits for `landed_event`'s event."""
 
-    @contextmanager
-    def reading(self, gid: int) -> Iterator[None]:
+    def reading(self, gid: int) -> AbstractContextManager[None]:
         """Where a received header is copied to the host: the group's own stream."""
-        yield
-
-    def wait_compute(self, what: str) -> None:
-        """The host waits for the work queued on the current stream so far (the loader's copies,
-        the patches): no-op on host work."""
+        return nullcontext()
 
 
 class SourceSharing(ABC):

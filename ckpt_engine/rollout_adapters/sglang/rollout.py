@@ -32,8 +32,8 @@ from ckpt_engine.rollout_adapters.sglang import failures
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.sources.base import spec_of
-from ckpt_engine.transports.base import Rendezvous
-from ckpt_engine.transports.registry import CheckpointEngineRegistry
+from ckpt_engine.engine import Rendezvous
+from ckpt_engine.registry import CheckpointEngineRegistry
 
 __all__ = ["SGLANG_TRANSPORT", "SglangClient", "SglangRollout", "custom_process_group", "group_name_of", "hf_expected_specs"]
 

@@ -29,7 +29,7 @@ from ckpt_engine.manifest import Bucket, BucketManifest, TensorMeta, TensorSpec,
 from ckpt_engine.planning.ownership import OwnerMap
 from ckpt_engine.rollout_adapters.sglang import failures
 from ckpt_engine.rollout_adapters.sglang.rollout import custom_process_group, group_name_of
-from ckpt_engine.transports.base import CheckpointEngine, Rendezvous, SendStats
+from ckpt_engine.engine import CheckpointEngine, Rendezvous, SendStats
 
 __all__ = ["SglangWireEngine", "plan_flat_buckets"]
 

@@ -25,7 +25,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest, ManifestBudget
 from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, version_of
-from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.engine import Rendezvous
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 
 __all__ = ["PAUSE_MODES", "WORKER_EXTENSION", "VllmHandle"]

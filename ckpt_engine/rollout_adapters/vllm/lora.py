@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.base import JoinOptions
 from ckpt_engine.rollout_adapters.vllm.rollout import VllmRollout
-from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.engine import Rendezvous
 
 if TYPE_CHECKING:
     import vllm

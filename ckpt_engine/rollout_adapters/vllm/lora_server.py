@@ -18,7 +18,7 @@ from ckpt_engine.rollout_adapters.base import JoinOptions
 from ckpt_engine.rollout_adapters.vllm.rollout import VllmServerRollout
 from ckpt_engine.rollout_adapters.vllm.lora import LORA_METHODS, VllmLoraRollout
 from ckpt_engine.rollout_adapters.vllm.lora_names import ServerLoraNames
-from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.engine import Rendezvous
 
 if TYPE_CHECKING:
     from ckpt_engine.planning.regions import ReceivePlan

@@ -46,7 +46,7 @@ from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejec
 from ckpt_engine.rollout_adapters.vllm.clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient, SwapControl
 from ckpt_engine.rollout_adapters.vllm.stage_outcome import Outcomes, clear_outcomes, new_ticket, stop_waiting, wait_outcomes
 from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, REJECTED, after, problems
-from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.engine import Rendezvous
 
 __all__ = ["VllmNativeRollout"]
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
 from ckpt_engine.rollout_adapters.vllm.lora_names import ServerLoraNames
 from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
-from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.engine import Rendezvous
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.base import JoinOptions
 

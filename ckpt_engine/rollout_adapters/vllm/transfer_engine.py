@@ -49,7 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.transports.base import Rendezvous
+from ckpt_engine.engine import Rendezvous
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions
 from ckpt_engine.rollout_adapters.vllm.stage_outcome import check_ticket, report_outcome
 from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, PHASES, REJECTED

@@ -1,4 +1,9 @@
-"""CheckpointEngine: the lifecycle every transport backend implements.
+"""The engine contract: `CheckpointEngine`, the lifecycle of one side of a weight-sync group, and
+what travels with it (`Rendezvous`, `Topology`, `SendStats`, `TransferError`).
+
+It sits above both `pipeline/` (the engine every transport runs under, `PipelinedEngine`) and
+`transports/` (how bytes move): neither imports the other's implementation through it, and the
+registry (`registry.py`) builds an engine for a transport's name.
 
 Collective contract: one weight-sync group holds the sender (rank 0) and every receiver rank. All
 members call `init_process_group` once; then, per sync, the sender calls `send_weights` while every
@@ -109,13 +114,15 @@ class SendStats:
 class CheckpointEngine(ABC):
     """One side (sender or receiver) of the weight-sync group."""
 
-    supports_many_senders = False
+    name: str = "checkpoint engine"
+    """The backend's name, for messages."""
+    supports_many_senders: bool = False
     """Whether ranks [0, num_senders) may each stream the pieces they own (see `plan`)."""
-    supports_delta = False
-    """Whether `send_weights` / `receive_buckets` take a `delta` request (base copies, patches)."""
     device_type: str | None = None
     """The kind of device this backend's tensors live on ("cpu", "cuda", "npu"; None: any), so a
     configured `device` of another kind is refused when the config is loaded."""
+    max_ranks: int | None = None
+    """The most ranks one group may hold (None: any)."""
     device: torch.device | None = None
     """The device this side's buffers live on (None: the backend has none of its own)."""
 
@@ -136,19 +143,26 @@ class CheckpointEngine(ABC):
         computes the same one from the same metadata and ownership)."""
         return plan_buckets(specs, self.bucket_size_bytes, solo_bytes=self.solo_bytes, num_senders=num_senders, owners=owners)
 
-    @classmethod
-    def build_topology(cls, num_senders: int, receiver_world_sizes: Sequence[int]) -> Topology:
+    @property
+    def supports_delta(self) -> bool:
+        """Whether `send_weights` / `receive_buckets` take a `delta` request (base copies, patches)
+        on this engine as joined."""
+        return False
+
+    def build_topology(self, num_senders: int, receiver_world_sizes: Sequence[int]) -> Topology:
         """Pure rank assignment: senders take ranks [0, num_senders), receivers follow in order."""
         if not isinstance(num_senders, int) or isinstance(num_senders, bool) or num_senders < 1:
             raise ValueError(f"num_senders must be an int >= 1, got {num_senders!r}")
-        if num_senders > 1 and not cls.supports_many_senders:
-            raise ValueError(f"{cls.__name__} supports exactly one sender, got {num_senders}")
+        if num_senders > 1 and not self.supports_many_senders:
+            raise ValueError(f"the {self.name} backend supports exactly one sender, got {num_senders}")
         offsets, rank = [], num_senders
         for size in receiver_world_sizes:
             if size < 1:
                 raise ValueError(f"every receiver needs at least one rank, got {size}")
             offsets.append(rank)
             rank += size
+        if self.max_ranks is not None and rank > self.max_ranks:
+            raise ValueError(f"the {self.name} backend holds at most {self.max_ranks} ranks, senders included; got {rank - num_senders} receiver ranks")
         return Topology(num_senders, tuple(offsets), rank)
 
     @abstractmethod

@@ -1,8 +1,10 @@
-"""CheckpointEngineRegistry: name -> transport backend class, loaded lazily.
+"""CheckpointEngineRegistry: backend name -> transport, loaded lazily; `new` builds the engine.
 
-Built-ins are registered by module path so `import ckpt_engine` never imports torch_npu, CUDA
-libraries or other optional packages; third-party backends come from the entry-point group
-`ckpt_engine.backends` or from the `register` decorator.
+A name maps to a `Transport` class, which `new` runs under the one pipelined engine
+(`PipelinedEngine`), or, for a wire of its own that the pipeline cannot speak (SGLang's), to a
+whole `CheckpointEngine` class. Built-ins are registered by module path so `import ckpt_engine`
+never imports torch_npu, CUDA libraries or other optional packages; third-party backends come
+from the entry-point group `ckpt_engine.backends` or from the `register` decorator.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from ckpt_engine.transports.base import CheckpointEngine
+    from ckpt_engine.engine import CheckpointEngine
+    from ckpt_engine.transports.transport import Transport
+
+    Backend = type[Transport] | type[CheckpointEngine]
 
 __all__ = ["CheckpointEngineRegistry", "BackendUnavailableError", "detect_device_type"]
 
@@ -53,29 +58,30 @@ class CheckpointEngineRegistry:
     """Process-wide table of transport backends."""
 
     _lazy: ClassVar[dict[str, str]] = {
-        "gloo": "ckpt_engine.transports.gloo:GlooCheckpointEngine",
-        "nccl": "ckpt_engine.transports.nccl:NcclCheckpointEngine",
-        "hccl": "ckpt_engine.transports.hccl:HcclCheckpointEngine",
-        "colocated": "ckpt_engine.transports.colocated:ColocatedCheckpointEngine",
-        "nccl_handoff": "ckpt_engine.transports.handoff:HandoffCheckpointEngine",
+        "gloo": "ckpt_engine.transports.gloo:GlooTransport",
+        "nccl": "ckpt_engine.transports.nccl:NcclTransport",
+        "hccl": "ckpt_engine.transports.hccl:HcclTransport",
+        "colocated": "ckpt_engine.transports.colocated:ColocatedTransport",
+        "nccl_handoff": "ckpt_engine.transports.handoff:HandoffTransport",
     }
-    _classes: ClassVar[dict[str, type[CheckpointEngine]]] = {}
+    _classes: ClassVar[dict[str, Backend]] = {}
     _failed: ClassVar[dict[str, str]] = {}
     _entry_points_loaded: ClassVar[bool] = False
 
     @classmethod
-    def register(cls, name: str) -> Callable[[type[CheckpointEngine]], type[CheckpointEngine]]:
-        """Class decorator: `@CheckpointEngineRegistry.register("mybackend")`."""
+    def register(cls, name: str) -> Callable[[Backend], Backend]:
+        """Class decorator: `@CheckpointEngineRegistry.register("mybackend")` on a `Transport`."""
 
-        def deco(engine_cls: type[CheckpointEngine]) -> type[CheckpointEngine]:
+        def deco(engine_cls: Backend) -> Backend:
             cls.add(name, engine_cls)
             return engine_cls
 
         return deco
 
     @classmethod
-    def add(cls, name: str, engine_cls: type[CheckpointEngine] | str) -> None:
-        """Register a class, or a 'module:Class' path to import on first use."""
+    def add(cls, name: str, engine_cls: Backend | str) -> None:
+        """Register a `Transport` (or whole `CheckpointEngine`) class, or a 'module:Class' path to
+        import on first use."""
         if not isinstance(name, str) or not name or name == "auto":
             raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
         current = cls._classes.get(name, cls._lazy.get(name))
@@ -111,8 +117,9 @@ class CheckpointEngineRegistry:
         return AUTO_BY_DEVICE[device_type if device_type is not None else detect_device_type()]
 
     @classmethod
-    def get(cls, name: str) -> type[CheckpointEngine]:
-        """The backend class for `name` ('auto' picks by device), importing it if needed."""
+    def get(cls, name: str) -> Backend:
+        """The transport (or whole engine) class for `name` ('auto' picks by device), importing it
+        if needed."""
         cls._load_entry_points()
         name = cls.resolve_name(name)
         if name in cls._classes:
@@ -133,7 +140,26 @@ class CheckpointEngineRegistry:
 
     @classmethod
     def new(cls, name: str, **kwargs: Any) -> CheckpointEngine:
-        return cls.get(name)(**kwargs)
+        """The engine of backend `name`: the pipelined engine over its transport (`kwargs`: the
+        engine's arguments and options, `PipelinedEngine`), or its own engine class."""
+        from ckpt_engine.pipeline.engine import PipelinedEngine
+        from ckpt_engine.transports.transport import Transport
+
+        backend = cls.get(name)
+        if issubclass(backend, Transport):
+            return PipelinedEngine(backend, **kwargs)
+        return backend(**kwargs)
+
+    @classmethod
+    def check_options(cls, name: str, options: dict[str, Any]) -> None:
+        """Refuse, by name, an option backend `name` does not take or a value it would refuse when
+        built (ValueError); nothing is allocated. A whole engine checks its own when built."""
+        from ckpt_engine.pipeline.options import split_options
+        from ckpt_engine.transports.transport import Transport
+
+        backend = cls.get(name)
+        if issubclass(backend, Transport):
+            split_options(backend, options)
 
     @classmethod
     def _unknown_message(cls, name: str | None) -> str:
