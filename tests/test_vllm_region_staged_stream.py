@@ -22,8 +22,8 @@ import json
 import re
 import signal
 import subprocess
-from dataclasses import replace
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest

@@ -19,8 +19,8 @@ from ckpt_engine.fp8.checks import fp8_problems
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest, TensorSpec
-from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.planning.regions import ReceivePlan
+from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 
 __all__ = [
     "STAGES",

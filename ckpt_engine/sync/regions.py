@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import msgpack
 import torch
-from ckpt_engine.rollout_adapters.capabilities import lacking
 
+from ckpt_engine.rollout_adapters.capabilities import lacking
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.pipeline.region_groups import DEFAULT_PARALLEL_SETS, RegionGroups, parallel_sets, send_regions
@@ -143,12 +143,14 @@ class RegionDelivery:
         owners = source.owners() if senders > 1 and isinstance(source, ShardedWeightSource) else None
         why = self._refusal(rollouts, senders, source)
         if why is not None:
-            return self._whole(why)
+            self._whole(why)
+            return None
         key = (manifest.digest, engine.bucket_size_bytes, engine.solo_bytes, tuple(map(_plan_key, self.plans)))
         if key != self._key or self._cached is None:
             self._cached, self._key = self._build(manifest, engine, senders, owners), key
         if senders > 1 and len(msgpack.packb(self._cached.layout.to_wire(), use_bin_type=True)) > MAX_LAYOUT_BYTES:
-            return self._whole(f"the layout is too large to announce to the other senders (more than {MAX_LAYOUT_BYTES} bytes)")
+            self._whole(f"the layout is too large to announce to the other senders (more than {MAX_LAYOUT_BYTES} bytes)")
+            return None
         self.active = self._cached
         width = parallel_sets(self.slot_memory_bytes, engine.num_buffers, engine.bucket_size_bytes, len(self.active.layout.sets))
         if width != self.width:

@@ -15,8 +15,8 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
-from ckpt_engine.rollout_adapters.capabilities import lacking
 
+from ckpt_engine.rollout_adapters.capabilities import lacking
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.sync.fanout import collect_failures
@@ -114,19 +114,19 @@ def discard_all(pool: cf.Executor, rollouts: Sequence[RolloutAdapter], timeout_s
 
 
 def run_order(
-    stage: str | None, stream: Callable[[], T], step: Step, version: int, pause_mode: str, seconds: dict[str, float],
+    stage: str | None, stream: Callable[[], tuple[Any, Any]], step: Step, version: int, pause_mode: str, seconds: dict[str, float],
 ) -> tuple[Any, Any, float]:
     """The engines' side of one sync after validate: staged, stream (every engine serving) then
     swap on every engine (its only pause); else today's pause -> stream -> finalize -> resume.
     Returns what `stream` returned (the sender's stats, the engines' reports) and the stall: the
     engines' largest swap, or pause to resume (0 with pause_mode none: the engines never stop)."""
     if stage is not None:
-        stats, reports = stream()  # type: ignore[misc]
+        stats, reports = stream()
         stalls = step("swap", seconds, lambda r: r.swap(version, pause_mode))
         return stats, reports, max(stalls.values(), default=0.0)
     t = time.perf_counter()
     step("pause", seconds, lambda r: r.pause(pause_mode))
-    stats, reports = stream()  # type: ignore[misc]
+    stats, reports = stream()
     step("finalize", seconds, lambda r: r.finalize(version))
     step("resume", seconds, lambda r: r.resume())
     return stats, reports, time.perf_counter() - t if pause_mode != "none" else 0.0

@@ -29,8 +29,8 @@ import torch
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.rollout_adapters.sglang import failures
-from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
+from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.sources.base import spec_of
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.registry import CheckpointEngineRegistry

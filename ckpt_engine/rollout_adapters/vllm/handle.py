@@ -25,8 +25,8 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest, ManifestBudget
 from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, version_of
-from ckpt_engine.engine import Rendezvous
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
+from ckpt_engine.engine import Rendezvous
 
 __all__ = ["PAUSE_MODES", "WORKER_EXTENSION", "VllmHandle"]
 

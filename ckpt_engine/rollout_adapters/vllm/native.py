@@ -34,15 +34,15 @@ from __future__ import annotations
 import base64
 import logging
 import threading
-from dataclasses import replace
 import time
+from dataclasses import replace
 from collections.abc import Hashable
 from typing import Any
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
-from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
+from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.vllm.clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient, SwapControl
 from ckpt_engine.rollout_adapters.vllm.stage_outcome import Outcomes, clear_outcomes, new_ticket, stop_waiting, wait_outcomes
 from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, REJECTED, after, problems

@@ -20,8 +20,8 @@ from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
 from ckpt_engine.rollout_adapters.vllm.lora_names import ServerLoraNames
 from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
 from ckpt_engine.engine import Rendezvous
-from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.base import JoinOptions
+from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
