@@ -211,3 +211,24 @@ def test_gpu_diff_writes_the_same_patch_and_sums_for_every_tile_shape(rows: int,
             want_order = want_pos[:count].argsort()
             assert torch.equal(pos[:got_count].cpu()[order], want_pos[:count][want_order])
             assert torch.equal(val[:got_count].cpu()[order], want_val[:count][want_order])
+
+
+def test_gpu_kernels_launch_on_their_tensors_device_not_the_current_one() -> None:
+    """A sender's tensors on cuda:1 while cuda:0 is current (an engine in the same process, or the
+    trainer's own choice): the join's warm-up and a patch round-trip run on cuda:1 (Triton launched
+    on the current device refused them: 'Pointer argument cannot be accessed from Triton')."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from ckpt_engine.delta import warm
+
+    torch.cuda.set_device(0)
+    warm.warm_up(torch.device("cuda:1"))
+    assert "cuda:1" in warm.warmed()
+    base, new = changed_images(2, 1 << 16, 0.05, seed=3)
+    with torch.cuda.device(1):
+        want = _gpu_roundtrip(base, new, 2, _impls()[0])
+    torch.cuda.set_device(0)
+    b, nw = base.to("cuda:1"), new.to("cuda:1")
+    out = torch.empty(codec.max_patch_bytes(nw.numel(), 2), dtype=torch.uint8, device="cuda:1")
+    assert codec.encode(b, nw, 2, out) == want
+    assert torch.cuda.current_device() == 0

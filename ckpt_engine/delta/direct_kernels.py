@@ -122,7 +122,8 @@ def diff_pieces(
     for a, made in launches.items():
         if made is not None:
             table, tile_piece, tiles = made
-            _diff_pieces_kernel[(tiles,)](
-                table, tile_piece, base_w, counter, delta, positions_out, values_out, positions_out.numel(),
-                ROWS=kernels.DIFF_ROWS, ALIGN=a, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=kernels.DIFF_NUM_WARPS,
-            )
+            with kernels.on_device_of(base_w):
+                _diff_pieces_kernel[(tiles,)](
+                    table, tile_piece, base_w, counter, delta, positions_out, values_out, positions_out.numel(),
+                    ROWS=kernels.DIFF_ROWS, ALIGN=a, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=kernels.DIFF_NUM_WARPS,
+                )

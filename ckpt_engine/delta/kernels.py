@@ -171,6 +171,13 @@ DIFF_ROWS = 256
 DIFF_NUM_WARPS = 8
 
 
+def on_device_of(t: torch.Tensor) -> torch.cuda.device:
+    """Launch on `t`'s GPU: Triton launches on the current device (and its stream), which a
+    trainer may have left on another GPU than its tensors (an engine on cuda:0 beside a sender on
+    cuda:1 refused every launch: 'Pointer argument cannot be accessed from Triton')."""
+    return torch.cuda.device(t.device)
+
+
 def diff_into(
     new_w: torch.Tensor,
     base_w: torch.Tensor,
@@ -195,10 +202,11 @@ def diff_into(
     words = rows * 32
     nb = (n + words - 1) // words
     if nb:
-        _diff_sparse_kernel[(nb,)](
-            new_w, base_w, n, first, counter, delta, positions_out, values_out, positions_out.numel(),
-            ROWS=rows, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=num_warps,
-        )
+        with on_device_of(new_w):
+            _diff_sparse_kernel[(nb,)](
+                new_w, base_w, n, first, counter, delta, positions_out, values_out, positions_out.numel(),
+                ROWS=rows, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=num_warps,
+            )
 
 
 def pairs_sum(positions: torch.Tensor, values: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -207,7 +215,8 @@ def pairs_sum(positions: torch.Tensor, values: torch.Tensor, old: torch.Tensor) 
     nb = (n + 4095) // 4096
     partial = torch.zeros(max(nb, 1), dtype=torch.int64, device=positions.device)
     if nb:
-        _pairs_sum_kernel[(nb,)](positions, values, old, n, partial, BLOCK=4096, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=8)
+        with on_device_of(positions):
+            _pairs_sum_kernel[(nb,)](positions, values, old, n, partial, BLOCK=4096, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=8)
     return partial.sum()
 
 
@@ -217,9 +226,10 @@ def checksum(words: torch.Tensor) -> torch.Tensor:
     nb = (n + BLOCK_WORDS - 1) // BLOCK_WORDS
     partial = torch.zeros(max(nb, 1), dtype=torch.int64, device=words.device)
     if nb:
-        _checksum_kernel[(nb,)](
-            words, n, partial, BLOCK=BLOCK_WORDS, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, SMALL=words.element_size() <= 2, num_warps=NUM_WARPS
-        )
+        with on_device_of(words):
+            _checksum_kernel[(nb,)](
+                words, n, partial, BLOCK=BLOCK_WORDS, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, SMALL=words.element_size() <= 2, num_warps=NUM_WARPS
+            )
     return partial.sum()
 
 
@@ -229,5 +239,6 @@ def delta_sum(positions: torch.Tensor, values: torch.Tensor, base_w: torch.Tenso
     nb = (n + 4095) // 4096
     partial = torch.zeros(max(nb, 1), dtype=torch.int64, device=positions.device)
     if nb:
-        _delta_sum_kernel[(nb,)](positions, values, base_w, n, partial, BLOCK=4096, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=8)
+        with on_device_of(positions):
+            _delta_sum_kernel[(nb,)](positions, values, base_w, n, partial, BLOCK=4096, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=8)
     return partial.sum()

@@ -127,10 +127,11 @@ class RegionTable:
         outside every region). Positions outside every region are added to `bad`."""
         n = positions.numel()
         if n:
-            _pieces_kernel[(triton.cdiv(n, BLOCK),)](
-                positions, n, self.starts, self.ends, self.rel, self.starts.numel(), self.steps, self.anchor, values, bad,
-                BLOCK=BLOCK, WRITE=write, num_warps=NUM_WARPS,
-            )
+            with kernels.on_device_of(positions):
+                _pieces_kernel[(triton.cdiv(n, BLOCK),)](
+                    positions, n, self.starts, self.ends, self.rel, self.starts.numel(), self.steps, self.anchor, values, bad,
+                    BLOCK=BLOCK, WRITE=write, num_warps=NUM_WARPS,
+                )
 
     def swap_in(self, positions: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """ScatteredImage.swap_in on the device: every old word read (and the checksum change
@@ -143,9 +144,10 @@ class RegionTable:
         bad = torch.zeros(1, dtype=torch.int32, device=device)
         partial = torch.empty(nb, dtype=torch.int64, device=device) if n else torch.zeros(1, dtype=torch.int64, device=device)
         if n:
-            _swap_read_kernel[(nb,)](
-                positions, n, self.starts, self.ends, self.rel, self.starts.numel(), self.steps, self.anchor, values, old, bad,
-                partial, BLOCK=BLOCK, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=NUM_WARPS,
-            )
+            with kernels.on_device_of(positions):
+                _swap_read_kernel[(nb,)](
+                    positions, n, self.starts, self.ends, self.rel, self.starts.numel(), self.steps, self.anchor, values, old, bad,
+                    partial, BLOCK=BLOCK, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=NUM_WARPS,
+                )
             self.move(positions, values, True, bad.new_empty(1))  # scratch: the read counted these already
         return old, bad, partial.sum()
