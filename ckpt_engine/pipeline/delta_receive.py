@@ -94,7 +94,7 @@ class DeltaReceiver:
         if not delta.patches:
             raise ValueError("a staged patch receive takes a patch sync (a delta request with patches); stage a seed as 'full'")
         if self._places(state, destinations) is None:
-            buckets: list[list[object]] = list(self.receive(state, manifest, None, delta))
+            buckets = list(self.receive(state, manifest, None, delta))
 
             def forget() -> None:  # the images hold the discarded version: the next sync seeds them
                 state.bases.sync_id = None
@@ -396,20 +396,22 @@ class DeltaReceiver:
             self.t.broken = True
             raise TransferError(f"{where}: malformed patch: {exc}") from exc
         if places is not None:
-            if bases.sums.get(k) is None or k not in places:
+            base_sum = bases.sums.get(k)
+            if base_sum is None or k not in places:
                 raise TransferError(f"{where}: this rank holds no checksum of the bucket's base; the sync must be dense")
             if staged:  # read-only: the live words at the positions, kept patch for the swap
                 old, bad = places[k].gather(patch.positions)
-                checks.append((where, expect, bases.sums[k] + pair_delta(patch.positions, patch.values, old), bad, patch.unchecked))
+                checks.append((where, expect, base_sum + pair_delta(patch.positions, patch.values, old), bad, patch.unchecked))
                 return StagedPatch(k, expect, patch.values.clone(), old, patch.positions.clone())
             old, bad, change = places[k].swap_in(patch.positions, patch.values)  # reads all, then writes
             undo.append((k, patch.positions, old))
-            checks.append((where, expect, bases.sums[k] + change, bad, patch.unchecked))
+            checks.append((where, expect, base_sum + change, bad, patch.unchecked))
             return patch
         image = bases.images[k][:n]
-        if bases.sums.get(k) is None:
-            bases.sums[k] = codec.checksum(image, word)
-        got = int((bases.sums[k] + codec.delta_checksum(image, patch)).item())
+        base_sum = bases.sums.get(k)
+        if base_sum is None:
+            base_sum = bases.sums[k] = codec.checksum(image, word)
+        got = int((base_sum + codec.delta_checksum(image, patch)).item())
         if got != expect:
             self.t.broken = True
             raise TransferError(_mismatch(where, expect, got))

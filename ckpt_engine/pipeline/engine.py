@@ -32,19 +32,19 @@ class PipelinedEngine(CheckpointEngine):
 
     def __init__(
         self, transport_cls: type[Transport], *, bucket_size_bytes: int, num_buffers: int = 2, timeout_s: float = 300.0,
-        verify: bool = False, **options: Any,
+        verify: bool = False, **engine_kwargs: Any,
     ) -> None:
-        """`options`: `EngineOptions` and the transport's own typed options (`transport_cls.Options`),
-        by name; see `pipeline.options.split_options`."""
+        """`engine_kwargs`: `EngineOptions` and the transport's own typed options
+        (`transport_cls.Options`), by name; see `pipeline.options.split_options`."""
         super().__init__(bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, timeout_s=timeout_s, verify=verify)
-        opts, transport_opts = split_options(transport_cls, options)
+        opts, transport_opts = split_options(transport_cls, engine_kwargs)
         self.name, self.device_type = transport_cls.name, transport_cls.device_type
         self.supports_many_senders, self.max_ranks = transport_cls.supports_many_senders, transport_cls.max_ranks
         lanes = opts.num_lanes if opts.num_lanes is not None else transport_cls.default_num_lanes
         self.transport = transport_cls(
             transport_opts, bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, num_lanes=lanes, timeout_s=timeout_s
         )
-        self.device = self.transport.device
+        self.device: torch.device = self.transport.device
         self.num_lanes = lanes
         self.solo_bytes = (opts.solo_bytes if opts.solo_bytes is not None else self.transport.default_solo_bytes) or None
         self.group_max_tensors = opts.group_max_tensors if opts.group_max_tensors is not None else self.transport.default_group_max_tensors
@@ -170,7 +170,6 @@ class PipelinedEngine(CheckpointEngine):
     def finalize(self) -> None:
         self.transport.close()
         self._state = None  # it holds buffer views and the trainer's tensors
-        self.sender.drop_stage()
 
     def abort(self) -> None:
         """Break the group so peers blocked in a collective fail fast instead of timing out."""

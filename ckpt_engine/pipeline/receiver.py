@@ -127,7 +127,8 @@ class Receiver:
                     out: list[tuple[str, torch.Tensor]] = []
                     for i, (e, view) in enumerate(zip(bucket.entries, views[k])):
                         if e.is_whole:
-                            out.append((e.name, land.get(i) if land.get(i) is not None else view))
+                            dest = land.get(i)
+                            out.append((e.name, dest if dest is not None else view))
                             continue
                         done = chunk_landed(state, e, None if i in land else view, remaining, destinations, device)
                         if done is not None:

@@ -62,9 +62,6 @@ class Sender:
     def last_delta_stats(self) -> dict[str, float]:
         return self.delta.last_stats
 
-    def drop_stage(self) -> None:
-        self.delta.stage = None
-
     def send(
         self, state: PlanState, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool, delta: DeltaRequest | None
     ) -> SendStats:
@@ -75,7 +72,6 @@ class Sender:
         if delta is not None:
             return self.delta.send(state, manifest, weights, stable=stable, delta=delta)
         state.drop_delta()  # a sync outside delta framing: the bases are stale; free their memory
-        self.delta.stage = None
         if self.shared is not None:
             done, weights = self.shared.send(state, manifest, weights, shareable)
             if done is not None:

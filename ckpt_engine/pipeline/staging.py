@@ -132,8 +132,8 @@ class StagedBuckets(StagedVersion):
 
     mode = "patches"
 
-    def __init__(self, buckets: list[list[object]], on_discard: Callable[[], None] | None = None) -> None:
-        self._buckets: list[list[object]] | None = buckets
+    def __init__(self, buckets: Sequence[Bucket], on_discard: Callable[[], None] | None = None) -> None:
+        self._buckets: Sequence[Bucket] | None = buckets
         self._on_discard = on_discard
 
     @property
@@ -144,7 +144,7 @@ class StagedBuckets(StagedVersion):
         if self._buckets is None:
             raise RuntimeError("this staged version was applied or discarded already")
         buckets, self._buckets = self._buckets, None
-        yield from buckets  # type: ignore[misc]
+        yield from buckets
 
     def discard(self) -> None:
         self._buckets = None

@@ -116,10 +116,10 @@ def make_report(
         per_sender = manifest.bytes_per_sender() if senders > 1 else [wire]
         changed = 1.0
     else:
-        own = {k: float(stats.extra[k]) for k in ("wire_bytes", "dense_bytes", "changed_fraction") if k in stats.extra}
+        own: dict[str, float] = {k: float(stats.extra[k]) for k in ("wire_bytes", "dense_bytes", "changed_fraction") if k in stats.extra}
         own.setdefault("wire_bytes", float(manifest.wire_bytes if senders == 1 else sum(b.nbytes for b in manifest.sender_buckets(0))))
         own.setdefault("dense_bytes", own["wire_bytes"])
-        shares = [own, *other_senders]
+        shares: list[Mapping[str, float]] = [own, *other_senders]
         per_sender = [int(f.get("wire_bytes", 0.0)) for f in shares]
         wire = sum(per_sender)
         dense = int(sum(f.get("dense_bytes", 0.0) for f in shares))

@@ -255,7 +255,7 @@ class WeightSyncSession:
 
         def stream() -> tuple[SendStats, dict[str, ReceiveReport]]:
             t = time.perf_counter()
-            out = self._stream.run(self.rollouts, source, engine, manifest, weights, pieces, request, senders, stage)  # type: ignore[arg-type]
+            out = self._stream.run(self.rollouts, source, engine, manifest, weights, pieces, request, senders, stage)
             self._staging = None  # every rank checked every set: a failure from here (a swap) is stale, as a finalize's
             seconds["transfer"] = time.perf_counter() - t
             return out

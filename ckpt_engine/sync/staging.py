@@ -14,7 +14,7 @@ import concurrent.futures as cf
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from ckpt_engine.rollout_adapters.capabilities import lacking
 from ckpt_engine.delta.request import DeltaRequest
@@ -25,7 +25,6 @@ __all__ = ["StagePolicy", "discard_all", "failure_deadline", "run_order"]
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 Step = Callable[[str, dict[str, float], Callable[[RolloutAdapter], Any]], dict[str, Any]]
 """The session's timed engine-wide step (stage name, the sync's seconds, what each engine does)."""
 

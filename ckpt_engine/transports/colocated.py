@@ -97,7 +97,7 @@ class ColocatedTransport(Transport, SourceSharing):
             probe = info.pop("probe", None) if isinstance(info, dict) else None
             descs = validate_descriptors(info, self.num_buffers, size, "the colocated sender")
             self.buffers = map_buffers(self.device, descs, size)
-            store.set("colocated/can_map", b"1" if probe is None or self._maps(probe) else b"0")
+            store.set("colocated/can_map", b"1" if probe is None or self._maps(probe) else b"0")  # type: ignore[arg-type]  # a Store takes bytes too
         self._store = store
         self.broken = False
         logger.info("colocated rank %d mapped %d shared buffers of %d bytes", rank, self.num_buffers, size)

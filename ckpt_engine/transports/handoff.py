@@ -99,13 +99,14 @@ class HandoffTransport(Transport):
     # --- the remote transport's state is this one's ----------------------------------------------
     @classmethod
     def resolve_device(cls, device: str | int | torch.device | None) -> torch.device:
-        return torch.device(device)  # resolved by the remote transport already
+        assert device is not None  # resolved by the remote transport already
+        return torch.device(device)
 
-    rank = property(lambda self: self.remote.rank, lambda self, v: setattr(self.remote, "rank", v))  # type: ignore[assignment]
-    world_size = property(lambda self: self.remote.world_size, lambda self, v: setattr(self.remote, "world_size", v))  # type: ignore[assignment]
-    num_senders = property(lambda self: self.remote.num_senders, lambda self, v: setattr(self.remote, "num_senders", v))  # type: ignore[assignment]
-    buffers = property(lambda self: self.remote.buffers, lambda self, v: setattr(self.remote, "buffers", v))  # type: ignore[assignment]
-    broken = property(lambda self: self.remote.broken, lambda self, v: setattr(self.remote, "broken", v))  # type: ignore[assignment]
+    rank = property(lambda self: self.remote.rank, lambda self, v: setattr(self.remote, "rank", v))
+    world_size = property(lambda self: self.remote.world_size, lambda self, v: setattr(self.remote, "world_size", v))
+    num_senders = property(lambda self: self.remote.num_senders, lambda self, v: setattr(self.remote, "num_senders", v))
+    buffers = property(lambda self: self.remote.buffers, lambda self, v: setattr(self.remote, "buffers", v))
+    broken = property(lambda self: self.remote.broken, lambda self, v: setattr(self.remote, "broken", v))
 
     @property
     def local_senders(self) -> list[int]:

@@ -32,7 +32,7 @@ class HcclTransport(StreamTransport):
         return dev
 
     def make_group(self, store: torch.distributed.Store, rank: int, world_size: int) -> Any:
-        pg_cls = torch_npu._C._distributed_c10d.ProcessGroupHCCL  # type: ignore[attr-defined]
+        pg_cls = torch_npu._C._distributed_c10d.ProcessGroupHCCL
         opts = pg_cls.Options()
         opts._timeout = datetime.timedelta(seconds=self.timeout_s)
         return pg_cls(store, rank, world_size, opts)

@@ -32,7 +32,9 @@ def device_identity(device: torch.device) -> str:
 def share_buffers(device: torch.device, count: int, size: int) -> tuple[list[torch.Tensor], list[dict[str, Any]], list[str]]:
     """`count` uint8 buffers of `size` bytes that a receiver may map: (buffers, descriptors, shm
     files the caller unlinks when it leaves, if the receiver has not done so on mapping them)."""
-    buffers, descs, paths = [], [], []
+    buffers: list[torch.Tensor] = []
+    descs: list[dict[str, Any]] = []
+    paths: list[str] = []
     for _ in range(count):
         if device.type == "cpu":
             fd, path = tempfile.mkstemp(prefix="ckpt-engine-handoff-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)

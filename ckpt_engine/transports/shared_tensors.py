@@ -60,9 +60,8 @@ def describe_tensors(tensors: Sequence[torch.Tensor], device: torch.device) -> d
     out = []
     for t in tensors:
         fd, nbytes = t.untyped_storage()._share_fd_cpu_()  # already shared: its own descriptor, nothing moves
-        out.append(dict(zip(_HOST_FIELDS, (
-            list(t.shape), list(t.stride()), t.storage_offset(), str(t.dtype).removeprefix("torch."), int(fd), int(nbytes)
-        ))))
+        fields: tuple[Any, ...] = (list(t.shape), list(t.stride()), t.storage_offset(), str(t.dtype).removeprefix("torch."), int(fd), int(nbytes))
+        out.append(dict(zip(_HOST_FIELDS, fields)))
     return {"kind": "cpu", "pid": os.getpid(), "tensors": out}
 
 
@@ -100,7 +99,7 @@ def map_tensors(info: Any, device: torch.device) -> list[torch.Tensor]:
     pid = info.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         raise ValueError(f"malformed shared tensors message (pid): {pid!r}")
-    storages: dict[int, torch.UntypedStorage] = {}
+    storages: dict[int, Any] = {}  # torch.UntypedStorage.from_file's
     out = []
     for d in info["tensors"]:
         _check(d, _HOST_FIELDS)
