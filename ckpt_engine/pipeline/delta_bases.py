@@ -16,13 +16,21 @@ import torch
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.engine import TransferError
+from ckpt_engine.transports.transport import Frames, Transport
 
-__all__ = ["DENSE", "FRAME_WORDS", "PATCH", "SEAL_WORD", "Bases", "bases_for", "frame_seal"]
+__all__ = ["DENSE", "FRAME_WORDS", "PATCH", "SEAL_WORD", "Bases", "bases_for", "frame_seal", "frames_of"]
 
 DENSE, PATCH = 0, 1
 FRAME_WORDS = 8  # a bucket's frame header: kind, bytes, checksum of the result, a patch's 32-byte header, the seal
 SEAL_WORD = 7
 """Where the frame header keeps its seal (`frame_seal`)."""
+
+
+def frames_of(transport: Transport) -> Frames:
+    """The transport's delta frames (the engine refused a delta sync where it carries none)."""
+    frames = transport.frames
+    assert frames is not None
+    return frames
 
 
 def frame_seal(kind: int, size: int, bucket_index: int, sync_id: int) -> int:

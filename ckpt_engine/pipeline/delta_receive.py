@@ -42,7 +42,7 @@ from ckpt_engine.delta.pieces import ScatteredImage, pair_delta
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.pipeline.assembly import chunk_landed
-from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, SEAL_WORD, Bases, bases_for, frame_seal
+from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, SEAL_WORD, Bases, bases_for, frame_seal, frames_of
 from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
@@ -50,7 +50,7 @@ from ckpt_engine.pipeline.staging import StagedBuckets, StagedPatch, StagedPatch
 from ckpt_engine.staged import StagedVersion
 from ckpt_engine.pipeline.wire_views import entry_view, flat_bytes, has_wire_layout
 from ckpt_engine.engine import TransferError
-from ckpt_engine.transports.transport import SLACK, Frames, Transport
+from ckpt_engine.transports.transport import SLACK, Transport
 
 __all__ = ["DeltaReceiver"]
 
@@ -67,13 +67,6 @@ class DeltaReceiver:
         self.t = transport
         self.opts = options
         self.last_stats: dict[str, float] = {}
-
-    @property
-    def link(self) -> Frames:
-        """The transport's delta frames (the engine refused this sync if it carries none)."""
-        frames = self.t.frames
-        assert frames is not None
-        return frames
 
     def receive(
         self, state: PlanState, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest
@@ -117,7 +110,7 @@ class DeltaReceiver:
         """Take every frame and check it; then (not `staged`) apply them. `staged`: in place,
         check each patch without writing and keep it (and each dense frame) there instead.
         Returns the in-place images (None: base images)."""
-        t, link = self.t, self.link
+        t, link = self.t, frames_of(self.t)
         sched = state.schedule
         steps = sched.steps
         works: list[Any] = []
@@ -342,9 +335,9 @@ class DeltaReceiver:
         step, kind, size, expect, msg, work, landed, head, bad = pending
         k = step.bucket.index
         if landed is not None:
-            self.link.wait_landed(landed)
+            frames_of(self.t).wait_landed(landed)
         else:
-            self.link.settle(step.gid, work, f"bucket {k} from sender {step.bucket.sender}")
+            frames_of(self.t).settle(step.gid, work, f"bucket {k} from sender {step.bucket.sender}")
         if failure is not None:
             return failure
         if bad is not None:

@@ -30,14 +30,14 @@ from ckpt_engine.delta.layout import PATCH_HEADER_BYTES, Row, header_fields, wor
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.pipeline.fault_hooks import FaultHooks
-from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, SEAL_WORD, Bases, bases_for, frame_seal
+from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, SEAL_WORD, Bases, bases_for, frame_seal, frames_of
 from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.piece_reader import PieceReader, Seen
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
 from ckpt_engine.pipeline.wire_views import entry_view, flat_bytes
 from ckpt_engine.engine import SendStats
-from ckpt_engine.transports.transport import Frames, Transport
+from ckpt_engine.transports.transport import Transport
 
 __all__ = ["DeltaSender", "Frame"]
 
@@ -73,13 +73,6 @@ class DeltaSender:
         self.scatter_below = scatter_below
         self.last_stats: dict[str, float] = {}
 
-    @property
-    def link(self) -> Frames:
-        """The transport's delta frames (the engine refused this sync if it carries none)."""
-        frames = self.t.frames
-        assert frames is not None
-        return frames
-
     def send(
         self, state: PlanState, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool, delta: DeltaRequest
     ) -> SendStats:
@@ -88,7 +81,7 @@ class DeltaSender:
         are queued before bucket k's changed count is read, so the device never idles on that
         host round trip."""
         assert self.t.rank is not None
-        link = self.link
+        link = frames_of(self.t)
         t_start = time.perf_counter()
         sched = state.schedule
         mine, stats = state.own_steps(self.t.rank)
