@@ -8,15 +8,17 @@ quantizing the same bf16 weights holds:
 - sf = amax / 448 (e4m3's largest finite value): the stored `weight_scale_inv`;
 - q = (w * (1 / sf)).to(float8_e4m3fn): a multiply by the reciprocal, not a division (they
   differ in the last bit for some values), rounded to nearest even by the cast.
-Why torch ops: on CUDA the same function runs through `torch.compile` (one fused kernel, the way
-vLLM compiles it); on a CPU it runs eagerly (inductor would take ~20 s to compile it there).
+Why eager torch ops on every device: each op is correctly rounded (IEEE division, round-to-
+nearest-even casts) on CPU and CUDA alike, so the bytes are the same everywhere. A
+`torch.compile(dynamic=True)` build of this function differed from them on 2xH200 / 4xH200 for
+every shape and dtype tried (inductor's float32 division and reciprocal are not correctly
+rounded), recompiled past its limit per shape, and ran at 0.17 TB/s; nothing compiles, so no
+sync pays a compile either.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -50,19 +52,10 @@ def quantize_eager(w: torch.Tensor, block_rows: int = BLOCK[0], block_cols: int 
     return q, sf.view(*lead, br, bc)
 
 
-@functools.cache
-def _compiled() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The kernel through torch.compile (dynamic shapes: one compile serves every weight shape)."""
-    return torch.compile(quantize_eager, dynamic=True)
-
-
 def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize `w` ([out, in], or [experts, out, in]) into block-FP8 on its own device: (q in
     float8_e4m3fn, same shape; scale_inv in float32, [..., ceil(out / block[0]), ceil(in / block[1])]).
-
-    On CUDA the compiled kernel (warm it at the join: `fp8.warm.warm_up`); elsewhere eager ops."""
+"""
     if w.dim() < 2 or not w.is_floating_point():
         raise ValueError(f"block-FP8 quantizes floating-point matrices ([out, in] or [experts, out, in]), got {w.dtype} {tuple(w.shape)}")
-    if w.is_cuda:
-        return _compiled()(w, block[0], block[1])
     return quantize_eager(w, block[0], block[1])

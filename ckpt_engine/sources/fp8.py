@@ -205,9 +205,6 @@ def fp8_wire(source: WeightSource, wire_dtype: str | None) -> WeightSource:
         return source
     if wire_dtype != "fp8":
         raise ValueError(f"checkpoint_engine.wire_dtype must be one of {', '.join(WIRE_DTYPES)} or unset, got {wire_dtype!r}")
-    from ckpt_engine.fp8.warm import warm_up
-
-    warm_up(source.device)  # a CUDA sender compiles its kernel now, before anything pauses
     if isinstance(source, ShardedWeightSource):
         return ShardedFp8WireSource(source)
     return Fp8WireSource(source)
