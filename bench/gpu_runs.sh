@@ -6,6 +6,8 @@
 #           stacks of every Python process dumped by py-spy into $OUT/stacks.txt if a run hangs
 #   vllm-bench - a real CUDA vLLM engine (GPU 0) fed from GPU 1: raw NCCL, vLLM's own packed NCCL
 #           path and ours, Qwen2.5-7B and Qwen3-30B-A3B shapes (bench/vllm_sync_bench.py)
+#   vllm-x4 - on 4 GPUs in one call: vllm-bench (GPUs 2-3) beside the two-GPU vLLM tests (GPUs 0-1),
+#           then the tests that need three GPUs (a TP=2 engine or two FSDP2 ranks beside the engine)
 #   bench - dense and delta syncs of Qwen2.5-7B and Qwen3-30B-A3B shapes over NCCL beside the raw
 #           broadcast, and the FSDP2 shrunk topology (2 trainer ranks, receiver beside rank 1)
 # JSON lands in $OUT (or bench/out/); each step is bounded so one call fits the device's limit.
@@ -32,8 +34,9 @@ vllm)
   python3 -c "import vllm" 2>/dev/null || bash bench/vllm_carry.sh install || exit 1
   export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
   # each failure lands in $out/failures.txt as it happens (bench/pytest_eager.py), and -rA names every outcome
+  # (--timeout: pytest-timeout, on the GPU image, ends one stuck test and lets the rest run)
   EAGER_REPORT=$out/failures.txt timeout "${VLLM_TEST_TIMEOUT:-420}" python -m pytest -v -rA -m gpu -p no:cacheprovider -p bench.pytest_eager \
-    --tb=short tests/test_vllm_cuda.py ${VLLM_TESTS:-} > "$out/vllm_tests.log" 2>&1 &
+    --timeout "${VLLM_PER_TEST_S:-200}" --tb=short ${VLLM_TESTS:-tests/test_vllm_cuda.py} ${VLLM_K:+-k "$VLLM_K"} > "$out/vllm_tests.log" 2>&1 &
   pid=$!; watchdog "${VLLM_HANG_S:-300}" $pid; wait $pid; echo "pytest exit $?"
   grep -E "(PASSED|FAILED|ERROR|SKIPPED)" "$out/vllm_tests.log" | tail -n 30; [ -f "$out/failures.txt" ] && grep -E "^(E  |====)" "$out/failures.txt" | head -n 40
   if [ -n "${VLLM_FP8:-}" ]; then
@@ -53,6 +56,15 @@ vllm-bench)
       --json "$out/vllm_bench_$preset.json" > "$out/vllm_bench_$preset.log" 2>&1 &
     pid=$!; watchdog "${VLLM_HANG_S:-250}" $pid; wait $pid; echo "exit $?"; grep -E "^(raw|vllm_packed|ours|\{)" "$out/vllm_bench_$preset.log" | tail -n 6
   done
+  ;;
+vllm-x4)  # 4 GPUs in one call: vllm-bench on GPUs 2-3 beside the tests that fit GPUs 0-1, then the three-GPU tests
+  python3 -c "import vllm" 2>/dev/null || bash bench/vllm_carry.sh install || exit 1
+  mkdir -p "$out/bench" "$out/two" "$out/three"
+  (CUDA_VISIBLE_DEVICES=2,3 OUT=$out/bench bash "$0" vllm-bench > "$out/bench/run.txt" 2>&1) &
+  b=$!
+  CUDA_VISIBLE_DEVICES=0,1 OUT=$out/two VLLM_TEST_TIMEOUT=${VLLM_TWO_S:-300} VLLM_HANG_S=280 bash "$0" vllm
+  wait $b; tail -n 12 "$out/bench/run.txt"
+  OUT=$out/three VLLM_TEST_TIMEOUT=${VLLM_THREE_S:-240} VLLM_HANG_S=220 VLLM_K="tp2_server or (fsdp2 and not handoff)" bash "$0" vllm
   ;;
 one)
   timeout 240 python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests 2>&1 | tail -n 25
