@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import torch
 
 from ckpt_engine.rollout_adapters import torch_ref
+from ckpt_engine.rollout_adapters.load_gate import HOLD_ENV
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sources.base import StateDictSource
 from helpers_procs import fork_program
@@ -50,9 +51,12 @@ def second_handle(engine: TorchRefRollout, timeout_s: float | None = None, *, ow
     return TorchRefRollout(engine.name, engine.rpc.host, engine.rpc.port, process, timeout, **kwargs)
 
 
-def spawn_with_timeout(spec_file: str, name: str, timeout_s: float, load_delay_s: float = 0.0, stderr_path: str | None = None) -> TorchRefRollout:
-    """A reference engine whose control calls time out after `timeout_s` (its start may take longer)."""
-    started = spawn_engine(name, spec_file=spec_file, load_delay_s=load_delay_s, timeout_s=60, stderr_path=stderr_path)
+def spawn_with_timeout(
+    spec_file: str, name: str, timeout_s: float, load_delay_s: float = 0.0, stderr_path: str | None = None, hold_file: str | None = None,
+) -> TorchRefRollout:
+    """A reference engine whose control calls time out after `timeout_s` (its start may take longer);
+    `hold_file`: its loads wait while that file exists (load_gate.py)."""
+    started = spawn_engine(name, spec_file=spec_file, load_delay_s=load_delay_s, timeout_s=60, stderr_path=stderr_path, hold_file=hold_file)
     handle = second_handle(started, timeout_s, own_process=True)
     started.rpc.close()
     started._probe.close()
@@ -72,7 +76,7 @@ def spawn_engine(
     name: str, *, spec_file: str | None = None, model_dir: str | None = None, dtype: str = "float32", load_delay_s: float = 0.0,
     timeout_s: float = 120.0, token: str | None = None, port: int = 0, stderr_path: str | None = None,
     layout: dict[str, int] | None = None, staging_budget_bytes: int | None = None, step_interval_s: float | None = None,
-    handle: type[TorchRefRollout] = TorchRefRollout,
+    handle: type[TorchRefRollout] = TorchRefRollout, hold_file: str | None = None,
 ) -> TorchRefRollout:
     """`TorchRefRollout.spawn` for tests: the reference receiver's own `main` with the same
     arguments, in a process forked from the preloaded server (milliseconds) instead of a new
@@ -90,7 +94,8 @@ def spawn_engine(
         argv += ["--step-interval-s", str(float(step_interval_s))]
     for key, value in (layout or {}).items():
         argv += [f"--{key.replace('_', '-')}", str(int(value))]
-    program = fork_program("ckpt_engine.rollout_adapters.torch_ref:main", argv, f"engine-{name}", env={torch_ref.TOKEN_ENV: token}, stderr_path=stderr_path)
+    env = {torch_ref.TOKEN_ENV: token, **({HOLD_ENV: hold_file} if hold_file else {})}
+    program = fork_program("ckpt_engine.rollout_adapters.torch_ref:main", argv, f"engine-{name}", env=env, stderr_path=stderr_path)
     line = program.read_line(torch_ref.READY_PREFIX, timeout_s)
     if line is None:
         program.process.kill()

@@ -34,11 +34,10 @@ receivers' answers and a health probe of each engine (each bounded by timeout_s)
 REPEAT = 3
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=TIMEOUT_S, stage="off")  # today's order: paused for the whole sync
 LOAD_DELAY_S = 0.02  # per bucket: a sync streams for a while, so the fault lands mid-stream
-VICTIM_DELAY_S = 0.2  # per bucket for the engine that is killed or stopped: surely mid-stream
 
 
-def spawn(spec_file: str, name: str, load_delay_s: float = LOAD_DELAY_S, stderr_path: str | None = None) -> TorchRefRollout:
-    return spawn_with_timeout(spec_file, name, TIMEOUT_S, load_delay_s, stderr_path)
+def spawn(spec_file: str, name: str, load_delay_s: float = LOAD_DELAY_S, stderr_path: str | None = None, hold_file: Path | None = None) -> TorchRefRollout:
+    return spawn_with_timeout(spec_file, name, TIMEOUT_S, load_delay_s, stderr_path, str(hold_file) if hold_file else None)
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +91,19 @@ def sync_in_thread(session: WeightSyncSession, src: StateDictSource) -> tuple[th
     return t, errors
 
 
+def start_held(session: WeightSyncSession, src: StateDictSource, victim: TorchRefRollout, hold: Path) -> tuple[threading.Thread, list[BaseException]]:
+    """Start a sync whose first bucket load on `victim` waits while `hold` exists (load_gate.py);
+    returns once the victim is surely mid-stream, whatever the box's speed (a fixed per-bucket delay
+    raced it: issue 42). The caller acts on the victim, then removes `hold`."""
+    hold.touch()
+    t, errors = sync_in_thread(session, src)
+    deadline = time.monotonic() + 20
+    while not victim.health()["held"]:
+        assert time.monotonic() < deadline and t.is_alive(), ("the sync never reached the victim", errors)
+        time.sleep(0.005)
+    return t, errors
+
+
 def wait_streaming(engine: TorchRefRollout, before: int) -> None:
     deadline = time.monotonic() + 20
     while engine.health()["buckets_received"] < before + 2:
@@ -99,17 +111,16 @@ def wait_streaming(engine: TorchRefRollout, before: int) -> None:
         time.sleep(0.005)
 
 
-def test_receiver_sigkill(spec_file: str, pair: list[TorchRefRollout]) -> None:
-    seed = 100
+def test_receiver_sigkill(spec_file: str, pair: list[TorchRefRollout], tmp_path: Path) -> None:
+    seed, hold = 100, tmp_path / "hold"
     for _ in range(REPEAT):
-        victim = spawn(spec_file, "victim", VICTIM_DELAY_S)
+        victim = spawn(spec_file, "victim", hold_file=hold)
         try:
             session = WeightSyncSession([*pair, victim], CFG)
             base = session.sync(source(seed)).version
-            before = victim.health()["buckets_received"]
-            t, errors = sync_in_thread(session, source(seed + 1))
-            wait_streaming(victim, before)
+            t, errors = start_held(session, source(seed + 1), victim, hold)
             victim.process.send_signal(signal.SIGKILL)
+            hold.unlink()
             fault = time.monotonic()
             t.join(TIMEOUT_S + GRACE_S + 10)
             elapsed = time.monotonic() - fault
@@ -126,18 +137,17 @@ def test_receiver_sigkill(spec_file: str, pair: list[TorchRefRollout]) -> None:
         assert assert_healed(pair, seed).version > base
 
 
-def test_receiver_sigstop_past_the_timeout(spec_file: str, pair: list[TorchRefRollout]) -> None:
-    seed = 200
-    victim = spawn(spec_file, "victim", VICTIM_DELAY_S)
+def test_receiver_sigstop_past_the_timeout(spec_file: str, pair: list[TorchRefRollout], tmp_path: Path) -> None:
+    seed, hold = 200, tmp_path / "hold"
+    victim = spawn(spec_file, "victim", hold_file=hold)
     engines = [*pair, victim]
     try:
         for _ in range(REPEAT):
             session = WeightSyncSession(engines, CFG)
             base = session.sync(source(seed)).version
-            before = victim.health()["buckets_received"]
-            t, errors = sync_in_thread(session, source(seed + 1))
-            wait_streaming(victim, before)
+            t, errors = start_held(session, source(seed + 1), victim, hold)
             victim.process.send_signal(signal.SIGSTOP)
+            hold.unlink()  # seen once it is woken: its receive then runs into its timeout
             fault = time.monotonic()
             try:
                 t.join(TIMEOUT_S + GRACE_S + 10)
@@ -268,16 +278,16 @@ def test_staged_receiver_sigstop_ends_within_the_bound(tmp_path: Path) -> None:
     own after the rest, 4 x timeout_s in all)."""
     spec = str(tmp_path / "big.msgpack")
     write_spec_file(spec, StateDictSource(_big(0)).metadata())
-    engines = [spawn(spec, f"big{i}", 0.0) for i in range(2)] + [spawn(spec, "victim", 0.05)]
+    hold = tmp_path / "hold"
+    engines = [spawn(spec, f"big{i}", 0.0) for i in range(2)] + [spawn(spec, "victim", 0.0, hold_file=hold)]
     victim, seed = engines[-1], 500
     try:
         for _ in range(REPEAT):
             session = WeightSyncSession(engines, STAGED)
             base = session.sync(StateDictSource(_big(seed))).version
-            before = victim.health()["buckets_received"]
-            t, errors = sync_in_thread(session, StateDictSource(_big(seed + 1)))
-            wait_streaming(victim, before)
+            t, errors = start_held(session, StateDictSource(_big(seed + 1)), victim, hold)
             victim.process.send_signal(signal.SIGSTOP)
+            hold.unlink()
             fault = time.monotonic()
             try:
                 t.join(TIMEOUT_S + GRACE_S + 10)

@@ -37,12 +37,14 @@ from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.delta.warm import warmed
 from ckpt_engine.engine import Rendezvous
+from ckpt_engine.installed import InstalledReport, InstalledRequest, digest_held
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, held_in
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.engine_lease import EngineLease
+from ckpt_engine.rollout_adapters.load_gate import LoadGate
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.ref_models import RefModel, load_spec_file, write_spec_file
 from ckpt_engine.rollout_adapters.ref_steps import EngineSteps, staging_room
@@ -73,7 +75,7 @@ class TorchRefWorker:
     ) -> None:
         self.tensors = tensors
         self.model = model
-        self.load_delay_s = load_delay_s
+        self.gate = LoadGate.from_env(load_delay_s)
         self.plan = plan
         self.regions: dict[str, Region | None] = {}
         """The one region of each held tensor (None: whole), as `plan` says."""
@@ -108,8 +110,8 @@ class TorchRefWorker:
     def load_bucket(self, pairs: list[tuple[str, torch.Tensor]], into: dict[str, torch.Tensor] | None = None, delay: bool = True) -> int:
         """Whole tensors (a sync without region delivery): a sharded rank keeps its slices.
         `into`: the tensors to load (default: the live ones; a staging copy for `stage="full"`)."""
-        if self.load_delay_s and delay:
-            time.sleep(self.load_delay_s)
+        if delay:
+            self.gate.pass_through()
         if self.plan is not None:
             pairs = [(n, cut_region(t, self.regions[n])) for n, t in pairs if n in self.regions]
         target = into if into is not None else self.tensors
@@ -120,8 +122,8 @@ class TorchRefWorker:
         self, items: list[tuple[str, Region | None, torch.Tensor]], into: dict[str, torch.Tensor] | None = None, delay: bool = True,
     ) -> int:
         """Region delivery: each item is one of this rank's regions, in the region's shape."""
-        if self.load_delay_s and delay:
-            time.sleep(self.load_delay_s)
+        if delay:
+            self.gate.pass_through()
         target = into if into is not None else self.tensors
         batched_copy_([target[n] for n, _, _ in items], [t for _, _, t in items])
         return len(items)
@@ -143,6 +145,7 @@ class TorchRefWorker:
             "swap": self._versioned(self.swap),
             "discard": self._owned(self.receiver.discard),
             "staging_room": self._owned(self.staging_room),
+            "installed": self._owned(lambda request: digest_held(self.tensors, self.regions, InstalledRequest.from_wire(request)).to_wire()),
             "claim": self.claim,
             "release": self.lease.release,
             "health": self.health,
@@ -266,6 +269,7 @@ class TorchRefWorker:
             "stale": self.stale,
             "receiving": self.receiving,
             "buckets_received": self.receiver.buckets_received,
+            "held": self.gate.held,  # a load waits on the hold file (load_gate.py)
             "owned": self.lease.owned,
             "staged": self.receiver.staged,
             "staging_copy_bytes": self.receiver.staging.nbytes,  # what the staging copy holds (the last staged dense sync's tensors)
@@ -283,7 +287,7 @@ class TorchRefRollout(RolloutAdapter):
     """Controller handle of one reference receiver process."""
 
     world_size = 1
-    capabilities = EngineCapabilities(delta=True, many_senders=True, regions=True, stages=True, stages_regions=True, claims=True)
+    capabilities = EngineCapabilities(delta=True, many_senders=True, regions=True, stages=True, stages_regions=True, installed=True, claims=True)
 
     def __init__(
         self, name: str, host: str, port: int, process: subprocess.Popen[str] | None, timeout_s: float, *, token: str | None = None
@@ -411,6 +415,9 @@ class TorchRefRollout(RolloutAdapter):
     def steps(self, since: int = 0) -> list[tuple[int, float, float, int | None, str]]:
         """The engine's step records from step `since` on: (index, start, end, version, weights digest)."""
         return [tuple(r) for r in self.rpc.call("steps", index=since)]  # type: ignore[misc]
+
+    def installed_digests(self, request: InstalledRequest) -> list[InstalledReport]:
+        return [InstalledReport.from_wire(self._call("installed", timeout_s=self.timeout_s * 2, request=request.to_wire()))]
 
     def finalize(self, version: int) -> None:
         self._call("finalize", version=version)
