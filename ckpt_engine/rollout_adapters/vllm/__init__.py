@@ -1,10 +1,9 @@
-"""vLLM: the handles a trainer holds (`VllmRollout`: an in-process `LLM`, `VllmServerRollout`: a
-dev-mode `vllm serve`, both with the worker extension `WORKER_EXTENSION`; `VllmNativeRollout`:
-vLLM's own weight-transfer API) and the worker side they drive (`worker.py`, `transfer_engine.py`,
+"""vLLM: the handles a trainer holds (`VllmRollout` over a channel, an in-process `LLM` or a
+dev-mode `vllm serve` (`VllmServerRollout`), with the worker extension `WORKER_EXTENSION`;
+`VllmNativeRollout`: vLLM's own weight-transfer API) and the worker side they drive (`worker.py`, `transfer_engine.py`,
 `receiver.py`). Importing this package imports no vLLM; docs/vllm.md."""
 
-from ckpt_engine.rollout_adapters.vllm.handle import WORKER_EXTENSION
 from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
-from ckpt_engine.rollout_adapters.vllm.rollout import VllmRollout, VllmServerRollout
+from ckpt_engine.rollout_adapters.vllm.rollout import WORKER_EXTENSION, VllmRollout, VllmServerRollout
 
 __all__ = ["WORKER_EXTENSION", "VllmNativeRollout", "VllmRollout", "VllmServerRollout"]

@@ -1,21 +1,28 @@
-"""Control clients for vLLM's weight-transfer API: a dev-mode `api_server` over HTTP, or an
-in-process `vllm.LLM`.
+"""The channels to one vLLM engine: a dev-mode `api_server` over HTTP, or an in-process `vllm.LLM`.
 
-Both satisfy vLLM's `VLLMWeightSyncClient` (the four weight-update calls) and add `EngineControl`
-(pause, resume, prefix-cache reset, weight version, weight checksums), all through vLLM's own
-routes or `LLM` methods, so `CkptEngineTrainerWeightTransferEngine` can keep an engine from serving
-a mix of two versions. Any other `VLLMWeightSyncClient` works too; then the caller pauses and
-resets caches itself.
+Each carries vLLM's four weight-update calls (`VLLMWeightSyncClient`, what `VllmNativeRollout` and
+`CkptEngineTrainerWeightTransferEngine` drive), `EngineControl` (pause, resume, prefix-cache reset,
+weight version, weight checksums) and what the worker-extension handle (`VllmRollout`) needs beside
+them: `collective_rpc` to every worker, the engine's version stamp, its world size, health and
+vLLM release. All go through vLLM's own routes or `LLM` methods. Any other `VLLMWeightSyncClient`
+works with `VllmNativeRollout` too; then the caller pauses and resets caches itself.
 """
 
 from __future__ import annotations
 
+import base64
+import concurrent.futures as cf
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from urllib.parse import urlsplit
+
+from ckpt_engine.rollout_adapters.vllm.compat import VllmFeatures, features_of
 
 if TYPE_CHECKING:
     import vllm
 
-__all__ = ["EngineControl", "HTTPWeightSyncClient", "LLMWeightSyncClient", "PAUSE_MODES", "SwapControl"]
+__all__ = ["Channel", "EngineControl", "HTTPWeightSyncClient", "LLMWeightSyncClient", "PAUSE_MODES", "SwapControl"]
 
 # ckpt-engine pause modes -> vLLM's (`keep` freezes requests in place, `abort` drops them;
 # `recompute` freezes them, and `reset_prefix_cache(running=True)` after the load preempts them:
@@ -31,8 +38,9 @@ class EngineControl(Protocol):
 
     def resume(self) -> None: ...
 
-    def reset_prefix_cache(self, running: bool = False) -> None:
-        """Drop the prefix cache; `running`: also preempt running requests (they re-prefill)."""
+    def reset_prefix_cache(self, running: bool = False) -> bool:
+        """Drop the prefix cache; `running`: also preempt running requests (they re-prefill).
+        False when vLLM refused (blocks still held by in-flight requests)."""
         ...
 
     def weight_version(self) -> str: ...
@@ -48,6 +56,33 @@ class SwapControl(Protocol):
     def resume_after_swap(self) -> None: ...
 
 
+class Channel(EngineControl, SwapControl, Protocol):
+    """Both clients below: what `VllmRollout` drives its workers and its engine through."""
+
+    side_calls: bool
+    """Whether the cache reset and the version stamp may run beside a long `collective_rpc` (they
+    go over a connection of their own)."""
+    local: bool
+    """Whether the engine's worker processes run on this host (their pids can be checked)."""
+
+    @property
+    def features(self) -> VllmFeatures: ...
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]: ...
+
+    def encode(self, data: bytes) -> Any: ...
+
+    def set_weight_version(self, version: str) -> None: ...
+
+    def engine_key(self) -> Hashable: ...
+
+    def world_size(self) -> int: ...
+
+    def health(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
 def _vllm_pause_mode(mode: str) -> str:
     if mode not in PAUSE_MODES:
         raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
@@ -56,14 +91,21 @@ def _vllm_pause_mode(mode: str) -> str:
 
 class HTTPWeightSyncClient:
     """vLLM's weight-update routes and `VLLM_SERVER_DEV_MODE=1` routes over HTTP (the calls of vLLM's
-    `HTTPVLLMWeightSyncClient`, without importing vLLM); errors carry the server's answer."""
+    `HTTPVLLMWeightSyncClient`, without importing vLLM); errors carry the server's answer. `session`:
+    the connection for the calls (health checks and the calls beside a swap's load have their own)."""
 
-    def __init__(self, base_url: str, timeout: float = 300.0) -> None:
+    side_calls = True
+
+    def __init__(self, base_url: str, timeout: float = 300.0, session: Any = None) -> None:
         import requests
 
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self.http = requests.Session()
+        self.http = session if session is not None else requests.Session()
+        self._probe = requests.Session()  # health checks must not share a connection with a receive
+        self._side = requests.Session()  # the cache reset and version stamp beside a swap's load
+        self._features: VllmFeatures | None = None
+        self.local = urlsplit(self.base_url).hostname in ("127.0.0.1", "localhost", "::1")
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._request("POST", "init_weight_transfer_engine", json={"init_info": init_info})
@@ -80,12 +122,15 @@ class HTTPWeightSyncClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._request("POST", "finish_weight_update", json={"weight_version": weight_version} if weight_version is not None else None)
 
-    def _request(self, verb: str, path: str, json: Any = None, params: dict[str, Any] | None = None) -> Any:
-        resp = self.http.request(verb, f"{self.base_url}/{path.lstrip('/')}", json=json, params=params, timeout=self.timeout)
+    def _request(
+        self, verb: str, path: str, json: Any = None, params: dict[str, Any] | None = None, timeout: float | None = None, via: Any = None
+    ) -> Any:
+        http = via if via is not None else self.http
+        resp = http.request(verb, f"{self.base_url}/{path.lstrip('/')}", json=json, params=params, timeout=timeout or self.timeout)
         if resp.status_code != 200:
             # vLLM's server may drop the connection after a route raised; a pooled one would then
             # fail the next request with a reset.
-            self.http.close()
+            http.close()
             raise RuntimeError(f"vLLM at {self.base_url}: {verb} /{path.lstrip('/')} answered {resp.status_code}: {resp.text[:2000]}")
         return resp.json() if resp.content else None
 
@@ -106,8 +151,9 @@ class HTTPWeightSyncClient:
         if isinstance(reply, dict) and reply.get("status") != "awake":
             raise RuntimeError(f"vLLM at {self.base_url}: /wake_up?tags=scheduling after the swap left it {reply.get('status')!r}")
 
-    def reset_prefix_cache(self, running: bool = False) -> None:
-        self._request("POST", "reset_prefix_cache", params={"reset_running_requests": "true"} if running else None)
+    def reset_prefix_cache(self, running: bool = False) -> bool:
+        reply = self._request("POST", "reset_prefix_cache", params={"reset_running_requests": "true"} if running else None, via=self._side)
+        return not (isinstance(reply, dict) and reply.get("success") is False)
 
     def weight_version(self) -> str:
         return str(self._request("GET", "weight_info")["weight_version"])
@@ -121,19 +167,73 @@ class HTTPWeightSyncClient:
         reply = self._request("POST", "weight_checker", json={"action": "compare", "baseline": baseline})
         return bool(reply["match"]), list(reply["mismatches"])
 
+    # --- the worker extension's channel (dev-mode routes) --------------------------------------
+    @property
+    def features(self) -> VllmFeatures:
+        """The server's vLLM release's features (asked once, at first use: `/version`)."""
+        if self._features is None:
+            self._features = features_of(str(self._request("GET", "version", timeout=min(self.timeout, 10.0), via=self._probe)["version"]))
+        return self._features
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
+        body = {"method": method, "kwargs": kwargs, "timeout": timeout_s}
+        reply = self._request("POST", "collective_rpc", json=body, timeout=timeout_s + 10.0)
+        results = reply.get("results") if isinstance(reply, dict) else None
+        if not isinstance(results, list):
+            raise RuntimeError(f"vLLM at {self.base_url}: /collective_rpc {method} returned {reply!r:.200}")
+        return results
+
+    def encode(self, data: bytes) -> Any:
+        return base64.b64encode(data).decode("ascii")  # the route carries JSON only
+
+    def set_weight_version(self, version: str) -> None:
+        if self.features.engine_weight_versions:  # else only the workers hold it (vllm/compat.py)
+            self._request("POST", "update_weight_version", json={"new_version": version}, via=self._side)
+
+    def engine_key(self) -> Hashable:
+        return ("vllm-http", self.base_url)
+
+    def world_size(self) -> int:
+        reply = self._request("GET", "get_world_size", params={"include_dp": "false"}, timeout=min(self.timeout, 10.0), via=self._probe)
+        return int(reply["world_size"])
+
+    def health(self) -> None:
+        self._request("GET", "health", timeout=min(self.timeout, 5.0), via=self._probe)
+
     def close(self) -> None:
         self.http.close()
+        self._probe.close()
+        self._side.close()
 
 
 class LLMWeightSyncClient:
-    """The same calls on an in-process `vllm.LLM` (its RL methods and engine-core utilities).
+    """The same calls on an in-process `vllm.LLM` (its RL methods, `collective_rpc` and engine-core
+    utilities), each waited on for at most `timeout` seconds.
 
     Call the trainer side from a thread other than one generating with the same `LLM`: control
     calls queue behind a running `generate`.
     """
 
-    def __init__(self, llm: vllm.LLM) -> None:
+    side_calls = False
+    local = True
+
+    def __init__(self, llm: vllm.LLM, timeout: float = 300.0) -> None:
         self.llm = llm
+        self.timeout = timeout
+        self.features = features_of()
+        # Control calls run here so that each wait has a deadline (`_bounded`); a few threads, so
+        # a call stuck in a worker does not hold the next one.
+        self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="vllm-rpc")
+
+    def _bounded(self, what: str, timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`fn(...)` waited on for at most `timeout_s` (+ a grace second): vLLM's engine-core client
+        waits on a utility call's answer with no deadline (0.26 ignores `collective_rpc`'s
+        timeout), so a worker stuck in a method would hold the trainer forever."""
+        future = self._calls.submit(fn, *args, **kwargs)
+        try:
+            return future.result(timeout=timeout_s + 1.0)
+        except cf.TimeoutError:
+            raise TimeoutError(f"vLLM {what} did not answer within {timeout_s:.0f}s") from None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
@@ -153,7 +253,7 @@ class LLMWeightSyncClient:
     def _utility(self, method: str, *args: Any) -> Any:
         core = self.llm.llm_engine.engine_core
         if hasattr(core, "call_utility"):
-            return core.call_utility(method, *args)
+            return self._bounded(method, self.timeout, core.call_utility, method, *args)
         return getattr(core.engine_core, method)(*args)  # in-process engine core
 
     def pause(self, mode: str) -> None:
@@ -168,8 +268,8 @@ class LLMWeightSyncClient:
     def resume_after_swap(self) -> None:
         self.resume()
 
-    def reset_prefix_cache(self, running: bool = False) -> None:
-        self.llm.reset_prefix_cache(running)
+    def reset_prefix_cache(self, running: bool = False) -> bool:
+        return bool(self.llm.reset_prefix_cache(running))
 
     def weight_version(self) -> str:
         return str(self.llm.get_weight_version())
@@ -179,3 +279,29 @@ class LLMWeightSyncClient:
         for worker in self.llm.collective_rpc("compute_weight_checksums"):
             checksums.update(worker)
         return checksums
+
+    # --- the worker extension's channel ---------------------------------------------------------
+    def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
+        return list(self._bounded(method, timeout_s, self.llm.collective_rpc, method, timeout=timeout_s, kwargs=kwargs))
+
+    def encode(self, data: bytes) -> Any:
+        return data
+
+    def set_weight_version(self, version: str) -> None:
+        if self.features.engine_weight_versions:  # else only the workers hold it (vllm/compat.py)
+            self.llm.update_weight_version(version)
+
+    def engine_key(self) -> Hashable:
+        return ("vllm", id(self.llm))
+
+    def world_size(self) -> int:
+        parallel = self.llm.llm_engine.vllm_config.parallel_config
+        return int(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
+
+    def health(self) -> None:
+        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
+        if resources is not None and getattr(resources, "engine_dead", False):
+            raise RuntimeError("vLLM engine core is dead")
+
+    def close(self) -> None:
+        """Nothing to close: the `LLM` is its caller's."""

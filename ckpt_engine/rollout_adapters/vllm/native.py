@@ -107,10 +107,8 @@ class VllmNativeRollout(RolloutAdapter):
 
     def engine_key(self) -> Hashable:
         """The engine behind the client: its URL, or the `LLM` object (else this handle)."""
-        if isinstance(self.client, HTTPWeightSyncClient):
-            return ("vllm-http", self.client.base_url)
-        if isinstance(self.client, LLMWeightSyncClient):
-            return ("vllm", id(self.client.llm))
+        if isinstance(self.client, (HTTPWeightSyncClient, LLMWeightSyncClient)):
+            return self.client.engine_key()
         return super().engine_key()
 
     def take_over(self, previous: RolloutAdapter) -> None:
