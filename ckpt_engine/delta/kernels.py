@@ -9,6 +9,8 @@ the compare follows the changed words, not the image.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -171,11 +173,12 @@ DIFF_ROWS = 256
 DIFF_NUM_WARPS = 8
 
 
-def on_device_of(t: torch.Tensor) -> torch.cuda.device:
+def on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
     """Launch on `t`'s GPU: Triton launches on the current device (and its stream), which a
     trainer may have left on another GPU than its tensors (an engine on cuda:0 beside a sender on
-    cuda:1 refused every launch: 'Pointer argument cannot be accessed from Triton')."""
-    return torch.cuda.device(t.device)
+    cuda:1 refused every launch: 'Pointer argument cannot be accessed from Triton'). Tensors off
+    CUDA (Triton's CPU interpreter in tests) launch as they are."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def diff_into(
