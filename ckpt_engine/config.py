@@ -33,6 +33,7 @@ DELTA_MODES = ("off", "auto", "on")
 STAGE_MODES = ("auto", "patches", "full", "off")
 SENDER_MODES = ("rank0", "all", "per_stage")
 WEIGHT_MODES = ("full", "adapters")
+UNWRITTEN_MODES = ("warn", "error")
 WIRE_DTYPES = ("fp8",)
 """`wire_dtype` values besides unset: `fp8` = block-FP8 (`ckpt_engine/sources/fp8.py`)."""
 _RETIRED_KEYS = {
@@ -111,6 +112,19 @@ class CheckpointEngineConfig:
     `<name>_scale_inv` per 128 x 128 block, as FP8 checkpoints and vLLM's block-FP8 loader hold them;
     norms, embeddings, the LM head, biases and routers as they are), for engines holding an FP8
     model. See docs/fp8.md."""
+    verify_installed: str | int = "first"
+    """Installed-weight checks (docs/guarantees.md): after the stream, every engine rank digests what
+    it installed, in its own layout, and the trainer the same regions of the source; a difference
+    fails the sync naming the tensor and the engine (left paused and stale). `first`: the syncs of a
+    session until one completes; N (an int >= 1): those and every N-th sync; `off`: never. Engines
+    without the capability are named once and not checked. See `ckpt_engine/installed.py`."""
+    verify_installed_samples: int = 4096
+    """Positions each check reads per tensor region (spread over all of it, drawn afresh every
+    check, the first and last always): a fault touching a fraction f of a tensor goes unseen with
+    probability (1 - f)^samples; 0 reads every element (a full fold, about one read of the model)."""
+    unwritten_tensors: str = "warn"
+    """A checked sync names the parameters and persistent buffers of an engine's layout it does not
+    write: `warn` logs them once, `error` fails the sync with them."""
 
     def __post_init__(self) -> None:
         _check_type("checkpoint_engine.backend", self.backend, str)
@@ -166,11 +180,24 @@ class CheckpointEngineConfig:
         _check_type("checkpoint_engine.max_adapter_versions", self.max_adapter_versions, int)
         if self.max_adapter_versions < 1:
             raise ConfigError(f"checkpoint_engine.max_adapter_versions must be >= 1, got {self.max_adapter_versions}")
+        self._check_installed()
         if self.wire_dtype is not None and self.wire_dtype not in WIRE_DTYPES:
             raise ConfigError(
                 f"checkpoint_engine.wire_dtype must be one of {', '.join(WIRE_DTYPES)} or unset (the source's own dtypes), got "
                 f"{self.wire_dtype!r} (casts such as bfloat16 are the source's: StateDictSource(dtype=...), the trainer's wire_dtype)"
             )
+
+    def _check_installed(self) -> None:
+        if isinstance(self.verify_installed, bool):  # YAML 1.1 reads `verify_installed: off` as a bool
+            self.verify_installed = "first" if self.verify_installed else "off"
+        v = self.verify_installed
+        if not (v in ("first", "off") or isinstance(v, int) and v >= 1):
+            raise ConfigError(f"checkpoint_engine.verify_installed must be first, off or an int N >= 1 (every N-th sync), got {v!r}")
+        _check_type("checkpoint_engine.verify_installed_samples", self.verify_installed_samples, int)
+        if not 0 <= self.verify_installed_samples <= 1 << 30:
+            raise ConfigError(f"checkpoint_engine.verify_installed_samples must be in [0, 1073741824] (0: every element), got {self.verify_installed_samples}")
+        if self.unwritten_tensors not in UNWRITTEN_MODES:
+            raise ConfigError(f"checkpoint_engine.unwritten_tensors must be one of {', '.join(UNWRITTEN_MODES)}, got {self.unwritten_tensors!r}")
 
     def check_memory(self, device: str | None = None) -> None:
         """Refuse a bucket size whose buffers cannot fit in `device`'s free memory (before any engine joins).

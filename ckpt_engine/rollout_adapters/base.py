@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from ckpt_engine.fp8.checks import fp8_problems
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import Rendezvous
+from ckpt_engine.installed import InstalledReport, InstalledRequest
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
@@ -251,6 +252,14 @@ class RolloutAdapter(ABC):
         unpaused and not stale (its live weights were never touched). Engines with `stages`
         implement it; calling it with nothing staged is a no-op."""
         raise NotImplementedError(f"{type(self).__name__} does not stage syncs (capabilities.stages is False)")
+
+    def installed_digests(self, request: InstalledRequest) -> list[InstalledReport]:
+        """One report per rank (rank order): the digest of every (checkpoint name, region) of
+        `request.names` the rank installed, read from its own layout (`ckpt_engine/installed.py`),
+        the tensors of its layout the sync does not write, and those it cannot map back (named, not
+        guessed). Asked after the stream, before `finalize` (staged: after `swap`). Engines with
+        `capabilities.installed` implement it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot digest its installed weights (capabilities.installed is False)")
 
     @abstractmethod
     def finalize(self, version: int) -> None:

@@ -15,7 +15,7 @@ from typing import Literal, Protocol
 
 __all__ = ["Capable", "EngineCapabilities", "Feature", "lacking"]
 
-Feature = Literal["delta", "many_senders", "regions", "stages", "stages_regions"]
+Feature = Literal["delta", "many_senders", "regions", "stages", "stages_regions", "installed"]
 """The yes/no capabilities a group needs from every engine to use the feature."""
 
 
@@ -42,6 +42,9 @@ class EngineCapabilities:
     transport: str | None = None
     """The only transport (registry name) whose wire the engine reads, e.g. SGLang's own; None: any
     of ckpt-engine's (the session then takes `checkpoint_engine.backend`)."""
+    installed: bool = False
+    """Its ranks digest what they installed, in their own layout (`installed_digests`, issue 42 item
+    5): installed-weight checks compare it with the source."""
     claims: bool = False
     """The engine can be claimed by one weight-sync group for a lease (`RolloutAdapter.claim`); the
     daemon claims such engines at registration. Engines without it are guarded by the job token."""

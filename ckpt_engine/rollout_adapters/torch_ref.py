@@ -37,6 +37,7 @@ from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.delta.warm import warmed
 from ckpt_engine.engine import Rendezvous
+from ckpt_engine.installed import InstalledReport, InstalledRequest, digest_held
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
@@ -144,6 +145,7 @@ class TorchRefWorker:
             "swap": self._versioned(self.swap),
             "discard": self._owned(self.receiver.discard),
             "staging_room": self._owned(self.staging_room),
+            "installed": self._owned(lambda request: digest_held(self.tensors, self.regions, InstalledRequest.from_wire(request)).to_wire()),
             "claim": self.claim,
             "release": self.lease.release,
             "health": self.health,
@@ -285,7 +287,7 @@ class TorchRefRollout(RolloutAdapter):
     """Controller handle of one reference receiver process."""
 
     world_size = 1
-    capabilities = EngineCapabilities(delta=True, many_senders=True, regions=True, stages=True, stages_regions=True, claims=True)
+    capabilities = EngineCapabilities(delta=True, many_senders=True, regions=True, stages=True, stages_regions=True, installed=True, claims=True)
 
     def __init__(
         self, name: str, host: str, port: int, process: subprocess.Popen[str] | None, timeout_s: float, *, token: str | None = None
@@ -413,6 +415,9 @@ class TorchRefRollout(RolloutAdapter):
     def steps(self, since: int = 0) -> list[tuple[int, float, float, int | None, str]]:
         """The engine's step records from step `since` on: (index, start, end, version, weights digest)."""
         return [tuple(r) for r in self.rpc.call("steps", index=since)]  # type: ignore[misc]
+
+    def installed_digests(self, request: InstalledRequest) -> list[InstalledReport]:
+        return [InstalledReport.from_wire(self._call("installed", timeout_s=self.timeout_s * 2, request=request.to_wire()))]
 
     def finalize(self, version: int) -> None:
         self._call("finalize", version=version)

@@ -31,6 +31,7 @@ from ckpt_engine.rollout_adapters.base import ManifestRejectedError, Membership,
 from ckpt_engine.sync.sender_follower import join_message
 from ckpt_engine.sources.sharded import iter_pieces
 from ckpt_engine.sync.group import SyncGroup
+from ckpt_engine.sync.installed import InstalledChecks
 from ckpt_engine.sync.many_senders import ManySenders
 from ckpt_engine.sync.regions import RegionDelivery
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
@@ -88,6 +89,8 @@ class WeightSyncSession:
         self._pool = cf.ThreadPoolExecutor(max_workers=max(4, 2 * len(self.rollouts) + 1), thread_name_prefix="ckpt-sync")
         self._staging: str | None = None  # this sync's stage while it streams (None: today's order)
         self._stages = StagePolicy(self.config.stage)
+        c = self.config
+        self._installed = InstalledChecks(c.verify_installed, c.verify_installed_samples, c.unwritten_tensors)  # issue 42 item 5
         self._stream = SyncStream(self.config, self._senders, self._regions, self._pool, self._break, self._group.new_engine)
 
     @property
@@ -217,7 +220,7 @@ class WeightSyncSession:
             senders = self._senders.count(source)
             if senders > 1:
                 return self._senders.run(lambda: self._sync(source, None, version, senders))
-            weights = WatchedWeights(source.iter_weights())
+            weights = WatchedWeights(self._installed.tap(source.iter_weights()))  # folds what an armed check needs
             try:
                 return self._sync(source, weights, version)
             finally:
@@ -243,6 +246,7 @@ class WeightSyncSession:
             weights = WatchedWeights(pieces)
         seconds["plan"] = time.perf_counter() - t0
         self._validate(manifest, seconds)
+        self._installed.arm(self.rollouts, [s.name for s in manifest.specs], self._regions.plans, senders)
         # Delta or dense is decided before anything is paused (delta=on with an engine that takes no
         # patches is refused here, with every engine still serving).
         digest = regions.digest if regions is not None else manifest.digest
@@ -261,12 +265,24 @@ class WeightSyncSession:
             return out
 
         try:
-            stats, reports, stall = run_order(stage, stream, self._step, new_version, self.config.pause_mode, seconds)
+            stats, reports, stall = run_order(stage, stream, self._step, new_version, self.config.pause_mode, seconds, self._check_installed)
         finally:
             self._staging = None
         report = self._report(new_version, manifest, request, stats, reports, senders, seconds, t0)
         report.staged, report.stall_s = stage if stage is not None else "off", stall
         return report
+
+    def _check_installed(self, swapped: bool) -> None:
+        """Installed-weight checks (`sync/installed.py`), before the version is stamped (staged: right
+        after the swap). Engines that differ fail the sync, out of service: paused (a swapped one is
+        paused now) and stale, as a failed sync leaves its engines."""
+        failed = self._installed.verify(self._pool, self.rollouts, self.config.timeout_s)
+        if not failed:
+            return
+        if swapped:
+            mode = self.config.pause_mode if self.config.pause_mode != "none" else "keep"
+            collect_failures({r.name: self._pool.submit(r.pause, mode) for r in self.rollouts if r.name in failed}, "pause", self.config.timeout_s)
+        raise SyncError("verify", failed, self._break(failed))
 
     def _prepare(self, source: WeightSource, version: int | None, senders: int) -> tuple[int, CheckpointEngine, BucketManifest]:
         """Metadata, the claim on the engines, the next version, the group and the plan: nothing
@@ -348,6 +364,9 @@ class WeightSyncSession:
         active = self._regions.active
         self.stale.clear()
         self.version = self._completed = new_version
+        self._installed.completed = True
+        if self._installed.seconds is not None:
+            seconds["installed_check"] = self._installed.seconds
         self._delta.completed(
             active.digest if active is not None else manifest.digest, request, transport=self.backend, seconds=seconds["transfer"], plan_bytes=manifest.total_bytes,
             wire_bytes=report.wire_bytes, dense_bytes=report.dense_bytes,

@@ -114,18 +114,22 @@ def discard_all(pool: cf.Executor, rollouts: Sequence[RolloutAdapter], timeout_s
 
 def run_order(
     stage: str | None, stream: Callable[[], tuple[Any, Any]], step: Step, version: int, pause_mode: str, seconds: dict[str, float],
+    check: Callable[[bool], None] = lambda swapped: None,
 ) -> tuple[Any, Any, float]:
     """The engines' side of one sync after validate: staged, stream (every engine serving) then
     swap on every engine (its only pause); else today's pause -> stream -> finalize -> resume.
+    `check(swapped)`: the installed-weight check, before finalize (staged: after the swap).
     Returns what `stream` returned (the sender's stats, the engines' reports) and the stall: the
     engines' largest swap, or pause to resume (0 with pause_mode none: the engines never stop)."""
     if stage is not None:
         stats, reports = stream()
         stalls = step("swap", seconds, lambda r: r.swap(version, pause_mode))
+        check(True)
         return stats, reports, max(stalls.values(), default=0.0)
     t = time.perf_counter()
     step("pause", seconds, lambda r: r.pause(pause_mode))
     stats, reports = stream()
+    check(False)
     step("finalize", seconds, lambda r: r.finalize(version))
     step("resume", seconds, lambda r: r.resume())
     return stats, reports, time.perf_counter() - t if pause_mode != "none" else 0.0

@@ -1,0 +1,149 @@
+"""Installed-weight digests (issue 42 item 5): what an engine rank holds after a sync, folded the
+same way on both sides, so a loader that transposes, skips a tensor or races a copy is caught.
+
+The digest of one region image (a tensor, or the region of it an engine rank holds, in the
+region's own shape and C order; n elements) is
+
+    D = sum over chosen positions p of  word(p) * h(p + seed)      (wrapping int64)
+
+with word(p) the element's bits as a signed integer of its own width and h the delta checksum's
+odd position weights (`delta/mixing.py`). `samples` = 0 reads every element: then D is the delta
+codec's checksum of the image's bytes (`delta/checksums.py`, 8-byte words when the image's size
+allows, else words of the element's width; no seed), about one read of the model per side;
+otherwise K = `samples` positions, one in each of K equal strata of [0, n) at an offset drawn from
+`seed`, the first and the last element always among them: a fault that touches a fraction f of a
+tensor goes unseen with probability (1 - f)^K per check, and a fresh `seed` per check never
+misses the same one twice. It is exact integer arithmetic, so an engine's CUDA rank and a trainer's
+CPU agree bit for bit. Both sides compute D with torch ops on the tensor's own device, without a
+host sync until the answers are read.
+
+An engine answers `InstalledRequest` with one `InstalledReport` per rank: a digest per
+(checkpoint name, region) it installed, the tensors of its own layout (parameters and persistent
+buffers) that the sync does not write (`unwritten`), and those it cannot map back to checkpoint
+regions (`unchecked`: named, never guessed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckpt_engine.delta.checksums import checksum
+from ckpt_engine.delta.mixing import mix
+from ckpt_engine.planning.regions import Region
+
+__all__ = ["DEFAULT_SAMPLES", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_held", "region_view"]
+
+DEFAULT_SAMPLES = 4096
+"""Positions read per tensor region by default (`checkpoint_engine.verify_installed_samples`)."""
+MAX_SEED = 1 << 40
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+Key = tuple[str, Region | None]
+"""A checkpoint tensor's name and the region of it one engine rank holds (None: all of it)."""
+
+
+@dataclass(frozen=True)
+class InstalledRequest:
+    """What the controller asks every engine rank to digest: the names the sync wrote (in the
+    checkpoint's naming), the fold's `seed` and `samples` (0: every element)."""
+
+    names: list[str]
+    seed: int
+    samples: int = DEFAULT_SAMPLES
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"names": list(self.names), "seed": self.seed, "samples": self.samples}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> InstalledRequest:
+        if not isinstance(d, dict) or set(d) != {"names", "seed", "samples"}:
+            raise ValueError(f"an installed-weight request is a map of names, seed, samples; got {d!r:.120}")
+        names, seed, samples = d["names"], d["seed"], d["samples"]
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise ValueError("installed-weight request: names must be a list of strings")
+        for what, v, top in (("seed", seed, MAX_SEED), ("samples", samples, 1 << 40)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < top:
+                raise ValueError(f"installed-weight request: {what} must be an int in [0, {top}), got {v!r:.40}")
+        return cls(names, seed, samples)
+
+
+@dataclass
+class InstalledReport:
+    """One engine rank's answer (see the module docstring)."""
+
+    digests: dict[Key, int] = field(default_factory=dict)
+    unwritten: list[str] = field(default_factory=list)
+    unchecked: list[str] = field(default_factory=list)
+
+    def to_wire(self) -> dict[str, Any]:
+        rows = [[n, r.to_wire() if r is not None else None, d] for (n, r), d in self.digests.items()]
+        return {"digests": rows, "unwritten": list(self.unwritten), "unchecked": list(self.unchecked)}
+
+    @classmethod
+    def from_wire(cls, d: Any) -> InstalledReport:
+        if not isinstance(d, dict) or set(d) != {"digests", "unwritten", "unchecked"}:
+            raise ValueError(f"an installed-weight report is a map of digests, unwritten, unchecked; got {d!r:.120}")
+        out = cls(unwritten=[str(n) for n in d["unwritten"]], unchecked=[str(n) for n in d["unchecked"]])
+        for row in d["digests"]:
+            if not isinstance(row, (list, tuple)) or len(row) != 3 or not isinstance(row[0], str) or not isinstance(row[2], int):
+                raise ValueError(f"installed-weight report: a digest is [name, region or None, int], got {row!r:.120}")
+            out.digests[(row[0], Region.from_wire(row[0], row[1]) if row[1] is not None else None)] = row[2]
+        return out
+
+
+def region_view(t: torch.Tensor, region: Region | None) -> torch.Tensor:
+    """`region` of `t` as a view (no copy)."""
+    return t if region is None else t.narrow(region.dim, region.start, region.length)
+
+
+def _positions(n: int, seed: int, samples: int, device: torch.device) -> torch.Tensor:
+    if n <= samples:
+        return torch.arange(n, dtype=torch.int64, device=device)
+    i = torch.arange(samples, dtype=torch.int64, device=device)
+    lo = i * n // samples
+    width = (i + 1) * n // samples - lo  # >= 1 since n > samples
+    pos = lo + torch.remainder(mix(i + seed), width)
+    pos[0], pos[-1] = 0, n - 1
+    return pos
+
+
+def _gather(view: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    if view.is_contiguous():
+        return view.reshape(-1).index_select(0, pos)
+    return view[torch.unravel_index(pos, view.shape)]
+
+
+def digest(view: torch.Tensor, seed: int, samples: int = DEFAULT_SAMPLES) -> torch.Tensor:
+    """D of one region image (see the module docstring): a 0-d int64 tensor on `view`'s device."""
+    n = view.numel()
+    ints = _INTS.get(view.element_size())
+    if ints is None or view.is_complex():
+        raise ValueError(f"no installed-weight digest for dtype {view.dtype}")
+    if n == 0:
+        return torch.zeros((), dtype=torch.int64, device=view.device)
+    if samples <= 0:  # every element: the codec's checksum of the bytes, in C order
+        image = view.contiguous().reshape(-1)
+        image = (image.view(torch.uint8) if image.dtype == torch.bool else image).view(ints).view(torch.uint8)
+        return checksum(image, 8 if image.numel() % 8 == 0 else view.element_size())
+    pos = _positions(n, seed, samples, view.device)
+    words = _gather(view, pos)
+    words = (words.view(torch.uint8) if words.dtype == torch.bool else words).view(ints).to(torch.int64)
+    return words.mul_(mix(pos + seed)).sum()
+
+
+def digest_held(
+    tensors: Mapping[str, torch.Tensor], regions: Mapping[str, Region | None], request: InstalledRequest, own: Iterable[str] | None = None,
+) -> InstalledReport:
+    """The report of a rank that holds checkpoint tensors under their own names (the reference
+    receiver): `tensors` in each held region's shape, `regions` the region of each (absent: whole).
+    `own`: the names of its layout's parameters and persistent buffers (default: `tensors`)."""
+    sent = set(request.names)
+    keys = [(n, regions.get(n)) for n in request.names if n in tensors]
+    values = [digest(tensors[n], request.seed, request.samples) for n, _ in keys]
+    answers = torch.stack([v.cpu() for v in values]).tolist() if values else []
+    unwritten = sorted(n for n in (own if own is not None else tensors) if n not in sent)
+    return InstalledReport(dict(zip(keys, answers)), unwritten, [])

@@ -1,0 +1,137 @@
+"""The controller's side of installed-weight checks (issue 42 item 5, `checkpoint_engine.verify_installed`).
+
+A check is due at the syncs of a session until one completes (`first`, the default), at every N-th
+sync (N), or never (`off`). When one is due, `arm` lists the (name, region) keys the engine ranks
+hold, from their receive plans (a rank without one holds every tensor whole), and the weight walk
+(`tap`) folds each tensor's regions as the sender takes it (`ckpt_engine/installed.py`: a few
+thousand positions per region, or every element with `verify_installed_samples: 0`). After the
+stream, before any engine stamps the version (or, staged, right after the swap), `verify` asks
+every engine rank for its digests of what it installed, in its own layout, and compares: a
+difference names the tensor, the region and the engine, and the sync fails with that engine out of
+service (paused and stale, as a failed sync leaves it). Tensors of an engine's layout the checked
+sync does not write are named once (`unwritten_tensors: warn`, or the sync fails with `error`);
+tensors an engine cannot map back to checkpoint regions are named as unchecked.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import secrets
+import time
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+from ckpt_engine.installed import MAX_SEED, InstalledReport, InstalledRequest, Key, digest, region_view
+from ckpt_engine.planning.regions import ReceivePlan
+from ckpt_engine.rollout_adapters.base import RolloutAdapter
+from ckpt_engine.rollout_adapters.capabilities import lacking
+from ckpt_engine.sync.fanout import collect_failures
+
+__all__ = ["InstalledChecks"]
+
+logger = logging.getLogger(__name__)
+
+
+class InstalledChecks:
+    """Held by a WeightSyncSession: when checks are due, the trainer's digests of one sync, the compare."""
+
+    def __init__(self, mode: str | int, samples: int, unwritten: str) -> None:
+        self.mode, self.samples, self.unwritten = mode, samples, unwritten
+        self.syncs = 0
+        """Syncs this session began (the N of `verify_installed: N` counts them)."""
+        self.completed = False
+        self.request: InstalledRequest | None = None
+        """The check armed for the sync under way (None: no check)."""
+        self._want: dict[str, list[Key]] = {}
+        self._digests: dict[Key, torch.Tensor] = {}
+        self._said: set[str] = set()
+        self.seconds: float | None = None
+        """What the last armed check took: the trainer's folds during the walk and the compare
+        (`SyncReport.seconds["installed_check"]`); None when the sync was not checked."""
+
+    def due(self) -> bool:
+        if self.mode == "off":
+            return False
+        if self.mode == "first":
+            return not self.completed
+        return not self.completed or self.syncs % int(self.mode) == 0
+
+    def arm(self, rollouts: Sequence[RolloutAdapter], names: list[str], plans: Sequence[ReceivePlan | None], senders: int) -> None:
+        """Before the walk: arm a check of this sync if one is due and it can be made."""
+        self.syncs += 1
+        self.request, self._digests, self.seconds = None, {}, None
+        if not self.due():
+            return
+        if senders > 1:
+            return self._say("installed-weight checks: not made with many senders (each sender holds only its shards)")
+        cannot = lacking(rollouts, "installed")
+        if cannot:
+            self._say(f"installed-weight checks: engine(s) {', '.join(cannot)} cannot digest what they installed; not checked")
+        self.request, self.seconds = InstalledRequest(list(names), secrets.randbelow(MAX_SEED), self.samples), 0.0
+        sent = set(names)
+        want: dict[str, set[Key]] = {}
+        for plan in plans or [None]:
+            for n in sent if plan is None else sent & set(plan.holds):
+                for region in (None,) if plan is None or plan.holds[n] is None else plan.holds[n] or ():
+                    want.setdefault(n, set()).add((n, region))
+        self._want = {n: sorted(keys, key=lambda k: (k[1] is not None, k[1])) for n, keys in want.items()}
+
+    def tap(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weight walk, folding every tensor of an armed check as it passes."""
+        for name, tensor in weights:
+            if self.request is not None and self.seconds is not None:
+                t = time.perf_counter()
+                for key in self._want.get(name, ()):
+                    self._digests[key] = digest(region_view(tensor, key[1]), self.request.seed, self.request.samples)
+                self.seconds += time.perf_counter() - t
+            yield name, tensor
+
+    def verify(self, pool: cf.Executor, rollouts: Sequence[RolloutAdapter], timeout_s: float) -> dict[str, str]:
+        """{engine: what differs} after the stream ({} when all agree, or no check was armed)."""
+        request, self.request = self.request, None
+        if request is None:
+            return {}
+        t = time.perf_counter()
+        checked = [r for r in rollouts if r.capabilities.installed]
+        futures = {r.name: pool.submit(r.installed_digests, request) for r in checked}
+        failed = collect_failures(futures, "an installed-weight check", timeout_s)
+        expected = {k: int(v) for k, v in zip(self._digests, torch.stack([v.cpu() for v in self._digests.values()]).tolist())} if self._digests else {}
+        for r in checked:
+            if r.name not in failed:
+                why = self._compare(r.name, futures[r.name].result(), expected)
+                if why:
+                    failed[r.name] = why
+        self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
+        return failed
+
+    def _compare(self, engine: str, reports: list[InstalledReport], expected: dict[Key, int]) -> str:
+        problems: list[str] = []
+        for rank, report in enumerate(reports):
+            where = f"rank {rank}" if len(reports) > 1 else "its weights"
+            for (name, region), got in report.digests.items():
+                want = expected.get((name, region))
+                what = name if region is None else f"{name}[dim {region.dim}: {region.start}:{region.start + region.length}]"
+                if want is None:
+                    problems.append(f"{what} ({where}): installed, but no receive plan says the rank holds it")
+                elif want != got:
+                    problems.append(f"{what} ({where}): installed weights differ from the source")
+            if report.unchecked:
+                self._say(f"installed-weight checks: engine {engine!r} {where}: unchecked (a loader it cannot follow): {_names(report.unchecked)}")
+            if report.unwritten:
+                message = f"engine {engine!r} {where}: tensor(s) of its layout no sync of this check writes: {_names(report.unwritten)}"
+                if self.unwritten == "error":
+                    problems.append(message + " (unwritten_tensors: error)")
+                else:
+                    self._say(f"installed-weight checks: {message}")
+        return "; ".join(problems[:10]) + (f"; ... ({len(problems)} in all)" if len(problems) > 10 else "")
+
+    def _say(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            logger.warning("%s", message)
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
