@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import threading
 import time
 from dataclasses import replace
 from collections.abc import Hashable
@@ -44,7 +43,7 @@ from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.vllm.clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient, SwapControl
-from ckpt_engine.rollout_adapters.vllm.stage_outcome import Outcomes, clear_outcomes, new_ticket, stop_waiting, wait_outcomes
+from ckpt_engine.rollout_adapters.vllm.stage_outcome import StagedOutcomes
 from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, REJECTED, after, problems
 from ckpt_engine.engine import Rendezvous
 
@@ -55,9 +54,6 @@ logger = logging.getLogger(__name__)
 _NOT_CONFIGURED = "Weight transfer not configured"
 """What vLLM answers when the engine was started without a weight-transfer config."""
 _PAUSE_MODES = ("keep", "abort", "recompute")
-_STOP_WAIT_S = 5.0
-"""How long a discard or leave waits for a stopped staged receive to let go of the handle's client
-(well inside the session's 10 s for a discard: its stopped wait returns at once)."""
 _UPDATE_ACTIVE = "while a weight update is already active"
 """What vLLM answers `start_weight_update` while an update is open: one that a trainer which died
 mid-sync (its own handle, maybe its own process) never finished."""
@@ -94,16 +90,7 @@ class VllmNativeRollout(RolloutAdapter):
         self._paused = False
         self._recompute = False  # pause_mode recompute: running requests re-prefill after the load
         self.last_finalize: dict[str, Any] = {}
-        self._rendezvous: Rendezvous | None = None  # kept at join: staged receives report their end in its store
-        self._ranks: list[int] = []  # the workers' ranks in the weight-sync group
-        self._store: Any = None  # this handle's client of the rendezvous store, opened at the first staged receive
-        self._ticket: str | None = None
-        """The last staged receive's ticket while its outcome keys may still land (this handle owns them)."""
-        self._idle = threading.Event()
-        """Set while no staged receive is between its receive call and the end of its wait (a discard
-        or leave on another thread stops that wait, then waits for this before touching the client)."""
-        self._idle.set()
-        self._stopped = False  # a discard or leave stopped the staged receive in flight: it owns the cleanup
+        self.staged = StagedOutcomes(name, timeout_s)  # staged receives report their end in the group's store
 
     def engine_key(self) -> Hashable:
         """The engine behind the client: its URL, or the `LLM` object (else this handle)."""
@@ -122,8 +109,7 @@ class VllmNativeRollout(RolloutAdapter):
         """`init_weight_transfer_engine` on every worker; an engine started without the
         weight-transfer config fails here at once, with the fix."""
         self._worker_digest = None
-        self._rendezvous, self._store, self._ticket = rendezvous, None, None  # a new group: a new store prefix
-        self._ranks = list(range(rank_offset, rank_offset + self.world_size))
+        self.staged.join(rendezvous, list(range(rank_offset, rank_offset + self.world_size)))
         init = {
             "rendezvous": rendezvous.to_dict(), "rank_offset": rank_offset, "options": options.to_dict(), "num_workers": self.world_size,
             **self._init_extra(),
@@ -229,46 +215,12 @@ class VllmNativeRollout(RolloutAdapter):
         if stage is None:
             self._phase(update)
         else:
-            store = self._outcome_store()  # before any worker can report: a discard must be able to clear
-            ticket = self._ticket = new_ticket()
-            self._stopped = False
-            self._idle.clear()  # from here a discard stops the wait (even one not started yet)
-            try:
+            with self.staged.receiving() as ticket:  # from here a discard stops the wait (even one not started yet)
                 self._phase({**update, "stage": stage, "ticket": ticket})  # may start on some workers only: discard clears
-                outcomes = wait_outcomes(store, ticket, self._ranks, self.timeout_s * 2)
-            finally:
-                self._idle.set()
-            self._raise_failed(outcomes)
-            self._ticket = None  # every worker reported, and its key is gone
+                outcomes = self.staged.wait(ticket)
+            self.staged.check(outcomes, self.discard)
         seconds = time.perf_counter() - t0
         return ReceiveReport(manifest.num_tensors, manifest.total_bytes, seconds, seconds, manifest.num_tensors)
-
-    def _raise_failed(self, outcomes: Outcomes) -> None:
-        """After the wait (at most 2 x timeout_s) for every worker's outcome: a receive that a discard
-        or leave stopped is raised as such (that call does the cleanup); a failed one is discarded and
-        raised naming the engine and the worker's why; a worker that reported nothing in time (dead,
-        hung) is raised naming its rank (the session then discards: the engine keeps its old weights)."""
-        if self._stopped:
-            raise RuntimeError(f"engine {self.name!r}: staged receive stopped (discarded or left) before worker rank(s) {outcomes.missing} reported")
-        failed = outcomes.failed
-        if failed:
-            rank, why = next(iter(failed.items()))
-            logger.warning("engine %s: staged receive failed on worker rank(s) %s: %s", self.name, sorted(failed), why)
-            self.discard()
-            raise RuntimeError(f"engine {self.name!r}: staged receive failed (rank {rank}: {why[:500]}); it keeps serving its old weights")
-        if outcomes.missing:
-            raise TimeoutError(
-                f"engine {self.name!r}: staged receive: worker rank(s) {outcomes.missing} reported no outcome within "
-                f"{self.timeout_s * 2:.0f}s ({outcomes.why_missing}); the worker died or hangs"
-            )
-
-    def _outcome_store(self) -> Any:
-        """This handle's client of the group's rendezvous store (opened once per group)."""
-        if self._rendezvous is None:
-            raise RuntimeError(f"engine {self.name!r}: a staged receive before join(); join the weight-sync group first")
-        if self._store is None:
-            self._store = self._rendezvous.connect_store(is_master=False)
-        return self._store
 
     # --- staged: room, swap, discard ----------------------------------------------------------------
     def staging_room(self, nbytes: int) -> bool:
@@ -315,47 +267,12 @@ class VllmNativeRollout(RolloutAdapter):
         """Drop a staged version on every worker and close vLLM's update; the live weights, the
         version and the engine's steps are untouched (a no-op with nothing staged). A staged receive
         still waiting for the workers' outcomes on another thread stops waiting."""
-        idle = self._stop_waiting()
+        idle = self.staged.stop()
         try:
             self._phase({"phase": "discard"})
             self._finish()
         finally:
-            self._clear_outcomes(idle)
-
-    def _stop_waiting(self) -> bool:
-        """End a staged receive in flight on another thread (its receive call, or its wait) through a
-        store client of its own (the waiting thread holds the handle's): every worker's key not set
-        yet gets `stopped`, so the wait returns at once, or at once when it starts; then wait, bounded,
-        until that thread is done with the client. A wait must not outlive the store it waits in, and
-        the client serves one call at a time. Whether that thread is done (else the caller goes on
-        after `_STOP_WAIT_S`, and clears through a client of its own)."""
-        ticket, rendezvous = self._ticket, self._rendezvous
-        if self._idle.is_set() or ticket is None or rendezvous is None:
-            return True
-        self._stopped = True
-        try:
-            stop_waiting(rendezvous.connect_store(is_master=False), ticket, self._ranks)
-        except Exception as exc:  # the store is gone: so is the wait
-            logger.info("engine %s: could not stop the staged receive's wait: %s", self.name, exc)
-        bound = min(self.timeout_s, _STOP_WAIT_S)
-        if self._idle.wait(bound):
-            return True
-        logger.warning("engine %s: the staged receive did not end within %.0fs of being stopped", self.name, bound)
-        return False
-
-    def _clear_outcomes(self, idle: bool) -> None:
-        """Delete every worker's outcome key under the last staged receive's ticket (a `stopped` mark
-        written after the wait ended included). After a discard no worker reports any more (its
-        discard waits for its staged receive to report its end). `idle`: the receive's thread is
-        done with the handle's store client (else a client of its own clears)."""
-        ticket, self._ticket = self._ticket, None
-        if ticket is None or self._rendezvous is None:
-            return
-        try:
-            store = self._outcome_store() if idle else self._rendezvous.connect_store(is_master=False)
-            clear_outcomes(store, ticket, self._ranks)
-        except Exception as exc:  # the store is gone: nothing is left in it
-            logger.info("engine %s: staged outcome keys not cleared: %s", self.name, exc)
+            self.staged.clear(idle)
 
     def finalize(self, version: int) -> None:
         """Layerwise post-processing and the version (vLLM stamps it), then the prefix cache."""
@@ -373,9 +290,8 @@ class VllmNativeRollout(RolloutAdapter):
         return {"version": self.control.weight_version()} if self.control is not None else {}
 
     def leave(self) -> None:
-        idle = self._stop_waiting()  # a wait in flight lets go of the store before the group's store goes away
-        self._clear_outcomes(idle)
-        self._worker_digest, self._rendezvous, self._store = None, None, None
+        self.staged.leave()  # a wait in flight lets go of the store before the group's store goes away
+        self._worker_digest = None
         if self._open:  # vLLM refuses to shut the transfer engine down inside an update
             self._finish()
         self.client.shutdown_weight_transfer_engine()

@@ -36,6 +36,7 @@ from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.vllm.clients import PAUSE_MODES, Channel, HTTPWeightSyncClient, LLMWeightSyncClient
+from ckpt_engine.rollout_adapters.vllm.stage_outcome import StagedOutcomes
 
 if TYPE_CHECKING:
     import vllm
@@ -45,10 +46,6 @@ __all__ = ["WORKER_EXTENSION", "VllmRollout", "VllmServerRollout"]
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm.worker.CkptEngineWorkerExtension"
-
-_POLL_S = (0.005, 0.05)
-"""First and longest wait between two polls of a staged receive (each poll is one short call
-between two engine steps)."""
 
 
 class VllmRollout(RolloutAdapter):
@@ -82,6 +79,7 @@ class VllmRollout(RolloutAdapter):
         self.version: int | None = None
         self.last_finalize: dict[str, Any] = {}
         self._pause_mode = "keep"
+        self.staged = StagedOutcomes(name, timeout_s)  # staged receives report their end in the group's store
         self.client: Channel = llm if isinstance(llm, (HTTPWeightSyncClient, LLMWeightSyncClient)) else LLMWeightSyncClient(llm, timeout_s)
         self.world_size = world_size if world_size is not None else self.client.world_size()
 
@@ -134,6 +132,7 @@ class VllmRollout(RolloutAdapter):
 
     def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
         self._sent_digest = None
+        self.staged.join(rendezvous, list(range(rank_offset, rank_offset + self.world_size)))
         results = self._rpc("ckpt_join", rendezvous=rendezvous.to_dict(), rank_offset=rank_offset, options=options.to_dict())
         self.pids = [int(r["pid"]) for r in results]
 
@@ -187,31 +186,14 @@ class VllmRollout(RolloutAdapter):
         if stage is None:
             replies = self._rpc("ckpt_receive", timeout_s=self.timeout_s * 2, digest=manifest.digest, **extra)
         else:
-            self._rpc("ckpt_stage", digest=manifest.digest, **extra)
-            replies = [r["report"] for r in self._wait_staged()]
+            with self.staged.receiving() as ticket:  # from here a discard stops the wait
+                self._rpc("ckpt_stage", digest=manifest.digest, ticket=ticket, **extra)
+                outcomes = self.staged.wait(ticket)  # each worker reports its end in the group's store
+            self.staged.check(outcomes, self.discard)
+            replies = [r["report"] for r in self._rpc("ckpt_stage_status", timeout_s=min(self.timeout_s, 30.0))]
         reports = [ReceiveReport.from_dict(r) for r in replies]
         slowest = max(reports, key=lambda r: r.receive_s)
         return ReceiveReport(slowest.tensors, slowest.bytes, slowest.receive_s, max(r.load_s for r in reports), min(r.loaded for r in reports))
-
-    def _wait_staged(self) -> list[dict[str, Any]]:
-        """Poll every worker until its staged receive ended; raise naming the workers whose failed."""
-        deadline = time.monotonic() + self.timeout_s * 2
-        wait = _POLL_S[0]
-        while True:
-            replies = self._rpc("ckpt_stage_status", timeout_s=min(self.timeout_s, 30.0))
-            if all(r.get("done") for r in replies):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine {self.name!r}: staged receive still running after {self.timeout_s * 2:.0f}s")
-            time.sleep(wait)
-            wait = min(wait * 2, _POLL_S[1])
-        failed = [f"worker {rank}: {r['error']}" for rank, r in enumerate(replies) if r.get("error")]
-        if failed:
-            self.discard()  # a worker whose stream completed drops its half of the version
-            raise RuntimeError(
-                f"engine {self.name!r}: staged receive failed ({'; '.join(failed)}); it keeps serving its old weights"
-            )
-        return replies
 
     def swap(self, version: int, pause_mode: str) -> float:
         """Between two engine steps: pause (per `pause_mode`; `none` pauses as `keep`), load the
@@ -316,8 +298,13 @@ class VllmRollout(RolloutAdapter):
         self.client.close()
 
     def discard(self) -> None:
-        """Drop a staged version on every worker; the live weights and version are untouched."""
-        self._rpc("ckpt_discard")
+        """Drop a staged version on every worker; the live weights and version are untouched. A
+        staged receive still waiting for the workers' outcomes on another thread stops waiting."""
+        idle = self.staged.stop()
+        try:
+            self._rpc("ckpt_discard")
+        finally:
+            self.staged.clear(idle)
 
     def staging_room(self, nbytes: int) -> bool:
         """Whether every worker can hold a staging copy of `nbytes` (within `staging_limit_bytes`).
@@ -343,6 +330,7 @@ class VllmRollout(RolloutAdapter):
         }
 
     def leave(self) -> None:
+        self.staged.leave()  # a wait in flight lets go of the store before the group's store goes away
         self._rpc("ckpt_leave")
 
     def worker_health(self) -> list[dict[str, Any]]:

@@ -1,13 +1,15 @@
-"""How the native vLLM backend's workers tell the trainer side that a staged receive ended.
+"""How a vLLM worker tells the trainer side that a staged receive ended (both handles: the worker
+extension's `VllmRollout` and the weight-transfer API's `VllmNativeRollout`).
 
 vLLM 0.32's `update_weights` returns nothing from the workers, so a worker cannot answer "still
 streaming" or "done" through it except by raising, and every raise leaves tracebacks in vLLM's worker,
-engine-core and API-server logs. Instead each worker sets one key in the weight-sync group's own
+engine-core and API-server logs; polling the extension instead costs a call between two engine steps
+every few ms. Instead each worker sets one key in the weight-sync group's own
 rendezvous store (the TCPStore whose client `Rendezvous.connect_store` makes, every key under the
 group's token) when its staged version is whole and checked, or has failed: `ok` or
 `failed: <why>`, plain UTF-8 bytes. The key names the sync's ticket (the trainer side makes a new one
 per staged receive and sends it in the receive call) and the worker's rank in the group. The trainer
-side waits for every rank's key (bounded), reads them, and then swaps or discards.
+side (`StagedOutcomes`) waits for every rank's key (bounded), reads them, and then swaps or discards.
 
 The side that waits owns the ticket: it deletes every rank's key after the wait, whatever the wait
 found (`wait_outcomes`), and again once the workers discarded (`clear_outcomes`): a receive that
@@ -21,18 +23,25 @@ from __future__ import annotations
 import datetime
 import logging
 import re
+import threading
 import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 __all__ = [
-    "FAILED", "OK", "STOPPED", "Outcomes", "check_ticket", "clear_outcomes", "new_ticket", "outcome_key", "report_outcome", "stop_waiting",
+    "FAILED", "OK", "STOPPED", "Outcomes", "StagedOutcomes", "check_ticket", "clear_outcomes", "new_ticket", "outcome_key", "report_outcome", "stop_waiting",
     "wait_outcomes",
 ]
 
 logger = logging.getLogger(__name__)
 
+_STOP_WAIT_S = 5.0
+"""How long a discard or leave waits for a stopped staged receive to let go of the handle's store
+client (well inside the session's 10 s for a discard: its stopped wait returns at once)."""
 OK = "ok"
 STOPPED = "stopped"
 """Written by the waiting side itself (`stop_waiting`) into a rank's key that had no outcome yet."""
@@ -140,3 +149,109 @@ def clear_outcomes(store: torch.distributed.Store, ticket: str, ranks: list[int]
             logger.info("staged outcome keys under ticket %s not cleared: the store is gone (%s)", ticket, str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
             break
     return deleted
+
+
+class StagedOutcomes:
+    """Trainer side: one engine handle's staged receives, as its workers report their ends in the
+    group's store. `receiving()` opens one under a fresh ticket, `wait` waits for every rank (at
+    most 2 x `timeout_s`), `check` raises for a failed, stopped or silent one; a discard or leave on
+    another thread `stop`s a wait in flight and `clear`s the keys after the workers discarded."""
+
+    def __init__(self, engine: str, timeout_s: float) -> None:
+        self.engine, self.timeout_s = engine, timeout_s
+        self._rendezvous: Any = None  # the group's Rendezvous: its store holds the outcome keys
+        self._ranks: list[int] = []  # the engine's workers' ranks in the weight-sync group
+        self._store: Any = None  # this handle's client of the store, opened at the first staged receive
+        self._ticket: str | None = None
+        """The last staged receive's ticket while its outcome keys may still land (this side owns them)."""
+        self._idle = threading.Event()
+        """Set while no staged receive is between its start and the end of its wait (a discard or
+        leave on another thread stops that wait, then waits for this before touching the client)."""
+        self._idle.set()
+        self._stopped = False  # a discard or leave stopped the staged receive in flight: it owns the cleanup
+
+    def join(self, rendezvous: Any, ranks: list[int]) -> None:
+        """A new group (a new store prefix): the workers report under `ranks` there."""
+        self._rendezvous, self._ranks, self._store, self._ticket = rendezvous, list(ranks), None, None
+
+    def _client(self) -> Any:
+        if self._rendezvous is None:
+            raise RuntimeError(f"engine {self.engine!r}: a staged receive before join(); join the weight-sync group first")
+        if self._store is None:
+            self._store = self._rendezvous.connect_store(is_master=False)
+        return self._store
+
+    @contextmanager
+    def receiving(self) -> Iterator[str]:
+        """One staged receive's ticket; start it and `wait` inside (a discard meanwhile stops the wait)."""
+        self._client()  # before any worker can report: a discard must be able to clear
+        ticket = self._ticket = new_ticket()
+        self._stopped = False
+        self._idle.clear()
+        try:
+            yield ticket
+        finally:
+            self._idle.set()
+
+    def wait(self, ticket: str) -> Outcomes:
+        return wait_outcomes(self._client(), ticket, self._ranks, self.timeout_s * 2)
+
+    def check(self, outcomes: Outcomes, discard: Callable[[], None]) -> None:
+        """After the wait: a receive that a discard or leave stopped is raised as such (that call does
+        the cleanup); a failed one is discarded and raised naming the engine and the worker's why; a
+        worker that reported nothing in time (dead, hung) is raised naming its rank (the session then
+        discards: the engine keeps its old weights)."""
+        if self._stopped:
+            raise RuntimeError(f"engine {self.engine!r}: staged receive stopped (discarded or left) before worker rank(s) {outcomes.missing} reported")
+        failed = outcomes.failed
+        if failed:
+            rank, why = next(iter(failed.items()))
+            logger.warning("engine %s: staged receive failed on worker rank(s) %s: %s", self.engine, sorted(failed), why)
+            discard()
+            raise RuntimeError(f"engine {self.engine!r}: staged receive failed (rank {rank}: {why[:500]}); it keeps serving its old weights")
+        if outcomes.missing:
+            raise TimeoutError(
+                f"engine {self.engine!r}: staged receive: worker rank(s) {outcomes.missing} reported no outcome within "
+                f"{self.timeout_s * 2:.0f}s ({outcomes.why_missing}); the worker died or hangs"
+            )
+        self._ticket = None  # every worker reported, and its key is gone
+
+    def stop(self) -> bool:
+        """End a staged receive in flight on another thread (its start call, or its wait) through a
+        store client of its own (the waiting thread holds the handle's): every worker's key not set
+        yet gets `stopped`, so the wait returns at once, or at once when it starts; then wait, bounded,
+        until that thread is done with the client. A wait must not outlive the store it waits in, and
+        the client serves one call at a time. Whether that thread is done (else the caller goes on
+        after `_STOP_WAIT_S`, and clears through a client of its own)."""
+        ticket, rendezvous = self._ticket, self._rendezvous
+        if self._idle.is_set() or ticket is None or rendezvous is None:
+            return True
+        self._stopped = True
+        try:
+            stop_waiting(rendezvous.connect_store(is_master=False), ticket, self._ranks)
+        except Exception as exc:  # the store is gone: so is the wait
+            logger.info("engine %s: could not stop the staged receive's wait: %s", self.engine, exc)
+        bound = min(self.timeout_s, _STOP_WAIT_S)
+        if self._idle.wait(bound):
+            return True
+        logger.warning("engine %s: the staged receive did not end within %.0fs of being stopped", self.engine, bound)
+        return False
+
+    def clear(self, idle: bool) -> None:
+        """Delete every worker's outcome key under the last staged receive's ticket (a `stopped` mark
+        written after the wait ended included). After a discard no worker reports any more (its
+        discard waits for its staged receive to report its end). `idle`: the receive's thread is
+        done with the handle's store client (else a client of its own clears)."""
+        ticket, self._ticket = self._ticket, None
+        if ticket is None or self._rendezvous is None:
+            return
+        try:
+            store = self._client() if idle else self._rendezvous.connect_store(is_master=False)
+            clear_outcomes(store, ticket, self._ranks)
+        except Exception as exc:  # the store is gone: nothing is left in it
+            logger.info("engine %s: staged outcome keys not cleared: %s", self.engine, exc)
+
+    def leave(self) -> None:
+        """Before the group goes: a wait in flight lets go of the store, the keys go."""
+        self.clear(self.stop())
+        self._rendezvous, self._store = None, None

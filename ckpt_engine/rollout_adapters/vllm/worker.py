@@ -20,8 +20,10 @@ from typing import Any
 
 import torch
 
+from ckpt_engine.engine import Rendezvous
 from ckpt_engine.rollout_adapters.vllm.receiver import VllmReceiverCore, unbase64
 from ckpt_engine.rollout_adapters.vllm.specs import vllm_checkpoint_specs
+from ckpt_engine.rollout_adapters.vllm.stage_outcome import check_ticket, report_outcome
 
 __all__ = ["CkptEngineWorkerExtension", "vllm_checkpoint_specs"]
 
@@ -49,6 +51,7 @@ class CkptEngineWorkerExtension:
         """Join the weight-sync group as rank `rank_offset + this worker's rank` (collective)."""
         rank = int(rank_offset) + self._ckpt_rank()
         self._ckpt_core().join(rendezvous, rank, options)
+        self._ckpt_outcomes = (Rendezvous.from_dict(rendezvous).connect_store(is_master=False), rank)  # staged receives report here
         return {"pid": os.getpid(), "rank": rank}
 
     def ckpt_leave(self) -> None:
@@ -94,12 +97,15 @@ class CkptEngineWorkerExtension:
         return {"pid": os.getpid(), "rank": self._ckpt_rank(), **self._ckpt_core().health()}
 
     # --- staged syncs: receive while the engine steps, swap between two steps (vllm/staging.py) ---
-    def ckpt_stage(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Start receiving an accepted manifest on a background thread of this worker; returns at once."""
-        return self._ckpt_core().stage(digest, delta)
+    def ckpt_stage(self, digest: str, ticket: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Start receiving an accepted manifest on a background thread of this worker; returns at once.
+        Its end is reported under `ticket` in the group's rendezvous store (`vllm/stage_outcome.py`)."""
+        store, rank = self._ckpt_outcomes
+        check_ticket(ticket)
+        return self._ckpt_core().stage(digest, delta, on_end=lambda error: report_outcome(store, ticket, rank, error))
 
     def ckpt_stage_status(self) -> dict[str, Any]:
-        """Whether this worker's staged receive ended: {"done", "error", "report"}."""
+        """This worker's staged receive: {"done", "error", "report"} (the trainer reads the report once it ended)."""
         return self._ckpt_core().stage_status()
 
     def ckpt_swap(self, version: int) -> dict[str, Any]:
