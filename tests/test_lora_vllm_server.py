@@ -102,7 +102,7 @@ def served_models(url: str) -> set[str]:
 
 def test_server_adapter_versions_by_name_keep_running_requests_and_refuse_a_bad_rank(server_url: str, model_dir: Path) -> None:  # noqa: F811
     from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
-    from ckpt_engine.rollout_adapters.vllm.lora_server import VllmServerLoraRollout
+    from ckpt_engine.rollout_adapters.vllm.lora import VllmServerLoraRollout
 
     rollout = VllmServerLoraRollout("lora-http", server_url, max_adapter_versions=2, timeout_s=TIMEOUT_S)
     config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=TIMEOUT_S, weights="adapters")

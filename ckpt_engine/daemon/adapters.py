@@ -154,7 +154,7 @@ def vllm_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> Roll
 def vllm_lora_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> RolloutAdapter:
     """A LoRA-enabled vLLM `api_server` (dev mode, worker extension) for adapter syncs, at `url`;
     `max_adapter_versions` (optional, default 2) as in `VllmServerLoraRollout`."""
-    from ckpt_engine.rollout_adapters.vllm.lora_server import VllmServerLoraRollout
+    from ckpt_engine.rollout_adapters.vllm.lora import VllmServerLoraRollout
 
     _check_keys("vllm_lora", params, ("url", "world_size", "max_adapter_versions"))
     url, world_size = _vllm_params("vllm_lora", params)

@@ -1,11 +1,15 @@
-"""`VllmLoraRollout`: adapter-only syncs into an in-process `vllm.LLM` started with LoRA enabled.
+"""Adapter-only syncs through the worker extension: `VllmLoraRollout` over a channel (an in-process
+`vllm.LLM`, or a dev-mode `api_server`: `VllmServerLoraRollout` builds it from a URL).
 
-Start vLLM with `enable_lora=True`, `max_lora_rank` >= the adapter's rank, `max_loras` >=
-`max_adapter_versions` (so old and new versions batch together) and the worker extension. Each
-sync installs the adapter as a new version in every worker's LoRA manager (from memory:
-`vllm/lora_worker.py`); only once every worker holds it does `lora_request()` name it, so the
-switch is atomic across the engine's ranks. Nothing is paused: running requests keep the version
-they started with (their `LoRARequest` names it) and finish under it.
+Start vLLM with LoRA (`enable_lora=True` / `--enable-lora`), `max_lora_rank` >= the adapter's
+rank, `max_loras` >= `max_adapter_versions` (so old and new versions batch together) and the worker
+extension; a server also with `VLLM_SERVER_DEV_MODE=1` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (the
+`/v1/load_lora_adapter` route). Each sync installs the adapter as a new version in every worker's
+LoRA manager (from memory: `vllm/lora_worker.py`, no disk); only once every worker holds it do
+requests name it (`LoraVersions`, `vllm/lora_names.py`): in process by `lora_request()`, behind the
+server by `model=model_name()` once the server registered it (its `add_lora` reaches every worker
+at once). The switch is atomic across the engine's ranks. Nothing is paused: a request keeps the
+version it started with and finishes under it.
 """
 
 from __future__ import annotations
@@ -13,10 +17,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from ckpt_engine.engine import Rendezvous
 from ckpt_engine.rollout_adapters.base import JoinOptions
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
-from ckpt_engine.rollout_adapters.vllm.rollout import VllmRollout
-from ckpt_engine.engine import Rendezvous
+from ckpt_engine.rollout_adapters.vllm.clients import Channel, LLMWeightSyncClient
+from ckpt_engine.rollout_adapters.vllm.lora_names import LoraVersions
+from ckpt_engine.rollout_adapters.vllm.rollout import VllmRollout, http_channel
 
 if TYPE_CHECKING:
     import vllm
@@ -24,7 +30,7 @@ if TYPE_CHECKING:
 
     from ckpt_engine.planning.regions import ReceivePlan
 
-__all__ = ["LORA_METHODS", "VllmLoraRollout"]
+__all__ = ["LORA_METHODS", "VllmLoraRollout", "VllmServerLoraRollout"]
 
 LORA_METHODS = {
     "ckpt_validate": "ckpt_lora_validate",
@@ -36,35 +42,37 @@ LORA_METHODS = {
 
 
 class VllmLoraRollout(VllmRollout):
-    """Handle on an `LLM(..., enable_lora=True, worker_extension_cls=WORKER_EXTENSION)` for adapter syncs."""
+    """Handle on a LoRA-enabled vLLM engine with the worker extension, for adapter syncs."""
 
     capabilities = EngineCapabilities(delta=True, many_senders=True, weights="adapters")
     """No staging: an adapter sync already installs only at finalize (the received tensors wait in
     the workers' LoRA stage). No regions: every worker receives the whole adapter (a few MB); vLLM's
     LoRA layers cut each TP rank's slice themselves when the version is installed."""
 
+    def __init__(
+        self, name: str, llm: vllm.LLM | Channel, *, max_adapter_versions: int = 2, timeout_s: float = 300.0, world_size: int | None = None
+    ) -> None:
+        super().__init__(name, llm, timeout_s=timeout_s, world_size=world_size)
+        if isinstance(self.client, LLMWeightSyncClient) and self.client.llm.llm_engine.vllm_config.lora_config is None:
+            raise ValueError(f"engine {name!r}: vLLM was started without LoRA; start it with enable_lora=True for adapter syncs")
+        self.versions = LoraVersions(name, max_adapter_versions, self.client)
+        self.max_adapter_versions = max_adapter_versions
+
     def receive_plans(self) -> list[ReceivePlan | None]:
         """None for every worker (whole tensors); no plan is recorded from the base model's loaders."""
         return [None] * self.world_size
-
-    def __init__(self, name: str, llm: vllm.LLM, *, max_adapter_versions: int = 2, timeout_s: float = 300.0) -> None:
-        super().__init__(name, llm, timeout_s=timeout_s)
-        lora = llm.llm_engine.vllm_config.lora_config
-        if lora is None:
-            raise ValueError(f"engine {name!r}: vLLM was started without LoRA; start it with enable_lora=True for adapter syncs")
-        if isinstance(max_adapter_versions, bool) or not isinstance(max_adapter_versions, int) or max_adapter_versions < 1:
-            raise ValueError(f"max_adapter_versions must be an int >= 1, got {max_adapter_versions!r}")
-        self.max_adapter_versions = max_adapter_versions
-        self._request: LoRARequest | None = None
 
     def _rpc(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
         return super()._rpc(LORA_METHODS.get(method, method), timeout_s, **kwargs)
 
     def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
+        """Check a server can register adapters, then join every worker (`preload`: in process each
+        version is installed under its own LoRA id; a server loads it under the id it gives it)."""
+        self.versions.check_routes()
         self._sent_digest = None
         results = self._rpc(
             "ckpt_lora_join", rendezvous=rendezvous.to_dict(), rank_offset=rank_offset, options=options.to_dict(),
-            max_versions=self.max_adapter_versions,
+            max_versions=self.max_adapter_versions, preload=self.versions.names is None,
         )
         self.pids = [int(r["pid"]) for r in results]
 
@@ -75,25 +83,38 @@ class VllmLoraRollout(VllmRollout):
         """Nothing was paused."""
 
     def finalize(self, version: int) -> None:
-        """Install + activate the received adapter as `version` on every worker, then name it in
-        `lora_request()` (new requests get it from then on)."""
-        from vllm.lora.request import LoRARequest
-
-        from ckpt_engine.rollout_adapters.vllm.lora_worker import lora_int_id, lora_path
-
+        """Install the received adapter as `version` on every worker, then make it the newest (behind
+        a server: register its name). New requests get it from then on."""
         t0 = time.perf_counter()
         replies = self._rpc("ckpt_finalize", version=version)
-        self._request = LoRARequest(f"{self.name}-v{version}", lora_int_id(version), lora_path(self.name, version))
+        t1 = time.perf_counter()
+        self.versions.installed(version)
         self.version = version
-        self.last_finalize = {"install_s": max(float(r["install_s"]) for r in replies), "finalize_rpc_s": time.perf_counter() - t0}
+        self.last_finalize = {
+            "install_s": max(float(r["install_s"]) for r in replies), "finalize_rpc_s": t1 - t0, "register_s": time.perf_counter() - t1,
+        }
 
     def lora_request(self) -> LoRARequest:
         """The `LoRARequest` of the newest adapter version (pass it to `LLM.generate(..., lora_request=...)`)."""
-        if self._request is None:
-            raise RuntimeError(f"engine {self.name!r} holds no adapter version yet: sync one first")
-        return self._request
+        return self.versions.lora_request()
+
+    def model_name(self) -> str:
+        """The OpenAI `model` of the newest adapter version (new requests to the server name it)."""
+        return self.versions.model_name()
 
     def take_over(self, previous: Any) -> None:
         super().take_over(previous)
         if isinstance(previous, VllmLoraRollout):
-            self._request = previous._request
+            self.versions.take_over(previous.versions)
+
+
+class VllmServerLoraRollout(VllmLoraRollout):
+    """`VllmLoraRollout` over a LoRA-enabled dev-mode `api_server` at `base_url`; versions are served by name."""
+
+    def __init__(
+        self, name: str, base_url: str, *, max_adapter_versions: int = 2, timeout_s: float = 300.0, world_size: int | None = None,
+        session: Any = None,
+    ) -> None:
+        client, workers = http_channel(name, base_url, timeout_s, session, world_size)
+        super().__init__(name, client, max_adapter_versions=max_adapter_versions, timeout_s=timeout_s, world_size=workers)
+        self.base_url, self.http = client.base_url, client.http

@@ -1,4 +1,7 @@
-"""`ServerLoraNames`: the names under which vLLM's OpenAI server serves ckpt-engine adapter versions.
+"""How requests name the adapter versions a vLLM engine holds: `LoraVersions`, which both LoRA
+handles (`vllm/lora.py` over the worker extension, `vllm/native_lora.py` over vLLM's weight-transfer
+API) hold, whatever their channel; behind vLLM's OpenAI server it registers each version by name
+(`ServerLoraNames`), in process it names it with a `LoRARequest`.
 
 vLLM's OpenAI front resolves `model=<name>` through its own registry, filled only by
 `/v1/load_lora_adapter` (mounted with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`). After every worker
@@ -11,9 +14,14 @@ builds the model from the tensors it holds (`vllm/lora_worker.py`). A worker kee
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["ServerLoraNames"]
+from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
+
+__all__ = ["LoraVersions", "ServerLoraNames"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,3 +80,51 @@ class ServerLoraNames:
         resp = self.http.post(f"{self.base_url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=self.timeout_s)
         if resp.status_code not in (200, 404):
             logger.warning("engine %s: unregistering %s answered %s: %s", self.engine, name, resp.status_code, resp.text[:200])
+
+
+class LoraVersions:
+    """The newest adapter version of one engine and how a request names it: `lora_request()` (an
+    in-process `LLM`) or `model_name()` (vLLM's OpenAI server, where `installed` registers each
+    version by name; `client` is the server's channel). Keeps at most `max_adapter_versions` names."""
+
+    def __init__(self, engine: str, max_adapter_versions: int, client: Any) -> None:
+        if isinstance(max_adapter_versions, bool) or not isinstance(max_adapter_versions, int) or max_adapter_versions < 1:
+            raise ValueError(f"max_adapter_versions must be an int >= 1, got {max_adapter_versions!r}")
+        self.engine = engine
+        self.max_adapter_versions = max_adapter_versions
+        self.version: int | None = None
+        self.names: ServerLoraNames | None = None
+        if isinstance(client, HTTPWeightSyncClient):
+            self.names = ServerLoraNames(engine, client.base_url, client.http, client.timeout, max_adapter_versions)
+
+    def check_routes(self) -> None:
+        """Behind the OpenAI server: fail with the fix when it cannot register adapters."""
+        if self.names is not None:
+            self.names.check_routes()
+
+    def installed(self, version: int) -> None:
+        """Every worker holds `version`: it is the newest (registered by name behind the server)."""
+        if self.names is not None:
+            self.names.register(version)
+        self.version = version
+
+    def lora_request(self) -> LoRARequest:
+        """The `LoRARequest` of the newest version (an in-process `LLM`: `generate(..., lora_request=...)`)."""
+        from vllm.lora.request import LoRARequest
+
+        from ckpt_engine.rollout_adapters.vllm.lora_worker import lora_int_id, lora_path
+
+        if self.version is None:
+            raise RuntimeError(f"engine {self.engine!r} holds no adapter version yet: sync one first")
+        return LoRARequest(f"{self.engine}-v{self.version}", lora_int_id(self.version), lora_path(self.engine, self.version))
+
+    def model_name(self) -> str:
+        """The OpenAI `model` of the newest version (vLLM's OpenAI server)."""
+        if self.names is None:
+            raise RuntimeError(f"engine {self.engine!r} is an in-process LLM: name versions with lora_request()")
+        return self.names.newest()
+
+    def take_over(self, previous: LoraVersions) -> None:
+        self.version = previous.version
+        if self.names is not None and previous.names is not None:
+            self.names.registered = dict(previous.names.registered)

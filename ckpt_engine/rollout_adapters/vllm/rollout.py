@@ -41,7 +41,7 @@ from ckpt_engine.rollout_adapters.vllm.stage_outcome import StagedOutcomes
 if TYPE_CHECKING:
     import vllm
 
-__all__ = ["WORKER_EXTENSION", "VllmRollout", "VllmServerRollout"]
+__all__ = ["WORKER_EXTENSION", "VllmRollout", "VllmServerRollout", "http_channel"]
 
 logger = logging.getLogger(__name__)
 
@@ -372,22 +372,28 @@ class VllmServerRollout(VllmRollout):
         session: Any = None,
         staging_limit_bytes: int | None = None,
     ) -> None:
-        import requests
+        client, workers = http_channel(name, base_url, timeout_s, session, world_size)
+        super().__init__(name, client, timeout_s=timeout_s, staging_limit_bytes=staging_limit_bytes, world_size=workers)
+        self.base_url, self.http = client.base_url, client.http
 
-        parts = urlsplit(base_url) if isinstance(base_url, str) else None
-        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"engine {name!r}: base_url must be http(s)://HOST:PORT, got {base_url!r}")
-        client = HTTPWeightSyncClient(base_url, timeout_s, session)
-        if world_size is None:
-            try:
-                world_size = client.world_size()
-            except requests.RequestException as exc:
-                client.close()
-                raise ConnectionError(
-                    f"engine {name!r}: no vLLM server answers at {client.base_url} ({type(exc).__name__}); start "
-                    f"`vllm serve` there with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION}, "
-                    "or fix the URL"
-                ) from None
-        super().__init__(name, client, timeout_s=timeout_s, staging_limit_bytes=staging_limit_bytes, world_size=world_size)
-        self.base_url = client.base_url
-        self.http = client.http
+
+def http_channel(name: str, base_url: str, timeout_s: float, session: Any, world_size: int | None) -> tuple[HTTPWeightSyncClient, int]:
+    """The channel to the dev-mode server at `base_url` for engine `name`, and its world size (asked
+    when None): a URL that is not one, or that nobody answers, fails here with the fix."""
+    import requests
+
+    parts = urlsplit(base_url) if isinstance(base_url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"engine {name!r}: base_url must be http(s)://HOST:PORT, got {base_url!r}")
+    client = HTTPWeightSyncClient(base_url, timeout_s, session)
+    if world_size is not None:
+        return client, world_size
+    try:
+        return client, client.world_size()
+    except requests.RequestException as exc:
+        client.close()
+        raise ConnectionError(
+            f"engine {name!r}: no vLLM server answers at {client.base_url} ({type(exc).__name__}); start "
+            f"`vllm serve` there with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION}, "
+            "or fix the URL"
+        ) from None
