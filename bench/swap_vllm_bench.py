@@ -151,7 +151,7 @@ def main() -> None:
     p.add_argument(
         "--swap", choices=("shadow", "reload"), default="shadow",
         help="shadow: the workers prepare the staged version off the step path and the swap copies it "
-        "(rollout_adapters/vllm_shadow.py); reload: the swap reloads through vLLM's layerwise reload (before)",
+        "(rollout_adapters/vllm/shadow.py); reload: the swap reloads through vLLM's layerwise reload (before)",
     )
     args = p.parse_args()
     os.environ["CKPT_ENGINE_VLLM_SHADOW"] = "1" if args.swap == "shadow" else "0"  # the server's workers inherit it

@@ -1,4 +1,4 @@
-"""Staged-receive outcomes through a real rendezvous TCPStore (`rollout_adapters/stage_outcome.py`):
+"""Staged-receive outcomes through a real rendezvous TCPStore (`rollout_adapters/vllm/stage_outcome.py`):
 the native vLLM backend's workers report the end of a staged receive there instead of raising
 "not yet" from vLLM's calls. Here each rank's client of a real store
 writes its own key, the waiting side reads every outcome, deletes the keys, and names the ranks that

@@ -1,4 +1,4 @@
-"""The vLLM worker's staging (`rollout_adapters/vllm_staging.py`) without an engine: a staged receive
+"""The vLLM worker's staging (`rollout_adapters/vllm/staging.py`) without an engine: a staged receive
 on its thread, what it keeps (views or copies; region items by their slice bytes), what a swap may
 take, and the room for a copy."""
 

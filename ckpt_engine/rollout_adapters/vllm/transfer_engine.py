@@ -5,7 +5,7 @@ drives it from its own routes (`/init_weight_transfer_engine`, `/start_weight_up
 `/update_weights`, `/finish_weight_update`) or `LLM` methods. The plugin in `vllm/plugin.py`
 registers this class under the name `ckpt_engine` in every vLLM process.
 
-One weight update, as the trainer side drives it (`rollout_adapters/vllm_native.py`, under a
+One weight update, as the trainer side drives it (`rollout_adapters/vllm/native.py`, under a
 `WeightSyncSession`; `sync/vllm_trainer_engine.py` for vLLM's trainer API):
   start_weight_update
   update_weights({"phase": "validate", "digest", "manifest"})  raises ValueError naming every bad
