@@ -97,7 +97,9 @@ class VllmReceiverCore:
         except binascii.Error as exc:
             return {"accepted": False, "need_manifest": False, "problems": [f"corrupt manifest or region assignment: not base64 ({exc})"]}
         specs = self.specs()
-        return self.receiver.validate(encoded, digest, specs.accepts, extra_check=specs.stacked_whole, regions=regions)
+        # Both checks read only the manifest and this model's frozen specs: a manifest accepted for
+        # them is accepted again without its tensors walked (every sync of a session, same digest).
+        return self.receiver.validate(encoded, digest, specs.accepts, extra_check=specs.stacked_whole, regions=regions, remember=True)
 
     # --- receive plan ------------------------------------------------------------------------
     def manifest_budget(self) -> dict[str, int]:
@@ -120,12 +122,15 @@ class VllmReceiverCore:
         # `receive`), so a trainer may leave it out.
         needed = specs.needed
         if self._plan is None or self._plan[0] != id(model):
-            try:
-                plan, rec = record_receive_plan(model, needed, self.vllm_config)
-            except Exception as exc:  # this worker keeps today's full receive
-                logger.warning("receive plan: recording failed (%s: %s); this worker receives whole tensors", type(exc).__name__, exc)
-                return {"plan": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
-            self._plan = (id(model), plan, dict(rec.whole))
+            if holds_whole_model(self.vllm_config):  # no dry run: it would find every name read whole
+                self._plan = (id(model), ReceivePlan({n: None for n in needed}), {})
+            else:
+                try:
+                    plan, rec = record_receive_plan(model, needed, self.vllm_config)
+                except Exception as exc:  # this worker keeps today's full receive
+                    logger.warning("receive plan: recording failed (%s: %s); this worker receives whole tensors", type(exc).__name__, exc)
+                    return {"plan": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
+                self._plan = (id(model), plan, dict(rec.whole))
         _, plan, whole = self._plan
         model_bytes = held_bytes(ReceivePlan({n: None for n in needed}), needed)
         out = {"plan": plan.to_wire(), "bytes": held_bytes(plan, specs.specs), "model_bytes": model_bytes, "whole": whole}
@@ -170,11 +175,12 @@ class VllmReceiverCore:
         self.staging.discard()
         model = self._model()
         detached = [0]
+        scanned: dict[int, Any] = {}  # detach_pending's walk of the layers' held loads, across this reload's buckets
 
         def load(loadable: list[tuple[str, torch.Tensor]]) -> None:
             with self.reload.loading():
                 model.load_weights(loadable)
-            detached[0] += detach_pending(loadable)
+            detached[0] += detach_pending(loadable, scanned)
 
         self.reload.close()
         self.stale = True
@@ -195,7 +201,7 @@ class VllmReceiverCore:
         specs = self.specs()
         tied = specs.tied
         accepted = self.receiver.accepted_manifest(digest)
-        sent = {s.name for s in accepted.specs} if accepted is not None else set()
+        sent = {e.name for b in accepted.buckets for e in b.entries} if accepted is not None else set()  # not `.specs`: no spec built per tensor
         # A tied head the trainer did not send is loaded from its embedding, or layerwise reload
         # would put the old head back.
         alias = {emb: head for head, emb in tied.items() if head not in sent and emb in sent}
@@ -307,6 +313,16 @@ class VllmReceiverCore:
             "staged": self.staging.describe(),
             "staging_copy_bytes": self.staging.copy.nbytes,
         }
+
+
+def holds_whole_model(vllm_config: Any) -> bool:
+    """Whether this worker holds every tensor of the model whole: no tensor, pipeline, context or
+    expert parallelism splits it. Its loaders then read each checkpoint tensor whole, so its receive
+    plan is every name whole, and the dry run that would record it (every loader over every tensor,
+    about as long as a load, in the first sync: bench/RESULTS.md) is skipped."""
+    par = getattr(vllm_config, "parallel_config", None)
+    sizes = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size", "decode_context_parallel_size")
+    return par is not None and all(getattr(par, k, 1) == 1 for k in sizes) and not getattr(par, "enable_expert_parallel", True)
 
 
 def unbase64(value: bytes | str | None) -> bytes | None:

@@ -58,24 +58,68 @@ class LayerwiseReload:
         return time.perf_counter() - t0
 
 
-def detach_pending(pairs: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Clone the bucket tensors vLLM's layerwise reload still holds for incomplete layers.
+def detach_pending(pairs: Iterable[tuple[str, torch.Tensor]], scanned: dict[int, tuple[list[Any], int]] | None = None) -> int:
+    """Copy out the bucket tensors vLLM's layerwise reload still holds for incomplete layers.
 
     Those references would otherwise read the next bucket's bytes once the buffer is refilled.
-    Returns the bytes cloned (zero when every layer completed inside its bucket).
+    Returns the bytes copied (zero when every layer completed inside its bucket).
+
+    `scanned` (one dict per reload, kept by the caller across its buckets): how far each layer's
+    held loads were already looked at. A load held since an earlier bucket was copied out then (or
+    owns its storage), so only the loads a layer took since are looked at: a layer that stays
+    incomplete over many buckets (a fused-expert layer) is not walked again per bucket.
     """
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
     # Views of the rotating buffer share a storage larger than themselves; a reassembled chunked
-    # tensor owns its storage and stays valid, so it is not cloned.
-    ptrs = {t.untyped_storage().data_ptr() for _, t in pairs if t.untyped_storage().nbytes() != t.nbytes}
-    cloned = 0
+    # tensor owns its storage and stays valid, so it is not copied.
+    ptrs = set()
+    for _, t in pairs:
+        storage = t.untyped_storage()
+        if storage.nbytes() != t.nbytes:
+            ptrs.add(storage.data_ptr())
+    if not ptrs:
+        return 0
+    held: dict[int, list[tuple[dict[str, Any], str, torch.Tensor]]] = {}
     for info in list(LAYERWISE_INFO.values()):
-        for _, bound in info.loaded_weights:
+        loads = info.loaded_weights
+        if not loads:
+            continue
+        start = 0
+        if scanned is not None:
+            # `reset()` gives a processed layer a new list: a list seen before keeps its prefix.
+            last = scanned.get(id(info))
+            start = last[1] if last is not None and last[0] is loads else 0
+            scanned[id(info)] = (loads, len(loads))
+        for _, bound in loads[start:]:
             for key, value in bound.arguments.items():
-                if key == "param" or not isinstance(value, torch.Tensor):
-                    continue
-                if value.untyped_storage().data_ptr() in ptrs:
-                    bound.arguments[key] = value.clone()
-                    cloned += value.numel() * value.element_size()
-    return cloned
+                if key != "param" and isinstance(value, torch.Tensor) and (ptr := value.untyped_storage().data_ptr()) in ptrs:
+                    held.setdefault(ptr, []).append((bound.arguments, key, value))
+    return sum(_copy_out(views) for views in held.values())
+
+
+def _copy_out(views: list[tuple[dict[str, Any], str, torch.Tensor]]) -> int:
+    """Rebind held views of one buffer to a copy: one copy of the span they cover (a fused-expert
+    layer held over a bucket boundary is hundreds of adjacent tensors: one allocation and one copy,
+    not one each), or one clone each where the span is mostly bytes nobody holds."""
+    spans = [(v.storage_offset() * v.element_size(), _extent(v) * v.element_size()) for _, _, v in views]
+    lo = min(start for start, _ in spans) // 16 * 16
+    hi = max(start + size for start, size in spans)
+    if len(views) == 1 or hi - lo > 2 * sum(size for _, size in spans) + 4096:
+        for args, key, value in views:
+            args[key] = value.clone()
+        return sum(v.numel() * v.element_size() for _, _, v in views)
+    first = views[0][2]
+    source = torch.empty(0, dtype=torch.uint8, device=first.device).set_(first.untyped_storage(), lo, (hi - lo,), (1,))
+    copy = torch.empty(-(-(hi - lo) // 16) * 16, dtype=torch.uint8, device=first.device)
+    copy[: hi - lo].copy_(source)
+    for (args, key, value), (start, _) in zip(views, spans):
+        args[key] = copy.view(value.dtype).as_strided(value.size(), value.stride(), (start - lo) // value.element_size())
+    return hi - lo
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements from a view's first to one past its last (its footprint in its storage)."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
