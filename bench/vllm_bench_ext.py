@@ -41,3 +41,86 @@ class BenchExtension(_Base):  # type: ignore[misc, valid-type]
             weights = torch.arange(words.numel(), device=words.device) % 65521 + 1
             out[name] = int((words * weights).sum())
         return out
+
+    # --- CPU receive-overhead bench (bench/vllm_receive_overhead.py) ---------------------------------
+    def bench_specs(self) -> dict[str, list]:
+        """The checkpoint tensors this worker's model needs: name -> [dtype, shape]."""
+        return {n: [s.dtype, list(s.shape)] for n, s in self._ckpt_core().specs().needed.items()}
+
+    def bench_floor(self, bucket_tensors: int, repeats: int) -> dict[str, float]:
+        """The floor of a sync's receive side: the same tensors (random, one flat buffer per bucket
+        as ours lands them) loaded by `model.load_weights`, `bucket_tensors` per call, inside vLLM's
+        layerwise reload. Median seconds over `repeats`: load (every load_weights call) and total
+        (incl. initialize/finalize)."""
+        import statistics
+
+        from ckpt_engine.pipeline.wire_views import torch_dtype
+
+        core = self._ckpt_core()
+        needed = core.specs().needed
+        names = list(needed)
+        buckets = []
+        for i in range(0, len(names), bucket_tensors):
+            group = [needed[n] for n in names[i : i + bucket_tensors]]
+            sizes = [torch.Size(s.shape).numel() * torch.tensor([], dtype=torch_dtype(s.dtype)).element_size() for s in group]
+            flat = torch.randn(sum(sizes) // 4 + 1).view(torch.uint8)
+            out, off = [], 0
+            for s, n in zip(group, sizes):
+                out.append((s.name, flat[off : off + n].view(torch_dtype(s.dtype)).view(s.shape)))
+                off += n
+            buckets.append(out)
+        model = self.model_runner.get_model()
+        loads, totals = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            core.reload.open()
+            load = 0.0
+            with core.reload.loading():
+                for b in buckets:
+                    t1 = time.perf_counter()
+                    model.load_weights(b)
+                    load += time.perf_counter() - t1
+            core.reload.close()
+            loads.append(load)
+            totals.append(time.perf_counter() - t0)
+        return {"load": statistics.median(loads), "total": statistics.median(totals), "tensors": len(names), "buckets": len(buckets)}
+
+    def bench_profile(self, action: str, path: str = "", top: int = 40) -> str:
+        """cProfile this worker's rpc thread: action "start", or "stop" (writes `path`, returns the top
+        `top` functions by cumulative and by own time)."""
+        import cProfile
+        import io
+        import pstats
+
+        if action == "start":
+            self._bench_prof = cProfile.Profile()
+            self._bench_prof.enable()
+            return ""
+        prof = self._bench_prof
+        prof.disable()
+        if path:
+            prof.dump_stats(path)
+        s = io.StringIO()
+        st = pstats.Stats(prof, stream=s)
+        st.sort_stats("cumulative").print_stats(top)
+        st.sort_stats("tottime").print_stats(top)
+        return s.getvalue()
+
+    def bench_load(self, seed: int, scale: float = 1.0) -> None:
+        """Load `bench_weights(..., seed) * scale` with `model.load_weights` in one call inside vLLM's
+        layerwise reload (the reference a sync's result is compared with)."""
+        core = self._ckpt_core()
+        specs = {n: [s.dtype, list(s.shape)] for n, s in core.specs().needed.items()}
+        weights = bench_weights(specs, seed)
+        core.reload.open()
+        with core.reload.loading():
+            self.model_runner.get_model().load_weights([(n, t * scale) for n, t in weights.items()])
+        core.reload.close()
+
+
+def bench_weights(specs: dict[str, list], seed: int) -> dict[str, torch.Tensor]:
+    """Random tensors for `bench_specs()`'s names, the same on the trainer and in the worker."""
+    from ckpt_engine.pipeline.wire_views import torch_dtype
+
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(shape, generator=g).to(torch_dtype(dtype)) for n, (dtype, shape) in specs.items()}
