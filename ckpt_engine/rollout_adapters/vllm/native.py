@@ -101,6 +101,7 @@ class VllmNativeRollout(RolloutAdapter):
     def take_over(self, previous: RolloutAdapter) -> None:
         if isinstance(previous, VllmNativeRollout):
             self._worker_digest = previous._worker_digest
+            self.staged.take_over(previous.staged)
 
     def held_version(self) -> int | None:
         return version_of(self.control.weight_version()) if self.control is not None else None

@@ -110,9 +110,11 @@ class VllmRollout(RolloutAdapter):
         )
 
     def take_over(self, previous: RolloutAdapter) -> None:
-        """A new handle on the same engine: the workers' pids and the manifest they hold."""
+        """A new handle on the same engine: the workers' pids, the manifest they hold, the group its
+        staged receives report in."""
         if isinstance(previous, VllmRollout):
             self.pids, self._sent_digest, self.version = list(previous.pids), previous._sent_digest, previous.version
+            self.staged.take_over(previous.staged)
 
     def held_version(self) -> int | None:
         """The version the engine's workers hold (the extension keeps it across adapter objects)."""

@@ -174,6 +174,11 @@ class StagedOutcomes:
         """A new group (a new store prefix): the workers report under `ranks` there."""
         self._rendezvous, self._ranks, self._store, self._ticket = rendezvous, list(ranks), None, None
 
+    def take_over(self, previous: StagedOutcomes) -> None:
+        """A new handle on an engine still in `previous`'s group (a session rebound to it): its
+        staged receives report there (it never joins: the engine already did)."""
+        self.join(previous._rendezvous, previous._ranks)
+
     def _client(self) -> Any:
         if self._rendezvous is None:
             raise RuntimeError(f"engine {self.engine!r}: a staged receive before join(); join the weight-sync group first")
