@@ -10,15 +10,13 @@ quantizing the same bf16 weights holds:
   differ in the last bit for some values), rounded to nearest even by the cast.
 Why eager torch ops on every device: each op is correctly rounded (IEEE division, round-to-
 nearest-even casts) on CPU and CUDA alike, so the bytes are the same everywhere. A
-`torch.compile(dynamic=True)` build of this function differed from them on 2xH200 / 4xH200 for
-every shape and dtype tried (inductor's float32 division and reciprocal are not correctly
-rounded), recompiled past its limit per shape, and ran at 0.17 TB/s; nothing compiles, so no
+`torch.compile(dynamic=True)` build of this function differed from them on 4xH200 for
+every shape and dtype tried (the cause was not isolated; inductor's float32 division and
+reciprocal are the likely one), recompiled past its limit per shape, and ran at 0.17 TB/s; nothing compiles, so no
 sync pays a compile either.
 """
 
 from __future__ import annotations
-
-import logging
 
 import torch
 
@@ -26,7 +24,6 @@ from ckpt_engine.fp8.layout import BLOCK, FP8_DTYPE
 
 __all__ = ["AMAX_FLOOR", "FP8_MAX", "quantize_block_fp8", "quantize_eager"]
 
-logger = logging.getLogger(__name__)
 
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
 """448.0: the largest finite float8_e4m3fn value, which each block's amax maps to."""
