@@ -6,8 +6,9 @@
 #           stacks of every Python process dumped by py-spy into $OUT/stacks.txt if a run hangs
 #   vllm-bench - a real CUDA vLLM engine (GPU 0) fed from GPU 1: raw NCCL, vLLM's own packed NCCL
 #           path and ours, Qwen2.5-7B and Qwen3-30B-A3B shapes (bench/vllm_sync_bench.py)
-#   vllm-x4 - on 4 GPUs in one call: vllm-bench (GPUs 2-3) beside the two-GPU vLLM tests (GPUs 0-1),
-#           then the tests that need three GPUs (a TP=2 engine or two FSDP2 ranks beside the engine)
+#   vllm-x4 - on 4 GPUs in one call: vllm-bench (GPUs 2-3) beside the two-GPU vLLM tests (GPUs 0-1)
+#   vllm-three - the vLLM tests that need three GPUs (a TP=2 engine or two FSDP2 ranks beside the engine)
+#   fanout - 4 GPUs: one sender to three receivers (7B, 30B-A3B shapes) beside the raw broadcast
 #   bench - dense and delta syncs of Qwen2.5-7B and Qwen3-30B-A3B shapes over NCCL beside the raw
 #           broadcast, and the FSDP2 shrunk topology (2 trainer ranks, receiver beside rank 1)
 # JSON lands in $OUT (or bench/out/); each step is bounded so one call fits the device's limit.
@@ -57,14 +58,23 @@ vllm-bench)
     pid=$!; watchdog "${VLLM_HANG_S:-250}" $pid; wait $pid; echo "exit $?"; grep -E "^(raw|vllm_packed|ours|\{)" "$out/vllm_bench_$preset.log" | tail -n 6
   done
   ;;
-vllm-x4)  # 4 GPUs in one call: vllm-bench on GPUs 2-3 beside the tests that fit GPUs 0-1, then the three-GPU tests
+vllm-x4)  # 4 GPUs in one call: vllm-bench on GPUs 2-3 beside the tests that fit GPUs 0-1
   python3 -c "import vllm" 2>/dev/null || bash bench/vllm_carry.sh install || exit 1
-  mkdir -p "$out/bench" "$out/two" "$out/three"
+  mkdir -p "$out/bench" "$out/two"
   (CUDA_VISIBLE_DEVICES=2,3 OUT=$out/bench bash "$0" vllm-bench > "$out/bench/run.txt" 2>&1) &
   b=$!
-  CUDA_VISIBLE_DEVICES=0,1 OUT=$out/two VLLM_TEST_TIMEOUT=${VLLM_TWO_S:-300} VLLM_HANG_S=280 bash "$0" vllm
+  CUDA_VISIBLE_DEVICES=0,1 OUT=$out/two VLLM_TEST_TIMEOUT=${VLLM_TWO_S:-300} VLLM_HANG_S=${VLLM_TWO_S:-300} bash "$0" vllm
   wait $b; tail -n 12 "$out/bench/run.txt"
-  OUT=$out/three VLLM_TEST_TIMEOUT=${VLLM_THREE_S:-240} VLLM_HANG_S=220 VLLM_K="tp2_server or (fsdp2 and not handoff)" bash "$0" vllm
+  ;;
+vllm-three)  # the vLLM tests that need three GPUs or more (a TP=2 engine, two FSDP2 ranks beside the engine)
+  mkdir -p "$out/three"
+  OUT=$out/three VLLM_TEST_TIMEOUT=${VLLM_THREE_S:-240} VLLM_HANG_S=${VLLM_THREE_S:-240} VLLM_K="tp2_server or (fsdp2 and not handoff)" bash "$0" vllm
+  ;;
+fanout)  # 4 GPUs: one sender (cuda:0) to three receivers, Qwen2.5-7B and Qwen3-30B-A3B shapes, beside the raw broadcast
+  for preset in qwen2.5-7b qwen3-30b-a3b; do
+    bench "fanout_${preset}" --backend nccl --preset "$preset" --receivers 3 --bucket-mb 1024 --modes raw,ours --iters 5
+    bench "fanout_${preset}_inplace" --backend nccl --preset "$preset" --receivers 3 --bucket-mb 1024 --modes raw,ours --iters 5 --in-place
+  done
   ;;
 one)
   timeout 240 python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests 2>&1 | tail -n 25

@@ -60,17 +60,25 @@ def vllm_checkpoint_specs(model: torch.nn.Module) -> Specs:
             seen.add(id(param))
             full = f"{mod_name}.{p_name}" if mod_name else p_name
             dtype = _dtype_name(param.dtype)
+            linear = isinstance(module, LinearBase) and p_name in _LINEAR_TAKES
+            block = _scale_block(module) if linear and p_name == SCALES else None
+            if isinstance(module, LinearBase) and _quantizes_on_load(module):
+                if p_name != "weight" and p_name != "bias":
+                    continue  # scales an online-quantizing layer computes itself at the end of each load
+                dtype = _dtype_name(module.orig_dtype)  # it takes the checkpoint's own (bf16) weight
             if isinstance(module, VocabParallelEmbedding):
                 shape: tuple[int, ...] = (module.org_vocab_size, module.embedding_dim)
                 if embed_name is None:
                     embed_name = full
-            elif isinstance(module, LinearBase) and p_name in ("weight", "bias"):
-                shape = (module.output_size, module.input_size) if p_name == "weight" else (module.output_size,)
+            elif linear:
+                shape = (module.output_size, module.input_size) if p_name != "bias" else (module.output_size,)
+                if block is not None:
+                    shape = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
             else:
                 shape = tuple(param.shape)
             leaf = mod_name.rsplit(".", 1)[-1]
             parent = mod_name[: -len(leaf)]
-            if leaf in packed and isinstance(module, LinearBase) and p_name in ("weight", "bias"):
+            if leaf in packed and linear:
                 if isinstance(module, QKVParallelLinear):
                     sizes = [
                         module.total_num_heads * module.head_size,
@@ -82,7 +90,7 @@ def vllm_checkpoint_specs(model: torch.nn.Module) -> Specs:
                 names = []
                 for sub, rows in zip(packed[leaf], sizes):
                     name = f"{parent}{sub}.{p_name}"
-                    specs[name] = TensorSpec(name, dtype, (rows, *shape[1:]))
+                    specs[name] = TensorSpec(name, dtype, (rows if block is None else -(-rows // block[0]), *shape[1:]))
                     names.append(name)
                 groups.append(names)
             else:
@@ -94,6 +102,24 @@ def vllm_checkpoint_specs(model: torch.nn.Module) -> Specs:
         specs["lm_head.weight"] = TensorSpec("lm_head.weight", e.dtype, e.shape)
         tied["lm_head.weight"] = embed_name
     return specs, groups, tied
+
+
+SCALES = "weight_scale_inv"
+"""A block-FP8 layer's inverse scales (vLLM's `Fp8LinearMethod` with `weight_block_size`): the
+checkpoint holds one per sub-weight (`q_proj.weight_scale_inv`, ...), [ceil(rows / bn), ceil(cols / bk)]."""
+_LINEAR_TAKES = ("weight", "bias", SCALES)
+
+
+def _scale_block(module: torch.nn.Module) -> tuple[int, int]:
+    """The [bn, bk] block of a block-FP8 layer's scales (vLLM keeps it on the layer's quant method)."""
+    block = module.quant_method.weight_block_size  # type: ignore[union-attr]
+    return int(block[0]), int(block[1])
+
+
+def _quantizes_on_load(module: torch.nn.Module) -> bool:
+    """Whether vLLM quantizes this layer on load (online FP8 of a bf16 checkpoint): its weights
+    are created on the meta device and its `orig_dtype` is the checkpoint's."""
+    return bool(getattr(module.quant_method, "uses_meta_device", False)) and hasattr(module, "orig_dtype")
 
 
 def _routed_experts_class() -> type | None:
