@@ -9,6 +9,8 @@
 #   vllm-x4 - on 4 GPUs in one call: vllm-bench (GPUs 2-3) beside the two-GPU vLLM tests (GPUs 0-1)
 #   vllm-three - the vLLM tests that need three GPUs (a TP=2 engine or two FSDP2 ranks beside the engine)
 #   fanout - 4 GPUs: one sender to three receivers (7B, 30B-A3B shapes) beside the raw broadcast
+#   fp8-bench - a bf16 and an FP8-wire sync of the same model (7B, 30B-A3B), reference receiver
+#   x4-rest - 4 GPUs: vllm-three beside fp8-bench, then fanout
 #   bench - dense and delta syncs of Qwen2.5-7B and Qwen3-30B-A3B shapes over NCCL beside the raw
 #           broadcast, and the FSDP2 shrunk topology (2 trainer ranks, receiver beside rank 1)
 # JSON lands in $OUT (or bench/out/); each step is bounded so one call fits the device's limit.
@@ -69,6 +71,20 @@ vllm-x4)  # 4 GPUs in one call: vllm-bench on GPUs 2-3 beside the tests that fit
 vllm-three)  # the vLLM tests that need three GPUs or more (a TP=2 engine, two FSDP2 ranks beside the engine)
   mkdir -p "$out/three"
   OUT=$out/three VLLM_TEST_TIMEOUT=${VLLM_THREE_S:-240} VLLM_HANG_S=${VLLM_THREE_S:-240} VLLM_K="tp2_server or (fsdp2 and not handoff)" bash "$0" vllm
+  ;;
+fp8-bench)  # 2 GPUs: a bf16 sync and an FP8-wire sync (quantize included) of the same model, same run
+  for preset in qwen2.5-7b qwen3-30b-a3b; do
+    bench "bf16_$preset" --backend nccl --preset "$preset" --modes ours --iters 3
+    bench "fp8_$preset" --backend nccl --preset "$preset" --modes ours --iters 3 --wire-dtype fp8
+  done
+  ;;
+x4-rest)  # 4 GPUs: the three-GPU vLLM tests (GPUs 0-2) beside the FP8 wire bench (GPU 3 -> GPU 0), then the fan-out
+  mkdir -p "$out/fp8"
+  (CUDA_VISIBLE_DEVICES=3,0 OUT=$out/fp8 bash "$0" fp8-bench > "$out/fp8/run.txt" 2>&1) &
+  b=$!
+  bash "$0" vllm-three
+  wait $b; grep -E "^==|ours|GB/s" "$out/fp8/run.txt" | head -n 30
+  bash "$0" fanout
   ;;
 fanout)  # 4 GPUs: one sender (cuda:0) to three receivers, Qwen2.5-7B and Qwen3-30B-A3B shapes, beside the raw broadcast
   for preset in qwen2.5-7b qwen3-30b-a3b; do

@@ -9,7 +9,8 @@ quantizing the same bf16 weights holds:
 - q = (w * (1 / sf)).to(float8_e4m3fn): a multiply by the reciprocal, not a division (they
   differ in the last bit for some values), rounded to nearest even by the cast.
 Why eager torch ops on every device: each op is correctly rounded (IEEE division, round-to-
-nearest-even casts) on CPU and CUDA alike, so the bytes are the same everywhere. A
+nearest-even casts) on CPU and CUDA alike, so the bytes are the same everywhere (the one trap: a
+CUDA division by a Python scalar is a multiply by its reciprocal, so the 448 is a device tensor). A
 `torch.compile(dynamic=True)` build of this function differed from them on 4xH200 for
 every shape and dtype tried (the cause was not isolated; inductor's float32 division and
 reciprocal are the likely one), recompiled past its limit per shape, and ran at 0.17 TB/s; nothing compiles, so no
@@ -43,7 +44,10 @@ def quantize_eager(w: torch.Tensor, block_rows: int = BLOCK[0], block_cols: int 
         padded = w
     view = padded.reshape(-1, br, block_rows, bc, block_cols)
     amax = view.abs().float().amax(dim=(2, 4), keepdim=True).clamp(AMAX_FLOOR)
-    sf = amax / FP8_MAX
+    # Divided by a 0-dim tensor on w's device, not by the Python float: CUDA turns a division by a
+    # CPU scalar into a multiply by its float32 reciprocal, which differs from amax / 448 in the last
+    # bit for some blocks (seen on H200: 2 of 14 scale tensors of a tiny Qwen2); CPU divides.
+    sf = amax / torch.full((), FP8_MAX, dtype=amax.dtype, device=amax.device)
     q = (view * (1.0 / sf)).to(FP8_DTYPE)
     q = q.view(*lead, prows, pcols)[..., :rows, :cols].contiguous()
     return q, sf.view(*lead, br, bc)

@@ -3,18 +3,29 @@
 
 It works after vLLM has post-processed (e.g. repacked on CPU) its weights: `initialize_layerwise_reload`
 -> `model.load_weights` per bucket -> `finalize_layerwise_reload`.
+
+Where no layer post-processes its weights (an unquantized dense model on CUDA: vLLM's unquantized
+linear and embedding methods do nothing after loading there), the bracket is not needed: the
+model's loaders write the live parameters in their final layout, as vLLM's first load did. Layerwise
+reload would re-materialize every layer, load into it, and copy it back into the live storage (two
+device copies and per-layer bookkeeping per sync); those models load straight into the live
+parameters instead (`loads_in_place`). Every other model (quantized, MoE, any model on CPU) keeps
+the bracket.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["LayerwiseReload", "detach_pending"]
+__all__ = ["LayerwiseReload", "detach_pending", "loads_in_place"]
+
+logger = logging.getLogger(__name__)
 
 
 class LayerwiseReload:
@@ -25,6 +36,18 @@ class LayerwiseReload:
         self._model = model
         self.vllm_config = vllm_config
         self.is_open = False
+        self._in_place: tuple[int, bool] | None = None  # (id(model), whether it loads in place)
+        self._open_in_place = False
+
+    def in_place(self) -> bool:
+        """Whether the current model loads straight into its live parameters (no bracket), decided
+        once per model and said once."""
+        model = self._model()
+        if self._in_place is None or self._in_place[0] != id(model):
+            why = loads_in_place(model)
+            self._in_place = (id(model), why is None)
+            logger.info("vLLM weight loads: %s", "straight into the live parameters (no layer post-processes its weights)" if why is None else f"through layerwise reload ({why})")
+        return self._in_place[1]
 
     def open(self) -> None:
         """Start a reload of the model's layers (closing one still open first)."""
@@ -32,8 +55,10 @@ class LayerwiseReload:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self.close()
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self._model())
+        self._open_in_place = self.in_place()
+        if not self._open_in_place:
+            with set_current_vllm_config(self.vllm_config):
+                initialize_layerwise_reload(self._model())
         self.is_open = True
 
     @contextlib.contextmanager
@@ -53,9 +78,31 @@ class LayerwiseReload:
 
         t0 = time.perf_counter()
         self.is_open = False
+        if self._open_in_place:
+            return 0.0
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             finalize_layerwise_reload(self._model(), self.vllm_config.model_config)
         return time.perf_counter() - t0
+
+
+def loads_in_place(model: torch.nn.Module) -> str | None:
+    """None when no layer of `model` post-processes its weights after loading, so its loaders
+    write the final layout into the live parameters; else the first layer that does, and why.
+
+    Only vLLM's unquantized linear and embedding methods on CUDA qualify (their
+    `process_weights_after_loading` does nothing there; on CPU they repack). Any other quant
+    method (FP8, routed experts' kernels, ...) is assumed to transform what its loaders wrote."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda():
+        return f"vLLM on {current_platform.device_type} post-processes unquantized weights"
+    for name, module in model.named_modules():
+        method = getattr(module, "quant_method", None)  # vLLM's layers may have none (norms, attention): they load as they are
+        if method is not None and type(method) not in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+            return f"{name} post-processes its weights ({type(method).__name__})"
+    return None
 
 
 def detach_pending(pairs: Iterable[tuple[str, torch.Tensor]], scanned: dict[int, tuple[list[Any], int]] | None = None) -> int:
