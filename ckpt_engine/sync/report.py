@@ -82,6 +82,11 @@ class SyncReport:
     staged: str = "off"
     """How the engines took this sync (issue 28): `off` (paused for the whole sync), `patches` or
     `full` (streamed into a staging area while serving, paused only for the swap)."""
+    engine_gbps: dict[str, float] = field(default_factory=dict)
+    """Per engine, the rate it achieved (issue 43's guardrail): the bytes its ranks took over its
+    receive seconds (0.0 where an engine reported no receive time). A link that silently fell
+    back to a slower wire shows here first; the pull transport also checks each link against a
+    floor as it reads (`engine_kwargs.nixl.min_gbps`)."""
     stall_s: float = 0.0
     """The engines' largest stall: seconds an engine produced no tokens because of this sync (the
     swap when staged; pause to resume otherwise), beside `seconds["transfer"]`."""
@@ -142,4 +147,5 @@ def make_report(
         senders=senders,
         base_bytes=int(stats.extra.get("base_bytes", 0)),
         wire_bytes_per_sender=per_sender,
+        engine_gbps={n: r.bytes / r.receive_s / 1e9 if r.receive_s > 0 else 0.0 for n, r in receivers.items()},
     )

@@ -1,0 +1,186 @@
+"""The NIXL side of the pull transport: loading the package, one agent per rank, and the slot offer
+a sender publishes through the rendezvous store (msgpack, never pickle).
+
+A sender registers its rotating slots with its agent once, at join, and publishes a `SlotOffer`:
+its agent's name and metadata (NIXL's own opaque bytes, carried as msgpack bin) and where each slot
+lies. A receiver loads that metadata, checks the offer against what the plan needs (slot count and
+size, the agent the metadata names) and from then on reads the slots with one-sided READs; the
+sender's CPU takes no part in moving a byte.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import msgpack
+import torch
+
+__all__ = ["INSTALL_LINE", "NixlAgent", "SlotOffer", "load_nixl"]
+
+logger = logging.getLogger(__name__)
+
+INSTALL_LINE = "pip install nixl-cu12 (CUDA 12 hosts and CPU-only hosts; nixl-cu13 for CUDA 13), or pip install 'ckpt-engine[nixl]'"
+
+_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
+"""The meta package `nixl` re-exports a CUDA variant's module; a variant installed alone is
+importable under its own name."""
+
+
+def load_nixl() -> ModuleType:
+    """NIXL's Python API module (it holds `nixl_agent`, `nixl_agent_config`); an ImportError that
+    names the package and gives the install line when none is installed."""
+    import importlib
+
+    failures: list[str] = []
+    for name in _MODULES:
+        try:
+            module = importlib.import_module(f"{name}._api")
+        except ImportError as exc:
+            failures.append(f"{name}: {exc}")
+            continue
+        return module
+    raise ImportError(f"the nixl backend needs the `nixl` package, which is not importable here ({'; '.join(failures)}); install it: {INSTALL_LINE}")
+
+
+def memory_kind(device: torch.device) -> tuple[str, int]:
+    """NIXL's memory segment and device id for tensors on `device`."""
+    if device.type == "cpu":
+        return "DRAM", 0
+    if device.type == "cuda":
+        return "VRAM", device.index if device.index is not None else torch.cuda.current_device()
+    raise ValueError(f"the nixl backend reads CPU or CUDA memory, got device {device}")
+
+
+@dataclass(frozen=True)
+class SlotOffer:
+    """What a sender publishes once per join: its agent and its registered slots."""
+
+    agent: str
+    metadata: bytes
+    memory: str
+    """'DRAM' or 'VRAM'."""
+    device_id: int
+    slots: tuple[tuple[int, int], ...]
+    """(address, bytes) of each rotating slot, in slot order."""
+
+    def encode(self) -> bytes:
+        d = {"agent": self.agent, "metadata": self.metadata, "memory": self.memory, "device_id": self.device_id, "slots": [list(s) for s in self.slots]}
+        return msgpack.packb(d, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, raw: bytes, *, sender: int, num_slots: int, slot_bytes: int) -> SlotOffer:
+        """The offer of `sender`, checked against this plan's slots: a malformed one, or one whose
+        slots do not match (another bucket size or buffer count) is refused by name."""
+        who = f"the nixl offer of sender {sender}"
+        try:
+            d = msgpack.unpackb(raw, raw=False)
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise ValueError(f"{who} is not msgpack: {exc}") from None
+        if not isinstance(d, dict) or set(d) != {"agent", "metadata", "memory", "device_id", "slots"}:
+            raise ValueError(f"{who} must be a map of agent, metadata, memory, device_id, slots; got {d!r:.200}")
+        if not isinstance(d["agent"], str) or not d["agent"] or not isinstance(d["metadata"], bytes) or not d["metadata"]:
+            raise ValueError(f"{who} has no agent name or no agent metadata")
+        if d["memory"] not in ("DRAM", "VRAM") or not isinstance(d["device_id"], int) or isinstance(d["device_id"], bool):
+            raise ValueError(f"{who} names memory {d['memory']!r} on device {d['device_id']!r} (DRAM or VRAM, an int device)")
+        slots = d["slots"]
+        if not isinstance(slots, list) or len(slots) != num_slots:
+            raise ValueError(f"{who} describes {len(slots) if isinstance(slots, list) else slots!r} slots, this plan needs {num_slots}")
+        out: list[tuple[int, int]] = []
+        for i, s in enumerate(slots):
+            if not (isinstance(s, list) and len(s) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in s)) or s[0] <= 0:
+                raise ValueError(f"{who}: slot {i} must be [address, bytes] with a positive address, got {s!r}")
+            if s[1] != slot_bytes:
+                raise ValueError(f"{who}: slot {i} holds {s[1]} bytes, this plan's slots hold {slot_bytes} (another bucket size?)")
+            out.append((s[0], s[1]))
+        return cls(d["agent"], d["metadata"], d["memory"], d["device_id"], tuple(out))
+
+
+class NixlAgent:
+    """One rank's NIXL agent over UCX: its registered slots, the peers it reads from and the
+    transfer requests it reuses (one per (slot, sender slot, bytes), reposted every sync)."""
+
+    def __init__(self, api: ModuleType, label: str, buffers: list[torch.Tensor]) -> None:
+        self.name = f"ckpt-{label}-{secrets.token_hex(6)}"
+        """Unique per join: a restarted peer's old registration can never be taken for its new one."""
+        config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
+        self.agent: Any = api.nixl_agent(self.name, config)
+        if "UCX" not in self.agent.backends:
+            raise RuntimeError(f"NIXL agent {self.name}: the UCX backend did not load (plugins found: {self.agent.plugin_list})")
+        self.buffers = buffers
+        self._reg: Any = self.agent.register_memory(buffers, backends=["UCX"]) if buffers else None
+        self.memory, self.device_id = memory_kind(buffers[0].device) if buffers else ("DRAM", 0)
+        self.peers: dict[int, SlotOffer] = {}
+        self._requests: dict[tuple[int, int, int, int, int], Any] = {}
+
+    def offer(self) -> SlotOffer:
+        slots = tuple((b.data_ptr(), b.numel() * b.element_size()) for b in self.buffers)
+        return SlotOffer(self.name, self.agent.get_agent_metadata(), self.memory, self.device_id, slots)
+
+    def add_peer(self, sender: int, offer: SlotOffer) -> None:
+        """Load a sender's metadata; the agent its metadata names must be the offer's."""
+        if offer.memory != self.memory and self.memory == "DRAM" and offer.memory == "VRAM":
+            logger.info("nixl: sender %d offers device memory and this rank reads into host memory", sender)
+        loaded = self.agent.add_remote_agent(offer.metadata)
+        loaded = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded != offer.agent:
+            self.agent.remove_remote_agent(loaded)
+            raise ValueError(f"the nixl offer of sender {sender} names agent {offer.agent!r} but its metadata is agent {loaded!r} (a stale registration?)")
+        self.peers[sender] = offer
+        self.agent.make_connection(offer.agent, ["UCX"])
+
+    def read(self, sender: int, remote_slot: int, offset: int, local: torch.Tensor) -> Any:
+        """Start one READ of `local.numel()` bytes at `offset` of sender slot `remote_slot` into
+        `local` (a contiguous byte view of a registered slot); returns the request to poll."""
+        peer = self.peers[sender]
+        nbytes = local.numel() * local.element_size()
+        addr, size = peer.slots[remote_slot]
+        if offset < 0 or offset + nbytes > size:
+            raise ValueError(f"a read of {nbytes} bytes at {offset} lies outside sender {sender}'s slot {remote_slot} of {size} bytes")
+        key = (sender, remote_slot, offset, local.data_ptr(), nbytes)
+        req = self._requests.get(key)
+        if req is None:
+            a = self.agent
+            local_descs = a.get_xfer_descs([(local.data_ptr(), nbytes, self.device_id)], self.memory)
+            remote_descs = a.get_xfer_descs([(addr + offset, nbytes, peer.device_id)], peer.memory)
+            req = self._requests[key] = a.initialize_xfer("READ", local_descs, remote_descs, peer.agent, backends=["UCX"])
+        state = self.agent.transfer(req)
+        if state == "ERR":
+            raise RuntimeError(f"NIXL refused to post a read from sender {sender}'s slot {remote_slot}")
+        return req
+
+    def state(self, req: Any) -> str:
+        """'DONE', 'PROC' or 'ERR'."""
+        return str(self.agent.check_xfer_state(req))
+
+    def close(self) -> None:
+        """Release the requests, forget the peers, deregister the slots (best effort: a broken peer
+        may make any of it fail, and the agent goes with its last reference anyway)."""
+        a, self.agent = self.agent, None
+        if a is None:
+            return
+        for req in self._requests.values():
+            try:
+                deadline = time.monotonic() + 5.0  # a read left in flight by a failure must not land in freed slots
+                while a.check_xfer_state(req) == "PROC" and time.monotonic() < deadline:
+                    time.sleep(1e-3)
+                a.release_xfer_handle(req)
+            except Exception as exc:  # a request still in flight after a failure
+                logger.debug("nixl: releasing a transfer request: %s", exc)
+        self._requests = {}
+        for offer in self.peers.values():
+            try:
+                a.remove_remote_agent(offer.agent)
+            except Exception as exc:
+                logger.debug("nixl: forgetting agent %s: %s", offer.agent, exc)
+        self.peers = {}
+        if self._reg is not None:
+            try:
+                a.deregister_memory(self._reg, backends=["UCX"])
+            except Exception as exc:
+                logger.debug("nixl: deregistering the slots: %s", exc)
+            self._reg = None
