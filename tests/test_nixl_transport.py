@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_f
 from ckpt_engine.sources.base import StateDictSource
 from multisender import shard_rank
 from ranks import run_ranks
-from refengines import spawn_engine
+from refengines import spawn_engine, spawn_with_timeout
 from regionranks import KV_HEADS, qwen2_specs, weights
 from roundtrip import mixed_state, same_bits
 
@@ -332,3 +334,54 @@ def test_two_senders_each_offer_their_rows_and_two_receivers_pull_them_bit_exact
         assert r["bad"] == [] and r["errors"] == []
     sent = [sum(s["bytes"] for s in r["stats"]) for r in results[:2]]
     assert min(sent) > 0.5 * max(sent), sent
+
+
+def test_a_receiver_killed_mid_pull_fails_the_sync_by_name_and_nobody_serves_half_new(engines: list[TorchRefRollout], spec_file: str, tmp_path: Path) -> None:
+    """The victim's first load waits on a hold file (load_gate.py), so the kill lands mid-stream on
+    any box; the sender, waiting for the victim's reads, fails within its timeout and names it;
+    the survivors are left paused and stale, and the next sync without the victim heals them."""
+    timeout_s = 3.0
+    cfg = CheckpointEngineConfig(backend="nixl", bucket_size_mb=0.0625, timeout_s=timeout_s, stage="off")
+    hold = tmp_path / "hold"
+    victim = spawn_with_timeout(spec_file, "victim", timeout_s, 0.02, None, str(hold))
+    sd0, sd1 = mixed_state(20, num_small=300), mixed_state(21, num_small=300)
+    try:
+        session = WeightSyncSession([*engines, victim], cfg)
+        errors: list[BaseException] = []
+        try:
+            session.sync(StateDictSource(sd0))
+            hold.touch()
+
+            def run() -> None:
+                try:
+                    session.sync(StateDictSource(sd1))
+                except BaseException as exc:
+                    errors.append(exc)
+
+            t = threading.Thread(target=run)
+            t.start()
+            deadline = time.monotonic() + 30
+            while not victim.health()["held"]:
+                assert time.monotonic() < deadline and t.is_alive(), ("the sync never reached the victim", errors)
+                time.sleep(0.005)
+            victim.process.send_signal(signal.SIGKILL)
+            hold.unlink()
+            t.join(60)
+            assert not t.is_alive(), "the sender hung"
+        finally:
+            session.close()
+        assert len(errors) == 1 and isinstance(errors[0], SyncError), errors
+        assert set(errors[0].failed) == {"victim"} and "died" in errors[0].failed["victim"], errors[0]
+        for e in engines:
+            h = e.health()
+            assert h["paused"] or h["stale"], (e.name, h)  # never serving a half-new state
+    finally:
+        victim.close()
+    heal = WeightSyncSession(engines, cfg)
+    try:
+        heal.sync(StateDictSource(sd1))
+    finally:
+        heal.close()
+    for e in engines:
+        assert_holds(e, sd1)
+        assert e.health()["stale"] is False

@@ -44,6 +44,11 @@ _POLL_S = 0.5
 """How long one store wait runs before the abort flag and the deadline are looked at again."""
 _MAX_NAP_S = 1e-3
 """Longest sleep between two looks at a read in flight: the read's end is seen within ~1 ms of it."""
+_MAX_PROGRESS_NAP_S = 1e-4
+"""Longest sleep between two progress calls of a waiting sender (its receivers' reads over TCP move
+only while it progresses)."""
+_STORE_S = 1e-3
+"""How often a waiting sender looks at the store (a round trip to the rendezvous host)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,7 +142,8 @@ class NixlTransport(Transport):
         try:
             if self.is_sender:
                 store.set(f"nixl/offer/{rank}", agent.offer().encode())
-                store.wait([f"nixl/joined/{r}" for r in self._receivers], timeout)
+                self._store, self._agent = store, agent  # the wait progresses the agent: receivers connect to it meanwhile
+                self._wait_progressing(agent, [f"nixl/joined/{r}" for r in self._receivers], "the receivers' joins", time.monotonic() + rendezvous.timeout_s)
                 for r in self._receivers:
                     answer = store.get(f"nixl/joined/{r}")
                     if answer != b"ok":
@@ -153,6 +159,7 @@ class NixlTransport(Transport):
                     raise
                 store.set(f"nixl/joined/{rank}", b"ok")
         except BaseException:
+            self._store, self._agent = None, None
             agent.close()
             raise
         self._agent, self._store, self._seq = agent, store, 0
@@ -192,8 +199,12 @@ class NixlTransport(Transport):
             raise TransferError(f"rank {self.rank}: {what} stopped: {why} (the nixl group is broken)")
 
     def _wait(self, keys: list[str], what: str) -> None:
-        """Wait for every key within `timeout_s`, looking at the abort key between short waits."""
+        """Wait for every key within `timeout_s`, looking at the abort key between short waits; a
+        sender keeps its agent progressing meanwhile (the receivers' reads of its slots)."""
         deadline = time.monotonic() + self.timeout_s
+        if self.is_sender and self._agent is not None:
+            self._wait_progressing(self._agent, keys, what, deadline)
+            return
         while True:
             left = deadline - time.monotonic()
             try:
@@ -204,6 +215,26 @@ class NixlTransport(Transport):
                 if time.monotonic() >= deadline:
                     self.broken = True
                     raise TransferError(f"rank {self.rank}: {what} did not arrive within {self.timeout_s}s: {exc}") from exc
+
+    def _wait_progressing(self, agent: NixlAgent, keys: list[str], what: str, deadline: float) -> None:
+        """`_wait` on a sender: progress the agent between looks at the store (every `_STORE_S`)."""
+        next_store = next_abort = 0.0
+        nap = 1e-5
+        while True:
+            agent.progress()
+            now = time.monotonic()
+            if now >= next_store:
+                if self._store.check(keys):
+                    return
+                next_store = now + _STORE_S
+                if now >= next_abort:
+                    self._check_abort(what)
+                    next_abort = now + _POLL_S
+                    if now >= deadline:
+                        self.broken = True
+                        raise TransferError(f"rank {self.rank}: {what} did not arrive within {self.timeout_s}s")
+            time.sleep(nap)
+            nap = min(2 * nap, _MAX_PROGRESS_NAP_S)
 
     # --- sender ----------------------------------------------------------------------------------
     def begin_send(self, own_index: list[int]) -> None:
@@ -310,7 +341,7 @@ class NixlTransport(Transport):
                     self.broken = True
                     raise TransferError(f"rank {self.rank}: the read of {what} did not finish within {self.timeout_s}s")
             time.sleep(nap)
-            nap = min(2 * nap, _MAX_NAP_S)  # the agent's progress thread moves the bytes: leave it the core
+            nap = min(2 * nap, _MAX_NAP_S)  # each look progresses this agent; the sender progresses its own
         if state != "DONE":
             self.broken = True
             raise TransferError(f"rank {self.rank}: the read of {what} failed in NIXL ({state}): did sender {read.sender} leave or die?")
