@@ -356,6 +356,9 @@ class NixlTransport(Transport):
         # out of it must be done first (a no-op on host memory, one event wait on a GPU).
         self.device_sync_point()
 
+    def wait_compute(self, what: str) -> None:
+        self.device_sync_point()  # the loader's copies out of the last slot (one event on a GPU, nothing on the host)
+
     def end_receive(self) -> None:
         failure = self.rates.check()
         if failure is not None:
