@@ -3,7 +3,7 @@ generation: the engine's stall per sync, and tokens/s, staged against today's pa
 
 The same measurement as `swap_vllm_bench.py` (whose switched handle, request stream, timing loop
 and summary it uses), but the server runs `--weight-transfer-config '{"backend": "ckpt_engine"}'` and the handle
-is `VllmNativeRollout`: every step is one of vLLM's own calls (`update_weights` phases `receive`
+is `VllmRollout` over a `WeightTransferChannel`: every step is one of vLLM's own calls (`update_weights` phases `receive`
 with `stage`, `swap`; `finish_weight_update`; the workers report a staged receive's end through the
 rendezvous store). Per sync it alternates staged and today's order (paused for the whole sync) on the
 same engine and the same delta chain; at the end it counts the tracebacks the server logged while
@@ -24,14 +24,14 @@ from typing import Any
 import torch
 
 from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
-from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
+from ckpt_engine.rollout_adapters.vllm import VllmRollout, WeightTransferChannel
 from ckpt_engine.trainer.vllm_job import VllmServerProcess, wait_healthy
 from swap_vllm_bench import MODEL, alternate_orders, bf16_trainer, switched
 
 BACKEND = '{"backend": "ckpt_engine"}'
 
 
-SwitchedNative = switched(VllmNativeRollout)
+SwitchedNative = switched(VllmRollout)
 """Staged or today's order, per sync (`staged`), as `swap_vllm_bench.py`'s handle."""
 
 
@@ -67,7 +67,7 @@ def main() -> None:
 def run(url: str, model_dir: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     publish, adam_step = bf16_trainer(model_dir, args.lr)
     client = HTTPWeightSyncClient(url, timeout=120.0)
-    adapter = SwitchedNative(client, name="vllm-native-bench", timeout_s=120.0)
+    adapter = SwitchedNative("vllm-native-bench", WeightTransferChannel(client), timeout_s=120.0)
 
     def row_of(row: dict[str, Any]) -> dict[str, Any]:
         fin = adapter.last_finalize if adapter.staged else {}

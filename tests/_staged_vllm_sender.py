@@ -1,6 +1,7 @@
 """A trainer in its own process that streams one staged dense sync (`stage: full`) slowly into a vLLM
 server, so a test can SIGKILL it mid-stream. Arguments: URL MODEL_DIR DELAY_S (seconds per tensor)
-[native] (the server runs ckpt-engine as vLLM's weight-transfer backend: `VllmNativeRollout`). It
+[native] (the server runs ckpt-engine as vLLM's weight-transfer backend: `VllmRollout` over a
+`WeightTransferChannel`). It
 prints `streaming` once its third tensor went out (the workers are then receiving).
 
 It prints `ready` once torch is imported and its model built, then waits for `go` on stdin: the test
@@ -46,10 +47,10 @@ def main() -> None:
         return
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20.0, stage="full")
     if sys.argv[4:] == ["native"]:
+        from ckpt_engine.rollout_adapters.vllm import VllmRollout, WeightTransferChannel
         from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
-        from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
 
-        rollout: Any = VllmNativeRollout(HTTPWeightSyncClient(url, timeout=60.0), name="vllm-native", timeout_s=60.0)
+        rollout: Any = VllmRollout("vllm-native", WeightTransferChannel(HTTPWeightSyncClient(url, timeout=60.0)), timeout_s=60.0)
     else:
         rollout = VllmServerRollout("vllm-staged", url, timeout_s=60.0)
     session = WeightSyncSession([rollout], cfg)

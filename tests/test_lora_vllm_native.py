@@ -48,10 +48,13 @@ def native_lora_llm(model_dir: Path) -> Iterator[object]:  # noqa: F811
 
 
 def test_native_backend_adapter_versions_match_hf_and_the_old_one_survives_the_update(native_lora_llm: object, model_dir: Path) -> None:  # noqa: F811
+    from ckpt_engine.rollout_adapters.vllm import WeightTransferChannel
     from ckpt_engine.rollout_adapters.vllm.clients import LLMWeightSyncClient
-    from ckpt_engine.rollout_adapters.vllm.native_lora import VllmNativeLoraRollout
+    from ckpt_engine.rollout_adapters.vllm.lora import VllmLoraRollout
 
-    rollout = VllmNativeLoraRollout(LLMWeightSyncClient(native_lora_llm), name="native-lora", max_adapter_versions=2)  # type: ignore[arg-type]
+    channel = WeightTransferChannel(LLMWeightSyncClient(native_lora_llm))  # type: ignore[arg-type]
+    rollout = VllmLoraRollout("native-lora", channel, max_adapter_versions=2)
+    assert not rollout.capabilities.stages and not rollout.capabilities.regions  # the LoRA handle's, on every channel
     config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=TIMEOUT_S, weights="adapters")
     session = WeightSyncSession([rollout], config)
     torch.set_num_threads(1)

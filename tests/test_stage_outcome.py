@@ -237,12 +237,12 @@ def test_a_native_staged_receive_is_stopped_by_a_discard_or_leave_from_another_t
     from ckpt_engine.planning.buckets import plan_buckets
     from ckpt_engine.manifest import TensorSpec
     from ckpt_engine.rollout_adapters.base import JoinOptions
-    from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout, WeightTransferChannel
 
     master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
     rendezvous = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 3, "gloo", 30.0)
     workers = _Workers(receive_s)
-    adapter = VllmNativeRollout(workers, num_workers=2, timeout_s=60.0)
+    adapter = VllmRollout("vllm", WeightTransferChannel(workers, num_workers=2), timeout_s=60.0)
     adapter.join(rendezvous, 1, JoinOptions(bucket_size_bytes=1 << 20, num_buffers=2, verify=False))
     manifest = plan_buckets([TensorSpec("w", "float32", (4, 4))], 1 << 20)
     adapter.validate(manifest, b"{}")

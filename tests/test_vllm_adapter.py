@@ -312,7 +312,7 @@ def test_llm_worker_method_missing_names_the_extension_to_start_vllm_with(llm: o
     adapter = VllmRollout("vllm-inproc", llm, timeout_s=60.0)
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"engine 'vllm-inproc': vLLM was started without ckpt-engine's worker extension") as info:
-        adapter._rpc("ckpt_not_in_the_extension")
+        adapter.workers.rpc("ckpt_not_in_the_extension")  # type: ignore[attr-defined]
     assert f"worker_extension_cls={WORKER_EXTENSION!r}" in str(info.value)
     assert time.monotonic() - start < 10.0
 

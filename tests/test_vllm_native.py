@@ -10,6 +10,7 @@ HTTP server is the session's `native_vllm_server` (tests/conftest.py), shared wi
 from __future__ import annotations
 
 import copy
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,10 +232,10 @@ def test_llm_native_backend_shares_the_session_core(native_llm: object, model_di
 def test_a_wrong_worker_count_fails_the_join_naming_both_counts(native_llm: object, model_dir: Path) -> None:  # noqa: F811
     """A handle that counts 2 workers on a one-worker engine: the worker refuses the join at once,
     naming both counts and the fix (the group waited for the missing rank until timeout_s)."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout, WeightTransferChannel
     from ckpt_engine.rollout_adapters.vllm.clients import LLMWeightSyncClient
-    from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
 
-    handle = VllmNativeRollout(LLMWeightSyncClient(native_llm), name="miscounted", num_workers=2, timeout_s=60.0)  # type: ignore[arg-type]
+    handle = VllmRollout("miscounted", WeightTransferChannel(LLMWeightSyncClient(native_llm), num_workers=2), timeout_s=60.0)  # type: ignore[arg-type]
     session = WeightSyncSession([handle], CheckpointEngineConfig(backend="gloo", timeout_s=60.0))
     try:
         with pytest.raises(SyncError, match=r"during join: miscounted: .*counts 2 workers but this engine has 1 .*num_workers=1"):
@@ -271,6 +272,36 @@ def test_server_native_backend_syncs_match_hf(native_server: VllmServer, model_d
     with open(native_server.log, "rb") as f:
         f.seek(test_start)
         assert b"recvValueWithTimeout" not in f.read()
+
+
+@pytest.mark.slow
+def test_server_native_backend_takes_many_senders(native_server: VllmServer, model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    """Two trainer ranks (their own processes, `senders=all`) each send their rows of every tensor
+    through vLLM's weight-transfer API: a delta seed and a patch, both from 2 senders, and the
+    server's greedy tokens equal HF holding the last version."""
+    from safetensors.torch import save_file
+
+    from _native_senders_trainer import native_senders_trainer_main
+    from ckpt_engine.processes import run_processes
+    from helpers_procs import free_port
+    from ranks import forkserver_context
+
+    trainer = trainer_model(model_dir, seed=80)
+    g = torch.Generator().manual_seed(8)
+    files = []
+    for step in range(2):
+        with torch.no_grad():
+            for t in trainer.parameters():
+                t.add_(torch.randn(t.shape, generator=g) * 0.2 * (torch.rand(t.shape, generator=g) < 0.03))
+        files.append(str(tmp_path / f"senders_v{step}.safetensors"))
+        save_file({n: p.detach().clone().contiguous() for n, p in trainer.named_parameters()}, files[-1])
+    ctx = forkserver_context()  # torch preloaded: no fresh import beside the engine
+    port = free_port()
+    run_processes([ctx.Process(target=native_senders_trainer_main, args=(r, 2, port, native_server.url, files, str(tmp_path))) for r in range(2)], 600)
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [e["ok"] for e in logs[1]] == [True, True], logs[1]
+    assert [(e["ok"], e["delta"], e["senders"]) for e in logs[0]] == [(True, "seed", 2), (True, "patch", 2)], logs[0]
+    assert server_greedy(native_server)[0] == [hf_greedy(trainer, p) for p in PROMPTS]
 
 
 # --- pieces that need no engine ---------------------------------------------------------------------

@@ -38,7 +38,7 @@ from staged_vllm import (  # noqa: E402
 from tamper import FlipOnce  # noqa: E402
 
 from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient  # noqa: E402
-from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout  # noqa: E402
+from ckpt_engine.rollout_adapters.vllm import VllmRollout, WeightTransferChannel  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def server(native_vllm_server: SharedServer[VllmServer]) -> tuple[str, Path]:
     return engine.url, engine.model_dir
 
 
-class Recorder(VllmNativeRollout):
+class Recorder(VllmRollout):
     """Records, per staged sync, when its receive started and when its swap started (the window the
     engine had to keep serving in), and each swap's stall."""
 
@@ -122,7 +122,7 @@ def assert_serves(url: str, client: HTTPWeightSyncClient, version: str, ref: HfR
 def test_native_backend_stages_while_the_engine_generates(server: tuple[str, Path]) -> None:
     url, model_dir = server
     client = HTTPWeightSyncClient(url, timeout=60.0)
-    adapter = Recorder(client, name="vllm-native", timeout_s=60.0)
+    adapter = Recorder("vllm-native", WeightTransferChannel(client), timeout_s=60.0)
     trainer = trainer_model(model_dir, seed=3)
     ref = HfReference(copy.deepcopy(trainer))
     g = torch.Generator().manual_seed(0)
@@ -190,7 +190,7 @@ def test_native_backend_stages_while_the_engine_generates(server: tuple[str, Pat
         # No room for a dense staging copy (a 1 KiB staging limit): `full` is refused before anything
         # pauses or moves; `auto` pauses as today (the "no room" answer closed vLLM's update, so the
         # receive validates again) and lands exactly.
-        tight = Recorder(client, name="vllm-native", timeout_s=60.0, staging_limit_bytes=1024)
+        tight = Recorder("vllm-native", WeightTransferChannel(client), timeout_s=60.0, staging_limit_bytes=1024)
         for mode in ("full", "auto"):
             session = WeightSyncSession([tight], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, stage=mode))
             try:
@@ -233,7 +233,7 @@ def test_native_backend_stages_while_the_engine_generates(server: tuple[str, Pat
 
 
 def test_a_sender_killed_mid_stage_leaves_the_old_version_and_the_next_sync_heals(server: tuple[str, Path]) -> None:
-    """A trainer process (its own session, `VllmNativeRollout`) SIGKILLed while its staged dense sync
+    """A trainer process (its own session, `VllmRollout` over a `WeightTransferChannel`) SIGKILLed while its staged dense sync
     streams: its weight update stays open in vLLM and the workers' staged receives fail. The engine
     never stops serving, holds the old version bit for bit (vLLM's checksums), and the next sync from
     another trainer (a seed) lands and equals HF."""
@@ -246,7 +246,7 @@ def test_a_sender_killed_mid_stage_leaves_the_old_version_and_the_next_sync_heal
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, delta="on", stage="auto")
     stream = RequestStream(url, PROMPTS, NUM_TOKENS, num_threads=1).start()
     try:
-        session = WeightSyncSession([VllmNativeRollout(client, name="vllm-native", timeout_s=60.0)], cfg)
+        session = WeightSyncSession([VllmRollout("vllm-native", WeightTransferChannel(client), timeout_s=60.0)], cfg)
         try:
             old = str(session.sync(source_of(trainer)).version)
         finally:
@@ -266,7 +266,7 @@ def test_a_sender_killed_mid_stage_leaves_the_old_version_and_the_next_sync_heal
         assert client.weight_checksums() == sums  # the partial stage never touched the live weights
         assert_serves(url, client, old, ref)
 
-        session = WeightSyncSession([VllmNativeRollout(client, name="vllm-native", timeout_s=60.0)], cfg)
+        session = WeightSyncSession([VllmRollout("vllm-native", WeightTransferChannel(client), timeout_s=60.0)], cfg)
         try:
             step(trainer, g)
             report = session.sync(source_of(trainer))

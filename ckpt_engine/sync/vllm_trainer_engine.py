@@ -6,8 +6,8 @@ A trainer written against vLLM's weight-transfer API switches to ckpt-engine by 
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
     engine.send_weights()            # every trainer rank, after each optimizer step
 
-The sender (rank 0) holds a `WeightSyncSession` over the engine (`VllmNativeRollout`: vLLM's own
-routes or `LLM` methods), so a sync here is the same sync as `sync_rollout_weights()`: versions
+The sender (rank 0) holds a `WeightSyncSession` over the engine (`VllmRollout` over a
+`WeightTransferChannel`: vLLM's own routes or `LLM` methods), so a sync here is the same sync as `sync_rollout_weights()`: versions
 carry on from what the engine holds, `config.delta` sends patches, the source's wire dtypes are
 cast on the wire, and the `SyncReport` says the same. Other ranks only walk the source, whose
 gathers are collectives. The source may be vLLM's `WeightSource` or ckpt-engine's (e.g.
@@ -25,7 +25,8 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
 
 from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.rollout_adapters.vllm.native import VllmNativeRollout
+from ckpt_engine.rollout_adapters.vllm.native import WeightTransferChannel
+from ckpt_engine.rollout_adapters.vllm.rollout import VllmRollout
 from ckpt_engine.rollout_adapters.vllm.plugin import BACKEND_NAME, register
 from ckpt_engine.sources.base import WeightSource
 from ckpt_engine.sources.vllm import VllmWeightSourceAdapter
@@ -83,7 +84,7 @@ class CkptEngineTrainerWeightTransferEngine(TrainerWeightTransferEngine[CkptEngi
     stale; the group is rebuilt on the next call. Staged (`config.stage`, default auto; needs an
     `EngineControl` client): the engine generates while the version streams into its workers'
     staging and pauses only for the swap; a failed transfer leaves it serving its old weights, not
-    stale (`vllm/native.py`).
+    stale (`vllm/rollout.py`).
     """
 
     init_info_cls = CkptEngineTrainerInitInfo
@@ -101,7 +102,8 @@ class CkptEngineTrainerWeightTransferEngine(TrainerWeightTransferEngine[CkptEngi
         self.config = self.info.config
         self.session: WeightSyncSession | None = None
         if self.is_sender:  # other ranks never reach the engine
-            engine = VllmNativeRollout(client, name=self.info.engine_name, num_workers=self.info.num_workers, timeout_s=self.config.timeout_s)
+            channel = WeightTransferChannel(client, num_workers=self.info.num_workers)
+            engine = VllmRollout(self.info.engine_name, channel, timeout_s=self.config.timeout_s)
             self.session = WeightSyncSession([engine], self.config, host=self.info.host)
 
     @classmethod

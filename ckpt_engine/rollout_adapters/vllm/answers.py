@@ -9,7 +9,7 @@ import them from here, which imports no vLLM (the trainer-side handle must not p
 
 from __future__ import annotations
 
-__all__ = ["NEED_MANIFEST", "NO_ROOM", "PHASES", "REJECTED", "after", "problems"]
+__all__ = ["NEED_MANIFEST", "NO_ROOM", "PHASES", "REJECTED", "after", "plan_key", "problems"]
 
 PHASES = ("validate", "receive", "install", "swap", "discard", "room")
 """The `phase` of an `update_weights` call (`CkptEngineUpdateInfo`)."""
@@ -19,6 +19,12 @@ REJECTED = "ckpt_engine rejected the manifest: "
 """Starts the validate error that lists the manifest's problems ("; "-separated)."""
 NO_ROOM = "ckpt_engine: no room for a staging copy: "
 """Starts the room phase's answer when a dense staging copy does not fit (the why follows)."""
+
+
+def plan_key(rank: int) -> str:
+    """Where the worker of group rank `rank` leaves its receive plan (`VllmReceiverCore.receive_plan`'s
+    answer, JSON) in the weight-sync group's rendezvous store at join: no vLLM call returns it."""
+    return f"receive-plan/{rank}"
 
 
 def after(text: str, marker: str) -> str:

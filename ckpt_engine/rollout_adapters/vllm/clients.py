@@ -1,11 +1,11 @@
 """The channels to one vLLM engine: a dev-mode `api_server` over HTTP, or an in-process `vllm.LLM`.
 
-Each carries vLLM's four weight-update calls (`VLLMWeightSyncClient`, what `VllmNativeRollout` and
-`CkptEngineTrainerWeightTransferEngine` drive), `EngineControl` (pause, resume, prefix-cache reset,
-weight version, weight checksums) and what the worker-extension handle (`VllmRollout`) needs beside
-them: `collective_rpc` to every worker, the engine's version stamp, its world size, health and
-vLLM release. All go through vLLM's own routes or `LLM` methods. Any other `VLLMWeightSyncClient`
-works with `VllmNativeRollout` too; then the caller pauses and resets caches itself.
+Each carries `EngineControl` (pause, resume, prefix-cache reset, weight version, weight checksums),
+what `VllmRollout` needs beside it (the engine's version stamp, its world size, health and vLLM
+release) and `collective_rpc` to every worker, its route to the worker extension
+(`ExtensionRoute`, `vllm/routes.py`). Each also carries vLLM's weight-update calls
+(`VLLMWeightSyncClient`), which `WeightTransferChannel` (`vllm/native.py`) wraps for the route
+through vLLM's weight-transfer API. All go through vLLM's own routes or `LLM` methods.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from ckpt_engine.rollout_adapters.vllm.compat import VllmFeatures, features_of
+from ckpt_engine.rollout_adapters.vllm.routes import ExtensionRoute, Route
 
 if TYPE_CHECKING:
     import vllm
 
-__all__ = ["Channel", "EngineControl", "HTTPWeightSyncClient", "LLMWeightSyncClient", "PAUSE_MODES", "SwapControl"]
+__all__ = ["Channel", "EngineControl", "HTTPWeightSyncClient", "LLMWeightSyncClient", "PAUSE_MODES"]
 
 # ckpt-engine pause modes -> vLLM's (`keep` freezes requests in place, `abort` drops them;
 # `recompute` freezes them, and `reset_prefix_cache(running=True)` after the load preempts them:
@@ -46,18 +47,9 @@ class EngineControl(Protocol):
     def weight_version(self) -> str: ...
 
 
-@runtime_checkable
-class SwapControl(Protocol):
-    """Optional beside `EngineControl`: the pause and resume around a staged swap, by the quickest
-    route the client has (the scheduler pause alone; the swap needs nothing else paused)."""
-
-    def pause_for_swap(self, mode: str) -> None: ...
-
-    def resume_after_swap(self) -> None: ...
-
-
-class Channel(EngineControl, SwapControl, Protocol):
-    """Both clients below: what `VllmRollout` drives its workers and its engine through."""
+class Channel(EngineControl, Protocol):
+    """What `VllmRollout` drives its engine through (both clients below, `WeightTransferChannel`);
+    `route` reaches the workers."""
 
     side_calls: bool
     """Whether the cache reset and the version stamp may run beside a long `collective_rpc` (they
@@ -68,9 +60,16 @@ class Channel(EngineControl, SwapControl, Protocol):
     @property
     def features(self) -> VllmFeatures: ...
 
-    def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]: ...
+    def route(self, name: str, timeout_s: float, adapters: bool) -> Route:
+        """How a handle on engine `name` reaches its workers (`adapters`: for LoRA adapter syncs)."""
+        ...
 
-    def encode(self, data: bytes) -> Any: ...
+    def pause_for_swap(self, mode: str) -> None:
+        """The pause around a staged swap by the quickest route the channel has (the scheduler pause
+        alone: the swap needs nothing else paused)."""
+        ...
+
+    def resume_after_swap(self) -> None: ...
 
     def set_weight_version(self, version: str) -> None: ...
 
@@ -168,6 +167,9 @@ class HTTPWeightSyncClient:
         return bool(reply["match"]), list(reply["mismatches"])
 
     # --- the worker extension's channel (dev-mode routes) --------------------------------------
+    def route(self, name: str, timeout_s: float, adapters: bool) -> Route:
+        return ExtensionRoute(self, name, timeout_s, adapters)
+
     @property
     def features(self) -> VllmFeatures:
         """The server's vLLM release's features (asked once, at first use: `/version`)."""
@@ -281,6 +283,9 @@ class LLMWeightSyncClient:
         return checksums
 
     # --- the worker extension's channel ---------------------------------------------------------
+    def route(self, name: str, timeout_s: float, adapters: bool) -> Route:
+        return ExtensionRoute(self, name, timeout_s, adapters)
+
     def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
         return list(self._bounded(method, timeout_s, self.llm.collective_rpc, method, timeout=timeout_s, kwargs=kwargs))
 

@@ -1,15 +1,17 @@
-"""Adapter-only syncs through the worker extension: `VllmLoraRollout` over a channel (an in-process
-`vllm.LLM`, or a dev-mode `api_server`: `VllmServerLoraRollout` builds it from a URL).
+"""Adapter-only syncs: `VllmLoraRollout`, `VllmRollout` over any channel (an in-process `vllm.LLM`,
+a dev-mode `api_server`: `VllmServerLoraRollout` builds it from a URL, or `WeightTransferChannel`:
+vLLM's weight-transfer API) with its workers joined for LoRA adapter versions.
 
 Start vLLM with LoRA (`enable_lora=True` / `--enable-lora`), `max_lora_rank` >= the adapter's
 rank, `max_loras` >= `max_adapter_versions` (so old and new versions batch together) and the worker
-extension; a server also with `VLLM_SERVER_DEV_MODE=1` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1` (the
-`/v1/load_lora_adapter` route). Each sync installs the adapter as a new version in every worker's
-LoRA manager (from memory: `vllm/lora_worker.py`, no disk); only once every worker holds it do
-requests name it (`LoraVersions`, `vllm/lora_names.py`): in process by `lora_request()`, behind the
-server by `model=model_name()` once the server registered it (its `add_lora` reaches every worker
-at once). The switch is atomic across the engine's ranks. Nothing is paused: a request keeps the
-version it started with and finishes under it.
+extension or the weight-transfer config; a server also with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`
+(the `/v1/load_lora_adapter` route; the extension needs `VLLM_SERVER_DEV_MODE=1`). Each sync
+installs the adapter as a new version in every worker's LoRA manager (from memory:
+`vllm/lora_worker.py`, no disk); only once every worker holds it do requests name it
+(`LoraVersions`, `vllm/lora_names.py`): in process by `lora_request()`, behind the server by
+`model=model_name()` once the server registered it (its `add_lora` reaches every worker at once).
+The switch is atomic across the engine's ranks. Nothing is paused: a request keeps the version it
+started with and finishes under it.
 """
 
 from __future__ import annotations
@@ -22,27 +24,18 @@ from ckpt_engine.rollout_adapters.base import JoinOptions
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.vllm.clients import Channel, LLMWeightSyncClient
 from ckpt_engine.rollout_adapters.vllm.lora_names import LoraVersions
+from ckpt_engine.rollout_adapters.vllm.native import WeightTransferChannel
 from ckpt_engine.rollout_adapters.vllm.rollout import VllmRollout, http_channel
 
 if TYPE_CHECKING:
     import vllm
     from vllm.lora.request import LoRARequest
 
-    from ckpt_engine.planning.regions import ReceivePlan
-
-__all__ = ["LORA_METHODS", "VllmLoraRollout", "VllmServerLoraRollout"]
-
-LORA_METHODS = {
-    "ckpt_validate": "ckpt_lora_validate",
-    "ckpt_receive": "ckpt_lora_receive",
-    "ckpt_finalize": "ckpt_lora_finalize",
-    "ckpt_health": "ckpt_lora_health",
-    "ckpt_leave": "ckpt_lora_leave",
-}
+__all__ = ["VllmLoraRollout", "VllmServerLoraRollout"]
 
 
 class VllmLoraRollout(VllmRollout):
-    """Handle on a LoRA-enabled vLLM engine with the worker extension, for adapter syncs."""
+    """Handle on a LoRA-enabled vLLM engine, for adapter syncs (over any channel)."""
 
     capabilities = EngineCapabilities(delta=True, many_senders=True, weights="adapters")
     """No staging: an adapter sync already installs only at finalize (the received tensors wait in
@@ -53,28 +46,17 @@ class VllmLoraRollout(VllmRollout):
         self, name: str, llm: vllm.LLM | Channel, *, max_adapter_versions: int = 2, timeout_s: float = 300.0, world_size: int | None = None
     ) -> None:
         super().__init__(name, llm, timeout_s=timeout_s, world_size=world_size)
-        if isinstance(self.client, LLMWeightSyncClient) and self.client.llm.llm_engine.vllm_config.lora_config is None:
+        engine = self.client.client if isinstance(self.client, WeightTransferChannel) else self.client  # the engine's own routes
+        if isinstance(engine, LLMWeightSyncClient) and engine.llm.llm_engine.vllm_config.lora_config is None:
             raise ValueError(f"engine {name!r}: vLLM was started without LoRA; start it with enable_lora=True for adapter syncs")
-        self.versions = LoraVersions(name, max_adapter_versions, self.client)
+        self.versions = LoraVersions(name, max_adapter_versions, engine)
         self.max_adapter_versions = max_adapter_versions
-
-    def receive_plans(self) -> list[ReceivePlan | None]:
-        """None for every worker (whole tensors); no plan is recorded from the base model's loaders."""
-        return [None] * self.world_size
-
-    def _rpc(self, method: str, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
-        return super()._rpc(LORA_METHODS.get(method, method), timeout_s, **kwargs)
 
     def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
         """Check a server can register adapters, then join every worker (`preload`: in process each
         version is installed under its own LoRA id; a server loads it under the id it gives it)."""
         self.versions.check_routes()
-        self._sent_digest = None
-        results = self._rpc(
-            "ckpt_lora_join", rendezvous=rendezvous.to_dict(), rank_offset=rank_offset, options=options.to_dict(),
-            max_versions=self.max_adapter_versions, preload=self.versions.names is None,
-        )
-        self.pids = [int(r["pid"]) for r in results]
+        self._join(rendezvous, rank_offset, options, self.max_adapter_versions, self.versions.names is None)
 
     def pause(self, mode: str) -> None:
         """Nothing to pause: a sync never touches an adapter version a request uses."""
@@ -86,12 +68,13 @@ class VllmLoraRollout(VllmRollout):
         """Install the received adapter as `version` on every worker, then make it the newest (behind
         a server: register its name). New requests get it from then on."""
         t0 = time.perf_counter()
-        replies = self._rpc("ckpt_finalize", version=version)
+        replies = self.workers.finalize(version)
         t1 = time.perf_counter()
         self.versions.installed(version)
         self.version = version
         self.last_finalize = {
-            "install_s": max(float(r["install_s"]) for r in replies), "finalize_rpc_s": t1 - t0, "register_s": time.perf_counter() - t1,
+            "install_s": max((float(r.get("install_s", 0.0)) for r in replies), default=0.0), "finalize_rpc_s": t1 - t0,
+            "register_s": time.perf_counter() - t1,
         }
 
     def lora_request(self) -> LoRARequest:

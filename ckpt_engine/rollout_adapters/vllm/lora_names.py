@@ -1,6 +1,6 @@
-"""How requests name the adapter versions a vLLM engine holds: `LoraVersions`, which both LoRA
-handles (`vllm/lora.py` over the worker extension, `vllm/native_lora.py` over vLLM's weight-transfer
-API) hold, whatever their channel; behind vLLM's OpenAI server it registers each version by name
+"""How requests name the adapter versions a vLLM engine holds: `LoraVersions`, which the LoRA
+handle (`vllm/lora.py`) holds, whatever its channel (the worker extension, vLLM's weight-transfer
+API); behind vLLM's OpenAI server it registers each version by name
 (`ServerLoraNames`), in process it names it with a `LoRARequest`.
 
 vLLM's OpenAI front resolves `model=<name>` through its own registry, filled only by

@@ -1,5 +1,5 @@
-"""How a vLLM worker tells the trainer side that a staged receive ended (both handles: the worker
-extension's `VllmRollout` and the weight-transfer API's `VllmNativeRollout`).
+"""How a vLLM worker tells the trainer side (`VllmRollout`) that a staged receive ended, on every
+route: the worker extension's and vLLM's weight-transfer API.
 
 vLLM 0.32's `update_weights` returns nothing from the workers, so a worker cannot answer "still
 streaming" or "done" through it except by raising, and every raise leaves tracebacks in vLLM's worker,

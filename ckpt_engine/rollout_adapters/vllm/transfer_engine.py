@@ -5,8 +5,9 @@ drives it from its own routes (`/init_weight_transfer_engine`, `/start_weight_up
 `/update_weights`, `/finish_weight_update`) or `LLM` methods. The plugin in `vllm/plugin.py`
 registers this class under the name `ckpt_engine` in every vLLM process.
 
-One weight update, as the trainer side drives it (`rollout_adapters/vllm/native.py`, under a
-`WeightSyncSession`; `sync/vllm_trainer_engine.py` for vLLM's trainer API):
+One weight update, as the trainer side drives it (`VllmRollout` over a `WeightTransferChannel`,
+`rollout_adapters/vllm/native.py`, under a `WeightSyncSession`; `sync/vllm_trainer_engine.py` for
+vLLM's trainer API):
   start_weight_update
   update_weights({"phase": "validate", "digest", "manifest"})  raises ValueError naming every bad
       tensor; nothing has moved and the model is untouched (vLLM then closes the update)
@@ -14,7 +15,7 @@ One weight update, as the trainer side drives it (`rollout_adapters/vllm/native.
       the buckets (or patches against the workers' base copies) through the weight-sync group;
       loads them through layerwise reload
   finish_weight_update                                          layerwise post-processing
-A staged update (issue 28; `vllm/native.py` drives it) keeps the engine stepping while it streams:
+A staged update (issue 28) keeps the engine stepping while it streams:
   update_weights({"phase": "receive", ..., "stage": "patches"|"full", "ticket"})  starts the receive
       on a background thread of each worker (`VllmReceiverCore.stage`, `vllm/staging.py`); returns at
       once. When it ends, each worker sets its outcome (`ok` or `failed: why`) under the ticket and
@@ -36,7 +37,7 @@ The weights never travel in these calls; only the manifest (msgpack, base64) and
 
 from __future__ import annotations
 
-import base64
+import json
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -52,8 +53,8 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions
 from ckpt_engine.rollout_adapters.vllm.stage_outcome import check_ticket, report_outcome
-from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, PHASES, REJECTED
-from ckpt_engine.rollout_adapters.vllm.receiver import VllmReceiverCore
+from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, PHASES, REJECTED, plan_key
+from ckpt_engine.rollout_adapters.vllm.receiver import VllmReceiverCore, unbase64
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -108,6 +109,8 @@ class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
     """The manifest's digest; every phase but discard and room names one."""
     manifest: str | None = None
     """Validate only: base64 of the msgpack manifest; None when the worker already holds `digest`."""
+    regions: list[str] | None = None
+    """Validate only (region delivery): every worker's region assignment, base64, in worker order."""
     version: str | None = None
     """Receive and swap: the version the trainer stamps on this update (reported by the worker)."""
     delta: dict[str, Any] | None = None
@@ -141,6 +144,8 @@ class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError("phase 'room' needs nbytes")
         if self.manifest is not None and (self.phase != "validate" or not isinstance(self.manifest, str)):
             raise ValueError("manifest must be a base64 string, sent only with phase 'validate'")
+        if self.regions is not None and (self.phase != "validate" or not isinstance(self.regions, list) or not all(isinstance(r, str) for r in self.regions)):
+            raise ValueError("regions must be a list of base64 strings, sent only with phase 'validate'")
         if self.version is not None and not isinstance(self.version, str):
             raise ValueError(f"version must be a string, got {self.version!r}")
         if self.phase == "install" and (self.version is None or not self.version.isdigit()):
@@ -207,6 +212,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         self.lora = None
         self.core.join(init_info.rendezvous, rank, init_info.options)
         self._rank, self._store = rank, Rendezvous.from_dict(init_info.rendezvous).connect_store(is_master=False)
+        self._store.set(plan_key(rank), json.dumps(self.core.receive_plan()))  # the trainer side reads it there
         logger.info("ckpt_engine: worker joined the weight-sync group as rank %s", rank)
 
     def start_weight_update(self) -> None:
@@ -219,38 +225,44 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         self.receive_weights(self.parse_update_info(update_info))
 
     def receive_weights(self, update_info: CkptEngineUpdateInfo) -> None:
-        if self.lora is not None:
-            if update_info.phase not in ("validate", "receive", "install") or update_info.stage is not None:
-                raise RuntimeError(f"ckpt_engine: adapter syncs are not staged (phase {update_info.phase!r}, stage {update_info.stage!r})")
-            self._receive_adapter(update_info)
-            return
-        if update_info.phase == "install":
-            raise RuntimeError("ckpt_engine: phase 'install' is for adapter syncs; join with weights='adapters'")
-        if update_info.phase == "validate":
-            verdict = self.core.validate(update_info.manifest, update_info.digest)
+        """One phase; an adapter sync (`self.lora`) validates, receives into its LoRA stage and installs."""
+        phase, digest = update_info.phase, update_info.digest
+        allowed = ("validate", "receive", "install") if self.lora is not None else ("validate", "receive", "swap", "discard", "room")
+        if phase not in allowed or (self.lora is not None and update_info.stage is not None):
+            raise RuntimeError(
+                f"ckpt_engine: phase {phase!r} (stage {update_info.stage!r}) does not belong to a join with weights="
+                f"{'adapters' if self.lora is not None else 'full'}, which takes {', '.join(allowed)} (adapter syncs are not staged)"
+            )
+        core = self.lora.core if self.lora is not None else self.core
+        if phase == "validate":
+            regions = update_info.regions
+            if regions is not None and not 0 <= self._worker_rank() < len(regions):
+                raise ValueError(REJECTED + f"region assignments for {len(regions)} workers, none for worker {self._worker_rank()}")
+            mine = regions[self._worker_rank()] if regions is not None else None
+            if self.lora is not None:  # its core takes bytes and no regions
+                verdict = core.validate(unbase64(update_info.manifest), digest)
+            else:
+                verdict = self.core.validate(update_info.manifest, digest, mine)
             if verdict.get("need_manifest"):
-                raise ValueError(f"ckpt_engine: {NEED_MANIFEST}: no manifest cached under digest {update_info.digest[:12]}; send it")
+                raise ValueError(f"ckpt_engine: {NEED_MANIFEST}: no manifest cached under digest {digest[:12]}; send it")
             if not verdict["accepted"]:
                 raise ValueError(REJECTED + "; ".join(verdict["problems"]))
-            self._validated = update_info.digest
-            return
-        if update_info.phase != "receive":
+            self._validated = digest
+        elif phase in ("swap", "discard", "room"):
             self._staged_phase(update_info)
-            return
-        if self._validated != update_info.digest:
-            raise RuntimeError(
-                f"ckpt_engine: manifest {update_info.digest[:12]} was not validated in this weight update; "
-                "call update_weights with phase 'validate' first"
-            )
-        if update_info.stage is not None:  # the engine keeps stepping while the thread streams
+        elif self._validated != digest:
+            raise RuntimeError(f"ckpt_engine: manifest {digest[:12]} was not validated in this weight update; call update_weights with phase 'validate' first")
+        elif phase == "install":
+            core.finalize(int(update_info.version))  # type: ignore[arg-type]  # checked in CkptEngineUpdateInfo
+        elif update_info.stage is not None:  # the engine keeps stepping while the thread streams
             store, ticket, rank = self._store, update_info.ticket, self._rank
             if store is None or rank is None or ticket is None:
                 raise RuntimeError("ckpt_engine: a staged receive before init_transfer_engine; join the weight-sync group first")
-            self.core.stage(update_info.digest, delta=update_info.delta, on_end=lambda error: report_outcome(store, ticket, rank, error))
-            return
-        self._loaded = True  # layerwise reload is open from here: finish post-processes
-        self.core.receive(update_info.digest, delta=update_info.delta)
-        self._version = update_info.version
+            self.core.stage(digest, delta=update_info.delta, on_end=lambda error: report_outcome(store, ticket, rank, error))
+        else:
+            self._loaded = self.lora is None  # layerwise reload is open from here: finish post-processes
+            core.receive(digest, delta=update_info.delta)
+            self._version = update_info.version
 
     def _staged_phase(self, update_info: CkptEngineUpdateInfo) -> None:
         """swap, discard or room: each a short call between two engine steps. vLLM returns nothing
@@ -268,28 +280,6 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
             room = self.core.staging_room(update_info.nbytes, update_info.limit_bytes)
             if not room["room"]:
                 raise ValueError(NO_ROOM + str(room["why"]))
-
-    def _receive_adapter(self, update_info: CkptEngineUpdateInfo) -> None:
-        """One phase of an adapter sync (validate, receive into staging, install as the newest version)."""
-        assert self.lora is not None
-        core = self.lora.core
-        if update_info.phase == "validate":
-            encoded = base64.b64decode(update_info.manifest, validate=True) if update_info.manifest is not None else None
-            verdict = core.validate(encoded, update_info.digest)
-            if verdict.get("need_manifest"):
-                raise ValueError(f"ckpt_engine: {NEED_MANIFEST}: no manifest cached under digest {update_info.digest[:12]}; send it")
-            if not verdict["accepted"]:
-                raise ValueError(REJECTED + "; ".join(verdict["problems"]))
-            self._validated = update_info.digest
-        elif self._validated != update_info.digest:
-            raise RuntimeError(
-                f"ckpt_engine: manifest {update_info.digest[:12]} was not validated in this weight update; "
-                "call update_weights with phase 'validate' first"
-            )
-        elif update_info.phase == "receive":
-            core.receive(update_info.digest, delta=update_info.delta)
-        else:
-            core.finalize(int(update_info.version))  # type: ignore[arg-type]  # checked in CkptEngineUpdateInfo
 
     def finish_weight_update(self) -> None:
         """Layerwise post-processing; vLLM stamps the engine's weight version after this returns.

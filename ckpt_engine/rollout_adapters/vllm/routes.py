@@ -1,0 +1,154 @@
+"""How `VllmRollout` reaches its engine's workers: a `Route`, which its channel makes.
+
+Two routes carry the same worker-side steps (`VllmReceiverCore` on every worker): the worker
+extension's `ckpt_*` methods over `collective_rpc` (`ExtensionRoute`, made by both clients of
+`vllm/clients.py`), and vLLM's weight-transfer API (`TransferRoute`, made by `WeightTransferChannel`,
+`vllm/native.py`). The handle does everything else once: versions, pauses, staged outcomes (the
+group's store), swaps, cache resets, LoRA versions. A route names the features it cannot carry
+(`lacks`); the handle's capabilities leave them out, so a session refuses them by name before
+anything pauses.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ckpt_engine.rollout_adapters.capabilities import Feature
+
+if TYPE_CHECKING:
+    from ckpt_engine.engine import Rendezvous
+    from ckpt_engine.rollout_adapters.base import JoinOptions
+
+__all__ = ["LORA_METHODS", "WORKER_EXTENSION", "ExtensionRoute", "Route", "RpcChannel"]
+
+WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm.worker.CkptEngineWorkerExtension"
+
+LORA_METHODS = {
+    "ckpt_validate": "ckpt_lora_validate",
+    "ckpt_receive": "ckpt_lora_receive",
+    "ckpt_finalize": "ckpt_lora_finalize",
+    "ckpt_health": "ckpt_lora_health",
+    "ckpt_leave": "ckpt_lora_leave",
+}
+"""An adapter-sync join's worker methods (`vllm/lora_worker.py`) in place of the full-weight ones."""
+
+
+class Route(Protocol):
+    """The worker-side steps of a sync, each on every worker of the engine (`VllmRollout` says what
+    each is for). Replies are one dict per worker where the route has them (None or []: it has not)."""
+
+    lacks: frozenset[Feature]
+    """Features this route cannot carry (the handle's capabilities leave them out)."""
+
+    def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions, adapters: int | None, preload: bool) -> list[int]: ...
+    def check(self, digest: str, encoded: bytes, regions: list[bytes] | None) -> list[str]: ...
+    def receive(self, digest: str, delta: dict[str, Any] | None) -> list[dict[str, Any]] | None: ...
+    def stage(self, digest: str, ticket: str, delta: dict[str, Any] | None, stage: str) -> None: ...
+    def staged_reports(self) -> list[dict[str, Any]] | None: ...
+    def swap(self, version: int) -> list[dict[str, Any]]: ...
+    def finalize(self, version: int) -> list[dict[str, Any]]: ...
+    def discard(self) -> None: ...
+    def room(self, nbytes: int, limit_bytes: int | None) -> list[str]: ...
+    def leave(self) -> None: ...
+    def plans(self) -> list[dict[str, Any]]: ...
+    def budgets(self) -> list[dict[str, Any]]: ...
+    def health(self) -> list[dict[str, Any]] | None: ...
+    def take_over(self, previous: Route) -> None: ...
+
+
+class RpcChannel(Protocol):
+    """A channel with `collective_rpc` to every worker (both clients of `vllm/clients.py`)."""
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]: ...
+    def encode(self, data: bytes) -> Any: ...
+
+
+class ExtensionRoute:
+    """The worker extension (`worker_extension_cls=WORKER_EXTENSION`, `vllm/worker.py`) over a
+    channel's `collective_rpc`: every route of the table in docs/vllm.md."""
+
+    lacks: frozenset[Feature] = frozenset()
+
+    def __init__(self, channel: RpcChannel, name: str, timeout_s: float, adapters: bool) -> None:
+        self.channel, self.name, self.timeout_s = channel, name, timeout_s
+        self.held: str | None = None  # the digest of the manifest every worker holds
+        self.methods = LORA_METHODS if adapters else {}  # adapter syncs: the LoRA methods in place of the full-weight ones
+
+    def rpc(self, method: str, kwargs: dict[str, Any] | None = None, timeout_s: float | None = None) -> list[Any]:
+        """`method(**kwargs)` on every worker (the extension's `ckpt_*`), one result per worker."""
+        method = self.methods.get(method, method)
+        try:
+            return self.channel.collective_rpc(method, kwargs or {}, timeout_s if timeout_s is not None else self.timeout_s)
+        except TimeoutError as exc:
+            raise TimeoutError(f"engine {self.name!r}: {exc}") from None
+        except Exception as exc:
+            text = str(exc)  # vLLM's wording differs by path: worker getattr, or run_method
+            if f"has no attribute '{method}'" not in text and f"Method {method!r} is not implemented" not in text:
+                raise
+            raise RuntimeError(
+                f"engine {self.name!r}: vLLM was started without ckpt-engine's worker extension (its workers have no "
+                f"{method!r}); start it with worker_extension_cls={WORKER_EXTENSION!r} (LLM(...) keyword, or "
+                f"--worker-extension-cls {WORKER_EXTENSION} for `vllm serve`)"
+            ) from exc
+
+    def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions, adapters: int | None, preload: bool) -> list[int]:
+        """Join every worker (`adapters`: LoRA versions each keeps, for adapter syncs); their pids."""
+        self.held = None
+        where = {"rendezvous": rendezvous.to_dict(), "rank_offset": rank_offset, "options": options.to_dict()}
+        if adapters is None:
+            results = self.rpc("ckpt_join", where)
+        else:
+            results = self.rpc("ckpt_lora_join", {**where, "max_versions": adapters, "preload": preload})
+        return [int(r["pid"]) for r in results]
+
+    def check(self, digest: str, encoded: bytes, regions: list[bytes] | None) -> list[str]:
+        """Every worker checks the manifest (sent only when they may not hold `digest`); its problems."""
+        args: dict[str, Any] = {"digest": digest, "regions": [self.channel.encode(a) for a in regions]} if regions is not None else {"digest": digest}
+        replies = self.rpc("ckpt_validate", {**args, "encoded": None if self.held == digest else self.channel.encode(encoded)})
+        if any(r.get("need_manifest") for r in replies):
+            replies = self.rpc("ckpt_validate", {**args, "encoded": self.channel.encode(encoded)})
+        problems: list[str] = []
+        for rank, reply in enumerate(replies):
+            if not reply.get("accepted"):
+                problems += [p if len(replies) == 1 else f"worker {rank}: {p}" for p in reply.get("problems") or ["rejected"]]
+        self.held = None if problems else digest
+        return problems
+
+    def receive(self, digest: str, delta: dict[str, Any] | None) -> list[dict[str, Any]]:
+        return self.rpc("ckpt_receive", {"digest": digest, "delta": delta}, timeout_s=self.timeout_s * 2)
+
+    def stage(self, digest: str, ticket: str, delta: dict[str, Any] | None, stage: str) -> None:
+        """The workers pick what to stage from `delta` (`vllm/staging.py`)."""
+        self.rpc("ckpt_stage", {"digest": digest, "ticket": ticket, "delta": delta})
+
+    def staged_reports(self) -> list[dict[str, Any]]:
+        return [r["report"] for r in self.rpc("ckpt_stage_status", timeout_s=min(self.timeout_s, 30.0))]
+
+    def swap(self, version: int) -> list[dict[str, Any]]:
+        return self.rpc("ckpt_swap", {"version": version})
+
+    def finalize(self, version: int) -> list[dict[str, Any]]:
+        return self.rpc("ckpt_finalize", {"version": version})
+
+    def discard(self) -> None:
+        self.rpc("ckpt_discard")
+
+    def room(self, nbytes: int, limit_bytes: int | None) -> list[str]:
+        replies = self.rpc("ckpt_staging_room", {"nbytes": int(nbytes), "limit_bytes": limit_bytes})
+        return [f"worker {rank}: {r['why']}" for rank, r in enumerate(replies) if not r.get("room")]
+
+    def leave(self) -> None:
+        self.rpc("ckpt_leave")
+
+    def plans(self) -> list[dict[str, Any]]:
+        return self.rpc("ckpt_receive_plan")
+
+    def budgets(self) -> list[dict[str, Any]]:
+        return self.rpc("ckpt_manifest_budget")
+
+    def health(self) -> list[dict[str, Any]]:
+        return self.rpc("ckpt_health", timeout_s=min(self.timeout_s, 30.0))
+
+    def take_over(self, previous: Route) -> None:
+        if isinstance(previous, ExtensionRoute):
+            self.held = previous.held
