@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
+import json
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -386,3 +388,18 @@ def test_a_receiver_killed_mid_pull_fails_the_sync_by_name_and_nobody_serves_hal
     for e in engines:
         assert_holds(e, sd1)
         assert e.health()["stale"] is False
+
+
+def test_bench_runs_the_pull_transport_and_refuses_broadcast_modes_by_name() -> None:
+    bad = subprocess.run(
+        [sys.executable, "-m", "ckpt_engine.cli", "bench", "--preset", "tiny", "--backend", "nixl", "--device", "cpu", "--modes", "raw,ours"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode == 2 and "--modes raw: the nixl backend has no process group to broadcast on" in bad.stderr, bad.stderr[-2000:]
+    out = subprocess.run(
+        [sys.executable, "-m", "ckpt_engine.cli", "bench", "--preset", "tiny", "--backend", "nixl", "--device", "cpu", "--iters", "1", "--json", "-"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout)
+    assert set(summary["modes"]) == {"ours"} and summary["correct"] is True

@@ -31,6 +31,8 @@ from ckpt_engine.cli_args import OneLineParser, above_zero, at_least, seconds
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sync.report import RATIO_MEANING
 from ckpt_engine.transports.colocated import ColocatedTransport
+from ckpt_engine.transports.process_groups import ProcessGroupTransport
+from ckpt_engine.transports.transport import Transport
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -41,6 +43,10 @@ MODES = ("raw", "bucketed", "naive", "ours")
 COLOCATED_MODES = ("raw", "ours")
 """Colocated processes share one device and no process group: raw is a device-to-device copy of
 the same bytes; bucketed and naive are broadcasts, which do not exist there."""
+PULL_MODES = ("ours",)
+"""A transport of no process group that is not colocated (the pull transport, nixl: receivers read
+the senders' registered memory) has no broadcast to time beside it: pair it with gloo's or nccl's
+raw on the same machine."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -124,11 +130,22 @@ def is_colocated(backend: str) -> bool:
     return issubclass(CheckpointEngineRegistry.get(backend), ColocatedTransport)
 
 
+def is_pull(backend: str) -> bool:
+    """A transport with no process group to broadcast on that is not colocated (nixl)."""
+    cls = CheckpointEngineRegistry.get(backend)
+    return issubclass(cls, Transport) and not issubclass(cls, (ProcessGroupTransport, ColocatedTransport))
+
+
 def resolve_modes(args: argparse.Namespace, backend: str) -> str:
     """The modes to run on `backend`; modes it cannot run are refused by name, before any rank starts."""
-    colocated = is_colocated(backend)
+    colocated, pull = is_colocated(backend), is_pull(backend)
     if args.modes is None:
-        return ",".join(COLOCATED_MODES if colocated else ("raw", "naive", "ours"))
+        return ",".join(COLOCATED_MODES if colocated else PULL_MODES if pull else ("raw", "naive", "ours"))
+    if pull and (refused := [m for m in args.modes.split(",") if m not in PULL_MODES]):
+        raise ValueError(
+            f"--modes {','.join(refused)}: the {backend} backend has no process group to broadcast on (its receivers read the "
+            f"senders' memory); its mode is {','.join(PULL_MODES)}: run gloo's or nccl's raw beside it for the link's own speed"
+        )
     if colocated:
         refused = [m for m in args.modes.split(",") if m not in COLOCATED_MODES]
         if refused:

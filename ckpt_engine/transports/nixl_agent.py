@@ -11,7 +11,9 @@ sender's CPU takes no part in moving a byte.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
+import sys
 import time
 from dataclasses import dataclass
 from types import ModuleType
@@ -43,8 +45,20 @@ def load_nixl() -> ModuleType:
         except ImportError as exc:
             failures.append(f"{name}: {exc}")
             continue
+        _quiet(logging.getLogger("nixl"))
         return module
     raise ImportError(f"the nixl backend needs the `nixl` package, which is not importable here ({'; '.join(failures)}); install it: {INSTALL_LINE}")
+
+
+def _quiet(nixl_logger: logging.Logger) -> None:
+    """NIXL's package logs every agent's start at INFO to stdout through a handler of its own, which
+    broke `ckpt-engine bench --json -` and would interleave with any program's output: its handlers
+    write to stderr instead, at WARNING unless NIXL_LOG_LEVEL asks for more."""
+    for handler in nixl_logger.handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        nixl_logger.setLevel(logging.WARNING)
 
 
 def memory_kind(device: torch.device) -> tuple[str, int]:
