@@ -72,10 +72,11 @@ vllm-three)  # the vLLM tests that need three GPUs or more (a TP=2 engine, two F
   mkdir -p "$out/three"
   OUT=$out/three VLLM_TEST_TIMEOUT=${VLLM_THREE_S:-240} VLLM_HANG_S=${VLLM_THREE_S:-240} VLLM_K="tp2_server or (fsdp2 and not handoff)" bash "$0" vllm
   ;;
-fp8-bench)  # 2 GPUs: a bf16 sync and an FP8-wire sync (quantize included) of the same model, same run
+fp8-bench)  # 2 GPUs: a bf16 sync and an FP8-wire sync (quantize included) of the same model, one call
+  # (the region bench with one TP=1 receiver: its `full` mode is a whole-model sync; the dense bench takes no --wire-dtype)
   for preset in qwen2.5-7b qwen3-30b-a3b; do
-    bench "bf16_$preset" --backend nccl --preset "$preset" --modes ours --iters 3
-    bench "fp8_$preset" --backend nccl --preset "$preset" --modes ours --iters 3 --wire-dtype fp8
+    bench "bf16_$preset" --backend nccl --preset "$preset" --receiver-tp 1 --receivers 1 --iters 3
+    bench "fp8_$preset" --backend nccl --preset "$preset" --receiver-tp 1 --receivers 1 --iters 3 --wire-dtype fp8
   done
   ;;
 x4-rest)  # 4 GPUs: the three-GPU vLLM tests (GPUs 0-2) beside the FP8 wire bench (GPU 3 -> GPU 0), then the fan-out

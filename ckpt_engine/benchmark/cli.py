@@ -321,7 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--link-mb-s, --fused-experts and --region-slot-memory-mb go with --receiver-tp (the region bench)")
     chain = (args.delta or args.senders > 1) and args.receiver_tp is None
     if args.wire_dtype is not None and args.receiver_tp is None:
-        parser.error("--wire-dtype fp8 goes with --receiver-tp (the region bench, --link-mb-s); the dense and chain (--delta) benches do not take it yet")
+        parser.error(
+            "--wire-dtype fp8 goes with --receiver-tp (the region bench, --link-mb-s); the dense and chain (--delta) benches do not "
+            "take it yet: for whole-model syncs use --receiver-tp 1 (its `full` mode), beside the same command without --wire-dtype"
+        )
     try:
         if args.receiver_tp is not None:
             from ckpt_engine.benchmark.regions import print_region_summary, run_region_bench
