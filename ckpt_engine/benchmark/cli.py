@@ -31,7 +31,6 @@ from ckpt_engine.cli_args import OneLineParser, above_zero, at_least, seconds
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sync.report import RATIO_MEANING
 from ckpt_engine.transports.colocated import ColocatedTransport
-from ckpt_engine.transports.process_groups import ProcessGroupTransport
 from ckpt_engine.transports.transport import Transport
 
 if TYPE_CHECKING:
@@ -44,9 +43,8 @@ COLOCATED_MODES = ("raw", "ours")
 """Colocated processes share one device and no process group: raw is a device-to-device copy of
 the same bytes; bucketed and naive are broadcasts, which do not exist there."""
 PULL_MODES = ("ours",)
-"""A transport of no process group that is not colocated (the pull transport, nixl: receivers read
-the senders' registered memory) has no broadcast to time beside it: pair it with gloo's or nccl's
-raw on the same machine."""
+"""A one-sided transport (`Transport.one_sided`: nixl, whose receivers read the senders' registered
+memory) has no broadcast to time beside it: pair it with gloo's or nccl's raw on the same machine."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -131,9 +129,9 @@ def is_colocated(backend: str) -> bool:
 
 
 def is_pull(backend: str) -> bool:
-    """A transport with no process group to broadcast on that is not colocated (nixl)."""
+    """A one-sided transport (nixl): receivers read the senders' memory, nothing broadcasts."""
     cls = CheckpointEngineRegistry.get(backend)
-    return issubclass(cls, Transport) and not issubclass(cls, (ProcessGroupTransport, ColocatedTransport))
+    return issubclass(cls, Transport) and cls.one_sided
 
 
 def resolve_modes(args: argparse.Namespace, backend: str) -> str:

@@ -90,6 +90,7 @@ class NixlTransport(Transport):
     Options = NixlOptions
     device_type = None
     """CPU memory or CUDA memory: whichever the slots' device is (UCX picks the wire)."""
+    one_sided = True
 
     def __init__(self, options: TransportOptions, **kwargs: Any) -> None:
         opts = options if isinstance(options, NixlOptions) else NixlOptions(device=options.device)

@@ -71,6 +71,8 @@ class Transport(ABC):
     """Buckets alternate over this many process groups (each with its own stream)."""
     stable_sources: ClassVar[bool] = True
     """Whether a sender may rely on stable sources (record copy plans, send from their memory)."""
+    one_sided: ClassVar[bool] = False
+    """Receivers read the senders' registered memory (nixl): there is no broadcast on this transport."""
 
     def __init__(self, options: TransportOptions, *, bucket_size_bytes: int, num_buffers: int, num_lanes: int, timeout_s: float) -> None:
         self.device = self.resolve_device(options.device)
