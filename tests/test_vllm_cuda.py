@@ -255,10 +255,13 @@ def server_digests(url: str) -> list[dict[str, str]]:
 
 
 def serve(model_dir: Path, log: Path, gpus: str, *extra: str) -> Any:
-    """`vllm serve` (dev mode, the worker extension) of the reference weights on disk, bf16, on `gpus`."""
+    """`vllm serve` (dev mode, the worker extension) of the reference weights on disk, bf16, on `gpus`.
+    `--load-format safetensors` overrides the helper's dummy weights (the last flag wins): the
+    server's own digests before any sync must be the disk load's (a TP=2 run compared syncs with
+    dummy weights and found every parameter 'wrong')."""
     from helpers_vllm import api_server
 
-    args = ["--worker-extension-cls", WORKER_EXTENSION, "--dtype", "bfloat16", "--gpu-memory-utilization", "0.15", *extra]
+    args = ["--worker-extension-cls", WORKER_EXTENSION, "--load-format", "safetensors", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.15", *extra]
     return api_server(model_dir, log, args, env={"CUDA_VISIBLE_DEVICES": gpus}, start_timeout_s=300.0)
 
 
