@@ -8,7 +8,6 @@ sender announcing a bucket at another slot, a missing package (with the install 
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import signal
 import subprocess
@@ -31,21 +30,52 @@ from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.registry import BackendUnavailableError, CheckpointEngineRegistry
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.transports.nixl_agent import load_nixl
 from multisender import shard_rank
 from ranks import run_ranks
 from refengines import spawn_engine, spawn_with_timeout
 from regionranks import KV_HEADS, qwen2_specs, weights
 from roundtrip import mixed_state, same_bits
 
-HAVE_NIXL = any(importlib.util.find_spec(m) is not None for m in ("nixl", "nixl_cu12", "nixl_cu13"))
-pytestmark = pytest.mark.skipif(not HAVE_NIXL, reason="the nixl package is not installed (pip install nixl-cu12; scripts/setup.sh installs it)")
+try:
+    load_nixl()
+    HAVE_NIXL, WHY = True, ""
+except ImportError as exc:
+    HAVE_NIXL, WHY = False, f"{exc} (scripts/setup.sh installs it)"
+pytestmark = pytest.mark.skipif(not HAVE_NIXL, reason=WHY)
 
 if HAVE_NIXL:
     import ckpt_engine.transports.nixl as nixl_mod
     from ckpt_engine.transports.nixl import NixlOptions, NixlTransport
     from ckpt_engine.transports.nixl_agent import NixlAgent, SlotOffer
 
-CFG = CheckpointEngineConfig(backend="nixl", bucket_size_mb=0.0625, timeout_s=30)
+    class _CorruptingNixl(PipelinedEngine):
+        """The nixl engine whose sender flips one bit of bucket 1 after its checksum was written."""
+
+        name, device_type, supports_many_senders = NixlTransport.name, NixlTransport.device_type, NixlTransport.supports_many_senders
+
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(NixlTransport, **kwargs)
+
+        def _tamper_hook(self, bucket_index: int, message: torch.Tensor) -> None:
+            if bucket_index == 1 and message.numel() > 64:
+                message[48] ^= 0x04
+
+    class _Misannouncing(NixlTransport):
+        """A sender that announces every bucket at the other slot (a wrong memory descriptor)."""
+
+        def post(self, gid: int, slot: int, msg: torch.Tensor) -> Any:
+            return super().post(gid, slot, msg) if slot else self._lie(msg)
+
+        def _lie(self, msg: torch.Tensor) -> Any:
+            assert self.rank is not None
+            self.device_sync_point()
+            ordinal = self._sent
+            self._sent += 1
+            self._store.set(self._key("ready", self.rank, ordinal), msgpack.packb([1, 0, msg.numel()]))
+            return ordinal
+
+    CFG = CheckpointEngineConfig(backend="nixl", bucket_size_mb=0.0625, timeout_s=30)
 
 
 def assert_holds(engine: TorchRefRollout, sd: dict[str, torch.Tensor], names: list[str] | None = None) -> None:
@@ -88,19 +118,6 @@ def test_dense_syncs_land_bit_exact_and_reuse_the_group(engines: list[TorchRefRo
             assert_holds(e, sd1)
     finally:
         session.close()
-
-
-class _CorruptingNixl(PipelinedEngine):
-    """The nixl engine whose sender flips one bit of bucket 1 after its checksum was written."""
-
-    name, device_type, supports_many_senders = NixlTransport.name, NixlTransport.device_type, NixlTransport.supports_many_senders
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(NixlTransport, **kwargs)
-
-    def _tamper_hook(self, bucket_index: int, message: torch.Tensor) -> None:
-        if bucket_index == 1 and message.numel() > 64:
-            message[48] ^= 0x04
 
 
 def test_checked_unstaged_syncs_land_and_a_corrupt_bucket_is_named(engines: list[TorchRefRollout]) -> None:
@@ -235,21 +252,6 @@ def _pair(store_port: int, sender_cls: type[NixlTransport], errors: dict[int, Ba
     for t in threads:
         t.join(60)
     return made[0], made[1]
-
-
-class _Misannouncing(NixlTransport):
-    """A sender that announces every bucket at the other slot (a wrong memory descriptor)."""
-
-    def post(self, gid: int, slot: int, msg: torch.Tensor) -> Any:
-        return super().post(gid, slot, msg) if slot else self._lie(msg)
-
-    def _lie(self, msg: torch.Tensor) -> Any:
-        assert self.rank is not None
-        self.device_sync_point()
-        ordinal = self._sent
-        self._sent += 1
-        self._store.set(self._key("ready", self.rank, ordinal), msgpack.packb([1, 0, msg.numel()]))
-        return ordinal
 
 
 def test_a_bucket_announced_at_another_slot_is_refused_and_stops_the_sender() -> None:

@@ -26,7 +26,7 @@ __all__ = ["INSTALL_LINE", "NixlAgent", "SlotOffer", "load_nixl"]
 
 logger = logging.getLogger(__name__)
 
-INSTALL_LINE = "pip install nixl-cu12 (CUDA 12 hosts and CPU-only hosts; nixl-cu13 for CUDA 13), or pip install 'ckpt-engine[nixl]'"
+INSTALL_LINE = "pip install nixl-cu12 (CUDA 12 hosts and CPU-only hosts; nixl-cu13 for CUDA 13), or ckpt-engine's nixl extra (pip install -e '.[nixl]')"
 
 _MODULES = ("nixl", "nixl_cu12", "nixl_cu13")
 """The meta package `nixl` re-exports a CUDA variant's module; a variant installed alone is
