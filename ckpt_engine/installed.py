@@ -20,14 +20,20 @@ host sync until the answers are read.
 An engine answers `InstalledRequest` with one `InstalledReport` per rank: a digest per
 (checkpoint name, region) it installed, the tensors of its own layout (parameters and persistent
 buffers) that the sync does not write (`unwritten`), and those it cannot map back to checkpoint
-regions (`unchecked`: named, never guessed).
+regions (`unchecked`: named, never guessed), and the (name, region) keys the sync sent that it
+did not install (`missing`: a loader that skipped a tensor leaves its layer waiting).
+
+An engine whose ranks can only take digests while they load (vLLM's post-processing repacks a layer
+once loaded) also implements `ArmsInstalledChecks`: the controller tells it the check before the
+stream.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -35,7 +41,7 @@ from ckpt_engine.delta.checksums import checksum
 from ckpt_engine.delta.mixing import mix
 from ckpt_engine.planning.regions import Region
 
-__all__ = ["DEFAULT_SAMPLES", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_held", "region_view"]
+__all__ = ["DEFAULT_SAMPLES", "ArmsInstalledChecks", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_held", "region_view"]
 
 DEFAULT_SAMPLES = 4096
 """Positions read per tensor region by default (`checkpoint_engine.verify_installed_samples`)."""
@@ -78,21 +84,36 @@ class InstalledReport:
     digests: dict[Key, int] = field(default_factory=dict)
     unwritten: list[str] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    """What the rank spent digesting (as it loaded and when asked): the engine's side of the cost."""
 
     def to_wire(self) -> dict[str, Any]:
         rows = [[n, r.to_wire() if r is not None else None, d] for (n, r), d in self.digests.items()]
-        return {"digests": rows, "unwritten": list(self.unwritten), "unchecked": list(self.unchecked)}
+        return {"digests": rows, "unwritten": list(self.unwritten), "unchecked": list(self.unchecked), "missing": list(self.missing), "seconds": self.seconds}
 
     @classmethod
     def from_wire(cls, d: Any) -> InstalledReport:
-        if not isinstance(d, dict) or set(d) != {"digests", "unwritten", "unchecked"}:
-            raise ValueError(f"an installed-weight report is a map of digests, unwritten, unchecked; got {d!r:.120}")
-        out = cls(unwritten=[str(n) for n in d["unwritten"]], unchecked=[str(n) for n in d["unchecked"]])
+        if not isinstance(d, dict) or not {"digests", "unwritten", "unchecked"} <= set(d) <= {"digests", "unwritten", "unchecked", "missing", "seconds"}:
+            raise ValueError(f"an installed-weight report is a map of digests, unwritten, unchecked (missing, seconds); got {d!r:.120}")
+        seconds = d.get("seconds", 0.0)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+            raise ValueError(f"installed-weight report: seconds must be a number, got {seconds!r:.40}")
+        out = cls(unwritten=[str(n) for n in d["unwritten"]], unchecked=[str(n) for n in d["unchecked"]], missing=[str(n) for n in d.get("missing", [])],
+                  seconds=float(seconds))
         for row in d["digests"]:
             if not isinstance(row, (list, tuple)) or len(row) != 3 or not isinstance(row[0], str) or not isinstance(row[2], int):
                 raise ValueError(f"installed-weight report: a digest is [name, region or None, int], got {row!r:.120}")
             out.digests[(row[0], Region.from_wire(row[0], row[1]) if row[1] is not None else None)] = row[2]
         return out
+
+
+@runtime_checkable
+class ArmsInstalledChecks(Protocol):
+    """An engine handle whose ranks must know a check before the stream (they digest while they load)."""
+
+    def arm_installed(self, request: InstalledRequest) -> None:
+        """Tell every rank the check of the sync about to stream (called before anything is paused)."""
 
 
 def region_view(t: torch.Tensor, region: Region | None) -> torch.Tensor:
@@ -141,9 +162,10 @@ def digest_held(
     """The report of a rank that holds checkpoint tensors under their own names (the reference
     receiver): `tensors` in each held region's shape, `regions` the region of each (absent: whole).
     `own`: the names of its layout's parameters and persistent buffers (default: `tensors`)."""
+    t0 = time.perf_counter()
     sent = set(request.names)
     keys = [(n, regions.get(n)) for n in request.names if n in tensors]
     values = [digest(tensors[n], request.seed, request.samples) for n, _ in keys]
     answers = torch.stack([v.cpu() for v in values]).tolist() if values else []
     unwritten = sorted(n for n in (own if own is not None else tensors) if n not in sent)
-    return InstalledReport(dict(zip(keys, answers)), unwritten, [])
+    return InstalledReport(dict(zip(keys, answers)), unwritten, [], seconds=time.perf_counter() - t0)

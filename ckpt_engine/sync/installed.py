@@ -8,7 +8,9 @@ thousand positions per region, or every element with `verify_installed_samples: 
 stream, before any engine stamps the version (or, staged, right after the swap), `verify` asks
 every engine rank for its digests of what it installed, in its own layout, and compares: a
 difference names the tensor, the region and the engine, and the sync fails with that engine out of
-service (paused and stale, as a failed sync leaves it). Tensors of an engine's layout the checked
+service (paused and stale, as a failed sync leaves it); so does a tensor sent but not installed (a
+rank's `missing`). Engines whose ranks digest while they load (`ArmsInstalledChecks`: vLLM, whose
+post-processing repacks a layer once loaded) are told the check before the stream. Tensors of an engine's layout the checked
 sync does not write are named once (`unwritten_tensors: warn`, or the sync fails with `error`);
 tensors an engine cannot map back to checkpoint regions are named as unchecked.
 """
@@ -23,7 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from ckpt_engine.installed import MAX_SEED, InstalledReport, InstalledRequest, Key, digest, region_view
+from ckpt_engine.installed import MAX_SEED, ArmsInstalledChecks, InstalledReport, InstalledRequest, Key, digest, region_view
 from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.rollout_adapters.capabilities import lacking
@@ -47,6 +49,8 @@ class InstalledChecks:
         self._want: dict[str, list[Key]] = {}
         self._digests: dict[Key, torch.Tensor] = {}
         self._said: set[str] = set()
+        self.engine_seconds: float | None = None
+        """The slowest engine rank's own digest time in the last armed check (`InstalledReport.seconds`)."""
         self.seconds: float | None = None
         """What the last armed check took: the trainer's folds during the walk and the compare
         (`SyncReport.seconds["installed_check"]`); None when the sync was not checked."""
@@ -77,6 +81,12 @@ class InstalledChecks:
                 for region in (None,) if plan is None or plan.holds[n] is None else plan.holds[n] or ():
                     want.setdefault(n, set()).add((n, region))
         self._want = {n: sorted(keys, key=lambda k: (k[1] is not None, k[1])) for n, keys in want.items()}
+        for r in rollouts:  # ranks that digest while they load (vLLM) learn the check before the stream
+            if r.capabilities.installed and isinstance(r, ArmsInstalledChecks):
+                try:
+                    r.arm_installed(self.request)
+                except Exception as exc:
+                    raise RuntimeError(f"engine {r.name!r}: could not arm the installed-weight check ({type(exc).__name__}: {exc}); nothing was sent") from exc
 
     def tap(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The weight walk, folding every tensor of an armed check as it passes."""
@@ -98,9 +108,12 @@ class InstalledChecks:
         futures = {r.name: pool.submit(r.installed_digests, request) for r in checked}
         failed = collect_failures(futures, "an installed-weight check", timeout_s)
         expected = {k: int(v) for k, v in zip(self._digests, torch.stack([v.cpu() for v in self._digests.values()]).tolist())} if self._digests else {}
+        self.engine_seconds = 0.0
         for r in checked:
             if r.name not in failed:
-                why = self._compare(r.name, futures[r.name].result(), expected)
+                reports = futures[r.name].result()
+                self.engine_seconds = max([self.engine_seconds, *(rep.seconds for rep in reports)])
+                why = self._compare(r.name, reports, expected)
                 if why:
                     failed[r.name] = why
         self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
@@ -117,6 +130,8 @@ class InstalledChecks:
                     problems.append(f"{what} ({where}): installed, but no receive plan says the rank holds it")
                 elif want != got:
                     problems.append(f"{what} ({where}): installed weights differ from the source")
+            for what in report.missing:
+                problems.append(f"{what} ({where}): sent but not installed")
             if report.unchecked:
                 self._say(f"installed-weight checks: engine {engine!r} {where}: unchecked (a loader it cannot follow): {_names(report.unchecked)}")
             if report.unwritten:

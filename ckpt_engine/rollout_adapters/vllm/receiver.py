@@ -25,11 +25,13 @@ from typing import Any
 
 import torch
 
+from ckpt_engine.installed import InstalledReport, InstalledRequest
 from ckpt_engine.manifest import ManifestBudget
 from ckpt_engine.planning.fused_experts import fuse_plan
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.region_assembler import RegionAssembler, held_bytes
+from ckpt_engine.rollout_adapters.vllm.installed import InstalledCapture, Landing, LandingMap, layout_names
 from ckpt_engine.rollout_adapters.vllm.region_landing import RegionItem, RegionLanding
 from ckpt_engine.rollout_adapters.vllm.reload import LayerwiseReload, detach_pending
 from ckpt_engine.rollout_adapters.vllm.shadow import ShadowPreparer
@@ -67,6 +69,10 @@ class VllmReceiverCore:
         self.stale = False
         self.last_report: dict[str, Any] | None = None
         self.staging = Staging()
+        self._landed: tuple[int, ReceivePlan, list[Landing], dict[str, str], dict[str, set[str]]] | None = None
+        """Where each checkpoint region lands in this model (installed-weight checks): the dry run's record."""
+        self._armed: InstalledCapture | None = None
+        self._regions_used = False
 
     # --- group -------------------------------------------------------------------------------
     def join(self, rendezvous: dict[str, Any], rank: int, options: dict[str, Any]) -> None:
@@ -74,6 +80,7 @@ class VllmReceiverCore:
         self.receiver.join(rendezvous, rank, options)
 
     def leave(self) -> None:
+        self._disarm()
         self.reload.close()
         self.receiver.leave()
         self.staging.discard(drop_copy=True)
@@ -114,8 +121,7 @@ class VllmReceiverCore:
         {"plan": None, "error"} when the dry run failed (the worker then receives whole tensors)."""
         from ckpt_engine.rollout_adapters.vllm.regions import record_receive_plan
 
-        if self.reload.is_open:
-            raise RuntimeError("cannot record a receive plan while a weight reload is open; finalize first")
+        self._close_failed_reload()
         model = self._model()
         specs = self.specs()
         # A tied head is the embedding's parameter: it is loaded from the embedding's regions (see
@@ -131,6 +137,7 @@ class VllmReceiverCore:
                     logger.warning("receive plan: recording failed (%s: %s); this worker receives whole tensors", type(exc).__name__, exc)
                     return {"plan": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
                 self._plan = (id(model), plan, dict(rec.whole))
+                self._landed = (id(model), plan, rec.landings, rec.unfollowed, rec.touched)
         _, plan, whole = self._plan
         model_bytes = held_bytes(ReceivePlan({n: None for n in needed}), needed)
         out = {"plan": plan.to_wire(), "bytes": held_bytes(plan, specs.specs), "model_bytes": model_bytes, "whole": whole}
@@ -215,6 +222,7 @@ class VllmReceiverCore:
         # may still send whole tensors (an engine beside it takes no regions, or the handle opts out),
         # and a staged receive that kept regions would then swap in nothing.
         plan = self.receiver.regions.plan if self.receiver.regions.has(digest) else None
+        self._regions_used = plan is not None
         landing: RegionLanding | None = None
         region_loader: Callable[[list[RegionItem]], int] | None = None
         if plan is not None and accepted is not None:
@@ -291,6 +299,53 @@ class VllmReceiverCore:
     def _check_not_staging(self, what: str) -> None:
         if self.staging.running:
             raise RuntimeError(f"{what} refused: a staged receive is still streaming on this worker")
+
+    # --- installed-weight checks (vllm/installed.py) -------------------------------------------
+    def installed_arm(self, request: InstalledRequest) -> None:
+        """Before a checked sync streams: record where regions land if not yet (a dry run of the
+        loaders, once per model; never while a reload is open), and digest each layer of the coming
+        load right before vLLM post-processes it."""
+        self._disarm()
+        self._armed = InstalledCapture(self._model(), self._landing_map(), request)
+        self._armed.install()
+
+    def installed(self, request: InstalledRequest) -> InstalledReport:
+        """This worker's digests of what it installed for `request` (armed: as its layers loaded;
+        else read now from the live tensors, where post-processing left them readable)."""
+        armed = self._armed
+        self._disarm()
+        if armed is not None and armed.request == request:
+            return armed.report(whole_only=not self._regions_used)
+        if self._landed is None or self._landed[0] != id(self._model()):  # never armed: no dry run in the middle of a sync
+            return InstalledReport(unchecked=[f"{n} (this worker was not armed for the check)" for n in request.names])
+        return InstalledCapture(self._model(), self._landing_map(), request).report(whole_only=not self._regions_used)
+
+    def _close_failed_reload(self) -> None:
+        """A sync that failed after its stream (an installed-weight check) leaves layerwise reload open
+        and the worker stale, unstamped; the dry run needs it closed. Closing post-processes what that
+        sync loaded: the worker stays stale (out of service) until a sync completes."""
+        if self.reload.is_open:
+            if self.staging.running:
+                raise RuntimeError("cannot record a receive plan while a staged receive streams on this worker")
+            logger.warning("closing the weight reload a failed sync left open (this worker stays stale until a sync completes)")
+            self.reload.close()
+
+    def _disarm(self) -> None:
+        if self._armed is not None:
+            self._armed.remove()
+            self._armed = None
+
+    def _landing_map(self) -> LandingMap:
+        from ckpt_engine.rollout_adapters.vllm.regions import record_receive_plan
+
+        model = self._model()
+        if self._landed is None or self._landed[0] != id(model):
+            self._close_failed_reload()
+            plan, rec = record_receive_plan(model, self.specs().needed, self.vllm_config)
+            self._landed = (id(model), plan, rec.landings, rec.unfollowed, rec.touched)
+        _, plan, landings, unfollowed, touched = self._landed
+        layout = layout_names(model) if not self.reload.is_open else []
+        return LandingMap(landings, layout, unfollowed, touched, plan)
 
     def finalize(self, version: Any) -> dict[str, Any]:
         """Post-process what was loaded, reset the runner's weight-derived caches, stamp `version`."""

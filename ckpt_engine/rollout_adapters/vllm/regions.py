@@ -17,11 +17,16 @@ a box of the tensor, or a whole-tensor op before any slicing. Names the loader n
 or reads nothing from (another EP rank's experts: looked at, then skipped) are absent. Not seen: a
 loader that installs the HF tensor itself as a parameter (`nn.Parameter(w)`) without any copy or
 `.data =` assignment; vLLM's loaders copy.
+
+The same dry run records where each box lands (`vllm/installed.py`'s `Landing`: every `copy_` of a
+box read in C order into a view of a parameter or buffer of the same shape), for installed-weight
+checks; names it cannot follow so are `unfollowed`.
 """
 
 from __future__ import annotations
 
 import logging
+from math import prod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.region_footprint import Box, box_of_view, regions_of_boxes
+from ckpt_engine.rollout_adapters.vllm.installed import Landing
 
 __all__ = ["PlanRecording", "record_receive_plan", "trace_loader"]
 
@@ -46,6 +52,40 @@ class PlanRecording:
     whole: dict[str, str] = field(default_factory=dict)
     computed: dict[str, str] = field(default_factory=dict)
     """Names read by an op other than a copy into a destination (arithmetic, a dtype conversion ...)."""
+    targets: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    """The model's parameters and buffers during the dry run, by storage: their layout names."""
+    landings: list[Landing] = field(default_factory=list)
+    unfollowed: dict[str, str] = field(default_factory=dict)
+    """Names whose landing is not a plain copy of a box (installed-weight checks leave them unchecked)."""
+    touched: dict[str, set[str]] = field(default_factory=dict)
+    """Name -> the layout tensors any of its writes reached (followed or not)."""
+
+    def land(self, name: str, src: torch.Tensor, root: torch.Tensor, dest: Any, how: str) -> None:
+        """A write of (a view of) `name` into `dest`: a `Landing` if it is a plain copy of a box."""
+        target = self.targets.get(dest.untyped_storage()._cdata) if isinstance(dest, torch.Tensor) else None
+        if target is not None:
+            self.touched.setdefault(name, set()).add(target[0])
+        if name in self.unfollowed or src.numel() == 0:
+            return
+        why = None
+        box = box_of_view(tuple(root.shape), tuple(src.shape), tuple(src.stride()), src.storage_offset())
+        if how != "copy_":
+            why = f"written by {how}"
+        elif target is None:
+            why = "copied into a tensor that is not a parameter or buffer of the model"
+        elif box is None or not _is_box_in_c_order(tuple(root.shape), box, src):
+            why = f"read as a view {list(src.shape)} stride {list(src.stride())} that is not a box in C order (a transpose?)"
+        elif tuple(dest.shape) != tuple(src.shape) or dest.dtype != src.dtype:
+            why = f"copied {list(src.shape)} into {list(dest.shape)} {dest.dtype} (broadcast or cast)"
+        if why is not None:
+            self.unfollowed[name] = why
+            return
+        assert target is not None and box is not None
+        tensor = target[1]
+        self.landings.append(Landing(
+            name, box, tuple(root.shape), target[0], tuple(tensor.shape), tuple(dest.shape), tuple(dest.stride()),
+            dest.storage_offset() - tensor.storage_offset(),
+        ))
 
     def read(self, name: str, view: torch.Tensor, root: torch.Tensor, op: str | None = None) -> None:
         if name in self.whole:
@@ -109,6 +149,7 @@ class _RecordingMode(TorchFunctionMode):
             for p in placeholders:
                 if p is not dest:
                     p._ckpt_rec.read(p._ckpt_name, p, p._ckpt_root)
+                    p._ckpt_rec.land(p._ckpt_name, p, p._ckpt_root, dest, func.__name__)
             if dest is not None and not isinstance(dest, _Placeholder):
                 return dest if func.__name__ == "copy_" else None  # nothing is written
         out = func(*args, **kwargs)
@@ -117,6 +158,28 @@ class _RecordingMode(TorchFunctionMode):
             if any(not (o.is_meta and torch._C._is_alias_of(o, p._ckpt_root)) for o in tensors):
                 p._ckpt_rec.read(p._ckpt_name, p, p._ckpt_root, _op_name(func))  # a new tensor made from its elements
         return _wrap(out, placeholders)
+
+
+def _coalesced(sizes: tuple[int, ...], strides: tuple[int, ...]) -> list[tuple[int, int]]:
+    """A view's walk in C order as (size, stride) runs: size-1 dimensions dropped, adjacent ones merged."""
+    out: list[tuple[int, int]] = []
+    for z, s in zip(sizes, strides):
+        if z == 1:
+            continue
+        if out and out[-1][1] == z * s:
+            out[-1] = (out[-1][0] * z, s)
+        else:
+            out.append((z, s))
+    return out
+
+
+def _is_box_in_c_order(shape: tuple[int, ...], box: Box, view: torch.Tensor) -> bool:
+    """Whether `view` walks exactly the elements of `box` of a contiguous tensor of `shape`, in C order."""
+    h = [prod(shape[d + 1 :]) for d in range(len(shape))]
+    sizes = tuple(hi - lo for lo, hi in box)
+    if prod(sizes) != view.numel() or view.storage_offset() != sum(lo * s for (lo, _), s in zip(box, h)):
+        return False
+    return _coalesced(sizes, tuple(h)) == _coalesced(tuple(view.shape), tuple(view.stride()))
 
 
 def _op_name(func: Any) -> str:
@@ -183,6 +246,9 @@ def record_receive_plan(model: torch.nn.Module, specs: Mapping[str, TensorSpec],
     with set_current_vllm_config(vllm_config), torch.no_grad():
         initialize_layerwise_reload(model)
         try:
+            for path, module in model.named_modules():  # the meta stand-ins loaders write into
+                for attr, tensor in get_layer_tensors(module).items():
+                    rec.targets.setdefault(tensor.untyped_storage()._cdata, (f"{path}.{attr}" if path else attr, tensor))
             # Call the original loaders: the layerwise wrappers would count copies and process layers.
             for module in model.modules():
                 for tensor in get_layer_tensors(module).values():

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.engine import Rendezvous
+from ckpt_engine.installed import InstalledRequest
 from ckpt_engine.rollout_adapters.vllm.receiver import VllmReceiverCore, unbase64
 from ckpt_engine.rollout_adapters.vllm.specs import vllm_checkpoint_specs
 from ckpt_engine.rollout_adapters.vllm.stage_outcome import check_ticket, report_outcome
@@ -81,6 +82,16 @@ class CkptEngineWorkerExtension:
     def ckpt_finalize(self, version: int) -> dict[str, Any]:
         """Post-process what was loaded (layerwise finalize), then stamp `version`."""
         return self._ckpt_core().finalize(int(version))
+
+    def ckpt_installed_arm(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Before a checked sync streams (installed-weight checks, `vllm/installed.py`): record where
+        checkpoint regions land in this model if not yet, and digest the coming load's layers."""
+        self._ckpt_core().installed_arm(InstalledRequest.from_wire(request))
+        return {"armed": True}
+
+    def ckpt_installed(self, request: dict[str, Any]) -> dict[str, Any]:
+        """This worker's digests of what it installed, in vLLM's layout (an `InstalledReport`'s wire form)."""
+        return self._ckpt_core().installed(InstalledRequest.from_wire(request)).to_wire()
 
     def ckpt_param_digests(self) -> dict[str, str]:
         """sha256 of the bytes of every parameter and buffer this worker's model holds, by vLLM's

