@@ -1,7 +1,7 @@
 """A trainer in its own process, so a test can SIGKILL it mid-sync.
 
 Reads {"engines": [{name, host, port, token}], "seeds": [...], "timeout_s": s, "delay_s": s} (and
-optionally "stage", default off, and "delta", default off) as JSON from its first argument (else a
+optionally "stage", default off, "delta", default off, and "backend", default gloo) as JSON from its first argument (else a
 line of stdin), syncs one version per seed into those reference engines, prints "synced N" after each.
 """
 
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
         for e in job["engines"]
     ]
     cfg = CheckpointEngineConfig(
-        backend="gloo", bucket_size_mb=0.0625, timeout_s=job["timeout_s"], stage=job.get("stage", "off"), delta=job.get("delta", "off")
+        backend=job.get("backend", "gloo"), bucket_size_mb=0.0625, timeout_s=job["timeout_s"], stage=job.get("stage", "off"), delta=job.get("delta", "off")
     )
     session = WeightSyncSession(engines, cfg)
     for seed in job["seeds"]:

@@ -33,7 +33,8 @@ from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.transports.nixl_agent import load_nixl
 from multisender import shard_rank
 from ranks import run_ranks
-from refengines import spawn_engine, spawn_with_timeout
+from helpers_procs import fork_program
+from refengines import holds, serving, spawn_engine, spawn_with_timeout, state
 from regionranks import KV_HEADS, qwen2_specs, weights
 from roundtrip import mixed_state, same_bits
 
@@ -405,3 +406,56 @@ def test_bench_runs_the_pull_transport_and_refuses_broadcast_modes_by_name() -> 
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout)
     assert set(summary["modes"]) == {"ours"} and summary["correct"] is True
+
+
+def test_a_sender_killed_mid_pull_leaves_no_engine_serving_half_new(tmp_path: Path) -> None:
+    """A trainer process SIGKILLed while its receivers read its slots: each engine's receive fails
+    (a read against a dead agent, or no announcement within timeout_s), every engine is left stale
+    and paused, never serving a half-new state, and a new trainer's sync heals them bit for bit."""
+    timeout_s = 3.0
+    spec = tmp_path / "spec.msgpack"
+    write_spec_file(spec, StateDictSource(state(0)).metadata())
+    pair = [spawn_with_timeout(str(spec), f"k{i}", timeout_s, 0.02, None, None) for i in range(2)]
+    cfg = CheckpointEngineConfig(backend="nixl", bucket_size_mb=0.0625, timeout_s=timeout_s, stage="off")
+    try:
+        first = WeightSyncSession(pair, cfg)
+        try:
+            first.sync(StateDictSource(state(1)))
+        finally:
+            first.close()
+        before = pair[0].health()["buckets_received"]
+        job = {
+            "engines": [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in pair],
+            "seeds": [2], "timeout_s": timeout_s, "delay_s": 0.05, "backend": "nixl",
+        }
+        trainer = fork_program("_fault_sender:main", [json.dumps(job)], "fault-sender").process
+        try:
+            deadline = time.monotonic() + 60
+            while pair[0].health()["buckets_received"] < before + 2:
+                assert time.monotonic() < deadline and trainer.poll() is None, "the sync never started streaming"
+                time.sleep(0.005)
+            trainer.send_signal(signal.SIGKILL)
+        finally:
+            trainer.kill()
+            trainer.wait(10)
+        deadline = time.monotonic() + 60
+        while not all(e.health()["stale"] for e in pair):
+            assert time.monotonic() < deadline, [e.health() for e in pair]
+            time.sleep(0.01)
+        assert not any(serving(e.health()) for e in pair), "an engine serves a half-written version"
+        healed = False
+        while not healed:  # the engines' receives may still be running out their timeout
+            heal = WeightSyncSession(pair, cfg)
+            try:
+                heal.sync(StateDictSource(state(3)))
+                healed = True
+            except SyncError:
+                assert time.monotonic() < deadline, "the engines never took a sync again"
+                time.sleep(0.2)
+            finally:
+                heal.close()
+        for e in pair:
+            assert holds(e, state(3)) == [] and serving(e.health()), e.name
+    finally:
+        for e in pair:
+            e.close()
