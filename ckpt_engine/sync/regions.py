@@ -87,6 +87,10 @@ class RegionSync:
     """Encoded `RegionAssignment` per receiver rank (rank order)."""
     received_bytes: list[int]
     """Bytes each receiver rank takes in a dense sync."""
+    sent_bytes: list[int]
+    """Bytes each sender puts on the wire in a dense sync: its share of every set's pieces, each
+    piece once per set it travels to (a piece several ranks hold travels once to their set; a
+    tensor no rank holds, not at all)."""
     owners: OwnerMap | None = None
     """The senders' shards of the whole tensors (many senders)."""
 
@@ -188,7 +192,8 @@ class RegionDelivery:
         logger.info(
             "region delivery: %d receiver set(s); per rank %s of %d bytes", len(layout.sets), received, manifest.total_bytes
         )
-        return RegionSync(layout, manifests, digest, assignments, received, owners)
+        sent = [sum(per) for per in zip(*(m.bytes_per_sender() for m in manifests.values()))] if manifests else [0] * senders
+        return RegionSync(layout, manifests, digest, assignments, received, sent, owners)
 
     def _rejected(self, exc: ReceivePlanError) -> ManifestRejectedError:
         text = str(exc)
@@ -215,6 +220,11 @@ class RegionDelivery:
         for nbytes, (name, _) in zip(self.active.received_bytes, self.owners):
             out.setdefault(name, []).append(nbytes)
         return out
+
+    def sent_bytes(self) -> list[int] | None:
+        """Each sender's bytes of a dense sync of this sync's region delivery (None: no region
+        delivery, the plan's buckets travel whole)."""
+        return list(self.active.sent_bytes) if self.active is not None else None
 
     def send(
         self, engine: CheckpointEngine, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool,

@@ -55,6 +55,7 @@ class SyncReport:
 
     version: int
     bytes: int
+    """The plan's bytes: every tensor of the trainer's checkpoint once, whoever holds it."""
     tensors: int
     buckets: int
     engines: int
@@ -65,10 +66,15 @@ class SyncReport:
     delta: str = "off"
     """`off` (no base copies), `seed` (dense, (re)seeding the bases), or `patch` (patches allowed)."""
     wire_bytes: int = 0
-    """Bytes every sender together put on the wire (patches plus dense buckets); equals
-    `dense_bytes` when nothing was patched."""
+    """Bytes every sender together put on the wire (patches plus dense buckets): the figure to
+    hold against the senders' links. Equals `dense_bytes` when nothing was patched. A dense sync
+    counts the tensor bytes it sends; with region delivery only the pieces some rank holds, each
+    once per receiver set it travels to (a piece two TP ranks hold goes once to their set), so a
+    tensor no rank holds is not counted and `wire_bytes` may be below `bytes` and below the sum of
+    `received_bytes` (issue 42 item 3). A delta sync counts its frames (dense frames are whole
+    buckets, alignment included)."""
     dense_bytes: int = 0
-    """What a dense sync of the same plan sends, from every sender."""
+    """What a dense sync of the same plan and region delivery sends, from every sender."""
     changed_fraction: float = 1.0
     """Words that changed since the base, over every sender's buckets (1.0 for a dense sync)."""
     senders: int = 1
@@ -105,18 +111,23 @@ class SyncReport:
 def make_report(
     version: int, manifest: BucketManifest, request: DeltaRequest | None, stats: SendStats,
     receivers: Mapping[str, ReceiveReport], engines: int, senders: int, seconds: dict[str, float], raw_gbps: float | None,
-    other_senders: Sequence[Mapping[str, float]] = (),
+    other_senders: Sequence[Mapping[str, float]] = (), region_bytes: Sequence[int] | None = None,
 ) -> SyncReport:
     """A completed sync's report from the plan, the sender's stats, the other senders' figures
     (`sender_follower.send_figures`, gathered in the report round) and every engine's receive
     report; fills the sender's and receivers' entries of `seconds`. Wire and dense bytes count
-    every sender."""
+    every sender; `region_bytes` (`RegionDelivery.sent_bytes`): each sender's bytes of a dense
+    sync that delivers regions."""
     seconds.update(export=stats.export_s, pack=stats.pack_s, send=stats.total_s)
     if "encode_s" in stats.extra:
         seconds["encode"] = stats.extra["encode_s"]
     seconds["apply_max"] = max((r.extra.get("delta_apply_s", 0.0) for r in receivers.values()), default=0.0)
     seconds["load_max"] = max((r.load_s for r in receivers.values()), default=0.0)
-    if request is None:  # dense: the plan's bytes, whoever sent them
+    if request is None and region_bytes is not None:  # dense, regions: the pieces some rank holds
+        per_sender = list(region_bytes)
+        wire = dense = sum(per_sender)
+        changed = 1.0
+    elif request is None:  # dense: the plan's bytes, whoever sent them
         wire = dense = manifest.total_bytes
         per_sender = manifest.bytes_per_sender() if senders > 1 else [wire]
         changed = 1.0

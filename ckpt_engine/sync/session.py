@@ -359,7 +359,10 @@ class WeightSyncSession:
     ) -> SyncReport:
         """The sync completed: the engines are fresh, the version and the delta chain move on."""
         others = self._senders.figures if senders > 1 else []  # every other sender's share of the wire
-        report = make_report(new_version, manifest, request, stats, reports, len(self.rollouts), senders, seconds, self.raw_gbps, others)
+        report = make_report(
+            new_version, manifest, request, stats, reports, len(self.rollouts), senders, seconds, self.raw_gbps, others,
+            region_bytes=self._regions.sent_bytes(),
+        )
         report.received_bytes = self._regions.received_bytes(self.rollouts, manifest.total_bytes)
         active = self._regions.active
         self.stale.clear()
