@@ -30,6 +30,7 @@ stream.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -41,7 +42,10 @@ from ckpt_engine.delta.checksums import checksum
 from ckpt_engine.delta.mixing import mix
 from ckpt_engine.planning.regions import Region
 
-__all__ = ["DEFAULT_SAMPLES", "ArmsInstalledChecks", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_held", "region_view"]
+__all__ = [
+    "DEFAULT_SAMPLES", "ArmsInstalledChecks", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_held", "digest_share",
+    "region_view", "wrap64",
+]
 
 DEFAULT_SAMPLES = 4096
 """Positions read per tensor region by default (`checkpoint_engine.verify_installed_samples`)."""
@@ -154,6 +158,48 @@ def digest(view: torch.Tensor, seed: int, samples: int = DEFAULT_SAMPLES) -> tor
     words = _gather(view, pos)
     words = (words.view(torch.uint8) if words.dtype == torch.bool else words).view(ints).to(torch.int64)
     return words.mul_(mix(pos + seed)).sum()
+
+
+def digest_share(
+    piece: torch.Tensor, first: int, shape: tuple[int, ...], region: Region | None, seed: int, samples: int,
+) -> torch.Tensor:
+    """One sender's share of D of `region` of a tensor of `shape` (many senders, each holding a
+    contiguous run of the tensor's flat elements): the sum over the sampled positions whose element
+    lies in [first, first + piece.numel()), read from `piece` (those elements, C order). D is a sum
+    over positions, so the shares of pieces that cover the tensor once add up (`wrap64`) to
+    `digest(region_view(whole, region))`: no sender gathers a tensor. Sampled digests only
+    (`samples` > 0: a full fold is the codec's checksum of whole words of the image)."""
+    if samples <= 0:
+        raise ValueError("digest shares need a sampled digest (samples > 0)")
+    ints = _INTS.get(piece.element_size())
+    if ints is None or piece.is_complex():
+        raise ValueError(f"no installed-weight digest for dtype {piece.dtype}")
+    image = list(shape)
+    if region is not None:
+        image[region.dim] = region.length
+    n = math.prod(image)
+    if n == 0 or piece.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=piece.device)
+    pos = _positions(n, seed, samples, piece.device)
+    if image:
+        coords = list(torch.unravel_index(pos, tuple(image)))
+        if region is not None:
+            coords[region.dim] = coords[region.dim] + region.start
+        flat = torch.zeros_like(pos)
+        for c, size in zip(coords, shape):
+            flat = flat * size + c
+    else:
+        flat = pos
+    local = flat - first
+    keep = (local >= 0) & (local < piece.numel())
+    words = piece.reshape(-1).index_select(0, local[keep])
+    words = (words.view(torch.uint8) if words.dtype == torch.bool else words).view(ints).to(torch.int64)
+    return words.mul_(mix(pos[keep] + seed)).sum()
+
+
+def wrap64(value: int) -> int:
+    """`value` as the wrapping int64 the digests are (shares added in Python)."""
+    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def digest_held(

@@ -13,6 +13,14 @@ rank's `missing`). Engines whose ranks digest while they load (`ArmsInstalledChe
 post-processing repacks a layer once loaded) are told the check before the stream. Tensors of an engine's layout the checked
 sync does not write are named once (`unwritten_tensors: warn`, or the sync fails with `error`);
 tensors an engine cannot map back to checkpoint regions are named as unchecked.
+
+With many senders (`senders: all`) no rank holds a whole tensor: trainer rank 0 announces the
+check with the send (`announcement`: seed, samples and the keys in order), every sending rank
+folds its share of each key from its own pieces after its send (`sender_shares`, the sampled
+positions that fall in its rows: `installed.digest_share`), and after the report round, when every
+rank's send succeeded, one more all-gather brings every share to rank 0 (`ManySenders.failed`),
+which adds them (`combine`) and compares as for one sender. Not made there with every-element
+folds (`verify_installed_samples: 0`), TP helpers (`collective_pieces`) or too many keys to announce.
 """
 
 from __future__ import annotations
@@ -22,18 +30,68 @@ import logging
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
+import msgpack
 import torch
 
-from ckpt_engine.installed import MAX_SEED, ArmsInstalledChecks, InstalledReport, InstalledRequest, Key, digest, region_view
-from ckpt_engine.planning.regions import ReceivePlan
+from ckpt_engine.installed import (
+    MAX_SEED, ArmsInstalledChecks, InstalledReport, InstalledRequest, Key, digest, digest_share, region_view, wrap64,
+)
+from ckpt_engine.manifest import BucketManifest
+from ckpt_engine.planning.regions import ReceivePlan, Region
+from ckpt_engine.sources.sharded import ShardedWeightSource
+from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.rollout_adapters.capabilities import lacking
 from ckpt_engine.sync.fanout import collect_failures
 
-__all__ = ["InstalledChecks"]
+__all__ = ["InstalledChecks", "sender_shares"]
 
 logger = logging.getLogger(__name__)
+
+MAX_KEYS_BYTES = 100_000
+"""The keys travel with the send announcement, beside a region layout of up to 900 kB (1 MiB in all)."""
+
+
+def sender_shares(source: ShardedWeightSource, manifest: BucketManifest, announced: dict[str, Any]) -> list[int]:
+    """This sender's share of every announced key's digest, in the announced order: the elements
+    whose first byte lies in a chunk the plan has it send (its rows of a sharded tensor; all or,
+    chunked over senders, part of a replicated one), read from its own piece. One walk of its
+    pieces after its send (the trainer's weights do not move during the sync)."""
+    seed, samples = int(announced["seed"]), int(announced["samples"])
+    keys = [(str(n), Region.from_wire(n, r) if r is not None else None) for n, r in announced["keys"]]
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for bucket in manifest.sender_buckets(source.sender_index):
+        for e in bucket.entries:
+            spans.setdefault(e.name, []).append((e.chunk_offset, e.chunk_offset + e.chunk_size))
+    specs = {spec.name: spec for spec in manifest.specs}
+    out: list[int] = [0] * len(keys)
+    source.begin_pieces()
+    try:
+        flats: dict[str, tuple[torch.Tensor, int]] = {}
+        for i, (name, region) in enumerate(keys):
+            mine = spans.get(name)
+            if not mine:
+                continue
+            spec = specs[name]
+            if name not in flats:
+                piece = source.local_piece(name)
+                whole = tuple(piece.shape) == tuple(spec.shape)
+                piece = piece.to(torch_dtype(spec.dtype))
+                # element 0 of the piece: the tensor's own for a whole one, its first chunk's for a shard
+                flats[name] = (piece.reshape(-1), 0 if whole else min(a for a, _ in mine) // piece.element_size())
+            flat, base = flats[name]
+            size = flat.element_size()
+            total = 0
+            for a, b in mine:
+                lo, hi = -(-a // size), -(-b // size)  # elements whose first byte is in [a, b)
+                if hi > lo:
+                    total += int(digest_share(flat[lo - base : hi - base], lo, spec.shape, region, seed, samples))
+            out[i] = wrap64(total)
+    finally:
+        source.end_pieces()
+    return out
 
 
 class InstalledChecks:
@@ -49,6 +107,10 @@ class InstalledChecks:
         self._want: dict[str, list[Key]] = {}
         self._digests: dict[Key, torch.Tensor] = {}
         self._said: set[str] = set()
+        self._order: list[Key] = []
+        """The keys of an armed many-sender check, in the order the senders' shares come in."""
+        self._combined: dict[Key, int] | None = None
+        """The source's digests added from every sender's shares (many senders), once combined."""
         self.engine_seconds: float | None = None
         """The slowest engine rank's own digest time in the last armed check (`InstalledReport.seconds`)."""
         self.seconds: float | None = None
@@ -62,14 +124,21 @@ class InstalledChecks:
             return not self.completed
         return not self.completed or self.syncs % int(self.mode) == 0
 
-    def arm(self, rollouts: Sequence[RolloutAdapter], names: list[str], plans: Sequence[ReceivePlan | None], senders: int) -> None:
-        """Before the walk: arm a check of this sync if one is due and it can be made."""
+    def arm(
+        self, rollouts: Sequence[RolloutAdapter], names: list[str], plans: Sequence[ReceivePlan | None], senders: int,
+        collective: bool = False,
+    ) -> None:
+        """Before the walk: arm a check of this sync if one is due and it can be made. `collective`:
+        the senders' pieces are collective with TP helpers (no check with many senders)."""
         self.syncs += 1
-        self.request, self._digests, self.seconds = None, {}, None
+        self.request, self._digests, self.seconds, self._order, self._combined = None, {}, None, [], None
         if not self.due():
             return
-        if senders > 1:
-            return self._say("installed-weight checks: not made with many senders (each sender holds only its shards)")
+        if senders > 1 and self.samples == 0:
+            return self._say("installed-weight checks: not made with many senders and verify_installed_samples: 0 "
+                             "(an every-element fold reads whole words of a tensor; each sender holds only its rows)")
+        if senders > 1 and collective:
+            return self._say("installed-weight checks: not made with many senders whose pieces are collective with TP helpers")
         cannot = lacking(rollouts, "installed")
         if cannot:
             self._say(f"installed-weight checks: engine(s) {', '.join(cannot)} cannot digest what they installed; not checked")
@@ -81,12 +150,37 @@ class InstalledChecks:
                 for region in (None,) if plan is None or plan.holds[n] is None else plan.holds[n] or ():
                     want.setdefault(n, set()).add((n, region))
         self._want = {n: sorted(keys, key=lambda k: (k[1] is not None, k[1])) for n, keys in want.items()}
+        if senders > 1:
+            self._order = [k for n in names for k in self._want.get(n, ())]
+            if len(msgpack.packb(self._announced_keys(), use_bin_type=True)) > MAX_KEYS_BYTES:
+                self.request, self.seconds, self._order = None, None, []
+                return self._say(f"installed-weight checks: not made with many senders: the keys exceed the announcement's {MAX_KEYS_BYTES} bytes")
         for r in rollouts:  # ranks that digest while they load (vLLM) learn the check before the stream
             if r.capabilities.installed and isinstance(r, ArmsInstalledChecks):
                 try:
                     r.arm_installed(self.request)
                 except Exception as exc:
                     raise RuntimeError(f"engine {r.name!r}: could not arm the installed-weight check ({type(exc).__name__}: {exc}); nothing was sent") from exc
+
+    def _announced_keys(self) -> list[list[Any]]:
+        return [[n, r.to_wire() if r is not None else None] for n, r in self._order]
+
+    def announcement(self) -> dict[str, Any] | None:
+        """What the other senders need to fold their shares of an armed many-sender check (None: none)."""
+        if self.request is None or not self._order:
+            return None
+        return {"seed": self.request.seed, "samples": self.request.samples, "keys": self._announced_keys()}
+
+    def combine(self, shares: Sequence[Sequence[int] | None]) -> None:
+        """Every sender's shares (rank order; None: a rank that could not fold) into the source's digests."""
+        t = time.perf_counter()
+        missing = [i for i, sh in enumerate(shares) if sh is None or len(sh) != len(self._order)]
+        if missing:
+            self._say(f"installed-weight checks: trainer rank(s) {', '.join(map(str, missing))} could not fold their shares; not checked")
+            self.request = None
+        else:
+            self._combined = {k: wrap64(sum(int(sh[i]) for sh in shares if sh is not None)) for i, k in enumerate(self._order)}
+        self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
 
     def tap(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The weight walk, folding every tensor of an armed check as it passes."""
@@ -107,7 +201,13 @@ class InstalledChecks:
         checked = [r for r in rollouts if r.capabilities.installed]
         futures = {r.name: pool.submit(r.installed_digests, request) for r in checked}
         failed = collect_failures(futures, "an installed-weight check", timeout_s)
-        expected = {k: int(v) for k, v in zip(self._digests, torch.stack([v.cpu() for v in self._digests.values()]).tolist())} if self._digests else {}
+        if self._combined is not None:  # many senders: every sender's shares, added
+            expected = dict(self._combined)
+        elif self._order:  # many senders, but the shares never came (a failed send stops earlier)
+            self._say("installed-weight checks: the senders' shares did not arrive; not checked")
+            return {}
+        else:
+            expected = {k: int(v) for k, v in zip(self._digests, torch.stack([v.cpu() for v in self._digests.values()]).tolist())} if self._digests else {}
         self.engine_seconds = 0.0
         for r in checked:
             if r.name not in failed:

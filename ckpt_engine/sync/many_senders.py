@@ -46,6 +46,12 @@ class ManySenders:
         self._gather_owed = False
         self.figures: list[dict[str, float]] = []
         """The other sending ranks' figures of the last send (`send_figures`), for the report."""
+        self.installed: dict[str, Any] | None = None
+        """This sync's installed-weight check as announced with the send (`InstalledChecks.announcement`)."""
+        self.own_shares: Callable[[], list[int]] | None = None
+        """Rank 0's shares of that check (`sender_shares`), folded after the report round."""
+        self.shares: list[list[int] | None] = []
+        """Every rank's shares of the last checked send (rank order), for `InstalledChecks.combine`."""
 
     def count(self, source: WeightSource) -> int:
         """How many trainer ranks send this sync (config `senders`; see CheckpointEngineConfig);
@@ -84,6 +90,7 @@ class ManySenders:
         and the report round."""
         self._owed = {"join", "send"}
         self._gather_owed = False
+        self.installed, self.own_shares, self.shares = None, None, []
         error: str | None = None
         try:
             return body()
@@ -95,6 +102,7 @@ class ManySenders:
                 if "join" in self._owed:
                     self.announce(join_message(None, {}))
                 if "send" in self._owed:
+                    self.installed = None
                     self.announce(send_message("skip"))
                 if self._gather_owed:
                     self._gather_owed = False
@@ -116,7 +124,24 @@ class ManySenders:
         except Exception as exc:
             return {"trainer ranks": f"the report round after the send failed (a sending rank died or hung?): {exc}"}
         self.figures = [f for f in self._channel.last_figures[1:] if f is not None]  # type: ignore[union-attr]
-        return {f"trainer rank {i}": e for i, e in enumerate(statuses) if e is not None and i != 0}
+        failed = {f"trainer rank {i}": e for i, e in enumerate(statuses) if e is not None and i != 0}
+        if self.installed is not None and all(e is None for e in statuses):  # every rank takes this round then
+            failed.update(self._gather_shares())
+        return failed
+
+    def _gather_shares(self) -> dict[str, str]:
+        """The installed-check round (every rank sent): each rank's digest shares to `shares`."""
+        assert self.installed is not None
+        own: list[int] | None = None
+        try:
+            own = self.own_shares() if self.own_shares is not None else None
+        except Exception as exc:  # the round still runs: the other ranks wait in it
+            logger.warning("trainer rank 0: folding its installed-check shares failed: %s", exc)
+        try:
+            self.shares = self._channel.gather_shares(own, len(self.installed["keys"]))  # type: ignore[union-attr]
+        except Exception as exc:
+            return {"trainer ranks": f"the installed-check round after the send failed (a sending rank died or hung?): {exc}"}
+        return {}
 
     def not_ready(self, source: ShardedWeightSource) -> dict[str, str]:
         """With TP helpers (`collective_pieces`), one round before anything streams: the trainer

@@ -101,6 +101,18 @@ class SenderChannel:
         return result
 
 
+    def gather_shares(self, shares: list[int] | None, count: int) -> list[list[int] | None]:
+        """Every rank: its `count` installed-check digest shares (None: it could not fold them),
+        gathered everywhere as int64 (`sync/installed.py`), rank order."""
+        mine = torch.zeros(count + 1, dtype=torch.int64, device=self.device)
+        if shares is not None and len(shares) == count:
+            mine[0] = 1
+            mine[1:] = torch.tensor(shares, dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)]
+        self._wait(torch.distributed.all_gather(out, mine, group=self.group, async_op=True), "gathering the installed-check shares")
+        return [t[1:].cpu().tolist() if int(t[0]) == 1 else None for t in out]
+
+
 def _figures(raw: bytes) -> dict[str, float] | None:
     """A rank's send figures from its status slot (one msgpack map after "=", then zero padding);
     None when unreadable (the figures only inform the report)."""

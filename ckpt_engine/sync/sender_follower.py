@@ -18,6 +18,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import CheckpointEngine, Rendezvous, SendStats
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.sync.installed import sender_shares
 from ckpt_engine.sync.region_follower import FollowerRegions
 from ckpt_engine.sync.sender_channel import SenderChannel
 from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces, piece_names
@@ -35,9 +36,16 @@ def join_message(rendezvous: Rendezvous | None, options: dict[str, Any]) -> dict
     return {"kind": "join", "rdzv": rendezvous.to_dict() if rendezvous is not None else None, "options": options}
 
 
-def send_message(action: str, digest: str = "", delta: DeltaRequest | None = None, regions: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`regions`: region delivery's layout and digest (`RegionDelivery.announcement`), or None."""
-    return {"kind": "send", "action": action, "digest": digest, "delta": delta.to_dict() if delta is not None else None, "regions": regions}
+def send_message(
+    action: str, digest: str = "", delta: DeltaRequest | None = None, regions: dict[str, Any] | None = None,
+    installed: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """`regions`: region delivery's layout and digest (`RegionDelivery.announcement`), or None;
+    `installed`: this sync's installed-weight check (`InstalledChecks.announcement`), or None."""
+    return {
+        "kind": "send", "action": action, "digest": digest, "delta": delta.to_dict() if delta is not None else None, "regions": regions,
+        "installed": installed,
+    }
 
 
 SEND_FIGURES = ("bytes", "wire_bytes", "dense_bytes", "changed_fraction")
@@ -130,7 +138,7 @@ class SenderFollower:
         except Exception as exc:
             error = f"join failed: {type(exc).__name__}: {exc}"
             logger.warning("trainer rank %d: %s", self.channel.rank, error)
-        msg = _announced(self.channel, "send", {"kind", "action", "digest", "delta", "regions"})
+        msg = _announced(self.channel, "send", {"kind", "action", "digest", "delta", "regions", "installed"})
         if msg["action"] != "send":
             return
         manifest = None
@@ -154,8 +162,23 @@ class SenderFollower:
                 f"or another sending rank died or hung ({exc}); this rank's send: {error or 'ok'}"
             ) from exc
         failed = {i: e for i, e in enumerate(errors) if e is not None}
+        if msg["installed"] is not None and not failed:  # every rank sent: the installed-check round
+            self._shares(source, manifest, msg["installed"])
         if failed:
             raise SendFailed("; ".join(f"trainer rank {i}: {e}" for i, e in sorted(failed.items())))
+
+    def _shares(self, source: ShardedWeightSource, manifest: BucketManifest | None, announced: Any) -> None:
+        """This rank's installed-check shares (`sender_shares`; none from a TP helper) to rank 0."""
+        count = len(announced["keys"]) if isinstance(announced, dict) and isinstance(announced.get("keys"), list) else 0
+        shares: list[int] | None = None
+        try:
+            shares = sender_shares(source, manifest, announced) if manifest is not None and source.sends else None
+        except Exception as exc:  # the round still runs: every other rank waits in it
+            logger.warning("trainer rank %d: folding its installed-check shares failed: %s", self.channel.rank, exc)
+        try:
+            self.channel.gather_shares(shares, count)
+        except RuntimeError as exc:
+            raise SendFailed(f"trainer rank {self.channel.rank}: the installed-check round failed: trainer rank 0 or another rank died or hung ({exc})") from exc
 
     def _plan(self, source: ShardedWeightSource, msg: dict[str, Any]) -> tuple[BucketManifest | None, str | None]:
         """This rank's plan of the sync, or why it has none (no engine, a failure, or a digest

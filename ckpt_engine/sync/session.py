@@ -29,9 +29,9 @@ from ckpt_engine.sync.fanout import collect_failures, leave_all, mark_stale_and_
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter
 from ckpt_engine.sync.sender_follower import join_message
-from ckpt_engine.sources.sharded import iter_pieces
+from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
 from ckpt_engine.sync.group import SyncGroup
-from ckpt_engine.sync.installed import InstalledChecks
+from ckpt_engine.sync.installed import InstalledChecks, sender_shares
 from ckpt_engine.sync.many_senders import ManySenders
 from ckpt_engine.sync.regions import RegionDelivery
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
@@ -246,7 +246,12 @@ class WeightSyncSession:
             weights = WatchedWeights(pieces)
         seconds["plan"] = time.perf_counter() - t0
         self._validate(manifest, seconds)
-        self._installed.arm(self.rollouts, [s.name for s in manifest.specs], self._regions.plans, senders)
+        collective = isinstance(source, ShardedWeightSource) and source.collective_pieces
+        self._installed.arm(self.rollouts, [s.name for s in manifest.specs], self._regions.plans, senders, collective)
+        announced = self._installed.announcement() if senders > 1 else None
+        if announced is not None and isinstance(source, ShardedWeightSource):  # each sender folds its share; rank 0 adds them
+            self._senders.installed = announced
+            self._senders.own_shares = lambda: sender_shares(source, manifest, announced)
         # Delta or dense is decided before anything is paused (delta=on with an engine that takes no
         # patches is refused here, with every engine still serving).
         digest = regions.digest if regions is not None else manifest.digest
@@ -260,6 +265,8 @@ class WeightSyncSession:
         def stream() -> tuple[SendStats, dict[str, ReceiveReport]]:
             t = time.perf_counter()
             out = self._stream.run(self.rollouts, source, engine, manifest, weights, pieces, request, senders, stage)
+            if self._senders.installed is not None and senders > 1:  # every sender's shares came in the round after the send
+                self._installed.combine(self._senders.shares)
             self._staging = None  # every rank checked every set: a failure from here (a swap) is stale, as a finalize's
             seconds["transfer"] = time.perf_counter() - t
             return out

@@ -46,7 +46,7 @@ class SyncStream:
     ) -> tuple[SendStats, dict[str, ReceiveReport]]:
         """Stream `manifest` into every engine; any failure names its culprits and raises SyncError."""
         if senders > 1:
-            self._senders.start_send(send_message("send", manifest.digest, request, self._regions.announcement()))
+            self._senders.start_send(send_message("send", manifest.digest, request, self._regions.announcement(), self._senders.installed))
             failed = self._senders.not_ready(source)  # type: ignore[arg-type]  # with TP helpers: every rank ready first
             if failed:
                 # the engines only validated and paused: stale, not dead

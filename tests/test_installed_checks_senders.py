@@ -1,0 +1,145 @@
+"""Installed-weight checks with many senders (issue 42 item 5, `senders: all`): two trainer ranks
+in their own processes each fold their share of every checked tensor from their own rows
+(`sync/installed.py` `sender_shares`), rank 0 adds the shares after the report round and compares
+them with what the reference receivers (their own processes) installed, as with one sender. A
+loader that transposes a row-sharded tensor, or skips a tensor one sender holds whole, fails the
+sync at 'verify' naming the tensor and the engine, 3 times each; clean syncs, whole tensors and
+TP=2 slices with receive plans, pass every check."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession, sync_rollout_weights
+from ckpt_engine.installed import digest, digest_share, region_view, wrap64
+from ckpt_engine.planning.regions import Region
+from ckpt_engine.processes import run_processes
+from ckpt_engine.rollout_adapters import torch_ref
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.sources.sharded import ShardedStateDictSource
+from helpers_procs import fork_program, free_port
+from ranks import forkserver_context
+from refengines import spawn_engine
+from regionranks import KV_HEADS, qwen2_specs, weights
+
+pytestmark = pytest.mark.timeout(600)
+
+REPEAT = 3
+TIMEOUT_S = 20.0
+SHARDED = "model.layers.0.mlp.gate_proj.weight"
+"""96 rows: each of the two senders holds 48 (`ShardedStateDictSource` cuts tensors of 2+ dims)."""
+WHOLE = "model.layers.1.input_layernorm.weight"
+"""1-D: not sharded, the plan gives it whole to one sender."""
+
+
+def _cfg() -> CheckpointEngineConfig:
+    return CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=TIMEOUT_S, senders="all", verify_installed=1, delta="off")
+
+
+def trainer_main(rank: int, world: int, port: int, engines: list[dict[str, Any]], steps: list[list[str]], out_dir: str) -> None:
+    """One trainer rank: per step, a fresh session on rank 0 over the named engines (the other
+    rank follows through `sync_rollout_weights`), one sync of version i; a JSON log of outcomes."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    handles = {e["name"]: TorchRefRollout(e["name"], e["host"], e["port"], None, TIMEOUT_S, token=e["token"]) for e in engines} if rank == 0 else {}
+    log: list[dict[str, Any]] = []
+    for i, names in enumerate(steps):
+        source = ShardedStateDictSource(weights(qwen2_specs(), i), rank, world)
+        source.is_sender = rank == 0
+        try:
+            if rank == 0:
+                session = WeightSyncSession([handles[n] for n in names], _cfg())
+                try:
+                    report = session.sync(source)
+                    log.append({"ok": True, "senders": report.senders, "checked": "installed_check" in report.seconds})
+                finally:
+                    session.close()
+            else:
+                sync_rollout_weights(source, None, config=_cfg())
+                log.append({"ok": True})
+        except SyncError as exc:
+            log.append({"ok": False, "stage": exc.stage, "failed": exc.failed, "stale": exc.stale})
+        except Exception as exc:
+            log.append({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(log))
+
+
+@pytest.mark.parametrize("region", [None, Region(0, 16, 32), Region(1, 40, 40)], ids=["whole", "rows", "columns"])
+def test_shares_of_pieces_that_cover_a_tensor_once_add_up_to_its_digest(region: Region | None) -> None:
+    g = torch.Generator().manual_seed(2)
+    for t in (torch.randn(96, 80, generator=g), torch.randn(96, 80, generator=g).bfloat16(), torch.rand(96, 80, generator=g) > 0.5):
+        flat = t.reshape(-1)
+        for samples in (16, 4096, 1 << 20):  # a few positions, many, every one
+            want = int(digest(region_view(t, region), 11, samples))
+            for cuts in ([0, 7680], [0, 80 * 48, 7680], [0, 1999, 80 * 50, 7680]):  # whole, two row blocks, uneven runs
+                shares = [int(digest_share(flat[a:b], a, tuple(t.shape), region, 11, samples)) for a, b in zip(cuts, cuts[1:])]
+                assert wrap64(sum(shares)) == want, (t.dtype, samples, cuts)
+
+
+def _run(engines: list[TorchRefRollout], steps: list[list[str]], out: Path) -> list[list[dict[str, Any]]]:
+    info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in engines]
+    port = free_port()
+    ctx = forkserver_context()
+    procs = [ctx.Process(target=trainer_main, args=(r, 2, port, info, steps, str(out))) for r in range(2)]
+    run_processes(procs, 300)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def spec_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("senders") / "qwen2.msgpack"
+    write_spec_file(path, qwen2_specs())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def good(spec_path: str) -> Iterator[TorchRefRollout]:
+    e = spawn_engine("good", spec_file=spec_path, timeout_s=TIMEOUT_S)
+    yield e
+    e.close()
+
+
+def _spawn_faulty(spec_file: str, name: str, fault: str) -> TorchRefRollout:
+    token = secrets.token_hex(16)
+    program = fork_program("_faulty_ref:main", [fault, "--spec-file", spec_file, "--port", "0"], f"engine-{name}", env={torch_ref.TOKEN_ENV: token})
+    line = program.read_line(torch_ref.READY_PREFIX, 60)
+    assert line is not None, f"faulty engine {name} did not start"
+    return TorchRefRollout(name, "127.0.0.1", int(line[len(torch_ref.READY_PREFIX):].strip()), program.process, TIMEOUT_S, token=token)
+
+
+@pytest.mark.parametrize("fault", [f"transpose:{SHARDED}", f"skip:{WHOLE}"])
+def test_a_faulty_loader_fails_a_two_sender_sync_by_tensor_and_engine(spec_path: str, good: TorchRefRollout, tmp_path: Path, fault: str) -> None:
+    bad = _spawn_faulty(spec_path, "bad", fault)
+    tensor = fault.split(":", 1)[1]
+    try:
+        lead, follower = _run([good, bad], [["good", "bad"]] * REPEAT, tmp_path)
+    finally:
+        bad.close()
+    assert [e["ok"] for e in follower] == [True] * REPEAT, follower  # its send was fine: the loader was not
+    assert len(lead) == REPEAT, lead
+    for e in lead:
+        assert not e["ok"] and e.get("stage") == "verify" and set(e["failed"]) == {"bad"}, e
+        assert tensor in e["failed"]["bad"] and "differ from the source" in e["failed"]["bad"], e
+        assert "bad" in e["stale"], e
+
+
+def test_clean_two_sender_syncs_pass_the_check_whole_and_as_tp_slices(spec_path: str, good: TorchRefRollout, tmp_path: Path) -> None:
+    layout = {"tp_size": 2, "num_kv_heads": KV_HEADS}
+    tp = [spawn_engine(f"tp{r}", spec_file=spec_path, timeout_s=TIMEOUT_S, layout={**layout, "tp_rank": r}) for r in range(2)]
+    try:
+        lead, follower = _run([good, *tp], [["good"], ["tp0", "tp1"], ["good", "tp0", "tp1"]], tmp_path)
+    finally:
+        for e in tp:
+            e.close()
+    assert [e["ok"] for e in follower] == [True] * 3, follower
+    assert lead == [{"ok": True, "senders": 2, "checked": True}] * 3, lead
