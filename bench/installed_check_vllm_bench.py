@@ -15,7 +15,6 @@ records where every region lands; a TP=1 worker otherwise skips it).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -39,19 +38,8 @@ def main() -> None:
 
     from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
     from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
-    from ckpt_engine.installed import InstalledReport, InstalledRequest
     from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmRollout
-    from ckpt_engine.rollout_adapters.vllm.installed import arm_workers, worker_reports
     from ckpt_engine.sources.base import StateDictSource
-
-    class CheckedVllmRollout(VllmRollout):  # VllmRollout with the installed-weight calls (vllm/installed.py)
-        capabilities = dataclasses.replace(VllmRollout.capabilities, installed=True)
-
-        def arm_installed(self, request: InstalledRequest) -> None:
-            arm_workers(self.client, request, self.timeout_s)
-
-        def installed_digests(self, request: InstalledRequest) -> list[InstalledReport]:
-            return worker_reports(self.client, request, self.timeout_s)
 
     config = load_preset_config(args.preset)
     config = {**config, "num_hidden_layers": args.layers, "torch_dtype": "bfloat16"}
@@ -66,7 +54,7 @@ def main() -> None:
         (Path(tmp) / "config.json").write_text(json.dumps(config))
         llm = LLM(model=tmp, load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
                   worker_extension_cls=WORKER_EXTENSION, max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.05)
-        handle = CheckedVllmRollout("vllm", llm, timeout_s=900.0)
+        handle = VllmRollout("vllm", llm, timeout_s=900.0)
         cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=args.bucket_mb, stage="off", timeout_s=900, verify_installed=2,
                                      verify_installed_samples=args.samples)
         session = WeightSyncSession([handle], cfg)

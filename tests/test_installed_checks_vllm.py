@@ -6,14 +6,11 @@ transposes, one that skips a tensor, a persistent buffer no sync writes — fail
 tensor and the engine and leave the engine stale at its old version; each case 3 times, and each
 goes through unseen with the check off (what happened before this check existed).
 
-The handle: `CheckedVllmRollout` is `VllmRollout` plus the two calls of `vllm/installed.py`
-(`arm_workers`, `worker_reports`) and the `installed` capability, which `VllmRollout` itself takes
-once its file carries them (see the module docstring of `vllm/installed.py`).
+The handle is the library's own `VllmRollout` (capability `installed`, over its channel's route).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -25,7 +22,6 @@ import pytest
 import torch
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
-from ckpt_engine.installed import InstalledReport, InstalledRequest
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.api import SyncError
 
@@ -34,7 +30,6 @@ transformers = pytest.importorskip("transformers")
 
 from _vllm_installed_faults import EXTENSION, PLANTED_BUFFER  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import VllmRollout  # noqa: E402
-from ckpt_engine.rollout_adapters.vllm.installed import arm_workers, worker_reports  # noqa: E402
 from helpers_vllm import ENGINE_ARGS  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -52,18 +47,6 @@ FAULTS = {
     "skip": ("model.layers.1.mlp.down_proj", "model.layers.1.mlp.down_proj.weight", ("sent but not installed", "differ from the source")),
     "buffer": ("model", f"model.{PLANTED_BUFFER}", ("no sync of this check writes",)),
 }
-
-
-class CheckedVllmRollout(VllmRollout):
-    """VllmRollout with installed-weight checks over its channel."""
-
-    capabilities = dataclasses.replace(VllmRollout.capabilities, installed=True)
-
-    def arm_installed(self, request: InstalledRequest) -> None:
-        arm_workers(self.client, request, self.timeout_s)
-
-    def installed_digests(self, request: InstalledRequest) -> list[InstalledReport]:
-        return worker_reports(self.client, request, self.timeout_s)
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +76,8 @@ def weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in model.state_dict().items() if n != "lm_head.weight"}  # tied: the embedding
 
 
-def session(llm: Any, name: str, **kw: Any) -> tuple[WeightSyncSession, CheckedVllmRollout]:
-    handle = CheckedVllmRollout(name, llm, timeout_s=120.0)
+def session(llm: Any, name: str, **kw: Any) -> tuple[WeightSyncSession, VllmRollout]:
+    handle = VllmRollout(name, llm, timeout_s=120.0)
     config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=120.0, **kw)
     return WeightSyncSession([handle], config), handle
 

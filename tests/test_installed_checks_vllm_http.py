@@ -5,7 +5,6 @@ The faults themselves are planted in process: tests/test_installed_checks_vllm.p
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -14,7 +13,6 @@ import pytest
 import torch
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
-from ckpt_engine.installed import InstalledReport, InstalledRequest
 from ckpt_engine.sources.base import StateDictSource
 from shared_server import SharedServer
 
@@ -23,27 +21,14 @@ transformers = pytest.importorskip("transformers")
 
 from ckpt_engine.rollout_adapters.vllm import VllmRollout  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient  # noqa: E402
-from ckpt_engine.rollout_adapters.vllm.installed import arm_workers, worker_reports  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-class CheckedVllmRollout(VllmRollout):
-    """VllmRollout with installed-weight checks over its channel (as in test_installed_checks_vllm.py)."""
-
-    capabilities = dataclasses.replace(VllmRollout.capabilities, installed=True)
-
-    def arm_installed(self, request: InstalledRequest) -> None:
-        arm_workers(self.client, request, self.timeout_s)
-
-    def installed_digests(self, request: InstalledRequest) -> list[InstalledReport]:
-        return worker_reports(self.client, request, self.timeout_s)
 
 
 @pytest.mark.parametrize("stage", ["off", "auto"])
 def test_a_checked_sync_over_http_agrees(staged_vllm_server: SharedServer[tuple[str, Path]], stage: str, caplog: pytest.LogCaptureFixture) -> None:
     url, served = staged_vllm_server.get()
-    handle = CheckedVllmRollout(f"http-{stage}", HTTPWeightSyncClient(url, timeout=120.0), timeout_s=120.0)
+    handle = VllmRollout(f"http-{stage}", HTTPWeightSyncClient(url, timeout=120.0), timeout_s=120.0)
     torch.manual_seed(21)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(served), dtype=torch.float32)
     assert json.loads((served / "config.json").read_text())["tie_word_embeddings"]

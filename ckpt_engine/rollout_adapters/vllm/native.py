@@ -27,6 +27,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from ckpt_engine.engine import Rendezvous
+from ckpt_engine.installed import InstalledReport, InstalledRequest
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError
 from ckpt_engine.rollout_adapters.capabilities import Feature
 from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, REJECTED, after, plan_key, problems
@@ -114,7 +115,8 @@ class TransferRoute:
     def __init__(self, channel: WeightTransferChannel, name: str, adapters: bool) -> None:
         self.client, self.name, self.num_workers = channel.client, name, channel.num_workers
         # Without control it cannot pause for a swap nor reset the cache.
-        self.lacks: frozenset[Feature] = frozenset(() if channel.control is not None else ("stages", "stages_regions"))
+        # Its workers answer only vLLM's update calls: nothing carries an installed-weight digest back.
+        self.lacks: frozenset[Feature] = frozenset(("installed",) if channel.control is not None else ("installed", "stages", "stages_regions"))
         self.held: str | None = None  # the digest of the manifest every worker holds
         self._checked: tuple[str, bytes, list[bytes] | None] | None = None  # the last check (a receive may need it again)
         self._open = False  # a vLLM weight update is open (vLLM closes it when update_weights raises)
@@ -237,6 +239,12 @@ class TransferRoute:
     def take_over(self, previous: Route) -> None:
         if isinstance(previous, TransferRoute):
             self.held, self._joined, self._plans = previous.held, previous._joined, previous._plans
+
+    def arm_installed(self, request: InstalledRequest) -> None:
+        raise RuntimeError(f"engine {self.name!r}: vLLM's weight-transfer API carries no installed-weight checks (capabilities.installed is False)")
+
+    def installed(self, request: InstalledRequest) -> list[InstalledReport]:
+        raise RuntimeError(f"engine {self.name!r}: vLLM's weight-transfer API carries no installed-weight checks (capabilities.installed is False)")
 
     # --- vLLM's weight update: open at most one, know when vLLM closed it ---------------------------
     def _start(self) -> None:

@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import Rendezvous
+from ckpt_engine.installed import InstalledReport, InstalledRequest
 from ckpt_engine.manifest import BucketManifest, ManifestBudget
 from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, version_of
@@ -61,12 +62,13 @@ class VllmRollout(RolloutAdapter):
     calls go through `llm.collective_rpc`, which queues behind a running `generate`.
     """
 
-    capabilities = EngineCapabilities(delta=True, many_senders=True, regions=True, stages=True, stages_regions=True)
+    capabilities = EngineCapabilities(delta=True, many_senders=True, regions=True, stages=True, stages_regions=True, installed=True)
     """Delta: each worker keeps a base copy, applies patches there, reloads full tensors. Regions:
     each worker states the regions its loaders read (`receive_plans`). Staged: workers receive on a
     background thread while the engine steps and `swap` loads; with receive plans each worker keeps
     its region items (only its slice bytes, checked against its plan as they land) and the swap
-    assembles and loads them."""
+    assembles and loads them. Installed: each worker digests what vLLM's loaders installed, in
+    vLLM's own layout (`vllm/installed.py`; armed before the stream)."""
 
     def __init__(
         self, name: str, llm: vllm.LLM | Channel, *, timeout_s: float = 300.0, staging_limit_bytes: int | None = None,
@@ -99,6 +101,13 @@ class VllmRollout(RolloutAdapter):
             self.pids, self.version = list(previous.pids), previous.version
             self.workers.take_over(previous.workers)
             self.staged.take_over(previous.staged)
+
+    def arm_installed(self, request: InstalledRequest) -> None:
+        """Tell every worker the installed-weight check before the stream (`ArmsInstalledChecks`)."""
+        self.workers.arm_installed(request)
+
+    def installed_digests(self, request: InstalledRequest) -> list[InstalledReport]:
+        return self.workers.installed(request)
 
     def held_version(self) -> int | None:
         """The version the engine's workers hold (the extension keeps it across adapter objects),

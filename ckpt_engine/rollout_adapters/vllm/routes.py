@@ -17,6 +17,7 @@ from ckpt_engine.rollout_adapters.capabilities import Feature
 
 if TYPE_CHECKING:
     from ckpt_engine.engine import Rendezvous
+    from ckpt_engine.installed import InstalledReport, InstalledRequest
     from ckpt_engine.rollout_adapters.base import JoinOptions
 
 __all__ = ["LORA_METHODS", "WORKER_EXTENSION", "ExtensionRoute", "Route", "RpcChannel"]
@@ -54,6 +55,8 @@ class Route(Protocol):
     def budgets(self) -> list[dict[str, Any]]: ...
     def health(self) -> list[dict[str, Any]] | None: ...
     def take_over(self, previous: Route) -> None: ...
+    def arm_installed(self, request: InstalledRequest) -> None: ...
+    def installed(self, request: InstalledRequest) -> list[InstalledReport]: ...
 
 
 class RpcChannel(Protocol):
@@ -67,10 +70,10 @@ class ExtensionRoute:
     """The worker extension (`worker_extension_cls=WORKER_EXTENSION`, `vllm/worker.py`) over a
     channel's `collective_rpc`: every route of the table in docs/vllm.md."""
 
-    lacks: frozenset[Feature] = frozenset()
-
     def __init__(self, channel: RpcChannel, name: str, timeout_s: float, adapters: bool) -> None:
         self.channel, self.name, self.timeout_s = channel, name, timeout_s
+        # An adapter sync installs no base weights: nothing for installed-weight checks to read.
+        self.lacks: frozenset[Feature] = frozenset({"installed"}) if adapters else frozenset()
         self.held: str | None = None  # the digest of the manifest every worker holds
         self.methods = LORA_METHODS if adapters else {}  # adapter syncs: the LoRA methods in place of the full-weight ones
 
@@ -152,3 +155,19 @@ class ExtensionRoute:
     def take_over(self, previous: Route) -> None:
         if isinstance(previous, ExtensionRoute):
             self.held = previous.held
+
+    def arm_installed(self, request: InstalledRequest) -> None:
+        """Before the stream: every worker learns the check (`vllm/installed.py`)."""
+        from ckpt_engine.rollout_adapters.vllm.installed import arm_workers
+
+        arm_workers(self, request, self.timeout_s)
+
+    def installed(self, request: InstalledRequest) -> list[InstalledReport]:
+        """After the stream (staged: after the swap): one report per worker rank."""
+        from ckpt_engine.rollout_adapters.vllm.installed import worker_reports
+
+        return worker_reports(self, request, self.timeout_s)
+
+    def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
+        """The channel's call with this route's wording of failures (what `vllm/installed.py` takes)."""
+        return self.rpc(method, kwargs, timeout_s)
