@@ -35,6 +35,7 @@ from ckpt_engine import CheckpointEngineConfig  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmRollout  # noqa: E402
 from ckpt_engine.sources.base import StateDictSource  # noqa: E402
 from ckpt_engine.sync.api import close_sessions, sync_rollout_weights  # noqa: E402
+from helpers_vllm_cuda import digests, greedy  # noqa: E402
 
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
@@ -47,7 +48,6 @@ QWEN2 = {
     "torch_dtype": "bfloat16", "initializer_range": 0.2, "bos_token_id": 1, "eos_token_id": 2,
 }
 ENGINE = {"max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.12, "enforce_eager": True, "dtype": "bfloat16"}
-PROMPTS = [[5, 6, 7, 8], [100, 3, 250, 17, 42]]
 REFERENCE_SEED = 0
 
 
@@ -59,20 +59,6 @@ def hf_model(model_dir: Path, seed: int, device: str) -> torch.nn.Module:
 
 def source(model: torch.nn.Module, only: set[str] | None = None) -> StateDictSource:
     return StateDictSource({n: t.detach() for n, t in model.state_dict().items() if only is None or n in only})
-
-
-def greedy(llm: Any) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def digests(llm: Any) -> dict[str, str]:
-    (out,) = llm.collective_rpc("ckpt_param_digests")
-    return out
 
 
 @pytest.fixture(scope="module")

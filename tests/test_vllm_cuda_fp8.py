@@ -35,6 +35,7 @@ from ckpt_engine.manifest import TensorSpec  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmRollout  # noqa: E402
 from ckpt_engine.sources.base import StateDictSource  # noqa: E402
 from ckpt_engine.sync.api import close_sessions, sync_rollout_weights  # noqa: E402
+from helpers_vllm_cuda import digests, greedy  # noqa: E402
 
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
@@ -49,7 +50,6 @@ QWEN2 = {
 """Every projection a whole number of 128 x 128 blocks (q 256, k 128, v 128 rows), as vLLM's block-FP8 layers need."""
 BLOCK_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 ENGINE = {"max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.12, "enforce_eager": True, "dtype": "bfloat16"}
-PROMPTS = [[5, 6, 7, 8], [100, 3, 250, 17, 42]]
 
 
 def bf16_weights(d: Path, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -83,20 +83,6 @@ def start(d: Path, **kw: Any) -> Any:
     from vllm import LLM
 
     return LLM(model=str(d), skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION, **ENGINE, **kw)
-
-
-def greedy(llm: Any) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def digests(llm: Any) -> dict[str, str]:
-    (out,) = llm.collective_rpc("ckpt_param_digests")
-    return out
 
 
 def held(d: Path, **kw: Any) -> tuple[dict[str, str], list[list[int]]]:
