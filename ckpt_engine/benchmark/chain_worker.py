@@ -10,6 +10,12 @@ Measured over the same groups in one run: raw broadcast of all bytes from one se
 bytes split over the senders at once (the multi-sender bound), the dense sync, and (with
 `--delta`) a seed plus patch syncs with their wire bytes, changed fraction and encode / apply
 seconds. Results (JSON) go to the rendezvous store for the driver.
+
+With `--wire-dtype fp8` the senders' versions go through the library's FP8 wire
+(`sources/fp8.py`, quantized inside every timed sync, as a trainer's are) and the receivers hold
+the block-FP8 checkpoint layout (`fp8_specs`); the bit-exactness check is against the reference
+quantization of the senders' version, and sender 0 also counts, outside the timed part, how many
+FP8 codes, scales and unquantized bf16 words each version changed.
 """
 
 from __future__ import annotations
@@ -31,8 +37,11 @@ from ckpt_engine.benchmark.worker import weights_checksum
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import Rendezvous
+from ckpt_engine.fp8 import fp8_specs, quantizes
 from ckpt_engine.registry import CheckpointEngineRegistry
-from ckpt_engine.sources.sharded import ShardedStateDictSource, iter_pieces
+from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.sources.fp8 import Fp8WireSource, ShardedFp8WireSource, fp8_wire
+from ckpt_engine.sources.sharded import ShardedStateDictSource, ShardedWeightSource, iter_pieces
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +58,9 @@ class ChainRank:
         else:
             self.device = torch.device("cpu")
         self.specs = checkpoint_specs(load_preset_config(args.preset), dtype=args.dtype, num_layers=args.layers)
+        self.fp8 = args.wire_dtype == "fp8"
+        # What travels and what receivers hold: the trainer's layout, or the block-FP8 checkpoint's
+        self.wire_specs = fp8_specs(self.specs) if self.fp8 else self.specs
         self.rdzv = Rendezvous(args.host, args.port, args.token, self.world, args.backend, args.timeout_s, self.senders)
         self.store = self.rdzv.connect_store()
         self._barriers = 0
@@ -56,15 +68,20 @@ class ChainRank:
             args.backend, bucket_size_bytes=int(args.bucket_mb * (1 << 20)) // 4096 * 4096, num_buffers=args.buffers,
             timeout_s=args.timeout_s, device=self.device, **json.loads(args.engine_kwargs),
         )
-        wire = torch_dtype(args.dtype)
-        self.names = [s.name for s in self.specs]
-        self.tensors = [torch.empty(s.shape, dtype=wire, device=self.device) for s in self.specs]
-        self.total_bytes = sum(s.nbytes for s in self.specs)
+        held = self.specs if self.is_sender else self.wire_specs  # senders hold the trainer's versions
+        self.names = [s.name for s in held]
+        self.tensors = [torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=self.device) for s in held]
+        self.version_bytes = sum(s.nbytes for s in self.specs)
+        self.total_bytes = sum(s.nbytes for s in self.wire_specs)
         self.versions: MemoryVersions | FileVersions | None = None
         self.generate_s = 0.0
+        self.fp8_prev: dict[str, torch.Tensor] | None = None
         if self.is_sender:
             self._generate_versions()
-            self.source = ShardedStateDictSource(dict(zip(self.names, self.tensors)), self.rank, self.senders)
+            source = ShardedStateDictSource(dict(zip(self.names, self.tensors)), self.rank, self.senders)
+            wired = fp8_wire(source, "fp8" if self.fp8 else None)
+            assert isinstance(wired, ShardedWeightSource)
+            self.source = wired
             self.store.set(f"versions_ready/{self.rank}", "1")
         else:
             for t in self.tensors:
@@ -73,7 +90,7 @@ class ChainRank:
         self._sync()
         self.engine.init_process_group(self.rdzv, self.rank)
         # Every rank plans with the same pure function of the specs and the ownership.
-        self.manifest = self.engine.plan(self.specs, num_senders=self.senders, owners=self._owners())
+        self.manifest = self.engine.plan(self.wire_specs, num_senders=self.senders, owners=self._owners())
 
     def _generate_versions(self) -> None:
         """Every version this run sends (1 without --delta), generated chunk by chunk before any
@@ -84,7 +101,7 @@ class ChainRank:
             lr=args.lr, grad_scale=args.grad_scale, warmup_steps=args.warmup_steps if args.delta else 0,
             chunk_bytes=int(args.chunk_mb * (1 << 20)),
         )
-        need = count * self.total_bytes
+        need = count * self.version_bytes
         room = self._room_for_versions()
         t0 = time.perf_counter()
         if count == 1:
@@ -106,13 +123,13 @@ class ChainRank:
         """Bytes the versions may take on this rank's device: what is free now, less what the
         sync will still allocate (base copies, buffers; on a host every rank's) and one chunk."""
         args = self.args
-        per_rank = self.total_bytes * (2 if args.delta else 1) + args.buffers * int(args.bucket_mb * (1 << 20))
+        per_rank = max(self.total_bytes, self.version_bytes) * (2 if args.delta else 1) + args.buffers * int(args.bucket_mb * (1 << 20))
         slack = int(args.chunk_mb * (1 << 20)) + (2 << 30)
         if self.device.type == "cuda":
             return torch.cuda.mem_get_info(self.device)[0] - per_rank - slack
         free = host_available_bytes()
         # Other senders on this host keep their own versions; receivers still allocate theirs.
-        return None if free is None else (free - self.world * (per_rank + self.total_bytes) - slack) // self.senders
+        return None if free is None else (free - self.world * (per_rank + self.version_bytes) - slack) // self.senders
 
     def _wait_for_versions(self) -> None:
         """Every rank waits until every sender has its versions (generation can take minutes on a
@@ -125,10 +142,10 @@ class ChainRank:
                 time.sleep(0.05)
 
     def _owners(self) -> Any:
-        from ckpt_engine.planning.ownership import row_shards
-        from ckpt_engine.sources.sharded import even_rows
-
-        return {s.name: row_shards(s, even_rows(s.shape[0], self.senders)) for s in self.specs if len(s.shape) >= 2}
+        """Every sender's dim-0 row block of every matrix, in the wire's layout (with FP8, the
+        shards of the FP8 bytes and of their scales, as the FP8 wire source declares them)."""
+        shapes = ShardedStateDictSource({s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device="meta") for s in self.specs}, 0, self.senders)
+        return (ShardedFp8WireSource(shapes) if self.fp8 else shapes).owners()
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -177,7 +194,8 @@ class ChainRank:
 
     def sync_once(self, delta: DeltaRequest | None) -> None:
         if self.is_sender:
-            self.last_stats = self.engine.send_weights(self.manifest, iter_pieces(self.source, self.manifest), stable=True, delta=delta)
+            walk = iter_pieces(self.source, self.manifest)
+            self.last_stats = self.engine.send_weights(self.manifest, walk, stable=self.source.stable_pieces, delta=delta)
         else:
             dst = dict(zip(self.names, self.tensors))
             for bucket in self.engine.receive_buckets(self.manifest, dst if self.args.in_place else None, delta=delta):
@@ -187,6 +205,34 @@ class ChainRank:
                 if pairs:
                     batched_copy_([d for d, _ in pairs], [t for _, t in pairs])
 
+    def _quantized(self) -> dict[str, torch.Tensor]:
+        """This sender's version as receivers must hold it: the reference quantization of every
+        weight the FP8 wire quantizes (the whole tensors, not the shards), the rest as it is."""
+        return dict(Fp8WireSource(StateDictSource(dict(zip(self.names, self.tensors)))).iter_weights())
+
+    def _expected(self) -> list[torch.Tensor]:
+        if not self.fp8:
+            return self.tensors
+        q = self._quantized()
+        return [q[s.name] for s in self.wire_specs]
+
+    def _fp8_changes(self) -> dict[str, float] | None:
+        """Of the version just loaded against the one before (untimed, sender 0): the fraction of
+        FP8 codes and of scales (one per 128 x 128 block) that changed, compared as bits. Only the
+        quantized tensors are kept between versions (the unquantized ones change as on a bf16
+        wire). None for the first version (the seed's), which only records it."""
+        quantized = {s.name for s in self.specs if quantizes(s)}
+        cur = {n: t for n, t in self._quantized().items() if n in quantized or n.removesuffix("_scale_inv") in quantized}
+        prev, self.fp8_prev = self.fp8_prev, cur
+        if prev is None:
+            return None
+        counts = {"codes": [0, 0], "scales": [0, 0]}
+        for name, b in cur.items():
+            word = torch.uint8 if name in quantized else torch.int32
+            counts["codes" if name in quantized else "scales"][0] += int(prev[name].view(word).ne(b.view(word)).sum())
+            counts["codes" if name in quantized else "scales"][1] += b.numel()
+        return {k: c / n if n else 0.0 for k, (c, n) in counts.items()}
+
     def run(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rank": self.rank, "device": str(self.device), "bytes": self.total_bytes, "senders": self.senders}
         out["raw_s"] = self.raw()
@@ -194,6 +240,8 @@ class ChainRank:
             out["raw_split_s"] = self.raw_split()
         out["dense_s"] = [self._timed(lambda: self.sync_once(None)) for _ in range(self.args.iters)]
         if self.args.delta:
+            if self.fp8 and self.rank == 0:
+                self._fp8_changes()  # version 1, the seed's: the base of the first count
             seed = DeltaRequest(False, None, 1)
             out["seed_s"] = self._timed(lambda: self.sync_once(seed))
             base, versions = 1, []
@@ -201,18 +249,21 @@ class ChainRank:
                 if self.versions is not None:
                     self.versions.load(v, self.tensors)
                     self._sync()
+                fp8_changes = self._fp8_changes() if self.fp8 and self.rank == 0 else None
                 request = DeltaRequest(True, base, v)
                 if self.args.profile and v == 1 + self.args.versions:  # the last patch sync, traced
                     seconds = traced(lambda: self._timed(lambda: self.sync_once(request)), self.device, self.args.profile, self.rank)
                 else:
                     seconds = self._timed(lambda: self.sync_once(request))
-                stats = dict(self.last_stats.extra) if self.is_sender else dict(self.engine.last_delta_stats)
+                stats: dict[str, Any] = dict(self.last_stats.extra) if self.is_sender else dict(self.engine.last_delta_stats)
                 stats["seconds"] = seconds
+                if fp8_changes is not None:
+                    stats["fp8_changes"] = fp8_changes
                 versions.append(stats)
                 base = v
             out["delta"] = versions
             out["base_bytes"] = self.engine.delta_base_bytes
-        out["checksum"] = weights_checksum(self.tensors)
+        out["checksum"] = weights_checksum(self._expected() if self.is_sender else self.tensors)
         out["generate_s"] = self.generate_s
         if self.versions is not None:
             out["versions_kept"] = "memory" if isinstance(self.versions, MemoryVersions) else "files"
@@ -230,6 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), required=True)
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--wire-dtype", choices=("fp8",), default=None, help="versions sent through the block-FP8 wire; receivers hold its layout")
     p.add_argument("--bucket-mb", type=float, required=True)
     p.add_argument("--buffers", type=int, default=2)
     p.add_argument("--engine-kwargs", default="{}")

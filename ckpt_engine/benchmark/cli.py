@@ -74,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--wire-dtype", choices=("fp8",), default=None,
         help="block-FP8 on the wire (checkpoint_engine.wire_dtype=fp8): the sender quantizes every linear weight inside the timed sync; "
-        "receivers hold the FP8 checkpoint layout (with --receiver-tp: the region bench, --link-mb-s)",
+        "receivers hold the FP8 checkpoint layout (with --receiver-tp: the region bench, --link-mb-s; with --delta / --senders N: the "
+        "chain bench, the same versions on a bf16 wire and then on the FP8 one)",
     )
     p.add_argument("--iters", type=at_least(1), default=3)
     p.add_argument(
@@ -318,10 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.receiver_tp is None and (args.link_mb_s is not None or args.fused_experts or args.region_slot_memory_mb is not None):
         parser.error("--link-mb-s, --fused-experts and --region-slot-memory-mb go with --receiver-tp (the region bench)")
     chain = (args.delta or args.senders > 1) and args.receiver_tp is None
-    if args.wire_dtype is not None and args.receiver_tp is None:
+    if args.wire_dtype is not None and args.receiver_tp is None and not chain:
         parser.error(
-            "--wire-dtype fp8 goes with --receiver-tp (the region bench, --link-mb-s); the dense and chain (--delta) benches do not "
-            "take it yet: for whole-model syncs use --receiver-tp 1 (its `full` mode), beside the same command without --wire-dtype"
+            "--wire-dtype fp8 goes with --receiver-tp (the region bench, --link-mb-s) or the chain bench (--delta / --senders N, "
+            "which runs a bf16 chain and then the FP8 one); the dense bench does not take it yet: for whole-model syncs use "
+            "--receiver-tp 1 (its `full` mode), beside the same command without --wire-dtype"
         )
     try:
         if args.receiver_tp is not None:
