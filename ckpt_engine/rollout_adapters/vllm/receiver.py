@@ -257,7 +257,9 @@ class VllmReceiverCore:
         # With a delta request the base images (whole tensors or regions) hold the checked version
         # until the next receive: keep their views. Else each tensor or region is copied as it lands.
         keep_views = delta is not None
-        self.staging.start(digest, lambda staged: self._stream(digest, delta, staged.sink, staged), keep_views, ShadowPreparer(self._model, self.vllm_config, self.receiver.device, self.staging.shadow_room), on_end)
+        # A model that loads in place has no post-processing to take off the step path: no shadow.
+        prepare = None if self.reload.in_place() else ShadowPreparer(self._model, self.vllm_config, self.receiver.device, self.staging.shadow_room)
+        self.staging.start(digest, lambda staged: self._stream(digest, delta, staged.sink, staged), keep_views, prepare, on_end)
         return {"started": True}
 
     def stage_status(self) -> dict[str, Any]:

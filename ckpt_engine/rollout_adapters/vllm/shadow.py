@@ -41,8 +41,6 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.rollout_adapters.vllm.reload import loads_in_place
-
 __all__ = ["ShadowPreparer", "ShadowWeights", "build_shadow", "shadow_enabled"]
 
 logger = logging.getLogger(__name__)
@@ -274,8 +272,6 @@ class ShadowPreparer:
             warn_once("quant", "vLLM swap: a quantized model (%s) is not prepared off the step path; the swap reloads it", type(self._config.quant_config).__name__)
             return None
         model = self._model()
-        if loads_in_place(model) is None:  # no post-processing to take off the step path: the swap is one copy per tensor
-            return None
         # The shadow materializes the layers the staged version touches (about the staged bytes), and
         # post-processing makes kernel-format weights of about as many again (on CPU packed outside
         # the parameters): both must fit beside the staging copy. On a GPU whose free memory the KV
