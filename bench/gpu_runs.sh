@@ -6,6 +6,7 @@
 #           stacks of every Python process dumped by py-spy into $OUT/stacks.txt if a run hangs
 #   vllm-bench - a real CUDA vLLM engine (GPU 0) fed from GPU 1: raw NCCL, vLLM's own packed NCCL
 #           path and ours, Qwen2.5-7B and Qwen3-30B-A3B shapes (bench/vllm_sync_bench.py)
+#   vllm-one - one GPU: the colocated and LoRA vLLM tests, the GPU race test, the colocated vLLM bench
 #   vllm-x4 - on 4 GPUs in one call: vllm-bench (GPUs 2-3) beside the two-GPU vLLM tests (GPUs 0-1)
 #   vllm-three - the vLLM tests that need three GPUs (a TP=2 engine or two FSDP2 ranks beside the engine)
 #   fanout - 4 GPUs: one sender to three receivers (7B, 30B-A3B shapes) beside the raw broadcast
@@ -92,6 +93,14 @@ fanout)  # 4 GPUs: one sender (cuda:0) to three receivers, Qwen2.5-7B and Qwen3-
     bench "fanout_${preset}" --backend nccl --preset "$preset" --receivers 3 --bucket-mb 1024 --modes raw,ours --iters 5
     bench "fanout_${preset}_inplace" --backend nccl --preset "$preset" --receivers 3 --bucket-mb 1024 --modes raw,ours --iters 5 --in-place
   done
+  ;;
+vllm-one)  # one GPU: the vLLM tests that fit it (colocated, LoRA), the race test, the colocated vLLM bench
+  VLLM_TESTS="tests/test_gpu_installed_race.py tests/test_vllm_cuda_lora.py tests/test_vllm_cuda.py::test_colocated_on_the_engines_gpu" \
+    VLLM_TEST_TIMEOUT=${VLLM_ONE_S:-300} VLLM_HANG_S=${VLLM_ONE_S:-300} bash "$0" vllm
+  echo "== vllm colocated bench ${VLLM_COLO_PRESET:-qwen2.5-7b}"
+  timeout "${VLLM_BENCH_TIMEOUT:-280}" python bench/vllm_colocated_bench.py --preset "${VLLM_COLO_PRESET:-qwen2.5-7b}" --gpu-mem 0.3 \
+    --json "$out/vllm_colocated.json" > "$out/vllm_colocated.log" 2>&1 &
+  pid=$!; watchdog 250 $pid; wait $pid; echo "exit $?"; grep -E "^(copy|ours|checked|staged|\{)|Error" "$out/vllm_colocated.log" | tail -n 8
   ;;
 one)
   timeout 240 python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests 2>&1 | tail -n 25
