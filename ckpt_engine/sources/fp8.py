@@ -15,7 +15,7 @@ while the sync is planned, before anything pauses.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -49,7 +49,7 @@ class Fp8WireSource(WeightSource):
     stable_tensors = False
 
     def __init__(self, source: WeightSource) -> None:
-        if isinstance(source, Fp8WireSource | ShardedFp8WireSource):
+        if isinstance(source, Fp8WireSource):
             raise ValueError("the weight source is already on an FP8 wire")
         self.source = source
         self._specs = {s.name: s for s in source.metadata()}
@@ -59,7 +59,7 @@ class Fp8WireSource(WeightSource):
         return self.source.is_sender
 
     @property
-    def process_group(self) -> object:  # type: ignore[override]
+    def process_group(self) -> object:
         return self.source.process_group
 
     @property
@@ -80,29 +80,16 @@ class Fp8WireSource(WeightSource):
             yield scale_name(name), s
 
 
-class ShardedFp8WireSource(ShardedWeightSource):
+class ShardedFp8WireSource(Fp8WireSource, ShardedWeightSource):
     """`Fp8WireSource` for a source that sends from every trainer rank: each rank quantizes the
     rows it owns (see the module docstring for the block-boundary rule)."""
 
-    stable_tensors = False
+    source: ShardedWeightSource
 
     def __init__(self, source: ShardedWeightSource) -> None:
-        self.source = source
-        self._specs = {s.name: s for s in source.metadata()}
+        super().__init__(source)
         self._made: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         """Quantized pieces of this walk, by weight name, until both halves were handed out."""
-
-    @property
-    def is_sender(self) -> bool:  # type: ignore[override]
-        return self.source.is_sender
-
-    @property
-    def process_group(self) -> object:  # type: ignore[override]
-        return self.source.process_group
-
-    @property
-    def device(self) -> torch.device | None:  # type: ignore[override]
-        return self.source.device
 
     @property
     def sender_index(self) -> int:  # type: ignore[override]
@@ -120,18 +107,8 @@ class ShardedFp8WireSource(ShardedWeightSource):
     def collective_pieces(self) -> bool:  # type: ignore[override]
         return self.source.collective_pieces
 
-    @property
-    def stable_pieces(self) -> bool:
-        return False
-
     def sharded_refusal(self) -> str | None:
         return self.source.sharded_refusal()
-
-    def metadata(self) -> list[TensorSpec]:
-        return fp8_specs(list(self._specs.values()))
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from Fp8WireSource(self.source).iter_weights()
 
     def owners(self) -> OwnerMap:
         """The wrapped source's shards in FP8 bytes, and the scale rows that go with them."""
@@ -174,7 +151,7 @@ class ShardedFp8WireSource(ShardedWeightSource):
         self.source.end_pieces()
 
 
-def _fp8_shards(spec: TensorSpec, shards: list[Shard] | tuple[Shard, ...]) -> tuple[list[Shard], list[Shard]]:
+def _fp8_shards(spec: TensorSpec, shards: Sequence[Shard]) -> tuple[list[Shard], list[Shard]]:
     """A weight's row shards in FP8 bytes, and the shards of its scales; refused by name unless every
     shard's rows start and end on a block boundary (or the tensor's end)."""
     row_bytes = spec.nbytes // spec.shape[0] if spec.shape[0] else 0
@@ -201,7 +178,7 @@ def _fp8_shards(spec: TensorSpec, shards: list[Shard] | tuple[Shard, ...]) -> tu
 
 def fp8_wire(source: WeightSource, wire_dtype: str | None) -> WeightSource:
     """`source` on the wire `checkpoint_engine.wire_dtype` names: as it is (None), or block-FP8."""
-    if wire_dtype is None or isinstance(source, Fp8WireSource | ShardedFp8WireSource):
+    if wire_dtype is None or isinstance(source, Fp8WireSource):
         return source
     if wire_dtype != "fp8":
         raise ValueError(f"checkpoint_engine.wire_dtype must be one of {', '.join(WIRE_DTYPES)} or unset, got {wire_dtype!r}")

@@ -1,19 +1,13 @@
 """`FSDP2Source`: the weights of a model sharded with FSDP2 (`torch.distributed.fsdp.fully_shard`).
 
 Built from the sharded model itself, with no training engine: a Hugging Face causal LM (or a PEFT
-model over one) whose root and any submodules (typically each decoder layer) are `FSDPModule`s
-over one 1-D mesh, as torchtitan, verl or `ckpt_engine.trainer.engines.fsdp2` shard it.
+model over one) whose root and any submodules are `FSDPModule`s over one 1-D mesh.
 
-One sender (`iter_weights`): every rank walks the export; it gathers a whole FSDP unit with one
-all-gather (`unshard()`), yields its parameters under their Hugging Face checkpoint names, then
-reshards; the next unit's all-gather is issued before the current one is consumed, so gathering
-overlaps the consumer (the bucket packer). Only rank 0 of the mesh (`is_sender`) streams.
-
-Many senders (`ShardedWeightSource`): every rank sends its own shards. `owners()` says which rows
-of each tensor each rank holds (from the DTensor sharding, `fsdp2_shards.py`) and
-`local_piece(name)` hands out this rank's rows; both are local, no collective of any kind. A dim-0
-shard is a row range of the HF tensor; a fused expert shard holds whole experts; buffers and
-unsharded parameters are replicated.
+One sender (`iter_weights`): every rank gathers one FSDP unit at a time (`unshard()`), the next
+unit's all-gather issued before the current one is consumed, so gathering overlaps the packer;
+only rank 0 of the mesh streams. Many senders: every rank sends its own DTensor shards
+(`fsdp2_shards.py`: a dim-0 shard is a row range, a fused expert shard whole experts; buffers
+and unsharded parameters are replicated), with no collective.
 
 Collective contract: every rank of the mesh walks `iter_weights()` to its end, in step.
 """
@@ -136,17 +130,13 @@ class FSDP2Source(ShardedWeightSource):
         return p.to_local().device if isinstance(p, torch.distributed.tensor.DTensor) else p.device
 
     def metadata(self) -> list[TensorSpec]:
-        """HF checkpoint name, wire dtype and global shape of every exported tensor (local, no gather)."""
+        """HF name, wire dtype and global shape of every exported tensor (local, no gather)."""
         return [s for e in self._entries for s in e.specs]
 
     # --- one sender: the gathering walk ------------------------------------------------------
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors under HF names, one unit all-gather at a time; every rank of the group walks it.
-
-        A yielded tensor may alias the unit's all-gather buffer: it is valid until the next item is
-        requested (clone it to keep it). Every rank must walk the same distance (normally to the end):
-        the walk issues collectives.
-        """
+        """Full tensors under HF names, one unit all-gather at a time (collective: every rank walks it to
+        the same point). A yielded tensor may alias the gather buffer until the next is requested."""
         from torch.distributed.fsdp import FSDPModule
 
         if self._adapters is not None:  # a few small tensors: gathered one by one, the base stays sharded
@@ -224,20 +214,14 @@ class FSDP2Source(ShardedWeightSource):
     # --- many senders: this rank's own shards, no collective -----------------------------------
     @property
     def stable_pieces(self) -> bool:
-        """Whether every `local_piece` stays valid and unchanged for a whole sync: the transport
-        may then send from it without a copy, and pack a bucket's pieces in one batched copy. A
-        view of the shard is; a piece cast to its wire dtype is too when few bytes need a cast
-        (e.g. a bf16 model whose router is kept fp32): those casts are made once per sync and
-        kept until the next one begins. A model whose every tensor needs a cast (fp32 masters
-        with a bf16 wire) is not stable: keeping its casts would hold a second copy of the shard.
-        (Not `stable_tensors`: that flag describes `iter_weights`, whose tensors are not stable.)"""
+        """Whether every `local_piece` stays valid for a whole sync. Views of the shard are; casts are
+        too when few bytes need one (kept until the next walk); a model whose every tensor needs a cast
+        (fp32 masters, bf16 wire) is not: keeping its casts would hold a second copy of the shard."""
         return self._cast_few()
 
     def begin_pieces(self) -> None:
-        """A sync's walk of its pieces starts (called by `iter_pieces`): forget the last one's
-        local tensors, and bring its casts up to date in place (same memory every sync, so a
-        transport's copy plan that reads them stays valid; a cast whose local tensor changed
-        shape or dtype is dropped and made anew when asked for)."""
+        """A walk starts: forget the last one's local tensors and refresh its casts in place (same
+        memory every sync, so a transport's copy plan over them stays valid)."""
         casts = {k: v for k, v in self._sync_cache.items() if k[1] is not None}
         self._sync_cache.clear()
         self._walking = True
@@ -268,9 +252,8 @@ class FSDP2Source(ShardedWeightSource):
         return t._local_tensor if isinstance(t, torch.distributed.tensor.DTensor) else t
 
     def end_pieces(self) -> None:
-        """The walk is over: its casts stay alive (the transport may still read them) until the
-        next walk begins, but a `local_piece` outside a walk never sees them (it may come after an
-        optimizer step)."""
+        """The walk is over: its casts stay alive (the transport may still read them), but a
+        `local_piece` outside a walk never sees them (it may come after an optimizer step)."""
         self._walking = False
 
     def _cast_few(self) -> bool:
@@ -288,9 +271,8 @@ class FSDP2Source(ShardedWeightSource):
         return self._few_casts
 
     def _local_of(self, e: ExportEntry, cache: bool = True) -> torch.Tensor:
-        """The rank's local tensor of an entry (its shard, or the whole replicated tensor), looked
-        up once per sync: `DTensor.to_local` is an autograd call, and a fused expert tensor serves
-        every expert."""
+        """An entry's local tensor (its shard, or the whole replicated tensor), looked up once per sync:
+        `DTensor.to_local` is an autograd call, and a fused expert tensor serves every expert."""
         key = (id(e), None)
         cache = cache and self._walking
         found = self._sync_cache.get(key) if cache else None
@@ -307,20 +289,15 @@ class FSDP2Source(ShardedWeightSource):
         return found
 
     def owners(self) -> OwnerMap:
-        """Which byte range of every exported tensor each trainer rank holds; the same map on every
-        rank, computed locally (no collective). Dim-0 FSDP2 shards are row ranges (uneven splits
-        and ranks with no rows included); a fused expert's per-expert tensors are owned whole by
-        the rank holding that expert; buffers and unsharded parameters are left out (replicated:
-        the planner gives each to one rank). A tied embedding is one tensor, with one set of owners."""
+        """Each rank's dim-0 rows (uneven, possibly none) and whole experts, computed locally; buffers
+        and unsharded parameters are left out (replicated: the planner assigns them)."""
         if self._owners is None:
             self._owners = shard_owners((e.specs, e.expert_outputs, self._rows_of(e)) for e in self._entries)
         return self._owners
 
     def local_piece(self, name: str) -> torch.Tensor:
-        """This rank's part of `name` in its wire dtype: its rows of a sharded tensor (a view of the
-        local DTensor shard, or its cast), one of its own experts, or the whole replicated tensor.
-        Local only: no all-gather, no collective. Only ranks `owners()` (or the plan, for replicated
-        tensors) names may ask for a tensor."""
+        """This rank's part of `name` in its wire dtype (a view of its shard or a cast, one of its
+        experts, or the whole replicated tensor); no collective."""
         found = self._pieces.get(name)
         if found is None:
             raise ValueError(f"{name!r} is not a tensor this FSDP2 model exports (see metadata())")

@@ -1,39 +1,20 @@
 """`MegatronSource`: the weights of a megatron-core `GPTModel` (TP/PP/EP), under Hugging Face names.
 
 Built from one rank's model chunk and the HF config of its family, with no training engine; the
-process groups come from `pg_collection` (megatron's `ProcessGroupCollection`) or, when it is
-None, from `megatron.core.parallel_state` (initialized by the caller, as Megatron users do). The
-conversion itself (naming plan, TP/EP gathers, HF -> Megatron load) is `megatron_export.py`.
+process groups come from `pg_collection` or `megatron.core.parallel_state`. The conversion
+itself (naming plan, TP/EP gathers, HF -> Megatron load) is `megatron_export.py`.
 
-One sender (`iter_weights`): every stage walks its parameters in order, each gathered over its
-tensor-parallel group along its `partition_dim`, experts over the expert-parallel group, then
-converted to HF names and layouts. With `export_mode="gather_to_first"` the stage then
-broadcasts it over its pipeline group, so global rank 0 (`is_sender`) yields every tensor; with
-`"per_stage"` each stage's first TP/DP/EP rank is a sender of its own stage.
+Many senders: once TP is gathered within a stage, a rank holds whole HF tensors of its stage and
+whole experts of its EP rank, so nothing crosses a stage or an EP group. The senders are one rank
+per (PP stage, EP rank), `pp_rank * ep_size + ep_rank`: each owns its experts whole and a
+byte-balanced share of its stage's dense tensors, from the stage spec lists alone (no collective).
+With TP > 1, TP rank 0 sends and the other TP ranks are helpers (`sends = False`) that walk the
+same TP gathers in step (`assist_piece`); producing a piece is then collective
+(`collective_pieces`), so the sync layer adds a ready round and a failed sender finishes its walk.
 
-Many senders: a Megatron rank already holds whole HF tensors of its stage once TP is gathered within the stage,
-and whole experts of its EP rank: nothing has to cross a stage or an EP group to be sent. So the
-senders are one rank per (PP stage, EP rank), numbered `pp_rank * ep_size + ep_rank` (global rank
-0 is sender 0, the sync's controller). Sender (s, r) owns, whole, every expert tensor of its own
-experts in stage s's layers, and a byte-balanced share of stage s's dense tensors (attention,
-norms, router, embeddings on the first stage, final norm and head on the last), which every EP
-rank of the stage holds alike. Ownership follows from the stage spec lists (`stage_specs`, known
-on every rank since construction) and the group sizes: no collective.
-
-With TP > 1 the TP shards are gathered within the stage, as the single-sender export does: TP
-rank 0 of each (stage, EP rank) sends (`sends`), the other TP ranks are its TP helpers (same
-`sender_index`, `sends = False`, not in the weight-sync group). A helper walks its sender's piece
-sequence in step (`assist_piece`: the same TP all-gathers, no conversion). Since producing a
-piece is then collective (`collective_pieces`), the sync layer adds a ready round before anything
-streams (a rank that cannot take part stops every rank, by name) and a sender whose send fails
-part-way finishes its walk, so its helpers are not left in a gather.
-
-Supported layouts: no data-parallel replica besides the EP ranks (every rank of the model world
-is then a sender or a TP helper of one); with TP > 1 also EP = 1 (with expert TP 1 Megatron's EP
-groups cut across the TP groups), and expert TP = 1 whenever the model has experts (experts
-split over expert TP are not gathered here). Other layouts report `num_senders = 1` (the
-single-sender `iter_weights()` path stays as it is) and `owners()` / `local_piece()` raise a
-ValueError that says why (`sharded_refusal`).
+Supported layouts: no data-parallel replica besides the EP ranks; with TP > 1 also EP = 1, and
+expert TP = 1 whenever the model has experts. Other layouts report `num_senders = 1` and say why
+in `sharded_refusal`.
 
 Collective contract: every rank of the model-parallel world builds the source and walks
 `iter_weights()` to its end, in step.
@@ -133,19 +114,14 @@ def stage_owners(stages: list[list[TensorSpec]], ep_size: int, num_experts: int)
 class MegatronSource(ShardedWeightSource):
     """The weights of one rank's megatron-core `GPTModel` chunk, under HF checkpoint names.
 
-    `hf_config`: the model family's `transformers` config. `dtype`: the wire dtype of
-    floating-point tensors (None: their parameter dtype); `keep_fp32`: regexes of names that
-    travel as float32 (MoE router gates by default). `export_mode`: "gather_to_first" (rank 0
-    yields every stage's tensors) or "per_stage". `local_tensor(param)`: this TP rank's full
-    shard of a parameter (default: its data; Megatron-FSDP gathers its data-parallel shards).
+    `keep_fp32`: regexes of names that travel as float32 (MoE router gates by default).
+    `export_mode`: "gather_to_first" (rank 0 yields every stage's tensors, broadcast over the
+    pipeline group) or "per_stage" (each stage's first rank sends its own). `local_tensor(param)`:
+    this TP rank's full shard of a parameter (Megatron-FSDP gathers its data-parallel shards).
     Building it is a collective over the pipeline group (the stages' specs are exchanged).
 
-    Pieces (many senders) are this sender's own HF tensors: with TP > 1 gathered over the stage's
-    TP group (its TP helpers walk the same gathers, `assist_piece`), then converted locally (qkv
-    split, [gate; up] split, vocab padding trimmed, wire dtype); no collective crosses a stage or
-    an EP group. Each call gathers and converts from the live parameter (q, k and v each gather
-    and split the fused QKV again): no cached part can outlive an optimizer step, even after a
-    sync that failed half-way.
+    Each piece is gathered and converted from the live parameter on every call, never cached, so no
+    part can outlive an optimizer step, even after a sync that failed half-way.
     """
 
     stable_pieces = False  # split/cast parts are temporaries

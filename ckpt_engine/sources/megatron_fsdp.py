@@ -1,25 +1,15 @@
 """`MegatronFSDPSource`: the weights of a megatron-core `GPTModel` sharded by Megatron-FSDP.
 
-The model chunk is wrapped by megatron-core's adapter (`megatron.core.distributed.fsdp.
-mcore_fsdp_adapter.FullyShardedDataParallel`, backed by the bundled or stand-alone `megatron_fsdp`
-package) with one of the sharding strategies `no_shard | optim | optim_grads | optim_grads_params`.
-Export shares the Megatron naming tables and TP/PP/EP walk (`MegatronSource`); what differs is how
-a rank gets its TP-local full parameter:
+The chunk is wrapped by megatron-core's `FullyShardedDataParallel` adapter (strategies
+`no_shard | optim | optim_grads | optim_grads_params`). Export shares `MegatronSource`'s naming
+and TP/PP/EP walk; what differs is how a rank gets its TP-local full parameter: every chunk (not
+only the first: later chunks would keep stale or half-gathered weights, a known bug in a peer
+implementation) finishes its parameter gathers first (`sync_params_for_export`), and a DTensor
+sharded over the data-parallel mesh is gathered with `gather_uneven_dtensor_to_full_tensor`
+(uneven shards, a rank with 0 rows included).
 
-1. before export, every model chunk finishes its parameter all-gather pipeline
-   (`synchronize_param_gather`) and, for `optim` / `optim_grads` (unsharded compute weights in a
-   model-weight buffer), refreshes them from the updated main params
-   (`start_param_sync(force_sync=True)`); `no_shard` has no such buffer (its module parameters are
-   updated in place) and `optim_grads_params` gathers on use. Every chunk, not only
-   the first: returning after the first chunk leaves later chunks with stale or half-gathered
-   weights (a known bug in a peer implementation);
-2. a parameter that is a DTensor sharded over the data-parallel mesh is gathered with
-   `gather_uneven_dtensor_to_full_tensor`, which handles uneven shards, including a rank that holds
-   0 rows of a small tensor.
-
-It syncs from one sender (the data-parallel replicas hold FSDP shards, not whole tensors).
-Needs CUDA (megatron-fsdp allocates its buffers on the current CUDA device); importing this module
-never fails. Collective contract as in `megatron.py`.
+One sender only: the data-parallel replicas hold FSDP shards, not whole tensors. Needs CUDA;
+importing this module never fails. Collective contract as in `megatron.py`.
 """
 
 from __future__ import annotations
@@ -105,16 +95,12 @@ class MegatronFSDPSource(MegatronSource):
         self.sender_index, self.num_senders, self.sends, self.collective_pieces = 0, 1, True, False
 
     def sync_params_for_export(self) -> None:
-        """Finish every chunk's parameter gather pipeline (all chunks: collective on every rank).
+        """Finish every chunk's parameter gather pipeline (collective on every rank).
 
-        `optim` / `optim_grads` keep unsharded compute weights in a model-weight buffer that is
-        refreshed from the (sharded) updated main weights by an all-gather: forced here.
-        `no_shard` has no model-weight buffer at all (megatron_fsdp param_and_grad_buffer builds
-        one only for strategies != "no_shard"): after `synchronize_param_gather` the module holds
-        the optimizer's unsharded weights (main-weight buffer, or the raw parameters), which the
-        step updates in place (then `copy_main_weights_to_model_weights`), so there is nothing to
-        gather, and `start_param_sync(force_sync=True)` would call `async_bucket_gather` on a
-        None buffer (megatron-core 0.16.1 checks the buffer only after that call).
+        `optim` / `optim_grads` refresh their unsharded compute weights from the updated main weights
+        (forced here). `no_shard` has no model-weight buffer: its module holds the optimizer's weights,
+        updated in place, and `start_param_sync(force_sync=True)` would gather into a None buffer
+        (megatron-core 0.16.1 checks the buffer only after that call).
         """
         for chunk in self.chunks:
             inner = chunk.module  # MegatronFSDP

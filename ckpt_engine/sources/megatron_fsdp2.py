@@ -1,35 +1,23 @@
 """`MegatronFSDP2Source`: the weights of a HF causal LM sharded by Megatron-FSDP2's per-module `fully_shard`.
 
-Megatron-FSDP2 (`megatron_fsdp.experimental.fully_shard(module, mesh, placements,
-mixed_precision_policy)`, megatron-fsdp >= 0.6.1) shards each module's parameters into flat
-per-dtype buffers (`DBuffer`): main (optimizer) weights, model (compute) weights and main grads.
-Built from the sharded model and its units (the modules `fully_shard` was called on, root first),
-with no training engine; every unit on one 1-D mesh with `Flat` placements (plain FSDP).
+Megatron-FSDP2 (`megatron_fsdp.experimental.fully_shard`, megatron-fsdp >= 0.6.1) packs each
+module's parameters of one dtype into flat buffers (`DBuffer`: main weights, model weights, main
+grads). Built from the sharded model and its units (root first), with no training engine; every
+unit on one 1-D mesh with `Flat` placements (plain FSDP).
 
-One sender (`iter_weights`): first every unit's pending all-gather is finished and its gathered
-buffer dropped (a prefetch left behind by an interrupted forward would otherwise be reused, and
-hold the weights of before the last step); then each unit is gathered with its own all-gather
-(one per parameter group: one per unit when all its parameters share a dtype) on Megatron-FSDP's
-all-gather stream, the next unit's gather issued before the current one is consumed, and its
-parameters yielded under their HF checkpoint names. The sharded parameters are DTensors whose
-local pieces are DBuffer ranges, not DTensor's own `Shard(0)` chunks: `full_tensor()` would
-misplace their rows, so it is never called.
+One sender (`iter_weights`): pending all-gathers are finished and their buffers dropped first (a
+prefetch left by an interrupted forward would hold the weights of before the last step); then each
+unit is gathered on the all-gather stream, the next one issued before the current is consumed.
+A parameter's local piece is a DBuffer range, not DTensor's `Shard(0)` chunk, so `full_tensor()`
+would misplace its rows and is never called.
 
-Many senders: every rank sends its own rows. Megatron-FSDP2 packs a unit's parameters of one dtype into one flat buffer (`DBuffer`): tensor i
-starts at element `layout.tensor_to_offset[i]` of a global buffer padded to `layout.size`, and
-rank r of a `Flat` (sharded) placement holds elements [r * size / world, (r + 1) * size / world).
-The layout aligns every tensor and every rank boundary to whole rows, so each rank holds one
-contiguous row range of each tensor: uneven, and often none at all (a tensor lies wholly inside
-one rank's range). That split is not DTensor's `Shard(0)` (torch.chunk) split, which is why the
-parameters' `full_tensor()` would misplace rows; ownership here comes from the buffer layout
-alone, which every rank holds, so no rank asks another and nothing is gathered.
+Many senders: tensor i starts at element `layout.tensor_to_offset[i]` of a buffer padded to
+`layout.size`, and rank r holds elements [r * size / world, (r + 1) * size / world). The layout
+aligns tensors and rank boundaries to whole rows, so each rank holds one contiguous (uneven, often
+empty) row range of each tensor, known from the layout alone: nothing is gathered.
 
-A rank's piece of a tensor is a view of its local buffer (the compute weights that the gathering
-`iter_weights` path gathers, or the main weights where that path takes them), cast to the wire
-dtype. Fused MoE experts (dim 0 = experts) are owned whole, expert by expert, as with FSDP2.
-
-Needs CUDA (Megatron-FSDP2 schedules on CUDA streams); importing this module never fails.
-Collective contract: every rank of the mesh walks `iter_weights()` to its end, in step.
+Needs CUDA; importing this module never fails. Collective contract: every rank of the mesh walks
+`iter_weights()` to its end, in step.
 """
 
 from __future__ import annotations
@@ -108,11 +96,9 @@ def dbuffer_rows(name: str, buffer: Any, index: int, world_size: int) -> list[in
 class MegatronFSDP2Source(ShardedWeightSource):
     """The weights of a Megatron-FSDP2-sharded HF causal LM, under HF checkpoint names.
 
-    `model`: the sharded root; `units`: the modules `fully_shard` was called on (default: the
-    root, then every submodule holding Megatron-FSDP2 `parameter_groups`). `process_group`: the
-    ranks of its 1-D mesh. `dtype` / `keep_fp32`: wire dtypes, as for `FSDP2Source`.
-    `owners()` and `local_piece()` are local: no collective of any kind; every rank is a sender
-    (`sender_index` = its rank in the mesh).
+    `units`: the modules `fully_shard` was called on (default: the root, then every submodule with
+    `parameter_groups`); `process_group`: the ranks of its 1-D mesh; `dtype` / `keep_fp32` as for
+    `FSDP2Source`. Every rank is a sender; `owners()` and `local_piece()` are local.
     """
 
     def __init__(
@@ -174,10 +160,8 @@ class MegatronFSDP2Source(ShardedWeightSource):
     def finish_pending_gathers(self) -> int:
         """Finish every unit's outstanding all-gather and drop its gathered copy; returns how many.
 
-        A unit gathered by a prefetch that no forward consumed (an interrupted forward, a prefetch
-        past the last step) keeps its gathered buffer, and Megatron-FSDP2 reuses it on the next
-        gather request: after an optimizer step that copy is stale. Every unit is checked, not
-        only the first. Local (no collective): each rank waits on work it issued.
+        A prefetch no forward consumed keeps its gathered buffer, which Megatron-FSDP2 would reuse
+        (stale after an optimizer step). Local: each rank waits on work it issued.
         """
         current = torch.cuda.current_stream(self._device)
         stale = 0
@@ -192,11 +176,8 @@ class MegatronFSDP2Source(ShardedWeightSource):
         return stale
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors under HF names, one unit gather at a time; every rank of the mesh walks it.
-
-        A yielded tensor aliases the unit's gather buffer: valid until the next item is requested.
-        Every rank must walk the same distance (normally to the end): the walk issues collectives.
-        """
+        """Full tensors under HF names, one unit gather at a time (collective: every rank walks it to
+        the same point). A yielded tensor aliases the unit's gather buffer until the next is requested."""
         self.finish_pending_gathers()
         units = self.units
         context = units[0].context
@@ -250,10 +231,8 @@ class MegatronFSDP2Source(ShardedWeightSource):
         return group.main_weight.redistribute([Replicate()] * group.mesh.ndim).get_local_tensor(index)
 
     def full_main_weights(self) -> dict[str, torch.Tensor]:
-        """Every exported parameter's full main weight under its HF name, one gather per group.
-
-        The reference the export is checked against (tests, debugging); a collective on every rank.
-        """
+        """Every exported parameter's full main weight by HF name (collective): the reference the tests
+        check the export against."""
         from megatron_fsdp.experimental import Replicate
 
         full: dict[int, Any] = {}
@@ -267,23 +246,19 @@ class MegatronFSDP2Source(ShardedWeightSource):
     # --- many senders: this rank's own rows, no collective ------------------------------------
     @property
     def stable_pieces(self) -> bool:
-        """Whether every piece is a view of a persistent buffer in its wire dtype (no cast): the
-        transport may then send from it without a copy."""
+        """Whether every piece is a view of a persistent buffer in its wire dtype (no cast)."""
         return all(torch_dtype(s.dtype) == e.dtype for e in self._entries for s in e.specs)
 
     def owners(self) -> OwnerMap:
-        """Which byte range of every exported tensor each trainer rank holds: its rows of the
-        flat buffer (uneven, a rank may hold none), whole experts of a fused expert tensor. The
-        same map on every rank, from the buffer layouts alone; replicated tensors are left out
-        (the planner gives each to one rank)."""
+        """Each rank's rows of the flat buffers (whole experts of a fused expert tensor), from the
+        layouts alone; replicated tensors are left out (the planner assigns them)."""
         if self._owners is None:
             self._owners = shard_owners((e.specs, e.expert_outputs, self._rows_of(i)) for i, e in enumerate(self._entries))
         return self._owners
 
     def local_piece(self, name: str) -> torch.Tensor:
-        """This rank's part of `name` in its wire dtype: its rows (a view of its flat buffer, or
-        the cast of one), one of its own experts, or the whole tensor when replicated. Local only:
-        no all-gather. Asking for a tensor this rank holds no part of is a ValueError."""
+        """This rank's part of `name` in its wire dtype (its rows, one of its experts, or the whole
+        tensor when replicated); no all-gather."""
         found = self._pieces.get(name)
         if found is None:
             raise ValueError(f"{name!r} is not a tensor this Megatron-FSDP2 model exports (see metadata())")
