@@ -1,20 +1,13 @@
 """The block-FP8 quantize kernel: one weight to float8_e4m3fn plus its float32 inverse scales.
 
-The recipe is vLLM's own (`vllm.utils.deep_gemm.per_block_cast_to_fp8`, which its online
-block-FP8 quantization and DeepGEMM's tests use), op for op, so the bytes are the ones an engine
-quantizing the same bf16 weights holds:
-- the weight is zero-padded to whole 128 x 128 blocks (padding never raises a block's amax);
-- amax = max |w| of each block in float32, floored at 1e-4 (an all-zero block gets scale 1e-4/448);
-- sf = amax / 448 (e4m3's largest finite value): the stored `weight_scale_inv`;
-- q = (w * (1 / sf)).to(float8_e4m3fn): a multiply by the reciprocal, not a division (they
-  differ in the last bit for some values), rounded to nearest even by the cast.
-Why eager torch ops on every device: each op is correctly rounded (IEEE division, round-to-
-nearest-even casts) on CPU and CUDA alike, so the bytes are the same everywhere (the one trap: a
-CUDA division by a Python scalar is a multiply by its reciprocal, so the 448 is a device tensor). A
-`torch.compile(dynamic=True)` build of this function differed from them on 4xH200 for
-every shape and dtype tried (the cause was not isolated; inductor's float32 division and
-reciprocal are the likely one), recompiled past its limit per shape, and ran at 0.17 TB/s; nothing compiles, so no
-sync pays a compile either.
+The recipe is vLLM's own (`vllm.utils.deep_gemm.per_block_cast_to_fp8`), op for op, so the bytes
+are the ones an engine quantizing the same bf16 weights holds: zero-padded to whole 128 x 128
+blocks, amax per block in float32 floored at 1e-4, sf = amax / 448 (the stored
+`weight_scale_inv`), q = (w * (1 / sf)).to(float8_e4m3fn) (a multiply by the reciprocal, not a
+division: they differ in the last bit for some values).
+Why eager torch ops on every device: each op is correctly rounded on CPU and CUDA alike, so the
+bytes are the same everywhere. A `torch.compile(dynamic=True)` build differed from them on 4xH200
+for every shape and dtype tried, recompiled past its limit per shape, and ran at 0.17 TB/s.
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ import torch
 
 from ckpt_engine.fp8.layout import BLOCK, FP8_DTYPE
 
-__all__ = ["AMAX_FLOOR", "FP8_MAX", "quantize_block_fp8", "quantize_eager"]
+__all__ = ["AMAX_FLOOR", "FP8_MAX", "quantize_block_fp8"]
 
 
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
@@ -32,8 +25,12 @@ AMAX_FLOOR = 1e-4
 """vLLM's floor on a block's amax (`clamp(1e-4)`), so an all-zero block has a finite scale."""
 
 
-def quantize_eager(w: torch.Tensor, block_rows: int = BLOCK[0], block_cols: int = BLOCK[1]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, scale_inv) of `w` ([..., rows, cols], any float dtype), in plain torch ops (see module)."""
+def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize `w` ([out, in], or [experts, out, in]) into block-FP8 on its own device: (q in
+    float8_e4m3fn, same shape; scale_inv in float32, [..., ceil(out / block[0]), ceil(in / block[1])])."""
+    if w.dim() < 2 or not w.is_floating_point():
+        raise ValueError(f"block-FP8 quantizes floating-point matrices ([out, in] or [experts, out, in]), got {w.dtype} {tuple(w.shape)}")
+    block_rows, block_cols = block
     *lead, rows, cols = w.shape
     br, bc = -(-rows // block_rows), -(-cols // block_cols)
     prows, pcols = br * block_rows, bc * block_cols
@@ -51,12 +48,3 @@ def quantize_eager(w: torch.Tensor, block_rows: int = BLOCK[0], block_cols: int 
     q = (view * (1.0 / sf)).to(FP8_DTYPE)
     q = q.view(*lead, prows, pcols)[..., :rows, :cols].contiguous()
     return q, sf.view(*lead, br, bc)
-
-
-def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize `w` ([out, in], or [experts, out, in]) into block-FP8 on its own device: (q in
-    float8_e4m3fn, same shape; scale_inv in float32, [..., ceil(out / block[0]), ceil(in / block[1])]).
-"""
-    if w.dim() < 2 or not w.is_floating_point():
-        raise ValueError(f"block-FP8 quantizes floating-point matrices ([out, in] or [experts, out, in]), got {w.dtype} {tuple(w.shape)}")
-    return quantize_eager(w, block[0], block[1])
