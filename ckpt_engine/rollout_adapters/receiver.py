@@ -9,10 +9,11 @@ it between two of its steps) and `discard()` drops it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -99,6 +100,16 @@ class WeightReceiver:
     @property
     def busy(self) -> bool:
         return self._busy.locked()
+
+    @contextlib.contextmanager
+    def exclusive(self, what: str) -> Iterator[None]:
+        """Hold this receiver for `what` (a pull from a peer): a join, validate, receive or swap is
+        refused meanwhile, and `what` is refused while one of them is in flight."""
+        self._enter(what)
+        try:
+            yield
+        finally:
+            self._exit()
 
     def join(self, rendezvous: dict[str, Any] | Rendezvous, rank: int, options: dict[str, Any] | JoinOptions) -> None:
         rdzv = rendezvous if isinstance(rendezvous, Rendezvous) else Rendezvous.from_dict(rendezvous)

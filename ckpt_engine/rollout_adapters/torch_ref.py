@@ -36,6 +36,8 @@ from ckpt_engine.processes import read_ready_line
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.delta.warm import warmed
+from ckpt_engine.elastic.join import PeerJoinable
+from ckpt_engine.elastic.service import PeerService
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.installed import InstalledReport, InstalledRequest, digest_held
 from ckpt_engine.manifest import BucketManifest, TensorSpec
@@ -101,6 +103,7 @@ class TorchRefWorker:
         self.steps = EngineSteps(tensors, lambda: self.version, step_interval_s if step_interval_s is not None else 0.0)
         if step_interval_s is not None:
             self.steps.start()
+        self.peers = PeerService(self, self.receiver.exclusive, self.gate.pass_through)  # peer joins (ckpt_engine.elastic)
 
     @classmethod
     def of(cls, model: RefModel, **kw: Any) -> TorchRefWorker:
@@ -152,6 +155,7 @@ class TorchRefWorker:
             "get_tensor": self.get_tensor,
             "steps": self.steps.since,
             "specs": lambda: [[s.name, s.dtype, list(s.shape)] for s in self.expected.values()],
+            **self.peers.handlers(self._owned),
         }
 
     # --- ownership ----------------------------------------------------------------------------
@@ -242,6 +246,7 @@ class TorchRefWorker:
                 self.steps.pause_locked()
                 raise
             self.version, self.last_version, self.stale, self._received, self.paused = version, version, False, None, False
+            self.peers.synced()
             self.steps.resume_locked()
             stall = time.monotonic() - t0
         return {"stall_s": stall, "apply_s": apply_s}
@@ -252,6 +257,7 @@ class TorchRefWorker:
             held = "a partially loaded state" if self.stale else f"version {self.version}"
             raise RuntimeError(f"finalize({version}): no transfer completed since the last finalize (the engine holds {held}); run a complete sync")
         self.version, self.last_version, self.stale, self._received = version, version, False, None
+        self.peers.synced()
 
     def resume(self) -> None:
         if self.stale:
@@ -276,6 +282,7 @@ class TorchRefWorker:
             "delta_warmed": sorted(warmed()),  # the devices whose delta kernels this process loaded (delta.warm)
             "steps": self.steps.count,
             "group": self.receiver.group,  # the weight-sync group joined (None after a restart)
+            "version_from": self.peers.version_from(self.version),  # "trainer sync" or "peer pull from <peer>"
         }
 
     def get_tensor(self, name: str) -> dict[str, Any]:
@@ -283,7 +290,7 @@ class TorchRefWorker:
         return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": t.reshape(-1).view(torch.uint8).numpy().tobytes()}
 
 
-class TorchRefRollout(RolloutAdapter):
+class TorchRefRollout(RolloutAdapter, PeerJoinable):
     """Controller handle of one reference receiver process."""
 
     world_size = 1
@@ -352,6 +359,8 @@ class TorchRefRollout(RolloutAdapter):
         if self.owner is not None:
             params["owner"] = self.owner
         return self.rpc.call(method, timeout_s=timeout_s, **params)
+
+    peer_rpc = _call
 
     def claim(self, owner: str, lease_s: float) -> dict[str, Any]:
         """Take the engine for weight-sync group `owner`; refused while another group holds it."""
@@ -478,15 +487,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     layout = {k: getattr(args, k) for k in _LAYOUT_KEYS if getattr(args, k) is not None}
     kw = {"load_delay_s": args.load_delay_s, "staging_budget_bytes": args.staging_budget_bytes, "step_interval_s": args.step_interval_s}
-    if args.spec_file:
-        worker = TorchRefWorker.of(RefModel.from_spec_file(args.spec_file, layout), **kw)
-    else:
-        worker = TorchRefWorker.of(RefModel.from_hf_config(args.model_dir, args.dtype, layout), **kw)
+    model = RefModel.from_spec_file(args.spec_file, layout) if args.spec_file else RefModel.from_hf_config(args.model_dir, args.dtype, layout)
+    worker = TorchRefWorker.of(model, **kw)
     server = RpcServer(worker.handlers(), token=token, limits=ControlLimits(), port=args.port).start()
     print(f"{READY_PREFIX}{server.port}", flush=True)
-    # Exit when the parent goes away (stdin is not used; poll the parent pid).
     parent = os.getppid()
-    while os.getppid() == parent:
+    while os.getppid() == parent:  # exit when the parent goes away (stdin is not used)
         threading.Event().wait(1.0)
 
 

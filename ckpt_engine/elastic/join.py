@@ -1,0 +1,163 @@
+"""Elastic fleets, the controller's call: an engine that registers or restarts while the job runs
+pulls the version a serving peer holds, from that peer, with one-sided NIXL reads, and serves it
+only once it holds that version bit for bit. The trainer and the other engines go on meanwhile.
+
+    report = join_from_peer(joiner, peers)      # the library; `ckpt-engine serve` does the same
+
+The peers asked are the serving ones (complete version, not paused, not stale) holding the wanted
+version (default: the newest any of them holds), in the order given. Each attempt: the peer opens
+an offer of exactly that version (or refuses by name), the offer is checked with the peer as it
+stands (a stale one from before a restart, or an altered one, is refused by name), the joiner
+checks it against what it holds and reads, and checks what it read against the peer's checksums.
+A peer that fails (died mid-pull, refused) is named, and the next one is tried; when none is left
+the joiner holds no version and does not serve, and the trainer's next sync seeds it.
+
+Afterwards the joiner reports the version like an engine a sync reached, so a session's next sync
+counts it (`next_version`); it is a new member of the session's weight-sync group, so that sync
+rebuilds the group and is a dense seed for every engine (delta chains restart from it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ckpt_engine.elastic.offer import PeerOffer
+from ckpt_engine.rollout_adapters.base import RolloutAdapter, version_of
+
+__all__ = ["PeerJoinError", "PeerJoinReport", "PeerJoinable", "join_from_peer", "serving_version"]
+
+logger = logging.getLogger(__name__)
+
+
+class PeerJoinable(ABC):
+    """An engine handle whose engine can offer its held weights to a joining peer, and pull them
+    from one (the reference receiver's `TorchRefRollout`). The calls go to the engine's process."""
+
+    name: str
+
+    @abstractmethod
+    def peer_rpc(self, method: str, timeout_s: float | None = None, **params: Any) -> Any:
+        """One control call to the engine's process (with this handle's group, if it has one)."""
+
+    def peer_offer(self, version: int, timeout_s: float) -> bytes:
+        return bytes(self.peer_rpc("peer_offer", version=version, open_s=timeout_s))
+
+    def peer_check(self, offer: bytes) -> None:
+        self.peer_rpc("peer_check", offer=offer)
+
+    def peer_done(self, offer_id: int) -> None:
+        self.peer_rpc("peer_done", offer_id=offer_id)
+
+    def pull_from_peer(self, offer: bytes, version: int, peer: str, timeout_s: float) -> dict[str, Any]:
+        return dict(self.peer_rpc("pull_from_peer", timeout_s=2 * timeout_s, offer=offer, version=version, peer=peer, read_timeout_s=timeout_s))
+
+
+@dataclass
+class PeerJoinReport:
+    """A completed join: who, which version, from which peer, how fast; the peers that failed first."""
+
+    engine: str
+    version: int
+    peer: str
+    bytes: int
+    tensors: int
+    seconds: float
+    """The joiner's reads and checks, from its first read to holding the version."""
+    wall_s: float
+    """The whole call, offers and failed attempts included: the joiner's time to serve."""
+    failed: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "gbps": self.gbps}
+
+
+class PeerJoinError(RuntimeError):
+    """No peer could give the joiner the version; `failed` names each peer tried and why. The
+    joiner holds no version (it does not serve) until a sync or another join installs one."""
+
+    def __init__(self, engine: str, version: int | None, failed: dict[str, str]) -> None:
+        tried = "; ".join(f"{p}: {why}" for p, why in failed.items()) if failed else "no serving peer holds it"
+        super().__init__(f"engine {engine!r} could not join from a peer (version {version}): {tried}")
+        self.engine, self.version, self.failed = engine, version, dict(failed)
+
+
+def serving_version(health: dict[str, Any]) -> int | None:
+    """The version an engine serves now, by its health (None: paused, stale or holding none)."""
+    if health.get("paused") or health.get("stale") or health.get("receiving"):
+        return None
+    return version_of(health.get("version"))
+
+
+def join_from_peer(
+    joiner: RolloutAdapter, peers: Sequence[RolloutAdapter], *, version: int | None = None, timeout_s: float = 60.0,
+) -> PeerJoinReport:
+    """Make `joiner` hold `version` (default: the newest a serving peer holds), pulled from one of
+    `peers`; see the module docstring. Raises ValueError (bad arguments) or PeerJoinError."""
+    t0 = time.perf_counter()
+    if not isinstance(joiner, PeerJoinable):
+        raise ValueError(f"engine {joiner.name!r} cannot join from a peer: its handle ({type(joiner).__name__}) is not PeerJoinable")
+    failed: dict[str, str] = {}
+    held: dict[str, int] = {}
+    for p in peers:
+        if p.name == joiner.name:
+            continue
+        if not isinstance(p, PeerJoinable):
+            failed[p.name] = f"its handle ({type(p).__name__}) cannot offer weights to a peer"
+            continue
+        try:
+            v = serving_version(p.health())
+        except Exception as exc:
+            failed[p.name] = f"health probe failed: {exc}"
+            continue
+        if v is not None:
+            held[p.name] = v
+    want = version if version is not None else max(held.values(), default=None)
+    if want is None:
+        raise PeerJoinError(joiner.name, None, failed)
+    for p in peers:
+        if held.get(p.name) != want:
+            if p.name in held:
+                failed.setdefault(p.name, f"serves version {held[p.name]}, not {want}")
+            continue
+        assert isinstance(p, PeerJoinable)
+        try:
+            got = _attempt(joiner, p, want, timeout_s)
+        except Exception as exc:
+            logger.warning("engine %s: the join from peer %s failed: %s", joiner.name, p.name, exc)
+            failed[p.name] = f"{type(exc).__name__}: {exc}"
+            continue
+        report = PeerJoinReport(joiner.name, want, p.name, got["bytes"], got["tensors"], got["seconds"], time.perf_counter() - t0, failed)
+        logger.info("engine %s joined at version %d from peer %s (%.3f GB/s, %.3f s to serve)", joiner.name, want, p.name, report.gbps, report.wall_s)
+        return report
+    raise PeerJoinError(joiner.name, want, failed)
+
+
+def _attempt(joiner: PeerJoinable, peer: PeerJoinable, version: int, timeout_s: float) -> dict[str, Any]:
+    raw = peer.peer_offer(version, timeout_s)
+    try:
+        offer = PeerOffer.decode(raw, peer.name)
+        if offer.version != version:
+            raise ValueError(f"asked for version {version}, it offered version {offer.version}")
+        return pull_offer(joiner, peer, raw, timeout_s)
+    finally:
+        try:
+            peer.peer_done(PeerOffer.decode(raw, peer.name).offer_id)
+        except Exception as exc:  # a dead peer: nothing to close
+            logger.debug("closing the offer of %s: %s", peer.name, exc)
+
+
+def pull_offer(joiner: PeerJoinable, peer: PeerJoinable, raw: bytes, timeout_s: float) -> dict[str, Any]:
+    """One pull of an offer `peer` made: checked with the peer as it stands now (a stale offer from
+    before a restart, an altered one, a version it no longer holds: refused by name), then read."""
+    offer = PeerOffer.decode(raw, peer.name)
+    peer.peer_check(raw)
+    return joiner.pull_from_peer(raw, offer.version, peer.name, timeout_s)

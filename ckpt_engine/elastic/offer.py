@@ -1,0 +1,134 @@
+"""What a serving peer advertises to an engine that joins from it: the version it holds, its NIXL
+agent, and where each held tensor lies with a checksum of its bytes (msgpack, never pickle).
+
+The joiner checks an offer against what it holds before it touches anything (`check_for`): the
+version it was asked for, every tensor it holds offered with the same dtype, shape and size, and
+each descriptor well formed. What it then reads is checked against the advertised checksums, so a
+tensor read while the peer moved on (a sync landed in it mid-pull) or from a wrong address is
+refused instead of served.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+from ckpt_engine.transports.nixl_agent import SlotOffer
+from ckpt_engine.versions import check_version
+
+__all__ = ["PeerOffer", "TensorOffer", "tensor_bytes", "tensor_checksum"]
+
+_KEYS = {"instance", "offer_id", "version", "agent", "metadata", "memory", "device_id", "tensors"}
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (what a one-sided read moves)."""
+    return t.reshape(-1).view(torch.uint8)
+
+
+def tensor_checksum(t: torch.Tensor) -> int:
+    """CRC-32 of a tensor's bytes (a device tensor is copied to the host first)."""
+    return zlib.crc32(tensor_bytes(t.detach().contiguous()).cpu().numpy().tobytes())
+
+
+@dataclass(frozen=True)
+class TensorOffer:
+    """One held tensor as a peer offers it: where its bytes lie in the peer's registered memory."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    address: int
+    nbytes: int
+    checksum: int
+
+    def to_wire(self) -> list[object]:
+        return [self.name, self.dtype, list(self.shape), self.address, self.nbytes, self.checksum]
+
+
+@dataclass(frozen=True)
+class PeerOffer:
+    """A serving peer's offer of the version it holds (one per join; `offer_id` names it at the peer)."""
+
+    instance: str
+    """The peer process's id (random per start): an offer from before a restart names another one."""
+    offer_id: int
+    version: int
+    agent: str
+    metadata: bytes
+    memory: str
+    device_id: int
+    tensors: tuple[TensorOffer, ...]
+
+    def encode(self) -> bytes:
+        d = {k: getattr(self, k) for k in _KEYS - {"tensors"}}
+        d["tensors"] = [t.to_wire() for t in self.tensors]
+        return msgpack.packb(d, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, raw: bytes, peer: str) -> PeerOffer:
+        """The offer of `peer`; a malformed one is refused by name."""
+        who = f"the offer of peer {peer!r}"
+        try:
+            d = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else None
+        except (ValueError, msgpack.UnpackException) as exc:
+            raise ValueError(f"{who} is not msgpack: {exc}") from None
+        if not isinstance(d, dict) or set(d) != _KEYS:
+            raise ValueError(f"{who} must be a map of {', '.join(sorted(_KEYS))}; got {d!r:.200}")
+        if not all(isinstance(d[k], str) and d[k] for k in ("instance", "agent")) or not isinstance(d["metadata"], bytes) or not d["metadata"]:
+            raise ValueError(f"{who} has no instance, agent name or agent metadata")
+        if d["memory"] not in ("DRAM", "VRAM") or not _is_int(d["device_id"]) or not _is_int(d["offer_id"]):
+            raise ValueError(f"{who} names memory {d['memory']!r} on device {d['device_id']!r} (DRAM or VRAM, an int device) or a bad offer id")
+        try:
+            version = check_version(d["version"], f"{who}: version")
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+        if not isinstance(d["tensors"], list):
+            raise ValueError(f"{who}: tensors must be a list")
+        return cls(d["instance"], d["offer_id"], version, d["agent"], d["metadata"], d["memory"], d["device_id"], tuple(_tensor(t, who) for t in d["tensors"]))
+
+    def check_for(self, version: int, held: Mapping[str, torch.Tensor]) -> None:
+        """Refuse (ValueError naming what) an offer that does not carry `version` or does not
+        describe exactly the tensors this engine holds: nothing is read or touched before this."""
+        if self.version != version:
+            raise ValueError(f"peer offers version {self.version}, but this engine was asked to pull version {version} (a peer advertising a version it does not hold?)")
+        offered = {t.name: t for t in self.tensors}
+        if len(offered) != len(self.tensors):
+            raise ValueError("the offer names a tensor twice")
+        missing, extra = sorted(set(held) - set(offered)), sorted(set(offered) - set(held))
+        if missing or extra:
+            raise ValueError(
+                f"the offer does not describe the tensors this engine holds (another model or layout?): "
+                f"{len(missing)} missing ({', '.join(missing[:5])}), {len(extra)} not held here ({', '.join(extra[:5])})"
+            )
+        wrong: list[str] = []
+        for name, t in held.items():
+            o = offered[name]
+            mine = (str(t.dtype).removeprefix("torch."), tuple(t.shape), t.numel() * t.element_size())
+            if (o.dtype, o.shape, o.nbytes) != mine:
+                wrong.append(f"{name}: offered {o.dtype}{list(o.shape)} in {o.nbytes} bytes, held {mine[0]}{list(mine[1])} in {mine[2]} bytes")
+        if wrong:
+            raise ValueError(f"the offer's memory descriptors do not match what this engine holds ({len(wrong)} tensor(s)): {'; '.join(wrong[:5])}")
+
+    def slots(self) -> SlotOffer:
+        """The offer as the NIXL agent's peer record: one 'slot' per tensor, in offer order."""
+        return SlotOffer(self.agent, self.metadata, self.memory, self.device_id, tuple((t.address, t.nbytes) for t in self.tensors))
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _tensor(t: object, who: str) -> TensorOffer:
+    if not (isinstance(t, list) and len(t) == 6 and isinstance(t[0], str) and isinstance(t[1], str) and isinstance(t[2], list)):
+        raise ValueError(f"{who}: a tensor must be [name, dtype, shape, address, nbytes, checksum], got {t!r:.120}")
+    name, dtype, shape, address, nbytes, checksum = t
+    if not all(_is_int(v) and v >= 0 for v in (*shape, address, nbytes, checksum)):
+        raise ValueError(f"{who}: tensor {name!r}: shape, address, bytes and checksum must be non-negative ints, got {t!r:.120}")
+    if nbytes > 0 and address == 0:
+        raise ValueError(f"{who}: tensor {name!r} has {nbytes} bytes at address 0 (a wrong memory descriptor)")
+    return TensorOffer(name, dtype, tuple(shape), address, nbytes, checksum)

@@ -1,0 +1,145 @@
+"""A serving engine's side of a peer join: it offers the version it holds, and its NIXL agent
+serves the joiner's one-sided reads of its live tensors while it keeps serving.
+
+The held tensors are registered with the agent once (syncs update them in place, so the
+registration outlives versions; new storage registers anew). A checksum of each is taken once per
+held version. An offer stays open until the joiner is done or `timeout_s` passes; meanwhile a
+thread lets the agent's worker serve the reads (UCX emulates a READ over TCP with messages the
+target must answer; on RDMA or NVLink it does nothing). Nothing here pauses the engine: a sync
+landing in it mid-pull changes bytes under the reads, and the joiner's checksums refuse them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import threading
+import time
+
+from ckpt_engine.elastic.host import PeerHost
+from ckpt_engine.elastic.offer import PeerOffer, TensorOffer, tensor_bytes, tensor_checksum
+from ckpt_engine.transports.nixl_agent import NixlAgent, load_nixl
+
+__all__ = ["PeerSource"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_NAP_S = 1e-4
+"""Longest sleep between two progress calls while an offer is open (reads over TCP move only then)."""
+
+
+class PeerSource:
+    """The offers of one engine rank, and the agent that serves their reads."""
+
+    def __init__(self, host: PeerHost) -> None:
+        self.host = host
+        self.instance = secrets.token_hex(8)
+        """This process's id in its offers: an offer made before a restart names another one."""
+        self.generation = 0
+        """Bumped whenever the held weights change (a sync or a pull installed a version)."""
+        self._lock = threading.Lock()
+        self._agent: NixlAgent | None = None
+        self._names: list[str] = []
+        self._ptrs: list[int] = []
+        self._sums: tuple[int, list[int]] | None = None
+        """(generation, checksum of each tensor in `_names` order) of the last offer."""
+        self._open: dict[int, tuple[bytes, int, float]] = {}
+        """offer id -> (digest of the offer as sent, generation it was made at, deadline)."""
+        self._next_id = 0
+        self._thread: threading.Thread | None = None
+
+    def _state(self) -> tuple[int | None, bool, bool, int]:
+        h = self.host
+        return h.version, h.stale, h.receiving, self.generation
+
+    def offer(self, version: int, timeout_s: float) -> bytes:
+        """Open an offer of `version`; refused by name unless this engine holds exactly it, serving."""
+        h, before = self.host, self._state()
+        if h.version != version or h.stale or h.receiving:
+            held = "a partially loaded state" if h.stale or h.receiving else f"version {h.version}"
+            raise ValueError(f"this engine holds {held}, not version {version}: it cannot offer it")
+        with self._lock:
+            agent = self._agent_locked()
+            if self._sums is None or self._sums[0] != before[3]:
+                self._sums = (before[3], [tensor_checksum(h.tensors[n]) for n in self._names])
+            sums = self._sums[1]
+            if self._state() != before:
+                raise RuntimeError(f"a sync landed in this engine while it took the checksums of version {version}; ask again")
+            made = agent.offer()
+            slots = dict(zip([n for n in self._names if h.tensors[n].numel()], made.slots))
+            tensors = tuple(
+                TensorOffer(n, str(h.tensors[n].dtype).removeprefix("torch."), tuple(h.tensors[n].shape), *slots.get(n, (0, 0)), s)
+                for n, s in zip(self._names, sums)
+            )
+            self._next_id += 1
+            offer = PeerOffer(self.instance, self._next_id, version, agent.name, made.metadata, agent.memory, agent.device_id, tensors)
+            raw = offer.encode()
+            self._open[offer.offer_id] = (hashlib.blake2b(raw, digest_size=16).digest(), before[3], time.monotonic() + timeout_s)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name="ckpt-peer-offers", daemon=True)
+                self._thread.start()
+        logger.info("offered version %d to a joining peer (offer %d, %d tensors)", version, offer.offer_id, len(tensors))
+        return raw
+
+    def check(self, raw: bytes) -> None:
+        """Refuse by name an offer this process did not make as it stands (a stale registration
+        from before a restart, an altered one), one no longer open, or one whose version this
+        engine no longer holds."""
+        offer = PeerOffer.decode(raw, "this peer")
+        if offer.instance != self.instance:
+            raise ValueError(
+                f"a stale registration: offer {offer.offer_id} was made by peer process {offer.instance} (agent {offer.agent}), "
+                f"this peer process is {self.instance} (it restarted since); ask it for a new offer"
+            )
+        with self._lock:
+            entry = self._open.get(offer.offer_id)
+        if entry is None:
+            raise ValueError(f"offer {offer.offer_id} is not open at this peer (done, expired or never made)")
+        if hashlib.blake2b(raw, digest_size=16).digest() != entry[0]:
+            raise ValueError(f"offer {offer.offer_id} differs from what this peer made (version, agent or memory descriptors altered)")
+        if self._state() != (offer.version, False, False, entry[1]):
+            raise ValueError(f"this peer no longer holds version {offer.version} as offered (it holds version {self.host.version})")
+
+    def done(self, offer_id: int) -> None:
+        with self._lock:
+            self._open.pop(offer_id, None)
+
+    def _agent_locked(self) -> NixlAgent:
+        """The agent with every held tensor registered (registered anew if their storage moved)."""
+        h = self.host
+        names = sorted(h.tensors)
+        ptrs = [h.tensors[n].data_ptr() for n in names]
+        if self._agent is not None and (names, ptrs) == (self._names, self._ptrs):
+            return self._agent
+        if self._agent is not None:
+            if self._open:
+                raise RuntimeError("the engine's tensors moved while offers are open; ask again once they closed")
+            self._agent.close()
+        buffers = [tensor_bytes(h.tensors[n]) for n in names if h.tensors[n].numel()]
+        self._agent, self._names, self._ptrs, self._sums = NixlAgent(load_nixl(), "peer", buffers), names, ptrs, None
+        return self._agent
+
+    def _serve(self) -> None:
+        """Progress the agent while an offer is open; drop offers past their deadline."""
+        nap = 1e-5
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                for oid in [o for o, (_, _, deadline) in self._open.items() if deadline < now]:
+                    logger.warning("offer %d expired before the joining peer said it was done", oid)
+                    del self._open[oid]
+                if not self._open or self._agent is None:
+                    self._thread = None
+                    return
+                agent = self._agent
+            agent.progress()
+            time.sleep(nap)
+            nap = min(2 * nap, _MAX_NAP_S)
+
+    def close(self) -> None:
+        with self._lock:
+            self._open.clear()
+            agent, self._agent = self._agent, None
+        if agent is not None:
+            agent.close()
