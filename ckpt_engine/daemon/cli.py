@@ -139,7 +139,7 @@ def render_status(status: dict[str, Any]) -> None:
     console.print(head)
 
     engines = Table(title="engines")
-    for col in ("name", "engine", "state", "version", "last seen", "health"):
+    for col in ("name", "engine", "state", "version", "version from", "last seen", "health"):
         engines.add_column(col)
     for e in status.get("engines") or []:
         eng = e.get("engine") or {}
@@ -150,9 +150,20 @@ def render_status(status: dict[str, Any]) -> None:
         else:
             health_text = ", ".join(f"{k}={v}" for k, v in health.items() if k in ("version", "paused", "stale", "receiving", "buckets_received"))
         state = e.get("state")
-        colour = {"serving": "green", "pending": "yellow", "paused": "yellow", "stale": "red"}.get(str(state), "white")
-        engines.add_row(str(e.get("name")), where, f"[{colour}]{state}[/{colour}]", str(e.get("version")), f"{e.get('last_seen_s', 0):.1f} s ago", health_text)
+        colour = {"serving": "green", "pending": "yellow", "paused": "yellow", "stale": "red", "joining": "cyan"}.get(str(state), "white")
+        origin = str(health.get("version_from") or "-")  # where the engine got the version it holds: "trainer sync" or "peer pull from <peer>"
+        engines.add_row(str(e.get("name")), where, f"[{colour}]{state}[/{colour}]", str(e.get("version")), origin, f"{e.get('last_seen_s', 0):.1f} s ago", health_text)
     console.print(engines)
+
+    joins = status.get("peer_joins") or {}
+    if joins:
+        table = Table(title="peer joins (daemon.peer_join)")
+        for col in ("engine", "version", "result", "seconds to serve", "GB/s", "peers that failed"):
+            table.add_column(col)
+        for name, j in joins.items():
+            result = f"[green]from {j.get('peer')}[/green]" if j.get("ok") else f"[red]{j.get('error')}[/red]"
+            table.add_row(name, str(j.get("version")), result, f"{j.get('wall_s') or 0:.3f}", f"{j.get('gbps') or 0:.3f}", ", ".join(j.get("failed") or []))
+        console.print(table)
 
     departed = status.get("departed") or {}
     if departed:

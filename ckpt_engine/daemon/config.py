@@ -32,6 +32,9 @@ class DaemonConfig:
     """After a sync loses engines, re-sync the survivors to the same version up to this many times."""
     catch_up: bool = True
     """The trainer syncs right away (instead of at the next `sync_every`) when an engine waits for weights."""
+    peer_join: bool = False
+    """An engine that registers without the current version pulls it from a serving peer over NIXL
+    (`ckpt_engine.elastic`, docs/elastic.md) instead of waiting for the trainer's next sync."""
     engine_lease_s: float = 60.0
     """An engine this daemon claimed stays its own while the daemon was heard from within this
     (every health probe and control call renews it); released at once on leave or close."""
@@ -62,8 +65,9 @@ class DaemonConfig:
         value = self.max_resync_attempts
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"daemon.max_resync_attempts must be an int >= 0, got {value!r}")
-        if not isinstance(self.catch_up, bool):
-            raise ConfigError(f"daemon.catch_up must be a bool, got {self.catch_up!r}")
+        for name in ("catch_up", "peer_join"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"daemon.{name} must be a bool, got {getattr(self, name)!r}")
         try:  # the control server's limits check themselves (one rule for every control port)
             self.limits()
         except ValueError as exc:

@@ -55,6 +55,7 @@ from ckpt_engine.daemon.group import GroupKeeper, probe_members
 from ckpt_engine.daemon.membership import EngineRecord, EngineState, Membership, state_from_health
 from ckpt_engine.daemon.outcome import OneWalkPerAttempt, SyncOutcome, WalkBarrier, blame_source, summarize
 from ckpt_engine.daemon.ownership import adopt, claim_engine, describe, job_group, refusal, release_engine
+from ckpt_engine.daemon.peer_joins import PeerJoins
 from ckpt_engine.daemon.recovery import after_failed_attempt, changed_members, resume_held
 from ckpt_engine.daemon.senders import ShardedWalk, sends_from_every_rank
 from ckpt_engine.daemon.protocol import PROTOCOL_VERSION, ProtocolError, check_engine_descriptor, check_engine_name, check_outcome
@@ -113,6 +114,7 @@ class WeightSyncDaemon:
         self._generation = 0
         """Bumped by every recorded sync; a health probe older than the last one is not applied."""
         self._groups = GroupKeeper(self.config, rendezvous_host)
+        self.joins = PeerJoins(self.daemon_config.peer_join, self.config.timeout_s)  # engines joining from a serving peer
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self.server: DaemonServer | None = None
@@ -155,6 +157,7 @@ class WeightSyncDaemon:
         old = self.membership.add(record)
         if old is not None and old.adapter is not None and old.adapter is not adapter:
             close_in_background(old.adapter, close=old.owned, release=False)
+        self.joins.start(record, self.membership, self.version)  # daemon.peer_join: pull the current version from a peer
         logger.info("engine %s registered (%s): %s, version %s", name, describe(descriptor), record.state, record.version)
         return record.to_dict()
 
@@ -181,8 +184,7 @@ class WeightSyncDaemon:
 
     def hello(self) -> dict[str, Any]:
         return {
-            "protocol": PROTOCOL_VERSION, "role": self.role, "version": self.version, "epoch": self.membership.epoch, "group": self.group,
-            "weights": self.config.weights,
+            "protocol": PROTOCOL_VERSION, "role": self.role, "version": self.version, "epoch": self.membership.epoch, "group": self.group, "weights": self.config.weights,
         }
 
     def members(self) -> dict[str, Any]:
@@ -200,12 +202,9 @@ class WeightSyncDaemon:
             "engines": self.membership.snapshot(),
             "departed": {k: dict(v) for k, v in self.membership.departed.items()},
             "manifest": None if manifest is None else {
-                "digest": manifest.digest,
-                "tensors": manifest.num_tensors,
-                "buckets": manifest.num_buckets,
-                "bytes": manifest.total_bytes,
-                "bucket_size_bytes": manifest.bucket_size_bytes,
+                "digest": manifest.digest, "tensors": manifest.num_tensors, "buckets": manifest.num_buckets, "bytes": manifest.total_bytes, "bucket_size_bytes": manifest.bucket_size_bytes,
             },
+            "peer_joins": dict(self.joins.last),
             "last_sync": self.last_outcome,
             "history": list(self.history),
         }
@@ -260,7 +259,7 @@ class WeightSyncDaemon:
                 continue
             self.membership.touch(rec.name, health)
             found = state_from_health(health)
-            if found is not None and not self._sync_lock.locked() and generation == self._generation:
+            if found is not None and not self._sync_lock.locked() and generation == self._generation and rec.state != EngineState.JOINING:
                 self.membership.set_state(rec, *found)
             self.versions.adopt_health(health, f"engine {rec.name}")
         timeout = self.daemon_config.heartbeat_timeout_s
@@ -307,7 +306,7 @@ class WeightSyncDaemon:
                     walker.begin()
                     again = False
                     try:
-                        members = self.membership.records()
+                        members = [r for r in self.membership.records() if r.state != EngineState.JOINING]  # a join's weights are its pull's
                         if not members:
                             outcome.error = "no engines are registered"
                         else:
@@ -455,7 +454,7 @@ class WeightSyncDaemon:
                 self._drop(rec, why)
         for name, state in outcome["states"].items():
             rec = self.membership.get(name)
-            if rec is not None:
+            if rec is not None and EngineState.JOINING not in (state, rec.state):  # a join in flight here is its own
                 self.membership.set_state(rec, state, None if state == EngineState.STALE else outcome["engines"].get(name))
         with self._state_lock:
             self.last_outcome = outcome
@@ -481,6 +480,7 @@ class WeightSyncDaemon:
         self._stop.set()
         if self.server is not None:
             self.server.close()
+        self.joins.close(2 * self.config.timeout_s)
         with self._sync_lock:
             self._groups.close()
         if self.role != "standalone":

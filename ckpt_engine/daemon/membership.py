@@ -33,6 +33,8 @@ class EngineState:
     """Holds a complete version but is paused (a sync stopped before moving data, or died there)."""
     STALE = "stale"
     """A sync failed part-way; paused with a half-loaded state (no complete version) until the next complete sync."""
+    JOINING = "joining"
+    """Pulling the current version from a serving peer (`daemon.peer_joins`): out of service, left out of syncs."""
 
 
 def state_from_health(health: Any) -> tuple[str, int | None] | None:

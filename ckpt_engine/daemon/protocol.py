@@ -27,8 +27,9 @@ unknown or mistyped param is refused with `ProtocolError` and the daemon keeps s
 e.g. `{"kind": "torch_ref", "host": "127.0.0.1", "port": 40123}`. A record is
 `{name, engine, state, version, last_seen_s, health}` with state one of `pending` (registered,
 holds no complete version yet; not paused: it serves what it loaded until a sync covers it), `serving` (holds `version` completely and serves it),
-`paused` (holds `version` completely but is paused: a sync stopped before moving data) or `stale`
-(a sync failed part-way: paused, holds no complete version, `version` is nil). Versions are ints
+`paused` (holds `version` completely but is paused: a sync stopped before moving data), `stale`
+(a sync failed part-way: paused, holds no complete version, `version` is nil) or `joining` (pulling
+the current version from a serving peer, `daemon.peer_join`: out of service, left out of syncs). Versions are ints
 in [0, 2**63-1], never go down and never label two sets of weights; a daemon adopts the highest
 version its engines hold, and a reported outcome may not jump more than 2**32 past it.
 
@@ -130,8 +131,8 @@ def check_outcome(outcome: Any) -> dict[str, Any]:
         _version_or_none(version, f"outcome.engines.{name}")
     for name, state in outcome["states"].items():
         check_engine_name(name)
-        if state not in ("pending", "serving", "paused", "stale"):
-            raise ProtocolError(f"outcome.states.{name} must be pending, serving, paused or stale, got {state!r:.40}")
+        if state not in ("pending", "serving", "paused", "stale", "joining"):
+            raise ProtocolError(f"outcome.states.{name} must be pending, serving, paused, stale or joining, got {state!r:.40}")
     for name, why in outcome["dropped"].items():
         check_engine_name(name)
         if not isinstance(why, str):
