@@ -111,7 +111,10 @@ class VllmLoraCore:
         self.preload = True
         """Install each version under `lora_int_id(version)` at finalize (in-process `LLM`); off
         behind the OpenAI server, whose registration loads it under its own id."""
-        self.core: LoraReceiverCore[int] = LoraReceiverCore(self.target, self._install, self._unload, max_versions, torch.device("cpu"))
+        # received on the model's device (NCCL and CUDA IPC land only there), kept on the host as vLLM
+        # keeps its CPU LoRA models (`_install`)
+        device = next(get_model().parameters()).device
+        self.core: LoraReceiverCore[int] = LoraReceiverCore(self.target, self._install, self._unload, max_versions, device)
         _install_hooks()
         _CORES[id(adapters)] = self
 
@@ -149,6 +152,7 @@ class VllmLoraCore:
 
     def _install(self, version: int, tensors: dict[str, torch.Tensor], spec: LoraSpec) -> int:
         lora_id = lora_int_id(version)
+        tensors = {n: t.cpu() for n, t in tensors.items()}
         lora = self._lora_model(lora_id, tensors, spec)  # checked here even when the server loads it later
         self._tensors[version] = (tensors, spec)
         if not self.preload:
