@@ -3,21 +3,15 @@
 A control port is reachable by any local process, so it is written for a hostile peer:
 
 - **Authentication first.** Every request carries the job token (`params.token`, compared in
-  constant time). A connection counts as authenticated after its first request with the right
-  token; until then it must deliver that request within `handshake_timeout_s` of being accepted
-  (a wrong token is answered, and the peer may try again inside the same deadline), or it is cut.
-- **Two connection pools.** Unauthenticated connections have their own cap; when it is full the
-  oldest one is cut to admit the newcomer, so idle strangers cannot keep a legitimate client from
-  reaching its handshake. Authenticated connections are capped separately; at the cap a newly
-  authenticated connection closes the longest-idle one (clients reconnect on their next call), so
-  a job with more clients than the cap never locks itself out; only when every slot is mid-request
-  is the newcomer refused.
-- **Bounded frames.** A frame larger than `max_frame_bytes` is refused from its header. Once a
-  frame's first byte arrives the whole frame must arrive within `frame_timeout_s`: the clock is
-  not reset by trickled bytes. Between frames an authenticated connection may idle for
-  `idle_timeout_s`.
-
-Frames are `ckpt_engine.control.wire`'s (4-byte length + msgpack, no extension types, never pickle).
+  constant time); a connection must deliver its first request with the right token within
+  `handshake_timeout_s` of being accepted (a wrong one may be retried inside it), or it is cut.
+- **Two connection pools.** Unauthenticated connections have their own cap, the oldest cut to
+  admit a newcomer, so idle strangers cannot keep a client from its handshake. At the cap of
+  authenticated ones a newcomer closes the longest-idle (clients reconnect), so a job with more
+  clients than the cap never locks itself out; only when every slot is mid-request is it refused.
+- **Bounded frames.** A frame larger than `max_frame_bytes` is refused from its header; once its
+  first byte arrives the whole frame must arrive within `frame_timeout_s` (trickled bytes do not
+  reset the clock). Between frames an authenticated connection may idle for `idle_timeout_s`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Control messages: length-prefixed msgpack over TCP, request/response, every read bounded.
 
-Used between the sync controller and out-of-process receivers (and the daemon). Requests are
-`{"id": int, "method": str, "params": map}`; replies `{"id": int, "ok": bool, "result"|"error": ...}`.
-Frames are size-checked before they are read and decoded without extension types: a garbled or
-hostile peer gets an error reply or a closed socket, never code execution. The server side is
-`ckpt_engine.control.server` (token, connection caps, deadlines); this module holds the framing
-and the client.
+Requests are `{"id": int, "method": str, "params": map}`; replies `{"id": int, "ok": bool,
+"result"|"error": ...}`. Frames are size-checked before they are read and decoded without
+extension types: a garbled or hostile peer gets an error reply or a closed socket, never code
+execution. The server side (token, caps, deadlines) is `control/server.py`.
 """
 
 from __future__ import annotations

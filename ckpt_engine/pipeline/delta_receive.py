@@ -1,28 +1,20 @@
 """The receiving side of a delta sync: per bucket a frame header, then the payload (dense or a patch).
 
-No receive is posted with a size from an unchecked header. Each header carries a seal of its kind
-and size (`delta_bases.frame_seal`, made by the sender from the values it sized the payload with):
-a header whose seal does not match was corrupted on its own, what the sender posts is unknown, so
-nothing is posted and this rank drops its groups (every rank read the same header; the sender's
-broadcast fails at once), a SyncError naming the bucket and sender. A sealed header's sizes are
-then checked against the bucket: one that announces a kind or a size the bucket cannot have (a
-lying sender) fails the sync, but its payload (as long as the sealed header says, which is what
-the sender posts: see delta_send.py) is still taken into scratch memory, within a slot's size, so
-the collective stays in step and no rank tears it down. Each patch is checked as it arrives (while the next bucket is in flight): the
-sender's checksum of the result must equal this rank's base checksum plus the patch's change,
-computed from this rank's own old words. Tensors are handed to the loader only after every bucket
-has passed, so a corrupt or mismatched frame leaves the engine's weights as they were; after a
-failed check the remaining frames are still received (senders finish), then the failure is raised.
+No receive is posted with a size from an unchecked header. A header whose seal
+(`delta_bases.frame_seal`) does not match was corrupted on its own: nothing is posted and this
+rank drops its groups (a SyncError naming bucket and sender). A sealed header that announces a
+kind or size the bucket cannot have (a lying sender) fails the sync, but its payload is still
+taken into scratch memory so the collective stays in step. Each patch is checked as it arrives:
+the sender's checksum of the result must equal this rank's base checksum plus the patch's change.
+Tensors reach the loader only after every bucket passed, so a bad frame leaves the engine's
+weights as they were; after a failed check the remaining frames are still received, then raised.
 
 Two places for the base. With `destinations` holding every entry in the wire layout, the loader's
-own tensors are the base (`ckpt_engine.delta.pieces.ScatteredImage`): a patch's old words are read
-where they live and its new ones written right after (so the writes overlap the transfer instead of
-trailing it), its check is read back with every other bucket's after the last one (the host does
-not wait for a patch's kernels between buckets), and the old words are kept until the sync ends: a
-failure writes them back, latest bucket first, before it is raised. Dense buckets are staged and
-copied in after the checks; no bucket-sized copy exists at all (no base copy, no loader copy of the
-whole model). Otherwise each bucket has a base image in device memory, patched after every check
-has passed, whose views are handed to the loader.
+own tensors are the base (`delta.pieces.ScatteredImage`): a patch's words are written as it lands
+(the writes overlap the transfer), the checks are read back together after the last bucket, and
+the old words are kept until the sync ends, so a failure writes them back, latest bucket first;
+no bucket-sized copy exists. Otherwise each bucket has a base image in device memory, patched
+after every check passed, whose views are handed to the loader.
 """
 
 from __future__ import annotations

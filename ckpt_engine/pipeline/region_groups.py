@@ -1,19 +1,13 @@
 """Region delivery over a weight-sync group: one pipelined engine per receiver set.
 
-Each receiver set of a `RegionLayout` (`planning/receive_sets.py`) gets a group of its own: the
-senders and the set's members, under the main group's rendezvous with the token suffixed by the
-layout digest and the set's index. Every rank joins its sets in index order at the first sync of a
-layout (before any byte moves, so a failure later closes sockets every blocked peer is reading)
-and keeps them while the layout stays. A sender streams each set's pieces through that set's
-engine, a plain pipelined sync of virtual tensors (buckets, delta patches and their checksums, many
-senders, as for whole tensors); a receiver takes the sets it belongs to, in index order, and
-nothing else. Sets that share no receiver stream side by side (`waves`: up to `width` at once,
-each from its own slots on the sender; `parallel_sets` turns a memory budget into that width,
-`DEFAULT_PARALLEL_SETS` without one), so where each receiver's
-ingress is the bound (TP ranks on their own NICs) every receiver's link stays busy; sets that
-share a receiver go one after another. With a delta request nothing reaches the
-loader until every set's patches have checked out, so a bad patch anywhere leaves the engine's
-weights as they were.
+Each receiver set of a `RegionLayout` (`planning/receive_sets.py`) gets a group of its own (the
+senders and the set's members, the main rendezvous token suffixed by the layout digest and set
+index), joined in index order at a layout's first sync, before any byte moves, and kept while
+the layout stays. A sender streams each set's pieces through that set's engine, a plain pipelined
+sync of virtual tensors; a receiver takes its own sets in index order. Sets that share no
+receiver stream side by side (`waves`, up to `width` at once: `parallel_sets` turns a memory
+budget into that width), so where each receiver's ingress is the bound every link stays busy.
+With a delta request nothing reaches the loader until every set's patches checked out.
 """
 
 from __future__ import annotations

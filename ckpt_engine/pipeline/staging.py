@@ -1,20 +1,16 @@
 """A staged version (issue 28): received and checked while the engine serves, made live at the swap.
 
-A staged sync never writes the engine's live weights while it streams. What it keeps until the
-swap is one object, `StagedVersion`, with `apply()` (write it in, between two engine steps) and
-`discard()` (a failed stream: drop it; the live weights were never touched):
+A staged sync never writes the live weights while it streams; it keeps one `StagedVersion` until
+the swap, with `apply()` (between two engine steps) and `discard()` (a failed stream):
 
-- `StagedPatches`: a patch sync into a receiver whose loader's tensors are the delta base (in
-  place). Each patch was checked at arrival against the live words without writing them (the
-  words at its positions are gathered, and the checksum change computed from them); the decoded
-  patches and the dense frames of the sync are kept. `apply` writes them all, keeps the old words
-  until the check of what it wrote passes (a mismatch, e.g. a live weight written by someone else
-  since the stream, writes the old words back and raises), then moves the delta base on.
-- `StagedBuckets`: what a receive with base images (or region delivery) would hand the loader, kept
-  as it is: views of the verified base images and reassembly tensors, which nothing writes until
-  the next sync. `apply` hands them to the loader.
-- `StagedCopy`: a dense sync (or a delta seed) landed in a staging copy of the live tensors the
-  sync carries (kept across syncs); `apply` is one batched copy staging -> live of those only.
+- `StagedPatches`: a patch sync whose delta base is the loader's own tensors. Each patch was
+  checked at arrival against the live words without writing them; `apply` writes the patches and
+  dense frames, keeps the old words until the check of what it wrote passes (a live weight
+  written by someone else since the stream restores them and raises), then moves the base on.
+- `StagedBuckets`: the verified base images and reassembly tensors a receive would hand the
+  loader, which nothing writes until the next sync; `apply` hands them over.
+- `StagedCopy`: a dense sync (or a delta seed) landed in a staging copy of the live tensors it
+  carries (kept across syncs); `apply` is one batched copy staging -> live.
 """
 
 from __future__ import annotations

@@ -32,21 +32,15 @@ def plan_buckets(
 ) -> BucketManifest:
     """Pack `specs` into buckets of at most `bucket_size_bytes`.
 
-    Each tensor starts at an `alignment`-aligned offset, so receivers can view it in place with its
-    own dtype. A tensor that does not fit the rest of the current bucket opens a new one; a tensor
-    larger than a whole bucket fills consecutive buckets chunk by chunk, and the next tensor
-    continues after its last chunk.
+    Each tensor starts at an `alignment`-aligned offset (receivers view it in place with its own
+    dtype); a tensor larger than a bucket fills consecutive buckets chunk by chunk.
 
-    `solo_bytes`: a tensor of at least this size gets a bucket of its own. A lone tensor needs no
-    packing (a stable sender broadcasts it from its own memory) and no unpacking (a receiver that
-    offers its destination receives straight into it), which is what a CPU transport needs: there,
-    every copy costs core time the socket copies also need, while a few more messages cost little.
+    `solo_bytes`: a tensor of at least this size gets a bucket of its own, which needs no packing or
+    unpacking: what a CPU transport wants, where every copy costs core time the sockets also need.
 
-    `num_senders` / `owners`: with several senders each packs the pieces it owns (`owners[name]`,
-    byte ranges of the tensor; a tensor nobody claims is replicated: one of at least a bucket is
-    cut evenly over all senders, a smaller one goes whole to the sender with the fewest bytes so
-    far, so replicated tensors balance the load) into buckets of its own; the senders'
-    buckets are interleaved round-robin, which is the order receivers consume them in.
+    `num_senders` / `owners`: each sender packs the pieces it owns into buckets of its own; a tensor
+    nobody claims is cut evenly over all senders (at least a bucket) or goes whole to the sender with
+    the fewest bytes so far. The senders' buckets are interleaved round-robin, the receivers' order.
     """
     if alignment < 1 or alignment & (alignment - 1):
         raise ValueError(f"alignment must be a power of two, got {alignment}")

@@ -1,18 +1,13 @@
 """Fused experts on the wire: a layer's routed experts as one stacked tensor per projection.
 
-A MoE checkpoint names every expert's matrices apart (`...mlp.experts.7.gate_proj.weight`); an
-engine that holds them fused (vLLM's `w13_weight` / `w2_weight`, the reference receiver with
-`fused_experts`) keeps one tensor per layer and projection with the experts along dim 0. Sending
-the stack (`...mlp.experts.gate_proj.weight`, shape [experts, *expert shape]) makes a Kimi-K2 sync
-~1,000 tensors instead of ~70,000: fewer, larger copies when packing and loading, fewer entries in
-the manifest and the receive plans. The stack is an ordinary tensor to everything below (buckets,
-regions along any of its dims, delta patches, checksums): an EP rank holds a dim-0 range of it,
-a TP rank a range of each expert's rows (dim 1) or columns (dim 2).
+A MoE checkpoint names every expert's matrices apart; an engine that holds them fused (vLLM's
+`w13_weight` / `w2_weight`, the reference receiver with `fused_experts`) keeps one tensor per
+layer and projection, experts along dim 0. Sending the stack (`...mlp.experts.gate_proj.weight`)
+makes a Kimi-K2 sync ~1,000 tensors instead of ~70,000. Below the planner the stack is an
+ordinary tensor (buckets, regions along any dim, patches, checksums).
 
-Per-expert names stay the contract: only a sync whose source is wrapped in `FusedExpertSource`
-(`sources/fused_experts.py`) sends stacks, and only engines that hold them accept that manifest.
-
-A pure function of the specs: sender and receivers fuse alike.
+Per-expert names stay the contract: only a source wrapped in `FusedExpertSource` sends stacks, and
+only engines that hold them accept that manifest. A pure function of the specs.
 """
 
 from __future__ import annotations

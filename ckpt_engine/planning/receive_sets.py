@@ -1,14 +1,10 @@
 """Region delivery's plan: the receive plans of every receiver rank, cut into pieces per receiver set.
 
-Every tensor is cut, along the one dimension its receivers' regions use, at every region bound;
-each piece is a virtual tensor (its own name, the piece's shape) held by a set of receivers. Pieces
-with the same holder set form that set's tensors: they travel once to that set (a broadcast over a
-group of the senders and those receivers), and nothing reaches a rank that does not hold them. A
-receiver without a plan holds every tensor whole (it takes every piece and reassembles). Where
-receivers cut one tensor along different dimensions, the tensor travels whole to all of them and
-each keeps its regions.
-
-A pure function of (tensor specs, plans): the controller and every sender compute the same layout.
+Every tensor is cut along the one dimension its receivers' regions use, at every region bound;
+each piece is a virtual tensor held by a set of receivers, and travels once to that set (a
+broadcast over a group of the senders and those receivers). A receiver without a plan takes every
+piece; receivers that cut one tensor along different dimensions all get it whole.
+A pure function of (specs, plans): the controller and every sender compute the same layout.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Receive plans: which parts of which tensors one engine rank holds.
 
-A tensor-parallel rank keeps a slice of most tensors (a row or column range), an expert-parallel
-rank keeps only its experts, and every rank keeps the replicated ones whole. An engine rank states
-that once at join time (recorded from its own loader, or from its TP/EP layout), so senders can
-deliver it only those bytes. The plan comes from another process, so it is validated against the
-tensors of the sync before any engine pauses or any byte moves.
-
-A region is a range along one dimension of a tensor's global (Hugging Face) shape; a rank may hold
-several disjoint ranges of one tensor along the same dimension. A name mapped to `None` is held
-whole; a name absent from the plan is not needed by that rank at all.
+A TP rank keeps a row or column range of most tensors, an EP rank only its experts, every rank
+the replicated ones whole. A rank states it once at join time, so senders deliver only those
+bytes; the plan comes from another process, so it is validated against the sync's tensors before
+any engine pauses. A region is a range along one dimension of a tensor's global (HF) shape; a
+name mapped to `None` is held whole, an absent name is not needed at all.
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """A tensor- and expert-parallel engine rank's receive plan, derived from HF names and shapes.
 
 What a Megatron-style TP rank of a Qwen2 / Qwen3 / Qwen3-MoE (Qwen2-MoE, Llama) decoder keeps:
-column-parallel matrices (q/k/v, gate/up, embed_tokens, lm_head and their biases) are cut along
-dim 0, row-parallel ones (o_proj, down_proj) along dim 1, their biases and every norm are held
-whole. Under GQA with more TP ranks than KV heads each KV head is held by tp / kv ranks (the
-slice repeats). With expert parallelism an expert's tensors are held whole by the one EP rank
-that owns it (experts cut into ep_size contiguous blocks) and not at all elsewhere; without it
-experts are TP-sliced like a dense MLP. A layer's experts stacked into one tensor
-(`planning/fused_experts.py`: `...experts.gate_proj.weight`, [experts, rows, cols]) follow the
-same rules: an EP rank holds its experts' dim-0 range, a TP rank its rows (gate/up, dim 1) or
-columns (down, dim 2) of every expert. A block-FP8 weight's `_scale_inv` follows its weight's
-slice in whole 128 x 128 blocks (`fp8/regions.py`). Names the rules do not know are held whole.
-
-A pure function: the reference receiver states it directly; vLLM records its own (issue 27).
+column-parallel matrices (q/k/v, gate/up, embed_tokens, lm_head, their biases) cut along dim 0,
+row-parallel ones (o_proj, down_proj) along dim 1, everything else whole. Under GQA with more TP
+ranks than KV heads each KV head is held by tp / kv ranks. With expert parallelism an expert is
+held whole by the one EP rank owning it (contiguous blocks), else TP-sliced like a dense MLP;
+stacked experts (`fused_experts.py`) follow the same rules one dimension down. A block-FP8
+`_scale_inv` follows its weight (`fp8/regions.py`); unknown names are held whole.
 """
 
 from __future__ import annotations

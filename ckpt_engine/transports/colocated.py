@@ -1,11 +1,9 @@
 """colocated: sender and receiver on one device (or one host), no collective at all.
 
-A stable sender shares its own tensors once (CUDA IPC handles on GPU, shared-memory tensors on
-CPU: `shared_tensors.py`) and the receiver's loader copies straight out of them, one copy per
-byte; the handles travel again only when the tensors move. Otherwise the sender packs each bucket
-into rotating buffers shared the same way (a file-backed mapping on CPU), which the loader reads
-in place. Only flags travel through the rendezvous store: "this sync's tensors are offered" /
-"taken", or "bucket k is ready" / "slot is free".
+A stable sender shares its own tensors once (`shared_tensors.py`) and the receiver's loader copies
+straight out of them, one copy per byte; otherwise the sender packs each bucket into rotating
+buffers shared the same way, which the loader reads in place. Only flags travel through the
+rendezvous store ("offered" / "taken", "bucket k is ready" / "slot is free").
 """
 
 from __future__ import annotations

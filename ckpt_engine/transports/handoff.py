@@ -1,14 +1,11 @@
 """nccl_handoff: several senders, one receiver, and a sender on the receiver's own device hands its
 buckets over in memory.
 
-NCCL refuses two ranks of one GPU in one communicator, so a trainer rank that shares the rollout
-receiver's GPU cannot broadcast to it. Here such a "local" sender builds no process group: the
-receiver maps its rotating send buffers (CUDA IPC; /dev/shm files on CPU) as that sender's receive
-slots, and "bucket ready" / "slot free" travel as flags through the rendezvous store, as in
-`colocated.py`. Every other sender broadcasts over its own groups through the `remote` transport
-(nccl on CUDA, gloo on CPU), unchanged. Which senders are local is decided at join
-(`handoff_plan.py`): every rank publishes its device identity and the first receiver rank decides
-for all. With no local sender this transport is its remote transport.
+NCCL refuses two ranks of one GPU in one communicator. Such a "local" sender builds no process
+group: the receiver maps its rotating send buffers as that sender's receive slots, and "bucket
+ready" / "slot free" travel as flags through the rendezvous store, as in `colocated.py`. Every
+other sender broadcasts through the `remote` transport (nccl on CUDA, gloo on CPU). Which senders
+are local is decided at join (`handoff_plan.py`); with none this transport is its remote one.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Rotating buffers that another process on the same device maps, and how a rank names its device.
 
-A sender that shares its device with a receiver hands its buckets over in memory: it allocates its
-buffers here (CUDA IPC on GPU, a file-backed shared mapping under /dev/shm on CPU), publishes their
-descriptors (plain msgpack-able dicts), and the receiver maps the same memory. `device_identity`
-is what two ranks compare to learn that they share a device.
+A sender that shares its device with a receiver allocates its buffers here (CUDA IPC on GPU, a
+file-backed mapping under /dev/shm on CPU) and publishes their descriptors (msgpack-able dicts);
+`device_identity` is what two ranks compare to learn that they share a device.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """A sender's own tensors, mapped by a receiver on the same device so it copies straight out of them.
 
-On CUDA each tensor travels as the fields of `torch.multiprocessing.reductions.reduce_tensor` (the
-IPC handle of its allocation, the ref-counter and event handles, sizes, strides, offsets), each
-encoded by name for msgpack, and is rebuilt with `rebuild_cuda_tensor`, as vLLM's IPC weight
-transfer does from shared handles. On the host a tensor can be mapped only if its storage already
-lives in shared memory (`Tensor.share_memory_()`): the receiver opens the sender's file
-descriptor through /proc, so nothing is copied or moved on the sender. Never pickle: every field
-is a plain int, str, bool, bytes or list.
+On CUDA each tensor travels as the fields of `torch.multiprocessing.reductions.reduce_tensor`
+(IPC handles, sizes, strides, offsets), encoded by name for msgpack and rebuilt with
+`rebuild_cuda_tensor`, as vLLM's IPC weight transfer does. On the host only a tensor whose storage
+already lives in shared memory can be mapped (the receiver opens the sender's file descriptor
+through /proc), so nothing is copied or moved on the sender. Never pickle.
 """
 
 from __future__ import annotations

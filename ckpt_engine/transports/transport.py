@@ -1,12 +1,10 @@
 """Transport: how one bucket's bytes move between rotating slots of a weight-sync group.
 
 A transport owns the group's links and slot memory: it builds the process groups per (sender,
-lane) at join (or maps a peer's buffers), posts one broadcast of a message from a slot (sender) or
-into one (receiver), or a coalesced group of messages, and waits for them within `timeout_s`.
-Ordering between the loader's copies and the transfer is the transport's business too: host work
-handles on gloo, streams and events on nccl/hccl, flags through the rendezvous store for buffers
-shared in memory (colocated, hand-off). The pipeline (`ckpt_engine.pipeline`) decides what travels;
-it never touches a stream, an event or a process group itself.
+lane) at join (or maps a peer's buffers), posts one broadcast (or a coalesced group) from or into
+a slot, waits for it within `timeout_s`, and orders the loader's copies after the transfer (work
+handles, streams and events, or flags through the rendezvous store). The pipeline decides what
+travels; it never touches a stream, an event or a process group itself.
 
 Collective contract: every rank of the group calls `join` once; per sync the senders post their
 own buckets in their order, the receivers post every sender's buckets in each sender's order.
