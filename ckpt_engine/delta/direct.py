@@ -1,16 +1,12 @@
 """Delta encode: the one diff of the codec, of a bucket straight from the tensors it holds or of a
 packed image (`encode_into_base`, one piece).
 
-Packing a bucket and then comparing it with its base reads the new bytes twice and writes them
-once; here each piece of the bucket (a tensor, or a shard of one, already in the wire dtype) is
-compared with its region of the base image in one pass, which writes the changed words' bucket
-positions and new values and brings the base up to date. On CUDA that pass is one Triton kernel
-for the bucket's pieces (direct_kernels.py; per piece for a source that does not stay valid until
-the launch) whose blocks claim room in the patch with one atomic each, so the patch is a "scatter32"
-patch (layout.py: int32 positions in block order, each block sorted); elsewhere (a CPU included)
-it is torch ops and the positions come out sorted. One host sync per bucket (the changed count)
-decides patch or dense; either way the base equals the new bytes afterwards, so a dense bucket is
-sent from the base.
+Packing a bucket and then comparing it reads the new bytes twice; here each piece (in the wire
+dtype) is compared with its region of the base image in one pass that writes the changed words'
+positions and new values and brings the base up to date. On CUDA that is one Triton launch for the
+bucket (direct_kernels.py) whose blocks claim room in the patch with one atomic each (positions in
+block order); elsewhere torch ops, positions sorted. One host sync per bucket (the changed count)
+decides patch or dense; the base equals the new bytes afterwards, so a dense bucket is sent from it.
 """
 
 from __future__ import annotations

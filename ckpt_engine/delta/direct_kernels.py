@@ -1,19 +1,14 @@
 """The one-pass diff of a whole bucket in one launch, its pieces read through a table.
 
-A bucket holds tens to thousands of tensors (a 30B MoE bucket: hundreds of expert slices); one
-Triton launch per piece costs more host time than the GPU spends comparing a small one. Here
-every program reads its piece from a map of tiles to pieces (one load: a binary search over the
-pieces was 2x slower on expert-sized pieces, its dependent loads in every program's way), then
-runs the same tile as kernels._diff_sparse_kernel (kernels._diff_rows). A piece is reached
-as an offset in words from the bucket's base image (one pointer for every tensor, wherever it
-lives). The table and the map only change when the pieces move, so a caller that diffs the same
-tensors every sync keeps them on the device (`cache`).
+One Triton launch per piece costs more host time than the GPU spends comparing a small one (a 30B
+MoE bucket holds hundreds of expert slices). Here every program reads its piece from a map of
+tiles to pieces (one load: a binary search was 2x slower on expert-sized pieces), reaches it as a
+word offset from the bucket's base image, and runs kernels._diff_rows. The table and the map only
+change when the pieces move, so a caller diffing the same tensors every sync keeps them (`cache`).
 
-Loads at a runtime offset are only vectorized when the compiler knows the offset's alignment: a
-first version without that knowledge made the encode 2.3x slower on an H200 than a launch per
-piece. So pieces whose offset, first bucket word and length are all multiples of 16 bytes go
-through a launch that carries those facts as hints (`tl.multiple_of`); the rest (odd sizes,
-views at odd offsets: rare in real models) go through a second launch without them.
+Loads at a runtime offset are only vectorized when the compiler knows its alignment (without it
+the encode was 2.3x slower on an H200 than a launch per piece): pieces aligned to 16 bytes go
+through a launch that says so (`tl.multiple_of`), the rare rest through a second one.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ the compare follows the changed words, not the image.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 import triton
@@ -214,13 +215,7 @@ def diff_into(
 
 def pairs_sum(positions: torch.Tensor, values: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """sum over k of h(positions[k]) * (values[k] - old[k]), a 0-d int64 tensor."""
-    n = positions.numel()
-    nb = (n + 4095) // 4096
-    partial = torch.zeros(max(nb, 1), dtype=torch.int64, device=positions.device)
-    if nb:
-        with on_device_of(positions):
-            _pairs_sum_kernel[(nb,)](positions, values, old, n, partial, BLOCK=4096, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=8)
-    return partial.sum()
+    return _sum_over_pairs(_pairs_sum_kernel, positions, values, old)
 
 
 def checksum(words: torch.Tensor) -> torch.Tensor:
@@ -238,10 +233,14 @@ def checksum(words: torch.Tensor) -> torch.Tensor:
 
 def delta_sum(positions: torch.Tensor, values: torch.Tensor, base_w: torch.Tensor) -> torch.Tensor:
     """sum over k of h(positions[k]) * (values[k] - base_w[positions[k]]), a 0-d int64 tensor."""
+    return _sum_over_pairs(_delta_sum_kernel, positions, values, base_w)
+
+
+def _sum_over_pairs(kernel: Any, positions: torch.Tensor, values: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     n = positions.numel()
     nb = (n + 4095) // 4096
     partial = torch.zeros(max(nb, 1), dtype=torch.int64, device=positions.device)
     if nb:
         with on_device_of(positions):
-            _delta_sum_kernel[(nb,)](positions, values, base_w, n, partial, BLOCK=4096, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=8)
+            kernel[(nb,)](positions, values, old, n, partial, BLOCK=4096, GROUP=GROUP_WORDS, GROUP_BITS=GROUP_BITS, num_warps=8)
     return partial.sum()

@@ -3,14 +3,12 @@
 Layout (little-endian, every section 8-byte aligned from the patch start):
   header (PATCH_HEADER_BYTES = 32): magic u32 | version u8 | kind u8 | word_bytes u8 | 0 u8 |
       num_words i64 | num_changed i64 | delta_sum i64
-  index: kind 4 ("scatter32") = distinct int32 word positions, zero-padded to 8 bytes: sorted from
-         a CPU encoder, in tile order from the GPU one (direct.py), so a reader never relies on order
+  index: kind 4 ("scatter32") = distinct int32 word positions, zero-padded to 8 bytes, in no
+         order a reader may rely on (tile order from the GPU diff)
   values: num_changed words of `word_bytes` (their NEW bits), in the order of the index
 
-One format: a bitmask index (kind 1) and sorted int32 / int64 positions (kinds 2, 3) were retired
-with the two-pass encoder that wrote them (a bitmask is smaller above 1 changed word in 32, but the
-one-pass diff that writes int32 positions is the faster encode, and a bucket that changes that much
-goes dense; buckets of 2**31 words or more always go dense).
+One format: the bitmask and sorted-position kinds (1-3) were retired with the two-pass encoder
+(docs/delta.md); buckets of 2**31 words or more always go dense.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
-"""The position weights h(i) of the delta checksum, shared by the torch, numpy and Triton paths.
+"""The position weights h(i) of the delta checksum, shared by the torch and Triton paths.
 
 h(i) = A(i mod 2**16) * B(i div 2**16) in wrapping int64, with A and B odd mixes of their argument,
 so h(i) is odd (a single changed word always changes the sum) and a chunk of 2**16 words needs one
-table of A plus one scalar B: the CPU path reads A from a cached table, GPU kernels compute it.
-A is a 31-bit value from 32-bit arithmetic, so a GPU multiplies a word by it with one widening
-32-bit multiply instead of a full 64-bit one; B (one per 2**16 words) is a 64-bit mix.
+table of A plus one scalar B. A is a 31-bit value from 32-bit arithmetic, so a GPU multiplies a
+word by it with one widening 32-bit multiply; B (one per 2**16 words) is a 64-bit mix.
 """
 
 from __future__ import annotations

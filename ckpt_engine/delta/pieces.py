@@ -1,16 +1,11 @@
-"""A bucket image that lives in many tensors (a receiver's own weights), read and written by
-bucket word position: a patch is checked and applied in place, with no bucket-sized base copy and
-no loader copy of the whole model afterwards.
+"""A bucket image that lives in many tensors (a receiver's own weights), read and written by bucket
+word position: a patch is checked and applied in place, with no bucket-sized base copy.
 
-Each region maps a run of the bucket's words onto a 1-D word view of one tensor (or of the part
-of it this bucket carries). Words of the bucket outside every region (alignment padding) belong to
-no tensor: a patch that touches one is refused. On CUDA a Triton kernel finds the positions'
-regions and reads or writes the words through one base pointer (every region's offset from it is
-precomputed), by a binary search over the region starts per position (scatter_kernels.py; one
-search per block of positions that lies in one region was tried: no faster on an H200).
-A patch is applied by two kernels (swap_in): the first reads every old word and sums the patch's
-checksum change, the second writes. Elsewhere (a CPU included) torch ops group the positions by
-region, read every old word, then write.
+Each region maps a run of the bucket's words onto a 1-D word view of one tensor; words outside
+every region (alignment padding) belong to no tensor, and a patch touching one is refused. On CUDA
+a Triton kernel finds each position's region by binary search over the region starts
+(scatter_kernels.py); a patch is applied by two kernels (swap_in: read every old word and sum the
+checksum change, then write). Elsewhere torch ops group the positions by region.
 """
 
 from __future__ import annotations
