@@ -142,20 +142,23 @@ def _gather(view: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return view[torch.unravel_index(pos, view.shape)]
 
 
-def digest(view: torch.Tensor, seed: int, samples: int = DEFAULT_SAMPLES) -> torch.Tensor:
-    """D of one region image (see the module docstring): a 0-d int64 tensor on `view`'s device."""
+def digest(view: torch.Tensor, seed: int, samples: int = DEFAULT_SAMPLES, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """D of one region image (see the module docstring): a 0-d int64 tensor on `view`'s device.
+    `dtype`: the image as that dtype (a source tensor cast on the wire): only the positions read are
+    cast, so a sampled digest costs no cast of the whole tensor."""
     n = view.numel()
-    ints = _INTS.get(view.element_size())
-    if ints is None or view.is_complex():
-        raise ValueError(f"no installed-weight digest for dtype {view.dtype}")
+    dtype = dtype if dtype is not None else view.dtype
+    ints = _INTS.get(torch.empty((), dtype=dtype).element_size())
+    if ints is None or dtype.is_complex:
+        raise ValueError(f"no installed-weight digest for dtype {dtype}")
     if n == 0:
         return torch.zeros((), dtype=torch.int64, device=view.device)
     if samples <= 0:  # every element: the codec's checksum of the bytes, in C order
-        image = view.contiguous().reshape(-1)
+        image = view.to(dtype).contiguous().reshape(-1)
         image = (image.view(torch.uint8) if image.dtype == torch.bool else image).view(ints).view(torch.uint8)
-        return checksum(image, 8 if image.numel() % 8 == 0 else view.element_size())
+        return checksum(image, 8 if image.numel() % 8 == 0 else image.element_size())
     pos = _positions(n, seed, samples, view.device)
-    words = _gather(view, pos)
+    words = _gather(view, pos).to(dtype)
     words = (words.view(torch.uint8) if words.dtype == torch.bool else words).view(ints).to(torch.int64)
     return words.mul_(mix(pos + seed)).sum()
 

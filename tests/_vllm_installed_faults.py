@@ -1,4 +1,5 @@
-"""Test-only vLLM worker extension for installed-weight checks (tests/test_installed_checks_vllm.py):
+"""Test-only vLLM worker extension for installed-weight checks (tests/test_installed_checks_vllm.py,
+and tests/test_installed_checks_vllm_native.py beside the `ckpt_engine` weight-transfer backend):
 plants one fault inside each worker, as a real engine would carry it, and takes it back.
 
 `transpose`: a parameter's loader copies the checkpoint tensor transposed (a loader that transposes
@@ -60,4 +61,10 @@ class InstalledFaultsExtension(CkptEngineWorkerExtension):
 
     def test_state(self) -> dict[str, Any]:
         core = self._ckpt_core()
+        return {"stale": core.stale, "version": core.version}
+
+    def test_native_state(self) -> dict[str, Any]:
+        """The same of the `ckpt_engine` weight-transfer backend's core (an engine started with
+        `weight_transfer_config={"backend": "ckpt_engine"}` beside this extension)."""
+        core = self.weight_transfer_engine.core  # type: ignore[attr-defined]
         return {"stale": core.stale, "version": core.version}

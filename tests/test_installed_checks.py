@@ -73,6 +73,25 @@ def test_the_digest_is_the_same_for_a_view_and_its_copy_and_moves_with_any_fault
         assert int(digest(x, 7, samples)) == int(digest(x.clone(), 7, samples))
 
 
+@pytest.mark.parametrize("samples", [0, 64])
+def test_a_source_cast_on_the_wire_is_folded_as_the_wire_carries_it(samples: int) -> None:
+    """`StateDictSource(..., dtype=)` walks fp32 masters and sends bf16 (or bf16 sent as fp32): the
+    trainer's fold of the walked tensor as the wire dtype equals the engine's of what it holds."""
+    from ckpt_engine.sync.installed import InstalledChecks
+
+    g = torch.Generator().manual_seed(3)
+    walked = {"w": torch.randn(96, 80, generator=g), "b": torch.randn(80, generator=g).bfloat16()}
+    wire = {"w": torch.bfloat16, "b": torch.float32}
+    held = {n: t.to(wire[n]) for n, t in walked.items()}
+    checks = InstalledChecks(1, samples, "warn")
+    checks.arm([], list(walked), [None], 1, dtypes={n: str(d).removeprefix("torch.") for n, d in wire.items()})
+    assert checks.request is not None
+    list(checks.tap(iter(walked.items())))
+    for n, t in held.items():
+        assert int(checks._digests[(n, None)]) == int(digest(t, checks.request.seed, samples)), n
+        assert int(digest(walked[n], checks.request.seed, samples)) != int(digest(t, checks.request.seed, samples)), n  # as walked: differs
+
+
 def test_a_half_written_tensor_is_caught_by_the_sampled_digest_whatever_the_seed() -> None:
     t = torch.randn(1 << 20)
     half = t.clone()

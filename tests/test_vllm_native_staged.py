@@ -297,7 +297,7 @@ def test_staged_update_info_is_checked_before_anything_moves() -> None:
         CkptEngineUpdateInfo(phase="receive", digest="ab", ticket="abc")
     with pytest.raises(ValueError, match="ticket must be 1-64 characters of"):
         CkptEngineUpdateInfo(phase="receive", digest="ab", stage="patches", ticket="a/b")
-    with pytest.raises(ValueError, match="phase must be one of validate, receive, install, swap, discard, room, got 'status'"):
+    with pytest.raises(ValueError, match="phase must be one of validate, receive, install, swap, discard, room, arm, installed, got 'status'"):
         CkptEngineUpdateInfo(phase="status", digest="ab")
     with pytest.raises(ValueError, match="phase 'swap' needs the version it stamps as a decimal string, got None"):
         CkptEngineUpdateInfo(phase="swap", digest="ab")

@@ -29,7 +29,7 @@ import concurrent.futures as cf
 import logging
 import secrets
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -107,6 +107,8 @@ class InstalledChecks:
         self._want: dict[str, list[Key]] = {}
         self._digests: dict[Key, torch.Tensor] = {}
         self._said: set[str] = set()
+        self._dtypes: dict[str, torch.dtype] = {}
+        """The wire dtype of each name of the armed check (`arm`'s `dtypes`; absent: as walked)."""
         self._order: list[Key] = []
         """The keys of an armed many-sender check, in the order the senders' shares come in."""
         self._combined: dict[Key, int] | None = None
@@ -126,12 +128,15 @@ class InstalledChecks:
 
     def arm(
         self, rollouts: Sequence[RolloutAdapter], names: list[str], plans: Sequence[ReceivePlan | None], senders: int,
-        collective: bool = False,
+        collective: bool = False, dtypes: Mapping[str, str] | None = None,
     ) -> None:
         """Before the walk: arm a check of this sync if one is due and it can be made. `collective`:
-        the senders' pieces are collective with TP helpers (no check with many senders)."""
+        the senders' pieces are collective with TP helpers (no check with many senders). `dtypes`:
+        each name's wire dtype (the manifest's): a source tensor of another dtype (cast on the wire,
+        `StateDictSource(..., dtype=)`) is folded as the wire carries it, as the engine holds it."""
         self.syncs += 1
         self.request, self._digests, self.seconds, self._order, self._combined = None, {}, None, [], None
+        self._dtypes = {n: torch_dtype(d) for n, d in dtypes.items()} if dtypes is not None else {}
         if not self.due():
             return
         if senders > 1 and self.samples == 0:
@@ -188,7 +193,7 @@ class InstalledChecks:
             if self.request is not None and self.seconds is not None:
                 t = time.perf_counter()
                 for key in self._want.get(name, ()):
-                    self._digests[key] = digest(region_view(tensor, key[1]), self.request.seed, self.request.samples)
+                    self._digests[key] = digest(region_view(tensor, key[1]), self.request.seed, self.request.samples, self._dtypes.get(name))
                 self.seconds += time.perf_counter() - t
             yield name, tensor
 

@@ -9,9 +9,9 @@ import them from here, which imports no vLLM (the trainer-side handle must not p
 
 from __future__ import annotations
 
-__all__ = ["NEED_MANIFEST", "NO_ROOM", "PHASES", "REJECTED", "after", "plan_key", "problems"]
+__all__ = ["NEED_MANIFEST", "NO_ROOM", "PHASES", "REJECTED", "after", "installed_key", "plan_key", "problems"]
 
-PHASES = ("validate", "receive", "install", "swap", "discard", "room")
+PHASES = ("validate", "receive", "install", "swap", "discard", "room", "arm", "installed")
 """The `phase` of an `update_weights` call (`CkptEngineUpdateInfo`)."""
 NEED_MANIFEST = "need_manifest"
 """Appears in the validate error when the worker has no manifest under the announced digest."""
@@ -25,6 +25,12 @@ def plan_key(rank: int) -> str:
     """Where the worker of group rank `rank` leaves its receive plan (`VllmReceiverCore.receive_plan`'s
     answer, JSON) in the weight-sync group's rendezvous store at join: no vLLM call returns it."""
     return f"receive-plan/{rank}"
+
+
+def installed_key(rank: int, seed: int) -> str:
+    """Where the worker of group rank `rank` leaves its installed-weight report (`InstalledReport`'s
+    wire form, JSON) for the check of `seed` (phase `installed`): no vLLM call returns it either."""
+    return f"installed/{seed}/{rank}"
 
 
 def after(text: str, marker: str) -> str:

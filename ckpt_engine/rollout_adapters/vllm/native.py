@@ -12,7 +12,8 @@ the workers do in each: `vllm/transfer_engine.py`). vLLM returns nothing from it
 answer but "yes" is an error naming a marker (`vllm/answers.py`), and vLLM closes its weight update
 after one: the route tracks whether an update is open and opens the next (validating again by
 digest where a receive needs it). The workers' receive plans come back through the weight-sync
-group's rendezvous store (each worker leaves its plan there at join), as staged outcomes do; their
+group's rendezvous store (each worker leaves its plan there at join), as staged outcomes and
+installed-weight reports do (each worker leaves its report there in phase `installed`); their
 budgets and health do not come back at all. Many senders need nothing of the route: every worker
 reads the senders from the manifest.
 """
@@ -22,20 +23,21 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import sys
 import time
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.installed import InstalledReport, InstalledRequest
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError
 from ckpt_engine.rollout_adapters.capabilities import Feature
-from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, REJECTED, after, plan_key, problems
+from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, REJECTED, after, installed_key, plan_key, problems
 from ckpt_engine.rollout_adapters.vllm.clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient
 from ckpt_engine.rollout_adapters.vllm.compat import VllmFeatures, features_of
 from ckpt_engine.rollout_adapters.vllm.routes import Route
 
-__all__ = ["TransferRoute", "WeightTransferChannel"]
+__all__ = ["ReadsWeightVersion", "TransferRoute", "WeightTransferChannel"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +48,59 @@ _UPDATE_ACTIVE = "while a weight update is already active"
 mid-sync (its own handle, maybe its own process) never finished."""
 
 
+@runtime_checkable
+class ReadsWeightVersion(Protocol):
+    """A client that reads the engine's weight version (vLLM's `/weight_info`), without the rest of
+    `EngineControl`: enough for versions to carry on from what the engine holds."""
+
+    def weight_version(self) -> str: ...
+
+
+class _WeightInfo:
+    """vLLM's `/weight_info` at `base_url`: the version of the server behind vLLM's plain
+    `HTTPVLLMWeightSyncClient`, which has no call for it."""
+
+    def __init__(self, base_url: str, timeout_s: float) -> None:
+        self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
+
+    def weight_version(self) -> str:
+        import requests
+
+        resp = requests.get(f"{self.base_url}/weight_info", timeout=min(self.timeout_s, 10.0))
+        resp.raise_for_status()
+        return str(resp.json()["weight_version"])
+
+
+def _version_reader(client: Any) -> ReadsWeightVersion | None:
+    """How the engine's version is read through `client`: its own call, or `/weight_info` for vLLM's
+    plain HTTP client (recognised by class; vLLM is imported already if the client is one of its)."""
+    if isinstance(client, ReadsWeightVersion):
+        return client
+    vllm_clients = sys.modules.get("vllm.distributed.weight_transfer.clients")
+    if vllm_clients is not None and isinstance(client, vllm_clients.HTTPVLLMWeightSyncClient):
+        return _WeightInfo(client.base_url, float(client.timeout))
+    logger.warning(
+        "%s cannot read the engine's weight version: versions carry on only within this process's sessions "
+        "(give it a weight_version() -> str, e.g. ckpt_engine's HTTPWeightSyncClient)", type(client).__name__,
+    )
+    return None
+
+
 class WeightTransferChannel:
     """The channel through vLLM's weight-transfer API over `client` (any `VLLMWeightSyncClient`) to
     an engine of `num_workers` worker ranks (tensor x pipeline x data parallel). The engine's
     control calls go to `client` when it offers them (`EngineControl`: both clients of
-    `vllm/clients.py` do); without them pause, resume and the cache reset do nothing (the caller's)."""
+    `vllm/clients.py` do); without them pause, resume and the cache reset do nothing (the caller's).
+    The engine's weight version is read wherever the client allows (`ReadsWeightVersion`, or
+    `/weight_info` behind vLLM's plain `HTTPVLLMWeightSyncClient`): a new session, handle or client
+    then counts on from what the engine holds, never back."""
 
     def __init__(self, client: Any, num_workers: int = 1) -> None:
         self.client = client
         self.num_workers = num_workers
         self.control: EngineControl | None = client if isinstance(client, EngineControl) else None
         self._ours = client if isinstance(client, (HTTPWeightSyncClient, LLMWeightSyncClient)) else None
+        self._versions = _version_reader(client)
         self.side_calls = self._ours is not None and self._ours.side_calls
         self.local = False  # the workers' pids are never known here
 
@@ -85,14 +129,19 @@ class WeightTransferChannel:
         return self.control.reset_prefix_cache(running) is not False if self.control is not None else True
 
     def weight_version(self) -> str:
-        return self.control.weight_version() if self.control is not None else ""
+        """The engine's version stamp ("" where the client cannot read it)."""
+        return self._versions.weight_version() if self._versions is not None else ""
 
     def set_weight_version(self, version: str) -> None:
         """Nothing: the route's `finish_weight_update(version)` stamps it (`TransferRoute`)."""
 
     def engine_key(self) -> Hashable:
         """The engine behind the client: its URL or `LLM` (else the client object)."""
-        return self._ours.engine_key() if self._ours is not None else ("vllm-transfer", id(self.client))
+        if self._ours is not None:
+            return self._ours.engine_key()
+        if isinstance(self._versions, _WeightInfo):  # vLLM's plain HTTP client: the server at its URL, as ours keys it
+            return ("vllm-http", self._versions.base_url)
+        return ("vllm-transfer", id(self.client))
 
     def world_size(self) -> int:
         return self.num_workers
@@ -101,8 +150,8 @@ class WeightTransferChannel:
         """Raises when the engine does not answer (asked for its version where nothing else asks)."""
         if self._ours is not None:
             self._ours.health()
-        elif self.control is not None:
-            self.control.weight_version()
+        elif self._versions is not None:
+            self._versions.weight_version()
 
     def close(self) -> None:
         """Nothing to close: the client is its caller's."""
@@ -114,9 +163,10 @@ class TransferRoute:
 
     def __init__(self, channel: WeightTransferChannel, name: str, adapters: bool) -> None:
         self.client, self.name, self.num_workers = channel.client, name, channel.num_workers
-        # Without control it cannot pause for a swap nor reset the cache.
-        # Its workers answer only vLLM's update calls: nothing carries an installed-weight digest back.
-        self.lacks: frozenset[Feature] = frozenset(("installed",) if channel.control is not None else ("installed", "stages", "stages_regions"))
+        # Without control it cannot pause for a swap nor reset the cache. Installed-weight reports
+        # come back through the group's store (an adapter sync installs no base weights to check).
+        lacks: set[Feature] = {"installed"} if adapters else set()
+        self.lacks: frozenset[Feature] = frozenset(lacks if channel.control is not None else lacks | {"stages", "stages_regions"})
         self.held: str | None = None  # the digest of the manifest every worker holds
         self._checked: tuple[str, bytes, list[bytes] | None] | None = None  # the last check (a receive may need it again)
         self._open = False  # a vLLM weight update is open (vLLM closes it when update_weights raises)
@@ -241,10 +291,26 @@ class TransferRoute:
             self.held, self._joined, self._plans = previous.held, previous._joined, previous._plans
 
     def arm_installed(self, request: InstalledRequest) -> None:
-        raise RuntimeError(f"engine {self.name!r}: vLLM's weight-transfer API carries no installed-weight checks (capabilities.installed is False)")
+        """Before the stream, in the update the validate opened: every worker learns the check."""
+        self._phase({"phase": "arm", "installed": request.to_wire()})
 
     def installed(self, request: InstalledRequest) -> list[InstalledReport]:
-        raise RuntimeError(f"engine {self.name!r}: vLLM's weight-transfer API carries no installed-weight checks (capabilities.installed is False)")
+        """After the receive (in its update, before finalize closes it) or after a staged swap (which
+        closed its update: one more opens for the report and closes loading nothing): every worker
+        leaves its report in the group's store, read here once."""
+        if self._joined is None:
+            raise RuntimeError(f"engine {self.name!r}: an installed-weight check before join")
+        opened = not self._open
+        self._phase({"phase": "installed", "installed": request.to_wire()})
+        if opened:
+            self._finish()
+        rendezvous, first = self._joined
+        store = rendezvous.connect_store(is_master=False)
+        keys = [installed_key(first + i, request.seed) for i in range(self.num_workers)]
+        reports = [InstalledReport.from_wire(json.loads(store.get(key))) for key in keys]
+        for key in keys:
+            store.delete_key(key)
+        return reports
 
     # --- vLLM's weight update: open at most one, know when vLLM closed it ---------------------------
     def _start(self) -> None:

@@ -26,6 +26,13 @@ A staged update (issue 28) keeps the engine stepping while it streams:
   update_weights({"phase": "discard"})  drops what was staged; the live weights are untouched
   update_weights({"phase": "room", "nbytes", "limit_bytes"})  raises `NO_ROOM` + why unless a
       dense staging copy of `nbytes` fits
+Installed-weight checks (`vllm/installed.py`) take two more phases:
+  update_weights({"phase": "arm", "installed"})  before the stream: the worker learns the check
+      (`InstalledRequest`'s wire form) and digests each layer of the coming load before vLLM
+      post-processes it
+  update_weights({"phase": "installed", "installed"})  after the receive (staged: after the swap, in
+      an update of its own): the worker leaves its `InstalledReport` (JSON) in the group's rendezvous
+      store under `answers.installed_key`, where the trainer side reads it
 vLLM's calls return nothing from the workers, so an answer other than "yes" is an error: vLLM closes
 its weight update after one, and the trainer side opens the next (`start_weight_update`).
 With `weights: "adapters"` in the init info the workers take LoRA adapter versions instead
@@ -51,9 +58,10 @@ from vllm.distributed.weight_transfer.base import (
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import Rendezvous
+from ckpt_engine.installed import InstalledRequest
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions
 from ckpt_engine.rollout_adapters.vllm.stage_outcome import check_ticket, report_outcome
-from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, PHASES, REJECTED, plan_key
+from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, PHASES, REJECTED, installed_key, plan_key
 from ckpt_engine.rollout_adapters.vllm.receiver import VllmReceiverCore, unbase64
 
 if TYPE_CHECKING:
@@ -66,7 +74,7 @@ __all__ = ["CkptEngineInitInfo", "CkptEngineUpdateInfo", "CkptEngineWeightTransf
 
 logger = logging.getLogger(__name__)
 
-_NO_DIGEST = ("discard", "room")
+_NO_DIGEST = ("discard", "room", "arm", "installed")
 """Phases that name no manifest."""
 
 
@@ -102,7 +110,8 @@ class CkptEngineInitInfo(WeightTransferInitInfo):
 @dataclass
 class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
     """One step of a weight update: `validate` a manifest, `receive` the one validated (or stage it),
-    and the staged phases `swap`, `discard`, `room` (module docstring)."""
+    the staged phases `swap`, `discard`, `room`, and an installed-weight check's `arm` and `installed`
+    (module docstring)."""
 
     phase: str
     digest: str = ""
@@ -123,6 +132,8 @@ class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
     """Room only: the bytes of the dense staging copy asked for."""
     limit_bytes: int | None = None
     """Room only: the engine's staging limit (None: free memory only)."""
+    installed: dict[str, Any] | None = None
+    """Arm and installed only: the installed-weight check (`InstalledRequest.to_wire()`)."""
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -150,6 +161,10 @@ class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
             raise ValueError(f"version must be a string, got {self.version!r}")
         if self.phase == "install" and (self.version is None or not self.version.isdigit()):
             raise ValueError(f"phase 'install' needs the adapter's version as a decimal string, got {self.version!r}")
+        if (self.installed is not None) != (self.phase in ("arm", "installed")):
+            raise ValueError(f"phases 'arm' and 'installed' need the installed-weight check, and only they take one; got phase {self.phase!r}")
+        if self.installed is not None:
+            InstalledRequest.from_wire(self.installed)  # raises ValueError naming the bad field
         if self.delta is not None:
             if self.phase != "receive":
                 raise ValueError("delta is sent only with phase 'receive'")
@@ -227,7 +242,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
     def receive_weights(self, update_info: CkptEngineUpdateInfo) -> None:
         """One phase; an adapter sync (`self.lora`) validates, receives into its LoRA stage and installs."""
         phase, digest = update_info.phase, update_info.digest
-        allowed = ("validate", "receive", "install") if self.lora is not None else ("validate", "receive", "swap", "discard", "room")
+        allowed = ("validate", "receive", "install") if self.lora is not None else ("validate", "receive", "swap", "discard", "room", "arm", "installed")
         if phase not in allowed or (self.lora is not None and update_info.stage is not None):
             raise RuntimeError(
                 f"ckpt_engine: phase {phase!r} (stage {update_info.stage!r}) does not belong to a join with weights="
@@ -250,6 +265,8 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
             self._validated = digest
         elif phase in ("swap", "discard", "room"):
             self._staged_phase(update_info)
+        elif phase in ("arm", "installed"):
+            self._installed_phase(phase, InstalledRequest.from_wire(update_info.installed))
         elif self._validated != digest:
             raise RuntimeError(f"ckpt_engine: manifest {digest[:12]} was not validated in this weight update; call update_weights with phase 'validate' first")
         elif phase == "install":
@@ -280,6 +297,15 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
             room = self.core.staging_room(update_info.nbytes, update_info.limit_bytes)
             if not room["room"]:
                 raise ValueError(NO_ROOM + str(room["why"]))
+
+    def _installed_phase(self, phase: str, request: InstalledRequest) -> None:
+        """Arm the check before the stream, or leave this worker's report in the group's store."""
+        if phase == "arm":
+            self.core.installed_arm(request)
+            return
+        if self._store is None or self._rank is None:
+            raise RuntimeError("ckpt_engine: an installed-weight report before init_transfer_engine; join the weight-sync group first")
+        self._store.set(installed_key(self._rank, request.seed), json.dumps(self.core.installed(request).to_wire()))
 
     def finish_weight_update(self) -> None:
         """Layerwise post-processing; vLLM stamps the engine's weight version after this returns.

@@ -1,0 +1,77 @@
+"""Versions never go back through vLLM's own weight-transfer API, whatever drives it (issue 42 item 2):
+vLLM's plain `HTTPVLLMWeightSyncClient` has no call that reads the engine's version, so a new trainer
+engine (a new session) over a new plain client used to count from 0 and stamp 1 after 5. The channel
+now reads the server's `/weight_info` behind vLLM's plain client. Against the session's shared
+native-backend api_server (tests/conftest.py), with vLLM's real trainer-side factory and client."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import requests
+
+from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine.sources.base import StateDictSource
+from helpers_vllm import VllmServer
+from shared_server import SharedServer
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory  # noqa: E402
+from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient  # noqa: E402
+
+from ckpt_engine.rollout_adapters.vllm import VllmRollout, WeightTransferChannel  # noqa: E402
+from ckpt_engine.sync.vllm_trainer_engine import CkptEngineTrainerInitInfo  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+CONFIG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=120.0, stage="off")
+
+
+def held(url: str) -> int:
+    """The server's version stamp as vLLM reports it (0 for a fresh engine's "default")."""
+    version = str(requests.get(f"{url}/weight_info", timeout=10).json()["weight_version"])
+    return int(version) if version.isdigit() else 0
+
+
+def model(model_dir: Path, seed: int) -> object:
+    import torch
+
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+
+
+def test_plain_vllm_clients_carry_versions_on(native_vllm_server: SharedServer[VllmServer]) -> None:
+    server = native_vllm_server.get()
+    base = held(server.url)
+    # A trainer engine over vLLM's plain client stamps an explicit version 5 past what the server holds.
+    first = WeightTransferTrainerFactory.trainer_init(
+        CkptEngineTrainerInitInfo(rank=0, num_workers=1, config=CONFIG, engine_name="plain-1"),
+        client=HTTPVLLMWeightSyncClient(server.url, timeout=120), source=ModuleSource(model(server.model_dir, 1)),
+    )
+    try:
+        report = first.send_weights(version=base + 5)
+        assert report is not None and report.version == base + 5 and held(server.url) == base + 5
+    finally:
+        first.shutdown()
+    # A new trainer engine, a new plain client: it counts on from the server's version (it stamped 1 here).
+    for n in range(2):
+        again = WeightTransferTrainerFactory.trainer_init(
+            CkptEngineTrainerInitInfo(rank=0, num_workers=1, config=CONFIG, engine_name=f"plain-{n + 2}"),
+            client=HTTPVLLMWeightSyncClient(server.url, timeout=120), source=ModuleSource(model(server.model_dir, 2 + n)),
+        )
+        try:
+            report = again.send_weights()
+            assert report is not None and report.version == base + 6 + n and held(server.url) == base + 6 + n
+        finally:
+            again.shutdown()
+    # The same through `VllmRollout` over a plain client, and a session of its own.
+    handle = VllmRollout("plain-handle", WeightTransferChannel(HTTPVLLMWeightSyncClient(server.url, timeout=120), num_workers=1), timeout_s=120.0)
+    session = WeightSyncSession([handle], CONFIG)
+    try:
+        weights = {n: t.detach() for n, t in model(server.model_dir, 9).state_dict().items() if n != "lm_head.weight"}  # type: ignore[attr-defined]
+        assert session.sync(StateDictSource(weights)).version == base + 8 and held(server.url) == base + 8
+    finally:
+        session.close()
