@@ -1,15 +1,11 @@
 """Per-bucket copy plans kept across syncs, so a sync of thousands of tensors runs no Python per tensor.
 
-A MoE's ~19,000 tensors cost more host time per sync (looking up each piece, building its views,
-deciding its copy) than the link needs to move them. What a bucket copies, from where and to
-where, only changes with the plan (manifest digest) or with where the tensors live, so it is
-worked out once and replayed: one batched copy per bucket on each side.
-
-Where tensors live is checked every sync against anchors: the tensors every planned view points
-into (a sender's local shards and kept casts, a receiver's destinations). A plan is valid only
-while each anchor's address, shape, strides and dtype are what they were when it was built, both
-as the source reports them now and as the plan's own references see them (the plan keeps its
-anchors alive, so their memory cannot be handed to another tensor behind its back).
+A MoE's ~19,000 tensors cost more host time per sync (looking up each piece, building its views)
+than the link needs to move them. What a bucket copies only changes with the plan or with where
+the tensors live, so it is worked out once and replayed: one batched copy per bucket on each side.
+A plan stays valid only while each anchor (the tensors every planned view points into) has the
+address, shape, strides and dtype it had when the plan was built; the plan keeps its anchors
+alive, so their memory cannot be handed to another tensor behind its back.
 """
 
 from __future__ import annotations

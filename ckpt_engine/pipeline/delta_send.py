@@ -1,17 +1,14 @@
 """The sending side of a delta sync (receiving: delta_receive.py; what each rank keeps between
 syncs: delta_bases.py).
 
-A sender keeps a base image of each bucket it sends (the bucket's wire bytes at the last sync, in
-device memory: 1/S of the model on each of S senders). One patch sync, per bucket:
-1. encode: a bucket that changed little last time is compared with its base straight from the
-   source tensors, one pass per piece (`ckpt_engine.delta.direct`, no pack); any other is packed
-   and encoded by the codec (the same one-pass diff over the packed image). A patch is kept
-   when smaller than the bucket; the base image becomes the new bytes either way;
-2. the bucket's frame (a header: kind, bytes, checksum of the result, a seal of kind and bytes;
-   then the payload: the patch, or the base image itself) leaves at once, so the next bucket is
-   encoded while this one travels. The payload posted is exactly as long as its header announces,
-   and the seal is made from those very values: receivers post what a sealed header says, and
-   refuse one whose seal does not match without posting anything (delta_receive.py).
+A sender keeps a base image of each bucket it sends (its wire bytes at the last sync, in device
+memory: 1/S of the model on each of S senders). Per bucket, one pass: a bucket that changed little
+last time is diffed against its base straight from the source tensors (`delta.direct`), any other
+is packed first and diffed the same way; a patch is kept when smaller than the bucket, and the base
+becomes the new bytes either way. The frame (header: kind, bytes, checksum of the result, a seal of
+kind and bytes; then the payload) leaves at once, so the next bucket is encoded while this one
+travels. The payload is exactly as long as the sealed header says: receivers post what a sealed
+header announces and refuse one whose seal does not match (delta_receive.py).
 """
 
 from __future__ import annotations

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import chain, islice
 from typing import Any
 
 import torch
 
-from ckpt_engine.pipeline.wire_views import checked_weight, flat_bytes, has_wire_layout, next_weight, torch_dtype
+from ckpt_engine.pipeline.wire_views import checked_weight, flat_bytes, has_wire_layout, next_item, next_weight, torch_dtype
 from ckpt_engine.engine import SendStats
 from ckpt_engine.manifest import TensorMeta
 
@@ -36,6 +36,21 @@ compares a new walk against."""
 
 def stamp(t: torch.Tensor) -> Stamp:
     return (weakref.ref(t), t.data_ptr(), t.stride(), t.dtype)
+
+
+def take_known(
+    it: Iterator[tuple[str, torch.Tensor]], e: TensorMeta, known: Known, own: Callable[[torch.Tensor], bool]
+) -> tuple[str, torch.Tensor, bool]:
+    """The source's next (name, tensor) for whole entry `e`, and whether it is sendable from its own
+    memory (`own`): checked against `e` and recorded in `known`, unless it is the tensor `known`
+    recorded last time, where and as it was."""
+    name, t = next_item(it, e)
+    hit = known.get(e.name)
+    if hit is not None and unchanged(name, t, e, hit[0]):
+        return name, t, hit[1]
+    checked_weight(name, t, e)
+    known[e.name] = (stamp(t), own(t))
+    return name, t, known[e.name][1]
 
 
 def unchanged(name: str, t: torch.Tensor, e: TensorMeta, s: Stamp) -> bool:
@@ -116,17 +131,7 @@ class PieceReader:
 
     def _whole(self, e: TensorMeta, known: Known) -> tuple[torch.Tensor, bool]:
         t0 = time.perf_counter()
-        try:
-            name, t = next(self.it)
-        except StopIteration:
-            raise ValueError(f"the weight source ended before {e.name!r}, which its metadata lists") from None
-        hit = known.get(e.name)
-        if hit is not None and unchanged(name, t, e, hit[0]):
-            own = hit[1]
-        else:
-            checked_weight(name, t, e)
-            own = has_wire_layout(t, e, self.device)
-            known[e.name] = (stamp(t), own)
+        _, t, own = take_known(self.it, e, known, lambda t: has_wire_layout(t, e, self.device))
         self.stats.export_s += time.perf_counter() - t0
         self.current, self.flat, self.base = t, None, 0
         return t, own

@@ -1,12 +1,10 @@
 """A receiver's regions from the pieces it takes: what the engine's loader gets in region delivery.
 
-Each region a receiver holds is covered by one or more pieces (virtual tensors of its receiver
-sets), whole: an assignment whose pieces leave any row of a held region unfilled is refused when
-it is accepted (issue 45: a piece that only overlapped a region used to count as covering it, and
-the rows no piece filled were handed over uninitialised or as the old version). A piece that is exactly one of its regions is handed over as it landed; otherwise the
-pieces' overlaps are copied into a region-shaped tensor (the loader's own where it has that shape
-and the sync may write in place), handed over once its last piece is in. Items are
-`(name, region, tensor)`, region None for a whole tensor.
+Each held region must be covered whole by the pieces of its receiver sets: an assignment leaving
+any row unfilled is refused when accepted (issue 45: rows no piece filled used to be handed over
+uninitialised). A piece that is exactly one of its regions is handed over as it landed; otherwise
+the overlaps are copied into a region-shaped tensor (the loader's own where the sync may write in
+place). Items are `(name, region, tensor)`, region None for a whole tensor.
 """
 
 from __future__ import annotations

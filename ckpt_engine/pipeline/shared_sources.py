@@ -1,13 +1,11 @@
 """A sync whose receiver copies straight out of a stable sender's own tensors: one copy per byte.
 
-Where the transport lets a receiver map the sender's memory (`SourceSharing`: colocated processes
-on one device), a stable sender walks its source once per sync, checks every tensor against the
-manifest, and offers them all; handles travel only when the tensors moved. The receiver yields,
-bucket by bucket, views of the sender's tensors for the loader to copy from (or, for a destination
-in the wire layout, copies there itself and yields the destination), then says the copies are
-done; only then does the sender's `send_weights` return. A source that is not stable, or a tensor
-that cannot be mapped where it lies (a dtype the wire casts, non-contiguous, host memory not
-shared), sends the sync through the slots instead: the walked tensors first, then the rest.
+Where the transport lets a receiver map the sender's memory (`SourceSharing`), a stable sender
+walks its source once per sync, checks every tensor against the manifest and offers them all
+(handles travel only when the tensors moved). The receiver yields views of them bucket by bucket
+for the loader to copy from, then says the copies are done; only then does `send_weights` return.
+A source that is not stable, or a tensor that cannot be mapped where it lies, sends the sync
+through the slots instead.
 """
 
 from __future__ import annotations
@@ -19,9 +17,9 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 
 from ckpt_engine.manifest import BucketManifest, TensorMeta
-from ckpt_engine.pipeline.piece_reader import stamp, unchanged
+from ckpt_engine.pipeline.piece_reader import take_known
 from ckpt_engine.pipeline.plan_state import PlanState, SharedPlan
-from ckpt_engine.pipeline.wire_views import checked_weight, has_wire_layout, torch_dtype
+from ckpt_engine.pipeline.wire_views import has_wire_layout, torch_dtype
 from ckpt_engine.engine import SendStats, TransferError
 from ckpt_engine.transports.transport import SourceSharing, Transport
 
@@ -62,18 +60,10 @@ class SharedSources:
         known = state.known
         for entries in _firsts(manifest):
             for e in entries:
-                try:
-                    name, t = next(it)
-                except StopIteration:
-                    raise ValueError(f"the weight source ended before {e.name!r}, which its metadata lists") from None
+                name, t, own = take_known(
+                    it, e, known, lambda t: has_wire_layout(t, e, self.t.device) and (e.nbytes == 0 or self.sharing.can_share(t))
+                )
                 walked.append((name, t))
-                hit = known.get(e.name)
-                if hit is not None and unchanged(name, t, e, hit[0]):
-                    own = hit[1]
-                else:
-                    checked_weight(name, t, e)
-                    own = has_wire_layout(t, e, self.t.device) and (e.nbytes == 0 or self.sharing.can_share(t))
-                    known[e.name] = (stamp(t), own)
                 if not own:
                     self.sharing.offer(None)
                     return None, itertools.chain(walked, it)

@@ -9,7 +9,7 @@ import torch
 from ckpt_engine.checksum import CHECKSUM_BYTES
 from ckpt_engine.manifest import TensorMeta
 
-__all__ = ["align8", "checked_weight", "dtype_name", "entry_view", "flat_bytes", "has_wire_layout", "message", "next_weight", "torch_dtype"]
+__all__ = ["align8", "checked_weight", "dtype_name", "entry_view", "flat_bytes", "has_wire_layout", "message", "next_item", "next_weight", "torch_dtype"]
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -55,11 +55,16 @@ def next_weight(it: Iterator[tuple[str, torch.Tensor]], e: TensorMeta, piece_byt
     `piece_bytes`: the sender sends only this many bytes of the tensor; the yielded tensor holds
     exactly those (its shard, any shape) or is the whole tensor (a replicated one, which the
     sender slices). Without it the full shape is required."""
+    name, tensor = next_item(it, e)
+    return checked_weight(name, tensor, e, piece_bytes)
+
+
+def next_item(it: Iterator[tuple[str, torch.Tensor]], e: TensorMeta) -> tuple[str, torch.Tensor]:
+    """The source's next (name, tensor), where the manifest expects entry `e`."""
     try:
-        name, tensor = next(it)
+        return next(it)
     except StopIteration:
         raise ValueError(f"the weight source ended before {e.name!r}, which its metadata lists") from None
-    return checked_weight(name, tensor, e, piece_bytes)
 
 
 def checked_weight(name: str, tensor: torch.Tensor, e: TensorMeta, piece_bytes: int | None = None) -> torch.Tensor:
