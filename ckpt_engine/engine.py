@@ -1,13 +1,11 @@
 """The engine contract: `CheckpointEngine`, the lifecycle of one side of a weight-sync group, and
 what travels with it (`Rendezvous`, `Topology`, `SendStats`, `TransferError`).
 
-It sits above both `pipeline/` (the engine every transport runs under, `PipelinedEngine`) and
-`transports/` (how bytes move): neither imports the other's implementation through it, and the
-registry (`registry.py`) builds an engine for a transport's name.
-
-Collective contract: one weight-sync group holds the sender (rank 0) and every receiver rank. All
-members call `init_process_group` once; then, per sync, the sender calls `send_weights` while every
-receiver iterates `receive_weights` over the same manifest. `finalize` releases buffers and group.
+It sits above both `pipeline/` and `transports/`, so neither imports the other through it; the
+registry (`registry.py`) builds an engine for a transport's name. Collective contract: every
+member (the senders, then every receiver rank) calls `init_process_group` once; per sync the
+senders call `send_weights` while every receiver iterates `receive_weights` over the same
+manifest; `finalize` releases buffers and group.
 """
 
 from __future__ import annotations
@@ -184,16 +182,12 @@ class CheckpointEngine(ABC):
     ) -> SendStats:
         """Sender only: stream `weights` to every receiver.
 
-        `weights` yields, in the order of this sender's buckets, one tensor per piece it owns: the
-        full tensor with one sender, else this rank's local piece (its shard: the bytes the
-        manifest gives it, in the tensor's layout, e.g. a dim-0 row block).
-
-        A yielded tensor may be read only until the next one is requested (a sharded trainer frees
-        its gathered parameters), unless `stable` says every yielded tensor stays valid and
-        unchanged until this call returns, which lets the engine skip copies.
-
-        `delta`: keep (and use) base copies of what was sent, so later syncs send only changed
-        words (see `ckpt_engine.delta`); every rank of the group must pass the same request.
+        `weights` yields, in the order of this sender's buckets, one tensor per piece it owns: the full
+        tensor with one sender, else this rank's local piece (the bytes the manifest gives it, in the
+        tensor's layout). A yielded tensor may be read only until the next one is requested (a sharded
+        trainer frees its gathers), unless `stable` says every one stays valid and unchanged until this
+        call returns, which lets the engine skip copies. `delta`: keep (and use) base copies of what was
+        sent, so later syncs send only changed words; every rank of the group passes the same request.
         """
 
     @abstractmethod
@@ -206,20 +200,17 @@ class CheckpointEngine(ABC):
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Receiver only: yield the complete tensors of each bucket as it lands.
 
-        With `delta`, the receiver first takes every bucket (patches applied to its base copy,
-        each checked against the sender's checksum) and yields only once all are verified, so a
-        corrupt patch leaves the engine's own weights untouched.
+        With `delta`, every bucket is taken and checked first (patches against the sender's checksum),
+        and nothing is yielded until all passed, so a corrupt patch leaves the engine's weights untouched.
 
-        `destinations` (optional) maps names to the loader's own tensors: a tensor split over
-        several buckets, or alone in its bucket, whose destination has the wire layout is received
-        right there, and the destination itself is yielded (copying it onto itself is skipped by
-        `batched_copy_`). A failed sync then leaves those destinations half-new, as any failed
-        load does: the caller keeps the engine paused until a sync succeeds.
+        `destinations` (optional) maps names to the loader's own tensors: a tensor in the wire layout is
+        received right there where the bucket plan allows it, and the destination itself is yielded. A
+        failed sync then leaves those half-new, as any failed load does: the caller keeps the engine
+        paused until a sync succeeds.
 
-        The tensors are views of a rotating buffer, valid until the next item is requested; a
-        loader copies them into its parameters (on the current stream) before asking for more. A
-        loader that keeps a reference past that point (vLLM's layerwise reload holds tensors of a
-        layer until the layer is complete) must clone it, or it will read the next bucket's bytes.
+        The tensors are views of a rotating buffer, valid until the next item is requested: a loader that
+        keeps a reference past that point (vLLM's layerwise reload holds a layer's tensors until the
+        layer is complete) must clone it.
         """
 
     def receive_weights(

@@ -37,15 +37,10 @@ class EngineOptions:
     """A bucket of at most this many tensors travels as one coalesced group of per-tensor messages
     (0: never)."""
     delta_scatter_below: float = 1 / 4
-    """Most changed words (a fraction of a bucket's) for which a sender encodes the bucket in one
-    pass to int32 positions; a busier bucket is packed and encoded by the codec (a pack first, then
-    the same diff over the packed image). Both write the same int32 positions, so the limit changes
-    no wire byte, only whether a busy bucket is packed first. Default 1/4 on every transport: 7B at
-    lr 1e-5 on 2xH200 0.91x a raw broadcast against 1.35x with 1/32 (when 1/32 chose the bitmask);
-    tiny preset at lr 1e-5 on the 2-core CPU box, steady patch syncs 0.23-1.41 s against 0.76-2.92 s
-    with 1/32 (bench/RESULTS.md). A sender keeps the base of what it sends in the transport's
-    memory, where the one-pass diff reads it in place (the `delta_base` option that named other
-    placements was retired: docs/delta.md); receivers keep theirs on the device, or none (in place)."""
+    """Most changed words (a fraction of a bucket's) for which a sender diffs the bucket straight
+    from its source; a busier bucket is packed first, then diffed the same way (the same wire
+    bytes). 1/4 on every transport: 7B at lr 1e-5 on 2xH200 0.91x a raw broadcast against 1.35x
+    with 1/32; tiny preset on the 2-core CPU box 0.23-1.41 s against 0.76-2.92 s (bench/RESULTS.md)."""
 
     def __post_init__(self) -> None:
         for name, value, least in (("num_lanes", self.num_lanes, 1), ("solo_bytes", self.solo_bytes, 0), ("group_max_tensors", self.group_max_tensors, 0)):

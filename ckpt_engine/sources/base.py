@@ -1,13 +1,11 @@
 """Weight sources: what a trainer hands to `sync_rollout_weights()`.
 
 A source knows the name, wire dtype and global shape of every tensor up front (`metadata()`, no
-gathering), and yields the full tensors lazily in that order (`iter_weights()`). On a sharded
-trainer producing a tensor is a collective, so every trainer rank walks `iter_weights()`; only the
-rank with `is_sender` true streams what it yields.
-
-`WeightSource` declares every attribute the library reads, with its default (the model: vLLM's
-`weight_transfer/base.py:WeightSource`); a subclass overrides what differs. Sources that send
-from every trainer rank extend `ShardedWeightSource` (`sharded.py`).
+gathering), and yields the full tensors lazily in that order (`iter_weights()`); on a sharded
+trainer every rank walks it (producing a tensor is a collective) and only `is_sender` streams.
+`WeightSource` declares every attribute the library reads, with its default (as vLLM's
+`weight_transfer/base.py:WeightSource` does); sources that send from every rank extend
+`ShardedWeightSource` (`sharded.py`).
 """
 
 from __future__ import annotations
@@ -24,11 +22,8 @@ __all__ = ["StateDictSource", "WatchedWeights", "WeightSource", "WeightWalk", "s
 
 
 class WeightSource(ABC):
-    """A trainer's weights, as one sync reads them (every trainer rank holds one).
-
-    Collective contract: every trainer rank calls `iter_weights()` once per sync and walks it to
-    its end (its gathers may be collectives); only the rank whose `is_sender` is true streams.
-    """
+    """A trainer's weights, as one sync reads them (every trainer rank holds one); every rank calls
+    `iter_weights()` once per sync and walks it to its end."""
 
     is_sender: bool = True
     """Whether this rank streams what `iter_weights()` yields (the others only walk it)."""

@@ -1,15 +1,13 @@
 """Block-FP8 on the wire (`checkpoint_engine.wire_dtype: fp8`): a layer around any weight source.
 
 `Fp8WireSource(source)` lists the source's tensors in the block-FP8 checkpoint layout
-(`fp8/layout.py`: each linear weight as float8_e4m3fn followed by its float32 `_scale_inv`;
-every other tensor as it is) and quantizes lazily while the sender walks: one weight at a time,
-on the device the source yields it on (the trainer's), never a staged copy of the model. The
-quantized tensors are temporaries of the walk (`stable_tensors` false), so the pipeline packs them.
+(`fp8/layout.py`) and quantizes lazily while the sender walks, one weight at a time on the device
+the source yields it on, never a staged copy of the model; the quantized tensors are temporaries
+of the walk, so the pipeline packs them.
 
-`ShardedFp8WireSource(source)` does the same for a source that sends from every trainer rank:
-each rank quantizes its own rows of a weight, which is exact only when its row range starts and
-ends on a 128-row block boundary (or the tensor's end); a shard that does not is refused by name
-while the sync is planned, before anything pauses.
+`ShardedFp8WireSource(source)`: each sender quantizes its own rows of a weight, which is exact
+only when its row range starts and ends on a 128-row block boundary (or the tensor's end); any
+other shard is refused by name while the sync is planned, before anything pauses.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Name and layout rules between trainer-side parameters and Hugging Face checkpoint names.
 
-Pure functions and tables, no process groups: every adapter funnels its names through here so a
-new model family is a new table, not a new code path.
-
-Three kinds of rules live here:
-
-* wrapper prefixes (`_fsdp_wrapped_module.`, `_orig_mod.`, `_checkpoint_wrapped_module.`) that
-  torch wrappers insert into parameter names and that must never reach the wire;
-* transformers-5 fused MoE experts (`mlp.experts.gate_up_proj`, 3-D) -> one tensor per expert,
-  the names HF checkpoints and the engines' `load_weights` use (see shared/presets/README.md);
-* Megatron-core `GPTModel` names and fused layouts (`linear_qkv` interleaved per query group,
-  `linear_fc1` = [gate; up]) <-> HF names, one `MegatronFamily` table per model family.
+Pure functions and tables: a new model family is a new table, not a new code path. Three kinds:
+wrapper prefixes torch inserts (`_fsdp_wrapped_module.`, `_orig_mod.`, ...) that must never reach
+the wire; transformers-5 fused MoE experts (`mlp.experts.gate_up_proj`, 3-D) -> one tensor per
+expert, as HF checkpoints and the engines' loaders name them; Megatron-core `GPTModel` names and
+fused layouts (`linear_qkv` per query group, `linear_fc1` = [gate; up]) <-> HF names, one
+`MegatronFamily` table per family.
 """
 
 from __future__ import annotations

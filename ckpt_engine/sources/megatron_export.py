@@ -1,16 +1,11 @@
 """Megatron-core `GPTModel` <-> Hugging Face conversion (naming, layouts, TP/EP gathers).
 
-`MegatronExporter` holds the conversion plan of one rank's model chunk: the HF name, shape and
-layout of every Megatron parameter (from the family table in `hf_names.py`), the export walk of
-a pipeline stage (each parameter gathered over its tensor-parallel group along `partition_dim`,
-layout-aware for `linear_fc1` = [gate; up] per shard, experts over the expert-parallel group,
-then `linear_qkv` per query group -> q/k/v), and the reverse load (`load_hf`).
-
-The sources (`megatron.py`, `megatron_fsdp.py`) hold the process groups (`MegatronGroups` from
-`megatron_groups.py`) and the walk over stages; this module only needs the groups' attributes.
-The training engines (`ckpt_engine.trainer.engines`) also load HF weights and checkpoints through
-it. Collective contract: every rank of the model-parallel world calls `stage_specs` and
-`iter_local` in the same order.
+`MegatronExporter` holds one rank's conversion plan: the HF name, shape and layout of every
+Megatron parameter (`hf_names.py` tables), the export walk of a stage (TP gathers along
+`partition_dim`, layout-aware for `linear_fc1`, experts over the EP group, `linear_qkv` -> q/k/v),
+and the reverse load (`load_hf`, also used by the training engines). The sources hold the process
+groups and the walk over stages. Collective contract: every rank of the model-parallel world
+calls `stage_specs` and `iter_local` in the same order.
 """
 
 from __future__ import annotations

@@ -23,13 +23,12 @@ __all__ = ["PieceWalk", "ShardedStateDictSource", "ShardedWeightSource", "iter_p
 class ShardedWeightSource(WeightSource):
     """A weight source that sends from every trainer rank (`sync_rollout_weights(..., senders="all")`).
 
-    `sender_index` / `num_senders`: this rank's place among the senders (trainer rank order); a
-    source over one rank (`num_senders` 1, the default) syncs as a plain `WeightSource`.
-    `owners()`: the same map on every rank (pure; no collective). Tensors it leaves out are
-    replicated on every rank; the planner assigns them. `local_piece(name)`: this rank's shard of
-    a tensor it owns (its bytes in the tensor's row-major layout, any shape, wire dtype or a float
-    dtype to cast from), or the whole tensor when it is replicated. Called in plan order, once per
-    piece; the tensor may be freed after the next call unless `stable_pieces` is true.
+    `sender_index` / `num_senders`: this rank's place among the senders (one sender: it syncs as a
+    plain `WeightSource`). `owners()`: the same map on every rank, no collective; tensors it leaves
+    out are replicated and assigned by the planner. `local_piece(name)`: this rank's shard of a tensor
+    (its bytes in row-major layout, any shape, wire dtype or a float dtype to cast from), or the whole
+    tensor when replicated; called in plan order, once per piece, valid until the next call unless
+    `stable_pieces`.
     """
 
     sender_index: int = 0
