@@ -71,6 +71,8 @@ class PeerJoinReport:
     wall_s: float
     """The whole call, offers and failed attempts included: the joiner's time to serve."""
     failed: dict[str, str] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+    """The joiner's seconds by phase: connect (agent made, peer's loaded), read, check (checksums)."""
 
     @property
     def gbps(self) -> float:
@@ -135,7 +137,7 @@ def join_from_peer(
             logger.warning("engine %s: the join from peer %s failed: %s", joiner.name, p.name, exc)
             failed[p.name] = f"{type(exc).__name__}: {exc}"
             continue
-        report = PeerJoinReport(joiner.name, want, p.name, got["bytes"], got["tensors"], got["seconds"], time.perf_counter() - t0, failed)
+        report = PeerJoinReport(joiner.name, want, p.name, got["bytes"], got["tensors"], got["seconds"], time.perf_counter() - t0, failed, dict(got.get("phases") or {}))
         logger.info("engine %s joined at version %d from peer %s (%.3f GB/s, %.3f s to serve)", joiner.name, want, p.name, report.gbps, report.wall_s)
         return report
     raise PeerJoinError(joiner.name, want, failed)

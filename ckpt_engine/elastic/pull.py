@@ -47,7 +47,8 @@ def pull_version(
         host.stale, host.version, host.receiving = True, None, True
         t0 = time.perf_counter()
         try:
-            nbytes = _read_all(host, offer, peer, timeout_s, hold)
+            nbytes, connect_s = _read_all(host, offer, peer, timeout_s, hold)
+            t_check = time.perf_counter()
             bad = [t.name for t in offer.tensors if tensor_checksum(host.tensors[t.name]) != t.checksum]
             if bad:
                 raise RuntimeError(
@@ -59,12 +60,15 @@ def pull_version(
             host.receiving = False
         seconds = time.perf_counter() - t0
         host.resume()
-    logger.info("pulled version %d from peer %s: %d bytes in %.3f s", version, peer, nbytes, seconds)
-    return {"version": version, "peer": peer, "bytes": nbytes, "tensors": len(offer.tensors), "seconds": seconds}
+    phases = {"connect": connect_s, "read": t_check - t0 - connect_s, "check": t0 + seconds - t_check}
+    logger.info("pulled version %d from peer %s: %d bytes in %.3f s (%s)", version, peer, nbytes, seconds, phases)
+    return {"version": version, "peer": peer, "bytes": nbytes, "tensors": len(offer.tensors), "seconds": seconds, "phases": phases}
 
 
-def _read_all(host: PeerHost, offer: PeerOffer, peer: str, timeout_s: float, hold: Callable[[], None]) -> int:
-    """Every offered tensor into the held one, `WINDOW` reads at a time; the bytes read."""
+def _read_all(host: PeerHost, offer: PeerOffer, peer: str, timeout_s: float, hold: Callable[[], None]) -> tuple[int, float]:
+    """Every offered tensor into the held one, `WINDOW` reads at a time; the bytes read and the
+    seconds it took to make the agent and connect to the peer's."""
+    t0 = time.perf_counter()
     todo = [(i, t.name, tensor_bytes(host.tensors[t.name])) for i, t in enumerate(offer.tensors) if t.nbytes]
     agent = NixlAgent(load_nixl(), "join", [b for _, _, b in todo])
     deadline = time.monotonic() + timeout_s
@@ -73,6 +77,7 @@ def _read_all(host: PeerHost, offer: PeerOffer, peer: str, timeout_s: float, hol
             agent.add_peer(0, offer.slots())
         except Exception as exc:
             raise RuntimeError(f"could not connect to peer {peer}'s agent {offer.agent}: {exc}") from exc
+        connect_s = time.perf_counter() - t0
         for start in range(0, len(todo), WINDOW):
             window = todo[start : start + WINDOW]
             try:
@@ -89,6 +94,6 @@ def _read_all(host: PeerHost, offer: PeerOffer, peer: str, timeout_s: float, hol
                 if state != "DONE":
                     raise RuntimeError(f"the read of {name} from peer {peer} failed in NIXL ({state}): did the peer leave or die?")
             hold()
-        return sum(local.numel() for _, _, local in todo)
+        return sum(local.numel() for _, _, local in todo), connect_s
     finally:
         agent.close()
