@@ -313,13 +313,12 @@ _SLACK_ENTRIES = 1024  # beyond twice an honest plan: another small model's mani
 
 
 def decode_manifest(data: bytes, budget: ManifestBudget | None = None) -> BucketManifest:
-    """Decode and validate a manifest received from another process.
+    """Decode and validate a manifest received from another process (ManifestError on anything
+    truncated, oversized, mistyped or inconsistent).
 
-    Reads as a stream with a budget on the total number of entries (and on what the remaining
-    bytes can hold), so a hostile manifest is refused after reading little of it, without
-    building millions of objects first; with the receiver's `budget`, anything more than its own
-    tensors could need is refused after the header (milliseconds, a few kB). Raises
-    ManifestError on anything truncated, oversized, mistyped or inconsistent.
+    Read as a stream with a budget on the entries the remaining bytes can hold, so a hostile manifest
+    is refused without building millions of objects first; with the receiver's `budget`, anything
+    more than its own tensors could need is refused after the header (milliseconds, a few kB).
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ManifestError(f"manifest must be bytes, got {type(data).__name__}")
@@ -431,13 +430,9 @@ def _decode_buckets(r: _Reader, head: dict[str, Any], expected: ManifestBudget |
 
 
 def validate_manifest(manifest: BucketManifest) -> None:
-    """Check the invariants every receiver relies on before writing a byte.
-
-    Every chunk lies inside its bucket, chunks in a bucket do not overlap, each tensor's chunks
-    cover its bytes exactly once, and each sender's chunks of one tensor form one contiguous byte
-    range sent in order (the piece that sender owns). With one sender this means what it always
-    meant: a tensor's chunks follow each other in send order.
-    """
+    """Check the invariants every receiver relies on before writing a byte: every chunk lies inside
+    its bucket, chunks in a bucket do not overlap, each tensor's chunks cover it exactly once, and
+    each sender's chunks of one tensor form one contiguous byte range sent in order."""
     size = manifest.bucket_size_bytes
     if not 1 <= manifest.num_senders <= MAX_SENDERS:
         raise ManifestError(f"num_senders must be in [1, {MAX_SENDERS}], got {manifest.num_senders}")

@@ -55,16 +55,13 @@ def decode(
 ) -> DecodedPatch:
     """Validate a patch for an image of `nbytes` bytes in words of `word_bytes` and return its
     positions and values. Anything malformed raises PatchError before any allocation sized by an
-    unchecked field: every count must agree with the payload's exact length. Two host syncs at
-    most (the header, then every check at once).
+    unchecked field. Two host syncs at most (the header, then every check at once).
 
-    `check_range=False` is for a caller that counts the positions outside its own regions anyway
-    (an in-place receiver: regions end at or before num_words, so a position < 0 or >= num_words
-    is outside every one): the positions are then not range-checked here and come back as int32
-    (a view of the payload when aligned), and the zero padding after them is left to the caller
-    too (`unchecked`, a device count that must be 0): no host sync here for it.
-    `head`: the payload's first PATCH_HEADER_BYTES bytes, when the caller has read them already
-    (on a stream of its choice); they are checked like any other."""
+    `check_range=False`: for an in-place receiver, which counts positions outside its regions anyway;
+    positions come back unchecked as int32 (a view of the payload when aligned) and the padding check
+    is left to it (`unchecked`, a device count that must be 0), with no host sync for it here.
+    `head`: the payload's first PATCH_HEADER_BYTES bytes, when the caller has read them already.
+    """
     wdt = word_dtype(word_bytes)
     if nbytes < 0 or nbytes % word_bytes:
         raise ValueError(f"nbytes={nbytes} must be >= 0 and a multiple of word_bytes={word_bytes}")

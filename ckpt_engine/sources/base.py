@@ -102,13 +102,9 @@ def tensors_device(tensors: Iterable[torch.Tensor]) -> torch.device | None:
 
 
 class WeightWalk(Iterator[tuple[str, torch.Tensor]]):
-    """One walk of a source's weights as a sender consumes it: (name, tensor) pairs, plus what a
-    transport may ask of the walk besides them.
-
-    `anchors()`: the tensors every yielded tensor is a view of, so a transport that recorded its
-    copies at an earlier sync may replay them without walking (`pipeline/copy_plan.py`); None
-    (the default) when the walk cannot name them. After a walk `anchors()` started, `close()`
-    ends it."""
+    """One walk of a source's weights as a sender consumes it: (name, tensor) pairs, plus `anchors()`
+    (the tensors every yielded tensor is a view of, for a recorded copy plan; None: unknown) and
+    `close()`, which ends a walk `anchors()` started."""
 
     def anchors(self) -> list[torch.Tensor] | None:
         return None
@@ -118,12 +114,8 @@ class WeightWalk(Iterator[tuple[str, torch.Tensor]]):
 
 
 class WatchedWeights(WeightWalk):
-    """A walk over a source's weights that remembers whether the source itself raised.
-
-    A failure mid-stream is then blamed on what caused it: the trainer's source (named as such,
-    with its exception) or the transfer and the engines. It wraps a plain iterator (a source's
-    `iter_weights()`) or a `WeightWalk` (a sharded source's `PieceWalk`), whose anchors it passes on.
-    """
+    """A walk over a source's weights that remembers whether the source itself raised, so a failure
+    mid-stream is blamed on the trainer's source or on the transfer; a `WeightWalk`'s anchors pass on."""
 
     def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self._walk = weights if isinstance(weights, WeightWalk) else None

@@ -72,11 +72,9 @@ def check_exportable(model: nn.Module, *, adapter: str | None = None) -> None:
 class FSDP2Source(ShardedWeightSource):
     """The weights of an FSDP2-sharded HF causal LM, under HF checkpoint names.
 
-    `process_group`: the ranks the model is sharded over (default: the group of the 1-D mesh its
-    parameters live on; never the default group by assumption). `dtype`: the wire dtype of
-    floating-point tensors (None: their parameter dtype); `keep_fp32`: regexes of names that
-    travel as float32 whatever `dtype` says (MoE router gates by default). `adapter`: export only
-    this PEFT adapter's LoRA tensors and config (`lora_format.py`), not the frozen base.
+    `process_group`: default, the group of the 1-D mesh its parameters live on (never the default
+    group by assumption). `keep_fp32`: regexes of names that travel as float32 whatever `dtype` says
+    (MoE router gates by default). `adapter`: export only this PEFT adapter's LoRA tensors and config.
     `prefetch`: issue unit k+1's all-gather before unit k is consumed.
     """
 

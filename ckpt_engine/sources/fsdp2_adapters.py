@@ -1,11 +1,7 @@
-"""`AdapterExport`: what `FSDP2TrainEngine` exports with `FSDP2Config(weights="adapters")`.
-
-Only one PEFT adapter's LoRA tensors leave the trainer, under PEFT's saved names, followed by the
-adapter's config tensor (`lora_format.py`); the frozen base never moves. With one sender each LoRA
-tensor is gathered alone (`full_tensor()` of its FSDP2 shard: a collective every rank walks in the
-same order) instead of all-gathering whole decoder layers; with many senders every rank sends its
-own rows of each LoRA tensor, as for any FSDP2 tensor.
-"""
+"""`AdapterExport`: what `FSDP2Source(adapter=...)` exports: one PEFT adapter's LoRA tensors under
+PEFT's saved names, then its config tensor (`lora_format.py`); the frozen base never moves. One
+sender gathers each LoRA tensor alone (`full_tensor()`, a collective every rank walks in order)
+instead of whole decoder layers; many senders send their own rows, as for any FSDP2 tensor."""
 
 from __future__ import annotations
 

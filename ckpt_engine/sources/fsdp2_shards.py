@@ -1,12 +1,9 @@
 """What each FSDP2 rank holds of every exported tensor, from the DTensor sharding alone.
 
-FSDP2 shards a parameter on dim 0 with `torch.chunk` semantics: every rank but the last ones holds
-ceil(rows / world) rows, the last ones fewer or none. A rank's rows [r0, r1) of a tensor are the
-byte range [r0 * row_bytes, r1 * row_bytes) of its flat wire image, so the ownership of every
-tensor follows from its global shape and the world size: no rank needs to ask another.
-
-transformers-5 fused experts ([num_experts, k * rows, cols], dim 0 = experts) become one
-checkpoint tensor per expert and output; each is owned whole by the rank holding that expert.
+FSDP2 shards dim 0 with `torch.chunk` semantics (ceil(rows / world) rows per rank, the last ones
+fewer or none); rows [r0, r1) are bytes [r0 * row_bytes, r1 * row_bytes) of the flat wire image, so
+ownership follows from the global shape and the world size. A transformers-5 fused expert tensor
+becomes one checkpoint tensor per expert and output, each owned whole by the rank holding it.
 """
 
 from __future__ import annotations

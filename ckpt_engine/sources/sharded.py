@@ -100,13 +100,10 @@ def iter_pieces(source: ShardedWeightSource, manifest: BucketManifest) -> PieceW
 
 
 class PieceWalk(WeightWalk):
-    """One walk of a source's pieces: iterating it yields (name, piece) pairs (one generator per
-    walk, so a caller that resumes iterating after a failure continues the same walk).
-
-    A source whose `piece_anchors()` names them also lets a transport skip the walk: `anchors()`
-    starts it without producing a single piece and returns the tensors every piece is a view of,
-    so a transport that recorded its copies from these pieces at an earlier sync may replay them
-    while the anchors stay where they were (`pipeline/copy_plan.py`); `close()` ends it."""
+    """One walk of a source's pieces (one generator per walk, so a caller that resumes iterating
+    after a failure continues the same walk). `anchors()` starts a walk that produces no piece and
+    returns the source's `piece_anchors()`, so a recorded copy plan may be replayed without walking
+    (`pipeline/copy_plan.py`); `close()` ends it."""
 
     def __init__(self, source: ShardedWeightSource, manifest: BucketManifest) -> None:
         self.source, self.manifest = source, manifest
