@@ -1,11 +1,9 @@
 """Loading the codec's kernels when a process joins a weight-sync group, not inside a sync.
 
 Why: the first patch of a fresh process compiles the kernels that diff, decode, check and apply
-it (Triton on CUDA; the retired numba loops on a CPU took 6.2-6.6 s against 0.6 s warm on a loaded
-box, issue 45), inside the transfer window, where every other rank waits within `timeout_s`.
-`warm_up` runs one tiny patch of each word size through the codec's public surface on the group's
-device, so whichever kernel family the codec dispatches to there is loaded once per process and
-device, at the join, before any sync waits on it; on a CPU (torch ops) it costs a few small ops.
+it (Triton on CUDA), inside the transfer window where every other rank waits within `timeout_s`.
+`warm_up` runs one tiny patch of each word size through the codec on the group's device at the
+join, so whichever kernels the codec dispatches to are loaded before any sync waits on them.
 """
 
 from __future__ import annotations

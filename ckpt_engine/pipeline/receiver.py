@@ -1,12 +1,10 @@
 """The receiver of one sync: post each sender's buckets, check each as it lands, hand it to the loader.
 
 Each sender's next bucket is posted into the slot a consumed bucket frees, so every sender's stream
-stays `num_buffers` deep. Where the transport orders work with streams, buckets are consumed in
-manifest order (events order the loader after each receive); on host work with several senders,
-whichever sender's next bucket has landed first is consumed first (`receive_order.py`), so a slow
-sender does not hold back the others' refills. A tensor is yielded when its last byte has landed,
-whichever senders its chunks came from. A delta sync takes every frame first and yields only once
-all are verified (`delta_receive.py`).
+stays `num_buffers` deep. With streams, buckets are consumed in manifest order; on host work with
+several senders, whichever sender's next bucket landed first is consumed first
+(`receive_order.py`). A tensor is yielded when its last byte has landed, whichever senders its
+chunks came from; a delta sync yields only once every frame is verified (`delta_receive.py`).
 """
 
 from __future__ import annotations

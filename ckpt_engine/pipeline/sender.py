@@ -1,11 +1,10 @@
 """The sender of one sync: walk the source, pack or encode each own bucket, post it, drain.
 
-Each sender walks only its own buckets: it packs bucket k into rotating slot k % num_buffers while
-earlier ones are in flight, or sends straight from the caller's tensors where the source is stable
-and the bucket allows it (one lone tensor or chunk, or a coalesced group of a few tensors). With a
-stable source that names its anchors, the copies of every bucket are recorded at the first sync of
-a plan and replayed while the anchors stay where they were (`copy_plan.py`). A delta sync frames
-each bucket as a patch or dense (`delta_send.py`). How bytes move is the transport's business.
+Each sender packs its bucket k into slot k % num_buffers while earlier ones are in flight, or
+sends straight from the caller's tensors where the source is stable and the bucket allows it. With
+a source that names its anchors, each bucket's copies are recorded at a plan's first sync and
+replayed while the anchors stay put (`copy_plan.py`); a delta sync frames each bucket as a patch
+or dense (`delta_send.py`). How bytes move is the transport's business.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """vLLM's `WeightSource` as a ckpt-engine weight source, so a trainer written against vLLM's
 weight-transfer API hands the same object to `sync_rollout_weights()`.
 
-vLLM's source declares `metadata()` as `ParamMeta(name, torch.dtype, shape)` and yields pairs from
-`iter(source)`, a fresh pass each round; ckpt-engine's declares `TensorSpec`s and yields from
-`iter_weights()`. Nothing here imports vLLM: an object can only be a vLLM `WeightSource` when
-vLLM's `weight_transfer/base.py` is already imported, so it is looked up there.
+vLLM's source declares `ParamMeta(name, torch.dtype, shape)` and yields from `iter(source)`;
+ckpt-engine's declares `TensorSpec`s and yields from `iter_weights()`. Nothing here imports vLLM:
+an object can only be a vLLM `WeightSource` once vLLM's `weight_transfer/base.py` is imported, so
+it is looked up there.
 """
 
 from __future__ import annotations
