@@ -2,7 +2,8 @@
 processes: an engine restarted mid-job rejoins from a serving peer with one-sided NIXL reads, bit
 for bit, while the trainer syncs other engines, and serves only once it holds the version; a peer
 killed mid-pull makes the joiner fail over to another peer, or (none left) stay out of service
-until the trainer's next sync seeds it; bad input is refused by name with nothing lost: a peer
+until the trainer's next sync seeds it; a sync landing in the peer mid-pull is refused by the
+checksums and the joiner fails over; bad input is refused by name with nothing lost: a peer
 asked for (or forging) a version it does not hold, wrong memory descriptors, an offer from before
 the peer restarted. Kills land while the joiner is held between two read windows (`load_gate.py`),
 so no test races the box's speed; every wait is bounded."""
@@ -185,6 +186,22 @@ def test_with_no_peer_left_the_joiner_serves_nothing_until_the_next_sync_seeds_i
         assert h["version"] is None and h["stale"] and h["paused"]  # nothing half-new is served
         assert sync([fleet[1], joiner], 4) == 2
         assert holds(joiner, sd(4)) == [] and serving_at(joiner) == (2, False, False, "trainer sync")
+    finally:
+        joiner.close()
+
+
+def test_a_sync_landing_in_the_peer_mid_pull_is_refused_by_checksum_and_the_joiner_fails_over(fleet: list[TorchRefRollout], spec_file: str, tmp_path: Path) -> None:
+    """While the joiner is held between two read windows, the trainer syncs version 2 into peer0:
+    the rest of what the joiner reads from peer0 is version 2's, which the checksums of version 1
+    refuse; it fails over to peer1 (still version 1) and holds version 1 exactly."""
+    hold = tmp_path / "hold"
+    joiner = spawn_engine("joiner", spec_file=spec_file, timeout_s=30, hold_file=str(hold))
+    try:
+        report, error = while_held(joiner, hold, lambda: join_from_peer(joiner, fleet, timeout_s=20), lambda: sync(fleet[:1], 5) and None)
+        assert error is None, error
+        assert report.peer == "peer1" and "do not match the checksums it advertised for version 1" in report.failed["peer0"], report
+        assert holds(joiner, sd(1)) == [] and serving_at(joiner) == (1, False, False, "peer pull from peer1")
+        assert holds(fleet[0], sd(5)) == [] and serving_at(fleet[0]) == (2, False, False, "trainer sync")
     finally:
         joiner.close()
 

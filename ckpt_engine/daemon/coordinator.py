@@ -114,7 +114,7 @@ class WeightSyncDaemon:
         self._generation = 0
         """Bumped by every recorded sync; a health probe older than the last one is not applied."""
         self._groups = GroupKeeper(self.config, rendezvous_host)
-        self.joins = PeerJoins(self.daemon_config.peer_join, self.config.timeout_s)  # engines joining from a serving peer
+        self.joins = PeerJoins(self.daemon_config.peer_join and upstream is None, self.config.timeout_s)  # engines joining from a serving peer
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
         self.server: DaemonServer | None = None
@@ -178,8 +178,7 @@ class WeightSyncDaemon:
 
     def pending(self) -> list[str]:
         """Engines that do not hold the current version completely (new, returning, stale)."""
-        if self.upstream is not None:
-            self._pull_upstream()
+        self._pull_upstream()  # a no-op without an upstream daemon
         return [r.name for r in self.membership.records() if r.state != EngineState.SERVING or r.version != self.version]
 
     def hello(self) -> dict[str, Any]:
@@ -261,6 +260,7 @@ class WeightSyncDaemon:
             found = state_from_health(health)
             if found is not None and not self._sync_lock.locked() and generation == self._generation and rec.state != EngineState.JOINING:
                 self.membership.set_state(rec, *found)
+                self.joins.start(rec, self.membership, self.version)  # restarted at its address: a peer join (daemon.peer_join)
             self.versions.adopt_health(health, f"engine {rec.name}")
         timeout = self.daemon_config.heartbeat_timeout_s
         if timeout > 0:

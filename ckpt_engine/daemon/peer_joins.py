@@ -2,9 +2,10 @@
 registers mid-job without the job's current version pulls it from a serving member, in the
 background, while the trainer and the other engines go on.
 
-With `daemon.peer_join: true`, `register` hands the new record here; when a serving member holds
+With `daemon.peer_join: true`, `register` hands the new record here (and the health monitor an
+engine it finds restarted at its address, holding nothing); when a serving member holds
 the current version and both can take part (`PeerJoinable`), the record is `joining` until the
-pull ends: syncs leave it out (its weights are the pull's), the health monitor does not take its
+pull ends (only a fresh process: one that never held a version and is in no group): syncs leave it out (its weights are the pull's), the health monitor does not take its
 state from its health, and a trainer's report does not overwrite it. A completed pull makes it
 `serving` at that version; a failed one (every peer failed) leaves it as its health says (stale or
 pending, never serving), so the trainer's next sync or catch-up seeds it like any new engine.
@@ -23,6 +24,16 @@ __all__ = ["PeerJoins"]
 logger = logging.getLogger(__name__)
 
 
+def fresh(health: dict[str, object] | None) -> bool:
+    """Whether an engine's health says it is a fresh process: it never held a version, is in no
+    weight-sync group and no sync is loading into it. Only such an engine joins from a peer: one a
+    trainer's sync is in the middle of (paused, stale, received and not yet finalized) is the sync's."""
+    if health is None:
+        return False
+    keys = ("version", "last_version", "stale", "receiving", "group")
+    return all(health.get(k) in (None, False) for k in keys) and all(k in health for k in keys)
+
+
 class PeerJoins:
     """The joins in flight (one thread each), bounded by `timeout_s` per peer tried."""
 
@@ -30,6 +41,9 @@ class PeerJoins:
         self.enabled = enabled
         self.timeout_s = timeout_s
         self._threads: dict[str, threading.Thread] = {}
+        self._failed: set[tuple[str, int, int]] = set()
+        """(engine, id of its handle, version) of failed joins: not retried until the engine registers
+        again (a new handle) or the job moves to another version."""
         self.last: dict[str, dict[str, object]] = {}
         """Engine -> its last join (the report, or the error), for status."""
 
@@ -37,7 +51,7 @@ class PeerJoins:
         """Start a join of `rec` at `version` if it lacks it and a serving member can give it."""
         if not self.enabled or not isinstance(rec.adapter, PeerJoinable) or version == 0:
             return False
-        if rec.state == EngineState.SERVING and rec.version == version:
+        if not fresh(rec.health) or (rec.name, id(rec.adapter), version) in self._failed:
             return False
         peers = [
             r.adapter for r in membership.records()
@@ -57,6 +71,7 @@ class PeerJoins:
         except (PeerJoinError, ValueError) as exc:
             logger.warning("engine %s: no peer join (%s); the trainer's next sync seeds it", rec.name, exc)
             self.last[rec.name] = {"ok": False, "version": version, "error": str(exc)}
+            self._failed.add((rec.name, id(rec.adapter), version))
             try:
                 found = state_from_health(rec.adapter.health())
             except Exception as probe:

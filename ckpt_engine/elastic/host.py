@@ -22,6 +22,9 @@ class PeerHost(Protocol):
     stale: bool
     """A load failed part-way: out of service until a complete one."""
     receiving: bool
+    received: str | None
+    """A trainer transfer completed and not yet finalized (None: none). A pull drops it, so a
+    trainer's finalize after a pull is refused instead of stamping its version on the pull's bytes."""
 
     def pause(self, mode: str) -> None:
         """Stop serving (no request reads the weights after this returns)."""

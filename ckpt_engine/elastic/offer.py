@@ -26,7 +26,10 @@ _KEYS = {"instance", "offer_id", "version", "agent", "metadata", "memory", "devi
 
 
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor (what a one-sided read moves)."""
+    """A flat uint8 view of a contiguous tensor (what a one-sided read moves); a strided tensor is
+    refused (its reshape would be a copy, and a read would land in the copy)."""
+    if not t.is_contiguous():
+        raise ValueError(f"a peer join reads and registers contiguous tensors only, got one of shape {list(t.shape)} with strides {list(t.stride())}")
     return t.reshape(-1).view(torch.uint8)
 
 

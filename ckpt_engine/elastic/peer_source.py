@@ -39,6 +39,8 @@ class PeerSource:
         self.generation = 0
         """Bumped whenever the held weights change (a sync or a pull installed a version)."""
         self._lock = threading.Lock()
+        self._agent_lock = threading.Lock()
+        """Orders every call into the agent (the progress thread's and an offer's): one at a time."""
         self._agent: NixlAgent | None = None
         self._names: list[str] = []
         self._ptrs: list[int] = []
@@ -60,17 +62,20 @@ class PeerSource:
             held = "a partially loaded state" if h.stale or h.receiving else f"version {h.version}"
             raise ValueError(f"this engine holds {held}, not version {version}: it cannot offer it")
         with self._lock:
-            agent = self._agent_locked()
-            if self._sums is None or self._sums[0] != before[3]:
-                self._sums = (before[3], [tensor_checksum(h.tensors[n]) for n in self._names])
-            sums = self._sums[1]
-            if self._state() != before:
+            agent, names, cached = self._agent_locked(), self._names, self._sums
+        if cached is None or cached[0] != before[3]:  # outside the lock: open offers' reads go on meanwhile
+            cached = (before[3], [tensor_checksum(h.tensors[n]) for n in names])
+        sums = cached[1]
+        with self._lock:
+            if self._state() != before or self._agent is not agent:
                 raise RuntimeError(f"a sync landed in this engine while it took the checksums of version {version}; ask again")
-            made = agent.offer()
-            slots = dict(zip([n for n in self._names if h.tensors[n].numel()], made.slots))
+            self._sums = cached
+            with self._agent_lock:
+                made = agent.offer()
+            slots = dict(zip([n for n in names if h.tensors[n].numel()], made.slots))
             tensors = tuple(
                 TensorOffer(n, str(h.tensors[n].dtype).removeprefix("torch."), tuple(h.tensors[n].shape), *slots.get(n, (0, 0)), s)
-                for n, s in zip(self._names, sums)
+                for n, s in zip(names, sums)
             )
             self._next_id += 1
             offer = PeerOffer(self.instance, self._next_id, version, agent.name, made.metadata, agent.memory, agent.device_id, tensors)
@@ -115,9 +120,12 @@ class PeerSource:
         if self._agent is not None:
             if self._open:
                 raise RuntimeError("the engine's tensors moved while offers are open; ask again once they closed")
-            self._agent.close()
+            with self._agent_lock:
+                self._agent.close()
         buffers = [tensor_bytes(h.tensors[n]) for n in names if h.tensors[n].numel()]
-        self._agent, self._names, self._ptrs, self._sums = NixlAgent(load_nixl(), "peer", buffers), names, ptrs, None
+        with self._agent_lock:
+            agent = NixlAgent(load_nixl(), "peer", buffers)
+        self._agent, self._names, self._ptrs, self._sums = agent, names, ptrs, None
         return self._agent
 
     def _serve(self) -> None:
@@ -133,7 +141,8 @@ class PeerSource:
                     self._thread = None
                     return
                 agent = self._agent
-            agent.progress()
+            with self._agent_lock:
+                agent.progress()
             time.sleep(nap)
             nap = min(2 * nap, _MAX_NAP_S)
 

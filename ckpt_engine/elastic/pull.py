@@ -44,7 +44,7 @@ def pull_version(
     offer.check_for(version, host.tensors)
     with exclusive(f"a pull of version {version} from peer {peer}"):
         host.pause("keep")
-        host.stale, host.version, host.receiving = True, None, True
+        host.stale, host.version, host.receiving, host.received = True, None, True, None
         t0 = time.perf_counter()
         try:
             nbytes, connect_s = _read_all(host, offer, peer, timeout_s, hold)

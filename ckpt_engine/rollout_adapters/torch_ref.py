@@ -94,7 +94,7 @@ class TorchRefWorker:
         self.paused = False
         self.stale = False
         self.receiving = False
-        self._received: str | None = None
+        self.received: str | None = None
         """Digest of the transfer that completed since the last finalize (None: none did)."""
         self.expected = expected if expected is not None else {n: spec_of(n, t) for n, t in tensors.items()}
         self.lease = EngineLease()
@@ -192,7 +192,7 @@ class TorchRefWorker:
         # old weights, still marked stale because the sync did not complete). A receive the
         # receiver refuses (busy, not joined, manifest not validated) leaves the engine as it was.
         def start() -> None:
-            self.stale, self.version, self._received, self.receiving = True, None, None, True
+            self.stale, self.version, self.received, self.receiving = True, None, None, True
 
         try:
             report = self.receiver.receive(
@@ -200,7 +200,7 @@ class TorchRefWorker:
             ).to_dict()
         finally:
             self.receiving = False
-        self._received = digest
+        self.received = digest
         return report
 
     def staging_room(self, nbytes: int) -> bool:
@@ -245,7 +245,7 @@ class TorchRefWorker:
                 self.stale, self.version, self.paused = True, None, True
                 self.steps.pause_locked()
                 raise
-            self.version, self.last_version, self.stale, self._received, self.paused = version, version, False, None, False
+            self.version, self.last_version, self.stale, self.received, self.paused = version, version, False, None, False
             self.peers.synced()
             self.steps.resume_locked()
             stall = time.monotonic() - t0
@@ -253,10 +253,10 @@ class TorchRefWorker:
 
     def finalize(self, version: int) -> None:
         check_version(version, "finalize version", at_least=self.last_version if self.last_version is not None else 0)
-        if self._received is None:
+        if self.received is None:
             held = "a partially loaded state" if self.stale else f"version {self.version}"
             raise RuntimeError(f"finalize({version}): no transfer completed since the last finalize (the engine holds {held}); run a complete sync")
-        self.version, self.last_version, self.stale, self._received = version, version, False, None
+        self.version, self.last_version, self.stale, self.received = version, version, False, None
         self.peers.synced()
 
     def resume(self) -> None:
