@@ -68,3 +68,52 @@ class InstalledFaultsExtension(CkptEngineWorkerExtension):
         `weight_transfer_config={"backend": "ckpt_engine"}` beside this extension)."""
         core = self.weight_transfer_engine.core  # type: ignore[attr-defined]
         return {"stale": core.stale, "version": core.version}
+
+    # --- adapter (LoRA) syncs: faults in vLLM's LoRA model build and in its slot writes ---
+    def test_lora_plant(self, fault: str, module_name: str) -> None:
+        """`build`: vLLM's `LoRAModel.from_lora_tensors` hands `module_name` a scrambled lora_B (its
+        bytes read as the transpose); `slot-skip`: that LoRA layer's `set_lora` writes nothing;
+        `slot-transpose`: it copies a scrambled lora_A (the first slice of a packed layer)."""
+        from vllm.lora.lora_model import LoRAModel
+
+        self._lora_planted = getattr(self, "_lora_planted", [])
+        if fault == "build":
+            original = LoRAModel.__dict__["from_lora_tensors"]
+
+            def from_lora_tensors(cls: Any, *args: Any, **kwargs: Any) -> Any:
+                lora = original.__func__(cls, *args, **kwargs)
+                b = lora.loras[module_name].lora_b
+                lora.loras[module_name].lora_b = b.t().contiguous().view(b.shape)
+                return lora
+
+            LoRAModel.from_lora_tensors = classmethod(from_lora_tensors)  # type: ignore[method-assign, assignment]
+            self._lora_planted.append((LoRAModel, "from_lora_tensors", original))
+            return
+        module = self._ckpt_lora.adapters.modules[module_name]
+        set_lora = module.set_lora
+
+        def scrambled(x: Any) -> Any:
+            if isinstance(x, list):
+                return [scrambled(x[0]), *x[1:]]
+            return x.t().contiguous().view(x.shape)
+
+        def faulty_set_lora(index: int, lora_a: Any, lora_b: Any) -> None:
+            if fault == "slot-skip":
+                module.reset_lora(index)
+            else:
+                set_lora(index, scrambled(lora_a), lora_b)
+
+        module.set_lora = faulty_set_lora
+        self._lora_planted.append((module, "set_lora", None))
+
+    def test_lora_unplant(self) -> None:
+        for target, attr, original in getattr(self, "_lora_planted", []):
+            if original is None:
+                vars(target).pop(attr, None)
+            else:
+                setattr(target, attr, original)
+        self._lora_planted = []
+
+    def test_lora_state(self) -> dict[str, Any]:
+        core = self._ckpt_lora_core()
+        return {"stale": core.stale, "version": core.versions.newest}

@@ -103,6 +103,12 @@ class LoraReceiverCore(Generic[T]):
         self.last_report = report
         return report
 
+    @property
+    def staged(self) -> Mapping[str, torch.Tensor] | None:
+        """The adapter received since the last finalize, as it will be built (None: none complete);
+        an installed-weight check reads it before finalize."""
+        return self._staged
+
     def finalize(self, version: int) -> dict[str, Any]:
         """Build the staged adapter and make it the newest version (install + activate)."""
         staged, self._staged = self._staged, None

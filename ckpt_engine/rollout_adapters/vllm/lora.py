@@ -37,10 +37,13 @@ __all__ = ["VllmLoraRollout", "VllmServerLoraRollout"]
 class VllmLoraRollout(VllmRollout):
     """Handle on a LoRA-enabled vLLM engine, for adapter syncs (over any channel)."""
 
-    capabilities = EngineCapabilities(delta=True, many_senders=True, weights="adapters")
+    capabilities = EngineCapabilities(delta=True, many_senders=True, weights="adapters", installed=True)
     """No staging: an adapter sync already installs only at finalize (the received tensors wait in
     the workers' LoRA stage). No regions: every worker receives the whole adapter (a few MB); vLLM's
-    LoRA layers cut each TP rank's slice themselves when the version is installed."""
+    LoRA layers cut each TP rank's slice themselves when the version is installed. Installed: each
+    worker reads the adapter back out of vLLM's `LoRAModel` before finalize, and compares the LoRA
+    slots vLLM wrote at the install (in process) with it (`vllm/lora_installed.py`; not through
+    vLLM's weight-transfer API)."""
 
     def __init__(
         self, name: str, llm: vllm.LLM | Channel, *, max_adapter_versions: int = 2, timeout_s: float = 300.0, world_size: int | None = None

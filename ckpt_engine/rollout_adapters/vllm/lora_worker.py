@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.lora_format import LoraSpec
+from ckpt_engine.installed import InstalledReport, InstalledRequest
+from ckpt_engine.lora_format import ADAPTER_CONFIG, LoraSpec
 from ckpt_engine.rollout_adapters.lora_receiver import LoraReceiverCore, LoraTarget
+from ckpt_engine.rollout_adapters.vllm.lora_installed import adapter_report, checkpoint_names, slot_problems
 
 __all__ = ["LORA_PATH_PREFIX", "VllmLoraCore", "lora_base_shapes", "lora_int_id", "lora_path", "version_of_lora_path"]
 
@@ -111,6 +113,12 @@ class VllmLoraCore:
         self.preload = True
         """Install each version under `lora_int_id(version)` at finalize (in-process `LLM`); off
         behind the OpenAI server, whose registration loads it under its own id."""
+        self._armed: InstalledRequest | None = None
+        """The installed-weight check of the sync under way (`vllm/lora_installed.py`)."""
+        self._checked: tuple[int, Any] | None = None
+        """(id of the staged tensors, the `LoRAModel` the check read): finalize installs that one."""
+        self._built: dict[int, Any] = {}
+        """Version -> its checked `LoRAModel`, for the server's first load of it (preload off)."""
         # received on the model's device (NCCL and CUDA IPC land only there), kept on the host as vLLM
         # keeps its CPU LoRA models (`_install`)
         device = next(get_model().parameters()).device
@@ -137,25 +145,34 @@ class VllmLoraCore:
         helper = PEFTHelper.from_dict({**spec.peft_config(), "vllm_max_position_embeddings": self._max_positions})
         helper.validate_legal(self.lora_config)
         adapters = self.adapters
-        mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
         # lora_B copied: vLLM merges the scaling into lora_B in place when it adds a model
         # (`optimize`; nothing writes lora_A), and `from_lora_tensors` keeps CPU tensors of the LoRA
         # dtype as they are; the kept tensors must stay as received, since a version is rebuilt from
         # them (eviction, the server's id, vLLM dropping every LoRA model after a weight update).
         lora = LoRAModel.from_lora_tensors(
             lora_id, {n: t.clone() if ".lora_B." in n else t for n, t in tensors.items()}, helper, device="cpu", dtype=self.lora_config.lora_dtype, model_vocab_size=self._vocab_size,
-            weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
-            skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None),
+            weights_mapper=self._weights_mapper(), skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None),
         )
         adapters._validate_modules_to_save(lora)
         return lora
 
+    def _weights_mapper(self) -> Any:
+        mapper = getattr(self.adapters.model, "hf_to_vllm_mapper", None)
+        return mapper.get_rename_mapper() if mapper is not None else None
+
     def _install(self, version: int, tensors: dict[str, torch.Tensor], spec: LoraSpec) -> int:
         lora_id = lora_int_id(version)
-        tensors = {n: t.cpu() for n, t in tensors.items()}
-        lora = self._lora_model(lora_id, tensors, spec)  # checked here even when the server loads it later
+        checked, self._checked = self._checked, None
+        armed, self._armed = self._armed, None
+        received, tensors = tensors, {n: t.cpu() for n, t in tensors.items()}
+        if checked is not None and checked[0] == id(received):  # the staged dict the check read (its config popped since)
+            lora = checked[1]  # the model the installed-weight check read
+            lora.id = lora_id
+        else:
+            lora = self._lora_model(lora_id, tensors, spec)  # checked here even when the server loads it later
         self._tensors[version] = (tensors, spec)
         if not self.preload:
+            self._built = {version: lora}  # the server's first load of this version takes it
             return lora_id
         adapters = self.adapters
         adapters.remove_adapter(lora_id)  # a stale one of the same id (never served: versions only grow)
@@ -163,8 +180,31 @@ class VllmLoraCore:
             adapters.remove_oldest_adapter()  # its tensors stay here: `_load_adapter` rebuilds it if asked
         adapters.add_adapter(lora)
         adapters.activate_adapter(lora_id)
+        if armed is not None:  # the slots vLLM's set_lora wrote, against what it was handed
+            problems = slot_problems(adapters, lora, adapters.lora_index_to_id.index(lora_id), checkpoint_names(tensors, self._weights_mapper()))
+            if problems:
+                adapters.remove_adapter(lora_id)
+                self._tensors.pop(version, None)
+                raise RuntimeError(f"adapter version {version} not installed: {'; '.join(problems[:10])}")
         self._ids.setdefault(version, set()).add(lora_id)
         return lora_id
+
+    # --- installed-weight checks (vllm/lora_installed.py) --------------------------------------
+    def installed_arm(self, request: InstalledRequest) -> None:
+        """Before the stream: the check of this sync (the slots are compared at its install)."""
+        self._armed, self._checked = request, None
+
+    def installed(self, request: InstalledRequest) -> InstalledReport:
+        """After the receive, before finalize: the received adapter built into vLLM's `LoRAModel` (the
+        one finalize installs), each checkpoint tensor read back from it."""
+        staged = self.core.staged
+        if staged is None:
+            return InstalledReport(missing=[f"{n}: no complete adapter received" for n in request.names])
+        tensors = {n: t.cpu() for n, t in staged.items()}
+        # built before its version is known: a provisional id (vLLM wants one > 0), set at the install
+        lora = self._lora_model(2**31 - 1, {n: t for n, t in tensors.items() if n != ADAPTER_CONFIG}, LoraSpec.decode(tensors[ADAPTER_CONFIG]))
+        self._checked = (id(staged), lora)
+        return adapter_report(lora, tensors, request, self._weights_mapper())
 
     def _unload(self, version: int) -> None:
         self._tensors.pop(version, None)
@@ -181,6 +221,10 @@ class VllmLoraCore:
             logger.warning("LoRA %s: version unloaded before the request started; serving version %s", request.lora_name, newest)
             version = newest
         self._ids.setdefault(version, set()).add(int(request.lora_int_id))
+        built = self._built.pop(version, None)
+        if built is not None:  # the checked model, once (vLLM merges the scaling into it when it adds it)
+            built.id = request.lora_int_id
+            return built
         return self._lora_model(request.lora_int_id, *self._tensors[version])
 
     def observe(self, requests: set[Any]) -> None:

@@ -30,6 +30,8 @@ LORA_METHODS = {
     "ckpt_finalize": "ckpt_lora_finalize",
     "ckpt_health": "ckpt_lora_health",
     "ckpt_leave": "ckpt_lora_leave",
+    "ckpt_installed_arm": "ckpt_lora_installed_arm",
+    "ckpt_installed": "ckpt_lora_installed",
 }
 """An adapter-sync join's worker methods (`vllm/lora_worker.py`) in place of the full-weight ones."""
 
@@ -72,8 +74,7 @@ class ExtensionRoute:
 
     def __init__(self, channel: RpcChannel, name: str, timeout_s: float, adapters: bool) -> None:
         self.channel, self.name, self.timeout_s = channel, name, timeout_s
-        # An adapter sync installs no base weights: nothing for installed-weight checks to read.
-        self.lacks: frozenset[Feature] = frozenset({"installed"}) if adapters else frozenset()
+        self.lacks: frozenset[Feature] = frozenset()  # adapter syncs check vLLM's LoRA model and slots (vllm/lora_installed.py)
         self.held: str | None = None  # the digest of the manifest every worker holds
         self.methods = LORA_METHODS if adapters else {}  # adapter syncs: the LoRA methods in place of the full-weight ones
 

@@ -165,5 +165,16 @@ class CkptEngineWorkerExtension:
     def ckpt_lora_finalize(self, version: int) -> dict[str, Any]:
         return self._ckpt_lora_core().finalize(int(version))
 
+    def ckpt_lora_installed_arm(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Before a checked adapter sync streams: its LoRA slots are compared at the install (`vllm/lora_installed.py`)."""
+        self._ckpt_lora_core()
+        self._ckpt_lora.installed_arm(InstalledRequest.from_wire(request))
+        return {"armed": True}
+
+    def ckpt_lora_installed(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The received adapter as vLLM's `LoRAModel` holds it, digested (an `InstalledReport`'s wire form)."""
+        self._ckpt_lora_core()
+        return self._ckpt_lora.installed(InstalledRequest.from_wire(request)).to_wire()
+
     def ckpt_lora_health(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self._ckpt_rank(), **self._ckpt_lora_core().health()}
