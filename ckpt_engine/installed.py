@@ -136,10 +136,20 @@ def _positions(n: int, seed: int, samples: int, device: torch.device) -> torch.T
     return pos
 
 
+def _unravel(pos: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    """`torch.unravel_index` by hand: the same coordinates, without the ~2.4 s its first call in a
+    process costs (a checked sync's first fold on every rank)."""
+    coords: list[torch.Tensor] = []
+    for size in reversed(shape):
+        coords.append(torch.remainder(pos, size))
+        pos = torch.div(pos, size, rounding_mode="floor")
+    return coords[::-1]
+
+
 def _gather(view: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     if view.is_contiguous():
         return view.reshape(-1).index_select(0, pos)
-    return view[torch.unravel_index(pos, view.shape)]
+    return view[_unravel(pos, tuple(view.shape))]
 
 
 def digest(view: torch.Tensor, seed: int, samples: int = DEFAULT_SAMPLES, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -185,7 +195,7 @@ def digest_share(
         return torch.zeros((), dtype=torch.int64, device=piece.device)
     pos = _positions(n, seed, samples, piece.device)
     if image:
-        coords = list(torch.unravel_index(pos, tuple(image)))
+        coords = _unravel(pos, tuple(image))
         if region is not None:
             coords[region.dim] = coords[region.dim] + region.start
         flat = torch.zeros_like(pos)
