@@ -177,6 +177,24 @@ def test_a_peer_killed_mid_pull_makes_the_joiner_fail_over_to_another_peer(fleet
         joiner.close()
 
 
+def test_a_peer_frozen_mid_pull_does_not_stop_the_join(fleet: list[TorchRefRollout], spec_file: str, tmp_path: Path) -> None:
+    """peer0 SIGSTOPped while the joiner is held between two read windows. Where UCX reads the
+    peer's memory without its CPU (what it picked on the CPU box), the join completes from peer0
+    anyway; where a read needs the peer's worker, it gives up at its bound (timeout_s) and the
+    joiner fails over to peer1. Either way it holds version 1 exactly, and the frozen peer's
+    offer close is bounded."""
+    hold = tmp_path / "hold"
+    joiner = spawn_engine("joiner", spec_file=spec_file, timeout_s=60, hold_file=str(hold))
+    try:
+        report, error = while_held(joiner, hold, lambda: join_from_peer(joiner, fleet, timeout_s=10), lambda: fleet[0].process.send_signal(signal.SIGSTOP))
+        assert error is None, error
+        assert report.peer == "peer0" or "did not finish within 10" in report.failed["peer0"], report
+        assert holds(joiner, sd(1)) == [] and serving_at(joiner) == (1, False, False, f"peer pull from {report.peer}")
+    finally:
+        fleet[0].process.send_signal(signal.SIGCONT)
+        joiner.close()
+
+
 def test_with_no_peer_left_the_joiner_serves_nothing_until_the_next_sync_seeds_it(fleet: list[TorchRefRollout], spec_file: str, tmp_path: Path) -> None:
     joiner, _, error = join_killing_peer0(fleet, spec_file, tmp_path, 1)
     try:

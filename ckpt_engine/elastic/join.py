@@ -51,7 +51,7 @@ class PeerJoinable(ABC):
         self.peer_rpc("peer_check", offer=offer)
 
     def peer_done(self, offer_id: int) -> None:
-        self.peer_rpc("peer_done", offer_id=offer_id)
+        self.peer_rpc("peer_done", timeout_s=5.0, offer_id=offer_id)  # best effort: an open offer also closes at its deadline
 
     def pull_from_peer(self, offer: bytes, version: int, peer: str, timeout_s: float) -> dict[str, Any]:
         return dict(self.peer_rpc("pull_from_peer", timeout_s=2 * timeout_s, offer=offer, version=version, peer=peer, read_timeout_s=timeout_s))

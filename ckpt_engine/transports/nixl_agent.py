@@ -185,9 +185,9 @@ class NixlAgent:
         a, self.agent = self.agent, None
         if a is None:
             return
+        deadline = time.monotonic() + 5.0  # reads left in flight by a failure must not land in freed slots (5 s for all, not each)
         for req in self._requests.values():
             try:
-                deadline = time.monotonic() + 5.0  # a read left in flight by a failure must not land in freed slots
                 while a.check_xfer_state(req) == "PROC" and time.monotonic() < deadline:
                     time.sleep(1e-3)
                 a.release_xfer_handle(req)
