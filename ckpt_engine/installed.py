@@ -43,7 +43,7 @@ from ckpt_engine.delta.mixing import mix
 from ckpt_engine.planning.regions import Region
 
 __all__ = [
-    "DEFAULT_SAMPLES", "ArmsInstalledChecks", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_held", "digest_share",
+    "DEFAULT_SAMPLES", "ArmsInstalledChecks", "Folds", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_held", "digest_share",
     "region_view", "wrap64",
 ]
 
@@ -215,6 +215,62 @@ def wrap64(value: int) -> int:
     return (value + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
+class Folds:
+    """The digests of many region images on one request (`seed`, `samples`), each equal to `digest`'s.
+
+    `add` reads an image's sampled positions at once (one gather for a contiguous image: a trainer's
+    tensor may be gone by the time the answers are read) and `values` folds every image read, a few
+    kernels per image size, with one host sync per device: about one kernel per tensor on each side
+    instead of a lone `digest`'s ~20 and a host sync each (a 7B sync into vLLM on one H200, checked
+    that way, took 9x an unchecked one: 0.378 s against 0.042 s). Full folds (`samples` 0) and
+    empty images are `digest`'s own."""
+
+    def __init__(self, seed: int, samples: int) -> None:
+        self.seed, self.samples = seed, samples
+        self.count = 0
+        self._weights: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rows: dict[tuple[int, torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
+        self._done: dict[int, torch.Tensor] = {}
+
+    def add(self, view: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+        """Read one image (as `dtype`, default its own: see `digest`); returns its index in `values`."""
+        i, self.count = self.count, self.count + 1
+        dtype = dtype if dtype is not None else view.dtype
+        ints = _INTS.get(torch.empty((), dtype=dtype).element_size())
+        n = view.numel()
+        if ints is None or dtype.is_complex or n == 0 or self.samples <= 0:
+            self._done[i] = digest(view, self.seed, self.samples, dtype)
+            return i
+        key = (n, view.device)
+        if key not in self._weights:
+            pos = _positions(n, self.seed, self.samples, view.device)
+            self._weights[key] = (pos, mix(pos + self.seed))
+        words = _gather(view, self._weights[key][0]).to(dtype)
+        words = (words.view(torch.uint8) if words.dtype == torch.bool else words).view(ints)
+        index, rows = self._rows.setdefault((n, view.device, ints), ([], []))
+        index.append(i)
+        rows.append(words)
+        return i
+
+    def values(self) -> list[int]:
+        """Every image's D, in the order added."""
+        parts: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+        for (n, device, _), (index, rows) in self._rows.items():
+            folded = torch.stack(rows).to(torch.int64).mul_(self._weights[(n, device)][1]).sum(1)
+            into = parts.setdefault(device, ([], []))
+            into[0].extend(index)
+            into[1].append(folded)
+        for i, d in self._done.items():
+            into = parts.setdefault(d.device, ([], []))
+            into[0].append(i)
+            into[1].append(d.reshape(1))
+        out = [0] * self.count
+        for index, tensors in parts.values():
+            for i, v in zip(index, torch.cat(tensors).cpu().tolist()):
+                out[i] = int(v)
+        return out
+
+
 def digest_held(
     tensors: Mapping[str, torch.Tensor], regions: Mapping[str, Region | None], request: InstalledRequest, own: Iterable[str] | None = None,
 ) -> InstalledReport:
@@ -224,7 +280,9 @@ def digest_held(
     t0 = time.perf_counter()
     sent = set(request.names)
     keys = [(n, regions.get(n)) for n in request.names if n in tensors]
-    values = [digest(tensors[n], request.seed, request.samples) for n, _ in keys]
-    answers = torch.stack([v.cpu() for v in values]).tolist() if values else []
+    folds = Folds(request.seed, request.samples)
+    for n, _ in keys:
+        folds.add(tensors[n])
+    answers = folds.values()
     unwritten = sorted(n for n in (own if own is not None else tensors) if n not in sent)
     return InstalledReport(dict(zip(keys, answers)), unwritten, [], seconds=time.perf_counter() - t0)

@@ -27,10 +27,11 @@ from ckpt_engine.sources.base import StateDictSource
 from helpers_procs import fork_program
 from refengines import holds, second_handle, serving, source, spawn_with_timeout, state
 
-TIMEOUT_S = 10.0
-"""Every wait of a sync (gloo's, the engines' control calls). 3 s was hit at load 9-13 on the 2-core
-box (two CI runs and five fast tiers beside it): a starved sender or receiver timed the whole sync
-out before the test's fault landed. Only the SIGSTOP tests wait it out (a dead process is seen at once)."""
+TIMEOUT_S = 20.0
+"""Every wait of a sync (gloo's, the engines' control calls). 3 s, then 10 s, were hit at load 9-13
+on the 2-core box (a CI run or the reliability suite with fast tiers beside it): a starved sender or
+receiver timed the whole sync out between the victim's hold and the test's fault. Only the SIGSTOP
+tests wait it out (a dead process is seen at once)."""
 GRACE_S = 2 * TIMEOUT_S + 2.0
 """After the fault, the sender's own wait (bounded by timeout_s) is followed by a wait for the
 receivers' answers and a health probe of each engine (each bounded by timeout_s)."""

@@ -36,7 +36,7 @@ import msgpack
 import torch
 
 from ckpt_engine.installed import (
-    MAX_SEED, ArmsInstalledChecks, InstalledReport, InstalledRequest, Key, digest, digest_share, region_view, wrap64,
+    MAX_SEED, ArmsInstalledChecks, Folds, InstalledReport, InstalledRequest, Key, digest_share, region_view, wrap64,
 )
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.planning.regions import ReceivePlan, Region
@@ -105,7 +105,9 @@ class InstalledChecks:
         self.request: InstalledRequest | None = None
         """The check armed for the sync under way (None: no check)."""
         self._want: dict[str, list[Key]] = {}
-        self._digests: dict[Key, torch.Tensor] = {}
+        self._folds = Folds(0, samples)
+        self._digests: dict[Key, int] = {}
+        """Each key's image in `_folds` (the trainer's side of the armed check)."""
         self._said: set[str] = set()
         self._dtypes: dict[str, torch.dtype] = {}
         """The wire dtype of each name of the armed check (`arm`'s `dtypes`; absent: as walked)."""
@@ -148,6 +150,7 @@ class InstalledChecks:
         if cannot:
             self._say(f"installed-weight checks: engine(s) {', '.join(cannot)} cannot digest what they installed; not checked")
         self.request, self.seconds = InstalledRequest(list(names), secrets.randbelow(MAX_SEED), self.samples), 0.0
+        self._folds = Folds(self.request.seed, self.samples)
         sent = set(names)
         want: dict[str, set[Key]] = {}
         for plan in plans or [None]:
@@ -193,9 +196,14 @@ class InstalledChecks:
             if self.request is not None and self.seconds is not None:
                 t = time.perf_counter()
                 for key in self._want.get(name, ()):
-                    self._digests[key] = digest(region_view(tensor, key[1]), self.request.seed, self.request.samples, self._dtypes.get(name))
+                    self._digests[key] = self._folds.add(region_view(tensor, key[1]), self._dtypes.get(name))
                 self.seconds += time.perf_counter() - t
             yield name, tensor
+
+    def source_digests(self) -> dict[Key, int]:
+        """The trainer's digest of every key the walk passed (one sender)."""
+        values = self._folds.values()
+        return {k: values[i] for k, i in self._digests.items()}
 
     def verify(self, pool: cf.Executor, rollouts: Sequence[RolloutAdapter], timeout_s: float) -> dict[str, str]:
         """{engine: what differs} after the stream ({} when all agree, or no check was armed)."""
@@ -212,7 +220,7 @@ class InstalledChecks:
             self._say("installed-weight checks: the senders' shares did not arrive; not checked")
             return {}
         else:
-            expected = {k: int(v) for k, v in zip(self._digests, torch.stack([v.cpu() for v in self._digests.values()]).tolist())} if self._digests else {}
+            expected = self.source_digests()
         self.engine_seconds = 0.0
         for r in checked:
             if r.name not in failed:

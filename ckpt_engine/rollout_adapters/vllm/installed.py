@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ckpt_engine.installed import InstalledReport, InstalledRequest, Key, digest
+from ckpt_engine.installed import Folds, InstalledReport, InstalledRequest, Key
 from ckpt_engine.planning.regions import ReceivePlan, Region
 
 __all__ = ["InstalledCapture", "Landing", "LandingMap", "arm_workers", "layout_names", "worker_reports"]
@@ -121,8 +121,9 @@ class InstalledCapture:
     def __init__(self, model: torch.nn.Module, landings: LandingMap, request: InstalledRequest) -> None:
         self.model, self.landings, self.request = model, landings, request
         self.keys = [k for n in dict.fromkeys(request.names) for k in landings.by_name.get(n, ())]
-        self.values: dict[Key, dict[str, torch.Tensor]] = {}
-        """(name, region) -> destination -> its digest (a later load of the same layer replaces it)."""
+        self.folds = Folds(request.seed, request.samples)
+        self.values: dict[Key, dict[str, int]] = {}
+        """(name, region) -> destination -> its image in `folds` (a later load of the same layer replaces it)."""
         self.missing: dict[Key, str] = {}
         self.unchecked: dict[str, str] = {}
         modules: dict[str, list[Key]] = {}
@@ -196,13 +197,13 @@ class InstalledCapture:
         if region is not None:
             origin[region.dim] = region.start
         if len(group) == 1 and all(hi - lo == n for (lo, hi), n in zip(first.box, image)):
-            self.values.setdefault(key, {})[target] = digest(views[0], self.request.seed, self.request.samples)
+            self.values.setdefault(key, {})[target] = self.folds.add(views[0])
             return
         whole = torch.empty(image, dtype=t.dtype, device=t.device)
         for la, view in zip(group, views):
             index = tuple(slice(lo - o, hi - o) for (lo, hi), o in zip(la.box, origin))
             whole[index].copy_(view.reshape(tuple(hi - lo for lo, hi in la.box)))
-        self.values.setdefault(key, {})[target] = digest(whole, self.request.seed, self.request.samples)
+        self.values.setdefault(key, {})[target] = self.folds.add(whole)
 
     def report(self, whole_only: bool = False) -> InstalledReport:
         """The digests of every key of the request this worker holds: captured before post-processing
@@ -219,8 +220,8 @@ class InstalledCapture:
                 if target.rpartition(".")[0] not in self._hooked:
                     self._digest_group(key, target, group)
         keys = [k for k in self.keys if k in self.values and k not in self.missing and k[0] not in self.unchecked]
-        flat = [v for k in keys for v in self.values[k].values()]
-        answers = torch.stack([v.cpu() for v in flat]).tolist() if flat else []
+        folded = self.folds.values()
+        answers = [folded[i] for k in keys for i in self.values[k].values()]
         digests: dict[Key, int] = {}
         pos = 0
         for k in keys:

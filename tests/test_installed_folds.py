@@ -1,0 +1,58 @@
+"""`installed.Folds` (many digests, about one kernel per image) equals `installed.digest` image by image:
+the trainer's and the engines' sides of an installed-weight check fold through it, so any difference
+would fail every checked sync (or, worse, pass a wrong one). Dtypes of every width, bool, a cast on
+the wire, non-contiguous region views, images smaller than the sample count, empty ones, the full
+fold (`samples` 0); on CPU, and on CUDA when there is one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt_engine.installed import Folds, digest, region_view
+from ckpt_engine.planning.regions import Region
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def images(device: str) -> list[tuple[torch.Tensor, torch.dtype | None]]:
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(96, 40, generator=g).to(torch.bfloat16)
+    out = [
+        (qkv, None),
+        (region_view(qkv, Region(0, 32, 64)), None),  # rows of a fused tensor: contiguous
+        (region_view(qkv, Region(1, 8, 16)), None),  # columns: not contiguous
+        (torch.randn(96, 40, generator=g).to(torch.float16), None),  # same size, another dtype
+        (torch.randn(5000, generator=g), None),
+        (torch.randn(5000, generator=g), torch.bfloat16),  # cast on the wire
+        (torch.randn(17, generator=g).to(torch.bfloat16), None),  # fewer elements than samples
+        (torch.zeros(0), None),
+        (torch.randint(0, 2, (64, 9), generator=g).bool(), None),
+        (torch.randint(-100, 100, (33,), generator=g, dtype=torch.int8), None),
+        (torch.randn(700, 3, generator=g).double(), None),
+    ]
+    return [(t.to(device), d) for t, d in out]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("samples", [0, 7, 4096])
+def test_folds_equal_digest_image_by_image(device: str, samples: int) -> None:
+    folds = Folds(12345, samples)
+    cases = images(device)
+    index = [folds.add(t, d) for t, d in cases]
+    assert index == list(range(len(cases)))
+    assert folds.values() == [int(digest(t, 12345, samples, d)) for t, d in cases]
+
+
+def test_a_changed_word_changes_only_its_images_digest() -> None:
+    cases = images("cpu")
+    before = Folds(7, 0)
+    for t, d in cases:
+        before.add(t, d)
+    hit = cases[4][0].clone()
+    hit[1234] += 1.0
+    after = Folds(7, 0)
+    for i, (t, d) in enumerate(cases):
+        after.add(hit if i == 4 else t, d)
+    changed = [i for i, (a, b) in enumerate(zip(before.values(), after.values())) if a != b]
+    assert changed == [4]
