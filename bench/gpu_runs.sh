@@ -95,7 +95,7 @@ fanout)  # 4 GPUs: one sender (cuda:0) to three receivers, Qwen2.5-7B and Qwen3-
   done
   ;;
 vllm-one)  # one GPU: the vLLM tests that fit it (colocated, LoRA), the race test, the colocated vLLM bench
-  VLLM_TESTS="tests/test_gpu_installed_race.py tests/test_vllm_cuda_lora.py tests/test_vllm_cuda.py::test_colocated_on_the_engines_gpu" \
+  VLLM_TESTS="tests/test_gpu_installed_race.py tests/test_installed_folds.py tests/test_vllm_cuda_lora.py tests/test_vllm_cuda.py::test_colocated_on_the_engines_gpu" \
     VLLM_TEST_TIMEOUT=${VLLM_ONE_S:-300} VLLM_HANG_S=${VLLM_ONE_S:-300} bash "$0" vllm
   echo "== vllm colocated bench ${VLLM_COLO_PRESET:-qwen2.5-7b}"
   timeout "${VLLM_BENCH_TIMEOUT:-280}" python bench/vllm_colocated_bench.py --preset "${VLLM_COLO_PRESET:-qwen2.5-7b}" --gpu-mem 0.3 \
