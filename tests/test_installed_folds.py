@@ -12,7 +12,7 @@ import torch
 from ckpt_engine.installed import Folds, digest, region_view
 from ckpt_engine.planning.regions import Region
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else [])
 
 
 def images(device: str) -> list[tuple[torch.Tensor, torch.dtype | None]]:
