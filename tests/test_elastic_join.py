@@ -179,9 +179,9 @@ def test_a_peer_killed_mid_pull_makes_the_joiner_fail_over_to_another_peer(fleet
 
 def test_a_peer_frozen_mid_pull_does_not_stop_the_join(fleet: list[TorchRefRollout], spec_file: str, tmp_path: Path) -> None:
     """peer0 SIGSTOPped while the joiner is held between two read windows. Where UCX reads the
-    peer's memory without its CPU (what it picked on the CPU box), the join completes from peer0
-    anyway; where a read needs the peer's worker, it gives up at its bound (timeout_s) and the
-    joiner fails over to peer1. Either way it holds version 1 exactly, and the frozen peer's
+    peer's memory without its CPU (its default transports on the CPU box), the join completes from
+    peer0 anyway; where a read needs the peer's worker (run with UCX_TLS=tcp,self), it gives up at
+    its bound (timeout_s) and the joiner fails over to peer1. Either way it holds version 1 exactly, and the frozen peer's
     offer close is bounded."""
     hold = tmp_path / "hold"
     joiner = spawn_engine("joiner", spec_file=spec_file, timeout_s=60, hold_file=str(hold))
