@@ -117,3 +117,8 @@ class InstalledFaultsExtension(CkptEngineWorkerExtension):
     def test_lora_state(self) -> dict[str, Any]:
         core = self._ckpt_lora_core()
         return {"stale": core.stale, "version": core.versions.newest}
+
+    def test_native_lora_state(self) -> dict[str, Any]:
+        """`test_lora_state` of the `ckpt_engine` weight-transfer backend's adapter join."""
+        core = self.weight_transfer_engine.lora.core  # type: ignore[attr-defined]
+        return {"stale": core.stale, "version": core.versions.newest}

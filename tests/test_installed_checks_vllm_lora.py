@@ -148,6 +148,49 @@ def test_with_the_check_off_a_skipped_slot_goes_through_unseen(llm: Any, model_d
     _fault_case(llm, model_dir, "slot-skip", 7, check=False)
 
 
+# --- through vLLM's weight-transfer API: the LoRAModel is checked (the server-like path: no preload) ---
+@pytest.fixture(scope="module")
+def native_llm(model_dir: Path) -> Iterator[Any]:
+    from vllm import LLM
+
+    engine = LLM(
+        model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", worker_extension_cls=EXTENSION,
+        weight_transfer_config={"backend": "ckpt_engine"}, enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=3, **ENGINE_ARGS,
+    )
+    yield engine
+    engine.llm_engine.engine_core.shutdown()
+
+
+def native_session(llm: Any, name: str) -> tuple[WeightSyncSession, VllmLoraRollout]:
+    from ckpt_engine.rollout_adapters.vllm import WeightTransferChannel
+    from ckpt_engine.rollout_adapters.vllm.clients import LLMWeightSyncClient
+
+    handle = VllmLoraRollout(name, WeightTransferChannel(LLMWeightSyncClient(llm, 120.0)), timeout_s=120.0)
+    assert handle.capabilities.installed
+    config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=120.0, weights="adapters", verify_installed=1)
+    return WeightSyncSession([handle], config), handle
+
+
+@pytest.mark.parametrize("rep", range(REPEAT))
+def test_through_the_weight_transfer_api_a_faulty_build_fails_by_tensor_and_engine(native_llm: Any, model_dir: Path, rep: int) -> None:
+    """The report crosses vLLM's update calls (phase `installed`) and comes back through the store."""
+    module, tensor, _ = FAULTS["build"]
+    s, handle = native_session(native_llm, f"native-lora-{rep}")
+    try:
+        served = s.sync(adapter(model_dir, 40 + rep)).version  # clean and checked
+        native_llm.collective_rpc("test_lora_plant", timeout=60, kwargs={"fault": "build", "module_name": module})
+        with pytest.raises(SyncError) as err:
+            s.sync(adapter(model_dir, 50 + rep))
+        assert err.value.stage == "verify" and set(err.value.failed) == {handle.name}, str(err.value)
+        assert tensor in err.value.failed[handle.name] and "differ from the source" in err.value.failed[handle.name]
+        states = list(native_llm.collective_rpc("test_native_lora_state", timeout=60))
+        assert {h["version"] for h in states} == {served} and all(h["stale"] for h in states)
+        assert handle.lora_request().lora_name.endswith(f"-v{served}")
+    finally:
+        native_llm.collective_rpc("test_lora_unplant", timeout=60)
+        s.close()
+
+
 def test_the_fault_table_names_modules_of_this_model(model_dir: Path) -> None:
     names = set(adapter(model_dir, 0).weights)
     assert {FAULTS[f][1] for f in FAULTS} <= names, sorted(names)

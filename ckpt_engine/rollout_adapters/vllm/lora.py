@@ -42,8 +42,7 @@ class VllmLoraRollout(VllmRollout):
     the workers' LoRA stage). No regions: every worker receives the whole adapter (a few MB); vLLM's
     LoRA layers cut each TP rank's slice themselves when the version is installed. Installed: each
     worker reads the adapter back out of vLLM's `LoRAModel` before finalize, and compares the LoRA
-    slots vLLM wrote at the install (in process) with it (`vllm/lora_installed.py`; not through
-    vLLM's weight-transfer API)."""
+    slots vLLM wrote at the install (in process) with it (`vllm/lora_installed.py`)."""
 
     def __init__(
         self, name: str, llm: vllm.LLM | Channel, *, max_adapter_versions: int = 2, timeout_s: float = 300.0, world_size: int | None = None

@@ -19,7 +19,9 @@ An adapter version reaches vLLM's kernels in two steps, each checked where vLLM 
 Not checked: the slots of a version activated later by vLLM itself (behind the server, or rebuilt
 after its LRU evicted it), the slots of a TP worker (each holds the slice vLLM's `slice_lora_a/b`
 cut; not followed yet) and of a layer whose slices vLLM expands (a 4-slice layer fed 3 packed
-tensors), LoRA through vLLM's weight-transfer API (its adapter join takes no check).
+tensors). Through vLLM's weight-transfer API step 1 runs as for any channel (its `installed` phase),
+step 2 never does: vLLM drops every LoRA model when an update finishes and activates the version
+when a request names it.
 """
 
 from __future__ import annotations

@@ -164,9 +164,8 @@ class TransferRoute:
     def __init__(self, channel: WeightTransferChannel, name: str, adapters: bool) -> None:
         self.client, self.name, self.num_workers = channel.client, name, channel.num_workers
         # Without control it cannot pause for a swap nor reset the cache. Installed-weight reports
-        # come back through the group's store (an adapter sync installs no base weights to check).
-        lacks: set[Feature] = {"installed"} if adapters else set()
-        self.lacks: frozenset[Feature] = frozenset(lacks if channel.control is not None else lacks | {"stages", "stages_regions"})
+        # come back through the group's store (an adapter join's too: vllm/lora_installed.py).
+        self.lacks: frozenset[Feature] = frozenset(() if channel.control is not None else ("stages", "stages_regions"))
         self.held: str | None = None  # the digest of the manifest every worker holds
         self._checked: tuple[str, bytes, list[bytes] | None] | None = None  # the last check (a receive may need it again)
         self._open = False  # a vLLM weight update is open (vLLM closes it when update_weights raises)

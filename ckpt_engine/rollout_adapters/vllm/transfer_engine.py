@@ -38,7 +38,8 @@ its weight update after one, and the trainer side opens the next (`start_weight_
 With `weights: "adapters"` in the init info the workers take LoRA adapter versions instead
 (`vllm/lora_worker.py`): validate and receive stage the adapter, phase `install` (version) makes it
 the newest version, and finish_weight_update loads nothing (vLLM then drops every loaded LoRA model;
-the workers rebuild each version from memory when a request names it).
+the workers rebuild each version from memory when a request names it); phases `arm` and `installed`
+check the received adapter as vLLM's `LoRAModel` holds it (`vllm/lora_installed.py`).
 The weights never travel in these calls; only the manifest (msgpack, base64) and small scalars do.
 """
 
@@ -223,6 +224,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
                 self.lora.preload = False  # vLLM drops every LoRA model when an update finishes
             self.lora.core.set_max_versions(init_info.max_adapter_versions)
             self.lora.core.join(init_info.rendezvous, rank, init_info.options)
+            self._rank, self._store = rank, Rendezvous.from_dict(init_info.rendezvous).connect_store(is_master=False)  # installed-weight reports
             return
         self.lora = None
         self.core.join(init_info.rendezvous, rank, init_info.options)
@@ -242,7 +244,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
     def receive_weights(self, update_info: CkptEngineUpdateInfo) -> None:
         """One phase; an adapter sync (`self.lora`) validates, receives into its LoRA stage and installs."""
         phase, digest = update_info.phase, update_info.digest
-        allowed = ("validate", "receive", "install") if self.lora is not None else ("validate", "receive", "swap", "discard", "room", "arm", "installed")
+        allowed = ("validate", "receive", "install", "arm", "installed") if self.lora is not None else ("validate", "receive", "swap", "discard", "room", "arm", "installed")
         if phase not in allowed or (self.lora is not None and update_info.stage is not None):
             raise RuntimeError(
                 f"ckpt_engine: phase {phase!r} (stage {update_info.stage!r}) does not belong to a join with weights="
@@ -299,13 +301,15 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
                 raise ValueError(NO_ROOM + str(room["why"]))
 
     def _installed_phase(self, phase: str, request: InstalledRequest) -> None:
-        """Arm the check before the stream, or leave this worker's report in the group's store."""
+        """Arm the check before the stream, or leave this worker's report in the group's store (an
+        adapter join: the received adapter read back out of vLLM's `LoRAModel`, `vllm/lora_installed.py`)."""
         if phase == "arm":
-            self.core.installed_arm(request)
+            (self.lora if self.lora is not None else self.core).installed_arm(request)
             return
         if self._store is None or self._rank is None:
             raise RuntimeError("ckpt_engine: an installed-weight report before init_transfer_engine; join the weight-sync group first")
-        self._store.set(installed_key(self._rank, request.seed), json.dumps(self.core.installed(request).to_wire()))
+        report = (self.lora if self.lora is not None else self.core).installed(request)
+        self._store.set(installed_key(self._rank, request.seed), json.dumps(report.to_wire()))
 
     def finish_weight_update(self) -> None:
         """Layerwise post-processing; vLLM stamps the engine's weight version after this returns.
