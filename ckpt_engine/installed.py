@@ -43,7 +43,7 @@ from ckpt_engine.delta.mixing import mix
 from ckpt_engine.planning.regions import Region
 
 __all__ = [
-    "DEFAULT_SAMPLES", "ArmsInstalledChecks", "Folds", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_held", "digest_share",
+    "DEFAULT_SAMPLES", "ArmsInstalledChecks", "Folds", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_held", "digest_share", "digest_share_runs",
     "region_view", "wrap64",
 ]
 
@@ -182,30 +182,44 @@ def digest_share(
     over positions, so the shares of pieces that cover the tensor once add up (`wrap64`) to
     `digest(region_view(whole, region))`: no sender gathers a tensor. Sampled digests only
     (`samples` > 0: a full fold is the codec's checksum of whole words of the image)."""
+    return digest_share_runs(piece.reshape(-1), first, [(first, first + piece.numel())], shape, region, seed, samples)
+
+
+def digest_share_runs(
+    flat: torch.Tensor, base: int, runs: list[tuple[int, int]], shape: tuple[int, ...], region: Region | None, seed: int, samples: int,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """`digest_share` of every run [lo, hi) of the tensor's flat elements a sender holds, at once:
+    `flat` holds flat elements [base, base + flat.numel()) (C order) and the runs lie inside it. The
+    positions are drawn once for all runs, and only the words read are cast to `dtype` (the wire's;
+    default `flat`'s own), so a sender's share costs about one `digest` whatever its chunks."""
     if samples <= 0:
         raise ValueError("digest shares need a sampled digest (samples > 0)")
-    ints = _INTS.get(piece.element_size())
-    if ints is None or piece.is_complex():
-        raise ValueError(f"no installed-weight digest for dtype {piece.dtype}")
+    dtype = dtype if dtype is not None else flat.dtype
+    ints = _INTS.get(torch.empty((), dtype=dtype).element_size())
+    if ints is None or dtype.is_complex:
+        raise ValueError(f"no installed-weight digest for dtype {dtype}")
     image = list(shape)
     if region is not None:
         image[region.dim] = region.length
     n = math.prod(image)
-    if n == 0 or piece.numel() == 0:
-        return torch.zeros((), dtype=torch.int64, device=piece.device)
-    pos = _positions(n, seed, samples, piece.device)
+    runs = [(lo, hi) for lo, hi in runs if hi > lo]
+    if n == 0 or not runs:
+        return torch.zeros((), dtype=torch.int64, device=flat.device)
+    pos = _positions(n, seed, samples, flat.device)
     if image:
         coords = _unravel(pos, tuple(image))
         if region is not None:
             coords[region.dim] = coords[region.dim] + region.start
-        flat = torch.zeros_like(pos)
+        index = torch.zeros_like(pos)
         for c, size in zip(coords, shape):
-            flat = flat * size + c
+            index = index * size + c
     else:
-        flat = pos
-    local = flat - first
-    keep = (local >= 0) & (local < piece.numel())
-    words = piece.reshape(-1).index_select(0, local[keep])
+        index = pos
+    keep = torch.zeros_like(pos, dtype=torch.bool)
+    for lo, hi in runs:
+        keep |= (index >= lo) & (index < hi)
+    words = flat.index_select(0, index[keep] - base).to(dtype)
     words = (words.view(torch.uint8) if words.dtype == torch.bool else words).view(ints).to(torch.int64)
     return words.mul_(mix(pos[keep] + seed)).sum()
 

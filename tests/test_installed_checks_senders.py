@@ -86,6 +86,21 @@ def test_shares_of_pieces_that_cover_a_tensor_once_add_up_to_its_digest(region: 
                 assert wrap64(sum(shares)) == want, (t.dtype, samples, cuts)
 
 
+def test_a_senders_runs_fold_at_once_as_their_pieces_do_and_cast_as_the_wire() -> None:
+    """`digest_share_runs` (what `sender_shares` folds): every run a sender holds in one call, from
+    its piece in its own dtype, equals the shares of each run's piece cast to the wire dtype."""
+    from ckpt_engine.installed import digest_share_runs
+
+    g = torch.Generator().manual_seed(4)
+    t = torch.randn(96, 80, generator=g)  # fp32 master; the wire carries bf16
+    wire = t.bfloat16()
+    for region in (None, Region(0, 16, 32), Region(1, 40, 40)):
+        base, piece = 80 * 40, t.reshape(-1)[80 * 40 : 80 * 90]  # a sender's rows 40..90
+        runs = [(80 * 40, 80 * 55), (80 * 55 + 3, 80 * 70), (80 * 70, 80 * 90)]
+        want = sum(int(digest_share(wire.reshape(-1)[a:b], a, (96, 80), region, 9, 4096)) for a, b in runs)
+        assert int(digest_share_runs(piece, base, runs, (96, 80), region, 9, 4096, torch.bfloat16)) == wrap64(want), region
+
+
 def _run(engines: list[TorchRefRollout], steps: list[list[str]], out: Path) -> list[list[dict[str, Any]]]:
     info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in engines]
     port = free_port()

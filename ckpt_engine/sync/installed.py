@@ -36,7 +36,7 @@ import msgpack
 import torch
 
 from ckpt_engine.installed import (
-    MAX_SEED, ArmsInstalledChecks, Folds, InstalledReport, InstalledRequest, Key, digest_share, region_view, wrap64,
+    MAX_SEED, ArmsInstalledChecks, Folds, InstalledReport, InstalledRequest, Key, digest_share_runs, region_view, wrap64,
 )
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.planning.regions import ReceivePlan, Region
@@ -75,20 +75,16 @@ def sender_shares(source: ShardedWeightSource, manifest: BucketManifest, announc
             if not mine:
                 continue
             spec = specs[name]
+            wire = torch_dtype(spec.dtype)
+            size = torch.empty((), dtype=wire).element_size()  # chunk offsets count wire bytes
             if name not in flats:
-                piece = source.local_piece(name)
+                piece = source.local_piece(name)  # its own dtype: only the words read are cast to the wire's
                 whole = tuple(piece.shape) == tuple(spec.shape)
-                piece = piece.to(torch_dtype(spec.dtype))
                 # element 0 of the piece: the tensor's own for a whole one, its first chunk's for a shard
-                flats[name] = (piece.reshape(-1), 0 if whole else min(a for a, _ in mine) // piece.element_size())
+                flats[name] = (piece.reshape(-1), 0 if whole else min(a for a, _ in mine) // size)
             flat, base = flats[name]
-            size = flat.element_size()
-            total = 0
-            for a, b in mine:
-                lo, hi = -(-a // size), -(-b // size)  # elements whose first byte is in [a, b)
-                if hi > lo:
-                    total += int(digest_share(flat[lo - base : hi - base], lo, spec.shape, region, seed, samples))
-            out[i] = wrap64(total)
+            runs = [(-(-a // size), -(-b // size)) for a, b in mine]  # elements whose first byte is in [a, b)
+            out[i] = wrap64(int(digest_share_runs(flat, base, runs, spec.shape, region, seed, samples, wire)))
     finally:
         source.end_pieces()
     return out
