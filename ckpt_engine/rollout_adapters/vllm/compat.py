@@ -6,7 +6,8 @@ adapters get by without it:
 - engine-side weight versions (`LLM.update_weight_version` / `get_weight_version`, the HTTP routes
   `/update_weight_version` and `/weight_info`, `RequestOutput`'s weight versions): the version
   lives in the worker extension only (`ckpt_health` reports it) and the engine core is not stamped;
-- the trainer-side weight-transfer API as 0.32 shapes it (`vllm/transfer_engine.py` says what differs).
+- the trainer-side weight-transfer API as 0.32 shapes it (`vllm/transfer_engine.py` says what differs);
+- `WeightsMapper.get_rename_mapper()`, which 0.32's LoRA loading passes as the weights mapper.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class VllmFeatures:
             )
         self.engine_weight_versions = self.release >= (0, 32)
         """The engine core keeps a weight version (stamped after each sync, reported by vLLM)."""
+        self.lora_rename_mapper = self.release >= (0, 32)
+        """LoRA models name their modules through `WeightsMapper.get_rename_mapper()` (0.32); 0.26
+        passes the model's `hf_to_vllm_mapper` itself (it has no such method)."""
 
 
 def features_of(version: str | None = None) -> VllmFeatures:

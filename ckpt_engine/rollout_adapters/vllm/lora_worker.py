@@ -33,6 +33,7 @@ import torch
 from ckpt_engine.installed import InstalledReport, InstalledRequest
 from ckpt_engine.lora_format import ADAPTER_CONFIG, LoraSpec
 from ckpt_engine.rollout_adapters.lora_receiver import LoraReceiverCore, LoraTarget
+from ckpt_engine.rollout_adapters.vllm.compat import features_of
 from ckpt_engine.rollout_adapters.vllm.lora_installed import adapter_report, checkpoint_names, slot_problems
 
 __all__ = ["LORA_PATH_PREFIX", "VllmLoraCore", "lora_base_shapes", "lora_int_id", "lora_path", "version_of_lora_path"]
@@ -158,7 +159,9 @@ class VllmLoraCore:
 
     def _weights_mapper(self) -> Any:
         mapper = getattr(self.adapters.model, "hf_to_vllm_mapper", None)
-        return mapper.get_rename_mapper() if mapper is not None else None
+        if mapper is None:
+            return None
+        return mapper.get_rename_mapper() if features_of().lora_rename_mapper else mapper
 
     def _install(self, version: int, tensors: dict[str, torch.Tensor], spec: LoraSpec) -> int:
         lora_id = lora_int_id(version)
