@@ -48,10 +48,6 @@ from ckpt_engine.sync.vllm_trainer_engine import (  # noqa: E402
 # stage off: these tests hold the unstaged order (pause, stream, finalize; a failed stream leaves the
 # engine stale); tests/test_vllm_native_staged.py covers staged syncs.
 CONFIG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, stage="off")
-# Syncs of a source cast on the wire (bf16 walked, fp32 sent): the installed-weight check folds what
-# the walk yields unless the session hands it the manifest's wire dtypes (`InstalledChecks.arm`'s
-# `dtypes`, not passed by sync/session.py yet), so they run unchecked until it does.
-CAST_CONFIG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, stage="off", verify_installed="off")
 
 
 class BadShapeSource(ModuleSource):
@@ -207,7 +203,7 @@ def test_llm_native_backend_shares_the_session_core(native_llm: object, model_di
     bf16 = trainer_model(model_dir, seed=51).to(torch.bfloat16)
     want = [hf_greedy(copy.deepcopy(bf16).float(), p) for p in PROMPTS]  # .float() converts in place
     second = WeightTransferTrainerFactory.trainer_init(
-        CkptEngineTrainerInitInfo(rank=0, config=CAST_CONFIG, engine_name="vllm-2"), client=client, source=ModuleSource(bf16)
+        CkptEngineTrainerInitInfo(rank=0, config=CONFIG, engine_name="vllm-2"), client=client, source=ModuleSource(bf16)
     )
     try:
         with pytest.raises(ManifestRejectedError, match=r"dtype bfloat16 but the engine holds float32; send it as float32: StateDictSource"):
@@ -219,7 +215,7 @@ def test_llm_native_backend_shares_the_session_core(native_llm: object, model_di
     finally:
         second.shutdown()
     third = WeightTransferTrainerFactory.trainer_init(
-        CkptEngineTrainerInitInfo(rank=0, config=CAST_CONFIG, engine_name="vllm-3", dtype="float32"), client=client, source=ModuleSource(bf16)
+        CkptEngineTrainerInitInfo(rank=0, config=CONFIG, engine_name="vllm-3", dtype="float32"), client=client, source=ModuleSource(bf16)
     )
     try:
         report = third.send_weights()

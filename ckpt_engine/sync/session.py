@@ -247,7 +247,9 @@ class WeightSyncSession:
         seconds["plan"] = time.perf_counter() - t0
         self._validate(manifest, seconds)
         collective = isinstance(source, ShardedWeightSource) and source.collective_pieces
-        self._installed.arm(self.rollouts, [s.name for s in manifest.specs], self._regions.plans, senders, collective)
+        self._installed.arm(
+            self.rollouts, [s.name for s in manifest.specs], self._regions.plans, senders, collective, dtypes={s.name: s.dtype for s in manifest.specs},
+        )
         announced = self._installed.announcement() if senders > 1 else None
         if announced is not None and isinstance(source, ShardedWeightSource):  # each sender folds its share; rank 0 adds them
             self._senders.installed = announced
