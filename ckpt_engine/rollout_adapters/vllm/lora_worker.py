@@ -154,7 +154,8 @@ class VllmLoraCore:
             lora_id, {n: t.clone() if ".lora_B." in n else t for n, t in tensors.items()}, helper, device="cpu", dtype=self.lora_config.lora_dtype, model_vocab_size=self._vocab_size,
             weights_mapper=self._weights_mapper(), skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None),
         )
-        adapters._validate_modules_to_save(lora)
+        if features_of().lora_modules_to_save:
+            adapters._validate_modules_to_save(lora)
         return lora
 
     def _weights_mapper(self) -> Any:
