@@ -149,7 +149,7 @@ def _unravel(pos: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
 def _gather(view: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     if view.is_contiguous():
         return view.reshape(-1).index_select(0, pos)
-    return view[_unravel(pos, tuple(view.shape))]
+    return view[tuple(_unravel(pos, tuple(view.shape)))]
 
 
 def digest(view: torch.Tensor, seed: int, samples: int = DEFAULT_SAMPLES, dtype: torch.dtype | None = None) -> torch.Tensor:
