@@ -146,6 +146,19 @@ def _unravel(pos: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
     return coords[::-1]
 
 
+def _ints(dtype: torch.dtype) -> torch.dtype:
+    """The signed integer dtype of `dtype`'s width, whose values the digests add up."""
+    ints = _INTS.get(dtype.itemsize)
+    if ints is None or dtype.is_complex:
+        raise ValueError(f"no installed-weight digest for dtype {dtype}")
+    return ints
+
+
+def _as_ints(t: torch.Tensor, ints: torch.dtype) -> torch.Tensor:
+    """`t`'s words reinterpreted as `ints` (bool through uint8, which `view` requires)."""
+    return (t.view(torch.uint8) if t.dtype == torch.bool else t).view(ints)
+
+
 def _gather(view: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     if view.is_contiguous():
         return view.reshape(-1).index_select(0, pos)
@@ -158,18 +171,15 @@ def digest(view: torch.Tensor, seed: int, samples: int = DEFAULT_SAMPLES, dtype:
     cast, so a sampled digest costs no cast of the whole tensor."""
     n = view.numel()
     dtype = dtype if dtype is not None else view.dtype
-    ints = _INTS.get(torch.empty((), dtype=dtype).element_size())
-    if ints is None or dtype.is_complex:
-        raise ValueError(f"no installed-weight digest for dtype {dtype}")
+    ints = _ints(dtype)
     if n == 0:
         return torch.zeros((), dtype=torch.int64, device=view.device)
     if samples <= 0:  # every element: the codec's checksum of the bytes, in C order
         image = view.to(dtype).contiguous().reshape(-1)
-        image = (image.view(torch.uint8) if image.dtype == torch.bool else image).view(ints).view(torch.uint8)
+        image = _as_ints(image, ints).view(torch.uint8)
         return checksum(image, 8 if image.numel() % 8 == 0 else image.element_size())
     pos = _positions(n, seed, samples, view.device)
-    words = _gather(view, pos).to(dtype)
-    words = (words.view(torch.uint8) if words.dtype == torch.bool else words).view(ints).to(torch.int64)
+    words = _as_ints(_gather(view, pos).to(dtype), ints).to(torch.int64)
     return words.mul_(mix(pos + seed)).sum()
 
 
@@ -196,9 +206,7 @@ def digest_share_runs(
     if samples <= 0:
         raise ValueError("digest shares need a sampled digest (samples > 0)")
     dtype = dtype if dtype is not None else flat.dtype
-    ints = _INTS.get(torch.empty((), dtype=dtype).element_size())
-    if ints is None or dtype.is_complex:
-        raise ValueError(f"no installed-weight digest for dtype {dtype}")
+    ints = _ints(dtype)
     image = list(shape)
     if region is not None:
         image[region.dim] = region.length
@@ -219,8 +227,7 @@ def digest_share_runs(
     keep = torch.zeros_like(pos, dtype=torch.bool)
     for lo, hi in runs:
         keep |= (index >= lo) & (index < hi)
-    words = flat.index_select(0, index[keep] - base).to(dtype)
-    words = (words.view(torch.uint8) if words.dtype == torch.bool else words).view(ints).to(torch.int64)
+    words = _as_ints(flat.index_select(0, index[keep] - base).to(dtype), ints).to(torch.int64)
     return words.mul_(mix(pos[keep] + seed)).sum()
 
 
@@ -250,17 +257,16 @@ class Folds:
         """Read one image (as `dtype`, default its own: see `digest`); returns its index in `values`."""
         i, self.count = self.count, self.count + 1
         dtype = dtype if dtype is not None else view.dtype
-        ints = _INTS.get(torch.empty((), dtype=dtype).element_size())
+        ints = _ints(dtype)
         n = view.numel()
-        if ints is None or dtype.is_complex or n == 0 or self.samples <= 0:
+        if n == 0 or self.samples <= 0:
             self._done[i] = digest(view, self.seed, self.samples, dtype)
             return i
         key = (n, view.device)
         if key not in self._weights:
             pos = _positions(n, self.seed, self.samples, view.device)
             self._weights[key] = (pos, mix(pos + self.seed))
-        words = _gather(view, self._weights[key][0]).to(dtype)
-        words = (words.view(torch.uint8) if words.dtype == torch.bool else words).view(ints)
+        words = _as_ints(_gather(view, self._weights[key][0]).to(dtype), ints)
         index, rows = self._rows.setdefault((n, view.device, ints), ([], []))
         index.append(i)
         rows.append(words)

@@ -76,7 +76,7 @@ def sender_shares(source: ShardedWeightSource, manifest: BucketManifest, announc
                 continue
             spec = specs[name]
             wire = torch_dtype(spec.dtype)
-            size = torch.empty((), dtype=wire).element_size()  # chunk offsets count wire bytes
+            size = wire.itemsize  # chunk offsets count wire bytes
             if name not in flats:
                 piece = source.local_piece(name)  # its own dtype: only the words read are cast to the wire's
                 whole = tuple(piece.shape) == tuple(spec.shape)
