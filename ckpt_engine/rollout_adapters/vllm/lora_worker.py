@@ -114,6 +114,8 @@ class VllmLoraCore:
         self.preload = True
         """Install each version under `lora_int_id(version)` at finalize (in-process `LLM`); off
         behind the OpenAI server, whose registration loads it under its own id."""
+        self._features = features_of()
+        """What this vLLM release's LoRA loading offers (`vllm/compat.py`), decided once."""
         self._armed: InstalledRequest | None = None
         """The installed-weight check of the sync under way (`vllm/lora_installed.py`)."""
         self._checked: tuple[int, Any] | None = None
@@ -154,7 +156,7 @@ class VllmLoraCore:
             lora_id, {n: t.clone() if ".lora_B." in n else t for n, t in tensors.items()}, helper, device="cpu", dtype=self.lora_config.lora_dtype, model_vocab_size=self._vocab_size,
             weights_mapper=self._weights_mapper(), skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None),
         )
-        if features_of().lora_modules_to_save:
+        if self._features.lora_modules_to_save:
             adapters._validate_modules_to_save(lora)
         return lora
 
@@ -162,7 +164,7 @@ class VllmLoraCore:
         mapper = getattr(self.adapters.model, "hf_to_vllm_mapper", None)
         if mapper is None:
             return None
-        return mapper.get_rename_mapper() if features_of().lora_rename_mapper else mapper
+        return mapper.get_rename_mapper() if self._features.lora_rename_mapper else mapper
 
     def _install(self, version: int, tensors: dict[str, torch.Tensor], spec: LoraSpec) -> int:
         lora_id = lora_int_id(version)
