@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from ckpt_engine.control.wire import WireError, recv_frame, send_frame
 
@@ -120,7 +120,7 @@ class ControlServer:
         self.refused = 0
         """Requests refused (bad token, bad params, garbled frames) and connections cut."""
 
-    def start(self) -> ControlServer:
+    def start(self) -> Self:
         self._thread.start()
         logger.info("%s server on %s:%d", self.name, self.host, self.port)
         return self

@@ -8,7 +8,7 @@ daemon with dotted overrides such as `daemon.heartbeat_timeout_s=10`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from ckpt_engine.config import ConfigError
 from ckpt_engine.control.server import ControlLimits
@@ -16,9 +16,10 @@ from ckpt_engine.control.server import ControlLimits
 __all__ = ["DaemonConfig"]
 
 
-@dataclass(kw_only=True)
-class DaemonConfig:
-    """Membership, liveness and recovery settings of the weight-sync daemon."""
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig(ControlLimits):
+    """Membership, liveness and recovery settings of the weight-sync daemon, and its control port's
+    limits (a `ControlLimits`, their keys flat in `daemon:`)."""
 
     host: str = "127.0.0.1"
     """Address the control server binds (`ckpt-engine serve`, or an embedded daemon's `serve()`)."""
@@ -38,18 +39,10 @@ class DaemonConfig:
     engine_lease_s: float = 60.0
     """An engine this daemon claimed stays its own while the daemon was heard from within this
     (every health probe and control call renews it); released at once on leave or close."""
-    max_connections: int = 64
-    """Authenticated control connections; at the cap the longest-idle one is closed for a newcomer."""
-    max_unauthenticated: int = 64
-    """Connections that have not yet shown the token; at the cap the oldest is cut for a newcomer."""
-    handshake_timeout_s: float = 5.0
-    """A new control connection must deliver a request with the job token within this, or is cut."""
-    frame_timeout_s: float = 30.0
-    """A request whose first byte arrived must be complete within this (trickled bytes do not reset it)."""
-    idle_timeout_s: float = 300.0
-    """An authenticated control connection silent this long between requests is closed."""
     max_frame_bytes: int = 4 * 1024 * 1024
-    """Largest control message accepted; control messages are small, so a big header is hostile."""
+    """Largest control message accepted; control messages are small, so a big header is hostile.
+    The other limits of the control port (`max_connections`, `max_unauthenticated`,
+    `handshake_timeout_s`, `frame_timeout_s`, `idle_timeout_s`) come from `ControlLimits`."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -68,11 +61,7 @@ class DaemonConfig:
         for name in ("catch_up", "peer_join"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"daemon.{name} must be a bool, got {getattr(self, name)!r}")
-        try:  # the control server's limits check themselves (one rule for every control port)
-            self.limits()
+        try:  # the control port's limits check themselves (one rule for every control port)
+            super().__post_init__()
         except ValueError as exc:
             raise ConfigError(f"daemon.{exc}") from None
-
-    def limits(self) -> ControlLimits:
-        """The control server's limits (their keys sit flat in `daemon:`, under the same names)."""
-        return ControlLimits(**{f.name: getattr(self, f.name) for f in fields(ControlLimits)})

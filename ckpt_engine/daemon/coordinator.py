@@ -24,12 +24,11 @@ version (new, returning or stale) are listed by `pending()` until a sync covers 
 syncs the health monitor takes each engine's own report of its state, so status stays truthful
 after a trainer died mid-sync. Engines belong to one job's group at a time (`daemon.ownership`).
 
-Restarts (`daemon.versions`): registration pauses nothing; a daemon that starts fresh adopts the
-highest version its engines hold, so its next sync carries on from there; an engine restarted at
-its address is noticed before the next sync (a standing group is kept only while every member
-says what the daemon knows of it) and seeded; `close()` resumes every engine left paused that
-holds a complete version; a trainer following a restarted `ckpt-engine serve` keeps syncing the
-engines it knows until they register again.
+Restarts: registration pauses nothing; a fresh daemon adopts its engines' versions
+(`daemon.versions`); an engine restarted at its address is noticed before the next sync (a
+standing group is kept only while every member says what the daemon knows of it) and seeded;
+`close()` resumes every engine left paused that holds a complete version; a trainer following a
+restarted `ckpt-engine serve` keeps syncing the engines it knows until they register again.
 
 Collective contract with a sharded trainer: every attempt walks the source exactly once on the
 sender (or, when every rank sends, makes the two announcements the other ranks follow; see
@@ -66,6 +65,7 @@ from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.versions import check_step, check_version
 from ckpt_engine.sources.base import WeightSource
+from ckpt_engine.sources.sharded import ShardedWeightSource
 
 if TYPE_CHECKING:
     from ckpt_engine.daemon.client import DaemonClient
@@ -141,7 +141,6 @@ class WeightSyncDaemon:
             descriptor = check_engine_descriptor(dict(engine))
             adapter, owned = make_adapter(name, descriptor, self.config.timeout_s, token=self.token), True
         check_engine_weights(name, describe(descriptor), adapter, self.config.weights, owned)  # before it is probed or claimed
-        old = self.membership.get(name)
         try:
             health = adapter.health()
             claim_engine(adapter, self.group, self.daemon_config.engine_lease_s)
@@ -297,9 +296,14 @@ class WeightSyncDaemon:
             target, repeat = self.versions.target(version, holders)
             outcome = SyncOutcome(version=target, catch_up=repeat)
             many = self.many_senders(source) if many_senders is None else many_senders
-            walker = ShardedWalk(source, self.config.timeout_s) if many else OneWalkPerAttempt(source)
+            walker = OneWalkPerAttempt(source)
+            if many:
+                if not isinstance(source, ShardedWeightSource):
+                    raise ValueError(f"many_senders=True needs a ShardedWeightSource, got {type(source).__name__}")
+                walker = ShardedWalk(source, self.config.timeout_s)
             t0 = time.perf_counter()
-            deadline = time.monotonic() + self._sync_deadline_s()
+            # one attempt: join + validate + pause + transfer (+ grace) + finalize + resume, each bounded
+            deadline = time.monotonic() + (self.daemon_config.max_resync_attempts + 1) * 6 * self.config.timeout_s
             attempt = 0
             try:
                 while True:
@@ -338,10 +342,6 @@ class WeightSyncDaemon:
             return None
         same = self.versions.sent == self.version  # else another trainer sent it: a new version
         return self.sync(source, version=self.version if same else None, walk_barrier=walk_barrier)
-
-    def _sync_deadline_s(self) -> float:
-        # One attempt: join + validate + pause + transfer (+ grace) + finalize + resume, each bounded.
-        return (self.daemon_config.max_resync_attempts + 1) * 6 * self.config.timeout_s
 
     def _attempt(self, walker: OneWalkPerAttempt, members: list[EngineRecord], target: int, outcome: SyncOutcome, attempt: int) -> bool:
         """One try with the current members; returns whether to try again (engines were dropped)."""
@@ -423,17 +423,17 @@ class WeightSyncDaemon:
             if rec.name not in remote or remote[rec.name]["engine"] != rec.engine:
                 self._drop(rec, "left (per the daemon)")
         for name, e in remote.items():
-            rec = self.membership.get(name)
-            if rec is None:
+            known = self.membership.get(name)
+            if known is None:
                 try:
                     adapter = make_adapter(name, e["engine"], self.config.timeout_s, token=self.upstream.token)
                 except ValueError as exc:
                     logger.warning("skipping engine %s: %s", name, exc)
                     continue
                 adopt(adapter, self.group)
-                rec = EngineRecord(name=name, engine=dict(e["engine"]), adapter=adapter, owned=True)
-                self.membership.add(rec)
-            rec.state, rec.version = e["state"], e["version"]
+                known = EngineRecord(name=name, engine=dict(e["engine"]), adapter=adapter, owned=True)
+                self.membership.add(known)
+            known.state, known.version = e["state"], e["version"]
 
     def record_sync(self, outcome: dict[str, Any]) -> dict[str, Any]:
         """Standalone side of `report_sync`: take a trainer's outcome as the job's state."""
@@ -468,7 +468,7 @@ class WeightSyncDaemon:
             self.server = DaemonServer(
                 self,
                 token=self.token,
-                limits=self.daemon_config.limits(),
+                limits=self.daemon_config,
                 host=host if host is not None else self.daemon_config.host,
                 port=port if port is not None else self.daemon_config.port,
             ).start()
