@@ -17,13 +17,14 @@ from pathlib import Path
 
 from ckpt_engine.plan.advise import advise
 from ckpt_engine.plan.calibrate import calibrate, link_efficiency
-from ckpt_engine.plan.cost import EXPORTS, LOADERS, PARALLEL_SETS, PIPELINED, RECEIVES, STRATEGIES, Prediction, predict
+from ckpt_engine.plan.cost import BACKENDS, EXPORTS, LOADERS, PARALLEL_SETS, PIPELINED, RECEIVES, STRATEGIES, Prediction, predict
 from ckpt_engine.plan.model_shapes import MODEL_PRESETS
 from ckpt_engine.plan.params import Calibration, load_calibration
+from ckpt_engine.plan.peer_join import predict_join
 from ckpt_engine.plan.published import fit_vllm_loader
 from ckpt_engine.plan.scenario import Scenario
 from ckpt_engine.plan.sweep import parse_sweep, run_sweep, write_sweep
-from ckpt_engine.plan.validate import measured_rows, published_rows, to_markdown
+from ckpt_engine.plan.validate import measured_rows, published_rows, pull_rows, to_markdown
 
 __all__ = ["main"]
 
@@ -71,6 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--receive", default="full", choices=RECEIVES, help="every engine GPU receives every byte (full) or only its shard")
     p.add_argument("--fused-experts", action="store_true", help="send routed experts stacked, one tensor per layer and projection (receivers that hold them so)")
     p.add_argument("--parallel-sets", type=_positive(int), default=PARALLEL_SETS, help=f"--receive shard: receiver sets streamed side by side (ckpt-engine: {PARALLEL_SETS})")
+    p.add_argument("--backend", default="nccl", choices=BACKENDS, help="nccl: a broadcast (ring); nixl: one-sided pulls, and a late joiner's time to serve from a peer")
     p.add_argument("--calibration", default=None, help="calibration JSON (default: the checked-in fit of bench/results/)")
     p.add_argument("--json", action="store_true", help="print the prediction as JSON")
     p.add_argument("--sweep", default=None, help="SETTING=V1,V2,...: predict each value, write JSON + PNG to --out-dir")
@@ -87,11 +89,11 @@ def _scenario(args: argparse.Namespace) -> Scenario:
         nvlink_gbs=args.nvlink_gbs, pcie_gbs=args.pcie_gbs, gpus_per_node=args.gpus_per_node, same_node=args.same_node,
         strategy=args.strategy, senders=args.senders, delta=args.delta, bucket_mb=args.bucket_mb, buffers=args.buffers,
         loader=args.loader, export=args.export, receive=args.receive, fused_experts=args.fused_experts,
-        parallel_sets=args.parallel_sets,
+        parallel_sets=args.parallel_sets, backend=args.backend,
     )
 
 
-def format_table(scenario: Scenario, p: Prediction) -> str:
+def format_table(scenario: Scenario, p: Prediction, cal: Calibration) -> str:
     """The human-readable answer: set-up, stages, bottleneck, total."""
     s = scenario.setup()
     m, links = s.model, s.links
@@ -112,6 +114,15 @@ def format_table(scenario: Scenario, p: Prediction) -> str:
         f"receiver ingress bound {p.receiver_ingress_s:.4f} s (no strategy moves these bytes faster)",
     ]
     tail += [f"note: {n}" for n in p.notes]
+    if s.backend == "nixl":
+        j = predict_join(s.model, s.rollout, s.links, cal)
+        tail += [
+            f"pull      each read should reach {p.detail['pull_link_gbs']:.1f} GB/s per link (a floor for nixl's min_gbps: a fraction of it)",
+            f"join      a late joiner serves in {j.total_s:.2f} s: {j.bytes_per_rank / 1e9:,.1f} GB per rank over {j.link} in {j.read_s:.2f} s "
+            f"+ checksums {j.check_s:.2f} s (peer's {j.peer_check_s:.2f} s, once per version) + fixed {j.fixed_s + j.window_s:.2f} s; "
+            f"without the host checksums {j.without_checksums_s:.2f} s (issue 43's bar: {j.bar_s:.2f} s)",
+            "          (modelled, not measured: no GPU run of nixl yet; docs/planner.md)",
+        ]
     return "\n".join(head + rows + [""] + tail)
 
 
@@ -134,7 +145,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _validate(args: argparse.Namespace, cal: Calibration) -> int:
     paths = args.validate if args.validate else ["bench/results"]
     command = "ckpt-engine plan --validate " + " ".join(paths) + (f" --out {args.out}" if args.out else "")
-    text = to_markdown(measured_rows(paths, cal), published_rows(cal), command)
+    text = to_markdown(measured_rows(paths, cal), published_rows(cal), command, pull_rows(cal))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(text)
@@ -167,9 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         hints = advise(scenario, cal)
         if args.json:
             advice = [{"flag": a.flag, "total_s": a.total_s, "speedup": a.speedup, "status": a.status} for a in hints]
-            print(json.dumps({"scenario": vars(replace(scenario)), **prediction.to_json(), "advice": advice}, indent=1))
+            setup = scenario.setup()
+            join = predict_join(setup.model, setup.rollout, setup.links, cal).to_json() if setup.backend == "nixl" else None
+            print(json.dumps({"scenario": vars(replace(scenario)), **prediction.to_json(), "advice": advice, "join": join}, indent=1))
         else:
-            print(format_table(scenario, prediction))
+            print(format_table(scenario, prediction, cal))
             for a in hints:
                 print(f"faster: {a.flag:<24} {a.total_s:.4f} s ({a.speedup:.1f}x; {a.status})")
         return 0

