@@ -72,7 +72,7 @@ def llm(model_dir: Path) -> Iterator[Any]:
     engine.llm_engine.engine_core.shutdown()
 
 
-def adapter(model_dir: Path, seed: int) -> AdapterSource:
+def adapter(model_dir: Path, seed: int, dtype: torch.dtype | None = None) -> AdapterSource:
     """A PEFT adapter with every lora_A and lora_B drawn at random (PEFT starts lora_B at zero, which
     no transpose would change)."""
     model = trainer.peft_model(str(model_dir))
@@ -81,7 +81,7 @@ def adapter(model_dir: Path, seed: int) -> AdapterSource:
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return AdapterSource(model)
+    return AdapterSource(model, dtype=dtype)
 
 
 def session(llm: Any, name: str, check: bool = True) -> tuple[WeightSyncSession, VllmLoraRollout]:
@@ -105,6 +105,22 @@ def test_clean_adapter_syncs_are_checked_and_agree(llm: Any, model_dir: Path, ca
                 assert handle.lora_request().lora_name.endswith(f"-v{report.version}")
         said = caplog.text
         assert "differ" not in said and "unchecked" not in said and "cannot digest" not in said, said
+    finally:
+        s.close()
+
+
+def test_an_adapter_vllm_casts_is_named_unchecked_not_missing(llm: Any, model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A bf16 adapter into this fp32 engine: vLLM casts it to its LoRA dtype, so what it holds is not
+    the bytes sent. Each tensor is named unchecked (with both dtypes) and the sync serves; none is
+    called missing (the CUDA run sent fp32 into a bf16 engine and failed at verify that way)."""
+    s, handle = session(llm, "lora-cast")
+    try:
+        with caplog.at_level(logging.WARNING):
+            report = s.sync(adapter(model_dir, 7, torch.bfloat16))
+        assert handle.lora_request().lora_name.endswith(f"-v{report.version}")
+        said = caplog.text
+        assert "unchecked" in said and "vLLM holds it as torch.float32, the sync sent torch.bfloat16" in said, said
+        assert "no such tensor" not in said and "differ" not in said, said
     finally:
         s.close()
 

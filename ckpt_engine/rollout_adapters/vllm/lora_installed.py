@@ -50,14 +50,14 @@ def adapter_report(lora: Any, staged: Mapping[str, torch.Tensor], request: Insta
     t0 = time.perf_counter()
     names = checkpoint_names(staged, mapper)
     held: dict[str, torch.Tensor] = {}
-    unchecked: list[str] = []
+    unchecked: dict[str, str] = {}
     for (module, is_a), name in names.items():
         weights = lora.loras.get(module)
         tensor = None if weights is None else (weights.lora_a if is_a else weights.lora_b)
         if tensor is None:
             continue
         if tensor.dtype != staged[name].dtype:
-            unchecked.append(f"{name} (vLLM holds it as {tensor.dtype}, the sync sent {staged[name].dtype})")
+            unchecked[name] = f"{name} (vLLM holds it as {tensor.dtype}, the sync sent {staged[name].dtype})"
             continue
         held[name] = tensor
     if ADAPTER_CONFIG in staged:
@@ -65,9 +65,8 @@ def adapter_report(lora: Any, staged: Mapping[str, torch.Tensor], request: Insta
     keys: list[Key] = [(n, None) for n in dict.fromkeys(request.names) if n in held]
     values = [digest(held[n], request.seed, request.samples) for n, _ in keys]
     answers = torch.stack([v.cpu() for v in values]).tolist() if values else []
-    gone = {n.rpartition(".")[0] for n in unchecked}
-    missing = sorted(f"{n}: vLLM's LoRA model has no such tensor" for n in request.names if n not in held and n in staged and n.rpartition(".")[0] not in gone)
-    return InstalledReport(dict(zip(keys, answers)), [], sorted(unchecked), missing, time.perf_counter() - t0)
+    missing = sorted(f"{n}: vLLM's LoRA model has no such tensor" for n in request.names if n not in held and n in staged and n not in unchecked)
+    return InstalledReport(dict(zip(keys, answers)), [], sorted(unchecked.values()), missing, time.perf_counter() - t0)
 
 
 def slot_problems(adapters: Any, lora: Any, index: int, names: Mapping[tuple[str, bool], str]) -> list[str]:
