@@ -22,52 +22,32 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see --help)\n")
 
 
-def at_least(low: int | float, kind: type = int) -> Callable[[str], int | float]:
-    """A `type=` for ints (or floats) >= `low`."""
+def _checker(kind: type, ok: Callable[[float], bool], accepts: str) -> Callable[[str], int | float]:
+    """A `type=` that parses `kind` and refuses a value `ok` rejects, saying what it `accepts`."""
 
     def check(text: str) -> int | float:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {'an int' if kind is int else 'a number'} >= {low:g}, got {text!r}") from None
-        if kind is float and not math.isfinite(value) or value < low:
-            raise argparse.ArgumentTypeError(f"must be {'an int' if kind is int else 'a finite number'} >= {low:g}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"must be {accepts}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {accepts}, got {text!r}")
         return value
 
     return check
 
 
-def above_zero(text: str) -> float:
-    """A `type=` for finite numbers > 0 (sizes)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
-    return value
+def at_least(low: int | float, kind: type = int) -> Callable[[str], int | float]:
+    """A `type=` for ints (or finite floats) >= `low`."""
+    return _checker(kind, lambda v: math.isfinite(v) and v >= low, f"{'an int' if kind is int else 'a finite number'} >= {low:g}")
 
 
-def seconds(text: str) -> float:
-    """A `type=` for timeouts: finite seconds in (0, one week]."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds in (0, 604800], got {text!r}") from None
-    if not math.isfinite(value) or not 0 < value <= 604800:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds in (0, 604800], got {text!r}")
-    return value
-
-
-def port_number(text: str) -> int:
-    """A `type=` for TCP ports to listen on: 0 (a free port from the OS) to 65535."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int in [0, 65535] (0 = a free port from the OS), got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be an int in [0, 65535] (0 = a free port from the OS), got {text!r}")
-    return value
+above_zero = _checker(float, lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+"""A `type=` for finite numbers > 0 (sizes)."""
+seconds = _checker(float, lambda v: 0 < v <= 604800, "a number of seconds in (0, 604800]")
+"""A `type=` for timeouts: finite seconds in (0, one week] (NaN fails the comparison)."""
+port_number = _checker(int, lambda v: 0 <= v <= 65535, "an int in [0, 65535] (0 = a free port from the OS)")
+"""A `type=` for TCP ports to listen on: 0 (a free port from the OS) to 65535."""
 
 
 def fail(prog: str, message: object) -> NoReturn:

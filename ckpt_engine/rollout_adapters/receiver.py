@@ -85,42 +85,33 @@ class WeightReceiver:
         self.regions.plan = plan
         self.regions.left_plan()
 
-    def _enter(self, what: str) -> None:
-        if not self._busy.acquire(blocking=False):
-            raise ReceiverBusyError(
-                f"this receiver is busy with {self._doing} (for {time.monotonic() - self._since:.1f}s); "
-                f"{what} refused: another sync is in flight on this engine"
-            )
-        self._doing, self._since = what, time.monotonic()
-
-    def _exit(self) -> None:
-        self._doing = ""
-        self._busy.release()
-
     @property
     def busy(self) -> bool:
         return self._busy.locked()
 
     @contextlib.contextmanager
     def exclusive(self, what: str) -> Iterator[None]:
-        """Hold this receiver for `what` (a pull from a peer): a join, validate, receive or swap is
-        refused meanwhile, and `what` is refused while one of them is in flight."""
-        self._enter(what)
+        """Hold this receiver for `what` (a join, validate, receive, swap, or a pull from a peer):
+        `what` is refused (ReceiverBusyError) while another of them is in flight."""
+        if not self._busy.acquire(blocking=False):
+            raise ReceiverBusyError(
+                f"this receiver is busy with {self._doing} (for {time.monotonic() - self._since:.1f}s); "
+                f"{what} refused: another sync is in flight on this engine"
+            )
+        self._doing, self._since = what, time.monotonic()
         try:
             yield
         finally:
-            self._exit()
+            self._doing = ""
+            self._busy.release()
 
     def join(self, rendezvous: dict[str, Any] | Rendezvous, rank: int, options: dict[str, Any] | JoinOptions) -> None:
         rdzv = rendezvous if isinstance(rendezvous, Rendezvous) else Rendezvous.from_dict(rendezvous)
         opts = options if isinstance(options, JoinOptions) else JoinOptions.from_dict(options)
         if not isinstance(rank, int) or not 0 < rank < rdzv.world_size:
             raise ValueError(f"receiver rank must be in [1, {rdzv.world_size}), got {rank!r}")
-        self._enter(f"a join of group {rdzv.token[:8]}")
-        try:
+        with self.exclusive(f"a join of group {rdzv.token[:8]}"):
             self._join(rdzv, rank, opts)
-        finally:
-            self._exit()
 
     def _join(self, rdzv: Rendezvous, rank: int, opts: JoinOptions) -> None:
         self.leave()
@@ -168,8 +159,7 @@ class WeightReceiver:
         themselves (no state of the engine's that changes), so the manifest accepted last under
         the very same checks and buffers is accepted again without walking its tensors.
         """
-        self._enter(f"a validate of manifest {str(digest)[:12]}")
-        try:
+        with self.exclusive(f"a validate of manifest {str(digest)[:12]}"):
             reply = self._validate(encoded, digest, expected, extra_check, budget_specs, remember)
             if reply["accepted"] and regions is not None:
                 problems = self.regions.accept(regions, self._manifests[digest], expected)
@@ -177,8 +167,6 @@ class WeightReceiver:
                     self._manifests.pop(digest, None)
                 reply = {"accepted": not problems, "need_manifest": False, "problems": problems}
             return reply
-        finally:
-            self._exit()
 
     def _validate(
         self,
@@ -262,27 +250,25 @@ class WeightReceiver:
             raise ValueError("stage='patches' takes a patch sync (a delta request with patches); stage a dense sync as 'full'")
         if stage == "full" and (destinations is None or destinations is not self.staging.tensors or self._staging_digest != digest):
             raise ValueError("stage='full' receives into the staging copy: pass destinations=staging_for(live, digest) and loaders into it")
-        self._enter(f"a receive of manifest {str(digest)[:12]}")
-        try:
-            if self._staged is not None:
-                raise RuntimeError(
-                    f"a staged version of manifest {self._staged[2][:12]} is waiting for swap() or discard(); "
-                    "a receive would overwrite what it holds"
-                )
-            if stage is not None:
-                return self._receive_staged(digest, loader, destinations, request, on_start, region_loader, stage)
-            if region_loader is not None and self.regions.has(digest):
-                if self.engine is None:
-                    raise RuntimeError("call join() before receive()")
-                return self._receive_into(digest, loader, destinations, request, on_start, region_loader)
-            return self._receive(digest, loader, destinations, request, on_start)
-        except Exception as exc:
-            # Each receiver talks to rank 0 only: the sender went away or gave up (it aborts the
-            # group on any failure, its own or another engine's).
-            logger.warning("receive of manifest %s from the sender (rank 0) failed: %s", str(digest)[:12], exc)
-            raise
-        finally:
-            self._exit()
+        with self.exclusive(f"a receive of manifest {str(digest)[:12]}"):
+            try:
+                if self._staged is not None:
+                    raise RuntimeError(
+                        f"a staged version of manifest {self._staged[2][:12]} is waiting for swap() or discard(); "
+                        "a receive would overwrite what it holds"
+                    )
+                if stage is not None:
+                    return self._receive_staged(digest, loader, destinations, request, on_start, region_loader, stage)
+                if region_loader is not None and self.regions.has(digest):
+                    if self.engine is None:
+                        raise RuntimeError("call join() before receive()")
+                    return self._receive_into(digest, loader, destinations, request, on_start, region_loader)
+                return self._receive(digest, loader, destinations, request, on_start)
+            except Exception as exc:
+                # Each receiver talks to rank 0 only: the sender went away or gave up (it aborts the
+                # group on any failure, its own or another engine's).
+                logger.warning("receive of manifest %s from the sender (rank 0) failed: %s", str(digest)[:12], exc)
+                raise
 
     def _receive(
         self,
@@ -297,10 +283,7 @@ class WeightReceiver:
         manifest = self._validated(digest, on_start)
         t0 = time.perf_counter()
         load_s, loaded = 0.0, 0
-        buckets = self.engine.receive_buckets(manifest, destinations, delta=delta) if delta is not None else (
-            self.engine.receive_buckets(manifest, destinations)
-        )
-        for bucket in buckets:
+        for bucket in self.engine.receive_buckets(manifest, destinations, delta=delta):
             if not bucket:  # only a middle chunk of a large tensor landed
                 continue
             t1 = time.perf_counter()
@@ -394,8 +377,7 @@ class WeightReceiver:
         what it yields. The engine calls this between two of its steps (no step may read the
         weights meanwhile). Returns the seconds it took. Raises (the live weights then hold the
         previous version, where the staged version could write it back) if nothing is staged."""
-        self._enter("a swap")
-        try:
+        with self.exclusive("a swap"):
             if self._staged is None:
                 raise RuntimeError("swap(): nothing is staged; receive(stage=...) first")
             staged, loader, _digest = self._staged
@@ -405,8 +387,6 @@ class WeightReceiver:
                 if bucket:
                     loader(bucket)  # type: ignore[arg-type]
             return time.perf_counter() - t0
-        finally:
-            self._exit()
 
     def discard(self) -> None:
         """Drop a staged version (a failed stream elsewhere): the live weights were never touched.

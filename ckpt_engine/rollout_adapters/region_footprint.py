@@ -49,9 +49,7 @@ def box_of_view(shape: Sequence[int], sizes: Sequence[int], strides: Sequence[in
         d = next((d for d in range(len(shape)) if h[d] <= s), None)
         if d is None or s % h[d]:
             return None
-        m = s // h[d]
-        if m >= shape[d] and d > 0:
-            return None  # not reachable: h[d-1] == shape[d] * h[d] would have matched d-1
+        m = s // h[d]  # < shape[d] for d > 0: h[d-1] == shape[d] * h[d] > s
         if coords[d] + span[d] + (z - 1) * m < shape[d]:
             span[d] += (z - 1) * m
             continue

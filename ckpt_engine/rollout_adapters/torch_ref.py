@@ -50,7 +50,7 @@ from ckpt_engine.rollout_adapters.load_gate import LoadGate
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.ref_models import RefModel, load_spec_file, write_spec_file
 from ckpt_engine.rollout_adapters.ref_steps import EngineSteps, staging_room
-from ckpt_engine.control.server import ControlLimits, RpcServer
+from ckpt_engine.control.server import RpcServer
 from ckpt_engine.versions import check_step, check_version
 from ckpt_engine.sources.base import spec_of
 from ckpt_engine.control.wire import RpcClient
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> None:
     kw = {"load_delay_s": args.load_delay_s, "staging_budget_bytes": args.staging_budget_bytes, "step_interval_s": args.step_interval_s}
     model = RefModel.from_spec_file(args.spec_file, layout) if args.spec_file else RefModel.from_hf_config(args.model_dir, args.dtype, layout)
     worker = TorchRefWorker.of(model, **kw)
-    server = RpcServer(worker.handlers(), token=token, limits=ControlLimits(), port=args.port).start()
+    server = RpcServer(worker.handlers(), token=token, port=args.port).start()
     print(f"{READY_PREFIX}{server.port}", flush=True)
     parent = os.getppid()
     while os.getppid() == parent:  # exit when the parent goes away (stdin is not used)
