@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
     Backend = type[Transport] | type[CheckpointEngine]
 
-__all__ = ["CheckpointEngineRegistry", "BackendUnavailableError", "detect_device_type"]
+__all__ = ["CheckpointEngineRegistry", "BackendUnavailableError", "LazyRegistry", "detect_device_type"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +54,90 @@ def detect_device_type() -> str:
 AUTO_BY_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 
 
-class CheckpointEngineRegistry:
+class LazyRegistry:
+    """A process-wide table of names: built-ins by 'module:attr' path, imported on first use;
+    third parties by entry point (`group`) or `add`. Subclasses name what they hold (`what`) and
+    their error; the backends below and the daemon's engine kinds are the two."""
+
+    what: ClassVar[str]
+    group: ClassVar[str]
+    error: ClassVar[type[ValueError]] = ValueError
+    reserved: ClassVar[tuple[str, ...]] = ()
+    """Names a lookup takes besides the registered ones (backends: `auto`); never registered."""
+    _lazy: ClassVar[dict[str, str]]
+    _classes: ClassVar[dict[str, Any]]
+    _failed: ClassVar[dict[str, str]]
+    _entry_points_loaded: ClassVar[bool] = False
+
+    @classmethod
+    def add(cls, name: str, obj: Any) -> None:
+        """Register `obj`, or a 'module:attr' path to import on first use, under `name`."""
+        if not isinstance(name, str) or not name or name in cls.reserved:
+            other = f" other than {', '.join(map(repr, cls.reserved))}" if cls.reserved else ""
+            raise ValueError(f"{cls.what} name must be a non-empty string{other}, got {name!r}")
+        current = cls._classes.get(name, cls._lazy.get(name))
+        if current is not None:
+            if current == obj:
+                return
+            raise ValueError(f"{cls.what} {name!r} is already registered; registered: {', '.join(cls.names())}")
+        if isinstance(obj, str):
+            cls._lazy[name] = obj
+        else:
+            cls._classes[name] = obj
+            cls._lazy.pop(name, None)
+        cls._failed.pop(name, None)
+
+    @classmethod
+    def _load_entry_points(cls) -> None:
+        if cls._entry_points_loaded:
+            return
+        cls._entry_points_loaded = True
+        try:
+            for ep in entry_points(group=cls.group):
+                if ep.name not in cls._lazy and ep.name not in cls._classes:
+                    cls._lazy[ep.name] = ep.value
+        except Exception as exc:  # a broken third-party distribution must not break the built-ins
+            logger.warning("could not read the %s entry points: %s", cls.group, exc)
+
+    @classmethod
+    def names(cls) -> list[str]:
+        cls._load_entry_points()
+        return sorted(set(cls._lazy) | set(cls._classes))
+
+    @classmethod
+    def get(cls, name: str) -> Any:
+        """What `name` is registered as, importing it if needed."""
+        cls._load_entry_points()
+        if name in cls._classes:
+            return cls._classes[name]
+        target = cls._lazy.get(name)
+        if target is None:
+            raise cls.error(cls._unknown_message(name))
+        module_name, _, attr = target.partition(":")
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except Exception as exc:
+            cls._failed[name] = f"{type(exc).__name__}: {exc}"
+            raise cls.error(f"{cls.what} {name!r} could not be loaded from {target}: {cls._failed[name]}. {cls._unknown_message(None)}") from exc
+        cls._classes[name] = obj
+        return obj
+
+    @classmethod
+    def _unknown_message(cls, name: str | None) -> str:
+        head = f"unknown {cls.what} {name!r}; " if name is not None else ""
+        msg = f"{head}known {cls.what}s: {', '.join([*cls.reserved, *cls.names()])}"
+        if cls._failed:
+            msg += "; failed to import: " + "; ".join(f"{k} ({v})" for k, v in sorted(cls._failed.items()))
+        return msg
+
+
+class CheckpointEngineRegistry(LazyRegistry):
     """Process-wide table of transport backends."""
 
+    what = "backend"
+    group = ENTRY_POINT_GROUP
+    error = BackendUnavailableError
+    reserved = ("auto",)
     _lazy: ClassVar[dict[str, str]] = {
         "gloo": "ckpt_engine.transports.gloo:GlooTransport",
         "nccl": "ckpt_engine.transports.nccl:NcclTransport",
@@ -66,7 +147,6 @@ class CheckpointEngineRegistry:
     }
     _classes: ClassVar[dict[str, Backend]] = {}
     _failed: ClassVar[dict[str, str]] = {}
-    _entry_points_loaded: ClassVar[bool] = False
 
     @classmethod
     def register(cls, name: str) -> Callable[[Backend], Backend]:
@@ -79,38 +159,6 @@ class CheckpointEngineRegistry:
         return deco
 
     @classmethod
-    def add(cls, name: str, engine_cls: Backend | str) -> None:
-        """Register a `Transport` (or whole `CheckpointEngine`) class, or a 'module:Class' path to
-        import on first use."""
-        if not isinstance(name, str) or not name or name == "auto":
-            raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
-        current = cls._classes.get(name, cls._lazy.get(name))
-        if current is not None:
-            if current == engine_cls:
-                return
-            raise ValueError(f"backend {name!r} is already registered; registered: {', '.join(cls.names())}")
-        if isinstance(engine_cls, str):
-            cls._lazy[name] = engine_cls
-        else:
-            cls._classes[name] = engine_cls
-            cls._lazy.pop(name, None)
-        cls._failed.pop(name, None)
-
-    @classmethod
-    def _load_entry_points(cls) -> None:
-        if cls._entry_points_loaded:
-            return
-        cls._entry_points_loaded = True
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name not in cls._lazy and ep.name not in cls._classes:
-                cls._lazy[ep.name] = ep.value
-
-    @classmethod
-    def names(cls) -> list[str]:
-        cls._load_entry_points()
-        return sorted(set(cls._lazy) | set(cls._classes))
-
-    @classmethod
     def resolve_name(cls, name: str, device_type: str | None = None) -> str:
         if name != "auto":
             return name
@@ -120,23 +168,8 @@ class CheckpointEngineRegistry:
     def get(cls, name: str) -> Backend:
         """The transport (or whole engine) class for `name` ('auto' picks by device), importing it
         if needed."""
-        cls._load_entry_points()
-        name = cls.resolve_name(name)
-        if name in cls._classes:
-            return cls._classes[name]
-        target = cls._lazy.get(name)
-        if target is None:
-            raise BackendUnavailableError(cls._unknown_message(name))
-        module_name, _, attr = target.partition(":")
-        try:
-            engine_cls = getattr(importlib.import_module(module_name), attr)
-        except Exception as exc:
-            cls._failed[name] = f"{type(exc).__name__}: {exc}"
-            raise BackendUnavailableError(
-                f"backend {name!r} could not be loaded from {target}: {cls._failed[name]}. {cls._unknown_message(None)}"
-            ) from exc
-        cls._classes[name] = engine_cls
-        return engine_cls
+        backend: Backend = super().get(cls.resolve_name(name))
+        return backend
 
     @classmethod
     def new(cls, name: str, **kwargs: Any) -> CheckpointEngine:
@@ -160,11 +193,3 @@ class CheckpointEngineRegistry:
         backend = cls.get(name)
         if issubclass(backend, Transport):
             split_options(backend, options)
-
-    @classmethod
-    def _unknown_message(cls, name: str | None) -> str:
-        head = f"unknown backend {name!r}; " if name is not None else ""
-        msg = f"{head}known backends: auto, {', '.join(cls.names())}"
-        if cls._failed:
-            msg += "; failed to import: " + "; ".join(f"{k} ({v})" for k, v in sorted(cls._failed.items()))
-        return msg

@@ -9,15 +9,14 @@ register with `register_engine_kind` or the `ckpt_engine.engine_kinds` entry-poi
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from importlib.metadata import entry_points
-from typing import Any
+from typing import Any, ClassVar
 
 from ckpt_engine.daemon.ownership import release_engine
+from ckpt_engine.registry import LazyRegistry
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 
 __all__ = [
@@ -31,75 +30,23 @@ AdapterFactory = Callable[..., RolloutAdapter]
 """factory(name, params, timeout_s[, token=job token]) -> adapter; `token` is passed when accepted."""
 
 
-class EngineKindRegistry:
+class EngineKindRegistry(LazyRegistry):
     """kind name -> adapter factory, imported on first use."""
 
-    _lazy: dict[str, str] = {
+    what = "engine kind"
+    group = "ckpt_engine.engine_kinds"
+    _lazy: ClassVar[dict[str, str]] = {
         "torch_ref": "ckpt_engine.daemon.adapters:torch_ref_factory",
         "vllm": "ckpt_engine.daemon.adapters:vllm_factory",
         "vllm_lora": "ckpt_engine.daemon.adapters:vllm_lora_factory",
     }
-    _loaded: dict[str, AdapterFactory] = {}
-    _failed: dict[str, str] = {}
-    _entry_points_done = False
-    _lock = threading.Lock()
-
-    @classmethod
-    def register(cls, kind: str, factory: AdapterFactory | str) -> None:
-        with cls._lock:
-            cls._load_entry_points()
-            known = cls._lazy.get(kind) or cls._loaded.get(kind)
-            if known is not None and known is not factory and known != factory:
-                raise ValueError(f"engine kind {kind!r} is already registered; registered: {', '.join(cls.names_locked())}")
-            if isinstance(factory, str):
-                cls._lazy[kind] = factory
-            else:
-                cls._loaded[kind] = factory
-
-    @classmethod
-    def names(cls) -> list[str]:
-        with cls._lock:
-            cls._load_entry_points()
-            return cls.names_locked()
-
-    @classmethod
-    def names_locked(cls) -> list[str]:
-        return sorted(set(cls._lazy) | set(cls._loaded))
-
-    @classmethod
-    def get(cls, kind: str) -> AdapterFactory:
-        with cls._lock:
-            cls._load_entry_points()
-            if kind in cls._loaded:
-                return cls._loaded[kind]
-            target = cls._lazy.get(kind)
-            if target is None:
-                failed = "".join(f"; {k} failed to import: {why}" for k, why in cls._failed.items())
-                raise ValueError(f"unknown engine kind {kind!r}; known: {', '.join(cls.names_locked())}{failed}")
-            module, _, attr = target.partition(":")
-            try:
-                factory = getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as exc:
-                cls._failed[kind] = str(exc)
-                raise ValueError(f"engine kind {kind!r} could not be loaded ({target}): {exc}") from exc
-            cls._loaded[kind] = factory
-            return factory
-
-    @classmethod
-    def _load_entry_points(cls) -> None:
-        if cls._entry_points_done:
-            return
-        cls._entry_points_done = True
-        try:
-            for ep in entry_points(group="ckpt_engine.engine_kinds"):
-                cls._lazy.setdefault(ep.name, ep.value)
-        except Exception as exc:  # a broken third-party distribution must not break the daemon
-            logger.warning("could not read ckpt_engine.engine_kinds entry points: %s", exc)
+    _classes: ClassVar[dict[str, AdapterFactory]] = {}
+    _failed: ClassVar[dict[str, str]] = {}
 
 
 def register_engine_kind(kind: str, factory: AdapterFactory | str) -> None:
     """Make `{"kind": kind, ...}` descriptors resolvable; `factory` may be "module:attr"."""
-    EngineKindRegistry.register(kind, factory)
+    EngineKindRegistry.add(kind, factory)
 
 
 def make_adapter(name: str, descriptor: Mapping[str, Any], timeout_s: float, *, token: str | None = None) -> RolloutAdapter:
