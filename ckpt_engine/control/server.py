@@ -30,7 +30,7 @@ from typing import Any, Self
 
 from ckpt_engine.control.wire import WireError, recv_frame, send_frame
 
-__all__ = ["AuthError", "ControlLimits", "ControlServer", "Handler", "ProtocolError", "RpcServer", "handler_table"]
+__all__ = ["AuthError", "ControlLimits", "ControlServer", "Handler", "ProtocolError", "RpcServer"]
 
 logger = logging.getLogger(__name__)
 
@@ -264,22 +264,18 @@ def _try_send(sock: socket.socket, reply: dict[str, Any]) -> bool:
         return False
 
 
-def handler_table(handlers: dict[str, Callable[..., Any]]) -> Handler:
-    """A Handler calling `handlers[method](**params)`; unknown methods are refused by name."""
-
-    def handle(method: str, params: dict[str, Any]) -> Any:
-        fn = handlers.get(method)
-        if fn is None:
-            raise ProtocolError(f"unknown method {method[:60]!r}; known: {', '.join(sorted(handlers))}")
-        return fn(**params)
-
-    return handle
-
-
 class RpcServer(ControlServer):
-    """A control server over a table of methods (the reference receiver's port)."""
+    """A control server over a table of methods (the reference receiver's port): `handlers[method](**params)`,
+    an unknown method refused by name."""
 
     def __init__(
         self, handlers: dict[str, Callable[..., Any]], *, token: str, limits: ControlLimits | None = None, host: str = "127.0.0.1", port: int = 0
     ) -> None:
-        super().__init__(handler_table(handlers), token=token, limits=limits, host=host, port=port, name="rpc")
+        self.handlers = handlers
+        super().__init__(self._call, token=token, limits=limits, host=host, port=port, name="rpc")
+
+    def _call(self, method: str, params: dict[str, Any]) -> Any:
+        fn = self.handlers.get(method)
+        if fn is None:
+            raise ProtocolError(f"unknown method {method[:60]!r}; known: {', '.join(sorted(self.handlers))}")
+        return fn(**params)

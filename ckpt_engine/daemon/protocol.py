@@ -65,8 +65,6 @@ MAX_NAME_LEN = 128
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:@/-]*$")
 
 
-
-
 def check_engine_name(name: Any) -> str:
     if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LEN or not _NAME_RE.match(name):
         raise ProtocolError(
@@ -157,12 +155,11 @@ SCHEMAS: dict[str, dict[str, _Check]] = {
 }
 
 
-def check_params(method: Any, params: Any) -> dict[str, Any]:
-    """Validated params of one request (token excluded) or ProtocolError naming the problem."""
-    if not isinstance(method, str) or method not in SCHEMAS:
+def check_params(method: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Validated params of one request (token excluded) or ProtocolError naming the problem; the
+    control server has checked that `method` is a str and `params` a map."""
+    if method not in SCHEMAS:
         raise ProtocolError(f"unknown method {method!r:.60}; known: {', '.join(sorted(SCHEMAS))}")
-    if not isinstance(params, Mapping):
-        raise ProtocolError("params must be a map")
     schema = SCHEMAS[method]
     given = set(params) - {"token"}
     missing = sorted(set(schema) - given)
