@@ -73,7 +73,7 @@ def test_a_joiners_time_to_serve_is_its_bytes_over_the_link_plus_checksums_plus_
     j = predict_join(setup.model, setup.rollout, setup.links, CAL)
     per_rank = setup.model.total_bytes / 8
     link = 50e9 * CAL.nic_eff
-    checks = per_rank / (CAL.checksum_gbs * 1e9)
+    checks = setup.model.num_tensors * CAL.checksum_tensor_s + per_rank / (CAL.checksum_gbs * 1e9)
     fixed = CAL.nixl_agent_start_s + CAL.join_rpc_s + math.ceil(setup.model.num_tensors / WINDOW) * CAL.msg_latency_s
     assert j.link == "NIC" and j.bytes_per_rank == per_rank
     assert j.total_s == pytest.approx(per_rank / link + 2 * checks + fixed)

@@ -18,7 +18,7 @@ import threading
 import time
 
 from ckpt_engine.elastic.host import PeerHost
-from ckpt_engine.elastic.offer import PeerOffer, TensorOffer, tensor_bytes, tensor_checksum
+from ckpt_engine.elastic.offer import PeerOffer, TensorOffer, tensor_bytes, tensor_checksums
 from ckpt_engine.transports.nixl_agent import NixlAgent, load_nixl
 
 __all__ = ["PeerSource"]
@@ -64,7 +64,7 @@ class PeerSource:
         with self._lock:
             agent, names, cached = self._agent_locked(), self._names, self._sums
         if cached is None or cached[0] != before[3]:  # outside the lock: open offers' reads go on meanwhile
-            cached = (before[3], [tensor_checksum(h.tensors[n]) for n in names])
+            cached = (before[3], tensor_checksums([h.tensors[n] for n in names]))
         sums = cached[1]
         with self._lock:
             if self._state() != before or self._agent is not agent:

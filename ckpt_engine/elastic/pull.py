@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from ckpt_engine.elastic.host import PeerHost
-from ckpt_engine.elastic.offer import PeerOffer, tensor_bytes, tensor_checksum
+from ckpt_engine.elastic.offer import PeerOffer, tensor_bytes, tensor_checksums
 from ckpt_engine.transports.nixl_agent import NixlAgent, load_nixl
 
 __all__ = ["WINDOW", "pull_version"]
@@ -49,7 +49,8 @@ def pull_version(
         try:
             nbytes, connect_s = _read_all(host, offer, peer, timeout_s, hold)
             t_check = time.perf_counter()
-            bad = [t.name for t in offer.tensors if tensor_checksum(host.tensors[t.name]) != t.checksum]
+            sums = tensor_checksums([host.tensors[t.name] for t in offer.tensors])
+            bad = [t.name for t, got in zip(offer.tensors, sums) if got != t.checksum]
             if bad:
                 raise RuntimeError(
                     f"{len(bad)} tensor(s) read from peer {peer} do not match the checksums it advertised for version {version} "

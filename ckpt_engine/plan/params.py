@@ -31,9 +31,11 @@ ASSUMED = {
     "nixl_plan_s": "the pull transport's once-per-plan set-up (register the slots, publish and check the offers): assumed",
     "nixl_agent_start_s": "a process's first NIXL agent (UCX start) and its connect: the CPU box's elastic fleet bench, "
     "median 0.70 s (bench/RESULTS.md, 0.59 s alone on a quiet box); not measured on a GPU host",
-    "checksum_gbs": "a peer join's checksum of a held tensor as elastic/offer.py takes it (copy to pageable host memory, "
-    "tobytes, zlib CRC-32), measured on a 1xH200 host (2026-11-29, bf16 on cuda, 1 and 4 GiB, 3 reps each: 0.47-0.55 GB/s, "
-    "median 0.53; of it D2H 1.1-1.4, tobytes 1.2-1.4, crc32 2.2-3.3 GB/s); the CPU box's fleet bench gave 0.56",
+    "checksum_gbs": "a peer join's checksums (elastic/offer.py tensor_checksums: the delta codec's checksum on the "
+    "device, one host transfer for all) on 1 GiB bf16 tensors, measured on a 1xH200 host, 2026-11-29: 3.8-4.0 TB/s. "
+    "(The host CRC-32 they replaced ran at 0.47-0.55 GB/s there: copy to pageable memory, tobytes, zlib.)",
+    "checksum_tensor_s": "the same per tensor: 71-87 us each over 2,000-5,000 tensors of 4 KiB and 2 MiB (Python and "
+    "kernel launches), measured on the same 1xH200 host",
     "join_rpc_s": "a peer join's control calls (health probes, offer, check, done) outside the reads and checksums: the CPU "
     "box's fleet bench, time to serve 1.47 s - the pull 1.00 s - the peer's checksums ~0.12 s",
 }
@@ -68,8 +70,10 @@ class Calibration:
     """Pull transport: registering a plan's slots and exchanging the offers, once per plan."""
     nixl_agent_start_s: float = 0.70
     """A process's first NIXL agent and connect (UCX start), once per process."""
-    checksum_gbs: float = 0.53
-    """A peer join's checksums (GB/s of held bytes), the whole of `tensor_checksum` on a GPU host."""
+    checksum_gbs: float = 4000.0
+    """A peer join's checksums on the device (GB/s of held bytes; `elastic.offer.tensor_checksums`)."""
+    checksum_tensor_s: float = 77e-6
+    """The same, per tensor (launches and Python): at 10^5 tensors it, not the bytes, is the cost."""
     join_rpc_s: float = 0.35
     """A peer join's control calls, outside its reads and checksums."""
     sources: list[str] = field(default_factory=list)

@@ -5,16 +5,16 @@ Each joiner rank reads its share (the model's bytes / GPUs per engine) from the 
 rank over one link, `WINDOW` reads in flight (`elastic/pull.py`), and nothing else waits on it, so
 
     time to serve = bytes per rank / link rate                      (the reads)
-                  + bytes per rank / checksum rate                 (the joiner's checksums)
+                  + tensors x per-tensor cost + bytes / rate       (the joiner's checksums)
                   + the same again for the peer's checksums          (once per version it holds)
                   + tensors / WINDOW x per-message latency
                   + a process's first NIXL agent + the control calls (fixed)
 
-The checksums are zlib CRC-32 on the host, as `elastic/offer.py` takes them: each held tensor is
-copied to pageable host memory, to bytes, and checksummed, 0.53 GB/s in all on an H200 host
-(measured, `params.ASSUMED`). At tens of GB per rank they, not the link, set the time;
-`without_checksums_s` says what the reads and fixed costs alone give. Modelled, not measured: no
-GPU join has run; the fixed costs are the CPU box's.
+The checksums are taken on the device (`elastic.offer.tensor_checksums`): ~4 TB/s of bytes and
+~77 us per tensor on an H200 (measured, `params.ASSUMED`), so at 10^4-10^5 tensors per rank their
+per-tensor cost, not the bytes, is what they add; `without_checksums_s` says what the reads and
+fixed costs alone give. Modelled, not measured: no GPU join has run; the fixed costs are the CPU
+box's.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def predict_join(model: ModelBytes, rollout: RolloutLayout, links: Links, cal: C
     nvlink = max(2, rollout.num_engines) * rollout.gpus_per_engine <= links.gpus_per_node
     gbs = pull_link_gbs(links, cal, nvlink=nvlink)
     per_rank = model.total_bytes / rollout.gpus_per_engine
-    checks = per_rank / (cal.checksum_gbs * 1e9)
+    checks = model.num_tensors * cal.checksum_tensor_s + per_rank / (cal.checksum_gbs * 1e9)
     return JoinPrediction(
         bytes_per_rank=per_rank,
         link="NVLink" if nvlink else "NIC",
