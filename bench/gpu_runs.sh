@@ -100,7 +100,7 @@ vllm-one)  # one GPU: the vLLM tests that fit it (colocated, LoRA), the race tes
   echo "== vllm colocated bench ${VLLM_COLO_PRESET:-qwen2.5-7b}"
   timeout "${VLLM_BENCH_TIMEOUT:-280}" python bench/vllm_colocated_bench.py --preset "${VLLM_COLO_PRESET:-qwen2.5-7b}" --gpu-mem 0.3 \
     --json "$out/vllm_colocated.json" > "$out/vllm_colocated.log" 2>&1 &
-  pid=$!; watchdog 250 $pid; wait $pid; echo "exit $?"; grep -E "^(copy|ours|checked|staged|\{)|Error" "$out/vllm_colocated.log" | tail -n 8
+  pid=$!; watchdog 250 $pid; wait $pid; echo "exit $?"; grep -E "^(copy|ours|loaders|checked|staged|\{)|Error" "$out/vllm_colocated.log" | tail -n 8
   ;;
 one)
   timeout 240 python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests 2>&1 | tail -n 25

@@ -30,6 +30,12 @@ class BenchExtension(_Base):  # type: ignore[misc, valid-type]
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
+    def bench_set_env(self, name: str, value: str) -> None:
+        """Set a switch the worker reads per sync (`CKPT_ENGINE_VLLM_DIRECT`): a before/after in one run."""
+        import os
+
+        os.environ[name] = value
+
     def bench_param_fold(self) -> dict[str, int]:
         """A position-weighted sum of each installed parameter's 16-bit words, on the GPU: equal for
         two syncs that installed the same bytes (a cheap stand-in for sha256 over 61 GB)."""

@@ -4,7 +4,10 @@ in one process and one run:
   copy      - one device-to-device copy of the model's bytes on that GPU (one flat buffer into
               another): the floor a colocated sync is held against (issue 39: >= 0.8 x)
   ours      - `sync_rollout_weights` over `backend: colocated` into the engine (`VllmRollout`),
-              dense, unstaged, installed-weight checks off
+              dense, unstaged, installed-weight checks off; the loaders' copies made directly
+              (`vllm/direct_load.py`, the default for a model that loads in place)
+  loaders   - the same through vLLM's own loaders (`CKPT_ENGINE_VLLM_DIRECT=0` in the worker): the
+              before/after of the direct copies, in the same run
   checked   - the same with `verify_installed: 1` (every sync checked: the trainer folds the source
               through the receive plan, every worker folds what it installed; issue 42's <= 5 %)
   staged    - `stage: auto` (receive beside serving, swap between two steps): the stall per sync
@@ -47,7 +50,7 @@ def main() -> None:
 
     from ckpt_engine import CheckpointEngineConfig
     from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
-    from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmRollout
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
     from ckpt_engine.sources.base import StateDictSource
     from ckpt_engine.sync.api import close_sessions, sync_rollout_weights
 
@@ -64,7 +67,7 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(
         model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-        max_model_len=256, max_num_seqs=4, gpu_memory_utilization=args.gpu_mem, worker_extension_cls=WORKER_EXTENSION,
+        max_model_len=256, max_num_seqs=4, gpu_memory_utilization=args.gpu_mem, worker_extension_cls="bench.vllm_bench_ext.BenchExtension",
     )
     out["engine_up_s"] = round(time.perf_counter() - t0, 1)
 
@@ -107,6 +110,11 @@ def main() -> None:
     torch.cuda.empty_cache()
     measure("ours", ours(stage="off", verify_installed="off"))
     out["ours"]["seconds"] = {k: round(v, 4) for k, v in reports[-1].seconds.items()}  # where one sync's time went
+    out["ours"]["direct_tensors"] = reports[-1].receivers[handle.name].get("direct_tensors", 0)
+    llm.collective_rpc("bench_set_env", args=("CKPT_ENGINE_VLLM_DIRECT", "0"))
+    measure("loaders", ours(stage="off", verify_installed="off"))
+    out["loaders"]["seconds"] = {k: round(v, 4) for k, v in reports[-1].seconds.items()}
+    llm.collective_rpc("bench_set_env", args=("CKPT_ENGINE_VLLM_DIRECT", "1"))
     measure("checked", ours(stage="off", verify_installed=1))
     out["checked"]["installed_check_s"] = [round(r.seconds.get("installed_check", 0.0), 4) for r in reports]
     out["checked"]["seconds"] = {k: round(v, 4) for k, v in reports[-1].seconds.items()}
@@ -118,6 +126,7 @@ def main() -> None:
         out["staged"] = {"error": f"{type(e).__name__}: {e}"[:400]}
         print(f"staged: {out['staged']}", flush=True)
     out["ratio_ours_to_copy"] = round(out["copy"]["median_s"] / out["ours"]["median_s"], 3)
+    out["ratio_loaders_to_copy"] = round(out["copy"]["median_s"] / out["loaders"]["median_s"], 3)
     out["check_cost"] = round(out["checked"]["median_s"] / out["ours"]["median_s"] - 1.0, 4)
     print(json.dumps(out), flush=True)
     if args.json:

@@ -158,8 +158,10 @@ def test_colocated_on_the_engines_gpu(engine: Any, model_dir: Path, reference: A
     sync_rollout_weights(source(other), [handle], config=config)
     assert digests(engine) != reference[0]
     trainer = hf_model(model_dir, REFERENCE_SEED, "cuda:0")
-    sync_rollout_weights(source(trainer), [handle], config=config)
+    report = sync_rollout_weights(source(trainer), [handle], config=config)
     assert_holds_reference(engine, reference)
+    # A bf16 model on CUDA loads in place: the loaders' copies were made directly (vllm/direct_load.py)
+    assert report is not None and report.receivers[handle.name]["direct_tensors"] > 0, report.receivers
 
 
 def test_a_sender_device_other_than_the_tensors_is_refused_by_name(engine: Any, model_dir: Path) -> None:

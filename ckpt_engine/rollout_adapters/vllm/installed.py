@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
 from typing import Any, Protocol
@@ -38,7 +38,7 @@ import torch
 from ckpt_engine.installed import Folds, InstalledReport, InstalledRequest, Key
 from ckpt_engine.planning.regions import ReceivePlan, Region
 
-__all__ = ["InstalledCapture", "Landing", "LandingMap", "arm_workers", "layout_names", "worker_reports"]
+__all__ = ["InstalledCapture", "Landing", "LandingMap", "arm_workers", "layout_names", "resolve_tensor", "worker_reports"]
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ class _Layout(Protocol):
     def get_submodule(self, target: str) -> torch.nn.Module: ...
 
 
-def _resolve(model: _Layout, target: str) -> torch.Tensor | None:
+def resolve_tensor(model: _Layout, target: str) -> torch.Tensor | None:
+    """The model's parameter or buffer at layout name `target` (None: not a tensor there)."""
     path, _, attr = target.rpartition(".")
     try:
         module = model.get_submodule(path) if path else model
@@ -134,6 +135,10 @@ class InstalledCapture:
         self._hooked: set[str] = set()
         """Modules whose layer was captured before post-processing in this check's load."""
         self.seconds = 0.0
+        self._batch: list[torch.Tensor] | None = None
+        """Live CUDA images read in `report`, folded in one launch (`installed_kernel.py`); an image's
+        index -(j + 1) in `values` is the j-th of them."""
+        self._foldable: Callable[[torch.Tensor], bool] = lambda t: False
         self._patched: list[Any] = []
         self._tagged: list[torch.nn.Module] = []
 
@@ -180,7 +185,7 @@ class InstalledCapture:
 
     def _digest_group(self, key: Key, target: str, group: list[Landing], layer: torch.nn.Module | None = None) -> None:
         name, region = key
-        t = _resolve(self.model, target) if layer is None else getattr(layer, target.rpartition(".")[2], None)
+        t = resolve_tensor(self.model, target) if layer is None else getattr(layer, target.rpartition(".")[2], None)
         if t is None or t.is_meta:
             self.missing[key] = f"{target} is not loaded (its layer still waits for weights: a loader skipped some)"
             return
@@ -197,6 +202,10 @@ class InstalledCapture:
         if region is not None:
             origin[region.dim] = region.start
         if len(group) == 1 and all(hi - lo == n for (lo, hi), n in zip(first.box, image)):
+            if layer is None and self._batch is not None and self._foldable(views[0]):
+                self._batch.append(views[0])
+                self.values.setdefault(key, {})[target] = -len(self._batch)
+                return
             self.values.setdefault(key, {})[target] = self.folds.add(views[0])
             return
         whole = torch.empty(image, dtype=t.dtype, device=t.device)
@@ -215,13 +224,21 @@ class InstalledCapture:
             for key in [k for k in self.keys if k[1] is not None]:
                 self.keys.remove(key)
                 self.unchecked[key[0]] = "this worker holds a slice and the sync sent whole tensors"
+        fold_images: Callable[[Sequence[torch.Tensor], int, int], list[int]] | None = None
+        if self.request.samples > 0 and _on_cuda(self.model):
+            from ckpt_engine.installed_kernel import fold_images, foldable  # Triton: only where a GPU folds
+
+            self._batch, self._foldable = [], foldable
         for key in self.keys:
             for target, group in self.landings.groups[key].items():
                 if target.rpartition(".")[0] not in self._hooked:
                     self._digest_group(key, target, group)
         keys = [k for k in self.keys if k in self.values and k not in self.missing and k[0] not in self.unchecked]
         folded = self.folds.values()
-        answers = [folded[i] for k in keys for i in self.values[k].values()]
+        batched: list[int] = []
+        if self._batch and fold_images is not None:
+            batched = fold_images(self._batch, self.request.seed, self.request.samples)
+        answers = [folded[i] if i >= 0 else batched[-i - 1] for k in keys for i in self.values[k].values()]
         digests: dict[Key, int] = {}
         pos = 0
         for k in keys:
@@ -241,6 +258,11 @@ class InstalledCapture:
         )
         missing = sorted({_key_text(k) + f": {why}" for k, why in self.missing.items()})
         return InstalledReport(digests, unwritten, unchecked, missing, self.seconds + time.perf_counter() - t0)
+
+
+def _on_cuda(model: torch.nn.Module) -> bool:
+    first = next(model.parameters(), None)
+    return first is not None and first.is_cuda
 
 
 def _key_text(key: Key) -> str:

@@ -31,8 +31,10 @@ from ckpt_engine.planning.fused_experts import fuse_plan
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.region_assembler import RegionAssembler, held_bytes
-from ckpt_engine.rollout_adapters.vllm.installed import InstalledCapture, Landing, LandingMap, layout_names
+from ckpt_engine.rollout_adapters.vllm.direct_load import DirectLoads, direct_enabled
+from ckpt_engine.rollout_adapters.vllm.installed import InstalledCapture, LandingMap, layout_names
 from ckpt_engine.rollout_adapters.vllm.region_landing import RegionItem, RegionLanding
+from ckpt_engine.rollout_adapters.vllm.regions import PlanRecording, record_receive_plan
 from ckpt_engine.rollout_adapters.vllm.reload import LayerwiseReload, detach_pending
 from ckpt_engine.rollout_adapters.vllm.shadow import ShadowPreparer
 from ckpt_engine.rollout_adapters.vllm.specs import VllmSpecs
@@ -69,8 +71,9 @@ class VllmReceiverCore:
         self.stale = False
         self.last_report: dict[str, Any] | None = None
         self.staging = Staging()
-        self._landed: tuple[int, ReceivePlan, list[Landing], dict[str, str], dict[str, set[str]]] | None = None
-        """Where each checkpoint region lands in this model (installed-weight checks): the dry run's record."""
+        self._landed: tuple[int, ReceivePlan, PlanRecording] | None = None
+        """Where each checkpoint region lands in this model (installed-weight checks, direct loads): the dry run's record."""
+        self._direct: tuple[int, DirectLoads | None] | None = None
         self._armed: InstalledCapture | None = None
         self._regions_used = False
 
@@ -119,8 +122,6 @@ class VllmReceiverCore:
         """This worker's receive plan, recorded once per model from vLLM's own loaders (a dry run;
         never while a reload is open). Returns {"plan": wire form, "bytes", "model_bytes", "whole"};
         {"plan": None, "error"} when the dry run failed (the worker then receives whole tensors)."""
-        from ckpt_engine.rollout_adapters.vllm.regions import record_receive_plan
-
         self._close_failed_reload()
         model = self._model()
         specs = self.specs()
@@ -137,7 +138,7 @@ class VllmReceiverCore:
                     logger.warning("receive plan: recording failed (%s: %s); this worker receives whole tensors", type(exc).__name__, exc)
                     return {"plan": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
                 self._plan = (id(model), plan, dict(rec.whole))
-                self._landed = (id(model), plan, rec.landings, rec.unfollowed, rec.touched)
+                self._landed = (id(model), plan, rec)
         _, plan, whole = self._plan
         model_bytes = held_bytes(ReceivePlan({n: None for n in needed}), needed)
         out = {"plan": plan.to_wire(), "bytes": held_bytes(plan, specs.specs), "model_bytes": model_bytes, "whole": whole}
@@ -180,16 +181,18 @@ class VllmReceiverCore:
         checked, and the full tensors then load through the same layerwise reload."""
         self._check_not_staging("receive")
         self.staging.discard()
-        model = self._model()
+        self.reload.close()
+        load_weights = self._loader(self._model().load_weights)
+        direct = self._direct_loads()
+        copied = direct.copied if direct is not None else 0
         detached = [0]
         scanned: dict[int, Any] = {}  # detach_pending's walk of the layers' held loads, across this reload's buckets
 
         def load(loadable: list[tuple[str, torch.Tensor]]) -> None:
             with self.reload.loading():
-                model.load_weights(loadable)
+                load_weights(loadable)
             detached[0] += detach_pending(loadable, scanned)
 
-        self.reload.close()
         self.stale = True
         self.reload.open()
         try:
@@ -198,6 +201,7 @@ class VllmReceiverCore:
             self.reload.close()
             raise
         out["detached_bytes"] = detached[0]
+        out["direct_tensors"] = direct.copied - copied if direct is not None else 0
         self.last_report = out
         return out
 
@@ -259,6 +263,7 @@ class VllmReceiverCore:
         keep_views = delta is not None
         # A model that loads in place has no post-processing to take off the step path: no shadow.
         prepare = None if self.reload.in_place() else ShadowPreparer(self._model, self.vllm_config, self.receiver.device, self.staging.shadow_room)
+        self._direct_loads()  # recorded now (once per model), not in the swap between two steps
         self.staging.start(digest, lambda staged: self._stream(digest, delta, staged.sink, staged), keep_views, prepare, on_end)
         return {"started": True}
 
@@ -278,10 +283,11 @@ class VllmReceiverCore:
             shadow = {"shadow": True, "shadow_layers": staged.shadow.num_layers, "shadow_bytes": staged.shadow.nbytes,
                       "shadow_build_s": staged.shadow.build_s}
             return {"load_s": staged.shadow.swap_in(), **shadow, **self.finalize(version), "swap_s": time.perf_counter() - t0}
+        load_weights = self._loader(model.load_weights)
         self.reload.open()
         try:
             with self.reload.loading():
-                staged.load(model.load_weights, self.receiver.device)
+                staged.load(load_weights, self.receiver.device)
         except BaseException:
             self.reload.close()
             raise
@@ -338,16 +344,41 @@ class VllmReceiverCore:
             self._armed = None
 
     def _landing_map(self) -> LandingMap:
-        from ckpt_engine.rollout_adapters.vllm.regions import record_receive_plan
-
         model = self._model()
         if self._landed is None or self._landed[0] != id(model):
             self._close_failed_reload()
             plan, rec = record_receive_plan(model, self.specs().needed, self.vllm_config)
-            self._landed = (id(model), plan, rec.landings, rec.unfollowed, rec.touched)
-        _, plan, landings, unfollowed, touched = self._landed
+            self._landed = (id(model), plan, rec)
+        _, plan, rec = self._landed
         layout = layout_names(model) if not self.reload.is_open else []
-        return LandingMap(landings, layout, unfollowed, touched, plan)
+        return LandingMap(rec.landings, layout, rec.unfollowed, rec.touched, plan)
+
+    def _direct_loads(self) -> DirectLoads | None:
+        """The copies vLLM's loaders would make, made directly (`vllm/direct_load.py`): for a model
+        that loads in place, built once per model from the dry run's record (None: vLLM loads all)."""
+        if not direct_enabled():
+            return None
+        model = self._model()
+        if self._direct is None or self._direct[0] != id(model):
+            direct = None
+            if self.reload.in_place():
+                self._landing_map()
+                assert self._landed is not None
+                direct = DirectLoads(model, self._landed[2]) or None
+            self._direct = (id(model), direct)
+        return self._direct[1]
+
+    def _loader(self, load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any]) -> Callable[[list[tuple[str, torch.Tensor]]], Any]:
+        """`load_weights`, with what `_direct_loads` covers copied directly first."""
+        direct = self._direct_loads()
+        if direct is None:
+            return load_weights
+
+        def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            rest = direct.load(pairs)
+            if rest:
+                load_weights(rest)
+        return load
 
     def finalize(self, version: Any) -> dict[str, Any]:
         """Post-process what was loaded, reset the runner's weight-derived caches, stamp `version`."""

@@ -191,7 +191,7 @@ class VllmRollout(RolloutAdapter):
             return ReceiveReport(manifest.num_tensors, manifest.total_bytes, seconds, seconds, manifest.num_tensors)
         reports = [ReceiveReport.from_dict(r) for r in replies]
         slowest = max(reports, key=lambda r: r.receive_s)
-        return ReceiveReport(slowest.tensors, slowest.bytes, slowest.receive_s, max(r.load_s for r in reports), min(r.loaded for r in reports))
+        return ReceiveReport(slowest.tensors, slowest.bytes, slowest.receive_s, max(r.load_s for r in reports), min(r.loaded for r in reports), dict(slowest.extra))
 
     def swap(self, version: int, pause_mode: str) -> float:
         """Between two engine steps: pause (per `pause_mode`; `none` pauses as `keep`), load the

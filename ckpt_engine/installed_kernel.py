@@ -1,0 +1,116 @@
+"""The installed-weight digests of many CUDA images in one Triton launch.
+
+`installed.Folds` reads each image with a few torch ops (a gather, a view, a cast: ~25 us of launches
+per tensor on a GPU), so a 7B model's 339 tensors cost ~10 ms per side of a check, against a ~30 ms
+colocated sync. Here one program per image computes the same sampled positions, reads the words
+through the image's own sizes and strides (any strided view: a fused QKV's rows, a TP slice) and
+folds them: one launch and one read-back for every image of one element width. The result equals
+`installed.digest` image by image (tests/test_installed_kernel.py, in Triton's interpreter on the
+CPU and on a GPU), so either side of a check may use it. Imported where a fold runs on a GPU (it
+needs Triton).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, MIX_A, MIX_B
+
+__all__ = ["MAX_DIMS", "fold_images", "foldable"]
+
+MAX_DIMS = 4
+"""Images of up to this many dimensions are folded here (others by `installed.Folds`)."""
+_BLOCK = 1024
+_WORDS = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def foldable(view: torch.Tensor) -> bool:
+    """Whether `fold_images` takes `view` (its own dtype: no cast on the way)."""
+    return view.dim() <= MAX_DIMS and view.numel() > 0 and view.element_size() in _WORDS and not view.dtype.is_complex
+
+
+def fold_images(views: Sequence[torch.Tensor], seed: int, samples: int) -> list[int]:
+    """`installed.digest(view, seed, samples)` of every view (each `foldable`, `samples` > 0), read
+    with one launch per element width and one host sync."""
+    if samples <= 0:
+        raise ValueError("fold_images folds sampled digests (samples > 0)")
+    out = [0] * len(views)
+    by_width: dict[int, list[int]] = {}
+    for i, v in enumerate(views):
+        if not foldable(v):
+            raise ValueError(f"image {i} ({v.dtype}, {v.dim()} dims, {v.numel()} elements) cannot be folded here")
+        by_width.setdefault(v.element_size(), []).append(i)
+    results = []
+    for width, index in by_width.items():
+        results.append((index, _launch([views[i] for i in index], width, seed, samples)))
+    for index, values in results:
+        for i, value in zip(index, values.cpu().tolist()):
+            out[i] = int(value)
+    return out
+
+
+def _table(views: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per image: its first element's address, numel, then sizes and strides left-padded to MAX_DIMS."""
+    rows = []
+    for v in views:
+        sizes = [1] * (MAX_DIMS - v.dim()) + list(v.shape)
+        strides = [0] * (MAX_DIMS - v.dim()) + list(v.stride())
+        rows.append([v.data_ptr(), v.numel(), *sizes, *strides])
+    return torch.tensor(rows, dtype=torch.int64).to(views[0].device, non_blocking=True)
+
+
+def _launch(views: Sequence[torch.Tensor], width: int, seed: int, samples: int) -> torch.Tensor:
+    out = torch.empty(len(views), dtype=torch.int64, device=views[0].device)
+    _fold[(len(views),)](_table(views), out, seed, samples, WORD=_TL_WORDS[width], DIMS=MAX_DIMS, BLOCK=_BLOCK)
+    return out
+
+
+_TL_WORDS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+
+
+@triton.jit
+def _mix(idx):
+    """h(idx) of `delta/mixing.py` in wrapping int64."""
+    a = (((idx & (GROUP_WORDS - 1)) + 1) * MIX_A) & 0xFFFFFFFF
+    a = (a >> 1) | 1
+    x = ((idx >> GROUP_BITS) + 1) * MIX_B
+    x = x ^ (x >> 31)
+    return a * (x | 1)
+
+
+@triton.jit
+def _fold(table, out, seed, samples, WORD: tl.constexpr, DIMS: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per image: its K sampled positions (one per stratum, the first and last element
+    always), read through its sizes and strides, each word times h(position + seed), summed."""
+    m = tl.program_id(0)
+    row = table + m * (2 + 2 * DIMS)
+    base = tl.load(row).to(tl.pointer_type(WORD))
+    n = tl.load(row + 1)
+    k = samples.to(tl.int64)
+    small = n <= k
+    count = tl.where(small, n, k)
+    acc = tl.zeros((BLOCK,), dtype=tl.int64)
+    for start in range(0, count, BLOCK):
+        i = start + tl.arange(0, BLOCK).to(tl.int64)
+        live = i < count
+        lo = i * n // k
+        span = tl.maximum((i + 1) * n // k - lo, 1)
+        r = _mix(i + seed) % span
+        r = tl.where(r < 0, r + span, r)
+        pos = tl.where(small, i, lo + r)
+        pos = tl.where((i == 0) & ~small, 0, pos)
+        pos = tl.where((i == k - 1) & ~small, n - 1, pos)
+        rest = pos
+        offset = tl.zeros((BLOCK,), dtype=tl.int64)
+        for d in tl.static_range(DIMS - 1, -1, -1):
+            size = tl.load(row + 2 + d)
+            stride = tl.load(row + 2 + DIMS + d)
+            offset += (rest % size) * stride
+            rest = rest // size
+        words = tl.load(base + offset, mask=live, other=0).to(tl.int64)
+        acc += tl.where(live, words * _mix(pos + seed), 0)
+    tl.store(out + m, tl.sum(acc, axis=0))

@@ -1,0 +1,73 @@
+"""The one-launch fold of many images equals `installed.digest` image by image: every element width,
+strided views (fused rows, TP column slices, transposed and expanded views), images smaller than the
+sample count, random seeds. Runs in Triton's interpreter on the CPU (the `fast` tier) and on a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CASES = r"""
+import torch
+from ckpt_engine.installed import digest
+from ckpt_engine.installed_kernel import fold_images
+
+device = DEVICE
+g = torch.Generator().manual_seed(7)
+base = torch.randint(-2**62, 2**62, (3 * 1024 * 1024 // 8,), generator=g, dtype=torch.int64).to(device)
+qkv = base.view(torch.bfloat16)[: 96 * 4096].view(96, 4096)
+images = [
+    qkv[:64], qkv[64:80], qkv[80:96],                     # fused QKV rows
+    qkv[:, 1024:2048],                                     # a TP column slice
+    qkv.t()[7:300],                                        # transposed
+    base.view(torch.float32)[:37],                         # fewer elements than samples
+    base.view(torch.int8)[: 5 * 7 * 9 * 11].view(5, 7, 9, 11)[:, 1:6:2],  # 4 dims, stepped
+    base.view(torch.float64)[:4097],
+    base.view(torch.bfloat16)[:1],                         # one element
+    base.view(torch.float16)[:3000].view(30, 100)[::3, ::7],
+    base.view(torch.bfloat16)[:10].view(10, 1).expand(10, 50),  # stride 0
+]
+for seed, samples in COMBOS:
+    got = fold_images(images, seed, samples)
+    want = [int(digest(v, seed, samples)) for v in images]
+    assert got == want, (seed, samples, [i for i, (a, b) in enumerate(zip(got, want)) if a != b])
+print("ok")
+"""
+
+
+ALL = [(seed, samples) for seed in (0, 12345, (1 << 40) - 1) for samples in (1, 2, 4096, 10000)]
+
+
+def _run(device: str, interpret: bool, combos: list[tuple[int, int]]) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+    code = CASES.replace("DEVICE", repr(device)).replace("COMBOS", repr(combos))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_equals_digest_in_tritons_interpreter() -> None:
+    pytest.importorskip("triton")
+    _run("cpu", True, [(12345, 4096), ((1 << 40) - 1, 2)])
+
+
+@pytest.mark.gpu
+def test_equals_digest_on_a_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    _run("cuda", False, ALL)
+
+
+def test_bad_input_is_refused_by_name() -> None:
+    pytest.importorskip("triton")
+    from ckpt_engine.installed_kernel import fold_images
+
+    with pytest.raises(ValueError, match="samples > 0"):
+        fold_images([torch.zeros(4)], 1, 0)
+    with pytest.raises(ValueError, match="image 1 .*complex"):
+        fold_images([torch.zeros(4), torch.zeros(4, dtype=torch.complex64)], 1, 8)
+    with pytest.raises(ValueError, match="image 0 .*5 dims"):
+        fold_images([torch.zeros(1, 1, 1, 1, 2)], 1, 8)
