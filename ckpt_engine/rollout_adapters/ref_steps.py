@@ -67,7 +67,7 @@ class StepRecord:
 
 
 class EngineSteps:
-    """The step loop (a daemon thread) over `tensors`; started by `start()`, ended by `stop()`.
+    """The step loop (a daemon thread, for the life of the engine process) over `tensors`, started by `start()`.
 
     `interval_s` is the idle time between two steps (the box's CPUs are shared)."""
 
@@ -81,27 +81,15 @@ class EngineSteps:
         """Held by a step while it reads, and by a swap while it writes."""
         self._running = threading.Event()
         self._running.set()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.records: list[StepRecord] = []
         self.count = 0
-        self._paused_at: float | None = None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="ref-engine-steps", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._running.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10.0)
+        threading.Thread(target=self._loop, name="ref-engine-steps", daemon=True).start()
 
     def _loop(self) -> None:
-        while not self._stop.is_set():
+        while True:
             self._running.wait()
-            if self._stop.is_set():
-                return
             with self.lock:
                 if not self._running.is_set():
                     continue  # paused while this step waited for the lock
@@ -112,7 +100,7 @@ class EngineSteps:
                 self.records.append(record)
                 if len(self.records) > _KEEP:
                     del self.records[: len(self.records) - _KEEP]
-            self._stop.wait(self.interval_s)
+            time.sleep(self.interval_s)
 
     def pause(self) -> None:
         """Stop stepping (today's order: the whole sync); returns once no step is running."""
@@ -121,21 +109,16 @@ class EngineSteps:
 
     def pause_locked(self) -> None:
         """`pause` by a caller that holds `lock` (a failed swap)."""
-        if self._running.is_set():
-            self._running.clear()
-            self._paused_at = time.monotonic()
+        self._running.clear()
 
-    def resume(self) -> float:
-        """Step again; returns the seconds the loop stood still since `pause` (0 if not paused)."""
+    def resume(self) -> None:
+        """Step again."""
         with self.lock:
-            return self.resume_locked()
+            self.resume_locked()
 
-    def resume_locked(self) -> float:
+    def resume_locked(self) -> None:
         """`resume` by a caller that holds `lock` (a swap ends with the engine serving)."""
-        stalled = time.monotonic() - self._paused_at if self._paused_at is not None else 0.0
-        self._paused_at = None
         self._running.set()
-        return stalled
 
     def since(self, index: int) -> list[list[object]]:
         """The kept records from step `index` on, as plain lists (for the control wire)."""
