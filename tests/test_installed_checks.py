@@ -149,6 +149,45 @@ def test_a_faulty_loader_fails_the_sync_by_tensor_and_engine_and_leaves_it_out_o
         bad.close()
 
 
+class ReusedBuffer(StateDictSource):
+    """Yields every tensor through one buffer it overwrites for the next (a gather's staging
+    buffer): not stable, so the check must fold each tensor as it passes."""
+
+    stable_tensors = False
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        buffer = torch.empty(max(t.numel() * t.element_size() for t in self.weights.values()), dtype=torch.uint8)
+        for name, t in self.weights.items():
+            view = buffer[: t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            yield name, view
+
+
+def test_a_walk_of_temporaries_is_folded_as_it_passes_and_still_catches_a_fault(spec_file: str, healthy: TorchRefRollout) -> None:
+    """Stable walks are folded after the stream (`InstalledChecks.verify`); a walk whose tensors are
+    gone at the next is folded as it passes: clean syncs through one reused buffer pass, and a
+    loader that transposes still fails the sync by tensor and engine."""
+    bad = spawn_faulty(spec_file, "bad", "transpose:fp32")
+    try:
+        for i in range(REPEAT):
+            session = WeightSyncSession([healthy], cfg())
+            try:
+                report = session.sync(ReusedBuffer(state(40 + i)))
+                assert "installed_check" in report.seconds and holds(healthy, state(40 + i)) == []
+            finally:
+                session.close()
+            session = WeightSyncSession([healthy, bad], cfg())
+            try:
+                with pytest.raises(SyncError) as info:
+                    session.sync(ReusedBuffer(state(50 + i)))
+                assert info.value.stage == "verify" and set(info.value.failed) == {"bad"}, str(info.value)
+                assert "fp32" in info.value.failed["bad"] and "differ from the source" in info.value.failed["bad"], str(info.value)
+            finally:
+                session.close()
+    finally:
+        bad.close()
+
+
 def test_checks_off_let_the_same_fault_through_and_every_nth_sync_is_checked(spec_file: str, healthy: TorchRefRollout) -> None:
     bad = spawn_faulty(spec_file, "bad", "transpose:fp32")
     try:

@@ -101,6 +101,38 @@ def test_a_senders_runs_fold_at_once_as_their_pieces_do_and_cast_as_the_wire() -
         assert int(digest_share_runs(piece, base, runs, (96, 80), region, 9, 4096, torch.bfloat16)) == wrap64(want), region
 
 
+@pytest.mark.parametrize("shape", [(6, 40, 24), (1000,), (8, 5, 3, 7)], ids=["experts", "flat", "4d"])
+def test_senders_holding_scattered_runs_of_any_region_add_up_to_its_digest(shape: tuple[int, ...]) -> None:
+    """The share fold's index math (a region's flat elements in the whole tensor: a shift for rows,
+    one division for an inner dimension; a sender's runs as slices of the ascending positions or, for
+    an inner region, a lookup): random regions on every dimension, tensors cut into uneven runs dealt
+    to three senders (a sender holds several, some overlapping), with every position kept or a few."""
+    import random
+
+    from ckpt_engine.installed import digest_share_runs
+
+    rng, g = random.Random(5), torch.Generator().manual_seed(5)
+    t = torch.randn(shape, generator=g).bfloat16()
+    n = t.numel()
+    for _ in range(40):
+        dim = rng.randrange(len(shape))
+        start = rng.randrange(shape[dim])
+        region = rng.choice([None, Region(dim, start, rng.randint(1, shape[dim] - start)), Region(dim, 0, shape[dim])])
+        samples = rng.choice([5, 64, 4096])
+        cuts = sorted({0, n, *rng.sample(range(1, n), 6)})
+        held: list[list[tuple[int, int]]] = [[], [], []]
+        for a, b in zip(cuts, cuts[1:]):
+            held[rng.randrange(3)].append((a, b))
+        held[0] += held[0][:1]  # the same run twice: the union counts it once
+        want = int(digest(region_view(t, region), 13, samples))
+        shares = 0
+        for runs in held:
+            base = min((a for a, _ in runs), default=0)
+            top = max((b for _, b in runs), default=0)
+            shares += int(digest_share_runs(t.reshape(-1)[base:top], base, runs, shape, region, 13, samples))
+        assert wrap64(shares) == want, (region, samples, held)
+
+
 def _run(engines: list[TorchRefRollout], steps: list[list[str]], out: Path) -> list[list[dict[str, Any]]]:
     info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in engines]
     port = free_port()

@@ -56,3 +56,26 @@ def test_a_changed_word_changes_only_its_images_digest() -> None:
         after.add(hit if i == 4 else t, d)
     changed = [i for i, (a, b) in enumerate(zip(before.values(), after.values())) if a != b]
     assert changed == [4]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_images_added_later_are_read_when_asked_and_equal_digest(device: str) -> None:
+    """`add(later=True)` (a stable walk's tensors, folded while the engines digest theirs) notes an
+    image and reads it at `read_later` or `values`: the same digests, mixed with images read at once,
+    of the values at read time; `drop_later` forgets the unread ones."""
+    cases = images(device)
+    folds = Folds(99, 64)
+    index = [folds.add(t, d, later=i % 2 == 0) for i, (t, d) in enumerate(cases)]
+    assert index == list(range(len(cases)))
+    assert folds.values() == [int(digest(t, 99, 64, d)) for t, d in cases]
+    moved = cases[4][0].clone()
+    folds = Folds(99, 64)
+    folds.add(moved, later=True)
+    moved += 1.0  # read at `values`, not at `add`
+    assert folds.values() == [int(digest(moved, 99, 64))]
+    folds = Folds(99, 64)
+    folds.add(cases[0][0], later=True)
+    folds.drop_later()
+    assert folds.values() == [0]  # never read
+    with pytest.raises(ValueError, match="no installed-weight digest"):
+        Folds(99, 64).add(torch.zeros(3, dtype=torch.complex64, device=device), later=True)  # refused as the walk passes

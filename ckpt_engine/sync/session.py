@@ -220,7 +220,7 @@ class WeightSyncSession:
             senders = self._senders.count(source)
             if senders > 1:
                 return self._senders.run(lambda: self._sync(source, None, version, senders))
-            weights = WatchedWeights(self._installed.tap(source.iter_weights()))  # folds what an armed check needs
+            weights = WatchedWeights(self._installed.tap(source.iter_weights(), source.stable_tensors))  # folds what an armed check needs
             try:
                 return self._sync(source, weights, version)
             finally:
@@ -229,6 +229,7 @@ class WeightSyncSession:
                         pass
                 except Exception as exc:  # the original error, if any, is the one to report
                     logger.warning("draining the weight source after a failed sync: %s", exc)
+                self._installed.release()
         finally:
             self._lock.release()
 
