@@ -185,13 +185,9 @@ class StagingCopy:
         self._keys: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
         self.tensors: dict[str, torch.Tensor] = {}
 
-    @staticmethod
-    def nbytes_of(live: Mapping[str, torch.Tensor]) -> int:
-        return sum(t.numel() * t.element_size() for t in live.values())
-
     @property
     def nbytes(self) -> int:
-        return self.nbytes_of(self.tensors)
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def for_live(self, live: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict[str, torch.Tensor]:
         """The copy of `live`'s tensors named in `names` (a name `live` lacks is skipped), in
