@@ -7,8 +7,9 @@ adapters get by without it:
   `/update_weight_version` and `/weight_info`, `RequestOutput`'s weight versions): the version
   lives in the worker extension only (`ckpt_health` reports it) and the engine core is not stamped;
 - the trainer-side weight-transfer API as 0.32 shapes it (`vllm/transfer_engine.py` says what differs);
-- `WeightsMapper.get_rename_mapper()`, which 0.32's LoRA loading passes as the weights mapper, and
-  the LoRA manager's `_validate_modules_to_save` (0.26 refuses `modules_to_save` in `PEFTHelper`).
+- the name of the `WeightsMapper` method LoRA loading passes as the weights mapper (0.32
+  `get_rename_mapper`, 0.26 `get_unstacked_mapper`), and the LoRA manager's
+  `_validate_modules_to_save` (0.26 refuses `modules_to_save` in `PEFTHelper`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class VllmFeatures:
         self.engine_weight_versions = self.release >= (0, 32)
         """The engine core keeps a weight version (stamped after each sync, reported by vLLM)."""
         self.lora_rename_mapper = self.release >= (0, 32)
-        """LoRA models name their modules through `WeightsMapper.get_rename_mapper()` (0.32); 0.26
-        passes the model's `hf_to_vllm_mapper` itself (it has no such method)."""
+        """LoRA loading passes the model's `hf_to_vllm_mapper` without its stacked renames (q/k/v ->
+        qkv_proj: LoRA modules keep their own names and the manager packs them) as
+        `get_rename_mapper()` (0.32), else as `get_unstacked_mapper()` (0.26)."""
         self.lora_modules_to_save = self.release >= (0, 32)
         """An adapter may carry `modules_to_save` (a classification head), checked by the LoRA
         manager's `_validate_modules_to_save`; 0.26 has no such check and refuses the key outright

@@ -164,7 +164,7 @@ class VllmLoraCore:
         mapper = getattr(self.adapters.model, "hf_to_vllm_mapper", None)
         if mapper is None:
             return None
-        return mapper.get_rename_mapper() if self._features.lora_rename_mapper else mapper
+        return mapper.get_rename_mapper() if self._features.lora_rename_mapper else mapper.get_unstacked_mapper()
 
     def _install(self, version: int, tensors: dict[str, torch.Tensor], spec: LoraSpec) -> int:
         lora_id = lora_int_id(version)
