@@ -292,6 +292,7 @@ class Folds:
         self._rows: dict[tuple[int, torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
         self._done: dict[int, torch.Tensor] = {}
         self._later: list[tuple[int, torch.Tensor, torch.dtype]] = []
+        self._folded: dict[int, int] = {}
 
     def add(self, view: torch.Tensor, dtype: torch.dtype | None = None, later: bool = False) -> int:
         """Read one image (as `dtype`, default its own: see `digest`); returns its index in `values`.
@@ -307,10 +308,17 @@ class Folds:
         return i
 
     def read_later(self) -> None:
-        """Read every image added `later` (e.g. while the engines digest theirs)."""
+        """Read every image added `later` (e.g. while the engines digest theirs): those on a GPU in
+        one launch (`installed_kernel.py`), the others a few kernels per image size."""
         later, self._later = self._later, []
+        on_gpu = [(i, v) for i, v, dtype in later if self.samples > 0 and v.is_cuda and dtype == v.dtype and v.numel() and v.dim() <= 4]
+        if on_gpu:
+            from ckpt_engine.installed_kernel import fold_images  # Triton: only where a GPU folds
+
+            self._folded.update(zip((i for i, _ in on_gpu), fold_images([v for _, v in on_gpu], self.seed, self.samples)))
         for i, view, dtype in later:
-            self._read(i, view, dtype)
+            if i not in self._folded:
+                self._read(i, view, dtype)
 
     def drop_later(self) -> None:
         """Forget the images added `later` and not read yet (their digests are never asked)."""
@@ -345,6 +353,8 @@ class Folds:
             into[0].append(i)
             into[1].append(d.reshape(1))
         out = [0] * self.count
+        for i, v in self._folded.items():
+            out[i] = v
         for index, tensors in parts.values():
             for i, v in zip(index, torch.cat(tensors).cpu().tolist()):
                 out[i] = int(v)

@@ -70,19 +70,23 @@ def _launch(views: Sequence[torch.Tensor], width: int, seed: int, samples: int) 
 
 
 _TL_WORDS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+_GROUP_BITS = tl.constexpr(GROUP_BITS)
+_GROUP_MASK = tl.constexpr(GROUP_WORDS - 1)
+_MIX_A = tl.constexpr(MIX_A)
+_MIX_B = tl.constexpr(MIX_B)
 
 
 @triton.jit
 def _mix(idx):
     """h(idx) of `delta/mixing.py` in wrapping int64."""
-    a = (((idx & (GROUP_WORDS - 1)) + 1) * MIX_A) & 0xFFFFFFFF
+    a = (((idx & _GROUP_MASK) + 1) * _MIX_A) & 0xFFFFFFFF
     a = (a >> 1) | 1
-    x = ((idx >> GROUP_BITS) + 1) * MIX_B
+    x = ((idx >> _GROUP_BITS) + 1) * _MIX_B
     x = x ^ (x >> 31)
     return a * (x | 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed", "samples"])
 def _fold(table, out, seed, samples, WORD: tl.constexpr, DIMS: tl.constexpr, BLOCK: tl.constexpr):
     """One program per image: its K sampled positions (one per stratum, the first and last element
     always), read through its sizes and strides, each word times h(position + seed), summed."""
@@ -91,6 +95,7 @@ def _fold(table, out, seed, samples, WORD: tl.constexpr, DIMS: tl.constexpr, BLO
     base = tl.load(row).to(tl.pointer_type(WORD))
     n = tl.load(row + 1)
     k = samples.to(tl.int64)
+    s = seed.to(tl.int64)
     small = n <= k
     count = tl.where(small, n, k)
     acc = tl.zeros((BLOCK,), dtype=tl.int64)
@@ -99,7 +104,7 @@ def _fold(table, out, seed, samples, WORD: tl.constexpr, DIMS: tl.constexpr, BLO
         live = i < count
         lo = i * n // k
         span = tl.maximum((i + 1) * n // k - lo, 1)
-        r = _mix(i + seed) % span
+        r = _mix(i + s) % span
         r = tl.where(r < 0, r + span, r)
         pos = tl.where(small, i, lo + r)
         pos = tl.where((i == 0) & ~small, 0, pos)
@@ -112,5 +117,5 @@ def _fold(table, out, seed, samples, WORD: tl.constexpr, DIMS: tl.constexpr, BLO
             offset += (rest % size) * stride
             rest = rest // size
         words = tl.load(base + offset, mask=live, other=0).to(tl.int64)
-        acc += tl.where(live, words * _mix(pos + seed), 0)
+        acc += tl.where(live, words * _mix(pos + s), 0)
     tl.store(out + m, tl.sum(acc, axis=0))

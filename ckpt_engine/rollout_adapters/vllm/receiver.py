@@ -202,6 +202,8 @@ class VllmReceiverCore:
             raise
         out["detached_bytes"] = detached[0]
         out["direct_tensors"] = direct.copied - copied if direct is not None else 0
+        if self._armed is not None and self.reload.in_place():  # installed as it will serve: the report rides back now
+            out["installed"] = self.installed(self._armed.request).to_wire()
         self.last_report = out
         return out
 
@@ -350,7 +352,7 @@ class VllmReceiverCore:
             plan, rec = record_receive_plan(model, self.specs().needed, self.vllm_config)
             self._landed = (id(model), plan, rec)
         _, plan, rec = self._landed
-        layout = layout_names(model) if not self.reload.is_open else []
+        layout = layout_names(model) if not self.reload.is_open else []  # per check: a tensor added since is named
         return LandingMap(rec.landings, layout, rec.unfollowed, rec.touched, plan)
 
     def _direct_loads(self) -> DirectLoads | None:

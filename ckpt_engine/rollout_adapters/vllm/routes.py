@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ckpt_engine.installed import InstalledReport
 from ckpt_engine.rollout_adapters.capabilities import Feature
 
 if TYPE_CHECKING:
     from ckpt_engine.engine import Rendezvous
-    from ckpt_engine.installed import InstalledReport, InstalledRequest
+    from ckpt_engine.installed import InstalledRequest
     from ckpt_engine.rollout_adapters.base import JoinOptions
 
 __all__ = ["LORA_METHODS", "WORKER_EXTENSION", "ExtensionRoute", "Route", "RpcChannel"]
@@ -77,6 +78,10 @@ class ExtensionRoute:
         self.lacks: frozenset[Feature] = frozenset()  # adapter syncs check vLLM's LoRA model and slots (vllm/lora_installed.py)
         self.held: str | None = None  # the digest of the manifest every worker holds
         self.methods = LORA_METHODS if adapters else {}  # adapter syncs: the LoRA methods in place of the full-weight ones
+        self._armed: InstalledRequest | None = None
+        self._reported: list[InstalledReport] | None = None
+        """The armed check's reports, carried back by the receive (workers of a model that loads in
+        place digest what they installed as the receive ends: no round trip of its own)."""
 
     def rpc(self, method: str, kwargs: dict[str, Any] | None = None, timeout_s: float | None = None) -> list[Any]:
         """`method(**kwargs)` on every worker (the extension's `ckpt_*`), one result per worker."""
@@ -119,7 +124,11 @@ class ExtensionRoute:
         return problems
 
     def receive(self, digest: str, delta: dict[str, Any] | None) -> list[dict[str, Any]]:
-        return self.rpc("ckpt_receive", {"digest": digest, "delta": delta}, timeout_s=self.timeout_s * 2)
+        replies = self.rpc("ckpt_receive", {"digest": digest, "delta": delta}, timeout_s=self.timeout_s * 2)
+        reports = [r.pop("installed", None) for r in replies]
+        if self._armed is not None and reports and all(r is not None for r in reports):
+            self._reported = [InstalledReport.from_wire(r) for r in reports]
+        return replies
 
     def stage(self, digest: str, ticket: str, delta: dict[str, Any] | None, stage: str) -> None:
         """The workers pick what to stage from `delta` (`vllm/staging.py`)."""
@@ -161,12 +170,17 @@ class ExtensionRoute:
         """Before the stream: every worker learns the check (`vllm/installed.py`)."""
         from ckpt_engine.rollout_adapters.vllm.installed import arm_workers
 
+        self._armed, self._reported = None, None
         arm_workers(self, request, self.timeout_s)
+        self._armed = request
 
     def installed(self, request: InstalledRequest) -> list[InstalledReport]:
         """After the stream (staged: after the swap): one report per worker rank."""
         from ckpt_engine.rollout_adapters.vllm.installed import worker_reports
 
+        armed, reported, self._armed, self._reported = self._armed, self._reported, None, None
+        if reported is not None and armed == request:
+            return reported
         return worker_reports(self, request, self.timeout_s)
 
     def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
