@@ -311,10 +311,11 @@ class Folds:
         """Read every image added `later` (e.g. while the engines digest theirs): those on a GPU in
         one launch (`installed_kernel.py`), the others a few kernels per image size."""
         later, self._later = self._later, []
-        on_gpu = [(i, v) for i, v, dtype in later if self.samples > 0 and v.is_cuda and dtype == v.dtype and v.numel() and v.dim() <= 4]
-        if on_gpu:
-            from ckpt_engine.installed_kernel import fold_images  # Triton: only where a GPU folds
+        uncast = [(i, v) for i, v, dtype in later if v.is_cuda and dtype == v.dtype] if self.samples > 0 else []
+        if uncast:
+            from ckpt_engine.installed_kernel import fold_images, foldable  # Triton: only where a GPU folds
 
+            on_gpu = [(i, v) for i, v in uncast if foldable(v)]
             self._folded.update(zip((i for i, _ in on_gpu), fold_images([v for _, v in on_gpu], self.seed, self.samples)))
         for i, view, dtype in later:
             if i not in self._folded:

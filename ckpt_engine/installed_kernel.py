@@ -25,12 +25,13 @@ __all__ = ["MAX_DIMS", "fold_images", "foldable"]
 MAX_DIMS = 4
 """Images of up to this many dimensions are folded here (others by `installed.Folds`)."""
 _BLOCK = 1024
-_WORDS = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+_TL_WORDS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
+"""The signed word each element width is read as (`installed.digest`'s words)."""
 
 
 def foldable(view: torch.Tensor) -> bool:
     """Whether `fold_images` takes `view` (its own dtype: no cast on the way)."""
-    return view.dim() <= MAX_DIMS and view.numel() > 0 and view.element_size() in _WORDS and not view.dtype.is_complex
+    return view.dim() <= MAX_DIMS and view.numel() > 0 and view.element_size() in _TL_WORDS and not view.dtype.is_complex
 
 
 def fold_images(views: Sequence[torch.Tensor], seed: int, samples: int) -> list[int]:
@@ -69,7 +70,6 @@ def _launch(views: Sequence[torch.Tensor], width: int, seed: int, samples: int) 
     return out
 
 
-_TL_WORDS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 _GROUP_BITS = tl.constexpr(GROUP_BITS)
 _GROUP_MASK = tl.constexpr(GROUP_WORDS - 1)
 _MIX_A = tl.constexpr(MIX_A)

@@ -182,8 +182,8 @@ class VllmReceiverCore:
         self._check_not_staging("receive")
         self.staging.discard()
         self.reload.close()
-        load_weights = self._loader(self._model().load_weights)
         direct = self._direct_loads()
+        load_weights = self._loader(self._model().load_weights, direct)
         copied = direct.copied if direct is not None else 0
         detached = [0]
         scanned: dict[int, Any] = {}  # detach_pending's walk of the layers' held loads, across this reload's buckets
@@ -285,7 +285,7 @@ class VllmReceiverCore:
             shadow = {"shadow": True, "shadow_layers": staged.shadow.num_layers, "shadow_bytes": staged.shadow.nbytes,
                       "shadow_build_s": staged.shadow.build_s}
             return {"load_s": staged.shadow.swap_in(), **shadow, **self.finalize(version), "swap_s": time.perf_counter() - t0}
-        load_weights = self._loader(model.load_weights)
+        load_weights = self._loader(model.load_weights, self._direct_loads())
         self.reload.open()
         try:
             with self.reload.loading():
@@ -370,9 +370,11 @@ class VllmReceiverCore:
             self._direct = (id(model), direct)
         return self._direct[1]
 
-    def _loader(self, load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any]) -> Callable[[list[tuple[str, torch.Tensor]]], Any]:
-        """`load_weights`, with what `_direct_loads` covers copied directly first."""
-        direct = self._direct_loads()
+    @staticmethod
+    def _loader(
+        load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any], direct: DirectLoads | None,
+    ) -> Callable[[list[tuple[str, torch.Tensor]]], Any]:
+        """`load_weights`, with what `direct` covers copied directly first."""
         if direct is None:
             return load_weights
 
