@@ -7,17 +7,27 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["PeerHost"]
+__all__ = ["Offered", "PeerHost"]
 
 
-class PeerHost(Protocol):
-    """The reference receiver's worker (`TorchRefWorker`) is one; an engine that holds its weights
-    as named tensors can be another."""
+class Offered(Protocol):
+    """What a serving peer offers (`peer_source.PeerSource` reads it): named tensors of one version.
+    The reference receiver offers its live tensors; a vLLM worker its staging copy of the version it
+    serves (`rollout_adapters/vllm/peer.py`: vLLM's live weights are post-processed)."""
 
     tensors: dict[str, torch.Tensor]
-    """What this rank holds, by name (a TP/EP rank: its slices), updated in place by every sync."""
+    """What this rank offers, by name (a TP/EP rank: its slices)."""
     version: int | None
-    """The version held completely (None: none, or a load in progress)."""
+    """The version they hold completely (None: none, or a load in progress)."""
+    stale: bool
+    receiving: bool
+
+
+class PeerHost(Offered, Protocol):
+    """An engine whose pulls land in the tensors it serves (`pull.pull_version`): the reference
+    receiver's worker (`TorchRefWorker`); an engine that holds its weights as named tensors can be
+    another. Its `tensors` are updated in place by every sync."""
+
     last_version: int | None
     stale: bool
     """A load failed part-way: out of service until a complete one."""

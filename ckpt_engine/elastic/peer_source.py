@@ -17,7 +17,7 @@ import secrets
 import threading
 import time
 
-from ckpt_engine.elastic.host import PeerHost
+from ckpt_engine.elastic.host import Offered
 from ckpt_engine.elastic.offer import PeerOffer, TensorOffer, tensor_bytes, tensor_checksums
 from ckpt_engine.transports.nixl_agent import NixlAgent, load_nixl
 
@@ -32,7 +32,7 @@ _MAX_NAP_S = 1e-4
 class PeerSource:
     """The offers of one engine rank, and the agent that serves their reads."""
 
-    def __init__(self, host: PeerHost) -> None:
+    def __init__(self, host: Offered) -> None:
         self.host = host
         self.instance = secrets.token_hex(8)
         """This process's id in its offers: an offer made before a restart names another one."""

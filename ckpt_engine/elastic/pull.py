@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
+
+import torch
 
 from ckpt_engine.elastic.host import PeerHost
 from ckpt_engine.elastic.offer import PeerOffer, tensor_bytes, tensor_checksums
 from ckpt_engine.transports.nixl_agent import NixlAgent, load_nixl
 
-__all__ = ["WINDOW", "pull_version"]
+__all__ = ["WINDOW", "pull_version", "read_checked"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,30 +49,41 @@ def pull_version(
         host.stale, host.version, host.receiving, host.received = True, None, True, None
         t0 = time.perf_counter()
         try:
-            nbytes, connect_s = _read_all(host, offer, peer, timeout_s, hold)
-            t_check = time.perf_counter()
-            sums = tensor_checksums([host.tensors[t.name] for t in offer.tensors])
-            bad = [t.name for t, got in zip(offer.tensors, sums) if got != t.checksum]
-            if bad:
-                raise RuntimeError(
-                    f"{len(bad)} tensor(s) read from peer {peer} do not match the checksums it advertised for version {version} "
-                    f"({', '.join(bad[:5])}): a sync landed in the peer mid-read, or a memory descriptor was wrong; this engine stays out of service"
-                )
+            nbytes, phases = read_checked(host.tensors, offer, peer, timeout_s, hold)  # a failure leaves it out of service
             host.version, host.last_version, host.stale = version, version, False
         finally:
             host.receiving = False
         seconds = time.perf_counter() - t0
         host.resume()
-    phases = {"connect": connect_s, "read": t_check - t0 - connect_s, "check": t0 + seconds - t_check}
     logger.info("pulled version %d from peer %s: %d bytes in %.3f s (%s)", version, peer, nbytes, seconds, phases)
     return {"version": version, "peer": peer, "bytes": nbytes, "tensors": len(offer.tensors), "seconds": seconds, "phases": phases}
 
 
-def _read_all(host: PeerHost, offer: PeerOffer, peer: str, timeout_s: float, hold: Callable[[], None]) -> tuple[int, float]:
+def read_checked(
+    into: Mapping[str, torch.Tensor], offer: PeerOffer, peer: str, timeout_s: float, hold: Callable[[], None],
+) -> tuple[int, dict[str, float]]:
+    """Read every offered tensor into `into` (by name: the live tensors of a reference receiver, a
+    vLLM worker's staging copy) and check each against the checksum the peer advertised. Returns
+    the bytes read and the seconds by phase (connect, read, check); raises RuntimeError naming what
+    failed (a read, a checksum)."""
+    t0 = time.perf_counter()
+    nbytes, connect_s = _read_all(into, offer, peer, timeout_s, hold)
+    t_check = time.perf_counter()
+    sums = tensor_checksums([into[t.name] for t in offer.tensors])
+    bad = [t.name for t, got in zip(offer.tensors, sums) if got != t.checksum]
+    if bad:
+        raise RuntimeError(
+            f"{len(bad)} tensor(s) read from peer {peer} do not match the checksums it advertised for version {offer.version} "
+            f"({', '.join(bad[:5])}): a sync landed in the peer mid-read, or a memory descriptor was wrong"
+        )
+    return nbytes, {"connect": connect_s, "read": t_check - t0 - connect_s, "check": time.perf_counter() - t_check}
+
+
+def _read_all(into: Mapping[str, torch.Tensor], offer: PeerOffer, peer: str, timeout_s: float, hold: Callable[[], None]) -> tuple[int, float]:
     """Every offered tensor into the held one, `WINDOW` reads at a time; the bytes read and the
     seconds it took to make the agent and connect to the peer's."""
     t0 = time.perf_counter()
-    todo = [(i, t.name, tensor_bytes(host.tensors[t.name])) for i, t in enumerate(offer.tensors) if t.nbytes]
+    todo = [(i, t.name, tensor_bytes(into[t.name])) for i, t in enumerate(offer.tensors) if t.nbytes]
     agent = NixlAgent(load_nixl(), "join", [b for _, _, b in todo])
     deadline = time.monotonic() + timeout_s
     try:

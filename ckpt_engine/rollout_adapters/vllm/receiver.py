@@ -33,12 +33,13 @@ from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.region_assembler import RegionAssembler, held_bytes
 from ckpt_engine.rollout_adapters.vllm.direct_load import DirectLoads, direct_enabled
 from ckpt_engine.rollout_adapters.vllm.installed import InstalledCapture, LandingMap, layout_names
+from ckpt_engine.rollout_adapters.vllm.peer import VllmPeer
 from ckpt_engine.rollout_adapters.vllm.region_landing import RegionItem, RegionLanding
 from ckpt_engine.rollout_adapters.vllm.regions import PlanRecording, record_receive_plan
 from ckpt_engine.rollout_adapters.vllm.reload import LayerwiseReload, detach_pending
 from ckpt_engine.rollout_adapters.vllm.shadow import ShadowPreparer
 from ckpt_engine.rollout_adapters.vllm.specs import VllmSpecs
-from ckpt_engine.rollout_adapters.vllm.staging import OnEnd, Sink, StagedReceive, Staging
+from ckpt_engine.rollout_adapters.vllm.staging import OnEnd, Prepare, Sink, StagedReceive, Staging
 
 __all__ = ["VllmReceiverCore", "unbase64"]
 
@@ -76,6 +77,8 @@ class VllmReceiverCore:
         self._direct: tuple[int, DirectLoads | None] | None = None
         self._armed: InstalledCapture | None = None
         self._regions_used = False
+        self.peer = VllmPeer()
+        """Peer joins (`vllm/peer.py`): the image of the served version it offers, the pulls it stages."""
 
     # --- group -------------------------------------------------------------------------------
     def join(self, rendezvous: dict[str, Any], rank: int, options: dict[str, Any]) -> None:
@@ -86,6 +89,7 @@ class VllmReceiverCore:
         self._disarm()
         self.reload.close()
         self.receiver.leave()
+        self.peer.close()  # before the staging copy it offers is freed
         self.staging.discard(drop_copy=True)
 
     # --- validate ----------------------------------------------------------------------------
@@ -155,6 +159,7 @@ class VllmReceiverCore:
             raise RuntimeError("call receive_plan() first")
         model, specs = self._model(), self.specs()
         plan = self._plan[1]
+        self.peer.clear()
         assembler = RegionAssembler(plan, specs.specs, self.receiver.device, poison=poison)
         alias = {emb: head for head, emb in specs.tied.items() if emb in plan.holds}
         self.reload.open()
@@ -180,6 +185,7 @@ class VllmReceiverCore:
         `delta` (a controller's delta request): patches land in this worker's base copy, are
         checked, and the full tensors then load through the same layerwise reload."""
         self._check_not_staging("receive")
+        self.peer.clear()
         self.staging.discard()
         self.reload.close()
         direct = self._direct_loads()
@@ -259,14 +265,29 @@ class VllmReceiverCore:
         self._check_not_staging("staged receive")
         if self.receiver.accepted_manifest(digest) is None:
             raise RuntimeError(f"manifest {digest[:12]} was not validated on this worker; call validate() first")
+        self.peer.clear()  # the staging copy is about to change
         self.staging.discard()
         # With a delta request the base images (whole tensors or regions) hold the checked version
         # until the next receive: keep their views. Else each tensor or region is copied as it lands.
         keep_views = delta is not None
-        # A model that loads in place has no post-processing to take off the step path: no shadow.
-        prepare = None if self.reload.in_place() else ShadowPreparer(self._model, self.vllm_config, self.receiver.device, self.staging.shadow_room)
         self._direct_loads()  # recorded now (once per model), not in the swap between two steps
-        self.staging.start(digest, lambda staged: self._stream(digest, delta, staged.sink, staged), keep_views, prepare, on_end)
+        self.staging.start(digest, lambda staged: self._stream(digest, delta, staged.sink, staged), keep_views, self._preparer(), on_end)
+        return {"started": True}
+
+    def _preparer(self) -> Prepare | None:
+        """A model that loads in place has no post-processing to take off the step path: no shadow."""
+        return None if self.reload.in_place() else ShadowPreparer(self._model, self.vllm_config, self.receiver.device, self.staging.shadow_room)
+
+    def peer_pull(self, offer: bytes, version: int, peer: str, read_timeout_s: float) -> dict[str, Any]:
+        """Stage a pull of `version` from `peer`'s offer (`vllm/peer.py`): checked against this
+        model first (a bad offer is refused before anything is allocated), read on a background
+        thread into the staging copy while the engine steps; the controller polls and swaps."""
+        self._check_not_staging("a peer pull")
+        if self.reload.is_open:
+            raise RuntimeError("a peer pull refused: a sync is loading into this worker")
+        self._direct_loads()
+        self.peer.start_pull(offer, version, peer, read_timeout_s, specs=self.specs(), staging=self.staging,
+                             device=self.receiver.device, held=self.version, prepare=self._preparer())
         return {"started": True}
 
     def stage_status(self) -> dict[str, Any]:
@@ -284,7 +305,9 @@ class VllmReceiverCore:
         if staged.shadow is not None:  # prepared off the step path: a copy (vllm/shadow.py); swap_in runs before finalize
             shadow = {"shadow": True, "shadow_layers": staged.shadow.num_layers, "shadow_bytes": staged.shadow.nbytes,
                       "shadow_build_s": staged.shadow.build_s}
-            return {"load_s": staged.shadow.swap_in(), **shadow, **self.finalize(version), "swap_s": time.perf_counter() - t0}
+            out = {"load_s": staged.shadow.swap_in(), **shadow, **self.finalize(version), "swap_s": time.perf_counter() - t0}
+            self.peer.installed(version, staged, self.specs())
+            return out
         load_weights = self._loader(model.load_weights, self._direct_loads())
         self.reload.open()
         try:
@@ -296,6 +319,7 @@ class VllmReceiverCore:
         load_s = time.perf_counter() - t0
         out = self.finalize(version)
         out.update(swap_s=time.perf_counter() - t0, load_s=load_s)
+        self.peer.installed(version, staged, self.specs())
         return out
 
     def discard(self) -> dict[str, Any]:
@@ -404,6 +428,8 @@ class VllmReceiverCore:
             "last_report": self.last_report,
             "staged": self.staging.describe(),
             "staging_copy_bytes": self.staging.copy.nbytes,
+            "version_from": self.peer.version_from(self.version),  # "trainer sync" or "peer pull from <peer>"
+            "peer_image": self.peer.image.version,  # the version it can offer a joining peer (None: none)
         }
 
 

@@ -23,6 +23,7 @@ request came from which version.
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import time
@@ -33,6 +34,7 @@ from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import urlsplit
 
 from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.elastic.join import PeerJoinable
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.installed import InstalledReport, InstalledRequest
 from ckpt_engine.manifest import BucketManifest, ManifestBudget
@@ -41,7 +43,7 @@ from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejec
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.vllm.clients import PAUSE_MODES, Channel, HTTPWeightSyncClient, LLMWeightSyncClient
 from ckpt_engine.rollout_adapters.vllm.native import WeightTransferChannel
-from ckpt_engine.rollout_adapters.vllm.routes import WORKER_EXTENSION
+from ckpt_engine.rollout_adapters.vllm.routes import WORKER_EXTENSION, ExtensionRoute
 from ckpt_engine.rollout_adapters.vllm.stage_outcome import StagedOutcomes
 
 if TYPE_CHECKING:
@@ -52,7 +54,7 @@ __all__ = ["WORKER_EXTENSION", "VllmRollout", "VllmServerRollout", "http_channel
 logger = logging.getLogger(__name__)
 
 
-class VllmRollout(RolloutAdapter):
+class VllmRollout(RolloutAdapter, PeerJoinable):
     """Handle on one vLLM engine over a channel: an in-process `vllm.LLM` (`llm`, driven through
     `LLMWeightSyncClient`) or any `Channel` (`HTTPWeightSyncClient`: what `VllmServerRollout` builds
     from a URL; `WeightTransferChannel`: vLLM's weight-transfer API). The channel's route decides
@@ -60,6 +62,10 @@ class VllmRollout(RolloutAdapter):
 
     In process, call `sync` from a thread other than one generating with the same `LLM`: control
     calls go through `llm.collective_rpc`, which queues behind a running `generate`.
+
+    Peer joins (`ckpt_engine.elastic.join_from_peer`, `vllm/peer.py`): as a peer it offers the
+    checkpoint-layout image its last staged sync left; as a joiner it stages a pull of a peer's and
+    swaps it in. Over the worker extension, one worker per engine.
     """
 
     capabilities = EngineCapabilities(delta=True, many_senders=True, regions=True, stages=True, stages_regions=True, installed=True)
@@ -83,6 +89,8 @@ class VllmRollout(RolloutAdapter):
         self.pids: list[int] = []
         self.version: int | None = None
         self.last_finalize: dict[str, Any] = {}
+        self.version_from: str | None = None
+        """Where the version it holds came from: "trainer sync" or "peer pull from <peer>"."""
         self._pause_mode = "keep"
         self.staged = StagedOutcomes(name, timeout_s)  # staged receives report their end in the group's store
         channels = (HTTPWeightSyncClient, LLMWeightSyncClient, WeightTransferChannel)
@@ -98,7 +106,7 @@ class VllmRollout(RolloutAdapter):
         """A new handle on the same engine: the workers' pids, the manifest they hold, the group its
         staged receives report in."""
         if isinstance(previous, VllmRollout):
-            self.pids, self.version = list(previous.pids), previous.version
+            self.pids, self.version, self.version_from = list(previous.pids), previous.version, previous.version_from
             self.workers.take_over(previous.workers)
             self.staged.take_over(previous.staged)
 
@@ -211,7 +219,7 @@ class VllmRollout(RolloutAdapter):
         t_paused = time.perf_counter()
         replies = self._load_and_stamp(version, mode)
         t1 = time.perf_counter()
-        self.version = version
+        self.version, self.version_from = version, "trainer sync"
         self._resume_after_swap()
         stall = time.perf_counter() - t0
         self.last_finalize = {
@@ -290,7 +298,7 @@ class VllmRollout(RolloutAdapter):
             self.client.health()
         except RuntimeError as exc:
             raise RuntimeError(f"engine {self.name!r}: {exc}") from exc
-        return {"pids": self.pids, "version": self.version}
+        return {"pids": self.pids, "version": self.version, "version_from": self.version_from}
 
     def close(self) -> None:
         self.client.close()
@@ -321,12 +329,56 @@ class VllmRollout(RolloutAdapter):
         t1 = time.perf_counter()
         self._reset_prefix_cache(running=self._pause_mode == "recompute")
         self._set_engine_version(str(version))
-        self.version = version
+        self.version, self.version_from = version, "trainer sync"
         self.last_finalize = {
             "post_process_s": max((float(r["finalize_s"]) for r in replies), default=0.0),
             "finalize_rpc_s": t1 - t0,
             "cache_and_version_s": time.perf_counter() - t1,
         }
+
+    # --- peer joins (ckpt_engine.elastic; the worker side: vllm/peer.py) -------------------------
+    def peer_rpc(self, method: str, timeout_s: float | None = None, **params: Any) -> Any:
+        """`ckpt_<method>` on the engine's one worker (an offer travels as the channel carries bytes)."""
+        route = self._peer_route()
+        if "offer" in params:
+            params["offer"] = route.channel.encode(params["offer"])
+        (reply,) = route.rpc(f"ckpt_{method}", params, timeout_s)
+        return reply
+
+    def peer_offer(self, version: int, timeout_s: float) -> bytes:
+        return base64.b64decode(self.peer_rpc("peer_offer", version=version, open_s=timeout_s))
+
+    def pull_from_peer(self, offer: bytes, version: int, peer: str, timeout_s: float) -> dict[str, Any]:
+        """Stage the pull on the worker (checked against its model first), wait for its reads and
+        checks while the engine keeps serving what it held, then swap it in as a staged sync's
+        version. A failed pull installs nothing and raises, naming why."""
+        t0 = time.perf_counter()
+        route = self._peer_route()
+        try:
+            self.peer_rpc("peer_pull", offer=offer, version=version, peer=peer, read_timeout_s=timeout_s)
+        except Exception as exc:  # a bad offer, refused by the worker before it allocated anything
+            raise RuntimeError(f"engine {self.name!r} did not start the pull of version {version} from peer {peer} (nothing allocated or installed): {exc}") from exc
+        deadline = time.monotonic() + 2 * timeout_s
+        while not (status := route.rpc("ckpt_stage_status", timeout_s=min(self.timeout_s, 30.0))[0]).get("done"):
+            if time.monotonic() > deadline:
+                status = {"error": f"its reads did not end within {2 * timeout_s:.0f}s"}
+                break
+            time.sleep(0.02)
+        if status.get("error"):
+            route.discard()
+            raise RuntimeError(f"engine {self.name!r}: the pull of version {version} from peer {peer} failed ({status['error']}); nothing was installed")
+        stall = self.swap(version, "keep")
+        self.version_from = f"peer pull from {peer}"
+        got = dict(status["report"])
+        phases = {**dict(got.get("phases") or {}), "prepare": float(got.get("shadow_s", 0.0)), "swap": stall}
+        return {"version": version, "peer": peer, "bytes": got["bytes"], "tensors": got["tensors"], "seconds": time.perf_counter() - t0, "phases": phases}
+
+    def _peer_route(self) -> ExtensionRoute:
+        if not isinstance(self.workers, ExtensionRoute):
+            raise RuntimeError(f"engine {self.name!r}: peer joins go through ckpt-engine's worker extension; this handle's route ({type(self.workers).__name__}) has no ckpt_peer_* calls")
+        if self.world_size != 1 or self.workers.methods:
+            raise RuntimeError(f"engine {self.name!r}: peer joins take full-weight engines of one worker for now; it has {self.world_size} (TP/PP > 1 is left for later)")
+        return self.workers
 
     def leave(self) -> None:
         self.staged.leave()  # a wait in flight lets go of the store before the group's store goes away

@@ -88,6 +88,14 @@ class LoaderCopy:
         held.copy_(tensor)
         return held
 
+    def slot(self, name: Hashable, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The held tensor for `name` in this shape (allocated where none fits), its bytes as they
+        are: a peer pull reads straight into it (`vllm/peer.py`), no copy."""
+        held = self.tensors.get(name)
+        if held is None or tuple(held.shape) != shape or held.dtype != dtype or held.device != device:
+            held = self.tensors[name] = torch.empty(shape, dtype=dtype, device=device)
+        return held
+
     def room(self, nbytes: int, device: torch.device, limit_bytes: int | None) -> tuple[bool, str]:
         """Whether a staging copy of `nbytes` fits: what is held already plus what is free (less a
         10 % margin), within `limit_bytes` when one is set. Returns (fits, why in words)."""

@@ -14,6 +14,7 @@ can use the native backend instead (`vllm/transfer_engine.py`); both drive the s
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 from typing import Any
@@ -130,6 +131,21 @@ class CkptEngineWorkerExtension:
         """Whether a staging copy of `nbytes` fits on this worker: {"room", "why"}."""
         return self._ckpt_core().staging_room(int(nbytes), limit_bytes)
 
+    # --- peer joins: offer the served version's image, or stage a pull of a peer's (vllm/peer.py) ---
+    def ckpt_peer_offer(self, version: int, open_s: float) -> str:
+        """An offer of `version` (base64: the HTTP route carries JSON); refused unless this worker keeps its image."""
+        return base64.b64encode(self._ckpt_core().peer.offer(int(version), float(open_s))).decode("ascii")
+
+    def ckpt_peer_check(self, offer: bytes | str) -> None:
+        self._ckpt_core().peer.source.check(_offer_bytes(offer))
+
+    def ckpt_peer_done(self, offer_id: int) -> None:
+        self._ckpt_core().peer.source.done(int(offer_id))
+
+    def ckpt_peer_pull(self, offer: bytes | str, version: int, peer: str, read_timeout_s: float) -> dict[str, Any]:
+        """Start staging a pull of `peer`'s offer; its end shows in `ckpt_stage_status`, then `ckpt_swap`."""
+        return self._ckpt_core().peer_pull(_offer_bytes(offer), int(version), str(peer), float(read_timeout_s))
+
     # --- adapter-only syncs (LoRA versions in vLLM's own LoRA manager: vllm/lora_worker.py) ---
     def _ckpt_lora_core(self, max_versions: int | None = None) -> Any:
         from ckpt_engine.rollout_adapters.vllm.lora_worker import VllmLoraCore
@@ -178,3 +194,9 @@ class CkptEngineWorkerExtension:
 
     def ckpt_lora_health(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self._ckpt_rank(), **self._ckpt_lora_core().health()}
+
+def _offer_bytes(offer: bytes | str) -> bytes:
+    decoded = unbase64(offer)
+    if decoded is None:
+        raise ValueError("no offer given")
+    return decoded

