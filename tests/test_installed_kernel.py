@@ -1,6 +1,6 @@
 """The one-launch fold of many images equals `installed.digest` image by image: every element width,
 strided views (fused rows, TP column slices, transposed and expanded views), images smaller than the
-sample count, random seeds. Runs in Triton's interpreter on the CPU (the `fast` tier) and on a GPU."""
+sample count, random seeds, the same views again with the kernel's table kept. Runs in Triton's interpreter on the CPU (the `fast` tier) and on a GPU."""
 
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ for seed, samples in COMBOS:
     got = fold_images(images, seed, samples)
     want = [int(digest(v, seed, samples)) for v in images]
     assert got == want, (seed, samples, [i for i, (a, b) in enumerate(zip(got, want)) if a != b])
+# the kernel's tables are kept by the views' geometry: other views, then the first ones again
+seed, samples = COMBOS[0]
+for views in (images[::-1], images[2:5], images):
+    assert fold_images(views, seed, samples) == [int(digest(v, seed, samples)) for v in views]
 print("ok")
 """
 

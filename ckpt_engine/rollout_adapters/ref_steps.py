@@ -33,7 +33,7 @@ def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous().cpu()
         h.update(name.encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())  # read in place, no copy
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # read in place, no copy
     return h.hexdigest()
 
 

@@ -392,7 +392,7 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
     def validate(self, manifest: BucketManifest, encoded: bytes, regions: bytes | None = None) -> None:
         # Send only the digest when this engine already holds the manifest.
         send = None if self._sent_digest == manifest.digest else encoded
-        extra = {"regions": regions} if regions is not None else {}
+        extra: dict[str, Any] = {"regions": regions} if regions is not None else {}
         reply = self._call("validate", encoded=send, digest=manifest.digest, **extra)
         if reply.get("need_manifest"):
             reply = self._call("validate", encoded=encoded, digest=manifest.digest, **extra)
@@ -423,7 +423,7 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
 
     def steps(self, since: int = 0) -> list[tuple[int, float, float, int | None, str]]:
         """The engine's step records from step `since` on: (index, start, end, version, weights digest)."""
-        return [tuple(r) for r in self.rpc.call("steps", index=since)]  # type: ignore[misc]
+        return [tuple(r) for r in self.rpc.call("steps", index=since)]
 
     def installed_digests(self, request: InstalledRequest) -> list[InstalledReport]:
         return [InstalledReport.from_wire(self._call("installed", timeout_s=self.timeout_s * 2, request=request.to_wire()))]

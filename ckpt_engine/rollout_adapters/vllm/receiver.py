@@ -76,6 +76,9 @@ class VllmReceiverCore:
         """Where each checkpoint region lands in this model (installed-weight checks, direct loads): the dry run's record."""
         self._direct: tuple[int, DirectLoads | None] | None = None
         self._armed: InstalledCapture | None = None
+        self._landings: tuple[PlanRecording, LandingMap] | None = None
+        """The landing map of the current model's dry run and the layout read at the first check since the
+        last join (kept: its checks' live views are kept with it, `vllm/installed.py`)."""
         self._regions_used = False
         self.peer = VllmPeer()
         """Peer joins (`vllm/peer.py`): the image of the served version it offers, the pulls it stages."""
@@ -84,6 +87,7 @@ class VllmReceiverCore:
     def join(self, rendezvous: dict[str, Any], rank: int, options: dict[str, Any]) -> None:
         """Join the weight-sync group as `rank` (collective with the sender and every worker)."""
         self.receiver.join(rendezvous, rank, options)
+        self._landings = None  # the layout is read again at the first check after a join (a tensor added since is named)
 
     def leave(self) -> None:
         self._disarm()
@@ -341,7 +345,8 @@ class VllmReceiverCore:
         load right before vLLM post-processes it."""
         self._disarm()
         self._armed = InstalledCapture(self._model(), self._landing_map(), request)
-        self._armed.install()
+        if not self.reload.in_place():  # a model that loads in place never post-processes: nothing to hook
+            self._armed.install()
 
     def installed(self, request: InstalledRequest) -> InstalledReport:
         """This worker's digests of what it installed for `request` (armed: as its layers loaded;
@@ -376,8 +381,11 @@ class VllmReceiverCore:
             plan, rec = record_receive_plan(model, self.specs().needed, self.vllm_config)
             self._landed = (id(model), plan, rec)
         _, plan, rec = self._landed
-        layout = layout_names(model) if not self.reload.is_open else []  # per check: a tensor added since is named
-        return LandingMap(rec.landings, layout, rec.unfollowed, rec.touched, plan)
+        if self.reload.is_open:  # the layout is not read mid-load: no tensor named unwritten, nothing kept
+            return LandingMap(rec.landings, [], rec.unfollowed, rec.touched, plan)
+        if self._landings is None or self._landings[0] is not rec:
+            self._landings = (rec, LandingMap(rec.landings, layout_names(model), rec.unfollowed, rec.touched, plan))
+        return self._landings[1]
 
     def _direct_loads(self) -> DirectLoads | None:
         """The copies vLLM's loaders would make, made directly (`vllm/direct_load.py`): for a model

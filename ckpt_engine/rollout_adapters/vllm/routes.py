@@ -78,6 +78,11 @@ class ExtensionRoute:
         self.lacks: frozenset[Feature] = frozenset()  # adapter syncs check vLLM's LoRA model and slots (vllm/lora_installed.py)
         self.held: str | None = None  # the digest of the manifest every worker holds
         self.methods = LORA_METHODS if adapters else {}  # adapter syncs: the LoRA methods in place of the full-weight ones
+        self._arming: InstalledRequest | None = None
+        """A check armed for the coming receive: sent with it (no round trip of its own)."""
+        self._armed_since_join = False
+        """Whether a check was armed since the workers joined: the first one arms apart, before
+        anything pauses (its workers may record where regions land: a dry run of the loaders)."""
         self._armed: InstalledRequest | None = None
         self._reported: list[InstalledReport] | None = None
         """The armed check's reports, carried back by the receive (workers of a model that loads in
@@ -102,7 +107,7 @@ class ExtensionRoute:
 
     def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions, adapters: int | None, preload: bool) -> list[int]:
         """Join every worker (`adapters`: LoRA versions each keeps, for adapter syncs); their pids."""
-        self.held = None
+        self.held, self._armed_since_join = None, False
         where = {"rendezvous": rendezvous.to_dict(), "rank_offset": rank_offset, "options": options.to_dict()}
         if adapters is None:
             results = self.rpc("ckpt_join", where)
@@ -112,6 +117,7 @@ class ExtensionRoute:
 
     def check(self, digest: str, encoded: bytes, regions: list[bytes] | None) -> list[str]:
         """Every worker checks the manifest (sent only when they may not hold `digest`); its problems."""
+        self._arming = None  # a sync's check is armed after its validate
         args: dict[str, Any] = {"digest": digest, "regions": [self.channel.encode(a) for a in regions]} if regions is not None else {"digest": digest}
         replies = self.rpc("ckpt_validate", {**args, "encoded": None if self.held == digest else self.channel.encode(encoded)})
         if any(r.get("need_manifest") for r in replies):
@@ -124,7 +130,7 @@ class ExtensionRoute:
         return problems
 
     def receive(self, digest: str, delta: dict[str, Any] | None) -> list[dict[str, Any]]:
-        replies = self.rpc("ckpt_receive", {"digest": digest, "delta": delta}, timeout_s=self.timeout_s * 2)
+        replies = self.rpc("ckpt_receive", {"digest": digest, "delta": delta, **self._arm_with()}, timeout_s=self.timeout_s * 2)
         reports = [r.pop("installed", None) for r in replies]
         if self._armed is not None and reports and all(r is not None for r in reports):
             self._reported = [InstalledReport.from_wire(r) for r in reports]
@@ -132,7 +138,15 @@ class ExtensionRoute:
 
     def stage(self, digest: str, ticket: str, delta: dict[str, Any] | None, stage: str) -> None:
         """The workers pick what to stage from `delta` (`vllm/staging.py`)."""
-        self.rpc("ckpt_stage", {"digest": digest, "ticket": ticket, "delta": delta})
+        self.rpc("ckpt_stage", {"digest": digest, "ticket": ticket, "delta": delta, **self._arm_with()})
+
+    def _arm_with(self) -> dict[str, Any]:
+        """The check armed for this receive, as the receive's own argument (the workers arm first)."""
+        arming, self._arming = self._arming, None
+        if arming is None:
+            return {}
+        self._armed = arming
+        return {"installed": arming.to_wire()}
 
     def staged_reports(self) -> list[dict[str, Any]]:
         return [r["report"] for r in self.rpc("ckpt_stage_status", timeout_s=min(self.timeout_s, 30.0))]
@@ -164,15 +178,20 @@ class ExtensionRoute:
 
     def take_over(self, previous: Route) -> None:
         if isinstance(previous, ExtensionRoute):
-            self.held = previous.held
+            self.held, self._armed_since_join = previous.held, previous._armed_since_join
 
     def arm_installed(self, request: InstalledRequest) -> None:
-        """Before the stream: every worker learns the check (`vllm/installed.py`)."""
+        """Before the stream: every worker learns the check (`vllm/installed.py`), with the receive
+        (the first check since a join, and adapter syncs: a round trip of its own, before anything
+        pauses)."""
         from ckpt_engine.rollout_adapters.vllm.installed import arm_workers
 
-        self._armed, self._reported = None, None
+        self._arming, self._armed, self._reported = None, None, None
+        if self._armed_since_join and not self.methods:
+            self._arming = request
+            return
         arm_workers(self, request, self.timeout_s)
-        self._armed = request
+        self._armed, self._armed_since_join = request, True
 
     def installed(self, request: InstalledRequest) -> list[InstalledReport]:
         """After the stream (staged: after the swap): one report per worker rank."""

@@ -75,9 +75,12 @@ class CkptEngineWorkerExtension:
             return {"accepted": False, "need_manifest": False, "problems": [f"region assignments for {len(regions)} workers, none for worker {rank}"]}
         return self._ckpt_core().validate(encoded, digest, regions[rank] if regions is not None else None)
 
-    def ckpt_receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+    def ckpt_receive(self, digest: str, delta: dict[str, Any] | None = None, installed: dict[str, Any] | None = None) -> dict[str, Any]:
         """Receive every bucket of an accepted manifest and load it (layerwise reload stays open);
-        `delta`: the controller's delta request (patches against this worker's base copy)."""
+        `delta`: the controller's delta request (patches against this worker's base copy);
+        `installed`: the sync's installed-weight check, armed first (`ckpt_installed_arm`)."""
+        if installed is not None:
+            self.ckpt_installed_arm(installed)
         return self._ckpt_core().receive(digest, delta)
 
     def ckpt_finalize(self, version: int) -> dict[str, Any]:
@@ -109,11 +112,14 @@ class CkptEngineWorkerExtension:
         return {"pid": os.getpid(), "rank": self._ckpt_rank(), **self._ckpt_core().health()}
 
     # --- staged syncs: receive while the engine steps, swap between two steps (vllm/staging.py) ---
-    def ckpt_stage(self, digest: str, ticket: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Start receiving an accepted manifest on a background thread of this worker; returns at once.
+    def ckpt_stage(self, digest: str, ticket: str, delta: dict[str, Any] | None = None, installed: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Start receiving an accepted manifest on a background thread of this worker (`installed`:
+        armed first, as for `ckpt_receive`); returns at once.
         Its end is reported under `ticket` in the group's rendezvous store (`vllm/stage_outcome.py`)."""
         store, rank = self._ckpt_outcomes
         check_ticket(ticket)
+        if installed is not None:
+            self.ckpt_installed_arm(installed)
         return self._ckpt_core().stage(digest, delta, on_end=lambda error: report_outcome(store, ticket, rank, error))
 
     def ckpt_stage_status(self) -> dict[str, Any]:
@@ -194,6 +200,7 @@ class CkptEngineWorkerExtension:
 
     def ckpt_lora_health(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self._ckpt_rank(), **self._ckpt_lora_core().health()}
+
 
 def _offer_bytes(offer: bytes | str) -> bytes:
     decoded = unbase64(offer)
