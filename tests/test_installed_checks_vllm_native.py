@@ -127,6 +127,51 @@ def test_a_planted_fault_fails_the_sync_naming_tensor_and_engine(llm: Any, model
     _fault_case(llm, model_dir, fault, 10 * rep + 1, stage="auto" if rep == 1 else "off")
 
 
+def _hf_greedy(w: dict[str, torch.Tensor], model_dir: Path) -> list[list[int]]:
+    """What an HF model holding `w` answers greedily to `PROMPTS`."""
+    from test_vllm_adapter import PROMPTS, hf_greedy
+
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    model.load_state_dict(w, strict=False)  # the tied head is the embedding
+    with torch.no_grad():
+        return [hf_greedy(model, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("rep", range(REPEAT))
+def test_after_a_failed_check_vllms_update_is_closed_and_the_next_sync_serves_exact_weights(llm: Any, model_dir: Path, rep: int) -> None:
+    """A failed check leaves the engine out of service (paused, stale, vLLM's version the old one)
+    with vLLM's weight update closed: any client may open the next one, and the same session's next
+    sync (a seed) proceeds and serves exactly the new weights (every element checked, greedy = HF)."""
+    from test_vllm_adapter import llm_greedy
+
+    module, tensor, _ = FAULTS["transpose"]
+    s, handle = session(llm, f"heal-{rep}", verify_installed=1, verify_installed_samples=0, stage="off", delta="auto")
+    try:
+        s.sync(StateDictSource(weights(model_dir, 40 + rep)))
+        held = str(llm.get_weight_version())
+        llm.collective_rpc("test_plant", timeout=60, kwargs={"fault": "transpose", "module_name": module})
+        try:
+            with pytest.raises(SyncError, match="verify") as err:
+                s.sync(StateDictSource(weights(model_dir, 140 + rep)))
+        finally:
+            llm.collective_rpc("test_unplant", timeout=60)
+        assert err.value.stage == "verify" and tensor in err.value.failed[handle.name] and handle.name in err.value.stale
+        assert paused(llm)  # out of service, on its old version, stale
+        assert str(llm.get_weight_version()) == held
+        assert all(h["stale"] for h in worker_state(llm))
+        llm.start_weight_update()  # vLLM's update is closed: any client (vLLM's own here) may open the next
+        llm.finish_weight_update()
+        assert all(h["stale"] for h in worker_state(llm))  # closing an empty update does not make it fresh
+        w = weights(model_dir, 240 + rep)
+        report = s.sync(StateDictSource(w))  # the same session's next sync: a seed
+        assert report.delta != "patch" and "installed_check" in report.seconds
+        assert not paused(llm) and not any(h["stale"] for h in worker_state(llm))
+        assert str(llm.get_weight_version()) == str(report.version)
+        assert llm_greedy(llm)[0] == _hf_greedy(w, model_dir)
+    finally:
+        s.close()
+
+
 # --- over HTTP: the shared native-backend api_server --------------------------------------------------
 @pytest.mark.parametrize("client", ["ours-off", "ours-auto", "vllm-plain"])
 def test_a_checked_sync_over_http_agrees(

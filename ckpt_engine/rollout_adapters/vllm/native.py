@@ -169,6 +169,7 @@ class TransferRoute:
         self.held: str | None = None  # the digest of the manifest every worker holds
         self._checked: tuple[str, bytes, list[bytes] | None] | None = None  # the last check (a receive may need it again)
         self._open = False  # a vLLM weight update is open (vLLM closes it when update_weights raises)
+        self._awaiting_install = False  # an installed-weight check closed the receive's update: the workers hold the load for `install`
         self._adapters = adapters  # the workers take LoRA adapter versions (init info `weights: adapters`)
         self._joined: tuple[Rendezvous, int] | None = None  # the group and the workers' first rank in it
         self._plans: list[dict[str, Any]] | None = None
@@ -199,7 +200,7 @@ class TransferRoute:
         full = base64.b64encode(encoded).decode("ascii")
         send = None if self.held == digest else full
         assigned = {"regions": [base64.b64encode(a).decode("ascii") for a in regions]} if regions is not None else {}
-        self._checked = (digest, encoded, regions)
+        self._checked, self._awaiting_install = (digest, encoded, regions), False
         for attempt in range(2):
             self._start()
             try:
@@ -238,14 +239,18 @@ class TransferRoute:
         return [{"load_s": load_s, "finalize_s": 0.0}]
 
     def finalize(self, version: int) -> list[dict[str, Any]]:
-        """Layerwise post-processing and the stamp; an adapter sync first installs `version`."""
+        """Layerwise post-processing and the stamp; an adapter sync, or one whose installed-weight
+        check closed the receive's update (`installed`), first installs `version` (in an update of
+        its own for the latter)."""
         t0 = time.perf_counter()
-        if self._adapters:
+        if self._adapters or self._awaiting_install:
+            self._awaiting_install = False
             self._phase({"phase": "install", "digest": self.held or "", "version": str(version)})
         self._finish(str(version))
         return [{"finalize_s": time.perf_counter() - t0}]
 
     def discard(self) -> None:
+        self._awaiting_install = False
         self._phase({"phase": "discard"})
         self._finish()
 
@@ -294,15 +299,18 @@ class TransferRoute:
         self._phase({"phase": "arm", "installed": request.to_wire()})
 
     def installed(self, request: InstalledRequest) -> list[InstalledReport]:
-        """After the receive (in its update, before finalize closes it) or after a staged swap (which
-        closed its update: one more opens for the report and closes loading nothing): every worker
-        leaves its report in the group's store, read here once."""
+        """After the receive (in its update) or after a staged swap (which closed its update: one more
+        opens for the report): every worker leaves its report in the group's store, read here once.
+        Either way the update closes here, loading nothing and stamping nothing, before the session
+        compares: a failed check must leave no vLLM update open (vLLM would refuse every other
+        client's `start_weight_update`, and the engine's next sync would first finish this one). After
+        a receive the workers hold the checked load (stale, unstamped) until `finalize` installs it."""
         if self._joined is None:
             raise RuntimeError(f"engine {self.name!r}: an installed-weight check before join")
-        opened = not self._open
+        received = self._open
         self._phase({"phase": "installed", "installed": request.to_wire()})
-        if opened:
-            self._finish()
+        self._finish()
+        self._awaiting_install = received
         rendezvous, first = self._joined
         store = rendezvous.connect_store(is_master=False)
         keys = [installed_key(first + i, request.seed) for i in range(self.num_workers)]

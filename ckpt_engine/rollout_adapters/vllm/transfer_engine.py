@@ -15,6 +15,9 @@ vLLM's trainer API):
       the buckets (or patches against the workers' base copies) through the weight-sync group;
       loads them through layerwise reload
   finish_weight_update                                          layerwise post-processing
+  update_weights({"phase": "install", "digest", "version"})    before finish, after a checked receive
+      (in an update of its own: see `installed` below) and for adapters: post-process and stamp
+      `version` on the worker; without it finish post-processes what the update loaded
 A staged update (issue 28) keeps the engine stepping while it streams:
   update_weights({"phase": "receive", ..., "stage": "patches"|"full", "ticket"})  starts the receive
       on a background thread of each worker (`VllmReceiverCore.stage`, `vllm/staging.py`); returns at
@@ -32,7 +35,12 @@ Installed-weight checks (`vllm/installed.py`) take two more phases:
       post-processes it
   update_weights({"phase": "installed", "installed"})  after the receive (staged: after the swap, in
       an update of its own): the worker leaves its `InstalledReport` (JSON) in the group's rendezvous
-      store under `answers.installed_key`, where the trainer side reads it
+      store under `answers.installed_key`, where the trainer side reads it. After an unstaged receive
+      the worker then holds the load (layerwise reload open, stale, unstamped) through the update's
+      finish: the trainer side closes vLLM's update before it compares, so a failed check leaves none
+      open (vLLM would refuse every other client's update); a passed one installs the version in
+      one more update (phase `install`), a failed one never does: the next validate post-processes
+      the held load (the worker stays stale until a sync completes)
 vLLM's calls return nothing from the workers, so an answer other than "yes" is an error: vLLM closes
 its weight update after one, and the trainer side opens the next (`start_weight_update`).
 With `weights: "adapters"` in the init info the workers take LoRA adapter versions instead
@@ -195,6 +203,9 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         self._validated: str | None = None
         self._version: str | None = None
         self._loaded = False  # this update loaded weights (phase receive unstaged): finish post-processes
+        self._pending: str | None = None
+        """The manifest of an unstaged receive that awaits phase `install` (kept across the update an
+        installed-weight check closed, `_installed_phase`)."""
         self.lora: VllmLoraCore | None = None
         """Adapter syncs (init info `weights: adapters`): the LoRA versions this worker holds."""
         self._rank: int | None = None  # this worker's rank in the weight-sync group
@@ -233,7 +244,8 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         logger.info("ckpt_engine: worker joined the weight-sync group as rank %s", rank)
 
     def start_weight_update(self) -> None:
-        """Open an update; the model is untouched until a validated manifest is received."""
+        """Open an update; the model is untouched until a validated manifest is received (a load held
+        for phase `install` stays held)."""
         self._validated, self._version, self._loaded = None, None, False
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
@@ -244,7 +256,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
     def receive_weights(self, update_info: CkptEngineUpdateInfo) -> None:
         """One phase; an adapter sync (`self.lora`) validates, receives into its LoRA stage and installs."""
         phase, digest = update_info.phase, update_info.digest
-        allowed = ("validate", "receive", "install", "arm", "installed") if self.lora is not None else ("validate", "receive", "swap", "discard", "room", "arm", "installed")
+        allowed = ("validate", "receive", "install", "arm", "installed") if self.lora is not None else ("validate", "receive", "install", "swap", "discard", "room", "arm", "installed")
         if phase not in allowed or (self.lora is not None and update_info.stage is not None):
             raise RuntimeError(
                 f"ckpt_engine: phase {phase!r} (stage {update_info.stage!r}) does not belong to a join with weights="
@@ -252,6 +264,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
             )
         core = self.lora.core if self.lora is not None else self.core
         if phase == "validate":
+            self._drop_pending()
             regions = update_info.regions
             if regions is not None and not 0 <= self._worker_rank() < len(regions):
                 raise ValueError(REJECTED + f"region assignments for {len(regions)} workers, none for worker {self._worker_rank()}")
@@ -269,10 +282,10 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
             self._staged_phase(update_info)
         elif phase in ("arm", "installed"):
             self._installed_phase(phase, InstalledRequest.from_wire(update_info.installed))
+        elif phase == "install":
+            self._install(digest, update_info.version)  # type: ignore[arg-type]  # checked in CkptEngineUpdateInfo
         elif self._validated != digest:
             raise RuntimeError(f"ckpt_engine: manifest {digest[:12]} was not validated in this weight update; call update_weights with phase 'validate' first")
-        elif phase == "install":
-            core.finalize(int(update_info.version))  # type: ignore[arg-type]  # checked in CkptEngineUpdateInfo
         elif update_info.stage is not None:  # the engine keeps stepping while the thread streams
             store, ticket, rank = self._store, update_info.ticket, self._rank
             if store is None or rank is None or ticket is None:
@@ -281,7 +294,28 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         else:
             self._loaded = self.lora is None  # layerwise reload is open from here: finish post-processes
             core.receive(digest, delta=update_info.delta)
-            self._version = update_info.version
+            self._pending, self._version = digest, update_info.version
+
+    def _install(self, digest: str, version: str) -> None:
+        """Phase `install`: the received manifest `digest` becomes `version` (full weights: layerwise
+        post-processing and the worker's stamp; adapters: the newest version), in the update that
+        received it or in a later one when an installed-weight check closed that update."""
+        if digest != self._pending:
+            raise RuntimeError(f"ckpt_engine: install of manifest {digest[:12]} refused: this worker holds no received load of it")
+        self._pending, self._loaded = None, False
+        if self.lora is not None:
+            self.lora.core.finalize(int(version))
+        else:
+            self.core.finalize(version)
+
+    def _drop_pending(self) -> None:
+        """A new sync (or a discard) gives up a load held for phase `install` (its installed-weight
+        check failed): layerwise post-processing puts vLLM's layers back in their kernels, unstamped;
+        the worker stays stale until a sync completes."""
+        if self._pending is not None and self.lora is None and self.core.reload.is_open:
+            logger.warning("ckpt_engine: closing a load whose installed-weight check failed (this worker stays stale until a sync completes)")
+            self.core.reload.close()
+        self._pending = None
 
     def _staged_phase(self, update_info: CkptEngineUpdateInfo) -> None:
         """swap, discard or room: each a short call between two engine steps. vLLM returns nothing
@@ -293,6 +327,7 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
             self.core.swap(update_info.version)
             self._version = update_info.version
         elif update_info.phase == "discard":
+            self._drop_pending()
             self.core.discard()
         else:  # room
             assert update_info.nbytes is not None  # checked in CkptEngineUpdateInfo
@@ -309,21 +344,23 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         if self._store is None or self._rank is None:
             raise RuntimeError("ckpt_engine: an installed-weight report before init_transfer_engine; join the weight-sync group first")
         report = (self.lora if self.lora is not None else self.core).installed(request)
+        self._loaded = False  # a load checked here waits for phase `install`: this update's finish leaves it held
         self._store.set(installed_key(self._rank, request.seed), json.dumps(report.to_wire()))
 
     def finish_weight_update(self) -> None:
         """Layerwise post-processing; vLLM stamps the engine's weight version after this returns.
-        An adapter sync installed its version in phase `install`, and a staged one swapped in phase
-        `swap`: nothing to load here."""
+        An adapter sync and a checked one installed their version in phase `install`, and a staged
+        one swapped in phase `swap`: nothing to load here."""
         if self.lora is None and self._loaded:  # a staged update loaded in its swap, or nothing
             self.core.finalize(self._version if self._version is not None else self.core.version)
+            self._pending = None  # installed: nothing left for phase `install`
         self._validated, self._loaded = None, False
 
     def health(self) -> dict[str, Any]:
         return self.lora.core.health() if self.lora is not None else self.core.health()
 
     def shutdown(self) -> None:
-        self._store, self._rank = None, None
+        self._store, self._rank, self._pending = None, None, None
         if self.lora is not None:
             self.lora.core.leave()
         else:
