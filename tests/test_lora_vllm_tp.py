@@ -5,7 +5,10 @@ tokens under the new version equal HF with the adapter merged (fp32: exact); bot
 the new version (the switch reaches every rank before `lora_request()` names it); each rank holds
 its own slice of the adapter (vLLM slices lora_B of column-parallel and lora_A of row-parallel
 layers), which together are the whole adapter; a request started before a sync finishes under its
-old version.
+old version. Installed-weight checks of the LoRA slots follow each rank's slice: a `set_lora` that
+skips a row-parallel module or copies a transposed lora_A into the packed QKV slot, planted on one
+rank only (tests/_lora_tp_faults.py), fails the sync at finalize naming the checkpoint tensor and
+that rank, 3 times each; the version is never published and the next sync serves (equal to HF).
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ pytest.importorskip("vllm")
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
-from _lora_tp_ext import EXTENSION  # noqa: E402
+from _lora_tp_faults import EXTENSION  # noqa: E402
 from helpers_vllm import ENGINE_ARGS  # noqa: E402
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession  # noqa: E402
 from ckpt_engine.lora_format import ADAPTER_CONFIG  # noqa: E402
 from ckpt_engine.sources.adapters import AdapterSource  # noqa: E402
-from ckpt_engine.sync.api import close_sessions  # noqa: E402
+from ckpt_engine.sync.api import SyncError, close_sessions  # noqa: E402
 from tests import _lora_trainer as trainer  # noqa: E402
 from tests.test_lora_vllm import LONG_TOKENS, NUM_TOKENS, PROMPTS, TIMEOUT_S, InFlight, greedy, merged_reference, model_dir  # noqa: E402,F401
 from tests.test_vllm_adapter import QWEN2_CONFIG, hf_greedy  # noqa: E402
@@ -116,3 +119,57 @@ def test_tp2_lora_syncs_match_hf_merged_on_every_rank_and_keep_running_requests_
     finally:
         session.close()
     assert len({str(s) for s in seen}) == 3, "each adapter version should change vLLM's tokens"
+
+
+# --- installed-weight checks of the LoRA slots, rank by rank ------------------------------------------
+REPEAT = 3
+SLOT_FAULTS = {
+    # fault -> (vLLM module it is planted in, the checkpoint tensor the failure names)
+    "slot-skip": ("model.layers.1.mlp.down_proj", "base_model.model.model.layers.1.mlp.down_proj.lora_A.weight"),  # row-parallel: lora_A cut by rank
+    "slot-transpose": ("model.layers.0.self_attn.qkv_proj", "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"),  # packed; lora_B cut by rank
+}
+
+
+def drawn(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """A new adapter version: every lora_A and lora_B drawn (PEFT's zero lora_B would hide a transpose)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return {n: t.detach().clone() for n, t in AdapterSource(model).iter_weights() if n != ADAPTER_CONFIG}
+
+
+@pytest.mark.parametrize("rep", range(REPEAT))
+@pytest.mark.parametrize("fault", sorted(SLOT_FAULTS))
+def test_a_slot_fault_on_one_tp_rank_fails_the_adapter_sync_naming_tensor_and_rank(llm: Any, model_dir: Path, fault: str, rep: int) -> None:  # noqa: F811
+    from ckpt_engine.rollout_adapters.vllm.lora import VllmLoraRollout
+
+    module, tensor = SLOT_FAULTS[fault]
+    bad_rank = rep % 2
+    rollout = VllmLoraRollout(f"tp2-{fault}-{rep}", llm, max_adapter_versions=2, timeout_s=TIMEOUT_S)
+    config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=TIMEOUT_S, weights="adapters", verify_installed=1)
+    session = WeightSyncSession([rollout], config)
+    model = trainer.peft_model(str(model_dir))
+    try:
+        drawn(model, 100 + rep)
+        served = session.sync(AdapterSource(model)).version  # checked: every rank's slots equal its slice
+        llm.collective_rpc("test_lora_plant_on", timeout=TIMEOUT_S, kwargs={"tp_rank": bad_rank, "fault": fault, "module_name": module})
+        try:
+            drawn(model, 200 + rep)
+            with pytest.raises(SyncError) as err:
+                session.sync(AdapterSource(model))
+        finally:
+            llm.collective_rpc("test_lora_unplant", timeout=TIMEOUT_S)
+        assert err.value.stage == "finalize" and set(err.value.failed) == {rollout.name}, str(err.value)
+        why = err.value.failed[rollout.name]
+        assert tensor in why and f"TP rank {bad_rank} of 2" in why and "differs from the adapter it built" in why, why
+        assert f"TP rank {1 - bad_rank} of 2" not in why, why  # the other rank's slots are right
+        assert rollout.name in err.value.stale and rollout.lora_request().lora_name.endswith(f"-v{served}")  # never published
+        adapter = drawn(model, 300 + rep)
+        report = session.sync(AdapterSource(model))  # the next sync serves
+        assert rollout.lora_request().lora_name.endswith(f"-v{report.version}")
+        tokens = greedy(llm, rollout.lora_request())
+        assert tokens == [hf_greedy(merged_reference(model_dir, adapter), p, NUM_TOKENS) for p in PROMPTS]
+    finally:
+        session.close()

@@ -14,11 +14,15 @@ An adapter version reaches vLLM's kernels in two steps, each checked where vLLM 
    request first names the version), after the controller's compare, so `slot_problems` compares each
    slot with what vLLM's own model manager hands `set_lora` for it, exactly, right after the
    activation: a `set_lora` that skips a module or copies a transposed tensor fails the finalize,
-   naming the checkpoint tensor, and the version is never published.
+   naming the checkpoint tensor (and a TP worker's rank), and the version is never published. A TP
+   worker's slots hold the slice vLLM's `slice_lora_a/b` cut of what it was handed (lora_B of a
+   column-parallel layer by output rows, lora_A of a row-parallel one by input columns): each rank
+   compares its own slice, cut by those same functions, and the ranks' problems are gathered so the
+   last TP rank alone raises them all (`lora_worker._every_tp_rank`: vLLM's multiprocess executor
+   stops reading replies at the first failed rank, leaving the later ranks' replies queued).
 
 Not checked: the slots of a version activated later by vLLM itself (behind the server, or rebuilt
-after its LRU evicted it), the slots of a TP worker (each holds the slice vLLM's `slice_lora_a/b`
-cut; not followed yet) and of a layer whose slices vLLM expands (a 4-slice layer fed 3 packed
+after its LRU evicted it) and of a layer whose slices vLLM expands (a 4-slice layer fed 3 packed
 tensors). Through vLLM's weight-transfer API step 1 runs as for any channel (its `installed` phase),
 step 2 never does: vLLM drops every LoRA model when an update finishes and activates the version
 when a request names it.
@@ -71,7 +75,10 @@ def adapter_report(lora: Any, staged: Mapping[str, torch.Tensor], request: Insta
 
 def slot_problems(adapters: Any, lora: Any, index: int, names: Mapping[tuple[str, bool], str]) -> list[str]:
     """Every slot of LoRA slot `index` that differs from what vLLM's model manager hands `set_lora`
-    for `lora` (step 2; after `activate_adapter`, so `lora` is packed and scaled as installed)."""
+    for `lora` (step 2; after `activate_adapter`, so `lora` is packed and scaled as installed); on a
+    TP worker, from this rank's slice of it, cut as `set_lora` cuts it."""
+    from vllm.lora.layers.base_linear import BaseLinearLayerWithLoRA
+
     problems: list[str] = []
     for module_name, module in adapters.modules.items():
         weights = adapters._get_lora_layer_weights(lora, module_name)
@@ -79,8 +86,16 @@ def slot_problems(adapters: Any, lora: Any, index: int, names: Mapping[tuple[str
             continue
         a, b = weights.lora_a, weights.lora_b
         a_list, b_list = (a if isinstance(a, list) else [a]), (b if isinstance(b, list) else [b])
-        if len(a_list) != len(module.lora_a_stacked) or len(b_list) != len(module.lora_b_stacked) or getattr(module, "tp_size", 1) > 1:
-            continue  # vLLM expands these slices itself (a 4-slice layer), or cuts a TP rank's slice: not followed
+        if len(a_list) != len(module.lora_a_stacked) or len(b_list) != len(module.lora_b_stacked):
+            continue  # vLLM expands these slices itself (a 4-slice layer): not followed
+        tp = getattr(module, "tp_size", 1)
+        where = ""
+        if tp > 1:
+            if not isinstance(module, BaseLinearLayerWithLoRA):
+                continue  # a vocab-parallel embedding or logits processor cuts its own way: not followed
+            # this rank's slice, cut by the functions set_lora cuts it with (a packed layer: a list each)
+            a_list, b_list = _as_list(module.slice_lora_a(a)), _as_list(module.slice_lora_b(b))
+            where = f" (TP rank {module.tp_rank} of {tp})"
         subs = adapters.packed_modules.get(module_name) if isinstance(a, list) else None  # full names of q/k/v_proj
         for i, (ai, bi) in enumerate(zip(a_list, b_list)):
             sub = module_name if subs is None else subs[i]
@@ -90,6 +105,10 @@ def slot_problems(adapters: Any, lora: Any, index: int, names: Mapping[tuple[str
                 got = stacked[index, 0, : want.shape[0], : want.shape[1]]
                 if not torch.equal(got, want.to(device=got.device, dtype=got.dtype)):
                     name = names.get((sub, is_a), f"{PEFT_PREFIX}{sub}.lora_{'A' if is_a else 'B'}.weight")
-                    problems.append(f"{name}: vLLM's LoRA slot {index} of {module_name} differs from the adapter it built")
+                    problems.append(f"{name}: vLLM's LoRA slot {index} of {module_name}{where} differs from the adapter it built")
     return problems
+
+
+def _as_list(x: Any) -> list[Any]:
+    return x if isinstance(x, list) else [x]
 

@@ -24,6 +24,7 @@ keep it consistent with `AdapterVersions`:
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -186,12 +187,16 @@ class VllmLoraCore:
             adapters.remove_oldest_adapter()  # its tensors stay here: `_load_adapter` rebuilds it if asked
         adapters.add_adapter(lora)
         adapters.activate_adapter(lora_id)
-        if armed is not None:  # the slots vLLM's set_lora wrote, against what it was handed
+        if armed is not None:  # the slots vLLM's set_lora wrote, against what it was handed (each TP rank: its slice)
             problems = slot_problems(adapters, lora, adapters.lora_index_to_id.index(lora_id), checkpoint_names(tensors, self._weights_mapper()))
+            problems, last = _every_tp_rank(problems)
             if problems:
                 adapters.remove_adapter(lora_id)
-                self._tensors.pop(version, None)
-                raise RuntimeError(f"adapter version {version} not installed: {'; '.join(problems[:10])}")
+                if last:  # one rank raises, the last: vLLM's executor reads every rank's reply before it
+                    self._tensors.pop(version, None)
+                    raise RuntimeError(f"adapter version {version} not installed: {'; '.join(problems[:10])}")
+                logger.error("adapter version %s not installed (the last TP rank raises): %s", version, problems[0])
+                return lora_id
         self._ids.setdefault(version, set()).add(lora_id)
         return lora_id
 
@@ -236,6 +241,30 @@ class VllmLoraCore:
     def observe(self, requests: set[Any]) -> None:
         """A step's LoRA requests: versions none of them uses (but the newest) go."""
         self.core.observe({v for v in (version_of_lora_path(r.lora_path) for r in requests if r) if v is not None})
+
+
+def _every_tp_rank(problems: list[str]) -> tuple[list[str], bool]:
+    """Every TP rank's slot problems, in rank order, and whether this is the last TP rank.
+
+    Only the last rank may raise: vLLM's multiprocess executor reads the workers' replies in rank
+    order and stops at the first failed one, so a failure on an earlier rank leaves the later ranks'
+    replies queued, and every later call would read the one before it. The problems travel as JSON
+    bytes over vLLM's TP CPU group (collective: every rank installs the version at once)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return problems, True
+    mine = torch.frombuffer(bytearray(json.dumps(problems).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group.world_size)]
+    torch.distributed.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group.cpu_group)
+    width = int(max(int(n) for n in sizes))
+    padded = torch.zeros(width, dtype=torch.uint8)
+    padded[: mine.numel()] = mine
+    gathered = [torch.zeros(width, dtype=torch.uint8) for _ in range(group.world_size)]
+    torch.distributed.all_gather(gathered, padded, group=group.cpu_group)
+    every = [p for t, n in zip(gathered, sizes) for p in json.loads(bytes(t[: int(n)].tolist()).decode())]
+    return every, group.rank_in_group == group.world_size - 1
 
 
 _CORES: dict[int, VllmLoraCore] = {}
