@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--gpu-mem", type=float, default=0.3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, help="write cProfile tables of four syncs of the checked session here")
     args = ap.parse_args()
 
     from vllm import LLM
@@ -131,6 +132,21 @@ def main() -> None:
                           "seconds": {k: round(v, 4) for k, v in last.seconds.items()}}
         out["check_cost"] = round(out["checked"]["median_s"] / out["checked"]["unchecked_median_s"] - 1.0, 4)
         print(f"checked: {out['checked']} cost {out['check_cost']}", flush=True)
+        if args.profile:  # where a checked sync's time goes: the worker's rpc thread and the trainer's main thread
+            import cProfile
+            import io
+            import pstats
+
+            llm.collective_rpc("bench_profile", args=("start",))
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(4):  # two checked, two unchecked
+                run()
+            prof.disable()
+            worker = llm.collective_rpc("bench_profile", args=("stop", "", 45))[0]
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+            Path(args.profile).write_text("== worker (4 syncs, 2 checked)\n" + worker + "\n== trainer main thread\n" + text.getvalue())
     except Exception as e:  # noqa: BLE001 - recorded, the other figures stand
         out["checked"] = {"error": f"{type(e).__name__}: {e}"[:400]}
         print(f"checked: {out['checked']}", flush=True)
