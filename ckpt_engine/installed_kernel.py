@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, MIX_A, MIX_B
 
-__all__ = ["MAX_DIMS", "fold_images", "foldable"]
+__all__ = ["MAX_DIMS", "Folder", "fold_images", "foldable"]
 
 MAX_DIMS = 4
 """Images of up to this many dimensions are folded here (others by `installed.Folds`)."""
@@ -37,32 +37,47 @@ def foldable(view: torch.Tensor) -> bool:
 
 def fold_images(views: Sequence[torch.Tensor], seed: int, samples: int) -> list[int]:
     """`installed.digest(view, seed, samples)` of every view (each `foldable`, `samples` > 0), read
-    with one launch per element width and one host sync. The kernel's table of the views (each one's
-    address, sizes and strides) is kept for the next call with the same views: both sides of a check
-    fold the same tensors at every check and only the seed changes, so building it (~3 us of Python
-    an image: ~1 ms for a 7B model) is paid once, and a call costs one pass over the views' shapes."""
-    if samples <= 0:
-        raise ValueError("fold_images folds sampled digests (samples > 0)")
-    if not views:
-        return []
-    key = tuple((v.data_ptr(), v.dtype, v.shape, v.stride()) for v in views)
-    tables = _TABLES.pop(key, None)
-    if tables is None:
-        tables = _tables(views)
-    _TABLES[key] = tables  # the latest last: the oldest goes first
-    while len(_TABLES) > _KEPT:
-        del _TABLES[next(iter(_TABLES))]
-    out = [0] * len(views)
-    with torch.cuda.device(views[0].device) if views[0].is_cuda else contextlib.nullcontext():  # Triton launches on the current device
-        results = []
-        for index, width, table in tables:
-            folded = torch.empty(len(index), dtype=torch.int64, device=table.device)
-            _fold[(len(index),)](table, folded, seed, samples, WORD=_TL_WORDS[width], DIMS=MAX_DIMS, BLOCK=_BLOCK)
-            results.append((index, folded))
-        for index, folded in results:
-            for i, value in zip(index, folded.cpu().tolist()):
-                out[i] = int(value)
-    return out
+    with one launch per element width and one host sync."""
+    return Folder(views).fold(seed, samples)
+
+
+class Folder:
+    """The kernel's tables for `views` (each one's address, sizes and strides), ready to fold with
+    any seed. Tables are kept by the views' geometry for the next `Folder` of the same views: both
+    sides of a check fold the same tensors at every check and only the seed changes, so building
+    them (~3 us of Python an image: ~1 ms for a 7B model) is paid once; a `Folder` then costs one
+    pass over the views' shapes, which its holder may pay before the images are written (an engine
+    rank, before its copies land). Holds the views until folded."""
+
+    def __init__(self, views: Sequence[torch.Tensor]) -> None:
+        self.views = list(views)
+        key = tuple((v.data_ptr(), v.dtype, v.shape, v.stride()) for v in self.views)
+        tables = _TABLES.pop(key, None)
+        if tables is None:
+            tables = _tables(self.views) if self.views else []
+        _TABLES[key] = tables  # the latest last: the oldest goes first
+        while len(_TABLES) > _KEPT:
+            del _TABLES[next(iter(_TABLES))]
+        self._tables = tables
+
+    def fold(self, seed: int, samples: int) -> list[int]:
+        """Every view's digest: one launch per element width on the current stream (after whatever
+        wrote the images there), one host sync."""
+        if samples <= 0:
+            raise ValueError("fold_images folds sampled digests (samples > 0)")
+        out = [0] * len(self.views)
+        if not self.views:
+            return out
+        with torch.cuda.device(self.views[0].device) if self.views[0].is_cuda else contextlib.nullcontext():  # Triton launches on the current device
+            results = []
+            for index, width, table in self._tables:
+                folded = torch.empty(len(index), dtype=torch.int64, device=table.device)
+                _fold[(len(index),)](table, folded, seed, samples, WORD=_TL_WORDS[width], DIMS=MAX_DIMS, BLOCK=_BLOCK)
+                results.append((index, folded))
+            for index, folded in results:
+                for i, value in zip(index, folded.cpu().tolist()):
+                    out[i] = int(value)
+        return out
 
 
 _KEPT = 4

@@ -160,9 +160,10 @@ class BucketManifest:
     def num_buckets(self) -> int:
         return len(self.buckets)
 
-    @property
+    @cached_property
     def specs(self) -> list[TensorSpec]:
-        """Tensors in order of their first chunk, one per tensor (not per chunk)."""
+        """Tensors in order of their first chunk, one per tensor (not per chunk); built once (a sync
+        reads it several times: ~1 ms each for a 7B model's 339 tensors). Do not modify."""
         seen: set[str] = set()
         out = []
         for b in self.buckets:

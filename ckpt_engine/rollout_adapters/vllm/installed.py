@@ -33,16 +33,20 @@ syncs), `worker_reports` asks for the digests after the stream where they did no
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ckpt_engine.installed import Folds, InstalledReport, InstalledRequest, Key
 from ckpt_engine.planning.regions import ReceivePlan, Region
+
+if TYPE_CHECKING:
+    from ckpt_engine.installed_kernel import Folder
 
 __all__ = ["InstalledCapture", "Landing", "LandingMap", "arm_workers", "layout_names", "resolve_tensor", "worker_reports"]
 
@@ -183,7 +187,8 @@ class LiveImages:
         self.views: list[torch.Tensor] = []
         self.rest: list[Slot] = []
         self._kernel: bool | None = None
-        self._owners: dict[str, tuple[Mapping[str, Any], str, torch.Tensor, int, torch.Size]] = {}
+        self._checks: tuple[list[dict[str, Any]], list[str], list[torch.Tensor], list[int], list[torch.Size]] | None = None
+        self._owners: dict[str, tuple[dict[str, Any], str, torch.Tensor, int, torch.Size]] = {}
         for slot, landing in slots:
             t = self._tensor(model, landing)
             if t is None:
@@ -212,7 +217,7 @@ class LiveImages:
             module = model.get_submodule(path) if path else model
         except AttributeError:
             return None
-        tensors: Mapping[str, Any] = module._parameters if attr in module._parameters else module._buffers
+        tensors: dict[str, Any] = module._parameters if attr in module._parameters else module._buffers
         t = tensors.get(attr)
         if not isinstance(t, torch.Tensor) or t.is_meta or tuple(t.shape) != landing.target_shape or not t.is_contiguous():
             return None
@@ -220,8 +225,21 @@ class LiveImages:
         return t
 
     def valid(self) -> bool:
-        """Every tensor the views read is still the one its module holds, where it was."""
-        return all(tensors.get(attr) is t and t.data_ptr() == ptr and t.shape == shape for tensors, attr, t, ptr, shape in self._owners.values())
+        """Every tensor the views read is still the one its module holds, where it was (loops in C:
+        a check asks before and after its stream)."""
+        if self._checks is None:
+            owners = list(self._owners.values())
+            self._checks = ([o[0] for o in owners], [o[1] for o in owners], [o[2] for o in owners], [o[3] for o in owners], [o[4] for o in owners])
+        holders, attrs, tensors, ptrs, shapes = self._checks
+        return (
+            all(map(operator.is_, map(_get, holders, attrs), tensors))
+            and list(map(torch.Tensor.data_ptr, tensors)) == ptrs
+            and list(map(_shape, tensors)) == shapes
+        )
+
+
+_get = dict.get
+_shape = operator.attrgetter("shape")
 
 
 class InstalledCapture:
@@ -244,6 +262,7 @@ class InstalledCapture:
         self.seconds = 0.0
         self._patched: list[Any] = []
         self._tagged: list[torch.nn.Module] = []
+        self._prepared: tuple[LiveImages, Folder | None] | None = None
 
     def install(self) -> None:
         """From the arm to the report: every layer of the check that vLLM post-processes (in a live
@@ -313,6 +332,22 @@ class InstalledCapture:
             whole[index].copy_(view.reshape(tuple(hi - lo for lo, hi in la.box)))
         self.values.setdefault(key, {})[target] = self.folds.add(whole)
 
+    def prepare(self) -> None:
+        """For a model that loads in place (no layer is captured as it loads): the live views and the
+        fold kernel's tables, worked out before the stream, while the trainer still walks its
+        weights (the views read the live tensors, which the loads then write in place)."""
+        t0 = time.perf_counter()
+        self._prepared = self._live()
+        self.seconds += time.perf_counter() - t0
+
+    def _live(self) -> tuple[LiveImages, Folder | None]:
+        live = self.layout.live(self.model, self._hooked)
+        if self.request.samples <= 0 or not live.on_gpu():
+            return live, None
+        from ckpt_engine.installed_kernel import Folder  # Triton: only where a GPU folds
+
+        return live, Folder(live.views)
+
     def report(self, whole_only: bool = False) -> InstalledReport:
         """The digests of every key of the request this worker holds: captured before post-processing
         where the hook saw the layer, else read now from the live tensors (their views kept from the
@@ -327,22 +362,18 @@ class InstalledCapture:
                 self.unchecked[key[0]] = "this worker holds a slice and the sync sent whole tensors"
             keep = set(self.keys)
         request = self.request
-        live = self.layout.live(self.model, self._hooked)
-        kernel = request.samples > 0 and live.on_gpu()
+        prepared = self._prepared
+        live, folder = prepared if prepared is not None and prepared[0].valid() else self._live()  # a load may have moved a tensor
         for j, ((key, target), view) in enumerate(zip(live.slots, live.views)):
             if keep is None or key in keep:
-                self.values.setdefault(key, {})[target] = -(j + 1) if kernel else self.folds.add(view)
+                self.values.setdefault(key, {})[target] = -(j + 1) if folder is not None else self.folds.add(view)
         rest = [(k, t, self.landings.groups[k][t]) for k, t in live.rest] + self.layout.pieces
         for key, target, group in rest:
             if target.rpartition(".")[0] not in self._hooked and (keep is None or key in keep):
                 self._digest_group(key, target, group)
         keys = [k for k in self.keys if k in self.values and k not in self.missing and k[0] not in self.unchecked]
         folded = self.folds.values()
-        batched: list[int] = []
-        if kernel:
-            from ckpt_engine.installed_kernel import fold_images  # Triton: only where a GPU folds
-
-            batched = fold_images(live.views, request.seed, request.samples)
+        batched = folder.fold(request.seed, request.samples) if folder is not None else []
         digests: dict[Key, int] = {}
         for k in keys:
             copies = [folded[i] if i >= 0 else batched[-i - 1] for i in self.values[k].values()]

@@ -345,7 +345,9 @@ class VllmReceiverCore:
         load right before vLLM post-processes it."""
         self._disarm()
         self._armed = InstalledCapture(self._model(), self._landing_map(), request)
-        if not self.reload.in_place():  # a model that loads in place never post-processes: nothing to hook
+        if self.reload.in_place():  # never post-processed: read live, its views worked out before the stream
+            self._armed.prepare()
+        else:
             self._armed.install()
 
     def installed(self, request: InstalledRequest) -> InstalledReport:
