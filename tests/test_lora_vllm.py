@@ -32,6 +32,7 @@ from ckpt_engine.rollout_adapters.base import ManifestRejectedError  # noqa: E40
 from ckpt_engine.sources.adapters import AdapterSource  # noqa: E402
 from ckpt_engine.sync.api import SyncError, close_sessions  # noqa: E402
 from tests import _lora_trainer as trainer  # noqa: E402
+from helpers_vllm import stop_llm  # noqa: E402
 from tests.test_vllm_adapter import ENGINE_ARGS, QWEN2_CONFIG, WORKER_EXTENSION, hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -69,7 +70,7 @@ def llm(model_dir: Path) -> Iterator[object]:
     )
     yield engine
     close_sessions()
-    engine.llm_engine.engine_core.shutdown()
+    stop_llm(engine)
 
 
 def merged_reference(model_dir: Path, adapter: dict[str, torch.Tensor]) -> torch.nn.Module:

@@ -26,6 +26,7 @@ from ckpt_engine.sources.adapters import AdapterSource  # noqa: E402
 from tests import _lora_trainer as trainer  # noqa: E402
 from tests.test_lora_vllm import greedy, model_dir  # noqa: E402,F401
 from tests.test_lora_vllm_server import expected, peft_with  # noqa: E402
+from helpers_vllm import stop_llm  # noqa: E402
 from tests.test_vllm_adapter import ENGINE_ARGS  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -44,7 +45,7 @@ def native_lora_llm(model_dir: Path) -> Iterator[object]:  # noqa: F811
         **ENGINE_ARGS,
     )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    stop_llm(engine)
 
 
 def test_native_backend_adapter_versions_match_hf_and_the_old_one_survives_the_update(native_lora_llm: object, model_dir: Path) -> None:  # noqa: F811

@@ -27,7 +27,7 @@ from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
 from ckpt_engine.sync.api import SyncError, close_sessions, sync_rollout_weights
 from ckpt_engine.sources.base import StateDictSource
-from helpers_vllm import ENGINE_ARGS, HasUrl, ServerAt, free_port
+from helpers_vllm import ENGINE_ARGS, HasUrl, ServerAt, free_port, stop_llm
 from shared_server import SharedServer
 
 pytest.importorskip("vllm")
@@ -139,7 +139,7 @@ def llm(model_dir: Path) -> Iterator[object]:
     )
     yield engine
     close_sessions()  # the sessions sync_rollout_weights cached leave the group before the engine stops
-    engine.llm_engine.engine_core.shutdown()
+    stop_llm(engine)
 
 
 def llm_greedy(engine: object) -> tuple[list[list[int]], list[str]]:

@@ -23,7 +23,7 @@ from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.sync.report import SyncError
 from ckpt_engine.sources.vllm import VllmWeightSourceAdapter, as_weight_source, is_vllm_weight_source
-from helpers_vllm import ENGINE_ARGS, VllmServer
+from helpers_vllm import ENGINE_ARGS, VllmServer, stop_llm
 from shared_server import SharedServer
 
 pytest.importorskip("vllm")
@@ -138,7 +138,7 @@ def native_llm(model_dir: Path) -> Iterator[object]:  # noqa: F811
         weight_transfer_config={"backend": "ckpt_engine"}, **ENGINE_ARGS,
     )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    stop_llm(engine)
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-from helpers_vllm import ENGINE_ARGS  # noqa: E402
+from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
 from test_vllm_adapter import PROMPTS, hf_greedy  # noqa: E402
 from test_vllm_regions import checkpoint_weights, llm_greedy, make_model  # noqa: E402
 
@@ -74,4 +74,4 @@ def test_native_tp2_plans_come_back_through_the_store_and_regions_land_exactly(t
         plans = adapter.receive_plans()  # read once per join: the same answer again, from the handle
         assert len(plans) == 2 and all(p is not None for p in plans)
     finally:
-        engine.llm_engine.engine_core.shutdown()
+        stop_llm(engine)

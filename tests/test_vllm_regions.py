@@ -28,7 +28,7 @@ from ckpt_engine.planning.regions import ReceivePlan
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from helpers_vllm import ENGINE_ARGS  # noqa: E402
+from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
 from shared_server import SharedServer  # noqa: E402
 from test_vllm_adapter import NUM_TOKENS, PROMPTS, hf_greedy  # noqa: E402
 from vllm_regions_ext import EXTENSION  # noqa: E402
@@ -239,4 +239,4 @@ def test_tp2_plans_halve_the_bytes_and_regions_land_exactly(tmp_path: Path, kind
         if kind == "qwen2":
             tp2_qwen2_llm.discard()  # its down_proj loader was replaced: no later user may inherit it
         else:
-            engine.llm_engine.engine_core.shutdown()
+            stop_llm(engine)
