@@ -5,9 +5,9 @@ sync (N), or never (`off`). When one is due, `arm` lists the (name, region) keys
 hold, from their receive plans (a rank without one holds every tensor whole), and the weight walk
 (`tap`) folds each tensor's regions as the sender takes it (`ckpt_engine/installed.py`: a few
 thousand positions per region, or every element with `verify_installed_samples: 0`), or, when the
-source's tensors outlive the sync (`stable_tensors`), notes them and folds them on a thread of
-their own from the walk's end, while the sender's last bytes go out and the engines load them, off
-the sync's path (`verify` joins it). After the
+source's tensors outlive the sync (`stable_tensors`), notes them and folds them in `verify` while
+the engines digest theirs, off the sync's path (not on a thread of its own from the walk's end:
+measured on one H200, its Python held the GIL the sender's last steps wanted). After the
 stream, before any engine stamps the version (or, staged, right after the swap), `verify` asks
 every engine rank for its digests of what it installed, in its own layout, and compares: a
 difference names the tensor, the region and the engine, and the sync fails with that engine out of
@@ -31,9 +31,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import secrets
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -114,8 +113,6 @@ class InstalledChecks:
         self._order: list[Key] = []
         """The keys of an armed many-sender check, in the order the senders' shares come in."""
         self._combined: dict[Key, int] | None = None
-        self._early: _Background | None = None
-        """A stable walk's folds, started at its end."""
         """The source's digests added from every sender's shares (many senders), once combined."""
         self.engine_seconds: float | None = None
         """The slowest engine rank's own digest time in the last armed check (`InstalledReport.seconds`)."""
@@ -204,18 +201,10 @@ class InstalledChecks:
                     self._digests[key] = self._folds.add(region_view(tensor, key[1]), self._dtypes.get(name), later=stable)
                 self.seconds += time.perf_counter() - t
             yield name, tensor
-        if stable and self.request is not None and self.seconds is not None:  # the walk is over: fold beside the send's end
-            self._early = _Background(self._folds.read_later)
 
     def release(self) -> None:
         """After a sync: drop what a stable walk noted and a failed sync never folded (its views
         would keep the source's tensors alive until the next check)."""
-        early, self._early = self._early, None
-        if early is not None:
-            try:
-                early.join(_EARLY_JOIN_S)
-            except Exception as exc:  # the sync's own error, if any, is the one reported
-                logger.warning("installed-weight checks: the trainer's folds of a failed sync: %s", exc)
         self._folds.drop_later()
 
     def source_digests(self) -> dict[Key, int]:
@@ -231,10 +220,7 @@ class InstalledChecks:
         t = time.perf_counter()
         checked = [r for r in rollouts if r.capabilities.installed]
         futures = {r.name: pool.submit(r.installed_digests, request) for r in checked}
-        early, self._early = self._early, None
-        if early is not None:
-            early.join(timeout_s)
-        self._folds.read_later()  # a stable walk's folds not started at its end, while the engines digest theirs
+        self._folds.read_later()  # a stable walk's folds, while the engines digest theirs
         failed = collect_failures(futures, "an installed-weight check", timeout_s)
         if self._combined is not None:  # many senders: every sender's shares, added
             expected = dict(self._combined)
@@ -281,32 +267,6 @@ class InstalledChecks:
         if message not in self._said:
             self._said.add(message)
             logger.warning("%s", message)
-
-
-_EARLY_JOIN_S = 60.0
-"""How long a failed sync waits for its folds to end before it drops what they read."""
-
-
-class _Background:
-    """One call on a thread of its own, joined with a bound; its error raised at the join."""
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(fn,), name="ckpt-installed-folds", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except BaseException as exc:  # raised where the caller joins
-            self.error = exc
-
-    def join(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise TimeoutError(f"the trainer's installed-weight folds did not end within {timeout_s} s")
-        if self.error is not None:
-            raise self.error
 
 
 def _names(names: list[str]) -> str:
