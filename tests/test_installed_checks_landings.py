@@ -106,9 +106,9 @@ def test_a_tp_row_slice_made_of_two_boxes_is_assembled_and_a_skipped_layer_is_mi
 
 
 def test_views_kept_across_checks_follow_a_parameter_the_engine_replaced() -> None:
-    """The live views a check reads are kept from one check to the next (and worked out before the
-    stream for a model that loads in place); a parameter replaced since (a reload, `param.data = ...`)
-    is read where it now is, not where it was."""
+    """The live views a check reads are kept from one check to the next; what a load wrote in place
+    since is read, and a parameter replaced since (a reload, `param.data = ...`) is read where it now
+    is, not where it was."""
     src = _source()
     rec = _record(_layout("meta"))
     model = _layout("cpu")
@@ -117,17 +117,13 @@ def test_views_kept_across_checks_follow_a_parameter_the_engine_replaced() -> No
         model.norm.weight.copy_(src["n"])
     lmap = LandingMap(rec.landings, ["qkv.weight", "o.weight", "norm.weight"], rec.unfollowed, rec.touched, None)
     request = InstalledRequest(list(SPECS), seed=3, samples=4)
-    first = InstalledCapture(model, lmap, request)
-    first.prepare()
-    assert first.report().digests[("n", None)] == int(digest(src["n"], 3, 4))
+    assert InstalledCapture(model, lmap, request).report().digests[("n", None)] == int(digest(src["n"], 3, 4))
     kept = lmap.check(request.names).live(model, set())
     renewed = src["n"] + 1
     model.norm.weight = torch.nn.Parameter(renewed.clone(), requires_grad=False)  # a new tensor at a new address
-    again = InstalledCapture(model, lmap, request)
-    again.prepare()  # before the "stream": still the old views
     with torch.no_grad():
-        model.qkv.weight[0, 0] += 1  # written in place after the prepare, as a load does
+        model.qkv.weight[0, 0] += 1  # written in place, as a load does
         src["q"][0, 0] += 1
-    report = again.report()
+    report = InstalledCapture(model, lmap, request).report()
     assert report.digests == {(n, None): int(digest(t, 3, 4)) for n, t in (("q", src["q"]), ("k", src["k"]), ("n", renewed))}
     assert lmap.check(request.names).live(model, set()) is not kept

@@ -345,9 +345,7 @@ class VllmReceiverCore:
         load right before vLLM post-processes it."""
         self._disarm()
         self._armed = InstalledCapture(self._model(), self._landing_map(), request)
-        if self.reload.in_place():  # never post-processed: read live, its views worked out before the stream
-            self._armed.prepare()
-        else:
+        if not self.reload.in_place():  # a model that loads in place never post-processes: nothing to hook
             self._armed.install()
 
     def installed(self, request: InstalledRequest) -> InstalledReport:
