@@ -60,6 +60,17 @@ def _source() -> dict[str, torch.Tensor]:
     return {n: torch.randn(s.shape, generator=g) for n, s in SPECS.items()}
 
 
+def _loaded() -> tuple[dict[str, torch.Tensor], PlanRecording, torch.nn.Module]:
+    """The source, the dry run's record, and a layout holding the source as the loader put it."""
+    src = _source()
+    rec = _record(_layout("meta"))
+    model = _layout("cpu")
+    with torch.no_grad():
+        model.qkv.weight.copy_(torch.cat([src["q"], src["k"]]))
+        model.norm.weight.copy_(src["n"])
+    return src, rec, model
+
+
 def test_landings_follow_fused_slots_and_name_a_transposed_read() -> None:
     rec = _record(_layout("meta"))
     assert sorted(la.name for la in rec.landings) == ["k", "n", "q"]
@@ -69,12 +80,7 @@ def test_landings_follow_fused_slots_and_name_a_transposed_read() -> None:
 
 
 def test_the_worker_digests_views_of_the_fused_parameter_as_the_trainer_digests_the_source() -> None:
-    src = _source()
-    rec = _record(_layout("meta"))
-    model = _layout("cpu")
-    with torch.no_grad():
-        model.qkv.weight.copy_(torch.cat([src["q"], src["k"]]))
-        model.norm.weight.copy_(src["n"])
+    src, rec, model = _loaded()
     layout = ["qkv.weight", "o.weight", "norm.weight", "norm.stale"]
     lmap = LandingMap(rec.landings, layout, rec.unfollowed, rec.touched, None)
     for samples in (0, 5):
@@ -109,12 +115,7 @@ def test_views_kept_across_checks_follow_a_parameter_the_engine_replaced() -> No
     """The live views a check reads are kept from one check to the next; what a load wrote in place
     since is read, and a parameter replaced since (a reload, `param.data = ...`) is read where it now
     is, not where it was."""
-    src = _source()
-    rec = _record(_layout("meta"))
-    model = _layout("cpu")
-    with torch.no_grad():
-        model.qkv.weight.copy_(torch.cat([src["q"], src["k"]]))
-        model.norm.weight.copy_(src["n"])
+    src, rec, model = _loaded()
     lmap = LandingMap(rec.landings, ["qkv.weight", "o.weight", "norm.weight"], rec.unfollowed, rec.touched, None)
     request = InstalledRequest(list(SPECS), seed=3, samples=4)
     assert InstalledCapture(model, lmap, request).report().digests[("n", None)] == int(digest(src["n"], 3, 4))
