@@ -46,8 +46,7 @@ class Folder:
     any seed. Tables are kept by the views' geometry for the next `Folder` of the same views: both
     sides of a check fold the same tensors at every check and only the seed changes, so building
     them (~3 us of Python an image: ~1 ms for a 7B model) is paid once; a `Folder` then costs one
-    pass over the views' shapes, which its holder may pay before the images are written (an engine
-    rank, before its copies land). Holds the views until folded."""
+    pass over the views' shapes. Holds the views (the tables hold their addresses)."""
 
     def __init__(self, views: Sequence[torch.Tensor]) -> None:
         self.views = list(views)
