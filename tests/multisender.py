@@ -7,7 +7,6 @@ from typing import Any
 import torch
 
 from ckpt_engine.engine import Rendezvous
-from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.ownership import row_shards
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.delta.request import DeltaRequest

@@ -12,7 +12,7 @@ from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon import DaemonClient, DaemonConfig, WeightSyncDaemon
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.tp_ep import tp_ep_plan
-from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.rollout_adapters.torch_ref import write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from helpers_daemon import descriptor
 from refengines import same_bits, spawn_engine

@@ -29,7 +29,7 @@ from ckpt_engine.transports.nixl_agent import load_nixl
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from helpers_vllm import ENGINE_ARGS  # noqa: E402
+from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
 from test_vllm_adapter import PROMPTS, QWEN2_CONFIG, WORKER_EXTENSION, hf_greedy, llm_greedy, source_of, trainer_model  # noqa: E402
 
 
@@ -97,7 +97,7 @@ def fleet(model_dir: Path) -> Iterator[Fleet]:
         if session is not None:
             session.close()
         for llm in llms:
-            llm.llm_engine.engine_core.shutdown()
+            stop_llm(llm)
 
 
 def test_a_bad_offer_is_refused_by_name_before_anything_is_allocated(fleet: Fleet) -> None:

@@ -30,7 +30,7 @@ transformers = pytest.importorskip("transformers")
 
 from _vllm_installed_faults import EXTENSION, PLANTED_BUFFER  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import VllmRollout  # noqa: E402
-from helpers_vllm import ENGINE_ARGS  # noqa: E402
+from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -66,7 +66,7 @@ def llm(model_dir: Path) -> Iterator[Any]:
         worker_extension_cls=EXTENSION, **ENGINE_ARGS,
     )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    stop_llm(engine)
 
 
 def weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:

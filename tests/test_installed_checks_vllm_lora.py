@@ -33,7 +33,7 @@ transformers = pytest.importorskip("transformers")
 from _vllm_installed_faults import EXTENSION  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm.lora import VllmLoraRollout  # noqa: E402
 from ckpt_engine.sources.adapters import AdapterSource  # noqa: E402
-from helpers_vllm import ENGINE_ARGS  # noqa: E402
+from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
 from tests import _lora_trainer as trainer  # noqa: E402
 from tests.test_vllm_adapter import QWEN2_CONFIG  # noqa: E402
 
@@ -69,7 +69,7 @@ def llm(model_dir: Path) -> Iterator[Any]:
         enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=3, **ENGINE_ARGS,
     )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    stop_llm(engine)
 
 
 def adapter(model_dir: Path, seed: int, dtype: torch.dtype | None = None) -> AdapterSource:
@@ -174,7 +174,7 @@ def native_llm(model_dir: Path) -> Iterator[Any]:
         weight_transfer_config={"backend": "ckpt_engine"}, enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=3, **ENGINE_ARGS,
     )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    stop_llm(engine)
 
 
 def native_session(llm: Any, name: str) -> tuple[WeightSyncSession, VllmLoraRollout]:

@@ -35,7 +35,7 @@ transformers = pytest.importorskip("transformers")
 from _vllm_installed_faults import EXTENSION  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import VllmRollout, WeightTransferChannel  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient, LLMWeightSyncClient  # noqa: E402
-from helpers_vllm import ENGINE_ARGS, VllmServer  # noqa: E402
+from helpers_vllm import ENGINE_ARGS, VllmServer, stop_llm  # noqa: E402
 from test_installed_checks_vllm import FAULTS, QWEN2, REPEAT, paused, weights  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -58,7 +58,7 @@ def llm(model_dir: Path) -> Iterator[Any]:
         weight_transfer_config={"backend": "ckpt_engine"}, worker_extension_cls=EXTENSION, **ENGINE_ARGS,
     )
     yield engine
-    engine.llm_engine.engine_core.shutdown()
+    stop_llm(engine)
 
 
 def session(llm: Any, name: str, **kw: Any) -> tuple[WeightSyncSession, VllmRollout]:

@@ -4,6 +4,7 @@ slices of o_proj and down, vocab rows of the embedding) inside vLLM's fused para
 slices it installed, and the trainer folds the same regions of the source. A clean dense sync agrees
 (live and staged); a loader that transposes, planted on both workers after the first sync, fails the
 next one naming the tensor's region and the engine, 3 times; with the check off it goes through.
+A worker call that fails on both workers leaves the engine's next answers in order.
 """
 
 from __future__ import annotations
@@ -91,3 +92,18 @@ def test_tp2_with_the_check_off_the_transposing_loader_goes_through(llm: Any, mo
     finally:
         llm.collective_rpc("test_unplant", timeout=60)
         s.close()
+
+
+def test_tp2_a_call_every_worker_fails_leaves_the_next_calls_answers_in_order(llm: Any) -> None:
+    """vLLM's multiprocess executor stops reading answers at the first worker that raised, so the
+    other worker's answer would answer the engine's next call. The worker extension answers its
+    failures instead (`vllm/answers.py` FAILED): the call fails naming the workers, and the next
+    calls get their own answers, rank by rank."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+
+    handle = VllmRollout("tp2-answers", llm, timeout_s=60.0)
+    for _ in range(REPEAT):
+        with pytest.raises(RuntimeError, match=r"ckpt_stage failed: worker 0: .*\(and 1 more worker\(s\) failed\)"):
+            handle.workers.rpc("ckpt_stage", {"digest": "0" * 64, "ticket": "not a ticket!"})
+        healths = handle.workers.rpc("ckpt_health")
+        assert [h["rank"] for h in healths] == [0, 1] and len({h["pid"] for h in healths}) == 2, healths

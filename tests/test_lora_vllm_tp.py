@@ -25,7 +25,7 @@ pytest.importorskip("peft")
 pytest.importorskip("transformers")
 
 from _lora_tp_faults import EXTENSION  # noqa: E402
-from helpers_vllm import ENGINE_ARGS  # noqa: E402
+from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession  # noqa: E402
 from ckpt_engine.lora_format import ADAPTER_CONFIG  # noqa: E402
@@ -56,7 +56,7 @@ def llm(model_dir: Path) -> Iterator[Any]:  # noqa: F811
         )
     yield engine
     close_sessions()
-    engine.llm_engine.engine_core.shutdown()
+    stop_llm(engine)
 
 
 def check_rank_slices(replies: list[dict[str, Any]], adapter: dict[str, torch.Tensor], scale: float) -> None:

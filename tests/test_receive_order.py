@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.pipeline.receive_order import ReadyFirst
-from ckpt_engine.engine import Rendezvous, TransferError
+from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sources.base import spec_of

@@ -12,7 +12,6 @@ import subprocess
 import sys
 from typing import Any
 
-import pytest
 
 
 def _bench(*extra: str) -> dict[str, Any]:

@@ -35,7 +35,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
 from helpers_procs import free_port  # noqa: E402
-from helpers_vllm import ServerAt, VllmServer, api_server  # noqa: E402
+from helpers_vllm import ServerAt, VllmServer  # noqa: E402
 from shared_server import SharedServer  # noqa: E402
 from staged_vllm import (  # noqa: E402
     HfReference, PacedSource, RequestStream, SwapRecorder, kill_sender_mid_stage,

@@ -1,5 +1,10 @@
-"""What the native backend's workers answer through vLLM's weight-update calls, and how the trainer
-side reads it back.
+"""What the workers answer through vLLM's calls, and how the trainer side reads it back.
+
+The worker extension's `ckpt_*` methods never raise: a failure comes back as `{FAILED: "Type:
+message"}` (`vllm/worker.py`), raised by the trainer side (`vllm/routes.py`) once every worker
+answered. vLLM's multiprocess executor stops reading answers at the first worker that raised,
+leaving the others' queued, so every later call of that engine would read the answer of the call
+before it (seen with a TP=2 engine).
 
 vLLM 0.32's `update_weights` returns nothing from the workers, so every answer other than "yes" is an
 error that crosses vLLM's RPC (and maybe HTTP) as text. The worker side (`transfer_engine.py`) starts
@@ -9,7 +14,10 @@ import them from here, which imports no vLLM (the trainer-side handle must not p
 
 from __future__ import annotations
 
-__all__ = ["NEED_MANIFEST", "NO_ROOM", "PHASES", "REJECTED", "after", "installed_key", "plan_key", "problems"]
+__all__ = ["FAILED", "NEED_MANIFEST", "NO_ROOM", "PHASES", "REJECTED", "after", "installed_key", "plan_key", "problems"]
+
+FAILED = "ckpt_failed"
+"""The key of a worker extension method's answer that failed: its error, as text."""
 
 PHASES = ("validate", "receive", "install", "swap", "discard", "room", "arm", "installed")
 """The `phase` of an `update_weights` call (`CkptEngineUpdateInfo`)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckpt_engine.installed import InstalledReport
+from ckpt_engine.rollout_adapters.vllm.answers import FAILED
 from ckpt_engine.rollout_adapters.capabilities import Feature
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ class ExtensionRoute:
         """`method(**kwargs)` on every worker (the extension's `ckpt_*`), one result per worker."""
         method = self.methods.get(method, method)
         try:
-            return self.channel.collective_rpc(method, kwargs or {}, timeout_s if timeout_s is not None else self.timeout_s)
+            results = self.channel.collective_rpc(method, kwargs or {}, timeout_s if timeout_s is not None else self.timeout_s)
         except TimeoutError as exc:
             raise TimeoutError(f"engine {self.name!r}: {exc}") from None
         except Exception as exc:
@@ -104,6 +105,13 @@ class ExtensionRoute:
                 f"{method!r}); start it with worker_extension_cls={WORKER_EXTENSION!r} (LLM(...) keyword, or "
                 f"--worker-extension-cls {WORKER_EXTENSION} for `vllm serve`)"
             ) from exc
+        failed = [(rank, r[FAILED]) for rank, r in enumerate(results) if isinstance(r, dict) and FAILED in r]
+        if failed:  # every worker answered (a raise would leave the others' answers queued in vLLM)
+            rank, why = failed[0]
+            where = f"worker {rank}: " if len(results) > 1 else ""
+            more = f" (and {len(failed) - 1} more worker(s) failed)" if len(failed) > 1 else ""
+            raise RuntimeError(f"{method} failed: {where}{why}{more}")
+        return results
 
     def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions, adapters: int | None, preload: bool) -> list[int]:
         """Join every worker (`adapters`: LoRA versions each keeps, for adapter syncs); their pids."""

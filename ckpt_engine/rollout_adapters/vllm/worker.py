@@ -15,23 +15,37 @@ can use the native backend instead (`vllm/transfer_engine.py`); both drive the s
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
+import inspect
+import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.installed import InstalledRequest
+from ckpt_engine.rollout_adapters.vllm.answers import FAILED
 from ckpt_engine.rollout_adapters.vllm.receiver import VllmReceiverCore, unbase64
 from ckpt_engine.rollout_adapters.vllm.specs import vllm_checkpoint_specs
 from ckpt_engine.rollout_adapters.vllm.stage_outcome import check_ticket, report_outcome
 
 __all__ = ["CkptEngineWorkerExtension", "vllm_checkpoint_specs"]
 
+logger = logging.getLogger(__name__)
+
 
 class CkptEngineWorkerExtension:
-    """Mixed into vLLM's worker class; every method runs in each worker via collective_rpc."""
+    """Mixed into vLLM's worker class; every method runs in each worker via collective_rpc. A `ckpt_*`
+    method (here or in a subclass) that fails answers `{answers.FAILED: "Type: message"}` instead of
+    raising: vLLM's multiprocess executor stops reading the workers' answers at the first one that
+    raised, and the others' would then answer the engine's next call (`vllm/answers.py`)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _answer_failures(cls)
 
     # Lives on the worker instance; vLLM constructs the worker, not this class.
     _ckpt: VllmReceiverCore
@@ -80,7 +94,7 @@ class CkptEngineWorkerExtension:
         `delta`: the controller's delta request (patches against this worker's base copy);
         `installed`: the sync's installed-weight check, armed first (`ckpt_installed_arm`)."""
         if installed is not None:
-            self.ckpt_installed_arm(installed)
+            self._ckpt_core().installed_arm(InstalledRequest.from_wire(installed))
         return self._ckpt_core().receive(digest, delta)
 
     def ckpt_finalize(self, version: int) -> dict[str, Any]:
@@ -119,7 +133,7 @@ class CkptEngineWorkerExtension:
         store, rank = self._ckpt_outcomes
         check_ticket(ticket)
         if installed is not None:
-            self.ckpt_installed_arm(installed)
+            self._ckpt_core().installed_arm(InstalledRequest.from_wire(installed))
         return self._ckpt_core().stage(digest, delta, on_end=lambda error: report_outcome(store, ticket, rank, error))
 
     def ckpt_stage_status(self) -> dict[str, Any]:
@@ -200,6 +214,35 @@ class CkptEngineWorkerExtension:
 
     def ckpt_lora_health(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self._ckpt_rank(), **self._ckpt_lora_core().health()}
+
+
+_ANSWERING: set[Callable[..., Any]] = set()
+
+
+def _answering(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn`, answering its failure (logged here with its stack) instead of raising it."""
+    if fn in _ANSWERING:
+        return fn
+
+    @functools.wraps(fn)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except Exception as exc:
+            logger.exception("ckpt-engine worker call %s failed", fn.__name__)
+            return {FAILED: f"{type(exc).__name__}: {exc}"}
+
+    _ANSWERING.add(method)
+    return method
+
+
+def _answer_failures(cls: type) -> None:
+    for name, value in list(vars(cls).items()):
+        if name.startswith("ckpt_") and inspect.isfunction(value):
+            setattr(cls, name, _answering(value))
+
+
+_answer_failures(CkptEngineWorkerExtension)
 
 
 def _offer_bytes(offer: bytes | str) -> bytes:
