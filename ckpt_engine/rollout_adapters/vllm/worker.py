@@ -60,6 +60,10 @@ class CkptEngineWorkerExtension:
             )
         return core
 
+    def _ckpt_arm(self, request: dict[str, Any]) -> None:
+        """Arm the installed-weight check `request` (its wire form): apart, or with a receive."""
+        self._ckpt_core().installed_arm(InstalledRequest.from_wire(request))
+
     def _ckpt_rank(self) -> int:
         return int(getattr(self, "rank", 0))
 
@@ -94,7 +98,7 @@ class CkptEngineWorkerExtension:
         `delta`: the controller's delta request (patches against this worker's base copy);
         `installed`: the sync's installed-weight check, armed first (`ckpt_installed_arm`)."""
         if installed is not None:
-            self._ckpt_core().installed_arm(InstalledRequest.from_wire(installed))
+            self._ckpt_arm(installed)
         return self._ckpt_core().receive(digest, delta)
 
     def ckpt_finalize(self, version: int) -> dict[str, Any]:
@@ -104,7 +108,7 @@ class CkptEngineWorkerExtension:
     def ckpt_installed_arm(self, request: dict[str, Any]) -> dict[str, Any]:
         """Before a checked sync streams (installed-weight checks, `vllm/installed.py`): record where
         checkpoint regions land in this model if not yet, and digest the coming load's layers."""
-        self._ckpt_core().installed_arm(InstalledRequest.from_wire(request))
+        self._ckpt_arm(request)
         return {"armed": True}
 
     def ckpt_installed(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -133,7 +137,7 @@ class CkptEngineWorkerExtension:
         store, rank = self._ckpt_outcomes
         check_ticket(ticket)
         if installed is not None:
-            self._ckpt_core().installed_arm(InstalledRequest.from_wire(installed))
+            self._ckpt_arm(installed)
         return self._ckpt_core().stage(digest, delta, on_end=lambda error: report_outcome(store, ticket, rank, error))
 
     def ckpt_stage_status(self) -> dict[str, Any]:
