@@ -24,21 +24,13 @@ import torch
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.elastic import join_from_peer
 from ckpt_engine.elastic.offer import PeerOffer, tensor_checksums
-from ckpt_engine.transports.nixl_agent import load_nixl
 
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
+from test_elastic_join import nixl_missing  # noqa: E402
 from test_vllm_adapter import PROMPTS, QWEN2_CONFIG, WORKER_EXTENSION, hf_greedy, llm_greedy, source_of, trainer_model  # noqa: E402
-
-
-def nixl_missing() -> str:
-    try:
-        load_nixl()
-    except ImportError as exc:
-        return f"{exc} (scripts/setup.sh installs it)"
-    return ""
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing())]
