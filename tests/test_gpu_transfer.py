@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import datetime
+import uuid
+
 import pytest
 import torch
+
+from ckpt_engine.engine import Rendezvous
 
 from ranks import run_ranks
 from roundtrip import roundtrip_rank
@@ -41,6 +47,21 @@ def test_nccl_tensors_land_in_their_destinations(engine_kwargs: dict, stable: bo
 def test_colocated_cuda_ipc_bit_exact() -> None:
     results = run_ranks(roundtrip_rank, 2, backend="colocated", device="cuda:0", timeout_s=30)
     assert results[1]["bad"] == []
+
+
+def test_colocated_sender_and_receiver_in_one_process() -> None:
+    """Both ends in one process (vLLM's engine core inside the trainer's process,
+    VLLM_ENABLE_V1_MULTIPROCESSING=0): CUDA IPC cannot open a handle where it was made ("invalid
+    device context" at join, seen on one H200 with vLLM 0.26), so the receiver takes the sender's
+    buffers and tensors themselves; bit-exact over two syncs, with and without the sender's own
+    tensors read in place."""
+    for stable in (True, False):  # the sender's tensors offered, or packed into the shared buffers
+        master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+        rdzv = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 2, "colocated", 30.0, 1)
+        with cf.ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(roundtrip_rank, r, rdzv, device="cuda:0", stable=stable) for r in (0, 1)]
+            results = [f.result(timeout=120) for f in futures]
+        assert results[1]["bad"] == []
 
 
 def test_nccl_delta_chain_and_corrupt_patch() -> None:

@@ -17,7 +17,7 @@ import torch
 
 from ckpt_engine.engine import Rendezvous, TransferError
 from ckpt_engine.transports.shared_buffers import map_buffers, share_buffers, unlink_files, validate_descriptors
-from ckpt_engine.transports.shared_tensors import can_share, describe_tensors, map_tensors, probe_host_sharing
+from ckpt_engine.transports.shared_tensors import can_share, describe_tensors, forget_local, local_tensors, map_tensors, probe_host_sharing, publish_local
 from ckpt_engine.transports.transport import SLACK, SourceSharing, Transport
 
 __all__ = ["ColocatedTransport"]
@@ -48,6 +48,9 @@ class ColocatedTransport(Transport, SourceSharing):
         self._probe: torch.Tensor | None = None
         self._offered: list[torch.Tensor] = []  # held: their memory cannot go to another tensor
         self._offered_layout: list[tuple[int, torch.Size, torch.dtype]] = []
+        self._local: dict[str, Any] = {}
+        """What this sender published for a receiver in its own process (`shared_tensors.publish_local`):
+        its buffers', its latest offer's."""
         self._generation = 0  # bumped whenever the offered tensors' handles change
         self._mapped: list[torch.Tensor] = []
         self._mapped_generation = 0
@@ -84,6 +87,8 @@ class ColocatedTransport(Transport, SourceSharing):
         if rank == 0:
             self.buffers, descs, self._shm_paths = share_buffers(self.device, self.num_buffers, size)
             msg: dict[str, Any] = {"size": size, "buffers": descs}
+            if self.device.type == "cuda":
+                msg["local"] = self._local["buffers"] = publish_local(self.buffers)
             if self.device.type == "cpu":
                 self._probe, msg["probe"] = probe_host_sharing()
             store.set("colocated/buffers", msgpack.packb(msg, use_bin_type=True))
@@ -93,8 +98,9 @@ class ColocatedTransport(Transport, SourceSharing):
             store.wait(["colocated/buffers"], timeout)
             info = msgpack.unpackb(store.get("colocated/buffers"), raw=False)
             probe = info.pop("probe", None) if isinstance(info, dict) else None
+            local = local_tensors(info.pop("local", None)) if isinstance(info, dict) else None
             descs = validate_descriptors(info, self.num_buffers, size, "the colocated sender")
-            self.buffers = map_buffers(self.device, descs, size)
+            self.buffers = list(local) if local is not None else map_buffers(self.device, descs, size)
             store.set("colocated/can_map", b"1" if probe is None or self._maps(probe) else b"0")  # type: ignore[arg-type]  # a Store takes bytes too
         self._store = store
         self.broken = False
@@ -115,6 +121,9 @@ class ColocatedTransport(Transport, SourceSharing):
         self._offered, self._offered_layout, self._mapped = [], [], []
         self._mapped_generation = 0  # a sender joined next counts its offers from 1 again
         unlink_files(self._shm_paths)
+        for local in self._local.values():
+            forget_local(local)
+        self._local = {}
 
     def abort(self) -> None:
         self.broken = True
@@ -211,6 +220,9 @@ class ColocatedTransport(Transport, SourceSharing):
             self._store.set(f"colocated/sources/{self._generation}", msgpack.packb(info, use_bin_type=True))
             if old:
                 self._store.delete_key(f"colocated/sources/{old}")
+            forget_local(self._local.pop("offer", None))
+            if "local" in info:
+                self._local["offer"] = info["local"]
             # Read again: sharing a host storage by descriptor may have moved it (not one `share_memory_()` made).
             self._offered, self._offered_layout = list(tensors), [(t.data_ptr(), t.shape, t.dtype) for t in tensors]
         self.device_sync_point()  # the source's writes are done before the receiver reads
