@@ -116,17 +116,18 @@ class SenderFollower:
         if not isinstance(opts, dict) or not {"bucket_size_bytes", "num_buffers", "verify", "engine_kwargs"} <= set(opts):
             raise ValueError(f"malformed join options from trainer rank 0: {opts!r:.200}")
         rdzv = Rendezvous.from_dict(msg["rdzv"])
-        engine = CheckpointEngineRegistry.new(
-            rdzv.backend, bucket_size_bytes=opts["bucket_size_bytes"], num_buffers=opts["num_buffers"],
-            timeout_s=rdzv.timeout_s, verify=opts["verify"], **opts["engine_kwargs"],
-        )
+
+        def new_engine() -> CheckpointEngine:  # this group's, and one per receiver set in region delivery
+            return CheckpointEngineRegistry.new(
+                rdzv.backend, bucket_size_bytes=opts["bucket_size_bytes"], num_buffers=opts["num_buffers"],
+                timeout_s=rdzv.timeout_s, verify=opts["verify"], **opts["engine_kwargs"],
+            )
+
+        engine = new_engine()
         if sends:
             engine.init_process_group(rdzv, sender_index)
         self.engine, self.joined = engine, sends
-        self._regions.joined(rdzv, lambda: CheckpointEngineRegistry.new(
-            rdzv.backend, bucket_size_bytes=opts["bucket_size_bytes"], num_buffers=opts["num_buffers"],
-            timeout_s=rdzv.timeout_s, verify=opts["verify"], **opts["engine_kwargs"],
-        ), engine)
+        self._regions.joined(rdzv, new_engine, engine)
 
     def sync(self, source: ShardedWeightSource) -> None:
         """Collective with trainer rank 0's sync: follow its two announcements, send, report."""
@@ -189,7 +190,7 @@ class SenderFollower:
         try:
             manifest = engine.plan(list(source.metadata()), num_senders=source.num_senders, owners=source.owners())
         except Exception as exc:
-            logger.warning("trainer rank %d: sending its pieces failed: %s", self.channel.rank, exc)
+            logger.warning("trainer rank %d: planning its sync failed: %s", self.channel.rank, exc)
             self.close()
             return None, f"{type(exc).__name__}: {exc}"
         if manifest.digest != msg["digest"]:
