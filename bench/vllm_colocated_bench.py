@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--gpu-mem", type=float, default=0.3)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--profile", default=None, help="write cProfile tables of four syncs of the checked session here")
+    ap.add_argument("--profile", default=None, help="write cProfile tables of four syncs of the checked session here (raw stats beside it)")
     args = ap.parse_args()
 
     from vllm import LLM
@@ -143,7 +143,8 @@ def main() -> None:
             for _ in range(4):  # two checked, two unchecked
                 run()
             prof.disable()
-            worker = llm.collective_rpc("bench_profile", args=("stop", "", 45))[0]
+            worker = llm.collective_rpc("bench_profile", args=("stop", args.profile + ".worker.pstats", 45))[0]
+            prof.dump_stats(args.profile + ".trainer.pstats")  # both raw, for pstats wherever they are read
             text = io.StringIO()
             pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
             Path(args.profile).write_text("== worker (4 syncs, 2 checked)\n" + worker + "\n== trainer main thread\n" + text.getvalue())

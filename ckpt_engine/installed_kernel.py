@@ -13,6 +13,7 @@ needs Triton).
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -50,7 +51,7 @@ class Folder:
 
     def __init__(self, views: Sequence[torch.Tensor]) -> None:
         self.views = list(views)
-        key = tuple((v.data_ptr(), v.dtype, v.shape, v.stride()) for v in self.views)
+        key = tuple(tuple(map(f, self.views)) for f in _GEOMETRY)  # C loops: ~4x faster than a tuple per view
         tables = _TABLES.pop(key, None)
         if tables is None:
             tables = _tables(self.views) if self.views else []
@@ -79,6 +80,7 @@ class Folder:
         return out
 
 
+_GEOMETRY = (torch.Tensor.data_ptr, operator.attrgetter("dtype"), operator.attrgetter("shape"), torch.Tensor.stride)
 _KEPT = 4
 _TABLES: dict[tuple, list[tuple[list[int], int, torch.Tensor]]] = {}
 """The tables of the last `_KEPT` sets of views, by their addresses, dtypes, sizes and strides (equal

@@ -59,6 +59,26 @@ class InstalledFaultsExtension(CkptEngineWorkerExtension):
                 target.weight_loader = original
         self._planted = []
 
+    def test_plant_direct(self, target: str) -> None:
+        """A direct copy (`vllm/direct_load.py`: a model that loads in place, bf16 on CUDA) that
+        leaves one wrong bit in `target`'s last element after every load (the element each sampled
+        check reads)."""
+        direct = self._ckpt_core()._direct_loads()
+        assert direct is not None, "this engine makes no direct copies"
+        original = direct.load
+        words = self.model_runner.get_model().get_parameter(target).data.view(-1).view(torch.int16)  # type: ignore[attr-defined]
+
+        def load(pairs: Any) -> Any:
+            rest = original(pairs)
+            words[-1:].bitwise_xor_(1)
+            return rest
+
+        direct.load = load  # type: ignore[method-assign]
+        self._direct_planted = direct
+
+    def test_unplant_direct(self) -> None:
+        vars(self._direct_planted).pop("load", None)
+
     def test_state(self) -> dict[str, Any]:
         core = self._ckpt_core()
         return {"stale": core.stale, "version": core.version}

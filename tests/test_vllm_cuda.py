@@ -35,7 +35,9 @@ from ckpt_engine import CheckpointEngineConfig  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmRollout  # noqa: E402
 from ckpt_engine.sources.base import StateDictSource  # noqa: E402
 from ckpt_engine.sync.api import close_sessions, sync_rollout_weights  # noqa: E402
+from _vllm_installed_faults import EXTENSION as FAULTS_EXTENSION  # noqa: E402
 from helpers_vllm_cuda import digests, greedy  # noqa: E402
+from ckpt_engine.sync.report import SyncError  # noqa: E402
 
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
@@ -86,7 +88,8 @@ def reference(model_dir: Path) -> tuple[dict[str, str], list[list[int]]]:
 def engine(model_dir: Path, reference: Any) -> Iterator[Any]:
     from vllm import LLM
 
-    llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION, **ENGINE)
+    # the worker extension plus test-only fault plants (`_vllm_installed_faults.py`), untouched unless planted
+    llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, worker_extension_cls=FAULTS_EXTENSION, **ENGINE)
     yield llm
     close_sessions()
     llm.llm_engine.engine_core.shutdown()
@@ -162,6 +165,29 @@ def test_colocated_on_the_engines_gpu(engine: Any, model_dir: Path, reference: A
     assert_holds_reference(engine, reference)
     # A bf16 model on CUDA loads in place: the loaders' copies were made directly (vllm/direct_load.py)
     assert report is not None and report.receivers[handle.name]["direct_tensors"] > 0, report.receivers
+
+
+def test_installed_check_on_cuda_names_a_wrong_byte(engine: Any, model_dir: Path, reference: Any) -> None:
+    """Every colocated sync checked (`verify_installed: 1`): the engine's digests of its live
+    parameters (one launch over views kept across checks) equal the trainer's; a direct copy that
+    leaves one wrong bit in one parameter fails the sync at verify naming that tensor, and the next
+    sync (a seed) restores the reference. 3 times."""
+    handle = VllmRollout("vllm-cuda-checked", engine, timeout_s=60.0)
+    trainer = hf_model(model_dir, REFERENCE_SEED, "cuda:0")
+    config = CheckpointEngineConfig(backend="colocated", timeout_s=60.0, stage="off", verify_installed=1)
+    target = "model.layers.1.mlp.down_proj.weight"
+    for _ in range(3):
+        sync_rollout_weights(source(trainer), [handle], config=config)
+        sync_rollout_weights(source(trainer), [handle], config=config)  # its check rides on the receive
+        engine.collective_rpc("test_plant_direct", args=(target,))
+        try:
+            with pytest.raises(SyncError, match="verify") as err:
+                sync_rollout_weights(source(trainer), [handle], config=config)
+            assert f"{target}" in str(err.value) and "installed weights differ from the source" in str(err.value)
+        finally:
+            engine.collective_rpc("test_unplant_direct")
+    sync_rollout_weights(source(trainer), [handle], config=config)
+    assert_holds_reference(engine, reference)
 
 
 def test_a_sender_device_other_than_the_tensors_is_refused_by_name(engine: Any, model_dir: Path) -> None:

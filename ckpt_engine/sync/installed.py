@@ -104,6 +104,7 @@ class InstalledChecks:
         self.request: InstalledRequest | None = None
         """The check armed for the sync under way (None: no check)."""
         self._want: dict[str, list[Key]] = {}
+        self._wanted_for: tuple[tuple[tuple[str, ...], tuple[ReceivePlan | None, ...]], dict[str, list[Key]]] | None = None
         self._folds = Folds(0, samples)
         self._digests: dict[Key, int] = {}
         """Each key's image in `_folds` (the trainer's side of the armed check)."""
@@ -150,13 +151,7 @@ class InstalledChecks:
             self._say(f"installed-weight checks: engine(s) {', '.join(cannot)} cannot digest what they installed; not checked")
         self.request, self.seconds = InstalledRequest(list(names), secrets.randbelow(MAX_SEED), self.samples), 0.0
         self._folds = Folds(self.request.seed, self.samples)
-        sent = set(names)
-        want: dict[str, set[Key]] = {}
-        for plan in plans or [None]:
-            for n in sent if plan is None else sent & set(plan.holds):
-                for region in (None,) if plan is None or plan.holds[n] is None else plan.holds[n] or ():
-                    want.setdefault(n, set()).add((n, region))
-        self._want = {n: sorted(keys, key=lambda k: (k[1] is not None, k[1])) for n, keys in want.items()}
+        self._want = self._wanted(names, plans)
         if senders > 1:
             self._order = [k for n in names for k in self._want.get(n, ())]
             if len(msgpack.packb(self._announced_keys(), use_bin_type=True)) > MAX_KEYS_BYTES:
@@ -168,6 +163,22 @@ class InstalledChecks:
                     r.arm_installed(self.request)
                 except Exception as exc:
                     raise RuntimeError(f"engine {r.name!r}: could not arm the installed-weight check ({type(exc).__name__}: {exc}); nothing was sent") from exc
+
+    def _wanted(self, names: list[str], plans: Sequence[ReceivePlan | None]) -> dict[str, list[Key]]:
+        """Each sent name's keys (its regions some engine rank holds); the same names and plans give
+        the same keys at every check of a session, so they are worked out once."""
+        cache = (tuple(names), tuple(plans))
+        if self._wanted_for is not None and self._wanted_for[0] == cache:
+            return self._wanted_for[1]
+        sent = set(names)
+        want: dict[str, set[Key]] = {}
+        for plan in plans or [None]:
+            for n in sent if plan is None else sent & set(plan.holds):
+                for region in (None,) if plan is None or plan.holds[n] is None else plan.holds[n] or ():
+                    want.setdefault(n, set()).add((n, region))
+        out = {n: sorted(keys, key=lambda k: (k[1] is not None, k[1])) for n, keys in want.items()}
+        self._wanted_for = (cache, out)
+        return out
 
     def _announced_keys(self) -> list[list[Any]]:
         return [[n, r.to_wire() if r is not None else None] for n, r in self._order]
@@ -244,13 +255,12 @@ class InstalledChecks:
         problems: list[str] = []
         for rank, report in enumerate(reports):
             where = f"rank {rank}" if len(reports) > 1 else "its weights"
-            for (name, region), got in report.digests.items():
-                want = expected.get((name, region))
-                what = name if region is None else f"{name}[dim {region.dim}: {region.start}:{region.start + region.length}]"
+            for key, got in report.digests.items():
+                want = expected.get(key)
                 if want is None:
-                    problems.append(f"{what} ({where}): installed, but no receive plan says the rank holds it")
+                    problems.append(f"{_key_text(key)} ({where}): installed, but no receive plan says the rank holds it")
                 elif want != got:
-                    problems.append(f"{what} ({where}): installed weights differ from the source")
+                    problems.append(f"{_key_text(key)} ({where}): installed weights differ from the source")
             for what in report.missing:
                 problems.append(f"{what} ({where}): sent but not installed")
             if report.unchecked:
@@ -267,6 +277,11 @@ class InstalledChecks:
         if message not in self._said:
             self._said.add(message)
             logger.warning("%s", message)
+
+
+def _key_text(key: Key) -> str:
+    name, region = key
+    return name if region is None else f"{name}[dim {region.dim}: {region.start}:{region.start + region.length}]"
 
 
 def _names(names: list[str]) -> str:

@@ -187,15 +187,29 @@ class LiveImages:
         self.views: list[torch.Tensor] = []
         self.rest: list[Slot] = []
         self._kernel: bool | None = None
+        self._folder: Folder | None = None
         self._checks: tuple[list[dict[str, Any]], list[str], list[torch.Tensor], list[int], list[torch.Size]] | None = None
         self._owners: dict[str, tuple[dict[str, Any], str, torch.Tensor, int, torch.Size]] = {}
-        for slot, landing in slots:
-            t = self._tensor(model, landing)
-            if t is None:
-                self.rest.append(slot)
-            else:
-                self.slots.append(slot)
-                self.views.append(t.as_strided(landing.sizes, landing.strides, t.storage_offset() + landing.offset))
+        with torch._C.DisableTorchFunctionSubclass():  # vLLM's parameters answer in Python otherwise
+            for slot, landing in slots:
+                t = self._tensor(model, landing)
+                if t is None:
+                    self.rest.append(slot)
+                else:
+                    self.slots.append(slot)
+                    self.views.append(t.as_strided(landing.sizes, landing.strides, t.storage_offset() + landing.offset))
+        self.keys: list[Key] | None = [key for key, _ in self.slots]
+        """Each slot's key when no key has two slots (a region loaded into two places), else None."""
+        if len(set(self.keys)) != len(self.keys):
+            self.keys = None
+
+    def folder(self) -> Folder:
+        """The fold kernel's tables for the views (`on_gpu` ones), kept with them."""
+        if self._folder is None:
+            from ckpt_engine.installed_kernel import Folder  # Triton: only where a GPU folds
+
+            self._folder = Folder(self.views)
+        return self._folder
 
     def on_gpu(self) -> bool:
         """Whether the views are CUDA images the fold kernel takes (`installed_kernel.py`: one launch)."""
@@ -231,11 +245,12 @@ class LiveImages:
             owners = list(self._owners.values())
             self._checks = ([o[0] for o in owners], [o[1] for o in owners], [o[2] for o in owners], [o[3] for o in owners], [o[4] for o in owners])
         holders, attrs, tensors, ptrs, shapes = self._checks
-        return (
-            all(map(operator.is_, map(_get, holders, attrs), tensors))
-            and list(map(torch.Tensor.data_ptr, tensors)) == ptrs
-            and list(map(_shape, tensors)) == shapes
-        )
+        with torch._C.DisableTorchFunctionSubclass():  # ~3 us a tensor through vLLM's parameter class
+            return (
+                all(map(operator.is_, map(_get, holders, attrs), tensors))
+                and list(map(torch.Tensor.data_ptr, tensors)) == ptrs
+                and list(map(_shape, tensors)) == shapes
+            )
 
 
 _get = dict.get
@@ -338,9 +353,7 @@ class InstalledCapture:
         live = self.layout.live(self.model, self._hooked)
         if self.request.samples <= 0 or not live.on_gpu():
             return live, None
-        from ckpt_engine.installed_kernel import Folder  # Triton: only where a GPU folds
-
-        return live, Folder(live.views)
+        return live, live.folder()
 
     def report(self, whole_only: bool = False) -> InstalledReport:
         """The digests of every key of the request this worker holds: captured before post-processing
@@ -357,6 +370,11 @@ class InstalledCapture:
             keep = set(self.keys)
         request = self.request
         live, folder = self._live()
+        if folder is not None and live.keys is not None and keep is None and not (self._hooked or live.rest or self.layout.pieces or self.values):
+            # every key read as one live view in one launch (a model that loads in place, at every
+            # check after the first): no per-key Python on the way
+            digests = dict(zip(live.keys, folder.fold(request.seed, request.samples)))
+            return InstalledReport(digests, list(self.layout.unwritten), sorted(self.layout.unfollowed), [], self.seconds + time.perf_counter() - t0)
         for j, ((key, target), view) in enumerate(zip(live.slots, live.views)):
             if keep is None or key in keep:
                 self.values.setdefault(key, {})[target] = -(j + 1) if folder is not None else self.folds.add(view)
