@@ -10,6 +10,7 @@ engine start is ~30 s here); the bad offer runs first, on the fresh B."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 from collections.abc import Iterator
@@ -38,13 +39,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(nixl_missing()), reason=
 CONFIG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, stage="full", delta="off")
 
 
-def start_llm(model_dir: Path) -> Any:
+def start_llm(model_dir: Path, extension: str = WORKER_EXTENSION) -> Any:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     return LLM(
         model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-        worker_extension_cls=WORKER_EXTENSION, **ENGINE_ARGS,
+        worker_extension_cls=extension, **ENGINE_ARGS,
     )
 
 
@@ -123,6 +124,47 @@ def test_a_bad_offer_is_refused_by_name_before_anything_is_allocated(fleet: Flee
         assert fleet.b.version is None and llm_greedy(fleet.llm_b)[0] == fleet.b_before
     finally:
         fleet.a.peer_done(PeerOffer.decode(raw, "A").offer_id)
+
+
+def test_a_claimed_worker_refuses_a_non_owners_peer_calls_by_name_and_nothing_changes(fleet: Fleet) -> None:
+    """A claimed by group job-1, B by job-2 (`ckpt_peer_claim`, as the reference receiver's lease):
+    a caller naming another group or none is refused by name at each peer call (offer, check, done,
+    pull) and nothing changes (A's open offer stays open, B allocates and stages nothing); the
+    owner's calls go through. Released, the handles' calls go through again (the join below)."""
+    v = fleet.version
+    a_before, b_before = fleet.a.worker_health(), fleet.b.worker_health()
+    fleet.a.peer_rpc("peer_claim", owner="job-1", lease_s=60.0)
+    fleet.b.peer_rpc("peer_claim", owner="job-2", lease_s=60.0)
+    try:
+        def refused(group: str, caller: str) -> str:
+            return f"PermissionError: engine belongs to weight-sync group {group} .another job or daemon.; refusing {caller}"
+
+        with pytest.raises(RuntimeError, match=refused("job-1", "a caller that names no group")):
+            fleet.a.peer_offer(v, 30.0)
+        with pytest.raises(RuntimeError, match=refused("job-1", "group job-2")):
+            fleet.a.peer_rpc("peer_offer", version=v, open_s=30.0, owner="job-2")
+        raw = base64.b64decode(fleet.a.peer_rpc("peer_offer", version=v, open_s=30.0, owner="job-1"))
+        offer_id = PeerOffer.decode(raw, "A").offer_id
+        try:
+            with pytest.raises(RuntimeError, match=refused("job-1", "a caller that names no group")):
+                fleet.a.peer_check(raw)
+            with pytest.raises(RuntimeError, match=refused("job-1", "group job-2")):
+                fleet.a.peer_rpc("peer_done", offer_id=offer_id, owner="job-2")
+            fleet.a.peer_rpc("peer_check", offer=raw, owner="job-1")  # still open: the refused done closed nothing
+            with pytest.raises(RuntimeError, match="did not start the pull .*" + refused("job-2", "a caller that names no group")):
+                fleet.b.pull_from_peer(raw, v, "A", 30.0)
+            with pytest.raises(RuntimeError, match=refused("job-2", "group job-1")):
+                fleet.b.peer_rpc("peer_pull", offer=raw, version=v, peer="A", read_timeout_s=30.0, owner="job-1")
+            assert fleet.b.worker_health() == b_before and fleet.a.worker_health() == a_before
+            assert (a_before[0]["version"], a_before[0]["peer_image"], b_before[0]["version"], b_before[0]["staged"]) == (v, v, None, None)
+            assert fleet.b.version is None and llm_greedy(fleet.llm_b)[0] == fleet.b_before
+        finally:
+            fleet.a.peer_rpc("peer_done", offer_id=offer_id, owner="job-1")
+    finally:
+        assert fleet.a.peer_rpc("peer_release", owner="job-1") is True
+        assert fleet.b.peer_rpc("peer_release", owner="job-2") is True
+    raw = fleet.a.peer_offer(v, 30.0)  # unclaimed: any caller, as before
+    fleet.a.peer_done(PeerOffer.decode(raw, "A").offer_id)
 
 
 def test_a_late_engine_joins_from_a_serving_peer_bit_for_bit(fleet: Fleet) -> None:

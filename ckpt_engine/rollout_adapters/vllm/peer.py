@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ import torch
 from ckpt_engine.elastic.offer import PeerOffer
 from ckpt_engine.elastic.peer_source import PeerSource
 from ckpt_engine.elastic.pull import read_checked
+from ckpt_engine.rollout_adapters.engine_lease import EngineLease
 from ckpt_engine.rollout_adapters.vllm.specs import VllmSpecs
 from ckpt_engine.rollout_adapters.vllm.staging import Prepare, StagedReceive, Staging
 
@@ -64,6 +66,19 @@ class VllmPeer:
         self._pull: StagedReceive | None = None
         self.pulled: tuple[int, str] | None = None
         """(version, peer) of the pull the last swap installed (None: a trainer sync installed it)."""
+        self.lease = EngineLease()
+        """Which weight-sync group may make this worker's peer calls (`caller`), as the reference
+        receiver's lease guards its own: a worker serving one job is not offered or pulled into by another."""
+        self.hold: Callable[[], None] = _no_hold
+        """Called between two read windows of a pull: where a fault test holds one to act on its
+        peer mid-pull, with no timing (`tests/_vllm_peer_faults.py`)."""
+
+    def caller(self, owner: str | None) -> VllmPeer:
+        """This worker's peer joins, for a caller naming weight-sync group `owner` (None: none).
+        PermissionError naming the owner while another group claimed this worker; an owner's call
+        renews its claim, and the first call naming one claims an unclaimed worker (`EngineLease`)."""
+        self.lease.owned_call(_no_hold)(owner=owner)
+        return self
 
     # --- the serving side ------------------------------------------------------------------------
     def clear(self, why: str = _NOT_STAGED) -> None:
@@ -124,7 +139,7 @@ class VllmPeer:
             t0 = time.perf_counter()
             into = {t.name: staging.copy.slot(t.name, t.shape, getattr(torch, t.dtype), device) for t in offer.tensors}
             staging.copy.retain(into)
-            nbytes, phases = read_checked(into, offer, peer, read_timeout_s, lambda: None)
+            nbytes, phases = read_checked(into, offer, peer, read_timeout_s, self.hold)
             alias = [(head, into[emb]) for head, emb in specs.tied.items() if head not in into and emb in into]
             staged.sink([*into.items(), *alias])  # kept as they are: they already are the staging copy
             seconds = time.perf_counter() - t0
@@ -133,6 +148,10 @@ class VllmPeer:
 
         staging.start(f"peer-pull:{peer}:v{version}", stream, True, prepare)
         self._pull = staging.version
+
+
+def _no_hold() -> None:
+    """No hold: a pull reads its windows back to back."""
 
 
 def check_against(offer: PeerOffer, version: int, specs: VllmSpecs) -> None:

@@ -156,19 +156,32 @@ class CkptEngineWorkerExtension:
         return self._ckpt_core().staging_room(int(nbytes), limit_bytes)
 
     # --- peer joins: offer the served version's image, or stage a pull of a peer's (vllm/peer.py) ---
-    def ckpt_peer_offer(self, version: int, open_s: float) -> str:
+    # Each peer call names its caller's weight-sync group (`owner`, None: none); while another group
+    # claimed this worker it is refused by name and changes nothing (`VllmPeer.caller`).
+    def ckpt_peer_claim(self, owner: str, lease_s: float) -> dict[str, Any]:
+        """Make weight-sync group `owner` the only caller of this worker's peer calls for `lease_s`,
+        renewed by its calls; refused while another group holds the claim (`engine_lease.py`)."""
+        self._ckpt_core().peer.lease.claim(owner, lease_s)
+        return {"owner": owner}
+
+    def ckpt_peer_release(self, owner: str) -> bool:
+        return self._ckpt_core().peer.lease.release(owner)
+
+    def ckpt_peer_offer(self, version: int, open_s: float, owner: str | None = None) -> str:
         """An offer of `version` (base64: the HTTP route carries JSON); refused unless this worker keeps its image."""
-        return base64.b64encode(self._ckpt_core().peer.offer(int(version), float(open_s))).decode("ascii")
+        return base64.b64encode(self._ckpt_core().peer.caller(owner).offer(int(version), float(open_s))).decode("ascii")
 
-    def ckpt_peer_check(self, offer: bytes | str) -> None:
-        self._ckpt_core().peer.source.check(_offer_bytes(offer))
+    def ckpt_peer_check(self, offer: bytes | str, owner: str | None = None) -> None:
+        self._ckpt_core().peer.caller(owner).source.check(_offer_bytes(offer))
 
-    def ckpt_peer_done(self, offer_id: int) -> None:
-        self._ckpt_core().peer.source.done(int(offer_id))
+    def ckpt_peer_done(self, offer_id: int, owner: str | None = None) -> None:
+        self._ckpt_core().peer.caller(owner).source.done(int(offer_id))
 
-    def ckpt_peer_pull(self, offer: bytes | str, version: int, peer: str, read_timeout_s: float) -> dict[str, Any]:
+    def ckpt_peer_pull(self, offer: bytes | str, version: int, peer: str, read_timeout_s: float, owner: str | None = None) -> dict[str, Any]:
         """Start staging a pull of `peer`'s offer; its end shows in `ckpt_stage_status`, then `ckpt_swap`."""
-        return self._ckpt_core().peer_pull(_offer_bytes(offer), int(version), str(peer), float(read_timeout_s))
+        core = self._ckpt_core()
+        core.peer.caller(owner)
+        return core.peer_pull(_offer_bytes(offer), int(version), str(peer), float(read_timeout_s))
 
     # --- adapter-only syncs (LoRA versions in vLLM's own LoRA manager: vllm/lora_worker.py) ---
     def _ckpt_lora_core(self, max_versions: int | None = None) -> Any:
