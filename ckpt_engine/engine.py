@@ -4,7 +4,7 @@ what travels with it (`Rendezvous`, `Topology`, `SendStats`, `TransferError`).
 It sits above both `pipeline/` and `transports/`, so neither imports the other through it; the
 registry (`registry.py`) builds an engine for a transport's name. Collective contract: every
 member (the senders, then every receiver rank) calls `init_process_group` once; per sync the
-senders call `send_weights` while every receiver iterates `receive_weights` over the same
+senders call `send_weights` while every receiver iterates `receive_buckets` over the same
 manifest; `finalize` releases buffers and group.
 """
 
@@ -212,17 +212,6 @@ class CheckpointEngine(ABC):
         keeps a reference past that point (vLLM's layerwise reload holds a layer's tensors until the
         layer is complete) must clone it.
         """
-
-    def receive_weights(
-        self,
-        manifest: BucketManifest,
-        destinations: Mapping[str, torch.Tensor] | None = None,
-        *,
-        delta: DeltaRequest | None = None,
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Receiver only: the same tensors one by one, for loaders that take (name, tensor) pairs."""
-        for bucket in self.receive_buckets(manifest, destinations, delta=delta):
-            yield from bucket
 
     def receive_staged(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, *, delta: DeltaRequest) -> StagedVersion:
         """Receiver only, a patch sync (issue 28): take and check every frame as `receive_buckets`

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
 import torch
@@ -133,13 +134,13 @@ def shard_rank(
                     mine = {n: torch.zeros_like(t) for n, t in sd.items()}
                 if touch is not None and version == touch:
                     mine["wide"].view(torch.int16).reshape(-1)[7] += 1
-                for n, t in engine.receive_weights(manifest, mine, delta=request):
+                for n, t in chain.from_iterable(engine.receive_buckets(manifest, mine, delta=request)):
                     if t.data_ptr() != mine[n].data_ptr() or not t.numel():
                         mine[n].copy_(t)
                 out["bad"] += [f"v{version} {n}" for n in sd if not same_bits(mine[n], sd[n])]
                 out["stats"].append(dict(getattr(engine, "last_delta_stats", {})))
             else:
-                got = {n: t.clone() for n, t in engine.receive_weights(manifest, delta=request)}
+                got = {n: t.clone() for n, t in chain.from_iterable(engine.receive_buckets(manifest, delta=request))}
                 out["bad"] += [f"v{version} {n}" for n in sd if n not in got or not same_bits(got[n], sd[n])]
                 out["stats"].append(dict(getattr(engine, "last_delta_stats", {})))
             base_id = request.new_id if request is not None else None

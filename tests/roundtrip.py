@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from itertools import chain
 from typing import Any
 
 import torch
@@ -73,7 +74,7 @@ def roundtrip_rank(
         else:
             got = {}
             dst = {n: torch.zeros_like(t, memory_format=torch.contiguous_format) for n, t in sd.items()} if destinations else None
-            for name, t in engine.receive_weights(manifest, dst):
+            for name, t in chain.from_iterable(engine.receive_buckets(manifest, dst)):
                 if dst is not None and name in alone | in_groups and not verify and t.data_ptr() != dst[name].data_ptr():
                     bad.append(f"v{version} {name} travelled alone or grouped but did not land in its destination")
                 landed_grouped += dst is not None and name in in_groups and t.data_ptr() == dst[name].data_ptr()

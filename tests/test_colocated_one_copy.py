@@ -4,6 +4,7 @@ them (one copy per byte); other senders go through the shared slots. Real proces
 from __future__ import annotations
 
 import time
+from itertools import chain
 from typing import Any
 
 import pytest
@@ -60,7 +61,7 @@ def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu") -> dict[s
         else:
             dst = {n: torch.zeros_like(t) for n, t in new.items()} if with_dst else None
             got = {}
-            for name, t in engine.receive_weights(manifest, dst):
+            for name, t in chain.from_iterable(engine.receive_buckets(manifest, dst)):
                 if dst is not None and mode in ("shared", "moved") and t is not dst[name]:
                     bad.append(f"v{version} {name}: copied out of the sender's tensor, but not into its destination")
                 got[name] = t.clone()

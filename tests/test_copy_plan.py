@@ -10,6 +10,7 @@ shards and whole tensors, 1 receiver; through `nccl_handoff` with sender 1 handi
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any
 
 import pytest
@@ -70,7 +71,7 @@ def _plan_rank(rank: int, rdzv: Rendezvous, *, local_senders: list[int] | None, 
         if dst is None or (move_destination and sync == 2):
             dst = {k: torch.zeros_like(v) for k, v in sd.items()}  # the loader's own tensors, new memory
         got: dict[str, torch.Tensor] = {}
-        for name, t in engine.receive_weights(manifest, dst):
+        for name, t in chain.from_iterable(engine.receive_buckets(manifest, dst)):
             if sd[name].dim() >= 2 and t.data_ptr() != dst[name].data_ptr():  # rows from both senders: reassembled in place
                 out["bad"].append(f"sync {sync}: {name} was not reassembled in the loader's current destination")
             got[name] = t.clone()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import uuid
+from itertools import chain
 from typing import Any
 
 import pytest
@@ -83,7 +84,7 @@ def _receiver(rank: int, rdzv: Any) -> dict[str, Any]:
     sync.init_process_group(rdzv, rank)
     got: dict[str, torch.Tensor] = {}
     for i in range(SYNCS):
-        got.update({f"s{i}/{n}": t.clone() for n, t in sync.receive_weights(manifest)})
+        got.update({f"s{i}/{n}": t.clone() for n, t in chain.from_iterable(sync.receive_buckets(manifest))})
     sync.finalize()
     return {"tensors": got}
 

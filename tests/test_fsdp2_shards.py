@@ -18,6 +18,7 @@ import inspect
 import threading
 import uuid
 from collections.abc import Callable
+from itertools import chain
 from typing import Any
 
 import pytest
@@ -214,7 +215,7 @@ def _receiver(rank: int, rdzv: Any) -> dict[str, Any]:
     sync.init_process_group(rdzv, rank)
     got: dict[str, torch.Tensor] = {}
     for version, request in enumerate(_requests()):
-        got.update({f"v{version}/{n}": t.clone() for n, t in sync.receive_weights(manifest, delta=request)})
+        got.update({f"v{version}/{n}": t.clone() for n, t in chain.from_iterable(sync.receive_buckets(manifest, delta=request))})
     sync.finalize()
     return {"tensors": got}
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import math
 import uuid
+from itertools import chain
 from typing import Any
 
 import pytest
@@ -244,7 +245,7 @@ def _receiver_phase(rdzv: Any, phase: str) -> dict[str, Any]:
     sync.init_process_group(rdzv, RECEIVER)
     got: dict[str, torch.Tensor] = {}
     for version in range(PHASES[phase][1]):
-        got.update({f"{phase}/v{version}/{n}": t.clone() for n, t in sync.receive_weights(manifest)})
+        got.update({f"{phase}/v{version}/{n}": t.clone() for n, t in chain.from_iterable(sync.receive_buckets(manifest))})
     sync.finalize()
     return {"tensors": got}
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import threading
 import uuid
+from itertools import chain
 from typing import Any
 
 import pytest
@@ -181,7 +182,7 @@ def _receive(rdzvs: dict[str, Any], got: dict[str, torch.Tensor], errors: list[s
             sync = CheckpointEngineRegistry.new("gloo", bucket_size_bytes=BUCKET, timeout_s=60)
             sync.init_process_group(rdzv, rdzv.num_senders)
             try:
-                got.update({f"{layout}/{n}": t.clone() for n, t in sync.receive_weights(manifest)})
+                got.update({f"{layout}/{n}": t.clone() for n, t in chain.from_iterable(sync.receive_buckets(manifest))})
             finally:
                 sync.finalize()
     except Exception as exc:  # reported by the fixture
