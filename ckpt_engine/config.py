@@ -58,7 +58,7 @@ class CheckpointEngineConfig:
     backend: str = "auto"
     """Transport: `auto` (nccl on CUDA, hccl on Ascend, gloo on CPU) or a registered name."""
     bucket_size_mb: float | None = None
-    """Bucket size in MiB; unset sizes it from free device memory (see `resolve_bucket_size_bytes`)."""
+    """Bucket size in MiB; unset sizes it from free device memory (see `planning.buckets.auto_bucket_size_bytes`)."""
     num_buffers: int = 2
     """Rotating bucket buffers per side (>= 2): bucket k+1 is packed while bucket k is in flight."""
     region_slot_memory_mb: float | None = None

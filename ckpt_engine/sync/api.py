@@ -114,7 +114,7 @@ def sync_rollout_weights(
     `rollouts` is a list of engine adapters (a session is kept per set of engines and reused) or
     a session. Concurrent calls for the same engines run one at a time.
     """
-    source = as_weight_source(source)  # a vLLM `WeightSource` works as well (vllm_source.py)
+    source = as_weight_source(source)  # a vLLM `WeightSource` works as well (sources/vllm.py)
     if not source.is_sender:
         mode = config.senders if config is not None else "auto"
         if wants_many_senders(source, mode):
