@@ -61,15 +61,13 @@ class FusedExpertRule:
 
 # model_type -> fused expert rules. Qwen MoE checkpoints: experts.{e}.{gate,up,down}_proj.weight;
 # Mixtral: block_sparse_moe.experts.{e}.{w1,w3,w2}.weight.
+_QWEN_MOE = (
+    FusedExpertRule("mlp.experts.gate_up_proj", ("gate_proj.weight", "up_proj.weight")),
+    FusedExpertRule("mlp.experts.down_proj", ("down_proj.weight",)),
+)
 FUSED_EXPERT_RULES: dict[str, tuple[FusedExpertRule, ...]] = {
-    "qwen2_moe": (
-        FusedExpertRule("mlp.experts.gate_up_proj", ("gate_proj.weight", "up_proj.weight")),
-        FusedExpertRule("mlp.experts.down_proj", ("down_proj.weight",)),
-    ),
-    "qwen3_moe": (
-        FusedExpertRule("mlp.experts.gate_up_proj", ("gate_proj.weight", "up_proj.weight")),
-        FusedExpertRule("mlp.experts.down_proj", ("down_proj.weight",)),
-    ),
+    "qwen2_moe": _QWEN_MOE,
+    "qwen3_moe": _QWEN_MOE,
     "mixtral": (
         FusedExpertRule("mlp.experts.gate_up_proj", ("w1.weight", "w3.weight"), (".mlp.", ".block_sparse_moe.")),
         FusedExpertRule("mlp.experts.down_proj", ("w2.weight",), (".mlp.", ".block_sparse_moe.")),
