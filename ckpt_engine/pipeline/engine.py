@@ -110,36 +110,34 @@ class PipelinedEngine(CheckpointEngine):
         """Whether the transport, as joined, carries delta frames."""
         return self.transport.frames is not None
 
-    def _refuse(self, delta: DeltaRequest | None) -> None:
+    def _ready(self, delta: DeltaRequest | None, call: str, sender: bool) -> None:
+        """Refuse `call` before anything moves: a delta request the transport cannot carry, no
+        (or a broken) group, or the wrong side (senders send, receivers receive)."""
         if delta is not None and not self.supports_delta:
             raise ValueError(f"the {self.name} backend does not do delta syncs as joined (use delta=off)")
+        self._require_group()
+        if sender and not self.is_sender:
+            raise RuntimeError(f"{call}() runs on sender ranks [0, {self.num_senders}), this is rank {self.rank}")
+        if not sender and self.is_sender:
+            raise RuntimeError(f"{call}() runs on receiver ranks, not on a sender (rank {self.rank})")
 
     def send_weights(
         self, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool = False, delta: DeltaRequest | None = None
     ) -> SendStats:
         """See CheckpointEngine.send_weights; the sync itself is `Sender.send`."""
-        self._refuse(delta)
-        self._require_group()
-        if not self.is_sender:
-            raise RuntimeError(f"send_weights() runs on sender ranks [0, {self.num_senders}), this is rank {self.rank}")
+        self._ready(delta, "send_weights", sender=True)
         return self.sender.send(self._state_for(manifest), manifest, weights, stable=stable, delta=delta)
 
     def receive_buckets(
         self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None = None, *, delta: DeltaRequest | None = None
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """See CheckpointEngine.receive_buckets; the sync itself is `Receiver.receive`."""
-        self._refuse(delta)
-        self._require_group()
-        if self.is_sender:
-            raise RuntimeError(f"receive_buckets() runs on receiver ranks, not on a sender (rank {self.rank})")
+        self._ready(delta, "receive_buckets", sender=False)
         yield from self.receiver.receive(self._state_for(manifest), manifest, destinations, delta)
 
     def receive_staged(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, *, delta: DeltaRequest) -> StagedVersion:
         """See CheckpointEngine.receive_staged; the sync itself is `DeltaReceiver.receive_staged`."""
-        self._refuse(delta)
-        self._require_group()
-        if self.is_sender:
-            raise RuntimeError(f"receive_staged() runs on receiver ranks, not on a sender (rank {self.rank})")
+        self._ready(delta, "receive_staged", sender=False)
         return self.receiver.receive_staged(self._state_for(manifest), manifest, destinations, delta)
 
     def restamp_bases(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor]) -> None:
