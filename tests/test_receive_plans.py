@@ -16,7 +16,7 @@ from regionranks import moe_specs, qwen2_specs
 
 Q = "model.layers.0.self_attn.q_proj.weight"
 K = "model.layers.0.self_attn.k_proj.weight"
-O = "model.layers.0.self_attn.o_proj.weight"
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
 
 
 def test_tp_plan_cuts_columns_rows_and_repeats_kv_heads() -> None:
@@ -26,7 +26,7 @@ def test_tp_plan_cuts_columns_rows_and_repeats_kv_heads() -> None:
     assert p0.holds[Q] == (Region(0, 0, 32),) and p1.holds[Q] == (Region(0, 32, 32),)
     assert p0.holds["model.layers.0.self_attn.q_proj.bias"] == (Region(0, 0, 32),)
     assert p0.holds[K] == p1.holds[K] == (Region(0, 0, 16),)  # one KV head, held by both
-    assert p1.holds[O] == (Region(1, 32, 32),)
+    assert p1.holds[O_PROJ] == (Region(1, 32, 32),)
     assert p1.holds["model.layers.0.mlp.down_proj.weight"] == (Region(1, 48, 48),)
     assert p0.holds["model.norm.weight"] is None and p0.holds["model.layers.0.input_layernorm.weight"] is None
     assert p1.holds["lm_head.weight"] == (Region(0, 80, 80),)
@@ -127,12 +127,12 @@ def test_pieces_that_only_partly_cover_a_held_region_are_refused() -> None:
 
 
 def test_piece_owners_follow_the_senders_rows() -> None:
-    spec = TensorSpec(O, "float32", (64, 64))
-    lay = RegionLayout.build([spec], [ReceivePlan({O: (Region(1, 0, 32),)}), ReceivePlan({O: (Region(1, 32, 32),)})])
-    owners = {O: row_shards(spec, [40, 24])}
-    mine = lay.sets[0].owners({O: spec}, owners)
+    spec = TensorSpec(O_PROJ, "float32", (64, 64))
+    lay = RegionLayout.build([spec], [ReceivePlan({O_PROJ: (Region(1, 0, 32),)}), ReceivePlan({O_PROJ: (Region(1, 32, 32),)})])
+    owners = {O_PROJ: row_shards(spec, [40, 24])}
+    mine = lay.sets[0].owners({O_PROJ: spec}, owners)
     assert mine is not None
-    assert [(s.sender, s.start, s.stop) for s in mine[f"{O}@1:0:32"]] == [(0, 0, 40 * 128), (1, 40 * 128, 64 * 128)]
+    assert [(s.sender, s.start, s.stop) for s in mine[f"{O_PROJ}@1:0:32"]] == [(0, 0, 40 * 128), (1, 40 * 128, 64 * 128)]
     q = TensorSpec(Q, "float32", (64, 64))
     lay = RegionLayout.build([q], [ReceivePlan({Q: (Region(0, 32, 32),)})])
     mine = lay.sets[0].owners({Q: q}, {Q: row_shards(q, [40, 24])})

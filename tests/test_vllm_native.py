@@ -79,7 +79,7 @@ class Swappable(ModuleSource):
 
 
 def two_syncs_then_reject(
-    engine: CkptEngineTrainerWeightTransferEngine, source: Swappable, greedy, client, model_dir: Path
+    engine: CkptEngineTrainerWeightTransferEngine, source: Swappable, greedy, client, config_dir: Path
 ) -> tuple[dict[str, str], dict[str, str], int]:
     """The shared scenario: two syncs land exactly, vLLM's weight checker agrees, a bad manifest is
     refused. Returns vLLM's checksums under the first and the second trainer's weights (held now),
@@ -88,7 +88,7 @@ def two_syncs_then_reject(
     before = greedy()
     held = client.weight_version()
     base = int(held) if held.isdigit() else 0  # a fresh engine says "default"
-    t1, t2 = trainer_model(model_dir, seed=31), trainer_model(model_dir, seed=32)
+    t1, t2 = trainer_model(config_dir, seed=31), trainer_model(config_dir, seed=32)
     source.use(t1)
     report = engine.send_weights()
     assert report is not None and report.version == base + 1 and report.buckets > 1
