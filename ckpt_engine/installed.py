@@ -313,10 +313,14 @@ class Folds:
         later, self._later = self._later, []
         uncast = [(i, v) for i, v, dtype in later if v.is_cuda and dtype == v.dtype] if self.samples > 0 else []
         if uncast:
-            from ckpt_engine.installed_kernel import fold_images, foldable  # Triton: only where a GPU folds
+            from ckpt_engine.installed_kernel import Folder, foldable  # Triton: only where a GPU folds
 
-            on_gpu = [(i, v) for i, v in uncast if foldable(v)]
-            self._folded.update(zip((i for i, _ in on_gpu), fold_images([v for _, v in on_gpu], self.seed, self.samples)))
+            try:  # kept tables answer at once (no per-view test); a view the kernel cannot read refuses
+                folder = Folder([v for _, v in uncast])
+            except ValueError:
+                uncast = [(i, v) for i, v in uncast if foldable(v)]
+                folder = Folder([v for _, v in uncast])
+            self._folded.update(zip((i for i, _ in uncast), folder.fold(self.seed, self.samples)))
         for i, view, dtype in later:
             if i not in self._folded:
                 self._read(i, view, dtype)

@@ -205,11 +205,16 @@ class InstalledChecks:
         tensor it yields stays valid and unchanged for the whole sync (`stable`: the source's
         `stable_tensors`), only noting them, for `verify` to fold while the engines digest theirs:
         off the sync's path (on one GPU, a 7B walk's 339 folds cost ~9.5 ms of launches in it)."""
+        if self.request is None or self.seconds is None:
+            yield from weights
+            return
+        want, digests, add, dtypes = self._want, self._digests, self._folds.add, self._dtypes
         for name, tensor in weights:
-            if self.request is not None and self.seconds is not None and name in self._want:
+            keys = want.get(name)
+            if keys is not None:
                 t = time.perf_counter()
-                for key in self._want[name]:
-                    self._digests[key] = self._folds.add(region_view(tensor, key[1]), self._dtypes.get(name), later=stable)
+                for key in keys:
+                    digests[key] = add(region_view(tensor, key[1]), dtypes.get(name), later=stable)
                 self.seconds += time.perf_counter() - t
             yield name, tensor
 
