@@ -94,13 +94,16 @@ fanout)  # 4 GPUs: one sender (cuda:0) to three receivers, Qwen2.5-7B and Qwen3-
     bench "fanout_${preset}_inplace" --backend nccl --preset "$preset" --receivers 3 --bucket-mb 1024 --modes raw,ours --iters 5 --in-place
   done
   ;;
-vllm-one)  # one GPU: the vLLM tests that fit it (colocated, LoRA), the race test, the colocated vLLM bench
-  VLLM_TESTS="tests/test_gpu_installed_race.py tests/test_installed_folds.py tests/test_vllm_cuda_lora.py tests/test_vllm_cuda.py::test_colocated_on_the_engines_gpu" \
-    VLLM_TEST_TIMEOUT=${VLLM_ONE_S:-300} VLLM_HANG_S=${VLLM_ONE_S:-300} bash "$0" vllm
-  echo "== vllm colocated bench ${VLLM_COLO_PRESET:-qwen2.5-7b}"
-  timeout "${VLLM_BENCH_TIMEOUT:-280}" python bench/vllm_colocated_bench.py --preset "${VLLM_COLO_PRESET:-qwen2.5-7b}" --gpu-mem 0.3 \
-    --json "$out/vllm_colocated.json" > "$out/vllm_colocated.log" 2>&1 &
-  pid=$!; watchdog 250 $pid; wait $pid; echo "exit $?"; grep -E "^(copy|ours|loaders|checked|staged|\{)|Error" "$out/vllm_colocated.log" | tail -n 8
+vllm-one)  # one GPU: the vLLM tests that fit it (colocated, LoRA, an engine core in this process), the race
+  # test, the colocated vLLM bench with vLLM's engine core in its own process and in the trainer's
+  VLLM_TESTS="tests/test_gpu_installed_race.py tests/test_installed_folds.py tests/test_gpu_transfer.py::test_colocated_sender_and_receiver_in_one_process tests/test_vllm_cuda_lora.py tests/test_vllm_cuda.py::test_colocated_on_the_engines_gpu tests/test_vllm_cuda.py::test_installed_check_on_cuda_names_a_wrong_byte tests/test_vllm_cuda_inprocess.py" \
+    VLLM_TEST_TIMEOUT=${VLLM_ONE_S:-420} VLLM_HANG_S=${VLLM_ONE_S:-420} bash "$0" vllm
+  for mp in 1 0; do
+    echo "== vllm colocated bench ${VLLM_COLO_PRESET:-qwen2.5-7b}, VLLM_ENABLE_V1_MULTIPROCESSING=$mp"
+    VLLM_ENABLE_V1_MULTIPROCESSING=$mp timeout "${VLLM_BENCH_TIMEOUT:-280}" python bench/vllm_colocated_bench.py --preset "${VLLM_COLO_PRESET:-qwen2.5-7b}" \
+      --gpu-mem 0.3 --json "$out/vllm_colocated_mp$mp.json" > "$out/vllm_colocated_mp$mp.log" 2>&1 &
+    pid=$!; watchdog 250 $pid; wait $pid; echo "exit $?"; grep -E "^(copy|ours|loaders|checked|staged|\{)|Error" "$out/vllm_colocated_mp$mp.log" | tail -n 8
+  done
   ;;
 one)
   timeout 240 python -m pytest -q -m gpu -p no:cacheprovider --tb=short tests 2>&1 | tail -n 25

@@ -1,0 +1,64 @@
+"""Colocated syncs into a CUDA vLLM engine whose engine core runs in the trainer's own process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as hybrid-engine trainers run vLLM beside their model).
+
+CUDA IPC cannot open a handle in the process that made it: there the colocated join failed with
+"CUDA error: invalid device context" (one H200, vLLM 0.26) until the receiver learnt to take the
+sender's own buffers and tensors (`transports/shared_tensors.py`). After a sync the engine holds,
+by sha256 of every parameter in vLLM's layout and in greedy tokens, what an engine that loaded the
+same weights from disk holds; every sync's installed weights checked against the source. Run on
+the GPU machine (`bench/gpu_runs.sh vllm-one`), never in CI.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("vllm")
+
+from ckpt_engine import CheckpointEngineConfig  # noqa: E402
+from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmRollout  # noqa: E402
+from ckpt_engine.sync.api import close_sessions, sync_rollout_weights  # noqa: E402
+from test_vllm_cuda import ENGINE, REFERENCE_SEED, assert_holds_reference, hf_model, model_dir, reference, source  # noqa: E402, F401
+
+_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+
+@pytest.fixture(scope="module")
+def inprocess_engine(model_dir: Path, reference: Any) -> Iterator[Any]:  # noqa: F811 - the imported fixtures
+    from vllm import LLM
+
+    before = os.environ.get(_MULTIPROCESSING)
+    os.environ[_MULTIPROCESSING] = "0"  # read when the engine is built: this engine only
+    try:
+        llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION, **ENGINE)
+    finally:
+        if before is None:
+            os.environ.pop(_MULTIPROCESSING)
+        else:
+            os.environ[_MULTIPROCESSING] = before
+    yield llm
+    close_sessions()
+    llm.llm_engine.engine_core.shutdown()
+
+
+def test_colocated_into_an_engine_core_in_this_process(inprocess_engine: Any, model_dir: Path, reference: Any) -> None:  # noqa: F811
+    assert type(inprocess_engine.llm_engine.engine_core).__name__ == "InprocClient"
+    handle = VllmRollout("vllm-inprocess", inprocess_engine, timeout_s=60.0)
+    config = CheckpointEngineConfig(backend="colocated", timeout_s=60.0, stage="off", verify_installed=1)
+    other = hf_model(model_dir, 5, "cuda:0")
+    sync_rollout_weights(source(other), [handle], config=config)
+    trainer = hf_model(model_dir, REFERENCE_SEED, "cuda:0")
+    for _ in range(2):  # the second: the same tensors offered again, the engine's mappings kept
+        report = sync_rollout_weights(source(trainer), [handle], config=config)
+        assert report is not None and "installed_check" in report.seconds
+        assert_holds_reference(inprocess_engine, reference)
