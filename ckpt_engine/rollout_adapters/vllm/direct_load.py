@@ -44,7 +44,7 @@ class _Copies:
 
     __slots__ = ("dtype", "dsts", "root", "slices")
 
-    def __init__(self, root: tuple[int, ...], dtype: torch.dtype, slices: list[tuple[slice, ...]], dsts: list[torch.Tensor]) -> None:
+    def __init__(self, root: tuple[int, ...], dtype: torch.dtype, slices: list[tuple[slice, ...] | None], dsts: list[torch.Tensor]) -> None:
         self.root, self.dtype, self.slices, self.dsts = root, dtype, slices, dsts
 
 
@@ -79,12 +79,11 @@ class DirectLoads:
         rest: Pairs = []
         for name, tensor in pairs:
             copies = self._copies.get(name)
-            if copies is None or tensor.dtype != copies.dtype or tuple(tensor.shape) != copies.root:
+            if copies is None or tensor.dtype != copies.dtype or tensor.shape != copies.root:
                 rest.append((name, tensor))
                 continue
-            for index, dst in zip(copies.slices, copies.dsts):
-                dsts.append(dst)
-                srcs.append(tensor[index])
+            dsts += copies.dsts
+            srcs += [tensor if index is None else tensor[index] for index in copies.slices]  # None: all of it (most: a slice costs ~3 us)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         self.copied += len(pairs) - len(rest)
@@ -109,7 +108,7 @@ def _refused(name: str, landings: Sequence[Landing], rec: PlanRecording) -> str:
 
 def _live_copies(model: torch.nn.Module, landings: Sequence[Landing]) -> _Copies | None:
     """The live views of `landings` (None when a parameter is not as the dry run recorded it)."""
-    slices: list[tuple[slice, ...]] = []
+    slices: list[tuple[slice, ...] | None] = []
     dsts: list[torch.Tensor] = []
     dtype = None
     for la in landings:
@@ -120,6 +119,7 @@ def _live_copies(model: torch.nn.Module, landings: Sequence[Landing]) -> _Copies
             return None
         dtype = live.dtype
         dsts.append(live.as_strided(la.sizes, la.strides, live.storage_offset() + la.offset))
-        slices.append(tuple(slice(lo, hi) for lo, hi in la.box))
+        whole = all(lo == 0 and hi == n for (lo, hi), n in zip(la.box, la.root))
+        slices.append(None if whole else tuple(slice(lo, hi) for lo, hi in la.box))
     assert dtype is not None
     return _Copies(landings[0].root, dtype, slices, dsts)
