@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--gpu-mem", type=float, default=0.3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--bucket-mb", default="", help="comma-separated bucket sizes (MiB) to measure beside the default, e.g. 1024,4096")
     ap.add_argument("--profile", default=None, help="write cProfile tables of four syncs of the checked session here (raw stats beside it)")
     args = ap.parse_args()
 
@@ -114,6 +115,9 @@ def main() -> None:
     measure("ours", ours(stage="off", verify_installed="off"))
     out["ours"]["seconds"] = {k: round(v, 4) for k, v in reports[-1].seconds.items()}  # where one sync's time went
     out["ours"]["direct_tensors"] = reports[-1].receivers[handle.name].get("direct_tensors", 0)
+    for mb in [float(x) for x in args.bucket_mb.split(",") if x]:  # fewer, larger buckets: less per-bucket control
+        measure(f"ours_bucket_{mb:g}mb", ours(stage="off", verify_installed="off", bucket_size_mb=mb))
+        out[f"ours_bucket_{mb:g}mb"]["seconds"] = {k: round(v, 4) for k, v in reports[-1].seconds.items()}
     llm.collective_rpc("bench_set_env", args=("CKPT_ENGINE_VLLM_DIRECT", "0"))
     measure("loaders", ours(stage="off", verify_installed="off"))
     out["loaders"]["seconds"] = {k: round(v, 4) for k, v in reports[-1].seconds.items()}
