@@ -9,7 +9,8 @@ extension or the weight-transfer config; a server also with `VLLM_ALLOW_RUNTIME_
 installs the adapter as a new version in every worker's LoRA manager (from memory:
 `vllm/lora_worker.py`, no disk); only once every worker holds it do requests name it
 (`LoraVersions`, `vllm/lora_names.py`): in process by `lora_request()`, behind the server by
-`model=model_name()` once the server registered it (its `add_lora` reaches every worker at once).
+`model=model_name()` once the server registered it (its `add_lora` reaches every worker at once,
+and activates it: a checked sync's LoRA slots are compared then, `vllm/lora_served_slots.py`).
 The switch is atomic across the engine's ranks. Nothing is paused: a request keeps the version it
 started with and finishes under it.
 """
@@ -24,6 +25,7 @@ from ckpt_engine.rollout_adapters.base import JoinOptions
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.vllm.clients import Channel, LLMWeightSyncClient
 from ckpt_engine.rollout_adapters.vllm.lora_names import LoraVersions
+from ckpt_engine.rollout_adapters.vllm.lora_served_slots import served_slot_problems
 from ckpt_engine.rollout_adapters.vllm.native import WeightTransferChannel
 from ckpt_engine.rollout_adapters.vllm.rollout import VllmRollout, http_channel
 
@@ -42,7 +44,8 @@ class VllmLoraRollout(VllmRollout):
     the workers' LoRA stage). No regions: every worker receives the whole adapter (a few MB); vLLM's
     LoRA layers cut each TP rank's slice themselves when the version is installed. Installed: each
     worker reads the adapter back out of vLLM's `LoRAModel` before finalize, and compares the LoRA
-    slots vLLM wrote at the install (in process) with it (`vllm/lora_installed.py`)."""
+    slots vLLM wrote when it activated the version with it (in process at the install, behind the
+    server at the registration: `vllm/lora_installed.py`)."""
 
     def __init__(
         self, name: str, llm: vllm.LLM | Channel, *, max_adapter_versions: int = 2, timeout_s: float = 300.0, world_size: int | None = None
@@ -68,11 +71,13 @@ class VllmLoraRollout(VllmRollout):
 
     def finalize(self, version: int) -> None:
         """Install the received adapter as `version` on every worker, then make it the newest (behind
-        a server: register its name). New requests get it from then on."""
+        a server: register its name; a checked sync's LoRA slots that differ unregister it and fail,
+        `vllm/lora_served_slots.py`). New requests get it from then on."""
         t0 = time.perf_counter()
         replies = self.workers.finalize(version)
         t1 = time.perf_counter()
-        self.versions.installed(version)
+        # behind the server: the LoRA slots of a checked sync, compared as vLLM activates the version
+        self.versions.installed(version, lambda v, activate: served_slot_problems(self.workers.health, v, activate))
         self.version = version
         self.last_finalize = {
             "install_s": max((float(r.get("install_s", 0.0)) for r in replies), default=0.0), "finalize_rpc_s": t1 - t0,

@@ -10,22 +10,22 @@ An adapter version reaches vLLM's kernels in two steps, each checked where vLLM 
    finalize; the model checked is the one finalize installs (`VllmLoraCore`).
 2. **The LoRA slots** the kernels read (`lora_a_stacked` / `lora_b_stacked` of every LoRA layer,
    written by vLLM's `set_lora` when the version is activated: sliced for TP, packed for fused
-   QKV / gate_up, scaled). Activation happens at finalize (in process; behind the OpenAI server when a
-   request first names the version), after the controller's compare, so `slot_problems` compares each
-   slot with what vLLM's own model manager hands `set_lora` for it, exactly, right after the
-   activation: a `set_lora` that skips a module or copies a transposed tensor fails the finalize,
-   naming the checkpoint tensor (and a TP worker's rank), and the version is never published. A TP
-   worker's slots hold the slice vLLM's `slice_lora_a/b` cut of what it was handed (lora_B of a
-   column-parallel layer by output rows, lora_A of a row-parallel one by input columns): each rank
-   compares its own slice, cut by those same functions, and the ranks' problems are gathered so the
-   last TP rank alone raises them all (`lora_worker._every_tp_rank`: vLLM's multiprocess executor
-   stops reading replies at the first failed rank, leaving the later ranks' replies queued).
+   QKV / gate_up, scaled). Activation happens at finalize (in process: the worker activates it;
+   behind the OpenAI server: the registration's `add_adapter` activates it, or else the first request
+   naming it), after the controller's compare, so `slot_problems` compares each slot with what vLLM's
+   own model manager hands `set_lora` for it, exactly, right after the activation: a `set_lora` that
+   skips a module or copies a transposed tensor fails the finalize, naming the checkpoint tensor
+   (and a TP worker's rank), and the version is never published (behind the server: its name
+   unregistered, `vllm/lora_served_slots.py`). A TP worker's slots hold the slice vLLM's
+   `slice_lora_a/b` cut of what it was handed (lora_B of a column-parallel layer by output rows,
+   lora_A of a row-parallel one by input columns): each rank compares its own slice, cut by those
+   same functions, and answers its own problems (the handle names the worker, each problem its TP rank).
 
-Not checked: the slots of a version activated later by vLLM itself (behind the server, or rebuilt
-after its LRU evicted it) and of a layer whose slices vLLM expands (a 4-slice layer fed 3 packed
-tensors). Through vLLM's weight-transfer API step 1 runs as for any channel (its `installed` phase),
-step 2 never does: vLLM drops every LoRA model when an update finishes and activates the version
-when a request names it.
+Not checked: the slots of a version vLLM activates again itself after its LRU evicted it (or
+rebuilt it), and of a layer whose slices vLLM expands (a 4-slice layer fed 3 packed tensors).
+Through vLLM's weight-transfer API step 1 runs as for any channel (its `installed` phase); step 2
+runs when vLLM first activates the version, but its outcome is only logged by the worker (that route
+cannot ask the workers' health, and the sync has ended by then).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ builds the model from the tensors it holds (`vllm/lora_worker.py`). A worker kee
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
@@ -21,9 +22,12 @@ from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
 
-__all__ = ["LoraVersions", "ServerLoraNames"]
+__all__ = ["LoraVersions", "ServerLoraNames", "SlotCheck"]
 
 logger = logging.getLogger(__name__)
+
+SlotCheck = Callable[[int, Callable[[], None]], list[str]]
+"""(version, activate) -> the workers' LoRA slot problems of `version` (`vllm/lora_served_slots.py`)."""
 
 _ROUTE_MISSING = '"detail":"Not Found"'
 """FastAPI's answer for a route the server did not mount (vLLM's own 404s carry an `error` object)."""
@@ -75,6 +79,18 @@ class ServerLoraNames:
             self._unregister(old)
         return name
 
+    def activate(self, version: int) -> None:
+        """One `max_tokens=1` completion naming `version`: vLLM activates it into its LoRA slots."""
+        body = {"model": self.name(version), "prompt": [0], "max_tokens": 1, "temperature": 0.0}
+        resp = self.http.post(f"{self.base_url}/v1/completions", json=body, timeout=self.timeout_s)
+        if resp.status_code != 200:
+            raise RuntimeError(f"engine {self.engine!r}: a completion naming {self.name(version)} answered {resp.status_code}: {resp.text[:500]}")
+
+    def unregister(self, version: int) -> None:
+        """Stop serving `version`'s name (a version whose check failed)."""
+        if version in self.registered:
+            self._unregister(version)
+
     def _unregister(self, version: int) -> None:
         name = self.registered.pop(version)
         resp = self.http.post(f"{self.base_url}/v1/unload_lora_adapter", json={"lora_name": name}, timeout=self.timeout_s)
@@ -102,10 +118,18 @@ class LoraVersions:
         if self.names is not None:
             self.names.check_routes()
 
-    def installed(self, version: int) -> None:
-        """Every worker holds `version`: it is the newest (registered by name behind the server)."""
+    def installed(self, version: int, slot_problems: SlotCheck | None = None) -> None:
+        """Every worker holds `version`: it is the newest (registered by name behind the server).
+        Behind the server `slot_problems(version, activate)` is asked once the name is registered
+        (vLLM activates the version into its LoRA slots there; `activate` makes it if not): any
+        problem unregisters the name again and fails, naming them; the newest stays as it was."""
         if self.names is not None:
             self.names.register(version)
+            names = self.names
+            problems = [] if slot_problems is None else slot_problems(version, lambda: names.activate(version))
+            if problems:
+                names.unregister(version)
+                raise RuntimeError(f"adapter version {version} not served (its name unregistered): {'; '.join(problems[:10])}")
         self.version = version
 
     def lora_request(self) -> LoRARequest:

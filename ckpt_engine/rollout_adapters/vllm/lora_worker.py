@@ -10,9 +10,9 @@ controller hands out `LoRARequest`s with id `lora_int_id(version)`; vLLM's OpenA
 ids itself when the controller registers a version by name (`/v1/load_lora_adapter`), and the
 worker builds that id's `LoRAModel` from the kept tensors (no preload then).
 
-Two hooks on vLLM's `WorkerLoRAManager` (wrapped once per process, at class level: the native
+Three hooks on vLLM's `WorkerLoRAManager` (wrapped once per process, at class level: the native
 weight-transfer engine is handed only the model; managers of no `VllmLoraCore` run vLLM's own code)
-keep it consistent with `AdapterVersions`:
+keep it consistent with `AdapterVersions` and the installed-weight checks:
 - `_load_adapter` (vLLM calls it for an id it does not hold: the server's registration, or an id
   its LRU cache evicted) builds the version its path names from the tensors kept in memory; other
   paths load as before. An id of a
@@ -20,11 +20,13 @@ keep it consistent with `AdapterVersions`:
   gets the newest version: it starts now, and new requests get the newest.
 - `set_active_adapters` (every step, with the step's LoRA requests) tells which versions running
   requests still use; an older version goes after its last request.
+- `add_adapter` (the LRU worker manager's: it adds an adapter and activates it into the LoRA slots;
+  the server's registration calls it) has a checked version's slots compared right after vLLM
+  activated it (`activated`); the outcome is reported in the worker's health (`slot_check`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -90,6 +92,18 @@ def lora_base_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+class SlotCheckedCore(LoraReceiverCore[int]):
+    """A vLLM worker's `LoraReceiverCore` whose health also says how the LoRA slots of the newest
+    checked version compared: behind the OpenAI server vLLM activates a version inside its own call
+    (the registration), where nothing may raise, so the handle reads the outcome here."""
+
+    slot_check: dict[str, Any] | None = None
+    """{"version", "problems"}: problems None until vLLM activated the version; None: not checked."""
+
+    def health(self) -> dict[str, Any]:
+        return {**super().health(), "slot_check": self.slot_check}
+
+
 class VllmLoraCore:
     """One vLLM worker's adapter versions (every method runs in the worker: via collective_rpc from
     the worker extension, or from the native weight-transfer engine)."""
@@ -123,10 +137,12 @@ class VllmLoraCore:
         """(id of the staged tensors, the `LoRAModel` the check read): finalize installs that one."""
         self._built: dict[int, Any] = {}
         """Version -> its checked `LoRAModel`, for the server's first load of it (preload off)."""
+        self._slots_due: int | None = None
+        """Behind the server: the checked version whose slots are compared when vLLM activates it."""
         # received on the model's device (NCCL and CUDA IPC land only there), kept on the host as vLLM
         # keeps its CPU LoRA models (`_install`)
         device = next(get_model().parameters()).device
-        self.core: LoraReceiverCore[int] = LoraReceiverCore(self.target, self._install, self._unload, max_versions, device)
+        self.core = SlotCheckedCore(self.target, self._install, self._unload, max_versions, device)
         _install_hooks()
         _CORES[id(adapters)] = self
 
@@ -178,8 +194,10 @@ class VllmLoraCore:
         else:
             lora = self._lora_model(lora_id, tensors, spec)  # checked here even when the server loads it later
         self._tensors[version] = (tensors, spec)
+        self.core.slot_check = None if armed is None else {"version": version, "problems": None}
         if not self.preload:
             self._built = {version: lora}  # the server's first load of this version takes it
+            self._slots_due = version if armed is not None else None  # checked when vLLM activates it
             return lora_id
         adapters = self.adapters
         adapters.remove_adapter(lora_id)  # a stale one of the same id (never served: versions only grow)
@@ -188,17 +206,38 @@ class VllmLoraCore:
         adapters.add_adapter(lora)
         adapters.activate_adapter(lora_id)
         if armed is not None:  # the slots vLLM's set_lora wrote, against what it was handed (each TP rank: its slice)
-            problems = slot_problems(adapters, lora, adapters.lora_index_to_id.index(lora_id), checkpoint_names(tensors, self._weights_mapper()))
-            problems, last = _every_tp_rank(problems)
-            if problems:
+            problems = self._slot_problems(version, lora_id, tensors)
+            if problems:  # this rank answers its own (the handle names the worker; each problem its TP rank)
                 adapters.remove_adapter(lora_id)
-                if last:  # one rank raises, the last: vLLM's executor reads every rank's reply before it
-                    self._tensors.pop(version, None)
-                    raise RuntimeError(f"adapter version {version} not installed: {'; '.join(problems[:10])}")
-                logger.error("adapter version %s not installed (the last TP rank raises): %s", version, problems[0])
-                return lora_id
+                self._tensors.pop(version, None)
+                raise RuntimeError(f"adapter version {version} not installed: {'; '.join(problems[:10])}")
         self._ids.setdefault(version, set()).add(lora_id)
         return lora_id
+
+    def _slot_problems(self, version: int, lora_id: int, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """The slot check of `version`, active under `lora_id` (`lora_installed.slot_problems`), kept
+        for `health` (the handle behind the OpenAI server reads it there)."""
+        adapters = self.adapters
+        lora = adapters.get_adapter(lora_id)
+        problems = slot_problems(adapters, lora, adapters.lora_index_to_id.index(lora_id), checkpoint_names(tensors, self._weights_mapper()))
+        self.core.slot_check = {"version": version, "problems": problems}
+        return problems
+
+    def activated(self, request: Any) -> None:
+        """vLLM's worker manager added (and activated) `request`'s adapter: behind the OpenAI server,
+        the registration of a checked version (or the first request naming it) lands here, and its
+        slots are compared now. A difference is kept for `health` and logged; nothing is raised
+        inside vLLM's call (the handle fails the sync and unregisters the name)."""
+        if self._slots_due is None:  # every step's adapters come here too: nothing due
+            return
+        version, lora_id = version_of_lora_path(request.lora_path), int(request.lora_int_id)
+        if version != self._slots_due or version not in self._tensors or lora_id not in self.adapters.lora_index_to_id:
+            return
+        self._slots_due = None
+        problems = self._slot_problems(version, lora_id, self._tensors[version][0])
+        if problems:
+            self.core.stale = True  # out of service until a complete sync
+            logger.error("adapter version %s: its LoRA slots differ: %s", version, "; ".join(problems[:10]))
 
     # --- installed-weight checks (vllm/lora_installed.py) --------------------------------------
     def installed_arm(self, request: InstalledRequest) -> None:
@@ -243,46 +282,24 @@ class VllmLoraCore:
         self.core.observe({v for v in (version_of_lora_path(r.lora_path) for r in requests if r) if v is not None})
 
 
-def _every_tp_rank(problems: list[str]) -> tuple[list[str], bool]:
-    """Every TP rank's slot problems, in rank order, and whether this is the last TP rank.
-
-    Only the last rank may raise: vLLM's multiprocess executor reads the workers' replies in rank
-    order and stops at the first failed one, so a failure on an earlier rank leaves the later ranks'
-    replies queued, and every later call would read the one before it. The problems travel as JSON
-    bytes over vLLM's TP CPU group (collective: every rank installs the version at once)."""
-    from vllm.distributed.parallel_state import get_tp_group
-
-    group = get_tp_group()
-    if group.world_size == 1:
-        return problems, True
-    mine = torch.frombuffer(bytearray(json.dumps(problems).encode()), dtype=torch.uint8)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group.world_size)]
-    torch.distributed.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64), group=group.cpu_group)
-    width = int(max(int(n) for n in sizes))
-    padded = torch.zeros(width, dtype=torch.uint8)
-    padded[: mine.numel()] = mine
-    gathered = [torch.zeros(width, dtype=torch.uint8) for _ in range(group.world_size)]
-    torch.distributed.all_gather(gathered, padded, group=group.cpu_group)
-    every = [p for t, n in zip(gathered, sizes) for p in json.loads(bytes(t[: int(n)].tolist()).decode())]
-    return every, group.rank_in_group == group.world_size - 1
-
-
 _CORES: dict[int, VllmLoraCore] = {}
 """id(vLLM's LoRAModelManager) -> the core of that worker (one per worker process)."""
 
 
 def _install_hooks() -> None:
-    """Wrap `WorkerLoRAManager._load_adapter` and `set_active_adapters` once per process, so that a
-    worker manager whose model manager belongs to a `VllmLoraCore` builds ckpt-engine versions from
-    memory and reports each step's LoRA requests. At class level: vLLM hands the native
+    """Wrap `WorkerLoRAManager._load_adapter` and `set_active_adapters`, and the LRU worker manager's
+    `add_adapter`, once per process, so that a worker manager whose model manager belongs to a
+    `VllmLoraCore` builds ckpt-engine versions from memory, reports each step's LoRA requests and
+    has a checked version's slots compared once vLLM activated it. At class level: vLLM hands the native
     weight-transfer engine only the model, never the worker's LoRA manager; every other manager
     (and every other path) runs vLLM's own code unchanged."""
-    from vllm.lora.worker_manager import WorkerLoRAManager
+    from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager, WorkerLoRAManager
 
     if getattr(WorkerLoRAManager, "_ckpt_engine_hooked", False):
         return
     load_from_path = WorkerLoRAManager._load_adapter
     set_active = WorkerLoRAManager.set_active_adapters
+    add = LRUCacheWorkerLoRAManager.add_adapter  # the worker's manager (adds and activates)
 
     def _load_adapter(self: Any, request: Any) -> Any:
         core = _CORES.get(id(self._adapter_manager))
@@ -297,6 +314,14 @@ def _install_hooks() -> None:
             core.observe(requests)
         set_active(self, requests, mapping)
 
+    def add_adapter(self: Any, request: Any) -> bool:
+        loaded = add(self, request)
+        core = _CORES.get(id(self._adapter_manager))
+        if core is not None:
+            core.activated(request)
+        return loaded
+
     WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
+    LRUCacheWorkerLoRAManager.add_adapter = add_adapter  # type: ignore[method-assign]
     WorkerLoRAManager.set_active_adapters = set_active_adapters  # type: ignore[method-assign]
     WorkerLoRAManager._ckpt_engine_hooked = True  # type: ignore[attr-defined]
