@@ -209,7 +209,7 @@ def test_nixl_options_are_checked_when_the_config_is_loaded() -> None:
     with pytest.raises(ValueError, match="on_slow must be one of warn, error"):
         CheckpointEngineConfig(backend="nixl", engine_kwargs={"nixl": {"on_slow": "ignore"}})
     with pytest.raises(ValueError, match="the nixl backend does not do delta syncs"):
-        PipelinedEngine(NixlTransport, bucket_size_bytes=1 << 16)._refuse(DeltaRequest.__new__(DeltaRequest))
+        PipelinedEngine(NixlTransport, bucket_size_bytes=1 << 16)._ready(DeltaRequest.__new__(DeltaRequest), "send_weights", sender=True)
 
 
 def _offer(**change: Any) -> bytes:
