@@ -49,6 +49,11 @@ class Rendezvous:
 
     _KEYS = ("host", "port", "token", "world_size", "backend", "timeout_s")
 
+    def __post_init__(self) -> None:  # every transport's join relies on it: checked once, here
+        senders = self.num_senders
+        if not isinstance(senders, int) or isinstance(senders, bool) or not 1 <= senders < self.world_size:
+            raise ValueError(f"rendezvous.num_senders must be an int in [1, world_size), got {senders!r}")
+
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self._KEYS}
         if self.num_senders != 1:
@@ -69,9 +74,6 @@ class Rendezvous:
                 raise ValueError(f"rendezvous.{key} has the wrong type: {d[key]!r}")
         if not 0 < d["port"] < 65536 or d["world_size"] < 2 or d["timeout_s"] <= 0 or not d["token"]:
             raise ValueError(f"rendezvous values out of range: {d!r}")
-        senders = d.get("num_senders", 1)
-        if not isinstance(senders, int) or isinstance(senders, bool) or not 1 <= senders < d["world_size"]:
-            raise ValueError(f"rendezvous.num_senders must be an int in [1, world_size), got {senders!r}")
         return cls(**d)
 
     def connect_store(self, is_master: bool = False) -> torch.distributed.Store:

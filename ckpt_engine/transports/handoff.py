@@ -156,8 +156,6 @@ class HandoffTransport(Transport):
         if self.group is not None:
             raise RuntimeError("init_process_group() was already called; call finalize() first to rejoin")
         senders, world = rendezvous.num_senders, rendezvous.world_size
-        if not 1 <= senders < world:
-            raise ValueError(f"num_senders must be in [1, world_size), got {senders}")
         store = rendezvous.connect_store()
         self.rank = rank
         self._local = agree_on_local_senders(

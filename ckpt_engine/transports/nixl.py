@@ -130,8 +130,6 @@ class NixlTransport(Transport):
         if self._agent is not None:
             raise RuntimeError("init_process_group() was already called; call finalize() first to rejoin")
         senders = rendezvous.num_senders
-        if not 1 <= senders < rendezvous.world_size:
-            raise ValueError(f"num_senders must be in [1, world_size), got {senders}")
         self.num_senders, self.rank, self.world_size = senders, rank, rendezvous.world_size
         self._receivers = list(range(senders, rendezvous.world_size))
         self.prepare()

@@ -53,8 +53,6 @@ class ProcessGroupTransport(Transport):
         if self._group is not None:
             raise RuntimeError("init_process_group() was already called; call finalize() first to rejoin")
         senders = rendezvous.num_senders
-        if not 1 <= senders < rendezvous.world_size:
-            raise ValueError(f"num_senders must be in [1, world_size), got {senders}")
         self.num_senders = senders
         self.rank, self.world_size = rank, rendezvous.world_size
         self.prepare()
