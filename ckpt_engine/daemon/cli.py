@@ -138,9 +138,7 @@ def render_status(status: dict[str, Any]) -> None:
         head.add_row("manifest", f"{manifest['digest'][:12]}  {manifest['tensors']} tensors, {manifest['buckets']} buckets, {manifest['bytes'] / 1e6:.2f} MB")
     console.print(head)
 
-    engines = Table(title="engines")
-    for col in ("name", "engine", "state", "version", "version from", "last seen", "health"):
-        engines.add_column(col)
+    engines = Table("name", "engine", "state", "version", "version from", "last seen", "health", title="engines")
     for e in status.get("engines") or []:
         eng = e.get("engine") or {}
         where = f"{eng.get('kind')} {eng.get('host', '')}:{eng.get('port', '')}" if "host" in eng else str(eng.get("kind"))
@@ -157,9 +155,7 @@ def render_status(status: dict[str, Any]) -> None:
 
     joins = status.get("peer_joins") or {}
     if joins:
-        table = Table(title="peer joins (daemon.peer_join)")
-        for col in ("engine", "version", "result", "seconds to serve", "GB/s", "peers that failed"):
-            table.add_column(col)
+        table = Table("engine", "version", "result", "seconds to serve", "GB/s", "peers that failed", title="peer joins (daemon.peer_join)")
         for name, j in joins.items():
             result = f"[green]from {j.get('peer')}[/green]" if j.get("ok") else f"[red]{j.get('error')}[/red]"
             table.add_row(name, str(j.get("version")), result, f"{j.get('wall_s') or 0:.3f}", f"{j.get('gbps') or 0:.3f}", ", ".join(j.get("failed") or []))
@@ -167,9 +163,7 @@ def render_status(status: dict[str, Any]) -> None:
 
     departed = status.get("departed") or {}
     if departed:
-        table = Table(title="departed engines")
-        for col in ("name", "last version", "when", "reason"):
-            table.add_column(col)
+        table = Table("name", "last version", "when", "reason", title="departed engines")
         for name, d in departed.items():
             table.add_row(name, str(d.get("version")), time.strftime("%H:%M:%S", time.localtime(d.get("at", 0))), str(d.get("reason")))
         console.print(table)
@@ -196,9 +190,7 @@ def render_status(status: dict[str, Any]) -> None:
 
     history = status.get("history") or []
     if len(history) > 1:
-        table = Table(title="recent syncs")
-        for col in ("version", "ok", "catch-up", "MB", "wire", "GB/s", "seconds", "dropped"):
-            table.add_column(col)
+        table = Table("version", "ok", "catch-up", "MB", "wire", "GB/s", "seconds", "dropped", title="recent syncs")
         for h in history[-10:]:
             table.add_row(
                 str(h.get("version")), str(h.get("ok")), str(h.get("catch_up")), f"{(h.get('bytes') or 0) / 1e6:.2f}",
