@@ -5,8 +5,12 @@ copy), checked against A's checksums and installed with the staged swap's own co
 what A and the trainer hold bit for bit, generates A's greedy tokens, reports version 2 "from peer
 A" and can offer it in turn. A bad offer (a tensor of another dtype or shape) is refused by name
 before anything is allocated, and B is left as it was; so is a pull whose bytes fail the peer's
-checksums (found after the reads, in B's staging copy: nothing is installed). Both engines are shared by the module (an
-engine start is ~30 s here); the bad offer runs first, on the fresh B."""
+checksums (found after the reads, in B's staging copy: nothing is installed). A worker claimed by
+one weight-sync group refuses another's peer calls (or a caller's that names none) by name, and
+nothing changes. The daemon's peer joins take B for a fresh process and A not, asking their
+workers; the join itself goes through a handle on A that did not sync it (as `ckpt-engine serve`'s
+when a following trainer syncs). Both engines are shared by the module (an engine start is ~30 s
+here); the bad offer, the claims and the fresh check run first, on the fresh B."""
 
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ import pytest
 import torch
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine.daemon.membership import EngineRecord
+from ckpt_engine.daemon.peer_joins import fresh
 from ckpt_engine.elastic import join_from_peer
 from ckpt_engine.elastic.offer import PeerOffer, tensor_checksums
 
@@ -167,8 +173,27 @@ def test_a_claimed_worker_refuses_a_non_owners_peer_calls_by_name_and_nothing_ch
     fleet.a.peer_done(PeerOffer.decode(raw, "A").offer_id)
 
 
+def test_the_daemon_asks_a_vllm_engines_workers_whether_it_is_a_fresh_process(fleet: Fleet) -> None:
+    """`daemon.peer_join` pulls into a fresh process only. A vLLM handle's health says the handle's
+    own version only, so the daemon asks the workers (`membership()`): B (no version, in no group)
+    is fresh; A (version 2, in the session's group) is not, nor through a handle that did not sync
+    it (its own version None: `ckpt-engine serve`'s, when a following trainer syncs)."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+
+    def record(name: str, adapter: Any) -> EngineRecord:
+        return EngineRecord(name, {"kind": "in_process"}, adapter, False, health=adapter.health())
+
+    unsynced_a = VllmRollout("A", fleet.llm_a, timeout_s=60.0)
+    assert unsynced_a.health()["version"] is None and unsynced_a.held_version() == fleet.version
+    assert fresh(record("B", fleet.b)) and not fresh(record("A", fleet.a)) and not fresh(record("A", unsynced_a))
+
+
 def test_a_late_engine_joins_from_a_serving_peer_bit_for_bit(fleet: Fleet) -> None:
-    report = join_from_peer(fleet.b, [fleet.a], timeout_s=60.0)
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+
+    # Through a handle on A that did not sync it (as `ckpt-engine serve`'s, when a following trainer
+    # syncs): its own version is None, so the join asks A's workers what they hold.
+    report = join_from_peer(fleet.b, [VllmRollout("A", fleet.llm_a, timeout_s=60.0)], timeout_s=60.0)
     want = [hf_greedy(fleet.trainer, p) for p in PROMPTS]
     tokens_b, spans = llm_greedy(fleet.llm_b)
     assert (report.engine, report.version, report.peer, report.failed) == ("B", fleet.version, "A", {})

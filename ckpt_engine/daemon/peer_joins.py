@@ -24,14 +24,27 @@ __all__ = ["PeerJoins"]
 logger = logging.getLogger(__name__)
 
 
-def fresh(health: dict[str, object] | None) -> bool:
-    """Whether an engine's health says it is a fresh process: it never held a version, is in no
-    weight-sync group and no sync is loading into it. Only such an engine joins from a peer: one a
-    trainer's sync is in the middle of (paused, stale, received and not yet finalized) is the sync's."""
-    if health is None:
+_FRESH_KEYS = ("version", "last_version", "stale", "receiving", "group")
+
+
+def fresh(rec: EngineRecord) -> bool:
+    """Whether an engine is a fresh process: it never held a version, is in no weight-sync group
+    and no sync is loading into it. Only such an engine joins from a peer: one a trainer's sync is
+    in the middle of (paused, stale, received and not yet finalized) is the sync's. An engine whose
+    health says all of that (the reference receiver) is judged by it; one whose health does not (a
+    vLLM handle's: its version only) by its workers' versions and groups (`membership()`: a worker
+    in no group is in no sync)."""
+    health = rec.health
+    if health is None or rec.adapter is None or health.get("version") is not None:
         return False
-    keys = ("version", "last_version", "stale", "receiving", "group")
-    return all(health.get(k) in (None, False) for k in keys) and all(k in health for k in keys)
+    if all(k in health for k in _FRESH_KEYS):
+        return all(health.get(k) in (None, False) for k in _FRESH_KEYS)
+    try:
+        held = rec.adapter.membership()
+    except Exception as exc:  # asked again at its next health probe
+        logger.warning("engine %s: could not ask its workers whether it is a fresh process: %s", rec.name, exc)
+        return False
+    return held.version is None and held.groups is not None and all(g is None for g in held.groups)
 
 
 class PeerJoins:
@@ -51,13 +64,13 @@ class PeerJoins:
         """Start a join of `rec` at `version` if it lacks it and a serving member can give it."""
         if not self.enabled or not isinstance(rec.adapter, PeerJoinable) or version == 0:
             return False
-        if not fresh(rec.health) or (rec.name, id(rec.adapter), version) in self._failed:
+        if (rec.name, id(rec.adapter), version) in self._failed:
             return False
         peers = [
             r.adapter for r in membership.records()
             if r is not rec and r.state == EngineState.SERVING and r.version == version and isinstance(r.adapter, PeerJoinable)
         ]
-        if not peers or not membership.set_state(rec, EngineState.JOINING, None):
+        if not peers or not fresh(rec) or not membership.set_state(rec, EngineState.JOINING, None):
             return False
         t = threading.Thread(target=self._run, args=(rec, peers, membership, version), name=f"ckpt-join-{rec.name}", daemon=True)
         self._threads[rec.name] = t

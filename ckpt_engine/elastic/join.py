@@ -92,11 +92,17 @@ class PeerJoinError(RuntimeError):
         self.engine, self.version, self.failed = engine, version, dict(failed)
 
 
-def serving_version(health: dict[str, Any]) -> int | None:
-    """The version an engine serves now, by its health (None: paused, stale or holding none)."""
+def serving_version(engine: RolloutAdapter) -> int | None:
+    """The version an engine serves now, by its health (None: paused, stale or holding none). A
+    handle whose health says its own version only (a vLLM handle's: None when another process's
+    session synced the engine, as a trainer following `ckpt-engine serve` does) is asked what its
+    workers hold (`held_version`): a worker in the middle of a sync keeps no image to offer, so its
+    offer is refused by name and the next peer is tried."""
+    health = engine.health()
     if health.get("paused") or health.get("stale") or health.get("receiving"):
         return None
-    return version_of(health.get("version"))
+    version = version_of(health.get("version"))
+    return engine.held_version() if version is None and "stale" not in health else version
 
 
 def join_from_peer(
@@ -116,7 +122,7 @@ def join_from_peer(
             failed[p.name] = f"its handle ({type(p).__name__}) cannot offer weights to a peer"
             continue
         try:
-            v = serving_version(p.health())
+            v = serving_version(p)
         except Exception as exc:
             failed[p.name] = f"health probe failed: {exc}"
             continue
