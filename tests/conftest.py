@@ -102,6 +102,90 @@ def _engine_core_alive(llm: object) -> bool:
 
 
 @pytest.fixture(scope="session")
+def qwen2_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer[object]]:
+    """One in-process vLLM `LLM` (TP=1) over the tiny Qwen2 of tests/test_vllm_adapter.py (dummy
+    weights, tests/_vllm_installed_faults.py's extension: the library's worker extension plus the
+    test-only fault plants and state reads), shared by test_vllm_adapter.py and
+    test_installed_checks_vllm.py: `qwen2_llm.get()` gives the `LLM`. Users seed their own weights,
+    read versions relative to what it holds, take back a fault they plant and close the sessions
+    `sync_rollout_weights` cached for it (`close_sessions`) when they are done."""
+    from contextlib import contextmanager
+
+    from _vllm_installed_faults import EXTENSION
+    from helpers_vllm import ENGINE_ARGS, stop_llm
+    from test_vllm_adapter import QWEN2_CONFIG
+
+    @contextmanager
+    def started() -> Iterator[object]:
+        from vllm import LLM
+
+        from ckpt_engine.sync.api import close_sessions
+
+        d = tmp_path_factory.mktemp("qwen2-llm")
+        (d / "config.json").write_text(__import__("json").dumps(QWEN2_CONFIG))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        llm = LLM(
+            model=str(d), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+            worker_extension_cls=EXTENSION, **ENGINE_ARGS,
+        )
+        try:
+            yield llm
+        finally:
+            close_sessions()  # cached sessions leave the group before the engine stops
+            stop_llm(llm)
+
+    yield from _serve("qwen2_llm", SharedServer("qwen2-llm", started, _engine_core_alive))
+
+
+@pytest.fixture(scope="session")
+def lora_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2 of tests/test_vllm_adapter.py with real random weights (seed 0) saved, for the
+    LoRA tests: with dummy weights a LoRA changes nothing visible."""
+    import torch
+    import transformers
+    from test_vllm_adapter import QWEN2_CONFIG
+
+    d = tmp_path_factory.mktemp("qwen2-lora")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(**{k: v for k, v in QWEN2_CONFIG.items() if k not in ("architectures", "torch_dtype")})
+    config.architectures = ["Qwen2ForCausalLM"]
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="session")
+def lora_qwen2_llm(lora_model_dir: Path) -> Iterator[SharedServer[object]]:
+    """One in-process vLLM `LLM` with LoRA on (rank 8, 2 slots, 3 CPU adapters) over `lora_model_dir`
+    and tests/_vllm_installed_faults.py's extension, shared by test_lora_vllm.py and
+    test_installed_checks_vllm_lora.py: `lora_qwen2_llm.get()` gives the `LLM`. Users sync adapters
+    under their own engine names (each name its own versions), take back a fault they plant and
+    close the sessions they cached."""
+    from contextlib import contextmanager
+
+    from _vllm_installed_faults import EXTENSION
+    from helpers_vllm import ENGINE_ARGS, stop_llm
+
+    @contextmanager
+    def started() -> Iterator[object]:
+        from vllm import LLM
+
+        from ckpt_engine.sync.api import close_sessions
+
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        llm = LLM(
+            model=str(lora_model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", worker_extension_cls=EXTENSION,
+            enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=3, **ENGINE_ARGS,
+        )
+        try:
+            yield llm
+        finally:
+            close_sessions()
+            stop_llm(llm)
+
+    yield from _serve("lora_qwen2_llm", SharedServer("lora-qwen2-llm", started, _engine_core_alive))
+
+
+@pytest.fixture(scope="session")
 def tp2_qwen2_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer[object]]:
     """One in-process vLLM `LLM` with tensor_parallel_size=2 over the tiny Qwen2 of
     tests/test_vllm_regions.py (`start_tp2`: dummy weights, the region test extension, which carries
@@ -182,36 +266,47 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kills_shared_engine: kills an engine other modules share; runs after the last other user of that engine")
 
 
-SHARED_ENGINES = ("staged_vllm_server", "tp2_qwen2_llm", "tp2_vllm_server", "native_vllm_server")
+SHARED_ENGINES = ("staged_vllm_server", "qwen2_llm", "lora_qwen2_llm", "tp2_qwen2_llm", "tp2_vllm_server", "native_vllm_server")
 """The session fixtures above: each one engine that several modules use in turn."""
 
 
 def _group_shared_engine_users(items: list[pytest.Item]) -> None:
-    """Reorder whole modules so the users of one shared engine run one after another: a module
-    that uses an engine first started by an earlier module moves right behind that module (the
-    engine then stops before the next engine starts: two idle vLLM engines would share the box's
-    cores and memory with every test between them). A `kills_shared_engine` test runs after the
-    last user of its engine (a later user would start it again: correct, only slower), so its module
-    is split and that module's fixtures may start a second time for it. Other modules stay whole
-    and keep their order."""
+    """Reorder whole modules so the users of one shared engine run one after another (the engine
+    then stops before the next engine starts: two idle vLLM engines would share the box's cores and
+    memory with every test between them). Modules linked by shared engines (users of one engine, or
+    a module that uses two) form one group, placed where its first module was; inside it modules go
+    by the first and the last engine they use (engines numbered by first use), so where a group is a
+    chain (A's users, a module using A and B, B's users) each engine's users stay together. A
+    `kills_shared_engine` test runs at its group's end, after the last user of its engine (a later
+    user would start it again: correct, only slower), so its module is split and that module's
+    fixtures may start a second time for it. Other modules stay whole and keep their order."""
     module_index: dict[str, int] = {}
+    engine_number: dict[str, int] = {}
+    uses: dict[str, set[int]] = {}
     first_user: dict[str, str] = {}
-    follows: dict[str, str] = {}
+    parent: dict[str, str] = {}
+
+    def root(module: str) -> str:
+        while parent.get(module, module) != module:
+            module = parent[module]
+        return module
+
     for item in items:
         module = str(item.path)
         module_index.setdefault(module, len(module_index))
         for name in SHARED_ENGINES:
             if name in item.fixturenames:  # type: ignore[attr-defined]
-                anchor = first_user.setdefault(name, module)
-                if anchor != module and module not in first_user.values():
-                    follows.setdefault(module, anchor)
+                uses.setdefault(module, set()).add(engine_number.setdefault(name, len(engine_number)))
+                a, b = sorted((root(first_user.setdefault(name, module)), root(module)), key=module_index.__getitem__)
+                if a != b:
+                    parent[b] = a  # a group's root is its first module
     order = {item.nodeid: i for i, item in enumerate(items)}
 
-    def key(item: pytest.Item) -> tuple[int, int, int, int]:
+    def key(item: pytest.Item) -> tuple[int, bool, int, int, int, int]:
         module = str(item.path)
-        group = module_index[follows.get(module, module)]
+        used = uses.get(module, {0})
         kills = item.get_closest_marker("kills_shared_engine") is not None
-        return (group, kills, module_index[module], order[item.nodeid])
+        return (module_index[root(module)], kills, min(used), max(used), module_index[module], order[item.nodeid])
 
     items.sort(key=key)
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +22,13 @@ import torch
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.api import SyncError
+from shared_server import SharedServer
 
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from _vllm_installed_faults import EXTENSION, PLANTED_BUFFER  # noqa: E402
+from _vllm_installed_faults import PLANTED_BUFFER  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import VllmRollout  # noqa: E402
-from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -57,16 +55,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[Any]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    engine = LLM(
-        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-        worker_extension_cls=EXTENSION, **ENGINE_ARGS,
-    )
-    yield engine
-    stop_llm(engine)
+def llm(qwen2_llm: SharedServer[Any]) -> Any:
+    """The session's shared in-process `LLM` over QWEN2 (tests/conftest.py, shared with
+    tests/test_vllm_adapter.py; its extension is tests/_vllm_installed_faults.py's): each case seeds
+    its own weights, reads versions relative to what the engine holds and takes back its fault."""
+    return qwen2_llm.get()
 
 
 def weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:

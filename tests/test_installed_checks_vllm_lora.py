@@ -25,6 +25,7 @@ import torch
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.sync.api import SyncError
+from shared_server import SharedServer
 
 pytest.importorskip("vllm")
 pytest.importorskip("peft")
@@ -35,7 +36,6 @@ from ckpt_engine.rollout_adapters.vllm.lora import VllmLoraRollout  # noqa: E402
 from ckpt_engine.sources.adapters import AdapterSource  # noqa: E402
 from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
 from tests import _lora_trainer as trainer  # noqa: E402
-from tests.test_vllm_adapter import QWEN2_CONFIG  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -50,26 +50,17 @@ FAULTS = {
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("qwen2-lora-installed")
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(**{k: v for k, v in QWEN2_CONFIG.items() if k not in ("architectures", "torch_dtype")})
-    config.architectures = ["Qwen2ForCausalLM"]
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(d)
-    return d
+def model_dir(lora_model_dir: Path) -> Path:
+    """The session's tiny Qwen2 with real weights (tests/conftest.py), which the shared LoRA engine serves."""
+    return lora_model_dir
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[Any]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    engine = LLM(
-        model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", worker_extension_cls=EXTENSION,
-        enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=3, **ENGINE_ARGS,
-    )
-    yield engine
-    stop_llm(engine)
+def llm(lora_qwen2_llm: SharedServer[Any]) -> Any:
+    """The session's shared LoRA `LLM` (tests/conftest.py, shared with tests/test_lora_vllm.py; its
+    extension is tests/_vllm_installed_faults.py's): each case syncs under its own engine name, reads
+    versions from its own handle and takes back its fault."""
+    return lora_qwen2_llm.get()
 
 
 def adapter(model_dir: Path, seed: int, dtype: torch.dtype | None = None) -> AdapterSource:
@@ -167,6 +158,7 @@ def test_with_the_check_off_a_skipped_slot_goes_through_unseen(llm: Any, model_d
 # --- through vLLM's weight-transfer API: the LoRAModel is checked (the server-like path: no preload) ---
 @pytest.fixture(scope="module")
 def native_llm(model_dir: Path) -> Iterator[Any]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     engine = LLM(

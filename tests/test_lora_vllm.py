@@ -32,8 +32,8 @@ from ckpt_engine.rollout_adapters.base import ManifestRejectedError  # noqa: E40
 from ckpt_engine.sources.adapters import AdapterSource  # noqa: E402
 from ckpt_engine.sync.api import SyncError, close_sessions  # noqa: E402
 from tests import _lora_trainer as trainer  # noqa: E402
-from helpers_vllm import stop_llm  # noqa: E402
-from tests.test_vllm_adapter import ENGINE_ARGS, QWEN2_CONFIG, WORKER_EXTENSION, hf_greedy  # noqa: E402
+from shared_server import SharedServer  # noqa: E402
+from tests.test_vllm_adapter import hf_greedy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -50,27 +50,17 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("qwen2-lora")
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(**{k: v for k, v in QWEN2_CONFIG.items() if k not in ("architectures", "torch_dtype")})
-    config.architectures = ["Qwen2ForCausalLM"]
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(d)
-    return d
+def model_dir(lora_model_dir: Path) -> Path:
+    """The session's tiny Qwen2 with real weights (tests/conftest.py), which the shared LoRA engine serves."""
+    return lora_model_dir
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[object]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    engine = LLM(
-        model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", worker_extension_cls=WORKER_EXTENSION,
-        enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=3, **ENGINE_ARGS,
-    )
-    yield engine
-    close_sessions()
-    stop_llm(engine)
+def llm(lora_qwen2_llm: SharedServer[object]) -> Iterator[object]:
+    """The session's shared LoRA `LLM` (tests/conftest.py, shared with
+    tests/test_installed_checks_vllm_lora.py): each test syncs under its own engine name."""
+    yield lora_qwen2_llm.get()
+    close_sessions()  # the sessions this module cached leave the group before the next user
 
 
 def merged_reference(model_dir: Path, adapter: dict[str, torch.Tensor]) -> torch.nn.Module:

