@@ -227,6 +227,39 @@ def test_llm_native_backend_shares_the_session_core(native_llm: object, model_di
     assert "recvValueWithTimeout" not in capfd.readouterr().err
 
 
+@pytest.mark.slow
+def test_the_0_26_calls_stamp_the_workers_and_leave_in_an_update(native_llm: object, model_dir: Path) -> None:  # noqa: F811
+    """The calls the route makes on vLLM 0.26 (`vllm/compat.py`), on this real engine: a client told
+    its vLLM is 0.26 finishes every update without a version (the workers are stamped in phase
+    `install`; the engine's own version is never touched), reads no engine version, and at close
+    the workers leave the group in phase `leave` (0.26 has no `shutdown_weight_transfer_engine`):
+    after it a worker refuses what needs the group, and a new session joins and syncs again."""
+    from ckpt_engine.installed import InstalledRequest
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout, WeightTransferChannel
+    from ckpt_engine.rollout_adapters.vllm.clients import LLMWeightSyncClient
+    from ckpt_engine.rollout_adapters.vllm.compat import VllmFeatures
+
+    client = LLMWeightSyncClient(native_llm, timeout=120.0)  # type: ignore[arg-type]
+    client.features = VllmFeatures("0.26.0")
+    engine_version = native_llm.get_weight_version()  # type: ignore[attr-defined]
+    check = {"phase": "installed", "installed": InstalledRequest(names=["model.norm.weight"], seed=1).to_wire()}
+    for seed in (60, 61):
+        handle = VllmRollout("vllm-0.26-calls", WeightTransferChannel(client), timeout_s=60.0)
+        assert handle.held_version() is None  # nothing to read: the workers hold it, out of reach here
+        session = WeightSyncSession([handle], CONFIG)
+        try:
+            trainer = trainer_model(model_dir, seed=seed)
+            report = session.sync(StateDictSource({n: t.detach() for n, t in trainer.state_dict().items()}))
+            assert report.version == 1  # each session counts from 1: no engine version to carry on from
+            assert llm_greedy(native_llm)[0] == [hf_greedy(trainer, p) for p in PROMPTS]
+            assert native_llm.get_weight_version() == engine_version  # type: ignore[attr-defined]
+        finally:
+            session.close()
+        client.start_weight_update()
+        with pytest.raises(Exception, match="an installed-weight report before init_transfer_engine; join the weight-sync group first"):
+            client.update_weights(check)
+
+
 # --- api_server over HTTP -------------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_wrong_worker_count_fails_the_join_naming_both_counts(native_llm: object, model_dir: Path) -> None:  # noqa: F811
@@ -336,6 +369,7 @@ def test_update_and_init_info_reject_bad_fields() -> None:
         CkptEngineUpdateInfo(phase="load", digest="ab")
     with pytest.raises(ValueError, match="digest must be a non-empty string"):
         CkptEngineUpdateInfo(phase="receive", digest="")
+    assert CkptEngineUpdateInfo(phase="leave").digest == ""  # vLLM 0.26's leave (vllm/compat.py) names no manifest
     with pytest.raises(ValueError, match="manifest must be a base64 string, sent only with phase 'validate'"):
         CkptEngineUpdateInfo(phase="receive", digest="ab", manifest="AAAA")
     with pytest.raises(ValueError, match="delta is sent only with phase 'receive'"):

@@ -6,7 +6,13 @@ adapters get by without it:
 - engine-side weight versions (`LLM.update_weight_version` / `get_weight_version`, the HTTP routes
   `/update_weight_version` and `/weight_info`, `RequestOutput`'s weight versions): the version
   lives in the worker extension only (`ckpt_health` reports it) and the engine core is not stamped;
-- the trainer-side weight-transfer API as 0.32 shapes it (`vllm/transfer_engine.py` says what differs);
+- the weight-transfer API as 0.32 shapes it. 0.26's worker engine declares an abstract static
+  `trainer_send_weights` (ours refuses it by name: the trainer side sends through `VllmRollout`);
+  its `finish_weight_update` takes no version (the route then has the workers stamp it, phase
+  `install`), it has no `shutdown_weight_transfer_engine` (the workers stay in the weight-sync group
+  until the next join or the engine's shutdown), no per-rank `update_weights` list (the route never
+  sends one), and a trainer-side API of another shape (two type parameters, `config` required, no
+  `WeightSource.held_names()`): ckpt-engine's trainer engine is not registered there;
 - the name of the `WeightsMapper` method LoRA loading passes as the weights mapper (0.32
   `get_rename_mapper`, 0.26 `get_unstacked_mapper`), and the LoRA manager's
   `_validate_modules_to_save` (0.26 refuses `modules_to_save` in `PEFTHelper`).
@@ -40,7 +46,8 @@ class VllmFeatures:
                 "vLLM %s is not one of the releases ckpt-engine is tested on (%s)", version, ", ".join(f"{a}.{b}" for a, b in SUPPORTED)
             )
         self.engine_weight_versions = self.release >= (0, 32)
-        """The engine core keeps a weight version (stamped after each sync, reported by vLLM)."""
+        """The engine core keeps a weight version (stamped after each sync, reported by vLLM;
+        `finish_weight_update(weight_version)` stamps it, where 0.26's takes no argument)."""
         self.lora_rename_mapper = self.release >= (0, 32)
         """LoRA loading passes the model's `hf_to_vllm_mapper` without its stacked renames (q/k/v ->
         qkv_proj: LoRA modules keep their own names and the manager packs them) as
@@ -49,6 +56,13 @@ class VllmFeatures:
         """An adapter may carry `modules_to_save` (a classification head), checked by the LoRA
         manager's `_validate_modules_to_save`; 0.26 has no such check and refuses the key outright
         (`PEFTHelper.validate_legal`)."""
+        self.transfer_shutdown = self.release >= (0, 32)
+        """`shutdown_weight_transfer_engine` (an `LLM` method and an HTTP route) exists (0.32)."""
+        self.transfer_engine_sends = self.release < (0, 32)
+        """The worker-side `WeightTransferEngine` declares an abstract static `trainer_send_weights` (0.26)."""
+        self.trainer_transfer_api = self.release >= (0, 32)
+        """vLLM's trainer-side API has 0.32's shape (`TrainerInitInfo.backend`, `trainer_init(init_info,
+        client, source)`), which ckpt-engine's `CkptEngineTrainerWeightTransferEngine` implements."""
 
 
 def features_of(version: str | None = None) -> VllmFeatures:

@@ -16,6 +16,11 @@ group's rendezvous store (each worker leaves its plan there at join), as staged 
 installed-weight reports do (each worker leaves its report there in phase `installed`); their
 budgets and health do not come back at all. Many senders need nothing of the route: every worker
 reads the senders from the manifest.
+
+On vLLM 0.26 (`vllm/compat.py`) the engine keeps no weight version: `finish_weight_update` takes
+none, so every finalize has the workers stamp it (phase `install`) and the channel reads no version
+(""); and with no `shutdown_weight_transfer_engine` the workers leave the group in an update of
+their own (phase `leave`).
 """
 
 from __future__ import annotations
@@ -129,8 +134,8 @@ class WeightTransferChannel:
         return self.control.reset_prefix_cache(running) is not False if self.control is not None else True
 
     def weight_version(self) -> str:
-        """The engine's version stamp ("" where the client cannot read it)."""
-        return self._versions.weight_version() if self._versions is not None else ""
+        """The engine's version stamp ("" where the client cannot read it, or vLLM keeps none)."""
+        return self._versions.weight_version() if self._versions is not None and self.features.engine_weight_versions else ""
 
     def set_weight_version(self, version: str) -> None:
         """Nothing: the route's `finish_weight_update(version)` stamps it (`TransferRoute`)."""
@@ -150,7 +155,7 @@ class WeightTransferChannel:
         """Raises when the engine does not answer (asked for its version where nothing else asks)."""
         if self._ours is not None:
             self._ours.health()
-        elif self._versions is not None:
+        elif self._versions is not None and self.features.engine_weight_versions:
             self._versions.weight_version()
 
     def close(self) -> None:
@@ -163,6 +168,7 @@ class TransferRoute:
 
     def __init__(self, channel: WeightTransferChannel, name: str, adapters: bool) -> None:
         self.client, self.name, self.num_workers = channel.client, name, channel.num_workers
+        self._channel = channel  # its vLLM release's features, read when a call differs between releases
         # Without control it cannot pause for a swap nor reset the cache. Installed-weight reports
         # come back through the group's store (an adapter join's too: vllm/lora_installed.py).
         self.lacks: frozenset[Feature] = frozenset(() if channel.control is not None else ("stages", "stages_regions"))
@@ -239,11 +245,11 @@ class TransferRoute:
         return [{"load_s": load_s, "finalize_s": 0.0}]
 
     def finalize(self, version: int) -> list[dict[str, Any]]:
-        """Layerwise post-processing and the stamp; an adapter sync, or one whose installed-weight
-        check closed the receive's update (`installed`), first installs `version` (in an update of
-        its own for the latter)."""
+        """Layerwise post-processing and the stamp; an adapter sync, one whose installed-weight
+        check closed the receive's update (`installed`), or any on a vLLM whose finish takes no
+        version first installs `version` (in an update of its own for the second)."""
         t0 = time.perf_counter()
-        if self._adapters or self._awaiting_install:
+        if self._adapters or self._awaiting_install or not self._channel.features.engine_weight_versions:
             self._awaiting_install = False
             self._phase({"phase": "install", "digest": self.held or "", "version": str(version)})
         self._finish(str(version))
@@ -268,7 +274,11 @@ class TransferRoute:
         self.held = None
         if self._open:  # vLLM refuses to shut the transfer engine down inside an update
             self._finish()
-        self.client.shutdown_weight_transfer_engine()
+        if self._channel.features.transfer_shutdown:
+            self.client.shutdown_weight_transfer_engine()
+        else:  # vLLM 0.26 has no such call: the workers leave in an update of their own
+            self._phase({"phase": "leave"})
+            self._finish()
 
     def plans(self) -> list[dict[str, Any]]:
         """What each worker left in the group's store at join (`answers.plan_key`), read once per join
@@ -334,7 +344,7 @@ class TransferRoute:
             # now on. Nothing staged in it reached the live weights (the next receive drops it), and
             # a half-loaded unstaged one left the engine stale for a dense sync: close it, open ours.
             logger.warning("engine %s: closing a weight update that a trainer left open (it died mid-sync?)", self.name)
-            self.client.finish_weight_update(None)
+            self._finish()
             self.client.start_weight_update()
         self._open = True
 
@@ -357,5 +367,10 @@ class TransferRoute:
             raise
 
     def _finish(self, version: str | None = None) -> None:
+        """Close vLLM's update; `version` stamps the engine where vLLM keeps one (0.26 takes no
+        argument: the workers were stamped in phase `install`)."""
         self._open = False
-        self.client.finish_weight_update(version)
+        if self._channel.features.engine_weight_versions:
+            self.client.finish_weight_update(version)
+        else:
+            self.client.finish_weight_update()

@@ -3,10 +3,14 @@
 Installed as the `vllm.general_plugins` entry point `ckpt_engine` (see pyproject.toml), so
 `--weight-transfer-config '{"backend": "ckpt_engine"}'` works with no user code. Registration is by
 module path: nothing of ckpt-engine's transfer code is imported until vLLM creates the engine.
-vLLM may call this several times per process; only the first registers.
+vLLM may call this several times per process; only the first registers. The trainer side follows
+0.32's trainer API; on a vLLM whose API has another shape (0.26, `vllm/compat.py`) it is not
+registered, and trainers there sync through `VllmRollout(name, WeightTransferChannel(client))`.
 """
 
 from __future__ import annotations
+
+import logging
 
 __all__ = ["BACKEND_NAME", "register"]
 
@@ -16,12 +20,25 @@ BACKEND_NAME = "ckpt_engine"
 _WORKER = ("ckpt_engine.rollout_adapters.vllm.transfer_engine", "CkptEngineWeightTransferEngine")
 _TRAINER = ("ckpt_engine.sync.vllm_trainer_engine", "CkptEngineTrainerWeightTransferEngine")
 
+logger = logging.getLogger(__name__)
+
 
 def register() -> None:
     """Register the worker and trainer sides under the name `ckpt_engine` (idempotent)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
+    from ckpt_engine.rollout_adapters.vllm.compat import features_of
+
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, *_WORKER)
-    if BACKEND_NAME not in WeightTransferTrainerFactory._registry:
+    if BACKEND_NAME in WeightTransferTrainerFactory._registry:
+        return
+    features = features_of()
+    if features.trainer_transfer_api:
         WeightTransferTrainerFactory.register_engine(BACKEND_NAME, *_TRAINER)
+    else:
+        logger.info(
+            "ckpt_engine: vLLM %s's trainer-side weight-transfer API is not the one ckpt-engine's trainer engine "
+            "implements (0.32's): only the worker side is registered; sync through VllmRollout(name, "
+            "WeightTransferChannel(client))", features.version,
+        )

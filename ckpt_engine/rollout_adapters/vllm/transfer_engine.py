@@ -1,9 +1,10 @@
 """ckpt-engine as a vLLM weight-transfer backend: `--weight-transfer-config '{"backend": "ckpt_engine"}'`.
 
-vLLM (0.32+) creates one `WeightTransferEngine` per worker from `WeightTransferConfig.backend` and
-drives it from its own routes (`/init_weight_transfer_engine`, `/start_weight_update`,
+vLLM (0.26, 0.32) creates one `WeightTransferEngine` per worker from `WeightTransferConfig.backend`
+and drives it from its own routes (`/init_weight_transfer_engine`, `/start_weight_update`,
 `/update_weights`, `/finish_weight_update`) or `LLM` methods. The plugin in `vllm/plugin.py`
-registers this class under the name `ckpt_engine` in every vLLM process.
+registers this class under the name `ckpt_engine` in every vLLM process. What differs between the
+two releases is in `vllm/compat.py`.
 
 One weight update, as the trainer side drives it (`VllmRollout` over a `WeightTransferChannel`,
 `rollout_adapters/vllm/native.py`, under a `WeightSyncSession`; `sync/vllm_trainer_engine.py` for
@@ -48,6 +49,9 @@ With `weights: "adapters"` in the init info the workers take LoRA adapter versio
 the newest version, and finish_weight_update loads nothing (vLLM then drops every loaded LoRA model;
 the workers rebuild each version from memory when a request names it); phases `arm` and `installed`
 check the received adapter as vLLM's `LoRAModel` holds it (`vllm/lora_installed.py`).
+On a vLLM without `shutdown_weight_transfer_engine` (0.26) the workers leave the weight-sync group in
+an update of their own:
+  update_weights({"phase": "leave"})  as `shutdown` (the next join joins afresh)
 The weights never travel in these calls; only the manifest (msgpack, base64) and small scalars do.
 """
 
@@ -55,6 +59,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +76,7 @@ from ckpt_engine.installed import InstalledRequest
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions
 from ckpt_engine.rollout_adapters.vllm.stage_outcome import check_ticket, report_outcome
 from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, PHASES, REJECTED, installed_key, plan_key
+from ckpt_engine.rollout_adapters.vllm.compat import features_of
 from ckpt_engine.rollout_adapters.vllm.receiver import VllmReceiverCore, unbase64
 
 if TYPE_CHECKING:
@@ -83,7 +89,11 @@ __all__ = ["CkptEngineInitInfo", "CkptEngineUpdateInfo", "CkptEngineWeightTransf
 
 logger = logging.getLogger(__name__)
 
-_NO_DIGEST = ("discard", "room", "arm", "installed")
+LEAVE = "leave"
+"""The phase in which the workers leave the weight-sync group, for a vLLM without
+`shutdown_weight_transfer_engine` (0.26)."""
+_PHASES = (*PHASES, LEAVE)
+_NO_DIGEST = ("discard", "room", "arm", "installed", LEAVE)
 """Phases that name no manifest."""
 
 
@@ -145,8 +155,8 @@ class CkptEngineUpdateInfo(WeightTransferUpdateInfo):
     """Arm and installed only: the installed-weight check (`InstalledRequest.to_wire()`)."""
 
     def __post_init__(self) -> None:
-        if self.phase not in PHASES:
-            raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {self.phase!r}")
+        if self.phase not in _PHASES:
+            raise ValueError(f"phase must be one of {', '.join(PHASES)}, got {self.phase!r} (or {LEAVE!r}: the workers leave the group)")
         if not isinstance(self.digest, str) or (not self.digest and self.phase not in _NO_DIGEST):
             raise ValueError(f"digest must be a non-empty string, got {self.digest!r}")
         if self.stage is not None and (self.phase != "receive" or self.stage not in STAGES):
@@ -212,6 +222,16 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
         self._store: torch.distributed.Store | None = None
         """A client of the group's rendezvous store: staged receives report their end there."""
 
+    if features_of().transfer_engine_sends:  # vLLM 0.26's base declares it abstract (vllm/compat.py)
+
+        @staticmethod
+        def trainer_send_weights(iterator: Iterator[Any], trainer_args: dict[str, Any] | Any) -> None:
+            """Never the way in: ckpt-engine's trainer side streams through its own weight-sync group."""
+            raise NotImplementedError(
+                "ckpt_engine sends from the trainer through VllmRollout(name, WeightTransferChannel(client)) "
+                "under a WeightSyncSession (ckpt_engine.rollout_adapters.vllm.native), not trainer_send_weights"
+            )
+
     def _worker_rank(self) -> int:
         """This worker's index across every data-parallel replica (as vLLM's NCCL backend counts)."""
         pc = self.parallel_config
@@ -256,14 +276,17 @@ class CkptEngineWeightTransferEngine(WeightTransferEngine[CkptEngineInitInfo, Ck
     def receive_weights(self, update_info: CkptEngineUpdateInfo) -> None:
         """One phase; an adapter sync (`self.lora`) validates, receives into its LoRA stage and installs."""
         phase, digest = update_info.phase, update_info.digest
-        allowed = ("validate", "receive", "install", "arm", "installed") if self.lora is not None else ("validate", "receive", "install", "swap", "discard", "room", "arm", "installed")
+        allowed = ("validate", "receive", "install", "arm", "installed", LEAVE) if self.lora is not None else _PHASES
         if phase not in allowed or (self.lora is not None and update_info.stage is not None):
             raise RuntimeError(
                 f"ckpt_engine: phase {phase!r} (stage {update_info.stage!r}) does not belong to a join with weights="
                 f"{'adapters' if self.lora is not None else 'full'}, which takes {', '.join(allowed)} (adapter syncs are not staged)"
             )
         core = self.lora.core if self.lora is not None else self.core
-        if phase == "validate":
+        if phase == LEAVE:
+            self.shutdown()
+            self._validated, self._loaded = None, False  # nothing left for this update's finish
+        elif phase == "validate":
             self._drop_pending()
             regions = update_info.regions
             if regions is not None and not 0 <= self._worker_rank() < len(regions):
