@@ -35,7 +35,7 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
-    from bench.lora_sync_bench import PROJECTIONS, adapter, module_shapes
+    from bench.lora_sync_bench import adapter, module_shapes
     from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
     from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION
     from ckpt_engine.rollout_adapters.vllm.lora import VllmLoraRollout

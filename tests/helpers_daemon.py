@@ -23,7 +23,7 @@ from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon.cli import READY_PREFIX
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
-from helpers_procs import ForkedProcess, fork_program, free_port
+from helpers_procs import ForkedProcess, fork_program
 from refengines import spawn_engine
 
 TIMEOUT_S = 20.0
