@@ -110,6 +110,11 @@ class WeightTransferChannel:
         self.local = False  # the workers' pids are never known here
 
     def route(self, name: str, timeout_s: float, adapters: bool) -> TransferRoute:
+        if not self.features.engine_weight_versions:
+            logger.warning(
+                "engine %s: vLLM %s keeps no engine weight version and its weight-transfer calls read none back from "
+                "the workers: versions carry on only within this process's sessions", name, self.features.version,
+            )
         return TransferRoute(self, name, adapters)
 
     @property
