@@ -250,7 +250,10 @@ class LLMWeightSyncClient:
         self.llm.update_weights({"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
+        if weight_version is None:  # vLLM 0.26's takes no version at all (vllm/compat.py)
+            self.llm.finish_weight_update()
+        else:
+            self.llm.finish_weight_update(weight_version)
 
     def _utility(self, method: str, *args: Any) -> Any:
         core = self.llm.llm_engine.engine_core
