@@ -36,6 +36,7 @@ watchdog() {  # watchdog SECONDS PID: dump every Python stack (py-spy, if carrie
 case "$part" in
 vllm)
   python3 -c "import vllm" 2>/dev/null || bash bench/vllm_carry.sh install || exit 1
+  bash bench/vllm_carry.sh plugin .  # the `ckpt_engine` weight-transfer backend, for a checkout run from PYTHONPATH
   export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
   # each failure lands in $out/failures.txt as it happens (bench/pytest_eager.py), and -rA names every outcome
   # (--timeout: pytest-timeout, on the GPU image, ends one stuck test and lets the rest run)
@@ -96,7 +97,7 @@ fanout)  # 4 GPUs: one sender (cuda:0) to three receivers, Qwen2.5-7B and Qwen3-
   ;;
 vllm-one)  # one GPU: the vLLM tests that fit it (colocated, LoRA, an engine core in this process), the race
   # test, the colocated vLLM bench with vLLM's engine core in its own process and in the trainer's
-  VLLM_TESTS="tests/test_gpu_installed_race.py tests/test_installed_folds.py tests/test_gpu_transfer.py::test_colocated_sender_and_receiver_in_one_process tests/test_vllm_cuda_lora.py tests/test_vllm_cuda.py::test_colocated_on_the_engines_gpu tests/test_vllm_cuda.py::test_installed_check_on_cuda_names_a_wrong_byte tests/test_vllm_cuda_inprocess.py" \
+  VLLM_TESTS="tests/test_gpu_installed_race.py tests/test_installed_folds.py tests/test_gpu_transfer.py::test_colocated_sender_and_receiver_in_one_process tests/test_vllm_cuda_lora.py tests/test_vllm_cuda.py::test_colocated_on_the_engines_gpu tests/test_vllm_cuda.py::test_installed_check_on_cuda_names_a_wrong_byte tests/test_vllm_cuda_inprocess.py tests/test_vllm_cuda_native.py" \
     VLLM_TEST_TIMEOUT=${VLLM_ONE_S:-420} VLLM_HANG_S=${VLLM_ONE_S:-420} bash "$0" vllm
   for mp in 1 0; do
     echo "== vllm colocated bench ${VLLM_COLO_PRESET:-qwen2.5-7b}, VLLM_ENABLE_V1_MULTIPROCESSING=$mp"

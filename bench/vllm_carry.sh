@@ -4,6 +4,7 @@
 #   bash bench/vllm_carry.sh fetch     # here: download the pinned wheels, check every hash,
 #                                      # tar them and split the tar into 58 MiB parts under .vllm/
 #   bash bench/vllm_carry.sh install   # there: join the parts carried to .vllm/ and install
+#   bash bench/vllm_carry.sh plugin    # there: ckpt-engine's vLLM plugin entry point beside a checkout
 #
 # The wheel list with its hashes: bench/vllm-wheels-0.26.0.sha256 (or $VLLM_WHEELS): vLLM 0.26.0 (CUDA 13)
 # and its dependencies that the GPU machines lack (torch 2.11 is there already).
@@ -44,6 +45,12 @@ fetch)
 keep)  # on the device: move one carried part out of the repository
   mkdir -p "$parts"; cp "$2" "$parts/"; ls "$parts"
   ;;
+plugin)  # on the device: ckpt-engine's vLLM plugin entry point for a checkout run from PYTHONPATH (DIR, default .)
+  # (vLLM finds the `ckpt_engine` weight-transfer backend through it; no pip install of the project)
+  d=${2:-.}/ckpt_engine-0.dev0.dist-info; mkdir -p "$d"
+  printf 'Metadata-Version: 2.1\nName: ckpt-engine\nVersion: 0.dev0\n' > "$d/METADATA"
+  printf '[vllm.general_plugins]\nckpt_engine = ckpt_engine.rollout_adapters.vllm.plugin:register\n' > "$d/entry_points.txt"
+  ;;
 install)  # on the device: join, untar, install into the machine's own Python (cutlass-dsl needs its .pth)
   python3 -c "import vllm" 2>/dev/null && { echo "vllm already installed"; exit 0; }
   mkdir -p /tmp/vllm-wheels
@@ -54,5 +61,5 @@ install)  # on the device: join, untar, install into the machine's own Python (c
   ls .whl/py_spy-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps .whl/py_spy-*.whl
   python3 -c "import vllm; print('vllm', vllm.__version__)"
   ;;
-*) echo "usage: $0 fetch | keep PART | install" >&2; exit 2 ;;
+*) echo "usage: $0 fetch | keep PART | install | plugin [DIR]" >&2; exit 2 ;;
 esac
