@@ -45,7 +45,7 @@ from ckpt_engine.planning.regions import Region
 
 __all__ = [
     "DEFAULT_SAMPLES", "ArmsInstalledChecks", "Folds", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_held", "digest_share", "digest_share_runs",
-    "region_view", "wrap64",
+    "key_text", "region_view", "wrap64",
 ]
 
 DEFAULT_SAMPLES = 4096
@@ -119,6 +119,12 @@ class ArmsInstalledChecks(Protocol):
 
     def arm_installed(self, request: InstalledRequest) -> None:
         """Tell every rank the check of the sync about to stream (called before anything is paused)."""
+
+
+def key_text(key: Key) -> str:
+    """A key as problems name it: the name, and the region an engine rank holds of it."""
+    name, r = key
+    return name if r is None else f"{name}[dim {r.dim}: {r.start}:{r.start + r.length}]"
 
 
 def region_view(t: torch.Tensor, region: Region | None) -> torch.Tensor:

@@ -39,7 +39,7 @@ import msgpack
 import torch
 
 from ckpt_engine.installed import (
-    MAX_SEED, ArmsInstalledChecks, Folds, InstalledReport, InstalledRequest, Key, digest_share_runs, region_view, wrap64,
+    MAX_SEED, ArmsInstalledChecks, Folds, InstalledReport, InstalledRequest, Key, digest_share_runs, key_text, region_view, wrap64,
 )
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.planning.regions import ReceivePlan, Region
@@ -263,9 +263,9 @@ class InstalledChecks:
             for key, got in report.digests.items():
                 want = expected.get(key)
                 if want is None:
-                    problems.append(f"{_key_text(key)} ({where}): installed, but no receive plan says the rank holds it")
+                    problems.append(f"{key_text(key)} ({where}): installed, but no receive plan says the rank holds it")
                 elif want != got:
-                    problems.append(f"{_key_text(key)} ({where}): installed weights differ from the source")
+                    problems.append(f"{key_text(key)} ({where}): installed weights differ from the source")
             for what in report.missing:
                 problems.append(f"{what} ({where}): sent but not installed")
             if report.unchecked:
@@ -282,11 +282,6 @@ class InstalledChecks:
         if message not in self._said:
             self._said.add(message)
             logger.warning("%s", message)
-
-
-def _key_text(key: Key) -> str:
-    name, region = key
-    return name if region is None else f"{name}[dim {region.dim}: {region.start}:{region.start + region.length}]"
 
 
 def _names(names: list[str]) -> str:

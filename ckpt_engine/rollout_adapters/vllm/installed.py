@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ckpt_engine.installed import Folds, InstalledReport, InstalledRequest, Key
+from ckpt_engine.installed import Folds, InstalledReport, InstalledRequest, Key, key_text
 from ckpt_engine.planning.regions import ReceivePlan, Region
 
 if TYPE_CHECKING:
@@ -391,13 +391,8 @@ class InstalledCapture:
             # several full copies of one region (a tensor loaded into two places) must agree
             digests[k] = copies[0] if len(set(copies)) == 1 else copies[0] ^ 1
         unchecked = sorted({f"{n} ({why})" for n, why in self.unchecked.items()} | self.layout.unfollowed)
-        missing = sorted({_key_text(k) + f": {why}" for k, why in self.missing.items()})
+        missing = sorted({key_text(k) + f": {why}" for k, why in self.missing.items()})
         return InstalledReport(digests, list(self.layout.unwritten), unchecked, missing, self.seconds + time.perf_counter() - t0)
-
-
-def _key_text(key: Key) -> str:
-    name, r = key
-    return name if r is None else f"{name}[dim {r.dim}: {r.start}:{r.start + r.length}]"
 
 
 class _Workers(Protocol):
