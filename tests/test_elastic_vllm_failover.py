@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from ckpt_engine import WeightSyncSession
 from ckpt_engine.elastic import PeerJoinReport, join_from_peer
@@ -32,6 +31,7 @@ from _vllm_peer_faults import EXTENSION  # noqa: E402
 from helpers_vllm import stop_llm  # noqa: E402
 from test_elastic_join import nixl_missing  # noqa: E402
 from test_elastic_vllm_join import CONFIG, start_llm  # noqa: E402
+from test_elastic_vllm_join import Fleet as JoinFleet  # noqa: E402
 from test_vllm_adapter import PROMPTS, QWEN2_CONFIG, hf_greedy, llm_greedy, source_of, trainer_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing())]
@@ -41,15 +41,10 @@ WAIT_S = 120.0
 
 
 @dataclass
-class Fleet:
-    a: Any
-    b: Any
-    c: Any
-    llm_a: Any
-    llm_b: Any
-    trainer: torch.nn.Module
-    version: int
-    b_before: list[list[int]]
+class Fleet(JoinFleet):
+    """test_elastic_vllm_join's fleet and a second serving peer, C."""
+
+    c: Any = None
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +67,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         assert report.staged == "full"
         llms.append(start_llm(model_dir, EXTENSION))
         b = VllmRollout("B", llms[2], timeout_s=60.0)
-        yield Fleet(a, b, c, llms[0], llms[2], trainer, report.version, llm_greedy(llms[2])[0])
+        yield Fleet(a, b, llms[0], llms[2], trainer, report.version, llm_greedy(llms[2])[0], c=c)
     finally:
         if session is not None:
             session.close()
