@@ -36,6 +36,14 @@ class BenchExtension(_Base):  # type: ignore[misc, valid-type]
 
         os.environ[name] = value
 
+    def bench_memory(self) -> dict[str, float]:
+        """GiB allocated now and at the peak since the last call (then reset): where a sync's memory goes."""
+        gib = 2**30
+        out = {"allocated": round(torch.cuda.memory_allocated() / gib, 2), "peak": round(torch.cuda.max_memory_allocated() / gib, 2),
+               "reserved": round(torch.cuda.memory_reserved() / gib, 2)}
+        torch.cuda.reset_peak_memory_stats()
+        return out
+
     def bench_param_fold(self) -> dict[str, int]:
         """A position-weighted sum of each installed parameter's 16-bit words, on the GPU: equal for
         two syncs that installed the same bytes (a cheap stand-in for sha256 over 61 GB)."""

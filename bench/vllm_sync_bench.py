@@ -155,8 +155,18 @@ def main() -> None:
         return run
 
     def measure(name: str, fn: Any) -> None:
-        first = fn()
-        runs = [fn() for _ in range(args.iters)]
+        (out.setdefault("memory_gib", {})[f"before_{name}"],) = llm.collective_rpc("bench_memory")
+        try:
+            first = fn()
+            runs = [fn() for _ in range(args.iters)]
+        except Exception as exc:  # keep what ran: the JSON says which path failed and the engine's memory
+            (out["memory_gib"][f"failed_{name}"],) = llm.collective_rpc("bench_memory")
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+            print(f"{name}: {out[name]} memory {out['memory_gib']}", flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps(out, indent=1))
+            raise
+        (out["memory_gib"][f"after_{name}"],) = llm.collective_rpc("bench_memory")
         out[name] = {"first_s": round(first, 4), "median_s": round(statistics.median(runs), 4), "runs_s": [round(r, 4) for r in runs],
                      "gb_s": round(total / statistics.median(runs) / 1e9, 1)}
         print(f"{name}: {out[name]}", flush=True)
