@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -373,11 +373,10 @@ class Folds:
 
 
 def digest_held(
-    tensors: Mapping[str, torch.Tensor], regions: Mapping[str, Region | None], request: InstalledRequest, own: Iterable[str] | None = None,
+    tensors: Mapping[str, torch.Tensor], regions: Mapping[str, Region | None], request: InstalledRequest,
 ) -> InstalledReport:
     """The report of a rank that holds checkpoint tensors under their own names (the reference
-    receiver): `tensors` in each held region's shape, `regions` the region of each (absent: whole).
-    `own`: the names of its layout's parameters and persistent buffers (default: `tensors`)."""
+    receiver): `tensors` in each held region's shape, `regions` the region of each (absent: whole)."""
     t0 = time.perf_counter()
     sent = set(request.names)
     keys = [(n, regions.get(n)) for n in request.names if n in tensors]
@@ -385,5 +384,5 @@ def digest_held(
     for n, _ in keys:
         folds.add(tensors[n])
     answers = folds.values()
-    unwritten = sorted(n for n in (own if own is not None else tensors) if n not in sent)
+    unwritten = sorted(n for n in tensors if n not in sent)
     return InstalledReport(dict(zip(keys, answers)), unwritten, [], seconds=time.perf_counter() - t0)

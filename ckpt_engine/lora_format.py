@@ -153,7 +153,6 @@ def check_adapter(
     max_rank: int,
     base_shapes: Mapping[str, tuple[int, int]],
     targets: Iterable[str] | None = None,
-    dtypes: Iterable[str] | None = None,
 ) -> list[str]:
     """Problems with serving the adapter a manifest describes on an engine ([] = fine), each naming
     its tensor or setting: the engine's LoRA config allows ranks up to `max_rank` and the modules in
@@ -170,7 +169,6 @@ def check_adapter(
     if not layout.modules:
         problems.append("the manifest holds no LoRA tensors")
     allowed = set(targets) if targets is not None else None
-    wire_dtypes = set(dtypes) if dtypes is not None else None
     ranks = layout.ranks
     if len(ranks) > 1:
         problems.append(f"lora_A ranks differ between modules ({sorted(ranks)}); an adapter sync carries one rank")
@@ -197,9 +195,6 @@ def check_adapter(
             problems.append(f"{a.name}: shape {list(a.shape)} but the engine's {module} needs [rank, {in_f}]")
         if tuple(b.shape) != (out_f, r):
             problems.append(f"{b.name}: shape {list(b.shape)} but the engine's {module} needs [{out_f}, {r}]")
-        for s in (a, b):
-            if wire_dtypes is not None and s.dtype not in wire_dtypes:
-                problems.append(f"{s.name}: dtype {s.dtype} but the engine takes LoRA weights as {sorted(wire_dtypes)}")
     return problems
 
 

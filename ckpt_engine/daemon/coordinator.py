@@ -336,12 +336,12 @@ class WeightSyncDaemon:
                 self._finish(outcome)
             return outcome
 
-    def catch_up(self, source: WeightSource, *, walk_barrier: WalkBarrier | None = None) -> SyncOutcome | None:
+    def catch_up(self, source: WeightSource) -> SyncOutcome | None:
         """Push the current version again when an engine waits for it (see `sync` for the caveat)."""
         if not self.pending() or self.version == 0:
             return None
         same = self.versions.sent == self.version  # else another trainer sent it: a new version
-        return self.sync(source, version=self.version if same else None, walk_barrier=walk_barrier)
+        return self.sync(source, version=self.version if same else None)
 
     def _attempt(self, walker: OneWalkPerAttempt, members: list[EngineRecord], target: int, outcome: SyncOutcome, attempt: int) -> bool:
         """One try with the current members; returns whether to try again (engines were dropped)."""

@@ -65,7 +65,7 @@ def scale_shape(shape: Sequence[int], block: tuple[int, int] = BLOCK) -> tuple[i
     return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
 
 
-def fp8_specs(specs: Sequence[TensorSpec], block: tuple[int, int] = BLOCK) -> list[TensorSpec]:
+def fp8_specs(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
     """The wire specs of a block-FP8 sync of `specs`: each quantized weight as FP8, followed by its
     scales; every other tensor as it is. Also the layout a block-FP8 checkpoint of the model holds."""
     out: list[TensorSpec] = []
@@ -74,5 +74,5 @@ def fp8_specs(specs: Sequence[TensorSpec], block: tuple[int, int] = BLOCK) -> li
             out.append(spec)
             continue
         out.append(TensorSpec(spec.name, FP8_NAME, spec.shape))
-        out.append(TensorSpec(scale_name(spec.name), SCALE_NAME, scale_shape(spec.shape, block)))
+        out.append(TensorSpec(scale_name(spec.name), SCALE_NAME, scale_shape(spec.shape)))
     return out

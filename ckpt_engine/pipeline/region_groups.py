@@ -178,7 +178,7 @@ def _rows(owners: OwnerMap | None, name: str, sender: int, tensor: torch.Tensor,
 
 def send_regions(
     groups: RegionGroups, sets: Sequence[ReceiverSet], manifests: Mapping[int, BucketManifest], tensors: Mapping[str, torch.Tensor],
-    shapes: Mapping[str, tuple[int, ...]], *, owners: OwnerMap | None = None, stable: bool = True, delta: DeltaRequest | None = None,
+    shapes: Mapping[str, tuple[int, ...]], *, owners: OwnerMap | None = None, delta: DeltaRequest | None = None,
 ) -> SendStats:
     """Sender: every set's pieces through its engine, wave by wave (`RegionGroups.waves`; a
     wave's sets side by side, one thread each). `tensors`: this sender's tensor of each name (the
@@ -203,8 +203,7 @@ def send_regions(
                 rows, local = _rows(owners, p.name, sender, tensors[p.name], shapes[p.name])
                 yield e.name, _local_piece(local, p, rows)
 
-        engine = groups.engine(s.index)
-        return engine.send_weights(manifest, walk(), stable=stable, delta=delta) if delta is not None else engine.send_weights(manifest, walk(), stable=stable)
+        return groups.engine(s.index).send_weights(manifest, walk(), stable=True, delta=delta)
 
     total = SendStats()
     changed = 0.0  # changed_fraction weighted by each set's dense bytes

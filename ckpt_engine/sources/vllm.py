@@ -40,7 +40,6 @@ class VllmWeightSourceAdapter(WeightSource):
 
     def __init__(
         self, source: Any, *, is_sender: bool = True, stable_tensors: bool = False, dtype: torch.dtype | None = None,
-        keep_dtype: frozenset[str] | set[str] = frozenset(),
     ) -> None:
         if not is_vllm_weight_source(source):
             raise ValueError(f"expected a vLLM WeightSource ({_VLLM_BASE}.WeightSource), got {type(source).__name__}")
@@ -56,14 +55,13 @@ class VllmWeightSourceAdapter(WeightSource):
         """True only when every yielded tensor stays valid until the sync ends (e.g. plain parameters)."""
         self.dtype = dtype
         """Floating-point tensors travel (and load) as this dtype, as `StateDictSource`'s `dtype`."""
-        self.keep_dtype = frozenset(keep_dtype)
 
     def metadata(self) -> list[TensorSpec]:
         specs = []
         for meta in self.source.metadata():
             if not isinstance(meta.dtype, torch.dtype):
                 raise ValueError(f"{meta.name}: metadata dtype must be a torch.dtype, got {meta.dtype!r}")
-            wire = self.dtype if self.dtype is not None and meta.dtype.is_floating_point and meta.name not in self.keep_dtype else meta.dtype
+            wire = self.dtype if self.dtype is not None and meta.dtype.is_floating_point else meta.dtype
             specs.append(TensorSpec(meta.name, str(wire).removeprefix("torch."), tuple(int(d) for d in meta.shape)))
         return specs
 
@@ -74,12 +72,12 @@ class VllmWeightSourceAdapter(WeightSource):
             yield name, tensor
 
 
-def as_weight_source(source: Any, *, is_sender: bool | None = None) -> WeightSource:
+def as_weight_source(source: Any) -> WeightSource:
     """`source` itself if it is already a ckpt-engine source, else a vLLM source wrapped."""
     if isinstance(source, WeightSource):
         return source
     if is_vllm_weight_source(source):
-        return VllmWeightSourceAdapter(source, is_sender=is_sender if is_sender is not None else True)
+        return VllmWeightSourceAdapter(source)
     raise TypeError(
         f"expected a weight source, got {type(source).__name__}: subclass ckpt_engine.sources.base.WeightSource "
         "(metadata() and iter_weights()), wrap a state dict in StateDictSource, or pass a vLLM WeightSource"
