@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, MIX_A, MIX_B
 
-__all__ = ["MAX_DIMS", "Folder", "fold_images", "foldable"]
+__all__ = ["MAX_DIMS", "Folder", "foldable"]
 
 MAX_DIMS = 4
 """Images of up to this many dimensions are folded here (others by `installed.Folds`)."""
@@ -32,14 +32,8 @@ _TL_WORDS = {1: tl.int8, 2: tl.int16, 4: tl.int32, 8: tl.int64}
 
 
 def foldable(view: torch.Tensor) -> bool:
-    """Whether `fold_images` takes `view` (its own dtype: no cast on the way)."""
+    """Whether `Folder` takes `view` (its own dtype: no cast on the way)."""
     return view.dim() <= MAX_DIMS and view.numel() > 0 and view.element_size() in _TL_WORDS and not view.dtype.is_complex
-
-
-def fold_images(views: Sequence[torch.Tensor], seed: int, samples: int) -> list[int]:
-    """`installed.digest(view, seed, samples)` of every view (each `foldable`, `samples` > 0), read
-    with one launch per element width and one host sync."""
-    return Folder(views).fold(seed, samples)
 
 
 class Folder:
@@ -61,10 +55,11 @@ class Folder:
         self._tables = tables
 
     def fold(self, seed: int, samples: int) -> list[int]:
-        """Every view's digest: one launch per element width on the current stream (after whatever
-        wrote the images there), one host sync."""
+        """`installed.digest(view, seed, samples)` of every view (each `foldable`, `samples` > 0):
+        one launch per element width on the current stream (after whatever wrote the images there),
+        one host sync."""
         if samples <= 0:
-            raise ValueError("fold_images folds sampled digests (samples > 0)")
+            raise ValueError("Folder folds sampled digests (samples > 0)")
         out = [0] * len(self.views)
         if not self.views:
             return out

@@ -14,7 +14,7 @@ import torch
 CASES = r"""
 import torch
 from ckpt_engine.installed import digest
-from ckpt_engine.installed_kernel import fold_images
+from ckpt_engine.installed_kernel import Folder
 
 device = DEVICE
 g = torch.Generator().manual_seed(7)
@@ -32,13 +32,13 @@ images = [
     base.view(torch.bfloat16)[:10].view(10, 1).expand(10, 50),  # stride 0
 ]
 for seed, samples in COMBOS:
-    got = fold_images(images, seed, samples)
+    got = Folder(images).fold(seed, samples)
     want = [int(digest(v, seed, samples)) for v in images]
     assert got == want, (seed, samples, [i for i, (a, b) in enumerate(zip(got, want)) if a != b])
 # the kernel's tables are kept by the views' geometry: other views, then the first ones again
 seed, samples = COMBOS[0]
 for views in (images[::-1], images[2:5], images):
-    assert fold_images(views, seed, samples) == [int(digest(v, seed, samples)) for v in views]
+    assert Folder(views).fold(seed, samples) == [int(digest(v, seed, samples)) for v in views]
 print("ok")
 """
 
@@ -67,11 +67,11 @@ def test_equals_digest_on_a_gpu() -> None:
 
 def test_bad_input_is_refused_by_name() -> None:
     pytest.importorskip("triton")
-    from ckpt_engine.installed_kernel import fold_images
+    from ckpt_engine.installed_kernel import Folder
 
     with pytest.raises(ValueError, match="samples > 0"):
-        fold_images([torch.zeros(4)], 1, 0)
+        Folder([torch.zeros(4)]).fold(1, 0)
     with pytest.raises(ValueError, match="image 1 .*complex"):
-        fold_images([torch.zeros(4), torch.zeros(4, dtype=torch.complex64)], 1, 8)
+        Folder([torch.zeros(4), torch.zeros(4, dtype=torch.complex64)]).fold(1, 8)
     with pytest.raises(ValueError, match="image 0 .*5 dims"):
-        fold_images([torch.zeros(1, 1, 1, 1, 2)], 1, 8)
+        Folder([torch.zeros(1, 1, 1, 1, 2)]).fold(1, 8)

@@ -59,10 +59,10 @@ def weight_of(name: str) -> str | None:
     return name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
 
 
-def scale_shape(shape: Sequence[int], block: tuple[int, int] = BLOCK) -> tuple[int, ...]:
+def scale_shape(shape: Sequence[int]) -> tuple[int, ...]:
     """Shape of the scales of a weight of `shape`: leading dims as they are, the last two in blocks."""
     *lead, rows, cols = shape
-    return (*lead, math.ceil(rows / block[0]), math.ceil(cols / block[1]))
+    return (*lead, math.ceil(rows / BLOCK[0]), math.ceil(cols / BLOCK[1]))
 
 
 def fp8_specs(specs: Sequence[TensorSpec]) -> list[TensorSpec]:
