@@ -44,7 +44,7 @@ from ckpt_engine.delta.mixing import mix
 from ckpt_engine.planning.regions import Region
 
 __all__ = [
-    "DEFAULT_SAMPLES", "ArmsInstalledChecks", "Folds", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_held", "digest_share", "digest_share_runs",
+    "DEFAULT_SAMPLES", "ArmsInstalledChecks", "Folds", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_held", "digest_share_runs",
     "key_text", "region_view", "wrap64",
 ]
 
@@ -217,23 +217,15 @@ def digest(view: torch.Tensor, seed: int, samples: int = DEFAULT_SAMPLES, dtype:
     return words.mul_(mix(pos + seed)).sum()
 
 
-def digest_share(
-    piece: torch.Tensor, first: int, shape: tuple[int, ...], region: Region | None, seed: int, samples: int,
-) -> torch.Tensor:
-    """One sender's share of D of `region` of a tensor of `shape` (many senders, each holding a
-    contiguous run of the tensor's flat elements): the sum over the sampled positions whose element
-    lies in [first, first + piece.numel()), read from `piece` (those elements, C order). D is a sum
-    over positions, so the shares of pieces that cover the tensor once add up (`wrap64`) to
-    `digest(region_view(whole, region))`: no sender gathers a tensor. Sampled digests only
-    (`samples` > 0: a full fold is the codec's checksum of whole words of the image)."""
-    return digest_share_runs(piece.reshape(-1), first, [(first, first + piece.numel())], shape, region, seed, samples)
-
-
 def digest_share_runs(
     flat: torch.Tensor, base: int, runs: list[tuple[int, int]], shape: tuple[int, ...], region: Region | None, seed: int, samples: int,
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """`digest_share` of every run [lo, hi) of the tensor's flat elements a sender holds, at once:
+    """One sender's share of D of `region` of a tensor of `shape` (many senders, each holding runs
+    of the tensor's flat elements): the sum over the sampled positions whose element lies in a run
+    [lo, hi). D is a sum over positions, so the shares of runs that cover the tensor once add up
+    (`wrap64`) to `digest(region_view(whole, region))`: no sender gathers a tensor. Sampled digests
+    only (`samples` > 0: a full fold is the codec's checksum of whole words of the image).
     `flat` holds flat elements [base, base + flat.numel()) (C order) and the runs lie inside it. The
     positions are drawn once for all runs, and only the words read are cast to `dtype` (the wire's;
     default `flat`'s own), so a sender's share costs about one `digest` whatever its chunks. A

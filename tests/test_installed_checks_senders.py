@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession, sync_rollout_weights
-from ckpt_engine.installed import digest, digest_share, region_view, wrap64
+from ckpt_engine.installed import digest, digest_share_runs, region_view, wrap64
 from ckpt_engine.planning.regions import Region
 from ckpt_engine.processes import run_processes
 from ckpt_engine.rollout_adapters import torch_ref
@@ -74,6 +74,11 @@ def trainer_main(rank: int, world: int, port: int, engines: list[dict[str, Any]]
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(log))
 
 
+def digest_share(piece: torch.Tensor, first: int, shape: tuple[int, ...], region: Region | None, seed: int, samples: int) -> torch.Tensor:
+    """The share of one contiguous run: `piece` holds flat elements [first, first + piece.numel())."""
+    return digest_share_runs(piece.reshape(-1), first, [(first, first + piece.numel())], shape, region, seed, samples)
+
+
 @pytest.mark.parametrize("region", [None, Region(0, 16, 32), Region(1, 40, 40)], ids=["whole", "rows", "columns"])
 def test_shares_of_pieces_that_cover_a_tensor_once_add_up_to_its_digest(region: Region | None) -> None:
     g = torch.Generator().manual_seed(2)
@@ -89,8 +94,6 @@ def test_shares_of_pieces_that_cover_a_tensor_once_add_up_to_its_digest(region: 
 def test_a_senders_runs_fold_at_once_as_their_pieces_do_and_cast_as_the_wire() -> None:
     """`digest_share_runs` (what `sender_shares` folds): every run a sender holds in one call, from
     its piece in its own dtype, equals the shares of each run's piece cast to the wire dtype."""
-    from ckpt_engine.installed import digest_share_runs
-
     g = torch.Generator().manual_seed(4)
     t = torch.randn(96, 80, generator=g)  # fp32 master; the wire carries bf16
     wire = t.bfloat16()
@@ -108,8 +111,6 @@ def test_senders_holding_scattered_runs_of_any_region_add_up_to_its_digest(shape
     an inner region, a lookup): random regions on every dimension, tensors cut into uneven runs dealt
     to three senders (a sender holds several, some overlapping), with every position kept or a few."""
     import random
-
-    from ckpt_engine.installed import digest_share_runs
 
     rng, g = random.Random(5), torch.Generator().manual_seed(5)
     t = torch.randn(shape, generator=g).bfloat16()

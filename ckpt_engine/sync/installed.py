@@ -20,7 +20,7 @@ tensors an engine cannot map back to checkpoint regions are named as unchecked.
 With many senders (`senders: all`) no rank holds a whole tensor: trainer rank 0 announces the
 check with the send (`announcement`: seed, samples and the keys in order), every sending rank
 folds its share of each key from its own pieces after its send (`sender_shares`, the sampled
-positions that fall in its rows: `installed.digest_share`), and after the report round, when every
+positions that fall in its rows: `installed.digest_share_runs`), and after the report round, when every
 rank's send succeeded, one more all-gather brings every share to rank 0 (`ManySenders.failed`),
 which adds them (`combine`) and compares as for one sender. Not made there with every-element
 folds (`verify_installed_samples: 0`), TP helpers (`collective_pieces`) or too many keys to announce.
