@@ -11,7 +11,7 @@ speed-up, and whether every rank's slices equal the senders' weights.
 --link-mb-s R gives every rank an emulated link of R MB/s (`paced_link.py`): the network-bound
 case on a CPU box. --region-slot-memory-mb B lets the senders stream as many receiver sets side by side
 as B MiB of slots hold (`parallel_sets`; unset: 8). --fused-experts sends each layer's experts stacked (`planning/fused_experts.py`).
---backend nccl_handoff --device cuda runs on a GPU box with sender s and receiver r on GPU s and r
+--backend nccl --device cuda puts rank i on GPU i; nccl_handoff puts sender s and receiver r on GPU s and r
 (modulo the GPUs): NCCL cannot join a sender and a receiver of one GPU, so every receiver gets its
 own groups (one receiver per set, in both modes) and the sender beside it hands over through CUDA
 IPC; a piece several receivers hold travels to each.
@@ -141,11 +141,12 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def _device(rank: int, senders: int, kind: str) -> torch.device:
-    """Sender s on GPU s, receiver r on GPU r (modulo the GPUs): a receiver beside a sender."""
+def _device(rank: int, senders: int, kind: str, beside: bool) -> torch.device:
+    """`beside` (nccl_handoff, colocated): sender s on GPU s, receiver r on GPU r, a receiver beside
+    a sender; else (nccl: one GPU per rank) rank i on GPU i. Both modulo the GPUs."""
     if kind != "cuda":
         return torch.device("cpu")
-    index = (rank if rank < senders else rank - senders) % torch.cuda.device_count()
+    index = (rank if rank < senders or not beside else rank - senders) % torch.cuda.device_count()
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
 
@@ -166,7 +167,7 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         specs = fuse_specs(specs)[0]
     by_name = {s.name: s for s in specs}
     senders, tp, receivers = cfg["senders"], cfg["receiver_tp"], cfg["receivers"]
-    device = _device(rank, senders, cfg["device"])
+    device = _device(rank, senders, cfg["device"], beside=backend in ("nccl_handoff", "colocated"))
     split = backend == "nccl_handoff"  # its groups take one receiver rank each
     kv = config.get("num_key_value_heads", config["num_attention_heads"])
     plans = [tp_ep_plan(specs, tp_size=tp, tp_rank=r % tp, num_kv_heads=kv) for r in range(receivers)]

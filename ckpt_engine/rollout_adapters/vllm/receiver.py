@@ -211,6 +211,7 @@ class VllmReceiverCore:
             self.reload.close()
             raise
         out["detached_bytes"] = detached[0]
+        out["loads_in_place"] = float(self.reload.in_place())  # 1: no layerwise reload (the worker logs why not, once)
         out["direct_tensors"] = direct.copied - copied if direct is not None else 0
         if self._armed is not None and self.reload.in_place():  # installed as it will serve: the report rides back now
             out["installed"] = self.installed(self._armed.request).to_wire()
