@@ -101,9 +101,9 @@ class ManySenders:
             try:
                 if "join" in self._owed:
                     self.announce(join_message(None, {}))
-                if "send" in self._owed:
+                if "send" in self._owed:  # failed before the send: the other ranks raise this error too
                     self.installed = None
-                    self.announce(send_message("skip"))
+                    self.announce(send_message("skip", error=(error or "trainer rank 0: the sync ended before the send")[:4000]))
                 if self._gather_owed:
                     self._gather_owed = False
                     self._channel.gather_status(error)  # type: ignore[union-attr]

@@ -38,13 +38,15 @@ def join_message(rendezvous: Rendezvous | None, options: dict[str, Any]) -> dict
 
 def send_message(
     action: str, digest: str = "", delta: DeltaRequest | None = None, regions: dict[str, Any] | None = None,
-    installed: dict[str, Any] | None = None,
+    installed: dict[str, Any] | None = None, error: str | None = None,
 ) -> dict[str, Any]:
     """`regions`: region delivery's layout and digest (`RegionDelivery.announcement`), or None;
-    `installed`: this sync's installed-weight check (`InstalledChecks.announcement`), or None."""
+    `installed`: this sync's installed-weight check (`InstalledChecks.announcement`), or None;
+    `error`: with "skip", why trainer rank 0's sync failed before the send (None: it ended without
+    one, e.g. a daemon attempt that never started), so every rank raises it, not rank 0 alone."""
     return {
         "kind": "send", "action": action, "digest": digest, "delta": delta.to_dict() if delta is not None else None, "regions": regions,
-        "installed": installed,
+        "installed": installed, "error": error,
     }
 
 
@@ -139,8 +141,13 @@ class SenderFollower:
         except Exception as exc:
             error = f"join failed: {type(exc).__name__}: {exc}"
             logger.warning("trainer rank %d: %s", self.channel.rank, error)
-        msg = _announced(self.channel, "send", {"kind", "action", "digest", "delta", "regions", "installed"})
+        msg = _announced(self.channel, "send", {"kind", "action", "digest", "delta", "regions", "installed", "error"})
         if msg["action"] != "send":
+            if msg["error"] is not None:  # rank 0 failed before the send: this rank's caller fails with it, in step
+                own = f"; this rank's {error}" if error is not None else ""
+                raise SendFailed(
+                    f"trainer rank {self.channel.rank}: trainer rank 0 (the controller) failed this sync before the send: {str(msg['error']):.2000}{own}"
+                )
             return
         manifest = None
         if error is None:
