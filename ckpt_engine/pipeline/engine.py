@@ -40,12 +40,11 @@ class PipelinedEngine(CheckpointEngine):
         opts, transport_opts = split_options(transport_cls, engine_kwargs)
         self.name, self.device_type = transport_cls.name, transport_cls.device_type
         self.supports_many_senders, self.max_ranks = transport_cls.supports_many_senders, transport_cls.max_ranks
-        lanes = opts.num_lanes if opts.num_lanes is not None else transport_cls.default_num_lanes
+        self.num_lanes = opts.num_lanes
         self.transport = transport_cls(
-            transport_opts, bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, num_lanes=lanes, timeout_s=timeout_s
+            transport_opts, bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, num_lanes=self.num_lanes, timeout_s=timeout_s
         )
         self.device: torch.device = self.transport.device
-        self.num_lanes = lanes
         self.solo_bytes = (opts.solo_bytes if opts.solo_bytes is not None else self.transport.default_solo_bytes) or None
         self.group_max_tensors = opts.group_max_tensors if opts.group_max_tensors is not None else self.transport.default_group_max_tensors
         self.delta_scatter_below = float(opts.delta_scatter_below)

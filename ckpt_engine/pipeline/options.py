@@ -29,7 +29,7 @@ class EngineOptions:
     """What every pipelined backend takes besides its transport's options (None: the transport's
     default)."""
 
-    num_lanes: int | None = None
+    num_lanes: int = 1
     """Buckets alternate over this many process groups (each with its own stream)."""
     solo_bytes: int | None = None
     """Tensors of at least this size get a bucket of their own (0: never); see `plan_buckets`."""

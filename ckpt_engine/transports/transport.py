@@ -65,8 +65,6 @@ class Transport(ABC):
     default_group_max_tensors = 0
     """A bucket of at most this many tensors travels as one coalesced group of per-tensor messages
     (0: never). Both sides derive the choice from the manifest, so they must agree on it."""
-    default_num_lanes: ClassVar[int] = 1
-    """Buckets alternate over this many process groups (each with its own stream)."""
     stable_sources: ClassVar[bool] = True
     """Whether a sender may rely on stable sources (record copy plans, send from their memory)."""
     one_sided: ClassVar[bool] = False
