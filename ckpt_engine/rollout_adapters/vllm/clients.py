@@ -210,7 +210,8 @@ class HTTPWeightSyncClient:
 
 class LLMWeightSyncClient:
     """The same calls on an in-process `vllm.LLM` (its RL methods, `collective_rpc` and engine-core
-    utilities), each waited on for at most `timeout` seconds.
+    utilities), each waited on for at most `timeout` seconds: a stuck engine core ends the call in a
+    `TimeoutError` naming the engine (`name`, else the `LLM`'s model) and the call.
 
     Call the trainer side from a thread other than one generating with the same `LLM`: control
     calls queue behind a running `generate`.
@@ -219,47 +220,48 @@ class LLMWeightSyncClient:
     side_calls = False
     local = True
 
-    def __init__(self, llm: vllm.LLM, timeout: float = 300.0) -> None:
+    def __init__(self, llm: vllm.LLM, timeout: float = 300.0, name: str | None = None) -> None:
         self.llm = llm
         self.timeout = timeout
+        self.name = name if name is not None else f"LLM({llm.llm_engine.vllm_config.model_config.model})"
+        """How errors name the engine."""
         self.features = features_of()
-        # Control calls run here so that each wait has a deadline (`_bounded`); a few threads, so
-        # a call stuck in a worker does not hold the next one.
+        self._core = _EngineCore.of(llm.llm_engine.engine_core)
+        # Every call runs here so that each wait has a deadline (`_bounded`); a few threads, so a call
+        # stuck in the engine core or a worker does not hold the next one.
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="vllm-rpc")
 
     def _bounded(self, what: str, timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """`fn(...)` waited on for at most `timeout_s` (+ a grace second): vLLM's engine-core client
-        waits on a utility call's answer with no deadline (0.26 ignores `collective_rpc`'s
-        timeout), so a worker stuck in a method would hold the trainer forever."""
+        """`fn(...)` waited on for at most `timeout_s` (+ a grace second): vLLM waits on an engine-core
+        call with no deadline (its engine-core client on a utility's answer, an engine core in this
+        process on its workers; 0.26 ignores `collective_rpc`'s timeout), so a stuck engine core or
+        worker would hold the trainer forever. The call itself stays stuck in its thread."""
         future = self._calls.submit(fn, *args, **kwargs)
         try:
             return future.result(timeout=timeout_s + 1.0)
         except cf.TimeoutError:
-            raise TimeoutError(f"vLLM {what} did not answer within {timeout_s:.0f}s") from None
+            raise TimeoutError(f"vLLM engine {self.name}: {what} did not answer within {timeout_s:.0f}s (a stuck engine core or worker?)") from None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
+        self._bounded("init_weight_transfer_engine", self.timeout, self.llm.init_weight_transfer_engine, {"init_info": init_info})
 
     def shutdown_weight_transfer_engine(self) -> None:
-        self.llm.shutdown_weight_transfer_engine()
+        self._bounded("shutdown_weight_transfer_engine", self.timeout, self.llm.shutdown_weight_transfer_engine)
 
     def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
+        self._bounded("start_weight_update", self.timeout, self.llm.start_weight_update)
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self.llm.update_weights({"update_info": update_info})
+        self._bounded("update_weights", self.timeout, self.llm.update_weights, {"update_info": update_info})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         if weight_version is None:  # vLLM 0.26's takes no version at all (vllm/compat.py)
-            self.llm.finish_weight_update()
+            self._bounded("finish_weight_update", self.timeout, self.llm.finish_weight_update)
         else:
-            self.llm.finish_weight_update(weight_version)
+            self._bounded("finish_weight_update", self.timeout, self.llm.finish_weight_update, weight_version)
 
     def _utility(self, method: str, *args: Any) -> Any:
-        core = self.llm.llm_engine.engine_core
-        if hasattr(core, "call_utility"):
-            return self._bounded(method, self.timeout, core.call_utility, method, *args)
-        return getattr(core.engine_core, method)(*args)  # in-process engine core
+        return self._bounded(method, self.timeout, self._core.call, method, *args)
 
     def pause(self, mode: str) -> None:
         self._utility("pause_scheduler", _vllm_pause_mode(mode), False)
@@ -274,14 +276,14 @@ class LLMWeightSyncClient:
         self.resume()
 
     def reset_prefix_cache(self, running: bool = False) -> bool:
-        return bool(self.llm.reset_prefix_cache(running))
+        return bool(self._bounded("reset_prefix_cache", self.timeout, self.llm.reset_prefix_cache, running))
 
     def weight_version(self) -> str:
-        return str(self.llm.get_weight_version())
+        return str(self._bounded("get_weight_version", self.timeout, self.llm.get_weight_version))
 
     def weight_checksums(self) -> dict[str, str]:
         checksums: dict[str, str] = {}
-        for worker in self.llm.collective_rpc("compute_weight_checksums"):
+        for worker in self.collective_rpc("compute_weight_checksums", {}, self.timeout):
             checksums.update(worker)
         return checksums
 
@@ -297,7 +299,7 @@ class LLMWeightSyncClient:
 
     def set_weight_version(self, version: str) -> None:
         if self.features.engine_weight_versions:  # else only the workers hold it (vllm/compat.py)
-            self.llm.update_weight_version(version)
+            self._bounded("update_weight_version", self.timeout, self.llm.update_weight_version, version)
 
     def engine_key(self) -> Hashable:
         return ("vllm", id(self.llm))
@@ -307,9 +309,32 @@ class LLMWeightSyncClient:
         return int(parallel.tensor_parallel_size * parallel.pipeline_parallel_size)
 
     def health(self) -> None:
-        resources = getattr(self.llm.llm_engine.engine_core, "resources", None)
-        if resources is not None and getattr(resources, "engine_dead", False):
-            raise RuntimeError("vLLM engine core is dead")
+        if self._core.dead():
+            raise RuntimeError(f"vLLM engine {self.name}: its engine core is dead")
 
     def close(self) -> None:
         """Nothing to close: the `LLM` is its caller's."""
+
+
+class _EngineCore:
+    """An `LLM`'s engine core as the client reaches it, decided once by the type of vLLM's engine-core
+    client: `SyncMPClient` (the engine core in its own process) sends a utility call and waits for the
+    answer, and its monitor flags the process's death; `InprocClient` (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)
+    holds the `EngineCore` itself, whose methods run in the calling thread (it dies with this process)."""
+
+    def __init__(self, call: Callable[..., Any], dead: Callable[[], bool]) -> None:
+        self.call = call
+        """(method, *args) -> the utility's answer."""
+        self.dead = dead
+
+    @classmethod
+    def of(cls, core: Any) -> _EngineCore:
+        from vllm.v1.engine.core_client import InprocClient, SyncMPClient
+
+        if isinstance(core, SyncMPClient):
+            resources = core.resources
+            return cls(core.call_utility, lambda: bool(resources.engine_dead))
+        if isinstance(core, InprocClient):
+            engine_core = core.engine_core
+            return cls(lambda method, *args: getattr(engine_core, method)(*args), lambda: False)
+        raise TypeError(f"an LLM's engine-core client is a SyncMPClient or an InprocClient, got {type(core).__name__}")

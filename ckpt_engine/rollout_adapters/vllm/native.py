@@ -169,7 +169,8 @@ class WeightTransferChannel:
 
 class TransferRoute:
     """One handle's steps through vLLM's weight-update calls (module docstring); its swap and
-    finalize end with `finish_weight_update(version)`, which stamps the engine's version."""
+    finalize stamp `version` on every worker (phases `swap`, `install`) and end with
+    `finish_weight_update(version)`, which stamps the engine's: the two never differ."""
 
     def __init__(self, channel: WeightTransferChannel, name: str, adapters: bool) -> None:
         self.client, self.name, self.num_workers = channel.client, name, channel.num_workers
@@ -250,13 +251,14 @@ class TransferRoute:
         return [{"load_s": load_s, "finalize_s": 0.0}]
 
     def finalize(self, version: int) -> list[dict[str, Any]]:
-        """Layerwise post-processing and the stamp; an adapter sync, one whose installed-weight
-        check closed the receive's update (`installed`), or any on a vLLM whose finish takes no
-        version first installs `version` (in an update of its own for the second)."""
+        """Layerwise post-processing and the stamps: every worker installs the received load as
+        `version` (phase `install`; in an update of its own when an installed-weight check closed
+        the receive's), then `finish_weight_update(version)` stamps the engine. Always both: vLLM's
+        finish reaches the workers without the version, so a finish alone left the version the
+        workers report at the previous one while the engine served the new one."""
         t0 = time.perf_counter()
-        if self._adapters or self._awaiting_install or not self._channel.features.engine_weight_versions:
-            self._awaiting_install = False
-            self._phase({"phase": "install", "digest": self.held or "", "version": str(version)})
+        self._awaiting_install = False
+        self._phase({"phase": "install", "digest": self.held or "", "version": str(version)})
         self._finish(str(version))
         return [{"finalize_s": time.perf_counter() - t0}]
 

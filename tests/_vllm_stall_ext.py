@@ -1,0 +1,44 @@
+"""Test-only vLLM worker extension for an engine core that runs in the test's own process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni-process executor: the worker is in this process too):
+tests/_vllm_installed_faults.py's extension plus a worker method that stalls, as a stuck worker
+would, until the test releases it (or `hold_s` passes: every wait here ends).
+
+`test_stall("synchronize_device", hold_s)`: the next call of that worker method waits; vLLM's
+engine core calls it inside `pause_scheduler` (a pause promises an idle device), so a pause then
+hangs inside the engine core, in whatever thread asked for it. `test_lora_ids`: which LoRA ids
+vLLM holds in its slots and in its CPU cache (tests/test_lora_vllm_eviction.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from _vllm_installed_faults import InstalledFaultsExtension
+
+EXTENSION = "_vllm_stall_ext.StallExtension"
+
+RELEASE = threading.Event()
+"""Set by the test to end a stall (the worker runs in the test's process)."""
+STALLED = threading.Event()
+"""Set by the stalled method when it starts waiting."""
+
+
+class StallExtension(InstalledFaultsExtension):
+    def test_stall(self, method: str, hold_s: float) -> None:
+        original = getattr(type(self), method)
+        RELEASE.clear()
+        STALLED.clear()
+
+        def stalled(*args: Any, **kwargs: Any) -> Any:
+            vars(self).pop(method, None)  # one call only
+            STALLED.set()
+            RELEASE.wait(hold_s)
+            return original(self, *args, **kwargs)
+
+        setattr(self, method, stalled)
+
+    def test_lora_ids(self) -> dict[str, list[int | None]]:
+        """The LoRA ids in vLLM's slots (`max_loras`) and in its CPU cache (`max_cpu_loras`)."""
+        adapters = self._ckpt_lora.adapters
+        return {"slots": list(adapters.lora_index_to_id), "cpu": sorted(adapters.list_adapters())}

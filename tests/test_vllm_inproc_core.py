@@ -1,0 +1,113 @@
+"""An in-process `vllm.LLM` whose engine core runs in this process too (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
+as hybrid-engine trainers run vLLM), started with ckpt-engine as its weight-transfer backend
+(`weight_transfer_config={"backend": "ckpt_engine"}`) and tests/_vllm_stall_ext.py's extension beside
+it (only to stall a worker method and to read the backend's worker state).
+
+- `LLMWeightSyncClient` decides by the engine-core client's type how it reaches the engine core, and
+  bounds every wait: a worker stuck inside the engine core's pause ends `pause` within the client's
+  timeout with a `TimeoutError` naming the engine and the call (it waited for the stall before).
+- After every sync through vLLM's weight-transfer API (unchecked, checked, staged) the workers report
+  the version the engine serves (an unchecked unstaged sync left them at the previous one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine.sources.base import StateDictSource
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+import _vllm_stall_ext as stall  # noqa: E402
+from ckpt_engine.rollout_adapters.vllm import VllmRollout, WeightTransferChannel  # noqa: E402
+from ckpt_engine.rollout_adapters.vllm.clients import LLMWeightSyncClient  # noqa: E402
+from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
+from test_installed_checks_vllm import QWEN2, weights  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+BOUND_S = 5.0
+"""The client's timeout in the stall test."""
+HOLD_S = 30.0
+"""How long the stalled worker method waits unless released (far past BOUND_S)."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("qwen2-inproc-core")
+    (d / "config.json").write_text(json.dumps(QWEN2))
+    return d
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir: Path) -> Iterator[Any]:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    before = os.environ.get(_MULTIPROCESSING)
+    os.environ[_MULTIPROCESSING] = "0"  # read when the engine is built: this engine only
+    try:
+        engine = LLM(
+            model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+            weight_transfer_config={"backend": "ckpt_engine"}, worker_extension_cls=stall.EXTENSION, **ENGINE_ARGS,
+        )
+    finally:
+        if before is None:
+            os.environ.pop(_MULTIPROCESSING)
+        else:
+            os.environ[_MULTIPROCESSING] = before
+    assert type(engine.llm_engine.engine_core).__name__ == "InprocClient"
+    yield engine
+    stop_llm(engine)
+
+
+def test_a_worker_stuck_in_the_engine_cores_pause_ends_the_call_naming_engine_and_call(llm: Any, model_dir: Path) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    client = LLMWeightSyncClient(llm, timeout=BOUND_S)  # named by its model
+    llm.collective_rpc("test_stall", kwargs={"method": "synchronize_device", "hold_s": HOLD_S})
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match=re.escape(f"vLLM engine LLM({model_dir}): pause_scheduler did not answer within 5s")):
+            client.pause("keep")
+        assert time.monotonic() - t0 < HOLD_S  # it did not wait the stall out
+        assert stall.STALLED.is_set()  # the pause was stuck inside the engine core, in the worker
+    finally:
+        stall.RELEASE.set()
+    # vLLM set the pause before it waited for the device: resuming serves again
+    client.resume()
+    assert not llm.llm_engine.engine_core.engine_core.is_scheduler_paused()
+    out = llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+@pytest.mark.parametrize(
+    "kw", [{"verify_installed": "off", "stage": "off"}, {"verify_installed": 1, "stage": "off"}, {"verify_installed": "off", "stage": "auto"}],
+    ids=["unchecked", "checked", "staged"],
+)
+def test_after_every_native_sync_the_workers_hold_the_version_the_engine_serves(llm: Any, model_dir: Path, kw: dict[str, Any]) -> None:
+    client = LLMWeightSyncClient(llm, timeout=120.0)
+    for seed in (1, 2):
+        handle = VllmRollout("inproc-native", WeightTransferChannel(client, num_workers=1), timeout_s=120.0)
+        session = WeightSyncSession([handle], CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=120.0, **kw))
+        try:
+            report = session.sync(StateDictSource(weights(model_dir, seed)))
+        finally:
+            session.close()
+        assert (report.staged != "off") == (kw["stage"] == "auto"), report.staged
+        served = llm.get_weight_version()
+        assert served == str(report.version)
+        states = llm.collective_rpc("test_native_state", timeout=60)
+        assert [s["version"] for s in states] == [served] and not any(s["stale"] for s in states), states
