@@ -9,6 +9,7 @@ are msgpack in a uint8 tensor (never pickle), validated on arrival; every wait h
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any
 
 import msgpack
@@ -36,11 +37,21 @@ class SenderChannel:
         """Each rank's send figures from the last `gather_status` (None: it sent none)."""
 
     def _wait(self, work: Any, what: str) -> None:
+        """Wait for `work` at most `timeout_s`. On a device group `wait()` only orders streams (the
+        host then blocks in `.item()` until the process group's own watchdog kills the process, issue
+        39), so the host polls `is_completed()` against the same bound: a rank whose peer skipped a
+        collective gets this error, naming the step, instead of that kill."""
         try:
             if self.device.type == "cpu":
                 work.wait(datetime.timedelta(seconds=self.timeout_s))
-            else:
-                work.wait()
+                return
+            deadline, pause = time.monotonic() + self.timeout_s, 0.0005
+            while not work.is_completed():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not completed within {self.timeout_s:g}s")
+                time.sleep(pause)
+                pause = min(2 * pause, 0.01)
+            work.wait()
         except Exception as exc:
             raise RuntimeError(f"trainer rank {self.rank}: {what} over the trainer's process group failed: {exc}") from exc
 
