@@ -1,6 +1,7 @@
 """A trainer rank for tests/test_sync_senders_rank0_fails.py: two gloo ranks sync three versions
 with `senders=all` into reference engines; rank 0 asks for an explicit version per step (the
-second repeats the first, which rank 0 refuses before anything is sent). JSON log, no pickle."""
+second repeats the first, which rank 0 refuses before anything is sent) and may pass no engines at
+one step (refused before any announcement). JSON log, no pickle."""
 
 from __future__ import annotations
 
@@ -17,9 +18,13 @@ from ckpt_engine.sources.sharded import ShardedStateDictSource
 from multisender import model_state, wire
 
 
-def skip_trainer_main(rank: int, world: int, port: int, engines: list[dict[str, Any]], out_dir: str, versions: list[int | None], timeout_s: float) -> None:
+def skip_trainer_main(
+    rank: int, world: int, port: int, engines: list[dict[str, Any]], out_dir: str, versions: list[int | None], timeout_s: float,
+    no_engines_at: int | None = None,
+) -> None:
     """Every rank logs each step's outcome and carries on to the next step (as a training loop that
-    catches a failed sync would): the ranks must stay in step after a failure on rank 0."""
+    catches a failed sync would): the ranks must stay in step after a failure on rank 0. At step
+    `no_engines_at` rank 0 passes no engines (refused before any announcement)."""
     torch.set_num_threads(1)
     torch.distributed.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
@@ -31,7 +36,7 @@ def skip_trainer_main(rank: int, world: int, port: int, engines: list[dict[str, 
         source = ShardedStateDictSource(wire(model_state(step, lr=1e-5)), rank, world)
         source.is_sender = rank == 0
         try:
-            report = sync_rollout_weights(source, handles, version=version, config=config)
+            report = sync_rollout_weights(source, None if step == no_engines_at else handles, version=version, config=config)
             log.append({"ok": True, "version": report.version if report is not None else None})
         except Exception as exc:  # noqa: BLE001 - the test reads what happened
             log.append({"ok": False, "error": f"{type(exc).__name__}: {exc}"})

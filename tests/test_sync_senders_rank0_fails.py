@@ -4,9 +4,10 @@ in the next sync for an announcement rank 0 never makes (on two H200s: rank 1 hu
 sync's "join" broadcast while rank 0, its first sync failed, had left its loop).
 
 Two gloo trainer ranks (their own processes, `senders=all`) into two reference engines: version
-1, then version 1 again (refused on rank 0 before anything is announced or sent), then the next
-version. Rank 1 raises rank 0's refusal at step 2, both ranks complete step 3, and the engines hold
-step 3's weights bit for bit."""
+1, then version 1 again (refused by rank 0's session before anything is sent), then a call on rank
+0 without engines (refused before the session is even looked up), then the next version. Rank 1
+raises each of rank 0's refusals at steps 2 and 3, both ranks complete step 4, and the engines hold
+step 4's weights bit for bit."""
 
 from __future__ import annotations
 
@@ -41,16 +42,18 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[TorchRefR
 def test_a_sync_rank0_fails_before_the_send_fails_on_every_rank_and_the_next_one_passes(engines: list[TorchRefRollout], tmp_path: Path) -> None:
     info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in engines]
     ctx = forkserver_context()
-    args = (2, free_port(), info, str(tmp_path), [1, 1, None], 30.0)
+    args = (2, free_port(), info, str(tmp_path), [1, 1, None, None], 30.0, 2)
     procs = [ctx.Process(target=skip_trainer_main, args=(r, *args)) for r in range(2)]
     assert run_processes(procs, 300) == []
     assert [p.exitcode for p in procs] == [0, 0]
     lead, other = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
-    assert [e["ok"] for e in lead] == [True, False, True], lead
+    assert [e["ok"] for e in lead] == [True, False, False, True], lead
     assert "version 1 was completed by this session already" in lead[1]["error"], lead
-    assert [lead[0]["version"], lead[2]["version"]] == [1, 2], lead
-    assert [e["ok"] for e in other] == [True, False, True], other
-    assert other[1]["error"].startswith("SendFailed: trainer rank 1: trainer rank 0 (the controller) failed this sync before the send: "), other
-    assert "version 1 was completed by this session already" in other[1]["error"], other
+    assert "must pass the rollout engines" in lead[2]["error"], lead
+    assert [lead[0]["version"], lead[3]["version"]] == [1, 2], lead
+    assert [e["ok"] for e in other] == [True, False, False, True], other
+    for step, why in ((1, "version 1 was completed by this session already"), (2, "must pass the rollout engines")):
+        assert other[step]["error"].startswith("SendFailed: trainer rank 1: trainer rank 0 (the controller) failed this sync before the send: "), other
+        assert why in other[step]["error"], other
     for e in engines:
-        assert holds(e, wire(model_state(2, lr=1e-5))) == []
+        assert holds(e, wire(model_state(3, lr=1e-5))) == []

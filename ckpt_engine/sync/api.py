@@ -16,7 +16,7 @@ from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport
 from ckpt_engine.sync.sender_channel import SenderChannel
 from ckpt_engine.sync.sender_follower import SenderFollower
-from ckpt_engine.sync.many_senders import wants_many_senders
+from ckpt_engine.sync.many_senders import ManySenders, refuse_to_followers, wants_many_senders
 from ckpt_engine.sync.session import WeightSyncSession, _drain
 from ckpt_engine.sources.vllm import as_weight_source
 from ckpt_engine.sources.base import WeightSource
@@ -123,6 +123,22 @@ def sync_rollout_weights(
         else:
             _drain(source)
         return None
+    many = wants_many_senders(source, config.senders if config is not None else "auto")
+    runs = ManySenders.runs
+    try:
+        return _send(source, rollouts, version, config)
+    except BaseException as exc:
+        if many and ManySenders.runs == runs:  # refused before the other ranks heard of this sync: tell them
+            timeout = config.timeout_s if config is not None else CheckpointEngineConfig().timeout_s
+            refuse_to_followers(source, timeout, f"trainer rank 0: {type(exc).__name__}: {exc}")
+        raise
+
+
+def _send(
+    source: WeightSource, rollouts: Sequence[RolloutAdapter] | WeightSyncSession | None, version: int | None,
+    config: CheckpointEngineConfig | None,
+) -> SyncReport:
+    """The sending rank's part of `sync_rollout_weights`."""
     if rollouts is None:
         raise ValueError("the sending trainer rank must pass the rollout engines (or a WeightSyncSession)")
     if isinstance(rollouts, WeightSyncSession):

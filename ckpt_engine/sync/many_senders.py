@@ -21,7 +21,7 @@ from ckpt_engine.sync.sender_channel import SenderChannel
 from ckpt_engine.sync.sender_follower import join_message, send_message
 from ckpt_engine.registry import CheckpointEngineRegistry
 
-__all__ = ["ManySenders", "wants_many_senders"]
+__all__ = ["ManySenders", "refuse_to_followers", "wants_many_senders"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,26 @@ def wants_many_senders(source: WeightSource, mode: str) -> bool:
     return mode in ("all", "per_stage") or (mode == "auto" and sharded)
 
 
+def refuse_to_followers(source: WeightSource, timeout_s: float, error: str) -> None:
+    """Trainer rank 0 failed a many-sender sync before any announcement (no engines passed, the
+    session or the senders setting refused): the other ranks, waiting for its "join", get "no
+    group" and a "skip" with the error, and raise it (`SenderFollower.sync`) instead of waiting."""
+    if not isinstance(source, ShardedWeightSource):
+        return
+    try:
+        channel = SenderChannel(source.process_group, timeout_s=timeout_s)
+        channel.publish(join_message(None, {}))
+        channel.publish(send_message("skip", error=error[:4000]))
+    except Exception as exc:
+        logger.warning("telling the other trainer ranks that this sync was refused failed: %s", exc)
+
+
 class ManySenders:
     """Trainer rank 0's channel to the other sending ranks, kept across syncs (made on first use)."""
+
+    runs = 0
+    """How many syncs any `ManySenders` of this process has run (`run`): `sync_rollout_weights`
+    tells the other ranks of a refusal itself when a call raised before one began."""
 
     def __init__(self, config: CheckpointEngineConfig, backend: str, rollouts: Sequence[RolloutAdapter]) -> None:
         self.config = config
@@ -88,6 +106,7 @@ class ManySenders:
         """Run one sync (`body`) with every trainer rank sending: the other ranks follow two
         announcements per sync and report their send; whatever happens in `body`, they get both
         and the report round."""
+        ManySenders.runs += 1
         self._owed = {"join", "send"}
         self._gather_owed = False
         self.installed, self.own_shares, self.shares = None, None, []
