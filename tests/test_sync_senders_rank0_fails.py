@@ -57,3 +57,23 @@ def test_a_sync_rank0_fails_before_the_send_fails_on_every_rank_and_the_next_one
         assert why in other[step]["error"], other
     for e in engines:
         assert holds(e, wire(model_state(3, lr=1e-5))) == []
+
+
+def test_a_join_that_fails_after_rank0_announced_the_group_fails_on_every_rank(engines: list[TorchRefRollout], tmp_path: Path) -> None:
+    """The 2xH200 case: rank 0 announced a new group, the join failed (here every rank's: nccl_handoff
+    told of a local sender the group lacks), so rank 0 announced "skip". Rank 1 raises rank 0's join
+    error (and its own) at step 1 and both ranks then sync step 2 into a rebuilt gloo group."""
+    info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in engines]
+    ctx = forkserver_context()
+    args = (2, free_port(), info, str(tmp_path), [None, None], 30.0, None, 0)
+    procs = [ctx.Process(target=skip_trainer_main, args=(r, *args)) for r in range(2)]
+    assert run_processes(procs, 300) == []
+    assert [p.exitcode for p in procs] == [0, 0]
+    lead, other = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
+    assert [e["ok"] for e in lead] == [False, True], lead
+    assert lead[0]["error"].startswith("SyncError") and "local_senders=[5]" in lead[0]["error"], lead
+    assert [e["ok"] for e in other] == [False, True], other
+    assert other[0]["error"].startswith("SendFailed: trainer rank 1: trainer rank 0 (the controller) failed this sync before the send: "), other
+    assert "this rank's join failed" in other[0]["error"] and "local_senders=[5]" in other[0]["error"], other
+    for e in engines:
+        assert holds(e, wire(model_state(1, lr=1e-5))) == []

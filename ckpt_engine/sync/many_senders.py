@@ -121,6 +121,7 @@ class ManySenders:
                 if "join" in self._owed:
                     self.announce(join_message(None, {}))
                 if "send" in self._owed:  # failed before the send: the other ranks raise this error too
+                    logger.info("the sync failed before the send (%s); telling the other trainer ranks", error)
                     self.installed = None
                     self.announce(send_message("skip", error=(error or "trainer rank 0: the sync ended before the send")[:4000]))
                 if self._gather_owed:
