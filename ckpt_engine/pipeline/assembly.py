@@ -8,7 +8,8 @@ import torch
 
 from ckpt_engine.manifest import TensorMeta
 from ckpt_engine.pipeline.plan_state import PlanState
-from ckpt_engine.pipeline.wire_views import flat_bytes, has_wire_layout, torch_dtype
+from ckpt_engine.pipeline.wire_views import flat_bytes, has_wire_layout
+from ckpt_engine.sources.wire import torch_dtype
 
 __all__ = ["assembly_of", "chunk_landed"]
 

@@ -18,7 +18,7 @@ from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.engine import TransferError
 from ckpt_engine.transports.transport import Frames, Transport
 
-__all__ = ["DENSE", "FRAME_WORDS", "PATCH", "SEAL_WORD", "Bases", "bases_for", "frame_seal", "frames_of"]
+__all__ = ["DENSE", "FRAME_WORDS", "PATCH", "SEAL_WORD", "Bases", "bases_for", "frame_seal", "frames_of", "stamp_of"]
 
 DENSE, PATCH = 0, 1
 FRAME_WORDS = 8  # a bucket's frame header: kind, bytes, checksum of the result, a patch's 32-byte header, the seal
@@ -103,3 +103,8 @@ def bases_for(
             b.sums[key] = None
     b.sync_id = None  # until this sync completes on this rank
     return b
+
+
+def stamp_of(t: torch.Tensor) -> tuple[int, int]:
+    """A destination's entry in `Bases.stamps`."""
+    return t.data_ptr(), t._version

@@ -34,7 +34,7 @@ from ckpt_engine.delta.pieces import ScatteredImage, pair_delta
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.pipeline.assembly import chunk_landed
-from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, SEAL_WORD, Bases, bases_for, frame_seal, frames_of
+from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, SEAL_WORD, Bases, bases_for, frame_seal, frames_of, stamp_of
 from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
@@ -176,7 +176,7 @@ class DeltaReceiver:
             apply_s = time.perf_counter() - t_apply
             if places is not None and staged is None:
                 assert destinations is not None
-                bases.stamps = {name: _stamp(x) for name, x in destinations.items() if x.numel() and name in sched.tensor_bytes}
+                bases.stamps = {name: stamp_of(x) for name, x in destinations.items() if x.numel() and name in sched.tensor_bytes}
             if staged is None:
                 bases.sync_id = delta.new_id
             undo.clear()
@@ -300,7 +300,7 @@ class DeltaReceiver:
         """A destination written by anything but the last sync is no longer the base."""
         for name, (ptr, version) in bases.stamps.items():
             t = destinations.get(name)
-            if t is None or _stamp(t) != (ptr, version):
+            if t is None or stamp_of(t) != (ptr, version):
                 self.t.broken = True
                 return TransferError(
                     f"rank {self.t.rank}: the loader's tensor {name!r} changed since the last sync (it is the base of "
@@ -461,10 +461,6 @@ class DeltaReceiver:
             raise
         finally:
             undo.clear()
-
-
-def _stamp(t: torch.Tensor) -> tuple[int, int]:
-    return t.data_ptr(), t._version
 
 
 _Check = tuple[str, int, torch.Tensor, torch.Tensor, "torch.Tensor | None"]

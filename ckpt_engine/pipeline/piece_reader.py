@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.pipeline.wire_views import checked_weight, flat_bytes, has_wire_layout, next_item, next_weight, torch_dtype
+from ckpt_engine.pipeline.wire_views import checked_weight, flat_bytes, has_wire_layout, next_item, next_weight
+from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.engine import SendStats
 from ckpt_engine.manifest import TensorMeta
 

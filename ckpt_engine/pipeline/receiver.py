@@ -25,7 +25,9 @@ from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.receive_order import ReadyFirst
 from ckpt_engine.pipeline.schedule import Schedule
 from ckpt_engine.pipeline.shared_sources import SharedSources
-from ckpt_engine.pipeline.wire_views import align8, flat_bytes, has_wire_layout, message, torch_dtype
+from ckpt_engine.delta.layout import align8
+from ckpt_engine.pipeline.wire_views import flat_bytes, has_wire_layout, message
+from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.staged import StagedVersion
 from ckpt_engine.engine import TransferError
 from ckpt_engine.transports.transport import Transport

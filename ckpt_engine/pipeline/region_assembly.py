@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.pipeline.wire_views import torch_dtype
+from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.planning.receive_sets import Piece
 from ckpt_engine.planning.regions import ReceivePlanError, Region
 

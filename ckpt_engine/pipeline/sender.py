@@ -27,7 +27,9 @@ from ckpt_engine.pipeline.piece_reader import PieceReader
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
 from ckpt_engine.pipeline.shared_sources import SharedSources
-from ckpt_engine.pipeline.wire_views import align8, flat_bytes, message, torch_dtype
+from ckpt_engine.delta.layout import align8
+from ckpt_engine.pipeline.wire_views import flat_bytes, message
+from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.engine import SendStats
 from ckpt_engine.transports.transport import Transport
 

@@ -19,7 +19,8 @@ import torch
 from ckpt_engine.manifest import BucketManifest, TensorMeta
 from ckpt_engine.pipeline.piece_reader import take_known
 from ckpt_engine.pipeline.plan_state import PlanState, SharedPlan
-from ckpt_engine.pipeline.wire_views import has_wire_layout, torch_dtype
+from ckpt_engine.pipeline.wire_views import has_wire_layout
+from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.engine import SendStats, TransferError
 from ckpt_engine.transports.transport import SourceSharing, Transport
 

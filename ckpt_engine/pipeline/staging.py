@@ -23,7 +23,7 @@ import torch
 
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.pieces import ScatteredImage
-from ckpt_engine.pipeline.delta_bases import Bases
+from ckpt_engine.pipeline.delta_bases import Bases, stamp_of
 from ckpt_engine.staged import Bucket, StagedVersion
 
 __all__ = ["read_words", "StagedBuckets", "StagedCopy", "StagedPatch", "StagedPatches", "StagingCopy", "StagingError"]
@@ -76,7 +76,7 @@ class StagedPatches(StagedVersion):
         if self._done:
             raise RuntimeError("this staged version was applied or discarded already")
         self._done = True
-        moved = [n for n, stamp in self._stamps.items() if n in self._live and _stamp(self._live[n]) != stamp]
+        moved = [n for n, stamp in self._stamps.items() if n in self._live and stamp_of(self._live[n]) != stamp]
         if moved:
             raise StagingError(
                 f"the live tensor {moved[0]!r} ({len(moved)} in all) changed since the stream checked the patches against it; "
@@ -100,7 +100,7 @@ class StagedPatches(StagedVersion):
             done = f.expect if isinstance(f.expect, torch.Tensor) else torch.tensor(f.expect, dtype=torch.int64, device=f.values.device)
             self._bases.sums[f.bucket] = done
         self._bases.sync_id = self._new_id
-        self._bases.stamps = {n: _stamp(self._live[n]) for n in self._stamps if n in self._live}
+        self._bases.stamps = {n: stamp_of(self._live[n]) for n in self._stamps if n in self._live}
         self._frames.clear()
         yield from self._yield_live()
 
@@ -204,10 +204,6 @@ class StagingCopy:
 
     def drop(self) -> None:
         self._keys, self.tensors = {}, {}
-
-
-def _stamp(t: torch.Tensor) -> tuple[int, int]:
-    return t.data_ptr(), t._version
 
 
 def read_words(image: ScatteredImage) -> torch.Tensor:

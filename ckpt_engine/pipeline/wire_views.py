@@ -7,24 +7,11 @@ from collections.abc import Iterator
 import torch
 
 from ckpt_engine.checksum import CHECKSUM_BYTES
+from ckpt_engine.delta.layout import align8
 from ckpt_engine.manifest import TensorMeta
+from ckpt_engine.sources.wire import dtype_name, torch_dtype
 
-__all__ = ["align8", "checked_weight", "dtype_name", "entry_view", "flat_bytes", "has_wire_layout", "message", "next_item", "next_weight", "torch_dtype"]
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"this torch build has no dtype {name!r}")
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def align8(n: int) -> int:
-    return (n + 7) // 8 * 8
+__all__ = ["checked_weight", "entry_view", "flat_bytes", "has_wire_layout", "message", "next_item", "next_weight"]
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:

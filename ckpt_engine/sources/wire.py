@@ -30,7 +30,10 @@ def check_float_dtype(field_name: str, value: str | None) -> None:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, name)
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"this torch build has no dtype {name!r}")
+    return dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:
