@@ -12,17 +12,26 @@ checks it against what it holds and reads, and checks what it read against the p
 A peer that fails (died mid-pull, refused) is named, and the next one is tried; when none is left
 the joiner holds no version and does not serve, and the trainer's next sync seeds it.
 
+While it joins, the joiner is held for the join (`PeerJoinable.joining`, under a fresh name per
+join): a vLLM engine's workers refuse a sync's group join or validate meanwhile by name, and a join
+into an engine a sync holds is refused by name (`PeerJoinError` naming the joiner), before anything
+is touched.
+
 Afterwards the joiner reports the version like an engine a sync reached, so a session's next sync
 counts it (`next_version`); it is a new member of the session's weight-sync group, so that sync
-rebuilds the group and is a dense seed for every engine (delta chains restart from it).
+rebuilds the group and is a dense seed for every engine (delta chains restart from it: every
+rank's delta bases live in the group's transport engine, docs/elastic.md says what carrying the
+joiner into the chain needs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import secrets
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -55,6 +64,14 @@ class PeerJoinable(ABC):
 
     def pull_from_peer(self, offer: bytes, version: int, peer: str, timeout_s: float) -> dict[str, Any]:
         return dict(self.peer_rpc("pull_from_peer", timeout_s=2 * timeout_s, offer=offer, version=version, peer=peer, read_timeout_s=timeout_s))
+
+    @contextlib.contextmanager
+    def joining(self, owner: str, timeout_s: float) -> Iterator[None]:
+        """Hold this engine for one join named `owner` while it pulls (`timeout_s`: the join's), so
+        that a sync into it meanwhile is refused by name; raises, by name, if a sync holds it. By
+        default nothing: the reference receiver takes its receiver for the whole pull, which a
+        sync's join, receive or swap is refused by (`VllmRollout` claims its workers' lease)."""
+        yield
 
 
 @dataclass
@@ -131,6 +148,18 @@ def join_from_peer(
     want = version if version is not None else max(held.values(), default=None)
     if want is None:
         raise PeerJoinError(joiner.name, None, failed)
+    with contextlib.ExitStack() as held_for_join:
+        try:
+            held_for_join.enter_context(joiner.joining(f"peer join {secrets.token_hex(3)}", timeout_s))
+        except Exception as exc:  # a sync holds the joiner (or it cannot be reached): nothing was touched
+            raise PeerJoinError(joiner.name, want, {joiner.name: f"the joiner could not be held for the join: {exc}"}) from exc
+        return _attempts(joiner, peers, held, want, failed, timeout_s, t0)
+
+
+def _attempts(
+    joiner: PeerJoinable, peers: Sequence[RolloutAdapter], held: dict[str, int], want: int, failed: dict[str, str], timeout_s: float, t0: float,
+) -> PeerJoinReport:
+    """Each peer serving `want`, in order, until one join completes (else PeerJoinError)."""
     for p in peers:
         if held.get(p.name) != want:
             if p.name in held:

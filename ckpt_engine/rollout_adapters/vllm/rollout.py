@@ -11,7 +11,8 @@ Weights go only through the weight-sync group, into ranks `rank_offset + worker 
 One sync: validate (manifest checked against vLLM's own parameters after its stacking rules) ->
 pause the scheduler -> receive (layerwise reload, bucket by bucket) -> finalize (layerwise
 post-processing, prefix-cache reset, engine weight version stamped; vLLM then tags every
-request's output tokens with it) -> resume.
+request's output tokens with it) -> resume. From its group join or validate to its resume, swap or
+discard a sync holds the engine against peer joins, and a join holds it against syncs (`vllm/holds.py`).
 
 A staged sync (`receive(..., stage=...)` then `swap`): the workers receive on a background thread
 while the engine keeps generating (`vllm/staging.py`) and report its end in the group's store
@@ -24,10 +25,11 @@ request came from which version.
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
@@ -42,6 +44,7 @@ from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.vllm.clients import PAUSE_MODES, Channel, HTTPWeightSyncClient, LLMWeightSyncClient
+from ckpt_engine.rollout_adapters.vllm.holds import EngineHolds
 from ckpt_engine.rollout_adapters.vllm.native import WeightTransferChannel
 from ckpt_engine.rollout_adapters.vllm.routes import WORKER_EXTENSION, ExtensionRoute
 from ckpt_engine.rollout_adapters.vllm.stage_outcome import StagedOutcomes
@@ -98,6 +101,8 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self.workers = self.client.route(name, timeout_s, self.capabilities.weights == "adapters")
         self.capabilities = replace(self.capabilities, **cast(dict[str, Any], dict.fromkeys(self.workers.lacks, False)))
         self.world_size = world_size if world_size is not None else self.client.world_size()
+        lease = self.workers if isinstance(self.workers, ExtensionRoute) and not self.workers.methods else None  # the routes with peer calls
+        self.holds = EngineHolds(name, lease, timeout_s)
 
     def engine_key(self) -> Hashable:
         return self.client.engine_key()
@@ -107,6 +112,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         staged receives report in."""
         if isinstance(previous, VllmRollout):
             self.pids, self.version, self.version_from = list(previous.pids), previous.version, previous.version_from
+            self.holds.take_over(previous.holds)
             self.workers.take_over(previous.workers)
             self.staged.take_over(previous.staged)
 
@@ -141,8 +147,14 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self._join(rendezvous, rank_offset, options, None, False)
 
     def _join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions, adapters: int | None, preload: bool) -> None:
-        self.staged.join(rendezvous, list(range(rank_offset, rank_offset + self.world_size)))
-        self.pids = self.workers.join(rendezvous, rank_offset, options, adapters, preload)
+        self.holds.for_sync(rendezvous.token)  # before the workers join: a peer join holding them refuses it by name
+        try:
+            self.staged.join(rendezvous, list(range(rank_offset, rank_offset + self.world_size)))
+            self.pids = self.workers.join(rendezvous, rank_offset, options, adapters, preload)
+        except BaseException:
+            self.holds.let_go()
+            raise
+        self.holds.group = rendezvous.token
 
     def manifest_budget(self) -> ManifestBudget:
         """The most any of the engine's workers would decode (each worker's `ManifestBudget` from its
@@ -173,6 +185,8 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self._validate(manifest, encoded, assignments)
 
     def _validate(self, manifest: BucketManifest, encoded: bytes, regions: list[bytes] | None) -> None:
+        if self.holds.group is not None:
+            self.holds.for_sync(self.holds.group)  # a sync starts: held until its resume, swap or discard
         problems = self.workers.check(manifest.digest, encoded, regions)
         if problems:
             raise ManifestRejectedError(self.name, problems)
@@ -222,6 +236,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self.version, self.version_from = version, "trainer sync"
         self._resume_after_swap()
         stall = time.perf_counter() - t0
+        self.holds.let_go()  # the sync ended (a peer pull's swap: no sync holds the engine)
         self.last_finalize = {
             "post_process_s": max((float(r["finalize_s"]) for r in replies), default=0.0),
             "swap_load_s": max((float(r["load_s"]) for r in replies), default=0.0),
@@ -269,6 +284,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
 
     def resume(self) -> None:
         self.client.resume()
+        self.holds.let_go()  # an unstaged sync's last step
 
     def _pause_for_swap(self, mode: str) -> None:
         """Pause for a swap (`mode` keep/abort/recompute) by the channel's quickest route."""
@@ -311,6 +327,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
             self.workers.discard()
         finally:
             self.staged.clear(idle)
+        self.holds.let_go()  # a failed staged sync ends here
 
     def staging_room(self, nbytes: int) -> bool:
         """Whether every worker can hold a staging copy of `nbytes` (within `staging_limit_bytes`).
@@ -338,8 +355,11 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
 
     # --- peer joins (ckpt_engine.elastic; the worker side: vllm/peer.py) -------------------------
     def peer_rpc(self, method: str, timeout_s: float | None = None, **params: Any) -> Any:
-        """`ckpt_<method>` on the engine's one worker (an offer travels as the channel carries bytes)."""
+        """`ckpt_<method>` on the engine's one worker (an offer travels as the channel carries bytes),
+        naming the join that holds the engine, if one does."""
         route = self._peer_route()
+        if self.holds.join_owner is not None:
+            params.setdefault("owner", self.holds.join_owner)
         if "offer" in params:
             params["offer"] = route.channel.encode(params["offer"])
         (reply,) = route.rpc(f"ckpt_{method}", params, timeout_s)
@@ -347,6 +367,12 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
 
     def peer_offer(self, version: int, timeout_s: float) -> bytes:
         return base64.b64decode(self.peer_rpc("peer_offer", version=version, open_s=timeout_s))
+
+    @contextlib.contextmanager
+    def joining(self, owner: str, timeout_s: float) -> Iterator[None]:
+        """Held for the join `owner` (`vllm/holds.py`): a sync's group join or validate meanwhile is refused by name."""
+        with self.holds.joining(owner, timeout_s):
+            yield
 
     def pull_from_peer(self, offer: bytes, version: int, peer: str, timeout_s: float) -> dict[str, Any]:
         """Stage the pull on the worker (checked against its model first), wait for its reads and
@@ -382,7 +408,11 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
 
     def leave(self) -> None:
         self.staged.leave()  # a wait in flight lets go of the store before the group's store goes away
-        self.workers.leave()
+        try:
+            self.workers.leave()
+        finally:
+            self.holds.group = None
+            self.holds.let_go()
 
     def worker_health(self) -> list[dict[str, Any]]:
         """Per-worker state (not usable while a receive is in flight; [] where the route cannot ask)."""

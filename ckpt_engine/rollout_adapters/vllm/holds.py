@@ -1,0 +1,79 @@
+"""Who holds a vLLM engine now: a trainer's sync or a peer join (issue 43).
+
+A sync and a peer join into one engine must not overlap: the join's pull lands in the staging copy
+a staged sync lands in, and its swap installs weights a sync is replacing. The worker's staging
+lock refuses the overlap part-way; this refuses it before anything is touched, by name. Both
+claim the workers' peer lease (`vllm/peer.py`, the reference receiver's `EngineLease` and its
+wording): a sync for its weight-sync group (the rendezvous token) from its group join or validate
+to its resume, swap or discard; a join under its own name (`joining`) for the whole join, naming
+it on its peer calls. Whichever comes second is refused: a peer join into an engine a sync holds
+(or an offer from it), or a sync's group join or validate into an engine a join holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+from ckpt_engine.rollout_adapters.vllm.routes import ExtensionRoute
+
+__all__ = ["LEASE_SLACK_S", "EngineHolds"]
+
+logger = logging.getLogger(__name__)
+
+LEASE_SLACK_S = 30.0
+"""Past twice the timeout of a sync (or join), how long its claim outlives a holder that never lets
+go (a failed unstaged sync, a dead controller); a new group's join, a leave or a discard lets go at once."""
+
+
+class EngineHolds:
+    """One engine's holds, through `route` (None: a route without peer calls, nothing to keep apart)."""
+
+    def __init__(self, name: str, route: ExtensionRoute | None, timeout_s: float) -> None:
+        self.name, self.route, self.timeout_s = name, route, timeout_s
+        self.group: str | None = None
+        """The rendezvous token of the weight-sync group the workers joined through this handle."""
+        self.claimed: str | None = None
+        """The group whose sync holds the workers now (None: no sync does)."""
+        self.join_owner: str | None = None
+        """The join holding the engine (`joining`): its peer calls name it."""
+
+    def take_over(self, previous: EngineHolds) -> None:
+        self.group, self.claimed = previous.group, previous.claimed
+
+    def for_sync(self, group: str) -> None:
+        """Claim (or renew) the workers for weight-sync group `group`'s sync; RuntimeError naming
+        the holder while a peer join or another group holds them."""
+        if self.claimed not in (None, group):
+            self.let_go()  # an earlier group's sync that never ended (it failed unstaged)
+        if self.route is not None:
+            self.route.rpc("ckpt_peer_claim", {"owner": group, "lease_s": 2 * self.timeout_s + LEASE_SLACK_S}, min(self.timeout_s, 30.0))
+            self.claimed = group
+
+    def let_go(self) -> None:
+        """The sync ended: release its claim (best effort: a claim not released lapses)."""
+        group, self.claimed = self.claimed, None
+        if group is not None and self.route is not None:
+            self._release(group, "the sync's")
+
+    @contextlib.contextmanager
+    def joining(self, owner: str, timeout_s: float) -> Iterator[None]:
+        """Hold the workers for the join `owner`; raises (naming the holder) while a sync holds them."""
+        if self.route is None:
+            yield
+            return
+        self.route.rpc("ckpt_peer_claim", {"owner": owner, "lease_s": 2 * timeout_s + LEASE_SLACK_S}, min(self.timeout_s, 30.0))
+        self.join_owner = owner
+        try:
+            yield
+        finally:
+            self.join_owner = None
+            self._release(owner, "the join's")
+
+    def _release(self, owner: str, whose: str) -> None:
+        assert self.route is not None
+        try:
+            self.route.rpc("ckpt_peer_release", {"owner": owner}, min(self.timeout_s, 10.0))
+        except Exception as exc:  # a dead engine: nothing left to hold
+            logger.warning("engine %s: releasing %s claim on its workers: %s", self.name, whose, exc)
