@@ -175,6 +175,7 @@ def main() -> None:
     measure("vllm_packed", vllm_packed)
     (fold_vllm,) = llm.collective_rpc("bench_param_fold")
     measure("ours", ours("off"))
+    out["ours"]["seconds"] = {k: round(v, 4) for k, v in reports[-1].seconds.items()}  # where the last sync's time went
     (fold_ours,) = llm.collective_rpc("bench_param_fold")
     out["same_install"] = fold_vllm == fold_ours
     out["differing"] = sorted(n for n in fold_vllm if fold_vllm[n] != fold_ours.get(n))[:8]
