@@ -6,7 +6,7 @@
 #           stacks of every Python process dumped by py-spy into $OUT/stacks.txt if a run hangs
 #   vllm-bench - a real CUDA vLLM engine (GPU 0) fed from GPU 1: raw NCCL, vLLM's own packed NCCL
 #           path and ours, Qwen2.5-7B and Qwen3-30B-A3B shapes (bench/vllm_sync_bench.py)
-#   vllm-one - one GPU: the colocated and LoRA vLLM tests, the GPU race test, the colocated vLLM bench
+#   vllm-one - one GPU: the colocated, LoRA and MoE vLLM tests, the GPU race test, the colocated vLLM bench
 #   vllm-x4 - on 4 GPUs in one call: vllm-bench (GPUs 2-3) beside the two-GPU vLLM tests (GPUs 0-1)
 #   vllm-three - the vLLM tests that need three GPUs (a TP=2 engine or two FSDP2 ranks beside the engine)
 #   fanout - 4 GPUs: one sender to three receivers (7B, 30B-A3B shapes) beside the raw broadcast
@@ -97,7 +97,7 @@ fanout)  # 4 GPUs: one sender (cuda:0) to three receivers, Qwen2.5-7B and Qwen3-
   ;;
 vllm-one)  # one GPU: the vLLM tests that fit it (colocated, LoRA, an engine core in this process), the race
   # test, the colocated vLLM bench with vLLM's engine core in its own process and in the trainer's
-  VLLM_TESTS="tests/test_gpu_installed_race.py tests/test_installed_folds.py tests/test_gpu_transfer.py::test_colocated_sender_and_receiver_in_one_process tests/test_vllm_cuda_lora.py tests/test_vllm_cuda.py::test_colocated_on_the_engines_gpu tests/test_vllm_cuda.py::test_installed_check_on_cuda_names_a_wrong_byte tests/test_vllm_cuda_inprocess.py tests/test_vllm_cuda_native.py" \
+  VLLM_TESTS="tests/test_gpu_installed_race.py tests/test_installed_folds.py tests/test_gpu_transfer.py::test_colocated_sender_and_receiver_in_one_process tests/test_vllm_cuda_lora.py tests/test_vllm_cuda.py::test_colocated_on_the_engines_gpu tests/test_vllm_cuda.py::test_installed_check_on_cuda_names_a_wrong_byte tests/test_vllm_cuda_inprocess.py tests/test_vllm_cuda_native.py tests/test_vllm_cuda_moe.py" \
     VLLM_TEST_TIMEOUT=${VLLM_ONE_S:-420} VLLM_HANG_S=${VLLM_ONE_S:-420} bash "$0" vllm
   for mp in 1 0; do
     echo "== vllm colocated bench ${VLLM_COLO_PRESET:-qwen2.5-7b}, VLLM_ENABLE_V1_MULTIPROCESSING=$mp"
