@@ -151,7 +151,7 @@ class PipelinedEngine(CheckpointEngine):
 
     @property
     def last_delta_stats(self) -> dict[str, float]:
-        return self.sender.last_delta_stats if self.is_sender else self.receiver.last_delta_stats
+        return (self.sender.delta if self.is_sender else self.receiver.delta).last_stats
 
     @property
     def send_plan_builds(self) -> int:

@@ -48,10 +48,6 @@ class Receiver:
         self.receive_plan_builds = 0
         """How many receive plans this receiver has made (tests check reuse and rebuilds)."""
 
-    @property
-    def last_delta_stats(self) -> dict[str, float]:
-        return self.delta.last_stats
-
     def receive(
         self, state: PlanState, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest | None
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:

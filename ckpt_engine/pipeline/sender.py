@@ -59,10 +59,6 @@ class Sender:
         self.send_plan_builds = 0
         """How many send plans this sender has recorded."""
 
-    @property
-    def last_delta_stats(self) -> dict[str, float]:
-        return self.delta.last_stats
-
     def send(
         self, state: PlanState, manifest: BucketManifest, weights: Iterable[tuple[str, torch.Tensor]], *, stable: bool, delta: DeltaRequest | None
     ) -> SendStats:
