@@ -18,7 +18,7 @@ import json
 import torch
 
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
-from ckpt_engine.pipeline.wire_views import torch_dtype
+from ckpt_engine.sources.wire import torch_dtype
 
 # bench/ is the script's directory, on sys.path when run as `python bench/...`
 from cuda_timing import best_seconds

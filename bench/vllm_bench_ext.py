@@ -68,7 +68,7 @@ class BenchExtension(_Base):  # type: ignore[misc, valid-type]
         (incl. initialize/finalize)."""
         import statistics
 
-        from ckpt_engine.pipeline.wire_views import torch_dtype
+        from ckpt_engine.sources.wire import torch_dtype
 
         core = self._ckpt_core()
         needed = core.specs().needed
@@ -134,7 +134,7 @@ class BenchExtension(_Base):  # type: ignore[misc, valid-type]
 
 def bench_weights(specs: dict[str, list], seed: int) -> dict[str, torch.Tensor]:
     """Random tensors for `bench_specs()`'s names, the same on the trainer and in the worker."""
-    from ckpt_engine.pipeline.wire_views import torch_dtype
+    from ckpt_engine.sources.wire import torch_dtype
 
     g = torch.Generator().manual_seed(seed)
     return {n: torch.randn(shape, generator=g).to(torch_dtype(dtype)) for n, (dtype, shape) in specs.items()}

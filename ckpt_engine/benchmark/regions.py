@@ -41,7 +41,7 @@ from ckpt_engine.sources.fp8 import Fp8WireSource
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.pipeline.region_assembly import RegionAssembly
 from ckpt_engine.pipeline.region_groups import RegionGroups, parallel_sets, receive_regions, send_regions
-from ckpt_engine.pipeline.wire_views import torch_dtype
+from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.planning.fused_experts import fuse_specs
 from ckpt_engine.planning.ownership import row_shards
 from ckpt_engine.planning.receive_sets import RegionLayout, cut_region

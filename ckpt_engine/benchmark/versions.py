@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ckpt_engine.pipeline.wire_views import torch_dtype
+from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.manifest import TensorSpec
 
 __all__ = ["AdamWChain", "FileVersions", "MemoryVersions", "element_chunks", "host_available_bytes"]

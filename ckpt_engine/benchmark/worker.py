@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.pipeline.wire_views import torch_dtype
+from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.benchmark.memory import PeakMeter, resident_bytes
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.benchmark.raw_link import broadcast_bytes, copy_bytes, raw_message_bytes
