@@ -45,7 +45,8 @@ class VllmLoraRollout(VllmRollout):
     LoRA layers cut each TP rank's slice themselves when the version is installed. Installed: each
     worker reads the adapter back out of vLLM's `LoRAModel` before finalize, and compares the LoRA
     slots vLLM wrote when it activated the version with it (in process at the install, behind the
-    server at the registration: `vllm/lora_installed.py`)."""
+    server at the registration: `vllm/lora_installed.py`), and again each time vLLM writes them
+    again after its LRU evicted the version (named in the worker's health, `slot_rechecks`)."""
 
     def __init__(
         self, name: str, llm: vllm.LLM | Channel, *, max_adapter_versions: int = 2, timeout_s: float = 300.0, world_size: int | None = None

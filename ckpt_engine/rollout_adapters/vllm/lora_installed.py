@@ -21,8 +21,13 @@ An adapter version reaches vLLM's kernels in two steps, each checked where vLLM 
    lora_A of a row-parallel one by input columns): each rank compares its own slice, cut by those
    same functions, and answers its own problems (the handle names the worker, each problem its TP rank).
 
-Not checked: the slots of a version vLLM activates again itself after its LRU evicted it (or
-rebuilt it), and of a layer whose slices vLLM expands (a 4-slice layer fed 3 packed tensors).
+vLLM writes a version's slots again itself after its LRU evicted it (from the `max_loras` slots, or
+from the `max_cpu_loras` cache, then rebuilt from the worker's tensors): each time, a version whose
+slots were checked at its install is compared again the same way (`VllmLoraCore.reactivated`).
+Nothing may raise inside vLLM's step, so a difference is named in the worker's health
+(`slot_rechecks`: the version, the checkpoint tensor, the slot) and its log, and the worker is
+stale. Not checked: the slots of a layer whose slices vLLM expands (a 4-slice layer fed 3 packed
+tensors).
 Through vLLM's weight-transfer API step 1 runs as for any channel (its `installed` phase); step 2
 runs when vLLM first activates the version, but its outcome is only logged by the worker (that route
 cannot ask the workers' health, and the sync has ended by then).

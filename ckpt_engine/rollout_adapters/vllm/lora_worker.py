@@ -23,6 +23,11 @@ keep it consistent with `AdapterVersions` and the installed-weight checks:
 - `add_adapter` (the LRU worker manager's: it adds an adapter and activates it into the LoRA slots;
   the server's registration calls it) has a checked version's slots compared right after vLLM
   activated it (`activated`); the outcome is reported in the worker's health (`slot_check`).
+And one on vLLM's `LRUCacheLoRAModelManager`:
+- `activate_adapter` (it writes a version into a LoRA slot; vLLM calls it again for a version its
+  LRU evicted from the slots, `max_loras`, or from its CPU cache, `max_cpu_loras`, and rebuilt) has
+  the slots of a version whose install was checked compared again each time vLLM writes them
+  (`reactivated`); the outcomes are reported in the worker's health (`slot_rechecks`).
 """
 
 from __future__ import annotations
@@ -100,8 +105,18 @@ class SlotCheckedCore(LoraReceiverCore[int]):
     slot_check: dict[str, Any] | None = None
     """{"version", "problems"}: problems None until vLLM activated the version; None: not checked."""
 
+    def __init__(
+        self, target: Callable[[], LoraTarget], build: Callable[[int, dict[str, torch.Tensor], LoraSpec], int], unload: Callable[[int], None],
+        max_versions: int, device: torch.device,
+    ) -> None:
+        super().__init__(target, build, unload, max_versions)
+        self.receiver.device = device  # received on the model's device: NCCL and CUDA IPC land only there
+        self.slot_rechecks: dict[str, Any] = {"count": 0, "problems": []}
+        """The comparisons of a checked version's slots each time vLLM wrote them again (after its
+        LRU evicted the version): how many, and the problems found (the last 20)."""
+
     def health(self) -> dict[str, Any]:
-        return {**super().health(), "slot_check": self.slot_check}
+        return {**super().health(), "slot_check": self.slot_check, "slot_rechecks": self.slot_rechecks}
 
 
 class VllmLoraCore:
@@ -139,6 +154,9 @@ class VllmLoraCore:
         """Version -> its checked `LoRAModel`, for the server's first load of it (preload off)."""
         self._slots_due: int | None = None
         """Behind the server: the checked version whose slots are compared when vLLM activates it."""
+        self._slots_checked: set[int] = set()
+        """Versions whose slots were checked when first activated: compared again whenever vLLM
+        writes them into a slot again (`reactivated`)."""
         # received on the model's device (NCCL and CUDA IPC land only there), kept on the host as vLLM
         # keeps its CPU LoRA models (`_install`)
         device = next(get_model().parameters()).device
@@ -211,6 +229,7 @@ class VllmLoraCore:
                 adapters.remove_adapter(lora_id)
                 self._tensors.pop(version, None)
                 raise RuntimeError(f"adapter version {version} not installed: {'; '.join(problems[:10])}")
+            self._slots_checked.add(version)
         self._ids.setdefault(version, set()).add(lora_id)
         return lora_id
 
@@ -238,6 +257,28 @@ class VllmLoraCore:
         if problems:
             self.core.stale = True  # out of service until a complete sync
             logger.error("adapter version %s: its LoRA slots differ: %s", version, "; ".join(problems[:10]))
+        else:
+            self._slots_checked.add(version)
+
+    def reactivated(self, lora_id: int) -> None:
+        """vLLM wrote LoRA id `lora_id` into a slot again (its LRU had evicted it from the slots, or
+        from its CPU cache and `load` rebuilt it): a version whose slots were checked when first
+        activated is compared again, as then. Nothing may raise inside vLLM's step: a difference
+        is kept for `health` (`slot_rechecks`), logged by name, and the worker is stale (out of
+        service until a complete sync)."""
+        version = next((v for v, ids in self._ids.items() if lora_id in ids), None)
+        if version is None or version not in self._slots_checked or version not in self._tensors:
+            return  # not ours, not checked when installed, or unloaded
+        adapters = self.adapters
+        names = checkpoint_names(self._tensors[version][0], self._weights_mapper())
+        problems = slot_problems(adapters, adapters.get_adapter(lora_id), adapters.lora_index_to_id.index(lora_id), names)
+        rechecks = self.core.slot_rechecks
+        rechecks["count"] += 1
+        if problems:
+            said = [f"adapter version {version}, written into its LoRA slot again after vLLM's LRU evicted it: {p}" for p in problems]
+            rechecks["problems"] = (rechecks["problems"] + said)[-20:]
+            self.core.stale = True
+            logger.error("%s", "; ".join(said[:10]))
 
     # --- installed-weight checks (vllm/lora_installed.py) --------------------------------------
     def installed_arm(self, request: InstalledRequest) -> None:
@@ -258,6 +299,7 @@ class VllmLoraCore:
 
     def _unload(self, version: int) -> None:
         self._tensors.pop(version, None)
+        self._slots_checked.discard(version)
         for lora_id in self._ids.pop(version, set()):
             self.adapters.remove_adapter(lora_id)
 
@@ -287,12 +329,14 @@ _CORES: dict[int, VllmLoraCore] = {}
 
 
 def _install_hooks() -> None:
-    """Wrap `WorkerLoRAManager._load_adapter` and `set_active_adapters`, and the LRU worker manager's
-    `add_adapter`, once per process, so that a worker manager whose model manager belongs to a
-    `VllmLoraCore` builds ckpt-engine versions from memory, reports each step's LoRA requests and
-    has a checked version's slots compared once vLLM activated it. At class level: vLLM hands the native
+    """Wrap `WorkerLoRAManager._load_adapter` and `set_active_adapters`, the LRU worker manager's
+    `add_adapter` and the LRU model manager's `activate_adapter`, once per process, so that a worker
+    manager whose model manager belongs to a `VllmLoraCore` builds ckpt-engine versions from memory,
+    reports each step's LoRA requests and has a checked version's slots compared once vLLM activated
+    it, and again whenever vLLM writes them again after an eviction. At class level: vLLM hands the native
     weight-transfer engine only the model, never the worker's LoRA manager; every other manager
     (and every other path) runs vLLM's own code unchanged."""
+    from vllm.lora.model_manager import LRUCacheLoRAModelManager
     from vllm.lora.worker_manager import LRUCacheWorkerLoRAManager, WorkerLoRAManager
 
     if getattr(WorkerLoRAManager, "_ckpt_engine_hooked", False):
@@ -300,6 +344,7 @@ def _install_hooks() -> None:
     load_from_path = WorkerLoRAManager._load_adapter
     set_active = WorkerLoRAManager.set_active_adapters
     add = LRUCacheWorkerLoRAManager.add_adapter  # the worker's manager (adds and activates)
+    activate = LRUCacheLoRAModelManager.activate_adapter  # the model manager's (writes the slots)
 
     def _load_adapter(self: Any, request: Any) -> Any:
         core = _CORES.get(id(self._adapter_manager))
@@ -321,7 +366,15 @@ def _install_hooks() -> None:
             core.activated(request)
         return loaded
 
+    def activate_adapter(self: Any, lora_id: int) -> bool:
+        written = activate(self, lora_id)  # False: already in a slot (nothing written)
+        core = _CORES.get(id(self))
+        if written and core is not None:
+            core.reactivated(lora_id)
+        return written
+
     WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
+    LRUCacheLoRAModelManager.activate_adapter = activate_adapter  # type: ignore[method-assign]
     LRUCacheWorkerLoRAManager.add_adapter = add_adapter  # type: ignore[method-assign]
     WorkerLoRAManager.set_active_adapters = set_active_adapters  # type: ignore[method-assign]
     WorkerLoRAManager._ckpt_engine_hooked = True  # type: ignore[attr-defined]
