@@ -188,7 +188,7 @@ class HandoffTransport(Transport):
                 except (ValueError, msgpack.UnpackException) as exc:
                     raise ValueError(f"{NAME}: sender {s}'s shared buffers: {exc}") from exc
                 self._mapped.update(range(len(self.buffers), len(self.buffers) + nb))
-                self.remote.add_slots(map_buffers(self.device, _on_device(descs, self.device), size))
+                self.remote.add_slots(map_buffers(self.device, descs, size))
         # The remote transport's groups, less the local senders'.
         own = ([] if rank in self._local else [rank]) if self.is_sender else [s for s in range(senders) if s not in self._local]
         self.remote.join_groups(store, own)
@@ -317,14 +317,3 @@ class HandoffTransport(Transport):
     def wait_compute(self, what: str) -> None:
         self.remote.wait_compute(what)
 
-
-def _on_device(descs: list[dict[str, Any]], device: torch.device) -> list[dict[str, Any]]:
-    """CUDA IPC descriptors with the device index rewritten to this receiver's own: a CUDA handle
-    names its device by the sender's index (`_share_cuda_()`'s first field), and a receiver that
-    sees the same GPU under another index (a `vllm serve` started with CUDA_VISIBLE_DEVICES=1 sees
-    the trainer's cuda:1 as cuda:0) would open it on a device it lacks (issue 39). The join found
-    both on one physical GPU (device UUIDs) or was told so (`local_senders`). Host files unchanged."""
-    if device.type != "cuda":
-        return descs
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return [{"cuda_ipc": [index, *d["cuda_ipc"][1:]]} if isinstance(d.get("cuda_ipc"), list) and d["cuda_ipc"] else d for d in descs]

@@ -44,7 +44,7 @@ def share_buffers(device: torch.device, count: int, size: int) -> tuple[list[tor
         elif device.type == "cuda":
             buf = torch.empty(size, dtype=torch.uint8, device=device)
             buffers.append(buf)
-            descs.append({"cuda_ipc": list(buf.untyped_storage()._share_cuda_())})
+            descs.append({"cuda_ipc": list(buf.untyped_storage()._share_cuda_()), "uuid": str(torch.cuda.get_device_properties(device).uuid)})
         else:
             raise ValueError(f"buffers on {device} cannot be shared with another process (cpu or cuda only)")
     return buffers, descs, paths
@@ -55,7 +55,7 @@ def validate_descriptors(info: Any, count: int, size: int, whose: str) -> list[d
     if not isinstance(info, dict) or info.get("size") != size or not isinstance(info.get("buffers"), list):
         raise ValueError(f"{whose} publishes shared buffers of another size than this rank's ({size} bytes): {info!r:.200}")
     descs = info["buffers"]
-    if len(descs) != count or not all(isinstance(d, dict) and len(d) == 1 and ("path" in d or "cuda_ipc" in d) for d in descs):
+    if len(descs) != count or not all(isinstance(d, dict) and set(d) in ({"path"}, {"cuda_ipc", "uuid"}) for d in descs):
         raise ValueError(f"{whose} publishes {len(descs)} shared buffers; this rank expects {count} (same num_buffers on every rank)")
     return descs
 
@@ -83,7 +83,13 @@ def map_buffers(device: torch.device, descs: list[dict[str, Any]], size: int) ->
                 )
             torch.cuda.init()  # opening an IPC handle needs this process's CUDA context
             torch.cuda.set_device(device)
-            storage = torch.UntypedStorage._new_shared_cuda(*desc["cuda_ipc"])
+            here = str(torch.cuda.get_device_properties(device).uuid)
+            if desc["uuid"] != here:
+                raise ValueError(f"the colocated sender's buffers are on GPU {desc['uuid']}, this receiver is on GPU {here} ({device}): not one GPU")
+            # The handle names the sender's device index; this process may see that GPU under another
+            # (a `vllm serve` started with CUDA_VISIBLE_DEVICES=1 sees the trainer's cuda:1 as cuda:0).
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            storage = torch.UntypedStorage._new_shared_cuda(index, *desc["cuda_ipc"][1:])
             out.append(torch.empty(0, dtype=torch.uint8, device=device).set_(storage))
     return out
 
