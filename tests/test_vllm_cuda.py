@@ -332,7 +332,7 @@ def test_fsdp2_ranks_send_their_own_shards_into_vllm(tmp_path: Path, backend: st
         port = free_port()
         args = (2, port, trainer_gpus, backend, server.url, str(model_dir), [7, REFERENCE_SEED], str(tmp_path))
         procs = [ctx.Process(target=trainer_rank, args=(r, *args)) for r in range(2)]
-        assert run_processes(procs, 240) == []
+        assert run_processes(procs, 150) == []  # inside the per-test bound of bench/gpu_runs.sh (200 s), so the ranks' JSON is read
         logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
         assert logs[1] == [] and [e.get("error") for e in logs[0]] == [None, None], logs
         assert [e["senders"] for e in logs[0]] == [2, 2], logs[0]
