@@ -72,7 +72,8 @@ def llm(model_dir: Path) -> Iterator[Any]:
     stop_llm(engine)
 
 
-def test_a_worker_stuck_in_the_engine_cores_pause_ends_the_call_naming_engine_and_call(llm: Any, model_dir: Path) -> None:
+@pytest.mark.parametrize("rep", range(3))
+def test_a_worker_stuck_in_the_engine_cores_pause_ends_the_call_naming_engine_and_call(llm: Any, model_dir: Path, rep: int) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
