@@ -4,8 +4,10 @@ syncs A (staged) to version 1; B starts late. While a join of B holds B (it wait
 offer), a session's sync into B is refused by name at B's group join, and nothing of B changes;
 the join then completes. While a sync into A and B holds them (its weight source waits, both
 engines staging), a join into B is refused by name, and so is an offer from A; the sync then lands
-the trainer's bytes in both, and afterwards both engines take peer calls again. Every wait is
-bounded by events and files, none by timing."""
+the trainer's bytes in both, and afterwards both engines take peer calls again. An unstaged sync
+that fails mid-walk leaves its claim (no resume lets go): joins are refused by name, but a new
+session's sync is not (every sync holds under one name). Every wait is bounded by events and
+files, none by timing."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +42,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(nixl_missing()), reason=
 WAIT_S = 120.0
 """The bound on each wait of the test (a gate reached, a mark written, a thread's end)."""
 
-HELD_BY_JOIN = r"engine belongs to weight-sync group peer join [0-9a-f]{6} .another job or daemon.; refusing group [0-9a-f]{16}"
-HELD_BY_SYNC = r"engine belongs to weight-sync group [0-9a-f]{16} .another job or daemon.; refusing"
+HELD_BY_JOIN = r"engine belongs to weight-sync group peer join [0-9a-f]{6} .another job or daemon.; refusing group trainer sync"
+HELD_BY_SYNC = r"engine belongs to weight-sync group trainer sync .another job or daemon.; refusing"
 
 
 @dataclass
@@ -199,3 +201,35 @@ def test_a_peer_join_into_an_engine_a_sync_holds_is_refused_by_name(fleet: Fleet
         for llm in (fleet.llm_a, fleet.llm_b):
             llm.collective_rpc("test_mark_stages", args=(None,))
         session.close()
+
+
+def test_a_claim_a_failed_unstaged_sync_leaves_refuses_joins_but_not_a_new_sessions_sync(fleet: Fleet) -> None:
+    """An unstaged sync whose weight source fails mid-walk leaves A and B paused, stale and held (no
+    resume let go): a join into B is refused by name. A new session on new handles still syncs
+    both (every sync holds under one name: an old one's claim never locks a trainer out) and lets go
+    at its end: both offer the new version, the trainer's bytes, to any caller."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+
+    class FailingSource(StateDictSource):
+        def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+            walk = super().iter_weights()
+            yield next(walk)
+            raise RuntimeError("the trainer's weight source failed mid-walk")
+
+    session = WeightSyncSession([fleet.a, fleet.b], replace(CONFIG, stage="off"))
+    try:
+        with pytest.raises(SyncError, match="weight source"):
+            session.sync(FailingSource(trainer_model(fleet.model_dir, seed=4).state_dict()))
+    finally:
+        session.close()
+    with pytest.raises(PeerJoinError, match=HELD_BY_SYNC + " group peer join"):
+        join_from_peer(fleet.b, [fleet.a], timeout_s=60.0)
+    weights = {n: t.detach() for n, t in trainer_model(fleet.model_dir, seed=5).state_dict().items()}
+    session = WeightSyncSession([VllmRollout("A", fleet.llm_a, timeout_s=60.0), VllmRollout("B", fleet.llm_b, timeout_s=60.0)], CONFIG)
+    try:
+        report = session.sync(StateDictSource(weights))
+        assert report.staged == "full"
+        sums = held_images(fleet, report.version)  # any caller again: the new session's sync let go
+    finally:
+        session.close()  # the engines leave its group: their staging copies (the images) are freed
+    assert sums["A"] == sums["B"] == dict(zip(sums["A"], tensor_checksums([weights[n].contiguous() for n in sums["A"]])))

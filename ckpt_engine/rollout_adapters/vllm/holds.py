@@ -4,10 +4,14 @@ A sync and a peer join into one engine must not overlap: the join's pull lands i
 a staged sync lands in, and its swap installs weights a sync is replacing. The worker's staging
 lock refuses the overlap part-way; this refuses it before anything is touched, by name. Both
 claim the workers' peer lease (`vllm/peer.py`, the reference receiver's `EngineLease` and its
-wording): a sync for its weight-sync group (the rendezvous token) from its group join or validate
-to its resume, swap or discard; a join under its own name (`joining`) for the whole join, naming
-it on its peer calls. Whichever comes second is refused: a peer join into an engine a sync holds
-(or an offer from it), or a sync's group join or validate into an engine a join holds.
+wording): a sync as `SYNC_OWNER` from its group join or validate to its resume, swap or discard; a
+join under a fresh name of its own (`joining`) for the whole join, naming it on its peer calls.
+Whichever comes second is refused: a peer join into an engine a sync holds (or an offer from it),
+or a sync's group join or validate into an engine a join holds.
+
+Every sync claims under one name, whatever its session or group: syncs are not kept apart here
+(a new session takes an engine over as before), and a new session's sync is not refused by the
+claim of an old one that never let go (a failed unstaged sync, a dead trainer).
 """
 
 from __future__ import annotations
@@ -18,13 +22,16 @@ from collections.abc import Iterator
 
 from ckpt_engine.rollout_adapters.vllm.routes import ExtensionRoute
 
-__all__ = ["LEASE_SLACK_S", "EngineHolds"]
+__all__ = ["LEASE_SLACK_S", "SYNC_OWNER", "EngineHolds"]
 
 logger = logging.getLogger(__name__)
 
+SYNC_OWNER = "trainer sync"
+"""The name a sync holds an engine under (a join's refusal names it)."""
+
 LEASE_SLACK_S = 30.0
 """Past twice the timeout of a sync (or join), how long its claim outlives a holder that never lets
-go (a failed unstaged sync, a dead controller); a new group's join, a leave or a discard lets go at once."""
+go (a failed unstaged sync, a dead controller); the next sync's end, a leave or a discard lets go at once."""
 
 
 class EngineHolds:
@@ -32,30 +39,25 @@ class EngineHolds:
 
     def __init__(self, name: str, route: ExtensionRoute | None, timeout_s: float) -> None:
         self.name, self.route, self.timeout_s = name, route, timeout_s
-        self.group: str | None = None
-        """The rendezvous token of the weight-sync group the workers joined through this handle."""
-        self.claimed: str | None = None
-        """The group whose sync holds the workers now (None: no sync does)."""
+        self.syncing = False
+        """Whether a sync through this handle holds the engine now."""
         self.join_owner: str | None = None
         """The join holding the engine (`joining`): its peer calls name it."""
 
     def take_over(self, previous: EngineHolds) -> None:
-        self.group, self.claimed = previous.group, previous.claimed
+        self.syncing = previous.syncing
 
-    def for_sync(self, group: str) -> None:
-        """Claim (or renew) the workers for weight-sync group `group`'s sync; RuntimeError naming
-        the holder while a peer join or another group holds them."""
-        if self.claimed not in (None, group):
-            self.let_go()  # an earlier group's sync that never ended (it failed unstaged)
+    def for_sync(self) -> None:
+        """Claim (or renew) the workers for a sync; RuntimeError naming the join that holds them."""
         if self.route is not None:
-            self.route.rpc("ckpt_peer_claim", {"owner": group, "lease_s": 2 * self.timeout_s + LEASE_SLACK_S}, min(self.timeout_s, 30.0))
-            self.claimed = group
+            self.route.rpc("ckpt_peer_claim", {"owner": SYNC_OWNER, "lease_s": 2 * self.timeout_s + LEASE_SLACK_S}, min(self.timeout_s, 30.0))
+            self.syncing = True
 
     def let_go(self) -> None:
         """The sync ended: release its claim (best effort: a claim not released lapses)."""
-        group, self.claimed = self.claimed, None
-        if group is not None and self.route is not None:
-            self._release(group, "the sync's")
+        if self.syncing and self.route is not None:
+            self._release(SYNC_OWNER, "the sync's")
+        self.syncing = False
 
     @contextlib.contextmanager
     def joining(self, owner: str, timeout_s: float) -> Iterator[None]:

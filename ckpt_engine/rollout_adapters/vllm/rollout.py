@@ -147,14 +147,13 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self._join(rendezvous, rank_offset, options, None, False)
 
     def _join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions, adapters: int | None, preload: bool) -> None:
-        self.holds.for_sync(rendezvous.token)  # before the workers join: a peer join holding them refuses it by name
+        self.holds.for_sync()  # before the workers join: a peer join holding them refuses it by name
         try:
             self.staged.join(rendezvous, list(range(rank_offset, rank_offset + self.world_size)))
             self.pids = self.workers.join(rendezvous, rank_offset, options, adapters, preload)
         except BaseException:
             self.holds.let_go()
             raise
-        self.holds.group = rendezvous.token
 
     def manifest_budget(self) -> ManifestBudget:
         """The most any of the engine's workers would decode (each worker's `ManifestBudget` from its
@@ -185,8 +184,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self._validate(manifest, encoded, assignments)
 
     def _validate(self, manifest: BucketManifest, encoded: bytes, regions: list[bytes] | None) -> None:
-        if self.holds.group is not None:
-            self.holds.for_sync(self.holds.group)  # a sync starts: held until its resume, swap or discard
+        self.holds.for_sync()  # a sync starts: held until its resume, swap or discard
         problems = self.workers.check(manifest.digest, encoded, regions)
         if problems:
             raise ManifestRejectedError(self.name, problems)
@@ -411,7 +409,6 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         try:
             self.workers.leave()
         finally:
-            self.holds.group = None
             self.holds.let_go()
 
     def worker_health(self) -> list[dict[str, Any]]:
