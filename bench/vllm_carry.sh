@@ -45,11 +45,11 @@ fetch)
 keep)  # on the device: move one carried part out of the repository
   mkdir -p "$parts"; cp "$2" "$parts/"; ls "$parts"
   ;;
-plugin)  # on the device: ckpt-engine's vLLM plugin entry point for a checkout run from PYTHONPATH (DIR, default .)
-  # (vLLM finds the `ckpt_engine` weight-transfer backend through it; no pip install of the project)
+plugin)  # on the device: ckpt-engine's entry points for a checkout run from PYTHONPATH (DIR, default .)
+  # (vLLM finds the `ckpt_engine` weight-transfer backend through them, the registry the nixl backend; no pip install of the project)
   d=${2:-.}/ckpt_engine-0.dev0.dist-info; mkdir -p "$d"
   printf 'Metadata-Version: 2.1\nName: ckpt-engine\nVersion: 0.dev0\n' > "$d/METADATA"
-  printf '[vllm.general_plugins]\nckpt_engine = ckpt_engine.rollout_adapters.vllm.plugin:register\n' > "$d/entry_points.txt"
+  printf '[vllm.general_plugins]\nckpt_engine = ckpt_engine.rollout_adapters.vllm.plugin:register\n\n[ckpt_engine.backends]\nnixl = ckpt_engine.transports.nixl:NixlTransport\n' > "$d/entry_points.txt"
   ;;
 install)  # on the device: join, untar, install into the machine's own Python (cutlass-dsl needs its .pth)
   python3 -c "import vllm" 2>/dev/null && { echo "vllm already installed"; exit 0; }
