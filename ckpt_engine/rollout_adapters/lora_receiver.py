@@ -53,11 +53,12 @@ class LoraReceiverCore(Generic[T]):
         build: Callable[[int, dict[str, torch.Tensor], LoraSpec], T],
         unload: Callable[[int], None],
         max_versions: int,
+        device: torch.device | None = None,
     ) -> None:
         self._target = target
         self._build = build
         self._unload = unload
-        self.receiver = WeightReceiver()
+        self.receiver = WeightReceiver(device=device)  # a vLLM worker's: its model's device (NCCL and CUDA IPC land only there)
         self.versions: AdapterVersions[T] = AdapterVersions(max_versions)
         self._staged: dict[str, torch.Tensor] | None = None
         self.stale = False

@@ -109,8 +109,7 @@ class SlotCheckedCore(LoraReceiverCore[int]):
         self, target: Callable[[], LoraTarget], build: Callable[[int, dict[str, torch.Tensor], LoraSpec], int], unload: Callable[[int], None],
         max_versions: int, device: torch.device,
     ) -> None:
-        super().__init__(target, build, unload, max_versions)
-        self.receiver.device = device  # received on the model's device: NCCL and CUDA IPC land only there
+        super().__init__(target, build, unload, max_versions, device)
         self.slot_rechecks: dict[str, Any] = {"count": 0, "problems": []}
         """The comparisons of a checked version's slots each time vLLM wrote them again (after its
         LRU evicted the version): how many, and the problems found (the last 20)."""
