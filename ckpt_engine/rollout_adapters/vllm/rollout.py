@@ -97,7 +97,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self._pause_mode = "keep"
         self.staged = StagedOutcomes(name, timeout_s)  # staged receives report their end in the group's store
         channels = (HTTPWeightSyncClient, LLMWeightSyncClient, WeightTransferChannel)
-        self.client: Channel = llm if isinstance(llm, channels) else LLMWeightSyncClient(llm, timeout_s)
+        self.client: Channel = llm if isinstance(llm, channels) else LLMWeightSyncClient(llm, timeout_s, name=repr(name))
         self.workers = self.client.route(name, timeout_s, self.capabilities.weights == "adapters")
         self.capabilities = replace(self.capabilities, **cast(dict[str, Any], dict.fromkeys(self.workers.lacks, False)))
         self.world_size = world_size if world_size is not None else self.client.world_size()

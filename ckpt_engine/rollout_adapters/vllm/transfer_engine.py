@@ -16,9 +16,9 @@ vLLM's trainer API):
       the buckets (or patches against the workers' base copies) through the weight-sync group;
       loads them through layerwise reload
   finish_weight_update                                          layerwise post-processing
-  update_weights({"phase": "install", "digest", "version"})    before finish, after a checked receive
-      (in an update of its own: see `installed` below) and for adapters: post-process and stamp
-      `version` on the worker; without it finish post-processes what the update loaded
+  update_weights({"phase": "install", "digest", "version"})    before every unstaged finish (after a
+      checked receive in an update of its own: see `installed` below), and for adapters:
+      post-process and stamp `version` on the worker (vLLM's finish reaches the workers without one)
 A staged update (issue 28) keeps the engine stepping while it streams:
   update_weights({"phase": "receive", ..., "stage": "patches"|"full", "ticket"})  starts the receive
       on a background thread of each worker (`VllmReceiverCore.stage`, `vllm/staging.py`); returns at
