@@ -50,8 +50,23 @@ class WeightSource(ABC):
         """(name, full tensor) in `metadata()` order; a fresh walk on every call."""
 
 
+_SPECS: dict[tuple[str, torch.dtype, torch.Size], TensorSpec] = {}
+_SPECS_MAX = 1 << 20
+
+
 def spec_of(name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> TensorSpec:
-    return TensorSpec(name, str(dtype if dtype is not None else tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+    """The tensor's spec, made (and checked) once per name, dtype and shape: a source's metadata is
+    read every sync, and 18,867 checked specs (Qwen3-30B-A3B) cost ~100 ms of host time each time.
+    Specs are frozen, so one instance serves every sync (and the plan's key compares them by
+    identity first)."""
+    dt = dtype if dtype is not None else tensor.dtype
+    key = (name, dt, tensor.shape)
+    spec = _SPECS.get(key)
+    if spec is None:
+        if len(_SPECS) >= _SPECS_MAX:  # names that never repeat: start over rather than grow
+            _SPECS.clear()
+        spec = _SPECS[key] = TensorSpec(name, str(dt).removeprefix("torch."), tuple(tensor.shape))
+    return spec
 
 
 class StateDictSource(WeightSource):
