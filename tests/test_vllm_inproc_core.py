@@ -31,12 +31,11 @@ pytest.importorskip("transformers")
 import _vllm_stall_ext as stall  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import VllmRollout, WeightTransferChannel  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm.clients import LLMWeightSyncClient  # noqa: E402
-from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
+from helpers_vllm import ENGINE_ARGS, inprocess_llm, stop_llm  # noqa: E402
 from test_installed_checks_vllm import QWEN2, weights  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-_MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
 BOUND_S = 5.0
 """The client's timeout in the stall test."""
 HOLD_S = 30.0
@@ -53,21 +52,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def llm(model_dir: Path) -> Iterator[Any]:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    before = os.environ.get(_MULTIPROCESSING)
-    os.environ[_MULTIPROCESSING] = "0"  # read when the engine is built: this engine only
-    try:
-        engine = LLM(
-            model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-            weight_transfer_config={"backend": "ckpt_engine"}, worker_extension_cls=stall.EXTENSION, **ENGINE_ARGS,
-        )
-    finally:
-        if before is None:
-            os.environ.pop(_MULTIPROCESSING)
-        else:
-            os.environ[_MULTIPROCESSING] = before
-    assert type(engine.llm_engine.engine_core).__name__ == "InprocClient"
+    engine = inprocess_llm(
+        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        weight_transfer_config={"backend": "ckpt_engine"}, worker_extension_cls=stall.EXTENSION, **ENGINE_ARGS,
+    )
     yield engine
     stop_llm(engine)
 
