@@ -32,7 +32,7 @@ from ckpt_engine.sync.sender_follower import join_message
 from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
 from ckpt_engine.sync.group import SyncGroup
 from ckpt_engine.sync.installed import InstalledChecks, sender_shares
-from ckpt_engine.sync.many_senders import ManySenders
+from ckpt_engine.sync.many_senders import ManySenders, wants_many_senders
 from ckpt_engine.sync.regions import RegionDelivery
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
 from ckpt_engine.sync.stream import SyncStream
@@ -205,7 +205,7 @@ class WeightSyncSession:
     def _locked_sync(self, source: WeightSource, version: int | None, *, drain_if_closed: bool) -> SyncReport | None:
         """One sync under the session lock; None (source untouched) if closed and not draining."""
         if not self._lock.acquire(timeout=self.config.timeout_s):
-            _drain(source)
+            self._release_refused(source)
             raise RuntimeError(
                 f"another sync on this session (engines {', '.join(r.name for r in self.rollouts)}) has run for more "
                 f"than timeout_s={self.config.timeout_s}s; syncs on one set of engines run one at a time"
@@ -214,7 +214,7 @@ class WeightSyncSession:
             if self._closed:
                 if not drain_if_closed:
                     return None
-                _drain(source)
+                self._release_refused(source)
                 raise RuntimeError("this WeightSyncSession is closed; make a new one")
             source = fp8_wire(source, self.config.wire_dtype)  # checkpoint_engine.wire_dtype: quantized while walked
             senders = self._senders.count(source)
@@ -232,6 +232,15 @@ class WeightSyncSession:
                 self._installed.release()
         finally:
             self._lock.release()
+
+    def _release_refused(self, source: WeightSource) -> None:
+        """A source this session refuses before its sync begins: walked, since its gathers are
+        collectives the other trainer ranks run in step (`sync_rollout_weights` on them drains it
+        too), unless every rank sends its own pieces. Then the other ranks wait for announcements,
+        not gathers (`sync_rollout_weights` tells them of the refusal), and a walk here would hang
+        in gathers nobody joins."""
+        if not wants_many_senders(source, self.config.senders):
+            _drain(source)
 
     def _sync(self, source: WeightSource, weights: WatchedWeights | None, version: int | None, senders: int = 1) -> SyncReport:
         """One sync in its steps: prepare (metadata, version, group, plan) -> validate -> delta or
