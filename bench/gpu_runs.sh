@@ -12,6 +12,8 @@
 #   fanout - 4 GPUs: one sender to three receivers (7B, 30B-A3B shapes) beside the raw broadcast
 #   fp8-bench - a bf16 and an FP8-wire sync of the same model (7B, 30B-A3B), reference receiver
 #   x4-rest - 4 GPUs: vllm-three beside fp8-bench, then fanout
+#   nixl  - the pull transport on GPUs (nixl-cu13 wheel carried in .nixl/): a nixl sync of Qwen2.5-7B and
+#           Qwen3-30B-A3B shapes beside nccl's raw broadcast and sync of the same bytes (issue 43)
 #   bench - dense and delta syncs of Qwen2.5-7B and Qwen3-30B-A3B shapes over NCCL beside the raw
 #           broadcast, and the FSDP2 shrunk topology (2 trainer ranks, receiver beside rank 1)
 # JSON lands in $OUT (or bench/out/); each step is bounded so one call fits the device's limit.
@@ -104,6 +106,15 @@ vllm-one)  # one GPU: the vLLM tests that fit it (colocated, LoRA, an engine cor
     VLLM_ENABLE_V1_MULTIPROCESSING=$mp timeout "${VLLM_BENCH_TIMEOUT:-280}" python bench/vllm_colocated_bench.py --preset "${VLLM_COLO_PRESET:-qwen2.5-7b}" \
       --gpu-mem 0.3 --json "$out/vllm_colocated_mp$mp.json" > "$out/vllm_colocated_mp$mp.log" 2>&1 &
     pid=$!; watchdog 250 $pid; wait $pid; echo "exit $?"; grep -E "^(copy|ours|loaders|checked|staged|\{)|Error" "$out/vllm_colocated_mp$mp.log" | tail -n 8
+  done
+  ;;
+nixl)  # 2 GPUs: nixl pulls beside nccl (raw broadcast and sync) of the same shapes, one call
+  python3 -c "import nixl_cu13" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nixl .nixl/*.whl || exit 1
+  export PYTHONPATH=/tmp/nixl:$PYTHONPATH
+  bash bench/vllm_carry.sh plugin .  # the registry finds the nixl backend by its entry point
+  for preset in qwen2.5-7b qwen3-30b-a3b; do
+    bench "nccl_$preset" --backend nccl --preset "$preset" --modes raw,ours --iters 3
+    bench "nixl_$preset" --backend nixl --device cuda --preset "$preset" --modes ours --iters 3
   done
   ;;
 one)
