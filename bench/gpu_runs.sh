@@ -109,7 +109,7 @@ vllm-one)  # one GPU: the vLLM tests that fit it (colocated, LoRA, an engine cor
   done
   ;;
 nixl)  # 2 GPUs: nixl pulls beside nccl (raw broadcast and sync) of the same shapes, one call
-  python3 -c "import nixl_cu13" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nixl .nixl/*.whl || exit 1
+  [ -d /tmp/nixl ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nixl .nixl/*.whl || exit 1
   export PYTHONPATH=/tmp/nixl:$PYTHONPATH
   bash bench/vllm_carry.sh plugin .  # the registry finds the nixl backend by its entry point
   for preset in qwen2.5-7b qwen3-30b-a3b; do
