@@ -1,0 +1,129 @@
+"""The Triton block-FP8 quantize (`fp8/quantize_kernel.py`) equals the eager reference
+(`quantize_block_fp8_reference` on the CPU) byte for byte, weights and scales: every bf16 value in
+e4m3's range and every rounding tie, all-zero / subnormal / negative-zero blocks, values at amax,
+odd, 3-D and 4-D shapes, strided views, bf16 / fp16 / fp32. Runs in Triton's interpreter on the
+CPU and, marked `gpu`, on a GPU (there also the shapes of `test_gpu_fp8.py`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CASES = r"""
+import torch
+from ckpt_engine.fp8.quantize import quantize_block_fp8, quantize_block_fp8_reference
+from ckpt_engine.fp8.quantize_kernel import quantize_block_fp8_triton
+
+device = DEVICE
+g = torch.Generator().manual_seed(5)
+bad = []
+
+
+def check(label, w):
+    # w: a CPU tensor (any view); the kernel reads the same view on `device`
+    rq, rs = quantize_block_fp8_reference(w)
+    wd = w if device == "cpu" else _same_view(w)
+    for how, fn in (("kernel", quantize_block_fp8_triton), ("dispatch", quantize_block_fp8)):
+        q, s = fn(wd)
+        same = q.shape == rq.shape and s.shape == rs.shape and torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
+        same = same and torch.equal(s.cpu().view(torch.int32), rs.view(torch.int32))
+        if not same:
+            bad.append(f"{how} {label} {w.dtype} {tuple(w.shape)} stride {w.stride()}")
+
+
+def _same_view(w):
+    base = w
+    while base._base is not None:
+        base = base._base
+    dev = base.to(device)
+    return dev.as_strided(w.shape, w.stride(), w.storage_offset() - base.storage_offset())
+
+
+def in_blocks(values, amax=448.0):
+    # values into [n, 128] rows, each 128 x 128 block holding `amax` once, so inv = 448 / amax
+    pad = (-values.numel()) % (128 * 127)
+    v = torch.cat([values, torch.zeros(pad)]).view(-1, 127, 128)
+    head = torch.zeros(v.shape[0], 1, 128)
+    head[:, 0, 0] = amax
+    return torch.cat([head, v], dim=1).reshape(-1, 128)
+
+
+# every bf16 bit pattern of magnitude <= 448 (and its negative), as y exactly (inv = 1)
+bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+finite = bits[bits.abs() <= 448]
+check("every bf16 value, inv 1", in_blocks(finite))
+check("every bf16 value, as bf16", in_blocks(finite).bfloat16())
+# every tie between neighbouring e4m3 values (subnormals included), one float32 ulp either side
+codes = torch.arange(0, 0x7F, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+mid = (codes[:-1] + codes[1:]) / 2
+ulp = (torch.nextafter(mid, torch.tensor(1e9)), torch.nextafter(mid, torch.tensor(-1e9)))
+ties = torch.cat([mid, ulp[0], ulp[1], codes, torch.tensor([464.0, 463.99, 2.0 ** -10, 2.0 ** -11, 3 * 2.0 ** -10])])
+check("e4m3 ties, inv 1", in_blocks(torch.cat([ties, -ties])))
+# random float32 magnitudes against scales that make inv inexact
+rnd = torch.randn(128 * 512, generator=g) * torch.exp2(torch.randint(-30, 10, (128 * 512,), generator=g).float())
+for amax in (1000.0, 3.3e-3, 1.7e-4, 7.0):
+    check(f"random, amax {amax}", in_blocks(rnd.clamp(-amax, amax), amax))
+
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for shape in SHAPES:
+        w = (torch.randn(shape, generator=g) * 0.02).to(dtype)
+        w[..., :128, :128] = 0
+        check("random weight", w)
+    w = (torch.randn(300, 260, generator=g) * 0.02).to(dtype)
+    w[:128, :128] = 0                                   # an all-zero block (amax floored at 1e-4)
+    w[:128, 128:256] = -0.0                             # all negative zero
+    w[128:256, :128] = torch.randn(128, 128, generator=g) * 1e-6   # below the floor
+    w[128:256, 128:256] = 0.3
+    w[128:256, 128:256][5, 7] = -0.3                    # values at +-amax
+    w[256:, :128] = torch.finfo(dtype).tiny / 4         # subnormal inputs (fp16 subnormals in fp32 are normal)
+    w[256:, 128:192] = torch.finfo(dtype).max if dtype != torch.float32 else 3e38
+    check("edge blocks", w)
+    base = (torch.randn(390, 517, generator=g) * 0.05).to(dtype)
+    check("transposed", base.t())
+    check("column slice", base[:, 3:300])
+    check("row step", base[::3])
+    check("stride 0", base[:1].expand(260, 517))
+    for shape in [(1, 1), (1, 300), (129, 1), (127, 129), (3, 130, 257), (2, 2, 130, 128)]:
+        check("odd shape", (torch.randn(shape, generator=g) * 3).to(dtype))
+    check("3-D slice of experts", (torch.randn(4, 256, 384, generator=g) * 0.02).to(dtype)[1:3, :, 128:])
+assert not bad, bad
+print("ok")
+"""
+
+SMALL = [(300, 260), (2, 256, 384), (256, 128)]
+GPU_SHAPES = [(3584, 3584), (18944, 3584), (300, 260), (8, 768, 2048)]
+
+
+def _run(device: str, interpret: bool, shapes: list[tuple[int, ...]]) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+    code = CASES.replace("DEVICE", repr(device)).replace("SHAPES", repr(shapes))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_kernel_equals_the_reference_in_tritons_interpreter() -> None:
+    pytest.importorskip("triton")
+    _run("cpu", True, SMALL)
+
+
+@pytest.mark.gpu
+def test_kernel_equals_the_cpu_reference_on_a_gpu() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    _run("cuda", False, GPU_SHAPES)
+
+
+def test_bad_input_is_refused_by_name() -> None:
+    pytest.importorskip("triton")
+    from ckpt_engine.fp8.quantize_kernel import quantize_block_fp8_triton
+
+    with pytest.raises(ValueError, match="bf16/fp16/fp32 matrices"):
+        quantize_block_fp8_triton(torch.zeros(4))
+    with pytest.raises(ValueError, match="bf16/fp16/fp32 matrices"):
+        quantize_block_fp8_triton(torch.zeros(4, 4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="power-of-two"):
+        quantize_block_fp8_triton(torch.zeros(4, 4), (96, 128))
