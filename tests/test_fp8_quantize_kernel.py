@@ -14,6 +14,7 @@ import pytest
 import torch
 
 CASES = r"""
+import functools
 import torch
 from ckpt_engine.fp8.quantize import quantize_block_fp8, quantize_block_fp8_reference
 from ckpt_engine.fp8.quantize_kernel import quantize_block_fp8_triton
@@ -27,7 +28,7 @@ def check(label, w):
     # w: a CPU tensor (any view); the kernel reads the same view on `device`
     rq, rs = quantize_block_fp8_reference(w)
     wd = w if device == "cpu" else _same_view(w)
-    for how, fn in (("kernel", quantize_block_fp8_triton), ("dispatch", quantize_block_fp8)):
+    for how, fn in PATHS:
         q, s = fn(wd)
         same = q.shape == rq.shape and s.shape == rs.shape and torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
         same = same and torch.equal(s.cpu().view(torch.int32), rs.view(torch.int32))
@@ -41,6 +42,11 @@ def _same_view(w):
         base = base._base
     dev = base.to(device)
     return dev.as_strided(w.shape, w.stride(), w.storage_offset() - base.storage_offset())
+
+
+PATHS = [("kernel", quantize_block_fp8_triton), ("dispatch", quantize_block_fp8)]
+if device != "cpu":  # the integer rounding too where the default is the hardware's
+    PATHS.append(("kernel, integer rounding", functools.partial(quantize_block_fp8_triton, hw_cvt=False)))
 
 
 def in_blocks(values, amax=448.0):
@@ -115,6 +121,36 @@ def test_kernel_equals_the_cpu_reference_on_a_gpu() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     _run("cuda", False, GPU_SHAPES)
+
+
+@pytest.mark.parametrize("hw_cvt", [True, False])
+def test_the_sm90_build_rounds_as_the_reference_does(hw_cvt: bool) -> None:
+    """What the interpreter cannot show, read from the kernel compiled for an H100/H200 (sm_90,
+    ahead of time with Triton's own ptxas, no GPU needed): the scale and its reciprocal are
+    correctly rounded divisions, the multiply is not fused into an FMA, no denormal flushing, e4m3
+    by the hardware's round-to-nearest-even conversion (or none: the integer path), and 16-byte
+    loads (the kernel reads the weight once, vectorized)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ckpt_engine.fp8.quantize_kernel import _FLOOR_BITS, _quantize_blocks
+
+    names = ["w_ptr", "q_ptr", "s_ptr", "rows", "cols", "sw_e", "sw_r", "sw_c", "bc", "nb", "BR", "BC", "FLOOR_BITS", "HW_CVT"]
+    types = ["*bf16", "*u8", "*fp32", "i32", "i32", "i32", "i32", "constexpr", "i32", "i32", "constexpr", "constexpr", "constexpr", "constexpr"]
+    consts = {"sw_c": 1, "BR": 128, "BC": 128, "FLOOR_BITS": _FLOOR_BITS, "HW_CVT": hw_cvt}
+    src = ASTSource(
+        fn=_quantize_blocks, signature=dict(zip(names, types)), constexprs={(names.index(k),): v for k, v in consts.items()},
+        attrs={(i,): [["tt.divisibility", 16]] for i in range(7)},  # what a launch on typical weights specializes
+    )
+    try:
+        ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "enable_fp_fusion": False}).asm["ptx"]
+    except Exception as exc:  # noqa: BLE001 - no CUDA toolchain in this Triton build
+        pytest.skip(f"Triton cannot build for sm_90 here: {exc}")
+    assert ptx.count("div.rn.f32") == 2 and "mul.rn.f32" in ptx and "mul.f32" not in ptx  # .rn: never contracted by ptxas
+    assert "fma." not in ptx and ".ftz" not in ptx and "div.approx" not in ptx and "div.full" not in ptx
+    assert (ptx.count("cvt.rn.satfinite.e4m3x2.f32") > 0) == hw_cvt
+    assert "ld.global.v4" in ptx
 
 
 def test_bad_input_is_refused_by_name() -> None:

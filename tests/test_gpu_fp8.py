@@ -3,6 +3,7 @@ the CPU reference bit for bit, and their rates on this GPU are printed for bench
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from ckpt_engine.fp8 import quantize_block_fp8
 from ckpt_engine.fp8.quantize import quantize_block_fp8_reference
+from ckpt_engine.fp8.quantize_kernel import quantize_block_fp8_triton
 
 pytestmark = pytest.mark.gpu
 
@@ -44,14 +46,20 @@ def _ms(quantize: Quantize, w: torch.Tensor) -> float:
 
 
 def test_cuda_quantize_throughput_is_reported() -> None:
-    """Not a timed assertion: prints the kernel's and the eager recipe's rates on this GPU for
-    bench/RESULTS.md (issue 41: 1.9 TB/s compiled on an H100), for 1 GiB of bf16 and for a 7B
+    """Not a timed assertion: prints the rates on this GPU of the kernel (the hardware's e4m3
+    rounding, the CUDA default on sm_89+), the kernel with its integer rounding, and the eager
+    recipe, for bench/RESULTS.md (issue 41: 1.9 TB/s compiled on an H100), for 1 GiB of bf16 and for a 7B
     layer's shapes one launch each (where per-launch costs show)."""
     name = torch.cuda.get_device_name(0)
     big = torch.randn(16384, 32768, device="cuda").bfloat16()  # 1 GiB of bf16
     layer = [torch.randn(shape, device="cuda").bfloat16() for shape in [(3584, 3584), (512, 3584), (512, 3584), (3584, 3584), (18944, 3584), (18944, 3584), (3584, 18944)]]
     layer_bytes = sum(t.nbytes for t in layer)
-    for label, quantize in (("kernel", quantize_block_fp8), ("eager", quantize_block_fp8_reference)):
+    paths: list[tuple[str, Quantize]] = [
+        ("kernel", quantize_block_fp8),
+        ("kernel, integer rounding", functools.partial(quantize_block_fp8_triton, hw_cvt=False)),
+        ("eager", quantize_block_fp8_reference),
+    ]
+    for label, quantize in paths:
         ms = _ms(quantize, big)
         layer_ms = _ms(lambda _: [quantize(t) for t in layer][0], big)
         print(

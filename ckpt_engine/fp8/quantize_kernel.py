@@ -12,11 +12,15 @@ CPU and on a GPU), step by step:
   floats the order is the same; exact, whatever the reduction order), floored at float32(1e-4);
 - scale = amax / 448 and inv = 1 / scale with `div_rn` (Triton's `/` on float32 is approximate);
 - y = w * inv: one correctly rounded multiply (no add follows it, so nothing fuses into an FMA);
-- e4m3: torch's own conversion (c10 `fp8e4m3fn_from_fp32_value`: round to nearest even, 480 and
-  above to NaN 0x7F, the sign kept) written in integer ops. Not Triton's `.to(tl.float8e4nv)`:
-  its interpreter rounds half up on one guard bit (no ties-to-even, no sticky bits), and on sm_89+
-  it saturates; integer ops behave the same in the interpreter and on every GPU.
+- e4m3: round to nearest even, as torch's conversion (c10 `fp8e4m3fn_from_fp32_value`). On sm_89+
+  the hardware's `cvt.rn.satfinite.e4m3x2.f32` (what `.to(tl.float8e4nv)` lowers to): it differs
+  from torch only at |y| >= 464 (saturates where torch gives NaN), and |y| <= 448 (1 + 2^-22)
+  here for every finite block. Elsewhere (older GPUs, Triton's interpreter, whose conversion rounds
+  half up on one guard bit) torch's conversion written in integer ops, the same on every device:
+  ~20 integer ops per element, which may cost bandwidth on a GPU (test_gpu_fp8 prints both rates).
 Subnormal inputs cannot change a code either way (|y| <= 4.48e6 x 2^-126, far below e4m3's 2^-9).
+Not covered: NaN or Inf in a weight (NaN payloads and signs differ between devices even for the
+eager recipe).
 """
 
 from __future__ import annotations
@@ -36,10 +40,10 @@ _FLOOR_BITS = struct.unpack("<i", struct.pack("<f", 1e-4))[0]
 _NUM_WARPS = 8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["bc", "nb"])  # only index the scales: fewer compiled variants per model
 def _quantize_blocks(
     w_ptr, q_ptr, s_ptr, rows, cols, sw_e, sw_r, sw_c, bc, nb,
-    BR: tl.constexpr, BC: tl.constexpr, FLOOR_BITS: tl.constexpr,
+    BR: tl.constexpr, BC: tl.constexpr, FLOOR_BITS: tl.constexpr, HW_CVT: tl.constexpr,
 ):
     pc = tl.program_id(0)
     pr = tl.program_id(1)
@@ -53,7 +57,19 @@ def _quantize_blocks(
     amax = tl.maximum(tl.max(mag), FLOOR_BITS).to(tl.float32, bitcast=True)
     sf = tl.math.div_rn(amax, tl.full([], 448.0, tl.float32))
     inv = tl.math.div_rn(tl.full([], 1.0, tl.float32), sf)
-    y = (w * inv).to(tl.int32, bitcast=True)
+    if HW_CVT:
+        code = (w * inv).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:
+        code = _e4m3_bits(w * inv).to(tl.uint8)
+    dst = q_ptr + pe * rows * cols + r[:, None] * cols + c[None, :]
+    tl.store(dst, code, mask=mask)
+    tl.store(s_ptr + pe * nb + pr * bc + pc, sf)
+
+
+@triton.jit
+def _e4m3_bits(y_f32):
+    """c10's float32 -> float8_e4m3fn, in integer ops: the code as int32 (0..255)."""
+    y = y_f32.to(tl.int32, bitcast=True)
     sign = (y >> 24) & 0x80
     a = y & 0x7FFFFFFF
     # normal e4m3 (|y| >= 2^-6): c10's round-to-nearest-even on the top 4 mantissa bits
@@ -67,16 +83,16 @@ def _quantize_blocks(
     half = 1 << (shift - 1)
     up = (rem > half) | ((rem == half) & ((qs & 1) == 1))
     sub = qs + up.to(tl.int32)
-    code = tl.where(a >= (1087 << 20), 0x7F, tl.where(a < (121 << 23), sub, normal)) | sign
-    dst = q_ptr + pe * rows * cols + r[:, None] * cols + c[None, :]
-    tl.store(dst, code.to(tl.uint8), mask=mask)
-    tl.store(s_ptr + pe * nb + pr * bc + pc, sf)
+    return tl.where(a >= (1087 << 20), 0x7F, tl.where(a < (121 << 23), sub, normal)) | sign
 
 
-def quantize_block_fp8_triton(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_block_fp8_triton(
+    w: torch.Tensor, block: tuple[int, int] = BLOCK, *, hw_cvt: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_block_fp8` in one launch on `w`'s device (CUDA, or the CPU under
     `TRITON_INTERPRET=1`): `w` is read through its strides, no contiguous copy, except for more
-    than one leading dimension that does not flatten into a view."""
+    than one leading dimension that does not flatten into a view. `hw_cvt`: round to e4m3 with the
+    GPU's conversion (default: on CUDA devices of compute capability 8.9 and above)."""
     if w.dim() < 2 or w.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"the block-FP8 kernel quantizes bf16/fp16/fp32 matrices ([out, in] or [experts, out, in]), got {w.dtype} {tuple(w.shape)}")
     block_rows, block_cols = block
@@ -92,8 +108,10 @@ def quantize_block_fp8_triton(w: torch.Tensor, block: tuple[int, int] = BLOCK) -
         return q, s
     if experts > 65535 or br > 65535:
         raise ValueError(f"the block-FP8 kernel's grid takes at most 65535 experts and block rows, got {tuple(w.shape)}")
+    if hw_cvt is None:
+        hw_cvt = w.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(w.device) >= (8, 9)
     _quantize_blocks[(bc, br, experts)](
         w3, q.view(torch.uint8), s, rows, cols, *w3.stride(), bc, br * bc,
-        BR=block_rows, BC=block_cols, FLOOR_BITS=_FLOOR_BITS, num_warps=_NUM_WARPS,
+        BR=block_rows, BC=block_cols, FLOOR_BITS=_FLOOR_BITS, HW_CVT=hw_cvt, num_warps=_NUM_WARPS, enable_fp_fusion=False,  # no FMA: y = w * inv rounds once
     )
     return q, s
