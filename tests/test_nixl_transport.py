@@ -459,3 +459,41 @@ def test_a_sender_killed_mid_pull_leaves_no_engine_serving_half_new(tmp_path: Pa
     finally:
         for e in pair:
             e.close()
+
+
+def test_a_receiver_posts_every_announced_read_before_the_pipeline_finishes_it() -> None:
+    """Bucket 1's read is posted while the receiver finishes bucket 0, not when the pipeline comes
+    to finish bucket 1: on NVLink or RDMA the link then carries bucket 1 while the loader copies
+    bucket 0 (the 2xH200 run lost ~2 ms a bucket to that gap). Both land bit for bit."""
+    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    errors: dict[int, BaseException] = {}
+    sender, receiver = _pair(master.port, NixlTransport, errors)
+    assert errors == {}
+    try:
+        sender.begin_send([0, 1])
+        receiver.begin_receive()
+        reads = [receiver.post(0, slot, receiver.buffers[slot][:1000]) for slot in (0, 1)]
+        assert [r.req for r in reads] == [None, None]  # nothing announced yet
+        for slot, value in ((0, 3), (1, 5)):
+            msg = sender.buffers[slot][:1000]
+            msg.fill_(value)
+            assert sender.post(0, slot, msg) == slot
+        drained: list[BaseException] = []
+        drain = threading.Thread(target=lambda: _catch(drained, sender.drain_slots, [0, 1]))
+        drain.start()  # the sender progresses its agent while it waits for the reads
+        receiver.finish(0, 0, 0, reads[0], "0")
+        assert reads[1].req is not None  # posted by finish(0)
+        receiver.finish(1, 0, 1, reads[1], "1")
+        drain.join(30)
+        assert not drain.is_alive() and drained == []
+        assert bool((receiver.buffers[0][:1000] == 3).all()) and bool((receiver.buffers[1][:1000] == 5).all())
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def _catch(errors: list[BaseException], fn: Any, *args: Any) -> None:
+    try:
+        fn(*args)
+    except BaseException as exc:
+        errors.append(exc)

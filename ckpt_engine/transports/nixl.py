@@ -42,13 +42,23 @@ _API = load_nixl()  # a missing package fails the registry's import of this modu
 
 _POLL_S = 0.5
 """How long one store wait runs before the abort flag and the deadline are looked at again."""
-_MAX_NAP_S = 1e-3
-"""Longest sleep between two looks at a read in flight: the read's end is seen within ~1 ms of it."""
+_MAX_NAP_S = 2e-4
+"""Longest sleep between two looks at a read in flight: the read's end is seen within ~0.2 ms of it
+(a 1.28 GB read over NVLink takes ~3.5 ms; at 1 ms the loader and the `free` came ~0.5 ms late)."""
+_ANNOUNCE_S = 5e-4
+"""How often a receiver waiting for one read looks at the store for its next buckets' announcements,
+so their reads are posted while this one is in flight (a look is one round trip to the store)."""
 _MAX_PROGRESS_NAP_S = 1e-4
 """Longest sleep between two progress calls of a waiting sender (its receivers' reads over TCP move
 only while it progresses)."""
-_STORE_S = 1e-3
+_STORE_S = 5e-4
 """How often a waiting sender looks at the store (a round trip to the rendezvous host)."""
+
+
+def _trace(what: str, rank: int | None, ordinal: int, sender: int | None = None) -> None:
+    """One phase edge of the per-bucket timeline at DEBUG (`docs/nixl.md`, "Where a sync's time goes")."""
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("nixl trace %.6f rank %s %s bucket %d%s", time.perf_counter(), rank, what, ordinal, "" if sender is None else f" from sender {sender}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +81,7 @@ class NixlOptions(TransportOptions):
             raise ValueError(f"on_slow must be one of {', '.join(SLOW_ACTIONS)}, got {self.on_slow!r}")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Read:
     """One receiver's read of one sender's bucket: started once the sender announced it."""
 
@@ -101,6 +111,8 @@ class NixlTransport(Transport):
         self._seq = 0
         self._sent = 0
         self._posted: list[int] = []
+        self._unstarted: list[_Read] = []
+        """Reads the pipeline posted whose announcement had not come yet, in post order."""
         self._receivers: list[int] = []
 
     @classmethod
@@ -249,6 +261,7 @@ class NixlTransport(Transport):
         self._sent += 1
         offset = msg.data_ptr() - self.buffers[slot].data_ptr()
         self._store.set(self._key("ready", self.rank, ordinal), msgpack.packb([slot, offset, msg.numel() * msg.element_size()]))
+        _trace("packed+announced", self.rank, ordinal)
         return ordinal
 
     def post_group(self, gid: int, slot: int, msgs: list[torch.Tensor]) -> Any:
@@ -258,7 +271,9 @@ class NixlTransport(Transport):
         """Every receiver has read this sender's bucket `ordinal`: its slot may be packed again."""
         assert self.rank is not None
         keys = [self._key("free", self.rank, ordinal, r) for r in self._receivers]
+        _trace("waits free", self.rank, ordinal)
         self._wait(keys, f"the receivers' reads of bucket {ordinal}")
+        _trace("free seen", self.rank, ordinal)
         for key in keys:
             self._store.delete_key(key)
         self._store.delete_key(self._key("ready", self.rank, ordinal))
@@ -277,14 +292,31 @@ class NixlTransport(Transport):
     def begin_receive(self) -> None:
         self._seq += 1
         self._posted = [0] * self.num_senders
+        self._unstarted = []
         self.rates.begin()
 
     def _post_read(self, gid: int, slot: int, msg: torch.Tensor) -> _Read:
         sender = gid // self.num_lanes
         read = _Read(sender, self._posted[sender], slot, msg)
         self._posted[sender] += 1
-        self._start(read)
+        if not self._start(read):
+            self._unstarted.append(read)
         return read
+
+    def _start_announced(self) -> None:
+        """Post every read whose announcement has come since: the link then carries bucket k+1
+        while this receiver waits for bucket k's read or its loader copies bucket k (before, a read
+        was posted only when the pipeline came to finish it, and the link idled meanwhile). A
+        sender announces in order, so one look per sender stops at its first unannounced bucket."""
+        if not self._unstarted:
+            return
+        blocked: set[int] = set()
+        left: list[_Read] = []
+        for read in self._unstarted:
+            if read.sender in blocked or not self._start(read):
+                blocked.add(read.sender)
+                left.append(read)
+        self._unstarted = left
 
     def _start(self, read: _Read) -> bool:
         """Start `read` if its sender has announced the bucket; whether it is started."""
@@ -313,6 +345,7 @@ class NixlTransport(Transport):
             self.broken = True
             raise TransferError(f"rank {self.rank}: the read of bucket {read.ordinal} from sender {read.sender} could not start: {exc}") from exc
         read.posted = time.perf_counter()
+        _trace("read posted", self.rank, read.ordinal, read.sender)
         return True
 
     def landed(self, work: Any) -> bool:
@@ -327,12 +360,17 @@ class NixlTransport(Transport):
         if not self._start(read):
             self._wait([self._key("ready", read.sender, read.ordinal)], f"{what} (its sender's announcement)")
             self._start(read)
+        self._unstarted = [r for r in self._unstarted if r is not read]
         assert self._agent is not None
         deadline = time.monotonic() + self.timeout_s
         next_look = time.monotonic() + _POLL_S
+        next_announce = 0.0
         nap = 1e-5
         while (state := self._agent.state(read.req)) == "PROC":
             now = time.monotonic()
+            if now >= next_announce:
+                self._start_announced()
+                next_announce = now + _ANNOUNCE_S
             if now >= next_look:
                 self._check_abort(what)
                 next_look = now + _POLL_S
@@ -345,15 +383,19 @@ class NixlTransport(Transport):
             self.broken = True
             raise TransferError(f"rank {self.rank}: the read of {what} failed in NIXL ({state}): did sender {read.sender} leave or die?")
         done = time.perf_counter()
+        _trace("read done seen", self.rank, read.ordinal, read.sender)
         nbytes = read.msg.numel() * read.msg.element_size()
         offer = self._agent.peers[read.sender]
         self.rates.add(read.sender, f"from sender {read.sender} (agent {offer.agent}) to rank {self.rank} (agent {self._agent.name})", nbytes, read.posted, done)
         self._store.set(self._key("free", read.sender, read.ordinal, self.rank), b"1")
+        _trace("free set", self.rank, read.ordinal, read.sender)
+        self._start_announced()  # whatever came meanwhile travels while the loader copies this bucket
 
     def release(self, slot: int) -> None:
         # The next read into this slot starts at its refill, right after this: the loader's copies
         # out of it must be done first (a no-op on host memory, one event wait on a GPU).
         self.device_sync_point()
+        _trace("slot released", self.rank, slot)
 
     def wait_compute(self, what: str) -> None:
         self.device_sync_point()  # the loader's copies out of the last slot (one event on a GPU, nothing on the host)
