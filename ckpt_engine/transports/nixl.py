@@ -165,6 +165,7 @@ class NixlTransport(Transport):
                         store.wait([f"nixl/offer/{s}"], timeout)
                         offer = SlotOffer.decode(store.get(f"nixl/offer/{s}"), sender=s, num_slots=self.num_buffers, slot_bytes=self.bucket_size_bytes + SLACK)
                         agent.add_peer(s, offer)
+                        agent.touch(s, time.monotonic() + rendezvous.timeout_s)
                 except Exception as exc:
                     store.set(f"nixl/joined/{rank}", f"{type(exc).__name__}: {exc}".encode())
                     raise

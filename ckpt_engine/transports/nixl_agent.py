@@ -171,6 +171,33 @@ class NixlAgent:
             raise RuntimeError(f"NIXL refused to post a read from sender {sender}'s slot {remote_slot}")
         return req
 
+    def touch(self, sender: int, deadline: float) -> None:
+        """Read 8 bytes of each of `sender`'s slots into this rank's first slot and wait for them:
+        UCX maps the peer's memory at its first read (a CUDA IPC handle opened, a remote key
+        unpacked), which otherwise lands in the first sync's first buckets; and a descriptor that
+        cannot be read fails the join, named, instead of the first sync. The sender must progress
+        meanwhile (it does, waiting for its receivers' joins)."""
+        peer = self.peers[sender]
+        local = self.buffers[0][:8]
+        a = self.agent
+        local_descs = a.get_xfer_descs([(local.data_ptr(), 8, self.device_id)], self.memory)
+        for i, (addr, _size) in enumerate(peer.slots):
+            remote_descs = a.get_xfer_descs([(addr, 8, peer.device_id)], peer.memory)
+            req = a.initialize_xfer("READ", local_descs, remote_descs, peer.agent, backends=["UCX"])
+            state = "ERR"
+            try:
+                state = a.transfer(req)
+                while state == "PROC" and time.monotonic() < deadline:
+                    time.sleep(1e-4)
+                    state = a.check_xfer_state(req)
+                if state != "DONE":
+                    raise RuntimeError(f"a first read of sender {sender}'s slot {i} (agent {peer.agent}) ended {state}")
+            finally:
+                if state == "PROC":  # still in flight: close waits for it before the slots go
+                    self._requests[(sender, i, -1, -1, 8)] = req
+                else:
+                    a.release_xfer_handle(req)
+
     def progress(self) -> None:
         """Let this agent's UCX worker serve the reads in flight against its memory."""
         self.agent.get_new_notifs()  # progresses the worker; this transport sends no notifications
