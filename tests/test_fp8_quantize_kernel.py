@@ -96,6 +96,35 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     for shape in [(1, 1), (1, 300), (129, 1), (127, 129), (3, 130, 257), (2, 2, 130, 128)]:
         check("odd shape", (torch.randn(shape, generator=g) * 3).to(dtype))
     check("3-D slice of experts", (torch.randn(4, 256, 384, generator=g) * 0.02).to(dtype)[1:3, :, 128:])
+
+# many weights in one launch, as Fp8WireSource groups them on CUDA
+from ckpt_engine.fp8.quantize_kernel import quantize_block_fp8_group
+group = [(torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16) for shape in [(300, 256), (4, 130, 272), (128, 128), (1, 16), (257, 48)]]
+group[0][:128, :128] = 0
+for w, (q, s) in zip(group, quantize_block_fp8_group([w.to(device) for w in group])):
+    rq, rs = quantize_block_fp8_reference(w)
+    if not (torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)) and s.shape == rs.shape and torch.equal(s.cpu(), rs)):
+        bad.append(f"group {tuple(w.shape)}")
+
+# Fp8WireSource's walk: names in order, each weight's bytes as the reference gives them, through
+# groups cut by size, by tensors that are not quantized and by weights the group kernel does not take
+import ckpt_engine.sources.fp8 as wire
+from ckpt_engine.sources.base import StateDictSource
+wire.GROUP_BYTES = 300 * 1024
+sd = {}
+for i in range(3):
+    p = f"model.layers.{i}."
+    sd[p + "input_layernorm.weight"] = torch.randn(256, generator=g)
+    for proj, shape in [("self_attn.q_proj", (256, 256)), ("self_attn.k_proj", (128, 256)), ("self_attn.o_proj", (256, 200)), ("mlp.up_proj", (512, 256)), ("mlp.down_proj", (256, 512))]:
+        sd[p + proj + ".weight"] = torch.randn(shape, generator=g) * 0.02
+walked = list(wire.Fp8WireSource(StateDictSource({k: v.to(device) for k, v in sd.items()}, dtype=torch.bfloat16)).iter_weights())
+want = list(wire.Fp8WireSource(StateDictSource(sd, dtype=torch.bfloat16)).iter_weights())  # the CPU: one weight at a time, eager
+if [n for n, _ in walked] != [n for n, _ in want]:
+    bad.append("walk order")
+for (n, a), (_, b) in zip(walked, want):
+    a = a.cpu()
+    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+        bad.append(f"walk {n}")
 assert not bad, bad
 print("ok")
 """
