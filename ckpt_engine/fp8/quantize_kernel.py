@@ -196,7 +196,9 @@ def quantize_block_fp8_group(ws: Sequence[torch.Tensor], *, hw_cvt: bool | None 
     table = torch.tensor(
         [(w.data_ptr(), q_buf.data_ptr() + qa, s_buf.data_ptr() + 4 * sa, *meta) for w, qa, sa, meta in zip(ws, q_at, s_at, rows_meta)],
         dtype=torch.int64,
-    ).to(device)
+    )
+    if device.type == "cuda":  # pinned: a copy from pageable memory would make the host wait for the stream
+        table = table.pin_memory().to(device, non_blocking=True)
     if hw_cvt is None:
         hw_cvt = device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
     _quantize_many[(widest, len(ws))](
