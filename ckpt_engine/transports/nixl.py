@@ -55,10 +55,11 @@ _STORE_S = 5e-4
 """How often a waiting sender looks at the store (a round trip to the rendezvous host)."""
 
 
-def _trace(what: str, rank: int | None, ordinal: int, sender: int | None = None) -> None:
+def _trace(what: str, rank: int | None, ordinal: int, sender: int | None = None, at: float | None = None) -> None:
     """One phase edge of the per-bucket timeline at DEBUG (`docs/nixl.md`, "Where a sync's time goes")."""
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("nixl trace %.6f rank %s %s bucket %d%s", time.perf_counter(), rank, what, ordinal, "" if sender is None else f" from sender {sender}")
+        when = time.perf_counter() if at is None else at
+        logger.debug("nixl trace %.6f rank %s %s bucket %d%s", when, rank, what, ordinal, "" if sender is None else f" from sender {sender}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,13 +341,14 @@ class NixlTransport(Transport):
                 f"{nbytes} bytes; this receiver's plan reads slot {want[0]}, offset {want[1]}, {want[2]} bytes (another plan?)"
             )
         assert self._agent is not None
+        read.posted = time.perf_counter()  # before the call: where UCX copies inside it (the CPU box), that is the read
         try:
             read.req = self._agent.read(read.sender, slot, offset, read.msg)
         except Exception as exc:
             self.broken = True
             raise TransferError(f"rank {self.rank}: the read of bucket {read.ordinal} from sender {read.sender} could not start: {exc}") from exc
-        read.posted = time.perf_counter()
-        _trace("read posted", self.rank, read.ordinal, read.sender)
+        _trace("read posted", self.rank, read.ordinal, read.sender, read.posted)
+        _trace("read post returned", self.rank, read.ordinal, read.sender)
         return True
 
     def landed(self, work: Any) -> bool:
