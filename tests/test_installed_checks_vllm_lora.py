@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +29,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from _vllm_installed_faults import EXTENSION  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm.lora import VllmLoraRollout  # noqa: E402
 from ckpt_engine.sources.adapters import AdapterSource  # noqa: E402
-from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
 from tests import _lora_trainer as trainer  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -157,16 +153,10 @@ def test_with_the_check_off_a_skipped_slot_goes_through_unseen(llm: Any, model_d
 
 # --- through vLLM's weight-transfer API: the LoRAModel is checked (the server-like path: no preload) ---
 @pytest.fixture(scope="module")
-def native_llm(model_dir: Path) -> Iterator[Any]:
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
-
-    engine = LLM(
-        model=str(model_dir), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", worker_extension_cls=EXTENSION,
-        weight_transfer_config={"backend": "ckpt_engine"}, enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=3, **ENGINE_ARGS,
-    )
-    yield engine
-    stop_llm(engine)
+def native_llm(native_lora_llm: SharedServer[Any]) -> Any:
+    """The session's native-backend LoRA engine (tests/conftest.py; only the test-only plants, shared
+    with test_lora_vllm_native.py): each rep syncs under its own engine name and takes back its fault."""
+    return native_lora_llm.get()
 
 
 def native_session(llm: Any, name: str) -> tuple[WeightSyncSession, VllmLoraRollout]:
