@@ -4,7 +4,8 @@ A sync and a peer join into one engine must not overlap: the join's pull lands i
 a staged sync lands in, and its swap installs weights a sync is replacing. The worker's staging
 lock refuses the overlap part-way; this refuses it before anything is touched, by name. Both
 claim the workers' peer lease (`vllm/peer.py`, the reference receiver's `EngineLease` and its
-wording): a sync as `SYNC_OWNER` from its group join or validate to its resume, swap or discard; a
+wording): a sync as `SYNC_OWNER` from its group join or validate (the claim rides on the validate
+call) to its finalize (the release rides on it), swap or discard; a
 join under a fresh name of its own (`joining`) for the whole join, naming it on its peer calls.
 Whichever comes second is refused: a peer join into an engine a sync holds (or an offer from it),
 or a sync's group join or validate into an engine a join holds.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 from ckpt_engine.rollout_adapters.vllm.routes import ExtensionRoute
 
@@ -50,8 +52,24 @@ class EngineHolds:
     def for_sync(self) -> None:
         """Claim (or renew) the workers for a sync; RuntimeError naming the join that holds them."""
         if self.route is not None:
-            self.route.rpc("ckpt_peer_claim", {"owner": SYNC_OWNER, "lease_s": 2 * self.timeout_s + LEASE_SLACK_S}, min(self.timeout_s, 30.0))
+            self.route.rpc("ckpt_peer_claim", self.sync_claim(), min(self.timeout_s, 30.0))
             self.syncing = True
+
+    def sync_claim(self) -> dict[str, Any] | None:
+        """The sync's claim as `ckpt_peer_claim`'s arguments, for a call that carries it (the
+        validate: one worker round trip, not two); None where nothing is held. `claimed` after it."""
+        return {"owner": SYNC_OWNER, "lease_s": 2 * self.timeout_s + LEASE_SLACK_S} if self.route is not None else None
+
+    def claimed(self) -> None:
+        """The call carrying `sync_claim` returned: the workers hold the claim."""
+        self.syncing = self.route is not None
+
+    def sync_release(self) -> str | None:
+        """The owner to let go of in the sync's last worker call (an unstaged finalize), if this
+        handle's sync holds the engine; the claim counts as let go from here on."""
+        owner = SYNC_OWNER if self.syncing and self.route is not None else None
+        self.syncing = False
+        return owner
 
     def let_go(self) -> None:
         """The sync ended: release its claim (best effort: a claim not released lapses)."""

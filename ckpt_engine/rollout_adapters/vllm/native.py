@@ -206,9 +206,11 @@ class TransferRoute:
             ) from exc
         return []
 
-    def check(self, digest: str, encoded: bytes, regions: list[bytes] | None) -> list[str]:
+    def check(self, digest: str, encoded: bytes, regions: list[bytes] | None, claim: dict[str, Any] | None = None) -> list[str]:
         """Open an update and have every worker check the manifest; it travels only when the
-        workers may not hold it (first sync, new plan, or a worker that asks for it)."""
+        workers may not hold it (first sync, new plan, or a worker that asks for it). No `claim`:
+        this route has no peer calls, so nothing holds its engine (`vllm/holds.py`)."""
+        assert claim is None, "the weight-transfer route takes no peer-lease claim"
         full = base64.b64encode(encoded).decode("ascii")
         send = None if self.held == digest else full
         assigned = {"regions": [base64.b64encode(a).decode("ascii") for a in regions]} if regions is not None else {}
@@ -250,12 +252,13 @@ class TransferRoute:
         self._finish(str(version))
         return [{"load_s": load_s, "finalize_s": 0.0}]
 
-    def finalize(self, version: int) -> list[dict[str, Any]]:
+    def finalize(self, version: int, release: str | None = None) -> list[dict[str, Any]]:
         """Layerwise post-processing and the stamps: every worker installs the received load as
         `version` (phase `install`; in an update of its own when an installed-weight check closed
         the receive's), then `finish_weight_update(version)` stamps the engine. Always both: vLLM's
         finish reaches the workers without the version, so a finish alone left the version the
         workers report at the previous one while the engine served the new one."""
+        assert release is None, "the weight-transfer route takes no peer-lease claim"
         t0 = time.perf_counter()
         self._awaiting_install = False
         self._phase({"phase": "install", "digest": self.held or "", "version": str(version)})

@@ -184,8 +184,9 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self._validate(manifest, encoded, assignments)
 
     def _validate(self, manifest: BucketManifest, encoded: bytes, regions: list[bytes] | None) -> None:
-        self.holds.for_sync()  # a sync starts: held until its resume, swap or discard
-        problems = self.workers.check(manifest.digest, encoded, regions)
+        # a sync starts: held until its finalize, swap or discard (the claim rides on the check)
+        problems = self.workers.check(manifest.digest, encoded, regions, self.holds.sync_claim())
+        self.holds.claimed()
         if problems:
             raise ManifestRejectedError(self.name, problems)
 
@@ -282,7 +283,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
 
     def resume(self) -> None:
         self.client.resume()
-        self.holds.let_go()  # an unstaged sync's last step
+        self.holds.let_go()  # a sync that ended without its finalize (a failed one) lets go here
 
     def _pause_for_swap(self, mode: str) -> None:
         """Pause for a swap (`mode` keep/abort/recompute) by the channel's quickest route."""
@@ -340,7 +341,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
 
     def finalize(self, version: int) -> None:
         t0 = time.perf_counter()
-        replies = self.workers.finalize(version)
+        replies = self.workers.finalize(version, self.holds.sync_release())  # an unstaged sync's last worker call lets go
         t1 = time.perf_counter()
         self._reset_prefix_cache(running=self._pause_mode == "recompute")
         self._set_engine_version(str(version))

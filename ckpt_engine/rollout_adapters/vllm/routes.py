@@ -46,12 +46,16 @@ class Route(Protocol):
     """Features this route cannot carry (the handle's capabilities leave them out)."""
 
     def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions, adapters: int | None, preload: bool) -> list[int]: ...
-    def check(self, digest: str, encoded: bytes, regions: list[bytes] | None) -> list[str]: ...
+    def check(self, digest: str, encoded: bytes, regions: list[bytes] | None, claim: dict[str, Any] | None = None) -> list[str]:
+        """`claim`: a peer-lease claim the workers take first, in the same call (`vllm/holds.py`)."""
+        ...
     def receive(self, digest: str, delta: dict[str, Any] | None) -> list[dict[str, Any]] | None: ...
     def stage(self, digest: str, ticket: str, delta: dict[str, Any] | None, stage: str) -> None: ...
     def staged_reports(self) -> list[dict[str, Any]] | None: ...
     def swap(self, version: int) -> list[dict[str, Any]]: ...
-    def finalize(self, version: int) -> list[dict[str, Any]]: ...
+    def finalize(self, version: int, release: str | None = None) -> list[dict[str, Any]]:
+        """`release`: the owner whose peer-lease claim the workers let go of last, in the same call."""
+        ...
     def discard(self) -> None: ...
     def room(self, nbytes: int, limit_bytes: int | None) -> list[str]: ...
     def leave(self) -> None: ...
@@ -123,10 +127,12 @@ class ExtensionRoute:
             results = self.rpc("ckpt_lora_join", {**where, "max_versions": adapters, "preload": preload})
         return [int(r["pid"]) for r in results]
 
-    def check(self, digest: str, encoded: bytes, regions: list[bytes] | None) -> list[str]:
+    def check(self, digest: str, encoded: bytes, regions: list[bytes] | None, claim: dict[str, Any] | None = None) -> list[str]:
         """Every worker checks the manifest (sent only when they may not hold `digest`); its problems."""
         self._arming = None  # a sync's check is armed after its validate
         args: dict[str, Any] = {"digest": digest, "regions": [self.channel.encode(a) for a in regions]} if regions is not None else {"digest": digest}
+        if claim is not None:
+            args["claim"] = claim
         replies = self.rpc("ckpt_validate", {**args, "encoded": None if self.held == digest else self.channel.encode(encoded)})
         if any(r.get("need_manifest") for r in replies):
             replies = self.rpc("ckpt_validate", {**args, "encoded": self.channel.encode(encoded)})
@@ -162,8 +168,8 @@ class ExtensionRoute:
     def swap(self, version: int) -> list[dict[str, Any]]:
         return self.rpc("ckpt_swap", {"version": version})
 
-    def finalize(self, version: int) -> list[dict[str, Any]]:
-        return self.rpc("ckpt_finalize", {"version": version})
+    def finalize(self, version: int, release: str | None = None) -> list[dict[str, Any]]:
+        return self.rpc("ckpt_finalize", {"version": version, **({"release": release} if release is not None else {})})
 
     def discard(self) -> None:
         self.rpc("ckpt_discard")

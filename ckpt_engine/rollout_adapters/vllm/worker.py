@@ -85,9 +85,14 @@ class CkptEngineWorkerExtension:
         """This worker's receive plan recorded from vLLM's own loaders (see VllmReceiverCore.receive_plan)."""
         return self._ckpt_core().receive_plan()
 
-    def ckpt_validate(self, encoded: bytes | str | None, digest: str, regions: list[Any] | None = None) -> dict[str, Any]:
+    def ckpt_validate(
+        self, encoded: bytes | str | None, digest: str, regions: list[Any] | None = None, claim: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Check a manifest against this worker's parameters; nothing moves. `encoded` may be base64.
-        `regions`: every worker's region assignment in rank order (region delivery); this one takes its own."""
+        `regions`: every worker's region assignment in rank order (region delivery); this one takes its own.
+        `claim`: the sync's peer-lease claim (`ckpt_peer_claim`'s arguments), taken first: one call, not two."""
+        if claim is not None:
+            self.ckpt_peer_claim(str(claim["owner"]), float(claim["lease_s"]))
         rank = self._ckpt_rank()
         if regions is not None and not 0 <= rank < len(regions):
             return {"accepted": False, "need_manifest": False, "problems": [f"region assignments for {len(regions)} workers, none for worker {rank}"]}
@@ -101,9 +106,13 @@ class CkptEngineWorkerExtension:
             self._ckpt_arm(installed)
         return self._ckpt_core().receive(digest, delta)
 
-    def ckpt_finalize(self, version: int) -> dict[str, Any]:
-        """Post-process what was loaded (layerwise finalize), then stamp `version`."""
-        return self._ckpt_core().finalize(int(version))
+    def ckpt_finalize(self, version: int, release: str | None = None) -> dict[str, Any]:
+        """Post-process what was loaded (layerwise finalize), then stamp `version`; `release`: the
+        sync's peer-lease claim let go of last (`ckpt_peer_release`), in the same call."""
+        out = self._ckpt_core().finalize(int(version))
+        if release is not None:
+            self.ckpt_peer_release(release)
+        return out
 
     def ckpt_installed_arm(self, request: dict[str, Any]) -> dict[str, Any]:
         """Before a checked sync streams (installed-weight checks, `vllm/installed.py`): record where
