@@ -144,11 +144,22 @@ def main() -> None:
 
     handle = VllmRollout("bench", llm, timeout_s=600.0)
     reports: list[Any] = []
+    calls: list[tuple[str, float]] = []  # the last sync's engine calls (name, seconds), in order
+    bounded = handle.client._bounded  # every call of the in-process client goes through it
+
+    def timed_call(what: str, timeout_s: float, fn: Any, *a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return bounded(what, timeout_s, fn, *a, **k)
+        finally:
+            calls.append((what, time.perf_counter() - t))
+    handle.client._bounded = timed_call  # type: ignore[method-assign]
 
     def ours(stage: str) -> Any:
         cfg = CheckpointEngineConfig(backend="nccl", timeout_s=600.0, stage=stage, delta="off")
 
         def run() -> float:
+            calls.clear()
             t = time.perf_counter()
             reports.append(sync_rollout_weights(StateDictSource(weights), [handle], config=cfg))
             return time.perf_counter() - t
@@ -176,6 +187,8 @@ def main() -> None:
     (fold_vllm,) = llm.collective_rpc("bench_param_fold")
     measure("ours", ours("off"))
     out["ours"]["seconds"] = {k: round(v, 4) for k, v in reports[-1].seconds.items()}  # where the last sync's time went
+    out["ours"]["engine_calls_ms"] = [[n, round(1000 * s, 2)] for n, s in calls]
+    out["ours"]["finalize_split_s"] = {k: round(float(v), 4) for k, v in handle.last_finalize.items()}
     (fold_ours,) = llm.collective_rpc("bench_param_fold")
     out["same_install"] = fold_vllm == fold_ours
     out["differing"] = sorted(n for n in fold_vllm if fold_vllm[n] != fold_ours.get(n))[:8]
