@@ -31,6 +31,10 @@ class WeightSource(ABC):
     """Whether every yielded tensor stays valid and unchanged until the sync ends (e.g. a plain
     state dict): the transport may then send from it without a copy. False: a yielded tensor is
     valid only until the next one is requested."""
+    fresh_tensors: bool = False
+    """Whether every yielded tensor is new memory the source never writes again (e.g. a quantized
+    temporary): a sender that is not `stable_tensors` may then hold a bucket's pieces and pack them
+    in one batched copy, and region delivery may keep them without a clone."""
     process_group: Any = None
     """The trainer's process group over which a sync with many senders is announced (None: the
     default group)."""
@@ -121,6 +125,9 @@ class WeightWalk(Iterator[tuple[str, torch.Tensor]]):
     (the tensors every yielded tensor is a view of, for a recorded copy plan; None: unknown) and
     `close()`, which ends a walk `anchors()` started."""
 
+    fresh: bool = False
+    """The walk's source is `fresh_tensors` (see `WeightSource`): the sender may hold its pieces."""
+
     def anchors(self) -> list[torch.Tensor] | None:
         return None
 
@@ -132,8 +139,9 @@ class WatchedWeights(WeightWalk):
     """A walk over a source's weights that remembers whether the source itself raised, so a failure
     mid-stream is blamed on the trainer's source or on the transfer; a `WeightWalk`'s anchors pass on."""
 
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], *, fresh: bool = False) -> None:
         self._walk = weights if isinstance(weights, WeightWalk) else None
+        self.fresh = fresh or (self._walk is not None and self._walk.fresh)
         self._it = iter(weights)
         self.error: BaseException | None = None
 

@@ -54,6 +54,12 @@ class Fp8WireSource(WeightSource):
 
     stable_tensors = False
 
+    @property
+    def fresh_tensors(self) -> bool:  # type: ignore[override]
+        """Codes and scales are new memory of this walk; what passes unquantized is the wrapped
+        source's, so the walk is fresh only where those stay valid too."""
+        return self.source.stable_tensors or self.source.fresh_tensors
+
     def __init__(self, source: WeightSource) -> None:
         if isinstance(source, Fp8WireSource):
             raise ValueError("the weight source is already on an FP8 wire")
@@ -129,6 +135,12 @@ class ShardedFp8WireSource(Fp8WireSource, ShardedWeightSource):
         super().__init__(source)
         self._made: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         """Quantized pieces of this walk, by weight name, until both halves were handed out."""
+
+    @property
+    def fresh_tensors(self) -> bool:  # type: ignore[override]
+        """As `Fp8WireSource`'s, and with many senders the unquantized pieces are the wrapped
+        source's `local_piece`s: fresh only where those stay valid too."""
+        return (self.source.stable_tensors and self.source.stable_pieces) or self.source.fresh_tensors
 
     @property
     def sender_index(self) -> int:  # type: ignore[override]

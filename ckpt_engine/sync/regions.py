@@ -34,7 +34,7 @@ from ckpt_engine.planning.receive_sets import ReceiverSet, RegionLayout
 from ckpt_engine.planning.region_wire import RegionAssignment
 from ckpt_engine.planning.regions import ReceivePlan, ReceivePlanError
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
-from ckpt_engine.sources.base import WeightSource
+from ckpt_engine.sources.base import WatchedWeights, WeightSource
 from ckpt_engine.sources.sharded import ShardedWeightSource, piece_names
 from ckpt_engine.engine import CheckpointEngine, Rendezvous, SendStats
 
@@ -233,13 +233,14 @@ class RegionDelivery:
         """The one sender's side: walk the source once, then every set through its group (made
         by `make_engine`); without region delivery, `engine.send_weights` as ever."""
         sync, rendezvous = self.active, self.rdzv
+        fresh = not stable and source.fresh_tensors  # held as yielded: no clone, one batched pack per bucket
         if sync is None or rendezvous is None:
             extra = {"delta": delta} if delta is not None else {}
-            return engine.send_weights(manifest, weights, stable=stable, **extra)
+            return engine.send_weights(manifest, WatchedWeights(weights, fresh=True) if fresh else weights, stable=stable, **extra)
         if sync.owners is not None and isinstance(source, ShardedWeightSource):  # many senders: this rank's rows
             tensors = sender_tensors(source, sync.layout.sets, sync.manifests, stable=stable)
         else:
-            tensors = {name: (t if stable else t.clone()) for name, t in weights}
+            tensors = {name: (t if stable or fresh else t.clone()) for name, t in weights}
         groups = self._groups
         if groups is None or groups.digest != sync.digest or groups.rdzv != rendezvous or groups.width != self.width:
             self.drop_groups()
