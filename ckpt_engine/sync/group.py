@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.config import CheckpointEngineConfig
+from ckpt_engine.fp8.warm import warm_up as warm_fp8
 from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
 from ckpt_engine.planning.buckets import auto_bucket_size_bytes
 from ckpt_engine.planning.ownership import OwnerMap, owner_key
@@ -128,7 +129,7 @@ class SyncGroup:
         futures = {r.name: pool.submit(r.join, rdzv, off, options) for r, off in zip(rollouts, topo.receiver_offsets)}
         # The sender joins in a thread of its own while the engines' joins are watched: the first
         # engine that fails to join ends the set-up at once instead of after `timeout_s`.
-        sender = pool.submit(engine.init_process_group, rdzv, 0)
+        sender = pool.submit(self._join_sender, engine, rdzv)
         failed = wait_for_joins(sender, futures, self.config.timeout_s)
         if failed:
             # Closing the store wakes every member waiting in the rendezvous (the sender's thread,
@@ -142,6 +143,13 @@ class SyncGroup:
         self.ready, self.token = True, rdzv.token
         logger.info("weight-sync group %s ready: %d ranks over %s", rdzv.token[:8], topo.world_size, self.backend)
         return engine, rdzv, failed
+
+    def _join_sender(self, engine: CheckpointEngine, rdzv: Rendezvous) -> None:
+        """The sender's join; with an FP8 wire it also compiles the quantize kernels on the sender's
+        device (`fp8/warm.py`) while the engines join, so no sync pays the compile."""
+        engine.init_process_group(rdzv, 0)
+        if self.config.wire_dtype == "fp8" and engine.device is not None:
+            warm_fp8(engine.device)
 
     def plan(self, specs: list[TensorSpec], engine: CheckpointEngine, owners: OwnerMap | None) -> BucketManifest:
         """The manifest for `specs` (and the many senders' `owners`), made again only when its inputs
