@@ -12,6 +12,9 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+import torch
+
 
 
 def _bench(*extra: str) -> dict[str, Any]:
@@ -53,3 +56,34 @@ def test_region_bench_handoff_one_receiver_per_set() -> None:
     # One receiver per set, senders hand over in memory.
     summary = _bench("--backend", "nccl_handoff", "--device", "cpu", "--senders", "2")
     assert summary["one_receiver_per_set"] is True and summary["backend"] == "nccl_handoff"
+
+
+def test_region_bench_fp8_wire_packs_fresh_temporaries() -> None:
+    # The FP8 wire (TP=1: tiny's k_proj has fewer rows than a block): the sender quantizes inside
+    # every timed send and hands the walk over as fresh (each bucket packed in one batched copy);
+    # the receiver's tensors equal the reference quantize of the same seeded weights.
+    out = subprocess.run(
+        [sys.executable, "-m", "ckpt_engine.cli", "bench", "--preset", "tiny", "--iters", "1", "--bucket-mb", "1", "--receivers", "1",
+         "--receiver-tp", "1", "--backend", "gloo", "--senders", "1", "--wire-dtype", "fp8", "--json", "-"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout)
+    assert summary["correct"] is True and summary["wire_dtype"] == "fp8", summary["problems"]
+    assert summary["modes"]["full"]["received_bytes"] == [summary["model_bytes"]]
+
+
+@pytest.mark.gpu
+def test_region_bench_fills_weights_on_the_device_the_same_on_every_gpu() -> None:
+    # Every rank draws the bench weights itself and the receivers compare against their own draw:
+    # on CUDA the seeded draw must give the same bytes on each GPU, and again on a second call.
+    from ckpt_engine.benchmark.regions import _fill
+    from ckpt_engine.manifest import TensorSpec
+
+    spec = TensorSpec("model.layers.0.mlp.up_proj.weight", "bfloat16", (1000, 384))
+    first = _fill(spec, 3, torch.device("cuda", 0))
+    assert first.is_cuda and first.dtype == torch.bfloat16 and first.shape == (1000, 384) and first.float().std() > 0.5
+    for index in range(torch.cuda.device_count()):
+        again = _fill(spec, 3, torch.device("cuda", index)).cpu()
+        assert torch.equal(again.view(torch.int16), first.cpu().view(torch.int16))
+    assert not torch.equal(_fill(spec, 4, torch.device("cuda", 0)).cpu(), first.cpu())

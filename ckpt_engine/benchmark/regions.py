@@ -36,7 +36,7 @@ from ckpt_engine.benchmark import paced_link
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.benchmark.rank_exit import collect_results
 from ckpt_engine.fp8.layout import fp8_specs
-from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.sources.base import StateDictSource, WatchedWeights
 from ckpt_engine.sources.fp8 import Fp8WireSource
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.pipeline.region_assembly import RegionAssembly
@@ -129,9 +129,15 @@ def print_region_summary(summary: dict[str, Any], console: Console) -> None:
 
 
 # --- one rank ------------------------------------------------------------------------------------
-def _fill(spec: TensorSpec, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(spec.shape, generator=g).to(torch_dtype(spec.dtype))
+def _fill(spec: TensorSpec, seed: int, device: torch.device) -> torch.Tensor:
+    """A tensor's bench weights, seeded by its index, so every rank makes the same ones (what the
+    receivers compare against). On CUDA drawn on the device (one thread on the CPU took ~200 s a
+    rank for a whole 30B-A3B); the same seed gives the same values on every GPU of one kind."""
+    if device.type != "cuda":
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(spec.shape, generator=g).to(torch_dtype(spec.dtype))
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(spec.shape, generator=g, device=device, dtype=torch_dtype(spec.dtype))
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -197,7 +203,7 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         groups[mode].join()
         manifests[mode] = {s.index: engine.plan([p.spec for p in s.pieces], num_senders=senders, owners=s.owners(by_name, owners)) for s in lay.sets}
     layout = layouts["regions"]
-    high = {s.name: _fill(s, i).to(device) for i, s in enumerate(base_specs)}
+    high = {s.name: _fill(s, i, device).to(device) for i, s in enumerate(base_specs)}
     full = dict(Fp8WireSource(StateDictSource(high)).iter_weights()) if fp8 else high  # what the receivers must end holding
     receiver = rank - senders
     out: dict[str, Any] = {"rank": rank, "model_bytes": manifest.total_bytes, "tensors": len(specs), "problems": [], "one_receiver_per_set": split}
@@ -222,7 +228,9 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
         def send(mode: str) -> Any:
             if mode == "full" and not split:
-                return engine.send_weights(manifest, walk(), stable=not fp8)
+                # bf16: the held tensors, stable (a lone tensor travels from its own memory); FP8:
+                # fresh temporaries, each bucket packed in one batched copy (as the library sends them)
+                return engine.send_weights(manifest, WatchedWeights(walk(), fresh=True) if fp8 else walk(), stable=not fp8)
             tensors = dict(walk()) if fp8 else local  # region delivery takes every tensor at once (as the library's does)
             return send_regions(groups[mode], layouts[mode].sets, manifests[mode], tensors, shapes, owners=owners)
 
