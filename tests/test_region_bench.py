@@ -16,7 +16,6 @@ import pytest
 import torch
 
 
-
 def _bench(*extra: str) -> dict[str, Any]:
     out = subprocess.run(
         [sys.executable, "-m", "ckpt_engine.cli", "bench", "--preset", "tiny", "--iters", "1", "--bucket-mb", "4", "--receivers", "2",

@@ -204,8 +204,10 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         manifests[mode] = {s.index: engine.plan([p.spec for p in s.pieces], num_senders=senders, owners=s.owners(by_name, owners)) for s in lay.sets}
     layout = layouts["regions"]
     high = {s.name: _fill(s, i, device).to(device) for i, s in enumerate(base_specs)}
-    full = dict(Fp8WireSource(StateDictSource(high)).iter_weights()) if fp8 else high  # what the receivers must end holding
     receiver = rank - senders
+    full = high  # what the receivers must end holding (the sender's rows with many senders)
+    if fp8 and receiver >= 0:  # the sender quantizes inside every send; a receiver keeps only the reference
+        full, high = dict(Fp8WireSource(StateDictSource(high)).iter_weights()), {}
     out: dict[str, Any] = {"rank": rank, "model_bytes": manifest.total_bytes, "tensors": len(specs), "problems": [], "one_receiver_per_set": split}
     out["sets"], out["parallel_sets"] = len(layout.sets), widths["regions"]
     out["seconds"] = {m: [] for m in MODES}
