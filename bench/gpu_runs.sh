@@ -29,7 +29,7 @@ if ls .whl/*/*.whl >/dev/null 2>&1; then
 fi
 bench() {  # bench NAME ARGS...: one `ckpt-engine bench` into $out/NAME.json, its summary lines printed
   name=$1; shift; echo "== $name: $*"
-  timeout "${BENCH_TIMEOUT:-150}" python -m ckpt_engine.cli bench "$@" --json "$out/$name.json" 2>&1 | grep -v "^$" | tail -n 6
+  timeout "${BENCH_TIMEOUT:-150}" python -m ckpt_engine.cli bench "$@" --json "$out/$name.json" > "$out/$name.log" 2>&1; grep -v "^$" "$out/$name.log" | tail -n 6
 }
 watchdog() {  # watchdog SECONDS PID: dump every Python stack (py-spy, if carried) when PID outlives SECONDS
   ( sleep "$1"; kill -0 "$2" 2>/dev/null || exit 0
@@ -78,9 +78,11 @@ vllm-three)  # the vLLM tests that need three GPUs or more (a TP=2 engine, two F
   ;;
 fp8-bench)  # 2 GPUs: a bf16 sync and an FP8-wire sync (quantize included) of the same model, one call
   # (the region bench with one TP=1 receiver: its `full` mode is a whole-model sync; the dense bench takes no --wire-dtype)
-  for preset in qwen2.5-7b qwen3-30b-a3b; do
-    bench "bf16_$preset" --backend nccl --preset "$preset" --receiver-tp 1 --receivers 1 --iters 3
-    bench "fp8_$preset" --backend nccl --preset "$preset" --receiver-tp 1 --receivers 1 --iters 3 --wire-dtype fp8
+  IFS=';' read -ra specs <<< "${FP8_BENCH:-qwen2.5-7b;qwen3-30b-a3b}"  # PRESET [ARGS]; ...
+  for spec in "${specs[@]}"; do
+    set -- $spec; preset=$1; shift
+    bench "bf16_$preset" --backend nccl --preset "$preset" --receiver-tp 1 --receivers 1 --iters 3 "$@"
+    bench "fp8_$preset" --backend nccl --preset "$preset" --receiver-tp 1 --receivers 1 --iters 3 --wire-dtype fp8 "$@"
   done
   ;;
 x4-rest)  # 4 GPUs: the three-GPU vLLM tests (GPUs 0-2) beside the FP8 wire bench (GPU 3 -> GPU 0), then the fan-out
@@ -112,7 +114,7 @@ nixl)  # 2 GPUs: nixl pulls beside nccl (raw broadcast and sync) of the same sha
   [ -d /tmp/nixl ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nixl .nixl/*.whl || exit 1
   export PYTHONPATH=/tmp/nixl:$PYTHONPATH
   bash bench/vllm_carry.sh plugin .  # the registry finds the nixl backend by its entry point
-  for preset in qwen2.5-7b qwen3-30b-a3b; do
+  for preset in ${NIXL_PRESETS:-qwen2.5-7b qwen3-30b-a3b}; do
     bench "nccl_$preset" --backend nccl --preset "$preset" --modes raw,ours --iters 3
     bench "nixl_$preset" --backend nixl --device cuda --preset "$preset" --modes ours --iters 3
   done
