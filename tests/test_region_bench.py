@@ -70,6 +70,7 @@ def test_region_bench_fp8_wire_packs_fresh_temporaries() -> None:
     summary = json.loads(out.stdout)
     assert summary["correct"] is True and summary["wire_dtype"] == "fp8", summary["problems"]
     assert summary["modes"]["full"]["received_bytes"] == [summary["model_bytes"]]
+    assert all(m["first_s"] > 0 for m in summary["modes"].values())  # the round after the join, reported beside the timed ones
 
 
 @pytest.mark.gpu
