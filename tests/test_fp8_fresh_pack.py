@@ -33,8 +33,9 @@ def _model() -> dict[str, torch.Tensor]:
     return sd
 
 
-def _rank(rank: int, rdzv: Rendezvous, *, fresh: bool) -> dict[str, Any]:
-    engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=24 * 1024, timeout_s=rdzv.timeout_s)
+def _rank(rank: int, rdzv: Rendezvous, *, fresh: bool, grouped: bool) -> dict[str, Any]:
+    extra = {"group_max_tensors": 64} if grouped else {}  # per-tensor messages in one coalesced group (NCCL's default)
+    engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=24 * 1024, timeout_s=rdzv.timeout_s, **extra)
     engine.init_process_group(rdzv, rank)
     source = Fp8WireSource(StateDictSource(_model()))
     manifest = engine.plan(source.metadata())
@@ -58,9 +59,9 @@ def _rank(rank: int, rdzv: Rendezvous, *, fresh: bool) -> dict[str, Any]:
         engine.finalize()
 
 
-@pytest.mark.parametrize("fresh", [True, False])
-def test_a_fresh_walk_packs_each_bucket_in_one_batched_copy_with_the_same_bytes(fresh: bool) -> None:
-    sender, receiver = run_ranks(_rank, 2, fresh=fresh)
+@pytest.mark.parametrize("fresh, grouped", [(True, False), (True, True), (False, False)])
+def test_a_fresh_walk_packs_each_bucket_in_one_batched_copy_with_the_same_bytes(fresh: bool, grouped: bool) -> None:
+    sender, receiver = run_ranks(_rank, 2, fresh=fresh, grouped=grouped)
     assert receiver["bad"] == [] and receiver["n"] > 0
     assert sender["buckets"] > 3
     # One batched copy a bucket on the fresh walk (before: a copy per piece, no batched one).
