@@ -70,3 +70,18 @@ def test_a_sender_without_an_fp8_wire_loads_no_quantize_kernel(engine: TorchRefR
     finally:
         session.close()
     assert _loads(caplog) == [] and warm.warmed() == frozenset()
+
+
+@pytest.mark.gpu
+def test_the_warm_up_runs_both_cuda_kernels_of_every_dtype(fresh_process: None, caplog: pytest.LogCaptureFixture) -> None:
+    # On a GPU the warm-up goes through the Triton kernels (the one-weight and the grouped one) of
+    # each dtype, once; the bench's first_s row shows that the first sync then pays no compile.
+    device = torch.device("cuda", 0)
+    assert warm.warm_up(device) == [torch.bfloat16, torch.float16, torch.float32]
+    assert warm.warm_up(device) == [] and len(_loads(caplog)) == 1
+    from ckpt_engine.fp8.quantize import quantize_block_fp8, quantize_block_fp8_reference
+
+    w = (torch.randn(300, 200, device=device) * 0.02).bfloat16()
+    q, s = quantize_block_fp8(w)
+    rq, rs = quantize_block_fp8_reference(w.cpu())
+    assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s.cpu(), rs)
