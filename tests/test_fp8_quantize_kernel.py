@@ -117,8 +117,13 @@ for i in range(3):
     sd[p + "input_layernorm.weight"] = torch.randn(256, generator=g)
     for proj, shape in [("self_attn.q_proj", (256, 256)), ("self_attn.k_proj", (128, 256)), ("self_attn.o_proj", (256, 200)), ("mlp.up_proj", (512, 256)), ("mlp.down_proj", (256, 512))]:
         sd[p + proj + ".weight"] = torch.randn(shape, generator=g) * 0.02
-walked = list(wire.Fp8WireSource(StateDictSource({k: v.to(device) for k, v in sd.items()}, dtype=torch.bfloat16)).iter_weights())
 want = list(wire.Fp8WireSource(StateDictSource(sd, dtype=torch.bfloat16)).iter_weights())  # the CPU: one weight at a time, eager
+import ckpt_engine.fp8.quantize_kernel as qk
+wire._group_kernel = lambda w: qk  # in Triton's interpreter the CPU's walk takes the grouped kernel too
+src = wire.Fp8WireSource(StateDictSource({k: v.to(device) for k, v in sd.items()}, dtype=torch.bfloat16))
+walked = list(src.iter_weights())
+if not (src.last_walk.grouped == 12 and src.last_walk.alone == 3 and src.last_walk.launches > 3):  # o_proj's 200 columns: alone
+    bad.append(f"walk paths {src.last_walk}")
 if [n for n, _ in walked] != [n for n, _ in want]:
     bad.append("walk order")
 for (n, a), (_, b) in zip(walked, want):

@@ -191,7 +191,7 @@ def quantize_block_fp8_group(ws: Sequence[torch.Tensor], *, hw_cvt: bool | None 
         q_total += -(-w.numel() // 16) * 16  # every weight's codes start 16-byte aligned
         s_total += blocks
         widest = max(widest, blocks)
-    q_buf = torch.empty(q_total, dtype=torch.uint8, device=device)
+    q_buf = torch.empty(q_total, dtype=FP8_DTYPE, device=device)
     s_buf = torch.empty(s_total, dtype=torch.float32, device=device)
     table = torch.tensor(
         [(w.data_ptr(), q_buf.data_ptr() + qa, s_buf.data_ptr() + 4 * sa, *meta) for w, qa, sa, meta in zip(ws, q_at, s_at, rows_meta)],
@@ -205,8 +205,11 @@ def quantize_block_fp8_group(ws: Sequence[torch.Tensor], *, hw_cvt: bool | None 
         table, DTYPE=_GROUP_DTYPES[dtype], BR=block_rows, BC=block_cols, FLOOR_BITS=_FLOOR_BITS, HW_CVT=hw_cvt,
         num_warps=_NUM_WARPS, enable_fp_fusion=False,
     )
+    # One as_strided a result (not a slice and two views: ~2.5 us of host a weight less, 18,432 weights a 30B-A3B sync)
     out = []
     for w, qa, sa, (rows, cols, bc, nb, blocks) in zip(ws, q_at, s_at, rows_meta):
-        q = q_buf[qa : qa + w.numel()].view(FP8_DTYPE).view(w.shape)
-        out.append((q, s_buf[sa : sa + blocks].view(*w.shape[:-2], nb // bc, bc)))
+        lead = w.shape[:-2]
+        s_shape = (*lead, nb // bc, bc)
+        s_stride = (nb, bc, 1) if lead else (bc, 1)
+        out.append((q_buf.as_strided(w.shape, w.stride(), qa), s_buf.as_strided(s_shape, s_stride, sa)))
     return out

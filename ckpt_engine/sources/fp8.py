@@ -4,9 +4,12 @@
 (`fp8/layout.py`) and quantizes lazily while the sender walks, on the device the source yields
 each weight on, never a staged copy of the model; the quantized tensors are temporaries of the
 walk, so the pipeline packs them. On CUDA, consecutive weights of a source whose tensors stay
-valid (`stable_tensors`) are quantized together, up to `GROUP_BYTES`, in one kernel launch
+valid (`stable_tensors`, or `fresh_tensors`), and weights the walk casts to their wire dtype itself
+(its own temporaries), are quantized together, up to `GROUP_BYTES`, in one kernel launch
 (`fp8/quantize_kernel.py`): a 30B-A3B walk has 18,432 expert weights, and a launch each cost
-more host time than the bf16 sync takes.
+more host time than the bf16 sync takes. Any other weight (a gathering walk's, e.g. FSDP2's or
+Megatron's, whose tensor may be overwritten once the next is asked for) is quantized alone, as
+it comes; `last_walk` counts which path each weight took.
 
 `ShardedFp8WireSource(source)`: each sender quantizes its own rows of a weight, which is exact
 only when its row range starts and ends on a 128-row block boundary (or the tensor's end); any
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -29,13 +34,53 @@ from ckpt_engine.sources.base import WeightSource
 from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.sources.wire import torch_dtype
 
-__all__ = ["GROUP_BYTES", "Fp8WireSource", "ShardedFp8WireSource", "fp8_wire"]
+__all__ = ["GROUP_BYTES", "Fp8WireSource", "ShardedFp8WireSource", "WalkCounts", "fp8_wire"]
 
 logger = logging.getLogger(__name__)
 
 GROUP_BYTES = 256 << 20
 """Input bytes one grouped quantize launch takes at most: the group's outputs stay alive until the
 pipeline has packed its last weight, and its first bucket waits for the whole launch."""
+
+
+class GroupKernel(Protocol):
+    """What the walk needs of a grouped quantize (`fp8/quantize_kernel.py` on CUDA)."""
+
+    MAX_GROUP: int
+
+    def groupable(self, w: torch.Tensor) -> bool: ...
+
+    def quantize_block_fp8_group(self, ws: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
+
+
+def _group_kernel(w: torch.Tensor) -> GroupKernel | None:
+    """The grouped quantize for `w`'s device: the Triton kernels on CUDA (Triton is imported only
+    where a GPU quantizes), none elsewhere (the eager recipe, one weight at a time)."""
+    if not w.is_cuda:
+        return None
+    from ckpt_engine.fp8 import quantize_kernel
+
+    return quantize_kernel
+
+
+@dataclass
+class WalkCounts:
+    """Which path the quantized weights of one walk took: `grouped` weights in `launches` grouped
+    launches, `alone` weights one launch each (a 30B-A3B walk whose experts go alone pays a launch's
+    host time 18,432 times)."""
+
+    launches: int = 0
+    grouped: int = 0
+    alone: int = 0
+
+
+@dataclass(frozen=True)
+class _Quantized:
+    """A quantized weight's spec, wire dtype and scale tensor name, worked out once per source."""
+
+    spec: TensorSpec
+    dtype: torch.dtype
+    scale: str
 
 
 def _wire(spec: TensorSpec, t: torch.Tensor) -> torch.Tensor:
@@ -65,6 +110,9 @@ class Fp8WireSource(WeightSource):
             raise ValueError("the weight source is already on an FP8 wire")
         self.source = source
         self._specs = {s.name: s for s in source.metadata()}
+        self._quantized = {s.name: _Quantized(s, torch_dtype(s.dtype), scale_name(s.name)) for s in self._specs.values() if quantizes(s)}
+        self.last_walk = WalkCounts()
+        """Which path each quantized weight of the latest walk took (so far, while it runs)."""
 
     @property
     def is_sender(self) -> bool:  # type: ignore[override]
@@ -82,47 +130,54 @@ class Fp8WireSource(WeightSource):
         return fp8_specs(list(self._specs.values()))
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        grouping = self.source.stable_tensors  # earlier tensors stay valid while later ones are read
-        kernel = None
-        pending: list[tuple[TensorSpec, torch.Tensor]] = []  # wire-dtype weights for one grouped launch
+        counts = self.last_walk = WalkCounts()
+        # Weights may wait for a grouped launch while later ones are read: only where they stay valid
+        # (the source's own tensors), or are this walk's own (a cast to the wire dtype made here).
+        holds = self.source.stable_tensors or self.source.fresh_tensors
+        group_kernel: GroupKernel | None = None  # the pending weights'
+        pending: list[tuple[_Quantized, torch.Tensor]] = []  # wire-dtype weights for one grouped launch
         held = 0
         for name, t in self.source.iter_weights():
-            spec = self._specs.get(name)
-            if spec is None or not quantizes(spec):
-                yield from _flush(pending)
+            plan = self._quantized.get(name)
+            if plan is None:
+                yield from _flush(group_kernel, pending, counts)
                 yield name, t
                 continue
-            w = _wire(spec, t)
-            if grouping and kernel is None and w.is_cuda:
-                from ckpt_engine.fp8 import quantize_kernel as kernel  # needs Triton: imported where a GPU quantizes
-            if kernel is None or not (w.is_cuda and kernel.groupable(w)):
-                yield from _flush(pending)
+            w = t if t.dtype == plan.dtype and t.shape == plan.spec.shape else _wire(plan.spec, t)
+            kernel = _group_kernel(w)
+            if kernel is None or not ((holds or w.dtype != t.dtype) and kernel.groupable(w)):
+                yield from _flush(group_kernel, pending, counts)
                 q, s = quantize_block_fp8(w, BLOCK)
-                yield name, q.view(spec.shape)
-                yield scale_name(name), s
+                counts.alone += 1
+                yield name, q.view(plan.spec.shape)
+                yield plan.scale, s
                 continue
             first = pending[0][1] if pending else w
-            if pending and (w.dtype != first.dtype or w.device != first.device or held + w.nbytes > GROUP_BYTES or len(pending) == kernel.MAX_GROUP):
-                yield from _flush(pending)
+            if pending and (
+                kernel is not group_kernel or w.dtype != first.dtype or w.device != first.device or held + w.nbytes > GROUP_BYTES
+                or len(pending) == kernel.MAX_GROUP
+            ):
+                yield from _flush(group_kernel, pending, counts)
             if not pending:
-                held = 0
-            pending.append((spec, w))
+                held, group_kernel = 0, kernel
+            pending.append((plan, w))
             held += w.nbytes
-        yield from _flush(pending)
+        yield from _flush(group_kernel, pending, counts)
 
 
-def _flush(pending: list[tuple[TensorSpec, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _flush(kernel: GroupKernel | None, pending: list[tuple[_Quantized, torch.Tensor]], counts: WalkCounts) -> Iterator[tuple[str, torch.Tensor]]:
     """Quantize the pending weights in one launch and yield each one's codes and scales, in order;
     `pending` is emptied first (its weights are not needed once the launch is queued)."""
     if not pending:
         return
+    assert kernel is not None  # pending only fills where a grouped kernel takes the weights
     group = list(pending)
     pending.clear()
-    from ckpt_engine.fp8.quantize_kernel import quantize_block_fp8_group  # pending only fills on CUDA
-
-    for (spec, _), (q, s) in zip(group, quantize_block_fp8_group([w for _, w in group])):
-        yield spec.name, q.view(spec.shape)
-        yield scale_name(spec.name), s
+    counts.launches += 1
+    counts.grouped += len(group)
+    for (plan, _), (q, s) in zip(group, kernel.quantize_block_fp8_group([w for _, w in group])):
+        yield plan.spec.name, q  # already in the weight's shape (and the scales in theirs)
+        yield plan.scale, s
 
 
 class ShardedFp8WireSource(Fp8WireSource, ShardedWeightSource):
@@ -185,6 +240,7 @@ class ShardedFp8WireSource(Fp8WireSource, ShardedWeightSource):
         made = self._made.get(weight)
         if made is None:
             made = self._made[weight] = _quantize(self._specs[weight], self.source.local_piece(weight))
+            self.last_walk.alone += 1
         return made[which]
 
     def assist_piece(self, name: str) -> None:
@@ -195,6 +251,7 @@ class ShardedFp8WireSource(Fp8WireSource, ShardedWeightSource):
 
     def begin_pieces(self) -> None:
         self._made.clear()
+        self.last_walk = WalkCounts()
         self.source.begin_pieces()
 
     def end_pieces(self) -> None:

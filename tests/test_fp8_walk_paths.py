@@ -1,0 +1,145 @@
+"""Which quantize path each weight of an FP8 walk takes (`Fp8WireSource.last_walk`), on the CPU.
+
+Why: a 30B-A3B walk has 18,432 expert weights; one launch each costs more host time than the whole
+bf16 sync, so they must go through the grouped kernel wherever that is safe, and only there: a
+weight waits for its group's launch while later ones are read, so a source that reuses its memory
+(a gathering walk) must not be grouped. The grouped kernel is CUDA's (Triton); here a stand-in with
+its interface quantizes each group with the eager recipe when the group is launched, so a weight
+overwritten before its launch would show up as wrong bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+import ckpt_engine.sources.fp8 as wire
+from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+from ckpt_engine.fp8.layout import FP8_DTYPE, fp8_specs, quantizes, scale_name, scale_shape
+from ckpt_engine.fp8.quantize import quantize_block_fp8_reference
+from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.sources.base import StateDictSource, WeightSource
+from ckpt_engine.sources.wire import torch_dtype
+
+
+class EagerGroups:
+    """The grouped kernel's interface (`fp8/quantize_kernel.py`), quantizing with the eager recipe
+    at launch time; records each launch's size."""
+
+    MAX_GROUP = 65535
+
+    def __init__(self) -> None:
+        self.launches: list[int] = []
+
+    def groupable(self, w: torch.Tensor) -> bool:
+        return w.dim() in (2, 3) and w.is_contiguous() and w.numel() > 0 and w.shape[-1] % 16 == 0
+
+    def quantize_block_fp8_group(self, ws: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self.launches.append(len(ws))
+        if ws and ws[0].is_meta:  # shapes only (a whole preset's walk)
+            return [(torch.empty(w.shape, dtype=FP8_DTYPE, device="meta"), torch.empty(scale_shape(w.shape), device="meta")) for w in ws]
+        return [quantize_block_fp8_reference(w) for w in ws]
+
+
+@pytest.fixture
+def groups(monkeypatch: pytest.MonkeyPatch) -> EagerGroups:
+    kernel = EagerGroups()
+    monkeypatch.setattr(wire, "_group_kernel", lambda w: kernel)
+    return kernel
+
+
+class ReusedBuffer(WeightSource):
+    """A gathering walk's shape: every weight is copied into one buffer that the next one overwrites
+    (not `stable_tensors`, not `fresh_tensors`), as FSDP2's and Megatron's walks may do."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], yield_dtype: torch.dtype) -> None:
+        self.weights, self.yield_dtype = weights, yield_dtype
+        self._buf = torch.empty(max(t.numel() for t in weights.values()), dtype=yield_dtype)
+
+    def metadata(self) -> list[TensorSpec]:
+        return [TensorSpec(n, "bfloat16", tuple(t.shape)) for n, t in self.weights.items()]
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.weights.items():
+            view = self._buf[: t.numel()].view(t.shape)
+            view.copy_(t)
+            yield name, view
+
+
+def _model() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    out: dict[str, torch.Tensor] = {}
+    for i in range(2):
+        p = f"model.layers.{i}."
+        out[p + "input_layernorm.weight"] = torch.randn(256, generator=g)
+        for proj, shape in [("self_attn.q_proj", (256, 256)), ("self_attn.o_proj", (256, 200)), ("mlp.up_proj", (384, 256)), ("mlp.down_proj", (256, 384))]:
+            out[p + proj + ".weight"] = torch.randn(shape, generator=g) * 0.02
+    return out
+
+
+def _eager(weights: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The walk's tensors by the eager recipe, one weight at a time: what every path must give."""
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, t in weights.items():
+        if not quantizes(TensorSpec(name, "bfloat16", tuple(t.shape))):
+            out.append((name, t))
+            continue
+        q, s = quantize_block_fp8_reference(t.bfloat16())
+        out += [(name, q), (scale_name(name), s)]
+    return out
+
+
+def _same(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> None:
+    assert [n for n, _ in a] == [n for n, _ in b]
+    for (n, x), (_, y) in zip(a, b):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)), n
+
+
+def test_the_cpu_walk_quantizes_each_weight_alone_with_the_eager_recipe() -> None:
+    src = wire.Fp8WireSource(StateDictSource(_model(), dtype=torch.bfloat16))
+    list(src.iter_weights())
+    assert src.last_walk == wire.WalkCounts(launches=0, grouped=0, alone=8)
+
+
+def test_a_stable_source_is_grouped_between_unquantized_tensors(groups: EagerGroups) -> None:
+    model = {n: t.bfloat16() for n, t in _model().items()}
+    src = wire.Fp8WireSource(StateDictSource(model))
+    walked = list(src.iter_weights())
+    _same(walked, _eager(model))
+    # per layer: q_proj alone in its group (o_proj's 200 columns are not groupable), up+down together
+    assert src.last_walk == wire.WalkCounts(launches=4, grouped=6, alone=2) and groups.launches == [1, 2, 1, 2]
+
+
+def test_a_source_that_reuses_its_memory_is_never_grouped(groups: EagerGroups) -> None:
+    model = {n: t.bfloat16() for n, t in _model().items()}
+    src = wire.Fp8WireSource(ReusedBuffer(model, torch.bfloat16))
+    walked = [(n, t.clone()) for n, t in src.iter_weights()]  # unquantized tensors are the reused buffer's too
+    _same(walked, _eager(model))
+    assert src.last_walk == wire.WalkCounts(launches=0, grouped=0, alone=8) and groups.launches == []
+
+
+def test_weights_the_walk_casts_itself_are_grouped_even_from_a_reused_buffer(groups: EagerGroups) -> None:
+    """fp32 masters on a bf16 wire: the cast is the walk's own memory, valid until its launch."""
+    model = _model()
+    src = wire.Fp8WireSource(ReusedBuffer(model, torch.float32))
+    walked = [(n, t.clone()) for n, t in src.iter_weights()]
+    _same(walked, _eager(model))
+    assert src.last_walk == wire.WalkCounts(launches=4, grouped=6, alone=2)
+
+
+def test_a_qwen3_moe_walk_launches_once_per_group_not_per_expert(groups: EagerGroups) -> None:
+    """Qwen3-30B-A3B, 12 layers (the region bench's `--layers 12`): 4,656 quantized weights, 4,608
+    of them experts, in a few launches a layer (cut at each unquantized tensor and every
+    GROUP_BYTES), shapes only."""
+    specs = checkpoint_specs(load_preset_config("qwen3-30b-a3b"), num_layers=12)
+    weights = {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device="meta") for s in specs}
+    src = wire.Fp8WireSource(StateDictSource(weights))
+    walked = list(src.iter_weights())
+    quantized = [s for s in specs if quantizes(s)]
+    assert [n for n, _ in walked] == [s.name for s in fp8_specs(specs)] and len(walked) == 9375
+    assert len(quantized) == 4656 and sum(".experts." in s.name for s in quantized) == 4608
+    expert_bytes = sum(s.nbytes for s in quantized if ".experts." in s.name)
+    assert src.last_walk.grouped == 4656 and src.last_walk.alone == 0
+    assert src.last_walk.launches <= 12 * 2 + expert_bytes // (wire.GROUP_BYTES - 4 * 768 * 2048) + 12, src.last_walk
