@@ -3,7 +3,9 @@ pull between two of its read windows while a file exists, so a test acts on the 
 while the joiner is certainly mid-pull, with no timing. What the worker serves at the hold (its
 version, and digests of its live parameters) is written where the test waits for it: the test
 asks nothing of the engine meanwhile (an in-process `LLM`'s client is not for two threads at once,
-and the join's thread is polling it)."""
+and the join's thread is polling it). It marks staged receives too (`_vllm_stage_marks.py`, for
+tests/test_elastic_vllm_holds.py): one class, so the serving peer A of the three elastic vLLM
+modules is one engine they share (tests/conftest.py's `elastic_vllm_peer`)."""
 
 from __future__ import annotations
 
@@ -12,13 +14,14 @@ import os
 import time
 from pathlib import Path
 
+from _vllm_stage_marks import StageMarksExtension
+
 from ckpt_engine.rollout_adapters.load_gate import HOLD_MAX_S
-from ckpt_engine.rollout_adapters.vllm.worker import CkptEngineWorkerExtension
 
 EXTENSION = "_vllm_peer_faults.PeerFaultsExtension"
 
 
-class PeerFaultsExtension(CkptEngineWorkerExtension):
+class PeerFaultsExtension(StageMarksExtension):
     def test_hold_pulls(self, holds: list[list[str]]) -> None:
         """The i-th hold of this worker's pulls (`VllmPeer.hold`: after each read window; a pull
         whose next read fails holds no more) writes {version, stale, digests} to `holds[i][1]`,

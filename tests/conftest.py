@@ -138,6 +138,34 @@ def qwen2_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer
 
 
 @pytest.fixture(scope="session")
+def elastic_vllm_peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer[tuple[object, Path]]]:
+    """The serving peer A of test_elastic_vllm_join.py, _holds.py and _failover.py (two engine starts
+    fewer): one in-process vLLM `LLM` over the tiny Qwen2 of tests/test_vllm_adapter.py (dummy
+    weights, tests/_vllm_peer_faults.py's extension); `.get()` gives (LLM, model dir). Each module
+    syncs it in a session of its own (closed when the module ends), reads versions relative to what
+    it holds and starts its own joiner B from the model dir (a join needs an engine that never held
+    a version)."""
+    from contextlib import contextmanager
+
+    from _vllm_peer_faults import EXTENSION
+    from helpers_vllm import stop_llm
+    from test_elastic_vllm_join import start_llm
+    from test_vllm_adapter import QWEN2_CONFIG
+
+    @contextmanager
+    def started() -> Iterator[tuple[object, Path]]:
+        d = tmp_path_factory.mktemp("qwen2-elastic")
+        (d / "config.json").write_text(__import__("json").dumps(QWEN2_CONFIG))
+        llm = start_llm(d, EXTENSION)
+        try:
+            yield llm, d
+        finally:
+            stop_llm(llm)
+
+    yield from _serve("elastic_vllm_peer", SharedServer("qwen2-elastic-peer", started, lambda served: _engine_core_alive(served[0])))
+
+
+@pytest.fixture(scope="session")
 def lora_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 of tests/test_vllm_adapter.py with real random weights (seed 0) saved, for the
     LoRA tests: with dummy weights a LoRA changes nothing visible."""
@@ -325,7 +353,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 SHARED_ENGINES = (
     "staged_vllm_server", "qwen2_llm", "lora_qwen2_llm", "tp2_qwen2_llm", "tp2_vllm_server", "native_vllm_server", "native_qwen2_llm",
-    "native_lora_llm",
+    "native_lora_llm", "elastic_vllm_peer",
 )
 """The session fixtures above: each one engine that several modules use in turn."""
 

