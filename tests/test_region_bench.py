@@ -71,6 +71,12 @@ def test_region_bench_fp8_wire_packs_fresh_temporaries() -> None:
     assert summary["correct"] is True and summary["wire_dtype"] == "fp8", summary["problems"]
     assert summary["modes"]["full"]["received_bytes"] == [summary["model_bytes"]]
     assert all(m["first_s"] > 0 for m in summary["modes"].values())  # the round after the join, reported beside the timed ones
+    # where the time goes: the sender's own walk (quantize included) and pack inside its whole send,
+    # the receiver's slice copies, and the walk's quantize paths (on a CPU every weight alone, eager)
+    sender, full = summary["sender_full"], summary["modes"]["full"]
+    assert 0 < sender["export_s"] <= sender["total_s"] and 0 <= sender["pack_s"] <= sender["total_s"]
+    assert len(full["rank_median_s"]) == 2 and len(full["keep_s"]) == 1 and full["keep_s"][0] > 0
+    assert summary["fp8_walk"] == {"launches": 0, "grouped": 0, "alone": 28}  # tiny: 4 layers x 7 projections
 
 
 @pytest.mark.gpu

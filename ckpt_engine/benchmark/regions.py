@@ -7,7 +7,11 @@ their slice tensors as destinations. Each iteration times, on the same processes
   regions : region delivery: each rank takes only its regions, each shared region once per set
 Prints best/median seconds per mode (and `first`: the round right after the join, kept out of
 them), bytes into each receiver rank beside the model's, the speed-up, and whether every rank's
-slices equal the senders' weights.
+slices equal the senders' weights. Where the time goes (the JSON): each rank's median per mode;
+the single sender's own host seconds of a whole-model send (`sender_full`: reading the walk,
+quantize included, and packing); each receiver's seconds keeping its slices (`keep_s`: a copy a
+tensor, the bench's stand-in for an engine's loader); with FP8, which quantize path the walk's
+weights took (`fp8_walk`).
 
 --link-mb-s R gives every rank an emulated link of R MB/s (`paced_link.py`): the network-bound
 case on a CPU box. --region-slot-memory-mb B lets the senders stream as many receiver sets side by side
@@ -21,6 +25,7 @@ IPC; a piece several receivers hold travels to each.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -100,7 +105,13 @@ def _summarize(results: list[dict[str, Any]], cfg: dict[str, Any], backend: str)
             "best_s": min(times), "median_s": statistics.median(times), "all_s": times,
             "first_s": max(r["first"][mode] for r in results),  # the round after the join (not in best/median)
             "received_bytes": [r["received"][mode] for r in results[cfg["senders"] :]],
+            "rank_median_s": [statistics.median(r["seconds"][mode]) for r in results],  # senders first
+            "keep_s": [statistics.median(r["keep_s"][mode]) for r in results[cfg["senders"] :]],
         }
+    sender = results[0].get("sender_full")
+    if sender:  # one sender, whole-model send: its host seconds (medians of the timed rounds)
+        summary["sender_full"] = {k: statistics.median(x[k] for x in sender) for k in sender[0]}
+    summary["fp8_walk"] = results[0].get("fp8_walk")
     full, regions = summary["modes"]["full"], summary["modes"]["regions"]
     summary["time_ratio"] = regions["median_s"] / full["median_s"]
     summary["speedup"] = full["median_s"] / regions["median_s"]
@@ -128,6 +139,13 @@ def print_region_summary(summary: dict[str, Any], console: Console) -> None:
         table.add_row(mode, f"{m['first_s']:.4f}", f"{m['best_s']:.4f}", f"{m['median_s']:.4f}", ", ".join(f"{b / 1e6:.1f} MB" for b in m["received_bytes"]), f"{most / summary['model_bytes']:.3f}")
     console.print(table)
     console.print(f"region delivery / full receive: {summary['time_ratio']:.3f} of the time ({summary['speedup']:.2f} x faster)")
+    if summary.get("sender_full"):
+        sf = summary["sender_full"]
+        console.print(f"sender, full (median): walk {sf['export_s']:.4f} s (quantize included), pack {sf['pack_s']:.4f} s, in all {sf['total_s']:.4f} s")
+    keep = summary["modes"]["full"]["keep_s"]
+    console.print("receivers keeping their slices, full (median): " + ", ".join(f"{k:.4f} s" for k in keep))
+    if summary.get("fp8_walk"):
+        console.print(f"FP8 walk: {summary['fp8_walk']}")
     console.print("correctness: " + ("every rank's slices equal the senders' weights" if summary["correct"] else "; ".join(summary["problems"])))
 
 
@@ -222,10 +240,11 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
             row = by_name[name].nbytes // by_name[name].shape[0]
             local[name] = next(full[name][sh.start // row : sh.stop // row] for sh in shards if sh.sender == rank)
         shapes = {s.name: s.shape for s in specs}
+        wire = Fp8WireSource(StateDictSource(local)) if fp8 else None  # stable: consecutive weights quantize in one launch
 
         def walk() -> Any:
-            if fp8:  # one sender: the plan's order is the metadata's; quantized one weight at a time
-                yield from Fp8WireSource(StateDictSource(local)).iter_weights()
+            if wire is not None:  # one sender: the plan's order is the metadata's
+                yield from wire.iter_weights()
                 return
             last = None
             for e in (e for b in manifest.sender_buckets(rank) for e in b.entries):
@@ -241,7 +260,14 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
             tensors = dict(walk()) if fp8 else local  # region delivery takes every tensor at once (as the library's does)
             return send_regions(groups[mode], layouts[mode].sets, manifests[mode], tensors, shapes, owners=owners)
 
-        run = {m: (lambda m=m: send(m)) for m in MODES}
+        sender_full: list[dict[str, float]] = []
+
+        def send_full() -> None:
+            stats = send("full")
+            if stats is not None and senders == 1 and not split:
+                sender_full.append({"export_s": stats.export_s, "pack_s": stats.pack_s, "total_s": stats.total_s})
+
+        run = {"full": send_full, "regions": lambda: send("regions")}
         out["received"] = {m: 0 for m in MODES}
     else:
         held = layout.held[receiver]
@@ -249,8 +275,10 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         assemblies = {m: RegionAssembly(lay.held[receiver], (p for s in lay.sets_of(receiver) for p in s.pieces), by_name) for m, lay in layouts.items()}
 
         def keep_slices(pairs: Any) -> None:
+            t0 = time.perf_counter()
             for name, t in pairs:
                 tensors[name].copy_(cut_region(t, held[name][0]))  # the engine keeps its slice
+            keep["s"] += time.perf_counter() - t0
 
         def receive_full() -> None:
             if not split:
@@ -267,10 +295,14 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
                         tensors[name].copy_(t)
 
         run = {"full": receive_full, "regions": receive_regions_}
+        keep = {"s": 0.0}
         out["received"] = {"full": manifest.total_bytes, "regions": layout.bytes_for(receiver)}
     world = rdzv.world_size
+    out["keep_s"] = {m: [] for m in MODES}
     for i in range(cfg["iters"] + 1):  # the first round warms up
         for mode in MODES:
+            if receiver >= 0:
+                keep["s"] = 0.0
             if receiver >= 0:
                 for t in tensors.values():
                     t.zero_()
@@ -284,12 +316,16 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
                 torch.cuda.synchronize(device)  # timing only, outside the library
             if i > 0:
                 out["seconds"][mode].append(time.perf_counter() - t0)
+                out["keep_s"][mode].append(keep["s"] if receiver >= 0 else 0.0)
             else:
                 out["first"][mode] = time.perf_counter() - t0
             if receiver >= 0:
                 bad = [n for n, rs in held.items() if not _same_bits(tensors[n], cut_region(full[n], rs[0]))]
                 if bad:
                     out["problems"].append(f"{mode}: {len(bad)} tensors differ (first {bad[0]})")
+    if receiver < 0:
+        out["sender_full"] = sender_full[1:]  # the timed rounds (the first is the round after the join)
+        out["fp8_walk"] = dataclasses.asdict(wire.last_walk) if wire is not None else None
     for g in groups.values():
         g.close()
     engine.finalize()
