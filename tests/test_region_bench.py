@@ -77,6 +77,7 @@ def test_region_bench_fp8_wire_packs_fresh_temporaries() -> None:
     assert 0 < sender["export_s"] <= sender["total_s"] and 0 <= sender["pack_s"] <= sender["total_s"]
     assert len(full["rank_median_s"]) == 2 and len(full["keep_s"]) == 1 and full["keep_s"][0] > 0
     assert summary["fp8_walk"] == {"launches": 0, "grouped": 0, "alone": 28}  # tiny: 4 layers x 7 projections
+    assert summary["sender_full_first"]["total_s"] > 0 and summary["allocs"] is None  # pool counts: CUDA only
 
 
 @pytest.mark.gpu
@@ -93,3 +94,18 @@ def test_region_bench_fills_weights_on_the_device_the_same_on_every_gpu() -> Non
         again = _fill(spec, 3, torch.device("cuda", index)).cpu()
         assert torch.equal(again.view(torch.int16), first.cpu().view(torch.int16))
     assert not torch.equal(_fill(spec, 4, torch.device("cuda", 0)).cpu(), first.cpu())
+
+
+@pytest.mark.gpu
+def test_region_bench_counts_what_the_memory_pools_get_from_cuda() -> None:
+    # The bench's `allocs` (why a first sync is slower than the next): a new device segment and a
+    # new pinned host block each show up in the counts this torch reports.
+    from ckpt_engine.benchmark.regions import _pool_counts
+
+    device = torch.device("cuda", 0)
+    before = _pool_counts(device)
+    assert before["device_allocs"] >= 0 and before["host_allocs"] >= 0 and before["host_alloc_ms"] >= 0
+    kept = [torch.empty(3 << 30, dtype=torch.uint8, device=device), torch.empty(7 << 20, dtype=torch.uint8).pin_memory()]
+    after = _pool_counts(device)
+    assert after["device_allocs"] > before["device_allocs"] and after["host_allocs"] > before["host_allocs"], (before, after)
+    del kept

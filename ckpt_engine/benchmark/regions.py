@@ -11,7 +11,9 @@ slices equal the senders' weights. Where the time goes (the JSON): each rank's m
 the single sender's own host seconds of a whole-model send (`sender_full`: reading the walk,
 quantize included, and packing); each receiver's seconds keeping its slices (`keep_s`: a copy a
 tensor, the bench's stand-in for an engine's loader); with FP8, which quantize path the walk's
-weights took (`fp8_walk`).
+weights took (`fp8_walk`); on CUDA, what each rank's caching allocators had to get from CUDA in the
+first round and in the timed ones (`allocs`: device segments, pinned host blocks and the time those
+took: a first sync slower than the next is often one growing its memory pools).
 
 --link-mb-s R gives every rank an emulated link of R MB/s (`paced_link.py`): the network-bound
 case on a CPU box. --region-slot-memory-mb B lets the senders stream as many receiver sets side by side
@@ -109,8 +111,10 @@ def _summarize(results: list[dict[str, Any]], cfg: dict[str, Any], backend: str)
             "keep_s": [statistics.median(r["keep_s"][mode]) for r in results[cfg["senders"] :]],
         }
     sender = results[0].get("sender_full")
-    if sender:  # one sender, whole-model send: its host seconds (medians of the timed rounds)
+    if sender:  # one sender, whole-model send: its host seconds (medians of the timed rounds, and the first round's)
         summary["sender_full"] = {k: statistics.median(x[k] for x in sender) for k in sender[0]}
+        summary["sender_full_first"] = results[0]["sender_full_first"]
+    summary["allocs"] = [r["allocs"] for r in results] if results[0]["allocs"] is not None else None  # senders first
     summary["fp8_walk"] = results[0].get("fp8_walk")
     full, regions = summary["modes"]["full"], summary["modes"]["regions"]
     summary["time_ratio"] = regions["median_s"] / full["median_s"]
@@ -144,6 +148,8 @@ def print_region_summary(summary: dict[str, Any], console: Console) -> None:
         console.print(f"sender, full (median): walk {sf['export_s']:.4f} s (quantize included), pack {sf['pack_s']:.4f} s, in all {sf['total_s']:.4f} s")
     keep = summary["modes"]["full"]["keep_s"]
     console.print("receivers keeping their slices, full (median): " + ", ".join(f"{k:.4f} s" for k in keep))
+    for rank, allocs in enumerate(summary.get("allocs") or []):
+        console.print(f"rank {rank} memory pools grown (first round / timed rounds): " + "; ".join(f"{m} {a['first']} / {a['timed']}" for m, a in allocs.items()))
     if summary.get("fp8_walk"):
         console.print(f"FP8 walk: {summary['fp8_walk']}")
     console.print("correctness: " + ("every rank's slices equal the senders' weights" if summary["correct"] else "; ".join(summary["problems"])))
@@ -159,6 +165,18 @@ def _fill(spec: TensorSpec, seed: int, device: torch.device) -> torch.Tensor:
         return torch.randn(spec.shape, generator=g).to(torch_dtype(spec.dtype))
     g = torch.Generator(device=device).manual_seed(seed)
     return torch.randn(spec.shape, generator=g, device=device, dtype=torch_dtype(spec.dtype))
+
+
+def _pool_counts(device: torch.device) -> dict[str, float]:
+    """What this process's caching allocators got from CUDA so far: device segments (cudaMalloc),
+    pinned host blocks (cudaHostAlloc) and the milliseconds those host allocations took."""
+    dev = torch.cuda.memory_stats(device)
+    host = torch.cuda.host_memory_stats()
+    return {
+        "device_allocs": dev.get("num_device_alloc", dev.get("segment.all.allocated", -1)),
+        "host_allocs": host.get("num_host_alloc", -1),
+        "host_alloc_ms": host.get("host_alloc_time.total", -1000) / 1000,
+    }
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -299,6 +317,8 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
         out["received"] = {"full": manifest.total_bytes, "regions": layout.bytes_for(receiver)}
     world = rdzv.world_size
     out["keep_s"] = {m: [] for m in MODES}
+    cuda = device.type == "cuda"
+    allocs: dict[str, dict[str, dict[str, float]]] = {m: {"first": {}, "timed": {}} for m in MODES}
     for i in range(cfg["iters"] + 1):  # the first round warms up
         for mode in MODES:
             if receiver >= 0:
@@ -310,10 +330,14 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
             store.add(key, 1)
             while store.add(key, 0) < world:
                 time.sleep(1e-4)
+            pools = _pool_counts(device) if cuda else {}
             t0 = time.perf_counter()
             run[mode]()
-            if device.type == "cuda":
+            if cuda:
                 torch.cuda.synchronize(device)  # timing only, outside the library
+                grown = allocs[mode]["first" if i == 0 else "timed"]
+                for k, v in _pool_counts(device).items():
+                    grown[k] = round(grown.get(k, 0) + v - pools[k], 3)
             if i > 0:
                 out["seconds"][mode].append(time.perf_counter() - t0)
                 out["keep_s"][mode].append(keep["s"] if receiver >= 0 else 0.0)
@@ -325,7 +349,9 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
                     out["problems"].append(f"{mode}: {len(bad)} tensors differ (first {bad[0]})")
     if receiver < 0:
         out["sender_full"] = sender_full[1:]  # the timed rounds (the first is the round after the join)
+        out["sender_full_first"] = sender_full[0] if sender_full else None
         out["fp8_walk"] = dataclasses.asdict(wire.last_walk) if wire is not None else None
+    out["allocs"] = allocs if cuda else None
     for g in groups.values():
         g.close()
     engine.finalize()
