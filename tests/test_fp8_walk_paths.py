@@ -143,3 +143,31 @@ def test_a_qwen3_moe_walk_launches_once_per_group_not_per_expert(groups: EagerGr
     expert_bytes = sum(s.nbytes for s in quantized if ".experts." in s.name)
     assert src.last_walk.grouped == 4656 and src.last_walk.alone == 0
     assert src.last_walk.launches <= 12 * 2 + expert_bytes // (wire.GROUP_BYTES - 4 * 768 * 2048) + 12, src.last_walk
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_moe_layer_walks_through_the_grouped_kernel() -> None:
+    """The real walk on CUDA (Triton's grouped kernel, no stand-in): one Qwen3-30B-A3B layer's 384
+    expert weights in a few launches, each weight's bytes those of the CPU reference. Prints the
+    walk's host time a weight (launches queued, not waited for), the figure issue 41 is about."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    import time
+
+    device = torch.device("cuda", 0)
+    specs = checkpoint_specs(load_preset_config("qwen3-30b-a3b"), num_layers=1)
+    g = torch.Generator(device=device).manual_seed(0)
+    weights = {s.name: torch.randn(s.shape, generator=g, device=device, dtype=torch.bfloat16) * 0.02 for s in specs if ".layers.0." in s.name}
+    src = wire.Fp8WireSource(StateDictSource(weights))
+    list(src.iter_weights())  # loads the kernels
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    walked = list(src.iter_weights())
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize(device)
+    assert src.last_walk.grouped == 388 and src.last_walk.alone == 0 and src.last_walk.launches <= 8, src.last_walk
+    print(f"\nwalk host time: {host / 388 * 1e6:.1f} us a quantized weight, {src.last_walk}")
+    got = dict(walked)
+    for name in [s.name for s in specs if quantizes(s)][::97]:
+        q, s = quantize_block_fp8_reference(weights[name].cpu())
+        assert torch.equal(got[name].cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[scale_name(name)].cpu(), s), name
