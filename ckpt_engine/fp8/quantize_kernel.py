@@ -39,6 +39,16 @@ __all__ = ["MAX_GROUP", "groupable", "quantize_block_fp8_group", "quantize_block
 _FLOOR_BITS = struct.unpack("<i", struct.pack("<f", 1e-4))[0]
 """float32(1e-4) as its bit pattern: the reference's `clamp(1e-4)` on a float32 amax."""
 _NUM_WARPS = 8
+_HW_CVT: dict[torch.device, bool] = {}
+
+
+def _hw_cvt(device: torch.device) -> bool:
+    """Whether `device` rounds to e4m3 with its own conversion (CUDA, compute capability 8.9+);
+    asked of the driver once per device: a walk whose weights go alone asks 18,432 times a sync."""
+    known = _HW_CVT.get(device)
+    if known is None:
+        known = _HW_CVT[device] = device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
+    return known
 
 
 @triton.jit(do_not_specialize=["bc", "nb"])  # only index the scales: fewer compiled variants per model
@@ -147,7 +157,7 @@ def quantize_block_fp8_triton(
     if experts > 65535 or br > 65535:
         raise ValueError(f"the block-FP8 kernel's grid takes at most 65535 experts and block rows, got {tuple(w.shape)}")
     if hw_cvt is None:
-        hw_cvt = w.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(w.device) >= (8, 9)
+        hw_cvt = _hw_cvt(w.device)
     _quantize_blocks[(bc, br, experts)](
         w3, q.view(torch.uint8), s, rows, cols, *w3.stride(), bc, br * bc,
         BR=block_rows, BC=block_cols, FLOOR_BITS=_FLOOR_BITS, HW_CVT=hw_cvt, num_warps=_NUM_WARPS, enable_fp_fusion=False,  # no FMA: y = w * inv rounds once
@@ -200,7 +210,7 @@ def quantize_block_fp8_group(ws: Sequence[torch.Tensor], *, hw_cvt: bool | None 
     if device.type == "cuda":  # pinned: a copy from pageable memory would make the host wait for the stream
         table = table.pin_memory().to(device, non_blocking=True)
     if hw_cvt is None:
-        hw_cvt = device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(device) >= (8, 9)
+        hw_cvt = _hw_cvt(device)
     _quantize_many[(widest, len(ws))](
         table, DTYPE=_GROUP_DTYPES[dtype], BR=block_rows, BC=block_cols, FLOOR_BITS=_FLOOR_BITS, HW_CVT=hw_cvt,
         num_warps=_NUM_WARPS, enable_fp_fusion=False,
