@@ -166,6 +166,32 @@ def elastic_vllm_peer(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shar
 
 
 @pytest.fixture(scope="session")
+def elastic_vllm_spare(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer[object]]:
+    """A second engine like `elastic_vllm_peer`'s A (same model, same extension): the joiner B of
+    test_elastic_vllm_join.py, then the peer C that test_elastic_vllm_failover.py syncs and kills
+    (`kills_shared_engine`: it runs last), one engine start fewer; `.get()` gives the `LLM`. A user
+    that needs an engine that never held a version checks that and `discard()`s one that did."""
+    from contextlib import contextmanager
+
+    from _vllm_peer_faults import EXTENSION
+    from helpers_vllm import stop_llm
+    from test_elastic_vllm_join import start_llm
+    from test_vllm_adapter import QWEN2_CONFIG
+
+    @contextmanager
+    def started() -> Iterator[object]:
+        d = tmp_path_factory.mktemp("qwen2-elastic-spare")
+        (d / "config.json").write_text(__import__("json").dumps(QWEN2_CONFIG))
+        llm = start_llm(d, EXTENSION)
+        try:
+            yield llm
+        finally:
+            stop_llm(llm)
+
+    yield from _serve("elastic_vllm_spare", SharedServer("qwen2-elastic-spare", started, _engine_core_alive))
+
+
+@pytest.fixture(scope="session")
 def lora_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2 of tests/test_vllm_adapter.py with real random weights (seed 0) saved, for the
     LoRA tests: with dummy weights a LoRA changes nothing visible."""
@@ -354,6 +380,7 @@ def pytest_configure(config: pytest.Config) -> None:
 SHARED_ENGINES = (
     "staged_vllm_server", "qwen2_llm", "lora_qwen2_llm", "tp2_qwen2_llm", "tp2_vllm_server", "native_vllm_server", "native_qwen2_llm",
     "native_lora_llm", "elastic_vllm_peer",
+    "elastic_vllm_spare",
 )
 """The session fixtures above: each one engine that several modules use in turn."""
 

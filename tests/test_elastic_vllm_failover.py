@@ -6,8 +6,10 @@ so the kill lands mid-pull with no timing: B's reads from the dead peer fail, it
 installs nothing, and `join_from_peer` fails over to A. B's second pull is held too, to look at
 what B serves between the two: its old weights, never a half-new mix. B then holds the new version
 bit for bit, as A and the trainer do. A is the engine the three elastic vLLM modules share
-(tests/conftest.py's `elastic_vllm_peer`; versions are read relative to what it held); B and C are
-the module's (C is the one killed)."""
+(tests/conftest.py's `elastic_vllm_peer`; versions are read relative to what it held); C is
+`elastic_vllm_spare` (test_elastic_vllm_join.py's joiner before: it holds whatever that left, and
+the module's session syncs it), killed here, so the test runs after their other users; B is the
+module's."""
 
 from __future__ import annotations
 
@@ -51,31 +53,30 @@ class Fleet(JoinFleet):
 
 
 @pytest.fixture(scope="module")
-def fleet(elastic_vllm_peer: SharedServer[tuple[Any, Path]]) -> Iterator[Fleet]:
-    """The shared A and a new C synced to two new versions by one staged session (kept open, as a
+def fleet(elastic_vllm_peer: SharedServer[tuple[Any, Path]], elastic_vllm_spare: SharedServer[Any]) -> Iterator[Fleet]:
+    """The shared A and C synced to two new versions by one staged session (kept open, as a
     trainer's would be); B started after that, holding dummy weights and no version."""
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
 
     llm_a, model_dir = elastic_vllm_peer.get()
-    llms: list[Any] = []
+    llm_b = None
     session = None
     try:
-        llms.append(start_llm(model_dir, EXTENSION))
-        a, c = VllmRollout("A", llm_a, timeout_s=60.0), VllmRollout("C", llms[0], timeout_s=60.0)
+        a, c = VllmRollout("A", llm_a, timeout_s=60.0), VllmRollout("C", elastic_vllm_spare.get(), timeout_s=60.0)
         session = WeightSyncSession([a, c], CONFIG)
         first = session.sync(source_of(trainer_model(model_dir, seed=1)))
         assert first.staged == "full"
         trainer = trainer_model(model_dir, seed=2)
         report = session.sync(source_of(trainer))
         assert report.staged == "full" and report.version == first.version + 1
-        llms.append(start_llm(model_dir, EXTENSION))
-        b = VllmRollout("B", llms[1], timeout_s=60.0)
-        yield Fleet(a, b, llm_a, llms[1], trainer, report.version, llm_greedy(llms[1])[0], c=c)
+        llm_b = start_llm(model_dir, EXTENSION)
+        b = VllmRollout("B", llm_b, timeout_s=60.0)
+        yield Fleet(a, b, llm_a, llm_b, trainer, report.version, llm_greedy(llm_b)[0], c=c)
     finally:
         if session is not None:
             session.close()
-        for llm in llms:
-            stop_llm(llm)
+        if llm_b is not None:
+            stop_llm(llm_b)
 
 
 def gone(pid: int) -> bool:
@@ -94,6 +95,7 @@ def wait_for(what: str, done: Any, alive: threading.Thread) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.kills_shared_engine
 def test_a_peer_killed_mid_pull_makes_a_vllm_joiner_fail_over_and_nothing_half_new_is_served(fleet: Fleet, tmp_path: Path) -> None:
     holds = [(tmp_path / f"hold{i}", tmp_path / f"reached{i}") for i in (1, 2)]
     fleet.llm_b.collective_rpc("test_hold_pulls", kwargs={"holds": [[str(h), str(r)] for h, r in holds]})

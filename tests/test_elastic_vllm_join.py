@@ -11,8 +11,9 @@ nothing changes. The daemon's peer joins take B for a fresh process and A not, a
 workers; the join itself goes through a handle on A that did not sync it (as `ckpt-engine serve`'s
 when a following trainer syncs). A is the engine the three elastic vLLM modules share
 (tests/conftest.py's `elastic_vllm_peer`: an engine start is ~30 s here), so versions are read
-relative to what it held; B is the module's, shared by its tests: the bad offer, the claims and the
-fresh check run first, on the fresh B."""
+relative to what it held; B is `elastic_vllm_spare` (then test_elastic_vllm_failover.py's C), an
+engine that never held a version when the module starts, shared by its tests: the bad offer, the
+claims and the fresh check run first, on the fresh B."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from ckpt_engine.elastic.offer import PeerOffer, tensor_checksums
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
+from helpers_vllm import ENGINE_ARGS  # noqa: E402
 from shared_server import SharedServer  # noqa: E402
 from test_elastic_join import nixl_missing  # noqa: E402
 from test_vllm_adapter import PROMPTS, WORKER_EXTENSION, hf_greedy, llm_greedy, source_of, trainer_model  # noqa: E402
@@ -69,13 +70,12 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(elastic_vllm_peer: SharedServer[tuple[Any, Path]]) -> Iterator[Fleet]:
+def fleet(elastic_vllm_peer: SharedServer[tuple[Any, Path]], elastic_vllm_spare: SharedServer[Any]) -> Iterator[Fleet]:
     """The shared A synced to two new versions by a staged session (kept open, as a trainer's would
     be); B started after that, holding dummy weights and no version."""
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
 
     llm_a, model_dir = elastic_vllm_peer.get()
-    llm_b = None
     session = None
     try:
         a = VllmRollout("A", llm_a, timeout_s=60.0)
@@ -86,14 +86,16 @@ def fleet(elastic_vllm_peer: SharedServer[tuple[Any, Path]]) -> Iterator[Fleet]:
         trainer = trainer_model(model_dir, seed=2)
         report = session.sync(source_of(trainer))
         assert report.staged == "full" and report.version == first.version + 1
-        llm_b = start_llm(model_dir)
+        llm_b = elastic_vllm_spare.get()
+        if VllmRollout("B", llm_b, timeout_s=60.0).held_version() is not None:  # another user synced it: a fresh one
+            elastic_vllm_spare.discard()
+            llm_b = elastic_vllm_spare.get()
         b = VllmRollout("B", llm_b, timeout_s=60.0)
+        assert b.held_version() is None
         yield Fleet(a, b, llm_a, llm_b, trainer, report.version, llm_greedy(llm_b)[0])
     finally:
         if session is not None:
             session.close()
-        if llm_b is not None:
-            stop_llm(llm_b)
 
 
 def test_a_bad_offer_is_refused_by_name_before_anything_is_allocated(fleet: Fleet) -> None:
