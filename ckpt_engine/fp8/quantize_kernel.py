@@ -217,9 +217,9 @@ def quantize_block_fp8_group(ws: Sequence[torch.Tensor], *, hw_cvt: bool | None 
     )
     # One as_strided a result (not a slice and two views: ~2.5 us of host a weight less, 18,432 weights a 30B-A3B sync)
     out = []
-    for w, qa, sa, (rows, cols, bc, nb, blocks) in zip(ws, q_at, s_at, rows_meta):
-        lead = w.shape[:-2]
-        s_shape = (*lead, nb // bc, bc)
-        s_stride = (nb, bc, 1) if lead else (bc, 1)
+    for w, qa, sa, (_, _, bc, nb, _) in zip(ws, q_at, s_at, rows_meta):
+        stacked = w.dim() == 3  # [experts, out, in]: the scales of each expert in turn
+        s_shape = (w.shape[0], nb // bc, bc) if stacked else (nb // bc, bc)
+        s_stride = (nb, bc, 1) if stacked else (bc, 1)
         out.append((q_buf.as_strided(w.shape, w.stride(), qa), s_buf.as_strided(s_shape, s_stride, sa)))
     return out

@@ -18,6 +18,7 @@ other shard is refused by name while the sync is planned, before anything pauses
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -54,10 +55,14 @@ class GroupKernel(Protocol):
 
 
 def _group_kernel(w: torch.Tensor) -> GroupKernel | None:
-    """The grouped quantize for `w`'s device: the Triton kernels on CUDA (Triton is imported only
-    where a GPU quantizes), none elsewhere (the eager recipe, one weight at a time)."""
-    if not w.is_cuda:
-        return None
+    """The grouped quantize for `w`'s device: the Triton kernels on CUDA, none elsewhere (the eager
+    recipe, one weight at a time)."""
+    return _cuda_kernels() if w.is_cuda else None
+
+
+@functools.cache
+def _cuda_kernels() -> GroupKernel:
+    """`fp8/quantize_kernel.py`, imported once, where a GPU quantizes (it needs Triton)."""
     from ckpt_engine.fp8 import quantize_kernel
 
     return quantize_kernel
