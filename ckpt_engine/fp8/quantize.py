@@ -22,7 +22,7 @@ import torch
 
 from ckpt_engine.fp8.layout import BLOCK, FP8_DTYPE
 
-__all__ = ["AMAX_FLOOR", "FP8_MAX", "quantize_block_fp8", "quantize_block_fp8_reference"]
+__all__ = ["AMAX_FLOOR", "FP8_MAX", "KERNEL_DTYPES", "quantize_block_fp8", "quantize_block_fp8_reference"]
 
 
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)
@@ -31,14 +31,15 @@ AMAX_FLOOR = 1e-4
 """vLLM's floor on a block's amax (`clamp(1e-4)`), so an all-zero block has a finite scale."""
 
 
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Input dtypes the CUDA kernel takes (others go through the eager recipe)."""
 
 
 def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize `w` ([out, in], or [experts, out, in]) into block-FP8 on its own device: (q in
     float8_e4m3fn, same shape; scale_inv in float32, [..., ceil(out / block[0]), ceil(in / block[1])]).
     The same bytes on every device: the Triton kernel on CUDA, the eager reference elsewhere."""
-    if w.is_cuda and w.dim() >= 2 and w.dtype in _KERNEL_DTYPES and block == BLOCK:
+    if w.is_cuda and w.dim() >= 2 and w.dtype in KERNEL_DTYPES and block == BLOCK:
         from ckpt_engine.fp8.quantize_kernel import quantize_block_fp8_triton  # needs Triton: imported where a GPU quantizes
 
         return quantize_block_fp8_triton(w, block)

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from ckpt_engine.fp8.layout import BLOCK
-from ckpt_engine.fp8.quantize import _KERNEL_DTYPES as KERNEL_DTYPES, quantize_block_fp8  # the kernel's input dtypes
+from ckpt_engine.fp8.quantize import KERNEL_DTYPES, quantize_block_fp8
 
 __all__ = ["warm_up", "warmed"]
 
