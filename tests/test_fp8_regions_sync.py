@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
-from ckpt_engine.fp8 import fp8_specs, quantize_block_fp8, quantizes
+from ckpt_engine.fp8 import fp8_specs
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.tp_ep import tp_ep_plan
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from refengines import spawn_engine
+from test_fp8_sync import checkpoint
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, wire_dtype="fp8")
 KV_HEADS = 2
@@ -34,16 +35,6 @@ SHAPES = {
 def _model(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {n: (torch.randn(s, generator=g) * 0.02).bfloat16() for n, s in SHAPES.items()}
-
-
-def _checkpoint(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    out = {}
-    for n, t in sd.items():
-        if quantizes(TensorSpec(n, "bfloat16", tuple(t.shape))):
-            out[n], out[n + "_scale_inv"] = quantize_block_fp8(t)
-        else:
-            out[n] = t
-    return out
 
 
 def _specs() -> list[TensorSpec]:
@@ -67,7 +58,7 @@ def test_tp_ranks_hold_their_fp8_slices_after_each_sync(engines: list[TorchRefRo
         for seed in (1, 2):
             sd = _model(seed)
             report = session.sync(StateDictSource(sd))
-            ckpt = _checkpoint(sd)
+            ckpt = checkpoint(sd)
             for engine, plan in zip(engines, plans):
                 assert plan is not None
                 bad = [
