@@ -14,6 +14,8 @@
 #   x4-rest - 4 GPUs: vllm-three beside fp8-bench, then fanout
 #   nixl  - the pull transport on GPUs (nixl-cu13 wheel carried in .nixl/): a nixl sync of Qwen2.5-7B and
 #           Qwen3-30B-A3B shapes beside nccl's raw broadcast and sync of the same bytes (issue 43)
+#   vllm-join - 2 GPUs: a late vLLM engine (GPU 1) joins from a serving one (GPU 0) with NIXL reads, time to
+#           serve against bytes / link + 2 s (bench/vllm_join_bench.py; vLLM carried, nixl-cu13 in .nixl/; issue 43)
 #   bench - dense and delta syncs of Qwen2.5-7B and Qwen3-30B-A3B shapes over NCCL beside the raw
 #           broadcast, and the FSDP2 shrunk topology (2 trainer ranks, receiver beside rank 1)
 # JSON lands in $OUT (or bench/out/); each step is bounded so one call fits the device's limit.
@@ -117,6 +119,18 @@ nixl)  # 2 GPUs: nixl pulls beside nccl (raw broadcast and sync) of the same sha
   for preset in ${NIXL_PRESETS:-qwen2.5-7b qwen3-30b-a3b}; do
     bench "nccl_$preset" --backend nccl --preset "$preset" --modes raw,ours --iters 3
     bench "nixl_$preset" --backend nixl --device cuda --preset "$preset" --modes ours --iters 3
+  done
+  ;;
+vllm-join)  # 2 GPUs: engine A (GPU 0) synced staged over nccl, engine B (GPU 1) started late joins from it (issue 43)
+  python3 -c "import vllm" 2>/dev/null || bash bench/vllm_carry.sh install || exit 1
+  [ -d /tmp/nixl ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nixl .nixl/*.whl || exit 1
+  export PYTHONPATH=/tmp/nixl:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0
+  for preset in ${VLLM_JOIN:-qwen2.5-7b}; do  # PRESET ...; VLLM_JOIN_ARGS (e.g. "--gpu-mem 0.48" for qwen3-30b-a3b) go to each
+    echo "== vllm join bench $preset ${VLLM_JOIN_ARGS:-}"
+    timeout "${VLLM_JOIN_TIMEOUT:-300}" python bench/vllm_join_bench.py --preset "$preset" ${VLLM_JOIN_ARGS:-} \
+      --json "$out/vllm_join_$preset.json" > "$out/vllm_join_$preset.log" 2>&1 &
+    pid=$!; watchdog "${VLLM_HANG_S:-270}" $pid; wait $pid; echo "exit $?"
+    grep -E "^vllm join|Error|error|did not finish" "$out/vllm_join_$preset.log" | tail -n 8
   done
   ;;
 one)
