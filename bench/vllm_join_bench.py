@@ -93,6 +93,20 @@ def start_engine(model_dir: Path, args: argparse.Namespace, visible: str | None)
     return llm, time.perf_counter() - t0
 
 
+def gpu_used() -> list[int]:
+    """Bytes in use on each GPU, every process's (where an engine process's memory shows from here)."""
+    return [total - free for free, total in (torch.cuda.mem_get_info(d) for d in range(torch.cuda.device_count()))]
+
+
+def placed(what: str, before: list[int], want: int, nbytes: int, out: dict[str, Any]) -> None:
+    """Refuse a run whose engine `what` did not take its weights' bytes on GPU `want`: a fooled
+    placement (an engine core in this process ignores CUDA_VISIBLE_DEVICES) would time a copy on one GPU."""
+    taken = [after - b for after, b in zip(gpu_used(), before)]
+    out[f"{what}_gib_taken_by_gpu"] = [round(t / 2**30, 2) for t in taken]
+    if taken[want] < nbytes:
+        raise RuntimeError(f"engine {what} took {taken[want] / 2**30:.2f} GiB on GPU {want}, less than its weights ({nbytes / 2**30:.2f} GiB): not placed there")
+
+
 def offered_checksums(engine: Any, version: int, timeout_s: float) -> dict[str, int]:
     """The checksum of every tensor of the image `engine` offers at `version` (the offer closed after)."""
     from ckpt_engine.elastic.offer import PeerOffer
@@ -170,9 +184,13 @@ def main() -> int:
     engines: list[Any] = []
     session = None
     try:
+        nbytes = sum(torch.Size(s.shape).numel() * getattr(torch, args.dtype).itemsize for s in specs)
+        before = gpu_used() if cuda else []
         with bounded("engine A's start", args.timeout_s, out, args.json):
             llm_a, up = start_engine(model_dir, args, None)
         out["engine_a_up_s"] = round(up, 1)
+        if cuda:
+            placed("A", before, 0, nbytes, out)
         engines.append(llm_a)
         trainer_device = "cuda:1" if cuda else "cpu"
         if cuda:
@@ -199,9 +217,12 @@ def main() -> int:
             torch.cuda.empty_cache()
             out["trainer_gib_left"] = round(torch.cuda.memory_allocated(1) / 2**30, 2)  # B starts beside what stays
 
+        before = gpu_used() if cuda else []
         with bounded("engine B's start", args.timeout_s, out, args.json):
             llm_b, up = start_engine(model_dir, args, args.b_visible if cuda else None)
         out["engine_b_up_s"] = round(up, 1)
+        if cuda:
+            placed("B", before, 1, nbytes, out)
         engines.append(llm_b)
         with bounded("B's registration and join", 3 * args.timeout_s, out, args.json):
             t_reg = time.perf_counter()
