@@ -140,7 +140,6 @@ class Bucket:
         """Bytes actually used (end of the last chunk); only these travel."""
         return max((e.bucket_offset + e.chunk_size for e in self.entries), default=0)
 
-
 @dataclass(frozen=True)
 class BucketManifest:
     """Every bucket of one sync plan, in the order receivers consume them.
@@ -173,15 +172,18 @@ class BucketManifest:
                     out.append(TensorSpec(e.name, e.dtype, e.shape))
         return out
 
-    @property
+    # The figures below are read several times a sync (plan, staging, report, delta bookkeeping):
+    # a manifest is immutable once built (frozen, tuples all the way down), so each is summed once;
+    # at 18,867 tensors (Qwen3-30B-A3B) a sum over the entries costs ~0.5 ms of host time each time.
+    @cached_property
     def num_tensors(self) -> int:
         return len({e.name for b in self.buckets for e in b.entries})
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
         return sum(e.chunk_size for b in self.buckets for e in b.entries)
 
-    @property
+    @cached_property
     def wire_bytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
@@ -190,10 +192,15 @@ class BucketManifest:
         return [b for b in self.buckets if b.sender == sender]
 
     def bytes_per_sender(self) -> list[int]:
+        """Each sender's plan bytes, sender 0 first (a fresh list: the caller may keep it)."""
+        return list(self._bytes_per_sender)
+
+    @cached_property
+    def _bytes_per_sender(self) -> tuple[int, ...]:
         out = [0] * self.num_senders
         for b in self.buckets:
             out[b.sender] += sum(e.chunk_size for e in b.entries)
-        return out
+        return tuple(out)
 
 
 def _check_name(name: Any) -> None:
