@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ckpt_engine.rollout_adapters.base import Membership
 
-__all__ = ["collect_failures", "memberships", "leave_all", "mark_stale_and_probe", "receive_failures", "wait_for_joins"]
+__all__ = ["ask_memberships", "collect_failures", "collect_memberships", "leave_all", "mark_stale_and_probe", "receive_failures", "wait_for_joins"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +81,15 @@ def wait_for_joins(sender: cf.Future[Any], joins: dict[str, cf.Future[Any]], tim
     return dict(sorted(waiting.items()))
 
 
-def memberships(pool: cf.Executor, members: Iterable[Any], timeout_s: float) -> tuple[dict[str, Membership], dict[str, str]]:
+def ask_memberships(pool: cf.Executor, members: Iterable[Any]) -> dict[str, cf.Future[Membership]]:
+    """Send every engine its membership query now and collect later (`collect_memberships`): the
+    round trips overlap the caller's own work (a sync reads its source's metadata meanwhile)."""
+    return {m.name: pool.submit(m.membership) for m in members}
+
+
+def collect_memberships(futures: dict[str, cf.Future[Membership]], timeout_s: float) -> tuple[dict[str, Membership], dict[str, str]]:
     """What every engine holds and which group its ranks are in (`membership`), and {engine: why}
-    for those that did not say."""
-    futures = {m.name: pool.submit(m.membership) for m in members}
+    for those that did not say within `timeout_s` in all."""
     failed = {n: f"version query: {why}" for n, why in collect_failures(futures, "a version query", timeout_s).items()}
     return ({n: f.result() for n, f in futures.items()} if not failed else {}), failed
 

@@ -105,6 +105,8 @@ class InstalledChecks:
         """The check armed for the sync under way (None: no check)."""
         self._want: dict[str, list[Key]] = {}
         self._wanted_for: tuple[tuple[tuple[str, ...], tuple[ReceivePlan | None, ...]], dict[str, list[Key]]] | None = None
+        self._names_for: tuple[BucketManifest, list[str], dict[str, torch.dtype]] | None = None
+        """The last plan `arm_manifest` armed a check for, with its names and wire dtypes."""
         self._folds = Folds(0, samples)
         self._digests: dict[Key, int] = {}
         """Each key's image in `_folds` (the trainer's side of the armed check)."""
@@ -136,11 +138,39 @@ class InstalledChecks:
         the senders' pieces are collective with TP helpers (no check with many senders). `dtypes`:
         each name's wire dtype (the manifest's): a source tensor of another dtype (cast on the wire,
         `StateDictSource(..., dtype=)`) is folded as the wire carries it, as the engine holds it."""
-        self.syncs += 1
-        self.request, self._digests, self.seconds, self._order, self._combined = None, {}, None, [], None
-        self._dtypes = {n: torch_dtype(d) for n, d in dtypes.items()} if dtypes is not None else {}
+        self._begin()
+        if self.due():
+            wire = {n: torch_dtype(d) for n, d in dtypes.items()} if dtypes is not None else {}
+            self._arm(rollouts, names, plans, senders, collective, wire)
+
+    def arm_manifest(
+        self, rollouts: Sequence[RolloutAdapter], manifest: BucketManifest, plans: Sequence[ReceivePlan | None], senders: int,
+        collective: bool = False,
+    ) -> None:
+        """`arm` with the manifest's names and wire dtypes, worked out only when a check is due, and
+        once per plan: a sync with no check due (every sync after the first, by default) then costs
+        nothing per tensor (a 30B-A3B's 18,867 names and dtypes cost ~2 ms of host time a sync)."""
+        self._begin()
         if not self.due():
             return
+        if self._names_for is None or self._names_for[0] is not manifest:
+            specs = manifest.specs
+            self._names_for = (manifest, [s.name for s in specs], {s.name: torch_dtype(s.dtype) for s in specs})
+        _, names, wire = self._names_for
+        self._arm(rollouts, names, plans, senders, collective, wire)
+
+    def _begin(self) -> None:
+        """A new sync: nothing armed yet."""
+        self.syncs += 1
+        self.request, self._digests, self.seconds, self._order, self._combined = None, {}, None, [], None
+        self._dtypes = {}
+
+    def _arm(
+        self, rollouts: Sequence[RolloutAdapter], names: list[str], plans: Sequence[ReceivePlan | None], senders: int,
+        collective: bool, dtypes: dict[str, torch.dtype],
+    ) -> None:
+        """Arm the check that is due, if it can be made."""
+        self._dtypes = dtypes
         if senders > 1 and self.samples == 0:
             return self._say("installed-weight checks: not made with many senders and verify_installed_samples: 0 "
                              "(an every-element fold reads whole words of a tensor; each sender holds only its rows)")
