@@ -140,6 +140,17 @@ class Bucket:
         """Bytes actually used (end of the last chunk); only these travel."""
         return max((e.bucket_offset + e.chunk_size for e in self.entries), default=0)
 
+    @cached_property
+    def all_whole(self) -> bool:
+        """Every entry is a whole tensor (a sender takes one yielded tensor per entry)."""
+        return all(e.is_whole for e in self.entries)
+
+    @cached_property
+    def one_dtype(self) -> bool:
+        """Every entry has the same wire dtype (a sender packs it in one batched copy of one dtype)."""
+        return len({e.dtype for e in self.entries}) <= 1
+
+
 @dataclass(frozen=True)
 class BucketManifest:
     """Every bucket of one sync plan, in the order receivers consume them.

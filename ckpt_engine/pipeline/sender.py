@@ -42,6 +42,12 @@ class _Once(BucketSend):
     one by one): never recorded for replay."""
 
 
+class _OnceOneDtype(_Once):
+    """A `_Once` packed bucket whose copies are all of one dtype, from the caller's own memory into
+    the sender's slot (never the same memory): one `_foreach_copy_` with no per-pair sorting (a
+    30B MoE sync packs ~19,000 such pairs)."""
+
+
 def _as_lists(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return list(dsts), list(srcs)
 
@@ -152,16 +158,22 @@ class Sender:
         replayable = stable and record
         pair = coalesce if record else _as_lists
         may_borrow = not self.t.reads_in_place(bucket.sender)
-        for e, dst in zip(bucket.entries, dsts):
-            src, own = pieces.source(e)
-            borrowed.append(stable and own and may_borrow)
-            replayable = replayable and (own or e.is_whole)  # a chunk that is not `own` is a conversion temporary
-            if stable or fresh:
-                srcs.append(src)
-            else:
-                t0 = time.perf_counter()
-                dst.copy_(src)
-                stats.pack_s += time.perf_counter() - t0
+        one_copy = False  # every pair of one dtype, each source the caller's own memory in the wire layout
+        if pieces.known is not None and bucket.all_whole:  # stable: one loop over the bucket's entries
+            srcs, owns = pieces.whole_entries(bucket.entries)
+            borrowed = [own and may_borrow for own in owns]
+            one_copy = bucket.one_dtype and all(owns)
+        else:
+            for e, dst in zip(bucket.entries, dsts):
+                src, own = pieces.source(e)
+                borrowed.append(stable and own and may_borrow)
+                replayable = replayable and (own or e.is_whole)  # a chunk that is not `own` is a conversion temporary
+                if stable or fresh:
+                    srcs.append(src)
+                else:
+                    t0 = time.perf_counter()
+                    dst.copy_(src)
+                    stats.pack_s += time.perf_counter() - t0
         grouped = self.opts.is_grouped(bucket, self.t)
         if not stable:
             pack = (list(dsts), srcs) if fresh else ([], [])  # packed by `_send_bucket`, one launch
@@ -188,6 +200,8 @@ class Sender:
             action = BucketSend("message", msgs=[srcs[0]])  # a lone chunk of a large tensor, from the caller's memory
         elif may_borrow and self._sendable_in_place(bucket, srcs):
             action = BucketSend("message", msgs=[flat_bytes(srcs[0])])  # a lone whole tensor: no pack copy either
+        elif not replayable and one_copy:
+            return _OnceOneDtype("packed", dsts, srcs)
         else:
             action = BucketSend("packed", *pair(dsts, srcs))
         return action if replayable else _Once(action.kind, action.dsts, action.srcs, action.msgs)
@@ -196,7 +210,9 @@ class Sender:
         """Pack (one batched copy) and post one bucket as `action` says."""
         bucket = step.bucket
         t0 = time.perf_counter()
-        if isinstance(action, _Once):
+        if isinstance(action, _OnceOneDtype):
+            torch._foreach_copy_(action.dsts, action.srcs)  # one dtype, no aliasing: batched_copy_'s sorting is moot
+        elif isinstance(action, _Once):
             batched_copy_(action.dsts, action.srcs)  # one launch for the whole bucket
         elif action.dsts:
             torch._foreach_copy_(action.dsts, action.srcs)  # recorded: pairs already merged and filtered
