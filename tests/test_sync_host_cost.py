@@ -17,6 +17,7 @@ from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.installed import InstalledChecks
+from ckpt_engine.sync.weights_mode import WeightsModeCheck
 from refengines import holds, serving, spawn_engine
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,6 +54,22 @@ def test_a_check_that_is_not_due_arms_nothing_and_a_due_one_arms_the_manifests_n
     other = plan_buckets(_specs()[:5], 4096)
     checks.arm_manifest([], other, [None], 1)  # sync 4, another plan: its own names
     assert checks.request is not None and checks.request.names == [s.name for s in other.specs]
+
+
+def test_the_weights_mode_is_checked_again_whenever_the_specs_change() -> None:
+    """A session scans its source's specs for the weights mode only when they differ from the last
+    that passed; any other list is scanned and refused as the plain check refuses it."""
+    from ckpt_engine.lora_format import ADAPTER_CONFIG
+
+    check, specs = WeightsModeCheck(), _specs()
+    adapter = [*specs, TensorSpec(ADAPTER_CONFIG, "uint8", (10,))]
+    for _ in range(2):
+        check("full", specs, [])
+        check("full", list(specs), [])  # another list of the same specs
+        with pytest.raises(ValueError, match="sends a LoRA adapter"):
+            check("full", adapter, [])
+        with pytest.raises(ValueError, match="does not send one LoRA adapter"):
+            check("adapters", specs, [])
 
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20)

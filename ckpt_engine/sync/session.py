@@ -38,7 +38,7 @@ from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
 from ckpt_engine.sync.stream import SyncStream
 from ckpt_engine.sync.capabilities import delta_unsupported
 from ckpt_engine.sync.staging import StagePolicy, discard_all, run_order
-from ckpt_engine.sync.weights_mode import check_weights_mode
+from ckpt_engine.sync.weights_mode import WeightsModeCheck
 from ckpt_engine.versions import next_version
 from ckpt_engine.sources.vllm import as_weight_source
 from ckpt_engine.sources.base import WatchedWeights, WeightSource
@@ -90,6 +90,7 @@ class WeightSyncSession:
         self._staging: str | None = None  # this sync's stage while it streams (None: today's order)
         self._stages = StagePolicy(self.config.stage)
         c = self.config
+        self._weights_mode = WeightsModeCheck()
         self._installed = InstalledChecks(c.verify_installed, c.verify_installed_samples, c.unwritten_tensors)  # issue 42 item 5
         self._stream = SyncStream(self.config, self._senders, self._regions, self._pool, self._break, self._group.new_engine)
 
@@ -339,7 +340,7 @@ class WeightSyncSession:
                 f"the weight source ({type(source).__name__}) lists no tensors: refusing to stamp an empty sync as a "
                 "new version (does a name filter drop every tensor?)"
             )
-        check_weights_mode(self.config.weights, specs, self.rollouts)
+        self._weights_mode(self.config.weights, specs, self.rollouts)
         return specs
 
     def _rejoin_if_left(self, members: dict[str, Membership]) -> None:
