@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ckpt_engine.delta.pieces import ScatteredImage
-from ckpt_engine.manifest import BucketManifest, TensorMeta
+from ckpt_engine.manifest import Bucket, BucketManifest, TensorMeta
 from ckpt_engine.pipeline.copy_plan import ReceivePlan, SendPlan
 from ckpt_engine.pipeline.delta_bases import Bases
 from ckpt_engine.pipeline.piece_reader import Known
@@ -53,6 +53,8 @@ class PlanState:
         """Receivers of a sender's own tensors: what each bucket yields."""
         self.own_counts: tuple[int, int, int] | None = None  # (rank, bytes, tensors) a sender sends
         self.chunked: list[TensorMeta] | None = None
+        self.kinds: dict[int, tuple[bool, bool]] = {}
+        """Per bucket index: (every entry whole, every entry of one wire dtype); see `bucket_kind`."""
         self.bases = Bases()
         """Delta bases (dropped, within the plan, by a sync outside delta framing)."""
         self.patch_buffers: dict[int, torch.Tensor] = {}
@@ -84,6 +86,14 @@ class PlanState:
                 rank, sum(e.chunk_size for s in mine for e in s.bucket.entries), len({e.name for s in mine for e in s.bucket.entries})
             )
         return mine, SendStats(bytes=self.own_counts[1], tensors=self.own_counts[2], buckets=len(mine))
+
+    def bucket_kind(self, bucket: Bucket) -> tuple[bool, bool]:
+        """(every entry is a whole tensor, every entry has one wire dtype), once per plan: a sender with
+        a stable source takes such a bucket in one loop and packs it in one copy."""
+        kind = self.kinds.get(bucket.index)
+        if kind is None:
+            kind = self.kinds[bucket.index] = (all(e.is_whole for e in bucket.entries), len({e.dtype for e in bucket.entries}) <= 1)
+        return kind
 
     def chunked_entries(self, manifest: BucketManifest) -> list[TensorMeta]:
         """One entry per tensor that travels in chunks (split over buckets or senders)."""

@@ -105,7 +105,9 @@ class Sender:
                     action = plan.buckets[bucket.index]
                 else:
                     assert pieces is not None
-                    action = self._resolve_bucket(bucket, views[bucket.index], pieces, stable, stats, recorded is not None, fresh=fresh)
+                    action = self._resolve_bucket(
+                        bucket, views[bucket.index], pieces, stable, stats, recorded is not None, fresh=fresh, kind=state.bucket_kind(bucket),
+                    )
                     if recorded is not None:
                         if isinstance(action, _Once):
                             recorded = None  # a piece was a temporary of this walk: nothing to replay
@@ -145,24 +147,26 @@ class Sender:
 
     def _resolve_bucket(
         self, bucket: Bucket, dsts: list[torch.Tensor], pieces: PieceReader, stable: bool, stats: SendStats, record: bool,
-        *, fresh: bool = False,
+        *, fresh: bool = False, kind: tuple[bool, bool],
     ) -> BucketSend:
         """Take a bucket's pieces from the source and decide how it travels. Without `stable`, each
         piece is packed before the next is asked for (the result is then only good for this sync),
         unless the source's tensors are `fresh`: then the bucket's pieces are held and packed in one
         batched copy (a 30B-A3B FP8 walk has ~37k pieces, a copy launch each otherwise).
         A `_Once` when the decision holds for this sync only (not `record`ing, or a piece is a
-        temporary of this walk); only a recorded decision pays for coalescing its copies."""
+        temporary of this walk); only a recorded decision pays for coalescing its copies. `kind`:
+        `PlanState.bucket_kind` (every entry whole, one wire dtype)."""
         srcs: list[torch.Tensor] = []
         borrowed: list[bool] = []  # src is the caller's memory in the wire layout
         replayable = stable and record
         pair = coalesce if record else _as_lists
         may_borrow = not self.t.reads_in_place(bucket.sender)
         one_copy = False  # every pair of one dtype, each source the caller's own memory in the wire layout
-        if pieces.known is not None and bucket.all_whole:  # stable: one loop over the bucket's entries
+        all_whole, one_dtype = kind
+        if pieces.known is not None and all_whole:  # stable: one loop over the bucket's entries
             srcs, owns = pieces.whole_entries(bucket.entries)
             borrowed = [own and may_borrow for own in owns]
-            one_copy = bucket.one_dtype and all(owns)
+            one_copy = one_dtype and all(owns)
         else:
             for e, dst in zip(bucket.entries, dsts):
                 src, own = pieces.source(e)
