@@ -309,10 +309,11 @@ class WeightSyncSession:
             claims.check_current(self.engine_keys(), self)
         # What every engine holds, and whether it is still in this session's group, is asked each
         # sync: another session may have synced it, or it restarted. Asked first, answered while the
-        # source's metadata is read (a round trip to every engine: ~1.3 ms on vLLM).
+        # source's metadata and device are read (a round trip to every engine: ~1.3 ms on vLLM).
         asked = ask_memberships(self._pool, self.rollouts)
         try:
             specs = self._specs(source)
+            device = source.device if senders == 1 else None  # with many senders each rank's transport takes its own
         except BaseException:
             cf.wait(asked.values(), timeout=self.config.timeout_s)  # a refused sync leaves no query in flight
             raise
@@ -327,8 +328,8 @@ class WeightSyncSession:
                 f"sync needs a new one (pass version=None: next {max([self.version, *(v for v in held.values() if v is not None)]) + 1})"
             )
         new_version = next_version(held, self.version, version)
-        if senders == 1:  # with many senders each rank's transport takes its own device
-            self._group.take_device(source.device)
+        if senders == 1:
+            self._group.take_device(device)
         engine = self._ensure_group(senders)
         return new_version, engine, self.plan(specs, engine, source)
 
