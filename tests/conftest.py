@@ -113,7 +113,7 @@ def qwen2_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer
 
     from _vllm_installed_faults import EXTENSION
     from helpers_vllm import ENGINE_ARGS, stop_llm
-    from test_vllm_adapter import QWEN2_CONFIG
+    from test_vllm_adapter import PREFIX_MODEL_LEN, QWEN2_CONFIG
 
     @contextmanager
     def started() -> Iterator[object]:
@@ -126,7 +126,7 @@ def qwen2_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         llm = LLM(
             model=str(d), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-            worker_extension_cls=EXTENSION, **ENGINE_ARGS,
+            worker_extension_cls=EXTENSION, **{**ENGINE_ARGS, "max_model_len": PREFIX_MODEL_LEN},
         )
         try:
             yield llm

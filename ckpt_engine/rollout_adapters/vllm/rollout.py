@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -95,6 +96,8 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self.version_from: str | None = None
         """Where the version it holds came from: "trainer sync" or "peer pull from <peer>"."""
         self._pause_mode = "keep"
+        self._cache_reset = False
+        """Whether this sync's prefix-cache reset already ran beside its transfer."""
         self.staged = StagedOutcomes(name, timeout_s)  # staged receives report their end in the group's store
         channels = (HTTPWeightSyncClient, LLMWeightSyncClient, WeightTransferChannel)
         self.client: Channel = llm if isinstance(llm, channels) else LLMWeightSyncClient(llm, timeout_s, name=repr(name))
@@ -200,7 +203,14 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         request = delta.to_dict() if delta is not None else None
         t0 = time.perf_counter()
         if stage is None:
-            replies = self.workers.receive(manifest.digest, request)
+            # Paused (requests frozen, dropped or to be recomputed), the engine caches nothing new
+            # until it resumes: its prefix cache is reset beside the transfer. Unpaused (`none`),
+            # requests still run, and the reset waits for the finalize.
+            early = self._pause_mode != "none"
+            reset = functools.partial(self._reset_prefix_cache, running=self._pause_mode == "recompute")
+            self._cache_reset = False
+            replies = self.workers.receive(manifest.digest, request, beside=reset if early else None)
+            self._cache_reset = early
         else:
             with self.staged.receiving() as ticket:  # from here a discard stops the wait
                 self.workers.stage(manifest.digest, ticket, request, stage)
@@ -343,7 +353,9 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         t0 = time.perf_counter()
         replies = self.workers.finalize(version, self.holds.sync_release())  # an unstaged sync's last worker call lets go
         t1 = time.perf_counter()
-        self._reset_prefix_cache(running=self._pause_mode == "recompute")
+        if not self._cache_reset:  # else reset beside the transfer (`receive`)
+            self._reset_prefix_cache(running=self._pause_mode == "recompute")
+        self._cache_reset = False
         self._set_engine_version(str(version))
         self.version, self.version_from = version, "trainer sync"
         self.last_finalize = {

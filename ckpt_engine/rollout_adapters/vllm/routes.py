@@ -11,6 +11,7 @@ anything pauses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ckpt_engine.installed import InstalledReport
@@ -49,7 +50,10 @@ class Route(Protocol):
     def check(self, digest: str, encoded: bytes, regions: list[bytes] | None, claim: dict[str, Any] | None = None) -> list[str]:
         """`claim`: a peer-lease claim the workers take first, in the same call (`vllm/holds.py`)."""
         ...
-    def receive(self, digest: str, delta: dict[str, Any] | None) -> list[dict[str, Any]] | None: ...
+    def receive(self, digest: str, delta: dict[str, Any] | None, beside: Callable[[], None] | None = None) -> list[dict[str, Any]] | None:
+        """`beside`: engine-core work (the prefix-cache reset) the handle runs while the workers
+        receive, where the route frees the engine core for it; else right after the receive."""
+        ...
     def stage(self, digest: str, ticket: str, delta: dict[str, Any] | None, stage: str) -> None: ...
     def staged_reports(self) -> list[dict[str, Any]] | None: ...
     def swap(self, version: int) -> list[dict[str, Any]]: ...
@@ -143,8 +147,18 @@ class ExtensionRoute:
         self.held = None if problems else digest
         return problems
 
-    def receive(self, digest: str, delta: dict[str, Any] | None) -> list[dict[str, Any]]:
-        replies = self.rpc("ckpt_receive", {"digest": digest, "delta": delta, **self._arm_with()}, timeout_s=self.timeout_s * 2)
+    def receive(self, digest: str, delta: dict[str, Any] | None, beside: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+        args = {"digest": digest, "delta": delta, **self._arm_with()}
+        if beside is None or "ckpt_receive" in self.methods:  # an adapter sync receives inside the call
+            replies = self.rpc("ckpt_receive", args, timeout_s=self.timeout_s * 2)
+            if beside is not None:
+                beside()
+        else:  # the workers receive on a thread of their own (`vllm/background_receive.py`)
+            self.rpc("ckpt_receive_begin", args)
+            try:
+                beside()
+            finally:  # the receive's own outcome (its error first) once it ended
+                replies = self.rpc("ckpt_receive_end", {"timeout_s": self.timeout_s * 2}, timeout_s=self.timeout_s * 2 + 5)
         reports = [r.pop("installed", None) for r in replies]
         if self._armed is not None and reports and all(r is not None for r in reports):
             self._reported = [InstalledReport.from_wire(r) for r in reports]

@@ -106,6 +106,16 @@ class CkptEngineWorkerExtension:
             self._ckpt_arm(installed)
         return self._ckpt_core().receive(digest, delta)
 
+    def ckpt_receive_begin(self, digest: str, delta: dict[str, Any] | None = None, installed: dict[str, Any] | None = None) -> dict[str, Any]:
+        """`ckpt_receive` on a thread of this worker: returns at once, so the engine core is free
+        while the version streams in; `ckpt_receive_end` answers what `ckpt_receive` would."""
+        if installed is not None:
+            self._ckpt_arm(installed)
+        return self._ckpt_core().receive_begin(digest, delta)
+
+    def ckpt_receive_end(self, timeout_s: float) -> dict[str, Any]:
+        return self._ckpt_core().receive_end(float(timeout_s))
+
     def ckpt_finalize(self, version: int, release: str | None = None) -> dict[str, Any]:
         """Post-process what was loaded (layerwise finalize), then stamp `version`; `release`: the
         sync's peer-lease claim let go of last (`ckpt_peer_release`), in the same call."""
