@@ -125,6 +125,7 @@ vllm-join)  # 2 GPUs: engine A (GPU 0) synced staged over nccl, engine B (GPU 1)
   python3 -c "import vllm" 2>/dev/null || bash bench/vllm_carry.sh install || exit 1
   [ -d /tmp/nixl ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nixl .nixl/*.whl || exit 1
   export PYTHONPATH=/tmp/nixl:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0
+  bash bench/vllm_carry.sh plugin .  # entry points (the nixl backend, vLLM's plugin) for a checkout run from PYTHONPATH
   for preset in ${VLLM_JOIN:-qwen2.5-7b}; do  # PRESET ...; VLLM_JOIN_ARGS (e.g. "--gpu-mem 0.48" for qwen3-30b-a3b) go to each
     echo "== vllm join bench $preset ${VLLM_JOIN_ARGS:-}"
     timeout "${VLLM_JOIN_TIMEOUT:-300}" python bench/vllm_join_bench.py --preset "$preset" ${VLLM_JOIN_ARGS:-} \
