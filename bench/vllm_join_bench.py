@@ -173,11 +173,7 @@ def main() -> int:
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
     from ckpt_engine.sources.base import StateDictSource
 
-    config = load_preset_config(args.preset)
-    if args.layers:
-        config["num_hidden_layers"] = args.layers
-        if "layer_types" in config:  # transformers checks one entry per layer
-            config["layer_types"] = config["layer_types"][: args.layers]
+    config = load_preset_config(args.preset, args.layers)
     config.update(torch_dtype=args.dtype, dtype=args.dtype, max_position_embeddings=min(config.get("max_position_embeddings", 4096), 4096))
     model_dir = Path(tempfile.mkdtemp(prefix="vllm-join-"))
     (model_dir / "config.json").write_text(json.dumps(config))

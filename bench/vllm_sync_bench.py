@@ -85,9 +85,7 @@ def main() -> None:
     from ckpt_engine.sources.base import StateDictSource
     from ckpt_engine.sync.api import close_sessions, sync_rollout_weights
 
-    config = load_preset_config(args.preset)
-    if args.layers:
-        config["num_hidden_layers"] = args.layers
+    config = load_preset_config(args.preset, args.layers)
     config.update(torch_dtype="bfloat16", max_position_embeddings=min(config.get("max_position_embeddings", 4096), 4096))
     model_dir = Path(tempfile.mkdtemp())
     (model_dir / "config.json").write_text(json.dumps(config))

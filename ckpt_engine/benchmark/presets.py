@@ -18,14 +18,21 @@ __all__ = ["PRESETS", "load_preset_config", "checkpoint_specs"]
 PRESETS = ("tiny", "qwen2.5-7b", "qwen3-30b-a3b")
 
 
-def load_preset_config(preset: str) -> dict[str, Any]:
-    """A preset name shipped with the package, or a path to an HF config.json."""
+def load_preset_config(preset: str, layers: int | None = None) -> dict[str, Any]:
+    """A preset name shipped with the package, or a path to an HF config.json; `layers`: the decoder
+    cut to that many layers (`layer_types` too: transformers checks one entry per layer)."""
     if preset in PRESETS:
-        return json.loads(resources.files("ckpt_engine.benchmark").joinpath(f"presets/{preset}.json").read_text())
-    path = Path(preset)
-    if not path.is_file():
-        raise ValueError(f"unknown preset {preset!r}: use one of {', '.join(PRESETS)} or a path to an HF config.json")
-    return json.loads(path.read_text())
+        config = json.loads(resources.files("ckpt_engine.benchmark").joinpath(f"presets/{preset}.json").read_text())
+    else:
+        path = Path(preset)
+        if not path.is_file():
+            raise ValueError(f"unknown preset {preset!r}: use one of {', '.join(PRESETS)} or a path to an HF config.json")
+        config = json.loads(path.read_text())
+    if layers:
+        config["num_hidden_layers"] = layers
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][:layers]
+    return config
 
 
 def checkpoint_specs(config: dict[str, Any], dtype: str = "bfloat16", num_layers: int | None = None) -> list[TensorSpec]:
