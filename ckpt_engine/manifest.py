@@ -140,6 +140,7 @@ class Bucket:
         """Bytes actually used (end of the last chunk); only these travel."""
         return max((e.bucket_offset + e.chunk_size for e in self.entries), default=0)
 
+
 @dataclass(frozen=True)
 class BucketManifest:
     """Every bucket of one sync plan, in the order receivers consume them.
