@@ -1,7 +1,8 @@
 """Run one function per rank in real processes joined by a rendezvous store, and collect results.
 
 Results travel back as JSON strings through the store (no pickle); the harness fails a test with
-each rank's error text if any rank raised, and kills stragglers after the timeout.
+each rank's error text if any rank raised (and what every other rank answered), and kills
+stragglers after the timeout.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def run_ranks(
     procs = [ctx.Process(target=_entry, args=(fn, r, rdzv.to_dict(), kwargs)) for r in range(world_size)]
     run_processes(procs, timeout_s * 2)
     store = rdzv.connect_store()
-    out, errors = [], []
+    out, errors, answers = [], [], []
     for r in range(world_size):
         if not store.check([f"result/{r}"]):
             errors.append(f"rank {r} reported nothing (exit code {procs[r].exitcode})")
@@ -73,8 +74,9 @@ def run_ranks(
         res = json.loads(store.get(f"result/{r}"))
         if res["ok"]:
             out.append(res["value"])
+            answers.append(f"rank {r} answered: {json.dumps(res['value'])[:2000]}")
         else:
             errors.append(f"rank {r} failed: {res['error']}\n{res['trace']}")
-    if errors:
-        raise AssertionError("\n".join(errors))
+    if errors:  # what the other ranks answered often says why this one failed (a peer that left early)
+        raise AssertionError("\n".join(errors + answers))
     return out

@@ -48,6 +48,7 @@ def _handoff_rank(
     rank: int, rdzv: Rendezvous, *, devices: list[str], versions: int = 2, verify: bool = False,
     local_senders: list[int] | None = None, try_delta: bool = False, die_after: int | None = None,
     how: str = "exit", loader_fails_after: int | None = None, engine_timeout_s: float | None = None, late: tuple[int, float] | None = None,
+    refused_join: bool = False,
 ) -> dict[str, Any]:
     """Senders send their row blocks of a mixed-dtype model for `versions` versions; the receiver
     checks every tensor bit for bit against the unsharded model. `try_delta`: with a local sender,
@@ -56,7 +57,8 @@ def _handoff_rank(
     the process reports, then exits hard (`how="exit"`), or the source raises (`how="raise"`).
     `loader_fails_after`: the receiver's loader raises after taking that many tensors.
     `engine_timeout_s`: the engines' timeout (default: the harness's). `late`: (rank, seconds) that
-    rank waits before it joins."""
+    rank waits before it joins. `refused_join`: the test expects the join to be refused, and a
+    join's ValueError is this rank's answer; otherwise it fails the rank, so the harness names it."""
     dev = torch.device(devices[rank])
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
@@ -68,6 +70,8 @@ def _handoff_rank(
     try:
         engine.init_process_group(rdzv, rank)
     except ValueError as exc:
+        if not refused_join:
+            raise
         return {"join_error": str(exc)}
     senders = rdzv.num_senders
     out: dict[str, Any] = {"local": engine.transport.local_senders, "gids": sorted(engine.transport.groups), "bad": [], "errors": [], "delta_refused": [], "how": how}
@@ -167,7 +171,7 @@ def test_bad_options_are_refused_by_name() -> None:
 def test_a_group_that_cannot_hand_over_is_refused_on_every_rank(senders: int, local_senders: list[int], match: str) -> None:
     """The first receiver rank's verdict reaches every rank as one ValueError at join."""
     results = run_ranks(
-        _handoff_rank, 3, backend="nccl_handoff", num_senders=senders, devices=["cpu"] * 3, local_senders=local_senders, timeout_s=30
+        _handoff_rank, 3, backend="nccl_handoff", num_senders=senders, devices=["cpu"] * 3, local_senders=local_senders, refused_join=True, timeout_s=30
     )
     for r in results:
         assert re.search(match, r["join_error"]), r
