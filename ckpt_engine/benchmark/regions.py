@@ -43,6 +43,7 @@ import torch
 from ckpt_engine.benchmark import paced_link
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.benchmark.rank_exit import collect_results
+from ckpt_engine.copies import batched_copy_
 from ckpt_engine.fp8.layout import fp8_specs
 from ckpt_engine.fp8.warm import warm_up as warm_fp8
 from ckpt_engine.sources.base import StateDictSource, WatchedWeights
@@ -294,8 +295,11 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
 
         def keep_slices(pairs: Any) -> None:
             t0 = time.perf_counter()
-            for name, t in pairs:
-                tensors[name].copy_(cut_region(t, held[name][0]))  # the engine keeps its slice
+            dsts, srcs = [], []
+            for name, t in pairs:  # the engine keeps its slices, one batched copy a bucket (as engines load)
+                dsts.append(tensors[name])
+                srcs.append(cut_region(t, held[name][0]))
+            batched_copy_(dsts, srcs)
             keep["s"] += time.perf_counter() - t0
 
         def receive_full() -> None:
