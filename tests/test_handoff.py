@@ -8,11 +8,12 @@ test places sender 0 on cuda:0 and sender 1 with the receiver on cuda:1, found b
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import Any
 
@@ -25,6 +26,7 @@ from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.planning.ownership import row_shards
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sources.base import spec_of
+from ckpt_engine.transports import handoff
 from multisender import even_rows, model_state, wire
 from ranks import run_ranks
 from roundtrip import same_bits
@@ -48,7 +50,7 @@ def _handoff_rank(
     rank: int, rdzv: Rendezvous, *, devices: list[str], versions: int = 2, verify: bool = False,
     local_senders: list[int] | None = None, try_delta: bool = False, die_after: int | None = None,
     how: str = "exit", loader_fails_after: int | None = None, engine_timeout_s: float | None = None, late: tuple[int, float] | None = None,
-    refused_join: bool = False,
+    refused_join: bool = False, map_after_sender_closed: bool = False,
 ) -> dict[str, Any]:
     """Senders send their row blocks of a mixed-dtype model for `versions` versions; the receiver
     checks every tensor bit for bit against the unsharded model. `try_delta`: with a local sender,
@@ -58,13 +60,17 @@ def _handoff_rank(
     `loader_fails_after`: the receiver's loader raises after taking that many tensors.
     `engine_timeout_s`: the engines' timeout (default: the harness's). `late`: (rank, seconds) that
     rank waits before it joins. `refused_join`: the test expects the join to be refused, and a
-    join's ValueError is this rank's answer; otherwise it fails the rank, so the harness names it."""
+    join's ValueError is this rank's answer; otherwise it fails the rank, so the harness names it.
+    `map_after_sender_closed`: the receiver maps sender 1's buffers only once sender 1 has finalized
+    its engine, or after 3 s if sender 1 cannot finalize before the receiver maps (as it must not)."""
     dev = torch.device(devices[rank])
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     kwargs: dict[str, Any] = {"verify": verify} if local_senders is None else {"verify": verify, "local_senders": local_senders}
     engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=16 * 1024, device=dev,
         timeout_s=engine_timeout_s if engine_timeout_s is not None else rdzv.timeout_s, **kwargs)
+    if map_after_sender_closed and rank == rdzv.num_senders:
+        handoff.map_buffers = _after_sender_closed(handoff.map_buffers, rdzv)
     if late is not None and rank == late[0]:
         time.sleep(late[1])
     try:
@@ -110,7 +116,22 @@ def _handoff_rank(
             out["errors"].append(f"v{version} after {time.monotonic() - t0:.1f}s: {type(exc).__name__}: {exc}")
             break
     engine.finalize()
+    rdzv.connect_store().set(f"test/finalized/{rank}", b"1")
     return out
+
+
+def _after_sender_closed(map_buffers: Callable[..., list[torch.Tensor]], rdzv: Rendezvous) -> Callable[..., list[torch.Tensor]]:
+    """`map_buffers` that first waits (at most 3 s) for sender 1 to finalize its engine: the slowest
+    a loaded box may make the receiver between reading sender 1's descriptors and mapping them."""
+
+    def late_map(*args: Any, **kwargs: Any) -> list[torch.Tensor]:
+        try:
+            rdzv.connect_store().wait(["test/finalized/1"], datetime.timedelta(seconds=3))
+        except torch.distributed.DistStoreError:
+            pass  # sender 1 waits for this mapping before its join returns: it cannot have finalized
+        return map_buffers(*args, **kwargs)
+
+    return late_map
 
 
 def _die_after(pieces: Iterator[tuple[str, torch.Tensor]], n: int, rdzv: Rendezvous, rank: int, out: dict[str, Any]) -> Iterator[Any]:
@@ -187,6 +208,20 @@ def test_a_rank_that_starts_after_the_sync_timeout_still_joins() -> None:
     )
     assert [r["errors"] for r in results] == [[], [], []] and results[2]["bad"] == []
     assert all(r["local"] == [1] for r in results)
+
+
+def test_a_local_sender_that_fails_at_once_leaves_its_buffers_to_the_receiver() -> None:
+    """Sender 1's source raises at its first sync while the receiver has not mapped its buffers yet
+    (the receiver maps them only once sender 1 has finalized, or 3 s later): sender 1's join returns
+    only after the receiver mapped them, so its close cannot unlink them first. Before, the receiver's
+    join failed ("shared buffer ... is not on this host") and sender 0 waited out its group's timeout."""
+    results = run_ranks(
+        _handoff_rank, 3, backend="nccl_handoff", num_senders=2, devices=["cpu"] * 3, versions=1, local_senders=[1],
+        die_after=0, how="raise", map_after_sender_closed=True, engine_timeout_s=60, timeout_s=90,
+    )
+    assert "the weight source failed" in results[1]["errors"][0], results
+    (error,) = results[2]["errors"]
+    assert "TransferError" in error and "from sender 1" in error and "aborted the sync" in error, error
 
 
 @pytest.mark.parametrize("how", ["exit", "raise"])

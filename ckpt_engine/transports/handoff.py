@@ -174,6 +174,7 @@ class HandoffTransport(Transport):
             buffers, descs, self._shm_paths = share_buffers(self.device, nb, size)
             self.remote.add_slots(buffers)
             store.set(f"handoff/buffers/{rank}", msgpack.packb({"size": size, "buffers": descs}, use_bin_type=True))
+            self._await_mapping(store, rendezvous.timeout_s)
         elif self.is_sender:
             self.remote.alloc_buffers(nb)
         else:
@@ -181,18 +182,41 @@ class HandoffTransport(Transport):
                 if s not in self._local:
                     self.remote.alloc_buffers(len(self.buffers) + nb)
                     continue
-                key = f"handoff/buffers/{s}"
-                wait_keys(store, [key], f"sender {s}'s shared buffers", rendezvous.timeout_s, rank)
-                try:
-                    descs = validate_descriptors(msgpack.unpackb(store.get(key), raw=False), nb, size, f"sender {s}")
-                except (ValueError, msgpack.UnpackException) as exc:
-                    raise ValueError(f"{NAME}: sender {s}'s shared buffers: {exc}") from exc
-                self._mapped.update(range(len(self.buffers), len(self.buffers) + nb))
-                self.remote.add_slots(map_buffers(self.device, descs, size))
+                self._map_sender(store, s, rendezvous.timeout_s)
         # The remote transport's groups, less the local senders'.
         own = ([] if rank in self._local else [rank]) if self.is_sender else [s for s in range(senders) if s not in self._local]
         self.remote.join_groups(store, own)
         logger.info("rank %d/%d joined %s group %s; senders %s hand over in memory", rank, world, NAME, rendezvous.token[:8], sorted(self._local))
+
+    def _map_sender(self, store: Any, sender: int, timeout_s: float) -> None:
+        """Receiver: map a local sender's published buffers as its slots, then tell it so (or why not)."""
+        nb, size = self.num_buffers, self.bucket_size_bytes + SLACK
+        key = f"handoff/buffers/{sender}"
+        wait_keys(store, [key], f"sender {sender}'s shared buffers", timeout_s, self.rank)
+        try:
+            try:
+                descs = validate_descriptors(msgpack.unpackb(store.get(key), raw=False), nb, size, f"sender {sender}")
+            except (ValueError, msgpack.UnpackException) as exc:
+                raise ValueError(f"{NAME}: sender {sender}'s shared buffers: {exc}") from exc
+            slots = map_buffers(self.device, descs, size)
+        except Exception as exc:
+            store.set(f"handoff/mapped/{sender}", f"the receiver (rank {self.rank}) could not map them: {exc}".encode())
+            raise
+        self._mapped.update(range(len(self.buffers), len(self.buffers) + nb))
+        self.remote.add_slots(slots)
+        store.set(f"handoff/mapped/{sender}", b"1")
+
+    def _await_mapping(self, store: Any, timeout_s: float) -> None:
+        """Local sender: join returns only once the receiver has mapped this rank's buffers. A
+        sender that failed and closed before then unlinked (host) or freed (CUDA) them under the
+        receiver, whose join then failed with a misleading "not on this host" and left the remote
+        senders waiting out their group timeout (the CI flake of test_a_failed_local_sender_is_named)."""
+        key = f"handoff/mapped/{self.rank}"
+        wait_keys(store, [key], "the receiver's mapping of this sender's shared buffers", timeout_s, self.rank)
+        answer = store.get(key)
+        store.delete_key(key)
+        if answer != b"1":
+            raise TransferError(f"rank {self.rank}: {NAME}: {answer.decode(errors='replace')}")
 
     def close(self) -> None:
         self.remote.close()
