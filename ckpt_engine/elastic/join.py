@@ -12,6 +12,14 @@ checks it against what it holds and reads, and checks what it read against the p
 A peer that fails (died mid-pull, refused) is named, and the next one is tried; when none is left
 the joiner holds no version and does not serve, and the trainer's next sync seeds it.
 
+The joiner prepares beside the peer's offer (`elastic/prepared.py`): while the peer makes its offer
+(its agent, its registration, its checksums), the joiner makes its own NIXL agent and registers the
+tensors its pull lands in, which it knows from its own model; the pull then only loads the peer's
+metadata, registers what the offer names and the prepare did not, and reads. A prepare the pull does
+not take (the offer was refused, the peer failed) is released at the join's end (or by the next
+prepare, or at its deadline in the engine); a prepare that failed leaves the pull to make its agent
+itself, as before. On 2xH200 each of the two was ~1.4 s, once a process.
+
 While it joins, the joiner is held for the join (`PeerJoinable.joining`, under a fresh name per
 join): a vLLM engine's workers refuse a sync's group join or validate meanwhile by name, and a join
 into an engine a sync holds is refused by name (`PeerJoinError` naming the joiner), before anything
@@ -29,9 +37,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -41,6 +50,9 @@ from ckpt_engine.rollout_adapters.base import RolloutAdapter, version_of
 __all__ = ["PeerJoinError", "PeerJoinReport", "PeerJoinable", "join_from_peer", "serving_version"]
 
 logger = logging.getLogger(__name__)
+
+_SLACK_S = 10.0
+"""Beyond a prepare call's own bound, the longest a join waits for its answer."""
 
 
 class PeerJoinable(ABC):
@@ -64,6 +76,16 @@ class PeerJoinable(ABC):
 
     def pull_from_peer(self, offer: bytes, version: int, peer: str, timeout_s: float) -> dict[str, Any]:
         return dict(self.peer_rpc("pull_from_peer", timeout_s=2 * timeout_s, offer=offer, version=version, peer=peer, read_timeout_s=timeout_s))
+
+    def peer_prepare(self, keep_s: float, timeout_s: float) -> dict[str, Any]:
+        """Before the peer's offer comes, make the pull's NIXL agent and register what the pull will
+        land in (known from this engine's own model), kept `keep_s` unless a pull takes it; returns
+        what was prepared. The join calls it on a thread beside the peer's offer."""
+        return dict(self.peer_rpc("peer_prepare", timeout_s=timeout_s, keep_s=keep_s))
+
+    def peer_unprepare(self) -> None:
+        """Release a prepare no pull took (its agent closed, its registrations and allocations gone)."""
+        self.peer_rpc("peer_unprepare", timeout_s=10.0)
 
     @contextlib.contextmanager
     def joining(self, owner: str, timeout_s: float) -> Iterator[None]:
@@ -89,7 +111,13 @@ class PeerJoinReport:
     """The whole call, offers and failed attempts included: the joiner's time to serve."""
     failed: dict[str, str] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
-    """The joiner's seconds by phase: connect (agent made, peer's loaded), read, check (checksums)."""
+    """The joiner's seconds by phase: prepare (its agent made and its tensors registered, beside the
+    peer's offer), prepare_wait (how long the pull waited for it after the offer: 0 when the offer
+    took longer), connect (what was left of connecting: what the prepare lacked registered, the
+    peer's metadata loaded), read, check (checksums); a vLLM joiner's shadow and swap too."""
+    prepare: dict[str, Any] = field(default_factory=dict)
+    """The last attempt's prepare: used (the pull read with its agent), early / late (tensors
+    registered before the offer / at the pull), tensors, bytes, seconds; error when it failed."""
 
     @property
     def gbps(self) -> float:
@@ -153,11 +181,14 @@ def join_from_peer(
             held_for_join.enter_context(joiner.joining(f"peer join {secrets.token_hex(3)}", timeout_s))
         except Exception as exc:  # a sync holds the joiner (or it cannot be reached): nothing was touched
             raise PeerJoinError(joiner.name, want, {joiner.name: f"the joiner could not be held for the join: {exc}"}) from exc
-        return _attempts(joiner, peers, held, want, failed, timeout_s, t0)
+        beside = Beside(joiner, timeout_s)
+        held_for_join.callback(beside.release)  # before the hold is let go: a prepare no pull took goes
+        return _attempts(joiner, peers, held, want, failed, timeout_s, t0, beside)
 
 
 def _attempts(
     joiner: PeerJoinable, peers: Sequence[RolloutAdapter], held: dict[str, int], want: int, failed: dict[str, str], timeout_s: float, t0: float,
+    beside: Beside,
 ) -> PeerJoinReport:
     """Each peer serving `want`, in order, until one join completes (else PeerJoinError)."""
     for p in peers:
@@ -167,24 +198,28 @@ def _attempts(
             continue
         assert isinstance(p, PeerJoinable)
         try:
-            got = _attempt(joiner, p, want, timeout_s)
+            got = _attempt(joiner, p, want, timeout_s, beside)
         except Exception as exc:
             logger.warning("engine %s: the join from peer %s failed: %s", joiner.name, p.name, exc)
             failed[p.name] = f"{type(exc).__name__}: {exc}"
             continue
-        report = PeerJoinReport(joiner.name, want, p.name, got["bytes"], got["tensors"], got["seconds"], time.perf_counter() - t0, failed, dict(got.get("phases") or {}))
+        beside.taken = bool((got.get("prepare") or {}).get("used"))
+        phases = {**dict(got.get("phases") or {}), "prepare": beside.seconds, "prepare_wait": beside.waited}
+        report = PeerJoinReport(joiner.name, want, p.name, got["bytes"], got["tensors"], got["seconds"], time.perf_counter() - t0, failed,
+                                phases, {**beside.info, **dict(got.get("prepare") or {})})
         logger.info("engine %s joined at version %d from peer %s (%.3f GB/s, %.3f s to serve)", joiner.name, want, p.name, report.gbps, report.wall_s)
         return report
     raise PeerJoinError(joiner.name, want, failed)
 
 
-def _attempt(joiner: PeerJoinable, peer: PeerJoinable, version: int, timeout_s: float) -> dict[str, Any]:
+def _attempt(joiner: PeerJoinable, peer: PeerJoinable, version: int, timeout_s: float, beside: Beside) -> dict[str, Any]:
+    beside.start()  # the joiner prepares while the peer makes its offer: neither waits for the other
     raw = peer.peer_offer(version, timeout_s)
     try:
         offer = PeerOffer.decode(raw, peer.name)
         if offer.version != version:
             raise ValueError(f"asked for version {version}, it offered version {offer.version}")
-        return pull_offer(joiner, peer, raw, timeout_s)
+        return pull_offer(joiner, peer, raw, timeout_s, beside.settle_for_pull)
     finally:
         try:
             peer.peer_done(PeerOffer.decode(raw, peer.name).offer_id)
@@ -192,9 +227,72 @@ def _attempt(joiner: PeerJoinable, peer: PeerJoinable, version: int, timeout_s: 
             logger.debug("closing the offer of %s: %s", peer.name, exc)
 
 
-def pull_offer(joiner: PeerJoinable, peer: PeerJoinable, raw: bytes, timeout_s: float) -> dict[str, Any]:
+def pull_offer(
+    joiner: PeerJoinable, peer: PeerJoinable, raw: bytes, timeout_s: float, before_pull: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """One pull of an offer `peer` made: checked with the peer as it stands now (a stale offer from
-    before a restart, an altered one, a version it no longer holds: refused by name), then read."""
+    before a restart, an altered one, a version it no longer holds: refused by name), then read
+    (`before_pull`: the join waits there for the joiner's prepare)."""
     offer = PeerOffer.decode(raw, peer.name)
     peer.peer_check(raw)
+    if before_pull is not None:
+        before_pull()
     return joiner.pull_from_peer(raw, offer.version, peer.name, timeout_s)
+
+
+class Beside:
+    """The joiner's prepare (`PeerJoinable.peer_prepare`) on a thread of its own, beside the peer's
+    offer. The joiner takes one call at a time (two threads on one in-process vLLM client abort it),
+    so every other call to it waits for the prepare in flight first, bounded by the prepare's own
+    bound and `_SLACK_S`; a prepare still out then fails the attempt by name instead."""
+
+    def __init__(self, joiner: PeerJoinable, timeout_s: float) -> None:
+        self.joiner, self.timeout_s = joiner, timeout_s
+        self.keep_s = 2 * timeout_s + 30.0
+        """How long the engine keeps a prepare no pull took (an offer, a check and a pull's start come first)."""
+        self.seconds = 0.0
+        """The last prepare's seconds (the call's, from this side)."""
+        self.waited = 0.0
+        """How long the last pull waited for its prepare after the offer."""
+        self.info: dict[str, Any] = {}
+        self.taken = False
+        """The pull that completed read with the prepared agent: nothing is left to release."""
+        self._done: threading.Event | None = None
+
+    def start(self) -> None:
+        self._settle()
+        done = self._done = threading.Event()
+        threading.Thread(target=self._run, args=(done,), name=f"ckpt-prepare-{self.joiner.name}", daemon=True).start()
+
+    def _run(self, done: threading.Event) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.info = {**self.joiner.peer_prepare(self.keep_s, self.timeout_s)}
+        except Exception as exc:  # the pull then makes its agent itself, as without a prepare
+            logger.warning("engine %s: its prepare before the offer failed (the pull prepares itself): %s", self.joiner.name, exc)
+            self.info = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            self.seconds = time.perf_counter() - t0
+            self.info["seconds"] = self.seconds
+            done.set()
+
+    def _settle(self) -> None:
+        """Wait for a prepare in flight (bounded); RuntimeError naming it if it is still out."""
+        done = self._done
+        if done is not None and not done.wait(self.timeout_s + _SLACK_S):
+            raise RuntimeError(f"the joiner's prepare did not answer within {self.timeout_s + _SLACK_S:.0f}s; no other call goes to it meanwhile")
+
+    def settle_for_pull(self) -> None:
+        t0 = time.perf_counter()
+        self._settle()
+        self.waited = time.perf_counter() - t0
+
+    def release(self) -> None:
+        """At the join's end: a prepare no pull took is released (best effort: else at its deadline)."""
+        if self._done is None or self.taken:
+            return
+        try:
+            self._settle()
+            self.joiner.peer_unprepare()
+        except Exception as exc:
+            logger.warning("engine %s: releasing its prepare failed (it lapses within %.0fs): %s", self.joiner.name, self.keep_s, exc)

@@ -22,6 +22,7 @@ import torch
 
 from ckpt_engine.elastic.host import PeerHost
 from ckpt_engine.elastic.offer import PeerOffer, tensor_bytes, tensor_checksums
+from ckpt_engine.elastic.prepared import JoinPrep
 from ckpt_engine.transports.nixl_agent import NixlAgent, load_nixl
 
 __all__ = ["WINDOW", "pull_version", "read_checked"]
@@ -35,11 +36,11 @@ _MAX_NAP_S = 1e-3
 
 def pull_version(
     host: PeerHost, offer: PeerOffer, peer: str, timeout_s: float,
-    exclusive: Callable[[str], AbstractContextManager[None]], hold: Callable[[], None],
+    exclusive: Callable[[str], AbstractContextManager[None]], hold: Callable[[], None], prep: JoinPrep | None = None,
 ) -> dict[str, Any]:
-    """Make `host` hold `offer.version`, read from `peer`; returns {version, peer, bytes, tensors,
-    seconds}. Raises ValueError (bad input: nothing touched) or RuntimeError (the engine is left
-    paused and stale)."""
+    """Make `host` hold `offer.version`, read from `peer` (with the agent `prep` holds, if any);
+    returns {version, peer, bytes, tensors, seconds, phases, prepare}. Raises ValueError (bad input:
+    nothing touched) or RuntimeError (the engine is left paused and stale)."""
     version = offer.version
     if host.last_version is not None and version < host.last_version:
         raise ValueError(f"this engine held version {host.last_version} already; versions only grow, so it cannot pull version {version}")
@@ -49,25 +50,28 @@ def pull_version(
         host.stale, host.version, host.receiving, host.received = True, None, True, None
         t0 = time.perf_counter()
         try:
-            nbytes, phases = read_checked(host.tensors, offer, peer, timeout_s, hold)  # a failure leaves it out of service
+            nbytes, phases, prepared = read_checked(host.tensors, offer, peer, timeout_s, hold, prep)  # a failure leaves it out of service
             host.version, host.last_version, host.stale = version, version, False
         finally:
             host.receiving = False
         seconds = time.perf_counter() - t0
         host.resume()
     logger.info("pulled version %d from peer %s: %d bytes in %.3f s (%s)", version, peer, nbytes, seconds, phases)
-    return {"version": version, "peer": peer, "bytes": nbytes, "tensors": len(offer.tensors), "seconds": seconds, "phases": phases}
+    return {"version": version, "peer": peer, "bytes": nbytes, "tensors": len(offer.tensors), "seconds": seconds, "phases": phases, "prepare": prepared}
 
 
 def read_checked(
-    into: Mapping[str, torch.Tensor], offer: PeerOffer, peer: str, timeout_s: float, hold: Callable[[], None],
-) -> tuple[int, dict[str, float]]:
+    into: Mapping[str, torch.Tensor], offer: PeerOffer, peer: str, timeout_s: float, hold: Callable[[], None], prep: JoinPrep | None = None,
+) -> tuple[int, dict[str, float], dict[str, Any]]:
     """Read every offered tensor into `into` (by name: the live tensors of a reference receiver, a
-    vLLM worker's staging copy) and check each against the checksum the peer advertised. Returns
-    the bytes read and the seconds by phase (connect, read, check); raises RuntimeError naming what
-    failed (a read, a checksum)."""
+    vLLM worker's staging copy) and check each against the checksum the peer advertised. With the
+    agent `prep` holds when there is one (made, its registrations done, before the offer came;
+    what it lacks is registered here). Returns the bytes read, the seconds by phase (connect: what
+    was left of making the agent and connecting to the peer's; read; check) and what the prepare
+    gave ({used, early, late}: tensors registered before the offer and here); raises RuntimeError
+    naming what failed (a read, a checksum)."""
     t0 = time.perf_counter()
-    nbytes, connect_s = _read_all(into, offer, peer, timeout_s, hold)
+    nbytes, connect_s, prepared = _read_all(into, offer, peer, timeout_s, hold, prep)
     t_check = time.perf_counter()
     sums = tensor_checksums([into[t.name] for t in offer.tensors])
     bad = [t.name for t, got in zip(offer.tensors, sums) if got != t.checksum]
@@ -76,15 +80,22 @@ def read_checked(
             f"{len(bad)} tensor(s) read from peer {peer} do not match the checksums it advertised for version {offer.version} "
             f"({', '.join(bad[:5])}): a sync landed in the peer mid-read, or a memory descriptor was wrong"
         )
-    return nbytes, {"connect": connect_s, "read": t_check - t0 - connect_s, "check": time.perf_counter() - t_check}
+    return nbytes, {"connect": connect_s, "read": t_check - t0 - connect_s, "check": time.perf_counter() - t_check}, prepared
 
 
-def _read_all(into: Mapping[str, torch.Tensor], offer: PeerOffer, peer: str, timeout_s: float, hold: Callable[[], None]) -> tuple[int, float]:
-    """Every offered tensor into the held one, `WINDOW` reads at a time; the bytes read and the
-    seconds it took to make the agent and connect to the peer's."""
+def _read_all(
+    into: Mapping[str, torch.Tensor], offer: PeerOffer, peer: str, timeout_s: float, hold: Callable[[], None], prep: JoinPrep | None,
+) -> tuple[int, float, dict[str, Any]]:
+    """Every offered tensor into the held one, `WINDOW` reads at a time; the bytes read, the
+    seconds it took to make the agent (or take the prepared one) and connect to the peer's, and
+    what the prepare gave."""
     t0 = time.perf_counter()
     todo = [(i, t.name, tensor_bytes(into[t.name])) for i, t in enumerate(offer.tensors) if t.nbytes]
-    agent = NixlAgent(load_nixl(), "join", [b for _, _, b in todo])
+    taken = prep.take({name: local for _, name, local in todo}) if prep is not None else None
+    if taken is not None and taken.agent is not None:
+        agent, prepared = taken.agent, taken.info()
+    else:  # nothing prepared: made and registered now, as before the prepare existed
+        agent, prepared = NixlAgent(load_nixl(), "join", [b for _, _, b in todo]), {"used": False, "early": 0, "late": len(todo)}
     deadline = time.monotonic() + timeout_s
     try:
         try:
@@ -108,6 +119,6 @@ def _read_all(into: Mapping[str, torch.Tensor], offer: PeerOffer, peer: str, tim
                 if state != "DONE":
                     raise RuntimeError(f"the read of {name} from peer {peer} failed in NIXL ({state}): did the peer leave or die?")
             hold()
-        return sum(local.numel() for _, _, local in todo), connect_s
+        return sum(local.numel() for _, _, local in todo), connect_s, prepared
     finally:
         agent.close()

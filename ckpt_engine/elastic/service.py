@@ -12,6 +12,7 @@ from typing import Any
 from ckpt_engine.elastic.host import PeerHost
 from ckpt_engine.elastic.offer import PeerOffer
 from ckpt_engine.elastic.peer_source import PeerSource
+from ckpt_engine.elastic.prepared import JoinPrep
 from ckpt_engine.elastic.pull import pull_version
 
 __all__ = ["PeerService"]
@@ -28,6 +29,13 @@ class PeerService:
         self._hold = hold
         self._pulled: tuple[int, str] | None = None
         """(version, peer) of the last pull, until a sync installs a version."""
+        self.prep = JoinPrep()
+        """A pull's agent made before the offer came (`prepare`), taken by the pull."""
+
+    def prepare(self, keep_s: float) -> dict[str, Any]:
+        """Make the pull's agent and register the held tensors (a pull lands in them) while the
+        peer makes its offer (`elastic/prepared.py`); kept `keep_s` unless the pull takes it."""
+        return self.prep.prepare(dict(self.host.tensors), keep_s)
 
     def synced(self) -> None:
         self._pulled = None
@@ -45,7 +53,7 @@ class PeerService:
             raise ValueError(f"peer {peer!r} offers version {decoded.version}, but this engine was asked to pull version {version} (a peer advertising a version it does not hold?)")
         self.source.generation += 1  # from the first read on, what this engine held is gone
         try:
-            return pull_version(self.host, decoded, peer, read_timeout_s, self._exclusive, self._hold)
+            return pull_version(self.host, decoded, peer, read_timeout_s, self._exclusive, self._hold, self.prep)
         finally:
             self._pulled = (version, peer) if self.host.version == version else None
 
@@ -57,4 +65,6 @@ class PeerService:
             "peer_check": owned(lambda offer: s.check(offer)),
             "peer_done": owned(lambda offer_id: s.done(offer_id)),
             "pull_from_peer": owned(self.pull),
+            "peer_prepare": owned(self.prepare),
+            "peer_unprepare": owned(lambda: self.prep.release()),
         }

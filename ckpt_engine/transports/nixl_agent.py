@@ -129,11 +129,29 @@ class NixlAgent:
         self.agent: Any = api.nixl_agent(self.name, config)
         if "UCX" not in self.agent.backends:
             raise RuntimeError(f"NIXL agent {self.name}: the UCX backend did not load (plugins found: {self.agent.plugin_list})")
-        self.buffers = buffers
-        self._reg: Any = self.agent.register_memory(buffers, backends=["UCX"]) if buffers else None
-        self.memory, self.device_id = memory_kind(buffers[0].device) if buffers else ("DRAM", 0)
+        self.buffers: list[torch.Tensor] = []
+        self._regs: list[Any] = []
+        self.memory, self.device_id = "DRAM", 0
+        self.register(buffers)
         self.peers: dict[int, SlotOffer] = {}
         self._requests: dict[tuple[int, int, int, int, int], Any] = {}
+
+    def register(self, buffers: list[torch.Tensor]) -> None:
+        """Register more memory, of the one device this agent reads into (a joiner prepared before
+        the peer's offer, whose offer named a tensor it had not registered). Deregistered at `close`."""
+        if not buffers:
+            return
+        kind = memory_kind(buffers[0].device)
+        if any(memory_kind(b.device) != kind for b in buffers) or (self.buffers and kind != (self.memory, self.device_id)):
+            raise ValueError(f"NIXL agent {self.name} registers the memory of one device, not of {sorted({str(b.device) for b in [*self.buffers, *buffers]})}")
+        self._regs.append(self.agent.register_memory(buffers, backends=["UCX"]))
+        self.buffers.extend(buffers)
+        self.memory, self.device_id = kind
+
+    @property
+    def registrations(self) -> int:
+        """How many registrations this agent holds (0 once closed)."""
+        return len(self._regs)
 
     def offer(self) -> SlotOffer:
         slots = tuple((b.data_ptr(), b.numel() * b.element_size()) for b in self.buffers)
@@ -227,9 +245,9 @@ class NixlAgent:
             except Exception as exc:
                 logger.debug("nixl: forgetting agent %s: %s", offer.agent, exc)
         self.peers = {}
-        if self._reg is not None:
+        regs, self._regs = self._regs, []
+        for reg in regs:
             try:
-                a.deregister_memory(self._reg, backends=["UCX"])
+                a.deregister_memory(reg, backends=["UCX"])
             except Exception as exc:
                 logger.debug("nixl: deregistering the slots: %s", exc)
-            self._reg = None

@@ -32,6 +32,7 @@ import torch
 
 from ckpt_engine.elastic.offer import PeerOffer
 from ckpt_engine.elastic.peer_source import PeerSource
+from ckpt_engine.elastic.prepared import JoinPrep
 from ckpt_engine.elastic.pull import read_checked
 from ckpt_engine.rollout_adapters.engine_lease import EngineLease
 from ckpt_engine.rollout_adapters.vllm.specs import VllmSpecs
@@ -72,6 +73,8 @@ class VllmPeer:
         self.hold: Callable[[], None] = _no_hold
         """Called between two read windows of a pull: where a fault test holds one to act on its
         peer mid-pull, with no timing (`tests/_vllm_peer_faults.py`)."""
+        self.prep = JoinPrep()
+        """A pull's agent made, and its staging copy allocated and registered, before the offer came."""
 
     def caller(self, owner: str | None) -> VllmPeer:
         """This worker's peer joins, for a caller naming weight-sync group `owner` (None: none).
@@ -119,9 +122,34 @@ class VllmPeer:
 
     def close(self) -> None:
         self.clear("this engine left its weight-sync group (its staging copy is freed)")
+        self.prep.release()
         self.source.close()
 
     # --- the joining side ------------------------------------------------------------------------
+    def prepare(self, keep_s: float, *, specs: VllmSpecs, staging: Staging, device: torch.device) -> dict[str, Any]:
+        """While the peer makes its offer: the pull's NIXL agent made and the staging copy it will
+        read into allocated and registered, in this model's checkpoint shapes (`VllmSpecs`: every
+        needed tensor; an offer naming another shape or a further tensor gets it at the pull).
+        Nothing is written. A prepare no pull takes (`release`, its deadline, the next prepare)
+        frees what it allocated and deregisters it."""
+        if staging.running:
+            raise RuntimeError("a peer join's prepare refused: a staged receive is streaming into this worker")
+        into: dict[str, torch.Tensor] = {}
+        made: dict[str, torch.Tensor] = {}
+        for name, spec in sorted(specs.needed.items()):
+            before = staging.copy.tensors.get(name)
+            into[name] = staging.copy.slot(name, tuple(spec.shape), getattr(torch, spec.dtype), device)
+            if into[name] is not before:
+                made[name] = into[name]
+
+        def free() -> None:  # what this prepare allocated, unless a staged receive uses the copy by now
+            if not staging.running:
+                for name, t in made.items():
+                    if staging.copy.tensors.get(name) is t:
+                        del staging.copy.tensors[name]
+
+        return {**self.prep.prepare(into, keep_s, on_release=free), "allocated": len(made)}
+
     def start_pull(
         self, raw: bytes, version: int, peer: str, read_timeout_s: float, *, specs: VllmSpecs, staging: Staging,
         device: torch.device, held: int | None, prepare: Prepare | None,
@@ -139,12 +167,12 @@ class VllmPeer:
             t0 = time.perf_counter()
             into = {t.name: staging.copy.slot(t.name, t.shape, getattr(torch, t.dtype), device) for t in offer.tensors}
             staging.copy.retain(into)
-            nbytes, phases = read_checked(into, offer, peer, read_timeout_s, self.hold)
+            nbytes, phases, prepared = read_checked(into, offer, peer, read_timeout_s, self.hold, self.prep)
             alias = [(head, into[emb]) for head, emb in specs.tied.items() if head not in into and emb in into]
             staged.sink([*into.items(), *alias])  # kept as they are: they already are the staging copy
             seconds = time.perf_counter() - t0
             logger.info("pulled version %d from peer %s into the staging copy: %d bytes in %.3f s (%s)", version, peer, nbytes, seconds, phases)
-            return {"peer": peer, "version": version, "bytes": nbytes, "tensors": len(into), "seconds": seconds, "phases": phases}
+            return {"peer": peer, "version": version, "bytes": nbytes, "tensors": len(into), "seconds": seconds, "phases": phases, "prepare": prepared}
 
         staging.start(f"peer-pull:{peer}:v{version}", stream, True, prepare)
         self._pull = staging.version

@@ -407,8 +407,9 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         stall = self.swap(version, "keep")
         self.version_from = f"peer pull from {peer}"
         got = dict(status["report"])
-        phases = {**dict(got.get("phases") or {}), "prepare": float(got.get("shadow_s", 0.0)), "swap": stall}
-        return {"version": version, "peer": peer, "bytes": got["bytes"], "tensors": got["tensors"], "seconds": time.perf_counter() - t0, "phases": phases}
+        phases = {**dict(got.get("phases") or {}), "shadow": float(got.get("shadow_s", 0.0)), "swap": stall}
+        return {"version": version, "peer": peer, "bytes": got["bytes"], "tensors": got["tensors"], "seconds": time.perf_counter() - t0, "phases": phases,
+                "prepare": dict(got.get("prepare") or {})}
 
     def _peer_route(self) -> ExtensionRoute:
         if not isinstance(self.workers, ExtensionRoute):

@@ -1,0 +1,185 @@
+"""A joiner's side of a peer join made ready before the peer's offer arrives (issue 43, the late
+joiner's time to serve): its NIXL agent (UCX started) and the registration of the tensors its pull
+will land in, which it knows from its own model (the reference receiver: its live tensors; a vLLM
+worker: its staging copy in its model's checkpoint shapes). On 2xH200 these, and the peer's first
+offer, were each ~1.4 s, once a process, and neither waits for the other: `join_from_peer` asks the
+joiner to prepare while the peer makes its offer.
+
+One prepared agent per engine process at most. The pull takes it (`take`): every tensor the offer
+names whose memory it has not registered is registered then (another shape, new storage), so a
+prepare that guessed wrong costs what no prepare costs, never a wrong read. A prepare the pull never
+takes (the offer was refused, the peer failed first) is released: at the join's end, by the next
+prepare, or at its own deadline (a controller that died), with every registration it made and
+whatever its engine allocated for it (`on_release`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ckpt_engine.elastic.offer import tensor_bytes
+from ckpt_engine.transports.nixl_agent import NixlAgent, load_nixl
+
+__all__ = ["JoinPrep", "Taken"]
+
+logger = logging.getLogger(__name__)
+
+_LOCK_S = 30.0
+"""The longest a call waits for another's prepare or release (an agent's start is ~1.4 s on an H200 host)."""
+
+
+def _regions(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The byte view of each non-empty tensor (what a read lands in and a registration covers)."""
+    return {n: tensor_bytes(t) for n, t in tensors.items() if t.numel()}
+
+
+def _key(view: torch.Tensor) -> tuple[str, int, int]:
+    return str(view.device), view.data_ptr(), view.numel()
+
+
+@dataclass
+class _Prepared:
+    agent: NixlAgent
+    registered: set[tuple[str, int, int]]
+    """(device, address, bytes) of every registered region."""
+    on_release: Callable[[], None] | None
+    timer: threading.Timer
+
+
+@dataclass
+class Taken:
+    """What a pull got from its engine's prepare: the agent to read with (None: none was prepared,
+    the pull makes one) and how many of its tensors were registered early and at the pull."""
+
+    agent: NixlAgent | None
+    early: int = 0
+    late: int = 0
+
+    def info(self) -> dict[str, Any]:
+        return {"used": self.agent is not None, "early": self.early, "late": self.late}
+
+
+class JoinPrep:
+    """One engine process's prepared pull (at most one)."""
+
+    def __init__(self, label: str = "join") -> None:
+        self.label = label
+        self._lock = threading.Lock()
+        self._held: _Prepared | None = None
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        if not self._lock.acquire(timeout=_LOCK_S):
+            raise TimeoutError(f"a peer join's prepare or release held this engine for more than {_LOCK_S:.0f}s")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    @property
+    def held(self) -> bool:
+        return self._held is not None
+
+    def prepare(self, into: Mapping[str, torch.Tensor], keep_s: float, on_release: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Make an agent with `into` registered (a held one is kept, what it lacks registered, its
+        deadline renewed), kept `keep_s` unless a pull takes it or a release comes first. Returns
+        {seconds, tensors, bytes, reused}. A failure leaves nothing registered (`on_release` called)."""
+        t0 = time.perf_counter()
+        with self._locked():
+            held, self._held = self._held, None
+            if held is not None:
+                held.timer.cancel()
+            release = on_release if held is None else _chain(held.on_release, on_release)
+            try:
+                views = _regions(into)
+                keys = {_key(v) for v in views.values()}
+                if held is None:
+                    agent, registered = NixlAgent(load_nixl(), self.label, list(views.values())), keys
+                else:  # its agent is kept (UCX started): only what it lacks is registered
+                    agent, registered = held.agent, held.registered
+                    agent.register([v for v in views.values() if _key(v) not in registered])
+                    registered |= keys
+            except BaseException:
+                _let_go(held.agent if held is not None else None, release)
+                raise
+            timer = threading.Timer(keep_s, self._expire, args=(agent,))
+            timer.daemon = True
+            self._held = _Prepared(agent, registered, release, timer)
+            timer.start()
+        seconds = time.perf_counter() - t0
+        nbytes = sum(v.numel() for v in views.values())
+        logger.info("peer join prepared before the offer: agent %s, %d tensors (%d bytes) registered in %.3f s%s",
+                    agent.name, len(views), nbytes, seconds, " (the held agent kept)" if held is not None else "")
+        return {"seconds": seconds, "tensors": len(views), "bytes": nbytes, "reused": held is not None}
+
+    def take(self, into: Mapping[str, torch.Tensor]) -> Taken:
+        """The held agent for a pull landing in `into` (it owns it from now on: it closes it), the
+        regions of `into` it had not registered registered now; Taken(None) when none is held."""
+        with self._locked():
+            held, self._held = self._held, None
+        if held is None:
+            return Taken(None)
+        held.timer.cancel()
+        views = _regions(into)
+        missing = [v for v in views.values() if _key(v) not in held.registered]
+        try:
+            held.agent.register(missing)
+        except BaseException:
+            _close(held)
+            raise
+        return Taken(held.agent, len(views) - len(missing), len(missing))
+
+    def release(self) -> bool:
+        """Close a held prepare (deregistering everything it registered); whether one was held."""
+        with self._locked():
+            held, self._held = self._held, None
+        if held is None:
+            return False
+        held.timer.cancel()
+        _close(held)
+        return True
+
+    def _expire(self, agent: NixlAgent) -> None:
+        """Its deadline passed with no pull and no release (a controller that died): let it go."""
+        with self._locked():
+            held = self._held
+            if held is None or held.agent is not agent:
+                return
+            self._held = None
+        logger.warning("a peer join's prepared agent %s was not taken before its deadline: released", agent.name)
+        _close(held)
+
+
+def _close(held: _Prepared) -> None:
+    _let_go(held.agent, held.on_release)
+
+
+def _let_go(agent: NixlAgent | None, release: Callable[[], None] | None) -> None:
+    """Deregister and close `agent`, then `release` what its engine allocated for it."""
+    try:
+        if agent is not None:
+            agent.close()
+    finally:
+        if release is not None:
+            release()
+
+
+def _chain(first: Callable[[], None] | None, second: Callable[[], None] | None) -> Callable[[], None] | None:
+    if first is None or second is None:
+        return first or second
+
+    def both() -> None:
+        try:
+            first()
+        finally:
+            second()
+
+    return both
