@@ -1,19 +1,31 @@
 """What an installed-weight check costs (issue 42 item 5): dense syncs of a preset's checkpoint into
-one reference receiver in its own process, with `verify_installed` off and on every sync, and the
-digests alone on both sides (the trainer's fold of the source, the engine's of what it installed).
+one reference receiver in its own process, checked and unchecked, and the digests alone on both
+sides (the trainer's fold of the source, the engine's of what it installed).
 
     python bench/installed_check_bench.py --preset qwen2.5-7b --layers 1 --syncs 4 [--samples 4096]
+    python bench/installed_check_bench.py --preset qwen2.5-7b --layers 28 --device cuda --backend colocated --syncs 9
 
-Prints one JSON line: the median dense sync without and with the check, the check's share of the
-sync, and each side's digest time (sampled and, for reference, a full fold: --samples 0's).
+By default one session runs `verify_installed: 2` (after a first sync that joins, checked and
+unchecked syncs alternate, `--syncs` of each), so host drift hits both sides of the pair alike;
+`--two-sessions` runs the earlier method, a session unchecked then one checked at every sync. With
+`--device cuda` the trainer's tensors and the receiver's (a reference receiver started by this
+script, holding zeros of the checkpoint on that device) share one GPU; the one-GPU backend is
+`colocated`. Prints one JSON line: the median dense sync without and with the check, the check's
+share of the sync, and each side's digest time (sampled and, for reference, a full fold:
+--samples 0's).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -21,8 +33,11 @@ import torch
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+from ckpt_engine.control.server import RpcServer
 from ckpt_engine.installed import InstalledRequest, digest
-from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.processes import read_ready_line
+from ckpt_engine.rollout_adapters.ref_models import RefModel, load_spec_file
+from ckpt_engine.rollout_adapters.torch_ref import READY_PREFIX, TOKEN_ENV, TorchRefRollout, TorchRefWorker, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 
 
@@ -33,41 +48,93 @@ def fold_s(sd: dict[str, torch.Tensor], samples: int) -> float:
     return time.perf_counter() - t
 
 
+def serve_receiver(spec_file: str, device: str) -> None:
+    """The receiver process for a device run: the reference receiver's worker over zeros of the
+    checkpoint made on `device` (the spawned reference receiver holds host tensors)."""
+    token = os.environ.pop(TOKEN_ENV, "")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
+    model = RefModel({s.name: torch.zeros(s.shape, dtype=getattr(torch, s.dtype), device=dev) for s in load_spec_file(spec_file)})
+    server = RpcServer(TorchRefWorker.of(model).handlers(), token=token).start()
+    print(f"{READY_PREFIX}{server.port}", flush=True)
+    parent = os.getppid()
+    while os.getppid() == parent:  # exit when the bench goes away
+        threading.Event().wait(1.0)
+
+
+def start_receiver(spec_file: str, device: str, timeout_s: float) -> TorchRefRollout:
+    """A reference receiver: the library's spawned one on the host, this script's on a device."""
+    if torch.device(device).type == "cpu":
+        return TorchRefRollout.spawn("ref", spec_file=spec_file, dtype="bfloat16", timeout_s=timeout_s)
+    token = secrets.token_hex(16)
+    cmd = [sys.executable, __file__, "--serve-receiver", spec_file, "--device", device]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, TOKEN_ENV: token})
+    port = int(read_ready_line(proc, READY_PREFIX, "the bench's reference receiver", timeout_s))
+    return TorchRefRollout("ref", "127.0.0.1", port, proc, timeout_s, token=token)
+
+
+def run_session(
+    engine: TorchRefRollout, sd: dict[str, torch.Tensor], first: str, verify: str | int, syncs: int, args: argparse.Namespace,
+) -> list[tuple[float, float | None]]:
+    """(total seconds, the check's seconds or None when unchecked) of each sync after the first,
+    which joins the group and is not counted."""
+    kwargs = {args.backend: {"device": args.device}} if torch.device(args.device).type != "cpu" else {}
+    cfg = CheckpointEngineConfig(backend=args.backend, bucket_size_mb=args.bucket_mb, stage="off", timeout_s=600, delta="off",
+                                 verify_installed=verify, verify_installed_samples=args.samples, engine_kwargs=kwargs)
+    session = WeightSyncSession([engine], cfg)
+    out = []
+    try:
+        for _ in range(syncs + 1):
+            with torch.no_grad():
+                sd[first][0, 0] += 1
+            seconds = session.sync(StateDictSource(sd)).seconds
+            out.append((seconds["total"], seconds.get("installed_check")))
+    finally:
+        session.close()
+    return out[1:]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen2.5-7b")
     p.add_argument("--layers", type=int, default=1)
-    p.add_argument("--syncs", type=int, default=4)
+    p.add_argument("--syncs", type=int, default=4, help="checked syncs, and as many unchecked")
     p.add_argument("--samples", type=int, default=4096)
     p.add_argument("--bucket-mb", type=float, default=256)
+    p.add_argument("--device", default="cpu", help="where the trainer's and the receiver's tensors live (cpu, cuda, cuda:N)")
+    p.add_argument("--backend", default="gloo", help="gloo on the host; colocated for one GPU")
+    p.add_argument("--two-sessions", action="store_true", help="an unchecked session, then one checked at every sync")
+    p.add_argument("--serve-receiver", metavar="SPEC_FILE", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.serve_receiver:
+        return serve_receiver(args.serve_receiver, args.device)
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev)
     specs = checkpoint_specs(load_preset_config(args.preset), num_layers=args.layers)
-    g = torch.Generator().manual_seed(0)
-    sd = {s.name: torch.randn(s.shape, generator=g, dtype=torch.float32).to(getattr(torch, s.dtype)) for s in specs}
+    g = torch.Generator(device=dev).manual_seed(0)
+    sd = {s.name: torch.randn(s.shape, generator=g, dtype=torch.float32, device=dev).to(getattr(torch, s.dtype)) for s in specs}
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
-    out: dict[str, object] = {"preset": args.preset, "layers": args.layers, "tensors": len(sd), "gb": round(nbytes / 1e9, 3), "samples": args.samples}
+    out: dict[str, object] = {
+        "preset": args.preset, "layers": args.layers, "tensors": len(sd), "gb": round(nbytes / 1e9, 3), "samples": args.samples,
+        "device": str(dev), "backend": args.backend,
+        "method": "two sessions (off, verify_installed: 1)" if args.two_sessions else "one session, verify_installed: 2 (interleaved)",
+    }
     with tempfile.TemporaryDirectory() as tmp:
-        spec_file = Path(tmp) / "spec.msgpack"
+        spec_file = str(Path(tmp) / "spec.msgpack")
         write_spec_file(spec_file, specs)
-        engine = TorchRefRollout.spawn("ref", spec_file=str(spec_file), dtype="bfloat16", timeout_s=600)
+        engine = start_receiver(spec_file, args.device, 600)
         try:
-            for mode in ("off", 1):
-                cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=args.bucket_mb, stage="off", timeout_s=600,
-                                             verify_installed=mode, verify_installed_samples=args.samples)
-                session = WeightSyncSession([engine], cfg)
-                times, checks = [], []
-                try:
-                    for i in range(args.syncs + 1):  # the first joins the group: not counted
-                        sd[specs[0].name][0, 0] += 1
-                        seconds = session.sync(StateDictSource(sd)).seconds
-                        times.append(seconds["total"])
-                        checks.append(seconds.get("installed_check", 0.0))
-                finally:
-                    session.close()
-                out[f"sync_s_{'off' if mode == 'off' else 'checked'}"] = round(statistics.median(times[1:]), 4)
-                out[f"syncs_{'off' if mode == 'off' else 'checked'}"] = [round(x, 4) for x in times[1:]]
-                if mode != "off":
-                    out["check_s"] = round(statistics.median(checks[1:]), 4)
+            if args.two_sessions:
+                runs = run_session(engine, sd, specs[0].name, "off", args.syncs, args) + run_session(engine, sd, specs[0].name, 1, args.syncs, args)
+            else:
+                runs = run_session(engine, sd, specs[0].name, 2, 2 * args.syncs, args)
+            off = [t for t, c in runs if c is None]
+            on = [t for t, c in runs if c is not None]
+            out["sync_s_off"], out["sync_s_checked"] = round(statistics.median(off), 4), round(statistics.median(on), 4)
+            out["syncs_off"], out["syncs_checked"] = [round(x, 4) for x in off], [round(x, 4) for x in on]
+            out["check_s"] = round(statistics.median(c for _, c in runs if c is not None), 4)
             req = InstalledRequest([s.name for s in specs], 12345, args.samples)
             t = time.perf_counter()
             engine.installed_digests(req)
@@ -76,10 +143,10 @@ def main() -> None:
             out["trainer_full_fold_s"] = round(fold_s(sd, 0), 3)
         finally:
             engine.close()
-    off, on = out["sync_s_off"], out["sync_s_checked"]
-    out["check_share"] = round(out["check_s"] / off, 4)  # type: ignore[operator]  # the check's own time over a dense sync
-    out["difference_share"] = round((on - off) / off, 4)  # type: ignore[operator]  # noisy: two sets of syncs
-    out["digests_share"] = round((out["engine_digests_s"] + out["trainer_fold_s"]) / off, 4)  # type: ignore[operator]
+    off_s, on_s = out["sync_s_off"], out["sync_s_checked"]
+    out["check_share"] = round(out["check_s"] / off_s, 4)  # type: ignore[operator]  # the check's own time over a dense sync
+    out["difference_share"] = round((on_s - off_s) / off_s, 4)  # type: ignore[operator]  # checked minus unchecked, same session
+    out["digests_share"] = round((out["engine_digests_s"] + out["trainer_fold_s"]) / off_s, 4)  # type: ignore[operator]
     print(json.dumps(out))
 
 
