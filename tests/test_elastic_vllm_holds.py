@@ -123,36 +123,52 @@ def held_images(fleet: Fleet, version: int) -> dict[str, dict[str, int]]:
 
 
 def test_a_sync_into_an_engine_a_peer_join_holds_is_refused_by_name(fleet: Fleet) -> None:
-    """B's join from A holds B while it waits on A's offer; a session's sync into B meanwhile is
-    refused at B's group join, naming the join, and B is untouched (no group, no version); the
-    join then completes: B holds A's version, bit for bit."""
+    """B's join from A holds B while it waits on A's offer, B's prepare (its agent made, its staging
+    copy registered) done beside it: the offer is gated until B's prepare returned, so a join that
+    prepared only after the offer would never pass. A session's sync into B meanwhile is refused at
+    B's group join, naming the join, and B is untouched (no group, no version); the join then
+    completes with the prepared agent: B holds A's version, bit for bit."""
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
 
-    gate = Gate()
+    gate, prepared, events = Gate(), threading.Event(), []
 
     class GatedPeer(VllmRollout):
         def peer_offer(self, version: int, timeout_s: float) -> bytes:
             gate.wait()  # the join holds B here and asks nothing of either engine meanwhile
-            return super().peer_offer(version, timeout_s)
+            raw = super().peer_offer(version, timeout_s)
+            events.append("A offered")
+            return raw
+
+    def told_prepare(keep_s: float, timeout_s: float) -> dict[str, Any]:
+        out = VllmRollout.peer_prepare(fleet.b, keep_s, timeout_s)
+        events.append("B prepared")
+        prepared.set()
+        return out
 
     peer = GatedPeer("A", fleet.llm_a, timeout_s=60.0)
-    (b_before,) = fleet.b.worker_health()
-    t, out = in_thread(lambda: join_from_peer(fleet.b, [peer], timeout_s=60.0))
-    session = WeightSyncSession([fleet.b], CONFIG)
+    fleet.b.peer_prepare = told_prepare  # type: ignore[method-assign]
     try:
-        assert gate.reached.wait(WAIT_S), out
-        with pytest.raises(SyncError, match=r"during join: B: .*" + HELD_BY_JOIN) as refused:
-            session.sync(source_of(trainer_model(fleet.model_dir, seed=2)))
-        (b_after,) = fleet.b.worker_health()
-        assert (b_after["version"], b_after["group"], b_after["staged"]) == (None, None, None) and b_after == b_before
-        assert fleet.b.version is None
+        t, out = in_thread(lambda: join_from_peer(fleet.b, [peer], timeout_s=60.0))
+        session = WeightSyncSession([fleet.b], CONFIG)
+        try:
+            assert gate.reached.wait(WAIT_S) and prepared.wait(WAIT_S), out  # B's prepare returned while A's offer waits
+            (b_before,) = fleet.b.worker_health()  # no call to B is in flight: the join waits at the gate
+            with pytest.raises(SyncError, match=r"during join: B: .*" + HELD_BY_JOIN) as refused:
+                session.sync(source_of(trainer_model(fleet.model_dir, seed=2)))
+            (b_after,) = fleet.b.worker_health()
+            assert (b_after["version"], b_after["group"], b_after["staged"]) == (None, None, None) and b_after == b_before
+            assert fleet.b.version is None
+        finally:
+            gate.open.set()
+            t.join(WAIT_S)
+            session.close()
     finally:
-        gate.open.set()
-        t.join(WAIT_S)
-        session.close()
+        del fleet.b.peer_prepare
     assert not t.is_alive() and len(out) == 1 and isinstance(out[0], PeerJoinReport), out
     print(f"refused: {refused.value}")
+    assert events == ["B prepared", "A offered"]
     assert (out[0].version, out[0].peer, out[0].failed) == (fleet.version, "A", {})
+    assert (out[0].prepare["used"], out[0].prepare["late"]) == (True, 1), out[0].prepare  # 1: the tied head A's image carries apart
     assert fleet.b.health()["version"] == fleet.version and fleet.b.health()["version_from"] == "peer pull from A"
     assert fleet.llm_b.collective_rpc("ckpt_param_digests") == fleet.llm_a.collective_rpc("ckpt_param_digests")
     sums = held_images(fleet, fleet.version)

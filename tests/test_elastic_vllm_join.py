@@ -118,6 +118,16 @@ def test_a_bad_offer_is_refused_by_name_before_anything_is_allocated(fleet: Flee
         assert health["staging_copy_bytes"] == 0 and health["staged"] is None  # nothing allocated, nothing staged
         assert health["version"] is None and health["version_from"] is None and not health["stale"]
         assert fleet.b.version is None and llm_greedy(fleet.llm_b)[0] == fleet.b_before
+        # Prepared first (as a join does beside the offer: its staging copy allocated and registered
+        # in its own shapes), B refuses the same offer by name; the prepare no pull took is released
+        # (as at a join's end): deregistered, its staging copy freed, B as it was.
+        prepared = fleet.b.peer_prepare(60.0, 30.0)
+        assert prepared["tensors"] == prepared["allocated"] > 0 and fleet.b.worker_health()[0]["staging_copy_bytes"] == prepared["bytes"]
+        with pytest.raises(Exception, match=f"memory descriptors do not match what this engine holds .1 tensor.s..: {name}: offered"):
+            fleet.b.pull_from_peer(altered, fleet.version, "A", 30.0)
+        assert fleet.b.peer_rpc("peer_unprepare") is True and fleet.b.peer_rpc("peer_unprepare") is False
+        (health,) = fleet.b.worker_health()
+        assert health["staging_copy_bytes"] == 0 and health["staged"] is None and health["version"] is None
         # A checksum that does not hold (the bytes moved under the reads): found only after reading,
         # in B's staging copy; nothing is installed and B serves what it served before.
         forged = [list(t) for t in d["tensors"]]
@@ -196,6 +206,12 @@ def test_a_late_engine_joins_from_a_serving_peer_bit_for_bit(fleet: Fleet) -> No
     want = [hf_greedy(fleet.trainer, p) for p in PROMPTS]
     tokens_b, spans = llm_greedy(fleet.llm_b)
     assert (report.engine, report.version, report.peer, report.failed) == ("B", fleet.version, "A", {})
+    # B prepared beside A's offer (its agent, its staging copy in its own shapes: every tensor it
+    # needs) and the pull read with it; the tied head, which A's image carries apart (its staged
+    # sync copied it as the trainer sent it), is the one tensor registered at the pull.
+    assert (report.prepare["used"], report.prepare["early"], report.prepare["late"]) == (True, report.prepare["tensors"], 1), report.prepare
+    assert report.tensors == report.prepare["tensors"] + 1
+    assert {"prepare", "prepare_wait", "connect", "read", "check", "shadow", "swap"} <= set(report.phases)
     assert tokens_b == want == llm_greedy(fleet.llm_a)[0] and tokens_b != fleet.b_before and set(spans) == {str(fleet.version)}
     assert fleet.b.health()["version"] == fleet.version and fleet.b.weight_version() == str(fleet.version)
     assert fleet.b.health()["version_from"] == "peer pull from A"
@@ -215,5 +231,6 @@ def test_a_late_engine_joins_from_a_serving_peer_bit_for_bit(fleet: Fleet) -> No
     state = fleet.trainer.state_dict()
     assert dict(zip(sums["A"], tensor_checksums([state[n].contiguous() for n in sums["A"]]))) == sums["A"]
     assert report.bytes == sum(t.nbytes for t in offers["A"].tensors) and report.tensors == len(offers["A"].tensors)
+    assert "lm_head.weight" in sums["A"]  # the one tensor the prepare did not know (above)
     print(f"vLLM peer join: {report.bytes} bytes, {report.tensors} tensors, {report.seconds:.3f} s to swapped in, "
           f"{report.wall_s:.3f} s wall, phases {report.phases}")
