@@ -164,6 +164,9 @@ class RolloutAdapter(ABC):
     owner: str | None = None
     """With `capabilities.claims`: the weight-sync group this handle acts for (set by `claim`, or by
     the daemon for a group that claimed the engine elsewhere); sent with every state change."""
+    membership_at_validate: bool = False
+    """Whether `validate` (and `validate_regions`) also reads the engine's `membership`, in the same
+    engine call (`validated_membership`): a session whose engines all do asks no query of its own."""
 
     def claim(self, owner: str, lease_s: float) -> Any:
         """Make weight-sync group `owner` the engine's only controller for `lease_s`, renewed by its
@@ -194,6 +197,11 @@ class RolloutAdapter(ABC):
         was taken over), so the session rejoins and seeds it instead of streaming into a group it
         left. Default: the held version, groups unknown (never checked)."""
         return Membership(self.held_version(), None)
+
+    def validated_membership(self) -> Membership | None:
+        """With `membership_at_validate`: what `membership()` would have answered, as read by the last
+        `validate` (taken once: a second read is None); None where that validate could not read it."""
+        return None
 
     def held_version(self) -> int | None:
         """The version the engine reports it holds (None: never synced or cannot say).

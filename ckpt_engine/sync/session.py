@@ -33,7 +33,7 @@ from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
 from ckpt_engine.sync.group import SyncGroup
 from ckpt_engine.sync.installed import InstalledChecks, sender_shares
 from ckpt_engine.sync.many_senders import ManySenders, wants_many_senders
-from ckpt_engine.sync.regions import RegionDelivery
+from ckpt_engine.sync.regions import RegionDelivery, RegionSync
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
 from ckpt_engine.sync.stream import SyncStream
 from ckpt_engine.sync.capabilities import delta_unsupported
@@ -249,14 +249,19 @@ class WeightSyncSession:
         senders: this rank then sends its own pieces, no gather."""
         t0 = time.perf_counter()
         seconds: dict[str, float] = {}
-        new_version, engine, manifest = self._prepare(source, version, senders)
-        regions = self._regions.prepare(self.rollouts, manifest, engine, senders, source)  # a bad plan is refused here
+        # The membership rides on the validate; with many senders the group's join is announced to
+        # the other ranks once a sync, before any validate, so a rejoin must be known before it.
+        if senders == 1 and all(r.membership_at_validate for r in self.rollouts):
+            new_version, engine, manifest, regions = self._prepare_validated(source, version, senders, seconds, t0)
+        else:
+            new_version, engine, manifest = self._prepare(source, version, senders)
+            regions = self._regions.prepare(self.rollouts, manifest, engine, senders, source)  # a bad plan is refused here
+            seconds["plan"] = time.perf_counter() - t0
+            self._validate(manifest, seconds)
         pieces = None
         if weights is None:  # many senders: this rank's own pieces, no gather
             pieces = iter_pieces(source, manifest)  # type: ignore[arg-type]  # count(): sharded
             weights = WatchedWeights(pieces)
-        seconds["plan"] = time.perf_counter() - t0
-        self._validate(manifest, seconds)
         collective = isinstance(source, ShardedWeightSource) and source.collective_pieces
         self._installed.arm_manifest(self.rollouts, manifest, self._regions.plans, senders, collective)
         announced = self._installed.announcement() if senders > 1 else None
@@ -321,17 +326,61 @@ class WeightSyncSession:
         if failed:  # part of validating: nothing was paused or sent
             raise SyncError("validate", failed, self._break(failed))
         self._rejoin_if_left(members)
+        new_version = self._new_version(members, version)
+        if senders == 1:
+            self._group.take_device(device)
+        engine = self._ensure_group(senders)
+        return new_version, engine, self.plan(specs, engine, source)
+
+    def _prepare_validated(
+        self, source: WeightSource, version: int | None, senders: int, seconds: dict[str, float], t0: float,
+    ) -> tuple[int, CheckpointEngine, BucketManifest, RegionSync | None]:
+        """`_prepare` and `_validate` for engines whose validate answers their membership too
+        (`RolloutAdapter.membership_at_validate`): one engine round trip fewer a sync. An engine found
+        restarted or taken over (`_rejoin_if_left`) is rejoined, and every engine validates again in
+        the new group (nothing was paused or sent; nobody is blamed). A version refused after the
+        validate is refused as before, every engine serving; the claim its validate took on a vLLM
+        engine lapses as a refused manifest's does (`vllm/holds.py`)."""
+        if self._group.ready:
+            claims.check_current(self.engine_keys(), self)
+        specs = self._specs(source)
+        device = source.device
+        for attempt in range(2):
+            self._group.take_device(device)
+            engine = self._ensure_group(senders)
+            manifest = self.plan(specs, engine, source)
+            regions = self._regions.prepare(self.rollouts, manifest, engine, senders, source)  # a bad plan is refused here
+            seconds.setdefault("plan", time.perf_counter() - t0)
+            self._validate(manifest, seconds)
+            members = self._validated_members()
+            left = self._rejoin_if_left(members)
+            if not left:
+                break
+            if attempt:  # left again right after joining: not streamed into
+                why = {n: "left the weight-sync group again right after rejoining it" for n in left}
+                raise SyncError("validate", why, self._break(why))
+        return self._new_version(members, version), engine, manifest, regions
+
+    def _validated_members(self) -> dict[str, Membership]:
+        """Every engine's membership as its validate read it; asked apart of one that could not say."""
+        members = {r.name: r.validated_membership() for r in self.rollouts}
+        unread = [r for r in self.rollouts if members[r.name] is None]
+        if unread:
+            more, failed = collect_memberships(ask_memberships(self._pool, unread), self.config.timeout_s)
+            if failed:
+                raise SyncError("validate", failed, self._break(failed))
+            members.update(more)
+        return {n: m for n, m in members.items() if m is not None}
+
+    def _new_version(self, members: dict[str, Membership], version: int | None) -> int:
+        """The sync's version from what every engine holds; ValueError for a version refused."""
         held = {n: m.version for n, m in members.items()}
         if version is not None and version == self._completed:
             raise ValueError(
                 f"version {version} was completed by this session already: a version labels one set of weights, so a new "
                 f"sync needs a new one (pass version=None: next {max([self.version, *(v for v in held.values() if v is not None)]) + 1})"
             )
-        new_version = next_version(held, self.version, version)
-        if senders == 1:
-            self._group.take_device(device)
-        engine = self._ensure_group(senders)
-        return new_version, engine, self.plan(specs, engine, source)
+        return next_version(held, self.version, version)
 
     def _specs(self, source: WeightSource) -> list[TensorSpec]:
         """The source's metadata, refused when empty or not what `checkpoint_engine.weights` says."""
@@ -344,13 +393,14 @@ class WeightSyncSession:
         self._weights_mode(self.config.weights, specs, self.rollouts)
         return specs
 
-    def _rejoin_if_left(self, members: dict[str, Membership]) -> None:
+    def _rejoin_if_left(self, members: dict[str, Membership]) -> list[str]:
         """An engine with a rank in no group or another one than this session's (a server restarted at
-        its URL, a worker process replaced) would fail mid-stream and be blamed: the group is rebuilt
-        now, every engine rejoins, and the sync is a seed (new members hold no delta bases)."""
+        its URL, a worker process replaced) would fail mid-stream and be blamed: the group is dropped
+        now, to be rebuilt (every engine rejoins), and the sync is a seed (new members hold no delta
+        bases). Returns the engines that left."""
         token = self._group.token
         if not self._group.ready or token is None:
-            return
+            return []
         left = sorted(n for n, m in members.items() if m.left(token))
         if left:
             logger.warning(
@@ -359,6 +409,7 @@ class WeightSyncSession:
             )
             self._regions.drop_groups()
             self._group.drop()
+        return left
 
     def _validate(self, manifest: BucketManifest, seconds: dict[str, float]) -> None:
         """Every engine checks the manifest; the rejections of all of them raise as one error."""

