@@ -136,11 +136,6 @@ class VllmPeer:
             raise RuntimeError("a peer join's prepare refused: a staged receive is streaming into this worker")
         into: dict[str, torch.Tensor] = {}
         made: dict[str, torch.Tensor] = {}
-        for name, spec in sorted(specs.needed.items()):
-            before = staging.copy.tensors.get(name)
-            into[name] = staging.copy.slot(name, tuple(spec.shape), getattr(torch, spec.dtype), device)
-            if into[name] is not before:
-                made[name] = into[name]
 
         def free() -> None:  # what this prepare allocated, unless a staged receive uses the copy by now
             if not staging.running:
@@ -148,6 +143,15 @@ class VllmPeer:
                     if staging.copy.tensors.get(name) is t:
                         del staging.copy.tensors[name]
 
+        try:
+            for name, spec in sorted(specs.needed.items()):
+                before = staging.copy.tensors.get(name)
+                into[name] = staging.copy.slot(name, tuple(spec.shape), getattr(torch, spec.dtype), device)
+                if into[name] is not before:
+                    made[name] = into[name]
+        except BaseException:  # out of memory part-way: nothing kept
+            free()
+            raise
         return {**self.prep.prepare(into, keep_s, on_release=free), "allocated": len(made)}
 
     def start_pull(
