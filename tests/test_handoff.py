@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.engine import Rendezvous
+from ckpt_engine.engine import Rendezvous, TransferError
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.planning.ownership import row_shards
 from ckpt_engine.registry import CheckpointEngineRegistry
@@ -50,7 +50,7 @@ def _handoff_rank(
     rank: int, rdzv: Rendezvous, *, devices: list[str], versions: int = 2, verify: bool = False,
     local_senders: list[int] | None = None, try_delta: bool = False, die_after: int | None = None,
     how: str = "exit", loader_fails_after: int | None = None, engine_timeout_s: float | None = None, late: tuple[int, float] | None = None,
-    refused_join: bool = False, map_after_sender_closed: bool = False,
+    refused_join: bool = False, map_after_sender_closed: bool = False, num_buffers: dict[int, int] | None = None,
 ) -> dict[str, Any]:
     """Senders send their row blocks of a mixed-dtype model for `versions` versions; the receiver
     checks every tensor bit for bit against the unsharded model. `try_delta`: with a local sender,
@@ -62,11 +62,14 @@ def _handoff_rank(
     rank waits before it joins. `refused_join`: the test expects the join to be refused, and a
     join's ValueError is this rank's answer; otherwise it fails the rank, so the harness names it.
     `map_after_sender_closed`: the receiver maps sender 1's buffers only once sender 1 has finalized
-    its engine, or after 3 s if sender 1 cannot finalize before the receiver maps (as it must not)."""
+    its engine, or after 3 s if sender 1 cannot finalize before the receiver maps (as it must not).
+    `num_buffers`: per rank, its engine's rotating buffers (default: the engine's)."""
     dev = torch.device(devices[rank])
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     kwargs: dict[str, Any] = {"verify": verify} if local_senders is None else {"verify": verify, "local_senders": local_senders}
+    if num_buffers is not None and rank in num_buffers:
+        kwargs["num_buffers"] = num_buffers[rank]
     engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=16 * 1024, device=dev,
         timeout_s=engine_timeout_s if engine_timeout_s is not None else rdzv.timeout_s, **kwargs)
     if map_after_sender_closed and rank == rdzv.num_senders:
@@ -75,10 +78,10 @@ def _handoff_rank(
         time.sleep(late[1])
     try:
         engine.init_process_group(rdzv, rank)
-    except ValueError as exc:
+    except (ValueError, TransferError) as exc:
         if not refused_join:
             raise
-        return {"join_error": str(exc)}
+        return {"join_error": f"{type(exc).__name__}: {exc}"}
     senders = rdzv.num_senders
     out: dict[str, Any] = {"local": engine.transport.local_senders, "gids": sorted(engine.transport.groups), "bad": [], "errors": [], "delta_refused": [], "how": how}
     for version in range(versions):
@@ -196,6 +199,19 @@ def test_a_group_that_cannot_hand_over_is_refused_on_every_rank(senders: int, lo
     )
     for r in results:
         assert re.search(match, r["join_error"]), r
+
+
+def test_a_receiver_that_cannot_map_a_local_sender_tells_it_at_join() -> None:
+    """The receiver refuses sender 0's shared buffers (3 against its 2): its join fails by name,
+    and so does the sender's, with the receiver's reason, at once: it waits at join for the
+    receiver's answer (before, its join returned and its first sync waited out the timeout)."""
+    results = run_ranks(
+        _handoff_rank, 2, backend="nccl_handoff", num_senders=1, devices=["cpu"] * 2, local_senders=[0], num_buffers={0: 3, 1: 2},
+        refused_join=True, engine_timeout_s=60, timeout_s=90,
+    )
+    sender, receiver = (r["join_error"] for r in results)
+    assert receiver.startswith("ValueError") and "sender 0 publishes 3 shared buffers; this rank expects 2" in receiver, receiver
+    assert sender.startswith("TransferError") and "could not map them" in sender and "expects 2" in sender, sender
 
 
 def test_a_rank_that_starts_after_the_sync_timeout_still_joins() -> None:
