@@ -368,13 +368,16 @@ def digest_held(
     tensors: Mapping[str, torch.Tensor], regions: Mapping[str, Region | None], request: InstalledRequest,
 ) -> InstalledReport:
     """The report of a rank that holds checkpoint tensors under their own names (the reference
-    receiver): `tensors` in each held region's shape, `regions` the region of each (absent: whole)."""
+    receiver): `tensors` in each held region's shape, `regions` the region of each (absent: whole).
+    The images are read `later`, all at once: on a GPU one launch over kept tables (`Folder`)
+    instead of a gather and a cast per tensor (~3 launches each: ~1000 for a 7B model); they stay
+    unchanged while this call reads them, on the current stream."""
     t0 = time.perf_counter()
     sent = set(request.names)
     keys = [(n, regions.get(n)) for n in request.names if n in tensors]
     folds = Folds(request.seed, request.samples)
     for n, _ in keys:
-        folds.add(tensors[n])
+        folds.add(tensors[n], later=True)
     answers = folds.values()
     unwritten = sorted(n for n in tensors if n not in sent)
     return InstalledReport(dict(zip(keys, answers)), unwritten, [], seconds=time.perf_counter() - t0)
