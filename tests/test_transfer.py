@@ -7,6 +7,9 @@ import pytest
 from ranks import run_ranks
 from roundtrip import roundtrip_rank
 
+from ckpt_engine.engine import Rendezvous, TransferError
+from ckpt_engine.registry import CheckpointEngineRegistry
+
 
 @pytest.mark.parametrize("verify", [False, True])
 def test_gloo_mixed_dtypes_two_receivers_two_syncs(verify: bool) -> None:
@@ -59,3 +62,22 @@ def test_a_colocated_receiver_that_starts_after_the_sync_timeout_still_joins() -
     here): the receiver starts 5 s after the sender, and both join and sync."""
     results = run_ranks(roundtrip_rank, 2, backend="colocated", num_small=10, syncs=1, engine_timeout_s=3, late=(1, 5.0), timeout_s=60)
     assert results[1]["bad"] == []
+
+
+def _join_only(rank: int, rdzv: Rendezvous, *, num_buffers: dict[int, int]) -> str:
+    """Join with this rank's own buffer count; the join's error (type and text) is the answer."""
+    engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=64 * 1024, num_buffers=num_buffers[rank], timeout_s=rdzv.timeout_s)
+    try:
+        engine.init_process_group(rdzv, rank)
+    except (ValueError, TransferError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    engine.finalize()
+    return "joined"
+
+
+def test_a_colocated_receiver_that_cannot_map_the_buffers_tells_the_sender_at_join() -> None:
+    """The receiver refuses the sender's 3 shared buffers (it expects 2): its join fails by name, and
+    the sender's join fails at once with the receiver's reason (it waited out the join's bound)."""
+    sender, receiver = run_ranks(_join_only, 2, backend="colocated", num_buffers={0: 3, 1: 2}, timeout_s=120)
+    assert receiver.startswith("ValueError") and "expects 2" in receiver, receiver
+    assert sender.startswith("TransferError") and "could not map its shared buffers" in sender and "expects 2" in sender, sender

@@ -92,15 +92,27 @@ class ColocatedTransport(Transport, SourceSharing):
             if self.device.type == "cpu":
                 self._probe, msg["probe"] = probe_host_sharing()
             store.set("colocated/buffers", msgpack.packb(msg, use_bin_type=True))
-            store.wait(["colocated/can_map"], timeout)
-            self._can_map = store.get("colocated/can_map") == b"1"
+            try:
+                store.wait(["colocated/can_map"], timeout)
+                answer = store.get("colocated/can_map")
+                if answer not in (b"0", b"1"):  # the receiver could not map the buffers: its reason
+                    raise TransferError(f"colocated sender: the receiver could not map its shared buffers: {answer.decode(errors='replace')}")
+            except BaseException:  # a failed join leaves no shared files behind
+                unlink_files(self._shm_paths)
+                self._shm_paths = []
+                raise
+            self._can_map = answer == b"1"
         else:
             store.wait(["colocated/buffers"], timeout)
-            info = msgpack.unpackb(store.get("colocated/buffers"), raw=False)
-            probe = info.pop("probe", None) if isinstance(info, dict) else None
-            local = local_tensors(info.pop("local", None)) if isinstance(info, dict) else None
-            descs = validate_descriptors(info, self.num_buffers, size, "the colocated sender")
-            self.buffers = list(local) if local is not None else map_buffers(self.device, descs, size)
+            try:
+                info = msgpack.unpackb(store.get("colocated/buffers"), raw=False)
+                probe = info.pop("probe", None) if isinstance(info, dict) else None
+                local = local_tensors(info.pop("local", None)) if isinstance(info, dict) else None
+                descs = validate_descriptors(info, self.num_buffers, size, "the colocated sender")
+                self.buffers = list(local) if local is not None else map_buffers(self.device, descs, size)
+            except Exception as exc:  # told to the sender, which would otherwise wait out the join's bound
+                store.set("colocated/can_map", f"{type(exc).__name__}: {exc}".encode())
+                raise
             store.set("colocated/can_map", b"1" if probe is None or self._maps(probe) else b"0")  # type: ignore[arg-type]  # a Store takes bytes too
         self._store = store
         self.broken = False

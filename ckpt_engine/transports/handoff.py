@@ -174,7 +174,12 @@ class HandoffTransport(Transport):
             buffers, descs, self._shm_paths = share_buffers(self.device, nb, size)
             self.remote.add_slots(buffers)
             store.set(f"handoff/buffers/{rank}", msgpack.packb({"size": size, "buffers": descs}, use_bin_type=True))
-            self._await_mapping(store, rendezvous.timeout_s)
+            try:
+                self._await_mapping(store, rendezvous.timeout_s)
+            except BaseException:  # a failed join leaves no shared files behind
+                unlink_files(self._shm_paths)
+                self._shm_paths = []
+                raise
         elif self.is_sender:
             self.remote.alloc_buffers(nb)
         else:
