@@ -16,7 +16,10 @@ from typing import Any
 
 import pytest
 
+import torch
+
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine.sources.base import StateDictSource
 from shared_server import SharedServer
 
 pytest.importorskip("vllm")
@@ -77,10 +80,11 @@ def _greedy_matches(llm: object, trainer: Any) -> bool:
     return llm_greedy(llm)[0] == [hf_greedy(trainer, p) for p in PROMPTS]
 
 
-def test_a_sync_reads_the_membership_from_the_validate_and_asks_no_query(llm: object, model_dir: Path) -> None:
-    """A steady sync's engine calls, in order: validate (with the membership), pause, receive, cache
-    reset beside it, finalize, resume; no `ckpt_health`. The engine then serves the trainer's
-    weights exactly, under the next version."""
+def test_a_sync_reads_the_membership_from_the_validate_and_finalizes_in_the_receive(llm: object, model_dir: Path) -> None:
+    """A steady sync's engine calls, in order: validate (with the membership), pause, receive (begun,
+    the cache reset beside it, ended with the finalize), resume; no `ckpt_health`, no `ckpt_finalize`
+    of its own. A sync with an installed-weight check (the session's first) finalizes apart, after
+    the check. The engine then serves the trainer's weights exactly, under the next version."""
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
     from test_vllm_adapter import source_of, trainer_model
 
@@ -92,16 +96,18 @@ def test_a_sync_reads_the_membership_from_the_validate_and_asks_no_query(llm: ob
         held = adapter.held_version() or 0
         calls.take()
         first = session.sync(source_of(trainer_model(model_dir, seed=61)))
-        assert first.version == held + 1 and "ckpt_health" not in calls.take()
+        names = calls.take()
+        assert first.version == held + 1 and "ckpt_health" not in names
+        assert names.index("ckpt_receive_end") < names.index("ckpt_installed") < names.index("ckpt_finalize"), names
         trainer = trainer_model(model_dir, seed=62)
         second = session.sync(source_of(trainer))
         names = calls.take()
         assert second.version == held + 2
         assert [n for n in names if n != "ckpt_installed_arm"] == [
-            "ckpt_validate", "pause_scheduler", "ckpt_receive_begin", "reset_prefix_cache", "ckpt_receive_end", "ckpt_finalize",
-            "resume_scheduler",
+            "ckpt_validate", "pause_scheduler", "ckpt_receive_begin", "reset_prefix_cache", "ckpt_receive_end", "resume_scheduler",
         ], names
-        assert _greedy_matches(llm, trainer)
+        assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held + 2, False)]
+        assert adapter.weight_version() == str(held + 2) and _greedy_matches(llm, trainer)
     finally:
         session.close()
 
@@ -156,5 +162,41 @@ def test_a_version_refused_by_what_the_engine_holds_pauses_nothing(llm: object, 
         assert _greedy_matches(llm, served)  # generating: not paused, the old weights
         trainer = trainer_model(model_dir, seed=68)
         assert session.sync(source_of(trainer)).version == held + 1 and _greedy_matches(llm, trainer)
+    finally:
+        session.close()
+
+
+class FailingSource(StateDictSource):
+    """Raises part-way through its walk: the engine's receive fails after some buckets landed."""
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(super().iter_weights()):
+            if i == len(self.weights) // 2:
+                raise RuntimeError("the trainer's source failed")
+            yield item
+
+
+def test_a_receive_that_fails_is_not_finalized_and_the_next_sync_heals(llm: object, model_dir: Path) -> None:
+    """The finalize rides on the receive's end only once every byte landed: a source that fails
+    mid-stream leaves the worker on its old version, stale, the engine paused, named; the next
+    sync heals it exactly."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+    from ckpt_engine.sync.report import SyncError
+    from test_vllm_adapter import source_of, trainer_model
+
+    adapter = VllmRollout("calls-failed", llm, timeout_s=30.0)
+    config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=30.0, stage="off")
+    session = WeightSyncSession([adapter], config)
+    try:
+        held = [session.sync(source_of(trainer_model(model_dir, seed=s))).version for s in (69, 70)][-1]
+        calls = Calls(adapter)
+        weights = {n: t.detach() for n, t in trainer_model(model_dir, seed=71).state_dict().items()}
+        with pytest.raises(SyncError, match="weight source"):
+            session.sync(FailingSource(weights))
+        assert "ckpt_finalize" not in calls.take()
+        assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held, True)]
+        trainer = trainer_model(model_dir, seed=72)
+        assert session.sync(source_of(trainer)).version == held + 1
+        assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held + 1, False)] and _greedy_matches(llm, trainer)
     finally:
         session.close()

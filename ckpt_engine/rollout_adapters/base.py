@@ -198,6 +198,13 @@ class RolloutAdapter(ABC):
         left. Default: the held version, groups unknown (never checked)."""
         return Membership(self.held_version(), None)
 
+    def finalize_with_receive(self, version: int) -> None:
+        """The coming unstaged `receive` may also finalize `version` in its own last engine call, once
+        every byte of it landed whole (one round trip fewer a sync); `finalize(version)` is called after
+        it all the same and does what is left. Told after a validate, for a sync into this engine alone
+        from one sender with nothing checked between the receive and the finalize (another engine's
+        receive may not fail after this one finalized). Default: nothing folded."""
+
     def validated_membership(self) -> Membership | None:
         """With `membership_at_validate`: what `membership()` would have answered, as read by the last
         `validate` (taken once: a second read is None); None where that validate could not read it."""

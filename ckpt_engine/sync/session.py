@@ -277,6 +277,10 @@ class WeightSyncSession:
             lambda ask: self._fan_out("validate", ask), regions=regions is not None,
         )
         self._staging = stage  # while it streams: a failure then discards instead of leaving engines stale
+        # One engine, one sender, nothing checked between receive and finalize: the engine may finalize in
+        # its receive's last call. With more, an engine would be finalized while another's receive fails.
+        if stage is None and self._installed.request is None and senders == 1 and len(self.rollouts) == 1:
+            self.rollouts[0].finalize_with_receive(new_version)
 
         def stream() -> tuple[SendStats, dict[str, ReceiveReport]]:
             t = time.perf_counter()

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from ckpt_engine.rollout_adapters.vllm.compat import VllmFeatures, features_of
-from ckpt_engine.rollout_adapters.vllm.routes import ExtensionRoute, Route
+from ckpt_engine.rollout_adapters.vllm.routes import WORKER_EXTENSION, ExtensionRoute, Route
 
 if TYPE_CHECKING:
     import vllm
 
-__all__ = ["Channel", "EngineControl", "HTTPWeightSyncClient", "LLMWeightSyncClient", "PAUSE_MODES"]
+__all__ = ["Channel", "EngineControl", "HTTPWeightSyncClient", "LLMWeightSyncClient", "PAUSE_MODES", "http_channel"]
 
 # ckpt-engine pause modes -> vLLM's (`keep` freezes requests in place, `abort` drops them;
 # `recompute` freezes them, and `reset_prefix_cache(running=True)` after the load preempts them:
@@ -338,3 +338,25 @@ class _EngineCore:
             engine_core = core.engine_core
             return cls(lambda method, *args: getattr(engine_core, method)(*args), lambda: False)
         raise TypeError(f"an LLM's engine-core client is a SyncMPClient or an InprocClient, got {type(core).__name__}")
+
+
+def http_channel(name: str, base_url: str, timeout_s: float, session: Any, world_size: int | None) -> tuple[HTTPWeightSyncClient, int]:
+    """The channel to the dev-mode server at `base_url` for engine `name`, and its world size (asked
+    when None): a URL that is not one, or that nobody answers, fails here with the fix."""
+    import requests
+
+    parts = urlsplit(base_url) if isinstance(base_url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"engine {name!r}: base_url must be http(s)://HOST:PORT, got {base_url!r}")
+    client = HTTPWeightSyncClient(base_url, timeout_s, session)
+    if world_size is not None:
+        return client, world_size
+    try:
+        return client, client.world_size()
+    except requests.RequestException as exc:
+        client.close()
+        raise ConnectionError(
+            f"engine {name!r}: no vLLM server answers at {client.base_url} ({type(exc).__name__}); start "
+            f"`vllm serve` there with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION}, "
+            "or fix the URL"
+        ) from None

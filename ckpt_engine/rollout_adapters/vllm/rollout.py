@@ -35,7 +35,6 @@ from collections.abc import Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
-from urllib.parse import urlsplit
 
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.elastic.join import PeerJoinable
@@ -45,7 +44,7 @@ from ckpt_engine.manifest import BucketManifest, ManifestBudget
 from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
-from ckpt_engine.rollout_adapters.vllm.clients import PAUSE_MODES, Channel, HTTPWeightSyncClient, LLMWeightSyncClient
+from ckpt_engine.rollout_adapters.vllm.clients import PAUSE_MODES, Channel, HTTPWeightSyncClient, LLMWeightSyncClient, http_channel
 from ckpt_engine.rollout_adapters.vllm.holds import EngineHolds
 from ckpt_engine.rollout_adapters.vllm.native import WeightTransferChannel
 from ckpt_engine.rollout_adapters.vllm.routes import WORKER_EXTENSION, ExtensionRoute
@@ -109,6 +108,8 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self.holds = EngineHolds(name, lease, timeout_s)
         self.membership_at_validate = lease is not None  # the full-weight `ckpt_validate` answers each worker's `member`
         self._validated: Membership | None = None
+        self._finalize_with: int | None = None  # `finalize_with_receive`'s version, until the receive takes it
+        self._finalized: tuple[int, list[dict[str, Any]]] | None = None  # the version the receive finalized, its answers
 
     def engine_key(self) -> Hashable:
         return self.client.engine_key()
@@ -198,7 +199,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
 
     def _validate(self, manifest: BucketManifest, encoded: bytes, regions: list[bytes] | None) -> None:
         # a sync starts: held until its finalize, swap or discard (the claim rides on the check)
-        self._validated = None
+        self._validated, self._finalize_with, self._finalized = None, None, None  # a sync starts
         problems = self.workers.check(manifest.digest, encoded, regions, self.holds.sync_claim())
         self.holds.claimed()
         if isinstance(self.workers, ExtensionRoute) and self.workers.members is not None:  # else asked apart
@@ -222,7 +223,11 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
             early = self._pause_mode != "none"
             reset = functools.partial(self._reset_prefix_cache, running=self._pause_mode == "recompute")
             self._cache_reset = False
-            replies = self.workers.receive(manifest.digest, request, beside=reset if early else None)
+            fold, self._finalize_with = self._finalize_with, None
+            if fold is not None and early and isinstance(self.workers, ExtensionRoute) and not self.workers.methods:  # full weights
+                replies = self._receive_and_finalize(self.workers, manifest.digest, request, reset, fold)
+            else:
+                replies = self.workers.receive(manifest.digest, request, beside=reset if early else None)
             self._cache_reset = early
         else:
             with self.staged.receiving() as ticket:  # from here a discard stops the wait
@@ -236,6 +241,20 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         reports = [ReceiveReport.from_dict(r) for r in replies]
         slowest = max(reports, key=lambda r: r.receive_s)
         return ReceiveReport(slowest.tensors, slowest.bytes, slowest.receive_s, max(r.load_s for r in reports), min(r.loaded for r in reports), dict(slowest.extra))
+
+    def finalize_with_receive(self, version: int) -> None:
+        self._finalize_with = version
+
+    def _receive_and_finalize(self, route: ExtensionRoute, digest: str, request: Any, reset: Any, version: int) -> list[dict[str, Any]]:
+        """The receive, finalized (and the claim let go) in its last call once it and the reset went through."""
+        syncing = self.holds.syncing
+        try:
+            replies = route.receive(digest, request, beside=reset, finalize=version, release=self.holds.sync_release())
+        except BaseException:
+            self.holds.syncing = syncing  # not let go: the failed sync's resume lets go
+            raise
+        self._finalized = (version, [r.pop("finalized") for r in replies])
+        return replies
 
     def swap(self, version: int, pause_mode: str) -> float:
         """Between two engine steps: pause (per `pause_mode`; `none` pauses as `keep`), load the
@@ -360,7 +379,9 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
 
     def finalize(self, version: int) -> None:
         t0 = time.perf_counter()
-        replies = self.workers.finalize(version, self.holds.sync_release())  # an unstaged sync's last worker call lets go
+        done, self._finalized = self._finalized, None
+        # the workers finalized in the receive's last call, or now (an unstaged sync's last worker call lets go)
+        replies = done[1] if done is not None and done[0] == version else self.workers.finalize(version, self.holds.sync_release())
         t1 = time.perf_counter()
         if not self._cache_reset:  # else reset beside the transfer (`receive`)
             self._reset_prefix_cache(running=self._pause_mode == "recompute")
@@ -477,24 +498,3 @@ class VllmServerRollout(VllmRollout):
         super().__init__(name, client, timeout_s=timeout_s, staging_limit_bytes=staging_limit_bytes, world_size=workers)
         self.base_url, self.http = client.base_url, client.http
 
-
-def http_channel(name: str, base_url: str, timeout_s: float, session: Any, world_size: int | None) -> tuple[HTTPWeightSyncClient, int]:
-    """The channel to the dev-mode server at `base_url` for engine `name`, and its world size (asked
-    when None): a URL that is not one, or that nobody answers, fails here with the fix."""
-    import requests
-
-    parts = urlsplit(base_url) if isinstance(base_url, str) else None
-    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"engine {name!r}: base_url must be http(s)://HOST:PORT, got {base_url!r}")
-    client = HTTPWeightSyncClient(base_url, timeout_s, session)
-    if world_size is not None:
-        return client, world_size
-    try:
-        return client, client.world_size()
-    except requests.RequestException as exc:
-        client.close()
-        raise ConnectionError(
-            f"engine {name!r}: no vLLM server answers at {client.base_url} ({type(exc).__name__}); start "
-            f"`vllm serve` there with VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls {WORKER_EXTENSION}, "
-            "or fix the URL"
-        ) from None

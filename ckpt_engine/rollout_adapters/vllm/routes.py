@@ -152,7 +152,12 @@ class ExtensionRoute:
         self.held = None if problems else digest
         return problems
 
-    def receive(self, digest: str, delta: dict[str, Any] | None, beside: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    def receive(
+        self, digest: str, delta: dict[str, Any] | None, beside: Callable[[], None] | None = None, finalize: int | None = None,
+        release: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """`finalize` (and `release`): finalized by the workers in the receive's last call where it has
+        two (`beside`), each reply then holding `finalized`; else left to `finalize`."""
         args = {"digest": digest, "delta": delta, **self._arm_with()}
         if beside is None or "ckpt_receive" in self.methods:  # an adapter sync receives inside the call
             replies = self.rpc("ckpt_receive", args, timeout_s=self.timeout_s * 2)
@@ -160,10 +165,13 @@ class ExtensionRoute:
                 beside()
         else:  # the workers receive on a thread of their own (`vllm/background_receive.py`)
             self.rpc("ckpt_receive_begin", args)
+            end: dict[str, Any] = {"timeout_s": self.timeout_s * 2}
             try:
                 beside()
+                if finalize is not None:  # only after the work beside went through (the cache reset)
+                    end.update(finalize=finalize, release=release)
             finally:  # the receive's own outcome (its error first) once it ended
-                replies = self.rpc("ckpt_receive_end", {"timeout_s": self.timeout_s * 2}, timeout_s=self.timeout_s * 2 + 5)
+                replies = self.rpc("ckpt_receive_end", end, timeout_s=self.timeout_s * 2 + 5)
         reports = [r.pop("installed", None) for r in replies]
         if self._armed is not None and reports and all(r is not None for r in reports):
             self._reported = [InstalledReport.from_wire(r) for r in reports]
