@@ -224,10 +224,10 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
             reset = functools.partial(self._reset_prefix_cache, running=self._pause_mode == "recompute")
             self._cache_reset = False
             fold, self._finalize_with = self._finalize_with, None
-            if fold is not None and early and isinstance(self.workers, ExtensionRoute) and not self.workers.methods:  # full weights
-                replies = self._receive_and_finalize(self.workers, manifest.digest, request, reset, fold)
-            else:
+            if fold is None or not early or not isinstance(self.workers, ExtensionRoute) or self.workers.methods:  # full weights fold
                 replies = self.workers.receive(manifest.digest, request, beside=reset if early else None)
+            else:
+                replies = self._receive_and_finalize(self.workers, manifest.digest, request, reset, fold)
             self._cache_reset = early
         else:
             with self.staged.receiving() as ticket:  # from here a discard stops the wait
