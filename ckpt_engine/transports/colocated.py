@@ -111,7 +111,7 @@ class ColocatedTransport(Transport, SourceSharing):
                 descs = validate_descriptors(info, self.num_buffers, size, "the colocated sender")
                 self.buffers = list(local) if local is not None else map_buffers(self.device, descs, size)
             except Exception as exc:  # told to the sender, which would otherwise wait out the join's bound
-                store.set("colocated/can_map", f"{type(exc).__name__}: {exc}".encode())
+                store.set("colocated/can_map", f"{type(exc).__name__}: {exc}".encode())  # type: ignore[arg-type]  # a Store takes bytes too
                 raise
             store.set("colocated/can_map", b"1" if probe is None or self._maps(probe) else b"0")  # type: ignore[arg-type]  # a Store takes bytes too
         self._store = store
