@@ -304,6 +304,14 @@ class VllmReceiverCore:
         """A model that loads in place has no post-processing to take off the step path: no shadow."""
         return None if self.reload.in_place() else ShadowPreparer(self._model, self.vllm_config, self.receiver.device, self.staging.shadow_room)
 
+    def prepare_loads(self) -> float:
+        """Record now, not inside a pull, the copies this model's loaders make (`_direct_loads`: a
+        dry run of vLLM's loaders over every checkpoint tensor, once per model, kept): a joiner's
+        prepare runs it while the peer makes its offer. Returns its seconds (~0 once recorded)."""
+        t0 = time.perf_counter()
+        self._direct_loads()
+        return time.perf_counter() - t0
+
     def peer_pull(self, offer: bytes, version: int, peer: str, read_timeout_s: float) -> dict[str, Any]:
         """Stage a pull of `version` from `peer`'s offer (`vllm/peer.py`): checked against this
         model first (a bad offer is refused before anything is allocated), read on a background

@@ -210,14 +210,17 @@ class CkptEngineWorkerExtension:
         self._ckpt_core().peer.caller(owner).source.done(int(offer_id))
 
     def ckpt_peer_prepare(self, keep_s: float, owner: str | None = None) -> dict[str, Any]:
-        """Before the peer's offer comes: the pull's NIXL agent made, the staging copy allocated in
+        """Before the peer's offer comes: the loaders' copies recorded (`prepare_loads`, first: a
+        failure there allocates nothing), the pull's NIXL agent made, the staging copy allocated in
         this model's checkpoint shapes and registered (`VllmPeer.prepare`); kept `keep_s` unless
         the pull takes it or `ckpt_peer_unprepare` comes first."""
         core = self._ckpt_core()
         peer = core.peer.caller(owner)
         if core.reload.is_open:
             raise RuntimeError("a peer join's prepare refused: a sync is loading into this worker")
-        return peer.prepare(float(keep_s), specs=core.specs(), staging=core.staging, device=core.receiver.device or torch.device("cpu"))
+        loads_s = core.prepare_loads()
+        made = peer.prepare(float(keep_s), specs=core.specs(), staging=core.staging, device=core.receiver.device or torch.device("cpu"))
+        return {**made, "loads_s": loads_s}
 
     def ckpt_peer_unprepare(self, owner: str | None = None) -> bool:
         """Release a prepare no pull took (deregistered, what it allocated freed); whether one was held."""
