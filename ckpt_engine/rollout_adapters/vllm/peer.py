@@ -190,6 +190,7 @@ def check_against(offer: PeerOffer, version: int, specs: VllmSpecs) -> None:
     """Refuse (ValueError naming what) an offer of another version, or one that does not describe
     what this model loads: every needed checkpoint tensor, a tied head at most besides, each in the
     checkpoint's dtype and shape. Reads `specs` only: nothing is allocated."""
-    wanted = {n: s for n, s in specs.specs.items() if n in specs.needed or n in {t.name for t in offer.tensors}}
+    needed, offered = specs.needed, {t.name for t in offer.tensors}
+    wanted = {n: s for n, s in specs.specs.items() if n in needed or n in offered}
     held = {n: torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for n, s in wanted.items()}
     offer.check_for(version, held)

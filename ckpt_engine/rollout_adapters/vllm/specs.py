@@ -7,6 +7,7 @@ validate and receive paths of a worker never rebuild it per sync.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -176,9 +177,10 @@ class VllmSpecs:
         stacks = fuse_specs(list(specs.values()))[1]
         return cls(specs, groups, tied, stacks, {**specs, **{n: g.spec for n, g in stacks.groups.items()}})
 
-    @property
+    @functools.cached_property
     def needed(self) -> dict[str, TensorSpec]:
-        """The specs a trainer must send: a tied head is the embedding's parameter."""
+        """The specs a trainer must send: a tied head is the embedding's parameter. Made once: a
+        loop that asked for it per tensor rebuilt it per tensor (~5 s of a 9,435-tensor peer pull)."""
         return {n: s for n, s in self.specs.items() if n not in self.tied}
 
     def unstack(self, pairs: Iterable[tuple[str, torch.Tensor]], held: Any = None) -> Pairs:
