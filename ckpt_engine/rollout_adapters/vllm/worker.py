@@ -121,12 +121,9 @@ class CkptEngineWorkerExtension:
     def ckpt_receive_end(self, timeout_s: float, finalize: int | None = None, release: str | None = None) -> dict[str, Any]:
         """The begun receive's answer; with `finalize`, once it ended whole, `ckpt_finalize(finalize,
         release)` too, in this call (its answer under `finalized`): one round trip fewer a sync."""
-        core = self._ckpt_core()
-        answer = core.receive_end(float(timeout_s))
+        answer = self._ckpt_core().receive_end(float(timeout_s))
         if finalize is not None:
-            answer["finalized"] = core.finalize(int(finalize))
-            if release is not None:
-                self.ckpt_peer_release(release)
+            answer["finalized"] = self.ckpt_finalize(int(finalize), release)
         return answer
 
     def ckpt_finalize(self, version: int, release: str | None = None) -> dict[str, Any]:
