@@ -11,7 +11,7 @@ import torch
 
 from ckpt_engine.fp8 import quantize_block_fp8
 from ckpt_engine.fp8.quantize import quantize_block_fp8_reference
-from ckpt_engine.fp8.quantize_kernel import quantize_block_fp8_triton
+from ckpt_engine.fp8.quantize_kernel import quantize_block_fp8_group, quantize_block_fp8_triton
 
 pytestmark = pytest.mark.gpu
 
@@ -30,6 +30,20 @@ def test_cuda_quantize_equals_the_cpu_reference_bit_for_bit(path: str, dtype: to
     rq, rs = quantize_block_fp8_reference(w)
     assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
     assert torch.equal(s.cpu().view(torch.int32), rs.view(torch.int32))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_weights_on_another_gpu_than_the_current_one_quantize_there() -> None:
+    """A sender's weights on cuda:1 while cuda:0 is current (an engine beside it on cuda:0): both
+    kernels launch on the weights' GPU (each launch on cuda:0 was refused, the join's warm-up first)."""
+    torch.cuda.set_device(0)
+    w = (torch.randn(2, 256, 384, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16()
+    rq, rs = quantize_block_fp8_reference(w)
+    on1 = w.to("cuda:1")
+    for q, s in [quantize_block_fp8_triton(on1), *quantize_block_fp8_group([on1])]:
+        assert q.device == torch.device("cuda:1") and torch.cuda.current_device() == 0
+        assert torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8))
+        assert torch.equal(s.cpu().view(torch.int32), rs.view(torch.int32))
 
 
 def _ms(quantize: Quantize, w: torch.Tensor) -> float:

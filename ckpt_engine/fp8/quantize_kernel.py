@@ -25,6 +25,7 @@ eager recipe).
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Sequence
 
@@ -134,6 +135,13 @@ def _e4m3_bits(y_f32):
     return tl.where(a >= (1087 << 20), 0x7F, tl.where(a < (121 << 23), sub, normal)) | sign
 
 
+def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Launch on `device`: Triton launches on the current CUDA device, which a trainer may have left
+    on another GPU than its weights (a sender on cuda:1 beside an engine on cuda:0 had every launch,
+    the join's warm-up first, refused: 'Pointer argument cannot be accessed from Triton')."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def quantize_block_fp8_triton(
     w: torch.Tensor, block: tuple[int, int] = BLOCK, *, hw_cvt: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,10 +166,11 @@ def quantize_block_fp8_triton(
         raise ValueError(f"the block-FP8 kernel's grid takes at most 65535 experts and block rows, got {tuple(w.shape)}")
     if hw_cvt is None:
         hw_cvt = _hw_cvt(w.device)
-    _quantize_blocks[(bc, br, experts)](
-        w3, q.view(torch.uint8), s, rows, cols, *w3.stride(), bc, br * bc,
-        BR=block_rows, BC=block_cols, FLOOR_BITS=_FLOOR_BITS, HW_CVT=hw_cvt, num_warps=_NUM_WARPS, enable_fp_fusion=False,  # no FMA: y = w * inv rounds once
-    )
+    with _on(w.device):
+        _quantize_blocks[(bc, br, experts)](
+            w3, q.view(torch.uint8), s, rows, cols, *w3.stride(), bc, br * bc,
+            BR=block_rows, BC=block_cols, FLOOR_BITS=_FLOOR_BITS, HW_CVT=hw_cvt, num_warps=_NUM_WARPS, enable_fp_fusion=False,  # no FMA: y = w * inv rounds once
+        )
     return q, s
 
 
@@ -211,10 +220,11 @@ def quantize_block_fp8_group(ws: Sequence[torch.Tensor], *, hw_cvt: bool | None 
         table = table.pin_memory().to(device, non_blocking=True)
     if hw_cvt is None:
         hw_cvt = _hw_cvt(device)
-    _quantize_many[(widest, len(ws))](
-        table, DTYPE=_GROUP_DTYPES[dtype], BR=block_rows, BC=block_cols, FLOOR_BITS=_FLOOR_BITS, HW_CVT=hw_cvt,
-        num_warps=_NUM_WARPS, enable_fp_fusion=False,
-    )
+    with _on(device):
+        _quantize_many[(widest, len(ws))](
+            table, DTYPE=_GROUP_DTYPES[dtype], BR=block_rows, BC=block_cols, FLOOR_BITS=_FLOOR_BITS, HW_CVT=hw_cvt,
+            num_warps=_NUM_WARPS, enable_fp_fusion=False,
+        )
     # One as_strided a result (not a slice and two views: ~2.5 us of host a weight less, 18,432 weights a 30B-A3B sync)
     out = []
     for w, qa, sa, (_, _, bc, nb, _) in zip(ws, q_at, s_at, rows_meta):
