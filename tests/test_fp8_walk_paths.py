@@ -36,7 +36,7 @@ class EagerGroups:
     def groupable(self, w: torch.Tensor) -> bool:
         return w.dim() in (2, 3) and w.is_contiguous() and w.numel() > 0 and w.shape[-1] % 16 == 0
 
-    def quantize_block_fp8_group(self, ws: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def quantize_block_fp8_group(self, ws: Sequence[torch.Tensor], *, checked: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
         self.launches.append(len(ws))
         if ws and ws[0].is_meta:  # shapes only (a whole preset's walk)
             return [(torch.empty(w.shape, dtype=FP8_DTYPE, device="meta"), torch.empty(scale_shape(w.shape), device="meta")) for w in ws]
