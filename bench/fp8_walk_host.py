@@ -10,7 +10,7 @@ each yielded tensor of a fresh walk (`next_weight`, `has_wire_layout`). The bf16
 weights through the sender's known-tensor path (`take_known`) is the reference. Last, what wrapping
 the whole preset's source in the FP8 wire costs (once a sync: `fp8_wire`).
 
-    python bench/fp8_walk_host.py --layers 2 --rounds 21
+    python bench/fp8_walk_host.py --layers 2 --rounds 61
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--rounds", type=int, default=61)
     args = ap.parse_args()
     torch.set_num_threads(1)
     specs = checkpoint_specs(load_preset_config(args.preset), num_layers=args.layers)
