@@ -8,7 +8,8 @@ takes it (`fp8/quantize_kernel.py`'s host side: checks, the pointer table, the r
 only the Triton launch left out (no GPU here), then through the checks the pipeline's sender runs on
 each yielded tensor of a fresh walk (`next_weight`, `has_wire_layout`). The bf16 walk of the same
 weights through the sender's known-tensor path (`take_known`) is the reference. Last, what wrapping
-the whole preset's source in the FP8 wire costs (once a sync: `fp8_wire`).
+the whole preset's source in the FP8 wire costs (once a sync: `fp8_wire`). `--device cuda:0` walks
+the real CUDA path, launches included (a GPU box).
 
     python bench/fp8_walk_host.py --layers 2 --rounds 61
 """
@@ -64,16 +65,22 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=61)
+    ap.add_argument("--device", default="cpu", help="cuda:N: the real walk, launches included (host time; kernels waited for between rounds)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    device = torch.device(args.device)
     specs = checkpoint_specs(load_preset_config(args.preset), num_layers=args.layers)
-    weights = {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype)) for s in specs}  # untouched pages
+    weights = {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in specs}  # untouched pages on the CPU
     quantized = sum(quantizes(s) for s in specs)
-    wire._group_kernel = lambda w: quantize_kernel  # the CUDA path's grouping on these CPU tensors
-    quantize_kernel._quantize_many = _NoLaunch()  # type: ignore[assignment]
+    if device.type == "cpu":
+        wire._group_kernel = lambda w: quantize_kernel  # the CUDA path's grouping on these CPU tensors
+        quantize_kernel._quantize_many = _NoLaunch()  # type: ignore[assignment]
     src = wire.Fp8WireSource(StateDictSource(weights))
     fp8_entries, bf16_entries = _entries(fp8_specs(specs)), _entries(specs)
-    device = torch.device("cpu")
+
+    def settle() -> None:  # the queued kernels, outside the timed host work
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     known: Known = {}
     runs: dict[str, list[float]] = {"fp8 walk": [], "fp8 walk + sender checks": [], "bf16 walk + sender checks (known)": []}
     for _ in range(args.rounds):
@@ -81,9 +88,11 @@ def main() -> None:
         for _ in src.iter_weights():
             pass
         runs["fp8 walk"].append(time.perf_counter() - t0)
+        settle()
         t0 = time.perf_counter()
         _consume(src.iter_weights(), fp8_entries, device)
         runs["fp8 walk + sender checks"].append(time.perf_counter() - t0)
+        settle()
         t0 = time.perf_counter()
         _consume_known(iter(weights.items()), bf16_entries, device, known)
         runs["bf16 walk + sender checks (known)"].append(time.perf_counter() - t0)
