@@ -175,7 +175,7 @@ def test_on_a_gpu_a_moe_layer_walks_through_the_grouped_kernel() -> None:
 
 def test_the_wire_layout_is_derived_once_per_metadata_and_anew_when_it_changes() -> None:
     """A sync wraps the trainer's source anew (`fp8_wire`); what the wire derives from its metadata
-    (~0.3 s of host for Qwen3-30B-A3B) is kept for equal metadata, and never for other metadata."""
+    (0.1-0.4 s of host for Qwen3-30B-A3B) is kept for equal metadata, and never for other metadata."""
     model = {n: t.bfloat16() for n, t in _model().items()}
     first = wire.Fp8WireSource(StateDictSource(model)).metadata()
     again = wire.Fp8WireSource(StateDictSource(dict(model))).metadata()

@@ -207,7 +207,7 @@ def quantize_block_fp8_group(
     ptrs = [w.data_ptr() for w in ws]
     bad = [] if checked else [i for i, w in enumerate(ws) if not groupable(w) or w.dtype is not dtype or w.get_device() != index]
     if bad or len(ws) > MAX_GROUP or dtype not in _GROUP_DTYPES:
-        raise ValueError(f"quantize_block_fp8_group takes up to {MAX_GROUP} groupable weights of one dtype and device; not weight(s) {sorted(bad)[:8]}")
+        raise ValueError(f"quantize_block_fp8_group takes up to {MAX_GROUP} groupable weights of one dtype and device; not weight(s) {bad[:8]}")
     block_rows, block_cols = BLOCK
     shapes = []  # per shape: (its shape, its scales', weights, codes a weight, blocks a weight, table columns 3-7)
     q_total = s_total = widest = 0
@@ -249,7 +249,7 @@ def quantize_block_fp8_group(
 def _table(q_base: int, s_base: int, shapes: list[tuple[Any, ...]], ptrs: list[int]) -> torch.Tensor:
     """`_quantize_many`'s table, weights by shape as `shapes` lists them, `ptrs` their inputs'
     addresses in that order: a few array ops a shape, not a Python row a weight (numpy: a torch op
-    on a tiny CPU tensor costs ~5-10 us of host, several times numpy's)."""
+    on a tiny CPU tensor costs several times as much host time)."""
     table = np.empty((len(ptrs), 8), dtype=np.int64)
     table[:, 0] = ptrs
     at = q_at = s_at = 0
