@@ -105,6 +105,13 @@ for w, (q, s) in zip(group, quantize_block_fp8_group([w.to(device) for w in grou
     rq, rs = quantize_block_fp8_reference(w)
     if not (torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)) and s.shape == rs.shape and torch.equal(s.cpu(), rs)):
         bad.append(f"group {tuple(w.shape)}")
+# an MoE layer's experts: shapes interleave (gate, up, down), the buffers hold each shape's weights together
+group = [(torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16) for _ in range(3) for shape in [(256, 128), (256, 128), (128, 256)]]
+group += [(torch.randn(2, 130, 144, generator=g) * 0.02).to(torch.bfloat16) for _ in range(2)]
+for i, (w, (q, s)) in enumerate(zip(group, quantize_block_fp8_group([w.to(device) for w in group], checked=True))):
+    rq, rs = quantize_block_fp8_reference(w)
+    if not (q.shape == w.shape and q.is_contiguous() and torch.equal(q.cpu().view(torch.uint8), rq.view(torch.uint8)) and s.shape == rs.shape and torch.equal(s.cpu(), rs)):
+        bad.append(f"interleaved group, weight {i} {tuple(w.shape)}")
 
 # Fp8WireSource's walk: names in order, each weight's bytes as the reference gives them, through
 # groups cut by size, by tensors that are not quantized and by weights the group kernel does not take
@@ -197,3 +204,16 @@ def test_bad_input_is_refused_by_name() -> None:
         quantize_block_fp8_triton(torch.zeros(4, 4, dtype=torch.float64))
     with pytest.raises(ValueError, match="power-of-two"):
         quantize_block_fp8_triton(torch.zeros(4, 4), (96, 128))
+
+
+def test_a_group_refuses_weights_it_cannot_take_by_index() -> None:
+    """Unless the caller says it asked `groupable` of each (`checked`), the grouped launch checks
+    every weight and names the ones it cannot read with 16-byte loads or in one dtype."""
+    pytest.importorskip("triton")
+    from ckpt_engine.fp8.quantize_kernel import quantize_block_fp8_group
+
+    ok = torch.zeros(128, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"not weight\(s\) \[1, 3\]"):
+        quantize_block_fp8_group([ok, ok.t(), ok, ok.float()])  # transposed (not contiguous), another dtype
+    with pytest.raises(ValueError, match=r"not weight\(s\) \[0\]"):
+        quantize_block_fp8_group([torch.zeros(64, 200, dtype=torch.bfloat16)])  # 200 columns: no 16-byte rows

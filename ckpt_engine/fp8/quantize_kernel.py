@@ -26,9 +26,12 @@ eager recipe).
 from __future__ import annotations
 
 import contextlib
+import functools
 import struct
 from collections.abc import Sequence
+from typing import Any
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -181,41 +184,54 @@ MAX_GROUP = 65535
 
 def groupable(w: torch.Tensor) -> bool:
     """Whether `quantize_block_fp8_group` takes `w`: a contiguous, non-empty bf16/fp16/fp32
-    [out, in] or [experts, out, in] whose address and row length allow 16-byte loads."""
-    return (
-        w.dim() in (2, 3) and w.dtype in _GROUP_DTYPES and w.numel() > 0 and w.is_contiguous()
-        and w.shape[-1] % 16 == 0 and w.data_ptr() % 16 == 0
-    )
+    [out, in] or [experts, out, in] whose address and row length allow 16-byte loads. Asked per
+    weight of a walk (18,432 a 30B-A3B sync): the shape and dtype part is answered once per layout."""
+    return w.is_contiguous() and w.data_ptr() % 16 == 0 and _groupable_layout(w.shape, w.dtype)
 
 
-def quantize_block_fp8_group(ws: Sequence[torch.Tensor], *, hw_cvt: bool | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+@functools.cache
+def _groupable_layout(shape: torch.Size, dtype: torch.dtype) -> bool:
+    return len(shape) in (2, 3) and dtype in _GROUP_DTYPES and shape[-1] % 16 == 0 and shape.numel() > 0
+
+
+def quantize_block_fp8_group(
+    ws: Sequence[torch.Tensor], *, hw_cvt: bool | None = None, checked: bool = False
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`quantize_block_fp8` of every weight in `ws` (each `groupable`, one dtype, one device) in one
     launch: a launch costs ~10-30 us of host time, and Qwen3-30B-A3B quantizes 18,432 expert
-    weights per sync. The results are views of two buffers (codes, scales) made for the group."""
+    weights per sync. The results are views of two buffers (codes, scales) made for the group.
+
+    The host work is per shape, not per weight (on 2xH200 it bounded a 30B-A3B FP8 sync at ~13.6 us
+    a weight): the buffers hold each shape's weights in one stretch, in order of first appearance
+    (an MoE layer's gate, up and down experts interleave), so a shape's shape checks, table rows
+    and result views (one `unbind`, not two `as_strided` calls a weight) are a few calls each.
+    `checked`: the caller asked `groupable` of each weight and gives one dtype and device (a walk
+    that groups them does): not asked again."""
     if not ws:
         return []
-    dtype, device = ws[0].dtype, ws[0].device
-    bad = [i for i, w in enumerate(ws) if not groupable(w) or w.dtype != dtype or w.device != device]
-    if bad or len(ws) > MAX_GROUP:
+    dtype, device, index = ws[0].dtype, ws[0].device, ws[0].get_device()
+    by_shape: dict[torch.Size, list[int]] = {}
+    for i, w in enumerate(ws):
+        by_shape.setdefault(w.shape, []).append(i)
+    ptrs = [w.data_ptr() for w in ws]
+    bad = [] if checked else [i for i, w in enumerate(ws) if not groupable(w) or w.dtype is not dtype or w.get_device() != index]
+    if bad or len(ws) > MAX_GROUP or dtype not in _GROUP_DTYPES:
         raise ValueError(f"quantize_block_fp8_group takes up to {MAX_GROUP} groupable weights of one dtype and device; not weight(s) {bad[:8]}")
     block_rows, block_cols = BLOCK
-    q_at, s_at, rows_meta, q_total, s_total, widest = [], [], [], 0, 0, 0
-    for w in ws:
-        *lead, rows, cols = w.shape
+    shapes = []  # per shape: (its shape, its scales', weights, codes a weight, blocks a weight, table columns 3-7)
+    q_total = s_total = widest = 0
+    for shape, idx in by_shape.items():
+        *lead, rows, cols = shape
         br, bc = -(-rows // block_rows), -(-cols // block_cols)
         blocks = br * bc * (lead[0] if lead else 1)
-        q_at.append(q_total)
-        s_at.append(s_total)
-        rows_meta.append((rows, cols, bc, br * bc, blocks))
-        q_total += -(-w.numel() // 16) * 16  # every weight's codes start 16-byte aligned
-        s_total += blocks
+        shapes.append((shape, (*lead, br, bc), len(idx), rows * cols * (lead[0] if lead else 1), blocks, (rows, cols, bc, br * bc, blocks)))
+        q_total += len(idx) * shapes[-1][3]  # a multiple of 16 (`cols` is): every weight's codes start 16-byte aligned
+        s_total += len(idx) * blocks
         widest = max(widest, blocks)
     q_buf = torch.empty(q_total, dtype=FP8_DTYPE, device=device)
     s_buf = torch.empty(s_total, dtype=torch.float32, device=device)
-    table = torch.tensor(
-        [(w.data_ptr(), q_buf.data_ptr() + qa, s_buf.data_ptr() + 4 * sa, *meta) for w, qa, sa, meta in zip(ws, q_at, s_at, rows_meta)],
-        dtype=torch.int64,
-    )
+    order = [i for idx in by_shape.values() for i in idx]  # table rows and buffer stretches: by shape
+    table = _table(q_buf.data_ptr(), s_buf.data_ptr(), shapes, ptrs if len(shapes) == 1 else [ptrs[i] for i in order])
     if device.type == "cuda":  # pinned: a copy from pageable memory would make the host wait for the stream
         table = table.pin_memory().to(device, non_blocking=True)
     if hw_cvt is None:
@@ -225,11 +241,33 @@ def quantize_block_fp8_group(ws: Sequence[torch.Tensor], *, hw_cvt: bool | None 
             table, DTYPE=_GROUP_DTYPES[dtype], BR=block_rows, BC=block_cols, FLOOR_BITS=_FLOOR_BITS, HW_CVT=hw_cvt,
             num_warps=_NUM_WARPS, enable_fp_fusion=False,
         )
-    # One as_strided a result (not a slice and two views: ~2.5 us of host a weight less, 18,432 weights a 30B-A3B sync)
-    out = []
-    for w, qa, sa, (_, _, bc, nb, _) in zip(ws, q_at, s_at, rows_meta):
-        stacked = w.dim() == 3  # [experts, out, in]: the scales of each expert in turn
-        s_shape = (w.shape[0], nb // bc, bc) if stacked else (nb // bc, bc)
-        s_stride = (nb, bc, 1) if stacked else (bc, 1)
-        out.append((q_buf.as_strided(w.shape, w.stride(), qa), s_buf.as_strided(s_shape, s_stride, sa)))
+    qs: list[torch.Tensor] = []
+    ss: list[torch.Tensor] = []
+    q_at = s_at = 0
+    for shape, s_shape, n, numel, blocks, _ in shapes:
+        qs += q_buf[q_at : q_at + n * numel].view(n, *shape).unbind(0)
+        ss += s_buf[s_at : s_at + n * blocks].view(n, *s_shape).unbind(0)
+        q_at, s_at = q_at + n * numel, s_at + n * blocks
+    if len(shapes) == 1:
+        return list(zip(qs, ss))
+    out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(ws)  # type: ignore[list-item]
+    for i, q, s in zip(order, qs, ss):
+        out[i] = (q, s)
     return out
+
+
+def _table(q_base: int, s_base: int, shapes: list[tuple[Any, ...]], ptrs: list[int]) -> torch.Tensor:
+    """`_quantize_many`'s table, weights by shape as `shapes` lists them, `ptrs` their inputs'
+    addresses in that order: a few array ops a shape, not a Python row a weight (numpy: a torch op
+    on a tiny CPU tensor costs several times as much host time)."""
+    table = np.empty((len(ptrs), 8), dtype=np.int64)
+    table[:, 0] = ptrs
+    at = q_at = s_at = 0
+    for _, _, n, numel, blocks, meta in shapes:
+        k = np.arange(n, dtype=np.int64)
+        rows = table[at : at + n]
+        rows[:, 1] = q_base + q_at + k * numel
+        rows[:, 2] = s_base + 4 * (s_at + k * blocks)
+        rows[:, 3:] = meta
+        at, q_at, s_at = at + n, q_at + n * numel, s_at + n * blocks
+    return torch.from_numpy(table)

@@ -1,0 +1,119 @@
+"""Host time of the FP8 sender's walk, per quantized weight, on any machine (issue 41).
+
+Why: on 2xH200 a Qwen3-30B-A3B (12 layers) FP8 sync is bound by the sender's walk (`export`: 63.5 ms
+for 4,656 quantized weights, 13.6 us of host a weight), not by its kernels or the link. That cost is
+Python on one host thread, so it shows on a CPU box too. This drives `Fp8WireSource` over the
+preset's real shapes (`torch.empty`: no page is touched) through the grouped path exactly as CUDA
+takes it (`fp8/quantize_kernel.py`'s host side: checks, the pointer table, the result views), with
+only the Triton launch left out (no GPU here), then through the checks the pipeline's sender runs on
+each yielded tensor of a fresh walk (`next_weight`, `has_wire_layout`). The bf16 walk of the same
+weights through the sender's known-tensor path (`take_known`) is the reference. Last, what wrapping
+the whole preset's source in the FP8 wire costs (once a sync: `fp8_wire`). `--device cuda:0` walks
+the real CUDA path, launches included (a GPU box).
+
+    python bench/fp8_walk_host.py --layers 2 --rounds 61
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import ckpt_engine.sources.fp8 as wire
+from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+from ckpt_engine.fp8 import quantize_kernel
+from ckpt_engine.fp8.layout import fp8_specs, quantizes
+from ckpt_engine.manifest import TensorMeta, TensorSpec
+from ckpt_engine.pipeline.piece_reader import Known, take_known
+from ckpt_engine.pipeline.wire_views import has_wire_layout, next_weight
+from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.sources.wire import torch_dtype
+
+
+class _NoLaunch:
+    """Stands in for the Triton kernel object: `kernel[grid](...)` queues nothing (no GPU here)."""
+
+    def __getitem__(self, grid: Any) -> Any:
+        return lambda *args, **kwargs: None
+
+
+def _entries(specs: list[TensorSpec]) -> list[TensorMeta]:
+    """Whole-tensor manifest entries (bucket offsets do not matter to the checks)."""
+    return [TensorMeta(s.name, s.dtype, s.shape, 0, s.nbytes, 0) for s in specs]
+
+
+def _consume(it: Iterator[tuple[str, torch.Tensor]], entries: list[TensorMeta], device: torch.device) -> None:
+    """What the sender's `PieceReader.source` does per whole entry of a fresh walk."""
+    for e in entries:
+        t = next_weight(it, e)
+        has_wire_layout(t, e, device)
+
+
+def _consume_known(it: Iterator[tuple[str, torch.Tensor]], entries: list[TensorMeta], device: torch.device, known: Known) -> None:
+    """The bf16 walk of a stable source: checks skipped for the tensors seen last sync."""
+    for e in entries:
+        take_known(it, e, known, lambda t: has_wire_layout(t, e, device))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=61)
+    ap.add_argument("--device", default="cpu", help="cuda:N: the real walk, launches included (host time; kernels waited for between rounds)")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    specs = checkpoint_specs(load_preset_config(args.preset), num_layers=args.layers)
+    weights = {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in specs}  # untouched pages on the CPU
+    quantized = sum(quantizes(s) for s in specs)
+    if device.type == "cpu":
+        wire._group_kernel = lambda w: quantize_kernel  # the CUDA path's grouping on these CPU tensors
+        quantize_kernel._quantize_many = _NoLaunch()  # type: ignore[assignment]
+    src = wire.Fp8WireSource(StateDictSource(weights))
+    fp8_entries, bf16_entries = _entries(fp8_specs(specs)), _entries(specs)
+
+    def settle() -> None:  # the queued kernels, outside the timed host work
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    known: Known = {}
+    runs: dict[str, list[float]] = {"fp8 walk": [], "fp8 walk + sender checks": [], "bf16 walk + sender checks (known)": []}
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        for _ in src.iter_weights():
+            pass
+        runs["fp8 walk"].append(time.perf_counter() - t0)
+        settle()
+        t0 = time.perf_counter()
+        _consume(src.iter_weights(), fp8_entries, device)
+        runs["fp8 walk + sender checks"].append(time.perf_counter() - t0)
+        settle()
+        t0 = time.perf_counter()
+        _consume_known(iter(weights.items()), bf16_entries, device, known)
+        runs["bf16 walk + sender checks (known)"].append(time.perf_counter() - t0)
+    print(f"{args.preset}, {args.layers} layers: {len(specs)} tensors, {quantized} quantized, {src.last_walk}")
+    # A sync wraps the trainer's source anew (`fp8_wire`): what that costs, here for the whole preset
+    whole = {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device="meta") for s in checkpoint_specs(load_preset_config(args.preset))}
+    whole_src = StateDictSource(whole)
+    wraps = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        wire.Fp8WireSource(whole_src).metadata()
+        wraps.append(time.perf_counter() - t0)
+    print(f"wrapping the whole {args.preset} ({len(whole)} tensors) in the FP8 wire, with its metadata: best {min(wraps) * 1e3:.1f} ms a sync")
+    ref = min(runs["bf16 walk + sender checks (known)"])
+    for name, seconds in runs.items():  # best: the least disturbed round on a shared box
+        med, best = statistics.median(seconds), min(seconds)
+        print(
+            f"{name}: best {best * 1e3:.2f} ms ({best / quantized * 1e6:.2f} us a quantized weight, {best / ref:.2f} x the bf16 walk), "
+            f"median {med * 1e3:.2f} ms"
+        )
+
+
+if __name__ == "__main__":
+    main()
