@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import msgpack
 import torch
 
+from ckpt_engine.delta import accel
 from ckpt_engine.delta.checksums import checksum
 from ckpt_engine.transports.nixl_agent import SlotOffer
 from ckpt_engine.versions import check_version
@@ -40,9 +41,11 @@ def tensor_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
     device tensor never goes to the host (host CRC-32 of device tensors ran at ~0.5 GB/s on an
     H200 host, which set a GPU join's time), and the value is the same on every device for the
     same bytes. Words of 8 bytes where the size allows, fewer otherwise, chosen by the size alone
-    so a peer and a joiner always agree."""
+    so a peer and a joiner always agree. On a GPU with Triton every tensor of a device is summed
+    in one launch per word size (`checksum_kernel`: 9,435 launches a side were 0.9 s of a
+    30B-A3B join); elsewhere tensor by tensor with torch ops."""
     out = [0] * len(tensors)
-    pending: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
+    pending: dict[torch.device, tuple[list[int], list[torch.Tensor], list[int]]] = {}
     for i, t in enumerate(tensors):
         data = tensor_bytes(t.detach().contiguous())
         n = data.numel()
@@ -51,11 +54,18 @@ def tensor_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
         word = next(w for w in (8, 4, 2, 1) if n % w == 0)
         if data.data_ptr() % word:  # a view at an odd offset: its words need an aligned copy
             data = data.clone()
-        where, sums = pending.setdefault(data.device, ([], []))
+        where, views, words = pending.setdefault(data.device, ([], [], []))
         where.append(i)
-        sums.append(checksum(data, word))
-    for where, sums in pending.values():
-        for i, value in zip(where, torch.stack(sums).tolist()):
+        views.append(data)
+        words.append(word)
+    for device, (where, views, words) in pending.items():
+        if accel.triton_on(device):
+            from ckpt_engine.elastic import checksum_kernel
+
+            sums = checksum_kernel.checksums(views, words)
+        else:
+            sums = torch.stack([checksum(v, w) for v, w in zip(views, words)])
+        for i, value in zip(where, sums.tolist()):
             out[i] = value & _MASK64
     return out
 
