@@ -2,10 +2,12 @@
 tensors made the per-tensor work of a join, not its bytes, set its time). Two processes: a serving
 peer holding N tensors allocated one by one (as a staged sync's copies are) offers them
 (`PeerSource.offer`); the joiner prepares its NIXL agent and the copy it reads into beside the offer
-(`JoinPrep.prepare`), then reads and checks (`pull.read_checked`). Prints each phase's seconds and
-the registered regions on each side.
+(`JoinPrep.prepare`), then reads and checks (`pull.read_checked`). Prints each phase's seconds,
+the regions registered on each side and the reads. `--joiner-slab`: the joiner's copy is one slab
+(`LoaderCopy.slab`, as a vLLM joiner's staging copy), laid again in the offer's order at the pull;
+`--peer-slab`: the peer holds a slab too (a peer that itself joined by a pull).
 
-    .venv/bin/python bench/join_many_tensors.py --tensors 9435 --min-kib 4 --max-kib 64
+    .venv/bin/python bench/join_many_tensors.py --tensors 9435 --min-kib 4 --max-kib 64 [--joiner-slab] [--peer-slab]
 """
 
 from __future__ import annotations
@@ -44,7 +46,15 @@ def peer(args: argparse.Namespace) -> None:
     from ckpt_engine.elastic.peer_source import PeerSource
 
     g = torch.Generator().manual_seed(1)
-    held = Held({n: torch.randint(-2**15, 2**15, s, generator=g, dtype=torch.int16).view(torch.bfloat16) for n, s in shapes(args.tensors, args.min_kib, args.max_kib, 0).items()})
+    specs = shapes(args.tensors, args.min_kib, args.max_kib, 0)
+    if args.peer_slab:
+        from ckpt_engine.rollout_adapters.vllm.staging import LoaderCopy
+
+        held = Held(LoaderCopy().slab([(n, s, torch.bfloat16) for n, s in sorted(specs.items())], torch.device("cpu")))
+        for t in held.tensors.values():
+            t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, generator=g, dtype=torch.int16))
+    else:
+        held = Held({n: torch.randint(-2**15, 2**15, s, generator=g, dtype=torch.int16).view(torch.bfloat16) for n, s in specs.items()})
     source = PeerSource(held)
     t0 = time.perf_counter()
     raw = source.offer(1, 600.0)
@@ -60,13 +70,18 @@ def joiner(args: argparse.Namespace) -> dict[str, object]:
     from ckpt_engine.elastic.offer import PeerOffer
     from ckpt_engine.elastic.prepared import JoinPrep
     from ckpt_engine.elastic.pull import read_checked
+    from ckpt_engine.rollout_adapters.vllm.staging import LoaderCopy
 
     with tempfile.TemporaryDirectory() as tmp:
         offer_file = os.path.join(tmp, "offer")
         child = subprocess.Popen([sys.executable, __file__, "--peer", "--offer", offer_file, *args.passed], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             specs = shapes(args.tensors, args.min_kib, args.max_kib, 0)
-            into = {n: torch.empty(s, dtype=torch.bfloat16) for n, s in sorted(specs.items())}
+            copy = LoaderCopy()
+            if args.joiner_slab:
+                into = copy.slab([(n, s, torch.bfloat16) for n, s in sorted(specs.items())], torch.device("cpu"))
+            else:
+                into = {n: torch.empty(s, dtype=torch.bfloat16) for n, s in sorted(specs.items())}
             prep = JoinPrep("bench")
             prepared = prep.prepare(into, 600.0)
             deadline = time.monotonic() + 600
@@ -75,6 +90,8 @@ def joiner(args: argparse.Namespace) -> dict[str, object]:
                     raise RuntimeError("the peer made no offer")
                 time.sleep(0.01)
             offer = PeerOffer.decode(Path(offer_file).read_bytes(), "peer")
+            if args.joiner_slab:  # as `VllmPeer.start_pull`: the prepare's slab in the offer's order
+                into = copy.slab([(t.name, t.shape, torch.bfloat16) for t in offer.tensors], torch.device("cpu"))
             nbytes, phases, used = read_checked(into, offer, "peer", 600.0, lambda: None, prep)
             child.stdin.write("done\n")
             child.stdin.flush()
@@ -83,7 +100,24 @@ def joiner(args: argparse.Namespace) -> dict[str, object]:
             child.stdin.close()
             child.wait(60)
     return {"tensors": len(into), "bytes": nbytes, "peer_offer_s": round(peer_out["offer_s"], 3), "prepare_s": round(prepared["seconds"], 3),
-            **{f"{k}_s": round(v, 3) for k, v in phases.items()}, "prepare": used, "peer_regions": len(offer.tensors)}
+            **{f"{k}_s": round(v, 3) for k, v in phases.items()}, "prepare": used, "peer_regions": len(offer.regions),
+            "joiner_regions": prepared["regions"], "reads": reads(offer, into)}
+
+
+def reads(offer: object, into: dict[str, torch.Tensor]) -> int:
+    """How many reads the pull made (`pull._runs`' rule): tensors following each other by the same
+    gap of at most `MAX_GAP` bytes at the peer and here (both slabs here) share one read."""
+    from ckpt_engine.elastic.pull import MAX_GAP
+
+    n, last = 0, None
+    for t in offer.tensors:  # type: ignore[attr-defined]
+        if not t.nbytes:
+            continue
+        here = into[t.name].data_ptr()
+        if last is None or last[0] != t.region or not 0 <= t.offset - last[1] <= MAX_GAP or here - last[2] != t.offset - last[1]:
+            n += 1
+        last = (t.region, t.offset + t.nbytes, here + t.nbytes)
+    return n
 
 
 def main() -> None:
@@ -91,10 +125,12 @@ def main() -> None:
     p.add_argument("--tensors", type=int, default=9435)
     p.add_argument("--min-kib", type=int, default=4)
     p.add_argument("--max-kib", type=int, default=64)
+    p.add_argument("--joiner-slab", action="store_true", help="the joiner's copy is one slab (a vLLM joiner's staging copy)")
+    p.add_argument("--peer-slab", action="store_true", help="the peer holds one slab (a peer that joined by a pull)")
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--offer", help=argparse.SUPPRESS)
     args = p.parse_args()
-    args.passed = ["--tensors", str(args.tensors), "--min-kib", str(args.min_kib), "--max-kib", str(args.max_kib)]
+    args.passed = ["--tensors", str(args.tensors), "--min-kib", str(args.min_kib), "--max-kib", str(args.max_kib), *(["--peer-slab"] if args.peer_slab else [])]
     if args.peer:
         return peer(args)
     print(json.dumps(joiner(args)))
