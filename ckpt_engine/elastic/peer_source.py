@@ -29,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 _MAX_NAP_S = 1e-4
 """Longest sleep between two progress calls while an offer is open (reads over TCP move only then)."""
+_CLOSE_S = 5.0
+"""The longest `close` waits for the serving thread to stop."""
 
 
 class PeerSource:
@@ -162,8 +164,16 @@ class PeerSource:
             nap = min(2 * nap, _MAX_NAP_S)
 
     def close(self) -> None:
+        """Close the offers and the agent, once the thread serving them has stopped (it stops at
+        its next look with no offer open): an agent closed under its progress call, or left to
+        the interpreter's exit with the thread still in it, aborted the process ('terminate
+        called without an active exception')."""
         with self._lock:
             self._open.clear()
             agent, self._agent = self._agent, None
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=_CLOSE_S)
         if agent is not None:
-            agent.close()
+            with self._agent_lock:
+                agent.close()

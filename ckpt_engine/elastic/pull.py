@@ -118,7 +118,9 @@ def _read_all(
         except Exception as exc:
             raise RuntimeError(f"could not connect to peer {peer}'s agent {offer.agent}: {exc}") from exc
         connect_s = time.perf_counter() - t0
-        for window in _windows(_runs(todo, agent)):
+        runs = _runs(todo, agent)
+        logger.info("reading %d tensors from peer %s in %d reads (%d regions registered there, %d here)", len(todo), peer, len(runs), len(offer.regions), len(agent.slots))
+        for window in _windows(runs):
             try:
                 reqs = [(run, agent.read_span(0, run.region, run.offset, run.address, run.nbytes)) for run in window]
             except Exception as exc:
