@@ -163,21 +163,24 @@ def _runs(todo: list[tuple[TensorOffer, torch.Tensor]], agent: NixlAgent) -> lis
     still inside one registration here and at most `RUN_BYTES`. A gap (at most `MAX_GAP`: the
     allocator's or a slab's alignment padding) is read along, so it must be free here: inside the
     one allocation both tensors are views of, with no tensor of the pull starting in it."""
-    starts = sorted(local.data_ptr() for _, local in todo)
+    starts: list[int] | None = None
     runs: list[_Run] = []
-    storage = -1
+    before: torch.Tensor | None = None
     for t, local in todo:
-        address, mine = local.data_ptr(), local.untyped_storage().data_ptr()
+        address = local.data_ptr()
         last = runs[-1] if runs else None
-        if last is not None and last.region == t.region and address - last.address == t.offset - last.offset:
+        if last is not None and before is not None and last.region == t.region and address - last.address == t.offset - last.offset:
             gap = t.offset - last.offset - last.nbytes
-            free = gap == 0 or (0 < gap <= MAX_GAP and mine == storage and bisect.bisect_left(starts, address - gap) == bisect.bisect_left(starts, address))
+            free = gap == 0
+            if 0 < gap <= MAX_GAP and local.untyped_storage().data_ptr() == before.untyped_storage().data_ptr():
+                starts = starts if starts is not None else sorted(v.data_ptr() for _, v in todo)
+                free = bisect.bisect_left(starts, address - gap) == bisect.bisect_left(starts, address)
             nbytes = t.offset + t.nbytes - last.offset
             if free and nbytes <= RUN_BYTES and agent.covers(last.address, nbytes):
-                last.nbytes, last.count, storage = nbytes, last.count + 1, mine
+                last.nbytes, last.count, before = nbytes, last.count + 1, local
                 continue
         runs.append(_Run(t.region, t.offset, address, t.nbytes, t.name))
-        storage = mine
+        before = local
     return runs
 
 
