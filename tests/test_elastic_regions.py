@@ -7,6 +7,7 @@ landing every byte exactly, over UCX on the CPU box in one process."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -125,3 +126,20 @@ def test_a_pull_from_a_slab_into_a_slab_lands_every_byte_in_one_region_each() ->
         assert all(torch.equal(into[n].view(torch.int16), t.view(torch.int16)) for n, t in peer.tensors.items())
     finally:
         source.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_lie_in_their_caching_allocator_segments() -> None:
+    """3 MiB tensors allocated one by one (a 30B-A3B expert's size, as a staged sync's copies are)
+    share 20 MiB segments: fewer regions than tensors, each tensor inside its region; a slab is one."""
+    device = torch.device("cuda")
+    alone = [torch.empty(768 * 2048, dtype=torch.bfloat16, device=device) for _ in range(24)]
+    regions = regions_of([tensor_bytes(t) for t in alone])
+    expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower()  # then: their storages
+    assert len(regions.spans) == len(alone) if expandable else len(regions.spans) < len(alone)
+    for t, (r, off) in zip(alone, regions.where):
+        addr, size = regions.spans[r]
+        assert addr + off == t.data_ptr() and off + t.nbytes <= size
+    slab = LoaderCopy().slab([(f"e{i}", (768, 2048), torch.bfloat16) for i in range(24)], device)
+    assert len(regions_of([tensor_bytes(t) for t in slab.values()]).spans) == 1
