@@ -101,7 +101,7 @@ class PeerOffer:
     device_id: int
     regions: tuple[tuple[int, int], ...]
     """(address, bytes) of each memory region the peer registered (`elastic/regions.py`): a
-    caching-allocator segment or a run of host pages holding many tensors."""
+    caching-allocator segment holding many tensors, or one storage (a slab, a tensor)."""
     tensors: tuple[TensorOffer, ...]
     """In the order a joiner reads them: by region and offset, so tensors lying back to back at the
     peer come one after the other (a joiner whose copy lies the same way reads them in one read)."""

@@ -2,8 +2,8 @@
 serves the joiner's one-sided reads of its live tensors while it keeps serving.
 
 The memory regions holding the tensors are registered with the agent once (`regions.py`: a
-caching-allocator segment or a run of host pages per many tensors; syncs update the tensors in
-place, so the registration outlives versions; new storage registers anew). A checksum of each is taken once per
+caching-allocator segment per many tensors on CUDA, else each tensor's storage; syncs update the
+tensors in place, so the registration outlives versions; new storage registers anew). A checksum of each is taken once per
 held version. An offer stays open until the joiner is done or `timeout_s` passes; meanwhile a
 thread lets the agent's worker serve the reads (UCX emulates a READ over TCP with messages the
 target must answer; on RDMA or NVLink it does nothing). Nothing here pauses the engine: a sync
@@ -119,7 +119,7 @@ class PeerSource:
 
     def _agent_locked(self) -> NixlAgent:
         """The agent with the memory regions of every held tensor registered (`elastic/regions.py`:
-        a segment or a run of pages per many tensors; registered anew if their storage moved)."""
+        a segment or a storage per many tensors; registered anew if their storage moved)."""
         h = self.host
         names = sorted(h.tensors)
         ptrs = [h.tensors[n].data_ptr() for n in names]

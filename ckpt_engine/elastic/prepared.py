@@ -159,7 +159,7 @@ class JoinPrep:
 
 def _register(agent: NixlAgent, views: list[torch.Tensor]) -> None:
     """Register the memory regions holding those of `views` no registration of `agent` covers
-    (`regions.py`: one region for a staging slab, a segment or a run of pages for many tensors)."""
+    (`regions.py`: one region for a staging slab; on CUDA a segment for many tensors)."""
     missing = [v for v in views if not agent.covers(v.data_ptr(), v.numel())]
     if missing:
         regions = regions_of(missing)
