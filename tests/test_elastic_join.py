@@ -264,11 +264,20 @@ def test_wrong_memory_descriptors_are_refused_by_name_and_nothing_is_lost(fleet:
 
         with pytest.raises(RpcError, match="memory descriptors do not match what this engine holds"):
             joiner.pull_from_peer(_altered(raw, shrink), 1, "peer0", 20)
-        with pytest.raises(RpcError, match="bytes at address 0 .a wrong memory descriptor"):
-            joiner.pull_from_peer(_altered(raw, lambda d: d["tensors"][0].__setitem__(3, 0)), 1, "peer0", 20)
+        with pytest.raises(RpcError, match="bytes at address 0x0 .a wrong memory descriptor"):
+            joiner.pull_from_peer(_altered(raw, lambda d: d["regions"][0].__setitem__(0, 0)), 1, "peer0", 20)
+
+        def past_the_end(d: dict[str, Any]) -> None:  # a tensor described past the end of its region
+            t = next(t for t in d["tensors"] if t[4])
+            t[3][1] = d["regions"][t[3][0]][1] - t[4] + 1
+
+        with pytest.raises(RpcError, match="bytes at offset [0-9]+ lie outside region [0-9]+ of [0-9]+ bytes .a wrong memory descriptor"):
+            joiner.pull_from_peer(_altered(raw, past_the_end), 1, "peer0", 20)
+        with pytest.raises(RpcError, match="lie outside region 99999 of the offer's [0-9]+ .a wrong memory descriptor"):
+            joiner.pull_from_peer(_altered(raw, lambda d: d["tensors"][0][3].__setitem__(0, 99999)), 1, "peer0", 20)
         assert serving_at(joiner) == (1, False, False, "peer pull from peer0") and holds(joiner, sd(1)) == []  # nothing touched
 
-        def swap_addresses(d: dict[str, Any]) -> None:  # two tensors of one size, each pointed at the other
+        def swap_addresses(d: dict[str, Any]) -> None:  # two tensors of one size, each pointed at the other's (region, offset)
             ts = d["tensors"]
             i, j = next((i, j) for i in range(len(ts)) for j in range(i + 1, len(ts)) if ts[i][4] == ts[j][4] and ts[i][5] != ts[j][5])
             ts[i][3], ts[j][3] = ts[j][3], ts[i][3]

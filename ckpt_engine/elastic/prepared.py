@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.elastic.offer import tensor_bytes
+from ckpt_engine.elastic.regions import regions_of
 from ckpt_engine.transports.nixl_agent import NixlAgent, load_nixl
 
 __all__ = ["JoinPrep", "Taken"]
@@ -41,15 +42,9 @@ def _regions(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {n: tensor_bytes(t) for n, t in tensors.items() if t.numel()}
 
 
-def _key(view: torch.Tensor) -> tuple[str, int, int]:
-    return str(view.device), view.data_ptr(), view.numel()
-
-
 @dataclass
 class _Prepared:
     agent: NixlAgent
-    registered: set[tuple[str, int, int]]
-    """(device, address, bytes) of every registered region."""
     on_release: Callable[[], None] | None
     timer: threading.Timer
 
@@ -57,7 +52,8 @@ class _Prepared:
 @dataclass
 class Taken:
     """What a pull got from its engine's prepare: the agent to read with (None: none was prepared,
-    the pull makes one) and how many of its tensors were registered early and at the pull."""
+    the pull makes one) and how many of its tensors lay in the regions the prepare registered and
+    how many outside them (registered at the pull)."""
 
     agent: NixlAgent | None
     early: int = 0
@@ -91,7 +87,7 @@ class JoinPrep:
     def prepare(self, into: Mapping[str, torch.Tensor], keep_s: float, on_release: Callable[[], None] | None = None) -> dict[str, Any]:
         """Make an agent with `into` registered (a held one is kept, what it lacks registered, its
         deadline renewed), kept `keep_s` unless a pull takes it or a release comes first. Returns
-        {seconds, tensors, bytes, reused}. A failure leaves nothing registered (`on_release` called)."""
+        {seconds, tensors, bytes, reused, regions (registered in all)}. A failure leaves nothing registered (`on_release` called)."""
         t0 = time.perf_counter()
         with self._locked():
             held, self._held = self._held, None
@@ -100,25 +96,28 @@ class JoinPrep:
             release = on_release if held is None else _chain(held.on_release, on_release)
             try:
                 views = _regions(into)
-                keys = {_key(v) for v in views.values()}
                 if held is None:
-                    agent, registered = NixlAgent(load_nixl(), self.label, list(views.values())), keys
+                    agent = NixlAgent(load_nixl(), self.label, [])
+                    try:
+                        _register(agent, list(views.values()))
+                    except BaseException:
+                        agent.close()
+                        raise
                 else:  # its agent is kept (UCX started): only what it lacks is registered
-                    agent, registered = held.agent, held.registered
-                    agent.register([v for v in views.values() if _key(v) not in registered])
-                    registered |= keys
+                    agent = held.agent
+                    _register(agent, list(views.values()))
             except BaseException:
                 _let_go(held.agent if held is not None else None, release)
                 raise
             timer = threading.Timer(keep_s, self._expire, args=(agent,))
             timer.daemon = True
-            self._held = _Prepared(agent, registered, release, timer)
+            self._held = _Prepared(agent, release, timer)
             timer.start()
         seconds = time.perf_counter() - t0
         nbytes = sum(v.numel() for v in views.values())
         logger.info("peer join prepared before the offer: agent %s, %d tensors (%d bytes) registered in %.3f s%s",
                     agent.name, len(views), nbytes, seconds, " (the held agent kept)" if held is not None else "")
-        return {"seconds": seconds, "tensors": len(views), "bytes": nbytes, "reused": held is not None}
+        return {"seconds": seconds, "tensors": len(views), "bytes": nbytes, "reused": held is not None, "regions": len(agent.slots)}
 
     def take(self, into: Mapping[str, torch.Tensor]) -> Taken:
         """The held agent for a pull landing in `into` (it owns it from now on: it closes it), the
@@ -129,13 +128,13 @@ class JoinPrep:
             return Taken(None)
         held.timer.cancel()
         views = _regions(into)
-        missing = [v for v in views.values() if _key(v) not in held.registered]
+        late = sum(1 for v in views.values() if not held.agent.covers(v.data_ptr(), v.numel()))
         try:
-            held.agent.register(missing)
+            _register(held.agent, list(views.values()))
         except BaseException:
             _close(held)
             raise
-        return Taken(held.agent, len(views) - len(missing), len(missing))
+        return Taken(held.agent, len(views) - late, late)
 
     def release(self) -> bool:
         """Close a held prepare (deregistering everything it registered); whether one was held."""
@@ -156,6 +155,15 @@ class JoinPrep:
             self._held = None
         logger.warning("a peer join's prepared agent %s was not taken before its deadline: released", agent.name)
         _close(held)
+
+
+def _register(agent: NixlAgent, views: list[torch.Tensor]) -> None:
+    """Register the memory regions holding those of `views` no registration of `agent` covers
+    (`regions.py`: one region for a staging slab; on CUDA a segment for many tensors)."""
+    missing = [v for v in views if not agent.covers(v.data_ptr(), v.numel())]
+    if missing:
+        regions = regions_of(missing)
+        agent.register_regions(regions.spans, regions.device)
 
 
 def _close(held: _Prepared) -> None:

@@ -10,6 +10,7 @@ sender's CPU takes no part in moving a byte.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import os
 import secrets
@@ -130,6 +131,11 @@ class NixlAgent:
         if "UCX" not in self.agent.backends:
             raise RuntimeError(f"NIXL agent {self.name}: the UCX backend did not load (plugins found: {self.agent.plugin_list})")
         self.buffers: list[torch.Tensor] = []
+        self.slots: list[tuple[int, int]] = []
+        """(address, bytes) of everything registered, in order: the tensors of `register`, the
+        regions of `register_regions`."""
+        self._starts: list[tuple[int, int]] = []
+        """(address, end) of every slot, sorted: what `covers` looks up."""
         self._regs: list[Any] = []
         self.memory, self.device_id = "DRAM", 0
         self.register(buffers)
@@ -142,11 +148,35 @@ class NixlAgent:
         if not buffers:
             return
         kind = memory_kind(buffers[0].device)
-        if any(memory_kind(b.device) != kind for b in buffers) or (self.buffers and kind != (self.memory, self.device_id)):
+        if any(memory_kind(b.device) != kind for b in buffers) or (self.slots and kind != (self.memory, self.device_id)):
             raise ValueError(f"NIXL agent {self.name} registers the memory of one device, not of {sorted({str(b.device) for b in [*self.buffers, *buffers]})}")
         self._regs.append(self.agent.register_memory(buffers, backends=["UCX"]))
         self.buffers.extend(buffers)
+        self._add_slots([(b.data_ptr(), b.numel() * b.element_size()) for b in buffers], kind)
+
+    def register_regions(self, spans: list[tuple[int, int]], device: torch.device) -> None:
+        """Register (address, bytes) regions of `device`'s memory, each holding many tensors (a
+        peer join: `elastic/regions.py`). The caller keeps their memory alive until `close`."""
+        if not spans:
+            return
+        kind = memory_kind(device)
+        if self.slots and kind != (self.memory, self.device_id):
+            raise ValueError(f"NIXL agent {self.name} registers the memory of one device ({self.memory} {self.device_id}), not {device}")
+        if any(addr <= 0 or n <= 0 for addr, n in spans):
+            raise ValueError(f"NIXL agent {self.name}: a region needs a positive address and size, got {[s for s in spans if s[0] <= 0 or s[1] <= 0][:3]}")
+        self._regs.append(self.agent.register_memory([(addr, n, kind[1], "") for addr, n in spans], mem_type=kind[0], backends=["UCX"]))
+        self._add_slots(list(spans), kind)
+
+    def _add_slots(self, spans: list[tuple[int, int]], kind: tuple[str, int]) -> None:
+        self.slots.extend(spans)
+        self._starts = sorted([*self._starts, *((a, a + n) for a, n in spans)])
         self.memory, self.device_id = kind
+
+    def covers(self, address: int, nbytes: int) -> bool:
+        """Whether [address, address + nbytes) lies inside one registered slot (what a read's local
+        side must: NIXL finds the one registration holding a descriptor)."""
+        i = bisect.bisect_right(self._starts, (address, float("inf"))) - 1
+        return i >= 0 and self._starts[i][0] <= address and address + nbytes <= self._starts[i][1]
 
     @property
     def registrations(self) -> int:
@@ -154,8 +184,7 @@ class NixlAgent:
         return len(self._regs)
 
     def offer(self) -> SlotOffer:
-        slots = tuple((b.data_ptr(), b.numel() * b.element_size()) for b in self.buffers)
-        return SlotOffer(self.name, self.agent.get_agent_metadata(), self.memory, self.device_id, slots)
+        return SlotOffer(self.name, self.agent.get_agent_metadata(), self.memory, self.device_id, tuple(self.slots))
 
     def add_peer(self, sender: int, offer: SlotOffer) -> None:
         """Load a sender's metadata; the agent its metadata names must be the offer's."""
@@ -172,16 +201,20 @@ class NixlAgent:
     def read(self, sender: int, remote_slot: int, offset: int, local: torch.Tensor) -> Any:
         """Start one READ of `local.numel()` bytes at `offset` of sender slot `remote_slot` into
         `local` (a contiguous byte view of a registered slot); returns the request to poll."""
+        return self.read_span(sender, remote_slot, offset, local.data_ptr(), local.numel() * local.element_size())
+
+    def read_span(self, sender: int, remote_slot: int, offset: int, address: int, nbytes: int) -> Any:
+        """`read` into [address, address + nbytes) of this agent's registered memory (a run of
+        tensors lying back to back in it and in the sender's slot: one read for all of them)."""
         peer = self.peers[sender]
-        nbytes = local.numel() * local.element_size()
         addr, size = peer.slots[remote_slot]
         if offset < 0 or offset + nbytes > size:
             raise ValueError(f"a read of {nbytes} bytes at {offset} lies outside sender {sender}'s slot {remote_slot} of {size} bytes")
-        key = (sender, remote_slot, offset, local.data_ptr(), nbytes)
+        key = (sender, remote_slot, offset, address, nbytes)
         req = self._requests.get(key)
         if req is None:
             a = self.agent
-            local_descs = a.get_xfer_descs([(local.data_ptr(), nbytes, self.device_id)], self.memory)
+            local_descs = a.get_xfer_descs([(address, nbytes, self.device_id)], self.memory)
             remote_descs = a.get_xfer_descs([(addr + offset, nbytes, peer.device_id)], peer.memory)
             req = self._requests[key] = a.initialize_xfer("READ", local_descs, remote_descs, peer.agent, backends=["UCX"])
         state = self.agent.transfer(req)
@@ -245,6 +278,7 @@ class NixlAgent:
             except Exception as exc:
                 logger.debug("nixl: forgetting agent %s: %s", offer.agent, exc)
         self.peers = {}
+        self.slots, self._starts = [], []
         regs, self._regs = self._regs, []
         for reg in regs:
             try:

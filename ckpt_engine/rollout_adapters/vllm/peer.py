@@ -144,11 +144,16 @@ class VllmPeer:
                         del staging.copy.tensors[name]
 
         try:
-            for name, spec in sorted(specs.needed.items()):
-                before = staging.copy.tensors.get(name)
-                into[name] = staging.copy.slot(name, tuple(spec.shape), getattr(torch, spec.dtype), device)
-                if into[name] is not before:
-                    made[name] = into[name]
+            wanted = [(name, tuple(spec.shape), getattr(torch, spec.dtype)) for name, spec in sorted(specs.needed.items())]
+            if not any(name in staging.copy.tensors for name, _, _ in wanted):  # a fresh copy: one slab, one region to register
+                made = staging.copy.slab(wanted, device)
+                into = dict(made)
+            else:  # held copies (a staged sync's) are reused where they fit
+                for name, shape, dtype in wanted:
+                    before = staging.copy.tensors.get(name)
+                    into[name] = staging.copy.slot(name, shape, dtype, device)
+                    if into[name] is not before:
+                        made[name] = into[name]
         except BaseException:  # out of memory part-way: nothing kept
             free()
             raise
@@ -169,7 +174,11 @@ class VllmPeer:
 
         def stream(staged: StagedReceive) -> dict[str, Any]:
             t0 = time.perf_counter()
-            into = {t.name: staging.copy.slot(t.name, t.shape, getattr(torch, t.dtype), device) for t in offer.tensors}
+            # The prepare's slab laid again in the offer's order (no new memory, its one registration
+            # still covers it): tensors back to back at the peer are then back to back here, one read.
+            slabbed = [(t.name, t.shape, getattr(torch, t.dtype)) for t in offer.tensors if t.name in staging.copy.slabbed]
+            into = staging.copy.slab(slabbed, device) if slabbed and len(slabbed) == len(staging.copy.slabbed) else {}
+            into.update({t.name: staging.copy.slot(t.name, t.shape, getattr(torch, t.dtype), device) for t in offer.tensors if t.name not in into})
             staging.copy.retain(into)
             nbytes, phases, prepared = read_checked(into, offer, peer, read_timeout_s, self.hold, self.prep)
             alias = [(head, into[emb]) for head, emb in specs.tied.items() if head not in into and emb in into]

@@ -1,0 +1,69 @@
+"""The peer join's one-launch checksums (`elastic.checksum_kernel`) equal the delta codec's
+`checksum` tensor by tensor: every word size, sizes below, at and across a block and a 2**16-word
+group, tails, a tensor of one word, odd byte counts, views at offsets inside one buffer. Runs in
+Triton's interpreter on the CPU and on a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CASES = r"""
+import torch
+from ckpt_engine.delta.checksums import checksum
+from ckpt_engine.elastic.checksum_kernel import BLOCK, checksums
+
+device = DEVICE
+g = torch.Generator().manual_seed(11)
+flat = torch.randint(0, 256, (6 * 65536 * 8 + 4096,), generator=g, dtype=torch.uint8).to(device)
+views, words = [], []
+at = 0
+for word in (8, 4, 2, 1):
+    for n in (1, 3, BLOCK - 1, BLOCK, BLOCK + 5, 65536 - 7, 65536 + BLOCK + 1, 2 * 65536 + 3):
+        nbytes = n * word
+        at = (at + 7) // 8 * 8
+        if at + nbytes > flat.numel():
+            at = 0
+        views.append(flat[at : at + nbytes])
+        words.append(word)
+        at += nbytes
+views.append(flat[1 : 1 + 1001]); words.append(1)        # odd bytes at an odd address
+views.append(flat[2 : 2 + 2 * 777]); words.append(2)     # 2-byte words at a 2-byte offset
+views.append(flat[:0]); words.append(8)                   # empty: 0
+got = checksums(views, words).tolist()
+want = [int(checksum(v, w, impl="torch")) if v.numel() else 0 for v, w in zip(views, words)]
+assert got == want, [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+print("ok")
+"""
+
+
+def _run(device: str, interpret: bool) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+    proc = subprocess.run([sys.executable, "-c", CASES.replace("DEVICE", repr(device))], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_equals_the_codecs_checksum_in_tritons_interpreter() -> None:
+    pytest.importorskip("triton")
+    _run("cpu", True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_equals_the_codecs_checksum_on_a_gpu() -> None:
+    _run("cuda", False)
+
+
+def test_misaligned_or_mixed_views_are_refused_by_name() -> None:
+    pytest.importorskip("triton")
+    from ckpt_engine.elastic.checksum_kernel import checksums
+
+    flat = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="view 0 .* is not whole aligned words of 8 bytes"):
+        checksums([flat[1:17]], [8])
+    with pytest.raises(ValueError, match="view 0 must be a contiguous 1-D uint8 tensor"):
+        checksums([flat.view(torch.int64)], [8])
