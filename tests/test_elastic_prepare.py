@@ -150,6 +150,32 @@ def test_a_failed_prepare_leaves_nothing_and_frees_what_it_allocated(local: Loca
     assert agent is not None and agent.registrations == 0
 
 
+def test_an_agent_started_beside_the_callers_work_is_the_one_the_prepare_registers_with(local: Local) -> None:
+    """A vLLM worker starts the agent on a thread, then records its loaders' copies beside it: the
+    prepare takes that agent (no second one made), and the pull reads exactly with it."""
+    prep = JoinPrep()
+    prep.start_agent()
+    starting = prep._starting  # the test looks at which agent the prepare took
+    assert starting is not None
+    prep.start_agent()  # one starts at most
+    assert prep._starting is starting
+    prep.prepare(local.into, WAIT_S)
+    assert prep._starting is None and prep._held is not None and prep._held.agent is starting.result(WAIT_S)
+    _, _, prepared = read_checked(local.into, local.offer(), "peer", WAIT_S, _no_hold, prep)
+    assert prepared["used"] and _exact(local.into, local.peer.tensors) == []
+
+
+def test_an_agent_started_for_a_prepare_that_never_came_is_closed_at_release() -> None:
+    """The loaders' dry run failed after the agent was started: the release closes the agent (once
+    made), and a later prepare makes a fresh one."""
+    prep = JoinPrep()
+    prep.start_agent()
+    starting = prep._starting
+    assert starting is not None
+    assert not prep.release()  # no prepare was held
+    assert starting.result(0).agent is None and prep._starting is None  # made, then closed
+
+
 # --- reference receivers in their own processes, through join_from_peer --------------------------
 
 @pytest.fixture

@@ -207,15 +207,21 @@ class CkptEngineWorkerExtension:
         self._ckpt_core().peer.caller(owner).source.done(int(offer_id))
 
     def ckpt_peer_prepare(self, keep_s: float, owner: str | None = None) -> dict[str, Any]:
-        """Before the peer's offer comes: the loaders' copies recorded (`prepare_loads`, first: a
-        failure there allocates nothing), the pull's NIXL agent made, the staging copy allocated in
-        this model's checkpoint shapes and registered (`VllmPeer.prepare`); kept `keep_s` unless
-        the pull takes it or `ckpt_peer_unprepare` comes first."""
+        """Before the peer's offer comes: the pull's NIXL agent started on a thread while the
+        loaders' copies are recorded here (`prepare_loads`: a failure there allocates nothing and
+        closes the agent), then the staging copy allocated in this model's checkpoint shapes and
+        registered with it (`VllmPeer.prepare`); kept `keep_s` unless the pull takes it or
+        `ckpt_peer_unprepare` comes first."""
         core = self._ckpt_core()
         peer = core.peer.caller(owner)
         if core.reload.is_open:
             raise RuntimeError("a peer join's prepare refused: a sync is loading into this worker")
-        loads_s = core.prepare_loads()
+        peer.prep.start_agent()
+        try:
+            loads_s = core.prepare_loads()
+        except BaseException:
+            peer.prep.release()
+            raise
         made = peer.prepare(float(keep_s), specs=core.specs(), staging=core.staging, device=core.receiver.device or torch.device("cpu"))
         return {**made, "loads_s": loads_s}
 
