@@ -174,8 +174,8 @@ class Sender:
         all_whole, one_dtype = kind
         grouped = self.opts.is_grouped(bucket, self.t)
         if fresh and all_whole:  # new tensors, every one copied: checked and sorted in one loop
-            msgs = [flat_bytes(d) for e, d in zip(bucket.entries, dsts) if e.chunk_size] if grouped else []
-            return _OnceByDtype("grouped" if grouped else "packed", msgs=msgs, groups=pieces.fresh_entries(bucket.entries, dsts))
+            slot_msgs = [flat_bytes(d) for e, d in zip(bucket.entries, dsts) if e.chunk_size] if grouped else []
+            return _OnceByDtype("grouped" if grouped else "packed", msgs=slot_msgs, groups=pieces.fresh_entries(bucket.entries, dsts))
         if pieces.known is not None and all_whole:  # stable: one loop over the bucket's entries
             srcs, owns = pieces.whole_entries(bucket.entries)
             borrowed = [own and may_borrow for own in owns]
