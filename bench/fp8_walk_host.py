@@ -6,7 +6,7 @@ Python on one host thread, so it shows on a CPU box too. This drives `Fp8WireSou
 preset's real shapes (`torch.empty`: no page is touched) through the grouped path exactly as CUDA
 takes it (`fp8/quantize_kernel.py`'s host side: checks, the pointer table, the result views), with
 only the Triton launch left out (no GPU here), then through the checks the pipeline's sender runs on
-each yielded tensor of a fresh walk (`next_weight`, `has_wire_layout`). The bf16 walk of the same
+a fresh walk's bucket (`PieceReader.fresh_entries`, its copies left out). The bf16 walk of the same
 weights through the sender's known-tensor path (`take_known`) is the reference. Then the whole send
 path of the pipeline's `Sender` (the walk, its checks, the pack into slot memory; `export` and `pack`
 as a sync reports them) against the bf16 send of the same weights, over a transport that posts
@@ -33,12 +33,13 @@ import ckpt_engine.sources.fp8 as wire
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.fp8 import quantize_kernel
 from ckpt_engine.fp8.layout import fp8_specs, quantizes
+from ckpt_engine.engine import SendStats
 from ckpt_engine.manifest import BucketManifest, TensorMeta, TensorSpec
 from ckpt_engine.pipeline.options import PipelineOptions
-from ckpt_engine.pipeline.piece_reader import Known, take_known
+from ckpt_engine.pipeline.piece_reader import Known, PieceReader, take_known
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.sender import Sender
-from ckpt_engine.pipeline.wire_views import has_wire_layout, next_weight
+from ckpt_engine.pipeline.wire_views import has_wire_layout
 from ckpt_engine.planning.buckets import plan_buckets
 from ckpt_engine.sources.base import StateDictSource, WatchedWeights
 from ckpt_engine.sources.wire import torch_dtype
@@ -120,11 +121,10 @@ def _entries(specs: list[TensorSpec]) -> list[TensorMeta]:
     return [TensorMeta(s.name, s.dtype, s.shape, 0, s.nbytes, 0) for s in specs]
 
 
-def _consume(it: Iterator[tuple[str, torch.Tensor]], entries: list[TensorMeta], device: torch.device) -> None:
-    """What the sender's `PieceReader.source` does per whole entry of a fresh walk."""
-    for e in entries:
-        t = next_weight(it, e)
-        has_wire_layout(t, e, device)
+def _consume(it: Iterator[tuple[str, torch.Tensor]], entries: list[TensorMeta], dsts: list[torch.Tensor], device: torch.device) -> None:
+    """What the sender's `PieceReader.fresh_entries` does with a fresh walk's bucket of whole
+    entries, short of the copies."""
+    PieceReader(it, None, 0, device, SendStats()).fresh_entries(entries, dsts)
 
 
 def _consume_known(it: Iterator[tuple[str, torch.Tensor]], entries: list[TensorMeta], device: torch.device, known: Known) -> None:
@@ -150,6 +150,7 @@ def main() -> None:
         quantize_kernel._quantize_many = _NoLaunch()  # type: ignore[assignment]
     src = wire.Fp8WireSource(StateDictSource(weights))
     fp8_entries, bf16_entries = _entries(fp8_specs(specs)), _entries(specs)
+    no_copies = [torch.empty(0)] * len(fp8_entries)  # the checks sort the copies; nothing is copied
 
     def settle() -> None:  # the queued kernels, outside the timed host work
         if device.type == "cuda":
@@ -163,7 +164,7 @@ def main() -> None:
         runs["fp8 walk"].append(time.perf_counter() - t0)
         settle()
         t0 = time.perf_counter()
-        _consume(src.iter_weights(), fp8_entries, device)
+        _consume(src.iter_weights(), fp8_entries, no_copies, device)
         runs["fp8 walk + sender checks"].append(time.perf_counter() - t0)
         settle()
         t0 = time.perf_counter()
