@@ -6,10 +6,15 @@ Python on one host thread, so it shows on a CPU box too. This drives `Fp8WireSou
 preset's real shapes (`torch.empty`: no page is touched) through the grouped path exactly as CUDA
 takes it (`fp8/quantize_kernel.py`'s host side: checks, the pointer table, the result views), with
 only the Triton launch left out (no GPU here), then through the checks the pipeline's sender runs on
-each yielded tensor of a fresh walk (`next_weight`, `has_wire_layout`). The bf16 walk of the same
-weights through the sender's known-tensor path (`take_known`) is the reference. Last, what wrapping
-the whole preset's source in the FP8 wire costs (once a sync: `fp8_wire`). `--device cuda:0` walks
-the real CUDA path, launches included (a GPU box).
+a fresh walk's bucket (`PieceReader.fresh_entries`, its copies left out). The bf16 walk of the same
+weights through the sender's known-tensor path (`take_known`) is the reference. Then the whole send
+path of the pipeline's `Sender` (the walk, its checks, the pack into slot memory; `export` and `pack`
+as a sync reports them) against the bf16 send of the same weights, over a transport that posts
+nothing, at the preset's tensor count with tiny dims (`--tiny-dims`: hidden 128, experts 64 x 128,
+buckets scaled to hold as many tensors as 1 GiB buckets at the real dims), so the pack's host work
+shows and its memcpy stays small. Last, what wrapping the whole preset's source in the FP8 wire
+costs (once a sync: `fp8_wire`). `--device cuda:0` walks the real CUDA path, launches included (a
+GPU box).
 
     python bench/fp8_walk_host.py --layers 2 --rounds 61
 """
@@ -28,11 +33,80 @@ import ckpt_engine.sources.fp8 as wire
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.fp8 import quantize_kernel
 from ckpt_engine.fp8.layout import fp8_specs, quantizes
-from ckpt_engine.manifest import TensorMeta, TensorSpec
-from ckpt_engine.pipeline.piece_reader import Known, take_known
-from ckpt_engine.pipeline.wire_views import has_wire_layout, next_weight
-from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.engine import SendStats
+from ckpt_engine.manifest import BucketManifest, TensorMeta, TensorSpec
+from ckpt_engine.pipeline.options import PipelineOptions
+from ckpt_engine.pipeline.piece_reader import Known, PieceReader, take_known
+from ckpt_engine.pipeline.plan_state import PlanState
+from ckpt_engine.pipeline.sender import Sender
+from ckpt_engine.pipeline.wire_views import has_wire_layout
+from ckpt_engine.planning.buckets import plan_buckets
+from ckpt_engine.sources.base import StateDictSource, WatchedWeights
 from ckpt_engine.sources.wire import torch_dtype
+from ckpt_engine.transports.transport import Transport, TransportOptions
+
+
+class _PostsNothing(Transport):
+    """A sender's end that posts nothing: what is left of a send is its host work and its copies."""
+
+    name = "posts-nothing"
+
+    @classmethod
+    def resolve_device(cls, device: str | int | torch.device | None) -> torch.device:
+        return torch.device("cpu" if device is None else device)
+
+    def join(self, rendezvous: Any, rank: int) -> None:
+        self.rank, self.world_size = rank, 2
+
+    @property
+    def group(self) -> Any:
+        return None
+
+    def abort(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def wait_slot(self, slot: int, works: list[Any]) -> None:
+        works[slot] = None
+
+    def post(self, gid: int, slot: int, msg: torch.Tensor) -> Any:
+        return None
+
+    def post_group(self, gid: int, slot: int, msgs: list[torch.Tensor]) -> Any:
+        return None
+
+    def finish(self, k: int, sender: int, slot: int, work: Any, label: str) -> None: ...
+
+    def release(self, slot: int) -> None: ...
+
+    def drain_slots(self, works: list[Any]) -> None: ...
+
+
+class _NoHooks:
+    def _tamper_hook(self, bucket_index: int, message: torch.Tensor) -> None: ...
+
+    def _tamper_size_hook(self, bucket_index: int, kind: int, size: int) -> int:
+        return size
+
+    def _tamper_header_hook(self, bucket_index: int, header: torch.Tensor) -> None: ...
+
+
+def _sender(specs: list[TensorSpec], bucket_bytes: int, device: torch.device) -> tuple[Sender, BucketManifest, PlanState]:
+    """The pipeline's sender over `_PostsNothing`, with the plan of `specs` (as a sync makes them)."""
+    link = _PostsNothing(TransportOptions(device=device), bucket_size_bytes=bucket_bytes, num_buffers=2, num_lanes=1, timeout_s=60.0)
+    link.join(None, 0)
+    link.alloc_buffers(2)
+    manifest = plan_buckets(specs, bucket_bytes)
+    sender = Sender(link, PipelineOptions(bucket_bytes, 2, 60.0, False, 0), _NoHooks(), scatter_below=0.25)
+    return sender, manifest, PlanState(manifest, 2, 1)
+
+
+def _tiny(config: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """The preset's tensors at tiny dims, and how much smaller an expert weight got."""
+    real = config["moe_intermediate_size"] * config["hidden_size"]
+    config = {**config, "hidden_size": 128, "moe_intermediate_size": 64, "intermediate_size": 256, "head_dim": 16,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1024}
+    return config, config["moe_intermediate_size"] * config["hidden_size"] / real
 
 
 class _NoLaunch:
@@ -47,11 +121,10 @@ def _entries(specs: list[TensorSpec]) -> list[TensorMeta]:
     return [TensorMeta(s.name, s.dtype, s.shape, 0, s.nbytes, 0) for s in specs]
 
 
-def _consume(it: Iterator[tuple[str, torch.Tensor]], entries: list[TensorMeta], device: torch.device) -> None:
-    """What the sender's `PieceReader.source` does per whole entry of a fresh walk."""
-    for e in entries:
-        t = next_weight(it, e)
-        has_wire_layout(t, e, device)
+def _consume(it: Iterator[tuple[str, torch.Tensor]], entries: list[TensorMeta], dsts: list[torch.Tensor], device: torch.device) -> None:
+    """What the sender's `PieceReader.fresh_entries` does with a fresh walk's bucket of whole
+    entries, short of the copies."""
+    PieceReader(it, None, 0, device, SendStats()).fresh_entries(entries, dsts)
 
 
 def _consume_known(it: Iterator[tuple[str, torch.Tensor]], entries: list[TensorMeta], device: torch.device, known: Known) -> None:
@@ -77,6 +150,7 @@ def main() -> None:
         quantize_kernel._quantize_many = _NoLaunch()  # type: ignore[assignment]
     src = wire.Fp8WireSource(StateDictSource(weights))
     fp8_entries, bf16_entries = _entries(fp8_specs(specs)), _entries(specs)
+    no_copies = [torch.empty(0)] * len(fp8_entries)  # the checks sort the copies; nothing is copied
 
     def settle() -> None:  # the queued kernels, outside the timed host work
         if device.type == "cuda":
@@ -90,13 +164,14 @@ def main() -> None:
         runs["fp8 walk"].append(time.perf_counter() - t0)
         settle()
         t0 = time.perf_counter()
-        _consume(src.iter_weights(), fp8_entries, device)
+        _consume(src.iter_weights(), fp8_entries, no_copies, device)
         runs["fp8 walk + sender checks"].append(time.perf_counter() - t0)
         settle()
         t0 = time.perf_counter()
         _consume_known(iter(weights.items()), bf16_entries, device, known)
         runs["bf16 walk + sender checks (known)"].append(time.perf_counter() - t0)
     print(f"{args.preset}, {args.layers} layers: {len(specs)} tensors, {quantized} quantized, {src.last_walk}")
+    sends = _send_rounds(args.preset, args.layers, args.rounds, device, settle)
     # A sync wraps the trainer's source anew (`fp8_wire`): what that costs, here for the whole preset
     whole = {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device="meta") for s in checkpoint_specs(load_preset_config(args.preset))}
     whole_src = StateDictSource(whole)
@@ -113,6 +188,40 @@ def main() -> None:
             f"{name}: best {best * 1e3:.2f} ms ({best / quantized * 1e6:.2f} us a quantized weight, {best / ref:.2f} x the bf16 walk), "
             f"median {med * 1e3:.2f} ms"
         )
+    ref = min(sends["bf16 send"][0])
+    for name, (totals, parts) in sends.items():
+        best = min(totals)
+        export, pack = parts[totals.index(best)]
+        print(
+            f"{name}: best {best * 1e3:.2f} ms ({best / quantized * 1e6:.2f} us a quantized weight, {best / ref:.2f} x the bf16 send; "
+            f"export {export * 1e3:.2f} ms, pack {pack * 1e3:.2f} ms), median {statistics.median(totals) * 1e3:.2f} ms"
+        )
+
+
+def _send_rounds(
+    preset: str, layers: int, rounds: int, device: torch.device, settle: Any
+) -> dict[str, tuple[list[float], list[tuple[float, float]]]]:
+    """The sender's whole send of the preset at tiny dims, FP8 wire (a fresh walk, as a sync sends
+    it) against bf16 (the held tensors, stable): each round's seconds and its (export, pack)."""
+    config, shrink = _tiny(load_preset_config(preset))
+    specs = checkpoint_specs(config, num_layers=layers)
+    weights = {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in specs}
+    bucket = max(int((1 << 30) * shrink) // 256 * 256, max(s.nbytes for s in specs))  # as many tensors a bucket as 1 GiB at the real dims
+    src = wire.Fp8WireSource(StateDictSource(weights))
+    fp8 = _sender(src.metadata(), bucket, device)
+    bf16 = _sender(StateDictSource(weights).metadata(), bucket, device)
+    out: dict[str, tuple[list[float], list[tuple[float, float]]]] = {"fp8 send": ([], []), "bf16 send": ([], [])}
+    for _ in range(rounds):
+        for name, (sender, manifest, state) in (("fp8 send", fp8), ("bf16 send", bf16)):
+            fresh = name == "fp8 send"
+            walk = WatchedWeights(src.iter_weights(), fresh=True) if fresh else StateDictSource(weights).iter_weights()
+            t0 = time.perf_counter()
+            stats = sender.send(state, manifest, walk, stable=not fresh, delta=None)
+            out[name][0].append(time.perf_counter() - t0)
+            out[name][1].append((stats.export_s, stats.pack_s))
+            settle()
+    print(f"the sender's send at tiny dims: {len(fp8[1].buckets)} FP8 buckets of {bucket} bytes ({sum(len(b.entries) for b in fp8[1].buckets)} entries)")
+    return out
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +41,14 @@ __all__ = ["Sender"]
 class _Once(BucketSend):
     """A bucket's send decided for this sync only (its pieces were temporaries, or were packed
     one by one): never recorded for replay."""
+
+
+@dataclass
+class _OnceByDtype(_Once):
+    """A `_Once` packed bucket of a fresh walk, its copies already split by dtype pair while the
+    walk was read (`PieceReader.fresh_entries`): one `_foreach_copy_` a pair, nothing sorted."""
+
+    groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=list)
 
 
 class _OnceOneDtype(_Once):
@@ -163,6 +172,10 @@ class Sender:
         may_borrow = not self.t.reads_in_place(bucket.sender)
         one_copy = False  # every pair of one dtype, each source the caller's own memory in the wire layout
         all_whole, one_dtype = kind
+        grouped = self.opts.is_grouped(bucket, self.t)
+        if fresh and all_whole:  # new tensors, every one copied: checked and sorted in one loop
+            slot_msgs = [flat_bytes(d) for e, d in zip(bucket.entries, dsts) if e.chunk_size] if grouped else []
+            return _OnceByDtype("grouped" if grouped else "packed", msgs=slot_msgs, groups=pieces.fresh_entries(bucket.entries, dsts))
         if pieces.known is not None and all_whole:  # stable: one loop over the bucket's entries
             srcs, owns = pieces.whole_entries(bucket.entries)
             borrowed = [own and may_borrow for own in owns]
@@ -178,7 +191,6 @@ class Sender:
                     t0 = time.perf_counter()
                     dst.copy_(src)
                     stats.pack_s += time.perf_counter() - t0
-        grouped = self.opts.is_grouped(bucket, self.t)
         if not stable:
             pack = (list(dsts), srcs) if fresh else ([], [])  # packed by `_send_bucket`, one launch
             if grouped:
@@ -214,7 +226,10 @@ class Sender:
         """Pack (one batched copy) and post one bucket as `action` says."""
         bucket = step.bucket
         t0 = time.perf_counter()
-        if isinstance(action, _OnceOneDtype):
+        if isinstance(action, _OnceByDtype):
+            for dsts, srcs in action.groups:
+                torch._foreach_copy_(dsts, srcs)
+        elif isinstance(action, _OnceOneDtype):
             torch._foreach_copy_(action.dsts, action.srcs)  # one dtype, no aliasing: batched_copy_'s sorting is moot
         elif isinstance(action, _Once):
             batched_copy_(action.dsts, action.srcs)  # one launch for the whole bucket
