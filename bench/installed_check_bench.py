@@ -4,13 +4,16 @@ sides (the trainer's fold of the source, the engine's of what it installed).
 
     python bench/installed_check_bench.py --preset qwen2.5-7b --layers 1 --syncs 4 [--samples 4096]
     python bench/installed_check_bench.py --preset qwen2.5-7b --layers 28 --device cuda --backend colocated --syncs 9
+    python bench/installed_check_bench.py --preset qwen2.5-7b --layers 28 --shrink 16 --syncs 9   # many tensors, few bytes
 
 By default one session runs `verify_installed: 2` (after a first sync that joins, checked and
 unchecked syncs alternate, `--syncs` of each), so host drift hits both sides of the pair alike;
 `--two-sessions` runs the earlier method, a session unchecked then one checked at every sync. With
 `--device cuda` the trainer's tensors and the receiver's (a reference receiver started by this
 script, holding zeros of the checkpoint on that device) share one GPU; the one-GPU backend is
-`colocated`. Prints one JSON line: the median dense sync without and with the check, the check's
+`colocated`. `--shrink K` divides the widths (hidden, intermediate, vocabulary) by K and keeps every
+tensor: on the host, a 28-layer 7B's 339 tensors in ~60 MB (K 16) stand in for the GPU's sync, where
+the bytes move fast and the per-tensor host work is what a check adds. Prints one JSON line: the median dense sync without and with the check, the check's
 share of the sync, and each side's digest time (sampled and, for reference, a full fold:
 --samples 0's).
 """
@@ -104,6 +107,7 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=256)
     p.add_argument("--device", default="cpu", help="where the trainer's and the receiver's tensors live (cpu, cuda, cuda:N)")
     p.add_argument("--backend", default="gloo", help="gloo on the host; colocated for one GPU")
+    p.add_argument("--shrink", type=int, default=1, help="divide hidden, intermediate and vocabulary sizes by this (same tensors, fewer bytes)")
     p.add_argument("--two-sessions", action="store_true", help="an unchecked session, then one checked at every sync")
     p.add_argument("--serve-receiver", metavar="SPEC_FILE", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -112,13 +116,19 @@ def main() -> None:
     dev = torch.device(args.device)
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
-    specs = checkpoint_specs(load_preset_config(args.preset), num_layers=args.layers)
+    config = load_preset_config(args.preset)
+    if args.shrink < 1:
+        raise SystemExit(f"--shrink must be >= 1, got {args.shrink}")
+    for key in ("hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size", "head_dim"):
+        if config.get(key):
+            config[key] = max(config[key] // args.shrink, 1)
+    specs = checkpoint_specs(config, num_layers=args.layers)
     g = torch.Generator(device=dev).manual_seed(0)
     sd = {s.name: torch.randn(s.shape, generator=g, dtype=torch.float32, device=dev).to(getattr(torch, s.dtype)) for s in specs}
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     out: dict[str, object] = {
         "preset": args.preset, "layers": args.layers, "tensors": len(sd), "gb": round(nbytes / 1e9, 3), "samples": args.samples,
-        "device": str(dev), "backend": args.backend,
+        "shrink": args.shrink, "device": str(dev), "backend": args.backend,
         "method": "two sessions (off, verify_installed: 1)" if args.two_sessions else "one session, verify_installed: 2 (interleaved)",
     }
     with tempfile.TemporaryDirectory() as tmp:
