@@ -188,10 +188,10 @@ class TorchRefWorker:
     def receive(self, digest: str, delta: dict[str, Any] | None = None, stage: str | None = None, installed: dict[str, Any] | None = None) -> dict[str, Any]:
         if stage is not None:
             return self._receive_staged(digest, delta, stage)
-        # Until finalize the engine holds no complete version: a failure mid-stream leaves a mix
-        # (with delta, the loader runs only after every patch checked out: a bad patch leaves the
-        # old weights, still marked stale because the sync did not complete). A receive the
-        # receiver refuses (busy, not joined, manifest not validated) leaves the engine as it was.
+        check = InstalledRequest.from_wire(installed) if installed is not None else None  # answered once every byte landed
+        # Until finalize the engine holds no complete version: a failure mid-stream leaves a mix (with delta, the loader runs
+        # only after every patch checked out: a bad patch leaves the old weights, still marked stale because the sync did not
+        # complete). A receive the receiver refuses (busy, not joined, manifest not validated) leaves the engine as it was.
         def start() -> None:
             self.stale, self.version, self.received, self.receiving = True, None, None, True
 
@@ -199,9 +199,9 @@ class TorchRefWorker:
             report = self.receiver.receive(digest, self.load_bucket, self.tensors, delta=delta, on_start=start, region_loader=self.load_regions).to_dict()
         finally:
             self.receiving = False
+        if check is not None:
+            report["installed"] = self.held.report(check).to_wire()
         self.received = digest
-        if installed is not None:  # the sync's installed-weight check, answered once every byte landed
-            report["installed"] = self.held.report(InstalledRequest.from_wire(installed)).to_wire()
         return report
 
     def staging_room(self, nbytes: int) -> bool:
