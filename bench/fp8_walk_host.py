@@ -103,10 +103,11 @@ def _sender(specs: list[TensorSpec], bucket_bytes: int, device: torch.device) ->
 
 def _tiny(config: dict[str, Any]) -> tuple[dict[str, Any], float]:
     """The preset's tensors at tiny dims, and how much smaller an expert weight got."""
-    real = config["moe_intermediate_size"] * config["hidden_size"]
+    inner = "moe_intermediate_size" if "moe_intermediate_size" in config else "intermediate_size"  # a dense preset: its MLP
+    real = config[inner] * config["hidden_size"]
     config = {**config, "hidden_size": 128, "moe_intermediate_size": 64, "intermediate_size": 256, "head_dim": 16,
               "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1024}
-    return config, config["moe_intermediate_size"] * config["hidden_size"] / real
+    return config, config[inner] * config["hidden_size"] / real
 
 
 class _NoLaunch:
