@@ -103,13 +103,14 @@ def test_the_cpu_walk_quantizes_each_weight_alone_with_the_eager_recipe() -> Non
     assert src.last_walk == wire.WalkCounts(launches=0, grouped=0, alone=8)
 
 
-def test_a_stable_source_is_grouped_between_unquantized_tensors(groups: EagerGroups) -> None:
+def test_a_stable_source_is_grouped_across_unquantized_tensors(groups: EagerGroups) -> None:
     model = {n: t.bfloat16() for n, t in _model().items()}
     src = wire.Fp8WireSource(StateDictSource(model))
     walked = list(src.iter_weights())
     _same(walked, _eager(model))
-    # per layer: q_proj alone in its group (o_proj's 200 columns are not groupable), up+down together
-    assert src.last_walk == wire.WalkCounts(launches=4, grouped=6, alone=2) and groups.launches == [1, 2, 1, 2]
+    # o_proj's 200 columns are not groupable: it goes alone and ends the group before it. The next
+    # layer's norm does not end one (held, sent in its place): up+down of layer 0 go with q of layer 1
+    assert src.last_walk == wire.WalkCounts(launches=3, grouped=6, alone=2) and groups.launches == [1, 3, 2]
 
 
 def test_a_source_that_reuses_its_memory_is_never_grouped(groups: EagerGroups) -> None:

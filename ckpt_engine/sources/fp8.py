@@ -181,19 +181,24 @@ class Fp8WireSource(WeightSource):
         key: tuple[object, torch.dtype, int] | None = None  # their kernel, dtype and device index
         plans: list[_Quantized] = []
         pending: list[torch.Tensor] = []  # wire-dtype weights for one grouped launch
+        between: list[tuple[int, str, torch.Tensor]] = []  # tensors sent as they are, read meanwhile: (weights before, name, tensor)
         held = 0
         for name, t in self.source.iter_weights():
             plan = quantized.get(name)
             if plan is None:
+                if pending and holds and held + t.nbytes <= GROUP_BYTES:  # a bias or norm between two weights does not end the group
+                    between.append((len(pending), name, t))
+                    held += t.nbytes
+                    continue
                 if pending:
-                    yield from _flush(kernel, plans, pending, counts)
+                    yield from _flush(kernel, plans, pending, between, counts)
                 yield name, t
                 continue
             w = t if t.dtype is plan.dtype and t.shape == plan.shape else _wire(plan.spec, t)
             k = _group_kernel(w)
             if k is None or not ((holds or w.dtype is not t.dtype) and k.groupable(w)):
                 if pending:
-                    yield from _flush(kernel, plans, pending, counts)
+                    yield from _flush(kernel, plans, pending, between, counts)
                 q, s = quantize_block_fp8(w, BLOCK)
                 counts.alone += 1
                 yield name, q.view(plan.spec.shape)
@@ -201,29 +206,39 @@ class Fp8WireSource(WeightSource):
                 continue
             here = (k, w.dtype, w.get_device())
             if pending and (here != key or held + plan.nbytes > GROUP_BYTES or len(pending) == k.MAX_GROUP):
-                yield from _flush(kernel, plans, pending, counts)
+                yield from _flush(kernel, plans, pending, between, counts)
             if not pending:
                 kernel, key, held = k, here, 0
             plans.append(plan)
             pending.append(w)
             held += plan.nbytes
         if pending:
-            yield from _flush(kernel, plans, pending, counts)
+            yield from _flush(kernel, plans, pending, between, counts)
 
 
-def _flush(kernel: GroupKernel | None, plans: list[_Quantized], pending: list[torch.Tensor], counts: WalkCounts) -> list[tuple[str, torch.Tensor]]:
-    """Quantize the pending weights in one launch: each one's codes and scales, in order. `plans`
-    and `pending` are emptied (the weights are not needed once the launch is queued); every weight
+def _flush(
+    kernel: GroupKernel | None, plans: list[_Quantized], pending: list[torch.Tensor], between: list[tuple[int, str, torch.Tensor]], counts: WalkCounts,
+) -> list[tuple[str, torch.Tensor]]:
+    """Quantize the pending weights in one launch: each one's codes and scales, in order, with the
+    tensors read `between` them (a dense model's biases and norms: in Qwen2.5-7B one after nearly
+    every weight, which made every launch a group of one) where they were read. `plans`, `pending`
+    and `between` are emptied (the weights are not needed once the launch is queued); every weight
     passed `groupable`, and they share a dtype and device, so the kernel does not ask again."""
     assert kernel is not None  # pending only fills where a grouped kernel takes the weights
     results = kernel.quantize_block_fp8_group(pending, checked=True)
     counts.launches += 1
     counts.grouped += len(pending)
     out: list[tuple[str, torch.Tensor]] = []
-    for plan, (q, s) in zip(plans, results):
+    j = 0
+    for i, (plan, (q, s)) in enumerate(zip(plans, results)):
+        while j < len(between) and between[j][0] == i:
+            out.append(between[j][1:])
+            j += 1
         out += ((plan.spec.name, q), (plan.scale, s))  # the codes already in the weight's shape, the scales in theirs
+    out += [b[1:] for b in between[j:]]
     plans.clear()
     pending.clear()
+    between.clear()
     return out
 
 
