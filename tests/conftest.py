@@ -44,6 +44,22 @@ FAST_TIER: dict[str, frozenset[str] | None] = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def plan_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """vLLM workers keep their receive plans (`vllm/plan_cache.py`) in a temp dir of the session,
+    never in the user's cache; set before any engine starts (they inherit it)."""
+    path = tmp_path_factory.mktemp("ckpt-engine-cache")
+    before = os.environ.get("CKPT_ENGINE_CACHE_DIR")
+    os.environ["CKPT_ENGINE_CACHE_DIR"] = str(path)
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop("CKPT_ENGINE_CACHE_DIR", None)
+        else:
+            os.environ["CKPT_ENGINE_CACHE_DIR"] = before
+
+
 @pytest.fixture(scope="module")
 def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The reference model's spec file (refengines.source(0)), for the reference engines a module starts."""
