@@ -4,7 +4,7 @@ Recording where every checkpoint tensor lands costs every vLLM engine's first sy
 joiner's prepare one pass of vLLM's loaders over placeholders (2.6 s for a 24-layer Qwen3-30B-A3B on
 2xH200). What the loaders do is decided by vLLM's build, this package's, the model class, the
 checkpoint specs, the layout the loaders write into (names, dtypes, shapes of the parameters and
-buffers on their meta stand-ins), the quantization config and the worker's place in the parallel
+buffers on their meta stand-ins, and the loader functions attached to them), the quantization config and the worker's place in the parallel
 layout: a hash of those names a file (msgpack, a checksum of its payload inside, written through a
 temp file and `os.replace`). A file that is torn, corrupt or of another format is ignored (logged by
 name) and the plan recorded in full and written again.
@@ -131,7 +131,7 @@ def plan_key(model: torch.nn.Module, specs: Mapping[str, TensorSpec], vllm_confi
     material = [
         FORMAT, vllm.__version__, ckpt_engine.__version__, f"{cls.__module__}.{cls.__qualname__}",
         [[s.name, s.dtype, list(s.shape)] for s in specs.values()],
-        [[name, str(t.dtype), list(t.shape)] for name, t in run.layout.values()],
+        [[name, str(t.dtype), list(t.shape)] for name, t in run.layout.values()], run.loaders,
         _quantization(vllm_config), _parallel_place(vllm_config),
     ]
     return hashlib.sha256(msgpack.packb(material, use_bin_type=True)).hexdigest()[:40]

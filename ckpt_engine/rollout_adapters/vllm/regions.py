@@ -25,7 +25,9 @@ checks; names it cannot follow so are `unfollowed`.
 
 from __future__ import annotations
 
+import functools
 import logging
+import types
 from math import prod
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -255,6 +257,9 @@ class DryRun:
 
     model: torch.nn.Module
     layout: dict[int, tuple[str, torch.Tensor]]
+    loaders: list[str]
+    """The loader each layout tensor with one is loaded by (its function's module and qualified name,
+    in walk order): a loader replaced since vLLM built the model changes it."""
 
     def record(self, specs: Mapping[str, TensorSpec]) -> PlanRecording:
         rec = PlanRecording(specs)
@@ -292,7 +297,8 @@ def dry_run(model: torch.nn.Module, vllm_config: Any) -> Iterator[DryRun]:
                     if loader is not None and loader.__name__ == "online_process_loader":
                         saved.append((tensor, loader))
                         tensor.weight_loader = _get_original_loader(tensor)
-            yield DryRun(model, layout)
+            loaders = [f"{name}={_loader_name(t.weight_loader)}" for name, t in layout.values() if hasattr(t, "weight_loader")]
+            yield DryRun(model, layout, loaders)
         finally:
             for tensor, loader in saved:
                 tensor.weight_loader = loader
@@ -304,6 +310,16 @@ def dry_run(model: torch.nn.Module, vllm_config: Any) -> Iterator[DryRun]:
                     info.reset()
             if hasattr(model, "_original_do_torchao_reload"):
                 model._do_torchao_reload = model._original_do_torchao_reload
+
+
+def _loader_name(loader: Any) -> str:
+    """A loader's stable name across processes: its function's module and qualified name."""
+    while isinstance(loader, functools.partial):
+        loader = loader.func
+    fn = loader.__func__ if isinstance(loader, types.MethodType) else loader
+    if isinstance(fn, types.FunctionType):
+        return f"{fn.__module__}.{fn.__qualname__}"
+    return f"{type(fn).__module__}.{type(fn).__qualname__}"
 
 
 def trace_loader(load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any], specs: Mapping[str, TensorSpec], rec: PlanRecording | None = None) -> PlanRecording:
