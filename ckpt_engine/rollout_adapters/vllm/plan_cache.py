@@ -87,12 +87,16 @@ def kept_receive_plan(
     """`record_receive_plan`'s result, taken from the cache when a kept file's sample re-traces the
     same, else recorded in full (and kept). `seed` draws the sampled layer (default: this process's id)."""
     t0 = time.perf_counter()
-    where = cache_dir()
     with dry_run(model, vllm_config) as run:
-        if where is None:
+        try:
+            where = cache_dir()
+            path = where / f"plan-{plan_key(model, specs, vllm_config, run)}.msgpack" if where is not None else None
+        except Exception as exc:  # a vLLM build without one of the groups hashed, no home: the plan is recorded, not kept
+            logger.warning("receive plan: not kept on disk (its key could not be made: %s: %s)", type(exc).__name__, exc)
+            path = None
+        if path is None:
             rec = run.record(specs)
             return planned(rec), rec, PlanSource("off", None, None, time.perf_counter() - t0)
-        path = where / f"plan-{plan_key(model, specs, vllm_config, run)}.msgpack"
         how, why, layer = "recorded", None, None
         kept = _read(path)
         if isinstance(kept, str):
