@@ -35,6 +35,7 @@ FAST_TIER: dict[str, frozenset[str] | None] = {
     "test_region_footprint.py": None,
     "test_region_waves.py": frozenset({"test_width_is_the_budget_over_one_sets_slots", "test_region_slot_memory_key", "test_waves_keep_every_receivers_sets_in_index_order", "test_ten_disjoint_sets_go_in_one_wave_when_the_width_allows"}),
     "test_loader_trace.py": None,
+    "test_vllm_plan_cache_file.py": None,
     "test_vllm_staging.py": None,
     "test_vllm_specs.py": None,
     "test_transfer.py": frozenset({"test_gloo_mixed_dtypes_two_receivers_two_syncs", "test_gloo_three_buffers_and_two_lanes"}),
