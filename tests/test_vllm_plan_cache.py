@@ -5,13 +5,16 @@ sample re-traced, no full dry run) and its sync installs exactly the trainer's w
 installed-weight check against the source, and HF's greedy tokens). A file whose sampled layer
 disagrees (one landing changed in every layer, a valid checksum: what another vLLM build would
 leave) is discarded by C and recorded in full, C's sync exact; a corrupt file is ignored, named in
-the log, and written again. Three engine starts (~30 s each here)."""
+the log, and written again. On a TP=2 engine each rank keeps its own file, and a rank handed the
+other rank's file (a key that missed the rank) finds its slices differ and records anew. Four
+engine starts (~30 s each here)."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +44,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-@pytest.fixture(scope="module")
-def plan_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """This module's own cache dir (the session's may hold the shared engines' file of this very
+@contextmanager
+def cache_at(path: Path) -> Iterator[Path]:
+    """A cache dir of the test's own (the session's may hold the shared engines' file of this very
     model), set before its engines start: they inherit it."""
-    path = tmp_path_factory.mktemp("plan-cache")
     before = os.environ["CKPT_ENGINE_CACHE_DIR"]
     os.environ["CKPT_ENGINE_CACHE_DIR"] = str(path)
     cache_dir.cache_clear()
@@ -54,6 +56,12 @@ def plan_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     finally:
         os.environ["CKPT_ENGINE_CACHE_DIR"] = before
         cache_dir.cache_clear()
+
+
+@pytest.fixture
+def plan_dir(tmp_path: Path) -> Iterator[Path]:
+    with cache_at(tmp_path / "plans") as path:
+        yield path
 
 
 def engine(model_dir: Path) -> Any:
@@ -133,5 +141,39 @@ def test_recorded_once_then_taken_from_disk_then_a_disagreeing_or_corrupt_file_r
         looked = llm.collective_rpc("test_lookup", timeout=120)[0]
         assert looked["how"] == "cached" and looked["plan_equal"] and looked["differ"] == [], looked
         assert any(str(path) in line and "taken from" in line for line in looked["logs"]), looked["logs"]
+    finally:
+        stop_llm(llm)
+
+
+def test_each_tp_rank_keeps_its_own_file_and_a_file_of_the_other_rank_is_discarded(plan_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from test_vllm_regions import CONFIGS
+
+    model_dir = plan_dir.parent / "qwen2-tp2"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(CONFIGS["qwen2"]))
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core a rank
+    from vllm import LLM
+
+    llm = LLM(model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+              tensor_parallel_size=2, distributed_executor_backend="mp", worker_extension_cls=EXTENSION, **ENGINE_ARGS)
+    try:
+        first = llm.collective_rpc("test_lookup", timeout=120)
+        assert [r["how"] for r in first] == ["recorded", "recorded"], first
+        paths = [Path(r["path"]) for r in first]
+        assert paths[0] != paths[1] and sorted(plan_dir.iterdir()) == sorted(paths)  # the rank is in the key
+        kept = [decode(p.read_bytes()) for p in paths]
+        assert kept[0].landings != kept[1].landings  # each rank's slices
+        again = llm.collective_rpc("test_lookup", timeout=120)
+        assert all(r["how"] == "cached" and r["plan_equal"] and r["differ"] == [] for r in again), again
+
+        paths[1].write_bytes(paths[0].read_bytes())  # as if the key had missed the rank
+        crossed = llm.collective_rpc("test_lookup", timeout=120)
+        assert crossed[0]["how"] == "cached", crossed[0]
+        assert crossed[1]["how"] == "discarded" and crossed[1]["plan_equal"] and crossed[1]["differ"] == [], crossed[1]
+        assert any("discarding" in line and str(paths[1]) in line for line in crossed[1]["logs"]), crossed[1]["logs"]
+        assert decode(paths[1].read_bytes()).landings == kept[1].landings
     finally:
         stop_llm(llm)
