@@ -59,8 +59,8 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 class PlanSource:
     """How this worker's receive plan was had: `how` is "cached" (the file, its sample re-traced and
     equal), "recorded" (a full dry run: no file, or it was off), "discarded" (a file whose sample
-    differed, then recorded), "corrupt" (an unreadable file, then recorded) or "off"; `why` says
-    what was wrong with a file; `seconds` the whole of it (key, file, sample or full dry run)."""
+    differed, then recorded), "corrupt" (an unreadable file, then recorded) or "off" (turned off,
+    or no key could be made); `why` says what was wrong with a file, or why no key; `seconds` the whole of it (key, file, sample or full dry run)."""
 
     how: str
     path: str | None
@@ -82,28 +82,30 @@ def cache_dir() -> Path | None:
 
 
 def kept_receive_plan(
-    model: torch.nn.Module, specs: Mapping[str, TensorSpec], vllm_config: Any, *, seed: int | None = None,
+    model: torch.nn.Module, specs: Mapping[str, TensorSpec], vllm_config: Any,
 ) -> tuple[ReceivePlan, PlanRecording, PlanSource]:
     """`record_receive_plan`'s result, taken from the cache when a kept file's sample re-traces the
-    same, else recorded in full (and kept). `seed` draws the sampled layer (default: this process's id)."""
+    same, else recorded in full (and kept). The sampled layer is drawn by this process's id."""
     t0 = time.perf_counter()
     with dry_run(model, vllm_config) as run:
+        off = None
         try:
             where = cache_dir()
             path = where / f"plan-{plan_key(model, specs, vllm_config, run)}.msgpack" if where is not None else None
         except Exception as exc:  # a vLLM build without one of the groups hashed, no home: the plan is recorded, not kept
-            logger.warning("receive plan: not kept on disk (its key could not be made: %s: %s)", type(exc).__name__, exc)
+            off = f"its key could not be made: {type(exc).__name__}: {exc}"
+            logger.warning("receive plan: not kept on disk (%s)", off)
             path = None
         if path is None:
             rec = run.record(specs)
-            return planned(rec), rec, PlanSource("off", None, None, time.perf_counter() - t0)
+            return planned(rec), rec, PlanSource("off", None, off, time.perf_counter() - t0)
         how, why, layer = "recorded", None, None
         kept = _read(path)
         if isinstance(kept, str):
             how, why = "corrupt", kept
             logger.warning("receive plan: ignoring the kept recording %s (%s); recording in full", path, why)
         elif kept is not None:
-            names, layer = sample_names(list(specs), seed if seed is not None else os.getpid())
+            names, layer = sample_names(list(specs), os.getpid())
             fresh = run.record({n: specs[n] for n in names})
             fresh.plan()  # its whole-tensor fallbacks as the kept one's
             why = _first_difference(kept, fresh, names)
@@ -120,9 +122,10 @@ def kept_receive_plan(
     try:
         _write(path, encode(rec))
     except OSError as exc:  # a read-only or full disk: the plan stands, the next process records again
-        logger.warning("receive plan: could not keep the recording in %s (%s)", path, exc)
+        logger.warning("receive plan: recorded in full, but could not keep it in %s (%s)", path, exc)
+    else:
+        logger.info("receive plan: recorded in full in %.3f s, kept in %s", time.perf_counter() - t0, path)
     seconds = time.perf_counter() - t0
-    logger.info("receive plan: recorded in full in %.3f s, kept in %s", seconds, path)
     return plan, rec, PlanSource(how, str(path), why, seconds, layer)
 
 
