@@ -35,6 +35,7 @@ FAST_TIER: dict[str, frozenset[str] | None] = {
     "test_region_footprint.py": None,
     "test_region_waves.py": frozenset({"test_width_is_the_budget_over_one_sets_slots", "test_region_slot_memory_key", "test_waves_keep_every_receivers_sets_in_index_order", "test_ten_disjoint_sets_go_in_one_wave_when_the_width_allows"}),
     "test_loader_trace.py": None,
+    "test_vllm_plan_cache_file.py": None,
     "test_vllm_staging.py": None,
     "test_vllm_specs.py": None,
     "test_transfer.py": frozenset({"test_gloo_mixed_dtypes_two_receivers_two_syncs", "test_gloo_three_buffers_and_two_lanes"}),
@@ -42,6 +43,22 @@ FAST_TIER: dict[str, frozenset[str] | None] = {
     "test_sync.py": frozenset({"test_two_syncs_land_bit_exact_and_reuse_the_group", "test_rejected_manifest_moves_nothing"}),
     "test_lora.py": frozenset({"test_check_adapter_names_every_problem", "test_versions_stay_while_requests_use_them_and_at_most_max_live", "test_adapter_syncs_are_bit_exact_and_versions_retire_after_their_last_request"}),
 }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def plan_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """vLLM workers keep their receive plans (`vllm/plan_cache.py`) in a temp dir of the session,
+    never in the user's cache; set before any engine starts (they inherit it)."""
+    path = tmp_path_factory.mktemp("ckpt-engine-cache")
+    before = os.environ.get("CKPT_ENGINE_CACHE_DIR")
+    os.environ["CKPT_ENGINE_CACHE_DIR"] = str(path)
+    try:
+        yield path
+    finally:
+        if before is None:
+            os.environ.pop("CKPT_ENGINE_CACHE_DIR", None)
+        else:
+            os.environ["CKPT_ENGINE_CACHE_DIR"] = before
 
 
 @pytest.fixture(scope="module")

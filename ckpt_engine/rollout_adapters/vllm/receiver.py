@@ -36,7 +36,8 @@ from ckpt_engine.rollout_adapters.vllm.direct_load import DirectLoads, direct_en
 from ckpt_engine.rollout_adapters.vllm.installed import InstalledCapture, LandingMap, layout_names
 from ckpt_engine.rollout_adapters.vllm.peer import VllmPeer
 from ckpt_engine.rollout_adapters.vllm.region_landing import RegionItem, RegionLanding
-from ckpt_engine.rollout_adapters.vllm.regions import PlanRecording, record_receive_plan
+from ckpt_engine.rollout_adapters.vllm.plan_cache import PlanSource, kept_receive_plan
+from ckpt_engine.rollout_adapters.vllm.regions import PlanRecording
 from ckpt_engine.rollout_adapters.vllm.reload import LayerwiseReload, detach_pending
 from ckpt_engine.rollout_adapters.vllm.shadow import ShadowPreparer
 from ckpt_engine.rollout_adapters.vllm.specs import VllmSpecs
@@ -80,6 +81,8 @@ class VllmReceiverCore:
         self._landings: tuple[PlanRecording, LandingMap] | None = None
         """The landing map of the current model's dry run and the layout read at the first check since the
         last join (kept: its checks' live views are kept with it, `vllm/installed.py`)."""
+        self.plan_source: PlanSource | None = None
+        """How the current model's dry run was had (`vllm/plan_cache.py`: kept on disk or recorded)."""
         self._regions_used = False
         self.peer = VllmPeer()
         """Peer joins (`vllm/peer.py`): the image of the served version it offers, the pulls it stages."""
@@ -144,7 +147,7 @@ class VllmReceiverCore:
                 self._plan = (id(model), ReceivePlan({n: None for n in needed}), {})
             else:
                 try:
-                    plan, rec = record_receive_plan(model, needed, self.vllm_config)
+                    plan, rec, self.plan_source = kept_receive_plan(model, needed, self.vllm_config)
                 except Exception as exc:  # this worker keeps today's full receive
                     logger.warning("receive plan: recording failed (%s: %s); this worker receives whole tensors", type(exc).__name__, exc)
                     return {"plan": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
@@ -408,7 +411,7 @@ class VllmReceiverCore:
         model = self._model()
         if self._landed is None or self._landed[0] != id(model):
             self._close_failed_reload()
-            plan, rec = record_receive_plan(model, self.specs().needed, self.vllm_config)
+            plan, rec, self.plan_source = kept_receive_plan(model, self.specs().needed, self.vllm_config)
             self._landed = (id(model), plan, rec)
         _, plan, rec = self._landed
         if self.reload.is_open:  # the layout is not read mid-load: no tensor named unwritten, nothing kept

@@ -25,9 +25,12 @@ checks; names it cannot follow so are `unfollowed`.
 
 from __future__ import annotations
 
+import functools
 import logging
+import types
 from math import prod
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +42,7 @@ from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.region_footprint import Box, box_of_view, regions_of_boxes
 from ckpt_engine.rollout_adapters.vllm.installed import Landing
 
-__all__ = ["PlanRecording", "record_receive_plan", "trace_loader"]
+__all__ = ["DryRun", "PlanRecording", "dry_run", "planned", "record_receive_plan", "trace_loader"]
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +235,44 @@ def record_receive_plan(model: torch.nn.Module, specs: Mapping[str, TensorSpec],
     on vLLM's meta stand-ins (`initialize_layerwise_reload`), their original loaders run against
     placeholders, and the served tensors are put back untouched.
     """
+    with dry_run(model, vllm_config) as run:
+        rec = run.record(specs)
+    return planned(rec), rec
+
+
+def planned(rec: PlanRecording) -> ReceivePlan:
+    """`rec`'s plan, its whole-tensor fallbacks logged once."""
+    plan = rec.plan()
+    if rec.whole:
+        shown = "; ".join(f"{n}: {why}" for n, why in list(rec.whole.items())[:8])
+        more = f" (and {len(rec.whole) - 8} more)" if len(rec.whole) > 8 else ""
+        logger.warning("receive plan: %d tensors fall back to whole tensors: %s%s", len(rec.whole), shown, more)
+    return plan
+
+
+@dataclass
+class DryRun:
+    """The model on vLLM's meta stand-ins with its original loaders (inside `dry_run`): `layout` is
+    what the loaders write into, by storage (name, tensor); `record` traces them over some specs."""
+
+    model: torch.nn.Module
+    layout: dict[int, tuple[str, torch.Tensor]]
+    loaders: list[str]
+    """The loader each layout tensor with one is loaded by (its function's module and qualified name,
+    in walk order): a loader replaced since vLLM built the model changes it."""
+
+    def record(self, specs: Mapping[str, TensorSpec]) -> PlanRecording:
+        rec = PlanRecording(specs)
+        rec.targets = self.layout
+        trace_loader(self.model.load_weights, specs, rec)  # type: ignore[arg-type]
+        rec.targets = {}
+        return rec
+
+
+@contextmanager
+def dry_run(model: torch.nn.Module, vllm_config: Any) -> Iterator[DryRun]:
+    """The model's layers on vLLM's meta stand-ins (`initialize_layerwise_reload`) with their original
+    loaders for the span of the block (any number of recordings), the served tensors put back after."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
     from vllm.model_executor.model_loader.reload.layerwise import (
@@ -241,14 +282,14 @@ def record_receive_plan(model: torch.nn.Module, specs: Mapping[str, TensorSpec],
     )
     from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
-    rec = PlanRecording(specs)
+    layout: dict[int, tuple[str, torch.Tensor]] = {}
     saved: list[tuple[torch.Tensor, Any]] = []
     with set_current_vllm_config(vllm_config), torch.no_grad():
         initialize_layerwise_reload(model)
         try:
             for path, module in model.named_modules():  # the meta stand-ins loaders write into
                 for attr, tensor in get_layer_tensors(module).items():
-                    rec.targets.setdefault(tensor.untyped_storage()._cdata, (f"{path}.{attr}" if path else attr, tensor))
+                    layout.setdefault(tensor.untyped_storage()._cdata, (f"{path}.{attr}" if path else attr, tensor))
             # Call the original loaders: the layerwise wrappers would count copies and process layers.
             for module in model.modules():
                 for tensor in get_layer_tensors(module).values():
@@ -256,7 +297,8 @@ def record_receive_plan(model: torch.nn.Module, specs: Mapping[str, TensorSpec],
                     if loader is not None and loader.__name__ == "online_process_loader":
                         saved.append((tensor, loader))
                         tensor.weight_loader = _get_original_loader(tensor)
-            trace_loader(model.load_weights, specs, rec)  # type: ignore[arg-type]
+            loaders = [f"{name}={_loader_name(t.weight_loader)}" for name, t in layout.values() if hasattr(t, "weight_loader")]
+            yield DryRun(model, layout, loaders)
         finally:
             for tensor, loader in saved:
                 tensor.weight_loader = loader
@@ -268,12 +310,16 @@ def record_receive_plan(model: torch.nn.Module, specs: Mapping[str, TensorSpec],
                     info.reset()
             if hasattr(model, "_original_do_torchao_reload"):
                 model._do_torchao_reload = model._original_do_torchao_reload
-    plan = rec.plan()
-    if rec.whole:
-        shown = "; ".join(f"{n}: {why}" for n, why in list(rec.whole.items())[:8])
-        more = f" (and {len(rec.whole) - 8} more)" if len(rec.whole) > 8 else ""
-        logger.warning("receive plan: %d tensors fall back to whole tensors: %s%s", len(rec.whole), shown, more)
-    return plan, rec
+
+
+def _loader_name(loader: Any) -> str:
+    """A loader's stable name across processes: its function's module and qualified name."""
+    while isinstance(loader, functools.partial):
+        loader = loader.func
+    fn = loader.__func__ if isinstance(loader, types.MethodType) else loader
+    if isinstance(fn, types.FunctionType):
+        return f"{fn.__module__}.{fn.__qualname__}"
+    return f"{type(fn).__module__}.{type(fn).__qualname__}"
 
 
 def trace_loader(load: Callable[[Iterable[tuple[str, torch.Tensor]]], Any], specs: Mapping[str, TensorSpec], rec: PlanRecording | None = None) -> PlanRecording:
