@@ -121,7 +121,7 @@ def format_table(scenario: Scenario, p: Prediction, cal: Calibration) -> str:
             f"join      a late joiner serves in {j.total_s:.2f} s: {j.bytes_per_rank / 1e9:,.1f} GB per rank over {j.link} in {j.read_s:.2f} s "
             f"+ checksums {j.check_s:.2f} s (peer's {j.peer_check_s:.2f} s, once per version) + fixed {j.fixed_s + j.window_s:.2f} s; "
             f"without the checksums {j.without_checksums_s:.2f} s (issue 43's bar: {j.bar_s:.2f} s)",
-            "          (modelled, not measured: no GPU run of nixl yet; docs/planner.md)",
+            "          (modelled; measured runs of nixl on 2xH200: bench/RESULTS.md, docs/planner.md)",
         ]
     return "\n".join(head + rows + [""] + tail)
 

@@ -25,7 +25,7 @@ ASSUMED = {
     "quantize_eff": "block-FP8 quantize rate as a fraction of HBM bandwidth, from issue 41's one-H100 measurement (1.9 TB/s)",
     "pause_s": "engine pause + resume, from the CPU demo (keep mode); scales with in-flight requests",
     "nixl_bucket_s": "the pull transport's per-bucket hand-off on the sender's path (it looks at the store for the "
-    "receivers' free every 1 ms; ready and free are store round trips): assumed, no GPU run of nixl yet",
+    "receivers' free every 1 ms; ready and free are store round trips): assumed",
     "nixl_store_op_s": "one round trip to the rendezvous store (TCPStore) across nodes; a nixl sender deletes each "
     "reader's free key of each bucket one by one: assumed",
     "nixl_plan_s": "the pull transport's once-per-plan set-up (register the slots, publish and check the offers): assumed",
@@ -34,8 +34,10 @@ ASSUMED = {
     "checksum_gbs": "a peer join's checksums (elastic/offer.py tensor_checksums: the delta codec's checksum on the "
     "device, one host transfer for all) on 1 GiB bf16 tensors, measured on a 1xH200 host, 2026-11-29: 3.8-4.0 TB/s. "
     "(The host CRC-32 they replaced ran at 0.47-0.55 GB/s there: copy to pageable memory, tobytes, zlib.)",
-    "checksum_tensor_s": "the same per tensor: 71-87 us each over 2,000-5,000 tensors of 4 KiB and 2 MiB (Python and "
-    "kernel launches), measured on the same 1xH200 host",
+    "checksum_tensor_s": "the same per tensor, all of a device's tensors in one Triton launch per word size "
+    "(elastic/checksum_kernel.py): a 24-layer Qwen3-30B-A3B join's checksums, 9,435 tensors and 31.15 GB in 0.162 s "
+    "on 2xH200, 2026-11-30, ~16 us a tensor beyond the bytes at 4 TB/s (the table built on the host, one read-back). "
+    "One launch a tensor cost 71-87 us each before",
     "join_rpc_s": "a peer join's control calls (health probes, offer, check, done) outside the reads and checksums: the CPU "
     "box's fleet bench, time to serve 1.47 s - the pull 1.00 s - the peer's checksums ~0.12 s",
 }
@@ -72,8 +74,8 @@ class Calibration:
     """A process's first NIXL agent and connect (UCX start), once per process."""
     checksum_gbs: float = 4000.0
     """A peer join's checksums on the device (GB/s of held bytes; `elastic.offer.tensor_checksums`)."""
-    checksum_tensor_s: float = 77e-6
-    """The same, per tensor (launches and Python): at 10^5 tensors it, not the bytes, is the cost."""
+    checksum_tensor_s: float = 16e-6
+    """The same, per tensor (the launch's table built on the host): at 10^5 tensors ~1.6 s a side."""
     join_rpc_s: float = 0.35
     """A peer join's control calls, outside its reads and checksums."""
     sources: list[str] = field(default_factory=list)

@@ -2,19 +2,20 @@
 pulls the version a serving peer holds, from that peer, and serves once every tensor checks out.
 
 Each joiner rank reads its share (the model's bytes / GPUs per engine) from the peer's matching
-rank over one link, `WINDOW` reads in flight (`elastic/pull.py`), and nothing else waits on it, so
+rank over one link, up to `MAX_WINDOW` reads in flight (`elastic/pull.py`; tensors back to back on both
+sides are one read, not counted here), and nothing else waits on it, so
 
     time to serve = bytes per rank / link rate                      (the reads)
                   + tensors x per-tensor cost + bytes / rate       (the joiner's checksums)
                   + the same again for the peer's checksums          (once per version it holds)
-                  + tensors / WINDOW x per-message latency
+                  + tensors / MAX_WINDOW x per-message latency
                   + a process's first NIXL agent + the control calls (fixed)
 
-The checksums are taken on the device (`elastic.offer.tensor_checksums`): ~4 TB/s of bytes and
-~77 us per tensor on an H200 (measured, `params.ASSUMED`), so at 10^4-10^5 tensors per rank their
-per-tensor cost, not the bytes, is what they add; `without_checksums_s` says what the reads and
-fixed costs alone give. Modelled, not measured: no GPU join has run; the fixed costs are the CPU
-box's.
+The checksums are taken on the device, all of a device's tensors in one launch per word size
+(`elastic.offer.tensor_checksums`): ~4 TB/s of bytes and ~16 us per tensor on an H200 (measured,
+`params.ASSUMED`); `without_checksums_s` says what the reads and fixed costs alone give. The fixed
+costs are the CPU box's; a 24-layer Qwen3-30B-A3B join on 2xH200 served in 3.9 s
+(`bench/RESULTS.md`), its peer's first NIXL agent and per-tensor offer the largest part.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from ckpt_engine.plan.model_shapes import ModelBytes
 from ckpt_engine.plan.params import Calibration
 from ckpt_engine.plan.pull import pull_link_gbs
 
-__all__ = ["ISSUE_SLACK_S", "WINDOW", "JoinPrediction", "predict_join"]
+__all__ = ["ISSUE_SLACK_S", "MAX_WINDOW", "JoinPrediction", "predict_join"]
 
-WINDOW = 8
-"""Reads a joiner keeps in flight (`ckpt_engine.elastic.pull.WINDOW`; the planner imports no torch)."""
+MAX_WINDOW = 256
+"""Reads a joiner keeps in flight at most (`ckpt_engine.elastic.pull.MAX_WINDOW`; the planner imports no torch)."""
 ISSUE_SLACK_S = 2.0
 """Issue 43's bar: a late joiner serves within model bytes per rank / link rate + 2 s."""
 
@@ -83,6 +84,6 @@ def predict_join(model: ModelBytes, rollout: RolloutLayout, links: Links, cal: C
         read_s=per_rank / (gbs * 1e9),
         check_s=checks,
         peer_check_s=0.0 if peer_checksums_cached else checks,
-        window_s=math.ceil(model.num_tensors / WINDOW) * cal.msg_latency_s,
+        window_s=math.ceil(model.num_tensors / MAX_WINDOW) * cal.msg_latency_s,
         fixed_s=cal.nixl_agent_start_s + cal.join_rpc_s,
     )

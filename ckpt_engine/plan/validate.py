@@ -87,7 +87,7 @@ def pull_rows(cal: Calibration) -> list[PullRow]:
 
 
 def _pull_markdown(rows: list[PullRow]) -> list[str]:
-    lines = ["", "### The pull transport on the same set-ups (backend: nixl; modelled, not measured: no GPU run of nixl yet)", ""]
+    lines = ["", "### The pull transport on the same set-ups (backend: nixl; modelled)", ""]
     lines += ["| set-up | broadcast, predicted s | sync by pull, same settings s | pull, all senders + receive plans s | "
               "late joiner serves in s | of it: reads, checksums (joiner + peer), fixed | without the checksums s | bar: bytes/link + 2 s |",
               "|---|---|---|---|---|---|---|---|"]
