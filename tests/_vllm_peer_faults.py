@@ -16,6 +16,7 @@ from pathlib import Path
 
 from _vllm_stage_marks import StageMarksExtension
 
+from ckpt_engine.elastic import pull
 from ckpt_engine.rollout_adapters.load_gate import HOLD_MAX_S
 
 EXTENSION = "_vllm_peer_faults.PeerFaultsExtension"
@@ -25,9 +26,14 @@ class PeerFaultsExtension(StageMarksExtension):
     def test_hold_pulls(self, holds: list[list[str]]) -> None:
         """The i-th hold of this worker's pulls (`VllmPeer.hold`: after each read window; a pull
         whose next read fails holds no more) writes {version, stale, digests} to `holds[i][1]`,
-        then waits while `holds[i][0]` exists (at most `HOLD_MAX_S`). Holds past the list pass."""
+        then waits while `holds[i][0]` exists (at most `HOLD_MAX_S`). Holds past the list pass.
+        From here this worker's pulls read one tensor a read (`pull.RUN_BYTES`)."""
         calls = iter(holds)
         core = self._ckpt_core()
+        # One tensor a read, so a pull has windows to hold between whatever the peer's layout: a peer
+        # whose image is one slab (it joined by a pull itself) was read in one run, and a pull of one
+        # window ends before its hold (the failover test then saw the pull from C complete).
+        pull.RUN_BYTES = 0
 
         def hold() -> None:
             files = next(calls, None)
