@@ -8,7 +8,6 @@ landing every byte exactly, over UCX on the CPU box in one process."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from ckpt_engine.elastic.regions import group, regions_of
 from ckpt_engine.rollout_adapters.vllm.staging import LoaderCopy
 from ckpt_engine.transports.nixl_agent import NixlAgent, load_nixl
 from test_elastic_join import nixl_missing
+from test_elastic_prepare import Held
 
 CPU = torch.device("cpu")
 SPECS = [(f"w{i}", (n,), torch.bfloat16) for i, n in enumerate([7, 256, 1000, 1, 4096, 333])]
@@ -97,14 +97,6 @@ def test_reads_join_tensors_back_to_back_on_both_sides_and_never_cross_memory_in
         assert len(_runs([*two, (inside, flat[200:208])], agent)) == 3
     finally:
         agent.close()
-
-
-@dataclass
-class Held:
-    tensors: dict[str, torch.Tensor]
-    version: int | None = 1
-    stale: bool = False
-    receiving: bool = False
 
 
 @pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing())
