@@ -309,21 +309,22 @@ class Folds:
 
     def add(self, view: torch.Tensor, dtype: torch.dtype | None = None, later: bool = False) -> int:
         """Read one image (as `dtype`, default its own: see `digest`); returns its index in `values`.
-        `later`: only note it (its tensor must stay valid and unchanged until `read_later` or
-        `values`), so a walk whose tensors outlive it pays nothing per tensor as it passes."""
+        `later`: only note it (`note`: its tensor must stay valid and unchanged until `read_later`
+        or `values`), so a walk whose tensors outlive it pays nothing per tensor as it passes."""
+        if later:
+            return self.note([view], [dtype])
         i, self.count = self.count, self.count + 1
         dtype = dtype if dtype is not None else view.dtype
         _ints(dtype)  # an image no digest can fold is refused as it is added, later or not
-        if later:
-            self._later.append((i, view, dtype))
-        else:
-            self._read(i, view, dtype)
+        self._read(i, view, dtype)
         return i
 
     def note(self, views: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype | None] | None = None) -> int:
-        """`add(view, dtype, later=True)` of every view at once, in order; returns the first one's
-        index in `values` (the others follow): a walk or a rank of hundreds of images pays no call per
-        image (`add` each: ~0.5 us on the CPU box, 0.17 ms for a 7B model's 339)."""
+        """Note every view (as its dtype in `dtypes`, default its own) to be read by `read_later`, in
+        order, refusing at once one no digest can fold; returns the first one's index in `values`
+        (the others follow). Each tensor must stay valid and unchanged until then. One call for all:
+        a walk or a rank of hundreds of images pays no call per image (`add` each: ~0.5 us on the
+        CPU box, 0.17 ms for a 7B model's 339)."""
         first = self.count
         casts = [d if d is not None else v.dtype for v, d in zip(views, dtypes)] if dtypes is not None else [v.dtype for v in views]
         for dtype in set(casts):

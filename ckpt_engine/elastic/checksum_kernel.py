@@ -12,13 +12,13 @@ Triton's interpreter on the CPU). Imported only where CUDA tensors are checksumm
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
 import triton
 import triton.language as tl
 
+from ckpt_engine.delta.kernels import on_device_of
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, MIX_A, MIX_B
 
 __all__ = ["BLOCK", "checksums"]
@@ -50,7 +50,7 @@ def checksums(views: Sequence[torch.Tensor], words: Sequence[int]) -> torch.Tens
             raise ValueError(f"view {k} ({v.numel()} bytes at address {v.data_ptr():#x}) is not whole aligned words of {w} bytes")
         if v.numel():
             rows.setdefault(w, []).append((v.data_ptr(), v.numel() // w, k))
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # Triton launches on the current device
+    with on_device_of(views[0]):  # Triton launches on the current device
         for w, table in rows.items():
             tables, blocks = _tables(table)
             _sums[(blocks.shape[0],)](tables.to(device), blocks.to(device), out, WORD=_TL_WORDS[w], BLOCK=BLOCK)

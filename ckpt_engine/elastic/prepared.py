@@ -30,7 +30,7 @@ from ckpt_engine.elastic.offer import tensor_bytes
 from ckpt_engine.elastic.regions import regions_of
 from ckpt_engine.transports.nixl_agent import NixlAgent, load_nixl
 
-__all__ = ["JoinPrep", "Taken"]
+__all__ = ["JoinPrep", "Taken", "register_uncovered"]
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +126,13 @@ class JoinPrep:
                 if held is None:
                     agent = self._started() or NixlAgent(load_nixl(), self.label, [])
                     try:
-                        _register(agent, list(views.values()))
+                        register_uncovered(agent, list(views.values()))
                     except BaseException:
                         agent.close()
                         raise
                 else:  # its agent is kept (UCX started): only what it lacks is registered
                     agent = held.agent
-                    _register(agent, list(views.values()))
+                    register_uncovered(agent, list(views.values()))
             except BaseException:
                 _let_go(held.agent if held is not None else None, release)
                 raise
@@ -157,7 +157,7 @@ class JoinPrep:
         views = _regions(into)
         late = sum(1 for v in views.values() if not held.agent.covers(v.data_ptr(), v.numel()))
         try:
-            _register(held.agent, list(views.values()))
+            register_uncovered(held.agent, list(views.values()))
         except BaseException:
             _close(held)
             raise
@@ -189,7 +189,7 @@ class JoinPrep:
         _close(held)
 
 
-def _register(agent: NixlAgent, views: list[torch.Tensor]) -> None:
+def register_uncovered(agent: NixlAgent, views: list[torch.Tensor]) -> None:
     """Register the memory regions holding those of `views` no registration of `agent` covers
     (`regions.py`: one region for a staging slab; on CUDA a segment for many tensors)."""
     missing = [v for v in views if not agent.covers(v.data_ptr(), v.numel())]

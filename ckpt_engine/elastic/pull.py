@@ -24,8 +24,7 @@ import torch
 
 from ckpt_engine.elastic.host import PeerHost
 from ckpt_engine.elastic.offer import PeerOffer, TensorOffer, tensor_bytes, tensor_checksums
-from ckpt_engine.elastic.prepared import JoinPrep
-from ckpt_engine.elastic.regions import regions_of
+from ckpt_engine.elastic.prepared import JoinPrep, register_uncovered
 from ckpt_engine.transports.nixl_agent import NixlAgent, load_nixl
 
 __all__ = ["WINDOW", "pull_version", "read_checked"]
@@ -111,8 +110,7 @@ def _read_all(
     deadline = time.monotonic() + timeout_s
     try:
         if not prepared["used"]:
-            regions = regions_of([local for _, local in todo])
-            agent.register_regions(regions.spans, regions.device)
+            register_uncovered(agent, [local for _, local in todo])
         try:
             agent.add_peer(0, offer.slots())
         except Exception as exc:

@@ -25,7 +25,6 @@ eager recipe).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import struct
 from collections.abc import Sequence
@@ -36,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ckpt_engine.delta.kernels import on_device_of
 from ckpt_engine.fp8.layout import BLOCK, FP8_DTYPE
 
 __all__ = ["MAX_GROUP", "groupable", "quantize_block_fp8_group", "quantize_block_fp8_triton"]
@@ -138,13 +138,6 @@ def _e4m3_bits(y_f32):
     return tl.where(a >= (1087 << 20), 0x7F, tl.where(a < (121 << 23), sub, normal)) | sign
 
 
-def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """Launch on `device`: Triton launches on the current CUDA device, which a trainer may have left
-    on another GPU than its weights (a sender on cuda:1 beside an engine on cuda:0 had every launch,
-    the join's warm-up first, refused: 'Pointer argument cannot be accessed from Triton')."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def quantize_block_fp8_triton(
     w: torch.Tensor, block: tuple[int, int] = BLOCK, *, hw_cvt: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +162,7 @@ def quantize_block_fp8_triton(
         raise ValueError(f"the block-FP8 kernel's grid takes at most 65535 experts and block rows, got {tuple(w.shape)}")
     if hw_cvt is None:
         hw_cvt = _hw_cvt(w.device)
-    with _on(w.device):
+    with on_device_of(w):
         _quantize_blocks[(bc, br, experts)](
             w3, q.view(torch.uint8), s, rows, cols, *w3.stride(), bc, br * bc,
             BR=block_rows, BC=block_cols, FLOOR_BITS=_FLOOR_BITS, HW_CVT=hw_cvt, num_warps=_NUM_WARPS, enable_fp_fusion=False,  # no FMA: y = w * inv rounds once
@@ -236,7 +229,7 @@ def quantize_block_fp8_group(
         table = table.pin_memory().to(device, non_blocking=True)
     if hw_cvt is None:
         hw_cvt = _hw_cvt(device)
-    with _on(device):
+    with on_device_of(ws[0]):
         _quantize_many[(widest, len(ws))](
             table, DTYPE=_GROUP_DTYPES[dtype], BR=block_rows, BC=block_cols, FLOOR_BITS=_FLOOR_BITS, HW_CVT=hw_cvt,
             num_warps=_NUM_WARPS, enable_fp_fusion=False,
