@@ -147,10 +147,7 @@ class VllmReceiverCore:
                 self._plan = (id(model), ReceivePlan({n: None for n in needed}), {})
             else:
                 try:
-                    if self._landed is not None and self._landed[0] == id(model):  # the installed check's dry run: not again
-                        _, plan, rec = self._landed
-                    else:
-                        plan, rec, self.plan_source = kept_receive_plan(model, needed, self.vllm_config)
+                    plan, rec, self.plan_source = kept_receive_plan(model, needed, self.vllm_config)
                 except Exception as exc:  # this worker keeps today's full receive
                     logger.warning("receive plan: recording failed (%s: %s); this worker receives whole tensors", type(exc).__name__, exc)
                     return {"plan": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
