@@ -4,15 +4,20 @@ sides (the trainer's fold of the source, the engine's of what it installed).
 
     python bench/installed_check_bench.py --preset qwen2.5-7b --layers 1 --syncs 4 [--samples 4096]
     python bench/installed_check_bench.py --preset qwen2.5-7b --layers 28 --device cuda --backend colocated --syncs 9
+    python bench/installed_check_bench.py --preset qwen2.5-7b --layers 28 --shrink 16 --syncs 9   # many tensors, few bytes
 
 By default one session runs `verify_installed: 2` (after a first sync that joins, checked and
 unchecked syncs alternate, `--syncs` of each), so host drift hits both sides of the pair alike;
 `--two-sessions` runs the earlier method, a session unchecked then one checked at every sync. With
 `--device cuda` the trainer's tensors and the receiver's (a reference receiver started by this
 script, holding zeros of the checkpoint on that device) share one GPU; the one-GPU backend is
-`colocated`. Prints one JSON line: the median dense sync without and with the check, the check's
-share of the sync, and each side's digest time (sampled and, for reference, a full fold:
---samples 0's).
+`colocated`. `--shrink K` divides the widths (hidden, intermediate, vocabulary) by K and keeps every
+tensor: on the host, a 28-layer 7B's 339 tensors in ~60 MB (K 16) stand in for the GPU's sync, where
+the bytes move fast and the per-tensor host work is what a check adds. Prints one JSON line: the
+median dense sync without and with the check (`difference_share`: what the check adds, paired in
+one session), the trainer's check time (`check_s`: its folds and the compare) and the engine's own
+digest time inside the checked receive (`engine_check_s`), the median `transfer` of both kinds, and
+each side's digest time alone (sampled and, for reference, a full fold: --samples 0's).
 """
 
 from __future__ import annotations
@@ -76,9 +81,10 @@ def start_receiver(spec_file: str, device: str, timeout_s: float) -> TorchRefRol
 
 def run_session(
     engine: TorchRefRollout, sd: dict[str, torch.Tensor], first: str, verify: str | int, syncs: int, args: argparse.Namespace,
-) -> list[tuple[float, float | None]]:
-    """(total seconds, the check's seconds or None when unchecked) of each sync after the first,
-    which joins the group and is not counted."""
+) -> list[tuple[float, float | None, float, float | None]]:
+    """(total seconds, the check's seconds or None when unchecked, the transfer's seconds, the
+    engine's own digest seconds) of each sync after the first, which joins the group and is not
+    counted."""
     kwargs = {args.backend: {"device": args.device}} if torch.device(args.device).type != "cpu" else {}
     cfg = CheckpointEngineConfig(backend=args.backend, bucket_size_mb=args.bucket_mb, stage="off", timeout_s=600, delta="off",
                                  verify_installed=verify, verify_installed_samples=args.samples, engine_kwargs=kwargs)
@@ -89,7 +95,9 @@ def run_session(
             with torch.no_grad():
                 sd[first][0, 0] += 1
             seconds = session.sync(StateDictSource(sd)).seconds
-            out.append((seconds["total"], seconds.get("installed_check")))
+            check = seconds.get("installed_check")
+            engine_s = session._installed.engine_seconds if check is not None else None  # bench-only peek: the engine's own digests
+            out.append((seconds["total"], check, seconds["transfer"], engine_s))
     finally:
         session.close()
     return out[1:]
@@ -104,6 +112,7 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=256)
     p.add_argument("--device", default="cpu", help="where the trainer's and the receiver's tensors live (cpu, cuda, cuda:N)")
     p.add_argument("--backend", default="gloo", help="gloo on the host; colocated for one GPU")
+    p.add_argument("--shrink", type=int, default=1, help="divide hidden, intermediate and vocabulary sizes by this (same tensors, fewer bytes)")
     p.add_argument("--two-sessions", action="store_true", help="an unchecked session, then one checked at every sync")
     p.add_argument("--serve-receiver", metavar="SPEC_FILE", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -112,13 +121,19 @@ def main() -> None:
     dev = torch.device(args.device)
     if dev.type == "cuda" and dev.index is not None:
         torch.cuda.set_device(dev)
-    specs = checkpoint_specs(load_preset_config(args.preset), num_layers=args.layers)
+    config = load_preset_config(args.preset)
+    if args.shrink < 1:
+        raise SystemExit(f"--shrink must be >= 1, got {args.shrink}")
+    for key in ("hidden_size", "intermediate_size", "moe_intermediate_size", "vocab_size", "head_dim"):
+        if config.get(key):
+            config[key] = max(config[key] // args.shrink, 1)
+    specs = checkpoint_specs(config, num_layers=args.layers)
     g = torch.Generator(device=dev).manual_seed(0)
     sd = {s.name: torch.randn(s.shape, generator=g, dtype=torch.float32, device=dev).to(getattr(torch, s.dtype)) for s in specs}
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     out: dict[str, object] = {
         "preset": args.preset, "layers": args.layers, "tensors": len(sd), "gb": round(nbytes / 1e9, 3), "samples": args.samples,
-        "device": str(dev), "backend": args.backend,
+        "shrink": args.shrink, "device": str(dev), "backend": args.backend,
         "method": "two sessions (off, verify_installed: 1)" if args.two_sessions else "one session, verify_installed: 2 (interleaved)",
     }
     with tempfile.TemporaryDirectory() as tmp:
@@ -130,11 +145,14 @@ def main() -> None:
                 runs = run_session(engine, sd, specs[0].name, "off", args.syncs, args) + run_session(engine, sd, specs[0].name, 1, args.syncs, args)
             else:
                 runs = run_session(engine, sd, specs[0].name, 2, 2 * args.syncs, args)
-            off = [t for t, c in runs if c is None]
-            on = [t for t, c in runs if c is not None]
+            off = [t for t, c, _, _ in runs if c is None]
+            on = [t for t, c, _, _ in runs if c is not None]
             out["sync_s_off"], out["sync_s_checked"] = round(statistics.median(off), 4), round(statistics.median(on), 4)
             out["syncs_off"], out["syncs_checked"] = [round(x, 4) for x in off], [round(x, 4) for x in on]
-            out["check_s"] = round(statistics.median(c for _, c in runs if c is not None), 4)
+            out["check_s"] = round(statistics.median(c for _, c, _, _ in runs if c is not None), 4)
+            out["transfer_s_off"] = round(statistics.median(x for _, c, x, _ in runs if c is None), 4)
+            out["transfer_s_checked"] = round(statistics.median(x for _, c, x, _ in runs if c is not None), 4)  # with the engine's digests since 6d4f7b7
+            out["engine_check_s"] = round(statistics.median(e for _, c, _, e in runs if c is not None and e is not None), 5)
             req = InstalledRequest([s.name for s in specs], 12345, args.samples)
             t = time.perf_counter()
             engine.installed_digests(req)

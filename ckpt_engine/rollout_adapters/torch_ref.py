@@ -39,7 +39,7 @@ from ckpt_engine.delta.warm import warmed
 from ckpt_engine.elastic.join import PeerJoinable
 from ckpt_engine.elastic.service import PeerService
 from ckpt_engine.engine import Rendezvous
-from ckpt_engine.installed import InstalledReport, InstalledRequest, digest_held
+from ckpt_engine.installed import HeldDigests, InstalledReport, InstalledRequest
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
@@ -104,6 +104,7 @@ class TorchRefWorker:
         if step_interval_s is not None:
             self.steps.start()
         self.peers = PeerService(self, self.receiver.exclusive, self.gate.pass_through)  # peer joins (ckpt_engine.elastic)
+        self.held = HeldDigests(tensors, self.regions)  # installed-weight checks
 
     @classmethod
     def of(cls, model: RefModel, **kw: Any) -> TorchRefWorker:
@@ -148,7 +149,7 @@ class TorchRefWorker:
             "swap": self._versioned(self.swap),
             "discard": self._owned(self.receiver.discard),
             "staging_room": self._owned(self.staging_room),
-            "installed": self._owned(lambda request: digest_held(self.tensors, self.regions, InstalledRequest.from_wire(request)).to_wire()),
+            "installed": self._owned(lambda request: self.held.report(InstalledRequest.from_wire(request)).to_wire()),
             "claim": self.claim,
             "release": self.lease.release,
             "health": self.health,
@@ -184,22 +185,22 @@ class TorchRefWorker:
         if self.paused:
             self.steps.pause()
 
-    def receive(self, digest: str, delta: dict[str, Any] | None = None, stage: str | None = None) -> dict[str, Any]:
+    def receive(self, digest: str, delta: dict[str, Any] | None = None, stage: str | None = None, installed: dict[str, Any] | None = None) -> dict[str, Any]:
         if stage is not None:
             return self._receive_staged(digest, delta, stage)
-        # Until finalize the engine holds no complete version: a failure mid-stream leaves a mix
-        # (with delta, the loader runs only after every patch checked out: a bad patch leaves the
-        # old weights, still marked stale because the sync did not complete). A receive the
-        # receiver refuses (busy, not joined, manifest not validated) leaves the engine as it was.
+        check = InstalledRequest.from_wire(installed) if installed is not None else None  # answered once every byte landed
+        # Until finalize the engine holds no complete version: a failure mid-stream leaves a mix (with delta, the loader runs
+        # only after every patch checked out: a bad patch leaves the old weights, still marked stale because the sync did not
+        # complete). A receive the receiver refuses (busy, not joined, manifest not validated) leaves the engine as it was.
         def start() -> None:
             self.stale, self.version, self.received, self.receiving = True, None, None, True
 
         try:
-            report = self.receiver.receive(
-                digest, self.load_bucket, self.tensors, delta=delta, on_start=start, region_loader=self.load_regions
-            ).to_dict()
+            report = self.receiver.receive(digest, self.load_bucket, self.tensors, delta=delta, on_start=start, region_loader=self.load_regions).to_dict()
         finally:
             self.receiving = False
+        if check is not None:
+            report["installed"] = self.held.report(check).to_wire()
         self.received = digest
         return report
 
@@ -309,24 +310,16 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
         self._probe = RpcClient(host, port, timeout_s, token=token)  # health checks must not queue behind receive()
         self._sent_digest: str | None = None
         self._plans: list[ReceivePlan | None] | None = None
+        self._armed: InstalledRequest | None = None  # the check the next unstaged receive answers in its reply
+        self._reported: tuple[InstalledRequest, InstalledReport] | None = None
         self.owner: str | None = None
         """The weight-sync group this handle acts for (set by `claim`); sent with every state change."""
 
     @classmethod
     def spawn(
-        cls,
-        name: str,
-        *,
-        spec_file: str | None = None,
-        model_dir: str | None = None,
-        dtype: str = "float32",
-        load_delay_s: float = 0.0,
-        timeout_s: float = 120.0,
-        token: str | None = None,
-        port: int = 0,
-        layout: dict[str, int] | None = None,
-        staging_budget_bytes: int | None = None,
-        step_interval_s: float | None = None,
+        cls, name: str, *, spec_file: str | None = None, model_dir: str | None = None, dtype: str = "float32", load_delay_s: float = 0.0,
+        timeout_s: float = 120.0, token: str | None = None, port: int = 0, layout: dict[str, int] | None = None,
+        staging_budget_bytes: int | None = None, step_interval_s: float | None = None,
     ) -> TorchRefRollout:
         """Start a receiver process holding zeros of `spec_file`'s tensors or a fresh HF model.
 
@@ -335,9 +328,8 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
         control port (0: a free one; an engine restarted at its address passes the old one).
         `layout`: run as one rank of a TP / EP engine holding only its slices (tp_size, tp_rank,
         ep_size, ep_rank, num_kv_heads; see `planning.tp_ep.tp_ep_plan`; fused_experts=1 holds
-        experts stacked). `staging_budget_bytes`:
-        the most a dense staging copy may take (None: the free memory decides). `step_interval_s`:
-        run engine steps (`ref_steps.py`) this far apart (None: no steps)."""
+        experts stacked). `staging_budget_bytes`: the most a dense staging copy may take (None: the free
+        memory decides). `step_interval_s`: run engine steps (`ref_steps.py`) this far apart (None: no steps)."""
         if (spec_file is None) == (model_dir is None):
             raise ValueError("give exactly one of spec_file or model_dir")
         token = token if token is not None else secrets.token_hex(16)
@@ -403,11 +395,18 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
     def pause(self, mode: str) -> None:
         self._call("pause", mode=mode)
 
+    def arm_installed(self, request: InstalledRequest) -> None:
+        """The check rides on the next unstaged receive: answered in its reply (staged: asked after the swap)."""
+        self._armed, self._reported = request, None
+
     def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None, *, stage: str | None = None) -> ReceiveReport:
         extra: dict[str, Any] = {"delta": delta.to_dict()} if delta is not None else {}
-        if stage is not None:
-            extra["stage"] = stage
-        return ReceiveReport.from_dict(self._call("receive", timeout_s=self.timeout_s * 2, digest=manifest.digest, **extra))
+        armed, self._armed = self._armed, None
+        extra.update({"stage": stage} if stage is not None else {"installed": armed.to_wire()} if armed is not None else {})
+        reply = self._call("receive", timeout_s=self.timeout_s * 2, digest=manifest.digest, **extra)
+        if "installed" in extra:
+            self._reported = (armed, InstalledReport.from_wire(reply.pop("installed")))  # type: ignore[arg-type]
+        return ReceiveReport.from_dict(reply)
 
     def staging_room(self, nbytes: int) -> bool:
         return bool(self._call("staging_room", nbytes=int(nbytes)))
@@ -426,6 +425,8 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
         return [tuple(r) for r in self.rpc.call("steps", index=since)]
 
     def installed_digests(self, request: InstalledRequest) -> list[InstalledReport]:
+        if self._reported is not None and self._reported[0] is request:  # answered with the receive
+            return [self._reported[1]]
         return [InstalledReport.from_wire(self._call("installed", timeout_s=self.timeout_s * 2, request=request.to_wire()))]
 
     def finalize(self, version: int) -> None:
@@ -442,8 +443,7 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
 
     def membership(self) -> Membership:
         health = self.health()
-        group = health.get("group")
-        return Membership(held_in(health), [group if isinstance(group, str) else None])
+        return Membership(held_in(health), [health["group"] if isinstance(health.get("group"), str) else None])
 
     def leave(self) -> None:
         self._call("leave")

@@ -284,7 +284,7 @@ class WeightSyncSession:
 
         def stream() -> tuple[SendStats, dict[str, ReceiveReport]]:
             t = time.perf_counter()
-            out = self._stream.run(self.rollouts, source, engine, manifest, weights, pieces, request, senders, stage)
+            out = self._stream.run(self.rollouts, source, engine, manifest, weights, pieces, request, senders, stage, self._installed.fold_noted)
             if self._senders.installed is not None and senders > 1:  # every sender's shares came in the round after the send
                 self._installed.combine(self._senders.shares)
             self._staging = None  # every rank checked every set: a failure from here (a swap) is stale, as a finalize's

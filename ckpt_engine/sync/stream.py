@@ -43,8 +43,11 @@ class SyncStream:
     def run(
         self, rollouts: Sequence[RolloutAdapter], source: WeightSource, engine: CheckpointEngine, manifest: BucketManifest,
         weights: WatchedWeights, pieces: PieceWalk | None, request: DeltaRequest | None, senders: int, stage: str | None = None,
+        sent: Callable[[], None] | None = None,
     ) -> tuple[SendStats, dict[str, ReceiveReport]]:
-        """Stream `manifest` into every engine; any failure names its culprits and raises SyncError."""
+        """Stream `manifest` into every engine; any failure names its culprits and raises SyncError.
+        `sent`: work of this rank's for the wait on the engines' answers, once its send went through
+        (it must not raise: the receives are still in flight)."""
         if senders > 1:
             self._senders.start_send(send_message("send", manifest.digest, request, self._regions.announcement(), self._senders.installed))
             failed = self._senders.not_ready(source)  # type: ignore[arg-type]  # with TP helpers: every rank ready first
@@ -60,6 +63,8 @@ class SyncStream:
             )
         except Exception as exc:
             self._send_failed(exc, rollouts, source, engine, weights, pieces, receives, senders, time.monotonic())
+        if sent is not None:
+            sent()
         deadline = failure_deadline(self.config.timeout_s, time.monotonic())
         followers = self._senders.failed(None) if senders > 1 else {}
         failed = receive_failures(rollouts, receives, grace_s=self.config.timeout_s) if not followers else {}
