@@ -42,7 +42,8 @@ from ckpt_engine.control.server import RpcServer
 from ckpt_engine.installed import InstalledRequest, digest
 from ckpt_engine.processes import read_ready_line
 from ckpt_engine.rollout_adapters.ref_models import RefModel, load_spec_file
-from ckpt_engine.rollout_adapters.torch_ref import READY_PREFIX, TOKEN_ENV, TorchRefRollout, TorchRefWorker, write_spec_file
+from ckpt_engine.rollout_adapters.ref_worker import TorchRefWorker
+from ckpt_engine.rollout_adapters.torch_ref import READY_PREFIX, TOKEN_ENV, TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.rollout_adapters import torch_ref
+from ckpt_engine.rollout_adapters import ref_worker, torch_ref
 
 
 def _fault(kind: str, target: str, name: str, t: torch.Tensor) -> torch.Tensor | None:
@@ -22,7 +22,7 @@ def _fault(kind: str, target: str, name: str, t: torch.Tensor) -> torch.Tensor |
 
 def main(argv: list[str]) -> None:
     kind, target = argv[0].split(":", 1)
-    worker = torch_ref.TorchRefWorker
+    worker = ref_worker.TorchRefWorker
     load_bucket, load_regions = worker.load_bucket, worker.load_regions
 
     def faulty_bucket(self: Any, pairs: list[tuple[str, torch.Tensor]], *a: Any, **kw: Any) -> int:
