@@ -411,11 +411,13 @@ def test_bench_runs_the_pull_transport_and_refuses_broadcast_modes_by_name() -> 
 def test_a_sender_killed_mid_pull_leaves_no_engine_serving_half_new(tmp_path: Path) -> None:
     """A trainer process SIGKILLed while its receivers read its slots: each engine's receive fails
     (a read against a dead agent, or no announcement within timeout_s), every engine is left stale
-    and paused, never serving a half-new state, and a new trainer's sync heals them bit for bit."""
+    and paused, never serving a half-new state, and a new trainer's sync heals them bit for bit.
+    The kill comes while an engine's bucket load is held (load_gate.py), so it is mid-pull whatever
+    the box's speed (a count of received buckets raced a fast sync to its end)."""
     timeout_s = 3.0
-    spec = tmp_path / "spec.msgpack"
+    spec, hold = tmp_path / "spec.msgpack", tmp_path / "hold"
     write_spec_file(spec, StateDictSource(state(0)).metadata())
-    pair = [spawn_with_timeout(str(spec), f"k{i}", timeout_s, 0.02, None, None) for i in range(2)]
+    pair = [spawn_with_timeout(str(spec), f"k{i}", timeout_s, 0.0, None, str(hold)) for i in range(2)]
     cfg = CheckpointEngineConfig(backend="nixl", bucket_size_mb=0.0625, timeout_s=timeout_s, stage="off")
     try:
         first = WeightSyncSession(pair, cfg)
@@ -423,21 +425,22 @@ def test_a_sender_killed_mid_pull_leaves_no_engine_serving_half_new(tmp_path: Pa
             first.sync(StateDictSource(state(1)))
         finally:
             first.close()
-        before = pair[0].health()["buckets_received"]
         job = {
             "engines": [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in pair],
-            "seeds": [2], "timeout_s": timeout_s, "delay_s": 0.05, "backend": "nixl",
+            "seeds": [2], "timeout_s": timeout_s, "backend": "nixl",
         }
+        hold.touch()
         trainer = fork_program("_fault_sender:main", [json.dumps(job)], "fault-sender").process
         try:
             deadline = time.monotonic() + 60
-            while pair[0].health()["buckets_received"] < before + 2:
-                assert time.monotonic() < deadline and trainer.poll() is None, "the sync never started streaming"
+            while not pair[0].health()["held"]:
+                assert time.monotonic() < deadline and trainer.poll() is None, "the sync never reached k0's loads"
                 time.sleep(0.005)
             trainer.send_signal(signal.SIGKILL)
         finally:
             trainer.kill()
             trainer.wait(10)
+            hold.unlink()
         deadline = time.monotonic() + 60
         while not all(e.health()["stale"] for e in pair):
             assert time.monotonic() < deadline, [e.health() for e in pair]
