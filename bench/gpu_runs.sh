@@ -34,8 +34,9 @@ bench() {  # bench NAME ARGS...: one `ckpt-engine bench` into $out/NAME.json, it
   timeout "${BENCH_TIMEOUT:-150}" python -m ckpt_engine.cli bench "$@" --json "$out/$name.json" > "$out/$name.log" 2>&1; grep -v "^$" "$out/$name.log" | tail -n 6
 }
 watchdog() {  # watchdog SECONDS PID: dump every Python stack (py-spy, if carried) when PID outlives SECONDS
-  ( sleep "$1"; kill -0 "$2" 2>/dev/null || exit 0
-    for p in $(pgrep -f "python|VLLM"); do echo "=== pid $p: $(tr '\0' ' ' < /proc/$p/cmdline | head -c 200)"; py-spy dump --pid "$p" 2>&1 | head -n 80; done > "$out/stacks.txt" 2>&1 ) &
+  # (it polls, so it ends with PID, and keeps off stdout: a caller's `| tail` would wait for its sleep)
+  ( for _ in $(seq "$1"); do kill -0 "$2" 2>/dev/null || exit 0; sleep 1; done
+    for p in $(pgrep -f "python|VLLM"); do echo "=== pid $p: $(tr '\0' ' ' < /proc/$p/cmdline | head -c 200)"; py-spy dump --pid "$p" 2>&1 | head -n 80; done > "$out/stacks.txt" 2>&1 ) >/dev/null 2>&1 &
 }
 case "$part" in
 vllm)
