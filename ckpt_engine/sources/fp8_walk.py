@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
-from operator import is_
+from operator import attrgetter, is_
 from typing import Any, Protocol
 
 import torch
@@ -86,9 +86,9 @@ class _Group:
     """One grouped launch as a walk made it: the source's items it took (names; which are weights,
     which passed between them as they are), its launch, and what it yields (names, and picks into
     the launch's results followed by the tensors passed between). Recorded: the weights (weakly: a
-    record must not keep a trainer's tensors alive) and their shapes, strides and dtypes."""
+    record must not keep a trainer's tensors alive) and their layouts (`_layout`)."""
 
-    names: list[str]
+    names: tuple[str, ...]
     weight_at: list[int]
     between_at: list[int]
     launch: GroupLaunch
@@ -97,24 +97,30 @@ class _Group:
     refs: list[weakref.ref[torch.Tensor]] = field(default_factory=list)
     layout: tuple[list[Any], ...] = ()
 
-    def emit(self, ws: list[torch.Tensor], between: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    def emit(self, ws: Sequence[torch.Tensor], between: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         views = self.launch.run(ws)
         return zip(self.out_names, map((views + between).__getitem__, self.picks))
 
-    def weights_if_same(self, items: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor] | None:
-        """The weights among `items` if they are the recorded ones (names, objects, addresses and
-        layouts as they were), else None. One list pass per attribute: a 30B-A3B group holds
-        hundreds of weights."""
-        if [n for n, _ in items] != self.names:
+    def weights_if_same(self, names: tuple[str, ...], ts: tuple[torch.Tensor, ...]) -> Sequence[torch.Tensor] | None:
+        """The weights among the items `names`, `ts` if they are the recorded ones (names, objects,
+        addresses and layouts as they were), else None. One pass per attribute, in C where it can
+        be: a 30B-A3B group holds hundreds of weights, and these checks are most of a replay's
+        host time a weight after its result views."""
+        if names != self.names:
             return None
-        ws = [items[j][1] for j in self.weight_at]
-        if not all(map(is_, ws, [r() for r in self.refs])) or [w.data_ptr() for w in ws] != self.launch.ptrs:
+        ws = ts if not self.between_at else [ts[j] for j in self.weight_at]
+        if not all(map(is_, ws, [r() for r in self.refs])) or list(map(torch.Tensor.data_ptr, ws)) != self.launch.ptrs:
             return None
         return ws if _layout(ws) == self.layout else None
 
 
-def _layout(ws: list[torch.Tensor]) -> tuple[list[Any], ...]:
-    return [w.shape for w in ws], [w.stride() for w in ws], [w.dtype for w in ws]
+def _layout(ws: Sequence[torch.Tensor]) -> tuple[list[Any], ...]:
+    """Shapes, dtypes and contiguity: at the same address these fix what a launch reads (a grouped
+    weight is contiguous, so its strides follow from its shape)."""
+    return list(map(_shape, ws)), list(map(_dtype, ws)), list(map(torch.Tensor.is_contiguous, ws))
+
+
+_shape, _dtype = attrgetter("shape"), attrgetter("dtype")
 
 
 @dataclass
@@ -124,12 +130,14 @@ class _Alone:
 
     plan: Quantized
     ref: weakref.ref[torch.Tensor]
-    shapes: list[Any]
-    strides: list[Any]
-    dtypes: list[Any]
+    stamp: tuple[int, torch.Size, tuple[int, ...], torch.dtype]
 
     def same(self, t: torch.Tensor) -> bool:
-        return t is self.ref() and _layout([t]) == (self.shapes, self.strides, self.dtypes)
+        return t is self.ref() and _stamp(t) == self.stamp
+
+
+def _stamp(t: torch.Tensor) -> tuple[int, torch.Size, tuple[int, ...], torch.dtype]:
+    return t.data_ptr(), t.shape, t.stride(), t.dtype
 
 
 Step = str | _Alone | _Group
@@ -189,7 +197,7 @@ class Walker:
                 if p.ws:
                     yield from p.flush(counts, steps)
                 if steps is not None:
-                    steps.append(_Alone(plan, weakref.ref(t), *_layout([t])))
+                    steps.append(_Alone(plan, weakref.ref(t), _stamp(t)))
                 yield from self._alone(plan, w)
                 continue
             here = (k, w.dtype, w.get_device())
@@ -228,7 +236,8 @@ class Walker:
                 yield from (item,) if isinstance(step, str) else self._alone(step.plan, item[1])
                 continue
             items = list(islice(it, len(step.names)))
-            ws = step.weights_if_same(items)
+            names, ts = zip(*items) if items else ((), ())
+            ws = step.weights_if_same(names, ts)
             if ws is None:
                 self.missed = True
                 yield from self.walk(chain(items, it), record=plan.steps[:i])
@@ -236,7 +245,7 @@ class Walker:
             counts.launches += 1
             counts.replayed += 1
             counts.grouped += len(ws)
-            yield from step.emit(ws, [items[j][1] for j in step.between_at])
+            yield from step.emit(ws, [ts[j] for j in step.between_at])
         more = next(it, None)
         if more is not None:  # the record ended before the source: the rest walks as usual
             self.missed = True
@@ -279,7 +288,7 @@ class _Pending:
             out_names += (plan.spec.name, plan.scale)  # the codes already in the weight's shape, the scales in theirs
             picks += (launch.pos[w_i], n + launch.pos[w_i])
             w_i += 1
-        group = _Group(self.names, self.weight_at, self.between_at, launch, out_names, picks)
+        group = _Group(tuple(self.names), self.weight_at, self.between_at, launch, out_names, picks)
         if steps is not None:
             group.refs, group.layout = [weakref.ref(w) for w in ws], _layout(ws)
             steps.append(group)
