@@ -194,6 +194,8 @@ def quantize_block_fp8_group(
     """`quantize_block_fp8` of every weight in `ws` (each `groupable`, one dtype, one device) in one
     launch: a launch costs ~10-30 us of host time, and Qwen3-30B-A3B quantizes 18,432 expert
     weights per sync. The results are views of one buffer made for the group (`GroupLaunch`)."""
+    if not ws:
+        return []
     launch = GroupLaunch(ws, hw_cvt=hw_cvt, checked=checked)
     views, n = launch.run(ws), len(ws)
     return [(views[p], views[n + p]) for p in launch.pos]
