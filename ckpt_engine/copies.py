@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["batched_copy_", "put_int64s_"]
+__all__ = ["batched_copy_", "copy_groups", "put_int64s_"]
 
 
 def batched_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
@@ -22,6 +22,13 @@ def batched_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) ->
 
     Pairs that are already the same tensor (a receiver reassembled it in its destination) are skipped.
     """
+    for keep_d, keep_s in copy_groups(dsts, srcs):
+        torch._foreach_copy_(keep_d, keep_s)
+
+
+def copy_groups(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """`batched_copy_`'s launches, one (destinations, sources) pair of lists per dtype pair, for a
+    caller that replays the same copies every sync (the per-pair checks cost ~1 us a tensor)."""
     groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for d, s in zip(dsts, srcs):
         if d.data_ptr() == s.data_ptr() and d.numel() and d.dtype == s.dtype and d.shape == s.shape and d.stride() == s.stride():
@@ -29,8 +36,7 @@ def batched_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) ->
         keep_d, keep_s = groups.setdefault((d.dtype, s.dtype), ([], []))
         keep_d.append(d)
         keep_s.append(s)
-    for keep_d, keep_s in groups.values():
-        torch._foreach_copy_(keep_d, keep_s)
+    return list(groups.values())
 
 
 def put_int64s_(dst: torch.Tensor, values: Sequence[int]) -> None:

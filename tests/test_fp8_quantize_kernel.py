@@ -137,6 +137,27 @@ for (n, a), (_, b) in zip(walked, want):
     a = a.cpu()
     if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
         bad.append(f"walk {n}")
+# a stable bf16 source: its walk is recorded, and the next one replays its launches (tables made
+# once) on the weights' new values, in place
+held = {k: v.to(device=device, dtype=torch.bfloat16) for k, v in sd.items()}
+first = [(n, t.clone()) for n, t in wire.Fp8WireSource(StateDictSource(held)).iter_weights()]
+for t in held.values():
+    t.mul_(-3.0)
+src = wire.Fp8WireSource(StateDictSource(held))
+again = list(src.iter_weights())
+want = []
+for n, t in held.items():
+    want += [(n, t.cpu())] if not n.endswith("proj.weight") else zip([n, n + "_scale_inv"], quantize_block_fp8_reference(t.cpu()))
+if not (src.last_walk.replayed == src.last_walk.launches > 3 and src.last_walk.alone == 3):
+    bad.append(f"replayed walk paths {src.last_walk}")
+if [n for n, _ in again] != [n for n, _ in want] or [n for n, _ in first] != [n for n, _ in want]:
+    bad.append("replayed walk order")
+for (n, a), (_, b), (_, c) in zip(again, want, first):
+    a = a.cpu()
+    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+        bad.append(f"replayed walk {n}")
+    if n.endswith("proj.weight") and "o_proj" not in n and torch.equal(a.view(torch.uint8), c.cpu().view(torch.uint8)):
+        bad.append(f"replayed walk {n}: the old bytes")
 assert not bad, bad
 print("ok")
 """

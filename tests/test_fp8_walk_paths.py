@@ -26,7 +26,7 @@ from ckpt_engine.sources.wire import torch_dtype
 
 class EagerGroups:
     """The grouped kernel's interface (`fp8/quantize_kernel.py`), quantizing with the eager recipe
-    at launch time; records each launch's size."""
+    when a launch runs; records each run's size."""
 
     MAX_GROUP = 65535
 
@@ -36,11 +36,24 @@ class EagerGroups:
     def groupable(self, w: torch.Tensor) -> bool:
         return w.dim() in (2, 3) and w.is_contiguous() and w.numel() > 0 and w.shape[-1] % 16 == 0
 
-    def quantize_block_fp8_group(self, ws: Sequence[torch.Tensor], *, checked: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        self.launches.append(len(ws))
+    def plan_group(self, ws: Sequence[torch.Tensor], *, checked: bool = False) -> EagerLaunch:
+        return EagerLaunch(self, ws)
+
+
+class EagerLaunch:
+    """A launch of `EagerGroups`: made for its weights' addresses, results in the weights' order."""
+
+    def __init__(self, kernel: EagerGroups, ws: Sequence[torch.Tensor]) -> None:
+        self.kernel, self.ptrs, self.pos = kernel, [w.data_ptr() for w in ws], list(range(len(ws)))
+
+    def run(self, ws: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        assert [w.data_ptr() for w in ws] == self.ptrs, "a launch ran for weights it was not made for"
+        self.kernel.launches.append(len(ws))
         if ws and ws[0].is_meta:  # shapes only (a whole preset's walk)
-            return [(torch.empty(w.shape, dtype=FP8_DTYPE, device="meta"), torch.empty(scale_shape(w.shape), device="meta")) for w in ws]
-        return [quantize_block_fp8_reference(w) for w in ws]
+            made = [(torch.empty(w.shape, dtype=FP8_DTYPE, device="meta"), torch.empty(scale_shape(w.shape), device="meta")) for w in ws]
+        else:
+            made = [quantize_block_fp8_reference(w) for w in ws]
+        return [q for q, _ in made] + [s for _, s in made]
 
 
 @pytest.fixture
@@ -150,7 +163,7 @@ def test_a_qwen3_moe_walk_launches_once_per_group_not_per_expert(groups: EagerGr
 def test_on_a_gpu_a_moe_layer_walks_through_the_grouped_kernel() -> None:
     """The real walk on CUDA (Triton's grouped kernel, no stand-in): one Qwen3-30B-A3B layer's 384
     expert weights in a few launches, each weight's bytes those of the CPU reference. Prints the
-    walk's host time a weight (launches queued, not waited for), the figure issue 41 is about."""
+    replayed walk's host time a weight (launches queued, not waited for), the figure issue 41 is about."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     import time
@@ -166,7 +179,8 @@ def test_on_a_gpu_a_moe_layer_walks_through_the_grouped_kernel() -> None:
     walked = list(src.iter_weights())
     host = time.perf_counter() - t0
     torch.cuda.synchronize(device)
-    assert src.last_walk.grouped == 388 and src.last_walk.alone == 0 and src.last_walk.launches <= 8, src.last_walk
+    walks = src.last_walk  # the second walk of the same tensors replays the first's launches
+    assert walks.grouped == 388 and walks.alone == 0 and walks.launches <= 8 and walks.replayed == walks.launches, walks
     print(f"\nwalk host time: {host / 388 * 1e6:.1f} us a quantized weight, {src.last_walk}")
     got = dict(walked)
     for name in [s.name for s in specs if quantizes(s)][::97]:
@@ -187,3 +201,40 @@ def test_the_wire_layout_is_derived_once_per_metadata_and_anew_when_it_changes()
     specs = {s.name: s for s in src.metadata()}
     assert specs["model.layers.1.mlp.up_proj.weight"].shape == (256, 256) and specs["model.layers.1.mlp.up_proj.weight_scale_inv"].shape == (2, 2)
     _same(list(src.iter_weights()), _eager(changed))
+
+
+def test_the_next_walk_of_the_same_tensors_replays_the_last_and_quantizes_their_new_values(groups: EagerGroups) -> None:
+    """A sync wraps the trainer's source anew; a stable source yields the same tensors every sync,
+    so the second walk replays the first's launches (no grouping or launch tables worked out
+    again), on the values the tensors hold now."""
+    model = {n: t.bfloat16() for n, t in _model().items()}
+    list(wire.Fp8WireSource(StateDictSource(model)).iter_weights())
+    for t in model.values():
+        t.mul_(-3.0)  # an optimizer step, in place
+    src = wire.Fp8WireSource(StateDictSource(model))
+    _same(list(src.iter_weights()), _eager(model))
+    assert src.last_walk == wire.WalkCounts(launches=3, grouped=6, alone=2, replayed=3) and groups.launches == [1, 3, 2] * 2
+
+
+@pytest.mark.parametrize("change", ["replaced", "moved", "transposed", "renamed"])
+def test_a_walk_of_other_tensors_leaves_the_replay_where_they_differ(groups: EagerGroups, change: str) -> None:
+    """Another tensor object, the same object on other memory (`.data` swapped), the same memory
+    seen through other strides, or another name (other metadata): the replay stops there and the rest walks as usual
+    (right bytes, counted as not replayed); the walk after it is recorded anew and replays."""
+    model = {n: t.bfloat16() for n, t in _model().items()}
+    list(wire.Fp8WireSource(StateDictSource(model)).iter_weights())
+    name = "model.layers.1.self_attn.q_proj.weight"  # 256 x 256: its transpose has its shape
+    if change == "replaced":
+        model[name] = model[name].clone()
+    elif change == "moved":
+        model[name].data = model[name].data.clone()
+    elif change == "transposed":
+        model[name].data = model[name].data.t()
+    else:
+        model = {("model.layers.1.self_attn.k_proj.weight" if n == name else n): t for n, t in model.items()}
+    for t in model.values():
+        t.add_(0.5)
+    for replayed in ((0, 3) if change == "renamed" else (1, 3)):  # up to the changed tensor's group (other metadata: none), then all
+        src = wire.Fp8WireSource(StateDictSource(model))
+        _same(list(src.iter_weights()), _eager(model))
+        assert src.last_walk.replayed == replayed and src.last_walk.grouped + src.last_walk.alone == 8, src.last_walk

@@ -38,7 +38,7 @@ import triton.language as tl
 from ckpt_engine.delta.kernels import on_device_of
 from ckpt_engine.fp8.layout import BLOCK, FP8_DTYPE
 
-__all__ = ["MAX_GROUP", "groupable", "quantize_block_fp8_group", "quantize_block_fp8_triton"]
+__all__ = ["MAX_GROUP", "GroupLaunch", "groupable", "plan_group", "quantize_block_fp8_group", "quantize_block_fp8_triton"]
 
 _FLOOR_BITS = struct.unpack("<i", struct.pack("<f", 1e-4))[0]
 """float32(1e-4) as its bit pattern: the reference's `clamp(1e-4)` on a float32 amax."""
@@ -74,15 +74,16 @@ def _quantize_blocks(
 
 
 @triton.jit
-def _quantize_many(table, DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FLOOR_BITS: tl.constexpr, HW_CVT: tl.constexpr):
+def _quantize_many(table, q_base, s_base, DTYPE: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FLOOR_BITS: tl.constexpr, HW_CVT: tl.constexpr):
     """Many contiguous weights of one dtype: program (b, t) quantizes block b of weight t (its
-    table row: input, codes and scales addresses, rows, cols, block columns, blocks per matrix,
-    blocks in all); programs past a weight's blocks store nothing. Every address is 16-byte
-    aligned and every `cols` a multiple of 16 (`groupable`), so the loads are 16 bytes wide."""
+    table row: input address, codes and scales offsets from `q_base` / `s_base`, rows, cols, block
+    columns, blocks per matrix, blocks in all); programs past a weight's blocks store nothing. Every
+    address is 16-byte aligned and every `cols` a multiple of 16 (`groupable`), so the loads are 16
+    bytes wide."""
     row = table + tl.program_id(1) * 8
     w_ptr = tl.multiple_of(tl.load(row).to(tl.pointer_type(DTYPE)), 16)
-    q_ptr = tl.multiple_of(tl.load(row + 1).to(tl.pointer_type(tl.uint8)), 16)
-    s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    q_ptr = tl.multiple_of(q_base + tl.load(row + 1), 16)
+    s_ptr = s_base + tl.load(row + 2)
     rows = tl.load(row + 3)
     cols = tl.multiple_of(tl.load(row + 4), 16)
     bc = tl.load(row + 5)
@@ -192,75 +193,101 @@ def quantize_block_fp8_group(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`quantize_block_fp8` of every weight in `ws` (each `groupable`, one dtype, one device) in one
     launch: a launch costs ~10-30 us of host time, and Qwen3-30B-A3B quantizes 18,432 expert
-    weights per sync. The results are views of two buffers (codes, scales) made for the group.
-
-    The host work is per shape, not per weight (on 2xH200 it bounded a 30B-A3B FP8 sync at ~13.6 us
-    a weight): the buffers hold each shape's weights in one stretch, in order of first appearance
-    (an MoE layer's gate, up and down experts interleave), so a shape's shape checks, table rows
-    and result views (one `unbind`, not two `as_strided` calls a weight) are a few calls each.
-    `checked`: the caller asked `groupable` of each weight and gives one dtype and device (a walk
-    that groups them does): not asked again."""
+    weights per sync. The results are views of one buffer made for the group (`GroupLaunch`)."""
     if not ws:
         return []
-    dtype, device, index = ws[0].dtype, ws[0].device, ws[0].get_device()
-    by_shape: dict[torch.Size, list[int]] = {}
-    for i, w in enumerate(ws):
-        by_shape.setdefault(w.shape, []).append(i)
-    ptrs = [w.data_ptr() for w in ws]
-    bad = [] if checked else [i for i, w in enumerate(ws) if not groupable(w) or w.dtype is not dtype or w.get_device() != index]
-    if bad or len(ws) > MAX_GROUP or dtype not in _GROUP_DTYPES:
-        raise ValueError(f"quantize_block_fp8_group takes up to {MAX_GROUP} groupable weights of one dtype and device; not weight(s) {bad[:8]}")
-    block_rows, block_cols = BLOCK
-    shapes = []  # per shape: (its shape, its scales', weights, codes a weight, blocks a weight, table columns 3-7)
-    q_total = s_total = widest = 0
-    for shape, idx in by_shape.items():
-        *lead, rows, cols = shape
-        br, bc = -(-rows // block_rows), -(-cols // block_cols)
-        blocks = br * bc * (lead[0] if lead else 1)
-        shapes.append((shape, (*lead, br, bc), len(idx), rows * cols * (lead[0] if lead else 1), blocks, (rows, cols, bc, br * bc, blocks)))
-        q_total += len(idx) * shapes[-1][3]  # a multiple of 16 (`cols` is): every weight's codes start 16-byte aligned
-        s_total += len(idx) * blocks
-        widest = max(widest, blocks)
-    q_buf = torch.empty(q_total, dtype=FP8_DTYPE, device=device)
-    s_buf = torch.empty(s_total, dtype=torch.float32, device=device)
-    order = [i for idx in by_shape.values() for i in idx]  # table rows and buffer stretches: by shape
-    table = _table(q_buf.data_ptr(), s_buf.data_ptr(), shapes, ptrs if len(shapes) == 1 else [ptrs[i] for i in order])
-    if device.type == "cuda":  # pinned: a copy from pageable memory would make the host wait for the stream
-        table = table.pin_memory().to(device, non_blocking=True)
-    if hw_cvt is None:
-        hw_cvt = _hw_cvt(device)
-    with on_device_of(ws[0]):
-        _quantize_many[(widest, len(ws))](
-            table, DTYPE=_GROUP_DTYPES[dtype], BR=block_rows, BC=block_cols, FLOOR_BITS=_FLOOR_BITS, HW_CVT=hw_cvt,
-            num_warps=_NUM_WARPS, enable_fp_fusion=False,
-        )
-    qs: list[torch.Tensor] = []
-    ss: list[torch.Tensor] = []
-    q_at = s_at = 0
-    for shape, s_shape, n, numel, blocks, _ in shapes:
-        qs += q_buf[q_at : q_at + n * numel].view(n, *shape).unbind(0)
-        ss += s_buf[s_at : s_at + n * blocks].view(n, *s_shape).unbind(0)
-        q_at, s_at = q_at + n * numel, s_at + n * blocks
-    if len(shapes) == 1:
-        return list(zip(qs, ss))
-    out: list[tuple[torch.Tensor, torch.Tensor]] = [None] * len(ws)  # type: ignore[list-item]
-    for i, q, s in zip(order, qs, ss):
-        out[i] = (q, s)
-    return out
+    launch = GroupLaunch(ws, hw_cvt=hw_cvt, checked=checked)
+    views, n = launch.run(ws), len(ws)
+    return [(views[p], views[n + p]) for p in launch.pos]
 
 
-def _table(q_base: int, s_base: int, shapes: list[tuple[Any, ...]], ptrs: list[int]) -> torch.Tensor:
+def plan_group(ws: Sequence[torch.Tensor], *, checked: bool = False) -> GroupLaunch:
+    """`GroupLaunch(ws, checked=checked)`: the walk's way in (`sources/fp8.py`'s `GroupKernel`)."""
+    return GroupLaunch(ws, checked=checked)
+
+
+class GroupLaunch:
+    """One grouped launch's host work, done once for a set of weights and replayed by `run` while
+    they stay where they are (a stable source yields the same tensors every sync: `Fp8WireSource`
+    keeps its launches across syncs). On 2xH200 the walk's host work bounded a 30B-A3B FP8 sync.
+
+    The work is per shape, not per weight: the buffer holds each shape's weights in one stretch, in
+    order of first appearance (an MoE layer's gate, up and down experts interleave), so a shape's
+    table rows and result views (one `unbind`) are a few calls each. The table holds the inputs'
+    addresses and the outputs' offsets in the group's buffer (its address is the launch's argument),
+    so it is made and copied to the device once. `checked`: the caller asked `groupable` of each
+    weight and gives one dtype and device (a walk that groups them does): not asked again."""
+
+    def __init__(self, ws: Sequence[torch.Tensor], *, hw_cvt: bool | None = None, checked: bool = False) -> None:
+        if not ws:
+            raise ValueError("a grouped launch needs at least one weight")
+        dtype, device, index = ws[0].dtype, ws[0].device, ws[0].get_device()
+        by_shape: dict[torch.Size, list[int]] = {}
+        for i, w in enumerate(ws):
+            by_shape.setdefault(w.shape, []).append(i)
+        bad = [] if checked else [i for i, w in enumerate(ws) if not groupable(w) or w.dtype is not dtype or w.get_device() != index]
+        if bad or len(ws) > MAX_GROUP or dtype not in _GROUP_DTYPES:
+            raise ValueError(f"quantize_block_fp8_group takes up to {MAX_GROUP} groupable weights of one dtype and device; not weight(s) {bad[:8]}")
+        self.ptrs = [w.data_ptr() for w in ws]
+        """The inputs' addresses the table holds: `run` is only for weights at these."""
+        self.dtype, self.device = dtype, device
+        block_rows, block_cols = BLOCK
+        self._shapes: list[tuple[Any, ...]] = []  # per shape: (its shape, its scales', weights, codes a weight, blocks a weight, table columns 3-7)
+        q_total = s_total = widest = 0
+        for shape, idx in by_shape.items():
+            *lead, rows, cols = shape
+            br, bc = -(-rows // block_rows), -(-cols // block_cols)
+            blocks = br * bc * (lead[0] if lead else 1)
+            self._shapes.append((shape, (*lead, br, bc), len(idx), rows * cols * (lead[0] if lead else 1), blocks, (rows, cols, bc, br * bc, blocks)))
+            q_total += len(idx) * self._shapes[-1][3]  # a multiple of 16 (`cols` is): every weight's codes start 16-byte aligned
+            s_total += len(idx) * blocks
+            widest = max(widest, blocks)
+        self._q_total, self._s_total, self._grid = q_total, s_total, (widest, len(ws))
+        order = [i for idx in by_shape.values() for i in idx]  # table rows and buffer stretches: by shape
+        self.pos = [0] * len(ws)
+        """Weight i's place in `run`'s codes (and, after all of them, scales)."""
+        for j, i in enumerate(order):
+            self.pos[i] = j
+        table = _table(self._shapes, self.ptrs if len(self._shapes) == 1 else [self.ptrs[i] for i in order])
+        if device.type == "cuda":  # pinned: a copy from pageable memory would make the host wait for the stream
+            table = table.pin_memory().to(device, non_blocking=True)
+        self._table = table
+        self._hw_cvt = _hw_cvt(device) if hw_cvt is None else hw_cvt
+
+    def run(self, ws: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Quantize `ws` (the weights this launch was made for, at `ptrs`) in one launch: every
+        weight's codes, then every weight's scales, in the buffer's order (weight i's at `pos[i]`)."""
+        q_buf = torch.empty(self._q_total + 4 * self._s_total, dtype=torch.uint8, device=self.device)
+        s_buf = q_buf[self._q_total :].view(torch.float32)  # `_q_total` is a multiple of 16
+        with on_device_of(ws[0]):
+            _quantize_many[self._grid](
+                self._table, q_buf, s_buf, DTYPE=_GROUP_DTYPES[self.dtype], BR=BLOCK[0], BC=BLOCK[1], FLOOR_BITS=_FLOOR_BITS,
+                HW_CVT=self._hw_cvt, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+            )
+        codes = q_buf[: self._q_total].view(FP8_DTYPE)
+        qs: list[torch.Tensor] = []
+        ss: list[torch.Tensor] = []
+        q_at = s_at = 0
+        for shape, s_shape, n, numel, blocks, _ in self._shapes:
+            qs += codes[q_at : q_at + n * numel].view(n, *shape).unbind(0)
+            ss += s_buf[s_at : s_at + n * blocks].view(n, *s_shape).unbind(0)
+            q_at, s_at = q_at + n * numel, s_at + n * blocks
+        return qs + ss
+
+
+def _table(shapes: list[tuple[Any, ...]], ptrs: list[int]) -> torch.Tensor:
     """`_quantize_many`'s table, weights by shape as `shapes` lists them, `ptrs` their inputs'
-    addresses in that order: a few array ops a shape, not a Python row a weight (numpy: a torch op
-    on a tiny CPU tensor costs several times as much host time)."""
+    addresses in that order, then their codes' and scales' offsets in the group's buffer: a few
+    array ops a shape, not a Python row a weight (numpy: a torch op on a tiny CPU tensor costs
+    several times as much host time)."""
     table = np.empty((len(ptrs), 8), dtype=np.int64)
     table[:, 0] = ptrs
     at = q_at = s_at = 0
     for _, _, n, numel, blocks, meta in shapes:
         k = np.arange(n, dtype=np.int64)
         rows = table[at : at + n]
-        rows[:, 1] = q_base + q_at + k * numel
-        rows[:, 2] = s_base + 4 * (s_at + k * blocks)
+        rows[:, 1] = q_at + k * numel
+        rows[:, 2] = s_at + k * blocks
         rows[:, 3:] = meta
         at, q_at, s_at = at + n, q_at + n * numel, s_at + n * blocks
     return torch.from_numpy(table)

@@ -9,7 +9,9 @@ valid (`stable_tensors`, or `fresh_tensors`), and weights the walk casts to thei
 (`fp8/quantize_kernel.py`): a 30B-A3B walk has 18,432 expert weights, and a launch each cost
 more host time than the bf16 sync takes. Any other weight (a gathering walk's, e.g. FSDP2's or
 Megatron's, whose tensor may be overwritten once the next is asked for) is quantized alone, as
-it comes; `last_walk` counts which path each weight took.
+it comes; `last_walk` counts which path each weight took. A walk of a `stable_tensors` source is
+recorded and replayed by the next sync of the same tensors (`fp8_walk.py`): its grouping and
+launch tables are worked out once, not per weight and sync.
 
 `ShardedFp8WireSource(source)`: each sender quantizes its own rows of a weight, which is exact
 only when its row range starts and ends on a 128-row block boundary (or the tensor's end); any
@@ -22,7 +24,6 @@ import functools
 import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -32,6 +33,7 @@ from ckpt_engine.fp8.quantize import quantize_block_fp8
 from ckpt_engine.manifest import DTYPE_ITEMSIZE, TensorSpec
 from ckpt_engine.planning.ownership import OwnerMap, Shard
 from ckpt_engine.sources.base import WeightSource
+from ckpt_engine.sources.fp8_walk import GroupKernel, Quantized, WalkCounts, WalkPlan, Walker, to_wire
 from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.sources.wire import torch_dtype
 
@@ -42,16 +44,6 @@ logger = logging.getLogger(__name__)
 GROUP_BYTES = 256 << 20
 """Input bytes one grouped quantize launch takes at most: the group's outputs stay alive until the
 pipeline has packed its last weight, and its first bucket waits for the whole launch."""
-
-
-class GroupKernel(Protocol):
-    """What the walk needs of a grouped quantize (`fp8/quantize_kernel.py` on CUDA)."""
-
-    MAX_GROUP: int
-
-    def groupable(self, w: torch.Tensor) -> bool: ...
-
-    def quantize_block_fp8_group(self, ws: Sequence[torch.Tensor], *, checked: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
 def _group_kernel(w: torch.Tensor) -> GroupKernel | None:
@@ -68,34 +60,11 @@ def _cuda_kernels() -> GroupKernel:
     return quantize_kernel
 
 
+def _plan(spec: TensorSpec) -> Quantized:
+    return Quantized(spec, torch_dtype(spec.dtype), torch.Size(spec.shape), spec.nbytes, scale_name(spec.name))
+
+
 @dataclass
-class WalkCounts:
-    """Which path the quantized weights of one walk took: `grouped` weights in `launches` grouped
-    launches, `alone` weights one launch each (a 30B-A3B walk whose experts go alone pays a launch's
-    host time 18,432 times)."""
-
-    launches: int = 0
-    grouped: int = 0
-    alone: int = 0
-
-
-@dataclass(frozen=True)
-class _Quantized:
-    """A quantized weight's spec, wire dtype, shape (as torch compares it), wire bytes and scale
-    tensor name, worked out once per source: the walk asks them per weight and sync."""
-
-    spec: TensorSpec
-    dtype: torch.dtype
-    shape: torch.Size
-    nbytes: int
-    scale: str
-
-
-def _plan(spec: TensorSpec) -> _Quantized:
-    return _Quantized(spec, torch_dtype(spec.dtype), torch.Size(spec.shape), spec.nbytes, scale_name(spec.name))
-
-
-@dataclass(frozen=True)
 class _Layout:
     """What the FP8 wire derives from a source's metadata, tensor by tensor: its specs by name, the
     quantized weights' plans and the wire's specs. A sync wraps the trainer's source anew
@@ -104,8 +73,10 @@ class _Layout:
 
     source_specs: list[TensorSpec]
     specs: dict[str, TensorSpec]
-    quantized: dict[str, _Quantized]
+    quantized: dict[str, Quantized]
     wire_specs: list[TensorSpec]
+    walk: WalkPlan | None = None
+    """The last recorded walk of a stable source of this metadata (`fp8_walk.py`)."""
 
 
 _LAYOUTS: list[_Layout] = []
@@ -125,14 +96,8 @@ def _layout(specs: list[TensorSpec]) -> _Layout:
     return made
 
 
-def _wire(spec: TensorSpec, t: torch.Tensor) -> torch.Tensor:
-    """A yielded tensor (or a row block of it) in its wire dtype: a source may yield a float dtype
-    to cast from (fp32 masters), and the quantized bytes must be those of the wire's."""
-    return t.reshape(-1, *spec.shape[1:]).to(torch_dtype(spec.dtype))
-
-
 def _quantize(spec: TensorSpec, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_block_fp8(_wire(spec, t), BLOCK)
+    return quantize_block_fp8(to_wire(spec, t), BLOCK)
 
 
 class Fp8WireSource(WeightSource):
@@ -151,7 +116,7 @@ class Fp8WireSource(WeightSource):
         if isinstance(source, Fp8WireSource):
             raise ValueError("the weight source is already on an FP8 wire")
         self.source = source
-        layout = _layout(list(source.metadata()))
+        layout = self._layout = _layout(list(source.metadata()))
         self._specs, self._quantized, self._wire_specs = layout.specs, layout.quantized, layout.wire_specs
         self.last_walk = WalkCounts()
         """Which path each quantized weight of the latest walk took (so far, while it runs)."""
@@ -172,74 +137,19 @@ class Fp8WireSource(WeightSource):
         return list(self._wire_specs)
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        counts = self.last_walk = WalkCounts()
         # Weights may wait for a grouped launch while later ones are read: only where they stay valid
         # (the source's own tensors), or are this walk's own (a cast to the wire dtype made here).
-        holds = self.source.stable_tensors or self.source.fresh_tensors
-        quantized = self._quantized
-        kernel: GroupKernel | None = None  # the pending weights'
-        key: tuple[object, torch.dtype, int] | None = None  # their kernel, dtype and device index
-        plans: list[_Quantized] = []
-        pending: list[torch.Tensor] = []  # wire-dtype weights for one grouped launch
-        between: list[tuple[int, str, torch.Tensor]] = []  # tensors sent as they are, read meanwhile: (weights before, name, tensor)
-        held = 0
-        for name, t in self.source.iter_weights():
-            plan = quantized.get(name)
-            if plan is None:
-                if pending and holds and held + t.nbytes <= GROUP_BYTES:  # a bias or norm between two weights does not end the group
-                    between.append((len(pending), name, t))
-                    held += t.nbytes
-                    continue
-                if pending:
-                    yield from _flush(kernel, plans, pending, between, counts)
-                yield name, t
-                continue
-            w = t if t.dtype is plan.dtype and t.shape == plan.shape else _wire(plan.spec, t)
-            k = _group_kernel(w)
-            if k is None or not ((holds or w.dtype is not t.dtype) and k.groupable(w)):
-                if pending:
-                    yield from _flush(kernel, plans, pending, between, counts)
-                q, s = quantize_block_fp8(w, BLOCK)
-                counts.alone += 1
-                yield name, q.view(plan.spec.shape)
-                yield plan.scale, s
-                continue
-            here = (k, w.dtype, w.get_device())
-            if pending and (here != key or held + plan.nbytes > GROUP_BYTES or len(pending) == k.MAX_GROUP):
-                yield from _flush(kernel, plans, pending, between, counts)
-            if not pending:
-                kernel, key, held = k, here, 0
-            plans.append(plan)
-            pending.append(w)
-            held += plan.nbytes
-        if pending:
-            yield from _flush(kernel, plans, pending, between, counts)
-
-
-def _flush(
-    kernel: GroupKernel | None, plans: list[_Quantized], pending: list[torch.Tensor], between: list[tuple[int, str, torch.Tensor]], counts: WalkCounts,
-) -> list[tuple[str, torch.Tensor]]:
-    """Quantize the pending weights in one launch: each one's codes and scales, in order, with the
-    tensors read `between` them (a dense model's biases and norms: in Qwen2.5-7B one after nearly
-    every weight, which made every launch a group of one) where they were read. `plans`, `pending`
-    and `between` are emptied (the weights are not needed once the launch is queued); every weight
-    passed `groupable`, and they share a dtype and device, so the kernel does not ask again."""
-    assert kernel is not None  # pending only fills where a grouped kernel takes the weights
-    results = kernel.quantize_block_fp8_group(pending, checked=True)
-    counts.launches += 1
-    counts.grouped += len(pending)
-    out: list[tuple[str, torch.Tensor]] = []
-    j = 0
-    for i, (plan, (q, s)) in enumerate(zip(plans, results)):
-        while j < len(between) and between[j][0] == i:
-            out.append(between[j][1:])
-            j += 1
-        out += ((plan.spec.name, q), (plan.scale, s))  # the codes already in the weight's shape, the scales in theirs
-    out += [b[1:] for b in between[j:]]
-    plans.clear()
-    pending.clear()
-    between.clear()
-    return out
+        stable = self.source.stable_tensors
+        walker = Walker(self._quantized, _group_kernel, GROUP_BYTES, stable or self.source.fresh_tensors)
+        self.last_walk = walker.counts
+        layout = self._layout
+        it = iter(self.source.iter_weights())
+        if stable and layout.walk is not None:  # the same tensors as last sync: its record replays
+            yield from walker.replay(layout.walk, it)
+        else:
+            yield from walker.walk(it, record=[] if stable else None)
+        if walker.missed or walker.recorded is not None:
+            layout.walk = walker.recorded
 
 
 class ShardedFp8WireSource(Fp8WireSource, ShardedWeightSource):
