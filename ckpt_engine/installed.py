@@ -289,9 +289,9 @@ def wrap64(value: int) -> int:
 
 
 FOLD_BATCHES = 8
-"""A check folds each side's images in about this many batches as they land (engine) or pass (a
-stable walk): the stream hides all but the last; a batch is one launch on a GPU (one a bucket, ~60
-for a 7B model at ~20-40 us of host time each, would cost about what it hides)."""
+"""A rank folds a check's images in about this many batches as they land (`HeldFold`): the stream
+hides all but the last; a batch is one launch on a GPU (one a bucket, ~60 for a 7B model at ~20-40
+us of host time each, would cost about what it hides)."""
 
 
 class Folds:

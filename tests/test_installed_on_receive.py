@@ -119,9 +119,9 @@ def test_a_stable_walk_is_folded_when_asked_with_its_layout_kept_across_checks()
         checks.source_digests()
 
 
-def test_a_long_stable_walk_is_folded_in_batches_as_it_passes_with_the_same_digests() -> None:
-    """A stable walk of many tensors is folded a batch at a time as the sender takes them (the last
-    batch by `fold_noted`): the same digests as one fold of every key; a walk released part-way
+def test_a_long_stable_walk_of_regions_and_casts_is_folded_after_the_send_with_the_same_digests() -> None:
+    """A stable walk of many tensors (whole and as a rank's region, one cast on the wire) is folded
+    by `fold_noted`, read back by `source_digests`: the digests of each key; a walk released part-way
     leaves no digest behind."""
     walked = {f"w{i}": torch.randn(24, 16, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(30)}
     plans = [ReceivePlan({"w4": (Region(1, 0, 8),), "w5": None}), None]

@@ -5,11 +5,12 @@ sync (N), or never (`off`). When one is due, `arm` lists the (name, region) keys
 hold, from their receive plans (a rank without one holds every tensor whole), and the weight walk
 (`tap`) folds each tensor's regions as the sender takes it (`ckpt_engine/installed.py`: a few
 thousand positions per region, or every element with `verify_installed_samples: 0`), or, when the
-source's tensors outlive the sync (`stable_tensors`), folds them a batch at a time while later
-buckets stream, and the last batch once this rank's send went through, while the engines load
-their last bucket and digest (`fold_noted`); the digests stay on the device until `verify` reads
-them back at once (not on a thread of its own from the walk's end: measured on one H200, its Python
-held the GIL the sender's last steps wanted). After the stream, before any engine stamps the version
+source's tensors outlive the sync (`stable_tensors`), notes them and folds them once this rank's
+send went through, while the engines load their last bucket and digest (`fold_noted`), their
+digests left on the device until `verify` reads them back: off the sync's path (not on a thread of
+its own from the walk's end: measured on one H200, its Python held the GIL the sender's last steps
+wanted; nor in batches as the walk passes: a one-copy sender, `pipeline/shared_sources.py`, walks
+every tensor before the first byte moves). After the stream, before any engine stamps the version
 (or, staged, right after the swap), `verify` takes every engine rank's digests of what it
 installed, in its own layout (the reference receiver's, and vLLM's where it can, ride on an unstaged
 receive's reply; others are asked), and compares (one C loop when all agree): a
@@ -43,7 +44,7 @@ import msgpack
 import torch
 
 from ckpt_engine.installed import (
-    FOLD_BATCHES, MAX_SEED, ArmsInstalledChecks, Folds, InstalledReport, InstalledRequest, Key, digest_share_runs, key_text, region_view, wrap64,
+    MAX_SEED, ArmsInstalledChecks, Folds, InstalledReport, InstalledRequest, Key, digest_share_runs, key_text, region_view, wrap64,
 )
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.planning.regions import ReceivePlan, Region
@@ -118,7 +119,10 @@ class InstalledChecks:
         self._dtypes: dict[str, torch.dtype] = {}
         """The wire dtype of each name of the armed check (`arm`'s `dtypes`; absent: as walked)."""
         self._noted: list[tuple[str, torch.Tensor]] | None = None
-        """What a stable walk yielded since its last batch was folded, for `fold_noted` (None: nothing waits)."""
+        """What a stable walk yielded, for `fold_noted` (None: nothing waits)."""
+        self._noted_layout: tuple[list[str], dict[str, list[Key]], dict[str, torch.dtype], list[Key], list[int], list[torch.dtype | None]] | None = None
+        """The last stable walk's names (with the keys and dtypes they were read for), and each key,
+        the walked tensor it is read from and its dtype: the same at every check of a session."""
         self._fold_error: Exception | None = None
         self._order: list[Key] = []
         """The keys of an armed many-sender check, in the order the senders' shares come in."""
@@ -240,23 +244,18 @@ class InstalledChecks:
     def tap(self, weights: Iterable[tuple[str, torch.Tensor]], stable: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """The weight walk, folding every tensor of an armed check as it passes; or, when every
         tensor it yields stays valid and unchanged for the whole sync (`stable`: the source's
-        `stable_tensors`), noting them and folding them a batch at a time (`FOLD_BATCHES`) when the
-        sender comes back for the next tensor, while later buckets stream; the last batch is folded
-        by `fold_noted` once the send went through, and every digest read back once, by `verify`.
-        (On one GPU, a 7B walk's 339 folds one by one cost ~9.5 ms of launches in it; all in one
-        launch after the send, ~1.7 ms on the sync's path with the read-back and the compare.)"""
+        `stable_tensors`), only noting them for `fold_noted`, after the send, while the engines
+        load their last bucket and digest: off the sync's path (on one GPU, a 7B walk's 339 folds
+        cost ~9.5 ms of launches in it; an `add` each for later, 0.23 ms of Python on the CPU box;
+        noting them, 0.04 ms)."""
         if self.request is None or self.seconds is None:
             yield from weights
             return
         if stable:
             noted = self._noted = []
-            every = max(1, -(-len(self._want) // FOLD_BATCHES))
             for pair in weights:
                 noted.append(pair)
                 yield pair
-                if len(noted) >= every and self._noted is noted:  # the sender took them: fold while it streams
-                    self._fold(noted)
-                    noted = self._noted = []
             return
         want, digests, add, dtypes = self._want, self._digests, self._folds.add, self._dtypes
         for name, tensor in weights:
@@ -269,41 +268,40 @@ class InstalledChecks:
             yield name, tensor
 
     def fold_noted(self) -> None:
-        """Fold what a stable walk noted and did not fold yet (`tap`): called once this rank's send
-        went through, while the engines finish (`SyncStream.run`'s `sent`), else by `verify`. On a
-        GPU one launch, its digests left on the device. Never raises: an error waits for `verify`."""
+        """Fold what a stable walk noted (`tap`): called once this rank's send went through, while
+        the engines finish (`SyncStream.run`'s `sent`), else by `verify`. On a GPU one launch over
+        kept tables, read back with the compare. Never raises: an error waits for `verify`."""
         noted, self._noted = self._noted, None
-        if noted is not None:
-            self._fold(noted)
-
-    def _fold(self, pairs: list[tuple[str, torch.Tensor]]) -> None:
-        """Fold the keys of `pairs`, tensors a stable walk passed (as regions, at their wire dtypes).
-        Never raises (the receives are in flight): the first error fails the check in `verify`."""
-        if self._fold_error is not None:
+        if noted is None:
             return
         t = time.perf_counter()
         try:
-            want, dtypes = self._want, self._dtypes
-            keys: list[Key] = []
-            views: list[torch.Tensor] = []
-            casts: list[torch.dtype | None] = []
-            for name, tensor in pairs:
-                for key in want.get(name, ()):
-                    keys.append(key)
-                    views.append(tensor if key[1] is None else region_view(tensor, key[1]))
-                    casts.append(dtypes.get(name))
-            first = self._folds.note(views, casts)
+            keys, index, dtypes = self._layout([n for n, _ in noted])
+            tensors = [tensor for _, tensor in noted]
+            views = [tensors[i] if k[1] is None else region_view(tensors[i], k[1]) for k, i in zip(keys, index)]
+            first = self._folds.note(views, dtypes)
             self._digests.update(zip(keys, range(first, first + len(keys))))
-            self._folds.read_later(range(first, first + len(keys)))
-        except Exception as exc:
+            self._folds.read_later()
+        except Exception as exc:  # the receives are in flight: the check fails in verify, as before
             self._fold_error = exc
         self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
 
+    def _layout(self, names: list[str]) -> tuple[list[Key], list[int], list[torch.dtype | None]]:
+        """Each key of the walked `names`, the index of the walked tensor it is read from and its wire
+        dtype; worked out once for a session's walk (the same names, keys and dtypes each check)."""
+        kept = self._noted_layout
+        if kept is None or kept[0] != names or kept[1] is not self._want or kept[2] is not self._dtypes:
+            want, dtypes = self._want, self._dtypes
+            rows = [(key, i, dtypes.get(n)) for i, n in enumerate(names) for key in want.get(n, ())]
+            keys, index, casts = (list(c) for c in zip(*rows)) if rows else ([], [], [])
+            kept = self._noted_layout = (names, want, dtypes, keys, index, casts)
+        return kept[3], kept[4], kept[5]
+
     def release(self) -> None:
         """After a sync: drop what a stable walk noted and a failed sync never folded (its tensors
-        would stay alive until the next check), and the digests no check will ask."""
-        self._noted, self._digests = None, {}
-        self._folds = Folds(0, self.samples)
+        would stay alive until the next check)."""
+        self._noted = None
+        self._folds.drop_later()
 
     def source_digests(self) -> dict[Key, int]:
         """The trainer's digest of every key the walk passed (one sender)."""
