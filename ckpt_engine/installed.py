@@ -405,7 +405,7 @@ class Folds:
             into = parts.setdefault(folded.device, ([], []))
             into[0].extend(index)
             into[1].append(folded)
-        for stream in self._streams:  # a batch folded on another thread's stream (a walk's)
+        for stream in self._streams:  # a batch folded on another thread's current stream
             current = torch.cuda.current_stream(stream.device)
             if stream != current:
                 current.wait_stream(stream)

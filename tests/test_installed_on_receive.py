@@ -66,12 +66,13 @@ def test_a_ranks_kept_layout_reads_the_live_values_and_follows_the_names() -> No
     assert report.digests == {("norm", None): int(digest(held["norm"], 7, 0))} and report.unwritten == ["wo", "wq"]
 
 
-def test_a_rank_folds_its_tensors_as_they_land_and_a_tensor_landing_again_is_read_again() -> None:
+@pytest.mark.parametrize("device", ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else []))
+def test_a_rank_folds_its_tensors_as_they_land_and_a_tensor_landing_again_is_read_again(device: str) -> None:
     """`HeldDigests.begin` (a receive starting): each bucket's tensors are folded once `landed`, a
     batch at a time; a tensor landing again after its batch was folded is read again (its last
     landing counts), a name the rank does not hold is passed over, a held tensor no load named is
     folded at the report (it holds what it held): the digests of what the rank holds at the end."""
-    held = {f"w{i}": torch.randn(40, 24, generator=torch.Generator().manual_seed(i)) for i in range(20)}
+    held = {f"w{i}": torch.randn(40, 24, generator=torch.Generator().manual_seed(i)).to(device) for i in range(20)}
     regions = {"w3": Region(0, 8, 40)}
     rank = HeldDigests(held, regions)
     request = InstalledRequest(sorted(held) + ["elsewhere"], 11, 32)
