@@ -50,8 +50,8 @@ class Folder:
         if tables is None:
             tables = _tables(self.views) if self.views else []
         _TABLES[key] = tables  # the latest last: the oldest goes first
-        while len(_TABLES) > _KEPT:
-            del _TABLES[next(iter(_TABLES))]
+        while len(_TABLES) > _KEPT:  # a pop: another thread's Folder may evict the same one
+            _TABLES.pop(next(iter(_TABLES)), None)
         self._tables = tables
 
     def launch(self, seed: int, samples: int) -> list[tuple[list[int], torch.Tensor]]:
