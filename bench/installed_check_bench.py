@@ -17,7 +17,9 @@ the bytes move fast and the per-tensor host work is what a check adds. Prints on
 median dense sync without and with the check (`difference_share`: what the check adds, paired in
 one session), the trainer's check time (`check_s`: its folds and the compare) and the engine's own
 digest time inside the checked receive (`engine_check_s`), the median `transfer` of both kinds, and
-each side's digest time alone (sampled and, for reference, a full fold: --samples 0's).
+each side's digest time alone (sampled and, for reference, a full fold: --samples 0's), and what
+each side's fold leaves after the last bucket, measured in this process (`tails`: `engine_tail_s`
+against `engine_fold_at_end_s`, `trainer_tail_s`).
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ import torch
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.control.server import RpcServer
-from ckpt_engine.installed import InstalledRequest, digest
+from ckpt_engine.installed import HeldDigests, InstalledRequest, digest
+from ckpt_engine.planning.buckets import plan_buckets
 from ckpt_engine.processes import read_ready_line
 from ckpt_engine.rollout_adapters.ref_models import RefModel, load_spec_file
 from ckpt_engine.rollout_adapters.ref_worker import TorchRefWorker
 from ckpt_engine.rollout_adapters.torch_ref import READY_PREFIX, TOKEN_ENV, TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.sync.installed import InstalledChecks
 
 
 def fold_s(sd: dict[str, torch.Tensor], samples: int) -> float:
@@ -52,6 +56,50 @@ def fold_s(sd: dict[str, torch.Tensor], samples: int) -> float:
     for v in [digest(x, 12345, samples) for x in sd.values()]:
         int(v)
     return time.perf_counter() - t
+
+
+def tails(sd: dict[str, torch.Tensor], specs: list, bucket_bytes: int, samples: int, repeats: int) -> dict[str, float]:
+    """What each side's fold leaves on the sync's path, in this process (no transfer): the engine's
+    (a reference receiver's `HeldDigests`) when every tensor is folded after the last bucket
+    (`engine_fold_at_end_s`: a report with nothing landed, the code before per-bucket folds) against
+    the report after its buckets landed and were folded batch by batch (`engine_tail_s`; the batches
+    themselves, `engine_landed_s`, run while later buckets stream); the trainer's: noting a stable
+    walk (`trainer_walk_s`) and what follows the send (`trainer_tail_s`: its fold, the read-back; it
+    overlaps the engines' tails and replies). The device is drained before each timed tail (the
+    stream would have run the earlier batches' kernels by then). Medians of `repeats`."""
+    manifest = plan_buckets(specs, bucket_bytes)
+    landed = [[e.name for e in b.entries if e.chunk_offset + e.chunk_size == e.nbytes] for b in manifest.buckets]
+    request = InstalledRequest([s.name for s in specs], 12345, samples)
+    rank = HeldDigests(sd, {})
+    sync = torch.cuda.synchronize if next(iter(sd.values())).is_cuda else (lambda: None)
+    runs: dict[str, list[float]] = {k: [] for k in ("engine_fold_at_end_s", "engine_landed_s", "engine_tail_s", "trainer_walk_s", "trainer_tail_s")}
+    checks = InstalledChecks(1, samples, "warn")
+    for _ in range(repeats + 1):  # the first of each warms the kept tables
+        sync()
+        t = time.perf_counter()
+        rank.report(request)
+        runs["engine_fold_at_end_s"].append(time.perf_counter() - t)
+        fold = rank.begin(request)
+        t = time.perf_counter()
+        for names in landed:
+            fold.landed(names)
+        runs["engine_landed_s"].append(time.perf_counter() - t)
+        sync()
+        t = time.perf_counter()
+        fold.report()
+        runs["engine_tail_s"].append(time.perf_counter() - t)
+        checks.arm([], request.names, [None], 1)
+        t = time.perf_counter()
+        for _ in checks.tap(iter(sd.items()), stable=True):
+            pass
+        runs["trainer_walk_s"].append(time.perf_counter() - t)
+        sync()
+        t = time.perf_counter()
+        checks.fold_noted()
+        checks.source_digests()
+        runs["trainer_tail_s"].append(time.perf_counter() - t)
+        checks.release()
+    return {k: round(statistics.median(v[1:]), 5) for k, v in runs.items()}
 
 
 def serve_receiver(spec_file: str, device: str) -> None:
@@ -114,6 +162,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="where the trainer's and the receiver's tensors live (cpu, cuda, cuda:N)")
     p.add_argument("--backend", default="gloo", help="gloo on the host; colocated for one GPU")
     p.add_argument("--shrink", type=int, default=1, help="divide hidden, intermediate and vocabulary sizes by this (same tensors, fewer bytes)")
+    p.add_argument("--tail-repeats", type=int, default=20, help="repeats of the in-process fold tails (engine_tail_s, trainer_tail_s)")
     p.add_argument("--two-sessions", action="store_true", help="an unchecked session, then one checked at every sync")
     p.add_argument("--serve-receiver", metavar="SPEC_FILE", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -160,6 +209,7 @@ def main() -> None:
             out["engine_digests_s"] = round(time.perf_counter() - t, 4)
             out["trainer_fold_s"] = round(fold_s(sd, args.samples), 4)
             out["trainer_full_fold_s"] = round(fold_s(sd, 0), 3)
+            out.update(tails(sd, specs, int(args.bucket_mb * 2**20), args.samples, args.tail_repeats))
         finally:
             engine.close()
     off_s, on_s = out["sync_s_off"], out["sync_s_checked"]

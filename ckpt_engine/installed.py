@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -45,7 +45,7 @@ from ckpt_engine.delta.mixing import mix
 from ckpt_engine.planning.regions import Region
 
 __all__ = [
-    "DEFAULT_SAMPLES", "ArmsInstalledChecks", "Folds", "HeldDigests", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_held", "digest_share_runs",
+    "DEFAULT_SAMPLES", "FOLD_BATCHES", "ArmsInstalledChecks", "Folds", "HeldDigests", "HeldFold", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_held", "digest_share_runs",
     "key_text", "region_view", "wrap64",
 ]
 
@@ -288,15 +288,21 @@ def wrap64(value: int) -> int:
     return (value + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
+FOLD_BATCHES = 8
+"""A rank folds a check's images in about this many batches as they land (`HeldFold`): the stream
+hides all but the last; a batch is one launch on a GPU (one a bucket, ~60 for a 7B model at ~20-40
+us of host time each, would cost about what it hides)."""
+
+
 class Folds:
     """The digests of many region images on one request (`seed`, `samples`), each equal to `digest`'s.
 
-    `add` reads an image's sampled positions at once (one gather for a contiguous image: a trainer's
-    tensor may be gone by the time the answers are read) and `values` folds every image read, a few
-    kernels per image size, with one host sync per device: about one kernel per tensor on each side
-    instead of a lone `digest`'s ~20 and a host sync each (a 7B sync into vLLM on one H200, checked
-    that way, took 9x an unchecked one: 0.378 s against 0.042 s). Full folds (`samples` 0) and
-    empty images are `digest`'s own."""
+    `add` reads an image's sampled positions at once (a trainer's tensor may be gone when the answers
+    are read); `note` only notes images and `read_later` reads those noted (some or all: on a GPU a
+    launch a batch, its digests left on the device); `values` folds every image read, one read-back
+    a device: not a lone `digest`'s ~20 kernels and a host sync an image (a 7B sync into vLLM on one
+    H200, checked that way, took 9x an unchecked one). Full folds (`samples` 0) and empty images are
+    `digest`'s own."""
 
     def __init__(self, seed: int, samples: int) -> None:
         self.seed, self.samples = seed, samples
@@ -304,13 +310,15 @@ class Folds:
         self._weights: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
         self._rows: dict[tuple[int, torch.device, torch.dtype], tuple[list[int], list[torch.Tensor]]] = {}
         self._done: dict[int, torch.Tensor] = {}
-        self._later: list[tuple[int, torch.Tensor, torch.dtype]] = []
-        self._folded: dict[int, int] = {}
+        self._later: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
+        self._launched: list[tuple[list[int], torch.Tensor]] = []
+        """The fold kernel's digests, on their device: the images' indices and the digests."""
+        self._streams: set[Any] = set()
+        """The CUDA streams the kernel ran on (`values` reads its digests after them)."""
 
     def add(self, view: torch.Tensor, dtype: torch.dtype | None = None, later: bool = False) -> int:
         """Read one image (as `dtype`, default its own: see `digest`); returns its index in `values`.
-        `later`: only note it (`note`: its tensor must stay valid and unchanged until `read_later`
-        or `values`), so a walk whose tensors outlive it pays nothing per tensor as it passes."""
+        `later`: only `note` it (its tensor must stay valid and unchanged until it is read)."""
         if later:
             return self.note([view], [dtype])
         i, self.count = self.count, self.count + 1
@@ -330,14 +338,20 @@ class Folds:
         for dtype in set(casts):
             _ints(dtype)
         self.count += len(views)
-        self._later.extend(zip(range(first, self.count), views, casts))
+        self._later.update(zip(range(first, self.count), zip(views, casts)))
         return first
 
-    def read_later(self) -> None:
-        """Read every image added `later` (e.g. while the engines digest theirs): those on a GPU in
-        one launch (`installed_kernel.py`), the others a few kernels per image size."""
-        later, self._later = self._later, []
-        uncast = [(i, v) for i, v, dtype in later if v.is_cuda and dtype == v.dtype] if self.samples > 0 else []
+    def read_later(self, indices: Iterable[int] | None = None) -> None:
+        """Read the images noted and not read yet among `indices` (default: every one), e.g. a
+        bucket's once it landed: those on a GPU in one launch (`installed_kernel.py`) on the current
+        stream, after what wrote them there, their digests left on the device; the others a few
+        kernels per image size. An image is read once: later writes to its tensor are not seen."""
+        if indices is None:
+            later, self._later = list(self._later.items()), {}
+        else:
+            pop = self._later.pop
+            later = [(i, pop(i)) for i in indices if i in self._later]
+        uncast = [(i, v) for i, (v, dtype) in later if v.is_cuda and dtype == v.dtype] if self.samples > 0 else []
         if uncast:
             from ckpt_engine.installed_kernel import Folder, foldable  # Triton: only where a GPU folds
 
@@ -346,15 +360,18 @@ class Folds:
             except ValueError:
                 uncast = [(i, v) for i, v in uncast if foldable(v)]
                 folder = Folder([v for _, v in uncast])
-            self._folded.update(zip((i for i, _ in uncast), folder.fold(self.seed, self.samples)))
+            if uncast:
+                ids = [i for i, _ in uncast]
+                self._launched.extend(([ids[j] for j in index], folded) for index, folded in folder.launch(self.seed, self.samples))
+                self._streams.add(torch.cuda.current_stream(uncast[0][1].device))
         if len(uncast) < len(later):
-            for i, view, dtype in later:
-                if i not in self._folded:
+            folded = {i for i, _ in uncast}
+            for i, (view, dtype) in later:
+                if i not in folded:
                     self._read(i, view, dtype)
 
     def drop_later(self) -> None:
-        """Forget the images added `later` and not read yet (their digests are never asked)."""
-        self._later = []
+        self._later = {}  # the images noted and not read yet: their digests are never asked
 
     def _read(self, i: int, view: torch.Tensor, dtype: torch.dtype) -> None:
         n = view.numel()
@@ -372,7 +389,7 @@ class Folds:
         rows.append(words)
 
     def values(self) -> list[int]:
-        """Every image's D, in the order added."""
+        """Every image's D, in the order added (those not read yet are read first)."""
         self.read_later()
         parts: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
         for (n, device, _), (index, rows) in self._rows.items():
@@ -384,11 +401,17 @@ class Folds:
             into = parts.setdefault(d.device, ([], []))
             into[0].append(i)
             into[1].append(d.reshape(1))
+        for index, folded in self._launched:
+            into = parts.setdefault(folded.device, ([], []))
+            into[0].extend(index)
+            into[1].append(folded)
+        for stream in self._streams:  # a batch folded on another thread's current stream
+            current = torch.cuda.current_stream(stream.device)
+            if stream != current:
+                current.wait_stream(stream)
         out = [0] * self.count
-        for i, v in self._folded.items():
-            out[i] = v
-        for index, tensors in parts.values():
-            for i, v in zip(index, torch.cat(tensors).cpu().tolist()):
+        for index, tensors in parts.values():  # one read-back per device
+            for i, v in zip(index, (tensors[0] if len(tensors) == 1 else torch.cat(tensors)).cpu().tolist()):
                 out[i] = int(v)
         return out
 
@@ -397,30 +420,81 @@ class HeldDigests:
     """The reports of a rank that holds checkpoint tensors under their own names (the reference
     receiver): `tensors` in each held region's shape, `regions` the region of each (absent: whole),
     both the rank's own for its life. What only a request's names decide (the keys, the tensors no
-    sync of them writes) is kept from one check to the next, so a check costs the fold: on a GPU one
-    launch over kept tables (`Folder`) instead of a gather and a cast per tensor (~3 launches each:
-    ~1000 for a 7B model). The images stay unchanged while `report` reads them, on the current stream."""
+    sync of them writes) is kept from one check to the next, so a check costs the fold: on a GPU a
+    launch a batch over kept tables (`Folder`) instead of a gather and a cast per tensor (~3 launches
+    each: ~1000 for a 7B model). `begin` a check as a receive starts and fold its tensors as they
+    land (`HeldFold`), or `report` at once."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], regions: Mapping[str, Region | None]) -> None:
         self.tensors, self.regions = tensors, regions
-        self._kept: tuple[list[str], list[str], list[Key], list[str]] | None = None
-        """The last request's names, those held, their keys and the tensors they leave unwritten."""
+        self._kept: tuple[list[str], list[str], list[Key], list[str], dict[str, int]] | None = None
+        """The last request's names, those held, their keys, the tensors left unwritten, each held name's image."""
 
-    def report(self, request: InstalledRequest) -> InstalledReport:
+    def begin(self, request: InstalledRequest) -> HeldFold:
+        """A check of what the rank will hold once the coming loads are done."""
         t0 = time.perf_counter()
         if self._kept is None or self._kept[0] != request.names:
             held = [n for n in request.names if n in self.tensors]
             sent = set(request.names)
-            self._kept = (list(request.names), held, [(n, self.regions.get(n)) for n in held], sorted(n for n in self.tensors if n not in sent))
-        _, held, keys, unwritten = self._kept
+            self._kept = (
+                list(request.names), held, [(n, self.regions.get(n)) for n in held], sorted(n for n in self.tensors if n not in sent),
+                {n: i for i, n in enumerate(held)},
+            )
+        _, held, keys, unwritten, index = self._kept
         folds = Folds(request.seed, request.samples)
         folds.note(list(map(self.tensors.__getitem__, held)))  # each already in its region's shape
-        return InstalledReport(dict(zip(keys, folds.values())), list(unwritten), [], seconds=time.perf_counter() - t0)
+        return HeldFold(self.tensors, folds, keys, list(unwritten), index, time.perf_counter() - t0)
+
+    def report(self, request: InstalledRequest) -> InstalledReport:
+        return self.begin(request).report()  # what the rank holds now
 
 
-def digest_held(
-    tensors: Mapping[str, torch.Tensor], regions: Mapping[str, Region | None], request: InstalledRequest,
-) -> InstalledReport:
-    """One report of a rank holding checkpoint tensors under their own names (`HeldDigests`, kept
-    nothing)."""
+class HeldFold:
+    """One check of a `HeldDigests` rank, folded as its tensors land: `landed(names)` once a loader
+    wrote them (on its thread and stream: no host sync), a batch at a time (`FOLD_BATCHES`), so only
+    the last batch's fold and one read-back follow the last bucket (the whole fold there: ~1.3 ms of
+    a 7B sync's ~12 on one H200); `report` folds the rest (tensors no load named hold what they held)
+    and answers. A tensor landing again after its fold is read again: its last landing counts."""
+
+    def __init__(
+        self, tensors: Mapping[str, torch.Tensor], folds: Folds, keys: list[Key], unwritten: list[str], index: dict[str, int], seconds: float,
+    ) -> None:
+        self.tensors, self.folds, self.keys, self.unwritten = tensors, folds, keys, unwritten
+        self._index, self._kept_index = index, index
+        """Each held name's image in `folds` (the kept map until a name lands twice)."""
+        self._due: dict[int, None] = {}
+        """Images landed and not read yet, in landing order."""
+        self._read: set[int] = set()
+        self._per = max(1, -(-len(keys) // FOLD_BATCHES))
+        self.seconds = seconds
+
+    def landed(self, names: Iterable[str]) -> None:
+        """`names` were written (the rank's own names, in any number; others are ignored)."""
+        t0 = time.perf_counter()
+        index, due, read = self._index, self._due, self._read
+        for n in names:
+            i = index.get(n)
+            if i is None:
+                continue
+            if i in read:  # this landing replaced what a batch read
+                if index is self._kept_index:
+                    index = self._index = dict(index)
+                i = index[n] = self.folds.note([self.tensors[n]])
+            due[i] = None
+        if len(due) >= self._per:
+            self.folds.read_later(due)
+            read.update(due)
+            self._due = {}
+        self.seconds += time.perf_counter() - t0
+
+    def report(self) -> InstalledReport:
+        t0 = time.perf_counter()
+        values = self.folds.values()
+        index = self._index
+        digests = dict(zip(self.keys, values if index is self._kept_index else [values[index[n]] for n, _ in self.keys]))
+        return InstalledReport(digests, self.unwritten, [], seconds=self.seconds + time.perf_counter() - t0)
+
+
+def digest_held(tensors: Mapping[str, torch.Tensor], regions: Mapping[str, Region | None], request: InstalledRequest) -> InstalledReport:
+    """One report of a rank holding checkpoint tensors under their own names (`HeldDigests`, kept nothing)."""
     return HeldDigests(tensors, regions).report(request)

@@ -50,36 +50,43 @@ class Folder:
         if tables is None:
             tables = _tables(self.views) if self.views else []
         _TABLES[key] = tables  # the latest last: the oldest goes first
-        while len(_TABLES) > _KEPT:
-            del _TABLES[next(iter(_TABLES))]
+        while len(_TABLES) > _KEPT:  # a pop: another thread's Folder may evict the same one
+            _TABLES.pop(next(iter(_TABLES)), None)
         self._tables = tables
 
-    def fold(self, seed: int, samples: int) -> list[int]:
-        """`installed.digest(view, seed, samples)` of every view (each `foldable`, `samples` > 0):
-        one launch per element width on the current stream (after whatever wrote the images there),
-        one host sync."""
+    def launch(self, seed: int, samples: int) -> list[tuple[list[int], torch.Tensor]]:
+        """Enqueue `installed.digest(view, seed, samples)` of every view (each `foldable`, `samples`
+        > 0) on the current stream, after whatever wrote the images there: one launch per element
+        width, no host sync. Returns, per width, the views' indices and their digests (int64, on
+        the views' device): a caller folding batches as they land reads them all back once."""
         if samples <= 0:
             raise ValueError("Folder folds sampled digests (samples > 0)")
-        out = [0] * len(self.views)
+        results: list[tuple[list[int], torch.Tensor]] = []
         if not self.views:
-            return out
+            return results
         with torch.cuda.device(self.views[0].device) if self.views[0].is_cuda else contextlib.nullcontext():  # Triton launches on the current device
-            results = []
             for index, width, table in self._tables:
                 folded = torch.empty(len(index), dtype=torch.int64, device=table.device)
                 _fold[(len(index),)](table, folded, seed, samples, WORD=_TL_WORDS[width], DIMS=MAX_DIMS, BLOCK=_BLOCK)
                 results.append((index, folded))
-            for index, folded in results:
-                for i, value in zip(index, folded.cpu().tolist()):
-                    out[i] = int(value)
+        return results
+
+    def fold(self, seed: int, samples: int) -> list[int]:
+        """`launch`, read back at once (one host sync)."""
+        out = [0] * len(self.views)
+        for index, folded in self.launch(seed, samples):
+            for i, value in zip(index, folded.cpu().tolist()):
+                out[i] = int(value)
         return out
 
 
 _GEOMETRY = (torch.Tensor.data_ptr, operator.attrgetter("dtype"), operator.attrgetter("shape"), torch.Tensor.stride)
-_KEPT = 4
+_KEPT = 64
 _TABLES: dict[tuple, list[tuple[list[int], int, torch.Tensor]]] = {}
 """The tables of the last `_KEPT` sets of views, by their addresses, dtypes, sizes and strides (equal
-keys: equal tables, whether or not the tensors are the same objects; no tensor is kept alive)."""
+keys: equal tables, whether or not the tensors are the same objects; no tensor is kept alive). A
+rank folds a check's images in batches as they land (`installed.FOLD_BATCHES`): every batch's
+tables are kept for the next check."""
 _PAD = {d: ((1,) * (MAX_DIMS - d), (0,) * (MAX_DIMS - d)) for d in range(MAX_DIMS + 1)}
 
 

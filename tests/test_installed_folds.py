@@ -79,3 +79,23 @@ def test_images_added_later_are_read_when_asked_and_equal_digest(device: str) ->
     assert folds.values() == [0]  # never read
     with pytest.raises(ValueError, match="no installed-weight digest"):
         Folds(99, 64).add(torch.zeros(3, dtype=torch.complex64, device=device), later=True)  # refused as the walk passes
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_images_read_in_batches_as_they_land_equal_digest(device: str) -> None:
+    """`read_later(indices)` reads some noted images now (a bucket's, as it lands: on a GPU one
+    launch, the digests left on the device) and leaves the rest for later: the digests are the same,
+    each of the image as it was when its batch was read; indices already read or never noted are
+    passed over."""
+    cases = images(device)
+    folds = Folds(5, 64)
+    first = folds.note([t for t, _ in cases], [d for _, d in cases])
+    assert first == 0
+    moved = cases[0][0]
+    folds.read_later([0, 3, 4])
+    want0 = int(digest(moved, 5, 64))
+    moved += 1.0  # after its batch: not seen
+    folds.read_later([3, 1, 99])  # 3 again: passed over
+    want = [want0] + [int(digest(t, 5, 64, d)) for t, d in cases[1:]]
+    assert folds.values() == want
+    assert folds.values() == want  # asked again: the same

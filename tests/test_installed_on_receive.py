@@ -66,6 +66,30 @@ def test_a_ranks_kept_layout_reads_the_live_values_and_follows_the_names() -> No
     assert report.digests == {("norm", None): int(digest(held["norm"], 7, 0))} and report.unwritten == ["wo", "wq"]
 
 
+@pytest.mark.parametrize("device", ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else []))
+def test_a_rank_folds_its_tensors_as_they_land_and_a_tensor_landing_again_is_read_again(device: str) -> None:
+    """`HeldDigests.begin` (a receive starting): each bucket's tensors are folded once `landed`, a
+    batch at a time; a tensor landing again after its batch was folded is read again (its last
+    landing counts), a name the rank does not hold is passed over, a held tensor no load named is
+    folded at the report (it holds what it held): the digests of what the rank holds at the end."""
+    held = {f"w{i}": torch.randn(40, 24, generator=torch.Generator().manual_seed(i)).to(device) for i in range(20)}
+    regions = {"w3": Region(0, 8, 40)}
+    rank = HeldDigests(held, regions)
+    request = InstalledRequest(sorted(held) + ["elsewhere"], 11, 32)
+    for _ in range(2):  # the kept names and images serve the next check
+        fold = rank.begin(request)
+        for bucket in (["w0", "w1", "elsewhere"], ["w10", "w11", "w12"], ["w13"], ["w14", "w15", "w16", "w17"]):
+            for n in bucket:
+                if n in held:
+                    held[n].add_(1.0)  # the loader writes, then the bucket has landed
+            fold.landed(bucket)
+        held["w0"].add_(1.0)
+        fold.landed(["w0"])  # landed again, after its batch was read
+        report = fold.report()
+        assert report.digests == {(n, regions.get(n)): int(digest(t, 11, 32)) for n, t in held.items()}
+        assert report.unwritten == [] and report.seconds > 0
+
+
 def test_a_stable_walk_is_folded_when_asked_with_its_layout_kept_across_checks() -> None:
     """The trainer's side: noted as walked, folded by `fold_noted` (the send's end) as regions of
     the walked tensors at their wire dtype, the same at a later check with another seed; a walk
@@ -94,6 +118,29 @@ def test_a_stable_walk_is_folded_when_asked_with_its_layout_kept_across_checks()
     checks.fold_noted()  # never raises: the receives are in flight
     with pytest.raises(ValueError, match="no installed-weight digest for dtype torch.complex64"):
         checks.source_digests()
+
+
+def test_a_long_stable_walk_of_regions_and_casts_is_folded_after_the_send_with_the_same_digests() -> None:
+    """A stable walk of many tensors (whole and as a rank's region, one cast on the wire) is folded
+    by `fold_noted`, read back by `source_digests`: the digests of each key; a walk released part-way
+    leaves no digest behind."""
+    walked = {f"w{i}": torch.randn(24, 16, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(30)}
+    plans = [ReceivePlan({"w4": (Region(1, 0, 8),), "w5": None}), None]
+    checks = InstalledChecks(1, 16, "warn")
+    checks.arm([], list(walked), plans, 1, dtypes={n: "float32" if n == "w7" else "bfloat16" for n in walked})
+    request = checks.request
+    assert request is not None
+    assert [n for n, _ in checks.tap(iter(walked.items()), stable=True)] == list(walked)
+    checks.fold_noted()
+    want = {(n, None): int(digest(t, request.seed, 16, torch.float32 if n == "w7" else None)) for n, t in walked.items()}
+    want[("w4", Region(1, 0, 8))] = int(digest(region_view(walked["w4"], Region(1, 0, 8)), request.seed, 16))
+    assert checks.source_digests() == want
+    checks.arm([], list(walked), [None], 1)
+    walk = checks.tap(iter(walked.items()), stable=True)
+    for _ in range(10):
+        next(walk)
+    checks.release()
+    assert checks.source_digests() == {}
 
 
 class Calls(TorchRefRollout):

@@ -17,7 +17,7 @@ import torch
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.warm import warmed
 from ckpt_engine.elastic.service import PeerService
-from ckpt_engine.installed import HeldDigests, InstalledRequest
+from ckpt_engine.installed import HeldDigests, HeldFold, InstalledRequest
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
@@ -158,7 +158,8 @@ class TorchRefWorker:
     def receive(self, digest: str, delta: dict[str, Any] | None = None, stage: str | None = None, installed: dict[str, Any] | None = None) -> dict[str, Any]:
         if stage is not None:
             return self._receive_staged(digest, delta, stage)
-        check = InstalledRequest.from_wire(installed) if installed is not None else None  # answered once every byte landed
+        check = self.held.begin(InstalledRequest.from_wire(installed)) if installed is not None else None  # answered once every byte landed
+        loader, regions = self._folding(check) if check is not None else (self.load_bucket, self.load_regions)
         # Until finalize the engine holds no complete version: a failure mid-stream leaves a mix (with delta, the loader runs
         # only after every patch checked out: a bad patch leaves the old weights, still marked stale because the sync did not
         # complete). A receive the receiver refuses (busy, not joined, manifest not validated) leaves the engine as it was.
@@ -166,13 +167,29 @@ class TorchRefWorker:
             self.stale, self.version, self.received, self.receiving = True, None, None, True
 
         try:
-            report = self.receiver.receive(digest, self.load_bucket, self.tensors, delta=delta, on_start=start, region_loader=self.load_regions).to_dict()
+            report = self.receiver.receive(digest, loader, self.tensors, delta=delta, on_start=start, region_loader=regions).to_dict()
         finally:
             self.receiving = False
         if check is not None:
-            report["installed"] = self.held.report(check).to_wire()
+            report["installed"] = check.report().to_wire()
         self.received = digest
         return report
+
+    def _folding(self, check: HeldFold) -> tuple[Callable[..., int], Callable[..., int]]:
+        """The loaders of a checked receive: each bucket's tensors are folded once loaded, on the
+        loads' stream, while the next bucket streams (`HeldFold.landed`)."""
+
+        def loader(pairs: list[tuple[str, torch.Tensor]]) -> int:
+            loaded = self.load_bucket(pairs)
+            check.landed([n for n, _ in pairs])
+            return loaded
+
+        def regions(items: list[tuple[str, Region | None, torch.Tensor]]) -> int:
+            loaded = self.load_regions(items)
+            check.landed([n for n, _, _ in items])
+            return loaded
+
+        return loader, regions
 
     def staging_room(self, nbytes: int) -> bool:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:

@@ -6,9 +6,11 @@ hold, from their receive plans (a rank without one holds every tensor whole), an
 (`tap`) folds each tensor's regions as the sender takes it (`ckpt_engine/installed.py`: a few
 thousand positions per region, or every element with `verify_installed_samples: 0`), or, when the
 source's tensors outlive the sync (`stable_tensors`), notes them and folds them once this rank's
-send went through, while the engines load their last bucket and digest (`fold_noted`): off the
-sync's path (not on a thread of its own from the walk's end: measured on one H200, its Python held
-the GIL the sender's last steps wanted). After the stream, before any engine stamps the version
+send went through, while the engines load their last bucket and digest (`fold_noted`), their
+digests left on the device until `verify` reads them back: off the sync's path (not on a thread of
+its own from the walk's end: measured on one H200, its Python held the GIL the sender's last steps
+wanted; nor in batches as the walk passes: a one-copy sender, `pipeline/shared_sources.py`, walks
+every tensor before the first byte moves). After the stream, before any engine stamps the version
 (or, staged, right after the swap), `verify` takes every engine rank's digests of what it
 installed, in its own layout (the reference receiver's, and vLLM's where it can, ride on an unstaged
 receive's reply; others are asked), and compares (one C loop when all agree): a
@@ -268,7 +270,7 @@ class InstalledChecks:
     def fold_noted(self) -> None:
         """Fold what a stable walk noted (`tap`): called once this rank's send went through, while
         the engines finish (`SyncStream.run`'s `sent`), else by `verify`. On a GPU one launch over
-        kept tables, read back at once. Never raises: an error waits for `verify`."""
+        kept tables, read back with the compare. Never raises: an error waits for `verify`."""
         noted, self._noted = self._noted, None
         if noted is None:
             return
