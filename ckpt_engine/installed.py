@@ -122,7 +122,8 @@ class InstalledReport:
         if not all(isinstance(v, list) and set(map(type, v)) <= {str} for v in lists):
             raise ValueError("installed-weight report: unwritten, unchecked and missing must be lists of strings")
         held = [Region.from_wire(n, r) if r is not None else None for n, r in zip(names, regions)] if regions is not None else [None] * len(names)
-        return cls(dict(zip(zip(names, held), values)), *lists, seconds=float(seconds))
+        unwritten, unchecked, missing = lists
+        return cls(dict(zip(zip(names, held), values)), unwritten, unchecked, missing, seconds=float(seconds))
 
 
 _REPORT_KEYS = frozenset({"names", "regions", "digests", "unwritten", "unchecked"})
