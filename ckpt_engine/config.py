@@ -36,13 +36,6 @@ WEIGHT_MODES = ("full", "adapters")
 UNWRITTEN_MODES = ("warn", "error")
 WIRE_DTYPES = ("fp8",)
 """`wire_dtype` values besides unset: `fp8` = block-FP8 (`ckpt_engine/sources/fp8.py`)."""
-_RETIRED_KEYS = {
-    "delta_base": (
-        "a sender's delta base always lives in the transport's memory (`device`, the one placement left: "
-        "`host` and `cast` measured slower, docs/delta.md); remove the key"
-    ),
-}
-"""Keys of `checkpoint_engine` (and of every backend's engine_kwargs) refused by name, with why."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest wait a config may ask for (a week): longer ones overflow the timers that enforce it."""
 
@@ -250,12 +243,6 @@ def _check_number(name: str, value: Any) -> None:
         raise ConfigError(f"{name} must be a finite number, got {type(value).__name__} {value!r}")
 
 
-def _refuse_retired(where: str, keys: Any) -> None:
-    retired = sorted(str(k) for k in keys if k in _RETIRED_KEYS)
-    if retired:
-        raise ConfigError(f"{where}.{retired[0]} was retired: {_RETIRED_KEYS[retired[0]]}")
-
-
 def _check_engine_kwargs(backend: str, kwargs: dict[str, Any], known: list[str]) -> None:
     """Unknown options and bad values are refused now, not at the first sync (where they fail after
     engines paused): each transport's options are a typed dataclass that checks its values."""
@@ -264,7 +251,6 @@ def _check_engine_kwargs(backend: str, kwargs: dict[str, Any], known: list[str])
     where = f"checkpoint_engine.engine_kwargs.{backend}"
     if backend not in known:
         raise ConfigError(f"{where}: {backend!r} is not a backend; allowed: {', '.join(known)}")
-    _refuse_retired(where, kwargs)
     try:
         CheckpointEngineRegistry.check_options(backend, kwargs)
     except BackendUnavailableError:  # not importable here (e.g. hccl without torch_npu): checked where it runs
@@ -370,8 +356,6 @@ def config_from_mapping(cls: type[T], data: Mapping[str, Any] | None, section: s
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{section} must be a mapping of its fields (e.g. {section}.<field>=value), got {type(raw).__name__} {raw!r:.60}")
     values = dict(raw)
-    if cls is CheckpointEngineConfig:
-        _refuse_retired(section, values)
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(str(k) for k in set(values) - fields)
     if unknown:

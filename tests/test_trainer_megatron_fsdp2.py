@@ -34,6 +34,12 @@ SEQ = 16
 ATOL = 2e-5
 
 
+def _full_main_weights(source) -> dict[str, torch.Tensor]:  # noqa: ANN001 - a MegatronFSDP2Source
+    """Every exported parameter's full main (optimizer) weight by HF name, gathered one by one
+    (collective): the reference the export is checked against."""
+    return {e.name: source._main_full(i) for i, e in enumerate(source._entries)}
+
+
 def tiny_hf_config(tie: bool = False):  # noqa: ANN201 - transformers config
     from transformers import Qwen2Config
 
@@ -171,7 +177,7 @@ def _fp32_worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
         norms.append(engine.optimizer_step())
         engine.lr_scheduler_step()
     e3, gathers = _count_gathers(lambda: _collect(engine))
-    main = engine.source.full_main_weights()
+    main = _full_main_weights(engine.source)
     out.update(losses=losses, norms=norms, export_gathers=gathers, names=list(e3), is_sender=engine.source.is_sender)
     out["export_equals_main"] = all(torch.equal(e3[k], main[k]) for k in main) and sorted(e3) == sorted(main)
     if rank == 0:
@@ -203,7 +209,7 @@ def _fp32_worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     out["pending_after_interrupt"] = [u._unshard_event is not None for u in units]
     engine.optimizer_step()
     e4, gathers4 = _count_gathers(lambda: _collect(engine))
-    main4 = engine.source.full_main_weights()
+    main4 = _full_main_weights(engine.source)
     out["export_gathers_after_interrupt"] = gathers4
     out["stale_free"] = all(torch.equal(e4[k], main4[k]) for k in main4)
     out["moved_by_step4"] = sum(not torch.equal(e4[k], e3[k]) for k in e3)
@@ -271,7 +277,7 @@ def _bf16_worker(rank: int, world_size: int) -> dict:
         losses.append(engine.forward_backward({"input_ids": ids}, lm_loss)["loss"])
         engine.optimizer_step()
     after, gathers = _count_gathers(lambda: _collect(engine))
-    main = engine.source.full_main_weights()
+    main = _full_main_weights(engine.source)
     return {
         "losses": losses, "gathers": gathers, "num_units": len(engine.source.units),
         "dtypes": sorted({str(t.dtype) for t in after.values()}),

@@ -19,7 +19,6 @@ from ckpt_engine.delta.layout import (
     DecodedPatch,
     PatchError,
     align8,
-    resolve_impl,
     view_or_copy,
     word_dtype,
     words_of,
@@ -51,7 +50,7 @@ def _checked_positions(index: torch.Tensor, pad: torch.Tensor, num_words: int, c
 
 
 def decode(
-    payload: torch.Tensor, nbytes: int, word_bytes: int, *, impl: str = "auto", check_range: bool = True, head: bytes | None = None
+    payload: torch.Tensor, nbytes: int, word_bytes: int, *, check_range: bool = True, head: bytes | None = None
 ) -> DecodedPatch:
     """Validate a patch for an image of `nbytes` bytes in words of `word_bytes` and return its
     positions and values. Anything malformed raises PatchError before any allocation sized by an
@@ -69,7 +68,6 @@ def decode(
         raise PatchError(f"payload must be a 1-D uint8 tensor, got {payload.dtype} of shape {tuple(payload.shape)}")
     if payload.numel() < PATCH_HEADER_BYTES:
         raise PatchError(f"payload has {payload.numel()} bytes, shorter than the {PATCH_HEADER_BYTES}-byte header")
-    resolve_impl(payload.device, impl)  # checks `impl`: decode is torch ops on every device
     with torch.profiler.record_function("ckpt_engine.delta.decode"):
         if head is None:
             head = payload[:PATCH_HEADER_BYTES].cpu().numpy().tobytes()
@@ -119,9 +117,8 @@ def base_words(base: torch.Tensor, patch: DecodedPatch) -> torch.Tensor:
     return bw
 
 
-def apply(base: torch.Tensor, patch: DecodedPatch, *, impl: str = "auto") -> None:
+def apply(base: torch.Tensor, patch: DecodedPatch) -> None:
     """base[positions] = values, in place (words, so any dtype's bits are written unchanged)."""
     bw = base_words(base, patch)
     with torch.profiler.record_function("ckpt_engine.delta.apply"):
-        resolve_impl(base.device, impl)  # checks `impl`; every device applies with one index_copy_
         bw.index_copy_(0, patch.positions.to(torch.int64), patch.values)  # int32 from decode(check_range=False)

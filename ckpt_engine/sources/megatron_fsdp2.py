@@ -230,19 +230,6 @@ class MegatronFSDP2Source(ShardedWeightSource):
         group, index = self._where[i]
         return group.main_weight.redistribute([Replicate()] * group.mesh.ndim).get_local_tensor(index)
 
-    def full_main_weights(self) -> dict[str, torch.Tensor]:
-        """Every exported parameter's full main weight by HF name (collective): the reference the tests
-        check the export against."""
-        from megatron_fsdp.experimental import Replicate
-
-        full: dict[int, Any] = {}
-        out: dict[str, torch.Tensor] = {}
-        for e, (group, index) in zip(self._entries, self._where):
-            if id(group) not in full:
-                full[id(group)] = group.main_weight.redistribute([Replicate()] * group.mesh.ndim)
-            out[e.name] = full[id(group)].get_local_tensor(index)
-        return out
-
     # --- many senders: this rank's own rows, no collective ------------------------------------
     @property
     def stable_pieces(self) -> bool:
