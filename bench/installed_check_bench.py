@@ -41,7 +41,8 @@ import torch
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.control.server import RpcServer
-from ckpt_engine.installed import HeldDigests, InstalledRequest, digest
+from ckpt_engine.installed import InstalledRequest, digest
+from ckpt_engine.installed_held import HeldDigests
 from ckpt_engine.planning.buckets import plan_buckets
 from ckpt_engine.processes import read_ready_line
 from ckpt_engine.rollout_adapters.ref_models import RefModel, load_spec_file

@@ -85,7 +85,7 @@ _KEPT = 64
 _TABLES: dict[tuple, list[tuple[list[int], int, torch.Tensor]]] = {}
 """The tables of the last `_KEPT` sets of views, by their addresses, dtypes, sizes and strides (equal
 keys: equal tables, whether or not the tensors are the same objects; no tensor is kept alive). A
-rank folds a check's images in batches as they land (`installed.FOLD_BATCHES`): every batch's
+rank folds a check's images in batches as they land (`installed_held.FOLD_BATCHES`): every batch's
 tables are kept for the next check."""
 _PAD = {d: ((1,) * (MAX_DIMS - d), (0,) * (MAX_DIMS - d)) for d in range(MAX_DIMS + 1)}
 

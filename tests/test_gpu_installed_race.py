@@ -23,7 +23,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ckpt_engine.installed import InstalledReport, InstalledRequest, digest_held
+from ckpt_engine.installed import InstalledReport, InstalledRequest
+from ckpt_engine.installed_held import digest_held
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.sync.installed import InstalledChecks
 

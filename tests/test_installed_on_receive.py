@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
-from ckpt_engine.installed import HeldDigests, InstalledReport, InstalledRequest, digest, region_view
+from ckpt_engine.installed import InstalledReport, InstalledRequest, digest, region_view
+from ckpt_engine.installed_held import HeldDigests
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sources.base import StateDictSource

@@ -17,7 +17,8 @@ import torch
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.warm import warmed
 from ckpt_engine.elastic.service import PeerService
-from ckpt_engine.installed import HeldDigests, HeldFold, InstalledRequest
+from ckpt_engine.installed import InstalledRequest
+from ckpt_engine.installed_held import HeldDigests, HeldFold
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
