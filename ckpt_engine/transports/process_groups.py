@@ -98,19 +98,18 @@ class ProcessGroupTransport(Transport):
         self.broken = True
         groups, self._groups, self._group = self._groups, {}, None
         for group in groups.values():
-            if hasattr(group, "abort"):
-                try:
-                    group.abort()
-                except Exception as exc:
-                    logger.warning("process group abort: %s", exc)
+            try:
+                group.abort()
+            except Exception as exc:
+                logger.warning("process group abort: %s", exc)
 
     def close(self) -> None:
         groups, self._groups, self._group = self._groups, {}, None
         for group in groups.values():
             try:
-                if (self.broken or self.abort_on_close) and hasattr(group, "abort"):
+                if self.broken or self.abort_on_close:
                     group.abort()
-                elif hasattr(group, "shutdown"):
+                else:
                     group.shutdown()
             except Exception as exc:  # tearing down a broken group may itself fail
                 logger.warning("process group teardown: %s", exc)
