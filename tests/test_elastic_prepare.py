@@ -11,12 +11,12 @@ peer's offer: a test handle's gate holds the peer's offer until the joiner's pre
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import pytest
 import torch
 
@@ -242,10 +242,12 @@ def test_a_prepare_whose_offer_is_refused_is_released_and_the_joiner_can_join_ag
     joiner = spawn_engine("joiner", spec_file=spec_file, timeout_s=30)
     try:
         def reshape(raw: bytes) -> bytes:
-            d = msgpack.unpackb(raw, raw=False)
-            t = next(t for t in d["tensors"] if len(t[2]) == 2 and t[2][0] != t[2][1])
-            t[2] = list(reversed(t[2]))
-            return msgpack.packb(d, use_bin_type=True)
+            o = PeerOffer.decode(raw, "peer0")
+            t = o.tensors
+            shapes = list(t.shapes)
+            i = next(i for i, s in enumerate(shapes) if len(s) == 2 and s[0] != s[1])
+            shapes[i] = shapes[i][::-1]
+            return dataclasses.replace(o, tensors=dataclasses.replace(t, shapes=shapes)).encode()
 
         events: list[str] = []
         make_offer, prepare = peer0.peer_offer, joiner.peer_prepare
