@@ -22,8 +22,8 @@ import torch
 
 from ckpt_engine.control.wire import RpcError
 from ckpt_engine.elastic import PeerJoinError, join_from_peer
-from ckpt_engine.elastic.offer import PeerOffer
-from ckpt_engine.elastic.peer_source import PeerSource
+from ckpt_engine.elastic.offer import OfferHead, PeerOffer
+from ckpt_engine.elastic.peer_source import AHEAD_ENV, PeerSource, ahead_from_env
 from ckpt_engine.elastic.prepared import JoinPrep
 from ckpt_engine.elastic.pull import read_checked
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
@@ -274,3 +274,62 @@ def test_a_prepare_whose_offer_is_refused_is_released_and_the_joiner_can_join_ag
         assert sync([peer0, joiner], 2) == 2 and holds(joiner, sd(2)) == []  # a sync takes it as any engine
     finally:
         joiner.close()
+
+
+def test_a_peer_made_ahead_offers_its_version_without_making_anything_and_a_joiner_reads_it_exactly(local: Local) -> None:
+    """With `ahead`, a peer that newly holds a version makes its agent, registrations and table
+    (checksums) on a thread (`ready_ahead`): the first offer takes them as made (the same agent),
+    and a joiner reads it bit for bit. A sync that lands later is taken ahead again: the next
+    offer carries the new bytes' checksums, and a joiner reads those exactly."""
+    ahead = PeerSource(local.peer, ahead=True)
+    try:
+        assert not ahead.ready
+        ahead.ready_ahead()
+        assert ahead.ahead_done(WAIT_S) and ahead.ready
+        raw = ahead.offer(1, WAIT_S)
+        made = OfferHead.decode(raw, "peer").agent
+        offer = PeerOffer.decode(raw, "peer")
+        assert offer.tensors.checksum == PeerOffer.decode(local.source.offer(1, WAIT_S), "peer").tensors.checksum
+        read_checked(local.into, offer, "peer", WAIT_S, _no_hold)
+        assert _exact(local.into, local.peer.tensors) == []
+        ahead.done(offer.offer_id)
+
+        for n, t in sd(8).items():  # a sync lands in place at version 2
+            local.peer.tensors[n].copy_(t)
+        local.peer.version = 2
+        ahead.generation += 1
+        assert not ahead.ready
+        ahead.ready_ahead()
+        assert ahead.ahead_done(WAIT_S) and ahead.ready
+        offer = PeerOffer.decode(ahead.offer(2, WAIT_S), "peer")
+        assert offer.agent == made  # the same storage: the same agent and registrations
+        read_checked(local.into, offer, "peer", WAIT_S, _no_hold)
+        assert _exact(local.into, local.peer.tensors) == [] and _exact(local.into, sd(8)) == []
+    finally:
+        ahead.close()
+    assert not ahead.ready and ahead.ahead_done(0.0)
+
+
+def test_a_peer_made_ahead_while_it_holds_no_version_makes_nothing_and_closes_at_once(local: Local) -> None:
+    local.peer.stale = True  # a sync failed part-way: nothing to offer
+    ahead = PeerSource(local.peer, ahead=True)
+    ahead.ready_ahead()
+    assert ahead.ahead_done(WAIT_S) and not ahead.ready
+    ahead.close()
+    off = PeerSource(local.peer, ahead=False)  # without it (the default) nothing is made ahead
+    off.ready_ahead()
+    assert off.ahead_done(0.0) and not off.ready
+    off.close()
+
+
+def test_the_ahead_switch_is_read_from_the_environment_and_a_bad_value_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(AHEAD_ENV, raising=False)
+    assert not ahead_from_env()
+    for on in ("1", "true", " On "):
+        monkeypatch.setenv(AHEAD_ENV, on)
+        assert ahead_from_env() and PeerSource(Held({}), ahead=None).ahead
+    monkeypatch.setenv(AHEAD_ENV, "0")
+    assert not ahead_from_env()
+    monkeypatch.setenv(AHEAD_ENV, "soon")
+    with pytest.raises(ValueError, match=f"{AHEAD_ENV} must be 1, on, true, yes or 0, off, false, no; got 'soon'"):
+        PeerSource(Held({}))

@@ -137,6 +137,22 @@ class PeerSource:
             self._ahead = threading.Thread(target=self._make_ahead, name="ckpt-peer-ahead", daemon=True)
             self._ahead.start()
 
+    def ahead_done(self, timeout_s: float) -> bool:
+        """Wait (at most `timeout_s`) until nothing is being made ahead; whether that is so (a
+        caller timing offers made ahead, a test)."""
+        with self._locked():
+            thread = self._ahead
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=timeout_s)
+            return not thread.is_alive()
+        return True
+
+    @property
+    def ready(self) -> bool:
+        """Whether an offer now would only pack its head: the agent made, the table of the version held taken."""
+        table = self._table
+        return self._agent is not None and table is not None and table[0] == self.generation
+
     def _make_ahead(self) -> None:
         """The thread of `ready_ahead`: once, and again while a newer version came meanwhile."""
         while True:
