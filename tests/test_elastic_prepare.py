@@ -11,6 +11,7 @@ peer's offer: a test handle's gate holds the peer's offer until the joiner's pre
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
@@ -26,6 +27,7 @@ from ckpt_engine.elastic.offer import OfferHead, PeerOffer
 from ckpt_engine.elastic.peer_source import AHEAD_ENV, PeerSource, ahead_from_env
 from ckpt_engine.elastic.prepared import JoinPrep
 from ckpt_engine.elastic.pull import read_checked
+from ckpt_engine.elastic.service import PeerService
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sources.base import StateDictSource
 from refengines import holds, spawn_engine
@@ -333,3 +335,23 @@ def test_the_ahead_switch_is_read_from_the_environment_and_a_bad_value_is_refuse
     monkeypatch.setenv(AHEAD_ENV, "soon")
     with pytest.raises(ValueError, match=f"{AHEAD_ENV} must be 1, on, true, yes or 0, off, false, no; got 'soon'"):
         PeerSource(Held({}))
+
+
+def test_an_engine_with_the_switch_on_makes_its_agent_ahead_once_a_sync_installs(local: Local, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine side (`PeerService`, as the reference receiver's worker holds it): with
+    CKPT_ENGINE_PEER_AHEAD=1 a trainer sync's install (`synced`) readies the offer; without it,
+    nothing is made until an offer."""
+    monkeypatch.setenv(AHEAD_ENV, "1")
+    on = PeerService(local.peer, lambda what: contextlib.nullcontext(), _no_hold)  # type: ignore[arg-type]
+    monkeypatch.delenv(AHEAD_ENV)
+    off = PeerService(local.peer, lambda what: contextlib.nullcontext(), _no_hold)  # type: ignore[arg-type]
+    try:
+        on.synced()
+        off.synced()
+        assert on.source.ahead_done(WAIT_S) and on.source.ready and not off.source.ready
+        offer = PeerOffer.decode(on.source.offer(1, WAIT_S), "peer")
+        read_checked(local.into, offer, "peer", WAIT_S, _no_hold)
+        assert _exact(local.into, local.peer.tensors) == []
+    finally:
+        on.source.close()
+        off.source.close()
