@@ -193,12 +193,13 @@ class PeerOffer:
         region among them) is refused by name."""
         who = f"the offer of peer {peer!r}"
         instance, offer_id, version, agent, d = _head(raw, who)
-        if not isinstance(d["metadata"], bytes) or not d["metadata"]:
+        metadata, memory, device_id = d["metadata"], d["memory"], d["device_id"]
+        if not isinstance(metadata, bytes) or not metadata:
             raise ValueError(f"{who} has no agent metadata")
-        if d["memory"] not in ("DRAM", "VRAM") or not _is_int(d["device_id"]):
-            raise ValueError(f"{who} names memory {d['memory']!r} on device {d['device_id']!r} (DRAM or VRAM, an int device)")
+        if memory not in ("DRAM", "VRAM") or not isinstance(memory, str) or not isinstance(device_id, int) or isinstance(device_id, bool):
+            raise ValueError(f"{who} names memory {memory!r} on device {device_id!r} (DRAM or VRAM, an int device)")
         regions, table = _table(d["table"], who)
-        return cls(instance, offer_id, version, agent, d["metadata"], d["memory"], d["device_id"], regions, table)
+        return cls(instance, offer_id, version, agent, metadata, memory, device_id, regions, table)
 
     def check_for(self, version: int, held: Mapping[str, torch.Tensor]) -> None:
         """Refuse (ValueError naming what) an offer that does not carry `version` or does not

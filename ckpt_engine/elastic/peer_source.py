@@ -71,6 +71,8 @@ class PeerSource:
         self._table: tuple[int, bytes] | None = None
         """(generation, the encoded table: layout and checksums) of the last offer, or made ahead."""
         self._closed = False
+        self._ahead_lock = threading.Lock()
+        """Guards the thread making things ahead (`_ahead`, `_again`, `_closed`); held only briefly."""
         self._ahead: threading.Thread | None = None
         self._again = False
         """A version was newly held while the thread making things ahead ran: it goes round again."""
@@ -129,7 +131,7 @@ class PeerSource:
         a version is newly held; a thread already at it takes the newest state before it stops."""
         if not self.ahead:
             return
-        with self._locked():
+        with self._ahead_lock:  # never the offers' lock: a swap calling this must not wait for an agent's start
             if self._closed or (self._ahead is not None and self._ahead.is_alive()):
                 self._again = True
                 return
@@ -140,7 +142,7 @@ class PeerSource:
     def ahead_done(self, timeout_s: float) -> bool:
         """Wait (at most `timeout_s`) until nothing is being made ahead; whether that is so (a
         caller timing offers made ahead, a test)."""
-        with self._locked():
+        with self._ahead_lock:
             thread = self._ahead
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=timeout_s)
@@ -160,15 +162,11 @@ class PeerSource:
                 self._ahead_once()
             except Exception as exc:  # a join then makes them itself, as without `ahead`
                 logger.warning("making the peer's agent ahead of a join failed (the next offer makes it): %s", exc)
-            try:
-                with self._locked():
-                    if not self._again or self._closed:
-                        self._ahead = None
-                        return
-                    self._again = False
-            except TimeoutError as exc:
-                logger.warning("the peer's thread making its agent ahead stops: %s", exc)
-                return
+            with self._ahead_lock:
+                if not self._again or self._closed:
+                    self._ahead = None
+                    return
+                self._again = False
 
     def _ahead_once(self) -> None:
         h, before = self.host, self._state()
@@ -274,12 +272,12 @@ class PeerSource:
         its next look with no offer open): an agent closed under its progress call, or left to
         the interpreter's exit with the thread still in it, aborted the process ('terminate
         called without an active exception')."""
-        with self._lock:  # unbounded: closing must not leave the agent to the interpreter's exit
+        with self._ahead_lock:
             self._closed = True
             ahead = self._ahead
         if ahead is not None and ahead is not threading.current_thread():
             ahead.join(timeout=_CLOSE_S)  # it stops at its next look (an agent's start, ~1.3 s, is under the lock)
-        with self._lock:
+        with self._lock:  # unbounded: closing must not leave the agent to the interpreter's exit
             self._open.clear()
             agent, self._agent = self._agent, None
             thread = self._thread
