@@ -59,25 +59,26 @@ def tensor_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
     out = [0] * len(tensors)
     pending: dict[torch.device, tuple[list[int], list[torch.Tensor], list[int]]] = {}
     for i, t in enumerate(tensors):
-        data = tensor_bytes(t.detach().contiguous())
-        n = data.numel()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        n = t.nbytes
         if n == 0:
             continue
         word = next(w for w in (8, 4, 2, 1) if n % w == 0)
-        if data.data_ptr() % word:  # a view at an odd offset: its words need an aligned copy
-            data = data.clone()
-        where, views, words = pending.setdefault(data.device, ([], [], []))
+        if t.data_ptr() % word:  # a view at an odd offset: its words need an aligned copy
+            t = t.clone()
+        where, held, words = pending.setdefault(t.device, ([], [], []))
         where.append(i)
-        views.append(data)
+        held.append(t)
         words.append(word)
-    for device, (where, views, words) in pending.items():
+    for device, (where, held, words) in pending.items():
         if accel.triton_on(device):
             from ckpt_engine.elastic import checksum_kernel
 
-            sums = checksum_kernel.checksums(views, words)
+            sums = checksum_kernel.checksums_at([(t.data_ptr(), t.nbytes, w) for t, w in zip(held, words)], device)
         else:
-            sums = torch.stack([checksum(v, w) for v, w in zip(views, words)])
-        for i, value in zip(where, sums.tolist()):
+            sums = torch.stack([checksum(tensor_bytes(t.detach()), w) for t, w in zip(held, words)])
+        for i, value in zip(where, sums.tolist()):  # `held` keeps every tensor (and copy) alive until read
             out[i] = value & _MASK64
     return out
 
