@@ -37,26 +37,6 @@ def test_a_span_lies_in_the_segment_holding_it_else_in_its_storage() -> None:
         group(spans[:1], [((1 << 20) + 600, 64)], [])
 
 
-def test_a_span_inside_a_region_found_already_asks_for_no_storage() -> None:
-    """A slab's views after its first lie in the region its first found: their storages are never
-    asked for (one per view was most of a joiner's prepare), and where they lie is the same."""
-    asked: list[int] = []
-
-    class Storages(list):  # type: ignore[type-arg]
-        def __getitem__(self, k):  # type: ignore[no-untyped-def]
-            asked.append(k)
-            return super().__getitem__(k)
-
-    base = 1 << 30
-    spans = [(base + 4096, 100), (base, 64), (base + 512, 512), (1 << 40, 8), (base + 8192, 10)]
-    storages = Storages([(base, 1 << 16), (base, 1 << 16), (base, 1 << 16), (1 << 40, 8), (base, 1 << 16)])
-    regions, where = group(spans, storages, [])
-    assert regions == [(base, 1 << 16), (1 << 40, 8)] and where == [(0, 4096), (0, 0), (0, 512), (1, 0), (0, 8192)]
-    assert asked == [0, 3]
-    slab = LoaderCopy().slab(SPECS, CPU)
-    assert regions_of([tensor_bytes(t) for t in slab.values()]).spans == [(next(iter(slab.values())).untyped_storage().data_ptr(), sum(-(-t.nbytes // 512) * 512 for t in slab.values()))]
-
-
 def test_a_slab_is_one_region_and_tensors_allocated_one_by_one_one_each() -> None:
     slab = LoaderCopy().slab(SPECS, CPU)
     regions = regions_of([tensor_bytes(t) for t in slab.values()])

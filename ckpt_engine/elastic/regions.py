@@ -17,7 +17,6 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import overload
 
 import torch
 
@@ -43,66 +42,33 @@ def regions_of(views: Sequence[torch.Tensor]) -> Regions:
     if any(v.device != device for v in views):
         raise ValueError(f"regions of one device at a time, got {sorted({str(v.device) for v in views})}")
     spans = [(v.data_ptr(), v.numel() * v.element_size()) for v in views]
-    regions, where = group(spans, _Storages(views), _segments(device) if device.type == "cuda" else [])
+    storages = [(v.untyped_storage().data_ptr(), v.untyped_storage().nbytes()) for v in views]
+    regions, where = group(spans, storages, _segments(device) if device.type == "cuda" else [])
     return Regions(device, regions, where)
-
-
-class _Storages(Sequence[tuple[int, int]]):
-    """(address, bytes) of each view's storage, asked only for a view outside every region found
-    so far (`group`): one storage object made per slab, not per view (9,435 of them were 0.19 s of
-    a joiner's prepare on the CPU box)."""
-
-    def __init__(self, views: Sequence[torch.Tensor]) -> None:
-        self.views = views
-
-    def __len__(self) -> int:
-        return len(self.views)
-
-    @overload
-    def __getitem__(self, k: int) -> tuple[int, int]: ...
-    @overload
-    def __getitem__(self, k: slice) -> list[tuple[int, int]]: ...
-    def __getitem__(self, k: int | slice) -> tuple[int, int] | list[tuple[int, int]]:
-        if isinstance(k, slice):
-            return [self[i] for i in range(*k.indices(len(self)))]
-        storage = self.views[k].untyped_storage()
-        return storage.data_ptr(), storage.nbytes()
 
 
 def group(
     spans: Sequence[tuple[int, int]], storages: Sequence[tuple[int, int]], segments: Sequence[tuple[int, int]],
 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(regions, (region, offset) of each span): a span lies in a region found already when inside
-    one (live storages never overlap, so its own storage is that memory), else in the segment
-    holding it, else in its storage (`storages[k]`, asked only then); each region once, in the
-    order first met. ValueError naming a span outside its storage (a view that is not one)."""
+    """(regions, (region, offset) of each span): a span lies in the segment holding it, else in
+    its storage; each region once, in the order first met. ValueError naming a span outside its
+    storage (a view that is not one)."""
     segs = sorted(segments)
     starts = [s for s, _ in segs]
     index: dict[tuple[int, int], int] = {}
     regions: list[tuple[int, int]] = []
-    found: list[tuple[int, int, int]] = []
-    """(start, end, index) of each region found, by start."""
     where: list[tuple[int, int]] = []
-    for k, (addr, n) in enumerate(spans):
-        j = bisect.bisect_right(found, (addr, _END, _END)) - 1
-        if j >= 0 and addr + n <= found[j][1]:
-            where.append((found[j][2], addr - found[j][0]))
-            continue
+    for k, ((addr, n), storage) in enumerate(zip(spans, storages)):
         i = bisect.bisect_right(starts, addr) - 1
-        container = segs[i] if i >= 0 and addr + n <= segs[i][0] + segs[i][1] else storages[k]
+        container = segs[i] if i >= 0 and addr + n <= segs[i][0] + segs[i][1] else storage
         if not (container[0] <= addr and addr + n <= container[0] + container[1]):
             raise ValueError(f"view {k} ({n} bytes at {addr:#x}) lies outside its storage ({container[1]} bytes at {container[0]:#x})")
         r = index.get(container)
         if r is None:
             r = index[container] = len(regions)
             regions.append(container)
-            bisect.insort(found, (container[0], container[0] + container[1], r))
         where.append((r, addr - container[0]))
     return regions, where
-
-
-_END = 1 << 64
-"""Past every address: a bisect key after each region starting at an address."""
 
 
 def _segments(device: torch.device) -> list[tuple[int, int]]:
