@@ -7,7 +7,9 @@ read. What vLLM *loads* is the checkpoint layout, and a staged sync leaves exact
 worker's staging copy (`vllm/staging.py`), checked, until its next staged receive: after the swap of
 version V it is the engine's *image* of V, offered as is (no copy, no extra memory). A receive, a
 stage, a pull or leaving the group drops the image first, so an offer is only ever of the bytes the
-engine serves.
+engine serves. With `CKPT_ENGINE_PEER_AHEAD=1` in the engine's environment, each install makes the
+offer's NIXL agent, registrations and checksums on a thread (`PeerSource.ready_ahead`), so a
+joiner's offer only packs its head (docs/elastic.md, "A peer made ahead").
 
 A joiner checks the offer against what its model takes (`VllmSpecs`: every name one it loads, in
 the checkpoint's dtype and shape, every needed one offered) before anything is allocated, then
