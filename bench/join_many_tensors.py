@@ -5,9 +5,11 @@ peer holding N tensors allocated one by one (as a staged sync's copies are) offe
 (`JoinPrep.prepare`), then reads and checks (`pull.read_checked`). Prints each phase's seconds,
 the regions registered on each side and the reads. `--joiner-slab`: the joiner's copy is one slab
 (`LoaderCopy.slab`, as a vLLM joiner's staging copy), laid again in the offer's order at the pull;
-`--peer-slab`: the peer holds a slab too (a peer that itself joined by a pull).
+`--peer-slab`: the peer holds a slab too (a peer that itself joined by a pull); `--ahead`: the peer
+made its agent, registrations and checksums ahead (`PeerSource.ready_ahead`, timed apart as
+`peer_ahead_s`), so its offer only packs its head.
 
-    .venv/bin/python bench/join_many_tensors.py --tensors 9435 --min-kib 4 --max-kib 64 [--joiner-slab] [--peer-slab]
+    .venv/bin/python bench/join_many_tensors.py --tensors 9435 --min-kib 4 --max-kib 64 [--joiner-slab] [--peer-slab] [--ahead]
 """
 
 from __future__ import annotations
@@ -55,13 +57,18 @@ def peer(args: argparse.Namespace) -> None:
             t.view(torch.int16).copy_(torch.randint(-2**15, 2**15, t.shape, generator=g, dtype=torch.int16))
     else:
         held = Held({n: torch.randint(-2**15, 2**15, s, generator=g, dtype=torch.int16).view(torch.bfloat16) for n, s in specs.items()})
-    source = PeerSource(held)
+    source = PeerSource(held, ahead=args.ahead)
+    t0 = time.perf_counter()
+    source.ready_ahead()  # with --ahead: as a peer does when a sync installs, long before a joiner comes
+    if not source.ahead_done(600.0):
+        raise RuntimeError("the peer's agent was not made ahead within 600 s")
+    ahead_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     raw = source.offer(1, 600.0)
     seconds = time.perf_counter() - t0
     Path(args.offer + ".tmp").write_bytes(raw)
     os.replace(args.offer + ".tmp", args.offer)
-    print(json.dumps({"offer_s": seconds}), flush=True)
+    print(json.dumps({"offer_s": seconds, "ahead_s": ahead_s, "offer_bytes": len(raw)}), flush=True)
     sys.stdin.readline()  # the joiner is done
     source.close()
 
@@ -89,7 +96,10 @@ def joiner(args: argparse.Namespace) -> dict[str, object]:
                 if child.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("the peer made no offer")
                 time.sleep(0.01)
-            offer = PeerOffer.decode(Path(offer_file).read_bytes(), "peer")
+            raw = Path(offer_file).read_bytes()
+            t0 = time.perf_counter()
+            offer = PeerOffer.decode(raw, "peer")  # once a join, in the joiner
+            decode_s = time.perf_counter() - t0
             if args.joiner_slab:  # as `VllmPeer.start_pull`: the prepare's slab in the offer's order
                 into = copy.slab([(t.name, t.shape, torch.bfloat16) for t in offer.tensors], torch.device("cpu"))
             nbytes, phases, used = read_checked(into, offer, "peer", 600.0, lambda: None, prep)
@@ -99,7 +109,8 @@ def joiner(args: argparse.Namespace) -> dict[str, object]:
         finally:
             child.stdin.close()
             child.wait(60)
-    return {"tensors": len(into), "bytes": nbytes, "peer_offer_s": round(peer_out["offer_s"], 3), "prepare_s": round(prepared["seconds"], 3),
+    return {"tensors": len(into), "bytes": nbytes, "peer_ahead_s": round(peer_out["ahead_s"], 3), "peer_offer_s": round(peer_out["offer_s"], 3),
+            "offer_bytes": peer_out["offer_bytes"], "decode_s": round(decode_s, 4), "prepare_s": round(prepared["seconds"], 3),
             **{f"{k}_s": round(v, 3) for k, v in phases.items()}, "prepare": used, "peer_regions": len(offer.regions),
             "joiner_regions": prepared["regions"], "reads": reads(offer, into)}
 
@@ -127,10 +138,12 @@ def main() -> None:
     p.add_argument("--max-kib", type=int, default=64)
     p.add_argument("--joiner-slab", action="store_true", help="the joiner's copy is one slab (a vLLM joiner's staging copy)")
     p.add_argument("--peer-slab", action="store_true", help="the peer holds one slab (a peer that joined by a pull)")
+    p.add_argument("--ahead", action="store_true", help="the peer makes its agent, registrations and checksums ahead (`PeerSource.ready_ahead`), untimed in its offer")
     p.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--offer", help=argparse.SUPPRESS)
     args = p.parse_args()
-    args.passed = ["--tensors", str(args.tensors), "--min-kib", str(args.min_kib), "--max-kib", str(args.max_kib), *(["--peer-slab"] if args.peer_slab else [])]
+    args.passed = ["--tensors", str(args.tensors), "--min-kib", str(args.min_kib), "--max-kib", str(args.max_kib), *(["--peer-slab"] if args.peer_slab else []),
+                   *(["--ahead"] if args.ahead else [])]
     if args.peer:
         return peer(args)
     print(json.dumps(joiner(args)))

@@ -1,7 +1,8 @@
 """The peer join's one-launch checksums (`elastic.checksum_kernel`) equal the delta codec's
 `checksum` tensor by tensor: every word size, sizes below, at and across a block and a 2**16-word
-group, tails, a tensor of one word, odd byte counts, views at offsets inside one buffer. Runs in
-Triton's interpreter on the CPU and on a GPU."""
+group, tails, a tensor of one word, odd byte counts, views at offsets inside one buffer; the same
+by address (`checksums_at`, what `offer.tensor_checksums` launches). Runs in Triton's interpreter
+on the CPU and on a GPU."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 CASES = r"""
 import torch
 from ckpt_engine.delta.checksums import checksum
-from ckpt_engine.elastic.checksum_kernel import BLOCK, checksums
+from ckpt_engine.elastic.checksum_kernel import BLOCK, checksums, checksums_at
 
 device = DEVICE
 g = torch.Generator().manual_seed(11)
@@ -37,6 +38,8 @@ views.append(flat[:0]); words.append(8)                   # empty: 0
 got = checksums(views, words).tolist()
 want = [int(checksum(v, w, impl="torch")) if v.numel() else 0 for v, w in zip(views, words)]
 assert got == want, [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+at = checksums_at([(v.data_ptr(), v.numel(), w) for v, w in zip(views, words)], flat.device).tolist()  # what tensor_checksums launches
+assert at == want, [i for i, (a, b) in enumerate(zip(at, want)) if a != b]
 print("ok")
 """
 

@@ -10,6 +10,7 @@ so no test races the box's speed; every wait is bounded."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
@@ -25,6 +26,7 @@ from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.control.wire import RpcError
 from ckpt_engine.elastic import PeerJoinError, join_from_peer
 from ckpt_engine.elastic.join import pull_offer
+from ckpt_engine.elastic.offer import OfferTable, PeerOffer
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.transports.nixl_agent import load_nixl
@@ -229,9 +231,32 @@ def _offer(peer: TorchRefRollout, version: int = 1) -> bytes:
 
 
 def _altered(raw: bytes, change: Callable[[dict[str, Any]], None]) -> bytes:
+    """The offer with its head (a map) changed by `change`."""
     d = msgpack.unpackb(raw, raw=False)
     change(d)
     return msgpack.packb(d, use_bin_type=True)
+
+
+def _forged(raw: bytes, change: Callable[[OfferTable, list[list[int]]], None]) -> bytes:
+    """The offer with its table's columns and its regions ([address, bytes] each) changed in place
+    by `change`, encoded as a peer would (nothing checked: what a forger or a bug would send)."""
+    o = PeerOffer.decode(raw, "peer0")
+    t = o.tensors
+    table = OfferTable(list(t.names), list(t.dtypes), list(t.shapes), list(t.region), list(t.offset), list(t.nbytes), list(t.checksum))
+    regions = [list(r) for r in o.regions]
+    change(table, regions)
+    return dataclasses.replace(o, regions=tuple((a, n) for a, n in regions), tensors=table).encode()
+
+
+def _cut_column(key: str) -> Callable[[dict[str, Any]], None]:
+    """A change of an offer's head: one column of its table a byte short (a truncated or bad offer)."""
+
+    def cut(d: dict[str, Any]) -> None:
+        table = msgpack.unpackb(d["table"], raw=False)
+        table[key] = table[key][:-1]
+        d["table"] = msgpack.packb(table, use_bin_type=True)
+
+    return cut
 
 
 def test_a_peer_asked_for_or_forging_a_version_it_does_not_hold_is_refused_by_name(fleet: list[TorchRefRollout], spec_file: str) -> None:
@@ -259,31 +284,33 @@ def test_wrong_memory_descriptors_are_refused_by_name_and_nothing_is_lost(fleet:
         peer = fleet[0]
         raw = _offer(peer)
 
-        def shrink(d: dict[str, Any]) -> None:
-            d["tensors"][0][4] -= 4
+        def shrink(t: OfferTable, regions: list[list[int]]) -> None:
+            t.nbytes[0] -= 4
 
         with pytest.raises(RpcError, match="memory descriptors do not match what this engine holds"):
-            joiner.pull_from_peer(_altered(raw, shrink), 1, "peer0", 20)
+            joiner.pull_from_peer(_forged(raw, shrink), 1, "peer0", 20)
         with pytest.raises(RpcError, match="bytes at address 0x0 .a wrong memory descriptor"):
-            joiner.pull_from_peer(_altered(raw, lambda d: d["regions"][0].__setitem__(0, 0)), 1, "peer0", 20)
+            joiner.pull_from_peer(_forged(raw, lambda t, regions: regions[0].__setitem__(0, 0)), 1, "peer0", 20)
 
-        def past_the_end(d: dict[str, Any]) -> None:  # a tensor described past the end of its region
-            t = next(t for t in d["tensors"] if t[4])
-            t[3][1] = d["regions"][t[3][0]][1] - t[4] + 1
+        def past_the_end(t: OfferTable, regions: list[list[int]]) -> None:  # a tensor described past the end of its region
+            i = next(i for i, n in enumerate(t.nbytes) if n)
+            t.offset[i] = regions[t.region[i]][1] - t.nbytes[i] + 1
 
         with pytest.raises(RpcError, match="bytes at offset [0-9]+ lie outside region [0-9]+ of [0-9]+ bytes .a wrong memory descriptor"):
-            joiner.pull_from_peer(_altered(raw, past_the_end), 1, "peer0", 20)
+            joiner.pull_from_peer(_forged(raw, past_the_end), 1, "peer0", 20)
         with pytest.raises(RpcError, match="lie outside region 99999 of the offer's [0-9]+ .a wrong memory descriptor"):
-            joiner.pull_from_peer(_altered(raw, lambda d: d["tensors"][0][3].__setitem__(0, 99999)), 1, "peer0", 20)
+            joiner.pull_from_peer(_forged(raw, lambda t, regions: t.region.__setitem__(0, 99999)), 1, "peer0", 20)
+        with pytest.raises(RpcError, match="column 'offset' must be [0-9]+ <i8 values as bytes"):
+            joiner.pull_from_peer(_altered(raw, _cut_column("offset")), 1, "peer0", 20)
         assert serving_at(joiner) == (1, False, False, "peer pull from peer0") and holds(joiner, sd(1)) == []  # nothing touched
 
-        def swap_addresses(d: dict[str, Any]) -> None:  # two tensors of one size, each pointed at the other's (region, offset)
-            ts = d["tensors"]
-            i, j = next((i, j) for i in range(len(ts)) for j in range(i + 1, len(ts)) if ts[i][4] == ts[j][4] and ts[i][5] != ts[j][5])
-            ts[i][3], ts[j][3] = ts[j][3], ts[i][3]
+        def swap_addresses(t: OfferTable, regions: list[list[int]]) -> None:  # two tensors of one size, each pointed at the other's (region, offset)
+            n = len(t)
+            i, j = next((i, j) for i in range(n) for j in range(i + 1, n) if t.nbytes[i] == t.nbytes[j] and t.checksum[i] != t.checksum[j])
+            t.region[i], t.region[j], t.offset[i], t.offset[j] = t.region[j], t.region[i], t.offset[j], t.offset[i]
 
         with pytest.raises(RpcError, match="do not match the checksums it advertised"):
-            joiner.pull_from_peer(_altered(raw, swap_addresses), 1, "peer0", 20)
+            joiner.pull_from_peer(_forged(raw, swap_addresses), 1, "peer0", 20)
         h = joiner.health()
         assert h["version"] is None and h["stale"] and h["paused"]  # read, refused: out of service, never half-new
         peer.peer_done(msgpack.unpackb(raw, raw=False)["offer_id"])

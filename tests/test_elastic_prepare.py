@@ -11,21 +11,23 @@ peer's offer: a test handle's gate holds the peer's offer until the joiner's pre
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import pytest
 import torch
 
 from ckpt_engine.control.wire import RpcError
 from ckpt_engine.elastic import PeerJoinError, join_from_peer
-from ckpt_engine.elastic.offer import PeerOffer
-from ckpt_engine.elastic.peer_source import PeerSource
+from ckpt_engine.elastic.offer import OfferHead, PeerOffer
+from ckpt_engine.elastic.peer_source import AHEAD_ENV, PeerSource, ahead_from_env
 from ckpt_engine.elastic.prepared import JoinPrep
 from ckpt_engine.elastic.pull import read_checked
+from ckpt_engine.elastic.service import PeerService
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sources.base import StateDictSource
 from refengines import holds, spawn_engine
@@ -242,10 +244,12 @@ def test_a_prepare_whose_offer_is_refused_is_released_and_the_joiner_can_join_ag
     joiner = spawn_engine("joiner", spec_file=spec_file, timeout_s=30)
     try:
         def reshape(raw: bytes) -> bytes:
-            d = msgpack.unpackb(raw, raw=False)
-            t = next(t for t in d["tensors"] if len(t[2]) == 2 and t[2][0] != t[2][1])
-            t[2] = list(reversed(t[2]))
-            return msgpack.packb(d, use_bin_type=True)
+            o = PeerOffer.decode(raw, "peer0")
+            t = o.tensors
+            shapes = list(t.shapes)
+            i = next(i for i, s in enumerate(shapes) if len(s) == 2 and s[0] != s[1])
+            shapes[i] = shapes[i][::-1]
+            return dataclasses.replace(o, tensors=dataclasses.replace(t, shapes=shapes)).encode()
 
         events: list[str] = []
         make_offer, prepare = peer0.peer_offer, joiner.peer_prepare
@@ -272,3 +276,82 @@ def test_a_prepare_whose_offer_is_refused_is_released_and_the_joiner_can_join_ag
         assert sync([peer0, joiner], 2) == 2 and holds(joiner, sd(2)) == []  # a sync takes it as any engine
     finally:
         joiner.close()
+
+
+def test_a_peer_made_ahead_offers_its_version_without_making_anything_and_a_joiner_reads_it_exactly(local: Local) -> None:
+    """With `ahead`, a peer that newly holds a version makes its agent, registrations and table
+    (checksums) on a thread (`ready_ahead`): the first offer takes them as made (the same agent),
+    and a joiner reads it bit for bit. A sync that lands later is taken ahead again: the next
+    offer carries the new bytes' checksums, and a joiner reads those exactly."""
+    ahead = PeerSource(local.peer, ahead=True)
+    try:
+        assert not ahead.ready
+        ahead.ready_ahead()
+        assert ahead.ahead_done(WAIT_S) and ahead.ready
+        raw = ahead.offer(1, WAIT_S)
+        made = OfferHead.decode(raw, "peer").agent
+        offer = PeerOffer.decode(raw, "peer")
+        assert offer.tensors.checksum == PeerOffer.decode(local.source.offer(1, WAIT_S), "peer").tensors.checksum
+        read_checked(local.into, offer, "peer", WAIT_S, _no_hold)
+        assert _exact(local.into, local.peer.tensors) == []
+        ahead.done(offer.offer_id)
+
+        for n, t in sd(8).items():  # a sync lands in place at version 2
+            local.peer.tensors[n].copy_(t)
+        local.peer.version = 2
+        ahead.generation += 1
+        assert not ahead.ready
+        ahead.ready_ahead()
+        assert ahead.ahead_done(WAIT_S) and ahead.ready
+        offer = PeerOffer.decode(ahead.offer(2, WAIT_S), "peer")
+        assert offer.agent == made  # the same storage: the same agent and registrations
+        read_checked(local.into, offer, "peer", WAIT_S, _no_hold)
+        assert _exact(local.into, local.peer.tensors) == [] and _exact(local.into, sd(8)) == []
+    finally:
+        ahead.close()
+    assert not ahead.ready and ahead.ahead_done(0.0)
+
+
+def test_a_peer_made_ahead_while_it_holds_no_version_makes_nothing_and_closes_at_once(local: Local) -> None:
+    local.peer.stale = True  # a sync failed part-way: nothing to offer
+    ahead = PeerSource(local.peer, ahead=True)
+    ahead.ready_ahead()
+    assert ahead.ahead_done(WAIT_S) and not ahead.ready
+    ahead.close()
+    off = PeerSource(local.peer, ahead=False)  # without it (the default) nothing is made ahead
+    off.ready_ahead()
+    assert off.ahead_done(0.0) and not off.ready
+    off.close()
+
+
+def test_the_ahead_switch_is_read_from_the_environment_and_a_bad_value_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(AHEAD_ENV, raising=False)
+    assert not ahead_from_env()
+    for on in ("1", "true", " On "):
+        monkeypatch.setenv(AHEAD_ENV, on)
+        assert ahead_from_env() and PeerSource(Held({}), ahead=None).ahead
+    monkeypatch.setenv(AHEAD_ENV, "0")
+    assert not ahead_from_env()
+    monkeypatch.setenv(AHEAD_ENV, "soon")
+    with pytest.raises(ValueError, match=f"{AHEAD_ENV} must be 1, on, true, yes or 0, off, false, no; got 'soon'"):
+        PeerSource(Held({}))
+
+
+def test_an_engine_with_the_switch_on_makes_its_agent_ahead_once_a_sync_installs(local: Local, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine side (`PeerService`, as the reference receiver's worker holds it): with
+    CKPT_ENGINE_PEER_AHEAD=1 a trainer sync's install (`synced`) readies the offer; without it,
+    nothing is made until an offer."""
+    monkeypatch.setenv(AHEAD_ENV, "1")
+    on = PeerService(local.peer, lambda what: contextlib.nullcontext(), _no_hold)  # type: ignore[arg-type]
+    monkeypatch.delenv(AHEAD_ENV)
+    off = PeerService(local.peer, lambda what: contextlib.nullcontext(), _no_hold)  # type: ignore[arg-type]
+    try:
+        on.synced()
+        off.synced()
+        assert on.source.ahead_done(WAIT_S) and on.source.ready and not off.source.ready
+        offer = PeerOffer.decode(on.source.offer(1, WAIT_S), "peer")
+        read_checked(local.into, offer, "peer", WAIT_S, _no_hold)
+        assert _exact(local.into, local.peer.tensors) == []
+    finally:
+        on.source.close()
+        off.source.close()

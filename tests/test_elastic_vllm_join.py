@@ -18,13 +18,13 @@ claims and the fresh check run first, on the fresh B."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
 import torch
 
@@ -32,7 +32,7 @@ from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.daemon.membership import EngineRecord
 from ckpt_engine.daemon.peer_joins import fresh
 from ckpt_engine.elastic import join_from_peer
-from ckpt_engine.elastic.offer import PeerOffer, tensor_checksums
+from ckpt_engine.elastic.offer import OfferTable, PeerOffer, tensor_checksums
 
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
@@ -98,20 +98,26 @@ def fleet(elastic_vllm_peer: SharedServer[tuple[Any, Path]], elastic_vllm_spare:
             session.close()
 
 
+def _with(offer: PeerOffer, **changes: dict[int, Any]) -> bytes:
+    """`offer` encoded with some entries of its table's columns changed (column -> {index: value})."""
+    t = offer.tensors
+    columns = {k: list(getattr(t, k)) for k in ("names", "dtypes", "shapes", "region", "offset", "nbytes", "checksum")}
+    for column, at in changes.items():
+        for i, value in at.items():
+            columns[column][i] = value
+    return dataclasses.replace(offer, tensors=OfferTable(**columns)).encode()
+
+
 def test_a_bad_offer_is_refused_by_name_before_anything_is_allocated(fleet: Fleet) -> None:
     with pytest.raises(Exception, match=f"cannot offer version {fleet.version - 1}: it keeps an image of version {fleet.version}"):
         fleet.a.peer_offer(fleet.version - 1, 30.0)
     raw = fleet.a.peer_offer(fleet.version, 30.0)
     try:
-        d = msgpack.unpackb(raw, raw=False)
+        offer = PeerOffer.decode(raw, "A")
         name = "model.layers.0.mlp.down_proj.weight"
-        entry = next(t for t in d["tensors"] if t[0] == name)
-        for change in ({1: "float16"}, {2: [entry[2][1], entry[2][0]]}):  # dtype, then shape (same bytes)
-            bad = [list(t) for t in d["tensors"]]
-            for t in bad:
-                if t[0] == name:
-                    t[1:3] = [change.get(1, entry[1]), change.get(2, entry[2])]
-            altered = msgpack.packb({**d, "tensors": bad}, use_bin_type=True)
+        i = offer.tensors.names.index(name)
+        for dtype, shape in (("float16", offer.tensors.shapes[i]), (offer.tensors.dtypes[i], offer.tensors.shapes[i][::-1])):  # dtype, then shape (same bytes)
+            altered = _with(offer, dtypes={i: dtype}, shapes={i: shape})
             with pytest.raises(Exception, match=f"memory descriptors do not match what this engine holds .1 tensor.s..: {name}: offered"):
                 fleet.b.pull_from_peer(altered, fleet.version, "A", 30.0)
         (health,) = fleet.b.worker_health()
@@ -130,10 +136,9 @@ def test_a_bad_offer_is_refused_by_name_before_anything_is_allocated(fleet: Flee
         assert health["staging_copy_bytes"] == 0 and health["staged"] is None and health["version"] is None
         # A checksum that does not hold (the bytes moved under the reads): found only after reading,
         # in B's staging copy; nothing is installed and B serves what it served before.
-        forged = [list(t) for t in d["tensors"]]
-        forged[0][5] ^= 1
+        forged = _with(offer, checksum={0: offer.tensors.checksum[0] ^ 1})
         with pytest.raises(RuntimeError, match=f"pull of version {fleet.version} from peer A failed .* do not match the checksums it advertised .*nothing was installed"):
-            fleet.b.pull_from_peer(msgpack.packb({**d, "tensors": forged}, use_bin_type=True), fleet.version, "A", 30.0)
+            fleet.b.pull_from_peer(forged, fleet.version, "A", 30.0)
         (health,) = fleet.b.worker_health()
         assert health["staged"] is None and health["version"] is None and health["version_from"] is None and not health["stale"]
         assert fleet.b.version is None and llm_greedy(fleet.llm_b)[0] == fleet.b_before

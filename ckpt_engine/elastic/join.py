@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ckpt_engine.elastic.offer import PeerOffer
+from ckpt_engine.elastic.offer import OfferHead
 from ckpt_engine.rollout_adapters.base import RolloutAdapter, version_of
 
 __all__ = ["PeerJoinError", "PeerJoinReport", "PeerJoinable", "join_from_peer", "serving_version"]
@@ -215,29 +215,31 @@ def _attempts(
 def _attempt(joiner: PeerJoinable, peer: PeerJoinable, version: int, timeout_s: float, beside: Beside) -> dict[str, Any]:
     beside.start()  # the joiner prepares while the peer makes its offer: neither waits for the other
     raw = peer.peer_offer(version, timeout_s)
+    head = OfferHead.decode(raw, peer.name)  # its head only: the joiner decodes the table, once
     try:
-        offer = PeerOffer.decode(raw, peer.name)
-        if offer.version != version:
-            raise ValueError(f"asked for version {version}, it offered version {offer.version}")
-        return pull_offer(joiner, peer, raw, timeout_s, beside.settle_for_pull)
+        if head.version != version:
+            raise ValueError(f"asked for version {version}, it offered version {head.version}")
+        return pull_offer(joiner, peer, raw, timeout_s, beside.settle_for_pull, head)
     finally:
         try:
-            peer.peer_done(PeerOffer.decode(raw, peer.name).offer_id)
+            peer.peer_done(head.offer_id)
         except Exception as exc:  # a dead peer: nothing to close
             logger.debug("closing the offer of %s: %s", peer.name, exc)
 
 
 def pull_offer(
     joiner: PeerJoinable, peer: PeerJoinable, raw: bytes, timeout_s: float, before_pull: Callable[[], None] | None = None,
+    head: OfferHead | None = None,
 ) -> dict[str, Any]:
-    """One pull of an offer `peer` made: checked with the peer as it stands now (a stale offer from
-    before a restart, an altered one, a version it no longer holds: refused by name), then read
-    (`before_pull`: the join waits there for the joiner's prepare)."""
-    offer = PeerOffer.decode(raw, peer.name)
+    """One pull of an offer `peer` made (`head`: its head, when the caller decoded it): checked with
+    the peer as it stands now (a stale offer from before a restart, an altered one, a version it no
+    longer holds: refused by name), then read (`before_pull`: the join waits there for the joiner's
+    prepare). Only the joiner decodes the offer's table."""
+    version = (head or OfferHead.decode(raw, peer.name)).version
     peer.peer_check(raw)
     if before_pull is not None:
         before_pull()
-    return joiner.pull_from_peer(raw, offer.version, peer.name, timeout_s)
+    return joiner.pull_from_peer(raw, version, peer.name, timeout_s)
 
 
 class Beside:

@@ -40,6 +40,7 @@ class PeerService:
     def synced(self) -> None:
         self._pulled = None
         self.source.generation += 1
+        self.source.ready_ahead()  # with CKPT_ENGINE_PEER_AHEAD: the agent for the next joiner, made now
 
     def version_from(self, version: int | None) -> str | None:
         if version is None:
@@ -48,7 +49,7 @@ class PeerService:
 
     def pull(self, offer: bytes, version: int, peer: str, read_timeout_s: float) -> dict[str, Any]:
         """Pull `version` from `peer` (its `offer`); see `pull.py`."""
-        decoded = PeerOffer.decode(offer, peer)
+        decoded = PeerOffer.decode(offer, peer)  # once: the pull and its checks take it as decoded
         if decoded.version != version:
             raise ValueError(f"peer {peer!r} offers version {decoded.version}, but this engine was asked to pull version {version} (a peer advertising a version it does not hold?)")
         self.source.generation += 1  # from the first read on, what this engine held is gone
@@ -56,6 +57,8 @@ class PeerService:
             return pull_version(self.host, decoded, peer, read_timeout_s, self._exclusive, self._hold, self.prep)
         finally:
             self._pulled = (version, peer) if self.host.version == version else None
+            if self._pulled is not None:
+                self.source.ready_ahead()  # it can serve later joiners
 
     def handlers(self, owned: Callable[[Callable[..., Any]], Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
         """RPC methods, each through `owned` (the engine's lease: only its group may call them)."""

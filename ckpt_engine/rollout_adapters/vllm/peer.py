@@ -7,7 +7,9 @@ read. What vLLM *loads* is the checkpoint layout, and a staged sync leaves exact
 worker's staging copy (`vllm/staging.py`), checked, until its next staged receive: after the swap of
 version V it is the engine's *image* of V, offered as is (no copy, no extra memory). A receive, a
 stage, a pull or leaving the group drops the image first, so an offer is only ever of the bytes the
-engine serves.
+engine serves. With `CKPT_ENGINE_PEER_AHEAD=1` in the engine's environment, each install makes the
+offer's NIXL agent, registrations and checksums on a thread (`PeerSource.ready_ahead`), so a
+joiner's offer only packs its head (docs/elastic.md, "A peer made ahead").
 
 A joiner checks the offer against what its model takes (`VllmSpecs`: every name one it loads, in
 the checkpoint's dtype and shape, every needed one offered) before anything is allocated, then
@@ -108,6 +110,7 @@ class VllmPeer:
             return self.clear(f"its last staged sync carried {len(specs.needed) - len(missing)} of the model's {len(specs.needed)} tensors (not {', '.join(missing[:3])})")
         self.image.tensors, self.image.version = tensors, version
         self.source.generation += 1
+        self.source.ready_ahead()  # with CKPT_ENGINE_PEER_AHEAD: the agent for the next joiner, made now
 
     def offer(self, version: int, open_s: float) -> bytes:
         if self.image.version != version:
@@ -199,7 +202,6 @@ def check_against(offer: PeerOffer, version: int, specs: VllmSpecs) -> None:
     """Refuse (ValueError naming what) an offer of another version, or one that does not describe
     what this model loads: every needed checkpoint tensor, a tied head at most besides, each in the
     checkpoint's dtype and shape. Reads `specs` only: nothing is allocated."""
-    needed, offered = specs.needed, {t.name for t in offer.tensors}
-    wanted = {n: s for n, s in specs.specs.items() if n in needed or n in offered}
-    held = {n: torch.empty(s.shape, dtype=getattr(torch, s.dtype), device="meta") for n, s in wanted.items()}
-    offer.check_for(version, held)
+    needed, offered = specs.needed, set(offer.tensors.names)
+    kinds = {d: str(getattr(torch, d)).removeprefix("torch.") for d in {s.dtype for s in specs.specs.values()}}  # as a tensor's dtype reads
+    offer.check_layout(version, {n: (kinds[s.dtype], tuple(s.shape), s.nbytes) for n, s in specs.specs.items() if n in needed or n in offered})
