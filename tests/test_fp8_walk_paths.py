@@ -10,6 +10,7 @@ overwritten before its launch would show up as wrong bytes.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -39,6 +40,9 @@ class EagerGroups:
     def plan_group(self, ws: Sequence[torch.Tensor], *, checked: bool = False) -> EagerLaunch:
         return EagerLaunch(self, ws)
 
+    def plan_into(self, ws: Sequence[torch.Tensor], codes_at: Sequence[int], scales_at: Sequence[int]) -> EagerInto:
+        return EagerInto(self, ws, codes_at, scales_at)
+
 
 class EagerLaunch:
     """A launch of `EagerGroups`: made for its weights' addresses, results in the weights' order."""
@@ -54,6 +58,24 @@ class EagerLaunch:
         else:
             made = [quantize_block_fp8_reference(w) for w in ws]
         return [q for q, _ in made] + [s for _, s in made]
+
+
+class EagerInto:
+    """A launch of `EagerGroups` into a bucket's buffer: each weight's codes and scales written, by
+    the eager recipe, at its byte offsets when the launch runs."""
+
+    def __init__(self, kernel: EagerGroups, ws: Sequence[torch.Tensor], codes_at: Sequence[int], scales_at: Sequence[int]) -> None:
+        self.kernel, self.ws, self.at = kernel, [weakref.ref(w) for w in ws], list(zip(codes_at, scales_at))
+        self.ptrs = [w.data_ptr() for w in ws]
+
+    def run(self, out: torch.Tensor) -> None:
+        ws = [r() for r in self.ws]
+        assert all(w is not None for w in ws) and [w.data_ptr() for w in ws] == self.ptrs, "a launch ran for weights that are gone"  # type: ignore[union-attr]
+        self.kernel.launches.append(len(ws))
+        for w, (q_at, s_at) in zip(ws, self.at):
+            q, s = quantize_block_fp8_reference(w)
+            out[q_at : q_at + q.numel()].copy_(q.reshape(-1).view(torch.uint8))
+            out[s_at : s_at + 4 * s.numel()].copy_(s.reshape(-1).view(torch.uint8))
 
 
 @pytest.fixture

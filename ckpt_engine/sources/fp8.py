@@ -33,6 +33,8 @@ from ckpt_engine.fp8.quantize import quantize_block_fp8
 from ckpt_engine.manifest import DTYPE_ITEMSIZE, TensorSpec
 from ckpt_engine.planning.ownership import OwnerMap, Shard
 from ckpt_engine.sources.base import WeightSource
+from ckpt_engine.fp8.direct import OFFER
+from ckpt_engine.sources.fp8_fill import Fills, fill_walk
 from ckpt_engine.sources.fp8_walk import GroupKernel, Quantized, WalkCounts, WalkPlan, Walker, to_wire
 from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.sources.wire import torch_dtype
@@ -77,6 +79,13 @@ class _Layout:
     wire_specs: list[TensorSpec]
     walk: WalkPlan | None = None
     """The last recorded walk of a stable source of this metadata (`fp8_walk.py`)."""
+    fills: Fills | None = None
+    """How a sender's buckets are filled from that walk (`fp8_fill.py`), for the last bucket layout."""
+
+    def fills_for(self, key: str) -> Fills:
+        if self.fills is None or self.fills.key != key:
+            self.fills = Fills(key)
+        return self.fills
 
 
 _LAYOUTS: list[_Layout] = []
@@ -144,7 +153,10 @@ class Fp8WireSource(WeightSource):
         self.last_walk = walker.counts
         layout = self._layout
         it = iter(self.source.iter_weights())
-        if stable and layout.walk is not None:  # the same tensors as last sync: its record replays
+        offer = OFFER.get() if stable and layout.walk is not None else None
+        if offer is not None and not layout.fills_for(offer.key).refused:  # the sender's slots are filled in place
+            yield from fill_walk(walker, layout.fills_for(offer.key), offer, it)
+        elif stable and layout.walk is not None:  # the same tensors as last sync: its record replays
             yield from walker.replay(layout.walk, it)
         else:
             yield from walker.walk(it, record=[] if stable else None)
