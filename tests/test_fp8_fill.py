@@ -10,7 +10,8 @@ launch runs, into the slot at the fill's offsets). The model has weights the gro
 not take (quantized alone), a tensor larger than a bucket (chunks: a bucket the sender does not
 offer) and unquantized tensors between weights; a weight whose scales open the next bucket comes
 from the bucket size. A changed source (a replaced tensor, the same one on new memory) must fall
-back to the packed path for the rest of that walk, and fill again two syncs later.
+back to the packed path for the rest of that walk, and fill again two syncs later; with
+`fill_slots` off every walk replays and the sender packs.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def _rank(rank: int, rdzv: Rendezvous, *, change: str | None) -> dict[str, Any]:
             _step(model, k, change)
             if rank == 0:
                 src = wire.Fp8WireSource(StateDictSource(model))
+                src.fill_slots = change != "no fills"
                 engine.send_weights(manifest, WatchedWeights(src.iter_weights(), fresh=True), stable=False)
                 walks.append(dict(vars(src.last_walk)))
                 continue
@@ -92,7 +94,7 @@ def _rank(rank: int, rdzv: Rendezvous, *, change: str | None) -> dict[str, Any]:
         engine.finalize()
 
 
-@pytest.mark.parametrize("change", [None, "replaced", "moved"])
+@pytest.mark.parametrize("change", [None, "replaced", "moved", "no fills"])
 def test_a_replayed_walk_fills_the_send_buffer_with_the_packed_bytes(change: str | None) -> None:
     sender, receiver = run_ranks(_rank, 2, change=change)
     assert receiver["bad"] == []
@@ -101,6 +103,9 @@ def test_a_replayed_walk_fills_the_send_buffer_with_the_packed_bytes(change: str
     quantized = 2 * 11 + 1
     assert all(w["grouped"] + w["alone"] == quantized for w in walks), walks
     assert walks[0]["filled"] == 0 and walks[0]["grouped"] > 0  # the first walk records (and the sender packs)
+    if change == "no fills":  # `fill_slots` off (a check must see every tensor): replayed and packed
+        assert all(w["filled"] == 0 for w in walks) and all(w["replayed"] == w["launches"] > 0 for w in walks[1:]), walks
+        return
     assert walks[1]["filled"] == whole and walks[1]["replayed"] == 0  # the second makes the fills
     if change is None:
         assert all(w["filled"] == whole and w["replayed"] == w["launches"] > 0 for w in walks[2:]), walks

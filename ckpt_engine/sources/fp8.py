@@ -11,7 +11,9 @@ more host time than the bf16 sync takes. Any other weight (a gathering walk's, e
 Megatron's, whose tensor may be overwritten once the next is asked for) is quantized alone, as
 it comes; `last_walk` counts which path each weight took. A walk of a `stable_tensors` source is
 recorded and replayed by the next sync of the same tensors (`fp8_walk.py`): its grouping and
-launch tables are worked out once, not per weight and sync.
+launch tables are worked out once, not per weight and sync. From the sync after that, where the
+sender offers its buckets, the walk writes each one into the sender's slot itself (`fp8_fill.py`):
+no tensor a weight, and nothing for the sender to check or pack.
 
 `ShardedFp8WireSource(source)`: each sender quantizes its own rows of a weight, which is exact
 only when its row range starts and ends on a 128-row block boundary (or the tensor's end); any
@@ -129,6 +131,10 @@ class Fp8WireSource(WeightSource):
         self._specs, self._quantized, self._wire_specs = layout.specs, layout.quantized, layout.wire_specs
         self.last_walk = WalkCounts()
         """Which path each quantized weight of the latest walk took (so far, while it runs)."""
+        self.fill_slots = True
+        """Whether a walk may write the buckets a sender offers into its slots itself (`fp8_fill.py`),
+        yielding no tensor for them: off where something else must see every tensor the walk
+        yields (a check folding them by name as they pass); read when the walk starts."""
 
     @property
     def is_sender(self) -> bool:  # type: ignore[override]
@@ -153,7 +159,7 @@ class Fp8WireSource(WeightSource):
         self.last_walk = walker.counts
         layout = self._layout
         it = iter(self.source.iter_weights())
-        offer = OFFER.get() if stable and layout.walk is not None else None
+        offer = OFFER.get() if stable and self.fill_slots and layout.walk is not None else None
         if offer is not None and not layout.fills_for(offer.key).refused:  # the sender's slots are filled in place
             yield from fill_walk(walker, layout.fills_for(offer.key), offer, it)
         elif stable and layout.walk is not None:  # the same tensors as last sync: its record replays

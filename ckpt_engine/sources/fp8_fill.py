@@ -163,7 +163,9 @@ def _build(
     a fresh walk's bucket (names in order, shapes, wire dtypes); None where the bucket is not one a
     fill can write exactly (a tensor to cast, an item the entries do not expect): `taken` then
     holds what was read, to be walked as usual."""
-    entries, dsts, base = ask.entries, ask.dsts, ask.slot.data_ptr()
+    if ask.slot.dtype != torch.uint8 or ask.slot.dim() != 1:
+        return None  # slots made elsewhere, not a byte buffer a launch writes into
+    entries, dsts, base, device = ask.entries, ask.dsts, ask.slot.data_ptr(), ask.slot.device
     quantized, kernel_of = walker.quantized, walker.kernel_of
     ts: list[torch.Tensor] = []
     names: list[str] = []
@@ -196,8 +198,8 @@ def _build(
             at.append(i)
             of.append(len(ts))
         else:
-            if t.dtype is not plan.dtype or t.shape != plan.shape:
-                return None  # a cast to the wire dtype: a new tensor every walk
+            if t.dtype is not plan.dtype or t.shape != plan.shape or t.device != device:
+                return None  # a cast to the wire dtype (a new tensor every walk), or weights where the slot is not
             both = i + 1 < n and entries[i + 1].name == plan.scale
             k = kernel_of(t)
             here = (k, t.dtype, t.device)
