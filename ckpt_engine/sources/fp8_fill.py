@@ -9,18 +9,16 @@ launch that writes every weight's codes and scales at their offsets in the slot 
 the tensors sent as they are copied there in one batched copy, and the walk yields one `FILLED`
 item for the bucket: no views a weight, no pack. A bucket's fill is worked out at the first such
 sync (`_build`, with the checks the sender would make) and kept per bucket layout; later syncs only
-check that the source yields the very same tensors, where and as they were (`_Fill.same`).
+check that the source yields tensors of the same names where and as they were (`_Fill.same`).
 Anything else (another tensor, a moved one, a bucket not offered) ends the filling there: the rest
 walks as usual and the sender packs it, and a changed source is recorded anew by its next sync.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, islice
-from operator import is_
 from typing import Any
 
 import torch
@@ -49,14 +47,13 @@ class Fills:
 
 @dataclass
 class _Fill:
-    """How one bucket is filled: the source's items it takes (names; the tensors weakly, with their
-    addresses and layouts), the grouped launch into the slot, the copies of tensors sent as they
+    """How one bucket is filled: the source's items it takes (names, addresses and layouts; never
+    the tensors: a fill must not keep a trainer's tensors alive), the grouped launch into the slot, the copies of tensors sent as they
     are (per dtype: destination entries, items), weights quantized alone (item, plan, codes entry,
     scales entry or -1: the scales open the next bucket), and the entry of the last bucket's
     straddling weight's scales (-1: none)."""
 
     names: tuple[str, ...]
-    refs: list[weakref.ref[torch.Tensor]]
     ptrs: list[int]
     layout: tuple[list[Any], ...]
     launch: IntoLaunch | None
@@ -66,12 +63,11 @@ class _Fill:
     pending_at: int
 
     def same(self, names: tuple[str, ...], ts: tuple[torch.Tensor, ...]) -> bool:
-        """Whether the items are the recorded ones (names, objects, addresses, layouts), in passes
-        over the bucket that run in C where they can (a 30B-A3B bucket holds ~700 weights)."""
-        return (
-            names == self.names and all(map(is_, ts, [r() for r in self.refs]))
-            and list(map(torch.Tensor.data_ptr, ts)) == self.ptrs and tensor_layout(ts) == self.layout
-        )
+        """Whether the items are those the fill was made for: names, addresses and layouts (shapes,
+        dtypes, contiguity), in passes over the bucket that run in C (a 30B-A3B bucket holds ~700
+        weights). Not the objects: the launch reads addresses, and another tensor of that layout at
+        that address is the input the yielded one is; copies and lone quantizes take the objects."""
+        return names == self.names and list(map(torch.Tensor.data_ptr, ts)) == self.ptrs and tensor_layout(ts) == self.layout
 
     def run(self, ask: Ask, ts: Sequence[torch.Tensor], pending: tuple[str, torch.Tensor] | None) -> tuple[str, torch.Tensor] | None:
         """Write the bucket into `ask.slot`; the scales this bucket leaves for the next one, if any."""
@@ -131,6 +127,7 @@ def fill_walk(walker: Walker, fills: Fills, offer: Offer, it: Iterator[tuple[str
                 fills.refused = True  # not a bucket this layout can fill: later walks replay and pack
                 break
             fills.by_bucket[ask.index] = fill
+            ts = tuple(t for _, t in items)
         else:
             items = list(islice(it, len(fill.names)))
             names, ts = zip(*items) if items else ((), ())
@@ -139,7 +136,7 @@ def fill_walk(walker: Walker, fills: Fills, offer: Offer, it: Iterator[tuple[str
                 changed = True
                 break
             counts.replayed += fill.launch is not None
-        pending = fill.run(ask, _tensors(items), pending)
+        pending = fill.run(ask, ts, pending)
         counts.launches += fill.launch is not None
         counts.grouped += fill.grouped
         counts.alone += len(fill.alone)
@@ -149,10 +146,6 @@ def fill_walk(walker: Walker, fills: Fills, offer: Offer, it: Iterator[tuple[str
     if pending is not None:
         yield pending
     yield from walker.walk(chain(items, it))
-
-
-def _tensors(items: list[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
-    return tuple(t for _, t in items)
 
 
 def _build(
@@ -218,6 +211,6 @@ def _build(
         i += 1
     launch = key[0].plan_into(ws, codes_at, scales_at) if key is not None else None  # type: ignore[attr-defined]  # key[0]: a GroupKernel
     return _Fill(
-        tuple(names), [weakref.ref(t) for t in ts], [t.data_ptr() for t in ts], tensor_layout(ts), launch, len(ws),
+        tuple(names), [t.data_ptr() for t in ts], tensor_layout(ts), launch, len(ws),
         list(copies.values()), alone, pending_at,
     )
