@@ -15,8 +15,7 @@ the ask and yields the bucket's items as usual. The wire's bytes are the same ei
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ import torch
 
 from ckpt_engine.manifest import TensorMeta
 
-__all__ = ["FILLED", "OFFER", "Ask", "Offer", "offering"]
+__all__ = ["FILLED", "OFFER", "Ask", "Offer"]
 
 FILLED = "\x00ckpt-engine: bucket filled in place"
 """The name of the item a walk yields for a bucket it wrote into the send buffer itself (never a
@@ -55,12 +54,3 @@ class Offer:
 OFFER: ContextVar[Offer | None] = ContextVar("ckpt_engine_fp8_direct_offer", default=None)
 """The offer of the sender now pulling the walk (None: no sender offers; the walk yields as usual)."""
 
-
-@contextmanager
-def offering(offer: Offer | None) -> Iterator[None]:
-    """`offer` for the walks started (first pulled) inside the block."""
-    token = OFFER.set(offer)
-    try:
-        yield
-    finally:
-        OFFER.reset(token)
