@@ -48,10 +48,10 @@ class Fills:
 @dataclass
 class _Fill:
     """How one bucket is filled: the source's items it takes (names, addresses and layouts; never
-    the tensors: a fill must not keep a trainer's tensors alive), the grouped launch into the slot, the copies of tensors sent as they
-    are (per dtype: destination entries, items), weights quantized alone (item, plan, codes entry,
-    scales entry or -1: the scales open the next bucket), and the entry of the last bucket's
-    straddling weight's scales (-1: none)."""
+    the tensors: a fill must not keep a trainer's tensors alive), the grouped launch into the slot,
+    the copies of tensors sent as they are (per dtype: destination entries, items), weights
+    quantized alone (item, plan, codes entry, scales entry or -1: the scales open the next bucket),
+    and the entry of the last bucket's straddling weight's scales (-1: none)."""
 
     names: tuple[str, ...]
     ptrs: list[int]
@@ -158,7 +158,7 @@ def _build(
     holds what was read, to be walked as usual."""
     if ask.slot.dtype != torch.uint8 or ask.slot.dim() != 1:
         return None  # slots made elsewhere, not a byte buffer a launch writes into
-    entries, dsts, base, device = ask.entries, ask.dsts, ask.slot.data_ptr(), ask.slot.device
+    entries, dsts, base, device, size = ask.entries, ask.dsts, ask.slot.data_ptr(), ask.slot.device, ask.slot.numel()
     quantized, kernel_of = walker.quantized, walker.kernel_of
     ts: list[torch.Tensor] = []
     names: list[str] = []
@@ -198,7 +198,9 @@ def _build(
             here = (k, t.dtype, t.device)
             q_off = dsts[i].data_ptr() - base
             s_off = dsts[i + 1].data_ptr() - base if both else 0
-            if both and k is not None and (key is None or here == key) and k.groupable(t) and q_off % 16 == 0 and s_off % 4 == 0:
+            # codes and scales both in this bucket, within the slot the launch writes (views of other memory go alone)
+            inside = both and 0 <= q_off and q_off + dsts[i].nbytes <= size and 0 <= s_off and s_off + dsts[i + 1].nbytes <= size
+            if inside and k is not None and (key is None or here == key) and k.groupable(t) and q_off % 16 == 0 and s_off % 4 == 0:
                 key = here
                 ws.append(t)
                 codes_at.append(q_off)
