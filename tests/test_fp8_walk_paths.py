@@ -210,6 +210,78 @@ def test_on_a_gpu_a_moe_layer_walks_through_the_grouped_kernel() -> None:
         assert torch.equal(got[name].cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[scale_name(name)].cpu(), s), name
 
 
+@pytest.mark.gpu
+def test_on_a_gpu_a_filled_walk_writes_the_slots_with_the_references_bytes() -> None:
+    """The walk that writes a sender's buckets into its slot itself (`sources/fp8_fill.py`, issue 41)
+    on CUDA with the real kernel: one Qwen3-30B-A3B layer in 64 MiB buckets, pulled as `Sender`
+    pulls it (each bucket of whole entries offered). The first walk records, the second makes the
+    fills, the third replays them: every third bucket's slot bytes equal the CPU reference, at
+    both. Prints the replaying walk's host time a quantized weight (no views, nothing to pack)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    host, replayed = filled_walks(torch.device("cuda", 0))
+    print(f"\nfilled walk host time: {host / 388 * 1e6:.2f} us a quantized weight, {replayed}")
+
+
+def filled_walks(device: torch.device) -> tuple[float, wire.WalkCounts]:
+    """`test_on_a_gpu_a_filled_walk_writes_the_slots_with_the_references_bytes` on `device` (the
+    grouped kernel: CUDA's, or a stand-in the caller put in place): the replaying walk's host
+    seconds and counts."""
+    import time
+
+    from ckpt_engine.fp8.direct import FILLED, OFFER, Ask, Offer
+    from ckpt_engine.pipeline.wire_views import entry_view
+    from ckpt_engine.planning.buckets import plan_buckets
+
+    specs = checkpoint_specs(load_preset_config("qwen3-30b-a3b"), num_layers=1)
+    g = torch.Generator(device=device).manual_seed(1)
+    weights = {s.name: torch.randn(s.shape, generator=g, device=device, dtype=torch.bfloat16) * 0.02 for s in specs if ".layers.0." in s.name}
+    manifest = plan_buckets(wire.Fp8WireSource(StateDictSource(weights)).metadata(), 64 << 20)
+    assert all(e.is_whole for b in manifest.buckets for e in b.entries) and len(manifest.buckets) > 3
+    slot = torch.empty((64 << 20) + 256, dtype=torch.uint8, device=device)
+    views = [[entry_view(slot, e) for e in b.entries] for b in manifest.buckets]
+
+    def check(b_index: int) -> None:
+        for e, d in zip(manifest.buckets[b_index].entries, views[b_index]):
+            name = e.name.removesuffix("_scale_inv")
+            w = weights[name].cpu()
+            if name == e.name and not quantizes(TensorSpec(name, "bfloat16", tuple(w.shape))):
+                want = w
+            else:
+                q, s = quantize_block_fp8_reference(w)
+                want = q if name == e.name else s
+            assert torch.equal(d.cpu().reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), e.name
+
+    def walk(checked: bool) -> tuple[float, wire.WalkCounts]:
+        src, offer = wire.Fp8WireSource(StateDictSource(weights)), Offer("filled walks")
+        token = OFFER.set(offer)
+        try:
+            it = src.iter_weights()
+            t0 = time.perf_counter()
+            for b in manifest.buckets:
+                offer.ask = Ask(b.index, b.entries, views[b.index], slot)
+                assert next(it)[0] == FILLED
+                offer.ask = None
+                if checked and b.index % 3 == 0:
+                    check(b.index)
+            host = time.perf_counter() - t0
+            assert next(it, None) is None
+        finally:
+            OFFER.reset(token)
+        return host, src.last_walk
+
+    list(wire.Fp8WireSource(StateDictSource(weights)).iter_weights())  # records the walk (and loads the kernels)
+    _, made = walk(checked=True)
+    host, replayed = walk(checked=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    walk(checked=True)
+    n = len(manifest.buckets)
+    assert made.filled == replayed.filled == n and made.replayed == 0, made
+    assert replayed.grouped == 388 and replayed.alone == 0 and replayed.replayed == replayed.launches == n, replayed
+    return host, replayed
+
+
 def test_the_wire_layout_is_derived_once_per_metadata_and_anew_when_it_changes() -> None:
     """A sync wraps the trainer's source anew (`fp8_wire`); what the wire derives from its metadata
     (0.1-0.4 s of host for Qwen3-30B-A3B) is kept for equal metadata, and never for other metadata."""
