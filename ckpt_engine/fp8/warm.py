@@ -3,10 +3,9 @@
 Why: on CUDA the first quantize of a process compiles the Triton kernels (`quantize_kernel.py`,
 one variant per input dtype, the one-weight kernel and the grouped one, into its own buffer and
 into a send buffer), inside the first FP8 sync's transfer window where every engine waits within
-`timeout_s`. `warm_up` quantizes one
-128 x 128 zero block of each dtype through both, once per process, device and dtype, at the join
-(`SyncGroup.build`, when `checkpoint_engine.wire_dtype` is fp8), so the first sync is as fast as
-the fifth. Elsewhere (CPU) it runs the eager recipe once: nothing compiles there.
+`timeout_s`. `warm_up` quantizes one 128 x 128 zero block of each dtype through each, once per
+process, device and dtype, at the join (`SyncGroup.build`, when `checkpoint_engine.wire_dtype` is
+fp8), so the first sync is as fast as the fifth. Elsewhere (CPU) it runs the eager recipe once: nothing compiles there.
 """
 
 from __future__ import annotations
