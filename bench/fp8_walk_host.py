@@ -216,6 +216,7 @@ def _send_rounds(
     weights = {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in specs}
     bucket = max(int((1 << 30) * shrink) // 256 * 256, max(s.nbytes for s in specs))  # as many tensors a bucket as 1 GiB at the real dims
     src = wire.Fp8WireSource(StateDictSource(weights))
+    src.fill_slots = True  # only the sender reads the walk
     fp8 = _sender(src.metadata(), bucket, device)
     bf16 = _sender(StateDictSource(weights).metadata(), bucket, device)
     names = ("fp8 send, filled", "fp8 send, replayed + packed", "bf16 send")

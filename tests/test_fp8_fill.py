@@ -76,7 +76,7 @@ def _rank(rank: int, rdzv: Rendezvous, *, change: str | None) -> dict[str, Any]:
             _step(model, k, change)
             if rank == 0:
                 src = wire.Fp8WireSource(StateDictSource(model))
-                src.fill_slots = change != "no fills"
+                src.fill_slots = change != "no fills"  # nothing but the sender reads this walk
                 engine.send_weights(manifest, WatchedWeights(src.iter_weights(), fresh=True), stable=False)
                 walks.append(dict(vars(src.last_walk)))
                 continue

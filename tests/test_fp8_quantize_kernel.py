@@ -191,6 +191,7 @@ for sync in range(2):
     for n, t in held.items():
         ref.update([(n, t.cpu())] if not n.endswith("proj.weight") else zip([n, n + "_scale_inv"], quantize_block_fp8_reference(t.cpu())))
     src = wire.Fp8WireSource(StateDictSource(held))
+    src.fill_slots = True
     it = src.iter_weights()
     for b in manifest.buckets:
         whole = all(e.is_whole for e in b.entries)

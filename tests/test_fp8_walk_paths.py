@@ -254,6 +254,7 @@ def filled_walks(device: torch.device) -> tuple[float, wire.WalkCounts]:
 
     def walk(checked: bool) -> tuple[float, wire.WalkCounts]:
         src, offer = wire.Fp8WireSource(StateDictSource(weights)), Offer("filled walks")
+        src.fill_slots = True
         token = OFFER.set(offer)
         try:
             it = src.iter_weights()

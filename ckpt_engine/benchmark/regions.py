@@ -262,6 +262,8 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
             local[name] = next(full[name][sh.start // row : sh.stop // row] for sh in shards if sh.sender == rank)
         shapes = {s.name: s.shape for s in specs}
         wire = Fp8WireSource(StateDictSource(local)) if fp8 else None  # stable: consecutive weights quantize in one launch
+        if wire is not None:
+            wire.fill_slots = True  # only the sender reads a whole-model send's walk: it may fill the slots itself
 
         def walk() -> Any:
             if wire is not None:  # one sender: the plan's order is the metadata's

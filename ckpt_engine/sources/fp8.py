@@ -131,10 +131,11 @@ class Fp8WireSource(WeightSource):
         self._specs, self._quantized, self._wire_specs = layout.specs, layout.quantized, layout.wire_specs
         self.last_walk = WalkCounts()
         """Which path each quantized weight of the latest walk took (so far, while it runs)."""
-        self.fill_slots = True
+        self.fill_slots = False
         """Whether a walk may write the buckets a sender offers into its slots itself (`fp8_fill.py`),
-        yielding no tensor for them: off where something else must see every tensor the walk
-        yields (a check folding them by name as they pass); read when the walk starts."""
+        yielding no tensor for them; read when the walk starts. Off unless whoever drives the walk
+        says nothing but the sender reads what it yields (an installed-weight check folds each
+        tensor by name as it passes, and would find the filled ones missing)."""
 
     @property
     def is_sender(self) -> bool:  # type: ignore[override]
