@@ -12,8 +12,8 @@ Megatron's, whose tensor may be overwritten once the next is asked for) is quant
 it comes; `last_walk` counts which path each weight took. A walk of a `stable_tensors` source is
 recorded and replayed by the next sync of the same tensors (`fp8_walk.py`): its grouping and
 launch tables are worked out once, not per weight and sync. From the sync after that, where the
-sender offers its buckets, the walk writes each one into the sender's slot itself (`fp8_fill.py`):
-no tensor a weight, and nothing for the sender to check or pack.
+sender offers its buckets and `fill_slots` is on, the walk writes each one into the sender's slot
+itself (`fp8_fill.py`): no tensor a weight, and nothing for the sender to check or pack.
 
 `ShardedFp8WireSource(source)`: each sender quantizes its own rows of a weight, which is exact
 only when its row range starts and ends on a 128-row block boundary (or the tensor's end); any
