@@ -16,7 +16,10 @@ shows and its memcpy stays small. Last, what wrapping the whole preset's source 
 costs (once a sync: `fp8_wire`). `--device cuda:0` walks the real CUDA path, launches included (a
 GPU box). The source is stable (a state dict), so the first FP8 walk is recorded and every later
 one replays it (`sources/fp8_walk.py`), as a sync of a trainer's held weights does from its second
-sync on: `first` is the recording walk, best and median the replays.
+sync on: `first` is the recording walk, best and median the replays. The FP8 send twice: `filled`,
+as a sync sends (from the second send on, the walk writes each bucket into the sender's slot
+itself: `sources/fp8_fill.py`, issue 41), and `replayed + packed`, a walk started before the sender
+offers its buckets (the path before the fills: views a weight, the sender's checks and pack).
 
     python bench/fp8_walk_host.py --layers 2 --rounds 61
 """
@@ -27,6 +30,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Iterator
+from itertools import chain
 from typing import Any
 
 import torch
@@ -44,6 +48,7 @@ from ckpt_engine.pipeline.sender import Sender
 from ckpt_engine.pipeline.wire_views import has_wire_layout
 from ckpt_engine.planning.buckets import plan_buckets
 from ckpt_engine.sources.base import StateDictSource, WatchedWeights
+from ckpt_engine.sources.fp8_walk import WalkCounts
 from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.transports.transport import Transport, TransportOptions
 
@@ -191,7 +196,7 @@ def main() -> None:
             f"{name}: best {best * 1e3:.2f} ms ({best / quantized * 1e6:.2f} us a quantized weight, {best / ref:.2f} x the bf16 walk), "
             f"median {med * 1e3:.2f} ms, first {seconds[0] * 1e3:.2f} ms"
         )
-    ref = min(sends["bf16 send"][0])
+    ref = min(sends["bf16 send"][0])  # (the first rounds record the walk, then make the fills: best is a replay)
     for name, (totals, parts) in sends.items():
         best = min(totals)
         export, pack = parts[totals.index(best)]
@@ -211,19 +216,29 @@ def _send_rounds(
     weights = {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in specs}
     bucket = max(int((1 << 30) * shrink) // 256 * 256, max(s.nbytes for s in specs))  # as many tensors a bucket as 1 GiB at the real dims
     src = wire.Fp8WireSource(StateDictSource(weights))
+    src.fill_slots = True  # only the sender reads the walk
     fp8 = _sender(src.metadata(), bucket, device)
     bf16 = _sender(StateDictSource(weights).metadata(), bucket, device)
-    out: dict[str, tuple[list[float], list[tuple[float, float]]]] = {"fp8 send": ([], []), "bf16 send": ([], [])}
+    names = ("fp8 send, filled", "fp8 send, replayed + packed", "bf16 send")
+    out: dict[str, tuple[list[float], list[tuple[float, float]]]] = {name: ([], []) for name in names}
+    walks: dict[str, WalkCounts] = {}
     for _ in range(rounds):
-        for name, (sender, manifest, state) in (("fp8 send", fp8), ("bf16 send", bf16)):
-            fresh = name == "fp8 send"
-            walk = WatchedWeights(src.iter_weights(), fresh=True) if fresh else StateDictSource(weights).iter_weights()
+        for name, (sender, manifest, state) in zip(names, (fp8, fp8, bf16)):
+            if name == "bf16 send":
+                walk: Any = StateDictSource(weights).iter_weights()
+            else:
+                it = src.iter_weights()
+                if name.endswith("packed"):  # started before the sender offers its buckets: the walk yields views, the sender packs
+                    it = chain([next(it)], it)
+                walk = WatchedWeights(it, fresh=True)
             t0 = time.perf_counter()
-            stats = sender.send(state, manifest, walk, stable=not fresh, delta=None)
+            stats = sender.send(state, manifest, walk, stable=name == "bf16 send", delta=None)
             out[name][0].append(time.perf_counter() - t0)
             out[name][1].append((stats.export_s, stats.pack_s))
+            walks[name] = src.last_walk
             settle()
     print(f"the sender's send at tiny dims: {len(fp8[1].buckets)} FP8 buckets of {bucket} bytes ({sum(len(b.entries) for b in fp8[1].buckets)} entries)")
+    print("the last walks: " + "; ".join(f"{n}: {w}" for n, w in walks.items() if n != "bf16 send"))
     return out
 
 

@@ -158,6 +158,62 @@ for (n, a), (_, b), (_, c) in zip(again, want, first):
         bad.append(f"replayed walk {n}")
     if n.endswith("proj.weight") and "o_proj" not in n and torch.equal(a.view(torch.uint8), c.cpu().view(torch.uint8)):
         bad.append(f"replayed walk {n}: the old bytes")
+
+# a launch into a buffer (issue 41): each weight's codes and scales at its offsets, nothing else written
+from ckpt_engine.fp8.quantize_kernel import plan_into
+ws = [(torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16) for shape in [(256, 128), (2, 130, 144), (128, 256), (300, 256)]]
+out = torch.full((1 << 20,), 0xA5, dtype=torch.uint8, device=device)
+codes_at, scales_at = [4096, 40960, 200192, 300032], [1024, 2048, 2304, 2560]
+plan_into([w.to(device) for w in ws], codes_at, scales_at).run(out)
+mask = torch.ones(out.numel(), dtype=torch.bool)
+for w, q_at, s_at in zip(ws, codes_at, scales_at):
+    rq, rs = quantize_block_fp8_reference(w)
+    got_q, got_s = out[q_at : q_at + rq.numel()].cpu(), out[s_at : s_at + 4 * rs.numel()].cpu()
+    mask[q_at : q_at + rq.numel()] = mask[s_at : s_at + 4 * rs.numel()] = False
+    if not (torch.equal(got_q, rq.reshape(-1).view(torch.uint8)) and torch.equal(got_s.view(torch.float32), rs.reshape(-1))):
+        bad.append(f"into a buffer {tuple(w.shape)}")
+if not bool((out.cpu()[mask] == 0xA5).all()):
+    bad.append("into a buffer: bytes outside the weights' written")
+
+# a replayed walk fills a sender's buckets in place (sources/fp8_fill.py), as `Sender` offers them:
+# each bucket's slot bytes are those of the reference, at the first fills and at their replay
+from ckpt_engine.fp8.direct import FILLED, OFFER, Ask, Offer
+from ckpt_engine.pipeline.wire_views import entry_view
+from ckpt_engine.planning.buckets import plan_buckets
+manifest = plan_buckets(wire.Fp8WireSource(StateDictSource(held)).metadata(), 256 * 1024)
+slot = torch.empty(256 * 1024 + 256, dtype=torch.uint8, device=device)
+offer = Offer("kernel test")
+token = OFFER.set(offer)
+for sync in range(2):
+    for t in held.values():
+        t.mul_(-0.5)
+    ref = {}
+    for n, t in held.items():
+        ref.update([(n, t.cpu())] if not n.endswith("proj.weight") else zip([n, n + "_scale_inv"], quantize_block_fp8_reference(t.cpu())))
+    src = wire.Fp8WireSource(StateDictSource(held))
+    src.fill_slots = True
+    it = src.iter_weights()
+    for b in manifest.buckets:
+        whole = all(e.is_whole for e in b.entries)
+        dsts = [entry_view(slot, e) for e in b.entries] if whole else []
+        offer.ask = Ask(b.index, b.entries, dsts, slot) if whole else None
+        first = next(it)
+        offer.ask = None
+        if first[0] == FILLED:
+            got = [(e.name, d) for e, d in zip(b.entries, dsts)]
+        else:
+            got = [first] + [next(it) for _ in b.entries[1:]]
+        for e, (n, t) in zip(b.entries, got):
+            want = ref[e.name].reshape(-1).view(torch.uint8)[e.chunk_offset : e.chunk_offset + e.chunk_size] if not e.is_whole else ref[e.name]
+            t = t.cpu() if e.is_whole else t.cpu().reshape(-1).view(torch.uint8)[e.chunk_offset : e.chunk_offset + e.chunk_size]
+            if n != e.name or not torch.equal(t.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
+                bad.append(f"filled walk, sync {sync}: {e.name}")
+    if next(it, None) is not None:
+        bad.append("filled walk: items left")
+    whole = sum(all(e.is_whole for e in b.entries) for b in manifest.buckets)
+    if not (src.last_walk.filled == whole and src.last_walk.alone == 3 and src.last_walk.replayed == (src.last_walk.launches if sync else 0) and src.last_walk.launches > 0):
+        bad.append(f"filled walk paths, sync {sync}: {src.last_walk} ({whole} buckets of whole entries)")
+OFFER.reset(token)
 assert not bad, bad
 print("ok")
 """

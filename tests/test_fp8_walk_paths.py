@@ -10,6 +10,7 @@ overwritten before its launch would show up as wrong bytes.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -39,6 +40,9 @@ class EagerGroups:
     def plan_group(self, ws: Sequence[torch.Tensor], *, checked: bool = False) -> EagerLaunch:
         return EagerLaunch(self, ws)
 
+    def plan_into(self, ws: Sequence[torch.Tensor], codes_at: Sequence[int], scales_at: Sequence[int]) -> EagerInto:
+        return EagerInto(self, ws, codes_at, scales_at)
+
 
 class EagerLaunch:
     """A launch of `EagerGroups`: made for its weights' addresses, results in the weights' order."""
@@ -54,6 +58,24 @@ class EagerLaunch:
         else:
             made = [quantize_block_fp8_reference(w) for w in ws]
         return [q for q, _ in made] + [s for _, s in made]
+
+
+class EagerInto:
+    """A launch of `EagerGroups` into a bucket's buffer: each weight's codes and scales written, by
+    the eager recipe, at its byte offsets when the launch runs."""
+
+    def __init__(self, kernel: EagerGroups, ws: Sequence[torch.Tensor], codes_at: Sequence[int], scales_at: Sequence[int]) -> None:
+        self.kernel, self.ws, self.at = kernel, [weakref.ref(w) for w in ws], list(zip(codes_at, scales_at))
+        self.ptrs = [w.data_ptr() for w in ws]
+
+    def run(self, out: torch.Tensor) -> None:
+        ws = [r() for r in self.ws]
+        assert all(w is not None for w in ws) and [w.data_ptr() for w in ws] == self.ptrs, "a launch ran for weights that are gone"  # type: ignore[union-attr]
+        self.kernel.launches.append(len(ws))
+        for w, (q_at, s_at) in zip(ws, self.at):
+            q, s = quantize_block_fp8_reference(w)
+            out[q_at : q_at + q.numel()].copy_(q.reshape(-1).view(torch.uint8))
+            out[s_at : s_at + 4 * s.numel()].copy_(s.reshape(-1).view(torch.uint8))
 
 
 @pytest.fixture
@@ -186,6 +208,79 @@ def test_on_a_gpu_a_moe_layer_walks_through_the_grouped_kernel() -> None:
     for name in [s.name for s in specs if quantizes(s)][::97]:
         q, s = quantize_block_fp8_reference(weights[name].cpu())
         assert torch.equal(got[name].cpu().view(torch.uint8), q.view(torch.uint8)) and torch.equal(got[scale_name(name)].cpu(), s), name
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_a_filled_walk_writes_the_slots_with_the_references_bytes() -> None:
+    """The walk that writes a sender's buckets into its slot itself (`sources/fp8_fill.py`, issue 41)
+    on CUDA with the real kernel: one Qwen3-30B-A3B layer in 64 MiB buckets, pulled as `Sender`
+    pulls it (each bucket of whole entries offered). The first walk records, the second makes the
+    fills, the third replays them: every third bucket's slot bytes equal the CPU reference, at
+    both. Prints the replaying walk's host time a quantized weight (no views, nothing to pack)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    host, replayed = filled_walks(torch.device("cuda", 0))
+    print(f"\nfilled walk host time: {host / 388 * 1e6:.2f} us a quantized weight, {replayed}")
+
+
+def filled_walks(device: torch.device) -> tuple[float, wire.WalkCounts]:
+    """`test_on_a_gpu_a_filled_walk_writes_the_slots_with_the_references_bytes` on `device` (the
+    grouped kernel: CUDA's, or a stand-in the caller put in place): the replaying walk's host
+    seconds and counts."""
+    import time
+
+    from ckpt_engine.fp8.direct import FILLED, OFFER, Ask, Offer
+    from ckpt_engine.pipeline.wire_views import entry_view
+    from ckpt_engine.planning.buckets import plan_buckets
+
+    specs = checkpoint_specs(load_preset_config("qwen3-30b-a3b"), num_layers=1)
+    g = torch.Generator(device=device).manual_seed(1)
+    weights = {s.name: torch.randn(s.shape, generator=g, device=device, dtype=torch.bfloat16) * 0.02 for s in specs if ".layers.0." in s.name}
+    manifest = plan_buckets(wire.Fp8WireSource(StateDictSource(weights)).metadata(), 64 << 20)
+    assert all(e.is_whole for b in manifest.buckets for e in b.entries) and len(manifest.buckets) > 3
+    slot = torch.empty((64 << 20) + 256, dtype=torch.uint8, device=device)
+    views = [[entry_view(slot, e) for e in b.entries] for b in manifest.buckets]
+
+    def check(b_index: int) -> None:
+        for e, d in zip(manifest.buckets[b_index].entries, views[b_index]):
+            name = e.name.removesuffix("_scale_inv")
+            w = weights[name].cpu()
+            if name == e.name and not quantizes(TensorSpec(name, "bfloat16", tuple(w.shape))):
+                want = w
+            else:
+                q, s = quantize_block_fp8_reference(w)
+                want = q if name == e.name else s
+            assert torch.equal(d.cpu().reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), e.name
+
+    def walk(checked: bool) -> tuple[float, wire.WalkCounts]:
+        src, offer = wire.Fp8WireSource(StateDictSource(weights)), Offer("filled walks")
+        src.fill_slots = True
+        token = OFFER.set(offer)
+        try:
+            it = src.iter_weights()
+            t0 = time.perf_counter()
+            for b in manifest.buckets:
+                offer.ask = Ask(b.index, b.entries, views[b.index], slot)
+                assert next(it)[0] == FILLED
+                offer.ask = None
+                if checked and b.index % 3 == 0:
+                    check(b.index)
+            host = time.perf_counter() - t0
+            assert next(it, None) is None
+        finally:
+            OFFER.reset(token)
+        return host, src.last_walk
+
+    list(wire.Fp8WireSource(StateDictSource(weights)).iter_weights())  # records the walk (and loads the kernels)
+    _, made = walk(checked=True)
+    host, replayed = walk(checked=False)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    walk(checked=True)
+    n = len(manifest.buckets)
+    assert made.filled == replayed.filled == n and made.replayed == 0, made
+    assert replayed.grouped == 388 and replayed.alone == 0 and replayed.replayed == replayed.launches == n, replayed
+    return host, replayed
 
 
 def test_the_wire_layout_is_derived_once_per_metadata_and_anew_when_it_changes() -> None:

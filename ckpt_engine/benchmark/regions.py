@@ -11,8 +11,8 @@ slices equal the senders' weights. Where the time goes (the JSON): each rank's m
 the single sender's own host seconds of a whole-model send (`sender_full`: reading the walk,
 quantize included, and packing); each receiver's seconds keeping its slices (`keep_s`: batched
 copies a bucket, the bench's stand-in for an engine's loader); with FP8, which quantize path the
-walk's weights took (`fp8_walk`; `fp8_walk_replayed`: its launches replayed from the last walk's
-record); on CUDA, what each rank's caching allocators had to get from CUDA in the first round and
+walk's weights took in the last whole-model send (`fp8_walk`, with `filled`: buckets the walk wrote
+into the sender's slots itself; `fp8_walk_replayed`: its launches replayed from the last record); on CUDA, what each rank's caching allocators had to get from CUDA in the first round and
 in the timed ones (`allocs`: device segments, pinned host blocks and the time those took: a first
 sync slower than the next is often one growing its memory pools).
 
@@ -262,6 +262,8 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
             local[name] = next(full[name][sh.start // row : sh.stop // row] for sh in shards if sh.sender == rank)
         shapes = {s.name: s.shape for s in specs}
         wire = Fp8WireSource(StateDictSource(local)) if fp8 else None  # stable: consecutive weights quantize in one launch
+        if wire is not None:
+            wire.fill_slots = True  # only the sender reads a whole-model send's walk: it may fill the slots itself
 
         def walk() -> Any:
             if wire is not None:  # one sender: the plan's order is the metadata's
@@ -282,9 +284,12 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
             return send_regions(groups[mode], layouts[mode].sets, manifests[mode], tensors, shapes, owners=owners)
 
         sender_full: list[dict[str, float]] = []
+        full_walk: list[Any] = []  # the last whole-model send's FP8 walk (a region send's walk fills no slots)
 
         def send_full() -> None:
             stats = send("full")
+            if wire is not None:
+                full_walk[:] = [dataclasses.replace(wire.last_walk)]
             if stats is not None and senders == 1 and not split:
                 sender_full.append({"export_s": stats.export_s, "pack_s": stats.pack_s, "total_s": stats.total_s})
 
@@ -369,7 +374,7 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     if receiver < 0:
         out["sender_full"] = sender_full[1:]  # the timed rounds (the first is the round after the join)
         out["sender_full_first"] = sender_full[0] if sender_full else None
-        walk = dataclasses.asdict(wire.last_walk) if wire is not None else None
+        walk = dataclasses.asdict(full_walk[0] if full_walk else wire.last_walk) if wire is not None else None
         out["fp8_walk_replayed"] = walk.pop("replayed") if walk is not None else None  # launches of the last walk replayed from its record
         out["fp8_walk"] = walk
     out["allocs"] = allocs if cuda else None

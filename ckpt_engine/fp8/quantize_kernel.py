@@ -38,7 +38,7 @@ import triton.language as tl
 from ckpt_engine.delta.kernels import on_device_of
 from ckpt_engine.fp8.layout import BLOCK, FP8_DTYPE
 
-__all__ = ["MAX_GROUP", "GroupLaunch", "groupable", "plan_group", "quantize_block_fp8_group", "quantize_block_fp8_triton"]
+__all__ = ["MAX_GROUP", "GroupLaunch", "IntoLaunch", "groupable", "plan_group", "plan_into", "quantize_block_fp8_group", "quantize_block_fp8_triton"]
 
 _FLOOR_BITS = struct.unpack("<i", struct.pack("<f", 1e-4))[0]
 """float32(1e-4) as its bit pattern: the reference's `clamp(1e-4)` on a float32 amax."""
@@ -273,6 +273,59 @@ class GroupLaunch:
             ss += s_buf[s_at : s_at + n * blocks].view(n, *s_shape).unbind(0)
             q_at, s_at = q_at + n * numel, s_at + n * blocks
         return qs + ss
+
+
+def plan_into(ws: Sequence[torch.Tensor], codes_at: Sequence[int], scales_at: Sequence[int]) -> IntoLaunch:
+    """`IntoLaunch(ws, codes_at, scales_at)`: the walk's way in for a bucket it fills in place."""
+    return IntoLaunch(ws, codes_at, scales_at)
+
+
+class IntoLaunch:
+    """One launch that quantizes `ws` (each `groupable`, one dtype and device: the caller asked)
+    straight into a bucket's send buffer: weight i's codes at byte `codes_at[i]` of the buffer,
+    its scales at byte `scales_at[i]` (the wire's layout, so the sender packs nothing: issue 41).
+    The table is made once, with the offsets in it; `run` takes the buffer, so one launch serves
+    whichever slot the bucket goes through. Codes offsets must be multiples of 16 (16-byte stores),
+    scales offsets of 4."""
+
+    def __init__(self, ws: Sequence[torch.Tensor], codes_at: Sequence[int], scales_at: Sequence[int]) -> None:
+        if not ws or len(ws) != len(codes_at) or len(ws) != len(scales_at) or len(ws) > MAX_GROUP:
+            raise ValueError(f"a launch into a buffer takes 1 to {MAX_GROUP} weights, each with a codes and a scales offset")
+        bad = [i for i, (q, s) in enumerate(zip(codes_at, scales_at)) if q % 16 or s % 4 or q < 0 or s < 0]
+        if bad or ws[0].dtype not in _GROUP_DTYPES:
+            raise ValueError(f"a launch into a buffer needs codes at multiples of 16 bytes and scales at multiples of 4; not weight(s) {bad[:8]}")
+        self.dtype, self.device = ws[0].dtype, ws[0].device
+        self.ptrs = [w.data_ptr() for w in ws]
+        metas = [_meta(w.shape) for w in ws]
+        table = np.empty((len(ws), 8), dtype=np.int64)
+        table[:, 0] = self.ptrs
+        table[:, 1] = codes_at
+        table[:, 2] = np.asarray(scales_at, dtype=np.int64) // 4
+        table[:, 3:] = metas
+        self._grid = (max(m[4] for m in metas), len(ws))
+        self._end = max(q + w.numel() for q, w in zip(codes_at, ws)), max(s + 4 * m[4] for s, m in zip(scales_at, metas))
+        t = torch.from_numpy(table)
+        self._table = t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        self._hw_cvt = _hw_cvt(self.device)
+
+    def run(self, out: torch.Tensor) -> None:
+        """Quantize the weights (still at `ptrs`) into `out`, a uint8 buffer on their device."""
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < max(self._end) or out.device != self.device:
+            raise ValueError(f"a launch into a buffer writes up to byte {max(self._end)} of a uint8 buffer on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
+        scales = out[: out.numel() // 4 * 4].view(torch.float32)
+        with on_device_of(out):
+            _quantize_many[self._grid](
+                self._table, out, scales, DTYPE=_GROUP_DTYPES[self.dtype], BR=BLOCK[0], BC=BLOCK[1], FLOOR_BITS=_FLOOR_BITS,
+                HW_CVT=self._hw_cvt, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+            )
+
+
+@functools.cache
+def _meta(shape: torch.Size) -> tuple[int, int, int, int, int]:
+    """Table columns 3-7 of a weight of `shape`: rows, cols, block columns, blocks a matrix, blocks."""
+    *lead, rows, cols = shape
+    br, bc = -(-rows // BLOCK[0]), -(-cols // BLOCK[1])
+    return rows, cols, bc, br * bc, br * bc * (lead[0] if lead else 1)
 
 
 def _table(shapes: list[tuple[Any, ...]], ptrs: list[int]) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ckpt_engine.fp8.direct import FILLED, Ask, Offer
 from ckpt_engine.pipeline.wire_views import checked_weight, flat_bytes, has_wire_layout, next_item, next_weight
 from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.engine import SendStats
@@ -77,6 +78,8 @@ class PieceReader:
         self.flat_is_source = False  # `flat` aliases the caller's tensor (no conversion temporary)
         self.base = 0
         self.known = known
+        self.held: tuple[str, torch.Tensor] | None = None
+        """An item `filled` took that was not a filled bucket: the first of `fresh_entries`'."""
 
     def source(self, e: TensorMeta) -> tuple[torch.Tensor, bool]:
         """(what entry `e` sends, whether that is the caller's own memory in the wire layout)."""
@@ -129,6 +132,22 @@ class PieceReader:
             self.current, self.flat, self.base = srcs[-1], None, 0
         return srcs, owns
 
+    def filled(self, offer: Offer, ask: Ask) -> bool:
+        """Offer bucket `ask` to the walk (`fp8/direct.py`): whether the walk wrote it into the slot
+        itself (then nothing of it is read, checked or packed here). Otherwise the item it yielded
+        is `held` for `fresh_entries`."""
+        offer.ask = ask
+        t0 = time.perf_counter()
+        try:
+            item = next(self.it, None)
+        finally:
+            offer.ask = None
+            self.stats.export_s += time.perf_counter() - t0
+        if item is not None and item[0] == FILLED:
+            return True
+        self.held = item
+        return False
+
     def fresh_entries(self, entries: Sequence[TensorMeta], dsts: Sequence[torch.Tensor]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
         """A bucket of whole entries from a walk of new tensors (`WeightWalk.fresh`: the FP8 wire's
         codes and scales), in one loop: the copies into `dsts`, one (destinations, sources) pair of
@@ -138,7 +157,8 @@ class PieceReader:
         fresh tensor is never the slot's own memory (no aliasing to skip). A 30B-A3B FP8 bucket
         holds ~1,400 such tensors; the per-entry calls of `source` and `batched_copy_`'s per-pair
         sorting cost more host time than the checks."""
-        it = self.it
+        it = self.it if self.held is None else chain([self.held], self.it)
+        self.held = None
         dtypes: dict[str, torch.dtype] = {}
         groups: dict[tuple[torch.dtype, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         t = None

@@ -19,6 +19,7 @@ import torch
 from ckpt_engine.checksum import bucket_checksum
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
+from ckpt_engine.fp8.direct import OFFER, Ask, Offer
 from ckpt_engine.manifest import Bucket, BucketManifest
 from ckpt_engine.pipeline.copy_plan import BucketSend, SendPlan, anchors_of, close_walk, coalesce, layout_of
 from ckpt_engine.pipeline.delta_send import DeltaSender
@@ -102,8 +103,10 @@ class Sender:
             close_walk(weights)
         recorded: dict[int, BucketSend] | None = {} if anchors is not None and plan is None else None
         fresh = not stable and isinstance(weights, WeightWalk) and weights.fresh  # pieces outlive the walk's next step
+        offer = Offer(f"{manifest.digest}/{self.t.rank}") if fresh else None  # a replayed FP8 walk fills the slots itself
         it = iter(weights) if plan is None else iter(())
         works: list[Any] = [None] * self.opts.num_buffers
+        offered = OFFER.set(offer)  # for the walk's generator: it runs in this context when pulled
         try:
             known = state.known if stable else None
             pieces = PieceReader(it, state.schedule, self.t.rank, self.t.device, stats, known) if plan is None else None
@@ -116,6 +119,7 @@ class Sender:
                     assert pieces is not None
                     action = self._resolve_bucket(
                         bucket, views[bucket.index], pieces, stable, stats, recorded is not None, fresh=fresh, kind=state.bucket_kind(bucket),
+                        offer=offer, slot=slot,
                     )
                     if recorded is not None:
                         if isinstance(action, _Once):
@@ -132,6 +136,7 @@ class Sender:
             state.bases.sync_id = None
             raise
         finally:
+            OFFER.reset(offered)
             if plan is not None:
                 close_walk(weights)
         if recorded is not None:
@@ -156,7 +161,7 @@ class Sender:
 
     def _resolve_bucket(
         self, bucket: Bucket, dsts: list[torch.Tensor], pieces: PieceReader, stable: bool, stats: SendStats, record: bool,
-        *, fresh: bool = False, kind: tuple[bool, bool],
+        *, fresh: bool = False, kind: tuple[bool, bool], offer: Offer | None = None, slot: int = 0,
     ) -> BucketSend:
         """Take a bucket's pieces from the source and decide how it travels. Without `stable`, each
         piece is packed before the next is asked for (the result is then only good for this sync),
@@ -164,7 +169,8 @@ class Sender:
         batched copy (a 30B-A3B FP8 walk has ~37k pieces, a copy launch each otherwise).
         A `_Once` when the decision holds for this sync only (not `record`ing, or a piece is a
         temporary of this walk); only a recorded decision pays for coalescing its copies. `kind`:
-        `PlanState.bucket_kind` (every entry whole, one wire dtype)."""
+        `PlanState.bucket_kind` (every entry whole, one wire dtype). `offer`: a fresh walk is offered
+        each bucket of whole entries first, to fill in `slot` itself (a replayed FP8 walk)."""
         srcs: list[torch.Tensor] = []
         borrowed: list[bool] = []  # src is the caller's memory in the wire layout
         replayable = stable and record
@@ -175,7 +181,10 @@ class Sender:
         grouped = self.opts.is_grouped(bucket, self.t)
         if fresh and all_whole:  # new tensors, every one copied: checked and sorted in one loop
             slot_msgs = [flat_bytes(d) for e, d in zip(bucket.entries, dsts) if e.chunk_size] if grouped else []
-            return _OnceByDtype("grouped" if grouped else "packed", msgs=slot_msgs, groups=pieces.fresh_entries(bucket.entries, dsts))
+            how = "grouped" if grouped else "packed"
+            if offer is not None and pieces.filled(offer, Ask(bucket.index, bucket.entries, dsts, self.t.buffers[slot])):
+                return _OnceByDtype(how, msgs=slot_msgs)  # in the slot already: nothing to pack
+            return _OnceByDtype(how, msgs=slot_msgs, groups=pieces.fresh_entries(bucket.entries, dsts))
         if pieces.known is not None and all_whole:  # stable: one loop over the bucket's entries
             srcs, owns = pieces.whole_entries(bucket.entries)
             borrowed = [own and may_borrow for own in owns]

@@ -11,7 +11,9 @@ more host time than the bf16 sync takes. Any other weight (a gathering walk's, e
 Megatron's, whose tensor may be overwritten once the next is asked for) is quantized alone, as
 it comes; `last_walk` counts which path each weight took. A walk of a `stable_tensors` source is
 recorded and replayed by the next sync of the same tensors (`fp8_walk.py`): its grouping and
-launch tables are worked out once, not per weight and sync.
+launch tables are worked out once, not per weight and sync. From the sync after that, where the
+sender offers its buckets and `fill_slots` is on, the walk writes each one into the sender's slot
+itself (`fp8_fill.py`): no tensor a weight, and nothing for the sender to check or pack.
 
 `ShardedFp8WireSource(source)`: each sender quantizes its own rows of a weight, which is exact
 only when its row range starts and ends on a 128-row block boundary (or the tensor's end); any
@@ -33,6 +35,8 @@ from ckpt_engine.fp8.quantize import quantize_block_fp8
 from ckpt_engine.manifest import DTYPE_ITEMSIZE, TensorSpec
 from ckpt_engine.planning.ownership import OwnerMap, Shard
 from ckpt_engine.sources.base import WeightSource
+from ckpt_engine.fp8.direct import OFFER
+from ckpt_engine.sources.fp8_fill import Fills, fill_walk
 from ckpt_engine.sources.fp8_walk import GroupKernel, Quantized, WalkCounts, WalkPlan, Walker, to_wire
 from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.sources.wire import torch_dtype
@@ -77,6 +81,13 @@ class _Layout:
     wire_specs: list[TensorSpec]
     walk: WalkPlan | None = None
     """The last recorded walk of a stable source of this metadata (`fp8_walk.py`)."""
+    fills: Fills | None = None
+    """How a sender's buckets are filled from that walk (`fp8_fill.py`), for the last bucket layout."""
+
+    def fills_for(self, key: str) -> Fills:
+        if self.fills is None or self.fills.key != key:
+            self.fills = Fills(key)
+        return self.fills
 
 
 _LAYOUTS: list[_Layout] = []
@@ -120,6 +131,11 @@ class Fp8WireSource(WeightSource):
         self._specs, self._quantized, self._wire_specs = layout.specs, layout.quantized, layout.wire_specs
         self.last_walk = WalkCounts()
         """Which path each quantized weight of the latest walk took (so far, while it runs)."""
+        self.fill_slots = False
+        """Whether a walk may write the buckets a sender offers into its slots itself (`fp8_fill.py`),
+        yielding no tensor for them; read when the walk starts. Off unless whoever drives the walk
+        says nothing but the sender reads what it yields (an installed-weight check folds each
+        tensor by name as it passes, and would find the filled ones missing)."""
 
     @property
     def is_sender(self) -> bool:  # type: ignore[override]
@@ -144,7 +160,10 @@ class Fp8WireSource(WeightSource):
         self.last_walk = walker.counts
         layout = self._layout
         it = iter(self.source.iter_weights())
-        if stable and layout.walk is not None:  # the same tensors as last sync: its record replays
+        offer = OFFER.get() if stable and self.fill_slots and layout.walk is not None else None
+        if offer is not None and not layout.fills_for(offer.key).refused:  # the sender's slots are filled in place
+            yield from fill_walk(walker, layout.fills_for(offer.key), offer, it)
+        elif stable and layout.walk is not None:  # the same tensors as last sync: its record replays
             yield from walker.replay(layout.walk, it)
         else:
             yield from walker.walk(it, record=[] if stable else None)

@@ -27,7 +27,7 @@ from ckpt_engine.fp8.quantize import quantize_block_fp8
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.sources.wire import torch_dtype
 
-__all__ = ["GroupKernel", "GroupLaunch", "Quantized", "WalkCounts", "WalkPlan", "Walker", "to_wire"]
+__all__ = ["GroupKernel", "GroupLaunch", "IntoLaunch", "Quantized", "WalkCounts", "WalkPlan", "Walker", "tensor_layout", "to_wire"]
 
 
 class GroupLaunch(Protocol):
@@ -50,17 +50,28 @@ class GroupKernel(Protocol):
 
     def plan_group(self, ws: Sequence[torch.Tensor], *, checked: bool = False) -> GroupLaunch: ...
 
+    def plan_into(self, ws: Sequence[torch.Tensor], codes_at: Sequence[int], scales_at: Sequence[int]) -> IntoLaunch:
+        """A launch writing into a bucket's buffer at those byte offsets (`sources/fp8_fill.py`)."""
+
+
+class IntoLaunch(Protocol):
+    """A grouped launch into a bucket's buffer (`quantize_kernel.IntoLaunch`), made once per bucket."""
+
+    def run(self, out: torch.Tensor) -> None: ...
+
 
 @dataclass
 class WalkCounts:
     """Which path the quantized weights of one walk took: `grouped` weights in `launches` grouped
     launches, `alone` weights one launch each (a 30B-A3B walk whose experts go alone pays a launch's
-    host time 18,432 times); `replayed` launches of those came from the last walk's record."""
+    host time 18,432 times); `replayed` launches of those came from the last walk's record;
+    `filled` buckets were written into the sender's slot by the walk itself (`fp8_fill.py`)."""
 
     launches: int = 0
     grouped: int = 0
     alone: int = 0
     replayed: int = 0
+    filled: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,7 +97,7 @@ class _Group:
     """One grouped launch as a walk made it: the source's items it took (names; which are weights,
     which passed between them as they are), its launch, and what it yields (names, and picks into
     the launch's results followed by the tensors passed between). Recorded: the weights (weakly: a
-    record must not keep a trainer's tensors alive) and their layouts (`_layout`)."""
+    record must not keep a trainer's tensors alive) and their layouts (`tensor_layout`)."""
 
     names: tuple[str, ...]
     weight_at: list[int]
@@ -111,10 +122,10 @@ class _Group:
         ws = ts if not self.between_at else [ts[j] for j in self.weight_at]
         if not all(map(is_, ws, [r() for r in self.refs])) or list(map(torch.Tensor.data_ptr, ws)) != self.launch.ptrs:
             return None
-        return ws if _layout(ws) == self.layout else None
+        return ws if tensor_layout(ws) == self.layout else None
 
 
-def _layout(ws: Sequence[torch.Tensor]) -> tuple[list[Any], ...]:
+def tensor_layout(ws: Sequence[torch.Tensor]) -> tuple[list[Any], ...]:
     """Shapes, dtypes and contiguity: at the same address these fix what a launch reads (a grouped
     weight is contiguous, so its strides follow from its shape)."""
     return list(map(_shape, ws)), list(map(_dtype, ws)), list(map(torch.Tensor.is_contiguous, ws))
@@ -198,7 +209,7 @@ class Walker:
                     yield from p.flush(counts, steps)
                 if steps is not None:
                     steps.append(_Alone(plan, weakref.ref(t), _stamp(t)))
-                yield from self._alone(plan, w)
+                yield from self.alone(plan, w)
                 continue
             here = (k, w.dtype, w.get_device())
             if p.ws and (here != p.key or p.held + plan.nbytes > group_bytes or len(p.ws) == k.MAX_GROUP):
@@ -215,7 +226,7 @@ class Walker:
         if steps is not None and any(isinstance(step, _Group) for step in steps):  # nothing to replay without a grouped launch
             self.recorded = WalkPlan(steps)
 
-    def _alone(self, plan: Quantized, w: torch.Tensor) -> tuple[tuple[str, torch.Tensor], ...]:
+    def alone(self, plan: Quantized, w: torch.Tensor) -> tuple[tuple[str, torch.Tensor], ...]:
         """A weight quantized alone, as it comes (a launch of its own on CUDA, the eager recipe elsewhere)."""
         q, s = quantize_block_fp8(w, BLOCK)
         self.counts.alone += 1
@@ -233,7 +244,7 @@ class Walker:
                     self.missed = True
                     yield from self.walk(chain([] if item is None else [item], it), record=plan.steps[:i])
                     return
-                yield from (item,) if isinstance(step, str) else self._alone(step.plan, item[1])
+                yield from (item,) if isinstance(step, str) else self.alone(step.plan, item[1])
                 continue
             items = list(islice(it, len(step.names)))
             names, ts = zip(*items) if items else ((), ())
@@ -290,7 +301,7 @@ class _Pending:
             w_i += 1
         group = _Group(tuple(self.names), self.weight_at, self.between_at, launch, out_names, picks)
         if steps is not None:
-            group.refs, group.layout = [weakref.ref(w) for w in ws], _layout(ws)
+            group.refs, group.layout = [weakref.ref(w) for w in ws], tensor_layout(ws)
             steps.append(group)
         counts.launches += 1
         counts.grouped += n
