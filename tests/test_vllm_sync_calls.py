@@ -71,7 +71,6 @@ class Calls:
         client.collective_rpc, client._core.call, client.reset_prefix_cache = counted_rpc, counted_core_call, counted_reset
 
     def take(self) -> list[str]:
-        self.client.health()
         self.client.weight_version()  # a call of the client: the resume `resume_later` sent goes through first
         names, self.names = self.names, []
         return names
