@@ -107,6 +107,7 @@ def test_a_sync_reads_the_membership_from_the_validate_and_finalizes_in_the_rece
         second = session.sync(source_of(trainer))
         names = calls.take()
         assert second.version == held + 2
+        assert 0 < second.seconds["receive_start_max"] < second.seconds["transfer"]  # the worker's setup before its first bucket
         assert [n for n in names if n != "ckpt_installed_arm"] == [
             "ckpt_validate", "pause_scheduler", "ckpt_receive_begin", "reset_prefix_cache", "ckpt_receive_end", "resume_scheduler",
         ], names

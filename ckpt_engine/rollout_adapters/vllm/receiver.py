@@ -86,8 +86,7 @@ class VllmReceiverCore:
         self._regions_used = False
         self.peer = VllmPeer()
         """Peer joins (`vllm/peer.py`): the image of the served version it offers, the pulls it stages."""
-        self._alias: tuple[str, int, dict[str, str]] | None = None
-        """(manifest digest, specs id, {embedding: the tied head it loads as}) of the last receive."""
+        self._alias: tuple[str, int, dict[str, str]] | None = None  # (digest, specs id, {embedding: the tied head it loads as})
         self._background: ReceiveThread | None = None
         """The parked thread unstaged receives run on (`receive_begin`, collected by `receive_end`)."""
 
@@ -190,12 +189,14 @@ class VllmReceiverCore:
         return loaded
 
     # --- receive and load ---------------------------------------------------------------------
-    def receive(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
+    def receive(self, digest: str, delta: dict[str, Any] | None = None, begun: float | None = None) -> dict[str, Any]:
         """Receive every bucket of an accepted manifest and load it; layerwise reload stays open
         until `finalize` (or is closed here if the receive fails, never leaving meta layers).
 
         `delta` (a controller's delta request): patches land in this worker's base copy, are
-        checked, and the full tensors then load through the same layerwise reload."""
+        checked, and the full tensors then load through the same layerwise reload. `begun`: when
+        `receive_begin` handed it over (`perf_counter`); the report's `start_s` counts from there."""
+        begun = begun if begun is not None else time.perf_counter()
         self._check_not_staging("receive")
         self.peer.clear()
         self.staging.discard()
@@ -214,7 +215,7 @@ class VllmReceiverCore:
         self.stale = True
         self.reload.open()
         try:
-            out = self._stream(digest, delta, load)
+            out = self._stream(digest, delta, load, begun=begun)
         except BaseException:
             self.reload.close()
             raise
@@ -235,7 +236,8 @@ class VllmReceiverCore:
             raise RuntimeError(f"manifest {digest[:12]} was not validated on this worker; call validate() first")
         if self._background is None:
             self._background = ReceiveThread(self.receiver.device)
-        self._background.start(lambda: self.receive(digest, delta))
+        begun = time.perf_counter()
+        self._background.start(lambda: self.receive(digest, delta, begun))
         return {"started": True}
 
     def receive_end(self, timeout_s: float) -> dict[str, Any]:
@@ -245,7 +247,7 @@ class VllmReceiverCore:
             raise RuntimeError("no receive was begun on this worker")
         return self._background.result(timeout_s)
 
-    def _stream(self, digest: str, delta: dict[str, Any] | None, sink: Sink, staged: StagedReceive | None = None) -> dict[str, Any]:
+    def _stream(self, digest: str, delta: dict[str, Any] | None, sink: Sink, staged: StagedReceive | None = None, begun: float | None = None) -> dict[str, Any]:
         """Take every bucket of an accepted manifest and hand `sink` its loadable pairs (a tied
         head the trainer did not send rides along as its embedding's tensor). Returns the report.
         `staged`: a staged receive, which keeps region items as they are (the swap lands them)."""
@@ -287,10 +289,11 @@ class VllmReceiverCore:
                 landing, region_loader = staged.keep_regions(make)
 
         with torch.no_grad():
+            start_s = time.perf_counter() - begun if begun is not None else None  # the worker's setup before the first bucket
             report = self.receiver.receive(digest, load, delta=delta, region_loader=region_loader)
         if landing is not None and landing.incomplete():
             raise RuntimeError(f"region delivery ended with regions missing for {landing.incomplete()[:5]}")
-        return report.to_dict()
+        return {**report.to_dict(), **({"start_s": start_s} if start_s is not None else {})}
 
     # --- staged receive and swap (see vllm/staging.py) ------------------------------------------
     def stage(self, digest: str, delta: dict[str, Any] | None = None, on_end: OnEnd | None = None) -> dict[str, Any]:
