@@ -208,12 +208,13 @@ class VllmReceiverCore:
         scanned: dict[int, Any] = {}  # detach_pending's walk of the layers' held loads, across this reload's buckets
 
         def load(loadable: list[tuple[str, torch.Tensor]]) -> None:
+            if not self.reload.is_open:  # opened at the first bucket, while the next one is in flight (issue 39: 0.9 of
+                self.reload.open()  # the 1.1 ms a tiny Qwen2's receive took on the CPU box before its first bucket)
             with self.reload.loading():
                 load_weights(loadable)
             detached[0] += detach_pending(loadable, scanned)
 
         self.stale = True
-        self.reload.open()
         try:
             out = self._stream(digest, delta, load, begun=begun)
         except BaseException:
