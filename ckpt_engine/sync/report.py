@@ -123,6 +123,9 @@ def make_report(
         seconds["encode"] = stats.extra["encode_s"]
     seconds["apply_max"] = max((r.extra.get("delta_apply_s", 0.0) for r in receivers.values()), default=0.0)
     seconds["load_max"] = max((r.load_s for r in receivers.values()), default=0.0)
+    starts = [r.extra["start_s"] for r in receivers.values() if "start_s" in r.extra]
+    if starts:  # engines that time their receive's setup (vLLM workers): the slowest, from its begin to its first bucket
+        seconds["receive_start_max"] = max(starts)
     if request is None and region_bytes is not None:  # dense, regions: the pieces some rank holds
         per_sender = list(region_bytes)
         wire = dense = sum(per_sender)
