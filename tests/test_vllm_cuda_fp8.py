@@ -34,6 +34,7 @@ from ckpt_engine.fp8.quantize import quantize_block_fp8  # noqa: E402
 from ckpt_engine.manifest import TensorSpec  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmRollout  # noqa: E402
 from ckpt_engine.sources.base import StateDictSource  # noqa: E402
+from ckpt_engine.sources.fp8 import Fp8WireSource  # noqa: E402
 from ckpt_engine.sync.api import close_sessions, sync_rollout_weights  # noqa: E402
 from helpers_vllm_cuda import digests, greedy  # noqa: E402
 
@@ -115,9 +116,33 @@ def refit(tmp_path: Path, block_fp8: bool, engine_kw: dict[str, Any], wire: str 
         assert [n for n in want[0] if got[n] != want[0][n]] == []
         assert greedy(llm) == want[1]
         print(f"fp8 refit ({'block-FP8 wire' if block_fp8 else 'online FP8, bf16 wire'}): {report.bytes} wire bytes, {report.seconds}")
+        if wire == "fp8":
+            later_syncs_fill_the_senders_slots(llm, handle, trainer, tmp_path, want[0], before)
     finally:
         close_sessions()
         llm.llm_engine.engine_core.shutdown()
+
+
+def later_syncs_fill_the_senders_slots(llm: Any, handle: Any, trainer: StateDictSource, tmp_path: Path, want: dict[str, str], seed7: dict[str, str]) -> None:
+    """The same trainer tensors, changed in place between syncs (seed 7's weights, then seed 0's
+    again, ...): from the third sync of a stable source the FP8 walk writes each bucket into the
+    sender's slot itself (`sources/fp8_fill.py`); every sync still lands the disk load's bytes."""
+    seeds = {0: {n: t.to("cuda:1") for n, t in bf16_weights(tmp_path / "seed0", 0).items()},
+             7: {n: t.to("cuda:1") for n, t in bf16_weights(tmp_path / "seed7", 7).items()}}
+    wire = Fp8WireSource(trainer)
+    config = CheckpointEngineConfig(backend="nccl", timeout_s=60.0, wire_dtype="fp8")
+    filled = []
+    for seed in (7, 0, 7, 0, 7):
+        for n, t in trainer.weights.items():
+            t.copy_(seeds[seed][n])
+        report = sync_rollout_weights(wire, [handle], config=config)
+        assert report is not None and handle.held_version() == report.version
+        filled.append(wire.last_walk.filled)
+        got = digests(llm)
+        expected = seed7 if seed == 7 else want
+        assert [n for n in expected if got[n] != expected[n]] == [], (seed, filled)
+    assert filled[-1] > 0, f"no sync filled the sender's slots: {filled}"
+    print(f"fp8 fills: buckets filled by the walk per sync {filled}")
 
 
 def test_block_fp8_engine_takes_the_fp8_wire_exactly(tmp_path: Path) -> None:

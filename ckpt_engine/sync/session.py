@@ -42,7 +42,7 @@ from ckpt_engine.sync.weights_mode import WeightsModeCheck
 from ckpt_engine.versions import next_version
 from ckpt_engine.sources.vllm import as_weight_source
 from ckpt_engine.sources.base import WatchedWeights, WeightSource
-from ckpt_engine.sources.fp8 import fp8_wire
+from ckpt_engine.sources.fp8 import Fp8WireSource, fp8_wire
 
 __all__ = ["SOURCE", "SyncError", "SyncReport", "WeightSyncSession"]
 
@@ -264,6 +264,8 @@ class WeightSyncSession:
             weights = WatchedWeights(pieces)
         collective = isinstance(source, ShardedWeightSource) and source.collective_pieces
         self._installed.arm_manifest(self.rollouts, manifest, self._regions.plans, senders, collective)
+        if isinstance(source, Fp8WireSource):  # the walk fills the sender's slots itself unless a check folds what it yields
+            source.fill_slots = self._installed.request is None
         announced = self._installed.announcement() if senders > 1 else None
         if announced is not None and isinstance(source, ShardedWeightSource):  # each sender folds its share; rank 0 adds them
             self._senders.installed = announced
