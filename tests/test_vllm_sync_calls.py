@@ -48,30 +48,28 @@ def llm(qwen2_llm: SharedServer[object]) -> Iterator[object]:
 
 
 class Calls:
-    """The worker methods (`collective_rpc`) and engine-core calls (utilities: pause, resume) a handle's
-    channel makes, in order; `take` first sees through a resume sent and not waited for."""
+    """The worker methods (`collective_rpc`) and engine-core calls a handle's channel makes, in order."""
 
     def __init__(self, adapter: Any) -> None:
         self.names: list[str] = []
-        self.client = client = adapter.client
-        rpc, core_call, reset = client.collective_rpc, client._core.call, client.reset_prefix_cache
+        client = adapter.client
+        rpc, utility, reset = client.collective_rpc, client._utility, client.reset_prefix_cache
 
         def counted_rpc(method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
             self.names.append(method)
             return rpc(method, kwargs, timeout_s)
 
-        def counted_core_call(method: str, *args: Any) -> Any:
+        def counted_utility(method: str, *args: Any) -> Any:
             self.names.append(method)
-            return core_call(method, *args)
+            return utility(method, *args)
 
         def counted_reset(running: bool = False) -> bool:
             self.names.append("reset_prefix_cache")
             return reset(running)
 
-        client.collective_rpc, client._core.call, client.reset_prefix_cache = counted_rpc, counted_core_call, counted_reset
+        client.collective_rpc, client._utility, client.reset_prefix_cache = counted_rpc, counted_utility, counted_reset
 
     def take(self) -> list[str]:
-        self.client.weight_version()  # a call of the client: the resume `resume_later` sent goes through first
         names, self.names = self.names, []
         return names
 
@@ -83,12 +81,10 @@ def _greedy_matches(llm: object, trainer: Any) -> bool:
 
 
 def test_a_sync_reads_the_membership_from_the_validate_and_finalizes_in_the_receive(llm: object, model_dir: Path) -> None:
-    """A steady sync's engine calls, in order: validate (with the membership), pause, receive (begun on
-    the worker's parked thread, the cache reset beside it, ended with the finalize), resume (sent with
-    the stamp, its answer not waited for: the client's next call sees it through); no `ckpt_health`,
-    no `ckpt_finalize` of its own. A sync with an installed-weight check (the session's first)
-    finalizes apart, after the check, and waits for its resume. The engine then serves the trainer's
-    weights exactly, under the next version."""
+    """A steady sync's engine calls, in order: validate (with the membership), pause, receive (begun,
+    the cache reset beside it, ended with the finalize), resume; no `ckpt_health`, no `ckpt_finalize`
+    of its own. A sync with an installed-weight check (the session's first) finalizes apart, after
+    the check. The engine then serves the trainer's weights exactly, under the next version."""
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
     from test_vllm_adapter import source_of, trainer_model
 
@@ -113,7 +109,6 @@ def test_a_sync_reads_the_membership_from_the_validate_and_finalizes_in_the_rece
         ], names
         assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held + 2, False)]
         assert adapter.weight_version() == str(held + 2) and _greedy_matches(llm, trainer)
-        assert not llm.llm_engine.engine_core.call_utility("is_scheduler_paused")  # type: ignore[attr-defined]
     finally:
         session.close()
 
@@ -205,45 +200,4 @@ def test_a_receive_that_fails_is_not_finalized_and_the_next_sync_heals(llm: obje
         assert session.sync(source_of(trainer)).version == held + 1
         assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held + 1, False)] and _greedy_matches(llm, trainer)
     finally:
-        session.close()
-
-
-def test_a_resume_sent_unwaited_that_fails_fails_the_next_call_by_name(llm: object, model_dir: Path) -> None:
-    """The resume a steady sync sends without waiting for its answer is not lost when it fails: the
-    handle's next engine call (the next sync's validate) raises it, naming the engine, before anything
-    is paused or sent; the engine is stale, and the sync after heals it and leaves it serving."""
-    from ckpt_engine.rollout_adapters.vllm import VllmRollout
-    from ckpt_engine.sync.report import SyncError
-    from test_vllm_adapter import source_of, trainer_model
-
-    adapter = VllmRollout("calls-resume", llm, timeout_s=60.0)
-    session = WeightSyncSession([adapter], CONFIG)
-    client = adapter.client
-    core_call = client._core.call  # type: ignore[attr-defined]
-
-    def resume_lost(method: str, *args: Any) -> Any:  # the engine core refuses the resume, once
-        if method == "resume_scheduler":
-            client._core.call = core_call  # type: ignore[attr-defined]
-            raise RuntimeError("the engine core lost the resume")
-        return core_call(method, *args)
-
-    try:
-        session.sync(source_of(trainer_model(model_dir, seed=73)))  # the first sync: checked, its resume waited for
-        client._core.call = resume_lost  # type: ignore[attr-defined]
-        done = session.sync(source_of(trainer_model(model_dir, seed=74)))  # returns before its resume's answer
-        calls = Calls(adapter)
-        with pytest.raises(SyncError) as err:
-            session.sync(source_of(trainer_model(model_dir, seed=75)))
-        assert err.value.stage == "validate" and "resume after the last sync failed" in err.value.failed["calls-resume"], str(err.value)
-        assert "the engine core lost the resume" in err.value.failed["calls-resume"] and "calls-resume" in err.value.stale
-        assert "pause_scheduler" not in calls.take()
-        assert llm.llm_engine.engine_core.call_utility("is_scheduler_paused")  # type: ignore[attr-defined]  # never resumed
-        assert [h["version"] for h in adapter.worker_health()] == [done.version]
-        trainer = trainer_model(model_dir, seed=76)
-        assert session.sync(source_of(trainer)).version == done.version + 1
-        calls.take()  # sees the resume through
-        assert not llm.llm_engine.engine_core.call_utility("is_scheduler_paused")  # type: ignore[attr-defined]
-        assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(done.version + 1, False)] and _greedy_matches(llm, trainer)
-    finally:
-        client._core.call = core_call  # type: ignore[attr-defined]
         session.close()

@@ -203,10 +203,7 @@ class RolloutAdapter(ABC):
         every byte of it landed whole (one round trip fewer a sync); `finalize(version)` is called after
         it all the same and does what is left. Told after a validate, for a sync into this engine alone
         from one sender with nothing checked between the receive and the finalize (another engine's
-        receive may not fail after this one finalized). Such a sync's `resume` may then send the
-        engine's stamp and resume without waiting for their answers, provided the handle's next engine
-        call waits for them first and raises their failure (in-process vLLM: `resume_later`). Default:
-        nothing folded."""
+        receive may not fail after this one finalized). Default: nothing folded."""
 
     def validated_membership(self) -> Membership | None:
         """With `membership_at_validate`: what `membership()` would have answered, as read by the last

@@ -230,46 +230,12 @@ class LLMWeightSyncClient:
         # Every call runs here so that each wait has a deadline (`_bounded`); a few threads, so a call
         # stuck in the engine core or a worker does not hold the next one.
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="vllm-rpc")
-        self._later: cf.Future[None] | None = None
-        """The stamp and resume `resume_later` sent, until a later call saw them through."""
-
-    def resume_later(self, version: str | None) -> None:
-        """Stamp `version` (where the engine core keeps one) and resume, in that order, without
-        waiting for the answers: every later call of this client first waits for them (at most
-        `timeout`) and raises their failure, so nothing overtakes the resume and no failure is lost.
-        The sync that ends with it returns one round trip sooner (issue 39)."""
-        self._settle()
-
-        def stamp_and_resume() -> None:
-            if version is not None and self.features.engine_weight_versions:
-                self.llm.update_weight_version(version)
-            self._core.call("resume_scheduler")
-
-        self._later = self._calls.submit(stamp_and_resume)
-
-    def _settle(self) -> None:
-        """Wait for what `resume_later` sent; its failure is raised once, naming it."""
-        later = self._later
-        if later is None:
-            return
-        try:
-            later.result(timeout=self.timeout + 1.0)
-        except cf.TimeoutError:
-            raise TimeoutError(f"vLLM engine {self.name}: the resume after the last sync did not answer within {self.timeout:.0f}s") from None
-        except Exception as exc:
-            if self._later is later:
-                self._later = None
-            raise RuntimeError(f"vLLM engine {self.name}: the resume after the last sync failed ({type(exc).__name__}: {exc}); it may still be paused") from exc
-        if self._later is later:
-            self._later = None
 
     def _bounded(self, what: str, timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`fn(...)` waited on for at most `timeout_s` (+ a grace second): vLLM waits on an engine-core
         call with no deadline (its engine-core client on a utility's answer, an engine core in this
         process on its workers; 0.26 ignores `collective_rpc`'s timeout), so a stuck engine core or
-        worker would hold the trainer forever. The call itself stays stuck in its thread. A resume
-        sent by `resume_later` is seen through first."""
-        self._settle()
+        worker would hold the trainer forever. The call itself stays stuck in its thread."""
         future = self._calls.submit(fn, *args, **kwargs)
         try:
             return future.result(timeout=timeout_s + 1.0)

@@ -10,11 +10,10 @@ Weights go only through the weight-sync group, into ranks `rank_offset + worker 
 
 One sync: validate (manifest checked against vLLM's own parameters after its stacking rules; its
 answer says each worker's version and group: the session's membership query) -> pause the
-scheduler -> receive (layerwise reload, bucket by bucket, on each worker's parked receive thread)
--> finalize (layerwise post-processing, prefix-cache reset, weight version stamped; vLLM tags
-output tokens with it) -> resume; docs/vllm.md lists the engine calls. From its group join or
-validate to its resume, swap or discard a sync holds the engine against peer joins, and a join
-holds it against syncs (`vllm/holds.py`).
+scheduler -> receive (layerwise reload, bucket by bucket) -> finalize (layerwise post-processing,
+prefix-cache reset, weight version stamped; vLLM tags output tokens with it) -> resume. From its
+group join or validate to its resume, swap or discard a sync holds the engine against peer joins,
+and a join holds it against syncs (`vllm/holds.py`).
 
 A staged sync (`receive(..., stage=...)` then `swap`): the workers receive on a background thread
 while the engine keeps generating (`vllm/staging.py`) and report its end in the group's store
@@ -97,9 +96,11 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self.version_from: str | None = None
         """Where the version it holds came from: "trainer sync" or "peer pull from <peer>"."""
         self._pause_mode = "keep"
-        self._cache_reset = False  # whether this sync's prefix-cache reset already ran beside its transfer
+        self._cache_reset = False
+        """Whether this sync's prefix-cache reset already ran beside its transfer."""
         self.staged = StagedOutcomes(name, timeout_s)  # staged receives report their end in the group's store
-        self.client: Channel = llm if isinstance(llm, (HTTPWeightSyncClient, LLMWeightSyncClient, WeightTransferChannel)) else LLMWeightSyncClient(llm, timeout_s, name=repr(name))
+        channels = (HTTPWeightSyncClient, LLMWeightSyncClient, WeightTransferChannel)
+        self.client: Channel = llm if isinstance(llm, channels) else LLMWeightSyncClient(llm, timeout_s, name=repr(name))
         self.workers = self.client.route(name, timeout_s, self.capabilities.weights == "adapters")
         self.capabilities = replace(self.capabilities, **cast(dict[str, Any], dict.fromkeys(self.workers.lacks, False)))
         self.world_size = world_size if world_size is not None else self.client.world_size()
@@ -109,7 +110,6 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self._validated: Membership | None = None
         self._finalize_with: int | None = None  # `finalize_with_receive`'s version, until the receive takes it
         self._finalized: tuple[int, list[dict[str, Any]]] | None = None  # the version the receive finalized, its answers
-        self._resume_later: str | None = None  # a version finalized in the receive: stamped with the resume, unwaited
 
     def engine_key(self) -> Hashable:
         return self.client.engine_key()
@@ -199,7 +199,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
 
     def _validate(self, manifest: BucketManifest, encoded: bytes, regions: list[bytes] | None) -> None:
         # a sync starts: held until its finalize, swap or discard (the claim rides on the check)
-        self._validated, self._finalize_with, self._finalized, self._resume_later = None, None, None, None  # a sync starts
+        self._validated, self._finalize_with, self._finalized = None, None, None  # a sync starts
         problems = self.workers.check(manifest.digest, encoded, regions, self.holds.sync_claim())
         self.holds.claimed()
         if isinstance(self.workers, ExtensionRoute) and self.workers.members is not None:  # else asked apart
@@ -323,12 +323,8 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         if mode != "none":
             self.client.pause(mode)
 
-    def resume(self) -> None:  # in process after a receive that finalized: stamp + resume, not waited for
-        later, self._resume_later = self._resume_later, None
-        if later is not None and isinstance(self.client, LLMWeightSyncClient):
-            self.client.resume_later(later)
-        else:
-            self.client.resume()
+    def resume(self) -> None:
+        self.client.resume()
         self.holds.let_go()  # a sync that ended without its finalize (a failed one) lets go here
 
     def _pause_for_swap(self, mode: str) -> None:  # `mode` keep/abort/recompute, by the channel's quickest route
@@ -371,8 +367,9 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self.holds.let_go()  # a failed staged sync ends here
 
     def staging_room(self, nbytes: int) -> bool:
-        """Whether every worker can hold a staging copy of `nbytes` (within `staging_limit_bytes`); with receive
-        plans, the largest rank's slice bytes: what its staging copy then holds (its region items, `vllm/staging.py`)."""
+        """Whether every worker can hold a staging copy of `nbytes` (within `staging_limit_bytes`).
+        With receive plans the session asks for the largest rank's slice bytes, which is what a
+        worker's staging copy then holds (its region items, `vllm/staging.py`)."""
         if not self.capabilities.stages:
             return False
         short = self.workers.room(nbytes, self.staging_limit_bytes)
@@ -383,16 +380,13 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
     def finalize(self, version: int) -> None:
         t0 = time.perf_counter()
         done, self._finalized = self._finalized, None
-        folded = done is not None and done[0] == version  # the workers finalized in the receive's last call, or now (it lets go)
-        replies = done[1] if done is not None and folded else self.workers.finalize(version, self.holds.sync_release())
+        # the workers finalized in the receive's last call, or now (an unstaged sync's last worker call lets go)
+        replies = done[1] if done is not None and done[0] == version else self.workers.finalize(version, self.holds.sync_release())
         t1 = time.perf_counter()
         if not self._cache_reset:  # else reset beside the transfer (`receive`)
             self._reset_prefix_cache(running=self._pause_mode == "recompute")
         self._cache_reset = False
-        if folded and isinstance(self.client, LLMWeightSyncClient):  # stamped with the resume
-            self._resume_later = str(version)
-        else:
-            self.client.set_weight_version(str(version))
+        self.client.set_weight_version(str(version))
         self.version, self.version_from = version, "trainer sync"
         self.last_finalize = {
             "post_process_s": max((float(r["finalize_s"]) for r in replies), default=0.0),
@@ -491,7 +485,13 @@ class VllmServerRollout(VllmRollout):
     the control calls; `world_size`: spares asking the server."""
 
     def __init__(
-        self, name: str, base_url: str, *, timeout_s: float = 300.0, world_size: int | None = None, session: Any = None,
+        self,
+        name: str,
+        base_url: str,
+        *,
+        timeout_s: float = 300.0,
+        world_size: int | None = None,
+        session: Any = None,
         staging_limit_bytes: int | None = None,
     ) -> None:
         client, workers = http_channel(name, base_url, timeout_s, session, world_size)
