@@ -101,6 +101,9 @@ def test_a_sync_reads_the_membership_from_the_validate_and_finalizes_in_the_rece
         assert names.index("ckpt_receive_end") < names.index("ckpt_installed") < names.index("ckpt_finalize"), names
         trainer = trainer_model(model_dir, seed=62)
         second = session.sync(source_of(trainer))
+        # returned resumed: a call straight on the engine core, the user's next call, finds it serving
+        # (a resume sent unwaited raced such a call on vLLM's unlocked engine-core socket)
+        assert not llm.llm_engine.engine_core.call_utility("is_scheduler_paused")  # type: ignore[attr-defined]
         names = calls.take()
         assert second.version == held + 2
         assert 0 < second.seconds["receive_start_max"] < second.seconds["transfer"]  # the worker's setup before its first bucket
