@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, overload
+from typing import Any, NamedTuple, overload
 
 import msgpack
 import numpy as np
@@ -237,13 +237,19 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _head(raw: object, who: str) -> tuple[str, int, int, str, dict[str, object]]:
+def _map(raw: object, keys: set[str], what: str) -> dict[str, Any]:
+    """`raw` decoded as a msgpack map of exactly `keys`; ValueError naming `what` otherwise."""
     try:
         d = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else None
     except (ValueError, msgpack.UnpackException) as exc:
-        raise ValueError(f"{who} is not msgpack: {exc}") from None
-    if not isinstance(d, dict) or set(d) != _HEAD:
-        raise ValueError(f"{who} must be a map of {', '.join(sorted(_HEAD))}; got {d!r:.200}")
+        raise ValueError(f"{what} is not msgpack: {exc}") from None
+    if not isinstance(d, dict) or set(d) != keys:
+        raise ValueError(f"{what} must be a map of {', '.join(sorted(keys))}; got {d!r:.200}")
+    return d
+
+
+def _head(raw: object, who: str) -> tuple[str, int, int, str, dict[str, object]]:
+    d = _map(raw, _HEAD, who)
     if not all(isinstance(d[k], str) and d[k] for k in ("instance", "agent")) or not _is_int(d["offer_id"]):
         raise ValueError(f"{who} has no instance or agent name, or a bad offer id")
     try:
@@ -263,12 +269,7 @@ def _column(c: dict[str, object], key: str, dtype: np.dtype, n: int | None, who:
 def _table(raw: object, who: str) -> tuple[tuple[tuple[int, int], ...], OfferTable]:
     """The regions and the tensor table, every descriptor checked (vectorised: no loop per tensor
     but the one building the shapes)."""
-    try:
-        c = msgpack.unpackb(raw, raw=False) if isinstance(raw, bytes) else None
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise ValueError(f"{who}: its table is not msgpack: {exc}") from None
-    if not isinstance(c, dict) or set(c) != _COLUMNS:
-        raise ValueError(f"{who}: its table must be a map of {', '.join(sorted(_COLUMNS))}; got {c!r:.200}")
+    c = _map(raw, _COLUMNS, f"{who}: its table")
     names, kinds = c["names"], c["dtypes"]
     if not isinstance(names, list) or not all(type(s) is str for s in names) or not isinstance(kinds, list) or not all(type(s) is str for s in kinds):
         raise ValueError(f"{who}: names and dtypes must be lists of strings")
