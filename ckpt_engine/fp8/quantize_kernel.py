@@ -231,14 +231,12 @@ class GroupLaunch:
         self.ptrs = [w.data_ptr() for w in ws]
         """The inputs' addresses the table holds: `run` is only for weights at these."""
         self.dtype, self.device = dtype, device
-        block_rows, block_cols = BLOCK
         self._shapes: list[tuple[Any, ...]] = []  # per shape: (its shape, its scales', weights, codes a weight, blocks a weight, table columns 3-7)
         q_total = s_total = widest = 0
         for shape, idx in by_shape.items():
-            *lead, rows, cols = shape
-            br, bc = -(-rows // block_rows), -(-cols // block_cols)
-            blocks = br * bc * (lead[0] if lead else 1)
-            self._shapes.append((shape, (*lead, br, bc), len(idx), rows * cols * (lead[0] if lead else 1), blocks, (rows, cols, bc, br * bc, blocks)))
+            meta = _meta(shape)
+            _, _, bc, per_matrix, blocks = meta
+            self._shapes.append((shape, (*shape[:-2], per_matrix // bc, bc), len(idx), shape.numel(), blocks, meta))
             q_total += len(idx) * self._shapes[-1][3]  # a multiple of 16 (`cols` is): every weight's codes start 16-byte aligned
             s_total += len(idx) * blocks
             widest = max(widest, blocks)
@@ -248,10 +246,7 @@ class GroupLaunch:
         """Weight i's place in `run`'s codes (and, after all of them, scales)."""
         for j, i in enumerate(order):
             self.pos[i] = j
-        table = _table(self._shapes, self.ptrs if len(self._shapes) == 1 else [self.ptrs[i] for i in order])
-        if device.type == "cuda":  # pinned: a copy from pageable memory would make the host wait for the stream
-            table = table.pin_memory().to(device, non_blocking=True)
-        self._table = table
+        self._table = _on(_table(self._shapes, self.ptrs if len(self._shapes) == 1 else [self.ptrs[i] for i in order]), device)
         self._hw_cvt = _hw_cvt(device) if hw_cvt is None else hw_cvt
 
     def run(self, ws: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -259,11 +254,7 @@ class GroupLaunch:
         weight's codes, then every weight's scales, in the buffer's order (weight i's at `pos[i]`)."""
         q_buf = torch.empty(self._q_total + 4 * self._s_total, dtype=torch.uint8, device=self.device)
         s_buf = q_buf[self._q_total :].view(torch.float32)  # `_q_total` is a multiple of 16
-        with on_device_of(ws[0]):
-            _quantize_many[self._grid](
-                self._table, q_buf, s_buf, DTYPE=_GROUP_DTYPES[self.dtype], BR=BLOCK[0], BC=BLOCK[1], FLOOR_BITS=_FLOOR_BITS,
-                HW_CVT=self._hw_cvt, num_warps=_NUM_WARPS, enable_fp_fusion=False,
-            )
+        _launch(self._grid, self._table, q_buf, s_buf, self.dtype, self._hw_cvt)
         codes = q_buf[: self._q_total].view(FP8_DTYPE)
         qs: list[torch.Tensor] = []
         ss: list[torch.Tensor] = []
@@ -304,23 +295,33 @@ class IntoLaunch:
         table[:, 3:] = metas
         self._grid = (max(m[4] for m in metas), len(ws))
         self._end = max(q + w.numel() for q, w in zip(codes_at, ws)), max(s + 4 * m[4] for s, m in zip(scales_at, metas))
-        t = torch.from_numpy(table)
-        self._table = t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+        self._table = _on(torch.from_numpy(table), self.device)
         self._hw_cvt = _hw_cvt(self.device)
 
     def run(self, out: torch.Tensor) -> None:
         """Quantize the weights (still at `ptrs`) into `out`, a uint8 buffer on their device."""
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < max(self._end) or out.device != self.device:
             raise ValueError(f"a launch into a buffer writes up to byte {max(self._end)} of a uint8 buffer on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
-        scales = out[: out.numel() // 4 * 4].view(torch.float32)
-        with on_device_of(out):
-            _quantize_many[self._grid](
-                self._table, out, scales, DTYPE=_GROUP_DTYPES[self.dtype], BR=BLOCK[0], BC=BLOCK[1], FLOOR_BITS=_FLOOR_BITS,
-                HW_CVT=self._hw_cvt, num_warps=_NUM_WARPS, enable_fp_fusion=False,
-            )
+        _launch(self._grid, self._table, out, out[: out.numel() // 4 * 4].view(torch.float32), self.dtype, self._hw_cvt)
 
 
 @functools.cache
+def _on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A launch table on `device`, copied once (pinned: a copy from pageable memory would make the
+    host wait for the stream)."""
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+
+
+def _launch(grid: tuple[int, int], table: torch.Tensor, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, hw_cvt: bool) -> None:
+    """One `_quantize_many` launch over `table`'s weights into codes buffer `q` and scales `s`, on
+    their GPU (not the current one)."""
+    with on_device_of(q):
+        _quantize_many[grid](
+            table, q, s, DTYPE=_GROUP_DTYPES[dtype], BR=BLOCK[0], BC=BLOCK[1], FLOOR_BITS=_FLOOR_BITS,
+            HW_CVT=hw_cvt, num_warps=_NUM_WARPS, enable_fp_fusion=False,
+        )
+
+
 def _meta(shape: torch.Size) -> tuple[int, int, int, int, int]:
     """Table columns 3-7 of a weight of `shape`: rows, cols, block columns, blocks a matrix, blocks."""
     *lead, rows, cols = shape

@@ -26,7 +26,7 @@ import torch
 from ckpt_engine.fp8.direct import FILLED, Ask, Offer
 from ckpt_engine.fp8.layout import BLOCK
 from ckpt_engine.fp8.quantize import quantize_block_fp8
-from ckpt_engine.sources.fp8_walk import IntoLaunch, Quantized, Walker, tensor_layout, to_wire
+from ckpt_engine.sources.fp8_walk import GroupKernel, IntoLaunch, Quantized, Walker, tensor_layout, to_wire
 from ckpt_engine.sources.wire import torch_dtype
 
 __all__ = ["Fills", "fill_walk"]
@@ -167,7 +167,7 @@ def _build(
     scales_at: list[int] = []
     copies: dict[torch.dtype, tuple[list[int], list[int]]] = {}
     alone: list[tuple[int, Quantized, int, int]] = []
-    key: tuple[object, torch.dtype, torch.device] | None = None
+    key: tuple[GroupKernel, torch.dtype, torch.device] | None = None
     pending_at = -1
     i, n = 0, len(entries)
     if n and pending is not None and entries[0].name == pending[0]:
@@ -201,7 +201,7 @@ def _build(
             # codes and scales both in this bucket, within the slot the launch writes (views of other memory go alone)
             inside = both and 0 <= q_off and q_off + dsts[i].nbytes <= size and 0 <= s_off and s_off + dsts[i + 1].nbytes <= size
             if inside and k is not None and (key is None or here == key) and k.groupable(t) and q_off % 16 == 0 and s_off % 4 == 0:
-                key = here
+                key = (k, t.dtype, t.device)
                 ws.append(t)
                 codes_at.append(q_off)
                 scales_at.append(s_off)
@@ -211,7 +211,7 @@ def _build(
         names.append(name)
         ts.append(t)
         i += 1
-    launch = key[0].plan_into(ws, codes_at, scales_at) if key is not None else None  # type: ignore[attr-defined]  # key[0]: a GroupKernel
+    launch = key[0].plan_into(ws, codes_at, scales_at) if key is not None else None
     return _Fill(
         tuple(names), [t.data_ptr() for t in ts], tensor_layout(ts), launch, len(ws),
         list(copies.values()), alone, pending_at,
