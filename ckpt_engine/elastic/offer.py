@@ -108,11 +108,6 @@ class OfferTable(Sequence[TensorOffer]):
     nbytes: list[int]
     checksum: list[int]
 
-    @classmethod
-    def of(cls, rows: Sequence[TensorOffer]) -> OfferTable:
-        cols = list(zip(*rows)) if rows else [()] * 7
-        return cls(*(list(c) for c in cols))
-
     def __len__(self) -> int:
         return len(self.names)
 
