@@ -45,6 +45,7 @@ import torch
 from ckpt_engine.benchmark import paced_link
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.benchmark.rank_exit import collect_results
+from ckpt_engine.benchmark.tracing import traced
 from ckpt_engine.copies import copy_groups
 from ckpt_engine.fp8.layout import fp8_specs
 from ckpt_engine.fp8.warm import warm_up as warm_fp8
@@ -80,6 +81,7 @@ def run_region_bench(args: argparse.Namespace, backend: str, device: str, bucket
         "buffers": args.buffers, "iters": args.iters, "receiver_tp": args.receiver_tp, "receivers": args.receivers, "senders": args.senders,
         "device": device, "link_mb_s": args.link_mb_s, "fused_experts": args.fused_experts,
         "region_slot_memory_mb": args.region_slot_memory_mb, "wire_dtype": args.wire_dtype,
+        "profile": os.path.abspath(args.profile) if args.profile else None,
     }
     if args.wire_dtype is not None and (args.senders > 1 or args.fused_experts):
         raise ValueError("--wire-dtype fp8 in the region bench: one sender, experts one tensor each (the library's FP8 wire takes both)")
@@ -374,10 +376,15 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     if receiver < 0:
         out["sender_full"] = sender_full[1:]  # the timed rounds (the first is the round after the join)
         out["sender_full_first"] = sender_full[0] if sender_full else None
-        walk = dataclasses.asdict(full_walk[0] if full_walk else wire.last_walk) if wire is not None else None
-        out["fp8_walk_replayed"] = walk.pop("replayed") if walk is not None else None  # launches of the last walk replayed from its record
-        out["fp8_walk"] = walk
+        counts = dataclasses.asdict(full_walk[0] if full_walk else wire.last_walk) if wire is not None else None
+        out["fp8_walk_replayed"] = counts.pop("replayed") if counts is not None else None  # launches of the last walk replayed from its record
+        out["fp8_walk"] = counts
     out["allocs"] = allocs if cuda else None
+    if cfg["profile"]:  # one more whole-model round under torch.profiler, after the timed ones: where the link idles
+        store.add("barrier/profile", 1)
+        while store.add("barrier/profile", 0) < world:
+            time.sleep(1e-4)
+        traced(lambda: (run["full"](), torch.cuda.synchronize(device) if cuda else None), device, cfg["profile"], rank)
     for g in groups.values():
         g.close()
     engine.finalize()
