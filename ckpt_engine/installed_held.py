@@ -1,9 +1,11 @@
 """Installed-weight checks of a rank that holds checkpoint tensors under their own names (the
-reference receiver): its reports, folded as its tensors land so only the last batch's fold follows
-the last bucket (`installed.py` defines the digests and `Folds`)."""
+reference receiver): its reports (`installed.py` defines the digests and `Folds`). On the host its
+tensors are folded as they land, so only the last batch's fold follows the last bucket; on a GPU
+every tensor is folded once after the last bucket, in one launch over kept tables (`Folder`)."""
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Iterable, Mapping
 
@@ -15,9 +17,12 @@ from ckpt_engine.planning.regions import Region
 __all__ = ["FOLD_BATCHES", "HeldDigests", "HeldFold", "digest_held"]
 
 FOLD_BATCHES = 8
-"""A rank folds a check's images in about this many batches as they land (`HeldFold`): the stream
-hides all but the last; a batch is one launch on a GPU (one a bucket, ~60 for a 7B model at ~20-40
-us of host time each, would cost about what it hides)."""
+"""A host rank folds a check's images in about this many batches as they land (`HeldFold`): the
+stream hides all but the last (on the CPU box a 339-tensor fold after the last bucket took 8.5-19
+ms, its last batch 1.7-5.5 ms). Not on a GPU: there a batch's cost is host work (its Python and a
+launch: the 8 batches of a 7B check took 1.22 ms on one H200, `engine_landed_s`), which sat on a
+colocated receive's path, while one launch over every tensor at the end costs about one batch."""
+_CUDA = operator.attrgetter("is_cuda")
 
 
 
@@ -47,24 +52,33 @@ class HeldDigests:
             )
         _, held, keys, unwritten, index = self._kept
         folds = Folds(request.seed, request.samples)
-        folds.note(list(map(self.tensors.__getitem__, held)))  # each already in its region's shape
-        return HeldFold(self.tensors, folds, keys, list(unwritten), index, time.perf_counter() - t0)
+        views = list(map(self.tensors.__getitem__, held))  # each already in its region's shape
+        at_end = request.samples > 0 and bool(views) and all(map(_CUDA, views))
+        if not at_end:
+            folds.note(views)
+        return HeldFold(self.tensors, folds, keys, list(unwritten), index, time.perf_counter() - t0, views if at_end else None)
 
     def report(self, request: InstalledRequest) -> InstalledReport:
         return self.begin(request).report()  # what the rank holds now
 
 
 class HeldFold:
-    """One check of a `HeldDigests` rank, folded as its tensors land: `landed(names)` once a loader
-    wrote them (on its thread and stream: no host sync), a batch at a time (`FOLD_BATCHES`), so only
-    the last batch's fold and one read-back follow the last bucket (the whole fold there: ~1.3 ms of
-    a 7B sync's ~12 on one H200); `report` folds the rest (tensors no load named hold what they held)
-    and answers. A tensor landing again after its fold is read again: its last landing counts."""
+    """One check of a `HeldDigests` rank. On the host, folded as its tensors land (`folds_landings`):
+    `landed(names)` once a loader wrote them, a batch at a time (`FOLD_BATCHES`), so only the last
+    batch's fold follows the last bucket; `report` folds the rest (tensors no load named hold what
+    they held) and answers. A tensor landing again after its fold is read again: its last landing
+    counts. On a GPU (`at_end`: the held tensors, all CUDA) `report` folds every tensor in one launch
+    on the current stream, after the loads there (a receive ends waiting for them), and reads every
+    digest back with one copy."""
 
     def __init__(
         self, tensors: Mapping[str, torch.Tensor], folds: Folds, keys: list[Key], unwritten: list[str], index: dict[str, int], seconds: float,
+        at_end: list[torch.Tensor] | None = None,
     ) -> None:
         self.tensors, self.folds, self.keys, self.unwritten = tensors, folds, keys, unwritten
+        self._at_end = at_end
+        self.folds_landings = at_end is None
+        """Whether the loads should call `landed` (on a GPU they need not: `report` reads everything)."""
         self._index, self._kept_index = index, index
         """Each held name's image in `folds` (the kept map until a name lands twice)."""
         self._due: dict[int, None] = {}
@@ -75,6 +89,8 @@ class HeldFold:
 
     def landed(self, names: Iterable[str]) -> None:
         """`names` were written (the rank's own names, in any number; others are ignored)."""
+        if self._at_end is not None:
+            return
         t0 = time.perf_counter()
         index, due, read = self._index, self._due, self._read
         for n in names:
@@ -94,10 +110,26 @@ class HeldFold:
 
     def report(self) -> InstalledReport:
         t0 = time.perf_counter()
+        if self._at_end is not None:
+            values = _fold_at_end(self._at_end, self.folds)
+            return InstalledReport(dict(zip(self.keys, values)), self.unwritten, [], seconds=self.seconds + time.perf_counter() - t0)
         values = self.folds.values()
         index = self._index
         digests = dict(zip(self.keys, values if index is self._kept_index else [values[index[n]] for n, _ in self.keys]))
         return InstalledReport(digests, self.unwritten, [], seconds=self.seconds + time.perf_counter() - t0)
+
+
+def _fold_at_end(views: list[torch.Tensor], folds: Folds) -> list[int]:
+    """Every view's digest: one launch over kept tables, one read-back; through `folds` (the kernel
+    for the views it reads, torch ops for the others) when one of them is an image it cannot read."""
+    from ckpt_engine.installed_kernel import Folder  # Triton: only where a GPU folds
+
+    try:
+        folder = Folder(views)
+    except ValueError:
+        folds.note(views)
+        return folds.values()
+    return folder.fold(folds.seed, folds.samples)
 
 
 def digest_held(tensors: Mapping[str, torch.Tensor], regions: Mapping[str, Region | None], request: InstalledRequest) -> InstalledReport:

@@ -160,7 +160,7 @@ class TorchRefWorker:
         if stage is not None:
             return self._receive_staged(digest, delta, stage)
         check = self.held.begin(InstalledRequest.from_wire(installed)) if installed is not None else None  # answered once every byte landed
-        loader, regions = self._folding(check) if check is not None else (self.load_bucket, self.load_regions)
+        loader, regions = self._folding(check) if check is not None and check.folds_landings else (self.load_bucket, self.load_regions)
         # Until finalize the engine holds no complete version: a failure mid-stream leaves a mix (with delta, the loader runs
         # only after every patch checked out: a bad patch leaves the old weights, still marked stale because the sync did not
         # complete). A receive the receiver refuses (busy, not joined, manifest not validated) leaves the engine as it was.
@@ -177,8 +177,8 @@ class TorchRefWorker:
         return report
 
     def _folding(self, check: HeldFold) -> tuple[Callable[..., int], Callable[..., int]]:
-        """The loaders of a checked receive: each bucket's tensors are folded once loaded, on the
-        loads' stream, while the next bucket streams (`HeldFold.landed`)."""
+        """The loaders of a checked receive on the host: each bucket's tensors are folded once
+        loaded, while the next bucket streams (`HeldFold.landed`; on a GPU all at the end)."""
 
         def loader(pairs: list[tuple[str, torch.Tensor]]) -> int:
             loaded = self.load_bucket(pairs)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import operator
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -57,6 +58,7 @@ from ckpt_engine.sync.fanout import collect_failures
 __all__ = ["InstalledChecks", "sender_shares"]
 
 logger = logging.getLogger(__name__)
+_CUDA = operator.attrgetter("is_cuda")
 
 MAX_KEYS_BYTES = 100_000
 """The keys travel with the send announcement, beside a region layout of up to 900 kB (1 MiB in all)."""
@@ -124,6 +126,9 @@ class InstalledChecks:
         """The last stable walk's names (with the keys and dtypes they were read for), and each key,
         the walked tensor it is read from and its dtype: the same at every check of a session."""
         self._fold_error: Exception | None = None
+        self._on_device: tuple[list[Key], torch.Tensor, Any] | None = None
+        """A stable walk's digests folded in one launch (`fold_noted` on a GPU): the keys, their
+        digests on the device, the stream they were folded on."""
         self._order: list[Key] = []
         """The keys of an armed many-sender check, in the order the senders' shares come in."""
         self._combined: dict[Key, int] | None = None
@@ -174,7 +179,7 @@ class InstalledChecks:
         """A new sync: nothing armed yet."""
         self.syncs += 1
         self.request, self._digests, self.seconds, self._order, self._combined = None, {}, None, [], None
-        self._dtypes, self._noted, self._fold_error = {}, None, None
+        self._dtypes, self._noted, self._fold_error, self._on_device = {}, None, None, None
 
     def _arm(
         self, rollouts: Sequence[RolloutAdapter], names: list[str], plans: Sequence[ReceivePlan | None], senders: int,
@@ -270,7 +275,8 @@ class InstalledChecks:
     def fold_noted(self) -> None:
         """Fold what a stable walk noted (`tap`): called once this rank's send went through, while
         the engines finish (`SyncStream.run`'s `sent`), else by `verify`. On a GPU one launch over
-        kept tables, read back with the compare. Never raises: an error waits for `verify`."""
+        kept tables (`installed_kernel.Folder`: no Python per key but its views), read back with
+        the compare. Never raises: an error waits for `verify`."""
         noted, self._noted = self._noted, None
         if noted is None:
             return
@@ -279,12 +285,31 @@ class InstalledChecks:
             keys, index, dtypes = self._layout([n for n, _ in noted])
             tensors = [tensor for _, tensor in noted]
             views = [tensors[i] if k[1] is None else region_view(tensors[i], k[1]) for k, i in zip(keys, index)]
-            first = self._folds.note(views, dtypes)
-            self._digests.update(zip(keys, range(first, first + len(keys))))
-            self._folds.read_later()
+            if not self._fold_on_device(keys, views, dtypes):
+                first = self._folds.note(views, dtypes)
+                self._digests.update(zip(keys, range(first, first + len(keys))))
+                self._folds.read_later()
         except Exception as exc:  # the receives are in flight: the check fails in verify, as before
             self._fold_error = exc
         self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
+
+    def _fold_on_device(self, keys: list[Key], views: list[torch.Tensor], dtypes: list[torch.dtype | None]) -> bool:
+        """Fold every view in one launch when all are CUDA images the kernel reads as the wire
+        carries them (no cast); False (nothing done) otherwise."""
+        if self.samples <= 0 or not views or not all(map(_CUDA, views)):
+            return False
+        from ckpt_engine.installed_kernel import Folder  # Triton: only where a GPU folds
+
+        try:
+            folder = Folder(views)
+        except ValueError:  # an image the kernel cannot read
+            return False
+        if tuple(dtypes) != folder.dtypes and not all(d is None or d == v for d, v in zip(dtypes, folder.dtypes)):
+            return False
+        assert self.request is not None
+        device = views[0].device
+        self._on_device = (keys, folder.launch_all(self.request.seed, self.samples), torch.cuda.current_stream(device))
+        return True
 
     def _layout(self, names: list[str]) -> tuple[list[Key], list[int], list[torch.dtype | None]]:
         """Each key of the walked `names`, the index of the walked tensor it is read from and its wire
@@ -300,7 +325,7 @@ class InstalledChecks:
     def release(self) -> None:
         """After a sync: drop what a stable walk noted and a failed sync never folded (its tensors
         would stay alive until the next check)."""
-        self._noted = None
+        self._noted, self._on_device = None, None
         self._folds.drop_later()
 
     def source_digests(self) -> dict[Key, int]:
@@ -308,8 +333,15 @@ class InstalledChecks:
         self.fold_noted()
         if self._fold_error is not None:
             raise self._fold_error
-        values = self._folds.values()
-        return dict(zip(self._digests, map(values.__getitem__, self._digests.values())))
+        values = self._folds.values() if self._digests else []
+        out = dict(zip(self._digests, map(values.__getitem__, self._digests.values())))
+        if self._on_device is not None:
+            keys, folded, stream = self._on_device
+            current = torch.cuda.current_stream(folded.device)
+            if current != stream:
+                current.wait_stream(stream)
+            out.update(zip(keys, folded.tolist()))
+        return out
 
     def verify(self, pool: cf.Executor, rollouts: Sequence[RolloutAdapter], timeout_s: float) -> dict[str, str]:
         """{engine: what differs} after the stream ({} when all agree, or no check was armed)."""
