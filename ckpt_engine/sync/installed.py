@@ -351,15 +351,22 @@ class InstalledChecks:
         t = time.perf_counter()
         checked = [r for r in rollouts if r.capabilities.installed]
         futures = {r.name: pool.submit(r.installed_digests, request) for r in checked}
-        self.fold_noted()  # a stable walk's folds, if the send's end did not: while the engines digest theirs
+        mine: dict[Key, int] | Exception = {}
+        if self._combined is None and not self._order:  # one sender: its digests read back while the engines answer
+            try:
+                mine = self.source_digests()  # folds a stable walk first if the send's end did not
+            except Exception as exc:  # raised once the engines answered, as before
+                mine = exc
         failed = collect_failures(futures, "an installed-weight check", timeout_s)
         if self._combined is not None:  # many senders: every sender's shares, added
             expected = dict(self._combined)
         elif self._order:  # many senders, but the shares never came (a failed send stops earlier)
             self._say("installed-weight checks: the senders' shares did not arrive; not checked")
             return {}
+        elif isinstance(mine, Exception):
+            raise mine
         else:
-            expected = self.source_digests()
+            expected = mine
         self.engine_seconds = 0.0
         for r in checked:
             if r.name not in failed:
