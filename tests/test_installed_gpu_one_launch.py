@@ -1,9 +1,10 @@
 """On a GPU both sides of an installed-weight check fold in one launch (issue 42 item 5): the
-reference receiver's rank folds every tensor it holds after the last bucket (`installed_held`, no
-folds while the buckets land), and the trainer folds a stable walk's tensors in one launch after its
-send (`InstalledChecks.fold_noted`). Their digests must equal `installed.digest` key by key (several
-element widths, a region held as its own tensor, a view of a region on the trainer's side), and a
-loader that transposes a tensor or skips one must still fail the compare by name. Each case 3 times.
+reference receiver's rank folds every tensor it holds once the last one landed (`HeldLaunch`), and
+again at its report if one lands after that; the trainer folds a stable walk's tensors in one launch
+after its send (`InstalledChecks.fold_noted`). Their digests must equal `installed.digest` key by key
+(several element widths, a region held as its own tensor, a view of a region on the trainer's side),
+a tensor written again after the launch counts as last written, and a loader that transposes a
+tensor or skips one must still fail the compare by name. Each case 3 times.
 
     .venv/bin/python -m pytest -m gpu tests/test_installed_gpu_one_launch.py -q
 """
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from ckpt_engine.installed import InstalledReport, InstalledRequest, digest, region_view
-from ckpt_engine.installed_held import HeldDigests
+from ckpt_engine.installed_held import HeldDigests, HeldLaunch
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.sync.installed import InstalledChecks
@@ -40,8 +41,9 @@ def source(seed: int) -> dict[str, torch.Tensor]:
 
 
 class Rank:
-    """A reference-receiver rank on the GPU: `load` writes the source's tensors the way a loader
-    does (`fault` plants one), its report comes from `HeldDigests` after the loads."""
+    """A reference-receiver rank on the GPU: `receive` writes the source's tensors the way its
+    loaders do, telling the check what landed (`fault` plants one; "again": a tensor first written
+    wrong, then right after every tensor landed), its report comes from `HeldDigests` after the loads."""
 
     capabilities = EngineCapabilities(installed=True)
 
@@ -51,14 +53,19 @@ class Rank:
 
     def receive(self, request: InstalledRequest, new: dict[str, torch.Tensor], fault: str | None) -> None:
         check = self.held_digests.begin(request)
-        assert not check.folds_landings  # on a GPU: one fold after the last load
+        assert isinstance(check, HeldLaunch)  # on a GPU: one launch over every tensor
         for name, t in new.items():
-            if fault == "skip" and name == "embed.weight":
-                continue
             src = region_view(t, QKV) if name == "qkv.weight" else t
             if fault == "transpose" and name == "embed.weight":
                 src = src.t().contiguous().view(src.shape)
-            self.held[name].copy_(src)
+            if fault == "again" and name == "embed.weight":
+                src = torch.zeros_like(src)
+            if not (fault == "skip" and name == "embed.weight"):
+                self.held[name].copy_(src)
+            check.landed([name, "not.held"])
+        if fault == "again":  # after the launch: the last landing counts
+            self.held["embed.weight"].copy_(new["embed.weight"])
+            check.landed(["embed.weight"])
         self.report = check.report()
 
     def installed_digests(self, request: InstalledRequest) -> list[InstalledReport]:
@@ -67,7 +74,7 @@ class Rank:
 
 
 @pytest.mark.parametrize("rep", range(REPEAT))
-@pytest.mark.parametrize("fault", [None, "transpose", "skip"])
+@pytest.mark.parametrize("fault", [None, "again", "transpose", "skip"])
 def test_one_launch_folds_on_both_sides_agree_and_catch_a_fault(fault: str | None, rep: int) -> None:
     old = {n: t.cuda() for n, t in source(1000 + rep).items()}
     new = {n: t.cuda() for n, t in source(rep).items()}
@@ -90,7 +97,7 @@ def test_one_launch_folds_on_both_sides_agree_and_catch_a_fault(fault: str | Non
     for name, region in keys:
         assert expected[(name, region)] == int(digest(region_view(new[name], region), request.seed, SAMPLES)), name
     assert rank.report is not None and set(rank.report.digests) == keys
-    if fault is None:
+    if fault in (None, "again"):
         assert failed == {}, failed
         assert rank.report.digests == expected
     else:

@@ -18,7 +18,7 @@ from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.warm import warmed
 from ckpt_engine.elastic.service import PeerService
 from ckpt_engine.installed import InstalledRequest
-from ckpt_engine.installed_held import HeldDigests, HeldFold
+from ckpt_engine.installed_held import HeldDigests, HeldFold, HeldLaunch
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
@@ -160,7 +160,7 @@ class TorchRefWorker:
         if stage is not None:
             return self._receive_staged(digest, delta, stage)
         check = self.held.begin(InstalledRequest.from_wire(installed)) if installed is not None else None  # answered once every byte landed
-        loader, regions = self._folding(check) if check is not None and check.folds_landings else (self.load_bucket, self.load_regions)
+        loader, regions = self._folding(check) if check is not None else (self.load_bucket, self.load_regions)
         # Until finalize the engine holds no complete version: a failure mid-stream leaves a mix (with delta, the loader runs
         # only after every patch checked out: a bad patch leaves the old weights, still marked stale because the sync did not
         # complete). A receive the receiver refuses (busy, not joined, manifest not validated) leaves the engine as it was.
@@ -176,9 +176,10 @@ class TorchRefWorker:
         self.received = digest
         return report
 
-    def _folding(self, check: HeldFold) -> tuple[Callable[..., int], Callable[..., int]]:
-        """The loaders of a checked receive on the host: each bucket's tensors are folded once
-        loaded, while the next bucket streams (`HeldFold.landed`; on a GPU all at the end)."""
+    def _folding(self, check: HeldFold | HeldLaunch) -> tuple[Callable[..., int], Callable[..., int]]:
+        """The loaders of a checked receive: each bucket's tensors are told to the check once loaded
+        (`landed`: on the host folded in batches while the next bucket streams; on a GPU every
+        tensor in one launch once the last one landed)."""
 
         def loader(pairs: list[tuple[str, torch.Tensor]]) -> int:
             loaded = self.load_bucket(pairs)
