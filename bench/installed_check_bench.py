@@ -90,7 +90,7 @@ def tails(sd: dict[str, torch.Tensor], specs: list, bucket_bytes: int, samples: 
         t = time.perf_counter()
         fold.report()
         runs["engine_tail_s"].append(time.perf_counter() - t)
-        checks.arm([], request.names, [None], 1)
+        checks.arm_manifest([], manifest, [None], 1)  # as a session arms it (its layout kept across checks)
         t = time.perf_counter()
         for _ in checks.tap(iter(sd.items()), stable=True):
             pass

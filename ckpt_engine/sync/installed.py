@@ -39,6 +39,7 @@ import operator
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -122,9 +123,8 @@ class InstalledChecks:
         """The wire dtype of each name of the armed check (`arm`'s `dtypes`; absent: as walked)."""
         self._noted: list[tuple[str, torch.Tensor]] | None = None
         """What a stable walk yielded, for `fold_noted` (None: nothing waits)."""
-        self._noted_layout: tuple[list[str], dict[str, list[Key]], dict[str, torch.dtype], list[Key], list[int], list[torch.dtype | None]] | None = None
-        """The last stable walk's names (with the keys and dtypes they were read for), and each key,
-        the walked tensor it is read from and its dtype: the same at every check of a session."""
+        self._noted_layout: _Walk | None = None
+        """The last stable walk's layout: the same at every check of a session."""
         self._fold_error: Exception | None = None
         self._on_device: tuple[list[Key], torch.Tensor, Any] | None = None
         """A stable walk's digests folded in one launch (`fold_noted` on a GPU): the keys, their
@@ -282,18 +282,19 @@ class InstalledChecks:
             return
         t = time.perf_counter()
         try:
-            keys, index, dtypes = self._layout([n for n, _ in noted])
-            tensors = [tensor for _, tensor in noted]
-            views = [tensors[i] if k[1] is None else region_view(tensors[i], k[1]) for k, i in zip(keys, index)]
-            if not self._fold_on_device(keys, views, dtypes):
-                first = self._folds.note(views, dtypes)
+            names, tensors = (list(c) for c in zip(*noted)) if noted else ([], [])
+            walk = self._layout(names)
+            keys = walk.keys
+            views = tensors if walk.each_once else [tensors[i] if k[1] is None else region_view(tensors[i], k[1]) for k, i in zip(keys, walk.index)]
+            if not self._fold_on_device(walk, views):
+                first = self._folds.note(views, walk.casts)
                 self._digests.update(zip(keys, range(first, first + len(keys))))
                 self._folds.read_later()
         except Exception as exc:  # the receives are in flight: the check fails in verify, as before
             self._fold_error = exc
         self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
 
-    def _fold_on_device(self, keys: list[Key], views: list[torch.Tensor], dtypes: list[torch.dtype | None]) -> bool:
+    def _fold_on_device(self, walk: _Walk, views: list[torch.Tensor]) -> bool:
         """Fold every view in one launch when all are CUDA images the kernel reads as the wire
         carries them (no cast); False (nothing done) otherwise."""
         if self.samples <= 0 or not views or not all(map(_CUDA, views)):
@@ -304,23 +305,24 @@ class InstalledChecks:
             folder = Folder(views)
         except ValueError:  # an image the kernel cannot read
             return False
-        if tuple(dtypes) != folder.dtypes and not all(d is None or d == v for d, v in zip(dtypes, folder.dtypes)):
+        if not walk.uncast and walk.casts != folder.dtypes and not all(d is None or d == v for d, v in zip(walk.casts, folder.dtypes)):
             return False
         assert self.request is not None
         device = views[0].device
-        self._on_device = (keys, folder.launch_all(self.request.seed, self.samples), torch.cuda.current_stream(device))
+        self._on_device = (walk.keys, folder.launch_all(self.request.seed, self.samples), torch.cuda.current_stream(device))
         return True
 
-    def _layout(self, names: list[str]) -> tuple[list[Key], list[int], list[torch.dtype | None]]:
-        """Each key of the walked `names`, the index of the walked tensor it is read from and its wire
-        dtype; worked out once for a session's walk (the same names, keys and dtypes each check)."""
+    def _layout(self, names: list[str]) -> _Walk:
+        """The walked `names`' layout (`_Walk`), worked out once for a session's walk (the same
+        names, keys and dtypes each check)."""
         kept = self._noted_layout
-        if kept is None or kept[0] != names or kept[1] is not self._want or kept[2] is not self._dtypes:
+        if kept is None or kept.names != names or kept.want is not self._want or (kept.dtypes is not self._dtypes and kept.dtypes != self._dtypes):
             want, dtypes = self._want, self._dtypes
             rows = [(key, i, dtypes.get(n)) for i, n in enumerate(names) for key in want.get(n, ())]
             keys, index, casts = (list(c) for c in zip(*rows)) if rows else ([], [], [])
-            kept = self._noted_layout = (names, want, dtypes, keys, index, casts)
-        return kept[3], kept[4], kept[5]
+            each_once = index == list(range(len(names))) and all(k[1] is None for k in keys)
+            kept = self._noted_layout = _Walk(names, want, dtypes, keys, index, tuple(casts), each_once, all(c is None for c in casts))
+        return kept
 
     def release(self) -> None:
         """After a sync: drop what a stable walk noted and a failed sync never folded (its tensors
@@ -404,6 +406,23 @@ class InstalledChecks:
         if message not in self._said:
             self._said.add(message)
             logger.warning("%s", message)
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """A stable walk's layout for a check: its `names` (with the keys and dtypes it was worked out
+    for), each key, the walked tensor it is read from (`index`) and its wire dtype (`casts`, None:
+    as walked), whether the keys are the walked tensors themselves (`each_once`: each whole, once,
+    in order) and whether no key is cast (`uncast`)."""
+
+    names: list[str]
+    want: dict[str, list[Key]]
+    dtypes: dict[str, torch.dtype]
+    keys: list[Key]
+    index: list[int]
+    casts: tuple[torch.dtype | None, ...]
+    each_once: bool
+    uncast: bool
 
 
 def _names(names: list[str]) -> str:
