@@ -152,7 +152,7 @@ class HeldLaunch:
     def report(self) -> InstalledReport:
         t0 = time.perf_counter()
         folded = self._launched if self._launched is not None and not self._again else self._launch()
-        if folded is self._launched and self._stream is not None and self._stream != torch.cuda.current_stream(self._stream.device):
+        if folded is not None and folded is self._launched and self._stream is not None and self._stream != torch.cuda.current_stream(self._stream.device):
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         if folded is not None:
             values = folded.tolist()  # on the current stream, after the launch and every load
