@@ -62,12 +62,13 @@ def fold_s(sd: dict[str, torch.Tensor], samples: int) -> float:
 def tails(sd: dict[str, torch.Tensor], specs: list, bucket_bytes: int, samples: int, repeats: int) -> dict[str, float]:
     """What each side's fold leaves on the sync's path, in this process (no transfer): the engine's
     (a reference receiver's `HeldDigests`) when every tensor is folded after the last bucket
-    (`engine_fold_at_end_s`: a report with nothing landed, the code before per-bucket folds) against
-    the report after its buckets landed and were folded batch by batch (`engine_tail_s`; the batches
-    themselves, `engine_landed_s`, run while later buckets stream); the trainer's: noting a stable
-    walk (`trainer_walk_s`) and what follows the send (`trainer_tail_s`: its fold, the read-back; it
-    overlaps the engines' tails and replies). The device is drained before each timed tail (the
-    stream would have run the earlier batches' kernels by then). Medians of `repeats`."""
+    (`engine_fold_at_end_s`: a report with nothing landed) against the report after its buckets
+    landed (`engine_tail_s`: on the host the last batch's fold, on a GPU one read-back), and what the
+    landings cost while the buckets stream (`engine_landed_s`: on the host a batch fold at every
+    ~1/8 of the tensors, on a GPU one launch once the last tensor landed); the trainer's: noting a
+    stable walk (`trainer_walk_s`) and what follows the send (`trainer_tail_s`: its fold, the
+    read-back; it overlaps the engines' tails and replies). The device is drained before each timed
+    tail (the stream would have run the landings' kernels by then). Medians of `repeats`."""
     manifest = plan_buckets(specs, bucket_bytes)
     landed = [[e.name for e in b.entries if e.chunk_offset + e.chunk_size == e.nbytes] for b in manifest.buckets]
     request = InstalledRequest([s.name for s in specs], 12345, samples)
@@ -89,7 +90,7 @@ def tails(sd: dict[str, torch.Tensor], specs: list, bucket_bytes: int, samples: 
         t = time.perf_counter()
         fold.report()
         runs["engine_tail_s"].append(time.perf_counter() - t)
-        checks.arm([], request.names, [None], 1)
+        checks.arm_manifest([], manifest, [None], 1)  # as a session arms it (its layout kept across checks)
         t = time.perf_counter()
         for _ in checks.tap(iter(sd.items()), stable=True):
             pass

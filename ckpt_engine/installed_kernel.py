@@ -45,14 +45,16 @@ class Folder:
 
     def __init__(self, views: Sequence[torch.Tensor]) -> None:
         self.views = list(views)
-        key = tuple(tuple(map(f, self.views)) for f in _GEOMETRY)  # C loops: ~4x faster than a tuple per view
-        tables = _TABLES.pop(key, None)
-        if tables is None:
-            tables = _tables(self.views) if self.views else []
-        _TABLES[key] = tables  # the latest last: the oldest goes first
+        ptrs = tuple(map(torch.Tensor.data_ptr, self.views))
+        rest = tuple(tuple(map(f, self.views)) for f in _GEOMETRY)  # C loops: ~4x faster than a tuple per view
+        kept = _TABLES.pop(ptrs, None)  # by the addresses alone: hashing the whole geometry cost ~2x its compare
+        tables = kept[1] if kept is not None and kept[0] == rest else _tables(self.views) if self.views else []
+        _TABLES[ptrs] = (rest, tables)  # the latest last: the oldest goes first
         while len(_TABLES) > _KEPT:  # a pop: another thread's Folder may evict the same one
             _TABLES.pop(next(iter(_TABLES)), None)
         self._tables = tables
+        self.dtypes: tuple[torch.dtype, ...] = rest[0]
+        """Each view's dtype (a caller folding a cast image elsewhere checks it against these)."""
 
     def launch(self, seed: int, samples: int) -> list[tuple[list[int], torch.Tensor]]:
         """Enqueue `installed.digest(view, seed, samples)` of every view (each `foldable`, `samples`
@@ -65,34 +67,44 @@ class Folder:
         if not self.views:
             return results
         with torch.cuda.device(self.views[0].device) if self.views[0].is_cuda else contextlib.nullcontext():  # Triton launches on the current device
-            for index, width, table in self._tables:
+            for index, width, table, _ in self._tables:
                 folded = torch.empty(len(index), dtype=torch.int64, device=table.device)
                 _fold[(len(index),)](table, folded, seed, samples, WORD=_TL_WORDS[width], DIMS=MAX_DIMS, BLOCK=_BLOCK)
                 results.append((index, folded))
         return results
 
-    def fold(self, seed: int, samples: int) -> list[int]:
-        """`launch`, read back at once (one host sync)."""
-        out = [0] * len(self.views)
-        for index, folded in self.launch(seed, samples):
-            for i, value in zip(index, folded.cpu().tolist()):
-                out[i] = int(value)
+    def launch_all(self, seed: int, samples: int) -> torch.Tensor:
+        """`launch`, every digest in one int64 tensor in the views' order, still on their device:
+        one element width (a bf16 model) is the launch's own output; more are put in order on the
+        device (kept index tensors), so a check reads every digest back with one copy."""
+        launched = self.launch(seed, samples)
+        if not launched:
+            return torch.zeros(0, dtype=torch.int64)
+        if len(launched) == 1:  # one width: its indices are every view, in order
+            return launched[0][1]
+        out = torch.empty(len(self.views), dtype=torch.int64, device=launched[0][1].device)
+        for (_, _, _, order), (_, folded) in zip(self._tables, launched):
+            out.index_copy_(0, order, folded)
         return out
 
+    def fold(self, seed: int, samples: int) -> list[int]:
+        """`launch_all`, read back at once (one host sync)."""
+        return self.launch_all(seed, samples).tolist()
 
-_GEOMETRY = (torch.Tensor.data_ptr, operator.attrgetter("dtype"), operator.attrgetter("shape"), torch.Tensor.stride)
+
+_GEOMETRY = (operator.attrgetter("dtype"), operator.attrgetter("shape"), torch.Tensor.stride)
 _KEPT = 64
-_TABLES: dict[tuple, list[tuple[list[int], int, torch.Tensor]]] = {}
-"""The tables of the last `_KEPT` sets of views, by their addresses, dtypes, sizes and strides (equal
-keys: equal tables, whether or not the tensors are the same objects; no tensor is kept alive). A
-rank folds a check's images in batches as they land (`installed_held.FOLD_BATCHES`): every batch's
-tables are kept for the next check."""
+_TABLES: dict[tuple[int, ...], tuple[tuple, list[tuple[list[int], int, torch.Tensor, torch.Tensor]]]] = {}
+"""The tables of the last `_KEPT` sets of views, by their addresses, with their dtypes, sizes and
+strides (tables are used again only where all of these are equal, whether or not the tensors are the
+same objects; no tensor is kept alive). A host rank folds a check's images in batches as they land
+(`installed_held.FOLD_BATCHES`): every batch's tables are kept for the next check."""
 _PAD = {d: ((1,) * (MAX_DIMS - d), (0,) * (MAX_DIMS - d)) for d in range(MAX_DIMS + 1)}
 
 
-def _tables(views: Sequence[torch.Tensor]) -> list[tuple[list[int], int, torch.Tensor]]:
-    """Per element width: the images' indices and their table (a row per image: its first element's
-    address, numel, then sizes and strides left-padded to MAX_DIMS) on their device."""
+def _tables(views: Sequence[torch.Tensor]) -> list[tuple[list[int], int, torch.Tensor, torch.Tensor]]:
+    """Per element width: the images' indices, their table (a row per image: its first element's
+    address, numel, then sizes and strides left-padded to MAX_DIMS) and their indices, both on their device."""
     by_width: dict[int, list[int]] = {}
     for i, v in enumerate(views):
         if not foldable(v):
@@ -105,7 +117,8 @@ def _tables(views: Sequence[torch.Tensor]) -> list[tuple[list[int], int, torch.T
             v = views[i]
             ones, zeros = _PAD[v.dim()]
             rows.append((v.data_ptr(), v.numel(), *ones, *v.shape, *zeros, *v.stride()))
-        out.append((index, width, torch.tensor(rows, dtype=torch.int64).to(views[0].device)))
+        device = views[0].device
+        out.append((index, width, torch.tensor(rows, dtype=torch.int64).to(device), torch.tensor(index, dtype=torch.int64).to(device)))
     return out
 
 

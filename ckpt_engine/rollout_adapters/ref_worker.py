@@ -18,7 +18,7 @@ from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.warm import warmed
 from ckpt_engine.elastic.service import PeerService
 from ckpt_engine.installed import InstalledRequest
-from ckpt_engine.installed_held import HeldDigests, HeldFold
+from ckpt_engine.installed_held import HeldDigests, HeldFold, HeldLaunch
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
@@ -176,9 +176,10 @@ class TorchRefWorker:
         self.received = digest
         return report
 
-    def _folding(self, check: HeldFold) -> tuple[Callable[..., int], Callable[..., int]]:
-        """The loaders of a checked receive: each bucket's tensors are folded once loaded, on the
-        loads' stream, while the next bucket streams (`HeldFold.landed`)."""
+    def _folding(self, check: HeldFold | HeldLaunch) -> tuple[Callable[..., int], Callable[..., int]]:
+        """The loaders of a checked receive: each bucket's tensors are told to the check once loaded
+        (`landed`: on the host folded in batches while the next bucket streams; on a GPU every
+        tensor in one launch once the last one landed)."""
 
         def loader(pairs: list[tuple[str, torch.Tensor]]) -> int:
             loaded = self.load_bucket(pairs)

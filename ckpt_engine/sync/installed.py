@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import operator
 import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -57,6 +59,7 @@ from ckpt_engine.sync.fanout import collect_failures
 __all__ = ["InstalledChecks", "sender_shares"]
 
 logger = logging.getLogger(__name__)
+_CUDA = operator.attrgetter("is_cuda")
 
 MAX_KEYS_BYTES = 100_000
 """The keys travel with the send announcement, beside a region layout of up to 900 kB (1 MiB in all)."""
@@ -120,10 +123,12 @@ class InstalledChecks:
         """The wire dtype of each name of the armed check (`arm`'s `dtypes`; absent: as walked)."""
         self._noted: list[tuple[str, torch.Tensor]] | None = None
         """What a stable walk yielded, for `fold_noted` (None: nothing waits)."""
-        self._noted_layout: tuple[list[str], dict[str, list[Key]], dict[str, torch.dtype], list[Key], list[int], list[torch.dtype | None]] | None = None
-        """The last stable walk's names (with the keys and dtypes they were read for), and each key,
-        the walked tensor it is read from and its dtype: the same at every check of a session."""
+        self._noted_layout: _Walk | None = None
+        """The last stable walk's layout: the same at every check of a session."""
         self._fold_error: Exception | None = None
+        self._on_device: tuple[list[Key], torch.Tensor, Any] | None = None
+        """A stable walk's digests folded in one launch (`fold_noted` on a GPU): the keys, their
+        digests on the device, the stream they were folded on."""
         self._order: list[Key] = []
         """The keys of an armed many-sender check, in the order the senders' shares come in."""
         self._combined: dict[Key, int] | None = None
@@ -174,7 +179,7 @@ class InstalledChecks:
         """A new sync: nothing armed yet."""
         self.syncs += 1
         self.request, self._digests, self.seconds, self._order, self._combined = None, {}, None, [], None
-        self._dtypes, self._noted, self._fold_error = {}, None, None
+        self._dtypes, self._noted, self._fold_error, self._on_device = {}, None, None, None
 
     def _arm(
         self, rollouts: Sequence[RolloutAdapter], names: list[str], plans: Sequence[ReceivePlan | None], senders: int,
@@ -270,37 +275,59 @@ class InstalledChecks:
     def fold_noted(self) -> None:
         """Fold what a stable walk noted (`tap`): called once this rank's send went through, while
         the engines finish (`SyncStream.run`'s `sent`), else by `verify`. On a GPU one launch over
-        kept tables, read back with the compare. Never raises: an error waits for `verify`."""
+        kept tables (`installed_kernel.Folder`: no Python per key but its views), read back with
+        the compare. Never raises: an error waits for `verify`."""
         noted, self._noted = self._noted, None
         if noted is None:
             return
         t = time.perf_counter()
         try:
-            keys, index, dtypes = self._layout([n for n, _ in noted])
-            tensors = [tensor for _, tensor in noted]
-            views = [tensors[i] if k[1] is None else region_view(tensors[i], k[1]) for k, i in zip(keys, index)]
-            first = self._folds.note(views, dtypes)
-            self._digests.update(zip(keys, range(first, first + len(keys))))
-            self._folds.read_later()
+            names, tensors = (list(c) for c in zip(*noted)) if noted else ([], [])
+            walk = self._layout(names)
+            keys = walk.keys
+            views = tensors if walk.each_once else [tensors[i] if k[1] is None else region_view(tensors[i], k[1]) for k, i in zip(keys, walk.index)]
+            if not self._fold_on_device(walk, views):
+                first = self._folds.note(views, walk.casts)
+                self._digests.update(zip(keys, range(first, first + len(keys))))
+                self._folds.read_later()
         except Exception as exc:  # the receives are in flight: the check fails in verify, as before
             self._fold_error = exc
         self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
 
-    def _layout(self, names: list[str]) -> tuple[list[Key], list[int], list[torch.dtype | None]]:
-        """Each key of the walked `names`, the index of the walked tensor it is read from and its wire
-        dtype; worked out once for a session's walk (the same names, keys and dtypes each check)."""
+    def _fold_on_device(self, walk: _Walk, views: list[torch.Tensor]) -> bool:
+        """Fold every view in one launch when all are CUDA images the kernel reads as the wire
+        carries them (no cast); False (nothing done) otherwise."""
+        if self.samples <= 0 or not views or not all(map(_CUDA, views)):
+            return False
+        from ckpt_engine.installed_kernel import Folder  # Triton: only where a GPU folds
+
+        try:
+            folder = Folder(views)
+        except ValueError:  # an image the kernel cannot read
+            return False
+        if not walk.uncast and walk.casts != folder.dtypes and not all(d is None or d == v for d, v in zip(walk.casts, folder.dtypes)):
+            return False
+        assert self.request is not None
+        device = views[0].device
+        self._on_device = (walk.keys, folder.launch_all(self.request.seed, self.samples), torch.cuda.current_stream(device))
+        return True
+
+    def _layout(self, names: list[str]) -> _Walk:
+        """The walked `names`' layout (`_Walk`), worked out once for a session's walk (the same
+        names, keys and dtypes each check)."""
         kept = self._noted_layout
-        if kept is None or kept[0] != names or kept[1] is not self._want or kept[2] is not self._dtypes:
+        if kept is None or kept.names != names or kept.want is not self._want or (kept.dtypes is not self._dtypes and kept.dtypes != self._dtypes):
             want, dtypes = self._want, self._dtypes
             rows = [(key, i, dtypes.get(n)) for i, n in enumerate(names) for key in want.get(n, ())]
             keys, index, casts = (list(c) for c in zip(*rows)) if rows else ([], [], [])
-            kept = self._noted_layout = (names, want, dtypes, keys, index, casts)
-        return kept[3], kept[4], kept[5]
+            each_once = index == list(range(len(names))) and all(k[1] is None for k in keys)
+            kept = self._noted_layout = _Walk(names, want, dtypes, keys, index, tuple(casts), each_once, all(c is None for c in casts))
+        return kept
 
     def release(self) -> None:
         """After a sync: drop what a stable walk noted and a failed sync never folded (its tensors
         would stay alive until the next check)."""
-        self._noted = None
+        self._noted, self._on_device = None, None
         self._folds.drop_later()
 
     def source_digests(self) -> dict[Key, int]:
@@ -308,8 +335,15 @@ class InstalledChecks:
         self.fold_noted()
         if self._fold_error is not None:
             raise self._fold_error
-        values = self._folds.values()
-        return dict(zip(self._digests, map(values.__getitem__, self._digests.values())))
+        values = self._folds.values() if self._digests else []
+        out = dict(zip(self._digests, map(values.__getitem__, self._digests.values())))
+        if self._on_device is not None:
+            keys, folded, stream = self._on_device
+            current = torch.cuda.current_stream(folded.device)
+            if current != stream:
+                current.wait_stream(stream)
+            out.update(zip(keys, folded.tolist()))
+        return out
 
     def verify(self, pool: cf.Executor, rollouts: Sequence[RolloutAdapter], timeout_s: float) -> dict[str, str]:
         """{engine: what differs} after the stream ({} when all agree, or no check was armed)."""
@@ -319,15 +353,22 @@ class InstalledChecks:
         t = time.perf_counter()
         checked = [r for r in rollouts if r.capabilities.installed]
         futures = {r.name: pool.submit(r.installed_digests, request) for r in checked}
-        self.fold_noted()  # a stable walk's folds, if the send's end did not: while the engines digest theirs
+        mine: dict[Key, int] | Exception = {}
+        if self._combined is None and not self._order:  # one sender: its digests read back while the engines answer
+            try:
+                mine = self.source_digests()  # folds a stable walk first if the send's end did not
+            except Exception as exc:  # raised once the engines answered, as before
+                mine = exc
         failed = collect_failures(futures, "an installed-weight check", timeout_s)
         if self._combined is not None:  # many senders: every sender's shares, added
             expected = dict(self._combined)
         elif self._order:  # many senders, but the shares never came (a failed send stops earlier)
             self._say("installed-weight checks: the senders' shares did not arrive; not checked")
             return {}
+        elif isinstance(mine, Exception):
+            raise mine
         else:
-            expected = self.source_digests()
+            expected = mine
         self.engine_seconds = 0.0
         for r in checked:
             if r.name not in failed:
@@ -365,6 +406,23 @@ class InstalledChecks:
         if message not in self._said:
             self._said.add(message)
             logger.warning("%s", message)
+
+
+@dataclass(frozen=True)
+class _Walk:
+    """A stable walk's layout for a check: its `names` (with the keys and dtypes it was worked out
+    for), each key, the walked tensor it is read from (`index`) and its wire dtype (`casts`, None:
+    as walked), whether the keys are the walked tensors themselves (`each_once`: each whole, once,
+    in order) and whether no key is cast (`uncast`)."""
+
+    names: list[str]
+    want: dict[str, list[Key]]
+    dtypes: dict[str, torch.dtype]
+    keys: list[Key]
+    index: list[int]
+    casts: tuple[torch.dtype | None, ...]
+    each_once: bool
+    uncast: bool
 
 
 def _names(names: list[str]) -> str:
