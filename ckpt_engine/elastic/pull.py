@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.elastic.host import PeerHost
-from ckpt_engine.elastic.offer import PeerOffer, TensorOffer, tensor_bytes, tensor_checksums
+from ckpt_engine.elastic.offer import PeerOffer, TensorOffer, tensor_checksums
 from ckpt_engine.elastic.prepared import JoinPrep, register_uncovered
 from ckpt_engine.transports.nixl_agent import NixlAgent, load_nixl
 
@@ -140,8 +140,9 @@ def read_checked(
     t0 = time.perf_counter()
     nbytes, connect_s, prepared = _read_all(into, offer, peer, timeout_s, hold, prep)
     t_check = time.perf_counter()
-    sums = tensor_checksums([into[t.name] for t in offer.tensors])
-    bad = [t.name for t, got in zip(offer.tensors, sums) if got != t.checksum]
+    names = offer.tensors.names  # columns, not rows: a row per tensor is a tuple made (9,435 of them)
+    sums = tensor_checksums([into[n] for n in names])
+    bad = [n for n, want, got in zip(names, offer.tensors.checksum, sums) if got != want]
     if bad:
         raise RuntimeError(
             f"{len(bad)} tensor(s) read from peer {peer} do not match the checksums it advertised for version {offer.version} "
@@ -157,7 +158,7 @@ def _read_all(
     bytes read, the seconds it took to make the agent (or take the prepared one) and connect to
     the peer's, and what the prepare gave."""
     t0 = time.perf_counter()
-    todo = [(t, tensor_bytes(into[t.name])) for t in offer.tensors if t.nbytes]
+    todo = [(t, into[t.name]) for t in offer.tensors if t.nbytes]  # sizes checked against the offer's before
     taken = prep.take({t.name: local for t, local in todo}) if prep is not None else None
     if taken is not None and taken.agent is not None:
         agent, prepared = taken.agent, taken.info()
@@ -166,7 +167,7 @@ def _read_all(
     deadline = time.monotonic() + timeout_s
     try:
         if not prepared["used"]:
-            register_uncovered(agent, [local for _, local in todo])
+            register_uncovered(agent, [local for _, local in todo])  # a strided one is refused by name
         try:
             agent.add_peer(0, offer.slots())
         except Exception as exc:
@@ -189,7 +190,7 @@ def _read_all(
                 if state != "DONE":
                     raise RuntimeError(f"the read of {run.what} from peer {peer} failed in NIXL ({state}): did the peer leave or die?")
             hold()
-        return sum(local.numel() for _, local in todo), connect_s, prepared
+        return sum(local.nbytes for _, local in todo), connect_s, prepared
     finally:
         agent.close()
 

@@ -187,7 +187,8 @@ class VllmPeer:
                 slabbed = [(n, shape, getattr(torch, d)) for n, d, shape in zip(offer.tensors.names, offer.tensors.dtypes, offer.tensors.shapes)
                            if n in staging.copy.slabbed]
                 into = staging.copy.slab(slabbed, device) if slabbed and len(slabbed) == len(staging.copy.slabbed) else {}
-                into.update({t.name: staging.copy.slot(t.name, t.shape, getattr(torch, t.dtype), device) for t in offer.tensors if t.name not in into})
+                into.update({n: staging.copy.slot(n, shape, getattr(torch, d), device)
+                             for n, d, shape in zip(offer.tensors.names, offer.tensors.dtypes, offer.tensors.shapes) if n not in into})
                 staging.copy.retain(into)
                 t_laid = time.perf_counter()
                 nbytes, phases, prepared = read_checked(into, offer, peer, read_timeout_s, self.hold, self.prep)
