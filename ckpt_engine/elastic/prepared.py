@@ -38,22 +38,25 @@ _LOCK_S = 30.0
 """The longest a call waits for another's prepare or release (an agent's start is ~1.4 s on an H200 host)."""
 
 
-_WARM: set[torch.device] = set()
-"""The devices whose checksum path this process has run (`warm_checksums`)."""
+_WARM: set[tuple[torch.device, int]] = set()
+"""The (device, word size) pairs whose checksums this process has run (`warm_checksums`)."""
 
 
-def warm_checksums(device: torch.device) -> None:
-    """Run the checksums once on `device`, on a few bytes of each word size, so the pull's first
-    checksums do not pay the process's first launch (on a GPU: Triton's kernel loaded or compiled,
-    `checksum_kernel.py`; the 30B-A3B joiner's checksums took 0.162 s on 2xH200 for ~10 ms of
-    kernel). Once per process and device; what the prepare does beside the offer, or ahead."""
-    if device in _WARM:
+def warm_checksums(tensors: list[torch.Tensor]) -> None:
+    """Run the checksums once on a few bytes of each device and word size `tensors` will be
+    checksummed in, so the pull's first checksums do not pay the process's first launch (on a GPU:
+    Triton's kernel loaded or compiled per word size, `checksum_kernel.py`; the 30B-A3B joiner's
+    checksums took 0.162 s on 2xH200 for ~10 ms of kernel). Once per process, device and word size;
+    what the prepare does beside the offer, or ahead."""
+    wanted = {(t.device, next(w for w in (8, 4, 2, 1) if t.nbytes % w == 0)) for t in tensors}  # as `tensor_checksums` picks words
+    todo = sorted(wanted - _WARM, key=str)
+    _WARM.update(todo)
+    if not todo:
         return
-    _WARM.add(device)
     try:
-        tensor_checksums([torch.zeros(n, dtype=torch.uint8, device=device) for n in (8, 4, 2, 1)])  # words of 8, 4, 2, 1 bytes
+        tensor_checksums([torch.zeros(w, dtype=torch.uint8, device=d) for d, w in todo])  # w bytes: one word of w
     except Exception as exc:  # the pull's own checksums then say what is wrong, by name
-        logger.warning("warming the checksums on %s failed: %s", device, exc)
+        logger.warning("warming the checksums (%s) failed: %s", todo, exc)
 
 
 def _landing(tensors: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -162,8 +165,7 @@ class JoinPrep:
             except BaseException:
                 _let_go(held.agent if held is not None else None, release)
                 raise
-            if views:
-                warm_checksums(views[0].device)
+            warm_checksums(views)
             timer = threading.Timer(keep_s, self._expire, args=(agent,))
             timer.daemon = True
             self._held = _Prepared(agent, release, timer)
