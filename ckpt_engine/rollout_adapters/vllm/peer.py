@@ -35,7 +35,7 @@ import torch
 from ckpt_engine.elastic.offer import PeerOffer
 from ckpt_engine.elastic.peer_source import PeerSource
 from ckpt_engine.elastic.prepared import JoinPrep
-from ckpt_engine.elastic.pull import read_checked
+from ckpt_engine.elastic.pull import GcClock, read_checked
 from ckpt_engine.rollout_adapters.engine_lease import EngineLease
 from ckpt_engine.rollout_adapters.vllm.specs import VllmSpecs
 from ckpt_engine.rollout_adapters.vllm.staging import Prepare, StagedReceive, Staging
@@ -77,6 +77,8 @@ class VllmPeer:
         peer mid-pull, with no timing (`tests/_vllm_peer_faults.py`)."""
         self.prep = JoinPrep()
         """A pull's agent made, and its staging copy allocated and registered, before the offer came."""
+        self.ahead_tried = False
+        """Whether this worker was asked to prepare a join ahead (`worker.py`, once per worker)."""
 
     def caller(self, owner: str | None) -> VllmPeer:
         """This worker's peer joins, for a caller naming weight-sync group `owner` (None: none).
@@ -169,27 +171,37 @@ class VllmPeer:
         """Check `raw` (the offer of `peer`) against what this model takes, then stage the pull on
         a background thread (`Staging`: the controller polls its status and swaps). ValueError:
         a bad offer, refused before anything is allocated."""
+        t_call = time.perf_counter()
         offer = PeerOffer.decode(raw, peer)
         if held is not None and version <= held:
             raise ValueError(f"this engine holds version {held}; versions only grow, so it does not pull version {version}")
         check_against(offer, version, specs)
         self.clear("a peer pull is landing in its staging copy")
+        t_started = 0.0
 
         def stream(staged: StagedReceive) -> dict[str, Any]:
             t0 = time.perf_counter()
-            # The prepare's slab laid again in the offer's order (no new memory, its one registration
-            # still covers it): tensors back to back at the peer are then back to back here, one read.
-            slabbed = [(t.name, t.shape, getattr(torch, t.dtype)) for t in offer.tensors if t.name in staging.copy.slabbed]
-            into = staging.copy.slab(slabbed, device) if slabbed and len(slabbed) == len(staging.copy.slabbed) else {}
-            into.update({t.name: staging.copy.slot(t.name, t.shape, getattr(torch, t.dtype), device) for t in offer.tensors if t.name not in into})
-            staging.copy.retain(into)
-            nbytes, phases, prepared = read_checked(into, offer, peer, read_timeout_s, self.hold, self.prep)
-            alias = [(head, into[emb]) for head, emb in specs.tied.items() if head not in into and emb in into]
-            staged.sink([*into.items(), *alias])  # kept as they are: they already are the staging copy
+            with GcClock().timing() as clock, GcClock.hold():  # no collection of the worker's heap mid-pull (0.1 s seen on 2xH200)
+                # The prepare's slab laid again in the offer's order (no new memory, its one registration
+                # still covers it): tensors back to back at the peer are then back to back here, one read.
+                slabbed = [(n, shape, getattr(torch, d)) for n, d, shape in zip(offer.tensors.names, offer.tensors.dtypes, offer.tensors.shapes)
+                           if n in staging.copy.slabbed]
+                into = staging.copy.slab(slabbed, device) if slabbed and len(slabbed) == len(staging.copy.slabbed) else {}
+                into.update({n: staging.copy.slot(n, shape, getattr(torch, d), device)
+                             for n, d, shape in zip(offer.tensors.names, offer.tensors.dtypes, offer.tensors.shapes) if n not in into})
+                staging.copy.retain(into)
+                t_laid = time.perf_counter()
+                nbytes, phases, prepared = read_checked(into, offer, peer, read_timeout_s, self.hold, self.prep)
+                t_sink = time.perf_counter()
+                alias = [(head, into[emb]) for head, emb in specs.tied.items() if head not in into and emb in into]
+                staged.sink([*into.items(), *alias])  # kept as they are: they already are the staging copy
             seconds = time.perf_counter() - t0
+            phases = {"start": t_started, "queued": t0 - t_call - t_started, "lay": t_laid - t0, **phases,
+                      "sink": time.perf_counter() - t_sink, **clock.info()}
             logger.info("pulled version %d from peer %s into the staging copy: %d bytes in %.3f s (%s)", version, peer, nbytes, seconds, phases)
             return {"peer": peer, "version": version, "bytes": nbytes, "tensors": len(into), "seconds": seconds, "phases": phases, "prepare": prepared}
 
+        t_started = time.perf_counter() - t_call  # the call's own work: the offer decoded and checked
         staging.start(f"peer-pull:{peer}:v{version}", stream, True, prepare)
         self._pull = staging.version
 

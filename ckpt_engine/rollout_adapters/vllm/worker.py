@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import base64
 import functools
+import gc
 import hashlib
 import inspect
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -70,7 +72,10 @@ class CkptEngineWorkerExtension:
     def ckpt_join(self, rendezvous: dict[str, Any], rank_offset: int, options: dict[str, Any]) -> dict[str, Any]:
         """Join the weight-sync group as rank `rank_offset + this worker's rank` (collective)."""
         rank = int(rank_offset) + self._ckpt_rank()
-        self._ckpt_core().join(rendezvous, rank, options)
+        core = self._ckpt_core()
+        if core.peer.prep.release():  # a join's prepare made ahead: this engine is synced instead (its slab freed)
+            logger.info("a peer join's prepare made ahead was released: this worker joins a weight-sync group instead")
+        core.join(rendezvous, rank, options)
         self._ckpt_outcomes = (Rendezvous.from_dict(rendezvous).connect_store(is_master=False), rank)  # staged receives report here
         return {"pid": os.getpid(), "rank": rank}
 
@@ -156,7 +161,13 @@ class CkptEngineWorkerExtension:
         return out
 
     def ckpt_health(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "rank": self._ckpt_rank(), **self._ckpt_core().health()}
+        """This worker's state. Under `CKPT_ENGINE_PEER_AHEAD`, the first probe of a fresh worker
+        (no version, no group, nothing staged or loading: an engine just started, as registering
+        asks it) makes a peer join's prepare first (`ckpt_peer_prepare`, kept `AHEAD_KEEP_S`), said
+        under `join_ahead`, so that the join finds it made (docs/elastic.md, "A joiner made ahead")."""
+        core = self._ckpt_core()
+        ahead = _join_ahead(core)
+        return {"pid": os.getpid(), "rank": self._ckpt_rank(), **core.health(), **({"join_ahead": ahead} if ahead is not None else {})}
 
     # --- staged syncs: receive while the engine steps, swap between two steps (vllm/staging.py) ---
     def ckpt_stage(self, digest: str, ticket: str, delta: dict[str, Any] | None = None, installed: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -211,19 +222,11 @@ class CkptEngineWorkerExtension:
         loaders' copies are recorded here (`prepare_loads`: a failure there allocates nothing and
         closes the agent), then the staging copy allocated in this model's checkpoint shapes and
         registered with it (`VllmPeer.prepare`); kept `keep_s` unless the pull takes it or
-        `ckpt_peer_unprepare` comes first."""
+        `ckpt_peer_unprepare` comes first. A prepare made ahead (`ckpt_health` under
+        `CKPT_ENGINE_PEER_AHEAD`) is found held: its agent and slab are kept, nothing is made again."""
         core = self._ckpt_core()
-        peer = core.peer.caller(owner)
-        if core.reload.is_open:
-            raise RuntimeError("a peer join's prepare refused: a sync is loading into this worker")
-        peer.prep.start_agent()
-        try:
-            loads_s = core.prepare_loads()
-        except BaseException:
-            peer.prep.release()
-            raise
-        made = peer.prepare(float(keep_s), specs=core.specs(), staging=core.staging, device=core.receiver.device or torch.device("cpu"))
-        return {**made, "loads_s": loads_s}
+        core.peer.caller(owner)
+        return _prepare_join(core, float(keep_s))
 
     def ckpt_peer_unprepare(self, owner: str | None = None) -> bool:
         """Release a prepare no pull took (deregistered, what it allocated freed); whether one was held."""
@@ -283,6 +286,54 @@ class CkptEngineWorkerExtension:
 
     def ckpt_lora_health(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self._ckpt_rank(), **self._ckpt_lora_core().health()}
+
+
+AHEAD_KEEP_S = 3600.0
+"""How long a join's prepare made ahead (`ckpt_health` under `CKPT_ENGINE_PEER_AHEAD`) is kept
+unless a pull takes it or a group join, a leave or a join's end releases it: its staging slab is a
+model-sized copy on the worker's device."""
+
+
+def _prepare_join(core: VllmReceiverCore, keep_s: float) -> dict[str, Any]:
+    """A peer join's prepare in this worker (see `ckpt_peer_prepare`): the agent beside the loaders'
+    dry run, then the staging slab allocated and registered."""
+    if core.reload.is_open:
+        raise RuntimeError("a peer join's prepare refused: a sync is loading into this worker")
+    peer = core.peer
+    peer.prep.start_agent()
+    try:
+        loads_s = core.prepare_loads()
+    except BaseException:
+        peer.prep.release()
+        raise
+    made = peer.prepare(keep_s, specs=core.specs(), staging=core.staging, device=core.receiver.device or torch.device("cpu"))
+    return {**made, "loads_s": loads_s}
+
+
+def _join_ahead(core: VllmReceiverCore) -> dict[str, Any] | None:
+    """Under `CKPT_ENGINE_PEER_AHEAD`, once per worker: a fresh worker's join prepared now (None:
+    not asked, or not fresh). A failure is said, not raised: the join then prepares as without it."""
+    peer = core.peer
+    if not peer.source.ahead or peer.ahead_tried:
+        return None
+    peer.ahead_tried = True
+    if core.version is not None or core.receiver.group is not None or core.staging.running or core.staging.version is not None or core.reload.is_open:
+        return None
+    t0 = time.perf_counter()
+    try:
+        made = _prepare_join(core, AHEAD_KEEP_S)
+    except Exception as exc:
+        logger.warning("a peer join's prepare made ahead failed (a join prepares itself): %s", exc)
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": time.perf_counter() - t0}
+    t_made = time.perf_counter()
+    # What it made lives until the join (the slab's 9,435 views for a 30B-A3B, the loaders' record):
+    # frozen out of the collector's scans as vLLM freezes its worker's heap after its warm-up, so a
+    # full collection mid-join does not walk them (one of 0.1 s was seen in a 2xH200 join).
+    gc.collect()
+    gc.freeze()
+    seconds = time.perf_counter() - t0
+    logger.info("a peer join prepared ahead of any join in %.3f s (%s)", seconds, made)
+    return {**made, "seconds": seconds, "gc_freeze_s": seconds - (t_made - t0)}
 
 
 _ANSWERING: set[Callable[..., Any]] = set()
