@@ -15,6 +15,7 @@ afresh exactly as before. The check never keeps the tensors alive.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from torch._C._dynamo.guards import TensorGuards
 from ckpt_engine.manifest import TensorSpec
 
 __all__ = ["Layout", "layout_of"]
+
+logger = logging.getLogger(__name__)
 
 _KEPT_MAX = 8
 """State dicts whose layouts are kept at once (by names and wire dtype rule); more start over."""
@@ -61,11 +64,20 @@ def layout_of(names: tuple[str, ...], tensors: Sequence[torch.Tensor], wire: Has
     guards: TensorGuards | None = None
     if kept is not None and kept.layout.specs == layout.specs:  # the same specs twice: worth a check of its own
         layout = Layout(kept.layout.specs, layout.device)  # the same list: the plan's key compares it by identity
-        guards = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors], dynamic_dims_strides=[list(t.stride()) for t in tensors])
-        if not guards.check(*tensors):  # a state the check cannot hold to (it would never pass): walked each sync
-            guards = None
+        guards = _guards(tensors)
     with _lock:
         if len(_kept) >= _KEPT_MAX and key not in _kept:
             _kept.clear()
         _kept[key] = _Kept(layout, guards)
     return layout
+
+
+def _guards(tensors: Sequence[torch.Tensor]) -> TensorGuards | None:
+    """torch's check of `tensors` as they are now; None where it cannot describe them (a tensor
+    without strides, or a state its check would never pass): such a dict is walked every sync."""
+    try:
+        guards = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors], dynamic_dims_strides=[list(t.stride()) for t in tensors])
+    except (RuntimeError, TypeError) as exc:
+        logger.info("state dict layout not kept (%s: %s): its metadata is read every sync", type(exc).__name__, exc)
+        return None
+    return guards if guards.check(*tensors) else None
