@@ -6,8 +6,8 @@ device). On Qwen3-30B-A3B's 18,867 tensors the two walks were ~10 ms of the sync
 (12.1 ms "plan" on 2xH200; 7.7 + 2.5 ms on the CPU box). Once a state dict's names came back with
 the same specs twice in a row, its layout is kept with a `TensorGuards` over its tensors: torch's
 own C++ check (the one `torch.compile` runs before each call) of every tensor's Python type,
-dispatch keys (device type), device index, dtype, sizes, strides and requires_grad, ~3x cheaper
-than reading the shapes alone in Python. A tensor re-allocated with the same layout passes (its
+dispatch keys (device type), device index, dtype, sizes, strides and requires_grad: 2.1 ms on the CPU box
+against 5.3 ms for reading the shapes alone in Python. A tensor re-allocated with the same layout passes (its
 specs are the same); any change of shape, dtype, device or strides, in place (`.data =`,
 `resize_`) or by a new tensor, fails the check and the dict is walked again, so the plan is made
 afresh exactly as before. The check never keeps the tensors alive.
