@@ -16,6 +16,7 @@ from ckpt_engine.planning.buckets import plan_buckets
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
+from ckpt_engine.sources.layouts import Layout, layout_of
 from ckpt_engine.sync.installed import InstalledChecks
 from ckpt_engine.sync.weights_mode import WeightsModeCheck
 from refengines import holds, serving, spawn_engine
@@ -132,5 +133,90 @@ def test_a_source_whose_tensors_change_in_place_between_syncs_is_planned_and_sen
             session.sync(src)
             assert session.manifest.digest == digest and holds(engine, src.weights) == []  # type: ignore[union-attr]
             held = {n: t.clone() for n, t in src.weights.items()}
+    finally:
+        session.close()
+
+
+def test_a_state_dicts_layout_is_kept_only_while_torchs_check_of_every_tensor_passes() -> None:
+    """New sources over one dict each sync (as a trainer loop makes them): from the second walk
+    with the same specs the specs come from the kept layout (the same objects, no walk), and every
+    kind of change walks again and reads the new specs and device."""
+    sd = _weights(3)
+    walked: list[int] = []
+
+    def walk() -> Layout:
+        walked.append(1)
+        return StateDictSource(sd)._walk()
+
+    for _ in range(4):
+        layout_of(tuple(sd), list(sd.values()), "test", walk)
+    assert len(walked) == 2  # the same specs twice, then torch's check alone
+    sd["e.1"] = sd["e.1"].clone()
+    layout_of(tuple(sd), list(sd.values()), "test", walk)
+    assert len(walked) == 2  # a new tensor of the same layout: the same specs
+    sd["e.1"].data = torch.zeros(3)
+    layout_of(tuple(sd), list(sd.values()), "test", walk)
+    assert len(walked) == 3
+    walks = [StateDictSource(sd).metadata() for _ in range(3)]
+    assert walks[0] == walks[1] == walks[2]
+    kept = StateDictSource(sd)
+    assert kept.metadata() == walks[0] and kept.device == torch.device("cpu")
+    square = sd["square"]
+    changes = [
+        lambda: sd.__setitem__("e.3", torch.zeros(70)),  # another object, another shape
+        lambda: setattr(square, "data", torch.zeros(12, 48)),  # in place: a new shape
+        lambda: setattr(square, "data", square.data.double()),  # in place: a new dtype
+        lambda: square.resize_(24, 25),  # in place: resized storage
+        lambda: sd.__setitem__("square", torch.zeros(24, 25, device="meta")),  # another device (`.data =` refuses one)
+    ]
+    for change in changes:
+        change()
+        src = StateDictSource(sd)
+        specs = {s.name: s for s in src.metadata()}
+        assert [(n, s.dtype, s.shape) for n, s in specs.items()] == [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in sd.items()]
+        assert src.device == sd["square"].device  # the host, then the meta device (host tensors beside it)
+    renamed = {f"x.{n}": t for n, t in sd.items()}
+    assert [s.name for s in StateDictSource(renamed).metadata()] == list(renamed)
+    cast = StateDictSource(sd, dtype=torch.bfloat16)
+    assert {s.dtype for s in cast.metadata()} == {"bfloat16"}  # the wire dtype rule is part of the key
+
+
+def test_a_reallocated_or_reshaped_tensor_after_kept_syncs_is_planned_afresh_and_lands_exactly(engine: TorchRefRollout) -> None:
+    """The trainer loop's pattern: a new StateDictSource over one dict each sync. Once its layout is
+    kept (three syncs), a re-allocated tensor of the same layout lands exactly on the kept plan; a
+    new shape, by a new tensor or in place, is planned afresh and refused by the engine by name
+    before anything is paused (it keeps serving what it held), and the next good sync lands exactly."""
+    sd = _weights(4)
+    session = WeightSyncSession([engine], CFG)
+    try:
+        for step in range(3):
+            for n, t in _weights(5 + step).items():
+                sd[n].copy_(t)
+            session.sync(StateDictSource(sd))
+            assert holds(engine, sd) == [], step
+        digest = session.manifest.digest  # type: ignore[union-attr]
+        sd["e.5"] = _weights(9)["e.5"].clone()  # re-allocated: same layout, new storage and values
+        sd["square"].data = torch.randn(24, 24)  # re-allocated in place
+        session.sync(StateDictSource(sd))
+        assert session.manifest.digest == digest and holds(engine, sd) == []  # type: ignore[union-attr]
+        held = {n: t.clone() for n, t in sd.items()}
+        good = sd["e.8"]
+        for bad in (torch.randn(good.numel() + 3), torch.randn(2, good.numel() // 2)):
+            for in_place in (False, True):
+                if in_place:
+                    sd["e.8"] = good
+                    good.data, saved = bad, good.data
+                else:
+                    sd["e.8"] = bad
+                with pytest.raises(ManifestRejectedError, match=r"e\.8"):
+                    session.sync(StateDictSource(sd))
+                assert session.manifest.digest != digest  # type: ignore[union-attr]  # planned afresh
+                assert serving(engine.health()) and holds(engine, held) == []
+                if in_place:
+                    good.data = saved
+                sd["e.8"] = good
+        good.add_(1)
+        session.sync(StateDictSource(sd))
+        assert session.manifest.digest == digest and holds(engine, sd) == []  # type: ignore[union-attr]
     finally:
         session.close()

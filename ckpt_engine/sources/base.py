@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.manifest import TensorSpec
+from ckpt_engine.sources.layouts import Layout, layout_of
 
 __all__ = ["StateDictSource", "WatchedWeights", "WeightSource", "WeightWalk", "spec_of", "tensors_device"]
 
@@ -93,6 +94,7 @@ class StateDictSource(WeightSource):
         self.weights = dict(weights)
         self.dtype = dtype
         self.keep_dtype = frozenset(keep_dtype)
+        self._layout: Layout | None = None
 
     def _wire_dtype(self, name: str, t: torch.Tensor) -> torch.dtype:
         if self.dtype is not None and t.is_floating_point() and name not in self.keep_dtype:
@@ -100,17 +102,27 @@ class StateDictSource(WeightSource):
         return t.dtype
 
     def metadata(self) -> list[TensorSpec]:
+        self._layout = layout_of(tuple(self.weights), list(self.weights.values()), (self.dtype, self.keep_dtype), self._walk)
+        return list(self._layout.specs)
+
+    def _walk(self) -> Layout:
+        """Every tensor's spec and their device, read one by one (`sources/layouts.py` keeps them)."""
         if self.dtype is None:  # spec_of's cache, looked up inline: ~20 % less host time a tensor on a MoE's ~19,000
             get = _SPECS.get
-            return [get((n, t.dtype, t.shape)) or spec_of(n, t) for n, t in self.weights.items()]
-        return [spec_of(n, t, self._wire_dtype(n, t)) for n, t in self.weights.items()]
+            specs = [get((n, t.dtype, t.shape)) or spec_of(n, t) for n, t in self.weights.items()]
+        else:
+            specs = [spec_of(n, t, self._wire_dtype(n, t)) for n, t in self.weights.items()]
+        return Layout(specs, tensors_device(self.weights.values()))
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.weights.items()
 
     @property
     def device(self) -> torch.device | None:
-        return tensors_device(self.weights.values())
+        """The device the last `metadata()` read with the specs, taken once (a sync reads the
+        metadata, then the device, within its start); else read from the tensors."""
+        layout, self._layout = self._layout, None
+        return layout.device if layout is not None else tensors_device(self.weights.values())
 
 
 def tensors_device(tensors: Iterable[torch.Tensor]) -> torch.device | None:
