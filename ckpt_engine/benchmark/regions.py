@@ -82,6 +82,7 @@ def run_region_bench(args: argparse.Namespace, backend: str, device: str, bucket
         "device": device, "link_mb_s": args.link_mb_s, "fused_experts": args.fused_experts,
         "region_slot_memory_mb": args.region_slot_memory_mb, "wire_dtype": args.wire_dtype,
         "profile": os.path.abspath(args.profile) if args.profile else None,
+        "engine_kwargs": json.loads(args.engine_kwargs) if args.engine_kwargs is not None else {},
     }
     if args.wire_dtype is not None and (args.senders > 1 or args.fused_experts):
         raise ValueError("--wire-dtype fp8 in the region bench: one sender, experts one tensor each (the library's FP8 wire takes both)")
@@ -233,7 +234,9 @@ def _rank(rank: int, cfg: dict[str, Any]) -> dict[str, Any]:
     bucket = int(cfg["bucket_mb"] * (1 << 20)) // 4096 * 4096
 
     def make() -> Any:
-        return CheckpointEngineRegistry.new(backend, bucket_size_bytes=bucket, num_buffers=cfg["buffers"], timeout_s=rdzv.timeout_s, device=device)
+        return CheckpointEngineRegistry.new(
+            backend, bucket_size_bytes=bucket, num_buffers=cfg["buffers"], timeout_s=rdzv.timeout_s, device=device, **cfg["engine_kwargs"]
+        )
 
     engine = make()
     if not split:
