@@ -19,9 +19,9 @@ import logging
 import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch._C._dynamo.guards import TensorGuards
 
 from ckpt_engine.manifest import TensorSpec
 
@@ -44,7 +44,7 @@ class Layout:
 @dataclass
 class _Kept:
     layout: Layout
-    guards: TensorGuards | None  # None: seen once; guarded once the same specs come back
+    guards: Any  # torch's `TensorGuards`, or None: seen once, or not describable by it
 
 
 _kept: dict[Hashable, _Kept] = {}
@@ -61,7 +61,7 @@ def layout_of(names: tuple[str, ...], tensors: Sequence[torch.Tensor], wire: Has
     if kept is not None and kept.guards is not None and kept.guards.check(*tensors):
         return kept.layout
     layout = walk()
-    guards: TensorGuards | None = None
+    guards: Any = None
     if kept is not None and kept.layout.specs == layout.specs:  # the same specs twice: worth a check of its own
         layout = Layout(kept.layout.specs, layout.device)  # the same list: the plan's key compares it by identity
         guards = _guards(tensors)
@@ -72,12 +72,15 @@ def layout_of(names: tuple[str, ...], tensors: Sequence[torch.Tensor], wire: Has
     return layout
 
 
-def _guards(tensors: Sequence[torch.Tensor]) -> TensorGuards | None:
+def _guards(tensors: Sequence[torch.Tensor]) -> Any:
     """torch's check of `tensors` as they are now; None where it cannot describe them (a tensor
-    without strides, or a state its check would never pass): such a dict is walked every sync."""
+    without strides, or a state its check would never pass) or where this torch has no such check
+    (it is torch's internal API, `torch._C._dynamo`): such a dict is walked every sync."""
     try:
+        from torch._C._dynamo.guards import TensorGuards
+
         guards = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors], dynamic_dims_strides=[list(t.stride()) for t in tensors])
-    except (RuntimeError, TypeError) as exc:
+    except (ImportError, RuntimeError, TypeError) as exc:
         logger.info("state dict layout not kept (%s: %s): its metadata is read every sync", type(exc).__name__, exc)
         return None
     return guards if guards.check(*tensors) else None
