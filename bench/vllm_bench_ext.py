@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from typing import Any
 
 import torch
 
@@ -138,3 +139,20 @@ def bench_weights(specs: dict[str, list], seed: int) -> dict[str, torch.Tensor]:
 
     g = torch.Generator().manual_seed(seed)
     return {n: torch.randn(shape, generator=g).to(torch_dtype(dtype)) for n, (dtype, shape) in specs.items()}
+
+
+def time_engine_calls(handle: Any) -> list[tuple[str, float]]:
+    """Wrap the in-process client of `handle` (a `VllmRollout`) so every engine call it makes is
+    appended to the returned list as (name, seconds), in order; the caller clears it per sync."""
+    calls: list[tuple[str, float]] = []
+    bounded = handle.client._bounded  # every call of the in-process client goes through it
+
+    def timed_call(what: str, timeout_s: float, fn: Any, *a: Any, **k: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return bounded(what, timeout_s, fn, *a, **k)
+        finally:
+            calls.append((what, time.perf_counter() - t))
+
+    handle.client._bounded = timed_call
+    return calls

@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +51,8 @@ def main() -> None:
     from ckpt_engine.sources.base import StateDictSource
     from ckpt_engine.sync.api import close_sessions, sync_rollout_weights
 
+    from bench.vllm_bench_ext import time_engine_calls
+
     config = tiny_moe(args.layers, args.experts)
     weights = {s.name: torch.randn(tuple(s.shape)).mul_(0.02) for s in checkpoint_specs(config, "float32")}
     model_dir = Path(tempfile.mkdtemp())
@@ -62,16 +63,7 @@ def main() -> None:
         max_model_len=128, max_num_seqs=4, gpu_memory_utilization=0.05, worker_extension_cls=WORKER_EXTENSION,
     )
     handle = VllmRollout("host", llm, timeout_s=300.0)
-    calls: list[tuple[str, float]] = []
-    bounded = handle.client._bounded  # every call of the in-process client goes through it
-
-    def timed_call(what: str, timeout_s: float, fn: Any, *a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return bounded(what, timeout_s, fn, *a, **k)
-        finally:
-            calls.append((what, round(1000 * (time.perf_counter() - t), 2)))
-    handle.client._bounded = timed_call  # type: ignore[method-assign]
+    calls = time_engine_calls(handle)
 
     cfg = CheckpointEngineConfig(backend="gloo", timeout_s=300.0, stage="off", delta="off", bucket_size_mb=64)
     syncs: list[dict[str, Any]] = []
@@ -80,7 +72,7 @@ def main() -> None:
             calls.clear()
             report = sync_rollout_weights(StateDictSource(weights), [handle], config=cfg)
             assert report is not None
-            syncs.append({"seconds_ms": {k: round(1000 * v, 2) for k, v in report.seconds.items()}, "calls_ms": list(calls)})
+            syncs.append({"seconds_ms": {k: round(1000 * v, 2) for k, v in report.seconds.items()}, "calls_ms": [(n, round(1000 * sec, 2)) for n, sec in calls]})
             print(f"sync {i}: {syncs[-1]}", flush=True)
     finally:
         close_sessions()

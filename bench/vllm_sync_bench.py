@@ -85,6 +85,8 @@ def main() -> None:
     from ckpt_engine.sources.base import StateDictSource
     from ckpt_engine.sync.api import close_sessions, sync_rollout_weights
 
+    from bench.vllm_bench_ext import time_engine_calls
+
     config = load_preset_config(args.preset, args.layers)
     config.update(torch_dtype="bfloat16", max_position_embeddings=min(config.get("max_position_embeddings", 4096), 4096))
     model_dir = Path(tempfile.mkdtemp())
@@ -142,16 +144,7 @@ def main() -> None:
 
     handle = VllmRollout("bench", llm, timeout_s=600.0)
     reports: list[Any] = []
-    calls: list[tuple[str, float]] = []  # the last sync's engine calls (name, seconds), in order
-    bounded = handle.client._bounded  # every call of the in-process client goes through it
-
-    def timed_call(what: str, timeout_s: float, fn: Any, *a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return bounded(what, timeout_s, fn, *a, **k)
-        finally:
-            calls.append((what, time.perf_counter() - t))
-    handle.client._bounded = timed_call  # type: ignore[method-assign]
+    calls = time_engine_calls(handle)  # the last sync's engine calls (name, seconds), in order
 
     def ours(stage: str) -> Any:
         cfg = CheckpointEngineConfig(backend="nccl", timeout_s=600.0, stage=stage, delta="off")
