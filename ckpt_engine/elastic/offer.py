@@ -31,7 +31,7 @@ from ckpt_engine.delta.checksums import checksum
 from ckpt_engine.transports.nixl_agent import SlotOffer
 from ckpt_engine.versions import check_version
 
-__all__ = ["OfferHead", "OfferTable", "PeerOffer", "TensorOffer", "tensor_bytes", "tensor_checksums"]
+__all__ = ["OfferHead", "OfferTable", "PeerOffer", "TensorOffer", "checksum_word", "tensor_bytes", "tensor_checksums"]
 
 _MASK64 = (1 << 64) - 1
 _HEAD = {"instance", "offer_id", "version", "agent", "metadata", "memory", "device_id", "table"}
@@ -45,6 +45,12 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError(f"a peer join reads and registers contiguous tensors only, got one of shape {list(t.shape)} with strides {list(t.stride())}")
     return t.reshape(-1).view(torch.uint8)
+
+
+def checksum_word(nbytes: int) -> int:
+    """The word size a checksum of `nbytes` bytes sums in: 8 where the size allows, fewer otherwise,
+    chosen by the size alone so a peer and a joiner always agree."""
+    return next(w for w in (8, 4, 2, 1) if nbytes % w == 0)
 
 
 def tensor_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -64,7 +70,7 @@ def tensor_checksums(tensors: Sequence[torch.Tensor]) -> list[int]:
         n = t.nbytes
         if n == 0:
             continue
-        word = next(w for w in (8, 4, 2, 1) if n % w == 0)
+        word = checksum_word(n)
         if t.data_ptr() % word:  # a view at an odd offset: its words need an aligned copy
             t = t.clone()
         where, held, words = pending.setdefault(t.device, ([], [], []))

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.elastic.offer import tensor_bytes, tensor_checksums
+from ckpt_engine.elastic.offer import checksum_word, tensor_bytes, tensor_checksums
 from ckpt_engine.elastic.regions import regions_of
 from ckpt_engine.transports.nixl_agent import NixlAgent, load_nixl
 
@@ -48,7 +48,7 @@ def warm_checksums(tensors: list[torch.Tensor]) -> None:
     Triton's kernel loaded or compiled per word size, `checksum_kernel.py`; the 30B-A3B joiner's
     checksums took 0.162 s on 2xH200 for ~10 ms of kernel). Once per process, device and word size;
     what the prepare does beside the offer, or ahead."""
-    wanted = {(t.device, next(w for w in (8, 4, 2, 1) if t.nbytes % w == 0)) for t in tensors}  # as `tensor_checksums` picks words
+    wanted = {(t.device, checksum_word(t.nbytes)) for t in tensors}
     todo = sorted(wanted - _WARM, key=str)
     _WARM.update(todo)
     if not todo:
