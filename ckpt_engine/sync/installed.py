@@ -305,7 +305,7 @@ class InstalledChecks:
             folder = Folder(views)
         except ValueError:  # an image the kernel cannot read
             return False
-        if not walk.uncast and walk.casts != folder.dtypes and not all(d is None or d == v for d, v in zip(walk.casts, folder.dtypes)):
+        if not walk.uncast and not all(d is None or d == v for d, v in zip(walk.casts, folder.dtypes)):
             return False
         assert self.request is not None
         device = views[0].device
