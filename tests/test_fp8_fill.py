@@ -62,10 +62,16 @@ def _step(model: dict[str, torch.Tensor], k: int, change: str | None) -> None:
         t.mul_(-1.5)
 
 
+LEND = {"solo_bytes": 16384, "group_max_tensors": 64}
+"""Buckets posted a message per entry, as NCCL posts them, and the embedding (16 KiB) in a bucket of
+its own: the tensors sent as they are travel from their own memory (`Ask.lend`)."""
+
+
 def _rank(rank: int, rdzv: Rendezvous, *, change: str | None) -> dict[str, Any]:
     kernel = EagerGroups()
     wire._group_kernel = lambda w: kernel  # this process's walks take the grouped path, as on CUDA
-    engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=BUCKET, timeout_s=rdzv.timeout_s)
+    kwargs = LEND if change == "lent" else {}
+    engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=BUCKET, timeout_s=rdzv.timeout_s, **kwargs)
     engine.init_process_group(rdzv, rank)
     model = _model()
     manifest = engine.plan(wire.Fp8WireSource(StateDictSource(model)).metadata())
@@ -94,11 +100,16 @@ def _rank(rank: int, rdzv: Rendezvous, *, change: str | None) -> dict[str, Any]:
         engine.finalize()
 
 
-@pytest.mark.parametrize("change", [None, "replaced", "moved", "no fills"])
+@pytest.mark.parametrize("change", [None, "replaced", "moved", "no fills", "lent"])
 def test_a_replayed_walk_fills_the_send_buffer_with_the_packed_bytes(change: str | None) -> None:
     sender, receiver = run_ranks(_rank, 2, change=change)
     assert receiver["bad"] == []
     walks, whole = sender["walks"], receiver["whole"]
+    if change == "lent":  # every filled walk lends what is sent as it is (embedding, 3 norms, 2 router gates)
+        assert all(w["filled"] == whole and w["lent"] == 6 for w in walks[1:]), walks
+        change = None
+    else:  # one packed message a bucket: everything copied into the slot
+        assert all(w["lent"] == 0 for w in walks), walks
     assert 3 < whole < receiver["buckets"]  # buckets of whole entries, and buckets of chunks between them
     quantized = 2 * 11 + 1
     assert all(w["grouped"] + w["alone"] == quantized for w in walks), walks

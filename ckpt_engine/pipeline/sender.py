@@ -180,10 +180,18 @@ class Sender:
         all_whole, one_dtype = kind
         grouped = self.opts.is_grouped(bucket, self.t)
         if fresh and all_whole:  # new tensors, every one copied: checked and sorted in one loop
-            slot_msgs = [flat_bytes(d) for e, d in zip(bucket.entries, dsts) if e.chunk_size] if grouped else []
             how = "grouped" if grouped else "packed"
-            if offer is not None and pieces.filled(offer, Ask(bucket.index, bucket.entries, dsts, self.t.buffers[slot])):
-                return _OnceByDtype(how, msgs=slot_msgs)  # in the slot already: nothing to pack
+            if offer is not None:
+                lend = may_borrow and (grouped or self._alone_whole(bucket))
+                ask = Ask(bucket.index, bucket.entries, dsts, self.t.buffers[slot], lend=lend)
+                if pieces.filled(offer, ask):  # in the slot already, or lent: nothing to pack
+                    if grouped:
+                        lent = ask.lent
+                        return _OnceByDtype(how, msgs=[flat_bytes(lent.get(i, d)) for i, (e, d) in enumerate(zip(bucket.entries, dsts)) if e.chunk_size])
+                    if ask.lent:
+                        return _Once("message", msgs=[flat_bytes(ask.lent[0])])  # its one tensor, from its own memory
+                    return _OnceByDtype(how)
+            slot_msgs = [flat_bytes(d) for e, d in zip(bucket.entries, dsts) if e.chunk_size] if grouped else []
             return _OnceByDtype(how, msgs=slot_msgs, groups=pieces.fresh_entries(bucket.entries, dsts))
         if pieces.known is not None and all_whole:  # stable: one loop over the bucket's entries
             srcs, owns = pieces.whole_entries(bucket.entries)
@@ -259,6 +267,11 @@ class Sender:
             self.hooks._tamper_hook(bucket.index, msg)
         stats.pack_s += time.perf_counter() - t0
         return self.t.post(step.gid, slot, msg)
+
+    def _alone_whole(self, bucket: Bucket) -> bool:
+        """A bucket of one whole tensor, posted as one message of its bytes (no checksum appended):
+        the tensor's own memory may be that message where it has the wire layout."""
+        return len(bucket.entries) == 1 and bucket.entries[0].is_whole and bucket.nbytes > 0 and not self.opts.verify
 
     def _sendable_in_place(self, bucket: Bucket, srcs: list[torch.Tensor]) -> bool:
         """The sender may broadcast a bucket's only tensor from the tensor itself when its memory

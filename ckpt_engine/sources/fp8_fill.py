@@ -6,8 +6,9 @@ on 2xH200 a Qwen3-30B-A3B (12 layers) FP8 sync spent 45 ms in the walk and 7.5 m
 against 24 ms on the link. Where the sender offers its buckets (`fp8/direct.py`) and the source's
 walk was recorded (a stable source, from its second sync on), each bucket is filled by one grouped
 launch that writes every weight's codes and scales at their offsets in the slot (`IntoLaunch`),
-the tensors sent as they are copied there in one batched copy, and the walk yields one `FILLED`
-item for the bucket: no views a weight, no pack. A bucket's fill is worked out at the first such
+the tensors sent as they are copied there in one batched copy (or, where the sender posts a
+message per entry, lent: sent from their own memory), and the walk yields one `FILLED` item for
+the bucket: no views a weight, no pack. A bucket's fill is worked out at the first such
 sync (`_build`, with the checks the sender would make) and kept per bucket layout; later syncs only
 check that the source yields tensors of the same names where and as they were (`_Fill.same`).
 Anything else (another tensor, a moved one, a bucket not offered) ends the filling there: the rest
@@ -49,9 +50,10 @@ class Fills:
 class _Fill:
     """How one bucket is filled: the source's items it takes (names, addresses and layouts; never
     the tensors: a fill must not keep a trainer's tensors alive), the grouped launch into the slot,
-    the copies of tensors sent as they are (per dtype: destination entries, items), weights
-    quantized alone (item, plan, codes entry, scales entry or -1: the scales open the next bucket),
-    and the entry of the last bucket's straddling weight's scales (-1: none)."""
+    the copies of tensors sent as they are (per dtype: destination entries, items), the tensors
+    sent as they are from their own memory (entry, item: `Ask.lend`), weights quantized alone
+    (item, plan, codes entry, scales entry or -1: the scales open the next bucket), and the entry of
+    the last bucket's straddling weight's scales (-1: none)."""
 
     names: tuple[str, ...]
     ptrs: list[int]
@@ -59,6 +61,7 @@ class _Fill:
     launch: IntoLaunch | None
     grouped: int
     copies: list[tuple[list[int], list[int]]]
+    lends: list[tuple[int, int]]
     alone: list[tuple[int, Quantized, int, int]]
     pending_at: int
 
@@ -76,6 +79,8 @@ class _Fill:
             self.launch.run(ask.slot)
         for at, of in self.copies:
             torch._foreach_copy_([dsts[i] for i in at], [ts[j] for j in of])
+        for at, j in self.lends:
+            ask.lent[at] = ts[j]
         if self.pending_at >= 0:
             assert pending is not None  # `_build` only plans it where the last bucket left scales
             dsts[self.pending_at].copy_(pending[1])
@@ -141,6 +146,7 @@ def fill_walk(walker: Walker, fills: Fills, offer: Offer, it: Iterator[tuple[str
         counts.grouped += fill.grouped
         counts.alone += len(fill.alone)
         counts.filled += 1
+        counts.lent += len(fill.lends)
         yield FILLED, _NOTHING
     walker.missed = walker.missed or changed or fills.refused  # the record is stale: the next walk records anew
     if pending is not None:
@@ -166,6 +172,7 @@ def _build(
     codes_at: list[int] = []
     scales_at: list[int] = []
     copies: dict[torch.dtype, tuple[list[int], list[int]]] = {}
+    lends: list[tuple[int, int]] = []
     alone: list[tuple[int, Quantized, int, int]] = []
     key: tuple[GroupKernel, torch.dtype, torch.device] | None = None
     pending_at = -1
@@ -187,9 +194,12 @@ def _build(
         if plan is None:
             if t.shape != e.shape or t.dtype is not torch_dtype(e.dtype):
                 return None
-            at, of = copies.setdefault(t.dtype, ([], []))
-            at.append(i)
-            of.append(len(ts))
+            if ask.lend and t.device == device and t.is_contiguous():
+                lends.append((i, len(ts)))  # sent from its own memory (`same` keeps its address and layout)
+            else:
+                at, of = copies.setdefault(t.dtype, ([], []))
+                at.append(i)
+                of.append(len(ts))
         else:
             if t.dtype is not plan.dtype or t.shape != plan.shape or t.device != device:
                 return None  # a cast to the wire dtype (a new tensor every walk), or weights where the slot is not
@@ -214,5 +224,5 @@ def _build(
     launch = key[0].plan_into(ws, codes_at, scales_at) if key is not None else None
     return _Fill(
         tuple(names), [t.data_ptr() for t in ts], tensor_layout(ts), launch, len(ws),
-        list(copies.values()), alone, pending_at,
+        list(copies.values()), lends, alone, pending_at,
     )

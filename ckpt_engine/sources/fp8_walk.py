@@ -65,13 +65,15 @@ class WalkCounts:
     """Which path the quantized weights of one walk took: `grouped` weights in `launches` grouped
     launches, `alone` weights one launch each (a 30B-A3B walk whose experts go alone pays a launch's
     host time 18,432 times); `replayed` launches of those came from the last walk's record;
-    `filled` buckets were written into the sender's slot by the walk itself (`fp8_fill.py`)."""
+    `filled` buckets were written into the sender's slot by the walk itself (`fp8_fill.py`), in
+    which `lent` tensors sent as they are travelled from their own memory (`fp8/direct.py` `Ask`)."""
 
     launches: int = 0
     grouped: int = 0
     alone: int = 0
     replayed: int = 0
     filled: int = 0
+    lent: int = 0
 
 
 @dataclass(frozen=True)
