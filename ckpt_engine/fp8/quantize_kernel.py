@@ -240,13 +240,13 @@ class GroupLaunch:
             q_total += len(idx) * self._shapes[-1][3]  # a multiple of 16 (`cols` is): every weight's codes start 16-byte aligned
             s_total += len(idx) * blocks
             widest = max(widest, blocks)
-        self._q_total, self._s_total, self._grid = q_total, s_total, (widest, len(ws))
+        self._q_total, self._s_total = q_total, s_total
         order = [i for idx in by_shape.values() for i in idx]  # table rows and buffer stretches: by shape
         self.pos = [0] * len(ws)
         """Weight i's place in `run`'s codes (and, after all of them, scales)."""
         for j, i in enumerate(order):
             self.pos[i] = j
-        self._table = _on(_table(self._shapes, self.ptrs if len(self._shapes) == 1 else [self.ptrs[i] for i in order]), device)
+        self._launches = _by_width(_table(self._shapes, self.ptrs if len(self._shapes) == 1 else [self.ptrs[i] for i in order]), device)
         self._hw_cvt = _hw_cvt(device) if hw_cvt is None else hw_cvt
 
     def run(self, ws: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -254,7 +254,8 @@ class GroupLaunch:
         weight's codes, then every weight's scales, in the buffer's order (weight i's at `pos[i]`)."""
         q_buf = torch.empty(self._q_total + 4 * self._s_total, dtype=torch.uint8, device=self.device)
         s_buf = q_buf[self._q_total :].view(torch.float32)  # `_q_total` is a multiple of 16
-        _launch(self._grid, self._table, q_buf, s_buf, self.dtype, self._hw_cvt)
+        for grid, table in self._launches:
+            _launch(grid, table, q_buf, s_buf, self.dtype, self._hw_cvt)
         codes = q_buf[: self._q_total].view(FP8_DTYPE)
         qs: list[torch.Tensor] = []
         ss: list[torch.Tensor] = []
@@ -293,23 +294,38 @@ class IntoLaunch:
         table[:, 1] = codes_at
         table[:, 2] = np.asarray(scales_at, dtype=np.int64) // 4
         table[:, 3:] = metas
-        self._grid = (max(m[4] for m in metas), len(ws))
         self._end = max(q + w.numel() for q, w in zip(codes_at, ws)), max(s + 4 * m[4] for s, m in zip(scales_at, metas))
-        self._table = _on(torch.from_numpy(table), self.device)
+        self._launches = _by_width(table, self.device)
         self._hw_cvt = _hw_cvt(self.device)
 
     def run(self, out: torch.Tensor) -> None:
         """Quantize the weights (still at `ptrs`) into `out`, a uint8 buffer on their device."""
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < max(self._end) or out.device != self.device:
             raise ValueError(f"a launch into a buffer writes up to byte {max(self._end)} of a uint8 buffer on {self.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
-        _launch(self._grid, self._table, out, out[: out.numel() // 4 * 4].view(torch.float32), self.dtype, self._hw_cvt)
+        scales = out[: out.numel() // 4 * 4].view(torch.float32)
+        for grid, table in self._launches:
+            _launch(grid, table, out, scales, self.dtype, self._hw_cvt)
 
 
-@functools.cache
-def _on(table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A launch table on `device`, copied once (pinned: a copy from pageable memory would make the
-    host wait for the stream)."""
-    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+def _by_width(table: np.ndarray, device: torch.device) -> list[tuple[tuple[int, int], torch.Tensor]]:
+    """The launches of `table`'s weights (grid, table on `device`): one per count of blocks a weight.
+    A launch's grid is its widest weight's blocks times its weights, and a program past its
+    weight's blocks still runs a block's arithmetic (on zeros): one launch of a Qwen3-30B-A3B bucket,
+    a few 512-block attention weights beside ~700 96-block experts, ran ~80 % idle programs and
+    quantized no faster than the link moved the codes (2xH200: 3.1 ms a 1 GiB bucket against 1.9 ms
+    for 7B's). Each weight's row is the same in whichever launch, so the bytes are too."""
+    blocks = table[:, 7]
+    widths = np.unique(blocks)
+    if len(widths) == 1:
+        return [((int(widths[0]), len(table)), _on(table, device))]
+    return [((int(b), int((blocks == b).sum())), _on(np.ascontiguousarray(table[blocks == b]), device)) for b in widths]
+
+
+def _on(table: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A launch table on `device`, copied once by the launch that keeps it (pinned: a copy from
+    pageable memory would make the host wait for the stream)."""
+    t = torch.from_numpy(table)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 def _launch(grid: tuple[int, int], table: torch.Tensor, q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype, hw_cvt: bool) -> None:
@@ -329,7 +345,7 @@ def _meta(shape: torch.Size) -> tuple[int, int, int, int, int]:
     return rows, cols, bc, br * bc, br * bc * (lead[0] if lead else 1)
 
 
-def _table(shapes: list[tuple[Any, ...]], ptrs: list[int]) -> torch.Tensor:
+def _table(shapes: list[tuple[Any, ...]], ptrs: list[int]) -> np.ndarray:
     """`_quantize_many`'s table, weights by shape as `shapes` lists them, `ptrs` their inputs'
     addresses in that order, then their codes' and scales' offsets in the group's buffer: a few
     array ops a shape, not a Python row a weight (numpy: a torch op on a tiny CPU tensor costs
@@ -344,4 +360,4 @@ def _table(shapes: list[tuple[Any, ...]], ptrs: list[int]) -> torch.Tensor:
         rows[:, 2] = s_at + k * blocks
         rows[:, 3:] = meta
         at, q_at, s_at = at + n, q_at + n * numel, s_at + n * blocks
-    return torch.from_numpy(table)
+    return table
