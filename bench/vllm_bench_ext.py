@@ -143,16 +143,27 @@ def bench_weights(specs: dict[str, list], seed: int) -> dict[str, torch.Tensor]:
 
 def time_engine_calls(handle: Any) -> list[tuple[str, float]]:
     """Wrap the in-process client of `handle` (a `VllmRollout`) so every engine call it makes is
-    appended to the returned list as (name, seconds), in order; the caller clears it per sync."""
+    appended to the returned list as (name, seconds), in order; the caller clears it per sync. A
+    call sent unwaited is timed to its send and named "<method> (unwaited)"."""
     calls: list[tuple[str, float]] = []
-    bounded = handle.client._bounded  # every call of the in-process client goes through it
+    client = handle.client
+    depth = [0]  # an engine core in this process: `_utility` runs through `_bounded`, timed once
 
-    def timed_call(what: str, timeout_s: float, fn: Any, *a: Any, **k: Any) -> Any:
-        t = time.perf_counter()
-        try:
-            return bounded(what, timeout_s, fn, *a, **k)
-        finally:
-            calls.append((what, time.perf_counter() - t))
+    def timed(wrapped: Any, name: Any) -> Any:
+        def timed_call(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            depth[0] += 1
+            try:
+                return wrapped(*a, **k)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    calls.append((name(a), time.perf_counter() - t))
 
-    handle.client._bounded = timed_call
+        return timed_call
+
+    # every call of the in-process client goes through one of these
+    client._bounded = timed(client._bounded, lambda a: a[0])
+    client._utility = timed(client._utility, lambda a: a[0])
+    client._send_unwaited = timed(client._send_unwaited, lambda a: f"{a[0]} (unwaited)")
     return calls

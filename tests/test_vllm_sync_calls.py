@@ -5,6 +5,10 @@ answer (`ckpt_validate`'s `member`): a sync asks no `ckpt_health` of its own. Th
 what the query is for: a worker that left the session's group behind its back is rejoined and
 seeded before anything is paused or sent (nobody blamed), and a version refused by what the engine
 holds is still refused before anything pauses, the engine serving its old weights.
+
+A completed sync's version stamp and resume go unwaited, sent from the calling thread: a `generate`
+right after the sync comes after them at the engine core, and a resume the engine core rejects is
+raised at the client's next call.
 """
 
 from __future__ import annotations
@@ -48,30 +52,38 @@ def llm(qwen2_llm: SharedServer[object]) -> Iterator[object]:
 
 
 class Calls:
-    """The worker methods (`collective_rpc`) and engine-core calls a handle's channel makes, in order."""
+    """The worker methods (`collective_rpc`) and engine-core calls a handle's channel makes, in order;
+    `unwaited`: those of them sent without waiting for their answer."""
 
     def __init__(self, adapter: Any) -> None:
         self.names: list[str] = []
+        self.unwaited: list[str] = []
         client = adapter.client
-        rpc, utility, reset = client.collective_rpc, client._utility, client.reset_prefix_cache
+        utility, send_unwaited, reset = client._utility, client._send_unwaited, client.reset_prefix_cache
 
-        def counted_rpc(method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
-            self.names.append(method)
-            return rpc(method, kwargs, timeout_s)
+        def counted_utility(what: str, timeout_s: float, method: str, *args: Any) -> Any:
+            self.names.append(what)  # a worker method's name for `collective_rpc`
+            return utility(what, timeout_s, method, *args)
 
-        def counted_utility(method: str, *args: Any) -> Any:
+        def counted_unwaited(method: str, *args: Any) -> None:
             self.names.append(method)
-            return utility(method, *args)
+            self.unwaited.append(method)
+            send_unwaited(method, *args)
 
         def counted_reset(running: bool = False) -> bool:
             self.names.append("reset_prefix_cache")
             return reset(running)
 
-        client.collective_rpc, client._utility, client.reset_prefix_cache = counted_rpc, counted_utility, counted_reset
+        client._utility, client._send_unwaited, client.reset_prefix_cache = counted_utility, counted_unwaited, counted_reset
 
     def take(self) -> list[str]:
-        names, self.names = self.names, []
+        names, self.names, self.unwaited = self.names, [], []
         return names
+
+
+def _stamp(adapter: Any) -> list[str]:
+    """The engine-core version stamp a sync sends, where vLLM keeps one (vllm/compat.py)."""
+    return ["set_weight_version"] if adapter.client.features.engine_weight_versions else []
 
 
 def _greedy_matches(llm: object, trainer: Any) -> bool:
@@ -82,8 +94,8 @@ def _greedy_matches(llm: object, trainer: Any) -> bool:
 
 def test_a_sync_reads_the_membership_from_the_validate_and_finalizes_in_the_receive(llm: object, model_dir: Path) -> None:
     """A steady sync's engine calls, in order: validate (with the membership), pause, receive (begun,
-    the cache reset beside it, ended with the finalize), resume; no `ckpt_health`, no `ckpt_finalize`
-    of its own. A sync with an installed-weight check (the session's first) finalizes apart, after
+    the cache reset beside it, ended with the finalize), the version stamp and resume (both sent
+    unwaited); no `ckpt_health`, no `ckpt_finalize` of its own. A sync with an installed-weight check (the session's first) finalizes apart, after
     the check. The engine then serves the trainer's weights exactly, under the next version."""
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
     from test_vllm_adapter import source_of, trainer_model
@@ -101,15 +113,16 @@ def test_a_sync_reads_the_membership_from_the_validate_and_finalizes_in_the_rece
         assert names.index("ckpt_receive_end") < names.index("ckpt_installed") < names.index("ckpt_finalize"), names
         trainer = trainer_model(model_dir, seed=62)
         second = session.sync(source_of(trainer))
-        # returned resumed: a call straight on the engine core, the user's next call, finds it serving
-        # (a resume sent unwaited raced such a call on vLLM's unlocked engine-core socket)
+        # the resume went unwaited, sent before the sync returned: a call straight on the engine core,
+        # the user's next call, comes after it and finds it serving
         assert not llm.llm_engine.engine_core.call_utility("is_scheduler_paused")  # type: ignore[attr-defined]
-        names = calls.take()
+        unwaited, names = calls.unwaited, calls.take()
         assert second.version == held + 2
         assert 0 < second.seconds["receive_start_max"] < second.seconds["transfer"]  # the worker's setup before its first bucket
         assert [n for n in names if n != "ckpt_installed_arm"] == [
-            "ckpt_validate", "pause_scheduler", "ckpt_receive_begin", "reset_prefix_cache", "ckpt_receive_end", "resume_scheduler",
+            "ckpt_validate", "pause_scheduler", "ckpt_receive_begin", "reset_prefix_cache", "ckpt_receive_end", *_stamp(adapter), "resume_scheduler",
         ], names
+        assert unwaited == [*_stamp(adapter), "resume_scheduler"]
         assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held + 2, False)]
         assert adapter.weight_version() == str(held + 2) and _greedy_matches(llm, trainer)
     finally:
@@ -202,5 +215,60 @@ def test_a_receive_that_fails_is_not_finalized_and_the_next_sync_heals(llm: obje
         trainer = trainer_model(model_dir, seed=72)
         assert session.sync(source_of(trainer)).version == held + 1
         assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held + 1, False)] and _greedy_matches(llm, trainer)
+    finally:
+        session.close()
+
+
+def test_a_generate_right_after_each_sync_serves_its_weights(llm: object, model_dir: Path) -> None:
+    """Sync after sync, a `generate` on the thread that synced, at once: it comes after the sync's
+    unwaited stamp and resume at the engine core, so it runs (not paused) on the new weights, its
+    tokens labelled with the new version; the client's next call finds every unwaited answer fine."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+    from test_vllm_adapter import PROMPTS, hf_greedy, llm_greedy, source_of, trainer_model
+
+    adapter = VllmRollout("calls-then-generate", llm, timeout_s=60.0)
+    session = WeightSyncSession([adapter], CONFIG)
+    try:
+        session.sync(source_of(trainer_model(model_dir, seed=73)))  # the first: its installed-weight check
+        calls = Calls(adapter)
+        for seed in (74, 75, 76):
+            trainer = trainer_model(model_dir, seed=seed)
+            version = session.sync(source_of(trainer)).version
+            tokens, spans = llm_greedy(llm)
+            assert calls.unwaited == [*_stamp(adapter), "resume_scheduler"], calls.names
+            assert tokens == [hf_greedy(trainer, p) for p in PROMPTS]
+            if adapter.client.features.engine_weight_versions:
+                assert set(spans) == {str(version)}
+            calls.take()
+        assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(version, False)]  # a call: nothing failed
+    finally:
+        session.close()
+
+
+def test_an_unwaited_resume_the_engine_core_rejects_is_raised_at_the_next_call(llm: object, model_dir: Path) -> None:
+    """vLLM's engine core rejects a resume (sent unwaited with an argument `resume_scheduler` does
+    not take: vLLM's own resume cannot fail on one engine core, so this is how a real rejection is
+    made): the send returns, and the client's next call, here the next sync's validate, raises the
+    engine core's answer naming the resume and the engine, once. That sync fails before any pause
+    (the engine stale, named); the one after heals it exactly."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+    from ckpt_engine.sync.report import SyncError
+    from test_vllm_adapter import source_of, trainer_model
+
+    adapter = VllmRollout("calls-rejected-resume", llm, timeout_s=60.0)
+    session = WeightSyncSession([adapter], CONFIG)
+    try:
+        held = [session.sync(source_of(trainer_model(model_dir, seed=s))).version for s in (77, 78)][-1]
+        calls = Calls(adapter)
+        adapter.client._send_unwaited("resume_scheduler", "an argument it does not take")
+        with pytest.raises(SyncError, match=r"vLLM engine 'calls-rejected-resume': resume_scheduler, sent unwaited at the end of a sync, failed: "
+                           r"Call to resume_scheduler method failed"):
+            session.sync(source_of(trainer_model(model_dir, seed=79)))
+        names = calls.take()
+        assert names[:2] == ["resume_scheduler", "ckpt_validate"] and "pause_scheduler" not in names, names
+        assert session.stale == {"calls-rejected-resume"}
+        assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held, False)]  # raised once: this call goes through
+        trainer = trainer_model(model_dir, seed=80)
+        assert session.sync(source_of(trainer)).version == held + 1 and not session.stale and _greedy_matches(llm, trainer)
     finally:
         session.close()

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures as cf
+import functools
+import logging
+import threading
+import time
+import uuid
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from ckpt_engine.rollout_adapters.vllm.compat import VllmFeatures, features_of
@@ -24,6 +29,8 @@ if TYPE_CHECKING:
     import vllm
 
 __all__ = ["Channel", "EngineControl", "HTTPWeightSyncClient", "LLMWeightSyncClient", "PAUSE_MODES", "http_channel"]
+
+logger = logging.getLogger(__name__)
 
 # ckpt-engine pause modes -> vLLM's (`keep` freezes requests in place, `abort` drops them;
 # `recompute` freezes them, and `reset_prefix_cache(running=True)` after the load preempts them:
@@ -213,6 +220,15 @@ class LLMWeightSyncClient:
     utilities), each waited on for at most `timeout` seconds: a stuck engine core ends the call in a
     `TimeoutError` naming the engine (`name`, else the `LLM`'s model) and the call.
 
+    With the engine core in its own process (vLLM's `SyncMPClient`), the scheduler pause and resume,
+    the version stamp and `collective_rpc` are sent from the calling thread and waited on through
+    vLLM's own answer future; the rest runs on a pool thread (`_bounded`). The version stamp and the
+    resume right after it (how a completed sync or swap ends) are sent unwaited: the engine core
+    handles its input in order, so whatever the caller sends next comes after them; their answers
+    are checked at this client's next call (or `close`), which raises naming the call if one failed
+    or never answered (docs/vllm.md). Any other resume (a failed sync's, a closing daemon's) is
+    waited for.
+
     Call the trainer side from a thread other than one generating with the same `LLM`: control
     calls queue behind a running `generate`.
     """
@@ -230,17 +246,80 @@ class LLMWeightSyncClient:
         # Every call runs here so that each wait has a deadline (`_bounded`); a few threads, so a call
         # stuck in the engine core or a worker does not hold the next one.
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="vllm-rpc")
+        self._unanswered: list[_Unanswered] = []
+        """Calls sent unwaited, oldest first: checked at the next call."""
+        self._lock = threading.Lock()
+        self._stamped = False
+        """The last call was the version stamp: a resume now ends a completed sync or swap."""
+
+    def _late(self, what: str, timeout_s: float) -> str:
+        return f"vLLM engine {self.name}: {what} did not answer within {timeout_s:.0f}s (a stuck engine core or worker?)"
 
     def _bounded(self, what: str, timeout_s: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`fn(...)` waited on for at most `timeout_s` (+ a grace second): vLLM waits on an engine-core
         call with no deadline (its engine-core client on a utility's answer, an engine core in this
         process on its workers; 0.26 ignores `collective_rpc`'s timeout), so a stuck engine core or
         worker would hold the trainer forever. The call itself stays stuck in its thread."""
+        self._settle()
         future = self._calls.submit(fn, *args, **kwargs)
         try:
             return future.result(timeout=timeout_s + 1.0)
         except cf.TimeoutError:
-            raise TimeoutError(f"vLLM engine {self.name}: {what} did not answer within {timeout_s:.0f}s (a stuck engine core or worker?)") from None
+            raise TimeoutError(self._late(what, timeout_s)) from None
+
+    def _utility(self, what: str, timeout_s: float, method: str, *args: Any) -> Any:
+        """The engine-core utility `method(*args)` (`what` names it in errors), waited on for at most
+        `timeout_s` (+ a grace second). Through a `SyncMPClient`, sent from this thread and vLLM's
+        answer future waited on: no hop to a pool thread and back on the critical path."""
+        if not self._core.sends:
+            return self._bounded(what, timeout_s, self._core.call, method, *args)
+        self._settle()
+        call_id, future = self._core.send(method, *args)
+        try:
+            return future.result(timeout=timeout_s + 1.0)
+        except cf.TimeoutError:
+            self._core.forget(call_id)
+            raise TimeoutError(self._late(what, timeout_s)) from None
+
+    def _send_unwaited(self, method: str, *args: Any) -> None:
+        """The engine-core utility `method(*args)` sent from this thread (never from a pool thread:
+        vLLM sends on one socket with no lock, so a send racing the caller's next call corrupts a
+        frame); its answer is checked at the next call. An engine core in this process runs it now."""
+        if not self._core.sends:
+            self._utility(method, self.timeout, method, *args)
+            return
+        call_id, future = self._core.send(method, *args)
+        future.add_done_callback(functools.partial(self._log_failure, method))
+        with self._lock:
+            self._unanswered.append(_Unanswered(method, call_id, future, time.monotonic() + self.timeout + 1.0))
+
+    def _log_failure(self, method: str, future: cf.Future[Any]) -> None:
+        """Logged as the answer arrives (on vLLM's output thread), before the next call raises it."""
+        if not future.cancelled() and future.exception() is not None:
+            logger.error("vLLM engine %s: %s, sent unwaited, failed: %s (this client's next call raises it)", self.name, method, future.exception())
+
+    def _settle(self) -> None:
+        """Raise if a call sent unwaited failed or did not answer within `timeout` of its send,
+        naming the first such (each is raised once); every other call starts here."""
+        self._stamped = False
+        with self._lock:
+            unanswered, self._unanswered = self._unanswered, []
+        problem: Exception | None = None
+        for call in unanswered:
+            try:
+                call.future.result(timeout=max(0.0, call.deadline - time.monotonic()))
+            except cf.TimeoutError:
+                self._core.forget(call.call_id)
+                problem = problem or TimeoutError(
+                    f"vLLM engine {self.name}: {call.method}, sent unwaited at the end of a sync, did not answer within "
+                    f"{self.timeout:.0f}s (a stuck engine core?); the engine may still be paused"
+                )
+            except Exception as exc:
+                problem = problem or RuntimeError(
+                    f"vLLM engine {self.name}: {call.method}, sent unwaited at the end of a sync, failed: {exc}; the engine may still be paused"
+                )
+        if problem is not None:
+            raise problem
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._bounded("init_weight_transfer_engine", self.timeout, self.llm.init_weight_transfer_engine, {"init_info": init_info})
@@ -260,14 +339,16 @@ class LLMWeightSyncClient:
         else:
             self._bounded("finish_weight_update", self.timeout, self.llm.finish_weight_update, weight_version)
 
-    def _utility(self, method: str, *args: Any) -> Any:
-        return self._bounded(method, self.timeout, self._core.call, method, *args)
-
     def pause(self, mode: str) -> None:
-        self._utility("pause_scheduler", _vllm_pause_mode(mode), False)
+        self._utility("pause_scheduler", self.timeout, "pause_scheduler", _vllm_pause_mode(mode), False)
 
     def resume(self) -> None:
-        self._utility("resume_scheduler")
+        """Unwaited right after the version stamp (a completed sync or swap), else waited for."""
+        if self._stamped:
+            self._stamped = False
+            self._send_unwaited("resume_scheduler")
+        else:
+            self._utility("resume_scheduler", self.timeout, "resume_scheduler")
 
     def pause_for_swap(self, mode: str) -> None:
         self.pause(mode)  # already the engine-core call alone
@@ -292,14 +373,17 @@ class LLMWeightSyncClient:
         return ExtensionRoute(self, name, timeout_s, adapters)
 
     def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
-        return list(self._bounded(method, timeout_s, self.llm.collective_rpc, method, timeout=timeout_s, kwargs=kwargs))
+        # `LLM.collective_rpc` is this engine-core utility (vLLM 0.26 and 0.32)
+        return list(self._utility(method, timeout_s, "collective_rpc", method, timeout_s, (), kwargs))
 
     def encode(self, data: bytes) -> Any:
         return data
 
     def set_weight_version(self, version: str) -> None:
+        """Sent unwaited (it ends a completed sync or swap; the resume follows)."""
         if self.features.engine_weight_versions:  # else only the workers hold it (vllm/compat.py)
-            self._bounded("update_weight_version", self.timeout, self.llm.update_weight_version, version)
+            self._send_unwaited("set_weight_version", version)  # `LLM.update_weight_version`'s utility
+        self._stamped = True
 
     def engine_key(self) -> Hashable:
         return ("vllm", id(self.llm))
@@ -311,33 +395,82 @@ class LLMWeightSyncClient:
     def health(self) -> None:
         if self._core.dead():
             raise RuntimeError(f"vLLM engine {self.name}: its engine core is dead")
+        self._settle()
 
     def close(self) -> None:
-        """Nothing to close: the `LLM` is its caller's."""
+        """The `LLM` is its caller's; what was sent unwaited is checked (logged, not raised: a close
+        must go through)."""
+        try:
+            self._settle()
+        except (RuntimeError, TimeoutError) as exc:
+            logger.error("%s", exc)
+
+
+class _Unanswered(NamedTuple):
+    """A call sent unwaited (`LLMWeightSyncClient._send_unwaited`)."""
+
+    method: str
+    call_id: int
+    future: cf.Future[Any]
+    deadline: float
+    """`time.monotonic()` by which it must have answered."""
 
 
 class _EngineCore:
     """An `LLM`'s engine core as the client reaches it, decided once by the type of vLLM's engine-core
-    client: `SyncMPClient` (the engine core in its own process) sends a utility call and waits for the
-    answer, and its monitor flags the process's death; `InprocClient` (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)
-    holds the `EngineCore` itself, whose methods run in the calling thread (it dies with this process)."""
+    client: `SyncMPClient` (the engine core in its own process) takes a utility call on its input
+    socket and answers through a future, and its monitor flags the process's death; `InprocClient`
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) holds the `EngineCore` itself, whose methods run in the
+    calling thread (it dies with this process)."""
 
-    def __init__(self, call: Callable[..., Any], dead: Callable[[], bool]) -> None:
-        self.call = call
-        """(method, *args) -> the utility's answer."""
-        self.dead = dead
+    def __init__(self, remote: Any, local: Any) -> None:
+        self.remote = remote
+        """The `SyncMPClient`, or None."""
+        self.local = local
+        """The `InprocClient`'s `EngineCore`, or None."""
+        self.sends = remote is not None
+        """Utility calls go to another process, answered through a future (`send`)."""
 
     @classmethod
     def of(cls, core: Any) -> _EngineCore:
         from vllm.v1.engine.core_client import InprocClient, SyncMPClient
 
         if isinstance(core, SyncMPClient):
-            resources = core.resources
-            return cls(core.call_utility, lambda: bool(resources.engine_dead))
+            return cls(core, None)
         if isinstance(core, InprocClient):
-            engine_core = core.engine_core
-            return cls(lambda method, *args: getattr(engine_core, method)(*args), lambda: False)
+            return cls(None, core.engine_core)
         raise TypeError(f"an LLM's engine-core client is a SyncMPClient or an InprocClient, got {type(core).__name__}")
+
+    def call(self, method: str, *args: Any) -> Any:
+        """The utility's answer, waited for with no deadline (vLLM's own call)."""
+        if self.remote is not None:
+            return self.remote.call_utility(method, *args)
+        return getattr(self.local, method)(*args)
+
+    def send(self, method: str, *args: Any) -> tuple[int, cf.Future[Any]]:
+        """`SyncMPClient.call_utility` without its wait: the call id and the future vLLM's output
+        thread answers (it pops the future from `utility_results` when the answer arrives)."""
+        from vllm.v1.engine import EngineCoreRequestType
+
+        call_id = uuid.uuid1().int >> 64  # as vLLM's call_utility numbers its calls
+        future: cf.Future[Any] = cf.Future()
+        self.remote.utility_results[call_id] = future
+        try:
+            self.remote._send_input(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
+        except BaseException:
+            self.remote.utility_results.pop(call_id, None)
+            raise
+        return call_id, future
+
+    def forget(self, call_id: int) -> None:
+        """Drop the future of a call that timed out once no answer can come (the engine core is dead):
+        while it lives, its late answer pops the future itself, and vLLM's output thread dies on an
+        answer whose future is gone (`utility_results.pop` raises KeyError)."""
+        if self.dead():
+            self.remote.utility_results.pop(call_id, None)
+
+    def dead(self) -> bool:
+        return self.remote is not None and bool(self.remote.resources.engine_dead)
 
 
 def http_channel(name: str, base_url: str, timeout_s: float, session: Any, world_size: int | None) -> tuple[HTTPWeightSyncClient, int]:

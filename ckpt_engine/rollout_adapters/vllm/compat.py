@@ -16,6 +16,10 @@ adapters get by without it:
 - the name of the `WeightsMapper` method LoRA loading passes as the weights mapper (0.32
   `get_rename_mapper`, 0.26 `get_unstacked_mapper`), and the LoRA manager's
   `_validate_modules_to_save` (0.26 refuses `modules_to_save` in `PEFTHelper`).
+Alike in both (checked in each one's source): vLLM's `SyncMPClient.call_utility`, whose parts
+`LLMWeightSyncClient` sends through to wait with a deadline or not at all (a future in
+`utility_results`, `_send_input(UTILITY, (0, call_id, method, args))`, the output thread's
+`utility_results.pop(call_id)`), and `LLM.collective_rpc` as the engine-core utility `collective_rpc`.
 """
 
 from __future__ import annotations
