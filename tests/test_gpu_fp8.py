@@ -81,3 +81,23 @@ def test_cuda_quantize_throughput_is_reported() -> None:
             f"one 7B layer's 7 weights: {layer_ms:.3f} ms = {layer_bytes / layer_ms / 1e9:.2f} TB/s read, on {name}"
         )
         assert ms > 0 and layer_ms > 0
+
+
+def test_an_fp8_plan_over_nccl_sends_the_large_tensors_as_they_are_alone() -> None:
+    """With `solo_bytes` unset, the FP8 wire's plan over NCCL puts each tensor of at least half a
+    bucket (Qwen2.5-7B's bf16 embedding and head) in a bucket of its own: the sender lends it from
+    its own memory and the first bucket moves before anything is quantized. `solo_bytes: 0` keeps
+    the packed plan; a bf16 plan is untouched."""
+    from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+    from ckpt_engine.fp8.layout import fp8_specs
+    from ckpt_engine.registry import CheckpointEngineRegistry
+
+    specs = checkpoint_specs(load_preset_config("qwen2.5-7b"), num_layers=2)
+    bucket = 1280 << 20
+    fp8 = CheckpointEngineRegistry.new("nccl", bucket_size_bytes=bucket).plan(fp8_specs(specs))
+    names = [[e.name for e in b.entries] for b in fp8.buckets]
+    assert names[0] == ["model.embed_tokens.weight"] and names[-1] == ["lm_head.weight"], names
+    never = CheckpointEngineRegistry.new("nccl", bucket_size_bytes=bucket, solo_bytes=0).plan(fp8_specs(specs))
+    assert len(never.buckets[0].entries) > 1
+    bf16 = CheckpointEngineRegistry.new("nccl", bucket_size_bytes=bucket).plan(specs)
+    assert len(bf16.buckets[0].entries) > 1
