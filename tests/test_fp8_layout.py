@@ -170,3 +170,32 @@ def test_fp8_into_an_engine_holding_bf16_says_to_unset_the_key() -> None:
     assert "the wire is block-FP8 but the engine holds bfloat16; unset checkpoint_engine.wire_dtype" in problems[0]
     assert problems[1].endswith("the same fix as above")
     assert fp8_problems(list(ENGINE.values()), ENGINE) == ([], set())
+
+
+def test_an_fp8_plan_puts_half_bucket_tensors_alone_unless_solo_bytes_is_set() -> None:
+    """A pipelined engine whose transport sets no `solo_bytes` (colocated here; NCCL on the GPU,
+    `tests/test_gpu_fp8.py`) plans the FP8 wire with each tensor of at least half a bucket in a
+    bucket of its own (the bf16 embedding and head travel as they are: a sender lends them from
+    their own memory); `solo_bytes: 0` keeps the packed plan, and a bf16 plan is untouched."""
+    from ckpt_engine.registry import CheckpointEngineRegistry
+
+    specs = [
+        TensorSpec("model.embed_tokens.weight", "bfloat16", (512, 256)),
+        TensorSpec("model.layers.0.mlp.up_proj.weight", "bfloat16", (256, 256)),
+        TensorSpec("model.layers.0.input_layernorm.weight", "bfloat16", (256,)),
+        TensorSpec("lm_head.weight", "bfloat16", (512, 256)),
+    ]
+    bucket = 1 << 19  # the embedding is half of it
+
+    def plan(wire: list[TensorSpec], **kwargs: int) -> list[list[str]]:
+        engine = CheckpointEngineRegistry.new("colocated", bucket_size_bytes=bucket, **kwargs)
+        return [[e.name for e in b.entries] for b in engine.plan(wire).buckets]
+
+    fp8 = fp8_specs(specs)
+    assert plan(fp8) == [
+        ["model.embed_tokens.weight"],
+        ["model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight_scale_inv", "model.layers.0.input_layernorm.weight"],
+        ["lm_head.weight"],
+    ]
+    assert plan(fp8, solo_bytes=0)[0][:2] == ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"]
+    assert plan(specs)[0][:2] == ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight"]

@@ -60,15 +60,12 @@ class PipelinedEngine(CheckpointEngine):
     # --- fault hooks (declared: fault tests override them) ---------------------------------------
     def plan(self, specs: Sequence[TensorSpec], *, num_senders: int = 1, owners: OwnerMap | None = None) -> BucketManifest:
         """As the base plans; a plan of the FP8 wire (codes among its tensors) with `solo_bytes`
-        left unset, over a transport that posts messages (no sender's slots read in place), also
-        puts each tensor of at least half a bucket in a bucket of its own: those travel as they are
-        (a bf16 embedding, the head), so the first bucket moves from the tensor's own memory at
-        once while the next one quantizes, instead of waiting for a fill (2xH200, Qwen2.5-7B: 0.595 x
-        the bf16 sync against 0.636 x; bench/RESULTS.md)."""
-        if (
-            self._solo_set or self.solo_bytes is not None or any(map(self.transport.reads_in_place, range(num_senders)))
-            or not any(s.dtype == FP8_NAME for s in specs)
-        ):
+        left unset also puts each tensor of at least half a bucket in a bucket of its own. Those
+        travel as they are (a bf16 embedding, the head): over a transport that posts messages, the
+        first bucket then moves from the tensor's own memory at once while the next one quantizes,
+        instead of waiting for a fill (2xH200, Qwen2.5-7B: 0.598 x the bf16 sync against 0.620 x;
+        bench/RESULTS.md). Decided from the options and specs alone, so every rank plans alike."""
+        if self._solo_set or self.solo_bytes is not None or not any(s.dtype == FP8_NAME for s in specs):
             return super().plan(specs, num_senders=num_senders, owners=owners)
         return plan_buckets(specs, self.bucket_size_bytes, solo_bytes=self.bucket_size_bytes // 2, num_senders=num_senders, owners=owners)
 
