@@ -76,7 +76,7 @@ def test_region_bench_fp8_wire_packs_fresh_temporaries() -> None:
     sender, full = summary["sender_full"], summary["modes"]["full"]
     assert 0 < sender["export_s"] <= sender["total_s"] and 0 <= sender["pack_s"] <= sender["total_s"]
     assert len(full["rank_median_s"]) == 2 and len(full["keep_s"]) == 1 and full["keep_s"][0] > 0
-    assert summary["fp8_walk"] == {"launches": 0, "grouped": 0, "alone": 28, "filled": 0}  # tiny: 4 layers x 7 projections, none filled (no grouped launch on a CPU)
+    assert summary["fp8_walk"] == {"launches": 0, "grouped": 0, "alone": 28, "filled": 0, "lent": 0}  # tiny: 4 layers x 7 projections, none filled (no grouped launch on a CPU)
     assert summary["sender_full_first"]["total_s"] > 0 and summary["allocs"] is None  # pool counts: CUDA only
 
 
