@@ -182,7 +182,7 @@ class Sender:
         if fresh and all_whole:  # new tensors, every one copied: checked and sorted in one loop
             how = "grouped" if grouped else "packed"
             if offer is not None:
-                lend = may_borrow and (grouped or self._alone_whole(bucket))
+                lend = grouped or self.opts.is_direct_whole(bucket, self.t)  # a message per entry
                 ask = Ask(bucket.index, bucket.entries, dsts, self.t.buffers[slot], lend=lend)
                 if pieces.filled(offer, ask):  # in the slot already, or lent: nothing to pack
                     if grouped:
@@ -267,11 +267,6 @@ class Sender:
             self.hooks._tamper_hook(bucket.index, msg)
         stats.pack_s += time.perf_counter() - t0
         return self.t.post(step.gid, slot, msg)
-
-    def _alone_whole(self, bucket: Bucket) -> bool:
-        """A bucket of one whole tensor, posted as one message of its bytes (no checksum appended):
-        the tensor's own memory may be that message where it has the wire layout."""
-        return len(bucket.entries) == 1 and bucket.entries[0].is_whole and bucket.nbytes > 0 and not self.opts.verify
 
     def _sendable_in_place(self, bucket: Bucket, srcs: list[torch.Tensor]) -> bool:
         """The sender may broadcast a bucket's only tensor from the tensor itself when its memory
