@@ -315,10 +315,7 @@ def _by_width(table: np.ndarray, device: torch.device) -> list[tuple[tuple[int, 
     quantized no faster than the link moved the codes (2xH200: 3.1 ms a 1 GiB bucket against 1.9 ms
     for 7B's). Each weight's row is the same in whichever launch, so the bytes are too."""
     blocks = table[:, 7]
-    widths = np.unique(blocks)
-    if len(widths) == 1:
-        return [((int(widths[0]), len(table)), _on(table, device))]
-    return [((int(b), int((blocks == b).sum())), _on(np.ascontiguousarray(table[blocks == b]), device)) for b in widths]
+    return [((int(b), int((blocks == b).sum())), _on(np.ascontiguousarray(table[blocks == b]), device)) for b in np.unique(blocks)]
 
 
 def _on(table: np.ndarray, device: torch.device) -> torch.Tensor:
