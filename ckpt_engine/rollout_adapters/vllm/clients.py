@@ -442,9 +442,8 @@ class _EngineCore:
         raise TypeError(f"an LLM's engine-core client is a SyncMPClient or an InprocClient, got {type(core).__name__}")
 
     def call(self, method: str, *args: Any) -> Any:
-        """The utility's answer, waited for with no deadline (vLLM's own call)."""
-        if self.remote is not None:
-            return self.remote.call_utility(method, *args)
+        """The in-process engine core's `method(*args)`, run in the calling thread (a remote one's
+        calls go through `send`)."""
         return getattr(self.local, method)(*args)
 
     def send(self, method: str, *args: Any) -> tuple[int, cf.Future[Any]]:
