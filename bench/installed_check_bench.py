@@ -104,6 +104,11 @@ def tails(sd: dict[str, torch.Tensor], specs: list, bucket_bytes: int, samples: 
     return {k: round(statistics.median(v[1:]), 5) for k, v in runs.items()}
 
 
+def phase_medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """The median of each `SyncReport.seconds` phase over `runs` (where a check's time goes)."""
+    return {k: round(statistics.median(r.get(k, 0.0) for r in runs) * 1e3, 3) for k in sorted({k for r in runs for k in r})}
+
+
 def serve_receiver(spec_file: str, device: str) -> None:
     """The receiver process for a device run: the reference receiver's worker over zeros of the
     checkpoint made on `device` (the spawned reference receiver holds host tensors)."""
@@ -141,6 +146,7 @@ def run_session(
                                  verify_installed=verify, verify_installed_samples=args.samples, engine_kwargs=kwargs)
     session = WeightSyncSession([engine], cfg)
     out = []
+    phases = args.phases
     try:
         for _ in range(syncs + 1):
             with torch.no_grad():
@@ -149,6 +155,7 @@ def run_session(
             check = seconds.get("installed_check")
             engine_s = session._installed.engine_seconds if check is not None else None  # bench-only peek: the engine's own digests
             out.append((seconds["total"], check, seconds["transfer"], engine_s))
+            phases.append((check is not None, dict(seconds)))
     finally:
         session.close()
     return out[1:]
@@ -168,6 +175,7 @@ def main() -> None:
     p.add_argument("--two-sessions", action="store_true", help="an unchecked session, then one checked at every sync")
     p.add_argument("--serve-receiver", metavar="SPEC_FILE", help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.phases = []
     if args.serve_receiver:
         return serve_receiver(args.serve_receiver, args.device)
     dev = torch.device(args.device)
@@ -205,6 +213,7 @@ def main() -> None:
             out["transfer_s_off"] = round(statistics.median(x for _, c, x, _ in runs if c is None), 4)
             out["transfer_s_checked"] = round(statistics.median(x for _, c, x, _ in runs if c is not None), 4)  # with the engine's digests since 6d4f7b7
             out["engine_check_s"] = round(statistics.median(e for _, c, _, e in runs if c is not None and e is not None), 5)
+            out["phases_off"], out["phases_checked"] = (phase_medians([s for c, s in args.phases[1:] if c is kind]) for kind in (False, True))
             req = InstalledRequest([s.name for s in specs], 12345, args.samples)
             t = time.perf_counter()
             engine.installed_digests(req)

@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--gpu-mem", type=float, default=0.3)
     ap.add_argument("--no-staged", action="store_true")
+    ap.add_argument("--checked", action="store_true", help="also ours with an installed-weight check at every sync (issue 42's cost)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -146,8 +147,8 @@ def main() -> None:
     reports: list[Any] = []
     calls = time_engine_calls(handle)  # the last sync's engine calls (name, seconds), in order
 
-    def ours(stage: str) -> Any:
-        cfg = CheckpointEngineConfig(backend="nccl", timeout_s=600.0, stage=stage, delta="off")
+    def ours(stage: str, verify: str | int = "first") -> Any:
+        cfg = CheckpointEngineConfig(backend="nccl", timeout_s=600.0, stage=stage, delta="off", verify_installed=verify)
 
         def run() -> float:
             calls.clear()
@@ -183,6 +184,12 @@ def main() -> None:
     (fold_ours,) = llm.collective_rpc("bench_param_fold")
     out["same_install"] = fold_vllm == fold_ours
     out["differing"] = sorted(n for n in fold_vllm if fold_vllm[n] != fold_ours.get(n))[:8]
+    if args.checked:  # right after the unchecked syncs, on the same engine: what a check adds to a dense sync
+        reports.clear()
+        measure("ours_checked", ours("off", 1))
+        out["ours_checked"]["installed_check_s"] = [round(r.seconds.get("installed_check", float("nan")), 4) for r in reports]
+        out["ours_checked"]["seconds"] = {k: round(v, 4) for k, v in reports[-1].seconds.items()}
+        out["check_share"] = round(out["ours_checked"]["median_s"] / out["ours"]["median_s"] - 1, 4)
     if not args.no_staged:
         reports.clear()
         measure("ours_staged", ours("auto"))
