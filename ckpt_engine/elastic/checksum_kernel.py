@@ -21,7 +21,7 @@ import triton.language as tl
 from ckpt_engine.delta.kernels import on_device_of
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, MIX_A, MIX_B
 
-__all__ = ["BLOCK", "checksums", "checksums_at"]
+__all__ = ["BLOCK", "checksums_at"]
 
 BLOCK = 8192
 """Words per program (divides 2**16, so one B factor of h covers a block: `delta.kernels`' choice)."""
@@ -32,28 +32,12 @@ _MIX_A = tl.constexpr(MIX_A)
 _MIX_B = tl.constexpr(MIX_B)
 
 
-def checksums(views: Sequence[torch.Tensor], words: Sequence[int]) -> torch.Tensor:
-    """sum_i w_i * h(i) (signed words of `words[k]` bytes, wrapping int64) of each flat uint8 view,
-    as an int64 tensor on their device (one launch per word size, no host sync). Every view is
-    contiguous, on one device, a multiple of its word size long and aligned to it."""
-    if len(views) != len(words):
-        raise ValueError(f"{len(views)} views and {len(words)} word sizes")
-    if not views:
-        return torch.zeros(0, dtype=torch.int64)
-    device = views[0].device
-    for k, (v, w) in enumerate(zip(views, words)):
-        if v.dtype != torch.uint8 or v.dim() != 1 or not v.is_contiguous() or v.device != device:
-            raise ValueError(f"view {k} must be a contiguous 1-D uint8 tensor on {device}, got {v.dtype} of shape {tuple(v.shape)} on {v.device}")
-        if w not in _TL_WORDS or v.numel() % w or v.data_ptr() % w:
-            raise ValueError(f"view {k} ({v.numel()} bytes at address {v.data_ptr():#x}) is not whole aligned words of {w} bytes")
-    return checksums_at([(v.data_ptr(), v.numel(), w) for v, w in zip(views, words)], device)
-
-
 def checksums_at(spans: Sequence[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
-    """`checksums` of (address, bytes, word) spans of `device` memory, each whole aligned words of
-    its word size (unchecked: the caller holds the memory, as `offer.tensor_checksums` does its
-    tensors, until the result is read). No view made per tensor: 9,435 of them cost more host time
-    than the launch."""
+    """sum_i w_i * h(i) (signed words of `word` bytes, wrapping int64) of each (address, bytes,
+    word) span of `device` memory, as an int64 tensor on `device` (one launch per word size, no host
+    sync). Each span is whole aligned words of its word size (unchecked: the caller holds the memory,
+    as `offer.tensor_checksums` does its tensors, until the result is read). No view made per
+    tensor: 9,435 of them cost more host time than the launch."""
     out = torch.zeros(len(spans), dtype=torch.int64, device=device)
     rows: dict[int, list[tuple[int, int, int]]] = {}
     for k, (address, nbytes, w) in enumerate(spans):
