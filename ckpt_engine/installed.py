@@ -103,6 +103,12 @@ class InstalledReport:
             "unchecked": list(self.unchecked), "missing": list(self.missing), "seconds": self.seconds,
         }
 
+    def agrees(self, source: InstalledReport) -> bool:
+        """Whether every digest here equals the source's (`source`: the trainer's digests as a report)
+        and nothing sent is missing or unwritten: where an engine rank finalizes in its receive's
+        last call under a check, it does so only then (the controller's compare still names what differs)."""
+        return not self.missing and not self.unwritten and self.digests.items() <= source.digests.items()
+
     @classmethod
     def from_wire(cls, d: Any) -> InstalledReport:
         if not isinstance(d, dict) or not _REPORT_KEYS <= set(d) <= {*_REPORT_KEYS, "missing", "seconds"}:

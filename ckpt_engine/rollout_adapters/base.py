@@ -11,7 +11,7 @@ take it from the weight-sync group.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -198,12 +198,14 @@ class RolloutAdapter(ABC):
         left. Default: the held version, groups unknown (never checked)."""
         return Membership(self.held_version(), None)
 
-    def finalize_with_receive(self, version: int) -> None:
+    def finalize_with_receive(self, version: int, installed: Callable[[], InstalledReport | None] | None = None) -> None:
         """The coming unstaged `receive` may also finalize `version` in its own last engine call, once
         every byte of it landed whole (one round trip fewer a sync); `finalize(version)` is called after
         it all the same and does what is left. Told after a validate, for a sync into this engine alone
         from one sender with nothing checked between the receive and the finalize (another engine's
-        receive may not fail after this one finalized). Default: nothing folded."""
+        receive may not fail after this one finalized), or with an installed-weight check of its one
+        rank: `installed` gives the source's digests (None: finalize apart) and the engine finalizes
+        there only where its own report agrees (`InstalledReport.agrees`). Default: nothing folded."""
 
     def validated_membership(self) -> Membership | None:
         """With `membership_at_validate`: what `membership()` would have answered, as read by the last

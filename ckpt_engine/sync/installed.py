@@ -50,6 +50,7 @@ from ckpt_engine.installed import (
 )
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.planning.regions import ReceivePlan, Region
+from ckpt_engine.sources.base import WeightSource
 from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
@@ -126,9 +127,11 @@ class InstalledChecks:
         self._noted_layout: _Walk | None = None
         """The last stable walk's layout: the same at every check of a session."""
         self._fold_error: Exception | None = None
-        self._on_device: tuple[list[Key], torch.Tensor, Any] | None = None
+        self._on_device: tuple[list[Key], torch.Tensor, torch.cuda.Event] | None = None
         """A stable walk's digests folded in one launch (`fold_noted` on a GPU): the keys, their
-        digests on the device, the stream they were folded on."""
+        digests copied to pinned host memory, the event after that copy."""
+        self.ahead = False
+        """Whether the armed check's source was folded before the stream (`fold_ahead`)."""
         self._order: list[Key] = []
         """The keys of an armed many-sender check, in the order the senders' shares come in."""
         self._combined: dict[Key, int] | None = None
@@ -161,11 +164,12 @@ class InstalledChecks:
 
     def arm_manifest(
         self, rollouts: Sequence[RolloutAdapter], manifest: BucketManifest, plans: Sequence[ReceivePlan | None], senders: int,
-        collective: bool = False,
+        collective: bool = False, source: WeightSource | None = None,
     ) -> None:
         """`arm` with the manifest's names and wire dtypes, worked out only when a check is due, and
         once per plan: a sync with no check due (every sync after the first, by default) then costs
-        nothing per tensor (a 30B-A3B's 18,867 names and dtypes cost ~2 ms of host time a sync)."""
+        nothing per tensor (a 30B-A3B's 18,867 names and dtypes cost ~2 ms of host time a sync).
+        `source`: the one sender's weights, folded ahead where they can be (`fold_ahead`)."""
         self._begin()
         if not self.due():
             return
@@ -174,12 +178,39 @@ class InstalledChecks:
             self._names_for = (manifest, [s.name for s in specs], {s.name: torch_dtype(s.dtype) for s in specs})
         _, names, wire = self._names_for
         self._arm(rollouts, names, plans, senders, collective, wire)
+        if self.request is not None and senders == 1 and source is not None and source.stable_tensors:
+            self.fold_ahead(source)
+
+    def fold_ahead(self, source: WeightSource) -> None:
+        """Fold a stable source on its GPU before the stream (one launch, its digests copied to the
+        host behind it), so the source's digests are known when the engines' receives end: an engine
+        told them (`expected_report`) finalizes in its receive's last call where its own agree (no
+        finalize round trip), and the compare after the stream waits on nothing. Not on the host,
+        where a fold is compute the walk's send hides (`tap`)."""
+        t = time.perf_counter()
+        noted = list(source.iter_weights())
+        on_gpu = bool(noted) and self.samples > 0 and all(_CUDA(tensor) for _, tensor in noted)
+        self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
+        if on_gpu:
+            self._noted = noted
+            self.fold_noted(device_only=True)  # counts its own time
+            self._noted, self.ahead = None, self._on_device is not None or self._fold_error is not None
+
+    def expected_report(self) -> InstalledReport | None:
+        """The source's digests of a check folded ahead, as a report (None: not folded ahead, or
+        the fold failed: `verify` raises that)."""
+        if not self.ahead or self._fold_error is not None:
+            return None
+        t = time.perf_counter()
+        out = InstalledReport(self.source_digests())
+        self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
+        return out
 
     def _begin(self) -> None:
         """A new sync: nothing armed yet."""
         self.syncs += 1
         self.request, self._digests, self.seconds, self._order, self._combined = None, {}, None, [], None
-        self._dtypes, self._noted, self._fold_error, self._on_device = {}, None, None, None
+        self._dtypes, self._noted, self._fold_error, self._on_device, self.ahead = {}, None, None, None, False
 
     def _arm(
         self, rollouts: Sequence[RolloutAdapter], names: list[str], plans: Sequence[ReceivePlan | None], senders: int,
@@ -253,7 +284,7 @@ class InstalledChecks:
         load their last bucket and digest: off the sync's path (on one GPU, a 7B walk's 339 folds
         cost ~9.5 ms of launches in it; an `add` each for later, 0.23 ms of Python on the CPU box;
         noting them, 0.04 ms)."""
-        if self.request is None or self.seconds is None:
+        if self.request is None or self.seconds is None or self.ahead:
             yield from weights
             return
         if stable:
@@ -272,11 +303,12 @@ class InstalledChecks:
                 self.seconds += time.perf_counter() - t
             yield name, tensor
 
-    def fold_noted(self) -> None:
+    def fold_noted(self, device_only: bool = False) -> None:
         """Fold what a stable walk noted (`tap`): called once this rank's send went through, while
         the engines finish (`SyncStream.run`'s `sent`), else by `verify`. On a GPU one launch over
-        kept tables (`installed_kernel.Folder`: no Python per key but its views), read back with
-        the compare. Never raises: an error waits for `verify`."""
+        kept tables (`installed_kernel.Folder`: no Python per key but its views), its digests copied
+        to the host behind it. `device_only`: only that launch (`fold_ahead`), else nothing. Never
+        raises: an error waits for `verify`."""
         noted, self._noted = self._noted, None
         if noted is None:
             return
@@ -286,7 +318,7 @@ class InstalledChecks:
             walk = self._layout(names)
             keys = walk.keys
             views = tensors if walk.each_once else [tensors[i] if k[1] is None else region_view(tensors[i], k[1]) for k, i in zip(keys, walk.index)]
-            if not self._fold_on_device(walk, views):
+            if not self._fold_on_device(walk, views) and not device_only:
                 first = self._folds.note(views, walk.casts)
                 self._digests.update(zip(keys, range(first, first + len(keys))))
                 self._folds.read_later()
@@ -308,8 +340,12 @@ class InstalledChecks:
         if not walk.uncast and not all(d is None or d == v for d, v in zip(walk.casts, folder.dtypes)):
             return False
         assert self.request is not None
-        device = views[0].device
-        self._on_device = (walk.keys, folder.launch_all(self.request.seed, self.samples), torch.cuda.current_stream(device))
+        folded = folder.launch_all(self.request.seed, self.samples)
+        host = torch.empty(folded.shape, dtype=folded.dtype, pin_memory=True)
+        host.copy_(folded, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(views[0].device))
+        self._on_device = (walk.keys, host, done)
         return True
 
     def _layout(self, names: list[str]) -> _Walk:
@@ -338,11 +374,9 @@ class InstalledChecks:
         values = self._folds.values() if self._digests else []
         out = dict(zip(self._digests, map(values.__getitem__, self._digests.values())))
         if self._on_device is not None:
-            keys, folded, stream = self._on_device
-            current = torch.cuda.current_stream(folded.device)
-            if current != stream:
-                current.wait_stream(stream)
-            out.update(zip(keys, folded.tolist()))
+            keys, host, done = self._on_device
+            done.synchronize()  # the fold and its copy to the host, on the GPU the source's tensors are on
+            out.update(zip(keys, host.tolist()))
         return out
 
     def verify(self, pool: cf.Executor, rollouts: Sequence[RolloutAdapter], timeout_s: float) -> dict[str, str]:

@@ -263,7 +263,7 @@ class WeightSyncSession:
             pieces = iter_pieces(source, manifest)  # type: ignore[arg-type]  # count(): sharded
             weights = WatchedWeights(pieces)
         collective = isinstance(source, ShardedWeightSource) and source.collective_pieces
-        self._installed.arm_manifest(self.rollouts, manifest, self._regions.plans, senders, collective)
+        self._installed.arm_manifest(self.rollouts, manifest, self._regions.plans, senders, collective, source if senders == 1 else None)
         if isinstance(source, Fp8WireSource):  # the walk fills the sender's slots itself unless a check folds what it yields
             source.fill_slots = self._installed.request is None
         announced = self._installed.announcement() if senders > 1 else None
@@ -279,10 +279,11 @@ class WeightSyncSession:
             lambda ask: self._fan_out("validate", ask), regions=regions is not None,
         )
         self._staging = stage  # while it streams: a failure then discards instead of leaving engines stale
-        # One engine, one sender, nothing checked between receive and finalize: the engine may finalize in
-        # its receive's last call. With more, an engine would be finalized while another's receive fails.
-        if stage is None and self._installed.request is None and senders == 1 and len(self.rollouts) == 1:
-            self.rollouts[0].finalize_with_receive(new_version)
+        # One engine, one sender, nothing checked between receive and finalize (or one rank checked against source digests known
+        # before the stream, where they agree): it may finalize in its receive's last call (more engines: one could fail after another finalized).
+        checked, ahead = self._installed.request is not None, self._installed.ahead and self.rollouts[0].world_size == 1
+        if stage is None and (not checked or ahead) and senders == 1 and len(self.rollouts) == 1:
+            self.rollouts[0].finalize_with_receive(new_version, self._installed.expected_report if checked else None)
 
         def stream() -> tuple[SendStats, dict[str, ReceiveReport]]:
             t = time.perf_counter()

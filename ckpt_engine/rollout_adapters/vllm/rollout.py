@@ -31,7 +31,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
@@ -108,7 +108,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self.holds = EngineHolds(name, lease, timeout_s)
         self.membership_at_validate = lease is not None  # the full-weight `ckpt_validate` answers each worker's `member`
         self._validated: Membership | None = None
-        self._finalize_with: int | None = None  # `finalize_with_receive`'s version, until the receive takes it
+        self._finalize_with: tuple[int, Callable[[], InstalledReport | None] | None] | None = None  # `finalize_with_receive`'s, until the receive takes it
         self._finalized: tuple[int, list[dict[str, Any]]] | None = None  # the version the receive finalized, its answers
 
     def engine_key(self) -> Hashable:
@@ -227,7 +227,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
             if fold is None or not early or not isinstance(self.workers, ExtensionRoute) or self.workers.methods:  # full weights fold
                 replies = self.workers.receive(manifest.digest, request, beside=reset if early else None)
             else:
-                replies = self._receive_and_finalize(self.workers, manifest.digest, request, reset, fold)
+                replies = self._receive_and_finalize(self.workers, manifest.digest, request, reset, *fold)
             self._cache_reset = early
         else:
             with self.staged.receiving() as ticket:  # from here a discard stops the wait
@@ -242,18 +242,18 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         slowest = max(reports, key=lambda r: r.receive_s)
         return ReceiveReport(slowest.tensors, slowest.bytes, slowest.receive_s, max(r.load_s for r in reports), min(r.loaded for r in reports), dict(slowest.extra))
 
-    def finalize_with_receive(self, version: int) -> None:
-        self._finalize_with = version
+    def finalize_with_receive(self, version: int, installed: Callable[[], InstalledReport | None] | None = None) -> None:
+        self._finalize_with = (version, installed)
 
-    def _receive_and_finalize(self, route: ExtensionRoute, digest: str, request: Any, reset: Any, version: int) -> list[dict[str, Any]]:
-        """The receive, finalized (and the claim let go) in its last call once it and the reset went through."""
+    def _receive_and_finalize(self, route: ExtensionRoute, digest: str, request: Any, reset: Any, version: int, installed: Any) -> list[dict[str, Any]]:
+        """The receive, finalized (where a check's digests agree) and the claim let go in its last call once it and the reset went through."""
         syncing = self.holds.syncing
         try:
-            replies = route.receive(digest, request, beside=reset, finalize=version, release=self.holds.sync_release())
+            replies = route.receive(digest, request, beside=reset, finalize=version, release=self.holds.sync_release(), installed=installed)
         except BaseException:
             self.holds.syncing = syncing  # not let go: the failed sync's resume lets go
             raise
-        self._finalized = (version, [r.pop("finalized") for r in replies])
+        self._finalized = (version, [r.pop("finalized", None) for r in replies])  # None: not finalized (a check's digests differ)
         return replies
 
     def swap(self, version: int, pause_mode: str) -> float:
@@ -381,7 +381,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         t0 = time.perf_counter()
         done, self._finalized = self._finalized, None
         # the workers finalized in the receive's last call, or now (an unstaged sync's last worker call lets go)
-        replies = done[1] if done is not None and done[0] == version else self.workers.finalize(version, self.holds.sync_release())
+        replies = done[1] if done is not None and done[0] == version and None not in done[1] else self.workers.finalize(version, self.holds.sync_release())
         t1 = time.perf_counter()
         if not self._cache_reset:  # else reset beside the transfer (`receive`)
             self._reset_prefix_cache(running=self._pause_mode == "recompute")

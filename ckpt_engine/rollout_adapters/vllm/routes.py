@@ -154,10 +154,12 @@ class ExtensionRoute:
 
     def receive(
         self, digest: str, delta: dict[str, Any] | None, beside: Callable[[], None] | None = None, finalize: int | None = None,
-        release: str | None = None,
+        release: str | None = None, installed: Callable[[], InstalledReport | None] | None = None,
     ) -> list[dict[str, Any]]:
         """`finalize` (and `release`): finalized by the workers in the receive's last call where it has
-        two (`beside`), each reply then holding `finalized`; else left to `finalize`."""
+        two (`beside`), each reply then holding `finalized`; else left to `finalize`. `installed`: an
+        armed check's source digests (read once the work beside went through; None: not finalized
+        here): a worker finalizes only where its own report agrees, and lets the claim go either way."""
         args = {"digest": digest, "delta": delta, **self._arm_with()}
         if beside is None or "ckpt_receive" in self.methods:  # an adapter sync receives inside the call
             replies = self.rpc("ckpt_receive", args, timeout_s=self.timeout_s * 2)
@@ -168,8 +170,9 @@ class ExtensionRoute:
             end: dict[str, Any] = {"timeout_s": self.timeout_s * 2}
             try:
                 beside()
-                if finalize is not None:  # only after the work beside went through (the cache reset)
-                    end.update(finalize=finalize, release=release)
+                expected = installed() if installed is not None and finalize is not None else None
+                if finalize is not None and (installed is None or expected is not None):  # after the work beside (the cache reset)
+                    end.update(finalize=finalize, release=release, **({"installed": expected.to_wire()} if expected is not None else {}))
             finally:  # the receive's own outcome (its error first) once it ended
                 replies = self.rpc("ckpt_receive_end", end, timeout_s=self.timeout_s * 2 + 5)
         reports = [r.pop("installed", None) for r in replies]

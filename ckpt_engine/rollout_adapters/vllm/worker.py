@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.engine import Rendezvous
-from ckpt_engine.installed import InstalledRequest
+from ckpt_engine.installed import InstalledReport, InstalledRequest
 from ckpt_engine.rollout_adapters.vllm.answers import FAILED
 from ckpt_engine.rollout_adapters.vllm.receiver import VllmReceiverCore, unbase64
 from ckpt_engine.rollout_adapters.vllm.specs import vllm_checkpoint_specs
@@ -123,12 +123,18 @@ class CkptEngineWorkerExtension:
             self._ckpt_arm(installed)
         return self._ckpt_core().receive_begin(digest, delta)
 
-    def ckpt_receive_end(self, timeout_s: float, finalize: int | None = None, release: str | None = None) -> dict[str, Any]:
+    def ckpt_receive_end(
+        self, timeout_s: float, finalize: int | None = None, release: str | None = None, installed: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """The begun receive's answer; with `finalize`, once it ended whole, `ckpt_finalize(finalize,
-        release)` too, in this call (its answer under `finalized`): one round trip fewer a sync."""
+        release)` too, in this call (its answer under `finalized`): one round trip fewer a sync. With
+        `installed` (an armed check's source digests, an `InstalledReport`'s wire form) only where the
+        report riding on the answer agrees; else the claim is let go and the controller compares."""
         answer = self._ckpt_core().receive_end(float(timeout_s))
-        if finalize is not None:
+        if finalize is not None and (installed is None or agrees(answer.get("installed"), installed)):
             answer["finalized"] = self.ckpt_finalize(int(finalize), release)
+        elif finalize is not None and release is not None:
+            self.ckpt_peer_release(release)
         return answer
 
     def ckpt_finalize(self, version: int, release: str | None = None) -> dict[str, Any]:
@@ -370,3 +376,8 @@ def _offer_bytes(offer: bytes | str) -> bytes:
     if decoded is None:
         raise ValueError("no offer given")
     return decoded
+
+
+def agrees(report: dict[str, Any] | None, source: dict[str, Any]) -> bool:
+    """Whether a worker's installed report (wire form; None: none rode on the receive) agrees with the source's digests."""
+    return report is not None and InstalledReport.from_wire(report).agrees(InstalledReport.from_wire(source))
