@@ -25,6 +25,7 @@ from math import prod
 
 import torch
 
+from ckpt_engine.copies import COPY_ALONE_BYTES
 from ckpt_engine.rollout_adapters.vllm.installed import Landing, resolve_tensor
 from ckpt_engine.rollout_adapters.vllm.regions import PlanRecording
 
@@ -40,12 +41,14 @@ def direct_enabled() -> bool:
 
 
 class _Copies:
-    """One name's recorded copies: the boxes read and the live views they land in."""
+    """One name's recorded copies: the boxes read and the live views they land in, each marked
+    whether it is copied alone (`copies.COPY_ALONE_BYTES` and up: a plain device memcpy)."""
 
-    __slots__ = ("dtype", "dsts", "root", "slices")
+    __slots__ = ("alone", "dtype", "dsts", "root", "slices")
 
     def __init__(self, root: tuple[int, ...], dtype: torch.dtype, slices: list[tuple[slice, ...] | None], dsts: list[torch.Tensor]) -> None:
-        self.root, self.dtype, self.slices, self.dsts = root, dtype, slices, dsts
+        self.root, self.dtype, self.slices, self.dsts = torch.Size(root), dtype, slices, dsts
+        self.alone = [d.numel() * d.element_size() >= COPY_ALONE_BYTES for d in dsts]
 
 
 class DirectLoads:
@@ -73,7 +76,12 @@ class DirectLoads:
         return len(self._copies)
 
     def load(self, pairs: Pairs) -> Pairs:
-        """Copy every pair the record covers (one batched copy); returns the others, for vLLM's loader."""
+        """Copy every pair the record covers; returns the others, for vLLM's loader.
+
+        Boxes of `COPY_ALONE_BYTES` and up are copied one `copy_` each (a device memcpy), the
+        smaller ones in one batched copy: on an H200 one `_foreach_copy_` over a 7B model's
+        tensors ran at 0.66 x a flat copy of their bytes (`bench/colocated_copy_probe.py`), and this
+        split is what the reference receiver's one-copy path does (`pipeline/shared_sources.py`)."""
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         rest: Pairs = []
@@ -82,8 +90,13 @@ class DirectLoads:
             if copies is None or tensor.dtype != copies.dtype or tensor.shape != copies.root:
                 rest.append((name, tensor))
                 continue
-            dsts += copies.dsts
-            srcs += [tensor if index is None else tensor[index] for index in copies.slices]  # None: all of it (most: a slice costs ~3 us)
+            for dst, index, alone in zip(copies.dsts, copies.slices, copies.alone):
+                src = tensor if index is None else tensor[index]  # None: all of it (most: a slice costs ~3 us)
+                if alone:
+                    dst.copy_(src)
+                else:
+                    dsts.append(dst)
+                    srcs.append(src)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         self.copied += len(pairs) - len(rest)
