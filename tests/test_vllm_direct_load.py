@@ -9,12 +9,15 @@ the copies are real, into a plain module's parameters.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 
 from ckpt_engine.copies import COPY_ALONE_BYTES
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.rollout_adapters.vllm.direct_load import DirectLoads
+from ckpt_engine.rollout_adapters.vllm.direct_load import DirectLoads, with_direct
 from ckpt_engine.rollout_adapters.vllm.installed import Landing
 from ckpt_engine.rollout_adapters.vllm.regions import PlanRecording
 
@@ -100,3 +103,32 @@ def test_what_the_record_does_not_cover_goes_to_vllms_loader() -> None:
     assert torch.equal(model.qkv[:8], w["q.weight"]) and not model.qkv[8:].any()  # the refused ones wrote nothing
     assert torch.equal(model.big_a, w["big.weight"][:BIG_ROWS]) and torch.equal(model.big_b, w["big.weight"][BIG_ROWS:])
     assert direct.copied == 2
+
+
+def test_only_what_is_left_enters_vllms_loader_and_its_config() -> None:
+    """`with_direct`: a bucket the record covers whole is copied without entering vLLM's config;
+    one with names left hands only those to vLLM's loader, inside it."""
+    model = Layout()
+    direct = DirectLoads(model, recording())
+    entered: list[int] = []
+    loaded: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def loading() -> Iterator[None]:
+        entered.append(1)
+        yield
+
+    def load_weights(pairs: list[tuple[str, torch.Tensor]]) -> None:
+        assert entered, "vLLM's loader ran outside its config"
+        loaded.append([n for n, _ in pairs])
+
+    load = with_direct(load_weights, direct, loading)
+    w = weights(4)
+    load([(n, w[n]) for n in ("q.weight", "k.weight", "v.weight")])
+    assert entered == [] and loaded == []
+    load([("norm.weight", w["norm.weight"]), ("extra", torch.ones(2)), ("big.weight", w["big.weight"])])
+    assert entered == [1] and loaded == [["extra"]]
+    assert_holds(model, w)
+    everything = with_direct(load_weights, None, loading)  # no direct copies: every pair goes to vLLM's loader
+    everything([("q.weight", w["q.weight"])])
+    assert loaded[-1] == ["q.weight"] and entered == [1, 1]
