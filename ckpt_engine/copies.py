@@ -13,14 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["COPY_ALONE_BYTES", "batched_copy_", "copy_groups", "put_int64s_"]
-
-COPY_ALONE_BYTES = 1 << 20
-"""Where a receiver copies a sync's tensors out of memory it already holds in full (the one-copy
-colocated path, a vLLM model's direct loads), tensors from this size are copied one `copy_` each
-(a plain device memcpy) and smaller ones in one batched copy: on one H200 a `_foreach_copy_` of a
-7B model's tensors ran at 0.66 x a flat copy of the bytes (`bench/colocated_copy_probe.py`). Packing
-buckets for a link keeps one batched copy (see above)."""
+__all__ = ["batched_copy_", "copy_groups", "put_int64s_"]
 
 
 def batched_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:

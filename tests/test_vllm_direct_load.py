@@ -1,5 +1,5 @@
 """A vLLM model's direct loads (`rollout_adapters/vllm/direct_load.py`) land every recorded box
-where the dry run saw the loader write it, whether the box is copied alone (1 MiB and up: one
+where the dry run saw the loader write it, whether the box is copied alone (16 MiB and up: one
 `copy_` each) or in the batched copy of the small ones, and hand back what the record does not
 cover for vLLM's own loader.
 
@@ -15,15 +15,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from ckpt_engine.copies import COPY_ALONE_BYTES
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.rollout_adapters.vllm.direct_load import DirectLoads, with_direct
+from ckpt_engine.rollout_adapters.vllm.direct_load import ALONE_BYTES, DirectLoads, with_direct
 from ckpt_engine.rollout_adapters.vllm.installed import Landing
 from ckpt_engine.rollout_adapters.vllm.regions import PlanRecording
 
 pytestmark = pytest.mark.fast
 
-BIG_ROWS = COPY_ALONE_BYTES // (4 * 256)  # float32 rows of 256: one half of `big` is COPY_ALONE_BYTES
+BIG_ROWS = ALONE_BYTES // (4 * 256)  # float32 rows of 256: one half of `big` is ALONE_BYTES
 
 
 class Layout(torch.nn.Module):
@@ -84,7 +83,7 @@ def test_every_box_lands_where_recorded_alone_or_batched() -> None:
     for seed in (1, 2):  # a second sync into the same live views
         w = weights(seed)
         names = list(w)
-        # two buckets, as a receive hands them: the big one (two boxes of COPY_ALONE_BYTES, each copied alone) and the rest
+        # two buckets, as a receive hands them: the big one (two boxes of ALONE_BYTES, each copied alone) and the rest
         assert direct.load([(n, w[n]) for n in names[:2]]) == []
         assert direct.load([(n, w[n]) for n in names[2:]]) == []
         assert_holds(model, w)

@@ -16,7 +16,6 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
-from ckpt_engine.copies import COPY_ALONE_BYTES
 from ckpt_engine.manifest import BucketManifest, TensorMeta
 from ckpt_engine.pipeline.piece_reader import take_known
 from ckpt_engine.pipeline.plan_state import PlanState, SharedPlan
@@ -26,6 +25,11 @@ from ckpt_engine.engine import SendStats, TransferError
 from ckpt_engine.transports.transport import SourceSharing, Transport
 
 __all__ = ["SharedSources"]
+
+_COPY_ALONE_BYTES = 1 << 20
+"""Tensors from this size are copied one `copy_` each (a plain device memcpy); smaller ones in one
+batched copy per bucket."""
+
 
 def _firsts(manifest: BucketManifest) -> list[list[TensorMeta]]:
     """Per bucket, the entries that start a tensor (a tensor in chunks is handled once, whole)."""
@@ -147,7 +151,7 @@ class SharedSources:
             if dest is None or not dest.is_contiguous() or dest.device != src.device or dest.dtype != src.dtype or dest.shape != src.shape:
                 out.append((name, src))
                 continue
-            if src.numel() * src.element_size() >= COPY_ALONE_BYTES:
+            if src.numel() * src.element_size() >= _COPY_ALONE_BYTES:
                 dest.copy_(src)
             else:
                 small_d.append(dest)

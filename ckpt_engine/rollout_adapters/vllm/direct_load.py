@@ -26,13 +26,20 @@ from math import prod
 
 import torch
 
-from ckpt_engine.copies import COPY_ALONE_BYTES
 from ckpt_engine.rollout_adapters.vllm.installed import Landing, resolve_tensor
 from ckpt_engine.rollout_adapters.vllm.regions import PlanRecording
 
 __all__ = ["DirectLoads", "direct_enabled", "with_direct"]
 
 logger = logging.getLogger(__name__)
+
+ALONE_BYTES = 16 << 20
+"""Boxes from this size are copied one `copy_` each (a device memcpy), smaller ones in one batched
+copy per bucket. On an H200 a `_foreach_copy_` over a 7B model's tensors ran at 0.66 x a flat copy
+of the bytes (`bench/colocated_copy_probe.py`), while a copy launched alone costs ~5 us of host
+time: from 16 MiB (~8 us of copying at 2 TB/s) a box pays for its own launch. A 7B model's large
+weights go alone (~140 launches); MoE experts (Qwen3-30B-A3B: 3 MiB each, 18,432 of them) stay
+batched, where per-tensor copies once made a MoE sync slower (`copies.py`)."""
 
 Pairs = list[tuple[str, torch.Tensor]]
 
@@ -43,13 +50,13 @@ def direct_enabled() -> bool:
 
 class _Copies:
     """One name's recorded copies: the boxes read and the live views they land in, each marked
-    whether it is copied alone (`copies.COPY_ALONE_BYTES` and up: a plain device memcpy)."""
+    whether it is copied alone (`ALONE_BYTES` and up)."""
 
     __slots__ = ("alone", "dtype", "dsts", "root", "slices")
 
     def __init__(self, root: tuple[int, ...], dtype: torch.dtype, slices: list[tuple[slice, ...] | None], dsts: list[torch.Tensor]) -> None:
         self.root, self.dtype, self.slices, self.dsts = torch.Size(root), dtype, slices, dsts
-        self.alone = [d.numel() * d.element_size() >= COPY_ALONE_BYTES for d in dsts]
+        self.alone = [d.numel() * d.element_size() >= ALONE_BYTES for d in dsts]
 
 
 class DirectLoads:
@@ -77,12 +84,8 @@ class DirectLoads:
         return len(self._copies)
 
     def load(self, pairs: Pairs) -> Pairs:
-        """Copy every pair the record covers; returns the others, for vLLM's loader.
-
-        Boxes of `COPY_ALONE_BYTES` and up are copied one `copy_` each (a device memcpy), the
-        smaller ones in one batched copy: on an H200 one `_foreach_copy_` over a 7B model's
-        tensors ran at 0.66 x a flat copy of their bytes (`bench/colocated_copy_probe.py`), and this
-        split is what the reference receiver's one-copy path does (`pipeline/shared_sources.py`)."""
+        """Copy every pair the record covers (boxes of `ALONE_BYTES` and up one `copy_` each, the
+        others in one batched copy); returns the others, for vLLM's loader."""
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         rest: Pairs = []
