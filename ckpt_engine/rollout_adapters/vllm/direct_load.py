@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from math import prod
 
 import torch
@@ -28,9 +29,17 @@ import torch
 from ckpt_engine.rollout_adapters.vllm.installed import Landing, resolve_tensor
 from ckpt_engine.rollout_adapters.vllm.regions import PlanRecording
 
-__all__ = ["DirectLoads", "direct_enabled"]
+__all__ = ["DirectLoads", "direct_enabled", "with_direct"]
 
 logger = logging.getLogger(__name__)
+
+ALONE_BYTES = 16 << 20
+"""Boxes from this size are copied one `copy_` each (a device memcpy), smaller ones in one batched
+copy per bucket. On an H200 a `_foreach_copy_` over a 7B model's tensors ran at 0.66 x a flat copy
+of the bytes (`bench/colocated_copy_probe.py`), while a copy launched alone costs ~5 us of host
+time: from 16 MiB (~8 us of copying at 2 TB/s) a box pays for its own launch. A 7B model's large
+weights go alone (~140 launches); MoE experts (Qwen3-30B-A3B: 3 MiB each, 18,432 of them) stay
+batched, where per-tensor copies once made a MoE sync slower (`copies.py`)."""
 
 Pairs = list[tuple[str, torch.Tensor]]
 
@@ -40,12 +49,14 @@ def direct_enabled() -> bool:
 
 
 class _Copies:
-    """One name's recorded copies: the boxes read and the live views they land in."""
+    """One name's recorded copies: the boxes read and the live views they land in, each marked
+    whether it is copied alone (`ALONE_BYTES` and up)."""
 
-    __slots__ = ("dtype", "dsts", "root", "slices")
+    __slots__ = ("alone", "dtype", "dsts", "root", "slices")
 
     def __init__(self, root: tuple[int, ...], dtype: torch.dtype, slices: list[tuple[slice, ...] | None], dsts: list[torch.Tensor]) -> None:
-        self.root, self.dtype, self.slices, self.dsts = root, dtype, slices, dsts
+        self.root, self.dtype, self.slices, self.dsts = torch.Size(root), dtype, slices, dsts
+        self.alone = [d.numel() * d.element_size() >= ALONE_BYTES for d in dsts]
 
 
 class DirectLoads:
@@ -73,7 +84,8 @@ class DirectLoads:
         return len(self._copies)
 
     def load(self, pairs: Pairs) -> Pairs:
-        """Copy every pair the record covers (one batched copy); returns the others, for vLLM's loader."""
+        """Copy every pair the record covers (boxes of `ALONE_BYTES` and up one `copy_` each, the
+        others in one batched copy); returns the others, for vLLM's loader."""
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         rest: Pairs = []
@@ -82,12 +94,31 @@ class DirectLoads:
             if copies is None or tensor.dtype != copies.dtype or tensor.shape != copies.root:
                 rest.append((name, tensor))
                 continue
-            dsts += copies.dsts
-            srcs += [tensor if index is None else tensor[index] for index in copies.slices]  # None: all of it (most: a slice costs ~3 us)
+            for dst, index, alone in zip(copies.dsts, copies.slices, copies.alone):
+                src = tensor if index is None else tensor[index]  # None: all of it (most: a slice costs ~3 us)
+                if alone:
+                    dst.copy_(src)
+                else:
+                    dsts.append(dst)
+                    srcs.append(src)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
         self.copied += len(pairs) - len(rest)
         return rest
+
+
+def with_direct(
+    load_weights: Callable[[Pairs], object], direct: DirectLoads | None, loading: Callable[[], AbstractContextManager[object]],
+) -> Callable[[Pairs], None]:
+    """`load_weights` inside `loading()` (vLLM's config, no autograd), with what `direct` covers
+    copied directly first, outside it: a bucket that leaves nothing to vLLM's loader does not enter
+    vLLM's config (~10 us a bucket on the CPU box)."""
+    def load(pairs: Pairs) -> None:
+        rest = direct.load(pairs) if direct is not None else pairs
+        if rest:
+            with loading():
+                load_weights(rest)
+    return load
 
 
 def _refused(name: str, landings: Sequence[Landing], rec: PlanRecording) -> str:

@@ -32,7 +32,7 @@ from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
 from ckpt_engine.rollout_adapters.region_assembler import RegionAssembler, held_bytes
 from ckpt_engine.rollout_adapters.vllm.background_receive import ReceiveThread
-from ckpt_engine.rollout_adapters.vllm.direct_load import DirectLoads, direct_enabled
+from ckpt_engine.rollout_adapters.vllm.direct_load import DirectLoads, direct_enabled, with_direct
 from ckpt_engine.rollout_adapters.vllm.installed import InstalledCapture, LandingMap, layout_names
 from ckpt_engine.rollout_adapters.vllm.peer import VllmPeer
 from ckpt_engine.rollout_adapters.vllm.region_landing import RegionItem, RegionLanding
@@ -202,17 +202,18 @@ class VllmReceiverCore:
         self.staging.discard()
         self.reload.close()
         direct = self._direct_loads()
-        load_weights = self._loader(self._model().load_weights, direct)
+        load_weights = with_direct(self._model().load_weights, direct, self.reload.loading)
         copied = direct.copied if direct is not None else 0
         detached = [0]
         scanned: dict[int, Any] = {}  # detach_pending's walk of the layers' held loads, across this reload's buckets
+        held = not self.reload.in_place()  # in place, no layerwise reload holds loads between buckets: no walk (~10 us a tensor)
 
         def load(loadable: list[tuple[str, torch.Tensor]]) -> None:
             if not self.reload.is_open:  # opened at the first bucket, while the next one is in flight (issue 39: 0.9 of
                 self.reload.open()  # the 1.1 ms a tiny Qwen2's receive took on the CPU box before its first bucket)
-            with self.reload.loading():
-                load_weights(loadable)
-            detached[0] += detach_pending(loadable, scanned)
+            load_weights(loadable)
+            if held:
+                detached[0] += detach_pending(loadable, scanned)
 
         self.stale = True
         try:
@@ -355,7 +356,7 @@ class VllmReceiverCore:
             out = {"load_s": staged.shadow.swap_in(), **shadow, **self.finalize(version), "swap_s": time.perf_counter() - t0}
             self.peer.installed(version, staged, self.specs())
             return out
-        load_weights = self._loader(model.load_weights, self._direct_loads())
+        load_weights = with_direct(model.load_weights, self._direct_loads(), self.reload.loading)
         self.reload.open()
         try:
             with self.reload.loading():
@@ -444,20 +445,6 @@ class VllmReceiverCore:
                 direct = DirectLoads(model, self._landed[2]) or None
             self._direct = (id(model), direct)
         return self._direct[1]
-
-    @staticmethod
-    def _loader(
-        load_weights: Callable[[list[tuple[str, torch.Tensor]]], Any], direct: DirectLoads | None,
-    ) -> Callable[[list[tuple[str, torch.Tensor]]], Any]:
-        """`load_weights`, with what `direct` covers copied directly first."""
-        if direct is None:
-            return load_weights
-
-        def load(pairs: list[tuple[str, torch.Tensor]]) -> None:
-            rest = direct.load(pairs)
-            if rest:
-                load_weights(rest)
-        return load
 
     def finalize(self, version: Any) -> dict[str, Any]:
         """Post-process what was loaded, reset the runner's weight-derived caches, stamp `version`."""

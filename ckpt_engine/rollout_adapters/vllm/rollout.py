@@ -335,9 +335,9 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self.client.resume_after_swap()
 
     def _reset_prefix_cache(self, running: bool = False) -> None:
-        """Drop the prefix cache; `running`: also preempt running requests (they re-prefill)."""
-        if not self.client.reset_prefix_cache(running):
-            logger.warning("engine %s: prefix cache reset refused (blocks still held by in-flight requests)", self.name)
+        """Drop the prefix cache; `running`: also preempt running requests (they re-prefill). vLLM refuses while requests kept in flight hold KV blocks, whose old-weight KV a new request with their prefix would reuse: then those are preempted too, as vLLM's own cache-clearing pause does."""
+        if not self.client.reset_prefix_cache(running) and (running or not self.client.reset_prefix_cache(True)):
+            raise RuntimeError(f"engine {self.name!r}: vLLM refused to reset its prefix cache even with running requests preempted")
 
     def weight_version(self) -> str:
         if not self.client.features.engine_weight_versions:  # only the workers hold it (vllm/compat.py)
