@@ -111,6 +111,24 @@ def test_requests_and_reports_round_trip_and_bad_ones_are_refused() -> None:
     assert InstalledReport.from_wire(rep.to_wire()) == rep
 
 
+def test_an_engine_rank_agrees_with_the_source_only_on_equal_digests_and_nothing_missing_or_unwritten() -> None:
+    """What a vLLM worker told the source's digests decides before it finalizes in its receive's last
+    call (`vllm/worker.py` `agrees`, on the wire forms): a rank's keys are a subset of the source's."""
+    from ckpt_engine.rollout_adapters.vllm.worker import agrees
+
+    source = InstalledReport({("a", None): 3, ("b", Region(0, 2, 4)): -9, ("b", Region(0, 0, 2)): 7})
+    mine = InstalledReport({("a", None): 3, ("b", Region(0, 2, 4)): -9}, unchecked=["w13"])  # its slice; unchecked: named, not refused
+    assert mine.agrees(source) and agrees(mine.to_wire(), source.to_wire())
+    for differs in (
+        InstalledReport({("a", None): 4}),  # a wrong digest
+        InstalledReport({("a", None): 3, ("c", None): 1}),  # a key the source has not got
+        InstalledReport({("a", None): 3}, missing=["b"]),  # sent, not installed
+        InstalledReport({("a", None): 3}, unwritten=["buf"]),  # the controller decides (unwritten_tensors)
+    ):
+        assert not differs.agrees(source) and not agrees(differs.to_wire(), source.to_wire())
+    assert not agrees(None, source.to_wire())  # no report rode on the receive: finalized apart
+
+
 def test_the_config_keys_are_checked() -> None:
     assert cfg().verify_installed == "first"
     assert cfg(verify_installed=False).verify_installed == "off"

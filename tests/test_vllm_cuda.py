@@ -171,7 +171,9 @@ def test_installed_check_on_cuda_names_a_wrong_byte(engine: Any, model_dir: Path
     """Every colocated sync checked (`verify_installed: 1`): the engine's digests of its live
     parameters (one launch over views kept across checks) equal the trainer's; a direct copy that
     leaves one wrong bit in one parameter fails the sync at verify naming that tensor, and the next
-    sync (a seed) restores the reference. 3 times."""
+    sync (a seed) restores the reference. 3 times. The trainer's digests are folded before the stream
+    and ride with the receive's last call: the worker finalizes there only where its own agree, so
+    the wrong bit leaves its version unstamped."""
     handle = VllmRollout("vllm-cuda-checked", engine, timeout_s=60.0)
     trainer = hf_model(model_dir, REFERENCE_SEED, "cuda:0")
     config = CheckpointEngineConfig(backend="colocated", timeout_s=60.0, stage="off", verify_installed=1)
@@ -180,10 +182,12 @@ def test_installed_check_on_cuda_names_a_wrong_byte(engine: Any, model_dir: Path
         sync_rollout_weights(source(trainer), [handle], config=config)
         sync_rollout_weights(source(trainer), [handle], config=config)  # its check rides on the receive
         engine.collective_rpc("test_plant_direct", args=(target,))
+        before = handle.held_version()
         try:
             with pytest.raises(SyncError, match="verify") as err:
                 sync_rollout_weights(source(trainer), [handle], config=config)
             assert f"{target}" in str(err.value) and "installed weights differ from the source" in str(err.value)
+            assert handle.held_version() == before  # the worker, told the source's digests, did not finalize in its receive
         finally:
             engine.collective_rpc("test_unplant_direct")
     sync_rollout_weights(source(trainer), [handle], config=config)
