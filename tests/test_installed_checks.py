@@ -113,7 +113,7 @@ def test_requests_and_reports_round_trip_and_bad_ones_are_refused() -> None:
 
 def test_an_engine_rank_agrees_with_the_source_only_on_equal_digests_and_nothing_missing_or_unwritten() -> None:
     """What a vLLM worker told the source's digests decides before it finalizes in its receive's last
-    call (`vllm/worker.py` `agrees`, on the wire forms): a rank's keys are a subset of the source's."""
+    call (`vllm/worker.py` `agrees`, on the wire forms): its digests a subset of the source's, nothing missing."""
     from ckpt_engine.rollout_adapters.vllm.worker import agrees
 
     source = InstalledReport({("a", None): 3, ("b", Region(0, 2, 4)): -9, ("b", Region(0, 0, 2)): 7})
@@ -123,9 +123,11 @@ def test_an_engine_rank_agrees_with_the_source_only_on_equal_digests_and_nothing
         InstalledReport({("a", None): 4}),  # a wrong digest
         InstalledReport({("a", None): 3, ("c", None): 1}),  # a key the source has not got
         InstalledReport({("a", None): 3}, missing=["b"]),  # sent, not installed
-        InstalledReport({("a", None): 3}, unwritten=["buf"]),  # the controller decides (unwritten_tensors)
     ):
         assert not differs.agrees(source) and not agrees(differs.to_wire(), source.to_wire())
+    # tensors no sync writes (vLLM's attention scales) fail a check only with unwritten_tensors: error,
+    # where the controller sends no digests ahead: they do not keep a rank from finalizing
+    assert InstalledReport({("a", None): 3}, unwritten=["attn._k_scale"]).agrees(source)
     assert not agrees(None, source.to_wire())  # no report rode on the receive: finalized apart
 
 

@@ -15,7 +15,7 @@ from typing import Literal, Protocol
 
 __all__ = ["Capable", "EngineCapabilities", "Feature", "lacking"]
 
-Feature = Literal["delta", "many_senders", "regions", "stages", "stages_regions", "installed"]
+Feature = Literal["delta", "many_senders", "regions", "stages", "stages_regions", "installed", "checks_at_receive"]
 """The yes/no capabilities a group needs from every engine to use the feature."""
 
 
@@ -45,6 +45,9 @@ class EngineCapabilities:
     installed: bool = False
     """Its ranks digest what they installed, in their own layout (`installed_digests`, issue 42 item
     5): installed-weight checks compare it with the source."""
+    checks_at_receive: bool = False
+    """With `installed`, one rank told a check's source digests with its receive finalizes in the
+    receive's last call where its own agree (`finalize_with_receive`): no finalize round trip."""
     claims: bool = False
     """The engine can be claimed by one weight-sync group for a lease (`RolloutAdapter.claim`); the
     daemon claims such engines at registration. Engines without it are guarded by the job token."""

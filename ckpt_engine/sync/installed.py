@@ -169,7 +169,8 @@ class InstalledChecks:
         """`arm` with the manifest's names and wire dtypes, worked out only when a check is due, and
         once per plan: a sync with no check due (every sync after the first, by default) then costs
         nothing per tensor (a 30B-A3B's 18,867 names and dtypes cost ~2 ms of host time a sync).
-        `source`: the one sender's weights, folded ahead where they can be (`fold_ahead`)."""
+        `source`: the one sender's weights, folded ahead for one engine of one rank that checks at
+        its receive (`fold_ahead`, `checks_at_receive`; not with `unwritten_tensors: error`)."""
         self._begin()
         if not self.due():
             return
@@ -178,7 +179,8 @@ class InstalledChecks:
             self._names_for = (manifest, [s.name for s in specs], {s.name: torch_dtype(s.dtype) for s in specs})
         _, names, wire = self._names_for
         self._arm(rollouts, names, plans, senders, collective, wire)
-        if self.request is not None and senders == 1 and source is not None and source.stable_tensors:
+        one_rank = len(rollouts) == 1 and rollouts[0].world_size == 1 and not lacking(rollouts, "checks_at_receive")
+        if self.request is not None and one_rank and source is not None and source.stable_tensors and self.unwritten != "error":
             self.fold_ahead(source)
 
     def fold_ahead(self, source: WeightSource) -> None:

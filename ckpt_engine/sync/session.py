@@ -281,8 +281,8 @@ class WeightSyncSession:
         self._staging = stage  # while it streams: a failure then discards instead of leaving engines stale
         # One engine, one sender, nothing checked between receive and finalize (or one rank checked against source digests known
         # before the stream, where they agree): it may finalize in its receive's last call (more engines: one could fail after another finalized).
-        checked, ahead = self._installed.request is not None, self._installed.ahead and self.rollouts[0].world_size == 1
-        if stage is None and (not checked or ahead) and senders == 1 and len(self.rollouts) == 1:
+        checked = self._installed.request is not None
+        if stage is None and (not checked or self._installed.ahead) and senders == 1 and len(self.rollouts) == 1:
             self.rollouts[0].finalize_with_receive(new_version, self._installed.expected_report if checked else None)
 
         def stream() -> tuple[SendStats, dict[str, ReceiveReport]]:
