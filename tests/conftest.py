@@ -102,13 +102,15 @@ def _answers_health(url: str) -> bool:
 def staged_vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer[tuple[str, Path]]]:
     """One dev-mode vLLM api_server over the tiny Qwen2 of tests/staged_vllm.py (`served_model`:
     worker extension, `--enable-scale-out`), shared by every module that syncs into it over HTTP:
-    `staged_vllm_server.get()` gives (URL, model dir), started again if a test killed it. Its users
-    leave it serving some version of some weights: each seeds its own and reads versions relative
-    to what the engine holds."""
+    `staged_vllm_server.get()` gives (URL, model dir), started again if a test killed it, or after
+    `discard()` (a restart), on the same port: the URL stays. Its users leave it serving some version
+    of some weights: each seeds its own and reads versions relative to what the engine holds."""
+    from helpers_procs import free_port
     from staged_vllm import served_model
 
+    port = free_port()
     shared = SharedServer(
-        "tiny-qwen2-http", lambda: served_model(tmp_path_factory.mktemp("qwen2-served")), lambda served: _answers_health(served[0])
+        "tiny-qwen2-http", lambda: served_model(tmp_path_factory.mktemp("qwen2-served"), port), lambda served: _answers_health(served[0])
     )
     yield from _serve("staged_vllm_server", shared)
 
