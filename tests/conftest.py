@@ -102,13 +102,15 @@ def _answers_health(url: str) -> bool:
 def staged_vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer[tuple[str, Path]]]:
     """One dev-mode vLLM api_server over the tiny Qwen2 of tests/staged_vllm.py (`served_model`:
     worker extension, `--enable-scale-out`), shared by every module that syncs into it over HTTP:
-    `staged_vllm_server.get()` gives (URL, model dir), started again if a test killed it. Its users
-    leave it serving some version of some weights: each seeds its own and reads versions relative
-    to what the engine holds."""
+    `staged_vllm_server.get()` gives (URL, model dir), started again if a test killed it, or after
+    `discard()` (a restart), on the same port: the URL stays. Its users leave it serving some version
+    of some weights: each seeds its own and reads versions relative to what the engine holds."""
+    from helpers_procs import free_port
     from staged_vllm import served_model
 
+    port = free_port()
     shared = SharedServer(
-        "tiny-qwen2-http", lambda: served_model(tmp_path_factory.mktemp("qwen2-served")), lambda served: _answers_health(served[0])
+        "tiny-qwen2-http", lambda: served_model(tmp_path_factory.mktemp("qwen2-served"), port), lambda served: _answers_health(served[0])
     )
     yield from _serve("staged_vllm_server", shared)
 
@@ -121,14 +123,15 @@ def _engine_core_alive(llm: object) -> bool:
 @pytest.fixture(scope="session")
 def qwen2_llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedServer[object]]:
     """One in-process vLLM `LLM` (TP=1) over the tiny Qwen2 of tests/test_vllm_adapter.py (dummy
-    weights, tests/_vllm_installed_faults.py's extension: the library's worker extension plus the
-    test-only fault plants and state reads), shared by test_vllm_adapter.py and
-    test_installed_checks_vllm.py: `qwen2_llm.get()` gives the `LLM`. Users seed their own weights,
-    read versions relative to what it holds, take back a fault they plant and close the sessions
+    weights, tests/_vllm_stall_ext.py's extension: the library's worker extension plus the test-only
+    fault plants, state reads and the one-call stall), shared by test_vllm_adapter.py,
+    test_installed_checks_vllm.py, test_vllm_sync_calls.py and test_vllm_engine_core_calls.py:
+    `qwen2_llm.get()` gives the `LLM`. Users seed their own weights, read versions relative to what
+    it holds, take back a fault they plant, let a stall they plant end and close the sessions
     `sync_rollout_weights` cached for it (`close_sessions`) when they are done."""
     from contextlib import contextmanager
 
-    from _vllm_installed_faults import EXTENSION
+    from _vllm_stall_ext import EXTENSION
     from helpers_vllm import ENGINE_ARGS, stop_llm
     from test_vllm_adapter import PREFIX_MODEL_LEN, QWEN2_CONFIG
 

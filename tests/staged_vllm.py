@@ -105,22 +105,23 @@ def write_model_dir(path: Path) -> Path:
 
 
 @contextmanager
-def served_model(path: Path) -> Iterator[tuple[str, Path]]:
-    """A vLLM `api_server` (dev mode) over the tiny Qwen2 written at `path`: (its URL, the model
-    dir). This process keeps one torch thread: the HF reference must not fight the engine for the
-    box's cores."""
-    from ckpt_engine.trainer.vllm_job import VllmServerProcess, wait_healthy
+def served_model(path: Path, port: int) -> Iterator[tuple[str, Path]]:
+    """A vLLM `api_server` (dev mode) over the tiny Qwen2 written at `path`, on `port`: (its URL, the
+    model dir). The demo's launch (`trainer/vllm_job.py`: dummy weights, the worker extension,
+    `--enable-scale-out`, its engine limits) on a port the caller keeps, so a server started again
+    answers at the same URL. This process keeps one torch thread: the HF reference must not fight the
+    engine for the box's cores."""
+    from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION
+    from ckpt_engine.trainer.vllm_job import ENGINE_ARGS
+    from helpers_vllm import api_server
 
     torch.set_num_threads(1)
     d = write_model_dir(path)
     # 256 positions (the tiny model's), not the job's 64: a request held across a swap decodes 240
     # tokens, long enough on a fast box for the swap's pause to land before it ends
-    proc = VllmServerProcess(d, d / "server.log", ["--max-model-len", "256"])
-    try:
-        wait_healthy(proc.url, time.monotonic() + 240, str(proc.log))
-        yield proc.url, d
-    finally:
-        proc.stop()
+    extra = ["--enable-scale-out", "--worker-extension-cls", WORKER_EXTENSION, *ENGINE_ARGS, "--max-model-len", "256"]
+    with api_server(d, d / "server.log", extra, port=port, start_timeout_s=240.0) as server:
+        yield server.url, d
 
 
 class SwapRecorder(VllmServerRollout):

@@ -426,28 +426,32 @@ def test_server_subset_syncs_leave_the_other_weights_their_bits(vllm_server: Ser
         adapter.close()
 
 
-def test_a_server_restarted_at_its_url_is_rejoined_and_seeded_before_anything_is_sent(model_dir: Path, tmp_path: Path) -> None:
-    """A `vllm serve` stopped after v3 of a delta chain and started again on the same port: the
-    next sync notices (its worker joined no group), rejoins it and seeds it, instead of failing
-    mid-stream and blaming a healthy engine; the versions carry on."""
+def test_a_server_restarted_at_its_url_is_rejoined_and_seeded_before_anything_is_sent(
+    staged_vllm_server: SharedServer[tuple[str, Path]], model_dir: Path
+) -> None:
+    """A `vllm serve` (the session's shared one) stopped after the third version of a delta chain
+    and started again on the same port: the next sync notices (its worker joined no group), rejoins
+    it and seeds it, instead of failing mid-stream and blaming a healthy engine; the versions carry
+    on. The shared server's next users take the restarted one."""
     from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
-    from helpers_vllm import api_server
 
-    port, extra = free_port(), ["--worker-extension-cls", WORKER_EXTENSION]
+    url, served_dir = staged_vllm_server.get()
+    assert json.loads((served_dir / "config.json").read_text()) == QWEN2_CONFIG
     config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, delta="on", stage="off")
-    with api_server(model_dir, tmp_path / "first.log", extra, port=port) as server:
-        adapter = VllmServerRollout("srv", server.url, timeout_s=60.0)
-        session = WeightSyncSession([adapter], config)
-        reports = [session.sync(source_of(trainer_model(model_dir, seed=s))) for s in (31, 32, 33)]
-        assert [r.version for r in reports] == [1, 2, 3] and reports[-1].delta == "patch"
+    adapter = VllmServerRollout("srv", url, timeout_s=60.0)
+    held = adapter.held_version() or 0  # the shared server holds what its last user synced
+    session = WeightSyncSession([adapter], config)
     try:
-        with api_server(model_dir, tmp_path / "second.log", extra, port=port) as server:  # the same URL
-            trainer = trainer_model(model_dir, seed=34)
-            report = session.sync(source_of(trainer))
-            assert report.version == 4 and report.delta == "seed"
-            assert server_greedy(server)[0] == [hf_greedy(trainer, p) for p in PROMPTS]
-            session.close()
+        reports = [session.sync(source_of(trainer_model(model_dir, seed=s))) for s in (31, 32, 33)]
+        assert [r.version for r in reports] == [held + 1, held + 2, held + 3] and reports[-1].delta == "patch"
+        staged_vllm_server.discard()  # stopped ...
+        assert staged_vllm_server.get()[0] == url  # ... and started again: the same URL
+        trainer = trainer_model(model_dir, seed=34)
+        report = session.sync(source_of(trainer))
+        assert report.version == held + 4 and report.delta == "seed"
+        assert server_greedy(ServerAt(url))[0] == [hf_greedy(trainer, p) for p in PROMPTS]
     finally:
+        session.close()
         adapter.close()
 
 

@@ -12,8 +12,6 @@ it waits `HOLD_S` in the engine core's process, then goes on).
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -23,10 +21,8 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("transformers")
 
-import _vllm_stall_ext as stall  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm.clients import LLMWeightSyncClient  # noqa: E402
-from helpers_vllm import ENGINE_ARGS, stop_llm  # noqa: E402
-from test_installed_checks_vllm import QWEN2  # noqa: E402
+from shared_server import SharedServer  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -37,19 +33,13 @@ HOLD_S = 8.0
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from vllm import LLM
-
-    d = tmp_path_factory.mktemp("qwen2-engine-core-calls")
-    (d / "config.json").write_text(json.dumps(QWEN2))
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    engine = LLM(
-        model=str(d), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
-        worker_extension_cls=stall.EXTENSION, **ENGINE_ARGS,
-    )
+def llm(qwen2_llm: SharedServer[Any]) -> Iterator[Any]:
+    """The session's shared `LLM` over QWEN2 (tests/conftest.py; its extension is
+    tests/_vllm_stall_ext.py's), its engine core in its own process. Each case leaves it serving,
+    unpaused, with no stall pending (a planted stall ends after HOLD_S) and its version label back."""
+    engine = qwen2_llm.get()
     assert type(engine.llm_engine.engine_core).__name__ == "SyncMPClient"
     yield engine
-    stop_llm(engine)
 
 
 def _stall_next_pause(llm: Any) -> None:
@@ -83,6 +73,7 @@ def test_an_unwaited_stamp_and_resume_that_never_answer_are_raised_at_the_next_c
     if not stuck.features.engine_weight_versions:
         pytest.skip("this vLLM keeps no engine weight version: the sync's stamp is no engine-core call (vllm/compat.py)")
     other = LLMWeightSyncClient(llm, timeout=60.0)
+    label = other.weight_version()  # the shared engine's, put back at the end
     _stall_next_pause(llm)
     other._send_unwaited("pause_scheduler", "keep", False)  # holds the engine core HOLD_S
     stuck.set_weight_version("7")  # a sync's end: both sent unwaited, queued behind the pause
@@ -92,3 +83,4 @@ def test_an_unwaited_stamp_and_resume_that_never_answer_are_raised_at_the_next_c
     stuck.health()  # raised once
     other.health()  # waits for the pause it sent: the stall ended, and with it the stamp and resume
     assert stuck.weight_version() == "7" and not llm.llm_engine.engine_core.call_utility("is_scheduler_paused") and _serves(llm)
+    other.set_weight_version(label)

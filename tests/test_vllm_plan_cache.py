@@ -4,10 +4,11 @@ own process: A records it and writes the file; B, started after A stopped, takes
 sample re-traced, no full dry run) and its sync installs exactly the trainer's weights (the
 installed-weight check against the source, and HF's greedy tokens). A file whose sampled layer
 disagrees (one landing changed in every layer, a valid checksum: what another vLLM build would
-leave) is discarded by C and recorded in full, C's sync exact; a corrupt file is ignored, named in
-the log, and written again. On a TP=2 engine each rank keeps its own file, and a rank handed the
-other rank's file (a key that missed the rank) finds its slices differ and records anew. Four
-engine starts (~30 s each here)."""
+leave) is discarded by the kept plan's lookup run again in B's worker and recorded in full, equal
+field by field to a full dry run (the recording A's exact sync used); a corrupt file is ignored,
+named in the log, and written again. On a TP=2 engine each rank keeps its own file, and a rank
+handed the other rank's file (a key that missed the rank) finds its slices differ and records
+anew. Three engine starts (~20-30 s each here)."""
 
 from __future__ import annotations
 
@@ -110,24 +111,26 @@ def test_recorded_once_then_taken_from_disk_then_a_disagreeing_or_corrupt_file_r
 
     # B, another process: takes the file (its sample re-traced), the sync exact
     source, llm = synced(model_dir, seed=2)
-    stop_llm(llm)
-    assert source["how"] == "cached" and source["sampled_layer"] in (0, 1), source
-    assert path.read_bytes() == encode(kept)  # taken, not written again
-
-    # a file whose every layer has one landing moved (checksum valid): C discards it, records in full
-    tampered = decode(path.read_bytes())
-    moved = {}
-    for i, la in enumerate(tampered.landings):
-        layer = la.name.split(".layers.")[1].split(".")[0] if ".layers." in la.name else None
-        if layer is not None and layer not in moved:
-            moved[layer] = la.name
-            tampered.landings[i] = dataclasses.replace(la, offset=la.offset + 1)
-    assert len(moved) == QWEN2_CONFIG["num_hidden_layers"]
-    path.write_bytes(encode(tampered))
-    source, llm = synced(model_dir, seed=3)
     try:
-        assert source["how"] == "discarded" and source["why"].split(":")[0] in moved.values(), source
-        assert "landings" in source["why"], source
+        assert source["how"] == "cached" and source["sampled_layer"] in (0, 1), source
+        assert path.read_bytes() == encode(kept)  # taken, not written again
+
+        # a file whose every layer has one landing moved (checksum valid): the lookup, run again in
+        # B's worker, discards it and records in full (one engine start fewer than a process C)
+        tampered = decode(path.read_bytes())
+        moved = {}
+        for i, la in enumerate(tampered.landings):
+            layer = la.name.split(".layers.")[1].split(".")[0] if ".layers." in la.name else None
+            if layer is not None and layer not in moved:
+                moved[layer] = la.name
+                tampered.landings[i] = dataclasses.replace(la, offset=la.offset + 1)
+        assert len(moved) == QWEN2_CONFIG["num_hidden_layers"]
+        path.write_bytes(encode(tampered))
+        looked = llm.collective_rpc("test_lookup", timeout=120)[0]
+        assert looked["how"] == "discarded" and looked["why"].split(":")[0] in moved.values(), looked
+        assert "landings" in looked["why"], looked
+        assert looked["plan_equal"] and looked["differ"] == [], looked  # the full recording, as A's
+        assert any(str(path) in line and "discarding" in line for line in looked["logs"]), looked["logs"]
         assert decode(path.read_bytes()).landings == kept.landings  # the full recording, kept again
 
         # a corrupt file: ignored, named in the log, recorded in full and written again
