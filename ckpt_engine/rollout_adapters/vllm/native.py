@@ -177,7 +177,7 @@ class TransferRoute:
         self._channel = channel  # its vLLM release's features, read when a call differs between releases
         # Without control it cannot pause for a swap nor reset the cache. Installed-weight reports
         # come back through the group's store (an adapter join's too: vllm/lora_installed.py).
-        self.lacks: frozenset[Feature] = frozenset(() if channel.control is not None else ("stages", "stages_regions"))
+        self.lacks: frozenset[Feature] = frozenset(("checks_at_receive",) if channel.control is not None else ("stages", "stages_regions", "checks_at_receive"))
         self.held: str | None = None  # the digest of the manifest every worker holds
         self._checked: tuple[str, bytes, list[bytes] | None] | None = None  # the last check (a receive may need it again)
         self._open = False  # a vLLM weight update is open (vLLM closes it when update_weights raises)

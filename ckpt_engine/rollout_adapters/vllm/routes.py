@@ -84,7 +84,8 @@ class ExtensionRoute:
 
     def __init__(self, channel: RpcChannel, name: str, timeout_s: float, adapters: bool) -> None:
         self.channel, self.name, self.timeout_s = channel, name, timeout_s
-        self.lacks: frozenset[Feature] = frozenset()  # adapter syncs check vLLM's LoRA model and slots (vllm/lora_installed.py)
+        # adapter syncs check vLLM's LoRA model and slots (vllm/lora_installed.py) and finalize apart
+        self.lacks: frozenset[Feature] = frozenset(("checks_at_receive",) if adapters else ())
         self.held: str | None = None  # the digest of the manifest every worker holds
         self.methods = LORA_METHODS if adapters else {}  # adapter syncs: the LoRA methods in place of the full-weight ones
         self._arming: InstalledRequest | None = None
