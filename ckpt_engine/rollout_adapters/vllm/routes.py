@@ -171,9 +171,10 @@ class ExtensionRoute:
             end: dict[str, Any] = {"timeout_s": self.timeout_s * 2}
             try:
                 beside()
-                expected = installed() if installed is not None and finalize is not None else None
-                if finalize is not None and (installed is None or expected is not None):  # after the work beside (the cache reset)
-                    end.update(finalize=finalize, release=release, **({"installed": expected.to_wire()} if expected is not None else {}))
+                if finalize is not None:  # after the work beside (the cache reset); the claim let go either way
+                    expected, end["release"] = installed() if installed is not None else None, release
+                    if installed is None or expected is not None:  # a check whose source fold failed: finalized apart
+                        end.update(finalize=finalize, **({"installed": expected.to_wire()} if expected is not None else {}))
             finally:  # the receive's own outcome (its error first) once it ended
                 replies = self.rpc("ckpt_receive_end", end, timeout_s=self.timeout_s * 2 + 5)
         reports = [r.pop("installed", None) for r in replies]

@@ -129,11 +129,12 @@ class CkptEngineWorkerExtension:
         """The begun receive's answer; with `finalize`, once it ended whole, `ckpt_finalize(finalize,
         release)` too, in this call (its answer under `finalized`): one round trip fewer a sync. With
         `installed` (an armed check's source digests, an `InstalledReport`'s wire form) only where the
-        report riding on the answer agrees; else the claim is let go and the controller compares."""
+        report riding on the answer agrees; else (or `release` alone) the claim is let go and the
+        controller compares."""
         answer = self._ckpt_core().receive_end(float(timeout_s))
         if finalize is not None and (installed is None or agrees(answer.get("installed"), installed)):
             answer["finalized"] = self.ckpt_finalize(int(finalize), release)
-        elif finalize is not None and release is not None:
+        elif release is not None:
             self.ckpt_peer_release(release)
         return answer
 
