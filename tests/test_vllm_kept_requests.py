@@ -3,7 +3,8 @@ engine: vLLM refuses to reset its prefix cache while a request holds KV blocks, 
 with that request's prefix then reused KV the old weights had computed (its tokens were neither
 version's). The handle now preempts the kept requests when vLLM refuses (they re-prefill under the
 new weights, as vLLM's own cache-clearing pause does): a new request after the sync gives the new
-weights' tokens, and the kept request still finishes.
+weights' tokens, and the kept request still finishes. An engine that caches no prefixes refuses the
+reset all the same (its blocks are held); there the handle asks for none and preempts nothing.
 """
 
 from __future__ import annotations
@@ -63,3 +64,49 @@ def test_no_new_request_reuses_kv_of_a_kept_request_after_a_sync(llm: object, mo
 
     _, tokens = cached_tokens(llm, prompt)
     assert tokens == hf_greedy(trainer, prompt, n=2), "a new request was served KV the old weights computed"
+
+
+@pytest.fixture(scope="module")
+def uncached_llm(model_dir: Path) -> Iterator[object]:  # noqa: F811
+    """The same tiny Qwen2 with vLLM's prefix caching off (one more engine, for the test below)."""
+    from vllm import LLM
+
+    from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION
+    from helpers_vllm import ENGINE_ARGS, stop_llm
+
+    llm = LLM(
+        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+        worker_extension_cls=WORKER_EXTENSION, enable_prefix_caching=False, **{**ENGINE_ARGS, "max_model_len": PREFIX_MODEL_LEN},
+    )
+    try:
+        yield llm
+    finally:
+        close_sessions()
+        stop_llm(llm)
+
+
+def test_without_prefix_caching_a_kept_request_is_not_preempted(uncached_llm: Any, model_dir: Path) -> None:  # noqa: F811
+    """vLLM refuses the reset while the kept request holds its blocks, caching or not; with nothing
+    cached, the handle's client reports nothing to drop (no reset, so no preemption), the keep sync
+    completes and the kept request finishes."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+    from ckpt_engine.rollout_adapters.vllm.clients import LLMWeightSyncClient
+
+    engine = uncached_llm.llm_engine
+    prompt = [(13 * i + 5) % 500 + 3 for i in range(int(engine.vllm_config.cache_config.block_size) + 2)]
+    steps = PREFIX_MODEL_LEN - len(prompt) - 2
+    engine.add_request("kept", TokensPrompt(prompt_token_ids=prompt), SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True))
+    assert not engine.step()[0].finished  # prefilled: it holds its blocks
+    client = LLMWeightSyncClient(uncached_llm)
+    client.pause("keep")
+    assert uncached_llm.reset_prefix_cache() is False  # vLLM refuses: a block is held
+    assert client.reset_prefix_cache() is True  # nothing cached to drop: nothing asked of vLLM
+    adapter = VllmRollout("vllm-uncached", uncached_llm, timeout_s=60.0)
+    sync_rollout_weights(source_of(trainer_model(model_dir, seed=75)), [adapter], config=dataclasses.replace(CONFIG, pause_mode="keep"))
+    finished: list[Any] = []
+    while engine.has_unfinished_requests():
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["kept"] and len(finished[0].outputs[0].token_ids) == steps

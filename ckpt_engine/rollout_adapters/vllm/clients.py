@@ -242,6 +242,8 @@ class LLMWeightSyncClient:
         self.name = name if name is not None else f"LLM({llm.llm_engine.vllm_config.model_config.model})"
         """How errors name the engine."""
         self.features = features_of()
+        self._prefixes = bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
+        """Whether the engine caches prefixes (vLLM's `enable_prefix_caching`): without, a reset has nothing to drop."""
         self._core = _EngineCore.of(llm.llm_engine.engine_core)
         # Every call runs here so that each wait has a deadline (`_bounded`); a few threads, so a call
         # stuck in the engine core or a worker does not hold the next one.
@@ -357,6 +359,8 @@ class LLMWeightSyncClient:
         self.resume()
 
     def reset_prefix_cache(self, running: bool = False) -> bool:
+        if not running and not self._prefixes:  # vLLM would refuse while kept requests hold blocks: they would be preempted for nothing
+            return True
         return bool(self._bounded("reset_prefix_cache", self.timeout, self.llm.reset_prefix_cache, running))
 
     def weight_version(self) -> str:
