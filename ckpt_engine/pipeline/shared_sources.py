@@ -16,6 +16,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
+from ckpt_engine.copies import copy_large_alone_
 from ckpt_engine.manifest import BucketManifest, TensorMeta
 from ckpt_engine.pipeline.piece_reader import take_known
 from ckpt_engine.pipeline.plan_state import PlanState, SharedPlan
@@ -144,19 +145,15 @@ class SharedSources:
         """Copy each tensor with a wire-layout destination there (the destination is yielded, and the
         loader's copy onto itself is skipped); the others are yielded as the sender's views."""
         out: list[tuple[str, torch.Tensor]] = []
-        small_d: list[torch.Tensor] = []
-        small_s: list[torch.Tensor] = []
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
         for name, src in bucket:
             dest = destinations.get(name)
             if dest is None or not dest.is_contiguous() or dest.device != src.device or dest.dtype != src.dtype or dest.shape != src.shape:
                 out.append((name, src))
                 continue
-            if src.numel() * src.element_size() >= _COPY_ALONE_BYTES:
-                dest.copy_(src)
-            else:
-                small_d.append(dest)
-                small_s.append(src)
+            dsts.append(dest)
+            srcs.append(src)
             out.append((name, dest))
-        if small_d:
-            torch._foreach_copy_(small_d, small_s)
+        copy_large_alone_(dsts, srcs, _COPY_ALONE_BYTES)
         return out

@@ -26,6 +26,7 @@ from math import prod
 
 import torch
 
+from ckpt_engine.copies import copy_large_alone_
 from ckpt_engine.rollout_adapters.vllm.installed import Landing, resolve_tensor
 from ckpt_engine.rollout_adapters.vllm.regions import PlanRecording
 
@@ -49,14 +50,12 @@ def direct_enabled() -> bool:
 
 
 class _Copies:
-    """One name's recorded copies: the boxes read and the live views they land in, each marked
-    whether it is copied alone (`ALONE_BYTES` and up)."""
+    """One name's recorded copies: the boxes read and the live views they land in."""
 
-    __slots__ = ("alone", "dtype", "dsts", "root", "slices")
+    __slots__ = ("dtype", "dsts", "root", "slices")
 
     def __init__(self, root: tuple[int, ...], dtype: torch.dtype, slices: list[tuple[slice, ...] | None], dsts: list[torch.Tensor]) -> None:
         self.root, self.dtype, self.slices, self.dsts = torch.Size(root), dtype, slices, dsts
-        self.alone = [d.numel() * d.element_size() >= ALONE_BYTES for d in dsts]
 
 
 class DirectLoads:
@@ -94,15 +93,9 @@ class DirectLoads:
             if copies is None or tensor.dtype != copies.dtype or tensor.shape != copies.root:
                 rest.append((name, tensor))
                 continue
-            for dst, index, alone in zip(copies.dsts, copies.slices, copies.alone):
-                src = tensor if index is None else tensor[index]  # None: all of it (most: a slice costs ~3 us)
-                if alone:
-                    dst.copy_(src)
-                else:
-                    dsts.append(dst)
-                    srcs.append(src)
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
+            dsts += copies.dsts
+            srcs += [tensor if index is None else tensor[index] for index in copies.slices]  # None: all of it (most: a slice costs ~3 us)
+        copy_large_alone_(dsts, srcs, ALONE_BYTES)
         self.copied += len(pairs) - len(rest)
         return rest
 
