@@ -13,7 +13,16 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["batched_copy_", "copy_groups", "copy_large_alone_", "put_int64s_"]
+__all__ = ["ALONE_BYTES", "batched_copy_", "copy_groups", "copy_large_alone_", "put_int64s_"]
+
+ALONE_BYTES = 16 << 20
+"""From this size a pair is copied with a `copy_` of its own (a device memcpy), smaller ones in one
+batched copy. On an H200 a `_foreach_copy_` over a 7B model's tensors ran at 0.66 x a flat copy of
+the bytes (`bench/colocated_copy_probe.py`), while a copy launched alone costs ~5 us of host time:
+from 16 MiB (~8 us of copying at 2 TB/s) a pair pays for its own launch. A 7B model's large weights
+go alone (~140 launches); MoE experts (Qwen3-30B-A3B: 3 MiB each) stay batched. Measured on one
+H200 (`ckpt-engine bench --backend colocated --in-place`): at 1 MiB a 30B-A3B sync (12 layers) ran
+at 0.10-0.12 x one device copy, at 16 MiB 0.27-0.29 x, all batched 0.18-0.22 x; 7B 0.73 / 0.76 x."""
 
 
 def batched_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
@@ -26,11 +35,10 @@ def batched_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) ->
         torch._foreach_copy_(keep_d, keep_s)
 
 
-def copy_large_alone_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], alone_bytes: int) -> None:
+def copy_large_alone_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], alone_bytes: int = ALONE_BYTES) -> None:
     """dsts[i].copy_(srcs[i]) for every i (one dtype a pair, no aliasing): pairs of `alone_bytes` and
-    up one `copy_` each (a plain device memcpy: on an H200 one `copy_` per tensor of a 7B model ran at
-    0.880 x a flat copy of its bytes, one `_foreach_copy_` at 0.666 x), the rest in one batched copy.
-    Each caller's threshold is its own measurement (a MoE model's many mid-size experts stay batched)."""
+    up one `copy_` each (on an H200 one `copy_` per tensor of a 7B model ran at 0.880 x a flat copy
+    of its bytes, one `_foreach_copy_` at 0.666 x), the rest in one batched copy."""
     small_d: list[torch.Tensor] = []
     small_s: list[torch.Tensor] = []
     for d, s in zip(dsts, srcs):

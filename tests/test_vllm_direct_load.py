@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from ckpt_engine.manifest import TensorSpec
-from ckpt_engine.rollout_adapters.vllm.direct_load import ALONE_BYTES, DirectLoads, with_direct
+from ckpt_engine.copies import ALONE_BYTES
+from ckpt_engine.rollout_adapters.vllm.direct_load import DirectLoads, with_direct
 from ckpt_engine.rollout_adapters.vllm.installed import Landing
 from ckpt_engine.rollout_adapters.vllm.regions import PlanRecording
 

@@ -27,10 +27,6 @@ from ckpt_engine.transports.transport import SourceSharing, Transport
 
 __all__ = ["SharedSources"]
 
-_COPY_ALONE_BYTES = 1 << 20
-"""Tensors from this size are copied one `copy_` each (a plain device memcpy); smaller ones in one
-batched copy per bucket."""
-
 
 def _firsts(manifest: BucketManifest) -> list[list[TensorMeta]]:
     """Per bucket, the entries that start a tensor (a tensor in chunks is handled once, whole)."""
@@ -155,5 +151,5 @@ class SharedSources:
             dsts.append(dest)
             srcs.append(src)
             out.append((name, dest))
-        copy_large_alone_(dsts, srcs, _COPY_ALONE_BYTES)
+        copy_large_alone_(dsts, srcs)
         return out

@@ -34,14 +34,6 @@ __all__ = ["DirectLoads", "direct_enabled", "with_direct"]
 
 logger = logging.getLogger(__name__)
 
-ALONE_BYTES = 16 << 20
-"""Boxes from this size are copied one `copy_` each (a device memcpy), smaller ones in one batched
-copy per bucket. On an H200 a `_foreach_copy_` over a 7B model's tensors ran at 0.66 x a flat copy
-of the bytes (`bench/colocated_copy_probe.py`), while a copy launched alone costs ~5 us of host
-time: from 16 MiB (~8 us of copying at 2 TB/s) a box pays for its own launch. A 7B model's large
-weights go alone (~140 launches); MoE experts (Qwen3-30B-A3B: 3 MiB each, 18,432 of them) stay
-batched, where per-tensor copies once made a MoE sync slower (`copies.py`)."""
-
 Pairs = list[tuple[str, torch.Tensor]]
 
 
@@ -83,7 +75,7 @@ class DirectLoads:
         return len(self._copies)
 
     def load(self, pairs: Pairs) -> Pairs:
-        """Copy every pair the record covers (boxes of `ALONE_BYTES` and up one `copy_` each, the
+        """Copy every pair the record covers (boxes of `copies.ALONE_BYTES` and up one `copy_` each, the
         others in one batched copy); returns the others, for vLLM's loader."""
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
@@ -95,7 +87,7 @@ class DirectLoads:
                 continue
             dsts += copies.dsts
             srcs += [tensor if index is None else tensor[index] for index in copies.slices]  # None: all of it (most: a slice costs ~3 us)
-        copy_large_alone_(dsts, srcs, ALONE_BYTES)
+        copy_large_alone_(dsts, srcs)
         self.copied += len(pairs) - len(rest)
         return rest
 
