@@ -227,6 +227,13 @@ class CheckpointEngine(ABC):
         staging copy) and copied bit for bit into `destinations`; they are the base from now on."""
 
     @property
+    def maps_sender_memory(self) -> bool:
+        """Whether a receive may copy straight out of a colocated sender's own tensors (one copy a
+        byte): its host work (every copy's launch) then comes in one burst, and the device copies
+        after it alone. A receiving engine keeps other host work off that burst (`vllm/routes.py`)."""
+        return False
+
+    @property
     def delta_base_bytes(self) -> int:
         """Memory this rank's delta bases take."""
         return 0

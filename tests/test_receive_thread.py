@@ -63,3 +63,38 @@ def test_a_receive_still_running_refuses_the_next_and_stays_to_be_collected() ->
 def test_nothing_begun_is_refused_by_name() -> None:
     with pytest.raises(RuntimeError, match="no receive was begun on this worker"):
         ReceiveThread(torch.device("cpu")).result(1.0)
+
+
+def test_a_burst_receive_is_quiet_once_its_copies_are_queued_before_it_ends() -> None:
+    """`quiet=False` (copies out of a colocated sender's memory): `wait_quiet` returns once the
+    receive called `copies_queued`, while it still runs (the device copies); a receive that never
+    calls it is quiet when it ends; `quiet=True` is quiet at once."""
+    receives = ReceiveThread(torch.device("cpu"))
+    queued, release = threading.Event(), threading.Event()
+
+    def receive() -> dict[str, object]:
+        receives.copies_queued()
+        queued.set()
+        assert release.wait(30.0)  # the device copies: the receive has not ended
+        return {"ok": True}
+
+    receives.start(receive, quiet=False)
+    receives.wait_quiet(30.0)
+    assert queued.is_set() and receives.running
+    release.set()
+    assert receives.result(30.0) == {"ok": True}
+
+    release.clear()
+    receives.start(lambda: {"ok": release.wait(30.0)}, quiet=False)
+    with pytest.raises(TimeoutError, match="did not queue its copies"):
+        receives.wait_quiet(0.05)  # never said: still running, not quiet
+    release.set()
+    receives.wait_quiet(30.0)  # ended: quiet
+    assert receives.result(30.0) == {"ok": True}
+
+    release.clear()
+    receives.start(lambda: {"ok": release.wait(30.0)})
+    receives.wait_quiet(0.0)  # quiet at once
+    assert receives.running
+    release.set()
+    assert receives.result(30.0) == {"ok": True}

@@ -129,6 +129,32 @@ def test_a_sync_reads_the_membership_from_the_validate_and_finalizes_in_the_rece
         session.close()
 
 
+def test_a_colocated_sync_resets_the_cache_once_the_receive_queued_its_copies(llm: object, model_dir: Path) -> None:
+    """Over `colocated` the worker may copy straight out of the trainer's tensors, so its receive's
+    host work comes in one burst: the handle resets the prefix cache only once the worker says its
+    copies are queued (`ckpt_receive_quiet`), not beside the burst. The engine is exact after it."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+    from test_vllm_adapter import source_of, trainer_model
+
+    adapter = VllmRollout("calls-colocated", llm, timeout_s=60.0)
+    calls = Calls(adapter)
+    session = WeightSyncSession([adapter], CheckpointEngineConfig(backend="colocated", bucket_size_mb=0.25, timeout_s=60.0, stage="off", verify_installed="off"))
+    try:
+        held = adapter.held_version() or 0
+        session.sync(source_of(trainer_model(model_dir, seed=63)))
+        calls.take()
+        trainer = trainer_model(model_dir, seed=64)
+        report = session.sync(source_of(trainer))
+        names = calls.take()
+        assert report.version == held + 2
+        assert names[names.index("ckpt_receive_begin"):names.index("ckpt_receive_end") + 1] == [
+            "ckpt_receive_begin", "ckpt_receive_quiet", "reset_prefix_cache", "ckpt_receive_end",
+        ], names
+        assert adapter.weight_version() == str(held + 2) and _greedy_matches(llm, trainer)
+    finally:
+        session.close()
+
+
 def test_a_worker_that_left_the_group_behind_the_sessions_back_is_rejoined_and_seeded(llm: object, model_dir: Path) -> None:
     """The worker leaves the session's group (as a restarted or taken-over one is in no group): the
     next sync sees it in the validate's answer, rejoins every engine, validates again and seeds it;

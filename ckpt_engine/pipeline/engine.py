@@ -88,6 +88,10 @@ class PipelinedEngine(CheckpointEngine):
         return self.transport.is_sender
 
     @property
+    def maps_sender_memory(self) -> bool:
+        return self.transport.source_sharing is not None
+
+    @property
     def num_senders(self) -> int:
         return self.transport.num_senders
 

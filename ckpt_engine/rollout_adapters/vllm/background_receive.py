@@ -13,6 +13,12 @@ sync made `ckpt_receive_begin` answer late: `Thread.start()` waits until the new
 the new thread then holds the GIL through the receive's setup while the worker's RPC thread waits
 to send the answer (4.8 ms against a 1.0 ms round trip on the CPU box). Woken, the parked thread
 needs no handshake: the begin answers as soon as it handed the receive over.
+
+Where the receive copies straight out of a colocated sender's memory, its host work is one burst
+(every copy launched in ~3 ms of a 7B sync, then ~8 ms of device copies): the cache reset's Python
+walk beside that burst held the interpreter lock against it (in one process: the trainer's walk,
+the receive's launches and the reset; a 7B sync's copies began 2.6 ms later). There the receive says
+when its copies are queued (`quiet`), and the handle resets the cache then, while the device copies.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ class ReceiveThread:
         self._job: Callable[[], dict[str, Any]] | None = None
         self._done = threading.Event()
         self._done.set()
+        self._quiet = threading.Event()  # the receive's host work is done (its copies queued), or it ended
+        self._quiet.set()
         self._begun = False  # a receive handed over and not yet collected by `result`
         self._answer: dict[str, Any] | None = None
         self._error: BaseException | None = None
@@ -54,13 +62,17 @@ class ReceiveThread:
         """Whether a receive was handed over and its answer not yet taken."""
         return self._begun
 
-    def start(self, receive: Callable[[], dict[str, Any]]) -> None:
-        """Hand `receive` to the thread (started the first time); refused while one still runs."""
+    def start(self, receive: Callable[[], dict[str, Any]], quiet: bool = True) -> None:
+        """Hand `receive` to the thread (started the first time); refused while one still runs.
+        `quiet`: the worker's host is free for other work at once; else once `receive` calls
+        `copies_queued` (or ends)."""
         with self._cond:
             if self.running:
                 raise RuntimeError("a receive is already running on this worker")
             self._answer, self._error, self._job, self._begun = None, None, receive, True
             self._done.clear()
+            if not quiet:
+                self._quiet.clear()
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._park, name="ckpt-receive", daemon=True)
                 self._thread.start()
@@ -80,7 +92,17 @@ class ReceiveThread:
             except BaseException as exc:  # handed to the caller of result()
                 self._error = exc
             finally:
+                self._quiet.set()
                 self._done.set()
+
+    def copies_queued(self) -> None:
+        """The running receive has queued its last copy: the host is free (`wait_quiet` returns)."""
+        self._quiet.set()
+
+    def wait_quiet(self, timeout_s: float) -> None:
+        """Until the begun receive queued its copies or ended; TimeoutError past `timeout_s`."""
+        if not self._quiet.wait(timeout_s):
+            raise TimeoutError(f"the receive on this worker did not queue its copies within {timeout_s:.0f}s")
 
     def result(self, timeout_s: float) -> dict[str, Any]:
         """The begun receive's answer; raises its error, or TimeoutError if it runs past `timeout_s`

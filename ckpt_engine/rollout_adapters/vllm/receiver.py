@@ -189,7 +189,9 @@ class VllmReceiverCore:
         return loaded
 
     # --- receive and load ---------------------------------------------------------------------
-    def receive(self, digest: str, delta: dict[str, Any] | None = None, begun: float | None = None) -> dict[str, Any]:
+    def receive(
+        self, digest: str, delta: dict[str, Any] | None = None, begun: float | None = None, queued: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
         """Receive every bucket of an accepted manifest and load it; layerwise reload stays open
         until `finalize` (or is closed here if the receive fails, never leaving meta layers).
 
@@ -217,7 +219,7 @@ class VllmReceiverCore:
 
         self.stale = True
         try:
-            out = self._stream(digest, delta, load, begun=begun)
+            out = self._stream(digest, delta, load, begun=begun, queued=queued if delta is None else None)
         except BaseException:
             self.reload.close()
             raise
@@ -239,8 +241,19 @@ class VllmReceiverCore:
         if self._background is None:
             self._background = ReceiveThread(self.receiver.device)
         begun = time.perf_counter()
-        self._background.start(lambda: self.receive(digest, delta, begun))
-        return {"started": True}
+        background = self._background
+        # copying out of a colocated sender's tensors, the host work is one burst: the handle waits for it (`receive_quiet`)
+        burst = self.receiver.engine is not None and self.receiver.engine.maps_sender_memory
+        background.start(lambda: self.receive(digest, delta, begun, background.copies_queued if burst else None), quiet=not burst)
+        return {"started": True, "quiet": not burst}
+
+    def receive_quiet(self, timeout_s: float) -> dict[str, Any]:
+        """Once the begun receive has queued its copies (or ended): the host is free for the handle's
+        work beside the device copies (the prefix-cache reset)."""
+        if self._background is None:
+            raise RuntimeError("no receive was begun on this worker")
+        self._background.wait_quiet(timeout_s)
+        return {"quiet": True}
 
     def receive_end(self, timeout_s: float) -> dict[str, Any]:
         """The answer of the receive `receive_begin` started (its error raised here); a receive
@@ -249,10 +262,14 @@ class VllmReceiverCore:
             raise RuntimeError("no receive was begun on this worker")
         return self._background.result(timeout_s)
 
-    def _stream(self, digest: str, delta: dict[str, Any] | None, sink: Sink, staged: StagedReceive | None = None, begun: float | None = None) -> dict[str, Any]:
+    def _stream(
+        self, digest: str, delta: dict[str, Any] | None, sink: Sink, staged: StagedReceive | None = None, begun: float | None = None,
+        queued: Callable[[], None] | None = None,
+    ) -> dict[str, Any]:
         """Take every bucket of an accepted manifest and hand `sink` its loadable pairs (a tied
         head the trainer did not send rides along as its embedding's tensor). Returns the report.
-        `staged`: a staged receive, which keeps region items as they are (the swap lands them)."""
+        `staged`: a staged receive, which keeps region items as they are (the swap lands them).
+        `queued`: called once `sink` has taken the manifest's last tensor (a region delivery: never)."""
         specs = self.specs()
         tied = specs.tied
         accepted = self.receiver.accepted_manifest(digest)
@@ -264,9 +281,14 @@ class VllmReceiverCore:
             self._alias = (digest, id(specs), {emb: head for head, emb in tied.items() if head not in sent and emb in sent})
         alias = self._alias[2]
 
+        left = [accepted.num_tensors if queued is not None and accepted is not None else -1]  # tensors still to hand over
+
         def load(pairs: list[tuple[str, torch.Tensor]]) -> int:
+            left[0] -= len(pairs)
             pairs = specs.unstack(pairs)
             sink(pairs + [(alias[n], t) for n, t in pairs if n in alias])
+            if left[0] == 0 and queued is not None:
+                queued()
             return len(pairs)
 
         # Regions only for a sync whose assignment this worker accepted: with a plan recorded, a session

@@ -11,6 +11,7 @@ anything pauses.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -167,15 +168,19 @@ class ExtensionRoute:
             if beside is not None:
                 beside()
         else:  # the workers receive on a thread of their own (`vllm/background_receive.py`)
-            self.rpc("ckpt_receive_begin", args)
-            end: dict[str, Any] = {"timeout_s": self.timeout_s * 2}
+            begun = self.rpc("ckpt_receive_begin", args)
+            deadline = time.monotonic() + self.timeout_s * 2  # the receive's bound, the wait for its copies' launch included
+            end: dict[str, Any] = {}
             try:
+                if not all(r.get("quiet", True) for r in begun):  # copies out of a colocated sender: launched first, then the reset
+                    self.rpc("ckpt_receive_quiet", {"timeout_s": self.timeout_s * 2}, timeout_s=self.timeout_s * 2 + 5)
                 beside()
                 if finalize is not None:  # after the work beside (the cache reset); the claim let go either way
                     expected, end["release"] = installed() if installed is not None else None, release
                     if installed is None or expected is not None:  # a check whose source fold failed: finalized apart
                         end.update(finalize=finalize, **({"installed": expected.to_wire()} if expected is not None else {}))
             finally:  # the receive's own outcome (its error first) once it ended
+                end["timeout_s"] = max(1.0, deadline - time.monotonic())
                 replies = self.rpc("ckpt_receive_end", end, timeout_s=self.timeout_s * 2 + 5)
         reports = [r.pop("installed", None) for r in replies]
         if self._armed is not None and reports and all(r is not None for r in reports):

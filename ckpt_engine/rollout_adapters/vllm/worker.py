@@ -123,6 +123,10 @@ class CkptEngineWorkerExtension:
             self._ckpt_arm(installed)
         return self._ckpt_core().receive_begin(digest, delta)
 
+    def ckpt_receive_quiet(self, timeout_s: float) -> dict[str, Any]:
+        """Returns once the begun receive has queued its copies (or ended), within `timeout_s`."""
+        return self._ckpt_core().receive_quiet(float(timeout_s))
+
     def ckpt_receive_end(
         self, timeout_s: float, finalize: int | None = None, release: str | None = None, installed: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
