@@ -148,6 +148,9 @@ def test_receiver_sigkill(spec_file: str, pair: list[TorchRefRollout], tmp_path:
             assert len(errors) == 1 and isinstance(errors[0], SyncError), errors
             assert set(errors[0].failed) == {"victim"} and "died" in errors[0].failed["victim"], errors[0]
             assert elapsed < TIMEOUT_S + GRACE_S, f"error after {elapsed:.1f}s"
+            # Free for the next sync: no survivor still waits on the failed sender's group (its
+            # pending work handles kept the group's connections open: a survivor waited out timeout_s).
+            assert not any(e.health()["receiving"] for e in pair), [e.health() for e in pair]
             check_states(pair, {base: seed})
             assert not any(serving(e.health()) for e in pair), "survivors hold a half-written version"
             session.close()
