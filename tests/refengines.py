@@ -14,6 +14,7 @@ from ckpt_engine.rollout_adapters import torch_ref
 from ckpt_engine.rollout_adapters.load_gate import HOLD_ENV
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sources.base import StateDictSource
+from _gate_fault_ref import FAULT_ENV
 from helpers_procs import fork_program
 from roundtrip import mixed_state, same_bits
 
@@ -53,10 +54,14 @@ def second_handle(engine: TorchRefRollout, timeout_s: float | None = None, *, ow
 
 def spawn_with_timeout(
     spec_file: str, name: str, timeout_s: float, load_delay_s: float = 0.0, stderr_path: str | None = None, hold_file: str | None = None,
+    fault_file: str | None = None,
 ) -> TorchRefRollout:
     """A reference engine whose control calls time out after `timeout_s` (its start may take longer);
-    `hold_file`: its loads wait while that file exists (load_gate.py)."""
-    started = spawn_engine(name, spec_file=spec_file, load_delay_s=load_delay_s, timeout_s=60, stderr_path=stderr_path, hold_file=hold_file)
+    `hold_file`: its loads wait while that file exists (load_gate.py); `fault_file`: a load that
+    finds that file signals the engine as it says (tests/_gate_fault_ref.py)."""
+    started = spawn_engine(
+        name, spec_file=spec_file, load_delay_s=load_delay_s, timeout_s=60, stderr_path=stderr_path, hold_file=hold_file, fault_file=fault_file,
+    )
     handle = second_handle(started, timeout_s, own_process=True)
     started.rpc.close()
     started._probe.close()
@@ -76,12 +81,13 @@ def spawn_engine(
     name: str, *, spec_file: str | None = None, model_dir: str | None = None, dtype: str = "float32", load_delay_s: float = 0.0,
     timeout_s: float = 120.0, token: str | None = None, port: int = 0, stderr_path: str | None = None,
     layout: dict[str, int] | None = None, staging_budget_bytes: int | None = None, step_interval_s: float | None = None,
-    handle: type[TorchRefRollout] = TorchRefRollout, hold_file: str | None = None,
+    handle: type[TorchRefRollout] = TorchRefRollout, hold_file: str | None = None, fault_file: str | None = None,
 ) -> TorchRefRollout:
     """`TorchRefRollout.spawn` for tests: the reference receiver's own `main` with the same
     arguments, in a process forked from the preloaded server (milliseconds) instead of a new
     interpreter that imports torch again (seconds of CPU on a 2-core box). `stderr_path` takes
-    the engine's log; `handle`: the handle class to return (a test's subclass of TorchRefRollout).
+    the engine's log; `handle`: the handle class to return (a test's subclass of TorchRefRollout);
+    `fault_file`: the engine signals itself mid-stream when a load finds that file (_gate_fault_ref.py).
     (tests/test_control_server.py keeps one engine started by `spawn` itself.)"""
     if (spec_file is None) == (model_dir is None):
         raise ValueError("give exactly one of spec_file or model_dir")
@@ -94,8 +100,9 @@ def spawn_engine(
         argv += ["--step-interval-s", str(float(step_interval_s))]
     for key, value in (layout or {}).items():
         argv += [f"--{key.replace('_', '-')}", str(int(value))]
-    env = {torch_ref.TOKEN_ENV: token, **({HOLD_ENV: hold_file} if hold_file else {})}
-    program = fork_program("ckpt_engine.rollout_adapters.torch_ref:main", argv, f"engine-{name}", env=env, stderr_path=stderr_path)
+    env = {torch_ref.TOKEN_ENV: token, **({HOLD_ENV: hold_file} if hold_file else {}), **({FAULT_ENV: fault_file} if fault_file else {})}
+    target = "_gate_fault_ref:main" if fault_file else "ckpt_engine.rollout_adapters.torch_ref:main"
+    program = fork_program(target, argv, f"engine-{name}", env=env, stderr_path=stderr_path)
     line = program.read_line(torch_ref.READY_PREFIX, timeout_s)
     if line is None:
         program.process.kill()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -85,6 +86,7 @@ class SyncStream:
         """The send raised (at monotonic time `sent`): blame the source when it raised itself, else
         the engines that failed or died, else the sender; every engine is left stale."""
         deadline = failure_deadline(self.config.timeout_s, sent)
+        _drop_frames(exc)  # before the finalize: else the send loop's work handles keep the group open
         engine.finalize()  # closing the sender's group wakes receivers blocked on it
         if pieces is not None:
             finish_walk(source, pieces)  # type: ignore[arg-type]  # TP helpers wait in its gathers
@@ -101,6 +103,20 @@ class SyncStream:
             failed["sender"] = sender_error
         stale = self._broken(failed, True, deadline)
         raise SyncError("transfer", failed, stale, sender_error=sender_error if "sender" not in failed else None) from exc
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Clear the locals of the finished frames `exc` and its causes went through. The send loop's
+    pending work handles hold the sender's process groups, and a group keeps its connections open
+    while anything holds it: a receiver still blocked on this sender (a survivor of a receiver
+    killed mid-sync) then waited out its whole timeout_s before it could fail, answer, or join the
+    next sync, instead of failing at once when the finalize drops the group."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def _stable(source: WeightSource, senders: int) -> bool:
