@@ -87,8 +87,8 @@ class VllmReceiverCore:
         self.peer = VllmPeer()
         """Peer joins (`vllm/peer.py`): the image of the served version it offers, the pulls it stages."""
         self._alias: tuple[str, int, dict[str, str]] | None = None  # (digest, specs id, {embedding: the tied head it loads as})
-        self._background: ReceiveThread | None = None
-        """The parked thread unstaged receives run on (`receive_begin`, collected by `receive_end`)."""
+        self._background = ReceiveThread(self.receiver.device)
+        """The parked thread unstaged receives run on (`receive_begin`, collected by `receive_end`), started at the first."""
 
     # --- group -------------------------------------------------------------------------------
     def join(self, rendezvous: dict[str, Any], rank: int, options: dict[str, Any]) -> None:
@@ -233,33 +233,25 @@ class VllmReceiverCore:
 
     def receive_begin(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
         """`receive` on this worker's parked receive thread (`vllm/background_receive.py`); returns at once."""
-        if self._background is not None and self._background.running:
+        if self._background.running:
             raise RuntimeError("a receive is already running on this worker")
         self._check_not_staging("receive")
         if self.receiver.accepted_manifest(digest) is None:
             raise RuntimeError(f"manifest {digest[:12]} was not validated on this worker; call validate() first")
-        if self._background is None:
-            self._background = ReceiveThread(self.receiver.device)
-        begun = time.perf_counter()
-        background = self._background
+        begun, background = time.perf_counter(), self._background
         # copying out of a colocated sender's tensors, the host work is one burst: the handle waits for it (`receive_quiet`)
         burst = self.receiver.engine is not None and self.receiver.engine.maps_sender_memory
         background.start(lambda: self.receive(digest, delta, begun, background.copies_queued if burst else None), quiet=not burst)
         return {"started": True, "quiet": not burst}
 
     def receive_quiet(self, timeout_s: float) -> dict[str, Any]:
-        """Once the begun receive has queued its copies (or ended): the host is free for the handle's
-        work beside the device copies (the prefix-cache reset)."""
-        if self._background is None:
-            raise RuntimeError("no receive was begun on this worker")
+        """Once the begun receive has queued its copies (or ended): the host is free beside the device copies."""
         self._background.wait_quiet(timeout_s)
         return {"quiet": True}
 
     def receive_end(self, timeout_s: float) -> dict[str, Any]:
         """The answer of the receive `receive_begin` started (its error raised here); a receive
         still running past the bound stays begun, to be refused by the next begin."""
-        if self._background is None:
-            raise RuntimeError("no receive was begun on this worker")
         return self._background.result(timeout_s)
 
     def _stream(
