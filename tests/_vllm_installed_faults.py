@@ -147,6 +147,16 @@ class InstalledFaultsExtension(CkptEngineWorkerExtension, PlantsExtension):
     def test_unplant_direct(self) -> None:
         vars(self._direct_planted).pop("load", None)
 
+    def test_fail_next_finalize(self, why: str) -> None:
+        """The worker's next finalize raises `why` before it post-processes anything (then it is taken back)."""
+        core = self._ckpt_core()
+
+        def finalize(version: Any) -> dict[str, Any]:
+            vars(core).pop("finalize", None)
+            raise RuntimeError(why)
+
+        core.finalize = finalize  # type: ignore[method-assign]
+
     def test_state(self) -> dict[str, Any]:
         core = self._ckpt_core()
         return {"stale": core.stale, "version": core.version}

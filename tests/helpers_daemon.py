@@ -73,9 +73,14 @@ class Engines:
         self.spec_file, self.token = spec_file, token
         self.all: list[TorchRefRollout] = []
 
-    def spawn(self, name: str, *, token: str | None = None, port: int = 0, load_delay_s: float = 0.0, spec_file: str | None = None) -> TorchRefRollout:
+    def spawn(
+        self, name: str, *, token: str | None = None, port: int = 0, load_delay_s: float = 0.0, spec_file: str | None = None,
+        hold_file: str | None = None,
+    ) -> TorchRefRollout:
+        """`hold_file`: the engine's bucket loads wait while that file exists (load_gate.py)."""
         r = spawn_engine(
-            name, spec_file=spec_file or self.spec_file, timeout_s=TIMEOUT_S, token=token or self.token, port=port, load_delay_s=load_delay_s
+            name, spec_file=spec_file or self.spec_file, timeout_s=TIMEOUT_S, token=token or self.token, port=port, load_delay_s=load_delay_s,
+            hold_file=hold_file,
         )
         self.all.append(r)
         return r

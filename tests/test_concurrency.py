@@ -10,11 +10,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession, sync_rollout_weights
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
+from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.api import SyncReport, close_sessions
-from refengines import SlowSource, holds, second_handle, serving, source, spawn_engine, state
+from refengines import holds, second_handle, serving, source, spawn_engine, state
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20)
 
@@ -92,6 +94,23 @@ def test_two_threads_through_sync_rollout_weights_take_turns(engines: list[Torch
     assert_one_complete_version(engines, {newest: by_version[newest]})
 
 
+class HeldMidWalk(StateDictSource):
+    """`state(seed)`, half of it yielded, then held until `release` is set (bounded): the sync is
+    surely still streaming, its receiver mid-receive, until the test lets it go, however fast or
+    loaded the box (a slow source, ~1 s, raced the intruder's set-up)."""
+
+    def __init__(self, seed: int, release: threading.Event) -> None:
+        super().__init__(state(seed))
+        self.release = release
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        items = list(self.weights.items())
+        yield from items[: len(items) // 2]
+        if not self.release.wait(60):
+            raise RuntimeError("the held sync was never released")
+        yield from items[len(items) // 2 :]
+
+
 def test_a_receiver_in_a_sync_refuses_another_controllers_join(engines: list[TorchRefRollout]) -> None:
     """A second controller (its own handle, its own group) must not tear the first sync's group out
     from under it: the receiver refuses its join while the first sync streams. The refusal ends
@@ -102,17 +121,19 @@ def test_a_receiver_in_a_sync_refuses_another_controllers_join(engines: list[Tor
     try:
         first.sync(source(30))
         done: list[SyncReport] = []
-        t = threading.Thread(target=lambda: done.append(first.sync(SlowSource(31, 0.03))))  # ~1 s
-        before = busy.health()["buckets_received"]
+        release = threading.Event()
+        t = threading.Thread(target=lambda: done.append(first.sync(HeldMidWalk(31, release))))
         t.start()
-        deadline = time.monotonic() + 20
-        while busy.health()["buckets_received"] < before + 2 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while not busy.health()["receiving"]:  # the first sync streams, held mid-walk until the intruder was refused
+            assert time.monotonic() < deadline and t.is_alive(), ("the first sync never reached its receive", done)
             time.sleep(0.005)
         start = time.monotonic()
         with pytest.raises(SyncError, match=r"ref0: .*busy with a receive.*join of group .* refused") as info:
             intruder.sync(source(32))
         assert info.value.stage == "join" and set(info.value.failed) == {"ref0"}, info.value.failed
-        assert time.monotonic() - start < 5.0, f"the refused join should end the set-up at once, not after {CFG.timeout_s}s"
+        assert time.monotonic() - start < CFG.timeout_s / 2, f"the refused join should end the set-up at once, not after {CFG.timeout_s}s"
+        release.set()
         t.join(60)
         assert len(done) == 1, "the first sync must complete undisturbed"
         assert_one_complete_version([busy], {done[0].version: 31})
@@ -123,8 +144,9 @@ def test_a_receiver_in_a_sync_refuses_another_controllers_join(engines: list[Tor
             report = alone.sync(source(33))
         finally:
             alone.close()
-        assert time.monotonic() - start < 5.0
+        assert time.monotonic() - start < CFG.timeout_s * 3 / 4  # not after the intruder's group timed out
         assert_one_complete_version([free], {report.version: 33})
     finally:
+        release.set()
         intruder.close()
         first.close()

@@ -54,6 +54,12 @@ def cut_within(sock: socket.socket, seconds: float, trickle: bytes = b"") -> flo
     pytest.fail(f"the server did not cut the connection within {seconds}s")
 
 
+CUT_WITHIN_S = 15.0
+"""A cut expected from the 1 s handshake or frame deadline must come well before this: generous
+against a loaded box (the cut itself takes ~1 s), yet short of the 30 s idle timeout and of what a
+deadline that each trickled byte reset would take (never: `cut_within` then fails at its bound)."""
+
+
 @pytest.fixture
 def daemon() -> Iterator[WeightSyncDaemon]:
     d = WeightSyncDaemon(
@@ -87,10 +93,10 @@ def test_idle_strangers_cannot_lock_out_a_token_holder(daemon: WeightSyncDaemon)
 def test_a_connection_must_show_the_token_within_the_handshake_deadline(daemon: WeightSyncDaemon) -> None:
     assert daemon.server is not None
     with socket.create_connection((daemon.server.host, daemon.server.port), timeout=5) as silent:
-        assert cut_within(silent, 3) < 2.5
+        assert cut_within(silent, CUT_WITHIN_S + 5) < CUT_WITHIN_S
     # Trickling one byte at a time does not keep a connection that never authenticates alive.
     with socket.create_connection((daemon.server.host, daemon.server.port), timeout=5) as trickler:
-        assert cut_within(trickler, 3, trickle=frame({"id": 1, "method": "hello", "params": {"token": TOKEN}})) < 2.5
+        assert cut_within(trickler, CUT_WITHIN_S + 5, trickle=frame({"id": 1, "method": "hello", "params": {"token": TOKEN}})) < CUT_WITHIN_S
 
 
 def test_a_frame_has_a_total_deadline_that_trickled_bytes_do_not_reset(daemon: WeightSyncDaemon) -> None:
@@ -100,7 +106,7 @@ def test_a_frame_has_a_total_deadline_that_trickled_bytes_do_not_reset(daemon: W
         header = s.recv(4, socket.MSG_WAITALL)
         s.recv(struct.unpack("!I", header)[0], socket.MSG_WAITALL)  # authenticated now
         big = frame({"id": 2, "method": "status", "params": {"token": TOKEN, "pad": "x" * 200}})
-        assert cut_within(s, 4, trickle=big) < 3.0
+        assert cut_within(s, CUT_WITHIN_S + 5, trickle=big) < CUT_WITHIN_S
 
 
 def test_a_job_with_more_clients_than_the_cap_keeps_working(daemon: WeightSyncDaemon) -> None:
@@ -133,7 +139,7 @@ def test_a_client_sends_again_after_a_cut_but_not_to_a_daemon_that_is_gone(daemo
     """A connection the daemon closed between calls costs nothing; a daemon that is gone is named
     at once, not after the call's whole timeout (nothing listens, so retrying cannot help)."""
     assert daemon.server is not None
-    client = DaemonClient(daemon.address, TOKEN, timeout_s=20)
+    client = DaemonClient(daemon.address, TOKEN, timeout_s=120)  # far past the bound below: a wait out of it is told apart on any box
     try:
         assert client.status()["role"] == "standalone"
         with daemon.server._lock:  # the daemon closes this client's idle connection, as a newcomer at the cap would
@@ -145,7 +151,7 @@ def test_a_client_sends_again_after_a_cut_but_not_to_a_daemon_that_is_gone(daemo
         t0 = time.monotonic()
         with pytest.raises(WireError) as info:
             client.status()
-        assert info.value.unreachable and time.monotonic() - t0 < 5, info.value
+        assert info.value.unreachable and time.monotonic() - t0 < 30, info.value  # milliseconds; the call's timeout is 120 s
     finally:
         client.close()
 

@@ -93,26 +93,30 @@ def test_versions_increase_and_membership(daemon: WeightSyncDaemon, receivers: E
     client.close()
 
 
-def test_killed_engine_is_dropped_survivors_resynced_and_it_rejoins(daemon: WeightSyncDaemon, receivers: Engines) -> None:
-    rs = [receivers.spawn(f"r{i}", load_delay_s=0.25) for i in range(3)]
+def test_killed_engine_is_dropped_survivors_resynced_and_it_rejoins(daemon: WeightSyncDaemon, receivers: Engines, tmp_path: Path) -> None:
+    hold = tmp_path / "hold"  # r1's loads wait while it exists: the kill lands mid-sync on any box (load_gate.py)
+    rs = [receivers.spawn(f"r{i}", load_delay_s=0.25, hold_file=str(hold) if i == 1 else None) for i in range(3)]
     for r in rs:
         daemon.register(r.name, descriptor(r))
     sd1, sd2 = weights(11), weights(12)
     assert daemon.sync(StateDictSource(sd1)).ok
 
     victim = rs[1]
-    base = victim.health()["buckets_received"]
     killed = threading.Event()
 
     def kill_mid_sync() -> None:
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline:
-            if victim.health()["buckets_received"] >= base + 1:
-                victim.process.kill()
-                killed.set()
-                return
-            time.sleep(0.02)
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline:
+                if victim.health()["held"]:  # a bucket load of this sync waits on the hold file: surely mid-sync
+                    victim.process.kill()
+                    killed.set()
+                    return
+                time.sleep(0.02)
+        finally:
+            hold.unlink(missing_ok=True)
 
+    hold.touch()
     killer = threading.Thread(target=kill_mid_sync, daemon=True)
     killer.start()
     t0 = time.monotonic()

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -64,26 +64,49 @@ def _shaped(entries: int, seed: int) -> bytes:
                           "buckets": [[0, [entry] * entries]], "digest": "0" * 64}, use_bin_type=True)
 
 
+READS_BOUND = 32
+"""The msgpack reads (`manifest._Reader.value`/`array`) a refusal from the header may take: the
+header's fields and the first bucket's array headers (8 and 21 today). Walking the entries reads
+about nine per entry: 45,000 for the smaller manifest below, 18 million for the hostile one. The
+work is counted, not timed: the refusal's milliseconds grow several-fold on a loaded CI box."""
+
+
+@pytest.fixture
+def manifest_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many values and array headers the manifest decoder reads (the real reads, counted)."""
+    from ckpt_engine import manifest
+
+    reads = [0]
+    for name in ("value", "array"):
+        real = getattr(manifest._Reader, name)
+
+        def counted(self: Any, *args: Any, _real: Any = real, **kwargs: Any) -> Any:
+            reads[0] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(manifest._Reader, name, counted)
+    return reads
+
+
 @pytest.mark.parametrize("seed", SEEDS)
-def test_a_manifest_shaped_to_fit_costs_milliseconds_and_a_few_mb(seed: int) -> None:
+def test_a_manifest_shaped_to_fit_costs_a_few_reads_and_a_few_mb(seed: int, manifest_reads: list[int]) -> None:
     receiver = WeightReceiver()
     expected = {n: spec_of(n, t) for n, t in weights(0).items()}
     hostile = _shaped(2_000_000 - seed, seed)
     assert len(hostile) < 64 * 1024 * 1024
     tracemalloc.start()
-    t0 = time.perf_counter()
     reply = receiver.validate(hostile, "0" * 64, expected)
-    took = time.perf_counter() - t0
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert not reply["accepted"] and "could need" in reply["problems"][0], reply
-    assert took < 0.05, f"refusing took {took * 1e3:.0f} ms"
+    assert 0 < manifest_reads[0] <= READS_BOUND, f"refusing read {manifest_reads[0]} msgpack values"
     assert peak < 4 * 1024 * 1024, f"refusing took {peak / 2**20:.1f} MiB"
     # Just within the bytes a receiver's tensors could need, the entry count is still bounded.
     small = _shaped(5000 + seed, seed)  # within the bytes its tensors could need, over the entries
-    t0 = time.perf_counter()
+    manifest_reads[0] = 0
     reply = receiver.validate(small, "0" * 64, expected)
-    assert not reply["accepted"] and time.perf_counter() - t0 < 0.05, reply
+    assert not reply["accepted"] and "more than the" in reply["problems"][0], reply
+    assert 0 < manifest_reads[0] <= READS_BOUND, f"refusing read {manifest_reads[0]} msgpack values"
 
 
 # --- the reference engine: a refused receive, get_tensor on a registered handle ----------------
@@ -156,10 +179,8 @@ def test_backend_option_values_are_refused_at_load(option: str, value: object, t
     path.write_text("checkpoint_engine:\n  backend: gloo\n  engine_kwargs:\n    gloo:\n      num_lanes: 1\n")
     load_config(path)  # (imports the backends once)
     path.write_text("checkpoint_engine:\n  backend: gloo\n  engine_kwargs:\n    gloo:\n      " + f"{option}: {json.dumps(value)}\n")
-    t0 = time.monotonic()
     with pytest.raises(ConfigError, match=rf"checkpoint_engine.engine_kwargs.gloo.{option}"):
-        load_config(path)
-    assert time.monotonic() - t0 < 1.0
+        load_config(path)  # refused by the load itself: no engine is made, no sync started (nothing to time)
 
 
 # --- many senders: rank 0 dies, rank 1 says so -------------------------------------------------

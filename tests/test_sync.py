@@ -55,7 +55,7 @@ def test_two_syncs_land_bit_exact_and_reuse_the_group(session: WeightSyncSession
     assert (report.version, report.tensors, report.engines) == (7, len(sd0), 2)
     assert report.bytes == sum(t.numel() * t.element_size() for t in sd0.values()) and report.buckets > 1
     assert {"plan", "validate", "transfer", "export", "pack", "load_max", "swap", "total"} <= set(report.seconds)
-    assert report.staged == "full" and report.stall_s < report.seconds["transfer"]  # issue 28: staged by default, paused for the swap only
+    assert report.staged == "full" and report.stall_s <= report.seconds["swap"]  # issue 28: staged by default, paused for the swap only (inside that step)
     for e in engines:
         assert_holds(e, sd0)
         h = e.health()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,27 @@ def trainer_model(model_dir: Path, seed: int) -> torch.nn.Module:
 
 def source_of(model: torch.nn.Module) -> StateDictSource:
     return StateDictSource({n: t.detach().clone() for n, t in model.state_dict().items()})
+
+
+class ServedMidWalk(StateDictSource):
+    """Yields half its tensors, then waits (bounded) until the stream holds a request submitted
+    after `since` (the last swap's return) that finished, then the rest. The walk runs before its
+    sync's swap, so every version serves at least one whole request of its own while the next one
+    streams in, however fast or loaded the box (not hoped for from the syncs' pace)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], stream: RequestStream, since: float) -> None:
+        super().__init__(weights)
+        self.stream, self.since = stream, since
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        items = list(self.weights.items())
+        yield from items[: len(items) // 2]
+        deadline = time.monotonic() + 60.0
+        while not any(o.submitted > self.since for o in list(self.stream.outputs)):
+            if time.monotonic() > deadline or self.stream.errors:
+                raise RuntimeError(f"no request submitted after the last swap finished within 60 s ({self.stream.errors[:1]})")
+            time.sleep(0.01)
+        yield from items[len(items) // 2 :]
 
 
 def step(model: torch.nn.Module, g: torch.Generator, frac: float = 0.03) -> None:
@@ -114,7 +136,7 @@ def test_generation_continues_through_5_delta_and_2_dense_staged_syncs(server: t
             for i in range(6):  # the seed, then 5 patch syncs
                 if i:
                     step(trainer, g)
-                kinds.append(_sync_and_check(session, adapter, trainer, ref, order, url))
+                kinds.append(_sync_and_check(session, adapter, trainer, ref, order, url, stream))
         finally:
             session.close()
         dense_cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=60.0, stage="full")
@@ -123,7 +145,7 @@ def test_generation_continues_through_5_delta_and_2_dense_staged_syncs(server: t
             for mode in ("abort", "recompute"):  # dense syncs through the staging copy
                 step(trainer, g)
                 adapter.swap_mode = mode
-                kinds.append(_sync_and_check(session, adapter, trainer, ref, order, url))
+                kinds.append(_sync_and_check(session, adapter, trainer, ref, order, url, stream))
         finally:
             session.close()
         time.sleep(1.0)
@@ -133,7 +155,8 @@ def test_generation_continues_through_5_delta_and_2_dense_staged_syncs(server: t
     assert not stream.errors, stream.errors[:3]
     seen = [check_spans(out, order, ref) for out in outputs]
     assert seen.count("one version") >= 8
-    # The engine generated while every version streamed in: outputs finished between the swaps.
+    # The engine generated while every version streamed in: outputs finished between the swaps
+    # (each sync's walk waited for one: `ServedMidWalk`).
     swaps = [t for _, t in adapter.swapped_at]
     between = [sum(1 for o in outputs if a < o.done < b) for a, b in zip(swaps, swaps[1:])]
     assert all(n > 0 for n in between), between
@@ -141,9 +164,11 @@ def test_generation_continues_through_5_delta_and_2_dense_staged_syncs(server: t
 
 
 def _sync_and_check(
-    session: WeightSyncSession, adapter: SwapRecorder, trainer: torch.nn.Module, ref: HfReference, order: list[str], url: str
+    session: WeightSyncSession, adapter: SwapRecorder, trainer: torch.nn.Module, ref: HfReference, order: list[str], url: str,
+    stream: RequestStream,
 ) -> tuple[str, str]:
-    report = session.sync(source_of(trainer))
+    since = adapter.swapped_at[-1][1] if adapter.swapped_at else 0.0
+    report = session.sync(ServedMidWalk(source_of(trainer).weights, stream, since))
     assert report.stall_s == adapter.stalls[-1]
     v = str(report.version)
     ref.record(v, trainer.state_dict())

@@ -245,6 +245,33 @@ def test_a_receive_that_fails_is_not_finalized_and_the_next_sync_heals(llm: obje
         session.close()
 
 
+def test_a_finalize_that_fails_in_the_receives_last_call_is_named_and_the_next_sync_heals(llm: object, model_dir: Path) -> None:
+    """The finalize folded into `ckpt_receive_end` fails on the worker: the sync fails naming the
+    worker's own error (not a reply it took for a finalize's), the worker stays stale on its old
+    version and the engine paused; the next sync heals it exactly."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+    from ckpt_engine.sync.report import SyncError
+    from test_vllm_adapter import source_of, trainer_model
+
+    adapter = VllmRollout("calls-finalize-fails", llm, timeout_s=30.0)
+    config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=30.0, stage="off")
+    session = WeightSyncSession([adapter], config)
+    try:
+        held = session.sync(source_of(trainer_model(model_dir, seed=73))).version
+        llm.collective_rpc("test_fail_next_finalize", timeout=60, kwargs={"why": "planted finalize failure"})  # type: ignore[attr-defined]
+        calls = Calls(adapter)
+        with pytest.raises(SyncError, match="planted finalize failure"):
+            session.sync(source_of(trainer_model(model_dir, seed=74)))
+        assert "ckpt_receive_end" in calls.take()  # folded: no finalize of its own was asked
+        assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held, True)]
+        assert llm.llm_engine.engine_core.call_utility("is_scheduler_paused")  # type: ignore[attr-defined]
+        trainer = trainer_model(model_dir, seed=75)
+        assert session.sync(source_of(trainer)).version == held + 1
+        assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held + 1, False)] and _greedy_matches(llm, trainer)
+    finally:
+        session.close()
+
+
 def test_a_generate_right_after_each_sync_serves_its_weights(llm: object, model_dir: Path) -> None:
     """Sync after sync, a `generate` on the thread that synced, at once: it comes after the sync's
     unwaited stamp and resume at the engine core, so it runs (not paused) on the new weights, its

@@ -47,7 +47,7 @@ from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.vllm.clients import PAUSE_MODES, Channel, HTTPWeightSyncClient, LLMWeightSyncClient, http_channel
 from ckpt_engine.rollout_adapters.vllm.holds import EngineHolds
 from ckpt_engine.rollout_adapters.vllm.native import WeightTransferChannel
-from ckpt_engine.rollout_adapters.vllm.routes import WORKER_EXTENSION, ExtensionRoute
+from ckpt_engine.rollout_adapters.vllm.routes import WORKER_EXTENSION, ExtensionRoute, folded_finalize
 from ckpt_engine.rollout_adapters.vllm.stage_outcome import StagedOutcomes
 
 if TYPE_CHECKING:
@@ -381,7 +381,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         t0 = time.perf_counter()
         done, self._finalized = self._finalized, None
         # the workers finalized in the receive's last call, or now (an unstaged sync's last worker call lets go)
-        replies = done[1] if done is not None and done[0] == version and None not in done[1] else self.workers.finalize(version, self.holds.sync_release())
+        replies = folded_finalize(done[1]) if done is not None and done[0] == version and None not in done[1] else self.workers.finalize(version, self.holds.sync_release())
         t1 = time.perf_counter()
         if not self._cache_reset:  # else reset beside the transfer (`receive`)
             self._reset_prefix_cache(running=self._pause_mode == "recompute")

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ckpt_engine.installed import InstalledRequest
     from ckpt_engine.rollout_adapters.base import JoinOptions
 
-__all__ = ["LORA_METHODS", "WORKER_EXTENSION", "ExtensionRoute", "Route", "RpcChannel"]
+__all__ = ["LORA_METHODS", "WORKER_EXTENSION", "ExtensionRoute", "Route", "RpcChannel", "folded_finalize"]
 
 WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm.worker.CkptEngineWorkerExtension"
 
@@ -256,3 +256,14 @@ class ExtensionRoute:
     def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
         """The channel's call with this route's wording of failures (what `vllm/installed.py` takes)."""
         return self.rpc(method, kwargs, timeout_s)
+
+
+def folded_finalize(replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The finalize answers that rode on `ckpt_receive_end` (`ExtensionRoute.receive(finalize=)`),
+    raising a worker's failure as a finalize of its own would: the worker answers it in place of the
+    finalize's reply (`vllm/answers.py`), which is otherwise taken for one that went through."""
+    failed = [(rank, r[FAILED]) for rank, r in enumerate(replies) if FAILED in r]
+    if failed:
+        rank, why = failed[0]
+        raise RuntimeError(f"ckpt_finalize failed (in the receive's last call): {f'worker {rank}: ' if len(replies) > 1 else ''}{why}")
+    return replies
