@@ -18,7 +18,7 @@ from ckpt_engine.daemon import DaemonClient, DaemonConfig, EngineState, WeightSy
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
-from helpers_daemon import NUM_TENSORS, TIMEOUT_S, Engines, config, descriptor, holds, weights, write_spec
+from helpers_daemon import NUM_TENSORS, TIMEOUT_S, Engines, config, descriptor, holds, wait_for, weights, write_spec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -161,21 +161,32 @@ def test_dead_engine_between_syncs_is_dropped_quickly(daemon: WeightSyncDaemon, 
 
 
 def test_heartbeat_timeout_drops_silent_engine(receivers: Engines) -> None:
-    d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=1.0, health_interval_s=0.2), token=JOB_TOKEN)
+    """A health answer counts as a heartbeat: one pass of the daemon's check, run when both engines'
+    registration stamps are older than the timeout, keeps the one that answers and drops the dead
+    one. The pass is driven here, not by the monitor's clock, so a starved box cannot make the live
+    engine miss a window; then the monitor itself drops the other one once it dies (awaited)."""
+    timeout_s = 1.0
+    d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=timeout_s, health_interval_s=0.2), token=JOB_TOKEN)
     try:
-        r = receivers.spawn("r0")
-        d.register("r0", descriptor(r))
-        d.start_monitor()
-        time.sleep(1.5)
-        assert d.membership.names() == ["r0"], "a healthy engine answers probes and stays"
-        r.process.kill()
-        deadline = time.monotonic() + 5
-        while d.membership.names() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert d.membership.names() == []
-        assert "no heartbeat" in d.membership.departed["r0"]["reason"]
+        silent, live = receivers.spawn("silent"), receivers.spawn("live")
+        d.register("silent", descriptor(silent))  # probed first in a pass: its failed probe cannot delay live's
+        d.register("live", descriptor(live))
+        silent.process.kill()
+        silent.process.wait(10)
+        newest = d.membership.get("live")
+        assert newest is not None
+        wait_for("both registrations older than the heartbeat timeout", lambda: time.monotonic() - newest.last_seen > timeout_s + 0.05, 30)
+        assert sorted(r.name for r in d.membership.silent_for(timeout_s)) == ["live", "silent"]  # both would go unheard
+        d.check_health()
+        assert d.membership.names() == ["live"], "the engine that answers the probe stays; the dead one goes"
+        assert "no heartbeat" in d.membership.departed["silent"]["reason"]
         with pytest.raises(ValueError, match="not registered"):
-            d.heartbeat("r0")
+            d.heartbeat("silent")
+        assert d.heartbeat("live")["state"] == EngineState.PENDING
+        d.start_monitor()
+        live.process.kill()
+        wait_for("the monitor drops the engine that died", lambda: d.membership.names() == [], 60)
+        assert "no heartbeat" in d.membership.departed["live"]["reason"]
     finally:
         d.close()
 

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -156,6 +157,16 @@ def _wait(what: str, cond, timeout_s: float) -> None:  # type: ignore[no-untyped
         time.sleep(0.02)
 
 
+def _line(proc: subprocess.Popen[str], timeout_s: float) -> str:
+    """The next line `proc` prints (stripped); fails the test after `timeout_s`."""
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(proc.stdout.readline() if proc.stdout else ""), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    assert got, f"no line from the trainer within {timeout_s}s"
+    return got[0].strip()
+
+
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TorchRefRollout]:
     """A stepping engine of `refengines.state` tensors (what tests/_fault_sender.py sends)."""
@@ -184,26 +195,33 @@ def test_a_sender_killed_mid_stream_leaves_the_engine_serving_its_old_version(mi
     try:
         assert trainer.stdin is not None and trainer.stdout is not None
         job = {"engines": [{"name": mixed.name, "host": mixed.rpc.host, "port": mixed.rpc.port, "token": mixed.token}],
-               "seeds": seeds, "timeout_s": 10, "delay_s": 0.05, "stage": "auto", "delta": delta}
+               "seeds": seeds, "timeout_s": 60, "delay_s": 0.0, "stage": "auto", "delta": delta, "hold_midway": True}
         trainer.stdin.write(json.dumps(job) + "\n")
         trainer.stdin.flush()
         if delta == "on":  # the seed completes; the patch sync is the one killed
-            assert trainer.stdout.readline().startswith("synced")
+            assert _line(trainer, 60).startswith("synced")
         base = mixed.held_version()
         before = mixed.health()
-        _wait("the stream reached the engine", lambda: mixed.health()["receiving"], 60)
-        time.sleep(0.3)
+        # The trainer's source stops after half its tensors until told to go on (never, here): the
+        # stream cannot finish, so what follows is mid-stream on any box.
+        assert _line(trainer, 60) == "midway"
+        # A dense sync counts the buckets it staged; a patch sync's health shows no count while it streams.
+        landed = (lambda h: h["buckets_received"] > before["buckets_received"]) if delta == "off" else (lambda h: True)
+        _wait("the engine receiving the new version", lambda: (h := mixed.health())["receiving"] and landed(h), 60)
+        mark = mixed.health()["steps"]
+        _wait("engine steps while the version streams in", lambda: mixed.health()["steps"] >= mark + 3, 60)
+        h = mixed.health()
+        assert h["receiving"] and not h["paused"], h  # still mid-stream, and serving
         trainer.send_signal(signal.SIGKILL)
     finally:
         trainer.kill()
         trainer.wait(10)
     old = state(41)
-    _wait("the engine's receive ended", lambda: not mixed.health()["receiving"], 30)
+    _wait("the engine's receive ended", lambda: not mixed.health()["receiving"], 90)  # past the 60 s timeout
     h = mixed.health()
     assert (h["paused"], h["stale"], h["version"], h["staged"]) == (False, False, base, False), h
     assert holds(mixed, old) == []
-    steps = _check_steps(mixed, before["steps"], {base: weights_digest(old)})
-    assert len(steps) > 10, "the engine stopped stepping while the version streamed in"
+    _check_steps(mixed, before["steps"], {base: weights_digest(old)})  # every step, those mid-stream too, served the old version whole
     session = WeightSyncSession([mixed], dataclasses.replace(CFG, delta=delta))
     try:
         sd = state(43)
