@@ -118,13 +118,7 @@ class ExtensionRoute:
                 f"{method!r}); start it with worker_extension_cls={WORKER_EXTENSION!r} (LLM(...) keyword, or "
                 f"--worker-extension-cls {WORKER_EXTENSION} for `vllm serve`)"
             ) from exc
-        failed = [(rank, r[FAILED]) for rank, r in enumerate(results) if isinstance(r, dict) and FAILED in r]
-        if failed:  # every worker answered (a raise would leave the others' answers queued in vLLM)
-            rank, why = failed[0]
-            where = f"worker {rank}: " if len(results) > 1 else ""
-            more = f" (and {len(failed) - 1} more worker(s) failed)" if len(failed) > 1 else ""
-            raise RuntimeError(f"{method} failed: {where}{why}{more}")
-        return results
+        return raise_failures(method, results)  # every worker answered (a raise would leave the others' answers queued in vLLM)
 
     def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions, adapters: int | None, preload: bool) -> list[int]:
         """Join every worker (`adapters`: LoRA versions each keeps, for adapter syncs); their pids."""
@@ -258,12 +252,20 @@ class ExtensionRoute:
         return self.rpc(method, kwargs, timeout_s)
 
 
+def raise_failures(method: str, results: list[Any]) -> list[Any]:
+    """`results`, one answer per worker, unless a worker answered a failure (`{FAILED: ...}`,
+    `vllm/answers.py`): then a RuntimeError naming `method`, the first failed worker and its error."""
+    failed = [(rank, r[FAILED]) for rank, r in enumerate(results) if isinstance(r, dict) and FAILED in r]
+    if failed:
+        rank, why = failed[0]
+        where = f"worker {rank}: " if len(results) > 1 else ""
+        more = f" (and {len(failed) - 1} more worker(s) failed)" if len(failed) > 1 else ""
+        raise RuntimeError(f"{method} failed: {where}{why}{more}")
+    return results
+
+
 def folded_finalize(replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The finalize answers that rode on `ckpt_receive_end` (`ExtensionRoute.receive(finalize=)`),
     raising a worker's failure as a finalize of its own would: the worker answers it in place of the
-    finalize's reply (`vllm/answers.py`), which is otherwise taken for one that went through."""
-    failed = [(rank, r[FAILED]) for rank, r in enumerate(replies) if FAILED in r]
-    if failed:
-        rank, why = failed[0]
-        raise RuntimeError(f"ckpt_finalize failed (in the receive's last call): {f'worker {rank}: ' if len(replies) > 1 else ''}{why}")
-    return replies
+    finalize's reply, which is otherwise taken for one that went through."""
+    return raise_failures("ckpt_finalize (in the receive's last call)", replies)
