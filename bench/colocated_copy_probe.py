@@ -6,6 +6,9 @@ colocated receiver or its loader can copy (the one-copy colocated sync is one su
   foreach     one torch._foreach_copy_ per bucket of ~1 GiB (what `copies.batched_copy_` does per
               bucket: the bench's loader when the receiver passes no destinations)
   foreach_all one torch._foreach_copy_ over every tensor
+  alone       `copies.copy_large_alone_`: a copy_ per tensor of `copies.ALONE_BYTES` and up, the
+              rest in one _foreach_copy_ (what the colocated loaders do)
+  fused_<KiB> `copy_kernel.FusedCopy` with chunks of that size: one launch of a table built once
 
     python bench/colocated_copy_probe.py --preset qwen2.5-7b [--layers N] [--reps 5]
 """
@@ -18,6 +21,8 @@ import json
 import torch
 
 from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+from ckpt_engine.copies import copy_large_alone_
+from ckpt_engine.copy_kernel import FusedCopy
 from ckpt_engine.sources.wire import torch_dtype
 
 # bench/ is the script's directory, on sys.path when run as `python bench/...`
@@ -31,10 +36,11 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--bucket-gib", type=float, default=1.0)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--chunks-kib", default="256,1024,4096", help="FusedCopy chunk sizes to try")
     args = p.parse_args()
     specs = checkpoint_specs(load_preset_config(args.preset), dtype=args.dtype, num_layers=args.layers)
     dev = torch.device("cuda", torch.cuda.current_device())
-    src = [torch.ones(s.shape, dtype=torch_dtype(s.dtype), device=dev) for s in specs]
+    src = [torch.randint(-100, 100, s.shape, device=dev).to(torch_dtype(s.dtype)) for s in specs]
     dst = [torch.zeros_like(t) for t in src]
     total = sum(t.numel() * t.element_size() for t in src)
     flat_src = torch.ones(total, dtype=torch.uint8, device=dev)
@@ -63,7 +69,16 @@ def main() -> None:
         "per_tensor": best_seconds(per_tensor, args.reps),
         "foreach": best_seconds(foreach, args.reps),
         "foreach_all": best_seconds(lambda: torch._foreach_copy_(dst, src), args.reps),
+        "alone": best_seconds(lambda: copy_large_alone_(dst, src), args.reps),
     }
+    for kib in map(int, args.chunks_kib.split(",")):
+        fused = FusedCopy(dst, src, chunk_bytes=kib << 10)
+        for d in dst:
+            d.zero_()
+        fused.launch()
+        if not all(torch.equal(d, s) for d, s in zip(dst, src)):
+            raise SystemExit(f"fused_{kib}: the copy differs from its sources")
+        times[f"fused_{kib}"] = best_seconds(fused.launch, args.reps)
     out = {
         "preset": args.preset, "bytes": total, "tensors": len(src), "buckets": len(buckets), "device": torch.cuda.get_device_name(dev),
         "seconds": times, "copy_rate_tb_s": {k: total / v / 1e12 for k, v in times.items()},
