@@ -37,6 +37,7 @@ import concurrent.futures as cf
 import logging
 import operator
 import secrets
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -131,7 +132,11 @@ class InstalledChecks:
         """A stable walk's digests folded in one launch (`fold_noted` on a GPU): the keys, their
         digests copied to pinned host memory, the event after that copy."""
         self.ahead = False
-        """Whether the armed check's source was folded before the stream (`fold_ahead`)."""
+        """Whether the armed check's source was noted before the stream (`fold_ahead`)."""
+        self._ready: torch.cuda.Event | None = None
+        """Behind the source's writes, for a fold noted ahead (its own stream waits on it)."""
+        self._stream: torch.cuda.Stream | None = None
+        self._fold_lock = threading.RLock()
         self._order: list[Key] = []
         """The keys of an armed many-sender check, in the order the senders' shares come in."""
         self._combined: dict[Key, int] | None = None
@@ -184,35 +189,43 @@ class InstalledChecks:
             self.fold_ahead(source)
 
     def fold_ahead(self, source: WeightSource) -> None:
-        """Fold a stable source on its GPU before the stream (one launch, its digests copied to the
-        host behind it), so the source's digests are known when the engines' receives end: an engine
-        told them (`expected_report`) finalizes in its receive's last call where its own agree (no
-        finalize round trip), and the compare after the stream waits on nothing. Not on the host,
-        where a fold is compute the walk's send hides (`tap`)."""
+        """Note a stable source on its GPU before the stream, to fold it once the engines' receives
+        are under way (`expected_report`, or the send's end): one launch on a stream of its own,
+        behind the source's writes queued so far and beside the transfer, its digests copied to the
+        host behind it. An engine told them finalizes in its receive's last call where its own
+        agree (no finalize round trip), and the compare after the stream waits on nothing. The fold
+        used to run here, before the pause: ~1.1-1.4 ms of host time on the sync's path (7B, one
+        H200). Not on the host, where a fold is compute the walk's send hides (`tap`)."""
         t = time.perf_counter()
         noted = list(source.iter_weights())
         on_gpu = bool(noted) and self.samples > 0 and all(_CUDA(tensor) for _, tensor in noted)
-        self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
         if on_gpu:
-            self._noted = noted
-            self.fold_noted(device_only=True)  # counts its own time
-            self._noted, self.ahead = None, self._on_device is not None or self._fold_error is not None
+            device = noted[0][1].device
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(device))
+            self._noted, self.ahead = noted, True
+        self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
 
     def expected_report(self) -> InstalledReport | None:
-        """The source's digests of a check folded ahead, as a report (None: not folded ahead, or
-        the fold failed: `verify` raises that)."""
-        if not self.ahead or self._fold_error is not None:
+        """The source's digests of a check noted ahead, as a report, folded now if the send's end
+        has not (called as the engines' receives end; None: not noted ahead, or the fold failed:
+        `verify` raises that)."""
+        if not self.ahead:
             return None
-        t = time.perf_counter()
-        out = InstalledReport(self.source_digests())
-        self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
-        return out
+        t, before = time.perf_counter(), self.seconds or 0.0
+        try:
+            digests = self.source_digests()
+        except Exception:  # the fold failed: `verify` raises it once the engines answered
+            return None
+        finally:
+            self.seconds = before + time.perf_counter() - t  # the fold's own time included once
+        return InstalledReport(digests)
 
     def _begin(self) -> None:
         """A new sync: nothing armed yet."""
         self.syncs += 1
         self.request, self._digests, self.seconds, self._order, self._combined = None, {}, None, [], None
-        self._dtypes, self._noted, self._fold_error, self._on_device, self.ahead = {}, None, None, None, False
+        self._dtypes, self._noted, self._fold_error, self._on_device, self.ahead, self._ready = {}, None, None, None, False, None
 
     def _arm(
         self, rollouts: Sequence[RolloutAdapter], names: list[str], plans: Sequence[ReceivePlan | None], senders: int,
@@ -305,28 +318,30 @@ class InstalledChecks:
                 self.seconds += time.perf_counter() - t
             yield name, tensor
 
-    def fold_noted(self, device_only: bool = False) -> None:
-        """Fold what a stable walk noted (`tap`): called once this rank's send went through, while
-        the engines finish (`SyncStream.run`'s `sent`), else by `verify`. On a GPU one launch over
-        kept tables (`installed_kernel.Folder`: no Python per key but its views), its digests copied
-        to the host behind it. `device_only`: only that launch (`fold_ahead`), else nothing. Never
-        raises: an error waits for `verify`."""
-        noted, self._noted = self._noted, None
-        if noted is None:
-            return
-        t = time.perf_counter()
-        try:
-            names, tensors = (list(c) for c in zip(*noted)) if noted else ([], [])
-            walk = self._layout(names)
-            keys = walk.keys
-            views = tensors if walk.each_once else [tensors[i] if k[1] is None else region_view(tensors[i], k[1]) for k, i in zip(keys, walk.index)]
-            if not self._fold_on_device(walk, views) and not device_only:
-                first = self._folds.note(views, walk.casts)
-                self._digests.update(zip(keys, range(first, first + len(keys))))
-                self._folds.read_later()
-        except Exception as exc:  # the receives are in flight: the check fails in verify, as before
-            self._fold_error = exc
-        self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
+    def fold_noted(self) -> None:
+        """Fold what a stable walk noted (`tap`, `fold_ahead`): called once this rank's send went
+        through, while the engines finish (`SyncStream.run`'s `sent`), as the engines' receives end
+        (`expected_report`, from the receive's thread), else by `verify`; whichever comes first
+        folds, the others wait for it. On a GPU one launch over kept tables
+        (`installed_kernel.Folder`: no Python per key but its views), its digests copied to the
+        host behind it. Never raises: an error waits for `verify`."""
+        with self._fold_lock:
+            noted, self._noted = self._noted, None
+            if noted is None:
+                return
+            t = time.perf_counter()
+            try:
+                names, tensors = (list(c) for c in zip(*noted)) if noted else ([], [])
+                walk = self._layout(names)
+                keys = walk.keys
+                views = tensors if walk.each_once else [tensors[i] if k[1] is None else region_view(tensors[i], k[1]) for k, i in zip(keys, walk.index)]
+                if not self._fold_on_device(walk, views):
+                    first = self._folds.note(views, walk.casts)
+                    self._digests.update(zip(keys, range(first, first + len(keys))))
+                    self._folds.read_later()
+            except Exception as exc:  # the receives are in flight: the check fails in verify, as before
+                self._fold_error = exc
+            self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
 
     def _fold_on_device(self, walk: _Walk, views: list[torch.Tensor]) -> bool:
         """Fold every view in one launch when all are CUDA images the kernel reads as the wire
@@ -342,11 +357,19 @@ class InstalledChecks:
         if not walk.uncast and not all(d is None or d == v for d, v in zip(walk.casts, folder.dtypes)):
             return False
         assert self.request is not None
-        folded = folder.launch_all(self.request.seed, self.samples)
-        host = torch.empty(folded.shape, dtype=folded.dtype, pin_memory=True)
-        host.copy_(folded, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(views[0].device))
+        device = views[0].device
+        ready, stream = self._ready, torch.cuda.current_stream(device)
+        if ready is not None:  # noted ahead: beside the transfer, behind the source's writes only
+            if self._stream is None or self._stream.device != device:
+                self._stream = torch.cuda.Stream(device, priority=-1)  # high: its blocks go between the copies'
+            stream = self._stream
+            stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            folded = folder.launch_all(self.request.seed, self.samples)
+            host = torch.empty(folded.shape, dtype=folded.dtype, pin_memory=True)
+            host.copy_(folded, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
         self._on_device = (walk.keys, host, done)
         return True
 
@@ -370,16 +393,17 @@ class InstalledChecks:
 
     def source_digests(self) -> dict[Key, int]:
         """The trainer's digest of every key the walk passed (one sender)."""
-        self.fold_noted()
-        if self._fold_error is not None:
-            raise self._fold_error
-        values = self._folds.values() if self._digests else []
-        out = dict(zip(self._digests, map(values.__getitem__, self._digests.values())))
-        if self._on_device is not None:
-            keys, host, done = self._on_device
-            done.synchronize()  # the fold and its copy to the host, on the GPU the source's tensors are on
-            out.update(zip(keys, host.tolist()))
-        return out
+        with self._fold_lock:  # the send's end and the receive's thread may both ask
+            self.fold_noted()
+            if self._fold_error is not None:
+                raise self._fold_error
+            values = self._folds.values() if self._digests else []
+            out = dict(zip(self._digests, map(values.__getitem__, self._digests.values())))
+            if self._on_device is not None:
+                keys, host, done = self._on_device
+                done.synchronize()  # the fold and its copy to the host, on the GPU the source's tensors are on
+                out.update(zip(keys, host.tolist()))
+            return out
 
     def verify(self, pool: cf.Executor, rollouts: Sequence[RolloutAdapter], timeout_s: float) -> dict[str, str]:
         """{engine: what differs} after the stream ({} when all agree, or no check was armed)."""
