@@ -11,7 +11,7 @@ Each pair's bytes are cut into chunks of `CHUNK_BYTES`, one table row per chunk 
 destination address, 16-byte words); a copy is one launch over the table. Only contiguous pairs of
 one dtype, shape and device with 16-byte aligned addresses and sizes are taken (`fusable`).
 `ReplayedCopies` keeps the tables of the last pairs seen twice, so a sync that copies the same
-tensor objects again pays no Python per pair beyond an identity check. Imported where a copy runs on a GPU
+tensor objects again pays no Python per pair beyond checking they are where they were. Imported where a copy runs on a GPU
 (it needs Triton; its tests run in Triton's interpreter on the CPU).
 """
 
@@ -21,6 +21,7 @@ import contextlib
 import operator
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -88,34 +89,53 @@ def _table(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], chunk: in
 
 class ReplayedCopies:
     """`dsts[i].copy_(srcs[i])` for every pair, the fusable ones in one `FusedCopy` launch, for pairs
-    of tensor objects seen before: a table is built the second time the same objects come (checked
-    by identity), and used while every tensor it was built from is alive and is the one passed.
-    Pairs seen once (a receive buffer's views, new at every sync) are all handed back: building a
-    table for them each time cost an NCCL sync into vLLM ~5 ms (7B, 2 H200s). The pairs not copied
-    here are returned for the caller's own copies. Holds weak references only, so an old sync's
-    mapped tensors are never kept alive here."""
+    of tensor objects seen before: a table is built the second time the same objects come, where
+    they were (checked by identity, data pointer and shape: a parameter whose `.data` was replaced is
+    the same object elsewhere), and used while that holds. Pairs seen once (a receive buffer's views,
+    new at every sync) are all handed back: building a table for them each time cost an NCCL sync
+    into vLLM ~5 ms (7B, 2 H200s). The pairs not copied here are returned for the caller's own
+    copies. Holds weak references only, so an old sync's mapped tensors are never kept alive here."""
 
     def __init__(self, kept: int = 256) -> None:
         self._kept = kept
-        self._tables: dict[tuple[int, ...], tuple[list[weakref.ref[torch.Tensor]], FusedCopy | None, list[int]]] = {}
+        self._tables: dict[tuple[int, ...], _Seen] = {}
 
     def copy(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> list[int]:
         """Launch the fusable copies of pairs seen before; the indices of the pairs left to the caller."""
         tensors = [*dsts, *srcs]
         key = tuple(map(id, tensors))
-        entry = self._tables.pop(key, None)
-        if entry is None or not all(map(operator.is_, (r() for r in entry[0]), tensors)):
-            entry = ([weakref.ref(t) for t in tensors], None, list(range(len(srcs))))  # seen once: all handed back
-        elif entry[1] is None:  # seen again: its table
-            fuse = [i for i, (d, s) in enumerate(zip(dsts, srcs)) if fusable(d, s)]
-            taken = set(fuse)
-            entry = (entry[0], FusedCopy([dsts[i] for i in fuse], [srcs[i] for i in fuse]), [i for i in range(len(srcs)) if i not in taken])
-        self._tables[key] = entry  # the latest last: the oldest goes first
+        seen = self._tables.pop(key, None)
+        with torch._C.DisableTorchFunctionSubclass():  # vLLM's parameters answer in Python otherwise (~3 us a call)
+            ptrs, shapes = list(map(torch.Tensor.data_ptr, tensors)), list(map(_SHAPE, tensors))
+            if seen is None or seen.ptrs != ptrs or seen.shapes != shapes or not all(map(operator.is_, map(_DEREF, seen.refs), tensors)):
+                seen = _Seen([weakref.ref(t) for t in tensors], ptrs, shapes, None, list(range(len(srcs))))  # seen once: all handed back
+            elif seen.copy is None:  # seen again, where it was: its table
+                fuse = [i for i, (d, s) in enumerate(zip(dsts, srcs)) if fusable(d, s)]
+                taken = set(fuse)
+                seen.copy = FusedCopy([dsts[i] for i in fuse], [srcs[i] for i in fuse])
+                seen.rest = [i for i in range(len(srcs)) if i not in taken]
+        self._tables[key] = seen  # the latest last: the oldest goes first
         while len(self._tables) > self._kept:
             self._tables.pop(next(iter(self._tables)))
-        if entry[1] is not None:
-            entry[1].launch()
-        return entry[2]
+        if seen.copy is not None:
+            seen.copy.launch()
+        return seen.rest
+
+
+@dataclass
+class _Seen:
+    """Pairs `ReplayedCopies` saw: their tensors (weakly), where they were, their table once made,
+    and the pairs it leaves to the caller."""
+
+    refs: list[weakref.ref[torch.Tensor]]
+    ptrs: list[int]
+    shapes: list[torch.Size]
+    copy: FusedCopy | None
+    rest: list[int]
+
+
+_SHAPE = operator.attrgetter("shape")
+_DEREF = weakref.ref.__call__
 
 
 @triton.jit

@@ -60,13 +60,13 @@ left = copy_all(d_list, s_list)
 assert left == [1, 2, 3, 4], left
 assert all(torch.equal(d, s.to(d.dtype)) for d, s in pairs), "second copy (the table's first)"
 assert torch.count_nonzero(fused_dst[:32]) == 0, "rows outside the pair written"
-table = replayed._tables[next(iter(replayed._tables))][1]
+table = replayed._tables[next(iter(replayed._tables))].copy
 
 # the same objects, their values changed in place: the kept table copies the new values
 for s in s_list:
     s.add_(1)
 assert copy_all(d_list, s_list) == left
-assert replayed._tables[next(iter(replayed._tables))][1] is table, "the table was not kept"
+assert replayed._tables[next(iter(replayed._tables))].copy is table, "the table was not kept"
 assert torch.equal(d_list[0], s_list[0]) and torch.equal(d_list[5], s_list[5]), "replay"
 
 # a new source object at the same place in the list: seen once, copied by the caller; then its own table
@@ -76,6 +76,13 @@ assert torch.equal(d_list[5], s_list[5]), "a replaced source"
 s_list[5].add_(1)
 assert copy_all(d_list, s_list) == left and torch.equal(d_list[5], s_list[5]), "a replaced source, its table"
 assert len(replayed._tables) == 2
+
+# the same object, its data replaced (`param.data = ...`): elsewhere now, so no old table is used
+moved = rand(4096)
+s_list[5].data = moved.clone()
+assert copy_all(d_list, s_list) == list(range(6)) and torch.equal(d_list[5], moved), "a source whose data moved"
+s_list[5].add_(1)
+assert copy_all(d_list, s_list) == left and torch.equal(d_list[5], s_list[5]), "a moved source, its new table"
 
 # nothing kept alive, and a dead tensor's table is never used again
 ref = weakref.ref(s_list[0])
