@@ -248,7 +248,8 @@ def test_a_receive_that_fails_is_not_finalized_and_the_next_sync_heals(llm: obje
 def test_a_finalize_that_fails_in_the_receives_last_call_is_named_and_the_next_sync_heals(llm: object, model_dir: Path) -> None:
     """The finalize folded into `ckpt_receive_end` fails on the worker: the sync fails naming the
     worker's own error (not a reply it took for a finalize's), the worker stays stale on its old
-    version and the engine paused; the next sync heals it exactly."""
+    version and the engine paused, its sync's claim let go (a peer join may heal it at once); the
+    next sync heals it exactly."""
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
     from ckpt_engine.sync.report import SyncError
     from test_vllm_adapter import source_of, trainer_model
@@ -265,6 +266,9 @@ def test_a_finalize_that_fails_in_the_receives_last_call_is_named_and_the_next_s
         assert "ckpt_receive_end" in calls.take()  # folded: no finalize of its own was asked
         assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held, True)]
         assert llm.llm_engine.engine_core.call_utility("is_scheduler_paused")  # type: ignore[attr-defined]
+        # the failed sync let go of its claim: a peer join may heal the stale engine now, not once the claim lapses
+        adapter.peer_rpc("peer_claim", owner="a joiner", lease_s=30.0)
+        assert adapter.peer_rpc("peer_release", owner="a joiner") is True
         trainer = trainer_model(model_dir, seed=75)
         assert session.sync(source_of(trainer)).version == held + 1
         assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held + 1, False)] and _greedy_matches(llm, trainer)

@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from ckpt_engine.rollout_adapters.vllm.routes import ExtensionRoute
 
 __all__ = ["LEASE_SLACK_S", "SYNC_OWNER", "EngineHolds"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SYNC_OWNER = "trainer sync"
 """The name a sync holds an engine under (a join's refusal names it)."""
@@ -76,6 +77,19 @@ class EngineHolds:
         if self.syncing and self.route is not None:
             self._release(SYNC_OWNER, "the sync's")
         self.syncing = False
+
+    def finalize(self, call: Callable[[str | None], T], released: bool) -> T:
+        """A sync's finalize: `call(owner)`, `owner` the claim its worker call lets go of
+        (`sync_release`; None where `released`: the receive's last call finalized and let go). Where
+        it fails the claim is let go here (best effort): no resume follows a failed finalize, and a
+        peer join may heal the stale engine at once, not once the claim lapses (2 x timeout_s + 30 s)."""
+        owner = None if released else self.sync_release()
+        try:
+            return call(owner)
+        except BaseException:
+            if self.route is not None:
+                self._release(SYNC_OWNER, "the failed sync's")
+            raise
 
     @contextlib.contextmanager
     def joining(self, owner: str, timeout_s: float) -> Iterator[None]:

@@ -379,9 +379,9 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
 
     def finalize(self, version: int) -> None:
         t0 = time.perf_counter()
-        done, self._finalized = self._finalized, None
-        # the workers finalized in the receive's last call, or now (an unstaged sync's last worker call lets go)
-        replies = folded_finalize(done[1]) if done is not None and done[0] == version and None not in done[1] else self.workers.finalize(version, self.holds.sync_release())
+        done, self._finalized = self._finalized, None  # the workers finalized in the receive's last call, or now (letting go of the claim)
+        folded = done[1] if done is not None and done[0] == version and None not in done[1] else None
+        replies = self.holds.finalize(lambda owner: folded_finalize(folded) if folded is not None else self.workers.finalize(version, owner), folded is not None)
         t1 = time.perf_counter()
         if not self._cache_reset:  # else reset beside the transfer (`receive`)
             self._reset_prefix_cache(running=self._pause_mode == "recompute")
