@@ -194,16 +194,24 @@ class _Workers:
         self.calls: list[str] = []
         self.overlaps: list[str] = []
         self._busy = threading.Lock()
+        self.receive_started = threading.Event()
+        """Set when the receive call starts (its `receive_s` then runs), not by the clock."""
+        self.receive_returned = threading.Event()
+        """Set when the receive call returned: the adapter then waits for the workers' outcomes."""
 
     def _call(self, name: str, seconds: float = 0.0) -> None:
         if not self._busy.acquire(blocking=False):
             self.overlaps.append(name)
             return
         try:
+            if name.startswith("receive"):
+                self.receive_started.set()
             time.sleep(seconds)
             self.calls.append(name)
         finally:
             self._busy.release()
+            if name.startswith("receive"):
+                self.receive_returned.set()
 
     def init_weight_transfer_engine(self, init: dict) -> None:
         self._call("init")
@@ -241,6 +249,7 @@ def test_a_native_staged_receive_is_stopped_by_a_discard_or_leave_from_another_t
     from ckpt_engine.rollout_adapters.base import JoinOptions
     from ckpt_engine.rollout_adapters.vllm import VllmRollout, WeightTransferChannel
 
+    pytest.importorskip("vllm")  # the adapter reads the features of the vLLM this process imported
     master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
     rendezvous = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 3, "gloo", 30.0)
     workers = _Workers(receive_s)
@@ -259,7 +268,11 @@ def test_a_native_staged_receive_is_stopped_by_a_discard_or_leave_from_another_t
 
     thread = threading.Thread(target=receive)
     thread.start()
-    time.sleep(0.3)
+    # Where the stop lands is awaited, not slept for: in the outcome wait (the receive call returned)
+    # or inside the 1 s receive call (it started; a stop that a starved box delivers later lands in
+    # the outcome wait, the other case, with the same assertions).
+    landed = workers.receive_started if receive_s else workers.receive_returned
+    assert landed.wait(60.0), ("the receive never reached its call", raised)
     (adapter.discard if how == "discard" else adapter.leave)()
     thread.join(20.0)
     assert not thread.is_alive(), "the stopped receive still waits"
