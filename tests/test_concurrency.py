@@ -19,6 +19,9 @@ from ckpt_engine.sync.api import SyncReport, close_sessions
 from refengines import holds, second_handle, serving, source, spawn_engine, state
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20)
+PATIENT = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=120)
+"""For a session whose group must not be waited out: a wait of its timeout is told apart from an
+end at once by a bound of half of it, on any box."""
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +120,7 @@ def test_a_receiver_in_a_sync_refuses_another_controllers_join(engines: list[Tor
     the second controller's group set-up at once, also for the engine that did join."""
     busy, free = engines
     first = WeightSyncSession([busy], CFG)
-    intruder = WeightSyncSession([second_handle(busy), free], CFG)
+    intruder = WeightSyncSession([second_handle(busy), free], PATIENT)
     try:
         first.sync(source(30))
         done: list[SyncReport] = []
@@ -132,7 +135,7 @@ def test_a_receiver_in_a_sync_refuses_another_controllers_join(engines: list[Tor
         with pytest.raises(SyncError, match=r"ref0: .*busy with a receive.*join of group .* refused") as info:
             intruder.sync(source(32))
         assert info.value.stage == "join" and set(info.value.failed) == {"ref0"}, info.value.failed
-        assert time.monotonic() - start < CFG.timeout_s / 2, f"the refused join should end the set-up at once, not after {CFG.timeout_s}s"
+        assert time.monotonic() - start < PATIENT.timeout_s / 2, f"the refused join should end the set-up at once, not after {PATIENT.timeout_s}s"
         release.set()
         t.join(60)
         assert len(done) == 1, "the first sync must complete undisturbed"
@@ -144,7 +147,7 @@ def test_a_receiver_in_a_sync_refuses_another_controllers_join(engines: list[Tor
             report = alone.sync(source(33))
         finally:
             alone.close()
-        assert time.monotonic() - start < CFG.timeout_s * 3 / 4  # not after the intruder's group timed out
+        assert time.monotonic() - start < PATIENT.timeout_s / 2  # not after the intruder's group timed out
         assert_one_complete_version([free], {report.version: 33})
     finally:
         release.set()

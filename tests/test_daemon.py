@@ -18,7 +18,7 @@ from ckpt_engine.daemon import DaemonClient, DaemonConfig, EngineState, WeightSy
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
-from helpers_daemon import NUM_TENSORS, TIMEOUT_S, Engines, config, descriptor, holds, wait_for, weights, write_spec
+from helpers_daemon import NUM_TENSORS, Engines, config, descriptor, holds, wait_for, weights, write_spec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -42,6 +42,18 @@ def receivers(spec_file: str) -> Iterator[Engines]:
 def daemon(receivers: Engines) -> Iterator[WeightSyncDaemon]:  # closes before the receivers
     d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, health_interval_s=0.5), token=JOB_TOKEN)
     d.serve()
+    yield d
+    d.close()
+
+
+LONG_TIMEOUT_S = 120.0
+"""The collective timeout of `patient_daemon`: a test that must tell "noticed the fault" from
+"waited the timeout out" bounds its wait by half of it, far past any normal run on a slow box."""
+
+
+@pytest.fixture
+def patient_daemon(receivers: Engines) -> Iterator[WeightSyncDaemon]:
+    d = WeightSyncDaemon(config(LONG_TIMEOUT_S), DaemonConfig(heartbeat_timeout_s=0, health_interval_s=0.5), token=JOB_TOKEN)
     yield d
     d.close()
 
@@ -93,7 +105,8 @@ def test_versions_increase_and_membership(daemon: WeightSyncDaemon, receivers: E
     client.close()
 
 
-def test_killed_engine_is_dropped_survivors_resynced_and_it_rejoins(daemon: WeightSyncDaemon, receivers: Engines, tmp_path: Path) -> None:
+def test_killed_engine_is_dropped_survivors_resynced_and_it_rejoins(patient_daemon: WeightSyncDaemon, receivers: Engines, tmp_path: Path) -> None:
+    daemon = patient_daemon  # its collective timeout is far past any recovery: a wait of it is told apart on any box
     hold = tmp_path / "hold"  # r1's loads wait while it exists: the kill lands mid-sync on any box (load_gate.py)
     rs = [receivers.spawn(f"r{i}", load_delay_s=0.25, hold_file=str(hold) if i == 1 else None) for i in range(3)]
     for r in rs:
@@ -130,7 +143,7 @@ def test_killed_engine_is_dropped_survivors_resynced_and_it_rejoins(daemon: Weig
     assert "failed during transfer" in outcome.dropped["r1"] and "'r1'" in outcome.dropped["r1"], outcome.dropped
     assert outcome.attempts and outcome.attempts[0]["stage"] == "transfer" and "r1" in outcome.attempts[0]["failed"]
     assert outcome.ok and outcome.version == 2 and outcome.engines == {"r0": 2, "r2": 2} and outcome.stale == []
-    assert elapsed < TIMEOUT_S, f"recovery took {elapsed:.1f}s; it must not wait out the collective timeout"
+    assert elapsed < LONG_TIMEOUT_S / 2, f"recovery took {elapsed:.1f}s; it must not wait out the collective timeout ({LONG_TIMEOUT_S:g}s)"
     for r in (rs[0], rs[2]):
         assert_holds(r, sd2, 2)
 
@@ -154,10 +167,12 @@ def test_dead_engine_between_syncs_is_dropped_quickly(daemon: WeightSyncDaemon, 
     assert daemon.sync(StateDictSource(weights(21))).ok
     rs[0].process.kill()
     rs[0].process.wait(10)
-    t0 = time.monotonic()
     outcome = daemon.sync(StateDictSource(weights(22)))
-    assert time.monotonic() - t0 < 10
     assert outcome.ok and set(outcome.dropped) == {"r0"} and outcome.engines == {"r1": 2}
+    # Quickly: the probe before the sync found it dead (no attempt through the group failed, which
+    # would have waited for the dead rank), and the group was rebuilt without it.
+    assert [a["stage"] for a in outcome.attempts] == ["probe"] and set(outcome.attempts[0]["failed"]) == {"r0"}, outcome.attempts
+    assert "unreachable before the sync" in outcome.dropped["r0"], outcome.dropped
 
 
 def test_heartbeat_timeout_drops_silent_engine(receivers: Engines) -> None:

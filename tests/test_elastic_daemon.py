@@ -23,6 +23,8 @@ from helpers_daemon import Engines, config, descriptor, holds, start_serve, wait
 pytestmark = pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing())
 
 TOKEN = "elastic-daemon-token-0123"
+WAIT_S = 60.0
+"""Bound of a wait for something that surely comes (a liveness check, not a speed claim)."""
 
 
 def record(client: DaemonClient, name: str) -> dict:
@@ -50,7 +52,7 @@ def test_an_engine_registering_mid_job_joins_from_a_peer_and_status_says_so(tmp_
         trainer = WeightSyncDaemon(config(), upstream=DaemonClient(serve.address, TOKEN, timeout_s=10))
         sd1 = weights(1)
         assert trainer.sync(StateDictSource(sd1)).ok
-        wait_for("both serve v1", lambda: {(e["state"], e["version"]) for e in client.status()["engines"]} == {("serving", 1)}, 10)
+        wait_for("both serve v1", lambda: {(e["state"], e["version"]) for e in client.status()["engines"]} == {("serving", 1)}, WAIT_S)
 
         late = engines.spawn("late")
         client.register("late", descriptor(late))
@@ -58,7 +60,7 @@ def test_an_engine_registering_mid_job_joins_from_a_peer_and_status_says_so(tmp_
         assert holds(late, sd1, 1)
         joined = client.status()["peer_joins"]["late"]
         assert joined["ok"] and joined["peer"] in ("r0", "r1") and joined["version"] == 1 and joined["wall_s"] > 0
-        wait_for("status shows where each engine got v1", lambda: record(client, "late")["health"].get("version_from") == f"peer pull from {joined['peer']}", 10)
+        wait_for("status shows where each engine got v1", lambda: record(client, "late")["health"].get("version_from") == f"peer pull from {joined['peer']}", WAIT_S)
         status = json.loads(status_cli(serve.address, "--json"))
         origin = {e["name"]: e["health"]["version_from"] for e in status["engines"]}
         assert origin == {"r0": "trainer sync", "r1": "trainer sync", "late": f"peer pull from {joined['peer']}"}
@@ -68,7 +70,7 @@ def test_an_engine_registering_mid_job_joins_from_a_peer_and_status_says_so(tmp_
         sd2 = weights(2)
         outcome = trainer.sync(StateDictSource(sd2))
         assert outcome.ok and outcome.version == 2 and all(holds(r, sd2, 2) for r in [*peers, late])
-        wait_for("status: every engine got v2 from the trainer", lambda: all(e["health"].get("version_from") == "trainer sync" for e in client.status()["engines"]), 10)
+        wait_for("status: every engine got v2 from the trainer", lambda: all(e["health"].get("version_from") == "trainer sync" for e in client.status()["engines"]), WAIT_S)
 
         # The late engine restarts at its address (a fresh process, holding zeros) and registers again.
         port = late.rpc.port

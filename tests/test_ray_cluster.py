@@ -34,7 +34,10 @@ TINY_MODEL = {
     "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.2,
 }
-TIMEOUT_S = 20.0
+TIMEOUT_S = 120.0
+"""The syncs' timeout: far past the seconds from a sync's start to the test's kill of the engine it
+holds, so a failed sync that ended within half of it was ended by the kill, not by its timeout,
+on any box."""
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +120,7 @@ def _kill_mid_sync(ray: Any, running: Running, kill: Callable[[Any], None]) -> t
     handle = running.rj.engines["vllm0"]
     _until("engine serving version >= 2", lambda: (_get(ray, handle.served_version.remote()) or 0) >= 2, 200, running)
     pid = ray.get(handle.ping.remote(), timeout=10)
-    ray.get(handle.delay_next_receive.remote(60.0), timeout=10)
+    ray.get(handle.delay_next_receive.remote(2 * TIMEOUT_S), timeout=10)  # held until killed: the sync times out first
     _until("engine receiving (mid-sync)", lambda: _get(ray, handle.receiving.remote()), 60, running)
     t_kill = time.time()
     kill(handle)
@@ -132,7 +135,7 @@ def _check_recovery(running: Running, syncs: list[dict[str, Any]], pid: int, t_k
     assert up[0] == pid and len(up) == 2 and up[1] != pid  # the restarted incarnation registered again
     failed = [s for s in syncs if "vllm0" in s["dropped"]]
     assert failed, f"no sync reported the killed engine: {syncs}"
-    assert failed[0]["seconds"] < TIMEOUT_S  # the error came within the sync's timeout
+    assert failed[0]["seconds"] < TIMEOUT_S / 2  # the kill ended it, not the sync's timeout
     later = syncs[syncs.index(failed[0]) + 1 :]
     assert any(s["ok"] and s["reason"] == "catch-up" for s in later)
 
@@ -192,12 +195,11 @@ def test_sigkill_mid_sync_then_dead_trainer_rank(cluster: Any) -> None:
     _until("the restarted engine serves the current version", rejoined, 150, running)
     status = daemon.call("status")
     syncs = [{"dropped": h.get("dropped") or {}, "seconds": h.get("seconds", 0.0), "ok": h.get("ok"), "reason": h.get("reason", "")} for h in status["history"]]
-    assert any("vllm0" in s["dropped"] and s["seconds"] < TIMEOUT_S for s in syncs), status["history"]
+    assert any("vllm0" in s["dropped"] and s["seconds"] < TIMEOUT_S / 2 for s in syncs), status["history"]
 
-    # A trainer rank dies: the job ends with an error naming it, nothing hangs.
-    t0 = time.monotonic()
+    # A trainer rank dies: the job ends with an error naming it (Ray's actor error, seen by the job's
+    # monitor: not a batch or job timeout, 150 s and more), nothing hangs.
     ray.kill(rj.ranks[1], no_restart=True)
     running.join(60)
     assert isinstance(running.error, RuntimeError) and "trainer rank 1 died" in str(running.error), running.error
-    assert time.monotonic() - t0 < 30
     assert [e["pid"] for e in rj.events if e["event"] == "died"] == [pid]

@@ -26,6 +26,8 @@ from helpers_procs import fork_program
 
 pytestmark = pytest.mark.timeout(180)
 
+WAIT_S = 120.0
+"""Bound of a wait for something that surely comes (a liveness check, not a speed claim)."""
 TOKEN = "reliability-job-token"
 
 
@@ -64,7 +66,7 @@ def test_an_engine_belongs_to_one_job(engines: Engines) -> None:
         sd1 = weights(1)
         assert a.sync(StateDictSource(sd1)).ok and holds(e, sd1, 1)
         assert a.leave("e")  # released at once
-        wait_for("the leave released the engine", lambda: not e.health()["owned"], 5)
+        wait_for("the leave released the engine", lambda: not e.health()["owned"], WAIT_S)
         b.register("e", descriptor(e))  # the same job's daemon takes it at once, and carries on from v1
         sd2 = weights(2)
         with pytest.raises(ValueError, match="version 1 is what 'e' already hold, and this daemon did not send it"):
@@ -93,6 +95,11 @@ def test_a_foreign_claim_lapses_when_its_group_goes_silent(engines: Engines) -> 
 
 
 # --- item 3: a failing weight source is the source's fault -------------------------------------
+LONG_TIMEOUT_S = 120.0
+"""The collective timeout where a wait of it must be told apart from an end at once: by a bound of
+half of it, far past any normal run on a slow box."""
+
+
 class BrokenSource(StateDictSource):
     """Yields a few tensors, then fails as a trainer bug or a lost shard would."""
 
@@ -108,7 +115,7 @@ class BrokenSource(StateDictSource):
 
 
 def test_a_failing_source_is_named_and_healthy_engines_stay(engines: Engines) -> None:
-    d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)
+    d = WeightSyncDaemon(config(LONG_TIMEOUT_S), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)
     try:
         rs = [engines.spawn(f"r{i}") for i in range(2)]
         for r in rs:
@@ -118,7 +125,7 @@ def test_a_failing_source_is_named_and_healthy_engines_stay(engines: Engines) ->
 
         t0 = time.monotonic()
         outcome = d.sync(BrokenSource(weights(2), fail_after=3))
-        assert time.monotonic() - t0 < TIMEOUT_S + 10
+        assert time.monotonic() - t0 < LONG_TIMEOUT_S / 2  # the engines' receives ended with the sender's, not at their timeout
         assert not outcome.ok and not outcome.dropped, outcome
         assert outcome.error is not None and "weight source BrokenSource raised OSError: shard 3 of the checkpoint is unreadable" in outcome.error
         assert sorted(d.membership.names()) == ["r0", "r1"]
@@ -157,7 +164,7 @@ def test_status_is_truthful_after_a_trainer_dies_mid_sync(tmp_path: Path, engine
         trainer = WeightSyncDaemon(config(), upstream=DaemonClient(address, TOKEN, timeout_s=10))
         sd1 = weights(1)
         assert trainer.sync(StateDictSource(sd1)).ok
-        wait_for("status says serving v1", lambda: {(e["state"], e["version"]) for e in client.status()["engines"]} == {("serving", 1)}, 5)
+        wait_for("status says serving v1", lambda: {(e["state"], e["version"]) for e in client.status()["engines"]} == {("serving", 1)}, WAIT_S)
 
         # A trainer process starts v2 and is killed once the engines hold part of it.
         crashing = fork_program("test_reliability_daemon:trainer_main", [address, TOKEN], "trainer", stderr_path=os.devnull).process
@@ -172,7 +179,7 @@ def test_status_is_truthful_after_a_trainer_dies_mid_sync(tmp_path: Path, engine
         wait_for(
             "status says stale, with no version",
             lambda: {(e["state"], e["version"]) for e in client.status()["engines"]} == {(EngineState.STALE, None)},
-            5,
+            WAIT_S,
         )
         # Nobody can make a half-written engine serve: not finalize(7) + resume from the owner's group.
         sneaky = TorchRefRollout("r0", rs[0].rpc.host, rs[0].rpc.port, None, TIMEOUT_S, token=TOKEN)
@@ -184,13 +191,13 @@ def test_status_is_truthful_after_a_trainer_dies_mid_sync(tmp_path: Path, engine
         sneaky.close()
         assert not any(r.health()["version"] == 7 for r in rs)
 
-        wait_for("the killed sync's receives ended", lambda: not any(r.health()["receiving"] for r in rs), TIMEOUT_S + 10)
+        wait_for("the killed sync's receives ended", lambda: not any(r.health()["receiving"] for r in rs), WAIT_S)
         sd3 = weights(3)
         outcome = trainer.sync(StateDictSource(sd3))
         assert outcome.ok and outcome.version == 2, outcome
         for r in rs:
             assert holds(r, sd3, 2)
-        wait_for("status says serving v2", lambda: {(e["state"], e["version"]) for e in client.status()["engines"]} == {("serving", 2)}, 5)
+        wait_for("status says serving v2", lambda: {(e["state"], e["version"]) for e in client.status()["engines"]} == {("serving", 2)}, WAIT_S)
         client.close()
     finally:
         if trainer is not None:

@@ -36,6 +36,11 @@ pytestmark = pytest.mark.timeout(300)
 TOKEN = "restarts-job-token"
 REPEATS = 3
 SHORT_TIMEOUT_S = 5.0
+LONG_TIMEOUT_S = 120.0
+"""The restarted trainers' collective timeout: far past any normal sync, so that a sync that waited
+it out is told apart on any box by a bound of half of it."""
+WAIT_S = 60.0
+"""Bound of a wait for something that surely comes (a liveness check, not a speed claim)."""
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +60,11 @@ def engines(spec_file: str) -> Iterator[Callable[..., TorchRefRollout]]:
 
 
 class PauseWatch:
-    """Polls every engine's health; the longest time any engine was seen paused."""
+    """Polls every engine's health; `longest`: the longest time any engine was surely paused.
+
+    An answer was given somewhere between its call's start and its return, so an engine seen paused
+    by two answers was paused at least from the first one's return to the second one's start: a
+    lower bound of the real pause, however late a loaded box delivers the answers."""
 
     def __init__(self, rs: list[TorchRefRollout]) -> None:
         self.rs = rs
@@ -71,14 +80,14 @@ class PauseWatch:
     def _loop(self) -> None:
         while not self._stop.wait(0.02):
             for r in self.rs:
+                asked = time.monotonic()
                 try:
                     paused = r.health()["paused"]
                 except Exception:
                     continue
-                now = time.monotonic()
+                answered = time.monotonic()
                 if paused:
-                    self._since.setdefault(r.name, now)
-                    self.longest = max(self.longest, now - self._since[r.name])
+                    self.longest = max(self.longest, asked - self._since.setdefault(r.name, answered))
                 else:
                     self._since.pop(r.name, None)
 
@@ -93,11 +102,11 @@ def trainer_main(argv: list[str]) -> None:
     prints one JSON line per sync, then waits to be killed."""
     mode, address, token, engines, seeds = argv
     if mode == "embedded":
-        d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=token)
+        d = WeightSyncDaemon(config(LONG_TIMEOUT_S), DaemonConfig(heartbeat_timeout_s=0), token=token)
         for name, desc in json.loads(engines).items():
             d.register(name, desc)
     else:
-        d = WeightSyncDaemon(config(), upstream=DaemonClient(address, token, 10))
+        d = WeightSyncDaemon(config(LONG_TIMEOUT_S), upstream=DaemonClient(address, token, 10))
     for seed in map(int, seeds.split(",")):
         o = d.sync(StateDictSource(weights(seed)))
         print(json.dumps({"seed": seed, "version": o.version, "ok": o.ok, "seconds": o.seconds, "error": o.error}), flush=True)
@@ -141,8 +150,8 @@ def test_a_restarted_trainer_carries_on_from_what_engines_hold(tmp_path: Path, e
             with PauseWatch(rs) as watch:
                 (o,) = run_trainer(log, mode, address, rs, [seed])
             assert o["ok"] and o["version"] == version, o
-            assert o["seconds"] < TIMEOUT_S, o
-            assert watch.longest <= o["seconds"] + 0.5, f"an engine was paused {watch.longest:.2f}s around a {o['seconds']:.2f}s sync"
+            assert o["seconds"] < LONG_TIMEOUT_S / 2, o  # it did not wait out the collective timeout (the dead trainer's group)
+            assert watch.longest <= o["seconds"], f"an engine was paused {watch.longest:.2f}s around a {o['seconds']:.2f}s sync"
             for r in rs:
                 assert exact(r, weights(seed), version)
         assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
@@ -222,7 +231,7 @@ def test_a_restarted_serve_gets_its_engines_back(tmp_path: Path, engines: Callab
     trainer = WeightSyncDaemon(config(), upstream=DaemonClient(address, TOKEN, timeout_s=5))
     client = DaemonClient(address, TOKEN, timeout_s=5)
     try:
-        wait_for("the engines registered", lambda: len(client.members()["engines"]) == 2, 5)
+        wait_for("the engines registered", lambda: len(client.members()["engines"]) == 2, WAIT_S)
         assert trainer.sync(StateDictSource(weights(1))).ok
         version = 1
         for attempt in range(REPEATS):
@@ -234,16 +243,15 @@ def test_a_restarted_serve_gets_its_engines_back(tmp_path: Path, engines: Callab
                 version += 1
             serve = start_serve(tmp_path, TOKEN, port=port)
             assert serve.address == address
-            took = wait_for("the engines registered again", lambda: len(client.members()["engines"]) == 2, 5)
-            assert took < 5
-            wait_for("the daemon adopted the engines' version", lambda: client.status()["version"] == version, 5)
+            wait_for("the engines registered again", lambda: len(client.members()["engines"]) == 2, WAIT_S)  # their heartbeats did it (counted below)
+            wait_for("the daemon adopted the engines' version", lambda: client.status()["version"] == version, WAIT_S)
             version += 1
             sd = weights(40 + attempt)
             outcome = trainer.sync(StateDictSource(sd))
             assert outcome.ok and outcome.version == version and not outcome.dropped, outcome
             for r in rs:
                 assert exact(r, sd, version)
-            wait_for("the daemon took the report", lambda: client.status()["version"] == version, 5)
+            wait_for("the daemon took the report", lambda: client.status()["version"] == version, WAIT_S)
         assert all(b.registrations >= REPEATS for b in beats)
     finally:
         for b in beats:
@@ -269,11 +277,12 @@ def test_an_engine_restarted_at_its_address_is_reseeded_and_nobody_is_dropped(en
             victim.process.wait(10)
             rs[attempt] = victim = engines(victim.name, port=victim.rpc.port)  # back at the same address
             version, sd = attempt + 2, weights(60 + attempt)
-            t0 = time.monotonic()
             outcome = d.sync(StateDictSource(sd))
-            print(f"restart {attempt}: {time.monotonic() - t0:.2f}s, attempts {outcome.attempts}")
+            print(f"restart {attempt}: {outcome.seconds:.2f}s, attempts {outcome.attempts}")
             assert outcome.ok and outcome.version == version and not outcome.dropped, outcome
-            assert time.monotonic() - t0 < TIMEOUT_S
+            # Noticed before the sync (its probe says it holds nothing: the group is rebuilt), not by a
+            # failed attempt through the old group, which waits for it and is then pushed again.
+            assert outcome.attempts == [], outcome.attempts
             assert sorted(d.membership.names()) == ["r0", "r1", "r2"]
             for r in rs:
                 assert exact(r, sd, version)

@@ -27,7 +27,9 @@ from helpers_sglang import standin, tiny_model, write_model_dir
 pytest.importorskip("transformers")
 pytest.importorskip("requests")
 
-TIMEOUT_S = 60.0
+TIMEOUT_S = 240.0
+"""Far past any normal run: a sync that waited it out is told apart from one that noticed the death
+by a bound of half of it, on any box (the sync takes seconds)."""
 NAME = "sglang-doomed"
 
 
@@ -76,7 +78,8 @@ class _KillsServer(StateDictSource):
 
 
 def _fails_at_once(server: Server, source: StateDictSource, flattened: bool) -> SyncError:
-    """Sync `source` into the server; the SyncError, after checking it came fast and named the engine."""
+    """Sync `source` into the server; the SyncError, after checking it named the engine and did not
+    wait out `timeout_s`."""
     import ckpt_engine.rollout_adapters.sglang.rollout  # noqa: F401  (registers the `sglang` transport)
     from ckpt_engine.rollout_adapters.sglang import SglangRollout
 
@@ -91,7 +94,7 @@ def _fails_at_once(server: Server, source: StateDictSource, flattened: bool) -> 
         session.close()
     print(f"noticed in {elapsed:.2f}s: {err.value}")
     assert NAME in err.value.failed, err.value.failed
-    assert elapsed < TIMEOUT_S / 3, f"the sync took {elapsed:.1f}s to notice the dead server (timeout_s {TIMEOUT_S})"
+    assert elapsed < TIMEOUT_S / 2, f"the sync took {elapsed:.1f}s to notice the dead server (timeout_s {TIMEOUT_S})"
     return err.value
 
 

@@ -199,7 +199,7 @@ def test_checksum_mismatch_is_reported_as_such(spec_file: str) -> None:
 
 
 def test_receiver_killed_mid_sync_is_named_within_the_timeout(spec_file: str) -> None:
-    timeout_s = 10.0
+    timeout_s = 120.0  # far past the seconds the sync takes: an end within half of it is no wait of it, on any box
     cfg = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=timeout_s, stage="off")
     slow = [spawn_engine(f"slow{i}", spec_file=spec_file, load_delay_s=0.2) for i in range(2)]
     session = WeightSyncSession(slow, cfg)
@@ -221,12 +221,10 @@ def test_receiver_killed_mid_sync_is_named_within_the_timeout(spec_file: str) ->
         while slow[1].health()["buckets_received"] < before + 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         slow[1].process.kill()
-        t.join(timeout_s * 3)
-        elapsed = time.monotonic() - start
-        assert not t.is_alive(), "the sender hung"
+        t.join(timeout_s / 2)
+        assert not t.is_alive(), f"the sender still waits {time.monotonic() - start:.0f}s later: it hung or waits out its {timeout_s:g}s timeout"
         assert len(errors) == 1 and isinstance(errors[0], SyncError), errors
         assert "slow1" in errors[0].failed and "died" in errors[0].failed["slow1"]
-        assert elapsed < timeout_s * 2.5
         h = slow[0].health()
         assert h["version"] is None and h["stale"] is True  # the survivor holds no complete version, never serves a half-new state
     finally:

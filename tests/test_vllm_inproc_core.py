@@ -38,8 +38,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 BOUND_S = 5.0
 """The client's timeout in the stall test."""
-HOLD_S = 30.0
-"""How long the stalled worker method waits unless released (far past BOUND_S)."""
+HOLD_S = 120.0
+"""How long the stalled worker method waits unless released (far past BOUND_S: the call that did
+not wait the stall out ends within half of it on any box; the test releases it at once after)."""
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_a_worker_stuck_in_the_engine_cores_pause_ends_the_call_naming_engine_an
     try:
         with pytest.raises(TimeoutError, match=re.escape(f"vLLM engine LLM({model_dir}): pause_scheduler did not answer within 5s")):
             client.pause("keep")
-        assert time.monotonic() - t0 < HOLD_S  # it did not wait the stall out
+        assert time.monotonic() - t0 < HOLD_S / 2  # it did not wait the stall out
         assert stall.STALLED.is_set()  # the pause was stuck inside the engine core, in the worker
     finally:
         stall.RELEASE.set()
