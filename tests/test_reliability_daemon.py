@@ -82,12 +82,21 @@ def test_a_foreign_claim_lapses_when_its_group_goes_silent(engines: Engines) -> 
     try:
         e = engines.spawn("e")
         foreign = TorchRefRollout("e", e.rpc.host, e.rpc.port, None, TIMEOUT_S, token=TOKEN)
-        foreign.claim("another-group", 1.0)  # then never heard from again
-        foreign.close()
+        foreign.claim("another-group", 120.0)  # held past any box's pace while the refusal is asked
         with pytest.raises(ValueError, match="belongs to another weight-sync group"):
             live.register("e", descriptor(e))
-        time.sleep(1.3)
-        live.register("e", descriptor(e))
+        foreign.claim("another-group", 1.0)  # renewed short, then never heard from again
+        foreign.close()
+
+        def registered() -> bool:
+            try:
+                live.register("e", descriptor(e))
+            except ValueError as exc:  # still within the 1 s lease
+                assert "belongs to another weight-sync group" in str(exc), exc
+                return False
+            return True
+
+        wait_for("the silent group's claim lapsed", registered, WAIT_S)  # a liveness bound: it lapses 1 s after the renewal
         sd = weights(3)
         assert live.sync(StateDictSource(sd)).ok and holds(e, sd, 1)
     finally:
