@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ckpt_engine.rollout_adapters.base import Membership
 
-__all__ = ["ask_memberships", "collect_failures", "collect_memberships", "leave_all", "mark_stale_and_probe", "receive_failures", "wait_for_joins"]
+__all__ = ["ask_memberships", "collect_failures", "collect_memberships", "leave_all", "mark_stale_and_probe", "probe_all", "receive_failures", "wait_for_joins"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,25 +36,28 @@ def receive_failures(members: Iterable[Any], receives: dict[str, cf.Future[Any]]
     failed = collect_failures(receives, "receive", grace_s)
     if not failed:
         return failed
-    dead = {}
-    for m in members:
-        try:
-            m.health()
-        except Exception as exc:
-            dead[m.name] = f"died during the transfer ({exc})"
+    dead = {name: f"died during the transfer ({exc})" for name, exc in probe_all(members).items()}
     return dead if dead else failed
+
+
+def probe_all(members: Iterable[Any]) -> dict[str, Exception]:
+    """A health probe of every member at once ({name: its error} for the unreachable): each probe is
+    bounded by its own call's timeout, so a frozen engine costs one such wait, not one per engine."""
+    members = list(members)
+    if not members:
+        return {}
+    with cf.ThreadPoolExecutor(max_workers=len(members), thread_name_prefix="ckpt-probe") as pool:
+        probes = {m.name: pool.submit(m.health) for m in members}
+    return {name: exc for name, fut in probes.items() if (exc := fut.exception()) is not None and isinstance(exc, Exception)}
 
 
 def mark_stale_and_probe(members: Iterable[Any], failed: dict[str, str], stale: set[str]) -> None:
     """After a failed stage: every member is stale until a complete sync; members not already named
     in `failed` get a health probe, and the unreachable ones are added to `failed` by name."""
-    for m in members:
-        stale.add(m.name)
-        if m.name not in failed:
-            try:
-                m.health()
-            except Exception as exc:
-                failed[m.name] = f"unreachable after the failure: {exc}"
+    members = list(members)
+    stale.update(m.name for m in members)
+    for name, exc in probe_all(m for m in members if m.name not in failed).items():
+        failed[name] = f"unreachable after the failure: {exc}"
 
 
 def wait_for_joins(sender: cf.Future[Any], joins: dict[str, cf.Future[Any]], timeout_s: float) -> dict[str, str]:
