@@ -6,12 +6,11 @@ takes this path."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from helpers_triton import run_cases
 
 CASES = r"""
 import gc, weakref
@@ -108,9 +107,7 @@ print("ok")
 
 
 def _run(device: str, interpret: bool) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
-    proc = subprocess.run([sys.executable, "-c", CASES.replace("DEVICE", repr(device))], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_cases(CASES.replace("DEVICE", repr(device)), interpret)
 
 
 def test_copies_in_tritons_interpreter() -> None:

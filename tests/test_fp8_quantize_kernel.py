@@ -6,12 +6,11 @@ CPU and, marked `gpu`, on a GPU (there also the shapes of `test_gpu_fp8.py`)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from helpers_triton import run_cases
 
 CASES = r"""
 import functools
@@ -223,10 +222,7 @@ GPU_SHAPES = [(3584, 3584), (18944, 3584), (300, 260), (8, 768, 2048)]
 
 
 def _run(device: str, interpret: bool, shapes: list[tuple[int, ...]]) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
-    code = CASES.replace("DEVICE", repr(device)).replace("SHAPES", repr(shapes))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_cases(CASES.replace("DEVICE", repr(device)).replace("SHAPES", repr(shapes)), interpret, timeout_s=900)
 
 
 def test_kernel_equals_the_reference_in_tritons_interpreter() -> None:

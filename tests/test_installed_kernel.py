@@ -4,12 +4,11 @@ sample count, random seeds, the same views again with the kernel's table kept. R
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from helpers_triton import run_cases
 
 CASES = r"""
 import torch
@@ -47,10 +46,7 @@ ALL = [(seed, samples) for seed in (0, 12345, (1 << 40) - 1) for samples in (1, 
 
 
 def _run(device: str, interpret: bool, combos: list[tuple[int, int]]) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
-    code = CASES.replace("DEVICE", repr(device)).replace("COMBOS", repr(combos))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_cases(CASES.replace("DEVICE", repr(device)).replace("COMBOS", repr(combos)), interpret)
 
 
 def test_equals_digest_in_tritons_interpreter() -> None:
