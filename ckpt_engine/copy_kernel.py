@@ -59,7 +59,6 @@ class FusedCopy:
             if not fusable(d, s):
                 raise ValueError(f"pair {i} ({s.dtype} {tuple(s.shape)} into {d.dtype} {tuple(d.shape)}) cannot be copied here")
         self.device = srcs[0].device if srcs else torch.device("cpu")
-        self.pairs = len(srcs)
         table = _table(srcs, dsts, chunk_bytes) if srcs else None
         if table is not None and self.device.type == "cuda":  # pinned: no wait for the work queued before it
             table = table.pin_memory().to(self.device, non_blocking=True)  # the host allocator keeps it until copied
