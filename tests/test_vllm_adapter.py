@@ -456,12 +456,26 @@ def test_a_server_restarted_at_its_url_is_rejoined_and_seeded_before_anything_is
         adapter.close()
 
 
-class SlowSource(StateDictSource):
-    """Yields each tensor after a pause, so the sync is still streaming when the worker is killed."""
+class KillingSource(StateDictSource):
+    """Kills `victim` (SIGKILL) just before it yields its middle tensor: by then the sync streams
+    (the first buckets went out) and the rest cannot arrive, so the death lands mid-transfer
+    however fast or loaded the box, with no timer to race the sync. Not `stable_tensors`: a stable
+    source is also walked ahead of the stream by the first sync's installed-weight check
+    (`InstalledChecks.fold_ahead`), and that walk would kill the worker before anything streams."""
+
+    stable_tensors = False
+
+    def __init__(self, weights: dict[str, torch.Tensor], victim: int) -> None:
+        super().__init__(weights)
+        self.victim = victim
+        self.killed_at: float | None = None  # monotonic time of the kill; None: never reached
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for item in super().iter_weights():
-            time.sleep(0.2)
+        half = len(self.weights) // 2
+        for i, item in enumerate(super().iter_weights()):
+            if i == half:
+                os.kill(self.victim, signal.SIGKILL)
+                self.killed_at = time.monotonic()
             yield item
 
 
@@ -474,17 +488,17 @@ def test_server_worker_killed_mid_sync_raises_naming_engine(vllm_server: ServerA
     config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.01, timeout_s=PATIENT.timeout_s)
     session = WeightSyncSession([adapter], config)
     session._ensure_group()  # join now, so the worker pids are known before the sync starts
-    victim = adapter.pids[0]
-    killer = threading.Timer(2.0, os.kill, args=(victim, signal.SIGKILL))
-    t0 = time.monotonic()
-    killer.start()
+    source = KillingSource({n: t.detach() for n, t in trainer_model(model_dir, seed=21).state_dict().items()}, adapter.pids[0])
     try:
         with pytest.raises(SyncError, match="vllm-victim") as info:
-            session.sync(SlowSource({n: t.detach() for n, t in trainer_model(model_dir, seed=21).state_dict().items()}))
+            session.sync(source)
     finally:
-        killer.cancel()
         session.close()
         adapter.close()
-    print(f"named in {time.monotonic() - t0:.1f}s: {info.value}")
-    assert time.monotonic() - t0 < config.timeout_s / 2  # the death was noticed, no timeout waited out
-    assert "vllm-victim" in info.value.failed
+    assert source.killed_at is not None, "the source was never walked to its middle: no kill"
+    named_s = time.monotonic() - source.killed_at
+    print(f"named {named_s:.1f}s after the kill: {info.value}")
+    assert info.value.stage == "transfer" and "vllm-victim" in info.value.failed, str(info.value)
+    # Liveness, not speed: a death not noticed is only given up on after the receive's timeout_s
+    # (240 s); one noticed fails within seconds. Half the timeout keeps both far from the bound.
+    assert named_s < config.timeout_s / 2, f"the death was waited out ({named_s:.0f}s), not noticed"
