@@ -114,6 +114,27 @@ def test_corrupt_patch_leaves_old_weights_and_the_next_sync_heals(engines: list[
         session.close()
 
 
+@pytest.mark.parametrize("stage", ["off", "auto"])
+def test_a_patch_sync_counts_the_buckets_it_took(engines: list[TorchRefRollout], stage: str) -> None:
+    """`buckets_received` (engine health, the daemon CLI's health line) counts every bucket an
+    engine took, a large tensor's middle chunks too: the dense seed and the patch sync each advance
+    it by the plan's buckets, paused for the whole sync (`stage: off`) or staged (`auto`: the
+    patches wait for the swap, and used to count nothing)."""
+    session = WeightSyncSession(engines, dataclasses.replace(CFG, stage=stage))
+    try:
+        counts = [[e.health()["buckets_received"] for e in engines]]
+        reports = []
+        for v in (20, 21):
+            reports.append(session.sync(StateDictSource(version(v))))
+            counts.append([e.health()["buckets_received"] for e in engines])
+        assert [r.delta for r in reports] == ["seed", "patch"], reports
+        assert reports[1].staged == ("off" if stage == "off" else "patches"), reports[1]
+        for before, seeded, patched in zip(*counts):  # one sender, no receive plans: each engine takes every bucket
+            assert (seeded - before, patched - seeded) == (reports[0].buckets, reports[1].buckets), (before, seeded, patched)
+    finally:
+        session.close()
+
+
 def _sparse_version(v: int, words: int, changed: float) -> dict[str, torch.Tensor]:
     """`words` bf16 words in 16 tensors (several per bucket); version v changes a fraction
     `changed` of the words of version v - 1."""

@@ -60,6 +60,7 @@ class WeightReceiver:
         self.senders = 1
         """The senders of the group joined last: what a manifest's decode budget allows (never its own claim)."""
         self.buckets_received = 0
+        """Every bucket this receiver took, dense or patch, staged or not (health shows it)."""
         self.staging = StagingCopy()
         """The staging copy, for `stage="full"`, of the live tensors a sync carries, kept across syncs."""
         self._staged: tuple[StagedVersion, BucketLoader | RegionLoader, str] | None = None
@@ -284,12 +285,12 @@ class WeightReceiver:
         t0 = time.perf_counter()
         load_s, loaded = 0.0, 0
         for bucket in self.engine.receive_buckets(manifest, destinations, delta=delta):
+            self.buckets_received += 1  # every bucket taken, dense or patch, a large tensor's middle chunk too
             if not bucket:  # only a middle chunk of a large tensor landed
                 continue
             t1 = time.perf_counter()
             loaded += loader(bucket)
             load_s += time.perf_counter() - t1
-            self.buckets_received += 1
         extra = {f"delta_{k}": float(v) for k, v in self.engine.last_delta_stats.items()} if delta is not None else {}
         return ReceiveReport(manifest.num_tensors, manifest.total_bytes, time.perf_counter() - t0, load_s, loaded, extra)
 
@@ -342,6 +343,7 @@ class WeightReceiver:
         manifest = self._validated(digest, on_start)
         t0 = time.perf_counter()
         version = self.engine.receive_staged(manifest, destinations, delta=request)
+        self.buckets_received += manifest.num_buckets  # every bucket was taken and checked; none is yielded here
         extra = {f"delta_{k}": float(v) for k, v in self.engine.last_delta_stats.items()}
         extra["staged_bytes"] = float(version.nbytes)
         report = ReceiveReport(manifest.num_tensors, manifest.total_bytes, time.perf_counter() - t0, 0.0, 0, extra)
