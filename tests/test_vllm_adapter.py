@@ -457,11 +457,9 @@ def test_a_server_restarted_at_its_url_is_rejoined_and_seeded_before_anything_is
 
 
 class KillingSource(StateDictSource):
-    """Kills `victim` (SIGKILL) just before it yields its middle tensor: by then the sync streams
-    (the first buckets went out) and the rest cannot arrive, so the death lands mid-transfer
-    however fast or loaded the box, with no timer to race the sync. Not `stable_tensors`: a stable
-    source is also walked ahead of the stream by the first sync's installed-weight check
-    (`InstalledChecks.fold_ahead`), and that walk would kill the worker before anything streams."""
+    """SIGKILLs `victim` as it yields its middle tensor: the first buckets went out, the rest cannot
+    arrive, so the death lands mid-transfer on any box. Not `stable_tensors`: the first sync's check
+    walks a stable source ahead of the stream (`fold_ahead`), which would kill before it streams."""
 
     stable_tensors = False
 
@@ -497,8 +495,6 @@ def test_server_worker_killed_mid_sync_raises_naming_engine(vllm_server: ServerA
         adapter.close()
     assert source.killed_at is not None, "the source was never walked to its middle: no kill"
     named_s = time.monotonic() - source.killed_at
-    print(f"named {named_s:.1f}s after the kill: {info.value}")
     assert info.value.stage == "transfer" and "vllm-victim" in info.value.failed, str(info.value)
-    # Liveness, not speed: a death not noticed is only given up on after the receive's timeout_s
-    # (240 s); one noticed fails within seconds. Half the timeout keeps both far from the bound.
+    # Liveness, not speed: an unnoticed death is given up on after timeout_s (240 s), a noticed one in seconds.
     assert named_s < config.timeout_s / 2, f"the death was waited out ({named_s:.0f}s), not noticed"
