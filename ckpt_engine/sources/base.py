@@ -30,8 +30,9 @@ class WeightSource(ABC):
     """Whether this rank streams what `iter_weights()` yields (the others only walk it)."""
     stable_tensors: bool = False
     """Whether every yielded tensor stays valid and unchanged until the sync ends (e.g. a plain
-    state dict): the transport may then send from it without a copy. False: a yielded tensor is
-    valid only until the next one is requested."""
+    state dict): the transport may then send from it without a copy, and an installed-weight check
+    may list it once more before the stream (`sync/installed.py`: its walk must then run no
+    collective). False: a yielded tensor is valid only until the next one is requested."""
     fresh_tensors: bool = False
     """Whether every yielded tensor is new memory the source never writes again (e.g. a quantized
     temporary): a sender that is not `stable_tensors` may then hold a bucket's pieces and pack them

@@ -197,7 +197,7 @@ class WeightSyncSession:
         session's last one); an explicit version below what an engine holds is refused.
         `source.iter_weights()` is walked exactly once whatever happens (the other trainer ranks
         walk it too, and its gathers are collectives): on any failure the rest of the walk is
-        drained before the error propagates.
+        drained before the error propagates (a `stable_tensors` source: listed once more by a check).
         """
         report = self._locked_sync(as_weight_source(source), version, drain_if_closed=True)
         assert report is not None

@@ -7,10 +7,8 @@ parameters, loading buckets through layerwise reload and finalizing all live her
 
 Its parts: what the model takes (`vllm/specs.py`, one object per model), vLLM's layerwise reload
 (`vllm/reload.py`), the staged version (`vllm/staging.py`) and region landing
-(`vllm/region_landing.py`). Each bucket's tensors are views of a rotating receive buffer; vLLM's weight
-loaders copy them straight into the re-materialized layer. Only a tensor whose layer is still
-incomplete when its bucket ends is kept by vLLM for later, and only that tensor is cloned (once),
-because the buffer is refilled as soon as the loader returns.
+(`vllm/region_landing.py`). A tensor vLLM's loaders keep past its bucket (its layer still incomplete)
+is cloned once, since the receive buffer is refilled as soon as the loader returns.
 """
 
 from __future__ import annotations
@@ -217,6 +215,8 @@ class VllmReceiverCore:
             if held:
                 detached[0] += detach_pending(loadable, scanned)
 
+        if self._armed is not None and queued is not None and self.reload.in_place():  # the check's fold right behind the last copies
+            queued = self._armed.launching(queued)
         self.stale = True
         try:
             out = self._stream(digest, delta, load, begun=begun, queued=queued if delta is None else None)
