@@ -275,7 +275,9 @@ class RolloutAdapter(ABC):
         `request.names` the rank installed, read from its own layout (`ckpt_engine/installed.py`),
         the tensors of its layout the sync does not write, and those it cannot map back (named, not
         guessed). Asked after the stream, before `finalize` (staged: after `swap`). Engines with
-        `capabilities.installed` implement it."""
+        `capabilities.installed` implement it. One engine told the check with its receive
+        (`checks_at_receive`) is asked in the session's own thread: its answer came with the receive,
+        or the call it makes is bounded by its own timeout."""
         raise NotImplementedError(f"{type(self).__name__} cannot digest its installed weights (capabilities.installed is False)")
 
     @abstractmethod
