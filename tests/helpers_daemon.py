@@ -1,5 +1,5 @@
 """Shared by the daemon, reliability and restart tests: the job's weights, reference engines
-registered by descriptor, `ckpt-engine serve` in a process of its own, and waits with deadlines.
+registered by descriptor, `ckpt-engine serve` in a process of its own (waits with deadlines: tests/helpers_wait.py).
 
 Engines and `serve` are forked from the test session's preloaded server (tests/helpers_procs.py):
 the same `main` a command line runs, in a real process the tests kill and restart, without a new
@@ -11,8 +11,6 @@ from __future__ import annotations
 import select
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,16 +52,6 @@ def holds(r: TorchRefRollout, sd: dict[str, torch.Tensor], version: int) -> bool
     """`r` serves `version` (unpaused, not stale) and holds `sd` bit for bit."""
     h = r.health()
     return (h["version"], h["paused"], h["stale"]) == (version, False, False) and all(torch.equal(r.get_tensor(n), t) for n, t in sd.items())
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float) -> float:
-    """Seconds until `check()` held; fails the test after `timeout_s`."""
-    t0 = time.monotonic()
-    while not check():
-        if time.monotonic() - t0 > timeout_s:
-            pytest.fail(f"not within {timeout_s}s: {what}")
-        time.sleep(0.05)
-    return time.monotonic() - t0
 
 
 class Engines:

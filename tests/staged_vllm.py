@@ -21,6 +21,7 @@ import torch
 
 from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
 from ckpt_engine.sources.base import StateDictSource
+from helpers_wait import wait_for
 
 # head_dim 32: vLLM's CPU attention has no kernel for head_dim 16.
 QWEN2_CONFIG = {
@@ -54,6 +55,16 @@ def wait_for_outputs_beyond(stream: "RequestStream", served: int, timeout_s: flo
     while len(stream.outputs) <= served:
         assert time.monotonic() < deadline, f"the engine finished no request in {timeout_s:.0f} s after {served}: it stopped serving"
         time.sleep(0.1)
+
+
+def wait_for_outputs_since(stream: "RequestStream", since: float, count: int = 1, timeout_s: float = 60.0) -> None:
+    """Until the stream finished `count` requests submitted after `since` (monotonic, e.g. once the
+    last swap returned): the engine served the version it holds since then (a stream error ends
+    the wait early; the test checks `stream.errors`)."""
+    wait_for(
+        f"the stream finished {count} request(s) submitted after the last swap",
+        lambda: sum(o.submitted > since for o in list(stream.outputs)) >= count or bool(stream.errors), timeout_s,
+    )
 
 
 def start_waiting_sender(url: str, model_dir: Path, *extra: str, delay_s: float = 0.2) -> subprocess.Popen[str]:

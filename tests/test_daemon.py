@@ -18,7 +18,8 @@ from ckpt_engine.daemon import DaemonClient, DaemonConfig, EngineState, WeightSy
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
-from helpers_daemon import NUM_TENSORS, Engines, config, descriptor, holds, wait_for, weights, write_spec
+from helpers_daemon import NUM_TENSORS, Engines, config, descriptor, holds, weights, write_spec
+from helpers_wait import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

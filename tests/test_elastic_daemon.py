@@ -18,7 +18,8 @@ import pytest
 from ckpt_engine.daemon import DaemonClient, WeightSyncDaemon
 from ckpt_engine.sources.base import StateDictSource
 from test_elastic_join import nixl_missing
-from helpers_daemon import Engines, config, descriptor, holds, start_serve, wait_for, weights, write_spec
+from helpers_daemon import Engines, config, descriptor, holds, start_serve, weights, write_spec
+from helpers_wait import wait_for
 
 pytestmark = pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing())
 

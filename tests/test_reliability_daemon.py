@@ -21,7 +21,8 @@ from ckpt_engine.control.wire import RpcError
 from ckpt_engine.daemon import DaemonClient, DaemonConfig, EngineState, WeightSyncDaemon
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sources.base import StateDictSource
-from helpers_daemon import NUM_TENSORS, TIMEOUT_S, Engines, config, descriptor, holds, start_serve, wait_for, weights, write_spec
+from helpers_daemon import NUM_TENSORS, TIMEOUT_S, Engines, config, descriptor, holds, start_serve, weights, write_spec
+from helpers_wait import wait_for
 from helpers_procs import fork_program
 
 pytestmark = pytest.mark.timeout(180)

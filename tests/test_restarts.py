@@ -27,8 +27,9 @@ from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.report import SyncError
 from ckpt_engine.sync.api import close_sessions, sync_rollout_weights
 from ckpt_engine.sync.session import WeightSyncSession
-from helpers_daemon import TIMEOUT_S, Engines, config, descriptor, start_serve, wait_for, weights, write_spec
+from helpers_daemon import TIMEOUT_S, Engines, config, descriptor, start_serve, weights, write_spec
 from helpers_daemon import holds as exact
+from helpers_wait import wait_for
 from helpers_procs import fork_program, free_port
 
 pytestmark = pytest.mark.timeout(300)

@@ -11,7 +11,6 @@ max is refused by name before a byte moves, and nothing is written.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from ckpt_engine.rollout_adapters.base import ManifestRejectedError  # noqa: E40
 from ckpt_engine.sources.adapters import AdapterSource  # noqa: E402
 from sglang_schema import check_body  # noqa: E402
 from helpers_sglang import standin, write_model_dir  # noqa: E402
+from helpers_wait import wait_for  # noqa: E402
 from test_sglang_adapter import PROMPT  # noqa: E402
 
 LORA = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]}
@@ -133,7 +133,8 @@ def test_adapter_versions_load_from_peft_folders_and_unload_after_their_last_req
         held: list[list[int]] = []
         request = threading.Thread(target=lambda: held.append(generate(client, names[0])), daemon=True)
         request.start()
-        time.sleep(0.3)
+        # In the server (SGLang's /get_load counts it) before the sync that must wait for it starts.
+        wait_for("the request under the oldest version reached the server", lambda: client._call("GET", "/get_load")[0]["num_reqs"] == 1, 30)
         sync = threading.Thread(target=session.sync, args=(AdapterSource(models[2]),), daemon=True)
         sync.start()
         sync.join(1.0)

@@ -29,6 +29,7 @@ from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdap
 from ckpt_engine.sync.api import SyncError, close_sessions, sync_rollout_weights
 from ckpt_engine.sources.base import StateDictSource
 from helpers_vllm import ENGINE_ARGS, HasUrl, ServerAt, free_port  # noqa: F401  (ENGINE_ARGS: test_lora_vllm_native.py imports it from here)
+from helpers_wait import wait_for
 from shared_server import SharedServer
 
 pytest.importorskip("vllm")
@@ -298,8 +299,7 @@ def test_llm_fresh_adapters_in_a_loop_carry_the_version_and_the_delta_chain_on(l
     assert kinds == ["seed", "patch", "patch"]
     cached = [s for s in sync_module._sessions.values() if ("vllm", id(llm)) in s.engine_keys().values()]
     assert len(cached) == 1
-    time.sleep(0.5)  # idle threads of the closed sessions exit
-    assert sum(1 for t in threading.enumerate() if t.name.startswith("ckpt-sync")) <= threads + 4
+    wait_for("closed sessions' threads exited", lambda: sum(1 for t in threading.enumerate() if t.name.startswith("ckpt-sync")) <= threads + 4, 120)
     tokens, spans = llm_greedy(llm)
     assert tokens == [hf_greedy(trainer_model(model_dir, 33), p) for p in PROMPTS] and set(spans) == {str(held + 3)}
 

@@ -34,6 +34,7 @@ transformers = pytest.importorskip("transformers")
 
 from staged_vllm import (  # noqa: E402
     HfReference, Output, PacedSource, RequestStream, generate, start_waiting_sender, wait_for_outputs_beyond,
+    wait_for_outputs_since,
 )
 from tamper import FlipOnce  # noqa: E402
 
@@ -207,7 +208,7 @@ def test_native_backend_stages_while_the_engine_generates(server: tuple[str, Pat
                     assert_serves(url, client, str(report.version), ref)
             finally:
                 session.close()
-        time.sleep(0.5)
+        wait_for_outputs_since(stream, time.monotonic(), count=1)  # the stream serves the last version too
     finally:
         outputs = stream.stop()
         client.close()

@@ -38,7 +38,7 @@ from helpers_procs import free_port  # noqa: E402
 from helpers_vllm import ServerAt, VllmServer  # noqa: E402
 from shared_server import SharedServer  # noqa: E402
 from staged_vllm import (  # noqa: E402
-    HfReference, PacedSource, RequestStream, SwapRecorder, kill_sender_mid_stage,
+    HfReference, PacedSource, RequestStream, SwapRecorder, kill_sender_mid_stage, wait_for_outputs_since,
 )
 from test_vllm_adapter import PROMPTS as ADAPTER_PROMPTS, hf_greedy, server_greedy  # noqa: E402  (server_greedy asks for ADAPTER_PROMPTS)
 from test_vllm_regions import checkpoint_weights, make_model  # noqa: E402
@@ -151,7 +151,7 @@ def test_generation_streams_on_through_a_dense_and_a_delta_staged_region_sync(se
                 assert out.spans == [(v, 0, NUM_TOKENS)] and out.tokens == ref.greedy(v, out.prompt, NUM_TOKENS), out
         finally:
             session.close()
-        time.sleep(0.5)
+        wait_for_outputs_since(stream, time.monotonic(), count=2)  # the stream serves the last version too
     finally:
         outputs = stream.stop()
     assert kinds == [("seed", "full"), ("patch", "patches")], kinds

@@ -27,7 +27,7 @@ pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 from staged_vllm import (  # noqa: E402
-    HfReference, Output, RequestStream, SwapRecorder, generate, kill_sender_mid_stage, start_waiting_sender,
+    HfReference, Output, RequestStream, SwapRecorder, generate, kill_sender_mid_stage, start_waiting_sender, wait_for_outputs_since,
 )
 from shared_server import SharedServer  # noqa: E402
 from tamper import FlipOnce  # noqa: E402
@@ -148,7 +148,7 @@ def test_generation_continues_through_5_delta_and_2_dense_staged_syncs(server: t
                 kinds.append(_sync_and_check(session, adapter, trainer, ref, order, url, stream))
         finally:
             session.close()
-        time.sleep(1.0)
+        wait_for_outputs_since(stream, time.monotonic(), count=2)  # the stream serves the last version too
     finally:
         outputs = stream.stop()
     assert kinds == [("seed", "full")] + [("patch", "patches")] * 5 + [("off", "full")] * 2, kinds

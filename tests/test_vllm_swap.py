@@ -25,7 +25,7 @@ from ckpt_engine.sources.base import StateDictSource
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from staged_vllm import HfReference, InFlight, RequestStream  # noqa: E402
+from staged_vllm import HfReference, InFlight, RequestStream, wait_for_outputs_since  # noqa: E402
 from shared_server import SharedServer  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -113,7 +113,7 @@ def test_recompute_from_the_config_reprefills_in_flight_requests_under_the_new_w
                 assert adapter.weight_version() == str(report.version)
                 assert _scheduling(url) == (False, False)
                 assert adapter.last_finalize["stall_s"] >= adapter.last_finalize["swap_pause_s"] + adapter.last_finalize["swap_rpc_s"]
-                time.sleep(0.5)
+                wait_for_outputs_since(stream, time.monotonic())  # the stream serves this version before the next swap
         finally:
             session.close()
     finally:
