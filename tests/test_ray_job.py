@@ -6,6 +6,7 @@ The vLLM + FSDP2 job on a 2-node cluster is in tests/test_ray_cluster.py.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -65,6 +66,18 @@ def test_ray_vllm_descriptor_is_validated() -> None:
         ray_vllm_factory("e", {"host": "h", "port": 0}, 5.0, token="t" * 16)
     with pytest.raises(ValueError, match="no job token"):
         ray_vllm_factory("e", {"host": "h", "port": 1}, 5.0)
+
+
+def test_the_trainer_group_port_is_listening_when_rank_0_hands_it_out() -> None:
+    """Rank 0 hands out a port its store already listens on. A port found free and bound only at the
+    group's set-up could be taken in between: a CI run's two-node Ray test failed with EADDRINUSE."""
+    from ckpt_engine.trainer.ray_workers import FsdpRankActor
+
+    rank0 = FsdpRankActor.__new__(FsdpRankActor)  # its Ray-bound start-up skipped: only `rendezvous` runs
+    rank0.job, rank0.world_size, rank0.host, rank0._store = load_job_config({}), 2, "127.0.0.1", None
+    host, port = rank0.rendezvous()
+    with socket.create_connection((host, port), timeout=10):  # a port found free and released: refused
+        pass
 
 
 def test_vllm_job_on_ray_needs_fsdp2_and_a_big_enough_vocab() -> None:

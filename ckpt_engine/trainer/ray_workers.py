@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import time
 from typing import Any
 
@@ -34,12 +33,6 @@ def _node_ip() -> str:
     return str(ray.util.get_node_ip_address())
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 class FsdpRankActor:
     """One FSDP2 trainer rank; rank 0 also hosts the daemon and runs the fully-async loop."""
 
@@ -57,13 +50,21 @@ class FsdpRankActor:
         self.engine: Any = None
         self.group: Any = None
         self.daemon: Any = None
+        self._store: Any = None
+        """Rank 0: the trainer group's store, listening since `rendezvous`."""
 
     def info(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid(), "node_ip": self.host, "node_id": self.node_id}
 
     def rendezvous(self) -> tuple[str, int]:
-        """Rank 0: where the trainer group meets (this node's IP, an OS-chosen free port)."""
-        return self.host, _free_port(self.host)
+        """Rank 0: where the trainer group meets: this node's IP and the port its store listens on,
+        chosen by the OS as it binds. A port found free and bound only later, at the group's set-up,
+        could be taken in between (EADDRINUSE in CI, beside Ray's own connections)."""
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=self.group_timeout_s())
+        self._store = dist.TCPStore(self.host, 0, self.world_size, True, timeout=timeout, wait_for_workers=False)
+        return self.host, int(self._store.port)
 
     def group_timeout_s(self) -> float:
         job = self.job
@@ -81,7 +82,9 @@ class FsdpRankActor:
         from ckpt_engine.trainer.engines.fsdp2 import FSDP2Config, FSDP2TrainEngine
 
         timeout = datetime.timedelta(seconds=self.group_timeout_s())
-        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world_size, timeout=timeout)
+        if self._store is None:  # rank 0 holds the store `rendezvous` bound; the others connect to it
+            self._store = dist.TCPStore(host, port, self.world_size, False, timeout=timeout)
+        dist.init_process_group("gloo", store=self._store, rank=self.rank, world_size=self.world_size, timeout=timeout)
         self.group = dist.group.WORLD
         torch.manual_seed(self.job.trainer.seed)  # identical initial weights on every rank
         model = hf_model_from_config(Qwen2Config(**self.model_config), torch.float32, attn_implementation="eager")
