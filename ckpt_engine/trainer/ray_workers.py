@@ -51,7 +51,7 @@ class FsdpRankActor:
         self.group: Any = None
         self.daemon: Any = None
         self._store: Any = None
-        """Rank 0: the trainer group's store, listening since `rendezvous`."""
+        """The trainer group's store: rank 0's listens since `rendezvous`; the others connect in `setup`."""
 
     def info(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid(), "node_ip": self.host, "node_id": self.node_id}
