@@ -18,10 +18,12 @@ from ckpt_engine.engine import Rendezvous, TransferError
 from ckpt_engine.registry import CheckpointEngineRegistry
 
 # Per sync: (what the sender offers, whether the receiver passes destinations).
-# "shared": its own tensors, mapped; "moved": one tensor replaced (new handles); "unstable": the
-# slots; "unshared": a stable source whose tensors cannot be mapped (host memory not shared, or a
-# non-contiguous tensor on CUDA): the slots.
-STEPS = [("shared", False), ("shared", True), ("moved", True), ("unstable", False), ("unshared", True), ("shared", False)]
+# "shared": its own tensors, mapped; "moved": one tensor replaced (new handles); "rebound": one
+# tensor object given other memory (`.data =`, as an optimizer or an offload may do): new handles;
+# "unstable": the slots; "unshared": a stable source whose tensors cannot be mapped (host memory not
+# shared, or a non-contiguous tensor on CUDA): the slots.
+STEPS = [("shared", False), ("shared", True), ("moved", True), ("rebound", False), ("unstable", False), ("unshared", True),
+         ("shared", False), ("shared", True)]
 
 
 def _state(version: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -36,6 +38,7 @@ def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu") -> dict[s
     engine.init_process_group(rdzv, rank)
     bad: list[str] = []
     one_copy: list[bool] = []
+    replayed: list[bool] = []
     generations: list[int] = []
     own = _state(0, dev)
     if dev.type == "cpu":
@@ -49,14 +52,18 @@ def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu") -> dict[s
                 own["bf16"] = new["bf16"].clone()  # another tensor: its handle travels again
                 if dev.type == "cpu":
                     own["bf16"].share_memory_()
+            if mode == "rebound":
+                own["fp32"].data = new["fp32"].clone()  # the same object elsewhere: a walk like the last one must not be replayed
+                if dev.type == "cpu":
+                    own["fp32"].share_memory_()
             for name, t in own.items():
-                if mode != "moved" or name != "bf16":
-                    t.copy_(new[name])  # the trainer's step writes in place
+                t.copy_(new[name])  # the trainer's step writes in place
             weights: Any = own.items()
             if mode == "unshared":
                 weights = {n: (t.clone() if dev.type == "cpu" else t.t().contiguous().t()) if n == "fp32" else t for n, t in own.items()}.items()
             stats = engine.send_weights(manifest, weights, stable=mode != "unstable")
             one_copy.append(bool(stats.extra.get("one_copy", False)))
+            replayed.append(bool(stats.extra.get("walk_replayed", False)))
             generations.append(engine.transport.offer_generation)
         else:
             dst = {n: torch.zeros_like(t) for n, t in new.items()} if with_dst else None
@@ -68,19 +75,22 @@ def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu") -> dict[s
             bad += [f"v{version} {n}" for n in new if n not in got or not same_bits(got[n], new[n])]
     mappings = engine.transport.mappings
     engine.finalize()
-    return {"bad": bad, "one_copy": one_copy, "generations": generations, "mappings": mappings}
+    return {"bad": bad, "one_copy": one_copy, "replayed": replayed, "generations": generations, "mappings": mappings}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def test_stable_sender_shares_its_tensors_once_and_the_receiver_copies_them(device: str) -> None:
     """Syncs of a stable sender go as one copy out of its own tensors, bit-exact with and without
     destinations; handles travel again only when a tensor moved; a source that is not stable, or
-    whose tensors cannot be mapped, goes through the slots, and the one-copy path comes back."""
+    whose tensors cannot be mapped, goes through the slots, and the one-copy path comes back. A walk
+    of the very tensors of the last one, where they were, is replayed without per-tensor checks;
+    one whose tensor object moved (or was replaced) is walked and checked again."""
     results = run_ranks(one_copy_rank, 2, backend="colocated", timeout_s=60, device=device)
     assert results[1]["bad"] == []
-    assert results[0]["one_copy"] == [True, True, True, False, False, True]
-    assert results[0]["generations"] == [1, 1, 2, 2, 2, 2]
-    assert results[1]["mappings"] == 2  # the receiver maps once per generation, not once per sync
+    assert results[0]["one_copy"] == [True, True, True, True, False, False, True, True]
+    assert results[0]["replayed"] == [False, True, False, False, False, False, False, True]
+    assert results[0]["generations"] == [1, 1, 2, 3, 3, 3, 3, 3]
+    assert results[1]["mappings"] == 3  # the receiver maps once per generation, not once per sync
 
 
 def abandoning_rank(rank: int, rdzv: Rendezvous) -> dict[str, Any]:

@@ -20,9 +20,10 @@ from ckpt_engine.pipeline.delta_bases import Bases
 from ckpt_engine.pipeline.piece_reader import Known
 from ckpt_engine.pipeline.schedule import Schedule, Step
 from ckpt_engine.pipeline.wire_views import entry_view
+from ckpt_engine.transports.shared_tensors import Layout
 from ckpt_engine.engine import SendStats
 
-__all__ = ["PlanState", "SharedPlan"]
+__all__ = ["PlanState", "SharedPlan", "SharedWalk"]
 
 
 @dataclass
@@ -32,6 +33,18 @@ class SharedPlan:
 
     offered: list[torch.Tensor]
     buckets: list[list[tuple[str, torch.Tensor]]]
+
+
+@dataclass
+class SharedWalk:
+    """A stable sender's last walk of its source in the one-copy sync (`shared_sources.py`), held for
+    the next: the names and very tensors it yielded, where and as they were (`layout_of`), and what it
+    offered. The offered tensors are held by the transport anyway; this adds only empty ones."""
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+    layout: Layout
+    offered: list[torch.Tensor]
 
 
 class PlanState:
@@ -51,6 +64,8 @@ class PlanState:
         """Senders with stable sources: what the source yielded for each whole entry last time."""
         self.shared_plan: SharedPlan | None = None
         """Receivers of a sender's own tensors: what each bucket yields."""
+        self.shared_walk: SharedWalk | None = None
+        """Senders of their own tensors: the last walk, which a walk of the same tensors replays."""
         self.own_counts: tuple[int, int, int] | None = None  # (rank, bytes, tensors) a sender sends
         self.chunked: list[TensorMeta] | None = None
         self.kinds: dict[int, tuple[bool, bool]] = {}

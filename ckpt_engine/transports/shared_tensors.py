@@ -14,6 +14,7 @@ themselves, found by the token the description carries (`publish_local`).
 
 from __future__ import annotations
 
+import operator
 import os
 import secrets
 from collections.abc import Sequence
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["can_share", "describe_tensors", "forget_local", "local_tensors", "map_tensors", "probe_host_sharing", "publish_local"]
+__all__ = ["Layout", "can_share", "describe_tensors", "forget_local", "layout_of", "local_tensors", "map_tensors", "probe_host_sharing", "publish_local"]
 
 _CUDA_FIELDS = ("size", "stride", "offset", "dtype", "handle", "storage_bytes", "storage_offset", "ref_handle", "ref_offset", "event", "event_sync")
 _HOST_FIELDS = ("size", "stride", "offset", "dtype", "fd", "storage_bytes")
@@ -50,6 +51,22 @@ def forget_local(local: Any) -> None:
     """Drop what `publish_local` holds for `local` (the sender's next description, or its close)."""
     if isinstance(local, dict):
         _IN_PROCESS.pop(local.get("token"), None)  # type: ignore[arg-type]
+
+
+Layout = tuple[list[int], list[torch.Size], list[tuple[int, ...]], list[torch.dtype]]
+"""Where and as a list of tensors lies: data pointers, shapes, strides, dtypes (`layout_of`)."""
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+
+
+def layout_of(tensors: Sequence[torch.Tensor]) -> Layout:
+    """Each tensor's data pointer, shape, strides and dtype, read in four C-level passes: a sender
+    compares a walk with its last one this way (Qwen3-30B-A3B's 9,435 tensors one by one in Python
+    cost more host time than copying their bytes on one H200). Two layouts compare with `==`."""
+    with torch._C.DisableTorchFunctionSubclass():  # a parameter subclass would answer each read in Python
+        return (list(map(torch.Tensor.data_ptr, tensors)), list(map(_SHAPE, tensors)), list(map(torch.Tensor.stride, tensors)),
+                list(map(_DTYPE, tensors)))
 
 
 def can_share(t: torch.Tensor, device: torch.device) -> bool:
