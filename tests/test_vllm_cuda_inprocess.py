@@ -28,6 +28,7 @@ from ckpt_engine import CheckpointEngineConfig  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION, VllmRollout  # noqa: E402
 from ckpt_engine.sync.api import close_sessions, sync_rollout_weights  # noqa: E402
 from test_vllm_cuda import ENGINE, REFERENCE_SEED, assert_holds_reference, hf_model, model_dir, reference, source  # noqa: E402, F401
+from helpers_vllm_cuda import digests  # noqa: E402
 from helpers_vllm import inprocess_llm  # noqa: E402
 
 
@@ -50,3 +51,17 @@ def test_colocated_into_an_engine_core_in_this_process(inprocess_engine: Any, mo
         report = sync_rollout_weights(source(trainer), [handle], config=config)
         assert report is not None and "installed_check" in report.seconds
         assert_holds_reference(inprocess_engine, reference)
+    # The trainer's steps write its tensors in place: each next sync replays the last one's walk (the
+    # same memory, the same offer) and the worker its kept copies; each must land the new bytes.
+    held = {n: t.clone() for n, t in trainer.state_dict().items()}
+    with torch.no_grad():
+        for n, t in trainer.state_dict().items():
+            t.copy_(other.state_dict()[n])
+    report = sync_rollout_weights(source(trainer), [handle], config=config)  # checked: the engine's digests equal the source's
+    assert report is not None and "installed_check" in report.seconds and report.receivers[handle.name]["direct_tensors"] > 0
+    assert digests(inprocess_engine) != reference[0]
+    with torch.no_grad():
+        for n, t in trainer.state_dict().items():
+            t.copy_(held[n])
+    sync_rollout_weights(source(trainer), [handle], config=config)
+    assert_holds_reference(inprocess_engine, reference)

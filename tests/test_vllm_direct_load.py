@@ -17,6 +17,7 @@ import torch
 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.copies import ALONE_BYTES
+from ckpt_engine.pipeline.plan_state import SharedBucket
 from ckpt_engine.rollout_adapters.vllm.direct_load import DirectLoads, with_direct
 from ckpt_engine.rollout_adapters.vllm.installed import Landing
 from ckpt_engine.rollout_adapters.vllm.regions import PlanRecording
@@ -132,3 +133,29 @@ def test_only_what_is_left_enters_vllms_loader_and_its_config() -> None:
     everything = with_direct(load_weights, None, loading)  # no direct copies: every pair goes to vLLM's loader
     everything([("q.weight", w["q.weight"])])
     assert loaded[-1] == ["q.weight"] and entered == [1, 1]
+
+
+def test_a_colocated_senders_kept_buckets_replay_their_copies() -> None:
+    """A `SharedBucket` (a stable colocated sender's mapped tensors: the same objects every sync,
+    written in place by the trainer) the record covered whole is copied from its kept pairs at the
+    next syncs, landing each sync's values; a bucket with a name left for vLLM's loader is worked out
+    every time; a new bucket (a new offer) lands its own tensors, never the old bucket's."""
+    model = Layout()
+    direct = DirectLoads(model, recording())
+    w = weights(5)
+    covered = SharedBucket([("q.weight", w["q.weight"]), ("k.weight", w["k.weight"]), ("v.weight", w["v.weight"]), ("big.weight", w["big.weight"])])
+    extra = torch.ones(3)
+    partial = SharedBucket([("norm.weight", w["norm.weight"]), ("extra", extra)])
+    for seed in (6, 7, 8):
+        assert direct.load(covered) == []
+        assert direct.load(partial) == [("extra", extra)]
+        assert_holds(model, w)
+        for name, t in weights(seed).items():  # the trainer's step, in place: the next sync's values
+            w[name].copy_(t)
+    assert direct.replayed == 2  # the covered bucket at its second and third sight, never the partial one
+    moved = weights(9)
+    again = SharedBucket([(n, moved[n]) for n, _ in covered])  # a new offer's bucket: other tensors, same names
+    assert direct.load(again) == [] and direct.load(partial) == [("extra", extra)]
+    assert torch.equal(model.qkv, torch.cat([moved["q.weight"], moved["k.weight"], moved["v.weight"]]))
+    assert torch.equal(model.big_a, moved["big.weight"][:BIG_ROWS]) and torch.equal(model.big_b, moved["big.weight"][BIG_ROWS:])
+    assert direct.replayed == 2

@@ -20,10 +20,17 @@ from ckpt_engine.pipeline.delta_bases import Bases
 from ckpt_engine.pipeline.piece_reader import Known
 from ckpt_engine.pipeline.schedule import Schedule, Step
 from ckpt_engine.pipeline.wire_views import entry_view
-from ckpt_engine.transports.shared_tensors import Layout
+from ckpt_engine.transports.shared_tensors import Placement
 from ckpt_engine.engine import SendStats
 
-__all__ = ["PlanState", "SharedPlan", "SharedWalk"]
+__all__ = ["PlanState", "SharedBucket", "SharedPlan", "SharedWalk"]
+
+
+class SharedBucket(list[tuple[str, torch.Tensor]]):
+    """One bucket of (name, mapped tensor) pairs a receiver of a stable sender's own tensors yields:
+    the very same object, holding the same tensors, at every sync of one plan and offer (never
+    changed once built). A loader may keep what it derives from one, keyed by the object (weakly:
+    a new offer or plan makes new buckets), instead of working it out per tensor every sync."""
 
 
 @dataclass
@@ -32,18 +39,19 @@ class SharedPlan:
     bucket yields, over the mapped tensors."""
 
     offered: list[torch.Tensor]
-    buckets: list[list[tuple[str, torch.Tensor]]]
+    buckets: list[SharedBucket]
 
 
 @dataclass
 class SharedWalk:
-    """A stable sender's last walk of its source in the one-copy sync (`shared_sources.py`), held for
-    the next: the names and very tensors it yielded, where and as they were (`layout_of`), and what it
-    offered. The offered tensors are held by the transport anyway; this adds only empty ones."""
+    """A stable sender's last walk of its source in the one-copy sync (`shared_sources.py`), for the
+    next: the names it yielded, where and as their tensors lay (`placement`), and what it offered. A
+    walk whose tensors lie the same way is the same memory, read the same way, whether or not they
+    are the same objects (a `state_dict()` makes new ones each time): the transport holds every
+    offered tensor's memory, so none of it can have gone to another tensor since."""
 
     names: list[str]
-    tensors: list[torch.Tensor]
-    layout: Layout
+    placement: Placement
     offered: list[torch.Tensor]
 
 

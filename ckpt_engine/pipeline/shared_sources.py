@@ -20,11 +20,11 @@ import torch
 from ckpt_engine.copies import copy_large_alone_
 from ckpt_engine.manifest import BucketManifest, TensorMeta
 from ckpt_engine.pipeline.piece_reader import take_known
-from ckpt_engine.pipeline.plan_state import PlanState, SharedPlan, SharedWalk
+from ckpt_engine.pipeline.plan_state import PlanState, SharedBucket, SharedPlan, SharedWalk
 from ckpt_engine.pipeline.wire_views import has_wire_layout
 from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.engine import SendStats, TransferError
-from ckpt_engine.transports.shared_tensors import layout_of
+from ckpt_engine.transports.shared_tensors import placement
 from ckpt_engine.transports.transport import SourceSharing, Transport
 
 __all__ = ["SharedSources"]
@@ -51,8 +51,8 @@ class SharedSources:
     ) -> tuple[SendStats | None, Iterable[tuple[str, torch.Tensor]]]:
         """Offer this sync's tensors and wait until the receiver has copied them: (stats, ()).
         Where they cannot be offered: (None, the weights for the slotted path), the receiver told.
-        A walk that yields the very tensors of the last one, where and as they were, is checked in
-        a few C-level passes and offers the same list again (`SharedWalk`)."""
+        A walk whose tensors lie where and as the last one's did is checked in a few C-level passes
+        and offers the same list again (`SharedWalk`)."""
         if not stable:
             self.sharing.offer(None)
             return None, weights
@@ -63,11 +63,11 @@ class SharedSources:
         last, state.shared_walk = state.shared_walk, None
         if last is not None:
             items = list(it)
-            tensors = list(map(_TENSOR, items))
-            if list(map(_NAME, items)) == last.names and all(map(operator.is_, tensors, last.tensors)) and layout_of(tensors) == last.layout:
-                state.shared_walk = last
+            if list(map(_NAME, items)) == last.names and placement(list(map(_TENSOR, items))) == last.placement:
+                stats = self._offer(stats, last.offered, t_start)
+                state.shared_walk = last  # kept only past an offer the receiver took: the transport then holds its memory
                 stats.extra["walk_replayed"] = True
-                return self._offer(stats, last.offered, t_start), ()
+                return stats, ()
             it = iter(items)
         walked: list[tuple[str, torch.Tensor]] = []
         offered: list[torch.Tensor] = []
@@ -85,9 +85,10 @@ class SharedSources:
                     offered.append(t)
         if next(it, None) is not None:
             raise ValueError("the weight source yielded more tensors than its metadata lists")
-        tensors = list(map(_TENSOR, walked))
-        state.shared_walk = SharedWalk(list(map(_NAME, walked)), tensors, layout_of(tensors), offered)
-        return self._offer(stats, offered, t_start), ()
+        stats = self._offer(stats, offered, t_start)
+        # read after the offer: sharing a host tensor may have moved it into shared memory
+        state.shared_walk = SharedWalk(list(map(_NAME, walked)), placement(list(map(_TENSOR, walked))), offered)
+        return stats, ()
 
     def _offer(self, stats: SendStats, offered: list[torch.Tensor], t_start: float) -> SendStats:
         """Offer the walked tensors and wait until the receiver has copied them."""
@@ -142,9 +143,9 @@ class SharedSources:
         if len(offered) != expected:
             raise TransferError(f"rank {self.t.rank}: the sender offered {len(offered)} tensors, the manifest has {expected} with bytes")
         src = iter(offered)
-        buckets: list[list[tuple[str, torch.Tensor]]] = []
+        buckets: list[SharedBucket] = []
         for entries in firsts:
-            out = []
+            out = SharedBucket()
             for e in entries:
                 dtype = torch_dtype(e.dtype)
                 if e.nbytes == 0:

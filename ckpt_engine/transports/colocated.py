@@ -18,7 +18,7 @@ import torch
 from ckpt_engine.engine import Rendezvous, TransferError
 from ckpt_engine.transports.shared_buffers import map_buffers, share_buffers, unlink_files, validate_descriptors
 from ckpt_engine.transports.shared_tensors import (
-    Layout, can_share, describe_tensors, forget_local, layout_of, local_tensors, map_tensors, probe_host_sharing, publish_local,
+    Placement, can_share, describe_tensors, forget_local, local_tensors, map_tensors, placement, probe_host_sharing, publish_local,
 )
 from ckpt_engine.transports.transport import SLACK, SourceSharing, Transport
 
@@ -52,7 +52,7 @@ class ColocatedTransport(Transport, SourceSharing):
         """The offered tensors' memory, held: no tensor made later can have an offered address. A
         tensor object alone does not hold it: `.data = ...` frees its old memory, and on the host a
         new shared segment then often maps at the very address the receiver mapped the old one from."""
-        self._offered_layout: Layout | None = None
+        self._offered_placement: Placement | None = None
         self._local: dict[str, Any] = {}
         """What this sender published for a receiver in its own process (`shared_tensors.publish_local`):
         its buffers', its latest offer's."""
@@ -135,7 +135,7 @@ class ColocatedTransport(Transport, SourceSharing):
         self._store = None
         self.buffers = []
         self._probe = None
-        self._offered, self._offered_layout, self._mapped = [], None, []
+        self._offered, self._offered_placement, self._mapped = [], None, []
         self._mapped_generation = 0  # a sender joined next counts its offers from 1 again
         unlink_files(self._shm_paths)
         for local in self._local.values():
@@ -228,7 +228,7 @@ class ColocatedTransport(Transport, SourceSharing):
         if tensors is None:
             self._store.set(self._key("offer", 0), msgpack.packb({"generation": None}))
             return
-        if layout_of(tensors) != self._offered_layout:
+        if placement(tensors) != self._offered_placement:
             # Held until the next change: the receiver's mappings stay over live tensors.
             old = self._generation
             self._generation += 1
@@ -240,7 +240,7 @@ class ColocatedTransport(Transport, SourceSharing):
             if "local" in info:
                 self._local["offer"] = info["local"]
             # Read again: sharing a host storage by descriptor may have moved it (not one `share_memory_()` made).
-            self._offered, self._offered_layout = [t.untyped_storage() for t in tensors], layout_of(tensors)
+            self._offered, self._offered_placement = [t.untyped_storage() for t in tensors], placement(tensors)
         self.device_sync_point()  # the source's writes are done before the receiver reads
         self._store.set(self._key("offer", 0), msgpack.packb({"generation": self._generation}))
 

@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["Layout", "can_share", "describe_tensors", "forget_local", "layout_of", "local_tensors", "map_tensors", "probe_host_sharing", "publish_local"]
+__all__ = [
+    "Placement", "can_share", "describe_tensors", "forget_local", "local_tensors", "map_tensors", "placement", "probe_host_sharing", "publish_local",
+]
 
 _CUDA_FIELDS = ("size", "stride", "offset", "dtype", "handle", "storage_bytes", "storage_offset", "ref_handle", "ref_offset", "event", "event_sync")
 _HOST_FIELDS = ("size", "stride", "offset", "dtype", "fd", "storage_bytes")
@@ -53,14 +55,14 @@ def forget_local(local: Any) -> None:
         _IN_PROCESS.pop(local.get("token"), None)  # type: ignore[arg-type]
 
 
-Layout = tuple[list[int], list[torch.Size], list[tuple[int, ...]], list[torch.dtype]]
-"""Where and as a list of tensors lies: data pointers, shapes, strides, dtypes (`layout_of`)."""
+Placement = tuple[list[int], list[torch.Size], list[tuple[int, ...]], list[torch.dtype]]
+"""Where and as a list of tensors lies: data pointers, shapes, strides, dtypes (`placement`)."""
 
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
 
-def layout_of(tensors: Sequence[torch.Tensor]) -> Layout:
+def placement(tensors: Sequence[torch.Tensor]) -> Placement:
     """Each tensor's data pointer, shape, strides and dtype, read in four C-level passes: a sender
     compares a walk with its last one this way (Qwen3-30B-A3B's 9,435 tensors one by one in Python
     cost more host time than copying their bytes on one H200). Two layouts compare with `==`."""

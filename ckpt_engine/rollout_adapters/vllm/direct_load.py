@@ -20,15 +20,21 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from math import prod
+from typing import TYPE_CHECKING
 
 import torch
 
 from ckpt_engine.copies import copy_large_alone_
+from ckpt_engine.pipeline.plan_state import SharedBucket
 from ckpt_engine.rollout_adapters.vllm.installed import Landing, resolve_tensor
 from ckpt_engine.rollout_adapters.vllm.regions import PlanRecording
+
+if TYPE_CHECKING:
+    from ckpt_engine.copy_kernel import FusedCopy
 
 __all__ = ["DirectLoads", "direct_enabled", "with_direct"]
 
@@ -58,6 +64,10 @@ class DirectLoads:
         for landing in rec.landings:
             by_name.setdefault(landing.name, []).append(landing)
         self._copies: dict[str, _Copies] = {}
+        self.replayed = 0
+        """Buckets whose kept copies were replayed since this object was made."""
+        self._kept: dict[int, _Kept] = {}
+        """Per `SharedBucket` (by id, checked by a weak reference) whose pairs were all copied here: its copies."""
         self.copied = 0
         """Tensors copied directly since this object was made (receive reports read the change)."""
         skipped: dict[str, str] = {}
@@ -76,7 +86,15 @@ class DirectLoads:
 
     def load(self, pairs: Pairs) -> Pairs:
         """Copy every pair the record covers (boxes of `copies.ALONE_BYTES` and up one `copy_` each, the
-        others in one batched copy); returns the others, for vLLM's loader."""
+        others in one batched copy); returns the others, for vLLM's loader. A `SharedBucket` the
+        record covered whole last time has its copies replayed (`_Kept`): no Python per tensor."""
+        if type(pairs) is SharedBucket:
+            kept = self._kept.get(id(pairs))
+            if kept is not None and kept.bucket() is pairs:
+                kept.run()
+                self.copied += len(pairs)
+                self.replayed += 1
+                return []
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
         rest: Pairs = []
@@ -89,7 +107,36 @@ class DirectLoads:
             srcs += [tensor if index is None else tensor[index] for index in copies.slices]  # None: all of it (most: a slice costs ~3 us)
         copy_large_alone_(dsts, srcs)
         self.copied += len(pairs) - len(rest)
+        if type(pairs) is SharedBucket and not rest:
+            self._kept = {k: v for k, v in self._kept.items() if v.bucket() is not None}  # buckets of an old offer or plan are gone
+            self._kept[id(pairs)] = _Kept(weakref.ref(pairs), dsts, srcs)
         return rest
+
+
+class _Kept:
+    """The copies of one `SharedBucket`: its tensors (or the boxes of them) into the live views. Its
+    pairs are the same objects at every sync of one plan and offer, and the views are this record's,
+    so nothing is checked per tensor again: on a GPU the fusable pairs go as one kept `FusedCopy`
+    launch (built at the first replay: a bucket seen once costs no table), the rest as before."""
+
+    __slots__ = ("bucket", "copy", "dsts", "srcs")
+
+    def __init__(self, bucket: weakref.ref[SharedBucket], dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+        self.bucket, self.dsts, self.srcs = bucket, dsts, srcs
+        self.copy: FusedCopy | None = None
+
+    def run(self) -> None:
+        if self.copy is None and self.srcs and self.srcs[0].is_cuda:
+            from ckpt_engine.copy_kernel import FusedCopy, fusable  # Triton, imported where a GPU copies
+
+            fuse = [fusable(d, s) for d, s in zip(self.dsts, self.srcs)]
+            self.copy = FusedCopy([d for d, f in zip(self.dsts, fuse) if f], [s for s, f in zip(self.srcs, fuse) if f])
+            self.dsts = [d for d, f in zip(self.dsts, fuse) if not f]
+            self.srcs = [s for s, f in zip(self.srcs, fuse) if not f]
+        if self.copy is not None:
+            self.copy.launch()
+        if self.dsts:
+            copy_large_alone_(self.dsts, self.srcs)
 
 
 def with_direct(

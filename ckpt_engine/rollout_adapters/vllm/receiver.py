@@ -278,7 +278,7 @@ class VllmReceiverCore:
         def load(pairs: list[tuple[str, torch.Tensor]]) -> int:
             left[0] -= len(pairs)
             pairs = specs.unstack(pairs)
-            sink(pairs + [(alias[n], t) for n, t in pairs if n in alias])
+            sink(pairs + [(alias[n], t) for n, t in pairs if n in alias] if alias else pairs)
             if left[0] == 0 and queued is not None:
                 queued()
             return len(pairs)

@@ -8,6 +8,7 @@ validate and receive paths of a worker never rebuild it per sync.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ __all__ = ["Specs", "VllmSpecs", "vllm_checkpoint_specs"]
 
 Specs = tuple[dict[str, TensorSpec], list[list[str]], dict[str, str]]
 Pairs = list[tuple[str, torch.Tensor]]
+_NAME = operator.itemgetter(0)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -187,6 +189,8 @@ class VllmSpecs:
         """A stack's experts as the loader takes them: expert e's tensor is the stack's row e (a
         view). `held`: the per-expert names this rank's plan holds (None: every expert)."""
         groups = self.stacks.groups
+        if isinstance(pairs, list) and groups.keys().isdisjoint(map(_NAME, pairs)):
+            return pairs  # nothing stacked: the very list (a colocated sender's kept bucket stays itself)
         out: Pairs = []
         for name, tensor in pairs:
             g = groups.get(name)
