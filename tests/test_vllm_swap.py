@@ -40,10 +40,11 @@ CHECKED_TOKENS = 56  # tokens of each span compared with HF's greedy decode: ove
 
 class _HoldsARequest(VllmServerRollout):
     """Every swap pauses while a long request is in the engine: the swap's pause waits until a
-    streamed request has its first token (`InFlight`), then checks, paused, that the request is
-    still unfinished; if it finished first (a fast engine, a slow client), the engine resumes and
-    the next request is held (a few tries). Some request then straddles every swap, on a warm
-    engine or a loaded box alike."""
+    streamed request has its first token (`InFlight`), then asks the paused engine whether the
+    request is still in it; if it finished first (a fast engine), the engine resumes and the next
+    request is held (a few tries). Some request then straddles every swap, on a warm engine or a
+    loaded box alike. One held request at a time: the engine's count of finished requests of
+    their max_tokens bucket then tells this one's end (the stream's NUM_TOKENS lie below it)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -52,7 +53,11 @@ class _HoldsARequest(VllmServerRollout):
 
     def _pause_for_swap(self, mode: str) -> None:
         for attempt in range(1, 6):
+            for earlier in self.held:  # bounded by each request's timeout
+                earlier.wait_ended()
+                assert earlier.finished.is_set(), "an earlier held request did not end within its timeout"
             held = InFlight(self.base_url, PROMPTS[len(self.held) % len(PROMPTS)], HELD_TOKENS)
+            assert held.bucket[0] >= NUM_TOKENS, f"the stream's requests share the held one's max_tokens bucket {held.bucket}"
             self.held.append(held)
             held.wait_started()
             super()._pause_for_swap(mode)
