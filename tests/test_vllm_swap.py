@@ -49,6 +49,7 @@ class _HoldsARequest(VllmServerRollout):
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.held: list[InFlight] = []
+        self.said_held: list[bool] = []  # per held request: the paused engine's answer
         self.tries: list[int] = []
 
     def _pause_for_swap(self, mode: str) -> None:
@@ -61,7 +62,8 @@ class _HoldsARequest(VllmServerRollout):
             self.held.append(held)
             held.wait_started()
             super()._pause_for_swap(mode)
-            if held.unfinished_while_paused() or attempt == 5:
+            self.said_held.append(held.unfinished_while_paused())
+            if self.said_held[-1] or attempt == 5:
                 self.tries.append(attempt)
                 return
             self._resume_after_swap()
@@ -127,6 +129,9 @@ def test_recompute_from_the_config_reprefills_in_flight_requests_under_the_new_w
             h.wait_ended()
         adapter.close()
     held = [h.join() for h in adapter.held]
+    for out, said in zip(held, adapter.said_held, strict=True):  # the engine's answer, checked against the tokens' versions
+        if out.finish != "abort":
+            assert (len(out.spans) > 1) == said, f"the paused engine said held={said}, but the request has {len(out.spans)} span(s): {out}"
     assert staged == ["full"] + ["patches"] * 3, staged
     assert not stream.errors, stream.errors[:3]
     straddled = 0
