@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -173,12 +174,41 @@ def generate(http: Any, url: str, prompt: list[int], max_tokens: int, timeout_s:
     return Output(prompt, list(choice.get("token_ids") or []), spans, choice.get("finish_reason"), t0, time.monotonic())
 
 
+MAX_TOKENS_METRIC = "vllm:request_params_max_tokens"
+"""vLLM's histogram of finished requests' max_tokens (its `/metrics`): the API server's output
+handler observes a request there in the same event-loop step that hands it its last tokens."""
+
+
+def max_tokens_bucket(url: str, max_tokens: int, timeout_s: float = 30.0) -> tuple[float, float, int]:
+    """(lo, hi, count): the bucket (lo, hi] of the vLLM server's `MAX_TOKENS_METRIC` histogram that
+    holds `max_tokens`, and how many finished requests it counts (summed over engines)."""
+    import requests
+
+    resp = requests.get(f"{url}/metrics", timeout=timeout_s)
+    resp.raise_for_status()
+    cumulative: dict[float, float] = {}
+    for line in resp.text.splitlines():
+        if line.startswith(MAX_TOKENS_METRIC + "_bucket{"):
+            labels, value = line.rsplit(" ", 1)
+            le = re.search(r'le="([^"]+)"', labels)
+            assert le is not None, line
+            cumulative[float(le.group(1))] = cumulative.get(float(le.group(1)), 0.0) + float(value)
+    assert cumulative, f"{url}/metrics has no {MAX_TOKENS_METRIC} histogram (a server started with --disable-log-stats?)"
+    lo = max((b for b in cumulative if b < max_tokens), default=0.0)
+    hi = min(b for b in cumulative if b >= max_tokens)  # +Inf is always one
+    return lo, hi, int(cumulative[hi] - cumulative.get(lo, 0.0))
+
+
 class InFlight:
     """One greedy request streamed in a thread (`"stream": true`): `started` is set once its first
     token arrived, so the engine is decoding it, `finished` once its last chunk came; `join()` gives
     its Output (spans from the last chunk). A test that must see a request straddle a swap pauses
-    once one started and checks that it is still unfinished while the engine is paused, instead of
-    hoping a request stream has one in flight at that moment."""
+    once one started and asks the paused engine whether the request is still in it
+    (`unfinished_while_paused`), instead of hoping a request stream has one in flight then.
+
+    That answer is the engine's own count of finished requests of this one's max_tokens bucket
+    (`max_tokens_bucket`), read before it is sent: exact only while no other request of that bucket
+    runs on the server (the caller's to ensure: e.g. every other request's max_tokens at most `bucket[0]`)."""
 
     def __init__(self, url: str, prompt: list[int], max_tokens: int, timeout_s: float = 120.0) -> None:
         self.url, self.prompt, self.max_tokens, self.timeout_s = url, prompt, max_tokens, timeout_s
@@ -187,6 +217,8 @@ class InFlight:
         self.tokens: list[int] = []
         self.output: Output | None = None
         self.error: str | None = None
+        lo, hi, self._finished_before = max_tokens_bucket(url, max_tokens)
+        self.bucket = (lo, hi)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -223,20 +255,27 @@ class InFlight:
         assert self.started.wait(self.timeout_s), f"no token of the held request in {self.timeout_s:.0f} s"
         assert self.error is None, f"the held request failed: {self.error}"
 
-    def unfinished_while_paused(self, settle_s: float = 0.5, timeout_s: float = 10.0) -> bool:
-        """With the engine paused: whether this request is still in it. Waits until no token has
-        come for `settle_s` (chunks the engine sent before the pause may still be on their way),
-        bounded by `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        seen = len(self.tokens)
-        quiet_since = time.monotonic()
-        while time.monotonic() < deadline and not self.finished.is_set():
-            time.sleep(0.05)
-            if len(self.tokens) != seen:
-                seen, quiet_since = len(self.tokens), time.monotonic()
-            elif time.monotonic() - quiet_since >= settle_s:
-                return True
-        return False
+    def in_engine(self, timeout_s: float = 30.0) -> bool:
+        """Whether the engine has not finished this request: its count of finished requests of this
+        one's max_tokens bucket has not grown since it was sent. Its last tokens may still be on
+        their way to this client: the count does not wait for them."""
+        return max_tokens_bucket(self.url, self.max_tokens, timeout_s)[2] == self._finished_before
+
+    def unfinished_while_paused(self, timeout_s: float = 30.0) -> bool:
+        """With the engine paused: whether this request is still in it, as the engine says
+        (`in_engine`; no waiting for tokens to settle). The pause's reply leaves the engine core
+        after every output of its last step, and the API server's output handler, woken by those
+        first, counts a request that step finished before the pause call returns."""
+        import requests
+
+        paused = requests.get(f"{self.url}/is_paused", timeout=timeout_s).json()["is_paused"]
+        assert paused, "unfinished_while_paused asked while the engine is not paused: the answer would be stale at once"
+        unfinished = self.in_engine(timeout_s)
+        assert not (unfinished and self.output is not None), (
+            f"the engine counts the held request unfinished though its last chunk came (max_tokens bucket {self.bucket}): "
+            "another request of that bucket ran, or vLLM no longer counts a request before sending its last tokens"
+        )
+        return unfinished
 
     def wait_ended(self) -> None:
         """Until the request ended, well or not (bounded by `timeout_s`); `join` checks how."""

@@ -17,8 +17,7 @@ import json
 import os
 import signal
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ pytest.importorskip("transformers")
 
 from _vllm_peer_faults import EXTENSION  # noqa: E402
 from helpers_vllm import stop_llm  # noqa: E402
+from helpers_wait import wait_for  # noqa: E402
 from shared_server import SharedServer  # noqa: E402
 from test_elastic_join import nixl_missing  # noqa: E402
 from test_elastic_vllm_join import CONFIG, start_llm  # noqa: E402
@@ -88,11 +88,11 @@ def gone(pid: int) -> bool:
         return True
 
 
-def wait_for(what: str, done: Any, alive: threading.Thread) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not done():
-        assert time.monotonic() < deadline and alive.is_alive(), f"{what}: not within {WAIT_S}s (or the join ended first)"
-        time.sleep(0.01)
+def wait_while_joining(what: str, done: Callable[[], bool], join: threading.Thread) -> None:
+    """Until `done()` (the shared `wait_for`, bounded by WAIT_S); fails at once if the join's thread
+    ended first: what the test waits for can then never come."""
+    wait_for(what, lambda: done() or not join.is_alive(), WAIT_S)
+    assert done(), f"{what}: the join ended first"
 
 
 @pytest.mark.kills_shared_engine
@@ -116,11 +116,11 @@ def test_a_peer_killed_mid_pull_makes_a_vllm_joiner_fail_over_and_nothing_half_n
     t = threading.Thread(target=join, name="join-B")
     t.start()
     try:  # nothing is asked of B here while the join's thread polls it: B's holds say what it serves
-        wait_for("B's pull from C reaching its hold", holds[0][1].exists, t)
+        wait_while_joining("B's pull from C reaching its hold", holds[0][1].exists, t)
         os.kill(hc["pid"], signal.SIGKILL)
-        wait_for("C's process gone", lambda: gone(hc["pid"]), t)
+        wait_while_joining("C's process gone", lambda: gone(hc["pid"]), t)
         holds[0][0].unlink()
-        wait_for("B's pull from A reaching its hold", holds[1][1].exists, t)
+        wait_while_joining("B's pull from A reaching its hold", holds[1][1].exists, t)
     finally:
         for h, _ in holds:
             h.unlink(missing_ok=True)

@@ -8,8 +8,8 @@ process alive (`--fail-after-updates`: the request fails, the group's connection
 
 from __future__ import annotations
 
-import os
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,17 +63,22 @@ def failing_server(tmp_path: Path) -> Iterator[Server]:
 
 
 class _KillsServer(StateDictSource):
-    """Yields the trainer's weights and SIGKILLs the server at the `at`-th tensor (mid-stream)."""
+    """Yields the trainer's weights and SIGKILLs the server at the `at`-th tensor (mid-stream),
+    going on only once its process is reaped (at most `reap_s`): the rest of the stream then
+    meets a dead server, its sockets closed, on a fast box as on a loaded one."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], pid: int, at: int) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor], proc: ForkedProcess, at: int, reap_s: float = 60.0) -> None:
         super().__init__(weights)
-        self.pid, self.at = pid, at
+        self.proc, self.at, self.reap_s = proc, at, reap_s
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for i, item in enumerate(super().iter_weights()):
             if i == self.at:
-                os.kill(self.pid, signal.SIGKILL)
-                time.sleep(0.2)
+                self.proc.kill()
+                try:
+                    self.proc.wait(self.reap_s)
+                except subprocess.TimeoutExpired as exc:
+                    raise RuntimeError(f"the SIGKILLed server (pid {self.proc.pid}) was not reaped within {self.reap_s:g}s") from exc
             yield item
 
 
@@ -100,7 +105,7 @@ def _fails_at_once(server: Server, source: StateDictSource, flattened: bool) -> 
 
 @pytest.mark.parametrize("flattened", [True, False], ids=["flattened_bucket", "per_tensor"])
 def test_a_server_killed_mid_stream_fails_the_sync_at_once(server: Server, flattened: bool) -> None:
-    _fails_at_once(server, _KillsServer(server.weights, server.proc.pid, at=len(server.weights) // 2), flattened)
+    _fails_at_once(server, _KillsServer(server.weights, server.proc, at=len(server.weights) // 2), flattened)
     assert server.proc.wait(5) == -signal.SIGKILL
 
 

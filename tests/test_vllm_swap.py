@@ -40,23 +40,30 @@ CHECKED_TOKENS = 56  # tokens of each span compared with HF's greedy decode: ove
 
 class _HoldsARequest(VllmServerRollout):
     """Every swap pauses while a long request is in the engine: the swap's pause waits until a
-    streamed request has its first token (`InFlight`), then checks, paused, that the request is
-    still unfinished; if it finished first (a fast engine, a slow client), the engine resumes and
-    the next request is held (a few tries). Some request then straddles every swap, on a warm
-    engine or a loaded box alike."""
+    streamed request has its first token (`InFlight`), then asks the paused engine whether the
+    request is still in it; if it finished first (a fast engine), the engine resumes and the next
+    request is held (a few tries). Some request then straddles every swap, on a warm engine or a
+    loaded box alike. One held request at a time: the engine's count of finished requests of
+    their max_tokens bucket then tells this one's end (the stream's NUM_TOKENS lie below it)."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.held: list[InFlight] = []
+        self.said_held: list[bool] = []  # per held request: the paused engine's answer
         self.tries: list[int] = []
 
     def _pause_for_swap(self, mode: str) -> None:
         for attempt in range(1, 6):
+            for earlier in self.held:  # bounded by each request's timeout
+                earlier.wait_ended()
+                assert earlier.finished.is_set(), "an earlier held request did not end within its timeout"
             held = InFlight(self.base_url, PROMPTS[len(self.held) % len(PROMPTS)], HELD_TOKENS)
+            assert held.bucket[0] >= NUM_TOKENS, f"the stream's requests share the held one's max_tokens bucket {held.bucket}"
             self.held.append(held)
             held.wait_started()
             super()._pause_for_swap(mode)
-            if held.unfinished_while_paused() or attempt == 5:
+            self.said_held.append(held.unfinished_while_paused())
+            if self.said_held[-1] or attempt == 5:
                 self.tries.append(attempt)
                 return
             self._resume_after_swap()
@@ -122,6 +129,9 @@ def test_recompute_from_the_config_reprefills_in_flight_requests_under_the_new_w
             h.wait_ended()
         adapter.close()
     held = [h.join() for h in adapter.held]
+    for out, said in zip(held, adapter.said_held, strict=True):  # the engine's answer, checked against the tokens' versions
+        if out.finish != "abort":
+            assert (len(out.spans) > 1) == said, f"the paused engine said held={said}, but the request has {len(out.spans)} span(s): {out}"
     assert staged == ["full"] + ["patches"] * 3, staged
     assert not stream.errors, stream.errors[:3]
     straddled = 0
