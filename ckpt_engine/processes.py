@@ -6,11 +6,12 @@ collective) must not hang the caller, so every wait shares one deadline and stra
 
 from __future__ import annotations
 
-import select
 import subprocess
 import time
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
+
+from ckpt_engine.readable import readable
 
 __all__ = ["read_ready_line", "run_processes"]
 
@@ -42,8 +43,7 @@ def read_ready_line(proc: subprocess.Popen[str], prefix: str, what: str, timeout
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
-        if ready:
+        if readable(proc.stdout, 0.5):
             line = proc.stdout.readline()
             if line.startswith(prefix):
                 return line[len(prefix) :].strip()

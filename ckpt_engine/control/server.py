@@ -20,7 +20,6 @@ import hmac
 import itertools
 import logging
 import math
-import select
 import socket
 import threading
 import time
@@ -29,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 from ckpt_engine.control.wire import WireError, recv_frame, send_frame
+from ckpt_engine.readable import readable
 
 __all__ = ["AuthError", "ControlLimits", "ControlServer", "Handler", "ProtocolError", "RpcServer"]
 
@@ -246,7 +246,7 @@ def _mark_busy(conn: _Conn) -> None:
 def _has_bytes_waiting(sock: socket.socket) -> bool:
     """A request already on its way counts as busy: closing that connection would drop it."""
     try:
-        return bool(select.select([sock], [], [], 0)[0])
+        return readable(sock)
     except (OSError, ValueError):
         return False
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import select
 import socket
 import struct
 import threading
@@ -19,6 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+
+from ckpt_engine.readable import readable
 
 __all__ = ["MAX_FRAME_BYTES", "RpcClient", "RpcError", "WireError", "recv_frame", "send_frame"]
 
@@ -170,7 +171,6 @@ class RpcClient:
 def _closed_by_peer(sock: socket.socket) -> bool:
     """True when the peer has closed (or reset) an idle connection: a zero-wait peek sees EOF."""
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+        return readable(sock) and sock.recv(1, socket.MSG_PEEK) == b""
     except (OSError, ValueError):
         return True
