@@ -53,6 +53,8 @@ class SharedWalk:
     names: list[str]
     placement: Placement
     offered: list[torch.Tensor]
+    all_offered: bool
+    """Every walked tensor was offered (none empty): the walk's placement is the offer's."""
 
 
 class PlanState:

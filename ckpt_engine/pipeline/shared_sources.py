@@ -24,7 +24,7 @@ from ckpt_engine.pipeline.plan_state import PlanState, SharedBucket, SharedPlan,
 from ckpt_engine.pipeline.wire_views import has_wire_layout
 from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.engine import SendStats, TransferError
-from ckpt_engine.transports.shared_tensors import placement
+from ckpt_engine.transports.shared_tensors import Placement, placement
 from ckpt_engine.transports.transport import SourceSharing, Transport
 
 __all__ = ["SharedSources"]
@@ -63,8 +63,9 @@ class SharedSources:
         last, state.shared_walk = state.shared_walk, None
         if last is not None:
             items = list(it)
-            if list(map(_NAME, items)) == last.names and placement(list(map(_TENSOR, items))) == last.placement:
-                stats = self._offer(stats, last.offered, t_start)
+            placed = placement(list(map(_TENSOR, items)))
+            if list(map(_NAME, items)) == last.names and placed == last.placement:
+                stats = self._offer(stats, last.offered, t_start, placed if last.all_offered else None)
                 state.shared_walk = last  # kept only past an offer the receiver took: the transport then holds its memory
                 stats.extra["walk_replayed"] = True
                 return stats, ()
@@ -87,14 +88,15 @@ class SharedSources:
             raise ValueError("the weight source yielded more tensors than its metadata lists")
         stats = self._offer(stats, offered, t_start)
         # read after the offer: sharing a host tensor may have moved it into shared memory
-        state.shared_walk = SharedWalk(list(map(_NAME, walked)), placement(list(map(_TENSOR, walked))), offered)
+        state.shared_walk = SharedWalk(list(map(_NAME, walked)), placement(list(map(_TENSOR, walked))), offered, len(offered) == len(walked))
         return stats, ()
 
-    def _offer(self, stats: SendStats, offered: list[torch.Tensor], t_start: float) -> SendStats:
-        """Offer the walked tensors and wait until the receiver has copied them."""
+    def _offer(self, stats: SendStats, offered: list[torch.Tensor], t_start: float, placed: Placement | None = None) -> SendStats:
+        """Offer the walked tensors (`placed`: their placement, read just now) and wait until the
+        receiver has copied them."""
         stats.export_s = time.perf_counter() - t_start
         try:
-            self.sharing.offer(offered)
+            self.sharing.offer(offered, placed)
             self.sharing.wait_taken()
         except BaseException:
             self.t.abort()

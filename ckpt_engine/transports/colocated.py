@@ -224,11 +224,11 @@ class ColocatedTransport(Transport, SourceSharing):
     def can_share(self, t: torch.Tensor) -> bool:
         return self._can_map and can_share(t, self.device)
 
-    def offer(self, tensors: list[torch.Tensor] | None) -> None:
+    def offer(self, tensors: list[torch.Tensor] | None, placed: Placement | None = None) -> None:
         if tensors is None:
             self._store.set(self._key("offer", 0), msgpack.packb({"generation": None}))
             return
-        if placement(tensors) != self._offered_placement:
+        if (placed if placed is not None else placement(tensors)) != self._offered_placement:
             # Held until the next change: the receiver's mappings stay over live tensors.
             old = self._generation
             self._generation += 1

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 
 from ckpt_engine.engine import Rendezvous, TransferError
+from ckpt_engine.transports.shared_tensors import Placement
 
 __all__ = ["SLACK", "Frames", "SourceSharing", "Transport", "TransportOptions"]
 
@@ -287,9 +288,10 @@ class SourceSharing(ABC):
         """Whether the receiver can map `t` where it lies (no copy, nothing moved on the sender)."""
 
     @abstractmethod
-    def offer(self, tensors: list[torch.Tensor] | None) -> None:
+    def offer(self, tensors: list[torch.Tensor] | None, placed: Placement | None = None) -> None:
         """Sender: the tensors (manifest order, non-empty ones) this sync's bytes are copied from;
-        handles travel only when they differ from the last offer's. None: the slots carry this sync."""
+        handles travel only when they differ from the last offer's. None: the slots carry this sync.
+        `placed`: their `placement`, if the caller read it since they last moved (not read again)."""
 
     @abstractmethod
     def wait_taken(self) -> None:
