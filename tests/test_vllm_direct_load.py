@@ -10,6 +10,8 @@ the copies are real, into a plain module's parameters.
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -159,3 +161,7 @@ def test_a_colocated_senders_kept_buckets_replay_their_copies() -> None:
     assert torch.equal(model.qkv, torch.cat([moved["q.weight"], moved["k.weight"], moved["v.weight"]]))
     assert torch.equal(model.big_a, moved["big.weight"][:BIG_ROWS]) and torch.equal(model.big_b, moved["big.weight"][BIG_ROWS:])
     assert direct.replayed == 2
+    held = weakref.ref(w["q.weight"])
+    del covered, again, w
+    gc.collect()
+    assert held() is None  # a bucket gone takes its kept copies, and the tensors they read, with it

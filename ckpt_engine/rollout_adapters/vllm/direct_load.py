@@ -18,6 +18,7 @@ or dtype differs from the record at receive time goes through vLLM's loader as b
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -67,7 +68,8 @@ class DirectLoads:
         self.replayed = 0
         """Buckets whose kept copies were replayed since this object was made."""
         self._kept: dict[int, _Kept] = {}
-        """Per `SharedBucket` (by id, checked by a weak reference) whose pairs were all copied here: its copies."""
+        """Per `SharedBucket` (by id, checked by a weak reference) whose pairs were all copied here: its
+        copies, dropped when the bucket goes (they hold the mapped tensors they read)."""
         self.copied = 0
         """Tensors copied directly since this object was made (receive reports read the change)."""
         skipped: dict[str, str] = {}
@@ -108,9 +110,15 @@ class DirectLoads:
         copy_large_alone_(dsts, srcs)
         self.copied += len(pairs) - len(rest)
         if type(pairs) is SharedBucket and not rest:
-            self._kept = {k: v for k, v in self._kept.items() if v.bucket() is not None}  # buckets of an old offer or plan are gone
-            self._kept[id(pairs)] = _Kept(weakref.ref(pairs), dsts, srcs)
+            self._kept[id(pairs)] = _Kept(weakref.ref(pairs, functools.partial(_forget, self._kept, id(pairs))), dsts, srcs)
         return rest
+
+
+def _forget(kept: dict[int, _Kept], key: int, bucket: weakref.ref[SharedBucket]) -> None:
+    """A bucket is gone (a new offer or plan, the group left): its copies, and the mapped tensors
+    they read, go with it."""
+    if (entry := kept.get(key)) is not None and entry.bucket is bucket:
+        del kept[key]
 
 
 class _Kept:
