@@ -249,8 +249,7 @@ class RolloutAdapter(ABC):
         a keyword `stage` (passed only when staging): `"patches"` (a patch sync: every patch is
         checked against the live weights and kept, nothing live is written) or `"full"` (the sync
         lands in a staging copy of every weight); the engine keeps serving its current version
-        until `swap`. Adapters with `capabilities.begins` also take a keyword `begun`, called once their
-        ranks' receive is under way (or failed), never after waiting on the sender."""
+        until `swap`."""
 
     def staging_room(self, nbytes: int) -> bool:
         """Whether a dense staging copy of `nbytes` (a whole sync's bytes on one engine rank) fits

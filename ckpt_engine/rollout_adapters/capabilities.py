@@ -48,11 +48,6 @@ class EngineCapabilities:
     checks_at_receive: bool = False
     """With `installed`, one rank told a check's source digests with its receive finalizes in the
     receive's last call where its own agree (`finalize_with_receive`): no finalize round trip."""
-    begins: bool = False
-    """`receive` takes a keyword `begun`, called once its ranks' receive is under way (or failed):
-    the session starts this rank's walk only then. The walk is pure Python and keeps the interpreter
-    lock for the switch interval (5 ms): begun beside it, a vLLM receive whose calls need that lock (its
-    engine core in the trainer's process, or the rpc's own encoding) started ~10 ms late on a 30B-A3B sync."""
     claims: bool = False
     """The engine can be claimed by one weight-sync group for a lease (`RolloutAdapter.claim`); the
     daemon claims such engines at registration. Engines without it are guarded by the job token."""

@@ -4,7 +4,6 @@ blamed on its culprits (the weight source, engines, the sender, or other trainer
 from __future__ import annotations
 
 import concurrent.futures as cf
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -57,11 +56,7 @@ class SyncStream:
                 # the engines only validated and paused: stale, not dead
                 raise SyncError("transfer", failed, self._broken({}, False, None))
         extra: dict[str, Any] = {k: v for k, v in (("delta", request), ("stage", stage)) if v is not None}  # only what is used
-        begun = {r.name: threading.Event() for r in rollouts if r.capabilities.begins}
-        receives = {r.name: self._pool.submit(r.receive, manifest, **(dict(extra, begun=begun[r.name].set) if r.name in begun else extra))
-                    for r in rollouts}
-        for event in begun.values():  # their receives under way before this rank's walk holds the interpreter lock
-            event.wait(self.config.timeout_s)  # (a begin that hangs fails its receive, collected below)
+        receives = {r.name: self._pool.submit(r.receive, manifest, **extra) for r in rollouts}
         try:
             stats = self._regions.send(  # the engine's own send_weights without region delivery
                 engine, manifest, weights, stable=_stable(source, senders), delta=request,

@@ -40,7 +40,7 @@ from ckpt_engine.rollout_adapters.capabilities import Feature
 from ckpt_engine.rollout_adapters.vllm.answers import NEED_MANIFEST, NO_ROOM, REJECTED, after, installed_key, plan_key, problems
 from ckpt_engine.rollout_adapters.vllm.clients import EngineControl, HTTPWeightSyncClient, LLMWeightSyncClient
 from ckpt_engine.rollout_adapters.vllm.compat import VllmFeatures, features_of
-from ckpt_engine.rollout_adapters.vllm.routes import Route, no_wait
+from ckpt_engine.rollout_adapters.vllm.routes import Route
 
 __all__ = ["ReadsWeightVersion", "TransferRoute", "WeightTransferChannel"]
 
@@ -233,9 +233,8 @@ class TransferRoute:
         self.held = digest
         return []
 
-    def receive(self, digest: str, delta: dict[str, Any] | None, beside: Callable[[], None] | None = None, begun: Callable[[], None] = no_wait) -> None:
-        """vLLM's `update_weights` holds the engine core to its end: `beside` runs after it; under way as it is asked."""
-        begun()
+    def receive(self, digest: str, delta: dict[str, Any] | None, beside: Callable[[], None] | None = None) -> None:
+        """vLLM's `update_weights` holds the engine core to its end: `beside` runs after it."""
         self._phase({"phase": "receive", "digest": digest, **({"delta": delta} if delta is not None else {})}, digest)
         if beside is not None:
             beside()

@@ -16,9 +16,10 @@ group join or validate to its resume, swap or discard a sync holds the engine ag
 and a join holds it against syncs (`vllm/holds.py`).
 
 A staged sync (`receive(..., stage=...)` then `swap`): the workers receive on a background thread
-while the engine generates (`vllm/staging.py`) and report its end in the group's store
-(`vllm/stage_outcome.py`); the swap pauses, loads the staged version through layerwise reload (vLLM
-runs it between two engine steps, on every worker) beside the cache reset and stamp, and resumes. vLLM's `weight_versions` spans then show which tokens of a
+while the engine keeps generating (`vllm/staging.py`) and report its end in the group's store
+(`vllm/stage_outcome.py`); the swap pauses the scheduler, loads the staged version through
+layerwise reload (vLLM runs it between two engine steps, on every worker) beside the cache reset
+and the version stamp, and resumes. vLLM's `weight_versions` spans then show which tokens of a
 request came from which version.
 """
 
@@ -46,7 +47,7 @@ from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.vllm.clients import PAUSE_MODES, Channel, HTTPWeightSyncClient, LLMWeightSyncClient, http_channel
 from ckpt_engine.rollout_adapters.vllm.holds import EngineHolds
 from ckpt_engine.rollout_adapters.vllm.native import WeightTransferChannel
-from ckpt_engine.rollout_adapters.vllm.routes import WORKER_EXTENSION, ExtensionRoute, folded_finalize, no_wait
+from ckpt_engine.rollout_adapters.vllm.routes import WORKER_EXTENSION, ExtensionRoute, folded_finalize
 from ckpt_engine.rollout_adapters.vllm.stage_outcome import StagedOutcomes
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
     swaps it in. Over the worker extension, one worker per engine.
     """
 
-    capabilities = EngineCapabilities(delta=True, many_senders=True, regions=True, stages=True, stages_regions=True, installed=True, checks_at_receive=True, begins=True)
+    capabilities = EngineCapabilities(delta=True, many_senders=True, regions=True, stages=True, stages_regions=True, installed=True, checks_at_receive=True)
     """Delta: each worker keeps a base copy, applies patches there, reloads full tensors. Regions:
     each worker states the regions its loaders read (`receive_plans`). Staged: workers receive on a
     background thread while the engine steps and `swap` loads; with receive plans each worker keeps
@@ -206,11 +207,11 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         if problems:
             raise ManifestRejectedError(self.name, problems)
 
-    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None, *, stage: str | None = None, begun: Callable[[], None] = no_wait) -> ReceiveReport:
+    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None, *, stage: str | None = None) -> ReceiveReport:
         """Receive and load `manifest` (the engine paused), or with `stage` receive it into staging
         on the workers' background threads while the engine keeps generating (then `swap`). Both
         stages land alike here: a delta sync in the workers' checked base images, a dense one in
-        their staging copy (`vllm/staging.py`). `begun`: see `EngineCapabilities.begins`."""
+        their staging copy (`vllm/staging.py`)."""
         if stage is not None and (stage not in STAGES or not self.capabilities.stages):
             raise ValueError(f"engine {self.name!r}: stage must be one of {', '.join(STAGES)} or None (and the handle able to stage), got {stage!r}")
         request = delta.to_dict() if delta is not None else None
@@ -224,12 +225,11 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
             self._cache_reset = False
             fold, self._finalize_with = self._finalize_with, None
             if fold is None or not early or not isinstance(self.workers, ExtensionRoute) or self.workers.methods:  # full weights fold
-                replies = self.workers.receive(manifest.digest, request, beside=reset if early else None, begun=begun)
+                replies = self.workers.receive(manifest.digest, request, beside=reset if early else None)
             else:
-                replies = self._receive_and_finalize(self.workers, manifest.digest, request, reset, *fold, begun)
+                replies = self._receive_and_finalize(self.workers, manifest.digest, request, reset, *fold)
             self._cache_reset = early
         else:
-            begun()
             with self.staged.receiving() as ticket:  # from here a discard stops the wait
                 self.workers.stage(manifest.digest, ticket, request, stage)
                 outcomes = self.staged.wait(ticket)  # each worker reports its end in the group's store
@@ -245,11 +245,11 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
     def finalize_with_receive(self, version: int, installed: Callable[[], InstalledReport | None] | None = None) -> None:
         self._finalize_with = (version, installed)
 
-    def _receive_and_finalize(self, route: ExtensionRoute, digest: str, request: Any, reset: Any, version: int, installed: Any, begun: Any) -> list[dict[str, Any]]:
+    def _receive_and_finalize(self, route: ExtensionRoute, digest: str, request: Any, reset: Any, version: int, installed: Any) -> list[dict[str, Any]]:
         """The receive, finalized (where a check's digests agree) and the claim let go in its last call once it and the reset went through."""
         syncing = self.holds.syncing
         try:
-            replies = route.receive(digest, request, beside=reset, finalize=version, release=self.holds.sync_release(), installed=installed, begun=begun)
+            replies = route.receive(digest, request, beside=reset, finalize=version, release=self.holds.sync_release(), installed=installed)
         except BaseException:
             self.holds.syncing = syncing  # not let go: the failed sync's resume lets go
             raise

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ckpt_engine.installed import InstalledRequest
     from ckpt_engine.rollout_adapters.base import JoinOptions
 
-__all__ = ["LORA_METHODS", "WORKER_EXTENSION", "ExtensionRoute", "Route", "RpcChannel", "folded_finalize", "no_wait"]
+__all__ = ["LORA_METHODS", "WORKER_EXTENSION", "ExtensionRoute", "Route", "RpcChannel", "folded_finalize"]
 
 WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm.worker.CkptEngineWorkerExtension"
 
@@ -40,10 +40,6 @@ LORA_METHODS = {
 """An adapter-sync join's worker methods (`vllm/lora_worker.py`) in place of the full-weight ones."""
 
 
-def no_wait() -> None:
-    """`begun` where nobody waits for a receive to begin."""
-
-
 class Route(Protocol):
     """The worker-side steps of a sync, each on every worker of the engine (`VllmRollout` says what
     each is for). Replies are one dict per worker where the route has them (None or []: it has not)."""
@@ -55,12 +51,9 @@ class Route(Protocol):
     def check(self, digest: str, encoded: bytes, regions: list[bytes] | None, claim: dict[str, Any] | None = None) -> list[str]:
         """`claim`: a peer-lease claim the workers take first, in the same call (`vllm/holds.py`)."""
         ...
-    def receive(
-        self, digest: str, delta: dict[str, Any] | None, beside: Callable[[], None] | None = None, begun: Callable[[], None] = no_wait,
-    ) -> list[dict[str, Any]] | None:
+    def receive(self, digest: str, delta: dict[str, Any] | None, beside: Callable[[], None] | None = None) -> list[dict[str, Any]] | None:
         """`beside`: engine-core work (the prefix-cache reset) the handle runs while the workers
-        receive, where the route frees the engine core for it; else right after the receive.
-        `begun`: called once the workers' receive is under way (`EngineCapabilities.begins`)."""
+        receive, where the route frees the engine core for it; else right after the receive."""
         ...
     def stage(self, digest: str, ticket: str, delta: dict[str, Any] | None, stage: str) -> None: ...
     def staged_reports(self) -> list[dict[str, Any]] | None: ...
@@ -157,7 +150,7 @@ class ExtensionRoute:
 
     def receive(
         self, digest: str, delta: dict[str, Any] | None, beside: Callable[[], None] | None = None, finalize: int | None = None,
-        release: str | None = None, installed: Callable[[], InstalledReport | None] | None = None, begun: Callable[[], None] = no_wait,
+        release: str | None = None, installed: Callable[[], InstalledReport | None] | None = None,
     ) -> list[dict[str, Any]]:
         """`finalize` (and `release`): finalized by the workers in the receive's last call where it has
         two (`beside`), each reply then holding `finalized`; else left to `finalize`. `installed`: an
@@ -165,19 +158,15 @@ class ExtensionRoute:
         here): a worker finalizes only where its own report agrees, and lets the claim go either way."""
         args = {"digest": digest, "delta": delta, **self._arm_with()}
         if beside is None or "ckpt_receive" in self.methods:  # an adapter sync receives inside the call
-            begun()
             replies = self.rpc("ckpt_receive", args, timeout_s=self.timeout_s * 2)
             if beside is not None:
                 beside()
         else:  # the workers receive on a thread of their own (`vllm/background_receive.py`)
-            try:
-                started = self.rpc("ckpt_receive_begin", args)
-            finally:
-                begun()
+            begun = self.rpc("ckpt_receive_begin", args)
             deadline = time.monotonic() + self.timeout_s * 2  # the receive's bound, the wait for its copies' launch included
             end: dict[str, Any] = {}
             try:
-                if not all(r.get("quiet", True) for r in started):  # copies out of a colocated sender: launched first, then the reset
+                if not all(r.get("quiet", True) for r in begun):  # copies out of a colocated sender: launched first, then the reset
                     self.rpc("ckpt_receive_quiet", {"timeout_s": self.timeout_s * 2}, timeout_s=self.timeout_s * 2 + 5)
                 beside()
                 if finalize is not None:  # after the work beside (the cache reset); the claim let go either way
