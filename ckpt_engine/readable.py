@@ -10,12 +10,16 @@ for closed by the peer. `poll` has no such bound.
 from __future__ import annotations
 
 import select
-from typing import IO, Any
+from typing import Protocol
 
 __all__ = ["readable"]
 
 
-def readable(f: int | IO[Any] | Any, timeout_s: float = 0.0) -> bool:
+class _HasFileno(Protocol):
+    def fileno(self) -> int: ...
+
+
+def readable(f: int | _HasFileno, timeout_s: float = 0.0) -> bool:
     """Whether `f` (a descriptor, or an object with `fileno()`: a file, a socket) can be read without
     blocking, or is at end of file or hung up, within `timeout_s` (0: now)."""
     poller = select.poll()
