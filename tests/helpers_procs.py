@@ -10,17 +10,11 @@ import multiprocessing as mp
 import multiprocessing.connection
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-
-def free_port() -> int:
-    """A port the OS says is free now (tests never hard-code one)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ckpt_engine.processes import free_port  # noqa: F401 - the tests' port for a server they start (never hard-coded)
 
 
 class ForkedProcess:

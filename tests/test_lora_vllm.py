@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession  # noqa: E402
+from ckpt_engine.processes import free_port  # noqa: E402
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError  # noqa: E402
 from ckpt_engine.sources.adapters import AdapterSource  # noqa: E402
 from ckpt_engine.sync.api import SyncError, close_sessions  # noqa: E402
@@ -41,12 +41,6 @@ PROMPTS = [[5, 6, 7, 8], [100, 3, 250, 17, 42]]
 NUM_TOKENS = 8
 LONG_TOKENS = 24
 TIMEOUT_S = 30.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +128,7 @@ def test_fsdp2_lora_syncs_into_vllm_match_hf_merged_and_keep_running_requests_on
     rollout = VllmLoraRollout("vllm-lora", llm, max_adapter_versions=2, timeout_s=TIMEOUT_S)
     config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=TIMEOUT_S, weights="adapters")
     base = [hf_greedy(transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), p, NUM_TOKENS) for p in PROMPTS]
-    port = _free_port()
+    port = free_port()
     syncs, die_at = 4, 3
     job = {"port": port, "model_dir": str(model_dir), "syncs": syncs, "die_at_sync": die_at, "timeout_s": TIMEOUT_S}
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent.parent), os.environ.get("PYTHONPATH", "")]))

@@ -198,15 +198,11 @@ def ms_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[TorchR
 
 @pytest.mark.parametrize("piece", [2, 3, 4])
 def test_rank_1_names_a_dead_rank_0(ms_engines: list[TorchRefRollout], tmp_path: Path, piece: int) -> None:
-    import socket
-
     from _sender_trainer import trainer_main
     from ranks import forkserver_context
-    from ckpt_engine.processes import run_processes
+    from ckpt_engine.processes import free_port, run_processes
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in ms_engines]
     ctx = forkserver_context()
     kill = {"rank": 0, "version": 1, "piece": piece}

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ import torch
 
 from ckpt_engine.trainer.config import JobConfig
 from ckpt_engine.trainer.tiny_qwen2 import TINY_QWEN2
+from ckpt_engine.processes import free_port
 
 __all__ = ["run_vllm_job", "write_model_dir"]
 
@@ -44,12 +44,6 @@ logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "ckpt_engine.rollout_adapters.vllm.worker.CkptEngineWorkerExtension"
 ENGINE_ARGS = ["--max-model-len", "64", "--max-num-seqs", "32", "--gpu-memory-utilization", "0.05"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def write_model_dir(path: Path, overrides: dict[str, Any], min_vocab: int) -> Path:
@@ -65,7 +59,7 @@ class VllmServerProcess:
     """One `python -m vllm.entrypoints.openai.api_server` in its own process group, log to a file."""
 
     def __init__(self, model_dir: Path, log: Path, extra_args: list[str]) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
