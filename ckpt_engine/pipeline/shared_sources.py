@@ -63,8 +63,8 @@ class SharedSources:
         last, state.shared_walk = state.shared_walk, None
         if last is not None:
             items = list(it)
-            placed = placement(list(map(_TENSOR, items)))
-            if list(map(_NAME, items)) == last.names and placed == last.placement:
+            placed = placement(list(map(_TENSOR, items))) if list(map(_NAME, items)) == last.names else None
+            if placed is not None and placed == last.placement:
                 stats = self._offer(stats, last.offered, t_start, placed if last.all_offered else None)
                 state.shared_walk = last  # kept only past an offer the receiver took: the transport then holds its memory
                 stats.extra["walk_replayed"] = True
