@@ -8,7 +8,6 @@ interpreter importing torch each time. tests/test_daemon_protocol.py starts `ser
 
 from __future__ import annotations
 
-import select
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon.cli import READY_PREFIX
+from ckpt_engine.readable import readable
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from helpers_procs import ForkedProcess, fork_program
@@ -108,8 +108,7 @@ def start_serve(tmp_path: Path, token: str, *overrides: str, port: int = 0, yaml
     with open(log, "a") as err:
         proc = subprocess.Popen([sys.executable, "-m", "ckpt_engine.cli", *argv], stdout=subprocess.PIPE, stderr=err, text=True)
     assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 60)
-    line = proc.stdout.readline() if ready else ""
+    line = proc.stdout.readline() if readable(proc.stdout, 60) else ""
     if not line.startswith(READY_PREFIX):
         proc.kill()
         pytest.fail(f"ckpt-engine serve did not start: {line!r}")

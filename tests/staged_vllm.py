@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+from ckpt_engine.readable import readable
 from ckpt_engine.sources.base import StateDictSource
 from helpers_wait import wait_for
 
@@ -80,8 +80,7 @@ def start_waiting_sender(url: str, model_dir: Path, *extra: str, delay_s: float 
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])),
     )
     assert sender.stdout is not None
-    ready, _, _ = select.select([sender.stdout], [], [], 240)
-    assert ready and sender.stdout.readline().strip() == "ready", f"the sender did not start (exit code {sender.poll()})"
+    assert readable(sender.stdout, 240) and sender.stdout.readline().strip() == "ready", f"the sender did not start (exit code {sender.poll()})"
     return sender
 
 

@@ -14,7 +14,6 @@ nothing staged; the next sync heals. Without room for a dense staging copy, `aut
 from __future__ import annotations
 
 import copy
-import select
 import signal
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.manifest import BucketManifest
+from ckpt_engine.readable import readable
 from ckpt_engine.sync.report import SyncError
 from helpers_vllm import VllmServer
 from shared_server import SharedServer
@@ -258,8 +258,7 @@ def test_a_sender_killed_mid_stage_leaves_the_old_version_and_the_next_sync_heal
         assert sender.stdin is not None and sender.stdout is not None
         sender.stdin.write("go\n")
         sender.stdin.flush()
-        ready, _, _ = select.select([sender.stdout], [], [], 240)
-        assert ready and sender.stdout.readline().strip() == "streaming", f"the sender never streamed (exit code {sender.poll()})"
+        assert readable(sender.stdout, 240) and sender.stdout.readline().strip() == "streaming", f"the sender never streamed (exit code {sender.poll()})"
         served = len(stream.outputs)
         sender.send_signal(signal.SIGKILL)
         assert sender.wait(60) == -signal.SIGKILL
