@@ -131,6 +131,32 @@ def test_an_engine_rank_agrees_with_the_source_only_on_equal_digests_and_nothing
     assert not agrees(None, source.to_wire())  # no report rode on the receive: finalized apart
 
 
+def test_reports_of_the_same_keys_compare_as_columns_and_an_agreed_one_carries_no_digests() -> None:
+    """A worker's report and the source's list the same keys at every check: `agreeing` compares the
+    columns (None where only reading them says), `from_wire` reuses the last report's keys (not
+    fooled by a caller changing its lists after), and a report whose rank agreed is read without
+    its digests and passes the compare, still naming what it left unchecked or missing."""
+    from ckpt_engine.installed import agreeing
+
+    source = InstalledReport({("a", None): 3, ("b", Region(0, 2, 4)): -9})
+    same = InstalledReport({("a", None): 3, ("b", Region(0, 2, 4)): -9}, unchecked=["w13"])
+    assert agreeing(same.to_wire(), source.to_wire()) is True
+    assert agreeing(InstalledReport({("a", None): 4, ("b", Region(0, 2, 4)): -9}).to_wire(), source.to_wire()) is False
+    assert agreeing(InstalledReport({("a", None): 3}, missing=["b"]).to_wire(), source.to_wire()) is False
+    reordered = InstalledReport({("b", Region(0, 2, 4)): -9, ("a", None): 3}).to_wire()
+    assert agreeing(reordered, source.to_wire()) is None and InstalledReport.from_wire(reordered).agrees(source)
+    wire = source.to_wire()
+    assert InstalledReport.from_wire(wire) == source
+    wire["names"][0] = "z"  # the caller's list, changed after it was read
+    assert InstalledReport.from_wire(source.to_wire()) == source
+    assert InstalledReport.from_wire(wire).digests == {("z", None): 3, ("b", Region(0, 2, 4)): -9}
+    light = InstalledReport.from_wire(same.to_wire(), agreed=True)
+    assert light.agreed and light.digests == {} and light.unchecked == ["w13"] and light.agrees(source)
+    assert not InstalledReport.from_wire(InstalledReport(missing=["b"]).to_wire(), agreed=True).agrees(source)
+    with pytest.raises(ValueError):
+        InstalledReport.from_wire({"names": [], "regions": None, "digests": [], "unwritten": "x", "unchecked": []}, agreed=True)
+
+
 def test_the_config_keys_are_checked() -> None:
     assert cfg().verify_installed == "first"
     assert cfg(verify_installed=False).verify_installed == "off"

@@ -1,6 +1,6 @@
 """Installed-weight checks with many senders (issue 42 item 5, `senders: all`): two trainer ranks
 in their own processes each fold their share of every checked tensor from their own rows
-(`sync/installed.py` `sender_shares`), rank 0 adds the shares after the report round and compares
+(`sync/installed_shares.py` `sender_shares`), rank 0 adds the shares after the report round and compares
 them with what the reference receivers (their own processes) installed, as with one sender. A
 loader that transposes a row-sharded tensor, or skips a tensor one sender holds whole, fails the
 sync at 'verify' naming the tensor and the engine, 3 times each; clean syncs, whole tensors and

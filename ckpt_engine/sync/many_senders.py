@@ -14,10 +14,12 @@ from typing import Any, TypeVar
 
 from ckpt_engine.rollout_adapters.capabilities import lacking
 from ckpt_engine.config import CheckpointEngineConfig
+from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.sources.base import WeightSource
 from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.sync.sender_channel import SenderChannel
+from ckpt_engine.sync.installed_shares import sender_shares
 from ckpt_engine.sync.sender_follower import join_message, send_message
 from ckpt_engine.registry import CheckpointEngineRegistry
 
@@ -70,6 +72,11 @@ class ManySenders:
         """Rank 0's shares of that check (`sender_shares`), folded after the report round."""
         self.shares: list[list[int] | None] = []
         """Every rank's shares of the last checked send (rank order), for `InstalledChecks.combine`."""
+
+    def announce_check(self, source: ShardedWeightSource, manifest: BucketManifest, announced: dict[str, Any]) -> None:
+        """This sync's installed-weight check goes with the send; rank 0 folds its own shares of it."""
+        self.installed = announced
+        self.own_shares = lambda: sender_shares(source, manifest, announced)
 
     def count(self, source: WeightSource) -> int:
         """How many trainer ranks send this sync (config `senders`; see CheckpointEngineConfig);

@@ -18,7 +18,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import CheckpointEngine, Rendezvous, SendStats
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.registry import CheckpointEngineRegistry
-from ckpt_engine.sync.installed import sender_shares
+from ckpt_engine.sync.installed_shares import sender_shares
 from ckpt_engine.sync.region_follower import FollowerRegions
 from ckpt_engine.sync.sender_channel import SenderChannel
 from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces, piece_names

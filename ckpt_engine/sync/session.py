@@ -31,7 +31,7 @@ from ckpt_engine.rollout_adapters.base import ManifestRejectedError, Membership,
 from ckpt_engine.sync.sender_follower import join_message
 from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
 from ckpt_engine.sync.group import SyncGroup
-from ckpt_engine.sync.installed import InstalledChecks, sender_shares
+from ckpt_engine.sync.installed import InstalledChecks
 from ckpt_engine.sync.many_senders import ManySenders, wants_many_senders
 from ckpt_engine.sync.regions import RegionDelivery, RegionSync
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
@@ -268,8 +268,7 @@ class WeightSyncSession:
             source.fill_slots = self._installed.request is None
         announced = self._installed.announcement() if senders > 1 else None
         if announced is not None and isinstance(source, ShardedWeightSource):  # each sender folds its share; rank 0 adds them
-            self._senders.installed = announced
-            self._senders.own_shares = lambda: sender_shares(source, manifest, announced)
+            self._senders.announce_check(source, manifest, announced)
         # Delta or dense is decided before anything is paused (delta=on with an engine that takes no
         # patches is refused here, with every engine still serving).
         digest = regions.digest if regions is not None else manifest.digest
@@ -287,7 +286,7 @@ class WeightSyncSession:
 
         def stream() -> tuple[SendStats, dict[str, ReceiveReport]]:
             t = time.perf_counter()
-            out = self._stream.run(self.rollouts, source, engine, manifest, weights, pieces, request, senders, stage, self._installed.fold_noted)
+            out = self._stream.run(self.rollouts, source, engine, manifest, weights, pieces, request, senders, stage, self._installed.sent)
             if self._senders.installed is not None and senders > 1:  # every sender's shares came in the round after the send
                 self._installed.combine(self._senders.shares)
             self._staging = None  # every rank checked every set: a failure from here (a swap) is stale, as a finalize's

@@ -397,12 +397,14 @@ class InstalledCapture:
             keep = set(self.keys)
         request = self.request
         launched, self._launched = self._launched, None
+        if keep is None and launched is not None:  # launched behind this receive's last copies: read back
+            live, folded = launched[0], launched[1].tolist()  # (the views were checked at the launch; nothing loads since)
+            digests = dict(zip(live.keys or (), folded))
+            return InstalledReport(digests, list(self.layout.unwritten), sorted(self.layout.unfollowed), [], self.seconds + time.perf_counter() - t0)
         live, folder = self._live()
         if keep is None and self._one_launch(live, folder):
             assert folder is not None and live.keys is not None
-            # launched: read back (the views still the ones it folded: `_live` checked them again)
-            folded = launched[1].tolist() if launched is not None and launched[0] is live else folder.fold(request.seed, request.samples)
-            digests = dict(zip(live.keys, folded))
+            digests = dict(zip(live.keys, folder.fold(request.seed, request.samples)))
             return InstalledReport(digests, list(self.layout.unwritten), sorted(self.layout.unfollowed), [], self.seconds + time.perf_counter() - t0)
         for j, ((key, target), view) in enumerate(zip(live.slots, live.views)):
             if keep is None or key in keep:

@@ -157,6 +157,7 @@ class ExtensionRoute:
         armed check's source digests (read once the work beside went through; None: not finalized
         here): a worker finalizes only where its own report agrees, and lets the claim go either way."""
         args = {"digest": digest, "delta": delta, **self._arm_with()}
+        end: dict[str, Any] = {}
         if beside is None or "ckpt_receive" in self.methods:  # an adapter sync receives inside the call
             replies = self.rpc("ckpt_receive", args, timeout_s=self.timeout_s * 2)
             if beside is not None:
@@ -164,7 +165,6 @@ class ExtensionRoute:
         else:  # the workers receive on a thread of their own (`vllm/background_receive.py`)
             begun = self.rpc("ckpt_receive_begin", args)
             deadline = time.monotonic() + self.timeout_s * 2  # the receive's bound, the wait for its copies' launch included
-            end: dict[str, Any] = {}
             try:
                 if not all(r.get("quiet", True) for r in begun):  # copies out of a colocated sender: launched first, then the reset
                     self.rpc("ckpt_receive_quiet", {"timeout_s": self.timeout_s * 2}, timeout_s=self.timeout_s * 2 + 5)
@@ -178,7 +178,9 @@ class ExtensionRoute:
                 replies = self.rpc("ckpt_receive_end", end, timeout_s=self.timeout_s * 2 + 5)
         reports = [r.pop("installed", None) for r in replies]
         if self._armed is not None and reports and all(r is not None for r in reports):
-            self._reported = [InstalledReport.from_wire(r) for r in reports]
+            # told the source's digests, a worker finalizes only where its own agree: those are not compared again
+            agreed = "installed" in end and all("finalized" in r for r in replies)
+            self._reported = [InstalledReport.from_wire(r, agreed=agreed) for r in reports]
         return replies
 
     def stage(self, digest: str, ticket: str, delta: dict[str, Any] | None, stage: str) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.engine import Rendezvous
-from ckpt_engine.installed import InstalledReport, InstalledRequest
+from ckpt_engine.installed import InstalledReport, InstalledRequest, agreeing
 from ckpt_engine.rollout_adapters.vllm.answers import FAILED
 from ckpt_engine.rollout_adapters.vllm.receiver import VllmReceiverCore, unbase64
 from ckpt_engine.rollout_adapters.vllm.specs import vllm_checkpoint_specs
@@ -385,4 +385,7 @@ def _offer_bytes(offer: bytes | str) -> bytes:
 
 def agrees(report: dict[str, Any] | None, source: dict[str, Any]) -> bool:
     """Whether a worker's installed report (wire form; None: none rode on the receive) agrees with the source's digests."""
-    return report is not None and InstalledReport.from_wire(report).agrees(InstalledReport.from_wire(source))
+    if report is None:
+        return False
+    fast = agreeing(report, source)
+    return fast if fast is not None else InstalledReport.from_wire(report).agrees(InstalledReport.from_wire(source))
