@@ -6,6 +6,7 @@ daemon must still answer a well-formed request.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import struct
@@ -127,42 +128,44 @@ def _nest(depth: int) -> object:
 
 
 def test_wrong_types_unknown_methods_and_tokens_are_refused(daemon: WeightSyncDaemon) -> None:
-    good = DaemonClient(daemon.address, daemon.token, timeout_s=60)  # a liveness bound: each refusal is an answer, not a timeout
-    bad_calls: list[tuple[str, dict[str, object], str]] = [
-        ("hello", {"token": "not-this-job-token"}, "AuthError"),
-        ("hello", {}, "AuthError"),
-        ("hello", {"token": 12345}, "AuthError"),
-        ("frobnicate", {"token": daemon.token}, "unknown method"),
-        ("register", {"token": daemon.token, "name": "x"}, "missing param"),
-        ("register", {"token": daemon.token, "name": 5, "engine": {"kind": "torch_ref"}}, "engine name"),
-        ("register", {"token": daemon.token, "name": "a b", "engine": {"kind": "torch_ref"}}, "engine name"),
-        ("register", {"token": daemon.token, "name": "e", "engine": "torch_ref"}, "must be a map"),
-        ("register", {"token": daemon.token, "name": "e", "engine": {"kind": "warp_drive"}}, "unknown engine kind 'warp_drive'"),
-        ("register", {"token": daemon.token, "name": "e", "engine": {"kind": "torch_ref", "host": "127.0.0.1", "port": 70000}}, "port must be an int"),
-        ("register", {"token": daemon.token, "name": "e", "engine": {"kind": "torch_ref", "host": "127.0.0.1", "port": "1"}}, "port must be an int"),
-        ("register", {"token": daemon.token, "name": "e", "engine": {"kind": "torch_ref", "host": "127.0.0.1", "port": 9, "cmd": "rm"}}, "unknown key"),
-        ("register", {"token": daemon.token, "name": "e", "engine": {"kind": "torch_ref", "host": "127.0.0.1", "port": _closed_port()}}, "unreachable"),
-        ("leave", {"token": daemon.token, "name": "e", "extra": 1}, "unknown param"),
-        ("heartbeat", {"token": daemon.token, "name": "nobody"}, "not registered"),
-        ("report_sync", {"token": daemon.token, "outcome": {"version": "1"}}, "outcome"),
-        ("report_sync", {"token": daemon.token, "outcome": {"version": 1, "ok": True, "engines": {"e": -3}, "states": {}, "dropped": {}, "stale": []}}, "outcome.engines.e"),
-    ]
-    raw = good._rpc
-    for method, params, match in bad_calls:
-        with pytest.raises(RpcError, match=match):
-            raw.call(method, **params)
-        assert good.hello()["protocol"] == 1
-    assert daemon.membership.names() == []
-    assert good.status()["refused_requests"] >= len(bad_calls)
-    good.close()
+    with _refusing_port() as refusing:  # an engine address nothing answers at
+        good = DaemonClient(daemon.address, daemon.token, timeout_s=60)  # a liveness bound: each refusal is an answer, not a timeout
+        bad_calls: list[tuple[str, dict[str, object], str]] = [
+            ("hello", {"token": "not-this-job-token"}, "AuthError"),
+            ("hello", {}, "AuthError"),
+            ("hello", {"token": 12345}, "AuthError"),
+            ("frobnicate", {"token": daemon.token}, "unknown method"),
+            ("register", {"token": daemon.token, "name": "x"}, "missing param"),
+            ("register", {"token": daemon.token, "name": 5, "engine": {"kind": "torch_ref"}}, "engine name"),
+            ("register", {"token": daemon.token, "name": "a b", "engine": {"kind": "torch_ref"}}, "engine name"),
+            ("register", {"token": daemon.token, "name": "e", "engine": "torch_ref"}, "must be a map"),
+            ("register", {"token": daemon.token, "name": "e", "engine": {"kind": "warp_drive"}}, "unknown engine kind 'warp_drive'"),
+            ("register", {"token": daemon.token, "name": "e", "engine": {"kind": "torch_ref", "host": "127.0.0.1", "port": 70000}}, "port must be an int"),
+            ("register", {"token": daemon.token, "name": "e", "engine": {"kind": "torch_ref", "host": "127.0.0.1", "port": "1"}}, "port must be an int"),
+            ("register", {"token": daemon.token, "name": "e", "engine": {"kind": "torch_ref", "host": "127.0.0.1", "port": 9, "cmd": "rm"}}, "unknown key"),
+            ("register", {"token": daemon.token, "name": "e", "engine": {"kind": "torch_ref", "host": "127.0.0.1", "port": refusing}}, "unreachable"),
+            ("leave", {"token": daemon.token, "name": "e", "extra": 1}, "unknown param"),
+            ("heartbeat", {"token": daemon.token, "name": "nobody"}, "not registered"),
+            ("report_sync", {"token": daemon.token, "outcome": {"version": "1"}}, "outcome"),
+            ("report_sync", {"token": daemon.token, "outcome": {"version": 1, "ok": True, "engines": {"e": -3}, "states": {}, "dropped": {}, "stale": []}}, "outcome.engines.e"),
+        ]
+        raw = good._rpc
+        for method, params, match in bad_calls:
+            with pytest.raises(RpcError, match=match):
+                raw.call(method, **params)
+            assert good.hello()["protocol"] == 1
+        assert daemon.membership.names() == []
+        assert good.status()["refused_requests"] >= len(bad_calls)
+        good.close()
 
 
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
+@contextlib.contextmanager
+def _refusing_port() -> Iterator[int]:
+    """A port bound and never listened on: connections to it are refused, and no other process can
+    take it while the test runs (a port closed after `bind(0)` could be bound by anyone meanwhile)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
 
 
 def test_two_daemons_on_one_host_do_not_cross(engines: Engines) -> None:
