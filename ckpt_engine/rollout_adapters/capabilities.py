@@ -10,7 +10,7 @@ name them.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 __all__ = ["Capable", "EngineCapabilities", "Feature", "lacking"]
@@ -68,4 +68,4 @@ class Capable(Protocol):
 
 def lacking(rollouts: Iterable[Capable], feature: Feature) -> list[str]:
     """The names of the engines among `rollouts` that lack `feature`, in order."""
-    return [r.name for r in rollouts if not asdict(r.capabilities)[feature]]
+    return [r.name for r in rollouts if not getattr(r.capabilities, feature)]  # a field of the dataclass (`asdict`: ~10 us a call)
