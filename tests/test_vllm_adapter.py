@@ -459,7 +459,7 @@ def test_a_server_restarted_at_its_url_is_rejoined_and_seeded_before_anything_is
 class KillingSource(StateDictSource):
     """SIGKILLs `victim` as it yields its middle tensor: the first buckets went out, the rest cannot
     arrive, so the death lands mid-transfer on any box. Not `stable_tensors`: the first sync's check
-    may walk a stable source a second time (`tap`, `fold_ahead`), which would kill outside the stream."""
+    walks a stable source ahead of the stream (`fold_ahead`), which would kill before it streams."""
 
     stable_tensors = False
 

@@ -96,8 +96,6 @@ class InstalledChecks:
         digests copied to pinned host memory, the event after that copy."""
         self.ahead = False
         """Whether the armed check's source was noted before the stream (`fold_ahead`)."""
-        self._ahead: WeightSource | None = None
-        """The source noted ahead, walked when it is folded (`fold_noted`)."""
         self._expected: dict[Key, int] | None = None
         """The source's digests of the armed check, once read back (`source_digests`)."""
         self._ready: torch.cuda.Event | None = None
@@ -160,18 +158,19 @@ class InstalledChecks:
         are under way (`expected_report`, or the send's end): one launch on a stream of its own,
         behind the source's writes queued so far and beside the transfer, its digests copied to the
         host behind it. An engine told them finalizes in its receive's last call where its own
-        agree (no finalize round trip), and the compare after the stream waits on nothing. Only the
-        first tensor is looked at here: the walk of the source and the fold wait for the engines'
-        receive to have queued its copies (`expected_report`), where the host is idle beside the
-        device's copies. Walked here, before the pause, it cost 0.2 ms (7B) to 3.2 ms (Qwen3-30B-A3B)
-        on the sync's path on one H200, and folded at the send's end 1.5 ms beside the engine's copy
-        launches. Not on the host, where a fold is compute the walk's send hides (`tap`)."""
+        agree (no finalize round trip), and the compare after the stream waits on nothing. The fold
+        waits for the engine's receive (`expected_report`; colocated: once its worker queued its
+        copies, while the device copies): at the send's end it took 1.5 ms of wall time beside the
+        worker's copy launches on one H200 (7B, one process). Not on the host, where a fold is
+        compute the walk's send hides (`tap`)."""
         t = time.perf_counter()
-        first = next(iter(source.iter_weights()), None) if self.samples > 0 else None
-        if first is not None and first[1].is_cuda:  # walked when it is folded (`fold_noted`), not here
+        noted = list(source.iter_weights())  # here, on the session's thread: the receive's thread may fold while the walk runs
+        on_gpu = bool(noted) and self.samples > 0 and all(_CUDA(tensor) for _, tensor in noted)
+        if on_gpu:
+            device = noted[0][1].device
             self._ready = torch.cuda.Event()
-            self._ready.record(torch.cuda.current_stream(first[1].device))
-            self._ahead, self.ahead = source, True
+            self._ready.record(torch.cuda.current_stream(device))
+            self._noted, self.ahead = noted, True
         self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
 
     def expected_report(self) -> InstalledReport | None:
@@ -194,7 +193,7 @@ class InstalledChecks:
         self.syncs += 1
         self.request, self._digests, self.seconds, self._order, self._combined = None, {}, None, [], None
         self._dtypes, self._noted, self._fold_error, self._on_device, self.ahead, self._ready = {}, None, None, None, False, None
-        self._ahead, self._expected = None, None
+        self._expected = None
 
     def _arm(
         self, rollouts: Sequence[RolloutAdapter], names: list[str], plans: Sequence[ReceivePlan | None], senders: int,
@@ -296,13 +295,10 @@ class InstalledChecks:
         host behind it. Never raises: an error waits for `verify`."""
         with self._fold_lock:
             noted, self._noted = self._noted, None
-            source, self._ahead = self._ahead, None
-            if noted is None and source is None:
+            if noted is None:
                 return
             t = time.perf_counter()
             try:
-                if noted is None and source is not None:  # stable: the very tensors the walk sent
-                    noted = list(source.iter_weights())
                 names, tensors = (list(c) for c in zip(*noted)) if noted else ([], [])
                 walk = self._layout(names)
                 keys = walk.keys
@@ -368,7 +364,7 @@ class InstalledChecks:
     def release(self) -> None:
         """After a sync: drop what a stable walk noted and a failed sync never folded (its tensors
         would stay alive until the next check)."""
-        self._noted, self._on_device, self._ahead, self._expected = None, None, None, None
+        self._noted, self._on_device, self._expected = None, None, None
         self._folds.drop_later()
 
     def source_digests(self) -> dict[Key, int]:
