@@ -22,13 +22,10 @@ import functools
 import json
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import torch
 
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
@@ -98,27 +95,13 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
-    from vllm import LLM
-
+    from bench.vllm_colocated_bench import colocated_engine
     from ckpt_engine import CheckpointEngineConfig
-    from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
     from ckpt_engine.sources.base import StateDictSource
     from ckpt_engine.sync.api import close_sessions, sync_rollout_weights
 
-    config = load_preset_config(args.preset)
-    if args.layers:
-        config["num_hidden_layers"] = args.layers
-    config.update(torch_dtype="bfloat16", max_position_embeddings=min(config.get("max_position_embeddings", 4096), 4096))
-    model_dir = Path(tempfile.mkdtemp())
-    (model_dir / "config.json").write_text(json.dumps(config))
-    specs = checkpoint_specs(config, "bfloat16", args.layers)
-    llm = LLM(
-        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-        max_model_len=256, max_num_seqs=4, gpu_memory_utilization=args.gpu_mem, worker_extension_cls="bench.vllm_bench_ext.BenchExtension",
-    )
-    g = torch.Generator(device="cuda:0").manual_seed(0)
-    weights = {s.name: torch.randn(tuple(s.shape), generator=g, device="cuda:0", dtype=torch.float32).mul_(0.02).to(torch.bfloat16) for s in specs}
+    llm, weights, _ = colocated_engine(args.preset, args.layers, args.gpu_mem)
     handle = VllmRollout("breakdown", llm, timeout_s=600.0)
     cfg = CheckpointEngineConfig(backend="colocated", timeout_s=600.0, delta="off", stage="off", verify_installed=2)
     source = StateDictSource(weights)

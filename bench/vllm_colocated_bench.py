@@ -39,6 +39,33 @@ os.environ.setdefault("VLLM_USE_DEEP_GEMM", "0")
 os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
+def colocated_engine(preset: str, layers: int | None, gpu_mem: float) -> tuple[Any, dict[str, torch.Tensor], dict[str, Any]]:
+    """A vLLM engine of `preset`'s shapes (dummy bf16 weights, the bench's worker extension) and the
+    trainer's random bf16 tensors of the same shapes, both on cuda:0, with what describes them
+    (preset, layers, tensors, gpu, engine_up_s)."""
+    from vllm import LLM
+
+    from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
+
+    config = load_preset_config(preset)
+    if layers:
+        config["num_hidden_layers"] = layers
+    config.update(torch_dtype="bfloat16", max_position_embeddings=min(config.get("max_position_embeddings", 4096), 4096))
+    model_dir = Path(tempfile.mkdtemp())
+    (model_dir / "config.json").write_text(json.dumps(config))
+    specs = checkpoint_specs(config, "bfloat16", layers)
+    info: dict[str, Any] = {"preset": preset, "layers": config["num_hidden_layers"], "tensors": len(specs), "gpu": torch.cuda.get_device_name(0)}
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
+        max_model_len=256, max_num_seqs=4, gpu_memory_utilization=gpu_mem, worker_extension_cls="bench.vllm_bench_ext.BenchExtension",
+    )
+    info["engine_up_s"] = round(time.perf_counter() - t0, 1)
+    g = torch.Generator(device="cuda:0").manual_seed(0)
+    weights = {s.name: torch.randn(tuple(s.shape), generator=g, device="cuda:0", dtype=torch.float32).mul_(0.02).to(torch.bfloat16) for s in specs}
+    return llm, weights, info
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen2.5-7b")
@@ -50,33 +77,12 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="write cProfile tables of four syncs of the checked session here (raw stats beside it)")
     args = ap.parse_args()
 
-    from vllm import LLM
-
     from ckpt_engine import CheckpointEngineConfig
-    from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
     from ckpt_engine.sources.base import StateDictSource
     from ckpt_engine.sync.api import close_sessions, sync_rollout_weights
 
-    config = load_preset_config(args.preset)
-    if args.layers:
-        config["num_hidden_layers"] = args.layers
-    config.update(torch_dtype="bfloat16", max_position_embeddings=min(config.get("max_position_embeddings", 4096), 4096))
-    model_dir = Path(tempfile.mkdtemp())
-    (model_dir / "config.json").write_text(json.dumps(config))
-    specs = checkpoint_specs(config, "bfloat16", args.layers)
-    out: dict[str, Any] = {"preset": args.preset, "layers": config["num_hidden_layers"], "tensors": len(specs),
-                           "gpu": torch.cuda.get_device_name(0)}
-
-    t0 = time.perf_counter()
-    llm = LLM(
-        model=str(model_dir), load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-        max_model_len=256, max_num_seqs=4, gpu_memory_utilization=args.gpu_mem, worker_extension_cls="bench.vllm_bench_ext.BenchExtension",
-    )
-    out["engine_up_s"] = round(time.perf_counter() - t0, 1)
-
-    g = torch.Generator(device="cuda:0").manual_seed(0)
-    weights = {s.name: torch.randn(tuple(s.shape), generator=g, device="cuda:0", dtype=torch.float32).mul_(0.02).to(torch.bfloat16) for s in specs}
+    llm, weights, out = colocated_engine(args.preset, args.layers, args.gpu_mem)
     total = sum(t.nbytes for t in weights.values())
     out["bytes"] = total
 
