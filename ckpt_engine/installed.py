@@ -114,7 +114,11 @@ class InstalledReport:
         and nothing sent is missing: where an engine rank finalizes in its receive's last call under a
         check, it does so only then (the controller's compare still names what differs; tensors left
         unwritten fail a check only with `unwritten_tensors: error`, where no digests are sent ahead)."""
-        return not self.missing and (self.agreed or self.digests.items() <= source.digests.items())
+        return not self.missing and self.within(source.digests)
+
+    def within(self, digests: dict[Key, int]) -> bool:
+        """Whether every digest here is one of `digests` (one C loop; a report its rank `agreed` is)."""
+        return self.agreed or self.digests.items() <= digests.items()
 
     @classmethod
     def from_wire(cls, d: Any, agreed: bool = False) -> InstalledReport:
@@ -138,7 +142,9 @@ class InstalledReport:
         lists = [d[k] for k in ("unwritten", "unchecked")] + [d.get("missing", [])]
         if not all(isinstance(v, list) and set(map(type, v)) <= {str} for v in lists):
             raise ValueError("installed-weight report: unwritten, unchecked and missing must be lists of strings")
-        if same:
+        if agreed:  # no keys: the last full report's stay kept
+            keys: list[Key] = []
+        elif same:
             keys = kept[2]  # type: ignore[index]
         else:
             held = [Region.from_wire(n, r) if r is not None else None for n, r in zip(names, regions)] if regions is not None else [None] * len(names)

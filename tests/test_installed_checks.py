@@ -136,7 +136,7 @@ def test_reports_of_the_same_keys_compare_as_columns_and_an_agreed_one_carries_n
     columns (None where only reading them says), `from_wire` reuses the last report's keys (not
     fooled by a caller changing its lists after), and a report whose rank agreed is read without
     its digests and passes the compare, still naming what it left unchecked or missing."""
-    from ckpt_engine.installed import agreeing
+    from ckpt_engine.installed import _KEYS, agreeing
 
     source = InstalledReport({("a", None): 3, ("b", Region(0, 2, 4)): -9})
     same = InstalledReport({("a", None): 3, ("b", Region(0, 2, 4)): -9}, unchecked=["w13"])
@@ -150,8 +150,10 @@ def test_reports_of_the_same_keys_compare_as_columns_and_an_agreed_one_carries_n
     wire["names"][0] = "z"  # the caller's list, changed after it was read
     assert InstalledReport.from_wire(source.to_wire()) == source
     assert InstalledReport.from_wire(wire).digests == {("z", None): 3, ("b", Region(0, 2, 4)): -9}
+    InstalledReport.from_wire(source.to_wire())
     light = InstalledReport.from_wire(same.to_wire(), agreed=True)
     assert light.agreed and light.digests == {} and light.unchecked == ["w13"] and light.agrees(source)
+    assert _KEYS[0] is not None and _KEYS[0][0] == ["a", "b"]  # an agreed report leaves the last full one's keys kept
     assert not InstalledReport.from_wire(InstalledReport(missing=["b"]).to_wire(), agreed=True).agrees(source)
     with pytest.raises(ValueError):
         InstalledReport.from_wire({"names": [], "regions": None, "digests": [], "unwritten": "x", "unchecked": []}, agreed=True)
