@@ -166,8 +166,10 @@ def agreeing(report: dict[str, Any], source: dict[str, Any]) -> bool | None:
     """Whether an engine rank's report (wire form) agrees with the source's (`InstalledReport.agrees`)
     without reading either: True or False where both list the same keys in the same order (one
     compare of the columns), None where only reading them says."""
-    if report.get("missing") or report.get("names") != source.get("names") or report.get("regions") != source.get("regions"):
-        return None if not report.get("missing") else False
+    if report.get("missing"):
+        return False
+    if report.get("names") != source.get("names") or report.get("regions") != source.get("regions"):
+        return None
     return bool(report.get("digests") == source.get("digests"))
 
 
