@@ -5,9 +5,12 @@ so its worker's methods run here too) and the trainer's tensors on the same GPU;
 `verify_installed: 2`, so checked and unchecked syncs alternate. With `--wrap` about twenty
 functions of the check on both sides (the trainer's `InstalledChecks`, the handle's route, the
 worker's receiver and capture, the reports' wire forms, the fold kernel's tables and launch) are
-wrapped to add up their wall time per sync, and eight of them note when they start and end (ms from
-the sync's start, the `@0.` and `@1.` rows). Prints, per figure, the median over unchecked and
-checked syncs and the difference, then the check's cost (checked median over unchecked - 1).
+wrapped to add up their wall time per sync, and some of them (`_MARKED`), every worker call (by its
+method, `rpc.<method>`) and the handle client's engine-core calls note when they start and end (ms
+from the sync's start, the `@0.` and `@1.` rows). With the engine core in its own process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=1`) only the trainer's side is wrapped. Prints, per figure, the
+median over unchecked and checked syncs and the difference, then the check's cost (checked median
+over unchecked - 1).
 
 Wall times of wrapped functions include waits for the interpreter lock: read them for where the
 time sits, and take the cost from a run without `--wrap` (the wrappers add ~1 us a call).
@@ -37,6 +40,9 @@ _START = [0.0]
 _MARKED = {
     "ExtensionRoute.receive", "VllmReceiverCore.receive_quiet", "VllmReceiverCore.receive_end", "VllmReceiverCore.finalize",
     "InstalledChecks.expected_report", "InstalledChecks.fold_noted", "InstalledCapture.launch", "InstalledCapture.report",
+    "LLMWeightSyncClient.pause", "LLMWeightSyncClient.reset_prefix_cache", "LLMWeightSyncClient.set_weight_version",
+    "LLMWeightSyncClient.resume", "InstalledChecks.fold_ahead", "VllmReceiverCore.receive", "VllmReceiverCore._stream",
+    "VllmReceiverCore.installed", "InstalledChecks.source_digests",
 }
 
 
@@ -56,6 +62,22 @@ def _timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return timed
 
 
+def _timed_rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`ExtensionRoute.rpc`, timed and marked per method (`rpc.ckpt_receive_begin`, ...)."""
+    @functools.wraps(fn)
+    def timed(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
+        label = f"rpc.{method}"
+        t = time.perf_counter()
+        FIGURES.setdefault("@0." + label, t - _START[0])
+        try:
+            return fn(self, method, *args, **kwargs)
+        finally:
+            end = time.perf_counter()
+            FIGURES[label] = FIGURES.get(label, 0.0) + end - t
+            FIGURES["@1." + label] = end - _START[0]
+    return timed
+
+
 def _wrap(owner: type, *names: str) -> None:
     for name in names:
         setattr(owner, name, _timed(f"{owner.__name__}.{name}", getattr(owner, name)))
@@ -69,7 +91,7 @@ def _wrap_classmethod(owner: type, name: str) -> None:
 def install_wrappers() -> None:
     from ckpt_engine import installed, installed_kernel
     from ckpt_engine.rollout_adapters.vllm import installed as worker_installed
-    from ckpt_engine.rollout_adapters.vllm import receiver, routes, worker
+    from ckpt_engine.rollout_adapters.vllm import clients, receiver, routes, worker
     from ckpt_engine.sync import installed as checks
 
     _wrap(checks.InstalledChecks, "arm_manifest", "fold_ahead", "fold_noted", "expected_report", "source_digests", "verify", "_compare", "release")
@@ -79,8 +101,10 @@ def install_wrappers() -> None:
     _wrap(installed_kernel.Folder, "__init__", "launch_all")
     _wrap(worker_installed.InstalledCapture, "launch", "report")
     _wrap(worker_installed.LiveImages, "valid")
-    _wrap(receiver.VllmReceiverCore, "installed_arm", "installed", "receive_begin", "receive_quiet", "receive_end", "finalize")
-    _wrap(routes.ExtensionRoute, "receive", "rpc")
+    _wrap(receiver.VllmReceiverCore, "installed_arm", "installed", "receive", "_stream", "receive_begin", "receive_quiet", "receive_end", "finalize")
+    _wrap(routes.ExtensionRoute, "receive")
+    routes.ExtensionRoute.rpc = _timed_rpc(routes.ExtensionRoute.rpc)  # type: ignore[method-assign]
+    _wrap(clients.LLMWeightSyncClient, "pause", "resume", "reset_prefix_cache", "set_weight_version", "_settle")
     worker.agrees = _timed("worker.agrees", worker.agrees)
 
 
