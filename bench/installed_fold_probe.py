@@ -13,26 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from bench.delta_apply_probe import _timed
+
 
 def device_ms(fn: Callable[[], object], iters: int) -> float:
     """The median device time of `fn` over `iters` runs (after two warm ones), in ms."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return _timed(fn, iters) * 1e3
 
 
 def main() -> None:
