@@ -38,7 +38,7 @@ FIGURES: dict[str, float] = {}
 """This sync's figures: each wrapped function's summed wall time, and the marks."""
 _START = [0.0]
 _MARKED = {
-    "ExtensionRoute.receive", "VllmReceiverCore.receive_quiet", "VllmReceiverCore.receive_end", "VllmReceiverCore.finalize",
+    "ExtensionRoute.receive", "VllmReceiverCore.receive_begin", "VllmReceiverCore.receive_end", "VllmReceiverCore.finalize",
     "InstalledChecks.expected_report", "InstalledChecks.fold_noted", "InstalledCapture.launch", "InstalledCapture.report",
     "LLMWeightSyncClient.pause", "LLMWeightSyncClient.reset_prefix_cache", "LLMWeightSyncClient.set_weight_version",
     "LLMWeightSyncClient.resume", "InstalledChecks.fold_ahead", "VllmReceiverCore.receive", "VllmReceiverCore._stream",
@@ -101,7 +101,7 @@ def install_wrappers() -> None:
     _wrap(installed_kernel.Folder, "__init__", "launch_all")
     _wrap(worker_installed.InstalledCapture, "launch", "report")
     _wrap(worker_installed.LiveImages, "valid")
-    _wrap(receiver.VllmReceiverCore, "installed_arm", "installed", "receive", "_stream", "receive_begin", "receive_quiet", "receive_end", "finalize")
+    _wrap(receiver.VllmReceiverCore, "installed_arm", "installed", "receive", "_stream", "receive_begin", "receive_end", "finalize")
     _wrap(routes.ExtensionRoute, "receive")
     routes.ExtensionRoute.rpc = _timed_rpc(routes.ExtensionRoute.rpc)  # type: ignore[method-assign]
     _wrap(clients.LLMWeightSyncClient, "pause", "resume", "reset_prefix_cache", "set_weight_version", "_settle")

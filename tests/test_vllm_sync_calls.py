@@ -58,12 +58,15 @@ class Calls:
     def __init__(self, adapter: Any) -> None:
         self.names: list[str] = []
         self.unwaited: list[str] = []
+        self.answers: dict[str, Any] = {}
+        """The last answer of each call waited for."""
         client = adapter.client
         utility, send_unwaited, reset = client._utility, client._send_unwaited, client.reset_prefix_cache
 
         def counted_utility(what: str, timeout_s: float, method: str, *args: Any) -> Any:
             self.names.append(what)  # a worker method's name for `collective_rpc`
-            return utility(what, timeout_s, method, *args)
+            self.answers[what] = utility(what, timeout_s, method, *args)
+            return self.answers[what]
 
         def counted_unwaited(method: str, *args: Any) -> None:
             self.names.append(method)
@@ -123,6 +126,7 @@ def test_a_sync_reads_the_membership_from_the_validate_and_finalizes_in_the_rece
             "ckpt_validate", "pause_scheduler", "ckpt_receive_begin", "reset_prefix_cache", "ckpt_receive_end", *_stamp(adapter), "resume_scheduler",
         ], names
         assert unwaited == [*_stamp(adapter), "resume_scheduler"]
+        assert calls.answers["ckpt_receive_begin"] == [{"started": True, "burst": False, "quiet": True}]  # gloo: answered at once
         assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held + 2, False)]
         assert adapter.weight_version() == str(held + 2) and _greedy_matches(llm, trainer)
     finally:
@@ -131,8 +135,9 @@ def test_a_sync_reads_the_membership_from_the_validate_and_finalizes_in_the_rece
 
 def test_a_colocated_sync_resets_the_cache_once_the_receive_queued_its_copies(llm: object, model_dir: Path) -> None:
     """Over `colocated` the worker may copy straight out of the trainer's tensors, so its receive's
-    host work comes in one burst: the handle resets the prefix cache only once the worker says its
-    copies are queued (`ckpt_receive_quiet`), not beside the burst. The engine is exact after it."""
+    host work comes in one burst: its `ckpt_receive_begin` answers only once its copies are queued,
+    and the handle resets the prefix cache then, not beside the burst (no call of its own to wait
+    for them). The engine is exact after it."""
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
     from test_vllm_adapter import source_of, trainer_model
 
@@ -148,8 +153,9 @@ def test_a_colocated_sync_resets_the_cache_once_the_receive_queued_its_copies(ll
         names = calls.take()
         assert report.version == held + 2
         assert names[names.index("ckpt_receive_begin"):names.index("ckpt_receive_end") + 1] == [
-            "ckpt_receive_begin", "ckpt_receive_quiet", "reset_prefix_cache", "ckpt_receive_end",
+            "ckpt_receive_begin", "reset_prefix_cache", "ckpt_receive_end",
         ], names
+        assert calls.answers["ckpt_receive_begin"] == [{"started": True, "burst": True, "quiet": True}]  # the copies queued
         assert adapter.weight_version() == str(held + 2) and _greedy_matches(llm, trainer)
     finally:
         session.close()

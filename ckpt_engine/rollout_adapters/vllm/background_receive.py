@@ -18,7 +18,8 @@ Where the receive copies straight out of a colocated sender's memory, its host w
 (every copy launched in ~3 ms of a 7B sync, then ~8 ms of device copies): the cache reset's Python
 walk beside that burst held the interpreter lock against it (in one process: the trainer's walk,
 the receive's launches and the reset; a 7B sync's copies began 2.6 ms later). There the receive says
-when its copies are queued (`quiet`), and the handle resets the cache then, while the device copies.
+when its copies are queued (`copies_queued`): the begin answers then (`VllmReceiverCore.receive_begin`),
+and the handle resets the cache while the device copies.
 """
 
 from __future__ import annotations
@@ -96,13 +97,12 @@ class ReceiveThread:
                 self._done.set()
 
     def copies_queued(self) -> None:
-        """The running receive has queued its last copy: the host is free (`wait_quiet` returns)."""
+        """The running receive has queued its last copy: the host is free (`quiet_within` answers True)."""
         self._quiet.set()
 
-    def wait_quiet(self, timeout_s: float) -> None:
-        """Until the begun receive queued its copies or ended; TimeoutError past `timeout_s`."""
-        if not self._quiet.wait(timeout_s):
-            raise TimeoutError(f"the receive on this worker did not queue its copies within {timeout_s:.0f}s")
+    def quiet_within(self, timeout_s: float) -> bool:
+        """Whether the begun receive queued its copies or ended within `timeout_s` (waited for)."""
+        return self._quiet.wait(timeout_s)
 
     def result(self, timeout_s: float) -> dict[str, Any]:
         """The begun receive's answer; raises its error, or TimeoutError if it runs past `timeout_s`

@@ -231,23 +231,21 @@ class VllmReceiverCore:
         self.last_report = out
         return out
 
-    def receive_begin(self, digest: str, delta: dict[str, Any] | None = None) -> dict[str, Any]:
-        """`receive` on this worker's parked receive thread (`vllm/background_receive.py`); returns at once."""
+    def receive_begin(self, digest: str, delta: dict[str, Any] | None = None, quiet_s: float | None = None) -> dict[str, Any]:
+        """`receive` on this worker's parked receive thread (`vllm/background_receive.py`): answers at
+        once, or, with `quiet_s`, once a burst of copy launches out of a colocated sender's tensors
+        is queued (or the receive ended), so the handle's reset beside the copies does not hold the
+        interpreter lock against them. `quiet` False: the wait ran past `quiet_s`."""
         if self._background.running:
             raise RuntimeError("a receive is already running on this worker")
         self._check_not_staging("receive")
         if self.receiver.accepted_manifest(digest) is None:
             raise RuntimeError(f"manifest {digest[:12]} was not validated on this worker; call validate() first")
         begun, background = time.perf_counter(), self._background
-        # copying out of a colocated sender's tensors, the host work is one burst: the handle waits for it (`receive_quiet`)
         burst = self.receiver.engine is not None and self.receiver.engine.maps_sender_memory
         background.start(lambda: self.receive(digest, delta, begun, background.copies_queued if burst else None), quiet=not burst)
-        return {"started": True, "quiet": not burst}
-
-    def receive_quiet(self, timeout_s: float) -> dict[str, Any]:
-        """Once the begun receive has queued its copies (or ended): the host is free beside the device copies."""
-        self._background.wait_quiet(timeout_s)
-        return {"quiet": True}
+        quiet = not burst or quiet_s is None or background.quiet_within(quiet_s)  # past it: the receive's end says what held it
+        return {"started": True, "burst": burst, "quiet": quiet}
 
     def receive_end(self, timeout_s: float) -> dict[str, Any]:
         """The answer of the receive `receive_begin` started (its error raised here); a receive

@@ -163,11 +163,10 @@ class ExtensionRoute:
             if beside is not None:
                 beside()
         else:  # the workers receive on a thread of their own (`vllm/background_receive.py`)
-            begun = self.rpc("ckpt_receive_begin", args)
+            # copies out of a colocated sender: the begin answers once they are launched, then the reset
             deadline = time.monotonic() + self.timeout_s * 2  # the receive's bound, the wait for its copies' launch included
+            self.rpc("ckpt_receive_begin", {**args, "quiet_s": self.timeout_s * 2}, timeout_s=self.timeout_s * 2 + 5)
             try:
-                if not all(r.get("quiet", True) for r in begun):  # copies out of a colocated sender: launched first, then the reset
-                    self.rpc("ckpt_receive_quiet", {"timeout_s": self.timeout_s * 2}, timeout_s=self.timeout_s * 2 + 5)
                 beside()
                 if finalize is not None:  # after the work beside (the cache reset); the claim let go either way
                     expected, end["release"] = installed() if installed is not None else None, release

@@ -116,16 +116,15 @@ class CkptEngineWorkerExtension:
             self._ckpt_arm(installed)
         return self._ckpt_core().receive(digest, delta)
 
-    def ckpt_receive_begin(self, digest: str, delta: dict[str, Any] | None = None, installed: dict[str, Any] | None = None) -> dict[str, Any]:
+    def ckpt_receive_begin(
+        self, digest: str, delta: dict[str, Any] | None = None, installed: dict[str, Any] | None = None, quiet_s: float | None = None,
+    ) -> dict[str, Any]:
         """`ckpt_receive` on a thread of this worker: returns at once, so the engine core is free
-        while the version streams in; `ckpt_receive_end` answers what `ckpt_receive` would."""
+        while the version streams in (`ckpt_receive_end` answers what `ckpt_receive` would); a receive
+        that copies out of a colocated sender's memory once its copies are queued, within `quiet_s`."""
         if installed is not None:
             self._ckpt_arm(installed)
-        return self._ckpt_core().receive_begin(digest, delta)
-
-    def ckpt_receive_quiet(self, timeout_s: float) -> dict[str, Any]:
-        """Returns once the begun receive has queued its copies (or ended), within `timeout_s`."""
-        return self._ckpt_core().receive_quiet(float(timeout_s))
+        return self._ckpt_core().receive_begin(digest, delta, float(quiet_s) if quiet_s is not None else None)
 
     def ckpt_receive_end(
         self, timeout_s: float, finalize: int | None = None, release: str | None = None, installed: dict[str, Any] | None = None,
