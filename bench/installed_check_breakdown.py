@@ -50,14 +50,15 @@ def _timed(label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def timed(*args: Any, **kwargs: Any) -> Any:
         t = time.perf_counter()
-        if label in _MARKED:
+        marked = label in _MARKED or label.startswith("rpc.")
+        if marked:
             FIGURES.setdefault("@0." + label, t - _START[0])
         try:
             return fn(*args, **kwargs)
         finally:
             end = time.perf_counter()
             FIGURES[label] = FIGURES.get(label, 0.0) + end - t
-            if label in _MARKED:
+            if marked:
                 FIGURES["@1." + label] = end - _START[0]
     return timed
 
@@ -66,15 +67,7 @@ def _timed_rpc(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`ExtensionRoute.rpc`, timed and marked per method (`rpc.ckpt_receive_begin`, ...)."""
     @functools.wraps(fn)
     def timed(self: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-        label = f"rpc.{method}"
-        t = time.perf_counter()
-        FIGURES.setdefault("@0." + label, t - _START[0])
-        try:
-            return fn(self, method, *args, **kwargs)
-        finally:
-            end = time.perf_counter()
-            FIGURES[label] = FIGURES.get(label, 0.0) + end - t
-            FIGURES["@1." + label] = end - _START[0]
+        return _timed(f"rpc.{method}", fn)(self, method, *args, **kwargs)
     return timed
 
 
