@@ -119,9 +119,10 @@ class CkptEngineWorkerExtension:
     def ckpt_receive_begin(
         self, digest: str, delta: dict[str, Any] | None = None, installed: dict[str, Any] | None = None, quiet_s: float | None = None,
     ) -> dict[str, Any]:
-        """`ckpt_receive` on a thread of this worker: returns at once, so the engine core is free
-        while the version streams in (`ckpt_receive_end` answers what `ckpt_receive` would); a receive
-        that copies out of a colocated sender's memory once its copies are queued, within `quiet_s`."""
+        """`ckpt_receive` on a thread of this worker, so the engine core is free while the version
+        streams in (`ckpt_receive_end` answers what `ckpt_receive` would). Answers at once, or, for a
+        receive that copies out of a colocated sender's memory, once its copies are queued (waited
+        for up to `quiet_s`)."""
         if installed is not None:
             self._ckpt_arm(installed)
         return self._ckpt_core().receive_begin(digest, delta, float(quiet_s) if quiet_s is not None else None)
