@@ -2,7 +2,8 @@
 # The device runs, on a machine with CUDA (one GPU for part `one`, two for part `two` and `bench`):
 #   one   - every one-GPU test, the delta diff kernel probe, the colocated sync beside a D2D copy
 #   two   - every GPU test (those needing 2 GPUs included; Megatron wheels from .whl/ if carried)
-#   vllm  - the real CUDA vLLM tests (tests/test_vllm_cuda.py; vLLM carried by bench/vllm_carry.sh),
+#   vllm  - the real CUDA vLLM tests (tests/test_vllm_cuda.py; vLLM carried by bench/vllm_carry.sh, nixl-cu13 in .nixl/
+#           for the TP=2 server on 2 GPUs),
 #           stacks of every Python process dumped by py-spy into $OUT/stacks.txt if a run hangs
 #   vllm-bench - a real CUDA vLLM engine (GPU 0) fed from GPU 1: raw NCCL, vLLM's own packed NCCL
 #           path and ours, Qwen2.5-7B and Qwen3-30B-A3B shapes (bench/vllm_sync_bench.py)
@@ -42,6 +43,10 @@ case "$part" in
 vllm)
   python3 -c "import vllm" 2>/dev/null || bash bench/vllm_carry.sh install || exit 1
   bash bench/vllm_carry.sh plugin .  # the `ckpt_engine` weight-transfer backend, for a checkout run from PYTHONPATH
+  if ls .nixl/*.whl >/dev/null 2>&1; then  # nixl carried: the TP=2 server pulls over it on 2 GPUs
+    [ -d /tmp/nixl ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nixl .nixl/*.whl || exit 1
+    export PYTHONPATH=/tmp/nixl:$PYTHONPATH
+  fi
   export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
   # each failure lands in $out/failures.txt as it happens (bench/pytest_eager.py), and -rA names every outcome
   # (--timeout: pytest-timeout, on the GPU image, ends one stuck test and lets the rest run)

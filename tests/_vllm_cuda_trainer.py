@@ -17,10 +17,11 @@ import torch
 
 def trainer_rank(
     rank: int, world: int, port: int, devices: list[int] | None, backend: str, url: str, model_dir: str, seeds: list[int], out_dir: str,
-    engine_kwargs: dict[str, Any] | None = None, dtype: str = "bfloat16",
+    engine_kwargs: dict[str, Any] | None = None, dtype: str = "bfloat16", verify_installed: str | int = "first",
 ) -> None:
     """`devices`: each rank's GPU (nccl trainer group), or None for CPU ranks (gloo). Each sync's
-    outcome is written to rank{rank}.json as it happens, so a later hang still leaves the record."""
+    outcome is written to rank{rank}.json as it happens, so a later hang still leaves the record
+    (with the bytes each engine rank received)."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -47,7 +48,8 @@ def trainer_rank(
     mesh = init_device_mesh(device.type, (world,))
     config = transformers.AutoConfig.from_pretrained(model_dir)
     handle = VllmServerRollout("vllm-fsdp2", url, timeout_s=60.0) if rank == 0 else None
-    sync_config = CheckpointEngineConfig(backend=backend, timeout_s=60.0, senders="all", engine_kwargs=engine_kwargs or {})
+    sync_config = CheckpointEngineConfig(backend=backend, timeout_s=60.0, senders="all", engine_kwargs=engine_kwargs or {},
+                                        verify_installed=verify_installed)
     log: list[dict[str, Any]] = []
 
     def write() -> None:
@@ -64,7 +66,8 @@ def trainer_rank(
             report = sync_rollout_weights(FSDP2Source(model), [handle] if handle is not None else None, config=sync_config)
             if report is not None:
                 log.append({"seed": seed, "version": report.version, "senders": report.senders, "staged": report.staged,
-                            "wire_per_sender": report.wire_bytes_per_sender})
+                            "wire_per_sender": report.wire_bytes_per_sender, "bytes": report.bytes,
+                            "received": report.received_bytes.get("vllm-fsdp2")})
                 write()
             del model
     except Exception as exc:  # noqa: BLE001 - the test reads what happened

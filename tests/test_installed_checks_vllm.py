@@ -71,7 +71,7 @@ def weights(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
 
 def session(llm: Any, name: str, **kw: Any) -> tuple[WeightSyncSession, VllmRollout]:
     handle = VllmRollout(name, llm, timeout_s=120.0)
-    config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeout_s=120.0, **kw)
+    config = CheckpointEngineConfig(**{"backend": "gloo", "bucket_size_mb": 0.25, "timeout_s": 120.0, **kw})
     return WeightSyncSession([handle], config), handle
 
 

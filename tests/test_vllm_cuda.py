@@ -8,9 +8,10 @@ equal. The trainer is an HF model in this process, on GPU 1 (nccl) or GPU 0 (col
 
 `vllm serve` engines (GPUs chosen per test) start from the reference weights on disk, so their own
 digests before any sync are the reference: a sync away to other weights and back must restore
-every one of them on every rank. With 3 GPUs or more: a TP=2 server (each rank receives only its
-slice; a tiny Qwen3-MoE too, experts fused by vLLM) and two FSDP2 ranks sending their own shards;
-with 2: the FSDP2 ranks beside the server, one handing its shard over in memory (`nccl_handoff`).
+every one of them on every rank. A TP=2 server (each rank receives only its slice; a tiny Qwen3-MoE
+too, experts fused by vLLM): over nixl on 2 GPUs (rank 0 beside the trainer), over NCCL with 3. Two
+FSDP2 ranks sending their own shards: over nccl with 3 GPUs; with 2, beside the server, one handing
+its shard over in memory (`nccl_handoff`).
 """
 
 from __future__ import annotations
@@ -283,21 +284,34 @@ def serve(model_dir: Path, log: Path, gpus: str, *extra: str) -> Any:
     return api_server(model_dir, log, args, env={"CUDA_VISIBLE_DEVICES": gpus}, start_timeout_s=300.0)
 
 
+TP2_ROUTES = {
+    "nccl": ("1,2", 3),  # the trainer on cuda:0, the engine's ranks on GPUs 1-2: three GPUs
+    "nixl": ("0,1", 2),  # the engine's rank 0 beside the trainer on cuda:0: each rank reads its slice (a pull)
+}
+"""backend: (the TP=2 server's GPUs, GPUs needed). NCCL cannot put two ranks of one GPU in a group;
+nixl reads out of the trainer's registered slots (CUDA IPC on one GPU, NVLink across), so two GPUs do."""
+
+
+@pytest.mark.parametrize("backend", sorted(TP2_ROUTES))
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3_moe"])
-def test_tp2_server_each_rank_receives_its_slice(tmp_path: Path, kind: str) -> None:
-    """A TP=2 engine (GPUs 1-2) fed over NCCL from cuda:0: each worker states its receive plan at
-    join and takes only its slice (about half the model), and after a sync away and one back every
-    parameter on both ranks holds the reference bytes again (Qwen3-MoE: experts fused by vLLM)."""
-    if torch.cuda.device_count() < 3:
-        pytest.skip("needs 3 GPUs (a TP=2 engine beside the trainer's)")
+def test_tp2_server_each_rank_receives_its_slice(tmp_path: Path, kind: str, backend: str) -> None:
+    """A TP=2 engine fed from cuda:0 (over NCCL into GPUs 1-2, or pulled over nixl by GPUs 0-1): each
+    worker states its receive plan at join and takes only its slice (about half the model), and after
+    a sync away and one back every parameter on both ranks holds the reference bytes again (Qwen3-MoE:
+    experts fused by vLLM), checked by the installed-weight check at each sync and by sha256 here."""
+    gpus, needed = TP2_ROUTES[backend]
+    if torch.cuda.device_count() < needed:
+        pytest.skip(f"needs {needed} GPUs (a TP=2 engine on GPUs {gpus}, the trainer on cuda:0)")
+    if backend == "nixl":
+        _need_nixl()
     from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
 
     model_dir = write_model(tmp_path / kind, QWEN3_MOE if kind == "qwen3_moe" else QWEN2, REFERENCE_SEED)
-    with serve(model_dir, tmp_path / "server.log", "1,2", "--tensor-parallel-size", "2") as server:
+    with serve(model_dir, tmp_path / "server.log", gpus, "--tensor-parallel-size", "2") as server:
         reference = server_digests(server.url)
         assert len(reference) == 2
         handle = VllmServerRollout(f"vllm-tp2-{kind}", server.url, timeout_s=60.0)
-        config = CheckpointEngineConfig(backend="nccl", timeout_s=60.0)
+        config = CheckpointEngineConfig(backend=backend, timeout_s=60.0, verify_installed=1)
         try:
             away = sync_rollout_weights(StateDictSource(checkpoint_weights(hf_model(model_dir, 7, "cuda:0"))), [handle], config=config)
             assert away is not None and [d != r for d, r in zip(server_digests(server.url), reference)] == [True, True]
@@ -307,38 +321,63 @@ def test_tp2_server_each_rank_receives_its_slice(tmp_path: Path, kind: str) -> N
             for rank in range(2):
                 assert [n for n in reference[rank] if got[rank][n] != reference[rank][n]] == [], rank
             per_rank = back.received_bytes[handle.name]
-            print(f"{kind} TP=2 on CUDA: ranks receive {per_rank} of {back.bytes} bytes ({[round(b / back.bytes, 3) for b in per_rank]})")
+            print(f"{kind} TP=2 on CUDA over {backend}: ranks receive {per_rank} of {back.bytes} bytes ({[round(b / back.bytes, 3) for b in per_rank]})")
             assert len(per_rank) == 2 and all(0.4 < b / back.bytes < 0.6 for b in per_rank), per_rank
         finally:
             close_sessions()
 
 
-@pytest.mark.parametrize("backend", ["nccl", "nccl_handoff"])
+FSDP2_ROUTES = {
+    "nccl": ([1, 2], "0", 1, 3),  # the engine on a GPU of its own
+    "nccl_handoff": ([0, 1], "1", 1, 2),  # the engine beside rank 1, which hands its shard over in memory
+    "nixl": ([0, 1], "0,1", 2, 2),  # a hybrid engine: a TP=2 engine on the trainer's two GPUs, each rank pulling its slices
+}
+"""backend: (the trainer ranks' GPUs, the server's GPUs, its tensor_parallel_size, GPUs needed)."""
+
+
+def _need_nixl() -> None:
+    from ckpt_engine.transports.nixl_agent import load_nixl
+
+    try:
+        load_nixl()
+    except ImportError as exc:
+        pytest.skip(f"{exc} (bench/gpu_runs.sh installs the carried nixl-cu13 wheel from .nixl/)")
+
+
+@pytest.mark.parametrize("backend", sorted(FSDP2_ROUTES))
 def test_fsdp2_ranks_send_their_own_shards_into_vllm(tmp_path: Path, backend: str) -> None:
     """Two FSDP2 trainer ranks, each sending its own shards (`senders: all`), into a `vllm serve`
-    engine: over nccl from GPUs 1-2 into GPU 0, or with nccl_handoff from GPUs 0-1 into GPU 1 (the
-    rank beside the engine hands its shard over in memory). Away and back: the reference bytes."""
+    engine: over nccl from GPUs 1-2 into GPU 0; with nccl_handoff from GPUs 0-1 into GPU 1 (the rank
+    beside the engine hands its shard over in memory); over nixl into a TP=2 engine on the trainer's
+    own GPUs 0-1 (verl's hybrid-engine placement: each engine rank pulls only its slices, from both
+    trainer ranks). Away and back: the reference bytes on every engine rank."""
     from ckpt_engine.processes import run_processes
     from helpers_procs import free_port
     from _vllm_cuda_trainer import trainer_rank
 
-    if backend == "nccl" and torch.cuda.device_count() < 3:
-        pytest.skip("needs 3 GPUs (two trainer ranks and the engine, one GPU each)")
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-    trainer_gpus, engine_gpu = ([1, 2], "0") if backend == "nccl" else ([0, 1], "1")
+    trainer_gpus, engine_gpus, tp, needed = FSDP2_ROUTES[backend]
+    if torch.cuda.device_count() < needed:
+        pytest.skip(f"needs {needed} GPUs (trainer ranks on {trainer_gpus}, the engine on {engine_gpus})")
+    if backend == "nixl":
+        _need_nixl()
     model_dir = write_model(tmp_path / "qwen2", QWEN2, REFERENCE_SEED)
-    with serve(model_dir, tmp_path / "server.log", engine_gpu) as server:
+    with serve(model_dir, tmp_path / "server.log", engine_gpus, "--tensor-parallel-size", str(tp)) as server:
         reference = server_digests(server.url)
+        assert len(reference) == tp
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         port = free_port()
         args = (2, port, trainer_gpus, backend, server.url, str(model_dir), [7, REFERENCE_SEED], str(tmp_path))
-        procs = [ctx.Process(target=trainer_rank, args=(r, *args)) for r in range(2)]
+        procs = [ctx.Process(target=trainer_rank, args=(r, *args), kwargs={"verify_installed": 1}) for r in range(2)]
         assert run_processes(procs, 150) == []  # inside the per-test bound of bench/gpu_runs.sh (200 s), so the ranks' JSON is read
         logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
         assert logs[1] == [] and [e.get("error") for e in logs[0]] == [None, None], logs
         assert [e["senders"] for e in logs[0]] == [2, 2], logs[0]
-        got = server_digests(server.url)[0]
-        assert [n for n in reference[0] if got[n] != reference[0][n]] == []
+        got = server_digests(server.url)
+        for rank in range(tp):
+            assert [n for n in reference[rank] if got[rank][n] != reference[rank][n]] == [], rank
+        received, whole = logs[0][1]["received"], logs[0][1]["bytes"]
+        print(f"FSDP2 x2 -> TP={tp} over {backend}: engine ranks receive {received} of {whole} bytes")
+        if tp == 2:
+            assert len(received) == 2 and all(0.4 < b / whole < 0.6 for b in received), (received, whole)

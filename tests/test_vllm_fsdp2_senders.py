@@ -6,7 +6,8 @@ on gloo (issue 39: on two H200s it hung with rank 1 waiting for rank 0's "join" 
 Two syncs, away (seed 7) and back (the server's own disk weights): both ranks report both syncs,
 both count two senders, and the server ends holding, by vLLM's own digests of every parameter in
 its layout, exactly what it loaded from disk. Over gloo, and over nccl_handoff (gloo on CPU) with
-sender 1 handing its buckets over in memory as a sender beside the engine would."""
+sender 1 handing its buckets over in memory as a sender beside the engine would. Then over nixl into
+the session's shared TP=2 server, each worker pulling only its slices (the hybrid-engine placement)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,27 @@ def test_fsdp2_ranks_send_their_own_shards_into_vllm_on_cpu(tmp_path: Path, serv
     got = _digests(srv.url)
     assert sorted(got) == sorted(reference)
     assert [n for n in reference if got[n] != reference[n]] == []
+
+
+def test_fsdp2_ranks_into_a_tp2_server_each_worker_pulls_its_slices_over_nixl(tmp_path: Path, tp2_vllm_server: Any) -> None:
+    """The hybrid-engine placement of tests/test_vllm_cuda.py's nixl route, on CPU: two FSDP2 ranks
+    sync into the session's shared TP=2 server over nixl, each engine rank pulling only its receive
+    plan's slices from both senders, and the installed-weight check at both syncs confirms each
+    worker's slices in vLLM's fused parameters equal the source."""
+    from ckpt_engine.transports.nixl_agent import load_nixl
+
+    try:
+        load_nixl()
+    except ImportError as exc:
+        pytest.skip(f"{exc} (scripts/setup.sh installs it)")
+    srv = tp2_vllm_server.get()
+    ctx = forkserver_context()
+    args = (2, free_port(), None, "nixl", srv.url, str(srv.model_dir), [AWAY_SEED, AWAY_SEED + 1], str(tmp_path), None, "float32", 1)
+    procs = [ctx.Process(target=trainer_rank, args=(r, *args)) for r in range(2)]
+    assert run_processes(procs, 600) == []
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert logs[1] == [] and [e.get("error") for e in logs[0]] == [None, None], logs
+    assert [e["senders"] for e in logs[0]] == [2, 2] and logs[0][1]["version"] == logs[0][0]["version"] + 1, logs[0]
+    for entry in logs[0]:
+        received, whole = entry["received"], entry["bytes"]
+        assert len(received) == 2 and all(0.4 < b / whole < 0.6 for b in received), (received, whole)
