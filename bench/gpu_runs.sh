@@ -109,7 +109,7 @@ fanout)  # 4 GPUs: one sender (cuda:0) to three receivers, Qwen2.5-7B and Qwen3-
   ;;
 vllm-one)  # one GPU: the vLLM tests that fit it (colocated, LoRA, an engine core in this process), the race
   # test, the colocated vLLM bench with vLLM's engine core in its own process and in the trainer's
-  VLLM_TESTS="tests/test_gpu_installed_race.py tests/test_installed_folds.py tests/test_gpu_transfer.py::test_colocated_sender_and_receiver_in_one_process tests/test_vllm_cuda_lora.py tests/test_vllm_cuda.py::test_colocated_on_the_engines_gpu tests/test_vllm_cuda.py::test_installed_check_on_cuda_names_a_wrong_byte tests/test_vllm_cuda_inprocess.py tests/test_vllm_cuda_native.py tests/test_vllm_cuda_moe.py" \
+  VLLM_TESTS="tests/test_gpu_installed_race.py tests/test_installed_folds.py tests/test_gpu_transfer.py::test_colocated_sender_and_receiver_in_one_process tests/test_vllm_cuda_lora.py tests/test_vllm_cuda.py::test_colocated_on_the_engines_gpu tests/test_vllm_cuda.py::test_installed_check_on_cuda_names_a_wrong_byte tests/test_vllm_cuda.py::test_vllm_serve_colocated_on_the_trainers_gpu tests/test_vllm_cuda_inprocess.py tests/test_vllm_cuda_native.py tests/test_vllm_cuda_moe.py" \
     VLLM_TEST_TIMEOUT=${VLLM_ONE_S:-420} VLLM_HANG_S=${VLLM_ONE_S:-420} bash "$0" vllm
   for mp in 1 0; do
     echo "== vllm colocated bench ${VLLM_COLO_PRESET:-qwen2.5-7b}, VLLM_ENABLE_V1_MULTIPROCESSING=$mp"

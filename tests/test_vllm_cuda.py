@@ -8,7 +8,7 @@ equal. The trainer is an HF model in this process, on GPU 1 (nccl) or GPU 0 (col
 
 `vllm serve` engines (GPUs chosen per test) start from the reference weights on disk, so their own
 digests before any sync are the reference: a sync away to other weights and back must restore
-every one of them on every rank. A TP=2 server (each rank receives only its slice; a tiny Qwen3-MoE
+every one of them on every rank. One shares the trainer's GPU (`colocated` over HTTP). A TP=2 server (each rank receives only its slice; a tiny Qwen3-MoE
 too, experts fused by vLLM): over nixl on 2 GPUs (rank 0 beside the trainer), over NCCL with 3. Two
 FSDP2 ranks sending their own shards: over nccl with 3 GPUs; with 2, beside the server, one handing
 its shard over in memory (`nccl_handoff`).
@@ -282,6 +282,31 @@ def serve(model_dir: Path, log: Path, gpus: str, *extra: str) -> Any:
 
     args = ["--worker-extension-cls", WORKER_EXTENSION, "--load-format", "safetensors", "--dtype", "bfloat16", "--gpu-memory-utilization", "0.15", *extra]
     return api_server(model_dir, log, args, env={"CUDA_VISIBLE_DEVICES": gpus}, start_timeout_s=300.0)
+
+
+@pytest.mark.parametrize("stage", ["off", "auto"])
+def test_vllm_serve_colocated_on_the_trainers_gpu(tmp_path: Path, stage: str) -> None:
+    """`vllm serve` on the trainer's own GPU (verl's hybrid engine with a server: control over HTTP,
+    the bytes through CUDA IPC, the server's worker copying straight out of the trainer's tensors):
+    a sync away and one back, live and staged, each checked by the installed-weight check; the
+    server ends holding its own disk load's bytes on every parameter."""
+    from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
+
+    model_dir = write_model(tmp_path / "qwen2", QWEN2, REFERENCE_SEED)
+    with serve(model_dir, tmp_path / "server.log", "0") as server:
+        (reference,) = server_digests(server.url)
+        handle = VllmServerRollout(f"vllm-serve-colocated-{stage}", server.url, timeout_s=60.0)
+        config = CheckpointEngineConfig(backend="colocated", timeout_s=60.0, stage=stage, verify_installed=1)
+        try:
+            away = sync_rollout_weights(StateDictSource(checkpoint_weights(hf_model(model_dir, 7, "cuda:0"))), [handle], config=config)
+            (got,) = server_digests(server.url)
+            assert away is not None and [n for n in reference if got[n] != reference[n]] != []
+            back = sync_rollout_weights(StateDictSource(checkpoint_weights(hf_model(model_dir, REFERENCE_SEED, "cuda:0"))), [handle], config=config)
+            assert back is not None and back.version == away.version + 1 and "installed_check" in back.seconds
+            (got,) = server_digests(server.url)
+            assert [n for n in reference if got[n] != reference[n]] == []
+        finally:
+            close_sessions()
 
 
 TP2_ROUTES = {
