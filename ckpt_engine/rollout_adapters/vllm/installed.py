@@ -397,15 +397,16 @@ class InstalledCapture:
             keep = set(self.keys)
         request = self.request
         launched, self._launched = self._launched, None
+        folded: list[int] | None = None
         if keep is None and launched is not None:  # launched behind this receive's last copies: read back
             live, folded = launched[0], launched[1].tolist()  # (the views were checked at the launch; nothing loads since)
-            digests = dict(zip(live.keys or (), folded))
-            return InstalledReport(digests, list(self.layout.unwritten), sorted(self.layout.unfollowed), [], self.seconds + time.perf_counter() - t0)
-        live, folder = self._live()
-        if keep is None and self._one_launch(live, folder):
-            assert folder is not None and live.keys is not None
-            digests = dict(zip(live.keys, folder.fold(request.seed, request.samples)))
-            return InstalledReport(digests, list(self.layout.unwritten), sorted(self.layout.unfollowed), [], self.seconds + time.perf_counter() - t0)
+        else:
+            live, folder = self._live()
+            if keep is None and self._one_launch(live, folder):
+                assert folder is not None
+                folded = folder.fold(request.seed, request.samples)
+        if folded is not None:  # every key one live view, folded in one launch
+            return InstalledReport(dict(zip(live.keys or (), folded)), list(self.layout.unwritten), sorted(self.layout.unfollowed), [], self.seconds + time.perf_counter() - t0)
         for j, ((key, target), view) in enumerate(zip(live.slots, live.views)):
             if keep is None or key in keep:
                 self.values.setdefault(key, {})[target] = -(j + 1) if folder is not None else self.folds.add(view)
