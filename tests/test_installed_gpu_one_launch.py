@@ -119,3 +119,35 @@ def test_a_tensor_cast_on_the_wire_is_folded_as_the_wire_carries_it_on_a_gpu() -
     checks.fold_noted()
     got = checks.source_digests()
     assert got == {(n, None): int(digest(t, request.seed, SAMPLES, torch.bfloat16)) for n, t in new.items()}
+
+
+@pytest.mark.parametrize("rep", range(REPEAT))
+@pytest.mark.parametrize("fault", [None, "transpose"])
+def test_a_source_noted_ahead_and_folded_first_by_verify_is_checked(fault: str | None, rep: int) -> None:
+    """A stable source noted before the stream (`fold_ahead`) is folded at the engine's receive
+    (`expected_report`) where the engine checks there; a staged sync swaps after the stream, so no
+    receive asks and `verify` folds it first, after taking the armed request: the fold must keep the
+    armed check's seed (it asserted on the request here, failing every staged checked colocated sync
+    into vLLM on a GPU), agree on a clean sync and name a transposed tensor."""
+    from ckpt_engine.sources.base import StateDictSource
+
+    whole = [n for n in source(0) if n != "qkv.weight"]  # whole tensors only: `Rank` writes qkv as a region
+    old = {n: source(2000 + rep)[n].cuda() for n in whole}
+    new = {n: source(rep)[n].cuda() for n in whole}
+    rank = Rank("gpu-ref", {n: t.clone() for n, t in old.items()}, {})
+    checks = InstalledChecks(1, SAMPLES, "warn")
+    checks.arm([rank], list(new), [None], 1)  # type: ignore[list-item]
+    request = checks.request
+    assert request is not None
+    checks.fold_ahead(StateDictSource(new))
+    assert checks.ahead
+    rank.receive(request, new, fault)
+    checks.sent()  # the stream's end leaves a source noted ahead to its receive, which never asks here
+    with cf.ThreadPoolExecutor(1) as pool:
+        failed = checks.verify(pool, [rank], 60.0)  # type: ignore[list-item]
+    expected = checks.source_digests()
+    assert expected == {(n, None): int(digest(t, request.seed, SAMPLES)) for n, t in new.items()}
+    if fault is None:
+        assert failed == {}, failed
+    else:
+        assert set(failed) == {"gpu-ref"} and "embed.weight" in failed["gpu-ref"], failed

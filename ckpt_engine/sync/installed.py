@@ -324,7 +324,6 @@ class InstalledChecks:
             return False
         if not walk.uncast and not all(d is None or d == v for d, v in zip(walk.casts, folder.dtypes)):
             return False
-        assert self.request is not None
         device = views[0].device
         ready, stream = self._ready, torch.cuda.current_stream(device)
         if ready is not None:  # noted ahead: beside the transfer, behind the source's writes only
@@ -333,7 +332,7 @@ class InstalledChecks:
             stream = self._stream
             stream.wait_event(ready)
         with torch.cuda.stream(stream):
-            folded = folder.launch_all(self.request.seed, self.samples)
+            folded = folder.launch_all(self._folds.seed, self.samples)  # the armed check's seed (`verify` may have taken the request)
             host = torch.empty(folded.shape, dtype=folded.dtype, pin_memory=True)
             host.copy_(folded, non_blocking=True)
             done = torch.cuda.Event()
