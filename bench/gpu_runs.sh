@@ -9,6 +9,8 @@
 #           path and ours, Qwen2.5-7B and Qwen3-30B-A3B shapes (bench/vllm_sync_bench.py)
 #   vllm-one - one GPU: the colocated, LoRA and MoE vLLM tests, the GPU race test, the colocated vLLM bench
 #   vllm-x4 - on 4 GPUs in one call: vllm-bench (GPUs 2-3) beside the two-GPU vLLM tests (GPUs 0-1)
+#   vllm-tp2 - a TP=2 vLLM engine fed by two FSDP2 ranks (bench/vllm_tp2_bench.py): 4 GPUs over nccl beside a raw
+#           broadcast, or 2 GPUs as a hybrid engine over nixl (.nixl/ carried); issue 44 item 1
 #   vllm-three - the vLLM tests that need three GPUs (a TP=2 engine or two FSDP2 ranks beside the engine)
 #   fanout - 4 GPUs: one sender to three receivers (7B, 30B-A3B shapes) beside the raw broadcast
 #   fp8-bench - a bf16 and an FP8-wire sync of the same model (7B, 30B-A3B), reference receiver
@@ -30,6 +32,10 @@ if ls .whl/*/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*/*.whl \
     && export PYTHONPATH=/tmp/site:$PWD
 fi
+with_nixl() {  # the carried nixl-cu13 wheel (.nixl/) installed once and put on PYTHONPATH; fails without it
+  [ -d /tmp/nixl ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nixl .nixl/*.whl || return 1
+  export PYTHONPATH=/tmp/nixl:$PYTHONPATH
+}
 bench() {  # bench NAME ARGS...: one `ckpt-engine bench` into $out/NAME.json, its summary lines printed
   name=$1; shift; echo "== $name: $*"
   timeout "${BENCH_TIMEOUT:-150}" python -m ckpt_engine.cli bench "$@" --json "$out/$name.json" > "$out/$name.log" 2>&1; grep -v "^$" "$out/$name.log" | tail -n 6
@@ -43,10 +49,7 @@ case "$part" in
 vllm)
   python3 -c "import vllm" 2>/dev/null || bash bench/vllm_carry.sh install || exit 1
   bash bench/vllm_carry.sh plugin .  # the `ckpt_engine` weight-transfer backend, for a checkout run from PYTHONPATH
-  if ls .nixl/*.whl >/dev/null 2>&1; then  # nixl carried: the TP=2 server pulls over it on 2 GPUs
-    [ -d /tmp/nixl ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nixl .nixl/*.whl || exit 1
-    export PYTHONPATH=/tmp/nixl:$PYTHONPATH
-  fi
+  if ls .nixl/*.whl >/dev/null 2>&1; then with_nixl || exit 1; fi  # nixl carried: the TP=2 routes pull over it on 2 GPUs
   export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0 NCCL_DEBUG=${NCCL_DEBUG:-WARN}
   # each failure lands in $out/failures.txt as it happens (bench/pytest_eager.py), and -rA names every outcome
   # (--timeout: pytest-timeout, on the GPU image, ends one stuck test and lets the rest run)
@@ -119,8 +122,7 @@ vllm-one)  # one GPU: the vLLM tests that fit it (colocated, LoRA, an engine cor
   done
   ;;
 nixl)  # 2 GPUs: nixl pulls beside nccl (raw broadcast and sync) of the same shapes, one call
-  [ -d /tmp/nixl ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nixl .nixl/*.whl || exit 1
-  export PYTHONPATH=/tmp/nixl:$PYTHONPATH
+  with_nixl || exit 1
   bash bench/vllm_carry.sh plugin .  # the registry finds the nixl backend by its entry point
   for preset in ${NIXL_PRESETS:-qwen2.5-7b qwen3-30b-a3b}; do
     bench "nccl_$preset" --backend nccl --preset "$preset" --modes raw,ours --iters 3
@@ -129,8 +131,8 @@ nixl)  # 2 GPUs: nixl pulls beside nccl (raw broadcast and sync) of the same sha
   ;;
 vllm-join)  # 2 GPUs: engine A (GPU 0) synced staged over nccl, engine B (GPU 1) started late joins from it (issue 43)
   python3 -c "import vllm" 2>/dev/null || bash bench/vllm_carry.sh install || exit 1
-  [ -d /tmp/nixl ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nixl .nixl/*.whl || exit 1
-  export PYTHONPATH=/tmp/nixl:$PYTHONPATH VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0
+  with_nixl || exit 1
+  export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0
   bash bench/vllm_carry.sh plugin .  # entry points (the nixl backend, vLLM's plugin) for a checkout run from PYTHONPATH
   for preset in ${VLLM_JOIN:-qwen2.5-7b}; do  # PRESET ...; VLLM_JOIN_ARGS (e.g. "--gpu-mem 0.48" for qwen3-30b-a3b) go to each
     echo "== vllm join bench $preset ${VLLM_JOIN_ARGS:-}"
@@ -138,6 +140,19 @@ vllm-join)  # 2 GPUs: engine A (GPU 0) synced staged over nccl, engine B (GPU 1)
       --json "$out/vllm_join_$preset.json" > "$out/vllm_join_$preset.log" 2>&1 &
     pid=$!; watchdog "${VLLM_HANG_S:-270}" $pid; wait $pid; echo "exit $?"
     grep -E "^vllm join|Error|error|did not finish" "$out/vllm_join_$preset.log" | tail -n 8
+  done
+  ;;
+vllm-tp2)  # a TP=2 vLLM engine fed by two FSDP2 ranks (bench/vllm_tp2_bench.py, issue 44 item 1): with 4 GPUs
+  # over nccl (trainer ranks on GPUs 0-1, the engine on 2-3, beside a raw broadcast); with 2 the hybrid engine over nixl
+  python3 -c "import vllm" 2>/dev/null || bash bench/vllm_carry.sh install || exit 1
+  bash bench/vllm_carry.sh plugin .
+  export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_USE_DEEP_GEMM=0
+  if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then place="--backend nccl --trainer-gpus 0,1 --engine-gpus 2,3"
+  else with_nixl || exit 1; place="--backend nixl --trainer-gpus 0,1 --engine-gpus 0,1"; fi
+  for preset in ${VLLM_TP2:-qwen2.5-7b qwen3-30b-a3b}; do
+    echo "== vllm tp2 bench $preset $place"
+    timeout "${VLLM_TP2_TIMEOUT:-420}" python bench/vllm_tp2_bench.py --preset "$preset" $place --timeout "$(( ${VLLM_TP2_TIMEOUT:-420} - 20 ))" \
+      --json "$out/vllm_tp2_$preset.json" > "$out/vllm_tp2_$preset.log" 2>&1; echo "exit $?"; tail -n 3 "$out/vllm_tp2_$preset.log"
   done
   ;;
 one)
