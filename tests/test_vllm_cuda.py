@@ -8,10 +8,11 @@ equal. The trainer is an HF model in this process, on GPU 1 (nccl) or GPU 0 (col
 
 `vllm serve` engines (GPUs chosen per test) start from the reference weights on disk, so their own
 digests before any sync are the reference: a sync away to other weights and back must restore
-every one of them on every rank. One shares the trainer's GPU (`colocated` over HTTP). A TP=2 server (each rank receives only its slice; a tiny Qwen3-MoE
-too, experts fused by vLLM): over nixl on 2 GPUs (rank 0 beside the trainer), over NCCL with 3. Two
-FSDP2 ranks sending their own shards: over nccl with 3 GPUs; with 2, beside the server, one handing
-its shard over in memory (`nccl_handoff`).
+every one of them on every rank. One shares the trainer's GPU (`colocated` over HTTP). A TP=2
+server (each rank receives only its slice; a tiny Qwen3-MoE too, experts fused by vLLM): over nixl
+on 2 GPUs (rank 0 beside the trainer), over NCCL with 3. Two FSDP2 ranks sending their own shards:
+over nccl with 3 GPUs; with 2, beside the server, one handing its shard over in memory
+(`nccl_handoff`), or into a TP=2 server on their own GPUs over nixl (the hybrid engine).
 """
 
 from __future__ import annotations
