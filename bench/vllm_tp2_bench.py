@@ -25,26 +25,17 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-
-MESSAGE = 512 << 20
+from vllm_sync_bench import MESSAGE, Background, free_port  # bench/ is this script's path
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(args: argparse.Namespace, model_dir: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
@@ -78,31 +69,6 @@ def wait_up(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float
         except requests.RequestException:
             pass
         time.sleep(0.5)
-
-
-class Background:
-    """One HTTP call beside the trainer's part of the same step; its error re-raised on join."""
-
-    def __init__(self, fn: Any, *args: Any, **kwargs: Any) -> None:
-        self.error: BaseException | None = None
-        self.value: Any = None
-
-        def run() -> None:
-            try:
-                self.value = fn(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 - re-raised in join
-                self.error = e
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-
-    def join(self, timeout: float) -> Any:
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            raise TimeoutError("the engine call did not return")
-        if self.error is not None:
-            raise self.error
-        return self.value
 
 
 def raw_broadcast(url: str, device: torch.device, nbytes: int) -> list[float]:
