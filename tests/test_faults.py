@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -277,6 +278,69 @@ def test_weight_source_raising(pair: list[TorchRefRollout]) -> None:
     finally:
         session.close()
 
+
+
+
+class _AnswerHeld(TorchRefRollout):
+    """A handle whose receive answers (its report or its error) only once `release` is set: an
+    engine still busy with a failed sync's receive (a vLLM worker runs one call at a time, so the
+    next sync's first call to it would queue behind that receive)."""
+
+    def __init__(self, engine: TorchRefRollout) -> None:
+        super().__init__(engine.name, engine.rpc.host, engine.rpc.port, None, TIMEOUT_S, token=engine.token)
+        self.held, self.release = threading.Event(), threading.Event()
+        self.release.set()  # answers at once until a test clears it
+        self.order: list[str] = []
+
+    def receive(self, manifest: Any, delta: Any = None, *, stage: str | None = None) -> Any:
+        try:
+            return super().receive(manifest, delta, stage=stage)
+        finally:
+            self.held.set()
+            self.release.wait(60)
+            self.order.append("receive answered")
+
+
+def test_a_failed_source_is_reported_only_once_every_engine_answered(pair: list[TorchRefRollout]) -> None:
+    """Unstaged, the `SyncError` of a source that failed mid-walk comes only once every engine's
+    receive has answered (within the bound), so no engine call of the failed sync is in flight when
+    the next sync begins. Before, the error came 5 s after the fault whatever the engines still did,
+    and a vLLM worker still in its receive made the next session's first call to it time out (a CI
+    flake of tests/test_elastic_vllm_holds.py). The receive's answer here is held until the test has
+    waited past those 5 s."""
+    held = _AnswerHeld(pair[0])
+    session = WeightSyncSession([held, pair[1]], CFG)
+    try:
+        base = session.sync(source(420)).version
+        held.order.clear()
+        held.held.clear()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                session.sync(_Failing(state(421)))
+            except BaseException as exc:
+                errors.append(exc)
+            held.order.append("sync raised")
+
+        t = threading.Thread(target=run)
+        held.release.clear()
+        t.start()
+        assert held.held.wait(60), "the failed sync's receive never ended"
+        t.join(8.0)  # past the 5 s the error used to come after, whatever the engines still did
+        held.release.set()
+        t.join(TIMEOUT_S + GRACE_S)
+        assert not t.is_alive(), "the failed sync never ended"
+        assert held.order == ["receive answered", "sync raised"], held.order
+        assert len(errors) == 1 and isinstance(errors[0], SyncError) and set(errors[0].failed) == {"weight source"}, errors
+        check_states(pair, {base: 420})
+        report = session.sync(source(422))  # the same session heals both
+        check_states(pair, {report.version: 422})
+        assert all(serving(e.health()) for e in pair)
+    finally:
+        held.release.set()
+        session.close()
+        held.close()
 
 
 STAGED_TIMEOUT_S = 12.0

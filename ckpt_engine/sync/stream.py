@@ -63,7 +63,7 @@ class SyncStream:
                 make_engine=lambda: self._new_engine(engine.bucket_size_bytes), source=source,
             )
         except Exception as exc:
-            self._send_failed(exc, rollouts, source, engine, weights, pieces, receives, senders, time.monotonic())
+            self._send_failed(exc, rollouts, source, engine, weights, pieces, receives, senders, time.monotonic(), staged=stage is not None)
         if sent is not None:
             sent()
         deadline = failure_deadline(self.config.timeout_s, time.monotonic())
@@ -81,7 +81,7 @@ class SyncStream:
     def _send_failed(
         self, exc: Exception, rollouts: Sequence[RolloutAdapter], source: WeightSource, engine: CheckpointEngine,
         weights: WatchedWeights, pieces: PieceWalk | None, receives: dict[str, cf.Future[ReceiveReport]], senders: int,
-        sent: float,
+        sent: float, staged: bool,
     ) -> NoReturn:
         """The send raised (at monotonic time `sent`): blame the source when it raised itself, else
         the engines that failed or died, else the sender; every engine is left stale."""
@@ -94,8 +94,11 @@ class SyncStream:
         followers = self._senders.failed(sender_error) if senders > 1 else {}
         if weights.error is not None:
             # The trainer's source failed, not an engine: the engines are healthy, paused and
-            # stale, and stay members; the next complete sync heals them.
-            collect_failures(receives, "receive", min(5.0, self.config.timeout_s))
+            # stale, and stay members; the next complete sync heals them. Unstaged, their answers are
+            # waited for within the bound: a vLLM worker runs one call at a time, so a receive still
+            # in flight when the error came held up the next sync's first call to it, past that
+            # call's own bound. (Staged, the discards that follow end the waits.)
+            collect_failures(receives, "receive", min(5.0, self.config.timeout_s) if staged else max(0.0, deadline - time.monotonic()))
             raise SyncError("transfer", {SOURCE: sender_error}, self._broken({}, False, deadline)) from exc
         failed = receive_failures(rollouts, receives, grace_s=min(5.0, self.config.timeout_s))
         failed.update(followers)
