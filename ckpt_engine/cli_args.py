@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["OneLineParser", "above_zero", "at_least", "fail", "port_number", "seconds"]
+__all__ = ["OneLineParser", "above_zero", "at_least", "port_number", "seconds"]
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -49,8 +48,3 @@ seconds = _checker(float, lambda v: 0 < v <= 604800, "a number of seconds in (0,
 port_number = _checker(int, lambda v: 0 <= v <= 65535, "an int in [0, 65535] (0 = a free port from the OS)")
 """A `type=` for TCP ports to listen on: 0 (a free port from the OS) to 65535."""
 
-
-def fail(prog: str, message: object) -> NoReturn:
-    """One line on stderr, exit code 2."""
-    print(f"{prog}: {message}", file=sys.stderr)
-    raise SystemExit(2)

@@ -106,7 +106,6 @@ class SendStats:
     buckets: int = 0
     export_s: float = 0.0
     pack_s: float = 0.0
-    transfer_s: float = 0.0
     total_s: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 

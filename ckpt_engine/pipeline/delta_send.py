@@ -163,7 +163,6 @@ class DeltaSender:
         if delta.patches:
             stats.extra.update(host)
         stats.total_s = time.perf_counter() - t_start
-        stats.transfer_s = max(0.0, stats.total_s - stats.export_s - stats.pack_s - stats.extra.get("encode_s", 0.0))
         self.last_stats = dict(stats.extra)
         return stats
 

@@ -223,7 +223,7 @@ def send_regions(
                 results = [f.result() for f in futures]
         wall += time.perf_counter() - t0
         for s, stats in zip(mine, results):
-            for f in ("bytes", "tensors", "buckets", "export_s", "pack_s", "transfer_s"):
+            for f in ("bytes", "tensors", "buckets", "export_s", "pack_s"):
                 setattr(total, f, getattr(total, f) + getattr(stats, f))
             for key, value in stats.extra.items():
                 if isinstance(value, (int, float)) and isinstance(total.extra.get(key, 0), (int, float)):

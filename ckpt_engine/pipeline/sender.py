@@ -142,7 +142,6 @@ class Sender:
         if recorded is not None:
             self._record_send_plan(state, manifest, views, weights, recorded)
         stats.total_s = time.perf_counter() - t_start
-        stats.transfer_s = max(0.0, stats.total_s - stats.export_s - stats.pack_s)
         return stats
 
     def _record_send_plan(

@@ -102,7 +102,6 @@ class SharedSources:
             self.t.abort()
             raise
         stats.total_s = time.perf_counter() - t_start
-        stats.transfer_s = stats.total_s - stats.export_s
         stats.extra["one_copy"] = True
         return stats
 

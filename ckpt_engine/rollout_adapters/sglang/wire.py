@@ -142,7 +142,6 @@ class SglangWireEngine(CheckpointEngine):
             stats.tensors += len(tensors)
             stats.bytes += sum(e.chunk_size for e in bucket.entries)
         stats.total_s = time.perf_counter() - t0
-        stats.transfer_s = stats.total_s - stats.pack_s
         stats.extra["broadcasts"] = broadcasts
         return stats
 

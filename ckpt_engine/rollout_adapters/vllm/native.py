@@ -181,7 +181,6 @@ class TransferRoute:
         self.held: str | None = None  # the digest of the manifest every worker holds
         self._checked: tuple[str, bytes, list[bytes] | None] | None = None  # the last check (a receive may need it again)
         self._open = False  # a vLLM weight update is open (vLLM closes it when update_weights raises)
-        self._awaiting_install = False  # an installed-weight check closed the receive's update: the workers hold the load for `install`
         self._adapters = adapters  # the workers take LoRA adapter versions (init info `weights: adapters`)
         self._joined: tuple[Rendezvous, int] | None = None  # the group and the workers' first rank in it
         self._plans: list[dict[str, Any]] | None = None
@@ -214,7 +213,7 @@ class TransferRoute:
         full = base64.b64encode(encoded).decode("ascii")
         send = None if self.held == digest else full
         assigned = {"regions": [base64.b64encode(a).decode("ascii") for a in regions]} if regions is not None else {}
-        self._checked, self._awaiting_install = (digest, encoded, regions), False
+        self._checked = (digest, encoded, regions)
         for attempt in range(2):
             self._start()
             try:
@@ -263,13 +262,11 @@ class TransferRoute:
         workers report at the previous one while the engine served the new one."""
         assert release is None, "the weight-transfer route takes no peer-lease claim"
         t0 = time.perf_counter()
-        self._awaiting_install = False
         self._phase({"phase": "install", "digest": self.held or "", "version": str(version)})
         self._finish(str(version))
         return [{"finalize_s": time.perf_counter() - t0}]
 
     def discard(self) -> None:
-        self._awaiting_install = False
         self._phase({"phase": "discard"})
         self._finish()
 
@@ -330,10 +327,8 @@ class TransferRoute:
         a receive the workers hold the checked load (stale, unstamped) until `finalize` installs it."""
         if self._joined is None:
             raise RuntimeError(f"engine {self.name!r}: an installed-weight check before join")
-        received = self._open
         self._phase({"phase": "installed", "installed": request.to_wire()})
         self._finish()
-        self._awaiting_install = received
         rendezvous, first = self._joined
         store = rendezvous.connect_store(is_master=False)
         keys = [installed_key(first + i, request.seed) for i in range(self.num_workers)]
