@@ -114,14 +114,23 @@ def _get(ray: Any, ref: Any) -> Any:
         return None
 
 
+HELD_RECEIVE = 3
+"""The engine's receive the drill holds: version 3's sync (the initial sync and one step's came
+first), whatever the box's speed. Armed as soon as the actor is up, long before it: that receive
+waits on the first two syncs and a training step on samples the engine generated between them.
+(Held as "the next receive once version 2 serves", it came as late as the test's polling let it:
+on a loaded box so near the job's end that the job finished before the restarted engine registered,
+and the job failed asking it for its info.)"""
+
+
 def _kill_mid_sync(ray: Any, running: Running, kill: Callable[[Any], None]) -> tuple[int, float]:
-    """Wait until the engine serves version >= 2, hold its next receive, kill it inside that sync."""
+    """Hold the engine's `HELD_RECEIVE`-th receive and kill it inside that sync."""
     _until("engine actors created", running.rj.engines_started.is_set, 150, running)
     handle = running.rj.engines["vllm0"]
-    _until("engine serving version >= 2", lambda: (_get(ray, handle.served_version.remote()) or 0) >= 2, 200, running)
+    begun = ray.get(handle.hold_receive.remote(HELD_RECEIVE, 2 * TIMEOUT_S), timeout=200)  # answered once the actor is up
+    assert begun < HELD_RECEIVE, f"the drill was armed after the engine's receive {HELD_RECEIVE} began ({begun} had)"
+    _until("engine holding its receive (mid-sync)", lambda: _get(ray, handle.holding.remote()), 200, running)
     pid = ray.get(handle.ping.remote(), timeout=10)
-    ray.get(handle.delay_next_receive.remote(2 * TIMEOUT_S), timeout=10)  # held until killed: the sync times out first
-    _until("engine receiving (mid-sync)", lambda: _get(ray, handle.receiving.remote()), 60, running)
     t_kill = time.time()
     kill(handle)
     return pid, t_kill

@@ -68,8 +68,9 @@ class VllmEngineActor:
         self.rollout = VllmRollout(name, self.llm, timeout_s=timeout_s)
         self._lock = threading.Lock()
         self._paused = False
-        self._receiving = False
-        self._delay_next_receive_s = 0.0
+        self._receives = 0  # the receives this incarnation has begun
+        self._hold: tuple[int, float] | None = None  # a fault drill: (receive number, seconds)
+        self._holding = False
         self._manifests: dict[str, Any] = {}
         self._budget: Any = None  # the engine's ManifestBudget, asked of its workers at join
         self.server = RpcServer(self._handlers(), token=token, host=self.host, port=0).start()
@@ -88,13 +89,18 @@ class VllmEngineActor:
         """The version this engine holds completely and serves (None while paused or never synced)."""
         return None if self._paused else self.rollout.version
 
-    def receiving(self) -> bool:
-        return self._receiving
+    def holding(self) -> bool:
+        """Whether a receive is held by `hold_receive` now."""
+        return self._holding
 
-    def delay_next_receive(self, seconds: float) -> None:
-        """Fault drills: hold the next receive this long before the workers start it (the trainer
-        is then mid-stream, waiting on this engine)."""
-        self._delay_next_receive_s = float(seconds)
+    def hold_receive(self, number: int, seconds: float) -> int:
+        """Fault drills: hold this incarnation's `number`-th receive (1: its first) this long before
+        the workers start it (the trainer is then mid-stream, waiting on this engine). Named by its
+        number, not as "the next", so a drill armed while the trainer syncs on does not depend on
+        how fast it goes. Returns how many receives have begun (a drill armed after its receive
+        began holds none)."""
+        self._hold = (int(number), float(seconds))
+        return self._receives
 
     # --- RPC handlers (msgpack): the daemon's adapter and the trainer's generator -------------
     def _handlers(self) -> dict[str, Any]:
@@ -148,15 +154,14 @@ class VllmEngineActor:
     def _receive(self, digest: str) -> dict[str, Any]:
         if digest not in self._manifests:
             raise ValueError(f"engine {self.name!r}: receive for manifest {digest} that was never validated here")
-        self._receiving = True
-        try:
-            delay, self._delay_next_receive_s = self._delay_next_receive_s, 0.0
-            if delay:
-                time.sleep(delay)
-            report = self._locked(self.rollout.receive)(manifest=self._manifests[digest][0])
-            return report.to_dict()  # type: ignore[no-any-return]
-        finally:
-            self._receiving = False
+        self._receives += 1
+        hold = self._hold
+        if hold is not None and hold[0] == self._receives:
+            self._holding = True
+            time.sleep(hold[1])  # the drill: ended by the kill it waits for (or by the sync's timeout)
+            self._holding = False
+        report = self._locked(self.rollout.receive)(manifest=self._manifests[digest][0])
+        return report.to_dict()
 
     def _pause(self, mode: str) -> None:
         self._paused = mode != "none"
