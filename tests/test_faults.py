@@ -279,8 +279,6 @@ def test_weight_source_raising(pair: list[TorchRefRollout]) -> None:
         session.close()
 
 
-
-
 class _AnswerHeld(TorchRefRollout):
     """A handle whose receive answers (its report or its error) only once `release` is set: an
     engine still busy with a failed sync's receive (a vLLM worker runs one call at a time, so the

@@ -85,10 +85,6 @@ class VllmEngineActor:
     def ping(self) -> int:
         return os.getpid()
 
-    def served_version(self) -> int | None:
-        """The version this engine holds completely and serves (None while paused or never synced)."""
-        return None if self._paused else self.rollout.version
-
     def holding(self) -> bool:
         """Whether a receive is held by `hold_receive` now."""
         return self._holding
