@@ -100,7 +100,7 @@ class _NoHooks:
 
 def _sender(specs: list[TensorSpec], bucket_bytes: int, device: torch.device) -> tuple[Sender, BucketManifest, PlanState]:
     """The pipeline's sender over `_PostsNothing`, with the plan of `specs` (as a sync makes them)."""
-    link = _PostsNothing(TransportOptions(device=device), bucket_size_bytes=bucket_bytes, num_buffers=2, num_lanes=1, timeout_s=60.0)
+    link = _PostsNothing(TransportOptions(device=device), bucket_size_bytes=bucket_bytes, num_buffers=2, timeout_s=60.0)
     link.join(None, 0)
     link.alloc_buffers(2)
     manifest = plan_buckets(specs, bucket_bytes)

@@ -238,8 +238,8 @@ def test_a_bad_slot_offer_is_refused_by_name(raw: bytes, match: str) -> None:
 def _pair(store_port: int, sender_cls: type[NixlTransport], errors: dict[int, BaseException], **opts: Any) -> tuple[NixlTransport, NixlTransport]:
     """A sender and a receiver transport in this process (two NIXL agents over UCX), joined."""
     rdzv = Rendezvous("127.0.0.1", store_port, "t" + str(store_port), 2, "nixl", 20.0)
-    made = [sender_cls(NixlOptions(**opts), bucket_size_bytes=4096, num_buffers=2, num_lanes=1, timeout_s=20.0),
-            NixlTransport(NixlOptions(**opts), bucket_size_bytes=4096, num_buffers=2, num_lanes=1, timeout_s=20.0)]
+    made = [sender_cls(NixlOptions(**opts), bucket_size_bytes=4096, num_buffers=2, timeout_s=20.0),
+            NixlTransport(NixlOptions(**opts), bucket_size_bytes=4096, num_buffers=2, timeout_s=20.0)]
 
     def join(rank: int) -> None:
         try:
@@ -283,7 +283,7 @@ def test_a_stale_offer_is_refused_at_join() -> None:
     class Stale(NixlTransport):
         def join(self, rendezvous: Rendezvous, rank: int) -> None:
             store = rendezvous.connect_store()
-            real = NixlTransport(NixlOptions(), bucket_size_bytes=4096, num_buffers=2, num_lanes=1, timeout_s=20.0)
+            real = NixlTransport(NixlOptions(), bucket_size_bytes=4096, num_buffers=2, timeout_s=20.0)
             real.num_senders, real.rank = 1, 0
             real.prepare()
             other = NixlAgent(nixl_mod._API, "old", list(real.buffers))

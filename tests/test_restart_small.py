@@ -169,14 +169,14 @@ def test_duplicate_yaml_keys_are_refused_by_name(tmp_path: Path, seed: int) -> N
 
 
 BAD_OPTIONS = [
-    ("solo_bytes", -1), ("group_max_tensors", 1.5), ("num_lanes", 0), ("delta_scatter_below", 0.9), ("device", "cuda:0"),
+    ("solo_bytes", -1), ("group_max_tensors", 1.5), ("delta_scatter_below", 0.9), ("device", "cuda:0"),
 ]
 
 
 @pytest.mark.parametrize("option,value", BAD_OPTIONS)
 def test_backend_option_values_are_refused_at_load(option: str, value: object, tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
-    path.write_text("checkpoint_engine:\n  backend: gloo\n  engine_kwargs:\n    gloo:\n      num_lanes: 1\n")
+    path.write_text("checkpoint_engine:\n  backend: gloo\n  engine_kwargs:\n    gloo:\n      group_max_tensors: 0\n")
     load_config(path)  # (imports the backends once)
     path.write_text("checkpoint_engine:\n  backend: gloo\n  engine_kwargs:\n    gloo:\n      " + f"{option}: {json.dumps(value)}\n")
     with pytest.raises(ConfigError, match=rf"checkpoint_engine.engine_kwargs.gloo.{option}"):

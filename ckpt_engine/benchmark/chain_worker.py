@@ -186,8 +186,7 @@ class ChainRank:
         """The same bytes split evenly over the senders, every sender broadcasting at once (each
         share in raw's messages)."""
         share = -(-self.total_bytes // self.senders)
-        lanes = self.engine.num_lanes
-        gids = [self.rank * lanes] if self.is_sender else [s * lanes for s in range(self.senders)]
+        gids = [self.rank] if self.is_sender else list(range(self.senders))
         message = raw_message_bytes(share, self.engine.bucket_size_bytes)
         run = broadcast_bytes([self.engine.transport.groups[gid] for gid in gids], share, message, self.device, self.args.timeout_s)
         return [self._timed(run) for _ in range(self.args.iters)]

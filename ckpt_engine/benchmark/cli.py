@@ -55,7 +55,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--bucket-mb", type=above_zero, default=None, help="bucket size in MiB (default: 1024 on CUDA, 64 on CPU, or the largest tensor if larger)")
     p.add_argument("--buffers", type=at_least(2), default=2, help="rotating buffers per side (>= 2)")
-    p.add_argument("--lanes", type=at_least(1), default=None, help="process groups the buckets alternate over (>= 1; default: the backend's)")
     p.add_argument("--receivers", type=at_least(1), default=1)
     p.add_argument(
         "--in-place", action="store_true",
@@ -67,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--engine-kwargs", default=None, metavar="JSON",
-        help='extra backend options as a JSON object, e.g. \'{"high_priority": false}\' for nccl',
+        help='extra backend options as a JSON object, e.g. \'{"group_max_tensors": 0}\'',
     )
     p.add_argument("--profile", default=None, metavar="DIR", help="after timing, trace one more sync with torch.profiler (a Chrome trace per rank in DIR)")
     p.add_argument("--dtype", default="bfloat16")
@@ -180,8 +179,6 @@ def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str,
     ]
     if args.layers is not None:
         common += ["--layers", str(args.layers)]
-    if args.lanes is not None:
-        common += ["--lanes", str(args.lanes)]
     if args.in_place:
         common.append("--in-place")
     if args.solo_mb is not None:
@@ -223,7 +220,7 @@ def summarize(results: list[dict[str, Any]], args: argparse.Namespace, backend: 
     bucket = int(bucket_mb * (1 << 20)) // 4096 * 4096
     summary: dict[str, Any] = {
         "preset": args.preset, "layers": args.layers, "backend": backend, "device": device, "receivers": args.receivers,
-        "dtype": args.dtype, "bucket_mb": bucket_mb, "buffers": args.buffers, "lanes": args.lanes, "in_place": args.in_place, "solo_mb": args.solo_mb,
+        "dtype": args.dtype, "bucket_mb": bucket_mb, "buffers": args.buffers, "in_place": args.in_place, "solo_mb": args.solo_mb,
         "engine_kwargs": parse_engine_kwargs(args.engine_kwargs) if args.engine_kwargs else {}, "bytes": nbytes, "tensors": sender["tensors"],
         "iters": args.iters, "ratio_meaning": RATIO_MEANING, "modes": {},
     }

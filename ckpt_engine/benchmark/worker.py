@@ -80,7 +80,6 @@ class BenchRank:
             num_buffers=args.buffers,
             timeout_s=args.timeout_s,
             device=self.device,
-            num_lanes=args.lanes,
             solo_bytes=None if args.solo_mb is None else int(args.solo_mb * (1 << 20)),
             **json.loads(args.engine_kwargs),
         )
@@ -246,7 +245,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--bucket-mb", type=float, required=True)
     p.add_argument("--buffers", type=int, default=2)
-    p.add_argument("--lanes", type=int, default=None)
     p.add_argument("--in-place", action="store_true")
     p.add_argument("--solo-mb", type=float, default=None)
     p.add_argument("--engine-kwargs", default="{}")

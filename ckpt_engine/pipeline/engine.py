@@ -43,10 +43,7 @@ class PipelinedEngine(CheckpointEngine):
         opts, transport_opts = split_options(transport_cls, engine_kwargs)
         self.name, self.device_type = transport_cls.name, transport_cls.device_type
         self.supports_many_senders, self.max_ranks = transport_cls.supports_many_senders, transport_cls.max_ranks
-        self.num_lanes = opts.num_lanes
-        self.transport = transport_cls(
-            transport_opts, bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, num_lanes=self.num_lanes, timeout_s=timeout_s
-        )
+        self.transport = transport_cls(transport_opts, bucket_size_bytes=bucket_size_bytes, num_buffers=num_buffers, timeout_s=timeout_s)
         self.device: torch.device = self.transport.device
         self.solo_bytes = (opts.solo_bytes if opts.solo_bytes is not None else self.transport.default_solo_bytes) or None
         self._solo_set = opts.solo_bytes is not None
@@ -120,7 +117,7 @@ class PipelinedEngine(CheckpointEngine):
         if state is None or state.digest != manifest.digest:
             if manifest.num_senders != self.transport.num_senders:
                 raise ValueError(f"the manifest plans {manifest.num_senders} senders but this group has {self.transport.num_senders}")
-            state = self._state = PlanState(manifest, self.num_buffers, self.num_lanes)
+            state = self._state = PlanState(manifest, self.num_buffers)
         return state
 
     @property

@@ -29,8 +29,6 @@ class EngineOptions:
     """What every pipelined backend takes besides its transport's options (None: the transport's
     default)."""
 
-    num_lanes: int = 1
-    """Buckets alternate over this many process groups (each with its own stream)."""
     solo_bytes: int | None = None
     """Tensors of at least this size get a bucket of their own (0: never); see `plan_buckets`."""
     group_max_tensors: int | None = None
@@ -43,7 +41,7 @@ class EngineOptions:
     with 1/32; tiny preset on the 2-core CPU box 0.23-1.41 s against 0.76-2.92 s (bench/RESULTS.md)."""
 
     def __post_init__(self) -> None:
-        for name, value, least in (("num_lanes", self.num_lanes, 1), ("solo_bytes", self.solo_bytes, 0), ("group_max_tensors", self.group_max_tensors, 0)):
+        for name, value, least in (("solo_bytes", self.solo_bytes, 0), ("group_max_tensors", self.group_max_tensors, 0)):
             if value is not None and not _is_count(value, least):
                 raise ValueError(f"{name} must be an int >= {least}{' (0: never)' if least == 0 else ''}, got {value!r}")
         below = self.delta_scatter_below

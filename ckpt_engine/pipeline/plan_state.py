@@ -60,9 +60,9 @@ class SharedWalk:
 class PlanState:
     """One plan's state on one rank (sender or receiver)."""
 
-    def __init__(self, manifest: BucketManifest, num_buffers: int, num_lanes: int) -> None:
+    def __init__(self, manifest: BucketManifest, num_buffers: int) -> None:
         self.digest = manifest.digest
-        self.schedule = Schedule(manifest, num_buffers, num_lanes)
+        self.schedule = Schedule(manifest, num_buffers)
         self.views: list[list[torch.Tensor]] | None = None
         """Per bucket, views of its slot's buffer, one per entry."""
         self.assembly: dict[str, torch.Tensor] = {}

@@ -1,6 +1,6 @@
-"""The per-manifest schedule of a pipelined transfer: which buffer, lane and group each bucket uses.
+"""The per-manifest schedule of a pipelined transfer: which buffer and group each bucket uses.
 
-A pure function of (manifest, num_buffers, num_lanes), computed once per plan and cached, so the
+A pure function of (manifest, num_buffers), computed once per plan and cached, so the
 send and receive loops never re-derive it per sync. Every sender streams its own buckets through
 its own rotating buffers; receivers hold `num_buffers` buffers per sender and consume each
 sender's buckets in its order (the planner interleaves senders round-robin; on the host path a
@@ -29,7 +29,7 @@ class Step:
     slot: int
     """The receivers' rotating buffer: sender * num_buffers + ordinal % num_buffers."""
     gid: int
-    """Process group: sender * num_lanes + ordinal % num_lanes."""
+    """Process group: the bucket's sender's."""
     refill: int | None
     """The bucket (manifest index) that reuses this one's receive buffer, posted once it is consumed."""
     word_bytes: int
@@ -39,7 +39,7 @@ class Step:
 class Schedule:
     """Steps for every bucket plus, per sender, the start byte of each piece it sends."""
 
-    def __init__(self, manifest: BucketManifest, num_buffers: int, num_lanes: int) -> None:
+    def __init__(self, manifest: BucketManifest, num_buffers: int) -> None:
         self.digest = manifest.digest
         self.num_senders = manifest.num_senders
         ordinals = [0] * manifest.num_senders
@@ -57,8 +57,7 @@ class Schedule:
             for e in b.entries:
                 word = math.gcd(word, DTYPE_ITEMSIZE[e.dtype])
             self.steps.append(
-                Step(b, o, o % num_buffers, b.sender * num_buffers + o % num_buffers,
-                     b.sender * num_lanes + o % num_lanes, refill, word)
+                Step(b, o, o % num_buffers, b.sender * num_buffers + o % num_buffers, b.sender, refill, word)
             )
         self.first_posts = [i for own in by_sender for i in own[:num_buffers]]
         self.first_posts.sort()

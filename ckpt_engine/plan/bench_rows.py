@@ -81,7 +81,7 @@ def _bench_rows(path: Path, d: dict[str, Any]) -> list[MeasuredRow]:
     kwargs = d.get("engine_kwargs") or {}
     group_max = 0 if previous else int(kwargs.get("group_max_tensors", 64))
     tag = f"{d['preset']} {d['bucket_mb']:g} MiB {'in place' if d.get('in_place') else 'copy'}"
-    extras = [f"{k}={v}" for k, v in (("lanes", d.get("lanes")), ("buffers", d.get("buffers")), ("solo_mb", d.get("solo_mb"))) if v not in (None, 1, 2)]
+    extras = [f"{k}={v}" for k, v in (("buffers", d.get("buffers")), ("solo_mb", d.get("solo_mb"))) if v not in (None, 1, 2)]
     extras += [f"{k}={v}" for k, v in kwargs.items()]
     if previous:
         extras.append("previous code: every bucket packed")

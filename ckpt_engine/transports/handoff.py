@@ -21,7 +21,7 @@ import torch
 from ckpt_engine.engine import Rendezvous, TransferError
 from ckpt_engine.transports.gloo import GlooTransport
 from ckpt_engine.transports.handoff_plan import agree_on_local_senders, wait_keys
-from ckpt_engine.transports.nccl import NcclOptions, NcclTransport
+from ckpt_engine.transports.nccl import NcclTransport
 from ckpt_engine.transports.process_groups import ProcessGroupTransport
 from ckpt_engine.transports.shared_buffers import device_identity, map_buffers, share_buffers, unlink_files, validate_descriptors
 from ckpt_engine.transports.transport import SLACK, Frames, Transport, TransportOptions
@@ -34,9 +34,7 @@ NAME = "nccl_handoff"
 
 
 @dataclass(frozen=True, kw_only=True)
-class HandoffOptions(NcclOptions):
-    """`high_priority`: the nccl transport's (CUDA only)."""
-
+class HandoffOptions(TransportOptions):
     local_senders: list[int] | None = None
     """An override for tests and benchmarks that emulate a placement: exactly these senders hand
     over in memory, whatever their device identities say (they must still share memory with the
@@ -299,7 +297,7 @@ class HandoffTransport(Transport):
                 self._take_flag(self._key(self.rank, "free", ordinal), f"release of bucket {self._own_index[ordinal]}", "the receiver")
 
     def post(self, gid: int, slot: int, msg: torch.Tensor) -> Any:
-        sender = self.rank if self.is_sender else gid // self.num_lanes
+        sender = self.rank if self.is_sender else gid
         if sender not in self._local:
             return self.remote.post(gid, slot, msg)
         assert self.rank is not None

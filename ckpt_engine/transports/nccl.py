@@ -9,30 +9,15 @@ from __future__ import annotations
 
 import datetime
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ckpt_engine.transports.collectives import coalesced_broadcast
 from ckpt_engine.transports.process_groups import ProcessGroupTransport
-from ckpt_engine.transports.transport import Frames, TransportOptions
+from ckpt_engine.transports.transport import Frames
 
-__all__ = ["NcclOptions", "NcclTransport", "StreamFrames", "StreamTransport"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class NcclOptions(TransportOptions):
-    high_priority: bool = True
-    """NCCL's streams (and ours) get the device's highest stream priority, so the block scheduler
-    starts a bucket's collective ahead of pending blocks of other kernels: in fully-async RL the
-    trainer keeps computing while it syncs. (In the stand-alone bench, where only our own copies
-    compete, it made no measurable difference: bench/RESULTS.md.)"""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.high_priority, bool):
-            raise ValueError(f"high_priority must be true or false, got {self.high_priority!r}")
+__all__ = ["NcclTransport", "StreamFrames", "StreamTransport"]
 
 
 class StreamTransport(ProcessGroupTransport):
@@ -177,10 +162,12 @@ class StreamFrames(Frames):
 
 
 class NcclTransport(StreamTransport):
-    """CUDA process groups with (by default) high-priority streams."""
+    """CUDA process groups on high-priority streams: the block scheduler starts a bucket's
+    collective ahead of pending blocks of other kernels, since in fully-async RL the trainer keeps
+    computing while it syncs (in the stand-alone bench, where only our own copies compete, normal
+    priority made no measurable difference, so there is no switch: bench/RESULTS.md)."""
 
     name = "nccl"
-    Options = NcclOptions
     device_type = "cuda"
     # An NCCL shutdown finalizes the communicator with its peers: a vLLM worker leaving (inside a
     # `collective_rpc` the trainer waits on) hung there until the trainer's own side closed, which
@@ -190,10 +177,6 @@ class NcclTransport(StreamTransport):
     # or unpack copy; 0.99 of a raw broadcast on 2xH200 in bench/nccl_coalesced_probe.py); buckets
     # of many small tensors (MoE experts) are packed: per-message cost would dominate there.
     default_group_max_tensors = 64
-
-    def __init__(self, options: TransportOptions, **kwargs: Any) -> None:
-        self.high_priority = options.high_priority if isinstance(options, NcclOptions) else True
-        super().__init__(options, **kwargs)
 
     @classmethod
     def resolve_device(cls, device: str | int | torch.device | None) -> torch.device:
@@ -210,12 +193,12 @@ class NcclTransport(StreamTransport):
     def make_group(self, store: torch.distributed.Store, rank: int, world_size: int) -> Any:
         opts = torch.distributed.ProcessGroupNCCL.Options()
         opts._timeout = datetime.timedelta(seconds=self.timeout_s)
-        opts.is_high_priority_stream = self.high_priority
+        opts.is_high_priority_stream = True
         return torch.distributed.ProcessGroupNCCL(store, rank, world_size, opts)
 
     def new_stream(self) -> Any:
         # torch maps a priority below the device's range to its highest one.
-        return torch.cuda.Stream(device=self.device, priority=-8 if self.high_priority else 0)
+        return torch.cuda.Stream(device=self.device, priority=-8)
 
     def new_event(self) -> Any:
         return torch.cuda.Event()

@@ -298,7 +298,7 @@ class NixlTransport(Transport):
         self.rates.begin()
 
     def _post_read(self, gid: int, slot: int, msg: torch.Tensor) -> _Read:
-        sender = gid // self.num_lanes
+        sender = gid
         read = _Read(sender, self._posted[sender], slot, msg)
         self._posted[sender] += 1
         if not self._start(read):

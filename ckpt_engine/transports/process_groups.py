@@ -1,7 +1,7 @@
-"""The process groups of a broadcasting transport: one per (sender, lane), built at join.
+"""The process groups of a broadcasting transport: one per sender, built at join.
 
-Sender s builds its own groups (one per lane) with every receiver; receivers build every sender's
-groups, in sender order, so nobody waits on a group whose members are still busy building another.
+Sender s builds its group with every receiver; receivers build every sender's group, in sender
+order, so nobody waits on a group whose members are still busy building another.
 gloo.py says how a host group is made and waited on, nccl.py (and hccl.py) how a device group and
 its streams are.
 """
@@ -31,8 +31,8 @@ class ProcessGroupTransport(Transport):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._groups: dict[int, Any] = {}  # gid = sender * num_lanes + lane
-        self._group: Any = None  # lane 0's group of this rank's first sender
+        self._groups: dict[int, Any] = {}  # by sender
+        self._group: Any = None  # the group of this rank's first sender
 
     @abstractmethod
     def make_group(self, store: torch.distributed.Store, rank: int, world_size: int) -> Any:
@@ -63,7 +63,7 @@ class ProcessGroupTransport(Transport):
         logger.info("rank %d/%d joined weight-sync group %s (%d senders)", rank, rendezvous.world_size, rendezvous.token, senders)
 
     def join_groups(self, store: torch.distributed.Store, own: list[int]) -> None:
-        """Build the process groups (one per lane) of senders `own` with every receiver; `group`
+        """Build the process group of each of senders `own` with every receiver; `group`
         is the first of them (None without any). A tiny broadcast creates each communicator now,
         so join errors surface at join time."""
         senders = self.num_senders
@@ -71,11 +71,8 @@ class ProcessGroupTransport(Transport):
         group_rank = 0 if self.is_sender else self.rank - senders + 1
         self._groups = {}
         for sender in own:
-            for lane in range(self.num_lanes):
-                prefix = f"lane{lane}/" if sender == 0 else f"sender{sender}/lane{lane}/"
-                gid = sender * self.num_lanes + lane
-                self._groups[gid] = self.make_group(torch.distributed.PrefixStore(prefix, store), group_rank, self.world_size - senders + 1)
-                self.on_new_group(gid)
+            self._groups[sender] = self.make_group(torch.distributed.PrefixStore(f"sender{sender}/", store), group_rank, self.world_size - senders + 1)
+            self.on_new_group(sender)
         self._group = self._groups[min(self._groups)] if self._groups else None
         self.broken = False
         for gid, group in sorted(self._groups.items()):

@@ -1,7 +1,7 @@
 """Transport: how one bucket's bytes move between rotating slots of a weight-sync group.
 
-A transport owns the group's links and slot memory: it builds the process groups per (sender,
-lane) at join (or maps a peer's buffers), posts one broadcast (or a coalesced group) from or into
+A transport owns the group's links and slot memory: it builds a process group per sender at join
+(or maps a peer's buffers), posts one broadcast (or a coalesced group) from or into
 a slot, waits for it within `timeout_s`, and orders the loader's copies after the transfer (work
 handles, streams and events, or flags through the rendezvous store). The pipeline decides what
 travels; it never touches a stream, an event or a process group itself.
@@ -36,7 +36,7 @@ SLACK = 64
 class TransportOptions:
     """What a transport takes from `checkpoint_engine.engine_kwargs.<backend>` besides the
     pipeline's options (`pipeline.options.EngineOptions`); a transport with options of its own
-    declares a subclass beside it (`NcclOptions`) as its `Options`."""
+    declares a subclass beside it (`NixlOptions`) as its `Options`."""
 
     device: str | int | torch.device | None = None
     """The device this side's slots live on (None: the transport's default)."""
@@ -71,11 +71,10 @@ class Transport(ABC):
     one_sided: ClassVar[bool] = False
     """Receivers read the senders' registered memory (nixl): there is no broadcast on this transport."""
 
-    def __init__(self, options: TransportOptions, *, bucket_size_bytes: int, num_buffers: int, num_lanes: int, timeout_s: float) -> None:
+    def __init__(self, options: TransportOptions, *, bucket_size_bytes: int, num_buffers: int, timeout_s: float) -> None:
         self.device = self.resolve_device(options.device)
         self.bucket_size_bytes = bucket_size_bytes
         self.num_buffers = num_buffers
-        self.num_lanes = num_lanes
         self.timeout_s = timeout_s
         self.rank: int | None = None
         self.world_size: int | None = None
@@ -156,11 +155,11 @@ class Transport(ABC):
     @property
     @abstractmethod
     def group(self) -> Any:
-        """The first link of this rank (its lane-0 process group, or the store), None before join."""
+        """The first link of this rank (its first process group, or the store), None before join."""
 
     @property
     def groups(self) -> dict[int, Any]:
-        """Process groups by gid = sender * num_lanes + lane (empty where none exist)."""
+        """Process groups by sender (empty where none exist)."""
         return {}
 
     @abstractmethod
