@@ -109,6 +109,40 @@ def _wait_resources_back(ray: Any, total: dict[str, float], timeout_s: float = 3
     return free
 
 
+def test_an_engine_that_dies_after_the_run_is_reported_not_raised(ray_cluster: Any, tmp_path: Any) -> None:
+    """The job's end asks every engine for its info: one whose restart failed after the run (or
+    that ran out of restarts) is named dead in the summary, and the run's results stand."""
+    from ckpt_engine.trainer.ray_job import RayJob
+
+    class Engine:  # defined here so Ray ships it by value to its workers
+        """An engine actor's `info()`; with `marker`, an incarnation after the first cannot come
+        up (as a restarted vLLM engine whose registration finds the job's daemon closed)."""
+
+        def __init__(self, name: str, marker: str | None = None) -> None:
+            if marker is not None:
+                if os.path.exists(marker):
+                    raise RuntimeError("registration refused: the daemon is gone")
+                open(marker, "w").close()
+            self.name = name
+
+        def info(self) -> dict[str, Any]:
+            return {"name": self.name, "pid": os.getpid()}
+
+    job = RayJob(load_job_config(None, ["ray.enabled=true", "rollout.engine=vllm", "trainer.backend=fsdp2", "ray.start_timeout_s=60"]))
+    actor = ray_cluster.remote(num_cpus=0.1)(Engine)
+    live = actor.remote("vllm0")
+    dying = actor.options(max_restarts=1).remote("vllm1", str(tmp_path / "first-incarnation"))
+    first_pid = ray_cluster.get(dying.info.remote(), timeout=60)["pid"]
+    ray_cluster.kill(dying, no_restart=False)  # Ray restarts it; the restart's constructor raises
+    job.engines = {"vllm0": live, "vllm1": dying}
+    job._pids = {"vllm0": None, "vllm1": first_pid}
+    info = job._engine_info()
+    assert info["vllm0"]["name"] == "vllm0" and info["vllm0"]["pid"] != os.getpid()
+    assert info["vllm1"]["name"] == "vllm1" and "pid" not in info["vllm1"] and "died after the run" in info["vllm1"]["error"]
+    assert [(e["event"], e["engine"], e["pid"]) for e in job.events] == [("died", "vllm1", first_pid)]
+    ray_cluster.kill(live)
+
+
 @pytest.mark.slow
 def test_fully_async_job_on_ray_actors(ray_cluster: Any) -> None:
     from ckpt_engine.trainer.demo import run_job  # the same entry point as without Ray

@@ -113,7 +113,10 @@ class RayJob:
     def _engine_info(self) -> dict[str, Any]:
         """Each engine's `info()` at the job's end. Ray answers a call to an actor it is restarting,
         or whose restart this process has not heard of yet, with "temporarily unavailable" (the call
-        may not have run): `info` only reads, so it is asked again, within `ray.start_timeout_s`."""
+        may not have run): `info` only reads, so it is asked again, within `ray.start_timeout_s`.
+        An engine Ray reports dead (its restart came after the run closed the daemon, so it could
+        not register; or it ran out of restarts) gets `{"name", "error"}` and a "died" event: the
+        run's results stand, and the summary says which engine did not outlive it."""
         ray = self._ray
         timeout = self.job.ray.start_timeout_s
         deadline = time.monotonic() + timeout
@@ -128,6 +131,12 @@ class RayJob:
                 try:
                     info[name] = self._wait(handle.info.remote(), f"engine {name!r} info", left)
                 except RuntimeError as exc:
+                    if isinstance(exc.__cause__, ray.exceptions.ActorDiedError):
+                        reason = f"died after the run: {type(exc.__cause__).__name__}"
+                        info[name] = {"name": name, "error": f"{reason}: {exc.__cause__}"[:1000]}
+                        self.events.append({"event": "died", "engine": name, "pid": self._pids.get(name), "t": time.time(), "reason": reason})
+                        logger.warning("ray job: engine %s %s", name, reason)
+                        continue
                     if not isinstance(exc.__cause__, ray.exceptions.ActorUnavailableError):
                         raise
                     logger.info("ray job: engine %s is restarting; asking for its info again", name)
@@ -245,7 +254,8 @@ class RayJob:
             result["trainer"] = trainer
             result["engines"] = self._engine_info()
             for name, info in result["engines"].items():  # an incarnation that came up after the last poll
-                self._note_up(name, int(info["pid"]))
+                if "pid" in info:
+                    self._note_up(name, int(info["pid"]))
             result["events"] = list(self.events)
             result["startup_s"] = setup_s + float(result.get("engines_up_s", 0.0))
             result["seconds"] = time.monotonic() - t0
