@@ -105,7 +105,7 @@ def _sender(specs: list[TensorSpec], bucket_bytes: int, device: torch.device) ->
     link.alloc_buffers(2)
     manifest = plan_buckets(specs, bucket_bytes)
     sender = Sender(link, PipelineOptions(bucket_bytes, 2, 60.0, False, 0), _NoHooks(), scatter_below=0.25)
-    return sender, manifest, PlanState(manifest, 2, 1)
+    return sender, manifest, PlanState(manifest, 2)
 
 
 def _tiny(config: dict[str, Any]) -> tuple[dict[str, Any], float]:

@@ -44,7 +44,7 @@ def _pack(items: Items) -> tuple[torch.Tensor, PlanState]:
     """One sender's bucket of the specs, packed from `items` through `fresh_entries`."""
     manifest = plan_buckets(_SPECS, 4096)
     assert len(manifest.buckets) == 1
-    state = PlanState(manifest, 2, 1)
+    state = PlanState(manifest, 2)
     buf = torch.zeros(4096, dtype=torch.uint8)
     views = state.bucket_views(manifest, [buf, torch.zeros(4096, dtype=torch.uint8)], 4096, True)[0]
     reader = PieceReader(iter(items), state.schedule, 0, torch.device("cpu"), SendStats())
@@ -65,7 +65,7 @@ def test_the_bucket_holds_the_yielded_bytes_and_copies_go_by_dtype_pair() -> Non
     for e in manifest.buckets[0].entries:
         assert torch.equal(buf[e.bucket_offset : e.bucket_offset + e.chunk_size], _bytes(tensors[e.name])), e.name
     items = list(tensors.items())
-    reader = PieceReader(iter(items), PlanState(manifest, 2, 1).schedule, 0, torch.device("cpu"), SendStats())
+    reader = PieceReader(iter(items), PlanState(manifest, 2).schedule, 0, torch.device("cpu"), SendStats())
     dsts = [torch.empty(s.shape, dtype=getattr(torch, s.dtype)) for s in _SPECS]
     groups = reader.fresh_entries(manifest.buckets[0].entries, dsts)
     assert sorted(len(d) for d, _ in groups) == [1, 2, 2]  # codes, scales, the norm: one list each

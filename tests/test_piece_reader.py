@@ -26,7 +26,7 @@ def _walk(sched: Schedule, weights: list[tuple[str, torch.Tensor]], known: dict)
 @pytest.fixture()
 def sched() -> Schedule:
     specs = [TensorSpec(n, "float32", s) for n, s in _SHAPES.items()]
-    return Schedule(plan_buckets(specs, 256), 2, 1)
+    return Schedule(plan_buckets(specs, 256), 2)
 
 
 def test_the_same_tensors_are_not_checked_twice(sched: Schedule, monkeypatch: pytest.MonkeyPatch) -> None:
