@@ -35,6 +35,8 @@ NAME = "nccl_handoff"
 
 @dataclass(frozen=True, kw_only=True)
 class HandoffOptions(TransportOptions):
+    """nccl_handoff's own option (besides `device`)."""
+
     local_senders: list[int] | None = None
     """An override for tests and benchmarks that emulate a placement: exactly these senders hand
     over in memory, whatever their device identities say (they must still share memory with the
