@@ -91,7 +91,7 @@ def main() -> None:
     print("net lines since, by the issues the commits belong to:")
     for who, net in sorted(by_owner.items(), key=lambda kv: -abs(kv[1])):
         print(f"  {who:>8}  {net:+7d}")
-    mine = sum(net for who, net in by_owner.items() if args.issue in who.split(",") and "," not in who or who == "?")
+    mine = sum(net for who, net in by_owner.items() if who in (args.issue, "?"))
     shared = sum(net for who, net in by_owner.items() if "," in who and args.issue in who.split(","))
     print(f"issue {args.issue}'s measure (the start, its own commits and the unplaced ones): {start + mine} lines; "
           f"with the commits it shares with another issue: {start + mine + shared}")
