@@ -2,7 +2,7 @@
 serving through N restarts, each restarted engine rejoining from a serving peer with one-sided NIXL
 reads (`ckpt_engine.elastic.join_from_peer`), and no request is ever served from a half-new engine.
 
-Every engine runs "engine steps" (`ref_steps.py`): each step reads every weight and records the
+Every engine runs "engine steps" (`torch_ref/steps.py`): each step reads every weight and records the
 version the engine claimed and a digest of what it read. A trainer session syncs a new version
 into the fleet between restarts. Per restart: one engine is SIGKILLed (its step records fetched
 first), started again (holding zeros, no version), and joins from the others; the others keep
@@ -29,7 +29,7 @@ import torch
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.elastic import join_from_peer
-from ckpt_engine.rollout_adapters.ref_steps import weights_digest
+from ckpt_engine.rollout_adapters.torch_ref.steps import weights_digest
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 

@@ -26,7 +26,7 @@ import torch
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
 from ckpt_engine.lora_format import PEFT_PREFIX, LoraSpec
-from ckpt_engine.rollout_adapters.lora_ref import LoraRefRollout
+from ckpt_engine.rollout_adapters.torch_ref.lora import LoraRefRollout
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource, spec_of
 

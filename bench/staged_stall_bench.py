@@ -1,7 +1,7 @@
 """Engine stall per sync, staged (issue 28) against today's pause, with the reference receiver.
 
 One reference engine process steps continuously (`--step-interval-s`: each step reads every weight
-under the step lock, `rollout_adapters/ref_steps.py`); the trainer (this process) syncs a model of
+under the step lock, `rollout_adapters/torch_ref/steps.py`); the trainer (this process) syncs a model of
 `--preset` shapes over gloo, in the same run: `stage: off` (paused for the whole sync) and
 `stage: auto` (staged: patches, or a full staging copy for dense syncs), for dense syncs and for
 patch syncs where `--changed` of the elements change per version. Per mode it prints the median

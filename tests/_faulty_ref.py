@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.rollout_adapters import ref_worker, torch_ref
+from ckpt_engine.rollout_adapters.torch_ref import serve, worker as ref_worker
 
 
 def _fault(kind: str, target: str, name: str, t: torch.Tensor) -> torch.Tensor | None:
@@ -34,4 +34,4 @@ def main(argv: list[str]) -> None:
         return load_regions(self, kept, *a, **kw)
 
     worker.load_bucket, worker.load_regions = faulty_bucket, faulty_regions  # type: ignore[method-assign]
-    torch_ref.main(argv[1:])
+    serve.main(argv[1:])

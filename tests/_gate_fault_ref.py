@@ -16,8 +16,8 @@ import signal
 import time
 from pathlib import Path
 
-from ckpt_engine.rollout_adapters import torch_ref
-from ckpt_engine.rollout_adapters.load_gate import LoadGate
+from ckpt_engine.rollout_adapters.torch_ref import serve
+from ckpt_engine.rollout_adapters.torch_ref.load_gate import LoadGate
 
 FAULT_ENV = "CKPT_TEST_FAULT_FILE"
 
@@ -50,4 +50,4 @@ def main(argv: list[str]) -> None:
         through(self)
 
     LoadGate.pass_through = pass_through  # type: ignore[method-assign]
-    torch_ref.main(argv)
+    serve.main(argv)

@@ -17,7 +17,7 @@ from pathlib import Path
 from _vllm_stage_marks import StageMarksExtension
 
 from ckpt_engine.elastic import pull
-from ckpt_engine.rollout_adapters.load_gate import HOLD_MAX_S
+from ckpt_engine.rollout_adapters.torch_ref.load_gate import HOLD_MAX_S
 
 EXTENSION = "_vllm_peer_faults.PeerFaultsExtension"
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import torch
 
-from ckpt_engine.rollout_adapters import torch_ref
-from ckpt_engine.rollout_adapters.load_gate import HOLD_ENV
+from ckpt_engine.rollout_adapters.torch_ref import serve
+from ckpt_engine.rollout_adapters.torch_ref.load_gate import HOLD_ENV
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sources.base import StateDictSource
 from _gate_fault_ref import FAULT_ENV
@@ -100,11 +100,11 @@ def spawn_engine(
         argv += ["--step-interval-s", str(float(step_interval_s))]
     for key, value in (layout or {}).items():
         argv += [f"--{key.replace('_', '-')}", str(int(value))]
-    env = {torch_ref.TOKEN_ENV: token, **({HOLD_ENV: hold_file} if hold_file else {}), **({FAULT_ENV: fault_file} if fault_file else {})}
-    target = "_gate_fault_ref:main" if fault_file else "ckpt_engine.rollout_adapters.torch_ref:main"
+    env = {serve.TOKEN_ENV: token, **({HOLD_ENV: hold_file} if hold_file else {}), **({FAULT_ENV: fault_file} if fault_file else {})}
+    target = "_gate_fault_ref:main" if fault_file else "ckpt_engine.rollout_adapters.torch_ref.serve:main"
     program = fork_program(target, argv, f"engine-{name}", env=env, stderr_path=stderr_path)
-    line = program.read_line(torch_ref.READY_PREFIX, timeout_s)
+    line = program.read_line(serve.READY_PREFIX, timeout_s)
     if line is None:
         program.process.kill()
         raise RuntimeError(f"reference receiver {name!r} did not start within {timeout_s}s (exit code {program.process.poll()})")
-    return handle(name, "127.0.0.1", int(line[len(torch_ref.READY_PREFIX):].strip()), program.process, timeout_s, token=token)
+    return handle(name, "127.0.0.1", int(line[len(serve.READY_PREFIX):].strip()), program.process, timeout_s, token=token)

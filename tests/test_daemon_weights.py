@@ -55,7 +55,7 @@ def test_full_daemon_refuses_a_lora_engine_by_name_and_an_adapter_daemon_syncs_a
     import peft
     import transformers
 
-    from ckpt_engine.rollout_adapters.lora_ref import LoraRefRollout, linear_shapes
+    from ckpt_engine.rollout_adapters.torch_ref.lora import LoraRefRollout, linear_shapes
     from ckpt_engine.sources.adapters import AdapterSource
 
     full = WeightSyncDaemon(config("full"), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)

@@ -19,7 +19,7 @@ from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
 from ckpt_engine.config import ConfigError
 from ckpt_engine.installed import InstalledReport, InstalledRequest, digest
 from ckpt_engine.planning.regions import Region
-from ckpt_engine.rollout_adapters import torch_ref
+from ckpt_engine.rollout_adapters.torch_ref import serve
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource, spec_of
 from helpers_procs import fork_program
@@ -38,10 +38,10 @@ def cfg(stage: str = "off", **kw: object) -> CheckpointEngineConfig:
 def spawn_faulty(spec_file: str, name: str, fault: str) -> TorchRefRollout:
     token = secrets.token_hex(16)
     argv = [fault, "--spec-file", spec_file, "--port", "0"]
-    program = fork_program("_faulty_ref:main", argv, f"engine-{name}", env={torch_ref.TOKEN_ENV: token})
-    line = program.read_line(torch_ref.READY_PREFIX, 60)
+    program = fork_program("_faulty_ref:main", argv, f"engine-{name}", env={serve.TOKEN_ENV: token})
+    line = program.read_line(serve.READY_PREFIX, 60)
     assert line is not None, f"faulty engine {name} did not start"
-    return TorchRefRollout(name, "127.0.0.1", int(line[len(torch_ref.READY_PREFIX):].strip()), program.process, TIMEOUT_S, token=token)
+    return TorchRefRollout(name, "127.0.0.1", int(line[len(serve.READY_PREFIX):].strip()), program.process, TIMEOUT_S, token=token)
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession, sy
 from ckpt_engine.installed import digest, digest_share_runs, region_view, wrap64
 from ckpt_engine.planning.regions import Region
 from ckpt_engine.processes import run_processes
-from ckpt_engine.rollout_adapters import torch_ref
+from ckpt_engine.rollout_adapters.torch_ref import serve
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.sharded import ShardedStateDictSource
 from helpers_procs import fork_program, free_port
@@ -159,10 +159,10 @@ def good(spec_path: str) -> Iterator[TorchRefRollout]:
 
 def _spawn_faulty(spec_file: str, name: str, fault: str) -> TorchRefRollout:
     token = secrets.token_hex(16)
-    program = fork_program("_faulty_ref:main", [fault, "--spec-file", spec_file, "--port", "0"], f"engine-{name}", env={torch_ref.TOKEN_ENV: token})
-    line = program.read_line(torch_ref.READY_PREFIX, 60)
+    program = fork_program("_faulty_ref:main", [fault, "--spec-file", spec_file, "--port", "0"], f"engine-{name}", env={serve.TOKEN_ENV: token})
+    line = program.read_line(serve.READY_PREFIX, 60)
     assert line is not None, f"faulty engine {name} did not start"
-    return TorchRefRollout(name, "127.0.0.1", int(line[len(torch_ref.READY_PREFIX):].strip()), program.process, TIMEOUT_S, token=token)
+    return TorchRefRollout(name, "127.0.0.1", int(line[len(serve.READY_PREFIX):].strip()), program.process, TIMEOUT_S, token=token)
 
 
 @pytest.mark.parametrize("fault", [f"transpose:{SHARDED}", f"skip:{WHOLE}"])

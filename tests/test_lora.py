@@ -12,7 +12,7 @@ from ckpt_engine.lora_format import ADAPTER_CONFIG, MAX_CONFIG_BYTES, LoraSpec, 
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.rollout_adapters.adapter_versions import AdapterVersions
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
-from ckpt_engine.rollout_adapters.lora_ref import LoraRefRollout, linear_shapes
+from ckpt_engine.rollout_adapters.torch_ref.lora import LoraRefRollout, linear_shapes
 from ckpt_engine.sources.adapters import AdapterSource
 from ckpt_engine.sources.base import StateDictSource
 

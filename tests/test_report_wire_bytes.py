@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
-from ckpt_engine.rollout_adapters import receiver, torch_ref
+from ckpt_engine.rollout_adapters import receiver
+from ckpt_engine.rollout_adapters.torch_ref import serve
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from helpers_procs import fork_program
@@ -39,16 +40,16 @@ def tied_main(argv: list[str]) -> None:
         return [p for p in check(manifest, expected) if not p.startswith(f"{UNHELD}: ")]
 
     receiver.check_manifest_against = skipping_the_head  # type: ignore[assignment]
-    torch_ref.main(argv)
+    serve.main(argv)
 
 
 def _spawn(name: str, spec_file: str, tp_rank: int) -> TorchRefRollout:
     token = secrets.token_hex(16)
     argv = ["--spec-file", spec_file, "--port", "0", "--tp-size", "2", "--tp-rank", str(tp_rank), "--num-kv-heads", str(KV_HEADS)]
-    program = fork_program("test_report_wire_bytes:tied_main", argv, f"engine-{name}", env={torch_ref.TOKEN_ENV: token})
-    line = program.read_line(torch_ref.READY_PREFIX, 60)
+    program = fork_program("test_report_wire_bytes:tied_main", argv, f"engine-{name}", env={serve.TOKEN_ENV: token})
+    line = program.read_line(serve.READY_PREFIX, 60)
     assert line is not None, f"engine {name} did not start"
-    return TorchRefRollout(name, "127.0.0.1", int(line[len(torch_ref.READY_PREFIX):].strip()), program.process, TIMEOUT_S, token=token)
+    return TorchRefRollout(name, "127.0.0.1", int(line[len(serve.READY_PREFIX):].strip()), program.process, TIMEOUT_S, token=token)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Staged syncs (issue 28) into reference engines that keep stepping: the next version streams into
 a staging area while every engine step reads the live weights; the engines pause only for the swap.
 
-Each engine step (`rollout_adapters/ref_steps.py`) records the version it served and a digest of
+Each engine step (`rollout_adapters/torch_ref/steps.py`) records the version it served and a digest of
 every weight it read, so the tests prove that no step ever saw a mix of two versions, that steps
 went on while a version streamed in, and that a failed stream leaves the engine serving its old
 version bit for bit, unpaused and not stale.
@@ -27,7 +27,7 @@ import torch
 
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
 from ckpt_engine.delta.request import DeltaRequest
-from ckpt_engine.rollout_adapters.ref_steps import weights_digest
+from ckpt_engine.rollout_adapters.torch_ref.steps import weights_digest
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.staging import StagePolicy

@@ -52,7 +52,7 @@ def _batch(job: Any, vocab: int, step: int) -> torch.Tensor:
 def run_lora_job(job: Any, *, echo: bool = True) -> dict[str, Any]:
     """Train the adapter `trainer.steps` steps, syncing it after each; returns the summary."""
     from ckpt_engine.daemon import WeightSyncDaemon
-    from ckpt_engine.rollout_adapters.lora_ref import LoraRefRollout, linear_shapes
+    from ckpt_engine.rollout_adapters.torch_ref.lora import LoraRefRollout, linear_shapes
     from ckpt_engine.sources.adapters import AdapterSource
 
     if job.rollout.engine != "torch_ref":

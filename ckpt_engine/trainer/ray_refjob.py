@@ -48,7 +48,7 @@ class RolloutEngineActor:
         import torch
 
         from ckpt_engine.control.server import RpcServer
-        from ckpt_engine.rollout_adapters.ref_worker import TorchRefWorker
+        from ckpt_engine.rollout_adapters.torch_ref.worker import TorchRefWorker
 
         self.name = name
         self.host = _node_ip()

@@ -1,7 +1,7 @@
 """Reference receiver: a plain torch state dict (or HF `transformers` model) in its own process.
 
 For tests, benchmarks and users without an inference engine. `TorchRefRollout.spawn(...)` starts
-`python -m ckpt_engine.rollout_adapters.torch_ref`, which serves the receiver on a control port
+`python -m ckpt_engine.rollout_adapters.torch_ref` (`serve.py`), which serves the receiver on a control port
 (`ckpt_engine.control.server`: the job token it was started with, the daemon's limits) and loads
 every bucket into its tensors with one batched copy.
 
@@ -9,23 +9,20 @@ Two guards keep a half-written engine from serving:
 - `version` is the last version the engine holds *completely*: a transfer clears it until
   `finalize`, and `finalize` is refused unless a transfer completed since the last one; `resume`
   is refused while the engine is stale (only a complete sync resumes it).
-- An engine belongs to one weight-sync group at a time (`engine_lease.py`).
+- An engine belongs to one weight-sync group at a time (`rollout_adapters/engine_lease.py`).
 
 Staged syncs (issue 28): it stages (`receive(stage=...)`, `swap`, `discard`), with room for a
 dense staging copy up to `--staging-budget-mb` (and the free memory), and, with
-`--step-interval-s`, runs "engine steps" (`ref_steps.py`) that read every weight under the step
+`--step-interval-s`, runs "engine steps" (`steps.py`) that read every weight under the step
 lock while the next version streams in; the swap takes that lock between two steps.
 """
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
 import secrets
 import subprocess
 import sys
-import threading
 from typing import Any
 
 import torch
@@ -39,18 +36,10 @@ from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, held_in
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
-from ckpt_engine.rollout_adapters.ref_worker import TorchRefWorker
-from ckpt_engine.rollout_adapters.ref_models import RefModel, load_spec_file, write_spec_file
-from ckpt_engine.control.server import RpcServer
 from ckpt_engine.control.wire import RpcClient
+from ckpt_engine.rollout_adapters.torch_ref.serve import LAYOUT_KEYS, READY_PREFIX, TOKEN_ENV
 
-__all__ = ["TorchRefRollout", "load_spec_file", "write_spec_file"]
-
-logger = logging.getLogger(__name__)
-
-READY_PREFIX = "CKPT_ENGINE_READY port="
-TOKEN_ENV = "CKPT_ENGINE_TOKEN"
-"""The job token reaches a spawned receiver through its environment, never its command line."""
+__all__ = ["TorchRefRollout"]
 
 
 class TorchRefRollout(RolloutAdapter, PeerJoinable):
@@ -91,7 +80,7 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
         `layout`: run as one rank of a TP / EP engine holding only its slices (tp_size, tp_rank,
         ep_size, ep_rank, num_kv_heads; see `planning.tp_ep.tp_ep_plan`; fused_experts=1 holds
         experts stacked). `staging_budget_bytes`: the most a dense staging copy may take (None: the free
-        memory decides). `step_interval_s`: run engine steps (`ref_steps.py`) this far apart (None: no steps)."""
+        memory decides). `step_interval_s`: run engine steps (`steps.py`) this far apart (None: no steps)."""
         if (spec_file is None) == (model_dir is None):
             raise ValueError("give exactly one of spec_file or model_dir")
         token = token if token is not None else secrets.token_hex(16)
@@ -102,8 +91,8 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
         if step_interval_s is not None:
             cmd += ["--step-interval-s", str(float(step_interval_s))]
         for key, value in (layout or {}).items():
-            if key not in _LAYOUT_KEYS or not isinstance(value, int):
-                raise ValueError(f"layout keys are {', '.join(_LAYOUT_KEYS)} with int values, got {key}={value!r}")
+            if key not in LAYOUT_KEYS or not isinstance(value, int):
+                raise ValueError(f"layout keys are {', '.join(LAYOUT_KEYS)} with int values, got {key}={value!r}")
             cmd += [f"--{key.replace('_', '-')}", str(value)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, TOKEN_ENV: token})
         port = int(read_ready_line(proc, READY_PREFIX, f"reference receiver {name!r}", timeout_s))
@@ -225,38 +214,3 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
-
-
-_LAYOUT_KEYS = ("tp_size", "tp_rank", "ep_size", "ep_rank", "num_kv_heads", "fused_experts")
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="ckpt-engine reference receiver process")
-    p.add_argument("--spec-file")
-    p.add_argument("--model-dir")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--load-delay-s", type=float, default=0.0, help="sleep per bucket (emulates a slow loader)")
-    p.add_argument("--port", type=int, default=0, help="control port (0: a free one)")
-    p.add_argument("--staging-budget-bytes", type=int, default=None, help="cap on a dense staging copy (default: free memory)")
-    p.add_argument("--step-interval-s", type=float, default=None, help="run engine steps this far apart (default: none)")
-    for key in _LAYOUT_KEYS:
-        p.add_argument(f"--{key.replace('_', '-')}", type=int, default=None, help="hold only this TP / EP rank's slices (see tp_ep_plan)")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("CKPT_ENGINE_LOG", "WARNING"))
-    token = os.environ.pop(TOKEN_ENV, "")
-    if len(token) < 8:
-        print(f"ckpt-engine reference receiver: set {TOKEN_ENV} to the job token (at least 8 characters)", file=sys.stderr)
-        sys.exit(2)
-    layout = {k: getattr(args, k) for k in _LAYOUT_KEYS if getattr(args, k) is not None}
-    kw = {"load_delay_s": args.load_delay_s, "staging_budget_bytes": args.staging_budget_bytes, "step_interval_s": args.step_interval_s}
-    model = RefModel.from_spec_file(args.spec_file, layout) if args.spec_file else RefModel.from_hf_config(args.model_dir, args.dtype, layout)
-    worker = TorchRefWorker.of(model, **kw)
-    server = RpcServer(worker.handlers(), token=token, port=args.port).start()
-    print(f"{READY_PREFIX}{server.port}", flush=True)
-    parent = os.getppid()
-    while os.getppid() == parent:  # exit when the parent goes away (stdin is not used)
-        threading.Event().wait(1.0)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """The reference receiver's process side: its tensors, its receiver, its weight version.
 
-`TorchRefRollout` (`torch_ref.py`) is the controller's handle; this object is what the spawned
-process (or a Ray actor) serves over its control port.
+`TorchRefRollout` (`rollout.py`) is the controller's handle; this object is what the spawned
+process (`serve.py`, or a Ray actor) serves over its control port.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.engine_lease import EngineLease
-from ckpt_engine.rollout_adapters.load_gate import LoadGate
+from ckpt_engine.rollout_adapters.torch_ref.load_gate import LoadGate
 from ckpt_engine.rollout_adapters.receiver import WeightReceiver
-from ckpt_engine.rollout_adapters.ref_models import RefModel
-from ckpt_engine.rollout_adapters.ref_steps import EngineSteps, staging_room
+from ckpt_engine.rollout_adapters.torch_ref.models import RefModel
+from ckpt_engine.rollout_adapters.torch_ref.steps import EngineSteps, staging_room
 from ckpt_engine.versions import check_step, check_version
 from ckpt_engine.sources.base import spec_of
 
@@ -79,7 +79,7 @@ class TorchRefWorker:
 
     @classmethod
     def of(cls, model: RefModel, **kw: Any) -> TorchRefWorker:
-        """A worker over `model`'s tensors (see `ref_models.py`)."""
+        """A worker over `model`'s tensors (see `models.py`)."""
         return cls(model.tensors, model=model.module, plan=model.plan, expected=model.expected, **kw)
 
     def load_bucket(self, pairs: list[tuple[str, torch.Tensor]], into: dict[str, torch.Tensor] | None = None, delay: bool = True) -> int:
