@@ -12,6 +12,7 @@ from disk holds. Run on the GPU machine, never in CI.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,15 @@ from helpers_vllm_cuda import digests  # noqa: E402
 from test_vllm_cuda import ENGINE, REFERENCE_SEED, assert_holds_reference, hf_model, model_dir, reference, source  # noqa: E402, F401
 
 TIMEOUT_S = 60.0
+
+
+def test_the_trainer_engine_refuses_a_vllm_whose_trainer_api_differs() -> None:
+    """On 0.26 ckpt-engine's trainer-side engine (written to 0.32's API) refuses to import with the
+    version and the route that works there, instead of a TypeError from vLLM's generics."""
+    if features_of().trainer_transfer_api:
+        pytest.skip(f"vLLM {features_of().version} has the trainer API the engine implements")
+    with pytest.raises(ImportError, match=r"vLLM 0\.26\.\d+ has another .*WeightTransferChannel\(client\)"):
+        importlib.import_module("ckpt_engine.sync.vllm_trainer_engine")
 
 
 @pytest.fixture(scope="module")

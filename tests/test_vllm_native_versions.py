@@ -19,6 +19,11 @@ from shared_server import SharedServer
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
+from ckpt_engine.rollout_adapters.vllm.compat import features_of  # noqa: E402
+
+if not features_of().trainer_transfer_api:  # vLLM 0.26 (the GPU machines): no trainer-side ckpt_engine engine there
+    pytest.skip(f"vLLM {features_of().version}'s trainer-side weight-transfer API is not 0.32's", allow_module_level=True)
+
 from vllm.distributed.weight_transfer import ModuleSource, WeightTransferTrainerFactory  # noqa: E402
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient  # noqa: E402
 

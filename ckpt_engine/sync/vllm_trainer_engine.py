@@ -25,6 +25,7 @@ import torch
 from vllm.distributed.weight_transfer.base import TrainerInitInfo, TrainerWeightTransferEngine, VLLMWeightSyncClient
 
 from ckpt_engine.config import CheckpointEngineConfig
+from ckpt_engine.rollout_adapters.vllm.compat import features_of
 from ckpt_engine.rollout_adapters.vllm.native import WeightTransferChannel
 from ckpt_engine.rollout_adapters.vllm.rollout import VllmRollout
 from ckpt_engine.rollout_adapters.vllm.plugin import BACKEND_NAME, register
@@ -36,6 +37,12 @@ from ckpt_engine.sync.session import WeightSyncSession
 __all__ = ["CkptEngineTrainerInitInfo", "CkptEngineTrainerWeightTransferEngine"]
 
 logger = logging.getLogger(__name__)
+
+if not features_of().trainer_transfer_api:  # 0.26's trainer API has other type parameters and signatures
+    raise ImportError(
+        f"ckpt_engine.sync.vllm_trainer_engine implements vLLM 0.32's trainer-side weight-transfer API; vLLM "
+        f"{features_of().version} has another (docs/vllm.md, vLLM versions): sync through VllmRollout(name, WeightTransferChannel(client))"
+    )
 
 _FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
