@@ -1,14 +1,19 @@
 """After a failed stage every engine's health is probed at once (`sync/fanout.py` `probe_all`): two
 engines whose probes each wait for the other's to start both answer (probed one after the other,
 the first would wait out its barrier and be named unreachable), and a dead one is named by its
-error; the probes that find engines dead mid-transfer name only those."""
+error; the probes that find engines dead mid-transfer name only those. A step of one engine whose
+calls bound themselves runs on the session's thread (`fan_out`)."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
 
-from ckpt_engine.sync.fanout import mark_stale_and_probe, receive_failures
+from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
+from ckpt_engine.sync.fanout import fan_out, mark_stale_and_probe, receive_failures
+from refengines import holds, source, state
 
 BARRIER_S = 60.0
 """Bound of the barrier the probes meet at (a liveness bound: met at once when they run together)."""
@@ -46,3 +51,61 @@ def test_engines_found_dead_after_a_transfer_are_the_ones_named() -> None:
     receives["a"].set_exception(RuntimeError("gloo: connection reset by peer b"))
     receives["b"].set_exception(RuntimeError("killed"))
     assert receive_failures(members, receives, grace_s=1.0) == {"b": "died during the transfer (b: connection refused)"}
+
+
+class Engine:
+    """What `fan_out` reads of a handle: its name and capabilities."""
+
+    def __init__(self, name: str, bounded: bool) -> None:
+        self.name, self.capabilities = name, EngineCapabilities(bounded_calls=bounded)
+
+
+def test_one_engine_whose_calls_bound_themselves_is_called_on_the_callers_thread() -> None:
+    """One `bounded_calls` engine: its step runs here, no pool hand-off; otherwise, and with two
+    engines, on the pool. Answers and failures come back in the same form either way."""
+    here = threading.get_ident()
+
+    def where(e: Engine) -> int:
+        if e.name == "bad":
+            raise RuntimeError("refused")
+        return threading.get_ident()
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        assert fan_out(pool, [Engine("a", True)], where, "pause", BARRIER_S) == ({"a": here}, {})
+        answers, failed = fan_out(pool, [Engine("a", False)], where, "pause", BARRIER_S)
+        assert failed == {} and answers["a"] != here
+        answers, failed = fan_out(pool, [Engine("a", True), Engine("b", True)], where, "pause", BARRIER_S)
+        assert failed == {} and here not in answers.values()
+        for bounded in (True, False):
+            assert fan_out(pool, [Engine("bad", bounded)], where, "pause", BARRIER_S) == ({}, {"bad": "RuntimeError: refused"})
+
+
+class Recording(TorchRefRollout):
+    """A reference receiver that notes the thread of every pause, finalize and resume."""
+
+    threads: list[int]
+
+    def pause(self, mode: str) -> None:
+        self.threads.append(threading.get_ident())
+        super().pause(mode)
+
+    def finalize(self, version: int) -> None:
+        self.threads.append(threading.get_ident())
+        super().finalize(version)
+
+    def resume(self) -> None:
+        self.threads.append(threading.get_ident())
+        super().resume()
+
+
+def test_a_session_of_one_reference_receiver_steps_it_on_its_own_thread(spec_file: str) -> None:
+    engine = Recording.spawn("one", spec_file=spec_file, timeout_s=60.0)
+    engine.threads = []
+    session = WeightSyncSession([engine], CheckpointEngineConfig(backend="gloo", timeout_s=60.0, stage="off"))
+    try:
+        assert session.sync(source(1)).version == 1
+        assert engine.threads == [threading.get_ident()] * 3
+        assert holds(engine, state(1)) == []
+    finally:
+        session.close()
+        engine.close()

@@ -180,6 +180,33 @@ def test_llm_sync_matches_hf_and_changes_on_second_sync(llm: object, model_dir: 
     assert adapter.weight_version() == str(v + 1) and set(spans) == {str(v + 1)}
 
 
+class CountedSource(StateDictSource):
+    """Counts the walks of its weights that were started."""
+
+    walks = 0
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.walks += 1
+        yield from super().iter_weights()
+
+
+def test_a_checked_sync_walks_a_stable_source_once(llm: object, model_dir: Path) -> None:
+    """The installed check of a stable source walks it before the pause (`fold_ahead`); the send takes
+    that walk instead of a second one, and the engine still holds the source's bytes, checked."""
+    from ckpt_engine.rollout_adapters.vllm import VllmRollout
+
+    session = WeightSyncSession([VllmRollout("vllm-walks", llm, timeout_s=60.0)], dataclasses.replace(CONFIG, verify_installed=1))
+    try:
+        trainer = trainer_model(model_dir, seed=41)
+        for _ in range(2):
+            source = CountedSource({n: t.detach() for n, t in trainer.state_dict().items()})
+            report = session.sync(source)
+            assert "installed_check" in report.seconds and source.walks == 1
+        assert llm_greedy(llm)[0] == [hf_greedy(trainer, p) for p in PROMPTS]
+    finally:
+        session.close()
+
+
 def cached_tokens(engine: object, prompt: list[int]) -> tuple[int, list[int]]:
     """One greedy generation of `prompt`: how many of its tokens vLLM took from its prefix cache, and the tokens."""
     from vllm import SamplingParams

@@ -15,7 +15,7 @@ from typing import Literal, Protocol
 
 __all__ = ["Capable", "EngineCapabilities", "Feature", "lacking"]
 
-Feature = Literal["delta", "many_senders", "regions", "stages", "stages_regions", "installed", "checks_at_receive"]
+Feature = Literal["delta", "many_senders", "regions", "stages", "stages_regions", "installed", "checks_at_receive", "bounded_calls"]
 """The yes/no capabilities a group needs from every engine to use the feature."""
 
 
@@ -48,6 +48,11 @@ class EngineCapabilities:
     checks_at_receive: bool = False
     """With `installed`, one rank told a check's source digests with its receive finalizes in the
     receive's last call where its own agree (`finalize_with_receive`): no finalize round trip."""
+    bounded_calls: bool = False
+    """Every control call (join, validate, pause, receive's start and end, finalize, resume, swap)
+    answers or raises within the handle's own timeout, so a session of this one engine makes the
+    call on its own thread, not through its pool (whose bounded wait guards every other engine):
+    two thread hand-offs fewer a step."""
     claims: bool = False
     """The engine can be claimed by one weight-sync group for a lease (`RolloutAdapter.claim`); the
     daemon claims such engines at registration. Engines without it are guarded by the job token."""

@@ -5,15 +5,35 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ckpt_engine.rollout_adapters.capabilities import Capable, lacking
 
 if TYPE_CHECKING:
     from ckpt_engine.rollout_adapters.base import Membership
 
-__all__ = ["ask_memberships", "collect_failures", "collect_memberships", "leave_all", "mark_stale_and_probe", "probe_all", "receive_failures", "wait_for_joins"]
+__all__ = ["ask_memberships", "collect_failures", "fan_out", "collect_memberships", "leave_all", "mark_stale_and_probe", "probe_all", "receive_failures", "wait_for_joins"]
 
 logger = logging.getLogger(__name__)
+
+
+E = TypeVar("E", bound=Capable)
+T = TypeVar("T")
+
+
+def fan_out(pool: cf.Executor, engines: Sequence[E], fn: Callable[[E], T], stage: str, timeout_s: float) -> tuple[dict[str, T], dict[str, str]]:
+    """`fn` on every engine at once: ({engine: answer}, {engine: why it failed}), each wait within
+    `timeout_s` in all. One engine whose calls bound themselves (`bounded_calls`) is called on this
+    thread: a pool thread's two hand-offs fewer a step (~0.1-0.3 ms each beside a busy interpreter)."""
+    if len(engines) == 1 and not lacking(engines, "bounded_calls"):
+        try:
+            return {engines[0].name: fn(engines[0])}, {}
+        except Exception as exc:
+            return {}, {engines[0].name: f"{type(exc).__name__}: {exc}"}
+    futures = {e.name: pool.submit(fn, e) for e in engines}
+    failed = collect_failures(futures, stage, timeout_s)
+    return {name: f.result() for name, f in futures.items() if name not in failed}, failed
 
 
 def collect_failures(futures: dict[str, cf.Future[Any]], stage: str, timeout_s: float) -> dict[str, str]:

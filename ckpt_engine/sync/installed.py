@@ -88,6 +88,8 @@ class InstalledChecks:
         """The wire dtype of each name of the armed check (`arm`'s `dtypes`; absent: as walked)."""
         self._noted: list[tuple[str, torch.Tensor]] | None = None
         """What a stable walk yielded, for `fold_noted` (None: nothing waits)."""
+        self._walked: list[tuple[str, torch.Tensor]] | None = None
+        """The source's walk made ahead (`fold_ahead`), which the send replays (`tap`): walked once."""
         self._noted_layout: _Walk | None = None
         """The last stable walk's layout: the same at every check of a session."""
         self._fold_error: Exception | None = None
@@ -164,7 +166,7 @@ class InstalledChecks:
         worker's copy launches on one H200 (7B, one process). Not on the host, where a fold is
         compute the walk's send hides (`tap`)."""
         t = time.perf_counter()
-        noted = list(source.iter_weights())  # here, on the session's thread: the receive's thread may fold while the walk runs
+        noted = self._walked = list(source.iter_weights())  # here, on the session's thread: the receive's thread may fold while the send runs
         on_gpu = bool(noted) and self.samples > 0 and all(_CUDA(tensor) for _, tensor in noted)
         if on_gpu:
             device = noted[0][1].device
@@ -193,6 +195,7 @@ class InstalledChecks:
         self.syncs += 1
         self.request, self._digests, self.seconds, self._order, self._combined = None, {}, None, [], None
         self._dtypes, self._noted, self._fold_error, self._on_device, self.ahead, self._ready = {}, None, None, None, False, None
+        self._walked = None
         self._expected = None
 
     def _arm(
@@ -267,6 +270,8 @@ class InstalledChecks:
         load their last bucket and digest: off the sync's path (on one GPU, a 7B walk's 339 folds
         cost ~9.5 ms of launches in it; an `add` each for later, 0.23 ms of Python on the CPU box;
         noting them, 0.04 ms)."""
+        if self._walked is not None:  # walked ahead (`fold_ahead`): the send takes that walk, not a second one
+            weights = self._walked
         if self.request is None or self.seconds is None or self.ahead:
             yield from weights
             return
@@ -363,7 +368,7 @@ class InstalledChecks:
     def release(self) -> None:
         """After a sync: drop what a stable walk noted and a failed sync never folded (its tensors
         would stay alive until the next check)."""
-        self._noted, self._on_device, self._expected = None, None, None
+        self._noted, self._on_device, self._expected, self._walked = None, None, None, None
         self._folds.drop_later()
 
     def source_digests(self) -> dict[Key, int]:

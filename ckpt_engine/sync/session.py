@@ -25,7 +25,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import CheckpointEngine, SendStats
 from ckpt_engine.sync.backend import backend_for
 from ckpt_engine.sync.claims import claims
-from ckpt_engine.sync.fanout import ask_memberships, collect_failures, collect_memberships, leave_all, mark_stale_and_probe
+from ckpt_engine.sync.fanout import ask_memberships, collect_failures, collect_memberships, fan_out, leave_all, mark_stale_and_probe
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter
 from ckpt_engine.sync.sender_follower import join_message
@@ -154,11 +154,11 @@ class WeightSyncSession:
         return engine
 
     def _fan_out(self, stage: str, fn: Callable[[RolloutAdapter], T]) -> dict[str, T]:
-        futures = {r.name: self._pool.submit(fn, r) for r in self.rollouts}
-        failed = collect_failures(futures, stage, self.config.timeout_s)
+        """`fn` on every engine (`fanout.fan_out`); a failure or a wait past timeout_s breaks the group."""
+        answers, failed = fan_out(self._pool, self.rollouts, fn, stage, self.config.timeout_s)
         if failed:
             raise SyncError(stage, failed, self._break(failed))
-        return {name: f.result() for name, f in futures.items()}
+        return answers
 
     def _break(self, failed: dict[str, str], probe: bool = True, deadline: float | None = None) -> list[str]:
         """Mark the group for rebuild and every engine stale; find the dead ones by name. A staged
@@ -197,7 +197,7 @@ class WeightSyncSession:
         session's last one); an explicit version below what an engine holds is refused.
         `source.iter_weights()` is walked exactly once whatever happens (the other trainer ranks
         walk it too, and its gathers are collectives): on any failure the rest of the walk is
-        drained before the error propagates (a `stable_tensors` source: listed once more by a check).
+        drained before the error propagates (a checked `stable_tensors` source is walked before the pause, and the send takes that walk).
         """
         report = self._locked_sync(as_weight_source(source), version, drain_if_closed=True)
         assert report is not None

@@ -46,7 +46,9 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
     """Controller handle of one reference receiver process."""
 
     world_size = 1
-    capabilities = EngineCapabilities(delta=True, many_senders=True, regions=True, stages=True, stages_regions=True, installed=True, claims=True)
+    capabilities = EngineCapabilities(
+        delta=True, many_senders=True, regions=True, stages=True, stages_regions=True, installed=True, claims=True, bounded_calls=True,
+    )
 
     def __init__(
         self, name: str, host: str, port: int, process: subprocess.Popen[str] | None, timeout_s: float, *, token: str | None = None

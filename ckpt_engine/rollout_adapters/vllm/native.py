@@ -176,8 +176,10 @@ class TransferRoute:
         self.client, self.name, self.num_workers = channel.client, name, channel.num_workers
         self._channel = channel  # its vLLM release's features, read when a call differs between releases
         # Without control it cannot pause for a swap nor reset the cache. Installed-weight reports
-        # come back through the group's store (an adapter join's too: vllm/lora_installed.py).
-        self.lacks: frozenset[Feature] = frozenset(("checks_at_receive",) if channel.control is not None else ("stages", "stages_regions", "checks_at_receive"))
+        # come back through the group's store (an adapter join's too: vllm/lora_installed.py). vLLM's
+        # own clients bound no call of theirs: the session's pool bounds the waits.
+        lacks: tuple[Feature, ...] = ("checks_at_receive", "bounded_calls")
+        self.lacks = frozenset(lacks if channel.control is not None else ("stages", "stages_regions", *lacks))
         self.held: str | None = None  # the digest of the manifest every worker holds
         self._checked: tuple[str, bytes, list[bytes] | None] | None = None  # the last check (a receive may need it again)
         self._open = False  # a vLLM weight update is open (vLLM closes it when update_weights raises)

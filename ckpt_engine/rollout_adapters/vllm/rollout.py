@@ -72,7 +72,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
     swaps it in. Over the worker extension, one worker per engine.
     """
 
-    capabilities = EngineCapabilities(delta=True, many_senders=True, regions=True, stages=True, stages_regions=True, installed=True, checks_at_receive=True)
+    capabilities = EngineCapabilities(delta=True, many_senders=True, regions=True, stages=True, stages_regions=True, installed=True, checks_at_receive=True, bounded_calls=True)
     """Delta: each worker keeps a base copy, applies patches there, reloads full tensors. Regions:
     each worker states the regions its loaders read (`receive_plans`). Staged: workers receive on a
     background thread while the engine steps and `swap` loads; with receive plans each worker keeps
