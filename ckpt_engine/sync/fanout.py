@@ -13,7 +13,7 @@ from ckpt_engine.rollout_adapters.capabilities import Capable, lacking
 if TYPE_CHECKING:
     from ckpt_engine.rollout_adapters.base import Membership
 
-__all__ = ["ask_memberships", "collect_failures", "fan_out", "collect_memberships", "leave_all", "mark_stale_and_probe", "probe_all", "receive_failures", "wait_for_joins"]
+__all__ = ["ask_memberships", "collect_failures", "collect_memberships", "fan_out", "leave_all", "mark_stale_and_probe", "probe_all", "receive_failures", "wait_for_joins"]
 
 logger = logging.getLogger(__name__)
 
