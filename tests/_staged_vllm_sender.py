@@ -25,6 +25,11 @@ from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
 
 
 class _Slow(StateDictSource):
+    """Not `stable_tensors`: a checked sync walks a stable source ahead of the stream (`fold_ahead`)
+    and sends that walk, so its delays would all pass before anything streams."""
+
+    stable_tensors = False
+
     def __init__(self, weights: dict[str, torch.Tensor], delay_s: float) -> None:
         super().__init__(weights)
         self.delay_s = delay_s
