@@ -89,17 +89,11 @@ def spawn_engine(
     the engine's log; `handle`: the handle class to return (a test's subclass of TorchRefRollout);
     `fault_file`: the engine signals itself mid-stream when a load finds that file (_gate_fault_ref.py).
     (tests/test_control_server.py keeps one engine started by `spawn` itself.)"""
-    if (spec_file is None) == (model_dir is None):
-        raise ValueError("give exactly one of spec_file or model_dir")
+    argv = serve.arguments(
+        spec_file=spec_file, model_dir=model_dir, dtype=dtype, load_delay_s=load_delay_s, port=port,
+        staging_budget_bytes=staging_budget_bytes, step_interval_s=step_interval_s, layout=layout,
+    )
     token = token if token is not None else secrets.token_hex(16)
-    argv = ["--load-delay-s", str(load_delay_s), "--port", str(port)]
-    argv += ["--spec-file", spec_file] if spec_file else ["--model-dir", str(model_dir), "--dtype", dtype]
-    if staging_budget_bytes is not None:
-        argv += ["--staging-budget-bytes", str(int(staging_budget_bytes))]
-    if step_interval_s is not None:
-        argv += ["--step-interval-s", str(float(step_interval_s))]
-    for key, value in (layout or {}).items():
-        argv += [f"--{key.replace('_', '-')}", str(int(value))]
     env = {serve.TOKEN_ENV: token, **({HOLD_ENV: hold_file} if hold_file else {}), **({FAULT_ENV: fault_file} if fault_file else {})}
     target = "_gate_fault_ref:main" if fault_file else "ckpt_engine.rollout_adapters.torch_ref.serve:main"
     program = fork_program(target, argv, f"engine-{name}", env=env, stderr_path=stderr_path)

@@ -37,7 +37,7 @@ from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, held_in
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.control.wire import RpcClient
-from ckpt_engine.rollout_adapters.torch_ref.serve import LAYOUT_KEYS, READY_PREFIX, TOKEN_ENV
+from ckpt_engine.rollout_adapters.torch_ref.serve import READY_PREFIX, TOKEN_ENV, arguments
 
 __all__ = ["TorchRefRollout"]
 
@@ -83,19 +83,12 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
         ep_size, ep_rank, num_kv_heads; see `planning.tp_ep.tp_ep_plan`; fused_experts=1 holds
         experts stacked). `staging_budget_bytes`: the most a dense staging copy may take (None: the free
         memory decides). `step_interval_s`: run engine steps (`steps.py`) this far apart (None: no steps)."""
-        if (spec_file is None) == (model_dir is None):
-            raise ValueError("give exactly one of spec_file or model_dir")
+        argv = arguments(
+            spec_file=spec_file, model_dir=model_dir, dtype=dtype, load_delay_s=load_delay_s, port=port,
+            staging_budget_bytes=staging_budget_bytes, step_interval_s=step_interval_s, layout=layout,
+        )
         token = token if token is not None else secrets.token_hex(16)
-        cmd = [sys.executable, "-m", "ckpt_engine.rollout_adapters.torch_ref", "--load-delay-s", str(load_delay_s), "--port", str(port)]
-        cmd += ["--spec-file", spec_file] if spec_file else ["--model-dir", str(model_dir), "--dtype", dtype]
-        if staging_budget_bytes is not None:
-            cmd += ["--staging-budget-bytes", str(int(staging_budget_bytes))]
-        if step_interval_s is not None:
-            cmd += ["--step-interval-s", str(float(step_interval_s))]
-        for key, value in (layout or {}).items():
-            if key not in LAYOUT_KEYS or not isinstance(value, int):
-                raise ValueError(f"layout keys are {', '.join(LAYOUT_KEYS)} with int values, got {key}={value!r}")
-            cmd += [f"--{key.replace('_', '-')}", str(value)]
+        cmd = [sys.executable, "-m", "ckpt_engine.rollout_adapters.torch_ref", *argv]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, TOKEN_ENV: token})
         port = int(read_ready_line(proc, READY_PREFIX, f"reference receiver {name!r}", timeout_s))
         return cls(name, "127.0.0.1", port, proc, timeout_s, token=token)

@@ -15,13 +15,33 @@ from ckpt_engine.control.server import RpcServer
 from ckpt_engine.rollout_adapters.torch_ref.models import RefModel
 from ckpt_engine.rollout_adapters.torch_ref.worker import TorchRefWorker
 
-__all__ = ["LAYOUT_KEYS", "READY_PREFIX", "TOKEN_ENV", "main"]
+__all__ = ["LAYOUT_KEYS", "READY_PREFIX", "TOKEN_ENV", "arguments", "main"]
 
 READY_PREFIX = "CKPT_ENGINE_READY port="
 TOKEN_ENV = "CKPT_ENGINE_TOKEN"
 """The job token reaches a spawned receiver through its environment, never its command line."""
 
 LAYOUT_KEYS = ("tp_size", "tp_rank", "ep_size", "ep_rank", "num_kv_heads", "fused_experts")
+
+
+def arguments(
+    *, spec_file: str | None, model_dir: str | None, dtype: str, load_delay_s: float, port: int, staging_budget_bytes: int | None,
+    step_interval_s: float | None, layout: dict[str, int] | None,
+) -> list[str]:
+    """`main`'s arguments for one receiver (see `TorchRefRollout.spawn`); bad input refused by name."""
+    if (spec_file is None) == (model_dir is None):
+        raise ValueError("give exactly one of spec_file or model_dir")
+    argv = ["--load-delay-s", str(load_delay_s), "--port", str(port)]
+    argv += ["--spec-file", spec_file] if spec_file else ["--model-dir", str(model_dir), "--dtype", dtype]
+    if staging_budget_bytes is not None:
+        argv += ["--staging-budget-bytes", str(int(staging_budget_bytes))]
+    if step_interval_s is not None:
+        argv += ["--step-interval-s", str(float(step_interval_s))]
+    for key, value in (layout or {}).items():
+        if key not in LAYOUT_KEYS or not isinstance(value, int):
+            raise ValueError(f"layout keys are {', '.join(LAYOUT_KEYS)} with int values, got {key}={value!r}")
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv
 
 
 def main(argv: list[str] | None = None) -> None:
