@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from ckpt_engine.processes import run_processes
 from ranks import PRELOAD
+from ckpt_engine.store import serve_store
 
 
 def _entry(
@@ -75,7 +76,7 @@ def run_ranks(
     again (seconds of CPU per rank on a small shared box). `preload`: more modules for that
     server to import once; they take effect only if this call starts it (the first in the
     process), else each rank imports them itself."""
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    store = serve_store("127.0.0.1", timeout_s, world_size=world_size + 1)
     if backend != "nccl":
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload([*PRELOAD, *preload])

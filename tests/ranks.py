@@ -7,7 +7,6 @@ stragglers after the timeout.
 
 from __future__ import annotations
 
-import datetime
 import json
 import multiprocessing as mp
 import traceback
@@ -19,6 +18,7 @@ import torch
 
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.processes import run_processes
+from ckpt_engine.store import serve_store
 
 
 def _entry(fn: Callable[..., Any], rank: int, rdzv: dict[str, Any], kwargs: dict[str, Any]) -> None:
@@ -60,7 +60,7 @@ def run_ranks(
 ) -> list[Any]:
     """Start `world_size` processes running fn(rank, rendezvous, **kwargs); return their values.
     Ranks [0, num_senders) are the weight-sync group's senders."""
-    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
+    master = serve_store("127.0.0.1", timeout_s)
     rdzv = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, world_size, backend, timeout_s, num_senders)
     ctx = _context(backend)
     procs = [ctx.Process(target=_entry, args=(fn, r, rdzv.to_dict(), kwargs)) for r in range(world_size)]

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from tests._trainer_mp import run_ranks
 from tests.test_fsdp2_shards import tiny_moe
+from ckpt_engine.store import serve_store
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -99,7 +100,7 @@ def _worker(rank: int, world_size: int, rdzv: dict[str, Any]) -> dict[str, Any]:
 def test_fsdp2_senders_replay_their_plan_and_rebuild_it_when_shards_move() -> None:
     from ckpt_engine.engine import Rendezvous
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+    store = serve_store("127.0.0.1", 120)
     rdzv = Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, TRAINERS + 1, "nccl_handoff", 60.0, TRAINERS).to_dict()
     preload = ("torch.distributed.fsdp", "transformers.models.qwen2_moe.modeling_qwen2_moe", "ckpt_engine.trainer.engines.fsdp2")
     results = run_ranks(_worker, TRAINERS + 1, timeout_s=180, preload=preload, rdzv=rdzv)

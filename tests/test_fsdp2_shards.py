@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tests._trainer_mp import run_ranks
+from ckpt_engine.store import serve_store
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -243,7 +244,7 @@ def _worker(rank: int, world_size: int, rdzvs: list[dict[str, Any]]) -> dict[str
 def runs() -> list[dict[str, Any]]:
     from ckpt_engine.engine import Rendezvous
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+    store = serve_store("127.0.0.1", 120)
     rdzvs = [Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, n + 1, "gloo", 60.0, n).to_dict() for n in GROUPS]
     preload = ("torch.distributed.fsdp", "transformers.models.qwen2_moe.modeling_qwen2_moe", "ckpt_engine.trainer.engines.fsdp2")
     results = run_ranks(_worker, WORLD, timeout_s=180, preload=preload, rdzvs=rdzvs)

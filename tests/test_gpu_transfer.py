@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import datetime
 import uuid
 
 import pytest
@@ -13,6 +12,7 @@ from ckpt_engine.engine import Rendezvous
 
 from ranks import run_ranks
 from roundtrip import roundtrip_rank
+from ckpt_engine.store import serve_store
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +56,7 @@ def test_colocated_sender_and_receiver_in_one_process() -> None:
     buffers and tensors themselves; bit-exact over two syncs, with and without the sender's own
     tensors read in place."""
     for stable in (True, False):  # the sender's tensors offered, or packed into the shared buffers
-        master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+        master = serve_store("127.0.0.1", 30)
         rdzv = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 2, "colocated", 30.0, 1)
         with cf.ThreadPoolExecutor(2) as pool:
             futures = [pool.submit(roundtrip_rank, r, rdzv, device="cuda:0", stable=stable) for r in (0, 1)]

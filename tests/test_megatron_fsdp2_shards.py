@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 
 from ckpt_engine.sources.megatron_fsdp2 import flat_rows
 from tests._trainer_mp import lm_loss, run_ranks
+from ckpt_engine.store import serve_store
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -276,7 +277,7 @@ def gpu_runs() -> list[dict[str, Any]]:
     ok, why = megatron_fsdp2_available()
     if not ok:
         pytest.skip(why)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=300))
+    store = serve_store("127.0.0.1", 300)
     rdzvs = {p: Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, TRAINERS + 1, "gloo", 120.0, TRAINERS).to_dict() for p in PHASES}
     results = run_ranks(_gpu_worker, TRAINERS + 1, timeout_s=240, rdzvs=rdzvs)
     del store

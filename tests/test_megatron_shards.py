@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests._trainer_mp import run_ranks
+from ckpt_engine.store import serve_store
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
 pytestmark = pytest.mark.timeout(240)
@@ -227,7 +227,7 @@ def _run_into_reference(
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
     from ckpt_engine.engine import Rendezvous
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+    store = serve_store("127.0.0.1", 120)
     rdzvs = {layout: Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, 3, "gloo", 60.0, 2) for layout in LAYOUTS}
     results, got = _run_into_reference(
         tmp_path_factory, _worker, 2, rdzvs, "megatron-ref", 180, rdzvs={k: v.to_dict() for k, v in rdzvs.items()}

@@ -11,14 +11,13 @@ a counter shows the pieces and the send issue no collective beyond the TP group'
 
 from __future__ import annotations
 
-import datetime
 import time
 import uuid
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
+from ckpt_engine.store import serve_store
 
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
@@ -150,7 +149,7 @@ def _tp_worker(rank: int, world_size: int, rdzv: dict[str, Any], engine_info: di
 def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
     from ckpt_engine.engine import Rendezvous
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=120))
+    store = serve_store("127.0.0.1", 120)
     rdzv = Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, 3, "gloo", 60.0, 2)  # 2 senders + the receiver
     results, got = _run_into_reference(tmp_path_factory, _tp_worker, TP_RANKS, {"tp2pp2": rdzv}, "megatron-tp-ref", 200, rdzv=rdzv.to_dict())
     del store

@@ -37,6 +37,7 @@ from helpers_procs import fork_program
 from refengines import holds, serving, spawn_engine, spawn_with_timeout, state
 from regionranks import KV_HEADS, qwen2_specs, weights
 from roundtrip import mixed_state, same_bits
+from ckpt_engine.store import serve_store
 
 try:
     load_nixl()
@@ -256,7 +257,7 @@ def _pair(store_port: int, sender_cls: type[NixlTransport], errors: dict[int, Ba
 
 
 def test_a_bucket_announced_at_another_slot_is_refused_and_stops_the_sender() -> None:
-    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    master = serve_store("127.0.0.1", 300)
     errors: dict[int, BaseException] = {}
     sender, receiver = _pair(master.port, _Misannouncing, errors)
     assert errors == {}
@@ -293,7 +294,7 @@ def test_a_stale_offer_is_refused_at_join() -> None:
             self.answer = store.get("nixl/joined/1")
             other.close()
 
-    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    master = serve_store("127.0.0.1", 300)
     errors: dict[int, BaseException] = {}
     sender, receiver = _pair(master.port, Stale, errors)
     assert list(errors) == [1] and "names agent 'ckpt-r0-restarted' but its metadata is agent 'ckpt-old-" in str(errors[1])
@@ -468,7 +469,7 @@ def test_a_receiver_posts_every_announced_read_before_the_pipeline_finishes_it()
     """Bucket 1's read is posted while the receiver finishes bucket 0, not when the pipeline comes
     to finish bucket 1: on NVLink or RDMA the link then carries bucket 1 while the loader copies
     bucket 0 (the 2xH200 run lost ~2 ms a bucket to that gap). Both land bit for bit."""
-    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    master = serve_store("127.0.0.1", 300)
     errors: dict[int, BaseException] = {}
     sender, receiver = _pair(master.port, NixlTransport, errors)
     assert errors == {}

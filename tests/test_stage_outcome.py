@@ -8,7 +8,6 @@ the workers' side of the native backend, report their end into the store)."""
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
 import uuid
@@ -22,13 +21,14 @@ from ckpt_engine.rollout_adapters.vllm.stage_outcome import (
 )
 from ckpt_engine.rollout_adapters.vllm.staging import StagedReceive, Staging
 from ckpt_engine.engine import Rendezvous
+from ckpt_engine.store import serve_store
 
 _MASTERS: dict[int, torch.distributed.TCPStore] = {}
 
 
 @pytest.fixture
 def rendezvous() -> Iterator[Rendezvous]:
-    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    master = serve_store("127.0.0.1", 30)
     _MASTERS[master.port] = master
     yield Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 4, "gloo", 30.0)
     del _MASTERS[master.port]
@@ -158,7 +158,7 @@ def test_a_stopped_wait_lets_go_of_the_store_before_the_store_closes(capfd: pyte
     own), which returns at once, so closing the store then finds no client waiting in it (torch prints
     "recvValueWithTimeout failed ... Connection was likely closed" with a C++ stack for one that is).
     A rank that reported keeps its outcome; a report that lands after the stop is cleared with the rest."""
-    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    master = serve_store("127.0.0.1", 30)
     rendezvous = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 4, "gloo", 30.0)
     before = master.num_keys()
     ticket = new_ticket()
@@ -250,7 +250,7 @@ def test_a_native_staged_receive_is_stopped_by_a_discard_or_leave_from_another_t
     from ckpt_engine.rollout_adapters.vllm import VllmRollout, WeightTransferChannel
 
     pytest.importorskip("vllm")  # the adapter reads the features of the vLLM this process imported
-    master = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=30))
+    master = serve_store("127.0.0.1", 30)
     rendezvous = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 3, "gloo", 30.0)
     workers = _Workers(receive_s)
     adapter = VllmRollout("vllm", WeightTransferChannel(workers, num_workers=2), timeout_s=60.0)

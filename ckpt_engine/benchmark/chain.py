@@ -15,7 +15,6 @@ the fraction of FP8 codes and scales each version changed.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import subprocess
@@ -31,6 +30,7 @@ from ckpt_engine.benchmark.raw_link import raw_meaning, raw_message_bytes
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.sync.delta_policy import SyncCosts
 from ckpt_engine.sync.report import RATIO_MEANING
+from ckpt_engine.store import serve_store
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -60,7 +60,7 @@ def run_chain_bench(args: argparse.Namespace, backend: str, device: str, bucket_
 
 def _run_chain(args: argparse.Namespace, backend: str, device: str, bucket_mb: float, wire: str | None) -> dict[str, Any]:
     world = args.senders + args.receivers
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=args.timeout_s))
+    store = serve_store("127.0.0.1", args.timeout_s)
     token = uuid.uuid4().hex
     common = [
         "--world-size", str(world), "--senders", str(args.senders), "--host", "127.0.0.1", "--port", str(store.port),

@@ -11,7 +11,6 @@ weights differ from the sender's.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -29,6 +28,7 @@ from ckpt_engine.benchmark.rank_exit import RankDied, collect_results
 from ckpt_engine.benchmark.raw_link import raw_meaning, raw_message_bytes
 from ckpt_engine.cli_args import OneLineParser, above_zero, at_least, seconds
 from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.store import serve_store
 from ckpt_engine.sync.report import RATIO_MEANING
 from ckpt_engine.transports.colocated import ColocatedTransport
 from ckpt_engine.transports.transport import Transport
@@ -168,7 +168,7 @@ def run_bench(args: argparse.Namespace, show_progress: bool = True) -> dict[str,
             raise ValueError(f"--engine-kwargs: {backend}: {exc}") from None
     bucket_mb = args.bucket_mb if args.bucket_mb is not None else default_bucket_mb(args, device)
     world = args.receivers + 1
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=args.timeout_s))
+    store = serve_store("127.0.0.1", args.timeout_s)
     token = uuid.uuid4().hex
     prefixed = torch.distributed.PrefixStore(f"{token}/", store)
     common = [

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import operator
 import os
@@ -50,6 +49,7 @@ from ckpt_engine.copies import copy_groups
 from ckpt_engine.fp8.layout import fp8_specs
 from ckpt_engine.fp8.warm import warm_up as warm_fp8
 from ckpt_engine.sources.base import StateDictSource, WatchedWeights
+from ckpt_engine.store import serve_store
 from ckpt_engine.sources.fp8 import Fp8WireSource
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.pipeline.region_assembly import RegionAssembly
@@ -73,7 +73,7 @@ MODES = ("full", "regions")
 def run_region_bench(args: argparse.Namespace, backend: str, device: str, bucket_mb: float) -> dict[str, Any]:
     """Spawn the ranks, collect their timings, summarize."""
     world = args.senders + args.receivers
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=args.timeout_s))
+    store = serve_store("127.0.0.1", args.timeout_s)
     rdzv = Rendezvous("127.0.0.1", store.port, uuid.uuid4().hex, world, backend, args.timeout_s, args.senders)
     prefixed = torch.distributed.PrefixStore(f"{rdzv.token}/", store)
     cfg = {

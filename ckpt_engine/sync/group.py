@@ -5,7 +5,6 @@ when the number of senders changes or a failure dropped it."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import datetime
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -22,6 +21,7 @@ from ckpt_engine.rollout_adapters.base import JoinOptions, RolloutAdapter
 from ckpt_engine.sync.fanout import wait_for_joins
 from ckpt_engine.engine import CheckpointEngine, Rendezvous
 from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.store import serve_store
 
 __all__ = ["SyncGroup"]
 
@@ -116,10 +116,7 @@ class SyncGroup:
         engine = self.engine
         topo = engine.build_topology(num_senders, [r.world_size for r in rollouts])
         if self._store is None:
-            self._store = torch.distributed.TCPStore(
-                self.host, 0, is_master=True, wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=self.config.timeout_s),
-            )
+            self._store = serve_store(self.host, self.config.timeout_s)
         rdzv = Rendezvous(
             self.host, self._store.port, uuid.uuid4().hex, topo.world_size, self.backend, self.config.timeout_s, num_senders
         )

@@ -37,6 +37,7 @@ import torch
 from ckpt_engine.trainer.config import JobConfig
 from ckpt_engine.trainer.tiny_qwen2 import TINY_QWEN2
 from ckpt_engine.processes import free_port
+from ckpt_engine.store import serve_store
 
 __all__ = ["run_vllm_job", "write_model_dir"]
 
@@ -121,9 +122,7 @@ def run_vllm_job(job: JobConfig, *, echo: bool = True) -> dict[str, Any]:
             if echo:
                 print(f"starting {len(servers)} vLLM engine(s) ({', '.join(s.url for s in servers)}) and {world} FSDP2 trainer rank(s)", flush=True)
             (tmp / "job.json").write_text(json.dumps(dataclasses.asdict(job)))
-            store = torch.distributed.TCPStore(
-                "127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=job.trainer.job_timeout_s)
-            )
+            store = serve_store("127.0.0.1", job.trainer.job_timeout_s, world_size=world + 1)
             spec = {"model_dir": str(model_dir), "urls": [s.url for s in servers], "logs": [str(s.log) for s in servers], "t_start": time.time()}
             (tmp / "spec.json").write_text(json.dumps(spec))
             for r in range(world):
