@@ -59,12 +59,14 @@ class VllmEngineActor:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.timeout_s = timeout_s
         self.started = time.time()
-        self._tmp = tempfile.TemporaryDirectory(prefix="ckpt-ray-vllm-")  # this node's copy of the config
-        model_dir = Path(self._tmp.name)
-        (model_dir / "config.json").write_text(json.dumps(model_config))
-        t0 = time.monotonic()
-        self.llm = LLM(model=str(model_dir), worker_extension_cls=WORKER_EXTENSION, **{**LLM_DEFAULTS, **(llm_kwargs or {})})
-        self.start_s = time.monotonic() - t0
+        # This node's copy of the config, read while the engine is built; removed here because a
+        # killed actor (`ray.kill`) runs no finalizer.
+        with tempfile.TemporaryDirectory(prefix="ckpt-ray-vllm-") as tmp:
+            model_dir = Path(tmp)
+            (model_dir / "config.json").write_text(json.dumps(model_config))
+            t0 = time.monotonic()
+            self.llm = LLM(model=str(model_dir), worker_extension_cls=WORKER_EXTENSION, **{**LLM_DEFAULTS, **(llm_kwargs or {})})
+            self.start_s = time.monotonic() - t0
         self.rollout = VllmRollout(name, self.llm, timeout_s=timeout_s)
         self._lock = threading.Lock()
         self._paused = False
