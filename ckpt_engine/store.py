@@ -6,9 +6,9 @@ reverse lookup) on its one event-loop thread. Its own listener is dual-stack, so
 loopback included, arrives as a v4-mapped IPv6 address, which `/etc/hosts` never matches: every
 connection asks DNS, and where DNS drops the query each connection holds every member's store
 traffic for the resolver's timeout (5 s by default). On a box whose resolver drops concurrent
-queries, 8 of 40 concurrent loopback connects waited 5.0 s each on torch's listener and none on an
-IPv4 one (`bench/store_connects.py`). An IPv4 listener hands the lookup an IPv4 address, which
-`/etc/hosts` answers for loopback and for the nodes it lists.
+queries, 24 of 120 loopback connects (8 members at once, fresh processes) waited 5.0 s each on
+torch's listener and none on an IPv4 one (`bench/store_connects.py`). An IPv4 listener hands the
+lookup an IPv4 address, which `/etc/hosts` answers for loopback and for the nodes it lists.
 """
 
 from __future__ import annotations
