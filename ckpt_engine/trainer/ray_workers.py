@@ -60,10 +60,9 @@ class FsdpRankActor:
         """Rank 0: where the trainer group meets: this node's IP and the port its store listens on,
         chosen by the OS as it binds. A port found free and bound only later, at the group's set-up,
         could be taken in between (EADDRINUSE in CI, beside Ray's own connections)."""
-        import torch.distributed as dist
+        from ckpt_engine.store import serve_store
 
-        timeout = datetime.timedelta(seconds=self.group_timeout_s())
-        self._store = dist.TCPStore(self.host, 0, self.world_size, True, timeout=timeout, wait_for_workers=False)
+        self._store = serve_store(self.host, self.group_timeout_s(), world_size=self.world_size)
         return self.host, int(self._store.port)
 
     def group_timeout_s(self) -> float:
