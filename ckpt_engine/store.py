@@ -22,16 +22,15 @@ import torch
 __all__ = ["serve_store"]
 
 
-def serve_store(host: str, timeout_s: float, *, port: int = 0, world_size: int | None = None) -> torch.distributed.TCPStore:
-    """A store server on `port` (0: a free one, read `.port`) on every interface; its own client
-    dials `host`. An IPv4 `host` gets an IPv4 listener (see above); any other keeps torch's."""
+def serve_store(host: str, timeout_s: float, *, world_size: int | None = None) -> torch.distributed.TCPStore:
+    """A store server on a free port (`.port`) of every interface; its own client dials `host`.
+    An IPv4 `host` gets an IPv4 listener (see above); any other keeps torch's."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if not _is_ipv4(host):
-        return torch.distributed.TCPStore(host, port, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
+        return torch.distributed.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False, timeout=timeout)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("0.0.0.0", port))
+        sock.bind(("0.0.0.0", 0))
         port = sock.getsockname()[1]
     except OSError:
         sock.close()

@@ -50,29 +50,17 @@ def test_an_ipv4_host_gets_an_ipv4_listener_that_members_reach_and_that_closes_w
     assert listening(port) == set()
 
 
-def test_a_given_port_is_served() -> None:
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    store = serve_store("127.0.0.1", 30, port=port, world_size=2)
-    assert store.port == port
-    clients_share_keys(store, "127.0.0.1")
+def has_ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::", 0))
+        return Path("/proc/net/tcp6").exists()
+    except OSError:
+        return False
 
 
-@pytest.mark.skipif(not Path("/proc/net/tcp6").exists(), reason="needs IPv6 and /proc/net")
+@pytest.mark.skipif(not has_ipv6(), reason="needs IPv6 (torch's own listener is dual-stack there) and /proc/net")
 def test_a_host_name_keeps_torchs_own_listener() -> None:
     store = serve_store("localhost", 30)
     assert "tcp6" in listening(store.port)
     clients_share_keys(store, "localhost")
-
-
-def test_a_port_in_use_is_refused_by_the_os() -> None:
-    taken = socket.socket()
-    taken.bind(("0.0.0.0", 0))
-    taken.listen()
-    try:
-        with pytest.raises(OSError):
-            serve_store("127.0.0.1", 5, port=taken.getsockname()[1])
-    finally:
-        taken.close()
