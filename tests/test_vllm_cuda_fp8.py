@@ -2,7 +2,8 @@
 `VLLM_TESTS=tests/test_vllm_cuda_fp8.py bash bench/gpu_runs.sh vllm`, never in CI).
 
 Two engines, each checked against the same engine loaded from disk (every parameter by digest, in
-vLLM's own post-processed layout, and greedy tokens):
+vLLM's own post-processed layout, and greedy tokens), fed from a trainer on a second GPU over `nccl`,
+or, on a machine of one GPU, from the engine's own GPU over `colocated`:
 - a block-FP8 checkpoint (e4m3, 128 x 128 blocks, `weight_scale_inv`), fed with
   `wire_dtype: fp8` from a bf16 trainer: what it holds after the sync equals what it holds after
   loading the checkpoint our quantizer writes from the same bf16 weights;
@@ -23,8 +24,8 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-    pytest.skip("needs 2 GPUs", allow_module_level=True)
+if not torch.cuda.is_available():
+    pytest.skip("needs a GPU", allow_module_level=True)
 vllm = pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
@@ -50,6 +51,8 @@ QWEN2 = {
 }
 """Every projection a whole number of 128 x 128 blocks (q 256, k 128, v 128 rows), as vLLM's block-FP8 layers need."""
 BLOCK_FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+TRAINER, BACKEND = ("cuda:1", "nccl") if torch.cuda.device_count() > 1 else ("cuda:0", "colocated")
+"""Where the trainer's tensors live and how they travel: the engine holds GPU 0."""
 ENGINE = {"max_model_len": 128, "max_num_seqs": 4, "gpu_memory_utilization": 0.12, "enforce_eager": True, "dtype": "bfloat16"}
 
 
@@ -96,7 +99,7 @@ def held(d: Path, **kw: Any) -> tuple[dict[str, str], list[list[int]]]:
 
 
 def refit(tmp_path: Path, block_fp8: bool, engine_kw: dict[str, Any], wire: str | None, wrong: str | None) -> None:
-    """An engine started from seed 7 is synced to seed 0's weights (sent from cuda:1 with
+    """An engine started from seed 7 is synced to seed 0's weights (sent from `TRAINER` with
     `wire_dtype=wire`) and must hold what loading seed 0's checkpoint gives; the `wrong` wire is
     refused first, naming the key, with nothing changed."""
     want = held(write_checkpoint(tmp_path / "seed0", 0, block_fp8), **engine_kw)
@@ -104,18 +107,18 @@ def refit(tmp_path: Path, block_fp8: bool, engine_kw: dict[str, Any], wire: str 
     try:
         before = digests(llm)
         assert before != want[0]
-        trainer = StateDictSource(bf16_weights(tmp_path / "seed0", 0, "cuda:1"))
+        trainer = StateDictSource(bf16_weights(tmp_path / "seed0", 0, TRAINER))
         handle = VllmRollout("vllm-fp8", llm, timeout_s=60.0)
         with pytest.raises((ManifestRejectedError, SyncError), match=r"checkpoint_engine\.wire_dtype"):
-            sync_rollout_weights(trainer, [handle], config=CheckpointEngineConfig(backend="nccl", timeout_s=60.0, wire_dtype=wrong))
+            sync_rollout_weights(trainer, [handle], config=CheckpointEngineConfig(backend=BACKEND, timeout_s=60.0, wire_dtype=wrong))
         assert digests(llm) == before
-        report = sync_rollout_weights(trainer, [handle], config=CheckpointEngineConfig(backend="nccl", timeout_s=60.0, wire_dtype=wire))
+        report = sync_rollout_weights(trainer, [handle], config=CheckpointEngineConfig(backend=BACKEND, timeout_s=60.0, wire_dtype=wire))
         assert report is not None and handle.held_version() == report.version
         got = digests(llm)
         assert got.keys() == want[0].keys()
         assert [n for n in want[0] if got[n] != want[0][n]] == []
         assert greedy(llm) == want[1]
-        print(f"fp8 refit ({'block-FP8 wire' if block_fp8 else 'online FP8, bf16 wire'}): {report.bytes} wire bytes, {report.seconds}")
+        print(f"fp8 refit over {BACKEND} ({'block-FP8 wire' if block_fp8 else 'online FP8, bf16 wire'}): {report.bytes} wire bytes, {report.seconds}")
         if wire == "fp8":
             later_syncs_fill_the_senders_slots(llm, handle, trainer, tmp_path, want[0], before)
     finally:
@@ -127,10 +130,10 @@ def later_syncs_fill_the_senders_slots(llm: Any, handle: Any, trainer: StateDict
     """The same trainer tensors, changed in place between syncs (seed 7's weights, then seed 0's
     again, ...): from the third sync of a stable source the FP8 walk writes each bucket into the
     sender's slot itself (`sources/fp8_fill.py`); every sync still lands the disk load's bytes."""
-    seeds = {0: {n: t.to("cuda:1") for n, t in bf16_weights(tmp_path / "seed0", 0).items()},
-             7: {n: t.to("cuda:1") for n, t in bf16_weights(tmp_path / "seed7", 7).items()}}
+    seeds = {0: {n: t.to(TRAINER) for n, t in bf16_weights(tmp_path / "seed0", 0).items()},
+             7: {n: t.to(TRAINER) for n, t in bf16_weights(tmp_path / "seed7", 7).items()}}
     wire = Fp8WireSource(trainer)
-    config = CheckpointEngineConfig(backend="nccl", timeout_s=60.0, wire_dtype="fp8")
+    config = CheckpointEngineConfig(backend=BACKEND, timeout_s=60.0, wire_dtype="fp8")
     filled = []
     for seed in (7, 0, 7, 0, 7):
         for n, t in trainer.weights.items():
