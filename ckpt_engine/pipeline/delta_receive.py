@@ -126,10 +126,11 @@ class DeltaReceiver:
             check_s = 0.0
             setup_s = time.perf_counter() - t_start  # host time before the first frame (per-tensor checks)
             for step in steps:
-                header = link.fresh(step.gid, FRAME_WORDS, torch.int64, (1, FRAME_WORDS))
+                gid = step.bucket.sender  # each sender streams over its own group
+                header = link.fresh(gid, FRAME_WORDS, torch.int64, (1, FRAME_WORDS))
                 where = f"bucket {step.bucket.index} from sender {step.bucket.sender}"
-                link.settle(step.gid, link.post(step.gid, header, after_producer=False), f"the frame header of {where}")
-                with link.reading(step.gid):
+                link.settle(gid, link.post(gid, header, after_producer=False), f"the frame header of {where}")
+                with link.reading(gid):
                     row = header[0].tolist()
                 kind, size, expect = row[:3]
                 head = struct.pack(f"<{SEAL_WORD - 3}q", *row[3:SEAL_WORD])  # the patch's own header, sent ahead of it
@@ -137,22 +138,22 @@ class DeltaReceiver:
                 bad = self._check_frame(step, kind, size, delta)
                 if bad is not None:  # take its payload (what the sender posts) and drop it
                     kind = _DROPPED
-                    msg = link.fresh(step.gid, size)
-                    work = link.post(step.gid, msg, after_producer=False)
+                    msg = link.fresh(gid, size)
+                    work = link.post(gid, msg, after_producer=False)
                 elif kind == DENSE and places is None:  # into the base image: after the compute stream's use of it
                     msg = bases.images[step.bucket.index][:size]
-                    work = link.post(step.gid, msg)
+                    work = link.post(gid, msg)
                 elif kind == PATCH and not t.uses_streams:
                     msg = self._patch_buffer(state, step.bucket.index, size, step.bucket.nbytes)
-                    work = link.post(step.gid, msg, after_producer=False)
+                    work = link.post(gid, msg, after_producer=False)
                 else:  # lands while earlier patches are applied on the compute stream
-                    msg = link.fresh(step.gid, size)
-                    work = link.post(step.gid, msg, after_producer=False)
+                    msg = link.fresh(gid, size)
+                    work = link.post(gid, msg, after_producer=False)
                 works.append(work)
                 frames.append((kind, size, expect))
                 landed = None
                 if places is not None and t.uses_streams:  # the compute stream waits for it, not the host
-                    landed = link.landed_event(step.gid)
+                    landed = link.landed_event(gid)
                 if pending is not None:
                     t0 = time.perf_counter()
                     failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo, checks, staged is not None)
@@ -161,7 +162,7 @@ class DeltaReceiver:
             if pending is not None:
                 t0 = time.perf_counter()
                 failure = self._check_arrived(bases, places, arrived, pending, failure, delta, undo, checks, staged is not None)
-                for gid in {s.gid for s in steps}:  # every payload landed, within the timeout, before any read back
+                for gid in {s.bucket.sender for s in steps}:  # every payload landed, within the timeout, before any read back
                     link.settle(gid, None, f"the last payloads on group {gid}")
                 failure = self._settle_checks(checks) or failure  # the earlier buckets' failure, if any
                 check_s += time.perf_counter() - t0
@@ -329,7 +330,7 @@ class DeltaReceiver:
         if landed is not None:
             frames_of(self.t).wait_landed(landed)
         else:
-            frames_of(self.t).settle(step.gid, work, f"bucket {k} from sender {step.bucket.sender}")
+            frames_of(self.t).settle(step.bucket.sender, work, f"bucket {k} from sender {step.bucket.sender}")
         if failure is not None:
             return failure
         if bad is not None:

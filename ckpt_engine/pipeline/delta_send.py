@@ -100,8 +100,8 @@ class DeltaSender:
             self.hooks._tamper_hook(step.bucket.index, frame.payload)
             payload = _exactly(frame.payload, announced)
             keep.extend((header, payload))
-            works.append(link.post(step.gid, header))
-            works.append(link.post(step.gid, payload))
+            works.append(link.post(step.bucket.sender, header))
+            works.append(link.post(step.bucket.sender, payload))
             host["host_send_s"] += time.perf_counter() - t_send
 
         def finish(pending: tuple[Step, BucketDiff, Any]) -> Frame:

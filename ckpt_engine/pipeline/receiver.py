@@ -77,7 +77,7 @@ class Receiver:
 
         def post(k: int) -> Any:
             step = steps[k]
-            bucket, slot, gid = step.bucket, step.slot, step.gid
+            bucket, slot, gid = step.bucket, step.slot, step.bucket.sender  # each sender streams over its own group
             e = bucket.entries[0] if bucket.entries else None
             if opts.is_direct(bucket, t):
                 assert e is not None

@@ -1,4 +1,4 @@
-"""The per-manifest schedule of a pipelined transfer: which buffer and group each bucket uses.
+"""The per-manifest schedule of a pipelined transfer: which buffer each bucket uses.
 
 A pure function of (manifest, num_buffers), computed once per plan and cached, so the
 send and receive loops never re-derive it per sync. Every sender streams its own buckets through
@@ -28,8 +28,6 @@ class Step:
     """The sender's rotating buffer: ordinal % num_buffers."""
     slot: int
     """The receivers' rotating buffer: sender * num_buffers + ordinal % num_buffers."""
-    gid: int
-    """Process group: the bucket's sender's."""
     refill: int | None
     """The bucket (manifest index) that reuses this one's receive buffer, posted once it is consumed."""
     word_bytes: int
@@ -57,7 +55,7 @@ class Schedule:
             for e in b.entries:
                 word = math.gcd(word, DTYPE_ITEMSIZE[e.dtype])
             self.steps.append(
-                Step(b, o, o % num_buffers, b.sender * num_buffers + o % num_buffers, b.sender, refill, word)
+                Step(b, o, o % num_buffers, b.sender * num_buffers + o % num_buffers, refill, word)
             )
         self.first_posts = [i for own in by_sender for i in own[:num_buffers]]
         self.first_posts.sort()

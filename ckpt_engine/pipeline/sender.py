@@ -253,7 +253,7 @@ class Sender:
             torch._foreach_copy_(action.dsts, action.srcs)  # recorded: pairs already merged and filtered
         if action.kind == "grouped":
             stats.pack_s += time.perf_counter() - t0
-            return self.t.post_group(step.gid, slot, action.msgs)
+            return self.t.post_group(step.bucket.sender, slot, action.msgs)
         if action.kind == "message":
             msg = action.msgs[0]
         else:
@@ -265,7 +265,7 @@ class Sender:
                 msg[data.numel() :].view(torch.int64).copy_(bucket_checksum(data))
             self.hooks._tamper_hook(bucket.index, msg)
         stats.pack_s += time.perf_counter() - t0
-        return self.t.post(step.gid, slot, msg)
+        return self.t.post(step.bucket.sender, slot, msg)
 
     def _sendable_in_place(self, bucket: Bucket, srcs: list[torch.Tensor]) -> bool:
         """The sender may broadcast a bucket's only tensor from the tensor itself when its memory
