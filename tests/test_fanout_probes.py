@@ -2,14 +2,21 @@
 engines whose probes each wait for the other's to start both answer (probed one after the other,
 the first would wait out its barrier and be named unreachable), and a dead one is named by its
 error; the probes that find engines dead mid-transfer name only those. A step of one engine whose
-calls bound themselves runs on the session's thread (`fan_out`)."""
+calls bound themselves within the session's timeout runs on the session's thread (`fan_out`); one
+whose own timeout is longer is waited for on the pool, so a frozen engine is named within the
+session's `timeout_s`, not the handle's."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
+import signal
 import threading
+import time
 
-from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+import pytest
+
+from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sync.fanout import fan_out, mark_stale_and_probe, receive_failures
@@ -54,10 +61,10 @@ def test_engines_found_dead_after_a_transfer_are_the_ones_named() -> None:
 
 
 class Engine:
-    """What `fan_out` reads of a handle: its name and capabilities."""
+    """What `fan_out` reads of a handle: its name, capabilities and its own call timeout."""
 
-    def __init__(self, name: str, bounded: bool) -> None:
-        self.name, self.capabilities = name, EngineCapabilities(bounded_calls=bounded)
+    def __init__(self, name: str, bounded: bool, timeout_s: float | None = BARRIER_S) -> None:
+        self.name, self.capabilities, self.timeout_s = name, EngineCapabilities(bounded_calls=bounded), timeout_s
 
 
 def test_one_engine_whose_calls_bound_themselves_is_called_on_the_callers_thread() -> None:
@@ -76,6 +83,9 @@ def test_one_engine_whose_calls_bound_themselves_is_called_on_the_callers_thread
         assert failed == {} and answers["a"] != here
         answers, failed = fan_out(pool, [Engine("a", True), Engine("b", True)], where, "pause", BARRIER_S)
         assert failed == {} and here not in answers.values()
+        for longer in (BARRIER_S + 1, None):  # its own calls may outlast the caller's bound: the pool waits within it
+            answers, failed = fan_out(pool, [Engine("a", True, longer)], where, "pause", BARRIER_S)
+            assert failed == {} and answers["a"] != here
         for bounded in (True, False):
             assert fan_out(pool, [Engine("bad", bounded)], where, "pause", BARRIER_S) == ({}, {"bad": "RuntimeError: refused"})
 
@@ -107,5 +117,36 @@ def test_a_session_of_one_reference_receiver_steps_it_on_its_own_thread(spec_fil
         assert engine.threads == [threading.get_ident()] * 3
         assert holds(engine, state(1)) == []
     finally:
+        session.close()
+        engine.close()
+
+
+class FreezesAtPause(TorchRefRollout):
+    """A reference receiver whose process stops (SIGSTOP) as the session asks it to pause."""
+
+    def pause(self, mode: str) -> None:
+        os.kill(self.process.pid, signal.SIGSTOP)
+        super().pause(mode)
+
+
+SESSION_S = 3.0
+"""The session's bound; the handle's own calls wait 40 times longer."""
+
+
+def test_one_engine_frozen_in_a_step_is_named_within_the_sessions_timeout_not_the_handles(spec_file: str) -> None:
+    """A session of one engine whose handle waits longer than the session's `timeout_s`: a step it
+    never answers fails within the session's bound, by name (it ran inline and waited out the
+    handle's 120 s before)."""
+    engine = FreezesAtPause.spawn("frozen", spec_file=spec_file, timeout_s=40 * SESSION_S)
+    session = WeightSyncSession([engine], CheckpointEngineConfig(backend="gloo", timeout_s=SESSION_S, stage="off"))
+    try:
+        t = time.monotonic()
+        with pytest.raises(SyncError) as caught:
+            session.sync(source(1))
+        elapsed = time.monotonic() - t
+        assert caught.value.failed == {"frozen": f"no answer to pause within {SESSION_S}s"}, caught.value
+        assert elapsed < 20 * SESSION_S, f"named after {elapsed:.1f}s: the handle's own timeout, not the session's"
+    finally:
+        os.kill(engine.process.pid, signal.SIGCONT)
         session.close()
         engine.close()

@@ -164,6 +164,10 @@ class RolloutAdapter(ABC):
     owner: str | None = None
     """With `capabilities.claims`: the weight-sync group this handle acts for (set by `claim`, or by
     the daemon for a group that claimed the engine elsewhere); sent with every state change."""
+    timeout_s: float | None = None
+    """The longest one control call of this handle waits before it raises (None: no bound of its
+    own). With `capabilities.bounded_calls`, a session of this one engine calls it on its own
+    thread only where this bound lies within the session's `timeout_s` (`sync/fanout.py`)."""
     membership_at_validate: bool = False
     """Whether `validate` (and `validate_regions`) also reads the engine's `membership`, in the same
     engine call (`validated_membership`): a session whose engines all do asks no query of its own."""

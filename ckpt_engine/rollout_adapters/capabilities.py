@@ -50,9 +50,10 @@ class EngineCapabilities:
     receive's last call where its own agree (`finalize_with_receive`): no finalize round trip."""
     bounded_calls: bool = False
     """Every control call (join, validate, pause, receive's start and end, finalize, resume, swap)
-    answers or raises within the handle's own timeout, so a session of this one engine makes the
-    call on its own thread, not through its pool (whose bounded wait guards every other engine):
-    two thread hand-offs fewer a step."""
+    answers or raises within the handle's own timeout (`RolloutAdapter.timeout_s`), so a session of
+    this one engine whose timeout is no longer than the handle's makes the call on its own thread,
+    not through its pool (whose bounded wait guards every other engine): two thread hand-offs
+    fewer a step."""
     claims: bool = False
     """The engine can be claimed by one weight-sync group for a lease (`RolloutAdapter.claim`); the
     daemon claims such engines at registration. Engines without it are guarded by the job token."""
@@ -69,6 +70,14 @@ class Capable(Protocol):
 
     name: str
     capabilities: EngineCapabilities
+    timeout_s: float | None
+
+
+def bounded_within(engine: Capable, timeout_s: float) -> bool:
+    """Whether every control call of `engine` ends on its own within `timeout_s`, so a caller bound
+    by that timeout may make the call on its own thread."""
+    bound = engine.timeout_s
+    return engine.capabilities.bounded_calls and bound is not None and bound <= timeout_s
 
 
 def lacking(rollouts: Iterable[Capable], feature: Feature) -> list[str]:

@@ -54,7 +54,7 @@ from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.sources.base import WeightSource
 from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
-from ckpt_engine.rollout_adapters.capabilities import lacking
+from ckpt_engine.rollout_adapters.capabilities import bounded_within, lacking
 from ckpt_engine.sync.fanout import collect_failures
 
 __all__ = ["InstalledChecks"]
@@ -397,7 +397,7 @@ class InstalledChecks:
         checked = [r for r in rollouts if r.capabilities.installed]
         # Noted ahead: one engine rank, told the source's digests with its receive, answered with it;
         # its answer is read here, not through a pool thread (~0.3 ms of hand-offs on one H200).
-        inline = self.ahead and len(checked) == 1
+        inline = self.ahead and len(checked) == 1 and bounded_within(checked[0], timeout_s)
         futures = {} if inline else {r.name: pool.submit(r.installed_digests, request) for r in checked}
         mine: dict[Key, int] | Exception = {}
         if self._combined is None and not self._order:  # one sender: its digests read back while the engines answer
@@ -409,7 +409,7 @@ class InstalledChecks:
         answers = {name: f.result() for name, f in futures.items() if name not in failed}
         for r in checked if inline else ():
             try:
-                answers[r.name] = r.installed_digests(request)  # at hand, or one call bounded by the handle's own timeout
+                answers[r.name] = r.installed_digests(request)  # at hand, or one call bounded by the handle's own timeout (within timeout_s)
             except Exception as exc:
                 failed[r.name] = f"{type(exc).__name__}: {exc}"
         if self._combined is not None:  # many senders: every sender's shares, added
