@@ -71,6 +71,11 @@ def test_versions_below_what_engines_hold_are_refused_before_anything_is_paused(
         for bad in (-1, True, 2**64 - 1, "7"):
             with pytest.raises(ValueError, match=r"version must be an int in \[0, 2\*\*63-1\]"):
                 session.sync(source(9), version=bad)
+        # A jump the engines would refuse at their swap (it would freeze every later sync) is
+        # refused here, before a byte moves: the same rule on every engine, vLLM's too.
+        for bad in (held + 2**32 + 1, 2**63 - 1):
+            with pytest.raises(ValueError, match=rf"version {bad} jumps more than 2\*\*32 past the current version {held}"):
+                session.sync(source(9), version=bad)
         for e, n in zip(engines, received):
             h = e.health()
             assert serving(h) and h["version"] == held and h["buckets_received"] == n

@@ -39,7 +39,7 @@ from ckpt_engine.sync.stream import SyncStream
 from ckpt_engine.sync.capabilities import delta_unsupported
 from ckpt_engine.sync.staging import StagePolicy, discard_all, run_order
 from ckpt_engine.sync.weights_mode import WeightsModeCheck
-from ckpt_engine.versions import next_version
+from ckpt_engine.versions import check_version, next_version
 from ckpt_engine.sources.vllm import as_weight_source
 from ckpt_engine.sources.base import WatchedWeights, WeightSource
 from ckpt_engine.sources.fp8 import Fp8WireSource, fp8_wire
@@ -381,7 +381,7 @@ class WeightSyncSession:
     def _new_version(self, members: dict[str, Membership], version: int | None) -> int:
         """The sync's version from what every engine holds; ValueError for a version refused."""
         held = {n: m.version for n, m in members.items()}
-        if version is not None and version == self._completed:
+        if version is not None and check_version(version, "version") == self._completed:  # a type first: True == 1
             raise ValueError(
                 f"version {version} was completed by this session already: a version labels one set of weights, so a new "
                 f"sync needs a new one (pass version=None: next {max([self.version, *(v for v in held.values() if v is not None)]) + 1})"
