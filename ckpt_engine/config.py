@@ -8,6 +8,7 @@ Hydra users pass them on the command line.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,7 @@ __all__ = [
     "PAUSE_MODES",
     "STAGE_MODES",
     "apply_overrides",
+    "check_sections",
     "config_from_mapping",
     "load_config",
     "load_mapping",
@@ -366,9 +368,22 @@ def config_from_mapping(cls: type[T], data: Mapping[str, Any] | None, section: s
         raise ConfigError(f"{section}: {exc}") from None
 
 
+def check_sections(data: Mapping[str, Any], known: Sequence[str]) -> None:
+    """Refuse a top-level key that misspells one of the `known` sections (`checkpoint_engin`,
+    `checkpoint-engine`): a job YAML may hold other sections, but a near miss of one read here
+    would leave every setting under it silently at its default."""
+    for key in data:
+        if key in known or not isinstance(key, str):
+            continue
+        near = difflib.get_close_matches(key.replace("-", "_").lower(), known, n=1, cutoff=0.8)
+        if near:
+            raise ConfigError(f"unknown section {key!r}: did you mean {near[0]!r}? (its settings would be ignored)")
+
+
 def load_config(
     source: str | os.PathLike[str] | Mapping[str, Any] | None = None, overrides: Sequence[str] = ()
 ) -> CheckpointEngineConfig:
     """Load the `checkpoint_engine` section from a YAML file or mapping plus dotted overrides."""
     data = apply_overrides(load_mapping(source), overrides)
+    check_sections(data, ("checkpoint_engine",))
     return config_from_mapping(CheckpointEngineConfig, data, "checkpoint_engine")

@@ -8,8 +8,10 @@ traceback would). (`ckpt-engine serve` and `status` as commands: tests/test_daem
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
+import torch
 
 from ckpt_engine.cli import main
 
@@ -55,6 +57,9 @@ CASES = [
     (["serve", "--port", "70000"], ["--port", "[0, 65535]"]),
     (["serve", "--port", "-1"], ["--port", "[0, 65535]"]),
     (["serve", "--token", "short"], ["--token", "at least 8"]),
+    (["serve", "--log-level", "FOO"], ["--log-level", "'FOO'", "INFO"]),
+    (["serve", "checkpoint_engin.backend=nccl"], ["unknown section 'checkpoint_engin'", "did you mean 'checkpoint_engine'"]),
+    (["serve", "deamon.port=5"], ["unknown section 'deamon'", "did you mean 'daemon'"]),
     (["bench", "--bucket-mb", "-1"], ["--bucket-mb", "> 0"]),
     (["bench", "--bucket-mb", "0"], ["--bucket-mb", "> 0"]),
     (["bench", "--solo-mb", "-1"], ["--solo-mb", ">= 0"]),
@@ -107,3 +112,33 @@ def test_serve_on_a_taken_port_says_so(capsys: pytest.CaptureFixture[str]) -> No
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert "--port" in lines[0] and str(port) in lines[0] and "in use" in lines[0]
+
+
+def test_paths_and_files_that_cannot_serve_get_one_line_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A results or token path in a folder that does not exist, a model config that is not one:
+    refused in one line before the daemon listens or a bench rank starts (they were tracebacks,
+    the bench's after its whole run)."""
+    missing = tmp_path / "no-such-folder"
+    model = {"list": "[1, 2]", "sizes": '{"model_type": "qwen2", "vocab_size": 10}',
+             "negative": '{"model_type": "qwen2", "hidden_size": -64, "vocab_size": 100, "num_hidden_layers": 2}'}
+    for name, text in model.items():
+        (tmp_path / f"{name}.json").write_text(text)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("where --out-dir would make a folder")
+    cases = [
+        (["serve", "--token-file", str(missing / "token")], ["--token-file", "No such file"]),
+        (["bench", "--preset", "tiny", "--json", str(missing / "out.json")], ["--json", "No such file"]),
+        (["plan", "--model", str(tmp_path / "list.json")], ["--model", "one JSON object, not a list"]),
+        (["plan", "--model", str(tmp_path / "sizes.json")], ["--model", "lacks hidden_size, num_hidden_layers"]),
+        (["plan", "--model", str(tmp_path / "negative.json")], ["--model", "hidden_size must be a whole number >= 1, got -64"]),
+        (["plan", "--sweep", "bucket_mb=64,128", "--out-dir", str(blocker / "sub")], ["cannot write the results"]),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["bench", "--device", "cuda"], ["--device cuda", "no CUDA device"]))
+    for argv, words in cases:
+        rc, err = run(argv, capsys)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and "Traceback" not in err, (argv, rc, err)
+        for w in words:
+            assert w in lines[0], (argv, w, lines[0])
+    assert not missing.exists()

@@ -72,3 +72,16 @@ def test_pause_mode_recompute_is_accepted() -> None:
     """Issue 28: `recompute` (in-flight requests re-prefill under the new weights) is a config value."""
     assert load_config({}, ["checkpoint_engine.pause_mode=recompute"]).pause_mode == "recompute"
     assert CheckpointEngineConfig(pause_mode="recompute").pause_mode == "recompute"
+
+
+def test_a_misspelt_section_is_refused_and_other_sections_pass(tmp_path: Path) -> None:
+    """Settings under a near miss of `checkpoint_engine` were silently ignored (every value at its
+    default); a job YAML's other sections are still read by whoever owns them."""
+    with pytest.raises(ConfigError, match=r"unknown section 'checkpoint_engin': did you mean 'checkpoint_engine'"):
+        load_config(None, ["checkpoint_engin.backend=nccl"])
+    path = tmp_path / "job.yaml"
+    path.write_text("checkpoint-engine:\n  backend: nccl\n")
+    with pytest.raises(ConfigError, match=r"unknown section 'checkpoint-engine': did you mean 'checkpoint_engine'"):
+        load_config(path)
+    path.write_text("trainer:\n  lr: 1.0e-6\ncheckpoint_engine:\n  backend: gloo\n")
+    assert load_config(path, ["rollout.engines=2"]).backend == "gloo"

@@ -107,6 +107,22 @@ def test_an_empty_source_is_refused_before_anything_is_paused(engines: list[Torc
         session.close()
 
 
+def test_no_engines_a_generator_of_engines_and_a_config_mapping(engines: list[TorchRefRollout]) -> None:
+    """No engines is a ValueError naming it (a bare StopIteration, which ends a `map` or a generator
+    silently, before); a generator of engines is read once, not spent by the session's key; the
+    `checkpoint_engine` section as a mapping (a verl / Hydra node) is a config."""
+    with pytest.raises(ValueError, match=r"needs one or more rollout engines, each named once; got \[\]"):
+        sync_rollout_weights(source(12), [], config=CFG)
+    with pytest.raises(ValueError, match=r"needs one or more rollout engines"):
+        list(map(lambda s: sync_rollout_weights(source(s), [], config=CFG), (12, 13)))
+    mapping = {"backend": "gloo", "bucket_size_mb": 0.0625, "timeout_s": 20}
+    report = sync_rollout_weights(source(12), (e for e in engines), config=mapping)
+    assert report is not None and versions(engines) == [report.version] * 2 and holds(engines[0], state(12)) == []
+    with pytest.raises(ValueError, match=r"unknown key\(s\) under checkpoint_engine: backnd"):
+        sync_rollout_weights(source(13), engines, config={"backnd": "gloo"})
+    close_sessions()
+
+
 def test_an_outdated_session_is_refused_by_name_without_pausing(engines: list[TorchRefRollout]) -> None:
     old = WeightSyncSession(engines, CFG)
     new = WeightSyncSession(engines, CFG)

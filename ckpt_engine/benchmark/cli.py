@@ -315,6 +315,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"argument --modes: unknown mode(s) {', '.join(unknown)}; allowed: {', '.join(MODES)}")
     if args.receiver_tp is None and (args.link_mb_s is not None or args.fused_experts or args.region_slot_memory_mb is not None):
         parser.error("--link-mb-s, --fused-experts and --region-slot-memory-mb go with --receiver-tp (the region bench)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here; use --device cpu (or auto)")
+    if args.json not in (None, "-"):  # a path the results cannot reach is refused before the run, not after it
+        try:
+            open(args.json, "a").close()
+        except OSError as exc:
+            parser.error(f"--json: {exc}")
     chain = (args.delta or args.senders > 1) and args.receiver_tp is None
     if args.wire_dtype is not None and args.receiver_tp is None and not chain:
         parser.error(

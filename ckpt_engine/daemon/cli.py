@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 
 def serve_main(argv: list[str] | None = None) -> int:
-    from ckpt_engine.config import CheckpointEngineConfig, ConfigError, apply_overrides, config_from_mapping, load_mapping
+    from ckpt_engine.config import CheckpointEngineConfig, ConfigError, apply_overrides, check_sections, config_from_mapping, load_mapping
     from ckpt_engine.daemon.config import DaemonConfig
     from ckpt_engine.daemon.coordinator import WeightSyncDaemon
 
@@ -42,9 +42,12 @@ def serve_main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default=os.environ.get("CKPT_ENGINE_LOG", "INFO"))
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. daemon.heartbeat_timeout_s=10")
     args = p.parse_args(argv)
+    if not isinstance(logging.getLevelName(args.log_level.upper()), int):
+        p.error(f"--log-level: {args.log_level!r} is not a level; one of DEBUG, INFO, WARNING, ERROR, CRITICAL")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
         data = apply_overrides(load_mapping(args.config), args.overrides)
+        check_sections(data, ("checkpoint_engine", "daemon"))
         ce = config_from_mapping(CheckpointEngineConfig, data, "checkpoint_engine")
         dc = config_from_mapping(DaemonConfig, data, "daemon")
     except ConfigError as exc:
@@ -56,16 +59,21 @@ def serve_main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"ckpt-engine serve: {'--token: ' if 'token' in str(exc) else ''}{exc}", file=sys.stderr)
         return 2
+    if args.token_file:  # written before the daemon listens: a path it cannot write is refused first
+        try:
+            path = Path(args.token_file)
+            path.touch(mode=0o600)
+            path.write_text(daemon.token)
+        except OSError as exc:
+            daemon.close()
+            print(f"ckpt-engine serve: --token-file: {exc}", file=sys.stderr)
+            return 2
     try:
         server = daemon.serve(args.host, args.port)
     except ValueError as exc:  # the address is taken or cannot be bound
         print(f"ckpt-engine serve: --host/--port (daemon.host/daemon.port): {exc}; pick another port, or 0 for a free one", file=sys.stderr)
         return 2
     daemon.start_monitor()
-    if args.token_file:
-        path = Path(args.token_file)
-        path.touch(mode=0o600)
-        path.write_text(daemon.token)
     print(f"{READY_PREFIX}address={daemon.address} token={daemon.token}", flush=True)
 
     def stop(signum: int, frame: Any) -> None:

@@ -189,3 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as exc:
         sys.stderr.write(f"ckpt-engine plan: error: {exc}\n")
         return 2
+    except OSError as exc:  # --out, --out-dir: a path that cannot be written
+        sys.stderr.write(f"ckpt-engine plan: error: cannot write the results: {exc}\n")
+        return 2

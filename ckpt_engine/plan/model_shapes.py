@@ -75,6 +75,11 @@ class ModelBytes:
     num_layers: int
 
 
+_SIZES = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+          "moe_intermediate_size", "head_dim")
+"""The sizes a user's config.json gives, each checked; the first three are needed by every model."""
+
+
 def load_model_config(model: str) -> dict[str, Any]:
     """A preset name (``ckpt-engine plan --model``) or a path to an HF config.json."""
     if model in MODEL_PRESETS:
@@ -85,7 +90,20 @@ def load_model_config(model: str) -> dict[str, Any]:
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"--model {model!r}: use one of {', '.join(MODEL_PRESETS)} or a path to an HF config.json")
-    return json.loads(path.read_text())
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--model {model!r}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--model {model!r}: an HF config.json holds one JSON object, not a {type(config).__name__}")
+    for key in _SIZES:
+        value = config.get(key)
+        if key in config and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"--model {model!r}: {key} must be a whole number >= 1, got {value!r}")
+    missing = [k for k in _SIZES[:3] if k not in config]
+    if missing:
+        raise ValueError(f"--model {model!r}: the config lacks {', '.join(missing)} (an HF config.json names every size)")
+    return config
 
 
 def _linear(name: str, out_f: int, in_f: int, dtype: str, fp8: bool, expert: bool = False) -> list[TensorShape]:

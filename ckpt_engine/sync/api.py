@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import atexit
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
-from ckpt_engine.config import CheckpointEngineConfig
+from ckpt_engine.config import CheckpointEngineConfig, config_from_mapping
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport
 from ckpt_engine.sync.sender_channel import SenderChannel
@@ -105,15 +106,18 @@ def sync_rollout_weights(
     rollouts: Sequence[RolloutAdapter] | WeightSyncSession | None,
     *,
     version: int | None = None,
-    config: CheckpointEngineConfig | None = None,
+    config: CheckpointEngineConfig | Mapping[str, Any] | None = None,
 ) -> SyncReport | None:
     """Push one version of `source`'s weights into every rollout engine.
 
     Call it on every trainer rank: ranks whose source is not the sender (`source.is_sender` false)
     only walk `iter_weights()` (its gathers are collectives) and return None. On the sender,
     `rollouts` is a list of engine adapters (a session is kept per set of engines and reused) or
-    a session. Concurrent calls for the same engines run one at a time.
+    a session. Concurrent calls for the same engines run one at a time. `config` may also be the
+    `checkpoint_engine` section as a mapping (a verl / Hydra config node).
     """
+    if isinstance(config, Mapping):
+        config = config_from_mapping(CheckpointEngineConfig, {"checkpoint_engine": config}, "checkpoint_engine")
     source = as_weight_source(source)  # a vLLM `WeightSource` works as well (sources/vllm.py)
     if not source.is_sender:
         mode = config.senders if config is not None else "auto"
@@ -143,6 +147,7 @@ def _send(
         raise ValueError("the sending trainer rank must pass the rollout engines (or a WeightSyncSession)")
     if isinstance(rollouts, WeightSyncSession):
         return rollouts.sync(source, version=version)
+    rollouts = list(rollouts)  # read more than once below: a generator would be spent by the first
     report = cached_session(rollouts, config)._locked_sync(source, version, drain_if_closed=False)
     if report is not None:
         return report

@@ -72,8 +72,8 @@ class WeightSyncSession:
         self.config = config if config is not None else CheckpointEngineConfig()
         self.rollouts = list(rollouts)
         names = [r.name for r in self.rollouts]
-        if len(set(names)) != len(names):
-            raise ValueError(f"engine names must be unique, got {names}")
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"a weight-sync session needs one or more rollout engines, each named once; got {names}")
         self.host = host
         self.backend = backend_for(self.config, self.rollouts)
         self._group = SyncGroup(self.config, self.backend, host, device, engine)
