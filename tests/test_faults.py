@@ -279,6 +279,46 @@ def test_weight_source_raising(pair: list[TorchRefRollout]) -> None:
         session.close()
 
 
+class _Amiss(StateDictSource):
+    """A trainer whose walk yields, at its 12th tensor, what its metadata does not say."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], how: str) -> None:
+        super().__init__(weights)
+        self.how = how
+
+    def iter_weights(self):
+        for i, (name, t) in enumerate(super().iter_weights()):
+            if i == 12 and self.how == "fewer":
+                return
+            if i == 12:
+                yield (name + ".renamed", t) if self.how == "name" else (name, t.reshape(-1)[:-1])
+                continue
+            yield name, t
+
+
+@pytest.mark.parametrize("how,words", [("shape", "its metadata says"), ("name", "where its metadata put"), ("fewer", "ended before")])
+def test_a_source_yielding_what_its_metadata_does_not_say_is_blamed_not_the_engines(pair: list[TorchRefRollout], how: str, words: str) -> None:
+    """The sender's check of each yielded tensor fails mid-stream: the error names the weight source
+    (it named the engines the abort cut off, the cause only after them), the engines stay members,
+    paused and stale on the old bytes, and the next sync heals them."""
+    seed = 440 + 10 * ["shape", "name", "fewer"].index(how)
+    session = WeightSyncSession(pair, CFG)
+    try:
+        base = session.sync(source(seed)).version
+        for _ in range(REPEAT):
+            with pytest.raises(SyncError) as info:
+                session.sync(_Amiss(state(seed + 1), how))
+            assert list(info.value.failed) == ["weight source"] and words in info.value.failed["weight source"], info.value
+            assert info.value.stage == "transfer" and info.value.stale == ["ref0", "ref1"]
+            check_states(pair, {base: seed})
+            seed += 2
+            base = session.sync(source(seed)).version
+            check_states(pair, {base: seed})
+            assert all(serving(e.health()) for e in pair)
+    finally:
+        session.close()
+
+
 class _AnswerHeld(TorchRefRollout):
     """A handle whose receive answers (its report or its error) only once `release` is set: an
     engine still busy with a failed sync's receive (a vLLM worker runs one call at a time, so the

@@ -32,7 +32,7 @@ from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.piece_reader import PieceReader, Seen
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
-from ckpt_engine.pipeline.wire_views import entry_view, flat_bytes
+from ckpt_engine.pipeline.wire_views import SourceMismatch, entry_view, flat_bytes
 from ckpt_engine.engine import SendStats
 from ckpt_engine.transports.transport import Transport
 
@@ -144,7 +144,7 @@ class DeltaSender:
                 send(pending[0], finish(pending))
                 stats.extra["encode_s"] = stats.extra.get("encode_s", 0.0) + time.perf_counter() - t0
             if next(it, None) is not None:
-                raise ValueError("the weight source yielded more tensors than its metadata lists")
+                raise SourceMismatch("the weight source yielded more tensors than its metadata lists")
             link.drain(works, "delta payloads")
             bases.sync_id = delta.new_id
         except BaseException:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.fp8.direct import FILLED, Ask, Offer
-from ckpt_engine.pipeline.wire_views import checked_weight, flat_bytes, has_wire_layout, next_item, next_weight
+from ckpt_engine.pipeline.wire_views import SourceMismatch, checked_weight, flat_bytes, has_wire_layout, next_item, next_weight
 from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.engine import SendStats
 from ckpt_engine.manifest import TensorMeta
@@ -167,7 +167,7 @@ class PieceReader:
             try:
                 name, t = next(it)
             except StopIteration:
-                raise ValueError(f"the weight source ended before {e.name!r}, which its metadata lists") from None
+                raise SourceMismatch(f"the weight source ended before {e.name!r}, which its metadata lists") from None
             wire = dtypes.get(e.dtype)
             if wire is None:
                 wire = dtypes[e.dtype] = torch_dtype(e.dtype)

@@ -30,7 +30,7 @@ from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
 from ckpt_engine.pipeline.shared_sources import SharedSources
 from ckpt_engine.delta.layout import align8
-from ckpt_engine.pipeline.wire_views import flat_bytes, message
+from ckpt_engine.pipeline.wire_views import SourceMismatch, flat_bytes, message
 from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.engine import SendStats
 from ckpt_engine.sources.base import WeightWalk
@@ -128,7 +128,7 @@ class Sender:
                             recorded[bucket.index] = action
                 works[slot] = self._send_bucket(step, slot, action, stats)
             if plan is None and next(it, None) is not None:
-                raise ValueError("the weight source yielded more tensors than its metadata lists")
+                raise SourceMismatch("the weight source yielded more tensors than its metadata lists")
             self.t.drain_slots(works)
         except BaseException:
             works.clear()  # pending work handles keep the group (and its sockets) alive

@@ -21,7 +21,7 @@ from ckpt_engine.copies import copy_large_alone_
 from ckpt_engine.manifest import BucketManifest, TensorMeta
 from ckpt_engine.pipeline.piece_reader import take_known
 from ckpt_engine.pipeline.plan_state import PlanState, SharedBucket, SharedPlan, SharedWalk
-from ckpt_engine.pipeline.wire_views import has_wire_layout
+from ckpt_engine.pipeline.wire_views import SourceMismatch, has_wire_layout
 from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.engine import SendStats, TransferError
 from ckpt_engine.transports.shared_tensors import Placement, placement
@@ -85,7 +85,7 @@ class SharedSources:
                 if e.nbytes:
                     offered.append(t)
         if next(it, None) is not None:
-            raise ValueError("the weight source yielded more tensors than its metadata lists")
+            raise SourceMismatch("the weight source yielded more tensors than its metadata lists")
         stats = self._offer(stats, offered, t_start)
         # read after the offer: sharing a host tensor may have moved it into shared memory
         state.shared_walk = SharedWalk(list(map(_NAME, walked)), placement(list(map(_TENSOR, walked))), offered, len(offered) == len(walked))

@@ -11,7 +11,12 @@ from ckpt_engine.delta.layout import align8
 from ckpt_engine.manifest import TensorMeta
 from ckpt_engine.sources.wire import dtype_name, torch_dtype
 
-__all__ = ["checked_weight", "entry_view", "flat_bytes", "has_wire_layout", "message", "next_item", "next_weight"]
+__all__ = ["SourceMismatch", "checked_weight", "entry_view", "flat_bytes", "has_wire_layout", "message", "next_item", "next_weight"]
+
+
+class SourceMismatch(ValueError):
+    """The weight source yielded what its own metadata does not say (a name, shape, dtype or count):
+    a trainer-side bug, so a failed sync names the source, not the engines the abort cut off."""
 
 
 def flat_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -51,26 +56,25 @@ def next_item(it: Iterator[tuple[str, torch.Tensor]], e: TensorMeta) -> tuple[st
     try:
         return next(it)
     except StopIteration:
-        raise ValueError(f"the weight source ended before {e.name!r}, which its metadata lists") from None
+        raise SourceMismatch(f"the weight source ended before {e.name!r}, which its metadata lists") from None
 
 
 def checked_weight(name: str, tensor: torch.Tensor, e: TensorMeta, piece_bytes: int | None = None) -> torch.Tensor:
     """`tensor`, yielded as `name` where the manifest expects entry `e` (see next_weight), or a
     ValueError naming what does not match."""
     if name != e.name:
-        raise ValueError(f"the weight source yielded {name!r} where its metadata put {e.name!r}")
+        raise SourceMismatch(f"the weight source yielded {name!r} where its metadata put {e.name!r}")
     wire = torch_dtype(e.dtype)
     if piece_bytes is None:
         if tuple(tensor.shape) != e.shape:
-            raise ValueError(f"{name}: the weight source yielded shape {tuple(tensor.shape)}, its metadata says {e.shape}")
+            raise SourceMismatch(f"{name}: the weight source yielded shape {tuple(tensor.shape)}, its metadata says {e.shape}")
     elif tensor.numel() * wire.itemsize != piece_bytes and tuple(tensor.shape) != e.shape:
-        raise ValueError(
+        raise SourceMismatch(
             f"{name}: this sender owns {piece_bytes} bytes of it, the weight source yielded {tensor.numel()} elements of {e.dtype}"
         )
     if tensor.dtype != wire and not (tensor.is_floating_point() and wire.is_floating_point):
         # Casting between float formats is the wire-dtype policy; anything else is a bug upstream.
-        raise ValueError(
-            f"{name}: the weight source yielded {dtype_name(tensor.dtype)}, its metadata says {e.dtype} "
-            f"(set the wire dtype in the source, e.g. StateDictSource(..., dtype=torch.{e.dtype}))"
-        )
+        fix = (f"set the wire dtype in the source, e.g. StateDictSource(..., dtype=torch.{e.dtype})" if tensor.is_floating_point()
+               else "a source casts only floating-point tensors to the wire dtype: yield it as its metadata says")
+        raise SourceMismatch(f"{name}: the weight source yielded {dtype_name(tensor.dtype)}, its metadata says {e.dtype} ({fix})")
     return tensor

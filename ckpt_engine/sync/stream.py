@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.manifest import BucketManifest
+from ckpt_engine.pipeline.wire_views import SourceMismatch
 from ckpt_engine.rollout_adapters.base import ReceiveReport, RolloutAdapter
 from ckpt_engine.sources.base import WatchedWeights, WeightSource
 from ckpt_engine.sources.sharded import PieceWalk, ShardedWeightSource
@@ -92,8 +93,8 @@ class SyncStream:
             finish_walk(source, pieces)  # type: ignore[arg-type]  # TP helpers wait in its gathers
         sender_error = f"{type(exc).__name__}: {exc}"
         followers = self._senders.failed(sender_error) if senders > 1 else {}
-        if weights.error is not None:
-            # The trainer's source failed, not an engine: the engines are healthy, paused and
+        if weights.error is not None or _yielded_amiss(exc):
+            # The trainer's source failed (or yielded what its metadata does not say), not an engine: the engines are healthy, paused and
             # stale, and stay members; the next complete sync heals them. Unstaged, their answers are
             # waited for within the bound: a vLLM worker runs one call at a time, so a receive still
             # in flight when the error came held up the next sync's first call to it, past that
@@ -106,6 +107,15 @@ class SyncStream:
             failed["sender"] = sender_error
         stale = self._broken(failed, True, deadline)
         raise SyncError("transfer", failed, stale, sender_error=sender_error if "sender" not in failed else None) from exc
+
+
+def _yielded_amiss(exc: BaseException | None) -> bool:
+    """Whether the send failed because the source yielded what its own metadata does not say."""
+    while exc is not None:
+        if isinstance(exc, SourceMismatch):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 def _drop_frames(exc: BaseException) -> None:
