@@ -38,6 +38,8 @@ WEIGHT_MODES = ("full", "adapters")
 UNWRITTEN_MODES = ("warn", "error")
 WIRE_DTYPES = ("fp8",)
 """`wire_dtype` values besides unset: `fp8` = block-FP8 (`ckpt_engine/sources/fp8.py`)."""
+MAX_BUFFERS = 64
+"""Most rotating bucket buffers per side: more only multiplies memory, never overlap."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """Longest wait a config may ask for (a week): longer ones overflow the timers that enforce it."""
 
@@ -137,8 +139,11 @@ class CheckpointEngineConfig:
             if not 0 < self.bucket_size_mb <= 1 << 20:
                 raise ConfigError(f"checkpoint_engine.bucket_size_mb must be in (0, 1048576] MiB or unset, got {self.bucket_size_mb}")
         _check_type("checkpoint_engine.num_buffers", self.num_buffers, int)
-        if self.num_buffers < 2:
-            raise ConfigError(f"checkpoint_engine.num_buffers must be >= 2 (one packs while one sends), got {self.num_buffers}")
+        if not 2 <= self.num_buffers <= MAX_BUFFERS:
+            raise ConfigError(
+                f"checkpoint_engine.num_buffers must be in [2, {MAX_BUFFERS}] (one packs while one sends; each side holds that many "
+                f"buckets per sender), got {self.num_buffers}"
+            )
         if self.region_slot_memory_mb is not None:
             _check_number("checkpoint_engine.region_slot_memory_mb", self.region_slot_memory_mb)
             if not 0 < self.region_slot_memory_mb <= 1 << 30:
@@ -147,7 +152,10 @@ class CheckpointEngineConfig:
                     f"got {self.region_slot_memory_mb}"
                 )
         if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, (int, float)) or not 0 < self.timeout_s <= MAX_TIMEOUT_S:  # NaN fails too
-            raise ConfigError(f"checkpoint_engine.timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {self.timeout_s!r}")
+            raise ConfigError(
+                f"checkpoint_engine.timeout_s must be a finite number of seconds in (0, {MAX_TIMEOUT_S:.0f}], got {self.timeout_s!r}"
+                f"{_text_number(self.timeout_s)}"
+            )
         _check_type("checkpoint_engine.verify", self.verify, bool)
         if self.pause_mode not in PAUSE_MODES:
             raise ConfigError(f"checkpoint_engine.pause_mode must be one of {', '.join(PAUSE_MODES)}, got {self.pause_mode!r}")
@@ -242,7 +250,16 @@ def _check_type(name: str, value: Any, typ: type) -> None:
 
 def _check_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {type(value).__name__} {value!r}")
+        raise ConfigError(f"{name} must be a finite number, got {type(value).__name__} {value!r}{_text_number(value)}")
+
+
+def _text_number(value: Any) -> str:
+    """Why a number came as text, where YAML 1.1 made it so (`1e9` is a string there, `1.0e9` a float)."""
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return ""
+    return " (YAML reads a number such as 1e9 as text: write 1.0e9)" if isinstance(value, str) else ""
 
 
 def _check_engine_kwargs(backend: str, kwargs: dict[str, Any], known: list[str]) -> None:

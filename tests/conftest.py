@@ -32,7 +32,7 @@ FAST_TIER: dict[str, frozenset[str] | None] = {
     "test_fp8_layout.py": None,
     "test_installed_folds.py": None,
     "test_copy_kernel.py": None,
-    "test_fanout_probes.py": None,
+    "test_fanout_probes.py": frozenset({"test_the_probes_after_a_failure_run_at_once_and_name_the_unreachable", "test_engines_found_dead_after_a_transfer_are_the_ones_named", "test_one_engine_whose_calls_bound_themselves_is_called_on_the_callers_thread", "test_a_session_of_one_reference_receiver_steps_it_on_its_own_thread"}),
     "test_fused_experts.py": frozenset({"test_fuse_specs_stacks_each_layers_experts_in_place_of_the_last", "test_source_yields_stacks_in_metadata_order", "test_stacked_plans_cut_experts_for_ep_and_rows_or_columns_for_tp", "test_a_per_expert_plan_restated_for_stacks_is_the_stacked_plan"}),
     "test_region_footprint.py": None,
     "test_region_waves.py": frozenset({"test_width_is_the_budget_over_one_sets_slots", "test_region_slot_memory_key", "test_waves_keep_every_receivers_sets_in_index_order", "test_ten_disjoint_sets_go_in_one_wave_when_the_width_allows"}),

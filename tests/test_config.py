@@ -26,7 +26,10 @@ def test_yaml_file_and_dotted_overrides(tmp_path: Path) -> None:
     ("override", "match"),
     [
         ("checkpoint_engine.backend=carrier_pigeon", r"checkpoint_engine\.backend='carrier_pigeon'.*allowed: auto, colocated, gloo, hccl, nccl"),
-        ("checkpoint_engine.num_buffers=1", r"checkpoint_engine\.num_buffers must be >= 2"),
+        ("checkpoint_engine.num_buffers=1", r"checkpoint_engine\.num_buffers must be in \[2, 64\]"),
+        ("checkpoint_engine.num_buffers=1000000000", r"checkpoint_engine\.num_buffers must be in \[2, 64\].*got 1000000000"),
+        ("checkpoint_engine.timeout_s=1e9", r"got '1e9' \(YAML reads a number such as 1e9 as text: write 1\.0e9\)"),
+        ("checkpoint_engine.bucket_size_mb=1e-3", r"bucket_size_mb must be a finite number, got str '1e-3' \(YAML reads"),
         ("checkpoint_engine.num_buffers=two", r"checkpoint_engine\.num_buffers must be int"),
         ("checkpoint_engine.bucket_size_mb=-4", r"checkpoint_engine\.bucket_size_mb must be in"),
         ("checkpoint_engine.timeout_s=0", r"checkpoint_engine\.timeout_s must be a finite number of seconds in \(0, 604800\]"),

@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,7 @@ from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sync.fanout import fan_out, mark_stale_and_probe, receive_failures
+from helpers_wait import wait_for
 from refengines import holds, source, state
 
 BARRIER_S = 60.0
@@ -57,7 +59,7 @@ def test_engines_found_dead_after_a_transfer_are_the_ones_named() -> None:
     receives: dict[str, cf.Future[object]] = {m.name: cf.Future() for m in members}
     receives["a"].set_exception(RuntimeError("gloo: connection reset by peer b"))
     receives["b"].set_exception(RuntimeError("killed"))
-    assert receive_failures(members, receives, grace_s=1.0) == {"b": "died during the transfer (b: connection refused)"}
+    assert receive_failures(members, receives, grace_s=1.0) == {"b": "died or froze during the transfer (no answer to a health probe: b: connection refused)"}
 
 
 class Engine:
@@ -122,11 +124,18 @@ def test_a_session_of_one_reference_receiver_steps_it_on_its_own_thread(spec_fil
 
 
 class FreezesAtPause(TorchRefRollout):
-    """A reference receiver whose process stops (SIGSTOP) as the session asks it to pause."""
+    """A reference receiver whose process stops (SIGSTOP) as the session asks it to pause: the
+    call goes out once the process is seen stopped (a signal lands asynchronously)."""
 
     def pause(self, mode: str) -> None:
         os.kill(self.process.pid, signal.SIGSTOP)
+        wait_for("the engine's process stopped", lambda: _stopped(self.process.pid), BARRIER_S)
         super().pause(mode)
+
+
+def _stopped(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] == "T"  # state T: stopped by a signal
 
 
 SESSION_S = 3.0

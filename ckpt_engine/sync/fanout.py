@@ -57,7 +57,7 @@ def receive_failures(members: Iterable[Any], receives: dict[str, cf.Future[Any]]
     failed = collect_failures(receives, "receive", grace_s)
     if not failed:
         return failed
-    dead = {name: f"died during the transfer ({exc})" for name, exc in probe_all(members).items()}
+    dead = {name: f"died or froze during the transfer (no answer to a health probe: {exc})" for name, exc in probe_all(members).items()}
     return dead if dead else failed
 
 
