@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -295,3 +296,43 @@ def test_two_trainers_on_one_job_token_end_the_retry_with_an_error_saying_so(dae
     assert "another trainer" in outcome.error and "job token" in outcome.error and "v3" in outcome.error, outcome.error
     for r in rs:  # what the other trainer pushed stays, untouched by the refused retry
         assert_holds(r, weights(99), 3)
+
+
+def test_a_retry_after_a_failed_validate_does_not_take_another_trainers_version_as_its_own(daemon: WeightSyncDaemon, receivers: Engines) -> None:
+    """An attempt that failed before any engine could stamp its version (here: a lost answer to
+    validate) grants its retry no catch-up: when another trainer on the same token synced that very
+    version meanwhile, the retry is refused, not stamped a second time over other weights (two
+    trainers both reported v2 ok, the engines serving one of them)."""
+    rs = [receivers.spawn(f"r{i}") for i in range(2)]
+    for r in rs:
+        daemon.register(r.name, descriptor(r))
+    assert daemon.sync(StateDictSource(weights(41))).ok
+    victim = next(rec.adapter for rec in daemon.membership.records() if rec.name == "r1")
+    real_validate = victim.validate
+    lost: list[bool] = []
+
+    def validate_once_lost(*args: Any, **kwargs: Any) -> Any:
+        if not lost:
+            lost.append(True)
+            raise TimeoutError("the engine's answer to validate was lost")
+        return real_validate(*args, **kwargs)
+
+    victim.validate = validate_once_lost  # type: ignore[method-assign]
+    other = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, health_interval_s=0.5), token=JOB_TOKEN)
+    other_versions: list[int] = []
+
+    def other_trainer_syncs(again: bool) -> None:
+        if again and not other_versions:
+            for r in rs:
+                other.register(r.name, descriptor(r))
+            other_versions.append(other.sync(StateDictSource(weights(98))).version)
+
+    try:
+        outcome = daemon.sync(StateDictSource(weights(42)), walk_barrier=other_trainer_syncs)
+    finally:
+        other.close()
+    assert lost and other_versions == [2], (lost, other_versions)
+    assert outcome.attempts[0]["stage"] == "validate", outcome.attempts
+    assert not outcome.ok and outcome.error is not None and "another trainer" in outcome.error, outcome
+    for r in rs:  # the other trainer's v2 stays: one version, one set of weights
+        assert_holds(r, weights(98), 2)

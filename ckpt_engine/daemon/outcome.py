@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 
 MOVED_DATA = ("pause", "transfer", "receive", "finalize", "resume")
 """Stages of a failed sync after which engines may hold part of a version (or are at least paused)."""
+UNSTAMPED = ("probe", "join", "validate", "pause")
+"""Stages of a failed attempt before any engine could stamp the sync's version: a retry after only
+these is a new sync of that version, not a catch-up of weights some engine took under it."""
 
 WalkBarrier = Callable[[bool], None]
 """Called on the sender after each walk of the source with `again`: whether another walk follows."""
