@@ -52,7 +52,7 @@ from ckpt_engine.daemon.adapters import close_in_background, close_quietly, make
 from ckpt_engine.daemon.config import DaemonConfig
 from ckpt_engine.daemon.group import GroupKeeper, probe_members
 from ckpt_engine.daemon.membership import EngineRecord, EngineState, Membership, state_from_health
-from ckpt_engine.daemon.outcome import UNSTAMPED, OneWalkPerAttempt, SyncOutcome, WalkBarrier, blame_source, summarize
+from ckpt_engine.daemon.outcome import OneWalkPerAttempt, SyncOutcome, WalkBarrier, blame_source, summarize
 from ckpt_engine.daemon.ownership import adopt, claim_engine, describe, job_group, refusal, release_engine
 from ckpt_engine.daemon.peer_joins import PeerJoins
 from ckpt_engine.daemon.recovery import after_failed_attempt, changed_members, resume_held
@@ -351,8 +351,7 @@ class WeightSyncDaemon:
             return False
         try:
             # a retry walks the same weights: engines finalized by an attempt that got past the pause take `target` again
-            stamped = any(a["stage"] not in UNSTAMPED for a in outcome.attempts)  # else `target` held came from another trainer
-            session = self._groups.session_for(members, sent=max(self.versions.sent or 0, target) if stamped else self.versions.sent)
+            session = self._groups.session_for(members, sent=max(self.versions.sent or 0, target) if outcome.stamped() else self.versions.sent)
             report = session.sync(walker, version=target)
         except Exception as exc:
             if walker.error is None:

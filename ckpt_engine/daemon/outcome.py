@@ -55,6 +55,12 @@ class SyncOutcome:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def stamped(self) -> bool:
+        """Whether a failed attempt of this sync got past the pause, so some engine may hold its
+        version from it: only then is an engine at that version its own catch-up, else another
+        trainer's (`UNSTAMPED`)."""
+        return any(a["stage"] not in UNSTAMPED for a in self.attempts)
+
 
 class OneWalkPerAttempt(WeightSource):
     """Wraps a weight source so that each attempt walks `iter_weights()` exactly once.
