@@ -9,14 +9,15 @@ from __future__ import annotations
 import threading
 import time
 from typing import Any
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckpt_engine.daemon import DaemonClient, DaemonConfig, EngineState, WeightSyncDaemon
-from ckpt_engine.rollout_adapters.base import ManifestRejectedError
+from ckpt_engine.daemon.protocol import ProtocolError, check_outcome
+from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from helpers_daemon import NUM_TENSORS, Engines, config, descriptor, holds, weights, write_spec
@@ -228,17 +229,24 @@ def test_rejecting_engine_is_dropped_and_others_sync(daemon: WeightSyncDaemon, r
         daemon.sync(StateDictSource(sd))
 
 
+def synced_pair(daemon: WeightSyncDaemon, receivers: Engines, seed: int) -> tuple[list[TorchRefRollout], RolloutAdapter]:
+    """Two engines registered and synced to `seed`'s weights, and the daemon's handle on the second."""
+    rs = [receivers.spawn(f"r{i}") for i in range(2)]
+    for r in rs:
+        daemon.register(r.name, descriptor(r))
+    assert daemon.sync(StateDictSource(weights(seed))).ok
+    victim = next(rec.adapter for rec in daemon.membership.records() if rec.name == "r1")
+    assert victim is not None
+    return rs, victim
+
+
 def test_a_retry_pushes_the_same_version_to_an_engine_the_failed_attempt_finalized(daemon: WeightSyncDaemon, receivers: Engines) -> None:
     """A sync that fails after an engine finalized (its answer to the resume is lost: a timeout
     under load) leaves that engine on the new version while the daemon retries it. The retry walks
     the same weights, so it must take that engine again under the same version, not refuse the
     version as one the engines already hold (the demo died of that on a loaded CI box)."""
-    rs = [receivers.spawn(f"r{i}") for i in range(2)]
-    for r in rs:
-        daemon.register(r.name, descriptor(r))
-    sd1, sd2 = weights(21), weights(22)
-    assert daemon.sync(StateDictSource(sd1)).ok
-    victim = next(rec.adapter for rec in daemon.membership.records() if rec.name == "r1")
+    sd2 = weights(22)
+    rs, victim = synced_pair(daemon, receivers, 21)
     real_resume = victim.resume
     lost: list[int] = []
 
@@ -258,16 +266,27 @@ def test_a_retry_pushes_the_same_version_to_an_engine_the_failed_attempt_finaliz
     assert daemon.sync(StateDictSource(weights(23))).engines == {"r0": 3, "r1": 3}
 
 
+def another_trainer(rs: list[TorchRefRollout], seed: int) -> tuple[WeightSyncDaemon, list[int], Callable[[bool], None]]:
+    """A second trainer's daemon on the same job token, and a walk barrier that has it sync `seed`'s
+    weights once, between the first trainer's failed attempt and its retry (the versions it got)."""
+    other = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, health_interval_s=0.5), token=JOB_TOKEN)
+    versions: list[int] = []
+
+    def barrier(again: bool) -> None:
+        if again and not versions:
+            for r in rs:
+                other.register(r.name, descriptor(r))
+            versions.append(other.sync(StateDictSource(weights(seed))).version)
+
+    return other, versions, barrier
+
+
 def test_two_trainers_on_one_job_token_end_the_retry_with_an_error_saying_so(daemon: WeightSyncDaemon, receivers: Engines) -> None:
     """A second trainer with the same job token syncs the engines between the first one's failed
     attempt and its retry (the walk barrier runs between them): the engines then hold a newer
     version than the retry's. The sync ends with an outcome naming what happened and what to do,
     not a raw ValueError out of the version check (issue 45)."""
-    rs = [receivers.spawn(f"r{i}") for i in range(2)]
-    for r in rs:
-        daemon.register(r.name, descriptor(r))
-    assert daemon.sync(StateDictSource(weights(31))).ok
-    victim = next(rec.adapter for rec in daemon.membership.records() if rec.name == "r1")
+    rs, victim = synced_pair(daemon, receivers, 31)
     real_resume = victim.resume
     lost: list[bool] = []
 
@@ -278,20 +297,12 @@ def test_two_trainers_on_one_job_token_end_the_retry_with_an_error_saying_so(dae
             raise TimeoutError("the engine's answer to resume was lost")
 
     victim.resume = resume_once_lost  # type: ignore[method-assign]
-    other = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, health_interval_s=0.5), token=JOB_TOKEN)
-    other_outcomes: list[bool] = []
-
-    def other_trainer_syncs(again: bool) -> None:
-        if again and not other_outcomes:
-            for r in rs:
-                other.register(r.name, descriptor(r))
-            other_outcomes.append(other.sync(StateDictSource(weights(99))).ok)
-
+    other, other_versions, other_trainer_syncs = another_trainer(rs, 99)
     try:
         outcome = daemon.sync(StateDictSource(weights(32)), walk_barrier=other_trainer_syncs)
     finally:
         other.close()
-    assert lost and other_outcomes == [True], (lost, other_outcomes)
+    assert lost and other_versions == [3], (lost, other_versions)
     assert not outcome.ok and outcome.error is not None, outcome
     assert "another trainer" in outcome.error and "job token" in outcome.error and "v3" in outcome.error, outcome.error
     for r in rs:  # what the other trainer pushed stays, untouched by the refused retry
@@ -303,11 +314,7 @@ def test_a_retry_after_a_failed_validate_does_not_take_another_trainers_version_
     validate) grants its retry no catch-up: when another trainer on the same token synced that very
     version meanwhile, the retry is refused, not stamped a second time over other weights (two
     trainers both reported v2 ok, the engines serving one of them)."""
-    rs = [receivers.spawn(f"r{i}") for i in range(2)]
-    for r in rs:
-        daemon.register(r.name, descriptor(r))
-    assert daemon.sync(StateDictSource(weights(41))).ok
-    victim = next(rec.adapter for rec in daemon.membership.records() if rec.name == "r1")
+    rs, victim = synced_pair(daemon, receivers, 41)
     real_validate = victim.validate
     lost: list[bool] = []
 
@@ -318,15 +325,7 @@ def test_a_retry_after_a_failed_validate_does_not_take_another_trainers_version_
         return real_validate(*args, **kwargs)
 
     victim.validate = validate_once_lost  # type: ignore[method-assign]
-    other = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, health_interval_s=0.5), token=JOB_TOKEN)
-    other_versions: list[int] = []
-
-    def other_trainer_syncs(again: bool) -> None:
-        if again and not other_versions:
-            for r in rs:
-                other.register(r.name, descriptor(r))
-            other_versions.append(other.sync(StateDictSource(weights(98))).version)
-
+    other, other_versions, other_trainer_syncs = another_trainer(rs, 98)
     try:
         outcome = daemon.sync(StateDictSource(weights(42)), walk_barrier=other_trainer_syncs)
     finally:
@@ -336,3 +335,27 @@ def test_a_retry_after_a_failed_validate_does_not_take_another_trainers_version_
     assert not outcome.ok and outcome.error is not None and "another trainer" in outcome.error, outcome
     for r in rs:  # the other trainer's v2 stays: one version, one set of weights
         assert_holds(r, weights(98), 2)
+
+
+def test_a_reported_failure_of_an_engines_earlier_process_keeps_its_new_registration(receivers: Engines) -> None:
+    """A trainer's report (`report_sync`) names an engine that failed in its sync; the engine had
+    restarted and registered again meanwhile (another address). The standalone daemon keeps the new
+    registration, pending its seed, and applies the report only to the engine the sync drove (it
+    dropped the new registration by name, so an engine registered once vanished from the job)."""
+    daemon = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, health_interval_s=0.5), token=JOB_TOKEN, role="standalone")
+    old, new = receivers.spawn("r0-old"), receivers.spawn("r0-new")
+    try:
+        daemon.register("r0", descriptor(old))
+        drove = {"r0": descriptor(old)}
+        daemon.register("r0", descriptor(new))  # restarted elsewhere while the trainer's sync ran
+        report = {"version": 1, "ok": False, "engines": {}, "states": {"r0": "stale"}, "dropped": {"r0": "died during transfer"},
+                  "stale": [], "descriptors": drove}
+        daemon.record_sync(report)
+        rec = daemon.membership.get("r0")
+        assert rec is not None and rec.engine == descriptor(new) and rec.state == EngineState.PENDING, rec
+        daemon.record_sync({**report, "descriptors": {"r0": descriptor(new)}})  # the engine it drove: taken as reported
+        assert daemon.membership.get("r0") is None
+        with pytest.raises(ProtocolError, match=r"outcome\.descriptors must map engine names"):
+            check_outcome({**report, "descriptors": ["r0"]})
+    finally:
+        daemon.close()

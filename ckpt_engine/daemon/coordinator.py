@@ -52,7 +52,7 @@ from ckpt_engine.daemon.adapters import close_in_background, close_quietly, make
 from ckpt_engine.daemon.config import DaemonConfig
 from ckpt_engine.daemon.group import GroupKeeper, probe_members
 from ckpt_engine.daemon.membership import EngineRecord, EngineState, Membership, state_from_health
-from ckpt_engine.daemon.outcome import OneWalkPerAttempt, SyncOutcome, WalkBarrier, blame_source, summarize
+from ckpt_engine.daemon.outcome import OneWalkPerAttempt, SyncOutcome, WalkBarrier, blame_source, reported, summarize
 from ckpt_engine.daemon.ownership import adopt, claim_engine, describe, job_group, refusal, release_engine
 from ckpt_engine.daemon.peer_joins import PeerJoins
 from ckpt_engine.daemon.recovery import after_failed_attempt, changed_members, resume_held
@@ -294,7 +294,7 @@ class WeightSyncDaemon:
             check_sync_weights(self.config.weights, source, [r.adapter for r in self.membership.records() if r.adapter is not None], self.upstream)
             holders = [r.name for r in self.membership.records() if r.version == self.version]
             target, repeat = self.versions.target(version, holders)
-            outcome = SyncOutcome(version=target, catch_up=repeat)
+            outcome = SyncOutcome(version=target, catch_up=repeat, descriptors={r.name: dict(r.engine) for r in self.membership.records()})
             many = self.many_senders(source) if many_senders is None else many_senders
             walker = OneWalkPerAttempt(source)
             if many:
@@ -449,11 +449,11 @@ class WeightSyncDaemon:
                 self.versions.adopt(outcome["version"], "a trainer's report")
             self._generation += 1
         for name, why in outcome["dropped"].items():
-            rec = self.membership.get(name)
+            rec = reported(self.membership, outcome, name)
             if rec is not None:
                 self._drop(rec, why)
         for name, state in outcome["states"].items():
-            rec = self.membership.get(name)
+            rec = reported(self.membership, outcome, name)
             if rec is not None and EngineState.JOINING not in (state, rec.state):  # a join in flight here is its own
                 self.membership.set_state(rec, state, None if state == EngineState.STALE else outcome["engines"].get(name))
         with self._state_lock:

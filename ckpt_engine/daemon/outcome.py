@@ -47,6 +47,9 @@ class SyncOutcome:
     stale: list[str] = field(default_factory=list)
     attempts: list[dict[str, Any]] = field(default_factory=list)
     """One entry per failed attempt: stage and the engines it named."""
+    descriptors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each engine's descriptor as the sync took its members: a report speaks of the engine it
+    drove, not of one registered under the same name since (`reported`)."""
     report: dict[str, Any] | None = None
     """The successful attempt's SyncReport.to_dict()."""
     error: str | None = None
@@ -60,6 +63,15 @@ class SyncOutcome:
         version from it: only then is an engine at that version its own catch-up, else another
         trainer's (`UNSTAMPED`)."""
         return any(a["stage"] not in UNSTAMPED for a in self.attempts)
+
+
+def reported(membership: Membership, outcome: Mapping[str, Any], name: str) -> EngineRecord | None:
+    """The record a trainer's reported outcome speaks of under `name`: None when there is none, or
+    when the engine registered again (another descriptor) after the sync took its members, so a
+    failure of its earlier process is not held against it."""
+    rec = membership.get(name)
+    drove = outcome.get("descriptors", {}).get(name)
+    return rec if rec is not None and (drove is None or drove == rec.engine) else None
 
 
 class OneWalkPerAttempt(WeightSource):

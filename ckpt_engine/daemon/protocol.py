@@ -137,6 +137,11 @@ def check_outcome(outcome: Any) -> dict[str, Any]:
             raise ProtocolError(f"outcome.dropped.{name} must be a string reason")
     for name in outcome["stale"]:
         check_engine_name(name)
+    descriptors = outcome.get("descriptors", {})
+    if not isinstance(descriptors, dict) or not all(isinstance(d, dict) for d in descriptors.values()):
+        raise ProtocolError(f"outcome.descriptors must map engine names to their descriptors, got {descriptors!r:.80}")
+    for name in descriptors:
+        check_engine_name(name)
     _check_plain(outcome, "outcome", depth=0)
     return outcome
 
