@@ -75,9 +75,10 @@ class ModelBytes:
     num_layers: int
 
 
-_SIZES = ("hidden_size", "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-          "moe_intermediate_size", "head_dim")
-"""The sizes a user's config.json gives, each checked; the first three are needed by every model."""
+_REQUIRED_SIZES = ("hidden_size", "vocab_size", "num_hidden_layers")
+"""The sizes every model's config.json names."""
+_SIZES = (*_REQUIRED_SIZES, "num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size", "head_dim")
+"""The sizes a user's config.json may give, each checked where it is given."""
 
 
 def load_model_config(model: str) -> dict[str, Any]:
@@ -100,7 +101,7 @@ def load_model_config(model: str) -> dict[str, Any]:
         value = config.get(key)
         if key in config and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"--model {model!r}: {key} must be a whole number >= 1, got {value!r}")
-    missing = [k for k in _SIZES[:3] if k not in config]
+    missing = [k for k in _REQUIRED_SIZES if k not in config]
     if missing:
         raise ValueError(f"--model {model!r}: the config lacks {', '.join(missing)} (an HF config.json names every size)")
     return config

@@ -94,11 +94,12 @@ class SyncStream:
         sender_error = f"{type(exc).__name__}: {exc}"
         followers = self._senders.failed(sender_error) if senders > 1 else {}
         if weights.error is not None or _yielded_amiss(exc):
-            # The trainer's source failed (or yielded what its metadata does not say), not an engine: the engines are healthy, paused and
-            # stale, and stay members; the next complete sync heals them. Unstaged, their answers are
-            # waited for within the bound: a vLLM worker runs one call at a time, so a receive still
-            # in flight when the error came held up the next sync's first call to it, past that
-            # call's own bound. (Staged, the discards that follow end the waits.)
+            # The trainer's source failed (or yielded what its metadata does not say), not an engine:
+            # the engines are healthy, paused and stale, and stay members; the next complete sync
+            # heals them. Unstaged, their answers are waited for within the bound: a vLLM worker runs
+            # one call at a time, so a receive still in flight when the error came held up the next
+            # sync's first call to it, past that call's own bound. (Staged, the discards that follow
+            # end the waits.)
             collect_failures(receives, "receive", min(5.0, self.config.timeout_s) if staged else max(0.0, deadline - time.monotonic()))
             raise SyncError("transfer", {SOURCE: sender_error}, self._broken({}, False, deadline)) from exc
         failed = receive_failures(rollouts, receives, grace_s=min(5.0, self.config.timeout_s))
