@@ -9,13 +9,14 @@ from __future__ import annotations
 import threading
 import time
 from typing import Any
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckpt_engine.daemon import DaemonClient, DaemonConfig, EngineState, WeightSyncDaemon
+from ckpt_engine.daemon.outcome import SyncOutcome
 from ckpt_engine.daemon.protocol import ProtocolError, check_outcome
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
@@ -266,9 +267,10 @@ def test_a_retry_pushes_the_same_version_to_an_engine_the_failed_attempt_finaliz
     assert daemon.sync(StateDictSource(weights(23))).engines == {"r0": 3, "r1": 3}
 
 
-def another_trainer(rs: list[TorchRefRollout], seed: int) -> tuple[WeightSyncDaemon, list[int], Callable[[bool], None]]:
-    """A second trainer's daemon on the same job token, and a walk barrier that has it sync `seed`'s
-    weights once, between the first trainer's failed attempt and its retry (the versions it got)."""
+def sync_beside_another_trainer(daemon: WeightSyncDaemon, rs: list[TorchRefRollout], mine: int, theirs: int) -> tuple[SyncOutcome, list[int]]:
+    """`daemon` syncs `mine`'s weights while a second trainer's daemon on the same job token syncs
+    `theirs`' once, between the first one's failed attempt and its retry (the walk barrier runs
+    there): the outcome, and the versions the other trainer got."""
     other = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, health_interval_s=0.5), token=JOB_TOKEN)
     versions: list[int] = []
 
@@ -276,9 +278,12 @@ def another_trainer(rs: list[TorchRefRollout], seed: int) -> tuple[WeightSyncDae
         if again and not versions:
             for r in rs:
                 other.register(r.name, descriptor(r))
-            versions.append(other.sync(StateDictSource(weights(seed))).version)
+            versions.append(other.sync(StateDictSource(weights(theirs))).version)
 
-    return other, versions, barrier
+    try:
+        return daemon.sync(StateDictSource(weights(mine)), walk_barrier=barrier), versions
+    finally:
+        other.close()
 
 
 def test_two_trainers_on_one_job_token_end_the_retry_with_an_error_saying_so(daemon: WeightSyncDaemon, receivers: Engines) -> None:
@@ -297,11 +302,7 @@ def test_two_trainers_on_one_job_token_end_the_retry_with_an_error_saying_so(dae
             raise TimeoutError("the engine's answer to resume was lost")
 
     victim.resume = resume_once_lost  # type: ignore[method-assign]
-    other, other_versions, other_trainer_syncs = another_trainer(rs, 99)
-    try:
-        outcome = daemon.sync(StateDictSource(weights(32)), walk_barrier=other_trainer_syncs)
-    finally:
-        other.close()
+    outcome, other_versions = sync_beside_another_trainer(daemon, rs, 32, 99)
     assert lost and other_versions == [3], (lost, other_versions)
     assert not outcome.ok and outcome.error is not None, outcome
     assert "another trainer" in outcome.error and "job token" in outcome.error and "v3" in outcome.error, outcome.error
@@ -325,11 +326,7 @@ def test_a_retry_after_a_failed_validate_does_not_take_another_trainers_version_
         return real_validate(*args, **kwargs)
 
     victim.validate = validate_once_lost  # type: ignore[method-assign]
-    other, other_versions, other_trainer_syncs = another_trainer(rs, 98)
-    try:
-        outcome = daemon.sync(StateDictSource(weights(42)), walk_barrier=other_trainer_syncs)
-    finally:
-        other.close()
+    outcome, other_versions = sync_beside_another_trainer(daemon, rs, 42, 98)
     assert lost and other_versions == [2], (lost, other_versions)
     assert outcome.attempts[0]["stage"] == "validate", outcome.attempts
     assert not outcome.ok and outcome.error is not None and "another trainer" in outcome.error, outcome
