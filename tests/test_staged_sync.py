@@ -267,14 +267,20 @@ class _SwapFails(TorchRefRollout):
 
 def test_a_failed_swap_after_a_complete_stream_leaves_the_engines_stale_as_a_failed_finalize(spec_file: str) -> None:
     """Every engine streamed and checked its version; one swap fails: that is a failed finalize, not a
-    failed stream, so every engine is listed stale (none was told to discard) and the next sync heals."""
+    failed stream, so every engine is listed stale (none was told to discard) and the next sync heals.
+    The error says what each engine does meanwhile: the one that swapped serves the new version,
+    unpaused (not "left paused"), the one whose swap never reached it its old one."""
     engines = [spawn_engine("swaps", spec_file=spec_file, timeout_s=60), spawn_engine("refuses", spec_file=spec_file, timeout_s=60, handle=_SwapFails)]
     session = WeightSyncSession(engines, CFG)
     try:
         with pytest.raises(SyncError) as info:
             session.sync(StateDictSource(version(50)))
         assert info.value.stage == "swap" and set(info.value.failed) == {"refuses"}, str(info.value)
-        assert info.value.stale == ["refuses", "swaps"], str(info.value)
+        assert info.value.stale == ["refuses", "swaps"] and info.value.serving == ["swaps"], str(info.value)
+        assert "serving the new version: swaps; stale: refuses" in str(info.value) and "paused" not in str(info.value), str(info.value)
+        live, old = (e.health() for e in engines)
+        assert (live["version"], live["paused"], live["stale"]) == (1, False, False) and holds(engines[0], version(50)) == [], live
+        assert (old["version"], old["paused"]) == (None, False), old
         engines[1].swap = types.MethodType(TorchRefRollout.swap, engines[1])  # type: ignore[method-assign]
         sd = version(51)
         report = session.sync(StateDictSource(sd))

@@ -34,7 +34,7 @@ from ckpt_engine.sync.group import SyncGroup
 from ckpt_engine.sync.installed import InstalledChecks
 from ckpt_engine.sync.many_senders import ManySenders, wants_many_senders
 from ckpt_engine.sync.regions import RegionDelivery, RegionSync
-from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
+from ckpt_engine.sync.report import LIVE_STEPS, SOURCE, SyncError, SyncReport, make_report
 from ckpt_engine.sync.stream import SyncStream
 from ckpt_engine.sync.capabilities import delta_unsupported
 from ckpt_engine.sync.staging import StagePolicy, discard_all, run_order
@@ -157,7 +157,7 @@ class WeightSyncSession:
         """`fn` on every engine (`fanout.fan_out`); a failure or a wait past timeout_s breaks the group."""
         answers, failed = fan_out(self._pool, self.rollouts, fn, stage, self.config.timeout_s)
         if failed:
-            raise SyncError(stage, failed, self._break(failed))
+            raise SyncError(stage, failed, self._break(failed), serving=sorted(answers) if stage in LIVE_STEPS else None)
         return answers
 
     def _break(self, failed: dict[str, str], probe: bool = True, deadline: float | None = None) -> list[str]:
@@ -311,7 +311,8 @@ class WeightSyncSession:
         if swapped:
             mode = self.config.pause_mode if self.config.pause_mode != "none" else "keep"
             collect_failures({r.name: self._pool.submit(r.pause, mode) for r in self.rollouts if r.name in failed}, "pause", self.config.timeout_s)
-        raise SyncError("verify", failed, self._break(failed))
+        serving = sorted(r.name for r in self.rollouts if r.name not in failed) if swapped else None
+        raise SyncError("verify", failed, self._break(failed), serving=serving)
 
     def _prepare(self, source: WeightSource, version: int | None, senders: int) -> tuple[int, CheckpointEngine, BucketManifest]:
         """Metadata, the claim on the engines, the next version, the group and the plan: nothing
