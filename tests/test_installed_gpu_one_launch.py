@@ -46,6 +46,7 @@ class Rank:
     wrong, then right after every tensor landed), its report comes from `HeldDigests` after the loads."""
 
     capabilities = EngineCapabilities(installed=True)
+    timeout_s = None  # `RolloutAdapter.timeout_s`: calls bound by the session's pool
 
     def __init__(self, name: str, held: dict[str, torch.Tensor], regions: dict[str, Region | None]) -> None:
         self.name, self.held, self.held_digests = name, held, HeldDigests(held, regions)
