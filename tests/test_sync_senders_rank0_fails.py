@@ -48,11 +48,11 @@ def test_a_sync_rank0_fails_before_the_send_fails_on_every_rank_and_the_next_one
     assert [p.exitcode for p in procs] == [0, 0]
     lead, other = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2))
     assert [e["ok"] for e in lead] == [True, False, False, True], lead
-    assert "version 1 was completed by this session already" in lead[1]["error"], lead
+    assert "version 1 was completed already (by this session or one it replaced)" in lead[1]["error"], lead
     assert "must pass the rollout engines" in lead[2]["error"], lead
     assert [lead[0]["version"], lead[3]["version"]] == [1, 2], lead
     assert [e["ok"] for e in other] == [True, False, False, True], other
-    for step, why in ((1, "version 1 was completed by this session already"), (2, "must pass the rollout engines")):
+    for step, why in ((1, "version 1 was completed already (by this session or one it replaced)"), (2, "must pass the rollout engines")):
         assert other[step]["error"].startswith("SendFailed: trainer rank 1: trainer rank 0 (the controller) failed this sync before the send: "), other
         assert why in other[step]["error"], other
     for e in engines:

@@ -57,6 +57,11 @@ def test_a_new_session_or_config_carries_versions_on_and_leaks_nothing(engines: 
     assert seen == [start + 2, start + 3, start + 4, start + 5]
     assert versions(engines) == [start + 5] * 2 and holds(engines[0], state(6)) == []
     assert len(sync_module._sessions) == 1, "replaced sessions must be closed and dropped"
+    # A new config replaces the session; what the old one completed is never stamped again on other weights.
+    other = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30)
+    with pytest.raises(ValueError, match=rf"version {seen[-1]} was completed already \(by this session or one it replaced\)"):
+        sync_rollout_weights(source(99), engines, config=other, version=seen[-1])
+    assert versions(engines) == [seen[-1]] * 2 and holds(engines[0], state(6)) == []
     # Idle pool threads of closed sessions exit on their own: waited for, not slept on.
     wait_for("closed sessions' threads exited", lambda: sync_threads() <= threads + 2 * len(engines) + 1, 60)
 

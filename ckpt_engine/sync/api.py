@@ -91,13 +91,14 @@ def cached_session(rollouts: Sequence[RolloutAdapter], config: CheckpointEngineC
         # so versions never go back even when the new engines hold none.
         wanted, names = set(key), {r.name for r in rollouts}
         older = [k for k, s in _sessions.items() if k == key or wanted.intersection(k) or names.intersection(r.name for r in s.rollouts)]
-        floor = 0
+        floor, completed = 0, [None]
         for old_key in older:
             old = _sessions.pop(old_key)
-            floor = max(floor, old.version)
+            floor, completed = max(floor, old.version), [*completed, old.completed]
             old.close()
         session = _sessions[key] = WeightSyncSession(rollouts, config)
-        session.version = floor
+        session.version = floor  # and what it completed is not stamped again, on other weights, as a "catch-up"
+        session.completed = max((v for v in completed if v is not None), default=None)
         return session
 
 

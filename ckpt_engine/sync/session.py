@@ -79,7 +79,7 @@ class WeightSyncSession:
         self._group = SyncGroup(self.config, self.backend, host, device, engine)
         self.raw_gbps = raw_gbps
         self.version = 0
-        self._completed: int | None = None  # the version this session's last completed sync stamped
+        self.completed: int | None = None  # the version this session (or one it replaced) last completed: never stamped again
         self.stale: set[str] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -382,9 +382,9 @@ class WeightSyncSession:
     def _new_version(self, members: dict[str, Membership], version: int | None) -> int:
         """The sync's version from what every engine holds; ValueError for a version refused."""
         held = {n: m.version for n, m in members.items()}
-        if version is not None and check_version(version, "version") == self._completed:  # a type first: True == 1
+        if version is not None and check_version(version, "version") == self.completed:  # a type first: True == 1
             raise ValueError(
-                f"version {version} was completed by this session already: a version labels one set of weights, so a new "
+                f"version {version} was completed already (by this session or one it replaced): a version labels one set of weights, so a new "
                 f"sync needs a new one (pass version=None: next {max([self.version, *(v for v in held.values() if v is not None)]) + 1})"
             )
         return next_version(held, self.version, version)
@@ -454,7 +454,7 @@ class WeightSyncSession:
         report.received_bytes = self._regions.received_bytes(self.rollouts, manifest.total_bytes)
         active = self._regions.active
         self.stale.clear()
-        self.version = self._completed = new_version
+        self.version = self.completed = new_version
         self._installed.completed = True
         if self._installed.seconds is not None:
             seconds["installed_check"] = self._installed.seconds
