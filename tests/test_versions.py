@@ -128,9 +128,24 @@ def test_no_engines_a_generator_of_engines_and_a_config_mapping(engines: list[To
     close_sessions()
 
 
-def test_an_outdated_session_is_refused_by_name_without_pausing(engines: list[TorchRefRollout]) -> None:
+def handles(engines: list[TorchRefRollout]) -> list[TorchRefRollout]:
+    """New handles on the same engines, as a loop that rebuilds them every step makes them."""
+    return [TorchRefRollout(e.name, e.rpc.host, e.rpc.port, None, e.timeout_s, token=e.token) for e in engines]
+
+
+def test_handles_rebuilt_every_step_keep_the_session_and_its_delta_chain(engines: list[TorchRefRollout]) -> None:
+    close_sessions()
+    config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20, delta="on")
+    reports = [sync_rollout_weights(source(20 + i), handles(engines), config=config) for i in range(3)]
+    assert [r.delta for r in reports if r is not None] == ["seed", "patch", "patch"]
+    assert len(sync_module._sessions) == 1 and holds(engines[1], state(22)) == []
+    close_sessions()
+
+
+@pytest.mark.parametrize("rebuilt", [False, True], ids=["same-handles", "new-handles"])
+def test_an_outdated_session_is_refused_by_name_without_pausing(engines: list[TorchRefRollout], rebuilt: bool) -> None:
     old = WeightSyncSession(engines, CFG)
-    new = WeightSyncSession(engines, CFG)
+    new = WeightSyncSession(handles(engines) if rebuilt else engines, CFG)
     try:
         old.sync(source(12))
         held = new.sync(source(13)).version  # joins the engines into its own group: `old` is outdated
@@ -166,3 +181,9 @@ def test_an_engines_report_cannot_freeze_the_jobs_versions() -> None:
     assert v.current == 5001
     v.adopt_health({"version": 5002}, "engine b")  # another daemon of the job synced it
     assert v.current == 5002 and v.target(None, []) == (5003, False)
+    # An engine registering holds what an earlier daemon of the job issued (a job restarted whole: this daemon
+    # synced the engines that came back first): the job moves on past it, within 2**32, not refused ever after.
+    v.adopt_health({"version": 5010}, "engine c", arriving=True)
+    assert v.current == 5010 and v.target(None, []) == (5011, False)
+    v.adopt_health({"version": 2**62}, "engine hostile", arriving=True)
+    assert v.current == 5010

@@ -152,7 +152,7 @@ class WeightSyncDaemon:
         found = state_from_health(health)
         if found is not None:  # what it holds, as it says: a complete version is the job's too
             record.state, record.version = found
-        self.versions.adopt_health(health, f"engine {name}")
+        self.versions.adopt_health(health, f"engine {name}", arriving=True)
         old = self.membership.add(record)
         if old is not None and old.adapter is not None and old.adapter is not adapter:
             close_in_background(old.adapter, close=old.owned, release=False)

@@ -32,7 +32,7 @@ class JobVersions:
         """The highest version a trusted party named: this daemon's own syncs, a trainer's report,
         the standalone daemon. Engines' reports are bounded by it (`adopt_health`)."""
 
-    def adopt(self, version: int | None, source: str, *, trusted: bool = True) -> None:
+    def adopt(self, version: int | None, source: str, *, trusted: bool = True, arriving: bool = False) -> None:
         """A trusted party (or, `trusted=False`, an engine: see `adopt_health`) reports `version`
         complete: the job is at least there."""
         if version is None:
@@ -42,7 +42,7 @@ class JobVersions:
             return
         with self._lock:
             if not trusted:
-                limit = self.vouched + 1 if self.vouched else self.current + MAX_VERSION_STEP
+                limit = self.vouched + 1 if self.vouched and not arriving else max(self.current, self.vouched) + MAX_VERSION_STEP
                 if version > limit:
                     logger.warning("%s reports version %d, past what this job issued (%d); not adopted", source, version, limit)
                     return
@@ -52,16 +52,20 @@ class JobVersions:
                 logger.info("adopting version %d from %s (was %d)", version, source, self.current)
                 self.current = version
 
-    def adopt_health(self, health: object, source: str) -> None:
+    def adopt_health(self, health: object, source: str, *, arriving: bool = False) -> None:
         """Adopt the newest version an engine's health names: the one it holds completely, or the
         last it ever finalized (`last_version`: a stale engine still says how far the job got).
         An engine's word is bounded: once this daemon knows the job's version from a trusted party,
         at most one past it (a sync of another daemon of the job in flight); before that (a fresh
-        daemon next to engines that outlived the last one), at most MAX_VERSION_STEP past what it
-        adopted so far. So no engine's report can freeze the job at 2**63-1."""
+        daemon next to engines that outlived the last one), and for an engine `arriving` (its
+        registration: what it holds outlived an earlier daemon of the job, which may have gone further
+        than this one: a job restarted whole, engines registering one by one), at most
+        MAX_VERSION_STEP past. So no engine's report can freeze the job at 2**63-1, and an engine that
+        comes back holding a later version than this daemon issued moves the job on instead of
+        having every later sync refused as another trainer's."""
         if isinstance(health, dict):
             known = [v for v in (health.get("version"), health.get("last_version")) if isinstance(v, int) and not isinstance(v, bool)]
-            self.adopt(max(known, default=None), source, trusted=False)
+            self.adopt(max(known, default=None), source, trusted=False, arriving=arriving)
 
     def completed(self, version: int) -> None:
         """This daemon's sync of `version` completed."""

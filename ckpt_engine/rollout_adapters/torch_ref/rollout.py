@@ -23,6 +23,7 @@ import os
 import secrets
 import subprocess
 import sys
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -92,6 +93,16 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, TOKEN_ENV: token})
         port = int(read_ready_line(proc, READY_PREFIX, f"reference receiver {name!r}", timeout_s))
         return cls(name, "127.0.0.1", port, proc, timeout_s, token=token)
+
+    def engine_key(self) -> Hashable:
+        """The receiver's control address: handles rebuilt on it (every step, or by a daemon) drive one
+        engine, so a session, its group and its delta chain carry on, and claims see one engine."""
+        return ("torch_ref", self.rpc.host, self.rpc.port)
+
+    def take_over(self, previous: RolloutAdapter) -> None:
+        """The manifest the engine holds, its receive plans and the group it acts for."""
+        if isinstance(previous, TorchRefRollout):
+            self._sent_digest, self._plans, self.owner = previous._sent_digest, previous._plans, previous.owner
 
     def _call(self, method: str, timeout_s: float | None = None, **params: Any) -> Any:
         if self.owner is not None:
