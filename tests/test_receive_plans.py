@@ -72,7 +72,7 @@ def test_plans_are_refused_by_name() -> None:
     cases = [
         ({Q: (Region(0, 48, 32),)}, f"receiver rank 1: receive plan: region \\[48, 80\\) of '{Q}' lies outside dimension 0 of size 64"),
         ({Q: (Region(0, 0, 32), Region(0, 16, 8))}, f"regions of '{Q}' overlap"),
-        ({"model.layers.9.mlp.up_proj.weight": None}, "names tensor 'model.layers.9.mlp.up_proj.weight', which the model does not have"),
+        ({"model.layers.9.mlp.up_proj.weight": None}, "names tensor 'model.layers.9.mlp.up_proj.weight', which this sync does not carry"),
         ({Q: (Region(2, 0, 1),)}, f"'{Q}' has no dimension 2"),
     ]
     for holds, match in cases:

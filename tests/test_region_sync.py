@@ -143,7 +143,7 @@ def claimers(qwen2_file: str) -> Iterator[tuple[TorchRefRollout, _Claims]]:
     [
         ({Q: (Region(0, 48, 32),)}, f"engine 'bad' rejected the manifest: rank 0: receive plan: region \\[48, 80\\) of '{Q}' lies outside"),
         ({Q: (Region(0, 0, 32), Region(0, 16, 8))}, f"engine 'bad' rejected the manifest: rank 0: receive plan: regions of '{Q}' overlap"),
-        ({"model.layers.7.mlp.up_proj.weight": None}, "engine 'bad' .*'model.layers.7.mlp.up_proj.weight', which the model does not have"),
+        ({"model.layers.7.mlp.up_proj.weight": None}, "engine 'bad' .*'model.layers.7.mlp.up_proj.weight', which this sync does not carry"),
         # Issue 45: the handle says rows [32, 64) of q_proj, the worker holds it whole; a piece that
         # only overlaps the whole tensor was accepted and q_proj ended half old, half new.
         (

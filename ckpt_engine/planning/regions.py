@@ -56,7 +56,10 @@ class ReceivePlan:
         for name, regions in self.holds.items():
             spec = by_name.get(name)
             if spec is None:
-                raise ReceivePlanError(f"receive plan names tensor {name!r}, which the model does not have")
+                raise ReceivePlanError(
+                    f"receive plan names tensor {name!r}, which this sync does not carry (a sync with receive plans carries "
+                    "every tensor the engine ranks hold: sync the whole model, or the plan names a tensor the model lacks)"
+                )
             if regions is None:
                 continue
             if not regions:
