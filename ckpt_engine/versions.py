@@ -49,17 +49,23 @@ def check_step(value: int, current: int, what: str) -> int:
     return value
 
 
-def next_version(held: Mapping[str, int | None], sent: int, requested: int | None) -> int:
+def next_version(held: Mapping[str, int | None], sent: int, requested: int | None, completed: int | None = None) -> int:
     """The version of the next sync: one past the highest of what this trainer last `sent` and
     what any engine `held` (name -> complete version, None: none); an explicit `requested` must
     be new: below what an engine holds is refused, and so is equal to what an engine holds unless
-    this trainer sent that version itself (a catch-up of the same weights), and so is a jump of
-    more than MAX_VERSION_STEP (what engines refuse at their swap: it would freeze the job's
-    versions). Raises ValueError, before anything is paused."""
+    this trainer sent that version itself (a catch-up of the same weights) without `completed` it
+    (the session's, or the one it replaced: a catch-up of it would stamp it on other weights), and
+    so is a jump of more than MAX_VERSION_STEP (what engines refuse at their swap: it would freeze
+    the job's versions). Raises ValueError, before anything is paused."""
     newest = max([v for v in held.values() if v is not None] + [sent])
     if requested is None:
         return check_version(newest + 1, "the next version")
-    check_step(check_version(requested, "version"), newest, "version")
+    if check_version(requested, "version") == completed:  # the type first: True == 1
+        raise ValueError(
+            f"version {requested} was completed already (by this session or one it replaced): a version labels one set of "
+            f"weights, so a new sync needs a new one (pass version=None: next {newest + 1})"
+        )
+    check_step(requested, newest, "version")
     ahead = {n: v for n, v in held.items() if v is not None and v > requested}
     if ahead:
         raise VersionConflictError(

@@ -258,6 +258,32 @@ def test_syncs_with_receive_plans_stage_only_where_every_engine_stages_plans(cap
     assert StagePolicy("off").choose([ref], patch, {}, no_room_asked, regions=True) is None
 
 
+class _FinalizeFails(TorchRefRollout):
+    """An engine handle whose finalize fails (as a dead engine's would) before reaching the engine."""
+
+    def finalize(self, version: int) -> None:
+        raise RuntimeError("finalize refused")
+
+
+def test_a_failed_finalize_says_which_engines_hold_the_new_version_paused(spec_file: str) -> None:
+    """Unstaged: one engine finalized (it holds the new version whole, still paused), the other's
+    finalize failed (paused, stale): the error says each, as the engines' own health does."""
+    engines = [spawn_engine("finalizes", spec_file=spec_file, timeout_s=60), spawn_engine("refuses", spec_file=spec_file, timeout_s=60, handle=_FinalizeFails)]
+    session = WeightSyncSession(engines, dataclasses.replace(CFG, stage="off"))
+    try:
+        with pytest.raises(SyncError) as info:
+            session.sync(StateDictSource(version(52)))
+        assert info.value.stage == "finalize" and info.value.serving == [], str(info.value)
+        assert "holding the new version, paused: finalizes; left paused and stale: refuses;" in str(info.value), str(info.value)
+        done, left = (e.health() for e in engines)
+        assert (done["version"], done["paused"], done["stale"]) == (1, True, False) and holds(engines[0], version(52)) == [], done
+        assert (left["version"], left["paused"], left["stale"]) == (None, True, True), left
+    finally:
+        session.close()
+        for e in engines:
+            e.close()
+
+
 class _SwapFails(TorchRefRollout):
     """An engine handle whose swap fails (as a dead or refusing engine's would) before reaching the engine."""
 
@@ -277,7 +303,8 @@ def test_a_failed_swap_after_a_complete_stream_leaves_the_engines_stale_as_a_fai
             session.sync(StateDictSource(version(50)))
         assert info.value.stage == "swap" and set(info.value.failed) == {"refuses"}, str(info.value)
         assert info.value.stale == ["refuses", "swaps"] and info.value.serving == ["swaps"], str(info.value)
-        assert "serving the new version: swaps; stale: refuses" in str(info.value) and "paused" not in str(info.value), str(info.value)
+        assert "serving the new version: swaps; not paused by this sync, still on its old version" in str(info.value), str(info.value)
+        assert "paused and stale" not in str(info.value), str(info.value)
         live, old = (e.health() for e in engines)
         assert (live["version"], live["paused"], live["stale"]) == (1, False, False) and holds(engines[0], version(50)) == [], live
         assert (old["version"], old["paused"]) == (None, False), old

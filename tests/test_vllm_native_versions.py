@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from ckpt_engine import CheckpointEngineConfig, WeightSyncSession
+from ckpt_engine import CheckpointEngineConfig, ManifestRejectedError, SyncError, WeightSyncSession
 from ckpt_engine.sources.base import StateDictSource
 from helpers_vllm import VllmServer
 from shared_server import SharedServer
@@ -78,5 +78,27 @@ def test_plain_vllm_clients_carry_versions_on(native_vllm_server: SharedServer[V
     try:
         weights = {n: t.detach() for n, t in model(server.model_dir, 9).state_dict().items() if n != "lm_head.weight"}  # type: ignore[attr-defined]
         assert session.sync(StateDictSource(weights)).version == base + 8 and held(server.url) == base + 8
+        # The server's answer reaches the session through vLLM's plain client (it raises a bare HTTP 500): a
+        # manifest the workers reject is refused by name, nothing moved.
+        bad = {**weights, "model.norm.weight": weights["model.norm.weight"][:-1]}
+        with pytest.raises(ManifestRejectedError, match=r"plain-handle.*model\.norm\.weight"):
+            session.sync(StateDictSource(bad))
+        assert held(server.url) == base + 8
+        # A bare client cannot pause the engine: a sync that fails mid-stream says the engine may serve part of it
+        # (not "left paused"); the next sync heals it.
+        with pytest.raises(SyncError, match="not paused, its client cannot pause it: it may serve part of the new version: plain-handle") as info:
+            session.sync(_RaisesMidWalk(weights))
+        assert "paused and stale" not in str(info.value), str(info.value)
+        assert session.sync(StateDictSource(weights)).version == base + 9 and held(server.url) == base + 9
     finally:
         session.close()
+
+
+class _RaisesMidWalk(StateDictSource):
+    """A trainer whose walk dies after a few tensors."""
+
+    def iter_weights(self):  # type: ignore[no-untyped-def]
+        for i, item in enumerate(super().iter_weights()):
+            if i == 4:
+                raise RuntimeError("trainer died")
+            yield item

@@ -15,7 +15,7 @@ from typing import Literal, Protocol
 
 __all__ = ["Capable", "EngineCapabilities", "Feature", "lacking"]
 
-Feature = Literal["delta", "many_senders", "regions", "stages", "stages_regions", "installed", "checks_at_receive", "bounded_calls"]
+Feature = Literal["delta", "many_senders", "regions", "stages", "stages_regions", "installed", "checks_at_receive", "bounded_calls", "pauses"]
 """The yes/no capabilities a group needs from every engine to use the feature."""
 
 
@@ -54,6 +54,9 @@ class EngineCapabilities:
     this one engine whose timeout is no longer than the handle's makes the call on its own thread,
     not through its pool (whose bounded wait guards every other engine): two thread hand-offs
     fewer a step."""
+    pauses: bool = True
+    """`pause` stops the engine serving until `resume` (vLLM's weight-transfer API behind a bare client
+    has no call for it: the caller pauses, and a failed sync's error says the engine may serve part of it)."""
     claims: bool = False
     """The engine can be claimed by one weight-sync group for a lease (`RolloutAdapter.claim`); the
     daemon claims such engines at registration. Engines without it are guarded by the job token."""

@@ -19,7 +19,7 @@ import torch
 from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.sources.layouts import Layout, layout_of
 
-__all__ = ["StateDictSource", "WatchedWeights", "WeightSource", "WeightWalk", "spec_of", "tensors_device"]
+__all__ = ["StateDictSource", "WatchedWeights", "WeightSource", "WeightWalk", "drain", "spec_of", "tensors_device"]
 
 
 class WeightSource(ABC):
@@ -58,6 +58,13 @@ class WeightSource(ABC):
 
 _SPECS: dict[tuple[str, torch.dtype, torch.Size], TensorSpec] = {}
 _SPECS_MAX = 1 << 20
+
+
+def drain(source: WeightSource) -> None:
+    """Walk `source` to its end, sending nothing: a refused sync still runs the gathers the other
+    trainer ranks run in step (its walk is a collective)."""
+    for _ in source.iter_weights():
+        pass
 
 
 def spec_of(name: str, tensor: torch.Tensor, dtype: torch.dtype | None = None) -> TensorSpec:

@@ -18,9 +18,9 @@ from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport
 from ckpt_engine.sync.sender_channel import SenderChannel
 from ckpt_engine.sync.sender_follower import SenderFollower
 from ckpt_engine.sync.many_senders import ManySenders, refuse_to_followers, wants_many_senders
-from ckpt_engine.sync.session import WeightSyncSession, _drain
+from ckpt_engine.sync.session import WeightSyncSession
 from ckpt_engine.sources.vllm import as_weight_source
-from ckpt_engine.sources.base import WeightSource
+from ckpt_engine.sources.base import WeightSource, drain
 from ckpt_engine.sources.fp8 import fp8_wire
 
 __all__ = ["SOURCE", "SyncError", "SyncReport", "WeightSyncSession", "cached_session", "close_sessions", "sync_rollout_weights"]
@@ -91,14 +91,15 @@ def cached_session(rollouts: Sequence[RolloutAdapter], config: CheckpointEngineC
         # so versions never go back even when the new engines hold none.
         wanted, names = set(key), {r.name for r in rollouts}
         older = [k for k, s in _sessions.items() if k == key or wanted.intersection(k) or names.intersection(r.name for r in s.rollouts)]
-        floor, completed = 0, [None]
+        floor, completed = 0, list[int]()
         for old_key in older:
             old = _sessions.pop(old_key)
-            floor, completed = max(floor, old.version), [*completed, old.completed]
+            floor = max(floor, old.version)
+            completed += [old.completed] if old.completed is not None else []
             old.close()
         session = _sessions[key] = WeightSyncSession(rollouts, config)
         session.version = floor  # and what it completed is not stamped again, on other weights, as a "catch-up"
-        session.completed = max((v for v in completed if v is not None), default=None)
+        session.completed = max(completed, default=None)
         return session
 
 
@@ -126,7 +127,7 @@ def sync_rollout_weights(
             wire = fp8_wire(source, config.wire_dtype if config is not None else None)
             _follower(source, config).sync(wire)  # type: ignore[arg-type]  # wants_many_senders: sharded
         else:
-            _drain(source)
+            drain(source)
         return None
     many = wants_many_senders(source, config.senders if config is not None else "auto")
     runs = ManySenders.runs

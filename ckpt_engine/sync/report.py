@@ -17,33 +17,33 @@ __all__ = ["RATIO_MEANING", "SOURCE", "SyncError", "SyncReport", "make_report"]
 
 BEFORE_PAUSE = frozenset({"join", "validate"})
 """Stages that end before any engine is paused: a failure there leaves every engine serving."""
-LIVE_STEPS = frozenset({"swap", "resume"})
-"""Steps after which an engine that answered serves the new version (`SyncError.serving`)."""
 
 
 class SyncError(RuntimeError):
     """A sync failed at `stage`; `failed` names the culprits: engines, "sender", or SOURCE.
 
     After the pause, every surviving engine stays paused and stale until a later sync completes.
-    `sender_error` keeps the sender's own exception when the culprits are others. `serving`: where
-    the failure came once engines went live (a swap, a resume, a check after the swap), those that
-    did: they serve the new version, unpaused, and are stale only in that the next sync reseeds them.
+    `sender_error` keeps the sender's own exception when the culprits are others. `stale`: every
+    engine the next sync reseeds; the message says what each does meanwhile, and `serving` lists
+    those that went live with the new version (a swap or a resume went through before the failure).
     """
 
-    def __init__(
-        self, stage: str, failed: dict[str, str], stale: list[str], *, sender_error: str | None = None, serving: list[str] | None = None,
-    ) -> None:
+    def __init__(self, stage: str, failed: dict[str, str], stale: list[str], *, sender_error: str | None = None) -> None:
         detail = "; ".join(f"{name}: {why}" for name, why in failed.items())
-        also = f"; the sender saw: {sender_error}" if sender_error else ""
+        self._head = f"weight sync failed during {stage}: {detail}" + (f"; the sender saw: {sender_error}" if sender_error else "")
         if stage in BEFORE_PAUSE:
             left = f"nothing was paused; engines to rejoin at the next sync: {', '.join(stale) or 'none'}"
-        elif serving is not None:
-            rest = [name for name in stale if name not in serving]
-            left = f"serving the new version: {', '.join(serving) or 'none'}; stale: {', '.join(rest) or 'none'}; the next sync reseeds them all"
         else:
             left = f"engines left paused and stale: {', '.join(stale) or 'none'}"
-        super().__init__(f"weight sync failed during {stage}: {detail}{also}; {left}")
-        self.stage, self.failed, self.stale, self.sender_error, self.serving = stage, failed, stale, sender_error, serving or []
+        super().__init__(f"{self._head}; {left}")
+        self.stage, self.failed, self.stale, self.sender_error = stage, failed, stale, sender_error
+        self.serving: list[str] = []
+
+    def restate(self, left: str, serving: list[str] | None = None) -> None:
+        """Say what the engines were left doing (`sync/progress.py` knows): `left` replaces the words
+        after the failures; `serving`: the engines that went live with the new version."""
+        self.args = (f"{self._head}; {left}",)
+        self.serving = sorted(serving or [])
 
 
 RATIO_MEANING = (

@@ -34,14 +34,15 @@ from ckpt_engine.sync.group import SyncGroup
 from ckpt_engine.sync.installed import InstalledChecks
 from ckpt_engine.sync.many_senders import ManySenders, wants_many_senders
 from ckpt_engine.sync.regions import RegionDelivery, RegionSync
-from ckpt_engine.sync.report import LIVE_STEPS, SOURCE, SyncError, SyncReport, make_report
+from ckpt_engine.sync.progress import SyncProgress
+from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
 from ckpt_engine.sync.stream import SyncStream
 from ckpt_engine.sync.capabilities import delta_unsupported
 from ckpt_engine.sync.staging import StagePolicy, discard_all, run_order
 from ckpt_engine.sync.weights_mode import WeightsModeCheck
-from ckpt_engine.versions import check_version, next_version
+from ckpt_engine.versions import next_version
 from ckpt_engine.sources.vllm import as_weight_source
-from ckpt_engine.sources.base import WatchedWeights, WeightSource
+from ckpt_engine.sources.base import WatchedWeights, WeightSource, drain
 from ckpt_engine.sources.fp8 import Fp8WireSource, fp8_wire
 
 __all__ = ["SOURCE", "SyncError", "SyncReport", "WeightSyncSession"]
@@ -92,6 +93,7 @@ class WeightSyncSession:
         c = self.config
         self._weights_mode = WeightsModeCheck()
         self._installed = InstalledChecks(c.verify_installed, c.verify_installed_samples, c.unwritten_tensors)  # issue 42 item 5
+        self._progress = SyncProgress()
         self._stream = SyncStream(self.config, self._senders, self._regions, self._pool, self._break, self._group.new_engine)
 
     @property
@@ -157,7 +159,8 @@ class WeightSyncSession:
         """`fn` on every engine (`fanout.fan_out`); a failure or a wait past timeout_s breaks the group."""
         answers, failed = fan_out(self._pool, self.rollouts, fn, stage, self.config.timeout_s)
         if failed:
-            raise SyncError(stage, failed, self._break(failed), serving=sorted(answers) if stage in LIVE_STEPS else None)
+            self._progress.step(stage, answers)
+            raise SyncError(stage, failed, self._break(failed))
         return answers
 
     def _break(self, failed: dict[str, str], probe: bool = True, deadline: float | None = None) -> list[str]:
@@ -231,6 +234,9 @@ class WeightSyncSession:
                 except Exception as exc:  # the original error, if any, is the one to report
                     logger.warning("draining the weight source after a failed sync: %s", exc)
                 self._installed.release()
+        except SyncError as exc:
+            self._progress.restate(exc)  # what each engine was left doing
+            raise
         finally:
             self._lock.release()
 
@@ -241,7 +247,7 @@ class WeightSyncSession:
         not gathers (`sync_rollout_weights` tells them of the refusal), and a walk here would hang
         in gathers nobody joins."""
         if not wants_many_senders(source, self.config.senders):
-            _drain(source)
+            drain(source)
 
     def _sync(self, source: WeightSource, weights: WatchedWeights | None, version: int | None, senders: int = 1) -> SyncReport:
         """One sync in its steps: prepare (metadata, version, group, plan) -> validate -> delta or
@@ -249,6 +255,7 @@ class WeightSyncSession:
         senders: this rank then sends its own pieces, no gather."""
         t0 = time.perf_counter()
         seconds: dict[str, float] = {}
+        self._progress.begin(self.rollouts, self.config.pause_mode)
         # The membership rides on the validate; with many senders the group's join is announced to
         # the other ranks once a sync, before any validate, so a rejoin must be known before it.
         if senders == 1 and all(r.membership_at_validate for r in self.rollouts):
@@ -311,8 +318,8 @@ class WeightSyncSession:
         if swapped:
             mode = self.config.pause_mode if self.config.pause_mode != "none" else "keep"
             collect_failures({r.name: self._pool.submit(r.pause, mode) for r in self.rollouts if r.name in failed}, "pause", self.config.timeout_s)
-        serving = sorted(r.name for r in self.rollouts if r.name not in failed) if swapped else None
-        raise SyncError("verify", failed, self._break(failed), serving=serving)
+            self._progress.held_out(failed)
+        raise SyncError("verify", failed, self._break(failed))
 
     def _prepare(self, source: WeightSource, version: int | None, senders: int) -> tuple[int, CheckpointEngine, BucketManifest]:
         """Metadata, the claim on the engines, the next version, the group and the plan: nothing
@@ -381,13 +388,7 @@ class WeightSyncSession:
 
     def _new_version(self, members: dict[str, Membership], version: int | None) -> int:
         """The sync's version from what every engine holds; ValueError for a version refused."""
-        held = {n: m.version for n, m in members.items()}
-        if version is not None and check_version(version, "version") == self.completed:  # a type first: True == 1
-            raise ValueError(
-                f"version {version} was completed already (by this session or one it replaced): a version labels one set of weights, so a new "
-                f"sync needs a new one (pass version=None: next {max([self.version, *(v for v in held.values() if v is not None)]) + 1})"
-            )
-        return next_version(held, self.version, version)
+        return next_version({n: m.version for n, m in members.items()}, self.version, version, self.completed)
 
     def _specs(self, source: WeightSource) -> list[TensorSpec]:
         """The source's metadata, refused when empty or not what `checkpoint_engine.weights` says."""
@@ -439,6 +440,7 @@ class WeightSyncSession:
         t = time.perf_counter()
         out = self._fan_out(stage, fn)
         seconds[stage] = time.perf_counter() - t
+        self._progress.step(stage, out)
         return out
 
     def _report(
@@ -492,9 +494,3 @@ class WeightSyncSession:
         finally:
             if locked:
                 self._lock.release()
-
-
-def _drain(source: WeightSource) -> None:
-    for _ in source.iter_weights():
-        pass
-

@@ -76,6 +76,40 @@ class _WeightInfo:
         return str(resp.json()["weight_version"])
 
 
+class _SaysWhy:
+    """vLLM's plain `HTTPVLLMWeightSyncClient` raises `HTTPError: 500 ...` and drops the server's
+    answer, which says what was wrong and carries the words the route acts on (a rejected manifest,
+    an update a dead trainer left open, the workers' count): the same calls, raising with the answer."""
+
+    def __init__(self, plain: Any) -> None:
+        self.plain = plain
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call(self.plain.init_weight_transfer_engine, init_info)
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self._call(self.plain.shutdown_weight_transfer_engine)
+
+    def start_weight_update(self) -> None:
+        self._call(self.plain.start_weight_update)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self._call(self.plain.update_weights, update_info)
+
+    def finish_weight_update(self, *version: str | None) -> None:
+        self._call(self.plain.finish_weight_update, *version)
+
+    @staticmethod
+    def _call(call: Callable[..., None], *args: Any) -> None:
+        import requests
+
+        try:
+            call(*args)
+        except requests.HTTPError as exc:
+            answer = exc.response.text[:2000] if exc.response is not None else ""
+            raise RuntimeError(f"{exc}: {answer}") from exc
+
+
 def _version_reader(client: Any) -> ReadsWeightVersion | None:
     """How the engine's version is read through `client`: its own call, or `/weight_info` for vLLM's
     plain HTTP client (recognised by class; vLLM is imported already if the client is one of its)."""
@@ -106,6 +140,8 @@ class WeightTransferChannel:
         self.control: EngineControl | None = client if isinstance(client, EngineControl) else None
         self._ours = client if isinstance(client, (HTTPWeightSyncClient, LLMWeightSyncClient)) else None
         self._versions = _version_reader(client)
+        if isinstance(self._versions, _WeightInfo):  # vLLM's plain HTTP client: its errors with the server's answer
+            self.client = _SaysWhy(client)
         self.side_calls = self._ours is not None and self._ours.side_calls
         self.local = False  # the workers' pids are never known here
 
@@ -179,7 +215,7 @@ class TransferRoute:
         # come back through the group's store (an adapter join's too: vllm/lora_installed.py). vLLM's
         # own clients bound no call of theirs: the session's pool bounds the waits.
         lacks: tuple[Feature, ...] = ("checks_at_receive", "bounded_calls")
-        self.lacks = frozenset(lacks if channel.control is not None else ("stages", "stages_regions", *lacks))
+        self.lacks = frozenset(lacks if channel.control is not None else ("stages", "stages_regions", "pauses", *lacks))
         self.held: str | None = None  # the digest of the manifest every worker holds
         self._checked: tuple[str, bytes, list[bytes] | None] | None = None  # the last check (a receive may need it again)
         self._open = False  # a vLLM weight update is open (vLLM closes it when update_weights raises)
