@@ -133,6 +133,13 @@ def handles(engines: list[TorchRefRollout]) -> list[TorchRefRollout]:
     return [TorchRefRollout(e.name, e.rpc.host, e.rpc.port, None, e.timeout_s, token=e.token) for e in engines]
 
 
+def test_one_engine_under_two_names_is_refused_by_name(engines: list[TorchRefRollout]) -> None:
+    e = engines[0]
+    twin = TorchRefRollout("twin", e.rpc.host, e.rpc.port, None, e.timeout_s, token=e.token)
+    with pytest.raises(ValueError, match=r"rollout engines \['ref0', 'twin'\] are one engine under several names"):
+        WeightSyncSession([e, engines[1], twin], CFG)
+
+
 def test_handles_rebuilt_every_step_keep_the_session_and_its_delta_chain(engines: list[TorchRefRollout]) -> None:
     close_sessions()
     config = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=20, delta="on")

@@ -75,6 +75,9 @@ class WeightSyncSession:
         names = [r.name for r in self.rollouts]
         if not names or len(set(names)) != len(names):
             raise ValueError(f"a weight-sync session needs one or more rollout engines, each named once; got {names}")
+        keys = [r.engine_key() for r in self.rollouts]
+        if len(set(keys)) != len(keys):  # two names on one engine: its one receive would be asked twice
+            raise ValueError(f"rollout engines {[n for n, k in zip(names, keys) if keys.count(k) > 1]} are one engine under several names: list it once")
         self.host = host
         self.backend = backend_for(self.config, self.rollouts)
         self._group = SyncGroup(self.config, self.backend, host, device, engine)
