@@ -284,6 +284,28 @@ def test_a_failed_finalize_says_which_engines_hold_the_new_version_paused(spec_f
             e.close()
 
 
+class _DiesMidWalk(StateDictSource):
+    def iter_weights(self):  # type: ignore[no-untyped-def]
+        for i, item in enumerate(super().iter_weights()):
+            if i == 1:
+                raise RuntimeError("trainer died")
+            yield item
+
+
+def test_a_stream_into_an_engine_left_serving_says_it_may_serve_part_of_the_version(spec_file: str) -> None:
+    """`pause_mode: none`, unstaged: the engine serves while it receives, so a failed stream may have left
+    it serving part of the new version: the error says that, not "left paused"."""
+    engine = spawn_engine("open", spec_file=spec_file, timeout_s=60)
+    session = WeightSyncSession([engine], dataclasses.replace(CFG, stage="off", pause_mode="none"))
+    try:
+        with pytest.raises(SyncError, match=r"not paused while it received \(pause_mode none, .*\): it may serve part of the new version: open;"):
+            session.sync(_DiesMidWalk(version(53)))
+        assert not engine.health()["paused"]
+    finally:
+        session.close()
+        engine.close()
+
+
 class _SwapFails(TorchRefRollout):
     """An engine handle whose swap fails (as a dead or refusing engine's would) before reaching the engine."""
 

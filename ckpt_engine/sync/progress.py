@@ -14,25 +14,28 @@ __all__ = ["SyncProgress"]
 
 
 class SyncProgress:
-    """The engines this sync paused (and has not let go), those that hold its version (finalized,
-    still paused) and those serving it (swapped or resumed); `restate` words a `SyncError` from them."""
+    """The engines this sync paused (and has not let go), those it streamed into unpaused (`pause_mode:
+    none`, or a client that cannot pause), those that hold its version (finalized) and those serving
+    it (swapped or resumed); `restate` words a `SyncError` from them."""
 
     def __init__(self) -> None:
         self.begin([], "none")
 
     def begin(self, rollouts: Sequence[RolloutAdapter], pause_mode: str) -> None:
-        """A new sync: nothing paused yet; `pause_mode: none`, or a client that cannot pause, pauses nothing."""
+        """A new sync: nothing paused yet."""
         self.unpausable = set(lacking(rollouts, "pauses"))
         self.stops = pause_mode != "none"
         self.paused: set[str] = set()
+        self.exposed: set[str] = set()
         self.holding: set[str] = set()
         self.live: set[str] = set()
 
     def step(self, stage: str, answered: Iterable[str]) -> None:
         """`answered`: the engines whose `stage` step (pause, finalize, swap, resume) went through."""
         names = set(answered)
-        if stage == "pause" and self.stops:
-            self.held_out(names)
+        if stage == "pause":
+            self.held_out(names if self.stops else set())
+            self.exposed |= names - self.paused
         elif stage == "finalize":
             self.holding |= names
         elif stage in ("swap", "resume"):
@@ -50,14 +53,16 @@ class SyncProgress:
         if error.stage in ("join", "validate"):
             return error
         stale = set(error.stale)
+        live = (self.live | self.holding & self.exposed - self.paused) & stale  # finalized unpaused: it serves it
         groups = [
-            ("serving the new version", self.live & stale),
-            ("holding the new version, paused", self.holding & stale - self.live),
-            ("left paused and stale", self.paused & stale - self.live - self.holding),
-            ("not paused, its client cannot pause it: it may serve part of the new version", self.unpausable & stale - self.live),
+            ("serving the new version", live),
+            ("holding the new version, paused", self.holding & stale - live),
+            ("left paused and stale", self.paused & stale - live - self.holding),
+            ("not paused while it received (pause_mode none, or a client that cannot pause): it may serve part of the new version",
+             self.exposed & stale - live - self.holding - self.paused),
         ]
         told = set().union(*(names for _, names in groups))
         groups.append(("not paused by this sync, still on its old version unless its error says otherwise", stale - told))
         said = "; ".join(f"{what}: {', '.join(sorted(names))}" for what, names in groups if names)
-        error.restate(f"{said or 'no engine left stale'}; the next complete sync reseeds every engine listed", sorted(self.live & stale))
+        error.restate(f"{said or 'no engine left stale'}; the next complete sync reseeds every engine listed", sorted(live))
         return error
