@@ -128,11 +128,93 @@ def served_model(path: Path, port: int) -> Iterator[tuple[str, Path]]:
 
     torch.set_num_threads(1)
     d = write_model_dir(path)
-    # 256 positions (the tiny model's), not the job's 64: a request held across a swap decodes 240
-    # tokens, long enough on a fast box for the swap's pause to land before it ends
-    extra = ["--enable-scale-out", "--worker-extension-cls", WORKER_EXTENSION, *ENGINE_ARGS, "--max-model-len", "256"]
-    with api_server(d, d / "server.log", extra, port=port, start_timeout_s=240.0) as server:
+    # 256 positions (the tiny model's), not the job's 64. The scheduler is vLLM's own plus one hook for tests
+    # (`HoldingScheduler`) that only acts on requests that ask for it (`held_request_id`).
+    extra = [
+        "--enable-scale-out", "--worker-extension-cls", WORKER_EXTENSION, *ENGINE_ARGS, "--max-model-len", "256",
+        "--scheduler-cls", f"{__name__}.HoldingScheduler",
+    ]
+    here = str(Path(__file__).parent)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)}  # the engine core imports this module
+    with api_server(d, d / "server.log", extra, port=port, start_timeout_s=240.0, env=env) as server:
         yield server.url, d
+
+
+HOLD_MARK = "ckpt-test-hold-after-"
+"""A request id holding this (`held_request_id`) asks `HoldingScheduler` to hold the request."""
+
+
+def held_request_id(after_tokens: int) -> str:
+    """The request id of a request that `HoldingScheduler` (the engine `served_model` starts) keeps in
+    the engine, unscheduled, once it has `after_tokens` output tokens, until the scheduler is next
+    paused: a swap's pause then finds it in flight however fast the engine decodes and however late
+    the pause comes."""
+    import uuid
+
+    assert after_tokens >= 1, after_tokens
+    return f"{HOLD_MARK}{after_tokens}-{uuid.uuid4().hex}"
+
+
+def _holding_scheduler() -> type:
+    """vLLM's `Scheduler` (the CPU platform's choice: no async scheduling) with one hook: a running
+    request whose id holds `HOLD_MARK` (`held_request_id`) and that has its N output tokens is left
+    out of each step (vLLM keeps a running request it does not schedule in a step, blocks and all, as
+    when the token budget runs out) while no pause (`set_pause_state`) came since it arrived; after
+    one it runs on as any other (a recompute swap preempts it first: it re-prefills under the new
+    weights). A pause that lands before it has N tokens frees it too: the caller pauses only once the
+    request's N tokens reached it (`InFlight.wait_tokens`). Every other request is scheduled exactly
+    as by vLLM's `Scheduler`."""
+    from vllm.v1.core.sched.interface import PauseState
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    pattern = re.compile(re.escape(HOLD_MARK) + r"(\d+)-")
+
+    class HoldingScheduler(Scheduler):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._pauses = 0  # pauses so far
+            self._arrived: dict[str, tuple[int, int]] = {}  # a marked request's id -> (its N, the pause count at its arrival)
+
+        def add_request(self, request: Any) -> None:
+            found = pattern.search(request.request_id)
+            if found is not None:
+                self._arrived[request.request_id] = (int(found.group(1)), self._pauses)
+            super().add_request(request)
+
+        def set_pause_state(self, pause_state: PauseState) -> None:
+            if pause_state != PauseState.UNPAUSED:
+                self._pauses += 1
+            super().set_pause_state(pause_state)
+
+        def _holds(self, request: Any) -> bool:
+            after, pauses = self._arrived.get(request.request_id, (0, -1))
+            return pauses == self._pauses and request.num_output_tokens >= after
+
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            for gone in [r for r in self._arrived if r not in self.requests]:
+                del self._arrived[gone]
+            held = [(i, r) for i, r in enumerate(self.running) if self._holds(r)]
+            for i, _ in reversed(held):
+                del self.running[i]  # in place: the same list, without them, for this step
+            try:
+                return super().schedule(*args, **kwargs)
+            finally:
+                for i, request in held:
+                    self.running.insert(min(i, len(self.running)), request)
+
+    HoldingScheduler.__qualname__ = HoldingScheduler.__name__ = "HoldingScheduler"
+    HoldingScheduler.__module__ = __name__
+    return HoldingScheduler
+
+
+def __getattr__(name: str) -> Any:
+    """`HoldingScheduler`, built on first use (in the engine core): importing vLLM is left to the
+    processes that need it."""
+    if name == "HoldingScheduler":
+        cls = _holding_scheduler()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class SwapRecorder(VllmServerRollout):
@@ -201,18 +283,21 @@ def max_tokens_bucket(url: str, max_tokens: int, timeout_s: float = 30.0) -> tup
 class InFlight:
     """One greedy request streamed in a thread (`"stream": true`): `started` is set once its first
     token arrived, so the engine is decoding it, `finished` once its last chunk came; `join()` gives
-    its Output (spans from the last chunk). A test that must see a request straddle a swap pauses
-    once one started and asks the paused engine whether the request is still in it
-    (`unfinished_while_paused`), instead of hoping a request stream has one in flight then.
+    its Output (spans from the last chunk). A test that must see a request straddle a swap sends one
+    the engine holds (`request_id=held_request_id(n)`), pauses once its n tokens came (`wait_tokens`)
+    and asks the paused engine whether the request is still in it (`unfinished_while_paused`),
+    instead of hoping a request stream has one in flight then.
 
     That answer is the engine's own count of finished requests of this one's max_tokens bucket
     (`max_tokens_bucket`), read before it is sent: exact only while no other request of that bucket
     runs on the server (the caller's to ensure: e.g. every other request's max_tokens at most `bucket[0]`)."""
 
-    def __init__(self, url: str, prompt: list[int], max_tokens: int, timeout_s: float = 120.0) -> None:
-        self.url, self.prompt, self.max_tokens, self.timeout_s = url, prompt, max_tokens, timeout_s
+    def __init__(self, url: str, prompt: list[int], max_tokens: int, timeout_s: float = 120.0, request_id: str | None = None) -> None:
+        """`request_id`: sent as the request's id (e.g. `held_request_id`: the engine holds it)."""
+        self.url, self.prompt, self.max_tokens, self.timeout_s, self.request_id = url, prompt, max_tokens, timeout_s, request_id
         self.started = threading.Event()
         self.finished = threading.Event()
+        self._progress = threading.Condition()  # notified as tokens arrive and at the end
         self.tokens: list[int] = []
         self.output: Output | None = None
         self.error: str | None = None
@@ -225,7 +310,9 @@ class InFlight:
         import requests
 
         t0 = time.monotonic()
-        body = {"token_ids": self.prompt, "stream": True, "sampling_params": {"max_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True}}
+        body: dict[str, Any] = {"token_ids": self.prompt, "stream": True, "sampling_params": {"max_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True}}
+        if self.request_id is not None:
+            body["request_id"] = self.request_id
         tokens = self.tokens
         spans: list[tuple[str, int, int]] = []
         finish: str | None = None
@@ -236,7 +323,9 @@ class InFlight:
                     if not line.startswith(b"data: ") or line == b"data: [DONE]":
                         continue
                     choice = json.loads(line[len(b"data: "):])["choices"][0]
-                    tokens += choice.get("token_ids") or []
+                    with self._progress:
+                        tokens += choice.get("token_ids") or []
+                        self._progress.notify_all()
                     if tokens:
                         self.started.set()
                     finish = choice.get("finish_reason") or finish
@@ -248,11 +337,21 @@ class InFlight:
         finally:
             self.started.set()  # a failed request must not leave a waiter blocked
             self.finished.set()
+            with self._progress:
+                self._progress.notify_all()
 
     def wait_started(self) -> None:
         """Until the engine decodes it (bounded by the request's timeout)."""
         assert self.started.wait(self.timeout_s), f"no token of the held request in {self.timeout_s:.0f} s"
         assert self.error is None, f"the held request failed: {self.error}"
+
+    def wait_tokens(self, n: int) -> None:
+        """Until `n` of its tokens reached this client (bounded by the request's timeout)."""
+        with self._progress:
+            arrived = self._progress.wait_for(lambda: len(self.tokens) >= n or self.finished.is_set(), self.timeout_s)
+        assert arrived, f"{len(self.tokens)} of the held request's first {n} tokens in {self.timeout_s:.0f} s"
+        assert self.error is None, f"the held request failed: {self.error}"
+        assert len(self.tokens) >= n, f"the held request ended with {len(self.tokens)} tokens, before its first {n}"
 
     def in_engine(self, timeout_s: float = 30.0) -> bool:
         """Whether the engine has not finished this request: its count of finished requests of this
