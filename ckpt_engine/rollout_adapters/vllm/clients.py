@@ -16,13 +16,13 @@ import functools
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 from ckpt_engine.rollout_adapters.vllm.compat import VllmFeatures, features_of
+from ckpt_engine.rollout_adapters.vllm.engine_core import EngineCore, Unanswered
 from ckpt_engine.rollout_adapters.vllm.routes import WORKER_EXTENSION, ExtensionRoute, Route
 
 if TYPE_CHECKING:
@@ -185,8 +185,14 @@ class HTTPWeightSyncClient:
         return self._features
 
     def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
-        body = {"method": method, "kwargs": kwargs, "timeout": timeout_s}
-        reply = self._request("POST", "collective_rpc", json=body, timeout=timeout_s + 10.0)
+        """Bounded here, not by vLLM: past its `timeout` its engine core leaves the workers' late answer queued, for a
+        model step to read and die on; unbounded there, a stuck worker holds the engine core only until it answers."""
+        import requests
+
+        try:
+            reply = self._request("POST", "collective_rpc", json={"method": method, "kwargs": kwargs}, timeout=timeout_s + 1.0)
+        except requests.Timeout:
+            raise TimeoutError(f"vLLM at {self.base_url}: /collective_rpc {method} did not answer within {timeout_s:.0f}s (a stuck engine core or worker?)") from None
         results = reply.get("results") if isinstance(reply, dict) else None
         if not isinstance(results, list):
             raise RuntimeError(f"vLLM at {self.base_url}: /collective_rpc {method} returned {reply!r:.200}")
@@ -244,11 +250,11 @@ class LLMWeightSyncClient:
         self.features = features_of()
         self._prefixes = bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
         """Whether the engine caches prefixes (vLLM's `enable_prefix_caching`): without, a reset has nothing to drop."""
-        self._core = _EngineCore.of(llm.llm_engine.engine_core)
+        self._core = EngineCore.of(llm.llm_engine.engine_core)
         # Every call runs here so that each wait has a deadline (`_bounded`); a few threads, so a call
         # stuck in the engine core or a worker does not hold the next one.
         self._calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="vllm-rpc")
-        self._unanswered: list[_Unanswered] = []
+        self._unanswered: list[Unanswered] = []
         """Calls sent unwaited, oldest first: checked at the next call."""
         self._lock = threading.Lock()
         self._stamped = False
@@ -293,7 +299,7 @@ class LLMWeightSyncClient:
         call_id, future = self._core.send(method, *args)
         future.add_done_callback(functools.partial(self._log_failure, method))
         with self._lock:
-            self._unanswered.append(_Unanswered(method, call_id, future, time.monotonic() + self.timeout + 1.0))
+            self._unanswered.append(Unanswered(method, call_id, future, time.monotonic() + self.timeout + 1.0))
 
     def _log_failure(self, method: str, future: cf.Future[Any]) -> None:
         """Logged as the answer arrives (on vLLM's output thread), before the next call raises it."""
@@ -408,72 +414,6 @@ class LLMWeightSyncClient:
             self._settle()
         except (RuntimeError, TimeoutError) as exc:
             logger.error("%s", exc)
-
-
-class _Unanswered(NamedTuple):
-    """A call sent unwaited (`LLMWeightSyncClient._send_unwaited`)."""
-
-    method: str
-    call_id: int
-    future: cf.Future[Any]
-    deadline: float
-    """`time.monotonic()` by which it must have answered."""
-
-
-class _EngineCore:
-    """An `LLM`'s engine core as the client reaches it, decided once by the type of vLLM's engine-core
-    client: `SyncMPClient` (the engine core in its own process) takes a utility call on its input
-    socket and answers through a future, and its monitor flags the process's death; `InprocClient`
-    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) holds the `EngineCore` itself, whose methods run in the
-    calling thread (it dies with this process)."""
-
-    def __init__(self, remote: Any, local: Any) -> None:
-        self.remote = remote
-        """The `SyncMPClient`, or None."""
-        self.local = local
-        """The `InprocClient`'s `EngineCore`, or None."""
-        self.sends = remote is not None
-        """Utility calls go to another process, answered through a future (`send`)."""
-
-    @classmethod
-    def of(cls, core: Any) -> _EngineCore:
-        from vllm.v1.engine.core_client import InprocClient, SyncMPClient
-
-        if isinstance(core, SyncMPClient):
-            return cls(core, None)
-        if isinstance(core, InprocClient):
-            return cls(None, core.engine_core)
-        raise TypeError(f"an LLM's engine-core client is a SyncMPClient or an InprocClient, got {type(core).__name__}")
-
-    def call(self, method: str, *args: Any) -> Any:
-        """The in-process engine core's `method(*args)`, run in the calling thread (a remote one's
-        calls go through `send`)."""
-        return getattr(self.local, method)(*args)
-
-    def send(self, method: str, *args: Any) -> tuple[int, cf.Future[Any]]:
-        """`SyncMPClient.call_utility` without its wait: the call id and the future vLLM's output
-        thread answers (it pops the future from `utility_results` when the answer arrives)."""
-        from vllm.v1.engine import EngineCoreRequestType
-
-        call_id = uuid.uuid1().int >> 64  # as vLLM's call_utility numbers its calls
-        future: cf.Future[Any] = cf.Future()
-        self.remote.utility_results[call_id] = future
-        try:
-            self.remote._send_input(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
-        except BaseException:
-            self.remote.utility_results.pop(call_id, None)
-            raise
-        return call_id, future
-
-    def forget(self, call_id: int) -> None:
-        """Drop the future of a call that timed out once no answer can come (the engine core is dead):
-        while it lives, its late answer pops the future itself, and vLLM's output thread dies on an
-        answer whose future is gone (`utility_results.pop` raises KeyError)."""
-        if self.dead():
-            self.remote.utility_results.pop(call_id, None)
-
-    def dead(self) -> bool:
-        return self.remote is not None and bool(self.remote.resources.engine_dead)
 
 
 def http_channel(name: str, base_url: str, timeout_s: float, session: Any, world_size: int | None) -> tuple[HTTPWeightSyncClient, int]:

@@ -29,7 +29,6 @@ import base64
 import contextlib
 import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +45,7 @@ from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejec
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.vllm.clients import PAUSE_MODES, Channel, HTTPWeightSyncClient, LLMWeightSyncClient, http_channel
 from ckpt_engine.rollout_adapters.vllm.holds import EngineHolds
+from ckpt_engine.rollout_adapters.vllm.liveness import ask_held, gone_worker, world_size_problem
 from ckpt_engine.rollout_adapters.vllm.native import WeightTransferChannel
 from ckpt_engine.rollout_adapters.vllm.routes import WORKER_EXTENSION, ExtensionRoute, folded_finalize
 from ckpt_engine.rollout_adapters.vllm.stage_outcome import StagedOutcomes
@@ -104,6 +104,8 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self.workers = self.client.route(name, timeout_s, self.capabilities.weights == "adapters")
         self.capabilities = replace(self.capabilities, **cast(dict[str, Any], dict.fromkeys(self.workers.lacks, False)))
         self.world_size = world_size if world_size is not None else self.client.world_size()
+        self._world_told = world_size is not None  # the caller's: checked against the engine's before the first join
+        self._learned = False  # whether the handle knows what the engine holds (its joins and syncs, or asked once: `health`)
         lease = self.workers if isinstance(self.workers, ExtensionRoute) and not self.workers.methods else None  # the routes with peer calls
         self.holds = EngineHolds(name, lease, timeout_s)
         self.membership_at_validate = lease is not None  # the full-weight `ckpt_validate` answers each worker's `member`
@@ -118,7 +120,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         """A new handle on the same engine: the workers' pids, the manifest they hold, the group its
         staged receives report in."""
         if isinstance(previous, VllmRollout):
-            self.pids, self.version, self.version_from = list(previous.pids), previous.version, previous.version_from
+            self.pids, self.version, self.version_from, self._learned = list(previous.pids), previous.version, previous.version_from, previous._learned
             self.holds.take_over(previous.holds)
             self.workers.take_over(previous.workers)
             self.staged.take_over(previous.staged)
@@ -161,6 +163,9 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self._join(rendezvous, rank_offset, options, None, False)
 
     def _join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions, adapters: int | None, preload: bool) -> None:
+        if self._world_told and (problem := world_size_problem(self.name, self.world_size, self.client.world_size())):
+            raise ValueError(problem)  # refused at once: the group's rendezvous would wait for ranks that never come
+        self._world_told, self._learned = False, True
         self.holds.for_sync()  # before the workers join: a peer join holding them refuses it by name
         try:
             self.staged.join(rendezvous, list(range(rank_offset, rank_offset + self.world_size)))
@@ -345,12 +350,21 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         return self.client.weight_version()
 
     def health(self) -> dict[str, Any]:
-        if self.client.local:
-            self._check_pids()
+        """Raise if the engine is dead; else the version the handle knows it holds: its syncs' stamp or,
+        before it joined, what the workers report (asked once: a restarted daemon or trainer carries on
+        from it). A worker it joined is gone: dead, unless others answer (`vllm/liveness.py`)."""
+        gone = gone_worker(self.name, self.pids) if self.client.local else None
         try:
             self.client.health()
-        except RuntimeError as exc:
-            raise RuntimeError(f"engine {self.name!r}: {exc}") from exc
+        except Exception as exc:  # with a worker gone, that is the news
+            if gone is None and not isinstance(exc, RuntimeError):
+                raise
+            raise RuntimeError(gone or f"engine {self.name!r}: {exc}") from exc
+        held = ask_held(self.name, gone, self.membership) if gone is not None or not self._learned else None
+        if held is not None:
+            if gone is not None:  # others answered: restarted at its address, holding nothing of this handle's
+                self.pids, self.version, self.version_from = [], None, None
+            self.version, self._learned = self.version if self.version is not None else held.version, True
         return {"pids": self.pids, "version": self.version, "version_from": self.version_from}
 
     def close(self) -> None:
@@ -458,25 +472,6 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
     def worker_health(self) -> list[dict[str, Any]]:
         """Per-worker state (not usable while a receive is in flight; [] where the route cannot ask)."""
         return self.workers.health() or []
-
-    def _check_pids(self) -> None:
-        for pid in self.pids:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                raise RuntimeError(f"engine {self.name!r}: worker process {pid} is gone") from None
-            except PermissionError:  # not ours to signal: alive
-                pass
-            if _is_zombie(pid):
-                raise RuntimeError(f"engine {self.name!r}: worker process {pid} exited")
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return False
 
 
 class VllmServerRollout(VllmRollout):

@@ -1,0 +1,77 @@
+"""An `LLM`'s engine core as `LLMWeightSyncClient` (`vllm/clients.py`) reaches it: in another process
+through vLLM's utility calls and their futures, or in this one (`VLLM_ENABLE_V1_MULTIPROCESSING=0`)
+by calling the `EngineCore` itself; and the record of a call sent without waiting for its answer."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import uuid
+from typing import Any, NamedTuple
+
+__all__ = ["EngineCore", "Unanswered"]
+
+
+class Unanswered(NamedTuple):
+    """A call sent unwaited (`LLMWeightSyncClient._send_unwaited`)."""
+
+    method: str
+    call_id: int
+    future: cf.Future[Any]
+    deadline: float
+    """`time.monotonic()` by which it must have answered."""
+
+
+class EngineCore:
+    """An `LLM`'s engine core as the client reaches it, decided once by the type of vLLM's engine-core
+    client: `SyncMPClient` (the engine core in its own process) takes a utility call on its input
+    socket and answers through a future, and its monitor flags the process's death; `InprocClient`
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) holds the `EngineCore` itself, whose methods run in the
+    calling thread (it dies with this process)."""
+
+    def __init__(self, remote: Any, local: Any) -> None:
+        self.remote = remote
+        """The `SyncMPClient`, or None."""
+        self.local = local
+        """The `InprocClient`'s `EngineCore`, or None."""
+        self.sends = remote is not None
+        """Utility calls go to another process, answered through a future (`send`)."""
+
+    @classmethod
+    def of(cls, core: Any) -> EngineCore:
+        from vllm.v1.engine.core_client import InprocClient, SyncMPClient
+
+        if isinstance(core, SyncMPClient):
+            return cls(core, None)
+        if isinstance(core, InprocClient):
+            return cls(None, core.engine_core)
+        raise TypeError(f"an LLM's engine-core client is a SyncMPClient or an InprocClient, got {type(core).__name__}")
+
+    def call(self, method: str, *args: Any) -> Any:
+        """The in-process engine core's `method(*args)`, run in the calling thread (a remote one's
+        calls go through `send`)."""
+        return getattr(self.local, method)(*args)
+
+    def send(self, method: str, *args: Any) -> tuple[int, cf.Future[Any]]:
+        """`SyncMPClient.call_utility` without its wait: the call id and the future vLLM's output
+        thread answers (it pops the future from `utility_results` when the answer arrives)."""
+        from vllm.v1.engine import EngineCoreRequestType
+
+        call_id = uuid.uuid1().int >> 64  # as vLLM's call_utility numbers its calls
+        future: cf.Future[Any] = cf.Future()
+        self.remote.utility_results[call_id] = future
+        try:
+            self.remote._send_input(EngineCoreRequestType.UTILITY, (0, call_id, method, args))
+        except BaseException:
+            self.remote.utility_results.pop(call_id, None)
+            raise
+        return call_id, future
+
+    def forget(self, call_id: int) -> None:
+        """Drop the future of a call that timed out once no answer can come (the engine core is dead):
+        while it lives, its late answer pops the future itself, and vLLM's output thread dies on an
+        answer whose future is gone (`utility_results.pop` raises KeyError)."""
+        if self.dead():
+            self.remote.utility_results.pop(call_id, None)
+
+    def dead(self) -> bool:
+        return self.remote is not None and bool(self.remote.resources.engine_dead)
