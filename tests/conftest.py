@@ -376,14 +376,17 @@ def native_vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sha
     to what it holds."""
     from contextlib import contextmanager
 
+    from helpers_procs import free_port
     from helpers_vllm import VllmServer, api_server
     from staged_vllm import write_model_dir
+
+    port = free_port()  # `discard()` restarts it at the same URL
 
     @contextmanager
     def started() -> Iterator[VllmServer]:
         d = write_model_dir(tmp_path_factory.mktemp("qwen2-native-http"))
         extra = ["--enable-scale-out", "--weight-transfer-config", '{"backend": "ckpt_engine"}']
-        with api_server(d, d / "server.log", extra) as server:
+        with api_server(d, d / "server.log", extra, port=port) as server:
             yield server
 
     yield from _serve("native_vllm_server", SharedServer("tiny-qwen2-native-http", started, lambda server: _answers_health(server.url)))

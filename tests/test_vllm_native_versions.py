@@ -94,6 +94,28 @@ def test_plain_vllm_clients_carry_versions_on(native_vllm_server: SharedServer[V
         session.close()
 
 
+def test_a_native_server_restarted_at_its_url_is_rejoined_and_seeded(native_vllm_server: SharedServer[VllmServer]) -> None:
+    """Through vLLM's weight-transfer API no worker says which group it joined; a server restarted at
+    its URL is known by its stamp gone back to vLLM's first ("default") under a handle that stamped
+    one: the next sync rejoins and seeds it before anything is sent, instead of blaming it mid-sync."""
+    from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
+
+    server = native_vllm_server.get()
+    handle = VllmRollout("ours", WeightTransferChannel(HTTPWeightSyncClient(server.url, 120), num_workers=1), timeout_s=120.0)
+    session = WeightSyncSession([handle], CONFIG)
+    try:
+        first = session.sync(StateDictSource(_weights(server.model_dir, 11))).version
+        native_vllm_server.discard()  # stopped, and started again at the same URL
+        assert native_vllm_server.get().url == server.url and held(server.url) == 0
+        assert session.sync(StateDictSource(_weights(server.model_dir, 12))).version == first + 1 == held(server.url)
+    finally:
+        session.close()
+
+
+def _weights(model_dir: Path, seed: int) -> dict[str, object]:
+    return {n: t.detach() for n, t in model(model_dir, seed).state_dict().items() if n != "lm_head.weight"}  # type: ignore[attr-defined]
+
+
 class _RaisesMidWalk(StateDictSource):
     """A trainer whose walk dies after a few tensors."""
 

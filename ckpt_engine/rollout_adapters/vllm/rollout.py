@@ -140,10 +140,13 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
     def membership(self) -> Membership:
         """One `ckpt_health` of every worker: the newest version any holds, and the group each
         joined; a worker whose pid is not the one that joined restarted (it is in no group). A
-        route that cannot ask the workers: the engine's stamp, groups unknown."""
+        route that cannot ask the workers: the engine's stamp, groups unknown unless the stamp went
+        back to vLLM's first one (the server restarted: its workers are in no group)."""
         replies = self.workers.health()
-        if replies is None:
-            return Membership(version_of(self.client.weight_version()), None)
+        if replies is None:  # vLLM's stamp back at its start ("default") under a handle that stamped one: restarted at its address
+            stamp = self.client.weight_version()
+            restarted = stamp != "" and version_of(stamp) is None and self.version is not None
+            return Membership(version_of(stamp), [None] * self.world_size if restarted else None)
         return self._membership_of(replies)
 
     def validated_membership(self) -> Membership | None:  # what the last validate's answers said (`member`), taken once
