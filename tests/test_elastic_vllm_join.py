@@ -188,17 +188,17 @@ def test_a_claimed_worker_refuses_a_non_owners_peer_calls_by_name_and_nothing_ch
 
 
 def test_the_daemon_asks_a_vllm_engines_workers_whether_it_is_a_fresh_process(fleet: Fleet) -> None:
-    """`daemon.peer_join` pulls into a fresh process only. A vLLM handle's health says the handle's
-    own version only, so the daemon asks the workers (`membership()`): B (no version, in no group)
-    is fresh; A (the session's last version, in its group) is not, nor through a handle that did not
-    sync it (its own version None: `ckpt-engine serve`'s, when a following trainer syncs)."""
+    """`daemon.peer_join` pulls into a fresh process only. The daemon asks the workers
+    (`membership()`): B (no version, in no group) is fresh; A (the session's last version, in its
+    group) is not, nor through a handle that did not sync it (`ckpt-engine serve`'s, when a following
+    trainer syncs), whose health asks the workers once what they hold (`vllm/liveness.py`)."""
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
 
     def record(name: str, adapter: Any) -> EngineRecord:
         return EngineRecord(name, {"kind": "in_process"}, adapter, False, health=adapter.health())
 
     unsynced_a = VllmRollout("A", fleet.llm_a, timeout_s=60.0)
-    assert unsynced_a.health()["version"] is None and unsynced_a.held_version() == fleet.version
+    assert unsynced_a.health()["version"] == unsynced_a.held_version() == fleet.version
     assert fresh(record("B", fleet.b)) and not fresh(record("A", fleet.a)) and not fresh(record("A", unsynced_a))
 
 
