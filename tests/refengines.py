@@ -29,6 +29,20 @@ def source(seed: int) -> StateDictSource:
     return StateDictSource(state(seed))
 
 
+class BrokenSource(StateDictSource):
+    """Yields `fail_after` tensors, then raises as a trainer that died mid-walk would."""
+
+    def __init__(self, sd: dict[str, torch.Tensor], fail_after: int) -> None:
+        super().__init__(sd)
+        self.fail_after = fail_after
+
+    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, item in enumerate(super().iter_weights()):
+            if i == self.fail_after:
+                raise RuntimeError("trainer died")
+            yield item
+
+
 class SlowSource(StateDictSource):
     """Exports one tensor every `delay_s`: a sync surely streams for a while (faults land mid-stream)."""
 

@@ -32,7 +32,7 @@ from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_f
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.staging import StagePolicy
 from multisender import model_state, wire
-from refengines import holds, source, spawn_engine, state
+from refengines import BrokenSource, holds, source, spawn_engine, state
 
 CFG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.0625, timeout_s=30, delta="on", stage="auto")
 STEP_S = 0.005
@@ -284,14 +284,6 @@ def test_a_failed_finalize_says_which_engines_hold_the_new_version_paused(spec_f
             e.close()
 
 
-class _DiesMidWalk(StateDictSource):
-    def iter_weights(self):  # type: ignore[no-untyped-def]
-        for i, item in enumerate(super().iter_weights()):
-            if i == 1:
-                raise RuntimeError("trainer died")
-            yield item
-
-
 def test_a_stream_into_an_engine_left_serving_says_it_may_serve_part_of_the_version(spec_file: str) -> None:
     """`pause_mode: none`, unstaged: the engine serves while it receives, so a failed stream may have left
     it serving part of the new version: the error says that, not "left paused"."""
@@ -299,7 +291,7 @@ def test_a_stream_into_an_engine_left_serving_says_it_may_serve_part_of_the_vers
     session = WeightSyncSession([engine], dataclasses.replace(CFG, stage="off", pause_mode="none"))
     try:
         with pytest.raises(SyncError, match=r"not paused while it received \(pause_mode none, .*\): it may serve part of the new version: open;"):
-            session.sync(_DiesMidWalk(version(53)))
+            session.sync(BrokenSource(version(53), fail_after=1))
         assert not engine.health()["paused"]
     finally:
         session.close()

@@ -14,6 +14,7 @@ import requests
 from ckpt_engine import CheckpointEngineConfig, ManifestRejectedError, SyncError, WeightSyncSession
 from ckpt_engine.sources.base import StateDictSource
 from helpers_vllm import VllmServer
+from refengines import BrokenSource
 from shared_server import SharedServer
 
 pytest.importorskip("vllm")
@@ -87,7 +88,7 @@ def test_plain_vllm_clients_carry_versions_on(native_vllm_server: SharedServer[V
         # A bare client cannot pause the engine: a sync that fails mid-stream says the engine may serve part of it
         # (not "left paused"); the next sync heals it.
         with pytest.raises(SyncError, match=r"not paused while it received \(pause_mode none, or a client that cannot pause\): it may serve part of the new version: plain-handle") as info:
-            session.sync(_RaisesMidWalk(weights))
+            session.sync(BrokenSource(weights, fail_after=4))
         assert "paused and stale" not in str(info.value), str(info.value)
         assert session.sync(StateDictSource(weights)).version == base + 9 and held(server.url) == base + 9
     finally:
@@ -115,12 +116,3 @@ def test_a_native_server_restarted_at_its_url_is_rejoined_and_seeded(native_vllm
 def _weights(model_dir: Path, seed: int) -> dict[str, object]:
     return {n: t.detach() for n, t in model(model_dir, seed).state_dict().items() if n != "lm_head.weight"}  # type: ignore[attr-defined]
 
-
-class _RaisesMidWalk(StateDictSource):
-    """A trainer whose walk dies after a few tensors."""
-
-    def iter_weights(self):  # type: ignore[no-untyped-def]
-        for i, item in enumerate(super().iter_weights()):
-            if i == 4:
-                raise RuntimeError("trainer died")
-            yield item

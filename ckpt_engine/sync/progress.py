@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
 from ckpt_engine.rollout_adapters.capabilities import lacking
-from ckpt_engine.sync.report import SyncError
+from ckpt_engine.sync.report import BEFORE_PAUSE, SyncError
 
 __all__ = ["SyncProgress"]
 
@@ -50,7 +50,7 @@ class SyncProgress:
 
     def restate(self, error: SyncError) -> SyncError:
         """`error` with its closing words from what each engine of its `stale` list did."""
-        if error.stage in ("join", "validate"):
+        if error.stage in BEFORE_PAUSE:
             return error
         stale = set(error.stale)
         live = (self.live | self.holding & self.exposed - self.paused) & stale  # finalized unpaused: it serves it
