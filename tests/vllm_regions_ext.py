@@ -3,9 +3,11 @@
 Tensors cannot travel in `collective_rpc` arguments, so each worker reads the trainer's weights
 from a safetensors file, cuts its own regions (its recorded receive plan) and lands them through
 the core's region path, with no transport in between. Also injects a loader the recorder cannot
-follow into one parameter. It carries the installed-check faults too (tests/_vllm_installed_faults.py):
-the session's shared TP=2 engine (`tp2_qwen2_llm`, tests/conftest.py) runs it for the region tests
-and for tests/test_installed_checks_vllm_tp2.py, one engine start instead of two.
+follow into one parameter. It carries the installed-check faults too (tests/_vllm_installed_faults.py)
+and the plan cache's reads (tests/_vllm_plan_cache_ext.py): the session's shared TP=2 engine
+(`tp2_qwen2_llm`, tests/conftest.py) runs it for the region tests, for
+tests/test_installed_checks_vllm_tp2.py and for tests/test_vllm_plan_cache_tp2.py, one engine start
+instead of three.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ from typing import Any
 import torch
 
 from _vllm_installed_faults import InstalledFaultsExtension
+from _vllm_plan_cache_ext import PlanCacheReads
 from ckpt_engine.planning.regions import ReceivePlan
 
 EXTENSION = "vllm_regions_ext.RegionTestExtension"
 
 
-class RegionTestExtension(InstalledFaultsExtension):
+class RegionTestExtension(InstalledFaultsExtension, PlanCacheReads):
     def test_land_checkpoint(self, path: str, poison: bool, whole: bool = False) -> dict[str, Any]:
         from safetensors.torch import load_file
 
