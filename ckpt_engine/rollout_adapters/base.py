@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from ckpt_engine.fp8.checks import fp8_problems
@@ -70,12 +70,7 @@ class JoinOptions:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "bucket_size_bytes": self.bucket_size_bytes,
-            "num_buffers": self.num_buffers,
-            "verify": self.verify,
-            "engine_kwargs": dict(self.engine_kwargs),
-        }
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, d: Any) -> JoinOptions:

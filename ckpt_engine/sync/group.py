@@ -1,6 +1,7 @@
 """The sender's end of a session's weight-sync group: the rendezvous store, the transport engine
 with its buffers, the join of every engine, and the plan it sends. Kept across syncs; rebuilt only
-when the number of senders changes or a failure dropped it."""
+when the number of senders changes or a failure dropped it. Also which transport a session streams
+over (`backend_for`) and whether its group can move patches (`delta_unsupported`)."""
 
 from __future__ import annotations
 
@@ -18,17 +19,46 @@ from ckpt_engine.manifest import BucketManifest, TensorSpec, encode_manifest
 from ckpt_engine.planning.buckets import auto_bucket_size_bytes
 from ckpt_engine.planning.ownership import OwnerMap, owner_key
 from ckpt_engine.rollout_adapters.base import JoinOptions, RolloutAdapter
+from ckpt_engine.rollout_adapters.capabilities import lacking
 from ckpt_engine.sync.fanout import wait_for_joins
 from ckpt_engine.engine import CheckpointEngine, Rendezvous
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.store import serve_store
 
-__all__ = ["SyncGroup"]
+__all__ = ["SyncGroup", "backend_for", "delta_unsupported"]
 
 logger = logging.getLogger(__name__)
 
 _SETTLE_S = 2.0
 """After a failed join, how long members on their way to the rendezvous get to reach it."""
+
+
+def backend_for(config: CheckpointEngineConfig, rollouts: Sequence[RolloutAdapter]) -> str:
+    """`checkpoint_engine.backend` (`auto` resolved by device), unless the engines declare the one
+    wire they read (`capabilities.transport`, e.g. SGLang's): then that one, refused by name
+    when the config names another or the engines disagree."""
+    wires = {r.capabilities.transport for r in rollouts}
+    if wires == {None}:
+        return CheckpointEngineRegistry.resolve_name(config.backend)
+    if len(wires) > 1:
+        kinds = ", ".join(f"{r.name}: {r.capabilities.transport or 'any'}" for r in rollouts)
+        raise ValueError(f"these engines read different wires ({kinds}); sync each kind through a session of its own")
+    wire = next(iter(wires))
+    assert wire is not None
+    if config.backend not in ("auto", wire):
+        raise ValueError(
+            f"engine(s) {', '.join(r.name for r in rollouts)} read only the {wire!r} wire, not "
+            f"checkpoint_engine.backend={config.backend!r}; leave backend at 'auto' (or set {wire!r})"
+        )
+    return wire
+
+
+def delta_unsupported(engine: CheckpointEngine, backend: str, rollouts: Sequence[RolloutAdapter]) -> str | None:
+    """Why this group cannot take patch syncs (the backend or engines by name), or None."""
+    if not engine.supports_delta:
+        return f"the {backend} backend does not send patches"
+    missing = lacking(rollouts, "delta")
+    return f"engine(s) {', '.join(missing)} do not take patches" if missing else None
 
 
 class SyncGroup:

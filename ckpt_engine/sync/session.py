@@ -23,21 +23,19 @@ from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.sync.delta_policy import DeltaPolicy
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import CheckpointEngine, SendStats
-from ckpt_engine.sync.backend import backend_for
 from ckpt_engine.sync.claims import claims
 from ckpt_engine.sync.fanout import ask_memberships, collect_failures, collect_memberships, fan_out, leave_all, mark_stale_and_probe
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter
 from ckpt_engine.sync.sender_follower import join_message
 from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
-from ckpt_engine.sync.group import SyncGroup
+from ckpt_engine.sync.group import SyncGroup, backend_for, delta_unsupported
 from ckpt_engine.sync.installed import InstalledChecks
 from ckpt_engine.sync.many_senders import ManySenders, wants_many_senders
 from ckpt_engine.sync.regions import RegionDelivery, RegionSync
 from ckpt_engine.sync.progress import SyncProgress
 from ckpt_engine.sync.report import SOURCE, SyncError, SyncReport, make_report
 from ckpt_engine.sync.stream import SyncStream
-from ckpt_engine.sync.capabilities import delta_unsupported
 from ckpt_engine.sync.staging import StagePolicy, discard_all, run_order
 from ckpt_engine.sync.weights_mode import WeightsModeCheck
 from ckpt_engine.versions import next_version
