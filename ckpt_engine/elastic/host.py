@@ -20,6 +20,7 @@ class Offered(Protocol):
     version: int | None
     """The version they hold completely (None: none, or a load in progress)."""
     stale: bool
+    """A load failed part-way: out of service until a complete one."""
     receiving: bool
 
 
@@ -29,9 +30,6 @@ class PeerHost(Offered, Protocol):
     another. Its `tensors` are updated in place by every sync."""
 
     last_version: int | None
-    stale: bool
-    """A load failed part-way: out of service until a complete one."""
-    receiving: bool
     received: str | None
     """A trainer transfer completed and not yet finalized (None: none). A pull drops it, so a
     trainer's finalize after a pull is refused instead of stamping its version on the pull's bytes."""
