@@ -5,13 +5,14 @@ NCCL refuses two ranks of one GPU in one communicator. Such a "local" sender bui
 group: the receiver maps its rotating send buffers as that sender's receive slots, and "bucket
 ready" / "slot free" travel as flags through the rendezvous store, as in `colocated.py`. Every
 other sender broadcasts through the `remote` transport (nccl on CUDA, gloo on CPU). Which senders
-are local is decided at join (`handoff_plan.py`); with none this transport is its remote one.
+are local is decided at join (`agree_on_local_senders`); with none this transport is its remote one.
 """
 
 from __future__ import annotations
 
 import datetime
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,6 @@ import torch
 
 from ckpt_engine.engine import Rendezvous, TransferError
 from ckpt_engine.transports.gloo import GlooTransport
-from ckpt_engine.transports.handoff_plan import agree_on_local_senders, wait_keys
 from ckpt_engine.transports.nccl import NcclTransport
 from ckpt_engine.transports.process_groups import ProcessGroupTransport
 from ckpt_engine.transports.shared_buffers import device_identity, map_buffers, share_buffers, unlink_files, validate_descriptors
@@ -53,6 +53,52 @@ class HandoffOptions(TransportOptions):
         kind = torch.device(self.device).type if self.device is not None else None
         if kind not in (None, "cuda", "cpu"):
             raise ValueError(f"the {NAME} backend runs on cuda or cpu devices, got device={self.device!r}")
+
+
+def wait_keys(store: Any, keys: list[str], what: str, timeout_s: float, rank: int | None) -> None:
+    """Wait for store keys within `timeout_s`; a TransferError names what was awaited."""
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:
+        raise TransferError(f"rank {rank}: {what} did not arrive within {timeout_s}s: {exc}") from exc
+
+
+def agree_on_local_senders(
+    store: Any, *, rank: int, num_senders: int, world_size: int, identity: str, override: Sequence[int] | None,
+    timeout_s: float, backend: str,
+) -> frozenset[int]:
+    """Collective over the group's ranks: the senders that share the (single) receiver's device.
+    Every rank publishes its device identity; the first receiver rank compares them (or applies
+    `override`) and publishes the verdict, so every rank acts on the same decision and a refusal
+    reaches every rank as one error: a ValueError when a sender shares a receiver's device but the
+    group has more than one receiver rank."""
+    store.set(f"handoff/identity/{rank}", identity)
+    if rank == num_senders:
+        keys = [f"handoff/identity/{r}" for r in range(world_size)]
+        wait_keys(store, keys, "every rank's device identity", timeout_s, rank)
+        ids = [store.get(k).decode() for k in keys]
+        local = [s for s in range(num_senders) if ids[s] in ids[num_senders:]] if override is None else list(override)
+        error = None
+        if override is not None and any(s >= num_senders for s in override):
+            error = f"{backend}: local_senders={list(override)} names senders outside [0, {num_senders})"
+        elif local and world_size - num_senders != 1:
+            error = (f"{backend}: senders {local} share a device with a receiver and hand their buckets over in memory, "
+                     f"which needs exactly one receiver rank; this group has {world_size - num_senders} (use one receiver "
+                     "rank, or put the receivers on devices no sender uses)")
+        store.set("handoff/plan", msgpack.packb({"local": local, "error": error}))
+    wait_keys(store, ["handoff/plan"], "the receiver's hand-off plan", timeout_s, rank)
+    try:
+        plan = msgpack.unpackb(store.get("handoff/plan"), raw=False)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise ValueError(f"{backend}: undecodable hand-off plan in the rendezvous store: {exc}") from exc
+    if not isinstance(plan, dict) or set(plan) != {"local", "error"} or not isinstance(plan["error"], (str, type(None))):
+        raise ValueError(f"{backend}: malformed hand-off plan in the rendezvous store: {plan!r:.200}")
+    if plan["error"] is not None:
+        raise ValueError(plan["error"])
+    local = plan["local"]
+    if not isinstance(local, list) or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < num_senders for s in local):
+        raise ValueError(f"{backend}: malformed hand-off plan in the rendezvous store: {plan!r:.200}")
+    return frozenset(local)
 
 
 @dataclass(frozen=True)
