@@ -10,7 +10,7 @@ installs the adapter as a new version in every worker's LoRA manager (from memor
 `vllm/lora_worker.py`, no disk); only once every worker holds it do requests name it
 (`LoraVersions`, `vllm/lora_names.py`): in process by `lora_request()`, behind the server by
 `model=model_name()` once the server registered it (its `add_lora` reaches every worker at once,
-and activates it: a checked sync's LoRA slots are compared then, `vllm/lora_served_slots.py`).
+and activates it: a checked sync's LoRA slots are compared then, `served_slot_problems`).
 The switch is atomic across the engine's ranks. Nothing is paused: a request keeps the version it
 started with and finishes under it.
 """
@@ -18,6 +18,7 @@ started with and finishes under it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckpt_engine.engine import Rendezvous
@@ -25,7 +26,6 @@ from ckpt_engine.rollout_adapters.base import JoinOptions
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.vllm.clients import Channel, LLMWeightSyncClient
 from ckpt_engine.rollout_adapters.vllm.lora_names import LoraVersions
-from ckpt_engine.rollout_adapters.vllm.lora_served_slots import served_slot_problems
 from ckpt_engine.rollout_adapters.vllm.native import WeightTransferChannel
 from ckpt_engine.rollout_adapters.vllm.rollout import VllmRollout, http_channel
 
@@ -73,7 +73,7 @@ class VllmLoraRollout(VllmRollout):
     def finalize(self, version: int) -> None:
         """Install the received adapter as `version` on every worker, then make it the newest (behind
         a server: register its name; a checked sync's LoRA slots that differ unregister it and fail,
-        `vllm/lora_served_slots.py`). New requests get it from then on."""
+        `served_slot_problems`). New requests get it from then on."""
         t0 = time.perf_counter()
         replies = self.workers.finalize(version)
         t1 = time.perf_counter()
@@ -109,3 +109,38 @@ class VllmServerLoraRollout(VllmLoraRollout):
         client, workers = http_channel(name, base_url, timeout_s, session, world_size)
         super().__init__(name, client, max_adapter_versions=max_adapter_versions, timeout_s=timeout_s, world_size=workers)
         self.base_url, self.http = client.base_url, client.http
+
+
+def served_slot_problems(health: Callable[[], list[dict[str, Any]] | None], version: int, activate: Callable[[], None]) -> list[str]:
+    """The workers' slot problems of `version` behind vLLM's OpenAI server ("worker r: ..." with more
+    than one worker); [] when this sync's check was not armed, or the route cannot ask the workers
+    (vLLM's weight-transfer API). There vLLM activates a version inside its own call (the
+    registration's `add_adapter`, or else the first request naming it), where nothing may raise: each
+    worker compares its slots right after that activation and reports it in its health
+    (`slot_check`). A worker that has not compared yet gets one `max_tokens=1` completion naming the
+    version (`activate`); one still without a comparison after it is a problem too."""
+    replies = health()
+    if not replies or not any(_check(r, version) is not None for r in replies):
+        return []
+    if any(_pending(r, version) for r in replies):
+        activate()
+        replies = health() or []
+    problems: list[str] = []
+    for rank, reply in enumerate(replies):
+        where = f"worker {rank}: " if len(replies) > 1 else ""
+        check = _check(reply, version)
+        if check is None or check.get("problems") is None:
+            problems.append(f"{where}vLLM did not activate adapter version {version} into its LoRA slots (not even for a request naming it): not checked")
+        else:
+            problems += [f"{where}{p}" for p in check["problems"]]
+    return problems
+
+
+def _check(reply: dict[str, Any], version: int) -> dict[str, Any] | None:
+    check = reply.get("slot_check")
+    return check if isinstance(check, dict) and check.get("version") == version else None
+
+
+def _pending(reply: dict[str, Any], version: int) -> bool:
+    check = _check(reply, version)
+    return check is None or check.get("problems") is None

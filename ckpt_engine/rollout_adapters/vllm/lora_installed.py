@@ -16,7 +16,7 @@ An adapter version reaches vLLM's kernels in two steps, each checked where vLLM 
    own model manager hands `set_lora` for it, exactly, right after the activation: a `set_lora` that
    skips a module or copies a transposed tensor fails the finalize, naming the checkpoint tensor
    (and a TP worker's rank), and the version is never published (behind the server: its name
-   unregistered, `vllm/lora_served_slots.py`). A TP worker's slots hold the slice vLLM's
+   unregistered, `served_slot_problems` in `vllm/lora.py`). A TP worker's slots hold the slice vLLM's
    `slice_lora_a/b` cut of what it was handed (lora_B of a column-parallel layer by output rows,
    lora_A of a row-parallel one by input columns): each rank compares its own slice, cut by those
    same functions, and answers its own problems (the handle names the worker, each problem its TP rank).

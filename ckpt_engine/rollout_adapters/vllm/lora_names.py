@@ -27,7 +27,7 @@ __all__ = ["LoraVersions", "ServerLoraNames", "SlotCheck"]
 logger = logging.getLogger(__name__)
 
 SlotCheck = Callable[[int, Callable[[], None]], list[str]]
-"""(version, activate) -> the workers' LoRA slot problems of `version` (`vllm/lora_served_slots.py`)."""
+"""(version, activate) -> the workers' LoRA slot problems of `version` (`served_slot_problems` in `vllm/lora.py`)."""
 
 _ROUTE_MISSING = '"detail":"Not Found"'
 """FastAPI's answer for a route the server did not mount (vLLM's own 404s carry an `error` object)."""
