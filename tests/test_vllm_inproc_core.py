@@ -36,8 +36,11 @@ from test_installed_checks_vllm import QWEN2, weights  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-BOUND_S = 5.0
-"""The client's timeout in the stall test."""
+BOUND_S = 2.0
+"""The client's timeout in the stall test, which each case's stuck pause waits out (5 s before;
+tests/test_vllm_engine_core_calls.py bounds its stuck client the same). Inside it (plus the grace
+second) only in-process Python runs: the pause reaching the stalled worker method, and after the
+release the same client's resume; milliseconds each, far inside 3 s on a loaded box."""
 HOLD_S = 120.0
 """How long the stalled worker method waits unless released (far past BOUND_S: the call that did
 not wait the stall out ends within half of it on any box; the test releases it at once after)."""
@@ -70,7 +73,7 @@ def test_a_worker_stuck_in_the_engine_cores_pause_ends_the_call_naming_engine_an
     llm.collective_rpc("test_stall", kwargs={"method": "synchronize_device", "hold_s": HOLD_S})
     t0 = time.monotonic()
     try:
-        with pytest.raises(TimeoutError, match=re.escape(f"vLLM engine LLM({model_dir}): pause_scheduler did not answer within 5s")):
+        with pytest.raises(TimeoutError, match=re.escape(f"vLLM engine LLM({model_dir}): pause_scheduler did not answer within 2s")):
             client.pause("keep")
         assert time.monotonic() - t0 < HOLD_S / 2  # it did not wait the stall out
         assert stall.STALLED.is_set()  # the pause was stuck inside the engine core, in the worker
