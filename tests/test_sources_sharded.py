@@ -136,6 +136,7 @@ def _megatron_worker(rank: int, world_size: int, tp: int, pp: int) -> dict[str, 
     from ckpt_engine.sources.megatron import MegatronSource
     from ckpt_engine.trainer.engines.common import hf_model_from_config
     from ckpt_engine.trainer.engines.megatron import MegatronConfig, build_gpt_model
+    from ckpt_engine.trainer.engines.megatron_load import load_hf
     from tests.test_trainer_megatron import hf_config
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -150,7 +151,7 @@ def _megatron_worker(rank: int, world_size: int, tp: int, pp: int) -> dict[str, 
         reference = {k: v.clone() for k, v in hf.state_dict().items()}
         model = build_gpt_model(cfg, MegatronConfig())  # what a Megatron user builds; no engine, no optimizer
         source = MegatronSource(model, cfg, dtype=torch.bfloat16)
-        source.exporter.load_hf(reference)
+        load_hf(source.exporter, reference)
         return _check(source, reference, rank, walks=source.is_sender)
     finally:
         ps.destroy_model_parallel()

@@ -99,7 +99,8 @@ def test_megatron_family_without_table_is_a_clear_error():
 
 
 def test_qkv_and_gate_up_layouts_round_trip():
-    from ckpt_engine.sources.hf_names import merge_gate_up, merge_qkv, split_gate_up, split_qkv
+    from ckpt_engine.sources.hf_names import split_gate_up, split_qkv
+    from ckpt_engine.trainer.engines.megatron_load import merge_gate_up, merge_qkv
 
     q, k, v = torch.randn(8 * 4, 6), torch.randn(2 * 4, 6), torch.randn(2 * 4, 6)
     fused = merge_qkv(q, k, v, num_heads=8, num_query_groups=2, head_dim=4)

@@ -5,7 +5,7 @@ engine with another tensor-parallel layout (here TP=1, DP=2 on the same two rank
 continues exactly where the TP=2 engine would have: same exported weights and moments after the
 load, and the same weights after one more step with the same gradient. Megatron's forward needs
 CUDA, so gradients are set directly: one HF-space gradient per step, converted into each layout by
-the same HF -> Megatron conversion (`load_hf`) the weights use, which makes "the same gradient"
+the same HF -> Megatron conversion (`megatron_load.load_hf`) the weights use, which makes "the same gradient"
 meaningful across layouts.
 """
 
@@ -31,13 +31,15 @@ def _hf_space(engine, key: str) -> dict[str, torch.Tensor]:  # noqa: ANN001
 
 def _hf_grads(engine, seed: int) -> None:  # noqa: ANN001
     """One gradient per HF tensor (same on every rank and layout), converted into this layout."""
+    from ckpt_engine.trainer.engines.megatron_load import load_hf
+
     g = torch.Generator().manual_seed(seed)
     names = [s.name for s in engine.source.metadata()]
     shapes = {s.name: tuple(s.shape) for s in engine.source.metadata()}
     hf = {n: torch.randn(shapes[n], generator=g) for n in names}
     for p in engine.model.parameters():
         p.grad = torch.zeros_like(p)
-    engine.source.exporter.load_hf(hf, target=lambda p: p.grad)
+    load_hf(engine.source.exporter, hf, target=lambda p: p.grad)
 
 
 def _reshard_worker(rank: int, world_size: int, path: str) -> dict:

@@ -172,13 +172,14 @@ def _fake_grads(engine, step: int, rank: int) -> None:
     """Deterministic per-(step, rank, parameter) gradients: CPU stand-in for forward_backward,
     whose megatron-core forward needs CUDA (see test_trainer_megatron.py)."""
     from ckpt_engine.sources.megatron_export import _partition_dim
+    from ckpt_engine.trainer.engines.megatron_load import vocab_padding_rows
 
     for i, (_, p) in enumerate(engine.model.named_parameters()):
         # a TP-replicated parameter (norms) gets the same gradient on every TP rank, as in training
         shard = rank if _partition_dim(p) is not None else 0
         g = torch.Generator().manual_seed(1000 * step + 100 * shard + i)
         p.grad = torch.randn(p.shape, generator=g, dtype=p.dtype)
-    for p, first in engine.source.exporter.vocab_padding_rows():  # as in training: padding rows see no loss
+    for p, first in vocab_padding_rows(engine.source.exporter):  # as in training: padding rows see no loss
         p.grad[first:] = 0
 
 

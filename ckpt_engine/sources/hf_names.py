@@ -23,8 +23,6 @@ __all__ = [
     "FUSED_EXPERT_RULES",
     "clean_name",
     "megatron_family",
-    "merge_gate_up",
-    "merge_qkv",
     "split_gate_up",
     "split_qkv",
     "unfuse_expert_specs",
@@ -208,21 +206,5 @@ def split_qkv(t: torch.Tensor, num_heads: int, num_query_groups: int, head_dim: 
     )
 
 
-def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_heads: int, num_query_groups: int, head_dim: int) -> torch.Tensor:
-    """HF q, k, v -> Megatron's per-query-group interleaved QKV (inverse of `split_qkv`)."""
-    per = num_heads // num_query_groups
-    rest = q.shape[1:]
-    parts = (
-        q.reshape(num_query_groups, per * head_dim, *rest),
-        k.reshape(num_query_groups, head_dim, *rest),
-        v.reshape(num_query_groups, head_dim, *rest),
-    )
-    return torch.cat(parts, dim=1).reshape(-1, *rest).contiguous()
-
-
 def split_gate_up(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(p.contiguous() for p in t.chunk(2, dim=0))
-
-
-def merge_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return torch.cat([gate, up], dim=0)

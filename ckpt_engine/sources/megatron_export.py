@@ -2,9 +2,9 @@
 
 `MegatronExporter` holds one rank's conversion plan: the HF name, shape and layout of every
 Megatron parameter (`hf_names.py` tables), the export walk of a stage (TP gathers along
-`partition_dim`, layout-aware for `linear_fc1`, experts over the EP group, `linear_qkv` -> q/k/v),
-and the reverse load (`load_hf`, also used by the training engines). The sources hold the process
-groups and the walk over stages. Collective contract: every rank of the model-parallel world
+`partition_dim`, layout-aware for `linear_fc1`, experts over the EP group, `linear_qkv` -> q/k/v);
+the training engines' reverse load (`trainer/engines/megatron_load.py`) reads the same plan. The
+sources hold the process groups and the walk over stages. Collective contract: every rank of the model-parallel world
 calls `stage_specs` and `iter_local` in the same order.
 """
 
@@ -22,8 +22,6 @@ from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.sources.hf_names import (
     MegatronFamily,
     megatron_family,
-    merge_gate_up,
-    merge_qkv,
     split_gate_up,
     split_qkv,
 )
@@ -352,68 +350,6 @@ class MegatronExporter:
         for it, e in group:
             yield from self._convert(it, gathered[(id(it), e // num_local)], self._expert_specs(it, e))
 
-    # --- HF -> Megatron ---------------------------------------------------------------------------
-    def load_hf(self, hf: dict[str, torch.Tensor], target: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        """Fill this rank's shards from full HF tensors (every rank holds `hf`; no collectives).
-
-        `target(param)` is the tensor to fill for a parameter (default: the parameter itself; a
-        checkpoint load passes the parameter's optimizer moment of the same layout)."""
-        dest = target if target is not None else (lambda p: p)
-        tp, tp_rank = self.groups.tp_size, self.groups.tp_rank
-        etp, etp_rank = self.groups.etp_size, self.groups.etp_rank
-        num_local = max((it.local_expert for it in self.items if it.expert), default=0) + 1
-        with torch.no_grad():
-            for it in self.items:
-                names = it.hf_names
-                size, rank = (etp, etp_rank) if it.expert else (tp, tp_rank)
-                if it.expert:
-                    e = self.groups.ep_rank * num_local + it.local_expert
-                    names = tuple(n.replace("{e}", str(e)) for n in names)
-                missing = [n for n in names if n not in hf]
-                if missing:
-                    raise ValueError(f"HF weights lack {missing[0]!r} needed for this Megatron model")
-                src = [hf[n] for n in names]
-                if it.kind == "gate_up":
-                    if it.partition_dim is not None and size > 1:
-                        full = merge_gate_up(src[0].chunk(size)[rank], src[1].chunk(size)[rank])
-                    else:
-                        full = merge_gate_up(*src)
-                    _copy_into(dest(it.param), full)
-                    continue
-                if it.kind == "qkv":
-                    full = merge_qkv(*src, self.heads, self.query_groups, self.head_dim)
-                elif it.kind == "vocab":
-                    padded = it.param.shape[0] * (size if it.partition_dim is not None else 1)
-                    full = torch.zeros((padded, *src[0].shape[1:]), dtype=src[0].dtype)
-                    full[: src[0].shape[0]] = src[0]
-                else:
-                    full = src[0]
-                if it.partition_dim is not None and size > 1:
-                    full = full.chunk(size, dim=it.partition_dim)[rank]
-                _copy_into(dest(it.param), full)
-            if self.tied:
-                core = megatron_core_model(self.model)
-                out = getattr(core, "output_layer", None)
-                if out is not None and getattr(out, "weight", None) is not None and not core.pre_process:
-                    dest(out.weight).data.copy_(_vocab_shard(hf["model.embed_tokens.weight"], out.weight, tp, tp_rank))
-
-    def vocab_padding_rows(self) -> list[tuple[torch.Tensor, int]]:
-        """(parameter, first padding row in its local shard) of every vocab-padded parameter here.
-
-        Rows past the HF vocabulary exist only to make the vocab divisible by TP; they never see a
-        token or a loss, and their number depends on the layout."""
-        tp, tp_rank = self.groups.tp_size, self.groups.tp_rank
-        params = [it.param for it in self.items if it.kind == "vocab"]
-        out = getattr(megatron_core_model(self.model), "output_layer", None)
-        if self.tied and out is not None and getattr(out, "weight", None) is not None and all(out.weight is not p for p in params):
-            params.append(out.weight)
-        rows = []
-        for p in params:
-            local = p.shape[0]
-            offset = tp_rank * local if _partition_dim(p) == 0 and tp > 1 else 0
-            rows.append((p, max(0, min(local, self.vocab - offset))))
-        return rows
-
 
 def walk_to_first_stage(
     exporter: MegatronExporter, stages: list[list[TensorSpec]], groups: MegatronGroups, device: torch.device
@@ -441,10 +377,6 @@ def walk_to_first_stage(
             raise RuntimeError(f"stage {stage} produced more tensors than its metadata lists")
 
 
-def _copy_into(param: torch.Tensor, full: torch.Tensor) -> None:
-    param.data.copy_(full.to(device=param.device, dtype=param.dtype))
-
-
 def megatron_core_model(model: nn.Module) -> Any:
     """The megatron-core `GPTModel` inside `model` and any of Megatron's wrappers around it
     (DistributedDataParallel, Float16Module, the FSDP adapter and its MegatronFSDP all register
@@ -462,12 +394,6 @@ def megatron_core_model(model: nn.Module) -> Any:
             )
         m = inner
     return m
-
-
-def _vocab_shard(full: torch.Tensor, like: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
-    padded = torch.zeros((like.shape[0] * tp, *full.shape[1:]), dtype=full.dtype)
-    padded[: full.shape[0]] = full
-    return padded.chunk(tp)[tp_rank]
 
 
 def _partition_dim(p: torch.Tensor) -> int | None:

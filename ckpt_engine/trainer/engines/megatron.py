@@ -26,6 +26,7 @@ from torch import nn
 
 from ckpt_engine.sources.megatron import EXPORT_MODES, MegatronSource
 from ckpt_engine.sources.megatron_export import MegatronExporter, _hf, _partition_dim, check_exportable, head_dim_of, megatron_core_model
+from ckpt_engine.trainer.engines.megatron_load import load_hf, vocab_padding_rows
 from ckpt_engine.sources.megatron_groups import MegatronGroups
 from ckpt_engine.sources.wire import WirePolicy, check_float_dtype, torch_dtype
 from ckpt_engine.trainer.engines.base import LossFn, TrainEngine
@@ -233,7 +234,7 @@ class MegatronTrainEngine(TrainEngine):
         for p in model.parameters():
             p.main_grad = None  # megatron layers read .main_grad only under gradient_accumulation_fusion
         with torch.no_grad():  # vocab padding rows: zero, so that a rank's state does not depend on TP
-            for p, first in MegatronExporter(model, hf_config, WirePolicy(None, ()), self.groups).vocab_padding_rows():
+            for p, first in vocab_padding_rows(MegatronExporter(model, hf_config, WirePolicy(None, ()), self.groups)):
                 p[first:].zero_()
         self.global_step = 0
         self._sched_step = 0
@@ -270,7 +271,7 @@ class MegatronTrainEngine(TrainEngine):
     # --- weights -----------------------------------------------------------------------------
     def load_hf_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Initialize from full HF tensors (HF -> Megatron); every rank passes the same dict."""
-        self.source.exporter.load_hf(state_dict)
+        load_hf(self.source.exporter, state_dict)
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device

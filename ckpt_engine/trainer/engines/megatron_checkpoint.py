@@ -4,7 +4,7 @@ A Megatron rank holds TP/PP/EP shards in Megatron's layouts (fused qkv per query
 per TP shard, vocab padded to a multiple of TP). Saving them per rank ties the checkpoint to that
 layout. Here the same conversion that exports weights to rollout engines (`MegatronExporter`)
 turns the weights *and* each AdamW moment (elementwise state, so it converts like its parameter)
-into full Hugging Face tensors; loading runs the reverse conversion (`load_hf`) into whatever
+into full Hugging Face tensors; loading runs the reverse conversion (`megatron_load.load_hf`) into whatever
 TP/PP/EP layout the loading engine has. A TP=2 checkpoint therefore loads into TP=1, and the
 weights file is a plain HF safetensors checkpoint.
 
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ckpt_engine.sources.megatron_export import MegatronExporter, walk_to_first_stage
+from ckpt_engine.trainer.engines.megatron_load import load_hf
 from ckpt_engine.sources.wire import WirePolicy
 
 MegatronTrainEngine = Any  # the engine (megatron.py imports this module, so no import back)
@@ -115,7 +116,7 @@ def load_megatron_checkpoint(engine: MegatronTrainEngine, path: str) -> None:
     adam_step = float(meta["adam_step"])
     ex = hf_space_exporter(engine, "model")
     with torch.no_grad():
-        ex.load_hf(load_file(paths["model"]))
+        load_hf(ex, load_file(paths["model"]))
         for p in _params(engine):
             state = optimizer.state[p]
             for key in MOMENTS:
@@ -123,7 +124,7 @@ def load_megatron_checkpoint(engine: MegatronTrainEngine, path: str) -> None:
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] = torch.tensor(adam_step, dtype=torch.float32)
         for key in MOMENTS:
-            ex.load_hf(load_file(paths[key]), target=lambda p, key=key: optimizer.state[p][key])
+            load_hf(ex, load_file(paths[key]), target=lambda p, key=key: optimizer.state[p][key])
     engine.global_step = int(meta["global_step"])
     engine._sched_step = int(meta["scheduler_step"])
     if engine.scheduler is not None:

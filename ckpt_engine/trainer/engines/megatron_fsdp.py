@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ckpt_engine.sources.megatron_export import MegatronExporter, check_exportable
+from ckpt_engine.trainer.engines.megatron_load import load_hf
 from ckpt_engine.sources.megatron_fsdp import SHARDING_STRATEGIES, MegatronFSDPSource, megatron_fsdp_available
 from ckpt_engine.sources.megatron_groups import MegatronGroups
 from ckpt_engine.sources.wire import WirePolicy
@@ -91,7 +92,7 @@ class MegatronFSDPTrainEngine(MegatronTrainEngine):
         )
         if initial_hf_weights is not None:
             for chunk in model_chunks:
-                MegatronExporter(chunk, hf_config, WirePolicy(None, ()), self.groups).load_hf(initial_hf_weights)
+                load_hf(MegatronExporter(chunk, hf_config, WirePolicy(None, ()), self.groups), initial_hf_weights)
         self.chunks: list[nn.Module] = []
         for chunk in model_chunks:
             wrapped = FullyShardedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk, pg_collection=pg_collection)
