@@ -107,3 +107,31 @@ def test_tp2_a_call_every_worker_fails_leaves_the_next_calls_answers_in_order(ll
             handle.workers.rpc("ckpt_stage", {"digest": "0" * 64, "ticket": "not a ticket!"})
         healths = handle.workers.rpc("ckpt_health")
         assert [h["rank"] for h in healths] == [0, 1] and len({h["pid"] for h in healths}) == 2, healths
+
+
+def test_tp2_a_worker_call_past_its_bound_is_named_and_its_late_answer_kills_nothing(llm: Any, model_dir: Path) -> None:
+    """An in-process TP=2 engine (vLLM's multiprocess executor), one worker stopped, a worker call
+    bounded at 2 s: a TimeoutError naming the engine and the call. The engine core still waits for
+    that call's answer, so once the worker goes on the late answer is taken for it, not for a model
+    step: the engine generates and syncs again, checked. (Bounded by vLLM's own `timeout`, the
+    executor gave up on the call and left the late answer for the next model step to read.)"""
+    import os
+    import signal
+
+    from test_vllm_regions import llm_greedy
+
+    s, handle = session(llm, "tp2-late-answer", verify_installed=1, stage="off")
+    try:
+        s.sync(StateDictSource(weights(model_dir, 31)))
+        pid = handle.workers.rpc("ckpt_health")[1]["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError, match=r"engine 'tp2-late-answer': .*ckpt_health did not answer within 2s"):
+                handle.workers.rpc("ckpt_health", timeout_s=2.0)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert all(len(tokens) > 0 for tokens in llm_greedy(llm))
+        report = s.sync(StateDictSource(weights(model_dir, 32)))  # checked: every installed slice against the source
+        assert "installed_check" in report.seconds and not paused(llm)
+    finally:
+        s.close()

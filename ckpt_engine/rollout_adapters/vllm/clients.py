@@ -383,8 +383,10 @@ class LLMWeightSyncClient:
         return ExtensionRoute(self, name, timeout_s, adapters)
 
     def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
-        # `LLM.collective_rpc` is this engine-core utility (vLLM 0.26 and 0.32)
-        return list(self._utility(method, timeout_s, "collective_rpc", method, timeout_s, (), kwargs))
+        """`LLM.collective_rpc`'s engine-core utility (vLLM 0.26 and 0.32), bounded here and not by vLLM's
+        `timeout`: past it vLLM's multiprocess executor (TP > 1) leaves the late answer for the next
+        model step to read and die on, as on the HTTP route (`HTTPWeightSyncClient.collective_rpc`)."""
+        return list(self._utility(method, timeout_s, "collective_rpc", method, None, (), kwargs))
 
     def encode(self, data: bytes) -> Any:
         return data
