@@ -115,7 +115,7 @@ def test_serve_on_a_taken_port_says_so(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_paths_and_files_that_cannot_serve_get_one_line_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A results or token path in a folder that does not exist, a model config that is not one:
+    """A results, token or version-state path in a folder that does not exist, a model config that is not one:
     refused in one line before the daemon listens or a bench rank starts (they were tracebacks,
     the bench's after its whole run)."""
     missing = tmp_path / "no-such-folder"
@@ -127,6 +127,7 @@ def test_paths_and_files_that_cannot_serve_get_one_line_before_anything_runs(tmp
     blocker.write_text("where --out-dir would make a folder")
     cases = [
         (["serve", "--token-file", str(missing / "token")], ["--token-file", "No such file"]),
+        (["serve", f"daemon.state_file={missing / 'versions.json'}"], ["daemon.state_file", "does not exist"]),
         (["bench", "--preset", "tiny", "--json", str(missing / "out.json")], ["--json", "No such file"]),
         (["plan", "--model", str(tmp_path / "list.json")], ["--model", "one JSON object, not a list"]),
         (["plan", "--model", str(tmp_path / "sizes.json")], ["--model", "lacks hidden_size, num_hidden_layers"]),

@@ -221,6 +221,41 @@ def test_a_fresh_daemon_adopts_refuses_old_versions_and_resumes_what_it_paused(e
         assert all(exact(r, sd, version) for r in rs), "a closing daemon leaves every engine that holds a version serving"
 
 
+
+def test_a_state_file_keeps_versions_going_up_when_the_whole_job_restarts(tmp_path: Path, engines: Callable[..., TorchRefRollout]) -> None:
+    """Daemon, trainer and engine stopped together and started again, 3 times: the engine comes back
+    holding nothing, so only `daemon.state_file` knows how far the job got, and every daemon carries
+    on from it; without the file a fresh daemon starts again at 1 (what the file is for). A state
+    file the daemon cannot use is refused by name when the daemon starts."""
+    state = str(tmp_path / "versions.json")
+    r = engines("r0")
+    version = 0
+    for attempt in range(REPEATS):
+        d = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, state_file=state), token=TOKEN)
+        try:
+            assert d.register(r.name, descriptor(r))["version"] is None, "the restarted engine holds nothing"
+            for seed in (1, 2):
+                version += 1
+                sd = weights(10 * attempt + seed)
+                outcome = d.sync(StateDictSource(sd))
+                assert outcome.ok and outcome.version == version, (outcome.version, outcome.error)
+                assert exact(r, sd, version)
+        finally:
+            d.close()
+        r.process.kill()
+        r.process.wait(10)
+        r = engines("r0", port=r.rpc.port)
+    without = WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)
+    try:
+        without.register(r.name, descriptor(r))
+        assert without.sync(StateDictSource(weights(99))).version == 1
+    finally:
+        without.close()
+    (tmp_path / "junk.json").write_text("not a version")
+    for bad, says in ((tmp_path / "gone" / "v.json", "folder .* does not exist"), (tmp_path / "junk.json", "is not a version file")):
+        with pytest.raises(ValueError, match=f"daemon.state_file.*{says}"):
+            WeightSyncDaemon(config(), DaemonConfig(heartbeat_timeout_s=0, state_file=str(bad)), token=TOKEN)
+
 # --- `ckpt-engine serve` killed and restarted on its port and token ---------------------------
 def test_a_restarted_serve_gets_its_engines_back(tmp_path: Path, engines: Callable[..., TorchRefRollout], caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)

@@ -36,6 +36,10 @@ class DaemonConfig(ControlLimits):
     peer_join: bool = False
     """An engine that registers without the current version pulls it from a serving peer over NIXL
     (`ckpt_engine.elastic`, docs/elastic.md) instead of waiting for the trainer's next sync."""
+    state_file: str | None = None
+    """Where this job's highest version is kept (a small JSON file, written as versions are handed
+    out), so that a daemon started again after the whole job stopped never hands out a version the
+    job used, even before the engine holding it registers. None: what engines report is all it knows."""
     engine_lease_s: float = 60.0
     """An engine this daemon claimed stays its own while the daemon was heard from within this
     (every health probe and control call renews it); released at once on leave or close."""
@@ -58,6 +62,8 @@ class DaemonConfig(ControlLimits):
         value = self.max_resync_attempts
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(f"daemon.max_resync_attempts must be an int >= 0, got {value!r}")
+        if self.state_file is not None and (not isinstance(self.state_file, str) or not self.state_file):
+            raise ConfigError(f"daemon.state_file must be a file path (or unset), got {self.state_file!r}")
         for name in ("catch_up", "peer_join"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"daemon.{name} must be a bool, got {getattr(self, name)!r}")

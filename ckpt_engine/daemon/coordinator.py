@@ -104,7 +104,7 @@ class WeightSyncDaemon:
         self.group = job_group(self.token)
         """This job's weight-sync group id, the same for every daemon of the job (see ownership)."""
         self.membership = Membership()
-        self.versions = JobVersions()
+        self.versions = JobVersions(self.daemon_config.state_file)
         self.manifest: BucketManifest | None = None
         self.last_outcome: dict[str, Any] | None = None
         self.history: deque[dict[str, Any]] = deque(maxlen=32)

@@ -5,13 +5,21 @@ outlived the last one adopts the highest complete version they report, so its ne
 on from there instead of starting at 1 and being refused. A version labels one set of weights:
 an explicit version equal to the current one is a catch-up, allowed only to the daemon that sent
 that version (the trainer still holds the same weights); anyone else must pick a new one.
+
+A job restarted whole (daemon and trainer killed, engines restarted) would find no engine holding
+its last version until that engine registers, and issue versions again from 1. With
+`daemon.state_file` the daemon writes the highest version it handed out or heard of there (replaced
+whole, so a killed daemon leaves the old file or the new one) and starts from it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 from collections.abc import Iterable
+from pathlib import Path
 
 from ckpt_engine.versions import MAX_VERSION, MAX_VERSION_STEP, check_version
 
@@ -24,13 +32,32 @@ class JobVersions:
     """`current`: the highest complete version this job's engines hold (as far as this daemon
     knows); `sent`: the last version this daemon's own syncs completed (None: none yet)."""
 
-    def __init__(self) -> None:
+    def __init__(self, state_file: str | None = None) -> None:
         self._lock = threading.Lock()
         self.current = 0
         self.sent: int | None = None
         self.vouched = 0
         """The highest version a trusted party named: this daemon's own syncs, a trainer's report,
         the standalone daemon. Engines' reports are bounded by it (`adopt_health`)."""
+        self._state = Path(state_file) if state_file is not None else None
+        self._saved = 0
+        if self._state is not None:
+            self.current = self.vouched = self._saved = _read_state(self._state)
+            if self.current:
+                logger.info("version %d from %s: the next sync of this job is past it", self.current, self._state)
+
+    def _save(self) -> None:
+        """`vouched` to the state file when it grew (under the lock); a write that fails is logged:
+        the job goes on, and the restart it guards against falls back to what engines report."""
+        if self._state is None or self.vouched <= self._saved:
+            return
+        tmp = self._state.with_name(self._state.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps({"version": self.vouched}))
+            os.replace(tmp, self._state)
+            self._saved = self.vouched
+        except OSError as exc:
+            logger.error("could not write version %d to %s: %s", self.vouched, self._state, exc)
 
     def adopt(self, version: int | None, source: str, *, trusted: bool = True, arriving: bool = False) -> None:
         """A trusted party (or, `trusted=False`, an engine: see `adopt_health`) reports `version`
@@ -48,6 +75,7 @@ class JobVersions:
                     return
             else:
                 self.vouched = max(self.vouched, version)
+                self._save()
             if version > self.current:
                 logger.info("adopting version %d from %s (was %d)", version, source, self.current)
                 self.current = version
@@ -72,6 +100,7 @@ class JobVersions:
         with self._lock:
             self.current = max(self.current, version)
             self.sent, self.vouched = version, max(self.vouched, version)
+            self._save()
 
     def target(self, requested: int | None, holders: Iterable[str]) -> tuple[int, bool]:
         """(version of the next sync, whether it is a catch-up); ValueError before anything pauses.
@@ -96,4 +125,20 @@ class JobVersions:
         """`version` is handed to a sync: engines may report it complete before the sync returns."""
         with self._lock:
             self.vouched = max(self.vouched, version)
+            self._save()
         return version
+
+
+def _read_state(path: Path) -> int:
+    """The version a state file holds (0 when there is none yet); a file that is not one is refused by name."""
+    if not path.parent.is_dir():
+        raise ValueError(f"daemon.state_file: folder {str(path.parent)!r} does not exist")
+    if not path.exists():
+        return 0
+    try:
+        version = json.loads(path.read_text()).get("version")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"daemon.state_file {str(path)!r} is not a version file this daemon wrote ({type(exc).__name__}: {exc})") from None
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < MAX_VERSION:
+        raise ValueError(f"daemon.state_file {str(path)!r} holds version {version!r}, not a version this daemon writes")
+    return version
