@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ckpt_engine.processes import run_processes
+from ckpt_engine.benchmark.processes import run_processes
 
 logger = logging.getLogger("fsdp2_export_bench")
 

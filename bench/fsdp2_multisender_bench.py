@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ckpt_engine.processes import run_processes
+from ckpt_engine.benchmark.processes import run_processes
 from fsdp2_sync_bench import RAW_MESSAGE_BYTES, _checksum_update
 
 MODES = ("single", "multi")

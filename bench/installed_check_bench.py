@@ -44,10 +44,11 @@ from ckpt_engine.control.server import RpcServer
 from ckpt_engine.installed import InstalledRequest, digest
 from ckpt_engine.installed_held import HeldDigests
 from ckpt_engine.planning.buckets import plan_buckets
-from ckpt_engine.processes import read_ready_line
+from ckpt_engine.rollout_adapters.torch_ref.rollout import read_ready_line
 from ckpt_engine.rollout_adapters.torch_ref.models import RefModel, load_spec_file
 from ckpt_engine.rollout_adapters.torch_ref.worker import TorchRefWorker
-from ckpt_engine.rollout_adapters.torch_ref import READY_PREFIX, TOKEN_ENV, TorchRefRollout, write_spec_file
+from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
+from ckpt_engine.rollout_adapters.torch_ref.serve import READY_PREFIX, TOKEN_ENV
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sync.installed import InstalledChecks
 

@@ -96,7 +96,7 @@ def main() -> None:
     args = p.parse_args()
 
     from ckpt_engine.installed import InstalledRequest
-    from ckpt_engine.processes import run_processes
+    from ckpt_engine.benchmark.processes import run_processes
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 
     specs, sd = _weights(args.preset, args.layers)

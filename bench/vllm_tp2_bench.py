@@ -172,7 +172,7 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     from ckpt_engine.benchmark.presets import load_preset_config
-    from ckpt_engine.processes import run_processes
+    from ckpt_engine.benchmark.processes import run_processes
 
     t0 = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="vllm-tp2-bench-"))

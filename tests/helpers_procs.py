@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from ckpt_engine.processes import free_port  # noqa: F401 - the tests' port for a server they start (never hard-coded)
+from ckpt_engine.trainer.ports import free_port  # noqa: F401 - the tests' port for a server they start (never hard-coded)
 
 
 class ForkedProcess:

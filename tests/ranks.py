@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ckpt_engine.engine import Rendezvous
-from ckpt_engine.processes import run_processes
+from ckpt_engine.benchmark.processes import run_processes
 from ckpt_engine.store import serve_store
 
 

@@ -1,4 +1,4 @@
-"""`processes.free_port`: a port for a child server that takes its port by number is drawn from
+"""`trainer.ports.free_port`: a port for a child server that takes its port by number is drawn from
 below the kernel's ephemeral range, so no other process's `bind(0)` or outgoing connection can take
 it before the child binds it (the race that failed a Ray trainer group with EADDRINUSE in CI)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_engine.processes import free_port
+from ckpt_engine.trainer.ports import free_port
 
 pytestmark = pytest.mark.fast
 

@@ -21,7 +21,7 @@ import torch
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession, sync_rollout_weights
 from ckpt_engine.installed import digest, digest_share_runs, region_view, wrap64
 from ckpt_engine.planning.regions import Region
-from ckpt_engine.processes import run_processes
+from ckpt_engine.benchmark.processes import run_processes
 from ckpt_engine.rollout_adapters.torch_ref import serve
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.sharded import ShardedStateDictSource

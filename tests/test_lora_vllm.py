@@ -27,7 +27,7 @@ pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from ckpt_engine import CheckpointEngineConfig, WeightSyncSession  # noqa: E402
-from ckpt_engine.processes import free_port  # noqa: E402
+from ckpt_engine.trainer.ports import free_port  # noqa: E402
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError  # noqa: E402
 from ckpt_engine.sources.adapters import AdapterSource  # noqa: E402
 from ckpt_engine.sync.api import SyncError, close_sessions  # noqa: E402

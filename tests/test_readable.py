@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from ckpt_engine.processes import read_ready_line
+from ckpt_engine.rollout_adapters.torch_ref.rollout import read_ready_line
 from ckpt_engine.readable import readable
 
 pytestmark = pytest.mark.fast

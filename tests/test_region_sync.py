@@ -22,7 +22,7 @@ import torch
 
 from _region_trainer import region_trainer_main
 from ckpt_engine import CheckpointEngineConfig, SyncError, WeightSyncSession
-from ckpt_engine.processes import run_processes
+from ckpt_engine.benchmark.processes import run_processes
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError

@@ -23,7 +23,7 @@ from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.pipeline.region_assembly import RegionAssembly
 from ckpt_engine.pipeline.region_groups import DEFAULT_PARALLEL_SETS, RegionGroups, parallel_sets, receive_regions, send_regions, waves
 from ckpt_engine.planning.receive_sets import cut_region
-from ckpt_engine.processes import run_processes
+from ckpt_engine.benchmark.processes import run_processes
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.sharded import ShardedStateDictSource
 from ckpt_engine.engine import Rendezvous

@@ -200,7 +200,8 @@ def ms_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[TorchR
 def test_rank_1_names_a_dead_rank_0(ms_engines: list[TorchRefRollout], tmp_path: Path, piece: int) -> None:
     from _sender_trainer import trainer_main
     from ranks import forkserver_context
-    from ckpt_engine.processes import free_port, run_processes
+    from ckpt_engine.benchmark.processes import run_processes
+    from ckpt_engine.trainer.ports import free_port
 
     port = free_port()
     info = [{"name": e.name, "host": e.rpc.host, "port": e.rpc.port, "token": e.token} for e in ms_engines]

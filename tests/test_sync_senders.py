@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from _sender_trainer import trainer_main
-from ckpt_engine.processes import run_processes
+from ckpt_engine.benchmark.processes import run_processes
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from helpers_procs import free_port

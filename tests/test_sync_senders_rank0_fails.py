@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from _sender_skip_trainer import skip_trainer_main
-from ckpt_engine.processes import run_processes
+from ckpt_engine.benchmark.processes import run_processes
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from helpers_procs import free_port

@@ -377,7 +377,7 @@ def test_fsdp2_ranks_send_their_own_shards_into_vllm(tmp_path: Path, backend: st
     beside the engine hands its shard over in memory); over nixl into a TP=2 engine on the trainer's
     own GPUs 0-1 (verl's hybrid-engine placement: each engine rank pulls only its slices, from both
     trainer ranks). Away and back: the reference bytes on every engine rank."""
-    from ckpt_engine.processes import run_processes
+    from ckpt_engine.benchmark.processes import run_processes
     from helpers_procs import free_port
     from _vllm_cuda_trainer import trainer_rank
 

@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from ckpt_engine.processes import run_processes  # noqa: E402
+from ckpt_engine.benchmark.processes import run_processes  # noqa: E402
 from ckpt_engine.rollout_adapters.vllm import WORKER_EXTENSION  # noqa: E402
 from _vllm_cuda_trainer import trainer_rank  # noqa: E402
 from helpers_procs import free_port  # noqa: E402

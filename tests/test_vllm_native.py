@@ -314,7 +314,7 @@ def test_server_native_backend_takes_many_senders(native_server: VllmServer, mod
     from safetensors.torch import save_file
 
     from _native_senders_trainer import native_senders_trainer_main
-    from ckpt_engine.processes import run_processes
+    from ckpt_engine.benchmark.processes import run_processes
     from helpers_procs import free_port
     from ranks import forkserver_context
 

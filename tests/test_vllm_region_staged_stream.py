@@ -259,7 +259,7 @@ def test_tp2_http_server_receives_regions(tmp_path: Path, server: tuple[str, Pat
     from safetensors.torch import save_file
 
     from _vllm_region_trainer import vllm_region_trainer_main
-    from ckpt_engine.processes import run_processes
+    from ckpt_engine.benchmark.processes import run_processes
     from ranks import forkserver_context
 
     files = []

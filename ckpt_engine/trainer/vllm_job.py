@@ -36,7 +36,7 @@ import torch
 
 from ckpt_engine.trainer.config import JobConfig
 from ckpt_engine.trainer.tiny_qwen2 import TINY_QWEN2
-from ckpt_engine.processes import free_port
+from ckpt_engine.trainer.ports import free_port
 from ckpt_engine.store import serve_store
 
 __all__ = ["run_vllm_job", "write_model_dir"]

@@ -23,12 +23,12 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Hashable
 from typing import Any
 
 import torch
 
-from ckpt_engine.processes import read_ready_line
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.elastic.join import PeerJoinable
 from ckpt_engine.engine import Rendezvous
@@ -38,6 +38,7 @@ from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, held_in
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.control.wire import RpcClient
+from ckpt_engine.readable import readable
 from ckpt_engine.rollout_adapters.torch_ref.serve import READY_PREFIX, TOKEN_ENV, arguments
 
 __all__ = ["TorchRefRollout"]
@@ -220,3 +221,22 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+
+
+def read_ready_line(proc: subprocess.Popen[str], prefix: str, what: str, timeout_s: float) -> str:
+    """What follows `prefix` on the first line of `proc`'s stdout that starts with it (a child
+    announcing it is ready); kills the child and raises naming `what` if none comes within
+    `timeout_s` or the child exits first."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if readable(proc.stdout, 0.5):
+            line = proc.stdout.readline()
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+            if not line and proc.poll() is not None:
+                break
+        elif proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"{what} did not start within {timeout_s}s (exit code {proc.poll()})")
