@@ -47,7 +47,7 @@ def trainer_main(rank: int, port: int, engine: dict[str, Any], args: dict[str, A
 
     from ckpt_engine import CheckpointEngineConfig, WeightSyncSession, sync_rollout_weights
     from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
-    from ckpt_engine.sources.sharded import ShardedStateDictSource
+    from ckpt_engine.benchmark.sharded_source import ShardedStateDictSource
     from ckpt_engine.sync import installed, sender_follower, session
 
     torch.distributed.init_process_group(

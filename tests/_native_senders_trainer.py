@@ -18,7 +18,7 @@ def native_senders_trainer_main(rank: int, world: int, port: int, url: str, file
     from ckpt_engine import CheckpointEngineConfig, sync_rollout_weights
     from ckpt_engine.rollout_adapters.vllm import VllmRollout, WeightTransferChannel
     from ckpt_engine.rollout_adapters.vllm.clients import HTTPWeightSyncClient
-    from ckpt_engine.sources.sharded import ShardedStateDictSource
+    from ckpt_engine.benchmark.sharded_source import ShardedStateDictSource
     from ckpt_engine.sync.api import close_sessions
 
     torch.set_num_threads(1)

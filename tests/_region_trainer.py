@@ -14,7 +14,7 @@ import torch
 
 from ckpt_engine import CheckpointEngineConfig, sync_rollout_weights
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
-from ckpt_engine.sources.sharded import ShardedStateDictSource
+from ckpt_engine.benchmark.sharded_source import ShardedStateDictSource
 from regionranks import qwen2_specs, weights
 
 

@@ -16,7 +16,7 @@ def vllm_region_trainer_main(rank: int, world: int, port: int, url: str, files: 
 
     from ckpt_engine import CheckpointEngineConfig, sync_rollout_weights
     from ckpt_engine.rollout_adapters.vllm import VllmServerRollout
-    from ckpt_engine.sources.sharded import ShardedStateDictSource
+    from ckpt_engine.benchmark.sharded_source import ShardedStateDictSource
 
     torch.set_num_threads(1)
     torch.distributed.init_process_group(

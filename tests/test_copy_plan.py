@@ -20,7 +20,8 @@ import torch
 
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.registry import CheckpointEngineRegistry
-from ckpt_engine.sources.sharded import ShardedStateDictSource, iter_pieces
+from ckpt_engine.benchmark.sharded_source import ShardedStateDictSource
+from ckpt_engine.sources.sharded import iter_pieces
 from ckpt_engine.sources.base import WatchedWeights
 from ranks import run_ranks
 from roundtrip import same_bits

@@ -20,7 +20,7 @@ from ckpt_engine.engine import Rendezvous
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sources.base import StateDictSource, WatchedWeights, WeightSource
 from ckpt_engine.sources.fp8 import Fp8WireSource, ShardedFp8WireSource
-from ckpt_engine.sources.sharded import ShardedStateDictSource
+from ckpt_engine.benchmark.sharded_source import ShardedStateDictSource
 from ranks import run_ranks
 
 def _model() -> dict[str, torch.Tensor]:

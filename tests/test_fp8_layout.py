@@ -14,7 +14,7 @@ from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.regions import Region
 from ckpt_engine.planning.tp_ep import tp_ep_plan
 from ckpt_engine.sources.fp8 import Fp8WireSource, ShardedFp8WireSource, fp8_wire
-from ckpt_engine.sources.sharded import ShardedStateDictSource
+from ckpt_engine.benchmark.sharded_source import ShardedStateDictSource
 from ckpt_engine.sources.base import StateDictSource
 
 

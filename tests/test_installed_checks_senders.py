@@ -24,7 +24,7 @@ from ckpt_engine.planning.regions import Region
 from ckpt_engine.benchmark.processes import run_processes
 from ckpt_engine.rollout_adapters.torch_ref import serve
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-from ckpt_engine.sources.sharded import ShardedStateDictSource
+from ckpt_engine.benchmark.sharded_source import ShardedStateDictSource
 from helpers_procs import fork_program, free_port
 from ranks import forkserver_context
 from refengines import spawn_engine

@@ -25,7 +25,7 @@ from ckpt_engine.pipeline.region_groups import DEFAULT_PARALLEL_SETS, RegionGrou
 from ckpt_engine.planning.receive_sets import cut_region
 from ckpt_engine.benchmark.processes import run_processes
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
-from ckpt_engine.sources.sharded import ShardedStateDictSource
+from ckpt_engine.benchmark.sharded_source import ShardedStateDictSource
 from ckpt_engine.engine import Rendezvous
 from tamper import GlooEngine
 from helpers_procs import free_port

@@ -41,7 +41,8 @@ from ckpt_engine.fp8 import fp8_specs, quantizes
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.sources.fp8 import Fp8WireSource, ShardedFp8WireSource, fp8_wire
-from ckpt_engine.sources.sharded import ShardedStateDictSource, ShardedWeightSource, iter_pieces
+from ckpt_engine.benchmark.sharded_source import ShardedStateDictSource
+from ckpt_engine.sources.sharded import ShardedWeightSource, iter_pieces
 
 logger = logging.getLogger(__name__)
 
