@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from ckpt_engine.sources.wire import WirePolicy
-from ckpt_engine.sources.export_plan import decoder_layers, emit_entry, plan_export
+from ckpt_engine.sources.export_plan import emit_entry, plan_export
+from ckpt_engine.trainer.engines.common import decoder_layers
 from tests.test_trainer_fsdp2 import build_model
 
 

@@ -18,7 +18,7 @@ from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.sources.hf_names import clean_name, has_unhandled_fused_experts, unfuse_expert_specs, unfuse_experts
 from ckpt_engine.sources.wire import WirePolicy, dtype_name, torch_dtype
 
-__all__ = ["ExportEntry", "decoder_layers", "emit_entry", "plan_export"]
+__all__ = ["ExportEntry", "emit_entry", "plan_export"]
 
 
 @dataclass
@@ -34,21 +34,6 @@ class ExportEntry:
     dtype: torch.dtype  # master dtype
     specs: list[TensorSpec] = field(default_factory=list)  # what goes on the wire (1, or one per expert part)
     expert_outputs: int = 0  # fused experts: wire tensors per expert (0: not a fused expert)
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The per-layer FSDP units of a HF causal LM: modules of its `_no_split_modules` classes."""
-    classes = set(getattr(model, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in classes]
-    if not layers:
-        inner = getattr(model, "model", None)
-        layers = list(getattr(inner, "layers", []) or [])
-    if not layers:
-        raise ValueError(
-            f"cannot find the decoder layers of {type(model).__name__}: it declares no _no_split_modules "
-            "and has no model.layers; FSDP2TrainEngine wraps Hugging Face causal LMs (Qwen2/Llama family)"
-        )
-    return layers
 
 
 def plan_export(

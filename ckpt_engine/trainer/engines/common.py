@@ -16,7 +16,8 @@ import torch.distributed as dist
 from ckpt_engine.sources.wire import DEFAULT_KEEP_FP32, WirePolicy, check_float_dtype
 
 __all__ = [
-    "TrainConfig", "adamw_with_schedule", "clip_and_step", "global_grad_norm", "hf_model_from_config", "mean_loss", "resume_schedule",
+    "TrainConfig", "adamw_with_schedule", "clip_and_step", "decoder_layers", "global_grad_norm", "hf_model_from_config", "mean_loss",
+    "resume_schedule",
 ]
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,21 @@ class TrainConfig:
             return 1.0
         progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The per-layer FSDP units of a HF causal LM: modules of its `_no_split_modules` classes."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in classes]
+    if not layers:
+        inner = getattr(model, "model", None)
+        layers = list(getattr(inner, "layers", []) or [])
+    if not layers:
+        raise ValueError(
+            f"cannot find the decoder layers of {type(model).__name__}: it declares no _no_split_modules "
+            "and has no model.layers; FSDP2TrainEngine wraps Hugging Face causal LMs (Qwen2/Llama family)"
+        )
+    return layers
 
 
 def hf_model_from_config(hf_config: object, dtype: torch.dtype, **kwargs: object) -> torch.nn.Module:

@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckpt_engine.sources.export_plan import decoder_layers
 from ckpt_engine.sources.fsdp2 import FSDP2Source, check_exportable
 from ckpt_engine.sources.wire import check_float_dtype, hf_config_of, torch_dtype
 from ckpt_engine.trainer.engines.base import LossFn, TrainEngine
 from ckpt_engine.trainer.engines.common import (
-    TrainConfig, adamw_with_schedule, clip_and_step, global_grad_norm, mean_loss, resume_schedule,
+    TrainConfig, adamw_with_schedule, clip_and_step, decoder_layers, global_grad_norm, mean_loss, resume_schedule,
 )
 
 if TYPE_CHECKING:

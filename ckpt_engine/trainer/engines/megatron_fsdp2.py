@@ -33,11 +33,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ckpt_engine.sources.export_plan import decoder_layers
 from ckpt_engine.sources.megatron_fsdp2 import MegatronFSDP2Source
 from ckpt_engine.sources.wire import check_float_dtype, hf_config_of, tied_embeddings, torch_dtype
 from ckpt_engine.trainer.engines.base import LossFn, TrainEngine
-from ckpt_engine.trainer.engines.common import TrainConfig, clip_and_step, global_grad_norm, mean_loss, resume_schedule
+from ckpt_engine.trainer.engines.common import TrainConfig, clip_and_step, decoder_layers, global_grad_norm, mean_loss, resume_schedule
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
