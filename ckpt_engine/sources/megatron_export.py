@@ -1,11 +1,10 @@
-"""Megatron-core `GPTModel` <-> Hugging Face conversion (naming, layouts, TP/EP gathers).
+"""Megatron-core `GPTModel` -> Hugging Face conversion (naming, layouts, TP/EP gathers).
 
 `MegatronExporter` holds one rank's conversion plan: the HF name, shape and layout of every
-Megatron parameter (`hf_names.py` tables), the export walk of a stage (TP gathers along
-`partition_dim`, layout-aware for `linear_fc1`, experts over the EP group, `linear_qkv` -> q/k/v);
-the training engines' reverse load (`trainer/engines/megatron_load.py`) reads the same plan. The
-sources hold the process groups and the walk over stages. Collective contract: every rank of the model-parallel world
-calls `stage_specs` and `iter_local` in the same order.
+Megatron parameter (`hf_names.py` tables) and the export walk of a stage (TP gathers along
+`partition_dim`, layout-aware for `linear_fc1`, experts over the EP group, `linear_qkv` -> q/k/v).
+The sources hold the process groups and the walk over stages. Collective contract: every rank of
+the model-parallel world calls `stage_specs` and `iter_local` in the same order.
 """
 
 from __future__ import annotations
