@@ -30,16 +30,17 @@ def source(seed: int) -> StateDictSource:
 
 
 class BrokenSource(StateDictSource):
-    """Yields `fail_after` tensors, then raises as a trainer that died mid-walk would."""
+    """Yields `fail_after` tensors, then raises `error` (default: as a trainer that died mid-walk would)."""
 
-    def __init__(self, sd: dict[str, torch.Tensor], fail_after: int) -> None:
+    def __init__(self, sd: dict[str, torch.Tensor], fail_after: int, error: Exception | None = None) -> None:
         super().__init__(sd)
         self.fail_after = fail_after
+        self.error = error if error is not None else RuntimeError("trainer died")
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for i, item in enumerate(super().iter_weights()):
             if i == self.fail_after:
-                raise RuntimeError("trainer died")
+                raise self.error
             yield item
 
 

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from ckpt_engine.control.wire import RpcError
 from ckpt_engine.daemon import DaemonClient, DaemonConfig, EngineState, WeightSyncDaemon
@@ -23,6 +22,7 @@ from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sources.base import StateDictSource
 from helpers_daemon import NUM_TENSORS, TIMEOUT_S, Engines, config, descriptor, holds, start_serve, weights, write_spec
 from helpers_wait import wait_for
+from refengines import BrokenSource
 from helpers_procs import fork_program
 
 pytestmark = pytest.mark.timeout(180)
@@ -110,20 +110,6 @@ LONG_TIMEOUT_S = 120.0
 half of it, far past any normal run on a slow box."""
 
 
-class BrokenSource(StateDictSource):
-    """Yields a few tensors, then fails as a trainer bug or a lost shard would."""
-
-    def __init__(self, sd: dict[str, torch.Tensor], fail_after: int) -> None:
-        super().__init__(sd)
-        self.fail_after = fail_after
-
-    def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for i, item in enumerate(super().iter_weights()):
-            if i == self.fail_after:
-                raise OSError("shard 3 of the checkpoint is unreadable")
-            yield item
-
-
 def test_a_failing_source_is_named_and_healthy_engines_stay(engines: Engines) -> None:
     d = WeightSyncDaemon(config(LONG_TIMEOUT_S), DaemonConfig(heartbeat_timeout_s=0), token=TOKEN)
     try:
@@ -134,7 +120,7 @@ def test_a_failing_source_is_named_and_healthy_engines_stay(engines: Engines) ->
         assert d.sync(StateDictSource(sd1)).ok
 
         t0 = time.monotonic()
-        outcome = d.sync(BrokenSource(weights(2), fail_after=3))
+        outcome = d.sync(BrokenSource(weights(2), fail_after=3, error=OSError("shard 3 of the checkpoint is unreadable")))
         assert time.monotonic() - t0 < LONG_TIMEOUT_S / 2  # the engines' receives ended with the sender's, not at their timeout
         assert not outcome.ok and not outcome.dropped, outcome
         assert outcome.error is not None and "weight source BrokenSource raised OSError: shard 3 of the checkpoint is unreadable" in outcome.error
