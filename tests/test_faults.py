@@ -466,6 +466,9 @@ def test_the_discards_of_a_failed_staged_sync_wait_only_for_what_is_left_of_the_
         assert 0 < discard_wait(failed["frozen"]) <= max(DISCARD_FLOOR_S, round(left, 3)) < 10.0, failed  # 10 s: a wait of its own, min(10, timeout_s)
         late = discard_all(pool, [frozen], 30.0, time.monotonic() - 1.0)  # the deadline has passed
         assert set(late) == {"frozen"} and discard_wait(late["frozen"]) == DISCARD_FLOOR_S, late
+        # found unreachable by the failure's probe: asked, but waited for only the floor, whatever is left
+        named = discard_all(pool, [pair[0], frozen], 30.0, time.monotonic() + 20.0, unreachable={"frozen"})
+        assert set(named) == {"frozen"} and discard_wait(named["frozen"]) == DISCARD_FLOOR_S, named
     finally:
         frozen.process.send_signal(signal.SIGCONT)
         frozen.close()

@@ -51,14 +51,15 @@ def collect_failures(futures: dict[str, cf.Future[Any]], stage: str, timeout_s: 
     return failed
 
 
-def receive_failures(members: Iterable[Any], receives: dict[str, cf.Future[Any]], grace_s: float) -> dict[str, str]:
-    """{engine: reason} after a transfer: the receives that failed, or, when some member is dead,
-    only the dead ones (a receiver that merely timed out behind a dead peer is not the cause)."""
+def receive_failures(members: Iterable[Any], receives: dict[str, cf.Future[Any]], grace_s: float) -> tuple[dict[str, str], set[str]]:
+    """({engine: reason}, the unreachable) after a transfer: the receives that failed, or, when some
+    member is dead, only the dead ones (a receiver that merely timed out behind a dead peer is not
+    the cause). The unreachable (no answer to a health probe) are not waited for again."""
     failed = collect_failures(receives, "receive", grace_s)
     if not failed:
-        return failed
+        return failed, set()
     dead = {name: f"died or froze during the transfer (no answer to a health probe: {exc})" for name, exc in probe_all(members).items()}
-    return dead if dead else failed
+    return (dead, set(dead)) if dead else (failed, set())
 
 
 def probe_all(members: Iterable[Any]) -> dict[str, Exception]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from ckpt_engine.rollout_adapters.capabilities import lacking
@@ -99,16 +99,22 @@ def failure_deadline(timeout_s: float, sent: float) -> float:
     return sent + 2 * timeout_s + DISCARD_FLOOR_S
 
 
-def discard_all(pool: cf.Executor, rollouts: Sequence[RolloutAdapter], timeout_s: float, deadline: float | None = None) -> dict[str, str]:
+def discard_all(
+    pool: cf.Executor, rollouts: Sequence[RolloutAdapter], timeout_s: float, deadline: float | None = None, unreachable: Collection[str] = (),
+) -> dict[str, str]:
     """Every engine drops what it staged (a failed staged stream); {engine: why} for those that
     could not (dead or unreachable: they are stale). With `deadline` (`failure_deadline`) the
     discards are waited for only until then (at least `DISCARD_FLOOR_S`): the waits before them
-    (the receivers' answers, the probe) already took most of the failure's bound."""
+    (the receivers' answers, the probe) already took most of the failure's bound. An engine in
+    `unreachable` (its health probe of this failure got no answer) is asked too but waited for only
+    `DISCARD_FLOOR_S`: it is stale whatever it answers late, and a frozen one would hold the failure
+    up for the whole wait."""
     wait_s = min(10.0, timeout_s)
     if deadline is not None:
         wait_s = min(wait_s, max(DISCARD_FLOOR_S, deadline - time.monotonic()))
     futures = {r.name: pool.submit(r.discard) for r in rollouts}
-    failed = collect_failures(futures, "discard", round(wait_s, 3))
+    failed = collect_failures({n: f for n, f in futures.items() if n not in unreachable}, "discard", round(wait_s, 3))
+    failed.update(collect_failures({n: f for n, f in futures.items() if n in unreachable}, "discard", DISCARD_FLOOR_S))
     return {name: f"could not drop its staged version ({why})" for name, why in failed.items()}
 
 

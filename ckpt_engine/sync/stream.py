@@ -26,7 +26,7 @@ from ckpt_engine.engine import CheckpointEngine, SendStats
 
 __all__ = ["Break", "SyncStream"]
 
-Break = Callable[[dict[str, str], bool, float | None], list[str]]
+Break = Callable[[dict[str, str], bool, float | None, set[str]], list[str]]
 """The session's reaction to a failed stream: (failed engines, probe the rest for dead ones, the
 failure's deadline or None) -> the engines now stale. It drops the group and leaves the engines
 stale (or discards staging, waiting no later than the deadline: `staging.failure_deadline`)."""
@@ -55,7 +55,7 @@ class SyncStream:
             failed = self._senders.not_ready(source)  # type: ignore[arg-type]  # with TP helpers: every rank ready first
             if failed:
                 # the engines only validated and paused: stale, not dead
-                raise SyncError("transfer", failed, self._broken({}, False, None))
+                raise SyncError("transfer", failed, self._broken({}, False, None, set()))
         extra: dict[str, Any] = {k: v for k, v in (("delta", request), ("stage", stage)) if v is not None}  # only what is used
         receives = {r.name: self._pool.submit(r.receive, manifest, **extra) for r in rollouts}
         try:
@@ -69,13 +69,13 @@ class SyncStream:
             sent()
         deadline = failure_deadline(self.config.timeout_s, time.monotonic())
         followers = self._senders.failed(None) if senders > 1 else {}
-        failed = receive_failures(rollouts, receives, grace_s=self.config.timeout_s) if not followers else {}
+        failed, unreachable = receive_failures(rollouts, receives, grace_s=self.config.timeout_s) if not followers else ({}, set())
         failed.update(followers)
         if failed:
             if followers:
                 engine.finalize()  # wake receivers still waiting on a dead sender's group
                 failed.update(collect_failures(receives, "receive", min(5.0, self.config.timeout_s)))
-            stale = self._broken(failed, not followers, deadline)
+            stale = self._broken(failed, not followers, deadline, unreachable)
             raise SyncError("transfer", failed, stale)
         return stats, {name: f.result() for name, f in receives.items()}
 
@@ -101,12 +101,12 @@ class SyncStream:
             # sync's first call to it, past that call's own bound. (Staged, the discards that follow
             # end the waits.)
             collect_failures(receives, "receive", min(5.0, self.config.timeout_s) if staged else max(0.0, deadline - time.monotonic()))
-            raise SyncError("transfer", {SOURCE: sender_error}, self._broken({}, False, deadline)) from exc
-        failed = receive_failures(rollouts, receives, grace_s=min(5.0, self.config.timeout_s))
+            raise SyncError("transfer", {SOURCE: sender_error}, self._broken({}, False, deadline, set())) from exc
+        failed, unreachable = receive_failures(rollouts, receives, grace_s=min(5.0, self.config.timeout_s))
         failed.update(followers)
         if not failed:
             failed["sender"] = sender_error
-        stale = self._broken(failed, True, deadline)
+        stale = self._broken(failed, True, deadline, unreachable)
         raise SyncError("transfer", failed, stale, sender_error=sender_error if "sender" not in failed else None) from exc
 
 
