@@ -26,7 +26,6 @@ from collections.abc import Callable
 
 import torch
 
-from ckpt_engine.delta import pieces
 from ckpt_engine.delta.pieces import ScatteredImage, pair_delta
 
 # Qwen2.5-7B's tensors of one layer in bf16 elements (q, q bias, k, k bias, v, v bias, o, gate,
@@ -133,8 +132,6 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=1.0, help="bucket size in GiB")
     ap.add_argument("--changed", type=float, nargs="+", default=[0.02, 0.13], help="fractions of words changed")
     ap.add_argument("--regions", type=int, default=30, help="tensors the bucket is spread over")
-    ap.add_argument("--blocks", type=int, nargs="+", default=[pieces.BLOCK], help="positions per program to try")
-    ap.add_argument("--warps", type=int, nargs="+", default=[pieces.NUM_WARPS], help="warps per program to try")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the rows to this path")
@@ -142,21 +139,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("this probe needs a CUDA GPU (and Triton)")
     rows = []
-    for block in args.blocks:
-        for warps in args.warps:
-            pieces.BLOCK, pieces.NUM_WARPS = block, warps
-            for changed in args.changed:
-                row = probe(args.gib, changed, args.regions, args.reps, args.seed)
-                row.update(block=float(block), warps=float(warps))
-                rows.append(row)
-                torch.cuda.empty_cache()
-    head = f"{'changed':>7} {'block':>5} {'warps':>5} {'old ms':>8} {'+range':>7} {'swap ms':>8} {'vs before':>9} match"
+    for changed in args.changed:
+        rows.append(probe(args.gib, changed, args.regions, args.reps, args.seed))
+        torch.cuda.empty_cache()
+    head = f"{'changed':>7} {'old ms':>8} {'+range':>7} {'swap ms':>8} {'vs before':>9} match"
     print(f"{torch.cuda.get_device_name()}: {args.gib} GiB bucket of int32 words in {args.regions} tensors, median of {args.reps}")
     print(head)
     for r in rows:
         speedup = (r["old_s"] + r["old_range_s"]) / r["swap_s"]
         print(
-            f"{r['changed']:>7.2%} {int(r['block']):>5} {int(r['warps']):>5} {r['old_s'] * 1e3:>8.3f} {r['old_range_s'] * 1e3:>7.3f} "
+            f"{r['changed']:>7.2%} {r['old_s'] * 1e3:>8.3f} {r['old_range_s'] * 1e3:>7.3f} "
             f"{r['swap_s'] * 1e3:>8.3f} {speedup:>8.2f}x {bool(r['match'])}"
         )
     if args.json:

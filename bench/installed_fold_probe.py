@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from bench.delta_apply_probe import _timed
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # a sibling script, run as `python bench/...`
+from delta_apply_probe import _timed  # noqa: E402
 
 
 def device_ms(fn: Callable[[], object], iters: int) -> float:

@@ -13,13 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.lora_sync_bench import adapter, module_shapes
-from ckpt_engine.lora_format import ADAPTER_CONFIG, LoraSpec
-from ckpt_engine.rollout_adapters.sglang.lora import write_peft_folder
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # a sibling script, run as `python bench/...`
+from lora_sync_bench import adapter, module_shapes  # noqa: E402
+from ckpt_engine.lora_format import ADAPTER_CONFIG, LoraSpec  # noqa: E402
+from ckpt_engine.rollout_adapters.sglang.lora import write_peft_folder  # noqa: E402
 
 
 def main() -> None:

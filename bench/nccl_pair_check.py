@@ -4,9 +4,9 @@ engine is involved."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
-import os
-import sys
+import socket
 import time
 
 import torch
@@ -31,6 +31,12 @@ def rank_main(rank: int, devices: list[int], port: int) -> None:
 
 
 if __name__ == "__main__":
-    devices = [int(d) for d in (sys.argv[1:] or ["1", "0"])]
-    port = 29000 + os.getpid() % 2000
-    mp.spawn(rank_main, args=(devices, port), nprocs=2, join=True)
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("devices", type=int, nargs="*", default=[1, 0], help="the two GPUs, sender first (default: 1 0)")
+    args = ap.parse_args()
+    if len(args.devices) != 2:
+        raise SystemExit(f"two GPU indices, sender first; got {args.devices}")
+    with socket.socket() as s:  # a free port for the rendezvous, found now
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(rank_main, args=(args.devices, port), nprocs=2, join=True)
