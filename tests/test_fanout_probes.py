@@ -160,3 +160,31 @@ def test_one_engine_frozen_in_a_step_is_named_within_the_sessions_timeout_not_th
         os.kill(engine.process.pid, signal.SIGCONT)
         session.close()
         engine.close()
+
+
+class AliveAfterItsReceive:
+    """A live engine whose receive answers (with its own error) only once its health was probed."""
+
+    def __init__(self, name: str, receive: cf.Future[object]) -> None:
+        self.name, self.receive, self.probed = name, receive, threading.Event()
+
+    def health(self) -> dict[str, object]:
+        self.probed.set()
+        return {}
+
+    def answer_once_probed(self) -> None:
+        if self.probed.wait(BARRIER_S):
+            self.receive.set_exception(RuntimeError("its receive's own error"))
+
+
+def test_after_a_failed_send_the_probes_run_beside_the_wait_for_the_receives() -> None:
+    """A send that failed: the probes start with the wait for the receives' answers, not after it,
+    so a frozen engine costs one wait (probed after the wait, this receive would be named by a
+    timeout of the wait instead of its own error)."""
+    receive: cf.Future[object] = cf.Future()
+    member = AliveAfterItsReceive("a", receive)
+    answering = threading.Thread(target=member.answer_once_probed, daemon=True)
+    answering.start()
+    failed, unreachable = receive_failures([member], {"a": receive}, grace_s=2.0, failing=True)
+    assert failed == {"a": "RuntimeError: its receive's own error"} and unreachable == set(), failed
+    answering.join(BARRIER_S)

@@ -51,14 +51,28 @@ def collect_failures(futures: dict[str, cf.Future[Any]], stage: str, timeout_s: 
     return failed
 
 
-def receive_failures(members: Iterable[Any], receives: dict[str, cf.Future[Any]], grace_s: float) -> tuple[dict[str, str], set[str]]:
+def receive_failures(
+    members: Iterable[Any], receives: dict[str, cf.Future[Any]], grace_s: float, failing: bool = False,
+) -> tuple[dict[str, str], set[str]]:
     """({engine: reason}, the unreachable) after a transfer: the receives that failed, or, when some
     member is dead, only the dead ones (a receiver that merely timed out behind a dead peer is not
-    the cause). The unreachable (no answer to a health probe) are not waited for again."""
+    the cause). The unreachable (no answer to a health probe) are not waited for again. `failing`:
+    the transfer has failed already (the send raised), so the probes start now, beside the wait for
+    the receives' answers: a frozen engine costs one of the two waits, not both. (A probe beside a
+    receive in flight is what the sequential order met after a receive's timeout: the reference
+    receiver and vLLM's HTTP route probe over a connection of their own, an in-process vLLM reads
+    its engine core's state.)"""
+    members = list(members)
+    probing: cf.Future[dict[str, Exception]] | None = None
+    if failing:
+        alongside = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-probe-all")
+        probing = alongside.submit(probe_all, members)
+        alongside.shutdown(wait=False)  # each probe ends within its own call's bound
     failed = collect_failures(receives, "receive", grace_s)
     if not failed:
         return failed, set()
-    dead = {name: f"died or froze during the transfer (no answer to a health probe: {exc})" for name, exc in probe_all(members).items()}
+    errors = probing.result() if probing is not None else probe_all(members)
+    dead = {name: f"died or froze during the transfer (no answer to a health probe: {exc})" for name, exc in errors.items()}
     return (dead, set(dead)) if dead else (failed, set())
 
 

@@ -102,7 +102,7 @@ class SyncStream:
             # end the waits.)
             collect_failures(receives, "receive", min(5.0, self.config.timeout_s) if staged else max(0.0, deadline - time.monotonic()))
             raise SyncError("transfer", {SOURCE: sender_error}, self._broken({}, False, deadline, set())) from exc
-        failed, unreachable = receive_failures(rollouts, receives, grace_s=min(5.0, self.config.timeout_s))
+        failed, unreachable = receive_failures(rollouts, receives, grace_s=min(5.0, self.config.timeout_s), failing=True)
         failed.update(followers)
         if not failed:
             failed["sender"] = sender_error
