@@ -18,7 +18,8 @@ import re
 import subprocess
 
 LIBRARY = re.compile(r"ckpt_engine/(?!(trainer|benchmark|plan)/).*\.py$")
-ISSUE = re.compile(r"[Ii]ssues? (\d+)")
+ISSUE = re.compile(r"[Ii]ssues? (\d+(?:(?:, | and |/)\d+)*)")
+"""An issue or a list of them (`issues 40, 42`, `issues 39 and 42`): each is named."""
 
 # Untagged commits, by subject, first match wins. Issue 40's own phrases come first: its cuts
 # name the structure they change; the other issues' name their feature.
@@ -55,7 +56,7 @@ def commits(since: str) -> list[tuple[str, str, int]]:
 
 def owner(message: str) -> tuple[str, bool]:
     """The issues a commit belongs to ("39,42"), and whether its message named them."""
-    named = sorted(set(ISSUE.findall(message)), key=int)
+    named = sorted({n for found in ISSUE.findall(message) for n in re.findall(r"\d+", found)}, key=int)
     if named:
         return ",".join(named), True
     subject = message.strip().splitlines()[0] if message.strip() else ""
