@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ckpt_engine.trainer.ports import free_port
 
 
 def rank_main(rank: int, devices: list[int], port: int) -> None:
@@ -36,7 +37,4 @@ if __name__ == "__main__":
     args = ap.parse_args()
     if len(args.devices) != 2:
         raise SystemExit(f"two GPU indices, sender first; got {args.devices}")
-    with socket.socket() as s:  # a free port for the rendezvous, found now
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(args.devices, port), nprocs=2, join=True)
+    mp.spawn(rank_main, args=(args.devices, free_port()), nprocs=2, join=True)

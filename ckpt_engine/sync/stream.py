@@ -28,8 +28,9 @@ __all__ = ["Break", "SyncStream"]
 
 Break = Callable[[dict[str, str], bool, float | None, set[str]], list[str]]
 """The session's reaction to a failed stream: (failed engines, probe the rest for dead ones, the
-failure's deadline or None, the engines its probe found unreachable) -> the engines now stale. It drops the group and leaves the engines
-stale (or discards staging, waiting no later than the deadline: `staging.failure_deadline`)."""
+failure's deadline or None, the engines its probe found unreachable) -> the engines now stale.
+It drops the group and leaves the engines stale (or discards staging, waiting no later than the
+deadline: `staging.failure_deadline`)."""
 
 
 class SyncStream:
