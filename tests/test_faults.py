@@ -135,16 +135,35 @@ def wait_streaming(engine: TorchRefRollout, before: int) -> None:
         time.sleep(0.005)
 
 
+def probed_at(engine: TorchRefRollout, at: list[float]) -> None:
+    """Note the monotonic time of each of `engine`'s health calls in `at` (by this handle)."""
+    health = type(engine).health
+
+    def noted() -> dict:
+        at.append(time.monotonic())
+        return health(engine)
+
+    engine.health = noted  # type: ignore[method-assign]
+
+
 def test_receiver_sigkill(spec_file: str, pair: list[TorchRefRollout], tmp_path: Path) -> None:
+    """A receiver killed mid-stream is named dead within the bound; the survivors keep their old
+    version, are free for the next sync, and are probed once each after the failure (the probe that
+    found the victim dead; the group's break does not probe them again)."""
     seed, fault_file = 100, tmp_path / "fault"
     for _ in range(REPEAT):
         victim = spawn(spec_file, "victim", fault_file=fault_file)
+        probes: dict[str, list[float]] = {e.name: [] for e in pair}
         try:
             session = WeightSyncSession([*pair, victim], CFG)
             base = session.sync(source(seed)).version
+            for e in pair:
+                probed_at(e, probes[e.name])
             t, errors = start_faulted(session, source(seed + 1), fault_file, signal.SIGKILL)
             t.join(TIMEOUT_S + GRACE_S + 10)
             elapsed = time.monotonic() - fault_moment(fault_file)
+            after = {name: sum(at > fault_moment(fault_file) for at in ats) for name, ats in probes.items()}
+            assert after == {e.name: 1 for e in pair}, f"health probes of each survivor after the fault: {after}"
             assert not t.is_alive(), "the sender hung"
             assert victim.process.wait(TIMEOUT_S) == -signal.SIGKILL, "the victim did not die of its SIGKILL"
             assert len(errors) == 1 and isinstance(errors[0], SyncError), errors
@@ -158,6 +177,8 @@ def test_receiver_sigkill(spec_file: str, pair: list[TorchRefRollout], tmp_path:
             session.close()
         finally:
             victim.close()
+            for e in pair:
+                vars(e).pop("health", None)  # the class's again
         seed += 2
         assert assert_healed(pair, seed).version > base
 

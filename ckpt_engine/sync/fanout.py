@@ -56,7 +56,8 @@ def receive_failures(
 ) -> tuple[dict[str, str], set[str]]:
     """({engine: reason}, the unreachable) after a transfer: the receives that failed, or, when some
     member is dead, only the dead ones (a receiver that merely timed out behind a dead peer is not
-    the cause). The unreachable (no answer to a health probe) are not waited for again. `failing`:
+    the cause). Each member is probed at most once, and only once the transfer failed; the caller
+    probes no more. The unreachable are not waited for again. `failing`:
     the transfer has failed already (the send raised), so the probes start now, beside the wait for
     the receives' answers: a frozen engine costs one of the two waits, not both. (A probe beside a
     receive in flight is what the sequential order met after a receive's timeout: the reference
@@ -69,7 +70,7 @@ def receive_failures(
         probing = alongside.submit(probe_all, members)
         alongside.shutdown(wait=False)  # each probe ends within its own call's bound
     failed = collect_failures(receives, "receive", grace_s)
-    if not failed:
+    if not failed and probing is None:
         return failed, set()
     errors = probing.result() if probing is not None else probe_all(members)
     dead = {name: f"died or froze during the transfer (no answer to a health probe: {exc})" for name, exc in errors.items()}

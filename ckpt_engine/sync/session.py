@@ -164,21 +164,21 @@ class WeightSyncSession:
             raise SyncError(stage, failed, self._break(failed))
         return answers
 
-    def _break(self, failed: dict[str, str], probe: bool = True, deadline: float | None = None, unreachable: Collection[str] = ()) -> list[str]:
-        """Mark the group for rebuild and every engine stale; find the dead ones by name. A staged
-        stream that failed: every engine discards what it staged and stays fresh (its live weights
-        were never touched); only an engine that cannot discard (dead) is stale; the discards are
-        waited for no later than `deadline` (the failed stream's, `staging.failure_deadline`), the
-        `unreachable` (no answer to this failure's probe) only briefly.
-        Returns the stale."""
+    def _break(self, failed: dict[str, str], deadline: float | None = None, unreachable: Collection[str] | None = None) -> list[str]:
+        """Mark the group for rebuild and every engine stale; find the dead ones by name (a health
+        probe of the rest, unless this failure probed them already: `unreachable` is what it found).
+        A staged stream that failed: every engine discards what it staged and stays fresh (its live
+        weights were never touched); only an engine that cannot discard (dead) is stale; the
+        discards are waited for no later than `deadline` (the failed stream's,
+        `staging.failure_deadline`), the `unreachable` only briefly. Returns the stale."""
         self._group.ready = False
         self._delta.failed()
         if self._staging is not None:
             self._staging = None
-            for name, why in discard_all(self._pool, self.rollouts, self.config.timeout_s, deadline, unreachable).items():
+            for name, why in discard_all(self._pool, self.rollouts, self.config.timeout_s, deadline, unreachable or ()).items():
                 self.stale.add(name)
                 failed.setdefault(name, why)
-        elif probe:
+        elif unreachable is None:
             mark_stale_and_probe(self.rollouts, failed, self.stale)
         else:
             self.stale.update(r.name for r in self.rollouts)

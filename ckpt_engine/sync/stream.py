@@ -26,9 +26,10 @@ from ckpt_engine.engine import CheckpointEngine, SendStats
 
 __all__ = ["Break", "SyncStream"]
 
-Break = Callable[[dict[str, str], bool, float | None, set[str]], list[str]]
-"""The session's reaction to a failed stream: (failed engines, probe the rest for dead ones, the
-failure's deadline or None, the engines its probe found unreachable) -> the engines now stale.
+Break = Callable[[dict[str, str], float | None, set[str]], list[str]]
+"""The session's reaction to a failed stream: (failed engines, the failure's deadline or None, the
+engines its probe found unreachable: every engine was probed once already, or need not be) -> the
+engines now stale.
 It drops the group and leaves the engines stale (or discards staging, waiting no later than the
 deadline: `staging.failure_deadline`)."""
 
@@ -56,7 +57,7 @@ class SyncStream:
             failed = self._senders.not_ready(source)  # type: ignore[arg-type]  # with TP helpers: every rank ready first
             if failed:
                 # the engines only validated and paused: stale, not dead
-                raise SyncError("transfer", failed, self._broken({}, False, None, set()))
+                raise SyncError("transfer", failed, self._broken({}, None, set()))
         extra: dict[str, Any] = {k: v for k, v in (("delta", request), ("stage", stage)) if v is not None}  # only what is used
         receives = {r.name: self._pool.submit(r.receive, manifest, **extra) for r in rollouts}
         try:
@@ -76,7 +77,7 @@ class SyncStream:
             if followers:
                 engine.finalize()  # wake receivers still waiting on a dead sender's group
                 failed.update(collect_failures(receives, "receive", min(5.0, self.config.timeout_s)))
-            stale = self._broken(failed, not followers, deadline, unreachable)
+            stale = self._broken(failed, deadline, unreachable)
             raise SyncError("transfer", failed, stale)
         return stats, {name: f.result() for name, f in receives.items()}
 
@@ -102,12 +103,12 @@ class SyncStream:
             # sync's first call to it, past that call's own bound. (Staged, the discards that follow
             # end the waits.)
             collect_failures(receives, "receive", min(5.0, self.config.timeout_s) if staged else max(0.0, deadline - time.monotonic()))
-            raise SyncError("transfer", {SOURCE: sender_error}, self._broken({}, False, deadline, set())) from exc
+            raise SyncError("transfer", {SOURCE: sender_error}, self._broken({}, deadline, set())) from exc
         failed, unreachable = receive_failures(rollouts, receives, grace_s=min(5.0, self.config.timeout_s), failing=True)
         failed.update(followers)
         if not failed:
             failed["sender"] = sender_error
-        stale = self._broken(failed, True, deadline, unreachable)
+        stale = self._broken(failed, deadline, unreachable)
         raise SyncError("transfer", failed, stale, sender_error=sender_error if "sender" not in failed else None) from exc
 
 
