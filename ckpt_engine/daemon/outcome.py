@@ -96,6 +96,11 @@ class OneWalkPerAttempt(WeightSource):
         self.error_in_walk = False
         """The source raised while being walked (engines were paused and may hold part of it)."""
 
+    @property
+    def device(self) -> torch.device | None:
+        """The source's: the session fixes the sender's device from it (`WeightSource.device`)."""
+        return self.source.device
+
     def metadata(self) -> list[TensorSpec]:
         try:
             return self.source.metadata()
