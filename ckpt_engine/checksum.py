@@ -21,7 +21,7 @@ def bucket_checksum(data: torch.Tensor) -> torch.Tensor:
     if data.dtype != torch.uint8 or data.dim() != 1 or data.numel() % 8:
         raise ValueError("bucket_checksum takes a 1-D uint8 tensor whose length is a multiple of 8")
     if data.device.type == "cpu":
-        crc = zlib.crc32(memoryview(data.numpy()))
+        crc = zlib.crc32(data.numpy().data)
         return torch.tensor([crc, data.numel()], dtype=torch.int64)
     words = data.view(torch.int32)
     total = torch.zeros(2, dtype=torch.int64, device=data.device)

@@ -14,6 +14,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -83,7 +84,8 @@ class LoraSpec:
             raise ValueError(f"{ADAPTER_CONFIG}: expected a PEFT LoRA config, got {str(d)[:120]}")
         targets = d.get("target_modules")
         targets = [targets] if isinstance(targets, str) else targets
-        return cls(d.get("r"), d.get("lora_alpha"), tuple(targets or ()), bool(d.get("use_rslora", False)))
+        # rank and alpha as sent: __post_init__ refuses a missing or malformed one
+        return cls(cast(int, d.get("r")), cast(float, d.get("lora_alpha")), tuple(targets or ()), bool(d.get("use_rslora", False)))
 
     @classmethod
     def from_peft(cls, config: object) -> LoraSpec:

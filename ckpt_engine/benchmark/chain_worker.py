@@ -33,7 +33,7 @@ from ckpt_engine.benchmark.presets import checkpoint_specs, load_preset_config
 from ckpt_engine.benchmark.raw_link import broadcast_bytes, raw_message_bytes
 from ckpt_engine.benchmark.tracing import traced
 from ckpt_engine.benchmark.versions import AdamWChain, FileVersions, MemoryVersions, host_available_bytes
-from ckpt_engine.benchmark.worker import weights_checksum
+from ckpt_engine.benchmark.worker import pipelined, weights_checksum
 from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import Rendezvous
@@ -65,10 +65,10 @@ class ChainRank:
         self.rdzv = Rendezvous(args.host, args.port, args.token, self.world, args.backend, args.timeout_s, self.senders)
         self.store = self.rdzv.connect_store()
         self._barriers = 0
-        self.engine = CheckpointEngineRegistry.new(
+        self.engine = pipelined(CheckpointEngineRegistry.new(
             args.backend, bucket_size_bytes=int(args.bucket_mb * (1 << 20)) // 4096 * 4096, num_buffers=args.buffers,
             timeout_s=args.timeout_s, device=self.device, **json.loads(args.engine_kwargs),
-        )
+        ))
         held = self.specs if self.is_sender else self.wire_specs  # senders hold the trainer's versions
         self.names = [s.name for s in held]
         self.tensors = [torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=self.device) for s in held]

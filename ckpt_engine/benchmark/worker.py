@@ -26,7 +26,8 @@ from ckpt_engine.benchmark.raw_link import broadcast_bytes, copy_bytes, raw_mess
 from ckpt_engine.benchmark.tracing import traced
 from ckpt_engine.checksum import bucket_checksum
 from ckpt_engine.copies import batched_copy_
-from ckpt_engine.engine import Rendezvous
+from ckpt_engine.engine import CheckpointEngine, Rendezvous
+from ckpt_engine.pipeline.engine import PipelinedEngine
 from ckpt_engine.registry import CheckpointEngineRegistry
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,13 @@ def weights_checksum(tensors: list[torch.Tensor]) -> list[int]:
     return total.tolist()
 
 
+def pipelined(engine: CheckpointEngine) -> PipelinedEngine:
+    """`engine` as a transport backend's: the raw modes measure its transport's own groups."""
+    if not isinstance(engine, PipelinedEngine):
+        raise TypeError(f"the bench needs a transport backend (a PipelinedEngine), got {type(engine).__name__}")
+    return engine
+
+
 class BenchRank:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -74,7 +82,7 @@ class BenchRank:
         self.specs = checkpoint_specs(config, dtype=args.dtype, num_layers=args.layers)
         self.rdzv = Rendezvous(args.host, args.port, args.token, args.world_size, args.backend, args.timeout_s)
         self.store = self.rdzv.connect_store()
-        self.engine = CheckpointEngineRegistry.new(
+        self.engine = pipelined(CheckpointEngineRegistry.new(
             args.backend,
             bucket_size_bytes=int(args.bucket_mb * (1 << 20)) // 4096 * 4096,
             num_buffers=args.buffers,
@@ -82,7 +90,7 @@ class BenchRank:
             device=self.device,
             solo_bytes=None if args.solo_mb is None else int(args.solo_mb * (1 << 20)),
             **json.loads(args.engine_kwargs),
-        )
+        ))
         self.tensors = [torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=self.device) for s in self.specs]
         for i, t in enumerate(self.tensors):
             if self.rank == 0:

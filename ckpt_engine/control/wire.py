@@ -152,7 +152,9 @@ class RpcClient:
         if not isinstance(reply, dict) or reply.get("id") != req_id or not isinstance(reply.get("ok"), bool):
             raise WireError(f"{method}: malformed reply from {self.host}:{self.port}")
         if not reply["ok"]:
-            err = reply.get("error") if isinstance(reply.get("error"), dict) else {}
+            err = reply.get("error")
+            if not isinstance(err, dict):
+                err = {}
             raise RpcError(method, str(err.get("type", "Error")), str(err.get("message", "")))
         return reply.get("result")
 

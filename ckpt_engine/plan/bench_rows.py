@@ -72,6 +72,11 @@ def _link_rate(cal: Calibration, gpu: str) -> float:
     return GPUS[gpu].nvlink_gbs * 1e9 * cal.nvlink_eff
 
 
+def _broadcast_pred(nbytes: float, msgs: int, gpu: str) -> Callable[[Calibration], float]:
+    """A link row's prediction, its numbers bound now (rows are built in loops)."""
+    return lambda cal: broadcast_s(nbytes, msgs, _link_rate(cal, gpu), cal)
+
+
 def _bench_rows(path: Path, d: dict[str, Any]) -> list[MeasuredRow]:
     if d.get("device") != "cuda" or d.get("backend") != "nccl":
         return []  # CPU/gloo files: loopback sockets, not a link this model describes
@@ -91,7 +96,7 @@ def _bench_rows(path: Path, d: dict[str, Any]) -> list[MeasuredRow]:
         if mode in d["modes"]:
             rows.append(MeasuredRow(
                 f"{tag} {mode}", name, mode, d["modes"][mode]["best_s"],
-                lambda cal, b=nbytes, n=msgs: broadcast_s(b, n, _link_rate(cal, gpu), cal),
+                _broadcast_pred(nbytes, msgs, gpu),
                 link=(nbytes, msgs), note=note if mode != "raw" else "", gpu=gpu,
             ))
     if "ours" in d["modes"]:
@@ -101,7 +106,7 @@ def _bench_rows(path: Path, d: dict[str, Any]) -> list[MeasuredRow]:
             model, trainer, rollout, links, bucket_bytes=int(d["bucket_mb"] * 2**20), num_buffers=int(d.get("buffers") or 2),
             loader="inplace" if d.get("in_place") else "copy", export="none", group_max_tensors=group_max, num_buckets=buckets,
         )
-        rows.append(MeasuredRow(f"{tag} ckpt-engine", name, "sync", d["modes"]["ours"]["best_s"], lambda cal, s=setup: predict(s, cal).total_s, setup=setup, note=note))
+        rows.append(MeasuredRow(f"{tag} ckpt-engine", name, "sync", d["modes"]["ours"]["best_s"], lambda cal: predict(setup, cal).total_s, setup=setup, note=note))
     return rows
 
 
@@ -125,7 +130,7 @@ def _fsdp2_export_rows(path: Path, d: dict[str, Any]) -> list[MeasuredRow]:
         _export_row("qwen2.5-7b FSDP2 export (gather per unit)", name, d["export_s"], export_features(b, w, units, t, gpu)),
         _export_row("qwen2.5-7b FSDP2 export (gather per parameter)", name, d["per_param_allgather_s"], export_features(b, w, t, t, gpu)),
         MeasuredRow("qwen2.5-7b raw broadcast (1 GiB messages)", name, "bucketed", d["raw_broadcast_s"],
-                    lambda cal, b=b: broadcast_s(b, -(-int(b) // 2**30), _link_rate(cal, gpu), cal), link=(b, -(-int(b) // 2**30)), gpu=gpu),
+                    _broadcast_pred(b, -(-int(b) // 2**30), gpu), link=(b, -(-int(b) // 2**30)), gpu=gpu),
     ]
 
 

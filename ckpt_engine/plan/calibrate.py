@@ -68,11 +68,11 @@ def link_efficiency(cal: Calibration, gpu: str, message_bytes: float) -> float:
 
 
 def _fit_link(rows: list[MeasuredRow], cal: Calibration) -> Calibration:
-    pts = [r for r in rows if r.kind in ("raw", "bucketed", "naive") and r.link is not None]
+    pts = [(r, r.link) for r in rows if r.kind in ("raw", "bucketed", "naive") and r.link is not None]
     if not pts:
         return cal
     # one efficiency for every GPU type: bytes are scaled by each row's own NVLink peak
-    latency, inv = nnls([[float(r.link[1]), r.link[0] / (GPUS[r.gpu].nvlink_gbs * 1e9)] for r in pts], [r.measured_s for r in pts])
+    latency, inv = nnls([[float(n), b / (GPUS[r.gpu].nvlink_gbs * 1e9)] for r, (b, n) in pts], [r.measured_s for r, _ in pts])
     return replace(cal, msg_latency_s=latency, nvlink_eff=min(1.0, 1 / inv))
 
 
@@ -92,19 +92,19 @@ def _fit_export(rows: list[MeasuredRow], cal: Calibration) -> Calibration:
 
 
 def _fit_overheads(rows: list[MeasuredRow], cal: Calibration) -> Calibration:
-    pts = [r for r in rows if r.kind == "sync" and r.setup is not None and not r.note]
+    pts = [(r, r.setup) for r in rows if r.kind == "sync" and r.setup is not None and not r.note]
     if not pts:
         return cal
     bare = replace(cal, bucket_overhead_s=0.0, packed_tensor_s=0.0, copy_interference=0.0)
     feats, targets = [], []
-    for r in pts:
-        p0 = predict(r.setup, bare)
-        copy_s = predict(r.setup, replace(bare, copy_interference=1.0)).stages["overhead"]
-        packed = p0.detail["packed"] * r.setup.model.num_tensors
+    for r, setup in pts:
+        p0 = predict(setup, bare)
+        copy_s = predict(setup, replace(bare, copy_interference=1.0)).stages["overhead"]
+        packed = p0.detail["packed"] * setup.model.num_tensors
         feats.append([float(p0.num_buckets), packed, copy_s])
         targets.append(max(r.measured_s - p0.total_s, 1e-9))
     # weight by the measured sync time, not the residual: fit the residual in absolute seconds
-    scale = [r.measured_s for r in pts]
+    scale = [r.measured_s for r, _ in pts]
     coef = nnls([[f / s for f in fe] for fe, s in zip(feats, scale)], [t / s for t, s in zip(targets, scale)])
     return replace(cal, bucket_overhead_s=coef[0], packed_tensor_s=coef[1], copy_interference=min(coef[2], 1.0))
 

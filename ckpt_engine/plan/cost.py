@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ckpt_engine.plan.cluster import Links, RolloutLayout, TrainerLayout
 from ckpt_engine.plan.delta import delta_wire_bytes
@@ -274,6 +275,6 @@ def predict(setup: SyncSetup, cal: Calibration) -> Prediction:
     return Prediction(stages, total, bottleneck, int(wire), buckets, senders, ingress_s, notes, detail)
 
 
-def with_changes(setup: SyncSetup, **changes: object) -> SyncSetup:
+def with_changes(setup: SyncSetup, **changes: Any) -> SyncSetup:
     """A copy of ``setup`` with some fields replaced (sweeps use it)."""
     return replace(setup, **changes)

@@ -51,7 +51,7 @@ class LoraReceiverCore(Generic[T]):
         self,
         target: Callable[[], LoraTarget],
         build: Callable[[int, dict[str, torch.Tensor], LoraSpec], T],
-        unload: Callable[[int], None],
+        unload: Callable[[int], object],
         max_versions: int,
         device: torch.device | None = None,
     ) -> None:

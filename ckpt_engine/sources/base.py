@@ -41,11 +41,13 @@ class WeightSource(ABC):
     """The trainer's process group over which a sync with many senders is announced (None: the
     default group)."""
 
-    device: torch.device | None = None
-    """The device the yielded tensors live on, known before the walk (None: not known). A sender
-    whose configuration names no device takes this one, never the process's current CUDA device
-    by accident (a trainer on cuda:1 with cuda:0 current would otherwise join the group from the
-    engine's GPU). A plain attribute, so a subclass may set it or compute it (a property)."""
+    @property
+    def device(self) -> torch.device | None:
+        """The device the yielded tensors live on, known before the walk (None: not known). A sender
+        whose configuration names no device takes this one, never the process's current CUDA device
+        by accident (a trainer on cuda:1 with cuda:0 current would otherwise join the group from the
+        engine's GPU)."""
+        return None
 
     @abstractmethod
     def metadata(self) -> list[TensorSpec]:

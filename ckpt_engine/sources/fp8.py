@@ -146,7 +146,7 @@ class Fp8WireSource(WeightSource):
         return self.source.process_group
 
     @property
-    def device(self) -> torch.device | None:  # type: ignore[override]
+    def device(self) -> torch.device | None:
         return self.source.device
 
     def metadata(self) -> list[TensorSpec]:

@@ -79,8 +79,8 @@ class _Fill:
             self.launch.run(ask.slot)
         for at, of in self.copies:
             torch._foreach_copy_([dsts[i] for i in at], [ts[j] for j in of])
-        for at, j in self.lends:
-            ask.lent[at] = ts[j]
+        for lent_at, j in self.lends:
+            ask.lent[lent_at] = ts[j]
         if self.pending_at >= 0:
             assert pending is not None  # `_build` only plans it where the last bucket left scales
             dsts[self.pending_at].copy_(pending[1])

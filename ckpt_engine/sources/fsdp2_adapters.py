@@ -22,6 +22,8 @@ __all__ = ["AdapterExport"]
 class _ConfigHolder(nn.Module):
     """Holds the config tensor as a buffer, so the export plan treats it as a replicated entry."""
 
+    config: torch.Tensor
+
     def __init__(self, config: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("config", config)

@@ -127,6 +127,8 @@ def has_unhandled_fused_experts(model_type: str, names: list[str]) -> list[str]:
 
 # --- Megatron-core GPTModel <-> HF ---------------------------------------------------------------
 
+Names = dict[str, str | tuple[str, tuple[str, ...]]]
+"""Megatron suffix -> one HF suffix, or a layout kind and its HF suffixes (`MegatronFamily`)."""
 
 @dataclass(frozen=True)
 class MegatronFamily:
@@ -140,8 +142,8 @@ class MegatronFamily:
 
     model_types: tuple[str, ...]
     globals_: dict[str, str]
-    layer: dict[str, str | tuple[str, tuple[str, ...]]]
-    expert: dict[str, str | tuple[str, tuple[str, ...]]] = field(default_factory=dict)
+    layer: Names
+    expert: Names = field(default_factory=dict)
     hf_layer_prefix: str = "model.layers."
 
 
@@ -150,14 +152,14 @@ _DENSE_GLOBALS = {
     "decoder.final_layernorm.weight": "model.norm.weight",
     "output_layer.weight": "lm_head.weight",
 }
-_ATTN = {
+_ATTN: Names = {
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "self_attention.linear_qkv.weight": ("qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
     "self_attention.linear_qkv.bias": ("qkv", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
 }
-_DENSE_MLP = {
+_DENSE_MLP: Names = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.weight": ("gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
@@ -172,7 +174,7 @@ _MOE = {
     "mlp.router.weight": "mlp.gate.weight",
 }
 # Per-expert suffixes (after "mlp.experts.local_experts.{e}."); HF: "mlp.experts.{global e}."
-_EXPERT = {
+_EXPERT: Names = {
     "linear_fc1.weight": ("gate_up", ("gate_proj.weight", "up_proj.weight")),
     "linear_fc2.weight": "down_proj.weight",
 }

@@ -79,7 +79,7 @@ def _guards(tensors: Sequence[torch.Tensor]) -> Any:
     try:
         from torch._C._dynamo.guards import TensorGuards
 
-        guards = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors], dynamic_dims_strides=[list(t.stride()) for t in tensors])
+        guards = TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors], dynamic_dims_strides=[list(t.stride()) for t in tensors])  # type: ignore[misc]  # torch's stub types each as a flat list
     except (ImportError, RuntimeError, TypeError) as exc:
         logger.info("state dict layout not kept (%s: %s): its metadata is read every sync", type(exc).__name__, exc)
         return None

@@ -103,7 +103,7 @@ class MegatronFSDPSource(MegatronSource):
         (megatron-core 0.16.1 checks the buffer only after that call).
         """
         for chunk in self.chunks:
-            inner = chunk.module  # MegatronFSDP
+            inner: Any = chunk.module  # MegatronFSDP (megatron-core's own classes are not read by the type checker)
             inner.synchronize_param_gather()
             if self.sharding_strategy in ("optim", "optim_grads") and _has_model_weight_buffer(inner):
                 inner.start_param_sync(force_sync=True)  # compute weights <- updated main params

@@ -18,7 +18,7 @@ import logging
 import queue
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -99,7 +99,7 @@ class FullyAsyncTrainer:
         job: JobConfig,
         engine: TrainEngine,
         daemon: WeightSyncDaemon,
-        generators: list[Generator],
+        generators: Sequence[Generator],
         *,
         on_sync: Callable[[SyncRecord], None] | None = None,
         task: ModularTask | None = None,

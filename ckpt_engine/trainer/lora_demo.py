@@ -58,7 +58,7 @@ def run_lora_job(job: Any, *, echo: bool = True) -> dict[str, Any]:
     if job.rollout.engine != "torch_ref":
         raise ValueError("checkpoint_engine.weights=adapters runs the demo on reference engines: set rollout.engine=torch_ref")
     say: Callable[..., None] = print if echo else (lambda *a, **k: None)
-    model = _model(job)
+    model: Any = _model(job)  # peft's PeftModel (not read by the type checker)
     base = model.get_base_model()
     full_bytes = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if "lora_" not in n)
     shapes = {n.removesuffix(".base_layer"): s for n, s in linear_shapes(base).items() if "lora_" not in n}

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ckpt_engine.delta.request import DeltaRequest
 from ckpt_engine.engine import Rendezvous
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import JoinOptions, ManifestRejectedError, ReceiveReport, RolloutAdapter, version_of
@@ -36,7 +37,7 @@ class RayVllmEngineClient(RolloutAdapter):
         self.name = name
         self.host, self.port = host, port
         self.world_size = world_size
-        self.timeout_s = timeout_s
+        self.timeout_s: float = timeout_s
         self.rpc = RpcClient(host, port, timeout_s, token=token)
         self._probe = RpcClient(host, port, min(timeout_s, 30.0), token=token)  # health must not queue behind receive()
 
@@ -59,7 +60,9 @@ class RayVllmEngineClient(RolloutAdapter):
     def pause(self, mode: str) -> None:
         self.rpc.call("pause", mode=mode)
 
-    def receive(self, manifest: BucketManifest) -> ReceiveReport:
+    def receive(self, manifest: BucketManifest, delta: DeltaRequest | None = None) -> ReceiveReport:
+        if delta is not None:  # no capabilities.delta: the daemon never passes one
+            raise ValueError(f"engine {self.name!r} ({ENGINE_KIND}) takes no delta syncs")
         return ReceiveReport.from_dict(self.rpc.call("receive", timeout_s=self.timeout_s * 2, digest=manifest.digest))
 
     def finalize(self, version: int) -> None:

@@ -190,7 +190,7 @@ def _hf_greedy(model_config: dict[str, Any], weights: dict[str, torch.Tensor]) -
 
     from ckpt_engine.trainer.engines.common import hf_model_from_config
 
-    model = hf_model_from_config(Qwen2Config(**model_config), torch.float32, attn_implementation="eager").eval()
+    model: Any = hf_model_from_config(Qwen2Config(**model_config), torch.float32, attn_implementation="eager").eval()  # transformers' Qwen2ForCausalLM (not read by the type checker)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"trainer weights do not fit the HF model: missing {missing}, unexpected {unexpected}")

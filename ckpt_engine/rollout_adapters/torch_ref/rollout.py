@@ -59,7 +59,7 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
             raise ValueError(f"engine {name!r}: token must be the job token the receiver was started with (a string of at least 8 characters)")
         self.name = name
         self.process = process
-        self.timeout_s = timeout_s
+        self.timeout_s: float = timeout_s
         self.token = token
         self.rpc = RpcClient(host, port, timeout_s, token=token)
         self._probe = RpcClient(host, port, timeout_s, token=token)  # health checks must not queue behind receive()
@@ -163,7 +163,8 @@ class TorchRefRollout(RolloutAdapter, PeerJoinable):
         extra.update({"stage": stage} if stage is not None else {"installed": armed.to_wire()} if armed is not None else {})
         reply = self._call("receive", timeout_s=self.timeout_s * 2, digest=manifest.digest, **extra)
         if "installed" in extra:
-            self._reported = (armed, InstalledReport.from_wire(reply.pop("installed")))  # type: ignore[arg-type]
+            assert armed is not None  # "installed" is sent only for an armed check
+            self._reported = (armed, InstalledReport.from_wire(reply.pop("installed")))
         return ReceiveReport.from_dict(reply)
 
     def staging_room(self, nbytes: int) -> bool:

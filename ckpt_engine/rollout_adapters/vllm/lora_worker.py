@@ -89,7 +89,7 @@ def lora_base_shapes(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
             if isinstance(base, QKVParallelLinear):
                 rows = [base.total_num_heads * base.head_size, base.total_num_kv_heads * base.head_size, base.total_num_kv_heads * base.v_head_size]
             else:
-                rows = list(base.output_sizes)  # type: ignore[attr-defined]
+                rows = list(base.output_sizes)
             for sub, r in zip(packed[leaf], rows):
                 shapes[f"{parent}{sub}"] = (int(r), int(base.input_size))
         else:
@@ -372,8 +372,8 @@ def _install_hooks() -> None:
             core.reactivated(lora_id)
         return written
 
-    WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
-    LRUCacheLoRAModelManager.activate_adapter = activate_adapter  # type: ignore[method-assign]
-    LRUCacheWorkerLoRAManager.add_adapter = add_adapter  # type: ignore[method-assign]
-    WorkerLoRAManager.set_active_adapters = set_active_adapters  # type: ignore[method-assign]
-    WorkerLoRAManager._ckpt_engine_hooked = True  # type: ignore[attr-defined]
+    WorkerLoRAManager._load_adapter = _load_adapter
+    LRUCacheLoRAModelManager.activate_adapter = activate_adapter
+    LRUCacheWorkerLoRAManager.add_adapter = add_adapter
+    WorkerLoRAManager.set_active_adapters = set_active_adapters
+    WorkerLoRAManager._ckpt_engine_hooked = True

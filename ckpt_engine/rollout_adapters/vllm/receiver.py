@@ -38,7 +38,7 @@ from ckpt_engine.rollout_adapters.vllm.plan_cache import PlanSource, kept_receiv
 from ckpt_engine.rollout_adapters.vllm.regions import PlanRecording
 from ckpt_engine.rollout_adapters.vllm.reload import LayerwiseReload, detach_pending
 from ckpt_engine.rollout_adapters.vllm.shadow import ShadowPreparer
-from ckpt_engine.rollout_adapters.vllm.specs import VllmSpecs
+from ckpt_engine.rollout_adapters.vllm.specs import VllmSpecs, load_weights_of
 from ckpt_engine.rollout_adapters.vllm.staging import OnEnd, Prepare, Sink, StagedReceive, Staging
 
 __all__ = ["VllmReceiverCore", "unbase64"]
@@ -64,7 +64,8 @@ class VllmReceiverCore:
         self._model = model
         self.vllm_config = vllm_config
         self.runner = runner
-        self.receiver = WeightReceiver(device=torch.device(device) if device is not None else torch.device("cpu"))
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.receiver = WeightReceiver(device=self.device)
         self._specs: tuple[int, VllmSpecs] | None = None
         self._plan: tuple[int, ReceivePlan, dict[str, str]] | None = None
         self.version: Any = None
@@ -85,7 +86,7 @@ class VllmReceiverCore:
         self.peer = VllmPeer()
         """Peer joins (`vllm/peer.py`): the image of the served version it offers, the pulls it stages."""
         self._alias: tuple[str, int, dict[str, str]] | None = None  # (digest, specs id, {embedding: the tied head it loads as})
-        self._background = ReceiveThread(self.receiver.device)
+        self._background = ReceiveThread(self.device)
         """The parked thread unstaged receives run on (`receive_begin`, collected by `receive_end`), started at the first."""
 
     # --- group -------------------------------------------------------------------------------
@@ -155,10 +156,11 @@ class VllmReceiverCore:
         _, plan, whole = self._plan
         model_bytes = held_bytes(ReceivePlan({n: None for n in needed}), needed)
         out = {"plan": plan.to_wire(), "bytes": held_bytes(plan, specs.specs), "model_bytes": model_bytes, "whole": whole}
+        stated: ReceivePlan | None = plan
         if len(plan.holds) == len(needed) and all(rs is None for rs in plan.holds.values()):
             out["plan"] = None  # holds everything whole (no TP / EP): receive as without a plan
-            plan = None
-        self.receiver.set_plan(plan)
+            stated = None
+        self.receiver.set_plan(stated)
         return out
 
     def land(self, items: Iterable[tuple[str, Region | None, torch.Tensor]], *, poison: bool = False) -> int:
@@ -169,7 +171,7 @@ class VllmReceiverCore:
         model, specs = self._model(), self.specs()
         plan = self._plan[1]
         self.peer.clear()
-        assembler = RegionAssembler(plan, specs.specs, self.receiver.device, poison=poison)
+        assembler = RegionAssembler(plan, specs.specs, self.device, poison=poison)
         alias = {emb: head for head, emb in specs.tied.items() if emb in plan.holds}
         self.reload.open()
         loaded = 0
@@ -178,7 +180,7 @@ class VllmReceiverCore:
                 for name, region, tensor in items:
                     ready = assembler.add(name, region, tensor)
                     if ready:
-                        model.load_weights(ready + [(alias[n], t) for n, t in ready if n in alias])
+                        load_weights_of(model)(ready + [(alias[n], t) for n, t in ready if n in alias])
                         loaded += len(ready)
             if assembler.incomplete():
                 raise RuntimeError(f"regions missing for {assembler.incomplete()[:5]}")
@@ -202,7 +204,7 @@ class VllmReceiverCore:
         self.staging.discard()
         self.reload.close()
         direct = self._direct_loads()
-        load_weights = with_direct(self._model().load_weights, direct, self.reload.loading)
+        load_weights = with_direct(load_weights_of(self._model()), direct, self.reload.loading)
         copied = direct.copied if direct is not None else 0
         detached = [0]
         scanned: dict[int, Any] = {}  # detach_pending's walk of the layers' held loads, across this reload's buckets
@@ -297,7 +299,7 @@ class VllmReceiverCore:
                 return RegionLanding(plan, fused, specs.accepts, device, specs.unstack, region_alias, into)
 
             if staged is None:
-                landing = make(self.receiver.device, sink)
+                landing = make(self.device, sink)
                 region_loader = landing.load
             else:
                 landing, region_loader = staged.keep_regions(make)
@@ -328,7 +330,7 @@ class VllmReceiverCore:
 
     def _preparer(self) -> Prepare | None:
         """A model that loads in place has no post-processing to take off the step path: no shadow."""
-        return None if self.reload.in_place() else ShadowPreparer(self._model, self.vllm_config, self.receiver.device, self.staging.shadow_room)
+        return None if self.reload.in_place() else ShadowPreparer(self._model, self.vllm_config, self.device, self.staging.shadow_room)
 
     def prepare_loads(self) -> float:
         """Record now, not inside a pull, the copies this model's loaders make (`_direct_loads`: a
@@ -347,7 +349,7 @@ class VllmReceiverCore:
             raise RuntimeError("a peer pull refused: a sync is loading into this worker")
         self._direct_loads()
         self.peer.start_pull(offer, version, peer, read_timeout_s, specs=self.specs(), staging=self.staging,
-                             device=self.receiver.device, held=self.version, prepare=self._preparer())
+                             device=self.device, held=self.version, prepare=self._preparer())
         return {"started": True}
 
     def stage_status(self) -> dict[str, Any]:
@@ -368,11 +370,11 @@ class VllmReceiverCore:
             out = {"load_s": staged.shadow.swap_in(), **shadow, **self.finalize(version), "swap_s": time.perf_counter() - t0}
             self.peer.installed(version, staged, self.specs())
             return out
-        load_weights = with_direct(model.load_weights, self._direct_loads(), self.reload.loading)
+        load_weights = with_direct(load_weights_of(model), self._direct_loads(), self.reload.loading)
         self.reload.open()
         try:
             with self.reload.loading():
-                staged.load(load_weights, self.receiver.device)
+                staged.load(load_weights, self.device)
         except BaseException:
             self.reload.close()
             raise
@@ -387,7 +389,7 @@ class VllmReceiverCore:
         return {"discarded": self.staging.discard()}
 
     def staging_room(self, nbytes: int, limit_bytes: int | None = None) -> dict[str, Any]:
-        fits, why = self.staging.room(int(nbytes), self.receiver.device if self.receiver.device is not None else torch.device("cpu"), limit_bytes)
+        fits, why = self.staging.room(int(nbytes), self.device, limit_bytes)
         return {"room": fits, "why": why}
 
     def _check_not_staging(self, what: str) -> None:

@@ -41,6 +41,7 @@ from ckpt_engine.manifest import TensorSpec
 from ckpt_engine.planning.regions import ReceivePlan, Region
 from ckpt_engine.rollout_adapters.region_footprint import Box, box_of_view, regions_of_boxes
 from ckpt_engine.rollout_adapters.vllm.installed import Landing
+from ckpt_engine.rollout_adapters.vllm.specs import load_weights_of
 
 __all__ = ["DryRun", "PlanRecording", "dry_run", "planned", "record_receive_plan", "trace_loader"]
 
@@ -71,7 +72,7 @@ class PlanRecording:
         if name in self.unfollowed or src.numel() == 0:
             return
         why = None
-        box = box_of_view(tuple(root.shape), tuple(src.shape), tuple(src.stride()), src.storage_offset())
+        box = box_of_view(tuple(root.shape), tuple(src.shape), tuple(src.stride()), int(src.storage_offset()))
         if how != "copy_":
             why = f"written by {how}"
         elif target is None:
@@ -98,7 +99,7 @@ class PlanRecording:
         if view.dtype != root.dtype:
             self.whole[name] = f"read as {view.dtype}"
             return
-        box = box_of_view(tuple(root.shape), tuple(view.shape), tuple(view.stride()), view.storage_offset())
+        box = box_of_view(tuple(root.shape), tuple(view.shape), tuple(view.stride()), int(view.storage_offset()))
         if box is None:
             self.whole[name] = f"view {list(view.shape)} stride {list(view.stride())} is not a box of the tensor"
             return
@@ -127,7 +128,7 @@ class PlanRecording:
 class _Placeholder(torch.Tensor):
     """A meta tensor standing for one HF tensor; its aliases stay placeholders of the same name."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # the recording mode does the work
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]  # the recording mode does the work (torch's stubs: a classmethod here)
     _ckpt_name: str
     _ckpt_root: torch.Tensor
     _ckpt_rec: PlanRecording
@@ -158,7 +159,7 @@ class _RecordingMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         tensors = [o for o in _walk(out) if isinstance(o, torch.Tensor)]
         for p in placeholders:
-            if any(not (o.is_meta and torch._C._is_alias_of(o, p._ckpt_root)) for o in tensors):
+            if any(not (o.is_meta and torch._C._is_alias_of(o, p._ckpt_root)) for o in tensors):  # type: ignore[attr-defined]  # not in torch's stubs
                 p._ckpt_rec.read(p._ckpt_name, p, p._ckpt_root, _op_name(func))  # a new tensor made from its elements
         return _wrap(out, placeholders)
 
@@ -210,7 +211,7 @@ def _wrap(out: Any, placeholders: list[_Placeholder]) -> Any:
     if not isinstance(out, torch.Tensor) or isinstance(out, _Placeholder) or not out.is_meta:
         return out
     for p in placeholders:
-        if torch._C._is_alias_of(out, p._ckpt_root):
+        if torch._C._is_alias_of(out, p._ckpt_root):  # type: ignore[attr-defined]  # not in torch's stubs
             return _placeholder_of(out, p._ckpt_name, p._ckpt_root, p._ckpt_rec)
     return out
 
@@ -264,7 +265,7 @@ class DryRun:
     def record(self, specs: Mapping[str, TensorSpec]) -> PlanRecording:
         rec = PlanRecording(specs)
         rec.targets = self.layout
-        trace_loader(self.model.load_weights, specs, rec)  # type: ignore[arg-type]
+        trace_loader(load_weights_of(self.model), specs, rec)
         rec.targets = {}
         return rec
 
@@ -283,7 +284,7 @@ def dry_run(model: torch.nn.Module, vllm_config: Any) -> Iterator[DryRun]:
     from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
     layout: dict[int, tuple[str, torch.Tensor]] = {}
-    saved: list[tuple[torch.Tensor, Any]] = []
+    saved: list[tuple[Any, Any]] = []  # (a vLLM parameter, the loader that rides on it)
     with set_current_vllm_config(vllm_config), torch.no_grad():
         initialize_layerwise_reload(model)
         try:

@@ -177,7 +177,7 @@ def _copy_out(views: list[tuple[dict[str, Any], str, torch.Tensor]]) -> int:
     copy[: hi - lo].copy_(source)
     for (args, key, value), (start, _) in zip(views, spans):
         args[key] = copy.view(value.dtype).as_strided(value.size(), value.stride(), (start - lo) // value.element_size())
-    return hi - lo
+    return int(hi - lo)
 
 
 def _extent(t: torch.Tensor) -> int:

@@ -88,7 +88,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         if staging_limit_bytes is not None and (isinstance(staging_limit_bytes, bool) or not isinstance(staging_limit_bytes, int) or staging_limit_bytes < 0):
             raise ValueError(f"engine {name!r}: staging_limit_bytes must be a non-negative int or None, got {staging_limit_bytes!r}")
         self.name = name
-        self.timeout_s = timeout_s
+        self.timeout_s: float = timeout_s
         self.staging_limit_bytes = staging_limit_bytes
         self.pids: list[int] = []
         self.version: int | None = None

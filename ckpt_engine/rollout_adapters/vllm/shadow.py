@@ -37,9 +37,11 @@ import os
 import time
 from collections.abc import Callable
 from types import MethodType
-from typing import Any
+from typing import Any, cast
 
 import torch
+
+from ckpt_engine.rollout_adapters.vllm.specs import load_weights_of
 
 __all__ = ["ShadowPreparer", "ShadowWeights", "build_shadow", "shadow_enabled"]
 
@@ -116,7 +118,7 @@ class ShadowWeights:
 
 
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {n: p for n, p in module._parameters.items() if p is not None}
+    out: dict[str, torch.Tensor] = {n: p for n, p in module._parameters.items() if p is not None}
     out.update((n, b) for n, b in module._buffers.items() if b is not None)
     return out
 
@@ -130,7 +132,7 @@ def _rebind(attrs: dict[str, Any], old: object, new: object) -> dict[str, Any]:
     for key, value in attrs.items():
         if key in _LOADER_KEYS:  # vLLM's parameter classes keep it as `_weight_loader`
             while callable(value) and getattr(value, "__name__", "") == "online_process_loader":
-                value = value.__wrapped__  # type: ignore[attr-defined]
+                value = value.__wrapped__
         if isinstance(value, MethodType) and value.__self__ is old:
             value = value.__func__.__get__(new)
         out[key] = value
@@ -203,7 +205,7 @@ def _shadow_tree(model: torch.nn.Module) -> tuple[torch.nn.Module, list[tuple[to
         s = m.__class__.__new__(m.__class__)
         memo[id(m)] = s
         s.__dict__ = _rebind(m.__dict__, m, s)
-        s._parameters = {n: None if p is None else own(n, p, m, s) for n, p in m._parameters.items()}
+        s._parameters = {n: None if p is None else cast(torch.nn.Parameter, own(n, p, m, s)) for n, p in m._parameters.items()}  # own keeps p's class
         s._buffers = {n: None if b is None else own(n, b, m, s) for n, b in m._buffers.items()}
         s._non_persistent_buffers_set = set(m._non_persistent_buffers_set)
         s._modules = {n: None if c is None else dup(c) for n, c in m._modules.items()}
@@ -238,7 +240,7 @@ def build_shadow(model: torch.nn.Module, vllm_config: Any, load: Load, device: t
             info = LAYERWISE_INFO[s]
             info.kernel_tensors = None
             loads[id(s)] = info.loaded_weights
-        load(shadow.load_weights, device)
+        load(load_weights_of(shadow), device)
         for _, s in pairs:  # untouched: finalize would process it as a first load (garbage); skip it
             info = LAYERWISE_INFO[s]
             if info.can_load() and not loads[id(s)]:

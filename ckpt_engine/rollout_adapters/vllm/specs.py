@@ -9,20 +9,25 @@ from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from ckpt_engine.manifest import BucketManifest, TensorSpec
 from ckpt_engine.planning.fused_experts import FusedExperts, fuse_specs
 
-__all__ = ["Specs", "VllmSpecs", "vllm_checkpoint_specs"]
+__all__ = ["Specs", "VllmSpecs", "load_weights_of", "vllm_checkpoint_specs"]
 
 Specs = tuple[dict[str, TensorSpec], list[list[str]], dict[str, str]]
 Pairs = list[tuple[str, torch.Tensor]]
 _NAME = operator.itemgetter(0)
+
+
+def load_weights_of(model: torch.nn.Module) -> Callable[[Iterable[tuple[str, torch.Tensor]]], object]:
+    """`model.load_weights`: every vLLM model has one (vLLM's classes are not read by the type checker)."""
+    return cast(Any, model).load_weights
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -76,7 +81,7 @@ def vllm_checkpoint_specs(model: torch.nn.Module) -> Specs:
             elif linear:
                 shape = (module.output_size, module.input_size) if p_name != "bias" else (module.output_size,)
                 if block is not None:
-                    shape = (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+                    shape = (-(-module.output_size // block[0]), -(-module.input_size // block[1]))  # scales: never a bias
             else:
                 shape = tuple(param.shape)
             leaf = mod_name.rsplit(".", 1)[-1]
@@ -115,7 +120,7 @@ _LINEAR_TAKES = ("weight", "bias", SCALES)
 
 def _scale_block(module: torch.nn.Module) -> tuple[int, int]:
     """The [bn, bk] block of a block-FP8 layer's scales (vLLM keeps it on the layer's quant method)."""
-    block = module.quant_method.weight_block_size  # type: ignore[union-attr]
+    block = cast(Any, module.quant_method).weight_block_size
     return int(block[0]), int(block[1])
 
 
@@ -125,7 +130,7 @@ def _quantizes_on_load(module: torch.nn.Module) -> bool:
     return bool(getattr(module.quant_method, "uses_meta_device", False)) and hasattr(module, "orig_dtype")
 
 
-def _routed_experts_class() -> type | None:
+def _routed_experts_class() -> type[torch.nn.Module] | None:
     try:
         from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     except ImportError:  # a vLLM without it: fused experts are not recognised
@@ -142,9 +147,10 @@ def _expert_specs(module: torch.nn.Module, specs: dict[str, TensorSpec]) -> list
     params = dict(module.named_parameters(recurse=False))
     if not layer_name.endswith("experts") or not {"w13_weight", "w2_weight"} <= set(params):
         return []
-    inter, hidden = int(module.moe_config.intermediate_size), int(module.hidden_size)  # type: ignore[union-attr]
+    experts: Any = module  # vLLM's RoutedExperts
+    inter, hidden = int(experts.moe_config.intermediate_size), int(experts.hidden_size)
     names: list[str] = []
-    for _, weight_name, _, shard_id in module.get_expert_mapping():  # type: ignore[operator]
+    for _, weight_name, _, shard_id in experts.get_expert_mapping():
         if shard_id not in weights or not weight_name.startswith("experts."):
             return []
         name = f"{base}.{weight_name}weight" if base else f"{weight_name}weight"

@@ -69,7 +69,7 @@ def outcome_key(ticket: str, rank: int) -> str:
 def report_outcome(store: torch.distributed.Store, ticket: str, rank: int, error: str | None) -> None:
     """Worker side: rank `rank`'s staged receive under `ticket` ended (`error` None: whole and checked)."""
     value = OK if error is None else FAILED + error
-    store.set(outcome_key(ticket, rank), value.encode("utf-8", "replace"))
+    store.set(outcome_key(ticket, rank), value.encode("utf-8", "replace"))  # type: ignore[arg-type]  # a Store takes bytes too
 
 
 @dataclass

@@ -29,8 +29,8 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,6 +40,8 @@ from ckpt_engine.rollout_adapters.vllm.shadow import ShadowWeights
 __all__ = ["LoaderCopy", "OnEnd", "Prepare", "Sink", "StagedReceive", "Staging", "free_bytes"]
 
 logger = logging.getLogger(__name__)
+
+_Name = TypeVar("_Name", bound=Hashable)
 
 Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
 """Takes one bucket's loadable (name, tensor) pairs."""
@@ -104,7 +106,7 @@ class LoaderCopy:
             self.slabbed -= {name}
         return held
 
-    def slab(self, specs: list[tuple[Hashable, tuple[int, ...], torch.dtype]], device: torch.device) -> dict[Hashable, torch.Tensor]:
+    def slab(self, specs: Sequence[tuple[_Name, tuple[int, ...], torch.dtype]], device: torch.device) -> dict[_Name, torch.Tensor]:
         """Held tensors for `specs` as views of one allocation, in this order at `SLAB_ALIGN`-byte
         offsets, their bytes as they are: a peer pull registers the one region (9,435 registrations
         of a 30B-A3B staging copy cost a joiner ~2 s on 2xH200) and reads tensors lying back to back
@@ -120,8 +122,8 @@ class LoaderCopy:
         if len(names) != len(specs):
             raise ValueError("a slab names a tensor twice")
         storage = self._slab_storage(names, device, total)
-        buf = torch.empty(total, dtype=torch.uint8, device=device) if storage is None else torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (total,))
-        views = {}
+        buf = torch.empty(total, dtype=torch.uint8, device=device) if storage is None else torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (total,), (1,))
+        views: dict[_Name, torch.Tensor] = {}
         for (name, shape, dtype), at in zip(specs, offsets):
             views[name] = self.tensors[name] = buf[at : at + dtype.itemsize * math.prod(shape)].view(dtype).view(shape)
         self.slabbed = names

@@ -317,7 +317,7 @@ def _prepare_join(core: VllmReceiverCore, keep_s: float) -> dict[str, Any]:
     except BaseException:
         peer.prep.release()
         raise
-    made = peer.prepare(keep_s, specs=core.specs(), staging=core.staging, device=core.receiver.device or torch.device("cpu"))
+    made = peer.prepare(keep_s, specs=core.specs(), staging=core.staging, device=core.device)
     return {**made, "loads_s": loads_s}
 
 

@@ -232,10 +232,10 @@ class MegatronTrainEngine(TrainEngine):
             if torch.cuda.is_available():
                 model = model.cuda()  # before the optimizer sees the params
         for p in model.parameters():
-            p.main_grad = None  # megatron layers read .main_grad only under gradient_accumulation_fusion
+            setattr(p, "main_grad", None)  # megatron layers read .main_grad only under gradient_accumulation_fusion
         with torch.no_grad():  # vocab padding rows: zero, so that a rank's state does not depend on TP
-            for p, first in vocab_padding_rows(MegatronExporter(model, hf_config, WirePolicy(None, ()), self.groups)):
-                p[first:].zero_()
+            for w, first in vocab_padding_rows(MegatronExporter(model, hf_config, WirePolicy(None, ()), self.groups)):
+                w[first:].zero_()
         self.global_step = 0
         self._sched_step = 0
         self._fresh_step = True
@@ -247,7 +247,7 @@ class MegatronTrainEngine(TrainEngine):
         else:
             self.optimizer, self.scheduler = adamw_with_schedule(model, self.config)
         self.model = model
-        self.source = MegatronSource(
+        self.source: MegatronSource = MegatronSource(
             model, hf_config, pg_collection=pg_collection, dtype=self.config.wire_dtype, keep_fp32=self.config.keep_fp32_patterns,
             export_mode=self.config.export_mode,
         )
@@ -263,9 +263,10 @@ class MegatronTrainEngine(TrainEngine):
             use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
         )
         kw: dict[str, Any] = {"pg_collection": self.pg_collection} if self.pg_collection is not None else {}
-        ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model, **kw)
-        model.config.finalize_model_grads_func = finalize_model_grads  # DP reduce-scatter, tied-embedding all-reduce
-        model.config.no_sync_func = ddp.no_sync
+        config: Any = model.config  # megatron-core's TransformerConfig (not read by the type checker)
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, **kw)
+        config.finalize_model_grads_func = finalize_model_grads  # DP reduce-scatter, tied-embedding all-reduce
+        config.no_sync_func = ddp.no_sync
         return ddp, megatron_adam(self.config, [ddp], clip_grad=0.0, **kw)
 
     # --- weights -----------------------------------------------------------------------------
@@ -287,7 +288,8 @@ class MegatronTrainEngine(TrainEngine):
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         if self.megatron_optimizer and self._fresh_step:  # first micro-batch since the last step
-            self.model.zero_grad_buffer()
+            ddp: Any = self.model  # megatron-core's DistributedDataParallel (not read by the type checker)
+            ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
         self._fresh_step = False
         ids = batch["input_ids"]

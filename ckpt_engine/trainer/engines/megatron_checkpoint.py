@@ -124,7 +124,7 @@ def load_megatron_checkpoint(engine: MegatronTrainEngine, path: str) -> None:
                     state[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] = torch.tensor(adam_step, dtype=torch.float32)
         for key in MOMENTS:
-            load_hf(ex, load_file(paths[key]), target=lambda p, key=key: optimizer.state[p][key])
+            load_hf(ex, load_file(paths[key]), target=lambda p: optimizer.state[p][key])  # called within load_hf, so `key` is this iteration's
     engine.global_step = int(meta["global_step"])
     engine._sched_step = int(meta["scheduler_step"])
     if engine.scheduler is not None:

@@ -97,7 +97,7 @@ class MegatronFSDPTrainEngine(MegatronTrainEngine):
         for chunk in model_chunks:
             wrapped = FullyShardedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk, pg_collection=pg_collection)
             self.chunks.append(wrapped)
-        tconf = model_chunks[0].config
+        tconf: Any = model_chunks[0].config  # megatron-core's TransformerConfig (not read by the type checker)
         tconf.finalize_model_grads_func = finalize_model_grads
         tconf.no_sync_func = self.chunks[0].no_sync if len(self.chunks) == 1 else [c.no_sync for c in self.chunks]
         self.model = self.chunks[0]
@@ -119,7 +119,8 @@ class MegatronFSDPTrainEngine(MegatronTrainEngine):
     # --- training ----------------------------------------------------------------------------
     def forward_backward(self, batch: dict[str, torch.Tensor], loss_fn: Any) -> dict[str, float]:
         if self._fresh_step:  # first micro-batch since the last step: clear the grad buffers
-            for chunk in self.chunks:
+            chunks: list[Any] = self.chunks  # megatron-core's FullyShardedDataParallel (not read by the type checker)
+            for chunk in chunks:
                 chunk.zero_grad_buffer()
         self._fresh_step = False
         return super().forward_backward(batch, loss_fn)

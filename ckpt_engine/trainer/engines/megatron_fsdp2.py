@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from ckpt_engine.trainer.engines.common import TrainConfig, clip_and_step, decod
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["MegatronFSDP2Config", "MegatronFSDP2TrainEngine", "megatron_fsdp2_available"]
 
@@ -142,9 +143,10 @@ class MegatronFSDP2TrainEngine(TrainEngine):
         for layer in layers:  # bottom-up: a parent's fully_shard skips parameters its children own
             fully_shard(layer, mesh, placements, policy)
         fully_shard(model, mesh, placements, policy)
-        model._lazy_init_context()  # share one context (streams, prefetch orders) now, so export may precede forward
+        fsdp_model: Any = model  # megatron-fsdp's fully_shard module (not read by the type checker)
+        fsdp_model._lazy_init_context()  # share one context (streams, prefetch orders) now, so export may precede forward
         self.model = model
-        self.source = MegatronFSDP2Source(
+        self.source: MegatronFSDP2Source = MegatronFSDP2Source(
             model, process_group=self.group, units=[model, *layers], dtype=cfg.wire_dtype, keep_fp32=cfg.keep_fp32_patterns,
         )
         self.optimizer = torch.optim.AdamW(
@@ -176,7 +178,7 @@ class MegatronFSDP2TrainEngine(TrainEngine):
         return mean_loss(loss, self.group, self.world_size)
 
     def _local_grads(self) -> list[torch.Tensor]:
-        return [p.grad.to_local() for p in self.model.parameters() if p.grad is not None]
+        return [cast("DTensor", p.grad).to_local() for p in self.model.parameters() if p.grad is not None]  # fully_shard's grads are DTensors
 
     def grad_norm(self) -> float:
         """Global L2 norm: every gradient element lives in exactly one rank's range; fp64, all-reduced."""

@@ -45,7 +45,8 @@ def load_hf(ex: MegatronExporter, hf: dict[str, torch.Tensor], target: Callable[
                 _copy_into(dest(it.param), full)
                 continue
             if it.kind == "qkv":
-                full = merge_qkv(*src, ex.heads, ex.query_groups, ex.head_dim)
+                q, k, v = src
+                full = merge_qkv(q, k, v, ex.heads, ex.query_groups, ex.head_dim)
             elif it.kind == "vocab":
                 padded = it.param.shape[0] * (size if it.partition_dim is not None else 1)
                 full = torch.zeros((padded, *src[0].shape[1:]), dtype=src[0].dtype)
