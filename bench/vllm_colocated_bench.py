@@ -75,6 +75,10 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--bucket-mb", default="", help="comma-separated bucket sizes (MiB) to measure beside the default, e.g. 1024,4096")
     ap.add_argument("--profile", default=None, help="write cProfile tables of four syncs of the checked session here (raw stats beside it)")
+    ap.add_argument("--trace", default=None, help="write a torch.profiler chrome trace of three unchecked syncs here and print "
+                    "where the device's time went in each (bench/cuda_trace.py)")
+    ap.add_argument("--trace-stack", action="store_true", help="with --trace: every Python call of every thread in the trace too "
+                    "(slows the host: read it for the order of the host's steps, not their times), and stop after it")
     args = ap.parse_args()
 
     from ckpt_engine import CheckpointEngineConfig
@@ -121,6 +125,24 @@ def main() -> None:
     measure("ours", ours(stage="off", verify_installed="off"))
     out["ours"]["seconds"] = {k: round(v, 4) for k, v in reports[-1].seconds.items()}  # where one sync's time went
     out["ours"]["direct_tensors"] = reports[-1].receivers[handle.name].get("direct_tensors", 0)
+    if args.trace:  # the device's own timeline of three unchecked syncs: do the copies wait for the host?
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        from bench.cuda_trace import summarize
+
+        run = ours(stage="off", verify_installed="off")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.trace_stack) as prof:
+            for i in range(3):
+                with record_function(f"sync {i}"):
+                    run()
+        prof.export_chrome_trace(args.trace)
+        out["trace"] = summarize(json.loads(Path(args.trace).read_text()))
+        for row in out["trace"]:
+            print(f"trace: {json.dumps(row)}", flush=True)
+        if args.trace_stack:
+            close_sessions()
+            llm.llm_engine.engine_core.shutdown()
+            return
     for mb in [float(x) for x in args.bucket_mb.split(",") if x]:  # fewer, larger buckets: less per-bucket control
         measure(f"ours_bucket_{mb:g}mb", ours(stage="off", verify_installed="off", bucket_size_mb=mb))
         out[f"ours_bucket_{mb:g}mb"]["seconds"] = {k: round(v, 4) for k, v in reports[-1].seconds.items()}
