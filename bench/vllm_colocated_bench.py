@@ -79,6 +79,7 @@ def main() -> None:
                     "where the device's time went in each (bench/cuda_trace.py)")
     ap.add_argument("--trace-stack", action="store_true", help="with --trace: every Python call of every thread in the trace too "
                     "(slows the host: read it for the order of the host's steps, not their times), and stop after it")
+    ap.add_argument("--quick", action="store_true", help="only copy and ours (and --trace): an A/B of two libraries in one lease")
     args = ap.parse_args()
 
     from ckpt_engine import CheckpointEngineConfig
@@ -139,10 +140,12 @@ def main() -> None:
         out["trace"] = summarize(json.loads(Path(args.trace).read_text()))
         for row in out["trace"]:
             print(f"trace: {json.dumps(row)}", flush=True)
-        if args.trace_stack:
-            close_sessions()
-            llm.llm_engine.engine_core.shutdown()
-            return
+    if args.trace_stack or args.quick:
+        out["ratio_ours_to_copy"] = round(out["copy"]["median_s"] / out["ours"]["median_s"], 3)
+        print(json.dumps(out), flush=True)
+        close_sessions()
+        llm.llm_engine.engine_core.shutdown()
+        return
     for mb in [float(x) for x in args.bucket_mb.split(",") if x]:  # fewer, larger buckets: less per-bucket control
         measure(f"ours_bucket_{mb:g}mb", ours(stage="off", verify_installed="off", bucket_size_mb=mb))
         out[f"ours_bucket_{mb:g}mb"]["seconds"] = {k: round(v, 4) for k, v in reports[-1].seconds.items()}

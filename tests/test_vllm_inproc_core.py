@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,3 +105,36 @@ def test_after_every_native_sync_the_workers_hold_the_version_the_engine_serves(
         assert served == str(report.version)
         states = llm.collective_rpc("test_native_state", timeout=60)
         assert [s["version"] for s in states] == [served] and not any(s["stale"] for s in states), states
+
+
+def test_an_in_process_engine_cores_switches_run_on_the_callers_thread_and_a_pause_that_waits_does_not(llm: Any) -> None:
+    """The resume and the version stamp only set the engine core's state: they run on the calling
+    thread (no pool thread's round trip). vLLM 0.32's pause synchronizes every worker's device, so it
+    keeps its bounded call on a pool thread (a stuck worker ends it: the stall test above); 0.26's
+    pause only sets the state and runs on the caller's thread too."""
+    core = llm.llm_engine.engine_core.engine_core
+    client = LLMWeightSyncClient(llm, timeout=60.0)
+    seen: dict[str, threading.Thread] = {}
+    for name in ("pause_scheduler", "resume_scheduler", "set_weight_version"):
+        original = getattr(core, name)
+
+        def recording(*args: Any, _name: str = name, _original: Any = original) -> Any:
+            seen[_name] = threading.current_thread()
+            return _original(*args)
+        setattr(core, name, recording)
+    try:
+        client.pause("keep")
+        assert core.is_scheduler_paused()
+        client.set_weight_version("7")
+        client.resume()  # the stamp's resume: sent unwaited, which in this process is a call now
+        assert not core.is_scheduler_paused() and llm.get_weight_version() == "7"
+        client.pause("keep")
+        client.resume()  # a resume on its own: waited for
+        assert not core.is_scheduler_paused()
+    finally:
+        for name in ("pause_scheduler", "resume_scheduler", "set_weight_version"):
+            delattr(core, name)  # the instance's wrappers go; the class's methods answer again
+        client.close()
+    me = threading.current_thread()
+    assert seen["resume_scheduler"] is me and seen["set_weight_version"] is me
+    assert (seen["pause_scheduler"] is me) == (not client.features.pause_reaches_workers)

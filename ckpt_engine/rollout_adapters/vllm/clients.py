@@ -221,6 +221,12 @@ class HTTPWeightSyncClient:
         self._side.close()
 
 
+SWITCHES = frozenset({"resume_scheduler", "set_weight_version"})
+"""Engine-core utilities that, in this process, only set the scheduler's state or the version stamp:
+nothing in them waits (and the pause, where it does not reach the workers: `VllmFeatures`). Each
+was a pool thread's round trip before the first copy or after the last (bench/RESULTS.md, run 30)."""
+
+
 class LLMWeightSyncClient:
     """The same calls on an in-process `vllm.LLM` (its RL methods, `collective_rpc` and engine-core
     utilities), each waited on for at most `timeout` seconds: a stuck engine core ends the call in a
@@ -248,6 +254,7 @@ class LLMWeightSyncClient:
         self.name = name if name is not None else f"LLM({llm.llm_engine.vllm_config.model_config.model})"
         """How errors name the engine."""
         self.features = features_of()
+        self._switches = SWITCHES if self.features.pause_reaches_workers else SWITCHES | {"pause_scheduler"}
         self._prefixes = bool(llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
         """Whether the engine caches prefixes (vLLM's `enable_prefix_caching`): without, a reset has nothing to drop."""
         self._core = EngineCore.of(llm.llm_engine.engine_core)
@@ -278,8 +285,12 @@ class LLMWeightSyncClient:
     def _utility(self, what: str, timeout_s: float, method: str, *args: Any) -> Any:
         """The engine-core utility `method(*args)` (`what` names it in errors), waited on for at most
         `timeout_s` (+ a grace second). Through a `SyncMPClient`, sent from this thread and vLLM's
-        answer future waited on: no hop to a pool thread and back on the critical path."""
+        answer future waited on: no hop to a pool thread and back on the critical path. An engine
+        core in this process runs a scheduler switch (`_switches`) on this thread: nothing in it waits."""
         if not self._core.sends:
+            if method in self._switches:
+                self._settle()
+                return self._core.call(method, *args)
             return self._bounded(what, timeout_s, self._core.call, method, *args)
         self._settle()
         call_id, future = self._core.send(method, *args)

@@ -13,6 +13,8 @@ adapters get by without it:
   until the next join or the engine's shutdown), no per-rank `update_weights` list (the route never
   sends one), and a trainer-side API of another shape (two type parameters, `config` required, no
   `WeightSource.held_names()`): ckpt-engine's trainer engine is not registered there;
+- a pause that reaches the workers (0.32's engine core synchronizes every worker's device; 0.26's
+  only sets the scheduler's state, so an engine core in this process pauses on the caller's thread);
 - the name of the `WeightsMapper` method LoRA loading passes as the weights mapper (0.32
   `get_rename_mapper`, 0.26 `get_unstacked_mapper`), and the LoRA manager's
   `_validate_modules_to_save` (0.26 refuses `modules_to_save` in `PEFTHelper`).
@@ -64,6 +66,10 @@ class VllmFeatures:
         """`shutdown_weight_transfer_engine` (an `LLM` method and an HTTP route) exists (0.32)."""
         self.transfer_engine_sends = self.release < (0, 32)
         """The worker-side `WeightTransferEngine` declares an abstract static `trainer_send_weights` (0.26)."""
+        self.pause_reaches_workers = self.release >= (0, 32)
+        """An engine core's pause waits for its workers (0.32: `synchronize_device` on every worker,
+        so an engine core in this process can be held by a stuck worker); 0.26's only sets the
+        scheduler's state."""
         self.trainer_transfer_api = self.release >= (0, 32)
         """vLLM's trainer-side API has 0.32's shape (`TrainerInitInfo.backend`, `trainer_init(init_info,
         client, source)`), which ckpt-engine's `CkptEngineTrainerWeightTransferEngine` implements."""
