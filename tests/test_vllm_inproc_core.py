@@ -138,3 +138,31 @@ def test_an_in_process_engine_cores_switches_run_on_the_callers_thread_and_a_pau
     me = threading.current_thread()
     assert seen["resume_scheduler"] is me and seen["set_weight_version"] is me
     assert (seen["pause_scheduler"] is me) == (not client.features.pause_reaches_workers)
+
+
+def test_a_receive_begins_and_ends_on_the_calling_thread_where_the_worker_runs_in_this_process(llm: Any, model_dir: Path) -> None:
+    """With vLLM's one-process executor the worker methods that bound their own waits (the receive's
+    begin and end) are called on the thread that asks (the session's), not handed to the client's
+    pool thread; the sync completes."""
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    ran: dict[str, str] = {}
+    for name in ("ckpt_receive_begin", "ckpt_receive_end", "ckpt_validate"):
+        original = getattr(worker, name)
+
+        def recording(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+            ran[_name] = threading.current_thread().name
+            return _original(*args, **kwargs)
+        setattr(worker, name, recording)
+    session = WeightSyncSession([VllmRollout("inproc", llm, timeout_s=120.0)], CheckpointEngineConfig(backend="gloo", timeout_s=120.0, delta="off", stage="off", verify_installed="off"))
+    try:
+        sent = weights(model_dir, 3)
+        report = session.sync(StateDictSource(sent))
+    finally:
+        session.close()
+        for name in ("ckpt_receive_begin", "ckpt_receive_end", "ckpt_validate"):
+            delattr(worker, name)
+    assert report.tensors == len(sent), ran
+    assert "ckpt_receive_begin" in ran, ran
+    assert not ran["ckpt_receive_begin"].startswith("vllm-rpc") and not ran["ckpt_receive_end"].startswith("vllm-rpc"), ran
+    assert ran["ckpt_validate"].startswith("vllm-rpc"), ran  # it waits on nothing of its own: bounded by the pool's deadline
+    assert llm.collective_rpc("ckpt_health", timeout=60)[0]["version"] == report.version  # the receive ended and finalized

@@ -226,6 +226,11 @@ SWITCHES = frozenset({"resume_scheduler", "set_weight_version"})
 nothing in them waits (and the pause, where it does not reach the workers: `VllmFeatures`). Each
 was a pool thread's round trip before the first copy or after the last (bench/RESULTS.md, run 30)."""
 
+BOUNDED_HERE = frozenset({"ckpt_receive_begin", "ckpt_receive_end"})
+"""Worker methods that bound their own waits (the begin by its `quiet_s`, the end by its `timeout_s`):
+where the worker runs in the calling thread (`EngineCore.workers_here`) they are called there, not
+through a pool thread's round trip (one before the first copy, one after the last)."""
+
 
 class LLMWeightSyncClient:
     """The same calls on an in-process `vllm.LLM` (its RL methods, `collective_rpc` and engine-core
@@ -396,7 +401,11 @@ class LLMWeightSyncClient:
     def collective_rpc(self, method: str, kwargs: dict[str, Any], timeout_s: float) -> list[Any]:
         """`LLM.collective_rpc`'s engine-core utility (vLLM 0.26 and 0.32), bounded here and not by vLLM's
         `timeout`: past it vLLM's multiprocess executor (TP > 1) leaves the late answer for the next
-        model step to read and die on, as on the HTTP route (`HTTPWeightSyncClient.collective_rpc`)."""
+        model step to read and die on, as on the HTTP route (`HTTPWeightSyncClient.collective_rpc`).
+        A method that bounds itself (`BOUNDED_HERE`) runs in this thread where the worker does."""
+        if method in BOUNDED_HERE and self._core.workers_here:
+            self._settle()
+            return list(self._core.call("collective_rpc", method, None, (), kwargs))
         return list(self._utility(method, timeout_s, "collective_rpc", method, None, (), kwargs))
 
     def encode(self, data: bytes) -> Any:

@@ -29,12 +29,17 @@ class EngineCore:
     calling thread (it dies with this process)."""
 
     def __init__(self, remote: Any, local: Any) -> None:
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
         self.remote = remote
         """The `SyncMPClient`, or None."""
         self.local = local
         """The `InprocClient`'s `EngineCore`, or None."""
         self.sends = remote is not None
         """Utility calls go to another process, answered through a future (`send`)."""
+        self.workers_here = local is not None and isinstance(local.model_executor, UniProcExecutor)
+        """The engine core's worker runs its `collective_rpc` methods in the calling thread (vLLM's
+        one-process executor, the external launcher's included): nothing waits on another process."""
 
     @classmethod
     def of(cls, core: Any) -> EngineCore:
