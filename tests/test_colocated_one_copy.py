@@ -41,6 +41,7 @@ def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu") -> dict[s
     one_copy: list[bool] = []
     replayed: list[bool] = []
     generations: list[int] = []
+    keys: list[int] = []
     own = _state(0, dev)
     if dev.type == "cpu":
         for t in own.values():
@@ -68,6 +69,7 @@ def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu") -> dict[s
             one_copy.append(bool(stats.extra.get("one_copy", False)))
             replayed.append(bool(stats.extra.get("walk_replayed", False)))
             generations.append(engine.transport.offer_generation)
+            keys.append(engine.transport.group.num_keys())
         else:
             dst = {n: torch.zeros_like(t) for n, t in new.items()} if with_dst else None
             got = {}
@@ -78,7 +80,7 @@ def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu") -> dict[s
             bad += [f"v{version} {n}" for n in new if n not in got or not same_bits(got[n], new[n])]
     mappings = engine.transport.mappings
     engine.finalize()
-    return {"bad": bad, "one_copy": one_copy, "replayed": replayed, "generations": generations, "mappings": mappings}
+    return {"bad": bad, "one_copy": one_copy, "replayed": replayed, "generations": generations, "mappings": mappings, "keys": keys}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
@@ -87,13 +89,15 @@ def test_stable_sender_shares_its_tensors_once_and_the_receiver_copies_them(devi
     destinations; handles travel again only when a tensor moved; a source that is not stable, or
     whose tensors cannot be mapped, goes through the slots, and the one-copy path comes back. A walk
     whose tensors lie where and as the last one's did (the same objects or new views of them) is
-    replayed without per-tensor checks; one whose tensor moved or was replaced is checked again."""
+    replayed without per-tensor checks; one whose tensor moved or was replaced is checked again. The
+    store's flags do not pile up across syncs (the read ones are deleted while the device copies)."""
     results = run_ranks(one_copy_rank, 2, backend="colocated", timeout_s=60, device=device)
     assert results[1]["bad"] == []
     assert results[0]["one_copy"] == [True, True, True, True, False, False, True, True, True]
     assert results[0]["replayed"] == [False, True, False, False, False, False, False, True, True]
     assert results[0]["generations"] == [1, 1, 2, 3, 3, 3, 3, 3, 3]
     assert results[1]["mappings"] == 3  # the receiver maps once per generation, not once per sync
+    assert len(set(results[0]["keys"])) == 1, results[0]["keys"]  # the sync's flags are deleted (off its path), none pile up
 
 
 def abandoning_rank(rank: int, rdzv: Rendezvous) -> dict[str, Any]:

@@ -43,6 +43,9 @@ class ColocatedTransport(Transport, SourceSharing):
         self._store: Any = None
         self._shm_paths: list[str] = []
         self._seq = 0  # syncs since join; namespaces the flags of one sync
+        self._read: list[str] = []
+        """Flags this rank read and no one reads again: deleted while the device copies (`_forget_read`),
+        not between the offer and the first copy or after the last."""
         self._sent = 0
         self._received = 0
         self._released = 0
@@ -132,7 +135,7 @@ class ColocatedTransport(Transport, SourceSharing):
             return False
 
     def close(self) -> None:
-        self._store = None
+        self._store, self._read = None, []
         self.buffers = []
         self._probe = None
         self._offered, self._offered_placement, self._mapped = [], None, []
@@ -244,11 +247,16 @@ class ColocatedTransport(Transport, SourceSharing):
         self.device_sync_point()  # the source's writes are done before the receiver reads
         self._store.set(self._key("offer", 0), msgpack.packb({"generation": self._generation}))
 
+    def _forget_read(self) -> None:
+        while self._read:
+            self._store.delete_key(self._read.pop())
+
     def wait_taken(self) -> None:
+        self._forget_read()  # the last sync's flag: the receiver is copying now
         key = self._key("taken", 0)
         self._wait_key(key, "the receiver's copies from this sender's tensors", delete=False)
         answer = self._store.get(key)
-        self._store.delete_key(key)
+        self._read.append(key)
         if answer != b"ok":
             self.broken = True
             raise TransferError(f"rank {self.rank}: the receiver failed while copying from this sender's tensors: {answer.decode(errors='replace')}")
@@ -257,14 +265,15 @@ class ColocatedTransport(Transport, SourceSharing):
         key = self._key("offer", 0)
         self._wait_key(key, "the sender's offer", delete=False)
         raw = self._store.get(key)
-        self._store.delete_key(key)
         try:
             offer = msgpack.unpackb(raw, raw=False)
         except (ValueError, msgpack.UnpackException) as exc:
             raise TransferError(f"rank {self.rank}: undecodable offer from the colocated sender: {exc}") from exc
         generation = offer.get("generation", 0) if isinstance(offer, dict) else 0
-        if generation is None:
+        if generation is None:  # the slots: no copies out of the sender's tensors follow (no `taken`)
+            self._store.delete_key(key)
             return None
+        self._read.append(key)  # deleted once the copies are queued (`taken`)
         if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
             raise TransferError(f"rank {self.rank}: malformed offer from the colocated sender: {offer!r:.200}")
         if generation != self._mapped_generation:
@@ -276,6 +285,7 @@ class ColocatedTransport(Transport, SourceSharing):
 
     def taken(self, error: str | None = None) -> None:
         failure = None
+        self._forget_read()
         if error is None:
             try:
                 self.device_sync_point()  # the loader's copies out of the sender's tensors are done
