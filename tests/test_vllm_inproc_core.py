@@ -141,8 +141,8 @@ def test_an_in_process_engine_cores_switches_run_on_the_callers_thread_and_a_pau
 
 
 def test_a_receive_begins_and_ends_on_the_calling_thread_where_the_worker_runs_in_this_process(llm: Any, model_dir: Path) -> None:
-    """With vLLM's one-process executor the worker methods that bound their own waits (the receive's
-    begin and end) are called on the thread that asks (the session's), not handed to the client's
+    """With vLLM's one-process executor the worker methods that bound their own waits (the validate,
+    the receive's begin and end) are called on the thread that asks (the session's), not handed to the client's
     pool thread; the sync completes."""
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
     ran: dict[str, str] = {}
@@ -163,6 +163,6 @@ def test_a_receive_begins_and_ends_on_the_calling_thread_where_the_worker_runs_i
             delattr(worker, name)
     assert report.tensors == len(sent), ran
     assert "ckpt_receive_begin" in ran, ran
-    assert not ran["ckpt_receive_begin"].startswith("vllm-rpc") and not ran["ckpt_receive_end"].startswith("vllm-rpc"), ran
-    assert ran["ckpt_validate"].startswith("vllm-rpc"), ran  # it waits on nothing of its own: bounded by the pool's deadline
-    assert llm.collective_rpc("ckpt_health", timeout=60)[0]["version"] == report.version  # the receive ended and finalized
+    assert not any(thread.startswith("vllm-rpc") for thread in ran.values()), ran
+    health = llm.collective_rpc("ckpt_health", timeout=60)
+    assert health[0]["version"] == report.version  # the receive ended and finalized

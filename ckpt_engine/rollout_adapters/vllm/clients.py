@@ -226,10 +226,11 @@ SWITCHES = frozenset({"resume_scheduler", "set_weight_version"})
 nothing in them waits (and the pause, where it does not reach the workers: `VllmFeatures`). Each
 was a pool thread's round trip before the first copy or after the last (bench/RESULTS.md, run 30)."""
 
-BOUNDED_HERE = frozenset({"ckpt_receive_begin", "ckpt_receive_end"})
-"""Worker methods that bound their own waits (the begin by its `quiet_s`, the end by its `timeout_s`):
-where the worker runs in the calling thread (`EngineCore.workers_here`) they are called there, not
-through a pool thread's round trip (one before the first copy, one after the last)."""
+BOUNDED_HERE = frozenset({"ckpt_validate", "ckpt_receive_begin", "ckpt_receive_end"})
+"""Worker methods that bound their own waits (the validate waits on nothing: a busy receiver refuses
+it at once; the receive's begin waits its `quiet_s`, its end its `timeout_s`): where the worker runs
+in the calling thread (`EngineCore.workers_here`) they are called there, not through a pool thread's
+round trip (two before the first copy, one after the last)."""
 
 
 class LLMWeightSyncClient:
