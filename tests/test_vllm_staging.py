@@ -74,6 +74,9 @@ def test_a_running_or_failed_receive_cannot_be_swapped_and_discard_drops_it() ->
     assert status["done"] and "checksum mismatch" in status["error"] and status["report"] is None
     with pytest.raises(RuntimeError, match=r"its receive failed \(RuntimeError: checksum mismatch"):
         staging.take()
+    assert staging.version is None  # the refused swap dropped the failed version (and what it held)
+    with pytest.raises(RuntimeError, match="none was staged"):
+        staging.take()
 
 
 def test_room_for_a_staging_copy() -> None:

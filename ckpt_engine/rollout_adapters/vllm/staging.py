@@ -307,10 +307,13 @@ class Staging:
         return self.version.status()
 
     def take(self) -> StagedReceive:
-        """The staged version, handed over once; raises unless a whole, checked version is staged."""
+        """The staged version, handed over once; raises unless a whole, checked version is staged (a
+        failed one is dropped then: nothing can swap it in, and its views would hold their memory)."""
         v = self.version
         if v is None or not v.ready:
             why = "none was staged" if v is None else ("it is still streaming" if v.running else f"its receive failed ({v.error})")
+            if v is not None and not v.running:
+                self.version = None
             raise RuntimeError(f"swap refused: no complete staged version on this worker ({why}); the live weights are unchanged")
         self.version = None
         return v
