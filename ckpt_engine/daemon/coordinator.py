@@ -256,7 +256,7 @@ class WeightSyncDaemon:
                 self.membership.set_health_error(rec.name, f"{type(exc).__name__}: {exc}"[:300])
                 continue
             self.membership.touch(rec.name, health)
-            found = state_from_health(health)
+            found = state_from_health(health, rec.state)
             if found is not None and not self._sync_lock.locked() and generation == self._generation and rec.state != EngineState.JOINING:
                 self.membership.set_state(rec, *found)
                 self.joins.start(rec, self.membership, self.version)  # restarted at its address: a peer join (daemon.peer_join)
@@ -359,12 +359,33 @@ class WeightSyncDaemon:
             blame_source(walker, exc, members, self.membership, outcome, attempt)
             return False
         self.membership.mark(members, EngineState.SERVING, target)
+        self._registered_during(members)
         self.versions.completed(target)
         with self._state_lock:
             self.manifest = self._groups.manifest
         outcome.ok = True
         outcome.report = report.to_dict()
         return False
+
+    def _registered_during(self, members: list[EngineRecord]) -> None:
+        """Engines that registered again while this sync ran: the new record took what the engine
+        said mid-sync (stale). The new handle of the same engine takes the old one's place in the
+        group (its delta bases stay), and the engine's own word now sets its state: one that
+        holds this sync's version serves it, no seed; any other is seeded by the next sync."""
+        now = [self.membership.get(r.name) or r for r in members]
+        again = [(new, new.adapter) for old, new in zip(members, now) if new is not old and new.adapter is not None and new.state != EngineState.JOINING]
+        if not again:
+            return
+        self._groups.rebind(now)
+        for rec, adapter in again:
+            try:
+                health = adapter.health()
+            except Exception:  # the next sync's probe finds out
+                continue
+            self.membership.touch(rec.name, health)
+            found = state_from_health(health, rec.state)
+            if found is not None:
+                self.membership.set_state(rec, *found)
 
     def _prune_unreachable(self, members: list[EngineRecord], outcome: SyncOutcome, attempt: int) -> list[EngineRecord]:
         """Before (re)building a group, drop members that do not answer a health probe (see group.py).

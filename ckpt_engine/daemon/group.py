@@ -62,6 +62,17 @@ class GroupKeeper:
         logger.info("weight-sync group rebuilt for %d engine(s): %s", len(adapters), ", ".join(r.name for r in members))
         return self._session
 
+    def rebind(self, members: list[EngineRecord]) -> None:
+        """New handles (re-registered) on the group's engines, same names and engines in order:
+        the group drives them, keeping its plan, version and delta bases; else it is left as it is."""
+        if self._session is None:
+            return
+        try:
+            self._session.rebind([r.adapter for r in members if r.adapter is not None])
+        except (ValueError, RuntimeError):  # another set of engines: the next sync rebuilds the group
+            return
+        self._key = _key(members)
+
     def rebuild_next(self) -> None:
         """Build a fresh group at the next sync (its members leave the current one now).
 

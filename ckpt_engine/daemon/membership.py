@@ -37,16 +37,23 @@ class EngineState:
     """Pulling the current version from a serving peer (`daemon.peer_joins`): out of service, left out of syncs."""
 
 
-def state_from_health(health: Any) -> tuple[str, int | None] | None:
+def state_from_health(health: Any, state: str = EngineState.PENDING) -> tuple[str, int | None] | None:
     """(state, complete version) as the engine itself reports it, or None if its health does not say.
 
     Engines report `version` only for weights they hold completely, so this is the truth after a
-    trainer died mid-sync and no outcome was ever reported."""
-    if not isinstance(health, dict) or not {"paused", "stale", "version"} <= set(health):
+    trainer died mid-sync and no outcome was ever reported. A health that does not say both paused
+    and stale (a vLLM handle's: its version only) says what a record in `state` serves, unless it
+    says paused or stale, or the daemon itself found it so (a failed sync): such an answer cannot
+    contradict that."""
+    if not isinstance(health, dict) or "version" not in health:
         return None
     version = health["version"]
     if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
         return None
+    if not {"paused", "stale"} <= set(health):
+        if state in (EngineState.STALE, EngineState.PAUSED) or health.get("paused") or health.get("stale"):
+            return None
+        return (EngineState.SERVING if version is not None else EngineState.PENDING), version
     if health["stale"]:
         return EngineState.STALE, None
     if version is None:

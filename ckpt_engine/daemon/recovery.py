@@ -94,7 +94,7 @@ def changed_members(members: list[EngineRecord], membership: Membership, probe_s
     errors = probe_members(members, membership, probe_s)
     changed = sorted(errors)
     for rec in members:
-        found = state_from_health(rec.health) if rec.name not in errors else None
+        found = state_from_health(rec.health, rec.state) if rec.name not in errors else None
         if found is not None and found != (rec.state, rec.version):
             changed.append(rec.name)
             membership.set_state(rec, *found)

@@ -8,8 +8,9 @@ that version (the trainer still holds the same weights); anyone else must pick a
 
 A job restarted whole (daemon and trainer killed, engines restarted) would find no engine holding
 its last version until that engine registers, and issue versions again from 1. With
-`daemon.state_file` the daemon writes the highest version it handed out or heard of there (replaced
-whole, so a killed daemon leaves the old file or the new one) and starts from it.
+`daemon.state_file` the daemon writes the highest version it handed out or heard of (from a
+trainer's report or an engine) there (replaced whole, so a killed daemon leaves the old file or the
+new one) and starts from it.
 """
 
 from __future__ import annotations
@@ -47,17 +48,20 @@ class JobVersions:
                 logger.info("version %d from %s: the next sync of this job is past it", self.current, self._state)
 
     def _save(self) -> None:
-        """`vouched` to the state file when it grew (under the lock); a write that fails is logged:
-        the job goes on, and the restart it guards against falls back to what engines report."""
-        if self._state is None or self.vouched <= self._saved:
+        """The highest version issued, vouched for or adopted to the state file when it grew (under
+        the lock): one an engine reported (a trainer's sync `serve` heard of only from its engines)
+        is the job's too. A write that fails is logged: the job goes on, and the restart it guards
+        against falls back to what engines report."""
+        high = max(self.vouched, self.current)
+        if self._state is None or high <= self._saved:
             return
         tmp = self._state.with_name(self._state.name + ".tmp")
         try:
-            tmp.write_text(json.dumps({"version": self.vouched}))
+            tmp.write_text(json.dumps({"version": high}))
             os.replace(tmp, self._state)
-            self._saved = self.vouched
+            self._saved = high
         except OSError as exc:
-            logger.error("could not write version %d to %s: %s", self.vouched, self._state, exc)
+            logger.error("could not write version %d to %s: %s", high, self._state, exc)
 
     def adopt(self, version: int | None, source: str, *, trusted: bool = True, arriving: bool = False) -> None:
         """A trusted party (or, `trusted=False`, an engine: see `adopt_health`) reports `version`
@@ -75,10 +79,10 @@ class JobVersions:
                     return
             else:
                 self.vouched = max(self.vouched, version)
-                self._save()
             if version > self.current:
                 logger.info("adopting version %d from %s (was %d)", version, source, self.current)
                 self.current = version
+            self._save()
 
     def adopt_health(self, health: object, source: str, *, arriving: bool = False) -> None:
         """Adopt the newest version an engine's health names: the one it holds completely, or the

@@ -1,0 +1,100 @@
+"""`ckpt-engine serve` with `daemon.state_file`: a job stopped whole never issues a version again.
+
+Real processes: `serve` forked from the test session's preloaded server and SIGKILLed, reference
+engines in their own processes (one killed and started again at its address, holding nothing), a
+trainer following `serve` (`WeightSyncDaemon(upstream=...)`), gloo.
+
+The version `serve` must keep is not only one a trainer reported: a trainer that synced while
+`serve` was down (or died before its report) leaves `serve` to learn the version from its engines
+when they register. Then the whole job stops; the engine restarted first holds nothing, the one
+holding that version registers last. The file must have kept it, or the next trainer issues it
+again on other weights and the late engine looks current while it serves the old ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ckpt_engine.daemon import DaemonClient, EngineState, WeightSyncDaemon
+from ckpt_engine.sources.base import StateDictSource
+from helpers_daemon import Engines, Serve, config, descriptor, holds, start_serve, weights, write_spec
+
+pytestmark = pytest.mark.timeout(300)
+
+TOKEN = "test-daemon-state-file-token"
+
+
+@pytest.fixture(scope="module")
+def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_spec(tmp_path_factory.mktemp("state-file") / "spec.msgpack")
+
+
+@pytest.fixture
+def receivers(spec_file: str) -> Iterator[Engines]:
+    rs = Engines(spec_file, TOKEN)
+    yield rs
+    rs.close()
+
+
+def kill(serve: Serve) -> None:
+    os.kill(serve.process.pid, signal.SIGKILL)
+    serve.process.wait(10)
+
+
+def test_serve_keeps_a_version_it_learned_from_its_engines_across_a_whole_job_restart(receivers: Engines, tmp_path: Path) -> None:
+    state = tmp_path / "versions.json"
+    keep = f"daemon.state_file={state}"
+    r0, r1 = receivers.spawn("r0"), receivers.spawn("r1")
+    serve = start_serve(tmp_path, TOKEN, keep)
+    trainer = WeightSyncDaemon(config(), upstream=DaemonClient(serve.address, TOKEN, timeout_s=5))
+    try:
+        client = DaemonClient(serve.address, TOKEN, timeout_s=10)
+        for r in (r0, r1):
+            client.register(r.name, descriptor(r))
+        assert trainer.sync(StateDictSource(weights(1))).version == 1
+        assert json.loads(state.read_text()) == {"version": 1}, "a trainer's report is kept"
+
+        kill(serve)  # the trainer syncs on while `serve` is down: its report of v2 reaches nobody
+        sd2 = weights(2)
+        outcome = trainer.sync(StateDictSource(sd2))
+        assert outcome.ok and outcome.version == 2, outcome.error
+        serve = start_serve(tmp_path, TOKEN, keep)
+        client = DaemonClient(serve.address, TOKEN, timeout_s=10)
+        for r in (r0, r1):
+            client.register(r.name, descriptor(r))  # as their heartbeats would
+        assert client.status()["version"] == 2, "serve adopts the version its engines hold"
+        assert json.loads(state.read_text()) == {"version": 2}, "a version serve learned from its engines is the job's, kept like one it was told"
+    finally:
+        trainer.close()
+
+    # The whole job stops: `serve` and the trainer killed, r0 restarted at its address (holding
+    # nothing); r1 still serves v2 (sd2) and registers last.
+    kill(serve)
+    r0.process.kill()
+    r0.process.wait(10)
+    r0 = receivers.spawn("r0", port=r0.rpc.port)
+    serve = start_serve(tmp_path, TOKEN, keep)
+    client = DaemonClient(serve.address, TOKEN, timeout_s=10)
+    trainer = WeightSyncDaemon(config(), upstream=DaemonClient(serve.address, TOKEN, timeout_s=5))
+    try:
+        assert client.register("r0", descriptor(r0))["version"] is None
+        sd3 = weights(3)
+        outcome = trainer.sync(StateDictSource(sd3))
+        assert outcome.ok and outcome.version == 3, f"the restarted job issued v{outcome.version} again on other weights"
+        assert holds(r0, sd3, 3)
+        late = client.register("r1", descriptor(r1))
+        assert (late["state"], late["version"]) == (EngineState.SERVING, 2) and "r1" in trainer.pending(), late
+        caught = trainer.catch_up(StateDictSource(sd3))
+        assert caught is not None and caught.ok and caught.version == 3 and caught.catch_up, caught
+        assert holds(r0, sd3, 3) and holds(r1, sd3, 3)
+        assert json.loads(state.read_text()) == {"version": 3}
+    finally:
+        trainer.close()
+        serve.stop()
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
