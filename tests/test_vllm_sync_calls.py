@@ -227,8 +227,9 @@ class FailingSource(StateDictSource):
 
 def test_a_receive_that_fails_is_not_finalized_and_the_next_sync_heals(llm: object, model_dir: Path) -> None:
     """The finalize rides on the receive's end only once every byte landed: a source that fails
-    mid-stream leaves the worker on its old version, stale, the engine paused, named; the next
-    sync heals it exactly."""
+    mid-stream leaves the worker on its old version, stale, the engine paused, named (a fresh handle's
+    health says so); the next sync heals it exactly."""
+    from ckpt_engine.daemon.membership import state_from_health
     from ckpt_engine.rollout_adapters.vllm import VllmRollout
     from ckpt_engine.sync.report import SyncError
     from test_vllm_adapter import source_of, trainer_model
@@ -244,9 +245,14 @@ def test_a_receive_that_fails_is_not_finalized_and_the_next_sync_heals(llm: obje
             session.sync(FailingSource(weights))
         assert "ckpt_finalize" not in calls.take()
         assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held, True)]
+        fresh = VllmRollout("calls-failed", llm, timeout_s=30.0)  # a daemon or trainer started again beside it
+        told = fresh.health()
+        assert told["version"] == held and told["stale"] is True  # its last complete version, but part new now
+        assert state_from_health(told) is None  # a daemon's record never calls it serving that version
         trainer = trainer_model(model_dir, seed=72)
         assert session.sync(source_of(trainer)).version == held + 1
         assert [(h["version"], h["stale"]) for h in adapter.worker_health()] == [(held + 1, False)] and _greedy_matches(llm, trainer)
+        assert "stale" not in adapter.health()  # a completed sync: fresh
     finally:
         session.close()
 

@@ -139,10 +139,12 @@ def check_manifest_against(manifest: BucketManifest, expected: Mapping[str, Tens
 class Membership:
     """An engine's answer before a sync: the version it holds (None: none or cannot say) and the
     token of the weight-sync group each of its ranks joined (None in the list: a rank in no group;
-    `groups` None: the engine cannot say)."""
+    `groups` None: the engine cannot say); `stale`: a rank says a failed sync left its weights part
+    new (the version is then only the last one it completed)."""
 
     version: int | None
     groups: list[str | None] | None
+    stale: bool = False
 
     def left(self, token: str) -> bool:
         """Whether a rank is not (or no longer) in the group `token`."""

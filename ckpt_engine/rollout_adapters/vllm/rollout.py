@@ -106,6 +106,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         self.world_size = world_size if world_size is not None else self.client.world_size()
         self._world_told = world_size is not None  # the caller's: checked against the engine's before the first join
         self._learned = False  # whether the handle knows what the engine holds (its joins and syncs, or asked once: `health`)
+        self._stale = False  # asked once (`health`): a worker said a failed sync left it part new; until this handle completes one
         lease = self.workers if isinstance(self.workers, ExtensionRoute) and not self.workers.methods else None  # the routes with peer calls
         self.holds = EngineHolds(name, lease, timeout_s)
         self.membership_at_validate = lease is not None  # the full-weight `ckpt_validate` answers each worker's `member`
@@ -121,6 +122,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         staged receives report in."""
         if isinstance(previous, VllmRollout):
             self.pids, self.version, self.version_from, self._learned = list(previous.pids), previous.version, previous.version_from, previous._learned
+            self._stale = previous._stale
             self.holds.take_over(previous.holds)
             self.workers.take_over(previous.workers)
             self.staged.take_over(previous.staged)
@@ -160,7 +162,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         groups = [h.get("group") if isinstance(h.get("group"), str) else None for h in replies]
         if self.pids and [h.get("pid") for h in replies] != self.pids:
             groups = [None] * len(replies)
-        return Membership(max((v for v in versions if v is not None), default=None), groups)
+        return Membership(max((v for v in versions if v is not None), default=None), groups, any(bool(h.get("stale")) for h in replies))
 
     def join(self, rendezvous: Rendezvous, rank_offset: int, options: JoinOptions) -> None:
         self._join(rendezvous, rank_offset, options, None, False)
@@ -282,7 +284,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         t_paused = time.perf_counter()
         replies = self._load_and_stamp(version, mode)
         t1 = time.perf_counter()
-        self.version, self.version_from = version, "trainer sync"
+        self.version, self.version_from, self._stale = version, "trainer sync", False
         self._resume_after_swap()
         stall = time.perf_counter() - t0
         self.holds.let_go()  # the sync ended (a peer pull's swap: no sync holds the engine)
@@ -353,7 +355,8 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         return self.client.weight_version()
 
     def health(self) -> dict[str, Any]:
-        """Raise if the engine is dead; else the version the handle knows it holds: its syncs' stamp or,
+        """Raise if the engine is dead; else the version the handle knows it holds (and `stale`, where a worker
+        said a failed sync left it part new, until this handle completes one): its syncs' stamp or,
         before it joined, what the workers report (asked once: a restarted daemon or trainer carries on
         from it). A worker it joined is gone: dead, unless others answer (`vllm/liveness.py`)."""
         gone = gone_worker(self.name, self.pids) if self.client.local else None
@@ -367,8 +370,8 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         if held is not None:
             if gone is not None:  # others answered: restarted at its address, holding nothing of this handle's
                 self.pids, self.version, self.version_from = [], None, None
-            self.version, self._learned = self.version if self.version is not None else held.version, True
-        return {"pids": self.pids, "version": self.version, "version_from": self.version_from}
+            self.version, self._learned, self._stale = self.version if self.version is not None else held.version, True, held.stale
+        return {"pids": self.pids, "version": self.version, "version_from": self.version_from, **({"stale": True} if self._stale else {})}
 
     def close(self) -> None:
         self.client.close()
@@ -404,7 +407,7 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
             self._reset_prefix_cache(running=self._pause_mode == "recompute")
         self._cache_reset = False
         self.client.set_weight_version(str(version))
-        self.version, self.version_from = version, "trainer sync"
+        self.version, self.version_from, self._stale = version, "trainer sync", False
         self.last_finalize = {
             "post_process_s": max((float(r["finalize_s"]) for r in replies), default=0.0),
             "finalize_rpc_s": t1 - t0,
