@@ -40,12 +40,12 @@ def batched_copy_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) ->
         torch._foreach_copy_(keep_d, keep_s)
 
 
-def copy_large_alone_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], alone_bytes: int = ALONE_BYTES) -> None:
+def copy_large_alone_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
     """dsts[i].copy_(srcs[i]) for every i (one dtype a pair, no aliasing). On a GPU every contiguous
     aligned pair goes into one launch (`copy_kernel.ReplayedCopies`, its table kept for the same
     tensors: 0.95 x a flat copy of the bytes on one H200, where the way below ran at 0.93 x for a 7B
     model and 0.56 x for Qwen3-30B-A3B's experts); the rest, and everything elsewhere: pairs of
-    `alone_bytes` and up one `copy_` each, the others in one batched copy."""
+    `ALONE_BYTES` and up one `copy_` each, the others in one batched copy."""
     if srcs and srcs[0].is_cuda:
         left = _replayed().copy(dsts, srcs)
         if not left:
@@ -54,7 +54,7 @@ def copy_large_alone_(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
     small_d: list[torch.Tensor] = []
     small_s: list[torch.Tensor] = []
     for d, s in zip(dsts, srcs):
-        if s.numel() * s.element_size() >= alone_bytes:
+        if s.numel() * s.element_size() >= ALONE_BYTES:
             d.copy_(s)
         else:
             small_d.append(d)

@@ -11,7 +11,6 @@ manifest; `finalize` releases buffers and group.
 from __future__ import annotations
 
 import datetime
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,8 +25,6 @@ from ckpt_engine.planning.ownership import OwnerMap
 from ckpt_engine.staged import StagedVersion
 
 __all__ = ["CheckpointEngine", "Rendezvous", "SendStats", "TransferError", "Topology"]
-
-logger = logging.getLogger(__name__)
 
 
 class TransferError(RuntimeError):

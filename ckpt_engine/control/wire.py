@@ -9,7 +9,6 @@ execution. The server side (token, caps, deadlines) is `control/server.py`.
 from __future__ import annotations
 
 import itertools
-import logging
 import socket
 import struct
 import threading
@@ -22,8 +21,6 @@ import msgpack
 from ckpt_engine.readable import readable
 
 __all__ = ["MAX_FRAME_BYTES", "RpcClient", "RpcError", "WireError", "recv_frame", "send_frame"]
-
-logger = logging.getLogger(__name__)
 
 MAX_FRAME_BYTES = 512 * 1024 * 1024
 """Largest reply a client accepts (a reference receiver's `get_tensor` may carry a large tensor)."""

@@ -27,12 +27,6 @@ from ckpt_engine.delta.layout import (
 __all__ = ["apply", "base_words", "decode"]
 
 
-def _fail_first(flags: list[int], names: list[str]) -> None:
-    for ok, what in zip(flags, names):
-        if not ok:
-            raise PatchError(what)
-
-
 def _checked_positions(index: torch.Tensor, pad: torch.Tensor, num_words: int, check_range: bool) -> torch.Tensor:
     """Positions in range, as int64; with `check_range` False not even that: they stay the
     payload's int32 words (no copy), and the caller counts those outside its regions
@@ -40,12 +34,13 @@ def _checked_positions(index: torch.Tensor, pad: torch.Tensor, num_words: int, c
     if not check_range:  # the pad is checked by the caller (DecodedPatch.unchecked)
         return view_or_copy(index, torch.int32)
     positions = view_or_copy(index, torch.int32).to(torch.int64)
-    names = ["patch padding after the positions is not zero"]
+    checks = {"patch padding after the positions is not zero": pad.eq(0).all()}
     if positions.numel():
-        names += ["a position is negative", f"a position is >= num_words={num_words}"]
-    checks = [pad.eq(0).all()] + ([positions.min() >= 0, positions.max() < num_words] if positions.numel() else [])
-    flags = torch.stack(checks).tolist()
-    _fail_first(flags, names)
+        checks["a position is negative"] = positions.min() >= 0
+        checks[f"a position is >= num_words={num_words}"] = positions.max() < num_words
+    for what, ok in zip(checks, torch.stack(list(checks.values())).tolist()):  # one host sync for every check
+        if not ok:
+            raise PatchError(what)
     return positions
 
 

@@ -24,9 +24,8 @@ from ckpt_engine.delta import kernels
 from ckpt_engine.delta.layout import Row
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS
 
-__all__ = ["TABLE_COLUMNS", "diff_pieces", "tile_table"]
+__all__ = ["diff_pieces", "tile_table"]
 
-TABLE_COLUMNS = 4  # first tile, first bucket word, length in words, offset from the base image in words
 _ALIGN_BYTES = 16  # one vector load
 
 _diff_rows = kernels._diff_rows

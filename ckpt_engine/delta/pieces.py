@@ -10,7 +10,6 @@ checksum change, then write). Elsewhere torch ops group the positions by region.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,8 +22,6 @@ if TYPE_CHECKING:
     from ckpt_engine.delta.scatter_kernels import RegionTable
 
 __all__ = ["ScatteredImage", "pair_delta"]
-
-logger = logging.getLogger(__name__)
 
 _Groups = tuple[list[tuple[int, torch.Tensor | slice, torch.Tensor]], int]
 """(region, which positions, their word offsets in the region) per touched region, and how many

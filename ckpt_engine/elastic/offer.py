@@ -253,10 +253,7 @@ def _head(raw: object, who: str) -> tuple[str, int, int, str, dict[str, object]]
     d = _map(raw, _HEAD, who)
     if not all(isinstance(d[k], str) and d[k] for k in ("instance", "agent")) or not _is_int(d["offer_id"]):
         raise ValueError(f"{who} has no instance or agent name, or a bad offer id")
-    try:
-        version = check_version(d["version"], f"{who}: version")
-    except ValueError as exc:
-        raise ValueError(str(exc)) from None
+    version = check_version(d["version"], f"{who}: version")
     return d["instance"], d["offer_id"], version, d["agent"], d
 
 

@@ -189,14 +189,14 @@ def _groupable_layout(shape: torch.Size, dtype: torch.dtype) -> bool:
 
 
 def quantize_block_fp8_group(
-    ws: Sequence[torch.Tensor], *, hw_cvt: bool | None = None, checked: bool = False
+    ws: Sequence[torch.Tensor], *, checked: bool = False
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`quantize_block_fp8` of every weight in `ws` (each `groupable`, one dtype, one device) in one
     launch: a launch costs ~10-30 us of host time, and Qwen3-30B-A3B quantizes 18,432 expert
     weights per sync. The results are views of one buffer made for the group (`GroupLaunch`)."""
     if not ws:
         return []
-    launch = GroupLaunch(ws, hw_cvt=hw_cvt, checked=checked)
+    launch = GroupLaunch(ws, checked=checked)
     views, n = launch.run(ws), len(ws)
     return [(views[p], views[n + p]) for p in launch.pos]
 
@@ -218,7 +218,7 @@ class GroupLaunch:
     so it is made and copied to the device once. `checked`: the caller asked `groupable` of each
     weight and gives one dtype and device (a walk that groups them does): not asked again."""
 
-    def __init__(self, ws: Sequence[torch.Tensor], *, hw_cvt: bool | None = None, checked: bool = False) -> None:
+    def __init__(self, ws: Sequence[torch.Tensor], *, checked: bool = False) -> None:
         if not ws:
             raise ValueError("a grouped launch needs at least one weight")
         dtype, device, index = ws[0].dtype, ws[0].device, ws[0].get_device()
@@ -247,7 +247,7 @@ class GroupLaunch:
         for j, i in enumerate(order):
             self.pos[i] = j
         self._launches = _by_width(_table(self._shapes, self.ptrs if len(self._shapes) == 1 else [self.ptrs[i] for i in order]), device)
-        self._hw_cvt = _hw_cvt(device) if hw_cvt is None else hw_cvt
+        self._hw_cvt = _hw_cvt(device)
 
     def run(self, ws: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Quantize `ws` (the weights this launch was made for, at `ptrs`) in one launch: every

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable
 
 import torch
 
@@ -34,13 +33,13 @@ def warmed() -> frozenset[tuple[str, torch.dtype]]:
         return frozenset(_WARMED)
 
 
-def warm_up(device: torch.device, dtypes: Iterable[torch.dtype] = KERNEL_DTYPES) -> list[torch.dtype]:
-    """Quantize a zero block of each of `dtypes` on `device` through every kernel a sync may use;
-    returns the dtypes loaded now (those loaded before are skipped)."""
+def warm_up(device: torch.device) -> list[torch.dtype]:
+    """Quantize a zero block of each dtype the kernels take (`KERNEL_DTYPES`) on `device` through
+    every kernel a sync may use; returns the dtypes loaded now (those loaded before are skipped)."""
     done: list[torch.dtype] = []
     with _LOCK:
         t0 = time.perf_counter()
-        for dtype in dtypes:
+        for dtype in KERNEL_DTYPES:
             key = (str(device), dtype)
             if key in _WARMED:
                 continue

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from ckpt_engine.copies import batched_copy_
 from ckpt_engine.delta import codec
 from ckpt_engine.delta.layout import word_dtype
 from ckpt_engine.delta.pieces import ScatteredImage, pair_delta
@@ -38,7 +37,7 @@ from ckpt_engine.pipeline.delta_bases import DENSE, FRAME_WORDS, PATCH, SEAL_WOR
 from ckpt_engine.pipeline.options import PipelineOptions
 from ckpt_engine.pipeline.plan_state import PlanState
 from ckpt_engine.pipeline.schedule import Step
-from ckpt_engine.pipeline.staging import StagedBuckets, StagedPatch, StagedPatches, read_words
+from ckpt_engine.pipeline.staging import StagedBuckets, StagedPatch, StagedPatches, read_words, write_words
 from ckpt_engine.staged import StagedVersion
 from ckpt_engine.pipeline.wire_views import entry_view, flat_bytes, has_wire_layout
 from ckpt_engine.engine import TransferError
@@ -355,10 +354,8 @@ class DeltaReceiver:
 
     def _write_dense(self, step: Any, frame: torch.Tensor, places: dict[int, ScatteredImage]) -> None:
         image = places.get(step.bucket.index)
-        if image is None:
-            return
-        word = frame.view(word_dtype(step.word_bytes))
-        batched_copy_([view for _first, view in image.regions], [word[f : f + v.numel()] for f, v in image.regions])
+        if image is not None:
+            write_words(image, frame)
 
     def _verify_patch(
         self, bases: Bases, places: dict[int, ScatteredImage] | None, step: Any, payload: torch.Tensor, expect: int,

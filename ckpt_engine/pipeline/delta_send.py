@@ -13,7 +13,6 @@ header announces and refuse one whose seal does not match (delta_receive.py).
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -37,8 +36,6 @@ from ckpt_engine.engine import SendStats
 from ckpt_engine.transports.transport import Transport
 
 __all__ = ["DeltaSender", "Frame"]
-
-logger = logging.getLogger(__name__)
 
 # Above the default limit, a bucket moves to the one-pass diff when its changed words last time
 # were at most _JOIN_AT of what a scatter patch may carry, and back to the codec above _LEAVE_AT: a
@@ -235,15 +232,14 @@ class DeltaSender:
             diff.add_pieces(rows, image_words, cache)
         return diff, diff.seal()
 
-    def _finish_diff(self, bases: Bases, step: Step, diff: BucketDiff, event: Any, host: dict[str, float] | None = None) -> Frame:
+    def _finish_diff(self, bases: Bases, step: Step, diff: BucketDiff, event: Any, host: dict[str, float]) -> Frame:
         """The frame of a queued diff; a bucket with more changed words than a scatter patch may
         carry goes dense and is encoded by the codec next time."""
         key, n, word = step.ordinal, step.bucket.nbytes, step.word_bytes
         if event is not None:
             t0 = time.perf_counter()
             self.t.wait_event(event, f"the diff of bucket {step.bucket.index}")
-            if host is not None:
-                host["host_wait_s"] += time.perf_counter() - t0
+            host["host_wait_s"] += time.perf_counter() - t0
         size, delta_sum, num_changed = diff.finish()
         if num_changed > diff.cap * _margins(diff.scatter_below)[1]:  # near the limit: the codec next time (it never overflows)
             bases.calm.discard(key)
@@ -277,7 +273,7 @@ class DeltaSender:
         return max(min(self.scatter_below, fit), 1e-9)
 
     def _frame_header(
-        self, kind: int, size: int, seal: int, checksum: torch.Tensor | None, payload: torch.Tensor | None = None
+        self, kind: int, size: int, seal: int, checksum: torch.Tensor | None, payload: torch.Tensor
     ) -> torch.Tensor:
         """(kind, bytes, checksum, the patch's own 32-byte header, the seal of kind and bytes:
         `frame_seal`) of one bucket, one int64 row (FRAME_WORDS) on the transport's device,
@@ -288,7 +284,7 @@ class DeltaSender:
         put_int64s_(header[0], [kind, size] + [0] * (SEAL_WORD - 2) + [seal])
         if checksum is not None:
             header[0, 2].copy_(checksum.reshape(()))
-        if kind == PATCH and payload is not None and payload.numel() >= PATCH_HEADER_BYTES:
+        if kind == PATCH and payload.numel() >= PATCH_HEADER_BYTES:
             header[0, 3:SEAL_WORD].copy_(payload[:PATCH_HEADER_BYTES].view(torch.int64))
         return header
 

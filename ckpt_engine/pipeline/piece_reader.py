@@ -84,7 +84,8 @@ class PieceReader:
     def source(self, e: TensorMeta) -> tuple[torch.Tensor, bool]:
         """(what entry `e` sends, whether that is the caller's own memory in the wire layout)."""
         if self.known is not None and e.is_whole:
-            return self._whole(e, self.known)
+            srcs, owns = self.whole_entries([e])
+            return srcs[0], owns[0]
         key = (self.sender, e.name)
         start = self.sched.piece_start[key]
         if e.chunk_offset == start:
@@ -207,10 +208,3 @@ class PieceReader:
     def remember(tensors: Sequence[torch.Tensor]) -> Seen:
         """What `same_as_last` compares against: each tensor's stamp."""
         return [stamp(t) for t in tensors]
-
-    def _whole(self, e: TensorMeta, known: Known) -> tuple[torch.Tensor, bool]:
-        t0 = time.perf_counter()
-        _, t, own = take_known(self.it, e, known, lambda t: has_wire_layout(t, e, self.device))
-        self.stats.export_s += time.perf_counter() - t0
-        self.current, self.flat, self.base = t, None, 0
-        return t, own

@@ -51,25 +51,20 @@ class Schedule:
         for b, o in partial:
             own = by_sender[b.sender]
             refill = own[o + num_buffers] if o + num_buffers < len(own) else None
-            word = 8
-            for e in b.entries:
-                word = math.gcd(word, DTYPE_ITEMSIZE[e.dtype])
+            word = math.gcd(8, *(DTYPE_ITEMSIZE[e.dtype] for e in b.entries))
             self.steps.append(
                 Step(b, o, o % num_buffers, b.sender * num_buffers + o % num_buffers, refill, word)
             )
-        self.first_posts = [i for own in by_sender for i in own[:num_buffers]]
-        self.first_posts.sort()
+        self.first_posts = sorted(i for own in by_sender for i in own[:num_buffers])
         self.by_sender = by_sender
-        # Start byte of each (sender, tensor) piece: where the sender's local tensor begins.
+        # Start byte of each (sender, tensor) piece: where the sender's local tensor begins, and its
+        # bytes; bytes of each tensor: a tensor is complete on a receiver when all of them have landed.
         self.piece_start: dict[tuple[int, str], int] = {}
         self.piece_bytes: dict[tuple[int, str], int] = {}
+        self.tensor_bytes: dict[str, int] = {}
         for b in manifest.buckets:
             for e in b.entries:
                 key = (b.sender, e.name)
                 self.piece_start.setdefault(key, e.chunk_offset)
                 self.piece_bytes[key] = self.piece_bytes.get(key, 0) + e.chunk_size
-        # Bytes of each tensor: a tensor is complete on a receiver when all of them have landed.
-        self.tensor_bytes: dict[str, int] = {}
-        for b in manifest.buckets:
-            for e in b.entries:
                 self.tensor_bytes[e.name] = e.nbytes

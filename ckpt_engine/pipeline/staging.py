@@ -26,7 +26,7 @@ from ckpt_engine.delta.pieces import ScatteredImage
 from ckpt_engine.pipeline.delta_bases import Bases, stamp_of
 from ckpt_engine.staged import Bucket, StagedVersion
 
-__all__ = ["read_words", "StagedBuckets", "StagedCopy", "StagedPatch", "StagedPatches", "StagingCopy", "StagingError"]
+__all__ = ["read_words", "StagedBuckets", "StagedCopy", "StagedPatch", "StagedPatches", "StagingCopy", "StagingError", "write_words"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class StagedPatches(StagedVersion):
                     continue
                 written.append(f)
                 if f.positions is None:
-                    _write(image, f.values)
+                    write_words(image, f.values)
                 else:
                     image.scatter(f.positions, f.values)
         except BaseException:
@@ -109,7 +109,7 @@ class StagedPatches(StagedVersion):
             for f in reversed(written):
                 image = self._places[f.bucket]
                 if f.positions is None:
-                    _write(image, f.old)
+                    write_words(image, f.old)
                 else:
                     image.scatter(f.positions, f.old)
             self._wait("writing back the previous version")
@@ -214,6 +214,7 @@ def read_words(image: ScatteredImage) -> torch.Tensor:
     return out
 
 
-def _write(image: ScatteredImage, words: torch.Tensor) -> None:
+def write_words(image: ScatteredImage, words: torch.Tensor) -> None:
+    """Write a bucket's words (its bytes, viewed as the image's word) into the image's regions."""
     words = words.view(image.dtype)
     batched_copy_([view for _f, view in image.regions], [words[f : f + v.numel()] for f, v in image.regions])

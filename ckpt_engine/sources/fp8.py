@@ -23,7 +23,6 @@ other shard is refused by name while the sync is planned, before anything pauses
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -42,8 +41,6 @@ from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.sources.wire import torch_dtype
 
 __all__ = ["GROUP_BYTES", "Fp8WireSource", "ShardedFp8WireSource", "WalkCounts", "fp8_wire"]
-
-logger = logging.getLogger(__name__)
 
 GROUP_BYTES = 256 << 20
 """Input bytes one grouped quantize launch takes at most: the group's outputs stay alive until the

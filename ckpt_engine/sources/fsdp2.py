@@ -14,7 +14,6 @@ Collective contract: every rank of the mesh walks `iter_weights()` to its end, i
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -31,8 +30,6 @@ from ckpt_engine.sources.sharded import ShardedWeightSource
 from ckpt_engine.sources.wire import DEFAULT_KEEP_FP32, WirePolicy, hf_config_of, tied_embeddings, torch_dtype
 
 __all__ = ["FSDP2Source", "check_exportable", "fsdp2_units"]
-
-logger = logging.getLogger(__name__)
 
 
 def fsdp2_units(model: nn.Module) -> list[nn.Module]:

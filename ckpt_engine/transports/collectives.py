@@ -17,13 +17,10 @@ class WorkList:
     def __init__(self, works: list[Any]) -> None:
         self.works = works
 
-    def wait(self, timeout: Any = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+    def wait(self, timeout: datetime.timedelta) -> bool:
+        deadline = time.monotonic() + timeout.total_seconds()
         for work in self.works:
-            if deadline is None:
-                work.wait()
-            else:
-                work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            work.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
         return True
 
     def is_completed(self) -> bool:

@@ -12,7 +12,6 @@ own buckets in their order, the receivers post every sender's buckets in each se
 
 from __future__ import annotations
 
-import logging
 import time
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager, nullcontext
@@ -25,8 +24,6 @@ from ckpt_engine.engine import Rendezvous, TransferError
 from ckpt_engine.transports.shared_tensors import Placement
 
 __all__ = ["SLACK", "Frames", "SourceSharing", "Transport", "TransportOptions"]
-
-logger = logging.getLogger(__name__)
 
 SLACK = 64
 """Room after a bucket's data in each slot, for the 8-byte-aligned checksum."""
