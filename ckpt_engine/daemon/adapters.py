@@ -91,7 +91,7 @@ def vllm_factory(name: str, params: Mapping[str, Any], timeout_s: float) -> Roll
     `world_size` (optional) spares the adapter a round trip to ask the server for it.
     """
 
-    from ckpt_engine.rollout_adapters.vllm.rollout import VllmServerRollout
+    from ckpt_engine.rollout_adapters.vllm.server_rollout import VllmServerRollout
 
     _check_keys("vllm", params, ("url", "world_size"))
     url, world_size = _vllm_params("vllm", params)

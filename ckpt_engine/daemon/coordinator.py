@@ -47,23 +47,23 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.control.wire import RpcError, WireError
 from ckpt_engine.daemon.adapters import close_in_background, close_quietly, make_adapter
 from ckpt_engine.daemon.config import DaemonConfig
 from ckpt_engine.daemon.group import GroupKeeper, probe_members
 from ckpt_engine.daemon.membership import EngineRecord, EngineState, Membership, state_from_health
 from ckpt_engine.daemon.outcome import OneWalkPerAttempt, SyncOutcome, WalkBarrier, blame_source, reported, summarize
-from ckpt_engine.daemon.ownership import adopt, claim_engine, describe, job_group, refusal, release_engine
+from ckpt_engine.daemon.ownership import claim_engine, describe, job_group, refusal, release_engine
 from ckpt_engine.daemon.peer_joins import PeerJoins
-from ckpt_engine.daemon.recovery import after_failed_attempt, changed_members, resume_held
+from ckpt_engine.daemon.recovery import after_failed_attempt, changed_members, registered_during, resume_held
 from ckpt_engine.daemon.senders import ShardedWalk, sends_from_every_rank
+from ckpt_engine.daemon.upstream import mirror_upstream
 from ckpt_engine.daemon.protocol import PROTOCOL_VERSION, ProtocolError, check_engine_descriptor, check_engine_name, check_outcome
 from ckpt_engine.daemon.server import DaemonServer
 from ckpt_engine.daemon.versions import JobVersions
 from ckpt_engine.daemon.weights import check_engine_weights, check_sync_weights
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
-from ckpt_engine.versions import check_step, check_version
+from ckpt_engine.versions import check_step
 from ckpt_engine.sources.base import WeightSource
 from ckpt_engine.sources.sharded import ShardedWeightSource
 
@@ -359,33 +359,13 @@ class WeightSyncDaemon:
             blame_source(walker, exc, members, self.membership, outcome, attempt)
             return False
         self.membership.mark(members, EngineState.SERVING, target)
-        self._registered_during(members)
+        registered_during(members, self.membership, self._groups)
         self.versions.completed(target)
         with self._state_lock:
             self.manifest = self._groups.manifest
         outcome.ok = True
         outcome.report = report.to_dict()
         return False
-
-    def _registered_during(self, members: list[EngineRecord]) -> None:
-        """Engines that registered again while this sync ran: the new record took what the engine
-        said mid-sync (stale). The new handle of the same engine takes the old one's place in the
-        group (its delta bases stay), and the engine's own word now sets its state: one that
-        holds this sync's version serves it, no seed; any other is seeded by the next sync."""
-        now = [self.membership.get(r.name) or r for r in members]
-        again = [(new, new.adapter) for old, new in zip(members, now) if new is not old and new.adapter is not None and new.state != EngineState.JOINING]
-        if not again:
-            return
-        self._groups.rebind(now)
-        for rec, adapter in again:
-            try:
-                health = adapter.health()
-            except Exception:  # the next sync's probe finds out
-                continue
-            self.membership.touch(rec.name, health)
-            found = state_from_health(health, rec.state)
-            if found is not None:
-                self.membership.set_state(rec, *found)
 
     def _prune_unreachable(self, members: list[EngineRecord], outcome: SyncOutcome, attempt: int) -> list[EngineRecord]:
         """Before (re)building a group, drop members that do not answer a health probe (see group.py).
@@ -428,33 +408,15 @@ class WeightSyncDaemon:
 
     # --- following a standalone daemon --------------------------------------------------------
     def _pull_upstream(self) -> None:
-        """Mirror the standalone daemon's members: adapters for new ones, remove departed ones."""
-        if self.upstream is None:
-            return
-        try:
-            snap = self.upstream.members()
-        except (OSError, WireError, RpcError) as exc:  # restarting: its engines re-register, the mirror follows
-            logger.warning("the daemon at %s did not answer (%s); syncing the engines it listed last", self.upstream.address, exc)
-            return
-        self.versions.adopt(check_version(snap["version"], "the daemon's version"), "the daemon")
+        """Mirror the standalone daemon's members (`daemon.upstream`)."""
+        if self.upstream is not None:
+            mirror_upstream(self.upstream, self.membership, self.versions, self._drop, self.config.timeout_s, self._set_group)
+
+    def _set_group(self, group: str | None) -> str:
+        """The job's group as the standalone daemon names it (kept when it names none)."""
         with self._state_lock:
-            self.group = str(snap.get("group") or self.group)
-        remote = {e["name"]: e for e in snap["engines"]}
-        for rec in self.membership.records():
-            if rec.name not in remote or remote[rec.name]["engine"] != rec.engine:
-                self._drop(rec, "left (per the daemon)")
-        for name, e in remote.items():
-            known = self.membership.get(name)
-            if known is None:
-                try:
-                    adapter = make_adapter(name, e["engine"], self.config.timeout_s, token=self.upstream.token)
-                except ValueError as exc:
-                    logger.warning("skipping engine %s: %s", name, exc)
-                    continue
-                adopt(adapter, self.group)
-                known = EngineRecord(name=name, engine=dict(e["engine"]), adapter=adapter, owned=True)
-                self.membership.add(known)
-            known.state, known.version = e["state"], e["version"]
+            self.group = str(group or self.group)
+            return self.group
 
     def record_sync(self, outcome: dict[str, Any]) -> dict[str, Any]:
         """Standalone side of `report_sync`: take a trainer's outcome as the job's state."""

@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from ckpt_engine.daemon.group import probe_members
+from ckpt_engine.daemon.group import GroupKeeper, probe_members
 from ckpt_engine.daemon.membership import EngineRecord, EngineState, Membership, state_from_health
 from ckpt_engine.daemon.outcome import MOVED_DATA, SyncOutcome, drop_tracebacks
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError
 from ckpt_engine.sync.api import SyncError
 from ckpt_engine.versions import VersionConflictError
 
-__all__ = ["after_failed_attempt", "changed_members", "resume_held"]
+__all__ = ["after_failed_attempt", "changed_members", "registered_during", "resume_held"]
 
 logger = logging.getLogger(__name__)
 
@@ -131,3 +131,24 @@ def resume_held(records: list[EngineRecord]) -> None:
                 logger.info("engine %s resumed serving version %s as the daemon closes", rec.name, health["version"])
         except Exception as exc:
             logger.warning("engine %s: could not resume it as the daemon closes: %s", rec.name, exc)
+
+
+def registered_during(members: list[EngineRecord], membership: Membership, groups: GroupKeeper) -> None:
+    """After a completed sync, engines that registered again while it ran: the new record took what
+    the engine said mid-sync (stale). The new handle of the same engine takes the old one's place in
+    the group (its delta bases stay), and the engine's own word now sets its state: one that holds
+    this sync's version serves it, no seed; any other is seeded by the next sync."""
+    now = [membership.get(r.name) or r for r in members]
+    again = [(new, new.adapter) for old, new in zip(members, now) if new is not old and new.adapter is not None and new.state != EngineState.JOINING]
+    if not again:
+        return
+    groups.rebind(now)
+    for rec, adapter in again:
+        try:
+            health = adapter.health()
+        except Exception:  # the next sync's probe finds out
+            continue
+        membership.touch(rec.name, health)
+        found = state_from_health(health, rec.state)
+        if found is not None:
+            membership.set_state(rec, *found)

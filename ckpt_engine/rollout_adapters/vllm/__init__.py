@@ -4,6 +4,7 @@ own weight-transfer API (`WeightTransferChannel`); and the worker side they driv
 `transfer_engine.py`, `receiver.py`). Importing this package imports no vLLM; docs/vllm.md."""
 
 from ckpt_engine.rollout_adapters.vllm.native import WeightTransferChannel
-from ckpt_engine.rollout_adapters.vllm.rollout import WORKER_EXTENSION, VllmRollout, VllmServerRollout
+from ckpt_engine.rollout_adapters.vllm.rollout import WORKER_EXTENSION, VllmRollout
+from ckpt_engine.rollout_adapters.vllm.server_rollout import VllmServerRollout
 
 __all__ = ["WORKER_EXTENSION", "VllmRollout", "VllmServerRollout", "WeightTransferChannel"]

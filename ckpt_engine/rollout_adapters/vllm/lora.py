@@ -27,7 +27,8 @@ from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
 from ckpt_engine.rollout_adapters.vllm.clients import Channel, LLMWeightSyncClient
 from ckpt_engine.rollout_adapters.vllm.lora_names import LoraVersions
 from ckpt_engine.rollout_adapters.vllm.native import WeightTransferChannel
-from ckpt_engine.rollout_adapters.vllm.rollout import VllmRollout, http_channel
+from ckpt_engine.rollout_adapters.vllm.clients import http_channel
+from ckpt_engine.rollout_adapters.vllm.rollout import VllmRollout
 
 if TYPE_CHECKING:
     import vllm

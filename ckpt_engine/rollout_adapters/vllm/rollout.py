@@ -43,7 +43,7 @@ from ckpt_engine.manifest import BucketManifest, ManifestBudget
 from ckpt_engine.planning.regions import ReceivePlan
 from ckpt_engine.rollout_adapters.base import STAGES, JoinOptions, ManifestRejectedError, Membership, ReceiveReport, RolloutAdapter, version_of
 from ckpt_engine.rollout_adapters.capabilities import EngineCapabilities
-from ckpt_engine.rollout_adapters.vllm.clients import PAUSE_MODES, Channel, HTTPWeightSyncClient, LLMWeightSyncClient, http_channel
+from ckpt_engine.rollout_adapters.vllm.clients import PAUSE_MODES, Channel, HTTPWeightSyncClient, LLMWeightSyncClient
 from ckpt_engine.rollout_adapters.vllm.holds import EngineHolds
 from ckpt_engine.rollout_adapters.vllm.liveness import ask_held, gone_worker, world_size_problem
 from ckpt_engine.rollout_adapters.vllm.native import WeightTransferChannel
@@ -53,7 +53,7 @@ from ckpt_engine.rollout_adapters.vllm.stage_outcome import StagedOutcomes
 if TYPE_CHECKING:
     import vllm
 
-__all__ = ["WORKER_EXTENSION", "VllmRollout", "VllmServerRollout", "http_channel"]
+__all__ = ["WORKER_EXTENSION", "VllmRollout"]
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +121,8 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         """A new handle on the same engine: the workers' pids, the manifest they hold, the group its
         staged receives report in."""
         if isinstance(previous, VllmRollout):
-            self.pids, self.version, self.version_from, self._learned = list(previous.pids), previous.version, previous.version_from, previous._learned
-            self._stale = previous._stale
+            self.pids, self.version, self.version_from = list(previous.pids), previous.version, previous.version_from
+            self._learned, self._stale = previous._learned, previous._stale
             self.holds.take_over(previous.holds)
             self.workers.take_over(previous.workers)
             self.staged.take_over(previous.staged)
@@ -355,10 +355,10 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
         return self.client.weight_version()
 
     def health(self) -> dict[str, Any]:
-        """Raise if the engine is dead; else the version the handle knows it holds (and `stale`, where a worker
-        said a failed sync left it part new, until this handle completes one): its syncs' stamp or,
+        """Raise if the engine is dead; else the version the handle knows it holds: its syncs' stamp or,
         before it joined, what the workers report (asked once: a restarted daemon or trainer carries on
-        from it). A worker it joined is gone: dead, unless others answer (`vllm/liveness.py`)."""
+        from it; `stale` while they said a failed sync left them part new). A worker it joined is gone:
+        dead, unless others answer (`vllm/liveness.py`)."""
         gone = gone_worker(self.name, self.pids) if self.client.local else None
         try:
             self.client.health()
@@ -478,24 +478,4 @@ class VllmRollout(RolloutAdapter, PeerJoinable):
     def worker_health(self) -> list[dict[str, Any]]:
         """Per-worker state (not usable while a receive is in flight; [] where the route cannot ask)."""
         return self.workers.health() or []
-
-
-class VllmServerRollout(VllmRollout):
-    """`VllmRollout` over the HTTP routes of `python -m vllm.entrypoints.openai.api_server
-    --worker-extension-cls ...` in dev mode, at `base_url`. `session`: the `requests.Session` for
-    the control calls; `world_size`: spares asking the server."""
-
-    def __init__(
-        self,
-        name: str,
-        base_url: str,
-        *,
-        timeout_s: float = 300.0,
-        world_size: int | None = None,
-        session: Any = None,
-        staging_limit_bytes: int | None = None,
-    ) -> None:
-        client, workers = http_channel(name, base_url, timeout_s, session, world_size)
-        super().__init__(name, client, timeout_s=timeout_s, staging_limit_bytes=staging_limit_bytes, world_size=workers)
-        self.base_url, self.http = client.base_url, client.http
 
