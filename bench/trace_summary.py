@@ -1,8 +1,10 @@
 """Where one traced sync's time goes, from the Chrome traces `ckpt-engine bench --profile DIR` writes:
 per rank, the wall span of the trace, the busy time and the top kernels of each GPU stream, and the
-top host ranges (`record_function` names and torch ops) by total time.
+top host ranges (`record_function` names and torch ops) by total time; or, with `--windows PREFIX`,
+one JSON row per marked window of one trace (`windows`: `bench/vllm_colocated_bench.py --trace`).
 
     python bench/trace_summary.py DIR [--top 12]
+    python bench/trace_summary.py TRACE.json --windows sync
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 
 def _merged_busy(spans: list[tuple[float, float]]) -> float:
@@ -22,6 +25,54 @@ def _merged_busy(spans: list[tuple[float, float]]) -> float:
         busy += e - max(s, end)
         end = e
     return busy
+
+
+_DEVICE = {"kernel", "gpu_memcpy", "gpu_memset"}
+_WAITS = ("Synchronize", "cudaMemcpy ")  # a host call that blocks until the device catches up
+
+
+def windows(trace: dict[str, Any], prefix: str = "sync", gaps: int = 5) -> list[dict[str, Any]]:
+    """Per marked window (a `record_function` label starting with `prefix`, e.g. one sync; in trace
+    order): when the first device work starts and the last ends (ms from the window's start), how busy
+    the device is between them, the largest idle gaps, the kernels by name, and the host's first
+    launch and its waits on the device. Why: a colocated sync into vLLM is held against one device
+    copy of its bytes, and host timings cannot say whether the copies wait for the host."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    windows = sorted((e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(prefix)), key=lambda e: e["ts"])
+    device = sorted((e for e in events if e.get("cat") in _DEVICE), key=lambda e: e["ts"])
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime"]
+    rows = []
+    for w in windows:
+        start, end = float(w["ts"]), float(w["ts"]) + float(w["dur"])
+        inside = [e for e in device if start <= float(e["ts"]) < end]
+        spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in inside]
+        row: dict[str, Any] = {"window": w["name"], "wall_ms": round((end - start) / 1e3, 3), "device_events": len(inside)}
+        if spans:
+            first, last = min(s for s, _ in spans), max(e for _, e in spans)
+            row.update(first_device_ms=round((first - start) / 1e3, 3), last_device_end_ms=round((last - start) / 1e3, 3),
+                       device_busy_ms=round(_merged_busy(spans) / 1e3, 3), tail_ms=round((end - last) / 1e3, 3))
+            ordered = sorted(spans)
+            holes, reach = [], ordered[0][1]
+            for s, e in ordered[1:]:
+                if s > reach:
+                    holes.append((round((s - reach) / 1e3, 3), round((reach - start) / 1e3, 3)))
+                reach = max(reach, e)
+            row["largest_gaps_ms_at"] = sorted(holes, reverse=True)[:gaps]
+        by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+        for e in inside:
+            kept = by_name[str(e["name"])[:60]]
+            kept[0] += 1
+            kept[1] += float(e["dur"]) / 1e3
+        row["device_by_name"] = {n: [int(c), round(ms, 3)] for n, (c, ms) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:8]}
+        calls = [e for e in runtime if start <= float(e["ts"]) < end]
+        launches = [float(e["ts"]) for e in calls if "Launch" in str(e["name"])]
+        if launches:
+            row["first_launch_ms"], row["last_launch_ms"], row["launches"] = (
+                round((min(launches) - start) / 1e3, 3), round((max(launches) - start) / 1e3, 3), len(launches))
+        row["host_waits"] = [[str(e["name"]), round((float(e["ts"]) - start) / 1e3, 3), round(float(e["dur"]) / 1e3, 3)]
+                             for e in calls if any(x in str(e["name"]) for x in _WAITS) and float(e["dur"]) > 20.0]
+        rows.append(row)
+    return rows
 
 
 def summarize(path: Path, top: int) -> None:
@@ -36,7 +87,7 @@ def summarize(path: Path, top: int) -> None:
     host: dict[str, list[float]] = defaultdict(list)
     for e in events:
         cat = str(e.get("cat", ""))
-        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+        if cat in _DEVICE:
             gpu[e.get("tid")].append(e)
         elif cat in ("user_annotation", "cpu_op", "python_function"):
             host[e["name"]].append(e["dur"])
@@ -57,9 +108,14 @@ def summarize(path: Path, top: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("dir")
+    ap.add_argument("dir", help="a folder of rank*.json traces, or with --windows one trace")
     ap.add_argument("--top", type=int, default=12)
+    ap.add_argument("--windows", default=None, metavar="PREFIX", help="one row per record_function window whose label starts with PREFIX")
     args = ap.parse_args()
+    if args.windows is not None:
+        for row in windows(json.loads(Path(args.dir).read_text()), args.windows):
+            print(json.dumps(row))
+        return
     for path in sorted(Path(args.dir).glob("rank*.json")):
         summarize(path, args.top)
 

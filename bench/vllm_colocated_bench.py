@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", default="", help="comma-separated bucket sizes (MiB) to measure beside the default, e.g. 1024,4096")
     ap.add_argument("--profile", default=None, help="write cProfile tables of four syncs of the checked session here (raw stats beside it)")
     ap.add_argument("--trace", default=None, help="write a torch.profiler chrome trace of three unchecked syncs here and print "
-                    "where the device's time went in each (bench/cuda_trace.py)")
+                    "where the device's time went in each (bench/trace_summary.py --windows)")
     ap.add_argument("--trace-stack", action="store_true", help="with --trace: every Python call of every thread in the trace too "
                     "(slows the host: read it for the order of the host's steps, not their times), and stop after it")
     ap.add_argument("--quick", action="store_true", help="only copy and ours (and --trace): an A/B of two libraries in one lease")
@@ -129,7 +129,7 @@ def main() -> None:
     if args.trace:  # the device's own timeline of three unchecked syncs: do the copies wait for the host?
         from torch.profiler import ProfilerActivity, profile, record_function
 
-        from bench.cuda_trace import summarize
+        from bench.trace_summary import windows
 
         run = ours(stage="off", verify_installed="off")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.trace_stack) as prof:
@@ -137,7 +137,7 @@ def main() -> None:
                 with record_function(f"sync {i}"):
                     run()
         prof.export_chrome_trace(args.trace)
-        out["trace"] = summarize(json.loads(Path(args.trace).read_text()))
+        out["trace"] = windows(json.loads(Path(args.trace).read_text()))
         for row in out["trace"]:
             print(f"trace: {json.dumps(row)}", flush=True)
     if args.trace_stack or args.quick:

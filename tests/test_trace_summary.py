@@ -1,10 +1,10 @@
-"""`bench/cuda_trace.py`: the device timeline of a marked window, read from a chrome trace."""
+"""`bench/trace_summary.py --windows`: the device timeline of a marked window, read from a chrome trace."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.cuda_trace import summarize
+from bench.trace_summary import windows
 
 pytestmark = pytest.mark.fast
 
@@ -26,7 +26,7 @@ def test_a_windows_device_span_busy_time_gaps_and_waits() -> None:
         _x("kernel", "outside", 20_000.0, 100.0),  # after the window
         _x("user_annotation", "other", 1000.0, 10_000.0),  # not a sync
     ]}
-    (row,) = summarize(trace)
+    (row,) = windows(trace)
     assert row["window"] == "sync 0" and row["wall_ms"] == 10.0 and row["device_events"] == 3
     assert row["first_device_ms"] == 1.5 and row["last_device_end_ms"] == 7.0 and row["tail_ms"] == 3.0
     assert row["device_busy_ms"] == 5.0 and row["largest_gaps_ms_at"] == [(0.5, 4.5)]
