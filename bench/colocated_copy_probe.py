@@ -9,6 +9,7 @@ colocated receiver or its loader can copy (the one-copy colocated sync is one su
   alone       `copies.copy_large_alone_`: a copy_ per tensor of `copies.ALONE_BYTES` and up, the
               rest in one _foreach_copy_ (what the colocated loaders do)
   fused_<KiB> `copy_kernel.FusedCopy` with chunks of that size: one launch of a table built once
+  fused_<KiB>_b<words>_w<warps>  the same with other words a step and warps (`--blocks`, `--warps`)
 
     python bench/colocated_copy_probe.py --preset qwen2.5-7b [--layers N] [--reps 5]
 """
@@ -37,6 +38,8 @@ def main() -> None:
     p.add_argument("--bucket-gib", type=float, default=1.0)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--chunks-kib", default="256,1024,4096", help="FusedCopy chunk sizes to try")
+    p.add_argument("--blocks", default="", help="int64 words a step to try beside the kernel's own (e.g. 4096,8192)")
+    p.add_argument("--warps", default="", help="warps to try with each of --blocks (e.g. 4,8,16)")
     args = p.parse_args()
     specs = checkpoint_specs(load_preset_config(args.preset), dtype=args.dtype, num_layers=args.layers)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -79,6 +82,10 @@ def main() -> None:
         if not all(torch.equal(d, s) for d, s in zip(dst, src)):
             raise SystemExit(f"fused_{kib}: the copy differs from its sources")
         times[f"fused_{kib}"] = best_seconds(fused.launch, args.reps)
+        for block in [int(b) for b in args.blocks.split(",") if b]:
+            for warps in [int(w) for w in (args.warps or "4").split(",")]:
+                variant = FusedCopy(dst, src, chunk_bytes=kib << 10, block=block, warps=warps)
+                times[f"fused_{kib}_b{block}_w{warps}"] = best_seconds(variant.launch, args.reps)
     out = {
         "preset": args.preset, "bytes": total, "tensors": len(src), "buckets": len(buckets), "device": torch.cuda.get_device_name(dev),
         "seconds": times, "copy_rate_tb_s": {k: total / v / 1e12 for k, v in times.items()},

@@ -5,7 +5,8 @@ so its worker's methods run here too) and the trainer's tensors on the same GPU;
 `verify_installed: 2`, so checked and unchecked syncs alternate. With `--wrap` about twenty
 functions of the check on both sides (the trainer's `InstalledChecks`, the handle's route, the
 worker's receiver and capture, the reports' wire forms, the fold kernel's tables and launch) are
-wrapped to add up their wall time per sync, and some of them (`_MARKED`), every worker call (by its
+wrapped to add up their wall time per sync, as are the steps of the one-copy hand-off around the
+device copies (the offer, take, taken, the copy launches); some of them (`_MARKED`), every worker call (by its
 method, `rpc.<method>`) and the handle client's engine-core calls note when they start and end (ms
 from the sync's start, the `@0.` and `@1.` rows). With the engine core in its own process
 (`VLLM_ENABLE_V1_MULTIPROCESSING=1`) only the trainer's side is wrapped. Prints, per figure, the
@@ -43,6 +44,9 @@ _MARKED = {
     "LLMWeightSyncClient.pause", "LLMWeightSyncClient.reset_prefix_cache", "LLMWeightSyncClient.set_weight_version",
     "LLMWeightSyncClient.resume", "InstalledChecks.fold_ahead", "VllmReceiverCore.receive", "VllmReceiverCore._stream",
     "VllmReceiverCore.installed", "InstalledChecks.source_digests",
+    # the one-copy hand-off around the device copies (issue 39's head and tail, checked or not)
+    "WeightSyncSession._prepare_validated", "SharedSources.send", "ColocatedTransport.offer", "ColocatedTransport.wait_taken",
+    "ColocatedTransport.take", "ColocatedTransport.taken", "FusedCopy.launch", "VllmRollout.receive", "WeightSyncSession._report",
 }
 
 
@@ -82,7 +86,11 @@ def _wrap_classmethod(owner: type, name: str) -> None:
 
 
 def install_wrappers() -> None:
-    from ckpt_engine import installed, installed_kernel
+    from ckpt_engine import copy_kernel, installed, installed_kernel
+    from ckpt_engine.pipeline import shared_sources
+    from ckpt_engine.rollout_adapters.vllm import rollout
+    from ckpt_engine.sync import session
+    from ckpt_engine.transports import colocated
     from ckpt_engine.rollout_adapters.vllm import installed as worker_installed
     from ckpt_engine.rollout_adapters.vllm import clients, receiver, routes, worker
     from ckpt_engine.sync import installed as checks
@@ -99,6 +107,11 @@ def install_wrappers() -> None:
     routes.ExtensionRoute.rpc = _timed_rpc(routes.ExtensionRoute.rpc)  # type: ignore[method-assign]
     _wrap(clients.LLMWeightSyncClient, "pause", "resume", "reset_prefix_cache", "set_weight_version", "_settle")
     worker.agrees = _timed("worker.agrees", worker.agrees)
+    _wrap(session.WeightSyncSession, "_prepare_validated", "_report")
+    _wrap(shared_sources.SharedSources, "send")
+    _wrap(colocated.ColocatedTransport, "offer", "wait_taken", "take", "taken")
+    _wrap(copy_kernel.FusedCopy, "launch")
+    _wrap(rollout.VllmRollout, "receive")
 
 
 def main() -> None:

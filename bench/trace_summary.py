@@ -1,10 +1,13 @@
 """Where one traced sync's time goes, from the Chrome traces `ckpt-engine bench --profile DIR` writes:
 per rank, the wall span of the trace, the busy time and the top kernels of each GPU stream, and the
 top host ranges (`record_function` names and torch ops) by total time; or, with `--windows PREFIX`,
-one JSON row per marked window of one trace (`windows`: `bench/vllm_colocated_bench.py --trace`).
+one JSON row per marked window of one trace (`windows`: `bench/vllm_colocated_bench.py --trace`);
+or, with `--calls PREFIX` on a trace recorded with Python stacks (`--trace-stack`), the library's and
+vLLM's Python calls on each thread before the window's first device work and after its last (`calls`).
 
     python bench/trace_summary.py DIR [--top 12]
     python bench/trace_summary.py TRACE.json --windows sync
+    python bench/trace_summary.py TRACE.json --calls sync [--min-us 60]
 """
 
 from __future__ import annotations
@@ -75,6 +78,43 @@ def windows(trace: dict[str, Any], prefix: str = "sync", gaps: int = 5) -> list[
     return rows
 
 
+def calls(trace: dict[str, Any], prefix: str = "sync", min_us: float = 60.0, where: tuple[str, ...] = ("ckpt_engine/", "vllm/")) -> list[str]:
+    """Per marked window, the Python calls (`python_function` events of files under `where`, at least
+    `min_us` long) that overlap its head (the window's start to the device's first work) or its tail
+    (the device's last work to the window's end): one line each, `thread start_ms dur_ms name`, nested
+    calls indented under their caller on that thread. Why: with the copies back to back, what a
+    colocated sync into vLLM has left above one device copy is host work before the first copy and
+    after the last, and which thread holds it (the interpreter lock) decides what can overlap."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    marks = sorted((e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(prefix)), key=lambda e: e["ts"])
+    device = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events if e.get("cat") in _DEVICE]
+    py = sorted((e for e in events if e.get("cat") == "python_function" and any(w in str(e.get("name", "")) for w in where)),
+                key=lambda e: (e["ts"], -e["dur"]))
+    threads: dict[Any, str] = {}
+    lines: list[str] = []
+    for w in marks:
+        start, end = float(w["ts"]), float(w["ts"]) + float(w["dur"])
+        inside = [(s, e) for s, e in device if start <= s < end]
+        first = min((s for s, _ in inside), default=end)
+        last = max((e for _, e in inside), default=end)
+        for part, lo, hi in (("head", start, first), ("tail", last, end)):
+            lines.append(f"== {w['name']} {part}: {(lo - start) / 1e3:.3f}-{(hi - start) / 1e3:.3f} ms")
+            open_calls: dict[Any, list[float]] = defaultdict(list)  # per thread: the ends of the calls it is inside
+            for e in py:
+                s, d = float(e["ts"]), float(e["dur"])
+                tid = e.get("tid")
+                stack = open_calls[tid]
+                while stack and stack[-1] <= s:
+                    stack.pop()
+                depth = len(stack)
+                stack.append(s + d)
+                if d < min_us or s >= hi or s + d <= lo:
+                    continue
+                name = threads.setdefault(tid, f"t{len(threads)}")
+                lines.append(f"{name:>4} {(s - start) / 1e3:8.3f} {d / 1e3:7.3f} {'  ' * min(depth, 30)}{str(e['name'])[:110]}")
+    return lines
+
+
 def summarize(path: Path, top: int) -> None:
     events = [e for e in json.loads(path.read_text()).get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     if not events:
@@ -111,7 +151,12 @@ def main() -> None:
     ap.add_argument("dir", help="a folder of rank*.json traces, or with --windows one trace")
     ap.add_argument("--top", type=int, default=12)
     ap.add_argument("--windows", default=None, metavar="PREFIX", help="one row per record_function window whose label starts with PREFIX")
+    ap.add_argument("--calls", default=None, metavar="PREFIX", help="the Python calls around the device work of each window whose label starts with PREFIX")
+    ap.add_argument("--min-us", type=float, default=60.0)
     args = ap.parse_args()
+    if args.calls is not None:
+        print("\n".join(calls(json.loads(Path(args.dir).read_text()), args.calls, args.min_us)))
+        return
     if args.windows is not None:
         for row in windows(json.loads(Path(args.dir).read_text()), args.windows):
             print(json.dumps(row))

@@ -32,8 +32,12 @@ __all__ = ["CHUNK_BYTES", "FusedCopy", "ReplayedCopies", "fusable"]
 CHUNK_BYTES = 256 << 10
 """The bytes one program copies (a pair's last chunk is shorter): the best of 256 KiB, 1 MiB and
 4 MiB on one H200 for both models above."""
-_BLOCK = 4096
-"""int64 words a program moves per step (32 KiB)."""
+_BLOCK = 8192
+"""int64 words a program moves per step (64 KiB), with `_WARPS` warps: on one H200 (2026-12-03,
+`bench/colocated_copy_probe.py --blocks --warps`, and a sweep of chunks and cache hints, three alternations) 0.949-0.953 x a
+flat copy for both models above against 0.923-0.931 x at 4096 words and 4 warps; 16384 words spill
+(0.12-0.67 x), streaming cache hints lose."""
+_WARPS = 16
 
 
 def fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -50,7 +54,9 @@ class FusedCopy:
     launch. Keeps addresses only: the caller keeps every tensor alive and where it is while it
     launches (`ReplayedCopies` checks that)."""
 
-    def __init__(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(
+        self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor], chunk_bytes: int = CHUNK_BYTES, *, block: int = _BLOCK, warps: int = _WARPS,
+    ) -> None:
         if len(dsts) != len(srcs):
             raise ValueError(f"{len(dsts)} destinations for {len(srcs)} sources")
         if chunk_bytes <= 0 or chunk_bytes % 16:
@@ -63,13 +69,14 @@ class FusedCopy:
         if table is not None and self.device.type == "cuda":  # pinned: no wait for the work queued before it
             table = table.pin_memory().to(self.device, non_blocking=True)  # the host allocator keeps it until copied
         self._table = table
+        self._block, self._warps = block, warps  # other values only to measure them
 
     def launch(self) -> None:
         """Enqueue every copy on the current stream (one launch, no host sync)."""
         if self._table is None:
             return
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-            _copy[(self._table.shape[0],)](self._table, BLOCK=_BLOCK)
+            _copy[(self._table.shape[0],)](self._table, BLOCK=self._block, num_warps=self._warps)
 
 
 def _table(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], chunk: int) -> torch.Tensor:

@@ -4,6 +4,8 @@ them (one copy per byte); other senders go through the shared slots. Real proces
 from __future__ import annotations
 
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from typing import Any
 
@@ -16,6 +18,8 @@ from roundtrip import mixed_state, same_bits
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.engine import Rendezvous, TransferError
 from ckpt_engine.registry import CheckpointEngineRegistry
+from ckpt_engine.store import serve_store
+from ckpt_engine.transports import local_flags
 
 # Per sync: (what the sender offers, whether the receiver passes destinations).
 # "shared": its own tensors, mapped; "moved": one tensor replaced (new handles); "rebound": one
@@ -33,10 +37,12 @@ def _state(version: int, device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in sd.items()}
 
 
-def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu") -> dict[str, Any]:
+def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu", joined: list[int] | None = None) -> dict[str, Any]:
+    """`joined`: (ranks in one process) rank 0 notes the rendezvous store's keys once both joined."""
     dev = torch.device(device)
     engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=64 * 1024, timeout_s=rdzv.timeout_s, device=dev)
     engine.init_process_group(rdzv, rank)
+    flags_here = bool(local_flags._HERE)
     bad: list[str] = []
     one_copy: list[bool] = []
     replayed: list[bool] = []
@@ -65,6 +71,8 @@ def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu") -> dict[s
                 weights = {n: t.detach() for n, t in own.items()}.items()
             if mode == "unshared":
                 weights = {n: (t.clone() if dev.type == "cpu" else t.t().contiguous().t()) if n == "fp32" else t for n, t in own.items()}.items()
+            if joined is not None and not joined:  # the receiver has joined: the sender's join read its answer
+                joined.append(rdzv.connect_store().num_keys())
             stats = engine.send_weights(manifest, weights, stable=mode != "unstable")
             one_copy.append(bool(stats.extra.get("one_copy", False)))
             replayed.append(bool(stats.extra.get("walk_replayed", False)))
@@ -80,7 +88,8 @@ def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu") -> dict[s
             bad += [f"v{version} {n}" for n in new if n not in got or not same_bits(got[n], new[n])]
     mappings = engine.transport.mappings
     engine.finalize()
-    return {"bad": bad, "one_copy": one_copy, "replayed": replayed, "generations": generations, "mappings": mappings, "keys": keys}
+    return {"bad": bad, "one_copy": one_copy, "replayed": replayed, "generations": generations, "mappings": mappings, "keys": keys,
+            "flags_here": flags_here}
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
@@ -98,6 +107,25 @@ def test_stable_sender_shares_its_tensors_once_and_the_receiver_copies_them(devi
     assert results[0]["generations"] == [1, 1, 2, 3, 3, 3, 3, 3, 3]
     assert results[1]["mappings"] == 3  # the receiver maps once per generation, not once per sync
     assert len(set(results[0]["keys"])) == 1, results[0]["keys"]  # the sync's flags are deleted (off its path), none pile up
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
+def test_a_pair_in_one_process_keeps_its_flags_in_memory(device: str) -> None:
+    """Sender and receiver in one process (vLLM's engine core inside the trainer's process): the same
+    syncs, bit for bit, with every flag kept in memory (`local_flags.py`): none reaches the
+    rendezvous store after the join, none piles up in memory, and the sender's store is let go at its close."""
+    master = serve_store("127.0.0.1", 60.0)
+    rdzv = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 2, "colocated", 60.0)
+    joined_keys: list[int] = []
+    with ThreadPoolExecutor(2) as pool:
+        ranks = [pool.submit(one_copy_rank, rank, rdzv, device=device, joined=joined_keys) for rank in (0, 1)]
+        results = [f.result(timeout=120) for f in ranks]
+    assert results[1]["bad"] == []
+    assert results[0]["one_copy"] == [True, True, True, True, False, False, True, True, True]
+    assert results[0]["generations"] == [1, 1, 2, 3, 3, 3, 3, 3, 3]
+    assert len(set(results[0]["keys"])) == 1, results[0]["keys"]  # the in-memory store's: constant
+    assert master.num_keys() == joined_keys[0], "a flag went through the rendezvous store"
+    assert results[0]["flags_here"] and local_flags._HERE == {}  # published for the pair, let go at the close
 
 
 def abandoning_rank(rank: int, rdzv: Rendezvous) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 A stable sender shares its own tensors once (`shared_tensors.py`) and the receiver's loader copies
 straight out of them, one copy per byte; otherwise the sender packs each bucket into rotating
-buffers shared the same way, which the loader reads in place. Only flags travel through the
-rendezvous store ("offered" / "taken", "bucket k is ready" / "slot is free").
+buffers shared the same way, which the loader reads in place. Only flags travel, through the
+rendezvous store ("offered" / "taken", "bucket k is ready" / "slot is free"), or through memory
+when both ends share one process (`local_flags.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import msgpack
 import torch
 
 from ckpt_engine.engine import Rendezvous, TransferError
+from ckpt_engine.transports.local_flags import flags_here, forget_flags, publish_flags
 from ckpt_engine.transports.shared_buffers import map_buffers, share_buffers, unlink_files, validate_descriptors
 from ckpt_engine.transports.shared_tensors import (
     Placement, can_share, describe_tensors, forget_local, local_tensors, map_tensors, placement, probe_host_sharing, publish_local,
@@ -41,6 +43,10 @@ class ColocatedTransport(Transport, SourceSharing):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._store: Any = None
+        self._flags: Any = None
+        """Where this sync's flags go: the rendezvous store, or the sender's in-memory store when both
+        ends share one process (`local_flags.py`)."""
+        self._flags_desc: dict[str, Any] | None = None  # the sender's published in-memory store
         self._shm_paths: list[str] = []
         self._seq = 0  # syncs since join; namespaces the flags of one sync
         self._read: list[str] = []
@@ -77,13 +83,15 @@ class ColocatedTransport(Transport, SourceSharing):
 
     @property
     def group(self) -> Any:
-        return self._store
+        """The store this pair's flags go through once joined (the rendezvous store, or the in-memory
+        one of a pair in one process); None before the join."""
+        return self._flags
 
     def reads_in_place(self, sender: int) -> bool:
         return True
 
     def join(self, rendezvous: Rendezvous, rank: int) -> None:
-        if self._store is not None:
+        if self._flags is not None:
             raise RuntimeError("init_process_group() was already called; call finalize() first to rejoin")
         if rendezvous.world_size != 2 or rank not in (0, 1):
             raise ValueError("the colocated backend pairs exactly one sender (rank 0) and one receiver (rank 1)")
@@ -94,7 +102,8 @@ class ColocatedTransport(Transport, SourceSharing):
         timeout = datetime.timedelta(seconds=rendezvous.timeout_s)  # the peer may start seconds later: the join's bound, not a sync's
         if rank == 0:
             self.buffers, descs, self._shm_paths = share_buffers(self.device, self.num_buffers, size)
-            msg: dict[str, Any] = {"size": size, "buffers": descs}
+            here, self._flags_desc = publish_flags(self.timeout_s)
+            msg: dict[str, Any] = {"size": size, "buffers": descs, "flags": self._flags_desc}
             if self.device.type == "cuda":
                 msg["local"] = self._local["buffers"] = publish_local(self.buffers)
             if self.device.type == "cpu":
@@ -105,24 +114,35 @@ class ColocatedTransport(Transport, SourceSharing):
                 answer = store.get("colocated/can_map")
                 if answer not in (b"0", b"1"):  # the receiver could not map the buffers: its reason
                     raise TransferError(f"colocated sender: the receiver could not map its shared buffers: {answer.decode(errors='replace')}")
+                shares_process = store.get("colocated/flags") == b"here"  # set before `can_map`
             except BaseException:  # a failed join leaves no shared files behind
                 unlink_files(self._shm_paths)
                 self._shm_paths = []
+                forget_flags(self._flags_desc)
                 raise
             self._can_map = answer == b"1"
+            if not shares_process:
+                forget_flags(self._flags_desc)
+            flags = here if shares_process else store
         else:
             store.wait(["colocated/buffers"], timeout)
             try:
                 info = msgpack.unpackb(store.get("colocated/buffers"), raw=False)
                 probe = info.pop("probe", None) if isinstance(info, dict) else None
                 local = local_tensors(info.pop("local", None)) if isinstance(info, dict) else None
+                found = flags_here(info.pop("flags", None)) if isinstance(info, dict) else None
                 descs = validate_descriptors(info, self.num_buffers, size, "the colocated sender")
                 self.buffers = list(local) if local is not None else map_buffers(self.device, descs, size)
             except Exception as exc:  # told to the sender, which would otherwise wait out the join's bound
                 store.set("colocated/can_map", f"{type(exc).__name__}: {exc}".encode())  # type: ignore[arg-type]  # a Store takes bytes too
                 raise
+            store.set("colocated/flags", b"here" if found is not None else b"store")  # type: ignore[arg-type]  # a Store takes bytes too
             store.set("colocated/can_map", b"1" if probe is None or self._maps(probe) else b"0")  # type: ignore[arg-type]  # a Store takes bytes too
-        self._store = store
+            flags = found if found is not None else store
+        # A flag is read by `get`, which waits for it within the store's own bound (one round trip fewer
+        # than a `wait` and then a `get`: ~70 us each on the 2-core CPU box): this transport's bound.
+        store.set_timeout(datetime.timedelta(seconds=self.timeout_s))
+        self._store, self._flags = store, flags
         self.broken = False
         logger.info("colocated rank %d mapped %d shared buffers of %d bytes", rank, self.num_buffers, size)
 
@@ -135,7 +155,9 @@ class ColocatedTransport(Transport, SourceSharing):
             return False
 
     def close(self) -> None:
-        self._store, self._read = None, []
+        self._store, self._flags, self._read = None, None, []
+        forget_flags(self._flags_desc)
+        self._flags_desc = None
         self.buffers = []
         self._probe = None
         self._offered, self._offered_placement, self._mapped = [], None, []
@@ -152,14 +174,23 @@ class ColocatedTransport(Transport, SourceSharing):
     def _key(self, what: str, k: int) -> str:
         return f"s{self._seq}/{what}/{k}"
 
-    def _wait_key(self, key: str, what: str, *, delete: bool = True) -> None:
+    def _wait_key(self, key: str, what: str) -> None:
+        """Wait for the flag `key` (within `timeout_s`), then delete it: read once."""
         try:
-            self._store.wait([key], datetime.timedelta(seconds=self.timeout_s))
+            self._flags.wait([key], datetime.timedelta(seconds=self.timeout_s))
         except Exception as exc:
             self.broken = True
             raise TransferError(f"rank {self.rank}: {what} did not arrive within {self.timeout_s}s: {exc}") from exc
-        if delete:
-            self._store.delete_key(key)
+        self._flags.delete_key(key)
+
+    def _get_key(self, key: str, what: str) -> bytes:
+        """The flag `key`'s value once it is set, within the store's bound: `timeout_s`, set at join (a pair
+        in one process shares the sender's, which one session's configuration gives both ends)."""
+        try:
+            return self._flags.get(key)
+        except Exception as exc:
+            self.broken = True
+            raise TransferError(f"rank {self.rank}: {what} did not arrive within {self.timeout_s}s: {exc}") from exc
 
     def begin_send(self, own_index: list[int]) -> None:
         self._seq += 1
@@ -188,7 +219,7 @@ class ColocatedTransport(Transport, SourceSharing):
         self.device_sync_point()
         k = self._sent
         self._sent += 1
-        self._store.set(self._key("ready", k), b"1")
+        self._flags.set(self._key("ready", k), b"1")
         return k
 
     def post_group(self, gid: int, slot: int, msgs: list[torch.Tensor]) -> Any:
@@ -203,7 +234,7 @@ class ColocatedTransport(Transport, SourceSharing):
         if self._released < self._received:
             self.device_sync_point()
             while self._released < self._received:
-                self._store.set(self._key("free", self._released), b"1")
+                self._flags.set(self._key("free", self._released), b"1")
                 self._released += 1
 
     def finish(self, k: int, sender: int, slot: int, work: Any, label: str) -> None:
@@ -229,33 +260,32 @@ class ColocatedTransport(Transport, SourceSharing):
 
     def offer(self, tensors: list[torch.Tensor] | None, placed: Placement | None = None) -> None:
         if tensors is None:
-            self._store.set(self._key("offer", 0), msgpack.packb({"generation": None}))
+            self._flags.set(self._key("offer", 0), msgpack.packb({"generation": None}))
             return
         if (placed if placed is not None else placement(tensors)) != self._offered_placement:
             # Held until the next change: the receiver's mappings stay over live tensors.
             old = self._generation
             self._generation += 1
             info = describe_tensors(tensors, self.device)
-            self._store.set(f"colocated/sources/{self._generation}", msgpack.packb(info, use_bin_type=True))
+            self._flags.set(f"colocated/sources/{self._generation}", msgpack.packb(info, use_bin_type=True))
             if old:
-                self._store.delete_key(f"colocated/sources/{old}")
+                self._flags.delete_key(f"colocated/sources/{old}")
             forget_local(self._local.pop("offer", None))
             if "local" in info:
                 self._local["offer"] = info["local"]
             # Read again: sharing a host storage by descriptor may have moved it (not one `share_memory_()` made).
             self._offered, self._offered_placement = [t.untyped_storage() for t in tensors], placement(tensors)
         self.device_sync_point()  # the source's writes are done before the receiver reads
-        self._store.set(self._key("offer", 0), msgpack.packb({"generation": self._generation}))
+        self._flags.set(self._key("offer", 0), msgpack.packb({"generation": self._generation}))
 
     def _forget_read(self) -> None:
         while self._read:
-            self._store.delete_key(self._read.pop())
+            self._flags.delete_key(self._read.pop())
 
     def wait_taken(self) -> None:
         self._forget_read()  # the last sync's flag: the receiver is copying now
         key = self._key("taken", 0)
-        self._wait_key(key, "the receiver's copies from this sender's tensors", delete=False)
-        answer = self._store.get(key)
+        answer = self._get_key(key, "the receiver's copies from this sender's tensors")
         self._read.append(key)
         if answer != b"ok":
             self.broken = True
@@ -263,22 +293,21 @@ class ColocatedTransport(Transport, SourceSharing):
 
     def take(self) -> list[torch.Tensor] | None:
         key = self._key("offer", 0)
-        self._wait_key(key, "the sender's offer", delete=False)
-        raw = self._store.get(key)
+        raw = self._get_key(key, "the sender's offer")
         try:
             offer = msgpack.unpackb(raw, raw=False)
         except (ValueError, msgpack.UnpackException) as exc:
             raise TransferError(f"rank {self.rank}: undecodable offer from the colocated sender: {exc}") from exc
         generation = offer.get("generation", 0) if isinstance(offer, dict) else 0
         if generation is None:  # the slots: no copies out of the sender's tensors follow (no `taken`)
-            self._store.delete_key(key)
+            self._flags.delete_key(key)
             return None
         self._read.append(key)  # deleted once the copies are queued (`taken`)
         if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
             raise TransferError(f"rank {self.rank}: malformed offer from the colocated sender: {offer!r:.200}")
         if generation != self._mapped_generation:
             self._mapped = []  # drop the old mappings first
-            info = msgpack.unpackb(self._store.get(f"colocated/sources/{generation}"), raw=False)
+            info = msgpack.unpackb(self._flags.get(f"colocated/sources/{generation}"), raw=False)
             self._mapped, self._mapped_generation = map_tensors(info, self.device), generation
             self.mappings += 1
         return self._mapped
@@ -291,7 +320,7 @@ class ColocatedTransport(Transport, SourceSharing):
                 self.device_sync_point()  # the loader's copies out of the sender's tensors are done
             except TransferError as exc:
                 failure, error = exc, str(exc)
-        self._store.set(self._key("taken", 0), b"ok" if error is None else error.encode())
+        self._flags.set(self._key("taken", 0), b"ok" if error is None else error.encode())
         if failure is not None:
             raise failure
 
