@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +114,21 @@ def start_serve(tmp_path: Path, token: str, *overrides: str, port: int = 0, yaml
         proc.kill()
         pytest.fail(f"ckpt-engine serve did not start: {line!r}")
     return Serve(proc, line)
+
+
+def engine_fixtures(token: str, label: str) -> tuple[Any, Any]:
+    """A test module's `spec_file` (module-scoped: one spec of the reference engines under `label`)
+    and `receivers` (the `Engines` on it, checked with `token`, closed after each test), to be bound
+    as `spec_file, receivers = engine_fixtures(TOKEN, "label")`."""
+
+    @pytest.fixture(scope="module")
+    def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
+        return write_spec(tmp_path_factory.mktemp(label) / "spec.msgpack")
+
+    @pytest.fixture
+    def receivers(spec_file: str) -> Iterator[Engines]:
+        rs = Engines(spec_file, token)
+        yield rs
+        rs.close()
+
+    return spec_file, receivers

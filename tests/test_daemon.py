@@ -21,7 +21,7 @@ from ckpt_engine.daemon.protocol import ProtocolError, check_outcome
 from ckpt_engine.rollout_adapters.base import ManifestRejectedError, RolloutAdapter
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
-from helpers_daemon import NUM_TENSORS, Engines, config, descriptor, holds, weights, write_spec
+from helpers_daemon import engine_fixtures, NUM_TENSORS, Engines, config, descriptor, holds, weights
 from helpers_wait import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -30,16 +30,7 @@ JOB_TOKEN = "test-daemon-job-token"
 """Engines demand their job's token; the daemons of these tests hold it too."""
 
 
-@pytest.fixture(scope="module")
-def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_spec(tmp_path_factory.mktemp("daemon") / "spec.msgpack")
-
-
-@pytest.fixture
-def receivers(spec_file: str) -> Iterator[Engines]:
-    rs = Engines(spec_file, JOB_TOKEN)
-    yield rs
-    rs.close()
+spec_file, receivers = engine_fixtures(JOB_TOKEN, "daemon")
 
 
 @pytest.fixture

