@@ -6,6 +6,8 @@ it (only to stall a worker method and to read the backend's worker state).
 - `LLMWeightSyncClient` decides by the engine-core client's type how it reaches the engine core, and
   bounds every wait: a worker stuck inside the engine core's pause ends `pause` within the client's
   timeout with a `TimeoutError` naming the engine and the call (it waited for the stall before).
+- A pause made while a step runs on a generating thread (vLLM's in-process engine core steps in the
+  thread of whoever generates) returns only once that step ended.
 - After every sync through vLLM's weight-transfer API (unchecked, checked, staged) the workers report
   the version the engine serves (an unchecked unstaged sync left them at the previous one).
 """
@@ -85,6 +87,36 @@ def test_a_worker_stuck_in_the_engine_cores_pause_ends_the_call_naming_engine_an
     assert not llm.llm_engine.engine_core.engine_core.is_scheduler_paused()
     out = llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_an_in_process_pause_waits_for_the_step_a_generating_thread_is_running(llm: Any) -> None:
+    """The step's forward is held inside the worker (`test_stall` on `execute_model`) while another
+    thread pauses: the pause returns only after the step was let go, so the copies a sync makes after
+    its pause never land between two layers of one step (before, it returned at once)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    client = LLMWeightSyncClient(llm, timeout=HOLD_S)  # from here every step of the engine core holds its step lock
+    llm.collective_rpc("test_stall", kwargs={"method": "execute_model", "hold_s": HOLD_S})
+    outputs: list[Any] = []
+    generating = threading.Thread(target=lambda: outputs.extend(llm.generate(
+        [TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)))
+    paused_at: list[float] = []
+    pausing = threading.Thread(target=lambda: (client.pause("keep"), paused_at.append(time.monotonic())))
+    generating.start()
+    try:
+        assert stall.STALLED.wait(HOLD_S / 2), "the generating thread's step never reached the model"
+        pausing.start()
+        pausing.join(1.0)  # time for a pause that does not wait to return
+    finally:
+        released_at = time.monotonic()
+        stall.RELEASE.set()
+    pausing.join(HOLD_S / 2)
+    assert paused_at and paused_at[0] > released_at, "the pause returned while a step was still running"
+    assert llm.llm_engine.engine_core.engine_core.is_scheduler_paused()
+    client.resume()  # the frozen request runs to its end
+    generating.join(HOLD_S / 2)
+    assert not generating.is_alive() and len(outputs[0].outputs[0].token_ids) == 4
 
 
 @pytest.mark.parametrize(

@@ -247,8 +247,10 @@ class LLMWeightSyncClient:
     or never answered (docs/vllm.md). Any other resume (a failed sync's, a closing daemon's) is
     waited for.
 
-    Call the trainer side from a thread other than one generating with the same `LLM`: control
-    calls queue behind a running `generate`.
+    Call the trainer side from a thread other than one generating with the same `LLM`. With the
+    engine core in its own process, control calls queue behind the step it is running; in this
+    process, the engine core steps in the generating thread, and a pause waits for the step in
+    flight to end (`EngineCore.between_steps`), so no step's forward sees the copies that follow.
     """
 
     side_calls = False
@@ -292,12 +294,17 @@ class LLMWeightSyncClient:
         """The engine-core utility `method(*args)` (`what` names it in errors), waited on for at most
         `timeout_s` (+ a grace second). Through a `SyncMPClient`, sent from this thread and vLLM's
         answer future waited on: no hop to a pool thread and back on the critical path. An engine
-        core in this process runs a scheduler switch (`_switches`) on this thread: nothing in it waits."""
+        core in this process runs a scheduler switch (`_switches`) on this thread (nothing in it waits
+        but a pause, for a step running on a generating thread to end: `EngineCore.between_steps`)."""
         if not self._core.sends:
+            call = functools.partial(self._core.between_steps, timeout_s) if method == "pause_scheduler" else self._core.call
             if method in self._switches:
                 self._settle()
-                return self._core.call(method, *args)
-            return self._bounded(what, timeout_s, self._core.call, method, *args)
+                try:
+                    return call(method, *args)
+                except TimeoutError:
+                    raise TimeoutError(self._late(what, timeout_s)) from None
+            return self._bounded(what, timeout_s, call, method, *args)
         self._settle()
         call_id, future = self._core.send(method, *args)
         try:

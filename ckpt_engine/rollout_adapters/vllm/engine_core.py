@@ -5,7 +5,9 @@ by calling the `EngineCore` itself; and the record of a call sent without waitin
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import uuid
+import weakref
 from typing import Any, NamedTuple
 
 __all__ = ["EngineCore", "Unanswered"]
@@ -19,6 +21,28 @@ class Unanswered(NamedTuple):
     future: cf.Future[Any]
     deadline: float
     """`time.monotonic()` by which it must have answered."""
+
+
+_STEPS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+"""Per in-process vLLM `EngineCore`: the lock each of its steps holds (`_step_lock`)."""
+_INSTALL = threading.Lock()
+
+
+def _step_lock(core: Any) -> threading.RLock:
+    """The lock every step of the in-process engine core `core` holds from now on: its `step_fn` (what
+    vLLM's `InprocClient.get_output` calls for each step of a `generate`) wrapped once per core."""
+    with _INSTALL:
+        lock = _STEPS.get(core)
+        if lock is None:
+            lock = _STEPS[core] = threading.RLock()
+            step = core.step_fn
+
+            def step_fn() -> Any:
+                with lock:
+                    return step()
+
+            core.step_fn = step_fn
+        return lock
 
 
 class EngineCore:
@@ -40,6 +64,8 @@ class EngineCore:
         self.workers_here = local is not None and isinstance(local.model_executor, UniProcExecutor)
         """The engine core's worker runs its `collective_rpc` methods in the calling thread (vLLM's
         one-process executor, the external launcher's included): nothing waits on another process."""
+        self._steps = _step_lock(local) if local is not None else None
+        """Held by each step of an in-process engine core (a `generate` on another thread)."""
 
     @classmethod
     def of(cls, core: Any) -> EngineCore:
@@ -55,6 +81,20 @@ class EngineCore:
         """The in-process engine core's `method(*args)`, run in the calling thread (a remote one's
         calls go through `send`)."""
         return getattr(self.local, method)(*args)
+
+    def between_steps(self, timeout_s: float, method: str, *args: Any) -> Any:
+        """`call`, made once no step of the in-process engine core is running (waited for at most
+        `timeout_s`; TimeoutError past it). Why: its steps run in the thread of whoever generates, and
+        vLLM's pause only sets the scheduler's state: a pause made while a step's forward was still
+        launching would let the copies that follow land between two of its layers (one step, two
+        versions). Made between steps, a pause holds every later step off the model."""
+        assert self._steps is not None, "between_steps is for an engine core in this process"
+        if not self._steps.acquire(timeout=timeout_s):
+            raise TimeoutError(f"a step of the engine core ran past {timeout_s:.0f}s")
+        try:
+            return self.call(method, *args)
+        finally:
+            self._steps.release()
 
     def send(self, method: str, *args: Any) -> tuple[int, cf.Future[Any]]:
         """`SyncMPClient.call_utility` without its wait: the call id and the future vLLM's output
