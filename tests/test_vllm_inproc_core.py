@@ -92,31 +92,44 @@ def test_a_worker_stuck_in_the_engine_cores_pause_ends_the_call_naming_engine_an
 def test_an_in_process_pause_waits_for_the_step_a_generating_thread_is_running(llm: Any) -> None:
     """The step's forward is held inside the worker (`test_stall` on `execute_model`) while another
     thread pauses: the pause returns only after the step was let go, so the copies a sync makes after
-    its pause never land between two layers of one step (before, it returned at once)."""
+    its pause never land between two layers of one step (before, it returned at once).
+
+    The engine steps on this thread, the one that built it, as a trainer's generation loop does (vLLM's
+    CPU attention checks that a step's OpenMP thread count is the one its metadata was built with, which
+    a fresh thread need not share); a second thread plays the sync: it pauses, and resumes once paused."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     client = LLMWeightSyncClient(llm, timeout=HOLD_S)  # from here every step of the engine core holds its step lock
     llm.collective_rpc("test_stall", kwargs={"method": "execute_model", "hold_s": HOLD_S})
-    outputs: list[Any] = []
-    generating = threading.Thread(target=lambda: outputs.extend(llm.generate(
-        [TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)))
-    paused_at: list[float] = []
-    pausing = threading.Thread(target=lambda: (client.pause("keep"), paused_at.append(time.monotonic())))
-    generating.start()
+    seen: dict[str, Any] = {}
+
+    def sync_thread() -> None:
+        try:
+            if not stall.STALLED.wait(HOLD_S / 2):
+                seen["error"] = "the generating thread's step never reached the model"
+                return
+            pausing = threading.Thread(target=lambda: (client.pause("keep"), seen.setdefault("paused_at", time.monotonic())))
+            pausing.start()
+            pausing.join(1.0)  # time for a pause that does not wait to return
+            seen["released_at"] = time.monotonic()
+            stall.RELEASE.set()
+            pausing.join(HOLD_S / 2)
+            seen["paused"] = llm.llm_engine.engine_core.engine_core.is_scheduler_paused()
+        finally:
+            stall.RELEASE.set()
+            client.resume()  # the frozen request runs to its end
+
+    syncing = threading.Thread(target=sync_thread)
+    syncing.start()
     try:
-        assert stall.STALLED.wait(HOLD_S / 2), "the generating thread's step never reached the model"
-        pausing.start()
-        pausing.join(1.0)  # time for a pause that does not wait to return
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3])], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
     finally:
-        released_at = time.monotonic()
-        stall.RELEASE.set()
-    pausing.join(HOLD_S / 2)
-    assert paused_at and paused_at[0] > released_at, "the pause returned while a step was still running"
-    assert llm.llm_engine.engine_core.engine_core.is_scheduler_paused()
-    client.resume()  # the frozen request runs to its end
-    generating.join(HOLD_S / 2)
-    assert not generating.is_alive() and len(outputs[0].outputs[0].token_ids) == 4
+        syncing.join(HOLD_S / 2)
+    assert "error" not in seen, seen.get("error")
+    assert "paused_at" in seen and seen["paused_at"] > seen["released_at"], "the pause returned while a step was still running"
+    assert seen["paused"] and not syncing.is_alive()
+    assert len(outputs[0].outputs[0].token_ids) == 4
 
 
 @pytest.mark.parametrize(
