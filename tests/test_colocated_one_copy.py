@@ -19,7 +19,7 @@ from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.engine import Rendezvous, TransferError
 from ckpt_engine.registry import CheckpointEngineRegistry
 from ckpt_engine.store import serve_store
-from ckpt_engine.transports import local_flags
+from ckpt_engine.transports import in_process
 
 # Per sync: (what the sender offers, whether the receiver passes destinations).
 # "shared": its own tensors, mapped; "moved": one tensor replaced (new handles); "rebound": one
@@ -42,7 +42,7 @@ def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu", joined: l
     dev = torch.device(device)
     engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=64 * 1024, timeout_s=rdzv.timeout_s, device=dev)
     engine.init_process_group(rdzv, rank)
-    flags_here = bool(local_flags._HERE)
+    flags_here = any(isinstance(v, torch.distributed.HashStore) for v in in_process._HERE.values())
     bad: list[str] = []
     one_copy: list[bool] = []
     replayed: list[bool] = []
@@ -112,7 +112,7 @@ def test_stable_sender_shares_its_tensors_once_and_the_receiver_copies_them(devi
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
 def test_a_pair_in_one_process_keeps_its_flags_in_memory(device: str) -> None:
     """Sender and receiver in one process (vLLM's engine core inside the trainer's process): the same
-    syncs, bit for bit, with every flag kept in memory (`local_flags.py`): none reaches the
+    syncs, bit for bit, with every flag kept in memory (`in_process.py`): none reaches the
     rendezvous store after the join, none piles up in memory, and the sender's store is let go at its close."""
     master = serve_store("127.0.0.1", 60.0)
     rdzv = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 2, "colocated", 60.0)
@@ -125,7 +125,7 @@ def test_a_pair_in_one_process_keeps_its_flags_in_memory(device: str) -> None:
     assert results[0]["generations"] == [1, 1, 2, 3, 3, 3, 3, 3, 3]
     assert len(set(results[0]["keys"])) == 1, results[0]["keys"]  # the in-memory store's: constant
     assert master.num_keys() == joined_keys[0], "a flag went through the rendezvous store"
-    assert results[0]["flags_here"] and local_flags._HERE == {}  # published for the pair, let go at the close
+    assert results[0]["flags_here"] and in_process._HERE == {}  # published for the pair, let go at the close
 
 
 def abandoning_rank(rank: int, rdzv: Rendezvous) -> dict[str, Any]:

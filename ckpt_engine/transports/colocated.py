@@ -4,7 +4,7 @@ A stable sender shares its own tensors once (`shared_tensors.py`) and the receiv
 straight out of them, one copy per byte; otherwise the sender packs each bucket into rotating
 buffers shared the same way, which the loader reads in place. Only flags travel, through the
 rendezvous store ("offered" / "taken", "bucket k is ready" / "slot is free"), or through memory
-when both ends share one process (`local_flags.py`).
+when both ends share one process (`in_process.py`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import msgpack
 import torch
 
 from ckpt_engine.engine import Rendezvous, TransferError
-from ckpt_engine.transports.local_flags import flags_here, forget_flags, publish_flags
+from ckpt_engine.transports import in_process
 from ckpt_engine.transports.shared_buffers import map_buffers, share_buffers, unlink_files, validate_descriptors
 from ckpt_engine.transports.shared_tensors import (
-    Placement, can_share, describe_tensors, forget_local, local_tensors, map_tensors, placement, probe_host_sharing, publish_local,
+    Placement, can_share, describe_tensors, map_tensors, placement, probe_host_sharing,
 )
 from ckpt_engine.transports.transport import SLACK, SourceSharing, Transport
 
@@ -45,7 +45,7 @@ class ColocatedTransport(Transport, SourceSharing):
         self._store: Any = None
         self._flags: Any = None
         """Where this sync's flags go: the rendezvous store, or the sender's in-memory store when both
-        ends share one process (`local_flags.py`)."""
+        ends share one process (`in_process.py`)."""
         self._flags_desc: dict[str, Any] | None = None  # the sender's published in-memory store
         self._shm_paths: list[str] = []
         self._seq = 0  # syncs since join; namespaces the flags of one sync
@@ -63,7 +63,7 @@ class ColocatedTransport(Transport, SourceSharing):
         new shared segment then often maps at the very address the receiver mapped the old one from."""
         self._offered_placement: Placement | None = None
         self._local: dict[str, Any] = {}
-        """What this sender published for a receiver in its own process (`shared_tensors.publish_local`):
+        """What this sender published for a receiver in its own process (`in_process.publish`):
         its buffers', its latest offer's."""
         self._generation = 0  # bumped whenever the offered tensors' handles change
         self._mapped: list[torch.Tensor] = []
@@ -102,10 +102,12 @@ class ColocatedTransport(Transport, SourceSharing):
         timeout = datetime.timedelta(seconds=rendezvous.timeout_s)  # the peer may start seconds later: the join's bound, not a sync's
         if rank == 0:
             self.buffers, descs, self._shm_paths = share_buffers(self.device, self.num_buffers, size)
-            here, self._flags_desc = publish_flags(self.timeout_s)
+            here = torch.distributed.HashStore()  # the flags of a receiver in this process (`in_process.py`)
+            here.set_timeout(datetime.timedelta(seconds=self.timeout_s))
+            self._flags_desc = in_process.publish(here)
             msg: dict[str, Any] = {"size": size, "buffers": descs, "flags": self._flags_desc}
             if self.device.type == "cuda":
-                msg["local"] = self._local["buffers"] = publish_local(self.buffers)
+                msg["local"] = self._local["buffers"] = in_process.publish(list(self.buffers))
             if self.device.type == "cpu":
                 self._probe, msg["probe"] = probe_host_sharing()
             store.set("colocated/buffers", msgpack.packb(msg, use_bin_type=True))
@@ -118,19 +120,19 @@ class ColocatedTransport(Transport, SourceSharing):
             except BaseException:  # a failed join leaves no shared files behind
                 unlink_files(self._shm_paths)
                 self._shm_paths = []
-                forget_flags(self._flags_desc)
+                in_process.forget(self._flags_desc)
                 raise
             self._can_map = answer == b"1"
             if not shares_process:
-                forget_flags(self._flags_desc)
+                in_process.forget(self._flags_desc)
             flags = here if shares_process else store
         else:
             store.wait(["colocated/buffers"], timeout)
             try:
                 info = msgpack.unpackb(store.get("colocated/buffers"), raw=False)
                 probe = info.pop("probe", None) if isinstance(info, dict) else None
-                local = local_tensors(info.pop("local", None)) if isinstance(info, dict) else None
-                found = flags_here(info.pop("flags", None)) if isinstance(info, dict) else None
+                local = in_process.find(info.pop("local", None)) if isinstance(info, dict) else None
+                found = in_process.find(info.pop("flags", None)) if isinstance(info, dict) else None
                 descs = validate_descriptors(info, self.num_buffers, size, "the colocated sender")
                 self.buffers = list(local) if local is not None else map_buffers(self.device, descs, size)
             except Exception as exc:  # told to the sender, which would otherwise wait out the join's bound
@@ -156,7 +158,7 @@ class ColocatedTransport(Transport, SourceSharing):
 
     def close(self) -> None:
         self._store, self._flags, self._read = None, None, []
-        forget_flags(self._flags_desc)
+        in_process.forget(self._flags_desc)
         self._flags_desc = None
         self.buffers = []
         self._probe = None
@@ -164,7 +166,7 @@ class ColocatedTransport(Transport, SourceSharing):
         self._mapped_generation = 0  # a sender joined next counts its offers from 1 again
         unlink_files(self._shm_paths)
         for local in self._local.values():
-            forget_local(local)
+            in_process.forget(local)
         self._local = {}
 
     def abort(self) -> None:
@@ -270,7 +272,7 @@ class ColocatedTransport(Transport, SourceSharing):
             self._flags.set(f"colocated/sources/{self._generation}", msgpack.packb(info, use_bin_type=True))
             if old:
                 self._flags.delete_key(f"colocated/sources/{old}")
-            forget_local(self._local.pop("offer", None))
+            in_process.forget(self._local.pop("offer", None))
             if "local" in info:
                 self._local["offer"] = info["local"]
             # Read again: sharing a host storage by descriptor may have moved it (not one `share_memory_()` made).

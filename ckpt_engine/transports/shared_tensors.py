@@ -9,50 +9,26 @@ through /proc), so nothing is copied or moved on the sender. Never pickle.
 CUDA IPC cannot open a handle in the process that made it ("invalid device context"): a receiver
 in the sender's own process (vLLM's engine core inside the trainer's process with
 `VLLM_ENABLE_V1_MULTIPROCESSING=0`, as hybrid-engine trainers run it) takes the sender's tensors
-themselves, found by the token the description carries (`publish_local`).
+themselves, found by the token the description carries (`in_process.py`).
 """
 
 from __future__ import annotations
 
 import operator
 import os
-import secrets
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from ckpt_engine.transports import in_process
+
 __all__ = [
-    "Placement", "can_share", "describe_tensors", "forget_local", "local_tensors", "map_tensors", "placement", "probe_host_sharing", "publish_local",
+    "Placement", "can_share", "describe_tensors", "map_tensors", "placement", "probe_host_sharing",
 ]
 
 _CUDA_FIELDS = ("size", "stride", "offset", "dtype", "handle", "storage_bytes", "storage_offset", "ref_handle", "ref_offset", "event", "event_sync")
 _HOST_FIELDS = ("size", "stride", "offset", "dtype", "fd", "storage_bytes")
-
-
-_IN_PROCESS: dict[str, list[torch.Tensor]] = {}
-"""What this process published for receivers in it, by token (one entry per live description)."""
-
-
-def publish_local(tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
-    """The part of a description that lets a receiver in this very process take `tensors` as they
-    are; held until `forget_local`."""
-    token = secrets.token_hex(16)
-    _IN_PROCESS[token] = list(tensors)
-    return {"pid": os.getpid(), "token": token}
-
-
-def local_tensors(local: Any) -> list[torch.Tensor] | None:
-    """The tensors `publish_local` published in this process (None: the sender is another process)."""
-    if not isinstance(local, dict) or local.get("pid") != os.getpid():
-        return None
-    return _IN_PROCESS.get(local.get("token"))  # type: ignore[arg-type]
-
-
-def forget_local(local: Any) -> None:
-    """Drop what `publish_local` holds for `local` (the sender's next description, or its close)."""
-    if isinstance(local, dict):
-        _IN_PROCESS.pop(local.get("token"), None)  # type: ignore[arg-type]
 
 
 Placement = tuple[list[int], list[torch.Size], list[tuple[int, ...]], list[torch.dtype]]
@@ -102,7 +78,7 @@ def describe_tensors(tensors: Sequence[torch.Tensor], device: torch.device) -> d
                 list(size), list(stride), int(offset), str(dtype).removeprefix("torch."), bytes(handle), int(storage_bytes),
                 int(storage_offset), bytes(ref_handle), int(ref_offset), bytes(event) if event is not None else None, bool(event_sync),
             ))))
-        return {"kind": "cuda", "uuid": str(torch.cuda.get_device_properties(device).uuid), "tensors": out, "local": publish_local(tensors)}
+        return {"kind": "cuda", "uuid": str(torch.cuda.get_device_properties(device).uuid), "tensors": out, "local": in_process.publish(list(tensors))}
     if device.type != "cpu":
         raise ValueError(f"tensors on {device} cannot be shared with another process (cpu or cuda only)")
     out = []
@@ -129,7 +105,7 @@ def map_tensors(info: Any, device: torch.device) -> list[torch.Tensor]:
         here = str(torch.cuda.get_device_properties(device).uuid)
         if info.get("uuid") != here:
             raise ValueError(f"the sender's tensors are on GPU {info.get('uuid')}, this receiver is on GPU {here}: not colocated")
-        local = local_tensors(info.get("local"))
+        local = in_process.find(info.get("local"))
         if local is not None:
             return list(local)
         from torch.multiprocessing.reductions import rebuild_cuda_tensor
