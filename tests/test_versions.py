@@ -6,6 +6,7 @@ Reference engines in their own processes over a real gloo group.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from collections.abc import Iterator
 
 import pytest
@@ -194,3 +195,42 @@ def test_an_engines_report_cannot_freeze_the_jobs_versions() -> None:
     assert v.current == 5010 and v.target(None, []) == (5011, False)
     v.adopt_health({"version": 2**62}, "engine hostile", arriving=True)
     assert v.current == 5010
+
+
+def _complete_every_other(state_file: str, first: int, last: int) -> None:
+    from ckpt_engine.daemon.versions import JobVersions
+
+    v = JobVersions(state_file)
+    for version in range(first, last + 1, 2):
+        v.completed(version)
+
+
+def test_two_writers_of_one_state_file_never_take_it_down_or_leave_it_half_written(tmp_path: Path) -> None:
+    """`daemon.state_file` given to two coordinators of one job (`serve` and a trainer handed the same
+    configuration): a lower version written after a higher one kept the lower one (each wrote only
+    its own), and both wrote through one temporary name. Now the file only grows, whoever writes."""
+    import json
+    import multiprocessing
+
+    from ckpt_engine.daemon.versions import JobVersions
+
+    state = tmp_path / "versions.json"
+    a, b = JobVersions(str(state)), JobVersions(str(state))
+    a.completed(5)
+    b.completed(3)  # b knows less than a: the file keeps 5
+    assert json.loads(state.read_text()) == {"version": 5}
+
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=_complete_every_other, args=(str(state), first, 400)) for first in (6, 7)]
+    for w in writers:
+        w.start()
+    seen = [5]
+    while any(w.is_alive() for w in writers):
+        seen.append(json.loads(state.read_text())["version"])  # whole at every read (replaced, never written in place)
+    for w in writers:
+        w.join(60)
+        assert w.exitcode == 0
+    seen.append(json.loads(state.read_text())["version"])
+    assert seen == sorted(seen) and seen[-1] == 400, "the state file went down"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["versions.json", "versions.json.lock"]  # no temporary file left
+    assert JobVersions(str(state)).current == 400

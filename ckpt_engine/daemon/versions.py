@@ -15,9 +15,11 @@ new one) and starts from it.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import tempfile
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -51,16 +53,24 @@ class JobVersions:
         """The highest version issued, vouched for or adopted to the state file when it grew (under
         the lock): one an engine reported (a trainer's sync `serve` heard of only from its engines)
         is the job's too. A write that fails is logged: the job goes on, and the restart it guards
-        against falls back to what engines report."""
+        against falls back to what engines report.
+
+        Another process may write the same file (a trainer given `serve`'s configuration): each
+        write holds an flock on `<file>.lock`, keeps a higher version found there, and goes through
+        a temporary file of its own, so the file never goes down and is never half written."""
         high = max(self.vouched, self.current)
         if self._state is None or high <= self._saved:
             return
-        tmp = self._state.with_name(self._state.name + ".tmp")
         try:
-            tmp.write_text(json.dumps({"version": high}))
-            os.replace(tmp, self._state)
+            with open(self._state.with_name(self._state.name + ".lock"), "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                high = max(high, _read_state(self._state, quiet=True))
+                fd, tmp = tempfile.mkstemp(dir=self._state.parent, prefix=self._state.name + ".", suffix=".tmp")
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps({"version": high}))
+                os.replace(tmp, self._state)
             self._saved = high
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: its folder is gone
             logger.error("could not write version %d to %s: %s", high, self._state, exc)
 
     def adopt(self, version: int | None, source: str, *, trusted: bool = True, arriving: bool = False) -> None:
@@ -133,8 +143,9 @@ class JobVersions:
         return version
 
 
-def _read_state(path: Path) -> int:
-    """The version a state file holds (0 when there is none yet); a file that is not one is refused by name."""
+def _read_state(path: Path, quiet: bool = False) -> int:
+    """The version a state file holds (0 when there is none yet); a file that is not one is refused
+    by name (`quiet`: read as 0, the file is about to be replaced)."""
     if not path.parent.is_dir():
         raise ValueError(f"daemon.state_file: folder {str(path.parent)!r} does not exist")
     if not path.exists():
@@ -142,7 +153,11 @@ def _read_state(path: Path) -> int:
     try:
         version = json.loads(path.read_text()).get("version")
     except (OSError, ValueError, AttributeError) as exc:
+        if quiet:
+            return 0
         raise ValueError(f"daemon.state_file {str(path)!r} is not a version file this daemon wrote ({type(exc).__name__}: {exc})") from None
     if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < MAX_VERSION:
+        if quiet:
+            return 0
         raise ValueError(f"daemon.state_file {str(path)!r} holds version {version!r}, not a version this daemon writes")
     return version
