@@ -22,7 +22,7 @@ from ckpt_engine.daemon import DaemonClient, DaemonConfig, WeightSyncDaemon
 from ckpt_engine.daemon.server import DaemonServer
 from ckpt_engine.rollout_adapters.torch_ref import TorchRefRollout, write_spec_file
 from ckpt_engine.sources.base import StateDictSource
-from ckpt_engine.control.wire import RpcClient, RpcError, WireError, recv_frame
+from ckpt_engine.control.wire import AuthError, RpcClient, WireError, recv_frame
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -172,7 +172,7 @@ def test_the_reference_receivers_port_demands_the_job_token(tmp_path) -> None:
         for token in (None, "some-other-jobs-token"):
             c = RpcClient(r.rpc.host, r.rpc.port, timeout_s=5, token=token)
             for method, params in (("finalize", {"version": 7}), ("resume", {}), ("health", {})):
-                with pytest.raises(RpcError, match="AuthError"):
+                with pytest.raises(AuthError, match="AuthError"):  # an RpcError, by its own class
                     c.call(method, **params)
             c.close()
         # The same limits as the daemon's: a huge announced frame is refused from its header,

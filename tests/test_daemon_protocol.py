@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ckpt_engine.config import CheckpointEngineConfig
-from ckpt_engine.daemon import DaemonClient, DaemonConfig, WeightSyncDaemon
+from ckpt_engine.daemon import AuthError, DaemonClient, DaemonConfig, WeightSyncDaemon
 from ckpt_engine.rollout_adapters.torch_ref import write_spec_file
 from ckpt_engine.sources.base import StateDictSource
 from ckpt_engine.control.wire import RpcError, WireError
@@ -175,7 +175,7 @@ def test_two_daemons_on_one_host_do_not_cross(engines: Engines) -> None:
         a.serve(), b.serve()
         ca, cb = DaemonClient(a.address, a.token, 10), DaemonClient(b.address, b.token, 10)
         cross = DaemonClient(b.address, a.token, 10)  # job A's token sent to job B's daemon
-        with pytest.raises(RpcError, match="wrong job token"):
+        with pytest.raises(AuthError, match="wrong job token"):
             cross.register("a0", {"kind": "torch_ref", "host": "127.0.0.1", "port": 1})
         ra = [engines.spawn(f"e{i}", token=a.token) for i in range(2)]  # same engine names in both jobs
         rb = [engines.spawn(f"e{i}", token=b.token) for i in range(2)]

@@ -27,19 +27,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
-from ckpt_engine.control.wire import WireError, recv_frame, send_frame
+from ckpt_engine.control.wire import AuthError, WireError, recv_frame, send_frame
 from ckpt_engine.readable import readable
 
-__all__ = ["AuthError", "ControlLimits", "ControlServer", "Handler", "ProtocolError", "RpcServer"]
+__all__ = ["ControlLimits", "ControlServer", "Handler", "ProtocolError", "RpcServer"]
 
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[str, dict[str, Any]], Any]
 """(method, params without the token) -> result; an exception becomes an error reply."""
-
-
-class AuthError(PermissionError):
-    """A control message carries another job's token (or none)."""
 
 
 class ProtocolError(ValueError):
@@ -227,9 +223,9 @@ class ControlServer:
             return _error(rid, "ProtocolError", "params must be a map")
         token = params.pop("token", None)
         if not isinstance(token, str) or not token:
-            return _error(rid, "AuthError", "every request must carry the job token (params.token)")
+            return _error(rid, AuthError.__name__, "every request must carry the job token (params.token)")
         if not hmac.compare_digest(token.encode("utf-8", "replace"), self._token):
-            return _error(rid, "AuthError", "wrong job token: this port serves another job")
+            return _error(rid, AuthError.__name__, "wrong job token: this port serves another job")
         if not conn.authenticated and not self._admit(cid, conn):
             return _error(rid, "ConnectionLimit", f"all {self.limits.max_connections} control connections are mid-request; retry")
         try:

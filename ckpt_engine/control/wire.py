@@ -20,7 +20,7 @@ import msgpack
 
 from ckpt_engine.readable import readable
 
-__all__ = ["MAX_FRAME_BYTES", "RpcClient", "RpcError", "WireError", "recv_frame", "send_frame"]
+__all__ = ["MAX_FRAME_BYTES", "AuthError", "RpcClient", "RpcError", "WireError", "recv_frame", "send_frame"]
 
 MAX_FRAME_BYTES = 512 * 1024 * 1024
 """Largest reply a client accepts (a reference receiver's `get_tensor` may carry a large tensor)."""
@@ -42,6 +42,10 @@ class RpcError(RuntimeError):
     def __init__(self, method: str, remote_type: str, message: str) -> None:
         super().__init__(f"{method}: {remote_type}: {message}")
         self.method, self.remote_type, self.remote_message = method, remote_type, message
+
+
+class AuthError(RpcError):
+    """The remote refused the call's job token (another job's, or none): a control port serves one job."""
 
 
 def send_frame(sock: socket.socket, obj: Any) -> None:
@@ -152,7 +156,8 @@ class RpcClient:
             err = reply.get("error")
             if not isinstance(err, dict):
                 err = {}
-            raise RpcError(method, str(err.get("type", "Error")), str(err.get("message", "")))
+            kind = str(err.get("type", "Error"))
+            raise (AuthError if kind == AuthError.__name__ else RpcError)(method, kind, str(err.get("message", "")))
         return reply.get("result")
 
     def close_locked(self) -> None:

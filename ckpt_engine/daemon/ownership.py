@@ -24,7 +24,7 @@ import logging
 from typing import Any
 
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
-from ckpt_engine.control.wire import RpcError
+from ckpt_engine.control.wire import AuthError, RpcError
 
 __all__ = ["adopt", "claim_engine", "describe", "job_group", "refusal", "release_engine"]
 
@@ -62,7 +62,7 @@ def release_engine(adapter: RolloutAdapter) -> None:
 
 def refusal(name: str, where: str, exc: BaseException) -> str:
     """The message for a registration that failed: foreign token, foreign group, or unreachable."""
-    if isinstance(exc, RpcError) and exc.remote_type == "AuthError":
+    if isinstance(exc, AuthError):
         return (f"engine {name!r} ({where}) refused this job's token: it was started for another job "
                 "(an engine belongs to one weight-sync job; start it with this job's token)")
     if isinstance(exc, RpcError) and exc.remote_type == "PermissionError":

@@ -46,7 +46,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ckpt_engine.control.server import AuthError, ProtocolError
+from ckpt_engine.control.server import ProtocolError
+from ckpt_engine.control.wire import AuthError
 from ckpt_engine.versions import check_version
 
 __all__ = [
