@@ -79,6 +79,9 @@ class DaemonClient:
     def status(self) -> dict[str, Any]:
         return self.call("status")
 
+    def begin_sync(self, version: int) -> dict[str, Any]:
+        return self.call("begin_sync", version=version)
+
     def report_sync(self, outcome: dict[str, Any]) -> dict[str, Any]:
         return self.call("report_sync", outcome=outcome)
 

@@ -47,6 +47,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ckpt_engine.config import CheckpointEngineConfig
+from ckpt_engine.control.wire import RpcError, WireError
 from ckpt_engine.daemon.adapters import close_in_background, close_quietly, make_adapter
 from ckpt_engine.daemon.config import DaemonConfig
 from ckpt_engine.daemon.group import GroupKeeper, probe_members
@@ -63,7 +64,6 @@ from ckpt_engine.daemon.versions import JobVersions
 from ckpt_engine.daemon.weights import check_engine_weights, check_sync_weights
 from ckpt_engine.manifest import BucketManifest
 from ckpt_engine.rollout_adapters.base import RolloutAdapter
-from ckpt_engine.versions import check_step
 from ckpt_engine.sources.base import WeightSource
 from ckpt_engine.sources.sharded import ShardedWeightSource
 
@@ -294,6 +294,11 @@ class WeightSyncDaemon:
             check_sync_weights(self.config.weights, source, [r.adapter for r in self.membership.records() if r.adapter is not None], self.upstream)
             holders = [r.name for r in self.membership.records() if r.version == self.version]
             target, repeat = self.versions.target(version, holders)
+            if self.upstream is not None and not repeat:  # kept there before any engine can hold it
+                try:
+                    self.upstream.begin_sync(target)
+                except (OSError, WireError, RpcError) as exc:  # down or restarting: it learns the version from the report or its engines
+                    logger.warning("could not tell the daemon at %s that v%d begins: %s", self.upstream.address, target, exc)
             outcome = SyncOutcome(version=target, catch_up=repeat, descriptors={r.name: dict(r.engine) for r in self.membership.records()})
             many = self.many_senders(source) if many_senders is None else many_senders
             walker = OneWalkPerAttempt(source)
@@ -418,14 +423,20 @@ class WeightSyncDaemon:
             self.group = str(group or self.group)
             return self.group
 
+    def begin_sync(self, version: int) -> dict[str, Any]:
+        """Standalone side of `begin_sync`: a trainer is about to sync `version` (`JobVersions.reserve`)."""
+        try:
+            self.versions.reserve(version, "a trainer's sync")
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        return {"version": self.version}
+
     def record_sync(self, outcome: dict[str, Any]) -> dict[str, Any]:
         """Standalone side of `report_sync`: take a trainer's outcome as the job's state."""
         check_outcome(outcome)
         with self._state_lock:
-            if outcome["version"] < self.version:
-                raise ProtocolError(f"outcome.version {outcome['version']} is older than the current version {self.version}; versions never go down")
             try:
-                check_step(outcome["version"], self.version, "outcome.version")
+                self.versions.check_reported(outcome["version"], "outcome.version")
             except ValueError as exc:
                 raise ProtocolError(str(exc)) from None
             if outcome["ok"]:

@@ -20,6 +20,7 @@ unknown or mistyped param is refused with `ProtocolError` and the daemon keeps s
 | `heartbeat`   | `name: str`                             | `{version, state}` (engine's target version)       |
 | `members`     | -                                       | `{epoch, version, group, engines: [record, ...]}`   |
 | `status`      | -                                       | members + departed engines, manifest, last sync    |
+| `begin_sync`  | `version: int`                          | `{version}`; a trainer names the version it is about to sync (kept before any engine holds it) |
 | `report_sync` | `outcome: map`                          | `{version}`; a trainer driving syncs for a standalone daemon |
 | `shutdown`    | -                                       | `{}`; the daemon stops serving                      |
 
@@ -111,6 +112,13 @@ def _version_or_none(value: Any, where: str) -> int | None:
         raise ProtocolError(f"{exc} (or nil)") from None
 
 
+def _version(value: Any) -> int:
+    try:
+        return check_version(value, "version")
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from None
+
+
 def check_outcome(outcome: Any) -> dict[str, Any]:
     """Validate a `report_sync` outcome (a SyncOutcome.to_dict() from a trainer)."""
     if not isinstance(outcome, dict):
@@ -156,6 +164,7 @@ SCHEMAS: dict[str, dict[str, _Check]] = {
     "heartbeat": {"name": check_engine_name},
     "members": {},
     "status": {},
+    "begin_sync": {"version": _version},
     "report_sync": {"outcome": check_outcome},
     "shutdown": {},
 }

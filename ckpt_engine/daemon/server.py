@@ -29,6 +29,7 @@ class DaemonMethods(Protocol):
     def heartbeat(self, name: str) -> dict[str, Any]: ...
     def members(self) -> dict[str, Any]: ...
     def status(self) -> dict[str, Any]: ...
+    def begin_sync(self, version: int) -> dict[str, Any]: ...
     def record_sync(self, outcome: dict[str, Any]) -> dict[str, Any]: ...
 
 
@@ -54,6 +55,8 @@ class DaemonServer(ControlServer):
             return d.members()
         if method == "status":
             return {**d.status(), "refused_requests": self.refused, "connections": self.connections()}
+        if method == "begin_sync":
+            return d.begin_sync(args["version"])
         if method == "report_sync":
             return d.record_sync(args["outcome"])
         if method == "shutdown":

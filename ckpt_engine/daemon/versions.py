@@ -24,7 +24,7 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from ckpt_engine.versions import MAX_VERSION, MAX_VERSION_STEP, check_version
+from ckpt_engine.versions import MAX_VERSION, MAX_VERSION_STEP, check_step, check_version
 
 __all__ = ["JobVersions"]
 
@@ -134,6 +134,21 @@ class JobVersions:
                 f"set of weights, so a new sync needs a new one: pass version=None (next: {current + 1}) or a version > {current}"
             )
         return requested, True
+
+    def reserve(self, version: int, source: str) -> None:
+        """`source` (a trainer following this daemon) is about to sync `version`: kept as issued (and
+        in the state file) before any engine can hold it, so a job stopped whole before the trainer
+        reports, or before this daemon hears of it from the engines, never issues it again.
+        ValueError for a version below the current one or past the step bound."""
+        self.check_reported(version, "version")
+        self._issue(version)
+        logger.debug("version %d reserved by %s", version, source)
+
+    def check_reported(self, version: int, what: str) -> None:
+        """ValueError unless `version`, named by a trainer, is at least the current one and within the step bound."""
+        if version < self.current:
+            raise ValueError(f"{what} {version} is older than the current version {self.current}; versions never go down")
+        check_step(version, self.current, what)
 
     def _issue(self, version: int) -> int:
         """`version` is handed to a sync: engines may report it complete before the sync returns."""
