@@ -230,6 +230,12 @@ def test_versions_are_bounded_and_monotone_at_the_edges(engines: Engines) -> Non
             freeze = {**huge, "version": bad, "engines": {"r0": bad}}
             with pytest.raises(RpcError, match=r"jumps more than 2\*\*32 past the current version"):
                 client.report_sync(freeze)
+            with pytest.raises(RpcError, match=r"jumps more than 2\*\*32 past the current version"):
+                client.begin_sync(bad)  # nor a version a trainer says it begins
+        with pytest.raises(RpcError, match="version 4 is older than the current version 5"):
+            client.begin_sync(4)
+        with pytest.raises(RpcError, match=r"version must be an int in \[0, 2\*\*63-1\]"):
+            client.begin_sync(2**64 - 1)
         assert client.status()["version"] == 5
         sd = weights(3)
         outcome = trainer.sync(StateDictSource(sd))
