@@ -6,8 +6,9 @@ it (only to stall a worker method and to read the backend's worker state).
 - `LLMWeightSyncClient` decides by the engine-core client's type how it reaches the engine core, and
   bounds every wait: a worker stuck inside the engine core's pause ends `pause` within the client's
   timeout with a `TimeoutError` naming the engine and the call (it waited for the stall before).
-- A pause made while a step runs on a generating thread (vLLM's in-process engine core steps in the
-  thread of whoever generates) returns only once that step ended.
+- A pause, or a prefix-cache reset preempting the running requests, made while a step runs on a
+  generating thread (vLLM's in-process engine core steps in the thread of whoever generates) returns
+  only once that step ended.
 - After every sync through vLLM's weight-transfer API (unchecked, checked, staged) the workers report
   the version the engine serves (an unchecked unstaged sync left them at the previous one).
 """
@@ -89,14 +90,17 @@ def test_a_worker_stuck_in_the_engine_cores_pause_ends_the_call_naming_engine_an
     assert len(out[0].outputs[0].token_ids) == 2
 
 
-def test_an_in_process_pause_waits_for_the_step_a_generating_thread_is_running(llm: Any) -> None:
+@pytest.mark.parametrize("call", ["pause", "prefix_cache_reset"])
+def test_an_in_process_pause_or_reset_waits_for_the_step_a_generating_thread_is_running(llm: Any, call: str) -> None:
     """The step's forward is held inside the worker (`test_stall` on `execute_model`) while another
-    thread pauses: the pause returns only after the step was let go, so the copies a sync makes after
-    its pause never land between two layers of one step (before, it returned at once).
+    thread pauses, or resets the prefix cache preempting the running requests (what a sync does
+    after its load): the call returns only after the step was let go. So the copies a sync makes
+    after its pause never land between two layers of one step, and a reset never moves requests under
+    a step's schedule (before, both returned at once).
 
     The engine steps on this thread, the one that built it, as a trainer's generation loop does (vLLM's
     CPU attention checks that a step's OpenMP thread count is the one its metadata was built with, which
-    a fresh thread need not share); a second thread plays the sync: it pauses, and resumes once paused."""
+    a fresh thread need not share); a second thread plays the sync."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -104,21 +108,29 @@ def test_an_in_process_pause_waits_for_the_step_a_generating_thread_is_running(l
     llm.collective_rpc("test_stall", kwargs={"method": "execute_model", "hold_s": HOLD_S})
     seen: dict[str, Any] = {}
 
+    def sync_call() -> None:
+        if call == "pause":
+            client.pause("keep")
+        else:
+            client.reset_prefix_cache(running=True)
+        seen.setdefault("returned_at", time.monotonic())
+
     def sync_thread() -> None:
         try:
             if not stall.STALLED.wait(HOLD_S / 2):
                 seen["error"] = "the generating thread's step never reached the model"
                 return
-            pausing = threading.Thread(target=lambda: (client.pause("keep"), seen.setdefault("paused_at", time.monotonic())))
-            pausing.start()
-            pausing.join(1.0)  # time for a pause that does not wait to return
+            calling = threading.Thread(target=sync_call)
+            calling.start()
+            calling.join(1.0)  # time for a call that does not wait to return
             seen["released_at"] = time.monotonic()
             stall.RELEASE.set()
-            pausing.join(HOLD_S / 2)
+            calling.join(HOLD_S / 2)
             seen["paused"] = llm.llm_engine.engine_core.engine_core.is_scheduler_paused()
         finally:
             stall.RELEASE.set()
-            client.resume()  # the frozen request runs to its end
+            if call == "pause":
+                client.resume()  # the frozen request runs to its end
 
     syncing = threading.Thread(target=sync_thread)
     syncing.start()
@@ -127,9 +139,9 @@ def test_an_in_process_pause_waits_for_the_step_a_generating_thread_is_running(l
     finally:
         syncing.join(HOLD_S / 2)
     assert "error" not in seen, seen.get("error")
-    assert "paused_at" in seen and seen["paused_at"] > seen["released_at"], "the pause returned while a step was still running"
-    assert seen["paused"] and not syncing.is_alive()
-    assert len(outputs[0].outputs[0].token_ids) == 4
+    assert "returned_at" in seen and seen["returned_at"] > seen["released_at"], f"the {call} returned while a step was still running"
+    assert seen["paused"] == (call == "pause") and not syncing.is_alive()
+    assert len(outputs[0].outputs[0].token_ids) == 4  # a preempted request is scheduled again and runs to its end
 
 
 @pytest.mark.parametrize(

@@ -297,7 +297,7 @@ class LLMWeightSyncClient:
         core in this process runs a scheduler switch (`_switches`) on this thread (nothing in it waits
         but a pause, for a step running on a generating thread to end: `EngineCore.between_steps`)."""
         if not self._core.sends:
-            call = functools.partial(self._core.between_steps, timeout_s) if method == "pause_scheduler" else self._core.call
+            call = functools.partial(self._core.between_steps, timeout_s, self._core.call) if method == "pause_scheduler" else self._core.call
             if method in self._switches:
                 self._settle()
                 try:
@@ -391,6 +391,8 @@ class LLMWeightSyncClient:
     def reset_prefix_cache(self, running: bool = False) -> bool:
         if not running and not self._prefixes:  # vLLM would refuse while kept requests hold blocks: they would be preempted for nothing
             return True
+        if not self._core.sends:  # in this process: between two steps (a reset preempting running requests moves them)
+            return bool(self._bounded("reset_prefix_cache", self.timeout, self._core.between_steps, self.timeout, self.llm.reset_prefix_cache, running))
         return bool(self._bounded("reset_prefix_cache", self.timeout, self.llm.reset_prefix_cache, running))
 
     def weight_version(self) -> str:

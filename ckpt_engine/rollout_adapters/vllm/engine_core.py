@@ -8,6 +8,7 @@ import concurrent.futures as cf
 import threading
 import uuid
 import weakref
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 __all__ = ["EngineCore", "Unanswered"]
@@ -82,17 +83,18 @@ class EngineCore:
         calls go through `send`)."""
         return getattr(self.local, method)(*args)
 
-    def between_steps(self, timeout_s: float, method: str, *args: Any) -> Any:
-        """`call`, made once no step of the in-process engine core is running (waited for at most
+    def between_steps(self, timeout_s: float, fn: Callable[..., Any], *args: Any) -> Any:
+        """`fn(*args)`, made once no step of the in-process engine core is running (waited for at most
         `timeout_s`; TimeoutError past it). Why: its steps run in the thread of whoever generates, and
         vLLM's pause only sets the scheduler's state: a pause made while a step's forward was still
         launching would let the copies that follow land between two of its layers (one step, two
-        versions). Made between steps, a pause holds every later step off the model."""
+        versions). Made between steps, a pause holds every later step off the model; a prefix-cache
+        reset that preempts the running requests does not move them under a step's schedule."""
         assert self._steps is not None, "between_steps is for an engine core in this process"
         if not self._steps.acquire(timeout=timeout_s):
             raise TimeoutError(f"a step of the engine core ran past {timeout_s:.0f}s")
         try:
-            return self.call(method, *args)
+            return fn(*args)
         finally:
             self._steps.release()
 
