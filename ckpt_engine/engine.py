@@ -195,6 +195,7 @@ class CheckpointEngine(ABC):
         destinations: Mapping[str, torch.Tensor] | None = None,
         *,
         delta: DeltaRequest | None = None,
+        repeatable: bool = False,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Receiver only: yield the complete tensors of each bucket as it lands.
 
@@ -209,6 +210,11 @@ class CheckpointEngine(ABC):
         The tensors are views of a rotating buffer, valid until the next item is requested: a loader that
         keeps a reference past that point (vLLM's layerwise reload holds a layer's tensors until the
         layer is complete) must clone it.
+
+        `repeatable`: the caller's loads land each tensor whole where a second load of the same name
+        would (into the live tensors, no layerwise reload, no digest of a first pass kept), so a
+        bucket may be yielded again, the later bytes replacing the earlier: a transport may then start
+        copying before the sender has checked its walk (`SourceSharing`'s provisional offer).
         """
 
     def receive_staged(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, *, delta: DeltaRequest) -> StagedVersion:

@@ -37,8 +37,9 @@ def _state(version: int, device: torch.device) -> dict[str, torch.Tensor]:
     return {k: v.to(device) for k, v in sd.items()}
 
 
-def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu", joined: list[int] | None = None) -> dict[str, Any]:
-    """`joined`: (ranks in one process) rank 0 notes the rendezvous store's keys once both joined."""
+def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu", joined: list[int] | None = None, repeatable: bool = False) -> dict[str, Any]:
+    """`joined`: (ranks in one process) rank 0 notes the rendezvous store's keys once both joined.
+    `repeatable`: the receiver takes a bucket again (the later bytes win), so a provisional offer is copied at once."""
     dev = torch.device(device)
     engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=64 * 1024, timeout_s=rdzv.timeout_s, device=dev)
     engine.init_process_group(rdzv, rank)
@@ -48,6 +49,7 @@ def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu", joined: l
     replayed: list[bool] = []
     generations: list[int] = []
     keys: list[int] = []
+    passes: list[int] = []  # per sync, how often the receiver was handed each tensor (the most)
     own = _state(0, dev)
     if dev.type == "cpu":
         for t in own.values():
@@ -82,27 +84,41 @@ def one_copy_rank(rank: int, rdzv: Rendezvous, *, device: str = "cpu", joined: l
         else:
             dst = {n: torch.zeros_like(t) for n, t in new.items()} if with_dst else None
             got = {}
-            for name, t in chain.from_iterable(engine.receive_buckets(manifest, dst)):
+            handed: dict[str, int] = {}
+            for name, t in chain.from_iterable(engine.receive_buckets(manifest, dst, repeatable=repeatable)):
                 if dst is not None and mode in ("shared", "moved") and t is not dst[name]:
                     bad.append(f"v{version} {name}: copied out of the sender's tensor, but not into its destination")
                 got[name] = t.clone()
+                handed[name] = handed.get(name, 0) + 1
+            passes.append(max(handed.values()))
             bad += [f"v{version} {n}" for n in new if n not in got or not same_bits(got[n], new[n])]
     mappings = engine.transport.mappings
     engine.finalize()
     return {"bad": bad, "one_copy": one_copy, "replayed": replayed, "generations": generations, "mappings": mappings, "keys": keys,
-            "flags_here": flags_here}
+            "flags_here": flags_here, "passes": passes}
 
 
+PASSES = [1, 1, 2, 2, 1, 2, 1, 1, 1]
+"""A repeatable receiver's passes per sync: from the second sync on the sender offers its last walk's
+tensors before it checks this walk (provisional); where the walk moved ("moved", "rebound", and
+"unshared", which then goes through the slots) the receiver's copies out of the old tensors are made
+again from the sender's own offer. "unstable" offers nothing; after "unshared" there is no last walk."""
+
+
+@pytest.mark.parametrize("repeatable", [False, True], ids=["checked-first", "provisional"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
-def test_stable_sender_shares_its_tensors_once_and_the_receiver_copies_them(device: str) -> None:
+def test_stable_sender_shares_its_tensors_once_and_the_receiver_copies_them(device: str, repeatable: bool) -> None:
     """Syncs of a stable sender go as one copy out of its own tensors, bit-exact with and without
     destinations; handles travel again only when a tensor moved; a source that is not stable, or
     whose tensors cannot be mapped, goes through the slots, and the one-copy path comes back. A walk
     whose tensors lie where and as the last one's did (the same objects or new views of them) is
     replayed without per-tensor checks; one whose tensor moved or was replaced is checked again. The
-    store's flags do not pile up across syncs (the read ones are deleted while the device copies)."""
-    results = run_ranks(one_copy_rank, 2, backend="colocated", timeout_s=60, device=device)
+    store's flags do not pile up across syncs (the read ones are deleted while the device copies).
+    A receiver whose loads may repeat copies the sender's last tensors before the sender checked its
+    walk, and again where it moved: bit-exact either way; any other waits for the check."""
+    results = run_ranks(one_copy_rank, 2, backend="colocated", timeout_s=60, device=device, repeatable=repeatable)
     assert results[1]["bad"] == []
+    assert results[1]["passes"] == (PASSES if repeatable else [1] * len(STEPS))
     assert results[0]["one_copy"] == [True, True, True, True, False, False, True, True, True]
     assert results[0]["replayed"] == [False, True, False, False, False, False, False, True, True]
     assert results[0]["generations"] == [1, 1, 2, 3, 3, 3, 3, 3, 3]
@@ -110,8 +126,9 @@ def test_stable_sender_shares_its_tensors_once_and_the_receiver_copies_them(devi
     assert len(set(results[0]["keys"])) == 1, results[0]["keys"]  # the sync's flags are deleted (off its path), none pile up
 
 
+@pytest.mark.parametrize("repeatable", [False, True], ids=["checked-first", "provisional"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.gpu)])
-def test_a_pair_in_one_process_keeps_its_flags_in_memory(device: str) -> None:
+def test_a_pair_in_one_process_keeps_its_flags_in_memory(device: str, repeatable: bool) -> None:
     """Sender and receiver in one process (vLLM's engine core inside the trainer's process): the same
     syncs, bit for bit, with every flag kept in memory (`in_process.py`): none reaches the
     rendezvous store after the join, none piles up in memory, and the sender's store is let go at its close."""
@@ -119,9 +136,10 @@ def test_a_pair_in_one_process_keeps_its_flags_in_memory(device: str) -> None:
     rdzv = Rendezvous("127.0.0.1", master.port, uuid.uuid4().hex, 2, "colocated", 60.0)
     joined_keys: list[int] = []
     with ThreadPoolExecutor(2) as pool:
-        ranks = [pool.submit(one_copy_rank, rank, rdzv, device=device, joined=joined_keys) for rank in (0, 1)]
+        ranks = [pool.submit(one_copy_rank, rank, rdzv, device=device, joined=joined_keys, repeatable=repeatable) for rank in (0, 1)]
         results = [f.result(timeout=120) for f in ranks]
     assert results[1]["bad"] == []
+    assert results[1]["passes"] == (PASSES if repeatable else [1] * len(STEPS))
     assert results[0]["one_copy"] == [True, True, True, True, False, False, True, True, True]
     assert results[0]["generations"] == [1, 1, 2, 3, 3, 3, 3, 3, 3]
     assert len(set(results[0]["keys"])) == 1, results[0]["keys"]  # the in-memory store's: constant
@@ -159,3 +177,37 @@ def test_receiver_that_stops_fails_the_sender_at_once() -> None:
     assert "the receiver failed while copying from this sender's tensors" in results[0]["error"]
     assert "GeneratorExit" in results[0]["error"]
     assert results[0]["waited_s"] < 300  # the timeout is 600 s
+
+
+def failing_walk_rank(rank: int, rdzv: Rendezvous) -> str:
+    """The second sync's walk raises after the sender offered its last walk's tensors: each rank's error."""
+    engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=64 * 1024, timeout_s=rdzv.timeout_s, device=torch.device("cpu"))
+    engine.init_process_group(rdzv, rank)
+    own = {k: t.share_memory_() for k, t in _state(0, torch.device("cpu")).items()}
+    manifest = engine.plan(StateDictSource(own).metadata())
+
+    def broken() -> Any:
+        yield from list(own.items())[:3]
+        raise RuntimeError("the trainer's gather failed")
+
+    try:
+        for weights in (own.items(), broken()):
+            if rank == 0:
+                engine.send_weights(manifest, weights, stable=True)
+            else:
+                for _ in engine.receive_buckets(manifest, None, repeatable=True):
+                    pass
+    except (RuntimeError, TransferError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        engine.finalize()
+    return "no error"
+
+
+def test_a_walk_that_fails_after_a_provisional_offer_fails_the_receiver_at_once() -> None:
+    """The source raises while the sender checks its walk against the offer the receiver is already
+    copying: the receiver is told at once, naming the source's error (not left waiting out its
+    bound of 600 s for a verdict)."""
+    sender, receiver = run_ranks(failing_walk_rank, 2, backend="colocated", timeout_s=600)
+    assert sender == "RuntimeError: the trainer's gather failed"
+    assert receiver.startswith("TransferError:") and "the trainer's gather failed" in receiver, receiver

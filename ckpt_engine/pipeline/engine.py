@@ -144,11 +144,12 @@ class PipelinedEngine(CheckpointEngine):
         return self.sender.send(self._state_for(manifest), manifest, weights, stable=stable, delta=delta)
 
     def receive_buckets(
-        self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None = None, *, delta: DeltaRequest | None = None
+        self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None = None, *, delta: DeltaRequest | None = None,
+        repeatable: bool = False,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """See CheckpointEngine.receive_buckets; the sync itself is `Receiver.receive`."""
         self._ready(delta, "receive_buckets", sender=False)
-        yield from self.receiver.receive(self._state_for(manifest), manifest, destinations, delta)
+        yield from self.receiver.receive(self._state_for(manifest), manifest, destinations, delta, repeatable)
 
     def receive_staged(self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, *, delta: DeltaRequest) -> StagedVersion:
         """See CheckpointEngine.receive_staged; the sync itself is `DeltaReceiver.receive_staged`."""

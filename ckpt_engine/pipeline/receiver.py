@@ -49,7 +49,8 @@ class Receiver:
         """How many receive plans this receiver has made (tests check reuse and rebuilds)."""
 
     def receive(
-        self, state: PlanState, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest | None
+        self, state: PlanState, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, delta: DeltaRequest | None,
+        repeatable: bool = False,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """One sync (see CheckpointEngine.receive_buckets)."""
         if delta is not None:
@@ -58,8 +59,7 @@ class Receiver:
         state.drop_delta()  # a sync outside delta framing: the bases are stale; free their memory
         t, opts, device = self.t, self.opts, self.t.device
         t.begin_receive()
-        if self.shared is not None and (offered := self.shared.take()) is not None:
-            yield from self.shared.receive(state, manifest, offered, destinations)
+        if self.shared is not None and (yield from self.shared.receive(state, manifest, destinations, repeatable)):
             return
         sched = state.schedule
         views = state.bucket_views(manifest, t.buffers, opts.bucket_size_bytes, False)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import operator
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 
 import torch
 
@@ -24,7 +24,7 @@ from ckpt_engine.pipeline.plan_state import PlanState, SharedBucket, SharedPlan,
 from ckpt_engine.pipeline.wire_views import SourceMismatch, has_wire_layout
 from ckpt_engine.sources.wire import torch_dtype
 from ckpt_engine.engine import SendStats, TransferError
-from ckpt_engine.transports.shared_tensors import Placement, placement
+from ckpt_engine.transports.shared_tensors import placement
 from ckpt_engine.transports.transport import SourceSharing, Transport
 
 __all__ = ["SharedSources"]
@@ -62,13 +62,24 @@ class SharedSources:
         it = iter(weights)
         last, state.shared_walk = state.shared_walk, None
         if last is not None:
-            items = list(it)
-            placed = placement(list(map(_TENSOR, items))) if list(map(_NAME, items)) == last.names else None
-            if placed is not None and placed == last.placement:
-                stats = self._offer(stats, last.offered, t_start, placed if last.all_offered else None)
+            # The last walk's tensors offered before this walk is read: the receiver's copies start
+            # while it is checked (the old tensors stay held by `last` until the receiver is done).
+            self.sharing.offer(last.offered, last.placement if last.all_offered else None, provisional=True)
+            self.sharing.wait_looked()
+            try:
+                items = list(it)
+                placed = placement(list(map(_TENSOR, items))) if list(map(_NAME, items)) == last.names else None
+            except BaseException as exc:
+                self.sharing.judge(False, f"the weight source failed: {type(exc).__name__}: {exc}"[:2000])
+                raise
+            stands = placed is not None and placed == last.placement
+            self.sharing.judge(stands)
+            if stands:
+                stats = self._wait(stats, t_start)
                 state.shared_walk = last  # kept only past an offer the receiver took: the transport then holds its memory
                 stats.extra["walk_replayed"] = True
                 return stats, ()
+            stats.extra["offer_moved"] = True
             it = iter(items)
         walked: list[tuple[str, torch.Tensor]] = []
         offered: list[torch.Tensor] = []
@@ -91,12 +102,21 @@ class SharedSources:
         state.shared_walk = SharedWalk(list(map(_NAME, walked)), placement(list(map(_TENSOR, walked))), offered, len(offered) == len(walked))
         return stats, ()
 
-    def _offer(self, stats: SendStats, offered: list[torch.Tensor], t_start: float, placed: Placement | None = None) -> SendStats:
-        """Offer the walked tensors (`placed`: their placement, read just now) and wait until the
-        receiver has copied them."""
+    def _offer(self, stats: SendStats, offered: list[torch.Tensor], t_start: float) -> SendStats:
+        """Offer the walked tensors and wait until the receiver has copied them."""
         stats.export_s = time.perf_counter() - t_start
         try:
-            self.sharing.offer(offered, placed)
+            self.sharing.offer(offered)
+        except BaseException:
+            self.t.abort()
+            raise
+        return self._wait(stats, t_start, exported=True)
+
+    def _wait(self, stats: SendStats, t_start: float, exported: bool = False) -> SendStats:
+        """Wait until the receiver has copied what was offered."""
+        if not exported:
+            stats.export_s = time.perf_counter() - t_start
+        try:
             self.sharing.wait_taken()
         except BaseException:
             self.t.abort()
@@ -106,28 +126,47 @@ class SharedSources:
         return stats
 
     # --- receiver --------------------------------------------------------------------------------
-    def take(self) -> list[torch.Tensor] | None:
-        """This sync's offered tensors (None: the sync goes through the slots)."""
-        try:
-            return self.sharing.take()
-        except BaseException as exc:
-            self._fail(exc)
-            raise
-
     def receive(
-        self, state: PlanState, manifest: BucketManifest, offered: list[torch.Tensor], destinations: Mapping[str, torch.Tensor] | None
-    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Yield every bucket's tensors out of the sender's memory; then tell the sender."""
+        self, state: PlanState, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None, repeatable: bool,
+    ) -> Generator[list[tuple[str, torch.Tensor]], None, bool]:
+        """Yield every bucket's tensors out of the sender's memory; then tell the sender. Returns False
+        where the sender offered nothing (the sync goes through the slots).
+
+        A provisional offer (`SourceSharing.offer`) is copied at once where the caller's loads may be
+        `repeatable` (each lands whole where the same name's load would: a load into the live
+        tensors), and its buckets are yielded again from the sender's own offer if its walk moved;
+        else nothing is yielded before the sender's verdict."""
         try:
-            plan = state.shared_plan
-            if plan is None or plan.offered is not offered:
-                plan = state.shared_plan = self._plan(manifest, offered)
-            for bucket in plan.buckets:
-                yield self._copy_into(bucket, destinations) if destinations is not None else bucket
+            offered, provisional = self.sharing.take()
+            if offered is not None and provisional:
+                if repeatable:
+                    yield from self._buckets(state, manifest, offered, destinations)
+                    if self.sharing.verdict():
+                        self.sharing.taken()
+                        return True
+                    self.t.device_sync_point()  # the copies out of the moved tensors are done before their mappings go
+                elif self.sharing.verdict():
+                    yield from self._buckets(state, manifest, offered, destinations)
+                    self.sharing.taken()
+                    return True
+                offered, _ = self.sharing.take()  # the sender's own offer of this sync's walk
+            if offered is None:
+                return False
+            yield from self._buckets(state, manifest, offered, destinations)
         except BaseException as exc:
             self._fail(exc)
             raise
         self.sharing.taken()
+        return True
+
+    def _buckets(
+        self, state: PlanState, manifest: BucketManifest, offered: list[torch.Tensor], destinations: Mapping[str, torch.Tensor] | None,
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        plan = state.shared_plan
+        if plan is None or plan.offered is not offered:
+            plan = state.shared_plan = self._plan(manifest, offered)
+        for bucket in plan.buckets:
+            yield self._copy_into(bucket, destinations) if destinations is not None else bucket
 
     def _fail(self, exc: BaseException) -> None:
         """Tell the sender (it stops waiting at once) and break the group, as a failed receive does."""

@@ -228,6 +228,7 @@ class WeightReceiver:
         on_start: Callable[[], None] | None = None,
         region_loader: RegionLoader | None = None,
         stage: str | None = None,
+        repeatable: bool = False,
     ) -> ReceiveReport:
         """Receive every bucket of an accepted manifest and hand each to `loader`.
 
@@ -243,7 +244,10 @@ class WeightReceiver:
         checked against `destinations`, the live weights, without writing them) or `"full"` (the
         sync lands in a staging copy of the tensors it carries: `destinations` and the loaders are
         then that copy's, from `staging_for(live, digest)`); nothing live is written and the loaders
-        run at `swap()`."""
+        run at `swap()`.
+
+        `repeatable`: `loader` lands each tensor whole where a second load of the same name would, so a
+        bucket may come again (see CheckpointEngine.receive_buckets); a live receive only."""
         request = delta if isinstance(delta, DeltaRequest) or delta is None else DeltaRequest.from_dict(delta)
         if stage is not None and stage not in STAGES:
             raise ValueError(f"stage must be one of {', '.join(STAGES)} or None, got {stage!r}")
@@ -264,7 +268,7 @@ class WeightReceiver:
                     if self.engine is None:
                         raise RuntimeError("call join() before receive()")
                     return self._receive_into(digest, loader, destinations, request, on_start, region_loader)
-                return self._receive(digest, loader, destinations, request, on_start)
+                return self._receive(digest, loader, destinations, request, on_start, repeatable)
             except Exception as exc:
                 # Each receiver talks to rank 0 only: the sender went away or gave up (it aborts the
                 # group on any failure, its own or another engine's).
@@ -278,13 +282,14 @@ class WeightReceiver:
         destinations: Mapping[str, torch.Tensor] | None,
         delta: DeltaRequest | None,
         on_start: Callable[[], None] | None = None,
+        repeatable: bool = False,
     ) -> ReceiveReport:
         if self.engine is None:
             raise RuntimeError("call join() before receive()")
         manifest = self._validated(digest, on_start)
         t0 = time.perf_counter()
         load_s, loaded = 0.0, 0
-        for bucket in self.engine.receive_buckets(manifest, destinations, delta=delta):
+        for bucket in self.engine.receive_buckets(manifest, destinations, delta=delta, repeatable=repeatable):
             self.buckets_received += 1  # every bucket taken, dense or patch, a large tensor's middle chunk too
             if not bucket:  # only a middle chunk of a large tensor landed
                 continue

@@ -52,6 +52,11 @@ class ColocatedTransport(Transport, SourceSharing):
         self._read: list[str] = []
         """Flags this rank read and no one reads again: deleted while the device copies (`_forget_read`),
         not between the offer and the first copy or after the last."""
+        self._here = False
+        """Both ends share one process (their flags go through the in-memory store): a sender that
+        made a provisional offer waits until the receiver has looked at it before it checks its walk."""
+        self._offers = 0  # offers this sync (sender) or taken (receiver): a provisional one may be followed by a second
+        self._look_due = False  # the receiver took a provisional offer and has not yet said it looked
         self._sent = 0
         self._received = 0
         self._released = 0
@@ -144,7 +149,7 @@ class ColocatedTransport(Transport, SourceSharing):
         # A flag is read by `get`, which waits for it within the store's own bound (one round trip fewer
         # than a `wait` and then a `get`: ~70 us each on the 2-core CPU box): this transport's bound.
         store.set_timeout(datetime.timedelta(seconds=self.timeout_s))
-        self._store, self._flags = store, flags
+        self._store, self._flags, self._here = store, flags, flags is not store
         self.broken = False
         logger.info("colocated rank %d mapped %d shared buffers of %d bytes", rank, self.num_buffers, size)
 
@@ -197,6 +202,7 @@ class ColocatedTransport(Transport, SourceSharing):
     def begin_send(self, own_index: list[int]) -> None:
         self._seq += 1
         self._sent = 0
+        self._offers = 0
 
     def begin_receive(self) -> None:
         # The mapped sender tensors stay across syncs (mapping 339 tensors' handles costs more than
@@ -204,6 +210,8 @@ class ColocatedTransport(Transport, SourceSharing):
         self._seq += 1
         self._received = 0
         self._released = 0
+        self._offers = 0
+        self._look_due = False
 
     def end_receive(self) -> None:
         self._release_pending()
@@ -260,9 +268,11 @@ class ColocatedTransport(Transport, SourceSharing):
     def can_share(self, t: torch.Tensor) -> bool:
         return self._can_map and can_share(t, self.device)
 
-    def offer(self, tensors: list[torch.Tensor] | None, placed: Placement | None = None) -> None:
+    def offer(self, tensors: list[torch.Tensor] | None, placed: Placement | None = None, provisional: bool = False) -> None:
+        key = self._key("offer", self._offers)
+        self._offers += 1
         if tensors is None:
-            self._flags.set(self._key("offer", 0), msgpack.packb({"generation": None}))
+            self._flags.set(key, msgpack.packb({"generation": None}))
             return
         if (placed if placed is not None else placement(tensors)) != self._offered_placement:
             # Held until the next change: the receiver's mappings stay over live tensors.
@@ -278,7 +288,17 @@ class ColocatedTransport(Transport, SourceSharing):
             # Read again: sharing a host storage by descriptor may have moved it (not one `share_memory_()` made).
             self._offered, self._offered_placement = [t.untyped_storage() for t in tensors], placement(tensors)
         self.device_sync_point()  # the source's writes are done before the receiver reads
-        self._flags.set(self._key("offer", 0), msgpack.packb({"generation": self._generation}))
+        self._flags.set(key, msgpack.packb({"generation": self._generation, "provisional": provisional}))
+
+    def wait_looked(self) -> None:
+        if not self._here:  # in another process the receiver's copies do not wait for this one's interpreter
+            return
+        key = self._key("looked", 0)
+        self._get_key(key, "the receiver's look at the provisional offer")
+        self._flags.delete_key(key)  # in memory: no round trip
+
+    def judge(self, stands: bool, error: str | None = None) -> None:
+        self._flags.set(self._key("verdict", 0), error.encode() if error is not None else b"stands" if stands else b"moved")
 
     def _forget_read(self) -> None:
         while self._read:
@@ -293,8 +313,11 @@ class ColocatedTransport(Transport, SourceSharing):
             self.broken = True
             raise TransferError(f"rank {self.rank}: the receiver failed while copying from this sender's tensors: {answer.decode(errors='replace')}")
 
-    def take(self) -> list[torch.Tensor] | None:
-        key = self._key("offer", 0)
+    def take(self) -> tuple[list[torch.Tensor] | None, bool]:
+        if self._offers:  # the second offer of a sync: the provisional one and its verdict are read
+            self._forget_read()
+        key = self._key("offer", self._offers)
+        self._offers += 1
         raw = self._get_key(key, "the sender's offer")
         try:
             offer = msgpack.unpackb(raw, raw=False)
@@ -303,19 +326,39 @@ class ColocatedTransport(Transport, SourceSharing):
         generation = offer.get("generation", 0) if isinstance(offer, dict) else 0
         if generation is None:  # the slots: no copies out of the sender's tensors follow (no `taken`)
             self._flags.delete_key(key)
-            return None
+            return None, False
         self._read.append(key)  # deleted once the copies are queued (`taken`)
         if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
             raise TransferError(f"rank {self.rank}: malformed offer from the colocated sender: {offer!r:.200}")
+        provisional = offer.get("provisional") is True
+        self._look_due = provisional and self._here
         if generation != self._mapped_generation:
             self._mapped = []  # drop the old mappings first
             info = msgpack.unpackb(self._flags.get(f"colocated/sources/{generation}"), raw=False)
             self._mapped, self._mapped_generation = map_tensors(info, self.device), generation
             self.mappings += 1
-        return self._mapped
+        return self._mapped, provisional
+
+    def verdict(self) -> bool:
+        self._looked()
+        key = self._key("verdict", 0)
+        answer = self._get_key(key, "the sender's check of its provisional offer")
+        self._read.append(key)
+        if answer in (b"stands", b"moved"):
+            return answer == b"stands"
+        self.broken = True
+        raise TransferError(f"rank {self.rank}: the sender failed while checking its provisional offer: {answer.decode(errors='replace')}")
+
+    def _looked(self) -> None:
+        """Tell a sender in this process waiting on it (`wait_looked`) that this receiver looked (once)."""
+        if self._look_due:
+            self._look_due = False
+            self._flags.set(self._key("looked", 0), b"1")
 
     def taken(self, error: str | None = None) -> None:
         failure = None
+        if error is not None:
+            self._looked()  # a sender waiting for the look goes on to the answer below
         self._forget_read()
         if error is None:
             try:

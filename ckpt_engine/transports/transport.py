@@ -277,25 +277,46 @@ class SourceSharing(ABC):
 
     Per sync, right after `begin_send` / `begin_receive`: the sender calls `offer` (its tensors, or
     None for a sync through the slots), then `wait_taken`; the receiver calls `take`, and after the
-    loader's copies `taken`. The sender keeps its tensors unchanged until `wait_taken` returns."""
+    loader's copies `taken`. The sender keeps its tensors unchanged until `wait_taken` returns.
+
+    A provisional offer (the last sync's tensors, offered before this sync's walk is checked against
+    them) is followed by the sender's `judge`; the receiver asks for it with `verdict` (before or after
+    its copies) and, where the walk moved, takes the sender's second offer with another `take`."""
 
     @abstractmethod
     def can_share(self, t: torch.Tensor) -> bool:
         """Whether the receiver can map `t` where it lies (no copy, nothing moved on the sender)."""
 
     @abstractmethod
-    def offer(self, tensors: list[torch.Tensor] | None, placed: Placement | None = None) -> None:
+    def offer(self, tensors: list[torch.Tensor] | None, placed: Placement | None = None, provisional: bool = False) -> None:
         """Sender: the tensors (manifest order, non-empty ones) this sync's bytes are copied from;
         handles travel only when they differ from the last offer's. None: the slots carry this sync.
-        `placed`: their `placement`, if the caller read it since they last moved (not read again)."""
+        `placed`: their `placement`, if the caller read it since they last moved (not read again).
+        `provisional`: the last sync's tensors, to be judged (`judge`) once this sync's walk is read."""
+
+    @abstractmethod
+    def wait_looked(self) -> None:
+        """Sender, after a provisional offer: wait until the receiver looked at it, where the two share
+        one interpreter (its copies are then queued before this rank's walk takes the interpreter)."""
+
+    @abstractmethod
+    def judge(self, stands: bool, error: str | None = None) -> None:
+        """Sender: whether the provisional offer stands (this sync's walk lies as it does), or `error`
+        ended the walk."""
 
     @abstractmethod
     def wait_taken(self) -> None:
         """Sender: the receiver has copied every byte (within the timeout; its failure is raised here)."""
 
     @abstractmethod
-    def take(self) -> list[torch.Tensor] | None:
-        """Receiver: the sender's offered tensors, mapped (None: this sync goes through the slots)."""
+    def take(self) -> tuple[list[torch.Tensor] | None, bool]:
+        """Receiver: the sender's offered tensors, mapped (None: this sync goes through the slots), and
+        whether the offer is provisional (`verdict` says if it stands)."""
+
+    @abstractmethod
+    def verdict(self) -> bool:
+        """Receiver, after a provisional `take`: whether the offer stands (waited for; the sender's
+        failure is raised). False: the sender's next offer follows (`take` again)."""
 
     @abstractmethod
     def taken(self, error: str | None = None) -> None:

@@ -177,6 +177,7 @@ class SglangWireEngine(CheckpointEngine):
 
     def receive_buckets(
         self, manifest: BucketManifest, destinations: Mapping[str, torch.Tensor] | None = None, *, delta: DeltaRequest | None = None,
+        repeatable: bool = False,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         raise RuntimeError("SGLang's servers receive through their own routes; this transport only sends")
 

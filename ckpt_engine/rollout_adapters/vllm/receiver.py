@@ -54,13 +54,7 @@ class VllmReceiverCore:
     Every method runs in the worker process, called by vLLM on every worker rank.
     """
 
-    def __init__(
-        self,
-        model: Callable[[], torch.nn.Module],
-        vllm_config: Any,
-        device: str | torch.device | None,
-        runner: Any = None,
-    ) -> None:
+    def __init__(self, model: Callable[[], torch.nn.Module], vllm_config: Any, device: str | torch.device | None, runner: Any = None) -> None:
         self._model = model
         self.vllm_config = vllm_config
         self.runner = runner
@@ -306,7 +300,9 @@ class VllmReceiverCore:
 
         with torch.no_grad():
             start_s = time.perf_counter() - begun if begun is not None else None  # the worker's setup before the first bucket
-            report = self.receiver.receive(digest, load, delta=delta, region_loader=region_loader)
+            # a bucket may come twice (a provisional colocated offer) into the live parameters, not a reload or a check
+            repeatable = staged is None and delta is None and self._armed is None and self.reload.in_place()
+            report = self.receiver.receive(digest, load, delta=delta, region_loader=region_loader, repeatable=repeatable)
         if landing is not None and landing.incomplete():
             raise RuntimeError(f"region delivery ended with regions missing for {landing.incomplete()[:5]}")
         return {**report.to_dict(), **({"start_s": start_s} if start_s is not None else {})}
