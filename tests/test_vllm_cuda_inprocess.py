@@ -65,3 +65,13 @@ def test_colocated_into_an_engine_core_in_this_process(inprocess_engine: Any, mo
             t.copy_(held[n])
     sync_rollout_weights(source(trainer), [handle], config=config)
     assert_holds_reference(inprocess_engine, reference)
+    # A walk that moved (another model's tensors): the last walk's tensors are offered and copied before
+    # the sender reads this one, then the new ones (the worker is handed every tensor twice); unchecked
+    # and checked (the worker's fold launched again behind the second pass), the engine holds exactly the new weights.
+    for verify in ("off", 1):
+        moved = CheckpointEngineConfig(backend="colocated", timeout_s=60.0, stage="off", verify_installed=verify)
+        sync_rollout_weights(source(other), [handle], config=moved)
+        report = sync_rollout_weights(source(trainer), [handle], config=moved)
+        assert report is not None and report.receivers[handle.name]["loaded"] >= 2 * report.tensors, report.receivers[handle.name]
+        assert ("installed_check" in report.seconds) == (verify == 1)
+        assert_holds_reference(inprocess_engine, reference)

@@ -267,13 +267,14 @@ class VllmReceiverCore:
             self._alias = (digest, id(specs), {emb: head for head, emb in tied.items() if head not in sent and emb in sent})
         alias = self._alias[2]
 
-        left = [accepted.num_tensors if queued is not None and accepted is not None else -1]  # tensors still to hand over
+        total = accepted.num_tensors if queued is not None and accepted is not None else 0
+        left = [total]  # tensors still to hand over; a provisional offer's buckets that come again count on below zero
 
         def load(pairs: list[tuple[str, torch.Tensor]]) -> int:
             left[0] -= len(pairs)
             pairs = specs.unstack(pairs)
             sink(pairs + [(alias[n], t) for n, t in pairs if n in alias] if alias else pairs)
-            if left[0] == 0 and queued is not None:
+            if total and left[0] <= 0 and left[0] % total == 0 and queued is not None:  # each whole pass (a check's fold behind the last)
                 queued()
             return len(pairs)
 
@@ -300,8 +301,8 @@ class VllmReceiverCore:
 
         with torch.no_grad():
             start_s = time.perf_counter() - begun if begun is not None else None  # the worker's setup before the first bucket
-            # a bucket may come twice (a provisional colocated offer) into the live parameters, not a reload or a check
-            repeatable = staged is None and delta is None and self._armed is None and self.reload.in_place()
+            # a bucket may come twice (a provisional colocated offer) into the live parameters, not into a reload
+            repeatable = staged is None and delta is None and self.reload.in_place()
             report = self.receiver.receive(digest, load, delta=delta, region_loader=region_loader, repeatable=repeatable)
         if landing is not None and landing.incomplete():
             raise RuntimeError(f"region delivery ended with regions missing for {landing.incomplete()[:5]}")
