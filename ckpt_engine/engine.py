@@ -212,7 +212,7 @@ class CheckpointEngine(ABC):
         layer is complete) must clone it.
 
         `repeatable`: the caller's loads land each tensor whole where a second load of the same name
-        would (into the live tensors, no layerwise reload, no digest of a first pass kept), so a
+        would (into the live tensors, no layerwise reload; a digest of what landed taken again after each pass), so a
         bucket may be yielded again, the later bytes replacing the earlier: a transport may then start
         copying before the sender has checked its walk (`SourceSharing`'s provisional offer).
         """

@@ -75,11 +75,11 @@ class SharedSources:
             stands = placed is not None and placed == last.placement
             self.sharing.judge(stands)
             if stands:
+                stats.export_s = time.perf_counter() - t_start
                 stats = self._wait(stats, t_start)
                 state.shared_walk = last  # kept only past an offer the receiver took: the transport then holds its memory
                 stats.extra["walk_replayed"] = True
                 return stats, ()
-            stats.extra["offer_moved"] = True
             it = iter(items)
         walked: list[tuple[str, torch.Tensor]] = []
         offered: list[torch.Tensor] = []
@@ -110,12 +110,10 @@ class SharedSources:
         except BaseException:
             self.t.abort()
             raise
-        return self._wait(stats, t_start, exported=True)
+        return self._wait(stats, t_start)
 
-    def _wait(self, stats: SendStats, t_start: float, exported: bool = False) -> SendStats:
+    def _wait(self, stats: SendStats, t_start: float) -> SendStats:
         """Wait until the receiver has copied what was offered."""
-        if not exported:
-            stats.export_s = time.perf_counter() - t_start
         try:
             self.sharing.wait_taken()
         except BaseException:
