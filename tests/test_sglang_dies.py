@@ -8,6 +8,7 @@ process alive (`--fail-after-updates`: the request fails, the group's connection
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import time
@@ -112,8 +113,12 @@ def test_a_server_killed_mid_stream_fails_the_sync_at_once(server: Server, flatt
 @pytest.mark.parametrize("flattened", [True, False], ids=["flattened_bucket", "per_tensor"])
 def test_a_server_whose_scheduler_dies_mid_stream_fails_the_sync_at_once(failing_server: Server, flattened: bool) -> None:
     """The third bucket's request answers 500 and the server never joins its broadcast, while its
-    process keeps the group's connection open: the sync stops at once, naming the engine."""
+    process keeps the group's connection open: the sync stops at once, naming the engine and the
+    bucket whose request failed. The sender may still be inside bucket 1's last broadcast when that
+    failure lands (the server took those bytes and posted bucket 2 before the sender's poll saw its
+    broadcast end), so the bucket the sender names is 1 or 2, on a loaded box as on a quiet one."""
     error = _fails_at_once(failing_server, StateDictSource(failing_server.weights), flattened)
     assert error.sender_error is not None, str(error)
-    assert f"SGLang engine(s) {NAME} failed while bucket 2 streamed" in error.sender_error and "scheduler died" in error.sender_error
+    assert re.search(rf"SGLang engine\(s\) {NAME} failed while bucket [12] streamed", error.sender_error), error.sender_error
+    assert f"{NAME}: bucket 2: " in error.sender_error and "scheduler died" in error.sender_error, error.sender_error
     assert failing_server.proc.poll() is None  # the process lives on: only its failed request told
