@@ -3,6 +3,7 @@ them (one copy per byte); other senders go through the shared slots. Real proces
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -202,6 +203,55 @@ def failing_walk_rank(rank: int, rdzv: Rendezvous) -> str:
     finally:
         engine.finalize()
     return "no error"
+
+
+def failing_sender_rank(rank: int, rdzv: Rendezvous, *, at: int, repeatable: bool) -> str:
+    """The sync `at` fails on the sender: 0, the first sync's walk yields one tensor more than the
+    metadata lists (found once walked whole); 1, the same after a provisional offer, the walk moved;
+    "slots": a source that is not stable raises after its third tensor. Each rank's error."""
+    engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=64 * 1024, timeout_s=rdzv.timeout_s, device=torch.device("cpu"))
+    engine.init_process_group(rdzv, rank)
+    own = {k: t.share_memory_() for k, t in _state(0, torch.device("cpu")).items()}
+    manifest = engine.plan(StateDictSource(own).metadata())
+
+    def broken() -> Any:
+        yield from list(own.items())[:3]
+        raise RuntimeError("the trainer's gather failed")
+
+    try:
+        for k in range(int(at == 1) + 1):
+            if rank == 0:
+                weights: Any = own.items()
+                if at == "slots":
+                    weights = broken()
+                elif k == at:
+                    own["bf16"] = own["bf16"].clone().share_memory_()  # moved: the provisional offer does not stand
+                    weights = [*own.items(), ("stray", torch.ones(3).share_memory_())]
+                engine.send_weights(manifest, weights, stable=at != "slots")
+            else:
+                for _ in engine.receive_buckets(manifest, None, repeatable=repeatable):
+                    pass
+    except (RuntimeError, ValueError, TransferError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        engine.finalize()
+    return "no error"
+
+
+@pytest.mark.parametrize("repeatable", [False, True], ids=["checked-first", "provisional"])
+@pytest.mark.parametrize("at", [0, 1, "slots"], ids=["first-sync", "after-a-moved-offer", "slots"])
+def test_a_sender_that_fails_before_its_offer_or_bucket_fails_the_receiver_at_once(at: int | str, repeatable: bool) -> None:
+    """A walk that ends in a mismatch before the sender offered this sync's tensors (the first sync,
+    or after its provisional offer was judged moved), or a source that raises between the slots'
+    buckets: the receiver waiting for that offer or bucket is told at once by the sender's abort
+    (before, it waited out its bound of 600 s: the colocated abort broke nothing the peer waits on)."""
+    sender, receiver = run_ranks(failing_sender_rank, 2, backend="colocated", timeout_s=600, at=at, repeatable=repeatable)
+    if at == "slots":
+        assert sender == "RuntimeError: the trainer's gather failed", sender
+        assert re.fullmatch(r"TransferError: rank 1: the peer aborted this sync before bucket \d+", receiver), receiver
+        return
+    assert sender == "SourceMismatch: the weight source yielded more tensors than its metadata lists", sender
+    assert receiver == "TransferError: rank 1: the sender aborted this sync before its offer", receiver
 
 
 def test_a_walk_that_fails_after_a_provisional_offer_fails_the_receiver_at_once() -> None:

@@ -81,6 +81,24 @@ class SharedSources:
                 stats.extra["walk_replayed"] = True
                 return stats, ()
             it = iter(items)
+        try:
+            walked, offered = self._walk(state, manifest, it)
+        except BaseException:  # the receiver waits for this sync's offer: it is told at once
+            self.t.abort()
+            raise
+        if offered is None:
+            self.sharing.offer(None)
+            return None, itertools.chain(walked, it)
+        stats = self._offer(stats, offered, t_start)
+        # read after the offer: sharing a host tensor may have moved it into shared memory
+        state.shared_walk = SharedWalk(list(map(_NAME, walked)), placement(list(map(_TENSOR, walked))), offered, len(offered) == len(walked))
+        return stats, ()
+
+    def _walk(
+        self, state: PlanState, manifest: BucketManifest, it: Iterator[tuple[str, torch.Tensor]]
+    ) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor] | None]:
+        """Walk the source against the manifest: (what was walked, the tensors to offer), or None to
+        offer where a tensor cannot be shared (the rest of `it` then goes through the slots)."""
         walked: list[tuple[str, torch.Tensor]] = []
         offered: list[torch.Tensor] = []
         known = state.known
@@ -91,16 +109,12 @@ class SharedSources:
                 )
                 walked.append((name, t))
                 if not own:
-                    self.sharing.offer(None)
-                    return None, itertools.chain(walked, it)
+                    return walked, None
                 if e.nbytes:
                     offered.append(t)
         if next(it, None) is not None:
             raise SourceMismatch("the weight source yielded more tensors than its metadata lists")
-        stats = self._offer(stats, offered, t_start)
-        # read after the offer: sharing a host tensor may have moved it into shared memory
-        state.shared_walk = SharedWalk(list(map(_NAME, walked)), placement(list(map(_TENSOR, walked))), offered, len(offered) == len(walked))
-        return stats, ()
+        return walked, offered
 
     def _offer(self, stats: SendStats, offered: list[torch.Tensor], t_start: float) -> SendStats:
         """Offer the walked tensors and wait until the receiver has copied them."""

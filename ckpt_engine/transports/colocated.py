@@ -28,6 +28,9 @@ __all__ = ["ColocatedTransport"]
 
 logger = logging.getLogger(__name__)
 
+_ABORTED = b"aborted"
+"""A flag's value where the peer aborted the sync instead."""
+
 
 class ColocatedTransport(Transport, SourceSharing):
     """Shared-tensor or shared-buffer hand-off between one sender (rank 0) and one receiver (rank 1)."""
@@ -57,6 +60,7 @@ class ColocatedTransport(Transport, SourceSharing):
         made a provisional offer waits until the receiver has looked at it before it checks its walk."""
         self._offers = 0  # offers this sync (sender) or taken (receiver): a provisional one may be followed by a second
         self._look_due = False  # the receiver took a provisional offer and has not yet said it looked
+        self._answered = False  # the receiver told the sender how its copies out of the offer ended (`taken`)
         self._sent = 0
         self._received = 0
         self._released = 0
@@ -175,20 +179,34 @@ class ColocatedTransport(Transport, SourceSharing):
         self._local = {}
 
     def abort(self) -> None:
+        """Put `_ABORTED` where the peer waits next (no collective breaks on its own here): a sender's
+        next bucket and offer, a receiver's next releases and its copies' answer."""
         self.broken = True
+        if self._flags is None:
+            return
+        if self.is_sender:
+            keys = [self._key("ready", self._sent), self._key("offer", self._offers)]
+        else:  # the sender waits on the oldest bucket of each slot it refills, not in order: all it may hold
+            keys = [self._key("free", k) for k in range(self._released, self._received + self.num_buffers + 1)]
+            keys += [] if self._answered else [self._key("taken", 0)]
+        try:
+            for key in keys:
+                self._flags.set(key, _ABORTED)
+        except Exception as exc:  # the store itself is gone: the peer's wait ends at its bound
+            logger.warning("colocated rank %s could not tell its peer it aborted: %s", self.rank, exc)
 
     # --- flags through the store instead of collectives ------------------------------------------
     def _key(self, what: str, k: int) -> str:
         return f"s{self._seq}/{what}/{k}"
 
     def _wait_key(self, key: str, what: str) -> None:
-        """Wait for the flag `key` (within `timeout_s`), then delete it: read once."""
-        try:
-            self._flags.wait([key], datetime.timedelta(seconds=self.timeout_s))
-        except Exception as exc:
-            self.broken = True
-            raise TransferError(f"rank {self.rank}: {what} did not arrive within {self.timeout_s}s: {exc}") from exc
+        """Wait for the flag `key` (within `timeout_s`), then delete it: read once. The peer's abort
+        in its place raises."""
+        answer = self._get_key(key, what)
         self._flags.delete_key(key)
+        if answer == _ABORTED:
+            self.broken = True
+            raise TransferError(f"rank {self.rank}: the peer aborted this sync before {what}")
 
     def _get_key(self, key: str, what: str) -> bytes:
         """The flag `key`'s value once it is set, within the store's bound: `timeout_s`, set at join (a pair
@@ -212,6 +230,7 @@ class ColocatedTransport(Transport, SourceSharing):
         self._released = 0
         self._offers = 0
         self._look_due = False
+        self._answered = False
 
     def end_receive(self) -> None:
         self._release_pending()
@@ -319,6 +338,9 @@ class ColocatedTransport(Transport, SourceSharing):
         key = self._key("offer", self._offers)
         self._offers += 1
         raw = self._get_key(key, "the sender's offer")
+        if raw == _ABORTED:
+            self.broken = True
+            raise TransferError(f"rank {self.rank}: the sender aborted this sync before its offer")
         try:
             offer = msgpack.unpackb(raw, raw=False)
         except (ValueError, msgpack.UnpackException) as exc:
@@ -366,6 +388,7 @@ class ColocatedTransport(Transport, SourceSharing):
             except TransferError as exc:
                 failure, error = exc, str(exc)
         self._flags.set(self._key("taken", 0), b"ok" if error is None else error.encode())
+        self._answered = True
         if failure is not None:
             raise failure
 
