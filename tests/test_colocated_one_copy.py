@@ -148,7 +148,7 @@ def test_a_pair_in_one_process_keeps_its_flags_in_memory(device: str, repeatable
     assert results[0]["flags_here"] and in_process._HERE == {}  # published for the pair, let go at the close
 
 
-def abandoning_rank(rank: int, rdzv: Rendezvous) -> dict[str, Any]:
+def abandoning_rank(rank: int, rdzv: Rendezvous, stable: bool) -> dict[str, Any]:
     engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=64 * 1024, timeout_s=rdzv.timeout_s)
     engine.init_process_group(rdzv, rank)
     own = _state(0, torch.device("cpu"))
@@ -159,7 +159,7 @@ def abandoning_rank(rank: int, rdzv: Rendezvous) -> dict[str, Any]:
     if rank == 0:
         t0 = time.monotonic()
         try:
-            engine.send_weights(manifest, own.items(), stable=True)
+            engine.send_weights(manifest, own.items(), stable=stable)
         except TransferError as exc:
             error = str(exc)
         waited_s = time.monotonic() - t0
@@ -171,12 +171,17 @@ def abandoning_rank(rank: int, rdzv: Rendezvous) -> dict[str, Any]:
     return {"error": error, "waited_s": waited_s}
 
 
-def test_receiver_that_stops_fails_the_sender_at_once() -> None:
+@pytest.mark.parametrize("stable", [True, False], ids=["one-copy", "slots"])
+def test_receiver_that_stops_fails_the_sender_at_once(stable: bool) -> None:
     """A receiver that stops mid-sync tells the sender, which fails with its reason well before the
-    timeout instead of waiting for copies that will not come."""
-    results = run_ranks(abandoning_rank, 2, backend="colocated", timeout_s=600)
-    assert "the receiver failed while copying from this sender's tensors" in results[0]["error"]
-    assert "GeneratorExit" in results[0]["error"]
+    timeout instead of waiting for copies that will not come (through the slots: for the release of
+    a bucket the receiver will never free; before, it waited out its bound)."""
+    results = run_ranks(abandoning_rank, 2, backend="colocated", timeout_s=600, stable=stable)
+    if stable:
+        assert "the receiver failed while copying from this sender's tensors" in results[0]["error"]
+        assert "GeneratorExit" in results[0]["error"]
+    else:
+        assert re.fullmatch(r"rank 0: the peer aborted this sync before release of bucket \d+", results[0]["error"]), results[0]["error"]
     assert results[0]["waited_s"] < 300  # the timeout is 600 s
 
 
