@@ -4,9 +4,10 @@ stalled sender still fails the sync with an error naming its bucket."""
 
 from __future__ import annotations
 
+import datetime
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,6 +22,9 @@ from roundtrip import same_bits
 
 BUCKET_BYTES = 4096
 NUM_TENSORS = 12  # 4000 bytes each: one per bucket, six per sender, interleaved s0, s1, s0, ...
+WAIT_S = 30.0
+"""The slow sender's stall at most: within the engines' bound (run_ranks' 60 s), so a receiver that
+waits for that sender first still ends with the order that shows it."""
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -29,21 +33,22 @@ def _state() -> dict[str, torch.Tensor]:
 
 
 def _slow_source(
-    manifest: BucketManifest, sender: int, sd: dict[str, torch.Tensor], slow_ordinal: int | None, sleep_s: float
+    manifest: BucketManifest, sender: int, sd: dict[str, torch.Tensor], slow_ordinal: int | None, stall: Callable[[], None]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """This sender's tensors in its bucket order; before the bucket at `slow_ordinal` the
-    sender process really sleeps (an export that stalls), while its earlier broadcasts run."""
+    sender process really stalls (an export that stalls), while its earlier broadcasts run."""
     for ordinal, bucket in enumerate(manifest.sender_buckets(sender)):
         if ordinal == slow_ordinal:
-            time.sleep(sleep_s)
+            stall()
         for e in bucket.entries:
             yield e.name, sd[e.name]
 
 
 def _order_rank(
-    rank: int, rdzv: Rendezvous, *, slow: dict[int, int], sleep_s: float, engine_timeout_s: float | None = None
+    rank: int, rdzv: Rendezvous, *, slow: dict[int, int], sleep_s: float | None = None, engine_timeout_s: float | None = None
 ) -> dict[str, Any]:
-    """Senders send their buckets (sender s stalls before its bucket `slow[s]`); receivers record
+    """Senders send their buckets (sender s stalls before its bucket `slow[s]`: `sleep_s`, or, where
+    None, until every receiver took all of sender 1's buckets, at most `WAIT_S`); receivers record
     the manifest index of each bucket in the order it is yielded and check every tensor."""
     store = rdzv.connect_store()
     store.set(f"arrived/{rank}", b"1")  # every process is up before a short engine timeout applies
@@ -56,14 +61,28 @@ def _order_rank(
     manifest = engine.plan([spec_of(n, t) for n, t in sd.items()], num_senders=rdzv.num_senders)
     index_of = {e.name: b.index for b in manifest.buckets for e in b.entries}
     out: dict[str, Any] = {"order": [], "bad": [], "error": None, "senders": [b.sender for b in manifest.buckets]}
+    receivers = range(rdzv.num_senders, rdzv.world_size)
+    last_of_1 = max(b.index for b in manifest.buckets if b.sender == 1)
+
+    def stall() -> None:
+        if sleep_s is not None:
+            time.sleep(sleep_s)
+            return
+        try:  # bounded: receivers that wait for this sender's next bucket first never set these
+            store.wait([f"took-1/{r}" for r in receivers], datetime.timedelta(seconds=WAIT_S))
+        except Exception:  # the order the receivers recorded tells
+            pass
+
     try:
         if rank < rdzv.num_senders:
-            engine.send_weights(manifest, _slow_source(manifest, rank, sd, slow.get(rank), sleep_s))
+            engine.send_weights(manifest, _slow_source(manifest, rank, sd, slow.get(rank), stall))
         else:
             got: dict[str, torch.Tensor] = {}
             for bucket in engine.receive_buckets(manifest):
                 out["order"].append(index_of[bucket[0][0]])
                 got.update((n, t.clone()) for n, t in bucket)
+                if out["order"][-1] == last_of_1:
+                    store.set(f"took-1/{rank}", b"1")
             out["bad"] = [n for n in sd if n not in got or not same_bits(got[n], sd[n])]
     except Exception as exc:  # a sender may also fail once the receivers gave up on it
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -73,11 +92,12 @@ def _order_rank(
 
 
 def test_a_slow_sender_does_not_hold_back_the_other() -> None:
-    """Sender 0 stalls 1.5 s before its second bucket. Receivers take all of sender 1's buckets
-    (refills included: more than the two buffers it has per receiver) before that slow one, keep
-    each sender's own order, and end bit-exact. Consumed in manifest order, sender 1's second
-    bucket would wait behind sender 0's."""
-    results = run_ranks(_order_rank, 4, num_senders=2, slow={0: 1}, sleep_s=1.5)
+    """Sender 0 stalls before its second bucket until every receiver took sender 1's last bucket
+    (bounded: on any box, however slow). Receivers take all of sender 1's buckets (refills
+    included: more than the two buffers it has per receiver) before that slow one, keep each
+    sender's own order, and end bit-exact. Consumed in manifest order, sender 1's second bucket
+    would wait behind sender 0's, and the stall would end only at its bound."""
+    results = run_ranks(_order_rank, 4, num_senders=2, slow={0: 1})
     senders = results[0]["senders"]
     by_sender = [[i for i, s in enumerate(senders) if s == sender] for sender in range(2)]
     slow_bucket = by_sender[0][1]
