@@ -185,35 +185,11 @@ def test_receiver_that_stops_fails_the_sender_at_once(stable: bool) -> None:
     assert results[0]["waited_s"] < 300  # the timeout is 600 s
 
 
-def failing_walk_rank(rank: int, rdzv: Rendezvous) -> str:
-    """The second sync's walk raises after the sender offered its last walk's tensors: each rank's error."""
-    engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=64 * 1024, timeout_s=rdzv.timeout_s, device=torch.device("cpu"))
-    engine.init_process_group(rdzv, rank)
-    own = {k: t.share_memory_() for k, t in _state(0, torch.device("cpu")).items()}
-    manifest = engine.plan(StateDictSource(own).metadata())
-
-    def broken() -> Any:
-        yield from list(own.items())[:3]
-        raise RuntimeError("the trainer's gather failed")
-
-    try:
-        for weights in (own.items(), broken()):
-            if rank == 0:
-                engine.send_weights(manifest, weights, stable=True)
-            else:
-                for _ in engine.receive_buckets(manifest, None, repeatable=True):
-                    pass
-    except (RuntimeError, TransferError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    finally:
-        engine.finalize()
-    return "no error"
-
-
-def failing_sender_rank(rank: int, rdzv: Rendezvous, *, at: int, repeatable: bool) -> str:
+def failing_sender_rank(rank: int, rdzv: Rendezvous, *, at: int | str, repeatable: bool = True) -> str:
     """The sync `at` fails on the sender: 0, the first sync's walk yields one tensor more than the
     metadata lists (found once walked whole); 1, the same after a provisional offer, the walk moved;
-    "slots": a source that is not stable raises after its third tensor. Each rank's error."""
+    "walk": the second sync's source raises while the sender checks it against its provisional
+    offer; "slots": a source that is not stable raises after its third tensor. Each rank's error."""
     engine = CheckpointEngineRegistry.new(rdzv.backend, bucket_size_bytes=64 * 1024, timeout_s=rdzv.timeout_s, device=torch.device("cpu"))
     engine.init_process_group(rdzv, rank)
     own = {k: t.share_memory_() for k, t in _state(0, torch.device("cpu")).items()}
@@ -224,10 +200,10 @@ def failing_sender_rank(rank: int, rdzv: Rendezvous, *, at: int, repeatable: boo
         raise RuntimeError("the trainer's gather failed")
 
     try:
-        for k in range(int(at == 1) + 1):
+        for k in range(int(at in (1, "walk")) + 1):
             if rank == 0:
                 weights: Any = own.items()
-                if at == "slots":
+                if at == "slots" or at == "walk" and k == 1:
                     weights = broken()
                 elif k == at:
                     own["bf16"] = own["bf16"].clone().share_memory_()  # moved: the provisional offer does not stand
@@ -263,6 +239,6 @@ def test_a_walk_that_fails_after_a_provisional_offer_fails_the_receiver_at_once(
     """The source raises while the sender checks its walk against the offer the receiver is already
     copying: the receiver is told at once, naming the source's error (not left waiting out its
     bound of 600 s for a verdict)."""
-    sender, receiver = run_ranks(failing_walk_rank, 2, backend="colocated", timeout_s=600)
+    sender, receiver = run_ranks(failing_sender_rank, 2, backend="colocated", timeout_s=600, at="walk")
     assert sender == "RuntimeError: the trainer's gather failed"
     assert receiver.startswith("TransferError:") and "the trainer's gather failed" in receiver, receiver
