@@ -106,7 +106,7 @@ def test_dense_syncs_land_bit_exact_and_reuse_the_group(engines: list[TorchRefRo
         sd0 = mixed_state(0, num_small=300)
         report = session.sync(StateDictSource(sd0), version=3)
         assert (report.version, report.tensors, report.engines) == (3, len(sd0), 2) and report.buckets > 1
-        assert report.staged == "full" and report.stall_s < report.seconds["transfer"]  # staged: streamed while serving, paused for the swap
+        assert report.staged == "full" and report.stall_s <= report.seconds["swap"]  # staged: streamed while serving, paused inside the swap only
         for e in engines:
             assert_holds(e, sd0)
             h = e.health()
