@@ -90,12 +90,6 @@ class InstalledChecks:
         """What a stable walk yielded, for `fold_noted` (None: nothing waits)."""
         self._walked: list[tuple[str, torch.Tensor]] | None = None
         """The source's walk made ahead (`fold_ahead`), which the send replays (`tap`): walked once."""
-        self._pending: WeightSource | None = None
-        """A source noted ahead whose walk is the send's own (`fold_ahead` at a later check): set
-        until `tap` saw that walk whole (`_noted`)."""
-        self._gpu_walk: torch.device | None = None
-        """The GPU every tensor the last check walked ahead was on: a next check of a source on it
-        (`WeightSource.device`) takes the send's walk instead of a walk of its own before the pause."""
         self._noted_layout: _Walk | None = None
         """The last stable walk's layout: the same at every check of a session."""
         self._fold_error: Exception | None = None
@@ -170,36 +164,22 @@ class InstalledChecks:
         waits for the engine's receive (`expected_report`; colocated: once its worker queued its
         copies, while the device copies): at the send's end it took 1.5 ms of wall time beside the
         worker's copy launches on one H200 (7B, one process). Not on the host, where a fold is
-        compute the walk's send hides (`tap`). The first check walks the source here; a later one of
-        a source on the same GPU notes the send's own walk (`tap`), which a one-copy sender reads
-        after its provisional offer, while the device copies; until that walk is whole the engine is
-        not told the digests (it finalizes apart) and `verify` folds it."""
+        compute the walk's send hides (`tap`)."""
         t = time.perf_counter()
-        device = self._gpu_walk
-        if device is not None and source.device == device and self.samples > 0:
-            # the last check walked ahead whole on this GPU: the send's own walk is noted (`tap`; a
-            # one-copy sender reads it after its provisional offer, off the sync's head)
-            self._pending = source
-        else:
-            noted = self._walked = list(source.iter_weights())  # here, on the session's thread: the receive's thread may fold while the send runs
-            on_gpu = bool(noted) and self.samples > 0 and all(_CUDA(tensor) for _, tensor in noted)
-            self._gpu_walk = None
-            if not on_gpu:
-                self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
-                return
+        noted = self._walked = list(source.iter_weights())  # here, on the session's thread: the receive's thread may fold while the send runs
+        on_gpu = bool(noted) and self.samples > 0 and all(_CUDA(tensor) for _, tensor in noted)
+        if on_gpu:
             device = noted[0][1].device
-            self._noted = noted
-            self._gpu_walk = device if all(t.device == device for _, t in noted) else None
-        self._ready = torch.cuda.Event()
-        self._ready.record(torch.cuda.current_stream(device))
-        self.ahead = True
+            self._ready = torch.cuda.Event()
+            self._ready.record(torch.cuda.current_stream(device))
+            self._noted, self.ahead = noted, True
         self.seconds = (self.seconds or 0.0) + time.perf_counter() - t
 
     def expected_report(self) -> InstalledReport | None:
         """The source's digests of a check noted ahead, as a report, folded now if the send's end
         has not (called as the engines' receives end; None: not noted ahead, or the fold failed:
         `verify` raises that)."""
-        if not self.ahead or self._pending is not None:  # the send's walk not yet whole: `verify` folds it
+        if not self.ahead:
             return None
         t, before = time.perf_counter(), self.seconds or 0.0
         try:
@@ -215,7 +195,7 @@ class InstalledChecks:
         self.syncs += 1
         self.request, self._digests, self.seconds, self._order, self._combined = None, {}, None, [], None
         self._dtypes, self._noted, self._fold_error, self._on_device, self.ahead, self._ready = {}, None, None, None, False, None
-        self._walked, self._pending = None, None
+        self._walked = None
         self._expected = None
 
     def _arm(
@@ -292,15 +272,8 @@ class InstalledChecks:
         noting them, 0.04 ms)."""
         if self._walked is not None:  # walked ahead (`fold_ahead`): the send takes that walk, not a second one
             weights = self._walked
-        if self.request is None or self.seconds is None or (self.ahead and self._pending is None):
+        if self.request is None or self.seconds is None or self.ahead:
             yield from weights
-            return
-        if self._pending is not None:  # noted ahead, this walk the send's: for the fold once it is whole
-            whole: list[tuple[str, torch.Tensor]] = []
-            for pair in weights:
-                whole.append(pair)
-                yield pair
-            self._noted, self._pending = whole, None
             return
         if stable:
             noted = self._noted = []
@@ -358,7 +331,7 @@ class InstalledChecks:
             return False
         device = views[0].device
         ready, stream = self._ready, torch.cuda.current_stream(device)
-        if ready is not None and ready.device == device:  # noted ahead: beside the transfer, behind the source's writes only
+        if ready is not None:  # noted ahead: beside the transfer, behind the source's writes only
             if self._stream is None or self._stream.device != device:
                 self._stream = torch.cuda.Stream(device, priority=-1)  # high: its blocks go between the copies'
             stream = self._stream
@@ -395,14 +368,12 @@ class InstalledChecks:
     def release(self) -> None:
         """After a sync: drop what a stable walk noted and a failed sync never folded (its tensors
         would stay alive until the next check)."""
-        self._noted, self._on_device, self._expected, self._walked, self._pending = None, None, None, None, None
+        self._noted, self._on_device, self._expected, self._walked = None, None, None, None
         self._folds.drop_later()
 
     def source_digests(self) -> dict[Key, int]:
         """The trainer's digest of every key the walk passed (one sender)."""
         with self._fold_lock:  # the send's end and the receive's thread may both ask
-            if self._pending is not None:  # noted ahead, but the send did not walk it through `tap`: walked here
-                self._noted, self._pending = list(self._pending.iter_weights()), None
             self.fold_noted()
             if self._fold_error is not None:
                 raise self._fold_error
