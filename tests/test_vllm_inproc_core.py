@@ -20,7 +20,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +101,24 @@ def test_an_in_process_pause_or_reset_waits_for_the_step_a_generating_thread_is_
     The engine steps on this thread, the one that built it, as a trainer's generation loop does (vLLM's
     CPU attention checks that a step's OpenMP thread count is the one its metadata was built with, which
     a fresh thread need not share); a second thread plays the sync."""
+    client = LLMWeightSyncClient(llm, timeout=HOLD_S)
+    assert_call_waits_for_the_running_step(llm, call, lambda: client)
+
+
+def assert_call_waits_for_the_running_step(llm: Any, call: str, client_of: Callable[[], LLMWeightSyncClient]) -> None:
+    """Generate on this thread with the step's forward held in the worker; on another thread, once the
+    step is held, take the client (`client_of`) and pause or reset: the call must return only after the
+    step was let go, and the request must run to its end."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    client = LLMWeightSyncClient(llm, timeout=HOLD_S)  # from here every step of the engine core holds its step lock
     llm.collective_rpc("test_stall", kwargs={"method": "execute_model", "hold_s": HOLD_S})
     seen: dict[str, Any] = {}
+    clients: list[LLMWeightSyncClient] = []
 
     def sync_call() -> None:
+        client = client_of()
+        clients.append(client)
         if call == "pause":
             client.pause("keep")
         else:
@@ -129,8 +139,8 @@ def test_an_in_process_pause_or_reset_waits_for_the_step_a_generating_thread_is_
             seen["paused"] = llm.llm_engine.engine_core.engine_core.is_scheduler_paused()
         finally:
             stall.RELEASE.set()
-            if call == "pause":
-                client.resume()  # the frozen request runs to its end
+            if call == "pause" and clients:
+                clients[0].resume()  # the frozen request runs to its end
 
     syncing = threading.Thread(target=sync_thread)
     syncing.start()

@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["EngineCore", "Unanswered"]
+__all__ = ["EngineCore", "Unanswered", "step_lock"]
 
 
 class Unanswered(NamedTuple):
@@ -25,13 +25,15 @@ class Unanswered(NamedTuple):
 
 
 _STEPS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
-"""Per in-process vLLM `EngineCore`: the lock each of its steps holds (`_step_lock`)."""
+"""Per in-process vLLM `EngineCore`: the lock each of its steps holds (`step_lock`)."""
 _INSTALL = threading.Lock()
 
 
-def _step_lock(core: Any) -> threading.RLock:
+def step_lock(core: Any) -> threading.RLock:
     """The lock every step of the in-process engine core `core` holds from now on: its `step_fn` (what
-    vLLM's `InprocClient.get_output` calls for each step of a `generate`) wrapped once per core."""
+    vLLM's `InprocClient.get_output` calls for each step of a `generate`) wrapped once per core. The
+    vLLM plugin (`vllm/plugin.py`) wraps it as the core is made; a core made without the plugin is
+    wrapped at its first handle, and a step already running then does not hold the lock."""
     with _INSTALL:
         lock = _STEPS.get(core)
         if lock is None:
@@ -65,7 +67,7 @@ class EngineCore:
         self.workers_here = local is not None and isinstance(local.model_executor, UniProcExecutor)
         """The engine core's worker runs its `collective_rpc` methods in the calling thread (vLLM's
         one-process executor, the external launcher's included): nothing waits on another process."""
-        self._steps = _step_lock(local) if local is not None else None
+        self._steps = step_lock(local) if local is not None else None
         """Held by each step of an in-process engine core (a `generate` on another thread)."""
 
     @classmethod
