@@ -24,7 +24,7 @@ _WORKER = ("ckpt_engine.rollout_adapters.vllm.transfer_engine", "CkptEngineWeigh
 _TRAINER = ("ckpt_engine.sync.vllm_trainer_engine", "CkptEngineTrainerWeightTransferEngine")
 
 logger = logging.getLogger(__name__)
-_STEPS_LOCKED = [False]
+_steps_locked = False
 
 
 def register() -> None:
@@ -54,7 +54,8 @@ def steps_locked_from_the_start() -> None:
     (`vllm/engine_core.py`'s `step_lock`) from its first, not from its first handle's: a handle made
     while another thread's `generate` was inside a step then let a sync's pause through before that
     step ended, and the copies after it could land between two of its layers (once per process)."""
-    if _STEPS_LOCKED[0]:
+    global _steps_locked
+    if _steps_locked:
         return
     from vllm.v1.engine.core_client import InprocClient
 
@@ -67,4 +68,4 @@ def steps_locked_from_the_start() -> None:
         step_lock(self.engine_core)
 
     InprocClient.__init__ = __init__
-    _STEPS_LOCKED[0] = True
+    _steps_locked = True
