@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# A Ray call in a process not connected to Ray starts a local cluster on the calling thread, which Ray
+# kills when that thread ends and then ends the whole process (exit 1, no summary): a stray one (a
+# job thread outliving its test's cluster) raises instead (read when ray is first imported).
+os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
 
 from shared_server import SharedServer  # noqa: E402
 

@@ -34,6 +34,12 @@ TINY_MODEL = {
     "vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "initializer_range": 0.2,
 }
+START_S = 150
+"""The job's bound on its actors' start-up (`ray.start_timeout_s`); the test waits past it, so a job
+too slow to start fails with its own error."""
+JOB_END_S = 60.0
+"""How long the module's teardown waits for a failed test's job to end before shutting the cluster
+down (the job's cleanup then finds Ray gone and leaves it: `ray_placement.end_job`)."""
 TIMEOUT_S = 120.0
 """The syncs' timeout: far past the seconds from a sync's start to the test's kill of the engine it
 holds, so a failed sync that ended within half of it was ended by the kill, not by its timeout,
@@ -55,6 +61,8 @@ def cluster() -> Iterator[Any]:
     try:
         yield ray
     finally:
+        for running in Running.started:  # a failed test's job still ends its own waits on this cluster
+            running.thread.join(JOB_END_S)
         ray.shutdown()
         c.shutdown()
 
@@ -64,7 +72,7 @@ def _job(steps: int) -> Any:
         "ray": {
             "enabled": True, "placement_strategy": "STRICT_SPREAD", "trainer_num_cpus": 0.5, "engine_num_cpus": 1,
             "trainer_resources": {"trainer_node": 1}, "engine_resources": {"engine_node": 1}, "engine_max_restarts": 1,
-            "start_timeout_s": 150, "job_timeout_s": 280, "monitor_interval_s": 0.5,
+            "start_timeout_s": START_S, "job_timeout_s": 280, "monitor_interval_s": 0.5,
         },
         "trainer": {"backend": "fsdp2", "num_processes": 2, "steps": steps, "batch_size": 16, "sync_every": 1, "max_staleness": 1, "lr": 3e-3, "batch_timeout_s": 150},
         "rollout": {"engine": "vllm", "num_engines": 1, "samples_per_request": 16, "queue_size": 32, "model": TINY_MODEL, "start_timeout_s": 150},
@@ -75,6 +83,9 @@ def _job(steps: int) -> Any:
 class Running:
     """`RayJob.run()` on a thread, so the test can drill the job while it runs."""
 
+    started: list[Running] = []
+    """Every job started in this module: the cluster is shut down only once each ended (or `JOB_END_S` passed)."""
+
     def __init__(self, job: Any) -> None:
         from ckpt_engine.trainer.ray_job import RayJob
 
@@ -83,6 +94,7 @@ class Running:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
+        Running.started.append(self)
 
     def _run(self) -> None:
         try:
@@ -125,7 +137,7 @@ and the job failed asking it for its info.)"""
 
 def _kill_mid_sync(ray: Any, running: Running, kill: Callable[[Any], None]) -> tuple[int, float]:
     """Hold the engine's `HELD_RECEIVE`-th receive and kill it inside that sync."""
-    _until("engine actors created", running.rj.engines_started.is_set, 150, running)
+    _until("engine actors created", running.rj.engines_started.is_set, START_S + 30, running)  # the job's own bound ends first
     handle = running.rj.engines["vllm0"]
     begun = ray.get(handle.hold_receive.remote(HELD_RECEIVE, 2 * TIMEOUT_S), timeout=200)  # answered once the actor is up
     assert begun < HELD_RECEIVE, f"the drill was armed after the engine's receive {HELD_RECEIVE} began ({begun} had)"

@@ -36,7 +36,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ckpt_engine.trainer.ray_config import PLACEMENT_STRATEGIES, RayConfig
-from ckpt_engine.trainer.ray_placement import JobPlacement, import_ray, placement_bundles
+from ckpt_engine.trainer.ray_placement import JobPlacement, end_job, import_ray, placement_bundles
 
 if TYPE_CHECKING:
     from ckpt_engine.trainer.config import JobConfig
@@ -243,7 +243,6 @@ class RayJob:
 
     # --- the job --------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
-        ray = self._ray
         t0 = time.monotonic()
         placement = JobPlacement(self.job, self.world_size).reserve()
         try:
@@ -261,9 +260,4 @@ class RayJob:
             result["seconds"] = time.monotonic() - t0
             return result
         finally:
-            for actor in [*self.ranks, *self.engines.values()]:
-                try:
-                    ray.kill(actor, no_restart=True)
-                except Exception as exc:  # already gone
-                    logger.debug("ray job: kill failed: %s", exc)
-            placement.release()
+            end_job([*self.ranks, *self.engines.values()], placement)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ckpt_engine.trainer.config import JobConfig
 
-__all__ = ["JobPlacement", "import_ray", "placement_bundles", "trainer_bundle_index"]
+__all__ = ["JobPlacement", "end_job", "import_ray", "placement_bundles", "trainer_bundle_index"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,3 +108,22 @@ class JobPlacement:
             except Exception as exc:  # the cluster may already be gone
                 logger.debug("ray job: removing the placement group failed: %s", exc)
             self.group = None
+
+
+def end_job(actors: list[Any], placement: JobPlacement) -> None:
+    """Kill a job's actors and release its placement group, while this process is still connected.
+    After `ray.shutdown()` (a caller that shut Ray down while the job ran) every Ray call would start
+    a new local cluster on this thread, whose processes Ray kills when the thread ends; a minute later
+    Ray ends this whole process (exit 1, nothing flushed). The actors and the group went with the
+    cluster anyway."""
+    ray = import_ray()
+    if not ray.is_initialized():
+        logger.warning("ray job: Ray was shut down while the job ran; nothing left to kill or release")
+        placement.group = None
+        return
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as exc:  # already gone
+            logger.debug("ray job: kill failed: %s", exc)
+    placement.release()

@@ -16,7 +16,7 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
-from ckpt_engine.trainer.ray_placement import JobPlacement, import_ray
+from ckpt_engine.trainer.ray_placement import JobPlacement, end_job, import_ray
 
 if TYPE_CHECKING:
     from ckpt_engine.trainer.config import JobConfig
@@ -205,9 +205,4 @@ def run_ref_ray_job(job: JobConfig, *, echo: bool = True) -> dict[str, Any]:
             )
         return result
     finally:
-        for actor in actors:
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception as exc:  # already gone; nothing left to release
-                logger.debug("ray job: kill failed: %s", exc)
-        placement.release()
+        end_job(actors, placement)
