@@ -17,7 +17,7 @@ from ckpt_engine.config import ConfigError
 from ckpt_engine.trainer.config import load_job_config
 from ckpt_engine.trainer.ray_job import placement_bundles
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(480)  # its job waits up to 180 s to start (a loaded 2-core box) and 240 s to run
 
 
 def test_ray_section_switch_and_bundles() -> None:
@@ -148,7 +148,7 @@ def test_fully_async_job_on_ray_actors(ray_cluster: Any) -> None:
     from ckpt_engine.trainer.demo import run_job  # the same entry point as without Ray
 
     job = load_job_config(None, [
-        "ray.enabled=true", "ray.trainer_num_cpus=0.5", "ray.engine_num_cpus=0.5", "ray.start_timeout_s=90", "ray.job_timeout_s=150",
+        "ray.enabled=true", "ray.trainer_num_cpus=0.5", "ray.engine_num_cpus=0.5", "ray.start_timeout_s=180", "ray.job_timeout_s=240",
         "checkpoint_engine.backend=gloo", "checkpoint_engine.timeout_s=30",
         "trainer.steps=16", "trainer.sync_every=2", "trainer.max_staleness=1", "trainer.seed=1",
         "rollout.num_engines=2",
