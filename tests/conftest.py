@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +18,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 # kills when that thread ends and then ends the whole process (exit 1, no summary): a stray one (a
 # job thread outliving its test's cluster) raises instead (read when ray is first imported).
 os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
+# The temp files of the suite and of every process it starts (vLLM's ZMQ sockets and `vllm_dist_`
+# folders, Ray's sessions, multiprocessing's folders) go to one folder, removed when the run ends: a
+# run used to leave ~200 sockets and ~30 folders in the system's temp folder. pytest's own `tmp_path`
+# folders stay where they were (kept for a failed run's look, as pytest keeps them).
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+multiprocessing.util.get_temp_dir()  # this process's own folder stays outside: multiprocessing removes it at exit, after the run's end
+SUITE_TMP = tempfile.mkdtemp(prefix="ckt-")  # short: Ray's socket paths under it must stay below 108 bytes
+os.environ["TMPDIR"] = SUITE_TMP
+tempfile.tempdir = None  # read TMPDIR again
 
 from shared_server import SharedServer  # noqa: E402
 
@@ -404,6 +416,10 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "kills_shared_engine: kills an engine other modules share; runs after the last other user of that engine")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(SUITE_TMP, ignore_errors=True)
 
 
 SHARED_ENGINES = (
