@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 
 _ABORTED = b"aborted"
 """A flag's value where the peer aborted the sync instead."""
+_CLOSED = b"closed"
+"""A flag's value where the peer closed its end (`close()`) with the sync in flight."""
+_ENDS = {_ABORTED: "aborted this sync", _CLOSED: "closed its end of the group mid-sync"}
 
 
 class ColocatedTransport(Transport, SourceSharing):
@@ -61,6 +64,10 @@ class ColocatedTransport(Transport, SourceSharing):
         self._offers = 0  # offers this sync (sender) or taken (receiver): a provisional one may be followed by a second
         self._look_due = False  # the receiver took a provisional offer and has not yet said it looked
         self._answered = False  # the receiver told the sender how its copies out of the offer ended (`taken`)
+        self._judge_due = False  # the sender made a provisional offer and has not yet judged it
+        self._in_sync = False
+        """A sync is in flight on this end (from `begin_*` to its last flag): the peer may wait on it,
+        so a `close()` then tells it (`_CLOSED`)."""
         self._sent = 0
         self._received = 0
         self._released = 0
@@ -166,7 +173,15 @@ class ColocatedTransport(Transport, SourceSharing):
             return False
 
     def close(self) -> None:
-        self._store, self._flags, self._read = None, None, []
+        """Drop the store, buffers and mappings. Closed mid-sync (a session closed past its lock's
+        bound, an engine's `leave` while it receives), it first puts `_CLOSED` where the peer waits
+        next, as `abort()` does: else the peer waits out `timeout_s` for flags that never come."""
+        flags, in_sync = self._flags, self._in_sync and not self.broken
+        self._store, self._flags, self._read = None, None, []  # this end's own sync fails at its next flag
+        self._in_sync = False
+        if flags is not None and in_sync:
+            logger.warning("colocated rank %s closed mid-sync: telling its peer", self.rank)
+            self._tell_peer(flags, _CLOSED)
         in_process.forget(self._flags_desc)
         self._flags_desc = None
         self.buffers = []
@@ -179,40 +194,60 @@ class ColocatedTransport(Transport, SourceSharing):
         self._local = {}
 
     def abort(self) -> None:
-        """Put `_ABORTED` where the peer waits next (no collective breaks on its own here): a sender's
-        next bucket and offer, a receiver's next releases and its copies' answer."""
+        """Put `_ABORTED` where the peer waits next (no collective breaks on its own here)."""
         self.broken = True
-        if self._flags is None:
-            return
+        if self._flags is not None:
+            self._tell_peer(self._flags, _ABORTED)
+
+    def _tell_peer(self, flags: Any, why: bytes) -> None:
+        """Set every flag the peer may wait on next to `why`: a sender's next bucket, offer and (after a
+        provisional offer) verdict; a receiver's next releases, its copies' answer and its look."""
         if self.is_sender:
             keys = [self._key("ready", self._sent), self._key("offer", self._offers)]
+            keys += [self._key("verdict", 0)] if self._judge_due else []
         else:  # the sender waits on the oldest bucket of each slot it refills, not in order: all it may hold
             keys = [self._key("free", k) for k in range(self._released, self._received + self.num_buffers + 1)]
             keys += [] if self._answered else [self._key("taken", 0)]
+            keys += [self._key("looked", 0)] if self._look_due else []
         try:
             for key in keys:
-                self._flags.set(key, _ABORTED)
+                flags.set(key, why)
         except Exception as exc:  # the store itself is gone: the peer's wait ends at its bound
-            logger.warning("colocated rank %s could not tell its peer it aborted: %s", self.rank, exc)
+            logger.warning("colocated rank %s could not tell its peer it %s: %s", self.rank, _ENDS[why], exc)
 
     # --- flags through the store instead of collectives ------------------------------------------
     def _key(self, what: str, k: int) -> str:
         return f"s{self._seq}/{what}/{k}"
 
+    @property
+    def _live(self) -> Any:
+        """The flags, for a sync's next step; closed (from another thread), the sync fails here."""
+        flags = self._flags
+        if flags is None:
+            self.broken = True
+            raise TransferError(f"rank {self.rank}: this end of the colocated group was closed mid-sync")
+        return flags
+
+    def _ended(self, answer: bytes, who: str, what: str) -> None:
+        """Raise where `answer` says the peer aborted or closed its end instead of `what`."""
+        end = _ENDS.get(answer)
+        if end is not None:
+            self.broken = True
+            raise TransferError(f"rank {self.rank}: the {who} {end} before {what}")
+
     def _wait_key(self, key: str, what: str) -> None:
         """Wait for the flag `key` (within `timeout_s`), then delete it: read once. The peer's abort
-        in its place raises."""
+        or close in its place raises."""
         answer = self._get_key(key, what)
-        self._flags.delete_key(key)
-        if answer == _ABORTED:
-            self.broken = True
-            raise TransferError(f"rank {self.rank}: the peer aborted this sync before {what}")
+        self._live.delete_key(key)
+        self._ended(answer, "peer", what)
 
     def _get_key(self, key: str, what: str) -> bytes:
         """The flag `key`'s value once it is set, within the store's bound: `timeout_s`, set at join (a pair
         in one process shares the sender's, which one session's configuration gives both ends)."""
+        flags = self._live
         try:
-            return self._flags.get(key)
+            return flags.get(key)
         except Exception as exc:
             self.broken = True
             raise TransferError(f"rank {self.rank}: {what} did not arrive within {self.timeout_s}s: {exc}") from exc
@@ -221,6 +256,8 @@ class ColocatedTransport(Transport, SourceSharing):
         self._seq += 1
         self._sent = 0
         self._offers = 0
+        self._judge_due = False
+        self._in_sync = True
 
     def begin_receive(self) -> None:
         # The mapped sender tensors stay across syncs (mapping 339 tensors' handles costs more than
@@ -231,9 +268,11 @@ class ColocatedTransport(Transport, SourceSharing):
         self._offers = 0
         self._look_due = False
         self._answered = False
+        self._in_sync = True
 
     def end_receive(self) -> None:
         self._release_pending()
+        self._in_sync = False  # the sender waits on nothing more of this sync
 
     def wait_slot(self, slot: int, works: list[Any]) -> None:
         if works[slot] is not None:
@@ -248,7 +287,7 @@ class ColocatedTransport(Transport, SourceSharing):
         self.device_sync_point()
         k = self._sent
         self._sent += 1
-        self._flags.set(self._key("ready", k), b"1")
+        self._live.set(self._key("ready", k), b"1")
         return k
 
     def post_group(self, gid: int, slot: int, msgs: list[torch.Tensor]) -> Any:
@@ -258,12 +297,14 @@ class ColocatedTransport(Transport, SourceSharing):
         for k in works:
             if k is not None:
                 self._wait_key(self._key("free", k), f"release of bucket {k}")
+        self._in_sync = False  # every bucket released: the receiver waits on nothing more
 
     def _release_pending(self) -> None:
         if self._released < self._received:
             self.device_sync_point()
+            flags = self._live
             while self._released < self._received:
-                self._flags.set(self._key("free", self._released), b"1")
+                flags.set(self._key("free", self._released), b"1")
                 self._released += 1
 
     def finish(self, k: int, sender: int, slot: int, work: Any, label: str) -> None:
@@ -288,49 +329,54 @@ class ColocatedTransport(Transport, SourceSharing):
         return self._can_map and can_share(t, self.device)
 
     def offer(self, tensors: list[torch.Tensor] | None, placed: Placement | None = None, provisional: bool = False) -> None:
+        flags = self._live
         key = self._key("offer", self._offers)
         self._offers += 1
         if tensors is None:
-            self._flags.set(key, msgpack.packb({"generation": None}))
+            flags.set(key, msgpack.packb({"generation": None}))
             return
         if (placed if placed is not None else placement(tensors)) != self._offered_placement:
             # Held until the next change: the receiver's mappings stay over live tensors.
             old = self._generation
             self._generation += 1
             info = describe_tensors(tensors, self.device)
-            self._flags.set(f"colocated/sources/{self._generation}", msgpack.packb(info, use_bin_type=True))
+            flags.set(f"colocated/sources/{self._generation}", msgpack.packb(info, use_bin_type=True))
             if old:
-                self._flags.delete_key(f"colocated/sources/{old}")
+                flags.delete_key(f"colocated/sources/{old}")
             in_process.forget(self._local.pop("offer", None))
             if "local" in info:
                 self._local["offer"] = info["local"]
             # Read again: sharing a host storage by descriptor may have moved it (not one `share_memory_()` made).
             self._offered, self._offered_placement = [t.untyped_storage() for t in tensors], placement(tensors)
         self.device_sync_point()  # the source's writes are done before the receiver reads
-        self._flags.set(key, msgpack.packb({"generation": self._generation, "provisional": provisional}))
+        flags.set(key, msgpack.packb({"generation": self._generation, "provisional": provisional}))
+        self._judge_due = provisional
 
     def wait_looked(self) -> None:
         if not self._here:  # in another process the receiver's copies do not wait for this one's interpreter
             return
         key = self._key("looked", 0)
         self._get_key(key, "the receiver's look at the provisional offer")
-        self._flags.delete_key(key)  # in memory: no round trip
+        self._live.delete_key(key)  # in memory: no round trip
 
     def judge(self, stands: bool, error: str | None = None) -> None:
-        self._flags.set(self._key("verdict", 0), error.encode() if error is not None else b"stands" if stands else b"moved")
+        self._judge_due = False
+        self._live.set(self._key("verdict", 0), error.encode() if error is not None else b"stands" if stands else b"moved")
 
     def _forget_read(self) -> None:
         while self._read:
-            self._flags.delete_key(self._read.pop())
+            self._live.delete_key(self._read.pop())
 
     def wait_taken(self) -> None:
         self._forget_read()  # the last sync's flag: the receiver is copying now
         key = self._key("taken", 0)
         answer = self._get_key(key, "the receiver's copies from this sender's tensors")
         self._read.append(key)
+        self._ended(answer, "receiver", "its answer on its copies")
         if answer != b"ok":
             self.broken = True
             raise TransferError(f"rank {self.rank}: the receiver failed while copying from this sender's tensors: {answer.decode(errors='replace')}")
+        self._in_sync = False  # the receiver answered: it waits on nothing more of this sync
 
     def take(self) -> tuple[list[torch.Tensor] | None, bool]:
         if self._offers:  # the second offer of a sync: the provisional one and its verdict are read
@@ -338,16 +384,14 @@ class ColocatedTransport(Transport, SourceSharing):
         key = self._key("offer", self._offers)
         self._offers += 1
         raw = self._get_key(key, "the sender's offer")
-        if raw == _ABORTED:
-            self.broken = True
-            raise TransferError(f"rank {self.rank}: the sender aborted this sync before its offer")
+        self._ended(raw, "sender", "its offer")
         try:
             offer = msgpack.unpackb(raw, raw=False)
         except (ValueError, msgpack.UnpackException) as exc:
             raise TransferError(f"rank {self.rank}: undecodable offer from the colocated sender: {exc}") from exc
         generation = offer.get("generation", 0) if isinstance(offer, dict) else 0
         if generation is None:  # the slots: no copies out of the sender's tensors follow (no `taken`)
-            self._flags.delete_key(key)
+            self._live.delete_key(key)
             return None, False
         self._read.append(key)  # deleted once the copies are queued (`taken`)
         if not isinstance(generation, int) or isinstance(generation, bool) or generation < 1:
@@ -356,7 +400,7 @@ class ColocatedTransport(Transport, SourceSharing):
         self._look_due = provisional and self._here
         if generation != self._mapped_generation:
             self._mapped = []  # drop the old mappings first
-            info = msgpack.unpackb(self._flags.get(f"colocated/sources/{generation}"), raw=False)
+            info = msgpack.unpackb(self._live.get(f"colocated/sources/{generation}"), raw=False)
             self._mapped, self._mapped_generation = map_tensors(info, self.device), generation
             self.mappings += 1
         return self._mapped, provisional
@@ -366,6 +410,7 @@ class ColocatedTransport(Transport, SourceSharing):
         key = self._key("verdict", 0)
         answer = self._get_key(key, "the sender's check of its provisional offer")
         self._read.append(key)
+        self._ended(answer, "sender", "its verdict on its provisional offer")
         if answer in (b"stands", b"moved"):
             return answer == b"stands"
         self.broken = True
@@ -375,7 +420,7 @@ class ColocatedTransport(Transport, SourceSharing):
         """Tell a sender in this process waiting on it (`wait_looked`) that this receiver looked (once)."""
         if self._look_due:
             self._look_due = False
-            self._flags.set(self._key("looked", 0), b"1")
+            self._live.set(self._key("looked", 0), b"1")
 
     def taken(self, error: str | None = None) -> None:
         failure = None
@@ -387,8 +432,9 @@ class ColocatedTransport(Transport, SourceSharing):
                 self.device_sync_point()  # the loader's copies out of the sender's tensors are done
             except TransferError as exc:
                 failure, error = exc, str(exc)
-        self._flags.set(self._key("taken", 0), b"ok" if error is None else error.encode())
+        self._live.set(self._key("taken", 0), b"ok" if error is None else error.encode())
         self._answered = True
+        self._in_sync = False  # answered: the sender waits on nothing more of this sync
         if failure is not None:
             raise failure
 
