@@ -84,7 +84,7 @@ def closing_rank(rank: int, rdzv: Rendezvous, *, closed: str, path: str) -> dict
         pause()  # mid-walk: before the offer, before its verdict, or between the slots' buckets
         yield from items[3:]
 
-    def sync(k: int, pausing: bool) -> None:
+    def sync(pausing: bool) -> None:
         if rank == 0:
             engine.send_weights(manifest, walk() if pausing else own.items(), stable=path != "slots")
         else:
@@ -95,13 +95,13 @@ def closing_rank(rank: int, rdzv: Rendezvous, *, closed: str, path: str) -> dict
     mine = (rank == 0) == (closed == "sender")
     syncs = 2 if path == "provisional" else 1
     try:
-        for k in range(syncs - 1):
-            sync(k, False)
+        for _ in range(syncs - 1):
+            sync(False)
         if not mine:
             t0 = time.monotonic()
-            return {"error": _error(lambda: sync(syncs - 1, False)), "seconds": time.monotonic() - t0}
+            return {"error": _error(lambda: sync(False)), "seconds": time.monotonic() - t0}
         out: dict[str, Any] = {}
-        worker = threading.Thread(target=lambda: out.update(error=_error(lambda: sync(syncs - 1, True))), daemon=True)
+        worker = threading.Thread(target=lambda: out.update(error=_error(lambda: sync(True))), daemon=True)
         worker.start()
         assert reached.wait(WAIT_S), "the sync did not reach its blocking point"
         engine.finalize()  # from another thread, mid-sync
