@@ -105,7 +105,7 @@ class Receiver:
             nbytes = plan.nbytes.get(k)
             if nbytes is None:
                 nbytes = plan.nbytes[k] = bucket.nbytes  # a property summing every entry: once per plan
-            return t.post(gid, slot, message(t.buffers[slot], nbytes, opts.verify))
+            return t.post(gid, slot, message(t.slot(slot), nbytes, opts.verify))
 
         try:
             for k in sched.first_posts:
@@ -118,7 +118,7 @@ class Receiver:
                 works[k] = None
                 land = landed.pop(k, {})
                 if opts.verify:
-                    self._check_bucket(k, message(t.buffers[slot], plan.nbytes[k], True), plan.nbytes[k])
+                    self._check_bucket(k, message(t.slot(slot), plan.nbytes[k], True), plan.nbytes[k])
                 if land:
                     out: list[tuple[str, torch.Tensor]] = []
                     for i, (e, view) in enumerate(zip(bucket.entries, views[k])):

@@ -182,7 +182,7 @@ class Sender:
             how = "grouped" if grouped else "packed"
             if offer is not None:
                 lend = grouped or self.opts.is_direct_whole(bucket, self.t)  # a message per entry
-                ask = Ask(bucket.index, bucket.entries, dsts, self.t.buffers[slot], lend=lend)
+                ask = Ask(bucket.index, bucket.entries, dsts, self.t.slot(slot), lend=lend)
                 if pieces.filled(offer, ask):  # in the slot already, or lent: nothing to pack
                     if grouped:
                         lent = ask.lent
@@ -259,7 +259,7 @@ class Sender:
         else:
             if action.nbytes < 0:
                 action.nbytes = bucket.nbytes  # a property summing every entry: once per plan
-            msg = message(self.t.buffers[slot], action.nbytes, self.opts.verify)
+            msg = message(self.t.slot(slot), action.nbytes, self.opts.verify)
             if self.opts.verify:
                 data = msg[: align8(action.nbytes)]
                 msg[data.numel() :].view(torch.int64).copy_(bucket_checksum(data))

@@ -133,6 +133,15 @@ class Transport(ABC):
     def clear_slots(self) -> None:
         self.buffers = []
 
+    def slot(self, slot: int) -> torch.Tensor:
+        """Slot `slot`'s memory. Gone (`close()` dropped every slot while a sync ran on another
+        thread: a session closed past its lock's bound, an engine's `leave`), the sync fails here."""
+        buffers = self.buffers
+        if not buffers:
+            self.broken = True
+            raise TransferError(f"rank {self.rank}: this end's slots were dropped mid-sync (its group was closed)")
+        return buffers[slot]
+
     def on_new_slot(self) -> None:
         """A slot was added to `buffers` (streamed transports give it its events)."""
 
