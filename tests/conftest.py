@@ -18,6 +18,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 # kills when that thread ends and then ends the whole process (exit 1, no summary): a stray one (a
 # job thread outliving its test's cluster) raises instead (read when ray is first imported).
 os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
+# Ray starts its workers at niceness 15 (its `worker_niceness`): beside the suite's other processes
+# (or a second suite on the box) they got ~1 % of a core at a load of 10 and took over 10 minutes to
+# start an engine. The suite's Ray workers run at the suite's own priority.
+os.environ.setdefault("RAY_worker_niceness", "0")
 # The temp files of the suite and of every process it starts (vLLM's ZMQ sockets and `vllm_dist_`
 # folders, Ray's sessions, multiprocessing's folders) go to one folder, removed when the run ends: a
 # run used to leave ~200 sockets and ~30 folders in the system's temp folder. pytest's own `tmp_path`
