@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ckpt_engine.delta.mixing import GROUP_BITS, GROUP_WORDS, MIX_A, MIX_B
 
-__all__ = ["MAX_DIMS", "Folder", "foldable"]
+__all__ = ["MAX_DIMS", "Folder", "Readback", "foldable"]
 
 MAX_DIMS = 4
 """Images of up to this many dimensions are folded here (others by `installed.Folds`)."""
@@ -91,6 +91,38 @@ class Folder:
         """`launch_all`, read back at once (one host sync)."""
         return self.launch_all(seed, samples).tolist()
 
+    def launch_behind(self, seed: int, samples: int) -> Readback:
+        """`launch_all` on a high-priority stream of the views' device kept for it, behind the
+        current stream's work queued so far (what wrote the images), its digests copied to pinned
+        host memory behind the fold: the current stream's later work (a receive's closing wait on
+        its copies) does not wait for the fold, and reading them back is one wait on that copy
+        (`Readback.values`), no host sync of its own."""
+        device = self.views[0].device
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        stream = _STREAMS.get(device.index)
+        if stream is None:
+            stream = _STREAMS[device.index] = torch.cuda.Stream(device, priority=-1)  # its blocks go between other work's
+        stream.wait_event(ready)
+        with torch.cuda.stream(stream):
+            folded = self.launch_all(seed, samples)
+            host = torch.empty(folded.shape, dtype=folded.dtype, pin_memory=True)
+            host.copy_(folded, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return Readback(host, done)
+
+
+class Readback:
+    """Digests on their way to pinned host memory (`Folder.launch_behind`): `values` once copied."""
+
+    def __init__(self, host: torch.Tensor, done: torch.cuda.Event) -> None:
+        self._host, self._done = host, done
+
+    def values(self) -> list[int]:
+        self._done.synchronize()  # the fold and its copy to the host, on their stream
+        return self._host.tolist()
+
 
 _GEOMETRY = (operator.attrgetter("dtype"), operator.attrgetter("shape"), torch.Tensor.stride)
 _KEPT = 64
@@ -99,6 +131,8 @@ _TABLES: dict[tuple[int, ...], tuple[tuple, list[tuple[list[int], int, torch.Ten
 strides (tables are used again only where all of these are equal, whether or not the tensors are the
 same objects; no tensor is kept alive). A host rank folds a check's images in batches as they land
 (`installed_held.FOLD_BATCHES`): every batch's tables are kept for the next check."""
+_STREAMS: dict[int | None, torch.cuda.Stream] = {}
+"""The stream `launch_behind` folds on, per device index."""
 _PAD = {d: ((1,) * (MAX_DIMS - d), (0,) * (MAX_DIMS - d)) for d in range(MAX_DIMS + 1)}
 
 

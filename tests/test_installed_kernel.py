@@ -38,6 +38,11 @@ for seed, samples in COMBOS:
 seed, samples = COMBOS[0]
 for views in (images[::-1], images[2:5], images):
     assert Folder(views).fold(seed, samples) == [int(digest(v, seed, samples)) for v in views]
+if device == "cuda":  # on a stream of its own, behind the current stream's writes (held back here), read back through pinned memory
+    torch.cuda._sleep(200_000_000)
+    base.mul_(3)
+    behind = Folder(images).launch_behind(seed, samples)
+    assert behind.values() == [int(digest(v, seed, samples)) for v in images]
 print("ok")
 """
 

@@ -46,7 +46,7 @@ from ckpt_engine.installed import Folds, InstalledReport, InstalledRequest, Key,
 from ckpt_engine.planning.regions import ReceivePlan, Region
 
 if TYPE_CHECKING:
-    from ckpt_engine.installed_kernel import Folder
+    from ckpt_engine.installed_kernel import Folder, Readback
 
 __all__ = ["InstalledCapture", "Landing", "LandingMap", "arm_workers", "layout_names", "resolve_tensor", "worker_reports"]
 
@@ -112,6 +112,8 @@ class CheckLayout:
 
     def __init__(self, landings: LandingMap, names: tuple[str, ...]) -> None:
         self.keys = [k for n in dict.fromkeys(names) for k in landings.by_name.get(n, ())]
+        self.sliced = any(k[1] is not None for k in self.keys)
+        """Whether some key is a region of its tensor (worked out once: a report asks after the copies)."""
         self.modules: dict[str, list[Key]] = {}
         self.whole: list[tuple[Slot, Landing]] = []
         """The slots whose region lands as one box of one tensor (read as a view of it)."""
@@ -265,6 +267,7 @@ class InstalledCapture:
         self.model, self.landings, self.request = model, landings, request
         self.layout = landings.check(request.names)
         self.keys = list(self.layout.keys)
+        self._sliced = self.layout.sliced
         self.folds = Folds(request.seed, request.samples)
         self.values: dict[Key, dict[str, int]] = {}
         """(name, region) -> destination -> its image in `folds` (a later load of the same layer
@@ -275,7 +278,7 @@ class InstalledCapture:
         self._hooked: set[str] = set()
         """Modules whose layer was captured before post-processing in this check's load."""
         self.seconds = 0.0
-        self._launched: tuple[LiveImages, torch.Tensor] | None = None
+        self._launched: tuple[LiveImages, Readback] | None = None
         """The digests `launch` enqueued, with the live views they fold (in their keys' order)."""
         self._patched: list[Any] = []
         self._tagged: list[torch.nn.Module] = []
@@ -363,16 +366,19 @@ class InstalledCapture:
         return folder is not None and live.keys is not None and not (self._hooked or live.rest or self.layout.pieces or self.values)
 
     def launch(self) -> None:
-        """Enqueue the one-launch fold now, on this stream right behind the sync's last copies and
-        before they finish, so that its host work runs while the device copies (on one H200 a 7B
-        report took ~0.8 ms after the copies); `report` reads it back. Only for a receive whose every
-        write is queued on the current stream when its last tensor is taken (the colocated copies
-        of a model that loads in place); anything else folds in `report`."""
+        """Enqueue the one-launch fold now, right behind the sync's last copies and before they
+        finish, so that its host work runs while the device copies (on one H200 a 7B report took
+        ~0.8 ms after the copies); `report` reads it back. On a stream of its own behind this
+        one's work (`Folder.launch_behind`): the receive's closing wait on its copies, and the
+        sender's on it, do not wait for the fold, and its digests are on the host by the report.
+        Only for a receive whose every write is queued on the current stream when its last tensor
+        is taken (the colocated copies of a model that loads in place); anything else folds in
+        `report`."""
         t0 = time.perf_counter()
         live, folder = self._live()
         if self._one_launch(live, folder):
             assert folder is not None
-            self._launched = (live, folder.launch_all(self.request.seed, self.request.samples))
+            self._launched = (live, folder.launch_behind(self.request.seed, self.request.samples))
         self.seconds += time.perf_counter() - t0
 
     def launching(self, queued: Callable[[], None]) -> Callable[[], None]:
@@ -390,16 +396,16 @@ class InstalledCapture:
         tensors, which this worker does not hold; its sliced names are unchecked."""
         t0 = time.perf_counter()
         keep: set[Key] | None = None
-        if whole_only and any(k[1] is not None for k in self.keys):
+        if whole_only and self._sliced:
             for key in [k for k in self.keys if k[1] is not None]:
                 self.keys.remove(key)
                 self.unchecked[key[0]] = "this worker holds a slice and the sync sent whole tensors"
-            keep = set(self.keys)
+            keep, self._sliced = set(self.keys), False
         request = self.request
         launched, self._launched = self._launched, None
         folded: list[int] | None = None
         if keep is None and launched is not None:  # launched behind this receive's last copies: read back
-            live, folded = launched[0], launched[1].tolist()  # (the views were checked at the launch; nothing loads since)
+            live, folded = launched[0], launched[1].values()  # (the views were checked at the launch; nothing loads since)
         else:
             live, folder = self._live()
             if keep is None and self._one_launch(live, folder):
