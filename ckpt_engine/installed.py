@@ -106,7 +106,7 @@ class InstalledReport:
         regions = [r.to_wire() if r is not None else None for r in held] if any(held) else None  # a Region is never false
         return {
             "names": list(map(_NAME, keys)), "regions": regions, "digests": list(self.digests.values()), "unwritten": list(self.unwritten),
-            "unchecked": list(self.unchecked), "missing": list(self.missing), "seconds": self.seconds,
+            "unchecked": list(self.unchecked), "missing": list(self.missing), "seconds": self.seconds, **({"agreed": True} if self.agreed else {}),
         }
 
     def agrees(self, source: InstalledReport) -> bool:
@@ -122,9 +122,14 @@ class InstalledReport:
 
     @classmethod
     def from_wire(cls, d: Any, agreed: bool = False) -> InstalledReport:
-        """`agreed`: the rank said its digests agree with the source's (`agreed`): they are not read."""
-        if not isinstance(d, dict) or not _REPORT_KEYS <= set(d) <= {*_REPORT_KEYS, "missing", "seconds"}:
-            raise ValueError(f"an installed-weight report is a map of {', '.join(sorted(_REPORT_KEYS))} (missing, seconds); got {d!r:.120}")
+        """`agreed`: the rank said its digests agree with the source's (`agreed`, or the report's own
+        `agreed`): they are not read."""
+        if not isinstance(d, dict) or not _REPORT_KEYS <= set(d) <= {*_REPORT_KEYS, "missing", "seconds", "agreed"}:
+            raise ValueError(f"an installed-weight report is a map of {', '.join(sorted(_REPORT_KEYS))} (missing, seconds, agreed); got {d!r:.120}")
+        said = d.get("agreed", False)
+        if not isinstance(said, bool):
+            raise ValueError(f"installed-weight report: agreed must be a bool, got {said!r:.40}")
+        agreed = agreed or said
         if agreed:
             d = {**d, "names": [], "regions": None, "digests": []}
         names, regions, values = d["names"], d["regions"], d["digests"]
@@ -168,6 +173,8 @@ def agreeing(report: dict[str, Any], source: dict[str, Any]) -> bool | None:
     compare of the columns), None where only reading them says."""
     if report.get("missing"):
         return False
+    if report.get("agreed") is True:  # the rank compared them itself as it read its digests back (vLLM: `InstalledCapture.expect`)
+        return True
     if report.get("names") != source.get("names") or report.get("regions") != source.get("regions"):
         return None
     return bool(report.get("digests") == source.get("digests"))

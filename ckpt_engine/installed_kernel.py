@@ -120,7 +120,8 @@ class Readback:
         self._host, self._done = host, done
 
     def values(self) -> list[int]:
-        self._done.synchronize()  # the fold and its copy to the host, on their stream
+        if not self._done.query():  # done by now, as a rule: no wait that hands the interpreter lock to another thread
+            self._done.synchronize()  # the fold and its copy to the host, on their stream
         return self._host.tolist()
 
 

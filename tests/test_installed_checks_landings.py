@@ -8,6 +8,7 @@ writes is `unwritten`."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ckpt_engine.installed import InstalledRequest, digest
@@ -128,3 +129,62 @@ def test_views_kept_across_checks_follow_a_parameter_the_engine_replaced() -> No
     report = InstalledCapture(model, lmap, request).report()
     assert report.digests == {(n, None): int(digest(t, 3, 4)) for n, t in (("q", src["q"]), ("k", src["k"]), ("n", renewed))}
     assert lmap.check(request.names).live(model, set()) is not kept
+
+
+class _Readback:
+    """`installed_kernel.Readback` on the host: the views' digests as they are when read back."""
+
+    def __init__(self, views: list[torch.Tensor], seed: int, samples: int) -> None:
+        self.views, self.seed, self.samples = views, seed, samples
+
+    def values(self) -> list[int]:
+        return [int(digest(v, self.seed, self.samples)) for v in self.views]
+
+
+class _Folder:
+    """`installed_kernel.Folder` on the host (the one-launch path runs on a GPU only)."""
+
+    def __init__(self, views: list[torch.Tensor]) -> None:
+        self.views = views
+
+    def launch_behind(self, seed: int, samples: int) -> _Readback:
+        return _Readback(self.views, seed, samples)
+
+    def fold(self, seed: int, samples: int) -> list[int]:
+        return _Readback(self.views, seed, samples).values()
+
+
+def test_a_worker_told_the_source_digests_answers_agreed_and_its_digests_where_one_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-launch fold launched behind the copies, then told the source's digests (`expect`, in
+    the receive's last call): the report compares them as it reads its own back and answers
+    `agreed` without digests; a byte changed after the launch, or source digests of other keys,
+    and it answers its digests for the controller to compare, naming the tensor."""
+    from ckpt_engine.installed import InstalledReport, agreeing
+    from ckpt_engine.rollout_adapters.vllm.installed import LiveImages
+
+    monkeypatch.setattr(LiveImages, "on_gpu", lambda self: True)
+    monkeypatch.setattr(LiveImages, "folder", lambda self: _Folder(self.views))
+    src, rec, model = _loaded()
+    lmap = LandingMap(rec.landings, ["qkv.weight", "norm.weight"], rec.unfollowed, rec.touched, None)
+    names = ["q", "k", "n"]
+    for fault in (None, "byte", "keys"):
+        request = InstalledRequest(names, seed=11, samples=4)
+        source = InstalledReport({(n, None): int(digest(src[n], 11, 4)) for n in (names[::-1] if fault == "keys" else names)}).to_wire()
+        capture = InstalledCapture(model, lmap, request)
+        capture.launch()
+        capture.expect(source)
+        kept = model.qkv.weight.clone()
+        if fault == "byte":
+            with torch.no_grad():
+                model.qkv.weight[5, 5] += 1  # in k's slot, after the launch: read back as it is now
+        report = capture.report()
+        wire = report.to_wire()
+        if fault is None:
+            assert report.agreed and report.digests == {} and wire["agreed"] is True and agreeing(wire, source) is True
+            assert InstalledReport.from_wire(wire).within({})  # the controller takes it as agreed
+            continue
+        assert not report.agreed and "agreed" not in wire
+        assert report.digests == {(n, None): int(digest(model.qkv.weight[4:] if n == "k" else src[n], 11, 4)) for n in names}
+        assert InstalledReport.from_wire(wire).agrees(InstalledReport.from_wire(source)) is (fault == "keys")
+        with torch.no_grad():
+            model.qkv.weight.copy_(kept)

@@ -204,6 +204,15 @@ class LiveImages:
         """Each slot's key when no key has two slots (a region loaded into two places), else None."""
         if len(set(self.keys)) != len(self.keys):
             self.keys = None
+        self._wire: tuple[list[str], list[Any] | None] | None = None
+
+    def wire_keys(self) -> tuple[list[str], list[Any] | None]:
+        """`keys` as a report's wire form lists them (`InstalledReport.to_wire`'s names and regions), made once."""
+        if self._wire is None:
+            keys = self.keys or []
+            regions = [r.to_wire() if r is not None else None for _, r in keys]
+            self._wire = ([n for n, _ in keys], regions if any(r is not None for _, r in keys) else None)
+        return self._wire
 
     def folder(self) -> Folder:
         """The fold kernel's tables for the views (`on_gpu` ones), kept with them."""
@@ -280,6 +289,8 @@ class InstalledCapture:
         self.seconds = 0.0
         self._launched: tuple[LiveImages, Readback] | None = None
         """The digests `launch` enqueued, with the live views they fold (in their keys' order)."""
+        self._expected: tuple[LiveImages, list[Any]] | None = None
+        """The source's digests in the order of these live views' keys (`expect`)."""
         self._patched: list[Any] = []
         self._tagged: list[torch.nn.Module] = []
 
@@ -381,6 +392,19 @@ class InstalledCapture:
             self._launched = (live, folder.launch_behind(self.request.seed, self.request.samples))
         self.seconds += time.perf_counter() - t0
 
+    def expect(self, source: Any) -> None:
+        """The source's digests (an `InstalledReport`'s wire form), told while the device copies
+        (`ckpt_receive_end`): where they list the launched fold's keys in its order, `report`
+        compares the digests it reads back with them and answers `agreed` without its own (no
+        digest columns built or compared after the copies); else it answers its digests as ever.
+        Never raises (the receive's answer is collected after it)."""
+        launched = self._launched
+        if launched is None or not isinstance(source, dict) or source.get("missing") or not isinstance(source.get("digests"), list):
+            return
+        names, regions = launched[0].wire_keys()
+        if source.get("names") == names and source.get("regions") == regions:
+            self._expected = (launched[0], source["digests"])
+
     def launching(self, queued: Callable[[], None]) -> Callable[[], None]:
         """`queued` (told once a receive queued its last copies), with `launch` first."""
         def both() -> None:
@@ -412,7 +436,12 @@ class InstalledCapture:
                 assert folder is not None
                 folded = folder.fold(request.seed, request.samples)
         if folded is not None:  # every key one live view, folded in one launch
-            return InstalledReport(dict(zip(live.keys or (), folded)), list(self.layout.unwritten), sorted(self.layout.unfollowed), [], self.seconds + time.perf_counter() - t0)
+            expected = self._expected
+            agreed = expected is not None and expected[0] is live and folded == expected[1]  # told the source's (`expect`): one C compare
+            own = {} if agreed else dict(zip(live.keys or (), folded))
+            return InstalledReport(
+                own, list(self.layout.unwritten), sorted(self.layout.unfollowed), [], self.seconds + time.perf_counter() - t0, agreed=agreed,
+            )
         for j, ((key, target), view) in enumerate(zip(live.slots, live.views)):
             if keep is None or key in keep:
                 self.values.setdefault(key, {})[target] = -(j + 1) if folder is not None else self.folds.add(view)

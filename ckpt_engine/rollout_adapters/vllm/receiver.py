@@ -403,6 +403,12 @@ class VllmReceiverCore:
         if not self.reload.in_place():  # a model that loads in place never post-processes: nothing to hook
             self._armed.install()
 
+    def expect_installed(self, source: Any) -> None:
+        """The armed check's source digests (wire form), told while it receives (`InstalledCapture.expect`)."""
+        armed = self._armed
+        if armed is not None:
+            armed.expect(source)
+
     def installed(self, request: InstalledRequest) -> InstalledReport:
         """This worker's digests of what it installed for `request` (armed: as its layers loaded;
         else read now from the live tensors, where post-processing left them readable)."""

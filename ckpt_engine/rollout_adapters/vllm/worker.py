@@ -135,7 +135,10 @@ class CkptEngineWorkerExtension:
         `installed` (an armed check's source digests, an `InstalledReport`'s wire form) only where the
         report riding on the answer agrees; else (or `release` alone) the claim is let go and the
         controller compares."""
-        answer = self._ckpt_core().receive_end(float(timeout_s))
+        core = self._ckpt_core()
+        if installed is not None:  # while the device may still copy: the report compares them as it is read back
+            core.expect_installed(installed)
+        answer = core.receive_end(float(timeout_s))
         if finalize is not None and (installed is None or agrees(answer.get("installed"), installed)):
             answer["finalized"] = self.ckpt_finalize(int(finalize), release)
         elif release is not None:
