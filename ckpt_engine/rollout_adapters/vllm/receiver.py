@@ -5,10 +5,9 @@ weight-transfer backend (`vllm/transfer_engine.py`, for vLLM's `WeightTransferEn
 only in how vLLM calls them; joining the weight-sync group, checking a manifest against vLLM's own
 parameters, loading buckets through layerwise reload and finalizing all live here, once.
 
-Its parts: what the model takes (`vllm/specs.py`, one object per model), vLLM's layerwise reload
-(`vllm/reload.py`), the staged version (`vllm/staging.py`) and region landing
-(`vllm/region_landing.py`). A tensor vLLM's loaders keep past its bucket (its layer still incomplete)
-is cloned once, since the receive buffer is refilled as soon as the loader returns.
+Its parts: what the model takes (`vllm/specs.py`, one object per model), vLLM's layerwise reload (`vllm/reload.py`),
+the staged version (`vllm/staging.py`) and region landing (`vllm/region_landing.py`). A tensor vLLM's loaders
+keep past its bucket (its layer still incomplete) is cloned once: the receive buffer is refilled next.
 """
 
 from __future__ import annotations
@@ -395,9 +394,8 @@ class VllmReceiverCore:
 
     # --- installed-weight checks (vllm/installed.py) -------------------------------------------
     def installed_arm(self, request: InstalledRequest) -> None:
-        """Before a checked sync streams: record where regions land if not yet (a dry run of the
-        loaders, once per model; never while a reload is open), and digest each layer of the coming
-        load right before vLLM post-processes it."""
+        """Before a checked sync streams: record where regions land if not yet (a dry run of the loaders, once
+        per model; never while a reload is open), and digest each layer of the load before vLLM post-processes it."""
         self._disarm()
         self._armed = InstalledCapture(self._model(), self._landing_map(), request)
         if not self.reload.in_place():  # a model that loads in place never post-processes: nothing to hook
@@ -405,9 +403,8 @@ class VllmReceiverCore:
 
     def expect_installed(self, source: Any) -> None:
         """The armed check's source digests (wire form), told while it receives (`InstalledCapture.expect`)."""
-        armed = self._armed
-        if armed is not None:
-            armed.expect(source)
+        if self._armed is not None:
+            self._armed.expect(source)
 
     def installed(self, request: InstalledRequest) -> InstalledReport:
         """This worker's digests of what it installed for `request` (armed: as its layers loaded;
