@@ -47,7 +47,7 @@ from ckpt_engine.planning.regions import Region
 
 __all__ = [
     "DEFAULT_SAMPLES", "ArmsInstalledChecks", "Folds", "agreeing", "InstalledReport", "InstalledRequest", "Key", "digest", "digest_share_runs",
-    "key_text", "region_view", "wrap64",
+    "key_text", "region_view", "wire_keys", "wrap64",
 ]
 
 DEFAULT_SAMPLES = 4096
@@ -101,11 +101,9 @@ class InstalledReport:
     def to_wire(self) -> dict[str, Any]:
         """Columns (names, regions or None when every key is whole, digests), not a row per key: a
         7B report's 339 keys then cost no Python per key to check and rebuild (msgpack and JSON both)."""
-        keys = list(self.digests)
-        held = list(map(_REGION, keys))
-        regions = [r.to_wire() if r is not None else None for r in held] if any(held) else None  # a Region is never false
+        names, regions = wire_keys(list(self.digests))
         return {
-            "names": list(map(_NAME, keys)), "regions": regions, "digests": list(self.digests.values()), "unwritten": list(self.unwritten),
+            "names": names, "regions": regions, "digests": list(self.digests.values()), "unwritten": list(self.unwritten),
             "unchecked": list(self.unchecked), "missing": list(self.missing), "seconds": self.seconds, **({"agreed": True} if self.agreed else {}),
         }
 
@@ -165,6 +163,12 @@ _KEYS: list[tuple[list[str], list[Any] | None, list[Key]] | None] = [None]
 """The wire columns of the last report read and its keys: every check of a session reads reports of
 the same keys (each worker's, the source's), so a report costs a compare of its names, not a key
 built per name (~0.2 us each: 6 ms of a Qwen3-30B-A3B check's 9,435 keys, read three times)."""
+
+
+def wire_keys(keys: list[Key]) -> tuple[list[str], list[Any] | None]:
+    """`keys` as a report's wire form lists them: the names, and the regions (None when every key is whole)."""
+    held = list(map(_REGION, keys))
+    return list(map(_NAME, keys)), [r.to_wire() if r is not None else None for r in held] if any(held) else None  # a Region is never false
 
 
 def agreeing(report: dict[str, Any], source: dict[str, Any]) -> bool | None:

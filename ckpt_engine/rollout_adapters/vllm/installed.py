@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from ckpt_engine.installed import Folds, InstalledReport, InstalledRequest, Key, key_text
+from ckpt_engine.installed import Folds, InstalledReport, InstalledRequest, Key, key_text, wire_keys
 from ckpt_engine.planning.regions import ReceivePlan, Region
 
 if TYPE_CHECKING:
@@ -209,9 +209,7 @@ class LiveImages:
     def wire_keys(self) -> tuple[list[str], list[Any] | None]:
         """`keys` as a report's wire form lists them (`InstalledReport.to_wire`'s names and regions), made once."""
         if self._wire is None:
-            keys = self.keys or []
-            regions = [r.to_wire() if r is not None else None for _, r in keys]
-            self._wire = ([n for n, _ in keys], regions if any(r is not None for _, r in keys) else None)
+            self._wire = wire_keys(self.keys or [])
         return self._wire
 
     def folder(self) -> Folder:
